@@ -1,0 +1,153 @@
+# moed — one Makefile for the whole tree.
+#
+#   make                 build bin/moed-worker, bin/moectl (and bin/moed when daemon/main.c exists)
+#   make test            install missing Debian packages, build, run every test that needs no GPU
+#   make demo            the README's main job: serve the bundled model and answer one request
+#   make fuzz            build the libFuzzer targets (clang) into build/fuzz/
+#   make V=1             show the commands
+#   make SANITIZE=address|undefined
+#   make CUDA=auto|0|1   build worker/cuda/*.cu with nvcc (auto: when nvcc is found)
+#   make O=DIR           put build/ and bin/ under DIR (lets several builds share one tree)
+
+O        ?= .
+BUILD    := $(O)/build
+BINDIR   := $(O)/bin
+CC       ?= cc
+CUDA     ?= auto
+CUDA_HOME ?= /usr/local/cuda
+CUDA_ARCH ?= -gencode arch=compute_90,code=sm_90 -gencode arch=compute_90,code=compute_90
+
+ifeq ($(V),1)
+Q :=
+else
+Q := @
+endif
+
+CPPFLAGS += -I. -I$(BUILD) -D_GNU_SOURCE
+CFLAGS   ?= -O2 -g
+CFLAGS   += -std=c11 -Wall -Wextra -Werror -pthread -MMD -MP -fno-strict-aliasing
+LDLIBS   += -luv -lprotobuf-c -llmdb -lhttp_parser -ljansson -lpcre2-8 -lxxhash -lsystemd -lm -lpthread
+
+ifneq ($(SANITIZE),)
+CFLAGS  += -fsanitize=$(SANITIZE) -fno-omit-frame-pointer -fno-sanitize-recover=all
+LDFLAGS += -fsanitize=$(SANITIZE)
+endif
+
+# CUDA: auto-detect nvcc.
+NVCC := $(or $(shell command -v nvcc 2>/dev/null),$(wildcard $(CUDA_HOME)/bin/nvcc))
+ifeq ($(CUDA),0)
+NVCC :=
+endif
+ifeq ($(CUDA),1)
+ifeq ($(NVCC),)
+$(error CUDA=1 but nvcc was not found (looked on PATH and in $(CUDA_HOME)/bin))
+endif
+endif
+CUDA_SRC := $(wildcard worker/cuda/*.cu)
+ifneq ($(and $(NVCC),$(CUDA_SRC)),)
+CPPFLAGS += -DMOE_HAVE_CUDA=1 -I$(CUDA_HOME)/include
+CUDA_OBJ := $(CUDA_SRC:%.cu=$(BUILD)/%.o)
+LDLIBS   += -L$(CUDA_HOME)/lib64 -lcublas -lcudart -lstdc++
+NVCCFLAGS ?= -O3 -lineinfo
+NVCCFLAGS += $(CUDA_ARCH) -std=c++17 -Xcompiler -Wall,-Werror -I. -I$(BUILD) -MMD -MP
+endif
+
+# Sources are found by folder, so adding a file never means editing this Makefile.
+PROTO_FILES := $(wildcard proto/*.proto)
+PROTO_GEN_C := $(PROTO_FILES:%.proto=$(BUILD)/%.pb-c.c)
+PROTO_GEN_H := $(PROTO_FILES:%.proto=$(BUILD)/%.pb-c.h)
+
+STORE_SRC  := $(wildcard store/*.c) $(wildcard proto/*.c)
+WORKER_SRC := $(filter-out worker/main.c,$(wildcard worker/*.c worker/cpu/*.c))
+DAEMON_SRC := $(filter-out daemon/main.c,$(wildcard daemon/*.c))
+CLI_SRC    := $(wildcard cli/*.c)
+TEST_SRC   := $(wildcard tests/test_*.c) tests/harness.c
+FUZZ_SRC   := $(wildcard tests/fuzz_*.c)
+
+STORE_OBJ  := $(STORE_SRC:%.c=$(BUILD)/%.o) $(PROTO_GEN_C:%.c=%.o)
+WORKER_OBJ := $(WORKER_SRC:%.c=$(BUILD)/%.o) $(CUDA_OBJ)
+DAEMON_OBJ := $(DAEMON_SRC:%.c=$(BUILD)/%.o)
+CLI_OBJ    := $(CLI_SRC:%.c=$(BUILD)/%.o)
+TEST_OBJ   := $(TEST_SRC:%.c=$(BUILD)/%.o)
+
+LIBSTORE  := $(BUILD)/libmoestore.a
+LIBWORKER := $(BUILD)/libmoeworker.a
+LIBDAEMON := $(BUILD)/libmoedaemon.a
+
+PROGRAMS := $(BINDIR)/moed-worker $(BINDIR)/moectl
+ifneq ($(wildcard daemon/main.c),)
+PROGRAMS += $(BINDIR)/moed
+endif
+TEST_BIN := $(BUILD)/tests/moe-tests
+
+.PHONY: all test test-build demo deps fuzz clean bench
+all: $(PROGRAMS)
+
+# Generated protobuf-c code lives in build/, never in git.
+$(BUILD)/proto/%.pb-c.c $(BUILD)/proto/%.pb-c.h: proto/%.proto
+	@mkdir -p $(BUILD)
+	@echo "  PROTOC  $<"
+	$(Q)protoc-c --c_out=$(BUILD) $<
+
+ALL_OBJ := $(STORE_OBJ) $(WORKER_OBJ) $(DAEMON_OBJ) $(CLI_OBJ) $(TEST_OBJ) \
+           $(BUILD)/worker/main.o $(BUILD)/daemon/main.o
+
+$(BUILD)/%.o: %.c | $(PROTO_GEN_H)
+	@mkdir -p $(dir $@)
+	@echo "  CC      $<"
+	$(Q)$(CC) $(CPPFLAGS) $(CFLAGS) -c -o $@ $<
+
+$(BUILD)/proto/%.pb-c.o: $(BUILD)/proto/%.pb-c.c
+	@echo "  CC      $<"
+	$(Q)$(CC) $(CPPFLAGS) $(filter-out -Werror,$(CFLAGS)) -c -o $@ $<
+
+$(BUILD)/%.o: %.cu | $(PROTO_GEN_H)
+	@mkdir -p $(dir $@)
+	@echo "  NVCC    $<"
+	$(Q)$(NVCC) $(CPPFLAGS) $(NVCCFLAGS) -c -o $@ $<
+
+$(LIBSTORE): $(STORE_OBJ)
+$(LIBWORKER): $(WORKER_OBJ)
+$(LIBDAEMON): $(DAEMON_OBJ)
+$(LIBSTORE) $(LIBWORKER) $(LIBDAEMON):
+	@mkdir -p $(dir $@)
+	@echo "  AR      $@"
+	$(Q)rm -f $@ && ar rcs $@ $^
+
+$(BINDIR)/moed-worker: $(BUILD)/worker/main.o $(LIBWORKER) $(LIBSTORE)
+$(BINDIR)/moectl: $(CLI_OBJ) $(LIBWORKER) $(LIBSTORE)
+$(BINDIR)/moed: $(BUILD)/daemon/main.o $(LIBDAEMON) $(LIBSTORE)
+$(TEST_BIN): $(TEST_OBJ) $(LIBDAEMON) $(LIBWORKER) $(LIBSTORE)
+$(PROGRAMS) $(TEST_BIN):
+	@mkdir -p $(dir $@)
+	@echo "  LD      $@"
+	$(Q)$(CC) $(LDFLAGS) $(CFLAGS) -o $@ $(filter %.o,$^) -Wl,--start-group $(filter %.a,$^) -Wl,--end-group $(LDLIBS)
+
+deps:
+	$(Q)scripts/deps.sh
+
+test-build: all $(TEST_BIN)
+
+test: deps
+	$(Q)$(MAKE) --no-print-directory test-build
+	$(Q)MOE_BIN=$(BINDIR) MOE_TEST_BIN=$(TEST_BIN) tests/run.sh
+
+demo: deps
+	$(Q)$(MAKE) --no-print-directory all
+	$(Q)MOE_BIN=$(BINDIR) scripts/demo.sh
+
+# libFuzzer targets: clang with -fsanitize=fuzzer,address, linked against sanitized store objects.
+FUZZ_BUILD := $(O)/build/fuzz
+FUZZ_BINS  := $(FUZZ_SRC:tests/%.c=$(FUZZ_BUILD)/%)
+fuzz: $(FUZZ_BINS)
+$(FUZZ_BUILD)/%: tests/%.c $(STORE_SRC) | $(PROTO_GEN_H)
+	@mkdir -p $(dir $@)
+	@echo "  FUZZ    $@"
+	$(Q)clang $(CPPFLAGS) -std=c11 -O1 -g -fsanitize=fuzzer,address,undefined -o $@ $< $(STORE_SRC) $(PROTO_GEN_C) $(LDLIBS)
+
+bench: all
+
+clean:
+	rm -rf $(BUILD) $(BINDIR)
+
+-include $(ALL_OBJ:.o=.d)

@@ -1,0 +1,24 @@
+/* CPU compute kernels: quantized dot products and matrix products, SIMD where the CPU has it.
+ *
+ * Weights stay in their stored block format and are decoded on the fly. Activations are float32.
+ * All functions are single-threaded; the caller splits rows across threads (worker/cpu/pool.h).
+ * Results match moe_dequantize() followed by a float dot product to float32 rounding. */
+#ifndef MOE_CPU_KERNELS_H
+#define MOE_CPU_KERNELS_H
+
+#include <stdint.h>
+
+/* Dot product of one stored row (n elements of `type`) with x[n]. */
+float moe_vec_dot(uint32_t type, const void *row, const float *x, int64_t n);
+
+/* y[r] = dot(W row r, x) for rows r in [r0, r1). W is [rows][n] in `type`; row stride is
+ * moe_row_bytes(type, n). */
+void moe_matvec(uint32_t type, const void *W, int64_t n, const float *x, float *y,
+                int64_t r0, int64_t r1);
+
+/* Y[t][r] = dot(W row r, X[t]) for t in [0, n_tok), r in [r0, r1). X is [n_tok][n] with row
+ * stride ldx floats, Y is [n_tok][ldy]. Each weight row is decoded once for all tokens. */
+void moe_matmul(uint32_t type, const void *W, int64_t n, const float *X, int64_t ldx,
+                int64_t n_tok, float *Y, int64_t ldy, int64_t r0, int64_t r1);
+
+#endif

@@ -1,0 +1,47 @@
+/* The model forward pass, backend-neutral entry points.
+ *
+ * An engine owns the KV cache for up to n_seq concurrent sequences and all scratch memory.
+ * One call of moe_engine_forward() evaluates a batch of tokens that may mix sequences and
+ * positions (prefill of one prompt, or one decode token for each of several sequences). */
+#ifndef MOE_ENGINE_H
+#define MOE_ENGINE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "store/model.h"
+
+struct moe_engine;
+
+struct moe_engine_opts {
+    uint32_t n_ctx;      /* KV cache positions per sequence */
+    uint32_t n_seq;      /* concurrent sequences */
+    uint32_t n_batch;    /* most tokens per forward call */
+    int n_threads;       /* 0: all cores */
+};
+
+struct moe_batch {
+    uint32_t n;
+    const int32_t *token;      /* [n] */
+    const int32_t *pos;        /* [n] position within its sequence */
+    const int32_t *seq;        /* [n] sequence slot, < n_seq */
+    const uint8_t *logits;     /* [n] nonzero: write logits for this token; NULL: all tokens */
+};
+
+int moe_engine_init(struct moe_engine **out, const struct moe_model *m,
+                    const struct moe_engine_opts *o, char *err, size_t errlen);
+void moe_engine_free(struct moe_engine *e);
+
+/* Evaluates the batch. Logits of the selected tokens are written in batch order to
+ * out[k][n_vocab]. A token at pos p sees positions 0..p of its own sequence (earlier positions
+ * must have been evaluated before or earlier in the same batch). Returns 0 or an error. */
+int moe_engine_forward(struct moe_engine *e, const struct moe_batch *b, float *out);
+
+/* Forgets a sequence's cached positions. */
+void moe_engine_seq_clear(struct moe_engine *e, int32_t seq);
+
+/* Cumulative routing counts since init: [n_layer][n_expert] (one count per token and chosen
+ * expert). */
+const uint64_t *moe_engine_routing_counts(const struct moe_engine *e);
+
+#endif
