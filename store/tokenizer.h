@@ -49,4 +49,41 @@ size_t moe_detok_push(struct moe_detok *d, const struct moe_tokenizer *t, int32_
                       char *out, size_t cap);
 size_t moe_detok_flush(struct moe_detok *d, char *out, size_t cap);
 
+/* ---- Additions (h3): an array-based constructor for tests and tools, and small accessors. ---- */
+
+/* Everything moe_tok_load reads from a GGUF, as plain arrays. Strings need not be NUL-terminated
+ * (struct gguf_str); the tokenizer copies what it keeps, so the spec may be freed afterwards. */
+struct moe_tok_spec {
+    struct gguf_str model;           /* tokenizer.ggml.model: must be "gpt2" */
+    struct gguf_str pre;             /* tokenizer.ggml.pre: must be "qwen2" */
+    uint64_t n_tokens;
+    const struct gguf_str *tokens;   /* [n_tokens] token texts (byte-level alphabet for normal ones) */
+    const int32_t *token_type;       /* [n_tokens] 1 normal, 2 unknown, 3 control, 4 user-defined,
+                                        5 unused, 6 byte; NULL means all normal */
+    uint64_t n_merges;
+    const struct gguf_str *merges;   /* [n_merges] "left right", rank = index */
+    int64_t bos_id, eos_id, pad_id, eot_id, eom_id; /* -1 when absent */
+    bool add_bos;
+    struct gguf_str chat_template;   /* .p NULL when absent */
+};
+
+/* Builds a tokenizer from a spec. Errors: MOE_EUNSUPPORTED (model / pre-tokenizer),
+ * MOE_EFORMAT (inconsistent counts, a bad token type, a merge without a space or naming unknown
+ * tokens, an id out of range, a missing byte token), -ENOMEM; a message in err. */
+int moe_tok_build(struct moe_tokenizer **out, const struct moe_tok_spec *spec, char *err,
+                  size_t errlen);
+
+int32_t moe_tok_pad(const struct moe_tokenizer *t);   /* -1 when none */
+bool moe_tok_add_bos(const struct moe_tokenizer *t);  /* tokenizer.ggml.add_bos_token */
+/* Longest moe_tok_piece in bytes. moe_detok_push never writes more than
+ * 3 * (moe_tok_max_piece + 4) + 1 bytes (invalid bytes each become a 3-byte U+FFFD), so an out
+ * buffer of that size never truncates; a smaller one may drop text. */
+size_t moe_tok_max_piece(const struct moe_tokenizer *t);
+
+/* The pre-tokenizer alone (no special-token splitting): splits text[0..len) with the regex and
+ * stores the end offset of each piece in *ends (malloc'ed, caller frees), *n pieces. The pieces
+ * cover the text exactly. Returns 0 or -ENOMEM. For tests and debugging. */
+int moe_tok_pretokenize(const struct moe_tokenizer *t, const char *text, size_t len,
+                        size_t **ends, size_t *n);
+
 #endif

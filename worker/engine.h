@@ -44,4 +44,17 @@ void moe_engine_seq_clear(struct moe_engine *e, int32_t seq);
  * expert). */
 const uint64_t *moe_engine_routing_counts(const struct moe_engine *e);
 
+/* Additions (h4): */
+
+/* Message for the last error of moe_engine_forward() ("batch[3]: position 9 of sequence 0
+ * follows a gap (next is 5)"); "" when none. */
+const char *moe_engine_errmsg(const struct moe_engine *e);
+
+/* Options with defaults filled in (n_ctx 0 -> min(n_ctx_train, 4096), n_seq 0 -> 1,
+ * n_batch 0 -> 512, n_threads 0 -> online CPUs as resolved by the pool). */
+const struct moe_engine_opts *moe_engine_get_opts(const struct moe_engine *e);
+
+/* Positions held for a sequence (the next position to evaluate), or -1 for a bad slot. */
+int32_t moe_engine_seq_len(const struct moe_engine *e, int32_t seq);
+
 #endif

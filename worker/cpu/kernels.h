@@ -21,4 +21,12 @@ void moe_matvec(uint32_t type, const void *W, int64_t n, const float *x, float *
 void moe_matmul(uint32_t type, const void *W, int64_t n, const float *X, int64_t ldx,
                 int64_t n_tok, float *Y, int64_t ldy, int64_t r0, int64_t r1);
 
+/* Testing aid: when on != 0, every kernel takes the portable scalar path even where the CPU has
+ * SIMD support, so the two paths can be checked against each other. Process-wide, not
+ * thread-safe; call it before starting work. */
+void moe_kernels_force_scalar(int on);
+
+/* Returns 1 when the kernels currently dispatch to a SIMD path (AVX2+FMA+F16C), else 0. */
+int moe_kernels_simd(void);
+
 #endif

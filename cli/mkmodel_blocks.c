@@ -1,0 +1,325 @@
+/* Random weight blocks for moectl mkmodel, written directly in their ggml block formats.
+ *
+ * Quantizing float tensors would take minutes for the real-shape presets, so quantized blocks
+ * are generated as their stored parts: quantized levels drawn from a discretized normal
+ * distribution and block/sub-block scales chosen so that the dequantized values have the
+ * tensor's intended standard deviation (with some per-block variation, as real blocks have).
+ * Every generation block draws from its own counter-based stream, seeded by (tensor key, block
+ * index), so the bytes never depend on how blocks are spread over threads. */
+#include <math.h>
+#include <string.h>
+
+#include "cli/mkmodel.h"
+#include "store/err.h"
+#include "store/ggml_type.h"
+#include "store/quant.h"
+
+/* z quantiles of the standard normal at (i + 0.5) / 65536: a uniform 16-bit draw becomes a
+ * normal sample by one lookup. */
+static float zt16[65536];
+
+/* Discretized normal levels indexed by one random byte, with their mean and deviation. */
+struct level_table {
+    int8_t v[256];
+    float mean, std;
+};
+static struct level_table t_q4;  /* Q4_K nibbles, 0..15 centred near 7.5 */
+static struct level_table t_q5;  /* Q5_0 levels minus 16, -16..15 */
+static struct level_table t_q6;  /* Q6_K levels minus 32, -32..31 */
+static struct level_table t_q8;  /* Q8_0 levels, -127..127 */
+
+static double norm_cdf(double z)
+{
+    return 0.5 * erfc(-z / sqrt(2.0));
+}
+
+static void level_table_init(struct level_table *t, double centre, double spread, int lo, int hi)
+{
+    double s = 0, s2 = 0;
+    for (int i = 0; i < 256; i++) {
+        double x = floor(centre + 0.5 + zt16[i * 256 + 128] * spread);
+        int v = x < lo ? lo : x > hi ? hi : (int)x;
+        t->v[i] = (int8_t)v;
+        s += v;
+        s2 += (double)v * v;
+    }
+    t->mean = (float)(s / 256);
+    t->std = (float)sqrt(s2 / 256 - (s / 256) * (s / 256));
+}
+
+void mk_tables_init(void)
+{
+    /* Newton's method on the CDF, sweeping outwards from the median so that each quantile
+     * starts from its neighbour's and converges in a few steps. */
+    double z = 0;
+    for (int i = 32768; i < 65536; i++) {
+        double p = (i + 0.5) / 65536;
+        for (int it = 0; it < 6; it++) {
+            double pdf = exp(-0.5 * z * z) / sqrt(2 * M_PI);
+            double step = (norm_cdf(z) - p) / pdf;
+            z -= step;
+            if (fabs(step) < 1e-12)
+                break;
+        }
+        zt16[i] = (float)z;
+        zt16[65535 - i] = (float)-z;
+    }
+    level_table_init(&t_q4, 7.5, 2.7, 0, 15);
+    level_table_init(&t_q5, 0, 5.5, -16, 15);
+    level_table_init(&t_q6, 0, 10, -32, 31);
+    level_table_init(&t_q8, 0, 36, -127, 127);
+}
+
+/* A splitmix64 stream. */
+struct rng {
+    uint64_t s;
+};
+
+static inline uint64_t rng_next(struct rng *r)
+{
+    return mk_mix64(r->s += 0x9e3779b97f4a7c15ull);
+}
+
+/* Uniform in [0, 1). */
+static inline float rng_unit(struct rng *r)
+{
+    return (float)(rng_next(r) >> 40) * (1.0f / 16777216.0f);
+}
+
+/* A multiplicative wobble around 1 for block and sub-block scales. */
+static inline float jitter(struct rng *r, float lo, float hi)
+{
+    return lo + (hi - lo) * rng_unit(r);
+}
+
+static void rng_bytes(struct rng *r, uint8_t *out, size_t n)
+{
+    for (size_t i = 0; i < n; i += 8) {
+        uint64_t v = rng_next(r);
+        memcpy(out + i, &v, n - i < 8 ? n - i : 8);
+    }
+}
+
+static inline void put_f16(uint8_t *p, float v)
+{
+    uint16_t h = moe_f32_to_f16(v);
+    memcpy(p, &h, 2);
+}
+
+static inline float f16_round(float v)
+{
+    return moe_f16_to_f32(moe_f32_to_f16(v));
+}
+
+static inline int clampi(int v, int lo, int hi)
+{
+    return v < lo ? lo : v > hi ? hi : v;
+}
+
+/* Float samples: 32 per generation block. pin: element 0 gets `pinv`. */
+static void gen_float(struct rng *r, const struct mk_tensor *t, uint64_t row, bool pin, float *y)
+{
+    uint16_t u[32];
+    rng_bytes(r, (uint8_t *)u, sizeof u);
+    for (int i = 0; i < 32; i++) {
+        float z = zt16[u[i]];
+        switch (t->kind) {
+        case MK_KIND_NORM: y[i] = 1.0f + 0.1f * z; break;
+        default: y[i] = t->sigma * z; break;
+        }
+    }
+    if (!pin)
+        return;
+    if (t->kind == MK_KIND_ROUTER)
+        y[0] = t->bias[row % (uint64_t)t->ne[1]];
+    else if (t->kind == MK_KIND_NORM)
+        y[0] = 1.0f; /* the bias channel reaches the router unscaled in every layer */
+    else
+        y[0] = MK_BIAS_CHANNEL_VALUE;
+}
+
+static void gen_q8_0(struct rng *r, float sigma, bool pin, uint8_t *b)
+{
+    const float c = MK_BIAS_CHANNEL_VALUE;
+    float d = sigma * jitter(r, 0.85f, 1.15f) / t_q8.std;
+    if (pin && d < c / 127)
+        d = c / 127;
+    put_f16(b, d);
+    uint8_t u[32];
+    rng_bytes(r, u, 32);
+    for (int i = 0; i < 32; i++)
+        b[2 + i] = (uint8_t)t_q8.v[u[i]];
+    if (pin)
+        b[2] = (uint8_t)(int8_t)clampi((int)lrintf(c / f16_round(d)), -127, 127);
+}
+
+static void gen_q5_0(struct rng *r, float sigma, bool pin, uint8_t *b)
+{
+    const float c = MK_BIAS_CHANNEL_VALUE;
+    float d = sigma * jitter(r, 0.85f, 1.15f) / t_q5.std;
+    if (pin && d < c / 15)
+        d = c / 15;
+    put_f16(b, d);
+    uint8_t u[32];
+    int q[32];
+    rng_bytes(r, u, 32);
+    for (int i = 0; i < 32; i++)
+        q[i] = t_q5.v[u[i]] + 16;
+    if (pin)
+        q[0] = 16 + clampi((int)lrintf(c / f16_round(d)), -16, 15);
+    /* Element j's fifth bit is bit j of qh; j < 16 sit in low nibbles, j >= 16 in high ones. */
+    uint32_t qh = 0;
+    for (int j = 0; j < 16; j++) {
+        b[6 + j] = (uint8_t)((q[j] & 15) | ((q[j + 16] & 15) << 4));
+        qh |= (uint32_t)((q[j] >> 4) & 1) << j;
+        qh |= (uint32_t)((q[j + 16] >> 4) & 1) << (j + 16);
+    }
+    memcpy(b + 2, &qh, 4);
+}
+
+/* Q4_K: d, dmin, 8 six-bit (scale, min) pairs, 256 nibbles. Sub-block j of 32 values is
+ * y = d*sc[j]*q - dmin*m[j]; m[j] is chosen to centre the nibbles' mean on zero. */
+static void gen_q4_k(struct rng *r, float sigma, bool pin, uint8_t *b)
+{
+    const float c = MK_BIAS_CHANNEL_VALUE;
+    const float sc_nom = 48;
+    float d = sigma * jitter(r, 0.9f, 1.1f) / (t_q4.std * sc_nom);
+    /* The pinned value sits at nibble 15 of sub-block 0 with the largest scale. */
+    float d_pin = c / (63 * (15 - t_q4.mean));
+    if (pin && d < d_pin)
+        d = d_pin;
+    d = f16_round(d);
+    float dmin = f16_round(8 * d);
+    int sc[8], m[8];
+    for (int j = 0; j < 8; j++) {
+        if (pin && j == 0)
+            sc[j] = 63;
+        else
+            sc[j] = clampi((int)lrintf(sigma * jitter(r, 0.75f, 1.3f) / (d * t_q4.std)), 1, 63);
+        m[j] = dmin > 0 ? clampi((int)lrintf(sc[j] * t_q4.mean * d / dmin), 0, 63) : 0;
+    }
+    put_f16(b, d);
+    put_f16(b + 2, dmin);
+    uint8_t *s = b + 4;
+    memset(s, 0, 12);
+    for (int j = 0; j < 4; j++) {
+        s[j] = (uint8_t)sc[j];
+        s[j + 4] = (uint8_t)m[j];
+    }
+    for (int j = 4; j < 8; j++) {
+        s[j + 4] = (uint8_t)((sc[j] & 15) | ((m[j] & 15) << 4));
+        s[j - 4] |= (uint8_t)((sc[j] >> 4) << 6);
+        s[j] |= (uint8_t)((m[j] >> 4) << 6);
+    }
+    uint8_t u[256];
+    rng_bytes(r, u, 256);
+    uint8_t *qs = b + 16;
+    for (int ch = 0; ch < 4; ch++)
+        for (int l = 0; l < 32; l++)
+            qs[32 * ch + l] = (uint8_t)(t_q4.v[u[64 * ch + l]] | (t_q4.v[u[64 * ch + 32 + l]] << 4));
+    if (pin) {
+        /* Element 0 is the low nibble of qs[0], in sub-block 0. */
+        int q0 = clampi((int)lrintf((c + dmin * m[0]) / (d * sc[0])), 0, 15);
+        qs[0] = (uint8_t)((qs[0] & 0xf0) | q0);
+    }
+}
+
+/* Q6_K: ql[128], qh[64], 16 int8 scales, d. Element i is d*sc[i/16]*(q-32). */
+static void gen_q6_k(struct rng *r, float sigma, bool pin, uint8_t *b)
+{
+    const float c = MK_BIAS_CHANNEL_VALUE;
+    const float sc_nom = 64;
+    float d = sigma * jitter(r, 0.9f, 1.1f) / (t_q6.std * sc_nom);
+    if (pin && d < c / (127 * 31))
+        d = c / (127 * 31);
+    d = f16_round(d);
+    int8_t sc[16];
+    for (int j = 0; j < 16; j++) {
+        if (pin && j == 0)
+            sc[j] = 127;
+        else
+            sc[j] = (int8_t)clampi((int)lrintf(sigma * jitter(r, 0.75f, 1.3f) / (d * t_q6.std)),
+                                   1, 127);
+    }
+    uint8_t u[256];
+    int q[256];
+    rng_bytes(r, u, 256);
+    for (int i = 0; i < 256; i++)
+        q[i] = t_q6.v[u[i]] + 32;
+    if (pin)
+        q[0] = 32 + clampi((int)lrintf(c / (d * sc[0])), -32, 31);
+    uint8_t *ql = b, *qh = b + 128;
+    memset(b, 0, 192);
+    /* Per 128-value half: quarter k of the half keeps its low nibble in ql (k odd: +32,
+     * k >= 2: high nibble) and its top two bits at bit 2k of qh. */
+    for (int i = 0; i < 256; i++) {
+        int h = i / 128, k = (i % 128) / 32, l = i % 32;
+        int li = 64 * h + l + (k & 1) * 32;
+        ql[li] |= (uint8_t)((q[i] & 15) << (k >= 2 ? 4 : 0));
+        qh[32 * h + l] |= (uint8_t)((q[i] >> 4) << (2 * k));
+    }
+    memcpy(b + 192, sc, 16);
+    put_f16(b + 208, d);
+}
+
+int mk_tensor_prepare(struct mk_tensor *t)
+{
+    const struct moe_type_info *ti = moe_type_get(t->type);
+    if (!ti)
+        return MOE_EUNSUPPORTED;
+    switch (t->type) {
+    case MOE_TYPE_F32:
+    case MOE_TYPE_F16:
+        t->gblk = 32;
+        t->gbytes = 32 * ti->size;
+        break;
+    case MOE_TYPE_Q8_0:
+    case MOE_TYPE_Q5_0:
+    case MOE_TYPE_Q4_K:
+    case MOE_TYPE_Q6_K:
+        t->gblk = ti->blck;
+        t->gbytes = ti->size;
+        break;
+    default:
+        return MOE_EUNSUPPORTED;
+    }
+    if (t->ne[0] % t->gblk)
+        return MOE_EFORMAT;
+    t->n_gblocks = (uint64_t)t->ne[0] / t->gblk * (uint64_t)t->ne[1] * (uint64_t)t->ne[2];
+    return 0;
+}
+
+void mk_gen_blocks(const struct mk_tensor *t, uint64_t b0, uint64_t n, uint8_t *out)
+{
+    const uint64_t per_row = (uint64_t)t->ne[0] / t->gblk;
+    for (uint64_t b = b0; b < b0 + n; b++, out += t->gbytes) {
+        uint64_t row = b / per_row;
+        bool first = b % per_row == 0;
+        if (t->zero_row0 && row % (uint64_t)t->ne[1] == 0) {
+            memset(out, 0, t->gbytes);
+            continue;
+        }
+        struct rng r = {mk_mix64(t->key + b)};
+        bool pin = first && (t->pin0 || t->kind != MK_KIND_WEIGHT);
+        switch (t->type) {
+        case MOE_TYPE_F32: {
+            float y[32];
+            gen_float(&r, t, row, pin, y);
+            memcpy(out, y, sizeof y);
+            break;
+        }
+        case MOE_TYPE_F16: {
+            float y[32];
+            gen_float(&r, t, row, pin, y);
+            for (int i = 0; i < 32; i++)
+                put_f16(out + 2 * i, y[i]);
+            break;
+        }
+        case MOE_TYPE_Q8_0: gen_q8_0(&r, t->sigma, pin, out); break;
+        case MOE_TYPE_Q5_0: gen_q5_0(&r, t->sigma, pin, out); break;
+        case MOE_TYPE_Q4_K: gen_q4_k(&r, t->sigma, pin, out); break;
+        case MOE_TYPE_Q6_K: gen_q6_k(&r, t->sigma, pin, out); break;
+        default: memset(out, 0, t->gbytes); break;
+        }
+    }
+}

@@ -1,0 +1,89 @@
+/* moectl status: the daemon's state from /admin/status, as a table or JSON. */
+#include <stdio.h>
+#include <string.h>
+
+#include <jansson.h>
+
+#include "cli/client.h"
+#include "cli/moectl.h"
+
+static double gib(json_t *v)
+{
+    return json_number_value(v) / 1073741824.0;
+}
+
+static int cmd_status(int argc, char **argv)
+{
+    (void)argv;
+    if (argc > 1) {
+        fprintf(stderr, "usage: moectl [--socket PATH] [--json] status\n");
+        return 2;
+    }
+    struct client_resp r;
+    int rc = client_call("GET", "/admin/status", NULL, 0, &r);
+    if (rc)
+        return rc;
+    if (moectl_opts.json) {
+        fputs(r.body, stdout);
+        if (r.len && r.body[r.len - 1] != '\n')
+            putchar('\n');
+        client_resp_free(&r);
+        return 0;
+    }
+    json_error_t je;
+    json_t *o = json_loads(r.body, 0, &je);
+    client_resp_free(&r);
+    if (!json_is_object(o)) {
+        fprintf(stderr, "moectl: status: unexpected reply from moed: %s\n", je.text);
+        json_decref(o);
+        return 1;
+    }
+    json_t *m = json_object_get(o, "model"), *s = json_object_get(o, "scheduler");
+    printf("moed       %s (pid %lld, up %lld s)\n", json_string_value(json_object_get(o, "status")),
+           json_integer_value(json_object_get(o, "pid")), json_integer_value(json_object_get(o, "uptime_s")));
+    printf("model      %s  %s  %lld layers x %lld experts (top-%lld)  ctx %lld  dense %.2f GiB  experts %.2f GiB\n",
+           json_string_value(json_object_get(m, "id")), json_string_value(json_object_get(m, "arch")),
+           json_integer_value(json_object_get(m, "n_layer")), json_integer_value(json_object_get(m, "n_expert")),
+           json_integer_value(json_object_get(m, "n_expert_used")), json_integer_value(json_object_get(m, "n_ctx")),
+           gib(json_object_get(m, "bytes_dense")), gib(json_object_get(m, "bytes_experts")));
+    printf("requests   %lld total, %lld failed, %lld running, %lld queued;  %.1f tok/s\n",
+           json_integer_value(json_object_get(s, "requests_total")),
+           json_integer_value(json_object_get(s, "requests_failed")),
+           json_integer_value(json_object_get(s, "running")), json_integer_value(json_object_get(s, "queued")),
+           json_number_value(json_object_get(s, "tokens_per_second")));
+    printf("tokens     %lld prompt, %lld generated\n",
+           json_integer_value(json_object_get(s, "prompt_tokens_total")),
+           json_integer_value(json_object_get(s, "gen_tokens_total")));
+    json_t *p = json_object_get(o, "profile");
+    if (p)
+        printf("profile    %lld tokens counted (state dir %s)\n", json_integer_value(json_object_get(p, "tokens")),
+               json_string_value(json_object_get(p, "state_dir")));
+    json_t *st = json_object_get(o, "store");
+    if (st)
+        printf("store      %.2f GiB shared (%.2f GiB on huge pages), built in %.2f s\n",
+               gib(json_object_get(st, "bytes")), gib(json_object_get(st, "huge_page_bytes")),
+               json_number_value(json_object_get(st, "load_seconds")));
+    json_t *ws = json_object_get(o, "workers");
+    if (json_array_size(ws)) {
+        printf("\n%-3s %-10s %-8s %-8s %-8s %-7s %-9s %-10s %s\n", "#", "state", "pid", "device",
+               "restarts", "running", "tok/s", "vram GiB", "last error");
+        size_t i;
+        json_t *w;
+        json_array_foreach(ws, i, w) {
+            printf("%-3lld %-10s %-8lld %-8s %-8lld %-7lld %-9.1f %-10.2f %s\n",
+                   json_integer_value(json_object_get(w, "index")),
+                   json_string_value(json_object_get(w, "state")),
+                   json_integer_value(json_object_get(w, "pid")),
+                   json_string_value(json_object_get(w, "device")),
+                   json_integer_value(json_object_get(w, "restarts")),
+                   json_integer_value(json_object_get(w, "running")),
+                   json_number_value(json_object_get(w, "tokens_per_second")),
+                   gib(json_object_get(w, "vram_used")),
+                   json_string_value(json_object_get(w, "last_error")));
+        }
+    }
+    json_decref(o);
+    return 0;
+}
+
+MOECTL_COMMAND(status, "daemon, model, workers and request counters", cmd_status)

@@ -1,0 +1,1520 @@
+/* The client API; see api.h. */
+#include "daemon/api.h"
+
+#include <errno.h>
+#include <grp.h>
+#include <inttypes.h>
+#include <math.h>
+#include <pwd.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/random.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <http_parser.h>
+#include <jansson.h>
+
+#include "daemon/log.h"
+#include "store/err.h"
+
+#define MAX_STOPS 16
+#define MAX_STOP_LEN 256
+#define TPS_BUCKETS 16
+
+struct gen;
+
+struct api {
+    const struct moe_tokenizer *tok;
+    struct sched *sched;
+    struct api_model_info model;
+    char *model_id, *model_arch;
+    enum chat_family chat;
+    int32_t im_start, im_end;
+    uid_t admin_uid;
+    gid_t admin_gid;
+    bool have_admin_gid;
+    uint32_t max_tokens_default;
+    struct api_hooks hooks;
+    bool ready, draining;
+    time_t started;
+    uint64_t id_seed, id_next;
+
+    struct gen *gens;
+    uint32_t n_gens;
+
+    /* Counters for /metrics. */
+    uint64_t http_by_class[6];      /* 1xx..5xx responses */
+    uint64_t gen_tokens, gen_requests, gen_errors, prompt_tokens;
+    uint64_t tps_count[TPS_BUCKETS];
+    int64_t tps_sec[TPS_BUCKETS];
+    uint64_t *routing;              /* [n_layer][n_expert], NULL when unknown */
+    uint64_t routing_tokens;
+};
+
+struct gen {
+    struct api *api;
+    struct gen *prev, *next;
+    struct http_conn *conn;
+    struct sched_req *req;
+    bool chat, stream, include_usage;
+    bool headers_sent, finished;
+    char id[48];
+    time_t created;
+    char *stops[MAX_STOPS];
+    size_t n_stops;
+    struct moe_detok detok;
+    char *piece;                    /* scratch for one token's text */
+    size_t piece_cap;
+    char *text;                     /* generated text so far (cut at a stop string) */
+    size_t text_len, text_cap;
+    size_t sent;                    /* bytes of text already streamed */
+    size_t scan_from;               /* stop strings cannot start before this */
+    uint32_t n_prompt, n_gen;
+};
+
+/* ---- small helpers ---- */
+
+static int64_t now_sec(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec;
+}
+
+static void count_response(struct api *a, int status)
+{
+    int c = status / 100;
+    if (c >= 1 && c <= 5)
+        a->http_by_class[c]++;
+}
+
+static const char *error_type(int status)
+{
+    if (status == 401 || status == 403)
+        return "permission_error";
+    if (status == 404)
+        return "not_found_error";
+    if (status >= 500)
+        return "server_error";
+    return "invalid_request_error";
+}
+
+static const char *error_code(int status)
+{
+    switch (status) {
+    case 403: return "forbidden";
+    case 404: return "not_found";
+    case 405: return "method_not_allowed";
+    case 413: return "request_too_large";
+    case 501: return "not_implemented";
+    case 503: return "unavailable";
+    default: return status >= 500 ? "internal_error" : "invalid_request";
+    }
+}
+
+/* Builds the error object; extra members (n_prompt_tokens...) may be added by the caller. */
+static json_t *error_obj(int status, const char *param, const char *msg)
+{
+    json_t *e = json_object();
+    json_object_set_new(e, "message", json_string(msg));
+    json_object_set_new(e, "type", json_string(error_type(status)));
+    json_object_set_new(e, "code", json_string(error_code(status)));
+    json_object_set_new(e, "param", param ? json_string(param) : json_null());
+    return e;
+}
+
+static void respond_json(struct api *a, struct http_conn *c, int status, json_t *body,
+                         const char *extra_headers)
+{
+    char *text = body ? json_dumps(body, JSON_COMPACT) : NULL;
+    json_decref(body);
+    count_response(a, status);
+    if (!text) {
+        static const char oom[] =
+            "{\"error\":{\"message\":\"out of memory\",\"type\":\"server_error\",\"code\":\"internal_error\"}}";
+        http_respond(c, 500, "application/json", NULL, oom, sizeof oom - 1);
+        return;
+    }
+    size_t n = strlen(text);
+    text[n] = 0;
+    char *with_nl = realloc(text, n + 2);
+    if (with_nl) {
+        text = with_nl;
+        text[n++] = '\n';
+        text[n] = 0;
+    }
+    http_respond(c, status, "application/json", extra_headers, text, n);
+    free(text);
+}
+
+static void respond_error_ex(struct api *a, struct http_conn *c, int status, const char *param,
+                             json_t *extra, const char *fmt, ...)
+    __attribute__((format(printf, 6, 7)));
+static void respond_error_ex(struct api *a, struct http_conn *c, int status, const char *param,
+                             json_t *extra, const char *fmt, ...)
+{
+    char msg[1024];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    json_t *e = error_obj(status, param, msg);
+    if (extra) {
+        json_object_update(e, extra);
+        json_decref(extra);
+    }
+    json_t *body = json_object();
+    json_object_set_new(body, "error", e);
+    log_debug("http %d: %s", status, msg);
+    respond_json(a, c, status, body, NULL);
+}
+
+#define respond_error(a, c, status, param, ...) \
+    respond_error_ex(a, c, status, param, NULL, __VA_ARGS__)
+
+/* Replaces invalid UTF-8 with U+FFFD so that the text is always valid JSON. */
+static json_t *json_text(const char *s, size_t n)
+{
+    json_t *j = json_stringn(s, n);
+    if (j)
+        return j;
+    char *buf = malloc(n * 3 + 1);
+    if (!buf)
+        return json_string("");
+    size_t o = 0;
+    for (size_t i = 0; i < n;) {
+        unsigned char ch = (unsigned char)s[i];
+        size_t len = ch < 0x80 ? 1 : (ch >> 5) == 6 ? 2 : (ch >> 4) == 14 ? 3 : (ch >> 3) == 30 ? 4 : 0;
+        bool ok = len > 0 && i + len <= n && ch != 0;
+        for (size_t k = 1; ok && k < len; k++)
+            ok = ((unsigned char)s[i + k] >> 6) == 2;
+        if (ok) {
+            json_t *probe = json_stringn(s + i, len);
+            ok = probe != NULL;
+            json_decref(probe);
+        }
+        if (ok) {
+            memcpy(buf + o, s + i, len);
+            o += len;
+            i += len;
+        } else {
+            memcpy(buf + o, "\xef\xbf\xbd", 3);
+            o += 3;
+            i++;
+        }
+    }
+    j = json_stringn(buf, o);
+    free(buf);
+    return j ? j : json_string("");
+}
+
+static bool is_member(uid_t uid, gid_t gid, gid_t group)
+{
+    if (gid == group)
+        return true;
+    struct passwd pw, *pwp = NULL;
+    char buf[4096];
+    if (getpwuid_r(uid, &pw, buf, sizeof buf, &pwp) != 0 || !pwp)
+        return false;
+    if (pw.pw_gid == group)
+        return true;
+    gid_t groups[256];
+    int ng = 256;
+    if (getgrouplist(pw.pw_name, pw.pw_gid, groups, &ng) < 0)
+        return false;
+    for (int i = 0; i < ng; i++)
+        if (groups[i] == group)
+            return true;
+    return false;
+}
+
+bool api_peer_is_admin(const struct api *a, const struct http_peer *p)
+{
+    if (p->transport != HTTP_TRANSPORT_UNIX || !p->has_cred)
+        return false;
+    if (p->uid == 0 || p->uid == a->admin_uid)
+        return true;
+    return a->have_admin_gid && is_member(p->uid, p->gid, a->admin_gid);
+}
+
+/* ---- stop strings ---- */
+
+long api_find_stop(const char *text, size_t len, size_t from, char *const *stops, size_t n_stops)
+{
+    long best = -1;
+    for (size_t i = 0; i < n_stops; i++) {
+        size_t sl = strlen(stops[i]);
+        if (sl == 0 || sl > len)
+            continue;
+        for (size_t p = from; p + sl <= len; p++) {
+            if (best >= 0 && (long)p >= best)
+                break;
+            if (memcmp(text + p, stops[i], sl) == 0) {
+                best = (long)p;
+                break;
+            }
+        }
+    }
+    return best;
+}
+
+size_t api_stop_holdback(const char *text, size_t len, char *const *stops, size_t n_stops)
+{
+    size_t hold = 0;
+    for (size_t i = 0; i < n_stops; i++) {
+        size_t sl = strlen(stops[i]);
+        for (size_t k = sl > 0 ? sl - 1 : 0; k > hold; k--) {
+            if (k <= len && memcmp(text + len - k, stops[i], k) == 0) {
+                hold = k;
+                break;
+            }
+        }
+    }
+    return hold;
+}
+
+/* ---- generation ---- */
+
+static void gen_free(struct gen *g)
+{
+    struct api *a = g->api;
+    if (g->prev)
+        g->prev->next = g->next;
+    else if (a->gens == g)
+        a->gens = g->next;
+    if (g->next)
+        g->next->prev = g->prev;
+    a->n_gens--;
+    for (size_t i = 0; i < g->n_stops; i++)
+        free(g->stops[i]);
+    free(g->piece);
+    free(g->text);
+    free(g);
+}
+
+static void tps_add(struct api *a, uint64_t n)
+{
+    int64_t s = now_sec();
+    int b = (int)(s % TPS_BUCKETS);
+    if (a->tps_sec[b] != s) {
+        a->tps_sec[b] = s;
+        a->tps_count[b] = 0;
+    }
+    a->tps_count[b] += n;
+}
+
+/* Tokens per second over the last ten complete seconds. */
+static double tps_rate(const struct api *a)
+{
+    int64_t s = now_sec();
+    uint64_t sum = 0;
+    for (int i = 0; i < TPS_BUCKETS; i++)
+        if (a->tps_sec[i] < s && a->tps_sec[i] >= s - 10)
+            sum += a->tps_count[i];
+    return (double)sum / 10.0;
+}
+
+static json_t *usage_obj(const struct gen *g)
+{
+    json_t *u = json_object();
+    json_object_set_new(u, "prompt_tokens", json_integer(g->n_prompt));
+    json_object_set_new(u, "completion_tokens", json_integer(g->n_gen));
+    json_object_set_new(u, "total_tokens", json_integer((json_int_t)g->n_prompt + g->n_gen));
+    return u;
+}
+
+static json_t *chunk_obj(const struct gen *g)
+{
+    json_t *o = json_object();
+    json_object_set_new(o, "id", json_string(g->id));
+    json_object_set_new(o, "object", json_string(g->chat ? "chat.completion.chunk" : "text_completion"));
+    json_object_set_new(o, "created", json_integer(g->created));
+    json_object_set_new(o, "model", json_string(g->api->model_id));
+    return o;
+}
+
+static int sse_send(struct gen *g, json_t *obj)
+{
+    char *s = json_dumps(obj, JSON_COMPACT);
+    json_decref(obj);
+    if (!s)
+        return -ENOMEM;
+    size_t n = strlen(s);
+    char *buf = malloc(n + 9);
+    if (!buf) {
+        free(s);
+        return -ENOMEM;
+    }
+    memcpy(buf, "data: ", 6);
+    memcpy(buf + 6, s, n);
+    memcpy(buf + 6 + n, "\n\n", 2);
+    free(s);
+    int rc = http_stream_write(g->conn, buf, n + 8);
+    free(buf);
+    return rc;
+}
+
+static int stream_headers(struct gen *g)
+{
+    if (g->headers_sent)
+        return 0;
+    g->headers_sent = true;
+    count_response(g->api, 200);
+    int rc = http_stream_start(g->conn, 200, "text/event-stream",
+                               "Cache-Control: no-cache\r\nX-Accel-Buffering: no\r\n");
+    if (rc)
+        return rc;
+    if (g->chat) {
+        json_t *o = chunk_obj(g);
+        json_t *ch = json_object();
+        json_t *delta = json_object();
+        json_object_set_new(delta, "role", json_string("assistant"));
+        json_object_set_new(delta, "content", json_string(""));
+        json_object_set_new(ch, "index", json_integer(0));
+        json_object_set_new(ch, "delta", delta);
+        json_object_set_new(ch, "logprobs", json_null());
+        json_object_set_new(ch, "finish_reason", json_null());
+        json_object_set_new(o, "choices", json_pack("[o]", ch));
+        if (g->include_usage)
+            json_object_set_new(o, "usage", json_null());
+        rc = sse_send(g, o);
+    }
+    return rc;
+}
+
+/* One streamed piece of text (finish: NULL) or the final chunk with a finish reason. */
+static int stream_chunk(struct gen *g, const char *text, size_t n, const char *finish)
+{
+    int rc = stream_headers(g);
+    if (rc)
+        return rc;
+    json_t *o = chunk_obj(g);
+    json_t *ch = json_object();
+    json_object_set_new(ch, "index", json_integer(0));
+    if (g->chat) {
+        json_t *delta = json_object();
+        if (!finish)
+            json_object_set_new(delta, "content", json_text(text, n));
+        json_object_set_new(ch, "delta", delta);
+    } else {
+        json_object_set_new(ch, "text", finish ? json_string("") : json_text(text, n));
+    }
+    json_object_set_new(ch, "logprobs", json_null());
+    json_object_set_new(ch, "finish_reason", finish ? json_string(finish) : json_null());
+    json_object_set_new(o, "choices", json_pack("[o]", ch));
+    if (g->include_usage)
+        json_object_set_new(o, "usage", json_null());
+    return sse_send(g, o);
+}
+
+/* Streams the text that can no longer become part of a stop string. */
+static void stream_pending(struct gen *g, bool final)
+{
+    size_t upto = g->text_len;
+    if (!final)
+        upto -= api_stop_holdback(g->text, g->text_len, g->stops, g->n_stops);
+    if (upto > g->sent) {
+        stream_chunk(g, g->text + g->sent, upto - g->sent, NULL);
+        g->sent = upto;
+    } else if (!g->headers_sent) {
+        stream_headers(g);
+    }
+}
+
+/* The generation is over (stop string, end of generation or length): answer and free. */
+static void gen_finish(struct gen *g, const char *reason)
+{
+    struct api *a = g->api;
+    struct http_conn *c = g->conn;
+    http_conn_on_abort(c, NULL, NULL);
+    if (g->stream) {
+        stream_pending(g, true);
+        stream_chunk(g, NULL, 0, reason);
+        if (g->include_usage) {
+            json_t *o = chunk_obj(g);
+            json_object_set_new(o, "choices", json_array());
+            json_object_set_new(o, "usage", usage_obj(g));
+            sse_send(g, o);
+        }
+        http_stream_write(c, "data: [DONE]\n\n", 14);
+        http_stream_end(c);
+    } else {
+        json_t *o = json_object();
+        json_object_set_new(o, "id", json_string(g->id));
+        json_object_set_new(o, "object", json_string(g->chat ? "chat.completion" : "text_completion"));
+        json_object_set_new(o, "created", json_integer(g->created));
+        json_object_set_new(o, "model", json_string(a->model_id));
+        json_t *ch = json_object();
+        json_object_set_new(ch, "index", json_integer(0));
+        if (g->chat) {
+            json_t *m = json_object();
+            json_object_set_new(m, "role", json_string("assistant"));
+            json_object_set_new(m, "content", json_text(g->text, g->text_len));
+            json_object_set_new(ch, "message", m);
+        } else {
+            json_object_set_new(ch, "text", json_text(g->text, g->text_len));
+        }
+        json_object_set_new(ch, "logprobs", json_null());
+        json_object_set_new(ch, "finish_reason", json_string(reason));
+        json_object_set_new(o, "choices", json_pack("[o]", ch));
+        json_object_set_new(o, "usage", usage_obj(g));
+        respond_json(a, c, 200, o, NULL);
+    }
+    gen_free(g);
+}
+
+static bool append_text(struct gen *g, const char *s, size_t n)
+{
+    if (g->text_len + n + 1 > g->text_cap) {
+        size_t nc = g->text_cap ? g->text_cap * 2 : 256;
+        while (nc < g->text_len + n + 1)
+            nc *= 2;
+        char *t = realloc(g->text, nc);
+        if (!t)
+            return false;
+        g->text = t;
+        g->text_cap = nc;
+    }
+    memcpy(g->text + g->text_len, s, n);
+    g->text_len += n;
+    g->text[g->text_len] = 0;
+    return true;
+}
+
+/* Appends new text, checks the stop strings; true when a stop string ended the generation. */
+static bool take_text(struct gen *g, const char *s, size_t n)
+{
+    if (!n)
+        return false;
+    size_t before = g->text_len;
+    if (!append_text(g, s, n))
+        return false;
+    if (g->n_stops) {
+        size_t from = before >= MAX_STOP_LEN ? before - MAX_STOP_LEN : 0;
+        if (from < g->scan_from)
+            from = g->scan_from;
+        long at = api_find_stop(g->text, g->text_len, from, g->stops, g->n_stops);
+        if (at >= 0) {
+            g->text_len = (size_t)at;
+            g->text[at] = 0;
+            return true;
+        }
+    }
+    return false;
+}
+
+static void on_token(struct sched_req *r, void *user, int32_t token)
+{
+    struct gen *g = user;
+    struct api *a = g->api;
+    (void)r;
+    g->n_gen++;
+    a->gen_tokens++;
+    tps_add(a, 1);
+    size_t n = moe_detok_push(&g->detok, a->tok, token, g->piece, g->piece_cap);
+    if (take_text(g, g->piece, n)) {
+        /* A stop string matched: nothing after it may be generated or sent. */
+        sched_cancel(a->sched, g->req);
+        g->req = NULL;
+        gen_finish(g, "stop");
+        return;
+    }
+    if (g->stream)
+        stream_pending(g, false);
+}
+
+static void on_done(struct sched_req *r, void *user, enum sched_finish why, uint32_t n_prompt,
+                    uint32_t n_gen)
+{
+    struct gen *g = user;
+    (void)r, (void)n_prompt, (void)n_gen;
+    g->req = NULL;
+    size_t n = moe_detok_flush(&g->detok, g->piece, g->piece_cap);
+    take_text(g, g->piece, n);
+    gen_finish(g, why == SCHED_FINISH_LENGTH ? "length" : "stop");
+}
+
+static void on_error(struct sched_req *r, void *user, int http_status, const char *message)
+{
+    struct gen *g = user;
+    struct api *a = g->api;
+    (void)r;
+    g->req = NULL;
+    a->gen_errors++;
+    log_warn("generation %s failed (%d): %s", g->id, http_status, message);
+    http_conn_on_abort(g->conn, NULL, NULL);
+    if (g->headers_sent) {
+        /* Too late for a status code: an error event tells SSE clients (the openai SDK raises
+         * it) that the stream is broken, and there is no [DONE]. */
+        int status = http_status >= 400 ? http_status : 500;
+        json_t *o = json_object();
+        json_object_set_new(o, "error", error_obj(status, NULL, message));
+        sse_send(g, o);
+        http_stream_end(g->conn);
+    } else {
+        respond_error(a, g->conn, http_status >= 400 ? http_status : 500, NULL, "%s", message);
+    }
+    gen_free(g);
+}
+
+/* The client went away: stop generating for it. */
+static void on_abort(void *user)
+{
+    struct gen *g = user;
+    if (g->req)
+        sched_cancel(g->api->sched, g->req);
+    g->req = NULL;
+    log_debug("generation %s: client disconnected after %u tokens", g->id, g->n_gen);
+    gen_free(g);
+}
+
+/* ---- request parsing ---- */
+
+struct gen_req {
+    int32_t *prompt;
+    size_t n_prompt;
+    struct sched_sampling s;
+    int64_t max_tokens;           /* -1: default */
+    bool stream, include_usage;
+    char *stops[MAX_STOPS];
+    size_t n_stops;
+};
+
+static void gen_req_free(struct gen_req *r)
+{
+    free(r->prompt);
+    for (size_t i = 0; i < r->n_stops; i++)
+        free(r->stops[i]);
+}
+
+/* A validation failure: status, param and message for the response. */
+struct verr {
+    int status;
+    const char *param;
+    char msg[512];
+};
+
+static int fail(struct verr *e, int status, const char *param, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+static int fail(struct verr *e, int status, const char *param, const char *fmt, ...)
+{
+    va_list ap;
+    e->status = status;
+    e->param = param;
+    va_start(ap, fmt);
+    vsnprintf(e->msg, sizeof e->msg, fmt, ap);
+    va_end(ap);
+    return -1;
+}
+
+static const char *jtype(const json_t *v)
+{
+    switch (json_typeof(v)) {
+    case JSON_OBJECT: return "an object";
+    case JSON_ARRAY: return "an array";
+    case JSON_STRING: return "a string";
+    case JSON_INTEGER: return "an integer";
+    case JSON_REAL: return "a number";
+    case JSON_TRUE:
+    case JSON_FALSE: return "a boolean";
+    default: return "null";
+    }
+}
+
+/* Optional number field in [lo, hi]. */
+static int get_num(json_t *body, const char *key, double lo, double hi, float *out, struct verr *e)
+{
+    json_t *v = json_object_get(body, key);
+    if (!v || json_is_null(v))
+        return 0;
+    if (!json_is_number(v))
+        return fail(e, 400, key, "'%s' must be a number, not %s", key, jtype(v));
+    double d = json_number_value(v);
+    if (!isfinite(d) || d < lo || d > hi)
+        return fail(e, 400, key, "'%s' must be between %g and %g, not %g", key, lo, hi, d);
+    *out = (float)d;
+    return 0;
+}
+
+static int get_int(json_t *body, const char *key, int64_t lo, int64_t hi, int64_t *out, bool *set,
+                   struct verr *e)
+{
+    json_t *v = json_object_get(body, key);
+    if (set)
+        *set = false;
+    if (!v || json_is_null(v))
+        return 0;
+    if (!json_is_integer(v))
+        return fail(e, 400, key, "'%s' must be an integer, not %s", key, jtype(v));
+    json_int_t x = json_integer_value(v);
+    if (x < lo || x > hi)
+        return fail(e, 400, key, "'%s' must be between %" PRId64 " and %" PRId64 ", not %" PRId64,
+                    key, lo, hi, (int64_t)x);
+    *out = x;
+    if (set)
+        *set = true;
+    return 0;
+}
+
+static int get_bool(json_t *body, const char *key, bool *out, struct verr *e)
+{
+    json_t *v = json_object_get(body, key);
+    if (!v || json_is_null(v))
+        return 0;
+    if (!json_is_boolean(v))
+        return fail(e, 400, key, "'%s' must be a boolean, not %s", key, jtype(v));
+    *out = json_is_true(v);
+    return 0;
+}
+
+/* Fields shared by both generation endpoints. */
+static int parse_common(struct api *a, json_t *body, struct gen_req *r, struct verr *e)
+{
+    json_t *v;
+    r->s = (struct sched_sampling){.temperature = 1.0f, .top_p = 1.0f, .repetition_penalty = 1.0f};
+    r->max_tokens = -1;
+    if ((v = json_object_get(body, "model")) && !json_is_string(v) && !json_is_null(v))
+        return fail(e, 400, "model", "'model' must be a string, not %s", jtype(v));
+    if (get_num(body, "temperature", 0, 100, &r->s.temperature, e) ||
+        get_num(body, "top_p", 0, 1, &r->s.top_p, e) ||
+        get_num(body, "min_p", 0, 1, &r->s.min_p, e) ||
+        get_num(body, "repetition_penalty", 0.01, 100, &r->s.repetition_penalty, e) ||
+        get_num(body, "presence_penalty", -2, 2, &r->s.presence_penalty, e) ||
+        get_num(body, "frequency_penalty", -2, 2, &r->s.frequency_penalty, e))
+        return -1;
+    int64_t k = 0, seed = 0, n = 1, mt = -1;
+    bool seed_set = false, mt_set = false;
+    if (get_int(body, "top_k", 0, a->model.n_vocab ? a->model.n_vocab : INT32_MAX, &k, NULL, e) ||
+        get_int(body, "seed", INT64_MIN, INT64_MAX, &seed, &seed_set, e) ||
+        get_int(body, "n", 1, INT64_MAX, &n, NULL, e))
+        return -1;
+    if (n != 1)
+        return fail(e, 400, "n", "'n' must be 1 (one choice per request)");
+    r->s.top_k = (int32_t)k;
+    r->s.seed = (uint64_t)seed;
+    r->s.has_seed = seed_set;
+    uint32_t n_ctx = a->model.n_ctx ? a->model.n_ctx : UINT32_MAX;
+    const char *mt_key = json_object_get(body, "max_completion_tokens") ? "max_completion_tokens"
+                                                                        : "max_tokens";
+    if (get_int(body, mt_key, INT64_MIN, INT64_MAX, &mt, &mt_set, e))
+        return -1;
+    if (mt_set && (mt < 1 || mt > n_ctx))
+        return fail(e, 400, mt_key, "'%s' must be between 1 and %u (the context length), not %" PRId64,
+                    mt_key, n_ctx, mt);
+    r->max_tokens = mt_set ? mt : -1;
+    if (get_bool(body, "stream", &r->stream, e))
+        return -1;
+    if ((v = json_object_get(body, "stream_options")) && !json_is_null(v)) {
+        if (!json_is_object(v))
+            return fail(e, 400, "stream_options", "'stream_options' must be an object, not %s", jtype(v));
+        if (get_bool(v, "include_usage", &r->include_usage, e))
+            return -1;
+    }
+    if ((v = json_object_get(body, "stop")) && !json_is_null(v)) {
+        json_t *one[1] = {v};
+        json_t **items = one;
+        size_t ni = 1;
+        if (json_is_array(v)) {
+            ni = json_array_size(v);
+            if (ni > MAX_STOPS)
+                return fail(e, 400, "stop", "'stop' may hold at most %d strings", MAX_STOPS);
+            items = NULL;
+        } else if (!json_is_string(v)) {
+            return fail(e, 400, "stop", "'stop' must be a string or an array of strings, not %s",
+                        jtype(v));
+        }
+        for (size_t i = 0; i < ni; i++) {
+            json_t *s = items ? items[i] : json_array_get(v, i);
+            if (!json_is_string(s))
+                return fail(e, 400, "stop", "'stop[%zu]' must be a string, not %s", i, jtype(s));
+            size_t len = json_string_length(s);
+            if (len == 0 || len > MAX_STOP_LEN)
+                return fail(e, 400, "stop", "stop strings must be 1 to %d bytes long", MAX_STOP_LEN);
+            if (memchr(json_string_value(s), 0, len))
+                return fail(e, 400, "stop", "stop strings must not contain NUL");
+            r->stops[r->n_stops] = strdup(json_string_value(s));
+            if (!r->stops[r->n_stops])
+                return fail(e, 500, NULL, "out of memory");
+            r->n_stops++;
+        }
+    }
+    /* Features we do not have must be refused, not silently ignored. */
+    static const char *unsupported[] = {"tools", "functions", "tool_choice", "function_call",
+                                        "logit_bias", "suffix", "audio", "modalities",
+                                        "prediction", "top_logprobs"};
+    for (size_t i = 0; i < sizeof unsupported / sizeof unsupported[0]; i++) {
+        v = json_object_get(body, unsupported[i]);
+        if (v && !json_is_null(v) && !(json_is_object(v) && json_object_size(v) == 0) &&
+            !(json_is_array(v) && json_array_size(v) == 0) &&
+            !(json_is_string(v) && !strcmp(unsupported[i], "tool_choice") &&
+              !strcmp(json_string_value(v), "none")))
+            return fail(e, 400, unsupported[i], "'%s' is not supported by moed", unsupported[i]);
+    }
+    if ((v = json_object_get(body, "logprobs")) && !json_is_null(v) && !json_is_false(v) &&
+        !(json_is_integer(v) && json_integer_value(v) == 0))
+        return fail(e, 400, "logprobs", "'logprobs' is not supported by moed");
+    if ((v = json_object_get(body, "echo")) && !json_is_null(v) && !json_is_false(v))
+        return fail(e, 400, "echo", "'echo' is not supported by moed");
+    if ((v = json_object_get(body, "best_of")) && !json_is_null(v) &&
+        !(json_is_integer(v) && json_integer_value(v) == 1))
+        return fail(e, 400, "best_of", "'best_of' must be 1");
+    if ((v = json_object_get(body, "response_format")) && !json_is_null(v)) {
+        json_t *t = json_is_object(v) ? json_object_get(v, "type") : NULL;
+        if (!t || !json_is_string(t) || strcmp(json_string_value(t), "text") != 0)
+            return fail(e, 400, "response_format", "only response_format {\"type\": \"text\"} is supported");
+    }
+    return 0;
+}
+
+static int tokenize(struct api *a, const char *text, size_t len, bool special, struct gen_req *r,
+                    struct verr *e)
+{
+    int32_t *ids = NULL;
+    size_t n = 0;
+    if (moe_tok_encode(a->tok, text, len, special, &ids, &n) != 0)
+        return fail(e, 500, NULL, "out of memory while tokenizing");
+    int32_t *np = realloc(r->prompt, (r->n_prompt + n + 1) * sizeof *np);
+    if (!np) {
+        free(ids);
+        return fail(e, 500, NULL, "out of memory while tokenizing");
+    }
+    r->prompt = np;
+    memcpy(r->prompt + r->n_prompt, ids, n * sizeof *ids);
+    r->n_prompt += n;
+    free(ids);
+    return 0;
+}
+
+static int push_token(struct gen_req *r, int32_t id, struct verr *e)
+{
+    int32_t *np = realloc(r->prompt, (r->n_prompt + 1) * sizeof *np);
+    if (!np)
+        return fail(e, 500, NULL, "out of memory");
+    r->prompt = np;
+    r->prompt[r->n_prompt++] = id;
+    return 0;
+}
+
+static int parse_token_array(struct api *a, json_t *arr, const char *what, struct gen_req *r,
+                             struct verr *e)
+{
+    size_t i;
+    json_t *t;
+    json_array_foreach(arr, i, t) {
+        if (!json_is_integer(t))
+            return fail(e, 400, "prompt", "'%s[%zu]' must be a token id (integer), not %s", what, i,
+                        jtype(t));
+        json_int_t id = json_integer_value(t);
+        if (id < 0 || id >= (json_int_t)a->model.n_vocab)
+            return fail(e, 400, "prompt", "'%s[%zu]': token id %" PRId64 " is out of range (n_vocab %u)",
+                        what, i, (int64_t)id, a->model.n_vocab);
+        if (push_token(r, (int32_t)id, e))
+            return -1;
+    }
+    return 0;
+}
+
+static int parse_prompt(struct api *a, json_t *body, struct gen_req *r, struct verr *e)
+{
+    json_t *p = json_object_get(body, "prompt");
+    if (!p || json_is_null(p))
+        return fail(e, 400, "prompt", "'prompt' is required");
+    if (json_is_string(p))
+        return tokenize(a, json_string_value(p), json_string_length(p), true, r, e);
+    if (!json_is_array(p))
+        return fail(e, 400, "prompt",
+                    "'prompt' must be a string, an array of token ids, or an array of one of those, not %s",
+                    jtype(p));
+    if (json_array_size(p) == 0)
+        return fail(e, 400, "prompt", "'prompt' is empty");
+    json_t *first = json_array_get(p, 0);
+    if (json_is_integer(first))
+        return parse_token_array(a, p, "prompt", r, e);
+    if (json_array_size(p) != 1)
+        return fail(e, 400, "prompt", "only one prompt per request is supported ('prompt' has %zu)",
+                    json_array_size(p));
+    if (json_is_string(first))
+        return tokenize(a, json_string_value(first), json_string_length(first), true, r, e);
+    if (json_is_array(first))
+        return parse_token_array(a, first, "prompt[0]", r, e);
+    return fail(e, 400, "prompt", "'prompt[0]' must be a string or an array of token ids, not %s",
+                jtype(first));
+}
+
+/* Message content: a string, or an array of {"type": "text", "text": ...} parts (joined). */
+static int message_content(json_t *m, size_t i, char **out, size_t *len, struct verr *e)
+{
+    json_t *c = json_object_get(m, "content");
+    *out = NULL;
+    *len = 0;
+    if (!c || json_is_null(c)) {
+        *out = strdup("");
+        return *out ? 0 : fail(e, 500, NULL, "out of memory");
+    }
+    if (json_is_string(c)) {
+        *len = json_string_length(c);
+        *out = malloc(*len + 1);
+        if (!*out)
+            return fail(e, 500, NULL, "out of memory");
+        memcpy(*out, json_string_value(c), *len + 1);
+        return 0;
+    }
+    if (!json_is_array(c))
+        return fail(e, 400, "messages", "'messages[%zu].content' must be a string or an array of parts, not %s",
+                    i, jtype(c));
+    size_t total = 0, k;
+    json_t *part;
+    json_array_foreach(c, k, part) {
+        json_t *type = json_is_object(part) ? json_object_get(part, "type") : NULL;
+        json_t *text = json_is_object(part) ? json_object_get(part, "text") : NULL;
+        if (!type || !json_is_string(type) || strcmp(json_string_value(type), "text") != 0)
+            return fail(e, 400, "messages",
+                        "'messages[%zu].content[%zu]': only parts of type \"text\" are supported", i, k);
+        if (!json_is_string(text))
+            return fail(e, 400, "messages", "'messages[%zu].content[%zu].text' must be a string", i, k);
+        total += json_string_length(text);
+    }
+    *out = malloc(total + 1);
+    if (!*out)
+        return fail(e, 500, NULL, "out of memory");
+    json_array_foreach(c, k, part) {
+        json_t *text = json_object_get(part, "text");
+        memcpy(*out + *len, json_string_value(text), json_string_length(text));
+        *len += json_string_length(text);
+    }
+    (*out)[*len] = 0;
+    return 0;
+}
+
+static int parse_messages(struct api *a, json_t *body, struct gen_req *r, struct verr *e)
+{
+    json_t *msgs = json_object_get(body, "messages");
+    if (!msgs || json_is_null(msgs))
+        return fail(e, 400, "messages", "'messages' is required");
+    if (!json_is_array(msgs))
+        return fail(e, 400, "messages", "'messages' must be an array, not %s", jtype(msgs));
+    size_t n = json_array_size(msgs);
+    if (n == 0)
+        return fail(e, 400, "messages", "'messages' must not be empty");
+    if (n > 4096)
+        return fail(e, 400, "messages", "too many messages (%zu)", n);
+    if (a->chat != CHAT_CHATML)
+        return fail(e, a->chat == CHAT_NONE ? 400 : 501, "messages",
+                    a->chat == CHAT_NONE
+                        ? "this model has no chat template; use /v1/completions"
+                        : "this model's chat template is not supported (moed renders ChatML); use /v1/completions");
+    struct chat_msg *cm = calloc(n, sizeof *cm);
+    char **contents = calloc(n, sizeof *contents);
+    struct chat_rendered ren = {0};
+    int rc = -1;
+    if (!cm || !contents) {
+        fail(e, 500, NULL, "out of memory");
+        goto out;
+    }
+    for (size_t i = 0; i < n; i++) {
+        json_t *m = json_array_get(msgs, i);
+        if (!json_is_object(m)) {
+            fail(e, 400, "messages", "'messages[%zu]' must be an object, not %s", i, jtype(m));
+            goto out;
+        }
+        json_t *role = json_object_get(m, "role");
+        if (!json_is_string(role)) {
+            fail(e, 400, "messages", "'messages[%zu].role' must be a string", i);
+            goto out;
+        }
+        json_t *tc = json_object_get(m, "tool_calls");
+        if (tc && !json_is_null(tc) && !(json_is_array(tc) && json_array_size(tc) == 0)) {
+            fail(e, 400, "messages", "'messages[%zu].tool_calls' is not supported by moed", i);
+            goto out;
+        }
+        size_t len;
+        if (message_content(m, i, &contents[i], &len, e))
+            goto out;
+        cm[i] = (struct chat_msg){json_string_value(role), contents[i], len};
+    }
+    char msg[512];
+    int crc = chat_render(a->chat, cm, n, true, &ren, msg, sizeof msg);
+    if (crc) {
+        fail(e, crc == MOE_EUNSUPPORTED || crc == MOE_EFORMAT ? 400 : 500, "messages", "%s", msg);
+        goto out;
+    }
+    for (size_t i = 0; i < ren.n_spans; i++) {
+        const struct chat_span *sp = &ren.spans[i];
+        if (sp->special) {
+            char name[64];
+            snprintf(name, sizeof name, "%.*s", (int)sp->len, ren.text + sp->off);
+            int32_t id = moe_tok_lookup(a->tok, name);
+            if (id < 0) {
+                fail(e, 501, "messages", "the vocabulary has no token '%s' needed by the chat template", name);
+                goto out;
+            }
+            if (push_token(r, id, e))
+                goto out;
+        } else if (tokenize(a, ren.text + sp->off, sp->len, false, r, e)) {
+            goto out;
+        }
+    }
+    rc = 0;
+out:
+    chat_rendered_free(&ren);
+    for (size_t i = 0; contents && i < n; i++)
+        free(contents[i]);
+    free(contents);
+    free(cm);
+    return rc;
+}
+
+static void new_id(struct api *a, char *out, size_t cap, const char *prefix)
+{
+    uint64_t x = a->id_seed ^ (++a->id_next * 0x9e3779b97f4a7c15ull);
+    x ^= x >> 31;
+    x *= 0xbf58476d1ce4e5b9ull;
+    x ^= x >> 29;
+    snprintf(out, cap, "%s-%016" PRIx64 "%08" PRIx64, prefix, x, a->id_next);
+}
+
+static void handle_generate(struct api *a, struct http_request *req, bool chat)
+{
+    struct http_conn *c = req->conn;
+    struct verr e = {0};
+    struct gen_req r = {0};
+    json_t *body = NULL;
+    struct gen *g = NULL;
+    if (a->draining) {
+        respond_error(a, c, 503, NULL, "moed is shutting down");
+        return;
+    }
+    if (!a->tok || !a->sched) {
+        respond_error(a, c, 503, NULL, "no model is being served yet (workers are starting)");
+        return;
+    }
+    json_error_t jerr;
+    body = json_loadb(req->body, req->body_len, JSON_REJECT_DUPLICATES, &jerr);
+    if (!body) {
+        fail(&e, 400, NULL, "request body is not valid JSON: %s (line %d, column %d)", jerr.text,
+             jerr.line, jerr.column);
+        goto fail;
+    }
+    if (!json_is_object(body)) {
+        fail(&e, 400, NULL, "request body must be a JSON object, not %s", jtype(body));
+        goto fail;
+    }
+    if (parse_common(a, body, &r, &e))
+        goto fail;
+    if (chat ? parse_messages(a, body, &r, &e) : parse_prompt(a, body, &r, &e))
+        goto fail;
+    if (r.n_prompt == 0) {
+        fail(&e, 400, chat ? "messages" : "prompt", "the prompt is empty (0 tokens)");
+        goto fail;
+    }
+    uint32_t n_ctx = a->model.n_ctx;
+    if (n_ctx && r.n_prompt >= n_ctx) {
+        json_t *extra = json_object();
+        json_object_set_new(extra, "n_prompt_tokens", json_integer((json_int_t)r.n_prompt));
+        json_object_set_new(extra, "n_ctx", json_integer(n_ctx));
+        json_object_set_new(extra, "code", json_string("context_length_exceeded"));
+        respond_error_ex(a, c, 400, chat ? "messages" : "prompt", extra,
+                         "the prompt has %zu tokens; the context holds %u (prompt and completion "
+                         "together)", r.n_prompt, n_ctx);
+        goto out;
+    }
+    uint32_t room = n_ctx ? n_ctx - (uint32_t)r.n_prompt : UINT32_MAX;
+    uint32_t max_tokens;
+    if (r.max_tokens > 0)
+        max_tokens = (uint64_t)r.max_tokens < room ? (uint32_t)r.max_tokens : room;
+    else if (a->max_tokens_default)
+        max_tokens = a->max_tokens_default < room ? a->max_tokens_default : room;
+    else
+        max_tokens = chat ? room : (16 < room ? 16 : room);
+
+    g = calloc(1, sizeof *g);
+    if (!g) {
+        fail(&e, 500, NULL, "out of memory");
+        goto fail;
+    }
+    g->api = a;
+    g->conn = c;
+    g->chat = chat;
+    g->stream = r.stream;
+    g->include_usage = r.include_usage;
+    g->created = time(NULL);
+    g->n_prompt = (uint32_t)r.n_prompt;
+    new_id(a, g->id, sizeof g->id, chat ? "chatcmpl" : "cmpl");
+    memcpy(g->stops, r.stops, sizeof r.stops);
+    g->n_stops = r.n_stops;
+    r.n_stops = 0;
+    moe_detok_init(&g->detok);
+    g->piece_cap = 3 * (moe_tok_max_piece(a->tok) + 4) + 1;
+    g->piece = malloc(g->piece_cap);
+    if (!g->piece) {
+        fail(&e, 500, NULL, "out of memory");
+        goto fail;
+    }
+    g->next = a->gens;
+    if (a->gens)
+        a->gens->prev = g;
+    a->gens = g;
+    a->n_gens++;
+
+    struct sched_params sp = {
+        .prompt = r.prompt,
+        .n_prompt = (uint32_t)r.n_prompt,
+        .max_tokens = max_tokens,
+        .sampling = r.s,
+        .cb = {on_token, on_done, on_error},
+        .user = g,
+    };
+    int status = 503;
+    char msg[512] = "";
+    a->gen_requests++;
+    a->prompt_tokens += r.n_prompt;
+    http_conn_on_abort(c, on_abort, g);
+    g->req = sched_submit(a->sched, &sp, &status, msg, sizeof msg);
+    if (!g->req) {
+        http_conn_on_abort(c, NULL, NULL);
+        a->gen_errors++;
+        gen_free(g);
+        g = NULL;
+        fail(&e, status >= 400 ? status : 503, NULL, "%s", msg[0] ? msg : "the request could not be queued");
+        goto fail;
+    }
+    log_debug("%s: %zu prompt tokens, max_tokens %u, temperature %g%s", g->id, r.n_prompt,
+              max_tokens, (double)r.s.temperature, r.stream ? ", streaming" : "");
+    goto out;
+fail:
+    if (g)
+        gen_free(g);
+    respond_error(a, c, e.status ? e.status : 400, e.param, "%s", e.msg);
+out:
+    gen_req_free(&r);
+    json_decref(body);
+}
+
+/* ---- other endpoints ---- */
+
+static void handle_models(struct api *a, struct http_request *req, const char *one)
+{
+    json_t *m = json_object();
+    json_object_set_new(m, "id", json_string(a->model_id));
+    json_object_set_new(m, "object", json_string("model"));
+    json_object_set_new(m, "created", json_integer(a->started));
+    json_object_set_new(m, "owned_by", json_string("moed"));
+    json_t *meta = json_object();
+    json_object_set_new(meta, "arch", json_string(a->model_arch));
+    json_object_set_new(meta, "n_ctx", json_integer(a->model.n_ctx));
+    json_object_set_new(meta, "n_vocab", json_integer(a->model.n_vocab));
+    json_object_set_new(meta, "n_layer", json_integer(a->model.n_layer));
+    json_object_set_new(meta, "n_expert", json_integer(a->model.n_expert));
+    json_object_set_new(meta, "n_expert_used", json_integer(a->model.n_expert_used));
+    json_object_set_new(meta, "chat_template", json_string(chat_family_name(a->chat)));
+    json_object_set_new(m, "meta", meta);
+    if (one) {
+        if (strcmp(one, a->model_id) != 0) {
+            json_decref(m);
+            respond_error(a, req->conn, 404, "model", "model '%s' is not served here (this daemon serves '%s')",
+                          one, a->model_id);
+            return;
+        }
+        respond_json(a, req->conn, 200, m, NULL);
+        return;
+    }
+    json_t *o = json_object();
+    json_object_set_new(o, "object", json_string("list"));
+    json_object_set_new(o, "data", json_pack("[o]", m));
+    respond_json(a, req->conn, 200, o, NULL);
+}
+
+static void get_stats(struct api *a, struct sched_stats *st)
+{
+    memset(st, 0, sizeof *st);
+    if (a->sched)
+        sched_get_stats(a->sched, st);
+}
+
+static void handle_health(struct api *a, struct http_request *req)
+{
+    struct sched_stats st;
+    get_stats(a, &st);
+    const char *status = a->draining ? "stopping" : a->ready ? "ok" : "loading";
+    json_t *o = json_object();
+    json_object_set_new(o, "status", json_string(status));
+    json_object_set_new(o, "workers_ready", json_integer(st.workers_ready));
+    json_object_set_new(o, "workers_total", json_integer(st.workers_total));
+    respond_json(a, req->conn, a->ready && !a->draining ? 200 : 503, o, NULL);
+}
+
+struct sbuf {
+    char *p;
+    size_t len, cap;
+    bool oom;
+};
+
+static void sb_printf(struct sbuf *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void sb_printf(struct sbuf *b, const char *fmt, ...)
+{
+    if (b->oom)
+        return;
+    for (;;) {
+        va_list ap;
+        va_start(ap, fmt);
+        int n = vsnprintf(b->p ? b->p + b->len : NULL, b->p ? b->cap - b->len : 0, fmt, ap);
+        va_end(ap);
+        if (n < 0) {
+            b->oom = true;
+            return;
+        }
+        if (b->p && b->len + (size_t)n < b->cap) {
+            b->len += (size_t)n;
+            return;
+        }
+        size_t nc = b->cap ? b->cap * 2 : 4096;
+        while (nc < b->len + (size_t)n + 1)
+            nc *= 2;
+        char *np = realloc(b->p, nc);
+        if (!np) {
+            b->oom = true;
+            return;
+        }
+        b->p = np;
+        b->cap = nc;
+    }
+}
+
+static void metric(struct sbuf *b, const char *name, const char *type, const char *help, double v)
+{
+    sb_printf(b, "# HELP %s %s\n# TYPE %s %s\n%s %.17g\n", name, help, name, type, name, v);
+}
+
+static void handle_metrics(struct api *a, struct http_request *req)
+{
+    struct sched_stats st;
+    get_stats(a, &st);
+    struct sbuf b = {0};
+    metric(&b, "moed_up", "gauge", "1 when every worker is ready.", a->ready ? 1 : 0);
+    metric(&b, "moed_uptime_seconds", "gauge", "Seconds since the daemon started.",
+           (double)(time(NULL) - a->started));
+    metric(&b, "moed_requests_total", "counter", "Generation requests accepted by the scheduler.",
+           (double)st.requests_total);
+    metric(&b, "moed_requests_failed_total", "counter", "Generation requests that ended in an error.",
+           (double)st.requests_failed);
+    metric(&b, "moed_prompt_tokens_total", "counter", "Prompt tokens processed.",
+           (double)st.prompt_tokens_total);
+    metric(&b, "moed_generated_tokens_total", "counter", "Tokens generated.",
+           (double)st.gen_tokens_total);
+    metric(&b, "moed_tokens_per_second", "gauge", "Generated tokens per second over the last 10 s.",
+           tps_rate(a));
+    metric(&b, "moed_queue_depth", "gauge", "Requests waiting for a worker slot.", st.queued);
+    metric(&b, "moed_requests_running", "gauge", "Requests generating now.", st.running);
+    metric(&b, "moed_workers_ready", "gauge", "Workers ready to serve.", st.workers_ready);
+    metric(&b, "moed_workers", "gauge", "Workers configured.", st.workers_total);
+    metric(&b, "moed_generations_in_flight", "gauge", "Generation requests not finished yet.",
+           (double)a->n_gens);
+    sb_printf(&b, "# HELP moed_http_responses_total HTTP responses by status class.\n"
+                  "# TYPE moed_http_responses_total counter\n");
+    for (int i = 1; i <= 5; i++)
+        sb_printf(&b, "moed_http_responses_total{code=\"%dxx\"} %" PRIu64 "\n", i, a->http_by_class[i]);
+    if (a->routing) {
+        sb_printf(&b, "# HELP moed_expert_routings_total Tokens routed to each expert since the daemon started.\n"
+                      "# TYPE moed_expert_routings_total counter\n");
+        for (uint32_t l = 0; l < a->model.n_layer; l++)
+            for (uint32_t x = 0; x < a->model.n_expert; x++)
+                sb_printf(&b, "moed_expert_routings_total{layer=\"%u\",expert=\"%u\"} %" PRIu64 "\n", l,
+                          x, a->routing[(size_t)l * a->model.n_expert + x]);
+        metric(&b, "moed_routed_tokens_total", "counter", "Tokens whose routing was counted.",
+               (double)a->routing_tokens);
+    }
+    if (a->hooks.metrics) {
+        char *extra = NULL;
+        if (a->hooks.metrics(a->hooks.user, &extra) == 0 && extra)
+            sb_printf(&b, "%s", extra);
+        free(extra);
+    }
+    count_response(a, b.oom ? 500 : 200);
+    if (b.oom)
+        http_respond(req->conn, 500, "text/plain", NULL, "out of memory\n", 14);
+    else
+        http_respond(req->conn, 200, "text/plain; version=0.0.4; charset=utf-8", NULL, b.p, b.len);
+    free(b.p);
+}
+
+static int hook_status(int rc)
+{
+    switch (rc) {
+    case MOE_EFORMAT:
+    case MOE_ETYPE:
+    case MOE_ERANGE:
+        return 400;
+    case MOE_ENOTFOUND:
+        return 404;
+    case MOE_ETOOBIG:
+        return 413;
+    default:
+        return 500;
+    }
+}
+
+static void respond_hook_json(struct api *a, struct http_request *req, int rc, char *json,
+                              const char *err)
+{
+    if (rc) {
+        respond_error(a, req->conn, hook_status(rc), NULL, "%s", err[0] ? err : moe_strerror(rc));
+    } else {
+        size_t n = json ? strlen(json) : 0;
+        count_response(a, 200);
+        http_respond(req->conn, 200, "application/json", NULL, json ? json : "{}", json ? n : 2);
+    }
+    free(json);
+}
+
+static void handle_admin_status(struct api *a, struct http_request *req)
+{
+    struct sched_stats st;
+    get_stats(a, &st);
+    json_t *o = json_object();
+    json_t *m = json_object();
+    char fp[24];
+    snprintf(fp, sizeof fp, "%016" PRIx64, a->model.fingerprint);
+    json_object_set_new(m, "id", json_string(a->model_id));
+    json_object_set_new(m, "arch", json_string(a->model_arch));
+    json_object_set_new(m, "fingerprint", json_string(fp));
+    json_object_set_new(m, "n_ctx", json_integer(a->model.n_ctx));
+    json_object_set_new(m, "n_vocab", json_integer(a->model.n_vocab));
+    json_object_set_new(m, "n_layer", json_integer(a->model.n_layer));
+    json_object_set_new(m, "n_expert", json_integer(a->model.n_expert));
+    json_object_set_new(m, "n_expert_used", json_integer(a->model.n_expert_used));
+    json_object_set_new(m, "bytes_dense", json_integer((json_int_t)a->model.bytes_dense));
+    json_object_set_new(m, "bytes_experts", json_integer((json_int_t)a->model.bytes_experts));
+    json_object_set_new(m, "chat_template", json_string(chat_family_name(a->chat)));
+    json_object_set_new(o, "model", m);
+    json_object_set_new(o, "status", json_string(a->draining ? "stopping" : a->ready ? "ready" : "loading"));
+    json_object_set_new(o, "pid", json_integer(getpid()));
+    json_object_set_new(o, "uptime_s", json_integer(time(NULL) - a->started));
+    json_t *s = json_object();
+    json_object_set_new(s, "queued", json_integer(st.queued));
+    json_object_set_new(s, "running", json_integer(st.running));
+    json_object_set_new(s, "workers_ready", json_integer(st.workers_ready));
+    json_object_set_new(s, "workers_total", json_integer(st.workers_total));
+    json_object_set_new(s, "requests_total", json_integer((json_int_t)st.requests_total));
+    json_object_set_new(s, "requests_failed", json_integer((json_int_t)st.requests_failed));
+    json_object_set_new(s, "prompt_tokens_total", json_integer((json_int_t)st.prompt_tokens_total));
+    json_object_set_new(s, "gen_tokens_total", json_integer((json_int_t)st.gen_tokens_total));
+    json_object_set_new(s, "tokens_per_second", json_real(tps_rate(a)));
+    json_object_set_new(o, "scheduler", s);
+    if (a->hooks.status) {
+        char *extra = NULL, err[256] = "";
+        if (a->hooks.status(a->hooks.user, &extra, err, sizeof err) == 0 && extra) {
+            json_t *x = json_loads(extra, 0, NULL);
+            if (json_is_object(x))
+                json_object_update(o, x);
+            json_decref(x);
+        }
+        free(extra);
+    }
+    respond_json(a, req->conn, 200, o, NULL);
+}
+
+static void handle_admin(struct api *a, struct http_request *req, const char *what)
+{
+    char err[512] = "";
+    char *json = NULL;
+    if (!api_peer_is_admin(a, req->peer)) {
+        if (req->peer->transport != HTTP_TRANSPORT_UNIX)
+            respond_error(a, req->conn, 403, NULL, "access denied: /admin is only served on the Unix socket");
+        else
+            respond_error(a, req->conn, 403, NULL,
+                          "access denied: uid %u is not root, the daemon's user, or in its admin group",
+                          req->peer->has_cred ? (unsigned)req->peer->uid : 0u);
+        return;
+    }
+    bool get = req->method == HTTP_GET || req->method == HTTP_HEAD;
+    if (!strcmp(what, "status")) {
+        if (!get)
+            goto method;
+        handle_admin_status(a, req);
+        return;
+    }
+    if (!strcmp(what, "profile")) {
+        int rc;
+        if (get) {
+            if (!a->hooks.profile_export)
+                goto not_impl;
+            rc = a->hooks.profile_export(a->hooks.user, &json, err, sizeof err);
+            respond_hook_json(a, req, rc, json, err);
+        } else if (req->method == HTTP_PUT) {
+            if (!a->hooks.profile_import)
+                goto not_impl;
+            rc = a->hooks.profile_import(a->hooks.user, req->body, req->body_len, err, sizeof err);
+            if (rc == 0)
+                json = strdup("{\"imported\":true}");
+            respond_hook_json(a, req, rc, json, err);
+        } else if (req->method == HTTP_DELETE) {
+            if (!a->hooks.profile_reset)
+                goto not_impl;
+            rc = a->hooks.profile_reset(a->hooks.user, err, sizeof err);
+            if (rc == 0)
+                json = strdup("{\"reset\":true}");
+            respond_hook_json(a, req, rc, json, err);
+        } else {
+            respond_error_ex(a, req->conn, 405, NULL, NULL, "%s is not allowed on %s (use GET, PUT or DELETE)",
+                             req->method_name, req->path);
+        }
+        return;
+    }
+    if (!strcmp(what, "placement")) {
+        if (!get)
+            goto method;
+        if (!a->hooks.placement)
+            goto not_impl;
+        int rc = a->hooks.placement(a->hooks.user, &json, err, sizeof err);
+        respond_hook_json(a, req, rc, json, err);
+        return;
+    }
+    respond_error(a, req->conn, 404, NULL, "no such endpoint: %s", req->path);
+    return;
+method:
+    respond_error(a, req->conn, 405, NULL, "%s is not allowed on %s (use GET)", req->method_name, req->path);
+    return;
+not_impl:
+    respond_error(a, req->conn, 501, NULL, "%s is not available in this daemon", req->path);
+}
+
+void api_handle(void *user, struct http_request *req)
+{
+    struct api *a = user;
+    const char *p = req->path;
+    bool get = req->method == HTTP_GET || req->method == HTTP_HEAD;
+    bool post = req->method == HTTP_POST;
+    /* Trailing slashes are tolerated: "/v1/models/" is "/v1/models". */
+    char path[256];
+    size_t pl = strlen(p);
+    if (pl >= sizeof path) {
+        respond_error(a, req->conn, 404, NULL, "no such endpoint");
+        return;
+    }
+    memcpy(path, p, pl + 1);
+    while (pl > 1 && path[pl - 1] == '/')
+        path[--pl] = 0;
+
+    if (!strcmp(path, "/v1/completions") || !strcmp(path, "/v1/chat/completions")) {
+        if (!post) {
+            respond_error(a, req->conn, 405, NULL, "%s is not allowed on %s (use POST)", req->method_name, path);
+            return;
+        }
+        handle_generate(a, req, path[4] == 'c' && path[5] == 'h');
+        return;
+    }
+    if (!get && (!strcmp(path, "/v1/models") || !strncmp(path, "/v1/models/", 11) ||
+                 !strcmp(path, "/health") || !strcmp(path, "/metrics"))) {
+        respond_error(a, req->conn, 405, NULL, "%s is not allowed on %s (use GET)", req->method_name, path);
+        return;
+    }
+    if (!strcmp(path, "/v1/models")) {
+        handle_models(a, req, NULL);
+    } else if (!strncmp(path, "/v1/models/", 11)) {
+        handle_models(a, req, path + 11);
+    } else if (!strcmp(path, "/health")) {
+        handle_health(a, req);
+    } else if (!strcmp(path, "/metrics")) {
+        handle_metrics(a, req);
+    } else if (!strncmp(path, "/admin/", 7)) {
+        handle_admin(a, req, path + 7);
+    } else {
+        respond_error(a, req->conn, 404, NULL, "no such endpoint: %s %s", req->method_name, path);
+    }
+}
+
+/* ---- lifecycle ---- */
+
+int api_new(struct api **out, const struct api_opts *o, char *err, size_t errlen)
+{
+    struct api *a = calloc(1, sizeof *a);
+    if (!a)
+        return moe_fail(err, errlen, -ENOMEM, "out of memory");
+    a->tok = o->tok;
+    a->sched = o->sched;
+    a->model = o->model;
+    a->model_id = strdup(o->model.id ? o->model.id : "model");
+    a->model_arch = strdup(o->model.arch ? o->model.arch : "");
+    a->admin_uid = o->admin_uid;
+    a->admin_gid = o->admin_gid;
+    a->have_admin_gid = o->have_admin_gid;
+    a->max_tokens_default = o->max_tokens_default;
+    a->hooks = o->hooks;
+    a->started = time(NULL);
+    a->im_start = a->im_end = -1;
+    if (getrandom(&a->id_seed, sizeof a->id_seed, GRND_NONBLOCK) != sizeof a->id_seed)
+        a->id_seed = (uint64_t)time(NULL) * 0x9e3779b97f4a7c15ull ^ (uint64_t)getpid();
+    if (a->tok)
+        a->chat = chat_detect(moe_tok_chat_template(a->tok));
+    /* A qwen vocabulary without a template still speaks ChatML. */
+    if (a->tok && a->chat == CHAT_NONE && moe_tok_lookup(a->tok, "<|im_start|>") >= 0 &&
+        moe_tok_lookup(a->tok, "<|im_end|>") >= 0)
+        a->chat = CHAT_CHATML;
+    if (a->model.n_layer && a->model.n_expert && a->model.n_layer <= 4096 && a->model.n_expert <= 4096)
+        a->routing = calloc((size_t)a->model.n_layer * a->model.n_expert, sizeof *a->routing);
+    if (!a->model_id || !a->model_arch) {
+        api_free(a);
+        return moe_fail(err, errlen, -ENOMEM, "out of memory");
+    }
+    *out = a;
+    return 0;
+}
+
+void api_free(struct api *a)
+{
+    if (!a)
+        return;
+    while (a->gens) {
+        struct gen *g = a->gens;
+        if (g->req)
+            sched_cancel(a->sched, g->req);
+        g->req = NULL;
+        http_conn_on_abort(g->conn, NULL, NULL);
+        if (g->headers_sent) {
+            json_t *o = json_object();
+            json_object_set_new(o, "error", error_obj(503, NULL, "moed is shutting down"));
+            sse_send(g, o);
+            http_stream_end(g->conn);
+        } else {
+            respond_error(a, g->conn, 503, NULL, "moed is shutting down");
+        }
+        gen_free(g);
+    }
+    free(a->routing);
+    free(a->model_id);
+    free(a->model_arch);
+    free(a);
+}
+
+void api_set_sched(struct api *a, struct sched *s)
+{
+    a->sched = s;
+}
+
+void api_set_ready(struct api *a, bool ready)
+{
+    a->ready = ready;
+}
+
+void api_set_draining(struct api *a, bool draining)
+{
+    a->draining = draining;
+}
+
+void api_add_routing(struct api *a, const uint64_t *counts, uint32_t n_layer, uint32_t n_expert,
+                     uint64_t n_tokens)
+{
+    if (!a->routing || n_layer != a->model.n_layer || n_expert != a->model.n_expert)
+        return;
+    for (size_t i = 0; i < (size_t)n_layer * n_expert; i++)
+        a->routing[i] += counts[i];
+    a->routing_tokens += n_tokens;
+}
+
+uint32_t api_inflight(const struct api *a)
+{
+    return a->n_gens;
+}

@@ -1,0 +1,324 @@
+/* moed configuration: defaults < config file < command line. See config.h. */
+#include "daemon/config.h"
+
+#include <ctype.h>
+#include <errno.h>
+#include <limits.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <sys/socket.h>
+
+#include "daemon/http.h"
+#include "store/err.h"
+
+enum kind { K_STR, K_U32, K_SIZE, K_LEVEL };
+
+struct key {
+    const char *name;
+    enum kind kind;
+    size_t off;
+    const char *arg, *help;
+};
+
+#define F(field) offsetof(struct moed_config, field)
+static const struct key keys[] = {
+    {"model", K_STR, F(model), "PATH", "GGUF model to serve (required)"},
+    {"socket", K_STR, F(socket), "PATH", "Unix socket (default " MOED_DEFAULT_SOCKET ")"},
+    {"listen", K_STR, F(listen), "HOST:PORT", "also listen on loopback TCP (127.0.0.1:PORT)"},
+    {"state-dir", K_STR, F(state_dir), "DIR", "profile database (default " MOED_DEFAULT_STATE_DIR ")"},
+    {"devices", K_STR, F(devices), "LIST", "cpu | auto | 0,1 (GPU indexes) (default auto)"},
+    {"workers", K_U32, F(workers), "N", "worker processes (default: one per device, 1 for cpu)"},
+    {"ctx", K_U32, F(ctx), "N", "context length per sequence (default: model's, at most 4096)"},
+    {"parallel", K_U32, F(parallel), "N", "concurrent sequences per worker (default 4)"},
+    {"threads", K_U32, F(threads), "N", "compute threads per worker (default: cores / workers)"},
+    {"vram-budget", K_SIZE, F(vram_budget), "SIZE", "VRAM per GPU worker, e.g. 24G"},
+    {"config", K_STR, F(config_file), "FILE", "config file with the same keys (key = value)"},
+    {"log-level", K_LEVEL, F(log_level), "LEVEL", "error | warn | info | debug (default info)"},
+    {"log-file", K_STR, F(log_file), "PATH", "log to a file instead of stderr (SIGHUP reopens)"},
+    {"admin-group", K_STR, F(admin_group), "NAME", "group allowed on /admin/* (default moed)"},
+    {"worker-bin", K_STR, F(worker_bin), "PATH", "moed-worker program (default: next to moed)"},
+    {"max-body", K_SIZE, F(max_body), "SIZE", "request body limit (default 8M)"},
+    {"idle-timeout", K_U32, F(idle_timeout_s), "SECONDS", "close idle connections (default 60)"},
+    {"profile-interval", K_U32, F(profile_interval_s), "SECONDS", "save routing counts (default 5)"},
+    {"queue-max", K_U32, F(queue_max), "N", "requests waiting for a slot (default 256)"},
+    {"max-tokens-default", K_U32, F(max_tokens_default), "N",
+     "max_tokens when a request gives none (default: up to the context)"},
+};
+#undef F
+#define N_KEYS (sizeof keys / sizeof keys[0])
+
+static int dup_into(char **dst, const char *s)
+{
+    char *d = strdup(s);
+    if (!d)
+        return -ENOMEM;
+    free(*dst);
+    *dst = d;
+    return 0;
+}
+
+int config_init(struct moed_config *c)
+{
+    memset(c, 0, sizeof *c);
+    c->log_level = LOG_LEVEL_INFO;
+    c->parallel = 4;
+    c->max_body = 8u << 20;
+    c->idle_timeout_s = 60;
+    c->profile_interval_s = 5;
+    c->queue_max = 256;
+    if (dup_into(&c->socket, MOED_DEFAULT_SOCKET) || dup_into(&c->state_dir, MOED_DEFAULT_STATE_DIR) ||
+        dup_into(&c->devices, "auto") || dup_into(&c->admin_group, "moed")) {
+        config_free(c);
+        return -ENOMEM;
+    }
+    return 0;
+}
+
+void config_free(struct moed_config *c)
+{
+    for (size_t i = 0; i < N_KEYS; i++)
+        if (keys[i].kind == K_STR) {
+            char **p = (char **)((char *)c + keys[i].off);
+            free(*p);
+            *p = NULL;
+        }
+}
+
+int config_parse_size(const char *s, uint64_t *out)
+{
+    if (!s)
+        return MOE_EFORMAT;
+    while (isspace((unsigned char)*s))
+        s++;
+    if (!isdigit((unsigned char)*s) && *s != '.')
+        return MOE_EFORMAT;
+    errno = 0;
+    char *end;
+    double v = strtod(s, &end);
+    if (errno || end == s || v < 0)
+        return MOE_EFORMAT;
+    double mul = 1;
+    switch (tolower((unsigned char)*end)) {
+    case 'k': mul = 1024.0; end++; break;
+    case 'm': mul = 1024.0 * 1024; end++; break;
+    case 'g': mul = 1024.0 * 1024 * 1024; end++; break;
+    case 't': mul = 1024.0 * 1024 * 1024 * 1024; end++; break;
+    default: break;
+    }
+    if (mul > 1 && (*end == 'i' || *end == 'I'))
+        end++;
+    if (*end == 'b' || *end == 'B')
+        end++;
+    while (isspace((unsigned char)*end))
+        end++;
+    if (*end)
+        return MOE_EFORMAT;
+    double bytes = v * mul;
+    if (bytes >= 18446744073709551615.0)
+        return MOE_ERANGE;
+    *out = (uint64_t)bytes;
+    return 0;
+}
+
+static const struct key *find_key(const char *name)
+{
+    char norm[64];
+    size_t n = strlen(name);
+    if (n >= sizeof norm)
+        return NULL;
+    for (size_t i = 0; i <= n; i++)
+        norm[i] = name[i] == '_' ? '-' : (char)tolower((unsigned char)name[i]);
+    for (size_t i = 0; i < N_KEYS; i++)
+        if (!strcmp(keys[i].name, norm))
+            return &keys[i];
+    return NULL;
+}
+
+int config_set(struct moed_config *c, const char *key, const char *value, char *err, size_t errlen)
+{
+    const struct key *k = find_key(key);
+    if (!k)
+        return moe_fail(err, errlen, MOE_ENOTFOUND, "unknown option '%s'", key);
+    void *p = (char *)c + k->off;
+    switch (k->kind) {
+    case K_STR:
+        if (!*value)
+            return moe_fail(err, errlen, MOE_EFORMAT, "%s: empty value", k->name);
+        return dup_into((char **)p, value) ? moe_fail(err, errlen, -ENOMEM, "out of memory") : 0;
+    case K_U32: {
+        char *end;
+        errno = 0;
+        unsigned long long v = strtoull(value, &end, 10);
+        if (!*value || *end || errno || value[0] == '-')
+            return moe_fail(err, errlen, MOE_EFORMAT, "%s: '%s' is not a number", k->name, value);
+        if (v > UINT32_MAX)
+            return moe_fail(err, errlen, MOE_ERANGE, "%s: %s is too large", k->name, value);
+        *(uint32_t *)p = (uint32_t)v;
+        return 0;
+    }
+    case K_SIZE: {
+        int rc = config_parse_size(value, (uint64_t *)p);
+        if (rc)
+            return moe_fail(err, errlen, rc,
+                            "%s: '%s' is not a size (bytes, or a number with K, M, G or T)",
+                            k->name, value);
+        return 0;
+    }
+    case K_LEVEL:
+        if (log_level_parse(value, (enum log_level *)p))
+            return moe_fail(err, errlen, MOE_EFORMAT,
+                            "%s: '%s' is not one of error, warn, info, debug", k->name, value);
+        return 0;
+    }
+    return MOE_EINTERNAL;
+}
+
+static char *trim(char *s)
+{
+    while (isspace((unsigned char)*s))
+        s++;
+    char *e = s + strlen(s);
+    while (e > s && isspace((unsigned char)e[-1]))
+        *--e = 0;
+    return s;
+}
+
+int config_load_file(struct moed_config *c, const char *path, char *err, size_t errlen)
+{
+    FILE *f = fopen(path, "r");
+    if (!f)
+        return moe_fail(err, errlen, -errno, "config file %s: %s", path, strerror(errno));
+    char line[4096];
+    int lineno = 0, rc = 0;
+    while (fgets(line, sizeof line, f)) {
+        lineno++;
+        if (!strchr(line, '\n') && !feof(f)) {
+            rc = moe_fail(err, errlen, MOE_ETOOBIG, "%s:%d: line too long", path, lineno);
+            goto out;
+        }
+        char *s = trim(line);
+        if (!*s || *s == '#' || *s == ';' || *s == '[')
+            continue;
+        char *eq = strchr(s, '=');
+        if (!eq) {
+            rc = moe_fail(err, errlen, MOE_EFORMAT, "%s:%d: expected 'key = value'", path, lineno);
+            goto out;
+        }
+        *eq = 0;
+        char *key = trim(s), *val = trim(eq + 1);
+        /* A '#' or ';' after whitespace starts a comment, unless the value is quoted. */
+        if (*val != '"' && *val != '\'') {
+            for (char *p = val + 1; *p; p++)
+                if ((*p == '#' || *p == ';') && (p[-1] == ' ' || p[-1] == '\t')) {
+                    *p = 0;
+                    val = trim(val);
+                    break;
+                }
+        }
+        size_t vl = strlen(val);
+        if (vl >= 2 && (val[0] == '"' || val[0] == '\'') && val[vl - 1] == val[0]) {
+            val[vl - 1] = 0;
+            val++;
+        }
+        if (!strcmp(key, "config"))
+            continue;
+        char msg[512];
+        if ((rc = config_set(c, key, val, msg, sizeof msg)) != 0) {
+            moe_fail(err, errlen, rc, "%s:%d: %s", path, lineno, msg);
+            goto out;
+        }
+    }
+    if (ferror(f))
+        rc = moe_fail(err, errlen, -EIO, "config file %s: read error", path);
+out:
+    fclose(f);
+    return rc;
+}
+
+void config_usage(FILE *f)
+{
+    fprintf(f, "usage: moed --model PATH [options]\n\n"
+               "Serves a Mixture-of-Experts GGUF model over HTTP (OpenAI-compatible API) on a Unix\n"
+               "socket. Runs in the foreground and logs to stderr.\n\noptions:\n");
+    for (size_t i = 0; i < N_KEYS; i++) {
+        char left[48];
+        snprintf(left, sizeof left, "--%s %s", keys[i].name, keys[i].arg);
+        fprintf(f, "  %-30s %s\n", left, keys[i].help);
+    }
+    fprintf(f, "  %-30s %s\n", "-h, --help", "this text");
+    fprintf(f, "\nA config file uses the same names without dashes in front: 'workers = 2'.\n"
+               "Options on the command line win over the file.\n");
+}
+
+int config_parse_args(struct moed_config *c, int argc, char **argv, bool *help, char *err,
+                      size_t errlen)
+{
+    *help = false;
+    char msg[512];
+    /* First pass: --help and --config, so that the file loads before the options override it. */
+    for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "-h") || !strcmp(argv[i], "--help")) {
+            *help = true;
+            return 0;
+        }
+        const char *v = NULL;
+        if (!strcmp(argv[i], "--config") && i + 1 < argc)
+            v = argv[++i];
+        else if (!strncmp(argv[i], "--config=", 9))
+            v = argv[i] + 9;
+        if (v) {
+            int rc = config_load_file(c, v, err, errlen);
+            if (rc)
+                return rc;
+            if (dup_into(&c->config_file, v))
+                return moe_fail(err, errlen, -ENOMEM, "out of memory");
+        }
+    }
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        if (strncmp(a, "--", 2) != 0)
+            return moe_fail(err, errlen, MOE_EFORMAT, "unexpected argument '%s' (see --help)", a);
+        char name[64];
+        const char *val;
+        const char *eq = strchr(a + 2, '=');
+        if (eq) {
+            size_t n = (size_t)(eq - a - 2);
+            if (n >= sizeof name)
+                return moe_fail(err, errlen, MOE_EFORMAT, "unknown option '%s'", a);
+            memcpy(name, a + 2, n);
+            name[n] = 0;
+            val = eq + 1;
+        } else {
+            snprintf(name, sizeof name, "%s", a + 2);
+            if (i + 1 >= argc)
+                return moe_fail(err, errlen, MOE_EFORMAT, "option '%s' needs a value", a);
+            val = argv[++i];
+        }
+        if (!strcmp(name, "config"))
+            continue;
+        int rc = config_set(c, name, val, msg, sizeof msg);
+        if (rc == MOE_ENOTFOUND)
+            return moe_fail(err, errlen, rc, "unknown option '--%s' (see --help)", name);
+        if (rc)
+            return moe_fail(err, errlen, rc, "--%s", msg);
+    }
+    if (!c->model)
+        return moe_fail(err, errlen, MOE_ENOTFOUND, "--model PATH is required (see --help)");
+    if (c->listen) {
+        struct sockaddr_storage ss;
+        int rc = http_parse_listen(c->listen, &ss, msg, sizeof msg);
+        if (rc)
+            return moe_fail(err, errlen, rc, "--listen: %s", msg);
+    }
+    if (c->parallel == 0 || c->parallel > 256)
+        return moe_fail(err, errlen, MOE_ERANGE, "--parallel must be 1..256, not %u", c->parallel);
+    if (c->workers > 64)
+        return moe_fail(err, errlen, MOE_ERANGE, "--workers must be at most 64, not %u", c->workers);
+    if (c->max_body < 1024)
+        return moe_fail(err, errlen, MOE_ERANGE, "--max-body must be at least 1K");
+    if (c->profile_interval_s == 0)
+        c->profile_interval_s = 5;
+    return 0;
+}

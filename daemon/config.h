@@ -1,0 +1,64 @@
+/* moed's configuration: defaults, then the config file (--config FILE, INI-style "key = value"
+ * lines with the long option names as keys; '#' and ';' start comments; [sections] are ignored),
+ * then the command line, which wins. */
+#ifndef MOED_CONFIG_H
+#define MOED_CONFIG_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+
+#include "daemon/log.h"
+
+#define MOED_DEFAULT_SOCKET "/run/moed/moed.sock"
+#define MOED_DEFAULT_STATE_DIR "/var/lib/moed"
+
+struct moed_config {
+    char *model;            /* --model PATH (required) */
+    char *socket;           /* --socket PATH */
+    char *listen;           /* --listen HOST:PORT (loopback only), or NULL */
+    char *state_dir;        /* --state-dir DIR (the LMDB profile database lives here) */
+    char *devices;          /* --devices cpu|auto|0,1 */
+    uint32_t workers;       /* --workers N; 0: one per device (1 for cpu) */
+    uint32_t ctx;           /* --ctx N; 0: the model's training context, capped at 4096 */
+    uint32_t parallel;      /* --parallel N: sequences per worker */
+    uint32_t threads;       /* --threads N: compute threads per worker; 0: cores / workers */
+    uint64_t vram_budget;   /* --vram-budget SIZE (bytes); 0: the worker decides */
+    char *config_file;      /* --config FILE */
+    enum log_level log_level; /* --log-level error|warn|info|debug */
+    char *log_file;         /* --log-file PATH; NULL: stderr */
+    char *admin_group;      /* --admin-group NAME: may use the admin endpoints besides root and our uid */
+    char *worker_bin;       /* --worker-bin PATH; NULL: moed-worker next to moed */
+    uint64_t max_body;      /* --max-body SIZE: request body limit (413 above) */
+    uint32_t idle_timeout_s;   /* --idle-timeout S: idle keep-alive connections are closed */
+    uint32_t profile_interval_s; /* --profile-interval S: how often routing counts are saved */
+    uint32_t queue_max;     /* --queue-max N: requests waiting for a slot (503 above) */
+    uint32_t max_tokens_default; /* --max-tokens-default N: when a request names none; 0: to n_ctx */
+};
+
+/* Fills the defaults (allocated strings). Returns 0 or -ENOMEM. */
+int config_init(struct moed_config *c);
+void config_free(struct moed_config *c);
+
+/* Sets one key ("state-dir" and "state_dir" both work) from its text value. Returns 0,
+ * MOE_ENOTFOUND (unknown key), MOE_EFORMAT / MOE_ERANGE (bad value) with a message. */
+int config_set(struct moed_config *c, const char *key, const char *value, char *err,
+               size_t errlen);
+
+/* Reads a config file. Messages name the file and line. */
+int config_load_file(struct moed_config *c, const char *path, char *err, size_t errlen);
+
+/* Applies argv: first finds --config and loads that file, then applies every option so that the
+ * command line wins. *help is set when -h/--help was given (nothing else is checked then).
+ * Checks the result (--model present, --listen loopback). */
+int config_parse_args(struct moed_config *c, int argc, char **argv, bool *help, char *err,
+                      size_t errlen);
+
+/* "24G", "24GiB", "512M", "1.5g", "4096" -> bytes (K/M/G/T are powers of 1024). */
+int config_parse_size(const char *s, uint64_t *out);
+
+/* Writes the usage text. */
+void config_usage(FILE *f);
+
+#endif

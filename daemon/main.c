@@ -1,0 +1,744 @@
+/* moed: the host daemon. Opens and validates the model, builds the shared expert store, loads
+ * the routing profile, starts the workers and serves the HTTP API on a Unix socket (and
+ * optionally loopback TCP) until SIGTERM, then drains and exits 0.
+ *
+ * Startup order matters for systemd: everything that can fail because of bad input (config,
+ * model file, tokenizer, state dir) is checked before the socket exists, so a broken setup exits
+ * 1 with a clear message; READY=1 is sent only when every worker reported Ready. */
+#include <errno.h>
+#include <grp.h>
+#include <inttypes.h>
+#include <limits.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <jansson.h>
+#include <uv.h>
+
+#include "daemon/api.h"
+#include "daemon/config.h"
+#include "daemon/http.h"
+#include "daemon/log.h"
+#include "daemon/notify.h"
+#include "daemon/supervisor.h"
+#include "proto/ipc.h"
+#include "store/err.h"
+#include "store/expert_store.h"
+#include "store/gguf.h"
+#include "store/model.h"
+#include "store/placement.h"
+#include "store/profile.h"
+#include "store/tokenizer.h"
+
+#define MAX_DEVICES 64
+
+struct daemon {
+    struct moed_config cfg;
+    uv_loop_t *loop;
+    struct gguf_file *gguf;
+    struct moe_model model;
+    bool model_ok;
+    struct moe_tokenizer *tok;
+    struct moe_store *store;
+    struct moe_profile_db *db;
+    struct moe_profile profile;
+    bool profile_dirty;
+    struct moed_workers *workers;
+    struct api *api;
+    struct http_server *http;
+    uint32_t n_ctx;
+    char *devices[MAX_DEVICES];
+    uint32_t n_workers;
+    bool has_gpu;
+
+    uv_signal_t sig_term, sig_int, sig_hup;
+    uv_timer_t profile_timer, watchdog_timer;
+    uint64_t watchdog_us;
+    bool ready, stopping;
+    int exit_code;
+    double progress_last;
+};
+
+/* ---- profile ---- */
+
+static int profile_save(struct daemon *d)
+{
+    char err[256];
+    int rc = moe_profile_save(d->db, &d->profile, err, sizeof err);
+    if (rc)
+        log_error("saving the routing profile: %s", err);
+    else
+        d->profile_dirty = false;
+    return rc;
+}
+
+static void on_profile_timer(uv_timer_t *t)
+{
+    struct daemon *d = t->data;
+    if (d->profile_dirty)
+        profile_save(d);
+}
+
+static void on_routing(void *user, uint32_t worker, const uint64_t *counts, uint32_t n_layer,
+                       uint32_t n_expert, uint64_t n_tokens)
+{
+    struct daemon *d = user;
+    (void)worker;
+    if (n_layer != d->profile.n_layer || n_expert != d->profile.n_expert)
+        return;
+    if (moe_profile_merge(&d->profile, counts, (size_t)n_layer * n_expert, n_tokens) == 0)
+        d->profile_dirty = true;
+    api_add_routing(d->api, counts, n_layer, n_expert, n_tokens);
+}
+
+/* ---- admin hooks ---- */
+
+static const char *state_name(enum moed_worker_state s)
+{
+    switch (s) {
+    case MOED_WORKER_STARTING: return "starting";
+    case MOED_WORKER_READY: return "ready";
+    case MOED_WORKER_BACKOFF: return "restarting";
+    case MOED_WORKER_STOPPING: return "stopping";
+    case MOED_WORKER_STOPPED: return "stopped";
+    }
+    return "?";
+}
+
+static int hook_status(void *user, char **json, char *err, size_t errlen)
+{
+    struct daemon *d = user;
+    (void)err, (void)errlen;
+    json_t *o = json_object();
+    json_t *ws = json_array();
+    for (uint32_t i = 0; d->workers && i < d->n_workers; i++) {
+        struct moed_worker_info wi;
+        if (moed_workers_info(d->workers, i, &wi))
+            continue;
+        json_t *w = json_object();
+        json_object_set_new(w, "index", json_integer(i));
+        json_object_set_new(w, "state", json_string(state_name(wi.state)));
+        json_object_set_new(w, "pid", json_integer(wi.pid));
+        json_object_set_new(w, "device", json_string(wi.device));
+        json_object_set_new(w, "restarts", json_integer(wi.restarts));
+        json_object_set_new(w, "running", json_integer(wi.running));
+        json_object_set_new(w, "n_seq", json_integer(wi.n_seq));
+        json_object_set_new(w, "n_ctx", json_integer(wi.n_ctx));
+        json_object_set_new(w, "weights_bytes", json_integer((json_int_t)wi.weights_bytes));
+        json_object_set_new(w, "kv_bytes", json_integer((json_int_t)wi.kv_bytes));
+        json_object_set_new(w, "vram_used", json_integer((json_int_t)wi.vram_used));
+        json_object_set_new(w, "ram_used", json_integer((json_int_t)wi.ram_used));
+        json_object_set_new(w, "tokens_generated", json_integer((json_int_t)wi.tokens_generated));
+        json_object_set_new(w, "tokens_per_second", json_real(wi.tokens_per_s));
+        json_object_set_new(w, "last_error", json_string(wi.last_error));
+        json_array_append_new(ws, w);
+    }
+    json_object_set_new(o, "workers", ws);
+    if (d->store) {
+        struct moe_store_info si;
+        moe_store_get_info(d->store, &si);
+        json_t *s = json_object();
+        json_object_set_new(s, "bytes", json_integer((json_int_t)si.size));
+        json_object_set_new(s, "dense_bytes", json_integer((json_int_t)si.dense_bytes));
+        json_object_set_new(s, "expert_bytes", json_integer((json_int_t)si.expert_bytes));
+        json_object_set_new(s, "load_seconds", json_real(si.seconds));
+        json_object_set_new(s, "huge_page_bytes", json_integer((json_int_t)si.huge_bytes));
+        json_object_set_new(o, "store", s);
+    }
+    json_t *p = json_object();
+    json_object_set_new(p, "tokens", json_integer((json_int_t)d->profile.tokens));
+    json_object_set_new(p, "created", json_integer(d->profile.created));
+    json_object_set_new(p, "updated", json_integer(d->profile.updated));
+    json_object_set_new(p, "state_dir", json_string(d->cfg.state_dir));
+    json_object_set_new(o, "profile", p);
+    json_t *c = json_object();
+    json_object_set_new(c, "socket", json_string(d->cfg.socket));
+    json_object_set_new(c, "listen", d->cfg.listen ? json_string(d->cfg.listen) : json_null());
+    json_object_set_new(c, "devices", json_string(d->cfg.devices));
+    json_object_set_new(c, "workers", json_integer(d->n_workers));
+    json_object_set_new(c, "parallel", json_integer(d->cfg.parallel));
+    json_object_set_new(c, "vram_budget", json_integer((json_int_t)d->cfg.vram_budget));
+    json_object_set_new(o, "config", c);
+    *json = json_dumps(o, JSON_COMPACT);
+    json_decref(o);
+    return *json ? 0 : -ENOMEM;
+}
+
+static int hook_profile_export(void *user, char **json, char *err, size_t errlen)
+{
+    struct daemon *d = user;
+    return moe_profile_export_json(&d->profile, json, err, errlen);
+}
+
+static int hook_profile_import(void *user, const char *json, size_t len, char *err, size_t errlen)
+{
+    struct daemon *d = user;
+    struct moe_profile p;
+    int rc = moe_profile_import_json(&p, json, len, d->model.fingerprint, d->model.hp.n_layer,
+                                     d->model.hp.n_expert, err, errlen);
+    if (rc)
+        return rc;
+    struct moe_profile old = d->profile;
+    d->profile = p;
+    if ((rc = moe_profile_save(d->db, &d->profile, err, errlen)) != 0) {
+        d->profile = old;
+        moe_profile_free(&p);
+        return rc;
+    }
+    moe_profile_free(&old);
+    d->profile_dirty = false;
+    log_info("routing profile imported (%" PRIu64 " tokens)", d->profile.tokens);
+    return 0;
+}
+
+static int hook_profile_reset(void *user, char *err, size_t errlen)
+{
+    struct daemon *d = user;
+    struct moe_profile p;
+    int rc = moe_profile_init(&p, d->model.fingerprint, d->model.hp.n_layer, d->model.hp.n_expert);
+    if (rc)
+        return moe_fail(err, errlen, rc, "out of memory");
+    rc = moe_profile_delete(d->db, d->model.fingerprint, err, errlen);
+    if (rc && rc != MOE_ENOTFOUND) {
+        moe_profile_free(&p);
+        return rc;
+    }
+    moe_profile_free(&d->profile);
+    d->profile = p;
+    d->profile_dirty = false;
+    log_info("routing profile reset");
+    return 0;
+}
+
+/* The placement the current profile gives for the configured budget (or, without GPU workers,
+ * for a budget of a quarter of the expert bytes, to show what would be hot). */
+static int hook_placement(void *user, char **json, char *err, size_t errlen)
+{
+    struct daemon *d = user;
+    uint32_t L = d->model.hp.n_layer, E = d->model.hp.n_expert;
+    uint64_t *eb = calloc(L, sizeof *eb);
+    if (!eb)
+        return moe_fail(err, errlen, -ENOMEM, "out of memory");
+    for (uint32_t l = 0; l < L; l++)
+        eb[l] = moe_model_expert_bytes(&d->model, l);
+    uint64_t budget;
+    const char *source;
+    if (d->cfg.vram_budget > d->model.bytes_dense) {
+        budget = d->cfg.vram_budget - d->model.bytes_dense;
+        source = "vram-budget minus dense weights";
+    } else {
+        budget = d->model.bytes_experts / 4;
+        source = "a quarter of the expert bytes (no --vram-budget)";
+    }
+    struct moe_placement pl;
+    bool have_counts = d->profile.tokens > 0;
+    int rc = moe_placement_compute(&pl, L, E, d->model.hp.n_expert_used, eb,
+                                   have_counts ? d->profile.counts : NULL, budget, err, errlen);
+    free(eb);
+    if (rc)
+        return rc;
+    json_t *o = json_object();
+    json_object_set_new(o, "budget_bytes", json_integer((json_int_t)budget));
+    json_object_set_new(o, "budget_source", json_string(source));
+    json_object_set_new(o, "bytes_used", json_integer((json_int_t)pl.bytes_used));
+    json_object_set_new(o, "floor", json_integer(pl.floor));
+    json_object_set_new(o, "profile_tokens", json_integer((json_int_t)d->profile.tokens));
+    json_object_set_new(o, "n_layer", json_integer(L));
+    json_object_set_new(o, "n_expert", json_integer(E));
+    json_t *layers = json_array();
+    for (uint32_t l = 0; l < L; l++) {
+        json_t *lo = json_object();
+        json_t *hot = json_array();
+        for (uint32_t e = 0; e < E; e++)
+            if (pl.hot[(size_t)l * E + e])
+                json_array_append_new(hot, json_integer(e));
+        json_object_set_new(lo, "layer", json_integer(l));
+        json_object_set_new(lo, "n_hot", json_integer(pl.n_hot[l]));
+        json_object_set_new(lo, "hit_rate", json_real(pl.hit_rate[l]));
+        json_object_set_new(lo, "hot", hot);
+        json_array_append_new(layers, lo);
+    }
+    json_object_set_new(o, "layers", layers);
+    moe_placement_free(&pl);
+    *json = json_dumps(o, JSON_COMPACT);
+    json_decref(o);
+    return *json ? 0 : moe_fail(err, errlen, -ENOMEM, "out of memory");
+}
+
+static int hook_metrics(void *user, char **text)
+{
+    struct daemon *d = user;
+    size_t cap = 256 + (size_t)d->n_workers * 1024, n = 0;
+    char *b = malloc(cap);
+    if (!b)
+        return -ENOMEM;
+    n += (size_t)snprintf(b + n, cap - n,
+                          "# HELP moed_worker_up 1 when the worker is ready.\n# TYPE moed_worker_up gauge\n");
+    struct moed_worker_info wi[MAX_DEVICES];
+    uint32_t nw = 0;
+    for (uint32_t i = 0; d->workers && i < d->n_workers && i < MAX_DEVICES; i++)
+        if (moed_workers_info(d->workers, i, &wi[nw]) == 0)
+            nw++;
+    for (uint32_t i = 0; i < nw; i++)
+        n += (size_t)snprintf(b + n, cap - n, "moed_worker_up{worker=\"%u\",device=\"%s\"} %d\n", i,
+                              wi[i].device, wi[i].state == MOED_WORKER_READY);
+    n += (size_t)snprintf(b + n, cap - n, "# TYPE moed_worker_restarts_total counter\n");
+    for (uint32_t i = 0; i < nw; i++)
+        n += (size_t)snprintf(b + n, cap - n, "moed_worker_restarts_total{worker=\"%u\"} %u\n", i,
+                              wi[i].restarts);
+    n += (size_t)snprintf(b + n, cap - n, "# TYPE moed_worker_tokens_per_second gauge\n");
+    for (uint32_t i = 0; i < nw; i++)
+        n += (size_t)snprintf(b + n, cap - n, "moed_worker_tokens_per_second{worker=\"%u\"} %.3f\n",
+                              i, wi[i].tokens_per_s);
+    n += (size_t)snprintf(b + n, cap - n, "# TYPE moed_worker_vram_used_bytes gauge\n");
+    for (uint32_t i = 0; i < nw; i++)
+        n += (size_t)snprintf(b + n, cap - n, "moed_worker_vram_used_bytes{worker=\"%u\"} %" PRIu64 "\n",
+                              i, wi[i].vram_used);
+    n += (size_t)snprintf(b + n, cap - n, "# TYPE moed_profile_tokens gauge\nmoed_profile_tokens %" PRIu64 "\n",
+                          d->profile.tokens);
+    *text = b;
+    return 0;
+}
+
+/* ---- lifecycle ---- */
+
+static void on_ready(void *user)
+{
+    struct daemon *d = user;
+    d->ready = true;
+    api_set_ready(d->api, true);
+    notify_ready();
+    log_info("ready: %u worker(s) serving %s on %s%s%s", d->n_workers, d->cfg.model, d->cfg.socket,
+             d->cfg.listen ? " and " : "", d->cfg.listen ? d->cfg.listen : "");
+}
+
+static void on_worker_state(void *user, uint32_t worker, enum moed_worker_state st)
+{
+    struct daemon *d = user;
+    struct moed_worker_info wi;
+    if (moed_workers_info(d->workers, worker, &wi) == 0 && st == MOED_WORKER_BACKOFF)
+        log_warn("worker %u (%s) is down: %s; restarting", worker, wi.device, wi.last_error);
+    else
+        log_info("worker %u: %s", worker, state_name(st));
+    uint32_t total, ready = moed_workers_ready(d->workers, &total);
+    api_set_ready(d->api, d->ready && ready > 0);
+    if (!d->stopping)
+        notify_status("%u of %u workers ready", ready, total);
+}
+
+/* The watchdog is fed while the loop runs and some worker is alive: a daemon whose workers all
+ * keep failing gets restarted by systemd. */
+static void on_watchdog(uv_timer_t *t)
+{
+    struct daemon *d = t->data;
+    bool healthy = !d->workers;
+    for (uint32_t i = 0; d->workers && i < d->n_workers && !healthy; i++) {
+        struct moed_worker_info wi;
+        if (moed_workers_info(d->workers, i, &wi) == 0 &&
+            (wi.state == MOED_WORKER_READY || wi.state == MOED_WORKER_STARTING ||
+             wi.state == MOED_WORKER_STOPPING))
+            healthy = true;
+    }
+    if (healthy || d->stopping)
+        notify_watchdog();
+    else
+        log_warn("no healthy worker: not feeding the systemd watchdog");
+}
+
+static void close_walk(uv_handle_t *h, void *arg)
+{
+    (void)arg;
+    if (!uv_is_closing(h))
+        uv_close(h, NULL);
+}
+
+static void on_workers_stopped(void *user)
+{
+    struct daemon *d = user;
+    if (d->db)
+        profile_save(d);
+    api_free(d->api);
+    d->api = NULL;
+    http_server_close(d->http);
+    d->http = NULL;
+    moed_workers_free(d->workers);
+    d->workers = NULL;
+    log_info("stopped");
+    uv_walk(d->loop, close_walk, NULL);
+}
+
+static void begin_stop(struct daemon *d, const char *why)
+{
+    if (d->stopping) {
+        log_warn("%s again while stopping; still draining", why);
+        return;
+    }
+    d->stopping = true;
+    log_info("%s: draining (no new connections; in-flight requests may finish)", why);
+    notify_stopping();
+    api_set_draining(d->api, true);
+    http_server_stop_listening(d->http);
+    uv_timer_stop(&d->profile_timer);
+    if (d->workers)
+        moed_workers_stop(d->workers, 30000, on_workers_stopped, d);
+    else
+        on_workers_stopped(d);
+}
+
+static void on_signal(uv_signal_t *s, int signum)
+{
+    struct daemon *d = s->data;
+    if (signum == SIGHUP) {
+        if (log_reopen() == 0)
+            log_info("SIGHUP: log file reopened");
+        return;
+    }
+    begin_stop(d, signum == SIGTERM ? "SIGTERM" : "SIGINT");
+}
+
+/* ---- startup ---- */
+
+static int store_progress(uint64_t done, uint64_t total, void *user)
+{
+    struct daemon *d = user;
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    double now = ts.tv_sec + ts.tv_nsec * 1e-9;
+    if (d->progress_last == 0)
+        d->progress_last = now;
+    static double t0;
+    if (t0 == 0)
+        t0 = now;
+    double el = now - t0;
+    double gib = done / 1073741824.0, tot = total / 1073741824.0;
+    double rate = el > 0 ? gib / el : 0;
+    double eta = rate > 0 ? (tot - gib) / rate : 0;
+    notify_status("loading experts: %.2f of %.2f GiB (%.1f GiB/s, ETA %.0f s)", gib, tot, rate, eta);
+    notify_watchdog();
+    if (isatty(2)) {
+        fprintf(stderr, "\rmoed: loading experts %6.2f / %.2f GiB  %5.1f GiB/s  ETA %3.0f s ", gib,
+                tot, rate, eta);
+        if (done == total)
+            fputc('\n', stderr);
+    }
+    return 0;
+}
+
+/* --devices: "cpu" -> N cpu workers; "auto" -> one per GPU found, else cpu; "0,1" -> cuda:0, cuda:1. */
+static int plan_workers(struct daemon *d, char *err, size_t errlen)
+{
+    const char *dev = d->cfg.devices;
+    uint32_t n = 0;
+    bool gpu_list = strcmp(dev, "cpu") != 0 && strcmp(dev, "auto") != 0;
+    if (!strcmp(dev, "auto")) {
+        /* A GPU worker needs both a CUDA build and a device node; otherwise serve on the CPU. */
+#ifdef MOE_HAVE_CUDA
+        for (int i = 0; i < MAX_DEVICES; i++) {
+            char p[32];
+            snprintf(p, sizeof p, "/dev/nvidia%d", i);
+            if (access(p, F_OK) != 0)
+                break;
+            char name[16];
+            snprintf(name, sizeof name, "cuda:%d", i);
+            d->devices[n++] = strdup(name);
+        }
+#endif
+        if (n > 0)
+            d->has_gpu = true;
+    } else if (gpu_list) {
+        const char *p = dev;
+        while (*p) {
+            char *end;
+            errno = 0;
+            long k = strtol(p, &end, 10);
+            if (end == p || errno || k < 0 || k >= MAX_DEVICES || (*end && *end != ','))
+                return moe_fail(err, errlen, MOE_EFORMAT,
+                                "--devices '%s': expected cpu, auto or a list of GPU indexes like 0,1",
+                                dev);
+            if (n == MAX_DEVICES)
+                return moe_fail(err, errlen, MOE_ERANGE, "--devices: too many devices");
+            char name[16];
+            snprintf(name, sizeof name, "cuda:%ld", k);
+            d->devices[n++] = strdup(name);
+            p = *end ? end + 1 : end;
+        }
+        d->has_gpu = true;
+    }
+    if (n == 0) {
+        uint32_t w = d->cfg.workers ? d->cfg.workers : 1;
+        for (uint32_t i = 0; i < w && i < MAX_DEVICES; i++)
+            d->devices[n++] = strdup("cpu");
+    } else if (d->cfg.workers && d->cfg.workers != n) {
+        log_warn("--workers %u ignored: one worker per GPU (%u)", d->cfg.workers, n);
+    }
+    for (uint32_t i = 0; i < n; i++)
+        if (!d->devices[i])
+            return moe_fail(err, errlen, -ENOMEM, "out of memory");
+    d->n_workers = n;
+    return 0;
+}
+
+static int mkdir_p(const char *path, mode_t mode)
+{
+    char tmp[PATH_MAX];
+    if (snprintf(tmp, sizeof tmp, "%s", path) >= (int)sizeof tmp)
+        return -ENAMETOOLONG;
+    for (char *p = tmp + 1; *p; p++) {
+        if (*p != '/')
+            continue;
+        *p = 0;
+        if (mkdir(tmp, mode) != 0 && errno != EEXIST)
+            return -errno;
+        *p = '/';
+    }
+    if (mkdir(tmp, mode) != 0 && errno != EEXIST)
+        return -errno;
+    return 0;
+}
+
+static const char *base_name(const char *path, char *out, size_t cap)
+{
+    const char *s = strrchr(path, '/');
+    snprintf(out, cap, "%s", s ? s + 1 : path);
+    char *dot = strstr(out, ".gguf");
+    if (dot && dot[5] == 0)
+        *dot = 0;
+    return out;
+}
+
+static int run(struct daemon *d, int argc, char **argv)
+{
+    char err[1024];
+    bool help;
+    int rc = config_init(&d->cfg);
+    if (rc) {
+        fprintf(stderr, "moed: out of memory\n");
+        return 1;
+    }
+    if ((rc = config_parse_args(&d->cfg, argc, argv, &help, err, sizeof err))) {
+        fprintf(stderr, "moed: %s\n", err);
+        return rc == MOE_ENOTFOUND || rc == MOE_EFORMAT || rc == MOE_ERANGE ? 2 : 1;
+    }
+    if (help) {
+        config_usage(stdout);
+        return 0;
+    }
+    struct moed_config *c = &d->cfg;
+    log_set_level(c->log_level);
+    moe_ipc_log_init("moed", (enum moe_ipc_log_level)c->log_level);
+    if (c->log_file && (rc = log_open_file(c->log_file, err, sizeof err))) {
+        fprintf(stderr, "moed: %s\n", err);
+        return 1;
+    }
+    signal(SIGPIPE, SIG_IGN);
+    d->watchdog_us = notify_init();
+
+    /* The model: a bad file is reported and we exit 1 before anything else exists. */
+    notify_status("opening %s", c->model);
+    log_info("opening %s", c->model);
+    if ((rc = gguf_open(&d->gguf, c->model, err, sizeof err))) {
+        log_error("%s: %s", c->model, err);
+        return 1;
+    }
+    if ((rc = moe_model_from_gguf(&d->model, d->gguf, err, sizeof err))) {
+        log_error("%s: %s", c->model, err);
+        return 1;
+    }
+    d->model_ok = true;
+    if ((rc = moe_tok_load(&d->tok, d->gguf, err, sizeof err))) {
+        log_error("%s: tokenizer: %s", c->model, err);
+        return 1;
+    }
+    const struct moe_hparams *hp = &d->model.hp;
+    uint32_t n_ctx = c->ctx;
+    if (!n_ctx)
+        n_ctx = hp->n_ctx_train && hp->n_ctx_train < 4096 ? hp->n_ctx_train : 4096;
+    if (hp->n_ctx_train && n_ctx > hp->n_ctx_train)
+        log_warn("--ctx %u is beyond the model's training context %u", n_ctx, hp->n_ctx_train);
+    d->n_ctx = n_ctx;
+    log_info("model %s: %u layers, %u experts (top-%u), vocab %u, dense %.2f GiB, experts %.2f GiB, "
+             "context %u", d->model.arch_name, hp->n_layer, hp->n_expert, hp->n_expert_used,
+             hp->n_vocab, d->model.bytes_dense / 1073741824.0, d->model.bytes_experts / 1073741824.0,
+             n_ctx);
+    if ((rc = plan_workers(d, err, sizeof err))) {
+        log_error("%s", err);
+        return 2;
+    }
+
+    /* Profiles live in the state dir; create it like systemd's StateDirectory= would. */
+    if ((rc = mkdir_p(c->state_dir, 0750))) {
+        log_error("state dir %s: %s", c->state_dir, strerror(-rc));
+        return 1;
+    }
+    if ((rc = moe_profile_db_open(&d->db, c->state_dir, err, sizeof err))) {
+        log_error("profile database in %s: %s", c->state_dir, err);
+        return 1;
+    }
+    rc = moe_profile_load(d->db, d->model.fingerprint, hp->n_layer, hp->n_expert, &d->profile, err,
+                          sizeof err);
+    if (rc == 0) {
+        log_info("routing profile loaded: %" PRIu64 " tokens", d->profile.tokens);
+    } else {
+        if (rc != MOE_ENOTFOUND)
+            log_warn("routing profile in %s unusable (%s); starting a new one", c->state_dir, err);
+        if ((rc = moe_profile_init(&d->profile, d->model.fingerprint, hp->n_layer, hp->n_expert))) {
+            log_error("profile: %s", moe_strerror(rc));
+            return 1;
+        }
+    }
+
+    /* The expert store: one copy of the weights in RAM for every worker. */
+    notify_status("loading experts");
+    if ((rc = moe_store_create(&d->store, &d->model, 0, store_progress, d, err, sizeof err))) {
+        log_error("expert store: %s", err);
+        return 1;
+    }
+    {
+        struct moe_store_info si;
+        moe_store_get_info(d->store, &si);
+        log_info("expert store: %.2f GiB in %.2f s (%d threads, %.2f GiB on huge pages)",
+                 si.size / 1073741824.0, si.seconds, si.threads, si.huge_bytes / 1073741824.0);
+    }
+
+    d->loop = uv_default_loop();
+    struct api_opts ao = {
+        .tok = d->tok,
+        .model = {.id = NULL, .arch = d->model.arch_name, .n_ctx = n_ctx, .n_vocab = hp->n_vocab,
+                  .n_layer = hp->n_layer, .n_expert = hp->n_expert,
+                  .n_expert_used = hp->n_expert_used, .fingerprint = d->model.fingerprint,
+                  .bytes_dense = d->model.bytes_dense, .bytes_experts = d->model.bytes_experts},
+        .admin_uid = geteuid(),
+        .max_tokens_default = c->max_tokens_default,
+        .hooks = {hook_status, hook_profile_export, hook_profile_import, hook_profile_reset,
+                  hook_placement, hook_metrics, d},
+    };
+    char model_id[256];
+    ao.model.id = base_name(c->model, model_id, sizeof model_id);
+    struct group gr, *grp = NULL;
+    char grbuf[4096];
+    if (c->admin_group && getgrnam_r(c->admin_group, &gr, grbuf, sizeof grbuf, &grp) == 0 && grp) {
+        ao.admin_gid = grp->gr_gid;
+        ao.have_admin_gid = true;
+    } else if (c->admin_group && strcmp(c->admin_group, "moed") != 0) {
+        log_warn("--admin-group %s: no such group; only root and uid %u may use /admin", c->admin_group,
+                 (unsigned)geteuid());
+    }
+    if ((rc = api_new(&d->api, &ao, err, sizeof err))) {
+        log_error("%s", err);
+        return 1;
+    }
+    struct http_limits lim;
+    http_limits_default(&lim);
+    lim.max_body_bytes = c->max_body;
+    lim.idle_timeout_ms = (uint64_t)c->idle_timeout_s * 1000;
+    if ((rc = http_server_new(&d->http, d->loop, &lim, api_handle, d->api)) ||
+        (rc = http_server_listen_unix(d->http, c->socket, err, sizeof err))) {
+        log_error("%s", rc == -ENOMEM ? "out of memory" : err);
+        return 1;
+    }
+    if (c->listen && (rc = http_server_listen_tcp(d->http, c->listen, err, sizeof err))) {
+        log_error("%s", err);
+        http_server_stop_listening(d->http);
+        return 1;
+    }
+    if (c->listen)
+        log_info("listening on %s and %s (tcp port %d)", c->socket, c->listen,
+                 http_server_tcp_port(d->http));
+    else
+        log_info("listening on %s", c->socket);
+
+    /* Workers. */
+    int32_t eog[64];
+    uint32_t n_eog = 0;
+    for (uint32_t id = 0; id < moe_tok_n_vocab(d->tok) && n_eog < 64; id++)
+        if (moe_tok_is_eog(d->tok, (int32_t)id))
+            eog[n_eog++] = (int32_t)id;
+    struct moed_workers_opts wo = {
+        .model_path = c->model,
+        .worker_bin = c->worker_bin,
+        .n_workers = d->n_workers,
+        .devices = (const char *const *)d->devices,
+        .n_ctx = n_ctx,
+        .n_seq = c->parallel,
+        .n_threads = (int)c->threads,
+        .vram_budget = c->vram_budget,
+        .store_fd = moe_store_fd(d->store),
+        .store_size = moe_store_size(d->store),
+        .store_fingerprint = d->model.fingerprint,
+        .n_vocab = hp->n_vocab,
+        .n_layer = hp->n_layer,
+        .n_expert = hp->n_expert,
+        .eog = eog,
+        .n_eog = n_eog,
+        .queue_max = c->queue_max,
+        .on_routing = on_routing,
+        .on_ready = on_ready,
+        .on_worker_state = on_worker_state,
+        .user = d,
+    };
+    notify_status("starting %u worker(s)", d->n_workers);
+    if ((rc = moed_workers_start(d->loop, &wo, &d->workers, err, sizeof err))) {
+        log_error("workers: %s", err);
+        http_server_stop_listening(d->http);
+        return 1;
+    }
+    api_set_sched(d->api, moed_workers_sched(d->workers));
+
+    uv_signal_init(d->loop, &d->sig_term);
+    uv_signal_init(d->loop, &d->sig_int);
+    uv_signal_init(d->loop, &d->sig_hup);
+    d->sig_term.data = d->sig_int.data = d->sig_hup.data = d;
+    uv_signal_start(&d->sig_term, on_signal, SIGTERM);
+    uv_signal_start(&d->sig_int, on_signal, SIGINT);
+    uv_signal_start(&d->sig_hup, on_signal, SIGHUP);
+    uv_timer_init(d->loop, &d->profile_timer);
+    d->profile_timer.data = d;
+    uint64_t pi = (uint64_t)c->profile_interval_s * 1000;
+    uv_timer_start(&d->profile_timer, on_profile_timer, pi, pi);
+    uv_timer_init(d->loop, &d->watchdog_timer);
+    d->watchdog_timer.data = d;
+    if (d->watchdog_us) {
+        uint64_t ms = d->watchdog_us / 1000 ? d->watchdog_us / 1000 : 1;
+        uv_timer_start(&d->watchdog_timer, on_watchdog, ms, ms);
+    }
+
+    uv_run(d->loop, UV_RUN_DEFAULT);
+    return d->exit_code;
+}
+
+static void cleanup(struct daemon *d)
+{
+    if (d->loop) {
+        uv_walk(d->loop, close_walk, NULL);
+        uv_run(d->loop, UV_RUN_DEFAULT);
+        uv_loop_close(d->loop);
+    }
+    if (d->workers)
+        moed_workers_free(d->workers);
+    if (d->api)
+        api_free(d->api);
+    moe_profile_free(&d->profile);
+    moe_profile_db_close(d->db);
+    moe_store_close(d->store);
+    moe_tok_free(d->tok);
+    if (d->model_ok)
+        moe_model_free(&d->model);
+    if (d->gguf)
+        gguf_close(d->gguf);
+    for (uint32_t i = 0; i < MAX_DEVICES; i++)
+        free(d->devices[i]);
+    config_free(&d->cfg);
+}
+
+int main(int argc, char **argv)
+{
+    static struct daemon d;
+    int rc = run(&d, argc, argv);
+    cleanup(&d);
+    return rc;
+}

@@ -1,0 +1,498 @@
+/* The scheduler: a bounded FIFO of requests, dispatched to the Ready worker with the most free
+ * sequence slots. Implements daemon/sched.h; the supervisor feeds it through daemon/sched_int.h.
+ *
+ * Lifetime rules the code relies on: a request is in exactly one place (the queue, or one
+ * worker's list) until its final callback; it is unlinked and the counters updated before any
+ * callback runs, so that callbacks may submit or cancel other requests; a request whose final
+ * callback is running is marked `finishing` and sched_cancel() ignores it. */
+#include "daemon/sched_int.h"
+
+#include <errno.h>
+#include <inttypes.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "proto/ipc.h"
+#include "store/err.h"
+
+#define MAX_ATTEMPTS 3       /* dispatches of one request before a worker crash fails it */
+#define QUEUE_TICK_MS 1000
+
+struct rlist {
+    struct sched_req *head, *tail;
+};
+
+struct sched_req {
+    uint64_t id;
+    int32_t *prompt;
+    uint32_t n_prompt;
+    uint32_t max_tokens;
+    struct sched_sampling sampling;
+    struct sched_cb cb;
+    void *user;
+    int32_t worker;          /* -1 while queued */
+    uint32_t n_gen;
+    uint32_t attempts;
+    uint64_t queued_at;      /* uv_now() when (re)queued */
+    bool finishing;
+    struct sched_req *prev, *next;
+};
+
+struct wstate {
+    bool ready;
+    uint32_t n_seq, n_ctx, running;
+    struct rlist reqs;
+};
+
+struct sched {
+    uv_loop_t *loop;
+    uv_timer_t timer;
+    struct moed_workers *ws;
+    struct sched_config cfg;
+    int32_t *eog;
+    struct wstate *w;
+    struct rlist queue;
+    uint32_t n_queued, n_running;
+    uint64_t next_id;
+    bool draining;
+    bool dispatching;
+    char drain_msg[128];
+    struct sched_stats st;
+    void (*idle_cb)(void *user);
+    void *idle_user;
+    void (*close_cb)(void *user);
+    void *close_user;
+};
+
+static void list_remove(struct rlist *l, struct sched_req *r)
+{
+    if (r->prev)
+        r->prev->next = r->next;
+    else
+        l->head = r->next;
+    if (r->next)
+        r->next->prev = r->prev;
+    else
+        l->tail = r->prev;
+    r->prev = r->next = NULL;
+}
+
+static void list_push_back(struct rlist *l, struct sched_req *r)
+{
+    r->next = NULL;
+    r->prev = l->tail;
+    if (l->tail)
+        l->tail->next = r;
+    else
+        l->head = r;
+    l->tail = r;
+}
+
+static void list_push_front(struct rlist *l, struct sched_req *r)
+{
+    r->prev = NULL;
+    r->next = l->head;
+    if (l->head)
+        l->head->prev = r;
+    else
+        l->tail = r;
+    l->head = r;
+}
+
+static void req_free(struct sched_req *r)
+{
+    free(r->prompt);
+    free(r);
+}
+
+/* Unlinks r from wherever it is and fixes the counters. */
+static void req_detach(struct sched *s, struct sched_req *r)
+{
+    if (r->worker < 0) {
+        list_remove(&s->queue, r);
+        s->n_queued--;
+    } else {
+        struct wstate *w = &s->w[r->worker];
+        list_remove(&w->reqs, r);
+        w->running--;
+        s->n_running--;
+        r->worker = -1;
+    }
+}
+
+/* Final callback for a detached request, then free. */
+static void req_fail(struct sched *s, struct sched_req *r, int status, const char *msg)
+{
+    r->finishing = true;
+    s->st.requests_failed++;
+    if (r->cb.on_error)
+        r->cb.on_error(r, r->user, status, msg);
+    req_free(r);
+}
+
+static void check_idle(struct sched *s)
+{
+    if (s->n_running == 0 && s->idle_cb)
+        s->idle_cb(s->idle_user);
+}
+
+static void dispatch(struct sched *s)
+{
+    if (s->dispatching)
+        return;
+    s->dispatching = true;
+    while (s->queue.head) {
+        int32_t best = -1;
+        uint32_t best_free = 0;
+        for (uint32_t i = 0; i < s->cfg.n_workers; i++) {
+            struct wstate *w = &s->w[i];
+            if (!w->ready || w->running >= w->n_seq)
+                continue;
+            if (w->n_seq - w->running > best_free) {
+                best_free = w->n_seq - w->running;
+                best = (int32_t)i;
+            }
+        }
+        if (best < 0)
+            break;
+        struct sched_req *r = s->queue.head;
+        int rc = moed_workers_send_submit(s->ws, (uint32_t)best, r->id, r->prompt, r->n_prompt,
+                                          r->max_tokens, &r->sampling, s->eog, s->cfg.n_eog);
+        if (rc) {
+            /* The connection is going away; the supervisor reports the worker lost. */
+            s->w[best].ready = false;
+            continue;
+        }
+        list_remove(&s->queue, r);
+        s->n_queued--;
+        r->worker = best;
+        r->attempts++;
+        list_push_back(&s->w[best].reqs, r);
+        s->w[best].running++;
+        s->n_running++;
+    }
+    s->dispatching = false;
+}
+
+static uint32_t n_ready(const struct sched *s)
+{
+    uint32_t n = 0;
+    for (uint32_t i = 0; i < s->cfg.n_workers; i++)
+        n += s->w[i].ready;
+    return n;
+}
+
+/* Requests must never wait forever: when no worker has been ready for queue_wait_ms (every
+ * worker keeps crashing, the model does not load), queued requests are failed. */
+static void on_tick(uv_timer_t *t)
+{
+    struct sched *s = t->data;
+    if (!s->queue.head || n_ready(s) > 0)
+        return;
+    uint64_t now = uv_now(s->loop);
+    struct sched_req *r = s->queue.head;
+    while (r) {
+        struct sched_req *next = r->next;
+        if (now - r->queued_at >= s->cfg.queue_wait_ms) {
+            req_detach(s, r);
+            char msg[160];
+            snprintf(msg, sizeof msg, "no worker is available (waited %.1f s; workers are restarting)",
+                     (double)(now - r->queued_at) / 1000.0);
+            req_fail(s, r, 503, msg);
+        }
+        r = next;
+    }
+}
+
+int sched_create(struct sched **out, uv_loop_t *loop, struct moed_workers *ws,
+                 const struct sched_config *cfg)
+{
+    struct sched *s = calloc(1, sizeof *s);
+    if (!s)
+        return -ENOMEM;
+    s->loop = loop;
+    s->ws = ws;
+    s->cfg = *cfg;
+    s->next_id = 1;
+    s->w = calloc(cfg->n_workers, sizeof *s->w);
+    if (cfg->n_eog) {
+        s->eog = malloc(cfg->n_eog * sizeof *s->eog);
+        if (s->eog)
+            memcpy(s->eog, cfg->eog, cfg->n_eog * sizeof *s->eog);
+    }
+    if (!s->w || (cfg->n_eog && !s->eog)) {
+        free(s->w);
+        free(s->eog);
+        free(s);
+        return -ENOMEM;
+    }
+    s->cfg.eog = s->eog;
+    uv_timer_init(loop, &s->timer);
+    s->timer.data = s;
+    uv_timer_start(&s->timer, on_tick, QUEUE_TICK_MS, QUEUE_TICK_MS);
+    uv_unref((uv_handle_t *)&s->timer);
+    *out = s;
+    return 0;
+}
+
+static void timer_closed(uv_handle_t *h)
+{
+    struct sched *s = h->data;
+    if (s->close_cb)
+        s->close_cb(s->close_user);
+}
+
+void sched_close(struct sched *s, void (*cb)(void *user), void *user)
+{
+    s->close_cb = cb;
+    s->close_user = user;
+    uv_close((uv_handle_t *)&s->timer, timer_closed);
+}
+
+void sched_destroy(struct sched *s)
+{
+    if (!s)
+        return;
+    while (s->queue.head) {
+        struct sched_req *r = s->queue.head;
+        list_remove(&s->queue, r);
+        req_free(r);
+    }
+    for (uint32_t i = 0; i < s->cfg.n_workers; i++)
+        while (s->w[i].reqs.head) {
+            struct sched_req *r = s->w[i].reqs.head;
+            list_remove(&s->w[i].reqs, r);
+            req_free(r);
+        }
+    free(s->w);
+    free(s->eog);
+    free(s);
+}
+
+struct sched_req *sched_submit(struct sched *s, const struct sched_params *p, int *http_status,
+                               char *msg, size_t msglen)
+{
+    int status = 0;
+    if (s->draining) {
+        status = 503;
+        snprintf(msg, msglen, "%s", s->drain_msg);
+    } else if (p->n_prompt == 0) {
+        status = 400;
+        snprintf(msg, msglen, "the prompt is empty");
+    } else if (p->n_prompt > s->cfg.n_ctx) {
+        status = 400;
+        snprintf(msg, msglen, "the prompt has %u tokens; the context holds %u", p->n_prompt,
+                 s->cfg.n_ctx);
+    } else if (p->max_tokens == 0 || p->max_tokens > MOE_IPC_MAX_CTX) {
+        status = 400;
+        snprintf(msg, msglen, "max_tokens %u is outside 1..%u", p->max_tokens, MOE_IPC_MAX_CTX);
+    } else if (s->n_queued >= s->cfg.queue_max) {
+        status = 503;
+        snprintf(msg, msglen, "the server is overloaded: %u requests are waiting", s->n_queued);
+    }
+    if (status) {
+        if (http_status)
+            *http_status = status;
+        return NULL;
+    }
+    struct sched_req *r = calloc(1, sizeof *r);
+    if (r)
+        r->prompt = malloc(p->n_prompt * sizeof *r->prompt);
+    if (!r || !r->prompt) {
+        free(r);
+        if (http_status)
+            *http_status = 503;
+        snprintf(msg, msglen, "out of memory");
+        return NULL;
+    }
+    memcpy(r->prompt, p->prompt, p->n_prompt * sizeof *r->prompt);
+    r->id = s->next_id++;
+    r->n_prompt = p->n_prompt;
+    r->max_tokens = p->max_tokens;
+    r->sampling = p->sampling;
+    r->cb = p->cb;
+    r->user = p->user;
+    r->worker = -1;
+    r->queued_at = uv_now(s->loop);
+    list_push_back(&s->queue, r);
+    s->n_queued++;
+    s->st.requests_total++;
+    dispatch(s);
+    return r;
+}
+
+void sched_cancel(struct sched *s, struct sched_req *r)
+{
+    if (!r || r->finishing)
+        return;
+    int32_t w = r->worker;
+    req_detach(s, r);
+    if (w >= 0)
+        moed_workers_send_cancel(s->ws, (uint32_t)w, r->id);
+    req_free(r);
+    if (w >= 0) {
+        dispatch(s);
+        check_idle(s);
+    }
+}
+
+void sched_get_stats(const struct sched *s, struct sched_stats *out)
+{
+    *out = s->st;
+    out->queued = s->n_queued;
+    out->running = s->n_running;
+    out->workers_ready = n_ready(s);
+    out->workers_total = s->cfg.n_workers;
+}
+
+void sched_worker_ready(struct sched *s, uint32_t w, uint32_t n_seq, uint32_t n_ctx)
+{
+    if (w >= s->cfg.n_workers)
+        return;
+    s->w[w].ready = true;
+    s->w[w].n_seq = n_seq;
+    s->w[w].n_ctx = n_ctx;
+    dispatch(s);
+}
+
+static struct sched_req *find(struct sched *s, uint32_t w, uint64_t id)
+{
+    if (w >= s->cfg.n_workers)
+        return NULL;
+    for (struct sched_req *r = s->w[w].reqs.head; r; r = r->next)
+        if (r->id == id)
+            return r;
+    return NULL;
+}
+
+void sched_worker_lost(struct sched *s, uint32_t w, const char *why)
+{
+    if (w >= s->cfg.n_workers)
+        return;
+    struct wstate *ws = &s->w[w];
+    ws->ready = false;
+    /* Take the whole list first: callbacks below may submit or cancel other requests. */
+    struct rlist lost = ws->reqs;
+    ws->reqs.head = ws->reqs.tail = NULL;
+    struct rlist retry = {0};
+    uint32_t n = 0;
+    for (struct sched_req *r = lost.head; r; r = r->next)
+        n++, r->worker = -1;
+    ws->running = 0;
+    s->n_running -= n;
+    while (lost.head) {
+        struct sched_req *r = lost.head;
+        list_remove(&lost, r);
+        if (r->n_gen == 0 && r->attempts < MAX_ATTEMPTS && !s->draining) {
+            list_push_back(&retry, r);
+            continue;
+        }
+        char msg[320];
+        int status;
+        if (r->n_gen > 0) {
+            status = 500;
+            snprintf(msg, sizeof msg, "worker %u failed during generation after %u tokens: %s", w,
+                     r->n_gen, why);
+        } else {
+            status = 503;
+            snprintf(msg, sizeof msg, "worker %u failed before generating (attempt %u of %u): %s", w,
+                     r->attempts, MAX_ATTEMPTS, why);
+        }
+        req_fail(s, r, status, msg);
+    }
+    /* Re-queued requests go first, in their original order: they have waited longest. */
+    while (retry.tail) {
+        struct sched_req *r = retry.tail;
+        list_remove(&retry, r);
+        r->queued_at = uv_now(s->loop);
+        list_push_front(&s->queue, r);
+        s->n_queued++;
+    }
+    dispatch(s);
+    check_idle(s);
+}
+
+void sched_worker_token(struct sched *s, uint32_t w, uint64_t id, int32_t token)
+{
+    struct sched_req *r = find(s, w, id);
+    if (!r)
+        return; /* cancelled while the token was on the wire */
+    r->n_gen++;
+    s->st.gen_tokens_total++;
+    if (r->cb.on_token)
+        r->cb.on_token(r, r->user, token); /* may cancel r: do not touch it afterwards */
+}
+
+void sched_worker_done(struct sched *s, uint32_t w, uint64_t id, int finish_reason,
+                       uint32_t n_prompt, uint32_t n_gen)
+{
+    struct sched_req *r = find(s, w, id);
+    if (!r)
+        return;
+    req_detach(s, r);
+    s->st.prompt_tokens_total += n_prompt;
+    r->finishing = true;
+    if (r->cb.on_done)
+        r->cb.on_done(r, r->user, finish_reason == 1 ? SCHED_FINISH_LENGTH : SCHED_FINISH_STOP,
+                      n_prompt, n_gen);
+    req_free(r);
+    dispatch(s);
+    check_idle(s);
+}
+
+void sched_worker_error(struct sched *s, uint32_t w, uint64_t id, int code, const char *msg)
+{
+    struct sched_req *r = find(s, w, id);
+    if (!r)
+        return;
+    req_detach(s, r);
+    char m[320];
+    snprintf(m, sizeof m, "worker %u: %s (%s)", w, msg && msg[0] ? msg : "request failed",
+             moe_strerror(code));
+    req_fail(s, r, 500, m);
+    dispatch(s);
+    check_idle(s);
+}
+
+void sched_drain(struct sched *s, const char *msg)
+{
+    s->draining = true;
+    snprintf(s->drain_msg, sizeof s->drain_msg, "%s", msg);
+    while (s->queue.head) {
+        struct sched_req *r = s->queue.head;
+        req_detach(s, r);
+        req_fail(s, r, 503, msg);
+    }
+}
+
+void sched_abort_running(struct sched *s, int status, const char *msg)
+{
+    for (uint32_t i = 0; i < s->cfg.n_workers; i++) {
+        while (s->w[i].reqs.head) {
+            struct sched_req *r = s->w[i].reqs.head;
+            uint64_t id = r->id;
+            req_detach(s, r);
+            moed_workers_send_cancel(s->ws, i, id);
+            req_fail(s, r, status, msg);
+        }
+    }
+    check_idle(s);
+}
+
+uint32_t sched_n_running(const struct sched *s)
+{
+    return s->n_running;
+}
+
+uint32_t sched_n_running_on(const struct sched *s, uint32_t w)
+{
+    return w < s->cfg.n_workers ? s->w[w].running : 0;
+}
+
+void sched_set_idle_cb(struct sched *s, void (*cb)(void *user), void *user)
+{
+    s->idle_cb = cb;
+    s->idle_user = user;
+}

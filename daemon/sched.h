@@ -1,0 +1,68 @@
+/* The daemon's scheduler: queues generation requests and spreads them over workers.
+ *
+ * Everything here runs on the daemon's one libuv loop; callbacks are called from that loop.
+ * The API layer (daemon/api.c) tokenizes, applies chat templates, handles stop strings and
+ * detokenization; the scheduler deals only in token ids. */
+#ifndef MOED_SCHED_H
+#define MOED_SCHED_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+struct sched;
+struct sched_req;
+
+struct sched_sampling {
+    float temperature;        /* 0: greedy */
+    float top_p;              /* 1: off */
+    int32_t top_k;            /* 0: off */
+    float min_p;              /* 0: off */
+    float repetition_penalty; /* 1: off */
+    float presence_penalty;   /* 0: off */
+    float frequency_penalty;  /* 0: off */
+    uint64_t seed;
+    bool has_seed;            /* false: the worker picks a random seed */
+};
+
+enum sched_finish { SCHED_FINISH_STOP = 0, SCHED_FINISH_LENGTH = 1 };
+
+struct sched_cb {
+    /* One generated token (already sampled; not yet checked for stop strings by the API). */
+    void (*on_token)(struct sched_req *r, void *user, int32_t token);
+    /* Generation ended normally: end-of-generation token or max_tokens reached. */
+    void (*on_done)(struct sched_req *r, void *user, enum sched_finish why, uint32_t n_prompt,
+                    uint32_t n_gen);
+    /* Generation failed (worker died after streaming, no worker, overload...). http_status is the
+     * status the API should use (500, 503, 400) when nothing was sent yet. */
+    void (*on_error)(struct sched_req *r, void *user, int http_status, const char *message);
+};
+
+struct sched_params {
+    const int32_t *prompt;    /* copied */
+    uint32_t n_prompt;
+    uint32_t max_tokens;
+    struct sched_sampling sampling;
+    struct sched_cb cb;
+    void *user;
+};
+
+/* Queues a request. Returns a handle valid until one of on_done/on_error has been called or
+ * sched_cancel() returned; NULL (with *http_status and msg set) when it cannot be queued
+ * (queue full: 503; prompt longer than the context: 400). */
+struct sched_req *sched_submit(struct sched *s, const struct sched_params *p, int *http_status,
+                               char *msg, size_t msglen);
+
+/* Stops a request (client went away, stop string matched). No callback is called after this
+ * returns; the worker slot is freed. */
+void sched_cancel(struct sched *s, struct sched_req *r);
+
+/* Counters for /metrics and /admin/status. */
+struct sched_stats {
+    uint32_t queued, running;
+    uint32_t workers_ready, workers_total;
+    uint64_t requests_total, requests_failed;
+    uint64_t prompt_tokens_total, gen_tokens_total;
+};
+void sched_get_stats(const struct sched *s, struct sched_stats *out);
+
+#endif

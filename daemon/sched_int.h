@@ -1,0 +1,56 @@
+/* Between the scheduler (daemon/sched.c) and the supervisor (daemon/supervisor.c); nobody else
+ * includes this. The supervisor owns processes and connections and reports what its workers say;
+ * the scheduler owns requests: the queue, which worker runs what, and the API's callbacks. */
+#ifndef MOED_SCHED_INT_H
+#define MOED_SCHED_INT_H
+
+#include <stdint.h>
+
+#include <uv.h>
+
+#include "daemon/sched.h"
+#include "daemon/supervisor.h"
+
+struct sched_config {
+    uint32_t n_workers;
+    uint32_t n_ctx;           /* prompts longer than this are refused (400) */
+    uint32_t queue_max;
+    uint32_t queue_wait_ms;
+    const int32_t *eog;       /* copied */
+    uint32_t n_eog;
+};
+
+/* Returns 0 or -ENOMEM. */
+int sched_create(struct sched **out, uv_loop_t *loop, struct moed_workers *ws,
+                 const struct sched_config *cfg);
+/* Frees requests still held without calling their callbacks; the timer must be closed first. */
+void sched_destroy(struct sched *s);
+/* Closes the scheduler's timer; cb(user) when it is closed. */
+void sched_close(struct sched *s, void (*cb)(void *user), void *user);
+
+/* Events from the supervisor. */
+void sched_worker_ready(struct sched *s, uint32_t w, uint32_t n_seq, uint32_t n_ctx);
+/* The worker is gone: its requests are re-queued (no token sent yet) or failed. */
+void sched_worker_lost(struct sched *s, uint32_t w, const char *why);
+void sched_worker_token(struct sched *s, uint32_t w, uint64_t id, int32_t token);
+void sched_worker_done(struct sched *s, uint32_t w, uint64_t id, int finish_reason,
+                       uint32_t n_prompt, uint32_t n_gen);
+void sched_worker_error(struct sched *s, uint32_t w, uint64_t id, int code, const char *msg);
+
+/* Stops accepting (503) and fails every queued request with 503 and msg. */
+void sched_drain(struct sched *s, const char *msg);
+/* Fails every running request with status and msg (and cancels it on its worker). */
+void sched_abort_running(struct sched *s, int status, const char *msg);
+uint32_t sched_n_running(const struct sched *s);
+uint32_t sched_n_running_on(const struct sched *s, uint32_t w);
+/* Called whenever the number of running requests drops to zero (used while draining). */
+void sched_set_idle_cb(struct sched *s, void (*cb)(void *user), void *user);
+
+/* Calls into the supervisor (daemon/supervisor.c). Return 0 or an error when the worker's
+ * connection is gone (the supervisor then reports the worker lost). */
+int moed_workers_send_submit(struct moed_workers *ws, uint32_t w, uint64_t id, const int32_t *prompt,
+                             uint32_t n_prompt, uint32_t max_tokens,
+                             const struct sched_sampling *sp, const int32_t *eog, uint32_t n_eog);
+int moed_workers_send_cancel(struct moed_workers *ws, uint32_t w, uint64_t id);
+
+#endif

@@ -1,0 +1,785 @@
+/* Worker supervisor: spawn, handshake, watch, restart, stop. See daemon/supervisor.h.
+ *
+ * A worker slot goes STARTING -> READY -> (dies) BACKOFF -> STARTING ... A death is noticed
+ * either by the process exit callback or by the IPC connection closing (EOF, a malformed frame);
+ * whichever comes first reports the slot's requests lost and makes sure the other follows (the
+ * process is killed when its connection broke). The slot is restarted once both the process and
+ * the connection are gone, after the backoff. */
+#include "daemon/supervisor.h"
+
+#include <errno.h>
+#include <inttypes.h>
+#include <limits.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include "daemon/sched_int.h"
+#include "proto/ipc.h"
+#include "store/err.h"
+
+#define BACKOFF_MIN_MS 100
+#define BACKOFF_MAX_MS 10000
+#define HEALTHY_RESET_MS 60000 /* a worker up this long resets the backoff */
+#define KILL_AFTER_MS 5000     /* after Shutdown, SIGKILL a worker that has not exited */
+#define EXIT_GRACE_MS 1000     /* after a worker hangs up, wait this long for its exit status */
+
+struct wslot {
+    struct moed_workers *ws;
+    uint32_t index;
+    enum moed_worker_state state;
+    uv_process_t proc;
+    bool proc_running;       /* process started and its exit not seen yet */
+    bool proc_handle_open;   /* uv_process_t needs closing */
+    struct moe_ipc_conn *conn;
+    uv_timer_t timer;        /* ready timeout / restart backoff / kill after shutdown */
+    bool down_reported;      /* requests of this incarnation handed back to the scheduler */
+    bool err_set;            /* info.last_error explains this incarnation's end */
+    char grace_why[160];     /* why the connection ended, while waiting for the exit */
+    uint32_t fails;          /* consecutive failures, for the backoff */
+    uint64_t ready_at;       /* uv_now() at Ready; 0 when not ready */
+    struct moed_worker_info info;
+};
+
+struct moed_workers {
+    uv_loop_t *loop;
+    struct moed_workers_opts o;
+    char *model_path, *worker_bin;
+    char (*devices)[32];
+    struct moe_ipc_limits lim;
+    struct wslot *slots;
+    struct sched *sched;
+    uint8_t *placement;
+    size_t placement_len;
+    bool all_ready_once;
+    bool stopping, shutdown_sent, stopped;
+    uv_timer_t stop_timer;
+    uint32_t open_handles;   /* handles whose close callback has not run */
+    void (*on_stopped)(void *user);
+    void *stopped_user;
+    bool sched_closed;
+};
+
+static void slot_spawn(struct wslot *w);
+
+/* Copies a message, cutting it to fit (gcc's -Wformat-truncation dislikes snprintf for this). */
+static void copy_msg(char *dst, size_t n, const char *src)
+{
+    size_t len = strlen(src);
+    if (len >= n)
+        len = n - 1;
+    memcpy(dst, src, len);
+    dst[len] = 0;
+}
+static void maybe_stopped(struct moed_workers *ws);
+
+static void set_state(struct wslot *w, enum moed_worker_state st)
+{
+    if (w->state == st)
+        return;
+    w->state = st;
+    w->info.state = st;
+    if (w->ws->o.on_worker_state)
+        w->ws->o.on_worker_state(w->ws->o.user, w->index, st);
+}
+
+static void handle_closed(uv_handle_t *h)
+{
+    struct moed_workers *ws = h->data;
+    ws->open_handles--;
+    maybe_stopped(ws);
+}
+
+static void close_handle(struct moed_workers *ws, uv_handle_t *h)
+{
+    if (uv_is_closing(h))
+        return;
+    h->data = ws;
+    ws->open_handles++;
+    uv_close(h, handle_closed);
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * Deaths and restarts */
+
+static uint64_t backoff_ms(uint32_t fails)
+{
+    uint64_t d = BACKOFF_MIN_MS;
+    for (uint32_t i = 1; i < fails && d < BACKOFF_MAX_MS; i++)
+        d *= 2;
+    return d < BACKOFF_MAX_MS ? d : BACKOFF_MAX_MS;
+}
+
+static void on_restart_timer(uv_timer_t *t)
+{
+    struct wslot *w = t->data;
+    if (w->ws->stopping || w->proc_running || w->conn)
+        return;
+    slot_spawn(w);
+}
+
+/* Both the process and the connection are gone: schedule the next incarnation. */
+static void maybe_restart(struct wslot *w)
+{
+    struct moed_workers *ws = w->ws;
+    if (w->proc_running || w->conn)
+        return;
+    if (ws->stopping) {
+        uv_timer_stop(&w->timer);
+        set_state(w, MOED_WORKER_STOPPED);
+        maybe_stopped(ws);
+        return;
+    }
+    uint64_t now = uv_now(ws->loop);
+    if (w->ready_at && now - w->ready_at >= HEALTHY_RESET_MS)
+        w->fails = 0;
+    w->ready_at = 0;
+    w->fails++;
+    uint64_t d = backoff_ms(w->fails);
+    set_state(w, MOED_WORKER_BACKOFF);
+    moe_ipc_log(MOE_LOG_WARN, "worker %u: restarting in %" PRIu64 " ms (%s)", w->index, d,
+                w->info.last_error[0] ? w->info.last_error : "it exited");
+    uv_timer_start(&w->timer, on_restart_timer, d, 0);
+}
+
+/* The first sign of death: hand the requests back and make sure the rest of the worker follows. */
+static void slot_down(struct wslot *w, const char *why)
+{
+    /* The first explanation of this incarnation's end is the useful one. */
+    if (why && why[0] && !w->err_set) {
+        copy_msg(w->info.last_error, sizeof w->info.last_error, why);
+        w->err_set = true;
+    }
+    if (!w->down_reported) {
+        w->down_reported = true;
+        w->ready_at = w->state == MOED_WORKER_READY ? w->ready_at : 0;
+        if (w->ws->sched)
+            sched_worker_lost(w->ws->sched, w->index, w->info.last_error);
+    }
+    uv_timer_stop(&w->timer);
+    if (w->conn)
+        moe_ipc_conn_close(w->conn, false);
+    if (w->proc_running)
+        uv_process_kill(&w->proc, SIGKILL);
+    maybe_restart(w);
+}
+
+static void on_exit_cb(uv_process_t *p, int64_t status, int term_signal)
+{
+    struct wslot *w = p->data;
+    char why[160];
+    if (term_signal)
+        snprintf(why, sizeof why, "worker %u (pid %d) was killed by signal %d", w->index,
+                 w->info.pid, term_signal);
+    else
+        snprintf(why, sizeof why, "worker %u (pid %d) exited with status %d", w->index, w->info.pid,
+                 (int)status);
+    if (w->state == MOED_WORKER_STOPPING)
+        moe_ipc_log(MOE_LOG_INFO, "%s", why);
+    else
+        moe_ipc_log(MOE_LOG_ERROR, "%s", why);
+    w->proc_running = false;
+    w->info.pid = 0;
+    w->info.running = 0;
+    w->proc_handle_open = false;
+    close_handle(w->ws, (uv_handle_t *)&w->proc);
+    slot_down(w, why);
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * Messages from a worker */
+
+static void send_placement(struct wslot *w)
+{
+    struct moed_workers *ws = w->ws;
+    if (!ws->placement || !w->conn)
+        return;
+    Moed__SetPlacement p = MOED__SET_PLACEMENT__INIT;
+    p.n_layer = ws->lim.n_layer;
+    p.n_expert = ws->lim.n_expert;
+    p.hot.data = ws->placement;
+    p.hot.len = ws->placement_len;
+    Moed__Envelope env = MOED__ENVELOPE__INIT;
+    env.msg_case = MOED__ENVELOPE__MSG_SET_PLACEMENT;
+    env.set_placement = &p;
+    moe_ipc_conn_send(w->conn, &env);
+}
+
+static int on_ready_msg(struct wslot *w, const Moed__Ready *r, char *err, size_t errlen)
+{
+    struct moed_workers *ws = w->ws;
+    if (w->state != MOED_WORKER_STARTING)
+        return moe_fail(err, errlen, MOE_EFORMAT, "a second ready");
+    if (r->n_ctx < ws->o.n_ctx)
+        return moe_fail(err, errlen, MOE_ERANGE, "ready.n_ctx %u is less than the %u asked for",
+                        r->n_ctx, ws->o.n_ctx);
+    if (!ws->lim.n_vocab) {
+        /* The first Ready teaches the shape when the caller did not give it. */
+        ws->lim.n_vocab = r->n_vocab;
+        ws->lim.n_layer = r->n_layer;
+        ws->lim.n_expert = r->n_expert;
+        for (uint32_t i = 0; i < ws->o.n_workers; i++)
+            if (ws->slots[i].conn)
+                moe_ipc_conn_set_limits(ws->slots[i].conn, &ws->lim);
+    }
+    uv_timer_stop(&w->timer);
+    w->info.n_seq = r->n_seq;
+    w->info.n_ctx = r->n_ctx;
+    w->info.weights_bytes = r->weights_bytes;
+    w->info.kv_bytes = r->kv_bytes;
+    w->info.vram_used = r->vram_used;
+    w->info.ram_used = r->ram_used;
+    w->ready_at = uv_now(ws->loop);
+    set_state(w, MOED_WORKER_READY);
+    moe_ipc_log(MOE_LOG_INFO, "worker %u ready (pid %d): %u sequences x %u positions, weights %.1f MiB, "
+                "KV %.1f MiB, RSS %.1f MiB", w->index, w->info.pid, r->n_seq, r->n_ctx,
+                r->weights_bytes / 1048576.0, r->kv_bytes / 1048576.0, r->ram_used / 1048576.0);
+    send_placement(w);
+    if (ws->sched)
+        sched_worker_ready(ws->sched, w->index, r->n_seq, r->n_ctx);
+    if (!ws->all_ready_once) {
+        uint32_t total, n = moed_workers_ready(ws, &total);
+        if (n == total) {
+            ws->all_ready_once = true;
+            if (ws->o.on_ready)
+                ws->o.on_ready(ws->o.user);
+        }
+    }
+    return 0;
+}
+
+static int on_msg(struct moe_ipc_conn *c, void *user, const Moed__Envelope *env, char *err,
+                  size_t errlen)
+{
+    struct wslot *w = user;
+    struct moed_workers *ws = w->ws;
+    (void)c;
+    if (env->msg_case != MOED__ENVELOPE__MSG_READY && env->msg_case != MOED__ENVELOPE__MSG_ERROR &&
+        w->state != MOED_WORKER_READY && w->state != MOED_WORKER_STOPPING)
+        return moe_fail(err, errlen, MOE_EFORMAT, "%s before ready", moe_ipc_msg_name(env->msg_case));
+    switch (env->msg_case) {
+    case MOED__ENVELOPE__MSG_READY:
+        return on_ready_msg(w, env->ready, err, errlen);
+    case MOED__ENVELOPE__MSG_TOKEN:
+        w->info.tokens_generated++;
+        if (ws->sched)
+            sched_worker_token(ws->sched, w->index, env->token->id, env->token->token);
+        return 0;
+    case MOED__ENVELOPE__MSG_DONE:
+        if (ws->sched)
+            sched_worker_done(ws->sched, w->index, env->done->id, env->done->reason,
+                              env->done->n_prompt, env->done->n_gen);
+        return 0;
+    case MOED__ENVELOPE__MSG_ERROR:
+        if (env->error->id == 0) {
+            moe_ipc_log(MOE_LOG_ERROR, "worker %u: %s", w->index, env->error->message);
+            if (!w->err_set) {
+                snprintf(w->info.last_error, sizeof w->info.last_error, "worker %u: %s", w->index,
+                         env->error->message);
+                w->err_set = true;
+            }
+            return 0;
+        }
+        moe_ipc_log(MOE_LOG_WARN, "worker %u: request %" PRIu64 " failed: %s", w->index,
+                    env->error->id, env->error->message);
+        if (ws->sched)
+            sched_worker_error(ws->sched, w->index, env->error->id, env->error->code,
+                               env->error->message);
+        return 0;
+    case MOED__ENVELOPE__MSG_ROUTING_STATS: {
+        const Moed__RoutingStats *rs = env->routing_stats;
+        if (ws->o.on_routing)
+            ws->o.on_routing(ws->o.user, w->index, rs->counts, rs->n_layer, rs->n_expert,
+                             rs->n_tokens);
+        return 0;
+    }
+    case MOED__ENVELOPE__MSG_METRICS:
+        w->info.tokens_generated = env->metrics->tokens_generated;
+        w->info.prompt_tokens = env->metrics->prompt_tokens;
+        w->info.tokens_per_s = env->metrics->decode_tokens_per_s;
+        if (env->metrics->vram_used)
+            w->info.vram_used = env->metrics->vram_used;
+        return 0;
+    case MOED__ENVELOPE__MSG_EXPERT_REQUEST:
+        return moe_fail(err, errlen, MOE_EUNSUPPORTED, "expert_request: the tiered store is not "
+                        "enabled");
+    default:
+        return moe_fail(err, errlen, MOE_EFORMAT, "unexpected %s", moe_ipc_msg_name(env->msg_case));
+    }
+}
+
+static void on_exit_grace(uv_timer_t *t)
+{
+    struct wslot *w = t->data;
+    char why[200];
+    snprintf(why, sizeof why, "%s and did not exit", w->grace_why);
+    slot_down(w, why);
+}
+
+static void on_conn_close(struct moe_ipc_conn *c, void *user, int reason, const char *msg)
+{
+    struct wslot *w = user;
+    (void)c;
+    w->conn = NULL;
+    char why[320];
+    if (reason == 0) {
+        why[0] = 0;
+    } else if (reason == UV_EOF) {
+        snprintf(why, sizeof why, "worker %u closed its connection", w->index);
+    } else {
+        snprintf(why, sizeof why, "worker %u: %s", w->index, msg);
+    }
+    if (w->state == MOED_WORKER_STOPPING) {
+        maybe_restart(w); /* i.e. mark stopped once the process is gone too */
+        return;
+    }
+    if ((reason == UV_EOF || reason == UV_ECONNRESET) && w->proc_running && !w->down_reported) {
+        /* The peer hung up: it is most likely dying. Its exit status explains more than the
+         * EOF does, so give the exit callback a moment to report it first. */
+        copy_msg(w->grace_why, sizeof w->grace_why, why);
+        uv_timer_start(&w->timer, on_exit_grace, EXIT_GRACE_MS, 0);
+        return;
+    }
+    slot_down(w, why);
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * Spawning */
+
+static void on_ready_timeout(uv_timer_t *t)
+{
+    struct wslot *w = t->data;
+    if (w->state != MOED_WORKER_STARTING)
+        return;
+    char why[160];
+    snprintf(why, sizeof why, "worker %u was not ready after %u ms", w->index,
+             w->ws->o.ready_timeout_ms);
+    moe_ipc_log(MOE_LOG_ERROR, "%s; killing it", why);
+    slot_down(w, why);
+}
+
+static int slot_start(struct wslot *w, char *err, size_t errlen)
+{
+    struct moed_workers *ws = w->ws;
+    int sv[2] = {-1, -1}, rc;
+    if (socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) != 0)
+        return moe_fail(err, errlen, -errno, "socketpair: %s", strerror(errno));
+
+    char *args[] = {ws->worker_bin, "--ipc-fd", "3", NULL};
+    uv_stdio_container_t stdio[4];
+    stdio[0].flags = UV_IGNORE;
+    stdio[1].flags = UV_INHERIT_FD;
+    stdio[1].data.fd = 2; /* a worker's stdout is for standalone runs; logs go to stderr */
+    stdio[2].flags = UV_INHERIT_FD;
+    stdio[2].data.fd = 2;
+    stdio[3].flags = UV_INHERIT_FD;
+    stdio[3].data.fd = sv[1];
+    uv_process_options_t po = {0};
+    po.file = ws->worker_bin;
+    po.args = args;
+    po.exit_cb = on_exit_cb;
+    po.stdio = stdio;
+    po.stdio_count = 4;
+    w->down_reported = false;
+    w->err_set = false;
+    rc = uv_spawn(ws->loop, &w->proc, &po);
+    close(sv[1]);
+    if (rc) {
+        /* libuv still wants the handle closed after a failed spawn. */
+        close(sv[0]);
+        close_handle(ws, (uv_handle_t *)&w->proc);
+        return moe_fail(err, errlen, rc, "cannot start %s: %s", ws->worker_bin, uv_strerror(rc));
+    }
+    w->proc.data = w;
+    w->proc_running = true;
+    w->proc_handle_open = true;
+    w->info.pid = w->proc.pid;
+    set_state(w, MOED_WORKER_STARTING);
+
+    Moed__Hello h = MOED__HELLO__INIT;
+    h.protocol_version = MOE_IPC_PROTOCOL_VERSION;
+    h.model_path = ws->model_path;
+    h.worker_index = w->index;
+    h.device = ws->devices[w->index];
+    h.n_ctx = ws->o.n_ctx;
+    h.n_seq = ws->o.n_seq;
+    h.n_batch = ws->o.n_batch;
+    h.n_threads = ws->o.n_threads;
+    h.store_size = ws->o.store_fd >= 0 ? ws->o.store_size : 0;
+    h.store_fingerprint = ws->o.store_fingerprint;
+    h.vram_budget = ws->o.vram_budget;
+    h.n_vocab = ws->lim.n_vocab;
+    h.n_layer = ws->lim.n_layer;
+    h.n_expert = ws->lim.n_expert;
+    Moed__Envelope env = MOED__ENVELOPE__INIT;
+    env.msg_case = MOED__ENVELOPE__MSG_HELLO;
+    env.hello = &h;
+    /* The Hello goes out before libuv owns the socket: it carries the store descriptor, which a
+     * uv_write cannot. The socket buffer holds it even if the child is slow to start. */
+    rc = moe_ipc_send_with_fd(sv[0], &env, ws->o.store_fd, ws->o.max_frame, err, errlen);
+    if (rc) {
+        close(sv[0]);
+        slot_down(w, err);
+        return 0; /* the restart path takes it from here */
+    }
+    char name[32];
+    snprintf(name, sizeof name, "worker %u", w->index);
+    struct moe_ipc_conn_cb cb = {.on_msg = on_msg, .on_close = on_conn_close};
+    rc = moe_ipc_conn_open(&w->conn, ws->loop, sv[0], MOE_IPC_FROM_WORKER, &ws->lim, ws->o.max_frame,
+                           name, &cb, w, err, errlen);
+    if (rc) {
+        w->conn = NULL;
+        slot_down(w, err);
+        return 0;
+    }
+    uv_timer_start(&w->timer, on_ready_timeout, ws->o.ready_timeout_ms, 0);
+    moe_ipc_log(MOE_LOG_INFO, "worker %u: started pid %d (%s)", w->index, w->info.pid,
+                ws->devices[w->index]);
+    return 0;
+}
+
+static void slot_spawn(struct wslot *w)
+{
+    char err[256];
+    w->info.restarts++;
+    if (slot_start(w, err, sizeof err) != 0) {
+        moe_ipc_log(MOE_LOG_ERROR, "worker %u: %s", w->index, err);
+        copy_msg(w->info.last_error, sizeof w->info.last_error, err);
+        w->proc_running = false;
+        w->conn = NULL;
+        w->down_reported = w->err_set = true;
+        maybe_restart(w);
+    }
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * Public API */
+
+static int default_worker_bin(char *out, size_t n, char *err, size_t errlen)
+{
+    char self[PATH_MAX];
+    ssize_t len = readlink("/proc/self/exe", self, sizeof self - 1);
+    if (len < 0)
+        return moe_fail(err, errlen, -errno, "readlink /proc/self/exe: %s", strerror(errno));
+    self[len] = 0;
+    char *slash = strrchr(self, '/');
+    if (slash)
+        *slash = 0;
+    if ((size_t)snprintf(out, n, "%s/moed-worker", slash ? self : ".") >= n)
+        return moe_fail(err, errlen, -ENAMETOOLONG, "path of moed-worker is too long");
+    return 0;
+}
+
+int moed_workers_start(uv_loop_t *loop, const struct moed_workers_opts *o,
+                       struct moed_workers **out, char *err, size_t errlen)
+{
+    char bin[PATH_MAX];
+    int rc;
+    if (!o->model_path || !o->model_path[0])
+        return moe_fail(err, errlen, -EINVAL, "no model path");
+    if (o->n_workers < 1 || o->n_workers > 64)
+        return moe_fail(err, errlen, -EINVAL, "%u workers (1..64 allowed)", o->n_workers);
+    if (o->n_ctx < 1 || o->n_ctx > MOE_IPC_MAX_CTX || o->n_seq < 1 || o->n_seq > MOE_IPC_MAX_SEQ)
+        return moe_fail(err, errlen, -EINVAL, "n_ctx %u / n_seq %u out of range", o->n_ctx, o->n_seq);
+    if (o->n_eog > MOE_IPC_MAX_EOG)
+        return moe_fail(err, errlen, -EINVAL, "%u eog tokens (at most %u)", o->n_eog, MOE_IPC_MAX_EOG);
+    if (o->worker_bin)
+        snprintf(bin, sizeof bin, "%s", o->worker_bin);
+    else if ((rc = default_worker_bin(bin, sizeof bin, err, errlen)))
+        return rc;
+    if (access(bin, X_OK) != 0)
+        return moe_fail(err, errlen, -errno, "worker program %s: %s", bin, strerror(errno));
+
+    /* A worker that dies mid-write must give us EPIPE, not kill the daemon. */
+    struct sigaction sa;
+    if (sigaction(SIGPIPE, NULL, &sa) == 0 && sa.sa_handler == SIG_DFL)
+        signal(SIGPIPE, SIG_IGN);
+
+    struct moed_workers *ws = calloc(1, sizeof *ws);
+    if (!ws)
+        return moe_fail(err, errlen, -ENOMEM, "out of memory");
+    ws->loop = loop;
+    ws->o = *o;
+    if (!ws->o.queue_max)
+        ws->o.queue_max = 256;
+    if (!ws->o.queue_wait_ms)
+        ws->o.queue_wait_ms = 30000;
+    if (!ws->o.ready_timeout_ms)
+        ws->o.ready_timeout_ms = 300000;
+    if (!ws->o.max_frame)
+        ws->o.max_frame = MOE_IPC_MAX_FRAME;
+    ws->o.eog = NULL;
+    ws->lim.n_vocab = o->n_vocab;
+    ws->lim.n_layer = o->n_layer;
+    ws->lim.n_expert = o->n_expert;
+    ws->lim.n_ctx = 0; /* prompts are checked by the scheduler; nothing from a worker carries one */
+    ws->model_path = strdup(o->model_path);
+    ws->worker_bin = strdup(bin);
+    ws->devices = calloc(o->n_workers, sizeof *ws->devices);
+    ws->slots = calloc(o->n_workers, sizeof *ws->slots);
+    if (!ws->model_path || !ws->worker_bin || !ws->devices || !ws->slots) {
+        rc = moe_fail(err, errlen, -ENOMEM, "out of memory");
+        goto fail;
+    }
+    for (uint32_t i = 0; i < o->n_workers; i++)
+        snprintf(ws->devices[i], sizeof ws->devices[i], "%s",
+                 o->devices && o->devices[i] ? o->devices[i] : "cpu");
+    struct sched_config sc = {.n_workers = o->n_workers, .n_ctx = o->n_ctx,
+                              .queue_max = ws->o.queue_max, .queue_wait_ms = ws->o.queue_wait_ms,
+                              .eog = o->eog, .n_eog = o->n_eog};
+    if ((rc = sched_create(&ws->sched, loop, ws, &sc))) {
+        moe_fail(err, errlen, rc, "out of memory");
+        goto fail;
+    }
+    uv_timer_init(loop, &ws->stop_timer);
+    ws->stop_timer.data = ws;
+    for (uint32_t i = 0; i < o->n_workers; i++) {
+        struct wslot *w = &ws->slots[i];
+        w->ws = ws;
+        w->index = i;
+        uv_timer_init(loop, &w->timer);
+        w->timer.data = w;
+        snprintf(w->info.device, sizeof w->info.device, "%s", ws->devices[i]);
+    }
+    for (uint32_t i = 0; i < o->n_workers; i++) {
+        struct wslot *w = &ws->slots[i];
+        char e2[256];
+        if ((rc = slot_start(w, e2, sizeof e2))) {
+            moe_ipc_log(MOE_LOG_ERROR, "worker %u: %s", i, e2);
+            copy_msg(w->info.last_error, sizeof w->info.last_error, e2);
+            w->down_reported = w->err_set = true;
+            maybe_restart(w);
+        }
+    }
+    *out = ws;
+    return 0;
+fail:
+    free(ws->model_path);
+    free(ws->worker_bin);
+    free(ws->devices);
+    free(ws->slots);
+    free(ws);
+    return rc;
+}
+
+struct sched *moed_workers_sched(struct moed_workers *ws)
+{
+    return ws->sched;
+}
+
+uint32_t moed_workers_ready(const struct moed_workers *ws, uint32_t *total)
+{
+    uint32_t n = 0;
+    for (uint32_t i = 0; i < ws->o.n_workers; i++)
+        n += ws->slots[i].state == MOED_WORKER_READY;
+    if (total)
+        *total = ws->o.n_workers;
+    return n;
+}
+
+int moed_workers_info(const struct moed_workers *ws, uint32_t i, struct moed_worker_info *out)
+{
+    if (i >= ws->o.n_workers)
+        return -EINVAL;
+    *out = ws->slots[i].info;
+    out->running = sched_n_running_on(ws->sched, i);
+    return 0;
+}
+
+int moed_workers_set_placement(struct moed_workers *ws, const uint8_t *bitmap, size_t nbytes)
+{
+    if (!ws->lim.n_layer || !ws->lim.n_expert)
+        return -EINVAL;
+    if (nbytes != ((size_t)ws->lim.n_layer * ws->lim.n_expert + 7) / 8)
+        return -EINVAL;
+    uint8_t *copy = malloc(nbytes);
+    if (!copy)
+        return -ENOMEM;
+    memcpy(copy, bitmap, nbytes);
+    free(ws->placement);
+    ws->placement = copy;
+    ws->placement_len = nbytes;
+    for (uint32_t i = 0; i < ws->o.n_workers; i++)
+        if (ws->slots[i].state == MOED_WORKER_READY)
+            send_placement(&ws->slots[i]);
+    return 0;
+}
+
+int moed_workers_send_submit(struct moed_workers *ws, uint32_t wi, uint64_t id, const int32_t *prompt,
+                             uint32_t n_prompt, uint32_t max_tokens,
+                             const struct sched_sampling *sp, const int32_t *eog, uint32_t n_eog)
+{
+    struct wslot *w = &ws->slots[wi];
+    if (!w->conn || w->state != MOED_WORKER_READY)
+        return -EPIPE;
+    Moed__Sampling s = MOED__SAMPLING__INIT;
+    s.temperature = sp->temperature;
+    s.top_p = sp->top_p;
+    s.top_k = sp->top_k;
+    s.min_p = sp->min_p;
+    s.repetition_penalty = sp->repetition_penalty;
+    s.presence_penalty = sp->presence_penalty;
+    s.frequency_penalty = sp->frequency_penalty;
+    s.seed = sp->seed;
+    s.has_seed = sp->has_seed;
+    Moed__Submit m = MOED__SUBMIT__INIT;
+    m.id = id;
+    m.prompt = (int32_t *)prompt;
+    m.n_prompt = n_prompt;
+    m.max_tokens = max_tokens;
+    m.sampling = &s;
+    m.eog = (int32_t *)eog;
+    m.n_eog = n_eog;
+    Moed__Envelope env = MOED__ENVELOPE__INIT;
+    env.msg_case = MOED__ENVELOPE__MSG_SUBMIT;
+    env.submit = &m;
+    return moe_ipc_conn_send(w->conn, &env);
+}
+
+int moed_workers_send_cancel(struct moed_workers *ws, uint32_t wi, uint64_t id)
+{
+    struct wslot *w = &ws->slots[wi];
+    if (!w->conn)
+        return -EPIPE;
+    Moed__Cancel c = MOED__CANCEL__INIT;
+    c.id = id;
+    Moed__Envelope env = MOED__ENVELOPE__INIT;
+    env.msg_case = MOED__ENVELOPE__MSG_CANCEL;
+    env.cancel = &c;
+    return moe_ipc_conn_send(w->conn, &env);
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * Stopping */
+
+static void sched_closed_cb(void *user)
+{
+    struct moed_workers *ws = user;
+    ws->sched_closed = true;
+    maybe_stopped(ws);
+}
+
+static void maybe_stopped(struct moed_workers *ws)
+{
+    if (!ws->stopping || ws->stopped || !ws->shutdown_sent)
+        return;
+    for (uint32_t i = 0; i < ws->o.n_workers; i++) {
+        struct wslot *w = &ws->slots[i];
+        if (w->proc_running || w->conn)
+            return;
+    }
+    /* Every worker is gone: close our own handles, then report. */
+    if (!uv_is_closing((uv_handle_t *)&ws->stop_timer)) {
+        for (uint32_t i = 0; i < ws->o.n_workers; i++) {
+            close_handle(ws, (uv_handle_t *)&ws->slots[i].timer);
+        }
+        close_handle(ws, (uv_handle_t *)&ws->stop_timer);
+        sched_close(ws->sched, sched_closed_cb, ws);
+        return;
+    }
+    if (ws->open_handles || !ws->sched_closed)
+        return;
+    ws->stopped = true;
+    moe_ipc_log(MOE_LOG_INFO, "all workers stopped");
+    if (ws->on_stopped)
+        ws->on_stopped(ws->stopped_user);
+}
+
+static void on_kill_timer(uv_timer_t *t)
+{
+    struct moed_workers *ws = t->data;
+    for (uint32_t i = 0; i < ws->o.n_workers; i++) {
+        struct wslot *w = &ws->slots[i];
+        if (w->proc_running) {
+            moe_ipc_log(MOE_LOG_WARN, "worker %u did not exit after shutdown; killing it", i);
+            uv_process_kill(&w->proc, SIGKILL);
+        }
+    }
+}
+
+static void shutdown_workers(struct moed_workers *ws)
+{
+    if (ws->shutdown_sent)
+        return;
+    ws->shutdown_sent = true;
+    sched_set_idle_cb(ws->sched, NULL, NULL);
+    uv_timer_stop(&ws->stop_timer);
+    for (uint32_t i = 0; i < ws->o.n_workers; i++) {
+        struct wslot *w = &ws->slots[i];
+        uv_timer_stop(&w->timer);
+        if (w->conn && w->state == MOED_WORKER_READY) {
+            Moed__Shutdown sd = MOED__SHUTDOWN__INIT;
+            sd.drain = false;
+            Moed__Envelope env = MOED__ENVELOPE__INIT;
+            env.msg_case = MOED__ENVELOPE__MSG_SHUTDOWN;
+            env.shutdown = &sd;
+            moe_ipc_conn_send(w->conn, &env);
+            set_state(w, MOED_WORKER_STOPPING);
+        } else if (w->proc_running || w->conn) {
+            /* Not ready yet: it has nothing to finish. */
+            set_state(w, MOED_WORKER_STOPPING);
+            if (w->conn)
+                moe_ipc_conn_close(w->conn, false);
+            if (w->proc_running)
+                uv_process_kill(&w->proc, SIGKILL);
+        } else {
+            set_state(w, MOED_WORKER_STOPPED);
+        }
+    }
+    uv_timer_start(&ws->stop_timer, on_kill_timer, KILL_AFTER_MS, 0);
+    maybe_stopped(ws);
+}
+
+static void on_idle(void *user)
+{
+    shutdown_workers(user);
+}
+
+static void on_drain_timeout(uv_timer_t *t)
+{
+    struct moed_workers *ws = t->data;
+    sched_abort_running(ws->sched, 503, "the server is shutting down");
+    shutdown_workers(ws);
+}
+
+void moed_workers_stop(struct moed_workers *ws, uint32_t timeout_ms,
+                       void (*on_stopped)(void *user), void *user)
+{
+    if (ws->stopping)
+        return;
+    ws->stopping = true;
+    ws->on_stopped = on_stopped;
+    ws->stopped_user = user;
+    moe_ipc_log(MOE_LOG_INFO, "stopping workers (%u requests running)", sched_n_running(ws->sched));
+    sched_drain(ws->sched, "the server is shutting down");
+    if (sched_n_running(ws->sched) == 0) {
+        shutdown_workers(ws);
+        return;
+    }
+    sched_set_idle_cb(ws->sched, on_idle, ws);
+    uv_timer_start(&ws->stop_timer, on_drain_timeout, timeout_ms, 0);
+}
+
+void moed_workers_free(struct moed_workers *ws)
+{
+    if (!ws)
+        return;
+    if (!ws->stopped) {
+        /* The loop will not run again, so handles cannot be closed: make sure no worker outlives
+         * us and leave the memory to the process exit. */
+        for (uint32_t i = 0; i < ws->o.n_workers; i++)
+            if (ws->slots[i].proc_running)
+                kill(ws->slots[i].proc.pid, SIGKILL);
+        return;
+    }
+    sched_destroy(ws->sched);
+    free(ws->placement);
+    free(ws->model_path);
+    free(ws->worker_bin);
+    free(ws->devices);
+    free(ws->slots);
+    free(ws);
+}

@@ -1,0 +1,132 @@
+/* The daemon's worker supervisor: spawns moed-worker processes, talks to them over IPC, restarts
+ * the ones that die, and owns the scheduler (daemon/sched.h) that spreads requests over them.
+ *
+ * Everything runs on the daemon's libuv loop; every callback below is called from that loop.
+ *
+ * Typical use in daemon/main.c:
+ *
+ *   struct moed_workers *w;
+ *   struct moed_workers_opts o = { .model_path = path, .n_workers = 2, ... };
+ *   if (moed_workers_start(loop, &o, &w, err, sizeof err) != 0) { log err; exit }
+ *   struct sched *s = moed_workers_sched(w);       // hand to the API layer
+ *   ... o.on_ready fires once every worker is Ready -> sd_notify("READY=1")
+ *   ... SIGTERM: moed_workers_stop(w, 30000, on_stopped, ctx); in on_stopped: save the profile,
+ *       moed_workers_free(w), uv_stop / close the loop.
+ *
+ * Worker deaths: a worker that exits or whose IPC connection breaks (EOF, malformed frame) is
+ * restarted after a backoff that starts at 100 ms and doubles up to 10 s, and is reset once a
+ * worker stayed healthy for a minute. Its in-flight requests that already streamed a token get
+ * on_error (500); the others are re-queued and run on another (or the restarted) worker. */
+#ifndef MOED_SUPERVISOR_H
+#define MOED_SUPERVISOR_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include <uv.h>
+
+#include "daemon/sched.h"
+
+struct moed_workers;
+
+/* A worker's state, for /admin/status and logs. */
+enum moed_worker_state {
+    MOED_WORKER_STARTING = 0, /* spawned, Hello sent, waiting for Ready */
+    MOED_WORKER_READY = 1,    /* serving requests */
+    MOED_WORKER_BACKOFF = 2,  /* died; waiting to be restarted */
+    MOED_WORKER_STOPPING = 3, /* Shutdown sent (daemon stopping) */
+    MOED_WORKER_STOPPED = 4,  /* exited and not restarted (daemon stopping) */
+};
+
+struct moed_workers_opts {
+    const char *model_path;       /* GGUF the workers serve (they open it when there is no store) */
+    const char *worker_bin;       /* NULL: "moed-worker" next to /proc/self/exe */
+    uint32_t n_workers;           /* >= 1 */
+    const char *const *devices;   /* [n_workers] "cpu" / "cuda:K"; NULL: all "cpu" */
+
+    uint32_t n_ctx;               /* KV positions per sequence (a prompt longer gets 400) */
+    uint32_t n_seq;               /* concurrent sequences per worker */
+    uint32_t n_batch;             /* most tokens per forward step; 0: worker default */
+    int n_threads;                /* compute threads per worker; 0: all cores / n_workers */
+    uint64_t vram_budget;         /* bytes, for GPU workers; 0: worker default */
+
+    /* The expert store: a memfd passed to every worker with SCM_RIGHTS in its Hello frame.
+     * store_fd < 0: no store; workers map model_path themselves. The fd stays owned by the
+     * caller and must stay open until moed_workers_free(). */
+    int store_fd;
+    uint64_t store_size;
+    uint64_t store_fingerprint;
+
+    /* The model's shape: every frame from a worker is range-checked against it; a worker whose
+     * Ready disagrees is treated as broken. Fill from moe_model hparams. */
+    uint32_t n_vocab, n_layer, n_expert;
+
+    const int32_t *eog;           /* end-of-generation token ids (copied), sent with each Submit */
+    uint32_t n_eog;
+
+    uint32_t queue_max;           /* requests waiting for a slot; more gets 503. 0: 256 */
+    uint32_t queue_wait_ms;       /* a queued request fails with 503 after waiting this long while
+                                   * no worker is ready; 0: 30000 */
+    uint32_t ready_timeout_ms;    /* a worker not Ready after this is killed; 0: 300000 */
+    uint32_t max_frame;           /* IPC frame limit in bytes; 0: MOE_IPC_MAX_FRAME */
+
+    /* Routing count deltas from a worker (merge them into the profile). counts is
+     * [n_layer][n_expert], valid during the call. */
+    void (*on_routing)(void *user, uint32_t worker, const uint64_t *counts, uint32_t n_layer,
+                       uint32_t n_expert, uint64_t n_tokens);
+    /* Called once, the first time all n_workers are Ready (sd_notify READY=1). */
+    void (*on_ready)(void *user);
+    /* A worker changed state (logs, STATUS=, WATCHDOG decisions); may be NULL. */
+    void (*on_worker_state)(void *user, uint32_t worker, enum moed_worker_state st);
+    void *user;
+};
+
+/* Memory accounting and counters of one worker, from its Ready and Metrics frames. */
+struct moed_worker_info {
+    enum moed_worker_state state;
+    int pid;                      /* 0 when not running */
+    char device[32];
+    uint32_t restarts;            /* times this slot was restarted */
+    uint32_t running;             /* sequences in flight */
+    uint32_t n_seq, n_ctx;
+    uint64_t weights_bytes, kv_bytes, vram_used, ram_used;
+    uint64_t tokens_generated, prompt_tokens;
+    double tokens_per_s;          /* decode rate in the worker's last Metrics interval */
+    char last_error[160];         /* why it last died or was rejected; "" when never */
+};
+
+/* Spawns n_workers workers (fork+exec of worker_bin --ipc-fd 3) and returns at once; workers
+ * become Ready asynchronously (on_ready). Ignores SIGPIPE if it still has its default action.
+ * Requests may be submitted immediately: they wait in the queue. Returns 0, -EINVAL (bad
+ * options, message in err), or a negative errno when worker_bin cannot be executed. */
+int moed_workers_start(uv_loop_t *loop, const struct moed_workers_opts *o,
+                       struct moed_workers **out, char *err, size_t errlen);
+
+/* The scheduler to hand to the API layer; valid until moed_workers_free(). */
+struct sched *moed_workers_sched(struct moed_workers *w);
+
+/* Workers now Ready, out of the configured total. */
+uint32_t moed_workers_ready(const struct moed_workers *w, uint32_t *total);
+
+/* Fills *out for worker i (< n_workers). Returns 0 or -EINVAL. */
+int moed_workers_info(const struct moed_workers *w, uint32_t i, struct moed_worker_info *out);
+
+/* Sends a hot-expert bitmap ([n_layer][n_expert] bits, bit (l*n_expert+e) = hot, LSB first) to
+ * every worker, and to each restarted worker after its Ready. Copied. Returns 0 or -EINVAL
+ * (size does not match the model). */
+int moed_workers_set_placement(struct moed_workers *w, const uint8_t *bitmap, size_t nbytes);
+
+/* Drains and stops: new submits get 503, queued requests get on_error(503) right away, running
+ * requests may finish for up to timeout_ms and are then ended with on_error(503); then every
+ * worker gets Shutdown (and SIGKILL if it has not exited 5 s later). on_stopped is called once
+ * every worker has exited and every handle is closed; then call moed_workers_free(). */
+void moed_workers_stop(struct moed_workers *w, uint32_t timeout_ms,
+                       void (*on_stopped)(void *user), void *user);
+
+/* Frees everything. Call it after on_stopped (it may be called from inside on_stopped). Called
+ * without a completed stop (the loop will not run again), it only SIGKILLs the workers and
+ * leaves the memory to the process exit, since its handles cannot be closed without the loop. */
+void moed_workers_free(struct moed_workers *w);
+
+#endif

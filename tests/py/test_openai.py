@@ -1,0 +1,231 @@
+"""moed's OpenAI-compatible API through the official openai SDK, over the daemon's Unix socket.
+
+Starts the real bin/moed (MOE_BIN, default bin/) with two CPU workers on the golden tiny model in
+a temp dir. Checks that greedy completions equal the standalone worker's output (also with 8
+clients at once), that SSE streaming parses in the SDK and concatenates to the same text, usage
+counts, stop strings, and that bad requests raise the SDK's error classes with useful messages.
+"""
+import concurrent.futures
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import tempfile
+import time
+
+import openai
+import pytest
+
+try:  # openai >= 3 is built on httpx2 (same API); older releases on httpx
+    import httpx2 as httpx
+except ImportError:
+    import httpx
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+BIN = pathlib.Path(os.environ.get("MOE_BIN", ROOT / "bin"))
+if not BIN.is_absolute():
+    BIN = ROOT / BIN
+MODEL = ROOT / "tests/golden/models/tiny-qwen3moe-Q8_0.gguf"
+PROMPTS = [ROOT / "tests/golden/prompts" / f"p{i}.txt" for i in (1, 2, 3)]
+N = 16
+
+
+def uds_client(sock, timeout=120.0):
+    return httpx.Client(transport=httpx.HTTPTransport(uds=str(sock)), base_url="http://moed",
+                        timeout=timeout)
+
+
+class Daemon:
+    def __init__(self, tmp):
+        self.dir = pathlib.Path(tmp)
+        self.sock = self.dir / "moed.sock"
+        self.log = self.dir / "moed.log"
+        self.proc = None
+
+    def start(self, *extra):
+        args = [str(BIN / "moed"), "--model", str(MODEL), "--socket", str(self.sock),
+                "--state-dir", str(self.dir / "state"), "--worker-bin", str(BIN / "moed-worker"),
+                *extra]
+        self.logf = open(self.log, "ab")
+        self.proc = subprocess.Popen(args, stdout=self.logf, stderr=self.logf)
+        deadline = time.time() + 30
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"moed exited with {self.proc.returncode}:\n{self.log.read_text()}")
+            try:
+                with uds_client(self.sock, 2) as c:
+                    c.get("/health")
+                return
+            except httpx.TransportError:
+                time.sleep(0.05)
+        raise RuntimeError("moed did not open its socket")
+
+    def wait_ready(self, timeout=60):
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            try:
+                with uds_client(self.sock, 2) as c:
+                    if c.get("/health").status_code == 200:
+                        return True
+                    st = c.get("/admin/status").json()
+                    if st["workers"] and all(w["restarts"] >= 3 for w in st["workers"]):
+                        return False
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        return False
+
+    def stop(self):
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                return self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+                return -9
+        return self.proc.returncode if self.proc else None
+
+
+@pytest.fixture(scope="module")
+def daemon():
+    if not (BIN / "moed").exists():
+        pytest.skip(f"{BIN}/moed is not built")
+    with tempfile.TemporaryDirectory(prefix="moed-py-") as tmp:
+        d = Daemon(tmp)
+        d.start("--devices", "cpu", "--workers", "2", "--parallel", "4", "--threads", "1")
+        try:
+            if not d.wait_ready():
+                lines = [l for l in d.log.read_text().splitlines() if "worker" in l]
+                pytest.skip("moed's workers did not become ready: " + (lines[-1] if lines else "?"))
+            yield d
+        finally:
+            rc = d.stop()
+            assert rc == 0, f"moed exited with {rc} after SIGTERM"
+
+
+@pytest.fixture(scope="module")
+def client(daemon):
+    http = uds_client(daemon.sock)
+    yield openai.OpenAI(base_url="http://moed/v1", api_key="x", http_client=http, max_retries=0)
+    http.close()
+
+
+@pytest.fixture(scope="module")
+def want():
+    """The standalone worker's greedy text for each golden prompt."""
+    out = {}
+    for p in PROMPTS:
+        r = subprocess.run([str(BIN / "moed-worker"), "--model", str(MODEL), "--prompt-file", str(p),
+                            "-n", str(N), "--temp", "0", "--json"], capture_output=True, check=True)
+        out[p.name] = json.loads(r.stdout)["text"]
+    return out
+
+
+def test_models(client):
+    models = client.models.list()
+    assert [m.id for m in models.data] == ["tiny-qwen3moe-Q8_0"]
+
+
+def test_completion_matches_worker(client, want):
+    for p in PROMPTS:
+        r = client.completions.create(model="tiny", prompt=p.read_text(), max_tokens=N, temperature=0)
+        assert r.choices[0].text == want[p.name]
+        assert r.object == "text_completion"
+        assert r.usage.completion_tokens <= N
+        assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+
+
+def test_eight_concurrent_clients(daemon, want):
+    def one(i):
+        p = PROMPTS[i % 3]
+        with uds_client(daemon.sock) as http:
+            c = openai.OpenAI(base_url="http://moed/v1", api_key="x", http_client=http, max_retries=0)
+            r = c.completions.create(model="tiny", prompt=p.read_text(), max_tokens=N, temperature=0)
+            return p.name, r.choices[0].text
+
+    with concurrent.futures.ThreadPoolExecutor(8) as ex:
+        for name, text in ex.map(one, range(8)):
+            assert text == want[name]
+
+
+def test_stream_completion(client, want):
+    p = PROMPTS[0]
+    chunks = list(client.completions.create(model="tiny", prompt=p.read_text(), max_tokens=N,
+                                            temperature=0, stream=True))
+    assert len(chunks) >= 2
+    assert "".join(c.choices[0].text for c in chunks) == want[p.name]
+    assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+
+
+def test_chat_stream_equals_non_stream(client):
+    msgs = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hello there"}]
+    full = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=12, temperature=0)
+    assert full.object == "chat.completion"
+    assert full.choices[0].message.role == "assistant"
+    stream = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=12, temperature=0,
+                                            stream=True, stream_options={"include_usage": True})
+    parts, usage, finish = [], None, None
+    for ch in stream:
+        assert ch.object == "chat.completion.chunk"
+        if ch.usage:
+            usage = ch.usage
+        if ch.choices:
+            parts.append(ch.choices[0].delta.content or "")
+            finish = ch.choices[0].finish_reason or finish
+    assert "".join(parts) == full.choices[0].message.content
+    assert usage is not None and usage.completion_tokens == full.usage.completion_tokens
+    assert usage.prompt_tokens == full.usage.prompt_tokens
+    assert finish == full.choices[0].finish_reason
+
+
+def test_seeded_sampling_is_reproducible(client):
+    kw = dict(model="tiny", prompt="The sea", max_tokens=10, temperature=0.9, top_p=0.95, top_k=40, seed=1234)
+    a = client.completions.create(**kw).choices[0].text
+    b = client.completions.create(**kw).choices[0].text
+    assert a == b
+
+
+def test_stop_string(client, want):
+    p = PROMPTS[0]
+    text = want[p.name]
+    if len(text) < 6:
+        pytest.skip("greedy text too short to pick a stop string")
+    stop = text[3:5]
+    cut = text[: text.index(stop)]
+    r = client.completions.create(model="tiny", prompt=p.read_text(), max_tokens=N, temperature=0, stop=[stop])
+    assert r.choices[0].text == cut
+    assert r.choices[0].finish_reason == "stop"
+    chunks = client.completions.create(model="tiny", prompt=p.read_text(), max_tokens=N, temperature=0,
+                                       stop=stop, stream=True)
+    assert "".join(c.choices[0].text for c in chunks) == cut
+
+
+def test_bad_requests(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny", prompt="hi", n=2)
+    assert "'n' must be 1" in str(e.value)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny", prompt="hi", max_tokens=0)
+    assert "max_tokens" in str(e.value)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny", prompt="word " * 5000, max_tokens=4)
+    body = e.value.body
+    assert body["code"] == "context_length_exceeded"
+    assert body["n_prompt_tokens"] >= 5000 and body["n_ctx"] == 4096
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="tiny", messages=[{"role": "tool", "content": "x"}])
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("no-such-model")
+
+
+def test_metrics_and_admin(daemon, client):
+    client.completions.create(model="tiny", prompt="Hi", max_tokens=3, temperature=0)
+    with uds_client(daemon.sock) as http:
+        m = http.get("/metrics").text
+        assert "moed_requests_total" in m and "moed_generated_tokens_total" in m
+        st = http.get("/admin/status").json()
+        assert len(st["workers"]) == 2
+        assert all(w["state"] == "ready" for w in st["workers"])
+        assert st["scheduler"]["requests_total"] >= 1

@@ -1,0 +1,251 @@
+/* The daemon's pure pieces: config parsing (defaults < file < command line), the ChatML
+ * renderer, stop-string search and hold-back, the admin peer check, and the API's chat
+ * tokenization against the real golden tokenizer. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "daemon/api.h"
+#include "daemon/chat.h"
+#include "daemon/config.h"
+#include "store/err.h"
+#include "store/gguf.h"
+#include "store/tokenizer.h"
+#include "tests/harness.h"
+
+TEST(config_sizes)
+{
+    uint64_t v;
+    CHECK(config_parse_size("4096", &v) == 0 && v == 4096);
+    CHECK(config_parse_size("24G", &v) == 0 && v == 24ull << 30);
+    CHECK(config_parse_size("24GiB", &v) == 0 && v == 24ull << 30);
+    CHECK(config_parse_size("512m", &v) == 0 && v == 512ull << 20);
+    CHECK(config_parse_size("1.5G", &v) == 0 && v == 3ull << 29);
+    CHECK(config_parse_size("8K", &v) == 0 && v == 8192);
+    CHECK(config_parse_size("", &v) != 0);
+    CHECK(config_parse_size("-1G", &v) != 0);
+    CHECK(config_parse_size("12X", &v) != 0);
+    CHECK(config_parse_size("G", &v) != 0);
+    CHECK(config_parse_size("1e30T", &v) == MOE_ERANGE);
+}
+
+TEST(config_file_and_command_line)
+{
+    char path[512];
+    snprintf(path, sizeof path, "%s/moed.conf", moe_test_tmpdir());
+    FILE *f = fopen(path, "w");
+    CHECK(f);
+    fprintf(f, "# example\n[moed]\nmodel = /models/a.gguf\nsocket = /tmp/a.sock\n"
+               "workers = 3  # three\nvram_budget = 20G ; twenty\nlog-level = debug\nstate-dir = \"/var/x y\"\n"
+               "; comment\nlisten = 127.0.0.1:8080\n");
+    fclose(f);
+    struct moed_config c;
+    CHECK(config_init(&c) == 0);
+    CHECK_STREQ(c.socket, MOED_DEFAULT_SOCKET);
+    char *argv[] = {"moed", "--config", path, "--workers", "2", "--socket=/tmp/b.sock", NULL};
+    bool help;
+    char err[512];
+    int rc = config_parse_args(&c, 6, argv, &help, err, sizeof err);
+    CHECK_MSG(rc == 0, "%s", err);
+    CHECK(!help);
+    CHECK_STREQ(c.model, "/models/a.gguf");
+    CHECK_STREQ(c.socket, "/tmp/b.sock");   /* the command line wins */
+    CHECK_EQ(c.workers, 2);
+    CHECK_EQ(c.vram_budget, 20ull << 30);
+    CHECK_EQ(c.log_level, LOG_LEVEL_DEBUG);
+    CHECK_STREQ(c.state_dir, "/var/x y");
+    CHECK_STREQ(c.listen, "127.0.0.1:8080");
+    CHECK_STREQ(c.config_file, path);
+    config_free(&c);
+
+    /* Errors name the file and line, or the option. */
+    f = fopen(path, "w");
+    fprintf(f, "model = m\nworkers = many\n");
+    fclose(f);
+    CHECK(config_init(&c) == 0);
+    char *argv2[] = {"moed", "--config", path, NULL};
+    rc = config_parse_args(&c, 3, argv2, &help, err, sizeof err);
+    CHECK(rc == MOE_EFORMAT);
+    CHECK_MSG(strstr(err, ":2:") && strstr(err, "workers"), "%s", err);
+    config_free(&c);
+
+    CHECK(config_init(&c) == 0);
+    char *argv3[] = {"moed", "--model", "m", "--listen", "0.0.0.0:80", NULL};
+    rc = config_parse_args(&c, 5, argv3, &help, err, sizeof err);
+    CHECK(rc == MOE_ERANGE);
+    CHECK_MSG(strstr(err, "loopback"), "%s", err);
+    config_free(&c);
+
+    CHECK(config_init(&c) == 0);
+    char *argv4[] = {"moed", "--modle", "m", NULL};
+    rc = config_parse_args(&c, 3, argv4, &help, err, sizeof err);
+    CHECK(rc == MOE_ENOTFOUND);
+    CHECK_MSG(strstr(err, "--modle"), "%s", err);
+    config_free(&c);
+
+    CHECK(config_init(&c) == 0);
+    char *argv5[] = {"moed", "--workers", "2", NULL};
+    rc = config_parse_args(&c, 3, argv5, &help, err, sizeof err);
+    CHECK(rc == MOE_ENOTFOUND);
+    CHECK_MSG(strstr(err, "--model"), "%s", err);
+    config_free(&c);
+
+    CHECK(config_init(&c) == 0);
+    char *argv6[] = {"moed", "--config", "/nonexistent/moed.conf", NULL};
+    rc = config_parse_args(&c, 3, argv6, &help, err, sizeof err);
+    CHECK(rc == -ENOENT);
+    CHECK_MSG(strstr(err, "/nonexistent/moed.conf"), "%s", err);
+    config_free(&c);
+}
+
+static char *joined(const struct chat_rendered *r, bool mark)
+{
+    static char buf[4096];
+    size_t n = 0;
+    for (size_t i = 0; i < r->n_spans; i++) {
+        const struct chat_span *s = &r->spans[i];
+        n += (size_t)snprintf(buf + n, sizeof buf - n, "%s%.*s%s", mark && s->special ? "[" : "",
+                              (int)s->len, r->text + s->off, mark && s->special ? "]" : "");
+    }
+    return buf;
+}
+
+TEST(chat_chatml_render)
+{
+    CHECK_EQ(chat_detect(NULL), CHAT_NONE);
+    CHECK_EQ(chat_detect("{% for message in messages %}<|im_start|>{{ message.role }}"), CHAT_CHATML);
+    CHECK_EQ(chat_detect("{{ bos_token }}[INST] {{ m }} [/INST]"), CHAT_UNSUPPORTED);
+    struct chat_msg m[] = {
+        {"system", "Be brief.", 9},
+        {"user", "Hi <|im_start|>", 15},
+        {"assistant", "Hello!", 6},
+        {"developer", "x", 1},
+    };
+    struct chat_rendered r;
+    char err[256];
+    CHECK(chat_render(CHAT_CHATML, m, 4, true, &r, err, sizeof err) == 0);
+    CHECK_STREQ(r.text, "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi <|im_start|><|im_end|>\n"
+                        "<|im_start|>assistant\nHello!<|im_end|>\n<|im_start|>system\nx<|im_end|>\n"
+                        "<|im_start|>assistant\n");
+    /* Only the template's markers are special; the user's "<|im_start|>" is text. */
+    CHECK_STREQ(joined(&r, true),
+                "[<|im_start|>]system\nBe brief.[<|im_end|>]\n[<|im_start|>]user\nHi <|im_start|>[<|im_end|>]\n"
+                "[<|im_start|>]assistant\nHello![<|im_end|>]\n[<|im_start|>]system\nx[<|im_end|>]\n"
+                "[<|im_start|>]assistant\n");
+    CHECK_EQ(r.n_spans, 18);
+    chat_rendered_free(&r);
+    struct chat_msg bad = {"tool", "x", 1};
+    CHECK(chat_render(CHAT_CHATML, &bad, 1, true, &r, err, sizeof err) == MOE_EUNSUPPORTED);
+    CHECK(strstr(err, "'tool'") != NULL);
+    CHECK(chat_render(CHAT_UNSUPPORTED, m, 1, true, &r, err, sizeof err) == MOE_EUNSUPPORTED);
+    CHECK(chat_render(CHAT_CHATML, m, 0, true, &r, err, sizeof err) == MOE_EFORMAT);
+}
+
+TEST(api_stop_strings)
+{
+    char *stops[] = {"\n\n", "END", "éx"};
+    const char *t = "abc EN";
+    CHECK_EQ(api_find_stop(t, strlen(t), 0, stops, 3), -1);
+    /* "EN" could become "END": hold it back. */
+    CHECK_EQ(api_stop_holdback(t, strlen(t), stops, 3), 2);
+    t = "abc ENDx";
+    CHECK_EQ(api_find_stop(t, strlen(t), 0, stops, 3), 4);
+    t = "one\n\ntwo END";
+    CHECK_EQ(api_find_stop(t, strlen(t), 0, stops, 3), 3);   /* the earliest one wins */
+    CHECK_EQ(api_find_stop(t, strlen(t), 6, stops, 3), 9);
+    t = "line\n";
+    CHECK_EQ(api_stop_holdback(t, strlen(t), stops, 3), 1);
+    t = "caf\xc3";                                             /* first byte of é */
+    CHECK_EQ(api_stop_holdback(t, strlen(t), stops, 3), 1);
+    t = "nothing";
+    CHECK_EQ(api_stop_holdback(t, strlen(t), stops, 3), 0);
+    CHECK_EQ(api_stop_holdback("", 0, stops, 3), 0);
+}
+
+TEST(api_admin_peer_check)
+{
+    struct api *a;
+    char err[256];
+    struct api_opts o = {.model = {.id = "m", .arch = "qwen3moe"}, .admin_uid = 1234,
+                         .admin_gid = 4321, .have_admin_gid = true};
+    CHECK(api_new(&a, &o, err, sizeof err) == 0);
+    struct http_peer p = {.transport = HTTP_TRANSPORT_UNIX, .has_cred = true, .uid = 0, .gid = 0};
+    CHECK(api_peer_is_admin(a, &p));                  /* root */
+    p.uid = 1234;
+    p.gid = 1;
+    CHECK(api_peer_is_admin(a, &p));                  /* the daemon's own user */
+    p.uid = 5555;
+    CHECK(!api_peer_is_admin(a, &p));                 /* someone else */
+    p.gid = 4321;
+    CHECK(api_peer_is_admin(a, &p));                  /* primary group = admin group */
+    p.transport = HTTP_TRANSPORT_TCP;
+    p.uid = 0;
+    CHECK(!api_peer_is_admin(a, &p));                 /* never over TCP */
+    p.transport = HTTP_TRANSPORT_UNIX;
+    p.has_cred = false;
+    CHECK(!api_peer_is_admin(a, &p));                 /* unknown peer */
+    api_free(a);
+}
+
+/* The rendered chat, tokenized span by span, equals tokenizing the whole text with special
+ * tokens parsed (what llama.cpp does) when the messages hold no special-token text. */
+TEST(api_chat_tokens_match_whole_text)
+{
+    struct gguf_file *g;
+    char err[512];
+    int rc = gguf_open(&g, "tests/golden/models/tiny-qwen3moe-Q8_0.gguf", err, sizeof err);
+    CHECK_MSG(rc == 0, "%s", err);
+    struct moe_tokenizer *t;
+    rc = moe_tok_load(&t, g, err, sizeof err);
+    CHECK_MSG(rc == 0, "%s", err);
+    CHECK_EQ(chat_detect(moe_tok_chat_template(t)), CHAT_CHATML);
+    struct chat_msg m[] = {{"system", "You are a helpful assistant.", 28},
+                           {"user", "Write 3 words about the sea, please!\n\nThanks.", 46}};
+    struct chat_rendered r;
+    CHECK(chat_render(CHAT_CHATML, m, 2, true, &r, err, sizeof err) == 0);
+    int32_t *whole;
+    size_t n_whole;
+    CHECK(moe_tok_encode(t, r.text, r.len, true, &whole, &n_whole) == 0);
+    int32_t spans[512];
+    size_t n = 0;
+    for (size_t i = 0; i < r.n_spans; i++) {
+        if (r.spans[i].special) {
+            char name[32];
+            snprintf(name, sizeof name, "%.*s", (int)r.spans[i].len, r.text + r.spans[i].off);
+            int32_t id = moe_tok_lookup(t, name);
+            CHECK(id >= 0);
+            spans[n++] = id;
+        } else {
+            int32_t *ids;
+            size_t k;
+            CHECK(moe_tok_encode(t, r.text + r.spans[i].off, r.spans[i].len, false, &ids, &k) == 0);
+            CHECK(n + k < 512);
+            memcpy(spans + n, ids, k * sizeof *ids);
+            n += k;
+            free(ids);
+        }
+    }
+    CHECK_EQ(n, n_whole);
+    for (size_t i = 0; i < n; i++)
+        CHECK_EQ(spans[i], whole[i]);
+    free(whole);
+    chat_rendered_free(&r);
+    moe_tok_free(t);
+    gguf_close(g);
+}
+
+/* The example config shipped in systemd/ must load as it is. */
+TEST(config_example_file_loads)
+{
+    struct moed_config c;
+    CHECK(config_init(&c) == 0);
+    char err[512];
+    int rc = config_load_file(&c, "systemd/moed.conf", err, sizeof err);
+    CHECK_MSG(rc == 0, "%s", err);
+    CHECK(c.model && strstr(c.model, ".gguf"));
+    CHECK_STREQ(c.socket, "/run/moed/moed.sock");
+    CHECK_STREQ(c.devices, "auto");
+    CHECK_EQ(c.ctx, 4096);
+    config_free(&c);
+}

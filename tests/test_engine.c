@@ -1,0 +1,548 @@
+/* Engine tests: the forward pass against an independent float64 reference on a synthetic model of
+ * non-golden shapes (head_dim * n_head != n_embd, GQA 2:1, top-3 of 8, mixed block types), batch
+ * layouts (prefill vs decode, interleaved sequences, chunking past n_batch), thread counts,
+ * routing counts, and input validation. */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "store/err.h"
+#include "store/ggml_type.h"
+#include "store/quant.h"
+#include "tests/engine_test.h"
+#include "worker/cpu/pool.h"
+
+/* ------------------------------------------------------------------ a synthetic model */
+
+struct synth {
+    struct moe_model m;
+    void *bufs[512];
+    int n_bufs;
+};
+
+static uint64_t synth_rng;
+
+static double synth_rand(void) /* uniform in [-1, 1) */
+{
+    synth_rng = synth_rng * 6364136223846793005ull + 1442695040888963407ull;
+    return (double)(synth_rng >> 11) * 0x1.0p-52 - 1.0;
+}
+
+/* A [ne1][ne0] weight of `type` with values scale * U(-1, 1) (+ offset). */
+static struct moe_tensor synth_tensor(struct synth *s, uint32_t type, int64_t ne0, int64_t ne1,
+                                      double scale, double offset)
+{
+    size_t rb = moe_row_bytes(type, ne0);
+    CHECK(rb > 0);
+    float *tmp = malloc(sizeof(float) * ne0);
+    uint8_t *data = malloc(rb * (size_t)ne1);
+    CHECK(tmp && data && s->n_bufs < 512);
+    for (int64_t r = 0; r < ne1; r++) {
+        for (int64_t i = 0; i < ne0; i++)
+            tmp[i] = (float)(offset + scale * synth_rand());
+        CHECK_EQ(moe_quantize(type, tmp, data + rb * (size_t)r, ne0), 0);
+    }
+    free(tmp);
+    s->bufs[s->n_bufs++] = data;
+    return (struct moe_tensor){.data = data, .type = type, .ne = {ne0, ne1}, .nbytes = rb * (size_t)ne1};
+}
+
+/* 2 layers, n_embd 256, 4 heads of 96 (384 != 256) over 2 KV heads, 8 experts, top-3,
+ * expert_ff 64, vocab 300. Types: Q8_0 embedding, F16 head, Q6_K q, Q4_K k, Q5_K v, Q5_0 output
+ * projection (row 384), F32 router, Q4_K gate/up, Q8_0 / Q4_1 down (row 64). */
+static void synth_build(struct synth *s, bool norm_topk, uint64_t seed)
+{
+    memset(s, 0, sizeof *s);
+    synth_rng = seed;
+    struct moe_hparams *hp = &s->m.hp;
+    *hp = (struct moe_hparams){
+        .n_layer = 2, .n_ctx_train = 512, .n_embd = 256, .n_head = 4, .n_head_kv = 2,
+        .head_dim = 96, .head_dim_v = 96, .n_expert = 8, .n_expert_used = 3, .expert_ff = 64,
+        .n_ff = 64, .n_vocab = 300, .rms_eps = 1e-6f, .rope_base = 10000.0f, .norm_topk = norm_topk,
+    };
+    s->m.arch = MOE_ARCH_QWEN3MOE;
+    strcpy(s->m.arch_name, "qwen3moe");
+    int64_t E = 256, qd = 4 * 96, kd = 2 * 96;
+    s->m.token_embd = synth_tensor(s, MOE_TYPE_Q8_0, E, 300, 1.0, 0.0);
+    s->m.output_norm = synth_tensor(s, MOE_TYPE_F32, E, 1, 0.2, 1.0);
+    s->m.output = synth_tensor(s, MOE_TYPE_F16, E, 300, 0.1, 0.0);
+    s->m.layers = calloc(2, sizeof *s->m.layers);
+    CHECK(s->m.layers);
+    for (int l = 0; l < 2; l++) {
+        struct moe_layer *ly = &s->m.layers[l];
+        ly->attn_norm = synth_tensor(s, MOE_TYPE_F32, E, 1, 0.2, 1.0);
+        ly->attn_q = synth_tensor(s, MOE_TYPE_Q6_K, E, qd, 0.1, 0.0);
+        ly->attn_k = synth_tensor(s, MOE_TYPE_Q4_K, E, kd, 0.1, 0.0);
+        ly->attn_v = synth_tensor(s, MOE_TYPE_Q5_K, E, kd, 0.1, 0.0);
+        ly->attn_output = synth_tensor(s, MOE_TYPE_Q5_0, qd, E, 0.08, 0.0);
+        ly->attn_q_norm = synth_tensor(s, MOE_TYPE_F32, 96, 1, 0.2, 1.0);
+        ly->attn_k_norm = synth_tensor(s, MOE_TYPE_F32, 96, 1, 0.2, 1.0);
+        ly->ffn_norm = synth_tensor(s, MOE_TYPE_F32, E, 1, 0.2, 1.0);
+        ly->ffn_gate_inp = synth_tensor(s, MOE_TYPE_F32, E, 8, 0.15, 0.0);
+        ly->experts = calloc(8, sizeof *ly->experts);
+        CHECK(ly->experts);
+        for (int x = 0; x < 8; x++) {
+            ly->experts[x].gate = synth_tensor(s, MOE_TYPE_Q4_K, E, 64, 0.1, 0.0);
+            ly->experts[x].up = synth_tensor(s, MOE_TYPE_Q4_K, E, 64, 0.1, 0.0);
+            ly->experts[x].down = synth_tensor(s, x % 2 ? MOE_TYPE_Q4_1 : MOE_TYPE_Q8_0, 64, E,
+                                               0.15, 0.0);
+        }
+    }
+}
+
+static void synth_free(struct synth *s)
+{
+    for (int l = 0; l < (int)s->m.hp.n_layer; l++)
+        free(s->m.layers[l].experts);
+    free(s->m.layers);
+    for (int i = 0; i < s->n_bufs; i++)
+        free(s->bufs[i]);
+}
+
+/* ------------------------------------------------------------------ float64 reference */
+
+static double *deq(const struct moe_tensor *t)
+{
+    size_t n = (size_t)(t->ne[0] * t->ne[1]);
+    float *f = malloc(sizeof(float) * n);
+    double *d = malloc(sizeof(double) * n);
+    CHECK(f && d);
+    CHECK_EQ(moe_dequantize(t->type, t->data, f, (int64_t)n), 0);
+    for (size_t i = 0; i < n; i++)
+        d[i] = f[i];
+    free(f);
+    return d;
+}
+
+/* y[rows] = W[rows][n] x[n] */
+static void ref_mv(const double *W, int64_t rows, int64_t n, const double *x, double *y)
+{
+    for (int64_t r = 0; r < rows; r++) {
+        double s = 0.0;
+        for (int64_t i = 0; i < n; i++)
+            s += W[r * n + i] * x[i];
+        y[r] = s;
+    }
+}
+
+static void ref_norm(double *y, const double *x, const double *w, int64_t n, double eps)
+{
+    double ss = 0.0;
+    for (int64_t i = 0; i < n; i++)
+        ss += x[i] * x[i];
+    double sc = 1.0 / sqrt(ss / n + eps);
+    for (int64_t i = 0; i < n; i++)
+        y[i] = x[i] * sc * w[i];
+}
+
+/* Logits of every position of one sequence, written straight from FORMATS.md. */
+static void ref_forward(const struct moe_model *m, const int32_t *tok, int64_t n, float *out)
+{
+    const struct moe_hparams *hp = &m->hp;
+    int64_t E = hp->n_embd, H = hp->n_head, Hk = hp->n_head_kv, hd = hp->head_dim, V = hp->n_vocab;
+    int64_t NE = hp->n_expert, K = hp->n_expert_used, F = hp->expert_ff;
+    double eps = hp->rms_eps;
+    double *emb = deq(&m->token_embd), *onw = deq(&m->output_norm), *ow = deq(&m->output);
+    double *h = calloc((size_t)(n * E), sizeof(double));
+    double *Kc = calloc((size_t)(n * Hk * hd), sizeof(double));
+    double *Vc = calloc((size_t)(n * Hk * hd), sizeof(double));
+    double *x = malloc(sizeof(double) * E), *q = malloc(sizeof(double) * H * hd);
+    double *att = malloc(sizeof(double) * H * hd), *o = malloc(sizeof(double) * E);
+    double *sc = malloc(sizeof(double) * n), *p = malloc(sizeof(double) * NE);
+    double *g = malloc(sizeof(double) * F), *u = malloc(sizeof(double) * F);
+    double *d = malloc(sizeof(double) * E), *lg = malloc(sizeof(double) * V);
+    CHECK(h && Kc && Vc && x && q && att && o && sc && p && g && u && d && lg);
+    for (int64_t t = 0; t < n; t++)
+        memcpy(h + t * E, emb + (int64_t)tok[t] * E, sizeof(double) * E);
+
+    for (uint32_t l = 0; l < hp->n_layer; l++) {
+        const struct moe_layer *ly = &m->layers[l];
+        double *an = deq(&ly->attn_norm), *wq = deq(&ly->attn_q), *wk = deq(&ly->attn_k);
+        double *wv = deq(&ly->attn_v), *wo = deq(&ly->attn_output), *qn = deq(&ly->attn_q_norm);
+        double *kn = deq(&ly->attn_k_norm), *fn = deq(&ly->ffn_norm), *wr = deq(&ly->ffn_gate_inp);
+        /* Tokens in order: token t's K/V are in the cache before its attention. */
+        for (int64_t t = 0; t < n; t++) {
+            double *ht = h + t * E;
+            ref_norm(x, ht, an, E, eps);
+            ref_mv(wq, H * hd, E, x, q);
+            ref_mv(wk, Hk * hd, E, x, Kc + t * Hk * hd);
+            ref_mv(wv, Hk * hd, E, x, Vc + t * Hk * hd);
+            for (int64_t hh = 0; hh < H + Hk; hh++) {
+                double *v = hh < H ? q + hh * hd : Kc + t * Hk * hd + (hh - H) * hd;
+                ref_norm(v, v, hh < H ? qn : kn, hd, eps);
+                for (int64_t i = 0; i < hd / 2; i++) {
+                    double th = (double)t * pow(hp->rope_base, -2.0 * i / hd);
+                    double a = v[i], b = v[i + hd / 2];
+                    v[i] = a * cos(th) - b * sin(th);
+                    v[i + hd / 2] = a * sin(th) + b * cos(th);
+                }
+            }
+            for (int64_t hh = 0; hh < H; hh++) {
+                int64_t kh = hh / (H / Hk);
+                double mx = -INFINITY, z = 0.0;
+                for (int64_t s = 0; s <= t; s++) {
+                    double dot = 0.0;
+                    for (int64_t i = 0; i < hd; i++)
+                        dot += q[hh * hd + i] * Kc[s * Hk * hd + kh * hd + i];
+                    sc[s] = dot / sqrt((double)hd);
+                    mx = sc[s] > mx ? sc[s] : mx;
+                }
+                for (int64_t s = 0; s <= t; s++)
+                    z += (sc[s] = exp(sc[s] - mx));
+                for (int64_t i = 0; i < hd; i++) {
+                    double acc = 0.0;
+                    for (int64_t s = 0; s <= t; s++)
+                        acc += sc[s] / z * Vc[s * Hk * hd + kh * hd + i];
+                    att[hh * hd + i] = acc;
+                }
+            }
+            ref_mv(wo, E, H * hd, att, o);
+            for (int64_t i = 0; i < E; i++)
+                ht[i] += o[i];
+
+            ref_norm(x, ht, fn, E, eps);
+            ref_mv(wr, NE, E, x, p);
+            double mx = -INFINITY, z = 0.0;
+            for (int64_t e = 0; e < NE; e++)
+                mx = p[e] > mx ? p[e] : mx;
+            for (int64_t e = 0; e < NE; e++)
+                z += (p[e] = exp(p[e] - mx));
+            for (int64_t e = 0; e < NE; e++)
+                p[e] /= z;
+            int sel[16];
+            double wsum = 0.0;
+            for (int64_t j = 0; j < K; j++) {
+                int best = -1;
+                for (int e = 0; e < NE; e++) {
+                    int taken = 0;
+                    for (int64_t q2 = 0; q2 < j; q2++)
+                        taken |= sel[q2] == e;
+                    if (!taken && (best < 0 || p[e] > p[best]))
+                        best = e;
+                }
+                sel[j] = best;
+                wsum += p[best];
+            }
+            for (int64_t i = 0; i < E; i++)
+                o[i] = 0.0;
+            for (int64_t j = 0; j < K; j++) {
+                const struct moe_expert *ex = &ly->experts[sel[j]];
+                double *wg = deq(&ex->gate), *wu = deq(&ex->up), *wd = deq(&ex->down);
+                ref_mv(wg, F, E, x, g);
+                ref_mv(wu, F, E, x, u);
+                for (int64_t i = 0; i < F; i++)
+                    g[i] = g[i] / (1.0 + exp(-g[i])) * u[i];
+                ref_mv(wd, E, F, g, d);
+                double w = hp->norm_topk ? p[sel[j]] / wsum : p[sel[j]];
+                for (int64_t i = 0; i < E; i++)
+                    o[i] += w * d[i];
+                free(wg), free(wu), free(wd);
+            }
+            for (int64_t i = 0; i < E; i++)
+                ht[i] += o[i];
+        }
+        free(an), free(wq), free(wk), free(wv), free(wo), free(qn), free(kn), free(fn), free(wr);
+    }
+    for (int64_t t = 0; t < n; t++) {
+        ref_norm(x, h + t * E, onw, E, eps);
+        ref_mv(ow, V, E, x, lg);
+        for (int64_t v = 0; v < V; v++)
+            out[t * V + v] = (float)lg[v];
+    }
+    free(emb), free(onw), free(ow), free(h), free(Kc), free(Vc), free(x), free(q), free(att);
+    free(o), free(sc), free(p), free(g), free(u), free(d), free(lg);
+}
+
+static void synth_tokens(int32_t *tok, int n, uint32_t vocab, uint64_t seed)
+{
+    for (int i = 0; i < n; i++) {
+        seed = seed * 6364136223846793005ull + 1442695040888963407ull;
+        tok[i] = (int32_t)((seed >> 33) % vocab);
+    }
+}
+
+static void synth_vs_reference(bool norm_topk)
+{
+    struct synth s;
+    synth_build(&s, norm_topk, norm_topk ? 11 : 12);
+    enum { N = 24 };
+    int32_t tok[N];
+    synth_tokens(tok, N, s.m.hp.n_vocab, 5);
+    uint32_t V = s.m.hp.n_vocab;
+    float *ref = malloc(sizeof(float) * N * V), *got = malloc(sizeof(float) * N * V);
+    CHECK(ref && got);
+    ref_forward(&s.m, tok, N, ref);
+
+    struct moe_engine *e = test_engine(&s.m, 64, 1, 0, 2);
+    test_prefill(e, 0, 0, tok, N, got);
+    double rel = rel_l2(got, ref, (size_t)N * V);
+    double top1 = top1_agreement(got, ref, N, V);
+    printf("synthetic model (norm_topk %d) vs float64 reference: rel-L2 %.3e, top-1 %.1f%%\n",
+           norm_topk, rel, 100 * top1);
+    CHECK_MSG(rel < 1e-5, "rel-L2 %.3e", rel);
+    CHECK(top1 == 1.0);
+
+    /* Routing counts: one per token and chosen expert, in every layer. */
+    const uint64_t *rc = moe_engine_routing_counts(e);
+    for (uint32_t l = 0; l < s.m.hp.n_layer; l++) {
+        uint64_t sum = 0;
+        for (uint32_t x = 0; x < s.m.hp.n_expert; x++)
+            sum += rc[l * s.m.hp.n_expert + x];
+        CHECK_EQ(sum, (uint64_t)N * s.m.hp.n_expert_used);
+    }
+    moe_engine_free(e);
+    free(ref), free(got);
+    synth_free(&s);
+}
+
+TEST(engine_synthetic_matches_float64_reference)
+{
+    synth_vs_reference(true);
+}
+
+TEST(engine_synthetic_without_topk_renorm)
+{
+    synth_vs_reference(false);
+}
+
+/* ------------------------------------------------------------------ batch layouts */
+
+/* Prefill in one batch vs one token per call (matmul vs matvec paths), on a golden model. */
+static void prefill_vs_decode(const char *model)
+{
+    char path[256];
+    golden_model_path(path, sizeof path, model);
+    struct test_model tm;
+    test_model_open(&tm, path);
+    struct golden_ref r;
+    golden_load(&r, model, "p2");
+    uint32_t V = tm.m.hp.n_vocab, n = (uint32_t)r.n_prompt;
+    float *a = malloc(sizeof(float) * n * V), *b = malloc(sizeof(float) * n * V);
+    CHECK(a && b);
+    struct moe_engine *e = test_engine(&tm.m, 128, 2, 0, 2);
+    test_prefill(e, 0, 0, r.prompt, n, a);
+    for (uint32_t i = 0; i < n; i++)
+        test_prefill(e, 1, (int32_t)i, r.prompt + i, 1, b + (size_t)i * V);
+    double rel = rel_l2(b, a, (size_t)n * V);
+    printf("%s: prefill vs token-by-token: rel %.3e\n", model, rel);
+    CHECK_MSG(rel <= 1e-4, "rel %.3e", rel);
+    CHECK_EQ(moe_engine_seq_len(e, 0), n);
+    CHECK_EQ(moe_engine_seq_len(e, 1), n);
+    moe_engine_free(e);
+    free(a), free(b);
+    golden_free(&r);
+    test_model_close(&tm);
+}
+
+TEST(engine_prefill_equals_decode_f16)
+{
+    prefill_vs_decode("F16");
+}
+
+TEST(engine_prefill_equals_decode_q4_k_m)
+{
+    prefill_vs_decode("Q4_K_M");
+}
+
+/* Two prompts interleaved token by token in one batch (plus a logits mask) give what each
+ * gives alone. */
+TEST(engine_interleaved_sequences)
+{
+    char path[256];
+    golden_model_path(path, sizeof path, "Q8_0");
+    struct test_model tm;
+    test_model_open(&tm, path);
+    struct golden_ref r1, r3;
+    golden_load(&r1, "Q8_0", "p1");
+    golden_load(&r3, "Q8_0", "p3");
+    uint32_t V = tm.m.hp.n_vocab, n1 = (uint32_t)r1.n_prompt, n3 = (uint32_t)r3.n_prompt;
+    float *a1 = malloc(sizeof(float) * n1 * V), *a3 = malloc(sizeof(float) * n3 * V);
+    float *mix = malloc(sizeof(float) * (n1 + n3) * V);
+    int32_t *tok = malloc(sizeof(int32_t) * (n1 + n3)), *pos = malloc(sizeof(int32_t) * (n1 + n3));
+    int32_t *seq = malloc(sizeof(int32_t) * (n1 + n3));
+    uint8_t *want = malloc(n1 + n3);
+    CHECK(a1 && a3 && mix && tok && pos && seq && want);
+
+    struct moe_engine *e = test_engine(&tm.m, 128, 1, 0, 2);
+    test_prefill(e, 0, 0, r1.prompt, n1, a1);
+    moe_engine_seq_clear(e, 0);
+    test_prefill(e, 0, 0, r3.prompt, n3, a3);
+    moe_engine_free(e);
+
+    /* Sequence slot 3 and 1 of 4; every third token of p3 skips its logits. */
+    uint32_t k = 0, i1 = 0, i3 = 0;
+    while (i1 < n1 || i3 < n3) {
+        if (i3 < n3) {
+            tok[k] = r3.prompt[i3], pos[k] = (int32_t)i3, seq[k] = 3, want[k] = i3 % 3 != 1;
+            k++, i3++;
+        }
+        if (i1 < n1) {
+            tok[k] = r1.prompt[i1], pos[k] = (int32_t)i1, seq[k] = 1, want[k] = 1;
+            k++, i1++;
+        }
+    }
+    e = test_engine(&tm.m, 128, 4, 0, 2);
+    struct moe_batch b = {.n = k, .token = tok, .pos = pos, .seq = seq, .logits = want};
+    CHECK_EQ(moe_engine_forward(e, &b, mix), 0);
+    double worst = 0.0;
+    uint32_t row = 0;
+    for (uint32_t j = 0; j < k; j++) {
+        if (!want[j])
+            continue;
+        const float *ref = seq[j] == 1 ? a1 + (size_t)pos[j] * V : a3 + (size_t)pos[j] * V;
+        double rel = rel_l2(mix + (size_t)row * V, ref, V);
+        worst = rel > worst ? rel : worst;
+        row++;
+    }
+    printf("interleaved vs alone: worst per-row rel %.3e over %u rows\n", worst, row);
+    CHECK(worst <= 1e-4);
+    moe_engine_free(e);
+    free(a1), free(a3), free(mix), free(tok), free(pos), free(seq), free(want);
+    golden_free(&r1);
+    golden_free(&r3);
+    test_model_close(&tm);
+}
+
+/* A batch longer than n_batch is evaluated in chunks with the same result. */
+TEST(engine_batch_larger_than_n_batch)
+{
+    char path[256];
+    golden_model_path(path, sizeof path, "F16");
+    struct test_model tm;
+    test_model_open(&tm, path);
+    struct golden_ref r;
+    golden_load(&r, "F16", "p3");
+    uint32_t V = tm.m.hp.n_vocab, n = (uint32_t)r.n_prompt;
+    float *a = malloc(sizeof(float) * n * V);
+    CHECK(a);
+    struct moe_engine *e = test_engine(&tm.m, 128, 1, 7, 2);
+    CHECK_EQ(moe_engine_get_opts(e)->n_batch, 7);
+    test_prefill(e, 0, 0, r.prompt, n, a);
+    double rel = rel_l2(a, r.logits, (size_t)n * V);
+    printf("n_batch 7: rel-L2 vs reference %.3e\n", rel);
+    CHECK(rel <= 2e-3);
+    moe_engine_free(e);
+    free(a);
+    golden_free(&r);
+    test_model_close(&tm);
+}
+
+/* Thread count changes only which thread computes a row, never how. */
+TEST(engine_threads_1_vs_n)
+{
+    char path[256];
+    golden_model_path(path, sizeof path, "Q4_K_M");
+    struct test_model tm;
+    test_model_open(&tm, path);
+    struct golden_ref r;
+    golden_load(&r, "Q4_K_M", "p1");
+    uint32_t V = tm.m.hp.n_vocab, n = (uint32_t)r.n_prompt;
+    float *a = malloc(sizeof(float) * n * V), *b = malloc(sizeof(float) * n * V);
+    float *c = malloc(sizeof(float) * V), *d = malloc(sizeof(float) * V);
+    CHECK(a && b && c && d);
+    const int nth[2] = {1, 5};
+    float *outs[2] = {a, b}, *dec[2] = {c, d};
+    for (int k = 0; k < 2; k++) {
+        struct moe_engine *e = test_engine(&tm.m, 128, 1, 0, nth[k]);
+        CHECK_EQ(moe_engine_get_opts(e)->n_threads, nth[k]);
+        test_prefill(e, 0, 0, r.prompt, n, outs[k]);
+        int32_t next = argmax_f(outs[k] + (size_t)(n - 1) * V, V);
+        test_prefill(e, 0, (int32_t)n, &next, 1, dec[k]);
+        moe_engine_free(e);
+    }
+    double rel = rel_l2(b, a, (size_t)n * V), rel_dec = rel_l2(d, c, V);
+    printf("threads 1 vs 5: prefill rel %.3e, decode rel %.3e\n", rel, rel_dec);
+    CHECK(rel <= 1e-6);
+    CHECK(rel_dec <= 1e-6);
+    free(a), free(b), free(c), free(d);
+    golden_free(&r);
+    test_model_close(&tm);
+}
+
+/* Bad batches are refused with a message and change nothing; the engine keeps working. */
+TEST(engine_rejects_bad_batches)
+{
+    char path[256];
+    golden_model_path(path, sizeof path, "Q8_0");
+    struct test_model tm;
+    test_model_open(&tm, path);
+    uint32_t V = tm.m.hp.n_vocab;
+    struct moe_engine *e = test_engine(&tm.m, 16, 2, 0, 2);
+    float *out = malloc(sizeof(float) * 4 * V), *again = malloc(sizeof(float) * 4 * V);
+    CHECK(out && again);
+    int32_t tok[4] = {1, 2, 3, 4}, pos[4] = {0, 1, 2, 3}, seq[4] = {0, 0, 0, 0};
+    struct moe_batch b = {.n = 4, .token = tok, .pos = pos, .seq = seq};
+
+    tok[2] = (int32_t)V;
+    CHECK_EQ(moe_engine_forward(e, &b, out), MOE_ERANGE);
+    CHECK(strstr(moe_engine_errmsg(e), "vocabulary"));
+    tok[2] = -1;
+    CHECK_EQ(moe_engine_forward(e, &b, out), MOE_ERANGE);
+    tok[2] = 3;
+    seq[1] = 2;
+    CHECK_EQ(moe_engine_forward(e, &b, out), MOE_ERANGE);
+    seq[1] = 0;
+    pos[3] = 5; /* gap after position 2 */
+    CHECK_EQ(moe_engine_forward(e, &b, out), MOE_ERANGE);
+    CHECK(strstr(moe_engine_errmsg(e), "gap"));
+    pos[3] = 16; /* past n_ctx */
+    CHECK_EQ(moe_engine_forward(e, &b, out), MOE_ERANGE);
+    pos[3] = 3;
+    CHECK_EQ(moe_engine_seq_len(e, 0), 0); /* nothing was evaluated */
+    const uint64_t *rc = moe_engine_routing_counts(e);
+    for (uint32_t i = 0; i < tm.m.hp.n_layer * tm.m.hp.n_expert; i++)
+        CHECK_EQ(rc[i], 0);
+
+    CHECK_EQ(moe_engine_forward(e, &b, out), 0);
+    CHECK_EQ(moe_engine_seq_len(e, 0), 4);
+    /* Decoding position 5 before 4 is a gap; re-evaluating position 2 is allowed and rewinds. */
+    int32_t t1 = 9, p1 = 5, s1 = 0;
+    struct moe_batch one = {.n = 1, .token = &t1, .pos = &p1, .seq = &s1};
+    CHECK_EQ(moe_engine_forward(e, &one, out), MOE_ERANGE);
+    moe_engine_seq_clear(e, 0);
+    CHECK_EQ(moe_engine_seq_len(e, 0), 0);
+    CHECK_EQ(moe_engine_forward(e, &b, again), 0);
+    CHECK(memcmp(out, again, sizeof(float) * 4 * V) == 0);
+    moe_engine_free(e);
+    free(out), free(again);
+    test_model_close(&tm);
+}
+
+/* ------------------------------------------------------------------ thread pool */
+
+struct pool_probe {
+    int64_t *hits;
+    int *ith_seen;
+};
+
+static void probe_task(void *arg, int64_t task, int ith)
+{
+    struct pool_probe *p = arg;
+    __atomic_fetch_add(&p->hits[task], 1, __ATOMIC_RELAXED);
+    __atomic_store_n(&p->ith_seen[ith], 1, __ATOMIC_RELAXED);
+}
+
+TEST(pool_runs_every_task_once)
+{
+    for (int nth = 1; nth <= 6; nth += 5) {
+        struct moe_pool *pool;
+        CHECK_EQ(moe_pool_init(&pool, nth), 0);
+        CHECK_EQ(moe_pool_size(pool), nth);
+        int64_t hits[1000];
+        int seen[8] = {0};
+        struct pool_probe pr = {hits, seen};
+        for (int round = 0; round < 2000; round++) {
+            int64_t n = round % 7 == 0 ? 1 : 1 + round % 1000;
+            memset(hits, 0, sizeof hits);
+            moe_pool_for(pool, n, probe_task, &pr);
+            for (int64_t i = 0; i < n; i++)
+                CHECK_EQ(hits[i], 1);
+            for (int64_t i = n; i < 1000; i++)
+                CHECK_EQ(hits[i], 0);
+        }
+        CHECK(seen[0]);
+        for (int i = nth; i < 8; i++)
+            CHECK(!seen[i]);
+        moe_pool_free(pool);
+    }
+}

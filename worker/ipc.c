@@ -1,0 +1,960 @@
+/* The worker's daemon-spawned mode: the libuv loop on the main thread owns the IPC socket, the
+ * compute thread runs the engine with continuous batching. See worker/ipc.h. */
+#include "worker/ipc.h"
+
+#include <errno.h>
+#include <inttypes.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/random.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <uv.h>
+
+#include "proto/ipc.h"
+#include "store/err.h"
+#include "store/expert_store.h"
+#include "store/gguf.h"
+#include "store/model.h"
+#include "worker/engine.h"
+#include "worker/sampler.h"
+
+#define HELLO_TIMEOUT_MS 60000
+#define STATS_INTERVAL_S 1.0
+/* The daemon keeps at most n_seq requests on a worker; a little backlog beyond that is allowed
+ * (a Submit may cross a Done on the wire), a lot of it is a daemon bug. */
+#define BACKLOG_FACTOR 4
+
+/* A request, owned by the compute thread once it is in the inbox. */
+struct wjob {
+    uint64_t id;
+    int32_t *prompt;
+    uint32_t n_prompt;
+    uint32_t max_tokens;
+    struct moe_sampler_params sp;
+    int32_t eog[MOE_IPC_MAX_EOG];
+    uint32_t n_eog;
+    struct wjob *next;
+    /* compute thread only */
+    struct moe_sampler *smp;
+    int32_t slot;
+    uint32_t n_past; /* positions evaluated for this sequence */
+    uint32_t n_gen;
+    int32_t last;    /* last sampled token: evaluated at n_past in the next step */
+};
+
+enum wev_kind { EV_TOKEN, EV_DONE, EV_ERROR, EV_STATS, EV_EXIT };
+
+/* Something for the main thread to send (or, for EV_EXIT, to act on). */
+struct wevent {
+    enum wev_kind kind;
+    uint64_t id;
+    int32_t token;
+    int reason;
+    uint32_t n_prompt, n_gen;
+    int code;
+    char msg[256];
+    uint64_t *counts; /* EV_STATS: [n_layer*n_expert] deltas */
+    uint64_t n_tokens;
+    uint64_t tokens_generated, prompt_tokens;
+    uint32_t running;
+    double tokens_per_s;
+    struct wevent *next;
+};
+
+struct worker {
+    uv_loop_t loop;
+    uv_async_t async;
+    struct moe_ipc_conn *conn;
+    pthread_t thread;
+    bool thread_started;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    /* inbox: main -> compute, under mu */
+    struct wjob *in_head, *in_tail;
+    uint64_t *cancels;
+    size_t n_cancels, cap_cancels;
+    bool stop, drain;
+    /* outbox: compute -> main, under mu */
+    struct wevent *out_head, *out_tail;
+    /* main thread only */
+    uint64_t *live;
+    size_t n_live, cap_live;
+    int exit_code;
+    /* model and engine */
+    struct gguf_file *gguf;
+    struct moe_model model;
+    bool model_ok;
+    struct moe_store *store;
+    struct moe_engine *eng;
+    uint32_t n_vocab, n_layer, n_expert, n_ctx, n_seq, n_batch;
+    uint32_t index;
+};
+
+/* ---------------------------------------------------------------------------------------------
+ * Queues */
+
+static void job_free(struct wjob *j)
+{
+    if (!j)
+        return;
+    moe_sampler_free(j->smp);
+    free(j->prompt);
+    free(j);
+}
+
+static void post(struct worker *w, struct wevent *ev)
+{
+    pthread_mutex_lock(&w->mu);
+    if (w->out_tail)
+        w->out_tail->next = ev;
+    else
+        w->out_head = ev;
+    w->out_tail = ev;
+    pthread_mutex_unlock(&w->mu);
+    uv_async_send(&w->async);
+}
+
+static struct wevent *ev_new(enum wev_kind k, uint64_t id)
+{
+    struct wevent *ev = calloc(1, sizeof *ev);
+    if (ev) {
+        ev->kind = k;
+        ev->id = id;
+    }
+    return ev;
+}
+
+static void post_error(struct worker *w, uint64_t id, int code, const char *msg)
+{
+    struct wevent *ev = ev_new(EV_ERROR, id);
+    if (!ev)
+        return;
+    ev->code = code;
+    snprintf(ev->msg, sizeof ev->msg, "%s", msg);
+    post(w, ev);
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * Compute thread */
+
+static double mono_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+struct compute {
+    struct worker *w;
+    struct wjob **slot;       /* [n_seq] running sequences */
+    uint32_t n_running;
+    struct wjob *pend_head, *pend_tail; /* admitted by the daemon, waiting for a slot */
+    int32_t *tok, *pos, *seq; /* [n_batch] */
+    uint8_t *want;            /* [n_batch] */
+    struct wjob **owner;      /* [n_seq]: job of the k-th logits row */
+    float *logits;            /* [n_seq][n_vocab] */
+    uint64_t *prev_counts;    /* routing counts at the last RoutingStats */
+    uint64_t *delta;
+    double last_stats;
+    uint64_t gen_total, prompt_total, eval_total, gen_at_stats, eval_at_stats;
+};
+
+/* Ends a running or pending job and frees it. */
+static void finish(struct compute *c, struct wjob *j, bool send_done, int reason)
+{
+    struct worker *w = c->w;
+    if (send_done) {
+        struct wevent *ev = ev_new(EV_DONE, j->id);
+        if (ev) {
+            ev->reason = reason;
+            ev->n_prompt = j->n_prompt;
+            ev->n_gen = j->n_gen;
+            post(w, ev);
+        }
+    }
+    if (j->slot >= 0) {
+        moe_engine_seq_clear(w->eng, j->slot);
+        c->slot[j->slot] = NULL;
+        c->n_running--;
+    }
+    job_free(j);
+}
+
+static void fail_job(struct compute *c, struct wjob *j, int code, const char *msg)
+{
+    post_error(c->w, j->id, code, msg);
+    finish(c, j, false, 0);
+}
+
+static void cancel_id(struct compute *c, uint64_t id)
+{
+    for (uint32_t s = 0; s < c->w->n_seq; s++)
+        if (c->slot[s] && c->slot[s]->id == id) {
+            finish(c, c->slot[s], false, 0);
+            return;
+        }
+    for (struct wjob **pp = &c->pend_head; *pp; pp = &(*pp)->next)
+        if ((*pp)->id == id) {
+            struct wjob *j = *pp;
+            *pp = j->next;
+            if (c->pend_tail == j) {
+                c->pend_tail = NULL;
+                for (struct wjob *t = c->pend_head; t; t = t->next)
+                    c->pend_tail = t;
+            }
+            job_free(j);
+            return;
+        }
+}
+
+static void send_stats(struct compute *c, bool force)
+{
+    struct worker *w = c->w;
+    double now = mono_s();
+    if (!force && now - c->last_stats < STATS_INTERVAL_S)
+        return;
+    const uint64_t *cur = moe_engine_routing_counts(w->eng);
+    size_t n = (size_t)w->n_layer * w->n_expert;
+    uint64_t any = 0;
+    for (size_t i = 0; i < n; i++) {
+        c->delta[i] = cur[i] - c->prev_counts[i];
+        any |= c->delta[i];
+    }
+    if (!any && c->gen_total == c->gen_at_stats)
+        return;
+    struct wevent *ev = ev_new(EV_STATS, 0);
+    uint64_t *copy = malloc(n * sizeof *copy);
+    if (!ev || !copy) {
+        free(ev);
+        free(copy);
+        return; /* the delta stays pending and goes out with the next one */
+    }
+    memcpy(copy, c->delta, n * sizeof *copy);
+    memcpy(c->prev_counts, cur, n * sizeof *copy);
+    ev->counts = copy;
+    ev->n_tokens = c->eval_total - c->eval_at_stats;
+    ev->tokens_generated = c->gen_total;
+    ev->prompt_tokens = c->prompt_total;
+    ev->running = c->n_running;
+    double dt = now - c->last_stats;
+    ev->tokens_per_s = dt > 0 ? (double)(c->gen_total - c->gen_at_stats) / dt : 0;
+    c->gen_at_stats = c->gen_total;
+    c->eval_at_stats = c->eval_total;
+    c->last_stats = now;
+    post(w, ev);
+}
+
+static bool is_eog(const struct wjob *j, int32_t t)
+{
+    for (uint32_t i = 0; i < j->n_eog; i++)
+        if (j->eog[i] == t)
+            return true;
+    return false;
+}
+
+/* One forward step over every running sequence. Returns 0, or an engine error that ends the
+ * worker (a backend failure). */
+static int step(struct compute *c)
+{
+    struct worker *w = c->w;
+    uint32_t n = 0, n_out = 0;
+    /* Decode tokens first, so that running sequences never wait behind a long prompt. */
+    for (uint32_t s = 0; s < w->n_seq; s++) {
+        struct wjob *j = c->slot[s];
+        if (!j || j->n_past < j->n_prompt)
+            continue;
+        c->tok[n] = j->last;
+        c->pos[n] = (int32_t)j->n_past;
+        c->seq[n] = (int32_t)s;
+        c->want[n] = 1;
+        c->owner[n_out++] = j;
+        n++;
+    }
+    uint32_t n_decode = n;
+    for (uint32_t s = 0; s < w->n_seq && n < w->n_batch; s++) {
+        struct wjob *j = c->slot[s];
+        if (!j || j->n_past >= j->n_prompt)
+            continue;
+        uint32_t take = j->n_prompt - j->n_past;
+        if (take > w->n_batch - n)
+            take = w->n_batch - n;
+        for (uint32_t k = 0; k < take; k++) {
+            c->tok[n] = j->prompt[j->n_past + k];
+            c->pos[n] = (int32_t)(j->n_past + k);
+            c->seq[n] = (int32_t)s;
+            c->want[n] = 0;
+            n++;
+        }
+        if (j->n_past + take == j->n_prompt) {
+            c->want[n - 1] = 1;
+            c->owner[n_out++] = j;
+        }
+    }
+    if (n == 0)
+        return 0;
+    struct moe_batch b = {.n = n, .token = c->tok, .pos = c->pos, .seq = c->seq, .logits = c->want};
+    int rc = moe_engine_forward(w->eng, &b, c->logits);
+    if (rc) {
+        char msg[256];
+        snprintf(msg, sizeof msg, "forward failed: %s: %s", moe_strerror(rc), moe_engine_errmsg(w->eng));
+        moe_ipc_log(MOE_LOG_ERROR, "%s", msg);
+        /* Every sequence in the batch is now in an unknown state: fail them all. */
+        for (uint32_t s = 0; s < w->n_seq; s++)
+            if (c->slot[s])
+                fail_job(c, c->slot[s], rc, msg);
+        return rc == MOE_EBACKEND ? rc : 0;
+    }
+    /* Advance positions of everything evaluated. */
+    c->eval_total += n;
+    for (uint32_t i = 0; i < n; i++) {
+        struct wjob *j = c->slot[c->seq[i]];
+        j->n_past++;
+        if (i >= n_decode)
+            c->prompt_total++;
+    }
+    for (uint32_t k = 0; k < n_out; k++) {
+        struct wjob *j = c->owner[k];
+        int32_t t = moe_sampler_sample(j->smp, c->logits + (size_t)k * w->n_vocab);
+        if (t < 0) {
+            fail_job(c, j, MOE_ERANGE, "every logit is NaN or -inf; cannot sample");
+            continue;
+        }
+        moe_sampler_accept(j->smp, t);
+        j->last = t;
+        j->n_gen++;
+        c->gen_total++;
+        struct wevent *ev = ev_new(EV_TOKEN, j->id);
+        if (ev) {
+            ev->token = t;
+            post(w, ev);
+        }
+        if (is_eog(j, t))
+            finish(c, j, true, MOED__FINISH_REASON__FINISH_STOP);
+        else if (j->n_gen >= j->max_tokens || j->n_past >= w->n_ctx)
+            finish(c, j, true, MOED__FINISH_REASON__FINISH_LENGTH);
+    }
+    return 0;
+}
+
+static void admit(struct compute *c)
+{
+    struct worker *w = c->w;
+    while (c->pend_head && c->n_running < w->n_seq) {
+        struct wjob *j = c->pend_head;
+        c->pend_head = j->next;
+        if (!c->pend_head)
+            c->pend_tail = NULL;
+        j->next = NULL;
+        char err[256];
+        int rc = moe_sampler_init(&j->smp, &j->sp, w->n_vocab, err, sizeof err);
+        if (rc) {
+            post_error(w, j->id, rc, err);
+            job_free(j);
+            continue;
+        }
+        for (uint32_t i = 0; i < j->n_prompt; i++)
+            moe_sampler_accept(j->smp, j->prompt[i]);
+        uint32_t s = 0;
+        while (c->slot[s])
+            s++;
+        moe_engine_seq_clear(w->eng, (int32_t)s);
+        j->slot = (int32_t)s;
+        c->slot[s] = j;
+        c->n_running++;
+    }
+}
+
+static void *compute_main(void *arg)
+{
+    struct worker *w = arg;
+    struct compute c = {.w = w};
+    size_t ncount = (size_t)w->n_layer * w->n_expert;
+    c.slot = calloc(w->n_seq, sizeof *c.slot);
+    c.owner = calloc(w->n_seq, sizeof *c.owner);
+    c.tok = calloc(w->n_batch, sizeof *c.tok);
+    c.pos = calloc(w->n_batch, sizeof *c.pos);
+    c.seq = calloc(w->n_batch, sizeof *c.seq);
+    c.want = calloc(w->n_batch, 1);
+    c.logits = calloc((size_t)w->n_seq * w->n_vocab, sizeof *c.logits);
+    c.prev_counts = calloc(ncount, sizeof *c.prev_counts);
+    c.delta = calloc(ncount, sizeof *c.delta);
+    c.last_stats = mono_s();
+    int fatal = 0;
+    if (!c.slot || !c.owner || !c.tok || !c.pos || !c.seq || !c.want || !c.logits ||
+        !c.prev_counts || !c.delta) {
+        post_error(w, 0, -ENOMEM, "out of memory for the compute loop");
+        fatal = -ENOMEM;
+        goto out;
+    }
+    memcpy(c.prev_counts, moe_engine_routing_counts(w->eng), ncount * sizeof *c.prev_counts);
+
+    for (;;) {
+        pthread_mutex_lock(&w->mu);
+        for (;;) {
+            bool work = w->in_head || w->n_cancels || c.n_running || c.pend_head;
+            if (w->stop || work)
+                break;
+            pthread_mutex_unlock(&w->mu);
+            send_stats(&c, true); /* going idle: flush what the last requests routed */
+            pthread_mutex_lock(&w->mu);
+            if (w->stop || w->in_head || w->n_cancels)
+                break;
+            pthread_cond_wait(&w->cv, &w->mu);
+        }
+        struct wjob *in = w->in_head;
+        w->in_head = w->in_tail = NULL;
+        size_t n_cancels = w->n_cancels;
+        uint64_t *cancels = NULL;
+        if (n_cancels) {
+            cancels = malloc(n_cancels * sizeof *cancels);
+            if (cancels)
+                memcpy(cancels, w->cancels, n_cancels * sizeof *cancels);
+            w->n_cancels = 0;
+        }
+        bool stop = w->stop, drain = w->drain;
+        pthread_mutex_unlock(&w->mu);
+
+        while (in) {
+            struct wjob *j = in;
+            in = j->next;
+            j->next = NULL;
+            if (c.pend_tail)
+                c.pend_tail->next = j;
+            else
+                c.pend_head = j;
+            c.pend_tail = j;
+        }
+        for (size_t i = 0; cancels && i < n_cancels; i++)
+            cancel_id(&c, cancels[i]);
+        free(cancels);
+        if (stop && !drain)
+            break;
+        if (stop && !c.n_running && !c.pend_head)
+            break;
+        admit(&c);
+        if ((fatal = step(&c)))
+            break;
+        send_stats(&c, false);
+    }
+    send_stats(&c, true);
+out:
+    /* Whatever is left was cancelled by the daemon (or the socket is gone): drop it quietly. */
+    for (uint32_t s = 0; c.slot && s < w->n_seq; s++)
+        if (c.slot[s])
+            finish(&c, c.slot[s], false, 0);
+    while (c.pend_head) {
+        struct wjob *j = c.pend_head;
+        c.pend_head = j->next;
+        job_free(j);
+    }
+    free(c.slot);
+    free(c.owner);
+    free(c.tok);
+    free(c.pos);
+    free(c.seq);
+    free(c.want);
+    free(c.logits);
+    free(c.prev_counts);
+    free(c.delta);
+    struct wevent *ev = ev_new(EV_EXIT, 0);
+    if (ev) {
+        ev->code = fatal;
+        post(w, ev);
+    } else {
+        uv_async_send(&w->async);
+    }
+    return NULL;
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * Main thread: socket side */
+
+static bool live_has(struct worker *w, uint64_t id, size_t *at)
+{
+    for (size_t i = 0; i < w->n_live; i++)
+        if (w->live[i] == id) {
+            if (at)
+                *at = i;
+            return true;
+        }
+    return false;
+}
+
+static void live_del(struct worker *w, uint64_t id)
+{
+    size_t i;
+    if (live_has(w, id, &i))
+        w->live[i] = w->live[--w->n_live];
+}
+
+static void tell_compute_stop(struct worker *w, bool drain)
+{
+    pthread_mutex_lock(&w->mu);
+    /* A stop without drain wins over an earlier drain, never the other way round. */
+    w->drain = w->stop ? w->drain && drain : drain;
+    w->stop = true;
+    pthread_cond_signal(&w->cv);
+    pthread_mutex_unlock(&w->mu);
+}
+
+static void fill_sampling(struct moe_sampler_params *sp, const Moed__Sampling *p)
+{
+    moe_sampler_defaults(sp);
+    sp->temperature = 0;
+    sp->top_k = 0;
+    sp->top_p = 1;
+    sp->min_p = 0;
+    sp->repeat_penalty = 1;
+    sp->presence_penalty = 0;
+    sp->frequency_penalty = 0;
+    uint64_t seed = 0;
+    if (getrandom(&seed, sizeof seed, 0) != (ssize_t)sizeof seed)
+        seed = (uint64_t)time(NULL) ^ (uint64_t)getpid() << 32;
+    sp->seed = seed;
+    if (!p)
+        return;
+    sp->temperature = p->temperature;
+    sp->top_k = p->top_k;
+    sp->top_p = p->top_p > 0 && p->top_p < 1 ? p->top_p : 1;
+    sp->min_p = p->min_p;
+    sp->repeat_penalty = p->repetition_penalty > 0 ? p->repetition_penalty : 1;
+    sp->presence_penalty = p->presence_penalty;
+    sp->frequency_penalty = p->frequency_penalty;
+    if (p->has_seed)
+        sp->seed = p->seed;
+}
+
+static int on_submit(struct worker *w, const Moed__Submit *s, char *err, size_t errlen)
+{
+    if (live_has(w, s->id, NULL))
+        return moe_fail(err, errlen, MOE_ERANGE, "submit.id %" PRIu64 " is already running", s->id);
+    if (w->n_live >= (size_t)w->n_seq * BACKLOG_FACTOR)
+        return moe_fail(err, errlen, MOE_ERANGE, "%zu requests already on a worker with %u slots",
+                        w->n_live, w->n_seq);
+    struct wjob *j = calloc(1, sizeof *j);
+    if (!j)
+        return moe_fail(err, errlen, -ENOMEM, "out of memory");
+    j->prompt = malloc(s->n_prompt * sizeof *j->prompt);
+    if (!j->prompt) {
+        free(j);
+        return moe_fail(err, errlen, -ENOMEM, "out of memory");
+    }
+    if (w->n_live == w->cap_live) {
+        size_t cap = w->cap_live ? w->cap_live * 2 : 64;
+        uint64_t *l = realloc(w->live, cap * sizeof *l);
+        if (!l) {
+            job_free(j);
+            return moe_fail(err, errlen, -ENOMEM, "out of memory");
+        }
+        w->live = l;
+        w->cap_live = cap;
+    }
+    w->live[w->n_live++] = s->id;
+    j->id = s->id;
+    memcpy(j->prompt, s->prompt, s->n_prompt * sizeof *j->prompt);
+    j->n_prompt = (uint32_t)s->n_prompt;
+    j->max_tokens = s->max_tokens;
+    j->n_eog = (uint32_t)s->n_eog;
+    memcpy(j->eog, s->eog, s->n_eog * sizeof *j->eog);
+    fill_sampling(&j->sp, s->sampling);
+    j->slot = -1;
+    pthread_mutex_lock(&w->mu);
+    if (w->in_tail)
+        w->in_tail->next = j;
+    else
+        w->in_head = j;
+    w->in_tail = j;
+    pthread_cond_signal(&w->cv);
+    pthread_mutex_unlock(&w->mu);
+    return 0;
+}
+
+static int on_cancel(struct worker *w, uint64_t id)
+{
+    if (!live_has(w, id, NULL))
+        return 0; /* already finished: its Done crossed the Cancel on the wire */
+    live_del(w, id);
+    int rc = 0;
+    pthread_mutex_lock(&w->mu);
+    if (w->n_cancels == w->cap_cancels) {
+        size_t cap = w->cap_cancels ? w->cap_cancels * 2 : 16;
+        uint64_t *p = realloc(w->cancels, cap * sizeof *p);
+        if (!p)
+            rc = -ENOMEM;
+        else {
+            w->cancels = p;
+            w->cap_cancels = cap;
+        }
+    }
+    if (rc == 0) {
+        w->cancels[w->n_cancels++] = id;
+        pthread_cond_signal(&w->cv);
+    }
+    pthread_mutex_unlock(&w->mu);
+    return rc;
+}
+
+static int on_msg(struct moe_ipc_conn *conn, void *user, const Moed__Envelope *env, char *err,
+                  size_t errlen)
+{
+    struct worker *w = user;
+    (void)conn;
+    switch (env->msg_case) {
+    case MOED__ENVELOPE__MSG_SUBMIT:
+        return on_submit(w, env->submit, err, errlen);
+    case MOED__ENVELOPE__MSG_CANCEL:
+        return on_cancel(w, env->cancel->id);
+    case MOED__ENVELOPE__MSG_SET_PLACEMENT:
+        /* The CPU backend reads every expert from the store; placement only matters to a
+         * device expert cache. */
+        moe_ipc_log(MOE_LOG_DEBUG, "placement received (%zu bytes); the CPU backend ignores it",
+                    env->set_placement->hot.len);
+        return 0;
+    case MOED__ENVELOPE__MSG_EXPERT_READY:
+        moe_ipc_log(MOE_LOG_WARN, "expert_ready for (%u, %u) ignored: this worker has no tiered store",
+                    env->expert_ready->layer, env->expert_ready->expert);
+        return 0;
+    case MOED__ENVELOPE__MSG_SHUTDOWN:
+        moe_ipc_log(MOE_LOG_INFO, "shutdown requested (%s)", env->shutdown->drain ? "drain" : "now");
+        tell_compute_stop(w, env->shutdown->drain);
+        return 0;
+    case MOED__ENVELOPE__MSG_HELLO:
+        return moe_fail(err, errlen, MOE_EFORMAT, "a second hello");
+    default:
+        return moe_fail(err, errlen, MOE_EFORMAT, "unexpected %s", moe_ipc_msg_name(env->msg_case));
+    }
+}
+
+static void on_close(struct moe_ipc_conn *conn, void *user, int reason, const char *msg)
+{
+    struct worker *w = user;
+    (void)conn;
+    w->conn = NULL;
+    if (reason != 0 && reason != UV_EOF)
+        w->exit_code = 1;
+    else if (reason == UV_EOF)
+        moe_ipc_log(MOE_LOG_INFO, "the daemon closed the connection: %s", msg);
+    /* Nobody is left to read what the compute thread would produce. */
+    tell_compute_stop(w, false);
+}
+
+static void send_event(struct worker *w, struct wevent *ev)
+{
+    Moed__Envelope env = MOED__ENVELOPE__INIT;
+    switch (ev->kind) {
+    case EV_TOKEN: {
+        Moed__Token t = MOED__TOKEN__INIT;
+        t.id = ev->id;
+        t.token = ev->token;
+        env.msg_case = MOED__ENVELOPE__MSG_TOKEN;
+        env.token = &t;
+        if (live_has(w, ev->id, NULL))
+            moe_ipc_conn_send(w->conn, &env);
+        return;
+    }
+    case EV_DONE: {
+        Moed__Done d = MOED__DONE__INIT;
+        d.id = ev->id;
+        d.reason = ev->reason;
+        d.n_prompt = ev->n_prompt;
+        d.n_gen = ev->n_gen;
+        env.msg_case = MOED__ENVELOPE__MSG_DONE;
+        env.done = &d;
+        if (live_has(w, ev->id, NULL))
+            moe_ipc_conn_send(w->conn, &env);
+        live_del(w, ev->id);
+        return;
+    }
+    case EV_ERROR: {
+        Moed__Error e = MOED__ERROR__INIT;
+        e.id = ev->id;
+        e.code = ev->code;
+        e.message = ev->msg;
+        env.msg_case = MOED__ENVELOPE__MSG_ERROR;
+        env.error = &e;
+        if (ev->id == 0 || live_has(w, ev->id, NULL))
+            moe_ipc_conn_send(w->conn, &env);
+        live_del(w, ev->id);
+        return;
+    }
+    case EV_STATS: {
+        Moed__RoutingStats rs = MOED__ROUTING_STATS__INIT;
+        rs.n_layer = w->n_layer;
+        rs.n_expert = w->n_expert;
+        rs.counts = ev->counts;
+        rs.n_counts = (size_t)w->n_layer * w->n_expert;
+        rs.n_tokens = ev->n_tokens;
+        env.msg_case = MOED__ENVELOPE__MSG_ROUTING_STATS;
+        env.routing_stats = &rs;
+        moe_ipc_conn_send(w->conn, &env);
+        Moed__Metrics m = MOED__METRICS__INIT;
+        m.tokens_generated = ev->tokens_generated;
+        m.prompt_tokens = ev->prompt_tokens;
+        m.running = ev->running;
+        m.decode_tokens_per_s = ev->tokens_per_s;
+        env.msg_case = MOED__ENVELOPE__MSG_METRICS;
+        env.metrics = &m;
+        moe_ipc_conn_send(w->conn, &env);
+        return;
+    }
+    case EV_EXIT:
+        return;
+    }
+}
+
+static void async_closed(uv_handle_t *h)
+{
+    (void)h;
+}
+
+static void on_async(uv_async_t *a)
+{
+    struct worker *w = a->data;
+    pthread_mutex_lock(&w->mu);
+    struct wevent *ev = w->out_head;
+    w->out_head = w->out_tail = NULL;
+    pthread_mutex_unlock(&w->mu);
+    bool exit_now = false;
+    while (ev) {
+        struct wevent *next = ev->next;
+        if (ev->kind == EV_EXIT) {
+            exit_now = true;
+            if (ev->code)
+                w->exit_code = 1;
+        } else if (w->conn) {
+            send_event(w, ev);
+        }
+        free(ev->counts);
+        free(ev);
+        ev = next;
+    }
+    if (exit_now) {
+        /* The compute thread posted its last event; wait until it has returned from
+         * uv_async_send before the handle goes away. */
+        pthread_join(w->thread, NULL);
+        w->thread_started = false;
+        if (w->conn)
+            moe_ipc_conn_close(w->conn, true);
+        uv_close((uv_handle_t *)&w->async, async_closed);
+    }
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * Start-up */
+
+static uint64_t rss_bytes(void)
+{
+    FILE *f = fopen("/proc/self/statm", "r");
+    unsigned long long size = 0, res = 0;
+    if (!f)
+        return 0;
+    if (fscanf(f, "%llu %llu", &size, &res) != 2)
+        res = 0;
+    fclose(f);
+    return res * (uint64_t)sysconf(_SC_PAGESIZE);
+}
+
+/* Opens the model named in the Hello (weights from the store when a memfd came with it) and
+ * the engine. */
+static int load(struct worker *w, const Moed__Hello *h, int store_fd, char *err, size_t errlen)
+{
+    int rc;
+    if (strcmp(h->device, "cpu") != 0 && h->device[0])
+        return moe_fail(err, errlen, MOE_EUNSUPPORTED, "device '%s' is not supported by this worker "
+                        "(only cpu)", h->device);
+    if (h->store_size && store_fd < 0)
+        return moe_fail(err, errlen, MOE_EFORMAT, "hello announces a %" PRIu64 " byte store but no "
+                        "descriptor came with it", h->store_size);
+    if ((rc = gguf_open(&w->gguf, h->model_path, err, errlen)))
+        return rc;
+    if ((rc = moe_model_from_gguf(&w->model, w->gguf, err, errlen)))
+        return rc;
+    w->model_ok = true;
+    const struct moe_hparams *hp = &w->model.hp;
+    if ((h->n_vocab && h->n_vocab != hp->n_vocab) || (h->n_layer && h->n_layer != hp->n_layer) ||
+        (h->n_expert && h->n_expert != hp->n_expert))
+        return moe_fail(err, errlen, MOE_ERANGE, "%s has %u tokens, %u layers, %u experts; the daemon "
+                        "expects %u, %u, %u", h->model_path, hp->n_vocab, hp->n_layer, hp->n_expert,
+                        h->n_vocab, h->n_layer, h->n_expert);
+    if (h->store_fingerprint && h->store_fingerprint != w->model.fingerprint)
+        return moe_fail(err, errlen, MOE_ERANGE, "the store was built from another model "
+                        "(fingerprint %016" PRIx64 ", %s has %016" PRIx64 ")", h->store_fingerprint,
+                        h->model_path, w->model.fingerprint);
+    if (store_fd >= 0 && (rc = moe_store_open_model(&w->store, store_fd, &w->model, err, errlen)))
+        return rc;
+    w->n_vocab = hp->n_vocab;
+    w->n_layer = hp->n_layer;
+    w->n_expert = hp->n_expert;
+    w->n_ctx = h->n_ctx;
+    w->n_seq = h->n_seq;
+    w->n_batch = h->n_batch ? h->n_batch : 512;
+    if (w->n_batch < w->n_seq)
+        w->n_batch = w->n_seq;
+    struct moe_engine_opts eo = {.n_ctx = w->n_ctx, .n_seq = w->n_seq, .n_batch = w->n_batch,
+                                 .n_threads = h->n_threads};
+    return moe_engine_init(&w->eng, &w->model, &eo, err, errlen);
+}
+
+static void send_ready(struct worker *w)
+{
+    const struct moe_hparams *hp = &w->model.hp;
+    Moed__Ready r = MOED__READY__INIT;
+    r.protocol_version = MOE_IPC_PROTOCOL_VERSION;
+    r.n_seq = w->n_seq;
+    r.n_ctx = w->n_ctx;
+    r.n_vocab = w->n_vocab;
+    r.n_layer = w->n_layer;
+    r.n_expert = w->n_expert;
+    r.weights_bytes = w->model.bytes_dense + w->model.bytes_experts;
+    r.kv_bytes = (uint64_t)hp->n_layer * w->n_seq * w->n_ctx *
+                 ((uint64_t)hp->n_head_kv * (hp->head_dim + hp->head_dim_v)) * sizeof(float);
+    r.ram_used = rss_bytes();
+    r.model_fingerprint = w->model.fingerprint;
+    r.pid = (int32_t)getpid();
+    Moed__Envelope env = MOED__ENVELOPE__INIT;
+    env.msg_case = MOED__ENVELOPE__MSG_READY;
+    env.ready = &r;
+    moe_ipc_conn_send(w->conn, &env);
+}
+
+/* Sends an Error with id 0 on the raw socket, for failures before the loop runs. */
+static void send_fatal(int fd, int code, const char *msg)
+{
+    Moed__Error e = MOED__ERROR__INIT;
+    e.id = 0;
+    e.code = code;
+    e.message = (char *)msg;
+    Moed__Envelope env = MOED__ENVELOPE__INIT;
+    env.msg_case = MOED__ENVELOPE__MSG_ERROR;
+    env.error = &e;
+    char err[128];
+    moe_ipc_send_with_fd(fd, &env, -1, 0, err, sizeof err);
+}
+
+static void worker_free(struct worker *w)
+{
+    moe_engine_free(w->eng);
+    moe_store_close(w->store);
+    if (w->model_ok)
+        moe_model_free(&w->model);
+    gguf_close(w->gguf);
+    while (w->in_head) {
+        struct wjob *j = w->in_head;
+        w->in_head = j->next;
+        job_free(j);
+    }
+    while (w->out_head) {
+        struct wevent *ev = w->out_head;
+        w->out_head = ev->next;
+        free(ev->counts);
+        free(ev);
+    }
+    free(w->cancels);
+    free(w->live);
+    pthread_mutex_destroy(&w->mu);
+    pthread_cond_destroy(&w->cv);
+}
+
+int moe_worker_ipc_main(int fd, const char *argv0)
+{
+    char prog[64], err[512];
+    const char *base = argv0 ? strrchr(argv0, '/') : NULL;
+    snprintf(prog, sizeof prog, "%s[%d]", base ? base + 1 : argv0 ? argv0 : "moed-worker",
+             (int)getpid());
+    moe_ipc_log_init(prog, getenv("MOED_WORKER_DEBUG") ? MOE_LOG_DEBUG : MOE_LOG_INFO);
+    signal(SIGPIPE, SIG_IGN);
+
+    struct worker wk = {0}, *w = &wk;
+    pthread_mutex_init(&w->mu, NULL);
+    pthread_cond_init(&w->cv, NULL);
+    Moed__Envelope *hello = NULL;
+    int store_fd = -1, rc, loop_ok = 0;
+
+    rc = moe_ipc_recv_with_fd(fd, 0, HELLO_TIMEOUT_MS, &hello, &store_fd, err, sizeof err);
+    if (rc == 0)
+        rc = moe_ipc_validate(hello, MOE_IPC_FROM_DAEMON, NULL, err, sizeof err);
+    if (rc == 0 && hello->msg_case != MOED__ENVELOPE__MSG_HELLO)
+        rc = moe_fail(err, sizeof err, MOE_EFORMAT, "the first frame is a %s, not a hello",
+                      moe_ipc_msg_name(hello->msg_case));
+    if (rc) {
+        if (rc == UV_EOF) {
+            moe_ipc_log(MOE_LOG_INFO, "%s", err);
+            close(fd);
+            worker_free(w);
+            return 0;
+        }
+        moe_ipc_log(MOE_LOG_ERROR, "rejected the first frame: %s; closing the connection", err);
+        goto fail;
+    }
+    w->index = hello->hello->worker_index;
+    rc = load(w, hello->hello, store_fd, err, sizeof err);
+    if (rc) {
+        moe_ipc_log(MOE_LOG_ERROR, "cannot start: %s", err);
+        send_fatal(fd, rc, err);
+        goto fail;
+    }
+    if (store_fd >= 0)
+        close(store_fd); /* the store holds its own duplicate */
+    store_fd = -1;
+    moe_ipc_log(MOE_LOG_INFO, "worker %u ready: %s, %u x %u positions, %s", w->index,
+                hello->hello->model_path, w->n_seq, w->n_ctx, w->store ? "weights from the shared store"
+                                                                       : "weights mapped from the file");
+    moe_ipc_free(hello);
+    hello = NULL;
+
+    if ((rc = uv_loop_init(&w->loop))) {
+        moe_ipc_log(MOE_LOG_ERROR, "uv_loop_init: %s", uv_strerror(rc));
+        goto fail;
+    }
+    loop_ok = 1;
+    if ((rc = uv_async_init(&w->loop, &w->async, on_async))) {
+        moe_ipc_log(MOE_LOG_ERROR, "uv_async_init: %s", uv_strerror(rc));
+        goto fail;
+    }
+    w->async.data = w;
+    struct moe_ipc_limits lim = {.n_vocab = w->n_vocab, .n_layer = w->n_layer,
+                                 .n_expert = w->n_expert, .n_ctx = w->n_ctx};
+    struct moe_ipc_conn_cb cb = {.on_msg = on_msg, .on_close = on_close};
+    rc = moe_ipc_conn_open(&w->conn, &w->loop, fd, MOE_IPC_FROM_DAEMON, &lim, 0, "daemon connection",
+                           &cb, w, err, sizeof err);
+    fd = -1; /* owned (or closed) by the connection now */
+    if (rc) {
+        moe_ipc_log(MOE_LOG_ERROR, "%s", err);
+        uv_close((uv_handle_t *)&w->async, async_closed);
+        uv_run(&w->loop, UV_RUN_DEFAULT);
+        goto fail;
+    }
+    send_ready(w);
+    if ((rc = pthread_create(&w->thread, NULL, compute_main, w))) {
+        moe_ipc_log(MOE_LOG_ERROR, "cannot start the compute thread: %s", strerror(rc));
+        moe_ipc_conn_close(w->conn, false);
+        uv_close((uv_handle_t *)&w->async, async_closed);
+        uv_run(&w->loop, UV_RUN_DEFAULT);
+        goto fail;
+    }
+    w->thread_started = true;
+    uv_run(&w->loop, UV_RUN_DEFAULT);
+    MOE_ASSERT(!w->thread_started);
+    uv_loop_close(&w->loop);
+    rc = w->exit_code;
+    worker_free(w);
+    moe_ipc_log(MOE_LOG_INFO, "exiting (status %d)", rc);
+    return rc;
+
+fail:
+    moe_ipc_free(hello);
+    if (store_fd >= 0)
+        close(store_fd);
+    if (fd >= 0)
+        close(fd);
+    if (loop_ok)
+        uv_loop_close(&w->loop);
+    worker_free(w);
+    return 1;
+}
