@@ -158,6 +158,7 @@ static void router_bias(const struct opts *o, uint32_t layer, float *bias)
 {
     uint32_t n = o->p->n_expert;
     uint32_t perm[1024];
+    MOE_ASSERT(n >= 1 && n <= 1024);
     for (uint32_t i = 0; i < n; i++)
         perm[i] = i;
     uint64_t s = mk_mix64(o->seed ^ (0x5157454e524f5554ull + layer));
@@ -473,7 +474,8 @@ static int cmd_mkmodel(int argc, char **argv)
         {"output", required_argument, NULL, 'o'}, {"quiet", no_argument, NULL, 'Q'},
         {"help", no_argument, NULL, 'h'},         {NULL, 0, NULL, 0},
     };
-    struct opts o = {.quant = QUANT_F16, .seed = 1, .skew = -1, .vocab = DEFAULT_VOCAB};
+    static const char default_vocab[] = DEFAULT_VOCAB;
+    struct opts o = {.quant = QUANT_F16, .seed = 1, .skew = -1, .vocab = default_vocab};
     long nproc = sysconf(_SC_NPROCESSORS_ONLN);
     o.threads = nproc > 0 ? (int)nproc : 1;
     optind = 1;
@@ -541,6 +543,11 @@ static int cmd_mkmodel(int argc, char **argv)
     }
     if (o.skew < 0)
         o.skew = o.p->skew;
+    if (o.vocab == default_vocab && access(o.vocab, R_OK) != 0) {
+        fprintf(stderr, "mkmodel: no vocabulary at %s (run from the repository root or pass "
+                        "--vocab FILE.gguf)\n", o.vocab);
+        return 1;
+    }
     char err[512];
     int rc = run(&o, err, sizeof err);
     if (rc) {

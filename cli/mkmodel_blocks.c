@@ -27,6 +27,8 @@ static struct level_table t_q4;  /* Q4_K nibbles, 0..15 centred near 7.5 */
 static struct level_table t_q5;  /* Q5_0 levels minus 16, -16..15 */
 static struct level_table t_q6;  /* Q6_K levels minus 32, -32..31 */
 static struct level_table t_q8;  /* Q8_0 levels, -127..127 */
+/* Two Q4_K nibbles per 16-bit draw: low byte picks the low nibble, high byte the high one. */
+static uint8_t t_q4_pair[65536];
 
 static double norm_cdf(double z)
 {
@@ -68,6 +70,8 @@ void mk_tables_init(void)
     level_table_init(&t_q5, 0, 5.5, -16, 15);
     level_table_init(&t_q6, 0, 10, -32, 31);
     level_table_init(&t_q8, 0, 36, -127, 127);
+    for (int i = 0; i < 65536; i++)
+        t_q4_pair[i] = (uint8_t)(t_q4.v[i & 255] | t_q4.v[i >> 8] << 4);
 }
 
 /* A splitmix64 stream. */
@@ -116,6 +120,16 @@ static inline int clampi(int v, int lo, int hi)
     return v < lo ? lo : v > hi ? hi : v;
 }
 
+/* In a block whose scale was raised to hold the pinned value, shrinks the other levels of that
+ * scale group (around `centre`) by `ratio` so that they keep the tensor's deviation. */
+static void narrow_levels(int *q, int n, float centre, float ratio, int lo, int hi)
+{
+    if (ratio >= 1)
+        return;
+    for (int i = 1; i < n; i++)
+        q[i] = clampi((int)lrintf(centre + (q[i] - centre) * ratio), lo, hi);
+}
+
 /* Float samples: 32 per generation block. pin: element 0 gets `pinv`. */
 static void gen_float(struct rng *r, const struct mk_tensor *t, uint64_t row, bool pin, float *y)
 {
@@ -141,22 +155,29 @@ static void gen_float(struct rng *r, const struct mk_tensor *t, uint64_t row, bo
 static void gen_q8_0(struct rng *r, float sigma, bool pin, uint8_t *b)
 {
     const float c = MK_BIAS_CHANNEL_VALUE;
-    float d = sigma * jitter(r, 0.85f, 1.15f) / t_q8.std;
+    const float d_nom = sigma * jitter(r, 0.85f, 1.15f) / t_q8.std;
+    float d = d_nom;
     if (pin && d < c / 127)
         d = c / 127;
     put_f16(b, d);
     uint8_t u[32];
+    int q[32];
     rng_bytes(r, u, 32);
     for (int i = 0; i < 32; i++)
-        b[2 + i] = (uint8_t)t_q8.v[u[i]];
-    if (pin)
-        b[2] = (uint8_t)(int8_t)clampi((int)lrintf(c / f16_round(d)), -127, 127);
+        q[i] = t_q8.v[u[i]];
+    if (pin) {
+        q[0] = clampi((int)lrintf(c / f16_round(d)), -127, 127);
+        narrow_levels(q, 32, 0, d_nom / d, -127, 127);
+    }
+    for (int i = 0; i < 32; i++)
+        b[2 + i] = (uint8_t)(int8_t)q[i];
 }
 
 static void gen_q5_0(struct rng *r, float sigma, bool pin, uint8_t *b)
 {
     const float c = MK_BIAS_CHANNEL_VALUE;
-    float d = sigma * jitter(r, 0.85f, 1.15f) / t_q5.std;
+    const float d_nom = sigma * jitter(r, 0.85f, 1.15f) / t_q5.std;
+    float d = d_nom;
     if (pin && d < c / 15)
         d = c / 15;
     put_f16(b, d);
@@ -165,8 +186,10 @@ static void gen_q5_0(struct rng *r, float sigma, bool pin, uint8_t *b)
     rng_bytes(r, u, 32);
     for (int i = 0; i < 32; i++)
         q[i] = t_q5.v[u[i]] + 16;
-    if (pin)
+    if (pin) {
         q[0] = 16 + clampi((int)lrintf(c / f16_round(d)), -16, 15);
+        narrow_levels(q, 32, 16, d_nom / d, 0, 31);
+    }
     /* Element j's fifth bit is bit j of qh; j < 16 sit in low nibbles, j >= 16 in high ones. */
     uint32_t qh = 0;
     for (int j = 0; j < 16; j++) {
@@ -211,16 +234,21 @@ static void gen_q4_k(struct rng *r, float sigma, bool pin, uint8_t *b)
         s[j - 4] |= (uint8_t)((sc[j] >> 4) << 6);
         s[j] |= (uint8_t)((m[j] >> 4) << 6);
     }
-    uint8_t u[256];
-    rng_bytes(r, u, 256);
+    /* Byte l of chunk c holds value 64c+l (low nibble, sub-block 2c) and 64c+32+l (high). */
+    uint16_t u[128];
+    rng_bytes(r, (uint8_t *)u, sizeof u);
     uint8_t *qs = b + 16;
-    for (int ch = 0; ch < 4; ch++)
-        for (int l = 0; l < 32; l++)
-            qs[32 * ch + l] = (uint8_t)(t_q4.v[u[64 * ch + l]] | (t_q4.v[u[64 * ch + 32 + l]] << 4));
+    for (int i = 0; i < 128; i++)
+        qs[i] = t_q4_pair[u[i]];
     if (pin) {
-        /* Element 0 is the low nibble of qs[0], in sub-block 0. */
-        int q0 = clampi((int)lrintf((c + dmin * m[0]) / (d * sc[0])), 0, 15);
-        qs[0] = (uint8_t)((qs[0] & 0xf0) | q0);
+        /* Sub-block 0 is the low nibbles of qs[0..31]; element 0 is qs[0]'s. */
+        int q[32];
+        for (int l = 0; l < 32; l++)
+            q[l] = qs[l] & 15;
+        q[0] = clampi((int)lrintf((c + dmin * m[0]) / (d * sc[0])), 0, 15);
+        narrow_levels(q, 32, t_q4.mean, sigma / (d * t_q4.std * sc[0]), 0, 15);
+        for (int l = 0; l < 32; l++)
+            qs[l] = (uint8_t)((qs[l] & 0xf0) | q[l]);
     }
 }
 
@@ -246,17 +274,21 @@ static void gen_q6_k(struct rng *r, float sigma, bool pin, uint8_t *b)
     rng_bytes(r, u, 256);
     for (int i = 0; i < 256; i++)
         q[i] = t_q6.v[u[i]] + 32;
-    if (pin)
+    if (pin) {
         q[0] = 32 + clampi((int)lrintf(c / (d * sc[0])), -32, 31);
+        narrow_levels(q, 16, 32, sigma / (d * t_q6.std * sc[0]), 0, 63);
+    }
+    /* Per 128-value half, quarters k = 0..3 of 32 values: k = 0, 1 in the low nibbles of
+     * ql[0..31] and ql[32..63], k = 2, 3 in their high nibbles; top two bits at bit 2k of qh. */
     uint8_t *ql = b, *qh = b + 128;
-    memset(b, 0, 192);
-    /* Per 128-value half: quarter k of the half keeps its low nibble in ql (k odd: +32,
-     * k >= 2: high nibble) and its top two bits at bit 2k of qh. */
-    for (int i = 0; i < 256; i++) {
-        int h = i / 128, k = (i % 128) / 32, l = i % 32;
-        int li = 64 * h + l + (k & 1) * 32;
-        ql[li] |= (uint8_t)((q[i] & 15) << (k >= 2 ? 4 : 0));
-        qh[32 * h + l] |= (uint8_t)((q[i] >> 4) << (2 * k));
+    for (int h = 0; h < 2; h++) {
+        const int *x = q + 128 * h;
+        for (int l = 0; l < 32; l++) {
+            ql[64 * h + l] = (uint8_t)((x[l] & 15) | (x[l + 64] & 15) << 4);
+            ql[64 * h + l + 32] = (uint8_t)((x[l + 32] & 15) | (x[l + 96] & 15) << 4);
+            qh[32 * h + l] = (uint8_t)(x[l] >> 4 | (x[l + 32] >> 4) << 2 | (x[l + 64] >> 4) << 4 |
+                                       (x[l + 96] >> 4) << 6);
+        }
     }
     memcpy(b + 192, sc, 16);
     put_f16(b + 208, d);

@@ -119,7 +119,11 @@ static int cmd_tokenize(int argc, char **argv)
     int ret = 1, rc;
 
     if ((rc = gguf_open(&f, model, err, sizeof err))) {
-        fprintf(stderr, "moectl tokenize: %s: %s\n", model, *err ? err : moe_strerror(rc));
+        /* gguf_open's messages already start with the path. */
+        if (*err)
+            fprintf(stderr, "moectl tokenize: %s\n", err);
+        else
+            fprintf(stderr, "moectl tokenize: %s: %s\n", model, moe_strerror(rc));
         goto done;
     }
     rc = moe_tok_load(&tok, f, err, sizeof err);

@@ -59,6 +59,7 @@ struct daemon {
     uv_signal_t sig_term, sig_int, sig_hup;
     uv_timer_t profile_timer, watchdog_timer;
     uint64_t watchdog_us;
+    bool watchdog_starved;
     bool ready, stopping;
     int exit_code;
     double progress_last;
@@ -344,10 +345,13 @@ static void on_watchdog(uv_timer_t *t)
              wi.state == MOED_WORKER_STOPPING))
             healthy = true;
     }
-    if (healthy || d->stopping)
+    if (healthy || d->stopping) {
         notify_watchdog();
-    else
+        d->watchdog_starved = false;
+    } else if (!d->watchdog_starved) {
+        d->watchdog_starved = true;
         log_warn("no healthy worker: not feeding the systemd watchdog");
+    }
 }
 
 static void close_walk(uv_handle_t *h, void *arg)

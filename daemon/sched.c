@@ -160,6 +160,8 @@ static void dispatch(struct sched *s)
         struct sched_req *r = s->queue.head;
         int rc = moed_workers_send_submit(s->ws, (uint32_t)best, r->id, r->prompt, r->n_prompt,
                                           r->max_tokens, &r->sampling, s->eog, s->cfg.n_eog);
+        /* moed_workers_start bounds n_ctx so that any prompt sched_submit accepts fits a frame. */
+        MOE_ASSERT(rc != MOE_ETOOBIG);
         if (rc) {
             /* The connection is going away; the supervisor reports the worker lost. */
             s->w[best].ready = false;

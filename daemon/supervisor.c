@@ -17,6 +17,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include "daemon/log.h"
 #include "daemon/sched_int.h"
 #include "proto/ipc.h"
 #include "store/err.h"
@@ -39,6 +40,7 @@ struct wslot {
     bool down_reported;      /* requests of this incarnation handed back to the scheduler */
     bool err_set;            /* info.last_error explains this incarnation's end */
     char grace_why[160];     /* why the connection ended, while waiting for the exit */
+    bool restart_pending;    /* the backoff timer runs for the next incarnation */
     uint32_t fails;          /* consecutive failures, for the backoff */
     uint64_t ready_at;       /* uv_now() at Ready; 0 when not ready */
     struct moed_worker_info info;
@@ -116,6 +118,7 @@ static uint64_t backoff_ms(uint32_t fails)
 static void on_restart_timer(uv_timer_t *t)
 {
     struct wslot *w = t->data;
+    w->restart_pending = false;
     if (w->ws->stopping || w->proc_running || w->conn)
         return;
     slot_spawn(w);
@@ -129,10 +132,13 @@ static void maybe_restart(struct wslot *w)
         return;
     if (ws->stopping) {
         uv_timer_stop(&w->timer);
+        w->restart_pending = false;
         set_state(w, MOED_WORKER_STOPPED);
         maybe_stopped(ws);
         return;
     }
+    if (w->restart_pending)
+        return;
     uint64_t now = uv_now(ws->loop);
     if (w->ready_at && now - w->ready_at >= HEALTHY_RESET_MS)
         w->fails = 0;
@@ -140,6 +146,7 @@ static void maybe_restart(struct wslot *w)
     w->fails++;
     uint64_t d = backoff_ms(w->fails);
     set_state(w, MOED_WORKER_BACKOFF);
+    w->restart_pending = true;
     moe_ipc_log(MOE_LOG_WARN, "worker %u: restarting in %" PRIu64 " ms (%s)", w->index, d,
                 w->info.last_error[0] ? w->info.last_error : "it exited");
     uv_timer_start(&w->timer, on_restart_timer, d, 0);
@@ -155,7 +162,6 @@ static void slot_down(struct wslot *w, const char *why)
     }
     if (!w->down_reported) {
         w->down_reported = true;
-        w->ready_at = w->state == MOED_WORKER_READY ? w->ready_at : 0;
         if (w->ws->sched)
             sched_worker_lost(w->ws->sched, w->index, w->info.last_error);
     }
@@ -408,6 +414,11 @@ static int slot_start(struct wslot *w, char *err, size_t errlen)
     h.n_seq = ws->o.n_seq;
     h.n_batch = ws->o.n_batch;
     h.n_threads = ws->o.n_threads;
+    if (h.n_threads == 0) {
+        /* CPU workers share the cores instead of each spinning up one thread per core. */
+        long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
+        h.n_threads = ncpu > (long)ws->o.n_workers ? (int32_t)(ncpu / (long)ws->o.n_workers) : 1;
+    }
     h.store_size = ws->o.store_fd >= 0 ? ws->o.store_size : 0;
     h.store_fingerprint = ws->o.store_fingerprint;
     h.vram_budget = ws->o.vram_budget;
@@ -458,6 +469,15 @@ static void slot_spawn(struct wslot *w)
 /* ---------------------------------------------------------------------------------------------
  * Public API */
 
+/* IPC and supervisor messages go to the daemon's log, with its timestamps and levels. */
+_Static_assert((int)MOE_LOG_ERROR == (int)LOG_LEVEL_ERROR && (int)MOE_LOG_DEBUG == (int)LOG_LEVEL_DEBUG,
+               "log levels differ");
+
+static void log_sink(enum moe_ipc_log_level level, const char *msg)
+{
+    log_msg((enum log_level)level, "%s", msg);
+}
+
 static int default_worker_bin(char *out, size_t n, char *err, size_t errlen)
 {
     char self[PATH_MAX];
@@ -484,6 +504,11 @@ int moed_workers_start(uv_loop_t *loop, const struct moed_workers_opts *o,
         return moe_fail(err, errlen, -EINVAL, "%u workers (1..64 allowed)", o->n_workers);
     if (o->n_ctx < 1 || o->n_ctx > MOE_IPC_MAX_CTX || o->n_seq < 1 || o->n_seq > MOE_IPC_MAX_SEQ)
         return moe_fail(err, errlen, -EINVAL, "n_ctx %u / n_seq %u out of range", o->n_ctx, o->n_seq);
+    /* A Submit holds up to n_ctx prompt ids of at most 5 bytes each, plus small fields. */
+    uint64_t frame = o->max_frame ? o->max_frame : MOE_IPC_MAX_FRAME;
+    if ((uint64_t)o->n_ctx * 5 + (uint64_t)MOE_IPC_MAX_EOG * 5 + 1024 > frame)
+        return moe_fail(err, errlen, -EINVAL, "n_ctx %u does not fit the %llu byte IPC frame limit",
+                        o->n_ctx, (unsigned long long)frame);
     if (o->n_eog > MOE_IPC_MAX_EOG)
         return moe_fail(err, errlen, -EINVAL, "%u eog tokens (at most %u)", o->n_eog, MOE_IPC_MAX_EOG);
     if (o->worker_bin)
@@ -493,6 +518,7 @@ int moed_workers_start(uv_loop_t *loop, const struct moed_workers_opts *o,
     if (access(bin, X_OK) != 0)
         return moe_fail(err, errlen, -errno, "worker program %s: %s", bin, strerror(errno));
 
+    moe_ipc_log_set_sink(log_sink);
     /* A worker that dies mid-write must give us EPIPE, not kill the daemon. */
     struct sigaction sa;
     if (sigaction(SIGPIPE, NULL, &sa) == 0 && sa.sa_handler == SIG_DFL)

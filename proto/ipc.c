@@ -27,9 +27,25 @@ void moe_ipc_log_init(const char *prog, enum moe_ipc_log_level max_level)
     log_max = max_level;
 }
 
+static void (*log_sink)(enum moe_ipc_log_level level, const char *msg);
+
+void moe_ipc_log_set_sink(void (*fn)(enum moe_ipc_log_level level, const char *msg))
+{
+    log_sink = fn;
+}
+
 void moe_ipc_log(enum moe_ipc_log_level level, const char *fmt, ...)
 {
     static const char *names[] = {"error", "warn", "info", "debug"};
+    if (log_sink) {
+        char msg[1024];
+        va_list ap;
+        va_start(ap, fmt);
+        vsnprintf(msg, sizeof msg, fmt, ap);
+        va_end(ap);
+        log_sink(level, msg);
+        return;
+    }
     if (level > log_max)
         return;
     /* One buffer and one write, so that lines of concurrent processes sharing stderr do not

@@ -140,5 +140,8 @@ enum moe_ipc_log_level { MOE_LOG_ERROR = 0, MOE_LOG_WARN = 1, MOE_LOG_INFO = 2, 
 void moe_ipc_log_init(const char *prog, enum moe_ipc_log_level max_level);
 void moe_ipc_log(enum moe_ipc_log_level level, const char *fmt, ...)
     __attribute__((format(printf, 2, 3)));
+/* Sends every line (without the program/level prefix) to fn instead, e.g. the daemon's own log
+ * (daemon/log.h). The level filter of moe_ipc_log_init does not apply then. NULL: stderr again. */
+void moe_ipc_log_set_sink(void (*fn)(enum moe_ipc_log_level level, const char *msg));
 
 #endif

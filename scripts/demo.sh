@@ -77,7 +77,8 @@ if "error" in r:
     sys.exit("demo: moed answered an error: " + r["error"]["message"])
 print(r["choices"][0]["message"]["content"])
 u = r["usage"]
-print(f"[{u[\"prompt_tokens\"]} prompt tokens, {u[\"completion_tokens\"]} generated, finish: {r[\"choices\"][0][\"finish_reason\"]}]", file=sys.stderr)
+print("[%d prompt tokens, %d generated, finish: %s]" % (u["prompt_tokens"], u["completion_tokens"],
+      r["choices"][0]["finish_reason"]))
 ')
 echo "== answer:"
 printf '%s\n' "$answer"

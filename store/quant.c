@@ -550,13 +550,12 @@ static float fit_signed16(const float *x)
         float iscale = -(32.0f + 0.1f * (float)step) / vmax;
         int q[16], sqq = 0;
         float p[4] = {0, 0, 0, 0};
-        /* Clamp, then round by offsetting into positive range and truncating: branch-free, so
-         * it vectorises. */
+        /* |x·iscale| < 33 (x is bounded by vmax), so offsetting by 32.5 and truncating rounds
+         * without overflow; the integer clamp keeps the loop branch-free so it vectorises. */
         for (int i = 0; i < 16; i++) {
-            float v = x[i] * iscale;
-            v = v < -32.0f ? -32.0f : v;
-            v = v > 31.0f ? 31.0f : v;
-            q[i] = (int)(v + 32.5f) - 32;
+            int v = (int)(x[i] * iscale + 32.5f) - 32;
+            v = v < -32 ? -32 : v;
+            q[i] = v > 31 ? 31 : v;
         }
         for (int i = 0; i < 16; i++)
             sqq += q[i] * q[i];

@@ -24,6 +24,16 @@ const char *moe_test_tmpdir(void);
 /* Path of a program in the build's bin/ folder (MOE_BIN, default "bin"). */
 const char *moe_test_bin(const char *prog);
 
+/* Reads a whole file into a malloc'ed, NUL-terminated buffer (len may be NULL); NULL on error. */
+char *moe_test_read_file(const char *path, size_t *len);
+
+/* Runs argv (argv[0] a path) with stdout to out_path and stderr to err_path (either may be NULL:
+ * inherited). Returns the exit status, 128+signal when killed, or -1 when it could not run. */
+int moe_test_run(char *const argv[], const char *out_path, const char *err_path);
+
+/* ||a - b||_2 / ||b||_2 over n floats, in double precision. */
+double moe_test_rel_l2(const float *a, const float *b, size_t n);
+
 #define TEST_TIMEOUT(name, secs)                                                   \
     static void test_##name(void);                                                 \
     __attribute__((constructor)) static void register_##name(void)                 \

@@ -32,7 +32,7 @@ __attribute__((constructor)) static void maybe_run_as_worker(void)
     if (!v || !*v)
         return;
     unsetenv("MOE_TEST_AS_WORKER");
-    _exit(moe_worker_ipc_main(3, "moed-worker"));
+    exit(moe_worker_ipc_main(3, "moed-worker"));
 }
 
 /* ---------------------------------------------------------------------------------------------
@@ -720,7 +720,7 @@ static void worker_fork(struct wproc *w)
         int lf = open(w->log, O_WRONLY | O_CREAT | O_TRUNC, 0600);
         if (lf >= 0)
             dup2(lf, 2);
-        _exit(moe_worker_ipc_main(sv[1], "moed-worker"));
+        exit(moe_worker_ipc_main(sv[1], "moed-worker"));
     }
     close(sv[1]);
     w->pid = pid;

@@ -305,3 +305,14 @@ TEST(kernels_unsupported_type_gives_nan)
     moe_matvec(MOE_TYPE_Q2_K, w, 256, x, y, 0, 1);
     CHECK(isnan(y[0]) && y[1] == 0);
 }
+
+/* Zero-length rows give zero dot products (and matmul still writes its rectangle). */
+TEST(kernels_empty_rows)
+{
+    float x[4] = {1, 2, 3, 4}, Y[6] = {9, 9, 9, 9, 9, 9};
+    uint8_t w[4] = {0};
+    CHECK(moe_vec_dot(MOE_TYPE_Q4_K, w, x, 0) == 0.0f);
+    moe_matmul(MOE_TYPE_F16, w, 0, x, 0, 3, Y, 2, 0, 1);
+    CHECK(Y[0] == 0 && Y[2] == 0 && Y[4] == 0);
+    CHECK(Y[1] == 9 && Y[3] == 9 && Y[5] == 9);
+}

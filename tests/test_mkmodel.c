@@ -488,7 +488,7 @@ TEST(mkmodel_tiny_vocab_equals_golden)
             check_same_kv(f, g, g->kv[i].key);
             n_tok++;
         }
-    CHECK_EQ(n_tok, 9);
+    CHECK_EQ(n_tok, 10);
     for (uint64_t i = 0; i < f->n_kv; i++)
         if (!strncmp(f->kv[i].key, "tokenizer.", 10))
             CHECK_MSG(gguf_find_kv(g, f->kv[i].key), "extra key %s", f->kv[i].key);
@@ -577,9 +577,12 @@ static void check_values(const char *quant)
                 CHECK_EQ(seen[r], 1);
         } else
             want_sd = 1 / sqrt(E);
-        CHECK_MSG(fabs(mean - want_mean) < 0.1 * want_sd + 1e-3, "%s: mean %g, want %g", t->name,
+        CHECK_MSG(fabs(mean - want_mean) < 0.1 * want_sd + 3 * want_sd / sqrt((double)cnt),
+                  "%s: mean %g, want %g", t->name,
                   mean, want_mean);
-        CHECK_MSG(fabs(sd / want_sd - 1) < 0.12, "%s (%s): sd %g, want %g", t->name,
+        /* 6% for block scale variation, plus sampling noise for small tensors */
+        double tol = 0.06 + 2.5 / sqrt((double)cnt);
+        CHECK_MSG(fabs(sd / want_sd - 1) < tol, "%s (%s): sd %g, want %g", t->name,
                   moe_type_get(t->type)->name, sd, want_sd);
         free(y);
     }
@@ -713,4 +716,30 @@ TEST(mkmodel_rejects_bad_arguments)
     CHECK_EQ(mkmodel(path, sizeof path, "x.gguf",
                      "--preset tiny --vocab " GOLDEN_DIR "tiny-qwen3moe-Q8_0.gguf"), 0);
     CHECK(stat(path, &st) == 0);
+}
+
+/* The real forward pass (moed-worker's CPU engine) on real text routes like a trained model:
+ * every layer's most used quarter of experts takes well over half of the routings. */
+TEST(mkmodel_routing_skew_in_real_forward)
+{
+    char path[512], cmd[2048], line[4096];
+    CHECK_EQ(mkmodel(path, sizeof path, "fw.gguf", "--preset tiny --quant q8_0 --seed 5"), 0);
+    snprintf(cmd, sizeof cmd,
+             "'%s' --model '%s' --prompt-file tests/golden/prompts/p2.txt -n 0 --routing-stats 2>&1",
+             moe_test_bin("moed-worker"), path);
+    FILE *p = popen(cmd, "r");
+    CHECK(p);
+    int layers = 0;
+    while (fgets(line, sizeof line, p)) {
+        const char *s = strstr(line, "top 4/16 experts: ");
+        double share;
+        if (strncmp(line, "layer", 5) || !s || sscanf(s, "top 4/16 experts: %lf%%", &share) != 1)
+            continue;
+        fprintf(stderr, "%s", line);
+        CHECK_MSG(share > 55, "layer %d: top quarter takes only %.1f%%", layers, share);
+        layers++;
+    }
+    int st = pclose(p);
+    CHECK_MSG(WIFEXITED(st) && WEXITSTATUS(st) == 0, "moed-worker failed");
+    CHECK_EQ(layers, 3);
 }

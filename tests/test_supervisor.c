@@ -273,6 +273,12 @@ TEST_TIMEOUT(supervisor_serves_golden_greedy_tokens, 120)
         CHECK_STREQ(inf.device, "cpu");
     }
 
+    /* A placement of the wrong size is refused here; a right one goes to every worker, which
+     * would drop the connection (and fail the request below) if it did not pass its checks. */
+    uint8_t hot[6] = {0xff, 0x0f, 0, 0xf0, 0x33, 0x01};
+    CHECK_EQ(moed_workers_set_placement(c.ws, hot, 5), -EINVAL);
+    CHECK_EQ(moed_workers_set_placement(c.ws, hot, 6), 0);
+
     struct treq t;
     submit(&c, &t, ref.prompt, ref.n_prompt, 32);
     RUN_UNTIL(&c, t.done || t.failed, 60);
@@ -342,6 +348,34 @@ static uint32_t total_restarts(struct ctx *c)
         n += inf.restarts;
     }
     return n;
+}
+
+/* Small forward steps (n_batch 8) and staggered arrivals: prompts are evaluated in chunks over
+ * several steps, in the same batches as other sequences' decode tokens. Greedy output must not
+ * change. */
+TEST_TIMEOUT(supervisor_continuous_batching_is_exact, 120)
+{
+    struct ipc_test_ref ref[3];
+    CHECK(ipc_test_load_ref("p1", &ref[0]) == 0);
+    CHECK(ipc_test_load_ref("p2", &ref[1]) == 0);
+    CHECK(ipc_test_load_ref("p3", &ref[2]) == 0);
+    struct ctx c = {0};
+    struct moed_workers_opts o;
+    base_opts(&c, &o, 1, 4, 256);
+    o.n_batch = 8;
+    start(&c, &o, true);
+    struct treq t[5];
+    submit(&c, &t[0], ref[0].prompt, ref[0].n_prompt, 32);
+    RUN_UNTIL(&c, t[0].n >= 3, 60);
+    submit(&c, &t[1], ref[1].prompt, ref[1].n_prompt, 32);
+    submit(&c, &t[2], ref[2].prompt, ref[2].n_prompt, 32);
+    RUN_UNTIL(&c, t[1].n >= 1, 60);
+    submit(&c, &t[3], ref[0].prompt, ref[0].n_prompt, 32);
+    submit(&c, &t[4], ref[1].prompt, ref[1].n_prompt, 32); /* waits for a slot */
+    RUN_UNTIL(&c, n_finished(t, 5) == 5, 120);
+    for (int i = 0; i < 5; i++)
+        check_greedy(&t[i], &ref[i == 0 || i == 3 ? 0 : i == 2 ? 2 : 1], 32);
+    stop(&c);
 }
 
 TEST_TIMEOUT(supervisor_restarts_a_killed_worker, 180)
@@ -435,6 +469,27 @@ TEST_TIMEOUT(supervisor_restarts_a_worker_that_speaks_garbage, 60)
     CHECK_MSG(strstr(inf.last_error, "rejected") && strstr(inf.last_error, "limit"), "%s",
               inf.last_error);
     CHECK(!c.ready);
+    stop(&c);
+}
+
+TEST_TIMEOUT(supervisor_kills_a_worker_that_never_gets_ready, 60)
+{
+    char script[512];
+    snprintf(script, sizeof script, "%s/mute-worker.sh", moe_test_tmpdir());
+    FILE *f = fopen(script, "w");
+    CHECK(f);
+    fprintf(f, "#!/bin/sh\nexec sleep 30\n");
+    fclose(f);
+    CHECK(chmod(script, 0755) == 0);
+    struct ctx c = {0};
+    struct moed_workers_opts o;
+    base_opts(&c, &o, 1, 1, 64);
+    o.worker_bin = script;
+    o.ready_timeout_ms = 200;
+    start(&c, &o, false);
+    struct moed_worker_info inf;
+    RUN_UNTIL(&c, (moed_workers_info(c.ws, 0, &inf), inf.restarts >= 2), 10);
+    CHECK_MSG(strstr(inf.last_error, "not ready after 200 ms"), "%s", inf.last_error);
     stop(&c);
 }
 

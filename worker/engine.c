@@ -72,6 +72,7 @@ struct moe_engine {
     int32_t *slot_tok;            /* [nb*kuse] token of each slot, grouped by expert */
     int32_t *ex_off;              /* [nexp+1] first slot of each expert */
     int32_t *ex_fill;             /* [nexp] */
+    uint8_t *taken;               /* [nexp] all zero between tokens */
     float *xg;                    /* [nb*kuse][E] expert inputs, grouped */
     float *act;                   /* [nb*kuse][ff] silu(gate) * up */
     float *gbuf, *ubuf;           /* [nb*kuse][ff] */
@@ -295,6 +296,7 @@ int moe_engine_init(struct moe_engine **out, const struct moe_model *m,
     e->slot_tok = xcalloc(ns, sizeof(int32_t), &bad);
     e->ex_off = xcalloc(e->nexp + 1, sizeof(int32_t), &bad);
     e->ex_fill = xcalloc(e->nexp, sizeof(int32_t), &bad);
+    e->taken = xcalloc(e->nexp, 1, &bad);
     e->xg = xcalloc(ns * e->E, sizeof(float), &bad);
     e->act = xcalloc(ns * e->ff, sizeof(float), &bad);
     e->gbuf = xcalloc(ns * e->ff, sizeof(float), &bad);
@@ -344,6 +346,7 @@ void moe_engine_free(struct moe_engine *e)
     free(e->slot_tok);
     free(e->ex_off);
     free(e->ex_fill);
+    free(e->taken);
     free(e->xg);
     free(e->act);
     free(e->gbuf);
@@ -390,12 +393,39 @@ static void rmsnorm(float *y, const float *x, const float *w, int64_t n, float e
         y[i] = x[i] * s * w[i];
 }
 
+/* y += a * x. Written in blocks of 8 independent lanes so the compiler vectorizes it without
+ * -ffast-math (there is no reduction to reorder). */
+static inline void axpy(float *restrict y, float a, const float *restrict x, int64_t n)
+{
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int k = 0; k < 8; k++)
+            y[i + k] += a * x[i + k];
+    for (; i < n; i++)
+        y[i] += a * x[i];
+}
+
 static inline float silu(float x)
 {
     return x / (1.0f + expf(-x));
 }
 
 /* ---------------------------------------------------------------- parallel regions */
+
+/* Below about this many multiply-adds a region runs on the caller alone: waking helpers would
+ * cost more than it saves (tiny models, single-token steps of small layers). */
+#define ENG_SERIAL_MACS (1 << 16)
+
+static void par_for(struct moe_engine *e, int64_t n_tasks, double macs, moe_pool_task_fn fn,
+                    void *ctx)
+{
+    if (macs < ENG_SERIAL_MACS) {
+        for (int64_t i = 0; i < n_tasks; i++)
+            fn(ctx, i, 0);
+        return;
+    }
+    moe_pool_for(e->pool, n_tasks, fn, ctx);
+}
 
 /* Several independent matrix products over the same tokens; each task is a block of rows of
  * one product. */
@@ -434,29 +464,25 @@ static void mm_task(void *arg, int64_t task, int ith)
                    jb->ldy, r0, r1);
 }
 
-/* Below this many multiply-adds a product runs on the caller alone: waking helpers would cost
- * more than it saves. */
-#define MM_SERIAL_MACS (1 << 16)
-
 static void par_matmul(struct moe_engine *e, const struct mm_job *jobs, int n_jobs, int64_t n_tok)
 {
     struct mm_ctx c = {.jobs = jobs, .n_jobs = n_jobs, .n_tok = n_tok};
-    int64_t macs = 0;
+    double macs = 0;
     for (int j = 0; j < n_jobs; j++)
-        macs += jobs[j].W->ne[0] * jobs[j].W->ne[1] * n_tok;
+        macs += (double)jobs[j].W->ne[0] * (double)jobs[j].W->ne[1] * (double)n_tok;
     c.first_task[0] = 0;
     for (int j = 0; j < n_jobs; j++) {
         int64_t rows = jobs[j].W->ne[1];
         /* About four tasks per thread for balance, at least 16 rows each; the split does not
          * change any result (each row is one kernel call). */
-        int64_t per = macs < MM_SERIAL_MACS ? rows : (rows + 4 * e->nth - 1) / (4 * e->nth);
+        int64_t per = macs < ENG_SERIAL_MACS ? rows : (rows + 4 * e->nth - 1) / (4 * e->nth);
         if (per < 16)
             per = 16;
         per = (per + 3) / 4 * 4;
         c.rows_per_task[j] = per;
         c.first_task[j + 1] = c.first_task[j] + (rows + per - 1) / per;
     }
-    moe_pool_for(e->pool, c.first_task[n_jobs], mm_task, &c);
+    par_for(e, c.first_task[n_jobs], macs, mm_task, &c);
 }
 
 /* The batch chunk being evaluated. */
@@ -525,11 +551,7 @@ static void attn_task(void *arg, int64_t task, int ith)
     const float *Vv = e->vc + base * e->vdim + kvh * e->hdv;
     float mx = -INFINITY;
     for (int64_t p = 0; p < np; p++) {
-        const float *kp = K + p * e->kdim;
-        float s = 0.0f;
-        for (int64_t i = 0; i < e->hd; i++)
-            s += q[i] * kp[i];
-        s *= scale;
+        float s = moe_vec_dot(MOE_TYPE_F32, K + p * e->kdim, q, e->hd) * scale;
         sc[p] = s;
         if (s > mx)
             mx = s;
@@ -546,9 +568,17 @@ static void attn_task(void *arg, int64_t task, int ith)
     for (int64_t p = 0; p < np; p++) {
         const float *vp = Vv + p * e->vdim;
         float w = sc[p] * inv;
-        for (int64_t i = 0; i < e->hdv; i++)
-            o[i] += w * vp[i];
+        axpy(o, w, vp, e->hdv);
     }
+}
+
+/* Multiply-adds of the attention region (scores and weighted values). */
+static double attn_macs(const struct fwd *f)
+{
+    double sum = 0;
+    for (int64_t t = 0; t < f->n; t++)
+        sum += (double)f->pos[t] + 1;
+    return sum * (double)f->e->H * (double)(f->e->hd + f->e->hdv);
 }
 
 /* h += attention output; x = rmsnorm(h) for the MoE block. */
@@ -666,21 +696,19 @@ static void route(struct fwd *f)
         double sum = 0.0;
         for (int64_t j = 0; j < K; j++) {
             int64_t best = -1;
-            for (int64_t x = 0; x < NE; x++) {
-                int taken = 0;
-                for (int64_t q = 0; q < j; q++)
-                    if (se[q] == x)
-                        taken = 1;
+            for (int64_t x = 0; x < NE; x++)
                 /* NaN probabilities never win, but a choice is always made. */
-                if (!taken && (best < 0 || r[x] > r[best] || isnan(r[best])))
+                if (!e->taken[x] && (best < 0 || r[x] > r[best] || isnan(r[best])))
                     best = x;
-            }
+            e->taken[best] = 1;
             se[j] = (int32_t)best;
             sw[j] = r[best];
             sum += r[best];
             e->ex_fill[best]++;
             counts[best]++;
         }
+        for (int64_t j = 0; j < K; j++)
+            e->taken[se[j]] = 0;
         if (e->m->hp.norm_topk && sum > 0.0)
             for (int64_t j = 0; j < K; j++)
                 sw[j] = (float)(sw[j] / sum);
@@ -752,26 +780,26 @@ static int forward_chunk(struct moe_engine *e, const struct moe_batch *b, uint32
     for (int l = 0; l < (int)e->L; l++) {
         const struct moe_layer *ly = &m->layers[l];
         f.l = l;
-        moe_pool_for(e->pool, n, attn_norm_task, &f);
+        par_for(e, n, n * e->E, attn_norm_task, &f);
         struct mm_job qkv[3] = {
             {&ly->attn_q, e->x, e->E, e->q, e->qdim},
             {&ly->attn_k, e->x, e->E, e->k, e->kdim},
             {&ly->attn_v, e->x, e->E, e->v, e->vdim},
         };
         par_matmul(e, qkv, 3, n);
-        moe_pool_for(e->pool, n, qk_task, &f);
-        moe_pool_for(e->pool, n * e->H, attn_task, &f);
+        par_for(e, n, n * (e->qdim + e->kdim) * 4, qk_task, &f);
+        par_for(e, n * e->H, attn_macs(&f), attn_task, &f);
         struct mm_job wo = {&ly->attn_output, e->att, e->odim, e->tmp, e->E};
         par_matmul(e, &wo, 1, n);
-        moe_pool_for(e->pool, n, attn_resid_task, &f);
+        par_for(e, n, n * e->E * 2, attn_resid_task, &f);
 
         struct mm_job router = {&ly->ffn_gate_inp, e->x, e->E, e->rl, e->nexp};
         par_matmul(e, &router, 1, n);
         route(&f);
-        moe_pool_for(e->pool, n * e->kuse, gather_task, &f);
-        moe_pool_for(e->pool, make_tasks(e, e->ff), expert_up_task, &f);
-        moe_pool_for(e->pool, make_tasks(e, e->E), expert_down_task, &f);
-        moe_pool_for(e->pool, n, combine_task, &f);
+        par_for(e, n * e->kuse, n * e->kuse * e->E / 4, gather_task, &f);
+        par_for(e, make_tasks(e, e->ff), 2.0 * n * e->kuse * e->E * e->ff, expert_up_task, &f);
+        par_for(e, make_tasks(e, e->E), 1.0 * n * e->kuse * e->E * e->ff, expert_down_task, &f);
+        par_for(e, n, n * e->kuse * e->E, combine_task, &f);
     }
 
     /* Output head for the selected tokens only; x and q are free now and serve as scratch. */
@@ -783,7 +811,7 @@ static int forward_chunk(struct moe_engine *e, const struct moe_batch *b, uint32
     if (k == 0)
         return 0;
     struct head_ctx hc = {e, rows, k, e->x};
-    moe_pool_for(e->pool, k, head_norm_task, &hc);
+    par_for(e, k, k * e->E, head_norm_task, &hc);
     struct mm_job head = {&m->output, e->x, e->E, out, e->V};
     par_matmul(e, &head, 1, k);
     return 0;

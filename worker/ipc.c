@@ -277,13 +277,20 @@ static int step(struct compute *c)
         n++;
     }
     uint32_t n_decode = n;
-    for (uint32_t s = 0; s < w->n_seq && n < w->n_batch; s++) {
+    /* While sequences are decoding, a step's time is their token latency: take prompts in
+     * smaller bites then, so that one long prompt does not stall every running stream. */
+    uint32_t limit = w->n_batch;
+    if (n_decode > 0) {
+        uint32_t bite = w->n_batch / 4 > 64 ? w->n_batch / 4 : 64;
+        limit = n_decode + bite < w->n_batch ? n_decode + bite : w->n_batch;
+    }
+    for (uint32_t s = 0; s < w->n_seq && n < limit; s++) {
         struct wjob *j = c->slot[s];
         if (!j || j->n_past >= j->n_prompt)
             continue;
         uint32_t take = j->n_prompt - j->n_past;
-        if (take > w->n_batch - n)
-            take = w->n_batch - n;
+        if (take > limit - n)
+            take = limit - n;
         for (uint32_t k = 0; k < take; k++) {
             c->tok[n] = j->prompt[j->n_past + k];
             c->pos[n] = (int32_t)(j->n_past + k);
@@ -561,7 +568,8 @@ static int on_submit(struct worker *w, const Moed__Submit *s, char *err, size_t 
     j->n_prompt = (uint32_t)s->n_prompt;
     j->max_tokens = s->max_tokens;
     j->n_eog = (uint32_t)s->n_eog;
-    memcpy(j->eog, s->eog, s->n_eog * sizeof *j->eog);
+    if (s->n_eog)
+        memcpy(j->eog, s->eog, s->n_eog * sizeof *j->eog);
     fill_sampling(&j->sp, s->sampling);
     j->slot = -1;
     pthread_mutex_lock(&w->mu);

@@ -22,6 +22,7 @@
 #include "store/err.h"
 #include "worker/engine.h"
 #include "worker/engine_load.h"
+#include "worker/ipc.h"
 #include "worker/sampler.h"
 
 #define DEFAULT_N_PREDICT 128
@@ -373,9 +374,14 @@ static int run_standalone(const struct opts *o)
         goto done;
     }
     if (oo.ctx == 0) {
+        /* Room for the whole generation, but no more than the model was trained for (unless the
+         * prompt alone needs more): generation stops cleanly when the context is full. */
+        int64_t cap = m->hp.n_ctx_train ? (int64_t)m->hp.n_ctx_train : (1 << 24);
+        if (cap < (int64_t)n_prompt)
+            cap = (int64_t)n_prompt;
         oo.ctx = (int64_t)n_prompt + oo.n_predict;
-        if (oo.ctx > (1 << 24))
-            oo.ctx = 1 << 24;
+        if (oo.ctx > cap)
+            oo.ctx = cap;
     }
     if ((int64_t)n_prompt > oo.ctx) {
         fprintf(stderr, "moed-worker: the prompt has %zu tokens, more than the context (%" PRId64
@@ -457,7 +463,11 @@ static int run_standalone(const struct opts *o)
     const float *last = o->dump_logits ? logits + (size_t)((n_prompt - 1) % nb) * V : logits;
     for (size_t i = 0; i < n_prompt; i++)
         moe_sampler_accept(smp, prompt[i]);
-    gen = malloc(sizeof *gen * (size_t)(oo.n_predict ? oo.n_predict : 1));
+    /* At most one token per free position, plus the one sampled from the last position. */
+    int64_t max_gen = (int64_t)moe_engine_get_opts(eng)->n_ctx - (int64_t)n_prompt + 1;
+    if (max_gen > oo.n_predict)
+        max_gen = oo.n_predict;
+    gen = malloc(sizeof *gen * (size_t)(max_gen > 0 ? max_gen : 1));
     if (!gen) {
         fprintf(stderr, "moed-worker: out of memory\n");
         goto done;
@@ -565,11 +575,7 @@ int main(int argc, char **argv)
         return 0;
     if (rc)
         return rc;
-    if (o.ipc_fd >= 0) {
-        /* Daemon-spawned mode: worker/ipc.c (moe_worker_ipc_main) is wired in here once it
-         * lands. */
-        fprintf(stderr, "moed-worker: --ipc-fd: the daemon-spawned mode is not built yet\n");
-        return 1;
-    }
+    if (o.ipc_fd >= 0)
+        return moe_worker_ipc_main(o.ipc_fd, argv[0]);
     return run_standalone(&o);
 }

@@ -181,7 +181,8 @@ def test_chat_stream_equals_non_stream(client):
 
 
 def test_seeded_sampling_is_reproducible(client):
-    kw = dict(model="tiny", prompt="The sea", max_tokens=10, temperature=0.9, top_p=0.95, top_k=40, seed=1234)
+    kw = dict(model="tiny", prompt="The sea", max_tokens=10, temperature=0.9, top_p=0.95, seed=1234,
+              extra_body={"top_k": 40, "min_p": 0.01, "repetition_penalty": 1.1})
     a = client.completions.create(**kw).choices[0].text
     b = client.completions.create(**kw).choices[0].text
     assert a == b

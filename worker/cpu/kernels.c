@@ -170,6 +170,13 @@ void moe_matmul(uint32_t type, const void *W, int64_t n, const float *X, int64_t
                 Y[k * ldy + r] = NAN;
         return;
     }
+    if (n <= 0) {
+        /* Empty rows: every dot product is 0 (the chunk loop below would write nothing). */
+        for (int64_t k = 0; k < n_tok; k++)
+            for (int64_t r = r0; r < r1; r++)
+                Y[k * ldy + r] = 0;
+        return;
+    }
     if (n_tok <= 2) {
         /* Too few tokens to pay for a decode pass: the fused mat-vec is faster. */
         for (int64_t k = 0; k < n_tok; k++)
