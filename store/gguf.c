@@ -284,9 +284,16 @@ static int parse_value(struct cursor *c, struct gguf_kv *kv)
                 return moe_fail(c->err, c->errlen, -ENOMEM, "key '%s': out of memory for %" PRIu64
                                 " strings", kv->key, n);
             for (uint64_t i = 0; i < n; i++) {
+                /* The element's label is formatted only on failure: a vocabulary has 150k
+                 * strings, and formatting each label cost more than parsing the file. A failed
+                 * read leaves nothing behind, so it is simply read again with the full label. */
+                uint64_t at_i = c->pos;
+                if (rd_str(c, &kv->v.arr.strs[i], "array element") == 0)
+                    continue;
                 snprintf(what, sizeof what, "element %" PRIu64 " of key '%s'", i, kv->key);
-                if ((rc = rd_str(c, &kv->v.arr.strs[i], what)))
-                    return rc;
+                c->pos = at_i;
+                rc = rd_str(c, &kv->v.arr.strs[i], what);
+                return rc ? rc : MOE_EINTERNAL;
             }
             return 0;
         }
