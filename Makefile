@@ -83,7 +83,8 @@ TEST_BIN := $(BUILD)/tests/moe-tests
 .PHONY: all test test-build demo deps fuzz clean bench
 all: $(PROGRAMS)
 
-# Generated protobuf-c code lives in build/, never in git.
+# Generated protobuf-c code lives in build/, never in git. Keep it even when a build fails.
+.SECONDARY: $(PROTO_GEN_C) $(PROTO_GEN_H)
 $(BUILD)/proto/%.pb-c.c $(BUILD)/proto/%.pb-c.h: proto/%.proto
 	@mkdir -p $(BUILD)
 	@echo "  PROTOC  $<"
