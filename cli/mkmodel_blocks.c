@@ -90,17 +90,21 @@ static inline float rng_unit(struct rng *r)
     return (float)(rng_next(r) >> 40) * (1.0f / 16777216.0f);
 }
 
-/* A multiplicative wobble around 1 for block and sub-block scales. */
+/* A multiplicative wobble for block and sub-block scales, uniform in [lo, hi] up to a factor
+ * that makes its mean square 1, so that it spreads the scales without inflating the
+ * tensor's deviation. */
 static inline float jitter(struct rng *r, float lo, float hi)
 {
-    return lo + (hi - lo) * rng_unit(r);
+    float rms = sqrtf((lo * lo + lo * hi + hi * hi) / 3);
+    return (lo + (hi - lo) * rng_unit(r)) / rms;
 }
 
-static void rng_bytes(struct rng *r, uint8_t *out, size_t n)
+/* n must be a multiple of 8 (every caller's is). */
+static inline void rng_bytes(struct rng *r, uint8_t *out, size_t n)
 {
     for (size_t i = 0; i < n; i += 8) {
         uint64_t v = rng_next(r);
-        memcpy(out + i, &v, n - i < 8 ? n - i : 8);
+        memcpy(out + i, &v, 8);
     }
 }
 
@@ -120,6 +124,13 @@ static inline int clampi(int v, int lo, int hi)
     return v < lo ? lo : v > hi ? hi : v;
 }
 
+/* Round half away from zero; inline (lrintf is a libm call) and exact enough for levels and
+ * scales, whose values stay far below 2^23. */
+static inline int iround(float x)
+{
+    return (int)(x >= 0 ? x + 0.5f : x - 0.5f);
+}
+
 /* In a block whose scale was raised to hold the pinned value, shrinks the other levels of that
  * scale group (around `centre`) by `ratio` so that they keep the tensor's deviation. */
 static void narrow_levels(int *q, int n, float centre, float ratio, int lo, int hi)
@@ -127,7 +138,7 @@ static void narrow_levels(int *q, int n, float centre, float ratio, int lo, int 
     if (ratio >= 1)
         return;
     for (int i = 1; i < n; i++)
-        q[i] = clampi((int)lrintf(centre + (q[i] - centre) * ratio), lo, hi);
+        q[i] = clampi(iround(centre + (q[i] - centre) * ratio), lo, hi);
 }
 
 /* Float samples: 32 per generation block. pin: element 0 gets `pinv`. */
@@ -166,7 +177,7 @@ static void gen_q8_0(struct rng *r, float sigma, bool pin, uint8_t *b)
     for (int i = 0; i < 32; i++)
         q[i] = t_q8.v[u[i]];
     if (pin) {
-        q[0] = clampi((int)lrintf(c / f16_round(d)), -127, 127);
+        q[0] = clampi(iround(c / f16_round(d)), -127, 127);
         narrow_levels(q, 32, 0, d_nom / d, -127, 127);
     }
     for (int i = 0; i < 32; i++)
@@ -187,7 +198,7 @@ static void gen_q5_0(struct rng *r, float sigma, bool pin, uint8_t *b)
     for (int i = 0; i < 32; i++)
         q[i] = t_q5.v[u[i]] + 16;
     if (pin) {
-        q[0] = 16 + clampi((int)lrintf(c / f16_round(d)), -16, 15);
+        q[0] = 16 + clampi(iround(c / f16_round(d)), -16, 15);
         narrow_levels(q, 32, 16, d_nom / d, 0, 31);
     }
     /* Element j's fifth bit is bit j of qh; j < 16 sit in low nibbles, j >= 16 in high ones. */
@@ -218,8 +229,8 @@ static void gen_q4_k(struct rng *r, float sigma, bool pin, uint8_t *b)
         if (pin && j == 0)
             sc[j] = 63;
         else
-            sc[j] = clampi((int)lrintf(sigma * jitter(r, 0.75f, 1.3f) / (d * t_q4.std)), 1, 63);
-        m[j] = dmin > 0 ? clampi((int)lrintf(sc[j] * t_q4.mean * d / dmin), 0, 63) : 0;
+            sc[j] = clampi(iround(sigma * jitter(r, 0.75f, 1.3f) / (d * t_q4.std)), 1, 63);
+        m[j] = dmin > 0 ? clampi(iround(sc[j] * t_q4.mean * d / dmin), 0, 63) : 0;
     }
     put_f16(b, d);
     put_f16(b + 2, dmin);
@@ -245,7 +256,7 @@ static void gen_q4_k(struct rng *r, float sigma, bool pin, uint8_t *b)
         int q[32];
         for (int l = 0; l < 32; l++)
             q[l] = qs[l] & 15;
-        q[0] = clampi((int)lrintf((c + dmin * m[0]) / (d * sc[0])), 0, 15);
+        q[0] = clampi(iround((c + dmin * m[0]) / (d * sc[0])), 0, 15);
         narrow_levels(q, 32, t_q4.mean, sigma / (d * t_q4.std * sc[0]), 0, 15);
         for (int l = 0; l < 32; l++)
             qs[l] = (uint8_t)((qs[l] & 0xf0) | q[l]);
@@ -266,7 +277,7 @@ static void gen_q6_k(struct rng *r, float sigma, bool pin, uint8_t *b)
         if (pin && j == 0)
             sc[j] = 127;
         else
-            sc[j] = (int8_t)clampi((int)lrintf(sigma * jitter(r, 0.75f, 1.3f) / (d * t_q6.std)),
+            sc[j] = (int8_t)clampi(iround(sigma * jitter(r, 0.75f, 1.3f) / (d * t_q6.std)),
                                    1, 127);
     }
     uint8_t u[256];
@@ -275,7 +286,7 @@ static void gen_q6_k(struct rng *r, float sigma, bool pin, uint8_t *b)
     for (int i = 0; i < 256; i++)
         q[i] = t_q6.v[u[i]] + 32;
     if (pin) {
-        q[0] = 32 + clampi((int)lrintf(c / (d * sc[0])), -32, 31);
+        q[0] = 32 + clampi(iround(c / (d * sc[0])), -32, 31);
         narrow_levels(q, 16, 32, sigma / (d * t_q6.std * sc[0]), 0, 63);
     }
     /* Per 128-value half, quarters k = 0..3 of 32 values: k = 0, 1 in the low nibbles of

@@ -71,7 +71,6 @@ struct gen {
     char *text;                     /* generated text so far (cut at a stop string) */
     size_t text_len, text_cap;
     size_t sent;                    /* bytes of text already streamed */
-    size_t scan_from;               /* stop strings cannot start before this */
     uint32_t n_prompt, n_gen;
 };
 
@@ -493,9 +492,8 @@ static bool take_text(struct gen *g, const char *s, size_t n)
     if (!append_text(g, s, n))
         return false;
     if (g->n_stops) {
+        /* Earlier text was checked already: a match must end in the new bytes. */
         size_t from = before >= MAX_STOP_LEN ? before - MAX_STOP_LEN : 0;
-        if (from < g->scan_from)
-            from = g->scan_from;
         long at = api_find_stop(g->text, g->text_len, from, g->stops, g->n_stops);
         if (at >= 0) {
             g->text_len = (size_t)at;

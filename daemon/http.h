@@ -35,7 +35,7 @@ struct http_request {
     struct http_conn *conn;
     unsigned method;            /* enum http_method from http_parser.h (HTTP_GET, HTTP_POST...) */
     const char *method_name;    /* "GET" */
-    const char *path;           /* decoded path without the query string, NUL-terminated */
+    const char *path;           /* path as sent (not percent-decoded), without the query */
     const char *query;          /* after '?', or "" */
     const char *body;           /* NUL-terminated for convenience; body_len bytes */
     size_t body_len;

@@ -308,10 +308,65 @@ static int hook_metrics(void *user, char **text)
 
 /* ---- lifecycle ---- */
 
+/* GPU workers get the hot set that the loaded profile gives for the VRAM their budget leaves
+ * after what they allocated at start (dense weights, KV cache, workspace). Without a budget the
+ * worker decides alone. The supervisor re-sends it to restarted workers. */
+static void push_placement(struct daemon *d)
+{
+    if (!d->has_gpu || !d->cfg.vram_budget)
+        return;
+    uint64_t free_min = UINT64_MAX;
+    for (uint32_t i = 0; i < d->n_workers; i++) {
+        struct moed_worker_info wi;
+        if (moed_workers_info(d->workers, i, &wi) == 0 && strncmp(wi.device, "cuda", 4) == 0) {
+            uint64_t fr = d->cfg.vram_budget > wi.vram_used ? d->cfg.vram_budget - wi.vram_used : 0;
+            if (fr < free_min)
+                free_min = fr;
+        }
+    }
+    if (free_min == UINT64_MAX || free_min == 0)
+        return;
+    uint32_t L = d->model.hp.n_layer, E = d->model.hp.n_expert;
+    uint64_t *eb = calloc(L, sizeof *eb);
+    size_t nbytes = ((size_t)L * E + 7) / 8;
+    uint8_t *bits = calloc(nbytes, 1);
+    struct moe_placement pl;
+    char err[256];
+    if (!eb || !bits) {
+        free(eb);
+        free(bits);
+        return;
+    }
+    for (uint32_t l = 0; l < L; l++)
+        eb[l] = moe_model_expert_bytes(&d->model, l);
+    int rc = moe_placement_compute(&pl, L, E, d->model.hp.n_expert_used, eb,
+                                   d->profile.tokens ? d->profile.counts : NULL, free_min, err,
+                                   sizeof err);
+    free(eb);
+    if (rc) {
+        log_warn("placement: %s", err);
+        free(bits);
+        return;
+    }
+    uint64_t n_hot = 0;
+    for (size_t i = 0; i < (size_t)L * E; i++)
+        if (pl.hot[i]) {
+            bits[i / 8] |= (uint8_t)(1u << (i % 8));
+            n_hot++;
+        }
+    rc = moed_workers_set_placement(d->workers, bits, nbytes);
+    log_info("placement: %" PRIu64 " hot experts (%.2f GiB of %.2f GiB free VRAM), from a profile of "
+             "%" PRIu64 " tokens%s", n_hot, pl.bytes_used / 1073741824.0, free_min / 1073741824.0,
+             d->profile.tokens, rc ? " (not sent: size mismatch)" : "");
+    moe_placement_free(&pl);
+    free(bits);
+}
+
 static void on_ready(void *user)
 {
     struct daemon *d = user;
     d->ready = true;
+    push_placement(d);
     api_set_ready(d->api, true);
     notify_ready();
     log_info("ready: %u worker(s) serving %s on %s%s%s", d->n_workers, d->cfg.model, d->cfg.socket,

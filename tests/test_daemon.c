@@ -1027,3 +1027,84 @@ TEST_TIMEOUT(daemon_profile_survives_restart_and_kill9, 300)
     CHECK_MSG(t4 == t3, "counts stable for 2.5 s were not all saved: %lld vs %lld", t4, t3);
     CHECK_EQ(moed_stop(&d, 30), 0);
 }
+
+/* SIGTERM while a generation streams: the socket goes away at once (no new clients), the running
+ * request still ends properly (finished, or an error event when cut at the drain timeout), and
+ * the daemon exits 0. */
+TEST_TIMEOUT(daemon_sigterm_drains_inflight, 180)
+{
+    const char *dir = moe_test_tmpdir();
+    struct moed d;
+    const char *args[] = {"--devices", "cpu", "--workers", "1", "--threads", "1", NULL};
+    moed_spawn(&d, dir, args);
+    moed_wait_socket(&d, 30);
+    moed_require_ready(&d, 60);
+    struct hc_conn c;
+    CHECK(hc_connect_unix(&c, d.sock) == 0);
+    char *body = completion_body("Let there be light", 200, true);
+    char head[256];
+    int hn = snprintf(head, sizeof head, "POST /v1/completions HTTP/1.1\r\nContent-Length: %zu\r\n\r\n",
+                      strlen(body));
+    CHECK(hc_send(&c, head, (size_t)hn) == 0);
+    CHECK(hc_send(&c, body, strlen(body)) == 0);
+    free(body);
+    /* Wait for the first token, then SIGTERM. */
+    struct pollfd pfd = {.fd = c.fd, .events = POLLIN};
+    CHECK(poll(&pfd, 1, 30000) == 1);
+    kill(d.pid, SIGTERM);
+    /* New connections are refused right away. */
+    bool gone = false;
+    for (int i = 0; i < 100 && !gone; i++) {
+        struct hc_conn c2;
+        gone = hc_connect_unix(&c2, d.sock) != 0;
+        if (!gone) {
+            hc_close(&c2);
+            usleep(20000);
+        }
+    }
+    CHECK(gone);
+    struct hc_resp r;
+    int rc = hc_read(&c, &r, 60000);
+    CHECK_MSG(rc == 0, "read: %d", rc);
+    CHECK_EQ(r.status, 200);
+    CHECK_MSG(strstr(r.body, "data: [DONE]") || strstr(r.body, "\"error\""), "%s", r.body);
+    hc_resp_free(&r);
+    hc_close(&c);
+    int st;
+    double t0 = now_s();
+    while (waitpid(d.pid, &st, WNOHANG) != d.pid) {
+        CHECK_MSG(now_s() - t0 < 60, "moed did not exit after SIGTERM");
+        usleep(20000);
+    }
+    CHECK(WIFEXITED(st) && WEXITSTATUS(st) == 0);
+    CHECK(log_contains(&d, "SIGTERM: draining"));
+}
+
+/* --log-file: lines go to the file; SIGHUP reopens it after it was moved away (logrotate). */
+TEST(daemon_log_file_sighup)
+{
+    const char *dir = moe_test_tmpdir();
+    char logf[300], moved[310];
+    snprintf(logf, sizeof logf, "%s/moed-file.log", dir);
+    snprintf(moved, sizeof moved, "%s.1", logf);
+    struct moed d;
+    const char *args[] = {"--devices", "cpu", "--workers", "1", "--log-file", logf, "--log-level", "debug", NULL};
+    moed_spawn(&d, dir, args);
+    moed_wait_socket(&d, 30);
+    CHECK(access(logf, F_OK) == 0);
+    CHECK(rename(logf, moved) == 0);
+    kill(d.pid, SIGHUP);
+    bool reopened = false;
+    for (int i = 0; i < 100 && !reopened; i++) {
+        usleep(20000);
+        reopened = access(logf, F_OK) == 0;
+    }
+    CHECK(reopened);
+    CHECK_EQ(moed_stop(&d, 30), 0);
+    struct moed tmp = d;
+    snprintf(tmp.log, sizeof tmp.log, "%s", moved);
+    CHECK(log_contains(&tmp, "opening tests/golden/models"));
+    snprintf(tmp.log, sizeof tmp.log, "%s", logf);
+    CHECK(log_contains(&tmp, "SIGHUP: log file reopened"));
+    CHECK(log_contains(&tmp, "stopped"));
+}

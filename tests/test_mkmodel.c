@@ -580,8 +580,8 @@ static void check_values(const char *quant)
         CHECK_MSG(fabs(mean - want_mean) < 0.1 * want_sd + 3 * want_sd / sqrt((double)cnt),
                   "%s: mean %g, want %g", t->name,
                   mean, want_mean);
-        /* 6% for block scale variation, plus sampling noise for small tensors */
-        double tol = 0.06 + 2.5 / sqrt((double)cnt);
+        /* 4% for block scale variation, plus sampling noise for small tensors */
+        double tol = 0.04 + 2.5 / sqrt((double)cnt);
         CHECK_MSG(fabs(sd / want_sd - 1) < tol, "%s (%s): sd %g, want %g", t->name,
                   moe_type_get(t->type)->name, sd, want_sd);
         free(y);

@@ -323,3 +323,59 @@ TEST(quantize_usage_errors)
     free(after);
     free(data);
 }
+
+/* Every TYPE gives a file the model loader accepts, with the base type (or its llama.cpp
+ * fallback for the 128-wide ffn_down_exps rows) in every matrix, the right general.file_type,
+ * and weights within a bound that fits the type's bits. */
+TEST_TIMEOUT(quantize_all_types, 300)
+{
+    static const struct {
+        const char *name;
+        uint32_t base, fallback, ftype;
+        double max_err; /* per-tensor relative L2 of the weights */
+    } cases[] = {
+        {"f32", MOE_TYPE_F32, MOE_TYPE_F32, 0, 0.0},
+        {"f16", MOE_TYPE_F16, MOE_TYPE_F16, 1, 0.0}, /* the source is F16: exact */
+        {"bf16", MOE_TYPE_BF16, MOE_TYPE_BF16, 32, 4e-3},
+        {"q8_0", MOE_TYPE_Q8_0, MOE_TYPE_Q8_0, 7, 1e-2},
+        {"q4_0", MOE_TYPE_Q4_0, MOE_TYPE_Q4_0, 2, 0.15},
+        {"q4_1", MOE_TYPE_Q4_1, MOE_TYPE_Q4_1, 3, 0.15},
+        {"q5_0", MOE_TYPE_Q5_0, MOE_TYPE_Q5_0, 8, 0.08},
+        {"q5_1", MOE_TYPE_Q5_1, MOE_TYPE_Q5_1, 9, 0.08},
+        {"q4_k", MOE_TYPE_Q4_K, MOE_TYPE_Q5_0, 14, 0.15},
+        {"q6_k", MOE_TYPE_Q6_K, MOE_TYPE_Q8_0, 18, 3e-2},
+        {"q5_k_m", MOE_TYPE_Q5_K, MOE_TYPE_Q5_1, 17, 0.08},
+    };
+    struct gguf_file *src;
+    char err[256];
+    CHECK_MSG(gguf_open(&src, GOLDEN_F16, err, sizeof err) == 0, "%s", err);
+    for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+        char out[512];
+        tmp_path(out, sizeof out, "all.gguf");
+        CHECK_EQ(moectl(0, "quantize", GOLDEN_F16, out, cases[c].name, NULL), 0);
+        struct gguf_file *q;
+        CHECK_MSG(gguf_open(&q, out, err, sizeof err) == 0, "%s: %s", cases[c].name, err);
+        CHECK_EQ(kv_u32(q, "general.file_type"), cases[c].ftype);
+        bool mix = strstr(cases[c].name, "_m") != NULL;
+        for (uint64_t i = 0; i < q->n_tensors; i++) {
+            const struct gguf_tensor *t = &q->tensors[i];
+            uint32_t want = keeps_f32(t) ? MOE_TYPE_F32
+                            : t->ne[0] % moe_type_get(cases[c].base)->blck ? cases[c].fallback
+                            : cases[c].base;
+            /* The mix puts Q6_K (or its Q8_0 fallback) on some tensors; checked elsewhere. */
+            if (mix && (t->type == MOE_TYPE_Q6_K || t->type == MOE_TYPE_Q8_0))
+                continue;
+            CHECK_MSG(t->type == want, "%s: %s has type %s", cases[c].name, t->name,
+                      moe_type_get(t->type)->name);
+        }
+        double werr = max_tensor_rel_err(src, q);
+        printf("%-7s worst per-tensor weight rel error %.3e\n", cases[c].name, werr);
+        CHECK_MSG(werr <= cases[c].max_err, "%s: weight error %.3e > %.1e", cases[c].name, werr,
+                  cases[c].max_err);
+        struct moe_model m;
+        CHECK_MSG(moe_model_from_gguf(&m, q, err, sizeof err) == 0, "%s: %s", cases[c].name, err);
+        moe_model_free(&m);
+        gguf_close(q);
+    }
+    gguf_close(src);
+}

@@ -52,7 +52,8 @@ struct moe_engine {
     float *out_norm;              /* [n_embd] */
     double *inv_freq;             /* [head_dim/2] base^(-2i/hd) */
 
-    float *kc, *vc;               /* [n_layer][n_seq][n_ctx][kdim|vdim] */
+    float *kc;                    /* [n_layer][n_seq][n_head_kv][n_ctx][head_dim] */
+    float *vc;                    /* [n_layer][n_seq][n_head_kv][n_ctx][head_dim_v] */
     int32_t *filled;              /* [n_seq] positions 0..filled-1 are valid */
     uint64_t *routing;            /* [n_layer][n_expert] */
 
@@ -80,8 +81,15 @@ struct moe_engine {
     float *scores;                /* [nth][n_ctx] */
     int64_t *rows;                /* [nb] tokens that want logits */
     int32_t *task;                /* expert tasks: [2 * n_expert * ceil(max(ff,E)/rows)] */
+    void (*attn_values)(float *o, const float *w, const float *V, int64_t np, int64_t hdv);
     char errmsg[256];
 };
+
+static void attn_values_plain(float *o, const float *w, const float *V, int64_t np, int64_t hdv);
+#if defined(__x86_64__) && defined(__GNUC__)
+#define ENG_HAVE_AVX2_PATH 1
+static void attn_values_avx2(float *o, const float *w, const float *V, int64_t np, int64_t hdv);
+#endif
 
 static int eng_err(struct moe_engine *e, int code, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
@@ -277,6 +285,11 @@ int moe_engine_init(struct moe_engine **out, const struct moe_model *m,
         goto fail;
     }
     e->nth = moe_pool_size(e->pool);
+    e->attn_values = attn_values_plain;
+#ifdef ENG_HAVE_AVX2_PATH
+    if (__builtin_cpu_supports("avx2"))
+        e->attn_values = attn_values_avx2;
+#endif
     e->o.n_threads = e->nth;
 
     size_t nb = e->o.n_batch, ns = nb * (size_t)e->kuse;
@@ -383,6 +396,12 @@ int32_t moe_engine_seq_len(const struct moe_engine *e, int32_t seq)
 
 /* ---------------------------------------------------------------- small math */
 
+/* First cache row of (layer, sequence, kv head); positions follow contiguously. */
+static inline size_t kv_row(const struct moe_engine *e, int l, int32_t seq, int64_t kvh)
+{
+    return (((size_t)l * e->o.n_seq + (size_t)seq) * (size_t)e->Hkv + (size_t)kvh) * e->o.n_ctx;
+}
+
 static void rmsnorm(float *y, const float *x, const float *w, int64_t n, float eps)
 {
     double ss = 0.0;
@@ -393,17 +412,47 @@ static void rmsnorm(float *y, const float *x, const float *w, int64_t n, float e
         y[i] = x[i] * s * w[i];
 }
 
-/* y += a * x. Written in blocks of 8 independent lanes so the compiler vectorizes it without
- * -ffast-math (there is no reduction to reorder). */
-static inline void axpy(float *restrict y, float a, const float *restrict x, int64_t n)
+/* o[hdv] = sum over p < np of w[p] * V[p][hdv]. Eight lanes at a time with GCC vector types
+ * (there is no reduction to reorder, so any lane width gives the same floats). Compiled twice:
+ * plain, and with AVX2 for CPUs that have it, chosen once at engine init (a function pointer, not
+ * an ifunc, so sanitizer builds keep working). */
+typedef float eng_v8 __attribute__((vector_size(32)));
+
+static inline __attribute__((always_inline)) void attn_values_body(float *o, const float *w,
+                                                                   const float *V, int64_t np,
+                                                                   int64_t hdv)
 {
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8)
-        for (int k = 0; k < 8; k++)
-            y[i + k] += a * x[i + k];
-    for (; i < n; i++)
-        y[i] += a * x[i];
+    int64_t nv = hdv / 8;
+    for (int64_t i = 0; i < hdv; i++)
+        o[i] = 0.0f;
+    for (int64_t p = 0; p < np; p++) {
+        const float *vp = V + p * hdv;
+        float wp = w[p];
+        for (int64_t b = 0; b < nv; b++) {
+            eng_v8 acc, v;
+            memcpy(&acc, o + 8 * b, sizeof acc);
+            memcpy(&v, vp + 8 * b, sizeof v);
+            acc += wp * v;
+            memcpy(o + 8 * b, &acc, sizeof acc);
+        }
+        for (int64_t i = 8 * nv; i < hdv; i++)
+            o[i] += wp * vp[i];
+    }
 }
+
+static void attn_values_plain(float *o, const float *w, const float *V, int64_t np, int64_t hdv)
+{
+    attn_values_body(o, w, V, np, hdv);
+}
+
+#ifdef ENG_HAVE_AVX2_PATH
+__attribute__((target("avx2"))) static void attn_values_avx2(float *o, const float *w,
+                                                              const float *V, int64_t np,
+                                                              int64_t hdv)
+{
+    attn_values_body(o, w, V, np, hdv);
+}
+#endif
 
 static inline float silu(float x)
 {
@@ -530,12 +579,15 @@ static void qk_task(void *arg, int64_t t, int ith)
         rmsnorm(k + h * e->hd, k + h * e->hd, nw->k, e->hd, eps);
         rope(k + h * e->hd, cs, e->hd);
     }
-    size_t cell = ((size_t)f->l * e->o.n_seq + (size_t)f->seq[t]) * e->o.n_ctx + (size_t)f->pos[t];
-    memcpy(e->kc + cell * e->kdim, k, sizeof(float) * e->kdim);
-    memcpy(e->vc + cell * e->vdim, e->v + t * e->vdim, sizeof(float) * e->vdim);
+    for (int64_t h = 0; h < e->Hkv; h++) {
+        size_t row = kv_row(e, f->l, f->seq[t], h) + (size_t)f->pos[t];
+        memcpy(e->kc + row * e->hd, k + h * e->hd, sizeof(float) * e->hd);
+        memcpy(e->vc + row * e->hdv, e->v + t * e->vdim + h * e->hdv, sizeof(float) * e->hdv);
+    }
 }
 
-/* Causal attention, one (token, head) pair per task. */
+/* Causal attention, one (token, head) pair per task. Scores are a matrix-vector product over the
+ * head's contiguous K rows (the kernels' SIMD F32 path); values are summed with attn_values. */
 static void attn_task(void *arg, int64_t task, int ith)
 {
     struct fwd *f = arg;
@@ -545,16 +597,14 @@ static void attn_task(void *arg, int64_t task, int ith)
     const float scale = (float)(1.0 / sqrt((double)e->hd));
     int64_t t = task / e->H, h = task % e->H, kvh = h / group;
     int64_t np = (int64_t)f->pos[t] + 1;
-    size_t base = ((size_t)f->l * e->o.n_seq + (size_t)f->seq[t]) * e->o.n_ctx;
+    size_t row = kv_row(e, f->l, f->seq[t], kvh);
     const float *q = e->q + t * e->qdim + h * e->hd;
-    const float *K = e->kc + base * e->kdim + kvh * e->hd;
-    const float *Vv = e->vc + base * e->vdim + kvh * e->hdv;
+    moe_matvec(MOE_TYPE_F32, e->kc + row * e->hd, e->hd, q, sc, 0, np);
     float mx = -INFINITY;
     for (int64_t p = 0; p < np; p++) {
-        float s = moe_vec_dot(MOE_TYPE_F32, K + p * e->kdim, q, e->hd) * scale;
-        sc[p] = s;
-        if (s > mx)
-            mx = s;
+        sc[p] *= scale;
+        if (sc[p] > mx)
+            mx = sc[p];
     }
     double z = 0.0;
     for (int64_t p = 0; p < np; p++) {
@@ -562,14 +612,9 @@ static void attn_task(void *arg, int64_t task, int ith)
         z += sc[p];
     }
     float inv = (float)(1.0 / z);
-    float *o = e->att + t * e->odim + h * e->hdv;
-    for (int64_t i = 0; i < e->hdv; i++)
-        o[i] = 0.0f;
-    for (int64_t p = 0; p < np; p++) {
-        const float *vp = Vv + p * e->vdim;
-        float w = sc[p] * inv;
-        axpy(o, w, vp, e->hdv);
-    }
+    for (int64_t p = 0; p < np; p++)
+        sc[p] *= inv;
+    e->attn_values(e->att + t * e->odim + h * e->hdv, sc, e->vc + row * e->hdv, np, e->hdv);
 }
 
 /* Multiply-adds of the attention region (scores and weighted values). */

@@ -8,12 +8,14 @@
  * is inside the region (`active` == 0). A helper increments `active` before it checks `closed`;
  * both sides use sequentially consistent atomics, so either the caller sees the helper in
  * `active` (and waits for it), or the helper sees the region closed (and leaves without touching
- * fn/ctx, which may be gone). */
+ * fn/ctx, which may be gone). The caller spins briefly for stragglers, then sleeps on done_cv;
+ * the helper that brings `active` to zero signals it when the caller said it is waiting (the
+ * same store-then-load pairing: caller sets caller_waiting then reads active, helper decrements
+ * active then reads caller_waiting). */
 #include "worker/cpu/pool.h"
 
 #include <errno.h>
 #include <pthread.h>
-#include <sched.h>
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <unistd.h>
@@ -43,10 +45,12 @@ struct moe_pool {
     atomic_int active;             /* helpers inside the current region */
     atomic_uint gen;               /* region counter */
     atomic_int n_sleeping;
+    atomic_int caller_waiting;     /* the caller sleeps on done_cv until active == 0 */
     atomic_int stop;
 
     pthread_mutex_t mu;
-    pthread_cond_t cv;
+    pthread_cond_t cv;             /* helpers wait here for a region */
+    pthread_cond_t done_cv;        /* the caller waits here for the last helper */
 };
 
 static inline void cpu_relax(void)
@@ -99,7 +103,11 @@ static void *pool_main(void *arg)
         atomic_fetch_add(&p->active, 1);
         if (!atomic_load(&p->closed))
             run_tasks(p, t->ith);
-        atomic_fetch_sub(&p->active, 1);
+        if (atomic_fetch_sub(&p->active, 1) == 1 && atomic_load(&p->caller_waiting)) {
+            pthread_mutex_lock(&p->mu);
+            pthread_cond_broadcast(&p->done_cv);
+            pthread_mutex_unlock(&p->mu);
+        }
     }
 }
 
@@ -121,9 +129,11 @@ int moe_pool_init(struct moe_pool **out, int n_threads)
     atomic_init(&p->active, 0);
     atomic_init(&p->gen, 0);
     atomic_init(&p->n_sleeping, 0);
+    atomic_init(&p->caller_waiting, 0);
     atomic_init(&p->stop, 0);
     pthread_mutex_init(&p->mu, NULL);
     pthread_cond_init(&p->cv, NULL);
+    pthread_cond_init(&p->done_cv, NULL);
     if (n_threads > 1) {
         p->threads = calloc((size_t)n_threads - 1, sizeof *p->threads);
         if (!p->threads) {
@@ -157,6 +167,7 @@ void moe_pool_free(struct moe_pool *p)
     for (int i = 0; i < p->n_started; i++)
         pthread_join(p->threads[i].tid, NULL);
     pthread_cond_destroy(&p->cv);
+    pthread_cond_destroy(&p->done_cv);
     pthread_mutex_destroy(&p->mu);
     free(p->threads);
     free(p);
@@ -193,11 +204,16 @@ void moe_pool_for(struct moe_pool *p, int64_t n_tasks, moe_pool_task_fn fn, void
     run_tasks(p, 0);
 
     atomic_store(&p->closed, 1);
-    int spins = 0;
-    while (atomic_load(&p->active) > 0) {
-        if (++spins < POOL_SPIN)
-            cpu_relax();
-        else
-            sched_yield();
+    for (int spins = 0; atomic_load(&p->active) > 0 && spins < POOL_SPIN; spins++)
+        cpu_relax();
+    if (atomic_load(&p->active) > 0) {
+        /* A helper is still inside a task, probably preempted: sleep instead of spinning so
+         * that it gets the CPU back sooner on an oversubscribed machine. */
+        pthread_mutex_lock(&p->mu);
+        atomic_store(&p->caller_waiting, 1);
+        while (atomic_load(&p->active) > 0)
+            pthread_cond_wait(&p->done_cv, &p->mu);
+        atomic_store(&p->caller_waiting, 0);
+        pthread_mutex_unlock(&p->mu);
     }
 }
