@@ -22,6 +22,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
+#include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -62,6 +63,7 @@ struct opts {
     int threads;
     const char *out;
     bool quiet;
+    bool no_data; /* metadata and file size only (a sparse file), to check layouts cheaply */
 };
 
 struct chunk {
@@ -78,8 +80,20 @@ struct job {
     atomic_uint_fast64_t bytes_done;
     atomic_int failed;
     pthread_mutex_t err_lock;
+    int rc;          /* the first failure's code, under err_lock */
     char err[256];
 };
+
+/* Records the first failure of any worker; the others stop at their next chunk. */
+static void job_fail(struct job *j, int rc, const char *msg)
+{
+    pthread_mutex_lock(&j->err_lock);
+    if (!atomic_exchange(&j->failed, 1)) {
+        j->rc = rc;
+        snprintf(j->err, sizeof j->err, "%s", msg);
+    }
+    pthread_mutex_unlock(&j->err_lock);
+}
 
 /* llama.cpp's use_more_bits: the first and last eighth of the layers and every third between. */
 static bool use_more_bits(int i, int n)
@@ -288,10 +302,7 @@ static void *worker(void *arg)
     uint8_t *buf = malloc(CHUNK_BYTES);
     char err[256];
     if (!buf) {
-        pthread_mutex_lock(&j->err_lock);
-        if (!atomic_exchange(&j->failed, 1))
-            snprintf(j->err, sizeof j->err, "out of memory");
-        pthread_mutex_unlock(&j->err_lock);
+        job_fail(j, -ENOMEM, "out of memory");
         return NULL;
     }
     for (;;) {
@@ -304,10 +315,7 @@ static void *worker(void *arg)
         size_t n = (size_t)(ch->n * t->gbytes);
         int rc = gguf_writer_pwrite(j->w, t->idx, ch->b0 * t->gbytes, buf, n, err, sizeof err);
         if (rc) {
-            pthread_mutex_lock(&j->err_lock);
-            if (!atomic_exchange(&j->failed, 1))
-                snprintf(j->err, sizeof j->err, "%s", err);
-            pthread_mutex_unlock(&j->err_lock);
+            job_fail(j, rc, err);
             break;
         }
         atomic_fetch_add(&j->bytes_done, n);
@@ -377,7 +385,7 @@ static int run(const struct opts *o, char *err, size_t errlen)
     job.w = w;
     job.t = plan;
     job.chunks = chunks;
-    job.n_chunks = n_chunks;
+    job.n_chunks = o->no_data ? 0 : n_chunks;
     int nt = o->threads;
     tids = calloc((size_t)nt, sizeof *tids);
     if (!tids) {
@@ -392,8 +400,8 @@ static int run(const struct opts *o, char *err, size_t errlen)
         goto fail;
     }
     uint64_t total = 0;
-    for (uint32_t i = 0; i < n_plan; i++)
-        total += plan[i].n_gblocks * plan[i].gbytes;
+    for (uint32_t i = 0; i < job.n_chunks; i++)
+        total += chunks[i].n * plan[chunks[i].tensor].gbytes;
     bool tty = !o->quiet && isatty(2);
     while (tty) {
         uint64_t done = atomic_load(&job.bytes_done);
@@ -410,13 +418,16 @@ static int run(const struct opts *o, char *err, size_t errlen)
     if (tty)
         fprintf(stderr, "\r%70s\r", "");
     if (atomic_load(&job.failed)) {
-        rc = moe_fail(err, errlen, MOE_EINTERNAL, "%s: %s", o->out, job.err);
+        rc = moe_fail(err, errlen, job.rc, "%s: %s", o->out, job.err);
         goto fail;
     }
     TRY(gguf_writer_finish(w, false, err, errlen));
     double dt = now_s() - t0;
     uint64_t size = gguf_writer_file_size(w);
-    if (!o->quiet)
+    if (!o->quiet && o->no_data)
+        fprintf(stderr, "mkmodel: wrote %s: %s %s, %u tensors, vocab %u, %.3f GiB, metadata only\n",
+                o->out, p->name, quant_names[o->quant], n_plan, n_vocab, size / 1073741824.0);
+    else if (!o->quiet)
         fprintf(stderr,
                 "mkmodel: wrote %s: %s %s, %u tensors, vocab %u, %.3f GiB in %.2f s "
                 "(%.2f GiB/s, %d threads)\n",
@@ -426,7 +437,9 @@ static int run(const struct opts *o, char *err, size_t errlen)
 fail:
     for (int i = 0; i < n_started; i++)
         pthread_join(tids[i], NULL);
-    if (rc && created)
+    /* A partial model must not look like a model; never remove anything but a regular file. */
+    struct stat st;
+    if (rc && created && stat(o->out, &st) == 0 && S_ISREG(st.st_mode))
         unlink(o->out);
     pthread_mutex_destroy(&job.err_lock);
     gguf_writer_free(w);
@@ -442,7 +455,8 @@ static void usage(FILE *f)
     fprintf(f,
             "usage: moectl mkmodel --preset tiny|qwen3-30b-a3b|qwen3-235b-a22b\n"
             "                      [--quant f16|q8_0|q4_k_m] [--seed S] [--router-skew X]\n"
-            "                      [--vocab FILE.gguf] [--threads N] [--quiet] -o OUT.gguf\n"
+            "                      [--vocab FILE.gguf] [--threads N] [--quiet] [--no-data]\n"
+            "                      -o OUT.gguf\n"
             "Writes a deterministic synthetic qwen3moe model with random weights.\n"
             "  --quant        block types, as llama-quantize mixes them (default f16)\n"
             "  --seed         random seed (default 1); same seed, same bytes\n"
@@ -450,7 +464,9 @@ static void usage(FILE *f)
             "                 tiny 1.5, real shapes 0.6, so the top quarter of experts takes\n"
             "                 ~70%% of the routings; 0 = no preference)\n"
             "  --vocab        GGUF to take the vocabulary from (default %s)\n"
-            "  --threads      generator threads (default: all cores); does not change the bytes\n",
+            "  --threads      generator threads (default: all cores); does not change the bytes\n"
+            "  --no-data      write the metadata and size the file but leave the tensor data\n"
+            "                 unwritten (a sparse file of zeros): checks layouts in a second\n",
             DEFAULT_VOCAB);
 }
 
@@ -472,7 +488,8 @@ static int cmd_mkmodel(int argc, char **argv)
         {"seed", required_argument, NULL, 's'},   {"router-skew", required_argument, NULL, 'k'},
         {"vocab", required_argument, NULL, 'v'},  {"threads", required_argument, NULL, 't'},
         {"output", required_argument, NULL, 'o'}, {"quiet", no_argument, NULL, 'Q'},
-        {"help", no_argument, NULL, 'h'},         {NULL, 0, NULL, 0},
+        {"no-data", no_argument, NULL, 'N'},      {"help", no_argument, NULL, 'h'},
+        {NULL, 0, NULL, 0},
     };
     static const char default_vocab[] = DEFAULT_VOCAB;
     struct opts o = {.quant = QUANT_F16, .seed = 1, .skew = -1, .vocab = default_vocab};
@@ -531,6 +548,7 @@ static int cmd_mkmodel(int argc, char **argv)
             break;
         case 'o': o.out = optarg; break;
         case 'Q': o.quiet = true; break;
+        case 'N': o.no_data = true; break;
         case 'h': usage(stdout); return 0;
         default: usage(stderr); return 2;
         }

@@ -274,8 +274,8 @@ static void gen_q6_k(struct rng *r, float sigma, bool pin, uint8_t *b)
     d = f16_round(d);
     int8_t sc[16];
     for (int j = 0; j < 16; j++) {
-        if (pin && j == 0)
-            sc[j] = 127;
+        if (pin && j == 0) /* the pinned value at level 31, as exactly as the scale allows */
+            sc[j] = (int8_t)clampi(iround(c / (d * 31)), 1, 127);
         else
             sc[j] = (int8_t)clampi(iround(sigma * jitter(r, 0.75f, 1.3f) / (d * t_q6.std)),
                                    1, 127);

@@ -12,6 +12,19 @@ static double gib(json_t *v)
     return json_number_value(v) / 1073741824.0;
 }
 
+/* Human size of a JSON number of bytes; buf holds the text. */
+static const char *hsize(json_t *v, char *buf, size_t cap)
+{
+    double n = json_number_value(v);
+    if (n >= 1073741824.0)
+        snprintf(buf, cap, "%.2f GiB", n / 1073741824.0);
+    else if (n >= 1048576.0)
+        snprintf(buf, cap, "%.1f MiB", n / 1048576.0);
+    else
+        snprintf(buf, cap, "%.0f KiB", n / 1024.0);
+    return buf;
+}
+
 static int cmd_status(int argc, char **argv)
 {
     (void)argv;
@@ -41,11 +54,13 @@ static int cmd_status(int argc, char **argv)
     json_t *m = json_object_get(o, "model"), *s = json_object_get(o, "scheduler");
     printf("moed       %s (pid %lld, up %lld s)\n", json_string_value(json_object_get(o, "status")),
            json_integer_value(json_object_get(o, "pid")), json_integer_value(json_object_get(o, "uptime_s")));
-    printf("model      %s  %s  %lld layers x %lld experts (top-%lld)  ctx %lld  dense %.2f GiB  experts %.2f GiB\n",
+    char h1[32], h2[32];
+    printf("model      %s  %s  %lld layers x %lld experts (top-%lld)  ctx %lld  dense %s  experts %s\n",
            json_string_value(json_object_get(m, "id")), json_string_value(json_object_get(m, "arch")),
            json_integer_value(json_object_get(m, "n_layer")), json_integer_value(json_object_get(m, "n_expert")),
            json_integer_value(json_object_get(m, "n_expert_used")), json_integer_value(json_object_get(m, "n_ctx")),
-           gib(json_object_get(m, "bytes_dense")), gib(json_object_get(m, "bytes_experts")));
+           hsize(json_object_get(m, "bytes_dense"), h1, sizeof h1),
+           hsize(json_object_get(m, "bytes_experts"), h2, sizeof h2));
     printf("requests   %lld total, %lld failed, %lld running, %lld queued;  %.1f tok/s\n",
            json_integer_value(json_object_get(s, "requests_total")),
            json_integer_value(json_object_get(s, "requests_failed")),
@@ -60,8 +75,9 @@ static int cmd_status(int argc, char **argv)
                json_string_value(json_object_get(p, "state_dir")));
     json_t *st = json_object_get(o, "store");
     if (st)
-        printf("store      %.2f GiB shared (%.2f GiB on huge pages), built in %.2f s\n",
-               gib(json_object_get(st, "bytes")), gib(json_object_get(st, "huge_page_bytes")),
+        printf("store      %s shared (%s on huge pages), built in %.2f s\n",
+               hsize(json_object_get(st, "bytes"), h1, sizeof h1),
+               hsize(json_object_get(st, "huge_page_bytes"), h2, sizeof h2),
                json_number_value(json_object_get(st, "load_seconds")));
     json_t *ws = json_object_get(o, "workers");
     if (json_array_size(ws)) {

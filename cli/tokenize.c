@@ -14,6 +14,7 @@
 #include <string.h>
 
 #include "cli/moectl.h"
+#include "cli/util.h"
 #include "store/err.h"
 #include "store/gguf.h"
 #include "store/tokenizer.h"
@@ -21,39 +22,6 @@
 static void tokenize_usage(FILE *f)
 {
     fprintf(f, "usage: moectl tokenize -m MODEL [--no-special] [--pieces] -f FILE|-\n");
-}
-
-/* Reads the whole stream; returns 0 or a negative errno. */
-static int read_all(FILE *in, char **out, size_t *len)
-{
-    size_t cap = 1 << 16, n = 0;
-    char *buf = malloc(cap);
-    if (!buf)
-        return -ENOMEM;
-    for (;;) {
-        if (n == cap) {
-            char *q = realloc(buf, cap * 2);
-            if (!q) {
-                free(buf);
-                return -ENOMEM;
-            }
-            buf = q;
-            cap *= 2;
-        }
-        size_t k = fread(buf + n, 1, cap - n, in);
-        n += k;
-        if (k == 0) {
-            if (ferror(in)) {
-                int e = errno ? -errno : -EIO;
-                free(buf);
-                return e;
-            }
-            break;
-        }
-    }
-    *out = buf;
-    *len = n;
-    return 0;
 }
 
 static void print_escaped(const char *p, int n)
@@ -133,15 +101,7 @@ static int cmd_tokenize(int argc, char **argv)
         goto done;
     }
 
-    FILE *in = strcmp(file, "-") ? fopen(file, "rb") : stdin;
-    if (!in) {
-        fprintf(stderr, "moectl tokenize: %s: %s\n", file, strerror(errno));
-        goto done;
-    }
-    rc = read_all(in, &text, &len);
-    if (in != stdin)
-        fclose(in);
-    if (rc) {
+    if ((rc = moectl_read_path(file, &text, &len))) {
         fprintf(stderr, "moectl tokenize: %s: %s\n", file, moe_strerror(rc));
         goto done;
     }

@@ -72,6 +72,12 @@ struct gen {
     size_t text_len, text_cap;
     size_t sent;                    /* bytes of text already streamed */
     uint32_t n_prompt, n_gen;
+    /* A callback that arrives while sched_submit() has not returned yet is parked here. */
+    bool submitting;
+    int early;                      /* 0, 1: done, 2: error */
+    enum sched_finish early_why;
+    int early_status;
+    char early_msg[256];
 };
 
 /* ---- small helpers ---- */
@@ -524,23 +530,46 @@ static void on_token(struct sched_req *r, void *user, int32_t token)
         stream_pending(g, false);
 }
 
+static void gen_done(struct gen *g, enum sched_finish why)
+{
+    size_t n = moe_detok_flush(&g->detok, g->piece, g->piece_cap);
+    take_text(g, g->piece, n);
+    gen_finish(g, why == SCHED_FINISH_LENGTH ? "length" : "stop");
+}
+
+static void gen_fail(struct gen *g, int http_status, const char *message);
+
 static void on_done(struct sched_req *r, void *user, enum sched_finish why, uint32_t n_prompt,
                     uint32_t n_gen)
 {
     struct gen *g = user;
     (void)r, (void)n_prompt, (void)n_gen;
     g->req = NULL;
-    size_t n = moe_detok_flush(&g->detok, g->piece, g->piece_cap);
-    take_text(g, g->piece, n);
-    gen_finish(g, why == SCHED_FINISH_LENGTH ? "length" : "stop");
+    if (g->submitting) {
+        g->early = 1;
+        g->early_why = why;
+        return;
+    }
+    gen_done(g, why);
 }
 
 static void on_error(struct sched_req *r, void *user, int http_status, const char *message)
 {
     struct gen *g = user;
-    struct api *a = g->api;
     (void)r;
     g->req = NULL;
+    if (g->submitting) {
+        g->early = 2;
+        g->early_status = http_status;
+        snprintf(g->early_msg, sizeof g->early_msg, "%s", message ? message : "");
+        return;
+    }
+    gen_fail(g, http_status, message);
+}
+
+static void gen_fail(struct gen *g, int http_status, const char *message)
+{
+    struct api *a = g->api;
     a->gen_errors++;
     log_warn("generation %s failed (%d): %s", g->id, http_status, message);
     http_conn_on_abort(g->conn, NULL, NULL);
@@ -1070,7 +1099,19 @@ static void handle_generate(struct api *a, struct http_request *req, bool chat)
     a->gen_requests++;
     a->prompt_tokens += r.n_prompt;
     http_conn_on_abort(c, on_abort, g);
-    g->req = sched_submit(a->sched, &sp, &status, msg, sizeof msg);
+    g->submitting = true;
+    struct sched_req *sr = sched_submit(a->sched, &sp, &status, msg, sizeof msg);
+    g->submitting = false;
+    if (g->early) {
+        /* The scheduler finished the request inside sched_submit(): the handle is gone. */
+        if (g->early == 1)
+            gen_done(g, g->early_why);
+        else
+            gen_fail(g, g->early_status, g->early_msg);
+        g = NULL;
+        goto out;
+    }
+    g->req = sr;
     if (!g->req) {
         http_conn_on_abort(c, NULL, NULL);
         a->gen_errors++;

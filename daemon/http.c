@@ -760,7 +760,10 @@ int http_server_listen_unix(struct http_server *s, const char *path, char *err, 
     umask(old);
     if (rc != 0) {
         close(fd);
-        return moe_fail(err, errlen, -e, "bind %s: %s", path, strerror(e));
+        return moe_fail(err, errlen, -e, "bind %s: %s%s", path, strerror(e),
+                        e == ENOENT || e == EACCES
+                            ? " (its directory must exist and be writable by moed; or use --socket PATH)"
+                            : "");
     }
     if (listen(fd, 128) != 0) {
         e = errno;

@@ -65,6 +65,18 @@ struct daemon {
     double progress_last;
 };
 
+/* "2.8 MiB", "17.21 GiB": sizes in log lines. */
+static const char *human_bytes(uint64_t n, char *buf, size_t cap)
+{
+    if (n >= (1ull << 30))
+        snprintf(buf, cap, "%.2f GiB", n / 1073741824.0);
+    else if (n >= (1ull << 20))
+        snprintf(buf, cap, "%.1f MiB", n / 1048576.0);
+    else
+        snprintf(buf, cap, "%.1f KiB", n / 1024.0);
+    return buf;
+}
+
 /* ---- profile ---- */
 
 static int profile_save(struct daemon *d)
@@ -620,10 +632,11 @@ static int run(struct daemon *d, int argc, char **argv)
     if (hp->n_ctx_train && n_ctx > hp->n_ctx_train)
         log_warn("--ctx %u is beyond the model's training context %u", n_ctx, hp->n_ctx_train);
     d->n_ctx = n_ctx;
-    log_info("model %s: %u layers, %u experts (top-%u), vocab %u, dense %.2f GiB, experts %.2f GiB, "
-             "context %u", d->model.arch_name, hp->n_layer, hp->n_expert, hp->n_expert_used,
-             hp->n_vocab, d->model.bytes_dense / 1073741824.0, d->model.bytes_experts / 1073741824.0,
-             n_ctx);
+    char hb1[32], hb2[32];
+    log_info("model %s: %u layers, %u experts (top-%u), vocab %u, dense %s, experts %s, context %u",
+             d->model.arch_name, hp->n_layer, hp->n_expert, hp->n_expert_used, hp->n_vocab,
+             human_bytes(d->model.bytes_dense, hb1, sizeof hb1),
+             human_bytes(d->model.bytes_experts, hb2, sizeof hb2), n_ctx);
     if ((rc = plan_workers(d, err, sizeof err))) {
         log_error("%s", err);
         return 2;
@@ -660,8 +673,9 @@ static int run(struct daemon *d, int argc, char **argv)
     {
         struct moe_store_info si;
         moe_store_get_info(d->store, &si);
-        log_info("expert store: %.2f GiB in %.2f s (%d threads, %.2f GiB on huge pages)",
-                 si.size / 1073741824.0, si.seconds, si.threads, si.huge_bytes / 1073741824.0);
+        log_info("expert store: %s in %.2f s (%d threads, %s on huge pages)",
+                 human_bytes(si.size, hb1, sizeof hb1), si.seconds, si.threads,
+                 human_bytes(si.huge_bytes, hb2, sizeof hb2));
     }
 
     d->loop = uv_default_loop();

@@ -9,7 +9,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 BIN=${MOE_BIN:-bin}
-MODEL=${MOED_DEMO_MODEL:-tests/golden/models/tiny-qwen3moe-Q8_0.gguf}
+MODEL=${MOED_DEMO_MODEL:-models/kjv-demo-F16.gguf}
 PROMPT=${1:-In the beginning God}
 MAX_TOKENS=${MOED_DEMO_TOKENS:-48}
 
@@ -38,6 +38,29 @@ cleanup() {
 }
 trap cleanup EXIT INT TERM
 
+# http METHOD PATH [BODY]: one request over the Unix socket; prints the status line's code, then
+# the body. (python3 is part of the build dependencies; curl is not.)
+http() {
+    SOCK="$sock" python3 - "$@" <<'PY'
+import os, socket, sys
+method, path = sys.argv[1], sys.argv[2]
+body = sys.argv[3].encode() if len(sys.argv) > 3 else b""
+s = socket.socket(socket.AF_UNIX)
+s.connect(os.environ["SOCK"])
+s.sendall(f"{method} {path} HTTP/1.1\r\nHost: moed\r\nContent-Type: application/json\r\n"
+          f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode() + body)
+data = b""
+while True:
+    chunk = s.recv(65536)
+    if not chunk:
+        break
+    data += chunk
+head, _, rest = data.partition(b"\r\n\r\n")
+print(head.split()[1].decode())
+sys.stdout.write(rest.decode("utf-8", "replace"))
+PY
+}
+
 echo "== starting moed on $MODEL (socket $sock)"
 "$BIN/moed" --model "$MODEL" --socket "$sock" --state-dir "$dir/state" \
     --devices cpu --workers 1 --worker-bin "$BIN/moed-worker" >"$log" 2>&1 &
@@ -51,7 +74,7 @@ for _ in $(seq 1 600); do
         cat "$log" >&2
         exit 1
     fi
-    code=$(curl -s -o /dev/null -w '%{http_code}' --unix-socket "$sock" http://moed/health 2>/dev/null || true)
+    code=$(http GET /health 2>/dev/null | head -n 1 || true)
     if [ "$code" = 200 ]; then ready=1; break; fi
     sleep 0.1
 done
@@ -63,27 +86,28 @@ fi
 echo "== moed is ready"
 "$BIN/moectl" --socket "$sock" status | head -n 3 || true
 
+# The bundled model is a small qwen3moe trained on the King James Bible (tools/train-demo): it
+# continues text, it was never taught to chat, so the request is a plain completion.
 body=$(PROMPT="$PROMPT" MAX_TOKENS="$MAX_TOKENS" python3 -c '
 import json, os
-print(json.dumps({"messages": [{"role": "user", "content": os.environ["PROMPT"]}],
-                  "max_tokens": int(os.environ["MAX_TOKENS"]), "temperature": 0}))')
-echo "== POST /v1/chat/completions: $PROMPT"
-resp=$(curl -s --unix-socket "$sock" -H 'Content-Type: application/json' -d "$body" \
-    http://moed/v1/chat/completions)
+print(json.dumps({"prompt": os.environ["PROMPT"], "max_tokens": int(os.environ["MAX_TOKENS"]),
+                  "temperature": 0.7, "seed": 7, "repetition_penalty": 1.15}))')
+echo "== POST /v1/completions: $PROMPT"
+resp=$(http POST /v1/completions "$body" | tail -n +2)
 answer=$(printf '%s' "$resp" | python3 -c '
 import json, sys
 r = json.load(sys.stdin)
 if "error" in r:
     sys.exit("demo: moed answered an error: " + r["error"]["message"])
-print(r["choices"][0]["message"]["content"])
+print(r["choices"][0]["text"])
 u = r["usage"]
 print("[%d prompt tokens, %d generated, finish: %s]" % (u["prompt_tokens"], u["completion_tokens"],
       r["choices"][0]["finish_reason"]))
 ')
 echo "== answer:"
-printf '%s\n' "$answer"
+printf '%s%s\n' "$PROMPT" "$answer"
 
-echo "== streaming the same with moectl generate:"
+echo "== greedy, streamed by moectl generate:"
 "$BIN/moectl" --socket "$sock" generate -n 24 --temp 0 "$PROMPT"
 
 echo "== stopping moed (SIGTERM)"

@@ -769,15 +769,15 @@ static int wrong_type(const struct gguf_kv *kv, const char *want, char *err, siz
                     kv->key, kv->offset, want, gguf_vtype_name(kv->type));
 }
 
-/* Reads any integer KV as a (negative flag, magnitude) pair so that range checks are exact. */
-static int get_int(const struct gguf_file *f, const char *key, const char *want, bool *neg,
-                   uint64_t *mag, const struct gguf_kv **kvp, char *err, size_t errlen)
+/* Reads any integer KV as a (negative flag, magnitude) pair so that range checks are exact, and
+ * checks it against the target type's range: -max_neg ..= max_pos, named `want` in messages. */
+static int get_int(const struct gguf_file *f, const char *key, const char *want, uint64_t max_pos,
+                   uint64_t max_neg, bool *neg, uint64_t *mag, char *err, size_t errlen)
 {
     const struct gguf_kv *kv;
     int rc = find_typed(f, key, &kv, err, errlen);
     if (rc)
         return rc;
-    *kvp = kv;
     if (vtype_is_unsigned(kv->type)) {
         *neg = false;
         *mag = kv->v.u64;
@@ -785,58 +785,42 @@ static int get_int(const struct gguf_file *f, const char *key, const char *want,
         *neg = kv->v.i64 < 0;
         *mag = *neg ? (uint64_t)0 - (uint64_t)kv->v.i64 : (uint64_t)kv->v.i64;
     } else {
-        return wrong_type(kv, want, err, errlen);
+        return wrong_type(kv, "an integer", err, errlen);
     }
+    if (*neg ? *mag > max_neg : *mag > max_pos)
+        return moe_fail(err, errlen, MOE_ERANGE, "key '%s' at byte %" PRIu64 ": %s%" PRIu64
+                        " does not fit %s", kv->key, kv->offset, *neg ? "-" : "", *mag, want);
     return 0;
-}
-
-static int out_of_range(const struct gguf_kv *kv, bool neg, uint64_t mag, const char *want,
-                        char *err, size_t errlen)
-{
-    return moe_fail(err, errlen, MOE_ERANGE, "key '%s' at byte %" PRIu64 ": %s%" PRIu64
-                    " does not fit %s", kv->key, kv->offset, neg ? "-" : "", mag, want);
 }
 
 int gguf_get_u32(const struct gguf_file *f, const char *key, uint32_t *out, char *err, size_t errlen)
 {
     bool neg;
     uint64_t mag;
-    const struct gguf_kv *kv;
-    int rc = get_int(f, key, "an integer", &neg, &mag, &kv, err, errlen);
-    if (rc)
-        return rc;
-    if (neg || mag > UINT32_MAX)
-        return out_of_range(kv, neg, mag, "u32", err, errlen);
-    *out = (uint32_t)mag;
-    return 0;
+    int rc = get_int(f, key, "u32", UINT32_MAX, 0, &neg, &mag, err, errlen);
+    if (!rc)
+        *out = (uint32_t)mag;
+    return rc;
 }
 
 int gguf_get_u64(const struct gguf_file *f, const char *key, uint64_t *out, char *err, size_t errlen)
 {
     bool neg;
     uint64_t mag;
-    const struct gguf_kv *kv;
-    int rc = get_int(f, key, "an integer", &neg, &mag, &kv, err, errlen);
-    if (rc)
-        return rc;
-    if (neg)
-        return out_of_range(kv, neg, mag, "u64", err, errlen);
-    *out = mag;
-    return 0;
+    int rc = get_int(f, key, "u64", UINT64_MAX, 0, &neg, &mag, err, errlen);
+    if (!rc)
+        *out = mag;
+    return rc;
 }
 
 int gguf_get_i64(const struct gguf_file *f, const char *key, int64_t *out, char *err, size_t errlen)
 {
     bool neg;
     uint64_t mag;
-    const struct gguf_kv *kv;
-    int rc = get_int(f, key, "an integer", &neg, &mag, &kv, err, errlen);
-    if (rc)
-        return rc;
-    if (neg ? mag > (uint64_t)INT64_MAX + 1 : mag > (uint64_t)INT64_MAX)
-        return out_of_range(kv, neg, mag, "i64", err, errlen);
-    *out = neg ? (int64_t)(0 - mag) : (int64_t)mag;
-    return 0;
+    int rc = get_int(f, key, "i64", INT64_MAX, (uint64_t)INT64_MAX + 1, &neg, &mag, err, errlen);
+    if (!rc)
+        *out = neg ? (int64_t)(0 - mag) : (int64_t)mag;
+    return rc;
 }
 
 int gguf_get_f32(const struct gguf_file *f, const char *key, float *out, char *err, size_t errlen)

@@ -257,42 +257,6 @@ static void deq_q6_k(const uint8_t *b, float *y)
     }
 }
 
-int moe_dequantize(uint32_t type, const void *src, float *dst, int64_t n)
-{
-    const struct moe_type_info *t = moe_type_get(type);
-    const uint8_t *p = src;
-    void (*deq)(const uint8_t *, float *) = NULL;
-
-    if (!t || !t->compute || n < 0 || n % t->blck)
-        return MOE_EUNSUPPORTED;
-    switch (type) {
-    case MOE_TYPE_F32:
-        memcpy(dst, src, (size_t)n * sizeof(float));
-        return 0;
-    case MOE_TYPE_F16:
-        for (int64_t i = 0; i < n; i++)
-            dst[i] = ld_f16(p + 2 * i);
-        return 0;
-    case MOE_TYPE_BF16:
-        for (int64_t i = 0; i < n; i++)
-            dst[i] = moe_bf16_to_f32((uint16_t)(p[2 * i] | (p[2 * i + 1] << 8)));
-        return 0;
-    case MOE_TYPE_Q4_0: deq = deq_q4_0; break;
-    case MOE_TYPE_Q4_1: deq = deq_q4_1; break;
-    case MOE_TYPE_Q5_0: deq = deq_q5_0; break;
-    case MOE_TYPE_Q5_1: deq = deq_q5_1; break;
-    case MOE_TYPE_Q8_0: deq = deq_q8_0; break;
-    case MOE_TYPE_Q4_K: deq = deq_q4_k; break;
-    case MOE_TYPE_Q5_K: deq = deq_q5_k; break;
-    case MOE_TYPE_Q6_K: deq = deq_q6_k; break;
-    default:
-        return MOE_EUNSUPPORTED;
-    }
-    for (int64_t i = 0; i < n / t->blck; i++)
-        deq(p + (size_t)i * t->size, dst + i * t->blck);
-    return 0;
-}
-
 /* ---- quantization: 32-element blocks -------------------------------------------------------- */
 
 /* Q4_0/Q5_0 map the value of largest magnitude onto the extreme code -8 (-16), so that value is
@@ -608,11 +572,63 @@ static void qnt_q6_k(const float *x, uint8_t *b)
     }
 }
 
+/* ---- dispatch ------------------------------------------------------------------------------ */
+
+/* One row per block type: its reference decoder and encoder side by side, so a new type cannot
+ * be added to one direction and forgotten in the other. */
+struct block_codec {
+    uint32_t type;
+    void (*deq)(const uint8_t *b, float *y);
+    void (*qnt)(const float *x, uint8_t *b);
+};
+
+static const struct block_codec CODECS[] = {
+    {MOE_TYPE_Q4_0, deq_q4_0, qnt_q4_0}, {MOE_TYPE_Q4_1, deq_q4_1, qnt_q4_1},
+    {MOE_TYPE_Q5_0, deq_q5_0, qnt_q5_0}, {MOE_TYPE_Q5_1, deq_q5_1, qnt_q5_1},
+    {MOE_TYPE_Q8_0, deq_q8_0, qnt_q8_0}, {MOE_TYPE_Q4_K, deq_q4_k, qnt_q4_k},
+    {MOE_TYPE_Q5_K, deq_q5_k, qnt_q5_k}, {MOE_TYPE_Q6_K, deq_q6_k, qnt_q6_k},
+};
+
+static const struct block_codec *codec_find(uint32_t type)
+{
+    for (size_t i = 0; i < sizeof CODECS / sizeof CODECS[0]; i++)
+        if (CODECS[i].type == type)
+            return &CODECS[i];
+    return NULL;
+}
+
+int moe_dequantize(uint32_t type, const void *src, float *dst, int64_t n)
+{
+    const struct moe_type_info *t = moe_type_get(type);
+    const uint8_t *p = src;
+
+    if (!t || !t->compute || n < 0 || n % t->blck)
+        return MOE_EUNSUPPORTED;
+    switch (type) {
+    case MOE_TYPE_F32:
+        memcpy(dst, src, (size_t)n * sizeof(float));
+        return 0;
+    case MOE_TYPE_F16:
+        for (int64_t i = 0; i < n; i++)
+            dst[i] = ld_f16(p + 2 * i);
+        return 0;
+    case MOE_TYPE_BF16:
+        for (int64_t i = 0; i < n; i++)
+            dst[i] = moe_bf16_to_f32((uint16_t)(p[2 * i] | (p[2 * i + 1] << 8)));
+        return 0;
+    }
+    const struct block_codec *c = codec_find(type);
+    if (!c)
+        return MOE_EUNSUPPORTED;
+    for (int64_t i = 0; i < n / t->blck; i++)
+        c->deq(p + (size_t)i * t->size, dst + i * t->blck);
+    return 0;
+}
+
 int moe_quantize(uint32_t type, const float *src, void *dst, int64_t n)
 {
     const struct moe_type_info *t = moe_type_get(type);
     uint8_t *p = dst;
-    void (*qnt)(const float *, uint8_t *) = NULL;
 
     if (!t || !t->compute || n < 0 || n % t->blck)
         return MOE_EUNSUPPORTED;
@@ -631,18 +647,11 @@ int moe_quantize(uint32_t type, const float *src, void *dst, int64_t n)
             p[2 * i + 1] = (uint8_t)(h >> 8);
         }
         return 0;
-    case MOE_TYPE_Q4_0: qnt = qnt_q4_0; break;
-    case MOE_TYPE_Q4_1: qnt = qnt_q4_1; break;
-    case MOE_TYPE_Q5_0: qnt = qnt_q5_0; break;
-    case MOE_TYPE_Q5_1: qnt = qnt_q5_1; break;
-    case MOE_TYPE_Q8_0: qnt = qnt_q8_0; break;
-    case MOE_TYPE_Q4_K: qnt = qnt_q4_k; break;
-    case MOE_TYPE_Q5_K: qnt = qnt_q5_k; break;
-    case MOE_TYPE_Q6_K: qnt = qnt_q6_k; break;
-    default:
-        return MOE_EUNSUPPORTED;
     }
+    const struct block_codec *c = codec_find(type);
+    if (!c)
+        return MOE_EUNSUPPORTED;
     for (int64_t i = 0; i < n / t->blck; i++)
-        qnt(src + i * t->blck, p + (size_t)i * t->size);
+        c->qnt(src + i * t->blck, p + (size_t)i * t->size);
     return 0;
 }

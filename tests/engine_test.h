@@ -1,5 +1,6 @@
 /* Helpers shared by the engine, parity and worker-binary tests: golden files, model loading,
- * logit comparisons. Header-only (static inline) so each test file stays self-contained. */
+ * logit comparisons (rel-L2 and argmax are in tests/harness.h). Header-only (static inline) so
+ * each test file stays self-contained. */
 #ifndef MOE_TEST_ENGINE_TEST_H
 #define MOE_TEST_ENGINE_TEST_H
 
@@ -38,23 +39,6 @@ static inline int32_t *json_ids(json_t *a, size_t *n)
     return ids;
 }
 
-static inline void *test_read_file(const char *path, size_t *size)
-{
-    FILE *f = fopen(path, "rb");
-    CHECK_MSG(f, "cannot open %s", path);
-    CHECK(fseek(f, 0, SEEK_END) == 0);
-    long n = ftell(f);
-    CHECK(n >= 0);
-    rewind(f);
-    char *buf = malloc((size_t)n + 1);
-    CHECK(buf);
-    CHECK(fread(buf, 1, (size_t)n, f) == (size_t)n);
-    buf[n] = 0;
-    fclose(f);
-    *size = (size_t)n;
-    return buf;
-}
-
 /* model: "F16", "Q8_0", "Q4_K_M"; prompt: "p1".."p3". */
 static inline void golden_load(struct golden_ref *r, const char *model, const char *prompt)
 {
@@ -69,7 +53,7 @@ static inline void golden_load(struct golden_ref *r, const char *model, const ch
     json_decref(j);
     snprintf(path, sizeof path, GOLDEN "/refs/tiny-qwen3moe-%s.%s.logits.f32", model, prompt);
     size_t size;
-    r->logits = test_read_file(path, &size);
+    r->logits = (float *)moe_test_read_file_or_fail(path, &size);
     CHECK_EQ(size, r->n_prompt * r->n_vocab * sizeof(float));
 }
 
@@ -97,6 +81,14 @@ static inline void test_model_open(struct test_model *tm, const char *path)
     CHECK_MSG(rc == 0, "gguf_open %s: %s", path, err);
     rc = moe_model_from_gguf(&tm->m, tm->f, err, sizeof err);
     CHECK_MSG(rc == 0, "moe_model_from_gguf %s: %s", path, err);
+}
+
+/* model: "F16", "Q8_0", "Q4_K_M": the golden tiny model of that type. */
+static inline void test_model_open_golden(struct test_model *tm, const char *model)
+{
+    char path[256];
+    golden_model_path(path, sizeof path, model);
+    test_model_open(tm, path);
 }
 
 static inline void test_model_close(struct test_model *tm)
@@ -135,34 +127,37 @@ static inline void test_prefill(struct moe_engine *e, int32_t seq, int32_t pos0,
     free(sq);
 }
 
-/* ||a - b|| / ||b|| over n values, in double. */
-static inline double rel_l2(const float *a, const float *b, size_t n)
+/* Loads the golden reference of (model, prompt) into r and evaluates its prompt in one batch as
+ * sequence 0 of e, from an empty cache. Returns the logits [n_prompt][n_vocab] (malloc'ed). */
+static inline float *golden_prefill(struct moe_engine *e, uint32_t n_vocab, struct golden_ref *r,
+                                    const char *model, const char *prompt)
 {
-    double num = 0.0, den = 0.0;
-    for (size_t i = 0; i < n; i++) {
-        double d = (double)a[i] - (double)b[i];
-        num += d * d;
-        den += (double)b[i] * (double)b[i];
-    }
-    return den > 0.0 ? sqrt(num / den) : sqrt(num);
-}
-
-static inline int32_t argmax_f(const float *x, size_t n)
-{
-    size_t best = 0;
-    for (size_t i = 1; i < n; i++)
-        if (x[i] > x[best])
-            best = i;
-    return (int32_t)best;
+    golden_load(r, model, prompt);
+    CHECK_EQ(r->n_vocab, n_vocab);
+    float *out = malloc(sizeof(float) * r->n_prompt * r->n_vocab);
+    CHECK(out);
+    moe_engine_seq_clear(e, 0);
+    test_prefill(e, 0, 0, r->prompt, (uint32_t)r->n_prompt, out);
+    return out;
 }
 
 /* Share of rows (of n_vocab) whose argmax agrees. */
 static inline double top1_agreement(const float *a, const float *b, size_t rows, size_t n_vocab)
 {
-    size_t same = 0;
-    for (size_t r = 0; r < rows; r++)
-        same += argmax_f(a + r * n_vocab, n_vocab) == argmax_f(b + r * n_vocab, n_vocab);
-    return rows ? (double)same / (double)rows : 1.0;
+    return rows ? (double)moe_test_top1_agree(a, b, rows, n_vocab) / (double)rows : 1.0;
+}
+
+/* Prints rel-L2 and top-1 agreement of got against ref (both [rows][n_vocab]) after `label`, and
+ * checks them against the bounds. */
+static inline void check_logits(const char *label, const float *got, const float *ref, size_t rows,
+                                size_t n_vocab, double max_rel, double min_top1)
+{
+    double rel = moe_test_rel_l2(got, ref, rows * n_vocab);
+    double top1 = top1_agreement(got, ref, rows, n_vocab);
+    printf("%s rows %zu rel-L2 %.3e top-1 %.1f%%\n", label, rows, rel, 100.0 * top1);
+    fflush(stdout);
+    CHECK_MSG(rel <= max_rel, "%s: rel-L2 %.3e > %.1e", label, rel, max_rel);
+    CHECK_MSG(top1 >= min_top1, "%s: top-1 %.3f < %.2f", label, top1, min_top1);
 }
 
 #endif

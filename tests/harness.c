@@ -87,11 +87,10 @@ const char *moe_test_bin(const char *prog)
     return b;
 }
 
-char *moe_test_read_file(const char *path, size_t *len)
+/* Reads until EOF in doubling chunks rather than trusting a size: /proc files report 0 and pipes
+ * have none. */
+static char *read_stream(FILE *f, size_t *len)
 {
-    FILE *f = fopen(path, "rb");
-    if (!f)
-        return NULL;
     size_t cap = 1 << 16, n = 0;
     char *buf = malloc(cap + 1);
     while (buf) {
@@ -108,13 +107,49 @@ char *moe_test_read_file(const char *path, size_t *len)
         buf = q;
         cap *= 2;
     }
-    fclose(f);
     if (buf) {
         buf[n] = 0;
         if (len)
             *len = n;
     }
     return buf;
+}
+
+char *moe_test_read_file(const char *path, size_t *len)
+{
+    FILE *f = fopen(path, "rb");
+    if (!f)
+        return NULL;
+    char *buf = read_stream(f, len);
+    fclose(f);
+    return buf;
+}
+
+char *moe_test_read_file_or_fail(const char *path, size_t *len)
+{
+    char *buf = moe_test_read_file(path, len);
+    if (!buf)
+        moe_test_fail(__FILE__, __LINE__, "cannot read %s: %s", path, strerror(errno));
+    return buf;
+}
+
+char *moe_test_run_shell(const char *cmd, int *status)
+{
+    fflush(NULL);
+    FILE *p = popen(cmd, "r");
+    if (!p)
+        moe_test_fail(__FILE__, __LINE__, "popen %s: %s", cmd, strerror(errno));
+    char *out = read_stream(p, NULL);
+    int st = pclose(p);
+    if (!out)
+        moe_test_fail(__FILE__, __LINE__, "out of memory reading the output of %s", cmd);
+    if (st == -1)
+        *status = -1;
+    else if (WIFSIGNALED(st))
+        *status = 128 + WTERMSIG(st);
+    else
+        *status = WEXITSTATUS(st);
+    return out;
 }
 
 int moe_test_run(char *const argv[], const char *out_path, const char *err_path)
@@ -128,6 +163,11 @@ int moe_test_run(char *const argv[], const char *out_path, const char *err_path)
         for (int i = 0; i < 2; i++) {
             if (!paths[i])
                 continue;
+            if (i == 1 && paths[0] && !strcmp(paths[0], paths[1])) {
+                /* One log for both: share the offset so neither overwrites the other. */
+                dup2(1, 2);
+                continue;
+            }
             int fd = open(paths[i], O_WRONLY | O_CREAT | O_TRUNC, 0600);
             if (fd < 0)
                 _exit(126);
@@ -155,6 +195,38 @@ double moe_test_rel_l2(const float *a, const float *b, size_t n)
         den += (double)b[i] * b[i];
     }
     return den > 0 ? sqrt(num / den) : sqrt(num);
+}
+
+int32_t moe_test_argmax(const float *x, size_t n)
+{
+    size_t best = 0;
+    for (size_t i = 1; i < n; i++)
+        if (x[i] > x[best])
+            best = i;
+    return (int32_t)best;
+}
+
+size_t moe_test_top1_agree(const float *a, const float *b, size_t rows, size_t n)
+{
+    size_t same = 0;
+    for (size_t r = 0; r < rows; r++)
+        same += moe_test_argmax(a + r * n, n) == moe_test_argmax(b + r * n, n);
+    return same;
+}
+
+static uint64_t rng_state;
+
+void moe_test_rng_seed(uint64_t seed)
+{
+    rng_state = seed * 0x9E3779B97F4A7C15ull + 1;
+}
+
+uint32_t moe_test_rng_u32(void)
+{
+    rng_state ^= rng_state >> 12;
+    rng_state ^= rng_state << 25;
+    rng_state ^= rng_state >> 27;
+    return (uint32_t)((rng_state * 0x2545F4914F6CDD1Dull) >> 32);
 }
 
 static int rm_entry(const char *path, const struct stat *sb, int flag, struct FTW *ftw)

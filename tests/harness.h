@@ -26,13 +26,28 @@ const char *moe_test_bin(const char *prog);
 
 /* Reads a whole file into a malloc'ed, NUL-terminated buffer (len may be NULL); NULL on error. */
 char *moe_test_read_file(const char *path, size_t *len);
+/* The same, but a file that cannot be read fails the test. */
+char *moe_test_read_file_or_fail(const char *path, size_t *len);
 
 /* Runs argv (argv[0] a path) with stdout to out_path and stderr to err_path (either may be NULL:
- * inherited). Returns the exit status, 128+signal when killed, or -1 when it could not run. */
+ * inherited; the same path for both interleaves them in one file). Returns the exit status, 128+signal when killed, or -1 when it could not run. */
 int moe_test_run(char *const argv[], const char *out_path, const char *err_path);
+/* Runs cmd through /bin/sh and returns its whole stdout (malloc'ed, NUL-terminated); *status is
+ * the exit status, 128+signal when killed, or -1. A command that cannot be started fails the
+ * test. */
+char *moe_test_run_shell(const char *cmd, int *status);
 
 /* ||a - b||_2 / ||b||_2 over n floats, in double precision. */
 double moe_test_rel_l2(const float *a, const float *b, size_t n);
+/* Index of the largest of x[0..n) (the first one on ties). */
+int32_t moe_test_argmax(const float *x, size_t n);
+/* How many of the rows (each n floats) of a and b have the same argmax. */
+size_t moe_test_top1_agree(const float *a, const float *b, size_t rows, size_t n);
+
+/* A deterministic xorshift64* generator, so that random test data is the same on every run.
+ * Its state is per test process; seed it at the start of each test that uses it. */
+void moe_test_rng_seed(uint64_t seed);
+uint32_t moe_test_rng_u32(void);
 
 #define TEST_TIMEOUT(name, secs)                                                   \
     static void test_##name(void);                                                 \

@@ -882,7 +882,10 @@ TEST_TIMEOUT(daemon_client_disconnect_frees_slot, 180)
     }
     struct hc_resp r;
     CHECK(hc_request_unix(d.sock, "GET", "/metrics", NULL, &r, 5000) == 0);
-    CHECK(strstr(r.body, "moed_requests_running 0"));
+    /* Abandoned generations would still be running or queued (6 x 2000 tokens). */
+    CHECK_MSG(strstr(r.body, "moed_requests_running 0") && strstr(r.body, "moed_queue_depth 0"), "%s",
+              r.body);
+    CHECK(strstr(r.body, "moed_generations_in_flight 0"));
     hc_resp_free(&r);
     CHECK_EQ(moed_stop(&d, 30), 0);
 }
@@ -991,6 +994,23 @@ TEST_TIMEOUT(daemon_profile_survives_restart_and_kill9, 300)
     for (int i = 0; i < 100 && (t1 = profile_tokens(d.sock)) <= 0; i++)
         usleep(100000);
     CHECK_MSG(t1 > 0, "no routing counts after 10 s");
+    /* The same routing shows in /metrics, per layer and expert. */
+    {
+        struct hc_resp r;
+        CHECK(hc_request_unix(d.sock, "GET", "/metrics", NULL, &r, 5000) == 0);
+        const char *p = strstr(r.body, "\nmoed_routed_tokens_total ");
+        CHECK(p != NULL);
+        CHECK(atof(p + 26) > 0);
+        unsigned long long layer0 = 0;
+        for (const char *q = r.body; (q = strstr(q, "moed_expert_routings_total{layer=\"0\",")) != NULL; q++) {
+            const char *v = strchr(q, '}');
+            layer0 += strtoull(v + 2, NULL, 10);
+        }
+        /* Every counted token chose n_expert_used (4) experts in layer 0. */
+        CHECK(layer0 > 0);
+        CHECK_EQ(layer0 % 4, 0);
+        hc_resp_free(&r);
+    }
     /* The same numbers are exported as they would be saved. */
     CHECK_EQ(moed_stop(&d, 30), 0);
 

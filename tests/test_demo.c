@@ -45,17 +45,7 @@ static void parity(const char *model, double max_rel, double min_top1)
     CHECK(n_ours >= n_ref); /* the prompt has more than 64 tokens; causal, so rows compare */
     size_t n = n_ref / 4;
     double rel = moe_test_rel_l2(ours, ref, n);
-    int agree = 0;
-    for (int r = 0; r < N_REF_ROWS; r++) {
-        int a = 0, b = 0;
-        for (int v = 1; v < N_VOCAB; v++) {
-            if (ours[r * N_VOCAB + v] > ours[r * N_VOCAB + a])
-                a = v;
-            if (ref[r * N_VOCAB + v] > ref[r * N_VOCAB + b])
-                b = v;
-        }
-        agree += a == b;
-    }
+    int agree = (int)moe_test_top1_agree(ours, ref, N_REF_ROWS, N_VOCAB);
     printf("%s: rel-L2 %.3g vs PyTorch, top-1 agreement %d/%d\n", model, rel, agree, N_REF_ROWS);
     CHECK_MSG(rel <= max_rel, "rel-L2 %.3g > %.3g", rel, max_rel);
     CHECK_MSG(agree >= min_top1 * N_REF_ROWS, "top-1 agreement %d/%d", agree, N_REF_ROWS);

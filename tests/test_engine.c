@@ -275,7 +275,7 @@ static void synth_vs_reference(bool norm_topk)
 
     struct moe_engine *e = test_engine(&s.m, 64, 1, 0, 2);
     test_prefill(e, 0, 0, tok, N, got);
-    double rel = rel_l2(got, ref, (size_t)N * V);
+    double rel = moe_test_rel_l2(got, ref, (size_t)N * V);
     double top1 = top1_agreement(got, ref, N, V);
     printf("synthetic model (norm_topk %d) vs float64 reference: rel-L2 %.3e, top-1 %.1f%%\n",
            norm_topk, rel, 100 * top1);
@@ -310,10 +310,8 @@ TEST(engine_synthetic_without_topk_renorm)
 /* Prefill in one batch vs one token per call (matmul vs matvec paths), on a golden model. */
 static void prefill_vs_decode(const char *model)
 {
-    char path[256];
-    golden_model_path(path, sizeof path, model);
     struct test_model tm;
-    test_model_open(&tm, path);
+    test_model_open_golden(&tm, model);
     struct golden_ref r;
     golden_load(&r, model, "p2");
     uint32_t V = tm.m.hp.n_vocab, n = (uint32_t)r.n_prompt;
@@ -323,7 +321,7 @@ static void prefill_vs_decode(const char *model)
     test_prefill(e, 0, 0, r.prompt, n, a);
     for (uint32_t i = 0; i < n; i++)
         test_prefill(e, 1, (int32_t)i, r.prompt + i, 1, b + (size_t)i * V);
-    double rel = rel_l2(b, a, (size_t)n * V);
+    double rel = moe_test_rel_l2(b, a, (size_t)n * V);
     printf("%s: prefill vs token-by-token: rel %.3e\n", model, rel);
     CHECK_MSG(rel <= 1e-4, "rel %.3e", rel);
     CHECK_EQ(moe_engine_seq_len(e, 0), n);
@@ -348,10 +346,8 @@ TEST(engine_prefill_equals_decode_q4_k_m)
  * gives alone. */
 TEST(engine_interleaved_sequences)
 {
-    char path[256];
-    golden_model_path(path, sizeof path, "Q8_0");
     struct test_model tm;
-    test_model_open(&tm, path);
+    test_model_open_golden(&tm, "Q8_0");
     struct golden_ref r1, r3;
     golden_load(&r1, "Q8_0", "p1");
     golden_load(&r3, "Q8_0", "p3");
@@ -390,7 +386,7 @@ TEST(engine_interleaved_sequences)
         if (!want[j])
             continue;
         const float *ref = seq[j] == 1 ? a1 + (size_t)pos[j] * V : a3 + (size_t)pos[j] * V;
-        double rel = rel_l2(mix + (size_t)row * V, ref, V);
+        double rel = moe_test_rel_l2(mix + (size_t)row * V, ref, V);
         worst = rel > worst ? rel : worst;
         row++;
     }
@@ -406,19 +402,13 @@ TEST(engine_interleaved_sequences)
 /* A batch longer than n_batch is evaluated in chunks with the same result. */
 TEST(engine_batch_larger_than_n_batch)
 {
-    char path[256];
-    golden_model_path(path, sizeof path, "F16");
     struct test_model tm;
-    test_model_open(&tm, path);
-    struct golden_ref r;
-    golden_load(&r, "F16", "p3");
-    uint32_t V = tm.m.hp.n_vocab, n = (uint32_t)r.n_prompt;
-    float *a = malloc(sizeof(float) * n * V);
-    CHECK(a);
+    test_model_open_golden(&tm, "F16");
     struct moe_engine *e = test_engine(&tm.m, 128, 1, 7, 2);
     CHECK_EQ(moe_engine_get_opts(e)->n_batch, 7);
-    test_prefill(e, 0, 0, r.prompt, n, a);
-    double rel = rel_l2(a, r.logits, (size_t)n * V);
+    struct golden_ref r;
+    float *a = golden_prefill(e, tm.m.hp.n_vocab, &r, "F16", "p3");
+    double rel = moe_test_rel_l2(a, r.logits, r.n_prompt * r.n_vocab);
     printf("n_batch 7: rel-L2 vs reference %.3e\n", rel);
     CHECK(rel <= 2e-3);
     moe_engine_free(e);
@@ -430,10 +420,8 @@ TEST(engine_batch_larger_than_n_batch)
 /* Thread count changes only which thread computes a row, never how. */
 TEST(engine_threads_1_vs_n)
 {
-    char path[256];
-    golden_model_path(path, sizeof path, "Q4_K_M");
     struct test_model tm;
-    test_model_open(&tm, path);
+    test_model_open_golden(&tm, "Q4_K_M");
     struct golden_ref r;
     golden_load(&r, "Q4_K_M", "p1");
     uint32_t V = tm.m.hp.n_vocab, n = (uint32_t)r.n_prompt;
@@ -446,11 +434,11 @@ TEST(engine_threads_1_vs_n)
         struct moe_engine *e = test_engine(&tm.m, 128, 1, 0, nth[k]);
         CHECK_EQ(moe_engine_get_opts(e)->n_threads, nth[k]);
         test_prefill(e, 0, 0, r.prompt, n, outs[k]);
-        int32_t next = argmax_f(outs[k] + (size_t)(n - 1) * V, V);
+        int32_t next = moe_test_argmax(outs[k] + (size_t)(n - 1) * V, V);
         test_prefill(e, 0, (int32_t)n, &next, 1, dec[k]);
         moe_engine_free(e);
     }
-    double rel = rel_l2(b, a, (size_t)n * V), rel_dec = rel_l2(d, c, V);
+    double rel = moe_test_rel_l2(b, a, (size_t)n * V), rel_dec = moe_test_rel_l2(d, c, V);
     printf("threads 1 vs 5: prefill rel %.3e, decode rel %.3e\n", rel, rel_dec);
     CHECK(rel <= 1e-6);
     CHECK(rel_dec <= 1e-6);
@@ -462,10 +450,8 @@ TEST(engine_threads_1_vs_n)
 /* Bad batches are refused with a message and change nothing; the engine keeps working. */
 TEST(engine_rejects_bad_batches)
 {
-    char path[256];
-    golden_model_path(path, sizeof path, "Q8_0");
     struct test_model tm;
-    test_model_open(&tm, path);
+    test_model_open_golden(&tm, "Q8_0");
     uint32_t V = tm.m.hp.n_vocab;
     struct moe_engine *e = test_engine(&tm.m, 16, 2, 0, 2);
     float *out = malloc(sizeof(float) * 4 * V), *again = malloc(sizeof(float) * 4 * V);
@@ -551,10 +537,8 @@ TEST(pool_runs_every_task_once)
  * single-token decode at its end. */
 TEST(engine_long_prompt)
 {
-    char path[256];
-    golden_model_path(path, sizeof path, "Q8_0");
     struct test_model tm;
-    test_model_open(&tm, path);
+    test_model_open_golden(&tm, "Q8_0");
     enum { N = 700, TAIL = 6 };
     uint32_t V = tm.m.hp.n_vocab;
     int32_t *tok = malloc(sizeof(int32_t) * N);
@@ -568,7 +552,7 @@ TEST(engine_long_prompt)
     double worst = 0.0;
     for (int i = N - TAIL; i < N; i++) {
         test_prefill(e, 1, i, tok + i, 1, one);
-        double rel = rel_l2(one, all + (size_t)i * V, V);
+        double rel = moe_test_rel_l2(one, all + (size_t)i * V, V);
         worst = rel > worst ? rel : worst;
     }
     printf("long prompt (%d tokens): decode vs chunked prefill, worst rel %.3e\n", N, worst);

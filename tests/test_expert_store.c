@@ -12,10 +12,10 @@
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
-#include <sys/uio.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include "proto/ipc.h"
 #include "store/err.h"
 #include "store/expert_store.h"
 #include "store/gguf.h"
@@ -268,47 +268,25 @@ TEST(expert_store_sealed)
     unload(&a);
 }
 
+/* The memfd travels as the daemon sends it: attached to a Hello frame (proto/ipc.c). */
 static int send_fd(int sock, int fd)
 {
-    char byte = 'S';
-    struct iovec iov = {&byte, 1};
-    union {
-        struct cmsghdr h;
-        char buf[CMSG_SPACE(sizeof(int))];
-    } u;
-    struct msghdr msg = {0};
-    msg.msg_iov = &iov;
-    msg.msg_iovlen = 1;
-    msg.msg_control = u.buf;
-    msg.msg_controllen = sizeof u.buf;
-    struct cmsghdr *c = CMSG_FIRSTHDR(&msg);
-    c->cmsg_level = SOL_SOCKET;
-    c->cmsg_type = SCM_RIGHTS;
-    c->cmsg_len = CMSG_LEN(sizeof(int));
-    memcpy(CMSG_DATA(c), &fd, sizeof fd);
-    return sendmsg(sock, &msg, 0) == 1 ? 0 : -1;
+    Moed__Hello h = MOED__HELLO__INIT;
+    Moed__Envelope e = MOED__ENVELOPE__INIT;
+    e.msg_case = MOED__ENVELOPE__MSG_HELLO;
+    e.hello = &h;
+    char err[256];
+    return moe_ipc_send_with_fd(sock, &e, fd, 0, err, sizeof err);
 }
 
 static int recv_fd(int sock)
 {
-    char byte;
-    struct iovec iov = {&byte, 1};
-    union {
-        struct cmsghdr h;
-        char buf[CMSG_SPACE(sizeof(int))];
-    } u;
-    struct msghdr msg = {0};
-    msg.msg_iov = &iov;
-    msg.msg_iovlen = 1;
-    msg.msg_control = u.buf;
-    msg.msg_controllen = sizeof u.buf;
-    if (recvmsg(sock, &msg, MSG_CMSG_CLOEXEC) != 1)
+    Moed__Envelope *e = NULL;
+    int fd = -1;
+    char err[256];
+    if (moe_ipc_recv_with_fd(sock, 0, -1, &e, &fd, err, sizeof err) != 0)
         return -1;
-    struct cmsghdr *c = CMSG_FIRSTHDR(&msg);
-    if (!c || c->cmsg_type != SCM_RIGHTS)
-        return -1;
-    int fd;
-    memcpy(&fd, CMSG_DATA(c), sizeof fd);
+    moe_ipc_free(e);
     return fd;
 }
 

@@ -20,6 +20,7 @@
 #include "proto/ipc.h"
 #include "store/err.h"
 #include "tests/harness.h"
+#include "tests/ipc_test.h"
 #include "worker/ipc.h"
 
 /* ---------------------------------------------------------------------------------------------
@@ -36,18 +37,7 @@ __attribute__((constructor)) static void maybe_run_as_worker(void)
 }
 
 /* ---------------------------------------------------------------------------------------------
- * Helpers shared with tests/test_supervisor.c (which declares them itself). */
-
-#define IPC_TEST_MAX_TOK 256
-struct ipc_test_ref {
-    uint32_t n_vocab, n_prompt, n_greedy;
-    int32_t prompt[IPC_TEST_MAX_TOK];
-    int32_t greedy[IPC_TEST_MAX_TOK];
-};
-extern const char *ipc_test_model;
-int ipc_test_load_ref(const char *prompt, struct ipc_test_ref *out);
-const char *ipc_test_worker_bin(void);
-char *ipc_test_read_file(const char *path);
+ * Helpers shared with tests/test_supervisor.c (declared in tests/ipc_test.h). */
 
 const char *ipc_test_model = "tests/golden/models/tiny-qwen3moe-F16.gguf";
 
@@ -102,36 +92,6 @@ const char *ipc_test_worker_bin(void)
     self[len] = 0;
     setenv("MOE_TEST_AS_WORKER", "1", 1);
     return self;
-}
-
-char *ipc_test_read_file(const char *path)
-{
-    /* Read in chunks: /proc files report a size of 0. */
-    FILE *f = fopen(path, "rb");
-    if (!f)
-        return NULL;
-    size_t len = 0, cap = 4096;
-    char *b = malloc(cap);
-    while (b) {
-        size_t got = fread(b + len, 1, cap - len - 1, f);
-        len += got;
-        if (got == 0)
-            break;
-        if (cap - len - 1 == 0) {
-            char *nb = realloc(b, cap * 2);
-            if (!nb) {
-                free(b);
-                b = NULL;
-                break;
-            }
-            b = nb;
-            cap *= 2;
-        }
-    }
-    if (b)
-        b[len] = 0;
-    fclose(f);
-    return b;
 }
 
 /* ---------------------------------------------------------------------------------------------
@@ -746,7 +706,7 @@ static int worker_wait(struct wproc *w, double secs)
 
 static void worker_log_has(struct wproc *w, const char *what)
 {
-    char *log = ipc_test_read_file(w->log);
+    char *log = moe_test_read_file(w->log, NULL);
     CHECK_MSG(log && strstr(log, what), "worker log lacks '%s':\n%s", what, log ? log : "(none)");
     free(log);
 }
@@ -808,15 +768,21 @@ static void expect_eof(int fd)
     }
 }
 
+/* The worker refused what it was sent: it closes the socket, exits with 1 and logs why. */
+static void expect_rejected(struct wproc *w, const char *why)
+{
+    expect_eof(w->fd);
+    CHECK_EQ(worker_wait(w, 10), 1);
+    worker_log_has(w, why);
+    close(w->fd);
+}
+
 TEST(ipc_worker_rejects_garbage_first_frame)
 {
     struct wproc w;
     worker_fork(&w);
     send_raw(w.fd, "\x08\x00\x00\x00GARBAGE!", 12);
-    expect_eof(w.fd);
-    CHECK_EQ(worker_wait(&w, 10), 1);
-    worker_log_has(&w, "rejected the first frame");
-    close(w.fd);
+    expect_rejected(&w, "rejected the first frame");
 }
 
 TEST(ipc_worker_rejects_oversized_frame)
@@ -824,10 +790,7 @@ TEST(ipc_worker_rejects_oversized_frame)
     struct wproc w;
     worker_fork(&w);
     send_raw(w.fd, "\x01\x00\x80\x00", 4); /* 8 MiB + 1 */
-    expect_eof(w.fd);
-    CHECK_EQ(worker_wait(&w, 10), 1);
-    worker_log_has(&w, "limit");
-    close(w.fd);
+    expect_rejected(&w, "limit");
 }
 
 TEST(ipc_worker_rejects_truncated_frame)
@@ -887,10 +850,7 @@ TEST(ipc_worker_rejects_token_id_out_of_range)
     e.msg_case = MOED__ENVELOPE__MSG_SUBMIT;
     e.submit = &s;
     send_env(w.fd, &e);
-    expect_eof(w.fd);
-    CHECK_EQ(worker_wait(&w, 10), 1);
-    worker_log_has(&w, "submit.prompt[1] = 4160 is not a token id");
-    close(w.fd);
+    expect_rejected(&w, "submit.prompt[1] = 4160 is not a token id");
 }
 
 TEST(ipc_worker_rejects_placement_for_another_shape)
@@ -907,10 +867,7 @@ TEST(ipc_worker_rejects_placement_for_another_shape)
     e.msg_case = MOED__ENVELOPE__MSG_SET_PLACEMENT;
     e.set_placement = &p;
     send_env(w.fd, &e);
-    expect_eof(w.fd);
-    CHECK_EQ(worker_wait(&w, 10), 1);
-    worker_log_has(&w, "does not match the model");
-    close(w.fd);
+    expect_rejected(&w, "does not match the model");
 }
 
 TEST(ipc_worker_rejects_wrong_direction_and_second_hello)
@@ -929,11 +886,18 @@ TEST(ipc_worker_rejects_wrong_direction_and_second_hello)
         } else {
             send_hello(w.fd, ipc_test_model, 128, 1);
         }
-        expect_eof(w.fd);
-        CHECK_EQ(worker_wait(&w, 10), 1);
-        worker_log_has(&w, k == 0 ? "cannot come from the daemon" : "a second hello");
-        close(w.fd);
+        expect_rejected(&w, k == 0 ? "cannot come from the daemon" : "a second hello");
     }
+}
+
+/* Adds a RoutingStats delta of the golden model (3 layers x 16 experts) to per-layer totals. */
+static void add_routing(const Moed__RoutingStats *rs, uint64_t routed[3], uint64_t *n_tokens)
+{
+    CHECK_EQ(rs->n_counts, 48);
+    for (int l = 0; l < 3; l++)
+        for (int x = 0; x < 16; x++)
+            routed[l] += rs->counts[l * 16 + x];
+    *n_tokens += rs->n_tokens;
 }
 
 /* The whole protocol by hand: two requests at once on a 2-slot worker, greedy tokens equal the
@@ -984,11 +948,7 @@ TEST_TIMEOUT(ipc_worker_generates_golden_tokens, 120)
             CHECK_EQ(m->done->n_prompt, ref.n_prompt);
             done++;
         } else if (m->msg_case == MOED__ENVELOPE__MSG_ROUTING_STATS) {
-            CHECK_EQ(m->routing_stats->n_counts, 48);
-            for (int l = 0; l < 3; l++)
-                for (int x = 0; x < 16; x++)
-                    routed[l] += m->routing_stats->counts[l * 16 + x];
-            stats_tokens += m->routing_stats->n_tokens;
+            add_routing(m->routing_stats, routed, &stats_tokens);
         } else {
             CHECK_MSG(m->msg_case == MOED__ENVELOPE__MSG_METRICS, "unexpected %s",
                       moe_ipc_msg_name(m->msg_case));
@@ -1015,12 +975,8 @@ TEST_TIMEOUT(ipc_worker_generates_golden_tokens, 120)
         if (rc == UV_EOF)
             break;
         CHECK_MSG(rc == 0, "%s", err);
-        if (m->msg_case == MOED__ENVELOPE__MSG_ROUTING_STATS) {
-            for (int l = 0; l < 3; l++)
-                for (int x = 0; x < 16; x++)
-                    routed[l] += m->routing_stats->counts[l * 16 + x];
-            stats_tokens += m->routing_stats->n_tokens;
-        }
+        if (m->msg_case == MOED__ENVELOPE__MSG_ROUTING_STATS)
+            add_routing(m->routing_stats, routed, &stats_tokens);
         moe_ipc_free(m);
     }
     CHECK_EQ(worker_wait(&w, 10), 0);

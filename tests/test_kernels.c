@@ -10,24 +10,9 @@
 #include "tests/harness.h"
 #include "worker/cpu/kernels.h"
 
-static uint64_t rng_state;
-
-static void rng_seed(uint64_t s)
-{
-    rng_state = s * 0x9E3779B97F4A7C15ull + 1;
-}
-
-static uint32_t rng_u32(void)
-{
-    rng_state ^= rng_state >> 12;
-    rng_state ^= rng_state << 25;
-    rng_state ^= rng_state >> 27;
-    return (uint32_t)((rng_state * 0x2545F4914F6CDD1Dull) >> 32);
-}
-
 static float rng_f(void)
 {
-    return (float)rng_u32() / 2147483648.0f - 1.0f;
+    return (float)moe_test_rng_u32() / 2147483648.0f - 1.0f;
 }
 
 static const uint32_t all_types[] = {
@@ -108,7 +93,7 @@ static void check_close(double got, double want, double abs_sum, const char *wha
 static void vec_dot_all(int scalar)
 {
     moe_kernels_force_scalar(scalar);
-    rng_seed(11 + (uint64_t)scalar);
+    moe_test_rng_seed(11 + (uint64_t)scalar);
     for (size_t t = 0; t < N_TYPES; t++) {
         uint32_t type = all_types[t];
         int64_t sizes[8];
@@ -146,7 +131,7 @@ TEST(kernels_simd_matches_scalar)
 {
     if (!moe_kernels_simd())
         moe_test_skip("no SIMD path on this CPU");
-    rng_seed(5);
+    moe_test_rng_seed(5);
     for (size_t t = 0; t < N_TYPES; t++) {
         uint32_t type = all_types[t];
         int64_t n = moe_type_get(type)->blck == 256 ? 2048 : 1024;
@@ -174,7 +159,7 @@ TEST(kernels_random_bytes)
         {MOE_TYPE_Q5_1, {0, 2, -1}}, {MOE_TYPE_Q8_0, {0, -1}}, {MOE_TYPE_Q4_K, {0, 2, -1}},
         {MOE_TYPE_Q5_K, {0, 2, -1}}, {MOE_TYPE_Q6_K, {208, -1}},
     };
-    rng_seed(99);
+    moe_test_rng_seed(99);
     for (size_t h = 0; h < sizeof hdrs / sizeof hdrs[0]; h++) {
         uint32_t type = hdrs[h].type;
         const struct moe_type_info *ti = moe_type_get(type);
@@ -183,7 +168,7 @@ TEST(kernels_random_bytes)
         uint8_t *w = malloc(rb);
         CHECK(w);
         for (size_t i = 0; i < rb; i++)
-            w[i] = (uint8_t)rng_u32();
+            w[i] = (uint8_t)moe_test_rng_u32();
         for (int64_t b = 0; b < n / ti->blck; b++)
             for (int k = 0; hdrs[h].hdr[k] >= 0; k++) {
                 uint16_t half = moe_f32_to_f16(rng_f() * 0.01f);
@@ -205,7 +190,7 @@ static void matvec_all(int scalar)
     const int64_t rows = 37, r0 = 5, r1 = 30;
     const float poison = -12345.0f;
     moe_kernels_force_scalar(scalar);
-    rng_seed(21);
+    moe_test_rng_seed(21);
     for (size_t t = 0; t < N_TYPES; t++) {
         uint32_t type = all_types[t];
         uint32_t blck = moe_type_get(type)->blck;
@@ -252,7 +237,7 @@ static void matmul_all(int scalar)
     static const int64_t toks[] = {1, 2, 3, 8, 67};
     const int64_t max_tok = 67;
     moe_kernels_force_scalar(scalar);
-    rng_seed(31);
+    moe_test_rng_seed(31);
     for (size_t t = 0; t < N_TYPES; t++) {
         uint32_t type = all_types[t];
         uint32_t blck = moe_type_get(type)->blck;

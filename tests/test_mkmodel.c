@@ -743,3 +743,61 @@ TEST(mkmodel_routing_skew_in_real_forward)
     CHECK_MSG(WIFEXITED(st) && WEXITSTATUS(st) == 0, "moed-worker failed");
     CHECK_EQ(layers, 3);
 }
+
+static bool more_bits(uint32_t i, uint32_t n)
+{
+    return i < n / 8 || i >= 7 * n / 8 || (i - n / 8) % 3 == 2;
+}
+
+/* The real-shape presets, metadata only (sparse files): shapes, hyperparameters and the
+ * llama-quantize Q4_K_M mix that our model loader sees. */
+static void check_real_preset(const char *preset, uint32_t L, uint32_t E, uint32_t H, uint32_t F,
+                              double gib)
+{
+    char path[512], args[256], err[256];
+    snprintf(args, sizeof args, "--preset %s --quant q4_k_m --no-data", preset);
+    CHECK_EQ(mkmodel(path, sizeof path, "big.gguf", args), 0);
+    struct gguf_file *f;
+    struct moe_model m;
+    open_model(path, &f, &m);
+    CHECK_EQ(m.hp.n_layer, L);
+    CHECK_EQ(m.hp.n_embd, E);
+    CHECK_EQ(m.hp.n_head, H);
+    CHECK_EQ(m.hp.n_head_kv, 4);
+    CHECK_EQ(m.hp.head_dim, 128);
+    CHECK_EQ(m.hp.n_expert, 128);
+    CHECK_EQ(m.hp.n_expert_used, 8);
+    CHECK_EQ(m.hp.expert_ff, F);
+    CHECK_EQ(m.hp.n_vocab, 151936);
+    CHECK_EQ(m.hp.n_ctx_train, 40960);
+    CHECK_EQ(f->n_tensors, 3 + 12 * (uint64_t)L);
+    uint32_t id;
+    CHECK_EQ(gguf_get_u32(f, "tokenizer.ggml.eos_token_id", &id, err, sizeof err), 0);
+    CHECK_EQ(id, 151645);
+    CHECK_EQ(m.output.type, MOE_TYPE_Q6_K);
+    CHECK_EQ(m.token_embd.type, MOE_TYPE_Q4_K);
+    uint32_t n_q6 = 0;
+    for (uint32_t l = 0; l < L; l++) {
+        uint32_t want = more_bits(l, L) ? MOE_TYPE_Q6_K : MOE_TYPE_Q4_K;
+        n_q6 += want == MOE_TYPE_Q6_K;
+        CHECK_EQ(m.layers[l].attn_v.type, want);
+        CHECK_EQ(m.layers[l].experts[0].down.type, want);
+        CHECK_EQ(m.layers[l].experts[127].gate.type, MOE_TYPE_Q4_K);
+        CHECK_EQ(m.layers[l].attn_q.type, MOE_TYPE_Q4_K);
+        CHECK_EQ(m.layers[l].ffn_gate_inp.type, MOE_TYPE_F32);
+    }
+    CHECK(n_q6 * 20 >= L * 9 && n_q6 * 20 <= L * 11); /* "about half the layers" (24/48, 46/94) */
+    CHECK_NEAR((double)f->size / (1 << 30), gib, 0.05);
+    moe_model_free(&m);
+    gguf_close(f);
+}
+
+TEST(mkmodel_qwen3_30b_a3b_layout)
+{
+    check_real_preset("qwen3-30b-a3b", 48, 2048, 32, 768, 17.28);
+}
+
+TEST(mkmodel_qwen3_235b_a22b_layout)
+{
+    check_real_preset("qwen3-235b-a22b", 94, 4096, 64, 1536, 132.39);
+}

@@ -5,7 +5,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/wait.h>
 
 #include "store/err.h"
 #include "store/ggml_type.h"
@@ -247,17 +246,17 @@ static int run_inspect(const char *args, json_t **out)
 {
     char cmd[1024];
     snprintf(cmd, sizeof cmd, "%s --json inspect %s 2>/dev/null", moe_test_bin("moectl"), args);
-    FILE *p = popen(cmd, "r");
-    CHECK(p);
+    int st;
+    char *text = moe_test_run_shell(cmd, &st);
     json_error_t je;
-    json_t *j = json_loadf(p, JSON_DISABLE_EOF_CHECK, &je);
-    int st = pclose(p);
-    CHECK(WIFEXITED(st));
+    json_t *j = json_loads(text, JSON_DISABLE_EOF_CHECK, &je);
+    free(text);
+    CHECK(st >= 0 && st < 128);
     if (out)
         *out = j;
     else
         json_decref(j);
-    return WEXITSTATUS(st);
+    return st;
 }
 
 static json_int_t jint(json_t *o, const char *path1, const char *path2)

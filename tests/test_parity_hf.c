@@ -6,8 +6,6 @@
  * prefill of the whole prompt, a token-by-token decode, and a prefill the engine splits into
  * chunks. */
 #include <string.h>
-#include <sys/wait.h>
-#include <unistd.h>
 
 #include "store/ggml_type.h"
 #include "tests/engine_test.h"
@@ -47,7 +45,7 @@ static void hf_load(struct hf_fixture *h, const char *name)
     json_decref(j);
     snprintf(path, sizeof path, HF_DIR "/%s.logits.f32", name);
     size_t size;
-    h->logits = test_read_file(path, &size);
+    h->logits = (float *)moe_test_read_file_or_fail(path, &size);
     CHECK_EQ(size, h->n_pos * h->n_vocab * sizeof(float));
 }
 
@@ -89,13 +87,10 @@ static void hf_check_hparams(const struct hf_fixture *h, const struct moe_model 
 static void hf_report(const struct hf_fixture *h, const char *pass, const float *out,
                       double max_rel, double min_top1)
 {
-    double rel = rel_l2(out, h->logits, h->n_pos * h->n_vocab);
-    double top1 = top1_agreement(out, h->logits, h->n_pos, h->n_vocab);
-    printf("parity hf %-15s %-7s n_prompt %4zu positions %4zu rel-L2 %.3e top-1 %.1f%%\n",
-           h->name, pass, h->n_prompt, h->n_pos, rel, 100.0 * top1);
-    fflush(stdout);
-    CHECK_MSG(rel <= max_rel, "%s %s: rel-L2 %.3e > %.1e", h->name, pass, rel, max_rel);
-    CHECK_MSG(top1 >= min_top1, "%s %s: top-1 %.3f < %.2f", h->name, pass, top1, min_top1);
+    char label[128];
+    snprintf(label, sizeof label, "parity hf %-15s %-7s n_prompt %4zu", h->name, pass,
+             h->n_prompt);
+    check_logits(label, out, h->logits, h->n_pos, h->n_vocab, max_rel, min_top1);
 }
 
 /* Fixture `name`'s reference against the model in `path`, three ways: a prefill of the whole
@@ -197,16 +192,9 @@ static void quantize_fixture(const char *name, const char *type, char *out, size
     snprintf(out, n, "%s/%s-%s.gguf", moe_test_tmpdir(), name, type);
     char in[256];
     snprintf(in, sizeof in, HF_DIR "/%s.gguf", name);
-    fflush(stdout);
-    pid_t pid = fork();
-    CHECK(pid >= 0);
-    if (pid == 0) {
-        execl(moe_test_bin("moectl"), "moectl", "quantize", in, out, type, (char *)NULL);
-        _exit(127);
-    }
-    int st;
-    CHECK(waitpid(pid, &st, 0) == pid);
-    CHECK_MSG(WIFEXITED(st) && WEXITSTATUS(st) == 0, "moectl quantize %s %s failed", name, type);
+    char *argv[] = {(char *)moe_test_bin("moectl"), "quantize", in, out, (char *)type, NULL};
+    int st = moe_test_run(argv, NULL, NULL);
+    CHECK_MSG(st == 0, "moectl quantize %s %s failed", name, type);
 }
 
 static uint32_t tensor_type(const struct gguf_file *f, const char *name)
@@ -254,7 +242,7 @@ TEST(parity_hf_fixture_budget)
             char path[256];
             snprintf(path, sizeof path, HF_DIR "/%s%s", names[i], sfx[j]);
             size_t size;
-            free(test_read_file(path, &size));
+            free(moe_test_read_file_or_fail(path, &size));
             total += size;
         }
     printf("hf fixtures: %zu bytes\n", total);

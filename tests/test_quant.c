@@ -30,28 +30,12 @@ static void put16(uint8_t *p, uint16_t h)
     p[1] = (uint8_t)(h >> 8);
 }
 
-/* Deterministic xorshift64* generator: tests see the same data on every run. */
-static uint64_t rng_state;
-
-static void rng_seed(uint64_t s)
-{
-    rng_state = s * 0x9E3779B97F4A7C15ull + 1;
-}
-
-static uint32_t rng_u32(void)
-{
-    rng_state ^= rng_state >> 12;
-    rng_state ^= rng_state << 25;
-    rng_state ^= rng_state >> 27;
-    return (uint32_t)((rng_state * 0x2545F4914F6CDD1Dull) >> 32);
-}
-
 /* Roughly normal (sum of uniforms), like trained weights. */
 static float rng_normal(void)
 {
     float s = 0;
     for (int i = 0; i < 4; i++)
-        s += (float)rng_u32() / 4294967296.0f;
+        s += (float)moe_test_rng_u32() / 4294967296.0f;
     return (s - 2.0f) * 1.7320508f;
 }
 
@@ -113,11 +97,11 @@ TEST(quant_f16_exhaustive)
         }
         CHECK_MSG(moe_f32_to_f16(f) == h, "half 0x%04x -> %g -> 0x%04x", h, f, moe_f32_to_f16(f));
     }
-    rng_seed(7);
+    moe_test_rng_seed(7);
     for (int i = 0; i < 200000; i++) {
         /* Floats across the half range, including subnormals. */
-        float f = ldexpf((float)rng_u32() / 4294967296.0f + 0.5f, (int)(rng_u32() % 44) - 28);
-        if (rng_u32() & 1)
+        float f = ldexpf((float)moe_test_rng_u32() / 4294967296.0f + 0.5f, (int)(moe_test_rng_u32() % 44) - 28);
+        if (moe_test_rng_u32() & 1)
             f = -f;
         uint16_t h = moe_f32_to_f16(f);
         double v = moe_f16_to_f32(h);
@@ -413,10 +397,10 @@ TEST(quant_roundtrip_error_bounds)
     const int64_t n = 256 * 64;
     float *x = malloc(n * sizeof *x);
     CHECK(x);
-    rng_seed(42);
+    moe_test_rng_seed(42);
     /* Rows with different magnitudes, and a few outliers as real weights have. */
     for (int64_t i = 0; i < n; i++)
-        x[i] = rng_normal() * (0.01f + (float)(i / 1024) * 0.1f) * ((rng_u32() % 97) ? 1 : 4);
+        x[i] = rng_normal() * (0.01f + (float)(i / 1024) * 0.1f) * ((moe_test_rng_u32() % 97) ? 1 : 4);
     for (size_t t = 0; t < sizeof all_types / sizeof all_types[0]; t++) {
         double e = roundtrip_err(all_types[t], x, n, 1);
         CHECK_MSG(e <= rt_bound(all_types[t]), "%s: rel error %.5f > %.5f",
@@ -432,7 +416,7 @@ TEST(quant_kquant_search_beats_naive)
     float x[256], y[256];
     double se_fit = 0, se_naive = 0;
     uint8_t b[256];
-    rng_seed(3);
+    moe_test_rng_seed(3);
     for (int rep = 0; rep < 50; rep++) {
         for (int i = 0; i < 256; i++)
             x[i] = rng_normal();

@@ -2,10 +2,8 @@
  * llama-quantize would choose (checked against the golden Q4_K_M that llama-quantize made),
  * logits of a quantized golden model against the golden F16 reference, thread-count
  * determinism, and usage errors. */
-#include <fcntl.h>
 #include <stdarg.h>
 #include <sys/stat.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include "store/err.h"
@@ -32,24 +30,11 @@ static int moectl(int expect, ...)
     argv[argc] = NULL;
     char log[512];
     snprintf(log, sizeof log, "%s/moectl.log", moe_test_tmpdir());
-    fflush(stdout);
-    pid_t pid = fork();
-    CHECK(pid >= 0);
-    if (pid == 0) {
-        int fd = open(log, O_WRONLY | O_CREAT | O_TRUNC, 0644);
-        if (fd >= 0) {
-            dup2(fd, 1);
-            dup2(fd, 2);
-        }
-        execv(argv[0], (char *const *)argv);
-        _exit(127);
-    }
-    int st;
-    CHECK(waitpid(pid, &st, 0) == pid);
-    int code = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+    int code = moe_test_run((char *const *)argv, log, log);
+    CHECK(code >= 0);
     if (code != expect) {
         size_t n;
-        char *text = test_read_file(log, &n);
+        char *text = moe_test_read_file_or_fail(log, &n);
         printf("moectl %s ... exited %d (expected %d):\n%s", argc > 1 ? argv[1] : "", code,
                expect, text);
         free(text);
@@ -110,7 +95,7 @@ static double max_tensor_rel_err(const struct gguf_file *src, const struct gguf_
         CHECK(x && y);
         CHECK_EQ(moe_dequantize(a->type, a->data, x, n), 0);
         CHECK_EQ(moe_dequantize(b->type, b->data, y, n), 0);
-        double rel = rel_l2(y, x, (size_t)n);
+        double rel = moe_test_rel_l2(y, x, (size_t)n);
         if (keeps_f32(a))
             CHECK_MSG(rel == 0.0, "%s changed (%g) though it is kept", a->name, rel);
         if (rel > worst)
@@ -160,13 +145,8 @@ TEST(quantize_golden_q8_0_parity)
     double num = 0, den = 0, same = 0, rows = 0;
     for (int p = 0; p < 3; p++) {
         struct golden_ref r;
-        golden_load(&r, "F16", prompts[p]);
-        CHECK_EQ(r.n_vocab, m.hp.n_vocab);
-        float *logits = malloc(sizeof(float) * r.n_prompt * r.n_vocab);
-        CHECK(logits);
-        moe_engine_seq_clear(e, 0);
-        test_prefill(e, 0, 0, r.prompt, (uint32_t)r.n_prompt, logits);
-        double rel = rel_l2(logits, r.logits, r.n_prompt * r.n_vocab);
+        float *logits = golden_prefill(e, m.hp.n_vocab, &r, "F16", prompts[p]);
+        double rel = moe_test_rel_l2(logits, r.logits, r.n_prompt * r.n_vocab);
         double top1 = top1_agreement(logits, r.logits, r.n_prompt, r.n_vocab);
         printf("quantize q8_0 vs golden F16 %s: n_prompt %zu rel-L2 %.3e top-1 %.1f%%\n",
                prompts[p], r.n_prompt, rel, 100.0 * top1);
@@ -261,7 +241,7 @@ TEST(quantize_threads_deterministic_and_requantize)
     CHECK_EQ(moectl(0, "quantize", "--threads", "1", GOLDEN_F16, a, "q5_k_m", NULL), 0);
     CHECK_EQ(moectl(0, "quantize", GOLDEN_F16, b, "q5_k_m", "--threads", "3", NULL), 0);
     size_t na, nb;
-    char *da = test_read_file(a, &na), *db = test_read_file(b, &nb);
+    char *da = moe_test_read_file_or_fail(a, &na), *db = moe_test_read_file_or_fail(b, &nb);
     CHECK_EQ(na, nb);
     CHECK(memcmp(da, db, na) == 0);
     free(da);
@@ -312,13 +292,13 @@ TEST(quantize_usage_errors)
     char copy[512];
     tmp_path(copy, sizeof copy, "copy.gguf");
     size_t n;
-    char *data = test_read_file(GOLDEN_F16, &n);
+    char *data = moe_test_read_file_or_fail(GOLDEN_F16, &n);
     f = fopen(copy, "wb");
     CHECK(f && fwrite(data, 1, n, f) == n);
     fclose(f);
     CHECK_EQ(moectl(1, "quantize", copy, copy, "q8_0", NULL), 1);
     size_t n2;
-    char *after = test_read_file(copy, &n2);
+    char *after = moe_test_read_file_or_fail(copy, &n2);
     CHECK(n2 == n && memcmp(after, data, n) == 0);
     free(after);
     free(data);

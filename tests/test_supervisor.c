@@ -20,18 +20,7 @@
 #include "store/gguf.h"
 #include "store/model.h"
 #include "tests/harness.h"
-
-/* From tests/test_ipc.c. */
-#define IPC_TEST_MAX_TOK 256
-struct ipc_test_ref {
-    uint32_t n_vocab, n_prompt, n_greedy;
-    int32_t prompt[IPC_TEST_MAX_TOK];
-    int32_t greedy[IPC_TEST_MAX_TOK];
-};
-extern const char *ipc_test_model;
-int ipc_test_load_ref(const char *prompt, struct ipc_test_ref *out);
-const char *ipc_test_worker_bin(void);
-char *ipc_test_read_file(const char *path);
+#include "tests/ipc_test.h"
 
 struct ctx;
 
@@ -147,14 +136,40 @@ static void start(struct ctx *c, const struct moed_workers_opts *o, bool wait_re
         RUN_UNTIL(c, c->ready, 60);
 }
 
+/* After the workers stopped: frees them and checks that every handle was closed. */
+static void finish(struct ctx *c)
+{
+    moed_workers_free(c->ws);
+    uv_close((uv_handle_t *)&c->tick, NULL);
+    uv_run(&c->loop, UV_RUN_DEFAULT);
+    CHECK_EQ(uv_loop_close(&c->loop), 0);
+}
+
 static void stop(struct ctx *c)
 {
     moed_workers_stop(c->ws, 10000, on_stopped, c);
     RUN_UNTIL(c, c->stopped, 30);
-    moed_workers_free(c->ws);
-    uv_close((uv_handle_t *)&c->tick, NULL);
-    uv_run(&c->loop, UV_RUN_DEFAULT);
-    CHECK_EQ(uv_loop_close(&c->loop), 0); /* every handle was closed */
+    finish(c);
+}
+
+/* Writes an executable shell script standing in for a worker; returns its path. */
+static const char *fake_worker(const char *name, const char *body)
+{
+    static char path[512];
+    snprintf(path, sizeof path, "%s/%s", moe_test_tmpdir(), name);
+    FILE *f = fopen(path, "w");
+    CHECK(f);
+    fprintf(f, "#!/bin/sh\n%s", body);
+    CHECK(fclose(f) == 0);
+    CHECK(chmod(path, 0755) == 0);
+    return path;
+}
+
+static void load_refs(struct ipc_test_ref ref[3])
+{
+    CHECK(ipc_test_load_ref("p1", &ref[0]) == 0);
+    CHECK(ipc_test_load_ref("p2", &ref[1]) == 0);
+    CHECK(ipc_test_load_ref("p3", &ref[2]) == 0);
 }
 
 static int worker_pid_running(struct ctx *c, uint32_t *which)
@@ -310,9 +325,7 @@ TEST_TIMEOUT(supervisor_serves_golden_greedy_tokens, 120)
 TEST_TIMEOUT(supervisor_runs_8_concurrent_requests, 180)
 {
     struct ipc_test_ref ref[3];
-    CHECK(ipc_test_load_ref("p1", &ref[0]) == 0);
-    CHECK(ipc_test_load_ref("p2", &ref[1]) == 0);
-    CHECK(ipc_test_load_ref("p3", &ref[2]) == 0);
+    load_refs(ref);
     struct ctx c = {0};
     struct moed_workers_opts o;
     base_opts(&c, &o, 2, 4, 256);
@@ -356,9 +369,7 @@ static uint32_t total_restarts(struct ctx *c)
 TEST_TIMEOUT(supervisor_continuous_batching_is_exact, 120)
 {
     struct ipc_test_ref ref[3];
-    CHECK(ipc_test_load_ref("p1", &ref[0]) == 0);
-    CHECK(ipc_test_load_ref("p2", &ref[1]) == 0);
-    CHECK(ipc_test_load_ref("p3", &ref[2]) == 0);
+    load_refs(ref);
     struct ctx c = {0};
     struct moed_workers_opts o;
     base_opts(&c, &o, 1, 4, 256);
@@ -441,18 +452,11 @@ TEST_TIMEOUT(supervisor_restarts_a_killed_worker, 180)
 TEST_TIMEOUT(supervisor_restarts_a_worker_that_speaks_garbage, 60)
 {
     /* A "worker" that answers the Hello with garbage and then hangs. */
-    char script[512];
-    snprintf(script, sizeof script, "%s/bad-worker.sh", moe_test_tmpdir());
-    FILE *f = fopen(script, "w");
-    CHECK(f);
-    fprintf(f, "#!/bin/sh\nprintf 'GARBAGE-GARBAGE-GARBAGE' >&3\nexec sleep 30\n");
-    fclose(f);
-    CHECK(chmod(script, 0755) == 0);
-
     struct ctx c = {0};
     struct moed_workers_opts o;
     base_opts(&c, &o, 1, 1, 64);
-    o.worker_bin = script;
+    o.worker_bin = fake_worker("bad-worker.sh",
+                               "printf 'GARBAGE-GARBAGE-GARBAGE' >&3\nexec sleep 30\n");
     o.queue_wait_ms = 1000;
     start(&c, &o, false);
 
@@ -474,17 +478,10 @@ TEST_TIMEOUT(supervisor_restarts_a_worker_that_speaks_garbage, 60)
 
 TEST_TIMEOUT(supervisor_kills_a_worker_that_never_gets_ready, 60)
 {
-    char script[512];
-    snprintf(script, sizeof script, "%s/mute-worker.sh", moe_test_tmpdir());
-    FILE *f = fopen(script, "w");
-    CHECK(f);
-    fprintf(f, "#!/bin/sh\nexec sleep 30\n");
-    fclose(f);
-    CHECK(chmod(script, 0755) == 0);
     struct ctx c = {0};
     struct moed_workers_opts o;
     base_opts(&c, &o, 1, 1, 64);
-    o.worker_bin = script;
+    o.worker_bin = fake_worker("mute-worker.sh", "exec sleep 30\n");
     o.ready_timeout_ms = 200;
     start(&c, &o, false);
     struct moed_worker_info inf;
@@ -599,10 +596,7 @@ TEST_TIMEOUT(supervisor_stop_drains_running_requests, 60)
     /* The workers exited (and were reaped). */
     for (int i = 0; i < 2; i++)
         CHECK(kill(pids[i], 0) != 0 && errno == ESRCH);
-    moed_workers_free(c.ws);
-    uv_close((uv_handle_t *)&c.tick, NULL);
-    uv_run(&c.loop, UV_RUN_DEFAULT);
-    CHECK_EQ(uv_loop_close(&c.loop), 0);
+    finish(&c);
 }
 
 /* With the expert store, both workers read the weights from the one memfd the daemon made. */
@@ -640,7 +634,7 @@ TEST_TIMEOUT(supervisor_workers_share_the_expert_store, 120)
         moed_workers_info(c.ws, i, &inf);
         char path[64];
         snprintf(path, sizeof path, "/proc/%d/maps", inf.pid);
-        char *maps = ipc_test_read_file(path);
+        char *maps = moe_test_read_file(path, NULL);
         CHECK(maps);
         bool found = false;
         for (char *line = strtok(maps, "\n"); line; line = strtok(NULL, "\n")) {

@@ -7,7 +7,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/wait.h>
 #include <time.h>
 
 #include "store/err.h"
@@ -146,23 +145,6 @@ static char *decode(const struct moe_tokenizer *t, const int32_t *ids, size_t n,
     s[o] = 0;
     *len = o;
     return s;
-}
-
-static char *read_file(const char *path, size_t *len)
-{
-    FILE *f = fopen(path, "rb");
-    CHECK_MSG(f, "cannot open %s", path);
-    CHECK(fseek(f, 0, SEEK_END) == 0);
-    long n = ftell(f);
-    CHECK(n >= 0);
-    rewind(f);
-    char *buf = malloc((size_t)n + 1);
-    CHECK(buf);
-    CHECK_EQ(fread(buf, 1, (size_t)n, f), (size_t)n);
-    fclose(f);
-    buf[n] = 0;
-    *len = (size_t)n;
-    return buf;
 }
 
 static bool valid_utf8(const char *s, size_t n)
@@ -603,7 +585,7 @@ TEST(tok_golden_prompts)
         char path[256];
         snprintf(path, sizeof path, "tests/golden/prompts/p%d.txt", p);
         size_t len;
-        char *text = read_file(path, &len);
+        char *text = moe_test_read_file_or_fail(path, &len);
         snprintf(path, sizeof path, "tests/golden/refs/tiny-qwen3moe-F16.p%d.json", p);
         json_error_t jerr;
         json_t *ref = json_load_file(path, 0, &jerr);
@@ -736,9 +718,9 @@ TEST_TIMEOUT(tok_encode_speed, 60)
 {
     struct moe_tokenizer *t = load_file(QWEN3_VOCAB);
     size_t l1, l2, l3;
-    char *p1 = read_file("tests/golden/prompts/p1.txt", &l1);
-    char *p2 = read_file("tests/golden/prompts/p2.txt", &l2);
-    char *p3 = read_file("tests/golden/prompts/p3.txt", &l3);
+    char *p1 = moe_test_read_file_or_fail("tests/golden/prompts/p1.txt", &l1);
+    char *p2 = moe_test_read_file_or_fail("tests/golden/prompts/p2.txt", &l2);
+    char *p3 = moe_test_read_file_or_fail("tests/golden/prompts/p3.txt", &l3);
     size_t target = 200 * 1024, len = 0;
     char *text = malloc(target + l1 + l2 + l3);
     CHECK(text);
@@ -774,25 +756,6 @@ TEST_TIMEOUT(tok_encode_speed, 60)
 
 /* ---- moectl tokenize ------------------------------------------------------------------------ */
 
-/* Runs a shell command and returns its stdout (malloc'ed) and exit status. */
-static char *run_cmd(const char *cmd, int *status)
-{
-    FILE *p = popen(cmd, "r");
-    CHECK(p);
-    size_t cap = 1 << 16, n = 0, k;
-    char *buf = malloc(cap);
-    CHECK(buf);
-    while ((k = fread(buf + n, 1, cap - n - 1, p)) > 0) {
-        n += k;
-        if (n + 1 == cap)
-            CHECK((buf = realloc(buf, cap *= 2)) != NULL);
-    }
-    buf[n] = 0;
-    int st = pclose(p);
-    *status = WIFEXITED(st) ? WEXITSTATUS(st) : -1;
-    return buf;
-}
-
 static void ids_line(json_t *arr, char *out, size_t cap)
 {
     size_t o = 0;
@@ -814,7 +777,7 @@ TEST(tok_moectl_tokenize)
 
     snprintf(cmd, sizeof cmd, "%s tokenize -m %s -f tests/golden/prompts/p3.txt", moectl,
              TINY_MODEL);
-    char *out = run_cmd(cmd, &st);
+    char *out = moe_test_run_shell(cmd, &st);
     CHECK_EQ(st, 0);
     CHECK_MSG(strcmp(out, want) == 0, "got: %s\nwant: %s", out, want);
     free(out);
@@ -822,7 +785,7 @@ TEST(tok_moectl_tokenize)
     /* stdin */
     snprintf(cmd, sizeof cmd, "%s tokenize -m %s -f - < tests/golden/prompts/p3.txt", moectl,
              TINY_MODEL);
-    out = run_cmd(cmd, &st);
+    out = moe_test_run_shell(cmd, &st);
     CHECK_EQ(st, 0);
     CHECK_STREQ(out, want);
     free(out);
@@ -842,7 +805,7 @@ TEST(tok_moectl_tokenize)
     fclose(f);
     ids_line(json_object_get(c, "ids"), want, sizeof want);
     snprintf(cmd, sizeof cmd, "%s tokenize -m %s --no-special -f %s", moectl, QWEN3_VOCAB, path);
-    out = run_cmd(cmd, &st);
+    out = moe_test_run_shell(cmd, &st);
     CHECK_EQ(st, 0);
     CHECK_MSG(strcmp(out, want) == 0, "got: %s\nwant: %s", out, want);
     free(out);
@@ -851,24 +814,24 @@ TEST(tok_moectl_tokenize)
     /* --pieces */
     snprintf(cmd, sizeof cmd, "printf 'Hi<|im_end|>\\n' | %s tokenize -m %s --pieces -f -",
              moectl, TINY_MODEL);
-    out = run_cmd(cmd, &st);
+    out = moe_test_run_shell(cmd, &st);
     CHECK_EQ(st, 0);
     CHECK_MSG(strstr(out, "4098:<|im_end|>\n") && strstr(out, ":\\n\n"), "got: %s", out);
     free(out);
 
     /* Usage errors and bad files. */
     snprintf(cmd, sizeof cmd, "%s tokenize -m %s 2>/dev/null", moectl, TINY_MODEL);
-    free(run_cmd(cmd, &st));
+    free(moe_test_run_shell(cmd, &st));
     CHECK_EQ(st, 2);
     snprintf(cmd, sizeof cmd, "%s tokenize -m /nonexistent.gguf -f - </dev/null 2>/dev/null",
              moectl);
-    out = run_cmd(cmd, &st);
+    out = moe_test_run_shell(cmd, &st);
     CHECK_EQ(st, 1);
     CHECK_STREQ(out, "");
     free(out);
     /* An empty input prints an empty line. */
     snprintf(cmd, sizeof cmd, "%s tokenize -m %s -f - </dev/null", moectl, TINY_MODEL);
-    out = run_cmd(cmd, &st);
+    out = moe_test_run_shell(cmd, &st);
     CHECK_EQ(st, 0);
     CHECK_STREQ(out, "\n");
     free(out);
@@ -1028,7 +991,7 @@ TEST(tok_concurrent_encode)
 {
     struct moe_tokenizer *t = load_file(QWEN3_VOCAB);
     size_t l1;
-    char *p1 = read_file("tests/golden/prompts/p1.txt", &l1);
+    char *p1 = moe_test_read_file_or_fail("tests/golden/prompts/p1.txt", &l1);
     struct tok_thread th[4];
     pthread_t tid[4];
     for (int i = 0; i < 4; i++) {

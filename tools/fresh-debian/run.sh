@@ -12,10 +12,13 @@
 #                       uncommitted fix without committing it. The log lists every overlay.
 #     --cuda            bind /usr/local/cuda* into the root read-only, as on the CI machine (which
 #                       has the toolkit but no GPU): the Makefile then builds worker/cuda/*.cu
-#     --steps LIST      comma-separated, default "demo,test" (also: fuzz, shell)
+#     --steps LIST      comma-separated, default "demo,test"; also: fuzz (`make fuzz`), usertest
+#                       (`make test` as a non-root user in its own clone, after root's steps
+#                       installed the packages), shell (an interactive shell in the root)
 #     --timeout SECS    per step (default 2400)
 #     --rebuild-base    debootstrap again even if the base tarball exists
 #     --keep            leave the root in place afterwards (mounts are always undone)
+#     --no-host-ca      do not copy this host's local CA certificates into the root (see below)
 #
 # Needs root, debootstrap (installed when missing), network to deb.debian.org and PyPI.
 # Paths: root /tmp/fresh-root, base /tmp/fresh-base.tar, log /tmp/fresh-<time>.log
@@ -31,6 +34,7 @@ steps=demo,test
 step_timeout=2400
 rebuild=0
 keep=0
+host_ca=1
 ROOT=${FRESH_ROOT:-/tmp/fresh-root}
 BASE=${FRESH_BASE:-/tmp/fresh-base.tar}
 LOG=${FRESH_LOG:-/tmp/fresh-$(date -u +%Y%m%d-%H%M%S).log}
@@ -46,7 +50,8 @@ while [ $# -gt 0 ]; do
         --timeout) step_timeout=$2; shift 2 ;;
         --rebuild-base) rebuild=1; shift ;;
         --keep) keep=1; shift ;;
-        -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
+        --no-host-ca) host_ca=0; shift ;;
+        -h|--help) sed -n '2,25p' "$0"; exit 0 ;;
         *) echo "fresh-debian: unknown option $1" >&2; exit 2 ;;
     esac
 done
@@ -130,15 +135,31 @@ remove_root
 mkdir -p "$ROOT"
 tar -C "$ROOT" -xf "$BASE"
 cp -L /etc/resolv.conf "$ROOT/etc/resolv.conf"
+# This host's network may pass HTTPS through a proxy whose CA only the host trusts (local CAs in
+# /usr/local/share/ca-certificates). Hand them to the root the way an admin would: ca-certificates'
+# postinst (when deps.sh installs it) adds them to the bundle pip and curl use. That is the
+# network, not the project: a fresh machine on an open network needs nothing of the sort.
+if [ "$host_ca" = 1 ] && ls /usr/local/share/ca-certificates/*.crt >/dev/null 2>&1; then
+    mkdir -p "$ROOT/usr/local/share/ca-certificates"
+    cp /usr/local/share/ca-certificates/*.crt "$ROOT/usr/local/share/ca-certificates/"
+    echo "host's local CA certificates copied in: $(cd /usr/local/share/ca-certificates && ls *.crt | tr '\n' ' ')"
+fi
 
+# clone_to DIR: a clean clone of the commit under test, plus the overlays.
+clone_to() {
+    git clone -q --no-hardlinks "$repo" "$ROOT$1"
+    git -C "$ROOT$1" -c advice.detachedHead=false checkout -q "$commit"
+    local f
+    for f in ${overlays[@]+"${overlays[@]}"}; do
+        mkdir -p "$(dirname "$ROOT$1/$f")"
+        cp -a "$repo/$f" "$ROOT$1/$f"
+    done
+}
 src=/root/moed
 say "git clone $repo @ ${commit:0:12} -> $ROOT$src"
-git clone -q --no-hardlinks "$repo" "$ROOT$src"
-git -C "$ROOT$src" -c advice.detachedHead=false checkout -q "$commit"
+clone_to "$src"
 for f in ${overlays[@]+"${overlays[@]}"}; do
     echo "overlay from working tree: $f ($(git -C "$repo" diff --stat HEAD -- "$f" | tail -n 1))"
-    mkdir -p "$(dirname "$ROOT$src/$f")"
-    cp -a "$repo/$f" "$ROOT$src/$f"
 done
 
 mount_in "$ROOT/proc" -t proc proc
@@ -154,13 +175,22 @@ if [ "$cuda" = 1 ]; then
         mount -o remount,bind,ro "$ROOT$d"
     done
     [ -L /usr/local/cuda ] && cp -a /usr/local/cuda "$ROOT/usr/local/cuda"
+    # The toolkit's installer registers its libraries with ld.so; do as this host did.
+    for c in /etc/ld.so.conf.d/*cuda*; do [ -f "$c" ] && cp "$c" "$ROOT/etc/ld.so.conf.d/"; done
+    chroot "$ROOT" ldconfig
     echo "CUDA toolkit bound read-only: $(ls -d "$ROOT"/usr/local/cuda* | sed "s|$ROOT||" | tr '\n' ' ')"
 fi
 
 # A clean login environment: nothing from this shell leaks in (no PATH additions, no venv, no CC).
+# as_user USER CMD...: the same for another user of the root (HOME /home/USER).
 in_root() {
     chroot "$ROOT" /usr/bin/env -i HOME=/root USER=root LOGNAME=root SHELL=/bin/bash TERM=dumb \
         PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin "$@"
+}
+as_user() {
+    local u=$1; shift
+    chroot --userspec="$u:$u" "$ROOT" /usr/bin/env -i HOME="/home/$u" USER="$u" LOGNAME="$u" \
+        SHELL=/bin/bash TERM=dumb PATH=/usr/local/bin:/usr/bin:/bin "$@"
 }
 
 in_root dpkg-query -W -f='${Package}\n' | sort >"$LOG.pkgs-before"
@@ -175,8 +205,17 @@ in_root dpkg-query -W -f='${Package}\n' | sort >"$LOG.pkgs-make"
 results=()
 IFS=, read -r -a step_list <<<"$steps"
 for step in "${step_list[@]}"; do
+    runner=(in_root)
     case $step in
         demo|test|fuzz) cmd="cd $src && make $step" ;;
+        # `make test` as an ordinary user in their own clone, once root has installed the
+        # packages (docs/install.md: `sudo make deps`, then build and test as yourself).
+        usertest)
+            if ! in_root id tester >/dev/null 2>&1; then in_root useradd -m -s /bin/bash tester; fi
+            clone_to /home/tester/moed
+            in_root chown -R tester:tester /home/tester/moed
+            runner=(as_user tester)
+            cmd="cd /home/tester/moed && make test" ;;
         shell) cmd="cd $src && exec bash -i" ;;
         *) echo "fresh-debian: unknown step $step" >&2; exit 2 ;;
     esac
@@ -186,7 +225,7 @@ for step in "${step_list[@]}"; do
     if [ "$step" = shell ]; then
         in_root bash -c "$cmd" </dev/tty >/dev/tty 2>&1
     else
-        in_root timeout --kill-after=30 "$step_timeout" bash -c "$cmd" </dev/null
+        "${runner[@]}" timeout --kill-after=30 "$step_timeout" bash -c "$cmd" </dev/null
     fi
     rc=$?
     set -e
