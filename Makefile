@@ -80,7 +80,7 @@ PROGRAMS += $(BINDIR)/moed
 endif
 TEST_BIN := $(BUILD)/tests/moe-tests
 
-.PHONY: all test test-build demo deps fuzz clean bench
+.PHONY: all test test-build demo deps fuzz clean bench install
 all: $(PROGRAMS)
 
 # Generated protobuf-c code lives in build/, never in git. Keep it even when a build fails.
@@ -147,6 +147,21 @@ $(FUZZ_BUILD)/%: tests/%.c $(STORE_SRC) | $(PROTO_GEN_H)
 	$(Q)clang $(CPPFLAGS) -std=c11 -O1 -g -fsanitize=fuzzer,address,undefined -o $@ $< $(STORE_SRC) $(PROTO_GEN_C) $(LDLIBS)
 
 bench: all
+
+# make install [PREFIX=/usr/local] [DESTDIR=...]: programs, the systemd unit and its sysusers and
+# tmpfiles snippets, an example config (kept if one exists), docs. See docs/operations.md.
+PREFIX ?= /usr/local
+SYSCONFDIR ?= /etc
+install: all
+	install -d $(DESTDIR)$(PREFIX)/bin $(DESTDIR)$(SYSCONFDIR)/systemd/system \
+		$(DESTDIR)$(SYSCONFDIR)/sysusers.d $(DESTDIR)$(SYSCONFDIR)/tmpfiles.d \
+		$(DESTDIR)$(SYSCONFDIR)/moed $(DESTDIR)$(PREFIX)/share/doc/moed
+	install -m 0755 $(PROGRAMS) $(DESTDIR)$(PREFIX)/bin/
+	sed 's|/usr/local/|$(PREFIX)/|g' systemd/moed.service > $(DESTDIR)$(SYSCONFDIR)/systemd/system/moed.service
+	install -m 0644 systemd/moed.sysusers $(DESTDIR)$(SYSCONFDIR)/sysusers.d/moed.conf
+	install -m 0644 systemd/moed.tmpfiles $(DESTDIR)$(SYSCONFDIR)/tmpfiles.d/moed.conf
+	test -e $(DESTDIR)$(SYSCONFDIR)/moed/moed.conf || install -m 0644 systemd/moed.conf $(DESTDIR)$(SYSCONFDIR)/moed/moed.conf
+	install -m 0644 README.md docs/*.md $(DESTDIR)$(PREFIX)/share/doc/moed/
 
 clean:
 	rm -rf $(BUILD) $(BINDIR)

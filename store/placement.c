@@ -140,13 +140,10 @@ int moe_placement_compute(struct moe_placement *out, uint32_t n_layer, uint32_t 
     }
     MOE_ASSERT(p.bytes_used <= budget);
     *out = p;
-    free(order);
-    free(share);
-    free(active);
-    free(tmp);
-    return 0;
+    rc = 0;
 fail:
-    moe_placement_free(&p);
+    if (rc)
+        moe_placement_free(&p);
     free(order);
     free(share);
     free(active);

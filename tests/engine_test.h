@@ -39,8 +39,9 @@ static inline int32_t *json_ids(json_t *a, size_t *n)
     return ids;
 }
 
-/* model: "F16", "Q8_0", "Q4_K_M"; prompt: "p1".."p3". */
-static inline void golden_load(struct golden_ref *r, const char *model, const char *prompt)
+/* The tokens of a golden reference only (r->logits = NULL).
+ * model: "F16", "Q8_0", "Q4_K_M"; prompt: "p1".."p3". */
+static inline void golden_load_tokens(struct golden_ref *r, const char *model, const char *prompt)
 {
     char path[256];
     snprintf(path, sizeof path, GOLDEN "/refs/tiny-qwen3moe-%s.%s.json", model, prompt);
@@ -50,7 +51,15 @@ static inline void golden_load(struct golden_ref *r, const char *model, const ch
     r->prompt = json_ids(json_object_get(j, "prompt_tokens"), &r->n_prompt);
     r->greedy = json_ids(json_object_get(j, "greedy_tokens"), &r->n_greedy);
     r->n_vocab = (uint32_t)json_integer_value(json_object_get(j, "n_vocab"));
+    r->logits = NULL;
     json_decref(j);
+}
+
+/* The tokens and the reference logits. */
+static inline void golden_load(struct golden_ref *r, const char *model, const char *prompt)
+{
+    golden_load_tokens(r, model, prompt);
+    char path[256];
     snprintf(path, sizeof path, GOLDEN "/refs/tiny-qwen3moe-%s.%s.logits.f32", model, prompt);
     size_t size;
     r->logits = (float *)moe_test_read_file_or_fail(path, &size);

@@ -133,6 +133,16 @@ char *moe_test_read_file_or_fail(const char *path, size_t *len)
     return buf;
 }
 
+void moe_test_write_file(const char *path, const void *data, size_t len)
+{
+    FILE *f = fopen(path, "wb");
+    if (!f)
+        moe_test_fail(__FILE__, __LINE__, "cannot create %s: %s", path, strerror(errno));
+    size_t k = fwrite(data, 1, len, f);
+    if (fclose(f) != 0 || k != len)
+        moe_test_fail(__FILE__, __LINE__, "cannot write %s: %s", path, strerror(errno));
+}
+
 char *moe_test_run_shell(const char *cmd, int *status)
 {
     fflush(NULL);
@@ -236,7 +246,7 @@ static int rm_entry(const char *path, const struct stat *sb, int flag, struct FT
     return 0;
 }
 
-static double now(void)
+double moe_test_now(void)
 {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -298,7 +308,7 @@ int main(int argc, char **argv)
     struct running *run = calloc((size_t)jobs, sizeof *run);
     int next = 0, active = 0, passed = 0, failed = 0, skipped = 0;
     const char *tbase = getenv("TMPDIR");
-    double t0 = now();
+    double t0 = moe_test_now();
     while (next < n_sel || active > 0) {
         while (active < jobs && next < n_sel) {
             struct running *r = NULL;
@@ -326,12 +336,12 @@ int main(int argc, char **argv)
                 _exit(0);
             }
             r->pid = pid;
-            r->start = now();
+            r->start = moe_test_now();
             active++;
         }
         int status;
         pid_t done = waitpid(-1, &status, WNOHANG);
-        double t = now();
+        double t = moe_test_now();
         for (int k = 0; k < jobs; k++) {
             struct running *r = &run[k];
             if (!r->pid)
@@ -389,7 +399,7 @@ int main(int argc, char **argv)
         if (done <= 0)
             usleep(5000);
     }
-    printf("unit tests: %.1fs\n", now() - t0);
+    printf("unit tests: %.1fs\n", moe_test_now() - t0);
     if (skipped)
         printf("%d passed, %d failed, %d skipped\n", passed, failed, skipped);
     else

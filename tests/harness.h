@@ -29,6 +29,9 @@ char *moe_test_read_file(const char *path, size_t *len);
 /* The same, but a file that cannot be read fails the test. */
 char *moe_test_read_file_or_fail(const char *path, size_t *len);
 
+/* Writes len bytes to path (created or truncated); a failure fails the test. */
+void moe_test_write_file(const char *path, const void *data, size_t len);
+
 /* Runs argv (argv[0] a path) with stdout to out_path and stderr to err_path (either may be NULL:
  * inherited; the same path for both interleaves them in one file). Returns the exit status, 128+signal when killed, or -1 when it could not run. */
 int moe_test_run(char *const argv[], const char *out_path, const char *err_path);
@@ -43,6 +46,9 @@ double moe_test_rel_l2(const float *a, const float *b, size_t n);
 int32_t moe_test_argmax(const float *x, size_t n);
 /* How many of the rows (each n floats) of a and b have the same argmax. */
 size_t moe_test_top1_agree(const float *a, const float *b, size_t rows, size_t n);
+
+/* Seconds on the monotonic clock. */
+double moe_test_now(void);
 
 /* A deterministic xorshift64* generator, so that random test data is the same on every run.
  * Its state is per test process; seed it at the start of each test that uses it. */

@@ -14,8 +14,8 @@ struct ipc_test_ref {
 
 /* Path of the golden F16 model. */
 extern const char *ipc_test_model;
-/* Loads tests/golden/refs/tiny-qwen3moe-F16.PROMPT.json. Returns 0, or -1 when it is missing,
- * empty or longer than IPC_TEST_MAX_TOK. */
+/* Loads the tokens of tests/golden/refs/tiny-qwen3moe-F16.PROMPT.json (a missing file fails the
+ * test). Returns 0, or -1 when the prompt is empty or a list is longer than IPC_TEST_MAX_TOK. */
 int ipc_test_load_ref(const char *prompt, struct ipc_test_ref *out);
 /* bin/moed-worker once it runs the IPC mode, else this test binary (as a worker); NULL when
  * neither can be found. */

@@ -86,10 +86,7 @@ TEST(demo_greedy_reads_like_kjv)
     char prompt[512], out[512];
     snprintf(prompt, sizeof prompt, "%s/prompt.txt", moe_test_tmpdir());
     snprintf(out, sizeof out, "%s/out.json", moe_test_tmpdir());
-    FILE *f = fopen(prompt, "w");
-    CHECK(f);
-    fputs("In the beginning God", f);
-    fclose(f);
+    moe_test_write_file(prompt, "In the beginning God", 20);
     char *argv[] = {(char *)moe_test_bin("moed-worker"), "--model", DEMO_F16, "--prompt-file", prompt,
                     "-n", "48", "--json", NULL};
     CHECK_EQ(moe_test_run(argv, out, "/dev/null"), 0);

@@ -777,10 +777,8 @@ TEST(gguf_open_errors)
     /* A parse error through gguf_open names the file. */
     char path[512];
     snprintf(path, sizeof path, "%s/bad.gguf", moe_test_tmpdir());
-    FILE *fp = fopen(path, "wb");
-    CHECK(fp);
-    fwrite("GGUF\x03\0\0\0\xff\xff\xff\xff\xff\xff\xff\xff\0\0\0\0\0\0\0\0", 1, 24, fp);
-    fclose(fp);
+    moe_test_write_file(path, "GGUF\x03\0\0\0\xff\xff\xff\xff\xff\xff\xff\xff\0\0\0\0\0\0\0\0",
+                        24);
     CHECK_EQ(gguf_open(&f, path, err, sizeof err), MOE_EFORMAT);
     CHECK(strstr(err, path) && strstr(err, "n_tensors at byte 8"));
     CHECK(f == NULL);

@@ -11,14 +11,13 @@
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
-#include <time.h>
 #include <unistd.h>
 
-#include <jansson.h>
 #include <uv.h>
 
 #include "proto/ipc.h"
 #include "store/err.h"
+#include "tests/engine_test.h"
 #include "tests/harness.h"
 #include "tests/ipc_test.h"
 #include "worker/ipc.h"
@@ -39,30 +38,23 @@ __attribute__((constructor)) static void maybe_run_as_worker(void)
 /* ---------------------------------------------------------------------------------------------
  * Helpers shared with tests/test_supervisor.c (declared in tests/ipc_test.h). */
 
-const char *ipc_test_model = "tests/golden/models/tiny-qwen3moe-F16.gguf";
+const char *ipc_test_model = GOLDEN "/models/tiny-qwen3moe-F16.gguf";
 
 int ipc_test_load_ref(const char *prompt, struct ipc_test_ref *out)
 {
-    char path[256];
-    snprintf(path, sizeof path, "tests/golden/refs/tiny-qwen3moe-F16.%s.json", prompt);
-    json_error_t je;
-    json_t *j = json_load_file(path, 0, &je);
-    if (!j)
-        return -1;
-    json_t *pt = json_object_get(j, "prompt_tokens"), *gt = json_object_get(j, "greedy_tokens");
-    out->n_vocab = (uint32_t)json_integer_value(json_object_get(j, "n_vocab"));
-    out->n_prompt = (uint32_t)json_array_size(pt);
-    out->n_greedy = (uint32_t)json_array_size(gt);
-    if (out->n_prompt > IPC_TEST_MAX_TOK || out->n_greedy > IPC_TEST_MAX_TOK || !out->n_prompt) {
-        json_decref(j);
-        return -1;
+    struct golden_ref r;
+    golden_load_tokens(&r, "F16", prompt);
+    int rc = -1;
+    if (r.n_prompt && r.n_prompt <= IPC_TEST_MAX_TOK && r.n_greedy <= IPC_TEST_MAX_TOK) {
+        out->n_vocab = r.n_vocab;
+        out->n_prompt = (uint32_t)r.n_prompt;
+        out->n_greedy = (uint32_t)r.n_greedy;
+        memcpy(out->prompt, r.prompt, sizeof(int32_t) * r.n_prompt);
+        memcpy(out->greedy, r.greedy, sizeof(int32_t) * r.n_greedy);
+        rc = 0;
     }
-    for (uint32_t i = 0; i < out->n_prompt; i++)
-        out->prompt[i] = (int32_t)json_integer_value(json_array_get(pt, i));
-    for (uint32_t i = 0; i < out->n_greedy; i++)
-        out->greedy[i] = (int32_t)json_integer_value(json_array_get(gt, i));
-    json_decref(j);
-    return 0;
+    golden_free(&r);
+    return rc;
 }
 
 const char *ipc_test_worker_bin(void)
@@ -546,12 +538,10 @@ static void ct_on_close(struct moe_ipc_conn *c, void *user, int reason, const ch
 
 static void run_until(uv_loop_t *loop, int *flag, int target, double secs)
 {
-    struct timespec t0, t1;
-    clock_gettime(CLOCK_MONOTONIC, &t0);
+    double t0 = moe_test_now();
     while (*flag < target) {
         uv_run(loop, UV_RUN_NOWAIT);
-        clock_gettime(CLOCK_MONOTONIC, &t1);
-        if (t1.tv_sec - t0.tv_sec + (t1.tv_nsec - t0.tv_nsec) * 1e-9 > secs)
+        if (moe_test_now() - t0 > secs)
             break;
         usleep(500);
     }

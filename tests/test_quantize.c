@@ -281,10 +281,7 @@ TEST(quantize_usage_errors)
     tmp_path(missing, sizeof missing, "missing.gguf");
     CHECK_EQ(moectl(1, "quantize", missing, out, "q8_0", NULL), 1);
     tmp_path(bad, sizeof bad, "bad.gguf");
-    FILE *f = fopen(bad, "wb");
-    CHECK(f);
-    fputs("GGUF but not really", f);
-    fclose(f);
+    moe_test_write_file(bad, "GGUF but not really", 19);
     CHECK_EQ(moectl(1, "quantize", bad, out, "q8_0", NULL), 1);
     CHECK(access(out, F_OK) != 0);
 
@@ -293,9 +290,7 @@ TEST(quantize_usage_errors)
     tmp_path(copy, sizeof copy, "copy.gguf");
     size_t n;
     char *data = moe_test_read_file_or_fail(GOLDEN_F16, &n);
-    f = fopen(copy, "wb");
-    CHECK(f && fwrite(data, 1, n, f) == n);
-    fclose(f);
+    moe_test_write_file(copy, data, n);
     CHECK_EQ(moectl(1, "quantize", copy, copy, "q8_0", NULL), 1);
     size_t n2;
     char *after = moe_test_read_file_or_fail(copy, &n2);

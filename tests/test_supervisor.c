@@ -8,7 +8,6 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
-#include <time.h>
 #include <unistd.h>
 
 #include <uv.h>
@@ -86,18 +85,11 @@ static void on_stopped(void *user)
     ((struct ctx *)user)->stopped = true;
 }
 
-static double now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return ts.tv_sec + ts.tv_nsec * 1e-9;
-}
-
 /* Runs the loop until *flag is true (checked between iterations) or secs pass. */
 #define RUN_UNTIL(c, cond, secs)                                                          \
     do {                                                                                  \
-        double t_end_ = now_s() + (secs);                                                 \
-        while (!(cond) && now_s() < t_end_)                                               \
+        double t_end_ = moe_test_now() + (secs);                                                 \
+        while (!(cond) && moe_test_now() < t_end_)                                               \
             uv_run(&(c)->loop, UV_RUN_ONCE);                                              \
         CHECK_MSG((cond), "timed out after %.0f s waiting for %s", (double)(secs), #cond); \
     } while (0)
@@ -156,11 +148,10 @@ static void stop(struct ctx *c)
 static const char *fake_worker(const char *name, const char *body)
 {
     static char path[512];
+    char text[512];
     snprintf(path, sizeof path, "%s/%s", moe_test_tmpdir(), name);
-    FILE *f = fopen(path, "w");
-    CHECK(f);
-    fprintf(f, "#!/bin/sh\n%s", body);
-    CHECK(fclose(f) == 0);
+    snprintf(text, sizeof text, "#!/bin/sh\n%s", body);
+    moe_test_write_file(path, text, strlen(text));
     CHECK(chmod(path, 0755) == 0);
     return path;
 }

@@ -7,7 +7,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 #include "store/err.h"
 #include "store/gguf.h"
@@ -732,13 +731,11 @@ TEST_TIMEOUT(tok_encode_speed, 60)
         memcpy(text + len, src, sl);
         len += sl;
     }
-    struct timespec a, b;
-    clock_gettime(CLOCK_MONOTONIC, &a);
+    double t0 = moe_test_now();
     int32_t *ids = NULL;
     size_t n = 0;
     CHECK_EQ(moe_tok_encode(t, text, len, true, &ids, &n), 0);
-    clock_gettime(CLOCK_MONOTONIC, &b);
-    double s = (double)(b.tv_sec - a.tv_sec) + (double)(b.tv_nsec - a.tv_nsec) * 1e-9;
+    double s = moe_test_now() - t0;
     fprintf(stderr, "encoded %zu bytes into %zu tokens in %.3f s\n", len, n, s);
     CHECK(n > len / 8);
     CHECK_MSG(s < 2.0, "encoding %zu bytes took %.3f s", len, s);
@@ -799,10 +796,7 @@ TEST(tok_moectl_tokenize)
     const char *text = json_string_value(json_object_get(c, "text"));
     char path[512];
     snprintf(path, sizeof path, "%s/in.txt", moe_test_tmpdir());
-    FILE *f = fopen(path, "wb");
-    CHECK(f);
-    fwrite(text, 1, strlen(text), f);
-    fclose(f);
+    moe_test_write_file(path, text, strlen(text));
     ids_line(json_object_get(c, "ids"), want, sizeof want);
     snprintf(cmd, sizeof cmd, "%s tokenize -m %s --no-special -f %s", moectl, QWEN3_VOCAB, path);
     out = moe_test_run_shell(cmd, &st);
@@ -859,13 +853,11 @@ TEST_TIMEOUT(tok_pathological_inputs, 60)
             case 6: s[i] = "<|im_start|>"[i % 12]; break;          /* specials back to back */
             }
         }
-        struct timespec a, b;
-        clock_gettime(CLOCK_MONOTONIC, &a);
+        double t0 = moe_test_now();
         int32_t *ids = NULL;
         size_t m = 0;
         CHECK_EQ(moe_tok_encode(t, s, n, kind != 6, &ids, &m), 0);
-        clock_gettime(CLOCK_MONOTONIC, &b);
-        double sec = (double)(b.tv_sec - a.tv_sec) + (double)(b.tv_nsec - a.tv_nsec) * 1e-9;
+        double sec = moe_test_now() - t0;
         CHECK_MSG(sec < 5.0, "kind %d: %.2f s", kind, sec);
         CHECK(m > 0 && m <= n);
         size_t blen;

@@ -12,9 +12,9 @@
 #                       uncommitted fix without committing it. The log lists every overlay.
 #     --cuda            bind /usr/local/cuda* into the root read-only, as on the CI machine (which
 #                       has the toolkit but no GPU): the Makefile then builds worker/cuda/*.cu
-#     --steps LIST      comma-separated, default "demo,test"; also: fuzz (`make fuzz`), usertest
-#                       (`make test` as a non-root user in its own clone, after root's steps
-#                       installed the packages), shell (an interactive shell in the root)
+#     --steps LIST      comma-separated, default "demo,test"; also: ci (.ci/run), fuzz (`make
+#                       fuzz`), usertest (`make test` as a non-root user in its own clone, once
+#                       root's steps installed the packages), shell (an interactive shell)
 #     --timeout SECS    per step (default 2400)
 #     --rebuild-base    debootstrap again even if the base tarball exists
 #     --keep            leave the root in place afterwards (mounts are always undone)
@@ -208,6 +208,7 @@ for step in "${step_list[@]}"; do
     runner=(in_root)
     case $step in
         demo|test|fuzz) cmd="cd $src && make $step" ;;
+        ci) cmd="cd $src && .ci/run" ;;
         # `make test` as an ordinary user in their own clone, once root has installed the
         # packages (docs/install.md: `sudo make deps`, then build and test as yourself).
         usertest)

@@ -333,59 +333,37 @@ static AVX2 float bf16_scalar(const uint8_t *p)
     return f;
 }
 
-static AVX2 float dot_f16(const uint8_t *w, const float *x, int64_t n)
-{
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-    int64_t i = 0;
-    for (; i + 32 <= n; i += 32) {
-        a0 = _mm256_fmadd_ps(ld_f16x8(w + 2 * i), _mm256_loadu_ps(x + i), a0);
-        a1 = _mm256_fmadd_ps(ld_f16x8(w + 2 * i + 16), _mm256_loadu_ps(x + i + 8), a1);
-        a2 = _mm256_fmadd_ps(ld_f16x8(w + 2 * i + 32), _mm256_loadu_ps(x + i + 16), a2);
-        a3 = _mm256_fmadd_ps(ld_f16x8(w + 2 * i + 48), _mm256_loadu_ps(x + i + 24), a3);
+/* F16 and BF16 rows differ only in how 8 values (ld8) or one (ld1) widen to f32, so one body
+ * serves both; a macro rather than a loader argument keeps the loads inlined. */
+#define HALF_KERNELS(name, ld8, ld1)                                                          \
+    static AVX2 float dot_##name(const uint8_t *w, const float *x, int64_t n)                \
+    {                                                                                        \
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;                          \
+        int64_t i = 0;                                                                       \
+        for (; i + 32 <= n; i += 32) {                                                       \
+            a0 = _mm256_fmadd_ps(ld8(w + 2 * i), _mm256_loadu_ps(x + i), a0);               \
+            a1 = _mm256_fmadd_ps(ld8(w + 2 * i + 16), _mm256_loadu_ps(x + i + 8), a1);      \
+            a2 = _mm256_fmadd_ps(ld8(w + 2 * i + 32), _mm256_loadu_ps(x + i + 16), a2);     \
+            a3 = _mm256_fmadd_ps(ld8(w + 2 * i + 48), _mm256_loadu_ps(x + i + 24), a3);     \
+        }                                                                                    \
+        for (; i + 8 <= n; i += 8)                                                           \
+            a0 = _mm256_fmadd_ps(ld8(w + 2 * i), _mm256_loadu_ps(x + i), a0);               \
+        float sum = hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));       \
+        for (; i < n; i++)                                                                   \
+            sum += ld1(w + 2 * i) * x[i];                                                    \
+        return sum;                                                                          \
+    }                                                                                        \
+                                                                                             \
+    static AVX2 void dec_##name(const uint8_t *w, float *dst, int64_t n)                     \
+    {                                                                                        \
+        int64_t i = 0;                                                                       \
+        for (; i + 8 <= n; i += 8)                                                           \
+            _mm256_storeu_ps(dst + i, ld8(w + 2 * i));                                       \
+        for (; i < n; i++)                                                                   \
+            dst[i] = ld1(w + 2 * i);                                                         \
     }
-    for (; i + 8 <= n; i += 8)
-        a0 = _mm256_fmadd_ps(ld_f16x8(w + 2 * i), _mm256_loadu_ps(x + i), a0);
-    float sum = hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
-    for (; i < n; i++)
-        sum += half(w + 2 * i) * x[i];
-    return sum;
-}
-
-static AVX2 float dot_bf16(const uint8_t *w, const float *x, int64_t n)
-{
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-    int64_t i = 0;
-    for (; i + 32 <= n; i += 32) {
-        a0 = _mm256_fmadd_ps(ld_bf16x8(w + 2 * i), _mm256_loadu_ps(x + i), a0);
-        a1 = _mm256_fmadd_ps(ld_bf16x8(w + 2 * i + 16), _mm256_loadu_ps(x + i + 8), a1);
-        a2 = _mm256_fmadd_ps(ld_bf16x8(w + 2 * i + 32), _mm256_loadu_ps(x + i + 16), a2);
-        a3 = _mm256_fmadd_ps(ld_bf16x8(w + 2 * i + 48), _mm256_loadu_ps(x + i + 24), a3);
-    }
-    for (; i + 8 <= n; i += 8)
-        a0 = _mm256_fmadd_ps(ld_bf16x8(w + 2 * i), _mm256_loadu_ps(x + i), a0);
-    float sum = hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
-    for (; i < n; i++)
-        sum += bf16_scalar(w + 2 * i) * x[i];
-    return sum;
-}
-
-static AVX2 void dec_f16(const uint8_t *w, float *dst, int64_t n)
-{
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8)
-        _mm256_storeu_ps(dst + i, ld_f16x8(w + 2 * i));
-    for (; i < n; i++)
-        dst[i] = half(w + 2 * i);
-}
-
-static AVX2 void dec_bf16(const uint8_t *w, float *dst, int64_t n)
-{
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8)
-        _mm256_storeu_ps(dst + i, ld_bf16x8(w + 2 * i));
-    for (; i < n; i++)
-        dst[i] = bf16_scalar(w + 2 * i);
-}
+HALF_KERNELS(f16, ld_f16x8, half)
+HALF_KERNELS(bf16, ld_bf16x8, bf16_scalar)
 
 static AVX2 float dot_f32_row(const void *row, const float *x, int64_t n)
 {
