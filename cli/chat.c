@@ -11,6 +11,7 @@
 #include "cli/client.h"
 #include "cli/moectl.h"
 #include "cli/stream.h"
+#include "store/buf.h"
 
 struct stream_state {
     int chat;
@@ -20,21 +21,10 @@ struct stream_state {
     int done;
 };
 
+/* Out of memory only shortens the kept copy (the chat history): the reply was printed already. */
 static void keep(struct stream_state *s, const char *t, size_t n)
 {
-    if (s->len + n + 1 > s->cap) {
-        size_t nc = s->cap ? s->cap * 2 : 256;
-        while (nc < s->len + n + 1)
-            nc *= 2;
-        char *p = realloc(s->text, nc);
-        if (!p)
-            return;
-        s->text = p;
-        s->cap = nc;
-    }
-    memcpy(s->text + s->len, t, n);
-    s->len += n;
-    s->text[s->len] = 0;
+    (void)moe_buf_append(&s->text, &s->len, &s->cap, t, n);
 }
 
 static int on_event(const char *data, size_t len, void *user)

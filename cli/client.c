@@ -13,6 +13,7 @@
 #include <jansson.h>
 
 #include "cli/moectl.h"
+#include "store/buf.h"
 
 struct rstate {
     struct client_resp *r;
@@ -28,21 +29,6 @@ struct rstate {
     char *data;              /* SSE: data of the current event */
     size_t data_len, data_cap;
 };
-
-static int grow(char **buf, size_t *cap, size_t need)
-{
-    if (need <= *cap)
-        return 0;
-    size_t nc = *cap ? *cap : 256;
-    while (nc < need)
-        nc *= 2;
-    char *nb = realloc(*buf, nc);
-    if (!nb)
-        return -1;
-    *buf = nb;
-    *cap = nc;
-    return 0;
-}
 
 static int on_hfield(http_parser *p, const char *at, size_t n)
 {
@@ -99,7 +85,7 @@ static int sse_line(struct rstate *s, const char *l, size_t n)
         size_t vn = n - 5;
         if (vn && *v == ' ')
             v++, vn--;
-        if (grow(&s->data, &s->data_cap, s->data_len + vn + 2))
+        if (moe_buf_reserve(&s->data, &s->data_cap, s->data_len + vn + 2))
             return -1;
         if (s->data_len)
             s->data[s->data_len++] = '\n';
@@ -113,12 +99,7 @@ static int on_body(http_parser *p, const char *at, size_t n)
 {
     struct rstate *s = p->data;
     if (!s->is_sse) {
-        if (grow(&s->r->body, &s->body_cap, s->r->len + n + 1))
-            return -1;
-        memcpy(s->r->body + s->r->len, at, n);
-        s->r->len += n;
-        s->r->body[s->r->len] = 0;
-        return 0;
+        return moe_buf_append(&s->r->body, &s->r->len, &s->body_cap, at, n) ? -1 : 0;
     }
     for (size_t i = 0; i < n; i++) {
         if (at[i] == '\n') {
@@ -128,7 +109,7 @@ static int on_body(http_parser *p, const char *at, size_t n)
             if (s->stop)
                 return 0;
         } else {
-            if (grow(&s->line, &s->line_cap, s->line_len + 2))
+            if (moe_buf_reserve(&s->line, &s->line_cap, s->line_len + 2))
                 return -1;
             s->line[s->line_len++] = at[i];
         }
@@ -287,5 +268,32 @@ int client_call(const char *method, const char *path, const char *body, size_t l
         client_resp_free(out);
         return rc;
     }
+    return 0;
+}
+
+int client_get_json(const char *path, const char *what, json_t **out)
+{
+    struct client_resp r;
+    json_error_t je;
+    *out = NULL;
+    int rc = client_call("GET", path, NULL, 0, &r);
+    if (rc)
+        return rc;
+    if (moectl_opts.json) {
+        fputs(r.body, stdout);
+        if (r.len && r.body[r.len - 1] != '\n')
+            putchar('\n');
+        client_resp_free(&r);
+        return 0;
+    }
+    json_t *o = json_loads(r.body, 0, &je);
+    client_resp_free(&r);
+    if (!json_is_object(o)) {
+        fprintf(stderr, "moectl: %s: unexpected reply from moed: %s\n", what,
+                o ? "not a JSON object" : je.text);
+        json_decref(o);
+        return CLIENT_EXIT_FAIL;
+    }
+    *out = o;
     return 0;
 }

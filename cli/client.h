@@ -6,6 +6,8 @@
 #include <stdbool.h>
 #include <stddef.h>
 
+#include <jansson.h>
+
 /* moectl exit codes (cli/moectl.h). */
 enum { CLIENT_EXIT_FAIL = 1, CLIENT_EXIT_NOT_RUNNING = 3, CLIENT_EXIT_DENIED = 4 };
 
@@ -37,5 +39,12 @@ int client_report_error(const char *what, const struct client_resp *r);
  * otherwise an exit code (the message is printed). */
 int client_call(const char *method, const char *path, const char *body, size_t len,
                 struct client_resp *out);
+
+/* GET path for a read-only command (status, placement, profile show). With --json the body is
+ * printed as it came (newline-terminated) and *out is NULL; otherwise *out is the reply's JSON
+ * object, for the caller to json_decref(). Returns 0 or an exit code after printing a message:
+ * client_call()'s, or "moectl: WHAT: unexpected reply from moed" for a body that is not a JSON
+ * object. */
+int client_get_json(const char *path, const char *what, json_t **out);
 
 #endif

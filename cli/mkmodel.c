@@ -31,6 +31,7 @@
 #include "store/err.h"
 #include "store/ggml_type.h"
 #include "store/gguf_write.h"
+#include "store/io.h"
 
 #define DEFAULT_VOCAB "tests/golden/tokenizer/qwen3-vocab.gguf"
 #define CHUNK_BYTES (4u << 20)
@@ -289,13 +290,6 @@ fail:
     return rc;
 }
 
-static double now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
-}
-
 static void *worker(void *arg)
 {
     struct job *j = arg;
@@ -378,7 +372,7 @@ static int run(const struct opts *o, char *err, size_t errlen)
         rc = moe_fail(err, errlen, rc, "out of memory");
         goto fail;
     }
-    double t0 = now_s();
+    double t0 = moe_now_s();
     TRY(gguf_writer_create(w, o->out, err, errlen));
     created = true;
 
@@ -407,7 +401,7 @@ static int run(const struct opts *o, char *err, size_t errlen)
         uint64_t done = atomic_load(&job.bytes_done);
         if (done >= total || atomic_load(&job.failed))
             break;
-        double dt = now_s() - t0;
+        double dt = moe_now_s() - t0;
         fprintf(stderr, "\rmkmodel: %5.1f%%  %.2f / %.2f GiB  %.2f GiB/s ", 100.0 * done / total,
                 done / 1073741824.0, total / 1073741824.0, dt > 0 ? done / dt / 1073741824.0 : 0);
         usleep(200000);
@@ -422,7 +416,7 @@ static int run(const struct opts *o, char *err, size_t errlen)
         goto fail;
     }
     TRY(gguf_writer_finish(w, false, err, errlen));
-    double dt = now_s() - t0;
+    double dt = moe_now_s() - t0;
     uint64_t size = gguf_writer_file_size(w);
     if (!o->quiet && o->no_data)
         fprintf(stderr, "mkmodel: wrote %s: %s %s, %u tensors, vocab %u, %.3f GiB, metadata only\n",

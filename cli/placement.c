@@ -14,24 +14,10 @@ static int cmd_placement(int argc, char **argv)
         fprintf(stderr, "usage: moectl [--socket PATH] [--json] placement\n");
         return 2;
     }
-    struct client_resp r;
-    int rc = client_call("GET", "/admin/placement", NULL, 0, &r);
-    if (rc)
+    json_t *o;
+    int rc = client_get_json("/admin/placement", "placement", &o);
+    if (rc || !o)
         return rc;
-    if (moectl_opts.json) {
-        fputs(r.body, stdout);
-        if (r.len && r.body[r.len - 1] != '\n')
-            putchar('\n');
-        client_resp_free(&r);
-        return 0;
-    }
-    json_t *o = json_loads(r.body, 0, NULL);
-    client_resp_free(&r);
-    if (!json_is_object(o)) {
-        fprintf(stderr, "moectl: placement: unexpected reply from moed\n");
-        json_decref(o);
-        return 1;
-    }
     printf("budget %.3f GiB (%s), used %.3f GiB, floor %lld per layer, profile %lld tokens\n\n",
            json_number_value(json_object_get(o, "budget_bytes")) / 1073741824.0,
            json_string_value(json_object_get(o, "budget_source")),

@@ -8,6 +8,8 @@
 
 #include "cli/client.h"
 #include "cli/moectl.h"
+#include "cli/util.h"
+#include "store/err.h"
 
 static int usage(void)
 {
@@ -21,15 +23,10 @@ static int cmp_desc(const void *a, const void *b)
     return x[0] < y[0] ? 1 : x[0] > y[0] ? -1 : (x[1] > y[1]) - (x[1] < y[1]);
 }
 
-/* Per layer: share of the routings taken by its top quarter of experts, and the top experts. */
-static int show(const char *text)
+/* Per layer: share of the routings taken by its top quarter of experts, and the top experts.
+ * Consumes the reference to o. */
+static int show(json_t *o)
 {
-    json_t *o = json_loads(text, 0, NULL);
-    if (!json_is_object(o)) {
-        fprintf(stderr, "moectl: profile: unexpected reply from moed\n");
-        json_decref(o);
-        return 1;
-    }
     printf("fingerprint %s, %lld layers x %lld experts, %lld tokens counted\n\n",
            json_string_value(json_object_get(o, "fingerprint")),
            json_integer_value(json_object_get(o, "n_layer")),
@@ -72,14 +69,10 @@ static int cmd_profile(int argc, char **argv)
     struct client_resp r;
     int rc;
     if (!strcmp(sub, "show") && argc == 2) {
-        if ((rc = client_call("GET", "/admin/profile", NULL, 0, &r)))
+        json_t *o;
+        if ((rc = client_get_json("/admin/profile", "profile", &o)) || !o)
             return rc;
-        if (moectl_opts.json)
-            printf("%s%s", r.body, r.len && r.body[r.len - 1] == '\n' ? "" : "\n");
-        else
-            rc = show(r.body);
-        client_resp_free(&r);
-        return rc;
+        return show(o);
     }
     if (!strcmp(sub, "export") && argc == 3) {
         if ((rc = client_call("GET", "/admin/profile", NULL, 0, &r)))
@@ -105,34 +98,13 @@ static int cmd_profile(int argc, char **argv)
         return 0;
     }
     if (!strcmp(sub, "import") && argc == 3) {
-        FILE *f = !strcmp(argv[2], "-") ? stdin : fopen(argv[2], "r");
-        if (!f) {
-            fprintf(stderr, "moectl: %s: %s\n", argv[2], strerror(errno));
+        char *buf = NULL;
+        size_t len = 0;
+        if ((rc = moectl_read_path(argv[2], &buf, &len))) {
+            fprintf(stderr, "moectl: %s: %s\n", argv[2], moe_strerror(rc));
             return 1;
         }
-        char *buf = NULL;
-        size_t len = 0, cap = 0;
-        for (;;) {
-            if (len + 65536 > cap) {
-                cap = cap ? cap * 2 : 131072;
-                char *nb = realloc(buf, cap);
-                if (!nb) {
-                    free(buf);
-                    if (f != stdin)
-                        fclose(f);
-                    fprintf(stderr, "moectl: out of memory\n");
-                    return 1;
-                }
-                buf = nb;
-            }
-            size_t n = fread(buf + len, 1, cap - len, f);
-            len += n;
-            if (n == 0)
-                break;
-        }
-        if (f != stdin)
-            fclose(f);
-        rc = client_call("PUT", "/admin/profile", buf ? buf : "", len, &r);
+        rc = client_call("PUT", "/admin/profile", buf, len, &r);
         free(buf);
         if (rc)
             return rc;

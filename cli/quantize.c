@@ -34,6 +34,7 @@
 #include "store/ggml_type.h"
 #include "store/gguf.h"
 #include "store/gguf_write.h"
+#include "store/io.h"
 #include "store/quant.h"
 
 /* Elements per work chunk: big enough to amortise a pwrite, small enough to spread a single
@@ -324,13 +325,6 @@ static bool same_file(const char *a, const char *b)
            sa.st_ino == sb.st_ino;
 }
 
-static double now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
 static int run(const struct qopts *o, char *err, size_t errlen)
 {
     struct gguf_file *f = NULL;
@@ -340,7 +334,7 @@ static int run(const struct qopts *o, char *err, size_t errlen)
     pthread_t *tids = NULL;
     int n_started = 0, rc;
     bool created = false, quantized;
-    double t0 = now_s();
+    double t0 = moe_now_s();
     struct qjob job = {0};
     pthread_mutex_init(&job.lock, NULL);
 
@@ -418,7 +412,7 @@ static int run(const struct qopts *o, char *err, size_t errlen)
     for (uint32_t t = 0; t < MOE_TYPE_COUNT; t++)
         if (count[t])
             fprintf(stderr, " %" PRIu64 " %s", count[t], moe_type_get(t)->name);
-    fprintf(stderr, "; %.2f s, %d threads\n", now_s() - t0, n_threads);
+    fprintf(stderr, "; %.2f s, %d threads\n", moe_now_s() - t0, n_threads);
     rc = 0;
     goto done;
 fail:

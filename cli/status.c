@@ -32,25 +32,10 @@ static int cmd_status(int argc, char **argv)
         fprintf(stderr, "usage: moectl [--socket PATH] [--json] status\n");
         return 2;
     }
-    struct client_resp r;
-    int rc = client_call("GET", "/admin/status", NULL, 0, &r);
-    if (rc)
+    json_t *o;
+    int rc = client_get_json("/admin/status", "status", &o);
+    if (rc || !o)
         return rc;
-    if (moectl_opts.json) {
-        fputs(r.body, stdout);
-        if (r.len && r.body[r.len - 1] != '\n')
-            putchar('\n');
-        client_resp_free(&r);
-        return 0;
-    }
-    json_error_t je;
-    json_t *o = json_loads(r.body, 0, &je);
-    client_resp_free(&r);
-    if (!json_is_object(o)) {
-        fprintf(stderr, "moectl: status: unexpected reply from moed: %s\n", je.text);
-        json_decref(o);
-        return 1;
-    }
     json_t *m = json_object_get(o, "model"), *s = json_object_get(o, "scheduler");
     printf("moed       %s (pid %lld, up %lld s)\n", json_string_value(json_object_get(o, "status")),
            json_integer_value(json_object_get(o, "pid")), json_integer_value(json_object_get(o, "uptime_s")));

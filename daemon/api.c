@@ -18,7 +18,9 @@
 #include <jansson.h>
 
 #include "daemon/log.h"
+#include "store/buf.h"
 #include "store/err.h"
+#include "store/io.h"
 
 #define MAX_STOPS 16
 #define MAX_STOP_LEN 256
@@ -81,13 +83,6 @@ struct gen {
 };
 
 /* ---- small helpers ---- */
-
-static int64_t now_sec(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return ts.tv_sec;
-}
 
 static void count_response(struct api *a, int status)
 {
@@ -302,7 +297,7 @@ static void gen_free(struct gen *g)
 
 static void tps_add(struct api *a, uint64_t n)
 {
-    int64_t s = now_sec();
+    int64_t s = (int64_t)moe_now_s();
     int b = (int)(s % TPS_BUCKETS);
     if (a->tps_sec[b] != s) {
         a->tps_sec[b] = s;
@@ -314,7 +309,7 @@ static void tps_add(struct api *a, uint64_t n)
 /* Tokens per second over the last ten complete seconds. */
 static double tps_rate(const struct api *a)
 {
-    int64_t s = now_sec();
+    int64_t s = (int64_t)moe_now_s();
     uint64_t sum = 0;
     for (int i = 0; i < TPS_BUCKETS; i++)
         if (a->tps_sec[i] < s && a->tps_sec[i] >= s - 10)
@@ -471,31 +466,13 @@ static void gen_finish(struct gen *g, const char *reason)
     gen_free(g);
 }
 
-static bool append_text(struct gen *g, const char *s, size_t n)
-{
-    if (g->text_len + n + 1 > g->text_cap) {
-        size_t nc = g->text_cap ? g->text_cap * 2 : 256;
-        while (nc < g->text_len + n + 1)
-            nc *= 2;
-        char *t = realloc(g->text, nc);
-        if (!t)
-            return false;
-        g->text = t;
-        g->text_cap = nc;
-    }
-    memcpy(g->text + g->text_len, s, n);
-    g->text_len += n;
-    g->text[g->text_len] = 0;
-    return true;
-}
-
 /* Appends new text, checks the stop strings; true when a stop string ended the generation. */
 static bool take_text(struct gen *g, const char *s, size_t n)
 {
     if (!n)
         return false;
     size_t before = g->text_len;
-    if (!append_text(g, s, n))
+    if (moe_buf_append(&g->text, &g->text_len, &g->text_cap, s, n))
         return false;
     if (g->n_stops) {
         /* Earlier text was checked already: a match must end in the new bytes. */

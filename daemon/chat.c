@@ -5,6 +5,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "store/buf.h"
 #include "store/err.h"
 
 enum chat_family chat_detect(const char *tmpl)
@@ -35,16 +36,8 @@ static int put(struct builder *b, const char *s, size_t n, bool special)
     struct chat_rendered *r = b->r;
     if (n == 0)
         return 0;
-    if (r->len + n + 1 > b->cap) {
-        size_t nc = b->cap ? b->cap * 2 : 256;
-        while (nc < r->len + n + 1)
-            nc *= 2;
-        char *t = realloc(r->text, nc);
-        if (!t)
-            return -ENOMEM;
-        r->text = t;
-        b->cap = nc;
-    }
+    if (moe_buf_reserve(&r->text, &b->cap, r->len + n + 1))
+        return -ENOMEM;
     struct chat_span *last = r->n_spans ? &r->spans[r->n_spans - 1] : NULL;
     if (last && !special && !last->special) {
         last->len += n;

@@ -17,29 +17,28 @@
 
 #include <http_parser.h>
 
+#include "store/buf.h"
 #include "store/err.h"
 
 #define MAX_LISTENERS 4
 
+/* A listening or connected socket of either transport, usable as the generic libuv types. */
+union stream_handle {
+    uv_handle_t handle;
+    uv_stream_t stream;
+    uv_pipe_t pipe;
+    uv_tcp_t tcp;
+};
+
 struct listener {
-    union {
-        uv_handle_t handle;
-        uv_stream_t stream;
-        uv_pipe_t pipe;
-        uv_tcp_t tcp;
-    } h;
+    union stream_handle h;
     struct http_server *srv;
     enum http_transport transport;
     bool open;
 };
 
 struct http_conn {
-    union {
-        uv_handle_t handle;
-        uv_stream_t stream;
-        uv_pipe_t pipe;
-        uv_tcp_t tcp;
-    } h;
+    union stream_handle h;
     uv_timer_t timer;
     int handles_open;           /* h and timer; freed when both closed */
     struct http_server *srv;
@@ -397,23 +396,6 @@ static void conn_process(struct http_conn *c)
 
 /* ---- parser callbacks ---- */
 
-static bool append(char **buf, size_t *len, size_t *cap, const char *p, size_t n)
-{
-    if (*len + n + 1 > *cap) {
-        size_t nc = *cap ? *cap : 256;
-        while (nc < *len + n + 1)
-            nc *= 2;
-        char *nb = realloc(*buf, nc);
-        if (!nb)
-            return false;
-        *buf = nb;
-        *cap = nc;
-    }
-    memcpy(*buf + *len, p, n);
-    *len += n;
-    return true;
-}
-
 static int header_budget(struct http_conn *c, size_t n)
 {
     c->header_bytes += n;
@@ -437,7 +419,7 @@ static int cb_url(http_parser *p, const char *at, size_t n)
     struct http_conn *c = p->data;
     if (header_budget(c, n))
         return -1;
-    return append(&c->url, &c->url_len, &c->url_cap, at, n) ? 0 : -1;
+    return moe_buf_append(&c->url, &c->url_len, &c->url_cap, at, n) ? -1 : 0;
 }
 
 static int cb_header_field(http_parser *p, const char *at, size_t n)
@@ -509,7 +491,7 @@ static int cb_body(http_parser *p, const char *at, size_t n)
         c->fail_msg = "request body exceeds the size limit";
         return -1;
     }
-    return append(&c->body, &c->body_len, &c->body_cap, at, n) ? 0 : -1;
+    return moe_buf_append(&c->body, &c->body_len, &c->body_cap, at, n) ? -1 : 0;
 }
 
 static int cb_message_complete(http_parser *p)
@@ -706,6 +688,19 @@ static struct listener *new_listener(struct http_server *s, char *err, size_t er
     return l;
 }
 
+/* Counts a listener whose handle was initialised: from here on http_server_stop_listening()
+ * closes it, even when a later step of the listen fails, and its close callback drops the server
+ * ref taken here. */
+static void listener_add(struct listener *l, enum http_transport transport)
+{
+    struct http_server *s = l->srv;
+    l->h.handle.data = l;
+    l->transport = transport;
+    l->open = true;
+    s->n_listeners++;
+    s->refs++;
+}
+
 /* A socket file is stale when connecting to it is refused: its owner is gone. */
 static int remove_stale_socket(const char *path, char *err, size_t errlen)
 {
@@ -776,11 +771,7 @@ int http_server_listen_unix(struct http_server *s, const char *path, char *err, 
         unlink(path);
         return moe_fail(err, errlen, rc, "uv_pipe_init: %s", uv_strerror(rc));
     }
-    l->h.handle.data = l;
-    l->transport = HTTP_TRANSPORT_UNIX;
-    l->open = true;
-    s->n_listeners++;
-    s->refs++;
+    listener_add(l, HTTP_TRANSPORT_UNIX);
     if ((rc = uv_pipe_open(&l->h.pipe, fd)) < 0 ||
         (rc = uv_listen(&l->h.stream, 128, on_connection)) < 0) {
         unlink(path);
@@ -875,11 +866,7 @@ int http_server_listen_tcp(struct http_server *s, const char *hostport, char *er
         return MOE_ETOOBIG;
     if ((rc = uv_tcp_init(s->loop, &l->h.tcp)) < 0)
         return moe_fail(err, errlen, rc, "uv_tcp_init: %s", uv_strerror(rc));
-    l->h.handle.data = l;
-    l->transport = HTTP_TRANSPORT_TCP;
-    l->open = true;
-    s->n_listeners++;
-    s->refs++;
+    listener_add(l, HTTP_TRANSPORT_TCP);
     if ((rc = uv_tcp_bind(&l->h.tcp, (const struct sockaddr *)&ss, 0)) < 0 ||
         (rc = uv_listen(&l->h.stream, 128, on_connection)) < 0)
         return moe_fail(err, errlen, rc, "listen on %s: %s", hostport, uv_strerror(rc));
@@ -952,15 +939,27 @@ size_t http_conn_write_queue(const struct http_conn *c)
     return c->write_queue;
 }
 
-static int format_head(struct http_conn *c, char *head, size_t cap, int status,
-                       const char *content_type, const char *extra, const char *framing)
+/* Writes the status line and headers, then len bytes of body (none for a stream's start). The
+ * head is sized from its variable parts, so a long content type or extra header block is never
+ * cut off. */
+static int send_head(struct http_conn *c, int status, const char *content_type, const char *extra,
+                     const char *framing, const void *body, size_t len)
 {
+    size_t cap = 256 + strlen(framing) + (content_type ? strlen(content_type) : 0) +
+                 (extra ? strlen(extra) : 0);
+    char *head = malloc(cap);
+    if (!head) {
+        conn_fail_write(c);
+        return -ENOMEM;
+    }
     const char *conn = c->keep_alive ? "keep-alive" : "close";
-    int n = snprintf(head, cap, "HTTP/1.1 %d %s\r\n%s%s%s%sConnection: %s\r\n%s\r\n", status,
-                     http_status_text(status), content_type ? "Content-Type: " : "",
-                     content_type ? content_type : "", content_type ? "\r\n" : "", framing, conn,
-                     extra ? extra : "");
-    return n;
+    int hn = snprintf(head, cap, "HTTP/1.1 %d %s\r\n%s%s%s%sConnection: %s\r\n%s\r\n", status,
+                      http_status_text(status), content_type ? "Content-Type: " : "",
+                      content_type ? content_type : "", content_type ? "\r\n" : "", framing, conn,
+                      extra ? extra : "");
+    int rc = conn_write3(c, head, (size_t)hn, body, len, NULL, 0);
+    free(head);
+    return rc;
 }
 
 int http_respond(struct http_conn *c, int status, const char *content_type,
@@ -972,16 +971,8 @@ int http_respond(struct http_conn *c, int status, const char *content_type,
         return MOE_EINTERNAL;
     char framing[64];
     snprintf(framing, sizeof framing, "Content-Length: %zu\r\n", len);
-    size_t cap = 256 + strlen(framing) + (content_type ? strlen(content_type) : 0) +
-                 (extra_headers ? strlen(extra_headers) : 0);
-    char *head = malloc(cap);
-    if (!head) {
-        conn_fail_write(c);
-        return -ENOMEM;
-    }
-    int hn = format_head(c, head, cap, status, content_type, extra_headers, framing);
-    int rc = conn_write3(c, head, (size_t)hn, body, c->req.method == HTTP_HEAD ? 0 : len, NULL, 0);
-    free(head);
+    int rc = send_head(c, status, content_type, extra_headers, framing, body,
+                       c->req.method == HTTP_HEAD ? 0 : len);
     if (rc)
         return rc;
     finish_request(c);
@@ -999,16 +990,7 @@ int http_stream_start(struct http_conn *c, int status, const char *content_type,
     if (c->http10)
         c->keep_alive = false;
     const char *framing = c->http10 ? "" : "Transfer-Encoding: chunked\r\n";
-    size_t cap = 256 + (content_type ? strlen(content_type) : 0) +
-                 (extra_headers ? strlen(extra_headers) : 0);
-    char *head = malloc(cap);
-    if (!head) {
-        conn_fail_write(c);
-        return -ENOMEM;
-    }
-    int hn = format_head(c, head, cap, status, content_type, extra_headers, framing);
-    int rc = conn_write3(c, head, (size_t)hn, NULL, 0, NULL, 0);
-    free(head);
+    int rc = send_head(c, status, content_type, extra_headers, framing, NULL, 0);
     if (rc)
         return rc;
     c->streaming = true;

@@ -30,6 +30,7 @@
 #include "store/err.h"
 #include "store/expert_store.h"
 #include "store/gguf.h"
+#include "store/io.h"
 #include "store/model.h"
 #include "store/placement.h"
 #include "store/profile.h"
@@ -477,9 +478,7 @@ static void on_signal(uv_signal_t *s, int signum)
 static int store_progress(uint64_t done, uint64_t total, void *user)
 {
     struct daemon *d = user;
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    double now = ts.tv_sec + ts.tv_nsec * 1e-9;
+    double now = moe_now_s();
     if (d->progress_last == 0)
         d->progress_last = now;
     static double t0;

@@ -13,6 +13,7 @@
 #include <unistd.h>
 
 #include "store/err.h"
+#include "store/io.h"
 
 /* ---------------------------------------------------------------------------------------------
  * Logging */
@@ -717,9 +718,7 @@ out:
 
 static long long now_ms(void)
 {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (long long)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+    return (long long)(moe_now_s() * 1000.0);
 }
 
 /* Reads exactly n bytes (or fails), collecting a passed descriptor if one comes along. */

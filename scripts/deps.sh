@@ -8,13 +8,14 @@ set -euo pipefail
 
 PKGS=(
     # compiler, make's companions, and the C libraries the Makefile links
-    build-essential pkg-config
+    build-essential
     libuv1-dev libprotobuf-c-dev protobuf-c-compiler liblmdb-dev
     libhttp-parser-dev libjansson-dev libxxhash-dev libpcre2-dev libsystemd-dev
     # `make fuzz`: libFuzzer and the sanitizer runtimes come with clang's runtime package
     clang libclang-rt-14-dev
-    # scripts/demo.sh talks to the daemon's Unix socket with curl and builds/reads JSON in python3
-    curl python3
+    # scripts/demo.sh speaks HTTP to the daemon's Unix socket and reads its JSON with python3;
+    # curl is what the README and docs/operations.md use to do the same by hand
+    python3 curl
     # tests/run.sh makes a venv (build/venv) and pip-installs tests/py/requirements.txt from PyPI:
     # venv needs python3-venv (ensurepip), HTTPS to PyPI needs the CA bundle
     python3-venv python3-pip ca-certificates

@@ -18,6 +18,7 @@
 
 #include "store/err.h"
 #include "store/gguf.h"
+#include "store/io.h"
 
 _Static_assert(sizeof(struct moe_store_header) == 136, "store header layout changed");
 _Static_assert(sizeof(struct moe_store_layer) == 88, "store layer entry layout changed");
@@ -40,13 +41,6 @@ struct moe_store {
 static uint64_t align_up(uint64_t x, uint64_t a)
 {
     return (x + a - 1) / a * a;
-}
-
-static double now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
 static double gib(uint64_t b)
@@ -433,10 +427,10 @@ int moe_store_create(struct moe_store **out, const struct moe_model *m, int n_th
     atomic_init(&job.cancel, 0);
     pthread_mutex_init(&job.mu, NULL);
     pthread_cond_init(&job.cv, NULL);
-    double t0 = now_s();
+    double t0 = moe_now_s();
     rc = run_copy(&job, n_threads, progress, user, dense_payload + expert_payload,
                   &s->info.threads);
-    s->info.seconds = now_s() - t0;
+    s->info.seconds = moe_now_s() - t0;
     pthread_mutex_destroy(&job.mu);
     pthread_cond_destroy(&job.cv);
     if (rc) {

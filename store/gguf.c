@@ -117,8 +117,7 @@ const char *gguf_vtype_name(uint32_t t)
     return t < sizeof vtype_names / sizeof vtype_names[0] ? vtype_names[t] : "?";
 }
 
-/* Bytes of one element of a fixed-size type, 0 for STRING/ARRAY/unknown. */
-static uint32_t vtype_size(uint32_t t)
+uint32_t gguf_vtype_size(uint32_t t)
 {
     switch (t) {
     case GGUF_U8: case GGUF_I8: case GGUF_BOOL: return 1;
@@ -263,12 +262,12 @@ static int parse_value(struct cursor *c, struct gguf_kv *kv)
             return moe_fail(c->err, c->errlen, MOE_EFORMAT,
                             "key '%s' at byte %" PRIu64 ": nested arrays are not allowed",
                             kv->key, at);
-        if (et != GGUF_STRING && vtype_size(et) == 0)
+        if (et != GGUF_STRING && gguf_vtype_size(et) == 0)
             return moe_fail(c->err, c->errlen, MOE_EUNSUPPORTED,
                             "key '%s' at byte %" PRIu64 ": unknown array element type %" PRIu32,
                             kv->key, at, et);
         uint64_t left = c->size - c->pos;
-        uint64_t minsz = et == GGUF_STRING ? MIN_STRING_BYTES : vtype_size(et);
+        uint64_t minsz = et == GGUF_STRING ? MIN_STRING_BYTES : gguf_vtype_size(et);
         if (n > left / minsz)
             return moe_fail(c->err, c->errlen, MOE_EFORMAT,
                             "key '%s' array count at byte %" PRIu64 ": %" PRIu64 " elements of %s"
@@ -305,10 +304,10 @@ static int parse_value(struct cursor *c, struct gguf_kv *kv)
                                     "key '%s' element %" PRIu64 " at byte %" PRIu64
                                     ": bool value %u is not 0 or 1",
                                     kv->key, i, c->pos + i, p[i]);
-        c->pos += n * vtype_size(et);
+        c->pos += n * gguf_vtype_size(et);
         return 0;
     }
-    uint32_t sz = vtype_size(kv->type);
+    uint32_t sz = gguf_vtype_size(kv->type);
     if (sz == 0)
         return moe_fail(c->err, c->errlen, MOE_EUNSUPPORTED,
                         "key '%s' at byte %" PRIu64 ": unknown value type %" PRIu32, kv->key,
@@ -889,7 +888,7 @@ int64_t gguf_arr_i64(const struct gguf_kv *kv, uint64_t i)
     uint32_t t = kv->v.arr.type;
     MOE_ASSERT(vtype_is_signed(t) || vtype_is_unsigned(t) || t == GGUF_BOOL);
     struct gguf_kv tmp;
-    decode_scalar(t, (const uint8_t *)kv->v.arr.data + i * vtype_size(t), &tmp);
+    decode_scalar(t, (const uint8_t *)kv->v.arr.data + i * gguf_vtype_size(t), &tmp);
     /* u64 values above INT64_MAX wrap; callers needing them read the array as u64 data. */
     return vtype_is_signed(t) ? tmp.v.i64 : (int64_t)tmp.v.u64;
 }
@@ -900,7 +899,7 @@ double gguf_arr_f64(const struct gguf_kv *kv, uint64_t i)
     uint32_t t = kv->v.arr.type;
     MOE_ASSERT(t != GGUF_STRING && t != GGUF_ARRAY);
     struct gguf_kv tmp;
-    decode_scalar(t, (const uint8_t *)kv->v.arr.data + i * vtype_size(t), &tmp);
+    decode_scalar(t, (const uint8_t *)kv->v.arr.data + i * gguf_vtype_size(t), &tmp);
     if (t == GGUF_F32 || t == GGUF_F64)
         return tmp.v.f64;
     return vtype_is_signed(t) ? (double)tmp.v.i64 : (double)tmp.v.u64;

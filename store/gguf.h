@@ -99,6 +99,10 @@ double gguf_arr_f64(const struct gguf_kv *kv, uint64_t i);
 /* Name of a value type ("u32", "string", ...), or "?" */
 const char *gguf_vtype_name(uint32_t t);
 
+/* Bytes of one element of a fixed-size value type (1, 2, 4 or 8); 0 for STRING, ARRAY and
+ * unknown types, so a 0 also answers "is this a numeric/bool scalar type?". */
+uint32_t gguf_vtype_size(uint32_t t);
+
 /* Model fingerprint: a stable 64-bit hash of the metadata and tensor table (not the data). */
 uint64_t gguf_fingerprint(const struct gguf_file *f);
 

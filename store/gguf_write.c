@@ -46,18 +46,6 @@ struct gguf_writer {
     int fd;
 };
 
-/* Byte size of one scalar of a value type; 0 for STRING/ARRAY/unknown. */
-static size_t scalar_size(uint32_t t)
-{
-    switch (t) {
-    case GGUF_U8: case GGUF_I8: case GGUF_BOOL: return 1;
-    case GGUF_U16: case GGUF_I16: return 2;
-    case GGUF_U32: case GGUF_I32: case GGUF_F32: return 4;
-    case GGUF_U64: case GGUF_I64: case GGUF_F64: return 8;
-    default: return 0;
-    }
-}
-
 int gguf_writer_new(struct gguf_writer **out)
 {
     struct gguf_writer *w = calloc(1, sizeof *w);
@@ -140,7 +128,7 @@ fail:
 int gguf_writer_add_scalar(struct gguf_writer *w, const char *key, uint32_t type, const void *val,
                            char *err, size_t errlen)
 {
-    size_t sz = scalar_size(type);
+    size_t sz = gguf_vtype_size(type);
     if (!sz)
         return moe_fail(err, errlen, MOE_EUNSUPPORTED, "KV '%s': type %u is not a scalar type",
                         key, type);
@@ -196,7 +184,7 @@ int gguf_writer_add_str(struct gguf_writer *w, const char *key, const char *s, s
 int gguf_writer_add_arr(struct gguf_writer *w, const char *key, uint32_t elem_type,
                         const void *data, uint64_t n, char *err, size_t errlen)
 {
-    size_t esz = scalar_size(elem_type);
+    size_t esz = gguf_vtype_size(elem_type);
     if (!esz)
         return moe_fail(err, errlen, MOE_EUNSUPPORTED,
                         "KV '%s': array element type %u is not a numeric type", key, elem_type);

@@ -198,20 +198,8 @@ int main(int argc, char **argv)
     save(dir, "vocab-only.gguf", &b);
 
     /* Every value type, and an array of each fixed-size type. */
-    gb_header(&b, 3, 0, 24);
-    gb_key(&b, "u8", GGUF_U8), gb_u8(&b, 200);
-    gb_key(&b, "i8", GGUF_I8), gb_u8(&b, 0x80);
-    gb_key(&b, "u16", GGUF_U16), gb_bytes(&b, "\xff\xff", 2);
-    gb_key(&b, "i16", GGUF_I16), gb_bytes(&b, "\x00\x80", 2);
-    gb_kv_u32(&b, "u32", 4000000000u);
-    gb_key(&b, "i32", GGUF_I32), gb_i32(&b, -5);
-    gb_kv_f32(&b, "f32", 0.25f);
-    gb_key(&b, "bool", GGUF_BOOL), gb_u8(&b, 1);
-    gb_kv_str(&b, "str", "hello");
-    gb_key(&b, "u64", GGUF_U64), gb_u64(&b, UINT64_MAX);
-    gb_key(&b, "i64", GGUF_I64), gb_i64(&b, INT64_MIN);
-    double big = 1e300;
-    gb_key(&b, "f64", GGUF_F64), gb_bytes(&b, &big, 8);
+    gb_header(&b, 3, 0, GB_N_ALL_SCALARS + 12);
+    gb_kv_all_scalars(&b);
     const uint32_t ats[] = {GGUF_U8, GGUF_I8, GGUF_U16, GGUF_I16, GGUF_U32, GGUF_I32,
                             GGUF_F32, GGUF_BOOL, GGUF_U64, GGUF_I64, GGUF_F64, GGUF_STRING};
     for (int i = 0; i < 12; i++) {
@@ -222,9 +210,7 @@ int main(int argc, char **argv)
             gb_str(&b, "x");
             gb_str(&b, "yz");
         } else {
-            uint32_t sz = ats[i] == GGUF_U8 || ats[i] == GGUF_I8 || ats[i] == GGUF_BOOL ? 1
-                        : ats[i] == GGUF_U16 || ats[i] == GGUF_I16 ? 2
-                        : ats[i] == GGUF_U64 || ats[i] == GGUF_I64 || ats[i] == GGUF_F64 ? 8 : 4;
+            uint32_t sz = gguf_vtype_size(ats[i]);
             gb_zeros(&b, sz);
             gb_u8(&b, 1);
             gb_zeros(&b, sz - 1);

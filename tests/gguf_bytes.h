@@ -119,6 +119,30 @@ static inline void gb_arr(struct gb *b, const char *key, uint32_t elem_type, uin
     gb_u64(b, n);
 }
 
+/* How many KVs gb_kv_all_scalars() writes. */
+#define GB_N_ALL_SCALARS 12
+
+/* One KV of every non-array value type, keyed by the type's name ("u8" ... "f64"), each holding an
+ * edge value: u8 200, i8 -128, u16 65535, i16 -32768, u32 4000000000, i32 -5, f32 0.25, bool true,
+ * str "hello", u64 UINT64_MAX, i64 INT64_MIN, f64 1e300. The getter tests and the fuzz seed
+ * corpus both start from this set. */
+static inline void gb_kv_all_scalars(struct gb *b)
+{
+    gb_key(b, "u8", GGUF_U8), gb_u8(b, 200);
+    gb_key(b, "i8", GGUF_I8), gb_u8(b, 0x80);
+    gb_key(b, "u16", GGUF_U16), gb_bytes(b, "\xff\xff", 2);
+    gb_key(b, "i16", GGUF_I16), gb_bytes(b, "\x00\x80", 2);
+    gb_kv_u32(b, "u32", 4000000000u);
+    gb_key(b, "i32", GGUF_I32), gb_i32(b, -5);
+    gb_kv_f32(b, "f32", 0.25f);
+    gb_key(b, "bool", GGUF_BOOL), gb_u8(b, 1);
+    gb_kv_str(b, "str", "hello");
+    gb_key(b, "u64", GGUF_U64), gb_u64(b, UINT64_MAX);
+    gb_key(b, "i64", GGUF_I64), gb_i64(b, INT64_MIN);
+    double big = 1e300;
+    gb_key(b, "f64", GGUF_F64), gb_bytes(b, &big, 8);
+}
+
 static inline void gb_tensor(struct gb *b, const char *name, uint32_t n_dims, const int64_t *ne,
                              uint32_t type, uint64_t offset)
 {

@@ -12,8 +12,9 @@
 #include <string.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
-#include <time.h>
 #include <unistd.h>
+
+#include "store/io.h"
 
 #define MAX_TESTS 2048
 #define EXIT_SKIP 77
@@ -87,41 +88,18 @@ const char *moe_test_bin(const char *prog)
     return b;
 }
 
-/* Reads until EOF in doubling chunks rather than trusting a size: /proc files report 0 and pipes
- * have none. */
-static char *read_stream(FILE *f, size_t *len)
-{
-    size_t cap = 1 << 16, n = 0;
-    char *buf = malloc(cap + 1);
-    while (buf) {
-        size_t k = fread(buf + n, 1, cap - n, f);
-        n += k;
-        if (n < cap)
-            break;
-        char *q = realloc(buf, cap * 2 + 1);
-        if (!q) {
-            free(buf);
-            buf = NULL;
-            break;
-        }
-        buf = q;
-        cap *= 2;
-    }
-    if (buf) {
-        buf[n] = 0;
-        if (len)
-            *len = n;
-    }
-    return buf;
-}
-
+/* The store library's reader (store/io.h); errno is set on failure for the _or_fail message. */
 char *moe_test_read_file(const char *path, size_t *len)
 {
-    FILE *f = fopen(path, "rb");
-    if (!f)
+    char *buf;
+    size_t n;
+    int rc = moe_read_file(path, &buf, &n);
+    if (rc) {
+        errno = -rc;
         return NULL;
-    char *buf = read_stream(f, len);
-    fclose(f);
+    }
+    if (len)
+        *len = n;
     return buf;
 }
 
@@ -149,10 +127,12 @@ char *moe_test_run_shell(const char *cmd, int *status)
     FILE *p = popen(cmd, "r");
     if (!p)
         moe_test_fail(__FILE__, __LINE__, "popen %s: %s", cmd, strerror(errno));
-    char *out = read_stream(p, NULL);
+    char *out;
+    size_t n;
+    int rc = moe_read_stream(p, &out, &n);
     int st = pclose(p);
-    if (!out)
-        moe_test_fail(__FILE__, __LINE__, "out of memory reading the output of %s", cmd);
+    if (rc)
+        moe_test_fail(__FILE__, __LINE__, "reading the output of %s: %s", cmd, strerror(-rc));
     if (st == -1)
         *status = -1;
     else if (WIFSIGNALED(st))
@@ -248,9 +228,7 @@ static int rm_entry(const char *path, const struct stat *sb, int flag, struct FT
 
 double moe_test_now(void)
 {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return ts.tv_sec + ts.tv_nsec * 1e-9;
+    return moe_now_s();
 }
 
 struct running {

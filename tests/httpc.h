@@ -12,10 +12,11 @@
 #include <string.h>
 #include <sys/socket.h>
 #include <sys/un.h>
-#include <time.h>
 #include <unistd.h>
 
 #include <http_parser.h>
+
+#include "store/io.h"
 
 #define HC_UNUSED __attribute__((unused))
 
@@ -173,8 +174,7 @@ HC_UNUSED static int hc_read(struct hc_conn *c, struct hc_resp *r, int timeout_m
     http_parser p;
     http_parser_init(&p, HTTP_RESPONSE);
     p.data = r;
-    struct timespec t0;
-    clock_gettime(CLOCK_MONOTONIC, &t0);
+    double t0 = moe_now_s();
     bool eof = false;
     for (;;) {
         if (c->len) {
@@ -193,9 +193,7 @@ HC_UNUSED static int hc_read(struct hc_conn *c, struct hc_resp *r, int timeout_m
             http_parser_execute(&p, &st, NULL, 0);
             return r->done ? 0 : -ECONNRESET;
         }
-        struct timespec t1;
-        clock_gettime(CLOCK_MONOTONIC, &t1);
-        long el = (t1.tv_sec - t0.tv_sec) * 1000 + (t1.tv_nsec - t0.tv_nsec) / 1000000;
+        long el = (long)((moe_now_s() - t0) * 1000.0);
         if (el >= timeout_ms)
             return -ETIMEDOUT;
         struct pollfd pfd = {.fd = c->fd, .events = POLLIN};

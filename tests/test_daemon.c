@@ -14,7 +14,6 @@
 #include <sys/prctl.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
-#include <time.h>
 #include <unistd.h>
 
 #include <jansson.h>
@@ -31,13 +30,6 @@ struct moed {
     char log[320];
     char state[320];
 };
-
-static double now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return ts.tv_sec + ts.tv_nsec * 1e-9;
-}
 
 /* Starts bin/moed with the given extra arguments (NULL-terminated); stderr goes to dir/moed.log.
  * The daemon dies with the test (PR_SET_PDEATHSIG). */
@@ -108,8 +100,8 @@ static void dump_log(const struct moed *d)
 /* Waits until the socket answers /health (any status). */
 static void moed_wait_socket(struct moed *d, double timeout)
 {
-    double t0 = now_s();
-    while (now_s() - t0 < timeout) {
+    double t0 = moe_test_now();
+    while (moe_test_now() - t0 < timeout) {
         struct hc_resp r;
         if (hc_request_unix(d->sock, "GET", "/health", NULL, &r, 2000) == 0) {
             hc_resp_free(&r);
@@ -129,8 +121,8 @@ static void moed_wait_socket(struct moed *d, double timeout)
 /* True once /health answers 200 (every worker ready). */
 static bool moed_wait_ready(struct moed *d, double timeout)
 {
-    double t0 = now_s();
-    while (now_s() - t0 < timeout) {
+    double t0 = moe_test_now();
+    while (moe_test_now() - t0 < timeout) {
         struct hc_resp r;
         if (hc_request_unix(d->sock, "GET", "/health", NULL, &r, 2000) == 0) {
             int st = r.status;
@@ -161,9 +153,9 @@ static int worker_restarts(const char *sock)
  * that keeps dying before its first Ready), the test is skipped with the reason. */
 static void moed_require_ready(struct moed *d, double timeout)
 {
-    double t0 = now_s();
+    double t0 = moe_test_now();
     bool ready = false;
-    while (!ready && now_s() - t0 < timeout) {
+    while (!ready && moe_test_now() - t0 < timeout) {
         ready = moed_wait_ready(d, 1.0);
         if (!ready && worker_restarts(d->sock) >= 3)
             break;
@@ -178,7 +170,7 @@ static void moed_require_ready(struct moed *d, double timeout)
                 snprintf(last, sizeof last, "%s", line);
         if (f)
             fclose(f);
-        moe_test_skip("moed's workers did not become ready within %.0f s (last worker log: %s)", now_s() - t0,
+        moe_test_skip("moed's workers did not become ready within %.0f s (last worker log: %s)", moe_test_now() - t0,
                       last);
     }
 }
@@ -187,9 +179,9 @@ static void moed_require_ready(struct moed *d, double timeout)
 static int moed_stop(struct moed *d, double timeout)
 {
     kill(d->pid, SIGTERM);
-    double t0 = now_s();
+    double t0 = moe_test_now();
     int st;
-    while (now_s() - t0 < timeout) {
+    while (moe_test_now() - t0 < timeout) {
         if (waitpid(d->pid, &st, WNOHANG) == d->pid)
             return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
         usleep(20000);
@@ -648,29 +640,15 @@ static char *worker_text(const char *prompt_file, int n)
     char cmd[1024];
     snprintf(cmd, sizeof cmd, "%s --model %s --prompt-file %s -n %d --temp 0 --json 2>/dev/null",
              moe_test_bin("moed-worker"), MODEL, prompt_file, n);
-    FILE *p = popen(cmd, "r");
-    CHECK(p != NULL);
-    char *buf = malloc(1 << 20);
-    size_t len = fread(buf, 1, (1 << 20) - 1, p);
-    buf[len] = 0;
-    CHECK(pclose(p) == 0);
+    int status;
+    char *buf = moe_test_run_shell(cmd, &status);
+    CHECK(status == 0);
     json_t *j = json_loads(buf, 0, NULL);
     CHECK_MSG(j != NULL, "moed-worker --json: %s", buf);
     char *text = strdup(json_string_value(json_object_get(j, "text")));
     json_decref(j);
     free(buf);
     return text;
-}
-
-static char *read_file(const char *path)
-{
-    FILE *f = fopen(path, "rb");
-    CHECK(f != NULL);
-    char *buf = malloc(1 << 20);
-    size_t n = fread(buf, 1, (1 << 20) - 1, f);
-    buf[n] = 0;
-    fclose(f);
-    return buf;
 }
 
 struct client_job {
@@ -717,7 +695,7 @@ TEST_TIMEOUT(daemon_concurrent_clients_match_worker, 300)
     char *want[3], *ptext[3];
     for (int i = 0; i < 3; i++) {
         want[i] = worker_text(prompts[i], n);
-        ptext[i] = read_file(prompts[i]);
+        ptext[i] = moe_test_read_file_or_fail(prompts[i], NULL);
     }
     struct moed d;
     const char *args[] = {"--devices", "cpu", "--workers", "2", "--parallel", "4", "--threads", "1", NULL};
@@ -1091,9 +1069,9 @@ TEST_TIMEOUT(daemon_sigterm_drains_inflight, 180)
     hc_resp_free(&r);
     hc_close(&c);
     int st;
-    double t0 = now_s();
+    double t0 = moe_test_now();
     while (waitpid(d.pid, &st, WNOHANG) != d.pid) {
-        CHECK_MSG(now_s() - t0 < 60, "moed did not exit after SIGTERM");
+        CHECK_MSG(moe_test_now() - t0 < 60, "moed did not exit after SIGTERM");
         usleep(20000);
     }
     CHECK(WIFEXITED(st) && WEXITSTATUS(st) == 0);

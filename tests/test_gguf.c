@@ -640,21 +640,8 @@ TEST(gguf_custom_alignment)
 TEST(gguf_v2_all_types_and_getters)
 {
     struct gb b = {0};
-    gb_header(&b, 2, 0, 17);
-    gb_key(&b, "u8", GGUF_U8), gb_u8(&b, 200);
-    gb_key(&b, "i8", GGUF_I8), gb_u8(&b, 0x80); /* -128 */
-    gb_key(&b, "u16", GGUF_U16), gb_bytes(&b, "\xff\xff", 2);
-    gb_key(&b, "i16", GGUF_I16), gb_bytes(&b, "\x00\x80", 2); /* -32768 */
-    gb_kv_u32(&b, "u32", 4000000000u);
-    gb_key(&b, "i32", GGUF_I32), gb_i32(&b, -5);
-    gb_kv_f32(&b, "f32", 0.25f);
-    gb_key(&b, "bool", GGUF_BOOL), gb_u8(&b, 1);
-    gb_kv_str(&b, "str", "hello");
-    gb_key(&b, "u64", GGUF_U64), gb_u64(&b, UINT64_MAX);
-    gb_key(&b, "i64", GGUF_I64), gb_i64(&b, INT64_MIN);
-    gb_key(&b, "f64", GGUF_F64);
-    double big = 1e300;
-    gb_bytes(&b, &big, 8);
+    gb_header(&b, 2, 0, GB_N_ALL_SCALARS + 5);
+    gb_kv_all_scalars(&b);
     gb_arr(&b, "af32", GGUF_F32, 3), gb_f32(&b, 1), gb_f32(&b, -2), gb_f32(&b, 3.5f);
     gb_arr(&b, "ai16", GGUF_I16, 2), gb_bytes(&b, "\xfe\xff\x07\x00", 4);
     gb_arr(&b, "astr", GGUF_STRING, 3), gb_str(&b, "a"), gb_str(&b, ""), gb_str(&b, "ccc");

@@ -7,7 +7,6 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
-#include <sys/wait.h>
 
 #include "store/err.h"
 #include "store/ggml_type.h"
@@ -312,30 +311,29 @@ TEST(gguf_write_parallel_pwrite)
 
 /* ---- moectl mkmodel ------------------------------------------------------------------------- */
 
-/* Runs `moectl mkmodel ARGS -o tmpdir/NAME`, returns the exit status and fills path. */
+/* Runs `moectl mkmodel ARGS -o tmpdir/NAME` (ARGS split at spaces), returns the exit status and
+ * fills path. A moectl that could not run or was killed fails the test. */
 static int mkmodel(char *path, size_t pathlen, const char *name, const char *args)
 {
-    char cmd[2048];
+    char words[1024];
+    char *argv[32], *save = NULL;
+    int n = 0;
     snprintf(path, pathlen, "%s/%s", moe_test_tmpdir(), name);
-    snprintf(cmd, sizeof cmd, "'%s' mkmodel --quiet %s -o '%s'", moe_test_bin("moectl"), args, path);
-    int st = system(cmd);
-    CHECK_MSG(st != -1 && WIFEXITED(st), "could not run: %s", cmd);
-    return WEXITSTATUS(st);
-}
-
-static uint8_t *slurp(const char *path, size_t *size)
-{
-    FILE *f = fopen(path, "rb");
-    CHECK_MSG(f, "open %s", path);
-    fseek(f, 0, SEEK_END);
-    long n = ftell(f);
-    fseek(f, 0, SEEK_SET);
-    uint8_t *buf = malloc((size_t)n + 1);
-    CHECK(buf);
-    CHECK_EQ(fread(buf, 1, (size_t)n, f), (size_t)n);
-    fclose(f);
-    *size = (size_t)n;
-    return buf;
+    CHECK(strlen(args) < sizeof words);
+    snprintf(words, sizeof words, "%s", args);
+    argv[n++] = (char *)moe_test_bin("moectl");
+    argv[n++] = "mkmodel";
+    argv[n++] = "--quiet";
+    for (char *w = strtok_r(words, " ", &save); w; w = strtok_r(NULL, " ", &save)) {
+        CHECK(n < 29);
+        argv[n++] = w;
+    }
+    argv[n++] = "-o";
+    argv[n++] = path;
+    argv[n] = NULL;
+    int st = moe_test_run(argv, NULL, NULL);
+    CHECK_MSG(st >= 0 && st < 128, "could not run: moectl mkmodel %s (status %d)", args, st);
+    return st;
 }
 
 static void open_model(const char *path, struct gguf_file **f, struct moe_model *m)
@@ -417,7 +415,10 @@ TEST(mkmodel_deterministic_seed_and_threads)
     CHECK_EQ(mkmodel(c, sizeof c, "c.gguf", "--preset tiny --quant q4_k_m --seed 8 --threads 2"), 0);
     CHECK_EQ(mkmodel(d, sizeof d, "d.gguf", "--preset tiny --quant q4_k_m --seed 7 --threads 2"), 0);
     size_t na, nb, nc, nd;
-    uint8_t *pa = slurp(a, &na), *pb = slurp(b, &nb), *pc = slurp(c, &nc), *pd = slurp(d, &nd);
+    uint8_t *pa = (uint8_t *)moe_test_read_file_or_fail(a, &na);
+    uint8_t *pb = (uint8_t *)moe_test_read_file_or_fail(b, &nb);
+    uint8_t *pc = (uint8_t *)moe_test_read_file_or_fail(c, &nc);
+    uint8_t *pd = (uint8_t *)moe_test_read_file_or_fail(d, &nd);
     CHECK_EQ(na, nb);
     CHECK(!memcmp(pa, pb, na)); /* thread count does not change the bytes */
     CHECK_EQ(na, nd);
@@ -722,25 +723,25 @@ TEST(mkmodel_rejects_bad_arguments)
  * every layer's most used quarter of experts takes well over half of the routings. */
 TEST(mkmodel_routing_skew_in_real_forward)
 {
-    char path[512], cmd[2048], line[4096];
+    char path[512], cmd[2048], *save = NULL;
     CHECK_EQ(mkmodel(path, sizeof path, "fw.gguf", "--preset tiny --quant q8_0 --seed 5"), 0);
     snprintf(cmd, sizeof cmd,
              "'%s' --model '%s' --prompt-file tests/golden/prompts/p2.txt -n 0 --routing-stats 2>&1",
              moe_test_bin("moed-worker"), path);
-    FILE *p = popen(cmd, "r");
-    CHECK(p);
+    int st;
+    char *out = moe_test_run_shell(cmd, &st);
     int layers = 0;
-    while (fgets(line, sizeof line, p)) {
+    for (char *line = strtok_r(out, "\n", &save); line; line = strtok_r(NULL, "\n", &save)) {
         const char *s = strstr(line, "top 4/16 experts: ");
         double share;
         if (strncmp(line, "layer", 5) || !s || sscanf(s, "top 4/16 experts: %lf%%", &share) != 1)
             continue;
-        fprintf(stderr, "%s", line);
+        fprintf(stderr, "%s\n", line);
         CHECK_MSG(share > 55, "layer %d: top quarter takes only %.1f%%", layers, share);
         layers++;
     }
-    int st = pclose(p);
-    CHECK_MSG(WIFEXITED(st) && WEXITSTATUS(st) == 0, "moed-worker failed");
+    free(out);
+    CHECK_MSG(st == 0, "moed-worker failed (status %d)", st);
     CHECK_EQ(layers, 3);
 }
 

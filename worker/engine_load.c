@@ -5,19 +5,13 @@
 #include <time.h>
 
 #include "store/err.h"
-
-static double now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
+#include "store/io.h"
 
 int moe_loaded_open(struct moe_loaded *lm, const char *path, bool with_tokenizer, char *err,
                     size_t errlen)
 {
     char msg[512] = "";
-    double t0 = now_s();
+    double t0 = moe_now_s();
     int rc;
     memset(lm, 0, sizeof *lm);
     if ((rc = gguf_open(&lm->gguf, path, msg, sizeof msg)))
@@ -26,7 +20,7 @@ int moe_loaded_open(struct moe_loaded *lm, const char *path, bool with_tokenizer
         goto fail;
     if (with_tokenizer && (rc = moe_tok_load(&lm->tok, lm->gguf, msg, sizeof msg)))
         goto fail;
-    lm->load_s = now_s() - t0;
+    lm->load_s = moe_now_s() - t0;
     return 0;
 fail:
     moe_fail(err, errlen, rc, "%s: %s", path, msg[0] ? msg : moe_strerror(rc));

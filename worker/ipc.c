@@ -20,6 +20,7 @@
 #include "store/err.h"
 #include "store/expert_store.h"
 #include "store/gguf.h"
+#include "store/io.h"
 #include "store/model.h"
 #include "worker/engine.h"
 #include "worker/sampler.h"
@@ -143,13 +144,6 @@ static void post_error(struct worker *w, uint64_t id, int code, const char *msg)
 /* ---------------------------------------------------------------------------------------------
  * Compute thread */
 
-static double mono_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return ts.tv_sec + ts.tv_nsec * 1e-9;
-}
-
 struct compute {
     struct worker *w;
     struct wjob **slot;       /* [n_seq] running sequences */
@@ -216,7 +210,7 @@ static void cancel_id(struct compute *c, uint64_t id)
 static void send_stats(struct compute *c, bool force)
 {
     struct worker *w = c->w;
-    double now = mono_s();
+    double now = moe_now_s();
     if (!force && now - c->last_stats < STATS_INTERVAL_S)
         return;
     const uint64_t *cur = moe_engine_routing_counts(w->eng);
@@ -391,7 +385,7 @@ static void *compute_main(void *arg)
     c.logits = calloc((size_t)w->n_seq * w->n_vocab, sizeof *c.logits);
     c.prev_counts = calloc(ncount, sizeof *c.prev_counts);
     c.delta = calloc(ncount, sizeof *c.delta);
-    c.last_stats = mono_s();
+    c.last_stats = moe_now_s();
     int fatal = 0;
     if (!c.slot || !c.owner || !c.tok || !c.pos || !c.seq || !c.want || !c.logits ||
         !c.prev_counts || !c.delta) {

@@ -19,7 +19,9 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "store/buf.h"
 #include "store/err.h"
+#include "store/io.h"
 #include "worker/engine.h"
 #include "worker/engine_load.h"
 #include "worker/ipc.h"
@@ -207,70 +209,12 @@ static int parse_args(int argc, char **argv, struct opts *o)
     return 2;
 }
 
-static double now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
-
-static char *read_text_file(const char *path, size_t *len)
-{
-    FILE *f = fopen(path, "rb");
-    if (!f)
-        return NULL;
-    size_t cap = 4096, n = 0;
-    char *buf = malloc(cap);
-    while (buf) {
-        if (n == cap) {
-            char *nb = realloc(buf, cap * 2);
-            if (!nb) {
-                free(buf);
-                buf = NULL;
-                break;
-            }
-            buf = nb;
-            cap *= 2;
-        }
-        size_t r = fread(buf + n, 1, cap - n, f);
-        n += r;
-        if (r == 0)
-            break;
-    }
-    int ioerr = ferror(f);
-    fclose(f);
-    if (ioerr) {
-        free(buf);
-        errno = EIO;
-        return NULL;
-    }
-    *len = n;
-    return buf;
-}
-
-/* Growable byte string for the generated text. */
+/* The generated text for the --json summary (a store/buf.h buffer); an allocation failure only
+ * shortens it. */
 struct sbuf {
     char *p;
     size_t n, cap;
 };
-
-static int sbuf_add(struct sbuf *s, const char *data, size_t n)
-{
-    if (s->n + n + 1 > s->cap) {
-        size_t cap = s->cap ? s->cap : 1024;
-        while (cap < s->n + n + 1)
-            cap *= 2;
-        char *p = realloc(s->p, cap);
-        if (!p)
-            return -ENOMEM;
-        s->p = p;
-        s->cap = cap;
-    }
-    memcpy(s->p + s->n, data, n);
-    s->n += n;
-    s->p[s->n] = 0;
-    return 0;
-}
 
 static void print_routing_stats(const struct moe_model *m, const uint64_t *counts)
 {
@@ -341,10 +285,10 @@ static int run_standalone(const struct opts *o)
         return 1;
     }
     size_t text_len = 0;
-    text = read_text_file(o->prompt_file, &text_len);
-    if (!text) {
+    int rrc = moe_read_file(o->prompt_file, &text, &text_len);
+    if (rrc) {
         fprintf(stderr, "moed-worker: cannot read prompt file %s: %s\n", o->prompt_file,
-                strerror(errno));
+                strerror(-rrc));
         goto done;
     }
     if ((rc = moe_loaded_open(&lm, o->model, true, err, sizeof err))) {
@@ -426,7 +370,7 @@ static int run_standalone(const struct opts *o)
         goto done;
     }
 
-    double t0 = now_s();
+    double t0 = moe_now_s();
     for (size_t off = 0; off < n_prompt; off += nb) {
         uint32_t n = (uint32_t)(n_prompt - off < nb ? n_prompt - off : nb);
         for (uint32_t i = 0; i < n; i++) {
@@ -445,7 +389,7 @@ static int run_standalone(const struct opts *o)
             goto done;
         }
     }
-    double t_prompt = now_s() - t0;
+    double t_prompt = moe_now_s() - t0;
     free(pos), free(seq), free(want);
     if (dump) {
         int bad = fclose(dump) != 0;
@@ -482,7 +426,7 @@ static int run_standalone(const struct opts *o)
         goto done;
     }
     bool stream = !o->json;
-    double t1 = now_s();
+    double t1 = moe_now_s();
     const char *stop_reason = "length";
     int64_t n_ctx = moe_engine_get_opts(eng)->n_ctx;
     while ((int64_t)n_gen < oo.n_predict) {
@@ -499,7 +443,7 @@ static int run_standalone(const struct opts *o)
             break;
         }
         size_t k = moe_detok_push(&dt, lm.tok, tok, piece, piece_cap);
-        sbuf_add(&out, piece, k);
+        (void)moe_buf_append(&out.p, &out.n, &out.cap, piece, k);
         if (stream) {
             fwrite(piece, 1, k, stdout);
             fflush(stdout);
@@ -521,8 +465,8 @@ static int run_standalone(const struct opts *o)
         last = logits;
     }
     size_t fk = moe_detok_flush(&dt, piece, piece_cap);
-    sbuf_add(&out, piece, fk);
-    double t_gen = now_s() - t1;
+    (void)moe_buf_append(&out.p, &out.n, &out.cap, piece, fk);
+    double t_gen = moe_now_s() - t1;
     if (stream) {
         fwrite(piece, 1, fk, stdout);
         if (n_gen)

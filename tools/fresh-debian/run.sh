@@ -12,9 +12,10 @@
 #                       uncommitted fix without committing it. The log lists every overlay.
 #     --cuda            bind /usr/local/cuda* into the root read-only, as on the CI machine (which
 #                       has the toolkit but no GPU): the Makefile then builds worker/cuda/*.cu
-#     --steps LIST      comma-separated, default "demo,test"; also: ci (.ci/run), fuzz (`make
-#                       fuzz`), usertest (`make test` as a non-root user in its own clone, once
-#                       root's steps installed the packages), shell (an interactive shell)
+#     --steps LIST      comma-separated, default "demo,test". Also: ci (.ci/run); fuzz (`make
+#                       fuzz`, then each target 10 s on its seeds); install (`make install
+#                       DESTDIR=/tmp/moed-install`); usertest (`make demo test` as a non-root user in
+#                       its own clone, once root's steps installed the packages); shell
 #     --timeout SECS    per step (default 2400)
 #     --rebuild-base    debootstrap again even if the base tarball exists
 #     --keep            leave the root in place afterwards (mounts are always undone)
@@ -51,7 +52,7 @@ while [ $# -gt 0 ]; do
         --rebuild-base) rebuild=1; shift ;;
         --keep) keep=1; shift ;;
         --no-host-ca) host_ca=0; shift ;;
-        -h|--help) sed -n '2,25p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,26p' "$0"; exit 0 ;;
         *) echo "fresh-debian: unknown option $1" >&2; exit 2 ;;
     esac
 done
@@ -202,21 +203,39 @@ say "prerequisite: apt-get install make"
 in_root sh -c 'apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends make >/dev/null'
 in_root dpkg-query -W -f='${Package}\n' | sort >"$LOG.pkgs-make"
 
+fuzz_cmd=$(cat <<'EOF'
+make fuzz || exit 1
+for f in build/fuzz/fuzz_*; do
+    seeds=tests/fuzz-corpus/${f##*/fuzz_}
+    [ -d "$seeds" ] || seeds=
+    work=$(mktemp -d)
+    rc=0
+    "$f" -max_total_time=10 -max_len=16384 "$work" $seeds >"$work.log" 2>&1 || rc=$?
+    echo "== $f ${seeds:-(no seeds)}: exit $rc; $(grep -E '^Done [0-9]+ runs' "$work.log" | tail -n 1)"
+    [ "$rc" = 0 ] || { tail -n 40 "$work.log"; exit 1; }
+    rm -rf "$work" "$work.log"
+done
+EOF
+)
 results=()
 IFS=, read -r -a step_list <<<"$steps"
 for step in "${step_list[@]}"; do
     runner=(in_root)
     case $step in
-        demo|test|fuzz) cmd="cd $src && make $step" ;;
+        demo|test) cmd="cd $src && make $step" ;;
+        # Build the libFuzzer targets, then run each for a few seconds on its seeds: proves the
+        # clang runtime deps.sh installs links and runs, not that the code is bug-free.
+        fuzz) cmd="cd $src && $fuzz_cmd" ;;
         ci) cmd="cd $src && .ci/run" ;;
-        # `make test` as an ordinary user in their own clone, once root has installed the
+        install) cmd="cd $src && make install DESTDIR=/tmp/moed-install && find /tmp/moed-install -type f" ;;
+        # `make demo` and `make test` as an ordinary user in their own clone, once root has installed the
         # packages (docs/install.md: `sudo make deps`, then build and test as yourself).
         usertest)
             if ! in_root id tester >/dev/null 2>&1; then in_root useradd -m -s /bin/bash tester; fi
             clone_to /home/tester/moed
             in_root chown -R tester:tester /home/tester/moed
             runner=(as_user tester)
-            cmd="cd /home/tester/moed && make test" ;;
+            cmd="cd /home/tester/moed && make demo && make test" ;;
         shell) cmd="cd $src && exec bash -i" ;;
         *) echo "fresh-debian: unknown step $step" >&2; exit 2 ;;
     esac
@@ -235,11 +254,31 @@ for step in "${step_list[@]}"; do
     results+=("$step: exit $rc, $((dt / 60))m$((dt % 60))s")
 done
 
+# Anything the steps left running (a daemon or worker a test forgot to stop) shows up here: its
+# /proc/PID/root is the fresh root. Listed as a finding, then stopped so the root can go.
+leftover=()
+for p in /proc/[0-9]*; do
+    [ "$(readlink "$p/root" 2>/dev/null)" = "$ROOT" ] && leftover+=("${p#/proc/}")
+done
+if [ ${#leftover[@]} -gt 0 ]; then
+    say "processes still running in the root after the steps (a leak):"
+    for pid in "${leftover[@]}"; do
+        echo "  $pid: $(tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null)"
+    done
+    kill -KILL "${leftover[@]}" 2>/dev/null || true
+fi
+
 in_root dpkg-query -W -f='${Package}\n' | sort >"$LOG.pkgs-after"
 say "summary for ${commit:0:12}"
 echo "packages deps.sh installed (directly or as dependencies): $(comm -13 "$LOG.pkgs-make" "$LOG.pkgs-after" | wc -l)"
 comm -13 "$LOG.pkgs-make" "$LOG.pkgs-after" | tr '\n' ' ' | fold -s -w 100
 echo
+echo "processes left running by the steps: ${#leftover[@]}"
+if [ -x "$ROOT$src/build/venv/bin/python" ]; then
+    # tests/py/requirements.txt is unpinned: record what PyPI gave this run.
+    echo "venv (tests/py): $(in_root "$src/build/venv/bin/python" -m pip freeze 2>/dev/null |
+        grep -iE '^(pytest|numpy|gguf|openai)==' | tr '\n' ' ')"
+fi
 for r in "${results[@]}"; do echo "  $r"; done
 rm -f "$LOG.pkgs-before" "$LOG.pkgs-make" "$LOG.pkgs-after"
 for r in "${results[@]}"; do case $r in *"exit 0,"*) ;; *) exit 1 ;; esac; done

@@ -105,7 +105,9 @@ int gx_kv_type(const struct gx_file *f, int64_t i) { return (int)gguf_get_kv_typ
 
 int gx_kv_arr_type(const struct gx_file *f, int64_t i)
 {
-    return gguf_get_kv_type(f->gguf, i) == GGUF_TYPE_ARRAY ? (int)gguf_get_arr_type(f->gguf, i) : -1;
+    if (gguf_get_kv_type(f->gguf, i) != GGUF_TYPE_ARRAY)
+        return -1;
+    return (int)gguf_get_arr_type(f->gguf, i);
 }
 
 size_t gx_kv_arr_n(const struct gx_file *f, int64_t i)
@@ -137,8 +139,15 @@ const char *gx_kv_arr_str(const struct gx_file *f, int64_t i, size_t j)
 const char *gx_kv_type_name(int type) { return gguf_type_name((enum gguf_type)type); }
 
 int64_t gx_n_tensors(const struct gx_file *f) { return gguf_get_n_tensors(f->gguf); }
-const char *gx_tensor_name(const struct gx_file *f, int64_t i) { return gguf_get_tensor_name(f->gguf, i); }
-int gx_tensor_type(const struct gx_file *f, int64_t i) { return (int)gguf_get_tensor_type(f->gguf, i); }
+const char *gx_tensor_name(const struct gx_file *f, int64_t i)
+{
+    return gguf_get_tensor_name(f->gguf, i);
+}
+
+int gx_tensor_type(const struct gx_file *f, int64_t i)
+{
+    return (int)gguf_get_tensor_type(f->gguf, i);
+}
 
 void gx_tensor_ne(const struct gx_file *f, int64_t i, int64_t ne[4])
 {
@@ -147,8 +156,15 @@ void gx_tensor_ne(const struct gx_file *f, int64_t i, int64_t ne[4])
         ne[d] = g[d];
 }
 
-size_t gx_tensor_offset(const struct gx_file *f, int64_t i) { return gguf_get_tensor_offset(f->gguf, i); }
-size_t gx_tensor_size(const struct gx_file *f, int64_t i) { return gguf_get_tensor_size(f->gguf, i); }
+size_t gx_tensor_offset(const struct gx_file *f, int64_t i)
+{
+    return gguf_get_tensor_offset(f->gguf, i);
+}
+
+size_t gx_tensor_size(const struct gx_file *f, int64_t i)
+{
+    return gguf_get_tensor_size(f->gguf, i);
+}
 
 const void *gx_tensor_data(const struct gx_file *f, int64_t i)
 {
