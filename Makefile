@@ -47,7 +47,9 @@ CUDA_SRC := $(wildcard worker/cuda/*.cu)
 ifneq ($(and $(NVCC),$(CUDA_SRC)),)
 CPPFLAGS += -DMOE_HAVE_CUDA=1 -I$(CUDA_HOME)/include
 CUDA_OBJ := $(CUDA_SRC:%.cu=$(BUILD)/%.o)
-LDLIBS   += -L$(CUDA_HOME)/lib64 -lcublas -lcudart -lstdc++
+# The CUDA runtime is linked statically, so the programs start (and fall back to the CPU) on
+# machines without the CUDA libraries on the loader path.
+LDLIBS   += -L$(CUDA_HOME)/lib64 -lcudart_static -ldl -lrt -lstdc++
 NVCCFLAGS ?= -O3 -lineinfo
 NVCCFLAGS += $(CUDA_ARCH) -std=c++17 -Xcompiler -Wall,-Werror -I. -I$(BUILD) -MMD -MP
 endif
@@ -63,12 +65,18 @@ DAEMON_SRC := $(filter-out daemon/main.c,$(wildcard daemon/*.c))
 CLI_SRC    := $(wildcard cli/*.c)
 TEST_SRC   := $(wildcard tests/test_*.c) tests/harness.c
 FUZZ_SRC   := $(wildcard tests/fuzz_*.c)
+BENCH_SRC  := $(wildcard bench/*.c)
+# GPU tests need a GPU to run, so `make test` never runs them; they are built whenever the CUDA
+# objects are, so that CI compiles them.
+GPU_TEST_SRC := $(if $(CUDA_OBJ),$(wildcard tests/gpu/test_*.c) tests/harness.c)
 
 STORE_OBJ  := $(STORE_SRC:%.c=$(BUILD)/%.o) $(PROTO_GEN_C:%.c=%.o)
 WORKER_OBJ := $(WORKER_SRC:%.c=$(BUILD)/%.o) $(CUDA_OBJ)
 DAEMON_OBJ := $(DAEMON_SRC:%.c=$(BUILD)/%.o)
 CLI_OBJ    := $(CLI_SRC:%.c=$(BUILD)/%.o)
 TEST_OBJ   := $(TEST_SRC:%.c=$(BUILD)/%.o)
+GPU_TEST_OBJ := $(GPU_TEST_SRC:%.c=$(BUILD)/%.o)
+BENCH_BINS := $(BENCH_SRC:bench/%.c=$(BUILD)/bench/%)
 
 LIBSTORE  := $(BUILD)/libmoestore.a
 LIBWORKER := $(BUILD)/libmoeworker.a
@@ -79,9 +87,10 @@ ifneq ($(wildcard daemon/main.c),)
 PROGRAMS += $(BINDIR)/moed
 endif
 TEST_BIN := $(BUILD)/tests/moe-tests
+GPU_TEST_BIN := $(if $(GPU_TEST_OBJ),$(BUILD)/tests/moe-gpu-tests)
 
 .PHONY: all test test-build demo deps fuzz clean bench install
-all: $(PROGRAMS)
+all: $(PROGRAMS) $(GPU_TEST_BIN) $(BENCH_BINS)
 
 # Generated protobuf-c code lives in build/, never in git. Keep it even when a build fails.
 .SECONDARY: $(PROTO_GEN_C) $(PROTO_GEN_H)
@@ -90,7 +99,7 @@ $(BUILD)/proto/%.pb-c.c $(BUILD)/proto/%.pb-c.h: proto/%.proto
 	@echo "  PROTOC  $<"
 	$(Q)protoc-c --c_out=$(BUILD) $<
 
-ALL_OBJ := $(STORE_OBJ) $(WORKER_OBJ) $(DAEMON_OBJ) $(CLI_OBJ) $(TEST_OBJ) \
+ALL_OBJ := $(STORE_OBJ) $(WORKER_OBJ) $(DAEMON_OBJ) $(CLI_OBJ) $(TEST_OBJ) $(GPU_TEST_OBJ) \
            $(BUILD)/worker/main.o $(BUILD)/daemon/main.o
 
 $(BUILD)/%.o: %.c | $(PROTO_GEN_H)
@@ -119,7 +128,9 @@ $(BINDIR)/moed-worker: $(BUILD)/worker/main.o $(LIBWORKER) $(LIBSTORE)
 $(BINDIR)/moectl: $(CLI_OBJ) $(LIBWORKER) $(LIBSTORE)
 $(BINDIR)/moed: $(BUILD)/daemon/main.o $(LIBDAEMON) $(LIBSTORE)
 $(TEST_BIN): $(TEST_OBJ) $(LIBDAEMON) $(LIBWORKER) $(LIBSTORE)
-$(PROGRAMS) $(TEST_BIN):
+$(GPU_TEST_BIN): $(GPU_TEST_OBJ) $(LIBWORKER) $(LIBSTORE)
+$(BUILD)/bench/%: $(BUILD)/bench/%.o $(LIBWORKER) $(LIBSTORE)
+$(PROGRAMS) $(TEST_BIN) $(GPU_TEST_BIN) $(BENCH_BINS):
 	@mkdir -p $(dir $@)
 	@echo "  LD      $@"
 	$(Q)$(CC) $(LDFLAGS) $(CFLAGS) -o $@ $(filter %.o,$^) -Wl,--start-group $(filter %.a,$^) -Wl,--end-group $(LDLIBS)
@@ -146,7 +157,7 @@ $(FUZZ_BUILD)/%: tests/%.c $(STORE_SRC) | $(PROTO_GEN_H)
 	@echo "  FUZZ    $@"
 	$(Q)clang $(CPPFLAGS) -std=c11 -O1 -g -fsanitize=fuzzer,address,undefined -o $@ $< $(STORE_SRC) $(PROTO_GEN_C) $(LDLIBS)
 
-bench: all
+bench: all $(BENCH_BINS)
 
 # make install [PREFIX=/usr/local] [DESTDIR=...]: programs, the systemd unit and its sysusers and
 # tmpfiles snippets, an example config (kept if one exists), docs. See docs/operations.md.
