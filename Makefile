@@ -129,7 +129,7 @@ $(BINDIR)/moectl: $(CLI_OBJ) $(LIBWORKER) $(LIBSTORE)
 $(BINDIR)/moed: $(BUILD)/daemon/main.o $(LIBDAEMON) $(LIBSTORE)
 $(TEST_BIN): $(TEST_OBJ) $(LIBDAEMON) $(LIBWORKER) $(LIBSTORE)
 $(GPU_TEST_BIN): $(GPU_TEST_OBJ) $(LIBWORKER) $(LIBSTORE)
-$(BUILD)/bench/%: $(BUILD)/bench/%.o $(LIBWORKER) $(LIBSTORE)
+$(BENCH_BINS): $(BUILD)/bench/%: $(BUILD)/bench/%.o $(LIBWORKER) $(LIBSTORE)
 $(PROGRAMS) $(TEST_BIN) $(GPU_TEST_BIN) $(BENCH_BINS):
 	@mkdir -p $(dir $@)
 	@echo "  LD      $@"

@@ -8,8 +8,8 @@
 #   tools/fresh-debian/run.sh [options]
 #     --repo DIR        repository to clone (default: the one this script lives in)
 #     --ref REF         commit to test (default HEAD)
-#     --overlay FILE    copy FILE from the working tree over the clone (repeatable): tests an
-#                       uncommitted fix without committing it. The log lists every overlay.
+#     --overlay PATH    copy PATH (a file or folder) from the working tree over the clone
+#                       (repeatable): tests an uncommitted fix. The log lists every overlay.
 #     --cuda            bind /usr/local/cuda* into the root read-only, as on the CI machine (which
 #                       has the toolkit but no GPU): the Makefile then builds worker/cuda/*.cu
 #     --steps LIST      comma-separated, default "demo,test". Also: ci (.ci/run); fuzz (`make
@@ -152,8 +152,13 @@ clone_to() {
     git -C "$ROOT$1" -c advice.detachedHead=false checkout -q "$commit"
     local f
     for f in ${overlays[@]+"${overlays[@]}"}; do
-        mkdir -p "$(dirname "$ROOT$1/$f")"
-        cp -a "$repo/$f" "$ROOT$1/$f"
+        if [ -d "$repo/$f" ]; then
+            mkdir -p "$ROOT$1/$f"
+            cp -a "$repo/$f/." "$ROOT$1/$f/"
+        else
+            mkdir -p "$(dirname "$ROOT$1/$f")"
+            cp -a "$repo/$f" "$ROOT$1/$f"
+        fi
     done
 }
 src=/root/moed
@@ -239,7 +244,9 @@ for step in "${step_list[@]}"; do
         shell) cmd="cd $src && exec bash -i" ;;
         *) echo "fresh-debian: unknown step $step" >&2; exit 2 ;;
     esac
-    say "step $step: $cmd (timeout ${step_timeout}s)"
+    first=${cmd%%$'\n'*}
+    [ "$first" = "$cmd" ] || first="$first ..."
+    say "step $step: $first (timeout ${step_timeout}s)"
     t0=$(date +%s)
     set +e
     if [ "$step" = shell ]; then

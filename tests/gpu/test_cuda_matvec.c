@@ -1,0 +1,239 @@
+/* worker/cuda/matvec.cu against the CPU path: for every type the CUDA kernel supports, several
+ * shapes, weights made by moe_quantize from random floats, y from the GPU compared with
+ * moe_matvec's y element by element within 1e-5 of the row's Σ|w·x| (only the float summation
+ * order differs). Weights are read from VRAM, from cudaHostRegister'ed host memory and from
+ * cudaHostAlloc'ed host memory, both mapped into the device. y is poisoned with NaN before every
+ * launch, so an element the kernel never wrote fails, and each VRAM case runs twice and must give
+ * bit-identical results (a difference would mean a race). Without a GPU every test skips. */
+#include <errno.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cuda_runtime_api.h>
+
+#include "store/err.h"
+#include "store/ggml_type.h"
+#include "store/quant.h"
+#include "tests/harness.h"
+#include "worker/cpu/kernels.h"
+#include "worker/cuda/matvec.h"
+
+#define CU(call)                                                                            \
+    do {                                                                                    \
+        cudaError_t e_ = (call);                                                            \
+        CHECK_MSG(e_ == cudaSuccess, "%s: %s", #call, cudaGetErrorString(e_));              \
+    } while (0)
+
+enum mem_kind { MEM_VRAM, MEM_REGISTERED, MEM_HOSTALLOC };
+static const char *mem_name[] = {"vram", "host-registered", "host-alloc"};
+
+static void need_gpu(void)
+{
+    int count = 0;
+    cudaError_t e = cudaGetDeviceCount(&count);
+    if (e != cudaSuccess || count == 0)
+        moe_test_skip("no CUDA device (%s)", e != cudaSuccess ? cudaGetErrorString(e) : "0 devices");
+    CU(cudaSetDevice(0));
+}
+
+static float rng_f(void)
+{
+    return (float)moe_test_rng_u32() / 2147483648.0f - 1.0f;
+}
+
+/* Random weights of roughly real layers' magnitude with a mix of scales across blocks and rows,
+ * quantized row by row. */
+static uint8_t *make_weights(uint32_t type, int64_t rows, int64_t n)
+{
+    size_t rb = moe_row_bytes(type, n);
+    uint8_t *w = malloc(rb * (size_t)rows);
+    float *tmp = malloc((size_t)n * sizeof *tmp);
+    CHECK(w && tmp);
+    for (int64_t r = 0; r < rows; r++) {
+        for (int64_t i = 0; i < n; i++)
+            tmp[i] = rng_f() * (0.02f + 0.05f * (float)((i / 32 + r) % 5));
+        CHECK_EQ(moe_quantize(type, tmp, w + rb * (size_t)r, n), 0);
+    }
+    free(tmp);
+    return w;
+}
+
+/* Σ|w_i x_i| of each row, from the reference decoder, in double: the error scale. */
+static double *abs_sums(uint32_t type, const uint8_t *w, int64_t rows, int64_t n, const float *x)
+{
+    size_t rb = moe_row_bytes(type, n);
+    double *s = malloc((size_t)rows * sizeof *s);
+    float *d = malloc((size_t)n * sizeof *d);
+    CHECK(s && d);
+    for (int64_t r = 0; r < rows; r++) {
+        CHECK_EQ(moe_dequantize(type, w + rb * (size_t)r, d, n), 0);
+        double a = 0;
+        for (int64_t i = 0; i < n; i++)
+            a += fabs((double)d[i] * x[i]);
+        s[r] = a;
+    }
+    free(d);
+    return s;
+}
+
+/* One launch over `rows` rows of w with W placed in `mem`; y compared with the CPU result. */
+static void check_case(uint32_t type, const uint8_t *w, int64_t n, int64_t rows, enum mem_kind mem,
+                       cudaStream_t st)
+{
+    const char *tn = moe_type_get(type)->name;
+    size_t wbytes = moe_row_bytes(type, n) * (size_t)rows;
+    float *x = malloc((size_t)n * sizeof *x);
+    float *ycpu = malloc((size_t)rows * sizeof *ycpu);
+    float *ygpu = malloc((size_t)rows * sizeof *ygpu);
+    float *ygpu2 = malloc((size_t)rows * sizeof *ygpu2);
+    CHECK(x && ycpu && ygpu && ygpu2);
+    for (int64_t i = 0; i < n; i++)
+        x[i] = rng_f() * 2.0f;
+    moe_matvec(type, w, n, x, ycpu, 0, rows);
+    double *as = abs_sums(type, w, rows, n, x);
+
+    void *dw = NULL, *host = NULL;
+    float *dx = NULL, *dy = NULL;
+    CU(cudaMalloc((void **)&dx, (size_t)n * sizeof *dx));
+    CU(cudaMalloc((void **)&dy, (size_t)rows * sizeof *dy));
+    /* Copies go on the kernel's stream: a cudaMemcpy from pageable memory may return before the
+     * data lands, and a non-blocking stream does not wait for the legacy default stream. */
+    CU(cudaMemcpyAsync(dx, x, (size_t)n * sizeof *dx, cudaMemcpyHostToDevice, st));
+    if (mem == MEM_VRAM) {
+        CU(cudaMalloc(&dw, wbytes));
+        CU(cudaMemcpyAsync(dw, w, wbytes, cudaMemcpyHostToDevice, st));
+    } else if (mem == MEM_REGISTERED) {
+        /* What the worker does with the mmap'ed model file: register ordinary host pages. */
+        CHECK_EQ(posix_memalign(&host, 4096, wbytes), 0);
+        memcpy(host, w, wbytes);
+        CU(cudaHostRegister(host, wbytes, cudaHostRegisterMapped));
+        CU(cudaHostGetDevicePointer(&dw, host, 0));
+    } else {
+        CU(cudaHostAlloc(&host, wbytes, cudaHostAllocMapped));
+        memcpy(host, w, wbytes);
+        CU(cudaHostGetDevicePointer(&dw, host, 0));
+    }
+
+    int runs = mem == MEM_VRAM ? 2 : 1;
+    for (int run = 0; run < runs; run++) {
+        float *out = run ? ygpu2 : ygpu;
+        CU(cudaMemsetAsync(dy, 0xff, (size_t)rows * sizeof *dy, st)); /* all-ones bits: NaN */
+        int rc = moe_cuda_matvec(type, dw, n, rows, dx, dy, st);
+        CHECK_MSG(rc == 0, "%s n=%lld rows=%lld: %s", tn, (long long)n, (long long)rows,
+                  moe_strerror(rc));
+        CU(cudaMemcpyAsync(out, dy, (size_t)rows * sizeof *dy, cudaMemcpyDeviceToHost, st));
+        CU(cudaStreamSynchronize(st));
+    }
+    for (int64_t r = 0; r < rows; r++) {
+        double tol = 1e-5 * as[r];
+        CHECK_MSG(isfinite(ygpu[r]), "%s n=%lld rows=%lld %s: y[%lld] not written (%g)", tn,
+                  (long long)n, (long long)rows, mem_name[mem], (long long)r, (double)ygpu[r]);
+        CHECK_MSG(fabs((double)ygpu[r] - (double)ycpu[r]) <= tol,
+                  "%s n=%lld rows=%lld %s: y[%lld] gpu %.9g cpu %.9g (tol %.3g)", tn, (long long)n,
+                  (long long)rows, mem_name[mem], (long long)r, (double)ygpu[r], (double)ycpu[r],
+                  tol);
+    }
+    if (runs == 2)
+        CHECK_MSG(memcmp(ygpu, ygpu2, (size_t)rows * sizeof *ygpu) == 0,
+                  "%s n=%lld rows=%lld: two runs differ", tn, (long long)n, (long long)rows);
+
+    if (mem == MEM_VRAM) {
+        CU(cudaFree(dw));
+    } else if (mem == MEM_REGISTERED) {
+        CU(cudaHostUnregister(host));
+        free(host);
+    } else {
+        CU(cudaFreeHost(host));
+    }
+    CU(cudaFree(dx));
+    CU(cudaFree(dy));
+    free(as);
+    free(x);
+    free(ycpu);
+    free(ygpu);
+    free(ygpu2);
+}
+
+/* Every shape of the brief (n 256..4096, rows 1..2048, rows not a multiple of the 4 rows a
+ * thread block takes), plus a short row that leaves most lanes idle and, for the plain types, a
+ * row length whose rows are not 16-byte aligned (the kernel's scalar path). Weights for the
+ * largest row count are made once per n; smaller cases use the first rows. */
+static void check_type(uint32_t type, uint64_t seed)
+{
+    static const int64_t ns[] = {256, 768, 2048, 4096};
+    static const int64_t rowss[] = {1, 7, 128, 131, 2048};
+    need_gpu();
+    moe_test_rng_seed(seed);
+    cudaStream_t st;
+    CU(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+    uint32_t blck = moe_type_get(type)->blck;
+    int64_t extra = blck == 1 ? 100 : blck == 32 ? 96 : 0;
+    for (size_t i = 0; i < sizeof ns / sizeof ns[0] + (extra ? 1 : 0); i++) {
+        int64_t n = i < sizeof ns / sizeof ns[0] ? ns[i] : extra;
+        uint8_t *w = make_weights(type, 2048, n);
+        for (size_t k = 0; k < sizeof rowss / sizeof rowss[0]; k++) {
+            check_case(type, w, n, rowss[k], MEM_VRAM, st);
+            check_case(type, w, n, rowss[k], MEM_REGISTERED, st);
+        }
+        if (n == 2048)
+            check_case(type, w, n, 131, MEM_HOSTALLOC, st);
+        free(w);
+    }
+    CU(cudaStreamDestroy(st));
+}
+
+TEST(cuda_matvec_f32) { check_type(MOE_TYPE_F32, 101); }
+TEST(cuda_matvec_f16) { check_type(MOE_TYPE_F16, 102); }
+TEST(cuda_matvec_bf16) { check_type(MOE_TYPE_BF16, 103); }
+TEST(cuda_matvec_q8_0) { check_type(MOE_TYPE_Q8_0, 104); }
+TEST(cuda_matvec_q4_0) { check_type(MOE_TYPE_Q4_0, 105); }
+TEST(cuda_matvec_q5_0) { check_type(MOE_TYPE_Q5_0, 106); }
+TEST(cuda_matvec_q4_k) { check_type(MOE_TYPE_Q4_K, 107); }
+TEST(cuda_matvec_q5_k) { check_type(MOE_TYPE_Q5_K, 108); }
+TEST(cuda_matvec_q6_k) { check_type(MOE_TYPE_Q6_K, 109); }
+
+/* Types without a CUDA kernel, bad shapes and misaligned pointers are error returns, and rows=0
+ * launches nothing (y keeps its contents). */
+TEST(cuda_matvec_rejects_bad_arguments)
+{
+    need_gpu();
+    const int64_t n = 256;
+    uint8_t *dw;
+    float *dx, *dy, y[4];
+    CU(cudaMalloc((void **)&dw, 1 << 16));
+    CU(cudaMalloc((void **)&dx, 4096 * sizeof(float)));
+    CU(cudaMalloc((void **)&dy, 4 * sizeof(float)));
+    CU(cudaMemset(dx, 0, 4096 * sizeof(float)));
+    CU(cudaMemset(dy, 0x7f, 4 * sizeof(float)));
+
+    static const uint32_t unsupported[] = {MOE_TYPE_Q4_1, MOE_TYPE_Q5_1, MOE_TYPE_Q2_K,
+                                           MOE_TYPE_Q3_K, MOE_TYPE_IQ4_NL, MOE_TYPE_MXFP4, 4, 999};
+    for (size_t i = 0; i < sizeof unsupported / sizeof unsupported[0]; i++) {
+        CHECK_EQ(moe_cuda_matvec_supported(unsupported[i]), 0);
+        CHECK_EQ(moe_cuda_matvec(unsupported[i], dw, n, 4, dx, dy, 0), MOE_EUNSUPPORTED);
+    }
+    CHECK_EQ(moe_cuda_matvec_supported(MOE_TYPE_Q4_K), 1);
+    CHECK_EQ(moe_cuda_matvec(MOE_TYPE_Q4_0, dw, 100, 4, dx, dy, 0), -EINVAL); /* 100 % 32 */
+    CHECK_EQ(moe_cuda_matvec(MOE_TYPE_Q6_K, dw, 128, 4, dx, dy, 0), -EINVAL);
+    CHECK_EQ(moe_cuda_matvec(MOE_TYPE_F16, dw, 0, 4, dx, dy, 0), -EINVAL);
+    CHECK_EQ(moe_cuda_matvec(MOE_TYPE_F16, dw, n, -1, dx, dy, 0), -EINVAL);
+    CHECK_EQ(moe_cuda_matvec(MOE_TYPE_F16, NULL, n, 4, dx, dy, 0), -EINVAL);
+    CHECK_EQ(moe_cuda_matvec(MOE_TYPE_F16, dw, n, 4, NULL, dy, 0), -EINVAL);
+    CHECK_EQ(moe_cuda_matvec(MOE_TYPE_F16, dw, n, 4, dx, NULL, 0), -EINVAL);
+    CHECK_EQ(moe_cuda_matvec(MOE_TYPE_F16, dw, n, 4, dx + 1, dy, 0), -EINVAL);
+    CHECK_EQ(moe_cuda_matvec(MOE_TYPE_Q4_K, dw + 8, n, 4, dx, dy, 0), -EINVAL);
+    CHECK_EQ(moe_cuda_matvec(MOE_TYPE_F32, dw + 2, n, 4, dx, dy, 0), -EINVAL);
+    CHECK_EQ(moe_cuda_matvec(MOE_TYPE_Q8_0, dw + 1, n, 4, dx, dy, 0), -EINVAL);
+    CHECK_EQ(moe_cuda_matvec(MOE_TYPE_Q8_0, dw, n, 0, dx, dy, 0), 0);
+    CU(cudaDeviceSynchronize());
+    CU(cudaMemcpy(y, dy, sizeof y, cudaMemcpyDeviceToHost));
+    for (int i = 0; i < 4; i++) {
+        uint32_t bits;
+        memcpy(&bits, &y[i], sizeof bits);
+        CHECK_EQ(bits, 0x7f7f7f7fu);
+    }
+    CU(cudaFree(dw));
+    CU(cudaFree(dx));
+    CU(cudaFree(dy));
+}

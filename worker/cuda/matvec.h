@@ -1,0 +1,43 @@
+/* CUDA quantized matrix-vector product: the GPU twin of worker/cpu/kernels.h's moe_matvec.
+ *
+ * Weights stay in their stored ggml block format (docs/kernels.md) and are decoded on the fly;
+ * activations and accumulation are float32. The result equals moe_matvec's up to float rounding
+ * (the summation order differs): tests/gpu/test_cuda_matvec.c checks every element against it
+ * within 1e-5 of the row's sum of |w·x|. */
+#ifndef MOE_CUDA_MATVEC_H
+#define MOE_CUDA_MATVEC_H
+
+#include <stdint.h>
+
+#include <cuda_runtime_api.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Returns 1 when moe_cuda_matvec computes with `type` (F32, F16, BF16, Q8_0, Q4_0, Q5_0, Q4_K,
+ * Q5_K, Q6_K), else 0. */
+int moe_cuda_matvec_supported(uint32_t type);
+
+/* y[r] = dot(W row r, x) for r in [0, rows), enqueued on stream s (nothing waits for it).
+ *
+ * d_w: [rows][n] in `type`, row stride moe_row_bytes(type, n); a device pointer to VRAM or to
+ *      host memory mapped into the device (cudaHostAlloc(..., cudaHostAllocMapped) or
+ *      cudaHostRegister(..., cudaHostRegisterMapped), then cudaHostGetDevicePointer).
+ *      Alignment: 16 bytes for Q4_K and Q5_K (GGUF data is 32-aligned), 4 for F32, 2 otherwise;
+ *      F32/F16/BF16 rows take 16-byte loads when rows are 16-byte aligned.
+ * d_x: [n] float, device-accessible, 16-byte aligned.   d_y: [rows] float, device-accessible.
+ *
+ * Returns 0 (also for rows == 0, launching nothing); MOE_EUNSUPPORTED for other types; -EINVAL
+ * for n <= 0, n not a multiple of the block size, rows < 0, NULL or misaligned pointers;
+ * MOE_EBACKEND when the launch fails (the CUDA error is printed with device and file:line).
+ * Errors raised while the kernel runs (a bad pointer) surface at the caller's next
+ * synchronisation, as with any CUDA launch. */
+int moe_cuda_matvec(uint32_t type, const void *d_w, int64_t n, int64_t rows, const float *d_x,
+                    float *d_y, cudaStream_t s);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif
