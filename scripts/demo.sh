@@ -39,7 +39,7 @@ cleanup() {
 trap cleanup EXIT INT TERM
 
 # http METHOD PATH [BODY]: one request over the Unix socket; prints the status line's code, then
-# the body. (python3 is part of the build dependencies; curl is not.)
+# the body. python3 is enough (curl is installed too, for the README's examples).
 http() {
     SOCK="$sock" python3 - "$@" <<'PY'
 import os, socket, sys

@@ -87,11 +87,11 @@ umount_all() {
     done
     mounted=()
 }
-still_mounted() { grep -q " $ROOT[/ ]" /proc/self/mounts; }
+still_mounted() { grep -q " ${ROOT}[/ ]" /proc/self/mounts; }
 remove_root() {
     if [ -d "$ROOT" ]; then
         # Leftovers from an interrupted run: unmount anything under the root first.
-        grep -o " $ROOT[^ ]*" /proc/self/mounts | sort -r | while read -r m; do umount -l "$m" || true; done
+        grep -o " ${ROOT}[^ ]*" /proc/self/mounts | sort -r | while read -r m; do umount -l "$m" || true; done
         if still_mounted; then
             echo "fresh-debian: $ROOT still has mounts; not removing it" >&2
             exit 1
