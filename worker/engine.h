@@ -6,6 +6,7 @@
 #ifndef MOE_ENGINE_H
 #define MOE_ENGINE_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -16,8 +17,10 @@ struct moe_engine;
 struct moe_engine_opts {
     uint32_t n_ctx;      /* KV cache positions per sequence */
     uint32_t n_seq;      /* concurrent sequences */
-    uint32_t n_batch;    /* most tokens per forward call */
-    int n_threads;       /* 0: all cores */
+    uint32_t n_batch;    /* most tokens per step (longer batches are split) */
+    int n_threads;       /* CPU threads; 0: all cores */
+    const char *device;  /* "cpu" (NULL: cpu) or "cuda:K" */
+    bool kv_f32;         /* CUDA: float32 KV cache instead of f16 */
 };
 
 struct moe_batch {
@@ -40,21 +43,28 @@ int moe_engine_forward(struct moe_engine *e, const struct moe_batch *b, float *o
 /* Forgets a sequence's cached positions. */
 void moe_engine_seq_clear(struct moe_engine *e, int32_t seq);
 
-/* Cumulative routing counts since init: [n_layer][n_expert] (one count per token and chosen
- * expert). */
-const uint64_t *moe_engine_routing_counts(const struct moe_engine *e);
-
-/* Additions (h4): */
+/* Cumulative routing counts since init, [n_layer][n_expert] (one count per token and chosen
+ * expert), copied to dst. Returns 0 or an error (a device failure). */
+int moe_engine_routing_counts(struct moe_engine *e, uint64_t *dst);
 
 /* Message for the last error of moe_engine_forward() ("batch[3]: position 9 of sequence 0
  * follows a gap (next is 5)"); "" when none. */
 const char *moe_engine_errmsg(const struct moe_engine *e);
 
 /* Options with defaults filled in (n_ctx 0 -> min(n_ctx_train, 4096), n_seq 0 -> 1,
- * n_batch 0 -> 512, n_threads 0 -> online CPUs as resolved by the pool). */
+ * n_batch 0 -> 512, n_threads 0 -> online CPUs as resolved by the pool, device -> the resolved
+ * name such as "cpu" or "cuda:0"). */
 const struct moe_engine_opts *moe_engine_get_opts(const struct moe_engine *e);
 
 /* Positions held for a sequence (the next position to evaluate), or -1 for a bad slot. */
 int32_t moe_engine_seq_len(const struct moe_engine *e, int32_t seq);
+
+/* What the engine runs on. */
+struct moe_engine_info {
+    char device[32];           /* "cpu", "cuda:0" */
+    char desc[160];            /* "NVIDIA H200, 132 SMs, ..." */
+    uint64_t device_bytes;     /* device memory held (CUDA: peak use incl. the context) */
+};
+void moe_engine_info(const struct moe_engine *e, struct moe_engine_info *info);
 
 #endif

@@ -155,6 +155,7 @@ struct compute {
     float *logits;            /* [n_seq][n_vocab] */
     uint64_t *prev_counts;    /* routing counts at the last RoutingStats */
     uint64_t *delta;
+    uint64_t *cur_counts;     /* scratch: the engine's counts now */
     double last_stats;
     uint64_t gen_total, prompt_total, eval_total, gen_at_stats, eval_at_stats;
 };
@@ -213,7 +214,9 @@ static void send_stats(struct compute *c, bool force)
     double now = moe_now_s();
     if (!force && now - c->last_stats < STATS_INTERVAL_S)
         return;
-    const uint64_t *cur = moe_engine_routing_counts(w->eng);
+    uint64_t *cur = c->cur_counts;
+    if (moe_engine_routing_counts(w->eng, cur))
+        return;
     size_t n = (size_t)w->n_layer * w->n_expert;
     uint64_t any = 0;
     for (size_t i = 0; i < n; i++) {
@@ -385,15 +388,19 @@ static void *compute_main(void *arg)
     c.logits = calloc((size_t)w->n_seq * w->n_vocab, sizeof *c.logits);
     c.prev_counts = calloc(ncount, sizeof *c.prev_counts);
     c.delta = calloc(ncount, sizeof *c.delta);
+    c.cur_counts = calloc(ncount, sizeof *c.cur_counts);
     c.last_stats = moe_now_s();
     int fatal = 0;
     if (!c.slot || !c.owner || !c.tok || !c.pos || !c.seq || !c.want || !c.logits ||
-        !c.prev_counts || !c.delta) {
+        !c.prev_counts || !c.delta || !c.cur_counts) {
         post_error(w, 0, -ENOMEM, "out of memory for the compute loop");
         fatal = -ENOMEM;
         goto out;
     }
-    memcpy(c.prev_counts, moe_engine_routing_counts(w->eng), ncount * sizeof *c.prev_counts);
+    if ((fatal = moe_engine_routing_counts(w->eng, c.prev_counts))) {
+        post_error(w, 0, fatal, moe_engine_errmsg(w->eng));
+        goto out;
+    }
 
     for (;;) {
         pthread_mutex_lock(&w->mu);
@@ -463,6 +470,7 @@ out:
     free(c.logits);
     free(c.prev_counts);
     free(c.delta);
+    free(c.cur_counts);
     struct wevent *ev = ev_new(EV_EXIT, 0);
     if (ev) {
         ev->code = fatal;

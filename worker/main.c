@@ -492,8 +492,12 @@ static int run_standalone(const struct opts *o)
         free(dumped);
         fflush(stdout);
     }
-    if (o->routing_stats)
-        print_routing_stats(m, moe_engine_routing_counts(eng));
+    if (o->routing_stats) {
+        uint64_t *counts = calloc((size_t)m->hp.n_layer * m->hp.n_expert, sizeof *counts);
+        if (counts && moe_engine_routing_counts(eng, counts) == 0)
+            print_routing_stats(m, counts);
+        free(counts);
+    }
     status = 0;
 
 done:
