@@ -109,8 +109,9 @@ static inline void test_model_close(struct test_model *tm)
 static inline struct moe_engine *test_engine(const struct moe_model *m, uint32_t n_ctx,
                                              uint32_t n_seq, uint32_t n_batch, int n_threads)
 {
+    /* MOE_TEST_DEVICE=cuda:0 runs the engine tests on a GPU with the same thresholds. */
     struct moe_engine_opts o = {.n_ctx = n_ctx, .n_seq = n_seq, .n_batch = n_batch,
-                                .n_threads = n_threads};
+                                .n_threads = n_threads, .device = getenv("MOE_TEST_DEVICE")};
     struct moe_engine *e = NULL;
     char err[256] = "";
     int rc = moe_engine_init(&e, m, &o, err, sizeof err);

@@ -144,7 +144,7 @@ struct moe_backend {
 };
 
 extern const struct moe_backend_vt moe_backend_cpu;
-#ifdef MOE_HAVE_CUDA_BACKEND
+#ifdef MOE_HAVE_CUDA
 extern const struct moe_backend_vt moe_backend_cuda;
 #endif
 

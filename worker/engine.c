@@ -133,7 +133,7 @@ static int pick_backend(const char *dev, const struct moe_backend_vt **vt, int *
             if (errno || end == dev + 5 || *end || k < 0 || k > 255)
                 return moe_fail(err, errlen, MOE_ERANGE, "device '%s': expected cuda:K", dev);
         }
-#ifdef MOE_HAVE_CUDA_BACKEND
+#ifdef MOE_HAVE_CUDA
         *vt = &moe_backend_cuda;
         *index = (int)k;
         return 0;

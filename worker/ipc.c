@@ -775,9 +775,6 @@ static uint64_t rss_bytes(void)
 static int load(struct worker *w, const Moed__Hello *h, int store_fd, char *err, size_t errlen)
 {
     int rc;
-    if (strcmp(h->device, "cpu") != 0 && h->device[0])
-        return moe_fail(err, errlen, MOE_EUNSUPPORTED, "device '%s' is not supported by this worker "
-                        "(only cpu)", h->device);
     if (h->store_size && store_fd < 0)
         return moe_fail(err, errlen, MOE_EFORMAT, "hello announces a %" PRIu64 " byte store but no "
                         "descriptor came with it", h->store_size);
@@ -807,7 +804,8 @@ static int load(struct worker *w, const Moed__Hello *h, int store_fd, char *err,
     if (w->n_batch < w->n_seq)
         w->n_batch = w->n_seq;
     struct moe_engine_opts eo = {.n_ctx = w->n_ctx, .n_seq = w->n_seq, .n_batch = w->n_batch,
-                                 .n_threads = h->n_threads};
+                                 .n_threads = h->n_threads,
+                                 .device = h->device[0] ? h->device : "cpu"};
     return moe_engine_init(&w->eng, &w->model, &eo, err, errlen);
 }
 
@@ -825,6 +823,9 @@ static void send_ready(struct worker *w)
     r.kv_bytes = (uint64_t)hp->n_layer * w->n_seq * w->n_ctx *
                  ((uint64_t)hp->n_head_kv * (hp->head_dim + hp->head_dim_v)) * sizeof(float);
     r.ram_used = rss_bytes();
+    struct moe_engine_info info;
+    moe_engine_info(w->eng, &info);
+    r.vram_used = info.device_bytes;
     r.model_fingerprint = w->model.fingerprint;
     r.pid = (int32_t)getpid();
     Moed__Envelope env = MOED__ENVELOPE__INIT;
@@ -912,9 +913,11 @@ int moe_worker_ipc_main(int fd, const char *argv0)
     if (store_fd >= 0)
         close(store_fd); /* the store holds its own duplicate */
     store_fd = -1;
-    moe_ipc_log(MOE_LOG_INFO, "worker %u ready: %s, %u x %u positions, %s", w->index,
-                hello->hello->model_path, w->n_seq, w->n_ctx, w->store ? "weights from the shared store"
-                                                                       : "weights mapped from the file");
+    struct moe_engine_info info;
+    moe_engine_info(w->eng, &info);
+    moe_ipc_log(MOE_LOG_INFO, "worker %u ready on %s (%s): %s, %u x %u positions, %s", w->index,
+                info.device, info.desc, hello->hello->model_path, w->n_seq, w->n_ctx,
+                w->store ? "weights from the shared store" : "weights mapped from the file");
     moe_ipc_free(hello);
     hello = NULL;
 

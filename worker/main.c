@@ -279,11 +279,6 @@ static int run_standalone(const struct opts *o)
     size_t n_prompt = 0, n_gen = 0;
     struct opts oo = *o;
 
-    if (strcmp(o->device, "cpu") != 0) {
-        fprintf(stderr, "moed-worker: --device %s: CUDA backend not built/available "
-                        "(this build has only the CPU backend; use --device cpu)\n", o->device);
-        return 1;
-    }
     size_t text_len = 0;
     int rrc = moe_read_file(o->prompt_file, &text, &text_len);
     if (rrc) {
@@ -338,10 +333,15 @@ static int run_standalone(const struct opts *o)
 
     struct moe_engine_opts eo = {.n_ctx = (uint32_t)oo.ctx, .n_seq = 1,
                                  .n_batch = (uint32_t)(oo.batch ? oo.batch : 512),
-                                 .n_threads = oo.threads};
+                                 .n_threads = oo.threads, .device = o->device};
     if ((rc = moe_engine_init(&eng, m, &eo, err, sizeof err))) {
         fprintf(stderr, "moed-worker: %s\n", err);
         goto done;
+    }
+    {
+        struct moe_engine_info info;
+        moe_engine_info(eng, &info);
+        fprintf(stderr, "moed-worker: computing on %s (%s)\n", info.device, info.desc);
     }
     uint32_t nb = moe_engine_get_opts(eng)->n_batch;
     if (!oo.has_seed) {

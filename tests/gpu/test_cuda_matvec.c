@@ -189,6 +189,8 @@ TEST(cuda_matvec_bf16) { check_type(MOE_TYPE_BF16, 103); }
 TEST(cuda_matvec_q8_0) { check_type(MOE_TYPE_Q8_0, 104); }
 TEST(cuda_matvec_q4_0) { check_type(MOE_TYPE_Q4_0, 105); }
 TEST(cuda_matvec_q5_0) { check_type(MOE_TYPE_Q5_0, 106); }
+TEST(cuda_matvec_q4_1) { check_type(MOE_TYPE_Q4_1, 110); }
+TEST(cuda_matvec_q5_1) { check_type(MOE_TYPE_Q5_1, 111); }
 TEST(cuda_matvec_q4_k) { check_type(MOE_TYPE_Q4_K, 107); }
 TEST(cuda_matvec_q5_k) { check_type(MOE_TYPE_Q5_K, 108); }
 TEST(cuda_matvec_q6_k) { check_type(MOE_TYPE_Q6_K, 109); }
@@ -207,7 +209,7 @@ TEST(cuda_matvec_rejects_bad_arguments)
     CU(cudaMemset(dx, 0, 4096 * sizeof(float)));
     CU(cudaMemset(dy, 0x7f, 4 * sizeof(float)));
 
-    static const uint32_t unsupported[] = {MOE_TYPE_Q4_1, MOE_TYPE_Q5_1, MOE_TYPE_Q2_K,
+    static const uint32_t unsupported[] = {MOE_TYPE_Q2_K,
                                            MOE_TYPE_Q3_K, MOE_TYPE_IQ4_NL, MOE_TYPE_MXFP4, 4, 999};
     for (size_t i = 0; i < sizeof unsupported / sizeof unsupported[0]; i++) {
         CHECK_EQ(moe_cuda_matvec_supported(unsupported[i]), 0);

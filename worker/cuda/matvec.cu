@@ -32,319 +32,97 @@ extern "C" {
 #include "store/ggml_type.h"
 }
 #include "worker/cuda/cuda_check.cuh"
+#include "worker/cuda/launch.cuh"
+#include "worker/cuda/qdot.cuh"
 
 #define ROWS_PER_BLOCK 4
 #define THREADS (32 * ROWS_PER_BLOCK)
 
-/* Variants of the plain types: the vector forms need 16-byte aligned rows. */
-enum { KIND_F32_V = 1000, KIND_F16_V, KIND_BF16_V };
+/* Up to three matrices of one type and row length, in one launch (q, k and v of a layer): segment
+ * g takes grid blocks [blk0, blk0 + its blocks). With NORM the input is RMSNorm(x)·nw, computed
+ * by every block into shared memory (and written to xout by the first block of each token), so
+ * the norm costs no launch of its own. */
+struct mv_seg {
+    const uint8_t *w;
+    float *y;
+    int64_t ldy, rows;
+    unsigned blk0;
+};
 
-/* The decoders below are __host__ __device__ so that a host build can single-step them when a
- * GPU result looks wrong; only the few intrinsics differ between the two. */
-#define HD __host__ __device__ __forceinline__
-#ifdef __CUDA_ARCH__
-#define UNROLL _Pragma("unroll")
-#else
-#define UNROLL
-#endif
+struct mv_args {
+    mv_seg seg[3];
+    int nseg;
+    size_t row_bytes;
+    unsigned block_bytes;
+    int nu;
+    const float *x;
+    int64_t ldx;
+    int accumulate;
+    const float *nw; /* NORM: weight [n], eps, output of the normed rows */
+    float eps;
+    int64_t n;
+    float *xout;
+    int64_t ldxo;
+};
 
-static HD float h2f(uint16_t h)
-{
-    return __half2float(__ushort_as_half(h));
-}
-
-static HD float bf2f(uint32_t h)
-{
-#ifdef __CUDA_ARCH__
-    return __uint_as_float(h << 16);
-#else
-    uint32_t u = h << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-#endif
-}
-
-static HD uint16_t ld16(const uint8_t *p)
-{
-    return *(const uint16_t *)p;
-}
-
-/* A 32-bit little-endian word at a 2-byte aligned address. */
-static HD uint32_t ld32a2(const uint8_t *p)
-{
-    return (uint32_t)ld16(p) | (uint32_t)ld16(p + 2) << 16;
-}
-
-static HD float4 ldx4(const float *x)
-{
-#ifdef __CUDA_ARCH__
-    return __ldg((const float4 *)x);
-#else
-    return *(const float4 *)x;
-#endif
-}
-
-/* Byte k of w (0..255) minus off, as a float, without an int→float conversion: a byte permute
- * (PRMT) assembles the bits of the float 2^23 + byte, and the subtraction is exact. The
- * conversion unit (16 per clock per SM on Hopper) would otherwise cap the 4-bit types at a
- * fraction of the memory bandwidth. The host twin computes the same permute. */
-static HD float byte_f(uint32_t w, int k, float off)
-{
-#ifdef __CUDA_ARCH__
-    uint32_t bits = __byte_perm(w, 0x4b000000u, 0x7440u + (unsigned)k);
-    return __uint_as_float(bits) - (8388608.0f + off);
-#else
-    uint32_t bits = 0x4b000000u | ((w >> (8 * k)) & 0xff);
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f - (8388608.0f + off);
-#endif
-}
-
-static HD uint32_t byte_of(uint32_t w, int k)
-{
-    return (w >> (8 * k)) & 0xff;
-}
-
-/* The 6-bit scales and mins of sub-blocks 2c and 2c+1 of a Q4_K/Q5_K block, from the 12 scale
- * bytes as three words (layout in docs/kernels.md): sub-blocks 0..3 keep theirs in the low 6
- * bits of bytes j and j+4; 4..7 split theirs between a nibble of byte j+4 and the top two bits
- * of bytes j-4 (scale) and j (min). Branch-free, since the lanes of a warp hold different c. */
-static HD void kq_scales(uint32_t s0, uint32_t s1, uint32_t s2, int c, float d, float dmin,
-                         float *d0, float *n0, float *d1, float *n1)
-{
-    int sc[2], m[2];
-    for (int i = 0; i < 2; i++) {
-        int j = 2 * c + i, jj = j & 3;
-        uint32_t lo_sc = byte_of(s0, jj) & 63, lo_m = byte_of(s1, jj) & 63;
-        uint32_t hi_sc = (byte_of(s2, jj) & 15) | (byte_of(s0, jj) >> 6) << 4;
-        uint32_t hi_m = (byte_of(s2, jj) >> 4) | (byte_of(s1, jj) >> 6) << 4;
-        sc[i] = (int)(j < 4 ? lo_sc : hi_sc);
-        m[i] = (int)(j < 4 ? lo_m : hi_m);
-    }
-    *d0 = d * (float)sc[0];
-    *n0 = dmin * (float)m[0];
-    *d1 = d * (float)sc[1];
-    *n1 = dmin * (float)m[1];
-}
-
-/* Units per block and elements per block, by kind. */
-template <int K> struct unit_shape;
-template <> struct unit_shape<MOE_TYPE_F32> { enum { per_block = 1, blck = 1 }; };
-template <> struct unit_shape<KIND_F32_V> { enum { per_block = 1, blck = 4 }; };
-template <> struct unit_shape<MOE_TYPE_F16> { enum { per_block = 1, blck = 1 }; };
-template <> struct unit_shape<KIND_F16_V> { enum { per_block = 1, blck = 8 }; };
-template <> struct unit_shape<MOE_TYPE_BF16> { enum { per_block = 1, blck = 1 }; };
-template <> struct unit_shape<KIND_BF16_V> { enum { per_block = 1, blck = 8 }; };
-template <> struct unit_shape<MOE_TYPE_Q8_0> { enum { per_block = 4, blck = 32 }; };
-template <> struct unit_shape<MOE_TYPE_Q4_0> { enum { per_block = 4, blck = 32 }; };
-template <> struct unit_shape<MOE_TYPE_Q5_0> { enum { per_block = 4, blck = 32 }; };
-template <> struct unit_shape<MOE_TYPE_Q4_K> { enum { per_block = 8, blck = 256 }; };
-template <> struct unit_shape<MOE_TYPE_Q5_K> { enum { per_block = 8, blck = 256 }; };
-template <> struct unit_shape<MOE_TYPE_Q6_K> { enum { per_block = 16, blck = 256 }; };
-
-/* Adds to acc[r], for r < RW, the partial dot product of unit t (0 <= t < per_block) of the
- * block at b + r·rs with xb, the x elements of that block. The x values (and, for the K-quants,
- * their sums) are loaded once for all RW rows. */
-template <int K, int RW>
-static HD void unit_dot(const uint8_t *b0, size_t rs, int t, const float *xb, float *acc)
-{
-    if constexpr (K == MOE_TYPE_F32) {
-        acc[0] += *(const float *)b0 * xb[0];
-    } else if constexpr (K == KIND_F32_V) {
-        float4 w = *(const float4 *)b0, x = ldx4(xb);
-        acc[0] += w.x * x.x + w.y * x.y + w.z * x.z + w.w * x.w;
-    } else if constexpr (K == MOE_TYPE_F16) {
-        acc[0] += h2f(ld16(b0)) * xb[0];
-    } else if constexpr (K == MOE_TYPE_BF16) {
-        acc[0] += bf2f(ld16(b0)) * xb[0];
-    } else if constexpr (K == KIND_F16_V || K == KIND_BF16_V) {
-        uint4 w = *(const uint4 *)b0;
-        float4 x0 = ldx4(xb), x1 = ldx4(xb + 4);
-        const uint32_t ws[4] = {w.x, w.y, w.z, w.w};
-        const float xs[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
-        float a = 0.0f;
-        UNROLL
-        for (int i = 0; i < 4; i++) {
-            float lo, hi;
-            if constexpr (K == KIND_F16_V) {
-                lo = h2f((uint16_t)(ws[i] & 0xffff));
-                hi = h2f((uint16_t)(ws[i] >> 16));
-            } else {
-                lo = bf2f(ws[i] & 0xffff);
-                hi = bf2f(ws[i] >> 16);
-            }
-            a = fmaf(lo, xs[2 * i], a);
-            a = fmaf(hi, xs[2 * i + 1], a);
-        }
-        acc[0] += a;
-    } else if constexpr (K == MOE_TYPE_Q8_0) {
-        /* half d; int8 qs[32]. Unit t: elements 8t..8t+7. Flipping the sign bits maps each
-         * int8 q to q + 128 in 0..255. */
-        float4 x0 = ldx4(xb + 8 * t), x1 = ldx4(xb + 8 * t + 4);
-        const float xs[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
-        UNROLL
-        for (int r = 0; r < RW; r++) {
-            const uint8_t *b = b0 + r * rs, *q = b + 2 + 8 * t;
-            uint32_t w0 = ld32a2(q) ^ 0x80808080u, w1 = ld32a2(q + 4) ^ 0x80808080u;
-            float sq = 0.0f;
-            UNROLL
-            for (int k = 0; k < 4; k++) {
-                sq = fmaf(byte_f(w0, k, 128.0f), xs[k], sq);
-                sq = fmaf(byte_f(w1, k, 128.0f), xs[4 + k], sq);
-            }
-            acc[r] += h2f(ld16(b)) * sq;
-        }
-    } else if constexpr (K == MOE_TYPE_Q4_0 || K == MOE_TYPE_Q5_0) {
-        /* Q4_0: half d; u8 qs[16]. Q5_0: half d; u32 qh; u8 qs[16]. Unit t: bytes qs[4t..4t+3],
-         * i.e. elements 4t..4t+3 (low nibbles) and 16+4t..16+4t+3 (high nibbles); the 5th bits
-         * are bits 4t.. and 4t+16.. of qh, spread here into bit 4 of each byte. */
-        float4 xl = ldx4(xb + 4 * t), xh = ldx4(xb + 16 + 4 * t);
-        const float xls[4] = {xl.x, xl.y, xl.z, xl.w}, xhs[4] = {xh.x, xh.y, xh.z, xh.w};
-        UNROLL
-        for (int r = 0; r < RW; r++) {
-            const uint8_t *b = b0 + r * rs;
-            uint32_t qs, lo, hi;
-            float off = 8.0f;
-            if constexpr (K == MOE_TYPE_Q5_0) {
-                uint32_t qh = ld32a2(b + 2);
-                qs = ld32a2(b + 6 + 4 * t);
-                uint32_t bl = (qh >> (4 * t)) & 15, bh = (qh >> (4 * t + 16)) & 15;
-                uint32_t sl = (bl & 1) | (bl & 2) << 7 | (bl & 4) << 14 | (bl & 8) << 21;
-                uint32_t sh = (bh & 1) | (bh & 2) << 7 | (bh & 4) << 14 | (bh & 8) << 21;
-                lo = (qs & 0x0f0f0f0fu) | sl << 4;
-                hi = ((qs >> 4) & 0x0f0f0f0fu) | sh << 4;
-                off = 16.0f;
-            } else {
-                qs = ld32a2(b + 2 + 4 * t);
-                lo = qs & 0x0f0f0f0fu;
-                hi = (qs >> 4) & 0x0f0f0f0fu;
-            }
-            float sq = 0.0f;
-            UNROLL
-            for (int k = 0; k < 4; k++) {
-                sq = fmaf(byte_f(lo, k, off), xls[k], sq);
-                sq = fmaf(byte_f(hi, k, off), xhs[k], sq);
-            }
-            acc[r] += h2f(ld16(b)) * sq;
-        }
-    } else if constexpr (K == MOE_TYPE_Q4_K || K == MOE_TYPE_Q5_K) {
-        /* half d, dmin; u8 scales[12]; (Q5_K: u8 qh[32];) u8 qs[128]. Unit t: chunk c = t/2,
-         * l0 = 16·(t%2): 16 bytes q[32c + l0 ..], whose low nibbles are elements 64c+l0+i
-         * (sub-block 2c) and high nibbles 64c+32+l0+i (sub-block 2c+1). Per sub-block the sum
-         * is d·sc·Σq·x − dmin·m·Σx. */
-        const int c = t >> 1, l0 = (t & 1) * 16;
-        const float *xlp = xb + 64 * c + l0, *xhp = xlp + 32;
-        float xl[16], xh[16], sxl = 0.0f, sxh = 0.0f;
-        UNROLL
-        for (int i = 0; i < 4; i++) {
-            float4 a = ldx4(xlp + 4 * i), e = ldx4(xhp + 4 * i);
-            xl[4 * i] = a.x, xl[4 * i + 1] = a.y, xl[4 * i + 2] = a.z, xl[4 * i + 3] = a.w;
-            xh[4 * i] = e.x, xh[4 * i + 1] = e.y, xh[4 * i + 2] = e.z, xh[4 * i + 3] = e.w;
-        }
-        UNROLL
-        for (int i = 0; i < 16; i++) {
-            sxl += xl[i];
-            sxh += xh[i];
-        }
-        UNROLL
-        for (int r = 0; r < RW; r++) {
-            const uint8_t *b = b0 + r * rs;
-            float d0, n0, d1, n1;
-            kq_scales(*(const uint32_t *)(b + 4), *(const uint32_t *)(b + 8),
-                      *(const uint32_t *)(b + 12), c, h2f(ld16(b)), h2f(ld16(b + 2)), &d0, &n0,
-                      &d1, &n1);
-            uint4 qv, hv = make_uint4(0, 0, 0, 0);
-            if constexpr (K == MOE_TYPE_Q5_K) {
-                qv = *(const uint4 *)(b + 48 + 32 * c + l0);
-                hv = *(const uint4 *)(b + 16 + l0);
-            } else {
-                qv = *(const uint4 *)(b + 16 + 32 * c + l0);
-            }
-            const uint32_t qs[4] = {qv.x, qv.y, qv.z, qv.w}, hs[4] = {hv.x, hv.y, hv.z, hv.w};
-            float ql = 0.0f, qh = 0.0f;
-            UNROLL
-            for (int i = 0; i < 4; i++) {
-                uint32_t lo = qs[i] & 0x0f0f0f0fu, hi = (qs[i] >> 4) & 0x0f0f0f0fu;
-                if constexpr (K == MOE_TYPE_Q5_K) {
-                    lo |= ((hs[i] >> (2 * c)) & 0x01010101u) << 4;
-                    hi |= ((hs[i] >> (2 * c + 1)) & 0x01010101u) << 4;
-                }
-                UNROLL
-                for (int k = 0; k < 4; k++) {
-                    ql = fmaf(byte_f(lo, k, 0.0f), xl[4 * i + k], ql);
-                    qh = fmaf(byte_f(hi, k, 0.0f), xh[4 * i + k], qh);
-                }
-            }
-            acc[r] += d0 * ql - n0 * sxl + (d1 * qh - n1 * sxh);
-        }
-    } else if constexpr (K == MOE_TYPE_Q6_K) {
-        /* u8 ql[128]; u8 qh[64]; i8 scales[16]; half d. Unit t: half h = t/8, l0 = 4·(t%8);
-         * elements 128h + 32g + l0 + k for g = 0..3, k = 0..3, whose 6-bit codes take their
-         * low 4 bits from ql[l0+k] (g = 0, 2: low/high nibble) or ql[32+l0+k] (g = 1, 3) and
-         * their top 2 bits from bits 2g..2g+1 of qh[l0+k]. */
-        const int h = t >> 3, l0 = (t & 7) * 4, is = l0 / 16;
-        const float *x0 = xb + 128 * h + l0;
-        float xs[4][4];
-        UNROLL
-        for (int g = 0; g < 4; g++) {
-            float4 v = ldx4(x0 + 32 * g);
-            xs[g][0] = v.x, xs[g][1] = v.y, xs[g][2] = v.z, xs[g][3] = v.w;
-        }
-        UNROLL
-        for (int r = 0; r < RW; r++) {
-            const uint8_t *b = b0 + r * rs, *ql = b + 64 * h, *qhp = b + 128 + 32 * h;
-            const int8_t *sc = (const int8_t *)(b + 192 + 8 * h);
-            uint32_t qa = ld32a2(ql + l0), qb = ld32a2(ql + 32 + l0), hh = ld32a2(qhp + l0);
-            const uint32_t q[4] = {
-                (qa & 0x0f0f0f0fu) | ((hh << 4) & 0x30303030u),
-                (qb & 0x0f0f0f0fu) | ((hh << 2) & 0x30303030u),
-                ((qa >> 4) & 0x0f0f0f0fu) | (hh & 0x30303030u),
-                ((qb >> 4) & 0x0f0f0f0fu) | ((hh >> 2) & 0x30303030u),
-            };
-            float sum = 0.0f;
-            UNROLL
-            for (int g = 0; g < 4; g++) {
-                float sg = 0.0f;
-                UNROLL
-                for (int k = 0; k < 4; k++)
-                    sg = fmaf(byte_f(q[g], k, 32.0f), xs[g][k], sg);
-                sum = fmaf((float)sc[is + 2 * g], sg, sum);
-            }
-            acc[r] += h2f(ld16(b + 208)) * sum;
-        }
-    }
-}
-
-/* Rows per warp: the quantized types decode each x element into two rows' products, which
- * halves the x traffic through L1 (4 bytes of x per element against 0.56-1.06 bytes of weights)
- * and puts two rows' weight loads in flight per lane. The plain types already run at HBM speed
- * with one. */
-template <int K> __host__ __device__ constexpr int rows_per_warp()
-{
-    return K == MOE_TYPE_F32 || K == MOE_TYPE_F16 || K == MOE_TYPE_BF16 || K >= KIND_F32_V ? 1 : 2;
-}
-
-/* w: [rows][n], row stride row_bytes, block_bytes per block; nu = units per row. Each block of
- * threads takes ROWS_PER_BLOCK rows, each warp RW consecutive ones. With only a few tens of warps
- * resident per SM, one unit per lane at a time is not enough bytes in flight to cover HBM
- * latency, hence two (two rows, or one row unrolled twice). */
-template <int K>
+/* Each block of threads takes ROWS_PER_BLOCK rows of one token (blockIdx.y), each warp RW
+ * consecutive ones. With only a few tens of warps resident per SM, one unit per lane at a time
+ * is not enough bytes in flight to cover HBM latency, hence two (two rows, or one row unrolled
+ * twice). Several tokens re-read the weights (from L2 when the matrix fits); the result of a
+ * token does not depend on how many others share the launch. Before waiting for the previous
+ * kernel, each warp prefetches its rows into L2. */
+template <int K, bool NORM>
 static __global__ void __launch_bounds__(THREADS)
-matvec_kernel(const uint8_t *__restrict__ w, size_t row_bytes, unsigned block_bytes, int nu,
-              int64_t rows, const float *__restrict__ x, float *__restrict__ y)
+matvec_kernel(const mv_args a)
 {
     constexpr int PB = unit_shape<K>::per_block, BL = unit_shape<K>::blck;
     constexpr int RW = rows_per_warp<K>();
+    extern __shared__ float xs[];
+    __shared__ float red[32];
     const int lane = threadIdx.x & 31;
-    const int64_t row = (int64_t)blockIdx.x * ROWS_PER_BLOCK + (threadIdx.x >> 5) * RW;
-    if (row >= rows)
+    int g = 0;
+    while (g + 1 < a.nseg && blockIdx.x >= a.seg[g + 1].blk0)
+        g++;
+    const mv_seg sg = a.seg[g];
+    const int64_t row = (int64_t)(blockIdx.x - sg.blk0) * ROWS_PER_BLOCK + (threadIdx.x >> 5) * RW;
+    const bool live = row < sg.rows;
+    const bool has2 = RW == 2 && row + 1 < sg.rows;
+    const uint8_t *w0 = sg.w + (size_t)(live ? row : 0) * a.row_bytes;
+    const size_t rs = has2 ? a.row_bytes : 0;
+    if (live)
+        for (size_t off = (size_t)lane * 128; off < a.row_bytes; off += 32 * 128) {
+            prefetch_l2(w0 + off);
+            if (has2)
+                prefetch_l2(w0 + rs + off);
+        }
+    pdl_trigger();
+    pdl_wait();
+    const float *x = a.x + (int64_t)blockIdx.y * a.ldx;
+    if constexpr (NORM) {
+        float ss = 0.0f;
+        for (int64_t i = threadIdx.x; i < a.n; i += blockDim.x)
+            ss += x[i] * x[i];
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1)
+            ss += __shfl_xor_sync(0xffffffffu, ss, o);
+        if (lane == 0)
+            red[threadIdx.x >> 5] = ss;
+        __syncthreads();
+        ss = 0.0f;
+        for (int i = 0; i < (int)(blockDim.x >> 5); i++)
+            ss += red[i];
+        const float sc = 1.0f / sqrtf(ss / (float)a.n + a.eps);
+        for (int64_t i = threadIdx.x; i < a.n; i += blockDim.x)
+            xs[i] = x[i] * sc * a.nw[i];
+        __syncthreads();
+        if (blockIdx.x == 0 && a.xout)
+            for (int64_t i = threadIdx.x; i < a.n; i += blockDim.x)
+                a.xout[(int64_t)blockIdx.y * a.ldxo + i] = xs[i];
+        x = xs;
+    }
+    if (!live)
         return;
-    /* A missing second row (odd row count) re-reads the first and is not stored. */
-    const bool has2 = RW == 2 && row + 1 < rows;
-    const uint8_t *w0 = w + (size_t)row * row_bytes;
-    const size_t rs = has2 ? row_bytes : 0;
+    float *y = sg.y + (int64_t)blockIdx.y * sg.ldy;
     float acc[RW];
     UNROLL
     for (int r = 0; r < RW; r++)
@@ -354,10 +132,13 @@ matvec_kernel(const uint8_t *__restrict__ w, size_t row_bytes, unsigned block_by
 #ifdef __CUDA_ARCH__
 #pragma unroll(3 - RW)
 #endif
-    for (int u = lane; u < nu; u += 32) {
+    for (int u = lane; u < a.nu; u += 32) {
         const unsigned bi = (unsigned)u / PB;
-        unit_dot<K, RW>(w0 + (size_t)bi * block_bytes, rs, (int)((unsigned)u % PB),
-                        x + (size_t)bi * BL, acc);
+        const uint8_t *bs[RW];
+        UNROLL
+        for (int r = 0; r < RW; r++)
+            bs[r] = w0 + r * rs + (size_t)bi * a.block_bytes;
+        unit_dot<K, RW>(bs, (int)((unsigned)u % PB), x + (size_t)bi * BL, acc);
     }
     UNROLL
     for (int r = 0; r < RW; r++)
@@ -365,29 +146,71 @@ matvec_kernel(const uint8_t *__restrict__ w, size_t row_bytes, unsigned block_by
         for (int o = 16; o > 0; o >>= 1)
             acc[r] += __shfl_xor_sync(0xffffffffu, acc[r], o);
     if (lane == 0) {
-        y[row] = acc[0];
-        if (RW == 2 && has2)
-            y[row + 1] = acc[RW - 1];
+        if (a.accumulate) {
+            y[row] += acc[0];
+            if (RW == 2 && has2)
+                y[row + 1] += acc[RW - 1];
+        } else {
+            y[row] = acc[0];
+            if (RW == 2 && has2)
+                y[row + 1] = acc[RW - 1];
+        }
     }
 }
 
+/* The stored type of a kind. */
+static constexpr uint32_t kind_type(int K)
+{
+    return K == KIND_F32_V ? MOE_TYPE_F32 : K == KIND_F16_V ? MOE_TYPE_F16
+                                          : K == KIND_BF16_V ? MOE_TYPE_BF16 : (uint32_t)K;
+}
+
 template <int K>
-static int launch(const void *w, int64_t n, int64_t rows, const float *x, float *y,
+static int launch(const struct moe_mv_job *jobs, int n_jobs, int64_t n, const float *x,
+                  int64_t ldx, int64_t n_tok, int accumulate, const struct moe_mv_norm *nm,
                   cudaStream_t s)
 {
     constexpr int PB = unit_shape<K>::per_block, BL = unit_shape<K>::blck;
     const int64_t nb = n / BL;
-    const size_t row_bytes = moe_row_bytes(K >= KIND_F32_V ? (K == KIND_F32_V ? MOE_TYPE_F32
-                                                              : K == KIND_F16_V ? MOE_TYPE_F16
-                                                                                : MOE_TYPE_BF16)
-                                                           : (uint32_t)K, n);
-    const unsigned block_bytes = (unsigned)(row_bytes / (size_t)nb);
-    const int64_t grid = (rows + ROWS_PER_BLOCK - 1) / ROWS_PER_BLOCK;
-    if (grid > 0x7fffffff || nb * PB > 0x7fffffff)
+    mv_args a = {};
+    a.row_bytes = moe_row_bytes(kind_type(K), n);
+    a.block_bytes = (unsigned)(a.row_bytes / (size_t)nb);
+    if (nb * PB > 0x7fffffff || n_tok > 65535)
         return -EINVAL;
-    matvec_kernel<K><<<(unsigned)grid, THREADS / rows_per_warp<K>(), 0, s>>>(
-        (const uint8_t *)w, row_bytes, block_bytes, (int)(nb * PB), rows, x, y);
-    MOE_CUDA_TRY(cudaGetLastError());
+    a.nu = (int)(nb * PB);
+    a.x = x;
+    a.ldx = ldx;
+    a.accumulate = accumulate;
+    a.nseg = n_jobs;
+    int64_t blocks = 0;
+    for (int j = 0; j < n_jobs; j++) {
+        a.seg[j] = {(const uint8_t *)jobs[j].w, jobs[j].y, jobs[j].ldy, jobs[j].rows,
+                    (unsigned)blocks};
+        blocks += (jobs[j].rows + ROWS_PER_BLOCK - 1) / ROWS_PER_BLOCK;
+    }
+    if (blocks == 0)
+        return 0;
+    if (blocks > 0x7fffffff)
+        return -EINVAL;
+    size_t smem = 0;
+    cudaError_t e;
+    dim3 g((unsigned)blocks, (unsigned)n_tok), th(THREADS / rows_per_warp<K>());
+    if (nm) {
+        a.nw = nm->w;
+        a.eps = nm->eps;
+        a.n = n;
+        a.xout = nm->xout;
+        a.ldxo = nm->ldxo;
+        smem = sizeof(float) * (size_t)n;
+        if (smem > 48 * 1024)
+            MOE_CUDA_TRY(cudaFuncSetAttribute(matvec_kernel<K, true>,
+                                              cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                              (int)smem));
+        e = moe_launch(matvec_kernel<K, true>, g, th, smem, s, a);
+    } else {
+        e = moe_launch(matvec_kernel<K, false>, g, th, smem, s, a);
+    }
+    MOE_CUDA_TRY(e);
     return 0;
 }
 
@@ -395,8 +218,8 @@ extern "C" int moe_cuda_matvec_supported(uint32_t type)
 {
     switch (type) {
     case MOE_TYPE_F32: case MOE_TYPE_F16: case MOE_TYPE_BF16: case MOE_TYPE_Q8_0:
-    case MOE_TYPE_Q4_0: case MOE_TYPE_Q5_0: case MOE_TYPE_Q4_K: case MOE_TYPE_Q5_K:
-    case MOE_TYPE_Q6_K:
+    case MOE_TYPE_Q4_0: case MOE_TYPE_Q4_1: case MOE_TYPE_Q5_0: case MOE_TYPE_Q5_1:
+    case MOE_TYPE_Q4_K: case MOE_TYPE_Q5_K: case MOE_TYPE_Q6_K:
         return 1;
     default:
         return 0;
@@ -411,36 +234,52 @@ static int aligned(const void *p, uintptr_t a)
 extern "C" int moe_cuda_matvec(uint32_t type, const void *d_w, int64_t n, int64_t rows,
                                const float *d_x, float *d_y, cudaStream_t s)
 {
+    return moe_cuda_matvec_tok(type, d_w, n, rows, d_x, n, 1, d_y, rows, 0, s);
+}
+
+extern "C" int moe_cuda_matvec_tok(uint32_t type, const void *d_w, int64_t n, int64_t rows,
+                                   const float *d_x, int64_t ldx, int64_t n_tok, float *d_y,
+                                   int64_t ldy, int accumulate, cudaStream_t s)
+{
+    struct moe_mv_job j = {d_w, rows, d_y, ldy};
+    return moe_cuda_matvec_multi(type, &j, 1, n, d_x, ldx, n_tok, accumulate, NULL, s);
+}
+
+extern "C" int moe_cuda_matvec_multi(uint32_t type, const struct moe_mv_job *jobs, int n_jobs,
+                                     int64_t n, const float *d_x, int64_t ldx, int64_t n_tok,
+                                     int accumulate, const struct moe_mv_norm *norm,
+                                     cudaStream_t s)
+{
     if (!moe_cuda_matvec_supported(type))
         return MOE_EUNSUPPORTED;
     const struct moe_type_info *ti = moe_type_get(type);
-    if (n <= 0 || n % ti->blck != 0 || rows < 0 || !d_w || !d_x || !d_y || !aligned(d_x, 16))
+    if (n <= 0 || n % ti->blck != 0 || n_jobs < 1 || n_jobs > 3 || n_tok < 0 || !d_x ||
+        !aligned(d_x, 16) || ldx < n || ldx % 4 != 0)
         return -EINVAL;
     uintptr_t need = type == MOE_TYPE_Q4_K || type == MOE_TYPE_Q5_K ? 16
                      : type == MOE_TYPE_F32                          ? 4
                                                                      : 2;
-    if (!aligned(d_w, need))
-        return -EINVAL;
-    if (rows == 0)
-        return 0;
-    /* The plain types read 16 bytes at a time when every row starts 16-byte aligned. */
-    int vec = aligned(d_w, 16) && moe_row_bytes(type, n) % 16 == 0;
-    switch (type) {
-    case MOE_TYPE_F32:
-        return vec ? launch<KIND_F32_V>(d_w, n, rows, d_x, d_y, s)
-                   : launch<MOE_TYPE_F32>(d_w, n, rows, d_x, d_y, s);
-    case MOE_TYPE_F16:
-        return vec ? launch<KIND_F16_V>(d_w, n, rows, d_x, d_y, s)
-                   : launch<MOE_TYPE_F16>(d_w, n, rows, d_x, d_y, s);
-    case MOE_TYPE_BF16:
-        return vec ? launch<KIND_BF16_V>(d_w, n, rows, d_x, d_y, s)
-                   : launch<MOE_TYPE_BF16>(d_w, n, rows, d_x, d_y, s);
-    case MOE_TYPE_Q8_0: return launch<MOE_TYPE_Q8_0>(d_w, n, rows, d_x, d_y, s);
-    case MOE_TYPE_Q4_0: return launch<MOE_TYPE_Q4_0>(d_w, n, rows, d_x, d_y, s);
-    case MOE_TYPE_Q5_0: return launch<MOE_TYPE_Q5_0>(d_w, n, rows, d_x, d_y, s);
-    case MOE_TYPE_Q4_K: return launch<MOE_TYPE_Q4_K>(d_w, n, rows, d_x, d_y, s);
-    case MOE_TYPE_Q5_K: return launch<MOE_TYPE_Q5_K>(d_w, n, rows, d_x, d_y, s);
-    case MOE_TYPE_Q6_K: return launch<MOE_TYPE_Q6_K>(d_w, n, rows, d_x, d_y, s);
+    bool vec = moe_row_bytes(type, n) % 16 == 0;
+    for (int j = 0; j < n_jobs; j++) {
+        if (!jobs[j].w || !jobs[j].y || jobs[j].rows < 0 || jobs[j].ldy < jobs[j].rows ||
+            !aligned(jobs[j].w, need))
+            return -EINVAL;
+        vec = vec && aligned(jobs[j].w, 16);
     }
+    if (norm && (!norm->w || (size_t)n * sizeof(float) > 200 * 1024))
+        return -EINVAL;
+    if (n_tok == 0)
+        return 0;
+#define ARGS jobs, n_jobs, n, d_x, ldx, n_tok, accumulate, norm, s
+    /* The plain types read 16 bytes at a time when every row starts 16-byte aligned. */
+    switch (type) {
+    case MOE_TYPE_F32: return vec ? launch<KIND_F32_V>(ARGS) : launch<MOE_TYPE_F32>(ARGS);
+    case MOE_TYPE_F16: return vec ? launch<KIND_F16_V>(ARGS) : launch<MOE_TYPE_F16>(ARGS);
+    case MOE_TYPE_BF16: return vec ? launch<KIND_BF16_V>(ARGS) : launch<MOE_TYPE_BF16>(ARGS);
+#define CASE(T) case T: return launch<T>(ARGS);
+    MOE_QDOT_TYPES(CASE)
+#undef CASE
+    }
+#undef ARGS
     return MOE_EUNSUPPORTED;
 }

@@ -15,8 +15,8 @@
 extern "C" {
 #endif
 
-/* Returns 1 when moe_cuda_matvec computes with `type` (F32, F16, BF16, Q8_0, Q4_0, Q5_0, Q4_K,
- * Q5_K, Q6_K), else 0. */
+/* Returns 1 when moe_cuda_matvec computes with `type` (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0,
+ * Q5_1, Q4_K, Q5_K, Q6_K), else 0. */
 int moe_cuda_matvec_supported(uint32_t type);
 
 /* y[r] = dot(W row r, x) for r in [0, rows), enqueued on stream s (nothing waits for it).
@@ -35,6 +35,38 @@ int moe_cuda_matvec_supported(uint32_t type);
  * synchronisation, as with any CUDA launch. */
 int moe_cuda_matvec(uint32_t type, const void *d_w, int64_t n, int64_t rows, const float *d_x,
                     float *d_y, cudaStream_t s);
+
+/* The same for n_tok tokens: y[t][r] = dot(W row r, x[t]) (accumulate: +=) for t < n_tok
+ * (at most 65535); x rows ldx floats apart (a multiple of 4, >= n), y rows ldy apart. The weights
+ * are re-read per token (through L2 for matrices that fit), so this is the decode path; each
+ * token's result is the same whatever n_tok is. */
+int moe_cuda_matvec_tok(uint32_t type, const void *d_w, int64_t n, int64_t rows,
+                        const float *d_x, int64_t ldx, int64_t n_tok, float *d_y, int64_t ldy,
+                        int accumulate, cudaStream_t s);
+
+/* One matrix of a multi-matrix launch: y[t][r] (+)= dot(W row r, x[t]) for r < rows. */
+struct moe_mv_job {
+    const void *w;
+    int64_t rows;
+    float *y;
+    int64_t ldy;
+};
+
+/* A fused RMSNorm of the input: x[t] is replaced by x[t]·rsqrt(mean(x[t]²) + eps)·w, and the
+ * normed rows are also written to xout (rows ldxo apart) when xout is not NULL. */
+struct moe_mv_norm {
+    const float *w;
+    float eps;
+    float *xout;
+    int64_t ldxo;
+};
+
+/* Up to three matrices of the same type and row length n over the same input rows, in one
+ * launch (q, k, v), optionally with the input's RMSNorm fused (norm not NULL; n floats of shared
+ * memory per block, n <= 51200). Other rules as moe_cuda_matvec_tok. */
+int moe_cuda_matvec_multi(uint32_t type, const struct moe_mv_job *jobs, int n_jobs, int64_t n,
+                          const float *d_x, int64_t ldx, int64_t n_tok, int accumulate,
+                          const struct moe_mv_norm *norm, cudaStream_t s);
 
 #ifdef __cplusplus
 }

@@ -1,0 +1,356 @@
+/* The CUDA backend against the CPU backend.
+ *
+ * Op by op (in the spirit of ggml's test-backend-ops): both backends run the same step of a real
+ * model in lockstep; after every op the buffer it wrote is compared element by element, then the
+ * CPU's values are written into the CUDA backend so each op is checked on identical inputs. The
+ * CUDA destination is poisoned with NaN before each op, so an element never written fails.
+ * Models: the golden tiny files (F16, Q8_0, Q4_K_M mixes), the transformers fixtures (head_dim
+ * 128 with 32 experts top-8, Q5_K/Q6_K with GQA 4, odd-size F32 without GQA) and the demo model.
+ *
+ * Whole forward: GPU logits against CPU logits on prompts and decode steps; the same request
+ * twice gives bit-identical logits; a sequence's logits do not depend on which other sequences
+ * share its step; graph replay equals direct launches. Without a GPU every test skips. */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cuda_runtime_api.h>
+
+#include "tests/engine_test.h"
+#include "worker/backend.h"
+
+static void need_gpu(void)
+{
+    int count = 0;
+    cudaError_t e = cudaGetDeviceCount(&count);
+    if (e != cudaSuccess || count == 0)
+        moe_test_skip("no CUDA device (%s)", e != cudaSuccess ? cudaGetErrorString(e) : "0 devices");
+}
+
+static const char *const MODELS[] = {
+    GOLDEN "/models/tiny-qwen3moe-F16.gguf",
+    GOLDEN "/models/tiny-qwen3moe-Q8_0.gguf",
+    GOLDEN "/models/tiny-qwen3moe-Q4_K_M.gguf",
+    "tests/fixtures/hf/hd128-e32-long.gguf",
+    "tests/fixtures/hf/q5k-q6k-gqa4.gguf",
+    "tests/fixtures/hf/nogqa-odd-f32.gguf",
+    "models/kjv-demo-F16.gguf",
+};
+#define N_MODELS (sizeof MODELS / sizeof MODELS[0])
+
+static struct moe_engine *engine_on(const struct moe_model *m, const char *dev, uint32_t n_ctx,
+                                    uint32_t n_seq, uint32_t n_batch, bool kv_f32)
+{
+    struct moe_engine_opts o = {.n_ctx = n_ctx, .n_seq = n_seq, .n_batch = n_batch,
+                                .n_threads = 2, .device = dev, .kv_f32 = kv_f32};
+    struct moe_engine *e = NULL;
+    char err[512] = "";
+    int rc = moe_engine_init(&e, m, &o, err, sizeof err);
+    CHECK_MSG(rc == 0, "moe_engine_init(%s): %s", dev, err);
+    return e;
+}
+
+/* Largest |gpu - cpu| over a row, relative to the row's largest |cpu| (plus a floor). */
+static double compare_rows(const char *what, int l, const float *cpu, const float *gpu, int64_t n,
+                           int64_t w, double tol)
+{
+    double worst = 0;
+    for (int64_t t = 0; t < n; t++) {
+        double scale = 1e-6;
+        for (int64_t i = 0; i < w; i++)
+            if (fabs(cpu[t * w + i]) > scale)
+                scale = fabs(cpu[t * w + i]);
+        for (int64_t i = 0; i < w; i++) {
+            double g = gpu[t * w + i], c = cpu[t * w + i];
+            CHECK_MSG(!isnan(g) || isnan(c), "%s (layer %d): row %lld element %lld not written", what,
+                      l, (long long)t, (long long)i);
+            double err = fabs(g - c) / scale;
+            if (err > worst)
+                worst = err;
+            CHECK_MSG(err <= tol, "%s (layer %d): row %lld element %lld: gpu %.8g cpu %.8g (rel %.3g > %.3g)",
+                      what, l, (long long)t, (long long)i, g, c, err, tol);
+        }
+    }
+    return worst;
+}
+
+struct pair {
+    struct moe_backend *c, *g;
+    const struct moe_dims *d;
+    int64_t n;
+    float *hc, *hg;
+    double worst[MOE_BUF_COUNT];
+};
+
+static void poison(struct pair *p, enum moe_buf buf)
+{
+    int64_t w = moe_buf_width(p->d, buf);
+    for (int64_t i = 0; i < p->n * w; i++)
+        p->hg[i] = NAN;
+    CHECK_EQ(p->g->vt->write_buf(p->g, buf, p->n, p->hg), 0);
+}
+
+/* Compares buf after an op and gives the CUDA backend the CPU's values. */
+static void sync_buf(struct pair *p, enum moe_buf buf, const char *what, int l, double tol)
+{
+    int64_t w = moe_buf_width(p->d, buf);
+    CHECK_EQ(p->c->vt->read_buf(p->c, buf, p->n, p->hc), 0);
+    CHECK_MSG(p->g->vt->read_buf(p->g, buf, p->n, p->hg) == 0, "%s", p->g->vt->errmsg(p->g));
+    double e = compare_rows(what, l, p->hc, p->hg, p->n, w, tol);
+    if (e > p->worst[buf])
+        p->worst[buf] = e;
+    CHECK_EQ(p->g->vt->write_buf(p->g, buf, p->n, p->hc), 0);
+}
+
+#define BOTH(p, call_c, call_g)                                                             \
+    do {                                                                                    \
+        CHECK_MSG((call_c) == 0, "cpu: %s", (p)->c->vt->errmsg((p)->c));                    \
+        CHECK_MSG((call_g) == 0, "cuda: %s", (p)->g->vt->errmsg((p)->g));                   \
+    } while (0)
+
+/* One step through both backends, op by op. */
+static void lockstep(struct pair *p, const struct moe_step *st, float *lc, float *lg)
+{
+    struct moe_backend *c = p->c, *g = p->g;
+    const struct moe_dims *d = p->d;
+    static const struct moe_mm qkv[3] = {
+        {MOE_W_Q, MOE_BUF_Q}, {MOE_W_K, MOE_BUF_K}, {MOE_W_V, MOE_BUF_V}};
+    static const struct moe_mm wo = {MOE_W_O, MOE_BUF_H};
+    static const struct moe_mm router = {MOE_W_ROUTER, MOE_BUF_RL};
+    const double tol = 1e-4;
+    p->n = st->n;
+    BOTH(p, c->vt->begin(c, st), g->vt->begin(g, st));
+    poison(p, MOE_BUF_H);
+    BOTH(p, c->vt->embed(c, MOE_BUF_H), g->vt->embed(g, MOE_BUF_H));
+    sync_buf(p, MOE_BUF_H, "embed", -1, 1e-6);
+    for (int l = 0; l < (int)d->L; l++) {
+        poison(p, MOE_BUF_X);
+        BOTH(p, c->vt->rmsnorm(c, l, MOE_W_ATTN_NORM, MOE_BUF_H, MOE_BUF_X),
+             g->vt->rmsnorm(g, l, MOE_W_ATTN_NORM, MOE_BUF_H, MOE_BUF_X));
+        sync_buf(p, MOE_BUF_X, "attn rmsnorm", l, tol);
+        poison(p, MOE_BUF_Q), poison(p, MOE_BUF_K), poison(p, MOE_BUF_V);
+        BOTH(p, c->vt->matmul(c, l, qkv, 3, MOE_BUF_X, false),
+             g->vt->matmul(g, l, qkv, 3, MOE_BUF_X, false));
+        sync_buf(p, MOE_BUF_Q, "q", l, tol);
+        sync_buf(p, MOE_BUF_K, "k", l, tol);
+        sync_buf(p, MOE_BUF_V, "v", l, tol);
+        BOTH(p, c->vt->qk_rope_kv(c, l), g->vt->qk_rope_kv(g, l));
+        sync_buf(p, MOE_BUF_Q, "q norm+rope", l, tol);
+        sync_buf(p, MOE_BUF_K, "k norm+rope", l, tol);
+        poison(p, MOE_BUF_ATT);
+        BOTH(p, c->vt->attention(c, l), g->vt->attention(g, l));
+        sync_buf(p, MOE_BUF_ATT, "attention", l, tol);
+        BOTH(p, c->vt->matmul(c, l, &wo, 1, MOE_BUF_ATT, true),
+             g->vt->matmul(g, l, &wo, 1, MOE_BUF_ATT, true));
+        sync_buf(p, MOE_BUF_H, "o + residual", l, tol);
+        poison(p, MOE_BUF_X);
+        BOTH(p, c->vt->rmsnorm(c, l, MOE_W_FFN_NORM, MOE_BUF_H, MOE_BUF_X),
+             g->vt->rmsnorm(g, l, MOE_W_FFN_NORM, MOE_BUF_H, MOE_BUF_X));
+        sync_buf(p, MOE_BUF_X, "ffn rmsnorm", l, tol);
+        poison(p, MOE_BUF_RL);
+        BOTH(p, c->vt->matmul(c, l, &router, 1, MOE_BUF_X, false),
+             g->vt->matmul(g, l, &router, 1, MOE_BUF_X, false));
+        sync_buf(p, MOE_BUF_RL, "router", l, tol);
+        BOTH(p, c->vt->route(c, l), g->vt->route(g, l));
+        /* Same experts (a near-tie may swap two; then the CPU's choice is given to both). */
+        int64_t k = d->kuse, same = 0;
+        int32_t *ec = malloc(sizeof(int32_t) * (size_t)(p->n * k));
+        int32_t *eg = malloc(sizeof(int32_t) * (size_t)(p->n * k));
+        CHECK(ec && eg);
+        CHECK_EQ(c->vt->read_buf(c, MOE_BUF_SEL_E, p->n, ec), 0);
+        CHECK_EQ(g->vt->read_buf(g, MOE_BUF_SEL_E, p->n, eg), 0);
+        for (int64_t i = 0; i < p->n * k; i++)
+            same += ec[i] == eg[i];
+        CHECK_MSG(same >= p->n * k - 2, "route (layer %d): %lld of %lld choices differ", l,
+                  (long long)(p->n * k - same), (long long)(p->n * k));
+        CHECK_EQ(g->vt->write_buf(g, MOE_BUF_SEL_E, p->n, ec), 0);
+        free(ec), free(eg);
+        sync_buf(p, MOE_BUF_SEL_W, "routing weights", l, same == p->n * k ? tol : 1.0);
+        BOTH(p, c->vt->experts(c, l), g->vt->experts(g, l));
+        sync_buf(p, MOE_BUF_H, "experts + residual", l, tol);
+    }
+    BOTH(p, c->vt->head(c), g->vt->head(g));
+    BOTH(p, c->vt->end(c, lc), g->vt->end(g, lg));
+    if (st->n_out)
+        compare_rows("head", -1, lc, lg, st->n_out, d->V, tol);
+}
+
+static void make_step(struct moe_step *st, int64_t n, int32_t *tok, int32_t *pos, int32_t *seq,
+                      float *rope, int32_t *out_row, const struct moe_model *m, int64_t n_out)
+{
+    const int64_t hd = m->hp.head_dim;
+    for (int64_t t = 0; t < n; t++)
+        for (int64_t i = 0; i < hd / 2; i++) {
+            double th = pos[t] * pow((double)m->hp.rope_base, -2.0 * (double)i / (double)hd);
+            rope[t * hd + 2 * i] = (float)cos(th);
+            rope[t * hd + 2 * i + 1] = (float)sin(th);
+        }
+    for (int64_t i = 0; i < n_out; i++)
+        out_row[i] = (int32_t)(n - n_out + i);
+    *st = (struct moe_step){.n = n, .token = tok, .pos = pos, .seq = seq, .rope = rope,
+                            .n_out = n_out, .out_row = out_row};
+}
+
+TEST_TIMEOUT(cuda_backend_ops_match_cpu, 600)
+{
+    need_gpu();
+    setenv("MOE_CUDA_NO_GRAPHS", "1", 1);
+    for (size_t mi = 0; mi < N_MODELS; mi++) {
+        struct test_model tm;
+        test_model_open(&tm, MODELS[mi]);
+        const struct moe_model *m = &tm.m;
+        const int64_t P = 37, V = m->hp.n_vocab;
+        struct moe_engine *ec = engine_on(m, "cpu", 128, 3, 64, false);
+        struct moe_engine *eg = engine_on(m, "cuda:0", 128, 3, 64, true);
+        struct pair p = {moe_engine_backend(ec), moe_engine_backend(eg), moe_engine_dims(ec), 0,
+                         NULL, NULL, {0}};
+        int64_t wmax = V > 64 * 4096 ? V : 64 * 4096;
+        p.hc = malloc(sizeof(float) * 64 * (size_t)wmax);
+        p.hg = malloc(sizeof(float) * 64 * (size_t)wmax);
+        float *lc = malloc(sizeof(float) * 8 * (size_t)V), *lg = malloc(sizeof(float) * 8 * (size_t)V);
+        int32_t tok[64], pos[64], seq[64], orow[64];
+        float *rope = malloc(sizeof(float) * 64 * m->hp.head_dim);
+        CHECK(p.hc && p.hg && lc && lg && rope);
+        moe_test_rng_seed(100 + mi);
+        /* A prompt on sequence 0, then a prompt of 5 on sequence 1 and a decode step of three
+         * sequences (1 and 0 continue, 2 starts). */
+        struct moe_step st;
+        for (int64_t i = 0; i < P; i++)
+            tok[i] = (int32_t)(moe_test_rng_u32() % V), pos[i] = (int32_t)i, seq[i] = 0;
+        make_step(&st, P, tok, pos, seq, rope, orow, m, 2);
+        lockstep(&p, &st, lc, lg);
+        for (int64_t i = 0; i < 5; i++)
+            tok[i] = (int32_t)(moe_test_rng_u32() % V), pos[i] = (int32_t)i, seq[i] = 1;
+        make_step(&st, 5, tok, pos, seq, rope, orow, m, 1);
+        lockstep(&p, &st, lc, lg);
+        int32_t dpos[3] = {5, (int32_t)P, 0}, dseq[3] = {1, 0, 2};
+        for (int i = 0; i < 3; i++)
+            tok[i] = (int32_t)(moe_test_rng_u32() % V), pos[i] = dpos[i], seq[i] = dseq[i];
+        make_step(&st, 3, tok, pos, seq, rope, orow, m, 3);
+        lockstep(&p, &st, lc, lg);
+        printf("  %-44s worst rel: x %.1e q %.1e att %.1e h %.1e rl %.1e\n", MODELS[mi],
+               p.worst[MOE_BUF_X], p.worst[MOE_BUF_Q], p.worst[MOE_BUF_ATT], p.worst[MOE_BUF_H],
+               p.worst[MOE_BUF_RL]);
+        free(p.hc), free(p.hg), free(lc), free(lg), free(rope);
+        moe_engine_free(ec);
+        moe_engine_free(eg);
+        test_model_close(&tm);
+    }
+}
+
+/* Evaluates a prompt then `steps` greedy decode tokens; returns all logits of the decode steps
+ * and the prompt's last row ([steps+1][V]). */
+static float *run_greedy(struct moe_engine *e, const int32_t *prompt, int64_t P, int steps,
+                         int32_t seq, int64_t V, int32_t *toks)
+{
+    float *all = malloc(sizeof(float) * (size_t)(steps + 1) * (size_t)V);
+    float *lg = malloc(sizeof(float) * (size_t)P * (size_t)V);
+    CHECK(all && lg);
+    test_prefill(e, seq, 0, prompt, (uint32_t)P, lg);
+    memcpy(all, lg + (P - 1) * V, sizeof(float) * (size_t)V);
+    for (int s = 0; s < steps; s++) {
+        int32_t t = moe_test_argmax(all + s * V, (size_t)V);
+        toks[s] = t;
+        test_prefill(e, seq, (int32_t)(P + s), &t, 1, all + (s + 1) * V);
+    }
+    free(lg);
+    return all;
+}
+
+TEST_TIMEOUT(cuda_forward_matches_cpu_and_is_deterministic, 600)
+{
+    need_gpu();
+    for (size_t mi = 0; mi < N_MODELS; mi++) {
+        struct test_model tm;
+        test_model_open(&tm, MODELS[mi]);
+        const struct moe_model *m = &tm.m;
+        const int64_t V = m->hp.n_vocab, P = 29;
+        const int steps = 12;
+        int32_t prompt[29], tc[12], tg[12], tg2[12];
+        moe_test_rng_seed(7 + mi);
+        for (int64_t i = 0; i < P; i++)
+            prompt[i] = (int32_t)(moe_test_rng_u32() % V);
+        struct moe_engine *ec = engine_on(m, "cpu", 64, 4, 0, false);
+        struct moe_engine *eg = engine_on(m, "cuda:0", 64, 4, 0, false);
+        float *c = run_greedy(ec, prompt, P, steps, 0, V, tc);
+        float *g = run_greedy(eg, prompt, P, steps, 0, V, tg);
+        double rel = moe_test_rel_l2(g, c, (size_t)(steps + 1) * V);
+        int same = 0;
+        for (int s = 0; s < steps; s++)
+            same += tc[s] == tg[s];
+        printf("  %-44s gpu vs cpu: rel-L2 %.2e, greedy %d/%d\n", MODELS[mi], rel, same, steps);
+        CHECK_MSG(rel < 2e-3, "rel-L2 %.3e", rel);
+        CHECK_EQ(same, steps);
+
+        /* The same request again on another sequence: bit-identical. */
+        moe_engine_seq_clear(eg, 0);
+        float *g2 = run_greedy(eg, prompt, P, steps, 1, V, tg2);
+        CHECK_MSG(memcmp(g, g2, sizeof(float) * (size_t)(steps + 1) * V) == 0,
+                  "repeated request differs");
+
+        /* Batch invariance: sequence 2 decodes the same prompt while sequences 0 and 3 run
+         * other tokens in the same steps. */
+        moe_engine_seq_clear(eg, 0);
+        moe_engine_seq_clear(eg, 2);
+        moe_engine_seq_clear(eg, 3);
+        float *lg = malloc(sizeof(float) * (size_t)P * V);
+        float *three = malloc(sizeof(float) * 3 * (size_t)V);
+        CHECK(lg && three);
+        test_prefill(eg, 0, 0, prompt + 3, (uint32_t)(P - 3), lg);
+        test_prefill(eg, 3, 0, prompt + 1, (uint32_t)(P - 1), lg);
+        test_prefill(eg, 2, 0, prompt, (uint32_t)P, lg);
+        CHECK(memcmp(lg + (P - 1) * V, g, sizeof(float) * (size_t)V) == 0);
+        double worst = 0;
+        for (int s = 0; s < steps; s++) {
+            int32_t tk[3] = {tg[(s + 5) % steps], tg[s], tg[(s + 2) % steps]};
+            int32_t ps[3] = {(int32_t)(P - 3 + s), (int32_t)(P + s), (int32_t)(P - 1 + s)};
+            int32_t sq[3] = {0, 2, 3};
+            struct moe_batch b = {.n = 3, .token = tk, .pos = ps, .seq = sq};
+            CHECK_MSG(moe_engine_forward(eg, &b, three) == 0, "%s", moe_engine_errmsg(eg));
+            double r = moe_test_rel_l2(three + V, g + (s + 1) * V, (size_t)V);
+            if (r > worst)
+                worst = r;
+            CHECK_EQ(moe_test_argmax(three + V, (size_t)V), moe_test_argmax(g + (s + 1) * V, (size_t)V));
+        }
+        printf("  %-44s batch of 3 vs alone: worst rel-L2 %.2e\n", "", worst);
+        CHECK_MSG(worst <= 1e-5, "batch-dependent logits: %.3e", worst);
+        free(lg), free(three), free(c), free(g), free(g2);
+        moe_engine_free(ec);
+        moe_engine_free(eg);
+        test_model_close(&tm);
+    }
+}
+
+/* Graph replay and direct launches give the same floats; routing counts add up. */
+TEST_TIMEOUT(cuda_graphs_equal_direct_launches, 300)
+{
+    need_gpu();
+    struct test_model tm;
+    test_model_open(&tm, GOLDEN "/models/tiny-qwen3moe-Q4_K_M.gguf");
+    const struct moe_model *m = &tm.m;
+    const int64_t V = m->hp.n_vocab, P = 17;
+    int32_t prompt[17], t1[10], t2[10];
+    for (int64_t i = 0; i < P; i++)
+        prompt[i] = (int32_t)((i * 131 + 7) % V);
+    unsetenv("MOE_CUDA_NO_GRAPHS");
+    struct moe_engine *a = engine_on(m, "cuda:0", 64, 1, 0, false);
+    float *ga = run_greedy(a, prompt, P, 10, 0, V, t1);
+    setenv("MOE_CUDA_NO_GRAPHS", "1", 1);
+    struct moe_engine *b = engine_on(m, "cuda:0", 64, 1, 0, false);
+    float *gb = run_greedy(b, prompt, P, 10, 0, V, t2);
+    unsetenv("MOE_CUDA_NO_GRAPHS");
+    CHECK(memcmp(ga, gb, sizeof(float) * 11 * (size_t)V) == 0);
+    uint64_t *rc = calloc((size_t)m->hp.n_layer * m->hp.n_expert, sizeof *rc);
+    CHECK(rc);
+    CHECK_EQ(moe_engine_routing_counts(a, rc), 0);
+    for (uint32_t l = 0; l < m->hp.n_layer; l++) {
+        uint64_t sum = 0;
+        for (uint32_t x = 0; x < m->hp.n_expert; x++)
+            sum += rc[l * m->hp.n_expert + x];
+        CHECK_EQ(sum, (uint64_t)(P + 10) * m->hp.n_expert_used);
+    }
+    free(rc), free(ga), free(gb);
+    moe_engine_free(a);
+    moe_engine_free(b);
+    test_model_close(&tm);
+}

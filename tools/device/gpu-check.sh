@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# Build, GPU tests, GPU parity and benchmarks in one go, for a machine with an NVIDIA GPU and
+# nvcc but without the Debian -dev packages: their headers and libraries come in .carry/
+# (include/, lib/; tools/device/pack-deps.sh makes it) along with the generated protobuf-c files.
+#
+#   tools/device/gpu-check.sh [LOGDIR] [steps...]   steps: build tests parity sanitizer tiny big
+#
+# Every step logs to LOGDIR/<step>.log and prints a one-line result; the run goes on after a
+# failed step so that one call reports everything.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+LOG=${1:-/tmp/gpu-check}
+shift || true
+STEPS=${*:-build tests parity sanitizer tiny big}
+mkdir -p "$LOG"
+B=${B:-/tmp/moed-build}
+export CPATH=$PWD/.carry/include LIBRARY_PATH=$PWD/.carry/lib
+export LD_LIBRARY_PATH=$PWD/.carry/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+J=$(nproc)
+
+step() { echo "== $1 ($(date +%T))"; }
+has() { case " $STEPS " in *" $1 "*) return 0 ;; esac; return 1; }
+
+if has build; then
+    step build
+    mkdir -p "$B/build/proto"
+    cp .carry/proto/* "$B/build/proto/" && touch "$B/build/proto/"*
+    if make -j"$J" O="$B" all "$B/build/tests/moe-tests" >"$LOG/build.log" 2>&1; then
+        echo "build ok"
+    else
+        tail -n 30 "$LOG/build.log"
+        exit 1
+    fi
+    nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv,noheader
+fi
+if has tests; then
+    step "gpu tests"
+    timeout 900 "$B/build/tests/moe-gpu-tests" -v -j 2 >"$LOG/gpu-tests.log" 2>&1
+    grep -E "^(ok|FAIL|SKIP)|passed|worst|rel-L2|batch of" "$LOG/gpu-tests.log" | tail -n 60
+fi
+if has parity; then
+    step "parity on cuda:0"
+    MOE_TEST_DEVICE=cuda:0 MOE_BIN="$B/bin" timeout 600 "$B/build/tests/moe-tests" -v -j 4 \
+        -f parity -f engine >"$LOG/parity.log" 2>&1
+    grep -E "^(ok|FAIL)|passed|parity|greedy|\|" "$LOG/parity.log" | tail -n 70
+fi
+if has sanitizer; then
+    step "compute-sanitizer"
+    printf 'In the beginning God created the heaven and the earth.' >"$LOG/prompt.txt"
+    for tool in memcheck racecheck; do
+        timeout 300 compute-sanitizer --tool $tool --error-exitcode 3 "$B/bin/moed-worker" \
+            --model tests/golden/models/tiny-qwen3moe-Q4_K_M.gguf --prompt-file "$LOG/prompt.txt" \
+            -n 6 --temp 0 --device cuda:0 >"$LOG/sanitizer-$tool.log" 2>&1
+        echo "$tool: exit $? ($(grep -c "Error\|error" "$LOG/sanitizer-$tool.log") error lines)"
+        tail -n 3 "$LOG/sanitizer-$tool.log"
+    done
+fi
+if has tiny; then
+    step "bench tiny"
+    "$B/build/bench/bench_engine" models/kjv-demo-F16.gguf --device cuda:0 --prompt 256 --gen 64 \
+        --batches 4,16,64 --long 1024 2>&1 | tail -n 9
+fi
+if has big; then
+    step "bench qwen3-30b-a3b q4_k_m"
+    M=/tmp/q30-q4_k_m.gguf
+    [ -f $M ] || /usr/bin/time -f "mkmodel %e s" "$B/bin/moectl" mkmodel --preset qwen3-30b-a3b \
+        --quant q4_k_m --threads "$J" -o $M >"$LOG/mkmodel.log" 2>&1
+    tail -n 1 "$LOG/mkmodel.log"
+    timeout 400 "$B/build/bench/bench_engine" $M --device cuda:0 ${BIG_ARGS:---prompt 512 --gen 128 --batches 4,16,64 --long 4096} \
+        2>&1 | tee "$LOG/bench-30b.log" | tail -n 12
+fi

@@ -1,0 +1,878 @@
+/* The CUDA backend (see worker/backend.h and docs/cuda.md).
+ *
+ * Init uploads every weight into one VRAM arena (norm weights as float32, everything else in
+ * its stored block format, each tensor and each expert 256-byte aligned), builds per-layer device
+ * tables of expert pointers, and allocates the KV cache (f16 unless kv_f32) and the step buffers.
+ *
+ * A step: begin() copies the step's inputs (tokens, positions, sequences, RoPE angles, logit rows)
+ * from pinned staging into device buffers, then either replays a CUDA graph recorded for this step
+ * shape (n, n_out), or starts recording one (steps of up to MOE_CUDA_GRAPH_MAX tokens), or, for
+ * larger steps, launches directly. The ops enqueue kernels on one stream; none waits for the
+ * device. end() launches the graph, copies the logits back and synchronises: the step's only
+ * host synchronisation. */
+#include <errno.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cuda_runtime.h>
+
+extern "C" {
+#include "store/err.h"
+#include "store/ggml_type.h"
+#include "store/quant.h"
+#include "worker/backend.h"
+}
+#include "worker/cuda/cuda_check.cuh"
+#include "worker/cuda/experts.cuh"
+#include "worker/cuda/matvec.h"
+#include "worker/cuda/ops.cuh"
+
+/* Steps of at most this many tokens are recorded as CUDA graphs (decode batches, small prompt
+ * chunks); larger ones launch directly. */
+#define MOE_CUDA_GRAPH_MAX 64
+/* Logit rows computed per pass of the output head. */
+#define LOGIT_ROWS 64
+
+enum { MODE_DIRECT, MODE_CAPTURE, MODE_REPLAY };
+
+struct cuda_graph {
+    int64_t n, n_out;
+    cudaGraphExec_t exec;
+};
+
+struct cuda_layer {
+    const void *w[MOE_W_ROUTER + 1]; /* matrices (Q, K, V, O, ROUTER) in VRAM */
+    uint32_t type[MOE_W_ROUTER + 1];
+    float *attn_norm, *ffn_norm, *q_norm, *k_norm;
+    const void **gate, **up, **down; /* device tables [nexp] */
+    uint32_t gate_type, up_type, down_type;
+};
+
+struct cuda_backend {
+    struct moe_backend base;
+    const struct moe_model *m;
+    struct moe_dims d;
+    int dev;
+    cudaStream_t st;
+
+    uint8_t *arena;
+    size_t arena_size, arena_used;
+    struct cuda_layer *layers;
+    const void *embd, *output;
+    float *out_norm;
+
+    struct moe_cuda_kv kv;
+    float *buf[MOE_BUF_COUNT];
+    int64_t ld[MOE_BUF_COUNT];
+    float *act, *scratch, *part, *xo, *logits;
+    int64_t ld_act;
+    int32_t *d_in;                   /* [4][nb]: token, pos, seq, out_row */
+    float *d_rope;                   /* [nb][hd] */
+    unsigned long long *counts;      /* [L][nexp] */
+    int32_t *h_in;                   /* pinned staging */
+    float *h_rope;
+    float *h_logits;                 /* pinned [LOGIT_ROWS][V] */
+
+    unsigned *att_done;              /* [nb][H] split counters of the attention */
+    struct {
+        bool on;                     /* rmsnorm recorded, not launched: dst = norm(src)·w */
+        const float *w;
+        enum moe_buf src, dst;
+    } norm;
+
+    int64_t n, n_out;
+    int n_split, sms;
+    int mode;
+    bool capturing, head_chunked, use_graphs, fuse_norm;
+    /* MOE_CUDA_PROFILE=1: no graphs, an event before every op, time per op name printed at
+     * free (a development aid). */
+    bool profile;
+    cudaEvent_t ev[64 * 16];
+    const char *ev_name[64 * 16];
+    int n_ev;
+    struct {
+        const char *name;
+        double ms;
+        long count;
+    } prof[16];
+    int n_prof;
+    double prof_steps;
+    struct cuda_graph graphs[2 * MOE_CUDA_GRAPH_MAX];
+    int n_graphs;
+
+    uint64_t dev_bytes;
+    char desc[512];
+    char errmsg[256];
+};
+
+static int cu_err(struct cuda_backend *b, int code, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+static int cu_err(struct cuda_backend *b, int code, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(b->errmsg, sizeof b->errmsg, fmt, ap);
+    va_end(ap);
+    return code;
+}
+
+/* A CUDA call in an op: on failure the message names the device and the call. */
+#define CU(b, call)                                                                         \
+    do {                                                                                    \
+        cudaError_t e_ = (call);                                                            \
+        if (e_ != cudaSuccess)                                                              \
+            return cu_err(b, MOE_EBACKEND, "cuda:%d: %s: %s", (b)->dev, #call,              \
+                          cudaGetErrorString(e_));                                          \
+    } while (0)
+
+/* A launch helper's result (its own CUDA errors are already printed with file:line). */
+#define LAUNCH(b, what, call)                                                               \
+    do {                                                                                    \
+        int rc_ = (call);                                                                   \
+        if (rc_)                                                                            \
+            return cu_err(b, rc_ == MOE_EBACKEND ? MOE_EBACKEND : rc_, "cuda:%d: %s: %s",   \
+                          (b)->dev, what, moe_strerror(rc_));                               \
+    } while (0)
+
+static int cuda_supports(uint32_t type)
+{
+    return moe_cuda_matvec_supported(type);
+}
+
+static size_t align256(size_t x)
+{
+    return (x + 255) & ~(size_t)255;
+}
+
+static int64_t pad4(int64_t x)
+{
+    return (x + 3) & ~(int64_t)3;
+}
+
+/* Arena placement: pass 0 only counts, pass 1 copies. */
+static void *place(struct cuda_backend *b, const void *src, size_t bytes, int pass, int *rc)
+{
+    size_t off = b->arena_used;
+    b->arena_used += align256(bytes);
+    if (pass == 0 || *rc)
+        return NULL;
+    void *dst = b->arena + off;
+    cudaError_t e = cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice);
+    if (e != cudaSuccess) {
+        *rc = cu_err(b, MOE_EBACKEND, "cuda:%d: uploading %zu bytes: %s", b->dev, bytes,
+                     cudaGetErrorString(e));
+        return NULL;
+    }
+    return dst;
+}
+
+static float *place_norm(struct cuda_backend *b, const struct moe_tensor *t, int64_t n, int pass,
+                         int *rc)
+{
+    if (pass == 0) {
+        b->arena_used += align256(sizeof(float) * (size_t)n);
+        return NULL;
+    }
+    float *tmp = (float *)malloc(sizeof(float) * (size_t)n);
+    if (!tmp) {
+        *rc = -ENOMEM;
+        return NULL;
+    }
+    int d = moe_dequantize(t->type, t->data, tmp, n);
+    if (d && !*rc)
+        *rc = cu_err(b, d, "cannot dequantize a norm weight");
+    float *p = (float *)place(b, tmp, sizeof(float) * (size_t)n, pass, rc);
+    free(tmp);
+    return p;
+}
+
+static const void **place_table(struct cuda_backend *b, const void **host, int pass, int *rc)
+{
+    return (const void **)place(b, host, sizeof(void *) * (size_t)b->d.nexp, pass, rc);
+}
+
+/* Weights into the arena (both passes walk the same order). */
+static int upload(struct cuda_backend *b, int pass, const void **tab)
+{
+    const struct moe_model *m = b->m;
+    const struct moe_dims *d = &b->d;
+    int rc = 0;
+    b->arena_used = 0;
+    b->embd = place(b, m->token_embd.data, m->token_embd.nbytes, pass, &rc);
+    if (m->output.data == m->token_embd.data)
+        b->output = b->embd;
+    else
+        b->output = place(b, m->output.data, m->output.nbytes, pass, &rc);
+    b->out_norm = place_norm(b, &m->output_norm, d->E, pass, &rc);
+    for (int l = 0; l < (int)d->L && !rc; l++) {
+        const struct moe_layer *ly = &m->layers[l];
+        struct cuda_layer *cl = &b->layers[l];
+        static const enum moe_wid mats[] = {MOE_W_Q, MOE_W_K, MOE_W_V, MOE_W_O, MOE_W_ROUTER};
+        for (size_t i = 0; i < sizeof mats / sizeof mats[0]; i++) {
+            const struct moe_tensor *t = moe_weight(m, l, mats[i]);
+            cl->w[mats[i]] = place(b, t->data, t->nbytes, pass, &rc);
+            cl->type[mats[i]] = t->type;
+        }
+        cl->attn_norm = place_norm(b, &ly->attn_norm, d->E, pass, &rc);
+        cl->ffn_norm = place_norm(b, &ly->ffn_norm, d->E, pass, &rc);
+        cl->q_norm = place_norm(b, &ly->attn_q_norm, d->hd, pass, &rc);
+        cl->k_norm = place_norm(b, &ly->attn_k_norm, d->hd, pass, &rc);
+        cl->gate_type = ly->experts[0].gate.type;
+        cl->up_type = ly->experts[0].up.type;
+        cl->down_type = ly->experts[0].down.type;
+        for (int which = 0; which < 3; which++) {
+            for (int x = 0; x < (int)d->nexp; x++) {
+                const struct moe_expert *ex = &ly->experts[x];
+                const struct moe_tensor *t = which == 0 ? &ex->gate : which == 1 ? &ex->up
+                                                                                : &ex->down;
+                uint32_t want = which == 0 ? cl->gate_type : which == 1 ? cl->up_type
+                                                                        : cl->down_type;
+                if (t->type != want && !rc)
+                    rc = cu_err(b, MOE_EUNSUPPORTED,
+                                "blk.%d: experts of one layer have different types", l);
+                tab[x] = place(b, t->data, t->nbytes, pass, &rc);
+            }
+            const void **dt = place_table(b, tab, pass, &rc);
+            if (which == 0)
+                cl->gate = dt;
+            else if (which == 1)
+                cl->up = dt;
+            else
+                cl->down = dt;
+        }
+    }
+    return rc;
+}
+
+static void cuda_free(struct moe_backend *bb);
+
+static int cuda_init(struct moe_backend **out, const struct moe_model *m, struct moe_dims *d,
+                     char *err, size_t errlen)
+{
+    struct cuda_backend *b = (struct cuda_backend *)calloc(1, sizeof *b);
+    if (!b)
+        return -ENOMEM;
+    b->base.vt = &moe_backend_cuda;
+    b->m = m;
+    b->d = *d;
+    b->dev = d->device;
+    b->use_graphs = getenv("MOE_CUDA_NO_GRAPHS") == NULL;
+    b->fuse_norm = getenv("MOE_CUDA_NO_FUSE_NORM") == NULL;
+    b->profile = getenv("MOE_CUDA_PROFILE") != NULL;
+    if (b->profile)
+        b->use_graphs = false;
+    int rc = 0;
+    int count = 0;
+    cudaError_t ce = cudaGetDeviceCount(&count);
+    if (ce != cudaSuccess || count == 0) {
+        rc = moe_fail(err, errlen, MOE_EBACKEND, "cuda:%d: no usable CUDA device (%s)", b->dev,
+                      ce != cudaSuccess ? cudaGetErrorString(ce) : "0 devices");
+        goto fail;
+    }
+    if (b->dev >= count) {
+        rc = moe_fail(err, errlen, MOE_ERANGE, "cuda:%d: only %d CUDA device(s)", b->dev, count);
+        goto fail;
+    }
+    if (d->hd > 512 || d->hdv > 512) {
+        rc = moe_fail(err, errlen, MOE_EUNSUPPORTED, "cuda:%d: head dim %lld > 512", b->dev,
+                      (long long)d->hd);
+        goto fail;
+    }
+#define INIT_TRY(call)                                                                      \
+    do {                                                                                    \
+        cudaError_t e_ = (call);                                                            \
+        if (e_ != cudaSuccess) {                                                            \
+            rc = moe_fail(err, errlen, MOE_EBACKEND, "cuda:%d: %s: %s", b->dev, #call,      \
+                          cudaGetErrorString(e_));                                          \
+            goto fail;                                                                      \
+        }                                                                                   \
+    } while (0)
+    {
+        INIT_TRY(cudaSetDevice(b->dev));
+        INIT_TRY(cudaFree(0));
+        cudaDeviceProp prop;
+        INIT_TRY(cudaGetDeviceProperties(&prop, b->dev));
+        INIT_TRY(cudaStreamCreateWithFlags(&b->st, cudaStreamNonBlocking));
+
+        b->layers = (struct cuda_layer *)calloc((size_t)d->L, sizeof *b->layers);
+        const void **tab = (const void **)calloc((size_t)d->nexp, sizeof *tab);
+        if (!b->layers || !tab) {
+            free(tab);
+            rc = -ENOMEM;
+            goto fail;
+        }
+        upload(b, 0, tab);
+        b->arena_size = b->arena_used;
+        ce = cudaMalloc((void **)&b->arena, b->arena_size);
+        if (ce != cudaSuccess) {
+            free(tab);
+            rc = moe_fail(err, errlen, MOE_EBACKEND,
+                          "cuda:%d: cannot allocate %.2f GiB for the weights: %s", b->dev,
+                          (double)b->arena_size / (1 << 30), cudaGetErrorString(ce));
+            goto fail;
+        }
+        rc = upload(b, 1, tab);
+        free(tab);
+        if (rc) {
+            moe_fail(err, errlen, rc, "%s", b->errmsg);
+            goto fail;
+        }
+
+        /* KV cache. */
+        b->kv.f32 = d->kv_f32;
+        b->kv.n_seq = d->n_seq;
+        b->kv.n_ctx = d->n_ctx;
+        b->kv.Hkv = d->Hkv;
+        b->kv.hd = d->hd;
+        b->kv.hdv = d->hdv;
+        size_t cells = (size_t)d->L * d->n_seq * d->Hkv * d->n_ctx, es = d->kv_f32 ? 4 : 2;
+        ce = cudaMalloc(&b->kv.k, cells * (size_t)d->hd * es);
+        if (ce == cudaSuccess)
+            ce = cudaMalloc(&b->kv.v, cells * (size_t)d->hdv * es);
+        if (ce != cudaSuccess) {
+            rc = moe_fail(err, errlen, MOE_EBACKEND,
+                          "cuda:%d: cannot allocate the KV cache (%u x %u positions, %.2f GiB): %s",
+                          b->dev, d->n_seq, d->n_ctx,
+                          (double)cells * (double)(d->hd + d->hdv) * (double)es / (1 << 30),
+                          cudaGetErrorString(ce));
+            goto fail;
+        }
+
+        /* Step buffers. */
+        const size_t nb = d->n_batch, ns = nb * (size_t)d->kuse;
+        for (int i = 0; i < MOE_BUF_COUNT; i++) {
+            /* Rows that feed a mat-vec start 16-byte aligned. */
+            int64_t w = moe_buf_width(d, (enum moe_buf)i);
+            b->ld[i] = i == MOE_BUF_SEL_E || i == MOE_BUF_SEL_W ? w : pad4(w);
+            INIT_TRY(cudaMalloc((void **)&b->buf[i], sizeof(float) * nb * (size_t)b->ld[i]));
+        }
+        b->ld_act = pad4(d->ff);
+        INIT_TRY(cudaMalloc((void **)&b->act, sizeof(float) * ns * (size_t)b->ld_act));
+        INIT_TRY(cudaMalloc((void **)&b->scratch, 2 * sizeof(float) * ns * (size_t)b->ld_act));
+        /* Splits: enough blocks to fill the GPU at batch 1, at most 32. */
+        int sms = b->sms = prop.multiProcessorCount;
+        b->n_split = (int)((2 * sms + d->H - 1) / d->H);
+        if (b->n_split > 32)
+            b->n_split = 32;
+        if (b->n_split < 1)
+            b->n_split = 1;
+        INIT_TRY(cudaMalloc((void **)&b->part,
+                            sizeof(float) * (size_t)moe_cuda_attention_part_floats(
+                                                (int64_t)nb, d->H, b->n_split, d->hdv)));
+        INIT_TRY(cudaMalloc((void **)&b->xo, sizeof(float) * nb * (size_t)pad4(d->E)));
+        INIT_TRY(cudaMalloc((void **)&b->att_done, sizeof(unsigned) * nb * (size_t)d->H));
+        INIT_TRY(cudaMemset(b->att_done, 0, sizeof(unsigned) * nb * (size_t)d->H));
+        int64_t lrows = nb < LOGIT_ROWS ? (int64_t)nb : LOGIT_ROWS;
+        INIT_TRY(cudaMalloc((void **)&b->logits, sizeof(float) * (size_t)(lrows * d->V)));
+        INIT_TRY(cudaMalloc((void **)&b->d_in, sizeof(int32_t) * 4 * nb));
+        INIT_TRY(cudaMalloc((void **)&b->d_rope, sizeof(float) * nb * (size_t)d->hd));
+        INIT_TRY(cudaMalloc((void **)&b->counts,
+                            sizeof(unsigned long long) * (size_t)(d->L * d->nexp)));
+        INIT_TRY(cudaMemset(b->counts, 0, sizeof(unsigned long long) * (size_t)(d->L * d->nexp)));
+        INIT_TRY(cudaMallocHost((void **)&b->h_in, sizeof(int32_t) * 4 * nb));
+        INIT_TRY(cudaMallocHost((void **)&b->h_rope, sizeof(float) * nb * (size_t)d->hd));
+        INIT_TRY(cudaMallocHost((void **)&b->h_logits, sizeof(float) * (size_t)(lrows * d->V)));
+        if (b->profile)
+            for (int i = 0; i < (int)(sizeof b->ev / sizeof b->ev[0]); i++)
+                INIT_TRY(cudaEventCreate(&b->ev[i]));
+        INIT_TRY(cudaDeviceSynchronize());
+
+        size_t fr = 0, tot = 0;
+        INIT_TRY(cudaMemGetInfo(&fr, &tot));
+        b->dev_bytes = (uint64_t)(tot - fr);
+        char name[96];
+        snprintf(name, sizeof name, "%.95s", prop.name);
+        snprintf(b->desc, sizeof b->desc,
+                 "%s, %d SMs, cc %d.%d, %.1f GiB weights, %.1f of %.1f GiB in use, KV %s", name,
+                 prop.multiProcessorCount, prop.major, prop.minor,
+                 (double)b->arena_size / (1 << 30), (double)(tot - fr) / (1 << 30),
+                 (double)tot / (1 << 30), d->kv_f32 ? "f32" : "f16");
+    }
+#undef INIT_TRY
+    *out = &b->base;
+    return 0;
+
+fail:
+    cuda_free(&b->base);
+    return rc;
+}
+
+static void cuda_free(struct moe_backend *bb)
+{
+    struct cuda_backend *b = (struct cuda_backend *)bb;
+    if (!b)
+        return;
+    if (b->profile && b->prof_steps > 0) {
+        double tot = 0;
+        for (int i = 0; i < b->n_prof; i++)
+            tot += b->prof[i].ms;
+        fprintf(stderr, "cuda profile: %.0f steps, %.3f ms per step\n", b->prof_steps,
+                tot / b->prof_steps);
+        for (int i = 0; i < b->n_prof; i++)
+            fprintf(stderr, "  %-12s %8.3f ms/step %6.1f%% %8.2f us/launch\n", b->prof[i].name,
+                    b->prof[i].ms / b->prof_steps, 100 * b->prof[i].ms / tot,
+                    1e3 * b->prof[i].ms / (double)b->prof[i].count);
+    }
+    if (b->profile && b->ev[0])
+        for (int i = 0; i < (int)(sizeof b->ev / sizeof b->ev[0]); i++)
+            cudaEventDestroy(b->ev[i]);
+    if (b->capturing) {
+        cudaGraph_t g;
+        if (cudaStreamEndCapture(b->st, &g) == cudaSuccess)
+            cudaGraphDestroy(g);
+    }
+    for (int i = 0; i < b->n_graphs; i++)
+        cudaGraphExecDestroy(b->graphs[i].exec);
+    if (b->st)
+        cudaStreamSynchronize(b->st);
+    cudaFree(b->arena);
+    cudaFree(b->kv.k);
+    cudaFree(b->kv.v);
+    for (int i = 0; i < MOE_BUF_COUNT; i++)
+        cudaFree(b->buf[i]);
+    cudaFree(b->act);
+    cudaFree(b->scratch);
+    cudaFree(b->part);
+    cudaFree(b->xo);
+    cudaFree(b->att_done);
+    cudaFree(b->logits);
+    cudaFree(b->d_in);
+    cudaFree(b->d_rope);
+    cudaFree(b->counts);
+    cudaFreeHost(b->h_in);
+    cudaFreeHost(b->h_rope);
+    cudaFreeHost(b->h_logits);
+    if (b->st)
+        cudaStreamDestroy(b->st);
+    free(b->layers);
+    free(b);
+}
+
+/* ---------------------------------------------------------------- steps */
+
+static void mark(struct cuda_backend *b, const char *name)
+{
+    if (!b->profile || b->n_ev >= (int)(sizeof b->ev / sizeof b->ev[0]))
+        return;
+    cudaEventRecord(b->ev[b->n_ev], b->st);
+    b->ev_name[b->n_ev++] = name;
+}
+
+static void prof_collect(struct cuda_backend *b)
+{
+    if (!b->profile || b->n_ev < 2)
+        return;
+    cudaEventSynchronize(b->ev[b->n_ev - 1]);
+    for (int i = 0; i + 1 < b->n_ev; i++) {
+        float ms = 0;
+        cudaEventElapsedTime(&ms, b->ev[i], b->ev[i + 1]);
+        int k = 0;
+        while (k < b->n_prof && strcmp(b->prof[k].name, b->ev_name[i]))
+            k++;
+        if (k == b->n_prof && b->n_prof < 16)
+            b->prof[b->n_prof++] = {b->ev_name[i], 0, 0};
+        if (k < 16) {
+            b->prof[k].ms += ms;
+            b->prof[k].count++;
+        }
+    }
+    b->prof_steps += 1;
+    b->n_ev = 0;
+}
+
+
+#define D_TOKEN(b) ((b)->d_in)
+#define D_POS(b) ((b)->d_in + (b)->d.n_batch)
+#define D_SEQ(b) ((b)->d_in + 2 * (b)->d.n_batch)
+#define D_OUTROW(b) ((b)->d_in + 3 * (b)->d.n_batch)
+
+/* Ends a recording left open by a failed step. */
+static void abandon_capture(struct cuda_backend *b)
+{
+    if (!b->capturing)
+        return;
+    cudaGraph_t g;
+    if (cudaStreamEndCapture(b->st, &g) == cudaSuccess)
+        cudaGraphDestroy(g);
+    cudaGetLastError();
+    b->capturing = false;
+}
+
+static int cuda_begin(struct moe_backend *bb, const struct moe_step *st)
+{
+    struct cuda_backend *b = (struct cuda_backend *)bb;
+    abandon_capture(b);
+    b->errmsg[0] = 0;
+    const size_t nb = b->d.n_batch;
+    if (st->n < 1 || st->n > (int64_t)nb || st->n_out < 0 || st->n_out > st->n)
+        return cu_err(b, MOE_ERANGE, "step of %lld tokens, %lld outputs", (long long)st->n,
+                      (long long)st->n_out);
+    b->n = st->n;
+    b->n_out = st->n_out;
+    b->head_chunked = false;
+    b->norm.on = false;
+    /* Inputs: staged in pinned memory, one copy each (the previous step has finished: end()
+     * synchronised). */
+    size_t n = (size_t)st->n;
+    memcpy(b->h_in, st->token, sizeof(int32_t) * n);
+    memcpy(b->h_in + nb, st->pos, sizeof(int32_t) * n);
+    memcpy(b->h_in + 2 * nb, st->seq, sizeof(int32_t) * n);
+    if (st->n_out)
+        memcpy(b->h_in + 3 * nb, st->out_row, sizeof(int32_t) * (size_t)st->n_out);
+    memcpy(b->h_rope, st->rope, sizeof(float) * n * (size_t)b->d.hd);
+    b->n_ev = 0;
+    mark(b, "inputs");
+    CU(b, cudaMemcpyAsync(b->d_in, b->h_in, sizeof(int32_t) * 4 * nb, cudaMemcpyHostToDevice,
+                          b->st));
+    CU(b, cudaMemcpyAsync(b->d_rope, b->h_rope, sizeof(float) * n * (size_t)b->d.hd,
+                          cudaMemcpyHostToDevice, b->st));
+    b->mode = MODE_DIRECT;
+    if (b->use_graphs && st->n <= MOE_CUDA_GRAPH_MAX && st->n_out <= LOGIT_ROWS) {
+        for (int i = 0; i < b->n_graphs; i++)
+            if (b->graphs[i].n == st->n && b->graphs[i].n_out == st->n_out) {
+                b->mode = MODE_REPLAY;
+                return 0;
+            }
+        if (b->n_graphs < (int)(sizeof b->graphs / sizeof b->graphs[0])) {
+            CU(b, cudaStreamBeginCapture(b->st, cudaStreamCaptureModeThreadLocal));
+            b->capturing = true;
+            b->mode = MODE_CAPTURE;
+        }
+    }
+    return 0;
+}
+
+/* RMSNorm is launched lazily: rmsnorm() records it, and a mat-vec whose input it is fuses it
+ * (the normed rows are still written to dst by that kernel). Every other op first launches a
+ * recorded norm on its own. */
+static int flush_norm(struct cuda_backend *b)
+{
+    if (!b->norm.on)
+        return 0;
+    b->norm.on = false;
+    mark(b, "rmsnorm");
+    LAUNCH(b, "rmsnorm",
+           moe_cuda_rmsnorm(b->buf[b->norm.src], b->ld[b->norm.src], NULL, b->norm.w, b->d.E,
+                            b->d.eps, b->n, b->buf[b->norm.dst], b->ld[b->norm.dst], b->st));
+    return 0;
+}
+
+#define SKIP_IF_REPLAY(b)                                                                   \
+    do {                                                                                    \
+        if ((b)->mode == MODE_REPLAY)                                                       \
+            return 0;                                                                       \
+        int frc_ = flush_norm(b);                                                           \
+        if (frc_)                                                                           \
+            return frc_;                                                                    \
+        mark(b, __func__ + 5);                                                              \
+    } while (0)
+
+static int cuda_embed(struct moe_backend *bb, enum moe_buf dst)
+{
+    struct cuda_backend *b = (struct cuda_backend *)bb;
+    SKIP_IF_REPLAY(b);
+    LAUNCH(b, "embed", moe_cuda_embed(b->m->token_embd.type, b->embd, b->d.E, D_TOKEN(b), b->n,
+                                      b->buf[dst], b->ld[dst], b->st));
+    return 0;
+}
+
+static const float *norm_weight(struct cuda_backend *b, int l, enum moe_wid w)
+{
+    if (l < 0)
+        return w == MOE_W_OUT_NORM ? b->out_norm : NULL;
+    if (l >= (int)b->d.L)
+        return NULL;
+    return w == MOE_W_ATTN_NORM ? b->layers[l].attn_norm
+           : w == MOE_W_FFN_NORM ? b->layers[l].ffn_norm
+                                 : NULL;
+}
+
+static int cuda_rmsnorm(struct moe_backend *bb, int l, enum moe_wid w, enum moe_buf src,
+                        enum moe_buf dst)
+{
+    struct cuda_backend *b = (struct cuda_backend *)bb;
+    SKIP_IF_REPLAY(b);
+    const float *nw = norm_weight(b, l, w);
+    if (!nw || moe_buf_width(&b->d, src) != b->d.E || moe_buf_width(&b->d, dst) != b->d.E ||
+        src == dst)
+        return cu_err(b, MOE_ERANGE, "rmsnorm: bad weight %d or buffers", (int)w);
+    b->norm.on = true;
+    b->norm.w = nw;
+    b->norm.src = src;
+    b->norm.dst = dst;
+    return 0;
+}
+
+static int cuda_matmul(struct moe_backend *bb, int l, const struct moe_mm *mm, int n_mm,
+                       enum moe_buf src, bool accumulate)
+{
+    struct cuda_backend *b = (struct cuda_backend *)bb;
+    if (b->mode == MODE_REPLAY)
+        return 0;
+    if (l < 0 || l >= (int)b->d.L || n_mm < 1 || n_mm > 3)
+        return cu_err(b, MOE_ERANGE, "matmul: layer %d, %d products", l, n_mm);
+    /* A recorded norm of this input is fused into the first launch; one that this op would
+     * overwrite (dst is its source) is launched first. */
+    bool fuse = b->norm.on && b->norm.dst == src && b->fuse_norm;
+    for (int j = 0; j < n_mm; j++)
+        if (b->norm.on && (mm[j].dst == b->norm.src || mm[j].dst == b->norm.dst))
+            fuse = false;
+    if (!fuse) {
+        int rc = flush_norm(b);
+        if (rc)
+            return rc;
+    }
+    mark(b, fuse ? "norm+matmul" : "matmul");
+    struct moe_mv_norm nm = {};
+    if (fuse) {
+        nm = (struct moe_mv_norm){b->norm.w, b->d.eps, b->buf[b->norm.dst], b->ld[b->norm.dst]};
+        b->norm.on = false;
+    }
+    /* Fused: the kernels read the norm's source and norm it themselves. */
+    const enum moe_buf in = fuse ? b->norm.src : src;
+    const float *x = b->buf[in];
+    const int64_t ldx = b->ld[in];
+    /* One launch per weight type (q, k and v usually share theirs). */
+    bool done[3] = {false, false, false};
+    bool first = true;
+    for (int j = 0; j < n_mm; j++) {
+        if (done[j])
+            continue;
+        const struct moe_tensor *W = moe_weight(b->m, l, mm[j].w);
+        struct moe_mv_job jobs[3];
+        int nj = 0;
+        for (int i = j; i < n_mm; i++) {
+            const struct moe_tensor *Wi = moe_weight(b->m, l, mm[i].w);
+            if (done[i] || !Wi || Wi->type != W->type)
+                continue;
+            if (mm[i].w > MOE_W_ROUTER || !b->layers[l].w[mm[i].w] ||
+                Wi->ne[0] != moe_buf_width(&b->d, src) ||
+                Wi->ne[1] != moe_buf_width(&b->d, mm[i].dst))
+                return cu_err(b, MOE_ERANGE, "matmul: weight %d of layer %d does not fit",
+                              (int)mm[i].w, l);
+            jobs[nj++] = (struct moe_mv_job){b->layers[l].w[mm[i].w], Wi->ne[1], b->buf[mm[i].dst],
+                                             b->ld[mm[i].dst]};
+            done[i] = true;
+        }
+        if (!W || nj == 0)
+            return cu_err(b, MOE_ERANGE, "matmul: weight %d of layer %d", (int)mm[j].w, l);
+        struct moe_mv_norm nmj = nm;
+        if (!first)
+            nmj.xout = NULL; /* the first launch writes the normed rows */
+        LAUNCH(b, "matmul",
+               moe_cuda_matvec_multi(W->type, jobs, nj, W->ne[0], x, ldx, b->n, accumulate,
+                                     fuse ? &nmj : NULL, b->st));
+        first = false;
+    }
+    return 0;
+}
+
+static int cuda_qk_rope_kv(struct moe_backend *bb, int l)
+{
+    struct cuda_backend *b = (struct cuda_backend *)bb;
+    SKIP_IF_REPLAY(b);
+    const struct cuda_layer *cl = &b->layers[l];
+    LAUNCH(b, "qk_rope_kv",
+           moe_cuda_qk_rope_kv(b->buf[MOE_BUF_Q], b->ld[MOE_BUF_Q], b->buf[MOE_BUF_K],
+                               b->ld[MOE_BUF_K], b->buf[MOE_BUF_V], b->ld[MOE_BUF_V], cl->q_norm,
+                               cl->k_norm, b->d_rope, D_POS(b), D_SEQ(b), &b->kv, l, b->d.H,
+                               b->d.eps, b->n, b->st));
+    return 0;
+}
+
+static int cuda_attention(struct moe_backend *bb, int l)
+{
+    struct cuda_backend *b = (struct cuda_backend *)bb;
+    SKIP_IF_REPLAY(b);
+    /* Prompt chunks have enough blocks without splitting. */
+    int split = b->n * b->d.H >= 2 * b->sms ? 1 : b->n_split;
+    LAUNCH(b, "attention",
+           moe_cuda_attention(b->buf[MOE_BUF_Q], b->ld[MOE_BUF_Q], D_POS(b), D_SEQ(b), &b->kv, l,
+                              b->d.H, b->n, split, b->part, b->att_done, b->buf[MOE_BUF_ATT],
+                              b->ld[MOE_BUF_ATT], b->st));
+    return 0;
+}
+
+static int cuda_route(struct moe_backend *bb, int l)
+{
+    struct cuda_backend *b = (struct cuda_backend *)bb;
+    SKIP_IF_REPLAY(b);
+    LAUNCH(b, "route",
+           moe_cuda_route(b->buf[MOE_BUF_RL], b->ld[MOE_BUF_RL], b->d.nexp, (int)b->d.kuse,
+                          b->d.norm_topk, b->n, (int32_t *)b->buf[MOE_BUF_SEL_E],
+                          b->buf[MOE_BUF_SEL_W], b->counts + (size_t)l * b->d.nexp, b->st));
+    return 0;
+}
+
+static int cuda_experts(struct moe_backend *bb, int l)
+{
+    struct cuda_backend *b = (struct cuda_backend *)bb;
+    SKIP_IF_REPLAY(b);
+    const struct cuda_layer *cl = &b->layers[l];
+    LAUNCH(b, "expert gate/up",
+           moe_cuda_expert_gate_up(cl->gate_type, cl->up_type, cl->gate, cl->up, b->d.E, b->d.ff,
+                                   b->buf[MOE_BUF_X], b->ld[MOE_BUF_X], b->n, (int)b->d.kuse,
+                                   (const int32_t *)b->buf[MOE_BUF_SEL_E], b->act, b->ld_act,
+                                   b->scratch, b->st));
+    LAUNCH(b, "expert down",
+           moe_cuda_expert_down(cl->down_type, cl->down, b->d.ff, b->d.E, b->act, b->ld_act, b->n,
+                                (int)b->d.kuse, (const int32_t *)b->buf[MOE_BUF_SEL_E],
+                                b->buf[MOE_BUF_SEL_W], b->buf[MOE_BUF_H], b->ld[MOE_BUF_H],
+                                b->st));
+    return 0;
+}
+
+/* Output norm and head for rows [r0, r0+cnt) of out_row into b->logits. */
+static int head_rows(struct cuda_backend *b, int64_t r0, int64_t cnt)
+{
+    const int64_t ldxo = pad4(b->d.E);
+    LAUNCH(b, "output norm",
+           moe_cuda_rmsnorm(b->buf[MOE_BUF_H], b->ld[MOE_BUF_H], D_OUTROW(b) + r0, b->out_norm,
+                            b->d.E, b->d.eps, cnt, b->xo, ldxo, b->st));
+    LAUNCH(b, "output",
+           moe_cuda_matvec_tok(b->m->output.type, b->output, b->d.E, b->d.V, b->xo, ldxo, cnt,
+                               b->logits, b->d.V, 0, b->st));
+    return 0;
+}
+
+static int cuda_head(struct moe_backend *bb)
+{
+    struct cuda_backend *b = (struct cuda_backend *)bb;
+    SKIP_IF_REPLAY(b);
+    if (b->n_out == 0)
+        return 0;
+    if (b->n_out > LOGIT_ROWS) {
+        b->head_chunked = true; /* done pass by pass in end() */
+        return 0;
+    }
+    return head_rows(b, 0, b->n_out);
+}
+
+static int cuda_end(struct moe_backend *bb, float *out)
+{
+    struct cuda_backend *b = (struct cuda_backend *)bb;
+    if (b->mode != MODE_REPLAY) {
+        int rc = flush_norm(b);
+        if (rc)
+            return rc;
+        mark(b, "end");
+    }
+    if (b->mode == MODE_CAPTURE) {
+        cudaGraph_t g;
+        b->capturing = false;
+        CU(b, cudaStreamEndCapture(b->st, &g));
+        cudaGraphExec_t exec;
+        cudaError_t e = cudaGraphInstantiate(&exec, g, 0);
+        cudaGraphDestroy(g);
+        if (e != cudaSuccess)
+            return cu_err(b, MOE_EBACKEND, "cuda:%d: cudaGraphInstantiate: %s", b->dev,
+                          cudaGetErrorString(e));
+        b->graphs[b->n_graphs++] = (struct cuda_graph){b->n, b->n_out, exec};
+        b->mode = MODE_REPLAY;
+    }
+    if (b->mode == MODE_REPLAY) {
+        cudaGraphExec_t exec = NULL;
+        for (int i = 0; i < b->n_graphs; i++)
+            if (b->graphs[i].n == b->n && b->graphs[i].n_out == b->n_out)
+                exec = b->graphs[i].exec;
+        CU(b, cudaGraphLaunch(exec, b->st));
+    }
+    if (b->n_out && !out)
+        return cu_err(b, MOE_ERANGE, "end: %lld logit rows but no output array",
+                      (long long)b->n_out);
+    const size_t V = (size_t)b->d.V;
+    for (int64_t r0 = 0; r0 < b->n_out; r0 += LOGIT_ROWS) {
+        int64_t cnt = b->n_out - r0 < LOGIT_ROWS ? b->n_out - r0 : LOGIT_ROWS;
+        if (b->head_chunked) {
+            int rc = head_rows(b, r0, cnt);
+            if (rc)
+                return rc;
+        }
+        CU(b, cudaMemcpyAsync(b->h_logits, b->logits, sizeof(float) * V * (size_t)cnt,
+                              cudaMemcpyDeviceToHost, b->st));
+        CU(b, cudaStreamSynchronize(b->st));
+        memcpy(out + (size_t)r0 * V, b->h_logits, sizeof(float) * V * (size_t)cnt);
+    }
+    CU(b, cudaStreamSynchronize(b->st));
+    prof_collect(b);
+    return 0;
+}
+
+static int cuda_routing_counts(struct moe_backend *bb, uint64_t *dst)
+{
+    struct cuda_backend *b = (struct cuda_backend *)bb;
+    static_assert(sizeof(unsigned long long) == sizeof(uint64_t), "counter width");
+    CU(b, cudaStreamSynchronize(b->st));
+    CU(b, cudaMemcpy(dst, b->counts, sizeof(uint64_t) * (size_t)(b->d.L * b->d.nexp),
+                     cudaMemcpyDeviceToHost));
+    return 0;
+}
+
+static int cuda_read_buf(struct moe_backend *bb, enum moe_buf buf, int64_t n, void *dst)
+{
+    struct cuda_backend *b = (struct cuda_backend *)bb;
+    if ((int)buf < 0 || buf >= MOE_BUF_COUNT || n < 0 || n > (int64_t)b->d.n_batch)
+        return cu_err(b, MOE_ERANGE, "read_buf: bad buffer or row count");
+    int frc = flush_norm(b);
+    if (frc)
+        return frc;
+    int64_t w = moe_buf_width(&b->d, buf);
+    CU(b, cudaMemcpy2DAsync(dst, sizeof(float) * (size_t)w, b->buf[buf],
+                            sizeof(float) * (size_t)b->ld[buf], sizeof(float) * (size_t)w,
+                            (size_t)n, cudaMemcpyDeviceToHost, b->st));
+    CU(b, cudaStreamSynchronize(b->st));
+    return 0;
+}
+
+static int cuda_write_buf(struct moe_backend *bb, enum moe_buf buf, int64_t n, const void *src)
+{
+    struct cuda_backend *b = (struct cuda_backend *)bb;
+    if ((int)buf < 0 || buf >= MOE_BUF_COUNT || n < 0 || n > (int64_t)b->d.n_batch)
+        return cu_err(b, MOE_ERANGE, "write_buf: bad buffer or row count");
+    int frc = flush_norm(b);
+    if (frc)
+        return frc;
+    int64_t w = moe_buf_width(&b->d, buf);
+    CU(b, cudaMemcpy2DAsync(b->buf[buf], sizeof(float) * (size_t)b->ld[buf], src,
+                            sizeof(float) * (size_t)w, sizeof(float) * (size_t)w, (size_t)n,
+                            cudaMemcpyHostToDevice, b->st));
+    CU(b, cudaStreamSynchronize(b->st));
+    return 0;
+}
+
+static const char *cuda_errmsg(const struct moe_backend *bb)
+{
+    return ((const struct cuda_backend *)bb)->errmsg;
+}
+
+static void cuda_info(const struct moe_backend *bb, uint64_t *device_bytes, char *desc, size_t len)
+{
+    const struct cuda_backend *b = (const struct cuda_backend *)bb;
+    *device_bytes = b->dev_bytes;
+    snprintf(desc, len, "%s", b->desc);
+}
+
+extern "C" const struct moe_backend_vt moe_backend_cuda = {
+    "cuda",
+    cuda_supports,
+    cuda_init,
+    cuda_free,
+    cuda_begin,
+    cuda_embed,
+    cuda_rmsnorm,
+    cuda_matmul,
+    cuda_qk_rope_kv,
+    cuda_attention,
+    cuda_route,
+    cuda_experts,
+    cuda_head,
+    cuda_end,
+    cuda_routing_counts,
+    cuda_read_buf,
+    cuda_write_buf,
+    cuda_errmsg,
+    cuda_info,
+};

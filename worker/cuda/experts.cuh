@@ -1,0 +1,25 @@
+/* Grouped expert kernels: all k selected experts of every token of a step in one launch each,
+ * through device tables of expert weight pointers (ptr[expert] for one layer). Internal to the
+ * CUDA backend. */
+#ifndef MOE_CUDA_EXPERTS_CUH
+#define MOE_CUDA_EXPERTS_CUH
+
+#include <stdint.h>
+
+#include <cuda_runtime.h>
+
+/* act[s][r] = silu(gate_e · x[t]) · (up_e · x[t]) for every slot s = t·k + j, e = sel_e[s],
+ * t < n_tok, r < ff (x rows ldx floats apart, act rows ldact, both multiples of 4). gate and up: [ff][n] of one type each, tables of device pointers. */
+int moe_cuda_expert_gate_up(uint32_t gate_type, uint32_t up_type, const void *const *d_gate,
+                            const void *const *d_up, int64_t n, int64_t ff, const float *d_x,
+                            int64_t ldx, int64_t n_tok, int kuse, const int32_t *d_sel_e,
+                            float *d_act, int64_t ldact, float *d_scratch, cudaStream_t s);
+
+/* h[t][r] += Σ_j sel_w[t·k+j] · (down_e · act[t·k+j]) for r < E, summed over j = 0..k-1 in that
+ * order (after each expert's dot product is complete), then added to h once. */
+int moe_cuda_expert_down(uint32_t type, const void *const *d_down, int64_t ff, int64_t E,
+                         const float *d_act, int64_t ldact, int64_t n_tok, int kuse,
+                         const int32_t *d_sel_e, const float *d_sel_w, float *d_h, int64_t ldh,
+                         cudaStream_t s);
+
+#endif

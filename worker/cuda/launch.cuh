@@ -1,0 +1,59 @@
+/* Kernel launches with programmatic dependent launch (Hopper): every kernel of a step is launched
+ * with the programmatic-stream-serialization attribute, starts with pdl_trigger() (its successor
+ * may be scheduled now) and waits in pdl_wait() for its predecessor to complete before it touches
+ * activations. What it may do before the wait is read weights, which no kernel writes; the
+ * mat-vec kernels prefetch their rows into L2 there. Under stream capture the attribute becomes a
+ * programmatic edge of the graph, so a step's kernels overlap their launch and prologue with the
+ * tail of the kernel before. MOE_CUDA_NO_PDL=1 launches them plainly (for comparison). */
+#ifndef MOE_CUDA_LAUNCH_CUH
+#define MOE_CUDA_LAUNCH_CUH
+
+#include <stdlib.h>
+
+#include <cuda_runtime.h>
+
+static __device__ __forceinline__ void pdl_wait()
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+static __device__ __forceinline__ void pdl_trigger()
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+static __device__ __forceinline__ void prefetch_l2(const void *p)
+{
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+}
+
+static inline bool moe_pdl_enabled()
+{
+    static int on = -1;
+    if (on < 0)
+        on = getenv("MOE_CUDA_NO_PDL") == NULL;
+    return on != 0;
+}
+
+template <typename... KArgs, typename... Args>
+static inline cudaError_t moe_launch(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem,
+                                     cudaStream_t s, Args... args)
+{
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = grid;
+    cfg.blockDim = block;
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = s;
+    cudaLaunchAttribute at[1];
+    at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    at[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = at;
+    cfg.numAttrs = moe_pdl_enabled() ? 1 : 0;
+    return cudaLaunchKernelEx(&cfg, kernel, ((KArgs)args)...);
+}
+
+#endif

@@ -1,0 +1,526 @@
+/* The CUDA backend's small kernels (see ops.cuh). */
+#include "worker/cuda/ops.cuh"
+
+#include <errno.h>
+#include <math.h>
+
+#include <cuda_fp16.h>
+
+extern "C" {
+#include "store/err.h"
+#include "store/ggml_type.h"
+}
+#include "worker/cuda/cuda_check.cuh"
+#include "worker/cuda/dequant.cuh"
+#include "worker/cuda/launch.cuh"
+
+/* Elements a lane holds of one head vector: head dims up to 32 · MAXD_LANE. */
+#define MAXD_LANE 16
+#define ATT_WARPS 4
+#define ROUTE_WARPS 4
+
+static __device__ __forceinline__ float warp_sum(float v)
+{
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1)
+        v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+static __device__ __forceinline__ float warp_max(float v)
+{
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1)
+        v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+/* Sum over the block (blockDim.x a multiple of 32, at most 1024); every thread gets it. */
+static __device__ float block_sum(float v, float *red)
+{
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    v = warp_sum(v);
+    __syncthreads();
+    if (lane == 0)
+        red[w] = v;
+    __syncthreads();
+    v = lane < nw ? red[lane] : 0.0f;
+    return warp_sum(v);
+}
+
+/* (value, index) argmax where a candidate is valid when idx >= 0. better(): valid beats invalid,
+ * the larger value wins, the lower index wins ties. */
+struct vi {
+    float v;
+    int i;
+};
+
+static __device__ __forceinline__ bool better(vi a, vi b)
+{
+    if (a.i < 0)
+        return false;
+    if (b.i < 0)
+        return true;
+    return a.v > b.v || (a.v == b.v && a.i < b.i);
+}
+
+static __device__ vi block_argmax(vi x, float *redv, int *redi)
+{
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        vi y = {__shfl_xor_sync(0xffffffffu, x.v, o), __shfl_xor_sync(0xffffffffu, x.i, o)};
+        if (better(y, x))
+            x = y;
+    }
+    __syncthreads();
+    if (lane == 0) {
+        redv[w] = x.v;
+        redi[w] = x.i;
+    }
+    __syncthreads();
+    x = lane < nw ? vi{redv[lane], redi[lane]} : vi{0.0f, -1};
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        vi y = {__shfl_xor_sync(0xffffffffu, x.v, o), __shfl_xor_sync(0xffffffffu, x.i, o)};
+        if (better(y, x))
+            x = y;
+    }
+    return x;
+}
+
+/* ---------------------------------------------------------------- embedding */
+
+static __global__ void embed_kernel(uint32_t type, const uint8_t *__restrict__ table,
+                                    size_t row_bytes, int blck, int64_t nb,
+                                    const int32_t *__restrict__ token, int64_t ldo,
+                                    float *__restrict__ out)
+{
+    pdl_trigger();
+    pdl_wait();
+    const int64_t t = blockIdx.x;
+    const uint8_t *row = table + (size_t)token[t] * row_bytes;
+    float y[256];
+    for (int64_t bi = threadIdx.x; bi < nb; bi += blockDim.x) {
+        deq_block(type, row, bi, y);
+        for (int i = 0; i < blck; i++)
+            out[t * ldo + bi * blck + i] = y[i];
+    }
+}
+
+int moe_cuda_embed(uint32_t type, const void *d_table, int64_t E, const int32_t *d_token,
+                   int64_t n, float *d_out, int64_t ldo, cudaStream_t s)
+{
+    const struct moe_type_info *ti = moe_type_get(type);
+    if (!ti || !ti->compute || ti->blck > 256 || E % ti->blck)
+        return MOE_EUNSUPPORTED;
+    MOE_CUDA_TRY(moe_launch(embed_kernel, dim3((unsigned)n), dim3(128), 0, s, type,
+                            (const uint8_t *)d_table, moe_row_bytes(type, E), (int)ti->blck,
+                            E / ti->blck, d_token, ldo, d_out));
+    return 0;
+}
+
+/* ---------------------------------------------------------------- RMSNorm */
+
+static __global__ void rmsnorm_kernel(const float *__restrict__ x, int64_t ldx,
+                                      const int32_t *__restrict__ row,
+                                      const float *__restrict__ w, int64_t width, float eps,
+                                      float *__restrict__ y, int64_t ldy)
+{
+    pdl_trigger();
+    pdl_wait();
+    __shared__ float red[32];
+    const int64_t t = blockIdx.x, src = row ? row[t] : t;
+    const float *xr = x + src * ldx;
+    float ss = 0.0f;
+    for (int64_t i = threadIdx.x; i < width; i += blockDim.x)
+        ss += xr[i] * xr[i];
+    ss = block_sum(ss, red);
+    const float sc = 1.0f / sqrtf(ss / (float)width + eps);
+    for (int64_t i = threadIdx.x; i < width; i += blockDim.x)
+        y[t * ldy + i] = xr[i] * sc * w[i];
+}
+
+int moe_cuda_rmsnorm(const float *d_x, int64_t ldx, const int32_t *d_row, const float *d_w,
+                     int64_t width, float eps, int64_t n, float *d_y, int64_t ldy, cudaStream_t s)
+{
+    if (n <= 0)
+        return 0;
+    MOE_CUDA_TRY(moe_launch(rmsnorm_kernel, dim3((unsigned)n), dim3(256), 0, s, d_x, ldx, d_row,
+                            d_w, width, eps, d_y, ldy));
+    return 0;
+}
+
+/* ---------------------------------------------------------------- q/k norm, RoPE, KV store */
+
+template <bool F32>
+static __device__ __forceinline__ void kv_put(void *base, size_t idx, float v)
+{
+    if constexpr (F32)
+        ((float *)base)[idx] = v;
+    else
+        ((__half *)base)[idx] = __float2half_rn(v);
+}
+
+template <bool F32>
+static __device__ __forceinline__ float kv_get(const void *base, size_t idx)
+{
+    if constexpr (F32)
+        return ((const float *)base)[idx];
+    else
+        return __half2float(((const __half *)base)[idx]);
+}
+
+/* One warp per head: H query heads, then Hkv key heads (which also store v). */
+template <bool F32>
+static __global__ void qk_rope_kv_kernel(float *__restrict__ q, int64_t ldq,
+                                         float *__restrict__ k, int64_t ldk,
+                                         const float *__restrict__ v, int64_t ldv,
+                                         const float *__restrict__ qn,
+                                         const float *__restrict__ kn,
+                                         const float *__restrict__ rope,
+                                         const int32_t *__restrict__ pos,
+                                         const int32_t *__restrict__ seq, moe_cuda_kv kv,
+                                         int layer, int64_t H, float eps)
+{
+    pdl_trigger();
+    pdl_wait();
+    extern __shared__ float sm[];
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+    const int64_t t = blockIdx.x, hi = (int64_t)blockIdx.y * ATT_WARPS + w;
+    const int64_t hd = kv.hd, half = hd / 2;
+    if (hi >= H + kv.Hkv)
+        return;
+    const bool isq = hi < H;
+    float *vec = isq ? q + t * ldq + hi * hd : k + t * ldk + (hi - H) * hd;
+    const float *nw = isq ? qn : kn;
+    float *row = sm + (size_t)w * hd;
+    float ss = 0.0f;
+    for (int64_t i = lane; i < hd; i += 32) {
+        float x = vec[i];
+        row[i] = x;
+        ss += x * x;
+    }
+    ss = warp_sum(ss);
+    const float sc = 1.0f / sqrtf(ss / (float)hd + eps);
+    __syncwarp();
+    const float *cs = rope + t * hd;
+    size_t cell = 0;
+    if (!isq) {
+        const int64_t kvh = hi - H;
+        cell = ((((size_t)layer * kv.n_seq + (size_t)seq[t]) * kv.Hkv + (size_t)kvh) * kv.n_ctx +
+                (size_t)pos[t]);
+    }
+    for (int64_t i = lane; i < half; i += 32) {
+        float a = row[i] * sc * nw[i], b = row[i + half] * sc * nw[i + half];
+        float c = cs[2 * i], sn = cs[2 * i + 1];
+        float o0 = a * c - b * sn, o1 = a * sn + b * c;
+        vec[i] = o0;
+        vec[i + half] = o1;
+        if (!isq) {
+            kv_put<F32>(kv.k, cell * hd + i, o0);
+            kv_put<F32>(kv.k, cell * hd + i + half, o1);
+        }
+    }
+    if (!isq) {
+        const float *vr = v + t * ldv + (hi - H) * kv.hdv;
+        for (int64_t i = lane; i < kv.hdv; i += 32)
+            kv_put<F32>(kv.v, cell * kv.hdv + i, vr[i]);
+    }
+}
+
+int moe_cuda_qk_rope_kv(float *d_q, int64_t ldq, float *d_k, int64_t ldk, const float *d_v,
+                        int64_t ldv, const float *d_qn,
+                        const float *d_kn, const float *d_rope, const int32_t *d_pos,
+                        const int32_t *d_seq, const struct moe_cuda_kv *kv, int layer, int64_t H,
+                        float eps, int64_t n, cudaStream_t s)
+{
+    if (n <= 0)
+        return 0;
+    dim3 g((unsigned)n, (unsigned)((H + kv->Hkv + ATT_WARPS - 1) / ATT_WARPS));
+    size_t smem = sizeof(float) * (size_t)(ATT_WARPS * kv->hd);
+    MOE_CUDA_TRY(moe_launch(kv->f32 ? qk_rope_kv_kernel<true> : qk_rope_kv_kernel<false>, g,
+                            dim3(32 * ATT_WARPS), smem, s, d_q, ldq, d_k, ldk, d_v, ldv, d_qn, d_kn,
+                            d_rope, d_pos, d_seq, *kv, layer, H, eps));
+    return 0;
+}
+
+/* ---------------------------------------------------------------- attention */
+
+/* One block per (head, token, split): each warp walks every ATT_WARPS-th position of the split
+ * with an online softmax (running max m, sum l, unnormalised output in registers, a lane holding
+ * elements lane + 32·i), then the warps are merged into the split's partial result ([hdv]
+ * unnormalised, m, l). The last split block of a (token, head) to finish (a counter per pair,
+ * reset by that block for the next step) merges the splits into the output. */
+template <bool F32>
+static __global__ void __launch_bounds__(32 * ATT_WARPS)
+attn_split_kernel(const float *__restrict__ q, int64_t ldq, const int32_t *__restrict__ pos,
+                  const int32_t *__restrict__ seq, moe_cuda_kv kv, int layer, int64_t H,
+                  int n_split, float scale, float *__restrict__ part,
+                  unsigned *__restrict__ done, float *__restrict__ out, int64_t ldo)
+{
+    pdl_trigger();
+    pdl_wait();
+    __shared__ float sm_m[ATT_WARPS], sm_l[ATT_WARPS];
+    __shared__ bool last;
+    extern __shared__ float sm_acc[]; /* [ATT_WARPS][hdv] */
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+    const int64_t h = blockIdx.x, t = blockIdx.y, sp = blockIdx.z;
+    const int64_t hd = kv.hd, hdv = kv.hdv, group = H / kv.Hkv, kvh = h / group;
+    const int64_t len = (int64_t)pos[t] + 1;
+    const int64_t chunk = (len + n_split - 1) / n_split;
+    const int64_t p0 = sp * chunk, p1 = p0 + chunk < len ? p0 + chunk : len;
+    const size_t row0 = (((size_t)layer * kv.n_seq + (size_t)seq[t]) * kv.Hkv + (size_t)kvh) *
+                        kv.n_ctx;
+    float qv[MAXD_LANE], acc[MAXD_LANE];
+#pragma unroll
+    for (int i = 0; i < MAXD_LANE; i++) {
+        int64_t e = lane + 32 * i;
+        qv[i] = e < hd ? q[t * ldq + h * hd + e] * scale : 0.0f;
+        acc[i] = 0.0f;
+    }
+    float m = -INFINITY, l = 0.0f;
+    for (int64_t p = p0 + w; p < p1; p += ATT_WARPS) {
+        const size_t kr = (row0 + (size_t)p) * hd, vr = (row0 + (size_t)p) * hdv;
+        float sdot = 0.0f;
+#pragma unroll
+        for (int i = 0; i < MAXD_LANE; i++) {
+            int64_t e = lane + 32 * i;
+            if (e < hd)
+                sdot += qv[i] * kv_get<F32>(kv.k, kr + e);
+        }
+        sdot = warp_sum(sdot);
+        const float mn = fmaxf(m, sdot);
+        const float corr = __expf(m - mn), pe = __expf(sdot - mn);
+        l = l * corr + pe;
+#pragma unroll
+        for (int i = 0; i < MAXD_LANE; i++) {
+            int64_t e = lane + 32 * i;
+            if (e < hdv)
+                acc[i] = acc[i] * corr + pe * kv_get<F32>(kv.v, vr + e);
+        }
+        m = mn;
+    }
+    if (lane == 0) {
+        sm_m[w] = m;
+        sm_l[w] = l;
+    }
+#pragma unroll
+    for (int i = 0; i < MAXD_LANE; i++) {
+        int64_t e = lane + 32 * i;
+        if (e < hdv)
+            sm_acc[w * hdv + e] = acc[i];
+    }
+    __syncthreads();
+    float M = -INFINITY;
+    for (int j = 0; j < ATT_WARPS; j++)
+        M = fmaxf(M, sm_m[j]);
+    float L = 0.0f;
+    for (int j = 0; j < ATT_WARPS; j++)
+        if (sm_m[j] != -INFINITY)
+            L += sm_l[j] * __expf(sm_m[j] - M);
+    if (n_split == 1) {
+        const float inv = 1.0f / L;
+        for (int64_t e = threadIdx.x; e < hdv; e += blockDim.x) {
+            float o = 0.0f;
+            for (int j = 0; j < ATT_WARPS; j++)
+                if (sm_m[j] != -INFINITY)
+                    o += sm_acc[j * hdv + e] * __expf(sm_m[j] - M);
+            out[t * ldo + h * hdv + e] = o * inv;
+        }
+        return;
+    }
+    float *pp = part + (t * H + h) * n_split * (hdv + 2);
+    float *mine = pp + sp * (hdv + 2);
+    for (int64_t e = threadIdx.x; e < hdv; e += blockDim.x) {
+        float o = 0.0f;
+        for (int j = 0; j < ATT_WARPS; j++)
+            if (sm_m[j] != -INFINITY)
+                o += sm_acc[j * hdv + e] * __expf(sm_m[j] - M);
+        mine[e] = o;
+    }
+    if (threadIdx.x == 0) {
+        mine[hdv] = M;
+        mine[hdv + 1] = L;
+    }
+    /* Publish the partial, then count this split in. */
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        unsigned prev = atomicAdd(&done[t * H + h], 1u);
+        last = prev == (unsigned)n_split - 1;
+    }
+    __syncthreads();
+    if (!last)
+        return;
+    __threadfence();
+    float GM = -INFINITY;
+    for (int s2 = 0; s2 < n_split; s2++)
+        GM = fmaxf(GM, __ldcg(pp + s2 * (hdv + 2) + hdv));
+    float GL = 0.0f;
+    for (int s2 = 0; s2 < n_split; s2++) {
+        float ms = __ldcg(pp + s2 * (hdv + 2) + hdv);
+        if (ms != -INFINITY)
+            GL += __ldcg(pp + s2 * (hdv + 2) + hdv + 1) * __expf(ms - GM);
+    }
+    const float inv = 1.0f / GL;
+    for (int64_t e = threadIdx.x; e < hdv; e += blockDim.x) {
+        float o = 0.0f;
+        for (int s2 = 0; s2 < n_split; s2++) {
+            float ms = __ldcg(pp + s2 * (hdv + 2) + hdv);
+            if (ms != -INFINITY)
+                o += __ldcg(pp + s2 * (hdv + 2) + e) * __expf(ms - GM);
+        }
+        out[t * ldo + h * hdv + e] = o * inv;
+    }
+    if (threadIdx.x == 0)
+        done[t * H + h] = 0;
+}
+
+int moe_cuda_attention(const float *d_q, int64_t ldq, const int32_t *d_pos, const int32_t *d_seq,
+                       const struct moe_cuda_kv *kv, int layer, int64_t H, int64_t n, int n_split,
+                       float *d_part, unsigned *d_done, float *d_out, int64_t ldo, cudaStream_t s)
+{
+    if (n <= 0)
+        return 0;
+    if (kv->hd > 32 * MAXD_LANE || kv->hdv > 32 * MAXD_LANE || n_split < 1 || n > 65535)
+        return -EINVAL;
+    const float scale = (float)(1.0 / sqrt((double)kv->hd));
+    dim3 g((unsigned)H, (unsigned)n, (unsigned)n_split);
+    size_t smem = sizeof(float) * (size_t)(ATT_WARPS * kv->hdv);
+    MOE_CUDA_TRY(moe_launch(kv->f32 ? attn_split_kernel<true> : attn_split_kernel<false>, g,
+                            dim3(32 * ATT_WARPS), smem, s, d_q, ldq, d_pos, d_seq, *kv, layer, H,
+                            n_split, scale, d_part, d_done, d_out, ldo));
+    return 0;
+}
+
+/* ---------------------------------------------------------------- routing */
+
+/* One warp per token (experts in shared memory, lane i holding experts i, i+32, ...). The CPU's
+ * rule for the top-k scan (lowest index first): the best is replaced by a larger probability, or
+ * whenever the best so far is NaN. So among the untaken experts a non-NaN maximum (lowest index
+ * on ties) wins; when all are NaN, the last one. Sums in double, as on the CPU. */
+static __global__ void route_kernel(const float *__restrict__ logits, int64_t ldl, int64_t n,
+                                    int64_t nexp, int k, bool norm_topk,
+                                    int32_t *__restrict__ sel_e,
+                                    float *__restrict__ sel_w,
+                                    unsigned long long *__restrict__ counts)
+{
+    pdl_trigger();
+    pdl_wait();
+    extern __shared__ float pr[]; /* [ROUTE_WARPS][nexp] */
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+    const int64_t t = (int64_t)blockIdx.x * ROUTE_WARPS + w;
+    if (t >= n)
+        return;
+    float *p = pr + (size_t)w * nexp;
+    const float *r = logits + t * ldl;
+    float mx = -INFINITY;
+    for (int64_t x = lane; x < nexp; x += 32)
+        mx = fmaxf(mx, r[x]);
+    mx = warp_max(mx);
+    double z = 0.0;
+    for (int64_t x = lane; x < nexp; x += 32) {
+        float e = expf(r[x] - mx);
+        p[x] = e;
+        z += e;
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1)
+        z += __shfl_xor_sync(0xffffffffu, z, o);
+    for (int64_t x = lane; x < nexp; x += 32)
+        p[x] = (float)(p[x] / z);
+    __syncwarp();
+    double wsum = 0.0;
+    for (int j = 0; j < k; j++) {
+        vi best = {0.0f, -1};
+        int last_nan = -1;
+        for (int64_t x = lane; x < nexp; x += 32) {
+            float v = p[x];
+            bool taken = false;
+            for (int jj = 0; jj < j; jj++)
+                taken |= sel_e[t * k + jj] == (int32_t)x;
+            if (taken)
+                continue;
+            if (isnan(v)) {
+                last_nan = (int)x;
+                continue;
+            }
+            vi c = {v, (int)x};
+            if (better(c, best))
+                best = c;
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            vi y = {__shfl_xor_sync(0xffffffffu, best.v, o), __shfl_xor_sync(0xffffffffu, best.i, o)};
+            if (better(y, best))
+                best = y;
+            last_nan = max(last_nan, __shfl_xor_sync(0xffffffffu, last_nan, o));
+        }
+        if (best.i < 0) {
+            best.i = last_nan;
+            best.v = p[last_nan];
+        }
+        if (lane == 0) {
+            sel_e[t * k + j] = best.i;
+            sel_w[t * k + j] = best.v;
+            atomicAdd(&counts[best.i], 1ull);
+        }
+        __syncwarp();
+        wsum += best.v;
+    }
+    if (norm_topk && wsum > 0.0)
+        for (int j = lane; j < k; j += 32)
+            sel_w[t * k + j] = (float)(sel_w[t * k + j] / wsum);
+}
+
+int moe_cuda_route(const float *d_logits, int64_t ldl, int64_t nexp, int k, bool norm_topk, int64_t n,
+                   int32_t *d_sel_e, float *d_sel_w, unsigned long long *d_counts,
+                   cudaStream_t s)
+{
+    if (n <= 0)
+        return 0;
+    if (nexp > 8192 || k < 1 || k > nexp || n > 65535)
+        return -EINVAL;
+    dim3 g((unsigned)((n + ROUTE_WARPS - 1) / ROUTE_WARPS));
+    const size_t smem = sizeof(float) * ROUTE_WARPS * (size_t)nexp;
+    if (smem > 48 * 1024)
+        MOE_CUDA_TRY(cudaFuncSetAttribute(route_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          (int)smem));
+    MOE_CUDA_TRY(moe_launch(route_kernel, g, dim3(32 * ROUTE_WARPS), smem, s, d_logits, ldl, n, nexp,
+                            k, norm_topk, d_sel_e, d_sel_w, d_counts));
+    return 0;
+}
+
+/* ---------------------------------------------------------------- argmax */
+
+static __global__ void argmax_kernel(const float *__restrict__ logits, int64_t V,
+                                     int32_t *__restrict__ tok)
+{
+    pdl_trigger();
+    pdl_wait();
+    __shared__ float redv[32];
+    __shared__ int redi[32];
+    const float *r = logits + (int64_t)blockIdx.x * V;
+    vi best = {0.0f, -1};
+    for (int64_t x = threadIdx.x; x < V; x += blockDim.x) {
+        float v = r[x];
+        if (!(v > -INFINITY))
+            continue; /* NaN and -inf never win */
+        vi c = {v, (int)x};
+        if (better(c, best))
+            best = c;
+    }
+    best = block_argmax(best, redv, redi);
+    if (threadIdx.x == 0)
+        tok[blockIdx.x] = best.i;
+}
+
+int moe_cuda_argmax(const float *d_logits, int64_t V, int64_t n, int32_t *d_tok, cudaStream_t s)
+{
+    if (n <= 0)
+        return 0;
+    MOE_CUDA_TRY(moe_launch(argmax_kernel, dim3((unsigned)n), dim3(1024), 0, s, d_logits, V,
+                            d_tok));
+    return 0;
+}

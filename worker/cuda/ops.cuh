@@ -1,0 +1,60 @@
+/* The CUDA backend's small kernels: embedding, RMSNorm, q/k-norm + RoPE + KV store, attention,
+ * routing, argmax. Internal to worker/cuda/; each launch function checks its launch and returns
+ * 0 or MOE_EBACKEND. Everything a kernel needs beyond its pointers and static sizes is read from
+ * device memory, so the launches can be captured in a CUDA graph. */
+#ifndef MOE_CUDA_OPS_CUH
+#define MOE_CUDA_OPS_CUH
+
+#include <stdint.h>
+
+#include <cuda_runtime.h>
+
+/* out[t] = row token[t] of the embedding table (any computable type), for t < n. */
+int moe_cuda_embed(uint32_t type, const void *d_table, int64_t E, const int32_t *d_token,
+                   int64_t n, float *d_out, int64_t ldo, cudaStream_t s);
+
+/* y[t] = x[row[t]] · rsqrt(mean(x²) + eps) · w for t < n (row NULL: row[t] = t). */
+int moe_cuda_rmsnorm(const float *d_x, int64_t ldx, const int32_t *d_row, const float *d_w,
+                     int64_t width, float eps, int64_t n, float *d_y, int64_t ldy, cudaStream_t s);
+
+/* KV cache geometry: [L][n_seq][Hkv][n_ctx][hd] (f16 or f32). */
+struct moe_cuda_kv {
+    void *k, *v;
+    bool f32;
+    int64_t n_seq, n_ctx, Hkv, hd, hdv;
+};
+
+/* Per-head RMSNorm (q_norm, k_norm weights) and NEOX RoPE of q [n][H·hd] and k [n][Hkv·hd] in
+ * place with rope [n][hd/2][2], then k and v [n][Hkv·hdv] stored at (layer, seq[t], pos[t]). */
+int moe_cuda_qk_rope_kv(float *d_q, int64_t ldq, float *d_k, int64_t ldk, const float *d_v,
+                        int64_t ldv, const float *d_qn,
+                        const float *d_kn, const float *d_rope, const int32_t *d_pos,
+                        const int32_t *d_seq, const struct moe_cuda_kv *kv, int layer, int64_t H,
+                        float eps, int64_t n, cudaStream_t s);
+
+/* Causal attention of n tokens: out[t][h·hdv..] = softmax(q·K/√hd) V over positions 0..pos[t] of
+ * sequence seq[t], split over n_split KV ranges (flash-decoding) with partial results in
+ * d_part ([n][H][n_split][hdv + 2] floats), merged by the last split to finish; d_done: [n][H]
+ * counters, zero before the first launch (each launch leaves them zero). */
+int moe_cuda_attention(const float *d_q, int64_t ldq, const int32_t *d_pos, const int32_t *d_seq,
+                       const struct moe_cuda_kv *kv, int layer, int64_t H, int64_t n, int n_split,
+                       float *d_part, unsigned *d_done, float *d_out, int64_t ldo, cudaStream_t s);
+
+/* Router: for each token, softmax over logits [n][nexp], top-k (lowest index wins ties; NaN never
+ * wins unless nothing else is left), optional renormalisation; sel_e/sel_w [n][k]; counts[nexp]
+ * (this layer's) incremented. */
+int moe_cuda_route(const float *d_logits, int64_t ldl, int64_t nexp, int k, bool norm_topk, int64_t n,
+                   int32_t *d_sel_e, float *d_sel_w, unsigned long long *d_counts,
+                   cudaStream_t s);
+
+/* tok[t] = argmax of logits[t][V] (lowest index on ties, NaN never wins; -1 when all are NaN). */
+int moe_cuda_argmax(const float *d_logits, int64_t V, int64_t n, int32_t *d_tok, cudaStream_t s);
+
+/* Partial-result floats of one attention launch. */
+static inline int64_t moe_cuda_attention_part_floats(int64_t n, int64_t H, int n_split,
+                                                     int64_t hdv)
+{
+    return n * H * (int64_t)n_split * (hdv + 2);
+}
+
+#endif

@@ -1,0 +1,350 @@
+/* Quantized dot-product building blocks shared by the CUDA kernels (mat-vec, grouped experts,
+ * head): the decoders of every block format, one "unit" (the piece of one block that one thread
+ * decodes, 8 to 32 elements) at a time. See matvec.cu for how a warp walks a row with them.
+ *
+ * Codes become floats exactly (byte_f), are multiplied into per-sub-block float sums, and the
+ * sums are scaled: for Q4_K/Q5_K d·sc·Σq·x − dmin·m·Σx, for Q4_1/Q5_1 d·Σq·x + m·Σx, for the
+ * others d·Σq·x. Everything is __host__ __device__ so that a host build can check a decoder. */
+#ifndef MOE_CUDA_QDOT_CUH
+#define MOE_CUDA_QDOT_CUH
+
+#include <stdint.h>
+#include <string.h>
+
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+extern "C" {
+#include "store/ggml_type.h"
+}
+
+/* Variants of the plain types: the vector forms need 16-byte aligned rows. */
+enum { KIND_F32_V = 1000, KIND_F16_V, KIND_BF16_V };
+
+/* The decoders below are __host__ __device__ so that a host build can single-step them when a
+ * GPU result looks wrong; only the few intrinsics differ between the two. */
+#define HD __host__ __device__ __forceinline__
+#ifdef __CUDA_ARCH__
+#define UNROLL _Pragma("unroll")
+#else
+#define UNROLL
+#endif
+
+static HD float h2f(uint16_t h)
+{
+    return __half2float(__ushort_as_half(h));
+}
+
+static HD float bf2f(uint32_t h)
+{
+#ifdef __CUDA_ARCH__
+    return __uint_as_float(h << 16);
+#else
+    uint32_t u = h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+#endif
+}
+
+static HD uint16_t ld16(const uint8_t *p)
+{
+    return *(const uint16_t *)p;
+}
+
+/* A 32-bit little-endian word at a 2-byte aligned address. */
+static HD uint32_t ld32a2(const uint8_t *p)
+{
+    return (uint32_t)ld16(p) | (uint32_t)ld16(p + 2) << 16;
+}
+
+/* x may live in global or shared memory (the fused-norm kernels stage it there). */
+static HD float4 ldx4(const float *x)
+{
+    return *(const float4 *)x;
+}
+
+/* Byte k of w (0..255) minus off, as a float, without an int→float conversion: a byte permute
+ * (PRMT) assembles the bits of the float 2^23 + byte, and the subtraction is exact. The
+ * conversion unit (16 per clock per SM on Hopper) would otherwise cap the 4-bit types at a
+ * fraction of the memory bandwidth. The host twin computes the same permute. */
+static HD float byte_f(uint32_t w, int k, float off)
+{
+#ifdef __CUDA_ARCH__
+    uint32_t bits = __byte_perm(w, 0x4b000000u, 0x7440u + (unsigned)k);
+    return __uint_as_float(bits) - (8388608.0f + off);
+#else
+    uint32_t bits = 0x4b000000u | ((w >> (8 * k)) & 0xff);
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f - (8388608.0f + off);
+#endif
+}
+
+static HD uint32_t byte_of(uint32_t w, int k)
+{
+    return (w >> (8 * k)) & 0xff;
+}
+
+/* The 6-bit scales and mins of sub-blocks 2c and 2c+1 of a Q4_K/Q5_K block, from the 12 scale
+ * bytes as three words (layout in docs/kernels.md): sub-blocks 0..3 keep theirs in the low 6
+ * bits of bytes j and j+4; 4..7 split theirs between a nibble of byte j+4 and the top two bits
+ * of bytes j-4 (scale) and j (min). Branch-free, since the lanes of a warp hold different c. */
+static HD void kq_scales(uint32_t s0, uint32_t s1, uint32_t s2, int c, float d, float dmin,
+                         float *d0, float *n0, float *d1, float *n1)
+{
+    int sc[2], m[2];
+    for (int i = 0; i < 2; i++) {
+        int j = 2 * c + i, jj = j & 3;
+        uint32_t lo_sc = byte_of(s0, jj) & 63, lo_m = byte_of(s1, jj) & 63;
+        uint32_t hi_sc = (byte_of(s2, jj) & 15) | (byte_of(s0, jj) >> 6) << 4;
+        uint32_t hi_m = (byte_of(s2, jj) >> 4) | (byte_of(s1, jj) >> 6) << 4;
+        sc[i] = (int)(j < 4 ? lo_sc : hi_sc);
+        m[i] = (int)(j < 4 ? lo_m : hi_m);
+    }
+    *d0 = d * (float)sc[0];
+    *n0 = dmin * (float)m[0];
+    *d1 = d * (float)sc[1];
+    *n1 = dmin * (float)m[1];
+}
+
+/* Units per block and elements per block, by kind. */
+template <int K> struct unit_shape;
+template <> struct unit_shape<MOE_TYPE_F32> { enum { per_block = 1, blck = 1 }; };
+template <> struct unit_shape<KIND_F32_V> { enum { per_block = 1, blck = 4 }; };
+template <> struct unit_shape<MOE_TYPE_F16> { enum { per_block = 1, blck = 1 }; };
+template <> struct unit_shape<KIND_F16_V> { enum { per_block = 1, blck = 8 }; };
+template <> struct unit_shape<MOE_TYPE_BF16> { enum { per_block = 1, blck = 1 }; };
+template <> struct unit_shape<KIND_BF16_V> { enum { per_block = 1, blck = 8 }; };
+template <> struct unit_shape<MOE_TYPE_Q8_0> { enum { per_block = 4, blck = 32 }; };
+template <> struct unit_shape<MOE_TYPE_Q4_0> { enum { per_block = 4, blck = 32 }; };
+template <> struct unit_shape<MOE_TYPE_Q5_0> { enum { per_block = 4, blck = 32 }; };
+template <> struct unit_shape<MOE_TYPE_Q4_1> { enum { per_block = 4, blck = 32 }; };
+template <> struct unit_shape<MOE_TYPE_Q5_1> { enum { per_block = 4, blck = 32 }; };
+template <> struct unit_shape<MOE_TYPE_Q4_K> { enum { per_block = 8, blck = 256 }; };
+template <> struct unit_shape<MOE_TYPE_Q5_K> { enum { per_block = 8, blck = 256 }; };
+template <> struct unit_shape<MOE_TYPE_Q6_K> { enum { per_block = 16, blck = 256 }; };
+
+/* Adds to acc[r], for r < RW, the partial dot product of unit t (0 <= t < per_block) of the
+ * block at bs[r] with xb, the x elements of that block (the RW rows may be of one matrix or of
+ * several of the same type). The x values (and, for the K-quants,
+ * their sums) are loaded once for all RW rows. */
+template <int K, int RW>
+static HD void unit_dot(const uint8_t *const *bs, int t, const float *xb, float *acc)
+{
+    const uint8_t *b0 = bs[0];
+    if constexpr (K == MOE_TYPE_F32) {
+        acc[0] += *(const float *)b0 * xb[0];
+    } else if constexpr (K == KIND_F32_V) {
+        float4 w = *(const float4 *)b0, x = ldx4(xb);
+        acc[0] += w.x * x.x + w.y * x.y + w.z * x.z + w.w * x.w;
+    } else if constexpr (K == MOE_TYPE_F16) {
+        acc[0] += h2f(ld16(b0)) * xb[0];
+    } else if constexpr (K == MOE_TYPE_BF16) {
+        acc[0] += bf2f(ld16(b0)) * xb[0];
+    } else if constexpr (K == KIND_F16_V || K == KIND_BF16_V) {
+        uint4 w = *(const uint4 *)b0;
+        float4 x0 = ldx4(xb), x1 = ldx4(xb + 4);
+        const uint32_t ws[4] = {w.x, w.y, w.z, w.w};
+        const float xs[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
+        float a = 0.0f;
+        UNROLL
+        for (int i = 0; i < 4; i++) {
+            float lo, hi;
+            if constexpr (K == KIND_F16_V) {
+                lo = h2f((uint16_t)(ws[i] & 0xffff));
+                hi = h2f((uint16_t)(ws[i] >> 16));
+            } else {
+                lo = bf2f(ws[i] & 0xffff);
+                hi = bf2f(ws[i] >> 16);
+            }
+            a = fmaf(lo, xs[2 * i], a);
+            a = fmaf(hi, xs[2 * i + 1], a);
+        }
+        acc[0] += a;
+    } else if constexpr (K == MOE_TYPE_Q8_0) {
+        /* half d; int8 qs[32]. Unit t: elements 8t..8t+7. Flipping the sign bits maps each
+         * int8 q to q + 128 in 0..255. */
+        float4 x0 = ldx4(xb + 8 * t), x1 = ldx4(xb + 8 * t + 4);
+        const float xs[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
+        UNROLL
+        for (int r = 0; r < RW; r++) {
+            const uint8_t *b = bs[r], *q = b + 2 + 8 * t;
+            uint32_t w0 = ld32a2(q) ^ 0x80808080u, w1 = ld32a2(q + 4) ^ 0x80808080u;
+            float sq = 0.0f;
+            UNROLL
+            for (int k = 0; k < 4; k++) {
+                sq = fmaf(byte_f(w0, k, 128.0f), xs[k], sq);
+                sq = fmaf(byte_f(w1, k, 128.0f), xs[4 + k], sq);
+            }
+            acc[r] += h2f(ld16(b)) * sq;
+        }
+    } else if constexpr (K == MOE_TYPE_Q4_1 || K == MOE_TYPE_Q5_1) {
+        /* Q4_1: half d, m; u8 qs[16]. Q5_1: half d, m; u32 qh; u8 qs[16]. Value d·q + m; units as
+         * for Q4_0/Q5_0, the sum is d·Σq·x + m·Σx. */
+        float4 xl = ldx4(xb + 4 * t), xh = ldx4(xb + 16 + 4 * t);
+        const float xls[4] = {xl.x, xl.y, xl.z, xl.w}, xhs[4] = {xh.x, xh.y, xh.z, xh.w};
+        const float sx = xl.x + xl.y + xl.z + xl.w + (xh.x + xh.y + xh.z + xh.w);
+        UNROLL
+        for (int r = 0; r < RW; r++) {
+            const uint8_t *b = bs[r];
+            uint32_t qs, lo, hi;
+            if constexpr (K == MOE_TYPE_Q5_1) {
+                uint32_t qh = ld32a2(b + 4);
+                qs = ld32a2(b + 8 + 4 * t);
+                uint32_t bl = (qh >> (4 * t)) & 15, bh = (qh >> (4 * t + 16)) & 15;
+                uint32_t sl = (bl & 1) | (bl & 2) << 7 | (bl & 4) << 14 | (bl & 8) << 21;
+                uint32_t sh = (bh & 1) | (bh & 2) << 7 | (bh & 4) << 14 | (bh & 8) << 21;
+                lo = (qs & 0x0f0f0f0fu) | sl << 4;
+                hi = ((qs >> 4) & 0x0f0f0f0fu) | sh << 4;
+            } else {
+                qs = ld32a2(b + 4 + 4 * t);
+                lo = qs & 0x0f0f0f0fu;
+                hi = (qs >> 4) & 0x0f0f0f0fu;
+            }
+            float sq = 0.0f;
+            UNROLL
+            for (int k = 0; k < 4; k++) {
+                sq = fmaf(byte_f(lo, k, 0.0f), xls[k], sq);
+                sq = fmaf(byte_f(hi, k, 0.0f), xhs[k], sq);
+            }
+            acc[r] += h2f(ld16(b)) * sq + h2f(ld16(b + 2)) * sx;
+        }
+    } else if constexpr (K == MOE_TYPE_Q4_0 || K == MOE_TYPE_Q5_0) {
+        /* Q4_0: half d; u8 qs[16]. Q5_0: half d; u32 qh; u8 qs[16]. Unit t: bytes qs[4t..4t+3],
+         * i.e. elements 4t..4t+3 (low nibbles) and 16+4t..16+4t+3 (high nibbles); the 5th bits
+         * are bits 4t.. and 4t+16.. of qh, spread here into bit 4 of each byte. */
+        float4 xl = ldx4(xb + 4 * t), xh = ldx4(xb + 16 + 4 * t);
+        const float xls[4] = {xl.x, xl.y, xl.z, xl.w}, xhs[4] = {xh.x, xh.y, xh.z, xh.w};
+        UNROLL
+        for (int r = 0; r < RW; r++) {
+            const uint8_t *b = bs[r];
+            uint32_t qs, lo, hi;
+            float off = 8.0f;
+            if constexpr (K == MOE_TYPE_Q5_0) {
+                uint32_t qh = ld32a2(b + 2);
+                qs = ld32a2(b + 6 + 4 * t);
+                uint32_t bl = (qh >> (4 * t)) & 15, bh = (qh >> (4 * t + 16)) & 15;
+                uint32_t sl = (bl & 1) | (bl & 2) << 7 | (bl & 4) << 14 | (bl & 8) << 21;
+                uint32_t sh = (bh & 1) | (bh & 2) << 7 | (bh & 4) << 14 | (bh & 8) << 21;
+                lo = (qs & 0x0f0f0f0fu) | sl << 4;
+                hi = ((qs >> 4) & 0x0f0f0f0fu) | sh << 4;
+                off = 16.0f;
+            } else {
+                qs = ld32a2(b + 2 + 4 * t);
+                lo = qs & 0x0f0f0f0fu;
+                hi = (qs >> 4) & 0x0f0f0f0fu;
+            }
+            float sq = 0.0f;
+            UNROLL
+            for (int k = 0; k < 4; k++) {
+                sq = fmaf(byte_f(lo, k, off), xls[k], sq);
+                sq = fmaf(byte_f(hi, k, off), xhs[k], sq);
+            }
+            acc[r] += h2f(ld16(b)) * sq;
+        }
+    } else if constexpr (K == MOE_TYPE_Q4_K || K == MOE_TYPE_Q5_K) {
+        /* half d, dmin; u8 scales[12]; (Q5_K: u8 qh[32];) u8 qs[128]. Unit t: chunk c = t/2,
+         * l0 = 16·(t%2): 16 bytes q[32c + l0 ..], whose low nibbles are elements 64c+l0+i
+         * (sub-block 2c) and high nibbles 64c+32+l0+i (sub-block 2c+1). Per sub-block the sum
+         * is d·sc·Σq·x − dmin·m·Σx. */
+        const int c = t >> 1, l0 = (t & 1) * 16;
+        const float *xlp = xb + 64 * c + l0, *xhp = xlp + 32;
+        float xl[16], xh[16], sxl = 0.0f, sxh = 0.0f;
+        UNROLL
+        for (int i = 0; i < 4; i++) {
+            float4 a = ldx4(xlp + 4 * i), e = ldx4(xhp + 4 * i);
+            xl[4 * i] = a.x, xl[4 * i + 1] = a.y, xl[4 * i + 2] = a.z, xl[4 * i + 3] = a.w;
+            xh[4 * i] = e.x, xh[4 * i + 1] = e.y, xh[4 * i + 2] = e.z, xh[4 * i + 3] = e.w;
+        }
+        UNROLL
+        for (int i = 0; i < 16; i++) {
+            sxl += xl[i];
+            sxh += xh[i];
+        }
+        UNROLL
+        for (int r = 0; r < RW; r++) {
+            const uint8_t *b = bs[r];
+            float d0, n0, d1, n1;
+            kq_scales(*(const uint32_t *)(b + 4), *(const uint32_t *)(b + 8),
+                      *(const uint32_t *)(b + 12), c, h2f(ld16(b)), h2f(ld16(b + 2)), &d0, &n0,
+                      &d1, &n1);
+            uint4 qv, hv = make_uint4(0, 0, 0, 0);
+            if constexpr (K == MOE_TYPE_Q5_K) {
+                qv = *(const uint4 *)(b + 48 + 32 * c + l0);
+                hv = *(const uint4 *)(b + 16 + l0);
+            } else {
+                qv = *(const uint4 *)(b + 16 + 32 * c + l0);
+            }
+            const uint32_t qs[4] = {qv.x, qv.y, qv.z, qv.w}, hs[4] = {hv.x, hv.y, hv.z, hv.w};
+            float ql = 0.0f, qh = 0.0f;
+            UNROLL
+            for (int i = 0; i < 4; i++) {
+                uint32_t lo = qs[i] & 0x0f0f0f0fu, hi = (qs[i] >> 4) & 0x0f0f0f0fu;
+                if constexpr (K == MOE_TYPE_Q5_K) {
+                    lo |= ((hs[i] >> (2 * c)) & 0x01010101u) << 4;
+                    hi |= ((hs[i] >> (2 * c + 1)) & 0x01010101u) << 4;
+                }
+                UNROLL
+                for (int k = 0; k < 4; k++) {
+                    ql = fmaf(byte_f(lo, k, 0.0f), xl[4 * i + k], ql);
+                    qh = fmaf(byte_f(hi, k, 0.0f), xh[4 * i + k], qh);
+                }
+            }
+            acc[r] += d0 * ql - n0 * sxl + (d1 * qh - n1 * sxh);
+        }
+    } else if constexpr (K == MOE_TYPE_Q6_K) {
+        /* u8 ql[128]; u8 qh[64]; i8 scales[16]; half d. Unit t: half h = t/8, l0 = 4·(t%8);
+         * elements 128h + 32g + l0 + k for g = 0..3, k = 0..3, whose 6-bit codes take their
+         * low 4 bits from ql[l0+k] (g = 0, 2: low/high nibble) or ql[32+l0+k] (g = 1, 3) and
+         * their top 2 bits from bits 2g..2g+1 of qh[l0+k]. */
+        const int h = t >> 3, l0 = (t & 7) * 4, is = l0 / 16;
+        const float *x0 = xb + 128 * h + l0;
+        float xs[4][4];
+        UNROLL
+        for (int g = 0; g < 4; g++) {
+            float4 v = ldx4(x0 + 32 * g);
+            xs[g][0] = v.x, xs[g][1] = v.y, xs[g][2] = v.z, xs[g][3] = v.w;
+        }
+        UNROLL
+        for (int r = 0; r < RW; r++) {
+            const uint8_t *b = bs[r], *ql = b + 64 * h, *qhp = b + 128 + 32 * h;
+            const int8_t *sc = (const int8_t *)(b + 192 + 8 * h);
+            uint32_t qa = ld32a2(ql + l0), qb = ld32a2(ql + 32 + l0), hh = ld32a2(qhp + l0);
+            const uint32_t q[4] = {
+                (qa & 0x0f0f0f0fu) | ((hh << 4) & 0x30303030u),
+                (qb & 0x0f0f0f0fu) | ((hh << 2) & 0x30303030u),
+                ((qa >> 4) & 0x0f0f0f0fu) | (hh & 0x30303030u),
+                ((qb >> 4) & 0x0f0f0f0fu) | ((hh >> 2) & 0x30303030u),
+            };
+            float sum = 0.0f;
+            UNROLL
+            for (int g = 0; g < 4; g++) {
+                float sg = 0.0f;
+                UNROLL
+                for (int k = 0; k < 4; k++)
+                    sg = fmaf(byte_f(q[g], k, 32.0f), xs[g][k], sg);
+                sum = fmaf((float)sc[is + 2 * g], sg, sum);
+            }
+            acc[r] += h2f(ld16(b + 208)) * sum;
+        }
+    }
+}
+
+/* Rows per warp: the quantized types decode each x element into two rows' products, which
+ * halves the x traffic through L1 (4 bytes of x per element against 0.56-1.06 bytes of weights)
+ * and puts two rows' weight loads in flight per lane. The plain types already run at HBM speed
+ * with one. */
+template <int K> __host__ __device__ constexpr int rows_per_warp()
+{
+    return K == MOE_TYPE_F32 || K == MOE_TYPE_F16 || K == MOE_TYPE_BF16 || K >= KIND_F32_V ? 1 : 2;
+}
+
+
+/* Dispatches a runtime type to a template instantiated for each kind; F(K) is called with a
+ * std::integral_constant-like tag. Returns MOE_EUNSUPPORTED for other types. */
+#define MOE_QDOT_TYPES(X)                                                                  \
+    X(MOE_TYPE_Q8_0) X(MOE_TYPE_Q4_0) X(MOE_TYPE_Q4_1) X(MOE_TYPE_Q5_0) X(MOE_TYPE_Q5_1)   \
+    X(MOE_TYPE_Q4_K) X(MOE_TYPE_Q5_K) X(MOE_TYPE_Q6_K)
+
+#endif
