@@ -499,27 +499,15 @@ static int store_progress(uint64_t done, uint64_t total, void *user)
     return 0;
 }
 
-/* --devices: "cpu" -> N cpu workers; "auto" -> one per GPU found, else cpu; "0,1" -> cuda:0, cuda:1. */
+/* --devices: "cpu" -> N cpu workers; "auto" -> cpu; "0,1" -> cuda:0, cuda:1. */
 static int plan_workers(struct daemon *d, char *err, size_t errlen)
 {
     const char *dev = d->cfg.devices;
     uint32_t n = 0;
     bool gpu_list = strcmp(dev, "cpu") != 0 && strcmp(dev, "auto") != 0;
     if (!strcmp(dev, "auto")) {
-        /* A GPU worker needs both a CUDA build and a device node; otherwise serve on the CPU. */
-#ifdef MOE_HAVE_CUDA
-        for (int i = 0; i < MAX_DEVICES; i++) {
-            char p[32];
-            snprintf(p, sizeof p, "/dev/nvidia%d", i);
-            if (access(p, F_OK) != 0)
-                break;
-            char name[16];
-            snprintf(name, sizeof name, "cuda:%d", i);
-            d->devices[n++] = strdup(name);
-        }
-#endif
-        if (n > 0)
-            d->has_gpu = true;
+        /* The daemon is built without CUDA: what a worker can compute on is the worker's to say.
+         * Until it is asked, auto serves on the CPU. */
     } else if (gpu_list) {
         const char *p = dev;
         while (*p) {
