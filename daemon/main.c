@@ -120,6 +120,7 @@ static const char *state_name(enum moed_worker_state s)
     case MOED_WORKER_BACKOFF: return "restarting";
     case MOED_WORKER_STOPPING: return "stopping";
     case MOED_WORKER_STOPPED: return "stopped";
+    case MOED_WORKER_FAILED: return "failed";
     }
     return "?";
 }
@@ -287,7 +288,7 @@ static int hook_placement(void *user, char **json, char *err, size_t errlen)
 static int hook_metrics(void *user, char **text)
 {
     struct daemon *d = user;
-    size_t cap = 256 + (size_t)d->n_workers * 1024, n = 0;
+    size_t cap = 512 + (size_t)d->n_workers * 1024, n = 0;
     char *b = malloc(cap);
     if (!b)
         return -ENOMEM;
@@ -301,6 +302,11 @@ static int hook_metrics(void *user, char **text)
     for (uint32_t i = 0; i < nw; i++)
         n += (size_t)snprintf(b + n, cap - n, "moed_worker_up{worker=\"%u\",device=\"%s\"} %d\n", i,
                               wi[i].device, wi[i].state == MOED_WORKER_READY);
+    n += (size_t)snprintf(b + n, cap - n, "# HELP moed_worker_failed 1 when the worker never got "
+                          "ready and is not restarted any more.\n# TYPE moed_worker_failed gauge\n");
+    for (uint32_t i = 0; i < nw; i++)
+        n += (size_t)snprintf(b + n, cap - n, "moed_worker_failed{worker=\"%u\",device=\"%s\"} %d\n", i,
+                              wi[i].device, wi[i].state == MOED_WORKER_FAILED);
     n += (size_t)snprintf(b + n, cap - n, "# TYPE moed_worker_restarts_total counter\n");
     for (uint32_t i = 0; i < nw; i++)
         n += (size_t)snprintf(b + n, cap - n, "moed_worker_restarts_total{worker=\"%u\"} %u\n", i,
@@ -382,8 +388,9 @@ static void on_ready(void *user)
     push_placement(d);
     api_set_ready(d->api, true);
     notify_ready();
-    log_info("ready: %u worker(s) serving %s on %s%s%s", d->n_workers, d->cfg.model, d->cfg.socket,
-             d->cfg.listen ? " and " : "", d->cfg.listen ? d->cfg.listen : "");
+    uint32_t total, ready = moed_workers_ready(d->workers, &total);
+    log_info("ready: %u of %u worker(s) serving %s on %s%s%s", ready, total, d->cfg.model,
+             d->cfg.socket, d->cfg.listen ? " and " : "", d->cfg.listen ? d->cfg.listen : "");
 }
 
 static void on_worker_state(void *user, uint32_t worker, enum moed_worker_state st)
