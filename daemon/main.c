@@ -22,6 +22,7 @@
 
 #include "daemon/api.h"
 #include "daemon/config.h"
+#include "daemon/devices.h"
 #include "daemon/http.h"
 #include "daemon/log.h"
 #include "daemon/notify.h"
@@ -36,7 +37,9 @@
 #include "store/profile.h"
 #include "store/tokenizer.h"
 
-#define MAX_DEVICES 64
+#define MAX_DEVICES DEVICES_MAX
+/* How long `moed-worker --list-devices` may take (it starts the CUDA runtime on every GPU). */
+#define LIST_DEVICES_TIMEOUT_MS 20000
 
 struct daemon {
     struct moed_config cfg;
@@ -506,15 +509,42 @@ static int store_progress(uint64_t done, uint64_t total, void *user)
     return 0;
 }
 
-/* --devices: "cpu" -> N cpu workers; "auto" -> cpu; "0,1" -> cuda:0, cuda:1. */
+/* --devices auto: one worker per GPU that the worker program lists as usable (the daemon is
+ * built without CUDA: what a worker can compute on is the worker's to say), else none (CPU).
+ * Returns the number of GPU workers planned. */
+static uint32_t plan_auto(struct daemon *d)
+{
+    char bin[PATH_MAX], err[PATH_MAX + 256];
+    struct devices_found found;
+    if (moed_worker_bin_path(d->cfg.worker_bin, bin, sizeof bin, err, sizeof err) ||
+        devices_list(bin, LIST_DEVICES_TIMEOUT_MS, &found, err, sizeof err)) {
+        log_warn("--devices auto: %s; serving on the CPU", err);
+        return 0;
+    }
+    if (found.n_gpu == 0) {
+        log_info("--devices auto: %s lists no usable GPU; serving on the CPU", bin);
+        return 0;
+    }
+    uint32_t n = 0;
+    for (uint32_t i = 0; i < found.n_gpu && n < MAX_DEVICES; i++) {
+        char name[16];
+        snprintf(name, sizeof name, "cuda:%d", found.gpu[i]);
+        log_info("--devices auto: %s (%s)", name, found.desc[i]);
+        d->devices[n++] = strdup(name);
+    }
+    d->has_gpu = true;
+    return n;
+}
+
+/* --devices: "cpu" -> N cpu workers; "auto" -> what the worker lists (plan_auto); "0,1" ->
+ * cuda:0, cuda:1. */
 static int plan_workers(struct daemon *d, char *err, size_t errlen)
 {
     const char *dev = d->cfg.devices;
     uint32_t n = 0;
     bool gpu_list = strcmp(dev, "cpu") != 0 && strcmp(dev, "auto") != 0;
     if (!strcmp(dev, "auto")) {
-        /* The daemon is built without CUDA: what a worker can compute on is the worker's to say.
-         * Until it is asked, auto serves on the CPU. */
+        n = plan_auto(d);
     } else if (gpu_list) {
         const char *p = dev;
         while (*p) {

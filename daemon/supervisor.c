@@ -504,8 +504,13 @@ static void log_sink(enum moe_ipc_log_level level, const char *msg)
     log_msg((enum log_level)level, "%s", msg);
 }
 
-static int default_worker_bin(char *out, size_t n, char *err, size_t errlen)
+int moed_worker_bin_path(const char *configured, char *out, size_t n, char *err, size_t errlen)
 {
+    if (configured) {
+        if ((size_t)snprintf(out, n, "%s", configured) >= n)
+            return moe_fail(err, errlen, -ENAMETOOLONG, "worker program path is too long");
+        return 0;
+    }
     char self[PATH_MAX];
     ssize_t len = readlink("/proc/self/exe", self, sizeof self - 1);
     if (len < 0)
@@ -537,9 +542,7 @@ int moed_workers_start(uv_loop_t *loop, const struct moed_workers_opts *o,
                         o->n_ctx, (unsigned long long)frame);
     if (o->n_eog > MOE_IPC_MAX_EOG)
         return moe_fail(err, errlen, -EINVAL, "%u eog tokens (at most %u)", o->n_eog, MOE_IPC_MAX_EOG);
-    if (o->worker_bin)
-        snprintf(bin, sizeof bin, "%s", o->worker_bin);
-    else if ((rc = default_worker_bin(bin, sizeof bin, err, errlen)))
+    if ((rc = moed_worker_bin_path(o->worker_bin, bin, sizeof bin, err, errlen)))
         return rc;
     if (access(bin, X_OK) != 0)
         return moe_fail(err, errlen, -errno, "worker program %s: %s", bin, strerror(errno));

@@ -103,6 +103,10 @@ struct moed_worker_info {
     char last_error[160];         /* why it last died or was rejected; "" when never */
 };
 
+/* The worker program: `configured` when given, else moed-worker next to this executable.
+ * Returns 0 or a negative errno with a message in err. */
+int moed_worker_bin_path(const char *configured, char *out, size_t n, char *err, size_t errlen);
+
 /* Spawns n_workers workers (fork+exec of worker_bin --ipc-fd 3) and returns at once; workers
  * become Ready asynchronously (on_ready). Ignores SIGPIPE if it still has its default action.
  * Requests may be submitted immediately: they wait in the queue. Returns 0, -EINVAL (bad
