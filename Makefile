@@ -2,6 +2,8 @@
 #
 #   make                 build bin/moed-worker, bin/moectl (and bin/moed when daemon/main.c exists)
 #   make test            install missing Debian packages, build, run every test that needs no GPU
+#   make test-gpu        build and run the GPU tests (build/tests/moe-gpu-tests; needs a CUDA build
+#                        and a GPU, TESTFLAGS='-f NAME -v' passes runner options); CI never runs it
 #   make demo            the README's main job: serve the bundled model and answer one request
 #   make fuzz            build the libFuzzer targets (clang) into build/fuzz/
 #   make V=1             show the commands
@@ -43,13 +45,16 @@ ifeq ($(NVCC),)
 $(error CUDA=1 but nvcc was not found (looked on PATH and in $(CUDA_HOME)/bin))
 endif
 endif
+# Only what computes gets the CUDA flags: worker/ objects, the programs linking libmoeworker
+# (moed-worker, moectl, the test binaries, bench programs) and the GPU tests. The daemon and the
+# store never see MOE_HAVE_CUDA nor the CUDA runtime (see the target-specific lines further down).
 CUDA_SRC := $(wildcard worker/cuda/*.cu)
 ifneq ($(and $(NVCC),$(CUDA_SRC)),)
-CPPFLAGS += -DMOE_HAVE_CUDA=1 -I$(CUDA_HOME)/include
+CUDA_CPPFLAGS := -DMOE_HAVE_CUDA=1 -I$(CUDA_HOME)/include
 CUDA_OBJ := $(CUDA_SRC:%.cu=$(BUILD)/%.o)
 # The CUDA runtime is linked statically, so the programs start (and fall back to the CPU) on
 # machines without the CUDA libraries on the loader path.
-LDLIBS   += -L$(CUDA_HOME)/lib64 -lcudart_static -ldl -lrt -lstdc++
+CUDA_LDLIBS := -L$(CUDA_HOME)/lib64 -lcudart_static -ldl -lrt -lstdc++
 NVCCFLAGS ?= -O3 -lineinfo
 NVCCFLAGS += $(CUDA_ARCH) -std=c++17 -Xcompiler -Wall,-Werror -I. -I$(BUILD) -MMD -MP
 endif
@@ -76,6 +81,7 @@ DAEMON_OBJ := $(DAEMON_SRC:%.c=$(BUILD)/%.o)
 CLI_OBJ    := $(CLI_SRC:%.c=$(BUILD)/%.o)
 TEST_OBJ   := $(TEST_SRC:%.c=$(BUILD)/%.o)
 GPU_TEST_OBJ := $(GPU_TEST_SRC:%.c=$(BUILD)/%.o)
+BENCH_OBJ  := $(BENCH_SRC:%.c=$(BUILD)/%.o)
 BENCH_BINS := $(BENCH_SRC:bench/%.c=$(BUILD)/bench/%)
 
 LIBSTORE  := $(BUILD)/libmoestore.a
@@ -89,7 +95,7 @@ endif
 TEST_BIN := $(BUILD)/tests/moe-tests
 GPU_TEST_BIN := $(if $(GPU_TEST_OBJ),$(BUILD)/tests/moe-gpu-tests)
 
-.PHONY: all test test-build demo deps fuzz clean bench install
+.PHONY: all test test-build test-gpu demo deps fuzz clean bench install
 all: $(PROGRAMS) $(GPU_TEST_BIN) $(BENCH_BINS)
 
 # Generated protobuf-c code lives in build/, never in git. Keep it even when a build fails.
@@ -115,6 +121,12 @@ $(BUILD)/%.o: %.cu | $(PROTO_GEN_H)
 	@mkdir -p $(dir $@)
 	@echo "  NVCC    $<"
 	$(Q)$(NVCC) $(CPPFLAGS) $(NVCCFLAGS) -c -o $@ $<
+
+# CUDA flags, target by target (empty without a CUDA build). Objects only: a target-specific
+# variable on a program would be inherited by the store and daemon objects it depends on.
+$(WORKER_OBJ) $(BUILD)/worker/main.o $(CLI_OBJ) $(BENCH_OBJ) $(filter $(BUILD)/tests/gpu/%,$(GPU_TEST_OBJ)): \
+    CPPFLAGS += $(CUDA_CPPFLAGS)
+$(BINDIR)/moed-worker $(BINDIR)/moectl $(TEST_BIN) $(GPU_TEST_BIN) $(BENCH_BINS): LDLIBS += $(CUDA_LDLIBS)
 
 $(LIBSTORE): $(STORE_OBJ)
 $(LIBWORKER): $(WORKER_OBJ)
@@ -143,6 +155,17 @@ test-build: all $(TEST_BIN)
 test: deps
 	$(Q)$(MAKE) --no-print-directory test-build
 	$(Q)MOE_BIN=$(BINDIR) MOE_TEST_BIN=$(TEST_BIN) tests/run.sh
+
+# The GPU tests, with the runner's usual conventions: all tests, one at a time unless
+# MOE_TEST_JOBS=N, "N passed, N failed" at the end, MOE_BIN pointing at the programs.
+test-gpu:
+ifeq ($(GPU_TEST_BIN),)
+	@echo "make test-gpu: CUDA is not built (nvcc not found, CUDA=0, or no worker/cuda/*.cu): no GPU tests to run" >&2
+	@exit 1
+else
+	$(Q)$(MAKE) --no-print-directory all
+	$(Q)MOE_BIN=$(BINDIR) $(GPU_TEST_BIN) $(TESTFLAGS)
+endif
 
 demo: deps
 	$(Q)$(MAKE) --no-print-directory all

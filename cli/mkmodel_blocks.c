@@ -10,6 +10,7 @@
 #include <string.h>
 
 #include "cli/mkmodel.h"
+#include "store/blocks.h"
 #include "store/err.h"
 #include "store/ggml_type.h"
 #include "store/quant.h"
@@ -163,14 +164,14 @@ static void gen_float(struct rng *r, const struct mk_tensor *t, uint64_t row, bo
         y[0] = MK_BIAS_CHANNEL_VALUE;
 }
 
-static void gen_q8_0(struct rng *r, float sigma, bool pin, uint8_t *b)
+static void gen_q8_0(struct rng *r, float sigma, bool pin, struct moe_block_q8_0 *b)
 {
     const float c = MK_BIAS_CHANNEL_VALUE;
     const float d_nom = sigma * jitter(r, 0.85f, 1.15f) / t_q8.std;
     float d = d_nom;
     if (pin && d < c / 127)
         d = c / 127;
-    put_f16(b, d);
+    b->d = moe_f32_to_f16(d);
     uint8_t u[32];
     int q[32];
     rng_bytes(r, u, 32);
@@ -181,17 +182,17 @@ static void gen_q8_0(struct rng *r, float sigma, bool pin, uint8_t *b)
         narrow_levels(q, 32, 0, d_nom / d, -127, 127);
     }
     for (int i = 0; i < 32; i++)
-        b[2 + i] = (uint8_t)(int8_t)q[i];
+        b->qs[i] = (int8_t)q[i];
 }
 
-static void gen_q5_0(struct rng *r, float sigma, bool pin, uint8_t *b)
+static void gen_q5_0(struct rng *r, float sigma, bool pin, struct moe_block_q5_0 *b)
 {
     const float c = MK_BIAS_CHANNEL_VALUE;
     const float d_nom = sigma * jitter(r, 0.85f, 1.15f) / t_q5.std;
     float d = d_nom;
     if (pin && d < c / 15)
         d = c / 15;
-    put_f16(b, d);
+    b->d = moe_f32_to_f16(d);
     uint8_t u[32];
     int q[32];
     rng_bytes(r, u, 32);
@@ -204,16 +205,16 @@ static void gen_q5_0(struct rng *r, float sigma, bool pin, uint8_t *b)
     /* Element j's fifth bit is bit j of qh; j < 16 sit in low nibbles, j >= 16 in high ones. */
     uint32_t qh = 0;
     for (int j = 0; j < 16; j++) {
-        b[6 + j] = (uint8_t)((q[j] & 15) | ((q[j + 16] & 15) << 4));
+        b->qs[j] = (uint8_t)((q[j] & 15) | ((q[j + 16] & 15) << 4));
         qh |= (uint32_t)((q[j] >> 4) & 1) << j;
         qh |= (uint32_t)((q[j + 16] >> 4) & 1) << (j + 16);
     }
-    memcpy(b + 2, &qh, 4);
+    memcpy(b->qh, &qh, 4);
 }
 
 /* Q4_K: d, dmin, 8 six-bit (scale, min) pairs, 256 nibbles. Sub-block j of 32 values is
  * y = d*sc[j]*q - dmin*m[j]; m[j] is chosen to centre the nibbles' mean on zero. */
-static void gen_q4_k(struct rng *r, float sigma, bool pin, uint8_t *b)
+static void gen_q4_k(struct rng *r, float sigma, bool pin, struct moe_block_q4_k *b)
 {
     const float c = MK_BIAS_CHANNEL_VALUE;
     const float sc_nom = 48;
@@ -232,10 +233,10 @@ static void gen_q4_k(struct rng *r, float sigma, bool pin, uint8_t *b)
             sc[j] = clampi(iround(sigma * jitter(r, 0.75f, 1.3f) / (d * t_q4.std)), 1, 63);
         m[j] = dmin > 0 ? clampi(iround(sc[j] * t_q4.mean * d / dmin), 0, 63) : 0;
     }
-    put_f16(b, d);
-    put_f16(b + 2, dmin);
-    uint8_t *s = b + 4;
-    memset(s, 0, 12);
+    b->d = moe_f32_to_f16(d);
+    b->dmin = moe_f32_to_f16(dmin);
+    uint8_t *s = b->scales;
+    memset(s, 0, sizeof b->scales);
     for (int j = 0; j < 4; j++) {
         s[j] = (uint8_t)sc[j];
         s[j + 4] = (uint8_t)m[j];
@@ -248,7 +249,7 @@ static void gen_q4_k(struct rng *r, float sigma, bool pin, uint8_t *b)
     /* Byte l of chunk c holds value 64c+l (low nibble, sub-block 2c) and 64c+32+l (high). */
     uint16_t u[128];
     rng_bytes(r, (uint8_t *)u, sizeof u);
-    uint8_t *qs = b + 16;
+    uint8_t *qs = b->qs;
     for (int i = 0; i < 128; i++)
         qs[i] = t_q4_pair[u[i]];
     if (pin) {
@@ -264,7 +265,7 @@ static void gen_q4_k(struct rng *r, float sigma, bool pin, uint8_t *b)
 }
 
 /* Q6_K: ql[128], qh[64], 16 int8 scales, d. Element i is d*sc[i/16]*(q-32). */
-static void gen_q6_k(struct rng *r, float sigma, bool pin, uint8_t *b)
+static void gen_q6_k(struct rng *r, float sigma, bool pin, struct moe_block_q6_k *b)
 {
     const float c = MK_BIAS_CHANNEL_VALUE;
     const float sc_nom = 64;
@@ -291,7 +292,7 @@ static void gen_q6_k(struct rng *r, float sigma, bool pin, uint8_t *b)
     }
     /* Per 128-value half, quarters k = 0..3 of 32 values: k = 0, 1 in the low nibbles of
      * ql[0..31] and ql[32..63], k = 2, 3 in their high nibbles; top two bits at bit 2k of qh. */
-    uint8_t *ql = b, *qh = b + 128;
+    uint8_t *ql = b->ql, *qh = b->qh;
     for (int h = 0; h < 2; h++) {
         const int *x = q + 128 * h;
         for (int l = 0; l < 32; l++) {
@@ -301,8 +302,8 @@ static void gen_q6_k(struct rng *r, float sigma, bool pin, uint8_t *b)
                                        (x[l + 96] >> 4) << 6);
         }
     }
-    memcpy(b + 192, sc, 16);
-    put_f16(b + 208, d);
+    memcpy(b->scales, sc, sizeof b->scales);
+    b->d = moe_f32_to_f16(d);
 }
 
 int mk_tensor_prepare(struct mk_tensor *t)
@@ -358,10 +359,10 @@ void mk_gen_blocks(const struct mk_tensor *t, uint64_t b0, uint64_t n, uint8_t *
                 put_f16(out + 2 * i, y[i]);
             break;
         }
-        case MOE_TYPE_Q8_0: gen_q8_0(&r, t->sigma, pin, out); break;
-        case MOE_TYPE_Q5_0: gen_q5_0(&r, t->sigma, pin, out); break;
-        case MOE_TYPE_Q4_K: gen_q4_k(&r, t->sigma, pin, out); break;
-        case MOE_TYPE_Q6_K: gen_q6_k(&r, t->sigma, pin, out); break;
+        case MOE_TYPE_Q8_0: gen_q8_0(&r, t->sigma, pin, (struct moe_block_q8_0 *)out); break;
+        case MOE_TYPE_Q5_0: gen_q5_0(&r, t->sigma, pin, (struct moe_block_q5_0 *)out); break;
+        case MOE_TYPE_Q4_K: gen_q4_k(&r, t->sigma, pin, (struct moe_block_q4_k *)out); break;
+        case MOE_TYPE_Q6_K: gen_q6_k(&r, t->sigma, pin, (struct moe_block_q6_k *)out); break;
         default: memset(out, 0, t->gbytes); break;
         }
     }

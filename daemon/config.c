@@ -28,7 +28,7 @@ static const struct key keys[] = {
     {"socket", K_STR, F(socket), "PATH", "Unix socket (default " MOED_DEFAULT_SOCKET ")"},
     {"listen", K_STR, F(listen), "HOST:PORT", "also listen on loopback TCP (127.0.0.1:PORT)"},
     {"state-dir", K_STR, F(state_dir), "DIR", "profile database (default " MOED_DEFAULT_STATE_DIR ")"},
-    {"devices", K_STR, F(devices), "LIST", "cpu | auto | 0,1 (GPU indexes) (default auto)"},
+    {"devices", K_STR, F(devices), "LIST", "cpu | auto (what moed-worker --list-devices lists) | 0,1 (default auto)"},
     {"workers", K_U32, F(workers), "N", "worker processes (default: one per device, 1 for cpu)"},
     {"ctx", K_U32, F(ctx), "N", "context length per sequence (default: model's, at most 4096)"},
     {"parallel", K_U32, F(parallel), "N", "concurrent sequences per worker (default 4)"},

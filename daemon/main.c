@@ -22,6 +22,7 @@
 
 #include "daemon/api.h"
 #include "daemon/config.h"
+#include "daemon/devices.h"
 #include "daemon/http.h"
 #include "daemon/log.h"
 #include "daemon/notify.h"
@@ -36,7 +37,9 @@
 #include "store/profile.h"
 #include "store/tokenizer.h"
 
-#define MAX_DEVICES 64
+#define MAX_DEVICES DEVICES_MAX
+/* How long `moed-worker --list-devices` may take (it starts the CUDA runtime on every GPU). */
+#define LIST_DEVICES_TIMEOUT_MS 20000
 
 struct daemon {
     struct moed_config cfg;
@@ -120,6 +123,7 @@ static const char *state_name(enum moed_worker_state s)
     case MOED_WORKER_BACKOFF: return "restarting";
     case MOED_WORKER_STOPPING: return "stopping";
     case MOED_WORKER_STOPPED: return "stopped";
+    case MOED_WORKER_FAILED: return "failed";
     }
     return "?";
 }
@@ -287,7 +291,7 @@ static int hook_placement(void *user, char **json, char *err, size_t errlen)
 static int hook_metrics(void *user, char **text)
 {
     struct daemon *d = user;
-    size_t cap = 256 + (size_t)d->n_workers * 1024, n = 0;
+    size_t cap = 512 + (size_t)d->n_workers * 1024, n = 0;
     char *b = malloc(cap);
     if (!b)
         return -ENOMEM;
@@ -301,6 +305,11 @@ static int hook_metrics(void *user, char **text)
     for (uint32_t i = 0; i < nw; i++)
         n += (size_t)snprintf(b + n, cap - n, "moed_worker_up{worker=\"%u\",device=\"%s\"} %d\n", i,
                               wi[i].device, wi[i].state == MOED_WORKER_READY);
+    n += (size_t)snprintf(b + n, cap - n, "# HELP moed_worker_failed 1 when the worker never got "
+                          "ready and is not restarted any more.\n# TYPE moed_worker_failed gauge\n");
+    for (uint32_t i = 0; i < nw; i++)
+        n += (size_t)snprintf(b + n, cap - n, "moed_worker_failed{worker=\"%u\",device=\"%s\"} %d\n", i,
+                              wi[i].device, wi[i].state == MOED_WORKER_FAILED);
     n += (size_t)snprintf(b + n, cap - n, "# TYPE moed_worker_restarts_total counter\n");
     for (uint32_t i = 0; i < nw; i++)
         n += (size_t)snprintf(b + n, cap - n, "moed_worker_restarts_total{worker=\"%u\"} %u\n", i,
@@ -382,8 +391,9 @@ static void on_ready(void *user)
     push_placement(d);
     api_set_ready(d->api, true);
     notify_ready();
-    log_info("ready: %u worker(s) serving %s on %s%s%s", d->n_workers, d->cfg.model, d->cfg.socket,
-             d->cfg.listen ? " and " : "", d->cfg.listen ? d->cfg.listen : "");
+    uint32_t total, ready = moed_workers_ready(d->workers, &total);
+    log_info("ready: %u of %u worker(s) serving %s on %s%s%s", ready, total, d->cfg.model,
+             d->cfg.socket, d->cfg.listen ? " and " : "", d->cfg.listen ? d->cfg.listen : "");
 }
 
 static void on_worker_state(void *user, uint32_t worker, enum moed_worker_state st)
@@ -499,27 +509,42 @@ static int store_progress(uint64_t done, uint64_t total, void *user)
     return 0;
 }
 
-/* --devices: "cpu" -> N cpu workers; "auto" -> one per GPU found, else cpu; "0,1" -> cuda:0, cuda:1. */
+/* --devices auto: one worker per GPU that the worker program lists as usable (the daemon is
+ * built without CUDA: what a worker can compute on is the worker's to say), else none (CPU).
+ * Returns the number of GPU workers planned. */
+static uint32_t plan_auto(struct daemon *d)
+{
+    char bin[PATH_MAX], err[PATH_MAX + 256];
+    struct devices_found found;
+    if (moed_worker_bin_path(d->cfg.worker_bin, bin, sizeof bin, err, sizeof err) ||
+        devices_list(bin, LIST_DEVICES_TIMEOUT_MS, &found, err, sizeof err)) {
+        log_warn("--devices auto: %s; serving on the CPU", err);
+        return 0;
+    }
+    if (found.n_gpu == 0) {
+        log_info("--devices auto: %s lists no usable GPU; serving on the CPU", bin);
+        return 0;
+    }
+    uint32_t n = 0;
+    for (uint32_t i = 0; i < found.n_gpu && n < MAX_DEVICES; i++) {
+        char name[16];
+        snprintf(name, sizeof name, "cuda:%d", found.gpu[i]);
+        log_info("--devices auto: %s (%s)", name, found.desc[i]);
+        d->devices[n++] = strdup(name);
+    }
+    d->has_gpu = true;
+    return n;
+}
+
+/* --devices: "cpu" -> N cpu workers; "auto" -> what the worker lists (plan_auto); "0,1" ->
+ * cuda:0, cuda:1. */
 static int plan_workers(struct daemon *d, char *err, size_t errlen)
 {
     const char *dev = d->cfg.devices;
     uint32_t n = 0;
     bool gpu_list = strcmp(dev, "cpu") != 0 && strcmp(dev, "auto") != 0;
     if (!strcmp(dev, "auto")) {
-        /* A GPU worker needs both a CUDA build and a device node; otherwise serve on the CPU. */
-#ifdef MOE_HAVE_CUDA
-        for (int i = 0; i < MAX_DEVICES; i++) {
-            char p[32];
-            snprintf(p, sizeof p, "/dev/nvidia%d", i);
-            if (access(p, F_OK) != 0)
-                break;
-            char name[16];
-            snprintf(name, sizeof name, "cuda:%d", i);
-            d->devices[n++] = strdup(name);
-        }
-#endif
-        if (n > 0)
-            d->has_gpu = true;
+        n = plan_auto(d);
     } else if (gpu_list) {
         const char *p = dev;
         while (*p) {

@@ -1,6 +1,7 @@
 /* Worker supervisor: spawn, handshake, watch, restart, stop. See daemon/supervisor.h.
  *
- * A worker slot goes STARTING -> READY -> (dies) BACKOFF -> STARTING ... A death is noticed
+ * A worker slot goes STARTING -> READY -> (dies) BACKOFF -> STARTING ..., or from BACKOFF to
+ * FAILED when too many starts in a row ended before Ready. A death is noticed
  * either by the process exit callback or by the IPC connection closing (EOF, a malformed frame);
  * whichever comes first reports the slot's requests lost and makes sure the other follows (the
  * process is killed when its connection broke). The slot is restarted once both the process and
@@ -27,6 +28,7 @@
 #define HEALTHY_RESET_MS 60000 /* a worker up this long resets the backoff */
 #define KILL_AFTER_MS 5000     /* after Shutdown, SIGKILL a worker that has not exited */
 #define EXIT_GRACE_MS 1000     /* after a worker hangs up, wait this long for its exit status */
+#define MAX_INIT_FAILURES 5    /* default: starts in a row that end before Ready, then give up */
 
 struct wslot {
     struct moed_workers *ws;
@@ -42,6 +44,7 @@ struct wslot {
     char grace_why[160];     /* why the connection ended, while waiting for the exit */
     bool restart_pending;    /* the backoff timer runs for the next incarnation */
     uint32_t fails;          /* consecutive failures, for the backoff */
+    uint32_t init_fails;     /* consecutive incarnations that ended before Ready */
     uint64_t ready_at;       /* uv_now() at Ready; 0 when not ready */
     struct moed_worker_info info;
 };
@@ -66,6 +69,7 @@ struct moed_workers {
 };
 
 static void slot_spawn(struct wslot *w);
+static void check_all_ready(struct moed_workers *ws);
 
 /* Copies a message, cutting it to fit (gcc's -Wformat-truncation dislikes snprintf for this). */
 static void copy_msg(char *dst, size_t n, const char *src)
@@ -102,6 +106,25 @@ static void close_handle(struct moed_workers *ws, uv_handle_t *h)
     h->data = ws;
     ws->open_handles++;
     uv_close(h, handle_closed);
+}
+
+/* on_ready, the first time every worker has settled: Ready, or failed for good. */
+static void check_all_ready(struct moed_workers *ws)
+{
+    if (ws->all_ready_once)
+        return;
+    uint32_t ready = 0;
+    for (uint32_t i = 0; i < ws->o.n_workers; i++) {
+        enum moed_worker_state st = ws->slots[i].state;
+        if (st != MOED_WORKER_READY && st != MOED_WORKER_FAILED)
+            return;
+        ready += st == MOED_WORKER_READY;
+    }
+    if (!ready)
+        return;
+    ws->all_ready_once = true;
+    if (ws->o.on_ready)
+        ws->o.on_ready(ws->o.user);
 }
 
 /* ---------------------------------------------------------------------------------------------
@@ -142,7 +165,17 @@ static void maybe_restart(struct wslot *w)
     uint64_t now = uv_now(ws->loop);
     if (w->ready_at && now - w->ready_at >= HEALTHY_RESET_MS)
         w->fails = 0;
+    w->init_fails = w->ready_at ? 0 : w->init_fails + 1;
     w->ready_at = 0;
+    if (w->init_fails >= ws->o.max_init_failures) {
+        moe_ipc_log(MOE_LOG_ERROR, "worker %u (%s): giving up after %u starts in a row that ended "
+                    "before it was ready (last: %s); it stays failed until moed is restarted",
+                    w->index, ws->devices[w->index], w->init_fails,
+                    w->info.last_error[0] ? w->info.last_error : "it exited");
+        set_state(w, MOED_WORKER_FAILED);
+        check_all_ready(ws);
+        return;
+    }
     w->fails++;
     uint64_t d = backoff_ms(w->fails);
     set_state(w, MOED_WORKER_BACKOFF);
@@ -246,14 +279,7 @@ static int on_ready_msg(struct wslot *w, const Moed__Ready *r, char *err, size_t
     send_placement(w);
     if (ws->sched)
         sched_worker_ready(ws->sched, w->index, r->n_seq, r->n_ctx);
-    if (!ws->all_ready_once) {
-        uint32_t total, n = moed_workers_ready(ws, &total);
-        if (n == total) {
-            ws->all_ready_once = true;
-            if (ws->o.on_ready)
-                ws->o.on_ready(ws->o.user);
-        }
-    }
+    check_all_ready(ws);
     return 0;
 }
 
@@ -478,8 +504,13 @@ static void log_sink(enum moe_ipc_log_level level, const char *msg)
     log_msg((enum log_level)level, "%s", msg);
 }
 
-static int default_worker_bin(char *out, size_t n, char *err, size_t errlen)
+int moed_worker_bin_path(const char *configured, char *out, size_t n, char *err, size_t errlen)
 {
+    if (configured) {
+        if ((size_t)snprintf(out, n, "%s", configured) >= n)
+            return moe_fail(err, errlen, -ENAMETOOLONG, "worker program path is too long");
+        return 0;
+    }
     char self[PATH_MAX];
     ssize_t len = readlink("/proc/self/exe", self, sizeof self - 1);
     if (len < 0)
@@ -511,9 +542,7 @@ int moed_workers_start(uv_loop_t *loop, const struct moed_workers_opts *o,
                         o->n_ctx, (unsigned long long)frame);
     if (o->n_eog > MOE_IPC_MAX_EOG)
         return moe_fail(err, errlen, -EINVAL, "%u eog tokens (at most %u)", o->n_eog, MOE_IPC_MAX_EOG);
-    if (o->worker_bin)
-        snprintf(bin, sizeof bin, "%s", o->worker_bin);
-    else if ((rc = default_worker_bin(bin, sizeof bin, err, errlen)))
+    if ((rc = moed_worker_bin_path(o->worker_bin, bin, sizeof bin, err, errlen)))
         return rc;
     if (access(bin, X_OK) != 0)
         return moe_fail(err, errlen, -errno, "worker program %s: %s", bin, strerror(errno));
@@ -535,6 +564,8 @@ int moed_workers_start(uv_loop_t *loop, const struct moed_workers_opts *o,
         ws->o.queue_wait_ms = 30000;
     if (!ws->o.ready_timeout_ms)
         ws->o.ready_timeout_ms = 300000;
+    if (!ws->o.max_init_failures)
+        ws->o.max_init_failures = MAX_INIT_FAILURES;
     if (!ws->o.max_frame)
         ws->o.max_frame = MOE_IPC_MAX_FRAME;
     ws->o.eog = NULL;

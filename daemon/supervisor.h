@@ -16,7 +16,11 @@
  * Worker deaths: a worker that exits or whose IPC connection breaks (EOF, malformed frame) is
  * restarted after a backoff that starts at 100 ms and doubles up to 10 s, and is reset once a
  * worker stayed healthy for a minute. Its in-flight requests that already streamed a token get
- * on_error (500); the others are re-queued and run on another (or the restarted) worker. */
+ * on_error (500); the others are re-queued and run on another (or the restarted) worker.
+ *
+ * A worker that never gets Ready (it exits at start-up, e.g. because its device cannot be used,
+ * or misses the ready timeout) is given up on after max_init_failures such starts in a row: it
+ * goes to MOED_WORKER_FAILED and stays there. Once a worker was Ready, deaths count afresh. */
 #ifndef MOED_SUPERVISOR_H
 #define MOED_SUPERVISOR_H
 
@@ -37,6 +41,7 @@ enum moed_worker_state {
     MOED_WORKER_BACKOFF = 2,  /* died; waiting to be restarted */
     MOED_WORKER_STOPPING = 3, /* Shutdown sent (daemon stopping) */
     MOED_WORKER_STOPPED = 4,  /* exited and not restarted (daemon stopping) */
+    MOED_WORKER_FAILED = 5,   /* never got Ready, max_init_failures times in a row: given up */
 };
 
 struct moed_workers_opts {
@@ -69,13 +74,15 @@ struct moed_workers_opts {
     uint32_t queue_wait_ms;       /* a queued request fails with 503 after waiting this long while
                                    * no worker is ready; 0: 30000 */
     uint32_t ready_timeout_ms;    /* a worker not Ready after this is killed; 0: 300000 */
+    uint32_t max_init_failures;   /* starts in a row that end before Ready, then give up; 0: 5 */
     uint32_t max_frame;           /* IPC frame limit in bytes; 0: MOE_IPC_MAX_FRAME */
 
     /* Routing count deltas from a worker (merge them into the profile). counts is
      * [n_layer][n_expert], valid during the call. */
     void (*on_routing)(void *user, uint32_t worker, const uint64_t *counts, uint32_t n_layer,
                        uint32_t n_expert, uint64_t n_tokens);
-    /* Called once, the first time all n_workers are Ready (sd_notify READY=1). */
+    /* Called once, the first time every worker is Ready or failed for good, with at least one
+     * Ready (sd_notify READY=1). */
     void (*on_ready)(void *user);
     /* A worker changed state (logs, STATUS=, WATCHDOG decisions); may be NULL. */
     void (*on_worker_state)(void *user, uint32_t worker, enum moed_worker_state st);
@@ -95,6 +102,10 @@ struct moed_worker_info {
     double tokens_per_s;          /* decode rate in the worker's last Metrics interval */
     char last_error[160];         /* why it last died or was rejected; "" when never */
 };
+
+/* The worker program: `configured` when given, else moed-worker next to this executable.
+ * Returns 0 or a negative errno with a message in err. */
+int moed_worker_bin_path(const char *configured, char *out, size_t n, char *err, size_t errlen);
 
 /* Spawns n_workers workers (fork+exec of worker_bin --ipc-fd 3) and returns at once; workers
  * become Ready asynchronously (on_ready). Ignores SIGPIPE if it still has its default action.

@@ -1,15 +1,16 @@
 /* Quantized block formats: reference (scalar) dequantization and quantization.
  *
- * The layouts are ggml's; see docs/kernels.md and the design's FORMATS.md. Everything here is
- * written for clarity first: the SIMD kernels in worker/cpu/ are tested against these functions,
- * and moectl mkmodel uses the quantizers to write model files, so determinism matters more than
- * speed. Quantizers never read uninitialised memory and never divide by zero: an all-zero block
+ * The layouts are ggml's, defined in store/blocks.h (docs/kernels.md has the formulas).
+ * Everything here is written for clarity first: the SIMD kernels in worker/cpu/ are tested
+ * against these functions, and moectl mkmodel uses the quantizers to write model files, so
+ * determinism matters more than speed. Quantizers never read uninitialised memory and never divide by zero: an all-zero block
  * quantizes to an all-zero block. */
 #include "store/quant.h"
 
 #include <math.h>
 #include <string.h>
 
+#include "store/blocks.h"
 #include "store/err.h"
 #include "store/ggml_type.h"
 
@@ -141,36 +142,46 @@ static void kq_scale_min(const uint8_t *s, int j, int *sc, int *m)
 
 /* ---- dequantization ------------------------------------------------------------------------- */
 
-static void deq_q4_0(const uint8_t *b, float *y)
+static void deq_q4_0(const void *blk, float *y)
 {
-    float d = ld_f16(b);
-    const uint8_t *qs = b + 2;
+    const struct moe_block_q4_0 *b = blk;
+    float d = moe_f16_to_f32(b->d);
+    const uint8_t *qs = b->qs;
     for (int j = 0; j < 16; j++) {
         y[j] = (float)((qs[j] & 15) - 8) * d;
         y[j + 16] = (float)((qs[j] >> 4) - 8) * d;
     }
 }
 
-static void deq_q4_1(const uint8_t *b, float *y)
+static void deq_q4_1(const void *blk, float *y)
 {
-    float d = ld_f16(b), m = ld_f16(b + 2);
-    const uint8_t *qs = b + 4;
+    const struct moe_block_q4_1 *b = blk;
+    float d = moe_f16_to_f32(b->d), m = moe_f16_to_f32(b->m);
+    const uint8_t *qs = b->qs;
     for (int j = 0; j < 16; j++) {
         y[j] = (float)(qs[j] & 15) * d + m;
         y[j + 16] = (float)(qs[j] >> 4) * d + m;
     }
 }
 
+/* The Q5_0/Q5_1 qh bytes as the little-endian u32 they are. */
 static uint32_t ld_u32(const uint8_t *p)
 {
     return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
 }
 
-static void deq_q5_0(const uint8_t *b, float *y)
+static void st_u32(uint8_t *p, uint32_t v)
 {
-    float d = ld_f16(b);
-    uint32_t qh = ld_u32(b + 2);
-    const uint8_t *qs = b + 6;
+    for (int k = 0; k < 4; k++)
+        p[k] = (uint8_t)(v >> (8 * k));
+}
+
+static void deq_q5_0(const void *blk, float *y)
+{
+    const struct moe_block_q5_0 *b = blk;
+    float d = moe_f16_to_f32(b->d);
+    uint32_t qh = ld_u32(b->qh);
+    const uint8_t *qs = b->qs;
     for (int j = 0; j < 16; j++) {
         int lo = (qs[j] & 15) | (int)((qh >> j) & 1) << 4;
         int hi = (qs[j] >> 4) | (int)((qh >> (j + 16)) & 1) << 4;
@@ -179,11 +190,12 @@ static void deq_q5_0(const uint8_t *b, float *y)
     }
 }
 
-static void deq_q5_1(const uint8_t *b, float *y)
+static void deq_q5_1(const void *blk, float *y)
 {
-    float d = ld_f16(b), m = ld_f16(b + 2);
-    uint32_t qh = ld_u32(b + 4);
-    const uint8_t *qs = b + 8;
+    const struct moe_block_q5_1 *b = blk;
+    float d = moe_f16_to_f32(b->d), m = moe_f16_to_f32(b->m);
+    uint32_t qh = ld_u32(b->qh);
+    const uint8_t *qs = b->qs;
     for (int j = 0; j < 16; j++) {
         int lo = (qs[j] & 15) | (int)((qh >> j) & 1) << 4;
         int hi = (qs[j] >> 4) | (int)((qh >> (j + 16)) & 1) << 4;
@@ -192,18 +204,20 @@ static void deq_q5_1(const uint8_t *b, float *y)
     }
 }
 
-static void deq_q8_0(const uint8_t *b, float *y)
+static void deq_q8_0(const void *blk, float *y)
 {
-    float d = ld_f16(b);
-    const int8_t *qs = (const int8_t *)(b + 2);
+    const struct moe_block_q8_0 *b = blk;
+    float d = moe_f16_to_f32(b->d);
+    const int8_t *qs = b->qs;
     for (int j = 0; j < 32; j++)
         y[j] = (float)qs[j] * d;
 }
 
-static void deq_q4_k(const uint8_t *b, float *y)
+static void deq_q4_k(const void *blk, float *y)
 {
-    float d = ld_f16(b), dmin = ld_f16(b + 2);
-    const uint8_t *s = b + 4, *q = b + 16;
+    const struct moe_block_q4_k *b = blk;
+    float d = moe_f16_to_f32(b->d), dmin = moe_f16_to_f32(b->dmin);
+    const uint8_t *s = b->scales, *q = b->qs;
     for (int c = 0; c < 4; c++, q += 32, y += 64) {
         int sc0, m0, sc1, m1;
         kq_scale_min(s, 2 * c, &sc0, &m0);
@@ -217,10 +231,11 @@ static void deq_q4_k(const uint8_t *b, float *y)
     }
 }
 
-static void deq_q5_k(const uint8_t *b, float *y)
+static void deq_q5_k(const void *blk, float *y)
 {
-    float d = ld_f16(b), dmin = ld_f16(b + 2);
-    const uint8_t *s = b + 4, *qh = b + 16, *q = b + 48;
+    const struct moe_block_q5_k *b = blk;
+    float d = moe_f16_to_f32(b->d), dmin = moe_f16_to_f32(b->dmin);
+    const uint8_t *s = b->scales, *qh = b->qh, *q = b->qs;
     for (int c = 0; c < 4; c++, q += 32, y += 64) {
         int sc0, m0, sc1, m1;
         kq_scale_min(s, 2 * c, &sc0, &m0);
@@ -237,11 +252,12 @@ static void deq_q5_k(const uint8_t *b, float *y)
     }
 }
 
-static void deq_q6_k(const uint8_t *b, float *y)
+static void deq_q6_k(const void *blk, float *y)
 {
-    const uint8_t *ql = b, *qh = b + 128;
-    const int8_t *sc = (const int8_t *)(b + 192);
-    float d = ld_f16(b + 208);
+    const struct moe_block_q6_k *b = blk;
+    const uint8_t *ql = b->ql, *qh = b->qh;
+    const int8_t *sc = b->scales;
+    float d = moe_f16_to_f32(b->d);
     for (int half = 0; half < 2; half++, ql += 64, qh += 32, sc += 8, y += 128) {
         for (int l = 0; l < 32; l++) {
             int is = l / 16;
@@ -276,32 +292,33 @@ static void q_sym(const float *x, float *d_out, float *id_out, int nhalf)
     *id_out = d != 0 ? 1.0f / d : 0;
 }
 
-static void qnt_q4_0(const float *x, uint8_t *b)
+static void qnt_q4_0(const float *x, void *blk)
 {
+    struct moe_block_q4_0 *b = blk;
     float d, id;
     q_sym(x, &d, &id, 8);
-    st_f16(b, d);
+    b->d = moe_f32_to_f16(d);
     for (int j = 0; j < 16; j++) {
         int lo = clampi(near_int(x[j] * id) + 8, 0, 15);
         int hi = clampi(near_int(x[j + 16] * id) + 8, 0, 15);
-        b[2 + j] = (uint8_t)(lo | hi << 4);
+        b->qs[j] = (uint8_t)(lo | hi << 4);
     }
 }
 
-static void qnt_q5_0(const float *x, uint8_t *b)
+static void qnt_q5_0(const float *x, void *blk)
 {
+    struct moe_block_q5_0 *b = blk;
     float d, id;
     uint32_t qh = 0;
     q_sym(x, &d, &id, 16);
-    st_f16(b, d);
+    b->d = moe_f32_to_f16(d);
     for (int j = 0; j < 16; j++) {
         int lo = clampi(near_int(x[j] * id) + 16, 0, 31);
         int hi = clampi(near_int(x[j + 16] * id) + 16, 0, 31);
-        b[6 + j] = (uint8_t)((lo & 15) | (hi & 15) << 4);
+        b->qs[j] = (uint8_t)((lo & 15) | (hi & 15) << 4);
         qh |= (uint32_t)(lo >> 4) << j | (uint32_t)(hi >> 4) << (j + 16);
     }
-    for (int k = 0; k < 4; k++)
-        b[2 + k] = (uint8_t)(qh >> (8 * k));
+    st_u32(b->qh, qh);
 }
 
 /* Q4_1/Q5_1: min and step from the block's range; codes are rounded against the stored (half
@@ -317,48 +334,50 @@ static void q_affine(const float *x, int nmax, float *d_out, float *m_out)
     *d_out = moe_f16_to_f32(moe_f32_to_f16((mx - mn) / (float)nmax));
 }
 
-static void qnt_q4_1(const float *x, uint8_t *b)
+static void qnt_q4_1(const float *x, void *blk)
 {
+    struct moe_block_q4_1 *b = blk;
     float d, m;
     q_affine(x, 15, &d, &m);
     float id = d != 0 ? 1.0f / d : 0;
-    st_f16(b, d);
-    st_f16(b + 2, m);
+    b->d = moe_f32_to_f16(d);
+    b->m = moe_f32_to_f16(m);
     for (int j = 0; j < 16; j++) {
         int lo = clampi(near_int((x[j] - m) * id), 0, 15);
         int hi = clampi(near_int((x[j + 16] - m) * id), 0, 15);
-        b[4 + j] = (uint8_t)(lo | hi << 4);
+        b->qs[j] = (uint8_t)(lo | hi << 4);
     }
 }
 
-static void qnt_q5_1(const float *x, uint8_t *b)
+static void qnt_q5_1(const float *x, void *blk)
 {
+    struct moe_block_q5_1 *b = blk;
     float d, m;
     uint32_t qh = 0;
     q_affine(x, 31, &d, &m);
     float id = d != 0 ? 1.0f / d : 0;
-    st_f16(b, d);
-    st_f16(b + 2, m);
+    b->d = moe_f32_to_f16(d);
+    b->m = moe_f32_to_f16(m);
     for (int j = 0; j < 16; j++) {
         int lo = clampi(near_int((x[j] - m) * id), 0, 31);
         int hi = clampi(near_int((x[j + 16] - m) * id), 0, 31);
-        b[8 + j] = (uint8_t)((lo & 15) | (hi & 15) << 4);
+        b->qs[j] = (uint8_t)((lo & 15) | (hi & 15) << 4);
         qh |= (uint32_t)(lo >> 4) << j | (uint32_t)(hi >> 4) << (j + 16);
     }
-    for (int k = 0; k < 4; k++)
-        b[4 + k] = (uint8_t)(qh >> (8 * k));
+    st_u32(b->qh, qh);
 }
 
-static void qnt_q8_0(const float *x, uint8_t *b)
+static void qnt_q8_0(const float *x, void *blk)
 {
+    struct moe_block_q8_0 *b = blk;
     float amax = 0;
     for (int j = 0; j < 32; j++)
         amax = fabsf(x[j]) > amax ? fabsf(x[j]) : amax;
     float d = moe_f16_to_f32(moe_f32_to_f16(amax / 127.0f));
     float id = d != 0 ? 1.0f / d : 0;
-    st_f16(b, d);
+    b->d = moe_f32_to_f16(d);
     for (int j = 0; j < 32; j++)
-        b[2 + j] = (uint8_t)(int8_t)clampi(near_int(x[j] * id), -127, 127);
+        b->qs[j] = (int8_t)clampi(near_int(x[j] * id), -127, 127);
 }
 
 /* ---- quantization: K-quants ----------------------------------------------------------------- */
@@ -442,8 +461,10 @@ static void kq_pack_scales(const int *sc, const int *m, uint8_t *s)
 
 /* Shared by Q4_K (nmax 15) and Q5_K (nmax 31): per sub-block fit, then the 8 steps and 8 mins are
  * themselves quantized to 6 bits against the block's d and dmin, and the codes are recomputed
- * against the final (stored) step and min of each sub-block. L receives the codes. */
-static void kq_quantize(const float *x, int nmax, uint8_t *hdr, uint8_t *scales, int *L)
+ * against the final (stored) step and min of each sub-block. *d_h and *dmin_h receive the
+ * block's d and dmin (half bits), scales its 12 packed scale bytes, L the codes. */
+static void kq_quantize(const float *x, int nmax, uint16_t *d_h, uint16_t *dmin_h,
+                        uint8_t *scales, int *L)
 {
     float a[8], bmin[8], amax = 0, bmax = 0;
     for (int j = 0; j < 8; j++) {
@@ -458,8 +479,8 @@ static void kq_quantize(const float *x, int nmax, uint8_t *hdr, uint8_t *scales,
         sc[j] = d > 0 ? clampi(near_int(a[j] / d), 0, 63) : 0;
         m[j] = dmin > 0 ? clampi(near_int(bmin[j] / dmin), 0, 63) : 0;
     }
-    st_f16(hdr, d);
-    st_f16(hdr + 2, dmin);
+    *d_h = moe_f32_to_f16(d);
+    *dmin_h = moe_f32_to_f16(dmin);
     kq_pack_scales(sc, m, scales);
     for (int j = 0; j < 8; j++) {
         float step = d * (float)sc[j], off = dmin * (float)m[j];
@@ -468,22 +489,30 @@ static void kq_quantize(const float *x, int nmax, uint8_t *hdr, uint8_t *scales,
     }
 }
 
-static void qnt_q4_k(const float *x, uint8_t *b)
+static void qnt_q4_k(const float *x, void *blk)
 {
+    struct moe_block_q4_k *b = blk;
     int L[256];
-    kq_quantize(x, 15, b, b + 4, L);
-    uint8_t *q = b + 16;
+    uint16_t d, dmin;
+    kq_quantize(x, 15, &d, &dmin, b->scales, L);
+    b->d = d;
+    b->dmin = dmin;
+    uint8_t *q = b->qs;
     for (int c = 0; c < 4; c++)
         for (int l = 0; l < 32; l++)
             q[32 * c + l] = (uint8_t)(L[64 * c + l] | L[64 * c + 32 + l] << 4);
 }
 
-static void qnt_q5_k(const float *x, uint8_t *b)
+static void qnt_q5_k(const float *x, void *blk)
 {
+    struct moe_block_q5_k *b = blk;
     int L[256];
-    kq_quantize(x, 31, b, b + 4, L);
-    uint8_t *qh = b + 16, *q = b + 48;
-    memset(qh, 0, 32);
+    uint16_t d, dmin;
+    kq_quantize(x, 31, &d, &dmin, b->scales, L);
+    b->d = d;
+    b->dmin = dmin;
+    uint8_t *qh = b->qh, *q = b->qs;
+    memset(qh, 0, sizeof b->qh);
     for (int c = 0; c < 4; c++) {
         for (int l = 0; l < 32; l++) {
             int lo = L[64 * c + l], hi = L[64 * c + 32 + l];
@@ -537,8 +566,9 @@ static float fit_signed16(const float *x)
     return best_s;
 }
 
-static void qnt_q6_k(const float *x, uint8_t *b)
+static void qnt_q6_k(const float *x, void *blk)
 {
+    struct moe_block_q6_k *b = blk;
     float s[16], smax = 0, svmax = 0;
     for (int j = 0; j < 16; j++) {
         s[j] = fit_signed16(x + 16 * j);
@@ -550,7 +580,7 @@ static void qnt_q6_k(const float *x, uint8_t *b)
     /* The 16 steps become int8 multiples of d; the largest maps to −128 for the same reason the
      * codes are signed. */
     float d = moe_f16_to_f32(moe_f32_to_f16(svmax / -128.0f));
-    int8_t *scales = (int8_t *)(b + 192);
+    int8_t *scales = b->scales;
     int L[256];
     for (int j = 0; j < 16; j++) {
         int sc = d != 0 ? clampi(near_int(s[j] / d), -128, 127) : 0;
@@ -559,8 +589,8 @@ static void qnt_q6_k(const float *x, uint8_t *b)
         for (int i = 0; i < 16; i++)
             L[16 * j + i] = step != 0 ? clampi(near_int(x[16 * j + i] / step), -32, 31) + 32 : 32;
     }
-    st_f16(b + 208, d);
-    uint8_t *ql = b, *qh = b + 128;
+    b->d = moe_f32_to_f16(d);
+    uint8_t *ql = b->ql, *qh = b->qh;
     for (int half = 0; half < 2; half++, ql += 64, qh += 32) {
         const int *Lh = L + 128 * half;
         for (int l = 0; l < 32; l++) {
@@ -578,8 +608,8 @@ static void qnt_q6_k(const float *x, uint8_t *b)
  * be added to one direction and forgotten in the other. */
 struct block_codec {
     uint32_t type;
-    void (*deq)(const uint8_t *b, float *y);
-    void (*qnt)(const float *x, uint8_t *b);
+    void (*deq)(const void *b, float *y);
+    void (*qnt)(const float *x, void *b);
 };
 
 static const struct block_codec CODECS[] = {

@@ -49,7 +49,7 @@ size_t moe_detok_push(struct moe_detok *d, const struct moe_tokenizer *t, int32_
                       char *out, size_t cap);
 size_t moe_detok_flush(struct moe_detok *d, char *out, size_t cap);
 
-/* ---- Additions (h3): an array-based constructor for tests and tools, and small accessors. ---- */
+/* ---- An array-based constructor for tests and tools, and small accessors. ---- */
 
 /* Everything moe_tok_load reads from a GGUF, as plain arrays. Strings need not be NUL-terminated
  * (struct gguf_str); the tokenizer copies what it keeps, so the spec may be freed afterwards. */

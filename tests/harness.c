@@ -121,6 +121,25 @@ void moe_test_write_file(const char *path, const void *data, size_t len)
         moe_test_fail(__FILE__, __LINE__, "cannot write %s: %s", path, strerror(errno));
 }
 
+const char *moe_test_script(const char *name, const char *body)
+{
+    static char buf[4][512];
+    static int k;
+    char *path = buf[k++ & 3];
+    snprintf(path, sizeof buf[0], "%s/%s", moe_test_tmpdir(), name);
+    size_t n = strlen(body);
+    char *text = malloc(n + 16);
+    if (!text)
+        moe_test_fail(__FILE__, __LINE__, "out of memory");
+    memcpy(text, "#!/bin/sh\n", 10);
+    memcpy(text + 10, body, n);
+    moe_test_write_file(path, text, n + 10);
+    free(text);
+    if (chmod(path, 0755) != 0)
+        moe_test_fail(__FILE__, __LINE__, "chmod %s: %s", path, strerror(errno));
+    return path;
+}
+
 char *moe_test_run_shell(const char *cmd, int *status)
 {
     fflush(NULL);

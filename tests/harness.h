@@ -31,6 +31,9 @@ char *moe_test_read_file_or_fail(const char *path, size_t *len);
 
 /* Writes len bytes to path (created or truncated); a failure fails the test. */
 void moe_test_write_file(const char *path, const void *data, size_t len);
+/* Writes an executable /bin/sh script with this body into the test's tmpdir; returns its path
+ * (valid until the fourth call after this one). */
+const char *moe_test_script(const char *name, const char *body);
 
 /* Runs argv (argv[0] a path) with stdout to out_path and stderr to err_path (either may be NULL:
  * inherited; the same path for both interleaves them in one file). Returns the exit status, 128+signal when killed, or -1 when it could not run. */

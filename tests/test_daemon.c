@@ -5,6 +5,7 @@
  * routing profile surviving SIGTERM and kill -9 of the daemon. */
 #include <errno.h>
 #include <fcntl.h>
+#include <limits.h>
 #include <pthread.h>
 #include <pwd.h>
 #include <signal.h>
@@ -1105,4 +1106,135 @@ TEST(daemon_log_file_sighup)
     snprintf(tmp.log, sizeof tmp.log, "%s", logf);
     CHECK(log_contains(&tmp, "SIGHUP: log file reopened"));
     CHECK(log_contains(&tmp, "stopped"));
+}
+
+/* ---- devices: --devices auto asks the worker program; workers that never start ---- */
+
+/* "device:state" of every worker from /admin/status, comma-separated ("cpu:ready,cpu:ready"). */
+static void worker_summary(const char *sock, char *out, size_t cap)
+{
+    out[0] = 0;
+    struct hc_resp r;
+    if (hc_request_unix(sock, "GET", "/admin/status", NULL, &r, 5000) != 0)
+        return;
+    json_t *o = json_loads(r.body ? r.body : "", 0, NULL);
+    hc_resp_free(&r);
+    json_t *ws = json_object_get(o, "workers");
+    size_t n = 0;
+    for (size_t i = 0; i < json_array_size(ws) && n < cap; i++) {
+        json_t *w = json_array_get(ws, i);
+        n += (size_t)snprintf(out + n, cap - n, "%s%s:%s", i ? "," : "",
+                              json_string_value(json_object_get(w, "device")),
+                              json_string_value(json_object_get(w, "state")));
+    }
+    json_decref(o);
+}
+
+/* Polls worker_summary until it equals want; returns the last summary seen in out. */
+static bool wait_summary(const char *sock, const char *want, double timeout, char *out, size_t cap)
+{
+    double t0 = moe_test_now();
+    do {
+        worker_summary(sock, out, cap);
+        if (!strcmp(out, want))
+            return true;
+        usleep(50000);
+    } while (moe_test_now() - t0 < timeout);
+    return false;
+}
+
+/* A stand-in worker program: `list` answers --list-devices; every other start runs `rest`. */
+static const char *fake_worker(const char *name, const char *list, const char *rest)
+{
+    char body[2048];
+    snprintf(body, sizeof body, "if [ \"$1\" = --list-devices ]; then\n%s\nfi\n%s\n", list, rest);
+    return moe_test_script(name, body);
+}
+
+/* The real worker, for fake_worker's `rest`: exec it with the daemon's arguments. */
+static const char *exec_real_worker(void)
+{
+    static char cmd[PATH_MAX + 32];
+    char *real = realpath(moe_test_bin("moed-worker"), NULL);
+    CHECK(real != NULL);
+    snprintf(cmd, sizeof cmd, "exec '%s' \"$@\"", real);
+    free(real);
+    return cmd;
+}
+
+/* Runs moed --devices auto with the stand-in worker program w and `workers` (a --workers value),
+ * waits until the workers' summary is `want` and checks that the log says `log_line`, then
+ * stops it. ready: the workers are real ones that must get ready. */
+static void check_auto_plan(const char *w, const char *workers, bool ready, const char *want,
+                            const char *log_line)
+{
+    char sum[256];
+    struct moed d;
+    const char *args[] = {"--devices", "auto", "--workers", workers, "--threads", "1",
+                          "--worker-bin", w, NULL};
+    moed_spawn(&d, moe_test_tmpdir(), args);
+    moed_wait_socket(&d, 30);
+    if (ready)
+        moed_require_ready(&d, 60);
+    CHECK_MSG(wait_summary(d.sock, want, 10, sum, sizeof sum), "%s (want %s)", sum, want);
+    CHECK_MSG(log_contains(&d, log_line), "no \"%s\" in the log", log_line);
+    CHECK_EQ(moed_stop(&d, 30), 0);
+}
+
+TEST_TIMEOUT(daemon_auto_devices_follow_the_worker, 120)
+{
+    /* The worker lists only the CPU: --workers CPU workers. */
+    const char *w = fake_worker("cpu-worker.sh", "echo 'cpu Test CPU, 2 cores'; exit 0",
+                                exec_real_worker());
+    check_auto_plan(w, "2", true, "cpu:ready,cpu:ready", "lists no usable GPU; serving on the CPU");
+
+    /* It lists a GPU: one worker on cuda:0 (--workers is for CPU workers). This stand-in never
+     * gets ready; what matters is what was planned. */
+    w = fake_worker("gpu-worker.sh",
+                    "echo 'cpu Test CPU'; echo 'cuda:0 Fake GPU, 1024 MiB, compute capability 9.0'; "
+                    "exit 0",
+                    "exec sleep 60");
+    check_auto_plan(w, "2", false, "cuda:0:starting",
+                    "--devices auto: cuda:0 (Fake GPU, 1024 MiB, compute capability 9.0)");
+
+    /* The probe fails: CPU workers, and the log says why. */
+    w = fake_worker("broken-probe.sh", "echo 'cuda:0 GPU'; exit 3", exec_real_worker());
+    check_auto_plan(w, "1", true, "cpu:ready",
+                    "--list-devices exited with status 3; serving on the CPU");
+}
+
+/* A worker that exits at every start (a device it cannot use, say) is restarted a bounded number
+ * of times, then marked failed; the daemon stays up and says so. */
+TEST_TIMEOUT(daemon_gives_up_on_a_worker_that_never_starts, 120)
+{
+    const char *dir = moe_test_tmpdir();
+    char sum[256];
+    struct moed d;
+    /* It reads the start of the Hello first, as a worker rejecting its device does. */
+    const char *w = moe_test_script("dead-worker.sh",
+                                    "head -c 1 <&3 >/dev/null\necho 'no such device' >&2\nexit 1\n");
+    const char *args[] = {"--devices", "cpu", "--worker-bin", w, NULL};
+    moed_spawn(&d, dir, args);
+    moed_wait_socket(&d, 30);
+    CHECK_MSG(wait_summary(d.sock, "cpu:failed", 30, sum, sizeof sum), "%s", sum);
+    CHECK(log_contains(&d, "giving up after 5 starts in a row"));
+    CHECK_EQ(worker_restarts(d.sock), 4);
+    /* It stays failed and the daemon keeps answering. */
+    usleep(1500000);
+    CHECK_EQ(worker_restarts(d.sock), 4);
+    CHECK(waitpid(d.pid, NULL, WNOHANG) == 0);
+    struct hc_resp r;
+    CHECK(hc_request_unix(d.sock, "GET", "/health", NULL, &r, 5000) == 0);
+    CHECK_EQ(r.status, 503);
+    hc_resp_free(&r);
+    CHECK(hc_request_unix(d.sock, "GET", "/metrics", NULL, &r, 5000) == 0);
+    CHECK_EQ(r.status, 200);
+    CHECK_MSG(r.body && strstr(r.body, "moed_worker_failed{worker=\"0\",device=\"cpu\"} 1"), "%s",
+              r.body ? r.body : "");
+    hc_resp_free(&r);
+    char out[4096];
+    const char *st[] = {"status", NULL};
+    CHECK_EQ(run_moectl(d.sock, 0, 0, false, st, out, sizeof out), 0);
+    CHECK_MSG(strstr(out, "failed") && strstr(out, "exited with status 1"), "%s", out);
+    CHECK_EQ(moed_stop(&d, 30), 0);
 }

@@ -4,6 +4,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "store/blocks.h"
 #include "store/err.h"
 #include "store/ggml_type.h"
 #include "store/gguf.h"
@@ -326,6 +327,33 @@ TEST(quant_block_q6_k)
     /* Element 0: ql[0] = 3, qh[0] = 17 -> bits 0..1 = 1: q = 3 + 16 - 32 = -13, scale 1. */
     CHECK(e[0] == 0.5f * 1 * -13);
     check_deq(MOE_TYPE_Q6_K, b, 256, e);
+}
+
+/* store/blocks.h's structs against the type table the reader and row sizes use. */
+TEST(quant_block_structs_match_type_table)
+{
+    static const struct {
+        uint32_t type;
+        size_t size, blck;
+    } blocks[] = {
+        {MOE_TYPE_Q4_0, sizeof(struct moe_block_q4_0), MOE_QK},
+        {MOE_TYPE_Q4_1, sizeof(struct moe_block_q4_1), MOE_QK},
+        {MOE_TYPE_Q5_0, sizeof(struct moe_block_q5_0), MOE_QK},
+        {MOE_TYPE_Q5_1, sizeof(struct moe_block_q5_1), MOE_QK},
+        {MOE_TYPE_Q8_0, sizeof(struct moe_block_q8_0), MOE_QK},
+        {MOE_TYPE_Q2_K, sizeof(struct moe_block_q2_k), MOE_QK_K},
+        {MOE_TYPE_Q3_K, sizeof(struct moe_block_q3_k), MOE_QK_K},
+        {MOE_TYPE_Q4_K, sizeof(struct moe_block_q4_k), MOE_QK_K},
+        {MOE_TYPE_Q5_K, sizeof(struct moe_block_q5_k), MOE_QK_K},
+        {MOE_TYPE_Q6_K, sizeof(struct moe_block_q6_k), MOE_QK_K},
+    };
+    for (size_t i = 0; i < sizeof blocks / sizeof blocks[0]; i++) {
+        const struct moe_type_info *t = moe_type_get(blocks[i].type);
+        CHECK(t != NULL);
+        CHECK_MSG(t->size == blocks[i].size && t->blck == blocks[i].blck,
+                  "%s: table %u bytes / %u elements, struct %zu / %zu", t->name, t->size, t->blck,
+                  blocks[i].size, blocks[i].blck);
+    }
 }
 
 TEST(quant_rejects_unsupported)

@@ -1,6 +1,7 @@
 /* The supervisor and scheduler with real worker processes on the golden tiny model, driven by a
  * libuv loop in the test: golden greedy tokens, concurrency, kill -9 of a worker mid-generation,
- * a worker that speaks garbage, queue limits, cancel, drain, and the shared expert store. */
+ * a worker that speaks garbage, workers that never start (given up on), queue limits, cancel,
+ * drain, and the shared expert store. */
 #include <errno.h>
 #include <fcntl.h>
 #include <signal.h>
@@ -142,18 +143,6 @@ static void stop(struct ctx *c)
     moed_workers_stop(c->ws, 10000, on_stopped, c);
     RUN_UNTIL(c, c->stopped, 30);
     finish(c);
-}
-
-/* Writes an executable shell script standing in for a worker; returns its path. */
-static const char *fake_worker(const char *name, const char *body)
-{
-    static char path[512];
-    char text[512];
-    snprintf(path, sizeof path, "%s/%s", moe_test_tmpdir(), name);
-    snprintf(text, sizeof text, "#!/bin/sh\n%s", body);
-    moe_test_write_file(path, text, strlen(text));
-    CHECK(chmod(path, 0755) == 0);
-    return path;
 }
 
 static void load_refs(struct ipc_test_ref ref[3])
@@ -446,8 +435,8 @@ TEST_TIMEOUT(supervisor_restarts_a_worker_that_speaks_garbage, 60)
     struct ctx c = {0};
     struct moed_workers_opts o;
     base_opts(&c, &o, 1, 1, 64);
-    o.worker_bin = fake_worker("bad-worker.sh",
-                               "printf 'GARBAGE-GARBAGE-GARBAGE' >&3\nexec sleep 30\n");
+    o.worker_bin = moe_test_script("bad-worker.sh",
+                                   "printf 'GARBAGE-GARBAGE-GARBAGE' >&3\nexec sleep 30\n");
     o.queue_wait_ms = 1000;
     start(&c, &o, false);
 
@@ -472,12 +461,79 @@ TEST_TIMEOUT(supervisor_kills_a_worker_that_never_gets_ready, 60)
     struct ctx c = {0};
     struct moed_workers_opts o;
     base_opts(&c, &o, 1, 1, 64);
-    o.worker_bin = fake_worker("mute-worker.sh", "exec sleep 30\n");
+    o.worker_bin = moe_test_script("mute-worker.sh", "exec sleep 30\n");
     o.ready_timeout_ms = 200;
     start(&c, &o, false);
     struct moed_worker_info inf;
     RUN_UNTIL(&c, (moed_workers_info(c.ws, 0, &inf), inf.restarts >= 2), 10);
     CHECK_MSG(strstr(inf.last_error, "not ready after 200 ms"), "%s", inf.last_error);
+    stop(&c);
+}
+
+/* A worker that exits at every start is given up on after max_init_failures starts: FAILED,
+ * not restarted again, on_ready never called, queued requests answered. */
+TEST_TIMEOUT(supervisor_gives_up_on_a_worker_that_never_starts, 60)
+{
+    struct ctx c = {0};
+    struct moed_workers_opts o;
+    base_opts(&c, &o, 1, 1, 64);
+    /* It reads the start of the Hello first, so that it always dies of its own accord (and not
+     * of a Hello that finds it gone). */
+    o.worker_bin = moe_test_script("dead-worker.sh", "head -c 1 <&3 >/dev/null\n"
+                                                     "echo 'cannot open the device' >&2\nexit 1\n");
+    o.max_init_failures = 3;
+    o.queue_wait_ms = 500;
+    start(&c, &o, false);
+    struct moed_worker_info inf;
+    RUN_UNTIL(&c, (moed_workers_info(c.ws, 0, &inf), inf.state == MOED_WORKER_FAILED), 20);
+    CHECK_EQ(inf.restarts, 2); /* the first start and two restarts */
+    CHECK_EQ(inf.pid, 0);
+    CHECK_MSG(strstr(inf.last_error, "exited with status 1"), "%s", inf.last_error);
+    /* It stays failed: no restart is scheduled. */
+    double t_end = moe_test_now() + 1.0;
+    while (moe_test_now() < t_end)
+        uv_run(&c.loop, UV_RUN_ONCE);
+    moed_workers_info(c.ws, 0, &inf);
+    CHECK_EQ(inf.state, MOED_WORKER_FAILED);
+    CHECK_EQ(inf.restarts, 2);
+    CHECK(!c.ready);
+    int32_t prompt[3] = {1, 2, 3};
+    struct treq t;
+    submit(&c, &t, prompt, 3, 4);
+    RUN_UNTIL(&c, t.failed, 10);
+    CHECK_EQ(t.status, 503);
+    stop(&c);
+}
+
+/* Of two workers, one keeps failing at start and the other serves: the failed one is given up
+ * on, on_ready fires with one worker Ready, and requests run on it. A worker that dies after
+ * Ready is restarted as before (supervisor_restarts_a_killed_worker). */
+TEST_TIMEOUT(supervisor_serves_with_the_workers_that_start, 60)
+{
+    struct ipc_test_ref ref;
+    CHECK(ipc_test_load_ref("p1", &ref) == 0);
+    struct ctx c = {0};
+    struct moed_workers_opts o;
+    base_opts(&c, &o, 2, 1, 256);
+    /* The first start to take the lock directory becomes the real worker; every other exits. */
+    char body[1024];
+    snprintf(body, sizeof body, "mkdir '%s/lock' 2>/dev/null && exec '%s' \"$@\"\nexit 1\n",
+             moe_test_tmpdir(), ipc_test_worker_bin());
+    o.worker_bin = moe_test_script("one-worker.sh", body);
+    o.max_init_failures = 2;
+    start(&c, &o, true);
+    CHECK_EQ(moed_workers_ready(c.ws, NULL), 1);
+    uint32_t failed = 0;
+    for (uint32_t i = 0; i < 2; i++) {
+        struct moed_worker_info inf;
+        moed_workers_info(c.ws, i, &inf);
+        failed += inf.state == MOED_WORKER_FAILED;
+    }
+    CHECK_EQ(failed, 1);
+    struct treq t;
+    submit(&c, &t, ref.prompt, ref.n_prompt, 32);
+    RUN_UNTIL(&c, t.done || t.failed, 60);
+    check_greedy(&t, &ref, 32);
     stop(&c);
 }
 

@@ -1,5 +1,6 @@
 /* The worker's daemon-spawned mode: the libuv loop on the main thread owns the IPC socket, the
- * compute thread runs the engine with continuous batching. See worker/ipc.h. */
+ * compute thread feeds the batcher (worker/batcher.c) and ships what it reports back to the
+ * loop. See worker/ipc.h. */
 #include "worker/ipc.h"
 
 #include <errno.h>
@@ -22,32 +23,14 @@
 #include "store/gguf.h"
 #include "store/io.h"
 #include "store/model.h"
+#include "worker/batcher.h"
 #include "worker/engine.h"
 #include "worker/sampler.h"
 
 #define HELLO_TIMEOUT_MS 60000
-#define STATS_INTERVAL_S 1.0
 /* The daemon keeps at most n_seq requests on a worker; a little backlog beyond that is allowed
  * (a Submit may cross a Done on the wire), a lot of it is a daemon bug. */
 #define BACKLOG_FACTOR 4
-
-/* A request, owned by the compute thread once it is in the inbox. */
-struct wjob {
-    uint64_t id;
-    int32_t *prompt;
-    uint32_t n_prompt;
-    uint32_t max_tokens;
-    struct moe_sampler_params sp;
-    int32_t eog[MOE_IPC_MAX_EOG];
-    uint32_t n_eog;
-    struct wjob *next;
-    /* compute thread only */
-    struct moe_sampler *smp;
-    int32_t slot;
-    uint32_t n_past; /* positions evaluated for this sequence */
-    uint32_t n_gen;
-    int32_t last;    /* last sampled token: evaluated at n_past in the next step */
-};
 
 enum wev_kind { EV_TOKEN, EV_DONE, EV_ERROR, EV_STATS, EV_EXIT };
 
@@ -76,8 +59,8 @@ struct worker {
     bool thread_started;
     pthread_mutex_t mu;
     pthread_cond_t cv;
-    /* inbox: main -> compute, under mu */
-    struct wjob *in_head, *in_tail;
+    /* inbox: main -> compute, under mu; a job belongs to the compute thread once it is there */
+    struct moe_job *in_head, *in_tail;
     uint64_t *cancels;
     size_t n_cancels, cap_cancels;
     bool stop, drain;
@@ -99,15 +82,6 @@ struct worker {
 
 /* ---------------------------------------------------------------------------------------------
  * Queues */
-
-static void job_free(struct wjob *j)
-{
-    if (!j)
-        return;
-    moe_sampler_free(j->smp);
-    free(j->prompt);
-    free(j);
-}
 
 static void post(struct worker *w, struct wevent *ev)
 {
@@ -142,280 +116,86 @@ static void post_error(struct worker *w, uint64_t id, int code, const char *msg)
 }
 
 /* ---------------------------------------------------------------------------------------------
- * Compute thread */
+ * Compute thread: the batcher's sink turns what it reports into events for the loop */
 
-struct compute {
-    struct worker *w;
-    struct wjob **slot;       /* [n_seq] running sequences */
-    uint32_t n_running;
-    struct wjob *pend_head, *pend_tail; /* admitted by the daemon, waiting for a slot */
-    int32_t *tok, *pos, *seq; /* [n_batch] */
-    uint8_t *want;            /* [n_batch] */
-    struct wjob **owner;      /* [n_seq]: job of the k-th logits row */
-    float *logits;            /* [n_seq][n_vocab] */
-    uint64_t *prev_counts;    /* routing counts at the last RoutingStats */
-    uint64_t *delta;
-    uint64_t *cur_counts;     /* scratch: the engine's counts now */
-    double last_stats;
-    uint64_t gen_total, prompt_total, eval_total, gen_at_stats, eval_at_stats;
-};
-
-/* Ends a running or pending job and frees it. */
-static void finish(struct compute *c, struct wjob *j, bool send_done, int reason)
+static void sink_token(void *user, uint64_t id, int32_t token)
 {
-    struct worker *w = c->w;
-    if (send_done) {
-        struct wevent *ev = ev_new(EV_DONE, j->id);
-        if (ev) {
-            ev->reason = reason;
-            ev->n_prompt = j->n_prompt;
-            ev->n_gen = j->n_gen;
-            post(w, ev);
-        }
+    struct wevent *ev = ev_new(EV_TOKEN, id);
+    if (ev) {
+        ev->token = token;
+        post(user, ev);
     }
-    if (j->slot >= 0) {
-        moe_engine_seq_clear(w->eng, j->slot);
-        c->slot[j->slot] = NULL;
-        c->n_running--;
+}
+
+static void sink_done(void *user, uint64_t id, enum moe_finish reason, uint32_t n_prompt,
+                      uint32_t n_gen)
+{
+    struct wevent *ev = ev_new(EV_DONE, id);
+    if (ev) {
+        ev->reason = reason == MOE_FINISH_STOP ? MOED__FINISH_REASON__FINISH_STOP
+                                               : MOED__FINISH_REASON__FINISH_LENGTH;
+        ev->n_prompt = n_prompt;
+        ev->n_gen = n_gen;
+        post(user, ev);
     }
-    job_free(j);
 }
 
-static void fail_job(struct compute *c, struct wjob *j, int code, const char *msg)
+static void sink_error(void *user, uint64_t id, int code, const char *msg)
 {
-    post_error(c->w, j->id, code, msg);
-    finish(c, j, false, 0);
+    post_error(user, id, code, msg);
 }
 
-static void cancel_id(struct compute *c, uint64_t id)
+static int sink_report(void *user, const struct moe_batcher_report *r)
 {
-    for (uint32_t s = 0; s < c->w->n_seq; s++)
-        if (c->slot[s] && c->slot[s]->id == id) {
-            finish(c, c->slot[s], false, 0);
-            return;
-        }
-    for (struct wjob **pp = &c->pend_head; *pp; pp = &(*pp)->next)
-        if ((*pp)->id == id) {
-            struct wjob *j = *pp;
-            *pp = j->next;
-            if (c->pend_tail == j) {
-                c->pend_tail = NULL;
-                for (struct wjob *t = c->pend_head; t; t = t->next)
-                    c->pend_tail = t;
-            }
-            job_free(j);
-            return;
-        }
-}
-
-static void send_stats(struct compute *c, bool force)
-{
-    struct worker *w = c->w;
-    double now = moe_now_s();
-    if (!force && now - c->last_stats < STATS_INTERVAL_S)
-        return;
-    uint64_t *cur = c->cur_counts;
-    if (moe_engine_routing_counts(w->eng, cur))
-        return;
+    struct worker *w = user;
     size_t n = (size_t)w->n_layer * w->n_expert;
-    uint64_t any = 0;
-    for (size_t i = 0; i < n; i++) {
-        c->delta[i] = cur[i] - c->prev_counts[i];
-        any |= c->delta[i];
-    }
-    if (!any && c->gen_total == c->gen_at_stats)
-        return;
     struct wevent *ev = ev_new(EV_STATS, 0);
     uint64_t *copy = malloc(n * sizeof *copy);
     if (!ev || !copy) {
         free(ev);
         free(copy);
-        return; /* the delta stays pending and goes out with the next one */
+        return -ENOMEM;
     }
-    memcpy(copy, c->delta, n * sizeof *copy);
-    memcpy(c->prev_counts, cur, n * sizeof *copy);
+    memcpy(copy, r->delta, n * sizeof *copy);
     ev->counts = copy;
-    ev->n_tokens = c->eval_total - c->eval_at_stats;
-    ev->tokens_generated = c->gen_total;
-    ev->prompt_tokens = c->prompt_total;
-    ev->running = c->n_running;
-    double dt = now - c->last_stats;
-    ev->tokens_per_s = dt > 0 ? (double)(c->gen_total - c->gen_at_stats) / dt : 0;
-    c->gen_at_stats = c->gen_total;
-    c->eval_at_stats = c->eval_total;
-    c->last_stats = now;
+    ev->n_tokens = r->n_tokens;
+    ev->tokens_generated = r->tokens_generated;
+    ev->prompt_tokens = r->prompt_tokens;
+    ev->running = r->running;
+    ev->tokens_per_s = r->tokens_per_s;
     post(w, ev);
-}
-
-static bool is_eog(const struct wjob *j, int32_t t)
-{
-    for (uint32_t i = 0; i < j->n_eog; i++)
-        if (j->eog[i] == t)
-            return true;
-    return false;
-}
-
-/* One forward step over every running sequence. Returns 0, or an engine error that ends the
- * worker (a backend failure). */
-static int step(struct compute *c)
-{
-    struct worker *w = c->w;
-    uint32_t n = 0, n_out = 0;
-    /* Decode tokens first, so that running sequences never wait behind a long prompt. */
-    for (uint32_t s = 0; s < w->n_seq; s++) {
-        struct wjob *j = c->slot[s];
-        if (!j || j->n_past < j->n_prompt)
-            continue;
-        c->tok[n] = j->last;
-        c->pos[n] = (int32_t)j->n_past;
-        c->seq[n] = (int32_t)s;
-        c->want[n] = 1;
-        c->owner[n_out++] = j;
-        n++;
-    }
-    uint32_t n_decode = n;
-    /* While sequences are decoding, a step's time is their token latency: take prompts in
-     * smaller bites then, so that one long prompt does not stall every running stream. */
-    uint32_t limit = w->n_batch;
-    if (n_decode > 0) {
-        uint32_t bite = w->n_batch / 4 > 64 ? w->n_batch / 4 : 64;
-        limit = n_decode + bite < w->n_batch ? n_decode + bite : w->n_batch;
-    }
-    for (uint32_t s = 0; s < w->n_seq && n < limit; s++) {
-        struct wjob *j = c->slot[s];
-        if (!j || j->n_past >= j->n_prompt)
-            continue;
-        uint32_t take = j->n_prompt - j->n_past;
-        if (take > limit - n)
-            take = limit - n;
-        for (uint32_t k = 0; k < take; k++) {
-            c->tok[n] = j->prompt[j->n_past + k];
-            c->pos[n] = (int32_t)(j->n_past + k);
-            c->seq[n] = (int32_t)s;
-            c->want[n] = 0;
-            n++;
-        }
-        if (j->n_past + take == j->n_prompt) {
-            c->want[n - 1] = 1;
-            c->owner[n_out++] = j;
-        }
-    }
-    if (n == 0)
-        return 0;
-    struct moe_batch b = {.n = n, .token = c->tok, .pos = c->pos, .seq = c->seq, .logits = c->want};
-    int rc = moe_engine_forward(w->eng, &b, c->logits);
-    if (rc) {
-        char msg[256];
-        snprintf(msg, sizeof msg, "forward failed: %s: %s", moe_strerror(rc), moe_engine_errmsg(w->eng));
-        moe_ipc_log(MOE_LOG_ERROR, "%s", msg);
-        /* Every sequence in the batch is now in an unknown state: fail them all. */
-        for (uint32_t s = 0; s < w->n_seq; s++)
-            if (c->slot[s])
-                fail_job(c, c->slot[s], rc, msg);
-        return rc == MOE_EBACKEND ? rc : 0;
-    }
-    /* Advance positions of everything evaluated. */
-    c->eval_total += n;
-    for (uint32_t i = 0; i < n; i++) {
-        struct wjob *j = c->slot[c->seq[i]];
-        j->n_past++;
-        if (i >= n_decode)
-            c->prompt_total++;
-    }
-    for (uint32_t k = 0; k < n_out; k++) {
-        struct wjob *j = c->owner[k];
-        int32_t t = moe_sampler_sample(j->smp, c->logits + (size_t)k * w->n_vocab);
-        if (t < 0) {
-            fail_job(c, j, MOE_ERANGE, "every logit is NaN or -inf; cannot sample");
-            continue;
-        }
-        moe_sampler_accept(j->smp, t);
-        j->last = t;
-        j->n_gen++;
-        c->gen_total++;
-        struct wevent *ev = ev_new(EV_TOKEN, j->id);
-        if (ev) {
-            ev->token = t;
-            post(w, ev);
-        }
-        if (is_eog(j, t))
-            finish(c, j, true, MOED__FINISH_REASON__FINISH_STOP);
-        else if (j->n_gen >= j->max_tokens || j->n_past >= w->n_ctx)
-            finish(c, j, true, MOED__FINISH_REASON__FINISH_LENGTH);
-    }
     return 0;
-}
-
-static void admit(struct compute *c)
-{
-    struct worker *w = c->w;
-    while (c->pend_head && c->n_running < w->n_seq) {
-        struct wjob *j = c->pend_head;
-        c->pend_head = j->next;
-        if (!c->pend_head)
-            c->pend_tail = NULL;
-        j->next = NULL;
-        char err[256];
-        int rc = moe_sampler_init(&j->smp, &j->sp, w->n_vocab, err, sizeof err);
-        if (rc) {
-            post_error(w, j->id, rc, err);
-            job_free(j);
-            continue;
-        }
-        for (uint32_t i = 0; i < j->n_prompt; i++)
-            moe_sampler_accept(j->smp, j->prompt[i]);
-        uint32_t s = 0;
-        while (c->slot[s])
-            s++;
-        moe_engine_seq_clear(w->eng, (int32_t)s);
-        j->slot = (int32_t)s;
-        c->slot[s] = j;
-        c->n_running++;
-    }
 }
 
 static void *compute_main(void *arg)
 {
     struct worker *w = arg;
-    struct compute c = {.w = w};
-    size_t ncount = (size_t)w->n_layer * w->n_expert;
-    c.slot = calloc(w->n_seq, sizeof *c.slot);
-    c.owner = calloc(w->n_seq, sizeof *c.owner);
-    c.tok = calloc(w->n_batch, sizeof *c.tok);
-    c.pos = calloc(w->n_batch, sizeof *c.pos);
-    c.seq = calloc(w->n_batch, sizeof *c.seq);
-    c.want = calloc(w->n_batch, 1);
-    c.logits = calloc((size_t)w->n_seq * w->n_vocab, sizeof *c.logits);
-    c.prev_counts = calloc(ncount, sizeof *c.prev_counts);
-    c.delta = calloc(ncount, sizeof *c.delta);
-    c.cur_counts = calloc(ncount, sizeof *c.cur_counts);
-    c.last_stats = moe_now_s();
-    int fatal = 0;
-    if (!c.slot || !c.owner || !c.tok || !c.pos || !c.seq || !c.want || !c.logits ||
-        !c.prev_counts || !c.delta || !c.cur_counts) {
-        post_error(w, 0, -ENOMEM, "out of memory for the compute loop");
-        fatal = -ENOMEM;
-        goto out;
-    }
-    if ((fatal = moe_engine_routing_counts(w->eng, c.prev_counts))) {
-        post_error(w, 0, fatal, moe_engine_errmsg(w->eng));
+    struct moe_batcher *b = NULL;
+    struct moe_batcher_cfg cfg = {.eng = w->eng, .n_vocab = w->n_vocab, .n_layer = w->n_layer,
+                                  .n_expert = w->n_expert, .n_ctx = w->n_ctx, .n_seq = w->n_seq,
+                                  .n_batch = w->n_batch};
+    struct moe_batcher_sink sink = {.user = w, .token = sink_token, .done = sink_done,
+                                    .error = sink_error, .report = sink_report};
+    int fatal = moe_batcher_init(&b, &cfg, &sink);
+    if (fatal) {
+        post_error(w, 0, fatal, "out of memory for the compute loop");
         goto out;
     }
 
     for (;;) {
         pthread_mutex_lock(&w->mu);
         for (;;) {
-            bool work = w->in_head || w->n_cancels || c.n_running || c.pend_head;
+            bool work = w->in_head || w->n_cancels || moe_batcher_busy(b);
             if (w->stop || work)
                 break;
             pthread_mutex_unlock(&w->mu);
-            send_stats(&c, true); /* going idle: flush what the last requests routed */
+            moe_batcher_report(b, true); /* going idle: flush what the last requests routed */
             pthread_mutex_lock(&w->mu);
             if (w->stop || w->in_head || w->n_cancels)
                 break;
             pthread_cond_wait(&w->cv, &w->mu);
         }
-        struct wjob *in = w->in_head;
+        struct moe_job *in = w->in_head;
         w->in_head = w->in_tail = NULL;
         size_t n_cancels = w->n_cancels;
         uint64_t *cancels = NULL;
@@ -429,48 +209,25 @@ static void *compute_main(void *arg)
         pthread_mutex_unlock(&w->mu);
 
         while (in) {
-            struct wjob *j = in;
+            struct moe_job *j = in;
             in = j->next;
-            j->next = NULL;
-            if (c.pend_tail)
-                c.pend_tail->next = j;
-            else
-                c.pend_head = j;
-            c.pend_tail = j;
+            moe_batcher_add(b, j);
         }
         for (size_t i = 0; cancels && i < n_cancels; i++)
-            cancel_id(&c, cancels[i]);
+            moe_batcher_cancel(b, cancels[i]);
         free(cancels);
         if (stop && !drain)
             break;
-        if (stop && !c.n_running && !c.pend_head)
+        if (stop && !moe_batcher_busy(b))
             break;
-        admit(&c);
-        if ((fatal = step(&c)))
+        if ((fatal = moe_batcher_step(b)))
             break;
-        send_stats(&c, false);
+        moe_batcher_report(b, false);
     }
-    send_stats(&c, true);
+    moe_batcher_report(b, true);
 out:
     /* Whatever is left was cancelled by the daemon (or the socket is gone): drop it quietly. */
-    for (uint32_t s = 0; c.slot && s < w->n_seq; s++)
-        if (c.slot[s])
-            finish(&c, c.slot[s], false, 0);
-    while (c.pend_head) {
-        struct wjob *j = c.pend_head;
-        c.pend_head = j->next;
-        job_free(j);
-    }
-    free(c.slot);
-    free(c.owner);
-    free(c.tok);
-    free(c.pos);
-    free(c.seq);
-    free(c.want);
-    free(c.logits);
-    free(c.prev_counts);
-    free(c.delta);
-    free(c.cur_counts);
+    moe_batcher_free(b);
     struct wevent *ev = ev_new(EV_EXIT, 0);
     if (ev) {
         ev->code = fatal;
@@ -546,7 +303,7 @@ static int on_submit(struct worker *w, const Moed__Submit *s, char *err, size_t 
     if (w->n_live >= (size_t)w->n_seq * BACKLOG_FACTOR)
         return moe_fail(err, errlen, MOE_ERANGE, "%zu requests already on a worker with %u slots",
                         w->n_live, w->n_seq);
-    struct wjob *j = calloc(1, sizeof *j);
+    struct moe_job *j = calloc(1, sizeof *j);
     if (!j)
         return moe_fail(err, errlen, -ENOMEM, "out of memory");
     j->prompt = malloc(s->n_prompt * sizeof *j->prompt);
@@ -558,7 +315,7 @@ static int on_submit(struct worker *w, const Moed__Submit *s, char *err, size_t 
         size_t cap = w->cap_live ? w->cap_live * 2 : 64;
         uint64_t *l = realloc(w->live, cap * sizeof *l);
         if (!l) {
-            job_free(j);
+            moe_job_free(j);
             return moe_fail(err, errlen, -ENOMEM, "out of memory");
         }
         w->live = l;
@@ -856,9 +613,9 @@ static void worker_free(struct worker *w)
         moe_model_free(&w->model);
     gguf_close(w->gguf);
     while (w->in_head) {
-        struct wjob *j = w->in_head;
+        struct moe_job *j = w->in_head;
         w->in_head = j->next;
-        job_free(j);
+        moe_job_free(j);
     }
     while (w->out_head) {
         struct wevent *ev = w->out_head;

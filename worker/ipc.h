@@ -8,8 +8,9 @@
  *      thread; they meet through locked queues and a uv_async_t;
  *   4. exit on Shutdown, or when the daemon closes the socket or breaks the protocol.
  *
- * The compute thread runs continuous batching: each forward step mixes one decode token for
- * every running sequence with prompt chunks of newly admitted ones, up to n_batch tokens. */
+ * The compute thread runs continuous batching (worker/batcher.h): each forward step mixes one
+ * decode token for every running sequence with prompt chunks of newly admitted ones, up to
+ * n_batch tokens. */
 #ifndef MOE_WORKER_IPC_H
 #define MOE_WORKER_IPC_H
 

@@ -5,6 +5,9 @@
  *               [--min-p P] [--repeat-penalty R] [--threads N] [--ctx N] [--device cpu|cuda:K]
  *               [--dump-logits F] [--json] [--routing-stats]
  * Daemon-spawned: moed-worker --ipc-fd N (worker/ipc.h).
+ * moed-worker --list-devices: the devices this binary can compute on, one per line, the device
+ * name first ("cpu", "cuda:K": what moed puts in the Hello), then a description. moed's
+ * --devices auto plans its workers from it.
  *
  * Exit status: 0 success, 1 runtime failure (missing file, bad model, backend), 2 usage error. */
 #include <errno.h>
@@ -22,10 +25,14 @@
 #include "store/buf.h"
 #include "store/err.h"
 #include "store/io.h"
+#include "worker/cpu/kernels.h"
 #include "worker/engine.h"
 #include "worker/engine_load.h"
 #include "worker/ipc.h"
 #include "worker/sampler.h"
+#ifdef MOE_HAVE_CUDA
+#include "worker/cuda/probe.h"
+#endif
 
 #define DEFAULT_N_PREDICT 128
 
@@ -36,7 +43,7 @@ struct opts {
     bool has_seed;
     int threads;
     int64_t ctx, batch;
-    bool json, routing_stats;
+    bool json, routing_stats, list_devices;
     int ipc_fd;
 };
 
@@ -45,6 +52,7 @@ static void usage(FILE *f)
     fprintf(f,
             "usage: moed-worker --model M --prompt-file P [options]\n"
             "       moed-worker --ipc-fd N            (started by moed)\n"
+            "       moed-worker --list-devices        devices this binary computes on\n"
             "options:\n"
             "  -n N                  tokens to generate (default %d; 0: only evaluate the prompt)\n"
             "  --temp T              temperature (default 0: greedy)\n"
@@ -130,6 +138,10 @@ static int parse_args(int argc, char **argv, struct opts *o)
             o->routing_stats = true;
             continue;
         }
+        if (!strcmp(a, "--list-devices")) {
+            o->list_devices = true;
+            continue;
+        }
         static const char *const with_value[] = {
             "--model", "-m", "--prompt-file", "-f", "-n", "--n-predict", "--temp", "--seed",
             "--top-k", "--top-p", "--min-p", "--repeat-penalty", "--repeat-last-n",
@@ -195,7 +207,7 @@ static int parse_args(int argc, char **argv, struct opts *o)
         if (bad)
             return 2;
     }
-    if (o->ipc_fd >= 0)
+    if (o->ipc_fd >= 0 || o->list_devices)
         return 0;
     if (!o->model || !o->prompt_file) {
         fprintf(stderr, "moed-worker: --model and --prompt-file are required (see --help)\n");
@@ -515,6 +527,46 @@ done:
     return status;
 }
 
+/* "Intel(R) Xeon(R) ..., 16 cores, AVX2+FMA+F16C kernels". */
+static void cpu_description(char *out, size_t n)
+{
+    char model[160] = "", line[256];
+    FILE *f = fopen("/proc/cpuinfo", "r");
+    while (f && !model[0] && fgets(line, sizeof line, f)) {
+        char *colon = strchr(line, ':');
+        if (strncmp(line, "model name", 10) != 0 || !colon)
+            continue;
+        char *v = colon + 1;
+        v += strspn(v, " \t");
+        v[strcspn(v, "\n")] = 0;
+        snprintf(model, sizeof model, "%s, ", v);
+    }
+    if (f)
+        fclose(f);
+    snprintf(out, n, "%s%ld cores, %s kernels", model, sysconf(_SC_NPROCESSORS_ONLN),
+             moe_kernels_simd() ? "AVX2+FMA+F16C" : "portable");
+}
+
+/* --list-devices. A device that cannot be used is explained on stderr, not listed. */
+static int list_devices(void)
+{
+    char desc[512];
+    cpu_description(desc, sizeof desc);
+    printf("cpu %s\n", desc);
+#ifdef MOE_HAVE_CUDA
+    int n = moe_cuda_device_count(desc, sizeof desc);
+    if (n == 0 && desc[0])
+        fprintf(stderr, "moed-worker: no CUDA device: %s\n", desc);
+    for (int i = 0; i < n; i++) {
+        if (moe_cuda_probe(i, desc, sizeof desc))
+            printf("cuda:%d %s\n", i, desc);
+        else
+            fprintf(stderr, "moed-worker: cuda:%d cannot be used: %s\n", i, desc);
+    }
+#endif
+    return fflush(stdout) == 0 && !ferror(stdout) ? 0 : 1;
+}
+
 int main(int argc, char **argv)
 {
     struct opts o;
@@ -523,6 +575,8 @@ int main(int argc, char **argv)
         return 0;
     if (rc)
         return rc;
+    if (o.list_devices)
+        return list_devices();
     if (o.ipc_fd >= 0)
         return moe_worker_ipc_main(o.ipc_fd, argv[0]);
     return run_standalone(&o);

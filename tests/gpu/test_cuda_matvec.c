@@ -155,7 +155,7 @@ static void check_case(uint32_t type, const uint8_t *w, int64_t n, int64_t rows,
     free(ygpu2);
 }
 
-/* Every shape of the brief (n 256..4096, rows 1..2048, rows not a multiple of the 4 rows a
+/* Every target shape (n 256..4096, rows 1..2048, rows not a multiple of the 4 rows a
  * thread block takes), plus a short row that leaves most lanes idle and, for the plain types, a
  * row length whose rows are not 16-byte aligned (the kernel's scalar path). Weights for the
  * largest row count are made once per n; smaller cases use the first rows. */

@@ -16,6 +16,7 @@
 #include <immintrin.h>
 #include <string.h>
 
+#include "store/blocks.h"
 #include "store/ggml_type.h"
 
 #define AVX2 __attribute__((target("avx2,fma,f16c")))
@@ -50,11 +51,18 @@ AVX2_INLINE float hsum(__m256 v)
     return _mm_cvtss_f32(s);
 }
 
+/* A half-precision block field (d, m, dmin) to float. */
+AVX2_INLINE float h2f(uint16_t h)
+{
+    return _cvtsh_ss(h);
+}
+
+/* An element of an F16 row, wherever it sits. */
 AVX2_INLINE float half(const uint8_t *p)
 {
     uint16_t h;
     memcpy(&h, p, 2);
-    return _cvtsh_ss(h);
+    return h2f(h);
 }
 
 /* 8 bytes -> 8 int32 lanes, unsigned / signed. */
@@ -63,7 +71,7 @@ AVX2_INLINE __m256i u8x8(const uint8_t *p)
     return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
 }
 
-AVX2_INLINE __m256i i8x8(const uint8_t *p)
+AVX2_INLINE __m256i i8x8(const int8_t *p)
 {
     return _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p));
 }
@@ -98,13 +106,14 @@ AVX2_INLINE __m256i q5_high(uint32_t qh, int j0)
 
 /* ---- 32-element blocks ---------------------------------------------------------------------- */
 
-AVX2_INLINE void blk_q4_0(const uint8_t *b, struct sink *s, int64_t o)
+AVX2_INLINE void blk_q4_0(const void *blk, struct sink *s, int64_t o)
 {
-    const __m256 d = _mm256_set1_ps(half(b));
+    const struct moe_block_q4_0 *b = blk;
+    const __m256 d = _mm256_set1_ps(h2f(b->d));
     const __m256i m15 = _mm256_set1_epi32(15), e8 = _mm256_set1_epi32(8);
     UNROLL
     for (int k = 0; k < 2; k++) {
-        __m256i v = u8x8(b + 2 + 8 * k);
+        __m256i v = u8x8(b->qs + 8 * k);
         __m256i lo = _mm256_sub_epi32(_mm256_and_si256(v, m15), e8);
         __m256i hi = _mm256_sub_epi32(_mm256_srli_epi32(v, 4), e8);
         put(s, 2 * k, o + 8 * k, _mm256_mul_ps(tof(lo), d));
@@ -112,27 +121,29 @@ AVX2_INLINE void blk_q4_0(const uint8_t *b, struct sink *s, int64_t o)
     }
 }
 
-AVX2_INLINE void blk_q4_1(const uint8_t *b, struct sink *s, int64_t o)
+AVX2_INLINE void blk_q4_1(const void *blk, struct sink *s, int64_t o)
 {
-    const __m256 d = _mm256_set1_ps(half(b)), m = _mm256_set1_ps(half(b + 2));
+    const struct moe_block_q4_1 *b = blk;
+    const __m256 d = _mm256_set1_ps(h2f(b->d)), m = _mm256_set1_ps(h2f(b->m));
     const __m256i m15 = _mm256_set1_epi32(15);
     UNROLL
     for (int k = 0; k < 2; k++) {
-        __m256i v = u8x8(b + 4 + 8 * k);
+        __m256i v = u8x8(b->qs + 8 * k);
         put(s, 2 * k, o + 8 * k, _mm256_fmadd_ps(tof(_mm256_and_si256(v, m15)), d, m));
         put(s, 2 * k + 1, o + 16 + 8 * k, _mm256_fmadd_ps(tof(_mm256_srli_epi32(v, 4)), d, m));
     }
 }
 
-AVX2_INLINE void blk_q5_0(const uint8_t *b, struct sink *s, int64_t o)
+AVX2_INLINE void blk_q5_0(const void *blk, struct sink *s, int64_t o)
 {
-    const __m256 d = _mm256_set1_ps(half(b));
+    const struct moe_block_q5_0 *b = blk;
+    const __m256 d = _mm256_set1_ps(h2f(b->d));
     const __m256i m15 = _mm256_set1_epi32(15), e16 = _mm256_set1_epi32(16);
     uint32_t qh;
-    memcpy(&qh, b + 2, 4);
+    memcpy(&qh, b->qh, 4);
     UNROLL
     for (int k = 0; k < 2; k++) {
-        __m256i v = u8x8(b + 6 + 8 * k);
+        __m256i v = u8x8(b->qs + 8 * k);
         __m256i lo = _mm256_or_si256(_mm256_and_si256(v, m15), q5_high(qh, 8 * k));
         __m256i hi = _mm256_or_si256(_mm256_srli_epi32(v, 4), q5_high(qh, 16 + 8 * k));
         put(s, 2 * k, o + 8 * k, _mm256_mul_ps(tof(_mm256_sub_epi32(lo, e16)), d));
@@ -140,15 +151,16 @@ AVX2_INLINE void blk_q5_0(const uint8_t *b, struct sink *s, int64_t o)
     }
 }
 
-AVX2_INLINE void blk_q5_1(const uint8_t *b, struct sink *s, int64_t o)
+AVX2_INLINE void blk_q5_1(const void *blk, struct sink *s, int64_t o)
 {
-    const __m256 d = _mm256_set1_ps(half(b)), m = _mm256_set1_ps(half(b + 2));
+    const struct moe_block_q5_1 *b = blk;
+    const __m256 d = _mm256_set1_ps(h2f(b->d)), m = _mm256_set1_ps(h2f(b->m));
     const __m256i m15 = _mm256_set1_epi32(15);
     uint32_t qh;
-    memcpy(&qh, b + 4, 4);
+    memcpy(&qh, b->qh, 4);
     UNROLL
     for (int k = 0; k < 2; k++) {
-        __m256i v = u8x8(b + 8 + 8 * k);
+        __m256i v = u8x8(b->qs + 8 * k);
         __m256i lo = _mm256_or_si256(_mm256_and_si256(v, m15), q5_high(qh, 8 * k));
         __m256i hi = _mm256_or_si256(_mm256_srli_epi32(v, 4), q5_high(qh, 16 + 8 * k));
         put(s, 2 * k, o + 8 * k, _mm256_fmadd_ps(tof(lo), d, m));
@@ -156,12 +168,13 @@ AVX2_INLINE void blk_q5_1(const uint8_t *b, struct sink *s, int64_t o)
     }
 }
 
-AVX2_INLINE void blk_q8_0(const uint8_t *b, struct sink *s, int64_t o)
+AVX2_INLINE void blk_q8_0(const void *blk, struct sink *s, int64_t o)
 {
-    const __m256 d = _mm256_set1_ps(half(b));
+    const struct moe_block_q8_0 *b = blk;
+    const __m256 d = _mm256_set1_ps(h2f(b->d));
     UNROLL
     for (int k = 0; k < 4; k++)
-        put(s, k, o + 8 * k, _mm256_mul_ps(tof(i8x8(b + 2 + 8 * k)), d));
+        put(s, k, o + 8 * k, _mm256_mul_ps(tof(i8x8(b->qs + 8 * k)), d));
 }
 
 /* ---- 256-element K-quant blocks ------------------------------------------------------------- */
@@ -178,12 +191,13 @@ AVX2_INLINE void kq_unpack(const uint8_t *sc, float d, float dmin, float *ds, fl
     }
 }
 
-AVX2_INLINE void blk_q4_k(const uint8_t *b, struct sink *s, int64_t o)
+AVX2_INLINE void blk_q4_k(const void *blk, struct sink *s, int64_t o)
 {
+    const struct moe_block_q4_k *b = blk;
     float ds[8], dm[8];
     const __m256i m15 = _mm256_set1_epi32(15);
-    kq_unpack(b + 4, half(b), half(b + 2), ds, dm);
-    const uint8_t *q = b + 16;
+    kq_unpack(b->scales, h2f(b->d), h2f(b->dmin), ds, dm);
+    const uint8_t *q = b->qs;
     UNROLL
     for (int c = 0; c < 4; c++, q += 32, o += 64) {
         const __m256 d0 = _mm256_set1_ps(ds[2 * c]), m0 = _mm256_set1_ps(dm[2 * c]);
@@ -198,12 +212,13 @@ AVX2_INLINE void blk_q4_k(const uint8_t *b, struct sink *s, int64_t o)
     }
 }
 
-AVX2_INLINE void blk_q5_k(const uint8_t *b, struct sink *s, int64_t o)
+AVX2_INLINE void blk_q5_k(const void *blk, struct sink *s, int64_t o)
 {
+    const struct moe_block_q5_k *b = blk;
     float ds[8], dm[8];
     const __m256i m15 = _mm256_set1_epi32(15), one = _mm256_set1_epi32(1);
-    kq_unpack(b + 4, half(b), half(b + 2), ds, dm);
-    const uint8_t *qh = b + 16, *q = b + 48;
+    kq_unpack(b->scales, h2f(b->d), h2f(b->dmin), ds, dm);
+    const uint8_t *qh = b->qh, *q = b->qs;
     UNROLL
     for (int c = 0; c < 4; c++, q += 32, o += 64) {
         const __m256 d0 = _mm256_set1_ps(ds[2 * c]), m0 = _mm256_set1_ps(dm[2 * c]);
@@ -224,17 +239,18 @@ AVX2_INLINE void blk_q5_k(const uint8_t *b, struct sink *s, int64_t o)
 
 /* Q6_K: per 128-value half, 32-value group g takes its low 4 bits from ql[l + 32(g&1)] (low
  * nibble for g<2, high for g>=2) and its top 2 bits from bits 2g..2g+1 of qh[l]. */
-AVX2_INLINE void blk_q6_k(const uint8_t *b, struct sink *s, int64_t o)
+AVX2_INLINE void blk_q6_k(const void *blk, struct sink *s, int64_t o)
 {
-    const float d = half(b + 208);
+    const struct moe_block_q6_k *b = blk;
+    const float d = h2f(b->d);
     float ds[16], dm[16];
     const __m256i m15 = _mm256_set1_epi32(15), m48 = _mm256_set1_epi32(48);
-    const uint8_t *ql = b, *qh = b + 128;
+    const uint8_t *ql = b->ql, *qh = b->qh;
     /* (q − 32)·d·sc is computed as q·(d·sc) − 32·(d·sc): one FMA instead of a subtract and a
      * multiply. */
     UNROLL
     for (int i = 0; i < 16; i++) {
-        ds[i] = d * (float)(int8_t)b[192 + i];
+        ds[i] = d * (float)b->scales[i];
         dm[i] = -32.0f * ds[i];
     }
     UNROLL
@@ -269,13 +285,13 @@ AVX2_INLINE void blk_q6_k(const uint8_t *b, struct sink *s, int64_t o)
 /* ---- row drivers ---------------------------------------------------------------------------- */
 
 /* One driver per block type, so each gets its own copy of the inlined block function. */
-#define ROW_FNS(name, blk, BLCK, BSIZE)                                                    \
+#define ROW_FNS(name, blk, BLCK)                                                           \
     static AVX2 float dot_##name(const uint8_t *row, const float *x, int64_t n)          \
     {                                                                                    \
         const __m256 z = _mm256_setzero_ps();                                            \
         struct sink s = {x, NULL, {z, z, z, z}};                                         \
         for (int64_t i = 0; i < n / (BLCK); i++)                                         \
-            blk(row + (size_t)i * (BSIZE), &s, i * (BLCK));                              \
+            blk(row + (size_t)i * sizeof(struct moe_block_##name), &s, i * (BLCK));      \
         return hsum(_mm256_add_ps(_mm256_add_ps(s.acc[0], s.acc[1]),                     \
                                   _mm256_add_ps(s.acc[2], s.acc[3])));                   \
     }                                                                                    \
@@ -284,17 +300,17 @@ AVX2_INLINE void blk_q6_k(const uint8_t *b, struct sink *s, int64_t o)
         const __m256 z = _mm256_setzero_ps();                                            \
         struct sink s = {NULL, dst, {z, z, z, z}};                                       \
         for (int64_t i = 0; i < n / (BLCK); i++)                                         \
-            blk(row + (size_t)i * (BSIZE), &s, i * (BLCK));                              \
+            blk(row + (size_t)i * sizeof(struct moe_block_##name), &s, i * (BLCK));      \
     }
 
-ROW_FNS(q4_0, blk_q4_0, 32, 18)
-ROW_FNS(q4_1, blk_q4_1, 32, 20)
-ROW_FNS(q5_0, blk_q5_0, 32, 22)
-ROW_FNS(q5_1, blk_q5_1, 32, 24)
-ROW_FNS(q8_0, blk_q8_0, 32, 34)
-ROW_FNS(q4_k, blk_q4_k, 256, 144)
-ROW_FNS(q5_k, blk_q5_k, 256, 176)
-ROW_FNS(q6_k, blk_q6_k, 256, 210)
+ROW_FNS(q4_0, blk_q4_0, MOE_QK)
+ROW_FNS(q4_1, blk_q4_1, MOE_QK)
+ROW_FNS(q5_0, blk_q5_0, MOE_QK)
+ROW_FNS(q5_1, blk_q5_1, MOE_QK)
+ROW_FNS(q8_0, blk_q8_0, MOE_QK)
+ROW_FNS(q4_k, blk_q4_k, MOE_QK_K)
+ROW_FNS(q5_k, blk_q5_k, MOE_QK_K)
+ROW_FNS(q6_k, blk_q6_k, MOE_QK_K)
 
 static AVX2 float dot_f32(const float *w, const float *x, int64_t n)
 {

@@ -1,0 +1,325 @@
+/* Continuous batching on the worker's compute thread. See worker/batcher.h. */
+#include "worker/batcher.h"
+
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "store/err.h"
+#include "store/io.h"
+
+#define REPORT_INTERVAL_S 1.0
+
+struct moe_batcher {
+    struct moe_batcher_cfg cfg;
+    struct moe_batcher_sink sink;
+    struct moe_job **slot;    /* [n_seq] running sequences */
+    uint32_t n_running;
+    struct moe_job *pend_head, *pend_tail; /* admitted by the daemon, waiting for a slot */
+    int32_t *tok, *pos, *seq; /* [n_batch] */
+    uint8_t *want;            /* [n_batch] */
+    struct moe_job **owner;   /* [n_seq]: job of the k-th logits row */
+    float *logits;            /* [n_seq][n_vocab] */
+    uint64_t *prev_counts;    /* routing counts at the last report */
+    uint64_t *delta;
+    uint64_t *cur_counts;     /* scratch: the engine's counts now */
+    double last_report;
+    uint64_t gen_total, prompt_total, eval_total, gen_at_report, eval_at_report;
+};
+
+void moe_job_free(struct moe_job *j)
+{
+    if (!j)
+        return;
+    moe_sampler_free(j->smp);
+    free(j->prompt);
+    free(j);
+}
+
+/* Ends a running or waiting job and frees it. */
+static void finish(struct moe_batcher *b, struct moe_job *j, bool send_done, enum moe_finish reason)
+{
+    if (send_done)
+        b->sink.done(b->sink.user, j->id, reason, j->n_prompt, j->n_gen);
+    if (j->slot >= 0) {
+        moe_engine_seq_clear(b->cfg.eng, j->slot);
+        b->slot[j->slot] = NULL;
+        b->n_running--;
+    }
+    moe_job_free(j);
+}
+
+static void fail_job(struct moe_batcher *b, struct moe_job *j, int code, const char *msg)
+{
+    b->sink.error(b->sink.user, j->id, code, msg);
+    finish(b, j, false, MOE_FINISH_STOP);
+}
+
+void moe_batcher_cancel(struct moe_batcher *b, uint64_t id)
+{
+    for (uint32_t s = 0; s < b->cfg.n_seq; s++)
+        if (b->slot[s] && b->slot[s]->id == id) {
+            finish(b, b->slot[s], false, MOE_FINISH_STOP);
+            return;
+        }
+    for (struct moe_job **pp = &b->pend_head; *pp; pp = &(*pp)->next)
+        if ((*pp)->id == id) {
+            struct moe_job *j = *pp;
+            *pp = j->next;
+            if (b->pend_tail == j) {
+                b->pend_tail = NULL;
+                for (struct moe_job *t = b->pend_head; t; t = t->next)
+                    b->pend_tail = t;
+            }
+            moe_job_free(j);
+            return;
+        }
+}
+
+void moe_batcher_add(struct moe_batcher *b, struct moe_job *j)
+{
+    j->next = NULL;
+    if (b->pend_tail)
+        b->pend_tail->next = j;
+    else
+        b->pend_head = j;
+    b->pend_tail = j;
+}
+
+bool moe_batcher_busy(const struct moe_batcher *b)
+{
+    return b->n_running || b->pend_head;
+}
+
+void moe_batcher_report(struct moe_batcher *b, bool force)
+{
+    double now = moe_now_s();
+    if (!force && now - b->last_report < REPORT_INTERVAL_S)
+        return;
+    uint64_t *cur = b->cur_counts;
+    if (moe_engine_routing_counts(b->cfg.eng, cur))
+        return;
+    size_t n = (size_t)b->cfg.n_layer * b->cfg.n_expert;
+    uint64_t any = 0;
+    for (size_t i = 0; i < n; i++) {
+        b->delta[i] = cur[i] - b->prev_counts[i];
+        any |= b->delta[i];
+    }
+    if (!any && b->gen_total == b->gen_at_report)
+        return;
+    double dt = now - b->last_report;
+    struct moe_batcher_report r = {
+        .delta = b->delta,
+        .n_tokens = b->eval_total - b->eval_at_report,
+        .tokens_generated = b->gen_total,
+        .prompt_tokens = b->prompt_total,
+        .running = b->n_running,
+        .tokens_per_s = dt > 0 ? (double)(b->gen_total - b->gen_at_report) / dt : 0,
+    };
+    if (b->sink.report(b->sink.user, &r))
+        return; /* the delta stays pending and goes out with the next one */
+    memcpy(b->prev_counts, cur, n * sizeof *b->prev_counts);
+    b->gen_at_report = b->gen_total;
+    b->eval_at_report = b->eval_total;
+    b->last_report = now;
+}
+
+static bool is_eog(const struct moe_job *j, int32_t t)
+{
+    for (uint32_t i = 0; i < j->n_eog; i++)
+        if (j->eog[i] == t)
+            return true;
+    return false;
+}
+
+/* Moves waiting jobs into free slots, each with its sampler primed with the prompt. */
+static void admit(struct moe_batcher *b)
+{
+    while (b->pend_head && b->n_running < b->cfg.n_seq) {
+        struct moe_job *j = b->pend_head;
+        b->pend_head = j->next;
+        if (!b->pend_head)
+            b->pend_tail = NULL;
+        j->next = NULL;
+        char err[256];
+        int rc = moe_sampler_init(&j->smp, &j->sp, b->cfg.n_vocab, err, sizeof err);
+        if (rc) {
+            b->sink.error(b->sink.user, j->id, rc, err);
+            moe_job_free(j);
+            continue;
+        }
+        for (uint32_t i = 0; i < j->n_prompt; i++)
+            moe_sampler_accept(j->smp, j->prompt[i]);
+        uint32_t s = 0;
+        while (b->slot[s])
+            s++;
+        moe_engine_seq_clear(b->cfg.eng, (int32_t)s);
+        j->slot = (int32_t)s;
+        b->slot[s] = j;
+        b->n_running++;
+    }
+}
+
+/* Fills the step's batch: decode tokens, then prompt chunks. Returns the token count; *n_decode
+ * and *n_out receive how many are decode tokens and how many rows of logits are wanted. */
+static uint32_t build_batch(struct moe_batcher *b, uint32_t *n_decode, uint32_t *n_out)
+{
+    const struct moe_batcher_cfg *cfg = &b->cfg;
+    uint32_t n = 0, no = 0;
+    /* Decode tokens first, so that running sequences never wait behind a long prompt. */
+    for (uint32_t s = 0; s < cfg->n_seq; s++) {
+        struct moe_job *j = b->slot[s];
+        if (!j || j->n_past < j->n_prompt)
+            continue;
+        b->tok[n] = j->last;
+        b->pos[n] = (int32_t)j->n_past;
+        b->seq[n] = (int32_t)s;
+        b->want[n] = 1;
+        b->owner[no++] = j;
+        n++;
+    }
+    *n_decode = n;
+    /* While sequences are decoding, a step's time is their token latency: take prompts in
+     * smaller bites then, so that one long prompt does not stall every running stream. */
+    uint32_t limit = cfg->n_batch;
+    if (n > 0) {
+        uint32_t bite = cfg->n_batch / 4 > 64 ? cfg->n_batch / 4 : 64;
+        limit = n + bite < cfg->n_batch ? n + bite : cfg->n_batch;
+    }
+    for (uint32_t s = 0; s < cfg->n_seq && n < limit; s++) {
+        struct moe_job *j = b->slot[s];
+        if (!j || j->n_past >= j->n_prompt)
+            continue;
+        uint32_t take = j->n_prompt - j->n_past;
+        if (take > limit - n)
+            take = limit - n;
+        for (uint32_t k = 0; k < take; k++) {
+            b->tok[n] = j->prompt[j->n_past + k];
+            b->pos[n] = (int32_t)(j->n_past + k);
+            b->seq[n] = (int32_t)s;
+            b->want[n] = 0;
+            n++;
+        }
+        if (j->n_past + take == j->n_prompt) {
+            b->want[n - 1] = 1;
+            b->owner[no++] = j;
+        }
+    }
+    *n_out = no;
+    return n;
+}
+
+/* Samples the next token of the job owning logits row k and ends the job when it is done. */
+static void sample_row(struct moe_batcher *b, uint32_t k)
+{
+    struct moe_job *j = b->owner[k];
+    int32_t t = moe_sampler_sample(j->smp, b->logits + (size_t)k * b->cfg.n_vocab);
+    if (t < 0) {
+        fail_job(b, j, MOE_ERANGE, "every logit is NaN or -inf; cannot sample");
+        return;
+    }
+    moe_sampler_accept(j->smp, t);
+    j->last = t;
+    j->n_gen++;
+    b->gen_total++;
+    b->sink.token(b->sink.user, j->id, t);
+    if (is_eog(j, t))
+        finish(b, j, true, MOE_FINISH_STOP);
+    else if (j->n_gen >= j->max_tokens || j->n_past >= b->cfg.n_ctx)
+        finish(b, j, true, MOE_FINISH_LENGTH);
+}
+
+int moe_batcher_step(struct moe_batcher *b)
+{
+    admit(b);
+    uint32_t n_decode, n_out;
+    uint32_t n = build_batch(b, &n_decode, &n_out);
+    if (n == 0)
+        return 0;
+    struct moe_batch batch = {.n = n, .token = b->tok, .pos = b->pos, .seq = b->seq,
+                              .logits = b->want};
+    int rc = moe_engine_forward(b->cfg.eng, &batch, b->logits);
+    if (rc) {
+        char msg[256];
+        snprintf(msg, sizeof msg, "forward failed: %s: %s", moe_strerror(rc),
+                 moe_engine_errmsg(b->cfg.eng));
+        moe_ipc_log(MOE_LOG_ERROR, "%s", msg);
+        /* Every sequence in the batch is now in an unknown state: fail them all. */
+        for (uint32_t s = 0; s < b->cfg.n_seq; s++)
+            if (b->slot[s])
+                fail_job(b, b->slot[s], rc, msg);
+        return rc == MOE_EBACKEND ? rc : 0;
+    }
+    /* Advance positions of everything evaluated. */
+    b->eval_total += n;
+    for (uint32_t i = 0; i < n; i++) {
+        struct moe_job *j = b->slot[b->seq[i]];
+        j->n_past++;
+        if (i >= n_decode)
+            b->prompt_total++;
+    }
+    for (uint32_t k = 0; k < n_out; k++)
+        sample_row(b, k);
+    return 0;
+}
+
+int moe_batcher_init(struct moe_batcher **out, const struct moe_batcher_cfg *cfg,
+                     const struct moe_batcher_sink *sink)
+{
+    *out = NULL;
+    struct moe_batcher *b = calloc(1, sizeof *b);
+    if (!b)
+        return -ENOMEM;
+    b->cfg = *cfg;
+    b->sink = *sink;
+    size_t ncount = (size_t)cfg->n_layer * cfg->n_expert;
+    b->slot = calloc(cfg->n_seq, sizeof *b->slot);
+    b->owner = calloc(cfg->n_seq, sizeof *b->owner);
+    b->tok = calloc(cfg->n_batch, sizeof *b->tok);
+    b->pos = calloc(cfg->n_batch, sizeof *b->pos);
+    b->seq = calloc(cfg->n_batch, sizeof *b->seq);
+    b->want = calloc(cfg->n_batch, 1);
+    b->logits = calloc((size_t)cfg->n_seq * cfg->n_vocab, sizeof *b->logits);
+    b->prev_counts = calloc(ncount, sizeof *b->prev_counts);
+    b->delta = calloc(ncount, sizeof *b->delta);
+    b->cur_counts = calloc(ncount, sizeof *b->cur_counts);
+    b->last_report = moe_now_s();
+    if (!b->slot || !b->owner || !b->tok || !b->pos || !b->seq || !b->want || !b->logits ||
+        !b->prev_counts || !b->delta || !b->cur_counts) {
+        moe_batcher_free(b);
+        return -ENOMEM;
+    }
+    int rc = moe_engine_routing_counts(cfg->eng, b->prev_counts);
+    if (rc) {
+        moe_batcher_free(b);
+        return rc;
+    }
+    *out = b;
+    return 0;
+}
+
+void moe_batcher_free(struct moe_batcher *b)
+{
+    if (!b)
+        return;
+    for (uint32_t s = 0; b->slot && s < b->cfg.n_seq; s++)
+        if (b->slot[s])
+            finish(b, b->slot[s], false, MOE_FINISH_STOP);
+    while (b->pend_head) {
+        struct moe_job *j = b->pend_head;
+        b->pend_head = j->next;
+        moe_job_free(j);
+    }
+    free(b->slot);
+    free(b->owner);
+    free(b->tok);
+    free(b->pos);
+    free(b->seq);
+    free(b->want);
+    free(b->logits);
+    free(b->prev_counts);
+    free(b->delta);
+    free(b->cur_counts);
+    free(b);
+}

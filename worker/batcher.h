@@ -1,0 +1,97 @@
+/* Continuous batching: the worker's compute-thread scheduler.
+ *
+ * A batcher holds up to n_seq running sequences (one engine KV slot each) and a FIFO of jobs
+ * waiting for a slot. Each step admits waiting jobs into free slots, builds one forward batch
+ * (one decode token for every running sequence first, then prompt chunks of newly admitted
+ * ones, up to n_batch tokens; while anything decodes, prompts go in bites of
+ * max(64, n_batch / 4) tokens), runs the engine, and samples one token per finished row.
+ * What happens to a job is reported through a sink (worker/ipc.c turns it into frames).
+ *
+ * Every call runs on the compute thread; the batcher has no locks of its own. All engine calls
+ * of the worker's serving path are in batcher.c. */
+#ifndef MOE_WORKER_BATCHER_H
+#define MOE_WORKER_BATCHER_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "proto/ipc.h"
+#include "worker/engine.h"
+#include "worker/sampler.h"
+
+/* A generation request. The submitter fills the first block (and sets slot to -1); once handed
+ * to moe_batcher_add() the job belongs to the batcher. */
+struct moe_job {
+    uint64_t id;
+    int32_t *prompt;
+    uint32_t n_prompt;
+    uint32_t max_tokens;
+    struct moe_sampler_params sp;
+    int32_t eog[MOE_IPC_MAX_EOG];
+    uint32_t n_eog;
+    struct moe_job *next;
+    /* batcher only */
+    struct moe_sampler *smp;
+    int32_t slot;
+    uint32_t n_past; /* positions evaluated for this sequence */
+    uint32_t n_gen;
+    int32_t last;    /* last sampled token: evaluated at n_past in the next step */
+};
+
+/* Frees a job and what it owns (NULL is fine). */
+void moe_job_free(struct moe_job *j);
+
+enum moe_finish { MOE_FINISH_STOP, MOE_FINISH_LENGTH };
+
+/* Totals since the batcher started, and the state at a routing report. */
+struct moe_batcher_report {
+    const uint64_t *delta;     /* [n_layer * n_expert] routing counts since the last report */
+    uint64_t n_tokens;         /* positions evaluated since the last report */
+    uint64_t tokens_generated, prompt_tokens;
+    uint32_t running;
+    double tokens_per_s;       /* generated tokens per second since the last report */
+};
+
+/* Where results go. Called on the compute thread, from moe_batcher_step/_report. */
+struct moe_batcher_sink {
+    void *user;
+    void (*token)(void *user, uint64_t id, int32_t token);
+    void (*done)(void *user, uint64_t id, enum moe_finish reason, uint32_t n_prompt,
+                 uint32_t n_gen);
+    /* The job ended with an error; id 0: the batcher itself failed. */
+    void (*error)(void *user, uint64_t id, int code, const char *msg);
+    /* Returns 0 when the report was taken; otherwise its counts stay pending and go out with
+     * the next one. */
+    int (*report)(void *user, const struct moe_batcher_report *r);
+};
+
+struct moe_batcher_cfg {
+    struct moe_engine *eng;
+    uint32_t n_vocab, n_layer, n_expert, n_ctx, n_seq, n_batch;
+};
+
+struct moe_batcher;
+
+/* Returns 0 or -ENOMEM. */
+int moe_batcher_init(struct moe_batcher **out, const struct moe_batcher_cfg *cfg,
+                     const struct moe_batcher_sink *sink);
+/* Drops every running and waiting job without reporting them. */
+void moe_batcher_free(struct moe_batcher *b);
+
+/* Appends a job to the waiting FIFO. */
+void moe_batcher_add(struct moe_batcher *b, struct moe_job *j);
+/* Ends job `id` (running or waiting) without reporting it; unknown ids are ignored. */
+void moe_batcher_cancel(struct moe_batcher *b, uint64_t id);
+/* true while any job is running or waiting. */
+bool moe_batcher_busy(const struct moe_batcher *b);
+
+/* Admits waiting jobs into free slots, then runs one forward step over the running ones.
+ * Returns 0, or the engine error that ends the worker (MOE_EBACKEND); after any forward error
+ * every running job has failed (reported through sink.error). */
+int moe_batcher_step(struct moe_batcher *b);
+
+/* Reports routing counts and totals once a second (force: now), unless nothing happened. */
+void moe_batcher_report(struct moe_batcher *b, bool force);
+
+#endif
