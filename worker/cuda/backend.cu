@@ -33,6 +33,9 @@ extern "C" {
 /* Steps of at most this many tokens are recorded as CUDA graphs (decode batches, small prompt
  * chunks); larger ones launch directly. */
 #define MOE_CUDA_GRAPH_MAX 64
+/* Steps of at least this many tokens group their expert slots by expert (below, each slot reads
+ * its expert's rows itself: one launch less, and at one token nothing is shared). */
+#define MOE_CUDA_GROUP_MIN 2
 /* Logit rows computed per pass of the output head. */
 #define LOGIT_ROWS 64
 
@@ -41,6 +44,8 @@ enum { MODE_DIRECT, MODE_CAPTURE, MODE_REPLAY };
 struct cuda_graph {
     int64_t n, n_out;
     cudaGraphExec_t exec;
+    int n_ev;                /* profiling: the event nodes recorded in it, and their names */
+    const char **ev_name;
 };
 
 struct cuda_layer {
@@ -77,18 +82,15 @@ struct cuda_backend {
     float *h_logits;                 /* pinned [LOGIT_ROWS][V] */
 
     unsigned *att_done;              /* [nb][H] split counters of the attention */
-    struct {
-        bool on;                     /* rmsnorm recorded, not launched: dst = norm(src)·w */
-        const float *w;
-        enum moe_buf src, dst;
-    } norm;
-
+    struct moe_cuda_groups groups;   /* slots by expert, for steps of several tokens */
+    float *dout;                     /* [nb·k][ld_dout] expert outputs before the combine */
+    int64_t ld_dout;
     int64_t n, n_out;
     int n_split, sms;
     int mode;
-    bool capturing, head_chunked, use_graphs, fuse_norm;
-    /* MOE_CUDA_PROFILE=1: no graphs, an event before every op, time per op name printed at
-     * free (a development aid). */
+    bool capturing, head_chunked, use_graphs;
+    /* MOE_CUDA_PROFILE=1: an event before every kernel (event nodes in the graphs), time per
+     * op name printed at free (a development aid; run it with MOE_CUDA_NO_PDL=1). */
     bool profile;
     cudaEvent_t ev[64 * 16];
     const char *ev_name[64 * 16];
@@ -260,10 +262,7 @@ static int cuda_init(struct moe_backend **out, const struct moe_model *m, struct
     b->d = *d;
     b->dev = d->device;
     b->use_graphs = getenv("MOE_CUDA_NO_GRAPHS") == NULL;
-    b->fuse_norm = getenv("MOE_CUDA_NO_FUSE_NORM") == NULL;
     b->profile = getenv("MOE_CUDA_PROFILE") != NULL;
-    if (b->profile)
-        b->use_graphs = false;
     int rc = 0;
     int count = 0;
     cudaError_t ce = cudaGetDeviceCount(&count);
@@ -364,6 +363,12 @@ static int cuda_init(struct moe_backend **out, const struct moe_model *m, struct
                                                 (int64_t)nb, d->H, b->n_split, d->hdv)));
         INIT_TRY(cudaMalloc((void **)&b->xo, sizeof(float) * nb * (size_t)pad4(d->E)));
         INIT_TRY(cudaMalloc((void **)&b->att_done, sizeof(unsigned) * nb * (size_t)d->H));
+        INIT_TRY(cudaMalloc((void **)&b->groups.ex_off, sizeof(int32_t) * (size_t)(d->nexp + 1)));
+        INIT_TRY(cudaMalloc((void **)&b->groups.slot_list, sizeof(int32_t) * ns));
+        INIT_TRY(cudaMalloc((void **)&b->groups.act_list, sizeof(int32_t) * (size_t)d->nexp));
+        INIT_TRY(cudaMalloc((void **)&b->groups.n_active, sizeof(int32_t)));
+        b->ld_dout = pad4(d->E);
+        INIT_TRY(cudaMalloc((void **)&b->dout, sizeof(float) * ns * (size_t)b->ld_dout));
         INIT_TRY(cudaMemset(b->att_done, 0, sizeof(unsigned) * nb * (size_t)d->H));
         int64_t lrows = nb < LOGIT_ROWS ? (int64_t)nb : LOGIT_ROWS;
         INIT_TRY(cudaMalloc((void **)&b->logits, sizeof(float) * (size_t)(lrows * d->V)));
@@ -424,8 +429,10 @@ static void cuda_free(struct moe_backend *bb)
         if (cudaStreamEndCapture(b->st, &g) == cudaSuccess)
             cudaGraphDestroy(g);
     }
-    for (int i = 0; i < b->n_graphs; i++)
+    for (int i = 0; i < b->n_graphs; i++) {
         cudaGraphExecDestroy(b->graphs[i].exec);
+        free(b->graphs[i].ev_name);
+    }
     if (b->st)
         cudaStreamSynchronize(b->st);
     cudaFree(b->arena);
@@ -438,6 +445,11 @@ static void cuda_free(struct moe_backend *bb)
     cudaFree(b->part);
     cudaFree(b->xo);
     cudaFree(b->att_done);
+    cudaFree(b->groups.ex_off);
+    cudaFree(b->groups.slot_list);
+    cudaFree(b->groups.act_list);
+    cudaFree(b->groups.n_active);
+    cudaFree(b->dout);
     cudaFree(b->logits);
     cudaFree(b->d_in);
     cudaFree(b->d_rope);
@@ -513,7 +525,6 @@ static int cuda_begin(struct moe_backend *bb, const struct moe_step *st)
     b->n = st->n;
     b->n_out = st->n_out;
     b->head_chunked = false;
-    b->norm.on = false;
     /* Inputs: staged in pinned memory, one copy each (the previous step has finished: end()
      * synchronised). */
     size_t n = (size_t)st->n;
@@ -545,28 +556,10 @@ static int cuda_begin(struct moe_backend *bb, const struct moe_step *st)
     return 0;
 }
 
-/* RMSNorm is launched lazily: rmsnorm() records it, and a mat-vec whose input it is fuses it
- * (the normed rows are still written to dst by that kernel). Every other op first launches a
- * recorded norm on its own. */
-static int flush_norm(struct cuda_backend *b)
-{
-    if (!b->norm.on)
-        return 0;
-    b->norm.on = false;
-    mark(b, "rmsnorm");
-    LAUNCH(b, "rmsnorm",
-           moe_cuda_rmsnorm(b->buf[b->norm.src], b->ld[b->norm.src], NULL, b->norm.w, b->d.E,
-                            b->d.eps, b->n, b->buf[b->norm.dst], b->ld[b->norm.dst], b->st));
-    return 0;
-}
-
 #define SKIP_IF_REPLAY(b)                                                                   \
     do {                                                                                    \
         if ((b)->mode == MODE_REPLAY)                                                       \
             return 0;                                                                       \
-        int frc_ = flush_norm(b);                                                           \
-        if (frc_)                                                                           \
-            return frc_;                                                                    \
         mark(b, __func__ + 5);                                                              \
     } while (0)
 
@@ -596,13 +589,10 @@ static int cuda_rmsnorm(struct moe_backend *bb, int l, enum moe_wid w, enum moe_
     struct cuda_backend *b = (struct cuda_backend *)bb;
     SKIP_IF_REPLAY(b);
     const float *nw = norm_weight(b, l, w);
-    if (!nw || moe_buf_width(&b->d, src) != b->d.E || moe_buf_width(&b->d, dst) != b->d.E ||
-        src == dst)
+    if (!nw || moe_buf_width(&b->d, src) != b->d.E || moe_buf_width(&b->d, dst) != b->d.E)
         return cu_err(b, MOE_ERANGE, "rmsnorm: bad weight %d or buffers", (int)w);
-    b->norm.on = true;
-    b->norm.w = nw;
-    b->norm.src = src;
-    b->norm.dst = dst;
+    LAUNCH(b, "rmsnorm", moe_cuda_rmsnorm(b->buf[src], b->ld[src], NULL, nw, b->d.E, b->d.eps,
+                                          b->n, b->buf[dst], b->ld[dst], b->st));
     return 0;
 }
 
@@ -614,30 +604,11 @@ static int cuda_matmul(struct moe_backend *bb, int l, const struct moe_mm *mm, i
         return 0;
     if (l < 0 || l >= (int)b->d.L || n_mm < 1 || n_mm > 3)
         return cu_err(b, MOE_ERANGE, "matmul: layer %d, %d products", l, n_mm);
-    /* A recorded norm of this input is fused into the first launch; one that this op would
-     * overwrite (dst is its source) is launched first. */
-    bool fuse = b->norm.on && b->norm.dst == src && b->fuse_norm;
-    for (int j = 0; j < n_mm; j++)
-        if (b->norm.on && (mm[j].dst == b->norm.src || mm[j].dst == b->norm.dst))
-            fuse = false;
-    if (!fuse) {
-        int rc = flush_norm(b);
-        if (rc)
-            return rc;
-    }
-    mark(b, fuse ? "norm+matmul" : "matmul");
-    struct moe_mv_norm nm = {};
-    if (fuse) {
-        nm = (struct moe_mv_norm){b->norm.w, b->d.eps, b->buf[b->norm.dst], b->ld[b->norm.dst]};
-        b->norm.on = false;
-    }
-    /* Fused: the kernels read the norm's source and norm it themselves. */
-    const enum moe_buf in = fuse ? b->norm.src : src;
-    const float *x = b->buf[in];
-    const int64_t ldx = b->ld[in];
+    mark(b, n_mm == 3 ? "qkv" : mm[0].w == MOE_W_O ? "o" : "router");
+    const float *x = b->buf[src];
+    const int64_t ldx = b->ld[src];
     /* One launch per weight type (q, k and v usually share theirs). */
     bool done[3] = {false, false, false};
-    bool first = true;
     for (int j = 0; j < n_mm; j++) {
         if (done[j])
             continue;
@@ -659,13 +630,9 @@ static int cuda_matmul(struct moe_backend *bb, int l, const struct moe_mm *mm, i
         }
         if (!W || nj == 0)
             return cu_err(b, MOE_ERANGE, "matmul: weight %d of layer %d", (int)mm[j].w, l);
-        struct moe_mv_norm nmj = nm;
-        if (!first)
-            nmj.xout = NULL; /* the first launch writes the normed rows */
         LAUNCH(b, "matmul",
                moe_cuda_matvec_multi(W->type, jobs, nj, W->ne[0], x, ldx, b->n, accumulate,
-                                     fuse ? &nmj : NULL, b->st));
-        first = false;
+                                     b->st));
     }
     return 0;
 }
@@ -687,8 +654,9 @@ static int cuda_attention(struct moe_backend *bb, int l)
 {
     struct cuda_backend *b = (struct cuda_backend *)bb;
     SKIP_IF_REPLAY(b);
-    /* Prompt chunks have enough blocks without splitting. */
-    int split = b->n * b->d.H >= 2 * b->sms ? 1 : b->n_split;
+    /* Decode-sized steps split the KV range (the same split for every batch size, so a
+     * sequence's result does not depend on its batch); prompt chunks have blocks enough. */
+    int split = b->n <= MOE_CUDA_GRAPH_MAX ? b->n_split : 1;
     LAUNCH(b, "attention",
            moe_cuda_attention(b->buf[MOE_BUF_Q], b->ld[MOE_BUF_Q], D_POS(b), D_SEQ(b), &b->kv, l,
                               b->d.H, b->n, split, b->part, b->att_done, b->buf[MOE_BUF_ATT],
@@ -712,16 +680,38 @@ static int cuda_experts(struct moe_backend *bb, int l)
     struct cuda_backend *b = (struct cuda_backend *)bb;
     SKIP_IF_REPLAY(b);
     const struct cuda_layer *cl = &b->layers[l];
+    const int k = (int)b->d.kuse;
+    const int32_t *sel_e = (const int32_t *)b->buf[MOE_BUF_SEL_E];
+    if (b->n >= MOE_CUDA_GROUP_MIN && cl->gate_type == cl->up_type) {
+        /* Several tokens: slots grouped by expert, each active expert's weights read once. */
+        const int64_t slots = b->n * k;
+        const int max_active = (int)(slots < b->d.nexp ? slots : b->d.nexp);
+        mark(b, "group");
+        LAUNCH(b, "expert grouping",
+               moe_cuda_expert_group(sel_e, slots, b->d.nexp, &b->groups, b->st));
+        mark(b, "gate_up");
+        LAUNCH(b, "expert gate/up",
+               moe_cuda_expert_gate_up_grouped(cl->gate_type, cl->gate, cl->up, b->d.E, b->d.ff,
+                                               b->buf[MOE_BUF_X], b->ld[MOE_BUF_X], k, &b->groups,
+                                               max_active, b->act, b->ld_act, b->st));
+        mark(b, "down");
+        LAUNCH(b, "expert down",
+               moe_cuda_expert_down_grouped(cl->down_type, cl->down, b->d.ff, b->d.E, b->act,
+                                            b->ld_act, &b->groups, max_active, b->n, k,
+                                            b->buf[MOE_BUF_SEL_W], b->dout, b->ld_dout,
+                                            b->buf[MOE_BUF_H], b->ld[MOE_BUF_H], b->st));
+        return 0;
+    }
+    mark(b, "gate_up");
     LAUNCH(b, "expert gate/up",
            moe_cuda_expert_gate_up(cl->gate_type, cl->up_type, cl->gate, cl->up, b->d.E, b->d.ff,
-                                   b->buf[MOE_BUF_X], b->ld[MOE_BUF_X], b->n, (int)b->d.kuse,
-                                   (const int32_t *)b->buf[MOE_BUF_SEL_E], b->act, b->ld_act,
-                                   b->scratch, b->st));
+                                   b->buf[MOE_BUF_X], b->ld[MOE_BUF_X], b->n, k, sel_e, b->act,
+                                   b->ld_act, b->scratch, b->st));
+    mark(b, "down");
     LAUNCH(b, "expert down",
            moe_cuda_expert_down(cl->down_type, cl->down, b->d.ff, b->d.E, b->act, b->ld_act, b->n,
-                                (int)b->d.kuse, (const int32_t *)b->buf[MOE_BUF_SEL_E],
-                                b->buf[MOE_BUF_SEL_W], b->buf[MOE_BUF_H], b->ld[MOE_BUF_H],
-                                b->st));
+                                k, sel_e, b->buf[MOE_BUF_SEL_W], b->buf[MOE_BUF_H],
+                                b->ld[MOE_BUF_H], b->st));
     return 0;
 }
 
@@ -754,12 +744,8 @@ static int cuda_head(struct moe_backend *bb)
 static int cuda_end(struct moe_backend *bb, float *out)
 {
     struct cuda_backend *b = (struct cuda_backend *)bb;
-    if (b->mode != MODE_REPLAY) {
-        int rc = flush_norm(b);
-        if (rc)
-            return rc;
+    if (b->mode != MODE_REPLAY)
         mark(b, "end");
-    }
     if (b->mode == MODE_CAPTURE) {
         cudaGraph_t g;
         b->capturing = false;
@@ -770,14 +756,23 @@ static int cuda_end(struct moe_backend *bb, float *out)
         if (e != cudaSuccess)
             return cu_err(b, MOE_EBACKEND, "cuda:%d: cudaGraphInstantiate: %s", b->dev,
                           cudaGetErrorString(e));
-        b->graphs[b->n_graphs++] = (struct cuda_graph){b->n, b->n_out, exec};
+        struct cuda_graph cg = {b->n, b->n_out, exec, 0, NULL};
+        if (b->profile && (cg.ev_name = (const char **)malloc(sizeof(char *) * (size_t)b->n_ev))) {
+            cg.n_ev = b->n_ev;
+            memcpy(cg.ev_name, b->ev_name, sizeof(char *) * (size_t)b->n_ev);
+        }
+        b->graphs[b->n_graphs++] = cg;
         b->mode = MODE_REPLAY;
     }
     if (b->mode == MODE_REPLAY) {
         cudaGraphExec_t exec = NULL;
         for (int i = 0; i < b->n_graphs; i++)
-            if (b->graphs[i].n == b->n && b->graphs[i].n_out == b->n_out)
+            if (b->graphs[i].n == b->n && b->graphs[i].n_out == b->n_out) {
                 exec = b->graphs[i].exec;
+                b->n_ev = b->graphs[i].n_ev;
+                if (b->n_ev)
+                    memcpy(b->ev_name, b->graphs[i].ev_name, sizeof(char *) * (size_t)b->n_ev);
+            }
         CU(b, cudaGraphLaunch(exec, b->st));
     }
     if (b->n_out && !out)
@@ -816,9 +811,7 @@ static int cuda_read_buf(struct moe_backend *bb, enum moe_buf buf, int64_t n, vo
     struct cuda_backend *b = (struct cuda_backend *)bb;
     if ((int)buf < 0 || buf >= MOE_BUF_COUNT || n < 0 || n > (int64_t)b->d.n_batch)
         return cu_err(b, MOE_ERANGE, "read_buf: bad buffer or row count");
-    int frc = flush_norm(b);
-    if (frc)
-        return frc;
+
     int64_t w = moe_buf_width(&b->d, buf);
     CU(b, cudaMemcpy2DAsync(dst, sizeof(float) * (size_t)w, b->buf[buf],
                             sizeof(float) * (size_t)b->ld[buf], sizeof(float) * (size_t)w,
@@ -832,9 +825,7 @@ static int cuda_write_buf(struct moe_backend *bb, enum moe_buf buf, int64_t n, c
     struct cuda_backend *b = (struct cuda_backend *)bb;
     if ((int)buf < 0 || buf >= MOE_BUF_COUNT || n < 0 || n > (int64_t)b->d.n_batch)
         return cu_err(b, MOE_ERANGE, "write_buf: bad buffer or row count");
-    int frc = flush_norm(b);
-    if (frc)
-        return frc;
+
     int64_t w = moe_buf_width(&b->d, buf);
     CU(b, cudaMemcpy2DAsync(b->buf[buf], sizeof(float) * (size_t)b->ld[buf], src,
                             sizeof(float) * (size_t)w, sizeof(float) * (size_t)w, (size_t)n,

@@ -1,13 +1,13 @@
 /* Grouped expert kernels (see experts.cuh).
  *
- * Gate/up: one block per (4 rows, slot); a warp computes one row of gate and the same row of up
- * (two rows of the same type walked together, as the mat-vec walks two rows of one matrix), so
+ * Gate/up: one block per (16 rows, slot); a warp computes 4 rows of gate and the same rows of up
+ * (8 rows of the same type walked together, as the mat-vec walks two rows of one matrix), so
  * the SwiGLU is applied in registers and only act is written. When gate and up differ in type,
  * each is computed by its own pass into scratch and the SwiGLU is a third small kernel.
  *
- * Down: one block per (two rows, token) with one warp per chosen expert (warps loop when k is
- * above 32): each warp completes its expert's dot products for the two rows, then one thread
- * weights and adds them in the token's top-k order and adds the sum into the residual: the
+ * Down: one block per (16 rows, token) with one warp per chosen expert (warps loop when k is
+ * above 8): each warp completes its expert's dot products for the 16 rows, then one thread per
+ * row weights and adds them in the token's top-k order and adds the sum into the residual: the
  * fixed-order combine of the CPU backend, fused. */
 #include "worker/cuda/experts.cuh"
 
@@ -21,7 +21,6 @@ extern "C" {
 #include "worker/cuda/launch.cuh"
 #include "worker/cuda/qdot.cuh"
 
-#define EX_WARPS 4
 
 static __device__ __forceinline__ float silu_f(float g)
 {
@@ -37,7 +36,7 @@ static __device__ __forceinline__ void row_dots_n(const uint8_t *const *rowp, un
     UNROLL
     for (int r = 0; r < RW; r++)
         acc[r] = 0.0f;
-#pragma unroll(3 - RW)
+#pragma unroll(RW >= 2 ? 1 : 2)
     for (int u = lane; u < nu; u += 32) {
         const unsigned bi = (unsigned)u / PB;
         const uint8_t *bs[RW];
@@ -68,9 +67,15 @@ static __device__ __forceinline__ void row_dots(const uint8_t *const *rowp, unsi
     }
 }
 
+/* Rows per warp and warps per block of the expert kernels. A warp walks GU_ROWS rows of gate and
+ * the same rows of up (2·GU_ROWS dot products sharing each x load), so every lane has several
+ * independent loads in flight; a layer's gate/up for one token is one wave of blocks. */
+#define GU_ROWS 4
+#define GU_WARPS 4
+
 /* mode 0: act = silu(gate)·up (gate, up same type K); mode 1: out = W·x for table a only. */
 template <int K, int MODE>
-static __global__ void __launch_bounds__(32 * EX_WARPS)
+static __global__ void __launch_bounds__(32 * GU_WARPS)
 gate_up_kernel(const uint8_t *const *__restrict__ ga, const uint8_t *const *__restrict__ ua,
                size_t row_bytes, unsigned block_bytes, int nu, int64_t ff,
                const float *__restrict__ x, int64_t ldx, int kuse,
@@ -78,25 +83,29 @@ gate_up_kernel(const uint8_t *const *__restrict__ ga, const uint8_t *const *__re
 {
     pdl_trigger();
     pdl_wait();
-    const int64_t row = (int64_t)blockIdx.x * EX_WARPS + (threadIdx.x >> 5);
-    if (row >= ff)
+    const int64_t r0 = ((int64_t)blockIdx.x * GU_WARPS + (threadIdx.x >> 5)) * GU_ROWS;
+    if (r0 >= ff)
         return;
     const int64_t slot = blockIdx.y;
     const int e = sel_e[slot];
     const float *xt = x + (slot / kuse) * ldx;
-    if constexpr (MODE == 0) {
-        const uint8_t *rowp[2] = {ga[e] + (size_t)row * row_bytes, ua[e] + (size_t)row * row_bytes};
-        float acc[2];
-        row_dots<K, 2>(rowp, block_bytes, nu, xt, acc);
-        if ((threadIdx.x & 31) == 0)
-            out[slot * ldo + row] = silu_f(acc[0]) * acc[1];
-    } else {
-        const uint8_t *rowp[1] = {ga[e] + (size_t)row * row_bytes};
-        float acc[1];
-        row_dots<K, 1>(rowp, block_bytes, nu, xt, acc);
-        if ((threadIdx.x & 31) == 0)
-            out[slot * ldo + row] = acc[0];
+    constexpr int M = MODE == 0 ? 2 : 1; /* matrices */
+    const uint8_t *rowp[M * GU_ROWS];
+    const uint8_t *base[2] = {ga[e], MODE == 0 ? ua[e] : ga[e]};
+#pragma unroll
+    for (int r = 0; r < GU_ROWS; r++) {
+        const int64_t row = r0 + r < ff ? r0 + r : r0; /* past the end: recompute r0, unstored */
+#pragma unroll
+        for (int m = 0; m < M; m++)
+            rowp[M * r + m] = base[m] + (size_t)row * row_bytes;
     }
+    float acc[M * GU_ROWS];
+    row_dots<K, M * GU_ROWS>(rowp, block_bytes, nu, xt, acc);
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int r = 0; r < GU_ROWS; r++)
+        if (lane == r && r0 + r < ff)
+            out[slot * ldo + r0 + r] = MODE == 0 ? silu_f(acc[2 * r]) * acc[2 * r + 1] : acc[r];
 }
 
 static __global__ void swiglu_kernel(const float *__restrict__ g, const float *__restrict__ u,
@@ -110,9 +119,14 @@ static __global__ void swiglu_kernel(const float *__restrict__ g, const float *_
 }
 
 
-/* Two rows of one token per block, one warp per expert (j = warp, warp + nwarps, ...). */
+/* Two rows of one token per block, one warp per expert (j = warp, warp + DOWN_WARPS, ...). */
+#define DOWN_WARPS 8
+#define DOWN_ROWS 16
+
+/* DOWN_ROWS rows of one token per block, one warp per expert (j = warp, warp + DOWN_WARPS, ...),
+ * each warp computing all the rows of its expert (half of them at a time). */
 template <int K>
-static __global__ void __launch_bounds__(1024)
+static __global__ void __launch_bounds__(32 * DOWN_WARPS)
 down_kernel(const uint8_t *const *__restrict__ da, size_t row_bytes, unsigned block_bytes, int nu,
             int64_t E, const float *__restrict__ act, int64_t ldact, int kuse,
             const int32_t *__restrict__ sel_e, const float *__restrict__ sel_w,
@@ -120,33 +134,213 @@ down_kernel(const uint8_t *const *__restrict__ da, size_t row_bytes, unsigned bl
 {
     pdl_trigger();
     pdl_wait();
-    extern __shared__ float part[]; /* [kuse][2] */
-    const int w = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    const int64_t row = (int64_t)blockIdx.x * 2;
+    extern __shared__ float part[]; /* [kuse][DOWN_ROWS] */
+    constexpr int HALF = DOWN_ROWS / 2;
+    const int w = threadIdx.x >> 5, nw = blockDim.x >> 5, lane = threadIdx.x & 31;
+    const int64_t r0 = (int64_t)blockIdx.x * DOWN_ROWS;
     const int64_t t = blockIdx.y;
-    const bool has2 = row + 1 < E;
     for (int j = w; j < kuse; j += nw) {
         const int64_t slot = t * kuse + j;
-        const uint8_t *base = da[sel_e[slot]] + (size_t)row * row_bytes;
-        const uint8_t *rowp[2] = {base, has2 ? base + row_bytes : base};
-        float acc[2];
-        row_dots<K, 2>(rowp, block_bytes, nu, act + slot * ldact, acc);
-        if ((threadIdx.x & 31) == 0) {
-            part[2 * j] = acc[0];
-            part[2 * j + 1] = acc[1];
+        const uint8_t *base = da[sel_e[slot]];
+#pragma unroll
+        for (int hf = 0; hf < 2; hf++) {
+            const uint8_t *rowp[HALF];
+#pragma unroll
+            for (int r = 0; r < HALF; r++) {
+                const int64_t row = r0 + hf * HALF + r;
+                rowp[r] = base + (size_t)(row < E ? row : r0) * row_bytes;
+            }
+            float acc[HALF];
+            row_dots<K, HALF>(rowp, block_bytes, nu, act + slot * ldact, acc);
+#pragma unroll
+            for (int r = 0; r < HALF; r++)
+                if (lane == r)
+                    part[j * DOWN_ROWS + hf * HALF + r] = acc[r];
         }
     }
     __syncthreads();
-    if (threadIdx.x == 0) {
-        float tot0 = 0.0f, tot1 = 0.0f;
-        for (int j = 0; j < kuse; j++) {
-            const float wj = sel_w[t * kuse + j];
-            tot0 += wj * part[2 * j];
-            tot1 += wj * part[2 * j + 1];
+    if (threadIdx.x < DOWN_ROWS && r0 + threadIdx.x < E) {
+        float tot = 0.0f;
+        for (int j = 0; j < kuse; j++)
+            tot += sel_w[t * kuse + j] * part[j * DOWN_ROWS + threadIdx.x];
+        h[t * ldh + r0 + threadIdx.x] += tot;
+    }
+}
+
+/* ---------------------------------------------------------------- grouped by expert */
+
+/* One block: the step's slots grouped by expert. counts by shared-memory atomics (their values
+ * do not depend on the order), offsets by a block scan, and each expert's slots listed in slot
+ * order by one thread walking all slots, so the grouping is deterministic. */
+static __global__ void __launch_bounds__(1024)
+group_kernel(const int32_t *__restrict__ sel_e, int n_slots, int nexp, int32_t *__restrict__ ex_off,
+             int32_t *__restrict__ slot_list, int32_t *__restrict__ act_list,
+             int32_t *__restrict__ n_active)
+{
+    pdl_trigger();
+    pdl_wait();
+    extern __shared__ int32_t sh[]; /* cnt[nexp], off[nexp], act[nexp] */
+    int32_t *cnt = sh, *off = sh + nexp, *aix = sh + 2 * nexp;
+    __shared__ int32_t wsum[2][32];
+    for (int e = threadIdx.x; e < nexp; e += blockDim.x)
+        cnt[e] = 0;
+    __syncthreads();
+    for (int s = threadIdx.x; s < n_slots; s += blockDim.x)
+        atomicAdd(&cnt[sel_e[s]], 1);
+    __syncthreads();
+    /* Exclusive scans of cnt and of (cnt > 0), chunk per thread, then across the block. */
+    const int C = (nexp + blockDim.x - 1) / blockDim.x, e0 = threadIdx.x * C;
+    int32_t a = 0, f = 0;
+    for (int e = e0; e < e0 + C && e < nexp; e++) {
+        a += cnt[e];
+        f += cnt[e] > 0;
+    }
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+    int32_t ia = a, iff = f;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        int32_t ya = __shfl_up_sync(0xffffffffu, ia, o), yf = __shfl_up_sync(0xffffffffu, iff, o);
+        if (lane >= o) {
+            ia += ya;
+            iff += yf;
         }
-        h[t * ldh + row] += tot0;
-        if (has2)
-            h[t * ldh + row + 1] += tot1;
+    }
+    if (lane == 31) {
+        wsum[0][w] = ia;
+        wsum[1][w] = iff;
+    }
+    __syncthreads();
+    if (w == 0) {
+        int32_t va = lane < (int)(blockDim.x >> 5) ? wsum[0][lane] : 0;
+        int32_t vf = lane < (int)(blockDim.x >> 5) ? wsum[1][lane] : 0;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            int32_t ya = __shfl_up_sync(0xffffffffu, va, o), yf = __shfl_up_sync(0xffffffffu, vf, o);
+            if (lane >= o) {
+                va += ya;
+                vf += yf;
+            }
+        }
+        wsum[0][lane] = va;
+        wsum[1][lane] = vf;
+    }
+    __syncthreads();
+    int32_t ra = ia - a + (w ? wsum[0][w - 1] : 0), rf = iff - f + (w ? wsum[1][w - 1] : 0);
+    for (int e = e0; e < e0 + C && e < nexp; e++) {
+        off[e] = ra;
+        aix[e] = rf;
+        ra += cnt[e];
+        rf += cnt[e] > 0;
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < nexp; e += blockDim.x) {
+        ex_off[e] = off[e];
+        if (cnt[e]) {
+            act_list[aix[e]] = e;
+            int32_t pos = off[e];
+            for (int s = 0; s < n_slots && pos < off[e] + cnt[e]; s++)
+                if (sel_e[s] == e)
+                    slot_list[pos++] = s;
+        }
+    }
+    if (threadIdx.x == 0) {
+        ex_off[nexp] = n_slots;
+        *n_active = aix[nexp - 1] + (cnt[nexp - 1] > 0);
+    }
+}
+
+/* Gate/up grouped: one block per (16 rows, active expert), looping over the expert's slots; the
+ * weights come from HBM once per step and from L1 for every further slot. Same arithmetic per
+ * slot as gate_up_kernel. */
+template <int K>
+static __global__ void __launch_bounds__(32 * GU_WARPS)
+gate_up_grouped_kernel(const uint8_t *const *__restrict__ ga, const uint8_t *const *__restrict__ ua,
+                       size_t row_bytes, unsigned block_bytes, int nu, int64_t ff,
+                       const float *__restrict__ x, int64_t ldx, int kuse,
+                       const int32_t *__restrict__ ex_off, const int32_t *__restrict__ slot_list,
+                       const int32_t *__restrict__ act_list, const int32_t *__restrict__ n_active,
+                       float *__restrict__ out, int64_t ldo)
+{
+    pdl_trigger();
+    pdl_wait();
+    if ((int)blockIdx.y >= *n_active)
+        return;
+    const int64_t r0 = ((int64_t)blockIdx.x * GU_WARPS + (threadIdx.x >> 5)) * GU_ROWS;
+    if (r0 >= ff)
+        return;
+    const int e = act_list[blockIdx.y];
+    const uint8_t *rowp[2 * GU_ROWS];
+#pragma unroll
+    for (int r = 0; r < GU_ROWS; r++) {
+        const int64_t row = r0 + r < ff ? r0 + r : r0;
+        rowp[2 * r] = ga[e] + (size_t)row * row_bytes;
+        rowp[2 * r + 1] = ua[e] + (size_t)row * row_bytes;
+    }
+    const int lane = threadIdx.x & 31;
+    for (int32_t i = ex_off[e]; i < ex_off[e + 1]; i++) {
+        const int32_t slot = slot_list[i];
+        float acc[2 * GU_ROWS];
+        row_dots<K, 2 * GU_ROWS>(rowp, block_bytes, nu, x + (int64_t)(slot / kuse) * ldx, acc);
+#pragma unroll
+        for (int r = 0; r < GU_ROWS; r++)
+            if (lane == r && r0 + r < ff)
+                out[(int64_t)slot * ldo + r0 + r] = silu_f(acc[2 * r]) * acc[2 * r + 1];
+    }
+}
+
+/* Down grouped: one block per (16 rows, active expert), warps taking the expert's slots in turn;
+ * dout[slot] gets the expert's output rows (same arithmetic as down_kernel's per-expert dots). */
+template <int K>
+static __global__ void __launch_bounds__(32 * DOWN_WARPS)
+down_grouped_kernel(const uint8_t *const *__restrict__ da, size_t row_bytes, unsigned block_bytes,
+                    int nu, int64_t E, const float *__restrict__ act, int64_t ldact,
+                    const int32_t *__restrict__ ex_off, const int32_t *__restrict__ slot_list,
+                    const int32_t *__restrict__ act_list, const int32_t *__restrict__ n_active,
+                    float *__restrict__ dout, int64_t ldd)
+{
+    pdl_trigger();
+    pdl_wait();
+    if ((int)blockIdx.y >= *n_active)
+        return;
+    constexpr int HALF = DOWN_ROWS / 2;
+    const int w = threadIdx.x >> 5, nw = blockDim.x >> 5, lane = threadIdx.x & 31;
+    const int64_t r0 = (int64_t)blockIdx.x * DOWN_ROWS;
+    const int e = act_list[blockIdx.y];
+    const uint8_t *base = da[e];
+    for (int32_t i = ex_off[e] + w; i < ex_off[e + 1]; i += nw) {
+        const int32_t slot = slot_list[i];
+#pragma unroll
+        for (int hf = 0; hf < 2; hf++) {
+            const uint8_t *rowp[HALF];
+#pragma unroll
+            for (int r = 0; r < HALF; r++) {
+                const int64_t row = r0 + hf * HALF + r;
+                rowp[r] = base + (size_t)(row < E ? row : r0) * row_bytes;
+            }
+            float acc[HALF];
+            row_dots<K, HALF>(rowp, block_bytes, nu, act + (int64_t)slot * ldact, acc);
+#pragma unroll
+            for (int r = 0; r < HALF; r++)
+                if (lane == r && r0 + hf * HALF + r < E)
+                    dout[(int64_t)slot * ldd + r0 + hf * HALF + r] = acc[r];
+        }
+    }
+}
+
+/* h[t] += Σ_j sel_w[t][j] · dout[t·k + j], j in order (the combine of down_kernel). */
+static __global__ void combine_kernel(const float *__restrict__ dout, int64_t ldd, int64_t E,
+                                      int kuse, const float *__restrict__ sel_w,
+                                      float *__restrict__ h, int64_t ldh)
+{
+    pdl_trigger();
+    pdl_wait();
+    const int64_t t = blockIdx.y;
+    for (int64_t r = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; r < E;
+         r += (int64_t)gridDim.x * blockDim.x) {
+        float tot = 0.0f;
+        for (int j = 0; j < kuse; j++)
+            tot += sel_w[t * kuse + j] * dout[(t * kuse + j) * ldd + r];
+        h[t * ldh + r] += tot;
     }
 }
 
@@ -193,8 +387,9 @@ static int launch_gate_up(const void *const *a, const void *const *b, int64_t n,
     size_t rb;
     int nu;
     unsigned bb = blk_bytes<K>(n, &rb, &nu);
-    dim3 g((unsigned)((ff + EX_WARPS - 1) / EX_WARPS), (unsigned)(n_tok * kuse));
-    MOE_CUDA_TRY(moe_launch(gate_up_kernel<K, MODE>, g, dim3(32 * EX_WARPS), 0, s,
+    const int64_t per = GU_ROWS * GU_WARPS;
+    dim3 g((unsigned)((ff + per - 1) / per), (unsigned)(n_tok * kuse));
+    MOE_CUDA_TRY(moe_launch(gate_up_kernel<K, MODE>, g, dim3(32 * GU_WARPS), 0, s,
                             (const uint8_t *const *)a, (const uint8_t *const *)b, rb, bb, nu, ff, x,
                             ldx, kuse, sel_e, out, ldo));
     return 0;
@@ -252,9 +447,10 @@ static int launch_down(const void *const *d, int64_t ff, int64_t E, const float 
     size_t rb;
     int nu;
     unsigned bb = blk_bytes<K>(ff, &rb, &nu);
-    dim3 g((unsigned)((E + 1) / 2), (unsigned)n_tok);
-    const int warps = kuse < 32 ? kuse : 32;
-    MOE_CUDA_TRY(moe_launch(down_kernel<K>, g, dim3(32 * warps), sizeof(float) * 2 * (size_t)kuse,
+    dim3 g((unsigned)((E + DOWN_ROWS - 1) / DOWN_ROWS), (unsigned)n_tok);
+    const int warps = kuse < DOWN_WARPS ? kuse : DOWN_WARPS;
+    MOE_CUDA_TRY(moe_launch(down_kernel<K>, g, dim3(32 * (warps < 1 ? 1 : warps)),
+                            sizeof(float) * DOWN_ROWS * (size_t)kuse,
                             s, (const uint8_t *const *)d, rb, bb, nu, E, act, ldact, kuse, sel_e,
                             sel_w, h, ldh));
     return 0;
@@ -278,4 +474,97 @@ int moe_cuda_expert_down(uint32_t type, const void *const *d_down, int64_t ff, i
 #undef CASE
 #undef CALL
     return MOE_EUNSUPPORTED;
+}
+
+int moe_cuda_expert_group(const int32_t *d_sel_e, int64_t n_slots, int64_t nexp,
+                          struct moe_cuda_groups *g, cudaStream_t s)
+{
+    if (n_slots <= 0 || n_slots > 0x7fffffff || nexp <= 0 || nexp > 8192)
+        return -EINVAL;
+    const size_t smem = sizeof(int32_t) * 3 * (size_t)nexp;
+    if (smem > 48 * 1024)
+        MOE_CUDA_TRY(cudaFuncSetAttribute(group_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          (int)smem));
+    MOE_CUDA_TRY(moe_launch(group_kernel, dim3(1), dim3(1024), smem, s, d_sel_e, (int)n_slots,
+                            (int)nexp, g->ex_off, g->slot_list, g->act_list, g->n_active));
+    return 0;
+}
+
+template <int K>
+static int launch_gate_up_grouped(const void *const *a, const void *const *b, int64_t n,
+                                  int64_t ff, const float *x, int64_t ldx, int kuse,
+                                  const struct moe_cuda_groups *gr, int max_active, float *out,
+                                  int64_t ldo, cudaStream_t s)
+{
+    size_t rb;
+    int nu;
+    unsigned bb = blk_bytes<K>(n, &rb, &nu);
+    const int64_t per = GU_ROWS * GU_WARPS;
+    dim3 g((unsigned)((ff + per - 1) / per), (unsigned)max_active);
+    MOE_CUDA_TRY(moe_launch(gate_up_grouped_kernel<K>, g, dim3(32 * GU_WARPS), 0, s,
+                            (const uint8_t *const *)a, (const uint8_t *const *)b, rb, bb, nu, ff, x,
+                            ldx, kuse, (const int32_t *)gr->ex_off, (const int32_t *)gr->slot_list,
+                            (const int32_t *)gr->act_list, (const int32_t *)gr->n_active, out, ldo));
+    return 0;
+}
+
+template <int K>
+static int launch_down_grouped(const void *const *d, int64_t ff, int64_t E, const float *act,
+                               int64_t ldact, const struct moe_cuda_groups *gr, int max_active,
+                               float *dout, int64_t ldd, cudaStream_t s)
+{
+    size_t rb;
+    int nu;
+    unsigned bb = blk_bytes<K>(ff, &rb, &nu);
+    dim3 g((unsigned)((E + DOWN_ROWS - 1) / DOWN_ROWS), (unsigned)max_active);
+    MOE_CUDA_TRY(moe_launch(down_grouped_kernel<K>, g, dim3(32 * DOWN_WARPS), 0, s,
+                            (const uint8_t *const *)d, rb, bb, nu, E, act, ldact,
+                            (const int32_t *)gr->ex_off, (const int32_t *)gr->slot_list,
+                            (const int32_t *)gr->act_list, (const int32_t *)gr->n_active, dout,
+                            ldd));
+    return 0;
+}
+
+int moe_cuda_expert_gate_up_grouped(uint32_t type, const void *const *d_gate,
+                                    const void *const *d_up, int64_t n, int64_t ff,
+                                    const float *d_x, int64_t ldx, int kuse,
+                                    const struct moe_cuda_groups *g, int max_active, float *d_act,
+                                    int64_t ldact, cudaStream_t s)
+{
+    if (max_active <= 0 || max_active > 65535)
+        return -EINVAL;
+#define CALL(T) return launch_gate_up_grouped<T>(d_gate, d_up, n, ff, d_x, ldx, kuse, g, max_active, d_act, ldact, s);
+#define CASE(T) case T: CALL(T)
+    switch (type) {
+    MOE_QDOT_TYPES(CASE)
+    PLAIN_CASES(CALL, type, n)
+    }
+#undef CASE
+#undef CALL
+    return MOE_EUNSUPPORTED;
+}
+
+int moe_cuda_expert_down_grouped(uint32_t type, const void *const *d_down, int64_t ff, int64_t E,
+                                 const float *d_act, int64_t ldact, const struct moe_cuda_groups *g,
+                                 int max_active, int64_t n_tok, int kuse, const float *d_sel_w,
+                                 float *d_dout, int64_t ldd, float *d_h, int64_t ldh,
+                                 cudaStream_t s)
+{
+    if (max_active <= 0 || max_active > 65535 || n_tok <= 0 || n_tok > 65535)
+        return -EINVAL;
+    int rc = MOE_EUNSUPPORTED;
+#define CALL(T) { rc = launch_down_grouped<T>(d_down, ff, E, d_act, ldact, g, max_active, d_dout, ldd, s); break; }
+#define CASE(T) case T: CALL(T)
+    switch (type) {
+    MOE_QDOT_TYPES(CASE)
+    PLAIN_CASES(CALL, type, ff)
+    }
+#undef CASE
+#undef CALL
+    if (rc)
+        return rc;
+    unsigned gx = (unsigned)((E + 255) / 256);
+    MOE_CUDA_TRY(moe_launch(combine_kernel, dim3(gx, (unsigned)n_tok), dim3(256), 0, s,
+                            (const float *)d_dout, ldd, E, kuse, d_sel_w, d_h, ldh));
+    return 0;
 }

@@ -22,4 +22,34 @@ int moe_cuda_expert_down(uint32_t type, const void *const *d_down, int64_t ff, i
                          const int32_t *d_sel_e, const float *d_sel_w, float *d_h, int64_t ldh,
                          cudaStream_t s);
 
+/* The step's expert slots grouped by expert (device buffers, filled by moe_cuda_expert_group):
+ * the slots of expert e are slot_list[ex_off[e] .. ex_off[e+1]), in slot order; act_list[0 ..
+ * *n_active) are the experts with at least one slot, in increasing order. */
+struct moe_cuda_groups {
+    int32_t *ex_off;     /* [nexp + 1] */
+    int32_t *slot_list;  /* [n_slots] */
+    int32_t *act_list;   /* [nexp] */
+    int32_t *n_active;   /* [1] */
+};
+
+int moe_cuda_expert_group(const int32_t *d_sel_e, int64_t n_slots, int64_t nexp,
+                          struct moe_cuda_groups *g, cudaStream_t s);
+
+/* Gate/up by expert (gate and up of one type): each active expert's rows are read from memory
+ * once for all its slots. max_active: min(nexp, n_slots), the grid's bound. Same results as
+ * moe_cuda_expert_gate_up, bit for bit. */
+int moe_cuda_expert_gate_up_grouped(uint32_t type, const void *const *d_gate,
+                                    const void *const *d_up, int64_t n, int64_t ff,
+                                    const float *d_x, int64_t ldx, int kuse,
+                                    const struct moe_cuda_groups *g, int max_active, float *d_act,
+                                    int64_t ldact, cudaStream_t s);
+
+/* Down by expert into dout [slot][E] (rows ldd apart), then h[t] += Σ_j sel_w · dout in the
+ * token's top-k order. Same results as moe_cuda_expert_down, bit for bit. */
+int moe_cuda_expert_down_grouped(uint32_t type, const void *const *d_down, int64_t ff, int64_t E,
+                                 const float *d_act, int64_t ldact, const struct moe_cuda_groups *g,
+                                 int max_active, int64_t n_tok, int kuse, const float *d_sel_w,
+                                 float *d_dout, int64_t ldd, float *d_h, int64_t ldh,
+                                 cudaStream_t s);
+
 #endif

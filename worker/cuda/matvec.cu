@@ -39,9 +39,7 @@ extern "C" {
 #define THREADS (32 * ROWS_PER_BLOCK)
 
 /* Up to three matrices of one type and row length, in one launch (q, k and v of a layer): segment
- * g takes grid blocks [blk0, blk0 + its blocks). With NORM the input is RMSNorm(x)·nw, computed
- * by every block into shared memory (and written to xout by the first block of each token), so
- * the norm costs no launch of its own. */
+ * g takes grid blocks [blk0, blk0 + its blocks). */
 struct mv_seg {
     const uint8_t *w;
     float *y;
@@ -58,11 +56,6 @@ struct mv_args {
     const float *x;
     int64_t ldx;
     int accumulate;
-    const float *nw; /* NORM: weight [n], eps, output of the normed rows */
-    float eps;
-    int64_t n;
-    float *xout;
-    int64_t ldxo;
 };
 
 /* Each block of threads takes ROWS_PER_BLOCK rows of one token (blockIdx.y), each warp RW
@@ -71,14 +64,12 @@ struct mv_args {
  * twice). Several tokens re-read the weights (from L2 when the matrix fits); the result of a
  * token does not depend on how many others share the launch. Before waiting for the previous
  * kernel, each warp prefetches its rows into L2. */
-template <int K, bool NORM>
+template <int K>
 static __global__ void __launch_bounds__(THREADS)
 matvec_kernel(const mv_args a)
 {
     constexpr int PB = unit_shape<K>::per_block, BL = unit_shape<K>::blck;
     constexpr int RW = rows_per_warp<K>();
-    extern __shared__ float xs[];
-    __shared__ float red[32];
     const int lane = threadIdx.x & 31;
     int g = 0;
     while (g + 1 < a.nseg && blockIdx.x >= a.seg[g + 1].blk0)
@@ -98,28 +89,6 @@ matvec_kernel(const mv_args a)
     pdl_trigger();
     pdl_wait();
     const float *x = a.x + (int64_t)blockIdx.y * a.ldx;
-    if constexpr (NORM) {
-        float ss = 0.0f;
-        for (int64_t i = threadIdx.x; i < a.n; i += blockDim.x)
-            ss += x[i] * x[i];
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1)
-            ss += __shfl_xor_sync(0xffffffffu, ss, o);
-        if (lane == 0)
-            red[threadIdx.x >> 5] = ss;
-        __syncthreads();
-        ss = 0.0f;
-        for (int i = 0; i < (int)(blockDim.x >> 5); i++)
-            ss += red[i];
-        const float sc = 1.0f / sqrtf(ss / (float)a.n + a.eps);
-        for (int64_t i = threadIdx.x; i < a.n; i += blockDim.x)
-            xs[i] = x[i] * sc * a.nw[i];
-        __syncthreads();
-        if (blockIdx.x == 0 && a.xout)
-            for (int64_t i = threadIdx.x; i < a.n; i += blockDim.x)
-                a.xout[(int64_t)blockIdx.y * a.ldxo + i] = xs[i];
-        x = xs;
-    }
     if (!live)
         return;
     float *y = sg.y + (int64_t)blockIdx.y * sg.ldy;
@@ -167,8 +136,7 @@ static constexpr uint32_t kind_type(int K)
 
 template <int K>
 static int launch(const struct moe_mv_job *jobs, int n_jobs, int64_t n, const float *x,
-                  int64_t ldx, int64_t n_tok, int accumulate, const struct moe_mv_norm *nm,
-                  cudaStream_t s)
+                  int64_t ldx, int64_t n_tok, int accumulate, cudaStream_t s)
 {
     constexpr int PB = unit_shape<K>::per_block, BL = unit_shape<K>::blck;
     const int64_t nb = n / BL;
@@ -192,25 +160,8 @@ static int launch(const struct moe_mv_job *jobs, int n_jobs, int64_t n, const fl
         return 0;
     if (blocks > 0x7fffffff)
         return -EINVAL;
-    size_t smem = 0;
-    cudaError_t e;
     dim3 g((unsigned)blocks, (unsigned)n_tok), th(THREADS / rows_per_warp<K>());
-    if (nm) {
-        a.nw = nm->w;
-        a.eps = nm->eps;
-        a.n = n;
-        a.xout = nm->xout;
-        a.ldxo = nm->ldxo;
-        smem = sizeof(float) * (size_t)n;
-        if (smem > 48 * 1024)
-            MOE_CUDA_TRY(cudaFuncSetAttribute(matvec_kernel<K, true>,
-                                              cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                              (int)smem));
-        e = moe_launch(matvec_kernel<K, true>, g, th, smem, s, a);
-    } else {
-        e = moe_launch(matvec_kernel<K, false>, g, th, smem, s, a);
-    }
-    MOE_CUDA_TRY(e);
+    MOE_CUDA_TRY(moe_launch(matvec_kernel<K>, g, th, 0, s, a));
     return 0;
 }
 
@@ -242,13 +193,12 @@ extern "C" int moe_cuda_matvec_tok(uint32_t type, const void *d_w, int64_t n, in
                                    int64_t ldy, int accumulate, cudaStream_t s)
 {
     struct moe_mv_job j = {d_w, rows, d_y, ldy};
-    return moe_cuda_matvec_multi(type, &j, 1, n, d_x, ldx, n_tok, accumulate, NULL, s);
+    return moe_cuda_matvec_multi(type, &j, 1, n, d_x, ldx, n_tok, accumulate, s);
 }
 
 extern "C" int moe_cuda_matvec_multi(uint32_t type, const struct moe_mv_job *jobs, int n_jobs,
                                      int64_t n, const float *d_x, int64_t ldx, int64_t n_tok,
-                                     int accumulate, const struct moe_mv_norm *norm,
-                                     cudaStream_t s)
+                                     int accumulate, cudaStream_t s)
 {
     if (!moe_cuda_matvec_supported(type))
         return MOE_EUNSUPPORTED;
@@ -266,11 +216,9 @@ extern "C" int moe_cuda_matvec_multi(uint32_t type, const struct moe_mv_job *job
             return -EINVAL;
         vec = vec && aligned(jobs[j].w, 16);
     }
-    if (norm && (!norm->w || (size_t)n * sizeof(float) > 200 * 1024))
-        return -EINVAL;
     if (n_tok == 0)
         return 0;
-#define ARGS jobs, n_jobs, n, d_x, ldx, n_tok, accumulate, norm, s
+#define ARGS jobs, n_jobs, n, d_x, ldx, n_tok, accumulate, s
     /* The plain types read 16 bytes at a time when every row starts 16-byte aligned. */
     switch (type) {
     case MOE_TYPE_F32: return vec ? launch<KIND_F32_V>(ARGS) : launch<MOE_TYPE_F32>(ARGS);

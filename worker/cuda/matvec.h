@@ -52,21 +52,11 @@ struct moe_mv_job {
     int64_t ldy;
 };
 
-/* A fused RMSNorm of the input: x[t] is replaced by x[t]·rsqrt(mean(x[t]²) + eps)·w, and the
- * normed rows are also written to xout (rows ldxo apart) when xout is not NULL. */
-struct moe_mv_norm {
-    const float *w;
-    float eps;
-    float *xout;
-    int64_t ldxo;
-};
-
 /* Up to three matrices of the same type and row length n over the same input rows, in one
- * launch (q, k, v), optionally with the input's RMSNorm fused (norm not NULL; n floats of shared
- * memory per block, n <= 51200). Other rules as moe_cuda_matvec_tok. */
+ * launch (q, k, v). Other rules as moe_cuda_matvec_tok. */
 int moe_cuda_matvec_multi(uint32_t type, const struct moe_mv_job *jobs, int n_jobs, int64_t n,
                           const float *d_x, int64_t ldx, int64_t n_tok, int accumulate,
-                          const struct moe_mv_norm *norm, cudaStream_t s);
+                          cudaStream_t s);
 
 #ifdef __cplusplus
 }

@@ -17,6 +17,7 @@ extern "C" {
 /* Elements a lane holds of one head vector: head dims up to 32 · MAXD_LANE. */
 #define MAXD_LANE 16
 #define ATT_WARPS 4
+#define ATT_ILP 4
 #define ROUTE_WARPS 4
 
 static __device__ __forceinline__ float warp_sum(float v)
@@ -146,8 +147,11 @@ int moe_cuda_rmsnorm(const float *d_x, int64_t ldx, const int32_t *d_row, const 
 {
     if (n <= 0)
         return 0;
-    MOE_CUDA_TRY(moe_launch(rmsnorm_kernel, dim3((unsigned)n), dim3(256), 0, s, d_x, ldx, d_row,
-                            d_w, width, eps, d_y, ldy));
+    /* One element or two per thread: the row is read in one round trip. */
+    int64_t th = (width / 2 + 31) / 32 * 32;
+    th = th < 64 ? 64 : th > 1024 ? 1024 : th;
+    MOE_CUDA_TRY(moe_launch(rmsnorm_kernel, dim3((unsigned)n), dim3((unsigned)th), 0, s, d_x, ldx,
+                            d_row, d_w, width, eps, d_y, ldy));
     return 0;
 }
 
@@ -248,8 +252,9 @@ int moe_cuda_qk_rope_kv(float *d_q, int64_t ldq, float *d_k, int64_t ldk, const 
 /* ---------------------------------------------------------------- attention */
 
 /* One block per (head, token, split): each warp walks every ATT_WARPS-th position of the split
- * with an online softmax (running max m, sum l, unnormalised output in registers, a lane holding
- * elements lane + 32·i), then the warps are merged into the split's partial result ([hdv]
+ * (ATT_ILP consecutive positions at a time) with an online softmax (running max m, sum l,
+ * unnormalised output in registers, a lane holding elements lane + 32·i), then the warps are
+ * merged into the split's partial result ([hdv]
  * unnormalised, m, l). The last split block of a (token, head) to finish (a counter per pair,
  * reset by that block for the next step) merges the splits into the output. */
 template <bool F32>
@@ -279,25 +284,54 @@ attn_split_kernel(const float *__restrict__ q, int64_t ldq, const int32_t *__res
         qv[i] = e < hd ? q[t * ldq + h * hd + e] * scale : 0.0f;
         acc[i] = 0.0f;
     }
+    /* ATT_ILP positions per iteration of a warp, their loads issued together. */
     float m = -INFINITY, l = 0.0f;
-    for (int64_t p = p0 + w; p < p1; p += ATT_WARPS) {
-        const size_t kr = (row0 + (size_t)p) * hd, vr = (row0 + (size_t)p) * hdv;
-        float sdot = 0.0f;
+    for (int64_t pb = p0 + (int64_t)w * ATT_ILP; pb < p1; pb += ATT_WARPS * ATT_ILP) {
+        float sd[ATT_ILP];
 #pragma unroll
-        for (int i = 0; i < MAXD_LANE; i++) {
-            int64_t e = lane + 32 * i;
-            if (e < hd)
-                sdot += qv[i] * kv_get<F32>(kv.k, kr + e);
+        for (int c = 0; c < ATT_ILP; c++) {
+            const int64_t p = pb + c < p1 ? pb + c : pb;
+            const size_t kr = (row0 + (size_t)p) * hd;
+            float d = 0.0f;
+#pragma unroll
+            for (int i = 0; i < MAXD_LANE; i++) {
+                int64_t e = lane + 32 * i;
+                if (e < hd)
+                    d += qv[i] * kv_get<F32>(kv.k, kr + e);
+            }
+            sd[c] = d;
         }
-        sdot = warp_sum(sdot);
-        const float mn = fmaxf(m, sdot);
-        const float corr = __expf(m - mn), pe = __expf(sdot - mn);
-        l = l * corr + pe;
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1)
+#pragma unroll
+            for (int c = 0; c < ATT_ILP; c++)
+                sd[c] += __shfl_xor_sync(0xffffffffu, sd[c], o);
+        float mn = m;
+#pragma unroll
+        for (int c = 0; c < ATT_ILP; c++)
+            if (pb + c < p1)
+                mn = fmaxf(mn, sd[c]);
+        const float corr = __expf(m - mn);
+        float pe[ATT_ILP];
+#pragma unroll
+        for (int c = 0; c < ATT_ILP; c++)
+            pe[c] = pb + c < p1 ? __expf(sd[c] - mn) : 0.0f;
+        l *= corr;
+#pragma unroll
+        for (int c = 0; c < ATT_ILP; c++)
+            l += pe[c];
 #pragma unroll
         for (int i = 0; i < MAXD_LANE; i++) {
             int64_t e = lane + 32 * i;
-            if (e < hdv)
-                acc[i] = acc[i] * corr + pe * kv_get<F32>(kv.v, vr + e);
+            if (e < hdv) {
+                float a = acc[i] * corr;
+#pragma unroll
+                for (int c = 0; c < ATT_ILP; c++) {
+                    const int64_t p = pb + c < p1 ? pb + c : pb;
+                    a += pe[c] * kv_get<F32>(kv.v, (row0 + (size_t)p) * hdv + e);
+                }
+                acc[i] = a;
+            }
         }
         m = mn;
     }
@@ -431,16 +465,17 @@ static __global__ void route_kernel(const float *__restrict__ logits, int64_t ld
     for (int64_t x = lane; x < nexp; x += 32)
         p[x] = (float)(p[x] / z);
     __syncwarp();
+    /* Taken experts are marked in shared memory by setting their probability to a sentinel
+     * that no softmax output equals (-1); the chosen values are kept in lane registers. */
     double wsum = 0.0;
+    float chosen_w = 0.0f;
+    int chosen_e = 0;
     for (int j = 0; j < k; j++) {
         vi best = {0.0f, -1};
         int last_nan = -1;
         for (int64_t x = lane; x < nexp; x += 32) {
             float v = p[x];
-            bool taken = false;
-            for (int jj = 0; jj < j; jj++)
-                taken |= sel_e[t * k + jj] == (int32_t)x;
-            if (taken)
+            if (v == -1.0f)
                 continue;
             if (isnan(v)) {
                 last_nan = (int)x;
@@ -461,14 +496,27 @@ static __global__ void route_kernel(const float *__restrict__ logits, int64_t ld
             best.i = last_nan;
             best.v = p[last_nan];
         }
-        if (lane == 0) {
-            sel_e[t * k + j] = best.i;
-            sel_w[t * k + j] = best.v;
-            atomicAdd(&counts[best.i], 1ull);
+        __syncwarp();
+        if (lane == 0)
+            p[best.i] = -1.0f;
+        if (lane == (j & 31)) {
+            chosen_w = best.v;
+            chosen_e = best.i;
         }
+        if (lane == 0)
+            atomicAdd(&counts[best.i], 1ull);
         __syncwarp();
         wsum += best.v;
+        if ((j & 31) == 31 || j == k - 1) {
+            /* Lanes 0..(j & 31) hold choices j & ~31 .. j. */
+            int base = j & ~31;
+            if (lane <= (j & 31)) {
+                sel_e[t * k + base + lane] = chosen_e;
+                sel_w[t * k + base + lane] = chosen_w;
+            }
+        }
     }
+    __syncwarp();
     if (norm_topk && wsum > 0.0)
         for (int j = lane; j < k; j += 32)
             sel_w[t * k + j] = (float)(sel_w[t * k + j] / wsum);
