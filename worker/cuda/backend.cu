@@ -89,6 +89,7 @@ struct cuda_backend {
     int n_split, sms;
     int mode;
     bool capturing, head_chunked, use_graphs;
+    int64_t group_min;               /* MOE_CUDA_GROUP_MIN overrides the default */
     /* MOE_CUDA_PROFILE=1: an event before every kernel (event nodes in the graphs), time per
      * op name printed at free (a development aid; run it with MOE_CUDA_NO_PDL=1). */
     bool profile;
@@ -263,6 +264,10 @@ static int cuda_init(struct moe_backend **out, const struct moe_model *m, struct
     b->dev = d->device;
     b->use_graphs = getenv("MOE_CUDA_NO_GRAPHS") == NULL;
     b->profile = getenv("MOE_CUDA_PROFILE") != NULL;
+    b->group_min = getenv("MOE_CUDA_GROUP_MIN") ? atoll(getenv("MOE_CUDA_GROUP_MIN"))
+                                                : MOE_CUDA_GROUP_MIN;
+    if (b->group_min < 1)
+        b->group_min = 1;
     int rc = 0;
     int count = 0;
     cudaError_t ce = cudaGetDeviceCount(&count);
@@ -682,7 +687,7 @@ static int cuda_experts(struct moe_backend *bb, int l)
     const struct cuda_layer *cl = &b->layers[l];
     const int k = (int)b->d.kuse;
     const int32_t *sel_e = (const int32_t *)b->buf[MOE_BUF_SEL_E];
-    if (b->n >= MOE_CUDA_GROUP_MIN && cl->gate_type == cl->up_type) {
+    if (b->n >= b->group_min && cl->gate_type == cl->up_type) {
         /* Several tokens: slots grouped by expert, each active expert's weights read once. */
         const int64_t slots = b->n * k;
         const int max_active = (int)(slots < b->d.nexp ? slots : b->d.nexp);

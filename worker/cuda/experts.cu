@@ -27,44 +27,63 @@ static __device__ __forceinline__ float silu_f(float g)
     return g / (1.0f + expf(-g));
 }
 
-template <int K, int RW>
-static __device__ __forceinline__ void row_dots_n(const uint8_t *const *rowp, unsigned block_bytes,
-                                                  int nu, const float *__restrict__ x, float *acc)
+/* RW rows' dot products with T inputs x[i], complete in every lane: the weights are loaded and
+ * decoded once for all T (the compiler shares them between the unrolled calls), with the same
+ * float operations per (row, input) as for one input. The plain types' decoders take one row at
+ * a time, so their rows are walked one after the other. */
+template <int K, int RW, int T>
+static __device__ __forceinline__ void row_dots_multi(const uint8_t *const *rowp,
+                                                      unsigned block_bytes, int nu,
+                                                      const float *const *x, float (*acc)[RW])
 {
     constexpr int PB = unit_shape<K>::per_block, BL = unit_shape<K>::blck;
-    const int lane = threadIdx.x & 31;
-    UNROLL
-    for (int r = 0; r < RW; r++)
-        acc[r] = 0.0f;
-#pragma unroll(RW >= 2 ? 1 : 2)
-    for (int u = lane; u < nu; u += 32) {
-        const unsigned bi = (unsigned)u / PB;
-        const uint8_t *bs[RW];
+    if constexpr (rows_per_warp<K>() == 1 && RW > 1) {
         UNROLL
-        for (int r = 0; r < RW; r++)
-            bs[r] = rowp[r] + (size_t)bi * block_bytes;
-        unit_dot<K, RW>(bs, (int)((unsigned)u % PB), x + (size_t)bi * BL, acc);
+        for (int r = 0; r < RW; r++) {
+            float a1[T][1];
+            row_dots_multi<K, 1, T>(rowp + r, block_bytes, nu, x, a1);
+            UNROLL
+            for (int i = 0; i < T; i++)
+                acc[i][r] = a1[i][0];
+        }
+    } else {
+        const int lane = threadIdx.x & 31;
+        UNROLL
+        for (int i = 0; i < T; i++)
+            UNROLL
+            for (int r = 0; r < RW; r++)
+                acc[i][r] = 0.0f;
+#pragma unroll(RW >= 2 || T > 1 ? 1 : 2)
+        for (int u = lane; u < nu; u += 32) {
+            const unsigned bi = (unsigned)u / PB;
+            const uint8_t *bs[RW];
+            UNROLL
+            for (int r = 0; r < RW; r++)
+                bs[r] = rowp[r] + (size_t)bi * block_bytes;
+            UNROLL
+            for (int i = 0; i < T; i++)
+                unit_dot<K, RW>(bs, (int)((unsigned)u % PB), x[i] + (size_t)bi * BL, acc[i]);
+        }
+        UNROLL
+        for (int i = 0; i < T; i++)
+            UNROLL
+            for (int r = 0; r < RW; r++)
+                UNROLL
+                for (int o = 16; o > 0; o >>= 1)
+                    acc[i][r] += __shfl_xor_sync(0xffffffffu, acc[i][r], o);
     }
-    UNROLL
-    for (int r = 0; r < RW; r++)
-        UNROLL
-        for (int o = 16; o > 0; o >>= 1)
-            acc[r] += __shfl_xor_sync(0xffffffffu, acc[r], o);
 }
 
-/* RW rows' dot products with x, complete in every lane. The plain types' decoders take one row
- * at a time, so their rows are walked one after the other. */
 template <int K, int RW>
 static __device__ __forceinline__ void row_dots(const uint8_t *const *rowp, unsigned block_bytes,
                                                 int nu, const float *__restrict__ x, float *acc)
 {
-    if constexpr (rows_per_warp<K>() == 1 && RW > 1) {
-        UNROLL
-        for (int r = 0; r < RW; r++)
-            row_dots_n<K, 1>(rowp + r, block_bytes, nu, x, acc + r);
-    } else {
-        row_dots_n<K, RW>(rowp, block_bytes, nu, x, acc);
-    }
+    float a1[1][RW];
+    const float *xs[1] = {x};
+    row_dots_multi<K, RW, 1>(rowp, block_bytes, nu, xs, a1);
+    UNROLL
+    for (int r = 0; r < RW; r++)
+        acc[r] = a1[0][r];
 }
 
 /* Rows per warp and warps per block of the expert kernels. A warp walks GU_ROWS rows of gate and
@@ -72,6 +91,10 @@ static __device__ __forceinline__ void row_dots(const uint8_t *const *rowp, unsi
  * independent loads in flight; a layer's gate/up for one token is one wave of blocks. */
 #define GU_ROWS 4
 #define GU_WARPS 4
+/* Slots of one expert taken together by the grouped kernels (weights decoded once for them). */
+#define GROUP_T 4
+/* Rows per warp in the grouped gate/up (fewer than GU_ROWS: GROUP_T inputs share registers). */
+#define GUG_ROWS 2
 
 /* mode 0: act = silu(gate)·up (gate, up same type K); mode 1: out = W·x for table a only. */
 template <int K, int MODE>
@@ -249,9 +272,9 @@ group_kernel(const int32_t *__restrict__ sel_e, int n_slots, int nexp, int32_t *
     }
 }
 
-/* Gate/up grouped: one block per (16 rows, active expert), looping over the expert's slots; the
- * weights come from HBM once per step and from L1 for every further slot. Same arithmetic per
- * slot as gate_up_kernel. */
+/* Gate/up grouped: one block per (16 rows, active expert), looping over the expert's slots
+ * GROUP_T at a time; the weights come from HBM once per step and are decoded once per GROUP_T
+ * slots. Same arithmetic per slot as gate_up_kernel. */
 template <int K>
 static __global__ void __launch_bounds__(32 * GU_WARPS)
 gate_up_grouped_kernel(const uint8_t *const *__restrict__ ga, const uint8_t *const *__restrict__ ua,
@@ -265,26 +288,36 @@ gate_up_grouped_kernel(const uint8_t *const *__restrict__ ga, const uint8_t *con
     pdl_wait();
     if ((int)blockIdx.y >= *n_active)
         return;
-    const int64_t r0 = ((int64_t)blockIdx.x * GU_WARPS + (threadIdx.x >> 5)) * GU_ROWS;
+    const int64_t r0 = ((int64_t)blockIdx.x * GU_WARPS + (threadIdx.x >> 5)) * GUG_ROWS;
     if (r0 >= ff)
         return;
     const int e = act_list[blockIdx.y];
-    const uint8_t *rowp[2 * GU_ROWS];
+    const uint8_t *rowp[2 * GUG_ROWS];
 #pragma unroll
-    for (int r = 0; r < GU_ROWS; r++) {
+    for (int r = 0; r < GUG_ROWS; r++) {
         const int64_t row = r0 + r < ff ? r0 + r : r0;
         rowp[2 * r] = ga[e] + (size_t)row * row_bytes;
         rowp[2 * r + 1] = ua[e] + (size_t)row * row_bytes;
     }
     const int lane = threadIdx.x & 31;
-    for (int32_t i = ex_off[e]; i < ex_off[e + 1]; i++) {
-        const int32_t slot = slot_list[i];
-        float acc[2 * GU_ROWS];
-        row_dots<K, 2 * GU_ROWS>(rowp, block_bytes, nu, x + (int64_t)(slot / kuse) * ldx, acc);
+    const int32_t s0 = ex_off[e], s1 = ex_off[e + 1];
+    for (int32_t i = s0; i < s1; i += GROUP_T) {
+        int32_t slot[GROUP_T];
+        const float *xs[GROUP_T];
 #pragma unroll
-        for (int r = 0; r < GU_ROWS; r++)
-            if (lane == r && r0 + r < ff)
-                out[(int64_t)slot * ldo + r0 + r] = silu_f(acc[2 * r]) * acc[2 * r + 1];
+        for (int c = 0; c < GROUP_T; c++) {
+            slot[c] = slot_list[i + c < s1 ? i + c : i];
+            xs[c] = x + (int64_t)(slot[c] / kuse) * ldx;
+        }
+        float acc[GROUP_T][2 * GUG_ROWS];
+        row_dots_multi<K, 2 * GUG_ROWS, GROUP_T>(rowp, block_bytes, nu, xs, acc);
+#pragma unroll
+        for (int c = 0; c < GROUP_T; c++)
+#pragma unroll
+            for (int r = 0; r < GUG_ROWS; r++)
+                if (lane == r && r0 + r < ff && i + c < s1)
+                    out[(int64_t)slot[c] * ldo + r0 + r] =
+                        silu_f(acc[c][2 * r]) * acc[c][2 * r + 1];
     }
 }
 
@@ -302,27 +335,36 @@ down_grouped_kernel(const uint8_t *const *__restrict__ da, size_t row_bytes, uns
     pdl_wait();
     if ((int)blockIdx.y >= *n_active)
         return;
-    constexpr int HALF = DOWN_ROWS / 2;
+    constexpr int HALF = DOWN_ROWS / 4; /* rows per pass */
     const int w = threadIdx.x >> 5, nw = blockDim.x >> 5, lane = threadIdx.x & 31;
     const int64_t r0 = (int64_t)blockIdx.x * DOWN_ROWS;
     const int e = act_list[blockIdx.y];
     const uint8_t *base = da[e];
-    for (int32_t i = ex_off[e] + w; i < ex_off[e + 1]; i += nw) {
-        const int32_t slot = slot_list[i];
+    const int32_t s0 = ex_off[e], s1 = ex_off[e + 1];
+    for (int32_t i = s0 + w * GROUP_T; i < s1; i += nw * GROUP_T) {
+        int32_t slot[GROUP_T];
+        const float *xs[GROUP_T];
 #pragma unroll
-        for (int hf = 0; hf < 2; hf++) {
+        for (int c = 0; c < GROUP_T; c++) {
+            slot[c] = slot_list[i + c < s1 ? i + c : i];
+            xs[c] = act + (int64_t)slot[c] * ldact;
+        }
+#pragma unroll
+        for (int hf = 0; hf < DOWN_ROWS / HALF; hf++) {
             const uint8_t *rowp[HALF];
 #pragma unroll
             for (int r = 0; r < HALF; r++) {
                 const int64_t row = r0 + hf * HALF + r;
                 rowp[r] = base + (size_t)(row < E ? row : r0) * row_bytes;
             }
-            float acc[HALF];
-            row_dots<K, HALF>(rowp, block_bytes, nu, act + (int64_t)slot * ldact, acc);
+            float acc[GROUP_T][HALF];
+            row_dots_multi<K, HALF, GROUP_T>(rowp, block_bytes, nu, xs, acc);
 #pragma unroll
-            for (int r = 0; r < HALF; r++)
-                if (lane == r && r0 + hf * HALF + r < E)
-                    dout[(int64_t)slot * ldd + r0 + hf * HALF + r] = acc[r];
+            for (int c = 0; c < GROUP_T; c++)
+#pragma unroll
+                for (int r = 0; r < HALF; r++)
+                    if (lane == r && r0 + hf * HALF + r < E && i + c < s1)
+                        dout[(int64_t)slot[c] * ldd + r0 + hf * HALF + r] = acc[c][r];
         }
     }
 }
@@ -499,7 +541,7 @@ static int launch_gate_up_grouped(const void *const *a, const void *const *b, in
     size_t rb;
     int nu;
     unsigned bb = blk_bytes<K>(n, &rb, &nu);
-    const int64_t per = GU_ROWS * GU_WARPS;
+    const int64_t per = GUG_ROWS * GU_WARPS;
     dim3 g((unsigned)((ff + per - 1) / per), (unsigned)max_active);
     MOE_CUDA_TRY(moe_launch(gate_up_grouped_kernel<K>, g, dim3(32 * GU_WARPS), 0, s,
                             (const uint8_t *const *)a, (const uint8_t *const *)b, rb, bb, nu, ff, x,

@@ -4,7 +4,8 @@
  * activations. What it may do before the wait is read weights, which no kernel writes; the
  * mat-vec kernels prefetch their rows into L2 there. Under stream capture the attribute becomes a
  * programmatic edge of the graph, so a step's kernels overlap their launch and prologue with the
- * tail of the kernel before. MOE_CUDA_NO_PDL=1 launches them plainly (for comparison). */
+ * tail of the kernel before. It is off unless MOE_CUDA_PDL=1: on the H200 it measured slower
+ * than plain launches inside graphs (docs/benchmarks.md). */
 #ifndef MOE_CUDA_LAUNCH_CUH
 #define MOE_CUDA_LAUNCH_CUH
 
@@ -35,7 +36,7 @@ static inline bool moe_pdl_enabled()
 {
     static int on = -1;
     if (on < 0)
-        on = getenv("MOE_CUDA_NO_PDL") == NULL;
+        on = getenv("MOE_CUDA_PDL") != NULL;
     return on != 0;
 }
 

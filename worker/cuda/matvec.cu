@@ -58,15 +58,16 @@ struct mv_args {
     int accumulate;
 };
 
-/* Each block of threads takes ROWS_PER_BLOCK rows of one token (blockIdx.y), each warp RW
- * consecutive ones. With only a few tens of warps resident per SM, one unit per lane at a time
- * is not enough bytes in flight to cover HBM latency, hence two (two rows, or one row unrolled
- * twice). Several tokens re-read the weights (from L2 when the matrix fits); the result of a
- * token does not depend on how many others share the launch. Before waiting for the previous
- * kernel, each warp prefetches its rows into L2. */
-template <int K>
+/* Each block of threads takes ROWS_PER_BLOCK rows of T tokens (blockIdx.y picks the group of
+ * T), each warp RW consecutive rows. A lane loads and decodes its units of the weights once and
+ * multiplies them into all T tokens, with the same float operations per (row, token) as for one
+ * token, so a token's result does not depend on how many others share the launch. With only a
+ * few tens of warps resident per SM, one unit per lane at a time is not enough bytes in flight to
+ * cover HBM latency, hence two (two rows, or one row unrolled twice). Before waiting for the
+ * previous kernel, each warp prefetches its rows into L2. */
+template <int K, int T>
 static __global__ void __launch_bounds__(THREADS)
-matvec_kernel(const mv_args a)
+matvec_kernel(const mv_args a, int64_t n_tok)
 {
     constexpr int PB = unit_shape<K>::per_block, BL = unit_shape<K>::blck;
     constexpr int RW = rows_per_warp<K>();
@@ -88,18 +89,23 @@ matvec_kernel(const mv_args a)
         }
     pdl_trigger();
     pdl_wait();
-    const float *x = a.x + (int64_t)blockIdx.y * a.ldx;
     if (!live)
         return;
-    float *y = sg.y + (int64_t)blockIdx.y * sg.ldy;
-    float acc[RW];
+    const int64_t t0 = (int64_t)blockIdx.y * T;
+    const float *xt[T];
     UNROLL
-    for (int r = 0; r < RW; r++)
-        acc[r] = 0.0f;
-    /* With one row per warp the loop is unrolled twice, so that each lane has two units' loads in
-     * flight; two rows per warp already do that. */
+    for (int i = 0; i < T; i++)
+        xt[i] = a.x + (t0 + i < n_tok ? t0 + i : t0) * a.ldx;
+    float acc[T][RW];
+    UNROLL
+    for (int i = 0; i < T; i++)
+        UNROLL
+        for (int r = 0; r < RW; r++)
+            acc[i][r] = 0.0f;
+    /* With one token and one row per warp the loop is unrolled twice, so that each lane has two
+     * units' loads in flight; two rows or several tokens already do that. */
 #ifdef __CUDA_ARCH__
-#pragma unroll(3 - RW)
+#pragma unroll(T == 1 ? 3 - RW : 1)
 #endif
     for (int u = lane; u < a.nu; u += 32) {
         const unsigned bi = (unsigned)u / PB;
@@ -107,22 +113,32 @@ matvec_kernel(const mv_args a)
         UNROLL
         for (int r = 0; r < RW; r++)
             bs[r] = w0 + r * rs + (size_t)bi * a.block_bytes;
-        unit_dot<K, RW>(bs, (int)((unsigned)u % PB), x + (size_t)bi * BL, acc);
+        UNROLL
+        for (int i = 0; i < T; i++)
+            unit_dot<K, RW>(bs, (int)((unsigned)u % PB), xt[i] + (size_t)bi * BL, acc[i]);
     }
     UNROLL
-    for (int r = 0; r < RW; r++)
+    for (int i = 0; i < T; i++)
         UNROLL
-        for (int o = 16; o > 0; o >>= 1)
-            acc[r] += __shfl_xor_sync(0xffffffffu, acc[r], o);
+        for (int r = 0; r < RW; r++)
+            UNROLL
+            for (int o = 16; o > 0; o >>= 1)
+                acc[i][r] += __shfl_xor_sync(0xffffffffu, acc[i][r], o);
     if (lane == 0) {
-        if (a.accumulate) {
-            y[row] += acc[0];
-            if (RW == 2 && has2)
-                y[row + 1] += acc[RW - 1];
-        } else {
-            y[row] = acc[0];
-            if (RW == 2 && has2)
-                y[row + 1] = acc[RW - 1];
+        UNROLL
+        for (int i = 0; i < T; i++) {
+            if (t0 + i >= n_tok)
+                break;
+            float *y = sg.y + (t0 + i) * sg.ldy;
+            if (a.accumulate) {
+                y[row] += acc[i][0];
+                if (RW == 2 && has2)
+                    y[row + 1] += acc[i][RW - 1];
+            } else {
+                y[row] = acc[i][0];
+                if (RW == 2 && has2)
+                    y[row + 1] = acc[i][RW - 1];
+            }
         }
     }
 }
@@ -160,8 +176,14 @@ static int launch(const struct moe_mv_job *jobs, int n_jobs, int64_t n, const fl
         return 0;
     if (blocks > 0x7fffffff)
         return -EINVAL;
-    dim3 g((unsigned)blocks, (unsigned)n_tok), th(THREADS / rows_per_warp<K>());
-    MOE_CUDA_TRY(moe_launch(matvec_kernel<K>, g, th, 0, s, a));
+    /* Tokens per block: weights decoded once for up to 8 tokens. */
+    const int T = n_tok >= 8 ? 8 : n_tok >= 4 ? 4 : n_tok >= 2 ? 2 : 1;
+    dim3 g((unsigned)blocks, (unsigned)((n_tok + T - 1) / T)), th(THREADS / rows_per_warp<K>());
+    cudaError_t e = T == 8   ? moe_launch(matvec_kernel<K, 8>, g, th, 0, s, a, n_tok)
+                    : T == 4 ? moe_launch(matvec_kernel<K, 4>, g, th, 0, s, a, n_tok)
+                    : T == 2 ? moe_launch(matvec_kernel<K, 2>, g, th, 0, s, a, n_tok)
+                             : moe_launch(matvec_kernel<K, 1>, g, th, 0, s, a, n_tok);
+    MOE_CUDA_TRY(e);
     return 0;
 }
 
