@@ -33,9 +33,10 @@ extern "C" {
 /* Steps of at most this many tokens are recorded as CUDA graphs (decode batches, small prompt
  * chunks); larger ones launch directly. */
 #define MOE_CUDA_GRAPH_MAX 64
-/* Steps of at least this many tokens group their expert slots by expert (below, each slot reads
- * its expert's rows itself: one launch less, and at one token nothing is shared). */
-#define MOE_CUDA_GROUP_MIN 2
+/* Steps with at least this many slots per expert on average group their slots by expert. Below,
+ * each slot reads its expert's rows itself: with few slots per expert (decode batches) that is
+ * faster on the H200 (docs/benchmarks.md), and both give the same floats. */
+#define MOE_CUDA_GROUP_MIN 8
 /* Logit rows computed per pass of the output head. */
 #define LOGIT_ROWS 64
 
@@ -89,7 +90,7 @@ struct cuda_backend {
     int n_split, sms;
     int mode;
     bool capturing, head_chunked, use_graphs;
-    int64_t group_min;               /* MOE_CUDA_GROUP_MIN overrides the default */
+    int64_t group_min;               /* slots per expert; MOE_CUDA_GROUP_MIN overrides */
     /* MOE_CUDA_PROFILE=1: an event before every kernel (event nodes in the graphs), time per
      * op name printed at free (a development aid; run it with MOE_CUDA_NO_PDL=1). */
     bool profile;
@@ -687,8 +688,9 @@ static int cuda_experts(struct moe_backend *bb, int l)
     const struct cuda_layer *cl = &b->layers[l];
     const int k = (int)b->d.kuse;
     const int32_t *sel_e = (const int32_t *)b->buf[MOE_BUF_SEL_E];
-    if (b->n >= b->group_min && cl->gate_type == cl->up_type) {
-        /* Several tokens: slots grouped by expert, each active expert's weights read once. */
+    if (b->n * k >= b->group_min * b->d.nexp && cl->gate_type == cl->up_type) {
+        /* Many tokens (prompts): slots grouped by expert, each active expert's weights read and
+         * decoded once for several of its slots. */
         const int64_t slots = b->n * k;
         const int max_active = (int)(slots < b->d.nexp ? slots : b->d.nexp);
         mark(b, "group");
