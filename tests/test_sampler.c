@@ -342,3 +342,47 @@ TEST(sampler_rejects_bad_params)
     CHECK_EQ(moe_sampler_init(&s, &p, 10, err, sizeof err), MOE_ERANGE);
     CHECK(s == NULL);
 }
+
+/* moe_sampler_rng_state exposes the xoshiro256** state: after a reset it is splitmix64 of the
+ * seed (computed here independently), the next output is the state's rotl(s1 * 5, 7) * 9, a
+ * sampling draw advances it by exactly one step and a greedy call or an all -inf row not at all. */
+TEST(sampler_rng_state)
+{
+    struct moe_sampler_params p = plain(0x1234abcdull);
+    struct moe_sampler *s = mk(&p, 4);
+    uint64_t st[4], want[4], x = p.seed;
+    for (int i = 0; i < 4; i++) {
+        uint64_t z = (x += 0x9e3779b97f4a7c15ull);
+        z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+        z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+        want[i] = z ^ (z >> 31);
+    }
+    moe_sampler_rng_state(s, st);
+    CHECK(memcmp(st, want, sizeof st) == 0);
+    uint64_t r1 = st[1] * 5;
+    CHECK(moe_sampler_rand_u64(s) == ((r1 << 7) | (r1 >> 57)) * 9);
+
+    /* One sampling call = one generator step: compare with a twin stepped by rand_u64. */
+    struct moe_sampler *twin = mk(&p, 4);
+    moe_sampler_rand_u64(twin);
+    float l[4] = {0.1f, 0.7f, -0.3f, 0.2f};
+    moe_sampler_sample(s, l);
+    moe_sampler_rand_u64(twin);
+    uint64_t a[4], b[4];
+    moe_sampler_rng_state(s, a);
+    moe_sampler_rng_state(twin, b);
+    CHECK(memcmp(a, b, sizeof a) == 0);
+    float none[4] = {-INFINITY, NAN, -INFINITY, -INFINITY};
+    CHECK_EQ(moe_sampler_sample(s, none), -1);
+    moe_sampler_rng_state(s, a);
+    CHECK(memcmp(a, b, sizeof a) == 0);
+    moe_sampler_free(s);
+    moe_sampler_free(twin);
+
+    p.temperature = 0.0f;
+    s = mk(&p, 4);
+    moe_sampler_sample(s, l);
+    moe_sampler_rng_state(s, a);
+    CHECK(memcmp(a, want, sizeof a) == 0);
+    moe_sampler_free(s);
+}

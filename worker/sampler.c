@@ -74,6 +74,11 @@ double moe_sampler_rand_unit(struct moe_sampler *s)
     return (double)(moe_sampler_rand_u64(s) >> 11) * 0x1.0p-53;
 }
 
+void moe_sampler_rng_state(const struct moe_sampler *s, uint64_t state[4])
+{
+    memcpy(state, s->rng, sizeof s->rng);
+}
+
 void moe_sampler_reset(struct moe_sampler *s)
 {
     uint64_t x = s->p.seed;

@@ -61,4 +61,8 @@ int32_t moe_sampler_sample(struct moe_sampler *s, const float *logits);
 uint64_t moe_sampler_rand_u64(struct moe_sampler *s);
 double moe_sampler_rand_unit(struct moe_sampler *s);
 
+/* Copies the PRNG's xoshiro256** state (s[0..3]) to state, so that another implementation of
+ * the sampler (worker/cuda/sample.h) can be checked to advance it identically. */
+void moe_sampler_rng_state(const struct moe_sampler *s, uint64_t state[4]);
+
 #endif
