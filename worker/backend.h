@@ -17,8 +17,10 @@
  *       matmul(l, {ROUTER→RL}, X)
  *       route(l)                     softmax, top-k, renormalise, group, count
  *       experts(l)                   H += Σ_j w_j · down_j(silu(gate_j·X) ⊙ up_j·X)
- *     head()                         logits of the selected rows: output(out_norm(H[row]))
- *     end(out)                       the step has run; logits copied to out
+ *     head()                         logits of the selected rows: output(out_norm(H[row])),
+ *                                    then, when the step samples, each row's next token drawn
+ *                                    by its sequence's sampler (sampler())
+ *     end(out, tokens)               the step has run; logits or sampled tokens copied out
  *
  * No op takes a host-side, data-dependent argument: tokens, positions, sequences and the rows
  * that want logits are inputs of begin(), copied into the backend's own buffers; everything an op
@@ -38,6 +40,7 @@
 #include <stdint.h>
 
 #include "store/model.h"
+#include "worker/sampler.h"
 
 /* Dimensions and options a backend is built for (filled by worker/engine.c). */
 struct moe_dims {
@@ -97,6 +100,7 @@ struct moe_step {
     const float *rope;         /* [n][hd/2][2] cos, sin of pos·θ_i (computed by the engine) */
     int64_t n_out;             /* rows that want logits, 0..n */
     const int32_t *out_row;    /* [n_out] token indices, increasing */
+    bool sample;               /* sample the n_out rows (at most one per sequence) */
 };
 
 struct moe_backend;
@@ -123,8 +127,14 @@ struct moe_backend_vt {
     int (*experts)(struct moe_backend *b, int l);
     int (*head)(struct moe_backend *b);
     /* Runs (or finishes) the step; logits of the n_out rows go to out[n_out][V] (out may be
-     * NULL when n_out is 0). */
-    int (*end)(struct moe_backend *b, float *out);
+     * NULL when n_out is 0 or the step samples), sampled tokens to tokens[n_out] (-1: nothing
+     * could be sampled) when the step samples. */
+    int (*end)(struct moe_backend *b, float *out, int32_t *tokens);
+
+    /* Sets sequence seq's sampler (outside a step): parameters, a reseeded generator and the
+     * penalty history (e.g. the prompt). Sampled tokens are added to the history by the step. */
+    int (*sampler)(struct moe_backend *b, int32_t seq, const struct moe_sampler_params *p,
+                   const int32_t *history, size_t n_history);
 
     /* Routing counts since init, [L][nexp], copied to dst. */
     int (*routing_counts)(struct moe_backend *b, uint64_t *dst);
@@ -200,6 +210,6 @@ const struct moe_dims *moe_engine_dims(const struct moe_engine *e);
 
 /* The model loop (worker/qwen3moe.c): one step of the batch described by st. */
 int moe_qwen3moe_step(struct moe_backend *b, const struct moe_dims *d, const struct moe_step *st,
-                      float *out);
+                      float *out, int32_t *tokens);
 
 #endif

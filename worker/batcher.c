@@ -20,7 +20,7 @@ struct moe_batcher {
     int32_t *tok, *pos, *seq; /* [n_batch] */
     uint8_t *want;            /* [n_batch] */
     struct moe_job **owner;   /* [n_seq]: job of the k-th logits row */
-    float *logits;            /* [n_seq][n_vocab] */
+    int32_t *sampled;         /* [n_seq]: token sampled for the k-th row (in the engine) */
     uint64_t *prev_counts;    /* routing counts at the last report */
     uint64_t *delta;
     uint64_t *cur_counts;     /* scratch: the engine's counts now */
@@ -32,7 +32,6 @@ void moe_job_free(struct moe_job *j)
 {
     if (!j)
         return;
-    moe_sampler_free(j->smp);
     free(j->prompt);
     free(j);
 }
@@ -142,18 +141,16 @@ static void admit(struct moe_batcher *b)
         if (!b->pend_head)
             b->pend_tail = NULL;
         j->next = NULL;
-        char err[256];
-        int rc = moe_sampler_init(&j->smp, &j->sp, b->cfg.n_vocab, err, sizeof err);
-        if (rc) {
-            b->sink.error(b->sink.user, j->id, rc, err);
-            moe_job_free(j);
-            continue;
-        }
-        for (uint32_t i = 0; i < j->n_prompt; i++)
-            moe_sampler_accept(j->smp, j->prompt[i]);
         uint32_t s = 0;
         while (b->slot[s])
             s++;
+        /* The engine samples (on the GPU for a CUDA worker); its penalties see the prompt. */
+        int rc = moe_engine_seq_sampler(b->cfg.eng, (int32_t)s, &j->sp, j->prompt, j->n_prompt);
+        if (rc) {
+            b->sink.error(b->sink.user, j->id, rc, moe_engine_errmsg(b->cfg.eng));
+            moe_job_free(j);
+            continue;
+        }
         moe_engine_seq_clear(b->cfg.eng, (int32_t)s);
         j->slot = (int32_t)s;
         b->slot[s] = j;
@@ -210,16 +207,15 @@ static uint32_t build_batch(struct moe_batcher *b, uint32_t *n_decode, uint32_t 
     return n;
 }
 
-/* Samples the next token of the job owning logits row k and ends the job when it is done. */
+/* Takes the token sampled for the job owning row k and ends the job when it is done. */
 static void sample_row(struct moe_batcher *b, uint32_t k)
 {
     struct moe_job *j = b->owner[k];
-    int32_t t = moe_sampler_sample(j->smp, b->logits + (size_t)k * b->cfg.n_vocab);
+    int32_t t = b->sampled[k];
     if (t < 0) {
         fail_job(b, j, MOE_ERANGE, "every logit is NaN or -inf; cannot sample");
         return;
     }
-    moe_sampler_accept(j->smp, t);
     j->last = t;
     j->n_gen++;
     b->gen_total++;
@@ -239,7 +235,7 @@ int moe_batcher_step(struct moe_batcher *b)
         return 0;
     struct moe_batch batch = {.n = n, .token = b->tok, .pos = b->pos, .seq = b->seq,
                               .logits = b->want};
-    int rc = moe_engine_forward(b->cfg.eng, &batch, b->logits);
+    int rc = moe_engine_forward_sample(b->cfg.eng, &batch, b->sampled);
     if (rc) {
         char msg[256];
         snprintf(msg, sizeof msg, "forward failed: %s: %s", moe_strerror(rc),
@@ -280,12 +276,12 @@ int moe_batcher_init(struct moe_batcher **out, const struct moe_batcher_cfg *cfg
     b->pos = calloc(cfg->n_batch, sizeof *b->pos);
     b->seq = calloc(cfg->n_batch, sizeof *b->seq);
     b->want = calloc(cfg->n_batch, 1);
-    b->logits = calloc((size_t)cfg->n_seq * cfg->n_vocab, sizeof *b->logits);
+    b->sampled = calloc(cfg->n_seq, sizeof *b->sampled);
     b->prev_counts = calloc(ncount, sizeof *b->prev_counts);
     b->delta = calloc(ncount, sizeof *b->delta);
     b->cur_counts = calloc(ncount, sizeof *b->cur_counts);
     b->last_report = moe_now_s();
-    if (!b->slot || !b->owner || !b->tok || !b->pos || !b->seq || !b->want || !b->logits ||
+    if (!b->slot || !b->owner || !b->tok || !b->pos || !b->seq || !b->want || !b->sampled ||
         !b->prev_counts || !b->delta || !b->cur_counts) {
         moe_batcher_free(b);
         return -ENOMEM;
@@ -317,7 +313,7 @@ void moe_batcher_free(struct moe_batcher *b)
     free(b->pos);
     free(b->seq);
     free(b->want);
-    free(b->logits);
+    free(b->sampled);
     free(b->prev_counts);
     free(b->delta);
     free(b->cur_counts);

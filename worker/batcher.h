@@ -32,7 +32,6 @@ struct moe_job {
     uint32_t n_eog;
     struct moe_job *next;
     /* batcher only */
-    struct moe_sampler *smp;
     int32_t slot;
     uint32_t n_past; /* positions evaluated for this sequence */
     uint32_t n_gen;

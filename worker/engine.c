@@ -32,6 +32,8 @@ struct moe_engine {
     float *rope;                  /* [n_batch][hd/2][2] */
     int32_t *out_row;             /* [n_batch] */
     int32_t *fill;                /* [n_seq] validation scratch */
+    uint8_t *has_sampler;         /* [n_seq] */
+    uint8_t *seen;                /* [n_seq] validation scratch */
     char errmsg[256];
 };
 
@@ -229,7 +231,10 @@ int moe_engine_init(struct moe_engine **out, const struct moe_model *m,
     e->fill = calloc(e->o.n_seq, sizeof *e->fill);
     e->rope = calloc((size_t)e->o.n_batch * (size_t)d->hd, sizeof(float));
     e->out_row = calloc(e->o.n_batch, sizeof *e->out_row);
-    if (!e->inv_freq || !e->filled || !e->fill || !e->rope || !e->out_row) {
+    e->has_sampler = calloc(e->o.n_seq, 1);
+    e->seen = calloc(e->o.n_seq, 1);
+    if (!e->inv_freq || !e->filled || !e->fill || !e->rope || !e->out_row || !e->has_sampler ||
+        !e->seen) {
         rc = -ENOMEM;
         goto fail;
     }
@@ -258,7 +263,21 @@ void moe_engine_free(struct moe_engine *e)
     free(e->fill);
     free(e->rope);
     free(e->out_row);
+    free(e->has_sampler);
+    free(e->seen);
     free(e);
+}
+
+int moe_engine_seq_sampler(struct moe_engine *e, int32_t seq, const struct moe_sampler_params *p,
+                           const int32_t *history, size_t n_history)
+{
+    if (seq < 0 || (uint32_t)seq >= e->o.n_seq)
+        return eng_err(e, MOE_ERANGE, "sampler: sequence %d outside 0..%u", seq, e->o.n_seq - 1);
+    int rc = e->b->vt->sampler(e->b, seq, p, history, n_history);
+    if (rc)
+        return eng_err(e, rc, "sampler: %s", e->b->vt->errmsg(e->b));
+    e->has_sampler[seq] = 1;
+    return 0;
 }
 
 void moe_engine_seq_clear(struct moe_engine *e, int32_t seq)
@@ -308,7 +327,7 @@ const struct moe_dims *moe_engine_dims(const struct moe_engine *e)
 
 /* One step of n <= n_batch tokens (already validated). */
 static int forward_step(struct moe_engine *e, const struct moe_batch *b, uint32_t off, int64_t n,
-                        float *out, int64_t *n_out)
+                        float *out, int32_t *tokens, int64_t *n_out)
 {
     const int64_t half = e->d.hd / 2;
     for (int64_t t = 0; t < n; t++) {
@@ -322,19 +341,19 @@ static int forward_step(struct moe_engine *e, const struct moe_batch *b, uint32_
     }
     int64_t k = 0;
     for (int64_t t = 0; t < n; t++)
-        if (out && (!b->logits || b->logits[off + t]))
+        if ((out || tokens) && (!b->logits || b->logits[off + t]))
             e->out_row[k++] = (int32_t)t;
     *n_out = k;
     struct moe_step st = {.n = n, .token = b->token + off, .pos = b->pos + off,
                           .seq = b->seq + off, .rope = e->rope, .n_out = k,
-                          .out_row = e->out_row};
-    int rc = moe_qwen3moe_step(e->b, &e->d, &st, out);
+                          .out_row = e->out_row, .sample = tokens != NULL};
+    int rc = moe_qwen3moe_step(e->b, &e->d, &st, out, tokens);
     if (rc)
         return eng_err(e, rc, "%s backend: %s", e->b->vt->name, e->b->vt->errmsg(e->b));
     return 0;
 }
 
-int moe_engine_forward(struct moe_engine *e, const struct moe_batch *b, float *out)
+static int forward(struct moe_engine *e, const struct moe_batch *b, float *out, int32_t *tokens)
 {
     if (b->n == 0)
         return 0;
@@ -361,15 +380,47 @@ int moe_engine_forward(struct moe_engine *e, const struct moe_batch *b, float *o
                            pos, seq, fill[seq]);
         fill[seq] = pos + 1;
     }
+    if (tokens) {
+        /* Sampled rows: one per sequence per step, each sequence with a sampler. */
+        uint8_t *seen = e->seen;
+        for (uint32_t off = 0; off < b->n; off += e->o.n_batch) {
+            memset(seen, 0, e->o.n_seq);
+            uint32_t end = b->n - off < e->o.n_batch ? b->n : off + e->o.n_batch;
+            for (uint32_t i = off; i < end; i++) {
+                if (b->logits && !b->logits[i])
+                    continue;
+                int32_t seq = b->seq[i];
+                if (!e->has_sampler[seq])
+                    return eng_err(e, MOE_ERANGE, "batch[%u]: sequence %d has no sampler", i, seq);
+                if (seen[seq]++)
+                    return eng_err(e, MOE_ERANGE,
+                                   "batch[%u]: a second sampled token of sequence %d in one step",
+                                   i, seq);
+            }
+        }
+    }
     memcpy(e->filled, fill, sizeof *fill * e->o.n_seq);
 
     int64_t written = 0;
     for (uint32_t off = 0; off < b->n; off += e->o.n_batch) {
         int64_t n = b->n - off < e->o.n_batch ? b->n - off : e->o.n_batch, k = 0;
-        int rc = forward_step(e, b, off, n, out ? out + written * e->d.V : NULL, &k);
+        int rc = forward_step(e, b, off, n, out ? out + written * e->d.V : NULL,
+                              tokens ? tokens + written : NULL, &k);
         if (rc)
             return rc;
         written += k;
     }
     return 0;
+}
+
+int moe_engine_forward(struct moe_engine *e, const struct moe_batch *b, float *out)
+{
+    return forward(e, b, out, NULL);
+}
+
+int moe_engine_forward_sample(struct moe_engine *e, const struct moe_batch *b, int32_t *tokens)
+{
+    if (!tokens)
+        return eng_err(e, MOE_ERANGE, "forward_sample: no token array");
+    return forward(e, b, NULL, tokens);
 }

@@ -11,6 +11,7 @@
 #include <stdint.h>
 
 #include "store/model.h"
+#include "worker/sampler.h"
 
 struct moe_engine;
 
@@ -39,6 +40,19 @@ void moe_engine_free(struct moe_engine *e);
  * out[k][n_vocab]. A token at pos p sees positions 0..p of its own sequence (earlier positions
  * must have been evaluated before or earlier in the same batch). Returns 0 or an error. */
 int moe_engine_forward(struct moe_engine *e, const struct moe_batch *b, float *out);
+
+/* Sampling inside the engine (on the GPU for a CUDA engine, so that a step returns token ids
+ * only). Sets sequence seq's sampler: parameters, a generator seeded from p->seed and the
+ * penalty history (e.g. the prompt's tokens). Call it again to reset. Returns 0 or an error
+ * (bad parameters; on CUDA, penalty_last_n above 1024). */
+int moe_engine_seq_sampler(struct moe_engine *e, int32_t seq, const struct moe_sampler_params *p,
+                           const int32_t *history, size_t n_history);
+
+/* Like moe_engine_forward, but instead of logits each selected token's next token is drawn by
+ * its sequence's sampler, written to tokens[k] in batch order (-1: every logit was NaN or
+ * -inf) and added to the sampler's history. At most one selected token per sequence, each with
+ * a sampler set; b->logits NULL selects every token (so then one token per sequence). */
+int moe_engine_forward_sample(struct moe_engine *e, const struct moe_batch *b, int32_t *tokens);
 
 /* Forgets a sequence's cached positions. */
 void moe_engine_seq_clear(struct moe_engine *e, int32_t seq);

@@ -382,15 +382,30 @@ static int run_standalone(const struct opts *o)
         goto done;
     }
 
+    /* Without a logits dump the engine samples (on the GPU for --device cuda), so each step
+     * returns one token id; the sampler's penalties see the prompt either way. */
+    const bool dev_sample = !dump;
+    int32_t next = -1;
+    if (dev_sample && moe_engine_seq_sampler(eng, 0, &oo.sp, prompt, n_prompt)) {
+        fprintf(stderr, "moed-worker: %s\n", moe_engine_errmsg(eng));
+        free(pos), free(seq), free(want);
+        goto done;
+    }
     double t0 = moe_now_s();
     for (size_t off = 0; off < n_prompt; off += nb) {
         uint32_t n = (uint32_t)(n_prompt - off < nb ? n_prompt - off : nb);
+        bool last_chunk = off + n == n_prompt;
         for (uint32_t i = 0; i < n; i++) {
             pos[i] = (int32_t)(off + i);
             want[i] = dump || off + i + 1 == n_prompt;
         }
         struct moe_batch b = {.n = n, .token = prompt + off, .pos = pos, .seq = seq, .logits = want};
-        if ((rc = moe_engine_forward(eng, &b, logits))) {
+        if (dev_sample)
+            rc = last_chunk ? moe_engine_forward_sample(eng, &b, &next)
+                            : moe_engine_forward(eng, &b, NULL);
+        else
+            rc = moe_engine_forward(eng, &b, logits);
+        if (rc) {
             fprintf(stderr, "moed-worker: forward: %s\n", moe_engine_errmsg(eng));
             free(pos), free(seq), free(want);
             goto done;
@@ -417,8 +432,9 @@ static int run_standalone(const struct opts *o)
 
     /* The last prompt token's logits are the last row written. */
     const float *last = o->dump_logits ? logits + (size_t)((n_prompt - 1) % nb) * V : logits;
-    for (size_t i = 0; i < n_prompt; i++)
-        moe_sampler_accept(smp, prompt[i]);
+    if (!dev_sample)
+        for (size_t i = 0; i < n_prompt; i++)
+            moe_sampler_accept(smp, prompt[i]);
     /* At most one token per free position, plus the one sampled from the last position. */
     int64_t max_gen = (int64_t)moe_engine_get_opts(eng)->n_ctx - (int64_t)n_prompt + 1;
     if (max_gen > oo.n_predict)
@@ -442,14 +458,15 @@ static int run_standalone(const struct opts *o)
     const char *stop_reason = "length";
     int64_t n_ctx = moe_engine_get_opts(eng)->n_ctx;
     while ((int64_t)n_gen < oo.n_predict) {
-        int32_t tok = moe_sampler_sample(smp, last);
+        int32_t tok = dev_sample ? next : moe_sampler_sample(smp, last);
         if (tok < 0) {
             fprintf(stderr, "moed-worker: every logit is NaN or -inf; stopping\n");
             stop_reason = "error";
             break;
         }
         gen[n_gen++] = tok;
-        moe_sampler_accept(smp, tok);
+        if (!dev_sample)
+            moe_sampler_accept(smp, tok);
         if (moe_tok_is_eog(lm.tok, tok)) {
             stop_reason = "eog";
             break;
@@ -470,7 +487,9 @@ static int run_standalone(const struct opts *o)
         }
         int32_t s0 = 0;
         struct moe_batch b = {.n = 1, .token = &tok, .pos = &p, .seq = &s0, .logits = NULL};
-        if ((rc = moe_engine_forward(eng, &b, logits))) {
+        rc = dev_sample ? moe_engine_forward_sample(eng, &b, &next)
+                        : moe_engine_forward(eng, &b, logits);
+        if (rc) {
             fprintf(stderr, "moed-worker: forward: %s\n", moe_engine_errmsg(eng));
             goto done;
         }

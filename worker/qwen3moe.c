@@ -11,7 +11,7 @@
     } while (0)
 
 int moe_qwen3moe_step(struct moe_backend *b, const struct moe_dims *d, const struct moe_step *st,
-                      float *out)
+                      float *out, int32_t *tokens)
 {
     const struct moe_backend_vt *vt = b->vt;
     static const struct moe_mm qkv[3] = {
@@ -33,5 +33,5 @@ int moe_qwen3moe_step(struct moe_backend *b, const struct moe_dims *d, const str
         TRY(vt->experts(b, l));
     }
     TRY(vt->head(b));
-    return vt->end(b, out);
+    return vt->end(b, out, tokens);
 }

@@ -54,7 +54,10 @@ struct cpu_backend {
     int32_t *token, *pos, *seq;   /* [nb] */
     int32_t *out_row;             /* [nb] */
     float *rope_cs;               /* [nb][hd/2][2] cos, sin */
-    bool head_pending;
+    bool head_pending, sample;
+
+    struct moe_sampler **smp;     /* [n_seq], NULL until sampler() */
+    float *slog;                  /* [n_seq][V] logits of sampled rows, allocated on first use */
 
     /* Scratch for one step of at most n_batch tokens. */
     float *buf[MOE_BUF_COUNT];    /* the contract's buffers (SEL_E holds int32) */
@@ -220,6 +223,7 @@ static int cpu_init(struct moe_backend **out, const struct moe_model *m, struct 
     e->dout = xcalloc(ns * e->E, sizeof(float), &bad);
     e->scores = xcalloc((size_t)e->nth * d->n_ctx, sizeof(float), &bad);
     e->xo = xcalloc(nb * e->E, sizeof(float), &bad);
+    e->smp = xcalloc(d->n_seq, sizeof *e->smp, &bad);
     e->task = xcalloc(2 * (size_t)e->nexp * (size_t)((maxrows + ENG_EXPERT_ROWS - 1) / ENG_EXPERT_ROWS),
                       sizeof(int32_t), &bad);
     if (bad) {
@@ -267,6 +271,10 @@ static void cpu_free(struct moe_backend *b)
     free(e->scores);
     free(e->xo);
     free(e->task);
+    for (uint32_t i = 0; e->smp && i < e->d.n_seq; i++)
+        moe_sampler_free(e->smp[i]);
+    free(e->smp);
+    free(e->slog);
     free(e);
 }
 
@@ -434,6 +442,7 @@ static int cpu_begin(struct moe_backend *b, const struct moe_step *st)
                        (long long)st->n_out);
     e->n = st->n;
     e->n_out = st->n_out;
+    e->sample = st->sample;
     memcpy(e->token, st->token, sizeof(int32_t) * (size_t)st->n);
     memcpy(e->pos, st->pos, sizeof(int32_t) * (size_t)st->n);
     memcpy(e->seq, st->seq, sizeof(int32_t) * (size_t)st->n);
@@ -796,17 +805,56 @@ static int cpu_head(struct moe_backend *b)
     return 0;
 }
 
-static int cpu_end(struct moe_backend *b, float *out)
+static int cpu_end(struct moe_backend *b, float *out, int32_t *tokens)
 {
     struct cpu_backend *e = (struct cpu_backend *)b;
     if (!e->head_pending)
         return 0;
     e->head_pending = false;
-    if (!out)
-        return cpu_err(e, MOE_ERANGE, "end: %lld logit rows but no output array",
-                       (long long)e->n_out);
-    struct mm_job head = {&e->m->output, e->xo, e->E, out, e->V};
+    if (!e->sample) {
+        if (!out)
+            return cpu_err(e, MOE_ERANGE, "end: %lld logit rows but no output array",
+                           (long long)e->n_out);
+        struct mm_job head = {&e->m->output, e->xo, e->E, out, e->V};
+        par_matmul(e, &head, 1, e->n_out);
+        return 0;
+    }
+    /* Sampling: the logits go to scratch (one row per sequence at most) and are drawn from by
+     * the sequence's sampler (its penalties apply to a copy); the token joins its history. */
+    if (!tokens || e->n_out > e->d.n_seq)
+        return cpu_err(e, MOE_ERANGE, "end: sampling %lld rows", (long long)e->n_out);
+    if (!e->slog && !(e->slog = malloc(sizeof(float) * (size_t)e->d.n_seq * (size_t)e->V)))
+        return cpu_err(e, -ENOMEM, "out of memory for sampled logits");
+    struct mm_job head = {&e->m->output, e->xo, e->E, e->slog, e->V};
     par_matmul(e, &head, 1, e->n_out);
+    for (int64_t i = 0; i < e->n_out; i++) {
+        float *lg = e->slog + i * e->V;
+        if (out)
+            memcpy(out + i * e->V, lg, sizeof(float) * (size_t)e->V);
+        struct moe_sampler *sm = e->smp[e->seq[e->out_row[i]]];
+        if (!sm)
+            return cpu_err(e, MOE_ERANGE, "sequence %d has no sampler", e->seq[e->out_row[i]]);
+        tokens[i] = moe_sampler_sample(sm, lg);
+        if (tokens[i] >= 0)
+            moe_sampler_accept(sm, tokens[i]);
+    }
+    return 0;
+}
+
+static int cpu_sampler(struct moe_backend *b, int32_t seq, const struct moe_sampler_params *p,
+                       const int32_t *history, size_t n_history)
+{
+    struct cpu_backend *e = (struct cpu_backend *)b;
+    if (seq < 0 || (uint32_t)seq >= e->d.n_seq)
+        return cpu_err(e, MOE_ERANGE, "sampler: sequence %d", seq);
+    struct moe_sampler *sm = NULL;
+    int rc = moe_sampler_init(&sm, p, (uint32_t)e->V, e->errmsg, sizeof e->errmsg);
+    if (rc)
+        return rc;
+    for (size_t i = 0; i < n_history; i++)
+        moe_sampler_accept(sm, history[i]);
+    moe_sampler_free(e->smp[seq]);
+    e->smp[seq] = sm;
     return 0;
 }
 
@@ -863,6 +911,7 @@ const struct moe_backend_vt moe_backend_cpu = {
     .experts = cpu_experts,
     .head = cpu_head,
     .end = cpu_end,
+    .sampler = cpu_sampler,
     .routing_counts = cpu_routing_counts,
     .read_buf = cpu_read_buf,
     .write_buf = cpu_write_buf,

@@ -29,6 +29,7 @@ extern "C" {
 #include "worker/cuda/experts.cuh"
 #include "worker/cuda/matvec.h"
 #include "worker/cuda/ops.cuh"
+#include "worker/cuda/sample.h"
 
 /* Steps of at most this many tokens are recorded as CUDA graphs (decode batches, small prompt
  * chunks); larger ones launch directly. */
@@ -44,6 +45,7 @@ enum { MODE_DIRECT, MODE_CAPTURE, MODE_REPLAY };
 
 struct cuda_graph {
     int64_t n, n_out;
+    bool sample;
     cudaGraphExec_t exec;
     int n_ev;                /* profiling: the event nodes recorded in it, and their names */
     const char **ev_name;
@@ -75,7 +77,10 @@ struct cuda_backend {
     int64_t ld[MOE_BUF_COUNT];
     float *act, *scratch, *part, *xo, *logits;
     int64_t ld_act;
-    int32_t *d_in;                   /* [4][nb]: token, pos, seq, out_row */
+    int32_t *d_in;                   /* [5][nb]: token, pos, seq, out_row, sampler row */
+    struct moe_cuda_sampler *smp;    /* rows = sequences; created by the first sampler() */
+    int32_t *d_tok, *h_tok;          /* [nb] sampled tokens */
+    bool sample;
     float *d_rope;                   /* [nb][hd] */
     unsigned long long *counts;      /* [L][nexp] */
     int32_t *h_in;                   /* pinned staging */
@@ -378,12 +383,14 @@ static int cuda_init(struct moe_backend **out, const struct moe_model *m, struct
         INIT_TRY(cudaMemset(b->att_done, 0, sizeof(unsigned) * nb * (size_t)d->H));
         int64_t lrows = nb < LOGIT_ROWS ? (int64_t)nb : LOGIT_ROWS;
         INIT_TRY(cudaMalloc((void **)&b->logits, sizeof(float) * (size_t)(lrows * d->V)));
-        INIT_TRY(cudaMalloc((void **)&b->d_in, sizeof(int32_t) * 4 * nb));
+        INIT_TRY(cudaMalloc((void **)&b->d_in, sizeof(int32_t) * 5 * nb));
+        INIT_TRY(cudaMalloc((void **)&b->d_tok, sizeof(int32_t) * nb));
+        INIT_TRY(cudaMallocHost((void **)&b->h_tok, sizeof(int32_t) * nb));
         INIT_TRY(cudaMalloc((void **)&b->d_rope, sizeof(float) * nb * (size_t)d->hd));
         INIT_TRY(cudaMalloc((void **)&b->counts,
                             sizeof(unsigned long long) * (size_t)(d->L * d->nexp)));
         INIT_TRY(cudaMemset(b->counts, 0, sizeof(unsigned long long) * (size_t)(d->L * d->nexp)));
-        INIT_TRY(cudaMallocHost((void **)&b->h_in, sizeof(int32_t) * 4 * nb));
+        INIT_TRY(cudaMallocHost((void **)&b->h_in, sizeof(int32_t) * 5 * nb));
         INIT_TRY(cudaMallocHost((void **)&b->h_rope, sizeof(float) * nb * (size_t)d->hd));
         INIT_TRY(cudaMallocHost((void **)&b->h_logits, sizeof(float) * (size_t)(lrows * d->V)));
         if (b->profile)
@@ -458,6 +465,9 @@ static void cuda_free(struct moe_backend *bb)
     cudaFree(b->dout);
     cudaFree(b->logits);
     cudaFree(b->d_in);
+    cudaFree(b->d_tok);
+    cudaFreeHost(b->h_tok);
+    moe_cuda_sampler_free(b->smp);
     cudaFree(b->d_rope);
     cudaFree(b->counts);
     cudaFreeHost(b->h_in);
@@ -506,6 +516,7 @@ static void prof_collect(struct cuda_backend *b)
 #define D_POS(b) ((b)->d_in + (b)->d.n_batch)
 #define D_SEQ(b) ((b)->d_in + 2 * (b)->d.n_batch)
 #define D_OUTROW(b) ((b)->d_in + 3 * (b)->d.n_batch)
+#define D_SMPROW(b) ((b)->d_in + 4 * (b)->d.n_batch)
 
 /* Ends a recording left open by a failed step. */
 static void abandon_capture(struct cuda_backend *b)
@@ -539,17 +550,26 @@ static int cuda_begin(struct moe_backend *bb, const struct moe_step *st)
     memcpy(b->h_in + 2 * nb, st->seq, sizeof(int32_t) * n);
     if (st->n_out)
         memcpy(b->h_in + 3 * nb, st->out_row, sizeof(int32_t) * (size_t)st->n_out);
+    b->sample = st->sample;
+    if (st->sample) {
+        if (!b->smp || st->n_out > (int64_t)b->d.n_seq)
+            return cu_err(b, MOE_ERANGE, "sampling without samplers or %lld rows",
+                          (long long)st->n_out);
+        for (int64_t i = 0; i < st->n_out; i++)
+            b->h_in[4 * nb + i] = st->seq[st->out_row[i]];
+    }
     memcpy(b->h_rope, st->rope, sizeof(float) * n * (size_t)b->d.hd);
     b->n_ev = 0;
     mark(b, "inputs");
-    CU(b, cudaMemcpyAsync(b->d_in, b->h_in, sizeof(int32_t) * 4 * nb, cudaMemcpyHostToDevice,
+    CU(b, cudaMemcpyAsync(b->d_in, b->h_in, sizeof(int32_t) * 5 * nb, cudaMemcpyHostToDevice,
                           b->st));
     CU(b, cudaMemcpyAsync(b->d_rope, b->h_rope, sizeof(float) * n * (size_t)b->d.hd,
                           cudaMemcpyHostToDevice, b->st));
     b->mode = MODE_DIRECT;
     if (b->use_graphs && st->n <= MOE_CUDA_GRAPH_MAX && st->n_out <= LOGIT_ROWS) {
         for (int i = 0; i < b->n_graphs; i++)
-            if (b->graphs[i].n == st->n && b->graphs[i].n_out == st->n_out) {
+            if (b->graphs[i].n == st->n && b->graphs[i].n_out == st->n_out &&
+                b->graphs[i].sample == st->sample) {
                 b->mode = MODE_REPLAY;
                 return 0;
             }
@@ -742,13 +762,22 @@ static int cuda_head(struct moe_backend *bb)
     if (b->n_out == 0)
         return 0;
     if (b->n_out > LOGIT_ROWS) {
+        if (b->sample)
+            return cu_err(b, MOE_ERANGE, "sampling %lld rows", (long long)b->n_out);
         b->head_chunked = true; /* done pass by pass in end() */
         return 0;
     }
-    return head_rows(b, 0, b->n_out);
+    int rc = head_rows(b, 0, b->n_out);
+    if (rc || !b->sample)
+        return rc;
+    mark(b, "sample");
+    LAUNCH(b, "sample",
+           moe_cuda_sample_rows(b->smp, b->logits, (uint32_t)b->n_out, D_SMPROW(b), b->d_tok, NULL,
+                                1, b->st));
+    return 0;
 }
 
-static int cuda_end(struct moe_backend *bb, float *out)
+static int cuda_end(struct moe_backend *bb, float *out, int32_t *tokens)
 {
     struct cuda_backend *b = (struct cuda_backend *)bb;
     if (b->mode != MODE_REPLAY)
@@ -763,7 +792,7 @@ static int cuda_end(struct moe_backend *bb, float *out)
         if (e != cudaSuccess)
             return cu_err(b, MOE_EBACKEND, "cuda:%d: cudaGraphInstantiate: %s", b->dev,
                           cudaGetErrorString(e));
-        struct cuda_graph cg = {b->n, b->n_out, exec, 0, NULL};
+        struct cuda_graph cg = {b->n, b->n_out, b->sample, exec, 0, NULL};
         if (b->profile && (cg.ev_name = (const char **)malloc(sizeof(char *) * (size_t)b->n_ev))) {
             cg.n_ev = b->n_ev;
             memcpy(cg.ev_name, b->ev_name, sizeof(char *) * (size_t)b->n_ev);
@@ -774,13 +803,31 @@ static int cuda_end(struct moe_backend *bb, float *out)
     if (b->mode == MODE_REPLAY) {
         cudaGraphExec_t exec = NULL;
         for (int i = 0; i < b->n_graphs; i++)
-            if (b->graphs[i].n == b->n && b->graphs[i].n_out == b->n_out) {
+            if (b->graphs[i].n == b->n && b->graphs[i].n_out == b->n_out &&
+                b->graphs[i].sample == b->sample) {
                 exec = b->graphs[i].exec;
                 b->n_ev = b->graphs[i].n_ev;
                 if (b->n_ev)
                     memcpy(b->ev_name, b->graphs[i].ev_name, sizeof(char *) * (size_t)b->n_ev);
             }
         CU(b, cudaGraphLaunch(exec, b->st));
+    }
+    if (b->sample) {
+        /* Only the tokens come back (logits too if asked: after the penalties). */
+        if (!tokens)
+            return cu_err(b, MOE_ERANGE, "end: sampling but no token array");
+        CU(b, cudaMemcpyAsync(b->h_tok, b->d_tok, sizeof(int32_t) * (size_t)b->n_out,
+                              cudaMemcpyDeviceToHost, b->st));
+        if (out)
+            CU(b, cudaMemcpyAsync(b->h_logits, b->logits,
+                                  sizeof(float) * (size_t)b->d.V * (size_t)b->n_out,
+                                  cudaMemcpyDeviceToHost, b->st));
+        CU(b, cudaStreamSynchronize(b->st));
+        memcpy(tokens, b->h_tok, sizeof(int32_t) * (size_t)b->n_out);
+        if (out)
+            memcpy(out, b->h_logits, sizeof(float) * (size_t)b->d.V * (size_t)b->n_out);
+        prof_collect(b);
+        return 0;
     }
     if (b->n_out && !out)
         return cu_err(b, MOE_ERANGE, "end: %lld logit rows but no output array",
@@ -800,6 +847,28 @@ static int cuda_end(struct moe_backend *bb, float *out)
     }
     CU(b, cudaStreamSynchronize(b->st));
     prof_collect(b);
+    return 0;
+}
+
+/* Penalty windows up to this many tokens (penalty_last_n; "whole history" keeps this many). */
+#define SAMPLER_HISTORY 1024
+
+static int cuda_sampler(struct moe_backend *bb, int32_t seq, const struct moe_sampler_params *p,
+                        const int32_t *history, size_t n_history)
+{
+    struct cuda_backend *b = (struct cuda_backend *)bb;
+    if (seq < 0 || (uint32_t)seq >= b->d.n_seq)
+        return cu_err(b, MOE_ERANGE, "sampler: sequence %d", seq);
+    int rc;
+    if (!b->smp &&
+        (rc = moe_cuda_sampler_init(&b->smp, b->d.n_seq, (uint32_t)b->d.V, SAMPLER_HISTORY, 0,
+                                    b->errmsg, sizeof b->errmsg)))
+        return rc;
+    if ((rc = moe_cuda_sampler_set_row(b->smp, (uint32_t)seq, p, b->st, b->errmsg,
+                                       sizeof b->errmsg)))
+        return rc;
+    if ((rc = moe_cuda_sampler_set_history(b->smp, (uint32_t)seq, history, n_history, b->st)))
+        return cu_err(b, rc, "cuda:%d: sampler history: %s", b->dev, moe_strerror(rc));
     return 0;
 }
 
@@ -868,6 +937,7 @@ extern "C" const struct moe_backend_vt moe_backend_cuda = {
     cuda_experts,
     cuda_head,
     cuda_end,
+    cuda_sampler,
     cuda_routing_counts,
     cuda_read_buf,
     cuda_write_buf,

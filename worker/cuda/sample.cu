@@ -85,6 +85,7 @@ struct Levels {
 
 struct Args {
     float *logits;
+    const int32_t *rowmap; /* logits row -> state row; NULL: the same */
     int32_t *tokens;
     float *logprobs;
     const moe_cuda_sample_row *params;
@@ -1138,9 +1139,10 @@ template <class X, bool LP> HD void sample_row(X &x, const Args &a, uint32_t row
     Smem &s = x.sh;
     const uint32_t nv = a.n_vocab;
     float *lg = a.logits + (size_t)row * nv;
-    const moe_cuda_sample_row p = a.params[row];
-    moe_cuda_sample_state st = a.state[row];
-    const int32_t *ring = a.ring + (size_t)row * a.hist_cap;
+    const uint32_t sr = a.rowmap ? (uint32_t)a.rowmap[row] : row; /* state row */
+    const moe_cuda_sample_row p = a.params[sr];
+    moe_cuda_sample_state st = a.state[sr];
+    const int32_t *ring = a.ring + (size_t)sr * a.hist_cap;
 
     uint32_t wn = a.hist_cap ? (uint32_t)st.hist_len : 0;
     if (p.penalty_last_n >= 0 && (uint32_t)p.penalty_last_n < wn)
@@ -1221,12 +1223,12 @@ template <class X, bool LP> HD void sample_row(X &x, const Args &a, uint32_t row
             }
             a.logprobs[row] = lp;
         }
-        moe_cuda_sample_state *g = a.state + row;
+        moe_cuda_sample_state *g = a.state + sr;
         if (drew)
             for (int k = 0; k < 4; k++)
                 g->rng[k] = st.rng[k];
         if (a.accept && tok >= 0 && a.hist_cap) {
-            a.ring[(size_t)row * a.hist_cap + (uint32_t)st.hist_head] = tok;
+            a.ring[(size_t)sr * a.hist_cap + (uint32_t)st.hist_head] = tok;
             g->hist_head = (int32_t)(((uint32_t)st.hist_head + 1) % a.hist_cap);
             if ((uint32_t)st.hist_len < a.hist_cap)
                 g->hist_len = st.hist_len + 1;
@@ -1529,6 +1531,13 @@ extern "C" int moe_cuda_sampler_set_history(struct moe_cuda_sampler *s, uint32_t
 extern "C" int moe_cuda_sample(struct moe_cuda_sampler *s, float *d_logits, uint32_t n_rows,
                                int32_t *d_tokens, float *d_logprobs, int accept, cudaStream_t st)
 {
+    return moe_cuda_sample_rows(s, d_logits, n_rows, NULL, d_tokens, d_logprobs, accept, st);
+}
+
+extern "C" int moe_cuda_sample_rows(struct moe_cuda_sampler *s, float *d_logits, uint32_t n_rows,
+                                    const int32_t *d_rowmap, int32_t *d_tokens,
+                                    float *d_logprobs, int accept, cudaStream_t st)
+{
     if (n_rows > s->max_rows || !d_logits || !d_tokens || ((uintptr_t)d_logits & 3) ||
         ((uintptr_t)d_tokens & 3) || ((uintptr_t)d_logprobs & 3))
         return -EINVAL;
@@ -1536,6 +1545,7 @@ extern "C" int moe_cuda_sample(struct moe_cuda_sampler *s, float *d_logits, uint
         return 0;
     Args a;
     a.logits = d_logits;
+    a.rowmap = d_rowmap;
     a.tokens = d_tokens;
     a.logprobs = d_logprobs;
     a.params = s->d_params;

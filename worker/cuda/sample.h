@@ -93,6 +93,12 @@ int moe_cuda_sampler_set_history(struct moe_cuda_sampler *s, uint32_t row, const
 int moe_cuda_sample(struct moe_cuda_sampler *s, float *d_logits, uint32_t n_rows,
                     int32_t *d_tokens, float *d_logprobs, int accept, cudaStream_t st);
 
+/* The same with logits row r sampled by state row d_rowmap[r] (a device array of n_rows distinct
+ * rows below max_rows; NULL: row r), e.g. a decode step's rows mapped to their sequences. */
+int moe_cuda_sample_rows(struct moe_cuda_sampler *s, float *d_logits, uint32_t n_rows,
+                         const int32_t *d_rowmap, int32_t *d_tokens, float *d_logprobs, int accept,
+                         cudaStream_t st);
+
 /* Test and debugging helpers; both synchronise with st. Copies row's generator state to
  * state[4]. Copies up to cap of row's history tokens, oldest first, to out and returns how many
  * the row holds (or a negative error). */
