@@ -4,7 +4,8 @@
 # stop the daemon (SIGTERM) and clean up.
 #
 #   MOE_BIN=bin scripts/demo.sh [PROMPT]
-#   MOED_DEMO_MODEL=path.gguf overrides the model.
+#   MOED_DEMO_MODEL=path.gguf overrides the model; MOED_DEMO_DEVICES the devices (default auto:
+#   the GPUs moed-worker --list-devices reports, else the CPU).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -63,7 +64,7 @@ PY
 
 echo "== starting moed on $MODEL (socket $sock)"
 "$BIN/moed" --model "$MODEL" --socket "$sock" --state-dir "$dir/state" \
-    --devices cpu --workers 1 --worker-bin "$BIN/moed-worker" >"$log" 2>&1 &
+    --devices "${MOED_DEMO_DEVICES:-auto}" --workers 1 --worker-bin "$BIN/moed-worker" >"$log" 2>&1 &
 pid=$!
 
 # /health answers 200 once every worker is ready.
@@ -85,6 +86,7 @@ if [ "$ready" != 1 ]; then
 fi
 echo "== moed is ready"
 "$BIN/moectl" --socket "$sock" status | head -n 3 || true
+grep -m1 "ready on" "$log" | sed 's/^.*worker/worker/' || true
 
 # The bundled model is a small qwen3moe trained on the King James Bible (tools/train-demo): it
 # continues text, it was never taught to chat, so the request is a plain completion.

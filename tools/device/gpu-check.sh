@@ -3,7 +3,8 @@
 # nvcc but without the Debian -dev packages: their headers and libraries come in .carry/
 # (include/, lib/; tools/device/pack-deps.sh makes it) along with the generated protobuf-c files.
 #
-#   tools/device/gpu-check.sh [LOGDIR] [steps...]   steps: build tests parity sanitizer tiny big
+#   tools/device/gpu-check.sh [LOGDIR] [steps...]
+#   steps: build tests parity sanitizer daemon tiny big
 #
 # Every step logs to LOGDIR/<step>.log and prints a one-line result; the run goes on after a
 # failed step so that one call reports everything.
@@ -11,7 +12,7 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 LOG=${1:-/tmp/gpu-check}
 shift || true
-STEPS=${*:-build tests parity sanitizer tiny big}
+STEPS=${*:-build tests parity sanitizer daemon tiny big}
 mkdir -p "$LOG"
 B=${B:-/tmp/moed-build}
 export CPATH=$PWD/.carry/include LIBRARY_PATH=$PWD/.carry/lib
@@ -54,6 +55,12 @@ if has sanitizer; then
         echo "$tool: exit $? ($(grep -c "Error\|error" "$LOG/sanitizer-$tool.log") error lines)"
         tail -n 3 "$LOG/sanitizer-$tool.log"
     done
+fi
+if has daemon; then
+    step "daemon with a CUDA worker (make demo's script)"
+    MOE_BIN="$B/bin" timeout 300 scripts/demo.sh >"$LOG/demo.log" 2>&1
+    echo "demo: exit $?"
+    tail -n 14 "$LOG/demo.log"
 fi
 if has tiny; then
     step "bench tiny"
