@@ -1,6 +1,7 @@
 /* End-to-end engine benchmark on any backend: prompt processing, time to first token, decode at
- * batch 1 and aggregate decode at several concurrent sequences, through the engine API (the path
- * the worker serves with). Tokens are random (the speed does not depend on them beyond routing);
+ * batch 1 and aggregate decode at several concurrent sequences, through the engine API the worker
+ * serves with (moe_engine_forward_sample: the engine samples, on the GPU for CUDA, and returns
+ * token ids). Prompt tokens are random (the speed does not depend on them beyond routing);
  * decode feeds back the greedy token, so routing follows the model like real traffic.
  *
  *   build/bench/bench_engine MODEL.gguf [--device cpu|cuda:K] [--prompt 512] [--gen 128]
@@ -17,15 +18,6 @@
 #include "worker/engine.h"
 #include "worker/engine_load.h"
 
-static int32_t argmax(const float *x, int64_t n)
-{
-    int64_t b = 0;
-    for (int64_t i = 1; i < n; i++)
-        if (x[i] > x[b])
-            b = i;
-    return (int32_t)b;
-}
-
 static uint64_t rng = 0x9e3779b97f4a7c15ull;
 static uint32_t rnd(void)
 {
@@ -35,9 +27,8 @@ static uint32_t rnd(void)
     return (uint32_t)(rng >> 11);
 }
 
-/* Prefill of n tokens on seq from position 0 (only the last row's logits); seconds. */
-static double prefill(struct moe_engine *e, int32_t seq, int64_t n, int64_t V, float *logits,
-                      int32_t *first)
+/* Prefill of n tokens on seq from position 0, sampling the first token; seconds. */
+static double prefill(struct moe_engine *e, int32_t seq, int64_t n, int64_t V, int32_t *first)
 {
     int32_t *tok = malloc(sizeof(int32_t) * n), *pos = malloc(sizeof(int32_t) * n),
             *sq = malloc(sizeof(int32_t) * n);
@@ -51,23 +42,28 @@ static double prefill(struct moe_engine *e, int32_t seq, int64_t n, int64_t V, f
     }
     want[n - 1] = 1;
     moe_engine_seq_clear(e, seq);
+    struct moe_sampler_params sp;
+    moe_sampler_defaults(&sp);
+    sp.temperature = 0.0f;
+    if (moe_engine_seq_sampler(e, seq, &sp, tok, (size_t)n)) {
+        fprintf(stderr, "bench_engine: sampler: %s\n", moe_engine_errmsg(e));
+        exit(1);
+    }
     struct moe_batch b = {.n = (uint32_t)n, .token = tok, .pos = pos, .seq = sq, .logits = want};
     double t0 = moe_now_s();
-    if (moe_engine_forward(e, &b, logits)) {
+    if (moe_engine_forward_sample(e, &b, first)) {
         fprintf(stderr, "bench_engine: prefill: %s\n", moe_engine_errmsg(e));
         exit(1);
     }
-    *first = argmax(logits, V);
     double dt = moe_now_s() - t0;
     free(tok), free(pos), free(sq), free(want);
     return dt;
 }
 
 /* steps decode steps of B sequences (0..B-1) that each hold `start` positions; seconds. */
-static double decode(struct moe_engine *e, int B, int64_t start, int steps, int64_t V,
-                     float *logits, int32_t *cur)
+static double decode(struct moe_engine *e, int B, int64_t start, int steps, int32_t *cur)
 {
-    int32_t pos[1024], sq[1024];
+    int32_t pos[1024], sq[1024], nx[1024];
     double t0 = moe_now_s();
     for (int s = 0; s < steps; s++) {
         for (int i = 0; i < B; i++) {
@@ -75,12 +71,12 @@ static double decode(struct moe_engine *e, int B, int64_t start, int steps, int6
             sq[i] = i;
         }
         struct moe_batch b = {.n = (uint32_t)B, .token = cur, .pos = pos, .seq = sq};
-        if (moe_engine_forward(e, &b, logits)) {
+        if (moe_engine_forward_sample(e, &b, nx)) {
             fprintf(stderr, "bench_engine: decode: %s\n", moe_engine_errmsg(e));
             exit(1);
         }
         for (int i = 0; i < B; i++)
-            cur[i] = argmax(logits + (size_t)i * V, V);
+            cur[i] = nx[i] >= 0 ? nx[i] : 0;
     }
     return moe_now_s() - t0;
 }
@@ -154,19 +150,16 @@ int main(int argc, char **argv)
     printf("engine: %s (%s), init %.2f s, model %.2f GiB, n_ctx %" PRId64 ", n_seq %d\n",
            info.device, info.desc, moe_now_s() - t0,
            (double)(lm.model.bytes_dense + lm.model.bytes_experts) / (1 << 30), ctx, maxb);
-    float *logits = malloc(sizeof(float) * (size_t)V * (size_t)maxb);
     int32_t cur[1024];
-    if (!logits)
-        return 1;
 
     /* Warm-up of every shape used below (graphs are recorded on first use). */
-    prefill(e, 0, P, V, logits, &cur[0]);
-    decode(e, 1, P, 4, V, logits, cur);
+    prefill(e, 0, P, V, &cur[0]);
+    decode(e, 1, P, 4, cur);
 
-    double tp = prefill(e, 0, P, V, logits, &cur[0]);
+    double tp = prefill(e, 0, P, V, &cur[0]);
     printf("prompt %" PRId64 ": %.3f s, %.1f tok/s (time to first token %.1f ms)\n", P, tp,
            (double)P / tp, 1e3 * tp);
-    double td = decode(e, 1, P, (int)G, V, logits, cur);
+    double td = decode(e, 1, P, (int)G, cur);
     printf("decode batch 1: %" PRId64 " tokens after %" PRId64 ": %.1f tok/s (%.3f ms/token)\n", G,
            P, (double)G / td, 1e3 * td / (double)G);
     double agg[8] = {0};
@@ -174,10 +167,10 @@ int main(int argc, char **argv)
         int B = batches[bi];
         const int64_t bp = 128;
         for (int i = 0; i < B; i++)
-            prefill(e, i, bp, V, logits, &cur[i]);
-        decode(e, B, bp, 2, V, logits, cur); /* warm-up: records the graph of this batch */
+            prefill(e, i, bp, V, &cur[i]);
+        decode(e, B, bp, 2, cur); /* warm-up: records the graph of this batch */
         int steps = 32;
-        double t = decode(e, B, bp + 2, steps, V, logits, cur);
+        double t = decode(e, B, bp + 2, steps, cur);
         agg[bi] = (double)B * steps / t;
         printf("decode batch %d: %d steps after %" PRId64 "-token prompts: %.1f tok/s aggregate "
                "(%.2f ms/step, %.2fx batch 1)\n", B, steps, bp, agg[bi], 1e3 * t / steps,
@@ -185,8 +178,8 @@ int main(int argc, char **argv)
     }
     double tl = 0;
     if (LONG > 0) {
-        prefill(e, 0, LONG < 1024 ? LONG : 1024, V, logits, &cur[0]);
-        tl = prefill(e, 0, LONG, V, logits, &cur[0]);
+        prefill(e, 0, LONG < 1024 ? LONG : 1024, V, &cur[0]);
+        tl = prefill(e, 0, LONG, V, &cur[0]);
         printf("prompt %" PRId64 ": %.3f s, %.1f tok/s\n", LONG, tl, (double)LONG / tl);
     }
     printf("\n| device | prompt %" PRId64 " tok/s | TTFT ms | decode b1 tok/s |", P);
@@ -201,7 +194,6 @@ int main(int argc, char **argv)
     if (LONG > 0)
         printf(" %.1f |", (double)LONG / tl);
     printf("\n");
-    free(logits);
     moe_engine_free(e);
     moe_loaded_close(&lm);
     return 0;

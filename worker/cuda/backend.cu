@@ -57,6 +57,8 @@ struct cuda_layer {
     float *attn_norm, *ffn_norm, *q_norm, *k_norm;
     const void **gate, **up, **down; /* device tables [nexp] */
     uint32_t gate_type, up_type, down_type;
+    bool mixed;                      /* experts of several types in one matrix */
+    struct moe_cuda_mixed mx;
 };
 
 struct cuda_backend {
@@ -232,17 +234,33 @@ static int upload(struct cuda_backend *b, int pass, const void **tab)
         cl->gate_type = ly->experts[0].gate.type;
         cl->up_type = ly->experts[0].up.type;
         cl->down_type = ly->experts[0].down.type;
+        cl->mixed = false;
+        for (int x = 0; x < (int)d->nexp; x++) {
+            const struct moe_expert *ex = &ly->experts[x];
+            if (ex->gate.type != cl->gate_type || ex->up.type != cl->up_type ||
+                ex->down.type != cl->down_type)
+                cl->mixed = true;
+        }
         for (int which = 0; which < 3; which++) {
+            uint8_t *et = cl->mixed ? (uint8_t *)malloc((size_t)d->nexp) : NULL;
+            if (cl->mixed && !et && !rc)
+                rc = -ENOMEM;
+            int nt = 0;
             for (int x = 0; x < (int)d->nexp; x++) {
                 const struct moe_expert *ex = &ly->experts[x];
                 const struct moe_tensor *t = which == 0 ? &ex->gate : which == 1 ? &ex->up
                                                                                 : &ex->down;
-                uint32_t want = which == 0 ? cl->gate_type : which == 1 ? cl->up_type
-                                                                        : cl->down_type;
-                if (t->type != want && !rc)
-                    rc = cu_err(b, MOE_EUNSUPPORTED,
-                                "blk.%d: experts of one layer have different types", l);
                 tab[x] = place(b, t->data, t->nbytes, pass, &rc);
+                if (!et)
+                    continue;
+                et[x] = (uint8_t)t->type;
+                int k = 0;
+                while (k < nt && cl->mx.types[which][k] != t->type)
+                    k++;
+                if (k == nt && nt < 16)
+                    cl->mx.types[which][nt++] = t->type;
+                else if (k == nt && !rc)
+                    rc = cu_err(b, MOE_EUNSUPPORTED, "blk.%d: experts of more than 16 types", l);
             }
             const void **dt = place_table(b, tab, pass, &rc);
             if (which == 0)
@@ -251,6 +269,17 @@ static int upload(struct cuda_backend *b, int pass, const void **tab)
                 cl->up = dt;
             else
                 cl->down = dt;
+            if (et) {
+                cl->mx.etype[which] = (const uint8_t *)place(b, et, (size_t)d->nexp, pass, &rc);
+                cl->mx.n_types[which] = nt;
+                free(et);
+            }
+        }
+        if (cl->mixed) {
+            cl->mx.gate = cl->gate;
+            cl->mx.up = cl->up;
+            cl->mx.down = cl->down;
+            cl->mx.nexp = d->nexp;
         }
     }
     return rc;
@@ -708,6 +737,15 @@ static int cuda_experts(struct moe_backend *bb, int l)
     const struct cuda_layer *cl = &b->layers[l];
     const int k = (int)b->d.kuse;
     const int32_t *sel_e = (const int32_t *)b->buf[MOE_BUF_SEL_E];
+    if (cl->mixed) {
+        mark(b, "mixed");
+        LAUNCH(b, "experts (mixed types)",
+               moe_cuda_expert_mixed(&cl->mx, b->d.E, b->d.ff, b->d.E, b->buf[MOE_BUF_X],
+                                     b->ld[MOE_BUF_X], b->n, k, sel_e, b->buf[MOE_BUF_SEL_W],
+                                     &b->groups, b->act, b->ld_act, b->scratch, b->dout,
+                                     b->ld_dout, b->buf[MOE_BUF_H], b->ld[MOE_BUF_H], b->st));
+        return 0;
+    }
     if (b->n * k >= b->group_min * b->d.nexp && cl->gate_type == cl->up_type) {
         /* Many tokens (prompts): slots grouped by expert, each active expert's weights read and
          * decoded once for several of its slots. */

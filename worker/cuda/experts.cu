@@ -102,7 +102,8 @@ static __global__ void __launch_bounds__(32 * GU_WARPS)
 gate_up_kernel(const uint8_t *const *__restrict__ ga, const uint8_t *const *__restrict__ ua,
                size_t row_bytes, unsigned block_bytes, int nu, int64_t ff,
                const float *__restrict__ x, int64_t ldx, int kuse,
-               const int32_t *__restrict__ sel_e, float *__restrict__ out, int64_t ldo)
+               const int32_t *__restrict__ sel_e, float *__restrict__ out, int64_t ldo,
+               const uint8_t *__restrict__ etype, int want)
 {
     pdl_trigger();
     pdl_wait();
@@ -111,6 +112,8 @@ gate_up_kernel(const uint8_t *const *__restrict__ ga, const uint8_t *const *__re
         return;
     const int64_t slot = blockIdx.y;
     const int e = sel_e[slot];
+    if (etype && etype[e] != want)
+        return; /* another pass computes this expert (a layer of mixed types) */
     const float *xt = x + (slot / kuse) * ldx;
     constexpr int M = MODE == 0 ? 2 : 1; /* matrices */
     const uint8_t *rowp[M * GU_ROWS];
@@ -329,11 +332,14 @@ down_grouped_kernel(const uint8_t *const *__restrict__ da, size_t row_bytes, uns
                     int nu, int64_t E, const float *__restrict__ act, int64_t ldact,
                     const int32_t *__restrict__ ex_off, const int32_t *__restrict__ slot_list,
                     const int32_t *__restrict__ act_list, const int32_t *__restrict__ n_active,
-                    float *__restrict__ dout, int64_t ldd)
+                    float *__restrict__ dout, int64_t ldd, const uint8_t *__restrict__ etype,
+                    int want)
 {
     pdl_trigger();
     pdl_wait();
     if ((int)blockIdx.y >= *n_active)
+        return;
+    if (etype && etype[act_list[blockIdx.y]] != want)
         return;
     constexpr int HALF = DOWN_ROWS / 4; /* rows per pass */
     const int w = threadIdx.x >> 5, nw = blockDim.x >> 5, lane = threadIdx.x & 31;
@@ -424,7 +430,8 @@ template <int K> static unsigned blk_bytes(int64_t n, size_t *row_bytes, int *nu
 template <int K, int MODE>
 static int launch_gate_up(const void *const *a, const void *const *b, int64_t n, int64_t ff,
                           const float *x, int64_t ldx, int64_t n_tok, int kuse,
-                          const int32_t *sel_e, float *out, int64_t ldo, cudaStream_t s)
+                          const int32_t *sel_e, float *out, int64_t ldo, const uint8_t *etype,
+                          cudaStream_t s)
 {
     size_t rb;
     int nu;
@@ -433,16 +440,17 @@ static int launch_gate_up(const void *const *a, const void *const *b, int64_t n,
     dim3 g((unsigned)((ff + per - 1) / per), (unsigned)(n_tok * kuse));
     MOE_CUDA_TRY(moe_launch(gate_up_kernel<K, MODE>, g, dim3(32 * GU_WARPS), 0, s,
                             (const uint8_t *const *)a, (const uint8_t *const *)b, rb, bb, nu, ff, x,
-                            ldx, kuse, sel_e, out, ldo));
+                            ldx, kuse, sel_e, out, ldo, etype, (int)base_type(K)));
     return 0;
 }
 
 template <int MODE>
 static int gate_up_dispatch(uint32_t type, const void *const *a, const void *const *b, int64_t n,
                             int64_t ff, const float *x, int64_t ldx, int64_t n_tok, int kuse,
-                            const int32_t *sel_e, float *out, int64_t ldo, cudaStream_t s)
+                            const int32_t *sel_e, float *out, int64_t ldo, cudaStream_t s,
+                            const uint8_t *etype = NULL)
 {
-#define CALL(T) return launch_gate_up<T, MODE>(a, b, n, ff, x, ldx, n_tok, kuse, sel_e, out, ldo, s);
+#define CALL(T) return launch_gate_up<T, MODE>(a, b, n, ff, x, ldx, n_tok, kuse, sel_e, out, ldo, etype, s);
 #define CASE(T) case T: CALL(T)
     switch (type) {
     MOE_QDOT_TYPES(CASE)
@@ -553,7 +561,7 @@ static int launch_gate_up_grouped(const void *const *a, const void *const *b, in
 template <int K>
 static int launch_down_grouped(const void *const *d, int64_t ff, int64_t E, const float *act,
                                int64_t ldact, const struct moe_cuda_groups *gr, int max_active,
-                               float *dout, int64_t ldd, cudaStream_t s)
+                               float *dout, int64_t ldd, const uint8_t *etype, cudaStream_t s)
 {
     size_t rb;
     int nu;
@@ -563,7 +571,7 @@ static int launch_down_grouped(const void *const *d, int64_t ff, int64_t E, cons
                             (const uint8_t *const *)d, rb, bb, nu, E, act, ldact,
                             (const int32_t *)gr->ex_off, (const int32_t *)gr->slot_list,
                             (const int32_t *)gr->act_list, (const int32_t *)gr->n_active, dout,
-                            ldd));
+                            ldd, etype, (int)base_type(K)));
     return 0;
 }
 
@@ -595,7 +603,7 @@ int moe_cuda_expert_down_grouped(uint32_t type, const void *const *d_down, int64
     if (max_active <= 0 || max_active > 65535 || n_tok <= 0 || n_tok > 65535)
         return -EINVAL;
     int rc = MOE_EUNSUPPORTED;
-#define CALL(T) { rc = launch_down_grouped<T>(d_down, ff, E, d_act, ldact, g, max_active, d_dout, ldd, s); break; }
+#define CALL(T) { rc = launch_down_grouped<T>(d_down, ff, E, d_act, ldact, g, max_active, d_dout, ldd, NULL, s); break; }
 #define CASE(T) case T: CALL(T)
     switch (type) {
     MOE_QDOT_TYPES(CASE)
@@ -603,6 +611,52 @@ int moe_cuda_expert_down_grouped(uint32_t type, const void *const *d_down, int64
     }
 #undef CASE
 #undef CALL
+    if (rc)
+        return rc;
+    unsigned gx = (unsigned)((E + 255) / 256);
+    MOE_CUDA_TRY(moe_launch(combine_kernel, dim3(gx, (unsigned)n_tok), dim3(256), 0, s,
+                            (const float *)d_dout, ldd, E, kuse, d_sel_w, d_h, ldh));
+    return 0;
+}
+
+int moe_cuda_expert_mixed(const struct moe_cuda_mixed *mx, int64_t n, int64_t ff, int64_t E,
+                          const float *d_x, int64_t ldx, int64_t n_tok, int kuse,
+                          const int32_t *d_sel_e, const float *d_sel_w,
+                          const struct moe_cuda_groups *g, float *d_act, int64_t ldact,
+                          float *d_scratch, float *d_dout, int64_t ldd, float *d_h, int64_t ldh,
+                          cudaStream_t s)
+{
+    const int64_t slots = n_tok * kuse;
+    if (n_tok <= 0 || kuse <= 0 || slots > 65535)
+        return -EINVAL;
+    int rc = moe_cuda_expert_group(d_sel_e, slots, mx->nexp, (struct moe_cuda_groups *)g, s);
+    if (rc)
+        return rc;
+    const int64_t count = slots * ldact;
+    float *gb = d_scratch, *ub = d_scratch + count;
+    for (int i = 0; i < mx->n_types[0] && !rc; i++)
+        rc = gate_up_dispatch<1>(mx->types[0][i], mx->gate, NULL, n, ff, d_x, ldx, n_tok, kuse,
+                                 d_sel_e, gb, ldact, s, mx->etype[0]);
+    for (int i = 0; i < mx->n_types[1] && !rc; i++)
+        rc = gate_up_dispatch<1>(mx->types[1][i], mx->up, NULL, n, ff, d_x, ldx, n_tok, kuse,
+                                 d_sel_e, ub, ldact, s, mx->etype[1]);
+    if (rc)
+        return rc;
+    MOE_CUDA_TRY(moe_launch(swiglu_kernel, dim3((unsigned)((count + 255) / 256)), dim3(256), 0, s,
+                            (const float *)gb, (const float *)ub, d_act, count));
+    const int max_active = (int)(slots < mx->nexp ? slots : mx->nexp);
+    for (int i = 0; i < mx->n_types[2] && !rc; i++) {
+        const uint32_t type = mx->types[2][i];
+        rc = MOE_EUNSUPPORTED;
+#define CALL(T) { rc = launch_down_grouped<T>(mx->down, ff, E, d_act, ldact, g, max_active, d_dout, ldd, mx->etype[2], s); break; }
+#define CASE(T) case T: CALL(T)
+        switch (type) {
+        MOE_QDOT_TYPES(CASE)
+        PLAIN_CASES(CALL, type, ff)
+        }
+#undef CASE
+#undef CALL
+    }
     if (rc)
         return rc;
     unsigned gx = (unsigned)((E + 255) / 256);

@@ -52,4 +52,22 @@ int moe_cuda_expert_down_grouped(uint32_t type, const void *const *d_down, int64
                                  float *d_dout, int64_t ldd, float *d_h, int64_t ldh,
                                  cudaStream_t s);
 
+/* A layer whose experts are not all of one type per matrix (files that repack experts): per
+ * matrix a device table of each expert's type and the distinct types. Each type gets a pass that
+ * skips the other experts; the results are the per-type kernels' own. */
+struct moe_cuda_mixed {
+    const void *const *gate, *const *up, *const *down; /* device pointer tables [nexp] */
+    const uint8_t *etype[3];                           /* device [nexp]: gate, up, down types */
+    uint32_t types[3][16];
+    int n_types[3];
+    int64_t nexp;
+};
+
+int moe_cuda_expert_mixed(const struct moe_cuda_mixed *mx, int64_t n, int64_t ff, int64_t E,
+                          const float *d_x, int64_t ldx, int64_t n_tok, int kuse,
+                          const int32_t *d_sel_e, const float *d_sel_w,
+                          const struct moe_cuda_groups *g, float *d_act, int64_t ldact,
+                          float *d_scratch, float *d_dout, int64_t ldd, float *d_h, int64_t ldh,
+                          cudaStream_t s);
+
 #endif
