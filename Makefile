@@ -157,14 +157,17 @@ test: deps
 	$(Q)MOE_BIN=$(BINDIR) MOE_TEST_BIN=$(TEST_BIN) tests/run.sh
 
 # The GPU tests, with the runner's usual conventions: all tests, one at a time unless
-# MOE_TEST_JOBS=N, "N passed, N failed" at the end, MOE_BIN pointing at the programs.
+# MOE_TEST_JOBS=N, "N passed, N failed" at the end, MOE_BIN pointing at the programs. Then the
+# engine and parity tests of `make test` again with MOE_TEST_DEVICE=cuda:0 (same thresholds).
 test-gpu:
 ifeq ($(GPU_TEST_BIN),)
 	@echo "make test-gpu: CUDA is not built (nvcc not found, CUDA=0, or no worker/cuda/*.cu): no GPU tests to run" >&2
 	@exit 1
 else
-	$(Q)$(MAKE) --no-print-directory all
-	$(Q)MOE_BIN=$(BINDIR) $(GPU_TEST_BIN) $(TESTFLAGS)
+	$(Q)$(MAKE) --no-print-directory all $(TEST_BIN)
+	$(Q)MOE_BIN=$(BINDIR) $(GPU_TEST_BIN) $(TESTFLAGS); a=$$?; \
+	MOE_TEST_DEVICE=cuda:0 MOE_BIN=$(BINDIR) $(TEST_BIN) -f parity -f engine $(TESTFLAGS); b=$$?; \
+	test $$a = 0 && test $$b = 0
 endif
 
 demo: deps

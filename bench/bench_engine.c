@@ -182,6 +182,24 @@ int main(int argc, char **argv)
         tl = prefill(e, 0, LONG, V, &cur[0]);
         printf("prompt %" PRId64 ": %.3f s, %.1f tok/s\n", LONG, tl, (double)LONG / tl);
     }
+    /* The floor of one decode token: every byte it must read once (dense weights, the output
+     * head, one embedding row, k experts per layer) over the HBM read rate. */
+    const struct moe_model *mm = &lm.model;
+    double bytes = (double)mm->output.nbytes +
+                   (double)mm->token_embd.nbytes / (double)mm->hp.n_vocab;
+    for (uint32_t l = 0; l < mm->hp.n_layer; l++) {
+        const struct moe_layer *ly = &mm->layers[l];
+        bytes += (double)(ly->attn_q.nbytes + ly->attn_k.nbytes + ly->attn_v.nbytes +
+                          ly->attn_output.nbytes + ly->ffn_gate_inp.nbytes + ly->attn_norm.nbytes +
+                          ly->ffn_norm.nbytes);
+        bytes += (double)mm->hp.n_expert_used * (double)moe_model_expert_bytes(mm, l);
+    }
+    const double hbm = 4.4e12; /* H200 device copy, measured (docs/benchmarks.md) */
+    moe_engine_info(e, &info);
+    printf("bytes per decoded token %.2f GB; at %.1f TB/s the floor is %.3f ms (%.0f tok/s); "
+           "batch 1 reaches %.1f%% of it\n", bytes / 1e9, hbm / 1e12, 1e3 * bytes / hbm,
+           hbm / bytes, 100.0 * ((double)G / td) / (hbm / bytes));
+    printf("engine after the run: %s\n", info.desc);
     printf("\n| device | prompt %" PRId64 " tok/s | TTFT ms | decode b1 tok/s |", P);
     for (int bi = 0; bi < nbat; bi++)
         printf(" b%d agg tok/s |", batches[bi]);

@@ -43,7 +43,7 @@ struct opts {
     bool has_seed;
     int threads;
     int64_t ctx, batch;
-    bool json, routing_stats, list_devices;
+    bool json, routing_stats, list_devices, kv_f32;
     int ipc_fd;
 };
 
@@ -64,6 +64,7 @@ static void usage(FILE *f)
             "  --threads N           compute threads (default: all cores)\n"
             "  --ctx N               context size (default: prompt + n)\n"
             "  --batch N             most tokens per forward step (default 512)\n"
+            "  --kv-type f16|f32     KV cache element type on a GPU (default f16; the CPU keeps f32)\n"
             "  --device cpu|cuda:K   (default cpu)\n"
             "  --dump-logits F       write float32 [n_prompt][n_vocab] prompt logits to F\n"
             "  --json                print {\"prompt_tokens\", \"tokens\", \"text\"} on stdout\n"
@@ -146,7 +147,7 @@ static int parse_args(int argc, char **argv, struct opts *o)
             "--model", "-m", "--prompt-file", "-f", "-n", "--n-predict", "--temp", "--seed",
             "--top-k", "--top-p", "--min-p", "--repeat-penalty", "--repeat-last-n",
             "--presence-penalty", "--frequency-penalty", "--threads", "-t", "--ctx", "-c",
-            "--batch", "-b", "--device", "--dump-logits", "--ipc-fd",
+            "--batch", "-b", "--device", "--dump-logits", "--ipc-fd", "--kv-type",
         };
         bool known = false;
         for (size_t k = 0; k < sizeof with_value / sizeof *with_value; k++)
@@ -170,6 +171,13 @@ static int parse_args(int argc, char **argv, struct opts *o)
             o->dump_logits = v;
         else if (!strcmp(a, "--device"))
             o->device = v;
+        else if (!strcmp(a, "--kv-type")) {
+            if (strcmp(v, "f16") && strcmp(v, "f32")) {
+                fprintf(stderr, "moed-worker: --kv-type: '%s' is not f16 or f32\n", v);
+                return 2;
+            }
+            o->kv_f32 = !strcmp(v, "f32");
+        }
         else if (!strcmp(a, "-n") || !strcmp(a, "--n-predict"))
             bad = parse_i64(a, v, 0, INT32_MAX, &o->n_predict);
         else if (!strcmp(a, "--temp"))
@@ -345,7 +353,8 @@ static int run_standalone(const struct opts *o)
 
     struct moe_engine_opts eo = {.n_ctx = (uint32_t)oo.ctx, .n_seq = 1,
                                  .n_batch = (uint32_t)(oo.batch ? oo.batch : 512),
-                                 .n_threads = oo.threads, .device = o->device};
+                                 .n_threads = oo.threads, .device = o->device,
+                                 .kv_f32 = o->kv_f32};
     if ((rc = moe_engine_init(&eng, m, &eo, err, sizeof err))) {
         fprintf(stderr, "moed-worker: %s\n", err);
         goto done;

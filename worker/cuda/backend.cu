@@ -115,6 +115,7 @@ struct cuda_backend {
     int n_graphs;
 
     uint64_t dev_bytes;
+    size_t nodes_b1;                 /* kernels in the graph of a 1-token sampling step */
     char desc[512];
     char errmsg[256];
 };
@@ -285,6 +286,95 @@ static int upload(struct cuda_backend *b, int pass, const void **tab)
     return rc;
 }
 
+/* Host ranges of the weights, page-aligned and merged, registered with CUDA (read-only) for the
+ * upload so that the copies run at pinned speed; unregistered after it. A range CUDA refuses
+ * (a locked-memory limit, say) is simply copied unpinned. */
+struct reg_range {
+    uintptr_t a, b;
+};
+
+static int range_cmp(const void *x, const void *y)
+{
+    const struct reg_range *p = (const struct reg_range *)x, *q = (const struct reg_range *)y;
+    return p->a < q->a ? -1 : p->a > q->a;
+}
+
+static void add_range(struct reg_range *r, size_t *n, const struct moe_tensor *t)
+{
+    if (!t->data || !t->nbytes)
+        return;
+    const uintptr_t pg = 4096;
+    r[*n].a = (uintptr_t)t->data & ~(pg - 1);
+    r[*n].b = ((uintptr_t)t->data + t->nbytes + pg - 1) & ~(pg - 1);
+    (*n)++;
+}
+
+/* Registers the weights' host ranges; returns the registered chunks (to unregister) in *out. */
+static size_t register_weights(const struct moe_model *m, const struct moe_dims *d,
+                               struct reg_range **out)
+{
+    *out = NULL;
+    size_t cap = 3 + (size_t)d->L * (9 + 3 * (size_t)d->nexp), n = 0;
+    struct reg_range *r = (struct reg_range *)malloc(sizeof *r * cap);
+    if (!r)
+        return 0;
+    add_range(r, &n, &m->token_embd);
+    add_range(r, &n, &m->output);
+    for (int l = 0; l < (int)d->L; l++) {
+        const struct moe_layer *ly = &m->layers[l];
+        static const enum moe_wid mats[] = {MOE_W_Q, MOE_W_K, MOE_W_V, MOE_W_O, MOE_W_ROUTER};
+        for (size_t i = 0; i < sizeof mats / sizeof mats[0]; i++)
+            add_range(r, &n, moe_weight(m, l, mats[i]));
+        for (int x = 0; x < (int)d->nexp; x++) {
+            add_range(r, &n, &ly->experts[x].gate);
+            add_range(r, &n, &ly->experts[x].up);
+            add_range(r, &n, &ly->experts[x].down);
+        }
+    }
+    qsort(r, n, sizeof *r, range_cmp);
+    /* Merge ranges that overlap or lie within 64 MiB of each other (gaps of one mapping). */
+    size_t k = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (k && r[i].a <= r[k - 1].b + (64u << 20)) {
+            if (r[i].b > r[k - 1].b)
+                r[k - 1].b = r[i].b;
+        } else {
+            r[k++] = r[i];
+        }
+    }
+    /* Register in chunks of at most 1 GiB; keep the ones CUDA accepted. */
+    size_t nc = 0, ccap = 0;
+    struct reg_range *ch = NULL;
+    for (size_t i = 0; i < k; i++)
+        for (uintptr_t a = r[i].a; a < r[i].b; a += (uintptr_t)1 << 30) {
+            uintptr_t b = a + ((uintptr_t)1 << 30) < r[i].b ? a + ((uintptr_t)1 << 30) : r[i].b;
+            if (cudaHostRegister((void *)a, b - a, cudaHostRegisterReadOnly) != cudaSuccess) {
+                cudaGetLastError();
+                continue;
+            }
+            if (nc == ccap) {
+                ccap = ccap ? 2 * ccap : 64;
+                struct reg_range *t = (struct reg_range *)realloc(ch, sizeof *ch * ccap);
+                if (!t) {
+                    cudaHostUnregister((void *)a);
+                    continue;
+                }
+                ch = t;
+            }
+            ch[nc++] = (struct reg_range){a, b};
+        }
+    free(r);
+    *out = ch;
+    return nc;
+}
+
+static void unregister_weights(struct reg_range *ch, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        cudaHostUnregister((void *)ch[i].a);
+    free(ch);
+}
+
 static void cuda_free(struct moe_backend *bb);
 
 static int cuda_init(struct moe_backend **out, const struct moe_model *m, struct moe_dims *d,
@@ -353,7 +443,10 @@ static int cuda_init(struct moe_backend **out, const struct moe_model *m, struct
                           (double)b->arena_size / (1 << 30), cudaGetErrorString(ce));
             goto fail;
         }
+        struct reg_range *regs = NULL;
+        size_t n_regs = getenv("MOE_CUDA_NO_REGISTER") ? 0 : register_weights(m, d, &regs);
         rc = upload(b, 1, tab);
+        unregister_weights(regs, n_regs);
         free(tab);
         if (rc) {
             moe_fail(err, errlen, rc, "%s", b->errmsg);
@@ -824,6 +917,11 @@ static int cuda_end(struct moe_backend *bb, float *out, int32_t *tokens)
         cudaGraph_t g;
         b->capturing = false;
         CU(b, cudaStreamEndCapture(b->st, &g));
+        if (b->n == 1 && b->n_out == 1) {
+            size_t nn = 0;
+            if (cudaGraphGetNodes(g, NULL, &nn) == cudaSuccess)
+                b->nodes_b1 = nn;
+        }
         cudaGraphExec_t exec;
         cudaError_t e = cudaGraphInstantiate(&exec, g, 0);
         cudaGraphDestroy(g);
@@ -957,7 +1055,10 @@ static void cuda_info(const struct moe_backend *bb, uint64_t *device_bytes, char
 {
     const struct cuda_backend *b = (const struct cuda_backend *)bb;
     *device_bytes = b->dev_bytes;
-    snprintf(desc, len, "%s", b->desc);
+    if (b->nodes_b1)
+        snprintf(desc, len, "%s, %zu graph nodes per 1-token step", b->desc, b->nodes_b1);
+    else
+        snprintf(desc, len, "%s", b->desc);
 }
 
 extern "C" const struct moe_backend_vt moe_backend_cuda = {
