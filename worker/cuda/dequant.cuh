@@ -10,8 +10,13 @@
 #include <cuda_fp16.h>
 
 extern "C" {
+#include "store/blocks.h"
 #include "store/ggml_type.h"
 }
+
+/* Byte offset of a block field and a block's size (store/blocks.h). */
+#define DQ_OFF(T, f) offsetof(struct moe_block_##T, f)
+#define DQ_SIZE(T) sizeof(struct moe_block_##T)
 
 #define DQ_HD __host__ __device__ __forceinline__
 
@@ -40,8 +45,8 @@ static DQ_HD void kq_scale_min(const uint8_t *s, int j, int *sc, int *m)
 
 static DQ_HD void deq_q4_0(const uint8_t *b, float *y)
 {
-    float d = ld_f16(b);
-    const uint8_t *qs = b + 2;
+    float d = ld_f16(b + DQ_OFF(q4_0, d));
+    const uint8_t *qs = b + DQ_OFF(q4_0, qs);
     for (int j = 0; j < 16; j++) {
         y[j] = (float)((qs[j] & 15) - 8) * d;
         y[j + 16] = (float)((qs[j] >> 4) - 8) * d;
@@ -50,8 +55,8 @@ static DQ_HD void deq_q4_0(const uint8_t *b, float *y)
 
 static DQ_HD void deq_q4_1(const uint8_t *b, float *y)
 {
-    float d = ld_f16(b), m = ld_f16(b + 2);
-    const uint8_t *qs = b + 4;
+    float d = ld_f16(b + DQ_OFF(q4_1, d)), m = ld_f16(b + DQ_OFF(q4_1, m));
+    const uint8_t *qs = b + DQ_OFF(q4_1, qs);
     for (int j = 0; j < 16; j++) {
         y[j] = (float)(qs[j] & 15) * d + m;
         y[j + 16] = (float)(qs[j] >> 4) * d + m;
@@ -60,9 +65,9 @@ static DQ_HD void deq_q4_1(const uint8_t *b, float *y)
 
 static DQ_HD void deq_q5_0(const uint8_t *b, float *y)
 {
-    float d = ld_f16(b);
-    uint32_t qh = ld_u32(b + 2);
-    const uint8_t *qs = b + 6;
+    float d = ld_f16(b + DQ_OFF(q5_0, d));
+    uint32_t qh = ld_u32(b + DQ_OFF(q5_0, qh));
+    const uint8_t *qs = b + DQ_OFF(q5_0, qs);
     for (int j = 0; j < 16; j++) {
         int lo = (qs[j] & 15) | (int)((qh >> j) & 1) << 4;
         int hi = (qs[j] >> 4) | (int)((qh >> (j + 16)) & 1) << 4;
@@ -73,9 +78,9 @@ static DQ_HD void deq_q5_0(const uint8_t *b, float *y)
 
 static DQ_HD void deq_q5_1(const uint8_t *b, float *y)
 {
-    float d = ld_f16(b), m = ld_f16(b + 2);
-    uint32_t qh = ld_u32(b + 4);
-    const uint8_t *qs = b + 8;
+    float d = ld_f16(b + DQ_OFF(q5_1, d)), m = ld_f16(b + DQ_OFF(q5_1, m));
+    uint32_t qh = ld_u32(b + DQ_OFF(q5_1, qh));
+    const uint8_t *qs = b + DQ_OFF(q5_1, qs);
     for (int j = 0; j < 16; j++) {
         int lo = (qs[j] & 15) | (int)((qh >> j) & 1) << 4;
         int hi = (qs[j] >> 4) | (int)((qh >> (j + 16)) & 1) << 4;
@@ -86,16 +91,16 @@ static DQ_HD void deq_q5_1(const uint8_t *b, float *y)
 
 static DQ_HD void deq_q8_0(const uint8_t *b, float *y)
 {
-    float d = ld_f16(b);
-    const int8_t *qs = (const int8_t *)(b + 2);
+    float d = ld_f16(b + DQ_OFF(q8_0, d));
+    const int8_t *qs = (const int8_t *)(b + DQ_OFF(q8_0, qs));
     for (int j = 0; j < 32; j++)
         y[j] = (float)qs[j] * d;
 }
 
 static DQ_HD void deq_q4_k(const uint8_t *b, float *y)
 {
-    float d = ld_f16(b), dmin = ld_f16(b + 2);
-    const uint8_t *s = b + 4, *q = b + 16;
+    float d = ld_f16(b + DQ_OFF(q4_k, d)), dmin = ld_f16(b + DQ_OFF(q4_k, dmin));
+    const uint8_t *s = b + DQ_OFF(q4_k, scales), *q = b + DQ_OFF(q4_k, qs);
     for (int c = 0; c < 4; c++, q += 32, y += 64) {
         int sc0, m0, sc1, m1;
         kq_scale_min(s, 2 * c, &sc0, &m0);
@@ -111,8 +116,9 @@ static DQ_HD void deq_q4_k(const uint8_t *b, float *y)
 
 static DQ_HD void deq_q5_k(const uint8_t *b, float *y)
 {
-    float d = ld_f16(b), dmin = ld_f16(b + 2);
-    const uint8_t *s = b + 4, *qh = b + 16, *q = b + 48;
+    float d = ld_f16(b + DQ_OFF(q5_k, d)), dmin = ld_f16(b + DQ_OFF(q5_k, dmin));
+    const uint8_t *s = b + DQ_OFF(q5_k, scales), *qh = b + DQ_OFF(q5_k, qh);
+    const uint8_t *q = b + DQ_OFF(q5_k, qs);
     for (int c = 0; c < 4; c++, q += 32, y += 64) {
         int sc0, m0, sc1, m1;
         kq_scale_min(s, 2 * c, &sc0, &m0);
@@ -131,9 +137,9 @@ static DQ_HD void deq_q5_k(const uint8_t *b, float *y)
 
 static DQ_HD void deq_q6_k(const uint8_t *b, float *y)
 {
-    const uint8_t *ql = b, *qh = b + 128;
-    const int8_t *sc = (const int8_t *)(b + 192);
-    float d = ld_f16(b + 208);
+    const uint8_t *ql = b + DQ_OFF(q6_k, ql), *qh = b + DQ_OFF(q6_k, qh);
+    const int8_t *sc = (const int8_t *)(b + DQ_OFF(q6_k, scales));
+    float d = ld_f16(b + DQ_OFF(q6_k, d));
     for (int half = 0; half < 2; half++, ql += 64, qh += 32, sc += 8, y += 128) {
         for (int l = 0; l < 32; l++) {
             int is = l / 16;
@@ -165,14 +171,14 @@ static __host__ __device__ __forceinline__ void deq_block(uint32_t type, const u
     case MOE_TYPE_F32: y[0] = ((const float *)row)[bi]; break;
     case MOE_TYPE_F16: y[0] = ld_f16(row + 2 * bi); break;
     case MOE_TYPE_BF16: y[0] = ld_bf16(row + 2 * bi); break;
-    case MOE_TYPE_Q4_0: deq_q4_0(row + 18 * bi, y); break;
-    case MOE_TYPE_Q4_1: deq_q4_1(row + 20 * bi, y); break;
-    case MOE_TYPE_Q5_0: deq_q5_0(row + 22 * bi, y); break;
-    case MOE_TYPE_Q5_1: deq_q5_1(row + 24 * bi, y); break;
-    case MOE_TYPE_Q8_0: deq_q8_0(row + 34 * bi, y); break;
-    case MOE_TYPE_Q4_K: deq_q4_k(row + 144 * bi, y); break;
-    case MOE_TYPE_Q5_K: deq_q5_k(row + 176 * bi, y); break;
-    case MOE_TYPE_Q6_K: deq_q6_k(row + 210 * bi, y); break;
+    case MOE_TYPE_Q4_0: deq_q4_0(row + DQ_SIZE(q4_0) * bi, y); break;
+    case MOE_TYPE_Q4_1: deq_q4_1(row + DQ_SIZE(q4_1) * bi, y); break;
+    case MOE_TYPE_Q5_0: deq_q5_0(row + DQ_SIZE(q5_0) * bi, y); break;
+    case MOE_TYPE_Q5_1: deq_q5_1(row + DQ_SIZE(q5_1) * bi, y); break;
+    case MOE_TYPE_Q8_0: deq_q8_0(row + DQ_SIZE(q8_0) * bi, y); break;
+    case MOE_TYPE_Q4_K: deq_q4_k(row + DQ_SIZE(q4_k) * bi, y); break;
+    case MOE_TYPE_Q5_K: deq_q5_k(row + DQ_SIZE(q5_k) * bi, y); break;
+    case MOE_TYPE_Q6_K: deq_q6_k(row + DQ_SIZE(q6_k) * bi, y); break;
     default: break;
     }
 }

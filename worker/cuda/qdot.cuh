@@ -15,8 +15,12 @@
 #include <cuda_runtime.h>
 
 extern "C" {
+#include "store/blocks.h"
 #include "store/ggml_type.h"
 }
+
+/* Byte offsets of the block fields (store/blocks.h defines the layouts once). */
+#define OFF(T, f) ((int)offsetof(struct moe_block_##T, f))
 
 /* Variants of the plain types: the vector forms need 16-byte aligned rows. */
 enum { KIND_F32_V = 1000, KIND_F16_V, KIND_BF16_V };
@@ -169,7 +173,7 @@ static HD void unit_dot(const uint8_t *const *bs, int t, const float *xb, float 
         const float xs[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
         UNROLL
         for (int r = 0; r < RW; r++) {
-            const uint8_t *b = bs[r], *q = b + 2 + 8 * t;
+            const uint8_t *b = bs[r], *q = b + OFF(q8_0, qs) + 8 * t;
             uint32_t w0 = ld32a2(q) ^ 0x80808080u, w1 = ld32a2(q + 4) ^ 0x80808080u;
             float sq = 0.0f;
             UNROLL
@@ -177,7 +181,7 @@ static HD void unit_dot(const uint8_t *const *bs, int t, const float *xb, float 
                 sq = fmaf(byte_f(w0, k, 128.0f), xs[k], sq);
                 sq = fmaf(byte_f(w1, k, 128.0f), xs[4 + k], sq);
             }
-            acc[r] += h2f(ld16(b)) * sq;
+            acc[r] += h2f(ld16(b + OFF(q8_0, d))) * sq;
         }
     } else if constexpr (K == MOE_TYPE_Q4_1 || K == MOE_TYPE_Q5_1) {
         /* Q4_1: half d, m; u8 qs[16]. Q5_1: half d, m; u32 qh; u8 qs[16]. Value d·q + m; units as
@@ -190,15 +194,15 @@ static HD void unit_dot(const uint8_t *const *bs, int t, const float *xb, float 
             const uint8_t *b = bs[r];
             uint32_t qs, lo, hi;
             if constexpr (K == MOE_TYPE_Q5_1) {
-                uint32_t qh = ld32a2(b + 4);
-                qs = ld32a2(b + 8 + 4 * t);
+                uint32_t qh = ld32a2(b + OFF(q5_1, qh));
+                qs = ld32a2(b + OFF(q5_1, qs) + 4 * t);
                 uint32_t bl = (qh >> (4 * t)) & 15, bh = (qh >> (4 * t + 16)) & 15;
                 uint32_t sl = (bl & 1) | (bl & 2) << 7 | (bl & 4) << 14 | (bl & 8) << 21;
                 uint32_t sh = (bh & 1) | (bh & 2) << 7 | (bh & 4) << 14 | (bh & 8) << 21;
                 lo = (qs & 0x0f0f0f0fu) | sl << 4;
                 hi = ((qs >> 4) & 0x0f0f0f0fu) | sh << 4;
             } else {
-                qs = ld32a2(b + 4 + 4 * t);
+                qs = ld32a2(b + OFF(q4_1, qs) + 4 * t);
                 lo = qs & 0x0f0f0f0fu;
                 hi = (qs >> 4) & 0x0f0f0f0fu;
             }
@@ -208,7 +212,7 @@ static HD void unit_dot(const uint8_t *const *bs, int t, const float *xb, float 
                 sq = fmaf(byte_f(lo, k, 0.0f), xls[k], sq);
                 sq = fmaf(byte_f(hi, k, 0.0f), xhs[k], sq);
             }
-            acc[r] += h2f(ld16(b)) * sq + h2f(ld16(b + 2)) * sx;
+            acc[r] += h2f(ld16(b + OFF(q4_1, d))) * sq + h2f(ld16(b + OFF(q4_1, m))) * sx;
         }
     } else if constexpr (K == MOE_TYPE_Q4_0 || K == MOE_TYPE_Q5_0) {
         /* Q4_0: half d; u8 qs[16]. Q5_0: half d; u32 qh; u8 qs[16]. Unit t: bytes qs[4t..4t+3],
@@ -222,8 +226,8 @@ static HD void unit_dot(const uint8_t *const *bs, int t, const float *xb, float 
             uint32_t qs, lo, hi;
             float off = 8.0f;
             if constexpr (K == MOE_TYPE_Q5_0) {
-                uint32_t qh = ld32a2(b + 2);
-                qs = ld32a2(b + 6 + 4 * t);
+                uint32_t qh = ld32a2(b + OFF(q5_0, qh));
+                qs = ld32a2(b + OFF(q5_0, qs) + 4 * t);
                 uint32_t bl = (qh >> (4 * t)) & 15, bh = (qh >> (4 * t + 16)) & 15;
                 uint32_t sl = (bl & 1) | (bl & 2) << 7 | (bl & 4) << 14 | (bl & 8) << 21;
                 uint32_t sh = (bh & 1) | (bh & 2) << 7 | (bh & 4) << 14 | (bh & 8) << 21;
@@ -231,7 +235,7 @@ static HD void unit_dot(const uint8_t *const *bs, int t, const float *xb, float 
                 hi = ((qs >> 4) & 0x0f0f0f0fu) | sh << 4;
                 off = 16.0f;
             } else {
-                qs = ld32a2(b + 2 + 4 * t);
+                qs = ld32a2(b + OFF(q4_0, qs) + 4 * t);
                 lo = qs & 0x0f0f0f0fu;
                 hi = (qs >> 4) & 0x0f0f0f0fu;
             }
@@ -241,7 +245,7 @@ static HD void unit_dot(const uint8_t *const *bs, int t, const float *xb, float 
                 sq = fmaf(byte_f(lo, k, off), xls[k], sq);
                 sq = fmaf(byte_f(hi, k, off), xhs[k], sq);
             }
-            acc[r] += h2f(ld16(b)) * sq;
+            acc[r] += h2f(ld16(b + OFF(q4_0, d))) * sq; /* Q5_0's d is there too */
         }
     } else if constexpr (K == MOE_TYPE_Q4_K || K == MOE_TYPE_Q5_K) {
         /* half d, dmin; u8 scales[12]; (Q5_K: u8 qh[32];) u8 qs[128]. Unit t: chunk c = t/2,
@@ -266,15 +270,17 @@ static HD void unit_dot(const uint8_t *const *bs, int t, const float *xb, float 
         for (int r = 0; r < RW; r++) {
             const uint8_t *b = bs[r];
             float d0, n0, d1, n1;
-            kq_scales(*(const uint32_t *)(b + 4), *(const uint32_t *)(b + 8),
-                      *(const uint32_t *)(b + 12), c, h2f(ld16(b)), h2f(ld16(b + 2)), &d0, &n0,
+            const uint8_t *sc = b + OFF(q4_k, scales);
+            kq_scales(*(const uint32_t *)sc, *(const uint32_t *)(sc + 4),
+                      *(const uint32_t *)(sc + 8), c, h2f(ld16(b + OFF(q4_k, d))),
+                      h2f(ld16(b + OFF(q4_k, dmin))), &d0, &n0,
                       &d1, &n1);
             uint4 qv, hv = make_uint4(0, 0, 0, 0);
             if constexpr (K == MOE_TYPE_Q5_K) {
-                qv = *(const uint4 *)(b + 48 + 32 * c + l0);
-                hv = *(const uint4 *)(b + 16 + l0);
+                qv = *(const uint4 *)(b + OFF(q5_k, qs) + 32 * c + l0);
+                hv = *(const uint4 *)(b + OFF(q5_k, qh) + l0);
             } else {
-                qv = *(const uint4 *)(b + 16 + 32 * c + l0);
+                qv = *(const uint4 *)(b + OFF(q4_k, qs) + 32 * c + l0);
             }
             const uint32_t qs[4] = {qv.x, qv.y, qv.z, qv.w}, hs[4] = {hv.x, hv.y, hv.z, hv.w};
             float ql = 0.0f, qh = 0.0f;
@@ -308,8 +314,9 @@ static HD void unit_dot(const uint8_t *const *bs, int t, const float *xb, float 
         }
         UNROLL
         for (int r = 0; r < RW; r++) {
-            const uint8_t *b = bs[r], *ql = b + 64 * h, *qhp = b + 128 + 32 * h;
-            const int8_t *sc = (const int8_t *)(b + 192 + 8 * h);
+            const uint8_t *b = bs[r], *ql = b + OFF(q6_k, ql) + 64 * h;
+            const uint8_t *qhp = b + OFF(q6_k, qh) + 32 * h;
+            const int8_t *sc = (const int8_t *)(b + OFF(q6_k, scales) + 8 * h);
             uint32_t qa = ld32a2(ql + l0), qb = ld32a2(ql + 32 + l0), hh = ld32a2(qhp + l0);
             const uint32_t q[4] = {
                 (qa & 0x0f0f0f0fu) | ((hh << 4) & 0x30303030u),
@@ -326,7 +333,7 @@ static HD void unit_dot(const uint8_t *const *bs, int t, const float *xb, float 
                     sg = fmaf(byte_f(q[g], k, 32.0f), xs[g][k], sg);
                 sum = fmaf((float)sc[is + 2 * g], sg, sum);
             }
-            acc[r] += h2f(ld16(b + 208)) * sum;
+            acc[r] += h2f(ld16(b + OFF(q6_k, d))) * sum;
         }
     }
 }
