@@ -567,3 +567,88 @@ TEST(engine_long_prompt)
     free(tok), free(all), free(one);
     test_model_close(&tm);
 }
+
+/* Sampling in the engine gives the tokens of worker/sampler.c fed with the engine's logits, for
+ * several sequences per step, and refuses what it cannot do. */
+TEST(engine_sampling_equals_host_sampler)
+{
+    struct test_model tm;
+    test_model_open_golden(&tm, "Q8_0");
+    const uint32_t V = tm.m.hp.n_vocab, S = 3, P = 9, steps = 20;
+    struct moe_sampler_params sp[3];
+    for (uint32_t i = 0; i < S; i++)
+        moe_sampler_defaults(&sp[i]);
+    sp[0].temperature = 0.0f;
+    sp[1].seed = 42;
+    sp[1].repeat_penalty = 1.2f;
+    sp[2].seed = 7;
+    sp[2].top_k = 0;
+    sp[2].top_p = 0.8f;
+    sp[2].frequency_penalty = 0.3f;
+    int32_t prompt[9];
+    for (uint32_t i = 0; i < P; i++)
+        prompt[i] = (int32_t)((i * 53 + 11) % V);
+    struct moe_engine *a = test_engine(&tm.m, 64, S, 0, 2), *b = test_engine(&tm.m, 64, S, 0, 2);
+    struct moe_sampler *hs[3];
+    float *lg = malloc(sizeof(float) * S * V);
+    CHECK(lg);
+    int32_t ta[3], tb[3];
+    for (uint32_t i = 0; i < S; i++) {
+        char err[128];
+        CHECK_EQ(moe_sampler_init(&hs[i], &sp[i], V, err, sizeof err), 0);
+        for (uint32_t k = 0; k < P; k++)
+            moe_sampler_accept(hs[i], prompt[k]);
+        CHECK_EQ(moe_engine_seq_sampler(b, (int32_t)i, &sp[i], prompt, P), 0);
+        int32_t pos[9], sq[9];
+        uint8_t want[9] = {0};
+        for (uint32_t k = 0; k < P; k++)
+            pos[k] = (int32_t)k, sq[k] = (int32_t)i;
+        want[P - 1] = 1;
+        struct moe_batch bt = {.n = P, .token = prompt, .pos = pos, .seq = sq, .logits = want};
+        CHECK_EQ(moe_engine_forward(a, &bt, lg), 0);
+        ta[i] = moe_sampler_sample(hs[i], lg);
+        moe_sampler_accept(hs[i], ta[i]);
+        CHECK_EQ(moe_engine_forward_sample(b, &bt, &tb[i]), 0);
+        CHECK_EQ(ta[i], tb[i]);
+    }
+    for (uint32_t s = 0; s < steps; s++) {
+        int32_t pos[3], sq[3], na[3], nb[3];
+        for (uint32_t i = 0; i < S; i++)
+            pos[i] = (int32_t)(P + s), sq[i] = (int32_t)i;
+        struct moe_batch bt = {.n = S, .token = ta, .pos = pos, .seq = sq};
+        CHECK_EQ(moe_engine_forward(a, &bt, lg), 0);
+        for (uint32_t i = 0; i < S; i++) {
+            na[i] = moe_sampler_sample(hs[i], lg + (size_t)i * V);
+            moe_sampler_accept(hs[i], na[i]);
+        }
+        bt.token = tb;
+        CHECK_EQ(moe_engine_forward_sample(b, &bt, nb), 0);
+        for (uint32_t i = 0; i < S; i++)
+            CHECK_EQ(na[i], nb[i]);
+        memcpy(ta, na, sizeof ta);
+        memcpy(tb, nb, sizeof tb);
+    }
+    /* Two sampled tokens of one sequence in a step, and a sequence without a sampler. */
+    int32_t tk[2] = {1, 2}, ps[2] = {(int32_t)(P + steps), (int32_t)(P + steps + 1)},
+            sq[2] = {0, 0}, nx[2];
+    struct moe_batch two = {.n = 2, .token = tk, .pos = ps, .seq = sq};
+    CHECK_EQ(moe_engine_forward_sample(b, &two, nx), MOE_ERANGE);
+    CHECK(strstr(moe_engine_errmsg(b), "second sampled token"));
+    struct moe_engine *c = test_engine(&tm.m, 64, S, 0, 2);
+    struct moe_batch one = {.n = 1, .token = tk, .pos = ps, .seq = sq};
+    ps[0] = 0;
+    CHECK_EQ(moe_engine_forward_sample(c, &one, nx), MOE_ERANGE);
+    CHECK(strstr(moe_engine_errmsg(c), "no sampler"));
+    struct moe_sampler_params badp;
+    moe_sampler_defaults(&badp);
+    badp.top_p = 0.0f;
+    CHECK(moe_engine_seq_sampler(c, 0, &badp, NULL, 0) != 0);
+    CHECK(moe_engine_seq_sampler(c, 9, &sp[0], NULL, 0) != 0);
+    for (uint32_t i = 0; i < S; i++)
+        moe_sampler_free(hs[i]);
+    free(lg);
+    moe_engine_free(a);
+    moe_engine_free(b);
+    moe_engine_free(c);
+    test_model_close(&tm);
+}
