@@ -27,6 +27,7 @@ extern "C" {
 }
 #include "worker/cuda/cuda_check.cuh"
 #include "worker/cuda/experts.cuh"
+#include "worker/cuda/gemm.h"
 #include "worker/cuda/matvec.h"
 #include "worker/cuda/ops.cuh"
 #include "worker/cuda/sample.h"
@@ -96,7 +97,7 @@ struct cuda_backend {
     int64_t n, n_out;
     int n_split, sms;
     int mode;
-    bool capturing, head_chunked, use_graphs;
+    bool capturing, head_chunked, use_graphs, use_gemm;
     int64_t group_min;               /* slots per expert; MOE_CUDA_GROUP_MIN overrides */
     /* MOE_CUDA_PROFILE=1: an event before every kernel (event nodes in the graphs), time per
      * op name printed at free (a development aid; run it with MOE_CUDA_NO_PDL=1). */
@@ -388,6 +389,7 @@ static int cuda_init(struct moe_backend **out, const struct moe_model *m, struct
     b->d = *d;
     b->dev = d->device;
     b->use_graphs = getenv("MOE_CUDA_NO_GRAPHS") == NULL;
+    b->use_gemm = getenv("MOE_CUDA_NO_GEMM") == NULL;
     b->profile = getenv("MOE_CUDA_PROFILE") != NULL;
     b->group_min = getenv("MOE_CUDA_GROUP_MIN") ? atoll(getenv("MOE_CUDA_GROUP_MIN"))
                                                 : MOE_CUDA_GROUP_MIN;
@@ -500,6 +502,8 @@ static int cuda_init(struct moe_backend **out, const struct moe_model *m, struct
         INIT_TRY(cudaMalloc((void **)&b->groups.slot_list, sizeof(int32_t) * ns));
         INIT_TRY(cudaMalloc((void **)&b->groups.act_list, sizeof(int32_t) * (size_t)d->nexp));
         INIT_TRY(cudaMalloc((void **)&b->groups.n_active, sizeof(int32_t)));
+        INIT_TRY(cudaMalloc((void **)&b->groups.slot_tok, sizeof(int32_t) * ns));
+        INIT_TRY(cudaMalloc((void **)&b->groups.slot_pos, sizeof(int32_t) * ns));
         b->ld_dout = pad4(d->E);
         INIT_TRY(cudaMalloc((void **)&b->dout, sizeof(float) * ns * (size_t)b->ld_dout));
         INIT_TRY(cudaMemset(b->att_done, 0, sizeof(unsigned) * nb * (size_t)d->H));
@@ -584,6 +588,8 @@ static void cuda_free(struct moe_backend *bb)
     cudaFree(b->groups.slot_list);
     cudaFree(b->groups.act_list);
     cudaFree(b->groups.n_active);
+    cudaFree(b->groups.slot_tok);
+    cudaFree(b->groups.slot_pos);
     cudaFree(b->dout);
     cudaFree(b->logits);
     cudaFree(b->d_in);
@@ -744,6 +750,14 @@ static int cuda_rmsnorm(struct moe_backend *bb, int l, enum moe_wid w, enum moe_
     return 0;
 }
 
+/* Steps longer than a graph-recorded one (prompt chunks) multiply on tensor cores: the weights
+ * decoded to f16 tiles, the activations rounded to f16, sums in float32 (worker/cuda/gemm.h).
+ * Decode steps keep the float mat-vecs. MOE_CUDA_NO_GEMM=1 keeps them for every step. */
+static bool use_gemm(const struct cuda_backend *b, uint32_t type)
+{
+    return b->use_gemm && b->n > MOE_CUDA_GRAPH_MAX && moe_cuda_gemm_supported(type);
+}
+
 static int cuda_matmul(struct moe_backend *bb, int l, const struct moe_mm *mm, int n_mm,
                        enum moe_buf src, bool accumulate)
 {
@@ -778,6 +792,14 @@ static int cuda_matmul(struct moe_backend *bb, int l, const struct moe_mm *mm, i
         }
         if (!W || nj == 0)
             return cu_err(b, MOE_ERANGE, "matmul: weight %d of layer %d", (int)mm[j].w, l);
+        if (use_gemm(b, W->type)) {
+            /* Prompt steps: tensor-core products, one per matrix. */
+            for (int i = 0; i < nj; i++)
+                LAUNCH(b, "matmul (tensor cores)",
+                       moe_cuda_gemm(W->type, jobs[i].w, W->ne[0], jobs[i].rows, x, ldx, b->n,
+                                     jobs[i].y, jobs[i].ldy, accumulate, b->st));
+            continue;
+        }
         LAUNCH(b, "matmul",
                moe_cuda_matvec_multi(W->type, jobs, nj, W->ne[0], x, ldx, b->n, accumulate,
                                      b->st));
@@ -839,6 +861,36 @@ static int cuda_experts(struct moe_backend *bb, int l)
                                      b->ld_dout, b->buf[MOE_BUF_H], b->ld[MOE_BUF_H], b->st));
         return 0;
     }
+    if (use_gemm(b, cl->gate_type) && use_gemm(b, cl->up_type) && use_gemm(b, cl->down_type)) {
+        /* Prompt steps: slots grouped by expert, each expert's products on tensor cores over
+         * its slots (outputs in grouped order), then the combine in each token's order. */
+        const int64_t slots = b->n * k;
+        const int64_t cnt = slots * b->ld_act;
+        float *G = b->scratch, *U = b->scratch + cnt;
+        mark(b, "group");
+        LAUNCH(b, "expert grouping",
+               moe_cuda_expert_group(sel_e, slots, b->d.nexp, k, &b->groups, b->st));
+        mark(b, "gate_up");
+        LAUNCH(b, "expert gate (tensor cores)",
+               moe_cuda_gemm_grouped(cl->gate_type, cl->gate, b->d.E, b->d.ff, (int)b->d.nexp,
+                                     b->groups.ex_off, b->groups.slot_tok, b->buf[MOE_BUF_X],
+                                     b->ld[MOE_BUF_X], G, b->ld_act, slots, b->st));
+        LAUNCH(b, "expert up (tensor cores)",
+               moe_cuda_gemm_grouped(cl->up_type, cl->up, b->d.E, b->d.ff, (int)b->d.nexp,
+                                     b->groups.ex_off, b->groups.slot_tok, b->buf[MOE_BUF_X],
+                                     b->ld[MOE_BUF_X], U, b->ld_act, slots, b->st));
+        LAUNCH(b, "swiglu", moe_cuda_expert_swiglu(G, U, b->act, cnt, b->st));
+        mark(b, "down");
+        LAUNCH(b, "expert down (tensor cores)",
+               moe_cuda_gemm_grouped(cl->down_type, cl->down, b->d.ff, b->d.E, (int)b->d.nexp,
+                                     b->groups.ex_off, NULL, b->act, b->ld_act, b->dout,
+                                     b->ld_dout, slots, b->st));
+        LAUNCH(b, "expert combine",
+               moe_cuda_expert_combine_pos(b->dout, b->ld_dout, b->d.E, b->n, k,
+                                           b->buf[MOE_BUF_SEL_W], b->groups.slot_pos,
+                                           b->buf[MOE_BUF_H], b->ld[MOE_BUF_H], b->st));
+        return 0;
+    }
     if (b->n * k >= b->group_min * b->d.nexp && cl->gate_type == cl->up_type) {
         /* Many tokens (prompts): slots grouped by expert, each active expert's weights read and
          * decoded once for several of its slots. */
@@ -846,7 +898,7 @@ static int cuda_experts(struct moe_backend *bb, int l)
         const int max_active = (int)(slots < b->d.nexp ? slots : b->d.nexp);
         mark(b, "group");
         LAUNCH(b, "expert grouping",
-               moe_cuda_expert_group(sel_e, slots, b->d.nexp, &b->groups, b->st));
+               moe_cuda_expert_group(sel_e, slots, b->d.nexp, k, &b->groups, b->st));
         mark(b, "gate_up");
         LAUNCH(b, "expert gate/up",
                moe_cuda_expert_gate_up_grouped(cl->gate_type, cl->gate, cl->up, b->d.E, b->d.ff,

@@ -195,13 +195,33 @@ down_kernel(const uint8_t *const *__restrict__ da, size_t row_bytes, unsigned bl
 
 /* ---------------------------------------------------------------- grouped by expert */
 
+/* h[t] += Σ_j sel_w[t][j] · dout[pos(t·k + j)], j in order: the combine of expert outputs stored
+ * in grouped (expert-major) order. */
+static __global__ void combine_pos_kernel(const float *__restrict__ dout, int64_t ldd, int64_t E,
+                                          int kuse, const float *__restrict__ sel_w,
+                                          const int32_t *__restrict__ slot_pos,
+                                          float *__restrict__ h, int64_t ldh)
+{
+    pdl_trigger();
+    pdl_wait();
+    const int64_t t = blockIdx.y;
+    for (int64_t r = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; r < E;
+         r += (int64_t)gridDim.x * blockDim.x) {
+        float tot = 0.0f;
+        for (int j = 0; j < kuse; j++)
+            tot += sel_w[t * kuse + j] * dout[(int64_t)slot_pos[t * kuse + j] * ldd + r];
+        h[t * ldh + r] += tot;
+    }
+}
+
 /* One block: the step's slots grouped by expert. counts by shared-memory atomics (their values
  * do not depend on the order), offsets by a block scan, and each expert's slots listed in slot
  * order by one thread walking all slots, so the grouping is deterministic. */
 static __global__ void __launch_bounds__(1024)
-group_kernel(const int32_t *__restrict__ sel_e, int n_slots, int nexp, int32_t *__restrict__ ex_off,
-             int32_t *__restrict__ slot_list, int32_t *__restrict__ act_list,
-             int32_t *__restrict__ n_active)
+group_kernel(const int32_t *__restrict__ sel_e, int n_slots, int nexp, int kuse,
+             int32_t *__restrict__ ex_off, int32_t *__restrict__ slot_list,
+             int32_t *__restrict__ act_list, int32_t *__restrict__ n_active,
+             int32_t *__restrict__ slot_tok, int32_t *__restrict__ slot_pos)
 {
     pdl_trigger();
     pdl_wait();
@@ -265,8 +285,14 @@ group_kernel(const int32_t *__restrict__ sel_e, int n_slots, int nexp, int32_t *
             act_list[aix[e]] = e;
             int32_t pos = off[e];
             for (int s = 0; s < n_slots && pos < off[e] + cnt[e]; s++)
-                if (sel_e[s] == e)
-                    slot_list[pos++] = s;
+                if (sel_e[s] == e) {
+                    slot_list[pos] = s;
+                    if (slot_tok) {
+                        slot_tok[pos] = s / kuse;
+                        slot_pos[s] = pos;
+                    }
+                    pos++;
+                }
         }
     }
     if (threadIdx.x == 0) {
@@ -526,7 +552,7 @@ int moe_cuda_expert_down(uint32_t type, const void *const *d_down, int64_t ff, i
     return MOE_EUNSUPPORTED;
 }
 
-int moe_cuda_expert_group(const int32_t *d_sel_e, int64_t n_slots, int64_t nexp,
+int moe_cuda_expert_group(const int32_t *d_sel_e, int64_t n_slots, int64_t nexp, int kuse,
                           struct moe_cuda_groups *g, cudaStream_t s)
 {
     if (n_slots <= 0 || n_slots > 0x7fffffff || nexp <= 0 || nexp > 8192)
@@ -535,8 +561,11 @@ int moe_cuda_expert_group(const int32_t *d_sel_e, int64_t n_slots, int64_t nexp,
     if (smem > 48 * 1024)
         MOE_CUDA_TRY(cudaFuncSetAttribute(group_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                           (int)smem));
+    if (kuse <= 0)
+        return -EINVAL;
     MOE_CUDA_TRY(moe_launch(group_kernel, dim3(1), dim3(1024), smem, s, d_sel_e, (int)n_slots,
-                            (int)nexp, g->ex_off, g->slot_list, g->act_list, g->n_active));
+                            (int)nexp, kuse, g->ex_off, g->slot_list, g->act_list, g->n_active,
+                            g->slot_tok, g->slot_pos));
     return 0;
 }
 
@@ -629,7 +658,7 @@ int moe_cuda_expert_mixed(const struct moe_cuda_mixed *mx, int64_t n, int64_t ff
     const int64_t slots = n_tok * kuse;
     if (n_tok <= 0 || kuse <= 0 || slots > 65535)
         return -EINVAL;
-    int rc = moe_cuda_expert_group(d_sel_e, slots, mx->nexp, (struct moe_cuda_groups *)g, s);
+    int rc = moe_cuda_expert_group(d_sel_e, slots, mx->nexp, kuse, (struct moe_cuda_groups *)g, s);
     if (rc)
         return rc;
     const int64_t count = slots * ldact;
@@ -662,5 +691,27 @@ int moe_cuda_expert_mixed(const struct moe_cuda_mixed *mx, int64_t n, int64_t ff
     unsigned gx = (unsigned)((E + 255) / 256);
     MOE_CUDA_TRY(moe_launch(combine_kernel, dim3(gx, (unsigned)n_tok), dim3(256), 0, s,
                             (const float *)d_dout, ldd, E, kuse, d_sel_w, d_h, ldh));
+    return 0;
+}
+
+int moe_cuda_expert_swiglu(const float *d_g, const float *d_u, float *d_act, int64_t count,
+                           cudaStream_t s)
+{
+    if (count <= 0)
+        return 0;
+    MOE_CUDA_TRY(moe_launch(swiglu_kernel, dim3((unsigned)((count + 255) / 256)), dim3(256), 0, s,
+                            d_g, d_u, d_act, count));
+    return 0;
+}
+
+int moe_cuda_expert_combine_pos(const float *d_dout, int64_t ldd, int64_t E, int64_t n_tok,
+                                int kuse, const float *d_sel_w, const int32_t *d_slot_pos,
+                                float *d_h, int64_t ldh, cudaStream_t s)
+{
+    if (n_tok <= 0 || n_tok > 65535)
+        return -EINVAL;
+    unsigned gx = (unsigned)((E + 255) / 256);
+    MOE_CUDA_TRY(moe_launch(combine_pos_kernel, dim3(gx, (unsigned)n_tok), dim3(256), 0, s, d_dout,
+                            ldd, E, kuse, d_sel_w, d_slot_pos, d_h, ldh));
     return 0;
 }

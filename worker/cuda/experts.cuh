@@ -30,10 +30,21 @@ struct moe_cuda_groups {
     int32_t *slot_list;  /* [n_slots] */
     int32_t *act_list;   /* [nexp] */
     int32_t *n_active;   /* [1] */
+    int32_t *slot_tok;   /* [n_slots] token of grouped position i (NULL: not filled) */
+    int32_t *slot_pos;   /* [n_slots] grouped position of slot s */
 };
 
-int moe_cuda_expert_group(const int32_t *d_sel_e, int64_t n_slots, int64_t nexp,
+int moe_cuda_expert_group(const int32_t *d_sel_e, int64_t n_slots, int64_t nexp, int kuse,
                           struct moe_cuda_groups *g, cudaStream_t s);
+
+/* act[i] = silu(g[i]) · u[i] for i < count. */
+int moe_cuda_expert_swiglu(const float *d_g, const float *d_u, float *d_act, int64_t count,
+                           cudaStream_t s);
+
+/* h[t] += Σ_j sel_w[t][j] · dout[slot_pos[t·k + j]] in top-k order (outputs in grouped order). */
+int moe_cuda_expert_combine_pos(const float *d_dout, int64_t ldd, int64_t E, int64_t n_tok,
+                                int kuse, const float *d_sel_w, const int32_t *d_slot_pos,
+                                float *d_h, int64_t ldh, cudaStream_t s);
 
 /* Gate/up by expert (gate and up of one type): each active expert's rows are read from memory
  * once for all its slots. max_active: min(nexp, n_slots), the grid's bound. Same results as
