@@ -115,6 +115,7 @@ int main(int argc, char **argv)
             return 2;
         }
     }
+    setvbuf(stdout, NULL, _IOLBF, 0); /* progress shows even when a run is cut short */
     if (!model) {
         fprintf(stderr, "usage: bench_engine MODEL.gguf [--device D] [--prompt N] [--gen N] "
                         "[--batches 4,16,64] [--long N] [--threads N]\n");

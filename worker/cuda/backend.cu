@@ -389,7 +389,7 @@ static int cuda_init(struct moe_backend **out, const struct moe_model *m, struct
     b->d = *d;
     b->dev = d->device;
     b->use_graphs = getenv("MOE_CUDA_NO_GRAPHS") == NULL;
-    b->use_gemm = getenv("MOE_CUDA_NO_GEMM") == NULL;
+    b->use_gemm = getenv("MOE_CUDA_GEMM") != NULL && strcmp(getenv("MOE_CUDA_GEMM"), "0") != 0;
     b->profile = getenv("MOE_CUDA_PROFILE") != NULL;
     b->group_min = getenv("MOE_CUDA_GROUP_MIN") ? atoll(getenv("MOE_CUDA_GROUP_MIN"))
                                                 : MOE_CUDA_GROUP_MIN;
@@ -750,12 +750,15 @@ static int cuda_rmsnorm(struct moe_backend *bb, int l, enum moe_wid w, enum moe_
     return 0;
 }
 
-/* Steps longer than a graph-recorded one (prompt chunks) multiply on tensor cores: the weights
- * decoded to f16 tiles, the activations rounded to f16, sums in float32 (worker/cuda/gemm.h).
- * Decode steps keep the float mat-vecs. MOE_CUDA_NO_GEMM=1 keeps them for every step. */
+/* With MOE_CUDA_GEMM=1, steps longer than a graph-recorded one (prompt chunks) multiply on
+ * tensor cores: the weights decoded to f16 tiles, the activations rounded to f16, sums in float32
+ * (worker/cuda/gemm.h); float32 weights (routers, F32 files) keep the float mat-vecs, whose
+ * precision f16 tiles would lose. Off by default: it is checked on the test models but not yet
+ * measured on a full-size one (docs/benchmarks.md). Decode steps always use the mat-vecs. */
 static bool use_gemm(const struct cuda_backend *b, uint32_t type)
 {
-    return b->use_gemm && b->n > MOE_CUDA_GRAPH_MAX && moe_cuda_gemm_supported(type);
+    return b->use_gemm && b->n > MOE_CUDA_GRAPH_MAX && type != MOE_TYPE_F32 &&
+           moe_cuda_gemm_supported(type);
 }
 
 static int cuda_matmul(struct moe_backend *bb, int l, const struct moe_mm *mm, int n_mm,
