@@ -17,15 +17,9 @@
 #include <cuda_runtime_api.h>
 
 #include "tests/engine_test.h"
+#include "tests/gpu/gpu_test.h"
 #include "worker/backend.h"
 
-static void need_gpu(void)
-{
-    int count = 0;
-    cudaError_t e = cudaGetDeviceCount(&count);
-    if (e != cudaSuccess || count == 0)
-        moe_test_skip("no CUDA device (%s)", e != cudaSuccess ? cudaGetErrorString(e) : "0 devices");
-}
 
 static const char *const MODELS[] = {
     GOLDEN "/models/tiny-qwen3moe-F16.gguf",

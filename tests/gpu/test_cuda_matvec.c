@@ -15,49 +15,17 @@
 #include "store/err.h"
 #include "store/ggml_type.h"
 #include "store/quant.h"
+#include "tests/gpu/gpu_test.h"
 #include "tests/harness.h"
 #include "worker/cpu/kernels.h"
 #include "worker/cuda/matvec.h"
 
-#define CU(call)                                                                            \
-    do {                                                                                    \
-        cudaError_t e_ = (call);                                                            \
-        CHECK_MSG(e_ == cudaSuccess, "%s: %s", #call, cudaGetErrorString(e_));              \
-    } while (0)
 
 enum mem_kind { MEM_VRAM, MEM_REGISTERED, MEM_HOSTALLOC };
 static const char *mem_name[] = {"vram", "host-registered", "host-alloc"};
 
-static void need_gpu(void)
-{
-    int count = 0;
-    cudaError_t e = cudaGetDeviceCount(&count);
-    if (e != cudaSuccess || count == 0)
-        moe_test_skip("no CUDA device (%s)", e != cudaSuccess ? cudaGetErrorString(e) : "0 devices");
-    CU(cudaSetDevice(0));
-}
 
-static float rng_f(void)
-{
-    return (float)moe_test_rng_u32() / 2147483648.0f - 1.0f;
-}
 
-/* Random weights of roughly real layers' magnitude with a mix of scales across blocks and rows,
- * quantized row by row. */
-static uint8_t *make_weights(uint32_t type, int64_t rows, int64_t n)
-{
-    size_t rb = moe_row_bytes(type, n);
-    uint8_t *w = malloc(rb * (size_t)rows);
-    float *tmp = malloc((size_t)n * sizeof *tmp);
-    CHECK(w && tmp);
-    for (int64_t r = 0; r < rows; r++) {
-        for (int64_t i = 0; i < n; i++)
-            tmp[i] = rng_f() * (0.02f + 0.05f * (float)((i / 32 + r) % 5));
-        CHECK_EQ(moe_quantize(type, tmp, w + rb * (size_t)r, n), 0);
-    }
-    free(tmp);
-    return w;
-}
 
 /* Σ|w_i x_i| of each row, from the reference decoder, in double: the error scale. */
 static double *abs_sums(uint32_t type, const uint8_t *w, int64_t rows, int64_t n, const float *x)

@@ -24,24 +24,12 @@
 #include <cuda_runtime_api.h>
 
 #include "store/err.h"
+#include "tests/gpu/gpu_test.h"
 #include "tests/harness.h"
 #include "worker/cuda/sample.h"
 #include "worker/sampler.h"
 
-#define CU(call)                                                                            \
-    do {                                                                                    \
-        cudaError_t e_ = (call);                                                            \
-        CHECK_MSG(e_ == cudaSuccess, "%s: %s", #call, cudaGetErrorString(e_));              \
-    } while (0)
 
-static void need_gpu(void)
-{
-    int count = 0;
-    cudaError_t e = cudaGetDeviceCount(&count);
-    if (e != cudaSuccess || count == 0)
-        moe_test_skip("no CUDA device (%s)", e != cudaSuccess ? cudaGetErrorString(e) : "0 devices");
-    CU(cudaSetDevice(0));
-}
 
 static float unit_f(void)
 {
