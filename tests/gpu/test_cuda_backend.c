@@ -423,3 +423,40 @@ TEST_TIMEOUT(cuda_engine_sampling_matches_cpu, 300)
     }
     test_model_close(&tm);
 }
+
+/* A sampled step of more sequences than one pass of the head holds (70 > 64 rows): greedy tokens
+ * equal to the CPU engine's. */
+TEST_TIMEOUT(cuda_engine_samples_wide_steps, 300)
+{
+    need_gpu();
+    struct test_model tm;
+    test_model_open(&tm, "models/kjv-demo-F16.gguf");
+    const struct moe_model *m = &tm.m;
+    enum { S = 70 };
+    const int64_t V = m->hp.n_vocab;
+    int32_t got[2][S];
+    for (int dev = 0; dev < 2; dev++) {
+        struct moe_engine *e = engine_on(m, dev ? "cuda:0" : "cpu", 16, S, 256, false);
+        struct moe_sampler_params sp;
+        moe_sampler_defaults(&sp);
+        sp.temperature = 0.0f;
+        int32_t tok[2 * S], pos[2 * S], sq[2 * S];
+        uint8_t want[2 * S];
+        for (int i = 0; i < S; i++) {
+            int32_t pr[2] = {(int32_t)((i * 97 + 3) % V), (int32_t)((i * 31 + 17) % V)};
+            CHECK_EQ(moe_engine_seq_sampler(e, i, &sp, pr, 2), 0);
+            for (int k = 0; k < 2; k++) {
+                tok[2 * i + k] = pr[k];
+                pos[2 * i + k] = k;
+                sq[2 * i + k] = i;
+                want[2 * i + k] = (uint8_t)k;
+            }
+        }
+        struct moe_batch b = {.n = 2 * S, .token = tok, .pos = pos, .seq = sq, .logits = want};
+        CHECK_MSG(moe_engine_forward_sample(e, &b, got[dev]) == 0, "%s", moe_engine_errmsg(e));
+        moe_engine_free(e);
+    }
+    for (int i = 0; i < S; i++)
+        CHECK_EQ(got[0][i], got[1][i]);
+    test_model_close(&tm);
+}

@@ -949,19 +949,22 @@ static int cuda_head(struct moe_backend *bb)
     SKIP_IF_REPLAY(b);
     if (b->n_out == 0)
         return 0;
-    if (b->n_out > LOGIT_ROWS) {
-        if (b->sample)
-            return cu_err(b, MOE_ERANGE, "sampling %lld rows", (long long)b->n_out);
-        b->head_chunked = true; /* done pass by pass in end() */
+    if (b->n_out > LOGIT_ROWS && !b->sample) {
+        b->head_chunked = true; /* done pass by pass in end(), each copied out */
         return 0;
     }
-    int rc = head_rows(b, 0, b->n_out);
-    if (rc || !b->sample)
-        return rc;
-    mark(b, "sample");
-    LAUNCH(b, "sample",
-           moe_cuda_sample_rows(b->smp, b->logits, (uint32_t)b->n_out, D_SMPROW(b), b->d_tok, NULL,
-                                1, b->st));
+    /* Sampled steps of more rows than the logits buffer holds (direct launches only) go pass by
+     * pass here: each pass's draws finish before the next pass reuses the buffer (one stream). */
+    for (int64_t r0 = 0; r0 < b->n_out; r0 += LOGIT_ROWS) {
+        const int64_t cnt = b->n_out - r0 < LOGIT_ROWS ? b->n_out - r0 : LOGIT_ROWS;
+        int rc = head_rows(b, r0, cnt);
+        if (rc || !b->sample)
+            return rc;
+        mark(b, "sample");
+        LAUNCH(b, "sample",
+               moe_cuda_sample_rows(b->smp, b->logits, (uint32_t)cnt, D_SMPROW(b) + r0,
+                                    b->d_tok + r0, NULL, 1, b->st));
+    }
     return 0;
 }
 
@@ -1011,6 +1014,8 @@ static int cuda_end(struct moe_backend *bb, float *out, int32_t *tokens)
             return cu_err(b, MOE_ERANGE, "end: sampling but no token array");
         CU(b, cudaMemcpyAsync(b->h_tok, b->d_tok, sizeof(int32_t) * (size_t)b->n_out,
                               cudaMemcpyDeviceToHost, b->st));
+        if (out && b->n_out > LOGIT_ROWS)
+            return cu_err(b, MOE_ERANGE, "end: logits of more than %d sampled rows", LOGIT_ROWS);
         if (out)
             CU(b, cudaMemcpyAsync(b->h_logits, b->logits,
                                   sizeof(float) * (size_t)b->d.V * (size_t)b->n_out,
