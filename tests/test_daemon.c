@@ -35,6 +35,8 @@ struct moed {
 /* Starts bin/moed with the given extra arguments (NULL-terminated); stderr goes to dir/moed.log.
  * The daemon dies with the test (PR_SET_PDEATHSIG). */
 static const char *spawn_notify_socket; /* NOTIFY_SOCKET for the next spawn (watchdog too) */
+/* When set, moed starts in a process group of its own (as a shell's foreground job would). */
+static bool spawn_new_pgrp;
 
 static void moed_spawn(struct moed *d, const char *dir, const char *const *extra)
 {
@@ -67,6 +69,8 @@ static void moed_spawn(struct moed *d, const char *dir, const char *const *extra
     CHECK(pid >= 0);
     if (pid == 0) {
         prctl(PR_SET_PDEATHSIG, SIGKILL);
+        if (spawn_new_pgrp)
+            setpgid(0, 0);
         int fd = open(d->log, O_WRONLY | O_CREAT | O_APPEND, 0644);
         if (fd >= 0) {
             dup2(fd, 1);
@@ -1077,6 +1081,49 @@ TEST_TIMEOUT(daemon_sigterm_drains_inflight, 180)
     }
     CHECK(WIFEXITED(st) && WEXITSTATUS(st) == 0);
     CHECK(log_contains(&d, "SIGTERM: draining"));
+}
+
+/* Ctrl-C in a terminal sends SIGINT to the whole foreground process group, workers included:
+ * the workers ignore it (the daemon owns their lifetime), the daemon drains, and a running
+ * stream ends normally instead of with a dead worker's error. */
+TEST_TIMEOUT(daemon_sigint_to_the_process_group_drains, 180)
+{
+    const char *dir = moe_test_tmpdir();
+    struct moed d;
+    const char *args[] = {"--devices", "cpu", "--workers", "1", "--threads", "1", NULL};
+    spawn_new_pgrp = true;
+    moed_spawn(&d, dir, args);
+    spawn_new_pgrp = false;
+    moed_wait_socket(&d, 30);
+    moed_require_ready(&d, 60);
+    struct hc_conn c;
+    CHECK(hc_connect_unix(&c, d.sock) == 0);
+    char *body = completion_body("Let there be light", 64, true);
+    char head[256];
+    int hn = snprintf(head, sizeof head, "POST /v1/completions HTTP/1.1\r\nContent-Length: %zu\r\n\r\n",
+                      strlen(body));
+    CHECK(hc_send(&c, head, (size_t)hn) == 0);
+    CHECK(hc_send(&c, body, strlen(body)) == 0);
+    free(body);
+    struct pollfd pfd = {.fd = c.fd, .events = POLLIN};
+    CHECK(poll(&pfd, 1, 30000) == 1);
+    CHECK_EQ(kill(-d.pid, SIGINT), 0);
+    struct hc_resp r;
+    int rc = hc_read(&c, &r, 60000);
+    CHECK_MSG(rc == 0, "read: %d", rc);
+    CHECK_EQ(r.status, 200);
+    CHECK_MSG(strstr(r.body, "data: [DONE]") && !strstr(r.body, "\"error\""), "%s", r.body);
+    hc_resp_free(&r);
+    hc_close(&c);
+    int st;
+    double t0 = moe_test_now();
+    while (waitpid(d.pid, &st, WNOHANG) != d.pid) {
+        CHECK_MSG(moe_test_now() - t0 < 60, "moed did not exit after SIGINT");
+        usleep(20000);
+    }
+    CHECK(WIFEXITED(st) && WEXITSTATUS(st) == 0);
+    CHECK(log_contains(&d, "SIGINT: draining"));
+    CHECK(!log_contains(&d, "signal 2"));
 }
 
 /* --log-file: lines go to the file; SIGHUP reopens it after it was moved away (logrotate). */

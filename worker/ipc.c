@@ -637,6 +637,9 @@ int moe_worker_ipc_main(int fd, const char *argv0)
              (int)getpid());
     moe_ipc_log_init(prog, getenv("MOED_WORKER_DEBUG") ? MOE_LOG_DEBUG : MOE_LOG_INFO);
     signal(SIGPIPE, SIG_IGN);
+    /* The daemon owns a worker's lifetime (it drains, then closes the socket or sends SIGTERM):
+     * Ctrl-C in a terminal reaches the whole process group, and must not kill running streams. */
+    signal(SIGINT, SIG_IGN);
 
     struct worker wk = {0}, *w = &wk;
     pthread_mutex_init(&w->mu, NULL);
