@@ -91,6 +91,11 @@ static void count_response(struct api *a, int status)
         a->http_by_class[c]++;
 }
 
+void api_count_status(void *api, int status)
+{
+    count_response((struct api *)api, status);
+}
+
 static const char *error_type(int status)
 {
     if (status == 401 || status == 403)

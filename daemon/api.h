@@ -71,6 +71,9 @@ void api_free(struct api *a);
 /* The http_handler_fn to pass to http_server_new (user = the api). */
 void api_handle(void *api, struct http_request *req);
 
+/* Counts a response the HTTP server sent on its own (http_server_on_status's callback). */
+void api_count_status(void *api, int status);
+
 void api_set_sched(struct api *a, struct sched *s);
 /* Ready: workers are up (GET /health answers 200 {"status":"ok"}; before: 503 "loading"). */
 void api_set_ready(struct api *a, bool ready);

@@ -76,6 +76,7 @@ struct http_conn {
     bool closing;
     bool in_process;
     bool lingering;             /* error sent, write side shut: draining input until EOF */
+    bool started;               /* a request's first bytes arrived; not answered yet */
     uv_shutdown_t shutdown_req;
     http_abort_fn abort_fn;
     void *abort_user;
@@ -95,6 +96,8 @@ struct http_server {
     struct http_conn *conns;
     uint32_t n_conns, n_busy;
     uint64_t next_id;
+    void (*on_status)(void *user, int status); /* responses the server sends itself */
+    void *on_status_user;
     int refs;                   /* open listener handles + live connections */
     bool closing;
 };
@@ -109,6 +112,12 @@ struct wreq {
 static void conn_close(struct http_conn *c);
 static const http_parser_settings parser_settings;
 static void conn_process(struct http_conn *c);
+
+void http_server_on_status(struct http_server *s, void (*fn)(void *user, int status), void *user)
+{
+    s->on_status = fn;
+    s->on_status_user = user;
+}
 
 void http_limits_default(struct http_limits *l)
 {
@@ -253,16 +262,26 @@ static void reset_request(struct http_conn *c)
     c->fail_msg = NULL;
     c->complete = false;
     c->expect_continue = false;
+    c->started = false;
     free(c->path);
     c->path = NULL;
     c->query = NULL;
 }
 
+static void send_error(struct http_conn *c, int status, const char *msg);
+
+/* Idle: a connection between requests is closed; one whose request was cut short (headers or
+ * body still coming) gets a 408 first. */
 static void on_timer(uv_timer_t *t)
 {
     struct http_conn *c = t->data;
-    if (!c->busy)
-        conn_close(c);
+    if (c->busy)
+        return;
+    if (c->started && !c->closing && !c->close_after && !c->lingering) {
+        send_error(c, 408, "the request was not received in time");
+        return;
+    }
+    conn_close(c);
 }
 
 static void timer_arm(struct http_conn *c)
@@ -295,6 +314,8 @@ static void finish_request(struct http_conn *c)
 
 static void send_error(struct http_conn *c, int status, const char *msg)
 {
+    if (c->srv->on_status)
+        c->srv->on_status(c->srv->on_status_user, status);
     char body[512];
     const char *code = status == 413 ? "request_too_large"
                      : status == 431 ? "headers_too_large"
@@ -411,6 +432,7 @@ static int cb_message_begin(http_parser *p)
 {
     struct http_conn *c = p->data;
     reset_request(c);
+    c->started = true;
     return 0;
 }
 

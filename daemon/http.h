@@ -77,6 +77,11 @@ int http_server_listen_tcp(struct http_server *s, const char *hostport, char *er
 /* The port of the first TCP listener, or 0. */
 int http_server_tcp_port(const struct http_server *s);
 
+/* fn(user, status) is called for each response the server sends on its own (malformed requests:
+ * 400/413/431/505; 408 for a request cut short by the idle timeout), so they can be counted with
+ * the handler's. */
+void http_server_on_status(struct http_server *s, void (*fn)(void *user, int status), void *user);
+
 /* Parses "HOST:PORT" and checks that the host is loopback. Returns 0 or MOE_ERANGE/MOE_EFORMAT
  * with a message. */
 int http_parse_listen(const char *hostport, struct sockaddr_storage *out, char *err, size_t errlen);

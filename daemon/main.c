@@ -738,6 +738,7 @@ static int run(struct daemon *d, int argc, char **argv)
         log_error("%s", rc == -ENOMEM ? "out of memory" : err);
         return 1;
     }
+    http_server_on_status(d->http, api_count_status, d->api);
     if (c->listen && (rc = http_server_listen_tcp(d->http, c->listen, err, sizeof err))) {
         log_error("%s", err);
         http_server_stop_listening(d->http);

@@ -1083,6 +1083,40 @@ TEST_TIMEOUT(daemon_sigterm_drains_inflight, 180)
     CHECK(log_contains(&d, "SIGTERM: draining"));
 }
 
+/* The 4xx line of /metrics (moed_http_responses_total{code="4xx"}), or -1. */
+static long metrics_4xx(const char *sock)
+{
+    struct hc_resp r;
+    if (hc_request_unix(sock, "GET", "/metrics", NULL, &r, 5000) != 0)
+        return -1;
+    const char *p = r.body ? strstr(r.body, "moed_http_responses_total{code=\"4xx\"} ") : NULL;
+    long v = p ? strtol(p + strlen("moed_http_responses_total{code=\"4xx\"} "), NULL, 10) : -1;
+    hc_resp_free(&r);
+    return v;
+}
+
+/* Responses the HTTP layer sends itself (a malformed request) are in /metrics too. */
+TEST(daemon_metrics_count_malformed_requests)
+{
+    const char *dir = moe_test_tmpdir();
+    struct moed d;
+    const char *args[] = {"--devices", "cpu", "--workers", "1", NULL};
+    moed_spawn(&d, dir, args);
+    moed_wait_socket(&d, 30);
+    long before = metrics_4xx(d.sock);
+    CHECK(before >= 0);
+    struct hc_conn c;
+    CHECK(hc_connect_unix(&c, d.sock) == 0);
+    CHECK(hc_send(&c, "GARBAGE\r\n\r\n", 11) == 0);
+    struct hc_resp r;
+    CHECK_EQ(hc_read(&c, &r, 5000), 0);
+    CHECK_EQ(r.status, 400);
+    hc_resp_free(&r);
+    hc_close(&c);
+    CHECK_EQ(metrics_4xx(d.sock), before + 1);
+    CHECK_EQ(moed_stop(&d, 60), 0);
+}
+
 /* Ctrl-C in a terminal sends SIGINT to the whole foreground process group, workers included:
  * the workers ignore it (the daemon owns their lifetime), the daemon drains, and a running
  * stream ends normally instead of with a dead worker's error. */

@@ -521,3 +521,49 @@ TEST(http_expect_continue)
     hc_close(&c);
     srv_stop(&s);
 }
+
+/* The responses the server sends on its own are reported (for /metrics): parser errors, and a
+ * 408 for a request cut short by the idle timeout (a connection idle between requests is just
+ * closed, without one). */
+static atomic_int status_seen[6];
+
+static void count_status(void *user, int status)
+{
+    (void)user;
+    if (status >= 100 && status < 600)
+        atomic_fetch_add(&status_seen[status / 100], 1);
+}
+
+TEST(http_own_responses_counted_and_408_on_timeout)
+{
+    struct http_limits lim;
+    http_limits_default(&lim);
+    lim.idle_timeout_ms = 300;
+    struct srv s;
+    srv_start(&s, moe_test_tmpdir(), &lim, false);
+    for (int i = 0; i < 6; i++)
+        atomic_store(&status_seen[i], 0);
+    http_server_on_status(s.http, count_status, NULL);
+    expect_error(s.path, "GARBAGE\r\n\r\n", 11, 400);
+    expect_error(s.path, "GET / HTTP/9.9\r\n\r\n", 18, 505);
+    CHECK_EQ(atomic_load(&status_seen[4]), 1);
+    CHECK_EQ(atomic_load(&status_seen[5]), 1);
+    /* Half a request: 408, then the close. */
+    struct hc_conn c;
+    CHECK(hc_connect_unix(&c, s.path) == 0);
+    const char *half = "POST /echo HTTP/1.1\r\nContent-Length: 100\r\n\r\n{\"a\":";
+    CHECK(hc_send(&c, half, strlen(half)) == 0);
+    struct hc_resp r;
+    CHECK_EQ(hc_read(&c, &r, 3000), 0);
+    CHECK_EQ(r.status, 408);
+    hc_resp_free(&r);
+    CHECK(hc_wait_closed(&c, 2000));
+    hc_close(&c);
+    CHECK_EQ(atomic_load(&status_seen[4]), 2);
+    /* Idle between requests: closed, nothing sent, nothing counted. */
+    CHECK(hc_connect_unix(&c, s.path) == 0);
+    CHECK(hc_wait_closed(&c, 2000));
+    hc_close(&c);
+    CHECK_EQ(atomic_load(&status_seen[4]), 2);
+    srv_stop(&s);
+}
