@@ -96,6 +96,7 @@ struct http_server {
     struct http_conn *conns;
     uint32_t n_conns, n_busy;
     uint64_t next_id;
+    size_t body_total;          /* request body bytes held by all connections */
     void (*on_status)(void *user, int status); /* responses the server sends itself */
     void *on_status_user;
     int refs;                   /* open listener handles + live connections */
@@ -123,6 +124,7 @@ void http_limits_default(struct http_limits *l)
 {
     l->max_header_bytes = 16 * 1024;
     l->max_body_bytes = 8u << 20;
+    l->max_total_body_bytes = (size_t)256 << 20;
     l->idle_timeout_ms = 60000;
     l->max_conns = 1024;
 }
@@ -250,10 +252,23 @@ static int conn_write3(struct http_conn *c, const void *a, size_t na, const void
 
 /* ---- request lifecycle ---- */
 
+/* A request's body leaves the global budget; a large buffer is given back, so that connections
+ * that once carried a big body do not keep it. */
+static void release_body(struct http_conn *c)
+{
+    c->srv->body_total -= c->body_len;
+    c->body_len = 0;
+    if (c->body_cap > (256u << 10)) {
+        free(c->body);
+        c->body = NULL;
+        c->body_cap = 0;
+    }
+}
+
 static void reset_request(struct http_conn *c)
 {
     c->url_len = 0;
-    c->body_len = 0;
+    release_body(c);
     c->ctype_len = 0;
     c->field_len = 0;
     c->in_value = false;
@@ -319,7 +334,8 @@ static void send_error(struct http_conn *c, int status, const char *msg)
     char body[512];
     const char *code = status == 413 ? "request_too_large"
                      : status == 431 ? "headers_too_large"
-                     : status == 408 ? "timeout" : "bad_request";
+                     : status == 408 ? "timeout"
+                     : status == 503 ? "server_busy" : "bad_request";
     int n = snprintf(body, sizeof body,
                      "{\"error\":{\"message\":\"%s\",\"type\":\"invalid_request_error\","
                      "\"code\":\"%s\"}}",
@@ -508,12 +524,21 @@ static int cb_headers_complete(http_parser *p)
 static int cb_body(http_parser *p, const char *at, size_t n)
 {
     struct http_conn *c = p->data;
-    if (c->body_len + n > c->srv->lim.max_body_bytes) {
+    struct http_server *s = c->srv;
+    if (c->body_len + n > s->lim.max_body_bytes) {
         c->fail_status = 413;
         c->fail_msg = "request body exceeds the size limit";
         return -1;
     }
-    return moe_buf_append(&c->body, &c->body_len, &c->body_cap, at, n) ? -1 : 0;
+    if (s->lim.max_total_body_bytes && s->body_total + n > s->lim.max_total_body_bytes) {
+        c->fail_status = 503;
+        c->fail_msg = "too many request bodies in flight; retry later";
+        return -1;
+    }
+    if (moe_buf_append(&c->body, &c->body_len, &c->body_cap, at, n))
+        return -1;
+    s->body_total += n;
+    return 0;
 }
 
 static int cb_message_complete(http_parser *p)
@@ -558,6 +583,8 @@ static void conn_close(struct http_conn *c)
         return;
     c->closing = true;
     struct http_server *s = c->srv;
+    s->body_total -= c->body_len;
+    c->body_len = 0;
     if (c->prev)
         c->prev->next = c->next;
     else

@@ -732,6 +732,9 @@ static int run(struct daemon *d, int argc, char **argv)
     struct http_limits lim;
     http_limits_default(&lim);
     lim.max_body_bytes = c->max_body;
+    /* All connections together hold at most this much of request bodies (then 503). */
+    if (lim.max_total_body_bytes < 4 * (size_t)c->max_body)
+        lim.max_total_body_bytes = 4 * (size_t)c->max_body;
     lim.idle_timeout_ms = (uint64_t)c->idle_timeout_s * 1000;
     if ((rc = http_server_new(&d->http, d->loop, &lim, api_handle, d->api)) ||
         (rc = http_server_listen_unix(d->http, c->socket, err, sizeof err))) {

@@ -567,3 +567,52 @@ TEST(http_own_responses_counted_and_408_on_timeout)
     CHECK_EQ(atomic_load(&status_seen[4]), 2);
     srv_stop(&s);
 }
+
+/* Request bodies of all connections share one memory budget: a body that would take the total
+ * past it gets 503 and its connection is closed; the others finish, and the budget comes back. */
+TEST(http_global_body_budget)
+{
+    struct http_limits lim;
+    http_limits_default(&lim);
+    lim.max_body_bytes = 512 << 10;
+    lim.max_total_body_bytes = 1 << 20;
+    struct srv s;
+    srv_start(&s, moe_test_tmpdir(), &lim, false);
+    enum { BODY = 400 << 10, PART = 380 << 10 };
+    char *data = malloc(BODY);
+    CHECK(data);
+    memset(data, 'x', BODY);
+    char head[128];
+    int hn = snprintf(head, sizeof head, "POST /echo HTTP/1.1\r\nContent-Length: %d\r\n\r\n", BODY);
+    struct hc_conn c[3];
+    for (int i = 0; i < 3; i++) {
+        CHECK(hc_connect_unix(&c[i], s.path) == 0);
+        CHECK(hc_send(&c[i], head, (size_t)hn) == 0);
+        CHECK(hc_send(&c[i], data, PART) == 0);
+        usleep(100000);
+    }
+    /* The third pushed the total (3 x 380 KiB) past 1 MiB. */
+    struct hc_resp r;
+    CHECK_EQ(hc_read(&c[2], &r, 3000), 0);
+    CHECK_EQ(r.status, 503);
+    CHECK(strstr(r.body, "server_busy"));
+    hc_resp_free(&r);
+    hc_close(&c[2]);
+    for (int i = 0; i < 2; i++) {
+        CHECK(hc_send(&c[i], data + PART, BODY - PART) == 0);
+        CHECK_EQ(hc_read(&c[i], &r, 5000), 0);
+        CHECK_EQ(r.status, 200);
+        hc_resp_free(&r);
+        hc_close(&c[i]);
+    }
+    /* With the bodies answered the budget is free again. */
+    CHECK(hc_connect_unix(&c[0], s.path) == 0);
+    CHECK(hc_send(&c[0], head, (size_t)hn) == 0);
+    CHECK(hc_send(&c[0], data, BODY) == 0);
+    CHECK_EQ(hc_read(&c[0], &r, 5000), 0);
+    CHECK_EQ(r.status, 200);
+    hc_resp_free(&r);
+    hc_close(&c[0]);
+    free(data);
+    srv_stop(&s);
+}
