@@ -77,6 +77,7 @@ struct http_conn {
     bool in_process;
     bool lingering;             /* error sent, write side shut: draining input until EOF */
     bool started;               /* a request's first bytes arrived; not answered yet */
+    bool overflow;              /* the client stopped reading: closing on the next iteration */
     uv_shutdown_t shutdown_req;
     http_abort_fn abort_fn;
     void *abort_user;
@@ -125,6 +126,7 @@ void http_limits_default(struct http_limits *l)
     l->max_header_bytes = 16 * 1024;
     l->max_body_bytes = 8u << 20;
     l->max_total_body_bytes = (size_t)256 << 20;
+    l->max_write_queue = (size_t)4 << 20;
     l->idle_timeout_ms = 60000;
     l->max_conns = 1024;
 }
@@ -299,9 +301,14 @@ static void on_timer(uv_timer_t *t)
     conn_close(c);
 }
 
+static void on_overflow(uv_timer_t *t)
+{
+    conn_close(t->data);
+}
+
 static void timer_arm(struct http_conn *c)
 {
-    if (!c->closing && !c->close_after)
+    if (!c->closing && !c->close_after && !c->overflow)
         uv_timer_start(&c->timer, on_timer, c->srv->lim.idle_timeout_ms, 0);
 }
 
@@ -1054,6 +1061,16 @@ int http_stream_write(struct http_conn *c, const void *data, size_t len)
         return MOE_EINTERNAL;
     if (len == 0)
         return 0;
+    /* A client that does not read its stream is dropped (its request aborted) rather than
+     * buffered without bound. The close happens on the next loop iteration, not inside the
+     * caller's write (which may be in the middle of its own bookkeeping). */
+    if (c->overflow)
+        return -EPIPE;
+    if (c->srv->lim.max_write_queue && c->write_queue + len > c->srv->lim.max_write_queue) {
+        c->overflow = true;
+        uv_timer_start(&c->timer, on_overflow, 0, 0);
+        return -EPIPE;
+    }
     if (c->http10)
         return conn_write3(c, data, len, NULL, 0, NULL, 0);
     char size[24];

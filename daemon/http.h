@@ -48,6 +48,8 @@ struct http_limits {
     size_t max_header_bytes;    /* request line + all headers; over it: 431 and close */
     size_t max_body_bytes;      /* over it: 413 and close */
     size_t max_total_body_bytes; /* bodies held by all connections at once; over it: 503 and close */
+    size_t max_write_queue;     /* response bytes queued for a client that does not read; over it:
+                                   the request is aborted and the connection closed */
     uint64_t idle_timeout_ms;   /* keep-alive idle, and the time allowed to send one request */
     uint32_t max_conns;         /* connections beyond this are closed right after accept */
 };

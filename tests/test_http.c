@@ -63,6 +63,18 @@ static void handler(void *user, struct http_request *req)
         http_stream_end(req->conn);
         return;
     }
+    if (!strcmp(req->path, "/flood")) {
+        /* Far more than the write-queue limit, at once: the client does not read. */
+        http_conn_on_abort(req->conn, on_slow_abort, s);
+        http_stream_start(req->conn, 200, "text/event-stream", NULL);
+        static char chunk[8192];
+        memset(chunk, 'y', sizeof chunk);
+        for (int i = 0; i < 4096; i++)
+            if (http_stream_write(req->conn, chunk, sizeof chunk) != 0)
+                return;
+        http_stream_end(req->conn);
+        return;
+    }
     if (!strcmp(req->path, "/slow")) {
         s->slow = req->conn;
         http_conn_on_abort(req->conn, on_slow_abort, s);
@@ -614,5 +626,26 @@ TEST(http_global_body_budget)
     hc_resp_free(&r);
     hc_close(&c[0]);
     free(data);
+    srv_stop(&s);
+}
+
+/* A client that does not read a stream is dropped once its queue passes the limit, and the
+ * handler hears of it (the generation would be cancelled), instead of the daemon buffering it. */
+TEST(http_client_that_never_reads_is_dropped)
+{
+    struct http_limits lim;
+    http_limits_default(&lim);
+    lim.max_write_queue = 1 << 20;
+    struct srv s;
+    srv_start(&s, moe_test_tmpdir(), &lim, false);
+    struct hc_conn c;
+    CHECK(hc_connect_unix(&c, s.path) == 0);
+    const char *req = "GET /flood HTTP/1.1\r\n\r\n";
+    CHECK(hc_send(&c, req, strlen(req)) == 0);
+    for (int i = 0; i < 100 && atomic_load(&s.aborts) == 0; i++)
+        usleep(20000);
+    CHECK_EQ(atomic_load(&s.aborts), 1);
+    CHECK(hc_wait_closed(&c, 5000));
+    hc_close(&c);
     srv_stop(&s);
 }
