@@ -655,7 +655,10 @@ static void on_read(uv_stream_t *st, ssize_t nread, const uv_buf_t *buf)
     }
     if (c->close_after)
         return;
-    if (!c->busy)
+    /* Between requests any byte restarts the idle timer; once a request has begun, its deadline
+     * stays where its first byte put it, so a client trickling bytes (slowloris) cannot hold the
+     * connection open longer than the timeout per request. */
+    if (!c->busy && !c->started)
         timer_arm(c);
     conn_process(c);
 }

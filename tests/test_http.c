@@ -649,3 +649,42 @@ TEST(http_client_that_never_reads_is_dropped)
     hc_close(&c);
     srv_stop(&s);
 }
+
+/* A request trickled in a byte at a time gets its 408 at the idle timeout counted from its first
+ * byte: the bytes that keep arriving do not extend it (slowloris). */
+TEST(http_trickled_request_times_out)
+{
+    struct http_limits lim;
+    http_limits_default(&lim);
+    lim.idle_timeout_ms = 300;
+    struct srv s;
+    srv_start(&s, moe_test_tmpdir(), &lim, false);
+    struct hc_conn c;
+    CHECK(hc_connect_unix(&c, s.path) == 0);
+    const char *req = "GET /echo HTTP/1.1\r\nX-Padding: aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa\r\n\r\n";
+    double t0 = moe_test_now();
+    bool answered = false;
+    char buf[512];
+    size_t got = 0;
+    for (size_t i = 0; i < strlen(req) && !answered; i++) {
+        if (hc_send(&c, req + i, 1) != 0)
+            break;
+        usleep(50000);
+        struct pollfd pfd = {.fd = c.fd, .events = POLLIN};
+        if (poll(&pfd, 1, 0) > 0) {
+            ssize_t n = recv(c.fd, buf + got, sizeof buf - 1 - got, 0);
+            if (n > 0)
+                got += (size_t)n;
+            answered = n != 0;
+        }
+    }
+    double dt = moe_test_now() - t0;
+    buf[got] = 0;
+    CHECK_MSG(answered, "no answer after %.2f s of trickled bytes", dt);
+    CHECK_MSG(strstr(buf, "HTTP/1.1 408"), "%s", buf);
+    CHECK_MSG(dt < 1.5, "answered after %.2f s", dt);
+    CHECK(hc_wait_closed(&c, 2000));
+    hc_close(&c);
+    CHECK_EQ(atomic_load(&s.requests), 0);
+    srv_stop(&s);
+}
