@@ -35,11 +35,13 @@ struct listener {
     struct http_server *srv;
     enum http_transport transport;
     bool open;
+    uint32_t n_conns;           /* live connections accepted here */
 };
 
 struct http_conn {
     union stream_handle h;
     uv_timer_t timer;
+    struct listener *lst;       /* where it was accepted (its count includes it) */
     int handles_open;           /* h and timer; freed when both closed */
     struct http_server *srv;
     struct http_conn *prev, *next;
@@ -129,6 +131,7 @@ void http_limits_default(struct http_limits *l)
     l->max_write_queue = (size_t)4 << 20;
     l->idle_timeout_ms = 60000;
     l->max_conns = 1024;
+    l->admin_reserve = 16;
 }
 
 const char *http_status_text(int status)
@@ -599,6 +602,8 @@ static void conn_close(struct http_conn *c)
     if (c->next)
         c->next->prev = c->prev;
     s->n_conns--;
+    if (c->lst)
+        c->lst->n_conns--;
     if (c->busy) {
         http_abort_fn fn = c->abort_fn;
         void *u = c->abort_user;
@@ -689,7 +694,9 @@ static void on_connection(uv_stream_t *ls, int status)
         s->conns->prev = c;
     s->conns = c;
     s->n_conns++;
-    if (uv_accept(ls, &c->h.stream) < 0 || s->n_conns > s->lim.max_conns || s->closing) {
+    c->lst = l;
+    l->n_conns++;
+    if (uv_accept(ls, &c->h.stream) < 0 || s->closing) {
         conn_close(c);
         return;
     }
@@ -710,6 +717,16 @@ static void on_connection(uv_stream_t *ls, int status)
     }
     http_parser_init(&c->parser, HTTP_REQUEST);
     c->parser.data = c;
+    /* Over the listener's limit: a 503 rather than a silent close; on the Unix socket root and
+     * the daemon's own uid have a reserve beyond it, so an operator can still look in. */
+    uint32_t limit = s->lim.max_conns;
+    if (l->transport == HTTP_TRANSPORT_UNIX && c->peer.has_cred &&
+        (c->peer.uid == 0 || c->peer.uid == geteuid()))
+        limit += s->lim.admin_reserve;
+    if (l->n_conns > limit) {
+        send_error(c, 503, "too many connections"); /* then closed, once written */
+        return;
+    }
     timer_arm(c);
     if (uv_read_start(&c->h.stream, on_alloc, on_read) < 0)
         conn_close(c);

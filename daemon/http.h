@@ -51,7 +51,8 @@ struct http_limits {
     size_t max_write_queue;     /* response bytes queued for a client that does not read; over it:
                                    the request is aborted and the connection closed */
     uint64_t idle_timeout_ms;   /* keep-alive idle, and the time allowed to send one request */
-    uint32_t max_conns;         /* connections beyond this are closed right after accept */
+    uint32_t max_conns;         /* per listener; beyond it a connection gets 503 and is closed */
+    uint32_t admin_reserve;     /* Unix socket: this many more for root and the daemon's own uid */
 };
 
 /* Called once per complete request. The handler owns the request until it answers. */

@@ -351,15 +351,19 @@ TEST(http_idle_timeout_and_max_conns)
     http_limits_default(&lim);
     lim.idle_timeout_ms = 300;
     lim.max_conns = 2;
+    lim.admin_reserve = 0;
     struct srv s;
     srv_start(&s, moe_test_tmpdir(), &lim, false);
     struct hc_conn a, b, c;
     CHECK(hc_connect_unix(&a, s.path) == 0);
     CHECK(hc_connect_unix(&b, s.path) == 0);
     usleep(50000);
-    /* The third connection is over the limit and closed at once. */
+    /* The third connection is over the limit: a 503, then the close. */
     CHECK(hc_connect_unix(&c, s.path) == 0);
-    CHECK(hc_wait_closed(&c, 1000));
+    struct hc_resp r3;
+    CHECK_EQ(hc_read(&c, &r3, 1000), 0);
+    CHECK_EQ(r3.status, 503);
+    hc_resp_free(&r3);
     hc_close(&c);
     /* A half-sent request also counts as idle: both are closed after the timeout. */
     CHECK(hc_send(&b, "GET /echo HTTP/1.1\r\n", 20) == 0);
@@ -686,5 +690,43 @@ TEST(http_trickled_request_times_out)
     CHECK(hc_wait_closed(&c, 2000));
     hc_close(&c);
     CHECK_EQ(atomic_load(&s.requests), 0);
+    srv_stop(&s);
+}
+
+/* Connection limits are per listener (TCP clients cannot lock out the Unix socket), and on the
+ * Unix socket root and the daemon's uid get a reserve beyond the limit. */
+TEST(http_conn_limits_per_listener_and_admin_reserve)
+{
+    struct http_limits lim;
+    http_limits_default(&lim);
+    lim.max_conns = 2;
+    lim.admin_reserve = 1;
+    struct srv s;
+    srv_start(&s, moe_test_tmpdir(), &lim, true);
+    struct hc_conn t[3], u[4];
+    for (int i = 0; i < 3; i++)
+        CHECK(hc_connect_tcp(&t[i], s.port) == 0);
+    struct hc_resp r;
+    CHECK_EQ(hc_read(&t[2], &r, 2000), 0); /* TCP over its limit */
+    CHECK_EQ(r.status, 503);
+    hc_resp_free(&r);
+    /* The Unix socket still takes its own two, plus one from the reserve (we are root or the
+     * server's own uid), then refuses. */
+    for (int i = 0; i < 4; i++)
+        CHECK(hc_connect_unix(&u[i], s.path) == 0);
+    CHECK_EQ(hc_read(&u[3], &r, 2000), 0);
+    CHECK_EQ(r.status, 503);
+    hc_resp_free(&r);
+    for (int i = 0; i < 3; i++) {
+        const char *req = "GET /echo HTTP/1.1\r\n\r\n";
+        CHECK(hc_send(&u[i], req, strlen(req)) == 0);
+        CHECK_EQ(hc_read(&u[i], &r, 2000), 0);
+        CHECK_EQ(r.status, 200);
+        hc_resp_free(&r);
+    }
+    for (int i = 0; i < 3; i++)
+        hc_close(&t[i]);
+    for (int i = 0; i < 4; i++)
+        hc_close(&u[i]);
     srv_stop(&s);
 }
