@@ -783,6 +783,14 @@ static int tokenize(struct api *a, const char *text, size_t len, bool special, s
 {
     int32_t *ids = NULL;
     size_t n = 0;
+    /* A token covers at most max_piece bytes: text longer than the context could hold even in
+     * the longest tokens is refused before tokenizing it (which would hold the event loop). */
+    uint32_t n_ctx = a->model.n_ctx;
+    size_t maxp = moe_tok_max_piece(a->tok);
+    if (n_ctx && maxp && len / maxp + r->n_prompt >= n_ctx)
+        return fail(e, 400, NULL,
+                    "the prompt (%zu bytes) is longer than the context of %u tokens can hold",
+                    len, n_ctx);
     if (moe_tok_encode(a->tok, text, len, special, &ids, &n) != 0)
         return fail(e, 500, NULL, "out of memory while tokenizing");
     int32_t *np = realloc(r->prompt, (r->n_prompt + n + 1) * sizeof *np);

@@ -1095,6 +1095,35 @@ static long metrics_4xx(const char *sock)
     return v;
 }
 
+/* A prompt longer than the context could hold even in the longest tokens is refused before it is
+ * tokenized: 8 MB of spaces used to hold the event loop (every client) for seconds. */
+TEST_TIMEOUT(daemon_huge_prompt_refused_without_tokenizing, 120)
+{
+    const char *dir = moe_test_tmpdir();
+    struct moed d;
+    const char *args[] = {"--devices", "cpu", "--workers", "1", "--ctx", "256", "--max-body", "16M",
+                          NULL};
+    moed_spawn(&d, dir, args);
+    moed_wait_socket(&d, 30);
+    const size_t n = 8u << 20;
+    char *body = malloc(n + 64);
+    CHECK(body);
+    size_t k = (size_t)sprintf(body, "{\"prompt\": \"");
+    memset(body + k, ' ', n);
+    k += n;
+    k += (size_t)sprintf(body + k, "\"}");
+    double t0 = moe_test_now();
+    int status;
+    json_t *j = post_json(d.sock, "/v1/completions", body, &status);
+    double dt = moe_test_now() - t0;
+    free(body);
+    CHECK_EQ(status, 400);
+    CHECK_MSG(strstr(err_msg(j), "longer than the context"), "%s", err_msg(j));
+    json_decref(j);
+    CHECK_MSG(dt < 1.5, "answered after %.2f s", dt);
+    CHECK_EQ(moed_stop(&d, 60), 0);
+}
+
 /* Responses the HTTP layer sends itself (a malformed request) are in /metrics too. */
 TEST(daemon_metrics_count_malformed_requests)
 {
