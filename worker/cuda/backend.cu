@@ -408,6 +408,12 @@ static int cuda_init(struct moe_backend **out, const struct moe_model *m, struct
         rc = moe_fail(err, errlen, MOE_ERANGE, "cuda:%d: only %d CUDA device(s)", b->dev, count);
         goto fail;
     }
+    if ((int64_t)d->n_batch * d->kuse > 65535) {
+        rc = moe_fail(err, errlen, MOE_ERANGE,
+                      "cuda:%d: n_batch %u x %lld experts per token is over the 65535 expert slots "
+                      "of a step", b->dev, d->n_batch, (long long)d->kuse);
+        goto fail;
+    }
     if (d->hd > 512 || d->hdv > 512) {
         rc = moe_fail(err, errlen, MOE_EUNSUPPORTED, "cuda:%d: head dim %lld > 512", b->dev,
                       (long long)d->hd);
