@@ -46,6 +46,10 @@ struct wslot {
     uint32_t fails;          /* consecutive failures, for the backoff */
     uint32_t init_fails;     /* consecutive incarnations that ended before Ready */
     uint64_t ready_at;       /* uv_now() at Ready; 0 when not ready */
+    uint64_t last_msg_ms;    /* uv_now() of the last message */
+    uint64_t progress_ms;    /* uv_now() when its steps last advanced (or it had nothing to do) */
+    uint64_t hb_steps;       /* steps in the last Heartbeat */
+    uint32_t hb_running;     /* requests in flight in the last Heartbeat */
     struct moed_worker_info info;
 };
 
@@ -62,6 +66,8 @@ struct moed_workers {
     bool all_ready_once;
     bool stopping, shutdown_sent, stopped;
     uv_timer_t stop_timer;
+    uv_timer_t wedge_timer;  /* every second: workers that went silent or stopped progressing */
+    uint64_t silent_ms, stall_ms;
     uint32_t open_handles;   /* handles whose close callback has not run */
     void (*on_stopped)(void *user);
     void *stopped_user;
@@ -206,6 +212,33 @@ static void slot_down(struct wslot *w, const char *why)
     maybe_restart(w);
 }
 
+/* A ready worker that sends nothing (not even its Heartbeat) for silent_ms is stopped or hung; one
+ * whose compute steps do not advance for stall_ms while it has requests is wedged. Either is
+ * killed: its requests go back to the scheduler (retried, or failed if they already streamed)
+ * and it is restarted. */
+static void on_wedge_timer(uv_timer_t *t)
+{
+    struct moed_workers *ws = t->data;
+    uint64_t now = uv_now(ws->loop);
+    for (uint32_t i = 0; i < ws->o.n_workers; i++) {
+        struct wslot *w = &ws->slots[i];
+        if (w->state != MOED_WORKER_READY || !w->conn)
+            continue;
+        char why[200];
+        if (now - w->last_msg_ms > ws->silent_ms)
+            snprintf(why, sizeof why, "worker %u (pid %d) sent nothing for %.1f s (stopped or hung); "
+                     "killed", w->index, w->info.pid, (double)(now - w->last_msg_ms) / 1e3);
+        else if (w->hb_running && now - w->progress_ms > ws->stall_ms)
+            snprintf(why, sizeof why, "worker %u (pid %d) made no progress for %.1f s with %u "
+                     "requests; killed", w->index, w->info.pid,
+                     (double)(now - w->progress_ms) / 1e3, w->hb_running);
+        else
+            continue;
+        moe_ipc_log(MOE_LOG_ERROR, "%s", why);
+        slot_down(w, why);
+    }
+}
+
 static void on_exit_cb(uv_process_t *p, int64_t status, int term_signal)
 {
     struct wslot *w = p->data;
@@ -272,6 +305,9 @@ static int on_ready_msg(struct wslot *w, const Moed__Ready *r, char *err, size_t
     w->info.vram_used = r->vram_used;
     w->info.ram_used = r->ram_used;
     w->ready_at = uv_now(ws->loop);
+    w->last_msg_ms = w->progress_ms = w->ready_at;
+    w->hb_steps = 0;
+    w->hb_running = 0;
     set_state(w, MOED_WORKER_READY);
     moe_ipc_log(MOE_LOG_INFO, "worker %u ready (pid %d): %u sequences x %u positions, weights %.1f MiB, "
                 "KV %.1f MiB, RSS %.1f MiB", w->index, w->info.pid, r->n_seq, r->n_ctx,
@@ -289,6 +325,7 @@ static int on_msg(struct moe_ipc_conn *c, void *user, const Moed__Envelope *env,
     struct wslot *w = user;
     struct moed_workers *ws = w->ws;
     (void)c;
+    w->last_msg_ms = uv_now(ws->loop);
     if (env->msg_case != MOED__ENVELOPE__MSG_READY && env->msg_case != MOED__ENVELOPE__MSG_ERROR &&
         w->state != MOED_WORKER_READY && w->state != MOED_WORKER_STOPPING)
         return moe_fail(err, errlen, MOE_EFORMAT, "%s before ready", moe_ipc_msg_name(env->msg_case));
@@ -334,6 +371,12 @@ static int on_msg(struct moe_ipc_conn *c, void *user, const Moed__Envelope *env,
         w->info.tokens_per_s = env->metrics->decode_tokens_per_s;
         if (env->metrics->vram_used)
             w->info.vram_used = env->metrics->vram_used;
+        return 0;
+    case MOED__ENVELOPE__MSG_HEARTBEAT:
+        if (env->heartbeat->steps != w->hb_steps || env->heartbeat->running == 0)
+            w->progress_ms = w->last_msg_ms;
+        w->hb_steps = env->heartbeat->steps;
+        w->hb_running = env->heartbeat->running;
         return 0;
     case MOED__ENVELOPE__MSG_EXPERT_REQUEST:
         return moe_fail(err, errlen, MOE_EUNSUPPORTED, "expert_request: the tiered store is not "
@@ -593,6 +636,13 @@ int moed_workers_start(uv_loop_t *loop, const struct moed_workers_opts *o,
     }
     uv_timer_init(loop, &ws->stop_timer);
     ws->stop_timer.data = ws;
+    /* MOED_WORKER_SILENT_MS and MOED_WORKER_STALL_MS tune the wedge detection (tests use them). */
+    const char *ev_silent = getenv("MOED_WORKER_SILENT_MS"), *ev_stall = getenv("MOED_WORKER_STALL_MS");
+    ws->silent_ms = o->silent_ms ? o->silent_ms : ev_silent && atoi(ev_silent) > 0 ? (uint64_t)atoi(ev_silent) : 10000;
+    ws->stall_ms = o->stall_ms ? o->stall_ms : ev_stall && atoi(ev_stall) > 0 ? (uint64_t)atoi(ev_stall) : 300000;
+    uv_timer_init(loop, &ws->wedge_timer);
+    ws->wedge_timer.data = ws;
+    uv_timer_start(&ws->wedge_timer, on_wedge_timer, 1000, 1000);
     for (uint32_t i = 0; i < o->n_workers; i++) {
         struct wslot *w = &ws->slots[i];
         w->ws = ws;
@@ -734,6 +784,7 @@ static void maybe_stopped(struct moed_workers *ws)
             close_handle(ws, (uv_handle_t *)&ws->slots[i].timer);
         }
         close_handle(ws, (uv_handle_t *)&ws->stop_timer);
+        close_handle(ws, (uv_handle_t *)&ws->wedge_timer);
         sched_close(ws->sched, sched_closed_cb, ws);
         return;
     }
@@ -764,6 +815,7 @@ static void shutdown_workers(struct moed_workers *ws)
     ws->shutdown_sent = true;
     sched_set_idle_cb(ws->sched, NULL, NULL);
     uv_timer_stop(&ws->stop_timer);
+    uv_timer_stop(&ws->wedge_timer);
     for (uint32_t i = 0; i < ws->o.n_workers; i++) {
         struct wslot *w = &ws->slots[i];
         uv_timer_stop(&w->timer);

@@ -18,6 +18,11 @@
  * worker stayed healthy for a minute. Its in-flight requests that already streamed a token get
  * on_error (500); the others are re-queued and run on another (or the restarted) worker.
  *
+ * A Ready worker sends a Heartbeat every second with its compute thread's step count. One that
+ * sends nothing for silent_ms (stopped, or its event loop stuck), or whose steps stop advancing for
+ * stall_ms while it has requests in flight (a wedged compute thread), is killed and handled as a
+ * death: its clients get a retry or an error, never a hang, and /health reports the worker down.
+ *
  * A worker that never gets Ready (it exits at start-up, e.g. because its device cannot be used,
  * or misses the ready timeout) is given up on after max_init_failures such starts in a row: it
  * goes to MOED_WORKER_FAILED and stays there. Once a worker was Ready, deaths count afresh. */
@@ -75,6 +80,10 @@ struct moed_workers_opts {
                                    * no worker is ready; 0: 30000 */
     uint32_t ready_timeout_ms;    /* a worker not Ready after this is killed; 0: 300000 */
     uint32_t max_init_failures;   /* starts in a row that end before Ready, then give up; 0: 5 */
+    uint32_t silent_ms;           /* a Ready worker silent this long (no Heartbeat) is killed;
+                                     0: 10000 */
+    uint32_t stall_ms;            /* ... or whose steps stop advancing this long with requests
+                                     in flight; 0: 300000 */
     uint32_t max_frame;           /* IPC frame limit in bytes; 0: MOE_IPC_MAX_FRAME */
 
     /* Routing count deltas from a worker (merge them into the profile). counts is

@@ -87,6 +87,7 @@ const char *moe_ipc_msg_name(int c)
     case MOED__ENVELOPE__MSG_EXPERT_REQUEST: return "expert_request";
     case MOED__ENVELOPE__MSG_EXPERT_READY: return "expert_ready";
     case MOED__ENVELOPE__MSG_SHUTDOWN: return "shutdown";
+    case MOED__ENVELOPE__MSG_HEARTBEAT: return "heartbeat";
     default: return "unknown";
     }
 }
@@ -301,6 +302,10 @@ static int validate_from_worker(const Moed__Envelope *env, const struct moe_ipc_
         if (!isfinite(env->metrics->decode_tokens_per_s) || env->metrics->decode_tokens_per_s < 0 ||
             env->metrics->running > MOE_IPC_MAX_SEQ)
             return moe_fail(err, errlen, MOE_ERANGE, "metrics: a value is out of range");
+        return 0;
+    case MOED__ENVELOPE__MSG_HEARTBEAT:
+        if (env->heartbeat->running > MOE_IPC_MAX_SEQ)
+            return moe_fail(err, errlen, MOE_ERANGE, "heartbeat: running is out of range");
         return 0;
     case MOED__ENVELOPE__MSG_EXPERT_REQUEST: {
         const Moed__ExpertRequest *x = env->expert_request;

@@ -1095,6 +1095,37 @@ static long metrics_4xx(const char *sock)
     return v;
 }
 
+/* A worker that stops answering (SIGSTOP) is noticed by its missing heartbeat, killed and
+ * replaced; the request it held is run again instead of hanging. */
+TEST_TIMEOUT(daemon_wedged_worker_is_replaced, 180)
+{
+    const char *dir = moe_test_tmpdir();
+    struct moed d;
+    const char *args[] = {"--devices", "cpu", "--workers", "1", "--threads", "1", NULL};
+    setenv("MOED_WORKER_SILENT_MS", "2000", 1);
+    moed_spawn(&d, dir, args);
+    unsetenv("MOED_WORKER_SILENT_MS");
+    moed_wait_socket(&d, 30);
+    moed_require_ready(&d, 60);
+    int pid = worker_pid(d.sock, 0);
+    CHECK(pid > 0);
+    CHECK_EQ(kill(pid, SIGSTOP), 0);
+    double t0 = moe_test_now();
+    int status;
+    char *body = completion_body("In the beginning", 4, false);
+    json_t *j = post_json(d.sock, "/v1/completions", body, &status);
+    free(body);
+    double dt = moe_test_now() - t0;
+    CHECK_MSG(status == 200, "status %d: %s", status, err_msg(j));
+    json_decref(j);
+    CHECK_MSG(dt < 30, "answered after %.1f s", dt);
+    CHECK(worker_restarts(d.sock) >= 1);
+    CHECK(log_contains(&d, "sent nothing for"));
+    CHECK(worker_pid(d.sock, 0) != pid);
+    kill(pid, SIGKILL); /* already gone; harmless */
+    CHECK_EQ(moed_stop(&d, 60), 0);
+}
+
 /* A prompt longer than the context could hold even in the longest tokens is refused before it is
  * tokenized: 8 MB of spaces used to hold the event loop (every client) for seconds. */
 TEST_TIMEOUT(daemon_huge_prompt_refused_without_tokenizing, 120)

@@ -7,6 +7,7 @@
 #include <inttypes.h>
 #include <pthread.h>
 #include <signal.h>
+#include <stdatomic.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -78,6 +79,8 @@ struct worker {
     struct moe_engine *eng;
     uint32_t n_vocab, n_layer, n_expert, n_ctx, n_seq, n_batch;
     uint32_t index;
+    _Atomic uint64_t steps;       /* forward steps the compute thread completed */
+    uv_timer_t hb_timer;          /* the Heartbeat, every second */
 };
 
 /* ---------------------------------------------------------------------------------------------
@@ -220,7 +223,9 @@ static void *compute_main(void *arg)
             break;
         if (stop && !moe_batcher_busy(b))
             break;
-        if ((fatal = moe_batcher_step(b)))
+        fatal = moe_batcher_step(b);
+        atomic_fetch_add(&w->steps, 1);
+        if (fatal)
             break;
         moe_batcher_report(b, false);
     }
@@ -508,8 +513,25 @@ static void on_async(uv_async_t *a)
         w->thread_started = false;
         if (w->conn)
             moe_ipc_conn_close(w->conn, true);
+        uv_timer_stop(&w->hb_timer);
+        uv_close((uv_handle_t *)&w->hb_timer, NULL);
         uv_close((uv_handle_t *)&w->async, async_closed);
     }
+}
+
+/* Proof of life for the daemon, sent from the event loop with the compute thread's progress. */
+static void on_heartbeat(uv_timer_t *t)
+{
+    struct worker *w = t->data;
+    if (!w->conn)
+        return;
+    Moed__Heartbeat h = MOED__HEARTBEAT__INIT;
+    h.steps = atomic_load(&w->steps);
+    h.running = (uint32_t)w->n_live;
+    Moed__Envelope env = MOED__ENVELOPE__INIT;
+    env.msg_case = MOED__ENVELOPE__MSG_HEARTBEAT;
+    env.heartbeat = &h;
+    moe_ipc_conn_send(w->conn, &env);
 }
 
 /* ---------------------------------------------------------------------------------------------
@@ -704,9 +726,13 @@ int moe_worker_ipc_main(int fd, const char *argv0)
         goto fail;
     }
     send_ready(w);
+    uv_timer_init(&w->loop, &w->hb_timer);
+    w->hb_timer.data = w;
+    uv_timer_start(&w->hb_timer, on_heartbeat, 1000, 1000);
     if ((rc = pthread_create(&w->thread, NULL, compute_main, w))) {
         moe_ipc_log(MOE_LOG_ERROR, "cannot start the compute thread: %s", strerror(rc));
         moe_ipc_conn_close(w->conn, false);
+        uv_close((uv_handle_t *)&w->hb_timer, NULL);
         uv_close((uv_handle_t *)&w->async, async_closed);
         uv_run(&w->loop, UV_RUN_DEFAULT);
         goto fail;
