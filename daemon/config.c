@@ -11,10 +11,12 @@
 
 #include <sys/socket.h>
 
+#include "daemon/devices.h"
 #include "daemon/http.h"
 #include "store/err.h"
 
-enum kind { K_STR, K_U32, K_SIZE, K_LEVEL };
+/* K_DEVICES: a string, checked to be cpu, auto or a list of GPU indexes. */
+enum kind { K_STR, K_DEVICES, K_U32, K_SIZE, K_LEVEL };
 
 struct key {
     const char *name;
@@ -40,7 +42,7 @@ static const struct key keys[] = {
     {"socket", K_STR, F(socket), "PATH", "Unix socket (default " MOED_DEFAULT_SOCKET ")", 0, 0},
     {"listen", K_STR, F(listen), "HOST:PORT", "also listen on loopback TCP (127.0.0.1:PORT)", 0, 0},
     {"state-dir", K_STR, F(state_dir), "DIR", "profile database (default " MOED_DEFAULT_STATE_DIR ")", 0, 0},
-    {"devices", K_STR, F(devices), "LIST", "cpu | auto (what moed-worker --list-devices lists) | 0,1 (default auto)", 0, 0},
+    {"devices", K_DEVICES, F(devices), "LIST", "cpu | auto (what moed-worker --list-devices lists) | GPU indexes 0..63 like 0,1 (default auto)", 0, 0},
     {"workers", K_U32, F(workers), "N", "worker processes (default: one per device, 1 for cpu)", 1, MAX_WORKERS},
     {"ctx", K_U32, F(ctx), "N", "context length per sequence (0 or default: model's, at most 4096)", 0, MAX_CTX},
     {"parallel", K_U32, F(parallel), "N", "concurrent sequences per worker (default 4)", 1, MAX_PARALLEL},
@@ -91,7 +93,7 @@ int config_init(struct moed_config *c)
 void config_free(struct moed_config *c)
 {
     for (size_t i = 0; i < N_KEYS; i++)
-        if (keys[i].kind == K_STR) {
+        if (keys[i].kind == K_STR || keys[i].kind == K_DEVICES) {
             char **p = (char **)((char *)c + keys[i].off);
             free(*p);
             *p = NULL;
@@ -134,6 +136,28 @@ int config_parse_size(const char *s, uint64_t *out)
     return 0;
 }
 
+/* "cpu", "auto" or "0,1": at most DEVICES_MAX indexes below DEVICES_MAX, as plan_workers reads
+ * them. */
+static bool devices_ok(const char *s)
+{
+    if (!strcmp(s, "cpu") || !strcmp(s, "auto"))
+        return true;
+    unsigned n = 0;
+    for (;;) {
+        if (!isdigit((unsigned char)*s))
+            return false;
+        unsigned long k = 0;
+        while (isdigit((unsigned char)*s) && k < DEVICES_MAX)
+            k = k * 10 + (unsigned)(*s++ - '0');
+        if (k >= DEVICES_MAX || ++n > DEVICES_MAX)
+            return false;
+        if (!*s)
+            return true;
+        if (*s++ != ',')
+            return false;
+    }
+}
+
 /* 1024 -> "1K", 1 << 30 -> "1G": a limit as the user would write it. */
 static const char *size_text(uint64_t v, char *buf, size_t cap)
 {
@@ -171,6 +195,12 @@ int config_set(struct moed_config *c, const char *key, const char *value, char *
         return moe_fail(err, errlen, MOE_ENOTFOUND, "unknown option '%s'", key);
     void *p = (char *)c + k->off;
     switch (k->kind) {
+    case K_DEVICES:
+        if (!devices_ok(value))
+            return moe_fail(err, errlen, MOE_EFORMAT, "devices must be cpu, auto or a list of GPU "
+                            "indexes in 0..%u like 0,1 (at most %u), not '%s'", DEVICES_MAX - 1,
+                            DEVICES_MAX, value);
+        /* fall through */
     case K_STR:
         if (!*value)
             return moe_fail(err, errlen, MOE_EFORMAT, "%s: empty value", k->name);

@@ -283,6 +283,9 @@ TEST(daemon_rejects_out_of_range_options)
         {"--max-tokens-default", "x", "--max-tokens-default must be a whole number in 0..16777216"},
         {"--max-body", "10", "--max-body must be 1K..1G, not 10"},
         {"--vram-budget", "-1G", "--vram-budget: '-1G' is not a size"},
+        {"--devices", "0,x", "--devices must be cpu, auto or a list of GPU indexes in 0..63"},
+        {"--devices", "64", "--devices must be cpu, auto or a list of GPU indexes in 0..63"},
+        {"--devices", "0,", "not '0,'"},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
         struct moed d;
