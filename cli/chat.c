@@ -115,6 +115,7 @@ static int cmd_chat(int argc, char **argv)
     int i = moectl_sampling_args(argc, argv, req);
     if (i < 0 || i < argc) {
         fprintf(stderr, "usage: moectl [--socket PATH] [--json] chat [-n N] [--temp T] [--system TEXT]\n"
+                        "  (and the other sampling options of generate, with the same ranges)\n"
                         "  reads one user message per line from stdin; the reply streams to stdout\n");
         json_decref(req);
         return 2;

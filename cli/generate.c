@@ -1,5 +1,7 @@
 /* moectl generate [-n N] [--temp T] [--seed S] [--stop S] PROMPT: one completion, streamed to
  * stdout as it is generated (with --json: the whole response object at the end). */
+#include <limits.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -9,11 +11,16 @@
 #include "cli/client.h"
 #include "cli/moectl.h"
 #include "cli/stream.h"
+#include "cli/util.h"
 
 static int usage(void)
 {
     fprintf(stderr, "usage: moectl [--socket PATH] [--json] generate [-n N] [--temp T] [--seed S] "
-                    "[--top-k K] [--top-p P] [--stop STRING] PROMPT\n");
+                    "[--top-k K] [--top-p P] [--min-p P]\n"
+                    "       [--repeat-penalty R] [--presence-penalty P] [--frequency-penalty F] "
+                    "[--stop STRING] PROMPT\n"
+                    "  -n 1..16777216, --temp 0..100, --top-k 0..2147483647, --top-p and --min-p 0..1,\n"
+                    "  --repeat-penalty 0.01..100, --presence-penalty and --frequency-penalty -2..2\n");
     return 2;
 }
 
@@ -31,29 +38,40 @@ int moectl_sampling_args(int argc, char **argv, json_t *req)
             return -1;
         }
         const char *v = argv[++i];
-        char *end;
+        /* The ranges are the API's (docs/api.md), so that a value the daemon would refuse or
+         * that JSON cannot carry (nan, inf) is an error here instead of a silent default. */
+        static const struct {
+            const char *opt, *key;
+            double min, max;
+        } nums[] = {
+            {"--temp", "temperature", 0, 100},
+            {"--top-p", "top_p", 0, 1},
+            {"--min-p", "min_p", 0, 1},
+            {"--repeat-penalty", "repetition_penalty", 0.01, 100},
+            {"--presence-penalty", "presence_penalty", -2, 2},
+            {"--frequency-penalty", "frequency_penalty", -2, 2},
+        };
+        size_t k = 0;
+        while (k < sizeof nums / sizeof nums[0] && strcmp(a, nums[k].opt))
+            k++;
+        long long n;
+        double d;
         if (!strcmp(a, "-n") || !strcmp(a, "--max-tokens")) {
-            long n = strtol(v, &end, 10);
-            if (*end || n < 1) {
-                fprintf(stderr, "moectl: %s: '%s' is not a positive number\n", a, v);
+            if (moectl_parse_int(a, v, 1, MOECTL_MAX_TOKENS, &n))
                 return -1;
-            }
             json_object_set_new(req, "max_tokens", json_integer(n));
-        } else if (!strcmp(a, "--temp") || !strcmp(a, "--top-p") || !strcmp(a, "--min-p")) {
-            double d = strtod(v, &end);
-            if (*end || end == v) {
-                fprintf(stderr, "moectl: %s: '%s' is not a number\n", a, v);
+        } else if (k < sizeof nums / sizeof nums[0]) {
+            if (moectl_parse_num(a, v, nums[k].min, nums[k].max, &d))
                 return -1;
-            }
-            json_object_set_new(req, !strcmp(a, "--temp") ? "temperature" : !strcmp(a, "--top-p") ? "top_p" : "min_p",
-                                json_real(d));
-        } else if (!strcmp(a, "--seed") || !strcmp(a, "--top-k")) {
-            long long n = strtoll(v, &end, 10);
-            if (*end || end == v) {
-                fprintf(stderr, "moectl: %s: '%s' is not an integer\n", a, v);
+            json_object_set_new(req, nums[k].key, json_real(d));
+        } else if (!strcmp(a, "--top-k")) {
+            if (moectl_parse_int(a, v, 0, INT32_MAX, &n))
                 return -1;
-            }
-            json_object_set_new(req, !strcmp(a, "--seed") ? "seed" : "top_k", json_integer(n));
+            json_object_set_new(req, "top_k", json_integer(n));
+        } else if (!strcmp(a, "--seed")) {
+            if (moectl_parse_int(a, v, LLONG_MIN, LLONG_MAX, &n))
+                return -1;
+            json_object_set_new(req, "seed", json_integer(n));
         } else if (!strcmp(a, "--stop")) {
             json_t *s = json_object_get(req, "stop");
             if (!s) {

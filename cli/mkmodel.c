@@ -12,6 +12,7 @@
  *
  * Data is generated block by block from counter-based random streams by all threads and
  * written with large pwrites at the tensors' offsets, so the bytes do not depend on --threads. */
+#include <ctype.h>
 #include <errno.h>
 #include <getopt.h>
 #include <inttypes.h>
@@ -469,7 +470,7 @@ static int parse_u64(const char *s, uint64_t *out)
     char *end;
     errno = 0;
     unsigned long long v = strtoull(s, &end, 0);
-    if (errno || end == s || *end || *s == '-')
+    if (!isdigit((unsigned char)*s) || errno || end == s || *end)
         return -1;
     *out = v;
     return 0;

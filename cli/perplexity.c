@@ -24,7 +24,8 @@
 
 static void perplexity_usage(FILE *f)
 {
-    fprintf(f, "usage: moectl perplexity -m MODEL -f FILE|- [--ctx N] [--threads N] [--no-special] [--json]\n");
+    fprintf(f, "usage: moectl perplexity -m MODEL -f FILE|- [--ctx N] [--threads N] [--no-special] [--json]\n"
+               "  --ctx 2..1048576 (default 512), --threads 0..1024 (default 0: all cores)\n");
 }
 
 /* Negative log-likelihood of `next` under logits[n_vocab], in double precision. */
@@ -48,7 +49,7 @@ static int cmd_perplexity(int argc, char **argv)
         {"help", no_argument, 0, 'h'},        {0, 0, 0, 0},
     };
     const char *model = NULL, *file = NULL;
-    long n_ctx = 512, threads = 0;
+    long long n_ctx = 512, threads = 0;
     bool special = true, json = moectl_opts.json;
     int c;
     optind = 1;
@@ -56,8 +57,14 @@ static int cmd_perplexity(int argc, char **argv)
         switch (c) {
         case 'm': model = optarg; break;
         case 'f': file = optarg; break;
-        case 'c': n_ctx = strtol(optarg, NULL, 10); break;
-        case 't': threads = strtol(optarg, NULL, 10); break;
+        case 'c':
+            if (moectl_parse_int("--ctx", optarg, 2, 1 << 20, &n_ctx))
+                return 2;
+            break;
+        case 't':
+            if (moectl_parse_int("--threads", optarg, 0, 1024, &threads))
+                return 2;
+            break;
         case 'S': special = false; break;
         case 'j': json = true; break;
         case 'h': perplexity_usage(stdout); return 0;
@@ -78,9 +85,9 @@ static int cmd_perplexity(int argc, char **argv)
     size_t len = 0, n = 0;
     int rc = 1;
 
-    int e = moectl_read_path(file, &text, &len);
+    int e = moectl_read_path(file, &text, &len, err, sizeof err);
     if (e) {
-        fprintf(stderr, "moectl perplexity: %s: %s\n", file, moe_strerror(e));
+        fprintf(stderr, "moectl perplexity: %s: %s\n", file, err);
         goto out;
     }
     if ((e = moe_loaded_open(&lm, model, true, err, sizeof err))) {

@@ -100,8 +100,9 @@ static int cmd_profile(int argc, char **argv)
     if (!strcmp(sub, "import") && argc == 3) {
         char *buf = NULL;
         size_t len = 0;
-        if ((rc = moectl_read_path(argv[2], &buf, &len))) {
-            fprintf(stderr, "moectl: %s: %s\n", argv[2], moe_strerror(rc));
+        char err[256];
+        if ((rc = moectl_read_path(argv[2], &buf, &len, err, sizeof err))) {
+            fprintf(stderr, "moectl: profile import %s: %s\n", argv[2], err);
             return 1;
         }
         rc = client_call("PUT", "/admin/profile", buf, len, &r);

@@ -101,8 +101,8 @@ static int cmd_tokenize(int argc, char **argv)
         goto done;
     }
 
-    if ((rc = moectl_read_path(file, &text, &len))) {
-        fprintf(stderr, "moectl tokenize: %s: %s\n", file, moe_strerror(rc));
+    if ((rc = moectl_read_path(file, &text, &len, err, sizeof err))) {
+        fprintf(stderr, "moectl tokenize: %s: %s\n", file, err);
         goto done;
     }
 

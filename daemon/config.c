@@ -3,6 +3,7 @@
 
 #include <ctype.h>
 #include <errno.h>
+#include <inttypes.h>
 #include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -10,41 +11,54 @@
 
 #include <sys/socket.h>
 
+#include "daemon/devices.h"
 #include "daemon/http.h"
 #include "store/err.h"
 
-enum kind { K_STR, K_U32, K_SIZE, K_LEVEL };
+/* K_DEVICES: a string, checked to be cpu, auto or a list of GPU indexes. */
+enum kind { K_STR, K_DEVICES, K_U32, K_SIZE, K_LEVEL };
 
 struct key {
     const char *name;
     enum kind kind;
     size_t off;
     const char *arg, *help;
+    /* K_U32 and K_SIZE: the values that make sense; a value given outside them is refused
+     * (the zero that some fields hold by default only means "not set" when nothing was given). */
+    uint64_t min, max;
 };
+
+/* moed-worker refuses a thread count outside this (its own --threads), the Hello a context
+ * over MOE_IPC_MAX_CTX. */
+#define MAX_THREADS 1024u
+#define MAX_CTX (1u << 24)
+#define MAX_WORKERS 64u
+#define MAX_PARALLEL 256u
+#define DAY_S 86400u
 
 #define F(field) offsetof(struct moed_config, field)
 static const struct key keys[] = {
-    {"model", K_STR, F(model), "PATH", "GGUF model to serve (required)"},
-    {"socket", K_STR, F(socket), "PATH", "Unix socket (default " MOED_DEFAULT_SOCKET ")"},
-    {"listen", K_STR, F(listen), "HOST:PORT", "also listen on loopback TCP (127.0.0.1:PORT)"},
-    {"state-dir", K_STR, F(state_dir), "DIR", "profile database (default " MOED_DEFAULT_STATE_DIR ")"},
-    {"devices", K_STR, F(devices), "LIST", "cpu | auto (what moed-worker --list-devices lists) | 0,1 (default auto)"},
-    {"workers", K_U32, F(workers), "N", "worker processes (default: one per device, 1 for cpu)"},
-    {"ctx", K_U32, F(ctx), "N", "context length per sequence (default: model's, at most 4096)"},
-    {"parallel", K_U32, F(parallel), "N", "concurrent sequences per worker (default 4)"},
-    {"threads", K_U32, F(threads), "N", "compute threads per worker (default: cores / workers)"},
-    {"vram-budget", K_SIZE, F(vram_budget), "SIZE", "VRAM per GPU worker, e.g. 24G"},
-    {"config", K_STR, F(config_file), "FILE", "config file with the same keys (key = value)"},
-    {"log-level", K_LEVEL, F(log_level), "LEVEL", "error | warn | info | debug (default info)"},
-    {"log-file", K_STR, F(log_file), "PATH", "log to a file instead of stderr (SIGHUP reopens)"},
-    {"admin-group", K_STR, F(admin_group), "NAME", "group allowed on /admin/* (default moed)"},
-    {"worker-bin", K_STR, F(worker_bin), "PATH", "moed-worker program (default: next to moed)"},
-    {"max-body", K_SIZE, F(max_body), "SIZE", "request body limit (default 8M)"},
-    {"idle-timeout", K_U32, F(idle_timeout_s), "SECONDS", "close idle connections (default 60)"},
-    {"profile-interval", K_U32, F(profile_interval_s), "SECONDS", "save routing counts (default 5)"},
-    {"queue-max", K_U32, F(queue_max), "N", "requests waiting for a slot (default 256)"},
+    {"model", K_STR, F(model), "PATH", "GGUF model to serve (required)", 0, 0},
+    {"socket", K_STR, F(socket), "PATH", "Unix socket (default " MOED_DEFAULT_SOCKET ")", 0, 0},
+    {"listen", K_STR, F(listen), "HOST:PORT", "also listen on loopback TCP (127.0.0.1:PORT)", 0, 0},
+    {"state-dir", K_STR, F(state_dir), "DIR", "profile database (default " MOED_DEFAULT_STATE_DIR ")", 0, 0},
+    {"devices", K_DEVICES, F(devices), "LIST", "cpu | auto (what moed-worker --list-devices lists) | GPU indexes 0..63 like 0,1 (default auto)", 0, 0},
+    {"workers", K_U32, F(workers), "N", "worker processes (default: one per device, 1 for cpu)", 1, MAX_WORKERS},
+    {"ctx", K_U32, F(ctx), "N", "context length per sequence (0 or default: model's, at most 4096)", 0, MAX_CTX},
+    {"parallel", K_U32, F(parallel), "N", "concurrent sequences per worker (default 4)", 1, MAX_PARALLEL},
+    {"threads", K_U32, F(threads), "N", "compute threads per worker (0 or default: cores / workers)", 0, MAX_THREADS},
+    {"vram-budget", K_SIZE, F(vram_budget), "SIZE", "VRAM per GPU worker, e.g. 24G (0 or default: the worker decides)", 0, UINT64_MAX},
+    {"config", K_STR, F(config_file), "FILE", "config file with the same keys (key = value)", 0, 0},
+    {"log-level", K_LEVEL, F(log_level), "LEVEL", "error | warn | info | debug (default info)", 0, 0},
+    {"log-file", K_STR, F(log_file), "PATH", "log to a file instead of stderr (SIGHUP reopens)", 0, 0},
+    {"admin-group", K_STR, F(admin_group), "NAME", "group allowed on /admin/* (default moed)", 0, 0},
+    {"worker-bin", K_STR, F(worker_bin), "PATH", "moed-worker program (default: next to moed)", 0, 0},
+    {"max-body", K_SIZE, F(max_body), "SIZE", "request body limit (default 8M)", 1024, 1ull << 30},
+    {"idle-timeout", K_U32, F(idle_timeout_s), "SECONDS", "close idle connections (default 60)", 1, DAY_S},
+    {"profile-interval", K_U32, F(profile_interval_s), "SECONDS", "save routing counts (default 5)", 1, DAY_S},
+    {"queue-max", K_U32, F(queue_max), "N", "requests waiting for a slot (default 256)", 1, 1000000},
     {"max-tokens-default", K_U32, F(max_tokens_default), "N",
-     "max_tokens when a request gives none (default: up to the context)"},
+     "max_tokens when a request gives none (0 or default: up to the context)", 0, MAX_CTX},
 };
 #undef F
 #define N_KEYS (sizeof keys / sizeof keys[0])
@@ -79,7 +93,7 @@ int config_init(struct moed_config *c)
 void config_free(struct moed_config *c)
 {
     for (size_t i = 0; i < N_KEYS; i++)
-        if (keys[i].kind == K_STR) {
+        if (keys[i].kind == K_STR || keys[i].kind == K_DEVICES) {
             char **p = (char **)((char *)c + keys[i].off);
             free(*p);
             *p = NULL;
@@ -122,6 +136,44 @@ int config_parse_size(const char *s, uint64_t *out)
     return 0;
 }
 
+/* "cpu", "auto" or "0,1": at most DEVICES_MAX indexes below DEVICES_MAX, as plan_workers reads
+ * them. */
+static bool devices_ok(const char *s)
+{
+    if (!strcmp(s, "cpu") || !strcmp(s, "auto"))
+        return true;
+    unsigned n = 0;
+    for (;;) {
+        if (!isdigit((unsigned char)*s))
+            return false;
+        unsigned long k = 0;
+        while (isdigit((unsigned char)*s) && k < DEVICES_MAX)
+            k = k * 10 + (unsigned)(*s++ - '0');
+        if (k >= DEVICES_MAX || ++n > DEVICES_MAX)
+            return false;
+        if (!*s)
+            return true;
+        if (*s++ != ',')
+            return false;
+    }
+}
+
+/* 1024 -> "1K", 1 << 30 -> "1G": a limit as the user would write it. */
+static const char *size_text(uint64_t v, char *buf, size_t cap)
+{
+    static const char suffix[] = "KMGT";
+    int i = -1;
+    while (i < 3 && v >= 1024 && v % 1024 == 0) {
+        v /= 1024;
+        i++;
+    }
+    if (i < 0)
+        snprintf(buf, cap, "%" PRIu64, v);
+    else
+        snprintf(buf, cap, "%" PRIu64 "%c", v, suffix[i]);
+    return buf;
+}
+
 static const struct key *find_key(const char *name)
 {
     char norm[64];
@@ -143,6 +195,12 @@ int config_set(struct moed_config *c, const char *key, const char *value, char *
         return moe_fail(err, errlen, MOE_ENOTFOUND, "unknown option '%s'", key);
     void *p = (char *)c + k->off;
     switch (k->kind) {
+    case K_DEVICES:
+        if (!devices_ok(value))
+            return moe_fail(err, errlen, MOE_EFORMAT, "devices must be cpu, auto or a list of GPU "
+                            "indexes in 0..%u like 0,1 (at most %u), not '%s'", DEVICES_MAX - 1,
+                            DEVICES_MAX, value);
+        /* fall through */
     case K_STR:
         if (!*value)
             return moe_fail(err, errlen, MOE_EFORMAT, "%s: empty value", k->name);
@@ -150,20 +208,29 @@ int config_set(struct moed_config *c, const char *key, const char *value, char *
     case K_U32: {
         char *end;
         errno = 0;
-        unsigned long long v = strtoull(value, &end, 10);
-        if (!*value || *end || errno || value[0] == '-')
-            return moe_fail(err, errlen, MOE_EFORMAT, "%s: '%s' is not a number", k->name, value);
-        if (v > UINT32_MAX)
-            return moe_fail(err, errlen, MOE_ERANGE, "%s: %s is too large", k->name, value);
+        unsigned long long v = isdigit((unsigned char)value[0]) ? strtoull(value, &end, 10) : 0;
+        if (!isdigit((unsigned char)value[0]) || *end)
+            return moe_fail(err, errlen, MOE_EFORMAT, "%s must be a whole number in %" PRIu64 "..%" PRIu64
+                            ", not '%s'", k->name, k->min, k->max, value);
+        if (errno == ERANGE || v < k->min || v > k->max)
+            return moe_fail(err, errlen, MOE_ERANGE, "%s must be %" PRIu64 "..%" PRIu64 ", not %s",
+                            k->name, k->min, k->max, value);
         *(uint32_t *)p = (uint32_t)v;
         return 0;
     }
     case K_SIZE: {
-        int rc = config_parse_size(value, (uint64_t *)p);
+        uint64_t v;
+        int rc = config_parse_size(value, &v);
         if (rc)
             return moe_fail(err, errlen, rc,
                             "%s: '%s' is not a size (bytes, or a number with K, M, G or T)",
                             k->name, value);
+        if (v < k->min || v > k->max) {
+            char lo[32], hi[32];
+            return moe_fail(err, errlen, MOE_ERANGE, "%s must be %s..%s, not %s", k->name,
+                            size_text(k->min, lo, sizeof lo), size_text(k->max, hi, sizeof hi), value);
+        }
+        *(uint64_t *)p = v;
         return 0;
     }
     case K_LEVEL:
@@ -245,11 +312,20 @@ void config_usage(FILE *f)
     for (size_t i = 0; i < N_KEYS; i++) {
         char left[48];
         snprintf(left, sizeof left, "--%s %s", keys[i].name, keys[i].arg);
-        fprintf(f, "  %-30s %s\n", left, keys[i].help);
+        char range[64] = "";
+        if (keys[i].kind == K_U32)
+            snprintf(range, sizeof range, "; %" PRIu64 "..%" PRIu64, keys[i].min, keys[i].max);
+        else if (keys[i].kind == K_SIZE && keys[i].max != UINT64_MAX) {
+            char lo[32], hi[32];
+            snprintf(range, sizeof range, "; %s..%s", size_text(keys[i].min, lo, sizeof lo),
+                     size_text(keys[i].max, hi, sizeof hi));
+        }
+        fprintf(f, "  %-30s %s%s\n", left, keys[i].help, range);
     }
     fprintf(f, "  %-30s %s\n", "-h, --help", "this text");
     fprintf(f, "\nA config file uses the same names without dashes in front: 'workers = 2'.\n"
-               "Options on the command line win over the file.\n");
+               "Options on the command line win over the file. A number outside the range shown\n"
+               "is refused at start (exit status 2).\n");
 }
 
 int config_parse_args(struct moed_config *c, int argc, char **argv, bool *help, char *err,
@@ -312,13 +388,5 @@ int config_parse_args(struct moed_config *c, int argc, char **argv, bool *help, 
         if (rc)
             return moe_fail(err, errlen, rc, "--listen: %s", msg);
     }
-    if (c->parallel == 0 || c->parallel > 256)
-        return moe_fail(err, errlen, MOE_ERANGE, "--parallel must be 1..256, not %u", c->parallel);
-    if (c->workers > 64)
-        return moe_fail(err, errlen, MOE_ERANGE, "--workers must be at most 64, not %u", c->workers);
-    if (c->max_body < 1024)
-        return moe_fail(err, errlen, MOE_ERANGE, "--max-body must be at least 1K");
-    if (c->profile_interval_s == 0)
-        c->profile_interval_s = 5;
     return 0;
 }

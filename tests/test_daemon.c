@@ -266,6 +266,66 @@ TEST(daemon_bad_model_and_options)
     CHECK(log_contains(&d, "--bogus"));
 }
 
+/* Numbers that make no sense fail at start with exit status 2 and one line naming the option
+ * and its range, before the model is opened; in a config file the line names file and line. */
+TEST(daemon_rejects_out_of_range_options)
+{
+    const char *dir = moe_test_tmpdir();
+    static const struct {
+        const char *opt, *val, *want;
+    } cases[] = {
+        {"--idle-timeout", "0", "--idle-timeout must be 1..86400, not 0"},
+        {"--profile-interval", "0", "--profile-interval must be 1..86400, not 0"},
+        {"--workers", "0", "--workers must be 1..64, not 0"},
+        {"--workers", "65", "--workers must be 1..64, not 65"},
+        {"--workers", "-1", "--workers must be a whole number in 1..64, not '-1'"},
+        {"--threads", "1025", "--threads must be 0..1024, not 1025"},
+        {"--threads", "99999999999999999999", "--threads must be 0..1024"},
+        {"--parallel", "0", "--parallel must be 1..256, not 0"},
+        {"--ctx", "16777217", "--ctx must be 0..16777216, not 16777217"},
+        {"--queue-max", "0", "--queue-max must be 1..1000000, not 0"},
+        {"--max-tokens-default", "x", "--max-tokens-default must be a whole number in 0..16777216"},
+        {"--max-body", "10", "--max-body must be 1K..1G, not 10"},
+        {"--vram-budget", "-1G", "--vram-budget: '-1G' is not a size"},
+        {"--devices", "0,x", "--devices must be cpu, auto or a list of GPU indexes in 0..63"},
+        {"--devices", "64", "--devices must be cpu, auto or a list of GPU indexes in 0..63"},
+        {"--devices", "0,", "not '0,'"},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        struct moed d;
+        const char *args[] = {"--devices", "cpu", cases[i].opt, cases[i].val, NULL};
+        moed_spawn(&d, dir, args);
+        int st;
+        waitpid(d.pid, &st, 0);
+        CHECK_MSG(WIFEXITED(st) && WEXITSTATUS(st) == 2, "%s %s: status %d", cases[i].opt,
+                  cases[i].val, st);
+        CHECK_MSG(log_contains(&d, cases[i].want), "%s %s: log lacks '%s'", cases[i].opt,
+                  cases[i].val, cases[i].want);
+        CHECK_MSG(!log_contains(&d, "opening"), "%s %s: the model was opened", cases[i].opt,
+                  cases[i].val);
+        CHECK(access(d.sock, F_OK) != 0);
+        unlink(d.log);
+    }
+
+    /* The same in a config file: the message names the file and the line. */
+    char conf[512];
+    snprintf(conf, sizeof conf, "%s/moed.conf", dir);
+    FILE *f = fopen(conf, "w");
+    CHECK(f);
+    fputs("devices = cpu\n# threads per worker\nthreads = 5000\n", f);
+    fclose(f);
+    struct moed d;
+    const char *args[] = {"--config", conf, NULL};
+    moed_spawn(&d, dir, args);
+    int st;
+    waitpid(d.pid, &st, 0);
+    CHECK_MSG(WIFEXITED(st) && WEXITSTATUS(st) == 2, "status %d", st);
+    char want[600];
+    snprintf(want, sizeof want, "%s:3: threads must be 0..1024, not 5000", conf);
+    CHECK_MSG(log_contains(&d, want), "log lacks '%s'", want);
+    CHECK(!log_contains(&d, "opening"));
+}
+
 TEST(daemon_rejects_bad_requests)
 {
     const char *dir = moe_test_tmpdir();
