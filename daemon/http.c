@@ -91,6 +91,8 @@ struct http_server {
     struct listener listeners[MAX_LISTENERS];
     int n_listeners;
     char unix_path[sizeof(((struct sockaddr_un *)0)->sun_path)];
+    dev_t unix_dev;             /* the socket file bound at unix_path: removed at stop only */
+    ino_t unix_ino;             /* while the path still names it */
     int tcp_port;
     struct http_conn *conns;
     uint32_t n_conns, n_busy;
@@ -760,6 +762,15 @@ int http_server_listen_unix(struct http_server *s, const char *path, char *err, 
                             ? " (its directory must exist and be writable by moed; or use --socket PATH)"
                             : "");
     }
+    /* Remember which file this bind made: at shutdown the path may name another daemon's
+     * socket (one started after this one's file was removed), which must stay. */
+    struct stat bst;
+    if (lstat(path, &bst) != 0) {
+        e = errno;
+        close(fd);
+        unlink(path);
+        return moe_fail(err, errlen, -e, "stat %s after bind: %s", path, strerror(e));
+    }
     if (listen(fd, 128) != 0) {
         e = errno;
         close(fd);
@@ -778,6 +789,8 @@ int http_server_listen_unix(struct http_server *s, const char *path, char *err, 
         return moe_fail(err, errlen, rc, "listen %s: %s", path, uv_strerror(rc));
     }
     snprintf(s->unix_path, sizeof s->unix_path, "%s", path);
+    s->unix_dev = bst.st_dev;
+    s->unix_ino = bst.st_ino;
     return 0;
 }
 
@@ -902,7 +915,9 @@ void http_server_stop_listening(struct http_server *s)
         uv_close(&l->h.handle, on_listener_closed);
     }
     if (s->unix_path[0]) {
-        unlink(s->unix_path);
+        struct stat st;
+        if (lstat(s->unix_path, &st) == 0 && st.st_dev == s->unix_dev && st.st_ino == s->unix_ino)
+            unlink(s->unix_path); /* else gone, or another daemon's socket now: not ours */
         s->unix_path[0] = 0;
     }
 }

@@ -81,7 +81,8 @@ int http_server_tcp_port(const struct http_server *s);
  * with a message. */
 int http_parse_listen(const char *hostport, struct sockaddr_storage *out, char *err, size_t errlen);
 
-/* Stops accepting: closes the listeners (and removes the Unix socket file). Open connections
+/* Stops accepting: closes the listeners and removes the Unix socket file, if the path still names
+ * the file this server bound (not one another process bound there since). Open connections
  * stay; in-flight requests can still be answered. */
 void http_server_stop_listening(struct http_server *s);
 

@@ -952,6 +952,44 @@ static long long profile_tokens(const char *sock)
     return t;
 }
 
+static void check_serves(const char *sock)
+{
+    struct hc_resp r;
+    CHECK_MSG(hc_request_unix(sock, "GET", "/v1/models", NULL, &r, 5000) == 0, "%s does not answer", sock);
+    CHECK_EQ(r.status, 200);
+    hc_resp_free(&r);
+}
+
+/* A daemon whose socket file was removed and bound again by a newer daemon leaves that socket in
+ * place when it stops: the newer one keeps answering on the path. */
+TEST(daemon_sigterm_leaves_a_newer_daemons_socket)
+{
+    char dir1[512], dir2[512];
+    snprintf(dir1, sizeof dir1, "%s/old", moe_test_tmpdir());
+    snprintf(dir2, sizeof dir2, "%s/new", moe_test_tmpdir());
+    CHECK_EQ(mkdir(dir1, 0700), 0);
+    CHECK_EQ(mkdir(dir2, 0700), 0);
+    struct moed old, new;
+    const char *args[] = {"--devices", "cpu", "--workers", "1", NULL};
+    moed_spawn(&old, dir1, args);
+    moed_wait_socket(&old, 30);
+    CHECK_EQ(unlink(old.sock), 0);
+    const char *args2[] = {"--devices", "cpu", "--workers", "1", "--socket", old.sock, NULL};
+    moed_spawn(&new, dir2, args2);
+    snprintf(new.sock, sizeof new.sock, "%s", old.sock);
+    moed_wait_socket(&new, 30);
+    struct stat before, after;
+    CHECK_EQ(stat(old.sock, &before), 0);
+
+    CHECK_EQ(moed_stop(&old, 20), 0);
+    CHECK_MSG(stat(old.sock, &after) == 0, "the old daemon removed the new daemon's socket");
+    CHECK(after.st_ino == before.st_ino && after.st_dev == before.st_dev);
+    check_serves(new.sock);
+    /* The newer one removes its own socket. */
+    CHECK_EQ(moed_stop(&new, 20), 0);
+    CHECK(access(new.sock, F_OK) != 0);
+}
+
 TEST_TIMEOUT(daemon_profile_survives_restart_and_kill9, 300)
 {
     const char *dir = moe_test_tmpdir();
