@@ -703,10 +703,13 @@ static void listener_add(struct listener *l, enum http_transport transport)
     s->refs++;
 }
 
-/* A socket file is stale when connecting to it is refused: its owner is gone. */
-static int remove_stale_socket(const char *path, char *err, size_t errlen)
+/* Whether something answers on the socket file at path: 0 when nothing is there or connecting
+ * is refused (*stale tells which), -EADDRINUSE when a process accepts connections on it, another
+ * error when path is not a socket or cannot be checked. */
+static int check_socket(const char *path, bool *stale, char *err, size_t errlen)
 {
     struct stat st;
+    *stale = false;
     if (lstat(path, &st) != 0)
         return errno == ENOENT ? 0 : moe_fail(err, errlen, -errno, "%s: %s", path, strerror(errno));
     if (!S_ISSOCK(st.st_mode))
@@ -727,6 +730,27 @@ static int remove_stale_socket(const char *path, char *err, size_t errlen)
     if (e != ECONNREFUSED && e != ENOENT)
         return moe_fail(err, errlen, -e, "%s: cannot check the existing socket: %s", path,
                         strerror(e));
+    *stale = e == ECONNREFUSED;
+    return 0;
+}
+
+int http_unix_socket_check(const char *path, char *err, size_t errlen)
+{
+    struct sockaddr_un a;
+    bool stale;
+    if (!path || !*path || strlen(path) >= sizeof a.sun_path)
+        return moe_fail(err, errlen, MOE_ERANGE, "socket path '%s' is empty or longer than %zu bytes",
+                        path ? path : "", sizeof a.sun_path - 1);
+    return check_socket(path, &stale, err, errlen);
+}
+
+/* A socket file is stale when connecting to it is refused: its owner is gone. */
+static int remove_stale_socket(const char *path, char *err, size_t errlen)
+{
+    bool stale;
+    int rc = check_socket(path, &stale, err, errlen);
+    if (rc || !stale)
+        return rc;
     if (unlink(path) != 0 && errno != ENOENT)
         return moe_fail(err, errlen, -errno, "%s: cannot remove stale socket: %s", path,
                         strerror(errno));
