@@ -724,7 +724,22 @@ static int run(struct daemon *d, int argc, char **argv)
         return 2;
     }
 
-    if ((rc = moe_profile_db_open(&d->db, c->state_dir, err, sizeof err))) {
+    rc = moe_profile_db_open(&d->db, c->state_dir, err, sizeof err);
+    if (rc == MOE_EFORMAT) {
+        /* The database only holds learned counts: a damaged one is kept aside for inspection
+         * and the daemon starts with an empty profile rather than failing for ever. The state
+         * dir lock says no other daemon has it open. */
+        char moved[PATH_MAX + 64], err2[PATH_MAX + 256];
+        if ((rc = moe_profile_db_move_aside(c->state_dir, moved, sizeof moved, err2,
+                                            sizeof err2))) {
+            log_error("profile database in %s: %s; and %s", c->state_dir, err, err2);
+            return 1;
+        }
+        log_warn("profile database in %s is damaged (%s); moved it to %s and starting with an "
+                 "empty routing profile", c->state_dir, err, moved);
+        rc = moe_profile_db_open(&d->db, c->state_dir, err, sizeof err);
+    }
+    if (rc) {
         log_error("profile database in %s: %s", c->state_dir, err);
         return 1;
     }

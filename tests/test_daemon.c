@@ -1100,6 +1100,105 @@ TEST(daemon_sigterm_leaves_a_newer_daemons_socket)
     CHECK(access(new.sock, F_OK) != 0);
 }
 
+/* A profile database that cannot be opened for a reason other than damage (here a directory
+ * where the file should be) is not moved aside: moed exits 1 naming it. */
+TEST(daemon_profile_db_system_error_still_fails)
+{
+    const char *dir = moe_test_tmpdir();
+    char state[512], path[600];
+    snprintf(state, sizeof state, "%s/state", dir);
+    snprintf(path, sizeof path, "%s/profiles.mdb", state);
+    CHECK_EQ(mkdir(state, 0700), 0);
+    CHECK_EQ(mkdir(path, 0700), 0);
+    struct moed d;
+    const char *args[] = {"--devices", "cpu", "--workers", "1", NULL};
+    moed_spawn(&d, dir, args);
+    CHECK_EQ(moed_wait_exit(&d, 20), 1);
+    CHECK(log_contains(&d, "profiles.mdb"));
+    CHECK(!log_contains(&d, "damaged"));
+    struct stat st;
+    CHECK(stat(path, &st) == 0 && S_ISDIR(st.st_mode));
+    CHECK(access(d.sock, F_OK) != 0);
+}
+
+/* A profiles.mdb of random bytes is moved aside with a warning and the daemon starts with an
+ * empty profile, which then learns and is saved as usual. */
+TEST_TIMEOUT(daemon_damaged_profile_db_is_moved_aside, 180)
+{
+    const char *dir = moe_test_tmpdir();
+    char state[512], path[600];
+    snprintf(state, sizeof state, "%s/state", dir);
+    snprintf(path, sizeof path, "%s/profiles.mdb", state);
+    CHECK_EQ(mkdir(state, 0700), 0);
+    unsigned char junk[12288];
+    srand(11);
+    for (size_t i = 0; i < sizeof junk; i++)
+        junk[i] = (unsigned char)(rand() & 0xff);
+    FILE *f = fopen(path, "w");
+    CHECK(f != NULL);
+    CHECK_EQ(fwrite(junk, 1, sizeof junk, f), sizeof junk);
+    fclose(f);
+
+    struct moed d;
+    const char *args[] = {"--devices", "cpu", "--workers", "1", "--threads", "1", "--profile-interval", "1", NULL};
+    moed_spawn(&d, dir, args);
+    moed_wait_socket(&d, 30);
+    struct hc_resp r;
+    CHECK(hc_request_unix(d.sock, "GET", "/health", NULL, &r, 5000) == 0);
+    CHECK(r.status == 200 || r.status == 503);
+    hc_resp_free(&r);
+    char needle[700];
+    snprintf(needle, sizeof needle, "profile database in %s is damaged", state);
+    CHECK(log_contains(&d, needle));
+    CHECK(log_contains(&d, "MDB_INVALID"));
+    CHECK(log_contains(&d, "WARN"));
+    /* The damaged bytes are kept, under the name the log gives. */
+    snprintf(needle, sizeof needle, "moved it to %s/profiles.mdb.corrupt-", state);
+    CHECK(log_contains(&d, needle));
+    char kept[700] = "";
+    {
+        FILE *lf = fopen(d.log, "r");
+        char line[2048];
+        while (lf && fgets(line, sizeof line, lf)) {
+            char *p = strstr(line, "moved it to ");
+            if (p) {
+                p += strlen("moved it to ");
+                char *e = strstr(p, " and starting");
+                if (e)
+                    snprintf(kept, sizeof kept, "%.*s", (int)(e - p), p);
+            }
+        }
+        if (lf)
+            fclose(lf);
+    }
+    f = fopen(kept, "r");
+    CHECK_MSG(f != NULL, "no file %s", kept);
+    unsigned char back[sizeof junk + 1];
+    CHECK_EQ(fread(back, 1, sizeof back, f), sizeof junk);
+    fclose(f);
+    CHECK(memcmp(back, junk, sizeof junk) == 0);
+
+    /* The new profile starts empty, learns, and survives a restart. */
+    CHECK_EQ(profile_tokens(d.sock), 0);
+    moed_require_ready(&d, 60);
+    int status;
+    json_t *res = post_json(d.sock, "/v1/completions",
+                            "{\"prompt\": \"In the beginning\", \"max_tokens\": 8, \"temperature\": 0}", &status);
+    CHECK_EQ(status, 200);
+    json_decref(res);
+    long long t1 = 0;
+    for (int i = 0; i < 100 && (t1 = profile_tokens(d.sock)) <= 0; i++)
+        usleep(100000);
+    CHECK_MSG(t1 > 0, "no routing counts after 10 s");
+    CHECK_EQ(moed_stop(&d, 30), 0);
+    unlink(d.log);
+    moed_spawn(&d, dir, args);
+    moed_wait_socket(&d, 30);
+    CHECK(profile_tokens(d.sock) >= t1);
+    CHECK(!log_contains(&d, "damaged"));
+    CHECK_EQ(moed_stop(&d, 30), 0);
+}
+
 TEST_TIMEOUT(daemon_profile_survives_restart_and_kill9, 300)
 {
     const char *dir = moe_test_tmpdir();
