@@ -95,6 +95,8 @@ struct http_server {
     struct listener listeners[MAX_LISTENERS];
     int n_listeners;
     char unix_path[sizeof(((struct sockaddr_un *)0)->sun_path)];
+    dev_t unix_dev;             /* the socket file bound at unix_path: removed at stop only */
+    ino_t unix_ino;             /* while the path still names it */
     int tcp_port;
     struct http_conn *conns;
     uint32_t n_conns, n_busy;
@@ -777,10 +779,13 @@ static void listener_add(struct listener *l, enum http_transport transport)
     s->refs++;
 }
 
-/* A socket file is stale when connecting to it is refused: its owner is gone. */
-static int remove_stale_socket(const char *path, char *err, size_t errlen)
+/* Whether something answers on the socket file at path: 0 when nothing is there or connecting
+ * is refused (*stale tells which), -EADDRINUSE when a process accepts connections on it, another
+ * error when path is not a socket or cannot be checked. */
+static int check_socket(const char *path, bool *stale, char *err, size_t errlen)
 {
     struct stat st;
+    *stale = false;
     if (lstat(path, &st) != 0)
         return errno == ENOENT ? 0 : moe_fail(err, errlen, -errno, "%s: %s", path, strerror(errno));
     if (!S_ISSOCK(st.st_mode))
@@ -801,6 +806,27 @@ static int remove_stale_socket(const char *path, char *err, size_t errlen)
     if (e != ECONNREFUSED && e != ENOENT)
         return moe_fail(err, errlen, -e, "%s: cannot check the existing socket: %s", path,
                         strerror(e));
+    *stale = e == ECONNREFUSED;
+    return 0;
+}
+
+int http_unix_socket_check(const char *path, char *err, size_t errlen)
+{
+    struct sockaddr_un a;
+    bool stale;
+    if (!path || !*path || strlen(path) >= sizeof a.sun_path)
+        return moe_fail(err, errlen, MOE_ERANGE, "socket path '%s' is empty or longer than %zu bytes",
+                        path ? path : "", sizeof a.sun_path - 1);
+    return check_socket(path, &stale, err, errlen);
+}
+
+/* A socket file is stale when connecting to it is refused: its owner is gone. */
+static int remove_stale_socket(const char *path, char *err, size_t errlen)
+{
+    bool stale;
+    int rc = check_socket(path, &stale, err, errlen);
+    if (rc || !stale)
+        return rc;
     if (unlink(path) != 0 && errno != ENOENT)
         return moe_fail(err, errlen, -errno, "%s: cannot remove stale socket: %s", path,
                         strerror(errno));
@@ -836,6 +862,15 @@ int http_server_listen_unix(struct http_server *s, const char *path, char *err, 
                             ? " (its directory must exist and be writable by moed; or use --socket PATH)"
                             : "");
     }
+    /* Remember which file this bind made: at shutdown the path may name another daemon's
+     * socket (one started after this one's file was removed), which must stay. */
+    struct stat bst;
+    if (lstat(path, &bst) != 0) {
+        e = errno;
+        close(fd);
+        unlink(path);
+        return moe_fail(err, errlen, -e, "stat %s after bind: %s", path, strerror(e));
+    }
     if (listen(fd, 128) != 0) {
         e = errno;
         close(fd);
@@ -854,6 +889,8 @@ int http_server_listen_unix(struct http_server *s, const char *path, char *err, 
         return moe_fail(err, errlen, rc, "listen %s: %s", path, uv_strerror(rc));
     }
     snprintf(s->unix_path, sizeof s->unix_path, "%s", path);
+    s->unix_dev = bst.st_dev;
+    s->unix_ino = bst.st_ino;
     return 0;
 }
 
@@ -978,7 +1015,9 @@ void http_server_stop_listening(struct http_server *s)
         uv_close(&l->h.handle, on_listener_closed);
     }
     if (s->unix_path[0]) {
-        unlink(s->unix_path);
+        struct stat st;
+        if (lstat(s->unix_path, &st) == 0 && st.st_dev == s->unix_dev && st.st_ino == s->unix_ino)
+            unlink(s->unix_path); /* else gone, or another daemon's socket now: not ours */
         s->unix_path[0] = 0;
     }
 }

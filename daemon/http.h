@@ -73,6 +73,12 @@ int http_server_new(struct http_server **out, uv_loop_t *loop, const struct http
  * message in err. */
 int http_server_listen_unix(struct http_server *s, const char *path, char *err, size_t errlen);
 
+/* The check http_server_listen_unix makes before it binds, without removing anything: 0 when
+ * path is free or holds a stale socket, -EADDRINUSE ("another process is listening on this
+ * socket") when something accepts connections on it, another error when path is not a socket.
+ * The daemon calls it before its slow startup steps. */
+int http_unix_socket_check(const char *path, char *err, size_t errlen);
+
 /* Listens on TCP at "HOST:PORT", "[V6]:PORT" or "PORT" (127.0.0.1). Only loopback addresses are
  * accepted (127.0.0.0/8, ::1, "localhost"); others give MOE_ERANGE. PORT 0 picks a free port
  * (see http_server_tcp_port). */
@@ -90,7 +96,8 @@ void http_server_on_status(struct http_server *s, void (*fn)(void *user, int sta
  * with a message. */
 int http_parse_listen(const char *hostport, struct sockaddr_storage *out, char *err, size_t errlen);
 
-/* Stops accepting: closes the listeners (and removes the Unix socket file). Open connections
+/* Stops accepting: closes the listeners and removes the Unix socket file, if the path still names
+ * the file this server bound (not one another process bound there since). Open connections
  * stay; in-flight requests can still be answered. */
 void http_server_stop_listening(struct http_server *s);
 

@@ -6,6 +6,7 @@
  * model file, tokenizer, state dir) is checked before the socket exists, so a broken setup exits
  * 1 with a clear message; READY=1 is sent only when every worker reported Ready. */
 #include <errno.h>
+#include <fcntl.h>
 #include <grp.h>
 #include <inttypes.h>
 #include <limits.h>
@@ -13,6 +14,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
@@ -49,6 +51,7 @@ struct daemon {
     bool model_ok;
     struct moe_tokenizer *tok;
     struct moe_store *store;
+    int state_lock_fd;          /* flock'ed <state_dir>/moed.lock, +1 (0: none) */
     struct moe_profile_db *db;
     struct moe_profile profile;
     bool profile_dirty;
@@ -596,6 +599,45 @@ static int mkdir_p(const char *path, mode_t mode)
     return 0;
 }
 
+/* One daemon per state dir: an exclusive flock on <state_dir>/moed.lock, held (the fd stays open,
+ * close-on-exec so workers do not inherit it) until the process exits. The file holds the pid of
+ * the daemon that has it, for the message a second daemon prints. */
+static int lock_state_dir(struct daemon *d, char *err, size_t errlen)
+{
+    const char *dir = d->cfg.state_dir;
+    char path[PATH_MAX];
+    if ((size_t)snprintf(path, sizeof path, "%s/moed.lock", dir) >= sizeof path)
+        return moe_fail(err, errlen, -ENAMETOOLONG, "state dir %s: path too long", dir);
+    int fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0640);
+    if (fd < 0)
+        return moe_fail(err, errlen, -errno, "state dir %s: cannot open %s: %s", dir, path,
+                        strerror(errno));
+    if (flock(fd, LOCK_EX | LOCK_NB) != 0) {
+        int e = errno;
+        if (e != EWOULDBLOCK) {
+            close(fd);
+            return moe_fail(err, errlen, -e, "state dir %s: cannot lock %s: %s", dir, path,
+                            strerror(e));
+        }
+        char buf[32] = "";
+        ssize_t k = pread(fd, buf, sizeof buf - 1, 0);
+        close(fd);
+        long pid = k > 0 ? strtol(buf, NULL, 10) : 0;
+        char who[64] = "";
+        if (pid > 0)
+            snprintf(who, sizeof who, " (pid %ld)", pid);
+        return moe_fail(err, errlen, -EBUSY,
+                        "state dir %s is in use by another moed%s: is moed already running? "
+                        "Each daemon needs its own --state-dir", dir, who);
+    }
+    char buf[32];
+    int n = snprintf(buf, sizeof buf, "%ld\n", (long)getpid());
+    if (ftruncate(fd, 0) != 0 || pwrite(fd, buf, (size_t)n, 0) != n)
+        log_warn("state dir %s: cannot write the pid to %s: %s", dir, path, strerror(errno));
+    d->state_lock_fd = fd + 1;
+    return 0;
+}
+
 static const char *base_name(const char *path, char *out, size_t cap)
 {
     const char *s = strrchr(path, '/');
@@ -633,6 +675,22 @@ static int run(struct daemon *d, int argc, char **argv)
     signal(SIGPIPE, SIG_IGN);
     d->watchdog_us = notify_init();
 
+    /* Profiles live in the state dir; create it like systemd's StateDirectory= would, and take
+     * it (and check the socket) before the slow steps, so that a second daemon on the same
+     * state dir or socket exits at once without touching either. */
+    if ((rc = mkdir_p(c->state_dir, 0750))) {
+        log_error("state dir %s: %s", c->state_dir, strerror(-rc));
+        return 1;
+    }
+    if ((rc = lock_state_dir(d, err, sizeof err))) {
+        log_error("%s", err);
+        return 1;
+    }
+    if ((rc = http_unix_socket_check(c->socket, err, sizeof err))) {
+        log_error("%s", err);
+        return 1;
+    }
+
     /* The model: a bad file is reported and we exit 1 before anything else exists. */
     notify_status("opening %s", c->model);
     log_info("opening %s", c->model);
@@ -666,12 +724,22 @@ static int run(struct daemon *d, int argc, char **argv)
         return 2;
     }
 
-    /* Profiles live in the state dir; create it like systemd's StateDirectory= would. */
-    if ((rc = mkdir_p(c->state_dir, 0750))) {
-        log_error("state dir %s: %s", c->state_dir, strerror(-rc));
-        return 1;
+    rc = moe_profile_db_open(&d->db, c->state_dir, err, sizeof err);
+    if (rc == MOE_EFORMAT) {
+        /* The database only holds learned counts: a damaged one is kept aside for inspection
+         * and the daemon starts with an empty profile rather than failing for ever. The state
+         * dir lock says no other daemon has it open. */
+        char moved[PATH_MAX + 64], err2[PATH_MAX + 256];
+        if ((rc = moe_profile_db_move_aside(c->state_dir, moved, sizeof moved, err2,
+                                            sizeof err2))) {
+            log_error("profile database in %s: %s; and %s", c->state_dir, err, err2);
+            return 1;
+        }
+        log_warn("profile database in %s is damaged (%s); moved it to %s and starting with an "
+                 "empty routing profile", c->state_dir, err, moved);
+        rc = moe_profile_db_open(&d->db, c->state_dir, err, sizeof err);
     }
-    if ((rc = moe_profile_db_open(&d->db, c->state_dir, err, sizeof err))) {
+    if (rc) {
         log_error("profile database in %s: %s", c->state_dir, err);
         return 1;
     }
@@ -833,6 +901,8 @@ static void cleanup(struct daemon *d)
         gguf_close(d->gguf);
     for (uint32_t i = 0; i < MAX_DEVICES; i++)
         free(d->devices[i]);
+    if (d->state_lock_fd > 0)
+        close(d->state_lock_fd - 1);
     config_free(&d->cfg);
 }
 

@@ -9,7 +9,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "store/err.h"
 
@@ -53,6 +55,13 @@ static bool dims_ok(uint32_t n_layer, uint32_t n_expert)
            n_expert <= MOE_PROFILE_MAX_EXPERTS;
 }
 
+/* LMDB errors that mean the file's contents are damaged (as opposed to the file being
+ * unreadable, the disk full, or a format of another LMDB version). */
+static bool mdb_is_corrupt(int mrc)
+{
+    return mrc == MDB_INVALID || mrc == MDB_CORRUPTED || mrc == MDB_PAGE_NOTFOUND;
+}
+
 int moe_profile_db_open(struct moe_profile_db **out, const char *state_dir, char *err,
                         size_t errlen)
 {
@@ -78,9 +87,27 @@ int moe_profile_db_open(struct moe_profile_db **out, const char *state_dir, char
     }
     /* NOTLS: the daemon may read from a thread-pool thread and write from the loop thread. */
     if ((mrc = mdb_env_open(db->env, path, MDB_NOSUBDIR | MDB_NOTLS, 0600))) {
-        rc = moe_fail(err, errlen, mrc > 0 ? -mrc : MOE_EINTERNAL, "profiles: open %s: %s", path,
-                      mdb_strerror(mrc));
+        rc = moe_fail(err, errlen,
+                      mrc > 0 ? -mrc : mdb_is_corrupt(mrc) ? MOE_EFORMAT : MOE_EINTERNAL,
+                      "profiles: open %s: %s", path, mdb_strerror(mrc));
         goto fail;
+    }
+    /* A truncated file can keep valid meta pages: its data pages past the end of the file would
+     * then fault (SIGBUS) when read through the map. */
+    {
+        MDB_envinfo info;
+        MDB_stat est;
+        mdb_filehandle_t fd;
+        struct stat st;
+        if (mdb_env_info(db->env, &info) == 0 && mdb_env_stat(db->env, &est) == 0 &&
+            mdb_env_get_fd(db->env, &fd) == 0 && fstat(fd, &st) == 0 &&
+            (uint64_t)st.st_size < ((uint64_t)info.me_last_pgno + 1) * est.ms_psize) {
+            rc = moe_fail(err, errlen, MOE_EFORMAT,
+                          "profiles: open %s: file is truncated (%lld bytes, its pages need %llu)",
+                          path, (long long)st.st_size,
+                          (unsigned long long)(info.me_last_pgno + 1) * est.ms_psize);
+            goto fail;
+        }
     }
     /* Reader slots of processes killed mid-read would otherwise pin old pages for ever. */
     int dead = 0;
@@ -90,7 +117,10 @@ int moe_profile_db_open(struct moe_profile_db **out, const char *state_dir, char
         if (txn && mrc)
             mdb_txn_abort(txn);
         txn = NULL;
-        rc = mdb_fail(err, errlen, mrc, "opening the database");
+        rc = mdb_is_corrupt(mrc)
+                 ? moe_fail(err, errlen, MOE_EFORMAT, "profiles: opening the database in %s: %s",
+                            path, mdb_strerror(mrc))
+                 : mdb_fail(err, errlen, mrc, "opening the database");
         goto fail;
     }
     *out = db;
@@ -98,6 +128,33 @@ int moe_profile_db_open(struct moe_profile_db **out, const char *state_dir, char
 fail:
     moe_profile_db_close(db);
     return rc;
+}
+
+int moe_profile_db_move_aside(const char *state_dir, char *moved, size_t movedlen, char *err,
+                              size_t errlen)
+{
+    char path[4096], lock[4096], to[4200], lock_to[4300], stamp[32];
+    time_t now = time(NULL);
+    struct tm tm;
+    gmtime_r(&now, &tm);
+    strftime(stamp, sizeof stamp, "%Y%m%dT%H%M%SZ", &tm);
+    if ((size_t)snprintf(path, sizeof path, "%s/profiles.mdb", state_dir) >= sizeof path ||
+        (size_t)snprintf(lock, sizeof lock, "%s-lock", path) >= sizeof lock)
+        return moe_fail(err, errlen, MOE_ERANGE, "profiles: state dir path is too long");
+    /* Never overwrite an earlier corrupt copy (two failures in one second). */
+    snprintf(to, sizeof to, "%s.corrupt-%s", path, stamp);
+    for (int i = 1; access(to, F_OK) == 0 && i < 1000; i++)
+        snprintf(to, sizeof to, "%s.corrupt-%s.%d", path, stamp, i);
+    if (rename(path, to) != 0)
+        return moe_fail(err, errlen, -errno, "profiles: cannot rename %s to %s: %s", path, to,
+                        strerror(errno));
+    snprintf(lock_to, sizeof lock_to, "%s-lock", to);
+    if (rename(lock, lock_to) != 0 && errno != ENOENT)
+        return moe_fail(err, errlen, -errno, "profiles: cannot rename %s to %s: %s", lock,
+                        lock_to, strerror(errno));
+    if (moved && movedlen)
+        snprintf(moved, movedlen, "%s", to);
+    return 0;
 }
 
 void moe_profile_db_close(struct moe_profile_db *db)

@@ -32,9 +32,17 @@ struct moe_profile {
 
 struct moe_profile_db;
 
-/* Opens (creating when missing) <state_dir>/profiles.mdb. state_dir must exist. */
+/* Opens (creating when missing) <state_dir>/profiles.mdb. state_dir must exist. Returns
+ * MOE_EFORMAT when the file's contents are damaged (not an LMDB file, a corrupted or missing page,
+ * truncated); a negative errno for system errors (EACCES, ENOSPC, ...). */
 int moe_profile_db_open(struct moe_profile_db **out, const char *state_dir, char *err,
                         size_t errlen);
+
+/* Renames <state_dir>/profiles.mdb to profiles.mdb.corrupt-<UTC timestamp> (and its -lock file
+ * alongside), so that the next moe_profile_db_open starts an empty database. Only for a closed
+ * environment that no other process has open. moved gets the new name of the data file. */
+int moe_profile_db_move_aside(const char *state_dir, char *moved, size_t movedlen, char *err,
+                              size_t errlen);
 void moe_profile_db_close(struct moe_profile_db *db);
 
 /* A zeroed profile for a model; created = updated = now. 0, MOE_ERANGE (bad dims) or -ENOMEM. */

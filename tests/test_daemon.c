@@ -3,6 +3,7 @@
  * access control (TCP, another uid), SIGTERM, then — with CPU workers — generations compared to
  * the standalone worker, SSE streaming, stop strings, a worker killed mid-generation, and the
  * routing profile surviving SIGTERM and kill -9 of the daemon. */
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
@@ -1014,6 +1015,252 @@ static long long profile_tokens(const char *sock)
     json_decref(o);
     hc_resp_free(&r);
     return t;
+}
+
+/* Waits up to timeout s for d to exit: its exit status, or -1 (after SIGKILL) when it did not. */
+static int moed_wait_exit(struct moed *d, double timeout)
+{
+    double t0 = moe_test_now();
+    int st;
+    while (moe_test_now() - t0 < timeout) {
+        if (waitpid(d->pid, &st, WNOHANG) == d->pid)
+            return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+        usleep(20000);
+    }
+    kill(d->pid, SIGKILL);
+    waitpid(d->pid, NULL, 0);
+    dump_log(d);
+    return -1;
+}
+
+/* Whether process pid has a file descriptor open on a path ending in suffix. */
+static bool has_fd_on(pid_t pid, const char *suffix)
+{
+    char dir[64];
+    snprintf(dir, sizeof dir, "/proc/%d/fd", (int)pid);
+    DIR *dp = opendir(dir);
+    bool found = false;
+    for (struct dirent *e; dp && !found && (e = readdir(dp)) != NULL;) {
+        char link[320], target[PATH_MAX];
+        snprintf(link, sizeof link, "%s/%s", dir, e->d_name);
+        ssize_t k = readlink(link, target, sizeof target - 1);
+        if (k <= 0)
+            continue;
+        target[k] = 0;
+        size_t n = strlen(target), m = strlen(suffix);
+        found = n >= m && strcmp(target + n - m, suffix) == 0;
+    }
+    if (dp)
+        closedir(dp);
+    return found;
+}
+
+/* The pid of worker 0 (from /admin/status), waiting up to 10 s for it to exist; 0 if none. */
+static pid_t worker0_pid(const char *sock)
+{
+    for (int i = 0; i < 200; i++) {
+        struct hc_resp r;
+        if (hc_request_unix(sock, "GET", "/admin/status", NULL, &r, 5000) == 0) {
+            json_t *o = json_loads(r.body ? r.body : "", 0, NULL);
+            hc_resp_free(&r);
+            json_t *w = json_array_get(json_object_get(o, "workers"), 0);
+            pid_t pid = w ? (pid_t)json_integer_value(json_object_get(w, "pid")) : 0;
+            json_decref(o);
+            if (pid > 0)
+                return pid;
+        }
+        usleep(50000);
+    }
+    return 0;
+}
+
+static void check_serves(const char *sock)
+{
+    struct hc_resp r;
+    CHECK_MSG(hc_request_unix(sock, "GET", "/v1/models", NULL, &r, 5000) == 0, "%s does not answer", sock);
+    CHECK_EQ(r.status, 200);
+    hc_resp_free(&r);
+}
+
+/* A second daemon on the state dir of a running one (another socket) exits 1 at once, before
+ * opening the model, naming the directory and the running daemon's pid; one on the socket of a
+ * running one (another state dir) does too. The first keeps serving and keeps its profile. */
+TEST(daemon_second_daemon_on_state_dir_or_socket_fails_fast)
+{
+    char dir1[512], dir2[512];
+    snprintf(dir1, sizeof dir1, "%s/one", moe_test_tmpdir());
+    snprintf(dir2, sizeof dir2, "%s/two", moe_test_tmpdir());
+    CHECK_EQ(mkdir(dir1, 0700), 0);
+    CHECK_EQ(mkdir(dir2, 0700), 0);
+    struct moed d, d2;
+    const char *args[] = {"--devices", "cpu", "--workers", "1", NULL};
+    moed_spawn(&d, dir1, args);
+    moed_wait_socket(&d, 30);
+
+    const char *same_state[] = {"--devices", "cpu", "--workers", "1", "--state-dir", d.state, NULL};
+    double t0 = moe_test_now();
+    moed_spawn(&d2, dir2, same_state);
+    CHECK_EQ(moed_wait_exit(&d2, 10), 1);
+    CHECK_MSG(moe_test_now() - t0 < 5, "took %.1f s", moe_test_now() - t0);
+    char needle[512];
+    snprintf(needle, sizeof needle, "state dir %s is in use by another moed (pid %d)", d.state, (int)d.pid);
+    if (!log_contains(&d2, needle)) {
+        dump_log(&d2);
+        CHECK_MSG(false, "log lacks '%s'", needle);
+    }
+    CHECK(!log_contains(&d2, "opening")); /* refused before the model */
+    CHECK(access(d2.sock, F_OK) != 0);
+    check_serves(d.sock);
+    /* The daemon holds the lock; its workers do not inherit it. */
+    CHECK(has_fd_on(d.pid, "/state/moed.lock"));
+    pid_t wpid = worker0_pid(d.sock);
+    CHECK(wpid > 0);
+    CHECK(!has_fd_on(wpid, "/state/moed.lock"));
+
+    unlink(d2.log);
+    const char *same_socket[] = {"--devices", "cpu", "--workers", "1", "--socket", d.sock, NULL};
+    moed_spawn(&d2, dir2, same_socket);
+    CHECK_EQ(moed_wait_exit(&d2, 10), 1);
+    CHECK(log_contains(&d2, "another process is listening on this socket"));
+    CHECK(!log_contains(&d2, "opening"));
+    check_serves(d.sock);
+    CHECK(profile_tokens(d.sock) >= 0);
+    CHECK_EQ(moed_stop(&d, 20), 0);
+    CHECK(access(d.sock, F_OK) != 0);
+
+    /* Once the first has stopped, the state dir is free again. */
+    moed_spawn(&d2, dir2, same_state);
+    moed_wait_socket(&d2, 30);
+    CHECK_EQ(moed_stop(&d2, 20), 0);
+}
+
+/* A daemon whose socket file was removed and bound again by a newer daemon leaves that socket in
+ * place when it stops: the newer one keeps answering on the path. */
+TEST(daemon_sigterm_leaves_a_newer_daemons_socket)
+{
+    char dir1[512], dir2[512];
+    snprintf(dir1, sizeof dir1, "%s/old", moe_test_tmpdir());
+    snprintf(dir2, sizeof dir2, "%s/new", moe_test_tmpdir());
+    CHECK_EQ(mkdir(dir1, 0700), 0);
+    CHECK_EQ(mkdir(dir2, 0700), 0);
+    struct moed old, new;
+    const char *args[] = {"--devices", "cpu", "--workers", "1", NULL};
+    moed_spawn(&old, dir1, args);
+    moed_wait_socket(&old, 30);
+    CHECK_EQ(unlink(old.sock), 0);
+    const char *args2[] = {"--devices", "cpu", "--workers", "1", "--socket", old.sock, NULL};
+    moed_spawn(&new, dir2, args2);
+    snprintf(new.sock, sizeof new.sock, "%s", old.sock);
+    moed_wait_socket(&new, 30);
+    struct stat before, after;
+    CHECK_EQ(stat(old.sock, &before), 0);
+
+    CHECK_EQ(moed_stop(&old, 20), 0);
+    CHECK_MSG(stat(old.sock, &after) == 0, "the old daemon removed the new daemon's socket");
+    CHECK(after.st_ino == before.st_ino && after.st_dev == before.st_dev);
+    check_serves(new.sock);
+    /* The newer one removes its own socket. */
+    CHECK_EQ(moed_stop(&new, 20), 0);
+    CHECK(access(new.sock, F_OK) != 0);
+}
+
+/* A profile database that cannot be opened for a reason other than damage (here a directory
+ * where the file should be) is not moved aside: moed exits 1 naming it. */
+TEST(daemon_profile_db_system_error_still_fails)
+{
+    const char *dir = moe_test_tmpdir();
+    char state[512], path[600];
+    snprintf(state, sizeof state, "%s/state", dir);
+    snprintf(path, sizeof path, "%s/profiles.mdb", state);
+    CHECK_EQ(mkdir(state, 0700), 0);
+    CHECK_EQ(mkdir(path, 0700), 0);
+    struct moed d;
+    const char *args[] = {"--devices", "cpu", "--workers", "1", NULL};
+    moed_spawn(&d, dir, args);
+    CHECK_EQ(moed_wait_exit(&d, 20), 1);
+    CHECK(log_contains(&d, "profiles.mdb"));
+    CHECK(!log_contains(&d, "damaged"));
+    struct stat st;
+    CHECK(stat(path, &st) == 0 && S_ISDIR(st.st_mode));
+    CHECK(access(d.sock, F_OK) != 0);
+}
+
+/* A profiles.mdb of random bytes is moved aside with a warning and the daemon starts with an
+ * empty profile, which then learns and is saved as usual. */
+TEST_TIMEOUT(daemon_damaged_profile_db_is_moved_aside, 180)
+{
+    const char *dir = moe_test_tmpdir();
+    char state[512], path[600];
+    snprintf(state, sizeof state, "%s/state", dir);
+    snprintf(path, sizeof path, "%s/profiles.mdb", state);
+    CHECK_EQ(mkdir(state, 0700), 0);
+    unsigned char junk[12288];
+    srand(11);
+    for (size_t i = 0; i < sizeof junk; i++)
+        junk[i] = (unsigned char)(rand() & 0xff);
+    FILE *f = fopen(path, "w");
+    CHECK(f != NULL);
+    CHECK_EQ(fwrite(junk, 1, sizeof junk, f), sizeof junk);
+    fclose(f);
+
+    struct moed d;
+    const char *args[] = {"--devices", "cpu", "--workers", "1", "--threads", "1", "--profile-interval", "1", NULL};
+    moed_spawn(&d, dir, args);
+    moed_wait_socket(&d, 30);
+    struct hc_resp r;
+    CHECK(hc_request_unix(d.sock, "GET", "/health", NULL, &r, 5000) == 0);
+    CHECK(r.status == 200 || r.status == 503);
+    hc_resp_free(&r);
+    char needle[700];
+    snprintf(needle, sizeof needle, "profile database in %s is damaged", state);
+    CHECK(log_contains(&d, needle));
+    CHECK(log_contains(&d, "MDB_INVALID"));
+    CHECK(log_contains(&d, "WARN"));
+    /* The damaged bytes are kept, under the name the log gives. */
+    snprintf(needle, sizeof needle, "moved it to %s/profiles.mdb.corrupt-", state);
+    CHECK(log_contains(&d, needle));
+    char kept[700] = "";
+    {
+        FILE *lf = fopen(d.log, "r");
+        char line[2048];
+        while (lf && fgets(line, sizeof line, lf)) {
+            char *p = strstr(line, "moved it to ");
+            if (p) {
+                p += strlen("moved it to ");
+                char *e = strstr(p, " and starting");
+                if (e)
+                    snprintf(kept, sizeof kept, "%.*s", (int)(e - p), p);
+            }
+        }
+        if (lf)
+            fclose(lf);
+    }
+    f = fopen(kept, "r");
+    CHECK_MSG(f != NULL, "no file %s", kept);
+    unsigned char back[sizeof junk + 1];
+    CHECK_EQ(fread(back, 1, sizeof back, f), sizeof junk);
+    fclose(f);
+    CHECK(memcmp(back, junk, sizeof junk) == 0);
+
+    /* The new profile starts empty, learns, and survives a restart. */
+    CHECK_EQ(profile_tokens(d.sock), 0);
+    moed_require_ready(&d, 60);
+    int status;
+    json_t *res = post_json(d.sock, "/v1/completions",
+                            "{\"prompt\": \"In the beginning\", \"max_tokens\": 8, \"temperature\": 0}", &status);
+    CHECK_EQ(status, 200);
+    json_decref(res);
+    long long t1 = 0;
+    for (int i = 0; i < 100 && (t1 = profile_tokens(d.sock)) <= 0; i++)
+        usleep(100000);
+    CHECK_MSG(t1 > 0, "no routing counts after 10 s");
+    CHECK_EQ(moed_stop(&d, 30), 0);
+    unlink(d.log);
+    moed_spawn(&d, dir, args);
+    moed_wait_socket(&d, 30);
+    CHECK(profile_tokens(d.sock) >= t1);
+    CHECK(!log_contains(&d, "damaged"));
+    CHECK_EQ(moed_stop(&d, 30), 0);
 }
 
 TEST_TIMEOUT(daemon_profile_survives_restart_and_kill9, 300)

@@ -1,9 +1,11 @@
 /* Routing profiles in LMDB: round trips, validation, JSON, and kill -9 in the middle of writes. */
+#include <dirent.h>
 #include <errno.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -266,4 +268,71 @@ TEST_TIMEOUT(profile_survives_kill9, 120)
         moe_profile_free(&p);
         moe_profile_db_close(db);
     }
+}
+
+static int count_prefix(const char *dir, const char *prefix)
+{
+    DIR *d = opendir(dir);
+    int n = 0;
+    for (struct dirent *e; d && (e = readdir(d)) != NULL;)
+        n += strncmp(e->d_name, prefix, strlen(prefix)) == 0;
+    if (d)
+        closedir(d);
+    return n;
+}
+
+/* A damaged profiles.mdb (random bytes; truncated to less than a header; truncated after intact
+ * meta pages, whose data pages would fault through the map) opens as MOE_EFORMAT, never a crash;
+ * moved aside, the next open starts empty and the damaged bytes are kept. */
+TEST(profile_damaged_file_is_format_error_and_moved_aside)
+{
+    char err[512], dir[512], path[600], moved[1024];
+    snprintf(dir, sizeof dir, "%s", moe_test_tmpdir());
+    snprintf(path, sizeof path, "%s/profiles.mdb", dir);
+    struct moe_profile_db *db;
+    struct moe_profile a, b;
+    for (int variant = 0; variant < 3; variant++) {
+        CHECK_EQ(moe_profile_db_open(&db, dir, err, sizeof err), 0);
+        CHECK_EQ(moe_profile_init(&a, 0x77, 48, 128), 0); /* 48 KiB: overflow pages */
+        fill(&a, (uint64_t)variant + 1);
+        CHECK_EQ(moe_profile_save(db, &a, err, sizeof err), 0);
+        moe_profile_db_close(db);
+        if (variant == 0) {
+            FILE *f = fopen(path, "w");
+            CHECK(f != NULL);
+            srand(7);
+            for (int i = 0; i < 20000; i++)
+                fputc(rand() & 0xff, f);
+            fclose(f);
+        } else {
+            CHECK_EQ(truncate(path, variant == 1 ? 100 : 8192), 0);
+        }
+        int rc = moe_profile_db_open(&db, dir, err, sizeof err);
+        CHECK_MSG(rc == MOE_EFORMAT, "variant %d: %d (%s)", variant, rc, err);
+        CHECK_MSG(strstr(err, "profiles.mdb") != NULL, "variant %d: %s", variant, err);
+        CHECK_EQ(moe_profile_db_move_aside(dir, moved, sizeof moved, err, sizeof err), 0);
+        CHECK(strstr(moved, "/profiles.mdb.corrupt-") != NULL);
+        CHECK(access(moved, F_OK) == 0);
+        CHECK(access(path, F_OK) != 0);
+        CHECK_EQ(moe_profile_db_open(&db, dir, err, sizeof err), 0);
+        CHECK_EQ(moe_profile_load(db, 0x77, 48, 128, &b, err, sizeof err), MOE_ENOTFOUND);
+        moe_profile_db_close(db);
+        moe_profile_free(&a);
+    }
+    /* Three moves within seconds never overwrite each other. */
+    CHECK_EQ(count_prefix(dir, "profiles.mdb.corrupt-"), 6); /* + their -lock files */
+}
+
+/* A state dir that cannot be written is a system error, not damage: nothing is moved aside. */
+TEST(profile_unwritable_state_dir_is_not_damage)
+{
+    if (geteuid() == 0)
+        moe_test_skip("running as root: permissions are not enforced");
+    char err[512], dir[512];
+    snprintf(dir, sizeof dir, "%s/ro", moe_test_tmpdir());
+    CHECK_EQ(mkdir(dir, 0500), 0);
+    struct moe_profile_db *db;
+    int rc = moe_profile_db_open(&db, dir, err, sizeof err);
+    CHECK_MSG(rc == -EACCES, "%d (%s)", rc, err);
+    chmod(dir, 0700);
 }
