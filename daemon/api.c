@@ -39,6 +39,7 @@ struct api {
     gid_t admin_gid;
     bool have_admin_gid;
     uint32_t max_tokens_default;
+    char *api_key;                  /* owned copy, or NULL */
     struct api_hooks hooks;
     bool ready, draining;
     time_t started;
@@ -110,6 +111,7 @@ static const char *error_type(int status)
 static const char *error_code(int status)
 {
     switch (status) {
+    case 401: return "invalid_api_key";
     case 403: return "forbidden";
     case 404: return "not_found";
     case 405: return "method_not_allowed";
@@ -1410,10 +1412,41 @@ not_impl:
     respond_error(a, req->conn, 501, NULL, "%s is not available in this daemon", req->path);
 }
 
+/* Equal strings, in a time that depends on their lengths only. */
+static bool same_secret(const char *x, const char *y)
+{
+    size_t nx = strlen(x), ny = strlen(y), n = nx > ny ? nx : ny;
+    unsigned diff = (unsigned)(nx ^ ny);
+    for (size_t i = 0; i < n; i++)
+        diff |= (unsigned char)(i < nx ? x[i] : 0) ^ (unsigned char)(i < ny ? y[i] : 0);
+    return diff == 0;
+}
+
+/* Over TCP every request but /health must carry the API key (a TCP port is open to every local
+ * user, whatever the Unix socket's mode says). */
+static bool tcp_authorized(const struct api *a, const struct http_request *req)
+{
+    if (!a->api_key || req->peer->transport != HTTP_TRANSPORT_TCP)
+        return true;
+    const char *h = req->authorization;
+    if (!h || strncasecmp(h, "Bearer ", 7) != 0)
+        return false;
+    h += 7;
+    while (*h == ' ')
+        h++;
+    return same_secret(h, a->api_key);
+}
+
 void api_handle(void *user, struct http_request *req)
 {
     struct api *a = user;
     const char *p = req->path;
+    if (strcmp(p, "/health") != 0 && !tcp_authorized(a, req)) {
+        respond_error(a, req->conn, 401, NULL,
+                      "missing or wrong API key: send 'Authorization: Bearer KEY' (the key of "
+                      "--api-key-file)");
+        return;
+    }
     bool get = req->method == HTTP_GET || req->method == HTTP_HEAD;
     bool post = req->method == HTTP_POST;
     /* Trailing slashes are tolerated: "/v1/models/" is "/v1/models". */
@@ -1471,6 +1504,10 @@ int api_new(struct api **out, const struct api_opts *o, char *err, size_t errlen
     a->admin_gid = o->admin_gid;
     a->have_admin_gid = o->have_admin_gid;
     a->max_tokens_default = o->max_tokens_default;
+    if (o->api_key && !(a->api_key = strdup(o->api_key))) {
+        api_free(a);
+        return -ENOMEM;
+    }
     a->hooks = o->hooks;
     a->started = time(NULL);
     a->im_start = a->im_end = -1;
@@ -1515,6 +1552,7 @@ void api_free(struct api *a)
     free(a->routing);
     free(a->model_id);
     free(a->model_arch);
+    free(a->api_key);
     free(a);
 }
 

@@ -59,6 +59,8 @@ struct api_opts {
     gid_t admin_gid;                 /* members of this group may use /admin/... */
     bool have_admin_gid;
     uint32_t max_tokens_default;     /* when a request gives none; 0: up to the context */
+    const char *api_key;             /* TCP requests must send "Authorization: Bearer KEY";
+                                        NULL: none (the Unix socket never needs one) */
     struct api_hooks hooks;
 };
 

@@ -51,7 +51,8 @@ static const struct key keys[] = {
     {"config", K_STR, F(config_file), "FILE", "config file with the same keys (key = value)", 0, 0},
     {"log-level", K_LEVEL, F(log_level), "LEVEL", "error | warn | info | debug (default info)", 0, 0},
     {"log-file", K_STR, F(log_file), "PATH", "log to a file instead of stderr (SIGHUP reopens)", 0, 0},
-    {"admin-group", K_STR, F(admin_group), "NAME", "group allowed on /admin/* (default moed)", 0, 0},
+    {"admin-group", K_STR, F(admin_group), "NAME", "group allowed on /admin/* (default moed-admin)", 0, 0},
+    {"api-key-file", K_STR, F(api_key_file), "FILE", "the API key TCP clients must send (required with --listen)", 0, 0},
     {"worker-bin", K_STR, F(worker_bin), "PATH", "moed-worker program (default: next to moed)", 0, 0},
     {"max-body", K_SIZE, F(max_body), "SIZE", "request body limit (default 8M)", 1024, 1ull << 30},
     {"idle-timeout", K_U32, F(idle_timeout_s), "SECONDS", "close idle connections (default 60)", 1, DAY_S},
@@ -83,7 +84,7 @@ int config_init(struct moed_config *c)
     c->profile_interval_s = 5;
     c->queue_max = 256;
     if (dup_into(&c->socket, MOED_DEFAULT_SOCKET) || dup_into(&c->state_dir, MOED_DEFAULT_STATE_DIR) ||
-        dup_into(&c->devices, "auto") || dup_into(&c->admin_group, "moed")) {
+        dup_into(&c->devices, "auto") || dup_into(&c->admin_group, "moed-admin")) {
         config_free(c);
         return -ENOMEM;
     }
@@ -92,6 +93,11 @@ int config_init(struct moed_config *c)
 
 void config_free(struct moed_config *c)
 {
+    if (c->api_key) {
+        memset(c->api_key, 0, strlen(c->api_key));
+        free(c->api_key);
+        c->api_key = NULL;
+    }
     for (size_t i = 0; i < N_KEYS; i++)
         if (keys[i].kind == K_STR || keys[i].kind == K_DEVICES) {
             char **p = (char **)((char *)c + keys[i].off);
@@ -328,6 +334,35 @@ void config_usage(FILE *f)
                "is refused at start (exit status 2).\n");
 }
 
+/* The key: the file's first line without surrounding blanks, 16..1024 printable characters. */
+static int read_api_key(struct moed_config *c, char *msg, size_t len)
+{
+    FILE *f = fopen(c->api_key_file, "r");
+    if (!f)
+        return moe_fail(msg, len, -errno, "%s", strerror(errno));
+    char buf[1100];
+    size_t n = fread(buf, 1, sizeof buf - 1, f);
+    fclose(f);
+    buf[n] = 0;
+    char *p = buf;
+    while (*p == ' ' || *p == '\t')
+        p++;
+    size_t k = strcspn(p, "\r\n");
+    while (k && (p[k - 1] == ' ' || p[k - 1] == '\t'))
+        k--;
+    p[k] = 0;
+    for (size_t i = 0; i < k; i++)
+        if ((unsigned char)p[i] < 0x21 || (unsigned char)p[i] > 0x7e)
+            return moe_fail(msg, len, MOE_ERANGE, "the key must be printable ASCII without blanks");
+    if (k < 16 || k > 1024)
+        return moe_fail(msg, len, MOE_ERANGE, "the key must be 16..1024 characters, not %zu", k);
+    free(c->api_key);
+    if (!(c->api_key = strdup(p)))
+        return -ENOMEM;
+    memset(buf, 0, sizeof buf);
+    return 0;
+}
+
 int config_parse_args(struct moed_config *c, int argc, char **argv, bool *help, char *err,
                       size_t errlen)
 {
@@ -387,6 +422,16 @@ int config_parse_args(struct moed_config *c, int argc, char **argv, bool *help, 
         int rc = http_parse_listen(c->listen, &ss, msg, sizeof msg);
         if (rc)
             return moe_fail(err, errlen, rc, "--listen: %s", msg);
+        /* A TCP port is open to every local user: it is only served with a key. */
+        if (!c->api_key_file)
+            return moe_fail(err, errlen, MOE_ERANGE,
+                            "--listen needs --api-key-file FILE: over TCP every local user could "
+                            "use the API; clients send the file's key as 'Authorization: Bearer KEY'");
+    }
+    if (c->api_key_file) {
+        int rc = read_api_key(c, msg, sizeof msg);
+        if (rc)
+            return moe_fail(err, errlen, rc, "--api-key-file %s: %s", c->api_key_file, msg);
     }
     return 0;
 }

@@ -59,6 +59,8 @@ struct http_conn {
     size_t body_len, body_cap;
     char *ctype;
     size_t ctype_len;
+    char *auth;                 /* the Authorization header, or NULL */
+    size_t auth_len;
     char field[32];             /* current header name, lower-cased, truncated */
     size_t field_len;
     bool in_value;
@@ -277,6 +279,7 @@ static void reset_request(struct http_conn *c)
     c->url_len = 0;
     release_body(c);
     c->ctype_len = 0;
+    c->auth_len = 0;
     c->field_len = 0;
     c->in_value = false;
     c->header_bytes = 0;
@@ -395,6 +398,8 @@ static void dispatch(struct http_conn *c)
     c->body[c->body_len] = 0;
     if (c->ctype)
         c->ctype[c->ctype_len] = 0;
+    if (c->auth)
+        c->auth[c->auth_len] = 0;
 
     c->req = (struct http_request){
         .conn = c,
@@ -405,6 +410,7 @@ static void dispatch(struct http_conn *c)
         .body = c->body,
         .body_len = c->body_len,
         .content_type = c->ctype ? c->ctype : "",
+        .authorization = c->auth && c->auth_len ? c->auth : NULL,
         .peer = &c->peer,
         .id = ++s->next_id,
     };
@@ -497,16 +503,19 @@ static int cb_header_value(http_parser *p, const char *at, size_t n)
     c->in_value = true;
     if (!strcmp(c->field, "expect") && n >= 12 && !strncasecmp(at, "100-continue", 12))
         c->expect_continue = true;
-    if (!strcmp(c->field, "content-type")) {
+    if (!strcmp(c->field, "content-type") || !strcmp(c->field, "authorization")) {
+        bool ct = c->field[0] == 'c';
+        char **buf = ct ? &c->ctype : &c->auth;
+        size_t *len = ct ? &c->ctype_len : &c->auth_len;
         size_t cap = c->srv->lim.max_header_bytes + 1;
-        if (!c->ctype) {
-            c->ctype = malloc(cap);
-            if (!c->ctype)
+        if (!*buf) {
+            *buf = malloc(cap);
+            if (!*buf)
                 return -1;
         }
-        if (c->ctype_len + n < cap) {
-            memcpy(c->ctype + c->ctype_len, at, n);
-            c->ctype_len += n;
+        if (*len + n < cap) {
+            memcpy(*buf + *len, at, n);
+            *len += n;
         }
     }
     return 0;
@@ -584,6 +593,7 @@ static void on_conn_handle_closed(uv_handle_t *h)
     free(c->url);
     free(c->body);
     free(c->ctype);
+    free(c->auth);
     free(c->path);
     free(c);
     server_unref(s);

@@ -40,6 +40,7 @@ struct http_request {
     const char *body;           /* NUL-terminated for convenience; body_len bytes */
     size_t body_len;
     const char *content_type;   /* header value or "" */
+    const char *authorization;  /* the Authorization header's value, or NULL */
     const struct http_peer *peer;
     uint64_t id;                /* unique per server, for logs */
 };

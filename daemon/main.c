@@ -779,6 +779,7 @@ static int run(struct daemon *d, int argc, char **argv)
                   .bytes_dense = d->model.bytes_dense, .bytes_experts = d->model.bytes_experts},
         .admin_uid = geteuid(),
         .max_tokens_default = c->max_tokens_default,
+        .api_key = c->api_key,
         .hooks = {hook_status, hook_profile_export, hook_profile_import, hook_profile_reset,
                   hook_placement, hook_metrics, d},
     };

@@ -32,13 +32,15 @@ TEST(config_sizes)
 
 TEST(config_file_and_command_line)
 {
-    char path[512];
+    char path[512], key[512];
     snprintf(path, sizeof path, "%s/moed.conf", moe_test_tmpdir());
+    snprintf(key, sizeof key, "%s/api.key", moe_test_tmpdir());
+    moe_test_write_file(key, "  0123456789abcdef-key \nignored\n", 33);
     FILE *f = fopen(path, "w");
     CHECK(f);
     fprintf(f, "# example\n[moed]\nmodel = /models/a.gguf\nsocket = /tmp/a.sock\n"
                "workers = 3  # three\nvram_budget = 20G ; twenty\nlog-level = debug\nstate-dir = \"/var/x y\"\n"
-               "; comment\nlisten = 127.0.0.1:8080\n");
+               "; comment\nlisten = 127.0.0.1:8080\napi-key-file = %s\n", key);
     fclose(f);
     struct moed_config c;
     CHECK(config_init(&c) == 0);
@@ -56,6 +58,7 @@ TEST(config_file_and_command_line)
     CHECK_EQ(c.log_level, LOG_LEVEL_DEBUG);
     CHECK_STREQ(c.state_dir, "/var/x y");
     CHECK_STREQ(c.listen, "127.0.0.1:8080");
+    CHECK_STREQ(c.api_key, "0123456789abcdef-key");
     CHECK_STREQ(c.config_file, path);
     config_free(&c);
 

@@ -229,6 +229,16 @@ static const char *err_msg(json_t *j)
     return m ? m : "";
 }
 
+/* An API key file in dir (for --listen); returns its path (static storage). */
+#define TEST_API_KEY "test-key-0123456789abcdef"
+static const char *api_key_file(const char *dir)
+{
+    static char path[512];
+    snprintf(path, sizeof path, "%s/api.key", dir);
+    moe_test_write_file(path, TEST_API_KEY "\n", strlen(TEST_API_KEY) + 1);
+    return path;
+}
+
 /* ---- no workers needed ---- */
 
 TEST(daemon_bad_model_and_options)
@@ -332,7 +342,7 @@ TEST(daemon_rejects_bad_requests)
     const char *dir = moe_test_tmpdir();
     struct moed d;
     const char *args[] = {"--devices", "cpu", "--workers", "1", "--ctx", "64", "--max-body", "4K",
-                          "--listen", "127.0.0.1:0", NULL};
+                          "--listen", "127.0.0.1:0", "--api-key-file", api_key_file(dir), NULL};
     moed_spawn(&d, dir, args);
     moed_wait_socket(&d, 30);
     struct stat st;
@@ -499,7 +509,8 @@ TEST(daemon_admin_access)
     chmod(dir, 0755);
     struct moed d;
     const char *args[] = {"--devices", "cpu", "--workers", "1", "--listen", "127.0.0.1:0",
-                          "--admin-group", "moe-test-no-such-group", NULL};
+                          "--admin-group", "moe-test-no-such-group", "--api-key-file",
+                          api_key_file(dir), NULL};
     moed_spawn(&d, dir, args);
     moed_wait_socket(&d, 30);
 
@@ -541,14 +552,14 @@ TEST(daemon_admin_access)
     {
         struct hc_conn c;
         CHECK(hc_connect_tcp(&c, port) == 0);
-        const char *q = "GET /admin/status HTTP/1.1\r\n\r\n";
+        const char *q = "GET /admin/status HTTP/1.1\r\nAuthorization: Bearer " TEST_API_KEY "\r\n\r\n";
         CHECK(hc_send(&c, q, strlen(q)) == 0);
         CHECK(hc_read(&c, &r, 5000) == 0);
         CHECK_EQ(r.status, 403);
         CHECK(strstr(r.body, "only served on the Unix socket"));
         hc_resp_free(&r);
-        /* The public endpoints work over TCP. */
-        const char *q2 = "GET /v1/models HTTP/1.1\r\n\r\n";
+        /* The public endpoints work over TCP, with the key. */
+        const char *q2 = "GET /v1/models HTTP/1.1\r\nAuthorization: Bearer " TEST_API_KEY "\r\n\r\n";
         CHECK(hc_send(&c, q2, strlen(q2)) == 0);
         CHECK(hc_read(&c, &r, 5000) == 0);
         CHECK_EQ(r.status, 200);
@@ -1459,6 +1470,76 @@ TEST_TIMEOUT(daemon_huge_prompt_refused_without_tokenizing, 120)
     CHECK_MSG(strstr(err_msg(j), "longer than the context"), "%s", err_msg(j));
     json_decref(j);
     CHECK_MSG(dt < 1.5, "answered after %.2f s", dt);
+    CHECK_EQ(moed_stop(&d, 60), 0);
+}
+
+/* TCP port with the socket's permissions bypassed: --listen needs an API key file, and every TCP
+ * request but /health must carry it; the Unix socket needs none. */
+TEST_TIMEOUT(daemon_tcp_needs_the_api_key, 120)
+{
+    const char *dir = moe_test_tmpdir();
+    struct moed d;
+    int st;
+    const char *bad[] = {"--listen", "127.0.0.1:0", NULL};
+    moed_spawn(&d, dir, bad);
+    waitpid(d.pid, &st, 0);
+    CHECK(WIFEXITED(st) && WEXITSTATUS(st) == 2);
+    CHECK(log_contains(&d, "--listen needs --api-key-file"));
+    char shortkey[512];
+    snprintf(shortkey, sizeof shortkey, "%s/short.key", dir);
+    moe_test_write_file(shortkey, "abc\n", 4);
+    const char *bad2[] = {"--listen", "127.0.0.1:0", "--api-key-file", shortkey, NULL};
+    moed_spawn(&d, dir, bad2);
+    waitpid(d.pid, &st, 0);
+    CHECK(WIFEXITED(st) && WEXITSTATUS(st) == 2);
+    CHECK(log_contains(&d, "16..1024 characters"));
+
+    const char *args[] = {"--devices", "cpu", "--workers", "1", "--listen", "127.0.0.1:0",
+                          "--api-key-file", api_key_file(dir), NULL};
+    moed_spawn(&d, dir, args);
+    moed_wait_socket(&d, 30);
+    int port = 0;
+    FILE *f = fopen(d.log, "r");
+    char line[2048];
+    while (f && fgets(line, sizeof line, f)) {
+        char *p = strstr(line, "(tcp port ");
+        if (p)
+            port = atoi(p + 10);
+    }
+    if (f)
+        fclose(f);
+    CHECK(port > 0);
+    struct {
+        const char *req;
+        int status;
+    } cases[] = {
+        {"GET /v1/models HTTP/1.1\r\n\r\n", 401},
+        {"GET /v1/models HTTP/1.1\r\nAuthorization: Bearer wrong-key-0123456789abcdef\r\n\r\n", 401},
+        {"GET /v1/models HTTP/1.1\r\nAuthorization: Bearer " TEST_API_KEY "x\r\n\r\n", 401},
+        {"GET /metrics HTTP/1.1\r\n\r\n", 401},
+        {"GET /v1/models HTTP/1.1\r\nAuthorization: Bearer " TEST_API_KEY "\r\n\r\n", 200},
+        {"GET /v1/models HTTP/1.1\r\nauthorization: bearer  " TEST_API_KEY "\r\n\r\n", 200},
+        {"GET /health HTTP/1.1\r\n\r\n", 0},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        struct hc_conn c;
+        CHECK(hc_connect_tcp(&c, port) == 0);
+        CHECK(hc_send(&c, cases[i].req, strlen(cases[i].req)) == 0);
+        struct hc_resp r;
+        CHECK(hc_read(&c, &r, 5000) == 0);
+        if (cases[i].status)
+            CHECK_MSG(r.status == cases[i].status, "case %zu: %d %s", i, r.status, r.body);
+        else
+            CHECK_MSG(r.status != 401, "case %zu: %d", i, r.status);
+        if (cases[i].status == 401)
+            CHECK(strstr(r.body, "invalid_api_key"));
+        hc_resp_free(&r);
+        hc_close(&c);
+    }
+    struct hc_resp r;
+    CHECK(hc_request_unix(d.sock, "GET", "/v1/models", NULL, &r, 5000) == 0);
+    CHECK_EQ(r.status, 200);
+    hc_resp_free(&r);
     CHECK_EQ(moed_stop(&d, 60), 0);
 }
 
