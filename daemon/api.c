@@ -587,6 +587,7 @@ static void on_abort(void *user)
 struct gen_req {
     int32_t *prompt;
     size_t n_prompt;
+    bool n_prompt_is_bound;       /* tokenizing stopped early: the prompt has more than n_prompt */
     struct sched_sampling s;
     int64_t max_tokens;           /* -1: default */
     bool stream, include_usage;
@@ -793,7 +794,19 @@ static int tokenize(struct api *a, const char *text, size_t len, bool special, s
         return fail(e, 400, NULL,
                     "the prompt (%zu bytes) is longer than the context of %u tokens can hold",
                     len, n_ctx);
-    if (moe_tok_encode(a->tok, text, len, special, &ids, &n) != 0)
+    /* A prompt is counted up to four contexts' worth, then refused as "more than that" (the
+     * rest would cost work and tell nothing). */
+    if (r->n_prompt_is_bound)
+        return 0;
+    size_t bound = n_ctx ? 4 * (size_t)n_ctx : SIZE_MAX;
+    size_t max = r->n_prompt < bound ? bound - r->n_prompt : 0;
+    int trc = moe_tok_encode_max(a->tok, text, len, special, max, &ids, &n);
+    if (trc == MOE_ERANGE) {
+        r->n_prompt = bound + 1;
+        r->n_prompt_is_bound = true;
+        return 0;
+    }
+    if (trc)
         return fail(e, 500, NULL, "out of memory while tokenizing");
     int32_t *np = realloc(r->prompt, (r->n_prompt + n + 1) * sizeof *np);
     if (!np) {
@@ -809,6 +822,8 @@ static int tokenize(struct api *a, const char *text, size_t len, bool special, s
 
 static int push_token(struct gen_req *r, int32_t id, struct verr *e)
 {
+    if (r->n_prompt_is_bound)
+        return 0; /* already refused as too long; the ids past the bound are not kept */
     int32_t *np = realloc(r->prompt, (r->n_prompt + 1) * sizeof *np);
     if (!np)
         return fail(e, 500, NULL, "out of memory");
@@ -1036,8 +1051,9 @@ static void handle_generate(struct api *a, struct http_request *req, bool chat)
         json_object_set_new(extra, "n_ctx", json_integer(n_ctx));
         json_object_set_new(extra, "code", json_string("context_length_exceeded"));
         respond_error_ex(a, c, 400, chat ? "messages" : "prompt", extra,
-                         "the prompt has %zu tokens; the context holds %u (prompt and completion "
-                         "together)", r.n_prompt, n_ctx);
+                         "the prompt has %s%zu tokens; the context holds %u (prompt and completion "
+                         "together)", r.n_prompt_is_bound ? "more than " : "",
+                         r.n_prompt - (r.n_prompt_is_bound ? 1 : 0), n_ctx);
         goto out;
     }
     uint32_t room = n_ctx ? n_ctx - (uint32_t)r.n_prompt : UINT32_MAX;

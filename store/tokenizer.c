@@ -15,6 +15,7 @@
 #include <errno.h>
 #include <inttypes.h>
 #include <stdatomic.h>
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #include <xxhash.h>
@@ -932,12 +933,16 @@ static int split_regex(const struct moe_tokenizer *t, pcre2_match_data *md, cons
 struct bpe_ctx {
     const struct moe_tokenizer *t;
     struct enc *e;
+    size_t max;           /* stop with MOE_ERANGE once more tokens than this */
 };
 
 static int bpe_cb(void *ctx, const uint8_t *p, size_t n)
 {
     struct bpe_ctx *c = ctx;
-    return bpe_piece(c->t, c->e, p, n);
+    int rc = bpe_piece(c->t, c->e, p, n);
+    if (!rc && c->e->n > c->max)
+        return MOE_ERANGE; /* past the caller's limit: stop early */
+    return rc;
 }
 
 struct frag {
@@ -1016,6 +1021,12 @@ static void enc_free(struct enc *e)
 int moe_tok_encode(const struct moe_tokenizer *t, const char *text, size_t len, bool parse_special,
                    int32_t **ids, size_t *n)
 {
+    return moe_tok_encode_max(t, text, len, parse_special, SIZE_MAX, ids, n);
+}
+
+int moe_tok_encode_max(const struct moe_tokenizer *t, const char *text, size_t len,
+                       bool parse_special, size_t max_tokens, int32_t **ids, size_t *n)
+{
     struct enc e = {0};
     struct frag *fr = NULL;
     size_t nfr = 0;
@@ -1028,12 +1039,14 @@ int moe_tok_encode(const struct moe_tokenizer *t, const char *text, size_t len, 
     }
     if ((rc = split_specials(t, text, len, parse_special, &fr, &nfr)))
         goto fail;
-    struct bpe_ctx bc = {t, &e};
+    struct bpe_ctx bc = {t, &e, max_tokens};
     for (size_t i = 0; i < nfr; i++) {
         if (fr[i].id >= 0)
             rc = emit(&e, fr[i].id);
         else
             rc = split_regex(t, e.md, (const uint8_t *)text + fr[i].off, fr[i].len, bpe_cb, &bc);
+        if (!rc && e.n > max_tokens)
+            rc = MOE_ERANGE;
         if (rc)
             goto fail;
     }

@@ -21,6 +21,12 @@ void moe_tok_free(struct moe_tokenizer *t);
 int moe_tok_encode(const struct moe_tokenizer *t, const char *text, size_t len, bool parse_special,
                    int32_t **ids, size_t *n);
 
+/* The same, but stops with MOE_ERANGE (nothing returned) as soon as the text has given more than
+ * max_tokens tokens: a prompt longer than the context costs no more than the context's worth of
+ * work (the pre-token being worked on when the limit passes is finished first). */
+int moe_tok_encode_max(const struct moe_tokenizer *t, const char *text, size_t len,
+                       bool parse_special, size_t max_tokens, int32_t **ids, size_t *n);
+
 /* The raw bytes a token stands for (byte-level decoding applied; special tokens give their text).
  * Returns the byte count (may exceed cap: then only cap bytes were written), or -1 for a bad id. */
 int moe_tok_piece(const struct moe_tokenizer *t, int32_t id, char *buf, size_t cap);

@@ -1005,3 +1005,31 @@ TEST(tok_concurrent_encode)
     free(p1);
     moe_tok_free(t);
 }
+
+/* moe_tok_encode_max gives the same ids as moe_tok_encode up to its limit, and MOE_ERANGE (with
+ * nothing returned) once the text gives more. */
+TEST(tok_encode_max_stops_past_the_limit)
+{
+    struct moe_tokenizer *t = NULL;
+    struct gguf_file *f = NULL;
+    char err[256];
+    CHECK_MSG(gguf_open(&f, "models/kjv-demo-F16.gguf", err, sizeof err) == 0, "%s", err);
+    CHECK_MSG(moe_tok_load(&t, f, err, sizeof err) == 0, "%s", err);
+    const char *text = "In the beginning God created the heaven and the earth. And the earth was "
+                       "without form, and void; and darkness was upon the face of the deep.";
+    int32_t *all = NULL, *some = NULL;
+    size_t n_all = 0, n_some = 0;
+    CHECK_EQ(moe_tok_encode(t, text, strlen(text), true, &all, &n_all), 0);
+    CHECK(n_all > 10);
+    CHECK_EQ(moe_tok_encode_max(t, text, strlen(text), true, n_all, &some, &n_some), 0);
+    CHECK_EQ(n_some, n_all);
+    CHECK(memcmp(all, some, n_all * sizeof *all) == 0);
+    free(some);
+    some = NULL;
+    CHECK_EQ(moe_tok_encode_max(t, text, strlen(text), true, n_all - 1, &some, &n_some), MOE_ERANGE);
+    CHECK(some == NULL);
+    CHECK_EQ(moe_tok_encode_max(t, text, strlen(text), true, 0, &some, &n_some), MOE_ERANGE);
+    free(all);
+    moe_tok_free(t);
+    gguf_close(f);
+}
