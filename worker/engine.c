@@ -311,6 +311,10 @@ void moe_engine_info(const struct moe_engine *e, struct moe_engine_info *info)
     memset(info, 0, sizeof *info);
     snprintf(info->device, sizeof info->device, "%s", e->device);
     e->b->vt->info(e->b, &info->device_bytes, info->desc, sizeof info->desc);
+    /* float32 on the CPU; f16 on CUDA unless kv_f32. */
+    uint64_t es = e->b->vt == &moe_backend_cpu || e->d.kv_f32 ? 4 : 2;
+    info->kv_bytes = (uint64_t)e->d.L * e->d.n_seq * e->d.n_ctx *
+                     (uint64_t)(e->d.kdim + e->d.vdim) * es;
 }
 
 struct moe_backend *moe_engine_backend(struct moe_engine *e)

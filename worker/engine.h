@@ -78,6 +78,7 @@ struct moe_engine_info {
     char device[32];           /* "cpu", "cuda:0" */
     char desc[160];            /* "NVIDIA H200, 132 SMs, ..." */
     uint64_t device_bytes;     /* device memory held (CUDA: peak use incl. the context) */
+    uint64_t kv_bytes;         /* the KV cache for n_seq x n_ctx positions */
 };
 void moe_engine_info(const struct moe_engine *e, struct moe_engine_info *info);
 

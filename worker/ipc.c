@@ -590,7 +590,6 @@ static int load(struct worker *w, const Moed__Hello *h, int store_fd, char *err,
 
 static void send_ready(struct worker *w)
 {
-    const struct moe_hparams *hp = &w->model.hp;
     Moed__Ready r = MOED__READY__INIT;
     r.protocol_version = MOE_IPC_PROTOCOL_VERSION;
     r.n_seq = w->n_seq;
@@ -599,12 +598,11 @@ static void send_ready(struct worker *w)
     r.n_layer = w->n_layer;
     r.n_expert = w->n_expert;
     r.weights_bytes = w->model.bytes_dense + w->model.bytes_experts;
-    r.kv_bytes = (uint64_t)hp->n_layer * w->n_seq * w->n_ctx *
-                 ((uint64_t)hp->n_head_kv * (hp->head_dim + hp->head_dim_v)) * sizeof(float);
     r.ram_used = rss_bytes();
     struct moe_engine_info info;
     moe_engine_info(w->eng, &info);
     r.vram_used = info.device_bytes;
+    r.kv_bytes = info.kv_bytes;
     r.model_fingerprint = w->model.fingerprint;
     r.pid = (int32_t)getpid();
     Moed__Envelope env = MOED__ENVELOPE__INIT;
