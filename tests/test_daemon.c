@@ -229,6 +229,22 @@ static const char *err_msg(json_t *j)
     return m ? m : "";
 }
 
+/* The TCP port moed's log names (the kernel picked it for 127.0.0.1:0), or 0. */
+static int moed_tcp_port(const struct moed *d)
+{
+    int port = 0;
+    FILE *f = fopen(d->log, "r");
+    char line[2048];
+    while (f && fgets(line, sizeof line, f)) {
+        char *p = strstr(line, "(tcp port ");
+        if (p)
+            port = atoi(p + 10);
+    }
+    if (f)
+        fclose(f);
+    return port;
+}
+
 /* An API key file in dir (for --listen); returns its path (static storage). */
 #define TEST_API_KEY "test-key-0123456789abcdef"
 static const char *api_key_file(const char *dir)
@@ -538,16 +554,7 @@ TEST(daemon_admin_access)
     hc_resp_free(&r);
 
     /* Over TCP: always refused, even for root. The kernel picked the port; the log names it. */
-    int port = 0;
-    FILE *f = fopen(d.log, "r");
-    char line[2048];
-    while (f && fgets(line, sizeof line, f)) {
-        char *p = strstr(line, "(tcp port ");
-        if (p)
-            port = atoi(p + 10);
-    }
-    if (f)
-        fclose(f);
+    int port = moed_tcp_port(&d);
     CHECK(port > 0);
     {
         struct hc_conn c;
@@ -1498,16 +1505,7 @@ TEST_TIMEOUT(daemon_tcp_needs_the_api_key, 120)
                           "--api-key-file", api_key_file(dir), NULL};
     moed_spawn(&d, dir, args);
     moed_wait_socket(&d, 30);
-    int port = 0;
-    FILE *f = fopen(d.log, "r");
-    char line[2048];
-    while (f && fgets(line, sizeof line, f)) {
-        char *p = strstr(line, "(tcp port ");
-        if (p)
-            port = atoi(p + 10);
-    }
-    if (f)
-        fclose(f);
+    int port = moed_tcp_port(&d);
     CHECK(port > 0);
     struct {
         const char *req;
