@@ -121,7 +121,10 @@ int moe_ipc_decode(const uint8_t *body, size_t len, Moed__Envelope **out, char *
     if (!env)
         return moe_fail(err, errlen, MOE_EFORMAT, "a %zu byte frame is not a valid protobuf Envelope",
                         len);
-    if (env->msg_case == MOED__ENVELOPE__MSG__NOT_SET || env->msg_case > MOED__ENVELOPE__MSG_SHUTDOWN) {
+    /* Every message of the schema has a name; anything else (no message, a case from a newer
+     * schema) is not ours. */
+    if (env->msg_case == MOED__ENVELOPE__MSG__NOT_SET ||
+        strcmp(moe_ipc_msg_name(env->msg_case), "unknown") == 0) {
         moed__envelope__free_unpacked(env, NULL);
         return moe_fail(err, errlen, MOE_EFORMAT, "a %zu byte frame carries no known message", len);
     }

@@ -17,6 +17,7 @@
 
 #include "proto/ipc.h"
 #include "store/err.h"
+#include "store/io.h"
 #include "tests/engine_test.h"
 #include "tests/harness.h"
 #include "tests/ipc_test.h"
@@ -302,7 +303,7 @@ TEST(ipc_decode_rejects_garbage_and_unknown_messages)
             CHECK_EQ(rc, MOE_EFORMAT);
             rejected++;
         } else {
-            CHECK(env->msg_case >= MOED__ENVELOPE__MSG_HELLO && env->msg_case <= MOED__ENVELOPE__MSG_SHUTDOWN);
+            CHECK(strcmp(moe_ipc_msg_name(env->msg_case), "unknown") != 0);
             moe_ipc_free(env);
         }
     }
@@ -310,6 +311,27 @@ TEST(ipc_decode_rejects_garbage_and_unknown_messages)
     /* An empty body is an Envelope with nothing in it. */
     CHECK_EQ(moe_ipc_decode((const uint8_t *)"", 0, &env, err, sizeof err), MOE_EFORMAT);
     CHECK(strstr(err, "no known message"));
+    /* Every message the schema defines decodes, the last one added included: an empty Heartbeat
+     * is the 2 byte frame a worker sends every second. */
+    Moed__Heartbeat hb = MOED__HEARTBEAT__INIT;
+    Moed__Envelope he = MOED__ENVELOPE__INIT;
+    he.msg_case = MOED__ENVELOPE__MSG_HEARTBEAT;
+    he.heartbeat = &hb;
+    size_t hlen;
+    uint8_t *hbuf = encode(&he, &hlen);
+    CHECK_EQ(hlen, (size_t)6);
+    CHECK_MSG(moe_ipc_decode(hbuf + 4, hlen - 4, &env, err, sizeof err) == 0, "%s", err);
+    CHECK_EQ(env->msg_case, MOED__ENVELOPE__MSG_HEARTBEAT);
+    moe_ipc_free(env);
+    free(hbuf);
+    for (int c = 1; c < 64; c++) {
+        const char *name = moe_ipc_msg_name((Moed__Envelope__MsgCase)c);
+        bool known = strcmp(name, "unknown") != 0;
+        const ProtobufCFieldDescriptor *fd =
+            protobuf_c_message_descriptor_get_field(&moed__envelope__descriptor, (unsigned)c);
+        CHECK_MSG(known == (fd != NULL), "case %d: named %s, in the schema: %s", c, name,
+                  fd ? "yes" : "no");
+    }
     /* Field 99 (varint 5): valid protobuf, unknown to us. */
     uint8_t unknown[] = {0x98, 0x06, 0x05};
     CHECK_EQ(moe_ipc_decode(unknown, sizeof unknown, &env, err, sizeof err), MOE_EFORMAT);
@@ -890,6 +912,50 @@ static void add_routing(const Moed__RoutingStats *rs, uint64_t routed[3], uint64
     *n_tokens += rs->n_tokens;
 }
 
+/* Sends Shutdown, reads every frame up to EOF (adding RoutingStats to routed/n_tokens when given)
+ * and checks that the worker exits 0. */
+static void shutdown_to_eof(struct wproc *w, uint64_t routed[3], uint64_t *n_tokens)
+{
+    Moed__Shutdown sd = MOED__SHUTDOWN__INIT;
+    Moed__Envelope se = MOED__ENVELOPE__INIT;
+    se.msg_case = MOED__ENVELOPE__MSG_SHUTDOWN;
+    se.shutdown = &sd;
+    send_env(w->fd, &se);
+    for (;;) {
+        char err[256];
+        Moed__Envelope *m = NULL;
+        int pfd = -1;
+        int rc = moe_ipc_recv_with_fd(w->fd, 0, 10000, &m, &pfd, err, sizeof err);
+        if (rc == UV_EOF)
+            break;
+        CHECK_MSG(rc == 0, "%s", err);
+        if (routed && m->msg_case == MOED__ENVELOPE__MSG_ROUTING_STATS)
+            add_routing(m->routing_stats, routed, n_tokens);
+        moe_ipc_free(m);
+    }
+    CHECK_EQ(worker_wait(w, 10), 0);
+}
+
+/* An idle ready worker sends a Heartbeat every second, and it decodes like every other frame
+ * (a reader that refused it would drop every worker a second after it got ready). */
+TEST_TIMEOUT(ipc_worker_sends_heartbeats_that_decode, 60)
+{
+    struct wproc w;
+    moe_ipc_free(hello_and_ready(&w, 256, 1));
+    int beats = 0;
+    double t0 = moe_now_s();
+    while (beats < 2) {
+        CHECK_MSG(moe_now_s() - t0 < 10, "no Heartbeat in 10 s");
+        Moed__Envelope *m = recv_env(w.fd, 5000);
+        if (m->msg_case == MOED__ENVELOPE__MSG_HEARTBEAT) {
+            CHECK_EQ(m->heartbeat->running, 0u);
+            beats++;
+        }
+        moe_ipc_free(m);
+    }
+    shutdown_to_eof(&w, NULL, NULL);
+}
+
 /* The whole protocol by hand: two requests at once on a 2-slot worker, greedy tokens equal the
  * golden ones, a Cancel, routing stats, then Shutdown and a clean exit. */
 TEST_TIMEOUT(ipc_worker_generates_golden_tokens, 120)
@@ -951,25 +1017,7 @@ TEST_TIMEOUT(ipc_worker_generates_golden_tokens, 120)
             CHECK_MSG(got[k][i] == ref.greedy[i], "request %d token %d: %d, golden %d", k, i, got[k][i],
                       ref.greedy[i]);
     }
-    Moed__Shutdown sd = MOED__SHUTDOWN__INIT;
-    Moed__Envelope se = MOED__ENVELOPE__INIT;
-    se.msg_case = MOED__ENVELOPE__MSG_SHUTDOWN;
-    se.shutdown = &sd;
-    send_env(w.fd, &se);
-    /* Collect the remaining stats up to EOF. */
-    for (;;) {
-        char err[256];
-        Moed__Envelope *m = NULL;
-        int pfd = -1;
-        int rc = moe_ipc_recv_with_fd(w.fd, 0, 10000, &m, &pfd, err, sizeof err);
-        if (rc == UV_EOF)
-            break;
-        CHECK_MSG(rc == 0, "%s", err);
-        if (m->msg_case == MOED__ENVELOPE__MSG_ROUTING_STATS)
-            add_routing(m->routing_stats, routed, &stats_tokens);
-        moe_ipc_free(m);
-    }
-    CHECK_EQ(worker_wait(&w, 10), 0);
+    shutdown_to_eof(&w, routed, &stats_tokens); /* the remaining stats come before EOF */
     /* Each evaluated token picks 4 experts in every layer; requests 11 and 12 evaluated their
      * prompt and 15 generated tokens each (the 16th is sampled, never fed back). Request 13 may
      * have evaluated some tokens before its Cancel arrived. */
