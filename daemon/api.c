@@ -7,6 +7,7 @@
 #include <math.h>
 #include <pwd.h>
 #include <stdarg.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -40,6 +41,7 @@ struct api {
     bool have_admin_gid;
     uint32_t max_tokens_default;
     char *api_key;                  /* owned copy, or NULL */
+    _Atomic uint64_t load_done, load_total; /* expert store build progress (any thread) */
     struct api_hooks hooks;
     bool ready, draining;
     time_t started;
@@ -1190,6 +1192,13 @@ static void handle_health(struct api *a, struct http_request *req)
     json_object_set_new(o, "status", json_string(status));
     json_object_set_new(o, "workers_ready", json_integer(st.workers_ready));
     json_object_set_new(o, "workers_total", json_integer(st.workers_total));
+    uint64_t total = atomic_load(&a->load_total), done = atomic_load(&a->load_done);
+    if (!a->ready && total) {
+        json_t *l = json_object();
+        json_object_set_new(l, "experts_done_bytes", json_integer((json_int_t)done));
+        json_object_set_new(l, "experts_total_bytes", json_integer((json_int_t)total));
+        json_object_set_new(o, "loading", l);
+    }
     respond_json(a, req->conn, a->ready && !a->draining ? 200 : 503, o, NULL);
 }
 
@@ -1575,6 +1584,12 @@ void api_free(struct api *a)
 void api_set_sched(struct api *a, struct sched *s)
 {
     a->sched = s;
+}
+
+void api_set_loading(struct api *a, uint64_t done, uint64_t total)
+{
+    atomic_store(&a->load_done, done);
+    atomic_store(&a->load_total, total);
 }
 
 void api_set_ready(struct api *a, bool ready)

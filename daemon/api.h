@@ -79,6 +79,8 @@ void api_count_status(void *api, int status);
 void api_set_sched(struct api *a, struct sched *s);
 /* Ready: workers are up (GET /health answers 200 {"status":"ok"}; before: 503 "loading"). */
 void api_set_ready(struct api *a, bool ready);
+/* Progress of the expert store's build, shown by GET /health while loading (any thread). */
+void api_set_loading(struct api *a, uint64_t done, uint64_t total);
 /* Draining: new generation requests answer 503; /health answers 503 "stopping". */
 void api_set_draining(struct api *a, bool draining);
 

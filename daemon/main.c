@@ -11,6 +11,8 @@
 #include <inttypes.h>
 #include <limits.h>
 #include <signal.h>
+#include <stdatomic.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -70,6 +72,14 @@ struct daemon {
     bool ready, stopping;
     int exit_code;
     double progress_last;
+    /* The expert store is built on a thread-pool thread while the socket already answers
+     * (503 "loading", with progress); workers start when it is done. */
+    uv_work_t store_work;
+    struct moe_store *store_built;
+    int store_rc;
+    char store_err[512];
+    bool store_loading;
+    atomic_bool store_cancel;
 };
 
 /* "2.8 MiB", "17.21 GiB": sizes in log lines. */
@@ -469,6 +479,11 @@ static void begin_stop(struct daemon *d, const char *why)
     api_set_draining(d->api, true);
     http_server_stop_listening(d->http);
     uv_timer_stop(&d->profile_timer);
+    if (d->store_loading) {
+        /* The store build stops at its next progress report; its completion finishes the stop. */
+        atomic_store(&d->store_cancel, true);
+        return;
+    }
     if (d->workers)
         moed_workers_stop(d->workers, 30000, on_workers_stopped, d);
     else
@@ -503,13 +518,15 @@ static int store_progress(uint64_t done, uint64_t total, void *user)
     double eta = rate > 0 ? (tot - gib) / rate : 0;
     notify_status("loading experts: %.2f of %.2f GiB (%.1f GiB/s, ETA %.0f s)", gib, tot, rate, eta);
     notify_watchdog();
+    if (d->api)
+        api_set_loading(d->api, done, total);
     if (isatty(2)) {
         fprintf(stderr, "\rmoed: loading experts %6.2f / %.2f GiB  %5.1f GiB/s  ETA %3.0f s ", gib,
                 tot, rate, eta);
         if (done == total)
             fputc('\n', stderr);
     }
-    return 0;
+    return atomic_load(&d->store_cancel) ? 1 : 0; /* SIGTERM while loading: stop building */
 }
 
 /* --devices auto: one worker per GPU that the worker program lists as usable (the daemon is
@@ -648,6 +665,90 @@ static const char *base_name(const char *path, char *out, size_t cap)
     return out;
 }
 
+/* Starts the workers once the store exists. Returns 0 or 1 (logged). */
+static int start_workers(struct daemon *d)
+{
+    struct moed_config *c = &d->cfg;
+    const struct moe_hparams *hp = &d->model.hp;
+    uint32_t n_ctx = d->n_ctx;
+    char err[512];
+    int rc;
+    /* Workers. */
+    int32_t eog[64];
+    uint32_t n_eog = 0;
+    for (uint32_t id = 0; id < moe_tok_n_vocab(d->tok) && n_eog < 64; id++)
+        if (moe_tok_is_eog(d->tok, (int32_t)id))
+            eog[n_eog++] = (int32_t)id;
+    struct moed_workers_opts wo = {
+        .model_path = c->model,
+        .worker_bin = c->worker_bin,
+        .n_workers = d->n_workers,
+        .devices = (const char *const *)d->devices,
+        .n_ctx = n_ctx,
+        .n_seq = c->parallel,
+        .n_threads = (int)c->threads,
+        .vram_budget = c->vram_budget,
+        .store_fd = moe_store_fd(d->store),
+        .store_size = moe_store_size(d->store),
+        .store_fingerprint = d->model.fingerprint,
+        .n_vocab = hp->n_vocab,
+        .n_layer = hp->n_layer,
+        .n_expert = hp->n_expert,
+        .eog = eog,
+        .n_eog = n_eog,
+        .queue_max = c->queue_max,
+        .on_routing = on_routing,
+        .on_ready = on_ready,
+        .on_worker_state = on_worker_state,
+        .user = d,
+    };
+    notify_status("starting %u worker(s)", d->n_workers);
+    if ((rc = moed_workers_start(d->loop, &wo, &d->workers, err, sizeof err))) {
+        log_error("workers: %s", err);
+        return 1;
+    }
+    api_set_sched(d->api, moed_workers_sched(d->workers));
+
+    return 0;
+}
+
+static void store_build(uv_work_t *w)
+{
+    struct daemon *d = w->data;
+    d->store_rc = moe_store_create(&d->store_built, &d->model, 0, store_progress, d, d->store_err,
+                                   sizeof d->store_err);
+}
+
+static void store_done(uv_work_t *w, int status)
+{
+    struct daemon *d = w->data;
+    d->store_loading = false;
+    if (d->stopping) {
+        moe_store_close(d->store_built);
+        d->store_built = NULL;
+        on_workers_stopped(d);
+        return;
+    }
+    if (status || d->store_rc) {
+        log_error("expert store: %s", status ? uv_strerror(status) : d->store_err);
+        d->exit_code = 1;
+        begin_stop(d, "expert store failed");
+        return;
+    }
+    d->store = d->store_built;
+    d->store_built = NULL;
+    char hb1[32], hb2[32];
+    struct moe_store_info si;
+    moe_store_get_info(d->store, &si);
+    log_info("expert store: %s in %.2f s (%d threads, %s on huge pages)",
+             human_bytes(si.size, hb1, sizeof hb1), si.seconds, si.threads,
+             human_bytes(si.huge_bytes, hb2, sizeof hb2));
+    if (start_workers(d)) {
+        d->exit_code = 1;
+        begin_stop(d, "workers failed to start");
+    }
+}
+
 static int run(struct daemon *d, int argc, char **argv)
 {
     char err[1024];
@@ -756,20 +857,6 @@ static int run(struct daemon *d, int argc, char **argv)
         }
     }
 
-    /* The expert store: one copy of the weights in RAM for every worker. */
-    notify_status("loading experts");
-    if ((rc = moe_store_create(&d->store, &d->model, 0, store_progress, d, err, sizeof err))) {
-        log_error("expert store: %s", err);
-        return 1;
-    }
-    {
-        struct moe_store_info si;
-        moe_store_get_info(d->store, &si);
-        log_info("expert store: %s in %.2f s (%d threads, %s on huge pages)",
-                 human_bytes(si.size, hb1, sizeof hb1), si.seconds, si.threads,
-                 human_bytes(si.huge_bytes, hb2, sizeof hb2));
-    }
-
     d->loop = uv_default_loop();
     struct api_opts ao = {
         .tok = d->tok,
@@ -822,43 +909,6 @@ static int run(struct daemon *d, int argc, char **argv)
     else
         log_info("listening on %s", c->socket);
 
-    /* Workers. */
-    int32_t eog[64];
-    uint32_t n_eog = 0;
-    for (uint32_t id = 0; id < moe_tok_n_vocab(d->tok) && n_eog < 64; id++)
-        if (moe_tok_is_eog(d->tok, (int32_t)id))
-            eog[n_eog++] = (int32_t)id;
-    struct moed_workers_opts wo = {
-        .model_path = c->model,
-        .worker_bin = c->worker_bin,
-        .n_workers = d->n_workers,
-        .devices = (const char *const *)d->devices,
-        .n_ctx = n_ctx,
-        .n_seq = c->parallel,
-        .n_threads = (int)c->threads,
-        .vram_budget = c->vram_budget,
-        .store_fd = moe_store_fd(d->store),
-        .store_size = moe_store_size(d->store),
-        .store_fingerprint = d->model.fingerprint,
-        .n_vocab = hp->n_vocab,
-        .n_layer = hp->n_layer,
-        .n_expert = hp->n_expert,
-        .eog = eog,
-        .n_eog = n_eog,
-        .queue_max = c->queue_max,
-        .on_routing = on_routing,
-        .on_ready = on_ready,
-        .on_worker_state = on_worker_state,
-        .user = d,
-    };
-    notify_status("starting %u worker(s)", d->n_workers);
-    if ((rc = moed_workers_start(d->loop, &wo, &d->workers, err, sizeof err))) {
-        log_error("workers: %s", err);
-        http_server_stop_listening(d->http);
-        return 1;
-    }
-    api_set_sched(d->api, moed_workers_sched(d->workers));
-
     uv_signal_init(d->loop, &d->sig_term);
     uv_signal_init(d->loop, &d->sig_int);
     uv_signal_init(d->loop, &d->sig_hup);
@@ -877,6 +927,16 @@ static int run(struct daemon *d, int argc, char **argv)
         uv_timer_start(&d->watchdog_timer, on_watchdog, ms, ms);
     }
 
+
+    /* The expert store: one copy of the weights in RAM for every worker, built on a thread while
+     * the socket answers; the workers start when it is done (store_done). */
+    notify_status("loading experts");
+    d->store_loading = true;
+    d->store_work.data = d;
+    if ((rc = uv_queue_work(d->loop, &d->store_work, store_build, store_done))) {
+        log_error("expert store: %s", uv_strerror(rc));
+        return 1;
+    }
     uv_run(d->loop, UV_RUN_DEFAULT);
     return d->exit_code;
 }
