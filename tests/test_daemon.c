@@ -770,6 +770,19 @@ static char *completion_body(const char *prompt, int n, bool stream)
     return s;
 }
 
+/* Connects to sock and sends a streaming greedy completion of n tokens for prompt. */
+static void start_stream(struct hc_conn *c, const char *sock, const char *prompt, int n)
+{
+    CHECK(hc_connect_unix(c, sock) == 0);
+    char *body = completion_body(prompt, n, true);
+    char head[256];
+    int hn = snprintf(head, sizeof head, "POST /v1/completions HTTP/1.1\r\nContent-Length: %zu\r\n\r\n",
+                      strlen(body));
+    CHECK(hc_send(c, head, (size_t)hn) == 0);
+    CHECK(hc_send(c, body, strlen(body)) == 0);
+    free(body);
+}
+
 TEST_TIMEOUT(daemon_concurrent_clients_match_worker, 300)
 {
     const char *dir = moe_test_tmpdir();
@@ -976,14 +989,7 @@ TEST_TIMEOUT(daemon_worker_killed_during_generation, 240)
     CHECK(pid > 0);
     /* A long streaming generation; kill the worker once tokens flow. */
     struct hc_conn c;
-    CHECK(hc_connect_unix(&c, d.sock) == 0);
-    char *body = completion_body("The history of the world", 3000, true);
-    char head[256];
-    int hn = snprintf(head, sizeof head, "POST /v1/completions HTTP/1.1\r\nContent-Length: %zu\r\n\r\n",
-                      strlen(body));
-    CHECK(hc_send(&c, head, (size_t)hn) == 0);
-    CHECK(hc_send(&c, body, strlen(body)) == 0);
-    free(body);
+    start_stream(&c, d.sock, "The history of the world", 3000);
     /* Wait for a few streamed tokens (they stay in c.buf for hc_read below). */
     for (int tries = 0; tries < 200; tries++) {
         struct pollfd pfd = {.fd = c.fd, .events = POLLIN};
@@ -1368,14 +1374,7 @@ TEST_TIMEOUT(daemon_sigterm_drains_inflight, 180)
     moed_wait_socket(&d, 30);
     moed_require_ready(&d, 60);
     struct hc_conn c;
-    CHECK(hc_connect_unix(&c, d.sock) == 0);
-    char *body = completion_body("Let there be light", 200, true);
-    char head[256];
-    int hn = snprintf(head, sizeof head, "POST /v1/completions HTTP/1.1\r\nContent-Length: %zu\r\n\r\n",
-                      strlen(body));
-    CHECK(hc_send(&c, head, (size_t)hn) == 0);
-    CHECK(hc_send(&c, body, strlen(body)) == 0);
-    free(body);
+    start_stream(&c, d.sock, "Let there be light", 200);
     /* Wait for the first token, then SIGTERM. */
     struct pollfd pfd = {.fd = c.fd, .events = POLLIN};
     CHECK(poll(&pfd, 1, 30000) == 1);
@@ -1577,14 +1576,7 @@ TEST_TIMEOUT(daemon_sigint_to_the_process_group_drains, 180)
     moed_wait_socket(&d, 30);
     moed_require_ready(&d, 60);
     struct hc_conn c;
-    CHECK(hc_connect_unix(&c, d.sock) == 0);
-    char *body = completion_body("Let there be light", 64, true);
-    char head[256];
-    int hn = snprintf(head, sizeof head, "POST /v1/completions HTTP/1.1\r\nContent-Length: %zu\r\n\r\n",
-                      strlen(body));
-    CHECK(hc_send(&c, head, (size_t)hn) == 0);
-    CHECK(hc_send(&c, body, strlen(body)) == 0);
-    free(body);
+    start_stream(&c, d.sock, "Let there be light", 64);
     struct pollfd pfd = {.fd = c.fd, .events = POLLIN};
     CHECK(poll(&pfd, 1, 30000) == 1);
     CHECK_EQ(kill(-d.pid, SIGINT), 0);
