@@ -87,11 +87,8 @@ void moe_sampler_reset(struct moe_sampler *s)
     s->n_hist = 0;
 }
 
-int moe_sampler_init(struct moe_sampler **out, const struct moe_sampler_params *p,
-                     uint32_t n_vocab, char *err, size_t errlen)
+int moe_sampler_params_check(const struct moe_sampler_params *p, char *err, size_t errlen)
 {
-    if (n_vocab == 0)
-        return moe_fail(err, errlen, MOE_ERANGE, "sampler: empty vocabulary");
     if (isnan(p->temperature) || isnan(p->top_p) || isnan(p->min_p) || isnan(p->repeat_penalty) ||
         isnan(p->presence_penalty) || isnan(p->frequency_penalty))
         return moe_fail(err, errlen, MOE_ERANGE, "sampler: a parameter is NaN");
@@ -106,6 +103,17 @@ int moe_sampler_init(struct moe_sampler **out, const struct moe_sampler_params *
                         (double)p->repeat_penalty);
     if (isinf(p->presence_penalty) || isinf(p->frequency_penalty) || isinf(p->temperature))
         return moe_fail(err, errlen, MOE_ERANGE, "sampler: a parameter is infinite");
+    return 0;
+}
+
+int moe_sampler_init(struct moe_sampler **out, const struct moe_sampler_params *p,
+                     uint32_t n_vocab, char *err, size_t errlen)
+{
+    if (n_vocab == 0)
+        return moe_fail(err, errlen, MOE_ERANGE, "sampler: empty vocabulary");
+    int rc = moe_sampler_params_check(p, err, errlen);
+    if (rc)
+        return rc;
 
     struct moe_sampler *s = calloc(1, sizeof *s);
     if (!s)

@@ -38,6 +38,10 @@ void moe_sampler_defaults(struct moe_sampler_params *p);
 
 struct moe_sampler;
 
+/* The ranges moe_sampler_init (and the device sampler) accept: no NaN or infinity, top_p > 0,
+ * min_p in [0, 1], repeat_penalty > 0. Returns 0 or MOE_ERANGE (message in err). */
+int moe_sampler_params_check(const struct moe_sampler_params *p, char *err, size_t errlen);
+
 /* Creates a sampler for a vocabulary of n_vocab logits. Returns 0, -ENOMEM, or MOE_ERANGE
  * (n_vocab 0, NaN or negative parameters, top_p <= 0, penalties <= 0) with a message. */
 int moe_sampler_init(struct moe_sampler **out, const struct moe_sampler_params *p,

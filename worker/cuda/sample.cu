@@ -1317,20 +1317,9 @@ static Levels make_levels(uint32_t n_vocab)
 static int fill_row(const struct moe_sampler_params *p, uint32_t hist_cap,
                     moe_cuda_sample_row *row, char *err, size_t errlen)
 {
-    if (isnan(p->temperature) || isnan(p->top_p) || isnan(p->min_p) || isnan(p->repeat_penalty) ||
-        isnan(p->presence_penalty) || isnan(p->frequency_penalty))
-        return moe_fail(err, errlen, MOE_ERANGE, "sampler: a parameter is NaN");
-    if (!(p->top_p > 0.0f))
-        return moe_fail(err, errlen, MOE_ERANGE, "sampler: top_p must be > 0 (got %g)",
-                        (double)p->top_p);
-    if (p->min_p < 0.0f || p->min_p > 1.0f)
-        return moe_fail(err, errlen, MOE_ERANGE, "sampler: min_p must be in [0, 1] (got %g)",
-                        (double)p->min_p);
-    if (!(p->repeat_penalty > 0.0f) || isinf(p->repeat_penalty))
-        return moe_fail(err, errlen, MOE_ERANGE, "sampler: repeat_penalty must be > 0 (got %g)",
-                        (double)p->repeat_penalty);
-    if (isinf(p->presence_penalty) || isinf(p->frequency_penalty) || isinf(p->temperature))
-        return moe_fail(err, errlen, MOE_ERANGE, "sampler: a parameter is infinite");
+    int rc = moe_sampler_params_check(p, err, errlen);
+    if (rc)
+        return rc;
     if (p->penalty_last_n > 0 && (uint32_t)p->penalty_last_n > hist_cap)
         return moe_fail(err, errlen, MOE_ERANGE,
                         "sampler: penalty_last_n %d exceeds the device history of %u tokens",
