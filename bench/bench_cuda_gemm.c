@@ -35,15 +35,9 @@ int main(void)
 #include "store/quant.h"
 #include "worker/cuda/gemm.h"
 
-#define CU(call)                                                                            \
-    do {                                                                                    \
-        cudaError_t e_ = (call);                                                            \
-        if (e_ != cudaSuccess) {                                                            \
-            fprintf(stderr, "bench_cuda_gemm: %s: %s at %s:%d\n", #call,                    \
-                    cudaGetErrorString(e_), __FILE__, __LINE__);                            \
-            exit(1);                                                                        \
-        }                                                                                   \
-    } while (0)
+#define BENCH_NAME "bench_cuda_gemm"
+#include "bench/bench_cuda.h"
+
 
 #define ROTATE_BYTES (256u << 20)
 #define DISTINCT_ROWS 64
@@ -71,20 +65,11 @@ enum { EXPERTS = 128, ROUTED_TOKENS = 512, TOP_K = 8, SLOTS = ROUTED_TOKENS * TO
 static const uint32_t types[] = {MOE_TYPE_Q4_K, MOE_TYPE_Q6_K, MOE_TYPE_Q8_0, MOE_TYPE_F16,
                                  MOE_TYPE_Q5_K, MOE_TYPE_Q4_0, MOE_TYPE_BF16};
 
-static uint64_t rng = 0x9e3779b97f4a7c15ull;
-
 static uint32_t rng_u32(void)
 {
-    rng ^= rng >> 12;
-    rng ^= rng << 25;
-    rng ^= rng >> 27;
-    return (uint32_t)((rng * 2685821657736338717ull) >> 32);
+    return (uint32_t)(bench_rng_next() >> 32);
 }
 
-static float rng_f(void)
-{
-    return (float)(rng_u32() >> 8) / 8388608.0f - 1.0f;
-}
 
 static int cmp_float(const void *a, const void *b)
 {
@@ -163,7 +148,7 @@ static void fill_rows(uint8_t *h, uint32_t type, int64_t n, size_t bytes, float 
     const size_t rows = bytes / rb;
     for (size_t r = 0; r < DISTINCT_ROWS && r < rows; r++) {
         for (int64_t i = 0; i < n; i++)
-            tmp[i] = rng_f() * (0.02f + 0.05f * (float)((i / 32 + (int64_t)r) % 5));
+            tmp[i] = bench_rng_f() * (0.02f + 0.05f * (float)((i / 32 + (int64_t)r) % 5));
         if (moe_quantize(type, tmp, h + rb * r, n) != 0)
             exit(1);
     }
@@ -231,7 +216,7 @@ int main(int argc, char **argv)
     if (!hx)
         return 1;
     for (size_t i = 0; i < xfloats; i++)
-        hx[i] = rng_f();
+        hx[i] = bench_rng_f();
     CU(cudaMalloc((void **)&dx, xfloats * sizeof(float)));
     CU(cudaMalloc((void **)&dy, yfloats * sizeof(float)));
     CU(cudaMemcpy(dx, hx, xfloats * sizeof(float), cudaMemcpyHostToDevice));

@@ -33,15 +33,9 @@ int main(void)
 #include "store/quant.h"
 #include "worker/cuda/matvec.h"
 
-#define CU(call)                                                                            \
-    do {                                                                                    \
-        cudaError_t e_ = (call);                                                            \
-        if (e_ != cudaSuccess) {                                                            \
-            fprintf(stderr, "bench_cuda_matvec: %s: %s at %s:%d\n", #call,                  \
-                    cudaGetErrorString(e_), __FILE__, __LINE__);                            \
-            exit(1);                                                                        \
-        }                                                                                   \
-    } while (0)
+#define BENCH_NAME "bench_cuda_matvec"
+#include "bench/bench_cuda.h"
+
 
 #define ROTATE_BYTES (256u << 20)
 #define DISTINCT_ROWS 64
@@ -61,15 +55,6 @@ static const uint32_t types[] = {MOE_TYPE_F32, MOE_TYPE_F16, MOE_TYPE_BF16, MOE_
                                  MOE_TYPE_Q6_K, MOE_TYPE_Q5_K, MOE_TYPE_Q5_0, MOE_TYPE_Q4_K,
                                  MOE_TYPE_Q4_0};
 
-static uint64_t rng = 0x9e3779b97f4a7c15ull;
-
-static float rng_f(void)
-{
-    rng ^= rng >> 12;
-    rng ^= rng << 25;
-    rng ^= rng >> 27;
-    return (float)((rng * 2685821657736338717ull) >> 40) / 8388608.0f - 1.0f;
-}
 
 static int64_t copies_for(size_t bytes)
 {
@@ -225,7 +210,7 @@ int main(int argc, char **argv)
         if (shape_filter && !strstr(sh->name, shape_filter))
             continue;
         for (int64_t i = 0; i < sh->n; i++)
-            xh[i] = rng_f();
+            xh[i] = bench_rng_f();
         CU(cudaMemcpy(dx, xh, (size_t)sh->n * sizeof(float), cudaMemcpyHostToDevice));
         for (size_t t = 0; t < sizeof types / sizeof types[0]; t++) {
             uint32_t type = types[t];
@@ -237,7 +222,7 @@ int main(int argc, char **argv)
              * take longer than the whole benchmark, and repetition does not help any cache. */
             for (int64_t r = 0; r < DISTINCT_ROWS; r++) {
                 for (int64_t i = 0; i < sh->n; i++)
-                    tmp[i] = rng_f() * (0.02f + 0.05f * (float)((i / 32 + r) % 5));
+                    tmp[i] = bench_rng_f() * (0.02f + 0.05f * (float)((i / 32 + r) % 5));
                 if (moe_quantize(type, tmp, hw + rb * (size_t)r, sh->n) != 0)
                     return 1;
             }

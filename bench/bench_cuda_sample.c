@@ -29,26 +29,15 @@ int main(void)
 #include "worker/cuda/sample.h"
 #include "worker/sampler.h"
 
-#define CU(call)                                                                            \
-    do {                                                                                    \
-        cudaError_t e_ = (call);                                                            \
-        if (e_ != cudaSuccess) {                                                            \
-            fprintf(stderr, "bench_cuda_sample: %s: %s at %s:%d\n", #call,                  \
-                    cudaGetErrorString(e_), __FILE__, __LINE__);                            \
-            exit(1);                                                                        \
-        }                                                                                   \
-    } while (0)
+#define BENCH_NAME "bench_cuda_sample"
+#include "bench/bench_cuda.h"
+
 
 #define NV 151936u
 
-static uint64_t rng = 0x9e3779b97f4a7c15ull;
-
 static double unit(void)
 {
-    rng ^= rng >> 12;
-    rng ^= rng << 25;
-    rng ^= rng >> 27;
-    return ((double)((rng * 2685821657736338717ull) >> 11) + 0.5) * 0x1.0p-53;
+    return ((double)(bench_rng_next() >> 11) + 0.5) * 0x1.0p-53;
 }
 
 static double normal(void)
