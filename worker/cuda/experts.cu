@@ -510,9 +510,7 @@ int moe_cuda_expert_gate_up(uint32_t gate_type, uint32_t up_type, const void *co
                                  ldact, s);
     if (rc)
         return rc;
-    MOE_CUDA_TRY(moe_launch(swiglu_kernel, dim3((unsigned)((count + 255) / 256)), dim3(256), 0, s,
-                            (const float *)g, (const float *)u, d_act, count));
-    return 0;
+    return moe_cuda_expert_swiglu(g, u, d_act, count, s);
 }
 
 template <int K>
@@ -604,6 +602,34 @@ static int launch_down_grouped(const void *const *d, int64_t ff, int64_t E, cons
     return 0;
 }
 
+/* The grouped down projection for one weight type (etype: only the experts of that type, or
+ * NULL for all). */
+static int down_grouped_dispatch(uint32_t type, const void *const *d_down, int64_t ff, int64_t E,
+                                 const float *d_act, int64_t ldact, const struct moe_cuda_groups *g,
+                                 int max_active, float *d_dout, int64_t ldd, const uint8_t *etype,
+                                 cudaStream_t s)
+{
+#define CALL(T) return launch_down_grouped<T>(d_down, ff, E, d_act, ldact, g, max_active, d_dout, ldd, etype, s);
+#define CASE(T) case T: CALL(T)
+    switch (type) {
+    MOE_QDOT_TYPES(CASE)
+    PLAIN_CASES(CALL, type, ff)
+    }
+#undef CASE
+#undef CALL
+    return MOE_EUNSUPPORTED;
+}
+
+/* h[t] += sum over its kuse slots of weight * dout[slot]. */
+static int launch_combine(const float *d_dout, int64_t ldd, int64_t E, int64_t n_tok, int kuse,
+                          const float *d_sel_w, float *d_h, int64_t ldh, cudaStream_t s)
+{
+    unsigned gx = (unsigned)((E + 255) / 256);
+    MOE_CUDA_TRY(moe_launch(combine_kernel, dim3(gx, (unsigned)n_tok), dim3(256), 0, s, d_dout, ldd,
+                            E, kuse, d_sel_w, d_h, ldh));
+    return 0;
+}
+
 int moe_cuda_expert_gate_up_grouped(uint32_t type, const void *const *d_gate,
                                     const void *const *d_up, int64_t n, int64_t ff,
                                     const float *d_x, int64_t ldx, int kuse,
@@ -631,21 +657,11 @@ int moe_cuda_expert_down_grouped(uint32_t type, const void *const *d_down, int64
 {
     if (max_active <= 0 || max_active > 65535 || n_tok <= 0 || n_tok > 65535)
         return -EINVAL;
-    int rc = MOE_EUNSUPPORTED;
-#define CALL(T) { rc = launch_down_grouped<T>(d_down, ff, E, d_act, ldact, g, max_active, d_dout, ldd, NULL, s); break; }
-#define CASE(T) case T: CALL(T)
-    switch (type) {
-    MOE_QDOT_TYPES(CASE)
-    PLAIN_CASES(CALL, type, ff)
-    }
-#undef CASE
-#undef CALL
+    int rc = down_grouped_dispatch(type, d_down, ff, E, d_act, ldact, g, max_active, d_dout, ldd,
+                                   NULL, s);
     if (rc)
         return rc;
-    unsigned gx = (unsigned)((E + 255) / 256);
-    MOE_CUDA_TRY(moe_launch(combine_kernel, dim3(gx, (unsigned)n_tok), dim3(256), 0, s,
-                            (const float *)d_dout, ldd, E, kuse, d_sel_w, d_h, ldh));
-    return 0;
+    return launch_combine(d_dout, ldd, E, n_tok, kuse, d_sel_w, d_h, ldh, s);
 }
 
 int moe_cuda_expert_mixed(const struct moe_cuda_mixed *mx, int64_t n, int64_t ff, int64_t E,
@@ -671,27 +687,15 @@ int moe_cuda_expert_mixed(const struct moe_cuda_mixed *mx, int64_t n, int64_t ff
                                  d_sel_e, ub, ldact, s, mx->etype[1]);
     if (rc)
         return rc;
-    MOE_CUDA_TRY(moe_launch(swiglu_kernel, dim3((unsigned)((count + 255) / 256)), dim3(256), 0, s,
-                            (const float *)gb, (const float *)ub, d_act, count));
+    if ((rc = moe_cuda_expert_swiglu(gb, ub, d_act, count, s)))
+        return rc;
     const int max_active = (int)(slots < mx->nexp ? slots : mx->nexp);
-    for (int i = 0; i < mx->n_types[2] && !rc; i++) {
-        const uint32_t type = mx->types[2][i];
-        rc = MOE_EUNSUPPORTED;
-#define CALL(T) { rc = launch_down_grouped<T>(mx->down, ff, E, d_act, ldact, g, max_active, d_dout, ldd, mx->etype[2], s); break; }
-#define CASE(T) case T: CALL(T)
-        switch (type) {
-        MOE_QDOT_TYPES(CASE)
-        PLAIN_CASES(CALL, type, ff)
-        }
-#undef CASE
-#undef CALL
-    }
+    for (int i = 0; i < mx->n_types[2] && !rc; i++)
+        rc = down_grouped_dispatch(mx->types[2][i], mx->down, ff, E, d_act, ldact, g, max_active,
+                                   d_dout, ldd, mx->etype[2], s);
     if (rc)
         return rc;
-    unsigned gx = (unsigned)((E + 255) / 256);
-    MOE_CUDA_TRY(moe_launch(combine_kernel, dim3(gx, (unsigned)n_tok), dim3(256), 0, s,
-                            (const float *)d_dout, ldd, E, kuse, d_sel_w, d_h, ldh));
-    return 0;
+    return launch_combine(d_dout, ldd, E, n_tok, kuse, d_sel_w, d_h, ldh, s);
 }
 
 int moe_cuda_expert_swiglu(const float *d_g, const float *d_u, float *d_act, int64_t count,
