@@ -418,19 +418,6 @@ static __global__ void combine_kernel(const float *__restrict__ dout, int64_t ld
     }
 }
 
-static bool qtype(uint32_t t)
-{
-    switch (t) {
-#define CASE(T) case T:
-    MOE_QDOT_TYPES(CASE)
-#undef CASE
-    case MOE_TYPE_F32: case MOE_TYPE_F16: case MOE_TYPE_BF16:
-        return true;
-    default:
-        return false;
-    }
-}
-
 /* The stored type of a kind (the vector kinds read plain types 16 bytes at a time). */
 static constexpr uint32_t base_type(int K)
 {
@@ -492,7 +479,7 @@ int moe_cuda_expert_gate_up(uint32_t gate_type, uint32_t up_type, const void *co
                             int64_t ldx, int64_t n_tok, int kuse, const int32_t *d_sel_e,
                             float *d_act, int64_t ldact, float *d_scratch, cudaStream_t s)
 {
-    if (!qtype(gate_type) || !qtype(up_type))
+    if (!moe_qdot_supported(gate_type) || !moe_qdot_supported(up_type))
         return MOE_EUNSUPPORTED;
     if (n_tok <= 0 || kuse <= 0 || n_tok * kuse > 65535)
         return -EINVAL;
@@ -535,7 +522,7 @@ int moe_cuda_expert_down(uint32_t type, const void *const *d_down, int64_t ff, i
                          const int32_t *d_sel_e, const float *d_sel_w, float *d_h, int64_t ldh,
                          cudaStream_t s)
 {
-    if (!qtype(type))
+    if (!moe_qdot_supported(type))
         return MOE_EUNSUPPORTED;
     if (n_tok <= 0 || kuse <= 0 || n_tok > 65535)
         return -EINVAL;

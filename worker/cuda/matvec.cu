@@ -189,14 +189,7 @@ static int launch(const struct moe_mv_job *jobs, int n_jobs, int64_t n, const fl
 
 extern "C" int moe_cuda_matvec_supported(uint32_t type)
 {
-    switch (type) {
-    case MOE_TYPE_F32: case MOE_TYPE_F16: case MOE_TYPE_BF16: case MOE_TYPE_Q8_0:
-    case MOE_TYPE_Q4_0: case MOE_TYPE_Q4_1: case MOE_TYPE_Q5_0: case MOE_TYPE_Q5_1:
-    case MOE_TYPE_Q4_K: case MOE_TYPE_Q5_K: case MOE_TYPE_Q6_K:
-        return 1;
-    default:
-        return 0;
-    }
+    return moe_qdot_supported(type);
 }
 
 static int aligned(const void *p, uintptr_t a)

@@ -348,10 +348,24 @@ template <int K> __host__ __device__ constexpr int rows_per_warp()
 }
 
 
-/* Dispatches a runtime type to a template instantiated for each kind; F(K) is called with a
- * std::integral_constant-like tag. Returns MOE_EUNSUPPORTED for other types. */
+/* The quantized types unit_dot decodes, as X(type) for each: the cases of a switch that
+ * instantiates a template per type. */
 #define MOE_QDOT_TYPES(X)                                                                  \
     X(MOE_TYPE_Q8_0) X(MOE_TYPE_Q4_0) X(MOE_TYPE_Q4_1) X(MOE_TYPE_Q5_0) X(MOE_TYPE_Q5_1)   \
     X(MOE_TYPE_Q4_K) X(MOE_TYPE_Q5_K) X(MOE_TYPE_Q6_K)
+
+/* The weight types unit_dot handles: MOE_QDOT_TYPES and the plain F32, F16, BF16. */
+static inline bool moe_qdot_supported(uint32_t t)
+{
+    switch (t) {
+#define MOE_QDOT_CASE_(T) case T:
+    MOE_QDOT_TYPES(MOE_QDOT_CASE_)
+#undef MOE_QDOT_CASE_
+    case MOE_TYPE_F32: case MOE_TYPE_F16: case MOE_TYPE_BF16:
+        return true;
+    default:
+        return false;
+    }
+}
 
 #endif
