@@ -968,7 +968,7 @@ HD double row_sum(X &x, const float *lg, uint32_t nv, const SetPred &sp, F f)
 /* Tier B: exact refinement over the whole row at every step. */
 template <class X>
 HD int32_t tier_b(X &x, const Args &a, const moe_cuda_sample_row &p, const float *lg, float M,
-                  uint32_t ncand, double u01, bool tk, bool tp, bool h1)
+                  uint32_t ncand, double u01, bool tk, bool tp, bool hist0_ready)
 {
     const uint32_t nv = a.n_vocab;
     const SetPred all = {0, -INFINITY};
@@ -976,7 +976,7 @@ HD int32_t tier_b(X &x, const Args &a, const moe_cuda_sample_row &p, const float
     uint32_t nA = ncand;
     if (tk) {
         const WCtx w1 = {M, 1.0};
-        const Refine r = refine(x, a, lg, W_COUNT, (double)p.top_k, false, false, false, all, w1, h1);
+        const Refine r = refine(x, a, lg, W_COUNT, (double)p.top_k, false, false, false, all, w1, hist0_ready);
         if (r.bound) {
             XNOTE(x, NOTE_B_BOUND);
             klo = r.P;
@@ -1110,7 +1110,7 @@ HD void penalties(X &x, const Args &a, const moe_cuda_sample_row &p,
 
 template <class X>
 HD int32_t sample_dist(X &x, const Args &a, const moe_cuda_sample_row &p, const float *lg,
-                       float M, uint32_t ncand, double u01, bool h1)
+                       float M, uint32_t ncand, double u01, bool hist0_ready)
 {
     const bool tk = p.top_k > 0 && (uint32_t)p.top_k < ncand;
     const uint32_t nA = tk ? (uint32_t)p.top_k : ncand;
@@ -1128,7 +1128,7 @@ HD int32_t sample_dist(X &x, const Args &a, const moe_cuda_sample_row &p, const 
     }
     if (r == NEED_EXACT) {
         XNOTE(x, NOTE_B);
-        r = tier_b(x, a, p, lg, M, ncand, u01, tk, tp, h1);
+        r = tier_b(x, a, p, lg, M, ncand, u01, tk, tp, hist0_ready);
     }
     return r;
 }
@@ -1152,10 +1152,11 @@ template <class X, bool LP> HD void sample_row(X &x, const Args &a, uint32_t row
         penalties(x, a, p, st, ring, lg, wn);
 
     const bool greedy = !(p.temperature > 0.0f);
-    const bool h1 = !greedy && p.top_k > 0;
+    /* top-k: the first pass over the row also builds the level-0 histogram refine() starts from */
+    const bool hist0_ready = !greedy && p.top_k > 0;
     const int sft0 = a.lev.shift[0];
     const uint32_t B0 = 1u << a.lev.width[0];
-    if (h1)
+    if (hist0_ready)
         clear_hist(x, W_COUNT, B0);
     x.each([&](int t) {
         float bv = -INFINITY, lm = -INFINITY, ls = 0.0f;
@@ -1176,7 +1177,7 @@ template <class X, bool LP> HD void sample_row(X &x, const Args &a, uint32_t row
                     ls += l == lm ? 1.0f : fexp(fsub(l, lm));
                 }
             }
-            if (h1)
+            if (hist0_ready)
                 x.atomic_add(&s.cnt[(uint32_t)(key(l, i, nv) >> sft0) & (B0 - 1)], 1u);
         });
         s.tf0[t] = bv;
@@ -1210,7 +1211,7 @@ template <class X, bool LP> HD void sample_row(X &x, const Args &a, uint32_t row
             const double u01 = rng_unit(st.rng);
             if (M == INFINITY)
                 XNOTE(x, NOTE_PINF);
-            tok = M == INFINITY ? am : sample_dist(x, a, p, lg, M, ncand, u01, h1);
+            tok = M == INFINITY ? am : sample_dist(x, a, p, lg, M, ncand, u01, hist0_ready);
         }
     }
     x.single([&]() {
