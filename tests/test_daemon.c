@@ -181,10 +181,9 @@ static void moed_require_ready(struct moed *d, double timeout)
     }
 }
 
-/* SIGTERM and wait; returns the exit status (or -1 on a timeout, after SIGKILL). */
-static int moed_stop(struct moed *d, double timeout)
+/* Waits up to timeout s for d to exit: its exit status, or -1 (after SIGKILL) when it did not. */
+static int moed_wait_exit(struct moed *d, double timeout)
 {
-    kill(d->pid, SIGTERM);
     double t0 = moe_test_now();
     int st;
     while (moe_test_now() - t0 < timeout) {
@@ -196,6 +195,13 @@ static int moed_stop(struct moed *d, double timeout)
     waitpid(d->pid, NULL, 0);
     dump_log(d);
     return -1;
+}
+
+/* SIGTERM and wait; returns the exit status (or -1 on a timeout, after SIGKILL). */
+static int moed_stop(struct moed *d, double timeout)
+{
+    kill(d->pid, SIGTERM);
+    return moed_wait_exit(d, timeout);
 }
 
 static bool log_contains(const struct moed *d, const char *s)
@@ -1039,22 +1045,6 @@ static long long profile_tokens(const char *sock)
     json_decref(o);
     hc_resp_free(&r);
     return t;
-}
-
-/* Waits up to timeout s for d to exit: its exit status, or -1 (after SIGKILL) when it did not. */
-static int moed_wait_exit(struct moed *d, double timeout)
-{
-    double t0 = moe_test_now();
-    int st;
-    while (moe_test_now() - t0 < timeout) {
-        if (waitpid(d->pid, &st, WNOHANG) == d->pid)
-            return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
-        usleep(20000);
-    }
-    kill(d->pid, SIGKILL);
-    waitpid(d->pid, NULL, 0);
-    dump_log(d);
-    return -1;
 }
 
 /* Whether process pid has a file descriptor open on a path ending in suffix. */
