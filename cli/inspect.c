@@ -22,39 +22,10 @@
 #include "store/ggml_type.h"
 #include "store/gguf.h"
 #include "store/model.h"
+#include "store/units.h"
 
 #define INSPECT_RESERVE ((uint64_t)512 << 20)
 #define INSPECT_DEFAULT_CTX 4096
-
-/* Parses "12G", "12GiB", "12GB", "1.5T", "500M", "64k", "1048576". Suffixes are binary
- * (K = 1024) with or without "B"/"iB": a VRAM budget is always thought of in GiB. */
-static int parse_size(const char *s, uint64_t *out)
-{
-    char *end;
-    errno = 0;
-    double v = strtod(s, &end);
-    if (end == s || errno || !(v >= 0))
-        return -1;
-    uint64_t mul = 1;
-    switch (*end) {
-    case 'k': case 'K': mul = 1ull << 10; end++; break;
-    case 'm': case 'M': mul = 1ull << 20; end++; break;
-    case 'g': case 'G': mul = 1ull << 30; end++; break;
-    case 't': case 'T': mul = 1ull << 40; end++; break;
-    default: break;
-    }
-    if (mul > 1 && (!strcmp(end, "iB") || !strcmp(end, "B")))
-        end += strlen(end);
-    else if (mul == 1 && !strcmp(end, "B"))
-        end++;
-    if (*end)
-        return -1;
-    double bytes = v * (double)mul;
-    if (bytes >= 18446744073709551616.0)
-        return -1;
-    *out = (uint64_t)bytes;
-    return 0;
-}
 
 static const char *human(uint64_t b, char *buf, size_t n)
 {
@@ -238,7 +209,7 @@ static int cmd_inspect(int argc, char **argv)
     bool have_budget = false;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--vram-budget") && i + 1 < argc) {
-            if (parse_size(argv[++i], &budget) != 0) {
+            if (moe_parse_size(argv[++i], &budget) != 0) {
                 fprintf(stderr, "moectl inspect: bad size '%s'\n", argv[i]);
                 usage(stderr);
                 return 2;

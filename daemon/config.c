@@ -14,9 +14,10 @@
 #include "daemon/devices.h"
 #include "daemon/http.h"
 #include "store/err.h"
+#include "store/units.h"
 
 /* K_DEVICES: a string, checked to be cpu, auto or a list of GPU indexes. */
-enum kind { K_STR, K_DEVICES, K_U32, K_SIZE, K_LEVEL };
+enum kind { K_STR, K_DEVICES, K_U32, K_SIZE, K_LEVEL, K_SHARE, K_CACHE };
 
 struct key {
     const char *name;
@@ -48,6 +49,8 @@ static const struct key keys[] = {
     {"parallel", K_U32, F(parallel), "N", "concurrent sequences per worker (default 4)", 1, MAX_PARALLEL},
     {"threads", K_U32, F(threads), "N", "compute threads per worker (0 or default: cores / workers)", 0, MAX_THREADS},
     {"vram-budget", K_SIZE, F(vram_budget), "SIZE", "VRAM per GPU worker, e.g. 24G (0 or default: the worker decides)", 0, UINT64_MAX},
+    {"expert-residency", K_SHARE, F(expert_residency), "SHARE", "GPU workers: share of each layer's experts in VRAM, e.g. 60% (default: as the budget allows)", 0, 0},
+    {"cache-slots", K_CACHE, F(cache_slots), "N", "GPU workers: per-layer expert slots kept as a cache: auto, off or a count (default auto)", 0, 0},
     {"config", K_STR, F(config_file), "FILE", "config file with the same keys (key = value)", 0, 0},
     {"log-level", K_LEVEL, F(log_level), "LEVEL", "error | warn | info | debug (default info)", 0, 0},
     {"log-file", K_STR, F(log_file), "PATH", "log to a file instead of stderr (SIGHUP reopens)", 0, 0},
@@ -108,38 +111,7 @@ void config_free(struct moed_config *c)
 
 int config_parse_size(const char *s, uint64_t *out)
 {
-    if (!s)
-        return MOE_EFORMAT;
-    while (isspace((unsigned char)*s))
-        s++;
-    if (!isdigit((unsigned char)*s) && *s != '.')
-        return MOE_EFORMAT;
-    errno = 0;
-    char *end;
-    double v = strtod(s, &end);
-    if (errno || end == s || v < 0)
-        return MOE_EFORMAT;
-    double mul = 1;
-    switch (tolower((unsigned char)*end)) {
-    case 'k': mul = 1024.0; end++; break;
-    case 'm': mul = 1024.0 * 1024; end++; break;
-    case 'g': mul = 1024.0 * 1024 * 1024; end++; break;
-    case 't': mul = 1024.0 * 1024 * 1024 * 1024; end++; break;
-    default: break;
-    }
-    if (mul > 1 && (*end == 'i' || *end == 'I'))
-        end++;
-    if (*end == 'b' || *end == 'B')
-        end++;
-    while (isspace((unsigned char)*end))
-        end++;
-    if (*end)
-        return MOE_EFORMAT;
-    double bytes = v * mul;
-    if (bytes >= 18446744073709551615.0)
-        return MOE_ERANGE;
-    *out = (uint64_t)bytes;
-    return 0;
+    return moe_parse_size(s, out);
 }
 
 /* "cpu", "auto" or "0,1": at most DEVICES_MAX indexes below DEVICES_MAX, as plan_workers reads
@@ -237,6 +209,31 @@ int config_set(struct moed_config *c, const char *key, const char *value, char *
                             size_text(k->min, lo, sizeof lo), size_text(k->max, hi, sizeof hi), value);
         }
         *(uint64_t *)p = v;
+        return 0;
+    }
+    case K_SHARE: {
+        int rc = moe_parse_share(value, (double *)p);
+        if (rc)
+            return moe_fail(err, errlen, rc, "%s: '%s' is not a share in (0, 1] such as 60%% or 0.6",
+                            k->name, value);
+        return 0;
+    }
+    case K_CACHE: {
+        char *end;
+        errno = 0;
+        if (!strcmp(value, "auto")) {
+            *(int32_t *)p = 0;
+            return 0;
+        }
+        if (!strcmp(value, "off")) {
+            *(int32_t *)p = -1;
+            return 0;
+        }
+        unsigned long long v = isdigit((unsigned char)value[0]) ? strtoull(value, &end, 10) : 0;
+        if (!isdigit((unsigned char)value[0]) || *end || errno || v < 1 || v > 65536)
+            return moe_fail(err, errlen, MOE_EFORMAT, "%s must be auto, off or 1..65536, not '%s'",
+                            k->name, value);
+        *(int32_t *)p = (int32_t)v;
         return 0;
     }
     case K_LEVEL:

@@ -304,7 +304,7 @@ static int hook_placement(void *user, char **json, char *err, size_t errlen)
 static int hook_metrics(void *user, char **text)
 {
     struct daemon *d = user;
-    size_t cap = 512 + (size_t)d->n_workers * 1024, n = 0;
+    size_t cap = 2048 + (size_t)d->n_workers * 1024, n = 0;
     char *b = malloc(cap);
     if (!b)
         return -ENOMEM;
@@ -335,6 +335,16 @@ static int hook_metrics(void *user, char **text)
     for (uint32_t i = 0; i < nw; i++)
         n += (size_t)snprintf(b + n, cap - n, "moed_worker_vram_used_bytes{worker=\"%u\"} %" PRIu64 "\n",
                               i, wi[i].vram_used);
+    n += (size_t)snprintf(b + n, cap - n, "# HELP moed_worker_expert_hits_total Chosen experts found "
+                          "in VRAM (GPU workers).\n# TYPE moed_worker_expert_hits_total counter\n");
+    for (uint32_t i = 0; i < nw; i++)
+        n += (size_t)snprintf(b + n, cap - n, "moed_worker_expert_hits_total{worker=\"%u\"} %" PRIu64 "\n",
+                              i, wi[i].expert_hits);
+    n += (size_t)snprintf(b + n, cap - n, "# HELP moed_worker_expert_misses_total Chosen experts "
+                          "read from host memory (GPU workers).\n# TYPE moed_worker_expert_misses_total counter\n");
+    for (uint32_t i = 0; i < nw; i++)
+        n += (size_t)snprintf(b + n, cap - n, "moed_worker_expert_misses_total{worker=\"%u\"} %" PRIu64 "\n",
+                              i, wi[i].expert_misses);
     n += (size_t)snprintf(b + n, cap - n, "# TYPE moed_profile_tokens gauge\nmoed_profile_tokens %" PRIu64 "\n",
                           d->profile.tokens);
     *text = b;
@@ -395,6 +405,13 @@ static void push_placement(struct daemon *d)
              d->profile.tokens, rc ? " (not sent: size mismatch)" : "");
     moe_placement_free(&pl);
     free(bits);
+}
+
+/* A starting GPU worker's hot set follows the profile learned so far. */
+static const uint64_t *profile_counts(void *user)
+{
+    struct daemon *d = user;
+    return d->profile.tokens > 0 ? d->profile.counts : NULL;
 }
 
 static void on_ready(void *user)
@@ -688,6 +705,9 @@ static int start_workers(struct daemon *d)
         .n_seq = c->parallel,
         .n_threads = (int)c->threads,
         .vram_budget = c->vram_budget,
+        .expert_residency = c->expert_residency,
+        .cache_slots = c->cache_slots,
+        .profile_counts = profile_counts,
         .store_fd = moe_store_fd(d->store),
         .store_size = moe_store_size(d->store),
         .store_fingerprint = d->model.fingerprint,

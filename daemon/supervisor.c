@@ -369,6 +369,8 @@ static int on_msg(struct moe_ipc_conn *c, void *user, const Moed__Envelope *env,
         w->info.tokens_generated = env->metrics->tokens_generated;
         w->info.prompt_tokens = env->metrics->prompt_tokens;
         w->info.tokens_per_s = env->metrics->decode_tokens_per_s;
+        w->info.expert_hits = env->metrics->expert_hits;
+        w->info.expert_misses = env->metrics->expert_misses;
         if (env->metrics->vram_used)
             w->info.vram_used = env->metrics->vram_used;
         return 0;
@@ -491,6 +493,13 @@ static int slot_start(struct wslot *w, char *err, size_t errlen)
     h.store_size = ws->o.store_fd >= 0 ? ws->o.store_size : 0;
     h.store_fingerprint = ws->o.store_fingerprint;
     h.vram_budget = ws->o.vram_budget;
+    h.expert_residency = ws->o.expert_residency;
+    h.cache_slots = ws->o.cache_slots;
+    const uint64_t *pc = ws->o.profile_counts ? ws->o.profile_counts(ws->o.user) : NULL;
+    if (pc) {
+        h.expert_counts = (uint64_t *)pc;
+        h.n_expert_counts = (size_t)ws->lim.n_layer * ws->lim.n_expert;
+    }
     h.n_vocab = ws->lim.n_vocab;
     h.n_layer = ws->lim.n_layer;
     h.n_expert = ws->lim.n_expert;

@@ -60,6 +60,8 @@ struct moed_workers_opts {
     uint32_t n_batch;             /* most tokens per forward step; 0: worker default */
     int n_threads;                /* compute threads per worker; 0: all cores / n_workers */
     uint64_t vram_budget;         /* bytes, for GPU workers; 0: worker default */
+    double expert_residency;      /* GPU workers: share of experts in VRAM; 0: budget decides */
+    int32_t cache_slots;          /* GPU workers: per-layer cache slots; 0 auto, -1 none */
 
     /* The expert store: a memfd passed to every worker with SCM_RIGHTS in its Hello frame.
      * store_fd < 0: no store; workers map model_path themselves. The fd stays owned by the
@@ -90,6 +92,9 @@ struct moed_workers_opts {
      * [n_layer][n_expert], valid during the call. */
     void (*on_routing)(void *user, uint32_t worker, const uint64_t *counts, uint32_t n_layer,
                        uint32_t n_expert, uint64_t n_tokens);
+    /* The routing counts a starting worker places its hot experts by, [n_layer][n_expert], or
+     * NULL for none (a fresh profile); valid during the call. May be NULL. */
+    const uint64_t *(*profile_counts)(void *user);
     /* Called once, the first time every worker is Ready or failed for good, with at least one
      * Ready (sd_notify READY=1). */
     void (*on_ready)(void *user);
@@ -109,6 +114,7 @@ struct moed_worker_info {
     uint64_t weights_bytes, kv_bytes, vram_used, ram_used;
     uint64_t tokens_generated, prompt_tokens;
     double tokens_per_s;          /* decode rate in the worker's last Metrics interval */
+    uint64_t expert_hits, expert_misses; /* GPU expert cache lookups, cumulative */
     char last_error[160];         /* why it last died or was rejected; "" when never */
 };
 

@@ -1,6 +1,7 @@
 /* The daemon's pure pieces: config parsing (defaults < file < command line), the ChatML
  * renderer, stop-string search and hold-back, the admin peer check, and the API's chat
  * tokenization against the real golden tokenizer. */
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -12,6 +13,7 @@
 #include "store/err.h"
 #include "store/gguf.h"
 #include "store/tokenizer.h"
+#include "store/units.h"
 #include "tests/harness.h"
 
 TEST(config_sizes)
@@ -251,4 +253,57 @@ TEST(config_example_file_loads)
     CHECK_STREQ(c.devices, "auto");
     CHECK_EQ(c.ctx, 4096);
     config_free(&c);
+}
+
+TEST(parse_share_accepts_fractions_and_percent)
+{
+    double v;
+    CHECK(moe_parse_share("0.6", &v) == 0 && v == 0.6);
+    CHECK(moe_parse_share("60%", &v) == 0 && fabs(v - 0.6) < 1e-12);
+    CHECK(moe_parse_share(" 100% ", &v) == 0 && v == 1.0);
+    CHECK(moe_parse_share("1", &v) == 0 && v == 1.0);
+    CHECK_EQ(moe_parse_share("0", &v), MOE_ERANGE);
+    CHECK_EQ(moe_parse_share("101%", &v), MOE_ERANGE);
+    CHECK_EQ(moe_parse_share("1.5", &v), MOE_ERANGE);
+    CHECK_EQ(moe_parse_share("-0.5", &v), MOE_EFORMAT);
+    CHECK_EQ(moe_parse_share("60%%", &v), MOE_EFORMAT);
+    CHECK_EQ(moe_parse_share("nan", &v), MOE_EFORMAT);
+    CHECK_EQ(moe_parse_share("", &v), MOE_EFORMAT);
+}
+
+TEST(config_offload_options)
+{
+    struct moed_config c;
+    bool help;
+    char err[512];
+    CHECK(config_init(&c) == 0);
+    CHECK_EQ(c.cache_slots, 0);
+    CHECK(c.expert_residency == 0.0);
+    char *argv[] = {"moed", "--model", "m", "--expert-residency", "60%", "--cache-slots", "off",
+                    NULL};
+    CHECK_MSG(config_parse_args(&c, 7, argv, &help, err, sizeof err) == 0, "%s", err);
+    CHECK(fabs(c.expert_residency - 0.6) < 1e-12);
+    CHECK_EQ(c.cache_slots, -1);
+    config_free(&c);
+
+    CHECK(config_init(&c) == 0);
+    char *argv2[] = {"moed", "--model", "m", "--cache-slots", "12", NULL};
+    CHECK_MSG(config_parse_args(&c, 5, argv2, &help, err, sizeof err) == 0, "%s", err);
+    CHECK_EQ(c.cache_slots, 12);
+    config_free(&c);
+
+    static const char *const bad[][2] = {{"--expert-residency", "0"},
+                                         {"--expert-residency", "150%"},
+                                         {"--expert-residency", "most"},
+                                         {"--cache-slots", "-1"},
+                                         {"--cache-slots", "0"},
+                                         {"--cache-slots", "lots"}};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        CHECK(config_init(&c) == 0);
+        char *av[] = {"moed", "--model", "m", (char *)bad[i][0], (char *)bad[i][1], NULL};
+        CHECK_MSG(config_parse_args(&c, 5, av, &help, err, sizeof err) != 0, "%s %s", bad[i][0],
+                  bad[i][1]);
+        CHECK_MSG(strstr(err, bad[i][0] + 2), "%s", err);
+        config_free(&c);
+    }
 }

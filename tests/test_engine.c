@@ -652,3 +652,34 @@ TEST(engine_sampling_equals_host_sampler)
     moe_engine_free(c);
     test_model_close(&tm);
 }
+
+/* Offload settings are checked at init: a residency outside (0, 1] or too many cache slots is a
+ * range error, and on the CPU (which reads every expert where it computes) they are refused. */
+TEST(engine_offload_options_checked)
+{
+    struct test_model tm;
+    test_model_open_golden(&tm, "Q8_0");
+    struct moe_engine *e = NULL;
+    char err[512];
+    struct moe_engine_opts o = {.n_ctx = 16, .n_seq = 1, .n_batch = 8, .device = "cpu",
+                                .expert_residency = 1.5};
+    CHECK_EQ(moe_engine_init(&e, &tm.m, &o, err, sizeof err), MOE_ERANGE);
+    CHECK(strstr(err, "residency"));
+    o.expert_residency = 0;
+    o.cache_slots = (int32_t)tm.m.hp.n_expert + 1;
+    CHECK_EQ(moe_engine_init(&e, &tm.m, &o, err, sizeof err), MOE_ERANGE);
+    o.cache_slots = 0;
+    o.expert_residency = 0.5;
+    CHECK_EQ(moe_engine_init(&e, &tm.m, &o, err, sizeof err), MOE_EUNSUPPORTED);
+    CHECK(strstr(err, "needs a CUDA device"));
+    o.expert_residency = 0;
+    o.vram_budget = 1u << 30;
+    CHECK_EQ(moe_engine_init(&e, &tm.m, &o, err, sizeof err), MOE_EUNSUPPORTED);
+    o.vram_budget = 0;
+    CHECK_EQ(moe_engine_init(&e, &tm.m, &o, err, sizeof err), 0);
+    struct moe_offload_stats s;
+    CHECK_EQ(moe_engine_offload_stats(e, &s, NULL), 0);
+    CHECK(!s.active);
+    moe_engine_free(e);
+    test_model_close(&tm);
+}

@@ -42,6 +42,9 @@
 #include "store/model.h"
 #include "worker/sampler.h"
 
+struct moe_offload_stats;
+struct moe_offload_layer;
+
 /* Dimensions and options a backend is built for (filled by worker/engine.c). */
 struct moe_dims {
     int64_t E, H, Hkv, hd, hdv;        /* n_embd, heads, kv heads, head dims (k, v) */
@@ -53,6 +56,11 @@ struct moe_dims {
     int n_threads;                     /* CPU: 0 = all cores */
     int device;                        /* CUDA: device index */
     bool kv_f32;                       /* CUDA: keep the KV cache in f32 (default f16) */
+    uint64_t vram_budget;              /* CUDA offload: see struct moe_engine_opts */
+    double expert_residency;
+    int32_t cache_slots;
+    const uint64_t *expert_counts;
+    bool host_register;
 };
 
 /* Activation buffers, each with room for n_batch rows. */
@@ -146,6 +154,9 @@ struct moe_backend_vt {
     const char *(*errmsg)(const struct moe_backend *b);
     /* Bytes of device memory the backend holds (0 on the CPU) and a one-line description. */
     void (*info)(const struct moe_backend *b, uint64_t *device_bytes, char *desc, size_t len);
+    /* Expert offload counters (NULL: the backend keeps every expert where it computes). */
+    int (*offload_stats)(struct moe_backend *b, struct moe_offload_stats *s,
+                         struct moe_offload_layer *per_layer);
 };
 
 /* Every backend struct starts with this. */

@@ -222,6 +222,24 @@ int moe_engine_init(struct moe_engine **out, const struct moe_model *m,
     d->n_threads = o->n_threads;
     d->device = dev_index;
     d->kv_f32 = o->kv_f32;
+    d->vram_budget = o->vram_budget;
+    d->expert_residency = o->expert_residency;
+    d->cache_slots = o->cache_slots;
+    d->expert_counts = o->expert_counts;
+    d->host_register = o->host_register;
+    if (!(o->expert_residency >= 0.0 && o->expert_residency <= 1.0) || o->cache_slots < -1 ||
+        (int64_t)o->cache_slots > d->nexp) {
+        rc = moe_fail(err, errlen, MOE_ERANGE,
+                      "engine: expert residency %g outside (0, 1] or cache slots %d outside "
+                      "-1..%lld", o->expert_residency, o->cache_slots, (long long)d->nexp);
+        goto fail;
+    }
+    if ((o->vram_budget || o->expert_residency > 0.0) && !vt->offload_stats) {
+        rc = moe_fail(err, errlen, MOE_EUNSUPPORTED,
+                      "engine: a VRAM budget or expert residency needs a CUDA device (got %s)",
+                      e->device);
+        goto fail;
+    }
 
     if ((rc = check_model(vt, m, d, err, errlen)))
         goto fail;
@@ -243,6 +261,7 @@ int moe_engine_init(struct moe_engine **out, const struct moe_model *m,
 
     if ((rc = vt->init(&e->b, m, d, err, errlen)))
         goto fail;
+    d->expert_counts = e->o.expert_counts = NULL; /* read by init only */
     e->o.n_threads = d->n_threads;
     *out = e;
     return 0;
@@ -315,6 +334,20 @@ void moe_engine_info(const struct moe_engine *e, struct moe_engine_info *info)
     uint64_t es = e->b->vt == &moe_backend_cpu || e->d.kv_f32 ? 4 : 2;
     info->kv_bytes = (uint64_t)e->d.L * e->d.n_seq * e->d.n_ctx *
                      (uint64_t)(e->d.kdim + e->d.vdim) * es;
+}
+
+int moe_engine_offload_stats(struct moe_engine *e, struct moe_offload_stats *s,
+                             struct moe_offload_layer *per_layer)
+{
+    memset(s, 0, sizeof *s);
+    if (per_layer)
+        memset(per_layer, 0, sizeof *per_layer * (size_t)e->d.L);
+    if (!e->b->vt->offload_stats)
+        return 0;
+    int rc = e->b->vt->offload_stats(e->b, s, per_layer);
+    if (rc)
+        return eng_err(e, rc, "offload stats: %s", e->b->vt->errmsg(e->b));
+    return 0;
 }
 
 struct moe_backend *moe_engine_backend(struct moe_engine *e)

@@ -22,6 +22,17 @@ struct moe_engine_opts {
     int n_threads;       /* CPU threads; 0: all cores */
     const char *device;  /* "cpu" (NULL: cpu) or "cuda:K" */
     bool kv_f32;         /* CUDA: float32 KV cache instead of f16 */
+    /* CUDA expert offload (docs/offload.md). Experts that do not get a VRAM slot are read from
+     * host memory inside the step, so the output does not depend on these settings. */
+    uint64_t vram_budget;          /* device bytes the engine may hold in all; 0: no budget */
+    double expert_residency;       /* share (0, 1] of each layer's experts given VRAM slots;
+                                    * 0: as vram_budget allows (all without a budget) */
+    int32_t cache_slots;           /* cache ring slots per layer; 0: auto; -1: no ring */
+    const uint64_t *expert_counts; /* [n_layer][n_expert] routing counts the hot set follows
+                                    * (most-used first; read by init only); NULL: expert order */
+    bool host_register;            /* the experts live in shared memory (the daemon's store) that
+                                    * the GPU may map; else experts outside VRAM are read from a
+                                    * pinned copy */
 };
 
 struct moe_batch {
@@ -76,10 +87,33 @@ int32_t moe_engine_seq_len(const struct moe_engine *e, int32_t seq);
 /* What the engine runs on. */
 struct moe_engine_info {
     char device[32];           /* "cpu", "cuda:0" */
-    char desc[160];            /* "NVIDIA H200, 132 SMs, ..." */
+    char desc[320];            /* "NVIDIA H200, 132 SMs, ..." */
     uint64_t device_bytes;     /* device memory held (CUDA: peak use incl. the context) */
     uint64_t kv_bytes;         /* the KV cache for n_seq x n_ctx positions */
 };
 void moe_engine_info(const struct moe_engine *e, struct moe_engine_info *info);
+
+/* Device memory a VRAM budget keeps free at init for what is allocated later (CUDA graphs). */
+#define MOE_OFFLOAD_RESERVE ((uint64_t)64 << 20)
+
+/* Expert residency and the expert cache, per layer and in all (zero without offload). */
+struct moe_offload_layer {
+    uint32_t slots;                /* experts with a VRAM slot: hot + ring */
+    uint32_t hot;                  /* slots never evicted */
+    uint64_t hits, misses;         /* chosen experts found in VRAM / not (one per step) */
+    uint64_t fill_bytes;           /* bytes copied from host memory into ring slots */
+    uint64_t direct;               /* misses computed from host memory (no free ring slot) */
+};
+struct moe_offload_stats {
+    bool active;                   /* some experts are outside VRAM */
+    uint64_t expert_bytes;         /* all experts */
+    uint64_t expert_vram_bytes;    /* the slots */
+    uint64_t hits, misses, fill_bytes, direct, direct_bytes;
+    uint64_t budget;               /* vram_budget, 0 for none */
+    uint64_t device_bytes_now;     /* device memory in use now (CUDA: incl. the context) */
+};
+/* Fills *s and, when per_layer is not NULL, per_layer[n_layer]. Returns 0 or an error. */
+int moe_engine_offload_stats(struct moe_engine *e, struct moe_offload_stats *s,
+                             struct moe_offload_layer *per_layer);
 
 #endif

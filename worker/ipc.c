@@ -49,6 +49,7 @@ struct wevent {
     uint64_t tokens_generated, prompt_tokens;
     uint32_t running;
     double tokens_per_s;
+    uint64_t expert_hits, expert_misses;
     struct wevent *next;
 };
 
@@ -166,6 +167,12 @@ static int sink_report(void *user, const struct moe_batcher_report *r)
     ev->prompt_tokens = r->prompt_tokens;
     ev->running = r->running;
     ev->tokens_per_s = r->tokens_per_s;
+    /* The device expert cache's counters (zero without offload); between steps, here. */
+    struct moe_offload_stats os;
+    if (moe_engine_offload_stats(w->eng, &os, NULL) == 0) {
+        ev->expert_hits = os.hits;
+        ev->expert_misses = os.misses;
+    }
     post(w, ev);
     return 0;
 }
@@ -383,10 +390,10 @@ static int on_msg(struct moe_ipc_conn *conn, void *user, const Moed__Envelope *e
     case MOED__ENVELOPE__MSG_CANCEL:
         return on_cancel(w, env->cancel->id);
     case MOED__ENVELOPE__MSG_SET_PLACEMENT:
-        /* The CPU backend reads every expert from the store; placement only matters to a
-         * device expert cache. */
-        moe_ipc_log(MOE_LOG_DEBUG, "placement received (%zu bytes); the CPU backend ignores it",
-                    env->set_placement->hot.len);
+        /* The CPU backend reads every expert from the store; a GPU worker chooses its hot set
+         * at start (from the profile in Hello) and does not re-place live yet. */
+        moe_ipc_log(MOE_LOG_DEBUG, "placement received (%zu bytes); the hot set stays as chosen "
+                    "at start", env->set_placement->hot.len);
         return 0;
     case MOED__ENVELOPE__MSG_EXPERT_READY:
         moe_ipc_log(MOE_LOG_WARN, "expert_ready for (%u, %u) ignored: this worker has no tiered store",
@@ -470,6 +477,8 @@ static void send_event(struct worker *w, struct wevent *ev)
         m.prompt_tokens = ev->prompt_tokens;
         m.running = ev->running;
         m.decode_tokens_per_s = ev->tokens_per_s;
+        m.expert_hits = ev->expert_hits;
+        m.expert_misses = ev->expert_misses;
         env.msg_case = MOED__ENVELOPE__MSG_METRICS;
         env.metrics = &m;
         moe_ipc_conn_send(w->conn, &env);
@@ -585,6 +594,19 @@ static int load(struct worker *w, const Moed__Hello *h, int store_fd, char *err,
     struct moe_engine_opts eo = {.n_ctx = w->n_ctx, .n_seq = w->n_seq, .n_batch = w->n_batch,
                                  .n_threads = h->n_threads,
                                  .device = h->device[0] ? h->device : "cpu"};
+    if (!strncmp(eo.device, "cuda", 4)) {
+        /* Expert offload: the budget and residency apply to GPU workers; the hot set follows
+         * the daemon's profile when it sent one of the model's shape. */
+        eo.vram_budget = h->vram_budget;
+        eo.expert_residency = h->expert_residency;
+        eo.cache_slots = h->cache_slots;
+        eo.host_register = store_fd >= 0;
+        if (h->n_expert_counts == (size_t)hp->n_layer * hp->n_expert)
+            eo.expert_counts = h->expert_counts;
+        else if (h->n_expert_counts)
+            moe_ipc_log(MOE_LOG_WARN, "ignoring %zu profile counts (the model has %u x %u experts)",
+                        h->n_expert_counts, hp->n_layer, hp->n_expert);
+    }
     return moe_engine_init(&w->eng, &w->model, &eo, err, errlen);
 }
 

@@ -26,6 +26,7 @@
 #include "store/err.h"
 #include "store/io.h"
 #include "worker/cpu/kernels.h"
+#include "store/units.h"
 #include "worker/engine.h"
 #include "worker/engine_load.h"
 #include "worker/ipc.h"
@@ -45,6 +46,9 @@ struct opts {
     int64_t ctx, batch;
     bool json, routing_stats, list_devices, kv_f32;
     int ipc_fd;
+    uint64_t vram_budget;
+    double expert_residency;
+    int32_t cache_slots;
 };
 
 static void usage(FILE *f)
@@ -66,6 +70,10 @@ static void usage(FILE *f)
             "  --batch N             most tokens per forward step (default 512)\n"
             "  --kv-type f16|f32     KV cache element type on a GPU (default f16; the CPU keeps f32)\n"
             "  --device cpu|cuda:K   (default cpu)\n"
+            "  --vram-budget SIZE    GPU: device memory in all, e.g. 12G; experts that do not fit\n"
+            "                        are read from host memory (the output does not change)\n"
+            "  --expert-residency P  GPU: share of each layer's experts in VRAM, e.g. 60%% or 0.6\n"
+            "  --cache-slots N|auto|off  GPU: per-layer expert slots used as a cache (default auto)\n"
             "  --dump-logits F       write float32 [n_prompt][n_vocab] prompt logits to F\n"
             "  --json                print {\"prompt_tokens\", \"tokens\", \"text\"} on stdout\n"
             "  --routing-stats       print per-layer expert counts to stderr at the end\n",
@@ -148,6 +156,7 @@ static int parse_args(int argc, char **argv, struct opts *o)
             "--top-k", "--top-p", "--min-p", "--repeat-penalty", "--repeat-last-n",
             "--presence-penalty", "--frequency-penalty", "--threads", "-t", "--ctx", "-c",
             "--batch", "-b", "--device", "--dump-logits", "--ipc-fd", "--kv-type",
+            "--vram-budget", "--expert-residency", "--cache-slots",
         };
         bool known = false;
         for (size_t k = 0; k < sizeof with_value / sizeof *with_value; k++)
@@ -177,6 +186,25 @@ static int parse_args(int argc, char **argv, struct opts *o)
                 return 2;
             }
             o->kv_f32 = !strcmp(v, "f32");
+        }
+        else if (!strcmp(a, "--vram-budget")) {
+            if (moe_parse_size(v, &o->vram_budget) || o->vram_budget == 0) {
+                fprintf(stderr, "moed-worker: --vram-budget: '%s' is not a size such as 12G\n", v);
+                return 2;
+            }
+        } else if (!strcmp(a, "--expert-residency")) {
+            if (moe_parse_share(v, &o->expert_residency)) {
+                fprintf(stderr, "moed-worker: --expert-residency: '%s' is not a share in (0, 1] "
+                                "such as 60%% or 0.6\n", v);
+                return 2;
+            }
+        } else if (!strcmp(a, "--cache-slots")) {
+            if (!strcmp(v, "auto"))
+                o->cache_slots = 0;
+            else if (!strcmp(v, "off"))
+                o->cache_slots = -1;
+            else if ((bad = parse_i64(a, v, 1, 1 << 20, &n)) == 0)
+                o->cache_slots = (int32_t)n;
         }
         else if (!strcmp(a, "-n") || !strcmp(a, "--n-predict"))
             bad = parse_i64(a, v, 0, INT32_MAX, &o->n_predict);
@@ -354,7 +382,9 @@ static int run_standalone(const struct opts *o)
     struct moe_engine_opts eo = {.n_ctx = (uint32_t)oo.ctx, .n_seq = 1,
                                  .n_batch = (uint32_t)(oo.batch ? oo.batch : 512),
                                  .n_threads = oo.threads, .device = o->device,
-                                 .kv_f32 = o->kv_f32};
+                                 .kv_f32 = o->kv_f32, .vram_budget = o->vram_budget,
+                                 .expert_residency = o->expert_residency,
+                                 .cache_slots = o->cache_slots};
     if ((rc = moe_engine_init(&eng, m, &eo, err, sizeof err))) {
         fprintf(stderr, "moed-worker: %s\n", err);
         goto done;
@@ -531,6 +561,20 @@ static int run_standalone(const struct opts *o)
         printf("%s\n", dumped);
         free(dumped);
         fflush(stdout);
+    }
+    {
+        struct moe_offload_stats os;
+        if (moe_engine_offload_stats(eng, &os, NULL) == 0 && os.active) {
+            const uint64_t looked = os.hits + os.misses;
+            fprintf(stderr,
+                    "moed-worker: experts %.2f of %.2f GiB in VRAM; %" PRIu64 " hits, %" PRIu64
+                    " misses (%.1f%%), %.1f MiB copied to VRAM, %" PRIu64 " read from host "
+                    "(%.1f MiB)\n",
+                    (double)os.expert_vram_bytes / (1 << 30), (double)os.expert_bytes / (1 << 30),
+                    os.hits, os.misses, looked ? 100.0 * (double)os.misses / (double)looked : 0.0,
+                    (double)os.fill_bytes / (1 << 20), os.direct,
+                    (double)os.direct_bytes / (1 << 20));
+        }
     }
     if (o->routing_stats) {
         uint64_t *counts = calloc((size_t)m->hp.n_layer * m->hp.n_expert, sizeof *counts);

@@ -424,8 +424,27 @@ TEST_TIMEOUT(cuda_engine_sampling_matches_cpu, 300)
     test_model_close(&tm);
 }
 
-/* A sampled step of more sequences than one pass of the head holds (70 > 64 rows): greedy tokens
- * equal to the CPU engine's. */
+/* A sampled step of more sequences than one pass of the head holds (70 > 64 rows): the greedy
+ * tokens drawn on the device are the argmax of the device's own logits for the same step (the
+ * sampler read the right rows, pass by pass), and equal to the CPU engine's tokens wherever the
+ * CPU's top two logits are not a near tie. */
+static int32_t argmax_row(const float *r, int64_t V, float *margin)
+{
+    int32_t best = 0;
+    float second = -INFINITY;
+    for (int64_t j = 1; j < V; j++) {
+        if (r[j] > r[best]) {
+            second = r[best];
+            best = (int32_t)j;
+        } else if (r[j] > second) {
+            second = r[j];
+        }
+    }
+    if (margin)
+        *margin = r[best] - second;
+    return best;
+}
+
 TEST_TIMEOUT(cuda_engine_samples_wide_steps, 300)
 {
     need_gpu();
@@ -435,28 +454,56 @@ TEST_TIMEOUT(cuda_engine_samples_wide_steps, 300)
     enum { S = 70 };
     const int64_t V = m->hp.n_vocab;
     int32_t got[2][S];
+    float *lg[2];
     for (int dev = 0; dev < 2; dev++) {
-        struct moe_engine *e = engine_on(m, dev ? "cuda:0" : "cpu", 16, S, 256, false);
+        lg[dev] = malloc(sizeof(float) * (size_t)V * S);
+        CHECK(lg[dev] != NULL);
         struct moe_sampler_params sp;
         moe_sampler_defaults(&sp);
         sp.temperature = 0.0f;
         int32_t tok[2 * S], pos[2 * S], sq[2 * S];
         uint8_t want[2 * S];
-        for (int i = 0; i < S; i++) {
-            int32_t pr[2] = {(int32_t)((i * 97 + 3) % V), (int32_t)((i * 31 + 17) % V)};
-            CHECK_EQ(moe_engine_seq_sampler(e, i, &sp, pr, 2), 0);
-            for (int k = 0; k < 2; k++) {
-                tok[2 * i + k] = pr[k];
-                pos[2 * i + k] = k;
-                sq[2 * i + k] = i;
-                want[2 * i + k] = (uint8_t)k;
+        for (int pass = 0; pass < 2; pass++) {
+            /* Pass 0: logits; pass 1: a fresh engine samples the same step. */
+            struct moe_engine *e = engine_on(m, dev ? "cuda:0" : "cpu", 16, S, 256, false);
+            for (int i = 0; i < S; i++) {
+                int32_t pr[2] = {(int32_t)((i * 97 + 3) % V), (int32_t)((i * 31 + 17) % V)};
+                CHECK_EQ(moe_engine_seq_sampler(e, i, &sp, pr, 2), 0);
+                for (int k = 0; k < 2; k++) {
+                    tok[2 * i + k] = pr[k];
+                    pos[2 * i + k] = k;
+                    sq[2 * i + k] = i;
+                    want[2 * i + k] = (uint8_t)k;
+                }
             }
+            struct moe_batch b = {.n = 2 * S, .token = tok, .pos = pos, .seq = sq, .logits = want};
+            if (pass == 0)
+                CHECK_MSG(moe_engine_forward(e, &b, lg[dev]) == 0, "%s", moe_engine_errmsg(e));
+            else
+                CHECK_MSG(moe_engine_forward_sample(e, &b, got[dev]) == 0, "%s",
+                          moe_engine_errmsg(e));
+            moe_engine_free(e);
         }
-        struct moe_batch b = {.n = 2 * S, .token = tok, .pos = pos, .seq = sq, .logits = want};
-        CHECK_MSG(moe_engine_forward_sample(e, &b, got[dev]) == 0, "%s", moe_engine_errmsg(e));
-        moe_engine_free(e);
     }
-    for (int i = 0; i < S; i++)
-        CHECK_EQ(got[0][i], got[1][i]);
+    int equal = 0, decided = 0;
+    for (int i = 0; i < S; i++) {
+        float margin;
+        const int32_t cpu_best = argmax_row(lg[0] + (size_t)i * V, V, &margin);
+        const int32_t gpu_best = argmax_row(lg[1] + (size_t)i * V, V, NULL);
+        CHECK_EQ(got[0][i], cpu_best);
+        if (got[1][i] != gpu_best)
+            printf("  row %d: device drew %d, its logits' argmax is %d\n", i, got[1][i], gpu_best);
+        CHECK_EQ(got[1][i], gpu_best);
+        equal += got[0][i] == got[1][i];
+        if (margin > 1e-3f * (1.0f + fabsf(lg[0][(size_t)i * V + cpu_best]))) {
+            decided++;
+            CHECK_EQ(got[0][i], got[1][i]);
+        }
+    }
+    printf("  %d rows: cuda tokens = argmax of cuda logits; %d/%d equal to cpu, %d rows not near a tie\n",
+           S, equal, S, decided);
+    CHECK(decided >= S * 9 / 10);
+    free(lg[0]);
+    free(lg[1]);
     test_model_close(&tm);
 }

@@ -4,7 +4,7 @@
 # (include/, lib/; tools/device/pack-deps.sh makes it) along with the generated protobuf-c files.
 #
 #   tools/device/gpu-check.sh [LOGDIR] [steps...]
-#   steps: build tests parity sanitizer daemon tiny big
+#   steps: build tests parity sanitizer daemon tiny big offload
 #
 # Every step logs to LOGDIR/<step>.log and prints a one-line result; the run goes on after a
 # failed step so that one call reports everything.
@@ -12,7 +12,7 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 LOG=${1:-/tmp/gpu-check}
 shift || true
-STEPS=${*:-build tests parity sanitizer daemon tiny big}
+STEPS=${*:-build tests parity sanitizer daemon tiny big offload}
 mkdir -p "$LOG"
 B=${B:-/tmp/moed-build}
 export CPATH=$PWD/.carry/include LIBRARY_PATH=$PWD/.carry/lib
@@ -36,7 +36,7 @@ if has build; then
 fi
 if has tests; then
     step "gpu tests"
-    timeout 900 "$B/build/tests/moe-gpu-tests" -v -j 2 >"$LOG/gpu-tests.log" 2>&1
+    timeout 900 "$B/build/tests/moe-gpu-tests" -v -j 1 >"$LOG/gpu-tests.log" 2>&1
     grep -E "^(ok|FAIL|SKIP)|passed|worst|rel-L2|batch of" "$LOG/gpu-tests.log" | tail -n 60
 fi
 if has parity; then
@@ -49,11 +49,14 @@ if has sanitizer; then
     step "compute-sanitizer"
     printf 'In the beginning God created the heaven and the earth.' >"$LOG/prompt.txt"
     for tool in memcheck racecheck; do
-        timeout 300 compute-sanitizer --tool $tool --error-exitcode 3 "$B/bin/moed-worker" \
-            --model tests/golden/models/tiny-qwen3moe-Q4_K_M.gguf --prompt-file "$LOG/prompt.txt" \
-            -n 6 --temp 0 --device cuda:0 >"$LOG/sanitizer-$tool.log" 2>&1
-        echo "$tool: exit $? ($(grep -c "Error\|error" "$LOG/sanitizer-$tool.log") error lines)"
-        tail -n 3 "$LOG/sanitizer-$tool.log"
+        for res in 1 0.3; do
+            timeout 300 compute-sanitizer --tool $tool --error-exitcode 3 "$B/bin/moed-worker" \
+                --model tests/golden/models/tiny-qwen3moe-Q4_K_M.gguf --prompt-file "$LOG/prompt.txt" \
+                -n 6 --temp 0 --device cuda:0 --expert-residency $res \
+                >"$LOG/sanitizer-$tool-$res.log" 2>&1
+            echo "$tool, expert residency $res: exit $? ($(grep -c "Error\|error" "$LOG/sanitizer-$tool-$res.log") error lines)"
+            tail -n 3 "$LOG/sanitizer-$tool-$res.log"
+        done
     done
 fi
 if has daemon; then
@@ -75,4 +78,12 @@ if has big; then
     tail -n 1 "$LOG/mkmodel.log"
     timeout 400 "$B/build/bench/bench_engine" $M --device cuda:0 ${BIG_ARGS:---prompt 512 --gen 128 --batches 4,16,64 --long 4096} \
         2>&1 | tee "$LOG/bench-30b.log" | tail -n 12
+fi
+if has offload; then
+    step "offload bench qwen3-30b-a3b q4_k_m"
+    M=/tmp/q30-q4_k_m.gguf
+    [ -f $M ] || "$B/bin/moectl" mkmodel --preset qwen3-30b-a3b --quant q4_k_m --threads "$J" -o $M \
+        >"$LOG/mkmodel.log" 2>&1
+    timeout 500 "$B/build/bench/bench_offload" $M --device cuda:0 ${OFF_ARGS:---budgets 12.7G,10G} \
+        2>&1 | tee "$LOG/bench-offload.log" | tail -n 40
 fi

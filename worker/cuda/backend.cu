@@ -16,6 +16,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include <cuda_runtime.h>
 
@@ -24,12 +25,14 @@ extern "C" {
 #include "store/ggml_type.h"
 #include "store/quant.h"
 #include "worker/backend.h"
+#include "worker/engine.h"
 }
 #include "worker/cuda/cuda_check.cuh"
 #include "worker/cuda/experts.cuh"
 #include "worker/cuda/gemm.h"
 #include "worker/cuda/matvec.h"
 #include "worker/cuda/ops.cuh"
+#include "worker/cuda/offload.cuh"
 #include "worker/cuda/sample.h"
 
 /* Steps of at most this many tokens are recorded as CUDA graphs (decode batches, small prompt
@@ -41,8 +44,12 @@ extern "C" {
 #define MOE_CUDA_GROUP_MIN 8
 /* Logit rows computed per pass of the output head. */
 #define LOGIT_ROWS 64
+/* Penalty windows up to this many tokens (penalty_last_n; "whole history" keeps this many). */
+#define SAMPLER_HISTORY 1024
 
 enum { MODE_DIRECT, MODE_CAPTURE, MODE_REPLAY };
+
+struct reg_range;
 
 struct cuda_graph {
     int64_t n, n_out;
@@ -60,7 +67,17 @@ struct cuda_layer {
     uint32_t gate_type, up_type, down_type;
     bool mixed;                      /* experts of several types in one matrix */
     struct moe_cuda_mixed mx;
+    /* Expert slots (offload.cuh): slots [0, hot) pinned, the rest the cache; experts without a
+     * slot are read from host memory. */
+    int32_t slots, hot;
+    uint32_t part_off[3];            /* gate, up, down inside a slot */
+    uint64_t slot_bytes;
+    uint8_t *base;                   /* [slots][slot_bytes] */
+    int32_t *plan;                   /* host [nexp]: the expert's first slot or MOE_OFF_HOST */
+    const void **host[3];            /* host [nexp]: device addresses of the host copies */
 };
+
+#define MOE_OFF_MARGIN MOE_OFFLOAD_RESERVE
 
 struct cuda_backend {
     struct moe_backend base;
@@ -116,6 +133,21 @@ struct cuda_backend {
     int n_graphs;
 
     uint64_t dev_bytes;
+    /* Expert offload (offload.cuh). */
+    uint8_t *xarena;                 /* expert slots of every layer */
+    size_t xarena_size;
+    bool offload;                    /* some expert lives outside VRAM */
+    struct moe_cuda_off_layer *d_off;  /* [L] device */
+    uint8_t *d_offmem;               /* the arrays the structs point to */
+    unsigned long long *d_offstats;  /* [L][MOE_OFF_NSTATS] */
+    struct moe_cuda_fill_list *d_fill;
+    int fill_blocks;
+    uint64_t expert_bytes, expert_vram;
+    struct reg_range *xregs;         /* host ranges registered for the GPU to read */
+    size_t n_xregs;
+    uint8_t *xpinned;                /* or, where registration is refused, a pinned copy */
+    char xhow[96];
+    const void **tab;                /* init: a layer's expert table before its upload */
     size_t nodes_b1;                 /* kernels in the graph of a 1-token sampling step */
     char desc[512];
     char errmsg[256];
@@ -207,7 +239,29 @@ static const void **place_table(struct cuda_backend *b, const void **host, int p
     return (const void **)place(b, host, sizeof(void *) * (size_t)b->d.nexp, pass, rc);
 }
 
-/* Weights into the arena (both passes walk the same order). */
+/* An expert's gate (which 0), up (1) or down (2) as its layer's plan says: copied into its slot,
+ * or left in host memory (the device address of that copy). */
+static const void *expert_upload(struct cuda_backend *b, int l, int which, int x,
+                                 const struct moe_tensor *t, int *rc)
+{
+    struct cuda_layer *cl = &b->layers[l];
+    const int32_t at = cl->plan[x];
+    if (at == MOE_OFF_HOST)
+        return cl->host[which][x];
+    uint8_t *dst = cl->base + (size_t)at * cl->slot_bytes + cl->part_off[which];
+    if (*rc)
+        return NULL;
+    cudaError_t e = cudaMemcpy(dst, t->data, t->nbytes, cudaMemcpyHostToDevice);
+    if (e != cudaSuccess) {
+        *rc = cu_err(b, MOE_EBACKEND, "cuda:%d: uploading blk.%d expert %d: %s", b->dev, l, x,
+                     cudaGetErrorString(e));
+        return NULL;
+    }
+    return dst;
+}
+
+/* Weights into the arena (both passes walk the same order; experts only in pass 1, into the
+ * expert arena or left in host memory). */
 static int upload(struct cuda_backend *b, int pass, const void **tab)
 {
     const struct moe_model *m = b->m;
@@ -252,7 +306,7 @@ static int upload(struct cuda_backend *b, int pass, const void **tab)
                 const struct moe_expert *ex = &ly->experts[x];
                 const struct moe_tensor *t = which == 0 ? &ex->gate : which == 1 ? &ex->up
                                                                                 : &ex->down;
-                tab[x] = place(b, t->data, t->nbytes, pass, &rc);
+                tab[x] = pass == 0 ? NULL : expert_upload(b, l, which, x, t, &rc);
                 if (!et)
                     continue;
                 et[x] = (uint8_t)t->type;
@@ -301,6 +355,9 @@ static int range_cmp(const void *x, const void *y)
     return p->a < q->a ? -1 : p->a > q->a;
 }
 
+static size_t register_ranges(struct reg_range *r, size_t n, unsigned flags,
+                              struct reg_range **out, bool *all, double min_gbps);
+
 static void add_range(struct reg_range *r, size_t *n, const struct moe_tensor *t)
 {
     if (!t->data || !t->nbytes)
@@ -333,6 +390,30 @@ static size_t register_weights(const struct moe_model *m, const struct moe_dims 
             add_range(r, &n, &ly->experts[x].down);
         }
     }
+    size_t nc = register_ranges(r, n, cudaHostRegisterReadOnly, out, NULL, 0);
+    free(r);
+    return nc;
+}
+
+static double now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* Sorts and merges the ranges r[n] (r is reused) and registers them with CUDA in chunks of at
+ * most 1 GiB (the first of 64 MiB); returns the chunks CUDA accepted in *out. *all (if not
+ * NULL): whether every chunk was accepted. min_gbps > 0: gives up (*all false) once the
+ * registration runs slower than that (pinning file-backed pages can crawl). */
+static size_t register_ranges(struct reg_range *r, size_t n, unsigned flags,
+                              struct reg_range **out, bool *all, double min_gbps)
+{
+    const double t0 = now_s();
+    double done = 0;
+    *out = NULL;
+    if (all)
+        *all = true;
     qsort(r, n, sizeof *r, range_cmp);
     /* Merge ranges that overlap or lie within 64 MiB of each other (gaps of one mapping). */
     size_t k = 0;
@@ -347,11 +428,22 @@ static size_t register_weights(const struct moe_model *m, const struct moe_dims 
     /* Register in chunks of at most 1 GiB; keep the ones CUDA accepted. */
     size_t nc = 0, ccap = 0;
     struct reg_range *ch = NULL;
-    for (size_t i = 0; i < k; i++)
-        for (uintptr_t a = r[i].a; a < r[i].b; a += (uintptr_t)1 << 30) {
-            uintptr_t b = a + ((uintptr_t)1 << 30) < r[i].b ? a + ((uintptr_t)1 << 30) : r[i].b;
-            if (cudaHostRegister((void *)a, b - a, cudaHostRegisterReadOnly) != cudaSuccess) {
+    bool slow = false;
+    for (size_t i = 0; i < k && !slow; i++)
+        for (uintptr_t a = r[i].a, b; a < r[i].b && !slow; a = b) {
+            const uintptr_t step = done == 0 ? (uintptr_t)64 << 20 : (uintptr_t)1 << 30;
+            b = a + step < r[i].b ? a + step : r[i].b;
+            if (min_gbps > 0 && done > 0 && done / (now_s() - t0) < min_gbps * 1e9) {
+                slow = true;
+                if (all)
+                    *all = false;
+                break;
+            }
+            done += (double)(b - a);
+            if (cudaHostRegister((void *)a, b - a, flags) != cudaSuccess) {
                 cudaGetLastError();
+                if (all)
+                    *all = false;
                 continue;
             }
             if (nc == ccap) {
@@ -359,13 +451,14 @@ static size_t register_weights(const struct moe_model *m, const struct moe_dims 
                 struct reg_range *t = (struct reg_range *)realloc(ch, sizeof *ch * ccap);
                 if (!t) {
                     cudaHostUnregister((void *)a);
+                    if (all)
+                        *all = false;
                     continue;
                 }
                 ch = t;
             }
             ch[nc++] = (struct reg_range){a, b};
         }
-    free(r);
     *out = ch;
     return nc;
 }
@@ -377,7 +470,302 @@ static void unregister_weights(struct reg_range *ch, size_t n)
     free(ch);
 }
 
+static const struct moe_tensor *expert_part(const struct moe_expert *ex, int p)
+{
+    return p == 0 ? &ex->gate : p == 1 ? &ex->up : &ex->down;
+}
+
+/* Slots per layer from the budget or the residency, how many of them are pinned (hot), and
+ * which experts take them (most-routed first when counts are given). `used`: device bytes in use
+ * before the expert slots (context, dense weights, KV cache, buffers). */
+static int plan_experts(struct cuda_backend *b, uint64_t used, char *err, size_t errlen)
+{
+    const struct moe_model *m = b->m;
+    const struct moe_dims *d = &b->d;
+    const int64_t nexp = d->nexp, kmin = d->kuse < nexp ? d->kuse : nexp;
+    uint64_t sum_slot = 0;
+    b->expert_bytes = 0;
+    for (int l = 0; l < (int)d->L; l++) {
+        struct cuda_layer *cl = &b->layers[l];
+        uint64_t mx[3] = {0, 0, 0};
+        for (int64_t x = 0; x < nexp; x++)
+            for (int p = 0; p < 3; p++) {
+                const uint64_t nb = expert_part(&m->layers[l].experts[x], p)->nbytes;
+                mx[p] = nb > mx[p] ? nb : mx[p];
+                b->expert_bytes += nb;
+            }
+        cl->part_off[0] = 0;
+        cl->part_off[1] = (uint32_t)align256(mx[0]);
+        cl->part_off[2] = (uint32_t)(align256(mx[0]) + align256(mx[1]));
+        cl->slot_bytes = cl->part_off[2] + align256(mx[2]);
+        sum_slot += cl->slot_bytes;
+    }
+    int64_t S = nexp;
+    if (d->expert_residency > 0.0) {
+        S = llround(d->expert_residency * (double)nexp);
+        S = S < kmin ? kmin : S > nexp ? nexp : S;
+    }
+    if (d->vram_budget) {
+        const uint64_t fixed = used + MOE_OFF_MARGIN;
+        const uint64_t avail = d->vram_budget > fixed ? d->vram_budget - fixed : 0;
+        if (d->expert_residency <= 0.0) {
+            S = (int64_t)(avail / sum_slot);
+            S = S > nexp ? nexp : S;
+        }
+        if (S < kmin || (uint64_t)S * sum_slot > avail)
+            return moe_fail(err, errlen, MOE_ERANGE,
+                            "cuda:%d: a VRAM budget of %.2f GiB is too small%s: the context, dense "
+                            "weights, KV cache and buffers take %.2f GiB and %lld experts per "
+                            "layer (one token's) %.2f GiB more; the minimum is %.2f GiB",
+                            b->dev, (double)d->vram_budget / (1 << 30),
+                            d->expert_residency > 0.0 ? " for that expert residency" : "",
+                            (double)fixed / (1 << 30), (long long)kmin,
+                            (double)((uint64_t)kmin * sum_slot) / (1 << 30),
+                            (double)(fixed + (uint64_t)kmin * sum_slot) / (1 << 30));
+    }
+    b->offload = S < nexp;
+    int64_t *order = (int64_t *)malloc(sizeof *order * (size_t)nexp);
+    if (!order)
+        return -ENOMEM;
+    b->xarena_size = 0;
+    for (int l = 0; l < (int)d->L; l++) {
+        struct cuda_layer *cl = &b->layers[l];
+        cl->plan = (int32_t *)malloc(sizeof(int32_t) * (size_t)nexp);
+        for (int p = 0; p < 3; p++)
+            cl->host[p] = (const void **)calloc((size_t)nexp, sizeof(void *));
+        if (!cl->plan || !cl->host[0] || !cl->host[1] || !cl->host[2]) {
+            free(order);
+            return -ENOMEM;
+        }
+        /* Unpinned slots (the cache). */
+        int64_t cache = 0;
+        if (S < nexp) {
+            if (d->cache_slots < 0)
+                cache = 0;
+            else if (d->cache_slots > 0)
+                cache = d->cache_slots < S ? d->cache_slots : S;
+            else if (d->expert_counts) /* hot from the profile, a quarter as cache */
+                cache = S / 4 > 2 * kmin ? S / 4 : 2 * kmin < S ? 2 * kmin : S;
+            else /* no profile: every slot is cache */
+                cache = S;
+        }
+        cl->slots = (int32_t)S;
+        cl->hot = (int32_t)(S - cache);
+        /* Most-routed first (stable: equal counts keep expert order). */
+        const uint64_t *c = d->expert_counts ? d->expert_counts + (size_t)l * nexp : NULL;
+        for (int64_t x = 0; x < nexp; x++)
+            order[x] = x;
+        if (c)
+            for (int64_t i = 1; i < nexp; i++) {
+                int64_t v = order[i], j = i;
+                while (j > 0 && c[order[j - 1]] < c[v]) {
+                    order[j] = order[j - 1];
+                    j--;
+                }
+                order[j] = v;
+            }
+        for (int64_t i = 0; i < nexp; i++)
+            cl->plan[order[i]] = i < S ? (int32_t)i : MOE_OFF_HOST;
+        b->xarena_size += (size_t)S * cl->slot_bytes;
+    }
+    free(order);
+    b->expert_vram = b->xarena_size;
+    return 0;
+}
+
+/* Whether an expert may be read from host memory: it has no slot, or an unpinned one. */
+static bool may_be_on_host(const struct cuda_layer *cl, int64_t x)
+{
+    return cl->plan[x] == MOE_OFF_HOST || cl->plan[x] >= cl->hot;
+}
+
+/* Device addresses of the host copies of every expert that may be read from host memory: the
+ * host memory registered with CUDA where it can be, else a pinned copy. */
+static int map_host_experts(struct cuda_backend *b, char *err, size_t errlen)
+{
+    const struct moe_model *m = b->m;
+    const struct moe_dims *d = &b->d;
+    size_t n = 0, cap = (size_t)d->L * 3 * (size_t)d->nexp, copy_bytes = 0;
+    struct reg_range *r = (struct reg_range *)malloc(sizeof *r * (cap ? cap : 1));
+    if (!r)
+        return -ENOMEM;
+    for (int l = 0; l < (int)d->L; l++)
+        for (int64_t x = 0; x < d->nexp; x++)
+            if (may_be_on_host(&b->layers[l], x))
+                for (int p = 0; p < 3; p++) {
+                    const struct moe_tensor *t = expert_part(&m->layers[l].experts[x], p);
+                    add_range(r, &n, t);
+                    copy_bytes += (t->nbytes + 63) & ~(size_t)63;
+                }
+    bool all = false;
+    /* Shared memory (the daemon's store) is registered: the GPU reads the one copy in RAM.
+     * Below 2 GB/s a pinned copy is faster to make than the registration. File mappings are
+     * copied: registering a file's pages waits for their writeback, which after the file was
+     * written can take minutes. MOE_CUDA_HOST_REGISTER=0 copies in every case. */
+    const char *env = getenv("MOE_CUDA_HOST_REGISTER");
+    const bool try_reg = d->host_register && !(env && !strcmp(env, "0"));
+    const double t_reg = now_s();
+    if (try_reg)
+        b->n_xregs = register_ranges(r, n, cudaHostRegisterMapped | cudaHostRegisterReadOnly |
+                                               cudaHostRegisterPortable, &b->xregs, &all, 2.0);
+    const double reg_s = now_s() - t_reg;
+    free(r);
+    bool ok = all;
+    for (int l = 0; l < (int)d->L && ok; l++)
+        for (int64_t x = 0; x < d->nexp && ok; x++)
+            if (may_be_on_host(&b->layers[l], x))
+                for (int p = 0; p < 3 && ok; p++) {
+                    const struct moe_tensor *t = expert_part(&m->layers[l].experts[x], p);
+                    void *dp = NULL;
+                    ok = cudaHostGetDevicePointer(&dp, (void *)t->data, 0) == cudaSuccess &&
+                         ((uintptr_t)dp & 15) == 0;
+                    b->layers[l].host[p][x] = dp;
+                }
+    if (ok) {
+        snprintf(b->xhow, sizeof b->xhow, "read from the mapped host store");
+        return 0;
+    }
+    /* Registration refused (a locked-memory limit) or a misaligned tensor: one pinned copy. */
+    cudaGetLastError();
+    unregister_weights(b->xregs, b->n_xregs);
+    b->xregs = NULL;
+    b->n_xregs = 0;
+    cudaError_t e = cudaHostAlloc((void **)&b->xpinned, copy_bytes ? copy_bytes : 64,
+                                  cudaHostAllocMapped | cudaHostAllocPortable);
+    if (e != cudaSuccess)
+        return moe_fail(err, errlen, MOE_EBACKEND,
+                        "cuda:%d: cannot map the experts outside VRAM for the GPU (%.2f GiB of "
+                        "pinned memory: %s)", b->dev, (double)copy_bytes / (1 << 30),
+                        cudaGetErrorString(e));
+    uint8_t *base = NULL;
+    if ((e = cudaHostGetDevicePointer((void **)&base, b->xpinned, 0)) != cudaSuccess)
+        return moe_fail(err, errlen, MOE_EBACKEND, "cuda:%d: cudaHostGetDevicePointer: %s",
+                        b->dev, cudaGetErrorString(e));
+    size_t off = 0;
+    for (int l = 0; l < (int)d->L; l++)
+        for (int64_t x = 0; x < d->nexp; x++)
+            if (may_be_on_host(&b->layers[l], x))
+                for (int p = 0; p < 3; p++) {
+                    const struct moe_tensor *t = expert_part(&m->layers[l].experts[x], p);
+                    memcpy(b->xpinned + off, t->data, t->nbytes);
+                    b->layers[l].host[p][x] = base + off;
+                    off += (t->nbytes + 63) & ~(size_t)63;
+                }
+    if (!try_reg)
+        snprintf(b->xhow, sizeof b->xhow, "read from a pinned copy");
+    else
+        snprintf(b->xhow, sizeof b->xhow, "read from a pinned copy (registering the store %s)",
+                 all ? "gave a misaligned address" : reg_s > 0.5 ? "was too slow" : "was refused");
+    return 0;
+}
+
+/* The per-layer device state of the offload (after upload pass 1 filled the tables). */
+static int offload_state(struct cuda_backend *b, char *err, size_t errlen)
+{
+    const struct moe_dims *d = &b->d;
+    const size_t L = (size_t)d->L, ne = (size_t)d->nexp;
+    size_t bytes = 0;
+    int32_t max_slots = 0;
+    for (size_t l = 0; l < L; l++) {
+        const size_t S = (size_t)b->layers[l].slots;
+        bytes += align256(sizeof(int32_t) * (ne + S + 1)) + align256(2 * S + 1) +
+                 align256(3 * ne * sizeof(void *)) + align256(3 * ne * sizeof(uint32_t));
+        max_slots = b->layers[l].slots > max_slots ? b->layers[l].slots : max_slots;
+    }
+    uint8_t *h = (uint8_t *)calloc(1, bytes);
+    struct moe_cuda_off_layer *hl = (struct moe_cuda_off_layer *)calloc(L, sizeof *hl);
+#define OFF_TRY(call)                                                                       \
+    do {                                                                                    \
+        cudaError_t e_ = (call);                                                            \
+        if (e_ != cudaSuccess) {                                                            \
+            free(h);                                                                        \
+            free(hl);                                                                       \
+            return moe_fail(err, errlen, MOE_EBACKEND, "cuda:%d: %s: %s", b->dev, #call,    \
+                            cudaGetErrorString(e_));                                        \
+        }                                                                                   \
+    } while (0)
+    if (!h || !hl) {
+        free(h);
+        free(hl);
+        return -ENOMEM;
+    }
+    OFF_TRY(cudaMalloc((void **)&b->d_offmem, bytes));
+    OFF_TRY(cudaMalloc((void **)&b->d_off, sizeof *hl * L));
+    OFF_TRY(cudaMalloc((void **)&b->d_offstats, sizeof(unsigned long long) * L * MOE_OFF_NSTATS));
+    OFF_TRY(cudaMemset(b->d_offstats, 0, sizeof(unsigned long long) * L * MOE_OFF_NSTATS));
+    OFF_TRY(cudaMalloc((void **)&b->d_fill, moe_cuda_fill_list_bytes(max_slots)));
+    OFF_TRY(cudaMemset(b->d_fill, 0, moe_cuda_fill_list_bytes(max_slots)));
+    size_t off = 0;
+    for (size_t l = 0; l < L; l++) {
+        struct cuda_layer *cl = &b->layers[l];
+        const size_t S = (size_t)cl->slots;
+        struct moe_cuda_off_layer *o = &hl[l];
+        o->nexp = (int32_t)ne;
+        o->slots = cl->slots;
+        memcpy(o->part_off, cl->part_off, sizeof o->part_off);
+        o->slot_bytes = cl->slot_bytes;
+        o->base = cl->base;
+        int32_t *slot_of = (int32_t *)(h + off), *slot_exp = slot_of + ne, *hand = slot_exp + S;
+        o->slot_of = (int32_t *)(b->d_offmem + off);
+        o->slot_exp = o->slot_of + ne;
+        o->hand = o->slot_exp + S;
+        off += align256(sizeof(int32_t) * (ne + S + 1));
+        uint8_t *pinned = h + off;
+        o->pinned = b->d_offmem + off;
+        o->ref = o->pinned + S;
+        off += align256(2 * S + 1);
+        const void **host = (const void **)(h + off);
+        o->host = (const void *const *)(b->d_offmem + off);
+        off += align256(3 * ne * sizeof(void *));
+        uint32_t *by = (uint32_t *)(h + off);
+        o->bytes = (const uint32_t *)(b->d_offmem + off);
+        off += align256(3 * ne * sizeof(uint32_t));
+        for (size_t r = 0; r < S; r++) {
+            slot_exp[r] = -1;
+            pinned[r] = r < (size_t)cl->hot;
+        }
+        *hand = cl->hot < cl->slots ? cl->hot : 0;
+        for (size_t x = 0; x < ne; x++) {
+            slot_of[x] = cl->plan[x];
+            if (cl->plan[x] >= 0)
+                slot_exp[cl->plan[x]] = (int32_t)x;
+            for (int p = 0; p < 3; p++) {
+                host[p * ne + x] = cl->host[p][x];
+                by[p * ne + x] = (uint32_t)expert_part(&b->m->layers[l].experts[x], p)->nbytes;
+            }
+        }
+        o->tab[0] = cl->gate;
+        o->tab[1] = cl->up;
+        o->tab[2] = cl->down;
+        o->stats = b->d_offstats + l * MOE_OFF_NSTATS;
+    }
+    OFF_TRY(cudaMemcpy(b->d_offmem, h, bytes, cudaMemcpyHostToDevice));
+    OFF_TRY(cudaMemcpy(b->d_off, hl, sizeof *hl * L, cudaMemcpyHostToDevice));
+#undef OFF_TRY
+    free(h);
+    free(hl);
+    b->fill_blocks = 2 * b->sms;
+    return 0;
+}
+
 static void cuda_free(struct moe_backend *bb);
+
+/* MOE_CUDA_VERBOSE=1: init's phases with their times, on stderr. */
+static void phase(const char *what)
+{
+    static double t0 = -1;
+    static int on = -1;
+    if (on < 0)
+        on = getenv("MOE_CUDA_VERBOSE") && strcmp(getenv("MOE_CUDA_VERBOSE"), "0");
+    if (!on)
+        return;
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    const double t = (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+    if (t0 < 0)
+        t0 = t;
+    fprintf(stderr, "cuda init: %8.3f s %s\n", t - t0, what);
+}
 
 static int cuda_init(struct moe_backend **out, const struct moe_model *m, struct moe_dims *d,
                      char *err, size_t errlen)
@@ -442,27 +830,9 @@ static int cuda_init(struct moe_backend **out, const struct moe_model *m, struct
             rc = -ENOMEM;
             goto fail;
         }
+        b->tab = tab;
         upload(b, 0, tab);
         b->arena_size = b->arena_used;
-        ce = cudaMalloc((void **)&b->arena, b->arena_size);
-        if (ce != cudaSuccess) {
-            free(tab);
-            rc = moe_fail(err, errlen, MOE_EBACKEND,
-                          "cuda:%d: cannot allocate %.2f GiB for the weights: %s", b->dev,
-                          (double)b->arena_size / (1 << 30), cudaGetErrorString(ce));
-            goto fail;
-        }
-        struct reg_range *regs = NULL;
-        const char *reg = getenv("MOE_CUDA_REGISTER");
-        size_t n_regs = reg && strcmp(reg, "0") ? register_weights(m, d, &regs) : 0;
-        rc = upload(b, 1, tab);
-        unregister_weights(regs, n_regs);
-        free(tab);
-        if (rc) {
-            moe_fail(err, errlen, rc, "%s", b->errmsg);
-            goto fail;
-        }
-
         /* KV cache. */
         b->kv.f32 = d->kv_f32;
         b->kv.n_seq = d->n_seq;
@@ -527,6 +897,63 @@ static int cuda_init(struct moe_backend **out, const struct moe_model *m, struct
         INIT_TRY(cudaMallocHost((void **)&b->h_in, sizeof(int32_t) * 5 * nb));
         INIT_TRY(cudaMallocHost((void **)&b->h_rope, sizeof(float) * nb * (size_t)d->hd));
         INIT_TRY(cudaMallocHost((void **)&b->h_logits, sizeof(float) * (size_t)(lrows * d->V)));
+        /* The sampler now, so that the expert slots are sized with it in place. */
+        if ((rc = moe_cuda_sampler_init(&b->smp, d->n_seq, (uint32_t)d->V, SAMPLER_HISTORY, 0,
+                                        err, errlen)))
+            goto fail;
+
+        /* Expert slots from what is left of the budget, then the weights. */
+        {
+            size_t fr0 = 0, tot0 = 0;
+            INIT_TRY(cudaDeviceSynchronize());
+            INIT_TRY(cudaMemGetInfo(&fr0, &tot0));
+            if ((rc = plan_experts(b, (uint64_t)(tot0 - fr0) + b->arena_size, err, errlen)))
+                goto fail;
+        }
+        ce = cudaMalloc((void **)&b->xarena, b->xarena_size ? b->xarena_size : 256);
+        if (ce != cudaSuccess) {
+            rc = moe_fail(err, errlen, MOE_EBACKEND,
+                          "cuda:%d: cannot allocate %.2f GiB for the experts: %s", b->dev,
+                          (double)b->xarena_size / (1 << 30), cudaGetErrorString(ce));
+            goto fail;
+        }
+        {
+            size_t at = 0;
+            for (int l = 0; l < (int)d->L; l++) {
+                b->layers[l].base = b->xarena + at;
+                at += (size_t)b->layers[l].slots * b->layers[l].slot_bytes;
+            }
+        }
+        phase("expert slots planned");
+        if (b->offload && (rc = map_host_experts(b, err, errlen)))
+            goto fail;
+        phase(b->offload ? b->xhow : "no offload");
+        ce = cudaMalloc((void **)&b->arena, b->arena_size);
+        if (ce != cudaSuccess) {
+            rc = moe_fail(err, errlen, MOE_EBACKEND,
+                          "cuda:%d: cannot allocate %.2f GiB for the weights: %s", b->dev,
+                          (double)b->arena_size / (1 << 30), cudaGetErrorString(ce));
+            goto fail;
+        }
+        {
+            /* Registering the store for the upload (MOE_CUDA_REGISTER=1) would overlap the
+             * offload's mapping; with offload the upload copies unregistered. */
+            struct reg_range *regs = NULL;
+            const char *reg = getenv("MOE_CUDA_REGISTER");
+            size_t n_regs = reg && strcmp(reg, "0") && !b->offload ? register_weights(m, d, &regs)
+                                                                    : 0;
+            rc = upload(b, 1, b->tab);
+            unregister_weights(regs, n_regs);
+            free(b->tab);
+            b->tab = NULL;
+            if (rc) {
+                moe_fail(err, errlen, rc, "%s", b->errmsg);
+                goto fail;
+            }
+        }
+        phase("weights uploaded");
+        if (b->offload && (rc = offload_state(b, err, errlen)))
+            goto fail;
         if (b->profile)
             for (int i = 0; i < (int)(sizeof b->ev / sizeof b->ev[0]); i++)
                 INIT_TRY(cudaEventCreate(&b->ev[i]));
@@ -542,6 +969,22 @@ static int cuda_init(struct moe_backend **out, const struct moe_model *m, struct
                  prop.multiProcessorCount, prop.major, prop.minor,
                  (double)b->arena_size / (1 << 30), (double)(tot - fr) / (1 << 30),
                  (double)tot / (1 << 30), d->kv_f32 ? "f32" : "f16");
+        if (b->offload) {
+            size_t k = strlen(b->desc);
+            snprintf(b->desc + k, sizeof b->desc - k,
+                     ", experts %.2f of %.2f GiB in VRAM (%d+%d of %lld slots hot+cache per "
+                     "layer), the rest %s",
+                     (double)b->expert_vram / (1 << 30), (double)b->expert_bytes / (1 << 30),
+                     b->layers[0].hot, b->layers[0].slots - b->layers[0].hot, (long long)d->nexp,
+                     b->xhow);
+        }
+        if (d->vram_budget && b->dev_bytes > d->vram_budget) {
+            rc = moe_fail(err, errlen, MOE_ERANGE,
+                          "cuda:%d: %.2f GiB in use after init, over the VRAM budget of %.2f GiB",
+                          b->dev, (double)b->dev_bytes / (1 << 30),
+                          (double)d->vram_budget / (1 << 30));
+            goto fail;
+        }
     }
 #undef INIT_TRY
     *out = &b->base;
@@ -583,6 +1026,19 @@ static void cuda_free(struct moe_backend *bb)
     if (b->st)
         cudaStreamSynchronize(b->st);
     cudaFree(b->arena);
+    cudaFree(b->xarena);
+    cudaFree(b->d_off);
+    cudaFree(b->d_offmem);
+    cudaFree(b->d_offstats);
+    cudaFree(b->d_fill);
+    unregister_weights(b->xregs, b->n_xregs);
+    cudaFreeHost(b->xpinned);
+    free(b->tab);
+    for (int l = 0; b->layers && l < (int)b->d.L; l++) {
+        free(b->layers[l].plan);
+        for (int p = 0; p < 3; p++)
+            free(b->layers[l].host[p]);
+    }
     cudaFree(b->kv.k);
     cudaFree(b->kv.v);
     for (int i = 0; i < MOE_BUF_COUNT; i++)
@@ -863,6 +1319,15 @@ static int cuda_experts(struct moe_backend *bb, int l)
     const struct cuda_layer *cl = &b->layers[l];
     const int k = (int)b->d.kuse;
     const int32_t *sel_e = (const int32_t *)b->buf[MOE_BUF_SEL_E];
+    if (cl->slots < b->d.nexp) {
+        /* Experts outside VRAM: resolve this step's choices against the slots, fill misses. */
+        mark(b, "offload");
+        LAUNCH(b, "expert residency",
+               moe_cuda_offload_resolve(b->d_off + l, (int32_t)b->d.nexp, cl->slots, sel_e,
+                                        b->n * k, b->d_fill, b->st));
+        if (cl->hot < cl->slots)
+            LAUNCH(b, "expert fill", moe_cuda_offload_fill(b->d_fill, b->fill_blocks, b->st));
+    }
     if (cl->mixed) {
         mark(b, "mixed");
         LAUNCH(b, "experts (mixed types)",
@@ -1054,8 +1519,6 @@ static int cuda_end(struct moe_backend *bb, float *out, int32_t *tokens)
     return 0;
 }
 
-/* Penalty windows up to this many tokens (penalty_last_n; "whole history" keeps this many). */
-#define SAMPLER_HISTORY 1024
 
 static int cuda_sampler(struct moe_backend *bb, int32_t seq, const struct moe_sampler_params *p,
                         const int32_t *history, size_t n_history)
@@ -1129,6 +1592,56 @@ static void cuda_info(const struct moe_backend *bb, uint64_t *device_bytes, char
         snprintf(desc, len, "%s", b->desc);
 }
 
+static int cuda_offload_stats(struct moe_backend *bb, struct moe_offload_stats *s,
+                              struct moe_offload_layer *per_layer)
+{
+    struct cuda_backend *b = (struct cuda_backend *)bb;
+    const size_t L = (size_t)b->d.L;
+    s->active = b->offload;
+    s->expert_bytes = b->expert_bytes;
+    s->expert_vram_bytes = b->expert_vram;
+    s->budget = b->d.vram_budget;
+    size_t fr = 0, tot = 0;
+    if (cudaMemGetInfo(&fr, &tot) == cudaSuccess)
+        s->device_bytes_now = (uint64_t)(tot - fr);
+    unsigned long long *st = NULL;
+    if (b->offload) {
+        st = (unsigned long long *)calloc(L * MOE_OFF_NSTATS, sizeof *st);
+        if (!st)
+            return -ENOMEM;
+        cudaError_t e = cudaStreamSynchronize(b->st);
+        if (e == cudaSuccess)
+            e = cudaMemcpy(st, b->d_offstats, sizeof *st * L * MOE_OFF_NSTATS,
+                           cudaMemcpyDeviceToHost);
+        if (e != cudaSuccess) {
+            free(st);
+            return cu_err(b, MOE_EBACKEND, "cuda:%d: reading the offload counters: %s", b->dev,
+                          cudaGetErrorString(e));
+        }
+    }
+    for (size_t l = 0; l < L; l++) {
+        const unsigned long long *c = st ? st + l * MOE_OFF_NSTATS : NULL;
+        struct moe_offload_layer x = {};
+        x.slots = (uint32_t)b->layers[l].slots;
+        x.hot = (uint32_t)b->layers[l].hot;
+        if (c) {
+            x.hits = c[MOE_OFF_HITS];
+            x.misses = c[MOE_OFF_MISSES];
+            x.fill_bytes = c[MOE_OFF_FILL_BYTES];
+            x.direct = c[MOE_OFF_DIRECT];
+            s->direct_bytes += c[MOE_OFF_DIRECT_BYTES];
+        }
+        s->hits += x.hits;
+        s->misses += x.misses;
+        s->fill_bytes += x.fill_bytes;
+        s->direct += x.direct;
+        if (per_layer)
+            per_layer[l] = x;
+    }
+    free(st);
+    return 0;
+}
+
 extern "C" const struct moe_backend_vt moe_backend_cuda = {
     "cuda",
     cuda_supports,
@@ -1150,4 +1663,5 @@ extern "C" const struct moe_backend_vt moe_backend_cuda = {
     cuda_write_buf,
     cuda_errmsg,
     cuda_info,
+    cuda_offload_stats,
 };

@@ -1,0 +1,250 @@
+/* Expert offload benchmark (docs/offload.md): decode and prompt speed at several expert
+ * residencies or VRAM budgets, each against the fully resident run in the same process, with the
+ * miss rate, the bytes copied over PCIe per token and the limit they set.
+ *
+ *   build/bench/bench_offload MODEL.gguf [--device cuda:0] [--prompt 512] [--gen 128]
+ *                             [--residency 0.75,0.6,0.4,0.25] [--budgets 12.7G,10G]
+ *                             [--calib 4] [--h2d-gbps 55]
+ *
+ * Routing counts for the calibrated placements come from --calib prompts (their own random
+ * tokens and greedy continuations) run fully resident first; every measured run then sees the
+ * same held-out prompt, and since offload does not change the output, the same tokens and the
+ * same routing. Modes per residency: "uniform" (no profile: every slot is cache), "calibrated"
+ * (hot set from the counts, a quarter of the slots cache), "calibrated, no cache" (hot only,
+ * misses read from host memory). */
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "store/io.h"
+#include "store/units.h"
+#include "worker/engine.h"
+#include "worker/engine_load.h"
+
+static uint64_t rng;
+static uint32_t rnd(void)
+{
+    rng ^= rng << 13;
+    rng ^= rng >> 7;
+    rng ^= rng << 17;
+    return (uint32_t)(rng >> 11);
+}
+
+static void die(struct moe_engine *e, const char *what)
+{
+    fprintf(stderr, "bench_offload: %s: %s\n", what, e ? moe_engine_errmsg(e) : "");
+    exit(1);
+}
+
+/* Prompt of n random tokens (from seed) on sequence 0, then g greedy tokens; seconds of each. */
+static void generate(struct moe_engine *e, uint64_t seed, int64_t n, int64_t g, int64_t V,
+                     double *t_prompt, double *t_gen)
+{
+    int32_t *tok = malloc(sizeof(int32_t) * (size_t)n), *pos = malloc(sizeof(int32_t) * (size_t)n),
+            *sq = calloc((size_t)n, sizeof(int32_t));
+    uint8_t *want = calloc((size_t)n, 1);
+    if (!tok || !pos || !sq || !want)
+        exit(1);
+    rng = seed * 0x9e3779b97f4a7c15ull + 1;
+    for (int64_t i = 0; i < n; i++) {
+        tok[i] = (int32_t)(rnd() % V);
+        pos[i] = (int32_t)i;
+    }
+    want[n - 1] = 1;
+    moe_engine_seq_clear(e, 0);
+    struct moe_sampler_params sp;
+    moe_sampler_defaults(&sp);
+    sp.temperature = 0.0f;
+    if (moe_engine_seq_sampler(e, 0, &sp, tok, (size_t)n))
+        die(e, "sampler");
+    int32_t cur;
+    struct moe_batch b = {.n = (uint32_t)n, .token = tok, .pos = pos, .seq = sq, .logits = want};
+    double t0 = moe_now_s();
+    if (moe_engine_forward_sample(e, &b, &cur))
+        die(e, "prompt");
+    double t1 = moe_now_s();
+    for (int64_t s = 0; s < g; s++) {
+        int32_t p = (int32_t)(n + s), q = 0, nx;
+        struct moe_batch d = {.n = 1, .token = &cur, .pos = &p, .seq = &q};
+        if (moe_engine_forward_sample(e, &d, &nx))
+            die(e, "decode");
+        cur = nx >= 0 ? nx : 0;
+    }
+    double t2 = moe_now_s();
+    if (t_prompt)
+        *t_prompt = t1 - t0;
+    if (t_gen)
+        *t_gen = t2 - t1;
+    free(tok), free(pos), free(sq), free(want);
+}
+
+struct result {
+    char name[64];
+    double pp, tg, miss_rate, pcie_per_tok, vram_gib, expert_gib;
+};
+
+int main(int argc, char **argv)
+{
+    const char *model = NULL, *device = "cuda:0", *res_list = "0.75,0.6,0.4,0.25",
+               *budget_list = "";
+    int64_t P = 512, G = 128, calib = 4;
+    double h2d = 55.0;
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
+        if (!strcmp(a, "--device") && v)
+            device = v, i++;
+        else if (!strcmp(a, "--prompt") && v)
+            P = atoll(v), i++;
+        else if (!strcmp(a, "--gen") && v)
+            G = atoll(v), i++;
+        else if (!strcmp(a, "--residency") && v)
+            res_list = v, i++;
+        else if (!strcmp(a, "--budgets") && v)
+            budget_list = v, i++;
+        else if (!strcmp(a, "--calib") && v)
+            calib = atoll(v), i++;
+        else if (!strcmp(a, "--h2d-gbps") && v)
+            h2d = atof(v), i++;
+        else if (a[0] != '-')
+            model = a;
+        else {
+            fprintf(stderr, "bench_offload: unknown argument %s\n", a);
+            return 2;
+        }
+    }
+    setvbuf(stdout, NULL, _IOLBF, 0);
+    if (!model || P < 1 || G < 1) {
+        fprintf(stderr, "usage: bench_offload MODEL.gguf [--device D] [--prompt N] [--gen N] "
+                        "[--residency 0.75,0.6] [--budgets 12.7G,10G] [--calib N] [--h2d-gbps X]\n");
+        return 2;
+    }
+    char err[512];
+    struct moe_loaded lm = {0};
+    if (moe_loaded_open(&lm, model, false, err, sizeof err)) {
+        fprintf(stderr, "bench_offload: %s\n", err);
+        return 1;
+    }
+    const struct moe_model *m = &lm.model;
+    const int64_t V = m->hp.n_vocab, L = m->hp.n_layer, E = m->hp.n_expert;
+    uint64_t *counts = calloc((size_t)(L * E), sizeof *counts);
+    struct result res[64];
+    int nres = 0;
+    double base_tg = 0;
+
+    /* Configurations: resident first (also the calibration), then residencies x modes, then
+     * budgets (calibrated). */
+    struct cfg {
+        double r;
+        uint64_t budget;
+        int mode; /* 0 uniform, 1 calibrated, 2 calibrated no cache, 3 uniform no cache */
+    } cf[64];
+    int nc = 0;
+    cf[nc++] = (struct cfg){0, 0, 0};
+    for (const char *s = res_list; *s && nc < 56;) {
+        char tmp[32];
+        size_t k = strcspn(s, ",");
+        snprintf(tmp, sizeof tmp, "%.*s", (int)(k < 31 ? k : 31), s);
+        double r;
+        if (moe_parse_share(tmp, &r) == 0) {
+            for (int mode = 0; mode < 3; mode++)
+                cf[nc++] = (struct cfg){r, 0, mode};
+            if (r > 0.55 && r < 0.65)
+                cf[nc++] = (struct cfg){r, 0, 3};
+        }
+        s += k + (s[k] == ',');
+    }
+    for (const char *s = budget_list; *s && nc < 64;) {
+        char tmp[32];
+        size_t k = strcspn(s, ",");
+        snprintf(tmp, sizeof tmp, "%.*s", (int)(k < 31 ? k : 31), s);
+        uint64_t bb;
+        if (moe_parse_size(tmp, &bb) == 0 && bb)
+            cf[nc++] = (struct cfg){0, bb, 1};
+        s += k + (s[k] == ',');
+    }
+    static const char *const mode_name[] = {"uniform", "calibrated", "calibrated, no cache",
+                                            "uniform, no cache"};
+    for (int ci = 0; ci < nc; ci++) {
+        struct moe_engine_opts o = {.n_ctx = (uint32_t)(P + G + 8), .n_seq = 1, .n_batch = 512,
+                                    .device = device, .expert_residency = cf[ci].r,
+                                    .vram_budget = cf[ci].budget};
+        if (ci > 0) {
+            o.expert_counts = cf[ci].mode == 1 || cf[ci].mode == 2 ? counts : NULL;
+            o.cache_slots = cf[ci].mode >= 2 ? -1 : 0;
+        }
+        struct moe_engine *e = NULL;
+        fprintf(stderr, "bench_offload: configuration %d of %d\n", ci + 1, nc);
+        double t0 = moe_now_s();
+        if (moe_engine_init(&e, m, &o, err, sizeof err)) {
+            printf("%s: %s\n", mode_name[cf[ci].mode], err);
+            continue;
+        }
+        double t_init = moe_now_s() - t0;
+        if (ci == 0)
+            for (int64_t c = 0; c < calib; c++)
+                generate(e, 1000 + (uint64_t)c, P, G, V, NULL, NULL);
+        if (ci == 0 && moe_engine_routing_counts(e, counts))
+            die(e, "routing counts");
+        /* Warm-up (records the graphs; warms the cache on a prompt of its own), then the
+         * held-out prompt. */
+        double tw0 = moe_now_s(), twp, twg;
+        generate(e, 7, P, 16, V, &twp, &twg);
+        fprintf(stderr, "bench_offload: init %.1f s, warm-up %.2f s (prompt %.2f s, 16 tokens %.2f s)\n",
+                t_init, moe_now_s() - tw0, twp, twg);
+        struct moe_offload_stats a, z;
+        if (moe_engine_offload_stats(e, &a, NULL))
+            die(e, "offload stats");
+        double tp, tg;
+        generate(e, 42, P, G, V, &tp, &tg);
+        if (moe_engine_offload_stats(e, &z, NULL))
+            die(e, "offload stats");
+        struct moe_engine_info info;
+        moe_engine_info(e, &info);
+        struct result *r = &res[nres++];
+        if (ci == 0)
+            snprintf(r->name, sizeof r->name, "resident");
+        else if (cf[ci].budget)
+            snprintf(r->name, sizeof r->name, "budget %.1f GiB, %s",
+                     (double)cf[ci].budget / (1 << 30), mode_name[cf[ci].mode]);
+        else
+            snprintf(r->name, sizeof r->name, "%.0f%%, %s", 100 * cf[ci].r,
+                     mode_name[cf[ci].mode]);
+        /* Lookups and bytes of the held-out run: prompt and decode together for the miss
+         * rate; bytes per decoded token counts the whole run's copies over G tokens (an upper
+         * bound: the prompt's copies are in it). */
+        const double looked = (double)((z.hits - a.hits) + (z.misses - a.misses));
+        r->pp = (double)P / tp;
+        r->tg = (double)G / tg;
+        r->miss_rate = looked > 0 ? (double)(z.misses - a.misses) / looked : 0;
+        r->pcie_per_tok = (double)((z.fill_bytes - a.fill_bytes) + (z.direct_bytes - a.direct_bytes)) /
+                          (double)G;
+        r->vram_gib = (double)info.device_bytes / (1 << 30);
+        r->expert_gib = (double)z.expert_vram_bytes / (1 << 30);
+        if (ci == 0)
+            base_tg = r->tg;
+        printf("%-34s init %.1f s  pp%" PRId64 " %7.1f tok/s  decode %6.1f tok/s (%.2fx)  miss "
+               "%.1f%%  PCIe %.1f MB/token  VRAM %.2f GiB (experts %.2f)\n",
+               r->name, t_init, P, r->pp, r->tg, r->tg / base_tg, 100 * r->miss_rate,
+               r->pcie_per_tok / 1e6, r->vram_gib, r->expert_gib);
+        if (ci == 0 || ci == 1)
+            printf("  %s\n", info.desc);
+        moe_engine_free(e);
+    }
+    printf("\n| configuration | VRAM GiB | experts GiB | pp%" PRId64 " tok/s | decode tok/s | "
+           "vs resident | miss rate | PCIe MB/token | PCIe limit tok/s |\n|---|---|---|---|---|---|"
+           "---|---|---|\n", P);
+    for (int i = 0; i < nres; i++) {
+        const struct result *r = &res[i];
+        /* The limit: the resident time or a token's copies over the H2D rate, whichever is
+         * longer. */
+        const double t_res = 1.0 / base_tg, t_pcie = r->pcie_per_tok / (h2d * 1e9);
+        const double lim = 1.0 / (t_res > t_pcie ? t_res : t_pcie);
+        printf("| %s | %.2f | %.2f | %.1f | %.1f | %.2f | %.1f%% | %.1f | %.0f |\n", r->name,
+               r->vram_gib, r->expert_gib, r->pp, r->tg, r->tg / base_tg, 100 * r->miss_rate,
+               r->pcie_per_tok / 1e6, lim);
+    }
+    free(counts);
+    moe_loaded_close(&lm);
+    return 0;
+}

@@ -1,0 +1,14 @@
+/* Sizes and shares as users write them on command lines and in moed.conf. */
+#ifndef MOE_UNITS_H
+#define MOE_UNITS_H
+
+#include <stdint.h>
+
+/* "4096", "512M", "24G", "24GiB", "24GB", "1.5T", "64k": binary suffixes (K = 1024), with or
+ * without "B"/"iB", surrounding blanks allowed. Returns 0, MOE_EFORMAT or MOE_ERANGE. */
+int moe_parse_size(const char *s, uint64_t *out);
+
+/* A share in (0, 1]: "0.6" or "60%". Returns 0, MOE_EFORMAT or MOE_ERANGE. */
+int moe_parse_share(const char *s, double *out);
+
+#endif

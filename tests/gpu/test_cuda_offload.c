@@ -1,0 +1,233 @@
+/* Expert offload on CUDA (docs/offload.md): at any residency, with or without the cache, with a
+ * placement from routing counts or without, the logits are byte-identical to the fully resident
+ * run, and so are sampled tokens; the VRAM budget holds. */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "tests/engine_test.h"
+#include "tests/gpu/gpu_test.h"
+
+static const char *const MODELS[] = {
+    GOLDEN "/models/tiny-qwen3moe-Q4_K_M.gguf",
+    "tests/fixtures/hf/q5k-q6k-gqa4.gguf",
+    "tests/fixtures/hf/hd128-e32-long.gguf",
+    "models/kjv-demo-F16.gguf",
+};
+#define N_MODELS (sizeof MODELS / sizeof MODELS[0])
+
+struct config {
+    const char *name;
+    double residency;
+    int32_t cache_slots;
+    bool counts;            /* hot set from routing counts of a first run */
+};
+
+static const struct config CONFIGS[] = {
+    {"60%", 0.6, 0, false},
+    {"30%", 0.3, 0, false},
+    {"30% cache off", 0.3, -1, false},
+    {"30% one cache slot", 0.3, 1, false},
+    {"60% from counts", 0.6, 0, true},
+    {"30% from counts", 0.3, 0, true},
+    {"one token's experts", 1e-9, 0, false},
+};
+#define N_CONFIGS (sizeof CONFIGS / sizeof CONFIGS[0])
+
+enum { N_SEQ = 3, PROMPT = 90, DECODE = 12, N_BATCH = 64 };
+
+/* The workload: sequence 0's prompt in chunks of N_BATCH (a direct step and a recorded one),
+ * then DECODE steps of all N_SEQ sequences (graphs; sequences 1 and 2 start with one token),
+ * logits of every step appended to *out; then sampled steps (temperature 0.8, seeded), tokens
+ * appended to *tok. Returns the number of logit rows. */
+static size_t run(struct moe_engine *e, const struct moe_model *m, float *out, int32_t *tok)
+{
+    const int64_t V = m->hp.n_vocab;
+    int32_t t[N_BATCH], pos[N_BATCH], sq[N_BATCH];
+    size_t rows = 0;
+    for (int off = 0; off < PROMPT; off += N_BATCH) {
+        int n = PROMPT - off < N_BATCH ? PROMPT - off : N_BATCH;
+        for (int i = 0; i < n; i++) {
+            t[i] = (int32_t)(((off + i) * 7919 + 13) % V);
+            pos[i] = off + i;
+            sq[i] = 0;
+        }
+        struct moe_batch b = {.n = (uint32_t)n, .token = t, .pos = pos, .seq = sq};
+        CHECK_MSG(moe_engine_forward(e, &b, out + rows * V) == 0, "%s", moe_engine_errmsg(e));
+        rows += (size_t)n;
+    }
+    int32_t p[N_SEQ] = {PROMPT, 0, 0};
+    for (int s = 0; s < DECODE; s++) {
+        for (int i = 0; i < N_SEQ; i++) {
+            t[i] = (int32_t)((s * 31 + i * 577 + 5) % V);
+            pos[i] = p[i]++;
+            sq[i] = i;
+        }
+        struct moe_batch b = {.n = N_SEQ, .token = t, .pos = pos, .seq = sq};
+        CHECK_MSG(moe_engine_forward(e, &b, out + rows * V) == 0, "%s", moe_engine_errmsg(e));
+        rows += N_SEQ;
+    }
+    struct moe_sampler_params sp;
+    moe_sampler_defaults(&sp);
+    sp.temperature = 0.8f;
+    for (int i = 0; i < N_SEQ; i++) {
+        sp.seed = 1000 + (uint64_t)i;
+        CHECK_EQ(moe_engine_seq_sampler(e, i, &sp, NULL, 0), 0);
+    }
+    int32_t cur[N_SEQ] = {1, 2, 3};
+    for (int s = 0; s < DECODE; s++) {
+        for (int i = 0; i < N_SEQ; i++) {
+            pos[i] = p[i]++;
+            sq[i] = i;
+        }
+        struct moe_batch b = {.n = N_SEQ, .token = cur, .pos = pos, .seq = sq};
+        CHECK_MSG(moe_engine_forward_sample(e, &b, tok + s * N_SEQ) == 0, "%s",
+                  moe_engine_errmsg(e));
+        memcpy(cur, tok + s * N_SEQ, sizeof cur);
+    }
+    return rows;
+}
+
+static struct moe_engine *engine(const struct moe_model *m, const struct config *c,
+                                 const uint64_t *counts, uint64_t budget)
+{
+    struct moe_engine_opts o = {.n_ctx = PROMPT + 2 * DECODE + 8, .n_seq = N_SEQ,
+                                .n_batch = N_BATCH, .device = "cuda:0", .vram_budget = budget};
+    if (c) {
+        o.expert_residency = c->residency;
+        o.cache_slots = c->cache_slots;
+        o.expert_counts = c->counts ? counts : NULL;
+    }
+    struct moe_engine *e = NULL;
+    char err[512] = "";
+    CHECK_MSG(moe_engine_init(&e, m, &o, err, sizeof err) == 0, "%s", err);
+    return e;
+}
+
+TEST_TIMEOUT(cuda_offload_is_exact, 600)
+{
+    need_gpu();
+    for (size_t mi = 0; mi < N_MODELS; mi++) {
+        struct test_model tm;
+        test_model_open(&tm, MODELS[mi]);
+        const struct moe_model *m = &tm.m;
+        const int64_t V = m->hp.n_vocab, L = m->hp.n_layer, E = m->hp.n_expert;
+        const size_t cap = (size_t)(PROMPT + 2 * DECODE * N_SEQ) * (size_t)V;
+        float *ref = malloc(sizeof(float) * cap), *got = malloc(sizeof(float) * cap);
+        int32_t ref_tok[DECODE * N_SEQ], got_tok[DECODE * N_SEQ];
+        uint64_t *counts = calloc((size_t)(L * E), sizeof *counts);
+        CHECK(ref && got && counts);
+
+        struct moe_engine *e = engine(m, NULL, NULL, 0);
+        const size_t rows = run(e, m, ref, ref_tok);
+        CHECK_EQ(moe_engine_routing_counts(e, counts), 0);
+        struct moe_offload_stats os;
+        CHECK_EQ(moe_engine_offload_stats(e, &os, NULL), 0);
+        CHECK(!os.active);
+        moe_engine_free(e);
+
+        for (size_t ci = 0; ci < N_CONFIGS; ci++) {
+            const struct config *c = &CONFIGS[ci];
+            e = engine(m, c, counts, 0);
+            memset(got, 0xff, sizeof(float) * cap);
+            CHECK_EQ(run(e, m, got, got_tok), rows);
+            struct moe_offload_layer *pl = calloc((size_t)L, sizeof *pl);
+            CHECK(pl != NULL);
+            CHECK_EQ(moe_engine_offload_stats(e, &os, pl), 0);
+            struct moe_engine_info info;
+            moe_engine_info(e, &info);
+            size_t diff = 0;
+            for (size_t i = 0; i < rows * (size_t)V; i++)
+                diff += memcmp(&got[i], &ref[i], sizeof(float)) != 0;
+            const uint64_t looked = os.hits + os.misses;
+            printf("  %-34s %-20s slots %u (%u hot): %llu hits, %llu misses, %.2f MiB filled, "
+                   "%llu from host; %zu of %zu logits differ\n",
+                   MODELS[mi] + (strrchr(MODELS[mi], '/') - MODELS[mi]) + 1, c->name, pl[0].slots,
+                   pl[0].hot, (unsigned long long)os.hits, (unsigned long long)os.misses,
+                   (double)os.fill_bytes / (1 << 20), (unsigned long long)os.direct, diff,
+                   rows * (size_t)V);
+            if (ci == 0)
+                printf("    %s\n", info.desc);
+            CHECK_EQ(diff, (size_t)0);
+            CHECK(memcmp(got_tok, ref_tok, sizeof ref_tok) == 0);
+            /* Every layer looks up its chosen experts once per step. */
+            CHECK(looked > 0);
+            if (pl[0].slots < (uint32_t)E) {
+                CHECK(os.active);
+                CHECK(os.misses > 0);
+                CHECK(os.expert_vram_bytes < os.expert_bytes);
+                if (c->cache_slots < 0) {
+                    CHECK_EQ(os.fill_bytes, (uint64_t)0);
+                    CHECK_EQ(os.direct, os.misses);
+                } else {
+                    CHECK(os.fill_bytes > 0);
+                }
+                for (int64_t l = 0; l < L; l++)
+                    CHECK(pl[l].hits + pl[l].misses > 0);
+            }
+            free(pl);
+            moe_engine_free(e);
+        }
+        free(ref);
+        free(got);
+        free(counts);
+        test_model_close(&tm);
+    }
+}
+
+/* A budget holds: with room for everything nothing is offloaded; with a residency under it the
+ * device memory in use after a workload stays within it; one too small fails naming the
+ * minimum. Offload needs a GPU. (Sizes near the tiny model's are below the allocation
+ * granularity of the device; the 30B-shape model's budgets are measured in bench_offload.) */
+TEST_TIMEOUT(cuda_offload_budget, 300)
+{
+    need_gpu();
+    struct test_model tm;
+    test_model_open(&tm, "models/kjv-demo-F16.gguf");
+    const struct moe_model *m = &tm.m;
+    const int64_t V = m->hp.n_vocab;
+    struct moe_engine *e = engine(m, NULL, NULL, 0);
+    struct moe_engine_info full;
+    moe_engine_info(e, &full);
+    moe_engine_free(e);
+
+    const uint64_t budget = full.device_bytes + MOE_OFFLOAD_RESERVE + (32u << 20);
+    e = engine(m, NULL, NULL, budget);
+    struct moe_offload_stats os;
+    CHECK_EQ(moe_engine_offload_stats(e, &os, NULL), 0);
+    CHECK(!os.active);
+    CHECK_EQ(os.budget, budget);
+    moe_engine_free(e);
+
+    const struct config half = {"50%", 0.5, 0, false};
+    e = engine(m, &half, NULL, budget);
+    float *out = malloc(sizeof(float) * (size_t)(PROMPT + 2 * DECODE * N_SEQ) * (size_t)V);
+    int32_t tok[DECODE * N_SEQ];
+    CHECK(out != NULL);
+    run(e, m, out, tok);
+    CHECK_EQ(moe_engine_offload_stats(e, &os, NULL), 0);
+    printf("  full run %.1f MiB; budget %.1f MiB at 50%%: %.1f MiB in use after the run, experts "
+           "%.2f of %.2f MiB\n", (double)full.device_bytes / (1 << 20),
+           (double)budget / (1 << 20), (double)os.device_bytes_now / (1 << 20),
+           (double)os.expert_vram_bytes / (1 << 20), (double)os.expert_bytes / (1 << 20));
+    CHECK(os.active);
+    CHECK(os.device_bytes_now <= budget);
+    CHECK(os.expert_vram_bytes < os.expert_bytes);
+    free(out);
+    moe_engine_free(e);
+
+    struct moe_engine_opts o = {.n_ctx = 64, .n_seq = 1, .n_batch = 16, .device = "cuda:0",
+                                .vram_budget = 64u << 20};
+    char err[512] = "";
+    CHECK(moe_engine_init(&e, m, &o, err, sizeof err) != 0);
+    printf("  64 MiB: %s\n", err);
+    CHECK(strstr(err, "the minimum is") != NULL);
+
+    o.vram_budget = 0;
+    o.expert_residency = 0.5;
+    o.device = "cpu";
+    CHECK(moe_engine_init(&e, m, &o, err, sizeof err) != 0);
+    CHECK(strstr(err, "CUDA") != NULL);
+    test_model_close(&tm);
+}

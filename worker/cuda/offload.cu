@@ -1,0 +1,179 @@
+/* Expert offload kernels (see offload.cuh). */
+#include <errno.h>
+
+#include "worker/cuda/cuda_check.cuh"
+#include "worker/cuda/offload.cuh"
+
+size_t moe_cuda_fill_list_bytes(int32_t max_slots)
+{
+    const int32_t n = 3 * (max_slots > 0 ? max_slots : 1);
+    return sizeof(struct moe_cuda_fill_list) + sizeof(struct moe_cuda_fill) * (size_t)(n - 1);
+}
+
+/* One block. The layer's state is read into shared memory, thread 0 walks the chosen experts in
+ * expert order (deterministic), and the state is written back. */
+__global__ void offload_resolve_kernel(const struct moe_cuda_off_layer *__restrict__ lp,
+                                       const int32_t *__restrict__ sel_e, int n_sel,
+                                       struct moe_cuda_fill_list *__restrict__ fl)
+{
+    const struct moe_cuda_off_layer L = *lp;
+    extern __shared__ int32_t sm[];
+    const int S = L.slots;
+    int32_t *s_slot = sm, *s_exp = sm + L.nexp;
+    uint8_t *s_need = (uint8_t *)(s_exp + S), *s_ref = s_need + L.nexp, *s_pin = s_ref + S;
+    for (int i = threadIdx.x; i < L.nexp; i += blockDim.x) {
+        s_slot[i] = L.slot_of[i];
+        s_need[i] = 0;
+    }
+    for (int i = threadIdx.x; i < S; i += blockDim.x) {
+        s_exp[i] = L.slot_exp[i];
+        s_ref[i] = L.ref[i];
+        s_pin[i] = L.pinned[i];
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < n_sel; i += blockDim.x) {
+        const int32_t e = sel_e[i];
+        if (e >= 0 && e < L.nexp)
+            s_need[e] = 1;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        unsigned long long hits = 0, misses = 0, fill = 0, direct = 0, direct_bytes = 0;
+        int32_t hand = S ? *L.hand : 0, nj = 0;
+        uint32_t chunks = 0;
+        for (int e = 0; e < L.nexp; e++) {
+            if (!s_need[e])
+                continue;
+            const int32_t s = s_slot[e];
+            if (s >= 0) {
+                hits++;
+                s_ref[s] = 1;
+                continue;
+            }
+            misses++;
+            int32_t victim = -1;
+            for (int t = 0; t < 2 * S + 1; t++) {
+                const int32_t c = hand;
+                hand = hand + 1 == S ? 0 : hand + 1;
+                const int32_t x = s_exp[c];
+                if (s_pin[c] || (x >= 0 && s_need[x]))
+                    continue; /* hot, or read by this step */
+                if (s_ref[c]) {
+                    s_ref[c] = 0;
+                    continue;
+                }
+                victim = c;
+                break;
+            }
+            if (victim < 0) {
+                /* Every unpinned slot holds an expert of this step: read this one from host. */
+                direct++;
+                for (int p = 0; p < 3; p++)
+                    direct_bytes += L.bytes[p * L.nexp + e];
+                continue;
+            }
+            const int32_t old = s_exp[victim];
+            if (old >= 0) {
+                s_slot[old] = MOE_OFF_HOST;
+                for (int p = 0; p < 3; p++)
+                    L.tab[p][old] = L.host[p * L.nexp + old];
+            }
+            s_exp[victim] = e;
+            s_slot[e] = victim;
+            s_ref[victim] = 1;
+            uint8_t *slot = L.base + (size_t)victim * L.slot_bytes;
+            for (int p = 0; p < 3; p++) {
+                struct moe_cuda_fill j;
+                j.src = (const uint8_t *)L.host[p * L.nexp + e];
+                j.dst = slot + L.part_off[p];
+                j.bytes = L.bytes[p * L.nexp + e];
+                j.chunk0 = chunks;
+                chunks += (j.bytes + MOE_OFF_CHUNK - 1) / MOE_OFF_CHUNK;
+                fill += j.bytes;
+                fl->job[nj++] = j;
+                L.tab[p][e] = slot + L.part_off[p];
+            }
+        }
+        fl->n = nj;
+        fl->n_chunks = (int32_t)chunks;
+        if (S)
+            *L.hand = hand;
+        L.stats[MOE_OFF_HITS] += hits;
+        L.stats[MOE_OFF_MISSES] += misses;
+        L.stats[MOE_OFF_FILL_BYTES] += fill;
+        L.stats[MOE_OFF_DIRECT] += direct;
+        L.stats[MOE_OFF_DIRECT_BYTES] += direct_bytes;
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < L.nexp; i += blockDim.x)
+        L.slot_of[i] = s_slot[i];
+    for (int i = threadIdx.x; i < S; i += blockDim.x) {
+        L.slot_exp[i] = s_exp[i];
+        L.ref[i] = s_ref[i];
+    }
+}
+
+/* Grid-stride over the chunks of every copy; 16-byte loads where source and destination allow
+ * (the store's slices are 64-byte aligned, slots 256), bytes otherwise. */
+__global__ void __launch_bounds__(256) offload_fill_kernel(const struct moe_cuda_fill_list *__restrict__ fl)
+{
+    const int nc = fl->n_chunks, nj = fl->n;
+    for (int c = blockIdx.x; c < nc; c += gridDim.x) {
+        int lo = 0, hi = nj - 1;
+        while (lo < hi) { /* the last copy whose first chunk is <= c */
+            const int mid = (lo + hi + 1) / 2;
+            if ((int)fl->job[mid].chunk0 <= c)
+                lo = mid;
+            else
+                hi = mid - 1;
+        }
+        const struct moe_cuda_fill j = fl->job[lo];
+        const size_t off = (size_t)(c - (int)j.chunk0) * MOE_OFF_CHUNK;
+        const size_t end = off + MOE_OFF_CHUNK < j.bytes ? off + MOE_OFF_CHUNK : j.bytes;
+        const uint8_t *src = j.src + off;
+        uint8_t *dst = j.dst + off;
+        const size_t n = end - off;
+        if ((((uintptr_t)src | (uintptr_t)dst) & 15) == 0) {
+            const size_t n16 = n / 16;
+            const uint4 *s4 = (const uint4 *)src;
+            uint4 *d4 = (uint4 *)dst;
+            /* Four loads in flight per thread before the stores. */
+            size_t i = threadIdx.x;
+            for (; i + 3 * 256 < n16; i += 4 * 256) {
+                uint4 a = s4[i], b = s4[i + 256], cc = s4[i + 512], d = s4[i + 768];
+                d4[i] = a;
+                d4[i + 256] = b;
+                d4[i + 512] = cc;
+                d4[i + 768] = d;
+            }
+            for (; i < n16; i += 256)
+                d4[i] = s4[i];
+            for (size_t k = n16 * 16 + threadIdx.x; k < n; k += 256)
+                dst[k] = src[k];
+        } else {
+            for (size_t k = threadIdx.x; k < n; k += 256)
+                dst[k] = src[k];
+        }
+    }
+}
+
+int moe_cuda_offload_resolve(const struct moe_cuda_off_layer *d_layer, int32_t nexp,
+                             int32_t slots, const int32_t *sel_e, int64_t n_sel,
+                             struct moe_cuda_fill_list *d_fill, cudaStream_t s)
+{
+    if (nexp <= 0 || slots < 0 || slots > nexp || n_sel < 0 || n_sel > (1 << 24))
+        return -EINVAL;
+    const size_t smem = (size_t)(nexp + slots) * sizeof(int32_t) + (size_t)(nexp + 2 * slots);
+    offload_resolve_kernel<<<1, 256, smem, s>>>(d_layer, sel_e, (int)n_sel, d_fill);
+    MOE_CUDA_TRY(cudaGetLastError());
+    return 0;
+}
+
+int moe_cuda_offload_fill(const struct moe_cuda_fill_list *d_fill, int blocks, cudaStream_t s)
+{
+    if (blocks <= 0)
+        return -EINVAL;
+    offload_fill_kernel<<<blocks, 256, 0, s>>>(d_fill);
+    MOE_CUDA_TRY(cudaGetLastError());
+    return 0;
+}
