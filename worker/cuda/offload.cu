@@ -38,71 +38,10 @@ __global__ void offload_resolve_kernel(const struct moe_cuda_off_layer *__restri
     }
     __syncthreads();
     if (threadIdx.x == 0) {
-        unsigned long long hits = 0, misses = 0, fill = 0, direct = 0, direct_bytes = 0;
-        int32_t hand = S ? *L.hand : 0, nj = 0;
-        uint32_t chunks = 0;
-        for (int e = 0; e < L.nexp; e++) {
-            if (!s_need[e])
-                continue;
-            const int32_t s = s_slot[e];
-            if (s >= 0) {
-                hits++;
-                s_ref[s] = 1;
-                continue;
-            }
-            misses++;
-            int32_t victim = -1;
-            for (int t = 0; t < 2 * S + 1; t++) {
-                const int32_t c = hand;
-                hand = hand + 1 == S ? 0 : hand + 1;
-                const int32_t x = s_exp[c];
-                if (s_pin[c] || (x >= 0 && s_need[x]))
-                    continue; /* hot, or read by this step */
-                if (s_ref[c]) {
-                    s_ref[c] = 0;
-                    continue;
-                }
-                victim = c;
-                break;
-            }
-            if (victim < 0) {
-                /* Every unpinned slot holds an expert of this step: read this one from host. */
-                direct++;
-                for (int p = 0; p < 3; p++)
-                    direct_bytes += L.bytes[p * L.nexp + e];
-                continue;
-            }
-            const int32_t old = s_exp[victim];
-            if (old >= 0) {
-                s_slot[old] = MOE_OFF_HOST;
-                for (int p = 0; p < 3; p++)
-                    L.tab[p][old] = L.host[p * L.nexp + old];
-            }
-            s_exp[victim] = e;
-            s_slot[e] = victim;
-            s_ref[victim] = 1;
-            uint8_t *slot = L.base + (size_t)victim * L.slot_bytes;
-            for (int p = 0; p < 3; p++) {
-                struct moe_cuda_fill j;
-                j.src = (const uint8_t *)L.host[p * L.nexp + e];
-                j.dst = slot + L.part_off[p];
-                j.bytes = L.bytes[p * L.nexp + e];
-                j.chunk0 = chunks;
-                chunks += (j.bytes + MOE_OFF_CHUNK - 1) / MOE_OFF_CHUNK;
-                fill += j.bytes;
-                fl->job[nj++] = j;
-                L.tab[p][e] = slot + L.part_off[p];
-            }
-        }
-        fl->n = nj;
-        fl->n_chunks = (int32_t)chunks;
+        int32_t hand = S ? *L.hand : 0;
+        moe_off_resolve(&L, s_need, s_slot, s_exp, s_ref, s_pin, &hand, fl, L.stats);
         if (S)
             *L.hand = hand;
-        L.stats[MOE_OFF_HITS] += hits;
-        L.stats[MOE_OFF_MISSES] += misses;
-        L.stats[MOE_OFF_FILL_BYTES] += fill;
-        L.stats[MOE_OFF_DIRECT] += direct;
-        L.stats[MOE_OFF_DIRECT_BYTES] += direct_bytes;
     }
     __syncthreads();
     for (int i = threadIdx.x; i < L.nexp; i += blockDim.x)

@@ -1,0 +1,212 @@
+/* The expert cache's per-step bookkeeping (worker/cuda/offload_resolve.h, the body of the CUDA
+ * resolve kernel), run on the host over random routing: the state stays consistent, pinned
+ * experts and this step's experts are never evicted, a miss always gets a slot when one is free,
+ * the tables point where the state says, and the slots, filled by the queued copies, hold the
+ * bytes of the expert they say they hold. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "tests/harness.h"
+#include "worker/cuda/offload_resolve.h"
+
+struct sim {
+    struct moe_cuda_off_layer L;
+    int32_t *slot_of, *slot_exp, hand;
+    uint8_t *ref, *pinned, *base, *hostmem;
+    const void **host, **tab[3];
+    uint32_t *bytes;
+    struct moe_cuda_fill_list *fl;
+    unsigned long long stats[MOE_OFF_NSTATS];
+};
+
+/* nexp experts of varying size (parts up to 700 bytes), S slots of which `hot` pinned; the
+ * first S experts start in the slots (as init places them). */
+static void sim_init(struct sim *m, int32_t nexp, int32_t S, int32_t hot)
+{
+    memset(m, 0, sizeof *m);
+    m->slot_of = malloc(sizeof(int32_t) * (size_t)nexp);
+    m->slot_exp = malloc(sizeof(int32_t) * (size_t)S + 4);
+    m->ref = calloc((size_t)S + 1, 1);
+    m->pinned = calloc((size_t)S + 1, 1);
+    m->host = malloc(sizeof(void *) * 3 * (size_t)nexp);
+    m->bytes = malloc(sizeof(uint32_t) * 3 * (size_t)nexp);
+    for (int p = 0; p < 3; p++)
+        m->tab[p] = malloc(sizeof(void *) * (size_t)nexp);
+    m->fl = malloc(sizeof *m->fl + sizeof(struct moe_cuda_fill) * 3 * (size_t)(S + 1));
+    const uint32_t part_max = 704;
+    m->L.part_off[0] = 0;
+    m->L.part_off[1] = part_max;
+    m->L.part_off[2] = 2 * part_max;
+    m->L.slot_bytes = 3 * part_max;
+    m->base = malloc((size_t)S * m->L.slot_bytes + 1);
+    m->hostmem = malloc((size_t)nexp * 3 * part_max);
+    CHECK(m->slot_of && m->slot_exp && m->ref && m->pinned && m->host && m->bytes && m->fl &&
+          m->base && m->hostmem && m->tab[0] && m->tab[1] && m->tab[2]);
+    for (size_t i = 0; i < (size_t)nexp * 3 * part_max; i++)
+        m->hostmem[i] = (uint8_t)moe_test_rng_u32();
+    memset(m->base, 0xee, (size_t)S * m->L.slot_bytes);
+    for (int32_t e = 0; e < nexp; e++)
+        for (int p = 0; p < 3; p++) {
+            m->bytes[p * nexp + e] = 100 + moe_test_rng_u32() % (part_max - 100);
+            m->host[p * nexp + e] = m->hostmem + ((size_t)e * 3 + (size_t)p) * part_max;
+        }
+    for (int32_t s = 0; s < S; s++) {
+        m->slot_exp[s] = s;
+        m->pinned[s] = s < hot;
+    }
+    for (int32_t e = 0; e < nexp; e++) {
+        m->slot_of[e] = e < S ? e : MOE_OFF_HOST;
+        for (int p = 0; p < 3; p++) {
+            uint8_t *dst = m->base + (size_t)e * m->L.slot_bytes + m->L.part_off[p];
+            if (e < S)
+                memcpy(dst, m->host[p * nexp + e], m->bytes[p * nexp + e]);
+            m->tab[p][e] = e < S ? dst : m->host[p * nexp + e];
+        }
+    }
+    m->hand = hot < S ? hot : 0;
+    m->L.nexp = nexp;
+    m->L.slots = S;
+    m->L.base = m->base;
+    m->L.host = m->host;
+    m->L.bytes = m->bytes;
+    for (int p = 0; p < 3; p++)
+        m->L.tab[p] = m->tab[p];
+}
+
+static void sim_free(struct sim *m)
+{
+    free(m->slot_of), free(m->slot_exp), free(m->ref), free(m->pinned), free(m->host);
+    free(m->bytes), free(m->fl), free(m->base), free(m->hostmem);
+    for (int p = 0; p < 3; p++)
+        free(m->tab[p]);
+}
+
+/* What the fill kernel does, chunk by chunk. */
+static void sim_fill(struct sim *m)
+{
+    uint32_t chunks = 0;
+    for (int32_t j = 0; j < m->fl->n; j++) {
+        const struct moe_cuda_fill *f = &m->fl->job[j];
+        CHECK_EQ(f->chunk0, chunks);
+        chunks += (f->bytes + MOE_OFF_CHUNK - 1) / MOE_OFF_CHUNK;
+        memcpy(f->dst, f->src, f->bytes);
+    }
+    CHECK_EQ((uint32_t)m->fl->n_chunks, chunks);
+}
+
+static void check_state(const struct sim *m)
+{
+    const int32_t ne = m->L.nexp, S = m->L.slots;
+    for (int32_t s = 0; s < S; s++) {
+        const int32_t e = m->slot_exp[s];
+        if (e >= 0)
+            CHECK_EQ(m->slot_of[e], s);
+    }
+    for (int32_t e = 0; e < ne; e++) {
+        const int32_t s = m->slot_of[e];
+        for (int p = 0; p < 3; p++) {
+            if (s >= 0) {
+                CHECK_EQ(m->slot_exp[s], e);
+                const uint8_t *at = m->base + (size_t)s * m->L.slot_bytes + m->L.part_off[p];
+                CHECK(m->tab[p][e] == at);
+                CHECK(memcmp(at, m->host[p * ne + e], m->bytes[p * ne + e]) == 0);
+            } else {
+                CHECK_EQ(s, MOE_OFF_HOST);
+                CHECK(m->tab[p][e] == m->host[p * ne + e]);
+            }
+        }
+    }
+}
+
+TEST(offload_resolve_keeps_the_cache_consistent)
+{
+    static const int32_t shapes[][4] = {
+        /* nexp, slots, pinned, chosen per step (up to) */
+        {16, 6, 2, 4}, {16, 4, 0, 4}, {16, 4, 4, 4}, {16, 5, 4, 8}, {128, 77, 19, 8},
+        {128, 32, 0, 64}, {128, 127, 0, 40}, {32, 8, 7, 16}, {8, 1, 0, 3},
+    };
+    moe_test_rng_seed(20261201);
+    for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {
+        const int32_t ne = shapes[si][0], S = shapes[si][1], hot = shapes[si][2],
+                      kmax = shapes[si][3];
+        struct sim m;
+        sim_init(&m, ne, S, hot);
+        check_state(&m);
+        int32_t *pinned_exp = malloc(sizeof(int32_t) * (size_t)S + 4);
+        int32_t *before = malloc(sizeof(int32_t) * (size_t)ne);
+        uint8_t *need = malloc((size_t)ne);
+        CHECK(pinned_exp && before && need);
+        memcpy(pinned_exp, m.slot_exp, sizeof(int32_t) * (size_t)S);
+        unsigned long long fills = 0;
+        for (int step = 0; step < 400; step++) {
+            memset(need, 0, (size_t)ne);
+            /* Skewed choices: low expert ids more often, some steps wide (a prompt chunk). */
+            const int32_t k = 1 + (int32_t)(moe_test_rng_u32() % (uint32_t)kmax);
+            for (int32_t i = 0; i < k; i++) {
+                uint32_t r = moe_test_rng_u32() % (uint32_t)ne;
+                need[moe_test_rng_u32() % 3 ? r * r / (uint32_t)ne : r] = 1;
+            }
+            int32_t uniq = 0, had_slot = 0, free_unpinned = 0;
+            for (int32_t e = 0; e < ne; e++) {
+                uniq += need[e];
+                had_slot += need[e] && m.slot_of[e] >= 0;
+            }
+            for (int32_t s = 0; s < S; s++)
+                free_unpinned += !m.pinned[s] && (m.slot_exp[s] < 0 || !need[m.slot_exp[s]]);
+            memcpy(before, m.slot_of, sizeof(int32_t) * (size_t)ne);
+            unsigned long long st0[MOE_OFF_NSTATS];
+            memcpy(st0, m.stats, sizeof st0);
+            moe_off_resolve(&m.L, need, m.slot_of, m.slot_exp, m.ref, m.pinned, &m.hand, m.fl,
+                            m.stats);
+            sim_fill(&m);
+            check_state(&m);
+            const unsigned long long hits = m.stats[MOE_OFF_HITS] - st0[MOE_OFF_HITS],
+                                     misses = m.stats[MOE_OFF_MISSES] - st0[MOE_OFF_MISSES],
+                                     direct = m.stats[MOE_OFF_DIRECT] - st0[MOE_OFF_DIRECT];
+            CHECK_EQ(hits + misses, (unsigned long long)uniq);
+            CHECK_EQ(hits, (unsigned long long)had_slot);
+            CHECK_EQ((unsigned long long)m.fl->n, 3 * (misses - direct));
+            /* A miss finds a slot whenever an unpinned slot not used by this step exists: all
+             * misses are placed, or every such slot was taken by one of them. */
+            const unsigned long long placed = misses - direct;
+            CHECK(direct == 0 || placed == (unsigned long long)free_unpinned);
+            fills += placed;
+            for (int32_t e = 0; e < ne; e++)
+                if (need[e] && before[e] >= 0)
+                    CHECK_EQ(m.slot_of[e], before[e]); /* this step's experts stay put */
+            for (int32_t s = 0; s < hot; s++)
+                CHECK_EQ(m.slot_exp[s], pinned_exp[s]); /* hot experts never move */
+            CHECK(m.hand >= 0 && (S == 0 || m.hand < S));
+        }
+        CHECK_EQ(m.stats[MOE_OFF_FILL_BYTES] > 0, fills > 0);
+        CHECK(hot < S || fills == 0);
+        CHECK_MSG(m.stats[MOE_OFF_MISSES] > 0, "shape %zu: %llu hits, no misses", si,
+                  m.stats[MOE_OFF_HITS]);
+        free(pinned_exp), free(before), free(need);
+        sim_free(&m);
+    }
+}
+
+/* The clock gives recently used experts a second chance: with one cold expert among the
+ * cached ones, a miss evicts the cold one. */
+TEST(offload_resolve_evicts_the_unreferenced_slot)
+{
+    struct sim m;
+    moe_test_rng_seed(7);
+    sim_init(&m, 8, 3, 0); /* experts 0, 1, 2 cached */
+    uint8_t need[8] = {0};
+    need[0] = need[1] = 1; /* hits: both get their reference bit */
+    moe_off_resolve(&m.L, need, m.slot_of, m.slot_exp, m.ref, m.pinned, &m.hand, m.fl, m.stats);
+    CHECK_EQ(m.fl->n, 0);
+    memset(need, 0, sizeof need);
+    need[5] = 1; /* a miss: 0 and 1 were referenced, 2 was not */
+    moe_off_resolve(&m.L, need, m.slot_of, m.slot_exp, m.ref, m.pinned, &m.hand, m.fl, m.stats);
+    sim_fill(&m);
+    CHECK_EQ(m.slot_of[2], MOE_OFF_HOST);
+    CHECK_EQ(m.slot_of[5], 2);
+    CHECK(m.slot_of[0] == 0 && m.slot_of[1] == 1);
+    check_state(&m);
+    CHECK_EQ(m.stats[MOE_OFF_HITS], 2ull);
+    CHECK_EQ(m.stats[MOE_OFF_MISSES], 1ull);
+    sim_free(&m);
+}

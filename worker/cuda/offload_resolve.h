@@ -1,0 +1,136 @@
+/* The expert cache's bookkeeping for one layer and one step, shared by the resolve kernel
+ * (worker/cuda/offload.cu, run by one thread on shared-memory copies of the state) and the host
+ * tests that check it (tests/test_offload_resolve.c). Plain C; the structs are those of
+ * worker/cuda/offload.cuh. */
+#ifndef MOE_CUDA_OFFLOAD_RESOLVE_H
+#define MOE_CUDA_OFFLOAD_RESOLVE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __CUDACC__
+#define MOE_OFF_HD __host__ __device__
+#else
+#define MOE_OFF_HD
+#endif
+
+/* slot_of value of an expert without a slot. */
+#define MOE_OFF_HOST (-1)
+
+/* Counters per layer (stats[]). */
+enum { MOE_OFF_HITS, MOE_OFF_MISSES, MOE_OFF_FILL_BYTES, MOE_OFF_DIRECT, MOE_OFF_DIRECT_BYTES,
+       MOE_OFF_NSTATS };
+
+/* One layer's offload state, in device memory. */
+struct moe_cuda_off_layer {
+    int32_t nexp, slots;
+    uint32_t part_off[3];          /* gate, up, down inside a slot */
+    uint64_t slot_bytes;
+    uint8_t *base;                 /* [slots][slot_bytes] in VRAM */
+    int32_t *slot_of;              /* [nexp]: a slot or MOE_OFF_HOST */
+    int32_t *slot_exp;             /* [slots]: the expert a slot holds, -1 none */
+    uint8_t *pinned;               /* [slots]: 1 = hot, never evicted */
+    uint8_t *ref;                  /* [slots]: clock reference bits */
+    int32_t *hand;                 /* [1]: clock hand */
+    const void *const *host;       /* [3][nexp]: device addresses of the host copies */
+    const uint32_t *bytes;         /* [3][nexp] */
+    const void **tab[3];           /* the layer's gate, up and down tables the kernels read */
+    unsigned long long *stats;     /* [MOE_OFF_NSTATS] */
+};
+
+/* A copy from host memory into a slot. */
+struct moe_cuda_fill {
+    const uint8_t *src;
+    uint8_t *dst;
+    uint32_t bytes;
+    uint32_t chunk0;               /* first chunk of this copy in the step's list */
+};
+struct moe_cuda_fill_list {
+    int32_t n, n_chunks;
+    struct moe_cuda_fill job[1];   /* [3 * slots] */
+};
+#define MOE_OFF_CHUNK 16384u
+
+/* Walks the experts marked in need[nexp] in expert order. slot_of, slot_exp, ref and pinned
+ * are the layer's state (L's arrays or copies of them); *hand the clock hand. A chosen expert
+ * with a slot is a hit (reference bit set). A miss takes the first slot the hand reaches that is
+ * not pinned, not holding an expert of this step, and whose reference bit is clear (clearing the
+ * bits it passes): the old expert's tables go back to its host copy, the new one's to the slot,
+ * and its three copies are queued in fl. With no such slot it is read from host memory. Adds to
+ * stats[MOE_OFF_NSTATS]. */
+static inline MOE_OFF_HD void moe_off_resolve(const struct moe_cuda_off_layer *L,
+                                              const uint8_t *need, int32_t *slot_of,
+                                              int32_t *slot_exp, uint8_t *ref,
+                                              const uint8_t *pinned, int32_t *hand,
+                                              struct moe_cuda_fill_list *fl,
+                                              unsigned long long *stats)
+{
+    const int32_t S = L->slots, ne = L->nexp;
+    unsigned long long hits = 0, misses = 0, fill = 0, direct = 0, direct_bytes = 0;
+    int32_t h = S ? *hand : 0, nj = 0;
+    uint32_t chunks = 0;
+    for (int32_t e = 0; e < ne; e++) {
+        if (!need[e])
+            continue;
+        const int32_t s = slot_of[e];
+        if (s >= 0) {
+            hits++;
+            ref[s] = 1;
+            continue;
+        }
+        misses++;
+        int32_t victim = -1;
+        for (int32_t t = 0; t < 2 * S + 1; t++) {
+            const int32_t c = h;
+            h = h + 1 == S ? 0 : h + 1;
+            const int32_t x = slot_exp[c];
+            if (pinned[c] || (x >= 0 && need[x]))
+                continue; /* hot, or read by this step */
+            if (ref[c]) {
+                ref[c] = 0;
+                continue;
+            }
+            victim = c;
+            break;
+        }
+        if (victim < 0) {
+            /* Every unpinned slot holds an expert of this step: read this one from host. */
+            direct++;
+            for (int p = 0; p < 3; p++)
+                direct_bytes += L->bytes[p * ne + e];
+            continue;
+        }
+        const int32_t old = slot_exp[victim];
+        if (old >= 0) {
+            slot_of[old] = MOE_OFF_HOST;
+            for (int p = 0; p < 3; p++)
+                L->tab[p][old] = L->host[p * ne + old];
+        }
+        slot_exp[victim] = e;
+        slot_of[e] = victim;
+        ref[victim] = 1;
+        uint8_t *slot = L->base + (size_t)victim * L->slot_bytes;
+        for (int p = 0; p < 3; p++) {
+            struct moe_cuda_fill j;
+            j.src = (const uint8_t *)L->host[p * ne + e];
+            j.dst = slot + L->part_off[p];
+            j.bytes = L->bytes[p * ne + e];
+            j.chunk0 = chunks;
+            chunks += (j.bytes + MOE_OFF_CHUNK - 1) / MOE_OFF_CHUNK;
+            fill += j.bytes;
+            fl->job[nj++] = j;
+            L->tab[p][e] = slot + L->part_off[p];
+        }
+    }
+    fl->n = nj;
+    fl->n_chunks = (int32_t)chunks;
+    if (S)
+        *hand = h;
+    stats[MOE_OFF_HITS] += hits;
+    stats[MOE_OFF_MISSES] += misses;
+    stats[MOE_OFF_FILL_BYTES] += fill;
+    stats[MOE_OFF_DIRECT] += direct;
+    stats[MOE_OFF_DIRECT_BYTES] += direct_bytes;
+}
+
+#endif
