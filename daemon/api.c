@@ -49,6 +49,9 @@ struct api {
 
     struct gen *gens;
     uint32_t n_gens;
+    uv_loop_t *loop;                /* prompts are tokenized on its thread pool; NULL: inline */
+    struct tok_job *jobs;           /* requests whose prompt is being tokenized */
+    uint32_t n_jobs;
 
     /* Counters for /metrics. */
     uint64_t http_by_class[6];      /* 1xx..5xx responses */
@@ -1012,13 +1015,80 @@ static void new_id(struct api *a, char *out, size_t cap, const char *prefix)
     snprintf(out, cap, "%s-%016" PRIx64 "%08" PRIx64, prefix, x, a->id_next);
 }
 
+/* Answers or submits a request whose prompt is tokenized (rc 0) or refused (e). */
+static void finish_generate(struct api *a, struct http_conn *c, bool chat, struct gen_req *rp,
+                            struct verr *ep, int rc);
+
+/* A request whose prompt is tokenized on the loop's thread pool, so that a long prompt (or a
+ * chat of many long messages) never holds the event loop. The pool thread reads only the job:
+ * the request body, already parsed, and a copy of the api's read-only parts (the tokenizer, the
+ * chat family, the model's shape), never the api itself. */
+struct tok_job {
+    uv_work_t work;
+    struct api *a;                  /* NULL once the api is gone (shutdown) */
+    struct api snap;                /* what the pool thread reads */
+    struct http_conn *c;
+    json_t *body;
+    bool chat, aborted;
+    struct gen_req r;
+    struct verr e;
+    int rc;
+    struct tok_job *prev, *next;
+};
+
+static void tok_job_unlink(struct tok_job *j)
+{
+    struct api *a = j->a;
+    if (!a)
+        return;
+    if (j->prev)
+        j->prev->next = j->next;
+    else
+        a->jobs = j->next;
+    if (j->next)
+        j->next->prev = j->prev;
+    a->n_jobs--;
+    j->prev = j->next = NULL;
+}
+
+static void tok_job_abort(void *user)
+{
+    struct tok_job *j = user;
+    j->aborted = true; /* the connection is gone; the pool thread finishes, nobody answers */
+    j->c = NULL;
+}
+
+static void tok_job_work(uv_work_t *w)
+{
+    struct tok_job *j = w->data;
+    struct api *sa = &j->snap;
+    j->rc = j->chat ? parse_messages(sa, j->body, &j->r, &j->e)
+                    : parse_prompt(sa, j->body, &j->r, &j->e);
+}
+
+static void tok_job_done(uv_work_t *w, int status)
+{
+    struct tok_job *j = w->data;
+    struct api *a = j->a;
+    tok_job_unlink(j);
+    if (a && !j->aborted && status == 0) {
+        http_conn_on_abort(j->c, NULL, NULL);
+        finish_generate(a, j->c, j->chat, &j->r, &j->e, j->rc);
+    } else if (a && !j->aborted) {
+        http_conn_on_abort(j->c, NULL, NULL);
+        respond_error(a, j->c, 503, NULL, "moed is shutting down");
+    }
+    gen_req_free(&j->r);
+    json_decref(j->body);
+    free(j);
+}
+
 static void handle_generate(struct api *a, struct http_request *req, bool chat)
 {
     struct http_conn *c = req->conn;
     struct verr e = {0};
     struct gen_req r = {0};
     json_t *body = NULL;
-    struct gen *g = NULL;
     if (a->draining) {
         respond_error(a, c, 503, NULL, "moed is shutting down");
         return;
@@ -1040,8 +1110,58 @@ static void handle_generate(struct api *a, struct http_request *req, bool chat)
     }
     if (parse_common(a, body, &r, &e))
         goto fail;
-    if (chat ? parse_messages(a, body, &r, &e) : parse_prompt(a, body, &r, &e))
+    if (a->loop) {
+        struct tok_job *j = calloc(1, sizeof *j);
+        if (!j) {
+            fail(&e, 500, NULL, "out of memory");
+            goto fail;
+        }
+        j->a = a;
+        j->snap = *a;
+        j->c = c;
+        j->body = body;
+        j->chat = chat;
+        j->r = r;
+        j->work.data = j;
+        int qrc = uv_queue_work(a->loop, &j->work, tok_job_work, tok_job_done);
+        if (qrc) {
+            free(j);
+            fail(&e, 500, NULL, "cannot queue the prompt for tokenizing: %s", uv_strerror(qrc));
+            goto fail;
+        }
+        j->next = a->jobs;
+        if (a->jobs)
+            a->jobs->prev = j;
+        a->jobs = j;
+        a->n_jobs++;
+        http_conn_on_abort(c, tok_job_abort, j);
+        return; /* tok_job_done continues */
+    }
+    int rc = chat ? parse_messages(a, body, &r, &e) : parse_prompt(a, body, &r, &e);
+    finish_generate(a, c, chat, &r, &e, rc);
+    gen_req_free(&r);
+    json_decref(body);
+    return;
+fail:
+    respond_error(a, c, e.status ? e.status : 400, e.param, "%s", e.msg);
+    gen_req_free(&r);
+    json_decref(body);
+}
+
+static void finish_generate(struct api *a, struct http_conn *c, bool chat, struct gen_req *rp,
+                            struct verr *ep, int rc)
+{
+    struct gen_req r = *rp;
+    struct verr e = *ep;
+    struct gen *g = NULL;
+    /* r's allocations stay owned by the caller's struct (freed there); ownership of the prompt
+     * passes to the scheduler's copy only through sched_submit, which copies it. */
+    if (rc)
         goto fail;
+    if (a->draining) {
+        fail(&e, 503, NULL, "moed is shutting down");
+        goto fail;
+    }
     if (r.n_prompt == 0) {
         fail(&e, 400, chat ? "messages" : "prompt", "the prompt is empty (0 tokens)");
         goto fail;
@@ -1138,9 +1258,10 @@ fail:
         gen_free(g);
     respond_error(a, c, e.status ? e.status : 400, e.param, "%s", e.msg);
 out:
-    gen_req_free(&r);
-    json_decref(body);
+    /* The stop strings moved into g (or were freed with it); the caller frees the rest. */
+    rp->n_stops = r.n_stops;
 }
+
 
 /* ---- other endpoints ---- */
 
@@ -1522,6 +1643,7 @@ int api_new(struct api **out, const struct api_opts *o, char *err, size_t errlen
         return moe_fail(err, errlen, -ENOMEM, "out of memory");
     a->tok = o->tok;
     a->sched = o->sched;
+    a->loop = o->loop;
     a->model = o->model;
     a->model_id = strdup(o->model.id ? o->model.id : "model");
     a->model_arch = strdup(o->model.arch ? o->model.arch : "");
@@ -1558,6 +1680,20 @@ void api_free(struct api *a)
 {
     if (!a)
         return;
+    /* Prompts still being tokenized: answered now; the pool finishes each job and frees it
+     * without the api (the loop keeps running until it has). */
+    while (a->jobs) {
+        struct tok_job *j = a->jobs;
+        tok_job_unlink(j);
+        uv_cancel((uv_req_t *)&j->work);
+        if (!j->aborted) {
+            http_conn_on_abort(j->c, NULL, NULL);
+            respond_error(a, j->c, 503, NULL, "moed is shutting down");
+        }
+        j->aborted = true;
+        j->c = NULL;
+        j->a = NULL;
+    }
     while (a->gens) {
         struct gen *g = a->gens;
         if (g->req)
@@ -1614,5 +1750,5 @@ void api_add_routing(struct api *a, const uint64_t *counts, uint32_t n_layer, ui
 
 uint32_t api_inflight(const struct api *a)
 {
-    return a->n_gens;
+    return a->n_gens + a->n_jobs;
 }

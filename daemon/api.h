@@ -62,6 +62,8 @@ struct api_opts {
     const char *api_key;             /* TCP requests must send "Authorization: Bearer KEY";
                                         NULL: none (the Unix socket never needs one) */
     struct api_hooks hooks;
+    uv_loop_t *loop;                 /* prompts are tokenized on its thread pool (the event loop
+                                        never waits for a long prompt); NULL: inline */
 };
 
 /* Returns 0 or -ENOMEM. A model whose chat template is not ChatML still gets an API: its chat

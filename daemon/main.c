@@ -889,6 +889,7 @@ static int run(struct daemon *d, int argc, char **argv)
         .api_key = c->api_key,
         .hooks = {hook_status, hook_profile_export, hook_profile_import, hook_profile_reset,
                   hook_placement, hook_metrics, d},
+        .loop = d->loop,
     };
     char model_id[256];
     ao.model.id = base_name(c->model, model_id, sizeof model_id);

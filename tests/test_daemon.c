@@ -20,6 +20,8 @@
 
 #include <jansson.h>
 
+#include "store/gguf.h"
+#include "store/tokenizer.h"
 #include "tests/harness.h"
 #include "tests/httpc.h"
 
@@ -1466,6 +1468,81 @@ TEST_TIMEOUT(daemon_huge_prompt_refused_without_tokenizing, 120)
     CHECK_MSG(strstr(err_msg(j), "longer than the context"), "%s", err_msg(j));
     json_decref(j);
     CHECK_MSG(dt < 1.5, "answered after %.2f s", dt);
+    CHECK_EQ(moed_stop(&d, 60), 0);
+}
+
+struct big_post {
+    const char *sock, *body;
+    int status;
+    double seconds;
+};
+
+static void *big_post_thread(void *arg)
+{
+    struct big_post *bp = arg;
+    struct hc_resp r;
+    double t0 = moe_test_now();
+    int st = hc_request_unix(bp->sock, "POST", "/v1/completions", bp->body, &r, 60000) == 0
+                 ? r.status
+                 : -1;
+    bp->seconds = moe_test_now() - t0;
+    if (st >= 0)
+        hc_resp_free(&r);
+    __atomic_store_n(&bp->status, st, __ATOMIC_SEQ_CST);
+    return NULL;
+}
+
+/* The longest prompt the size check lets through is tokenized off the event loop: while it is,
+ * /health answers at once. (A long run of spaces is BPE's slowest input.) */
+TEST_TIMEOUT(daemon_tokenizes_off_the_event_loop, 180)
+{
+    const char *dir = moe_test_tmpdir();
+    struct moed d;
+    const char *args[] = {"--devices", "cpu", "--workers", "1", "--parallel", "1", "--ctx",
+                          "131072", "--max-body", "64M", NULL};
+    moed_spawn(&d, dir, args);
+    moed_wait_socket(&d, 60);
+    /* Just under what the check refuses: len / max_piece + 0 < n_ctx. */
+    struct gguf_file *f = NULL;
+    struct moe_tokenizer *tok = NULL;
+    char err[256];
+    CHECK_MSG(gguf_open(&f, "models/kjv-demo-F16.gguf", err, sizeof err) == 0, "%s", err);
+    CHECK_MSG(moe_tok_load(&tok, f, err, sizeof err) == 0, "%s", err);
+    const size_t n = (131072 - 8) * moe_tok_max_piece(tok);
+    moe_tok_free(tok);
+    gguf_close(f);
+    char *body = malloc(n + 64);
+    CHECK(body);
+    size_t k = (size_t)sprintf(body, "{\"prompt\": \"");
+    memset(body + k, ' ', n);
+    k += n;
+    sprintf(body + k, "\", \"max_tokens\": 1}");
+    struct big_post bp = {.sock = d.sock, .body = body, .status = 0};
+    pthread_t th;
+    CHECK(pthread_create(&th, NULL, big_post_thread, &bp) == 0);
+    double worst = 0;
+    int polls = 0;
+    double t0 = moe_test_now();
+    usleep(20000);
+    while (moe_test_now() - t0 < 60) {
+        struct hc_resp r;
+        double a = moe_test_now();
+        CHECK(hc_request_unix(d.sock, "GET", "/health", NULL, &r, 30000) == 0);
+        double dt = moe_test_now() - a;
+        hc_resp_free(&r);
+        polls++;
+        worst = dt > worst ? dt : worst;
+        if (__atomic_load_n(&bp.status, __ATOMIC_SEQ_CST) != 0)
+            break;
+        usleep(10000);
+    }
+    pthread_join(th, NULL);
+    free(body);
+    printf("  %zu bytes of spaces: answered %d after %.2f s; %d /health polls meanwhile, the "
+           "slowest %.3f s\n", n, bp.status, bp.seconds, polls, worst);
+    CHECK(bp.status == 200 || bp.status == 400);
+    /* Held on the loop, /health would have waited about as long as the tokenizing. */
+    CHECK_MSG(worst < 0.25 || worst < 0.3 * bp.seconds, "/health waited %.3f s", worst);
     CHECK_EQ(moed_stop(&d, 60), 0);
 }
 
