@@ -1,4 +1,5 @@
-/* moectl placement: which experts the current profile makes hot, per layer. */
+/* moectl placement: which experts the current profile makes hot, per layer, and what each GPU
+ * worker holds: slots, pinned slots, residency and hit rate per layer. */
 #include <stdio.h>
 #include <string.h>
 
@@ -36,6 +37,36 @@ static int cmd_placement(int argc, char **argv)
         json_array_foreach(json_object_get(l, "hot"), k, e)
             printf("%s%lld", k ? "," : "", json_integer_value(e));
         putchar('\n');
+    }
+    /* What the GPU workers hold now. */
+    json_array_foreach(json_object_get(o, "workers"), i, l) {
+        if (!json_is_true(json_object_get(l, "offload")))
+            continue;
+        const double hits = (double)json_integer_value(json_object_get(l, "expert_hits")),
+                     misses = (double)json_integer_value(json_object_get(l, "expert_misses"));
+        printf("\nworker %lld (%s): experts %.2f of %.2f GiB in VRAM, hit rate %.1f%% (%.0f hits, "
+               "%.0f misses), %.1f MiB copied from host, %lld read from host\n",
+               json_integer_value(json_object_get(l, "worker")),
+               json_string_value(json_object_get(l, "device")),
+               (double)json_integer_value(json_object_get(l, "expert_vram_bytes")) / 1073741824.0,
+               (double)json_integer_value(json_object_get(l, "expert_bytes")) / 1073741824.0,
+               hits + misses > 0 ? 100.0 * hits / (hits + misses) : 0.0, hits, misses,
+               (double)json_integer_value(json_object_get(l, "fill_bytes")) / 1048576.0,
+               json_integer_value(json_object_get(l, "direct")));
+        printf("%-6s %-6s %-6s %-10s %s\n", "layer", "slots", "hot", "residency", "hit rate");
+        size_t k;
+        json_t *ly;
+        json_array_foreach(json_object_get(l, "layers"), k, ly) {
+            json_t *hr = json_object_get(ly, "hit_rate");
+            printf("%-6lld %-6lld %-6lld %8.1f%%  ", json_integer_value(json_object_get(ly, "layer")),
+                   json_integer_value(json_object_get(ly, "slots")),
+                   json_integer_value(json_object_get(ly, "hot")),
+                   100.0 * json_number_value(json_object_get(ly, "residency")));
+            if (json_is_number(hr))
+                printf("%7.1f%%\n", 100.0 * json_number_value(hr));
+            else
+                printf("%8s\n", "-");
+        }
     }
     json_decref(o);
     return 0;

@@ -296,6 +296,45 @@ static int hook_placement(void *user, char **json, char *err, size_t errlen)
     }
     json_object_set_new(o, "layers", layers);
     moe_placement_free(&pl);
+    /* What each GPU worker holds: slots and pinned slots per layer, hits and misses since it
+     * started (from its last Metrics). */
+    json_t *workers = json_array();
+    for (uint32_t i = 0; d->workers && i < d->n_workers; i++) {
+        struct moed_worker_info wi;
+        struct moed_worker_offload wo;
+        if (moed_workers_info(d->workers, i, &wi) || moed_workers_offload(d->workers, i, &wo))
+            continue;
+        json_t *w = json_object();
+        json_object_set_new(w, "worker", json_integer(i));
+        json_object_set_new(w, "device", json_string(wi.device));
+        json_object_set_new(w, "offload", json_boolean(wo.active));
+        json_object_set_new(w, "expert_hits", json_integer((json_int_t)wi.expert_hits));
+        json_object_set_new(w, "expert_misses", json_integer((json_int_t)wi.expert_misses));
+        if (wo.active) {
+            json_object_set_new(w, "expert_vram_bytes", json_integer((json_int_t)wo.expert_vram_bytes));
+            json_object_set_new(w, "expert_bytes", json_integer((json_int_t)wo.expert_bytes));
+            json_object_set_new(w, "fill_bytes", json_integer((json_int_t)wo.fill_bytes));
+            json_object_set_new(w, "direct", json_integer((json_int_t)wo.direct));
+            json_t *wl = json_array();
+            for (uint32_t l = 0; l < wo.n_layer; l++) {
+                json_t *lo = json_object();
+                const uint64_t looked = wo.hits[l] + wo.misses[l];
+                json_object_set_new(lo, "layer", json_integer(l));
+                json_object_set_new(lo, "slots", json_integer(wo.slots[l]));
+                json_object_set_new(lo, "hot", json_integer(wo.hot[l]));
+                json_object_set_new(lo, "residency", json_real((double)wo.slots[l] / (double)E));
+                json_object_set_new(lo, "hits", json_integer((json_int_t)wo.hits[l]));
+                json_object_set_new(lo, "misses", json_integer((json_int_t)wo.misses[l]));
+                json_object_set_new(lo, "hit_rate",
+                                    looked ? json_real((double)wo.hits[l] / (double)looked)
+                                           : json_null());
+                json_array_append_new(wl, lo);
+            }
+            json_object_set_new(w, "layers", wl);
+        }
+        json_array_append_new(workers, w);
+    }
+    json_object_set_new(o, "workers", workers);
     *json = json_dumps(o, JSON_COMPACT);
     json_decref(o);
     return *json ? 0 : moe_fail(err, errlen, -ENOMEM, "out of memory");

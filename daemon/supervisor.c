@@ -51,6 +51,7 @@ struct wslot {
     uint64_t hb_steps;       /* steps in the last Heartbeat */
     uint32_t hb_running;     /* requests in flight in the last Heartbeat */
     struct moed_worker_info info;
+    struct moed_worker_offload off; /* arrays owned here; from the last Metrics */
 };
 
 struct moed_workers {
@@ -319,6 +320,47 @@ static int on_ready_msg(struct wslot *w, const Moed__Ready *r, char *err, size_t
     return 0;
 }
 
+
+/* A worker's expert residency from its Metrics: per-layer arrays only when all four have the
+ * model's layer count (anything else clears them). */
+static void off_clear(struct moed_worker_offload *o)
+{
+    free((void *)o->slots);
+    free((void *)o->hits);
+    memset(o, 0, sizeof *o);
+}
+
+static void set_offload(struct wslot *w, const Moed__Metrics *m)
+{
+    struct moed_worker_offload *o = &w->off;
+    const size_t L = w->ws->lim.n_layer;
+    off_clear(o);
+    if (!m->expert_vram_bytes || !L || m->n_layer_slots != L || m->n_layer_hot != L ||
+        m->n_layer_hits != L || m->n_layer_misses != L)
+        return;
+    uint32_t *u32 = malloc(sizeof *u32 * 2 * L);
+    uint64_t *u64 = malloc(sizeof *u64 * 2 * L);
+    if (!u32 || !u64) {
+        free(u32);
+        free(u64);
+        return;
+    }
+    memcpy(u32, m->layer_slots, sizeof *u32 * L);
+    memcpy(u32 + L, m->layer_hot, sizeof *u32 * L);
+    memcpy(u64, m->layer_hits, sizeof *u64 * L);
+    memcpy(u64 + L, m->layer_misses, sizeof *u64 * L);
+    o->active = true;
+    o->n_layer = (uint32_t)L;
+    o->expert_vram_bytes = m->expert_vram_bytes;
+    o->expert_bytes = m->expert_bytes;
+    o->fill_bytes = m->expert_fill_bytes;
+    o->direct = m->expert_direct;
+    o->slots = u32;
+    o->hot = u32 + L;
+    o->hits = u64;
+    o->misses = u64 + L;
+}
+
 static int on_msg(struct moe_ipc_conn *c, void *user, const Moed__Envelope *env, char *err,
                   size_t errlen)
 {
@@ -373,6 +415,7 @@ static int on_msg(struct moe_ipc_conn *c, void *user, const Moed__Envelope *env,
         w->info.expert_misses = env->metrics->expert_misses;
         if (env->metrics->vram_used)
             w->info.vram_used = env->metrics->vram_used;
+        set_offload(w, env->metrics);
         return 0;
     case MOED__ENVELOPE__MSG_HEARTBEAT:
         if (env->heartbeat->steps != w->hb_steps || env->heartbeat->running == 0)
@@ -475,6 +518,7 @@ static int slot_start(struct wslot *w, char *err, size_t errlen)
     w->proc_handle_open = true;
     w->info.pid = w->proc.pid;
     set_state(w, MOED_WORKER_STARTING);
+    off_clear(&w->off); /* the new incarnation reports its own */
 
     Moed__Hello h = MOED__HELLO__INIT;
     h.protocol_version = MOE_IPC_PROTOCOL_VERSION;
@@ -696,6 +740,15 @@ uint32_t moed_workers_ready(const struct moed_workers *ws, uint32_t *total)
     return n;
 }
 
+int moed_workers_offload(const struct moed_workers *ws, uint32_t i,
+                         struct moed_worker_offload *out)
+{
+    if (i >= ws->o.n_workers)
+        return -EINVAL;
+    *out = ws->slots[i].off;
+    return 0;
+}
+
 int moed_workers_info(const struct moed_workers *ws, uint32_t i, struct moed_worker_info *out)
 {
     if (i >= ws->o.n_workers)
@@ -894,6 +947,8 @@ void moed_workers_free(struct moed_workers *ws)
         return;
     }
     sched_destroy(ws->sched);
+    for (uint32_t i = 0; i < ws->o.n_workers; i++)
+        off_clear(&ws->slots[i].off);
     free(ws->placement);
     free(ws->model_path);
     free(ws->worker_bin);

@@ -118,6 +118,18 @@ struct moed_worker_info {
     char last_error[160];         /* why it last died or was rejected; "" when never */
 };
 
+/* A GPU worker's expert residency, as its last Metrics gave it (active false: none, or a CPU
+ * worker). The arrays are [n_layer] and valid until the loop next runs. */
+struct moed_worker_offload {
+    bool active;
+    uint32_t n_layer;
+    uint64_t expert_vram_bytes, expert_bytes, fill_bytes, direct;
+    const uint32_t *slots, *hot;
+    const uint64_t *hits, *misses;
+};
+int moed_workers_offload(const struct moed_workers *ws, uint32_t i,
+                         struct moed_worker_offload *out);
+
 /* The worker program: `configured` when given, else moed-worker next to this executable.
  * Returns 0 or a negative errno with a message in err. */
 int moed_worker_bin_path(const char *configured, char *out, size_t n, char *err, size_t errlen);

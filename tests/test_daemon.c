@@ -553,6 +553,13 @@ TEST(daemon_admin_access)
     hc_resp_free(&r);
     CHECK(hc_request_unix(d.sock, "GET", "/admin/placement", NULL, &r, 5000) == 0);
     CHECK_EQ(r.status, 200);
+    j = json_loads(r.body, 0, NULL);
+    /* Every worker is listed with what it holds; CPU workers offload nothing. */
+    json_t *pw = json_object_get(j, "workers");
+    CHECK(json_is_array(pw) && json_array_size(pw) >= 1);
+    CHECK(json_is_false(json_object_get(json_array_get(pw, 0), "offload")));
+    CHECK_STREQ(json_string_value(json_object_get(json_array_get(pw, 0), "device")), "cpu");
+    json_decref(j);
     hc_resp_free(&r);
     CHECK(hc_request_unix(d.sock, "POST", "/admin/placement", "{}", &r, 5000) == 0);
     CHECK_EQ(r.status, 405);

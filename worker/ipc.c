@@ -50,6 +50,8 @@ struct wevent {
     uint32_t running;
     double tokens_per_s;
     uint64_t expert_hits, expert_misses;
+    struct moe_offload_stats os;      /* EV_STATS: the expert cache (os.active: with layers) */
+    struct moe_offload_layer *layers; /* [n_layer] or NULL */
     struct wevent *next;
 };
 
@@ -168,10 +170,14 @@ static int sink_report(void *user, const struct moe_batcher_report *r)
     ev->running = r->running;
     ev->tokens_per_s = r->tokens_per_s;
     /* The device expert cache's counters (zero without offload); between steps, here. */
-    struct moe_offload_stats os;
-    if (moe_engine_offload_stats(w->eng, &os, NULL) == 0) {
-        ev->expert_hits = os.hits;
-        ev->expert_misses = os.misses;
+    ev->layers = calloc(w->n_layer, sizeof *ev->layers);
+    if (ev->layers && moe_engine_offload_stats(w->eng, &ev->os, ev->layers) == 0) {
+        ev->expert_hits = ev->os.hits;
+        ev->expert_misses = ev->os.misses;
+    }
+    if (!ev->os.active) {
+        free(ev->layers);
+        ev->layers = NULL;
     }
     post(w, ev);
     return 0;
@@ -479,9 +485,31 @@ static void send_event(struct worker *w, struct wevent *ev)
         m.decode_tokens_per_s = ev->tokens_per_s;
         m.expert_hits = ev->expert_hits;
         m.expert_misses = ev->expert_misses;
+        uint32_t *u32 = NULL;
+        uint64_t *u64 = NULL;
+        if (ev->layers && (u32 = malloc(sizeof *u32 * 2 * w->n_layer)) &&
+            (u64 = malloc(sizeof *u64 * 2 * w->n_layer))) {
+            m.expert_vram_bytes = ev->os.expert_vram_bytes;
+            m.expert_bytes = ev->os.expert_bytes;
+            m.expert_fill_bytes = ev->os.fill_bytes;
+            m.expert_direct = ev->os.direct;
+            for (uint32_t l = 0; l < w->n_layer; l++) {
+                u32[l] = ev->layers[l].slots;
+                u32[w->n_layer + l] = ev->layers[l].hot;
+                u64[l] = ev->layers[l].hits;
+                u64[w->n_layer + l] = ev->layers[l].misses;
+            }
+            m.layer_slots = u32;
+            m.layer_hot = u32 + w->n_layer;
+            m.layer_hits = u64;
+            m.layer_misses = u64 + w->n_layer;
+            m.n_layer_slots = m.n_layer_hot = m.n_layer_hits = m.n_layer_misses = w->n_layer;
+        }
         env.msg_case = MOED__ENVELOPE__MSG_METRICS;
         env.metrics = &m;
         moe_ipc_conn_send(w->conn, &env);
+        free(u32);
+        free(u64);
         return;
     }
     case EV_EXIT:
@@ -512,6 +540,7 @@ static void on_async(uv_async_t *a)
             send_event(w, ev);
         }
         free(ev->counts);
+        free(ev->layers);
         free(ev);
         ev = next;
     }
@@ -663,6 +692,7 @@ static void worker_free(struct worker *w)
         struct wevent *ev = w->out_head;
         w->out_head = ev->next;
         free(ev->counts);
+        free(ev->layers);
         free(ev);
     }
     free(w->cancels);
