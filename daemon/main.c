@@ -107,11 +107,13 @@ static int profile_save(struct daemon *d)
     return rc;
 }
 
+static void push_placement(struct daemon *d);
+
 static void on_profile_timer(uv_timer_t *t)
 {
     struct daemon *d = t->data;
-    if (d->profile_dirty)
-        profile_save(d);
+    if (d->profile_dirty && profile_save(d) == 0)
+        push_placement(d);
 }
 
 static void on_routing(void *user, uint32_t worker, const uint64_t *counts, uint32_t n_layer,
@@ -392,24 +394,23 @@ static int hook_metrics(void *user, char **text)
 
 /* ---- lifecycle ---- */
 
-/* GPU workers get the hot set that the loaded profile gives for the VRAM their budget leaves
- * after what they allocated at start (dense weights, KV cache, workspace). Without a budget the
- * worker decides alone. The supervisor re-sends it to restarted workers. */
+/* GPU workers pin their hot experts by the learned profile, live: after every worker is Ready
+ * and after each profile save, the daemon sends the profile's counts (a worker re-pins its
+ * most-routed experts within the slots it has) with the hot set store/placement.c picks for the
+ * expert VRAM the smallest GPU worker holds. Nothing is sent without a profile. */
 static void push_placement(struct daemon *d)
 {
-    if (!d->has_gpu || !d->cfg.vram_budget)
+    if (!d->has_gpu || !d->workers || !d->profile.tokens)
         return;
-    uint64_t free_min = UINT64_MAX;
+    uint64_t slots_min = UINT64_MAX;
     for (uint32_t i = 0; i < d->n_workers; i++) {
-        struct moed_worker_info wi;
-        if (moed_workers_info(d->workers, i, &wi) == 0 && strncmp(wi.device, "cuda", 4) == 0) {
-            uint64_t fr = d->cfg.vram_budget > wi.vram_used ? d->cfg.vram_budget - wi.vram_used : 0;
-            if (fr < free_min)
-                free_min = fr;
-        }
+        struct moed_worker_offload wo;
+        if (moed_workers_offload(d->workers, i, &wo) == 0 && wo.active &&
+            wo.expert_vram_bytes < slots_min)
+            slots_min = wo.expert_vram_bytes;
     }
-    if (free_min == UINT64_MAX || free_min == 0)
-        return;
+    if (slots_min == UINT64_MAX)
+        return; /* no GPU worker offloads (yet: its first Metrics brings the numbers) */
     uint32_t L = d->model.hp.n_layer, E = d->model.hp.n_expert;
     uint64_t *eb = calloc(L, sizeof *eb);
     size_t nbytes = ((size_t)L * E + 7) / 8;
@@ -423,9 +424,8 @@ static void push_placement(struct daemon *d)
     }
     for (uint32_t l = 0; l < L; l++)
         eb[l] = moe_model_expert_bytes(&d->model, l);
-    int rc = moe_placement_compute(&pl, L, E, d->model.hp.n_expert_used, eb,
-                                   d->profile.tokens ? d->profile.counts : NULL, free_min, err,
-                                   sizeof err);
+    int rc = moe_placement_compute(&pl, L, E, d->model.hp.n_expert_used, eb, d->profile.counts,
+                                   slots_min, err, sizeof err);
     free(eb);
     if (rc) {
         log_warn("placement: %s", err);
@@ -438,10 +438,10 @@ static void push_placement(struct daemon *d)
             bits[i / 8] |= (uint8_t)(1u << (i % 8));
             n_hot++;
         }
-    rc = moed_workers_set_placement(d->workers, bits, nbytes);
-    log_info("placement: %" PRIu64 " hot experts (%.2f GiB of %.2f GiB free VRAM), from a profile of "
-             "%" PRIu64 " tokens%s", n_hot, pl.bytes_used / 1073741824.0, free_min / 1073741824.0,
-             d->profile.tokens, rc ? " (not sent: size mismatch)" : "");
+    rc = moed_workers_set_placement(d->workers, bits, nbytes, d->profile.counts);
+    log_debug("placement: profile of %" PRIu64 " tokens sent to the GPU workers (%" PRIu64
+              " experts hot in %.2f GiB)%s", d->profile.tokens, n_hot, pl.bytes_used / 1073741824.0,
+              rc ? " (not sent: size mismatch)" : "");
     moe_placement_free(&pl);
     free(bits);
 }

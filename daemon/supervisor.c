@@ -64,6 +64,7 @@ struct moed_workers {
     struct sched *sched;
     uint8_t *placement;
     size_t placement_len;
+    uint64_t *placement_counts;      /* [n_layer][n_expert] or NULL */
     bool all_ready_once;
     bool stopping, shutdown_sent, stopped;
     uv_timer_t stop_timer;
@@ -275,6 +276,10 @@ static void send_placement(struct wslot *w)
     p.n_expert = ws->lim.n_expert;
     p.hot.data = ws->placement;
     p.hot.len = ws->placement_len;
+    if (ws->placement_counts) {
+        p.counts = ws->placement_counts;
+        p.n_counts = (size_t)ws->lim.n_layer * ws->lim.n_expert;
+    }
     Moed__Envelope env = MOED__ENVELOPE__INIT;
     env.msg_case = MOED__ENVELOPE__MSG_SET_PLACEMENT;
     env.set_placement = &p;
@@ -758,19 +763,29 @@ int moed_workers_info(const struct moed_workers *ws, uint32_t i, struct moed_wor
     return 0;
 }
 
-int moed_workers_set_placement(struct moed_workers *ws, const uint8_t *bitmap, size_t nbytes)
+int moed_workers_set_placement(struct moed_workers *ws, const uint8_t *bitmap, size_t nbytes,
+                               const uint64_t *counts)
 {
     if (!ws->lim.n_layer || !ws->lim.n_expert)
         return -EINVAL;
     if (nbytes != ((size_t)ws->lim.n_layer * ws->lim.n_expert + 7) / 8)
         return -EINVAL;
+    const size_t nc = (size_t)ws->lim.n_layer * ws->lim.n_expert;
     uint8_t *copy = malloc(nbytes);
-    if (!copy)
+    uint64_t *cc = counts ? malloc(sizeof *cc * nc) : NULL;
+    if (!copy || (counts && !cc)) {
+        free(copy);
+        free(cc);
         return -ENOMEM;
+    }
     memcpy(copy, bitmap, nbytes);
+    if (cc)
+        memcpy(cc, counts, sizeof *cc * nc);
     free(ws->placement);
+    free(ws->placement_counts);
     ws->placement = copy;
     ws->placement_len = nbytes;
+    ws->placement_counts = cc;
     for (uint32_t i = 0; i < ws->o.n_workers; i++)
         if (ws->slots[i].state == MOED_WORKER_READY)
             send_placement(&ws->slots[i]);
@@ -950,6 +965,7 @@ void moed_workers_free(struct moed_workers *ws)
     for (uint32_t i = 0; i < ws->o.n_workers; i++)
         off_clear(&ws->slots[i].off);
     free(ws->placement);
+    free(ws->placement_counts);
     free(ws->model_path);
     free(ws->worker_bin);
     free(ws->devices);

@@ -150,10 +150,12 @@ uint32_t moed_workers_ready(const struct moed_workers *w, uint32_t *total);
 /* Fills *out for worker i (< n_workers). Returns 0 or -EINVAL. */
 int moed_workers_info(const struct moed_workers *w, uint32_t i, struct moed_worker_info *out);
 
-/* Sends a hot-expert bitmap ([n_layer][n_expert] bits, bit (l*n_expert+e) = hot, LSB first) to
- * every worker, and to each restarted worker after its Ready. Copied. Returns 0 or -EINVAL
- * (size does not match the model). */
-int moed_workers_set_placement(struct moed_workers *w, const uint8_t *bitmap, size_t nbytes);
+/* Sends a hot-expert bitmap ([n_layer][n_expert] bits, bit (l*n_expert+e) = hot, LSB first)
+ * and the routing counts it came from ([n_layer][n_expert], or NULL) to every worker, and to
+ * each restarted worker after its Ready. Copied. Returns 0, -EINVAL (size does not match the
+ * model) or -ENOMEM. */
+int moed_workers_set_placement(struct moed_workers *w, const uint8_t *bitmap, size_t nbytes,
+                               const uint64_t *counts);
 
 /* Drains and stops: new submits get 503, queued requests get on_error(503) right away, running
  * requests may finish for up to timeout_ms and are then ended with on_error(503); then every

@@ -239,6 +239,10 @@ static int validate_from_daemon(const Moed__Envelope *env, const struct moe_ipc_
         if (p->hot.len != need)
             return moe_fail(err, errlen, MOE_ERANGE, "set_placement.hot has %zu bytes, %llu expected",
                             p->hot.len, (unsigned long long)need);
+        if (p->n_counts && p->n_counts != (uint64_t)p->n_layer * p->n_expert)
+            return moe_fail(err, errlen, MOE_ERANGE, "set_placement.counts has %zu values, %llu "
+                            "expected", p->n_counts,
+                            (unsigned long long)((uint64_t)p->n_layer * p->n_expert));
         return 0;
     }
     case MOED__ENVELOPE__MSG_EXPERT_READY: {

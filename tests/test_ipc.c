@@ -450,6 +450,16 @@ TEST(ipc_validate_checks_every_range)
     CHECK_EQ(validate_one(&e, MOE_IPC_FROM_DAEMON, err, sizeof err), 0);
     pl.hot.len = 5;
     CHECK_EQ(validate_one(&e, MOE_IPC_FROM_DAEMON, err, sizeof err), MOE_ERANGE);
+    pl.hot.len = 6;
+    uint64_t pc[48] = {0};
+    pl.counts = pc;
+    pl.n_counts = 48;
+    CHECK_EQ(validate_one(&e, MOE_IPC_FROM_DAEMON, err, sizeof err), 0);
+    pl.n_counts = 47;
+    CHECK_EQ(validate_one(&e, MOE_IPC_FROM_DAEMON, err, sizeof err), MOE_ERANGE);
+    CHECK(strstr(err, "counts"));
+    pl.counts = NULL;
+    pl.n_counts = 0;
 
     Moed__Hello h = MOED__HELLO__INIT;
     h.protocol_version = MOE_IPC_PROTOCOL_VERSION;

@@ -210,3 +210,98 @@ TEST(offload_resolve_evicts_the_unreferenced_slot)
     CHECK_EQ(m.stats[MOE_OFF_MISSES], 1ull);
     sim_free(&m);
 }
+
+/* Re-pinning between steps: the wanted experts end up pinned in slots (all at once, or over
+ * several calls when the loads per call are limited), nothing else stays pinned, the moves are
+ * the ones needed, and the state stays consistent with the tables and slot contents once the
+ * caller has carried the moves out. */
+TEST(offload_repin_pins_the_wanted_experts)
+{
+    moe_test_rng_seed(99);
+    static const int32_t shapes[][3] = {{16, 6, 2}, {16, 6, 0}, {128, 77, 19}, {32, 8, 8},
+                                        {8, 1, 1}};
+    for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {
+        const int32_t ne = shapes[si][0], S = shapes[si][1], hot = shapes[si][2];
+        struct sim m;
+        sim_init(&m, ne, S, hot);
+        int32_t *want = malloc(sizeof(int32_t) * (size_t)(ne + 4));
+        uint8_t *scratch = malloc((size_t)ne), *need = calloc((size_t)ne, 1);
+        struct moe_off_load *loads = malloc(sizeof *loads * (size_t)(S + 1));
+        CHECK(want && scratch && need && loads);
+        for (int round = 0; round < 60; round++) {
+            /* Some cache traffic first, so that slots hold assorted experts. */
+            for (int step = 0; step < 5; step++) {
+                memset(need, 0, (size_t)ne);
+                for (int i = 0; i < 3; i++)
+                    need[moe_test_rng_u32() % (uint32_t)ne] = 1;
+                moe_off_resolve(&m.L, need, m.slot_of, m.slot_exp, m.ref, m.pinned, &m.hand,
+                                m.fl, m.stats);
+                sim_fill(&m);
+            }
+            /* A wanted list with a duplicate and an id out of range. */
+            int32_t nw = (int32_t)(moe_test_rng_u32() % (uint32_t)(S + 2));
+            for (int32_t i = 0; i < nw; i++)
+                want[i] = (int32_t)(moe_test_rng_u32() % (uint32_t)ne);
+            want[nw++] = ne + 3;
+            if (nw > 1)
+                want[nw++] = want[0];
+            const int32_t max_loads = round % 3 == 0 ? 1 : 1 << 20;
+            int32_t pending, calls = 0;
+            do {
+                int32_t nl = 0;
+                pending = moe_off_repin(ne, S, m.slot_of, m.slot_exp, m.pinned, m.ref, want, nw,
+                                        max_loads, loads, &nl, scratch);
+                CHECK(nl <= max_loads);
+                for (int32_t i = 0; i < nl; i++) { /* what the backend does for each move */
+                    const struct moe_off_load *ld = &loads[i];
+                    CHECK(ld->s >= 0 && ld->s < S && m.slot_of[ld->x] == ld->s);
+                    for (int p = 0; p < 3; p++) {
+                        uint8_t *at = m.base + (size_t)ld->s * m.L.slot_bytes + m.L.part_off[p];
+                        if (ld->old >= 0)
+                            m.tab[p][ld->old] = m.host[p * ne + ld->old];
+                        memcpy(at, m.host[p * ne + ld->x], m.bytes[p * ne + ld->x]);
+                        m.tab[p][ld->x] = at;
+                    }
+                }
+                check_state(&m);
+                CHECK(++calls < 1000);
+            } while (pending);
+            /* Exactly the first `slots` distinct valid wanted experts are pinned. */
+            memset(need, 0, (size_t)ne);
+            int32_t distinct = 0;
+            for (int32_t i = 0; i < nw && distinct < S; i++)
+                if (want[i] >= 0 && want[i] < ne && !need[want[i]]) {
+                    need[want[i]] = 1;
+                    distinct++;
+                }
+            int32_t n_pinned = 0;
+            for (int32_t s = 0; s < S; s++)
+                if (m.pinned[s]) {
+                    n_pinned++;
+                    CHECK(m.slot_exp[s] >= 0 && need[m.slot_exp[s]]);
+                }
+            CHECK_EQ(n_pinned, distinct);
+            for (int32_t x = 0; x < ne; x++)
+                if (need[x])
+                    CHECK(m.slot_of[x] >= 0 && m.pinned[m.slot_of[x]]);
+            /* Pinned experts survive later cache traffic. */
+            for (int step = 0; step < 5; step++) {
+                memset(need, 0, (size_t)ne);
+                for (int i = 0; i < 3; i++)
+                    need[moe_test_rng_u32() % (uint32_t)ne] = 1;
+                int32_t before[256];
+                for (int32_t s = 0; s < S; s++)
+                    before[s] = m.pinned[s] ? m.slot_exp[s] : -2;
+                moe_off_resolve(&m.L, need, m.slot_of, m.slot_exp, m.ref, m.pinned, &m.hand,
+                                m.fl, m.stats);
+                sim_fill(&m);
+                for (int32_t s = 0; s < S; s++)
+                    if (before[s] != -2)
+                        CHECK_EQ(m.slot_exp[s], before[s]);
+            }
+            check_state(&m);
+        }
+        free(want), free(scratch), free(need), free(loads);
+        sim_free(&m);
+    }
+}

@@ -271,8 +271,13 @@ TEST_TIMEOUT(supervisor_serves_golden_greedy_tokens, 120)
     /* A placement of the wrong size is refused here; a right one goes to every worker, which
      * would drop the connection (and fail the request below) if it did not pass its checks. */
     uint8_t hot[6] = {0xff, 0x0f, 0, 0xf0, 0x33, 0x01};
-    CHECK_EQ(moed_workers_set_placement(c.ws, hot, 5), -EINVAL);
-    CHECK_EQ(moed_workers_set_placement(c.ws, hot, 6), 0);
+    CHECK_EQ(moed_workers_set_placement(c.ws, hot, 5, NULL), -EINVAL);
+    CHECK_EQ(moed_workers_set_placement(c.ws, hot, 6, NULL), 0);
+    /* With the counts a GPU worker re-pins by (a CPU worker keeps them and has nothing to do). */
+    uint64_t counts[3 * 16];
+    for (int i = 0; i < 48; i++)
+        counts[i] = (uint64_t)(i * 7 % 13);
+    CHECK_EQ(moed_workers_set_placement(c.ws, hot, 6, counts), 0);
 
     struct treq t;
     submit(&c, &t, ref.prompt, ref.n_prompt, 32);

@@ -157,6 +157,10 @@ struct moe_backend_vt {
     /* Expert offload counters (NULL: the backend keeps every expert where it computes). */
     int (*offload_stats)(struct moe_backend *b, struct moe_offload_stats *s,
                          struct moe_offload_layer *per_layer);
+    /* Re-pins the hot experts by routing counts [L][nexp] between steps, copying at most
+     * max_loads experts; *pending: experts still to copy (call again). NULL: no offload. */
+    int (*set_hot)(struct moe_backend *b, const uint64_t *counts, uint32_t max_loads,
+                   uint32_t *pending);
 };
 
 /* Every backend struct starts with this. */

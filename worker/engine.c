@@ -350,6 +350,18 @@ int moe_engine_offload_stats(struct moe_engine *e, struct moe_offload_stats *s,
     return 0;
 }
 
+int moe_engine_set_hot(struct moe_engine *e, const uint64_t *counts, uint32_t max_loads,
+                       uint32_t *pending)
+{
+    uint32_t left = 0;
+    int rc = e->b->vt->set_hot ? e->b->vt->set_hot(e->b, counts, max_loads, &left) : 0;
+    if (pending)
+        *pending = left;
+    if (rc)
+        return eng_err(e, rc, "re-pinning experts: %s", e->b->vt->errmsg(e->b));
+    return 0;
+}
+
 struct moe_backend *moe_engine_backend(struct moe_engine *e)
 {
     return e->b;

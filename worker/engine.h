@@ -116,4 +116,11 @@ struct moe_offload_stats {
 int moe_engine_offload_stats(struct moe_engine *e, struct moe_offload_stats *s,
                              struct moe_offload_layer *per_layer);
 
+/* Between steps: pins each offloaded layer's most-routed experts by counts [n_layer][n_expert]
+ * (a learned profile) in VRAM slots, live, copying at most max_loads experts in this call;
+ * *pending (may be NULL) gets how many still wait, for a later call. The output stays the same;
+ * only hits change. A no-op without offload. Returns 0 or an error. */
+int moe_engine_set_hot(struct moe_engine *e, const uint64_t *counts, uint32_t max_loads,
+                       uint32_t *pending);
+
 #endif

@@ -68,6 +68,10 @@ struct worker {
     uint64_t *cancels;
     size_t n_cancels, cap_cancels;
     bool stop, drain;
+    uint64_t *place_in;            /* the last SetPlacement's counts, not yet taken; under mu */
+    /* compute thread only: counts being applied, and whether experts remain to copy */
+    uint64_t *place_counts;
+    bool place_pending;
     /* outbox: compute -> main, under mu */
     struct wevent *out_head, *out_tail;
     /* main thread only */
@@ -151,9 +155,35 @@ static void sink_error(void *user, uint64_t id, int code, const char *msg)
     post_error(user, id, code, msg);
 }
 
+/* Live re-pinning (GPU workers with offload): the newest SetPlacement's counts, applied between
+ * steps a few experts at a time so that no pause is longer than about a step. */
+#define REPIN_LOADS_PER_REPORT 32
+
+static void apply_placement(struct worker *w)
+{
+    pthread_mutex_lock(&w->mu);
+    uint64_t *in = w->place_in;
+    w->place_in = NULL;
+    pthread_mutex_unlock(&w->mu);
+    if (in) {
+        free(w->place_counts);
+        w->place_counts = in;
+        w->place_pending = true;
+    }
+    if (!w->place_counts || !w->place_pending)
+        return;
+    uint32_t pending = 0;
+    if (moe_engine_set_hot(w->eng, w->place_counts, REPIN_LOADS_PER_REPORT, &pending)) {
+        moe_ipc_log(MOE_LOG_WARN, "%s", moe_engine_errmsg(w->eng));
+        pending = 0;
+    }
+    w->place_pending = pending > 0;
+}
+
 static int sink_report(void *user, const struct moe_batcher_report *r)
 {
     struct worker *w = user;
+    apply_placement(w);
     size_t n = (size_t)w->n_layer * w->n_expert;
     struct wevent *ev = ev_new(EV_STATS, 0);
     uint64_t *copy = malloc(n * sizeof *copy);
@@ -396,10 +426,21 @@ static int on_msg(struct moe_ipc_conn *conn, void *user, const Moed__Envelope *e
     case MOED__ENVELOPE__MSG_CANCEL:
         return on_cancel(w, env->cancel->id);
     case MOED__ENVELOPE__MSG_SET_PLACEMENT:
-        /* The CPU backend reads every expert from the store; a GPU worker chooses its hot set
-         * at start (from the profile in Hello) and does not re-place live yet. */
-        moe_ipc_log(MOE_LOG_DEBUG, "placement received (%zu bytes); the hot set stays as chosen "
-                    "at start", env->set_placement->hot.len);
+        /* The CPU backend reads every expert from the store; a GPU worker with offload re-pins
+         * its most-routed experts by the counts, between steps (apply_placement). */
+        if (env->set_placement->n_counts == (size_t)w->n_layer * w->n_expert &&
+            env->set_placement->n_counts) {
+            uint64_t *c = malloc(sizeof *c * env->set_placement->n_counts);
+            if (c) {
+                memcpy(c, env->set_placement->counts, sizeof *c * env->set_placement->n_counts);
+                pthread_mutex_lock(&w->mu);
+                free(w->place_in);
+                w->place_in = c;
+                pthread_mutex_unlock(&w->mu);
+            }
+        }
+        moe_ipc_log(MOE_LOG_DEBUG, "placement received (%zu counts)",
+                    env->set_placement->n_counts);
         return 0;
     case MOED__ENVELOPE__MSG_EXPERT_READY:
         moe_ipc_log(MOE_LOG_WARN, "expert_ready for (%u, %u) ignored: this worker has no tiered store",
@@ -697,6 +738,8 @@ static void worker_free(struct worker *w)
     }
     free(w->cancels);
     free(w->live);
+    free(w->place_in);
+    free(w->place_counts);
     pthread_mutex_destroy(&w->mu);
     pthread_cond_destroy(&w->cv);
 }

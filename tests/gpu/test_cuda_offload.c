@@ -166,6 +166,33 @@ TEST_TIMEOUT(cuda_offload_is_exact, 600)
                 for (int64_t l = 0; l < L; l++)
                     CHECK(pl[l].hits + pl[l].misses > 0);
             }
+            if (c->counts && pl[0].slots < (uint32_t)E) {
+                /* Live re-pinning by the counts, a few experts per call, then the same workload
+                 * again: still the resident run's bytes. */
+                uint32_t pending = 1;
+                int calls = 0;
+                while (pending && calls < 10000) {
+                    CHECK_MSG(moe_engine_set_hot(e, counts, 3, &pending) == 0, "%s",
+                              moe_engine_errmsg(e));
+                    calls++;
+                }
+                CHECK_EQ(pending, 0u);
+                CHECK_EQ(moe_engine_offload_stats(e, &os, pl), 0);
+                uint32_t hot = 0;
+                for (int64_t l = 0; l < L; l++)
+                    hot += pl[l].hot;
+                CHECK(hot > 0);
+                for (int i = 0; i < N_SEQ; i++)
+                    moe_engine_seq_clear(e, i);
+                memset(got, 0xff, sizeof(float) * cap);
+                CHECK_EQ(run(e, m, got, got_tok), rows);
+                diff = 0;
+                for (size_t i = 0; i < rows * (size_t)V; i++)
+                    diff += memcmp(&got[i], &ref[i], sizeof(float)) != 0;
+                printf("    re-pinned in %d calls (%u hot): %zu logits differ\n", calls, hot, diff);
+                CHECK_EQ(diff, (size_t)0);
+                CHECK(memcmp(got_tok, ref_tok, sizeof ref_tok) == 0);
+            }
             free(pl);
             moe_engine_free(e);
         }

@@ -139,6 +139,9 @@ struct cuda_backend {
     bool offload;                    /* some expert lives outside VRAM */
     struct moe_cuda_off_layer *d_off;  /* [L] device */
     uint8_t *d_offmem;               /* the arrays the structs point to */
+    uint8_t *h_offmem;               /* host mirror of d_offmem (re-pinning) */
+    size_t offmem_bytes;
+    struct moe_cuda_off_layer *h_off; /* [L] host copy of d_off (device addresses) */
     unsigned long long *d_offstats;  /* [L][MOE_OFF_NSTATS] */
     struct moe_cuda_fill_list *d_fill;
     int fill_blocks;
@@ -475,6 +478,20 @@ static const struct moe_tensor *expert_part(const struct moe_expert *ex, int p)
     return p == 0 ? &ex->gate : p == 1 ? &ex->up : &ex->down;
 }
 
+/* Unpinned slots (the cache) of a layer with S slots: cache_slots when set; auto: with a
+ * profile a quarter of them (at least 2 · n_expert_used), without one all of them. */
+static int64_t cache_slots_for(const struct moe_dims *d, int64_t S, bool profile)
+{
+    const int64_t kmin = d->kuse < d->nexp ? d->kuse : d->nexp;
+    if (d->cache_slots < 0)
+        return 0;
+    if (d->cache_slots > 0)
+        return d->cache_slots < S ? d->cache_slots : S;
+    if (profile)
+        return S / 4 > 2 * kmin ? S / 4 : 2 * kmin < S ? 2 * kmin : S;
+    return S;
+}
+
 /* Slots per layer from the budget or the residency, how many of them are pinned (hot), and
  * which experts take them (most-routed first when counts are given). `used`: device bytes in use
  * before the expert slots (context, dense weights, KV cache, buffers). */
@@ -537,18 +554,7 @@ static int plan_experts(struct cuda_backend *b, uint64_t used, char *err, size_t
             free(order);
             return -ENOMEM;
         }
-        /* Unpinned slots (the cache). */
-        int64_t cache = 0;
-        if (S < nexp) {
-            if (d->cache_slots < 0)
-                cache = 0;
-            else if (d->cache_slots > 0)
-                cache = d->cache_slots < S ? d->cache_slots : S;
-            else if (d->expert_counts) /* hot from the profile, a quarter as cache */
-                cache = S / 4 > 2 * kmin ? S / 4 : 2 * kmin < S ? 2 * kmin : S;
-            else /* no profile: every slot is cache */
-                cache = S;
-        }
+        const int64_t cache = S < nexp ? cache_slots_for(d, S, d->expert_counts != NULL) : 0;
         cl->slots = (int32_t)S;
         cl->hot = (int32_t)(S - cache);
         /* Most-routed first (stable: equal counts keep expert order). */
@@ -573,10 +579,13 @@ static int plan_experts(struct cuda_backend *b, uint64_t used, char *err, size_t
     return 0;
 }
 
-/* Whether an expert may be read from host memory: it has no slot, or an unpinned one. */
+/* Whether an expert may be read from host memory: with offload, every one (re-pinning can
+ * unpin a hot expert, which the cache may then evict). */
 static bool may_be_on_host(const struct cuda_layer *cl, int64_t x)
 {
-    return cl->plan[x] == MOE_OFF_HOST || cl->plan[x] >= cl->hot;
+    (void)cl;
+    (void)x;
+    return true;
 }
 
 /* Device addresses of the host copies of every expert that may be read from host memory: the
@@ -742,8 +751,9 @@ static int offload_state(struct cuda_backend *b, char *err, size_t errlen)
     OFF_TRY(cudaMemcpy(b->d_offmem, h, bytes, cudaMemcpyHostToDevice));
     OFF_TRY(cudaMemcpy(b->d_off, hl, sizeof *hl * L, cudaMemcpyHostToDevice));
 #undef OFF_TRY
-    free(h);
-    free(hl);
+    b->h_offmem = h; /* host mirrors, for re-pinning between steps */
+    b->offmem_bytes = bytes;
+    b->h_off = hl;
     b->fill_blocks = 2 * b->sms;
     return 0;
 }
@@ -1029,6 +1039,8 @@ static void cuda_free(struct moe_backend *bb)
     cudaFree(b->xarena);
     cudaFree(b->d_off);
     cudaFree(b->d_offmem);
+    free(b->h_offmem);
+    free(b->h_off);
     cudaFree(b->d_offstats);
     cudaFree(b->d_fill);
     unregister_weights(b->xregs, b->n_xregs);
@@ -1592,6 +1604,95 @@ static void cuda_info(const struct moe_backend *bb, uint64_t *device_bytes, char
         snprintf(desc, len, "%s", b->desc);
 }
 
+/* Re-pins every offloaded layer between steps: its pinned slots go to its most-routed experts by
+ * counts ([L][nexp]; experts never routed are not pinned), as many as the cache rule with a
+ * profile leaves pinned; the state is read back, changed by moe_off_repin, the moved experts
+ * copied into their slots and the tables repointed, the state written back. At most max_loads
+ * experts are copied per call; *pending says how many wait for the next call. */
+static int cuda_set_hot(struct moe_backend *bb, const uint64_t *counts, uint32_t max_loads,
+                        uint32_t *pending)
+{
+    struct cuda_backend *b = (struct cuda_backend *)bb;
+    const struct moe_dims *d = &b->d;
+    const int64_t ne = d->nexp;
+    *pending = 0;
+    if (!b->offload)
+        return 0;
+    CU(b, cudaStreamSynchronize(b->st));
+    CU(b, cudaMemcpy(b->h_offmem, b->d_offmem, b->offmem_bytes, cudaMemcpyDeviceToHost));
+    int32_t *want = (int32_t *)malloc(sizeof(int32_t) * (size_t)ne);
+    uint8_t *scratch = (uint8_t *)malloc((size_t)ne);
+    struct moe_off_load *loads = (struct moe_off_load *)malloc(sizeof *loads * (size_t)ne);
+    int rc = 0;
+    if (!want || !scratch || !loads)
+        rc = -ENOMEM;
+#define HOST_VIEW(T, dev) ((T *)(b->h_offmem + ((const uint8_t *)(dev) - b->d_offmem)))
+    int32_t left = (int32_t)(max_loads < INT32_MAX ? max_loads : INT32_MAX);
+    for (int l = 0; l < (int)d->L && !rc; l++) {
+        struct cuda_layer *cl = &b->layers[l];
+        const struct moe_cuda_off_layer *o = &b->h_off[l];
+        if (cl->slots >= ne)
+            continue;
+        const int64_t P = cl->slots - cache_slots_for(d, cl->slots, true);
+        const uint64_t *c = counts + (size_t)l * ne;
+        int32_t nw = 0;
+        for (int64_t x = 0; x < ne; x++) { /* insertion by count, stable */
+            if (!c[x])
+                continue;
+            int32_t j = nw++;
+            while (j > 0 && c[want[j - 1]] < c[x]) {
+                want[j] = want[j - 1];
+                j--;
+            }
+            want[j] = (int32_t)x;
+        }
+        if (nw > P)
+            nw = (int32_t)P;
+        int32_t *slot_of = HOST_VIEW(int32_t, o->slot_of), *slot_exp = HOST_VIEW(int32_t, o->slot_exp);
+        uint8_t *pinned = HOST_VIEW(uint8_t, o->pinned), *ref = HOST_VIEW(uint8_t, o->ref);
+        int32_t nl = 0;
+        *pending += (uint32_t)moe_off_repin((int32_t)ne, cl->slots, slot_of, slot_exp, pinned, ref,
+                                            want, nw, left, loads, &nl, scratch);
+        left -= nl;
+        const void **tabs[3] = {cl->gate, cl->up, cl->down};
+        for (int32_t i = 0; i < nl && !rc; i++) {
+            const struct moe_off_load *ld = &loads[i];
+            const struct moe_expert *ex = &b->m->layers[l].experts[ld->x];
+            for (int p = 0; p < 3 && !rc; p++) {
+                const struct moe_tensor *t = expert_part(ex, p);
+                uint8_t *at = cl->base + (size_t)ld->s * cl->slot_bytes + cl->part_off[p];
+                const void *old_ptr = ld->old >= 0 ? cl->host[p][ld->old] : NULL;
+                cudaError_t e = cudaMemcpy(at, t->data, t->nbytes, cudaMemcpyHostToDevice);
+                if (e == cudaSuccess && ld->old >= 0)
+                    e = cudaMemcpy((void *)(tabs[p] + ld->old), &old_ptr, sizeof old_ptr,
+                                   cudaMemcpyHostToDevice);
+                const void *new_ptr = at;
+                if (e == cudaSuccess)
+                    e = cudaMemcpy((void *)(tabs[p] + ld->x), &new_ptr, sizeof new_ptr,
+                                   cudaMemcpyHostToDevice);
+                if (e != cudaSuccess)
+                    rc = cu_err(b, MOE_EBACKEND, "cuda:%d: re-pinning blk.%d expert %d: %s",
+                                b->dev, l, ld->x, cudaGetErrorString(e));
+            }
+        }
+        int32_t hot = 0;
+        for (int32_t sl = 0; sl < cl->slots; sl++) {
+            if (d->cache_slots < 0 && slot_exp[sl] >= 0)
+                pinned[sl] = 1; /* no cache: every filled slot stays pinned */
+            hot += pinned[sl] != 0;
+        }
+        cl->hot = hot;
+    }
+#undef HOST_VIEW
+    free(want);
+    free(scratch);
+    free(loads);
+    if (rc)
+        return rc;
+    CU(b, cudaMemcpy(b->d_offmem, b->h_offmem, b->offmem_bytes, cudaMemcpyHostToDevice));
+    return 0;
+}
+
 static int cuda_offload_stats(struct moe_backend *bb, struct moe_offload_stats *s,
                               struct moe_offload_layer *per_layer)
 {
@@ -1664,4 +1765,5 @@ extern "C" const struct moe_backend_vt moe_backend_cuda = {
     cuda_errmsg,
     cuda_info,
     cuda_offload_stats,
+    cuda_set_hot,
 };

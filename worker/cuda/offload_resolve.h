@@ -133,4 +133,72 @@ static inline MOE_OFF_HD void moe_off_resolve(const struct moe_cuda_off_layer *L
     stats[MOE_OFF_DIRECT_BYTES] += direct_bytes;
 }
 
+/* A move the caller carries out for moe_off_repin: expert x into slot s, evicting `old` (-1:
+ * the slot was empty). */
+struct moe_off_load {
+    int32_t x, s, old;
+};
+
+/* Re-pins a layer between steps. want[0..n_want) are the experts to pin, most wanted first
+ * (duplicates and ids out of range are skipped; at most `slots` are taken). Pinned slots whose
+ * expert is not wanted are unpinned (they become cache); wanted experts already in a slot are
+ * pinned where they are; the others are loaded, at most max_loads of them, into unpinned slots
+ * (empty ones first, then ones whose reference bit is clear, then any). Updates slot_of,
+ * slot_exp, pinned and ref, and appends the moves to loads[*n_loads] (the caller copies the
+ * bytes and repoints the tables). scratch: [nexp] bytes. Returns the wanted experts left
+ * without a slot (because of max_loads): call again after the next step. */
+static inline int32_t moe_off_repin(int32_t nexp, int32_t slots, int32_t *slot_of,
+                                    int32_t *slot_exp, uint8_t *pinned, uint8_t *ref,
+                                    const int32_t *want, int32_t n_want, int32_t max_loads,
+                                    struct moe_off_load *loads, int32_t *n_loads,
+                                    uint8_t *scratch)
+{
+    for (int32_t x = 0; x < nexp; x++)
+        scratch[x] = 0;
+    int32_t taken = 0;
+    for (int32_t i = 0; i < n_want && taken < slots; i++) {
+        const int32_t x = want[i];
+        if (x >= 0 && x < nexp && !scratch[x]) {
+            scratch[x] = 1;
+            taken++;
+        }
+    }
+    for (int32_t s = 0; s < slots; s++)
+        if (pinned[s] && (slot_exp[s] < 0 || !scratch[slot_exp[s]]))
+            pinned[s] = 0;
+    for (int32_t x = 0; x < nexp; x++)
+        if (scratch[x] && slot_of[x] >= 0)
+            pinned[slot_of[x]] = 1;
+    int32_t pending = 0, done = 0;
+    for (int32_t i = 0; i < n_want; i++) {
+        const int32_t x = want[i];
+        if (x < 0 || x >= nexp || scratch[x] != 1 || slot_of[x] >= 0)
+            continue;
+        scratch[x] = 2; /* handled (a duplicate later in want is skipped) */
+        if (done == max_loads) {
+            pending++;
+            continue;
+        }
+        int32_t v = -1;
+        for (int pass = 0; pass < 3 && v < 0; pass++)
+            for (int32_t s = 0; s < slots && v < 0; s++)
+                if (!pinned[s] && (pass == 2 || (pass == 0 ? slot_exp[s] < 0 : !ref[s])))
+                    v = s;
+        if (v < 0) {
+            pending++;
+            continue;
+        }
+        const int32_t old = slot_exp[v];
+        if (old >= 0)
+            slot_of[old] = MOE_OFF_HOST;
+        slot_exp[v] = x;
+        slot_of[x] = v;
+        pinned[v] = 1;
+        ref[v] = 1;
+        loads[(*n_loads)++] = (struct moe_off_load){x, v, old};
+        done++;
+    }
+    return pending;
+}
+
 #endif
