@@ -63,6 +63,12 @@ static const struct key keys[] = {
     {"queue-max", K_U32, F(queue_max), "N", "requests waiting for a slot (default 256)", 1, 1000000},
     {"max-tokens-default", K_U32, F(max_tokens_default), "N",
      "max_tokens when a request gives none (0 or default: up to the context)", 0, MAX_CTX},
+    {"max-total-body", K_SIZE, F(max_total_body), "SIZE", "request bodies all connections may hold at once, then 503 (0 or default: max(256M, 4 x max-body))", 0, 1ull << 36},
+    {"max-write-queue", K_SIZE, F(max_write_queue), "SIZE", "response bytes queued for a client that does not read before it is dropped (default 4M)", 64 * 1024, 1ull << 30},
+    {"max-conns", K_U32, F(max_conns), "N", "connections per listener, then 503 (default 1024)", 1, 1u << 20},
+    {"admin-reserve", K_U32, F(admin_reserve), "N", "extra Unix-socket connections for root and moed's user (default 16)", 0, 4096},
+    {"worker-silent-timeout", K_U32, F(worker_silent_s), "SECONDS", "a ready worker that sends nothing this long is killed and replaced (default 10)", 1, DAY_S},
+    {"worker-stall-timeout", K_U32, F(worker_stall_s), "SECONDS", "a worker whose steps stop this long with requests in flight is killed and replaced (default 300)", 1, DAY_S},
 };
 #undef F
 #define N_KEYS (sizeof keys / sizeof keys[0])
@@ -86,6 +92,11 @@ int config_init(struct moed_config *c)
     c->idle_timeout_s = 60;
     c->profile_interval_s = 5;
     c->queue_max = 256;
+    c->max_write_queue = 4u << 20;
+    c->max_conns = 1024;
+    c->admin_reserve = 16;
+    c->worker_silent_s = 10;
+    c->worker_stall_s = 300;
     if (dup_into(&c->socket, MOED_DEFAULT_SOCKET) || dup_into(&c->state_dir, MOED_DEFAULT_STATE_DIR) ||
         dup_into(&c->devices, "auto") || dup_into(&c->admin_group, "moed-admin")) {
         config_free(c);

@@ -39,6 +39,12 @@ struct moed_config {
     uint32_t profile_interval_s; /* --profile-interval S: how often routing counts are saved */
     uint32_t queue_max;     /* --queue-max N: requests waiting for a slot (503 above) */
     uint32_t max_tokens_default; /* --max-tokens-default N: when a request names none; 0: to n_ctx */
+    uint64_t max_total_body; /* --max-total-body SIZE: bodies of all connections; 0: max(256M, 4 x max-body) */
+    uint64_t max_write_queue; /* --max-write-queue SIZE: queued for a client that does not read */
+    uint32_t max_conns;     /* --max-conns N: per listener */
+    uint32_t admin_reserve; /* --admin-reserve N: more Unix connections for root and our uid */
+    uint32_t worker_silent_s; /* --worker-silent-timeout S: a Ready worker silent this long is killed */
+    uint32_t worker_stall_s;  /* --worker-stall-timeout S: ... or whose steps stop with requests in flight */
 };
 
 /* Fills the defaults (allocated strings). Returns 0 or -ENOMEM. */

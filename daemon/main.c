@@ -756,6 +756,8 @@ static int start_workers(struct daemon *d)
         .eog = eog,
         .n_eog = n_eog,
         .queue_max = c->queue_max,
+        .silent_ms = c->worker_silent_s * 1000u,
+        .stall_ms = c->worker_stall_s * 1000u,
         .on_routing = on_routing,
         .on_ready = on_ready,
         .on_worker_state = on_worker_state,
@@ -949,8 +951,13 @@ static int run(struct daemon *d, int argc, char **argv)
     http_limits_default(&lim);
     lim.max_body_bytes = c->max_body;
     /* All connections together hold at most this much of request bodies (then 503). */
-    if (lim.max_total_body_bytes < 4 * (size_t)c->max_body)
+    if (c->max_total_body)
+        lim.max_total_body_bytes = (size_t)c->max_total_body;
+    else if (lim.max_total_body_bytes < 4 * (size_t)c->max_body)
         lim.max_total_body_bytes = 4 * (size_t)c->max_body;
+    lim.max_write_queue = (size_t)c->max_write_queue;
+    lim.max_conns = c->max_conns;
+    lim.admin_reserve = c->admin_reserve;
     lim.idle_timeout_ms = (uint64_t)c->idle_timeout_s * 1000;
     if ((rc = http_server_new(&d->http, d->loop, &lim, api_handle, d->api)) ||
         (rc = http_server_listen_unix(d->http, c->socket, err, sizeof err))) {

@@ -694,10 +694,16 @@ int moed_workers_start(uv_loop_t *loop, const struct moed_workers_opts *o,
     }
     uv_timer_init(loop, &ws->stop_timer);
     ws->stop_timer.data = ws;
-    /* MOED_WORKER_SILENT_MS and MOED_WORKER_STALL_MS tune the wedge detection (tests use them). */
+    /* The wedge limits: the options (moed's --worker-silent-timeout and --worker-stall-timeout);
+     * MOED_WORKER_SILENT_MS and MOED_WORKER_STALL_MS in the environment win (millisecond limits
+     * for tests). */
     const char *ev_silent = getenv("MOED_WORKER_SILENT_MS"), *ev_stall = getenv("MOED_WORKER_STALL_MS");
-    ws->silent_ms = o->silent_ms ? o->silent_ms : ev_silent && atoi(ev_silent) > 0 ? (uint64_t)atoi(ev_silent) : 10000;
-    ws->stall_ms = o->stall_ms ? o->stall_ms : ev_stall && atoi(ev_stall) > 0 ? (uint64_t)atoi(ev_stall) : 300000;
+    ws->silent_ms = ev_silent && atoi(ev_silent) > 0 ? (uint64_t)atoi(ev_silent)
+                    : o->silent_ms                   ? o->silent_ms
+                                                     : 10000;
+    ws->stall_ms = ev_stall && atoi(ev_stall) > 0 ? (uint64_t)atoi(ev_stall)
+                   : o->stall_ms                  ? o->stall_ms
+                                                  : 300000;
     uv_timer_init(loop, &ws->wedge_timer);
     ws->wedge_timer.data = ws;
     uv_timer_start(&ws->wedge_timer, on_wedge_timer, 1000, 1000);

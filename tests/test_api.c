@@ -292,7 +292,23 @@ TEST(config_offload_options)
     CHECK_EQ(c.cache_slots, 12);
     config_free(&c);
 
-    static const char *const bad[][2] = {{"--expert-residency", "0"},
+    CHECK(config_init(&c) == 0);
+    CHECK_EQ(c.max_conns, 1024u);
+    CHECK_EQ(c.admin_reserve, 16u);
+    CHECK_EQ(c.max_write_queue, 4ull << 20);
+    CHECK_EQ(c.worker_silent_s, 10u);
+    char *argv3[] = {"moed", "--model", "m", "--max-conns", "5", "--max-total-body", "1G",
+                     "--worker-stall-timeout", "30", NULL};
+    CHECK_MSG(config_parse_args(&c, 9, argv3, &help, err, sizeof err) == 0, "%s", err);
+    CHECK_EQ(c.max_conns, 5u);
+    CHECK_EQ(c.max_total_body, 1ull << 30);
+    CHECK_EQ(c.worker_stall_s, 30u);
+    config_free(&c);
+
+    static const char *const bad[][2] = {{"--max-conns", "0"},
+                                         {"--max-write-queue", "1k"},
+                                         {"--worker-silent-timeout", "0"},
+                                         {"--expert-residency", "0"},
                                          {"--expert-residency", "150%"},
                                          {"--expert-residency", "most"},
                                          {"--cache-slots", "-1"},

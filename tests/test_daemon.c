@@ -1553,6 +1553,33 @@ TEST_TIMEOUT(daemon_tokenizes_off_the_event_loop, 180)
     CHECK_EQ(moed_stop(&d, 60), 0);
 }
 
+/* The connection limits are options: with --max-conns 2 --admin-reserve 0 the third
+ * connection to the socket gets 503 while two idle ones are held. */
+TEST_TIMEOUT(daemon_connection_limit_options, 120)
+{
+    const char *dir = moe_test_tmpdir();
+    struct moed d;
+    const char *args[] = {"--devices", "cpu", "--workers", "1", "--max-conns", "2",
+                          "--admin-reserve", "0", "--max-write-queue", "1M", NULL};
+    moed_spawn(&d, dir, args);
+    moed_wait_socket(&d, 30);
+    struct hc_conn u[3];
+    for (int i = 0; i < 3; i++)
+        CHECK(hc_connect_unix(&u[i], d.sock) == 0);
+    struct hc_resp r;
+    CHECK_EQ(hc_read(&u[2], &r, 5000), 0);
+    CHECK_EQ(r.status, 503);
+    hc_resp_free(&r);
+    const char *req = "GET /health HTTP/1.1\r\n\r\n";
+    CHECK(hc_send(&u[0], req, strlen(req)) == 0);
+    CHECK_EQ(hc_read(&u[0], &r, 5000), 0);
+    CHECK(r.status == 200 || r.status == 503);
+    hc_resp_free(&r);
+    for (int i = 0; i < 3; i++)
+        hc_close(&u[i]);
+    CHECK_EQ(moed_stop(&d, 60), 0);
+}
+
 /* TCP port with the socket's permissions bypassed: --listen needs an API key file, and every TCP
  * request but /health must carry it; the Unix socket needs none. */
 TEST_TIMEOUT(daemon_tcp_needs_the_api_key, 120)
