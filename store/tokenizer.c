@@ -36,6 +36,7 @@ enum {
 };
 
 enum { REACH_UNKNOWN = 0, REACH_YES = 1, REACH_NO = 2 };
+enum { RUN_UNKNOWN = 0, RUN_OK = 1, RUN_NO = 2 };
 
 /* Per-token flags derived at load time. */
 enum {
@@ -81,6 +82,13 @@ struct moe_tokenizer {
     /* [n] REACH_*: whether BPE over the token's own bytes gives the token back. A cache filled
      * during encoding (relaxed atomics: racing writers store the same value). */
     _Atomic uint8_t *reach;
+    /* Long runs of one byte (RUN_*, per byte value, filled on first use like reach): BPE of
+     * b^n for n >= run_base starts with run_tok[b] (run_len[b] bytes) and continues as BPE of
+     * b^(n - run_len[b]), checked against the merge loop when first needed. */
+    _Atomic uint8_t run_state[256];
+    int32_t run_tok[256];
+    uint32_t run_len[256];
+    bool runs_slow;         /* moe_tok_runs_fast(t, false): long runs take the merge loop too */
     int32_t *specials;      /* ids split out before the regex, longest text first */
     uint32_t n_specials;
 
@@ -828,31 +836,13 @@ static void queue_pair(const struct moe_tokenizer *t, struct enc *e, int32_t l, 
         heap_push(e, (struct cand){m->rank, l, r, e->sym[l].id, e->sym[r].id, m->result});
 }
 
-/* BPE over one piece: start from one symbol per byte, repeatedly merge the adjacent pair with the
- * lowest rank (leftmost on ties) until no pair has a merge. A priority queue with lazy deletion
- * keeps long pieces (runs of spaces, long words) at O(n log n). */
-static int bpe_piece(const struct moe_tokenizer *t, struct enc *e, const uint8_t *p, size_t n)
+/* BPE over bytes p[n] with the merge loop: start from one symbol per byte, repeatedly merge the
+ * adjacent pair with the lowest rank (leftmost on ties) until no pair has a merge. A priority
+ * queue with lazy deletion keeps long pieces at O(n log n). The tokens are appended to e->ids;
+ * sym_out (if not NULL) gets whether the result is a single symbol, and which. */
+static int bpe_merge(const struct moe_tokenizer *t, struct enc *e, const uint8_t *p, size_t n,
+                     int32_t *single)
 {
-    if (n == 1)
-        return emit(e, t->byte_tok[p[0]]);
-
-    /* Most pieces are whole tokens (" the", "ing"). Whether BPE really ends in that token is
-     * worked out once per token and remembered, so that later pieces skip the merge loop while
-     * the result stays exactly what the merges give (a token that the merges cannot reach,
-     * which a hand-edited vocabulary may have, is still split as BPE splits it). */
-    if (grow((void **)&e->bl, &e->bl_cap, 2 * n, 1))
-        return -ENOMEM;
-    size_t bl = 0;
-    for (size_t i = 0; i < n; i++)
-        bl += (size_t)cp_to_utf8_small(byte_to_cp(p[i]), e->bl + bl);
-    int32_t whole = tmap_find(t, e->bl, bl);
-    uint8_t known = REACH_UNKNOWN;
-    if (whole >= 0) {
-        known = atomic_load_explicit(&t->reach[whole], memory_order_relaxed);
-        if (known == REACH_YES)
-            return emit(e, whole);
-    }
-
     if (n > INT32_MAX || grow((void **)&e->sym, &e->sym_cap, n, sizeof *e->sym) ||
         grow((void **)&e->heap, &e->heap_cap, 2 * n, sizeof *e->heap))
         return -ENOMEM;
@@ -882,14 +872,130 @@ static int bpe_piece(const struct moe_tokenizer *t, struct enc *e, const uint8_t
         queue_pair(t, e, l->prev, c.left);
         queue_pair(t, e, c.left, l->next);
     }
-    if (whole >= 0 && known == REACH_UNKNOWN)
-        atomic_store_explicit(&t->reach[whole],
-                              e->sym[0].next < 0 && e->sym[0].id == whole ? REACH_YES : REACH_NO,
-                              memory_order_relaxed);
+    if (single)
+        *single = e->sym[0].next < 0 ? e->sym[0].id : -1;
     for (int32_t i = 0; i >= 0; i = e->sym[i].next)
         if (emit(e, e->sym[i].id))
             return -ENOMEM;
     return 0;
+}
+
+/* Runs of one byte (spaces, newlines, '=' rules) are where the merge loop is slowest, and they
+ * are regular: the merges of a run pair its symbols from the left, level by level, so far from
+ * the run's end the tokens repeat, and what the end does reaches back a bounded distance (a few
+ * of the longest tokens). For runs of at least 2 * run_base bytes the leading repeated tokens are
+ * emitted directly and only the last run_base .. run_base + period bytes go through the merge
+ * loop. Whether the repetition holds for a byte is checked against the merge loop itself, for
+ * every length from run_base to run_base + 2 periods + 16, the first time a long run of that
+ * byte is seen; where it does not hold, long runs take the merge loop. */
+static size_t run_base(const struct moe_tokenizer *t)
+{
+    size_t b = 16 * t->max_piece;
+    return b < 512 ? 512 : b;
+}
+
+static bool run_info(const struct moe_tokenizer *t, uint8_t b, int32_t *tok, uint32_t *len)
+{
+    struct moe_tokenizer *mt = (struct moe_tokenizer *)t; /* caches only */
+    uint8_t st = atomic_load_explicit(&mt->run_state[b], memory_order_acquire);
+    if (st == RUN_UNKNOWN) {
+        const size_t base = run_base(t), span = 2 * t->max_piece + 17;
+        struct enc e = {0};
+        uint8_t *buf = malloc(base + span + t->max_piece + 1);
+        size_t *off = malloc(sizeof *off * (span + 1));
+        st = RUN_NO;
+        if (buf && off) {
+            memset(buf, b, base + span + t->max_piece + 1);
+            /* Tokens of b^(base + k), k < span, back to back in e.ids; off[k] where each
+             * starts. */
+            bool ok = true;
+            for (size_t k = 0; k < span && ok; k++) {
+                off[k] = e.n;
+                ok = bpe_merge(t, &e, buf, base + k, NULL) == 0;
+            }
+            off[span] = e.n;
+            int32_t first = ok && e.n ? e.ids[0] : -1;
+            size_t q = 0;
+            if (first >= 0 && (uint32_t)first < t->n)
+                q = t->piece_off[first + 1] - t->piece_off[first];
+            /* b^(base + k + q) = first + b^(base + k) for every k that both lengths cover. */
+            if (ok && q > 0 && q <= t->max_piece && q + 17 <= span) {
+                bool same = true;
+                for (size_t k = 0; k + q < span && same; k++) {
+                    const int32_t *lo = e.ids + off[k], *hi = e.ids + off[k + q];
+                    const size_t nlo = off[k + 1] - off[k], nhi = off[k + q + 1] - off[k + q];
+                    same = nhi == nlo + 1 && hi[0] == first &&
+                           memcmp(hi + 1, lo, nlo * sizeof *lo) == 0;
+                }
+                if (same) {
+                    mt->run_tok[b] = first;
+                    mt->run_len[b] = (uint32_t)q;
+                    st = RUN_OK;
+                }
+            }
+        }
+        free(buf);
+        free(off);
+        free(e.ids);
+        free(e.sym);
+        free(e.heap);
+        free(e.bl);
+        atomic_store_explicit(&mt->run_state[b], st, memory_order_release);
+    }
+    if (st != RUN_OK)
+        return false;
+    *tok = t->run_tok[b];
+    *len = t->run_len[b];
+    return true;
+}
+
+/* BPE over one piece. */
+static int bpe_piece(const struct moe_tokenizer *t, struct enc *e, const uint8_t *p, size_t n)
+{
+    if (n == 1)
+        return emit(e, t->byte_tok[p[0]]);
+
+    if (!t->runs_slow && n >= 2 * run_base(t)) {
+        size_t i = 1;
+        while (i < n && p[i] == p[0])
+            i++;
+        int32_t tok;
+        uint32_t q;
+        if (i == n && run_info(t, p[0], &tok, &q)) {
+            const size_t m = (n - run_base(t)) / q;
+            if (grow((void **)&e->ids, &e->cap, e->n + m, sizeof *e->ids))
+                return -ENOMEM;
+            for (size_t k = 0; k < m; k++)
+                e->ids[e->n++] = tok;
+            return bpe_merge(t, e, p, n - m * q, NULL);
+        }
+    }
+
+    /* Most pieces are whole tokens (" the", "ing"). Whether BPE really ends in that token is
+     * worked out once per token and remembered, so that later pieces skip the merge loop while
+     * the result stays exactly what the merges give (a token that the merges cannot reach,
+     * which a hand-edited vocabulary may have, is still split as BPE splits it). */
+    int32_t whole = -1;
+    uint8_t known = REACH_UNKNOWN;
+    if (n <= t->max_piece) {
+        if (grow((void **)&e->bl, &e->bl_cap, 2 * n, 1))
+            return -ENOMEM;
+        size_t bl = 0;
+        for (size_t i = 0; i < n; i++)
+            bl += (size_t)cp_to_utf8_small(byte_to_cp(p[i]), e->bl + bl);
+        whole = tmap_find(t, e->bl, bl);
+        if (whole >= 0) {
+            known = atomic_load_explicit(&t->reach[whole], memory_order_relaxed);
+            if (known == REACH_YES)
+                return emit(e, whole);
+        }
+    }
+    int32_t single = -1;
+    int rc = bpe_merge(t, e, p, n, &single);
+    if (!rc && whole >= 0 && known == REACH_UNKNOWN)
+        atomic_store_explicit(&t->reach[whole], single == whole ? REACH_YES : REACH_NO,
+                              memory_order_relaxed);
+    return rc;
 }
 
 typedef int (*piece_fn)(void *ctx, const uint8_t *p, size_t n);
@@ -1116,6 +1222,11 @@ int moe_tok_piece(const struct moe_tokenizer *t, int32_t id, char *buf, size_t c
 }
 
 uint32_t moe_tok_n_vocab(const struct moe_tokenizer *t) { return t->n; }
+void moe_tok_runs_fast(struct moe_tokenizer *t, bool on)
+{
+    t->runs_slow = !on;
+}
+
 int32_t moe_tok_eos(const struct moe_tokenizer *t) { return t->eos; }
 int32_t moe_tok_bos(const struct moe_tokenizer *t) { return t->bos; }
 int32_t moe_tok_pad(const struct moe_tokenizer *t) { return t->pad; }

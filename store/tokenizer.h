@@ -32,6 +32,12 @@ int moe_tok_encode_max(const struct moe_tokenizer *t, const char *text, size_t l
 int moe_tok_piece(const struct moe_tokenizer *t, int32_t id, char *buf, size_t cap);
 
 uint32_t moe_tok_n_vocab(const struct moe_tokenizer *t);
+
+/* The shortcut for long runs of one byte (on by default; the tokens are the same either way,
+ * checked per byte against the merge loop): off, every piece takes the merge loop. For tests and
+ * benchmarks that compare the two. */
+void moe_tok_runs_fast(struct moe_tokenizer *t, bool on);
+
 int32_t moe_tok_eos(const struct moe_tokenizer *t);   /* -1 when none */
 int32_t moe_tok_bos(const struct moe_tokenizer *t);   /* -1 when none */
 bool moe_tok_is_control(const struct moe_tokenizer *t, int32_t id);

@@ -1500,7 +1500,8 @@ static void *big_post_thread(void *arg)
 }
 
 /* The longest prompt the size check lets through is tokenized off the event loop: while it is,
- * /health answers at once. (A long run of spaces is BPE's slowest input.) */
+ * /health answers at once. (Alternating spaces and tabs make one whitespace piece of megabytes
+ * that the merge loop takes seconds over; runs of one byte have a shortcut.) */
 TEST_TIMEOUT(daemon_tokenizes_off_the_event_loop, 180)
 {
     const char *dir = moe_test_tmpdir();
@@ -1518,11 +1519,17 @@ TEST_TIMEOUT(daemon_tokenizes_off_the_event_loop, 180)
     const size_t n = (131072 - 8) * moe_tok_max_piece(tok);
     moe_tok_free(tok);
     gguf_close(f);
-    char *body = malloc(n + 64);
+    char *body = malloc(2 * n + 64);
     CHECK(body);
     size_t k = (size_t)sprintf(body, "{\"prompt\": \"");
-    memset(body + k, ' ', n);
-    k += n;
+    for (size_t i = 0; i < n; i++) {
+        if (i % 2) {
+            body[k++] = '\\';
+            body[k++] = 't';
+        } else {
+            body[k++] = ' ';
+        }
+    }
     sprintf(body + k, "\", \"max_tokens\": 1}");
     struct big_post bp = {.sock = d.sock, .body = body, .status = 0};
     pthread_t th;
@@ -1545,7 +1552,7 @@ TEST_TIMEOUT(daemon_tokenizes_off_the_event_loop, 180)
     }
     pthread_join(th, NULL);
     free(body);
-    printf("  %zu bytes of spaces: answered %d after %.2f s; %d /health polls meanwhile, the "
+    printf("  %zu bytes of spaces and tabs: answered %d after %.2f s; %d /health polls meanwhile, the "
            "slowest %.3f s\n", n, bp.status, bp.seconds, polls, worst);
     CHECK(bp.status == 200 || bp.status == 400);
     /* Held on the loop, /health would have waited about as long as the tokenizing. */

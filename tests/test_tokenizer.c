@@ -1033,3 +1033,58 @@ TEST(tok_encode_max_stops_past_the_limit)
     moe_tok_free(t);
     gguf_close(f);
 }
+
+/* Long runs of one byte take a shortcut (leading repeated tokens emitted directly); the tokens
+ * are the merge loop's, for every run length around the shortcut's threshold and well past it,
+ * for the bytes real text repeats, on the Qwen3 vocabulary and the demo model's; and the
+ * shortcut makes megabytes of spaces fast. */
+TEST_TIMEOUT(tokenizer_long_runs_equal_the_merge_loop, 300)
+{
+    static const char *const paths[] = {QWEN3_VOCAB, "models/kjv-demo-F16.gguf"};
+    static const char bytes[] = {' ', '\n', '=', '-', '\t', 'a', '0', '*'};
+    for (size_t pi = 0; pi < sizeof paths / sizeof paths[0]; pi++) {
+        struct moe_tokenizer *fast = load_file(paths[pi]), *slow = load_file(paths[pi]);
+        moe_tok_runs_fast(slow, false);
+        const size_t maxp = moe_tok_max_piece(fast);
+        const size_t base = 16 * maxp < 512 ? 512 : 16 * maxp;
+        char *s = malloc(8 * base + 64);
+        CHECK(s);
+        for (size_t bi = 0; bi < sizeof bytes; bi++) {
+            memset(s, bytes[bi], 8 * base + 64);
+            /* Every length near 2 * base (where the shortcut starts), then a spread past it. */
+            for (size_t n = 2 * base - 3; n < 8 * base + 64; n += n < 2 * base + 2 * maxp + 40 ? 1 : 97) {
+                int32_t *a = NULL, *b = NULL;
+                size_t na = 0, nb = 0;
+                CHECK_EQ(moe_tok_encode(fast, s, n, false, &a, &na), 0);
+                CHECK_EQ(moe_tok_encode(slow, s, n, false, &b, &nb), 0);
+                CHECK_MSG(na == nb && memcmp(a, b, na * sizeof *a) == 0,
+                          "%s: %zu x 0x%02x: %zu vs %zu tokens", paths[pi], n,
+                          (unsigned)(uint8_t)bytes[bi], na, nb);
+                free(a);
+                free(b);
+            }
+        }
+        free(s);
+        /* 8 MB of spaces, then a word. */
+        const size_t big = 8u << 20;
+        char *sp = malloc(big + 8);
+        CHECK(sp);
+        memset(sp, ' ', big);
+        memcpy(sp + big, " word", 5);
+        double t0 = moe_test_now();
+        int32_t *ids = NULL;
+        size_t m = 0;
+        CHECK_EQ(moe_tok_encode(fast, sp, big + 5, false, &ids, &m), 0);
+        double dt = moe_test_now() - t0;
+        printf("  %s: 8 MiB of spaces and a word in %.3f s, %zu tokens\n", paths[pi], dt, m);
+        CHECK_MSG(dt < 2.0, "%.2f s", dt);
+        size_t blen;
+        char *back = decode(fast, ids, m, &blen);
+        CHECK(blen == big + 5 && memcmp(back, sp, big + 5) == 0);
+        free(back);
+        free(ids);
+        free(sp);
+        moe_tok_free(fast);
+        moe_tok_free(slow);
+    }
+}
