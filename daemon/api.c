@@ -1030,11 +1030,17 @@ struct tok_job {
     struct http_conn *c;
     json_t *body;
     bool chat, aborted;
+    bool tokenize;                  /* POST /tokenize rather than a generation */
+    bool add_special, parse_special, with_pieces;
+    int32_t *ids;                   /* /tokenize: the result */
+    size_t n_ids;
     struct gen_req r;
     struct verr e;
     int rc;
     struct tok_job *prev, *next;
 };
+
+static void finish_tokenize(struct api *a, struct tok_job *j);
 
 static void tok_job_unlink(struct tok_job *j)
 {
@@ -1058,12 +1064,38 @@ static void tok_job_abort(void *user)
     j->c = NULL;
 }
 
+/* /tokenize: content's ids (BOS first with add_special when the model adds one). */
+static int tokenize_content(struct api *a, struct tok_job *j)
+{
+    json_t *ct = json_object_get(j->body, "content");
+    j->ids = NULL;
+    j->n_ids = 0;
+    int rc = moe_tok_encode(a->tok, json_string_value(ct), json_string_length(ct),
+                            j->parse_special, &j->ids, &j->n_ids);
+    if (rc)
+        return fail(&j->e, 500, NULL, "out of memory while tokenizing");
+    int32_t bos = moe_tok_bos(a->tok);
+    if (j->add_special && moe_tok_add_bos(a->tok) && bos >= 0) {
+        int32_t *n = realloc(j->ids, sizeof *n * (j->n_ids + 1));
+        if (!n)
+            return fail(&j->e, 500, NULL, "out of memory while tokenizing");
+        memmove(n + 1, n, sizeof *n * j->n_ids);
+        n[0] = bos;
+        j->ids = n;
+        j->n_ids++;
+    }
+    return 0;
+}
+
 static void tok_job_work(uv_work_t *w)
 {
     struct tok_job *j = w->data;
     struct api *sa = &j->snap;
-    j->rc = j->chat ? parse_messages(sa, j->body, &j->r, &j->e)
-                    : parse_prompt(sa, j->body, &j->r, &j->e);
+    if (j->tokenize)
+        j->rc = tokenize_content(sa, j);
+    else
+        j->rc = j->chat ? parse_messages(sa, j->body, &j->r, &j->e)
+                        : parse_prompt(sa, j->body, &j->r, &j->e);
 }
 
 static void tok_job_done(uv_work_t *w, int status)
@@ -1073,14 +1105,36 @@ static void tok_job_done(uv_work_t *w, int status)
     tok_job_unlink(j);
     if (a && !j->aborted && status == 0) {
         http_conn_on_abort(j->c, NULL, NULL);
-        finish_generate(a, j->c, j->chat, &j->r, &j->e, j->rc);
+        if (j->tokenize)
+            finish_tokenize(a, j);
+        else
+            finish_generate(a, j->c, j->chat, &j->r, &j->e, j->rc);
     } else if (a && !j->aborted) {
         http_conn_on_abort(j->c, NULL, NULL);
         respond_error(a, j->c, 503, NULL, "moed is shutting down");
     }
     gen_req_free(&j->r);
     json_decref(j->body);
+    free(j->ids);
     free(j);
+}
+
+/* Queues j on the pool (tok_job_done answers); returns 0, or a uv error. */
+static int tok_job_queue(struct api *a, struct tok_job *j)
+{
+    j->a = a;
+    j->snap = *a;
+    j->work.data = j;
+    int qrc = uv_queue_work(a->loop, &j->work, tok_job_work, tok_job_done);
+    if (qrc)
+        return qrc;
+    j->next = a->jobs;
+    if (a->jobs)
+        a->jobs->prev = j;
+    a->jobs = j;
+    a->n_jobs++;
+    http_conn_on_abort(j->c, tok_job_abort, j);
+    return 0;
 }
 
 static void handle_generate(struct api *a, struct http_request *req, bool chat)
@@ -1116,25 +1170,16 @@ static void handle_generate(struct api *a, struct http_request *req, bool chat)
             fail(&e, 500, NULL, "out of memory");
             goto fail;
         }
-        j->a = a;
-        j->snap = *a;
         j->c = c;
         j->body = body;
         j->chat = chat;
         j->r = r;
-        j->work.data = j;
-        int qrc = uv_queue_work(a->loop, &j->work, tok_job_work, tok_job_done);
+        int qrc = tok_job_queue(a, j);
         if (qrc) {
             free(j);
             fail(&e, 500, NULL, "cannot queue the prompt for tokenizing: %s", uv_strerror(qrc));
             goto fail;
         }
-        j->next = a->jobs;
-        if (a->jobs)
-            a->jobs->prev = j;
-        a->jobs = j;
-        a->n_jobs++;
-        http_conn_on_abort(c, tok_job_abort, j);
         return; /* tok_job_done continues */
     }
     int rc = chat ? parse_messages(a, body, &r, &e) : parse_prompt(a, body, &r, &e);
@@ -1262,6 +1307,180 @@ out:
     rp->n_stops = r.n_stops;
 }
 
+
+/* ---- llama-server's tokenizer endpoints ---- */
+
+/* The request body of a tokenizer endpoint as a JSON object, or NULL with the error sent (503
+ * before the model is served, 400 for a body that is not an object). */
+static json_t *load_object(struct api *a, struct http_request *req)
+{
+    if (!a->tok) {
+        respond_error(a, req->conn, 503, NULL, "no model is being served yet");
+        return NULL;
+    }
+    json_error_t jerr;
+    json_t *body = json_loadb(req->body, req->body_len, JSON_REJECT_DUPLICATES, &jerr);
+    if (!body) {
+        respond_error(a, req->conn, 400, NULL,
+                      "request body is not valid JSON: %s (line %d, column %d)", jerr.text,
+                      jerr.line, jerr.column);
+        return NULL;
+    }
+    if (!json_is_object(body)) {
+        respond_error(a, req->conn, 400, NULL, "request body must be a JSON object, not %s",
+                      jtype(body));
+        json_decref(body);
+        return NULL;
+    }
+    return body;
+}
+
+/* An optional boolean field; -1 (and a 400 sent) when it is not one. */
+static int opt_bool(struct api *a, struct http_request *req, json_t *body, const char *name,
+                    bool dflt)
+{
+    json_t *v = json_object_get(body, name);
+    if (!v || json_is_null(v))
+        return dflt;
+    if (!json_is_boolean(v)) {
+        respond_error(a, req->conn, 400, name, "'%s' must be a boolean, not %s", name, jtype(v));
+        return -1;
+    }
+    return json_is_true(v);
+}
+
+/* A token's text for with_pieces: a string when its bytes are valid UTF-8, else their values. */
+static json_t *piece_json(struct api *a, int32_t id)
+{
+    char buf[512];
+    int n = moe_tok_piece(a->tok, id, buf, sizeof buf);
+    if (n < 0)
+        n = 0;
+    size_t len = (size_t)n < sizeof buf ? (size_t)n : sizeof buf;
+    json_t *s = json_stringn(buf, len);
+    if (s)
+        return s;
+    json_t *arr = json_array();
+    for (size_t i = 0; i < len; i++)
+        json_array_append_new(arr, json_integer((unsigned char)buf[i]));
+    return arr;
+}
+
+static void finish_tokenize(struct api *a, struct tok_job *j)
+{
+    if (j->rc) {
+        respond_error(a, j->c, j->e.status ? j->e.status : 500, j->e.param, "%s", j->e.msg);
+        return;
+    }
+    json_t *toks = json_array();
+    for (size_t i = 0; i < j->n_ids; i++) {
+        if (!j->with_pieces) {
+            json_array_append_new(toks, json_integer(j->ids[i]));
+            continue;
+        }
+        json_t *o = json_object();
+        json_object_set_new(o, "id", json_integer(j->ids[i]));
+        json_object_set_new(o, "piece", piece_json(a, j->ids[i]));
+        json_array_append_new(toks, o);
+    }
+    json_t *o = json_object();
+    json_object_set_new(o, "tokens", toks);
+    respond_json(a, j->c, 200, o, NULL);
+}
+
+/* POST /tokenize {"content", "add_special" (false), "parse_special" (true), "with_pieces"
+ * (false)} -> {"tokens": [...]}, as llama-server answers; tokenized on the thread pool. */
+static void handle_tokenize(struct api *a, struct http_request *req)
+{
+    json_t *body = load_object(a, req);
+    if (!body)
+        return;
+    json_t *ct = json_object_get(body, "content");
+    int add = opt_bool(a, req, body, "add_special", false), ps = 0, wp = 0;
+    if (add < 0 || (ps = opt_bool(a, req, body, "parse_special", true)) < 0 ||
+        (wp = opt_bool(a, req, body, "with_pieces", false)) < 0) {
+        json_decref(body);
+        return;
+    }
+    if (!json_is_string(ct)) {
+        respond_error(a, req->conn, 400, "content", "'content' must be a string, not %s",
+                      ct ? jtype(ct) : "missing");
+        json_decref(body);
+        return;
+    }
+    struct tok_job *j = calloc(1, sizeof *j);
+    if (!j) {
+        respond_error(a, req->conn, 500, NULL, "out of memory");
+        json_decref(body);
+        return;
+    }
+    j->tokenize = true;
+    j->add_special = add;
+    j->parse_special = ps;
+    j->with_pieces = wp;
+    j->c = req->conn;
+    j->body = body;
+    if (a->loop && tok_job_queue(a, j) == 0)
+        return;
+    /* No loop (tests) or the queue refused: tokenize here. */
+    j->rc = tokenize_content(a, j);
+    finish_tokenize(a, j);
+    json_decref(j->body);
+    free(j->ids);
+    free(j);
+}
+
+/* POST /detokenize {"tokens": [ids]} -> {"content": text}. */
+static void handle_detokenize(struct api *a, struct http_request *req)
+{
+    json_t *body = load_object(a, req);
+    if (!body)
+        return;
+    json_t *arr = json_object_get(body, "tokens");
+    if (!json_is_array(arr)) {
+        respond_error(a, req->conn, 400, "tokens", "'tokens' must be an array of token ids");
+        json_decref(body);
+        return;
+    }
+    struct moe_detok d;
+    moe_detok_init(&d);
+    const size_t cap = 3 * (moe_tok_max_piece(a->tok) + 4) + 1;
+    char *piece = malloc(cap), *text = NULL;
+    size_t n = 0, tcap = 0;
+    bool ok = piece != NULL;
+    size_t i;
+    json_t *t;
+    json_array_foreach(arr, i, t) {
+        if (!ok)
+            break;
+        json_int_t id = json_is_integer(t) ? json_integer_value(t) : -1;
+        if (id < 0 || id >= (json_int_t)a->model.n_vocab) {
+            respond_error(a, req->conn, 400, "tokens", "'tokens[%zu]' is not a token id in 0..%u",
+                          i, a->model.n_vocab - 1);
+            free(piece);
+            free(text);
+            json_decref(body);
+            return;
+        }
+        size_t k = moe_detok_push(&d, a->tok, (int32_t)id, piece, cap);
+        ok = moe_buf_append(&text, &n, &tcap, piece, k) == 0;
+    }
+    if (ok) {
+        size_t k = moe_detok_flush(&d, piece, cap);
+        ok = moe_buf_append(&text, &n, &tcap, piece, k) == 0;
+    }
+    free(piece);
+    json_decref(body);
+    if (!ok) {
+        free(text);
+        respond_error(a, req->conn, 500, NULL, "out of memory");
+        return;
+    }
+    json_t *o = json_object();
+    json_object_set_new(o, "content", json_stringn(text ? text : "", n));
+    free(text);
+    respond_json(a, req->conn, 200, o, NULL);
+}
 
 /* ---- other endpoints ---- */
 
@@ -1606,6 +1825,17 @@ void api_handle(void *user, struct http_request *req)
     while (pl > 1 && path[pl - 1] == '/')
         path[--pl] = 0;
 
+    if (!strcmp(path, "/tokenize") || !strcmp(path, "/detokenize")) {
+        if (req->method != HTTP_POST) {
+            respond_error(a, req->conn, 405, NULL, "%s is not allowed on %s (use POST)", req->method_name, path);
+            return;
+        }
+        if (path[1] == 't')
+            handle_tokenize(a, req);
+        else
+            handle_detokenize(a, req);
+        return;
+    }
     if (!strcmp(path, "/v1/completions") || !strcmp(path, "/v1/chat/completions")) {
         if (!post) {
             respond_error(a, req->conn, 405, NULL, "%s is not allowed on %s (use POST)", req->method_name, path);

@@ -1587,6 +1587,85 @@ TEST_TIMEOUT(daemon_connection_limit_options, 120)
     CHECK_EQ(moed_stop(&d, 60), 0);
 }
 
+/* llama-server's /tokenize and /detokenize: ids, pieces that spell the text back, the round trip,
+ * and clear 400s and 405s. */
+TEST_TIMEOUT(daemon_tokenize_and_detokenize, 120)
+{
+    const char *dir = moe_test_tmpdir();
+    struct moed d;
+    const char *args[] = {"--devices", "cpu", "--workers", "1", NULL};
+    moed_spawn(&d, dir, args);
+    moed_wait_socket(&d, 30);
+    int status;
+    const char *text = "In the beginning God created the heaven and the earth.";
+    char body[512];
+    snprintf(body, sizeof body, "{\"content\": \"%s\"}", text);
+    json_t *j = post_json(d.sock, "/tokenize", body, &status);
+    CHECK_EQ(status, 200);
+    json_t *toks = json_object_get(j, "tokens");
+    CHECK(json_is_array(toks) && json_array_size(toks) > 3);
+    /* Back to the text. */
+    char *ids = json_dumps(toks, JSON_COMPACT);
+    char *b2 = malloc(strlen(ids) + 32);
+    sprintf(b2, "{\"tokens\": %s}", ids);
+    json_t *k = post_json(d.sock, "/detokenize", b2, &status);
+    CHECK_EQ(status, 200);
+    CHECK_STREQ(json_string_value(json_object_get(k, "content")), text);
+    json_decref(k);
+    free(b2);
+    free(ids);
+    /* Pieces spell the text. */
+    snprintf(body, sizeof body, "{\"content\": \"%s\", \"with_pieces\": true}", text);
+    k = post_json(d.sock, "/tokenize", body, &status);
+    CHECK_EQ(status, 200);
+    char joined[512] = "";
+    size_t i;
+    json_t *t;
+    json_array_foreach(json_object_get(k, "tokens"), i, t) {
+        CHECK(json_is_integer(json_object_get(t, "id")));
+        CHECK_EQ(json_integer_value(json_object_get(t, "id")),
+                 json_integer_value(json_array_get(toks, i)));
+        strncat(joined, json_string_value(json_object_get(t, "piece")),
+                sizeof joined - strlen(joined) - 1);
+    }
+    CHECK_STREQ(joined, text);
+    json_decref(k);
+    json_decref(j);
+    /* Special tokens are parsed unless parse_special is false. */
+    j = post_json(d.sock, "/tokenize", "{\"content\": \"<|im_start|>\"}", &status);
+    CHECK_EQ(status, 200);
+    const size_t n_special = json_array_size(json_object_get(j, "tokens"));
+    json_decref(j);
+    j = post_json(d.sock, "/tokenize",
+                  "{\"content\": \"<|im_start|>\", \"parse_special\": false}", &status);
+    CHECK_EQ(status, 200);
+    CHECK(json_array_size(json_object_get(j, "tokens")) > n_special);
+    json_decref(j);
+    static const struct {
+        const char *path, *body, *needle;
+    } bad[] = {
+        {"/tokenize", "{}", "content"},
+        {"/tokenize", "{\"content\": 5}", "content"},
+        {"/tokenize", "{\"content\": \"x\", \"add_special\": 1}", "add_special"},
+        {"/tokenize", "[1]", "JSON object"},
+        {"/tokenize", "{\"content\"", "not valid JSON"},
+        {"/detokenize", "{\"tokens\": [1, -1]}", "tokens[1]"},
+        {"/detokenize", "{\"tokens\": [99999999]}", "tokens[0]"},
+        {"/detokenize", "{\"tokens\": \"12\"}", "array"},
+    };
+    for (size_t b = 0; b < sizeof bad / sizeof bad[0]; b++) {
+        j = post_json(d.sock, bad[b].path, bad[b].body, &status);
+        CHECK_MSG(status == 400, "%s %s: %d", bad[b].path, bad[b].body, status);
+        CHECK_MSG(strstr(err_msg(j), bad[b].needle), "%s", err_msg(j));
+        json_decref(j);
+    }
+    struct hc_resp r;
+    CHECK(hc_request_unix(d.sock, "GET", "/tokenize", NULL, &r, 5000) == 0);
+    CHECK_EQ(r.status, 405);
+    hc_resp_free(&r);
+    CHECK_EQ(moed_stop(&d, 60), 0);
+}
+
 /* TCP port with the socket's permissions bypassed: --listen needs an API key file, and every TCP
  * request but /health must carry it; the Unix socket needs none. */
 TEST_TIMEOUT(daemon_tcp_needs_the_api_key, 120)
