@@ -928,7 +928,9 @@ static int message_content(json_t *m, size_t i, char **out, size_t *len, struct 
     return 0;
 }
 
-static int parse_messages(struct api *a, json_t *body, struct gen_req *r, struct verr *e)
+/* Renders body's messages with the model's chat template (ending with the assistant header)
+ * into *ren. Returns 0 or -1 with e set. */
+static int render_messages(struct api *a, json_t *body, struct chat_rendered *ren, struct verr *e)
 {
     json_t *msgs = json_object_get(body, "messages");
     if (!msgs || json_is_null(msgs))
@@ -947,7 +949,6 @@ static int parse_messages(struct api *a, json_t *body, struct gen_req *r, struct
                         : "this model's chat template is not supported (moed renders ChatML); use /v1/completions");
     struct chat_msg *cm = calloc(n, sizeof *cm);
     char **contents = calloc(n, sizeof *contents);
-    struct chat_rendered ren = {0};
     int rc = -1;
     if (!cm || !contents) {
         fail(e, 500, NULL, "out of memory");
@@ -975,11 +976,26 @@ static int parse_messages(struct api *a, json_t *body, struct gen_req *r, struct
         cm[i] = (struct chat_msg){json_string_value(role), contents[i], len};
     }
     char msg[512];
-    int crc = chat_render(a->chat, cm, n, true, &ren, msg, sizeof msg);
+    int crc = chat_render(a->chat, cm, n, true, ren, msg, sizeof msg);
     if (crc) {
         fail(e, crc == MOE_EUNSUPPORTED || crc == MOE_EFORMAT ? 400 : 500, "messages", "%s", msg);
         goto out;
     }
+    rc = 0;
+out:
+    for (size_t i = 0; contents && i < n; i++)
+        free(contents[i]);
+    free(contents);
+    free(cm);
+    return rc;
+}
+
+static int parse_messages(struct api *a, json_t *body, struct gen_req *r, struct verr *e)
+{
+    struct chat_rendered ren = {0};
+    int rc = -1;
+    if (render_messages(a, body, &ren, e))
+        goto out;
     for (size_t i = 0; i < ren.n_spans; i++) {
         const struct chat_span *sp = &ren.spans[i];
         if (sp->special) {
@@ -999,10 +1015,6 @@ static int parse_messages(struct api *a, json_t *body, struct gen_req *r, struct
     rc = 0;
 out:
     chat_rendered_free(&ren);
-    for (size_t i = 0; contents && i < n; i++)
-        free(contents[i]);
-    free(contents);
-    free(cm);
     return rc;
 }
 
@@ -1430,6 +1442,26 @@ static void handle_tokenize(struct api *a, struct http_request *req)
     free(j);
 }
 
+/* POST /apply-template {"messages": [...]} -> {"prompt": text}: the prompt a chat request would
+ * be tokenized from (special tokens as their text), as llama-server answers. */
+static void handle_apply_template(struct api *a, struct http_request *req)
+{
+    json_t *body = load_object(a, req);
+    if (!body)
+        return;
+    struct verr e = {0};
+    struct chat_rendered ren = {0};
+    if (render_messages(a, body, &ren, &e)) {
+        respond_error(a, req->conn, e.status ? e.status : 400, e.param, "%s", e.msg);
+    } else {
+        json_t *o = json_object();
+        json_object_set_new(o, "prompt", json_stringn(ren.text, ren.len));
+        respond_json(a, req->conn, 200, o, NULL);
+    }
+    chat_rendered_free(&ren);
+    json_decref(body);
+}
+
 /* POST /detokenize {"tokens": [ids]} -> {"content": text}. */
 static void handle_detokenize(struct api *a, struct http_request *req)
 {
@@ -1825,15 +1857,18 @@ void api_handle(void *user, struct http_request *req)
     while (pl > 1 && path[pl - 1] == '/')
         path[--pl] = 0;
 
-    if (!strcmp(path, "/tokenize") || !strcmp(path, "/detokenize")) {
+    if (!strcmp(path, "/tokenize") || !strcmp(path, "/detokenize") ||
+        !strcmp(path, "/apply-template")) {
         if (req->method != HTTP_POST) {
             respond_error(a, req->conn, 405, NULL, "%s is not allowed on %s (use POST)", req->method_name, path);
             return;
         }
         if (path[1] == 't')
             handle_tokenize(a, req);
-        else
+        else if (path[1] == 'd')
             handle_detokenize(a, req);
+        else
+            handle_apply_template(a, req);
         return;
     }
     if (!strcmp(path, "/v1/completions") || !strcmp(path, "/v1/chat/completions")) {

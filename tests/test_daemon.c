@@ -1587,8 +1587,8 @@ TEST_TIMEOUT(daemon_connection_limit_options, 120)
     CHECK_EQ(moed_stop(&d, 60), 0);
 }
 
-/* llama-server's /tokenize and /detokenize: ids, pieces that spell the text back, the round trip,
- * and clear 400s and 405s. */
+/* llama-server's /tokenize, /detokenize and /apply-template: ids, pieces that spell the text
+ * back, the round trip, the rendered chat prompt, and clear 400s and 405s. */
 TEST_TIMEOUT(daemon_tokenize_and_detokenize, 120)
 {
     const char *dir = moe_test_tmpdir();
@@ -1663,6 +1663,20 @@ TEST_TIMEOUT(daemon_tokenize_and_detokenize, 120)
     CHECK(hc_request_unix(d.sock, "GET", "/tokenize", NULL, &r, 5000) == 0);
     CHECK_EQ(r.status, 405);
     hc_resp_free(&r);
+    /* /apply-template: the text a chat request is tokenized from. */
+    j = post_json(d.sock, "/apply-template",
+                  "{\"messages\": [{\"role\": \"system\", \"content\": \"Be brief.\"}, "
+                  "{\"role\": \"user\", \"content\": \"Who made the earth?\"}]}",
+                  &status);
+    CHECK_MSG(status == 200, "%d %s", status, err_msg(j));
+    CHECK_STREQ(json_string_value(json_object_get(j, "prompt")),
+                "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWho made the "
+                "earth?<|im_end|>\n<|im_start|>assistant\n");
+    json_decref(j);
+    j = post_json(d.sock, "/apply-template", "{\"messages\": []}", &status);
+    CHECK_EQ(status, 400);
+    CHECK(strstr(err_msg(j), "messages"));
+    json_decref(j);
     CHECK_EQ(moed_stop(&d, 60), 0);
 }
 
