@@ -141,7 +141,7 @@ TEST_TIMEOUT(cuda_offload_is_exact, 600)
             for (size_t i = 0; i < rows * (size_t)V; i++)
                 diff += memcmp(&got[i], &ref[i], sizeof(float)) != 0;
             const uint64_t looked = os.hits + os.misses;
-            printf("  %-34s %-20s slots %u (%u hot): %llu hits, %llu misses, %.2f MiB filled, "
+            printf("  %-34s %-20s layer 0: slots %u (%u hot): %llu hits, %llu misses, %.2f MiB filled, "
                    "%llu from host; %zu of %zu logits differ\n",
                    MODELS[mi] + (strrchr(MODELS[mi], '/') - MODELS[mi]) + 1, c->name, pl[0].slots,
                    pl[0].hot, (unsigned long long)os.hits, (unsigned long long)os.misses,
@@ -153,8 +153,8 @@ TEST_TIMEOUT(cuda_offload_is_exact, 600)
             CHECK(memcmp(got_tok, ref_tok, sizeof ref_tok) == 0);
             /* Every layer looks up its chosen experts once per step. */
             CHECK(looked > 0);
-            if (pl[0].slots < (uint32_t)E) {
-                CHECK(os.active);
+            CHECK(os.active); /* every configuration here keeps some experts out of VRAM */
+            {
                 CHECK(os.misses > 0);
                 CHECK(os.expert_vram_bytes < os.expert_bytes);
                 if (c->cache_slots < 0) {
@@ -164,9 +164,10 @@ TEST_TIMEOUT(cuda_offload_is_exact, 600)
                     CHECK(os.fill_bytes > 0);
                 }
                 for (int64_t l = 0; l < L; l++)
-                    CHECK(pl[l].hits + pl[l].misses > 0);
+                    if (pl[l].slots < (uint32_t)E)
+                        CHECK(pl[l].hits + pl[l].misses > 0);
             }
-            if (c->counts && pl[0].slots < (uint32_t)E) {
+            if (c->counts) {
                 /* Live re-pinning by the counts, a few experts per call, then the same workload
                  * again: still the resident run's bytes. */
                 uint32_t pending = 1;

@@ -23,6 +23,7 @@
 extern "C" {
 #include "store/err.h"
 #include "store/ggml_type.h"
+#include "store/placement.h"
 #include "store/quant.h"
 #include "worker/backend.h"
 #include "worker/engine.h"
@@ -540,10 +541,34 @@ static int plan_experts(struct cuda_backend *b, uint64_t used, char *err, size_t
                             (double)((uint64_t)kmin * sum_slot) / (1 << 30),
                             (double)(fixed + (uint64_t)kmin * sum_slot) / (1 << 30));
     }
-    b->offload = S < nexp;
+    /* Slots per layer: S everywhere; with a profile the same bytes are split over the layers by
+     * expected hits per byte (store/placement.c), at least one token's experts in each. */
     int64_t *order = (int64_t *)malloc(sizeof *order * (size_t)nexp);
-    if (!order)
+    int64_t *Sl = (int64_t *)malloc(sizeof *Sl * (size_t)d->L);
+    uint64_t *eb = (uint64_t *)malloc(sizeof *eb * (size_t)d->L);
+    if (!order || !Sl || !eb) {
+        free(order);
+        free(Sl);
+        free(eb);
         return -ENOMEM;
+    }
+    for (int l = 0; l < (int)d->L; l++) {
+        Sl[l] = S;
+        eb[l] = b->layers[l].slot_bytes;
+    }
+    struct moe_placement pl;
+    char perr[128];
+    if (S < nexp && d->expert_counts &&
+        moe_placement_compute(&pl, (uint32_t)d->L, (uint32_t)nexp, (uint32_t)d->kuse, eb,
+                              d->expert_counts, (uint64_t)S * sum_slot, perr, sizeof perr) == 0) {
+        for (int l = 0; l < (int)d->L; l++)
+            Sl[l] = pl.n_hot[l] < (uint32_t)kmin ? kmin : (int64_t)pl.n_hot[l];
+        moe_placement_free(&pl);
+    }
+    free(eb);
+    b->offload = false;
+    for (int l = 0; l < (int)d->L; l++)
+        b->offload |= Sl[l] < nexp;
     b->xarena_size = 0;
     for (int l = 0; l < (int)d->L; l++) {
         struct cuda_layer *cl = &b->layers[l];
@@ -552,11 +577,13 @@ static int plan_experts(struct cuda_backend *b, uint64_t used, char *err, size_t
             cl->host[p] = (const void **)calloc((size_t)nexp, sizeof(void *));
         if (!cl->plan || !cl->host[0] || !cl->host[1] || !cl->host[2]) {
             free(order);
+            free(Sl);
             return -ENOMEM;
         }
-        const int64_t cache = S < nexp ? cache_slots_for(d, S, d->expert_counts != NULL) : 0;
-        cl->slots = (int32_t)S;
-        cl->hot = (int32_t)(S - cache);
+        const int64_t Sx = Sl[l];
+        const int64_t cache = Sx < nexp ? cache_slots_for(d, Sx, d->expert_counts != NULL) : 0;
+        cl->slots = (int32_t)Sx;
+        cl->hot = (int32_t)(Sx - cache);
         /* Most-routed first (stable: equal counts keep expert order). */
         const uint64_t *c = d->expert_counts ? d->expert_counts + (size_t)l * nexp : NULL;
         for (int64_t x = 0; x < nexp; x++)
@@ -571,10 +598,11 @@ static int plan_experts(struct cuda_backend *b, uint64_t used, char *err, size_t
                 order[j] = v;
             }
         for (int64_t i = 0; i < nexp; i++)
-            cl->plan[order[i]] = i < S ? (int32_t)i : MOE_OFF_HOST;
-        b->xarena_size += (size_t)S * cl->slot_bytes;
+            cl->plan[order[i]] = i < Sx ? (int32_t)i : MOE_OFF_HOST;
+        b->xarena_size += (size_t)Sx * cl->slot_bytes;
     }
     free(order);
+    free(Sl);
     b->expert_vram = b->xarena_size;
     return 0;
 }
@@ -980,13 +1008,23 @@ static int cuda_init(struct moe_backend **out, const struct moe_model *m, struct
                  (double)b->arena_size / (1 << 30), (double)(tot - fr) / (1 << 30),
                  (double)tot / (1 << 30), d->kv_f32 ? "f32" : "f16");
         if (b->offload) {
+            int32_t smin = INT32_MAX, smax = 0, hot = 0;
+            for (int l = 0; l < (int)d->L; l++) {
+                smin = b->layers[l].slots < smin ? b->layers[l].slots : smin;
+                smax = b->layers[l].slots > smax ? b->layers[l].slots : smax;
+                hot += b->layers[l].hot;
+            }
             size_t k = strlen(b->desc);
+            char range[32];
+            if (smin == smax)
+                snprintf(range, sizeof range, "%d", smin);
+            else
+                snprintf(range, sizeof range, "%d..%d", smin, smax);
             snprintf(b->desc + k, sizeof b->desc - k,
-                     ", experts %.2f of %.2f GiB in VRAM (%d+%d of %lld slots hot+cache per "
-                     "layer), the rest %s",
+                     ", experts %.2f of %.2f GiB in VRAM (%s of %lld slots per layer, %d pinned "
+                     "in all), the rest %s",
                      (double)b->expert_vram / (1 << 30), (double)b->expert_bytes / (1 << 30),
-                     b->layers[0].hot, b->layers[0].slots - b->layers[0].hot, (long long)d->nexp,
-                     b->xhow);
+                     range, (long long)d->nexp, hot, b->xhow);
         }
         if (d->vram_budget && b->dev_bytes > d->vram_budget) {
             rc = moe_fail(err, errlen, MOE_ERANGE,
