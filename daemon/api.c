@@ -80,6 +80,7 @@ struct gen {
     size_t text_len, text_cap;
     size_t sent;                    /* bytes of text already streamed */
     uint32_t n_prompt, n_gen;
+    uint32_t n_cached;              /* prompt tokens the worker continued from its KV cache */
     /* A callback that arrives while sched_submit() has not returned yet is parked here. */
     bool submitting;
     int early;                      /* 0, 1: done, 2: error */
@@ -335,6 +336,9 @@ static json_t *usage_obj(const struct gen *g)
     json_object_set_new(u, "prompt_tokens", json_integer(g->n_prompt));
     json_object_set_new(u, "completion_tokens", json_integer(g->n_gen));
     json_object_set_new(u, "total_tokens", json_integer((json_int_t)g->n_prompt + g->n_gen));
+    /* As OpenAI reports prompt caching: the prompt tokens taken from a kept KV cache. */
+    json_object_set_new(u, "prompt_tokens_details",
+                        json_pack("{s:I}", "cached_tokens", (json_int_t)g->n_cached));
     return u;
 }
 
@@ -532,7 +536,8 @@ static void on_done(struct sched_req *r, void *user, enum sched_finish why, uint
                     uint32_t n_gen)
 {
     struct gen *g = user;
-    (void)r, (void)n_prompt, (void)n_gen;
+    (void)n_prompt, (void)n_gen;
+    g->n_cached = sched_req_cached(r);
     g->req = NULL;
     if (g->submitting) {
         g->early = 1;

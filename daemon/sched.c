@@ -34,6 +34,7 @@ struct sched_req {
     void *user;
     int32_t worker;          /* -1 while queued */
     uint32_t n_gen;
+    uint32_t n_cached;       /* from the worker's Done: prompt tokens it continued from cache */
     uint32_t attempts;
     uint64_t queued_at;      /* uv_now() when (re)queued */
     bool finishing;
@@ -428,12 +429,13 @@ void sched_worker_token(struct sched *s, uint32_t w, uint64_t id, int32_t token)
 }
 
 void sched_worker_done(struct sched *s, uint32_t w, uint64_t id, int finish_reason,
-                       uint32_t n_prompt, uint32_t n_gen)
+                       uint32_t n_prompt, uint32_t n_gen, uint32_t n_cached)
 {
     struct sched_req *r = find(s, w, id);
     if (!r)
         return;
     req_detach(s, r);
+    r->n_cached = n_cached;
     s->st.prompt_tokens_total += n_prompt;
     r->finishing = true;
     if (r->cb.on_done)
@@ -442,6 +444,11 @@ void sched_worker_done(struct sched *s, uint32_t w, uint64_t id, int finish_reas
     req_free(r);
     dispatch(s);
     check_idle(s);
+}
+
+uint32_t sched_req_cached(const struct sched_req *r)
+{
+    return r->n_cached;
 }
 
 void sched_worker_error(struct sched *s, uint32_t w, uint64_t id, int code, const char *msg)

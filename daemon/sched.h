@@ -46,6 +46,10 @@ struct sched_params {
     void *user;
 };
 
+/* In on_done: how many of the prompt's tokens the worker continued from a kept KV cache
+ * (prefix reuse) instead of evaluating them. */
+uint32_t sched_req_cached(const struct sched_req *r);
+
 /* Queues a request. Returns a handle valid until one of on_done/on_error has been called or
  * sched_cancel() returned; NULL (with *http_status and msg set) when it cannot be queued
  * (queue full: 503; prompt longer than the context: 400). */

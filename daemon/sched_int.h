@@ -34,7 +34,7 @@ void sched_worker_ready(struct sched *s, uint32_t w, uint32_t n_seq, uint32_t n_
 void sched_worker_lost(struct sched *s, uint32_t w, const char *why);
 void sched_worker_token(struct sched *s, uint32_t w, uint64_t id, int32_t token);
 void sched_worker_done(struct sched *s, uint32_t w, uint64_t id, int finish_reason,
-                       uint32_t n_prompt, uint32_t n_gen);
+                       uint32_t n_prompt, uint32_t n_gen, uint32_t n_cached);
 void sched_worker_error(struct sched *s, uint32_t w, uint64_t id, int code, const char *msg);
 
 /* Stops accepting (503) and fails every queued request with 503 and msg. */

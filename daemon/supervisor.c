@@ -387,7 +387,7 @@ static int on_msg(struct moe_ipc_conn *c, void *user, const Moed__Envelope *env,
     case MOED__ENVELOPE__MSG_DONE:
         if (ws->sched)
             sched_worker_done(ws->sched, w->index, env->done->id, env->done->reason,
-                              env->done->n_prompt, env->done->n_gen);
+                              env->done->n_prompt, env->done->n_gen, env->done->n_cached);
         return 0;
     case MOED__ENVELOPE__MSG_ERROR:
         if (env->error->id == 0) {

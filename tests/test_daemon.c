@@ -1680,6 +1680,65 @@ TEST_TIMEOUT(daemon_tokenize_and_detokenize, 120)
     CHECK_EQ(moed_stop(&d, 60), 0);
 }
 
+/* A completion of token ids at temperature 0; returns its text (malloc'd) and cached tokens. */
+static char *complete_ids(const char *sock, const int32_t *ids, size_t n, int64_t *cached)
+{
+    char *body = malloc(n * 12 + 128), *p = body;
+    CHECK(body);
+    p += sprintf(p, "{\"prompt\": [");
+    for (size_t i = 0; i < n; i++)
+        p += sprintf(p, "%s%d", i ? "," : "", ids[i]);
+    sprintf(p, "], \"max_tokens\": 16, \"temperature\": 0}");
+    int status;
+    json_t *j = post_json(sock, "/v1/completions", body, &status);
+    free(body);
+    CHECK_MSG(status == 200, "%d %s", status, err_msg(j));
+    json_t *u = json_object_get(j, "usage");
+    CHECK_EQ(json_integer_value(json_object_get(u, "prompt_tokens")), (json_int_t)n);
+    *cached = json_integer_value(
+        json_object_get(json_object_get(u, "prompt_tokens_details"), "cached_tokens"));
+    char *text = strdup(json_string_value(
+        json_object_get(json_array_get(json_object_get(j, "choices"), 0), "text")));
+    json_decref(j);
+    return text;
+}
+
+/* Prefix reuse: a prompt that starts with what a slot already holds continues from there
+ * (usage.prompt_tokens_details.cached_tokens says how many), and the completion is the one a
+ * fresh slot gives. */
+TEST_TIMEOUT(daemon_reuses_a_cached_prefix, 120)
+{
+    const char *dir = moe_test_tmpdir();
+    struct moed d;
+    const char *args[] = {"--devices", "cpu", "--workers", "1", "--parallel", "1", NULL};
+    moed_spawn(&d, dir, args);
+    moed_wait_socket(&d, 30);
+    enum { NA = 40, NB = 60 };
+    int32_t ids[NB];
+    for (int i = 0; i < NB; i++)
+        ids[i] = 100 + (i * 37) % 3000;
+    int64_t cached;
+    /* Fresh: the reference for the long prompt. */
+    char *ref = complete_ids(d.sock, ids, NB, &cached);
+    CHECK_EQ(cached, 0);
+    /* The same prompt again: all but its last token come from the slot. */
+    char *again = complete_ids(d.sock, ids, NB, &cached);
+    CHECK_EQ(cached, NB - 1);
+    CHECK_STREQ(again, ref);
+    /* A prefix of it, then the long one: the prefix is shared. */
+    char *shorter = complete_ids(d.sock, ids, NA, &cached);
+    CHECK_EQ(cached, NA - 1);
+    char *third = complete_ids(d.sock, ids, NB, &cached);
+    CHECK_MSG(cached >= NA && cached < NB, "cached %lld", (long long)cached);
+    CHECK_STREQ(third, ref);
+    /* An unrelated prompt starts over. */
+    int32_t other[8] = {7, 8, 9, 10, 11, 12, 13, 14};
+    char *o = complete_ids(d.sock, other, 8, &cached);
+    CHECK_EQ(cached, 0);
+    free(ref), free(again), free(shorter), free(third), free(o);
+    CHECK_EQ(moed_stop(&d, 60), 0);
+}
+
 /* TCP port with the socket's permissions bypassed: --listen needs an API key file, and every TCP
  * request but /health must carry it; the Unix socket needs none. */
 TEST_TIMEOUT(daemon_tcp_needs_the_api_key, 120)

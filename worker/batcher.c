@@ -26,6 +26,12 @@ struct moe_batcher {
     uint64_t *cur_counts;     /* scratch: the engine's counts now */
     double last_report;
     uint64_t gen_total, prompt_total, eval_total, gen_at_report, eval_at_report;
+    /* Prefix reuse: per slot, the tokens at its cached positions ([n_ctx] each), how many of
+     * them are valid KV, and when the slot was last given a job. */
+    int32_t **hist;
+    uint32_t *valid;
+    uint64_t *used_at, admissions;
+    uint64_t cached_total;
 };
 
 void moe_job_free(struct moe_job *j)
@@ -37,22 +43,33 @@ void moe_job_free(struct moe_job *j)
 }
 
 /* Ends a running or waiting job and frees it. */
-static void finish(struct moe_batcher *b, struct moe_job *j, bool send_done, enum moe_finish reason)
+/* Ends a running or waiting job and frees it. The slot keeps the job's evaluated positions for
+ * a later prompt with the same prefix (valid: they hold KV of hist's tokens). */
+static void end_job(struct moe_batcher *b, struct moe_job *j, bool send_done,
+                    enum moe_finish reason, bool keep)
 {
     if (send_done)
-        b->sink.done(b->sink.user, j->id, reason, j->n_prompt, j->n_gen);
+        b->sink.done(b->sink.user, j->id, reason, j->n_prompt, j->n_gen, j->n_cached);
     if (j->slot >= 0) {
-        moe_engine_seq_clear(b->cfg.eng, j->slot);
+        b->valid[j->slot] = keep ? j->n_past : 0;
+        if (!keep)
+            moe_engine_seq_clear(b->cfg.eng, j->slot);
         b->slot[j->slot] = NULL;
         b->n_running--;
     }
     moe_job_free(j);
 }
 
+static void finish(struct moe_batcher *b, struct moe_job *j, bool send_done, enum moe_finish reason)
+{
+    end_job(b, j, send_done, reason, true);
+}
+
+/* A failed job's cached positions are not trusted. */
 static void fail_job(struct moe_batcher *b, struct moe_job *j, int code, const char *msg)
 {
     b->sink.error(b->sink.user, j->id, code, msg);
-    finish(b, j, false, MOE_FINISH_STOP);
+    end_job(b, j, false, MOE_FINISH_STOP, false);
 }
 
 void moe_batcher_cancel(struct moe_batcher *b, uint64_t id)
@@ -141,9 +158,26 @@ static void admit(struct moe_batcher *b)
         if (!b->pend_head)
             b->pend_tail = NULL;
         j->next = NULL;
-        uint32_t s = 0;
-        while (b->slot[s])
-            s++;
+        /* The free slot sharing the longest prefix; on no match an empty one, else the one
+         * unused longest. */
+        uint32_t s = UINT32_MAX, best = 0;
+        for (uint32_t c = 0; c < b->cfg.n_seq; c++) {
+            if (b->slot[c])
+                continue;
+            uint32_t lcp = 0;
+            const uint32_t lim = b->valid[c] < j->n_prompt ? b->valid[c] : j->n_prompt;
+            while (lcp < lim && b->hist[c][lcp] == j->prompt[lcp])
+                lcp++;
+            bool take = s == UINT32_MAX || lcp > best;
+            if (!take && lcp == 0 && best == 0) {
+                const bool ce = b->valid[c] == 0, se = b->valid[s] == 0;
+                take = (ce && !se) || (ce == se && b->used_at[c] < b->used_at[s]);
+            }
+            if (take) {
+                s = c;
+                best = lcp;
+            }
+        }
         /* The engine samples (on the GPU for a CUDA worker); its penalties see the prompt. */
         int rc = moe_engine_seq_sampler(b->cfg.eng, (int32_t)s, &j->sp, j->prompt, j->n_prompt);
         if (rc) {
@@ -151,7 +185,19 @@ static void admit(struct moe_batcher *b)
             moe_job_free(j);
             continue;
         }
-        moe_engine_seq_clear(b->cfg.eng, (int32_t)s);
+        /* Continue after the shared prefix; at least the last prompt token is evaluated. */
+        if (best >= j->n_prompt)
+            best = j->n_prompt - 1;
+        if (best)
+            moe_engine_seq_keep(b->cfg.eng, (int32_t)s, best);
+        else
+            moe_engine_seq_clear(b->cfg.eng, (int32_t)s);
+        memcpy(b->hist[s], j->prompt, sizeof *j->prompt * j->n_prompt);
+        b->valid[s] = 0; /* until the job ends, its own n_past says */
+        b->used_at[s] = ++b->admissions;
+        j->n_past = best;
+        j->n_cached = best;
+        b->cached_total += best;
         j->slot = (int32_t)s;
         b->slot[s] = j;
         b->n_running++;
@@ -174,6 +220,7 @@ static uint32_t build_batch(struct moe_batcher *b, uint32_t *n_decode, uint32_t 
         b->seq[n] = (int32_t)s;
         b->want[n] = 1;
         b->owner[no++] = j;
+        b->hist[s][j->n_past] = j->last;
         n++;
     }
     *n_decode = n;
@@ -280,12 +327,20 @@ int moe_batcher_init(struct moe_batcher **out, const struct moe_batcher_cfg *cfg
     b->prev_counts = calloc(ncount, sizeof *b->prev_counts);
     b->delta = calloc(ncount, sizeof *b->delta);
     b->cur_counts = calloc(ncount, sizeof *b->cur_counts);
+    b->hist = calloc(cfg->n_seq, sizeof *b->hist);
+    b->valid = calloc(cfg->n_seq, sizeof *b->valid);
+    b->used_at = calloc(cfg->n_seq, sizeof *b->used_at);
     b->last_report = moe_now_s();
     if (!b->slot || !b->owner || !b->tok || !b->pos || !b->seq || !b->want || !b->sampled ||
-        !b->prev_counts || !b->delta || !b->cur_counts) {
+        !b->prev_counts || !b->delta || !b->cur_counts || !b->hist || !b->valid || !b->used_at) {
         moe_batcher_free(b);
         return -ENOMEM;
     }
+    for (uint32_t s = 0; s < cfg->n_seq; s++)
+        if (!(b->hist[s] = malloc(sizeof *b->hist[s] * ((size_t)cfg->n_ctx + 1)))) {
+            moe_batcher_free(b);
+            return -ENOMEM;
+        }
     int rc = moe_engine_routing_counts(cfg->eng, b->prev_counts);
     if (rc) {
         moe_batcher_free(b);
@@ -317,5 +372,10 @@ void moe_batcher_free(struct moe_batcher *b)
     free(b->prev_counts);
     free(b->delta);
     free(b->cur_counts);
+    for (uint32_t s = 0; b->hist && s < b->cfg.n_seq; s++)
+        free(b->hist[s]);
+    free(b->hist);
+    free(b->valid);
+    free(b->used_at);
     free(b);
 }

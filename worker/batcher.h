@@ -7,6 +7,12 @@
  * max(64, n_batch / 4) tokens), runs the engine, and samples one token per finished row.
  * What happens to a job is reported through a sink (worker/ipc.c turns it into frames).
  *
+ * Prefix reuse: a slot keeps the KV cache of the last job it ran (its prompt and the tokens it
+ * generated). A new job goes to the free slot whose kept tokens share the longest prefix with
+ * its prompt (else an empty slot, else the one unused longest), continues after that prefix, and
+ * reports how many prompt tokens it did not have to evaluate (n_cached). At least one prompt
+ * token is always evaluated, for its logits.
+ *
  * Every call runs on the compute thread; the batcher has no locks of its own. All engine calls
  * of the worker's serving path are in batcher.c. */
 #ifndef MOE_WORKER_BATCHER_H
@@ -34,6 +40,7 @@ struct moe_job {
     /* batcher only */
     int32_t slot;
     uint32_t n_past; /* positions evaluated for this sequence */
+    uint32_t n_cached; /* prompt positions taken from the slot's kept KV cache */
     uint32_t n_gen;
     int32_t last;    /* last sampled token: evaluated at n_past in the next step */
 };
@@ -57,7 +64,7 @@ struct moe_batcher_sink {
     void *user;
     void (*token)(void *user, uint64_t id, int32_t token);
     void (*done)(void *user, uint64_t id, enum moe_finish reason, uint32_t n_prompt,
-                 uint32_t n_gen);
+                 uint32_t n_gen, uint32_t n_cached);
     /* The job ended with an error; id 0: the batcher itself failed. */
     void (*error)(void *user, uint64_t id, int code, const char *msg);
     /* Returns 0 when the report was taken; otherwise its counts stay pending and go out with

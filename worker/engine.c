@@ -305,6 +305,12 @@ void moe_engine_seq_clear(struct moe_engine *e, int32_t seq)
         e->filled[seq] = 0;
 }
 
+void moe_engine_seq_keep(struct moe_engine *e, int32_t seq, uint32_t n)
+{
+    if (seq >= 0 && (uint32_t)seq < e->o.n_seq && n < (uint32_t)e->filled[seq])
+        e->filled[seq] = (int32_t)n;
+}
+
 int moe_engine_routing_counts(struct moe_engine *e, uint64_t *dst)
 {
     int rc = e->b->vt->routing_counts(e->b, dst);

@@ -67,6 +67,9 @@ int moe_engine_forward_sample(struct moe_engine *e, const struct moe_batch *b, i
 
 /* Forgets a sequence's cached positions. */
 void moe_engine_seq_clear(struct moe_engine *e, int32_t seq);
+/* Keeps only a sequence's first n cached positions (a shared prefix to continue from); the next
+ * token of the sequence is then at position min(n, what it held). */
+void moe_engine_seq_keep(struct moe_engine *e, int32_t seq, uint32_t n);
 
 /* Cumulative routing counts since init, [n_layer][n_expert] (one count per token and chosen
  * expert), copied to dst. Returns 0 or an error (a device failure). */

@@ -41,7 +41,7 @@ struct wevent {
     uint64_t id;
     int32_t token;
     int reason;
-    uint32_t n_prompt, n_gen;
+    uint32_t n_prompt, n_gen, n_cached;
     int code;
     char msg[256];
     uint64_t *counts; /* EV_STATS: [n_layer*n_expert] deltas */
@@ -138,7 +138,7 @@ static void sink_token(void *user, uint64_t id, int32_t token)
 }
 
 static void sink_done(void *user, uint64_t id, enum moe_finish reason, uint32_t n_prompt,
-                      uint32_t n_gen)
+                      uint32_t n_gen, uint32_t n_cached)
 {
     struct wevent *ev = ev_new(EV_DONE, id);
     if (ev) {
@@ -146,6 +146,7 @@ static void sink_done(void *user, uint64_t id, enum moe_finish reason, uint32_t 
                                                : MOED__FINISH_REASON__FINISH_LENGTH;
         ev->n_prompt = n_prompt;
         ev->n_gen = n_gen;
+        ev->n_cached = n_cached;
         post(user, ev);
     }
 }
@@ -490,6 +491,7 @@ static void send_event(struct worker *w, struct wevent *ev)
         d.reason = ev->reason;
         d.n_prompt = ev->n_prompt;
         d.n_gen = ev->n_gen;
+        d.n_cached = ev->n_cached;
         env.msg_case = MOED__ENVELOPE__MSG_DONE;
         env.done = &d;
         if (live_has(w, ev->id, NULL))
