@@ -14,6 +14,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <xxhash.h>
+
 #include "proto/ipc.h"
 #include "store/err.h"
 
@@ -41,10 +43,21 @@ struct sched_req {
     struct sched_req *prev, *next;
 };
 
+/* Prefix affinity: a worker keeps the KV cache of the prompts it ran (worker/batcher.h), so a
+ * request goes to the worker that last saw the longest block-aligned prefix of its prompt.
+ * Prompts are summarised as chained hashes of AFF_BLOCK-token blocks; each worker remembers the
+ * last AFF_CAP block hashes it was sent. */
+#define AFF_BLOCK 32
+#define AFF_CAP 1024
+#define AFF_MAX_BLOCKS 256
+
 struct wstate {
     bool ready;
     uint32_t n_seq, n_ctx, running;
     struct rlist reqs;
+    uint64_t aff[AFF_CAP];   /* ring of block hashes of prompts sent here */
+    uint32_t aff_n, aff_pos;
+    uint64_t last_sent;      /* dispatch counter value of its last request; 0: none */
 };
 
 struct sched {
@@ -59,6 +72,7 @@ struct sched {
     uint64_t next_id;
     bool draining;
     bool dispatching;
+    uint64_t sent;           /* requests dispatched, for the workers' last_sent */
     char drain_msg[128];
     struct sched_stats st;
     void (*idle_cb)(void *user);
@@ -139,26 +153,78 @@ static void check_idle(struct sched *s)
         s->idle_cb(s->idle_user);
 }
 
+/* Chained hashes of the prompt's whole blocks; returns how many (at most AFF_MAX_BLOCKS). */
+static uint32_t block_hashes(const int32_t *p, uint32_t n, uint64_t *h)
+{
+    uint32_t nb = n / AFF_BLOCK;
+    if (nb > AFF_MAX_BLOCKS)
+        nb = AFF_MAX_BLOCKS;
+    uint64_t prev = 0x9e3779b97f4a7c15ull;
+    for (uint32_t k = 0; k < nb; k++)
+        h[k] = prev = XXH3_64bits_withSeed(p + (size_t)k * AFF_BLOCK, AFF_BLOCK * sizeof *p, prev);
+    return nb;
+}
+
+static bool aff_has(const struct wstate *w, uint64_t h)
+{
+    for (uint32_t i = 0; i < w->aff_n; i++)
+        if (w->aff[i] == h)
+            return true;
+    return false;
+}
+
+/* The worker for the next request: among those with a free slot, the one that holds the
+ * longest prefix of its prompt; then the most free slots; then the one unused longest (so that
+ * separate conversations spread over the workers and keep their caches). */
+static int32_t pick_worker(struct sched *s, const uint64_t *h, uint32_t nb)
+{
+    int32_t best = -1;
+    uint32_t best_k = 0, best_free = 0;
+    for (uint32_t i = 0; i < s->cfg.n_workers; i++) {
+        struct wstate *w = &s->w[i];
+        if (!w->ready || w->running >= w->n_seq)
+            continue;
+        uint32_t k = 0;
+        while (k < nb && aff_has(w, h[k]))
+            k++;
+        const uint32_t fr = w->n_seq - w->running;
+        bool take = best < 0 || k > best_k;
+        if (!take && k == best_k)
+            take = fr > best_free || (fr == best_free && w->last_sent < s->w[best].last_sent);
+        if (take) {
+            best = (int32_t)i;
+            best_k = k;
+            best_free = fr;
+        }
+    }
+    return best;
+}
+
+static void aff_add(struct sched *s, struct wstate *w, const uint64_t *h, uint32_t nb)
+{
+    for (uint32_t k = 0; k < nb; k++) {
+        if (aff_has(w, h[k]))
+            continue;
+        w->aff[w->aff_pos] = h[k];
+        w->aff_pos = (w->aff_pos + 1) % AFF_CAP;
+        if (w->aff_n < AFF_CAP)
+            w->aff_n++;
+    }
+    w->last_sent = ++s->sent;
+}
+
 static void dispatch(struct sched *s)
 {
     if (s->dispatching)
         return;
     s->dispatching = true;
+    uint64_t h[AFF_MAX_BLOCKS];
     while (s->queue.head) {
-        int32_t best = -1;
-        uint32_t best_free = 0;
-        for (uint32_t i = 0; i < s->cfg.n_workers; i++) {
-            struct wstate *w = &s->w[i];
-            if (!w->ready || w->running >= w->n_seq)
-                continue;
-            if (w->n_seq - w->running > best_free) {
-                best_free = w->n_seq - w->running;
-                best = (int32_t)i;
-            }
-        }
+        struct sched_req *r = s->queue.head;
+        const uint32_t nb = block_hashes(r->prompt, r->n_prompt, h);
+        int32_t best = pick_worker(s, h, nb);
         if (best < 0)
             break;
-        struct sched_req *r = s->queue.head;
         int rc = moed_workers_send_submit(s->ws, (uint32_t)best, r->id, r->prompt, r->n_prompt,
                                           r->max_tokens, &r->sampling, s->eog, s->cfg.n_eog);
         /* moed_workers_start bounds n_ctx so that any prompt sched_submit accepts fits a frame. */
@@ -172,6 +238,7 @@ static void dispatch(struct sched *s)
         s->n_queued--;
         r->worker = best;
         r->attempts++;
+        aff_add(s, &s->w[best], h, nb);
         list_push_back(&s->w[best].reqs, r);
         s->w[best].running++;
         s->n_running++;
@@ -376,6 +443,7 @@ void sched_worker_lost(struct sched *s, uint32_t w, const char *why)
         return;
     struct wstate *ws = &s->w[w];
     ws->ready = false;
+    ws->aff_n = ws->aff_pos = 0; /* a new process keeps no cache */
     /* Take the whole list first: callbacks below may submit or cancel other requests. */
     struct rlist lost = ws->reqs;
     ws->reqs.head = ws->reqs.tail = NULL;

@@ -1739,6 +1739,42 @@ TEST_TIMEOUT(daemon_reuses_a_cached_prefix, 120)
     CHECK_EQ(moed_stop(&d, 60), 0);
 }
 
+/* With two workers, a request goes to the worker that holds its prefix: two conversations in
+ * any order each keep finding their own cache. */
+TEST_TIMEOUT(daemon_routes_to_the_worker_with_the_prefix, 120)
+{
+    const char *dir = moe_test_tmpdir();
+    struct moed d;
+    const char *args[] = {"--devices", "cpu", "--workers", "2", "--parallel", "1", "--threads",
+                          "1", NULL};
+    moed_spawn(&d, dir, args);
+    moed_wait_socket(&d, 30);
+    moed_require_ready(&d, 60);
+    enum { N = 70 };
+    int32_t a[N], b[N];
+    for (int i = 0; i < N; i++) {
+        a[i] = 100 + (i * 37) % 3000;
+        b[i] = 200 + (i * 53) % 3000;
+    }
+    int64_t cached;
+    char *ra = complete_ids(d.sock, a, N, &cached);
+    CHECK_EQ(cached, 0);
+    char *rb = complete_ids(d.sock, b, N, &cached);
+    CHECK_EQ(cached, 0); /* the other worker: nothing of b anywhere */
+    /* Not alternating: a worker picked by turns alone would evict the other conversation. */
+    static const char order[] = "bbaabab";
+    for (int i = 0; order[i]; i++) {
+        const bool is_a = order[i] == 'a';
+        char *x = complete_ids(d.sock, is_a ? a : b, N, &cached);
+        CHECK_MSG(cached == N - 1, "request %d (%c): cached %lld", i, order[i], (long long)cached);
+        CHECK_STREQ(x, is_a ? ra : rb);
+        free(x);
+    }
+    free(ra);
+    free(rb);
+    CHECK_EQ(moed_stop(&d, 60), 0);
+}
+
 /* TCP port with the socket's permissions bypassed: --listen needs an API key file, and every TCP
  * request but /health must carry it; the Unix socket needs none. */
 TEST_TIMEOUT(daemon_tcp_needs_the_api_key, 120)
