@@ -29,6 +29,28 @@
 
 struct gen;
 
+/* A Prometheus histogram of seconds. */
+#define LAT_BUCKETS 12
+struct latency_hist {
+    uint64_t count[LAT_BUCKETS + 1]; /* [i]: observations <= bound[i]; the last one +Inf */
+    uint64_t n;
+    double sum;
+};
+static const double TTFT_BOUNDS[LAT_BUCKETS] = {0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+                                                1, 2.5, 5, 10, 30, 60};
+static const double ITL_BOUNDS[LAT_BUCKETS] = {0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
+                                               0.1, 0.25, 0.5, 1, 2.5, 10};
+
+static void lat_observe(struct latency_hist *h, const double *bounds, double v)
+{
+    int i = 0;
+    while (i < LAT_BUCKETS && v > bounds[i])
+        i++;
+    h->count[i]++;
+    h->n++;
+    h->sum += v;
+}
+
 struct api {
     const struct moe_tokenizer *tok;
     struct sched *sched;
@@ -60,6 +82,7 @@ struct api {
     int64_t tps_sec[TPS_BUCKETS];
     uint64_t *routing;              /* [n_layer][n_expert], NULL when unknown */
     uint64_t routing_tokens;
+    struct latency_hist ttft, itl;  /* seconds: request to first token, between tokens */
 };
 
 struct gen {
@@ -81,6 +104,7 @@ struct gen {
     size_t sent;                    /* bytes of text already streamed */
     uint32_t n_prompt, n_gen;
     uint32_t n_cached;              /* prompt tokens the worker continued from its KV cache */
+    double t_start, t_last;         /* moe_now_s(): request complete, last token */
     /* A callback that arrives while sched_submit() has not returned yet is parked here. */
     bool submitting;
     int early;                      /* 0, 1: done, 2: error */
@@ -508,6 +532,12 @@ static void on_token(struct sched_req *r, void *user, int32_t token)
     struct gen *g = user;
     struct api *a = g->api;
     (void)r;
+    const double now = moe_now_s();
+    if (g->n_gen == 0)
+        lat_observe(&a->ttft, TTFT_BOUNDS, now - g->t_start);
+    else
+        lat_observe(&a->itl, ITL_BOUNDS, now - g->t_last);
+    g->t_last = now;
     g->n_gen++;
     a->gen_tokens++;
     tps_add(a, 1);
@@ -1034,7 +1064,7 @@ static void new_id(struct api *a, char *out, size_t cap, const char *prefix)
 
 /* Answers or submits a request whose prompt is tokenized (rc 0) or refused (e). */
 static void finish_generate(struct api *a, struct http_conn *c, bool chat, struct gen_req *rp,
-                            struct verr *ep, int rc);
+                            struct verr *ep, int rc, double t0);
 
 /* A request whose prompt is tokenized on the loop's thread pool, so that a long prompt (or a
  * chat of many long messages) never holds the event loop. The pool thread reads only the job:
@@ -1048,6 +1078,7 @@ struct tok_job {
     json_t *body;
     bool chat, aborted;
     bool tokenize;                  /* POST /tokenize rather than a generation */
+    double t0;                      /* when the request was complete (moe_now_s) */
     bool add_special, parse_special, with_pieces;
     int32_t *ids;                   /* /tokenize: the result */
     size_t n_ids;
@@ -1125,7 +1156,7 @@ static void tok_job_done(uv_work_t *w, int status)
         if (j->tokenize)
             finish_tokenize(a, j);
         else
-            finish_generate(a, j->c, j->chat, &j->r, &j->e, j->rc);
+            finish_generate(a, j->c, j->chat, &j->r, &j->e, j->rc, j->t0);
     } else if (a && !j->aborted) {
         http_conn_on_abort(j->c, NULL, NULL);
         respond_error(a, j->c, 503, NULL, "moed is shutting down");
@@ -1156,6 +1187,7 @@ static int tok_job_queue(struct api *a, struct tok_job *j)
 
 static void handle_generate(struct api *a, struct http_request *req, bool chat)
 {
+    const double t0 = moe_now_s();
     struct http_conn *c = req->conn;
     struct verr e = {0};
     struct gen_req r = {0};
@@ -1191,6 +1223,7 @@ static void handle_generate(struct api *a, struct http_request *req, bool chat)
         j->body = body;
         j->chat = chat;
         j->r = r;
+        j->t0 = t0;
         int qrc = tok_job_queue(a, j);
         if (qrc) {
             free(j);
@@ -1200,7 +1233,7 @@ static void handle_generate(struct api *a, struct http_request *req, bool chat)
         return; /* tok_job_done continues */
     }
     int rc = chat ? parse_messages(a, body, &r, &e) : parse_prompt(a, body, &r, &e);
-    finish_generate(a, c, chat, &r, &e, rc);
+    finish_generate(a, c, chat, &r, &e, rc, t0);
     gen_req_free(&r);
     json_decref(body);
     return;
@@ -1211,7 +1244,7 @@ fail:
 }
 
 static void finish_generate(struct api *a, struct http_conn *c, bool chat, struct gen_req *rp,
-                            struct verr *ep, int rc)
+                            struct verr *ep, int rc, double t0)
 {
     struct gen_req r = *rp;
     struct verr e = *ep;
@@ -1260,6 +1293,7 @@ static void finish_generate(struct api *a, struct http_conn *c, bool chat, struc
     g->stream = r.stream;
     g->include_usage = r.include_usage;
     g->created = time(NULL);
+    g->t_start = g->t_last = t0;
     g->n_prompt = (uint32_t)r.n_prompt;
     new_id(a, g->id, sizeof g->id, chat ? "chatcmpl" : "cmpl");
     memcpy(g->stops, r.stops, sizeof r.stops);
@@ -1658,6 +1692,29 @@ static void handle_metrics(struct api *a, struct http_request *req)
                           x, a->routing[(size_t)l * a->model.n_expert + x]);
         metric(&b, "moed_routed_tokens_total", "counter", "Tokens whose routing was counted.",
                (double)a->routing_tokens);
+    }
+    static const struct {
+        const char *name, *help;
+        size_t off;
+        const double *bounds;
+    } hs[] = {
+        {"moed_time_to_first_token_seconds",
+         "From a complete generation request to its first token (tokenizing and queueing included).",
+         offsetof(struct api, ttft), TTFT_BOUNDS},
+        {"moed_inter_token_latency_seconds", "Between consecutive tokens of a generation.",
+         offsetof(struct api, itl), ITL_BOUNDS},
+    };
+    for (size_t k = 0; k < sizeof hs / sizeof hs[0]; k++) {
+        const struct latency_hist *h = (const struct latency_hist *)((const char *)a + hs[k].off);
+        sb_printf(&b, "# HELP %s %s\n# TYPE %s histogram\n", hs[k].name, hs[k].help, hs[k].name);
+        uint64_t cum = 0;
+        for (int i = 0; i < LAT_BUCKETS; i++) {
+            cum += h->count[i];
+            sb_printf(&b, "%s_bucket{le=\"%g\"} %" PRIu64 "\n", hs[k].name, hs[k].bounds[i], cum);
+        }
+        cum += h->count[LAT_BUCKETS];
+        sb_printf(&b, "%s_bucket{le=\"+Inf\"} %" PRIu64 "\n%s_sum %.9g\n%s_count %" PRIu64 "\n",
+                  hs[k].name, cum, hs[k].name, h->sum, hs[k].name, h->n);
     }
     if (a->hooks.metrics) {
         char *extra = NULL;

@@ -1775,6 +1775,55 @@ TEST_TIMEOUT(daemon_routes_to_the_worker_with_the_prefix, 120)
     CHECK_EQ(moed_stop(&d, 60), 0);
 }
 
+/* A metric's value from /metrics text (the first line starting with `name `), or -1. */
+static double metric_value(const char *text, const char *name)
+{
+    size_t n = strlen(name);
+    for (const char *p = text; p && *p; p = strchr(p, '\n') ? strchr(p, '\n') + 1 : NULL)
+        if (!strncmp(p, name, n) && p[n] == ' ')
+            return atof(p + n + 1);
+    return -1;
+}
+
+/* Time to first token and inter-token latency are Prometheus histograms: one TTFT observation
+ * per generation, one ITL per token after the first, cumulative buckets ending at the count. */
+TEST_TIMEOUT(daemon_latency_histograms, 120)
+{
+    const char *dir = moe_test_tmpdir();
+    struct moed d;
+    const char *args[] = {"--devices", "cpu", "--workers", "1", NULL};
+    moed_spawn(&d, dir, args);
+    moed_wait_socket(&d, 30);
+    int32_t ids[20];
+    for (int i = 0; i < 20; i++)
+        ids[i] = 300 + i * 11;
+    int64_t cached;
+    for (int k = 0; k < 3; k++) {
+        ids[0] = 300 + k; /* three different prompts */
+        free(complete_ids(d.sock, ids, 20, &cached));
+    }
+    struct hc_resp r;
+    CHECK(hc_request_unix(d.sock, "GET", "/metrics", NULL, &r, 5000) == 0);
+    CHECK_EQ(r.status, 200);
+    const double gen = metric_value(r.body, "moed_generated_tokens_total");
+    CHECK_EQ(metric_value(r.body, "moed_time_to_first_token_seconds_count"), 3);
+    CHECK_EQ(metric_value(r.body, "moed_inter_token_latency_seconds_count"), gen - 3);
+    CHECK(metric_value(r.body, "moed_time_to_first_token_seconds_sum") > 0);
+    CHECK(strstr(r.body, "# TYPE moed_time_to_first_token_seconds histogram"));
+    CHECK_EQ(metric_value(r.body, "moed_time_to_first_token_seconds_bucket{le=\"+Inf\"}"), 3);
+    /* Cumulative: never decreasing. */
+    double prev = 0;
+    for (const char *p = strstr(r.body, "moed_inter_token_latency_seconds_bucket"); p;
+         p = strstr(p + 1, "moed_inter_token_latency_seconds_bucket")) {
+        double v = atof(strchr(p, ' ') + 1);
+        CHECK(v >= prev);
+        prev = v;
+    }
+    CHECK_EQ(prev, gen - 3);
+    hc_resp_free(&r);
+    CHECK_EQ(moed_stop(&d, 60), 0);
+}
+
 /* TCP port with the socket's permissions bypassed: --listen needs an API key file, and every TCP
  * request but /health must carry it; the Unix socket needs none. */
 TEST_TIMEOUT(daemon_tcp_needs_the_api_key, 120)
