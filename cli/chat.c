@@ -107,18 +107,25 @@ int moectl_complete(const char *path, json_t *req, int chat, char **text)
     return rc;
 }
 
+static int chat_usage(FILE *f)
+{
+    fprintf(f, "usage: moectl [--socket PATH] [--json] chat [-n N] [--temp T] [--system TEXT]\n"
+               "  (and the other sampling options of generate, with the same ranges)\n"
+               "  reads one user message per line from stdin; the reply streams to stdout\n");
+    return f == stdout ? 0 : 2;
+}
+
 static int cmd_chat(int argc, char **argv)
 {
+    if (moectl_wants_help(argc, argv))
+        return chat_usage(stdout);
     json_t *req = json_object();
     json_t *msgs = json_array();
     json_object_set_new(req, "messages", msgs);
     int i = moectl_sampling_args(argc, argv, req);
     if (i < 0 || i < argc) {
-        fprintf(stderr, "usage: moectl [--socket PATH] [--json] chat [-n N] [--temp T] [--system TEXT]\n"
-                        "  (and the other sampling options of generate, with the same ranges)\n"
-                        "  reads one user message per line from stdin; the reply streams to stdout\n");
         json_decref(req);
-        return 2;
+        return chat_usage(stderr);
     }
     bool tty = isatty(0);
     char *line = NULL;

@@ -13,15 +13,15 @@
 #include "cli/stream.h"
 #include "cli/util.h"
 
-static int usage(void)
+static int usage(FILE *f)
 {
-    fprintf(stderr, "usage: moectl [--socket PATH] [--json] generate [-n N] [--temp T] [--seed S] "
+    fprintf(f, "usage: moectl [--socket PATH] [--json] generate [-n N] [--temp T] [--seed S] "
                     "[--top-k K] [--top-p P] [--min-p P]\n"
                     "       [--repeat-penalty R] [--presence-penalty P] [--frequency-penalty F] "
                     "[--stop STRING] PROMPT\n"
                     "  -n 1..16777216, --temp 0..100, --top-k 0..2147483647, --top-p and --min-p 0..1,\n"
                     "  --repeat-penalty 0.01..100, --presence-penalty and --frequency-penalty -2..2\n");
-    return 2;
+    return f == stdout ? 0 : 2;
 }
 
 /* Parses the sampling options shared by generate and chat into req; returns the index of the
@@ -94,11 +94,13 @@ int moectl_sampling_args(int argc, char **argv, json_t *req)
 
 static int cmd_generate(int argc, char **argv)
 {
+    if (moectl_wants_help(argc, argv))
+        return usage(stdout);
     json_t *req = json_object();
     int i = moectl_sampling_args(argc, argv, req);
     if (i < 0 || i >= argc) {
         json_decref(req);
-        return usage();
+        return usage(stderr);
     }
     /* The rest of the arguments, joined by spaces, is the prompt. */
     size_t len = 0;

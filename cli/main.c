@@ -4,6 +4,7 @@
 #include <string.h>
 
 #include "cli/moectl.h"
+#include "store/version.h"
 
 #define MAX_COMMANDS 32
 
@@ -48,6 +49,9 @@ int main(int argc, char **argv)
             moectl_opts.json = true;
         else if (!strcmp(argv[i], "-h") || !strcmp(argv[i], "--help")) {
             usage(stdout);
+            return 0;
+        } else if (!strcmp(argv[i], "--version")) {
+            printf("moectl %s\n", MOE_VERSION);
             return 0;
         } else {
             fprintf(stderr, "moectl: unknown option %s\n", argv[i]);

@@ -10,6 +10,7 @@
 #define MOECTL_H
 
 #include <stdbool.h>
+#include <string.h>
 
 typedef int (*moectl_fn)(int argc, char **argv);
 void moectl_register(const char *name, const char *help, moectl_fn fn);
@@ -19,6 +20,12 @@ struct moectl_opts {
     bool json;            /* --json */
 };
 extern struct moectl_opts moectl_opts;
+
+/* `moectl VERB --help` (or -h): the verb prints its usage to stdout and exits 0. */
+static inline bool moectl_wants_help(int argc, char **argv)
+{
+    return argc > 1 && (!strcmp(argv[1], "--help") || !strcmp(argv[1], "-h"));
+}
 
 #define MOECTL_COMMAND(name, help, fn)                                           \
     __attribute__((constructor)) static void moectl_register_##name(void)        \

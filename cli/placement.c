@@ -10,7 +10,10 @@
 
 static int cmd_placement(int argc, char **argv)
 {
-    (void)argv;
+    if (moectl_wants_help(argc, argv)) {
+        printf("usage: moectl [--socket PATH] [--json] placement\n");
+        return 0;
+    }
     if (argc > 1) {
         fprintf(stderr, "usage: moectl [--socket PATH] [--json] placement\n");
         return 2;

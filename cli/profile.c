@@ -11,10 +11,15 @@
 #include "cli/util.h"
 #include "store/err.h"
 
+static int usage_to(FILE *f)
+{
+    fprintf(f, "usage: moectl [--socket PATH] [--json] profile show | export FILE | import FILE | reset\n");
+    return f == stdout ? 0 : 2;
+}
+
 static int usage(void)
 {
-    fprintf(stderr, "usage: moectl [--socket PATH] [--json] profile show | export FILE | import FILE | reset\n");
-    return 2;
+    return usage_to(stderr);
 }
 
 static int cmp_desc(const void *a, const void *b)
@@ -63,6 +68,8 @@ static int show(json_t *o)
 
 static int cmd_profile(int argc, char **argv)
 {
+    if (moectl_wants_help(argc, argv))
+        return usage_to(stdout);
     if (argc < 2)
         return usage();
     const char *sub = argv[1];

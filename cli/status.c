@@ -27,7 +27,10 @@ static const char *hsize(json_t *v, char *buf, size_t cap)
 
 static int cmd_status(int argc, char **argv)
 {
-    (void)argv;
+    if (moectl_wants_help(argc, argv)) {
+        printf("usage: moectl [--socket PATH] [--json] status\n");
+        return 0;
+    }
     if (argc > 1) {
         fprintf(stderr, "usage: moectl [--socket PATH] [--json] status\n");
         return 2;

@@ -118,3 +118,22 @@ TEST(moectl_profile_import_input_is_limited)
     rc = moectl(log, sizeof log, "profile", "import", small, NULL);
     CHECK_MSG(rc == 3, "exit %d: %s", rc, log);
 }
+
+/* Every verb answers --help (and -h) with its usage on stdout and exit 0; --version names the
+ * program. */
+TEST(moectl_help_on_every_verb_and_version)
+{
+    static const char *const verbs[] = {"status", "generate", "chat", "inspect", "placement",
+                                        "profile", "quantize", "mkmodel", "tokenize", "perplexity"};
+    char log[8192];
+    for (size_t i = 0; i < sizeof verbs / sizeof verbs[0]; i++) {
+        CHECK_MSG(moectl(log, sizeof log, verbs[i], "--help", NULL) == 0, "%s --help: %s",
+                  verbs[i], log);
+        CHECK_MSG(strstr(log, "usage"), "%s --help: %s", verbs[i], log);
+        CHECK_MSG(moectl(log, sizeof log, verbs[i], "-h", NULL) == 0, "%s -h: %s", verbs[i], log);
+    }
+    CHECK_EQ(moectl(log, sizeof log, "--version", NULL), 0);
+    CHECK(!strncmp(log, "moectl ", 7));
+    CHECK_EQ(moectl(log, sizeof log, "--help", NULL), 0);
+    CHECK_EQ(moectl(log, sizeof log, "nosuchverb", NULL), 2);
+}
