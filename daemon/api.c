@@ -757,6 +757,18 @@ static int parse_common(struct api *a, json_t *body, struct gen_req *r, struct v
         return fail(e, 400, mt_key, "'%s' must be between 1 and %u (the context length), not %" PRId64,
                     mt_key, n_ctx, mt);
     r->max_tokens = mt_set ? mt : -1;
+    /* llama-server's n_predict, when neither OpenAI name is given: -1 up to the context. */
+    int64_t np = 0;
+    bool np_set = false;
+    if (!mt_set && json_object_get(body, "n_predict")) {
+        if (get_int(body, "n_predict", INT64_MIN, INT64_MAX, &np, &np_set, e))
+            return -1;
+        if (np_set && np != -1 && (np < 1 || np > n_ctx))
+            return fail(e, 400, "n_predict", "'n_predict' must be -1 or between 1 and %u, not %" PRId64,
+                        n_ctx, np);
+        if (np_set)
+            r->max_tokens = np == -1 ? (int64_t)n_ctx : np;
+    }
     if (get_bool(body, "stream", &r->stream, e))
         return -1;
     if ((v = json_object_get(body, "stream_options")) && !json_is_null(v)) {
@@ -804,6 +816,26 @@ static int parse_common(struct api *a, json_t *body, struct gen_req *r, struct v
             !(json_is_string(v) && !strcmp(unsupported[i], "tool_choice") &&
               !strcmp(json_string_value(v), "none")))
             return fail(e, 400, unsupported[i], "'%s' is not supported by moed", unsupported[i]);
+    }
+    /* llama-server sampling controls moed does not have: refused unless they ask for what moed
+     * does anyway (their neutral value), so that an answer never silently ignores them. */
+    static const struct {
+        const char *name;
+        double neutral;
+    } samplers[] = {{"mirostat", 0},      {"typical_p", 1},       {"tfs_z", 1},
+                    {"dynatemp_range", 0}, {"xtc_probability", 0}, {"dry_multiplier", 0},
+                    {"n_probs", 0},        {"top_n_sigma", -1}};
+    for (size_t i = 0; i < sizeof samplers / sizeof samplers[0]; i++) {
+        v = json_object_get(body, samplers[i].name);
+        if (v && !json_is_null(v) && !(json_is_number(v) && json_number_value(v) == samplers[i].neutral))
+            return fail(e, 400, samplers[i].name, "'%s' is not supported by moed (only %g, its "
+                        "neutral value)", samplers[i].name, samplers[i].neutral);
+    }
+    static const char *const constrained[] = {"grammar", "json_schema", "samplers"};
+    for (size_t i = 0; i < sizeof constrained / sizeof constrained[0]; i++) {
+        v = json_object_get(body, constrained[i]);
+        if (v && !json_is_null(v) && !(json_is_string(v) && json_string_length(v) == 0))
+            return fail(e, 400, constrained[i], "'%s' is not supported by moed", constrained[i]);
     }
     if ((v = json_object_get(body, "logprobs")) && !json_is_null(v) && !json_is_false(v) &&
         !(json_is_integer(v) && json_integer_value(v) == 0))

@@ -1478,6 +1478,14 @@ TEST_TIMEOUT(daemon_huge_prompt_refused_without_tokenizing, 120)
     CHECK_EQ(moed_stop(&d, 60), 0);
 }
 
+/* A daemon with one CPU worker in a fresh directory, its socket open. */
+static void moed_start_one_cpu(struct moed *d)
+{
+    const char *args[] = {"--devices", "cpu", "--workers", "1", NULL};
+    moed_spawn(d, moe_test_tmpdir(), args);
+    moed_wait_socket(d, 30);
+}
+
 struct big_post {
     const char *sock, *body;
     int status;
@@ -1591,11 +1599,8 @@ TEST_TIMEOUT(daemon_connection_limit_options, 120)
  * back, the round trip, the rendered chat prompt, and clear 400s and 405s. */
 TEST_TIMEOUT(daemon_tokenize_and_detokenize, 120)
 {
-    const char *dir = moe_test_tmpdir();
     struct moed d;
-    const char *args[] = {"--devices", "cpu", "--workers", "1", NULL};
-    moed_spawn(&d, dir, args);
-    moed_wait_socket(&d, 30);
+    moed_start_one_cpu(&d);
     int status;
     const char *text = "In the beginning God created the heaven and the earth.";
     char body[512];
@@ -1789,11 +1794,8 @@ static double metric_value(const char *text, const char *name)
  * per generation, one ITL per token after the first, cumulative buckets ending at the count. */
 TEST_TIMEOUT(daemon_latency_histograms, 120)
 {
-    const char *dir = moe_test_tmpdir();
     struct moed d;
-    const char *args[] = {"--devices", "cpu", "--workers", "1", NULL};
-    moed_spawn(&d, dir, args);
-    moed_wait_socket(&d, 30);
+    moed_start_one_cpu(&d);
     int32_t ids[20];
     for (int i = 0; i < 20; i++)
         ids[i] = 300 + i * 11;
@@ -1821,6 +1823,40 @@ TEST_TIMEOUT(daemon_latency_histograms, 120)
     }
     CHECK_EQ(prev, gen - 3);
     hc_resp_free(&r);
+    CHECK_EQ(moed_stop(&d, 60), 0);
+}
+
+/* llama-server's fields: n_predict sets the length when no OpenAI name does; sampling controls
+ * moed does not have are refused unless neutral, never silently ignored. */
+TEST_TIMEOUT(daemon_llama_server_fields, 120)
+{
+    struct moed d;
+    moed_start_one_cpu(&d);
+    int status;
+    json_t *j = post_json(d.sock, "/v1/completions",
+                          "{\"prompt\": \"In the beginning\", \"n_predict\": 3, \"temperature\": 0, "
+                          "\"typical_p\": 1, \"mirostat\": 0, \"grammar\": \"\"}", &status);
+    CHECK_MSG(status == 200, "%d %s", status, err_msg(j));
+    CHECK_EQ(json_integer_value(json_object_get(json_object_get(j, "usage"), "completion_tokens")), 3);
+    json_decref(j);
+    static const char *const bad[][2] = {
+        {"\"mirostat\": 2", "mirostat"},     {"\"typical_p\": 0.5", "typical_p"},
+        {"\"tfs_z\": 0.9", "tfs_z"},         {"\"dry_multiplier\": 0.8", "dry_multiplier"},
+        {"\"xtc_probability\": 0.5", "xtc_probability"},
+        {"\"grammar\": \"root ::= [a-z]+\"", "grammar"},
+        {"\"json_schema\": {\"type\": \"object\"}", "json_schema"},
+        {"\"n_probs\": 5", "n_probs"},        {"\"n_predict\": 0", "n_predict"},
+        {"\"n_predict\": -2", "n_predict"},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        char body[256];
+        snprintf(body, sizeof body, "{\"prompt\": \"x\", %s}", bad[i][0]);
+        j = post_json(d.sock, "/v1/completions", body, &status);
+        CHECK_MSG(status == 400, "%s: %d", bad[i][0], status);
+        CHECK_STREQ(json_string_value(json_object_get(json_object_get(j, "error"), "param")),
+                    bad[i][1]);
+        json_decref(j);
+    }
     CHECK_EQ(moed_stop(&d, 60), 0);
 }
 
@@ -1888,11 +1924,8 @@ TEST_TIMEOUT(daemon_tcp_needs_the_api_key, 120)
 /* Responses the HTTP layer sends itself (a malformed request) are in /metrics too. */
 TEST(daemon_metrics_count_malformed_requests)
 {
-    const char *dir = moe_test_tmpdir();
     struct moed d;
-    const char *args[] = {"--devices", "cpu", "--workers", "1", NULL};
-    moed_spawn(&d, dir, args);
-    moed_wait_socket(&d, 30);
+    moed_start_one_cpu(&d);
     long before = metrics_4xx(d.sock);
     CHECK(before >= 0);
     struct hc_conn c;
