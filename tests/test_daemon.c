@@ -1478,12 +1478,14 @@ TEST_TIMEOUT(daemon_huge_prompt_refused_without_tokenizing, 120)
     CHECK_EQ(moed_stop(&d, 60), 0);
 }
 
-/* A daemon with one CPU worker in a fresh directory, its socket open. */
+/* A daemon with one CPU worker in a fresh directory, ready to serve (the socket opens before the
+ * model is loaded: requests before that get 503). */
 static void moed_start_one_cpu(struct moed *d)
 {
     const char *args[] = {"--devices", "cpu", "--workers", "1", NULL};
     moed_spawn(d, moe_test_tmpdir(), args);
     moed_wait_socket(d, 30);
+    moed_require_ready(d, 60);
 }
 
 struct big_post {
@@ -1518,6 +1520,7 @@ TEST_TIMEOUT(daemon_tokenizes_off_the_event_loop, 180)
                           "131072", "--max-body", "64M", NULL};
     moed_spawn(&d, dir, args);
     moed_wait_socket(&d, 60);
+    moed_require_ready(&d, 60);
     /* Just under what the check refuses: len / max_piece + 0 < n_ctx. */
     struct gguf_file *f = NULL;
     struct moe_tokenizer *tok = NULL;
@@ -1718,6 +1721,7 @@ TEST_TIMEOUT(daemon_reuses_a_cached_prefix, 120)
     const char *args[] = {"--devices", "cpu", "--workers", "1", "--parallel", "1", NULL};
     moed_spawn(&d, dir, args);
     moed_wait_socket(&d, 30);
+    moed_require_ready(&d, 60);
     enum { NA = 40, NB = 60 };
     int32_t ids[NB];
     for (int i = 0; i < NB; i++)
