@@ -22,6 +22,7 @@
 #include "store/buf.h"
 #include "store/err.h"
 #include "store/io.h"
+#include "store/version.h"
 
 #define MAX_STOPS 16
 #define MAX_STOP_LEN 256
@@ -1533,6 +1534,26 @@ static void handle_apply_template(struct api *a, struct http_request *req)
     json_decref(body);
 }
 
+/* GET /props: what llama-server's clients read from it (the context, the slots, the model, the
+ * chat template, the defaults a request gets). */
+static void handle_props(struct api *a, struct http_request *req)
+{
+    const char *tmpl = a->tok ? moe_tok_chat_template(a->tok) : NULL;
+    json_t *params = json_pack("{s:f,s:f,s:i,s:f,s:f,s:f,s:f,s:i}", "temperature", 1.0, "top_p",
+                               1.0, "top_k", 0, "min_p", 0.0, "repeat_penalty", 1.0,
+                               "presence_penalty", 0.0, "frequency_penalty", 0.0, "n_predict", -1);
+    json_t *o = json_object();
+    json_object_set_new(o, "default_generation_settings",
+                        json_pack("{s:i,s:o}", "n_ctx", (json_int_t)a->model.n_ctx, "params",
+                                  params));
+    json_object_set_new(o, "total_slots", json_integer(a->model.n_slots));
+    json_object_set_new(o, "model_path", json_string(a->model_id));
+    json_object_set_new(o, "chat_template", json_string(tmpl ? tmpl : ""));
+    json_object_set_new(o, "build_info", json_string("moed " MOE_VERSION));
+    json_object_set_new(o, "modalities", json_pack("{s:b,s:b}", "vision", 0, "audio", 0));
+    respond_json(a, req->conn, 200, o, NULL);
+}
+
 /* POST /detokenize {"tokens": [ids]} -> {"content": text}. */
 static void handle_detokenize(struct api *a, struct http_request *req)
 {
@@ -1974,7 +1995,7 @@ void api_handle(void *user, struct http_request *req)
         return;
     }
     if (!get && (!strcmp(path, "/v1/models") || !strncmp(path, "/v1/models/", 11) ||
-                 !strcmp(path, "/health") || !strcmp(path, "/metrics"))) {
+                 !strcmp(path, "/health") || !strcmp(path, "/metrics") || !strcmp(path, "/props"))) {
         respond_error(a, req->conn, 405, NULL, "%s is not allowed on %s (use GET)", req->method_name, path);
         return;
     }
@@ -1984,6 +2005,8 @@ void api_handle(void *user, struct http_request *req)
         handle_models(a, req, path + 11);
     } else if (!strcmp(path, "/health")) {
         handle_health(a, req);
+    } else if (!strcmp(path, "/props")) {
+        handle_props(a, req);
     } else if (!strcmp(path, "/metrics")) {
         handle_metrics(a, req);
     } else if (!strncmp(path, "/admin/", 7)) {

@@ -33,6 +33,7 @@ struct api_model_info {
     uint32_t n_vocab, n_layer, n_expert, n_expert_used;
     uint64_t fingerprint;
     uint64_t bytes_dense, bytes_experts;
+    uint32_t n_slots;           /* sequences served at once: workers x parallel (/props) */
 };
 
 /* Hooks into the rest of the daemon for the admin endpoints and extra metrics. Any may be NULL

@@ -1598,8 +1598,9 @@ TEST_TIMEOUT(daemon_connection_limit_options, 120)
     CHECK_EQ(moed_stop(&d, 60), 0);
 }
 
-/* llama-server's /tokenize, /detokenize and /apply-template: ids, pieces that spell the text
- * back, the round trip, the rendered chat prompt, and clear 400s and 405s. */
+/* llama-server's /tokenize, /detokenize, /apply-template and /props: ids, pieces that spell the
+ * text back, the round trip, the rendered chat prompt, the server's properties, and clear 400s
+ * and 405s. */
 TEST_TIMEOUT(daemon_tokenize_and_detokenize, 120)
 {
     struct moed d;
@@ -1684,6 +1685,17 @@ TEST_TIMEOUT(daemon_tokenize_and_detokenize, 120)
     j = post_json(d.sock, "/apply-template", "{\"messages\": []}", &status);
     CHECK_EQ(status, 400);
     CHECK(strstr(err_msg(j), "messages"));
+    json_decref(j);
+    /* /props: the context, the slots (one worker, 4 sequences), the template, the version. */
+    CHECK(hc_request_unix(d.sock, "GET", "/props", NULL, &r, 5000) == 0);
+    CHECK_EQ(r.status, 200);
+    j = json_loads(r.body, 0, NULL);
+    hc_resp_free(&r);
+    CHECK_EQ(json_integer_value(json_object_get(j, "total_slots")), 4);
+    CHECK(json_integer_value(json_object_get(json_object_get(j, "default_generation_settings"),
+                                             "n_ctx")) > 0);
+    CHECK(strstr(json_string_value(json_object_get(j, "chat_template")), "im_start"));
+    CHECK(!strncmp(json_string_value(json_object_get(j, "build_info")), "moed ", 5));
     json_decref(j);
     CHECK_EQ(moed_stop(&d, 60), 0);
 }
