@@ -14,7 +14,9 @@
  * All KVs are copied in order; general.file_type (llama_ftype) and general.quantization_version
  * are set. Tensors keep their order and shapes. Work is split into row chunks that all threads
  * take from one counter; each chunk is dequantized to f32, quantized with moe_quantize() and
- * written with pwrite at its final offset, so the bytes do not depend on --threads. */
+ * written with pwrite at its final offset, so the bytes do not depend on --threads. The file is
+ * written as OUT.tmp.PID and renamed to OUT when complete (a failed run leaves an existing OUT
+ * as it was); on a terminal a percentage shows the progress. */
 #include <errno.h>
 #include <getopt.h>
 #include <inttypes.h>
@@ -89,6 +91,7 @@ struct qjob {
     struct qchunk *chunks;
     uint64_t n_chunks;
     atomic_uint_fast64_t next;
+    atomic_uint_fast64_t done;    /* chunks converted, for the progress line */
     atomic_int failed;
     pthread_mutex_t lock;
     char err[512];
@@ -285,6 +288,7 @@ static void *worker(void *arg)
         if (k >= j->n_chunks || atomic_load(&j->failed))
             break;
         int rc = convert_chunk(j, &j->chunks[k], err, sizeof err);
+        atomic_fetch_add(&j->done, 1);
         if (rc) {
             pthread_mutex_lock(&j->lock);
             if (!atomic_load(&j->failed))
@@ -334,6 +338,7 @@ static int run(const struct qopts *o, char *err, size_t errlen)
     pthread_t *tids = NULL;
     int n_started = 0, rc;
     bool created = false, quantized;
+    char tmp[4200] = "";
     double t0 = moe_now_s();
     struct qjob job = {0};
     pthread_mutex_init(&job.lock, NULL);
@@ -371,7 +376,10 @@ static int run(const struct qopts *o, char *err, size_t errlen)
         moe_fail(err, errlen, rc, "out of memory");
         goto fail;
     }
-    if ((rc = gguf_writer_create(w, o->out, err, errlen)))
+    /* Written next to the output under a temporary name and renamed at the end, so that OUT is
+     * either the old file or the whole new one. */
+    snprintf(tmp, sizeof tmp, "%s.tmp.%ld", o->out, (long)getpid());
+    if ((rc = gguf_writer_create(w, tmp, err, errlen)))
         goto fail;
     created = true;
 
@@ -393,15 +401,30 @@ static int run(const struct qopts *o, char *err, size_t errlen)
         rc = moe_fail(err, errlen, -EAGAIN, "cannot start a thread");
         goto fail;
     }
+    /* Progress on a terminal, about twice a second. */
+    const bool tty = isatty(STDERR_FILENO);
+    while (tty && atomic_load(&job.done) < job.n_chunks && !atomic_load(&job.failed)) {
+        fprintf(stderr, "\rquantize: %5.1f%%",
+                100.0 * (double)atomic_load(&job.done) / (double)job.n_chunks);
+        usleep(500000);
+    }
     for (int i = 0; i < n_started; i++)
         pthread_join(tids[i], NULL);
     n_started = 0;
+    if (tty)
+        fprintf(stderr, "\r                \r");
     if ((rc = atomic_load(&job.failed))) {
         snprintf(err, errlen, "%s", job.err);
         goto fail;
     }
     if ((rc = gguf_writer_finish(w, false, err, errlen)))
         goto fail;
+    if (rename(tmp, o->out) != 0) {
+        rc = moe_fail(err, errlen, -errno, "cannot rename %s to %s: %s", tmp, o->out,
+                      strerror(errno));
+        goto fail;
+    }
+    created = false;
 
     uint64_t count[MOE_TYPE_COUNT] = {0};
     for (uint64_t i = 0; i < f->n_tensors; i++)
@@ -417,7 +440,7 @@ static int run(const struct qopts *o, char *err, size_t errlen)
     goto done;
 fail:
     if (created)
-        unlink(o->out);
+        unlink(tmp);
 done:
     for (int i = 0; i < n_started; i++)
         pthread_join(tids[i], NULL);

@@ -2,6 +2,7 @@
  * llama-quantize would choose (checked against the golden Q4_K_M that llama-quantize made),
  * logits of a quantized golden model against the golden F16 reference, thread-count
  * determinism, and usage errors. */
+#include <dirent.h>
 #include <stdarg.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -353,4 +354,34 @@ TEST_TIMEOUT(quantize_all_types, 300)
         gguf_close(q);
     }
     gguf_close(src);
+}
+
+/* The output is written under a temporary name and renamed at the end (a run that fails while
+ * writing, out of disk say, leaves an existing OUT as it was instead of deleting it): a refused
+ * run leaves OUT alone, a finished one replaces it whole, and no temporary file stays behind. */
+TEST(quantize_replaces_the_output_whole)
+{
+    char out[512];
+    tmp_path(out, sizeof out, "whole.gguf");
+    moe_test_write_file(out, "old contents", 12);
+    /* Refused (requantizing needs --allow-requantize): OUT untouched. */
+    char q[512];
+    tmp_path(q, sizeof q, "q8.gguf");
+    CHECK_EQ(moectl(0, "quantize", GOLDEN_F16, q, "q8_0", NULL), 0);
+    CHECK_EQ(moectl(1, "quantize", q, out, "q4_0", NULL), 1);
+    size_t n;
+    char *d = moe_test_read_file_or_fail(out, &n);
+    CHECK(n == 12 && !memcmp(d, "old contents", 12));
+    free(d);
+    CHECK_EQ(moectl(0, "quantize", GOLDEN_F16, out, "q8_0", NULL), 0);
+    struct gguf_file *f;
+    char err[256];
+    CHECK_MSG(gguf_open(&f, out, err, sizeof err) == 0, "%s", err);
+    gguf_close(f);
+    DIR *dir = opendir(moe_test_tmpdir());
+    CHECK(dir != NULL);
+    struct dirent *de;
+    while ((de = readdir(dir)))
+        CHECK_MSG(!strstr(de->d_name, ".tmp."), "left behind: %s", de->d_name);
+    closedir(dir);
 }
