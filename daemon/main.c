@@ -364,15 +364,18 @@ static int hook_metrics(void *user, char **text)
     for (uint32_t i = 0; i < nw; i++)
         n += (size_t)snprintf(b + n, cap - n, "moed_worker_failed{worker=\"%u\",device=\"%s\"} %d\n", i,
                               wi[i].device, wi[i].state == MOED_WORKER_FAILED);
-    n += (size_t)snprintf(b + n, cap - n, "# TYPE moed_worker_restarts_total counter\n");
+    n += (size_t)snprintf(b + n, cap - n, "# HELP moed_worker_restarts_total Times the worker was restarted.\n"
+                          "# TYPE moed_worker_restarts_total counter\n");
     for (uint32_t i = 0; i < nw; i++)
         n += (size_t)snprintf(b + n, cap - n, "moed_worker_restarts_total{worker=\"%u\"} %u\n", i,
                               wi[i].restarts);
-    n += (size_t)snprintf(b + n, cap - n, "# TYPE moed_worker_tokens_per_second gauge\n");
+    n += (size_t)snprintf(b + n, cap - n, "# HELP moed_worker_tokens_per_second Decode tokens per second in the worker's last report.\n"
+                          "# TYPE moed_worker_tokens_per_second gauge\n");
     for (uint32_t i = 0; i < nw; i++)
         n += (size_t)snprintf(b + n, cap - n, "moed_worker_tokens_per_second{worker=\"%u\"} %.3f\n",
                               i, wi[i].tokens_per_s);
-    n += (size_t)snprintf(b + n, cap - n, "# TYPE moed_worker_vram_used_bytes gauge\n");
+    n += (size_t)snprintf(b + n, cap - n, "# HELP moed_worker_vram_used_bytes Device memory the worker holds (0 on the CPU).\n"
+                          "# TYPE moed_worker_vram_used_bytes gauge\n");
     for (uint32_t i = 0; i < nw; i++)
         n += (size_t)snprintf(b + n, cap - n, "moed_worker_vram_used_bytes{worker=\"%u\"} %" PRIu64 "\n",
                               i, wi[i].vram_used);
@@ -386,7 +389,8 @@ static int hook_metrics(void *user, char **text)
     for (uint32_t i = 0; i < nw; i++)
         n += (size_t)snprintf(b + n, cap - n, "moed_worker_expert_misses_total{worker=\"%u\"} %" PRIu64 "\n",
                               i, wi[i].expert_misses);
-    n += (size_t)snprintf(b + n, cap - n, "# TYPE moed_profile_tokens gauge\nmoed_profile_tokens %" PRIu64 "\n",
+    n += (size_t)snprintf(b + n, cap - n, "# HELP moed_profile_tokens Tokens the routing profile has learned from.\n"
+                          "# TYPE moed_profile_tokens gauge\nmoed_profile_tokens %" PRIu64 "\n",
                           d->profile.tokens);
     *text = b;
     return 0;

@@ -1838,6 +1838,21 @@ TEST_TIMEOUT(daemon_latency_histograms, 120)
         prev = v;
     }
     CHECK_EQ(prev, gen - 3);
+    /* Every family has its HELP right before its TYPE. */
+    int families = 0;
+    for (const char *p = strstr(r.body, "# TYPE "); p; p = strstr(p + 1, "# TYPE ")) {
+        char name[128];
+        CHECK(sscanf(p, "# TYPE %127s", name) == 1);
+        char help[160];
+        snprintf(help, sizeof help, "# HELP %s ", name);
+        /* The line before this one. */
+        const char *h = p > r.body + 1 ? p - 2 : r.body;
+        while (h > r.body && h[-1] != '\n')
+            h--;
+        CHECK_MSG(!strncmp(h, help, strlen(help)), "no HELP right before the TYPE of %s", name);
+        families++;
+    }
+    CHECK(families > 10);
     hc_resp_free(&r);
     CHECK_EQ(moed_stop(&d, 60), 0);
 }
