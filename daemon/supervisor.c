@@ -486,6 +486,87 @@ static void on_ready_timeout(uv_timer_t *t)
     slot_down(w, why);
 }
 
+/* A worker's stderr, read by the daemon and written to its log line by line ("worker N: ..."),
+ * at the level the worker gave the line, so that with --log-file or under journald worker
+ * messages land where the daemon's do, with its timestamps. One per incarnation; it closes itself
+ * at EOF (the worker exited) and frees itself in the close callback. */
+struct errpipe {
+    uv_pipe_t pipe;
+    uint32_t index;
+    size_t n;
+    char buf[2048];
+};
+
+static void errpipe_closed(uv_handle_t *h)
+{
+    free(h->data);
+}
+
+static void errpipe_alloc(uv_handle_t *h, size_t suggested, uv_buf_t *buf)
+{
+    struct errpipe *p = h->data;
+    (void)suggested;
+    *buf = uv_buf_init(p->buf + p->n, (unsigned)(sizeof p->buf - 1 - p->n));
+}
+
+static void errpipe_line(const struct errpipe *p, char *line)
+{
+    static const struct {
+        const char *tag;
+        enum moe_ipc_log_level level;
+    } tags[] = {{"error: ", MOE_LOG_ERROR}, {"warn: ", MOE_LOG_WARN}, {"warning: ", MOE_LOG_WARN},
+                {"info: ", MOE_LOG_INFO}, {"debug: ", MOE_LOG_DEBUG}};
+    enum moe_ipc_log_level level = MOE_LOG_INFO;
+    char *msg = line;
+    /* "moed-worker[PID]: " or "moed-worker: " (the pid is in the daemon's own lines). */
+    if (!strncmp(msg, "moed-worker", 11)) {
+        char *c = strstr(msg, ": ");
+        if (c && (c == msg + 11 || (msg[11] == '[' && c[-1] == ']')))
+            msg = c + 2;
+    }
+    for (size_t i = 0; i < sizeof tags / sizeof tags[0]; i++)
+        if (!strncmp(msg, tags[i].tag, strlen(tags[i].tag))) {
+            level = tags[i].level;
+            msg += strlen(tags[i].tag);
+            break;
+        }
+    if (*msg)
+        moe_ipc_log(level, "worker %u: %s", p->index, msg);
+}
+
+static void errpipe_read(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf)
+{
+    struct errpipe *p = s->data;
+    (void)buf;
+    if (nread > 0) {
+        p->n += (size_t)nread;
+        size_t start = 0;
+        for (size_t i = 0; i < p->n; i++)
+            if (p->buf[i] == '\n') {
+                p->buf[i] = 0;
+                errpipe_line(p, p->buf + start);
+                start = i + 1;
+            }
+        if (start == 0 && p->n >= sizeof p->buf - 1) { /* a line longer than the buffer */
+            p->buf[p->n] = 0;
+            errpipe_line(p, p->buf);
+            start = p->n;
+        }
+        memmove(p->buf, p->buf + start, p->n - start);
+        p->n -= start;
+        return;
+    }
+    if (nread < 0) {
+        if (p->n) {
+            p->buf[p->n] = 0;
+            errpipe_line(p, p->buf);
+            p->n = 0;
+        }
+        if (!uv_is_closing((uv_handle_t *)s))
+            uv_close((uv_handle_t *)s, errpipe_closed);
+    }
+}
+
 static int slot_start(struct wslot *w, char *err, size_t errlen)
 {
     struct moed_workers *ws = w->ws;
@@ -494,12 +575,23 @@ static int slot_start(struct wslot *w, char *err, size_t errlen)
         return moe_fail(err, errlen, -errno, "socketpair: %s", strerror(errno));
 
     char *args[] = {ws->worker_bin, "--ipc-fd", "3", NULL};
+    struct errpipe *ep = calloc(1, sizeof *ep);
+    if (!ep || uv_pipe_init(ws->loop, &ep->pipe, 0)) {
+        free(ep);
+        close(sv[0]);
+        close(sv[1]);
+        return moe_fail(err, errlen, -ENOMEM, "out of memory");
+    }
+    ep->pipe.data = ep;
+    ep->index = w->index;
     uv_stdio_container_t stdio[4];
     stdio[0].flags = UV_IGNORE;
+    /* A worker's stdout is for standalone runs; here its stdout and stderr both go to the
+     * daemon's log through the pipe. */
     stdio[1].flags = UV_INHERIT_FD;
-    stdio[1].data.fd = 2; /* a worker's stdout is for standalone runs; logs go to stderr */
-    stdio[2].flags = UV_INHERIT_FD;
-    stdio[2].data.fd = 2;
+    stdio[1].data.fd = 2;
+    stdio[2].flags = (uv_stdio_flags)(UV_CREATE_PIPE | UV_WRITABLE_PIPE);
+    stdio[2].data.stream = (uv_stream_t *)&ep->pipe;
     stdio[3].flags = UV_INHERIT_FD;
     stdio[3].data.fd = sv[1];
     uv_process_options_t po = {0};
@@ -516,8 +608,11 @@ static int slot_start(struct wslot *w, char *err, size_t errlen)
         /* libuv still wants the handle closed after a failed spawn. */
         close(sv[0]);
         close_handle(ws, (uv_handle_t *)&w->proc);
+        uv_close((uv_handle_t *)&ep->pipe, errpipe_closed);
         return moe_fail(err, errlen, rc, "cannot start %s: %s", ws->worker_bin, uv_strerror(rc));
     }
+    if (uv_read_start((uv_stream_t *)&ep->pipe, errpipe_alloc, errpipe_read))
+        uv_close((uv_handle_t *)&ep->pipe, errpipe_closed);
     w->proc.data = w;
     w->proc_running = true;
     w->proc_handle_open = true;

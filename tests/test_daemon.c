@@ -2034,6 +2034,11 @@ TEST(daemon_log_file_sighup)
     snprintf(tmp.log, sizeof tmp.log, "%s", logf);
     CHECK(log_contains(&tmp, "SIGHUP: log file reopened"));
     CHECK(log_contains(&tmp, "stopped"));
+    /* The worker's own lines go through the daemon's log too, with its timestamps: its
+     * shutdown message is in the reopened file. */
+    CHECK(log_contains(&tmp, "INFO  worker 0: shutdown requested"));
+    /* ... and nothing reached the daemon's stderr from the worker. */
+    CHECK(!log_contains(&d, "moed-worker["));
 }
 
 /* ---- devices: --devices auto asks the worker program; workers that never start ---- */
