@@ -1,4 +1,5 @@
 /* moectl: admin and client CLI. Subcommands live one per file in cli/ and register themselves. */
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -35,9 +36,36 @@ static void usage(FILE *f)
         fprintf(f, "  %-10s %s\n", commands[i].name, commands[i].help);
 }
 
+/* "--name=value" becomes "--name" "value" everywhere (up to a "--"), so that every option of
+ * every verb takes either spelling. The strings point into argv's own. */
+static char **split_equals(int *argc, char **argv)
+{
+    char **out = calloc((size_t)(2 * *argc + 1), sizeof *out);
+    if (!out)
+        return argv;
+    int n = 0;
+    bool opts = true;
+    for (int i = 0; i < *argc; i++) {
+        char *a = argv[i], *eq;
+        if (opts && !strcmp(a, "--"))
+            opts = false;
+        if (opts && i > 0 && !strncmp(a, "--", 2) && a[2] && (eq = strchr(a, '=')) && eq > a + 2) {
+            *eq = 0;
+            out[n++] = a;
+            out[n++] = eq + 1;
+        } else {
+            out[n++] = a;
+        }
+    }
+    out[n] = NULL;
+    *argc = n;
+    return out;
+}
+
 int main(int argc, char **argv)
 {
     qsort(commands, (size_t)n_commands, sizeof commands[0], cmp_command);
+    argv = split_equals(&argc, argv);
     moectl_opts.socket = getenv("MOED_SOCKET");
     if (!moectl_opts.socket || !*moectl_opts.socket)
         moectl_opts.socket = "/run/moed/moed.sock";

@@ -137,3 +137,20 @@ TEST(moectl_help_on_every_verb_and_version)
     CHECK_EQ(moectl(log, sizeof log, "--help", NULL), 0);
     CHECK_EQ(moectl(log, sizeof log, "nosuchverb", NULL), 2);
 }
+
+/* Every option also takes --name=value. */
+TEST(moectl_options_take_equals_values)
+{
+    char log[8192];
+    CHECK_EQ(moectl(log, sizeof log, "generate", "--temp=nan", "hello", NULL), 2);
+    CHECK_MSG(strstr(log, "--temp") && strstr(log, "nan"), "%s", log);
+    CHECK_EQ(moectl(log, sizeof log, "generate", "--temp=0.5", "-n", "4", "hello", NULL), 3);
+    CHECK_EQ(moectl(log, sizeof log, "inspect", "--ctx=0", "models/kjv-demo-F16.gguf", NULL), 2);
+    CHECK_EQ(moectl(log, sizeof log, "inspect", "--vram-budget=1G", "models/kjv-demo-F16.gguf",
+                    NULL), 0);
+    CHECK_MSG(strstr(log, "VRAM budget 1.00 GiB"), "%s", log);
+    char sock[600];
+    snprintf(sock, sizeof sock, "--socket=%s/other.sock", moe_test_tmpdir());
+    CHECK_EQ(moectl(log, sizeof log, sock, "status", NULL), 3);
+    CHECK_MSG(strstr(log, "other.sock"), "%s", log);
+}
