@@ -6,7 +6,9 @@
  *   experts_available = budget - dense weights - KV cache - reserve
  *   KV cache          = n_layer * 2 (K and V) * n_head_kv * head_dim * ctx * 2 bytes (f16)
  *   reserve           = 512 MiB for the CUDA context, cuBLAS workspace and activations
- *   slots_per_layer   = min(n_expert, experts_available / sum over layers of one expert's bytes)
+ *   slots_per_layer   = min(n_expert, experts_available / sum over layers of one slot's bytes)
+ *   slot              = the layer's largest gate, up and down, each 256-byte aligned (the CUDA
+ *                       worker's layout, moe_model_expert_slot)
  *
  * Every layer gets the same number of slots (the placement's uniform split before a profile
  * exists); slot sizes differ per layer because quant mixes do. */
@@ -62,7 +64,7 @@ static void plan_vram(const struct moe_model *m, uint64_t budget, uint64_t ctx, 
     p->reserve = INSPECT_RESERVE;
     p->per_slot_all_layers = 0;
     for (uint32_t l = 0; l < hp->n_layer; l++)
-        p->per_slot_all_layers += moe_model_expert_bytes(m, l);
+        p->per_slot_all_layers += moe_model_expert_slot(m, l, NULL);
     uint64_t fixed = m->bytes_dense + p->kv + p->reserve;
     p->available = budget >= fixed ? (int64_t)(budget - fixed) : -(int64_t)(fixed - budget);
     uint64_t slots = p->available > 0 ? (uint64_t)p->available / p->per_slot_all_layers : 0;

@@ -332,6 +332,26 @@ uint64_t moe_model_expert_bytes(const struct moe_model *m, uint32_t layer)
     return (uint64_t)x->gate.nbytes + x->up.nbytes + x->down.nbytes;
 }
 
+uint64_t moe_model_expert_slot(const struct moe_model *m, uint32_t layer, uint32_t part_off[3])
+{
+    if (!m->layers || layer >= m->hp.n_layer)
+        return 0;
+    uint64_t mx[3] = {0, 0, 0};
+    for (uint32_t x = 0; x < m->hp.n_expert; x++) {
+        const struct moe_expert *e = &m->layers[layer].experts[x];
+        const uint64_t nb[3] = {e->gate.nbytes, e->up.nbytes, e->down.nbytes};
+        for (int p = 0; p < 3; p++)
+            mx[p] = nb[p] > mx[p] ? nb[p] : mx[p];
+    }
+    uint64_t off = 0;
+    for (int p = 0; p < 3; p++) {
+        if (part_off)
+            part_off[p] = (uint32_t)off;
+        off += (mx[p] + 255) & ~(uint64_t)255;
+    }
+    return off;
+}
+
 void moe_model_free(struct moe_model *m)
 {
     if (m->layers)

@@ -95,6 +95,10 @@ int moe_model_expert_slice(const struct moe_model *m, uint32_t layer, uint32_t e
 /* Bytes of one expert (gate+up+down) in a layer. */
 uint64_t moe_model_expert_bytes(const struct moe_model *m, uint32_t layer);
 
+/* A device slot that holds any expert of the layer: its gate, up and down at part_off[0..2]
+ * (each the largest of the layer's experts, 256-byte aligned). Returns the slot's bytes. */
+uint64_t moe_model_expert_slot(const struct moe_model *m, uint32_t layer, uint32_t part_off[3]);
+
 void moe_model_free(struct moe_model *m);
 
 #endif

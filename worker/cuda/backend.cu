@@ -505,17 +505,10 @@ static int plan_experts(struct cuda_backend *b, uint64_t used, char *err, size_t
     b->expert_bytes = 0;
     for (int l = 0; l < (int)d->L; l++) {
         struct cuda_layer *cl = &b->layers[l];
-        uint64_t mx[3] = {0, 0, 0};
         for (int64_t x = 0; x < nexp; x++)
-            for (int p = 0; p < 3; p++) {
-                const uint64_t nb = expert_part(&m->layers[l].experts[x], p)->nbytes;
-                mx[p] = nb > mx[p] ? nb : mx[p];
-                b->expert_bytes += nb;
-            }
-        cl->part_off[0] = 0;
-        cl->part_off[1] = (uint32_t)align256(mx[0]);
-        cl->part_off[2] = (uint32_t)(align256(mx[0]) + align256(mx[1]));
-        cl->slot_bytes = cl->part_off[2] + align256(mx[2]);
+            for (int p = 0; p < 3; p++)
+                b->expert_bytes += expert_part(&m->layers[l].experts[x], p)->nbytes;
+        cl->slot_bytes = moe_model_expert_slot(m, (uint32_t)l, cl->part_off);
         sum_slot += cl->slot_bytes;
     }
     int64_t S = nexp;
