@@ -82,7 +82,17 @@ static void check_golden(const char *path, uint32_t want_down_type_l0)
         }
         if (l == 0)
             per_layer0 = eb;
+        /* The device slot: each part 256-aligned and large enough, in gate, up, down order. */
+        uint32_t po[3];
+        const uint64_t slot = moe_model_expert_slot(&m, l, po);
+        const struct moe_expert *x = &m.layers[l].experts[0];
+        CHECK_EQ(po[0], 0u);
+        CHECK(po[1] % 256 == 0 && po[1] >= x->gate.nbytes);
+        CHECK(po[2] % 256 == 0 && po[2] - po[1] >= x->up.nbytes);
+        CHECK(slot % 256 == 0 && slot - po[2] >= x->down.nbytes);
+        CHECK(slot >= eb && slot < eb + 3 * 256);
     }
+    CHECK_EQ(moe_model_expert_slot(&m, 99, NULL), 0u);
     struct moe_expert_slice s;
     CHECK_EQ(moe_model_expert_slice(&m, 0, 5, &s), 0);
     CHECK_EQ(s.off[2], f->data_offset + down->offset + 5 * (down->nbytes / 16));
