@@ -62,10 +62,20 @@ static char **split_equals(int *argc, char **argv)
     return out;
 }
 
+static int run(int argc, char **argv);
+
 int main(int argc, char **argv)
 {
     qsort(commands, (size_t)n_commands, sizeof commands[0], cmp_command);
-    argv = split_equals(&argc, argv);
+    char **av = split_equals(&argc, argv);
+    int rc = run(argc, av);
+    if (av != argv)
+        free(av);
+    return rc;
+}
+
+static int run(int argc, char **argv)
+{
     moectl_opts.socket = getenv("MOED_SOCKET");
     if (!moectl_opts.socket || !*moectl_opts.socket)
         moectl_opts.socket = "/run/moed/moed.sock";

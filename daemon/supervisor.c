@@ -52,6 +52,7 @@ struct wslot {
     uint32_t hb_running;     /* requests in flight in the last Heartbeat */
     struct moed_worker_info info;
     struct moed_worker_offload off; /* arrays owned here; from the last Metrics */
+    struct errpipe *ep;      /* this incarnation's stderr, while open */
 };
 
 struct moed_workers {
@@ -241,9 +242,12 @@ static void on_wedge_timer(uv_timer_t *t)
     }
 }
 
+static void errpipe_finish(struct wslot *w);
+
 static void on_exit_cb(uv_process_t *p, int64_t status, int term_signal)
 {
     struct wslot *w = p->data;
+    errpipe_finish(w); /* its last lines before the news of its end */
     char why[160];
     if (term_signal)
         snprintf(why, sizeof why, "worker %u (pid %d) was killed by signal %d", w->index,
@@ -493,6 +497,7 @@ static void on_ready_timeout(uv_timer_t *t)
 struct errpipe {
     uv_pipe_t pipe;
     uint32_t index;
+    struct errpipe **owner;  /* the slot's pointer to it, cleared when it closes */
     size_t n;
     char buf[2048];
 };
@@ -534,37 +539,67 @@ static void errpipe_line(const struct errpipe *p, char *line)
         moe_ipc_log(level, "worker %u: %s", p->index, msg);
 }
 
+static void errpipe_close(struct errpipe *p)
+{
+    if (p->n) {
+        p->buf[p->n] = 0;
+        errpipe_line(p, p->buf);
+        p->n = 0;
+    }
+    if (p->owner)
+        *p->owner = NULL;
+    p->owner = NULL;
+    if (!uv_is_closing((uv_handle_t *)&p->pipe))
+        uv_close((uv_handle_t *)&p->pipe, errpipe_closed);
+}
+
+/* Logs the complete lines among the first n + nread bytes of the buffer. */
+static void errpipe_take(struct errpipe *p, size_t nread)
+{
+    p->n += nread;
+    size_t start = 0;
+    for (size_t i = 0; i < p->n; i++)
+        if (p->buf[i] == '\n') {
+            p->buf[i] = 0;
+            errpipe_line(p, p->buf + start);
+            start = i + 1;
+        }
+    if (start == 0 && p->n >= sizeof p->buf - 1) { /* a line longer than the buffer */
+        p->buf[p->n] = 0;
+        errpipe_line(p, p->buf);
+        start = p->n;
+    }
+    memmove(p->buf, p->buf + start, p->n - start);
+    p->n -= start;
+}
+
+/* The worker exited: what it wrote is in the pipe now; read it all and close. */
+static void errpipe_finish(struct wslot *w)
+{
+    struct errpipe *p = w->ep;
+    if (!p)
+        return;
+    uv_os_fd_t fd;
+    if (uv_fileno((uv_handle_t *)&p->pipe, &fd) == 0)
+        for (;;) {
+            ssize_t r = read(fd, p->buf + p->n, sizeof p->buf - 1 - p->n);
+            if (r <= 0)
+                break;
+            errpipe_take(p, (size_t)r);
+        }
+    errpipe_close(p);
+}
+
 static void errpipe_read(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf)
 {
     struct errpipe *p = s->data;
     (void)buf;
     if (nread > 0) {
-        p->n += (size_t)nread;
-        size_t start = 0;
-        for (size_t i = 0; i < p->n; i++)
-            if (p->buf[i] == '\n') {
-                p->buf[i] = 0;
-                errpipe_line(p, p->buf + start);
-                start = i + 1;
-            }
-        if (start == 0 && p->n >= sizeof p->buf - 1) { /* a line longer than the buffer */
-            p->buf[p->n] = 0;
-            errpipe_line(p, p->buf);
-            start = p->n;
-        }
-        memmove(p->buf, p->buf + start, p->n - start);
-        p->n -= start;
+        errpipe_take(p, (size_t)nread);
         return;
     }
-    if (nread < 0) {
-        if (p->n) {
-            p->buf[p->n] = 0;
-            errpipe_line(p, p->buf);
-            p->n = 0;
-        }
-        if (!uv_is_closing((uv_handle_t *)s))
-            uv_close((uv_handle_t *)s, errpipe_closed);
-    }
+    if (nread < 0)
+        errpipe_close(p);
 }
 
 static int slot_start(struct wslot *w, char *err, size_t errlen)
@@ -611,8 +646,10 @@ static int slot_start(struct wslot *w, char *err, size_t errlen)
         uv_close((uv_handle_t *)&ep->pipe, errpipe_closed);
         return moe_fail(err, errlen, rc, "cannot start %s: %s", ws->worker_bin, uv_strerror(rc));
     }
+    w->ep = ep;
+    ep->owner = &w->ep;
     if (uv_read_start((uv_stream_t *)&ep->pipe, errpipe_alloc, errpipe_read))
-        uv_close((uv_handle_t *)&ep->pipe, errpipe_closed);
+        errpipe_close(ep);
     w->proc.data = w;
     w->proc_running = true;
     w->proc_handle_open = true;
@@ -1063,8 +1100,11 @@ void moed_workers_free(struct moed_workers *ws)
         return;
     }
     sched_destroy(ws->sched);
-    for (uint32_t i = 0; i < ws->o.n_workers; i++)
+    for (uint32_t i = 0; i < ws->o.n_workers; i++) {
         off_clear(&ws->slots[i].off);
+        if (ws->slots[i].ep)
+            errpipe_close(ws->slots[i].ep); /* no pointer into the slots may outlive them */
+    }
     free(ws->placement);
     free(ws->placement_counts);
     free(ws->model_path);
