@@ -253,6 +253,31 @@ TEST(config_example_file_loads)
     CHECK_STREQ(c.devices, "auto");
     CHECK_EQ(c.ctx, 4096);
     config_free(&c);
+
+    /* Every option the example shows commented out is a real one with a valid value. */
+    size_t n;
+    char *text = moe_test_read_file_or_fail("systemd/moed.conf", &n);
+    char path[512];
+    snprintf(path, sizeof path, "%s/all.conf", moe_test_tmpdir());
+    FILE *f = fopen(path, "w");
+    CHECK(f);
+    int uncommented = 0;
+    for (char *line = strtok(text, "\n"); line; line = strtok(NULL, "\n")) {
+        if (!strncmp(line, "# ", 2) && line[2] >= 'a' && line[2] <= 'z' && strstr(line, " = ")) {
+            fprintf(f, "%s\n", line + 2);
+            uncommented++;
+        } else {
+            fprintf(f, "%s\n", line);
+        }
+    }
+    fclose(f);
+    free(text);
+    CHECK(uncommented >= 10);
+    CHECK(config_init(&c) == 0);
+    rc = config_load_file(&c, path, err, sizeof err);
+    CHECK_MSG(rc == 0, "%s", err);
+    CHECK_EQ(c.max_conns, 1024u);
+    config_free(&c);
 }
 
 TEST(parse_share_accepts_fractions_and_percent)
