@@ -632,6 +632,8 @@ struct gen_req {
     struct sched_sampling s;
     int64_t max_tokens;           /* -1: default */
     bool stream, include_usage;
+    bool truncate;                /* truncation "auto": drop the oldest messages to fit */
+    uint32_t dropped;             /* messages truncation dropped */
     char *stops[MAX_STOPS];
     size_t n_stops;
 };
@@ -772,6 +774,14 @@ static int parse_common(struct api *a, json_t *body, struct gen_req *r, struct v
     }
     if (get_bool(body, "stream", &r->stream, e))
         return -1;
+    /* As OpenAI's Responses API: "auto" drops the oldest conversation messages (never the
+     * system ones, never the last) until the prompt fits; "disabled" (default) answers 400. */
+    if ((v = json_object_get(body, "truncation")) && !json_is_null(v)) {
+        if (!json_is_string(v) || (strcmp(json_string_value(v), "auto") &&
+                                   strcmp(json_string_value(v), "disabled")))
+            return fail(e, 400, "truncation", "'truncation' must be \"auto\" or \"disabled\"");
+        r->truncate = !strcmp(json_string_value(v), "auto");
+    }
     if ((v = json_object_get(body, "stream_options")) && !json_is_null(v)) {
         if (!json_is_object(v))
             return fail(e, 400, "stream_options", "'stream_options' must be an object, not %s", jtype(v));
@@ -863,10 +873,17 @@ static int tokenize(struct api *a, const char *text, size_t len, bool special, s
      * the longest tokens is refused before tokenizing it (which would hold the event loop). */
     uint32_t n_ctx = a->model.n_ctx;
     size_t maxp = moe_tok_max_piece(a->tok);
-    if (n_ctx && maxp && len / maxp + r->n_prompt >= n_ctx)
-        return fail(e, 400, NULL,
-                    "the prompt (%zu bytes) is longer than the context of %u tokens can hold",
-                    len, n_ctx);
+    if (n_ctx && maxp && len / maxp + r->n_prompt >= n_ctx) {
+        if (r->n_prompt == 0)
+            return fail(e, 400, NULL,
+                        "the prompt (%zu bytes) is longer than the context of %u tokens can hold",
+                        len, n_ctx);
+        /* A later part (a chat message) takes the prompt past the context: at least n_ctx
+         * tokens, counted as such (context_length_exceeded, or truncation). */
+        r->n_prompt = n_ctx;
+        r->n_prompt_is_bound = true;
+        return 0;
+    }
     /* A prompt is counted up to four contexts' worth, then refused as "more than that" (the
      * rest would cost work and tell nothing). */
     if (r->n_prompt_is_bound)
@@ -1058,7 +1075,61 @@ out:
     return rc;
 }
 
+static int parse_messages_once(struct api *a, json_t *body, struct gen_req *r, struct verr *e);
+
+/* Whether the tokenized prompt leaves room for the generation (max_tokens when given). */
+static bool prompt_fits(const struct api *a, const struct gen_req *r)
+{
+    const uint64_t n_ctx = a->model.n_ctx;
+    const uint64_t want = r->max_tokens > 0 ? (uint64_t)r->max_tokens : 1;
+    return !n_ctx || (!r->n_prompt_is_bound && r->n_prompt + want <= n_ctx);
+}
+
+/* The messages rendered and tokenized; with truncation, the oldest non-system messages are
+ * dropped one at a time (each attempt rendered and tokenized again) until the prompt fits or
+ * one conversation message is left. */
 static int parse_messages(struct api *a, json_t *body, struct gen_req *r, struct verr *e)
+{
+    if (parse_messages_once(a, body, r, e))
+        return -1;
+    json_t *msgs = json_object_get(body, "messages");
+    if (!r->truncate || prompt_fits(a, r) || !json_is_array(msgs))
+        return 0;
+    const size_t n = json_array_size(msgs);
+    size_t sys = 0;
+    while (sys < n) {
+        const char *role = json_string_value(json_object_get(json_array_get(msgs, sys), "role"));
+        if (!role || (strcmp(role, "system") && strcmp(role, "developer")))
+            break;
+        sys++;
+    }
+    for (size_t drop = 1; sys + drop < n; drop++) {
+        json_t *kept = json_array(), *b2 = json_copy(body);
+        if (!kept || !b2) {
+            json_decref(kept);
+            json_decref(b2);
+            return fail(e, 500, NULL, "out of memory");
+        }
+        for (size_t i = 0; i < n; i++)
+            if (i < sys || i >= sys + drop)
+                json_array_append(kept, json_array_get(msgs, i));
+        json_object_set_new(b2, "messages", kept);
+        free(r->prompt);
+        r->prompt = NULL;
+        r->n_prompt = 0;
+        r->n_prompt_is_bound = false;
+        int rc = parse_messages_once(a, b2, r, e);
+        json_decref(b2);
+        if (rc)
+            return -1;
+        r->dropped = (uint32_t)drop;
+        if (prompt_fits(a, r))
+            break;
+    }
+    return 0;
+}
+
+static int parse_messages_once(struct api *a, json_t *body, struct gen_req *r, struct verr *e)
 {
     struct chat_rendered ren = {0};
     int rc = -1;

@@ -1891,6 +1891,47 @@ TEST_TIMEOUT(daemon_llama_server_fields, 120)
     CHECK_EQ(moed_stop(&d, 60), 0);
 }
 
+/* A chat longer than the context: 400 with the counts, or with "truncation": "auto" the oldest
+ * messages are dropped until it fits (the system message stays). */
+TEST_TIMEOUT(daemon_chat_truncation, 120)
+{
+    const char *dir = moe_test_tmpdir();
+    struct moed d;
+    const char *args[] = {"--devices", "cpu", "--workers", "1", "--ctx", "160", NULL};
+    moed_spawn(&d, dir, args);
+    moed_wait_socket(&d, 30);
+    moed_require_ready(&d, 60);
+    char body[8192], *p = body;
+    p += sprintf(p, "{\"max_tokens\": 8, \"temperature\": 0, %%s\"messages\": [{\"role\": "
+                    "\"system\", \"content\": \"Answer briefly.\"}");
+    for (int i = 0; i < 12; i++)
+        p += sprintf(p, ", {\"role\": \"%s\", \"content\": \"%d and the lord spake unto moses "
+                        "saying speak unto the children of israel\"}",
+                     i % 2 ? "assistant" : "user", i);
+    sprintf(p, "]}");
+    char req[8400];
+    int status;
+    snprintf(req, sizeof req, body, "");
+    json_t *j = post_json(d.sock, "/v1/chat/completions", req, &status);
+    CHECK_EQ(status, 400);
+    CHECK_MSG(!strcmp(json_string_value(json_object_get(json_object_get(j, "error"), "code")),
+                      "context_length_exceeded"), "%s", err_msg(j));
+    json_decref(j);
+    snprintf(req, sizeof req, body, "\"truncation\": \"auto\", ");
+    j = post_json(d.sock, "/v1/chat/completions", req, &status);
+    CHECK_MSG(status == 200, "%d %s", status, err_msg(j));
+    const json_int_t np = json_integer_value(json_object_get(json_object_get(j, "usage"),
+                                                             "prompt_tokens"));
+    CHECK_MSG(np > 20 && np + 8 <= 160, "prompt %lld", (long long)np);
+    json_decref(j);
+    snprintf(req, sizeof req, body, "\"truncation\": \"sometimes\", ");
+    j = post_json(d.sock, "/v1/chat/completions", req, &status);
+    CHECK_EQ(status, 400);
+    CHECK(strstr(err_msg(j), "truncation"));
+    json_decref(j);
+    CHECK_EQ(moed_stop(&d, 60), 0);
+}
+
 /* TCP port with the socket's permissions bypassed: --listen needs an API key file, and every TCP
  * request but /health must carry it; the Unix socket needs none. */
 TEST_TIMEOUT(daemon_tcp_needs_the_api_key, 120)
