@@ -4,7 +4,12 @@
  *
  *   build/bench/bench_offload MODEL.gguf [--device cuda:0] [--prompt 512] [--gen 128]
  *                             [--residency 0.75,0.6,0.4,0.25] [--budgets 12.7G,10G]
- *                             [--calib 4] [--h2d-gbps 55]
+ *                             [--calib 4] [--h2d-gbps 55] [--no-store]
+ *
+ * The experts are served as the daemon serves them: from a shared-memory expert store
+ * (store/expert_store.h) built once, which each engine registers with CUDA. --no-store keeps the
+ * GGUF mapping instead (each engine then makes a pinned copy of the experts it may read from
+ * host memory).
  *
  * Routing counts for the calibrated placements come from --calib prompts (their own random
  * tokens and greedy continuations) run fully resident first; every measured run then sees the
@@ -17,6 +22,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "store/expert_store.h"
 #include "store/io.h"
 #include "store/units.h"
 #include "worker/engine.h"
@@ -90,6 +96,7 @@ int main(int argc, char **argv)
                *budget_list = "";
     int64_t P = 512, G = 128, calib = 4;
     double h2d = 55.0;
+    bool use_store = true;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (!strcmp(a, "--device") && v)
@@ -106,6 +113,8 @@ int main(int argc, char **argv)
             calib = atoll(v), i++;
         else if (!strcmp(a, "--h2d-gbps") && v)
             h2d = atof(v), i++;
+        else if (!strcmp(a, "--no-store"))
+            use_store = false;
         else if (a[0] != '-')
             model = a;
         else {
@@ -124,6 +133,17 @@ int main(int argc, char **argv)
     if (moe_loaded_open(&lm, model, false, err, sizeof err)) {
         fprintf(stderr, "bench_offload: %s\n", err);
         return 1;
+    }
+    struct moe_store *store = NULL, *view = NULL;
+    if (use_store) {
+        double ts = moe_now_s();
+        if (moe_store_create(&store, &lm.model, 0, NULL, NULL, err, sizeof err) ||
+            moe_store_open_model(&view, moe_store_fd(store), &lm.model, err, sizeof err)) {
+            fprintf(stderr, "bench_offload: expert store: %s\n", err);
+            return 1;
+        }
+        printf("expert store: %.2f GiB in %.1f s\n",
+               (double)moe_store_size(store) / (1 << 30), moe_now_s() - ts);
     }
     const struct moe_model *m = &lm.model;
     const int64_t V = m->hp.n_vocab, L = m->hp.n_layer, E = m->hp.n_expert;
@@ -168,7 +188,7 @@ int main(int argc, char **argv)
     for (int ci = 0; ci < nc; ci++) {
         struct moe_engine_opts o = {.n_ctx = (uint32_t)(P + G + 8), .n_seq = 1, .n_batch = 512,
                                     .device = device, .expert_residency = cf[ci].r,
-                                    .vram_budget = cf[ci].budget};
+                                    .vram_budget = cf[ci].budget, .host_register = use_store};
         if (ci > 0) {
             o.expert_counts = cf[ci].mode == 1 || cf[ci].mode == 2 ? counts : NULL;
             o.cache_slots = cf[ci].mode >= 2 ? -1 : 0;
@@ -245,6 +265,8 @@ int main(int argc, char **argv)
                r->pcie_per_tok / 1e6, lim);
     }
     free(counts);
+    moe_store_close(view);
+    moe_store_close(store);
     moe_loaded_close(&lm);
     return 0;
 }
