@@ -389,6 +389,51 @@ static int hook_metrics(void *user, char **text)
     for (uint32_t i = 0; i < nw; i++)
         n += (size_t)snprintf(b + n, cap - n, "moed_worker_expert_misses_total{worker=\"%u\"} %" PRIu64 "\n",
                               i, wi[i].expert_misses);
+    /* Per GPU worker with offload: bytes copied over PCIe, and hits and misses per layer. */
+    struct moed_worker_offload wo[MAX_DEVICES];
+    bool any_off = false;
+    size_t per_layer = 0;
+    for (uint32_t i = 0; i < nw; i++) {
+        if (moed_workers_offload(d->workers, i, &wo[i]))
+            memset(&wo[i], 0, sizeof wo[i]);
+        any_off |= wo[i].active;
+        per_layer += wo[i].active ? wo[i].n_layer : 0;
+    }
+    if (any_off) {
+        const size_t need = n + 1024 + (size_t)nw * 256 + per_layer * 2 * 96;
+        if (need > cap) {
+            char *nb = realloc(b, need);
+            if (!nb) {
+                free(b);
+                return -ENOMEM;
+            }
+            b = nb;
+            cap = need;
+        }
+        n += (size_t)snprintf(b + n, cap - n, "# HELP moed_worker_expert_fill_bytes_total Expert bytes "
+                              "copied from host memory into VRAM slots.\n# TYPE moed_worker_expert_fill_bytes_total counter\n");
+        for (uint32_t i = 0; i < nw; i++)
+            if (wo[i].active)
+                n += (size_t)snprintf(b + n, cap - n, "moed_worker_expert_fill_bytes_total{worker=\"%u\"} %" PRIu64 "\n",
+                                      i, wo[i].fill_bytes);
+        n += (size_t)snprintf(b + n, cap - n, "# HELP moed_worker_expert_vram_bytes Expert slots in VRAM.\n"
+                              "# TYPE moed_worker_expert_vram_bytes gauge\n");
+        for (uint32_t i = 0; i < nw; i++)
+            if (wo[i].active)
+                n += (size_t)snprintf(b + n, cap - n, "moed_worker_expert_vram_bytes{worker=\"%u\"} %" PRIu64 "\n",
+                                      i, wo[i].expert_vram_bytes);
+        static const char *const what[2] = {"hits", "misses"};
+        for (int k = 0; k < 2; k++) {
+            n += (size_t)snprintf(b + n, cap - n, "# HELP moed_worker_layer_expert_%s_total Chosen experts %s "
+                                  "per layer.\n# TYPE moed_worker_layer_expert_%s_total counter\n", what[k],
+                                  k ? "not in VRAM" : "found in VRAM", what[k]);
+            for (uint32_t i = 0; i < nw; i++)
+                for (uint32_t l = 0; wo[i].active && l < wo[i].n_layer; l++)
+                    n += (size_t)snprintf(b + n, cap - n,
+                                          "moed_worker_layer_expert_%s_total{worker=\"%u\",layer=\"%u\"} %" PRIu64 "\n",
+                                          what[k], i, l, k ? wo[i].misses[l] : wo[i].hits[l]);
+        }
+    }
     n += (size_t)snprintf(b + n, cap - n, "# HELP moed_profile_tokens Tokens the routing profile has learned from.\n"
                           "# TYPE moed_profile_tokens gauge\nmoed_profile_tokens %" PRIu64 "\n",
                           d->profile.tokens);
