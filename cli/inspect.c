@@ -1,4 +1,4 @@
-/* moectl inspect MODEL [--vram-budget SIZE] [--ctx N]
+/* moectl inspect MODEL [--vram-budget SIZE | --expert-residency P] [--ctx N]
  *
  * Describes a GGUF model offline: architecture, hyperparameters, tensors by type, dense vs
  * expert bytes, bytes per expert in each layer, and what a VRAM budget leaves for expert slots:
@@ -200,8 +200,9 @@ static void print_text(const char *path, const struct gguf_file *f, const struct
 
 static void usage(FILE *fp)
 {
-    fprintf(fp, "usage: moectl [--json] inspect MODEL [--vram-budget SIZE] [--ctx N]\n"
-                "  SIZE: bytes, or with K/M/G/T (binary; KiB/GiB/GB also accepted), e.g. 24G\n");
+    fprintf(fp, "usage: moectl [--json] inspect MODEL [--vram-budget SIZE | --expert-residency P] [--ctx N]\n"
+                "  SIZE: bytes, or with K/M/G/T (binary; KiB/GiB/GB also accepted), e.g. 24G\n"
+                "  P: the share of each layer's experts to keep in VRAM, e.g. 60%%: shows the budget it needs\n");
 }
 
 static int cmd_inspect(int argc, char **argv)
@@ -209,6 +210,7 @@ static int cmd_inspect(int argc, char **argv)
     const char *path = NULL;
     uint64_t budget = 0, ctx = INSPECT_DEFAULT_CTX;
     bool have_budget = false;
+    double residency = 0;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--vram-budget") && i + 1 < argc) {
             if (moe_parse_size(argv[++i], &budget) != 0) {
@@ -217,6 +219,11 @@ static int cmd_inspect(int argc, char **argv)
                 return 2;
             }
             have_budget = true;
+        } else if (!strcmp(argv[i], "--expert-residency") && i + 1 < argc) {
+            if (moe_parse_share(argv[++i], &residency) != 0) {
+                fprintf(stderr, "moectl inspect: bad share '%s' (60%% or 0.6)\n", argv[i]);
+                return 2;
+            }
         } else if (!strcmp(argv[i], "--ctx") && i + 1 < argc) {
             char *end;
             errno = 0;
@@ -262,7 +269,22 @@ static int cmd_inspect(int argc, char **argv)
         tc[f->tensors[i].type].count++;
         tc[f->tensors[i].type].bytes += f->tensors[i].nbytes;
     }
+    if (have_budget && residency > 0) {
+        fprintf(stderr, "moectl inspect: give --vram-budget or --expert-residency, not both\n");
+        moe_model_free(&m);
+        gguf_close(f);
+        return 2;
+    }
     struct vram_plan vp;
+    if (residency > 0) {
+        /* The budget that holds this share: S slots in every layer (at least one token's). */
+        const struct moe_hparams *hp = &m.hp;
+        uint64_t S = (uint64_t)(residency * hp->n_expert + 0.5);
+        S = S < hp->n_expert_used ? hp->n_expert_used : S > hp->n_expert ? hp->n_expert : S;
+        plan_vram(&m, 0, ctx, &vp);
+        budget = m.bytes_dense + vp.kv + vp.reserve + S * vp.per_slot_all_layers;
+        have_budget = true;
+    }
     if (have_budget)
         plan_vram(&m, budget, ctx, &vp);
     int ret = 0;

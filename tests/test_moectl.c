@@ -149,6 +149,15 @@ TEST(moectl_options_take_equals_values)
     CHECK_EQ(moectl(log, sizeof log, "inspect", "--vram-budget=1G", "models/kjv-demo-F16.gguf",
                     NULL), 0);
     CHECK_MSG(strstr(log, "VRAM budget 1.00 GiB"), "%s", log);
+    /* The budget a residency needs: half the demo model's 32 experts in every layer. */
+    CHECK_EQ(moectl(log, sizeof log, "inspect", "--expert-residency=50%", "models/kjv-demo-F16.gguf",
+                    NULL), 0);
+    CHECK_MSG(strstr(log, "slots per layer   16 of 32") && strstr(log, "residency         50.0%"),
+              "%s", log);
+    CHECK_EQ(moectl(log, sizeof log, "inspect", "--expert-residency", "50%", "--vram-budget", "1G",
+                    "models/kjv-demo-F16.gguf", NULL), 2);
+    CHECK_EQ(moectl(log, sizeof log, "inspect", "--expert-residency", "150%",
+                    "models/kjv-demo-F16.gguf", NULL), 2);
     char sock[600];
     snprintf(sock, sizeof sock, "--socket=%s/other.sock", moe_test_tmpdir());
     CHECK_EQ(moectl(log, sizeof log, sock, "status", NULL), 3);
