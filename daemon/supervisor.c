@@ -656,6 +656,10 @@ static int slot_start(struct wslot *w, char *err, size_t errlen)
     w->info.pid = w->proc.pid;
     set_state(w, MOED_WORKER_STARTING);
     off_clear(&w->off); /* the new incarnation reports its own */
+    /* Gauges of the last incarnation would be stale: its rate, its memory, its cache counters. */
+    w->info.tokens_per_s = 0;
+    w->info.vram_used = 0;
+    w->info.expert_hits = w->info.expert_misses = 0;
 
     Moed__Hello h = MOED__HELLO__INIT;
     h.protocol_version = MOE_IPC_PROTOCOL_VERSION;
