@@ -60,6 +60,7 @@ static const struct key keys[] = {
     {"max-body", K_SIZE, F(max_body), "SIZE", "request body limit (default 8M)", 1024, 1ull << 30},
     {"idle-timeout", K_U32, F(idle_timeout_s), "SECONDS", "close idle connections (default 60)", 1, DAY_S},
     {"profile-interval", K_U32, F(profile_interval_s), "SECONDS", "save routing counts (default 5)", 1, DAY_S},
+    {"profile-half-life", K_SIZE, F(profile_half_life), "TOKENS", "routings this many tokens old weigh half (K/M/G suffixes, binary; 0: never; default 10000000)", 0, UINT64_MAX},
     {"queue-max", K_U32, F(queue_max), "N", "requests waiting for a slot (default 256)", 1, 1000000},
     {"max-tokens-default", K_U32, F(max_tokens_default), "N",
      "max_tokens when a request gives none (0 or default: up to the context)", 0, MAX_CTX},
@@ -91,6 +92,7 @@ int config_init(struct moed_config *c)
     c->max_body = 8u << 20;
     c->idle_timeout_s = 60;
     c->profile_interval_s = 5;
+    c->profile_half_life = 10000000;
     c->queue_max = 256;
     c->max_write_queue = 4u << 20;
     c->max_conns = 1024;

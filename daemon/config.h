@@ -37,6 +37,7 @@ struct moed_config {
     uint64_t max_body;      /* --max-body SIZE: request body limit (413 above) */
     uint32_t idle_timeout_s;   /* --idle-timeout S: idle keep-alive connections are closed */
     uint32_t profile_interval_s; /* --profile-interval S: how often routing counts are saved */
+    uint64_t profile_half_life; /* --profile-half-life N: tokens after which old routings weigh half; 0: never */
     uint32_t queue_max;     /* --queue-max N: requests waiting for a slot (503 above) */
     uint32_t max_tokens_default; /* --max-tokens-default N: when a request names none; 0: to n_ctx */
     uint64_t max_total_body; /* --max-total-body SIZE: bodies of all connections; 0: max(256M, 4 x max-body) */

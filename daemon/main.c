@@ -123,8 +123,10 @@ static void on_routing(void *user, uint32_t worker, const uint64_t *counts, uint
     (void)worker;
     if (n_layer != d->profile.n_layer || n_expert != d->profile.n_expert)
         return;
-    if (moe_profile_merge(&d->profile, counts, (size_t)n_layer * n_expert, n_tokens) == 0)
+    if (moe_profile_merge(&d->profile, counts, (size_t)n_layer * n_expert, n_tokens) == 0) {
         d->profile_dirty = true;
+        moe_profile_decay(&d->profile, d->cfg.profile_half_life);
+    }
     api_add_routing(d->api, counts, n_layer, n_expert, n_tokens);
 }
 

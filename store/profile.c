@@ -319,6 +319,20 @@ int moe_profile_merge(struct moe_profile *p, const uint64_t *delta, size_t n, ui
     return 0;
 }
 
+unsigned moe_profile_decay(struct moe_profile *p, uint64_t half_life)
+{
+    unsigned k = 0;
+    if (!half_life || !p->counts)
+        return 0;
+    while (p->tokens / 2 >= half_life) {
+        for (size_t i = 0; i < (size_t)p->n_layer * p->n_expert; i++)
+            p->counts[i] >>= 1;
+        p->tokens >>= 1;
+        k++;
+    }
+    return k;
+}
+
 /* ---- JSON --------------------------------------------------------------------------------- */
 
 static json_int_t clamp_i64(uint64_t v)

@@ -67,6 +67,12 @@ int moe_profile_delete(struct moe_profile_db *db, uint64_t fingerprint, char *er
  * UINT64_MAX, and sets updated = now. n must equal n_layer * n_expert, else MOE_ERANGE. */
 int moe_profile_merge(struct moe_profile *p, const uint64_t *delta, size_t n, uint64_t tokens);
 
+/* Ages the history: while the profile holds at least 2 x half_life tokens, every count and the
+ * token total are halved (rounding down), so that traffic k half-lives old weighs 2^-k and the
+ * profile follows a change of workload without one burst erasing it. half_life 0: never.
+ * Returns how many halvings were applied. */
+unsigned moe_profile_decay(struct moe_profile *p, uint64_t half_life);
+
 /* JSON: {"fingerprint": "16 hex digits", "n_layer": L, "n_expert": E, "tokens": T,
  * "created": S, "updated": S, "counts": [[E numbers] x L]}. Export gives a malloc'd,
  * NUL-terminated string (counts above INT64_MAX are clamped: JSON integers are signed 64-bit). */

@@ -336,3 +336,39 @@ TEST(profile_unwritable_state_dir_is_not_damage)
     CHECK_MSG(rc == -EACCES, "%d (%s)", rc, err);
     chmod(dir, 0700);
 }
+
+/* Decay: at 2 x half-life tokens the counts and the total halve (as often as needed), so old
+ * traffic weighs less and a new workload takes over gradually; a burst smaller than the
+ * half-life moves the ranking only as much as its share. */
+TEST(profile_decay_halves_old_history)
+{
+    struct moe_profile p;
+    CHECK_EQ(moe_profile_init(&p, 0x1234, 2, 4), 0);
+    uint64_t a[8] = {100, 50, 0, 0, 7, 3, 1, 1}; /* the old workload: expert 0 first */
+    CHECK_EQ(moe_profile_merge(&p, a, 8, 150), 0);
+    CHECK_EQ(moe_profile_decay(&p, 0), 0u);  /* never */
+    CHECK_EQ(moe_profile_decay(&p, 100), 0u); /* 150 < 200 */
+    CHECK_EQ(p.counts[0], 100u);
+    uint64_t b[8] = {0, 0, 0, 60, 0, 0, 0, 0}; /* a burst of another workload */
+    CHECK_EQ(moe_profile_merge(&p, b, 8, 60), 0);
+    CHECK_EQ(moe_profile_decay(&p, 100), 1u); /* 210 -> 105 */
+    CHECK_EQ(p.tokens, 105u);
+    CHECK_EQ(p.counts[0], 50u);
+    CHECK_EQ(p.counts[3], 30u);
+    CHECK_EQ(p.counts[5], 1u);
+    CHECK(p.counts[0] > p.counts[3]); /* the burst did not erase the history */
+    /* The new workload, kept up: it takes over. */
+    for (int i = 0; i < 10; i++) {
+        uint64_t c[8] = {0, 0, 0, 100, 0, 0, 0, 0};
+        CHECK_EQ(moe_profile_merge(&p, c, 8, 100), 0);
+        moe_profile_decay(&p, 100);
+        CHECK(p.tokens < 200);
+    }
+    CHECK(p.counts[3] > 10 * p.counts[0]);
+    /* Several halvings at once. */
+    uint64_t z[8] = {0};
+    CHECK_EQ(moe_profile_merge(&p, z, 8, 10000), 0);
+    CHECK(moe_profile_decay(&p, 100) >= 6);
+    CHECK(p.tokens < 200 && p.tokens >= 100);
+    moe_profile_free(&p);
+}
