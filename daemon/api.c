@@ -1289,6 +1289,31 @@ static int tok_job_queue(struct api *a, struct tok_job *j)
     return 0;
 }
 
+/* The request body as a JSON object, or NULL with the error sent (503 before the model is
+ * served, 400 for a body that is not a JSON object). */
+static json_t *load_object(struct api *a, struct http_request *req)
+{
+    if (!a->tok) {
+        respond_error(a, req->conn, 503, NULL, "no model is being served yet");
+        return NULL;
+    }
+    json_error_t jerr;
+    json_t *body = json_loadb(req->body, req->body_len, JSON_REJECT_DUPLICATES, &jerr);
+    if (!body) {
+        respond_error(a, req->conn, 400, NULL,
+                      "request body is not valid JSON: %s (line %d, column %d)", jerr.text,
+                      jerr.line, jerr.column);
+        return NULL;
+    }
+    if (!json_is_object(body)) {
+        respond_error(a, req->conn, 400, NULL, "request body must be a JSON object, not %s",
+                      jtype(body));
+        json_decref(body);
+        return NULL;
+    }
+    return body;
+}
+
 static void handle_generate(struct api *a, struct http_request *req, bool chat)
 {
     const double t0 = moe_now_s();
@@ -1304,17 +1329,8 @@ static void handle_generate(struct api *a, struct http_request *req, bool chat)
         respond_error(a, c, 503, NULL, "no model is being served yet (workers are starting)");
         return;
     }
-    json_error_t jerr;
-    body = json_loadb(req->body, req->body_len, JSON_REJECT_DUPLICATES, &jerr);
-    if (!body) {
-        fail(&e, 400, NULL, "request body is not valid JSON: %s (line %d, column %d)", jerr.text,
-             jerr.line, jerr.column);
-        goto fail;
-    }
-    if (!json_is_object(body)) {
-        fail(&e, 400, NULL, "request body must be a JSON object, not %s", jtype(body));
-        goto fail;
-    }
+    if (!(body = load_object(a, req)))
+        return;
     if (parse_common(a, body, &r, &e))
         goto fail;
     if (a->loop) {
@@ -1465,30 +1481,6 @@ out:
 
 /* ---- llama-server's tokenizer endpoints ---- */
 
-/* The request body of a tokenizer endpoint as a JSON object, or NULL with the error sent (503
- * before the model is served, 400 for a body that is not an object). */
-static json_t *load_object(struct api *a, struct http_request *req)
-{
-    if (!a->tok) {
-        respond_error(a, req->conn, 503, NULL, "no model is being served yet");
-        return NULL;
-    }
-    json_error_t jerr;
-    json_t *body = json_loadb(req->body, req->body_len, JSON_REJECT_DUPLICATES, &jerr);
-    if (!body) {
-        respond_error(a, req->conn, 400, NULL,
-                      "request body is not valid JSON: %s (line %d, column %d)", jerr.text,
-                      jerr.line, jerr.column);
-        return NULL;
-    }
-    if (!json_is_object(body)) {
-        respond_error(a, req->conn, 400, NULL, "request body must be a JSON object, not %s",
-                      jtype(body));
-        json_decref(body);
-        return NULL;
-    }
-    return body;
-}
 
 /* An optional boolean field; -1 (and a 400 sent) when it is not one. */
 static int opt_bool(struct api *a, struct http_request *req, json_t *body, const char *name,
@@ -1748,30 +1740,10 @@ static void sb_printf(struct sbuf *b, const char *fmt, ...)
 {
     if (b->oom)
         return;
-    for (;;) {
-        va_list ap;
-        va_start(ap, fmt);
-        int n = vsnprintf(b->p ? b->p + b->len : NULL, b->p ? b->cap - b->len : 0, fmt, ap);
-        va_end(ap);
-        if (n < 0) {
-            b->oom = true;
-            return;
-        }
-        if (b->p && b->len + (size_t)n < b->cap) {
-            b->len += (size_t)n;
-            return;
-        }
-        size_t nc = b->cap ? b->cap * 2 : 4096;
-        while (nc < b->len + (size_t)n + 1)
-            nc *= 2;
-        char *np = realloc(b->p, nc);
-        if (!np) {
-            b->oom = true;
-            return;
-        }
-        b->p = np;
-        b->cap = nc;
-    }
+    va_list ap;
+    va_start(ap, fmt);
+    b->oom = moe_buf_vprintf(&b->p, &b->len, &b->cap, fmt, ap) != 0;
+    va_end(ap);
 }
 
 static void metric(struct sbuf *b, const char *name, const char *type, const char *help, double v)

@@ -32,6 +32,7 @@
 #include "daemon/notify.h"
 #include "daemon/supervisor.h"
 #include "proto/ipc.h"
+#include "store/buf.h"
 #include "store/err.h"
 #include "store/expert_store.h"
 #include "store/gguf.h"
@@ -347,11 +348,10 @@ static int hook_placement(void *user, char **json, char *err, size_t errlen)
 static int hook_metrics(void *user, char **text)
 {
     struct daemon *d = user;
-    size_t cap = 2048 + (size_t)d->n_workers * 1024, n = 0;
-    char *b = malloc(cap);
-    if (!b)
-        return -ENOMEM;
-    n += (size_t)snprintf(b + n, cap - n,
+    size_t cap = 0, n = 0;
+    char *b = NULL;
+    int rc = 0;
+    rc |= moe_buf_printf(&b, &n, &cap,
                           "# HELP moed_worker_up 1 when the worker is ready.\n# TYPE moed_worker_up gauge\n");
     struct moed_worker_info wi[MAX_DEVICES];
     uint32_t nw = 0;
@@ -359,86 +359,78 @@ static int hook_metrics(void *user, char **text)
         if (moed_workers_info(d->workers, i, &wi[nw]) == 0)
             nw++;
     for (uint32_t i = 0; i < nw; i++)
-        n += (size_t)snprintf(b + n, cap - n, "moed_worker_up{worker=\"%u\",device=\"%s\"} %d\n", i,
+        rc |= moe_buf_printf(&b, &n, &cap, "moed_worker_up{worker=\"%u\",device=\"%s\"} %d\n", i,
                               wi[i].device, wi[i].state == MOED_WORKER_READY);
-    n += (size_t)snprintf(b + n, cap - n, "# HELP moed_worker_failed 1 when the worker never got "
+    rc |= moe_buf_printf(&b, &n, &cap, "# HELP moed_worker_failed 1 when the worker never got "
                           "ready and is not restarted any more.\n# TYPE moed_worker_failed gauge\n");
     for (uint32_t i = 0; i < nw; i++)
-        n += (size_t)snprintf(b + n, cap - n, "moed_worker_failed{worker=\"%u\",device=\"%s\"} %d\n", i,
+        rc |= moe_buf_printf(&b, &n, &cap, "moed_worker_failed{worker=\"%u\",device=\"%s\"} %d\n", i,
                               wi[i].device, wi[i].state == MOED_WORKER_FAILED);
-    n += (size_t)snprintf(b + n, cap - n, "# HELP moed_worker_restarts_total Times the worker was restarted.\n"
+    rc |= moe_buf_printf(&b, &n, &cap, "# HELP moed_worker_restarts_total Times the worker was restarted.\n"
                           "# TYPE moed_worker_restarts_total counter\n");
     for (uint32_t i = 0; i < nw; i++)
-        n += (size_t)snprintf(b + n, cap - n, "moed_worker_restarts_total{worker=\"%u\"} %u\n", i,
+        rc |= moe_buf_printf(&b, &n, &cap, "moed_worker_restarts_total{worker=\"%u\"} %u\n", i,
                               wi[i].restarts);
-    n += (size_t)snprintf(b + n, cap - n, "# HELP moed_worker_tokens_per_second Decode tokens per second in the worker's last report.\n"
+    rc |= moe_buf_printf(&b, &n, &cap, "# HELP moed_worker_tokens_per_second Decode tokens per second in the worker's last report.\n"
                           "# TYPE moed_worker_tokens_per_second gauge\n");
     for (uint32_t i = 0; i < nw; i++)
-        n += (size_t)snprintf(b + n, cap - n, "moed_worker_tokens_per_second{worker=\"%u\"} %.3f\n",
+        rc |= moe_buf_printf(&b, &n, &cap, "moed_worker_tokens_per_second{worker=\"%u\"} %.3f\n",
                               i, wi[i].tokens_per_s);
-    n += (size_t)snprintf(b + n, cap - n, "# HELP moed_worker_vram_used_bytes Device memory the worker holds (0 on the CPU).\n"
+    rc |= moe_buf_printf(&b, &n, &cap, "# HELP moed_worker_vram_used_bytes Device memory the worker holds (0 on the CPU).\n"
                           "# TYPE moed_worker_vram_used_bytes gauge\n");
     for (uint32_t i = 0; i < nw; i++)
-        n += (size_t)snprintf(b + n, cap - n, "moed_worker_vram_used_bytes{worker=\"%u\"} %" PRIu64 "\n",
+        rc |= moe_buf_printf(&b, &n, &cap, "moed_worker_vram_used_bytes{worker=\"%u\"} %" PRIu64 "\n",
                               i, wi[i].vram_used);
-    n += (size_t)snprintf(b + n, cap - n, "# HELP moed_worker_expert_hits_total Chosen experts found "
+    rc |= moe_buf_printf(&b, &n, &cap, "# HELP moed_worker_expert_hits_total Chosen experts found "
                           "in VRAM (GPU workers).\n# TYPE moed_worker_expert_hits_total counter\n");
     for (uint32_t i = 0; i < nw; i++)
-        n += (size_t)snprintf(b + n, cap - n, "moed_worker_expert_hits_total{worker=\"%u\"} %" PRIu64 "\n",
+        rc |= moe_buf_printf(&b, &n, &cap, "moed_worker_expert_hits_total{worker=\"%u\"} %" PRIu64 "\n",
                               i, wi[i].expert_hits);
-    n += (size_t)snprintf(b + n, cap - n, "# HELP moed_worker_expert_misses_total Chosen experts "
+    rc |= moe_buf_printf(&b, &n, &cap, "# HELP moed_worker_expert_misses_total Chosen experts "
                           "read from host memory (GPU workers).\n# TYPE moed_worker_expert_misses_total counter\n");
     for (uint32_t i = 0; i < nw; i++)
-        n += (size_t)snprintf(b + n, cap - n, "moed_worker_expert_misses_total{worker=\"%u\"} %" PRIu64 "\n",
+        rc |= moe_buf_printf(&b, &n, &cap, "moed_worker_expert_misses_total{worker=\"%u\"} %" PRIu64 "\n",
                               i, wi[i].expert_misses);
     /* Per GPU worker with offload: bytes copied over PCIe, and hits and misses per layer. */
     struct moed_worker_offload wo[MAX_DEVICES];
     bool any_off = false;
-    size_t per_layer = 0;
     for (uint32_t i = 0; i < nw; i++) {
         if (moed_workers_offload(d->workers, i, &wo[i]))
             memset(&wo[i], 0, sizeof wo[i]);
         any_off |= wo[i].active;
-        per_layer += wo[i].active ? wo[i].n_layer : 0;
     }
     if (any_off) {
-        const size_t need = n + 1024 + (size_t)nw * 256 + per_layer * 2 * 96;
-        if (need > cap) {
-            char *nb = realloc(b, need);
-            if (!nb) {
-                free(b);
-                return -ENOMEM;
-            }
-            b = nb;
-            cap = need;
-        }
-        n += (size_t)snprintf(b + n, cap - n, "# HELP moed_worker_expert_fill_bytes_total Expert bytes "
+        rc |= moe_buf_printf(&b, &n, &cap, "# HELP moed_worker_expert_fill_bytes_total Expert bytes "
                               "copied from host memory into VRAM slots.\n# TYPE moed_worker_expert_fill_bytes_total counter\n");
         for (uint32_t i = 0; i < nw; i++)
             if (wo[i].active)
-                n += (size_t)snprintf(b + n, cap - n, "moed_worker_expert_fill_bytes_total{worker=\"%u\"} %" PRIu64 "\n",
+                rc |= moe_buf_printf(&b, &n, &cap, "moed_worker_expert_fill_bytes_total{worker=\"%u\"} %" PRIu64 "\n",
                                       i, wo[i].fill_bytes);
-        n += (size_t)snprintf(b + n, cap - n, "# HELP moed_worker_expert_vram_bytes Expert slots in VRAM.\n"
+        rc |= moe_buf_printf(&b, &n, &cap, "# HELP moed_worker_expert_vram_bytes Expert slots in VRAM.\n"
                               "# TYPE moed_worker_expert_vram_bytes gauge\n");
         for (uint32_t i = 0; i < nw; i++)
             if (wo[i].active)
-                n += (size_t)snprintf(b + n, cap - n, "moed_worker_expert_vram_bytes{worker=\"%u\"} %" PRIu64 "\n",
+                rc |= moe_buf_printf(&b, &n, &cap, "moed_worker_expert_vram_bytes{worker=\"%u\"} %" PRIu64 "\n",
                                       i, wo[i].expert_vram_bytes);
         static const char *const what[2] = {"hits", "misses"};
         for (int k = 0; k < 2; k++) {
-            n += (size_t)snprintf(b + n, cap - n, "# HELP moed_worker_layer_expert_%s_total Chosen experts %s "
+            rc |= moe_buf_printf(&b, &n, &cap, "# HELP moed_worker_layer_expert_%s_total Chosen experts %s "
                                   "per layer.\n# TYPE moed_worker_layer_expert_%s_total counter\n", what[k],
                                   k ? "not in VRAM" : "found in VRAM", what[k]);
             for (uint32_t i = 0; i < nw; i++)
                 for (uint32_t l = 0; wo[i].active && l < wo[i].n_layer; l++)
-                    n += (size_t)snprintf(b + n, cap - n,
+                    rc |= moe_buf_printf(&b, &n, &cap,
                                           "moed_worker_layer_expert_%s_total{worker=\"%u\",layer=\"%u\"} %" PRIu64 "\n",
                                           what[k], i, l, k ? wo[i].misses[l] : wo[i].hits[l]);
         }
     }
-    n += (size_t)snprintf(b + n, cap - n, "# HELP moed_profile_tokens Tokens the routing profile has learned from.\n"
+    rc |= moe_buf_printf(&b, &n, &cap, "# HELP moed_profile_tokens Tokens the routing profile has learned from.\n"
                           "# TYPE moed_profile_tokens gauge\nmoed_profile_tokens %" PRIu64 "\n",
                           d->profile.tokens);
+    if (rc) {
+        free(b);
+        return -ENOMEM;
+    }
     *text = b;
     return 0;
 }
