@@ -78,8 +78,6 @@ struct cuda_layer {
     const void **host[3];            /* host [nexp]: device addresses of the host copies */
 };
 
-#define MOE_OFF_MARGIN MOE_OFFLOAD_RESERVE
-
 struct cuda_backend {
     struct moe_backend base;
     const struct moe_model *m;
@@ -517,7 +515,7 @@ static int plan_experts(struct cuda_backend *b, uint64_t used, char *err, size_t
         S = S < kmin ? kmin : S > nexp ? nexp : S;
     }
     if (d->vram_budget) {
-        const uint64_t fixed = used + MOE_OFF_MARGIN;
+        const uint64_t fixed = used + MOE_OFFLOAD_RESERVE;
         const uint64_t avail = d->vram_budget > fixed ? d->vram_budget - fixed : 0;
         if (d->expert_residency <= 0.0) {
             S = (int64_t)(avail / sum_slot);
@@ -600,17 +598,10 @@ static int plan_experts(struct cuda_backend *b, uint64_t used, char *err, size_t
     return 0;
 }
 
-/* Whether an expert may be read from host memory: with offload, every one (re-pinning can
- * unpin a hot expert, which the cache may then evict). */
-static bool may_be_on_host(const struct cuda_layer *cl, int64_t x)
-{
-    (void)cl;
-    (void)x;
-    return true;
-}
 
-/* Device addresses of the host copies of every expert that may be read from host memory: the
- * host memory registered with CUDA where it can be, else a pinned copy. */
+/* Device addresses of the host copies of every expert (with offload any expert may be read from
+ * host memory: re-pinning can unpin a hot one, which the cache may then evict): the host memory
+ * registered with CUDA where it can be, else a pinned copy. */
 static int map_host_experts(struct cuda_backend *b, char *err, size_t errlen)
 {
     const struct moe_model *m = b->m;
@@ -621,12 +612,11 @@ static int map_host_experts(struct cuda_backend *b, char *err, size_t errlen)
         return -ENOMEM;
     for (int l = 0; l < (int)d->L; l++)
         for (int64_t x = 0; x < d->nexp; x++)
-            if (may_be_on_host(&b->layers[l], x))
-                for (int p = 0; p < 3; p++) {
-                    const struct moe_tensor *t = expert_part(&m->layers[l].experts[x], p);
-                    add_range(r, &n, t);
-                    copy_bytes += (t->nbytes + 63) & ~(size_t)63;
-                }
+            for (int p = 0; p < 3; p++) {
+                const struct moe_tensor *t = expert_part(&m->layers[l].experts[x], p);
+                add_range(r, &n, t);
+                copy_bytes += (t->nbytes + 63) & ~(size_t)63;
+            }
     bool all = false;
     /* Shared memory (the daemon's store) is registered: the GPU reads the one copy in RAM.
      * Below 2 GB/s a pinned copy is faster to make than the registration. File mappings are
@@ -643,14 +633,13 @@ static int map_host_experts(struct cuda_backend *b, char *err, size_t errlen)
     bool ok = all;
     for (int l = 0; l < (int)d->L && ok; l++)
         for (int64_t x = 0; x < d->nexp && ok; x++)
-            if (may_be_on_host(&b->layers[l], x))
-                for (int p = 0; p < 3 && ok; p++) {
-                    const struct moe_tensor *t = expert_part(&m->layers[l].experts[x], p);
-                    void *dp = NULL;
-                    ok = cudaHostGetDevicePointer(&dp, (void *)t->data, 0) == cudaSuccess &&
-                         ((uintptr_t)dp & 15) == 0;
-                    b->layers[l].host[p][x] = dp;
-                }
+            for (int p = 0; p < 3 && ok; p++) {
+                const struct moe_tensor *t = expert_part(&m->layers[l].experts[x], p);
+                void *dp = NULL;
+                ok = cudaHostGetDevicePointer(&dp, (void *)t->data, 0) == cudaSuccess &&
+                     ((uintptr_t)dp & 15) == 0;
+                b->layers[l].host[p][x] = dp;
+            }
     if (ok) {
         snprintf(b->xhow, sizeof b->xhow, "read from the mapped host store");
         return 0;
@@ -674,13 +663,12 @@ static int map_host_experts(struct cuda_backend *b, char *err, size_t errlen)
     size_t off = 0;
     for (int l = 0; l < (int)d->L; l++)
         for (int64_t x = 0; x < d->nexp; x++)
-            if (may_be_on_host(&b->layers[l], x))
-                for (int p = 0; p < 3; p++) {
-                    const struct moe_tensor *t = expert_part(&m->layers[l].experts[x], p);
-                    memcpy(b->xpinned + off, t->data, t->nbytes);
-                    b->layers[l].host[p][x] = base + off;
-                    off += (t->nbytes + 63) & ~(size_t)63;
-                }
+            for (int p = 0; p < 3; p++) {
+                const struct moe_tensor *t = expert_part(&m->layers[l].experts[x], p);
+                memcpy(b->xpinned + off, t->data, t->nbytes);
+                b->layers[l].host[p][x] = base + off;
+                off += (t->nbytes + 63) & ~(size_t)63;
+            }
     if (!try_reg)
         snprintf(b->xhow, sizeof b->xhow, "read from a pinned copy");
     else
@@ -790,9 +778,7 @@ static void phase(const char *what)
         on = getenv("MOE_CUDA_VERBOSE") && strcmp(getenv("MOE_CUDA_VERBOSE"), "0");
     if (!on)
         return;
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    const double t = (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+    const double t = now_s();
     if (t0 < 0)
         t0 = t;
     fprintf(stderr, "cuda init: %8.3f s %s\n", t - t0, what);
