@@ -183,6 +183,14 @@ static void moed_require_ready(struct moed *d, double timeout)
     }
 }
 
+/* moed_spawn, then waits for the socket and for every worker to be ready. */
+static void moed_start(struct moed *d, const char *dir, const char *const *args)
+{
+    moed_spawn(d, dir, args);
+    moed_wait_socket(d, 30);
+    moed_require_ready(d, 60);
+}
+
 /* Waits up to timeout s for d to exit: its exit status, or -1 (after SIGKILL) when it did not. */
 static int moed_wait_exit(struct moed *d, double timeout)
 {
@@ -811,9 +819,7 @@ TEST_TIMEOUT(daemon_concurrent_clients_match_worker, 300)
     }
     struct moed d;
     const char *args[] = {"--devices", "cpu", "--workers", "2", "--parallel", "4", "--threads", "1", NULL};
-    moed_spawn(&d, dir, args);
-    moed_wait_socket(&d, 30);
-    moed_require_ready(&d, 60);
+    moed_start(&d, dir, args);
 
     struct client_job jobs[8];
     pthread_t th[8];
@@ -946,9 +952,7 @@ TEST_TIMEOUT(daemon_client_disconnect_frees_slot, 180)
     const char *dir = moe_test_tmpdir();
     struct moed d;
     const char *args[] = {"--devices", "cpu", "--workers", "1", "--parallel", "2", "--threads", "1", NULL};
-    moed_spawn(&d, dir, args);
-    moed_wait_socket(&d, 30);
-    moed_require_ready(&d, 60);
+    moed_start(&d, dir, args);
     char *body = completion_body("Once upon a time", 2000, true);
     for (int i = 0; i < 6; i++) {
         struct hc_conn c;
@@ -997,9 +1001,7 @@ TEST_TIMEOUT(daemon_worker_killed_during_generation, 240)
     const char *dir = moe_test_tmpdir();
     struct moed d;
     const char *args[] = {"--devices", "cpu", "--workers", "1", "--threads", "1", NULL};
-    moed_spawn(&d, dir, args);
-    moed_wait_socket(&d, 30);
-    moed_require_ready(&d, 60);
+    moed_start(&d, dir, args);
     int pid = worker_pid(d.sock, 0);
     CHECK(pid > 0);
     /* A long streaming generation; kill the worker once tokens flow. */
@@ -1291,9 +1293,7 @@ TEST_TIMEOUT(daemon_profile_survives_restart_and_kill9, 300)
     const char *dir = moe_test_tmpdir();
     struct moed d;
     const char *args[] = {"--devices", "cpu", "--workers", "1", "--threads", "1", "--profile-interval", "1", NULL};
-    moed_spawn(&d, dir, args);
-    moed_wait_socket(&d, 30);
-    moed_require_ready(&d, 60);
+    moed_start(&d, dir, args);
     CHECK_EQ(profile_tokens(d.sock), 0);
     for (int i = 0; i < 3; i++) {
         int status;
@@ -1369,9 +1369,7 @@ TEST_TIMEOUT(daemon_sigterm_drains_inflight, 180)
     const char *dir = moe_test_tmpdir();
     struct moed d;
     const char *args[] = {"--devices", "cpu", "--workers", "1", "--threads", "1", NULL};
-    moed_spawn(&d, dir, args);
-    moed_wait_socket(&d, 30);
-    moed_require_ready(&d, 60);
+    moed_start(&d, dir, args);
     struct hc_conn c;
     start_stream(&c, d.sock, "Let there be light", 200);
     /* Wait for the first token, then SIGTERM. */
@@ -1406,14 +1404,23 @@ TEST_TIMEOUT(daemon_sigterm_drains_inflight, 180)
     CHECK(log_contains(&d, "SIGTERM: draining"));
 }
 
+/* A metric's value from /metrics text (the first line starting with `name `), or -1. */
+static double metric_value(const char *text, const char *name)
+{
+    size_t n = strlen(name);
+    for (const char *p = text; p && *p; p = strchr(p, '\n') ? strchr(p, '\n') + 1 : NULL)
+        if (!strncmp(p, name, n) && p[n] == ' ')
+            return atof(p + n + 1);
+    return -1;
+}
+
 /* The 4xx line of /metrics (moed_http_responses_total{code="4xx"}), or -1. */
 static long metrics_4xx(const char *sock)
 {
     struct hc_resp r;
     if (hc_request_unix(sock, "GET", "/metrics", NULL, &r, 5000) != 0)
         return -1;
-    const char *p = r.body ? strstr(r.body, "moed_http_responses_total{code=\"4xx\"} ") : NULL;
-    long v = p ? strtol(p + strlen("moed_http_responses_total{code=\"4xx\"} "), NULL, 10) : -1;
+    long v = r.body ? (long)metric_value(r.body, "moed_http_responses_total{code=\"4xx\"}") : -1;
     hc_resp_free(&r);
     return v;
 }
@@ -1483,9 +1490,7 @@ TEST_TIMEOUT(daemon_huge_prompt_refused_without_tokenizing, 120)
 static void moed_start_one_cpu(struct moed *d)
 {
     const char *args[] = {"--devices", "cpu", "--workers", "1", NULL};
-    moed_spawn(d, moe_test_tmpdir(), args);
-    moed_wait_socket(d, 30);
-    moed_require_ready(d, 60);
+    moed_start(d, moe_test_tmpdir(), args);
 }
 
 struct big_post {
@@ -1731,9 +1736,7 @@ TEST_TIMEOUT(daemon_reuses_a_cached_prefix, 120)
     const char *dir = moe_test_tmpdir();
     struct moed d;
     const char *args[] = {"--devices", "cpu", "--workers", "1", "--parallel", "1", NULL};
-    moed_spawn(&d, dir, args);
-    moed_wait_socket(&d, 30);
-    moed_require_ready(&d, 60);
+    moed_start(&d, dir, args);
     enum { NA = 40, NB = 60 };
     int32_t ids[NB];
     for (int i = 0; i < NB; i++)
@@ -1768,9 +1771,7 @@ TEST_TIMEOUT(daemon_routes_to_the_worker_with_the_prefix, 120)
     struct moed d;
     const char *args[] = {"--devices", "cpu", "--workers", "2", "--parallel", "1", "--threads",
                           "1", NULL};
-    moed_spawn(&d, dir, args);
-    moed_wait_socket(&d, 30);
-    moed_require_ready(&d, 60);
+    moed_start(&d, dir, args);
     enum { N = 70 };
     int32_t a[N], b[N];
     for (int i = 0; i < N; i++) {
@@ -1796,15 +1797,6 @@ TEST_TIMEOUT(daemon_routes_to_the_worker_with_the_prefix, 120)
     CHECK_EQ(moed_stop(&d, 60), 0);
 }
 
-/* A metric's value from /metrics text (the first line starting with `name `), or -1. */
-static double metric_value(const char *text, const char *name)
-{
-    size_t n = strlen(name);
-    for (const char *p = text; p && *p; p = strchr(p, '\n') ? strchr(p, '\n') + 1 : NULL)
-        if (!strncmp(p, name, n) && p[n] == ' ')
-            return atof(p + n + 1);
-    return -1;
-}
 
 /* Time to first token and inter-token latency are Prometheus histograms: one TTFT observation
  * per generation, one ITL per token after the first, cumulative buckets ending at the count. */
@@ -1898,9 +1890,7 @@ TEST_TIMEOUT(daemon_chat_truncation, 120)
     const char *dir = moe_test_tmpdir();
     struct moed d;
     const char *args[] = {"--devices", "cpu", "--workers", "1", "--ctx", "160", NULL};
-    moed_spawn(&d, dir, args);
-    moed_wait_socket(&d, 30);
-    moed_require_ready(&d, 60);
+    moed_start(&d, dir, args);
     char body[8192], *p = body;
     p += sprintf(p, "{\"max_tokens\": 8, \"temperature\": 0, %%s\"messages\": [{\"role\": "
                     "\"system\", \"content\": \"Answer briefly.\"}");
