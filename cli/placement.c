@@ -7,6 +7,7 @@
 
 #include "cli/client.h"
 #include "cli/moectl.h"
+#include "store/units.h"
 
 static int cmd_placement(int argc, char **argv)
 {
@@ -22,10 +23,13 @@ static int cmd_placement(int argc, char **argv)
     int rc = client_get_json("/admin/placement", "placement", &o);
     if (rc || !o)
         return rc;
-    printf("budget %.3f GiB (%s), used %.3f GiB, floor %lld per layer, profile %lld tokens\n\n",
-           json_number_value(json_object_get(o, "budget_bytes")) / 1073741824.0,
+    char budget[32], used[32];
+    printf("budget %s (%s), used %s, floor %lld per layer, profile %lld tokens\n\n",
+           moe_fmt_size(budget, sizeof budget,
+                        (uint64_t)json_number_value(json_object_get(o, "budget_bytes"))),
            json_string_value(json_object_get(o, "budget_source")),
-           json_number_value(json_object_get(o, "bytes_used")) / 1073741824.0,
+           moe_fmt_size(used, sizeof used,
+                        (uint64_t)json_number_value(json_object_get(o, "bytes_used"))),
            json_integer_value(json_object_get(o, "floor")),
            json_integer_value(json_object_get(o, "profile_tokens")));
     printf("%-6s %-6s %-9s %s\n", "layer", "hot", "hit rate", "hot experts");
@@ -47,14 +51,18 @@ static int cmd_placement(int argc, char **argv)
             continue;
         const double hits = (double)json_integer_value(json_object_get(l, "expert_hits")),
                      misses = (double)json_integer_value(json_object_get(l, "expert_misses"));
-        printf("\nworker %lld (%s): experts %.2f of %.2f GiB in VRAM, hit rate %.1f%% (%.0f hits, "
-               "%.0f misses), %.1f MiB copied from host, %lld read from host\n",
+        char vram[32], all[32], fill[32];
+        printf("\nworker %lld (%s): experts %s of %s in VRAM, hit rate %.1f%% (%.0f hits, "
+               "%.0f misses), %s copied from host, %lld read from host\n",
                json_integer_value(json_object_get(l, "worker")),
                json_string_value(json_object_get(l, "device")),
-               (double)json_integer_value(json_object_get(l, "expert_vram_bytes")) / 1073741824.0,
-               (double)json_integer_value(json_object_get(l, "expert_bytes")) / 1073741824.0,
+               moe_fmt_size(vram, sizeof vram,
+                            (uint64_t)json_integer_value(json_object_get(l, "expert_vram_bytes"))),
+               moe_fmt_size(all, sizeof all,
+                            (uint64_t)json_integer_value(json_object_get(l, "expert_bytes"))),
                hits + misses > 0 ? 100.0 * hits / (hits + misses) : 0.0, hits, misses,
-               (double)json_integer_value(json_object_get(l, "fill_bytes")) / 1048576.0,
+               moe_fmt_size(fill, sizeof fill,
+                            (uint64_t)json_integer_value(json_object_get(l, "fill_bytes"))),
                json_integer_value(json_object_get(l, "direct")));
         printf("%-6s %-6s %-6s %-10s %s\n", "layer", "slots", "hot", "residency", "hit rate");
         size_t k;

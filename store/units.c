@@ -4,6 +4,7 @@
 #include <ctype.h>
 #include <errno.h>
 #include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 
 #include "store/err.h"
@@ -71,4 +72,18 @@ int moe_parse_share(const char *s, double *out)
         return MOE_ERANGE;
     *out = v;
     return 0;
+}
+
+char *moe_fmt_size(char *buf, unsigned long cap, uint64_t bytes)
+{
+    const double b = (double)bytes;
+    if (bytes >= (1ull << 30))
+        snprintf(buf, cap, "%.2f GiB", b / (1ull << 30));
+    else if (bytes >= (1ull << 20))
+        snprintf(buf, cap, "%.1f MiB", b / (1ull << 20));
+    else if (bytes >= 1024)
+        snprintf(buf, cap, "%.1f KiB", b / 1024);
+    else
+        snprintf(buf, cap, "%llu B", (unsigned long long)bytes);
+    return buf;
 }

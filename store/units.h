@@ -11,4 +11,7 @@ int moe_parse_size(const char *s, uint64_t *out);
 /* A share in (0, 1]: "0.6" or "60%". Returns 0, MOE_EFORMAT or MOE_ERANGE. */
 int moe_parse_share(const char *s, double *out);
 
+/* bytes as "17.28 GiB", "4.5 MiB", "12.0 KiB" or "512 B" into buf; returns buf. */
+char *moe_fmt_size(char *buf, unsigned long cap, uint64_t bytes);
+
 #endif

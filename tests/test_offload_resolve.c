@@ -7,6 +7,7 @@
 #include <string.h>
 
 #include "tests/harness.h"
+#include "worker/cuda/host_ranges.h"
 #include "worker/cuda/offload_resolve.h"
 
 struct sim {
@@ -303,5 +304,74 @@ TEST(offload_repin_pins_the_wanted_experts)
         }
         free(want), free(scratch), free(need), free(loads);
         sim_free(&m);
+    }
+}
+
+/* The cache rule: a setting wins (capped at S), no ring with -1, every slot cache without a
+ * profile, with one a quarter of S but at least 2k. */
+TEST(offload_cache_rule)
+{
+    CHECK_EQ(moe_off_cache_slots(38, 128, 8, 0, 1), 16);
+    CHECK_EQ(moe_off_cache_slots(100, 128, 8, 0, 1), 25);
+    CHECK_EQ(moe_off_cache_slots(9, 16, 4, 0, 1), 8);
+    CHECK_EQ(moe_off_cache_slots(6, 16, 4, 0, 1), 6);
+    CHECK_EQ(moe_off_cache_slots(6, 16, 4, 0, 0), 6);
+    CHECK_EQ(moe_off_cache_slots(77, 128, 8, 0, 0), 77);
+    CHECK_EQ(moe_off_cache_slots(77, 128, 8, -1, 1), 0);
+    CHECK_EQ(moe_off_cache_slots(77, 128, 8, 3, 0), 3);
+    CHECK_EQ(moe_off_cache_slots(2, 128, 8, 3, 1), 2);
+    CHECK_EQ(moe_off_cache_slots(5, 4, 8, 0, 1), 5); /* k above the expert count */
+}
+
+/* The registration chunks (worker/cuda/host_ranges.h) over random tensor layouts: every tensor
+ * lies inside exactly one chunk, chunks are page-aligned, disjoint and sorted, and none is
+ * larger than its limit unless one tensor alone is. */
+TEST(offload_registration_chunks_keep_tensors_whole)
+{
+    moe_test_rng_seed(77);
+    const uintptr_t pg = 4096, first = 64 * pg, step = 256 * pg, gap = 16 * pg;
+    enum { N = 700 };
+    static uintptr_t ta[N], tb[N];
+    static struct reg_range r[N];
+    for (int round = 0; round < 40; round++) {
+        uintptr_t at = 1u << 20;
+        for (int i = 0; i < N; i++) {
+            at += moe_test_rng_u32() % 5 == 0 ? moe_test_rng_u32() % (40 * pg) : moe_test_rng_u32() % 64;
+            const uintptr_t len = 1 + (moe_test_rng_u32() % 9 == 0 ? moe_test_rng_u32() % (300 * pg)
+                                                                   : moe_test_rng_u32() % (3 * pg));
+            ta[i] = at;
+            tb[i] = at + len;
+            at += len;
+        }
+        for (int i = 0; i < N; i++) { /* shuffled, as the caller may add them */
+            int j = (int)(moe_test_rng_u32() % N);
+            uintptr_t x = ta[i], y = tb[i];
+            ta[i] = ta[j], tb[i] = tb[j], ta[j] = x, tb[j] = y;
+        }
+        for (int i = 0; i < N; i++)
+            r[i] = (struct reg_range){ta[i] & ~(pg - 1), (tb[i] + pg - 1) & ~(pg - 1)};
+        const size_t k = moe_reg_plan(r, N, first, step, gap);
+        CHECK(k >= 1 && k <= N);
+        for (size_t c = 0; c < k; c++) {
+            CHECK(r[c].a % pg == 0 && r[c].b % pg == 0 && r[c].a < r[c].b);
+            if (c)
+                CHECK(r[c].a >= r[c - 1].b);
+        }
+        for (int i = 0; i < N; i++) {
+            int in = 0;
+            for (size_t c = 0; c < k; c++)
+                in += ta[i] >= r[c].a && tb[i] <= r[c].b;
+            CHECK_EQ(in, 1);
+        }
+        /* A chunk over its limit holds a tensor that overlaps the part past the limit. */
+        for (size_t c = 0; c < k; c++) {
+            const uintptr_t lim = c == 0 ? first : step;
+            if (r[c].b - r[c].a <= lim)
+                continue;
+            int big = 0;
+            for (int i = 0; i < N && !big; i++)
+                big = ta[i] >= r[c].a && tb[i] <= r[c].b && tb[i] > r[c].a + lim;
+            CHECK(big);
+        }
     }
 }

@@ -566,14 +566,15 @@ static int run_standalone(const struct opts *o)
         struct moe_offload_stats os;
         if (moe_engine_offload_stats(eng, &os, NULL) == 0 && os.active) {
             const uint64_t looked = os.hits + os.misses;
+            char vram[32], all[32], fill[32], direct[32];
             fprintf(stderr,
-                    "moed-worker: experts %.2f of %.2f GiB in VRAM; %" PRIu64 " hits, %" PRIu64
-                    " misses (%.1f%%), %.1f MiB copied to VRAM, %" PRIu64 " read from host "
-                    "(%.1f MiB)\n",
-                    (double)os.expert_vram_bytes / (1 << 30), (double)os.expert_bytes / (1 << 30),
-                    os.hits, os.misses, looked ? 100.0 * (double)os.misses / (double)looked : 0.0,
-                    (double)os.fill_bytes / (1 << 20), os.direct,
-                    (double)os.direct_bytes / (1 << 20));
+                    "moed-worker: experts %s of %s in VRAM; %" PRIu64 " hits, %" PRIu64
+                    " misses (%.1f%%), %s copied to VRAM, %" PRIu64 " read from host (%s)\n",
+                    moe_fmt_size(vram, sizeof vram, os.expert_vram_bytes),
+                    moe_fmt_size(all, sizeof all, os.expert_bytes), os.hits, os.misses,
+                    looked ? 100.0 * (double)os.misses / (double)looked : 0.0,
+                    moe_fmt_size(fill, sizeof fill, os.fill_bytes), os.direct,
+                    moe_fmt_size(direct, sizeof direct, os.direct_bytes));
         }
     }
     if (o->routing_stats) {

@@ -8,6 +8,7 @@
 
 #include "tests/engine_test.h"
 #include "tests/gpu/gpu_test.h"
+#include "worker/cuda/offload_resolve.h"
 
 static const char *const MODELS[] = {
     GOLDEN "/models/tiny-qwen3moe-Q4_K_M.gguf",
@@ -179,10 +180,25 @@ TEST_TIMEOUT(cuda_offload_is_exact, 600)
                 }
                 CHECK_EQ(pending, 0u);
                 CHECK_EQ(moe_engine_offload_stats(e, &os, pl), 0);
-                uint32_t hot = 0;
-                for (int64_t l = 0; l < L; l++)
+                /* Each offloaded layer now pins its most-routed experts, as many as the cache
+                 * rule with a profile leaves (none where S <= 2k). */
+                uint32_t hot = 0, want_hot = 0;
+                for (int64_t l = 0; l < L; l++) {
                     hot += pl[l].hot;
-                CHECK(hot > 0);
+                    if (pl[l].slots >= (uint32_t)E)
+                        continue;
+                    int64_t routed = 0;
+                    for (int64_t x = 0; x < E; x++)
+                        routed += counts[l * E + x] != 0;
+                    int64_t p = pl[l].slots - moe_off_cache_slots(pl[l].slots, E,
+                                                                  m->hp.n_expert_used,
+                                                                  c->cache_slots, 1);
+                    p = routed < p ? routed : p;
+                    CHECK_MSG(pl[l].hot == (uint32_t)p, "layer %lld: %u pinned, want %lld",
+                              (long long)l, pl[l].hot, (long long)p);
+                    want_hot += (uint32_t)p;
+                }
+                CHECK_EQ(hot, want_hot);
                 for (int i = 0; i < N_SEQ; i++)
                     moe_engine_seq_clear(e, i);
                 memset(got, 0xff, sizeof(float) * cap);

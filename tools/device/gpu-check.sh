@@ -4,7 +4,7 @@
 # (include/, lib/; tools/device/pack-deps.sh makes it) along with the generated protobuf-c files.
 #
 #   tools/device/gpu-check.sh [LOGDIR] [steps...]
-#   steps: build tests parity sanitizer daemon tiny big offload
+#   steps: build tests parity sanitizer daemon daemon-offload tiny big offload
 #
 # Every step logs to LOGDIR/<step>.log and prints a one-line result; the run goes on after a
 # failed step so that one call reports everything.
@@ -12,7 +12,7 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 LOG=${1:-/tmp/gpu-check}
 shift || true
-STEPS=${*:-build tests parity sanitizer daemon tiny big offload}
+STEPS=${*:-build tests parity sanitizer daemon daemon-offload tiny big offload}
 mkdir -p "$LOG"
 B=${B:-/tmp/moed-build}
 export CPATH=$PWD/.carry/include LIBRARY_PATH=$PWD/.carry/lib
@@ -36,7 +36,7 @@ if has build; then
 fi
 if has tests; then
     step "gpu tests"
-    timeout 900 "$B/build/tests/moe-gpu-tests" -v -j 1 >"$LOG/gpu-tests.log" 2>&1
+    timeout 900 "$B/build/tests/moe-gpu-tests" -v -j 1 ${GPU_TESTS:-} >"$LOG/gpu-tests.log" 2>&1
     grep -E "^(ok|FAIL|SKIP)|passed|worst|rel-L2|batch of" "$LOG/gpu-tests.log" | tail -n 60
 fi
 if has parity; then
@@ -65,6 +65,13 @@ if has daemon; then
     echo "demo: exit $?"
     tail -n 14 "$LOG/demo.log"
 fi
+if has daemon-offload; then
+    step "daemon with a CUDA worker under an expert residency"
+    timeout 300 tools/device/offload-daemon.py "$B/bin" models/kjv-demo-F16.gguf 40% \
+        >"$LOG/daemon-offload.log" 2>&1
+    echo "daemon-offload: exit $?"
+    tail -n 40 "$LOG/daemon-offload.log"
+fi
 if has tiny; then
     step "bench tiny"
     "$B/build/bench/bench_engine" models/kjv-demo-F16.gguf --device cuda:0 --prompt 256 --gen 64 \
@@ -84,6 +91,6 @@ if has offload; then
     M=/tmp/q30-q4_k_m.gguf
     [ -f $M ] || "$B/bin/moectl" mkmodel --preset qwen3-30b-a3b --quant q4_k_m --threads "$J" -o $M \
         >"$LOG/mkmodel.log" 2>&1
-    timeout 500 "$B/build/bench/bench_offload" $M --device cuda:0 ${OFF_ARGS:---budgets 12.7G,10G} \
+    timeout "${OFF_TIMEOUT:-500}" "$B/build/bench/bench_offload" $M --device cuda:0 ${OFF_ARGS:---budgets 12.7G,10G} \
         2>&1 | tee "$LOG/bench-offload.log" | tail -n 40
 fi

@@ -25,6 +25,7 @@ extern "C" {
 #include "store/ggml_type.h"
 #include "store/placement.h"
 #include "store/quant.h"
+#include "store/units.h"
 #include "worker/backend.h"
 #include "worker/engine.h"
 }
@@ -33,6 +34,7 @@ extern "C" {
 #include "worker/cuda/gemm.h"
 #include "worker/cuda/matvec.h"
 #include "worker/cuda/ops.cuh"
+#include "worker/cuda/host_ranges.h"
 #include "worker/cuda/offload.cuh"
 #include "worker/cuda/sample.h"
 
@@ -343,20 +345,11 @@ static int upload(struct cuda_backend *b, int pass, const void **tab)
     return rc;
 }
 
-/* Host ranges of the weights, page-aligned and merged, registered with CUDA (read-only) for the
- * upload so that the copies run at pinned speed; unregistered after it. A range CUDA refuses
- * (a locked-memory limit, say) is simply copied unpinned. Opt-in (MOE_CUDA_REGISTER=1) until it
- * is measured with a full-size store: plain copies were (17.3 GiB in about 3.6 s of init). */
-struct reg_range {
-    uintptr_t a, b;
-};
-
-static int range_cmp(const void *x, const void *y)
-{
-    const struct reg_range *p = (const struct reg_range *)x, *q = (const struct reg_range *)y;
-    return p->a < q->a ? -1 : p->a > q->a;
-}
-
+/* Host ranges of the weights, page-aligned, registered with CUDA (read-only) for the upload so
+ * that the copies run at pinned speed; unregistered after it. A range CUDA refuses (a
+ * locked-memory limit, say) is simply copied unpinned. Opt-in (MOE_CUDA_REGISTER=1) until it is
+ * measured with a full-size store: plain copies were (17.3 GiB in about 3.6 s of init). The
+ * chunks are planned by host_ranges.h. */
 static size_t register_ranges(struct reg_range *r, size_t n, unsigned flags,
                               struct reg_range **out, bool *all, double min_gbps);
 
@@ -404,10 +397,10 @@ static double now_s(void)
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
-/* Sorts and merges the ranges r[n] (r is reused) and registers them with CUDA in chunks of at
- * most 1 GiB (the first of 64 MiB); returns the chunks CUDA accepted in *out. *all (if not
- * NULL): whether every chunk was accepted. min_gbps > 0: gives up (*all false) once the
- * registration runs slower than that (pinning file-backed pages can crawl). */
+/* Registers the ranges r[n] (r is reused) with CUDA in chunks of about 1 GiB (the first of 64
+ * MiB), none of which cuts a tensor (host_ranges.h); returns the chunks CUDA accepted in *out.
+ * *all (if not NULL): whether every chunk was accepted. min_gbps > 0: gives up (*all false) once
+ * the registration runs slower than that (pinning file-backed pages can crawl). */
 static size_t register_ranges(struct reg_range *r, size_t n, unsigned flags,
                               struct reg_range **out, bool *all, double min_gbps)
 {
@@ -416,51 +409,30 @@ static size_t register_ranges(struct reg_range *r, size_t n, unsigned flags,
     *out = NULL;
     if (all)
         *all = true;
-    qsort(r, n, sizeof *r, range_cmp);
-    /* Merge ranges that overlap or lie within 64 MiB of each other (gaps of one mapping). */
-    size_t k = 0;
-    for (size_t i = 0; i < n; i++) {
-        if (k && r[i].a <= r[k - 1].b + (64u << 20)) {
-            if (r[i].b > r[k - 1].b)
-                r[k - 1].b = r[i].b;
-        } else {
-            r[k++] = r[i];
-        }
+    const size_t k = moe_reg_plan(r, n, (uintptr_t)64 << 20, (uintptr_t)1 << 30,
+                                  (uintptr_t)64 << 20);
+    size_t nc = 0;
+    struct reg_range *ch = (struct reg_range *)malloc(sizeof *ch * (k ? k : 1));
+    if (!ch) {
+        if (all)
+            *all = false;
+        return 0;
     }
-    /* Register in chunks of at most 1 GiB; keep the ones CUDA accepted. */
-    size_t nc = 0, ccap = 0;
-    struct reg_range *ch = NULL;
-    bool slow = false;
-    for (size_t i = 0; i < k && !slow; i++)
-        for (uintptr_t a = r[i].a, b; a < r[i].b && !slow; a = b) {
-            const uintptr_t step = done == 0 ? (uintptr_t)64 << 20 : (uintptr_t)1 << 30;
-            b = a + step < r[i].b ? a + step : r[i].b;
-            if (min_gbps > 0 && done > 0 && done / (now_s() - t0) < min_gbps * 1e9) {
-                slow = true;
-                if (all)
-                    *all = false;
-                break;
-            }
-            done += (double)(b - a);
-            if (cudaHostRegister((void *)a, b - a, flags) != cudaSuccess) {
-                cudaGetLastError();
-                if (all)
-                    *all = false;
-                continue;
-            }
-            if (nc == ccap) {
-                ccap = ccap ? 2 * ccap : 64;
-                struct reg_range *t = (struct reg_range *)realloc(ch, sizeof *ch * ccap);
-                if (!t) {
-                    cudaHostUnregister((void *)a);
-                    if (all)
-                        *all = false;
-                    continue;
-                }
-                ch = t;
-            }
-            ch[nc++] = (struct reg_range){a, b};
+    for (size_t i = 0; i < k; i++) {
+        if (min_gbps > 0 && done > 0 && done / (now_s() - t0) < min_gbps * 1e9) {
+            if (all)
+                *all = false;
+            break;
         }
+        done += (double)(r[i].b - r[i].a);
+        if (cudaHostRegister((void *)r[i].a, r[i].b - r[i].a, flags) != cudaSuccess) {
+            cudaGetLastError();
+            if (all)
+                *all = false;
+            continue;
+        }
+        ch[nc++] = r[i];
+    }
     *out = ch;
     return nc;
 }
@@ -477,18 +449,10 @@ static const struct moe_tensor *expert_part(const struct moe_expert *ex, int p)
     return p == 0 ? &ex->gate : p == 1 ? &ex->up : &ex->down;
 }
 
-/* Unpinned slots (the cache) of a layer with S slots: cache_slots when set; auto: with a
- * profile a quarter of them (at least 2 · n_expert_used), without one all of them. */
+/* The cache rule of offload_resolve.h with this engine's settings. */
 static int64_t cache_slots_for(const struct moe_dims *d, int64_t S, bool profile)
 {
-    const int64_t kmin = d->kuse < d->nexp ? d->kuse : d->nexp;
-    if (d->cache_slots < 0)
-        return 0;
-    if (d->cache_slots > 0)
-        return d->cache_slots < S ? d->cache_slots : S;
-    if (profile)
-        return S / 4 > 2 * kmin ? S / 4 : 2 * kmin < S ? 2 * kmin : S;
-    return S;
+    return moe_off_cache_slots(S, d->nexp, d->kuse, d->cache_slots, profile);
 }
 
 /* Slots per layer from the budget or the residency, how many of them are pinned (hot), and
@@ -999,11 +963,13 @@ static int cuda_init(struct moe_backend **out, const struct moe_model *m, struct
                 snprintf(range, sizeof range, "%d", smin);
             else
                 snprintf(range, sizeof range, "%d..%d", smin, smax);
+            char vram[32], all[32];
             snprintf(b->desc + k, sizeof b->desc - k,
-                     ", experts %.2f of %.2f GiB in VRAM (%s of %lld slots per layer, %d pinned "
-                     "in all), the rest %s",
-                     (double)b->expert_vram / (1 << 30), (double)b->expert_bytes / (1 << 30),
-                     range, (long long)d->nexp, hot, b->xhow);
+                     ", experts %s of %s in VRAM (%s of %lld slots per layer, %d pinned in all), "
+                     "the rest %s",
+                     moe_fmt_size(vram, sizeof vram, b->expert_vram),
+                     moe_fmt_size(all, sizeof all, b->expert_bytes), range, (long long)d->nexp,
+                     hot, b->xhow);
         }
         if (d->vram_budget && b->dev_bytes > d->vram_budget) {
             rc = moe_fail(err, errlen, MOE_ERANGE,

@@ -133,6 +133,24 @@ static inline MOE_OFF_HD void moe_off_resolve(const struct moe_cuda_off_layer *L
     stats[MOE_OFF_DIRECT_BYTES] += direct_bytes;
 }
 
+/* Unpinned slots (the cache ring) of a layer with S slots, nexp experts and k chosen per token.
+ * opt: the --cache-slots setting (-1 no ring, 0 auto, N). Auto: without a profile every slot is
+ * cache; with one a quarter of them, but at least 2k (a step's misses and the next step's), so a
+ * layer with S <= 2k slots keeps no pinned expert. */
+static inline MOE_OFF_HD int64_t moe_off_cache_slots(int64_t S, int64_t nexp, int64_t k,
+                                                     int32_t opt, int profile)
+{
+    const int64_t kmin = k < nexp ? k : nexp;
+    if (opt < 0)
+        return 0;
+    if (opt > 0)
+        return opt < S ? opt : S;
+    if (!profile)
+        return S;
+    const int64_t q = S / 4 > 2 * kmin ? S / 4 : 2 * kmin;
+    return q < S ? q : S;
+}
+
 /* A move the caller carries out for moe_off_repin: expert x into slot s, evicting `old` (-1:
  * the slot was empty). */
 struct moe_off_load {
