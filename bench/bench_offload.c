@@ -16,8 +16,11 @@
  * same held-out prompt, and since offload does not change the output, the same tokens and the
  * same routing. Modes per residency: "uniform" (no profile: every slot is cache), "calibrated"
  * (hot set from the counts, a quarter of the slots cache), "calibrated, no cache" (hot only,
- * misses read from host memory). */
+ * misses read from host memory), "calibrated, no prefetch" (no layer-ahead prefetch); at 60%
+ * also "uniform, no cache", "uniform, no prefetch" and "calibrated, half cache". Budgets run
+ * calibrated, with and without prefetch. */
 #include <inttypes.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -87,7 +90,7 @@ static void generate(struct moe_engine *e, uint64_t seed, int64_t n, int64_t g, 
 
 struct result {
     char name[64];
-    double pp, tg, miss_rate, pcie_per_tok, vram_gib, expert_gib;
+    double pp, tg, miss_rate, pcie_per_tok, prefetched, vram_gib, expert_gib;
 };
 
 int main(int argc, char **argv)
@@ -157,7 +160,7 @@ int main(int argc, char **argv)
     struct cfg {
         double r;
         uint64_t budget;
-        int mode; /* 0 uniform, 1 calibrated, 2 calibrated no cache, 3 uniform no cache */
+        int mode; /* mode_name[] */
     } cf[64];
     int nc = 0;
     cf[nc++] = (struct cfg){0, 0, 0};
@@ -167,10 +170,14 @@ int main(int argc, char **argv)
         snprintf(tmp, sizeof tmp, "%.*s", (int)(k < 31 ? k : 31), s);
         double r;
         if (moe_parse_share(tmp, &r) == 0) {
-            for (int mode = 0; mode < 3; mode++)
-                cf[nc++] = (struct cfg){r, 0, mode};
-            if (r > 0.55 && r < 0.65)
+            static const int modes[] = {0, 1, 2, 4};
+            for (size_t i = 0; i < sizeof modes / sizeof modes[0]; i++)
+                cf[nc++] = (struct cfg){r, 0, modes[i]};
+            if (r > 0.55 && r < 0.65) {
                 cf[nc++] = (struct cfg){r, 0, 3};
+                cf[nc++] = (struct cfg){r, 0, 5};
+                cf[nc++] = (struct cfg){r, 0, 6};
+            }
         }
         s += k + (s[k] == ',');
     }
@@ -179,19 +186,26 @@ int main(int argc, char **argv)
         size_t k = strcspn(s, ",");
         snprintf(tmp, sizeof tmp, "%.*s", (int)(k < 31 ? k : 31), s);
         uint64_t bb;
-        if (moe_parse_size(tmp, &bb) == 0 && bb)
+        if (moe_parse_size(tmp, &bb) == 0 && bb && nc < 63) {
             cf[nc++] = (struct cfg){0, bb, 1};
+            cf[nc++] = (struct cfg){0, bb, 4};
+        }
         s += k + (s[k] == ',');
     }
     static const char *const mode_name[] = {"uniform", "calibrated", "calibrated, no cache",
-                                            "uniform, no cache"};
+                                            "uniform, no cache", "calibrated, no prefetch",
+                                            "uniform, no prefetch", "calibrated, half cache"};
     for (int ci = 0; ci < nc; ci++) {
         struct moe_engine_opts o = {.n_ctx = (uint32_t)(P + G + 8), .n_seq = 1, .n_batch = 512,
                                     .device = device, .expert_residency = cf[ci].r,
                                     .vram_budget = cf[ci].budget, .host_register = use_store};
         if (ci > 0) {
-            o.expert_counts = cf[ci].mode == 1 || cf[ci].mode == 2 ? counts : NULL;
-            o.cache_slots = cf[ci].mode >= 2 ? -1 : 0;
+            const int md = cf[ci].mode;
+            o.expert_counts = md == 1 || md == 2 || md == 4 || md == 6 ? counts : NULL;
+            o.cache_slots = md == 2 || md == 3 ? -1 : 0;
+            if (md == 6) /* half of each layer's slots as cache */
+                o.cache_slots = (int32_t)(llround(cf[ci].r * (double)E) / 2);
+            o.no_prefetch = md == 4 || md == 5;
         }
         struct moe_engine *e = NULL;
         fprintf(stderr, "bench_offload: configuration %d of %d\n", ci + 1, nc);
@@ -237,32 +251,34 @@ int main(int argc, char **argv)
         r->pp = (double)P / tp;
         r->tg = (double)G / tg;
         r->miss_rate = looked > 0 ? (double)(z.misses - a.misses) / looked : 0;
-        r->pcie_per_tok = (double)((z.fill_bytes - a.fill_bytes) + (z.direct_bytes - a.direct_bytes)) /
+        r->pcie_per_tok = (double)((z.fill_bytes - a.fill_bytes) + (z.direct_bytes - a.direct_bytes) +
+                                   (z.prefetch_bytes - a.prefetch_bytes)) /
                           (double)G;
+        r->prefetched = (double)(z.prefetched - a.prefetched) / (double)G;
         r->vram_gib = (double)info.device_bytes / (1 << 30);
         r->expert_gib = (double)z.expert_vram_bytes / (1 << 30);
         if (ci == 0)
             base_tg = r->tg;
         printf("%-34s init %.1f s  pp%" PRId64 " %7.1f tok/s  decode %6.1f tok/s (%.2fx)  miss "
-               "%.1f%%  PCIe %.1f MB/token  VRAM %.2f GiB (experts %.2f)\n",
+               "%.1f%%  PCIe %.1f MB/token  prefetched %.1f/token  VRAM %.2f GiB (experts %.2f)\n",
                r->name, t_init, P, r->pp, r->tg, r->tg / base_tg, 100 * r->miss_rate,
-               r->pcie_per_tok / 1e6, r->vram_gib, r->expert_gib);
+               r->pcie_per_tok / 1e6, r->prefetched, r->vram_gib, r->expert_gib);
         if (ci == 0 || ci == 1)
             printf("  %s\n", info.desc);
         moe_engine_free(e);
     }
     printf("\n| configuration | VRAM GiB | experts GiB | pp%" PRId64 " tok/s | decode tok/s | "
-           "vs resident | miss rate | PCIe MB/token | PCIe limit tok/s |\n|---|---|---|---|---|---|"
-           "---|---|---|\n", P);
+           "vs resident | miss rate | PCIe MB/token | prefetched/token | PCIe limit tok/s |\n"
+           "|---|---|---|---|---|---|---|---|---|---|\n", P);
     for (int i = 0; i < nres; i++) {
         const struct result *r = &res[i];
         /* The limit: the resident time or a token's copies over the H2D rate, whichever is
          * longer. */
         const double t_res = 1.0 / base_tg, t_pcie = r->pcie_per_tok / (h2d * 1e9);
         const double lim = 1.0 / (t_res > t_pcie ? t_res : t_pcie);
-        printf("| %s | %.2f | %.2f | %.1f | %.1f | %.2f | %.1f%% | %.1f | %.0f |\n", r->name,
-               r->vram_gib, r->expert_gib, r->pp, r->tg, r->tg / base_tg, 100 * r->miss_rate,
-               r->pcie_per_tok / 1e6, lim);
+        printf("| %s | %.2f | %.2f | %.1f | %.1f | %.2f | %.1f%% | %.1f | %.1f | %.0f |\n",
+               r->name, r->vram_gib, r->expert_gib, r->pp, r->tg, r->tg / base_tg,
+               100 * r->miss_rate, r->pcie_per_tok / 1e6, r->prefetched, lim);
     }
     free(counts);
     moe_store_close(view);

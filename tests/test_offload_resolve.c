@@ -375,3 +375,42 @@ TEST(offload_registration_chunks_keep_tensors_whole)
         }
     }
 }
+
+/* Prefetch mode: predicted experts are placed and copied like misses, but nothing counts as a
+ * hit, miss or direct read; the layer's own resolve then finds them (hits, nothing to copy). A
+ * prediction with no free slot is dropped, not read from host. */
+TEST(offload_prefetch_places_without_counting)
+{
+    struct sim m;
+    moe_test_rng_seed(11);
+    sim_init(&m, 16, 4, 1); /* experts 0..3 in slots, 0 pinned */
+    uint8_t need[16] = {0};
+    need[0] = need[7] = need[9] = 1;
+    moe_off_resolve_mode(&m.L, need, m.slot_of, m.slot_exp, m.ref, m.pinned, &m.hand, m.fl,
+                         m.stats, 1);
+    sim_fill(&m);
+    check_state(&m);
+    CHECK(m.slot_of[7] >= 0 && m.slot_of[9] >= 0 && m.slot_of[0] == 0);
+    CHECK_EQ(m.stats[MOE_OFF_HITS] + m.stats[MOE_OFF_MISSES] + m.stats[MOE_OFF_DIRECT], 0ull);
+    CHECK_EQ(m.stats[MOE_OFF_PREFETCH], 2ull);
+    CHECK_EQ(m.stats[MOE_OFF_PREFETCH_BYTES],
+             (unsigned long long)(m.bytes[7] + m.bytes[16 + 7] + m.bytes[32 + 7] + m.bytes[9] +
+                                  m.bytes[16 + 9] + m.bytes[32 + 9]));
+    CHECK_EQ(m.stats[MOE_OFF_FILL_BYTES], 0ull);
+    moe_off_resolve(&m.L, need, m.slot_of, m.slot_exp, m.ref, m.pinned, &m.hand, m.fl, m.stats);
+    CHECK_EQ(m.fl->n, 0);
+    CHECK_EQ(m.stats[MOE_OFF_HITS], 3ull);
+    CHECK_EQ(m.stats[MOE_OFF_MISSES], 0ull);
+    /* Four predicted misses for three unpinned slots: three placed, one dropped. */
+    memset(need, 0, sizeof need);
+    need[10] = need[11] = need[12] = need[13] = 1;
+    const unsigned long long placed = m.stats[MOE_OFF_PREFETCH];
+    moe_off_resolve_mode(&m.L, need, m.slot_of, m.slot_exp, m.ref, m.pinned, &m.hand, m.fl,
+                         m.stats, 1);
+    sim_fill(&m);
+    check_state(&m);
+    CHECK_EQ(m.stats[MOE_OFF_PREFETCH] - placed, 3ull);
+    CHECK_EQ(m.stats[MOE_OFF_DIRECT] + m.stats[MOE_OFF_MISSES], 0ull);
+    CHECK_EQ(m.slot_of[0], 0); /* pinned */
+    sim_free(&m);
+}

@@ -61,6 +61,7 @@ struct moe_dims {
     int32_t cache_slots;
     const uint64_t *expert_counts;
     bool host_register;
+    bool no_prefetch;
 };
 
 /* Activation buffers, each with room for n_batch rows. */

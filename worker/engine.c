@@ -227,6 +227,7 @@ int moe_engine_init(struct moe_engine **out, const struct moe_model *m,
     d->cache_slots = o->cache_slots;
     d->expert_counts = o->expert_counts;
     d->host_register = o->host_register;
+    d->no_prefetch = o->no_prefetch;
     if (!(o->expert_residency >= 0.0 && o->expert_residency <= 1.0) || o->cache_slots < -1 ||
         (int64_t)o->cache_slots > d->nexp) {
         rc = moe_fail(err, errlen, MOE_ERANGE,

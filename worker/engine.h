@@ -33,6 +33,7 @@ struct moe_engine_opts {
     bool host_register;            /* the experts live in shared memory (the daemon's store) that
                                     * the GPU may map; else experts outside VRAM are read from a
                                     * pinned copy */
+    bool no_prefetch;              /* no layer-ahead prefetch of predicted experts */
 };
 
 struct moe_batch {
@@ -112,6 +113,7 @@ struct moe_offload_stats {
     uint64_t expert_bytes;         /* all experts */
     uint64_t expert_vram_bytes;    /* the slots */
     uint64_t hits, misses, fill_bytes, direct, direct_bytes;
+    uint64_t prefetched, prefetch_bytes; /* experts copied ahead into cache slots, their bytes */
     uint64_t budget;               /* vram_budget, 0 for none */
     uint64_t device_bytes_now;     /* device memory in use now (CUDA: incl. the context) */
 };

@@ -49,6 +49,7 @@ struct opts {
     uint64_t vram_budget;
     double expert_residency;
     int32_t cache_slots;
+    bool no_prefetch;
 };
 
 static void usage(FILE *f)
@@ -74,6 +75,7 @@ static void usage(FILE *f)
             "                        are read from host memory (the output does not change)\n"
             "  --expert-residency P  GPU: share of each layer's experts in VRAM, e.g. 60%% or 0.6\n"
             "  --cache-slots N|auto|off  GPU: per-layer expert slots used as a cache (default auto)\n"
+            "  --no-prefetch         GPU: no layer-ahead prefetch of the next layer's experts\n"
             "  --dump-logits F       write float32 [n_prompt][n_vocab] prompt logits to F\n"
             "  --json                print {\"prompt_tokens\", \"tokens\", \"text\"} on stdout\n"
             "  --routing-stats       print per-layer expert counts to stderr at the end\n",
@@ -149,6 +151,10 @@ static int parse_args(int argc, char **argv, struct opts *o)
         }
         if (!strcmp(a, "--list-devices")) {
             o->list_devices = true;
+            continue;
+        }
+        if (!strcmp(a, "--no-prefetch")) {
+            o->no_prefetch = true;
             continue;
         }
         static const char *const with_value[] = {
@@ -384,7 +390,7 @@ static int run_standalone(const struct opts *o)
                                  .n_threads = oo.threads, .device = o->device,
                                  .kv_f32 = o->kv_f32, .vram_budget = o->vram_budget,
                                  .expert_residency = o->expert_residency,
-                                 .cache_slots = o->cache_slots};
+                                 .cache_slots = o->cache_slots, .no_prefetch = o->no_prefetch};
     if ((rc = moe_engine_init(&eng, m, &eo, err, sizeof err))) {
         fprintf(stderr, "moed-worker: %s\n", err);
         goto done;
@@ -566,15 +572,17 @@ static int run_standalone(const struct opts *o)
         struct moe_offload_stats os;
         if (moe_engine_offload_stats(eng, &os, NULL) == 0 && os.active) {
             const uint64_t looked = os.hits + os.misses;
-            char vram[32], all[32], fill[32], direct[32];
+            char vram[32], all[32], fill[32], direct[32], pf[32];
             fprintf(stderr,
                     "moed-worker: experts %s of %s in VRAM; %" PRIu64 " hits, %" PRIu64
-                    " misses (%.1f%%), %s copied to VRAM, %" PRIu64 " read from host (%s)\n",
+                    " misses (%.1f%%), %s copied to VRAM, %" PRIu64 " read from host (%s), %" PRIu64
+                    " prefetched (%s)\n",
                     moe_fmt_size(vram, sizeof vram, os.expert_vram_bytes),
                     moe_fmt_size(all, sizeof all, os.expert_bytes), os.hits, os.misses,
                     looked ? 100.0 * (double)os.misses / (double)looked : 0.0,
                     moe_fmt_size(fill, sizeof fill, os.fill_bytes), os.direct,
-                    moe_fmt_size(direct, sizeof direct, os.direct_bytes));
+                    moe_fmt_size(direct, sizeof direct, os.direct_bytes), os.prefetched,
+                    moe_fmt_size(pf, sizeof pf, os.prefetch_bytes));
         }
     }
     if (o->routing_stats) {

@@ -23,16 +23,19 @@ struct config {
     double residency;
     int32_t cache_slots;
     bool counts;            /* hot set from routing counts of a first run */
+    bool no_prefetch;
 };
 
 static const struct config CONFIGS[] = {
-    {"60%", 0.6, 0, false},
-    {"30%", 0.3, 0, false},
-    {"30% cache off", 0.3, -1, false},
-    {"30% one cache slot", 0.3, 1, false},
-    {"60% from counts", 0.6, 0, true},
-    {"30% from counts", 0.3, 0, true},
-    {"one token's experts", 1e-9, 0, false},
+    {"60%", 0.6, 0, false, false},
+    {"30%", 0.3, 0, false, false},
+    {"30% cache off", 0.3, -1, false, false},
+    {"30% one cache slot", 0.3, 1, false, false},
+    {"60% from counts", 0.6, 0, true, false},
+    {"30% from counts", 0.3, 0, true, false},
+    {"30% no prefetch", 0.3, 0, false, true},
+    {"60% counts, no prefetch", 0.6, 0, true, true},
+    {"one token's experts", 1e-9, 0, false, false},
 };
 #define N_CONFIGS (sizeof CONFIGS / sizeof CONFIGS[0])
 
@@ -99,6 +102,7 @@ static struct moe_engine *engine(const struct moe_model *m, const struct config 
         o.expert_residency = c->residency;
         o.cache_slots = c->cache_slots;
         o.expert_counts = c->counts ? counts : NULL;
+        o.no_prefetch = c->no_prefetch;
     }
     struct moe_engine *e = NULL;
     char err[512] = "";
@@ -143,10 +147,11 @@ TEST_TIMEOUT(cuda_offload_is_exact, 600)
                 diff += memcmp(&got[i], &ref[i], sizeof(float)) != 0;
             const uint64_t looked = os.hits + os.misses;
             printf("  %-34s %-20s layer 0: slots %u (%u hot): %llu hits, %llu misses, %.2f MiB filled, "
-                   "%llu from host; %zu of %zu logits differ\n",
+                   "%llu from host, %llu prefetched; %zu of %zu logits differ\n",
                    MODELS[mi] + (strrchr(MODELS[mi], '/') - MODELS[mi]) + 1, c->name, pl[0].slots,
                    pl[0].hot, (unsigned long long)os.hits, (unsigned long long)os.misses,
-                   (double)os.fill_bytes / (1 << 20), (unsigned long long)os.direct, diff,
+                   (double)os.fill_bytes / (1 << 20), (unsigned long long)os.direct,
+                   (unsigned long long)os.prefetched, diff,
                    rows * (size_t)V);
             if (ci == 0)
                 printf("    %s\n", info.desc);
@@ -244,7 +249,7 @@ TEST_TIMEOUT(cuda_offload_budget, 300)
     CHECK_EQ(os.budget, budget);
     moe_engine_free(e);
 
-    const struct config half = {"50%", 0.5, 0, false};
+    const struct config half = {"50%", 0.5, 0, false, false};
     e = engine(m, &half, NULL, budget);
     float *out = malloc(sizeof(float) * (size_t)(PROMPT + 2 * DECODE * N_SEQ) * (size_t)V);
     int32_t tok[DECODE * N_SEQ];

@@ -41,6 +41,8 @@ extern "C" {
 /* Steps of at most this many tokens are recorded as CUDA graphs (decode batches, small prompt
  * chunks); larger ones launch directly. */
 #define MOE_CUDA_GRAPH_MAX 64
+/* Steps of more tokens than this do not prefetch (their layers choose most experts anyway). */
+#define PF_MAX_N 8
 /* Steps with at least this many slots per expert on average group their slots by expert. Below,
  * each slot reads its expert's rows itself: with few slots per expert (decode batches) that is
  * faster on the H200 (docs/benchmarks.md), and both give the same floats. */
@@ -146,6 +148,19 @@ struct cuda_backend {
     unsigned long long *d_offstats;  /* [L][MOE_OFF_NSTATS] */
     struct moe_cuda_fill_list *d_fill;
     int fill_blocks;
+    /* Layer-ahead prefetch (decode steps of up to PF_MAX_N tokens): at layer l, a second stream
+     * applies layer l+1's router to layer l's MoE input, places the predicted experts in l+1's
+     * cache slots and copies them, while layer l computes; layer l+1 waits for it before its own
+     * resolve. ev_fork[l] / ev_read[l] / ev_join[l+1] order the two streams. */
+    bool pf;
+    cudaStream_t st2;
+    cudaEvent_t *ev_fork, *ev_read, *ev_join; /* [L] */
+    bool *pf_pending;                /* [L]: a prefetch for this layer joins at its resolve */
+    float *pf_rl, *pf_w;             /* [PF_MAX_N][nexp], [PF_MAX_N][kuse] */
+    int32_t *pf_sel;                 /* [PF_MAX_N][kuse] */
+    unsigned long long *pf_counts;   /* [nexp], unread */
+    struct moe_cuda_fill_list *d_pf_fill;
+    int pf_blocks;
     uint64_t expert_bytes, expert_vram;
     struct reg_range *xregs;         /* host ranges registered for the GPU to read */
     size_t n_xregs;
@@ -677,6 +692,33 @@ static int offload_state(struct cuda_backend *b, char *err, size_t errlen)
     OFF_TRY(cudaMemset(b->d_offstats, 0, sizeof(unsigned long long) * L * MOE_OFF_NSTATS));
     OFF_TRY(cudaMalloc((void **)&b->d_fill, moe_cuda_fill_list_bytes(max_slots)));
     OFF_TRY(cudaMemset(b->d_fill, 0, moe_cuda_fill_list_bytes(max_slots)));
+    const char *pf_env = getenv("MOE_CUDA_PREFETCH");
+    b->pf = !d->no_prefetch && !(pf_env && !strcmp(pf_env, "0"));
+    if (b->pf) {
+        b->ev_fork = (cudaEvent_t *)calloc(L, sizeof(cudaEvent_t));
+        b->ev_read = (cudaEvent_t *)calloc(L, sizeof(cudaEvent_t));
+        b->ev_join = (cudaEvent_t *)calloc(L, sizeof(cudaEvent_t));
+        b->pf_pending = (bool *)calloc(L, sizeof(bool));
+        if (!b->ev_fork || !b->ev_read || !b->ev_join || !b->pf_pending) {
+            free(h);
+            free(hl);
+            return -ENOMEM;
+        }
+        OFF_TRY(cudaStreamCreateWithFlags(&b->st2, cudaStreamNonBlocking));
+        for (size_t l = 0; l < L; l++) {
+            OFF_TRY(cudaEventCreateWithFlags(&b->ev_fork[l], cudaEventDisableTiming));
+            OFF_TRY(cudaEventCreateWithFlags(&b->ev_read[l], cudaEventDisableTiming));
+            OFF_TRY(cudaEventCreateWithFlags(&b->ev_join[l], cudaEventDisableTiming));
+        }
+        OFF_TRY(cudaMalloc((void **)&b->pf_rl, sizeof(float) * PF_MAX_N * ne));
+        OFF_TRY(cudaMalloc((void **)&b->pf_w, sizeof(float) * PF_MAX_N * (size_t)d->kuse));
+        OFF_TRY(cudaMalloc((void **)&b->pf_sel, sizeof(int32_t) * PF_MAX_N * (size_t)d->kuse));
+        OFF_TRY(cudaMalloc((void **)&b->pf_counts, sizeof(unsigned long long) * ne));
+        OFF_TRY(cudaMalloc((void **)&b->d_pf_fill, moe_cuda_fill_list_bytes(max_slots)));
+        OFF_TRY(cudaMemset(b->d_pf_fill, 0, moe_cuda_fill_list_bytes(max_slots)));
+        const char *pb = getenv("MOE_CUDA_PREFETCH_BLOCKS");
+        b->pf_blocks = pb && atoi(pb) > 0 ? atoi(pb) : (b->sms / 8 > 8 ? b->sms / 8 : 8);
+    }
     size_t off = 0;
     for (size_t l = 0; l < L; l++) {
         struct cuda_layer *cl = &b->layers[l];
@@ -966,10 +1008,10 @@ static int cuda_init(struct moe_backend **out, const struct moe_model *m, struct
             char vram[32], all[32];
             snprintf(b->desc + k, sizeof b->desc - k,
                      ", experts %s of %s in VRAM (%s of %lld slots per layer, %d pinned in all), "
-                     "the rest %s",
+                     "the rest %s%s",
                      moe_fmt_size(vram, sizeof vram, b->expert_vram),
                      moe_fmt_size(all, sizeof all, b->expert_bytes), range, (long long)d->nexp,
-                     hot, b->xhow);
+                     hot, b->xhow, b->pf ? ", layer-ahead prefetch" : "");
         }
         if (d->vram_budget && b->dev_bytes > d->vram_budget) {
             rc = moe_fail(err, errlen, MOE_ERANGE,
@@ -1026,6 +1068,25 @@ static void cuda_free(struct moe_backend *bb)
     free(b->h_off);
     cudaFree(b->d_offstats);
     cudaFree(b->d_fill);
+    for (int64_t l = 0; b->ev_fork && l < b->d.L; l++) {
+        if (b->ev_fork[l])
+            cudaEventDestroy(b->ev_fork[l]);
+        if (b->ev_read[l])
+            cudaEventDestroy(b->ev_read[l]);
+        if (b->ev_join[l])
+            cudaEventDestroy(b->ev_join[l]);
+    }
+    free(b->ev_fork);
+    free(b->ev_read);
+    free(b->ev_join);
+    free(b->pf_pending);
+    if (b->st2)
+        cudaStreamDestroy(b->st2);
+    cudaFree(b->pf_rl);
+    cudaFree(b->pf_w);
+    cudaFree(b->pf_sel);
+    cudaFree(b->pf_counts);
+    cudaFree(b->d_pf_fill);
     unregister_weights(b->xregs, b->n_xregs);
     cudaFreeHost(b->xpinned);
     free(b->tab);
@@ -1129,6 +1190,8 @@ static int cuda_begin(struct moe_backend *bb, const struct moe_step *st)
     b->n = st->n;
     b->n_out = st->n_out;
     b->head_chunked = false;
+    for (int64_t l = 0; b->pf_pending && l < b->d.L; l++)
+        b->pf_pending[l] = false;
     /* Inputs: staged in pinned memory, one copy each (the previous step has finished: end()
      * synchronised). */
     size_t n = (size_t)st->n;
@@ -1307,6 +1370,43 @@ static int cuda_route(struct moe_backend *bb, int l)
     return 0;
 }
 
+/* Whether layer t gets a prefetch this step: it has cache slots, and the step is small. */
+static bool prefetches(const struct cuda_backend *b, int t)
+{
+    if (!b->pf || t <= 0 || t >= (int)b->d.L || b->n > PF_MAX_N)
+        return false;
+    const struct cuda_layer *cl = &b->layers[t];
+    return cl->slots < b->d.nexp && cl->hot < cl->slots && cl->w[MOE_W_ROUTER] &&
+           !use_gemm(b, cl->type[MOE_W_ROUTER]);
+}
+
+/* On the second stream, after ev_fork[l]: layer l+1's router applied to layer l's MoE input
+ * (MOE_BUF_X; ev_read[l] once it is read), its top-k, and those experts placed in layer l+1's
+ * cache slots and copied there; ev_join[l+1] at the end. */
+static int prefetch(struct cuda_backend *b, int l)
+{
+    const int t = l + 1;
+    const struct cuda_layer *ct = &b->layers[t];
+    const struct moe_tensor *R = moe_weight(b->m, t, MOE_W_ROUTER);
+    const int k = (int)b->d.kuse;
+    CU(b, cudaStreamWaitEvent(b->st2, b->ev_fork[l], 0));
+    struct moe_mv_job job = {ct->w[MOE_W_ROUTER], R->ne[1], b->pf_rl, b->d.nexp};
+    LAUNCH(b, "prefetch router",
+           moe_cuda_matvec_multi(R->type, &job, 1, R->ne[0], b->buf[MOE_BUF_X], b->ld[MOE_BUF_X],
+                                 b->n, false, b->st2));
+    CU(b, cudaEventRecord(b->ev_read[l], b->st2));
+    LAUNCH(b, "prefetch route",
+           moe_cuda_route(b->pf_rl, b->d.nexp, b->d.nexp, k, b->d.norm_topk, b->n, b->pf_sel,
+                          b->pf_w, b->pf_counts, b->st2));
+    LAUNCH(b, "prefetch residency",
+           moe_cuda_offload_resolve(b->d_off + t, (int32_t)b->d.nexp, ct->slots, b->pf_sel,
+                                    b->n * k, b->d_pf_fill, true, b->st2));
+    LAUNCH(b, "prefetch fill", moe_cuda_offload_fill(b->d_pf_fill, b->pf_blocks, b->st2));
+    CU(b, cudaEventRecord(b->ev_join[t], b->st2));
+    b->pf_pending[t] = true;
+    return 0;
+}
+
 static int cuda_experts(struct moe_backend *bb, int l)
 {
     struct cuda_backend *b = (struct cuda_backend *)bb;
@@ -1314,14 +1414,27 @@ static int cuda_experts(struct moe_backend *bb, int l)
     const struct cuda_layer *cl = &b->layers[l];
     const int k = (int)b->d.kuse;
     const int32_t *sel_e = (const int32_t *)b->buf[MOE_BUF_SEL_E];
+    const bool pf_next = prefetches(b, l + 1);
+    if (pf_next)
+        CU(b, cudaEventRecord(b->ev_fork[l], b->st));
     if (cl->slots < b->d.nexp) {
         /* Experts outside VRAM: resolve this step's choices against the slots, fill misses. */
         mark(b, "offload");
+        if (b->pf_pending && b->pf_pending[l]) {
+            CU(b, cudaStreamWaitEvent(b->st, b->ev_join[l], 0));
+            b->pf_pending[l] = false;
+        }
         LAUNCH(b, "expert residency",
                moe_cuda_offload_resolve(b->d_off + l, (int32_t)b->d.nexp, cl->slots, sel_e,
-                                        b->n * k, b->d_fill, b->st));
+                                        b->n * k, b->d_fill, false, b->st));
         if (cl->hot < cl->slots)
             LAUNCH(b, "expert fill", moe_cuda_offload_fill(b->d_fill, b->fill_blocks, b->st));
+    }
+    if (pf_next) {
+        const int prc = prefetch(b, l);
+        if (prc)
+            return prc;
+        CU(b, cudaStreamWaitEvent(b->st, b->ev_read[l], 0)); /* MOE_BUF_X is read */
     }
     if (cl->mixed) {
         mark(b, "mixed");
@@ -1714,6 +1827,8 @@ static int cuda_offload_stats(struct moe_backend *bb, struct moe_offload_stats *
             x.fill_bytes = c[MOE_OFF_FILL_BYTES];
             x.direct = c[MOE_OFF_DIRECT];
             s->direct_bytes += c[MOE_OFF_DIRECT_BYTES];
+            s->prefetched += c[MOE_OFF_PREFETCH];
+            s->prefetch_bytes += c[MOE_OFF_PREFETCH_BYTES];
         }
         s->hits += x.hits;
         s->misses += x.misses;

@@ -14,7 +14,8 @@ size_t moe_cuda_fill_list_bytes(int32_t max_slots)
  * expert order (deterministic), and the state is written back. */
 __global__ void offload_resolve_kernel(const struct moe_cuda_off_layer *__restrict__ lp,
                                        const int32_t *__restrict__ sel_e, int n_sel,
-                                       struct moe_cuda_fill_list *__restrict__ fl)
+                                       struct moe_cuda_fill_list *__restrict__ fl,
+                                       int prefetch)
 {
     const struct moe_cuda_off_layer L = *lp;
     extern __shared__ int32_t sm[];
@@ -39,7 +40,7 @@ __global__ void offload_resolve_kernel(const struct moe_cuda_off_layer *__restri
     __syncthreads();
     if (threadIdx.x == 0) {
         int32_t hand = S ? *L.hand : 0;
-        moe_off_resolve(&L, s_need, s_slot, s_exp, s_ref, s_pin, &hand, fl, L.stats);
+        moe_off_resolve_mode(&L, s_need, s_slot, s_exp, s_ref, s_pin, &hand, fl, L.stats, prefetch);
         if (S)
             *L.hand = hand;
     }
@@ -98,12 +99,13 @@ __global__ void __launch_bounds__(256) offload_fill_kernel(const struct moe_cuda
 
 int moe_cuda_offload_resolve(const struct moe_cuda_off_layer *d_layer, int32_t nexp,
                              int32_t slots, const int32_t *sel_e, int64_t n_sel,
-                             struct moe_cuda_fill_list *d_fill, cudaStream_t s)
+                             struct moe_cuda_fill_list *d_fill, bool prefetch,
+                             cudaStream_t s)
 {
     if (nexp <= 0 || slots < 0 || slots > nexp || n_sel < 0 || n_sel > (1 << 24))
         return -EINVAL;
     const size_t smem = (size_t)(nexp + slots) * sizeof(int32_t) + (size_t)(nexp + 2 * slots);
-    offload_resolve_kernel<<<1, 256, smem, s>>>(d_layer, sel_e, (int)n_sel, d_fill);
+    offload_resolve_kernel<<<1, 256, smem, s>>>(d_layer, sel_e, (int)n_sel, d_fill, prefetch);
     MOE_CUDA_TRY(cudaGetLastError());
     return 0;
 }

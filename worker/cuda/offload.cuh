@@ -20,10 +20,11 @@
 size_t moe_cuda_fill_list_bytes(int32_t max_slots);
 
 /* Resolves the n_sel chosen experts of sel_e for the layer *d_layer (device memory; nexp and
- * slots are its values, needed here for the launch shape), writing the copies to *d_fill. */
+ * slots are its values, needed here for the launch shape), writing the copies to *d_fill.
+ * prefetch: sel_e is a prediction for a layer that has not routed yet (moe_off_resolve_mode). */
 int moe_cuda_offload_resolve(const struct moe_cuda_off_layer *d_layer, int32_t nexp,
                              int32_t slots, const int32_t *sel_e, int64_t n_sel,
-                             struct moe_cuda_fill_list *d_fill, cudaStream_t s);
+                             struct moe_cuda_fill_list *d_fill, bool prefetch, cudaStream_t s);
 /* Runs the copies of *d_fill on `blocks` blocks. */
 int moe_cuda_offload_fill(const struct moe_cuda_fill_list *d_fill, int blocks, cudaStream_t s);
 

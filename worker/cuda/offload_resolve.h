@@ -19,7 +19,7 @@
 
 /* Counters per layer (stats[]). */
 enum { MOE_OFF_HITS, MOE_OFF_MISSES, MOE_OFF_FILL_BYTES, MOE_OFF_DIRECT, MOE_OFF_DIRECT_BYTES,
-       MOE_OFF_NSTATS };
+       MOE_OFF_PREFETCH, MOE_OFF_PREFETCH_BYTES, MOE_OFF_NSTATS };
 
 /* One layer's offload state, in device memory. */
 struct moe_cuda_off_layer {
@@ -57,16 +57,20 @@ struct moe_cuda_fill_list {
  * not pinned, not holding an expert of this step, and whose reference bit is clear (clearing the
  * bits it passes): the old expert's tables go back to its host copy, the new one's to the slot,
  * and its three copies are queued in fl. With no such slot it is read from host memory. Adds to
- * stats[MOE_OFF_NSTATS]. */
-static inline MOE_OFF_HD void moe_off_resolve(const struct moe_cuda_off_layer *L,
-                                              const uint8_t *need, int32_t *slot_of,
-                                              int32_t *slot_exp, uint8_t *ref,
-                                              const uint8_t *pinned, int32_t *hand,
-                                              struct moe_cuda_fill_list *fl,
-                                              unsigned long long *stats)
+ * stats[MOE_OFF_NSTATS].
+ *
+ * prefetch: need[] is a prediction for a layer that has not routed yet (layer-ahead prefetch):
+ * the same walk places the predicted experts, but nothing counts as a hit, miss or direct read
+ * (the layer's own resolve counts those when it runs); the copies are counted as prefetched. */
+static inline MOE_OFF_HD void moe_off_resolve_mode(const struct moe_cuda_off_layer *L,
+                                                   const uint8_t *need, int32_t *slot_of,
+                                                   int32_t *slot_exp, uint8_t *ref,
+                                                   const uint8_t *pinned, int32_t *hand,
+                                                   struct moe_cuda_fill_list *fl,
+                                                   unsigned long long *stats, int prefetch)
 {
     const int32_t S = L->slots, ne = L->nexp;
-    unsigned long long hits = 0, misses = 0, fill = 0, direct = 0, direct_bytes = 0;
+    unsigned long long hits = 0, misses = 0, fill = 0, direct = 0, direct_bytes = 0, placed = 0;
     int32_t h = S ? *hand : 0, nj = 0;
     uint32_t chunks = 0;
     for (int32_t e = 0; e < ne; e++) {
@@ -95,6 +99,8 @@ static inline MOE_OFF_HD void moe_off_resolve(const struct moe_cuda_off_layer *L
         }
         if (victim < 0) {
             /* Every unpinned slot holds an expert of this step: read this one from host. */
+            if (prefetch)
+                continue;
             direct++;
             for (int p = 0; p < 3; p++)
                 direct_bytes += L->bytes[p * ne + e];
@@ -109,6 +115,7 @@ static inline MOE_OFF_HD void moe_off_resolve(const struct moe_cuda_off_layer *L
         slot_exp[victim] = e;
         slot_of[e] = victim;
         ref[victim] = 1;
+        placed++;
         uint8_t *slot = L->base + (size_t)victim * L->slot_bytes;
         for (int p = 0; p < 3; p++) {
             struct moe_cuda_fill j;
@@ -126,11 +133,27 @@ static inline MOE_OFF_HD void moe_off_resolve(const struct moe_cuda_off_layer *L
     fl->n_chunks = (int32_t)chunks;
     if (S)
         *hand = h;
+    if (prefetch) {
+        stats[MOE_OFF_PREFETCH] += placed;
+        stats[MOE_OFF_PREFETCH_BYTES] += fill;
+        return;
+    }
     stats[MOE_OFF_HITS] += hits;
     stats[MOE_OFF_MISSES] += misses;
     stats[MOE_OFF_FILL_BYTES] += fill;
     stats[MOE_OFF_DIRECT] += direct;
     stats[MOE_OFF_DIRECT_BYTES] += direct_bytes;
+}
+
+/* The layer's own lookup (not a prefetch). */
+static inline MOE_OFF_HD void moe_off_resolve(const struct moe_cuda_off_layer *L,
+                                              const uint8_t *need, int32_t *slot_of,
+                                              int32_t *slot_exp, uint8_t *ref,
+                                              const uint8_t *pinned, int32_t *hand,
+                                              struct moe_cuda_fill_list *fl,
+                                              unsigned long long *stats)
+{
+    moe_off_resolve_mode(L, need, slot_of, slot_exp, ref, pinned, hand, fl, stats, 0);
 }
 
 /* Unpinned slots (the cache ring) of a layer with S slots, nexp experts and k chosen per token.
