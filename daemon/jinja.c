@@ -2457,13 +2457,14 @@ static void exec_for(struct rctx *R, const struct jnode *n, struct scope *s, str
     struct jloop *lp = j_alloc(&R->b, sizeof *lp);
     lp->items = items;
     lp->n = cnt;
+    /* One scope serves every iteration: what an iteration sets is dropped before the next (as
+     * in Jinja2, where each iteration starts afresh), the loop variables are overwritten. */
+    struct scope *is = new_scope(R, s);
+    d_set_s(R, &is->vars, "loop", (jval){.t = V_LOOP, .u.lp = lp});
     for (size_t i = 0; i < cnt; i++) {
         count_iter(R, n->line);
-        struct scope *is = new_scope(R, s);
-        struct jloop *cur = j_alloc(&R->b, sizeof *cur);
-        *cur = *lp;
-        cur->i = i;
-        d_set_s(R, &is->vars, "loop", (jval){.t = V_LOOP, .u.lp = cur});
+        lp->i = i;
+        is->vars.n = 1;
         assign(R, is, n->targets, n->n_targets, items[i], n->line);
         exec_body(R, &n->body, is, o);
         R->cont = false;

@@ -1140,8 +1140,12 @@ static struct jnlist parse_body(struct parser *P, const char *const *ends, const
     for (;;) {
         struct tok *t = cur(P);
         if (t->k == T_EOF) {
-            if (ends)
-                j_die(P->b, MOE_EFORMAT, open_line, "missing '%s' (the template ended)", ends[0]);
+            if (ends) {
+                const char *const *e = ends;
+                while (e[1])
+                    e++;
+                j_die(P->b, MOE_EFORMAT, open_line, "missing '%s' (the template ended)", *e);
+            }
             break;
         }
         if (t->k == T_TEXT) {
