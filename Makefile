@@ -174,14 +174,16 @@ demo: deps
 	$(Q)$(MAKE) --no-print-directory all
 	$(Q)MOE_BIN=$(BINDIR) scripts/demo.sh
 
-# libFuzzer targets: clang with -fsanitize=fuzzer,address, linked against sanitized store objects.
+# libFuzzer targets: clang with -fsanitize=fuzzer,address, linked against sanitized store objects
+# (and the daemon's Jinja renderer, which depends on nothing else of the daemon).
 FUZZ_BUILD := $(O)/build/fuzz
 FUZZ_BINS  := $(FUZZ_SRC:tests/%.c=$(FUZZ_BUILD)/%)
+FUZZ_DAEMON_SRC := $(wildcard daemon/jinja*.c)
 fuzz: $(FUZZ_BINS)
-$(FUZZ_BUILD)/%: tests/%.c $(STORE_SRC) | $(PROTO_GEN_H)
+$(FUZZ_BUILD)/%: tests/%.c $(STORE_SRC) $(FUZZ_DAEMON_SRC) | $(PROTO_GEN_H)
 	@mkdir -p $(dir $@)
 	@echo "  FUZZ    $@"
-	$(Q)clang $(CPPFLAGS) -std=c11 -O1 -g -fsanitize=fuzzer,address,undefined -o $@ $< $(STORE_SRC) $(PROTO_GEN_C) $(LDLIBS)
+	$(Q)clang $(CPPFLAGS) -std=c11 -O1 -g -fsanitize=fuzzer,address,undefined -o $@ $< $(STORE_SRC) $(FUZZ_DAEMON_SRC) $(PROTO_GEN_C) $(LDLIBS)
 
 bench: all $(BENCH_BINS)
 

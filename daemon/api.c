@@ -57,7 +57,8 @@ struct api {
     struct sched *sched;
     struct api_model_info model;
     char *model_id, *model_arch;
-    enum chat_family chat;
+    struct chat_template *chat;     /* NULL: chat requests are refused with chat_err */
+    char chat_err[640];
     int32_t im_start, im_end;
     uid_t admin_uid;
     gid_t admin_gid;
@@ -98,6 +99,10 @@ struct gen {
     char *stops[MAX_STOPS];
     size_t n_stops;
     struct moe_detok detok;
+    struct chat_out co;             /* chat: the output split into reasoning, content, tool calls */
+    char *reasoning, *content;      /* chat, not streamed: what co gave */
+    size_t reasoning_len, reasoning_cap, content_len, content_cap;
+    json_t *tool_calls;
     char *piece;                    /* scratch for one token's text */
     size_t piece_cap;
     char *text;                     /* generated text so far (cut at a stop string) */
@@ -115,6 +120,13 @@ struct gen {
 };
 
 /* ---- small helpers ---- */
+
+/* What /v1/models and /admin/status say of the chat template. */
+static const char *api_chat_kind(const struct api *a)
+{
+    return a->chat ? chat_source_name(chat_template_source(a->chat)) : a->chat_err[0] ? "unusable" : "none";
+}
+
 
 static void count_response(struct api *a, int status)
 {
@@ -330,6 +342,9 @@ static void gen_free(struct gen *g)
         free(g->stops[i]);
     free(g->piece);
     free(g->text);
+    free(g->reasoning);
+    free(g->content);
+    json_decref(g->tool_calls);
     free(g);
 }
 
@@ -426,23 +441,21 @@ static int stream_headers(struct gen *g)
     return rc;
 }
 
-/* One streamed piece of text (finish: NULL) or the final chunk with a finish reason. */
-static int stream_chunk(struct gen *g, const char *text, size_t n, const char *finish)
+/* One streamed chunk: a chat delta (taken) or a completion's text, with a finish reason or not. */
+static int stream_send(struct gen *g, json_t *delta, const char *text, size_t n, const char *finish)
 {
     int rc = stream_headers(g);
-    if (rc)
+    if (rc) {
+        json_decref(delta);
         return rc;
+    }
     json_t *o = chunk_obj(g);
     json_t *ch = json_object();
     json_object_set_new(ch, "index", json_integer(0));
-    if (g->chat) {
-        json_t *delta = json_object();
-        if (!finish)
-            json_object_set_new(delta, "content", json_text(text, n));
-        json_object_set_new(ch, "delta", delta);
-    } else {
+    if (g->chat)
+        json_object_set_new(ch, "delta", delta ? delta : json_object());
+    else
         json_object_set_new(ch, "text", finish ? json_string("") : json_text(text, n));
-    }
     json_object_set_new(ch, "logprobs", json_null());
     json_object_set_new(ch, "finish_reason", finish ? json_string(finish) : json_null());
     json_object_set_new(o, "choices", json_pack("[o]", ch));
@@ -451,14 +464,52 @@ static int stream_chunk(struct gen *g, const char *text, size_t n, const char *f
     return sse_send(g, o);
 }
 
+static json_t *tool_call_obj(const struct chat_tool_call *tc, bool with_index)
+{
+    json_t *o = json_pack("{s:s,s:s,s:{s:s,s:s}}", "id", tc->id, "type", "function", "function",
+                          "name", tc->name, "arguments", tc->arguments);
+    if (o && with_index)
+        json_object_set_new(o, "index", json_integer(tc->index));
+    return o;
+}
+
+/* chat_out's events as stream deltas. */
+static int emit_stream(void *user, enum chat_ev ev, const char *s, size_t n, const struct chat_tool_call *tc)
+{
+    struct gen *g = user;
+    json_t *d = json_object();
+    if (ev == CHAT_EV_TOOL_CALL)
+        json_object_set_new(d, "tool_calls", json_pack("[o]", tool_call_obj(tc, true)));
+    else
+        json_object_set_new(d, ev == CHAT_EV_REASONING ? "reasoning_content" : "content", json_text(s, n));
+    return stream_send(g, d, NULL, 0, NULL);
+}
+
+/* chat_out's events gathered for the whole message. */
+static int emit_collect(void *user, enum chat_ev ev, const char *s, size_t n, const struct chat_tool_call *tc)
+{
+    struct gen *g = user;
+    if (ev == CHAT_EV_TOOL_CALL) {
+        if (!g->tool_calls)
+            g->tool_calls = json_array();
+        return json_array_append_new(g->tool_calls, tool_call_obj(tc, false)) ? -ENOMEM : 0;
+    }
+    if (ev == CHAT_EV_REASONING)
+        return moe_buf_append(&g->reasoning, &g->reasoning_len, &g->reasoning_cap, s, n);
+    return moe_buf_append(&g->content, &g->content_len, &g->content_cap, s, n);
+}
+
 /* Streams the text that can no longer become part of a stop string. */
 static void stream_pending(struct gen *g, bool final)
 {
     size_t upto = g->text_len;
     if (!final)
         upto -= api_stop_holdback(g->text, g->text_len, g->stops, g->n_stops);
-    if (upto > g->sent) {
-        stream_chunk(g, g->text + g->sent, upto - g->sent, NULL);
+    if (g->chat) {
+        stream_headers(g);
+        chat_out_feed(&g->co, g->text, upto, final, emit_stream, g);
+    } else if (upto > g->sent) {
+        stream_send(g, NULL, g->text + g->sent, upto - g->sent, NULL);
         g->sent = upto;
     } else if (!g->headers_sent) {
         stream_headers(g);
@@ -471,9 +522,15 @@ static void gen_finish(struct gen *g, const char *reason)
     struct api *a = g->api;
     struct http_conn *c = g->conn;
     http_conn_on_abort(c, NULL, NULL);
+    if (g->chat && !g->stream)
+        chat_out_feed(&g->co, g->text, g->text_len, true, emit_collect, g);
+    if (g->chat && g->co.n_calls && !strcmp(reason, "stop"))
+        reason = "tool_calls";
     if (g->stream) {
         stream_pending(g, true);
-        stream_chunk(g, NULL, 0, reason);
+        if (g->chat && g->co.n_calls && !strcmp(reason, "stop"))
+            reason = "tool_calls";
+        stream_send(g, NULL, NULL, 0, reason);
         if (g->include_usage) {
             json_t *o = chunk_obj(g);
             json_object_set_new(o, "choices", json_array());
@@ -493,7 +550,14 @@ static void gen_finish(struct gen *g, const char *reason)
         if (g->chat) {
             json_t *m = json_object();
             json_object_set_new(m, "role", json_string("assistant"));
-            json_object_set_new(m, "content", json_text(g->text, g->text_len));
+            json_object_set_new(m, "content", g->tool_calls && !g->content_len
+                                                  ? json_null() : json_text(g->content ? g->content : "", g->content_len));
+            if (g->reasoning_len)
+                json_object_set_new(m, "reasoning_content", json_text(g->reasoning, g->reasoning_len));
+            if (g->tool_calls) {
+                json_object_set_new(m, "tool_calls", g->tool_calls);
+                g->tool_calls = NULL;
+            }
             json_object_set_new(ch, "message", m);
         } else {
             json_object_set_new(ch, "text", json_text(g->text, g->text_len));
@@ -636,6 +700,8 @@ struct gen_req {
     uint32_t dropped;             /* messages truncation dropped */
     char *stops[MAX_STOPS];
     size_t n_stops;
+    bool tools;                   /* chat: the request has tools (parse tool calls) */
+    bool think_open;              /* chat: the prompt ends inside <think> */
 };
 
 static void gen_req_free(struct gen_req *r)
@@ -726,7 +792,7 @@ static int get_bool(json_t *body, const char *key, bool *out, struct verr *e)
 }
 
 /* Fields shared by both generation endpoints. */
-static int parse_common(struct api *a, json_t *body, struct gen_req *r, struct verr *e)
+static int parse_common(struct api *a, json_t *body, bool chat, struct gen_req *r, struct verr *e)
 {
     json_t *v;
     r->s = (struct sched_sampling){.temperature = 1.0f, .top_p = 1.0f, .repetition_penalty = 1.0f};
@@ -821,6 +887,8 @@ static int parse_common(struct api *a, json_t *body, struct gen_req *r, struct v
                                         "logit_bias", "suffix", "audio", "modalities",
                                         "prediction", "top_logprobs"};
     for (size_t i = 0; i < sizeof unsupported / sizeof unsupported[0]; i++) {
+        if (chat && i < 3 && i != 1) /* chat: tools and tool_choice (see chat_tools) */
+            continue;
         v = json_object_get(body, unsupported[i]);
         if (v && !json_is_null(v) && !(json_is_object(v) && json_object_size(v) == 0) &&
             !(json_is_array(v) && json_array_size(v) == 0) &&
@@ -1013,66 +1081,172 @@ static int message_content(json_t *m, size_t i, char **out, size_t *len, struct 
     return 0;
 }
 
-/* Renders body's messages with the model's chat template (ending with the assistant header)
- * into *ren. Returns 0 or -1 with e set. */
-static int render_messages(struct api *a, json_t *body, struct chat_rendered *ren, struct verr *e)
+static const char *const chat_roles[] = {"system", "developer", "user", "assistant", "tool", NULL};
+
+/* messages[i].tool_calls checked (OpenAI shape); arguments that are a JSON object's text become
+ * that object when as_objects (what most templates expect; *had_text notes that some were). */
+static int chat_tool_calls(json_t *m, size_t i, bool as_objects, bool *had_text, struct verr *e)
+{
+    json_t *tc = json_object_get(m, "tool_calls");
+    if (!tc || json_is_null(tc))
+        return 0;
+    if (!json_is_array(tc))
+        return fail(e, 400, "messages", "'messages[%zu].tool_calls' must be an array", i);
+    json_t *calls = json_array();
+    size_t k;
+    json_t *c;
+    json_array_foreach(tc, k, c) {
+        json_t *fn = json_object_get(c, "function");
+        if (!json_is_object(c) || !json_is_object(fn) || !json_is_string(json_object_get(fn, "name"))) {
+            json_decref(calls);
+            return fail(e, 400, "messages",
+                        "'messages[%zu].tool_calls[%zu]' must be {\"type\": \"function\", \"function\": "
+                        "{\"name\": ..., \"arguments\": ...}}", i, k);
+        }
+        json_t *cc = json_deep_copy(c), *args = json_object_get(fn, "arguments");
+        if (json_is_string(args)) {
+            json_t *obj = json_loadb(json_string_value(args), json_string_length(args), 0, NULL);
+            if (json_is_object(obj)) {
+                *had_text = true;
+                if (as_objects)
+                    json_object_set(json_object_get(cc, "function"), "arguments", obj);
+            }
+            json_decref(obj);
+        }
+        json_array_append_new(calls, cc);
+    }
+    json_object_set_new(m, "tool_calls", calls);
+    return 0;
+}
+
+/* The request's tools (NULL when none, or tool_choice "none"), checked. */
+static int chat_tools(json_t *body, json_t **out, struct verr *e)
+{
+    *out = NULL;
+    json_t *tools = json_object_get(body, "tools"), *choice = json_object_get(body, "tool_choice");
+    if (choice && !json_is_null(choice)) {
+        const char *cs = json_string_value(choice);
+        if (cs && !strcmp(cs, "none"))
+            return 0;
+        if (!cs || strcmp(cs, "auto") != 0)
+            return fail(e, 400, "tool_choice",
+                        "tool_choice %s is not supported: moed cannot force a tool call (that needs "
+                        "constrained sampling); use \"auto\" or \"none\"",
+                        cs ? cs : "naming a function");
+    }
+    if (!tools || json_is_null(tools))
+        return 0;
+    if (!json_is_array(tools))
+        return fail(e, 400, "tools", "'tools' must be an array, not %s", jtype(tools));
+    size_t i;
+    json_t *t;
+    json_array_foreach(tools, i, t) {
+        json_t *type = json_object_get(t, "type"), *fn = json_object_get(t, "function");
+        if (!json_is_object(t) || !json_is_string(type) || strcmp(json_string_value(type), "function") ||
+            !json_is_object(fn) || !json_is_string(json_object_get(fn, "name")))
+            return fail(e, 400, "tools",
+                        "'tools[%zu]' must be {\"type\": \"function\", \"function\": {\"name\": ...}}", i);
+    }
+    if (json_array_size(tools))
+        *out = tools;
+    return 0;
+}
+
+/* The template variables of a chat request: messages (content as a string, checked roles,
+ * tool calls), tools, add_generation_prompt and the chat_template_kwargs. */
+static json_t *chat_vars(json_t *body, bool args_as_objects, bool *had_text_args, struct verr *e)
 {
     json_t *msgs = json_object_get(body, "messages");
     if (!msgs || json_is_null(msgs))
-        return fail(e, 400, "messages", "'messages' is required");
+        return fail(e, 400, "messages", "'messages' is required"), NULL;
     if (!json_is_array(msgs))
-        return fail(e, 400, "messages", "'messages' must be an array, not %s", jtype(msgs));
+        return fail(e, 400, "messages", "'messages' must be an array, not %s", jtype(msgs)), NULL;
     size_t n = json_array_size(msgs);
     if (n == 0)
-        return fail(e, 400, "messages", "'messages' must not be empty");
+        return fail(e, 400, "messages", "'messages' must not be empty"), NULL;
     if (n > 4096)
-        return fail(e, 400, "messages", "too many messages (%zu)", n);
-    if (a->chat != CHAT_CHATML)
-        return fail(e, a->chat == CHAT_NONE ? 400 : 501, "messages",
-                    a->chat == CHAT_NONE
-                        ? "this model has no chat template; use /v1/completions"
-                        : "this model's chat template is not supported (moed renders ChatML); use /v1/completions");
-    struct chat_msg *cm = calloc(n, sizeof *cm);
-    char **contents = calloc(n, sizeof *contents);
-    int rc = -1;
-    if (!cm || !contents) {
-        fail(e, 500, NULL, "out of memory");
-        goto out;
-    }
+        return fail(e, 400, "messages", "too many messages (%zu)", n), NULL;
+    json_t *tools, *kw = json_object_get(body, "chat_template_kwargs");
+    if (chat_tools(body, &tools, e))
+        return NULL;
+    if (kw && !json_is_null(kw) && !json_is_object(kw))
+        return fail(e, 400, "chat_template_kwargs", "'chat_template_kwargs' must be an object"), NULL;
+    json_t *vars = json_object(), *list = json_array();
+    json_object_set_new(vars, "messages", list);
     for (size_t i = 0; i < n; i++) {
         json_t *m = json_array_get(msgs, i);
         if (!json_is_object(m)) {
             fail(e, 400, "messages", "'messages[%zu]' must be an object, not %s", i, jtype(m));
-            goto out;
+            goto bad;
         }
-        json_t *role = json_object_get(m, "role");
-        if (!json_is_string(role)) {
+        const char *role = json_string_value(json_object_get(m, "role"));
+        if (!role) {
             fail(e, 400, "messages", "'messages[%zu].role' must be a string", i);
-            goto out;
+            goto bad;
         }
-        json_t *tc = json_object_get(m, "tool_calls");
-        if (tc && !json_is_null(tc) && !(json_is_array(tc) && json_array_size(tc) == 0)) {
-            fail(e, 400, "messages", "'messages[%zu].tool_calls' is not supported by moed", i);
-            goto out;
+        size_t r = 0;
+        while (role && chat_roles[r] && strcmp(chat_roles[r], role))
+            r++;
+        if (!chat_roles[r]) {
+            fail(e, 400, "messages", "'messages[%zu].role' must be system, developer, user, assistant or tool", i);
+            goto bad;
         }
+        char *content;
         size_t len;
-        if (message_content(m, i, &contents[i], &len, e))
-            goto out;
-        cm[i] = (struct chat_msg){json_string_value(role), contents[i], len};
+        if (message_content(m, i, &content, &len, e))
+            goto bad;
+        json_t *mc = json_copy(m);
+        json_object_set_new(mc, "content", json_stringn(content, len));
+        free(content);
+        json_array_append_new(list, mc);
+        if (chat_tool_calls(mc, i, args_as_objects, had_text_args, e))
+            goto bad;
     }
+    json_object_set(vars, "tools", tools ? tools : json_null());
+    json_object_set_new(vars, "add_generation_prompt", json_true());
+    const char *k;
+    json_t *v;
+    json_object_foreach(kw, k, v)
+        if (!json_object_get(vars, k))
+            json_object_set(vars, k, v);
+    json_t *effort = json_object_get(body, "reasoning_effort");
+    if (json_is_string(effort) && !json_object_get(vars, "reasoning_effort"))
+        json_object_set(vars, "reasoning_effort", effort);
+    return vars;
+bad:
+    json_decref(vars);
+    return NULL;
+}
+
+/* Renders body's messages with the chat template (ending with the assistant header) into *ren;
+ * *tools tells whether the request has tools for the model to call. Returns 0 or -1 with e set. */
+static int render_messages(struct api *a, json_t *body, struct chat_rendered *ren, bool *tools,
+                           struct verr *e)
+{
+    if (!a->chat)
+        return fail(e, a->chat_err[0] ? 501 : 400, "messages", "%s",
+                    a->chat_err[0] ? a->chat_err : "this model has no chat template; use /v1/completions");
+    bool had_text = false;
+    json_t *vars = chat_vars(body, true, &had_text, e);
+    if (!vars)
+        return -1;
+    *tools = json_is_array(json_object_get(vars, "tools"));
     char msg[512];
-    int crc = chat_render(a->chat, cm, n, true, ren, msg, sizeof msg);
-    if (crc) {
-        fail(e, crc == MOE_EUNSUPPORTED || crc == MOE_EFORMAT ? 400 : 500, "messages", "%s", msg);
-        goto out;
+    int rc = chat_render(a->chat, a->tok, vars, 0, ren, msg, sizeof msg);
+    json_decref(vars);
+    if (rc == MOE_EFORMAT && had_text) {
+        /* Some templates (DeepSeek V3.1, functionary) take the arguments as the client sent them. */
+        json_t *v2 = chat_vars(body, false, &had_text, e);
+        if (!v2)
+            return -1;
+        char msg2[512];
+        if (chat_render(a->chat, a->tok, v2, 0, ren, msg2, sizeof msg2) == 0)
+            rc = 0;
+        json_decref(v2);
     }
-    rc = 0;
-out:
-    for (size_t i = 0; contents && i < n; i++)
-        free(contents[i]);
-    free(contents);
-    free(cm);
-    return rc;
+    if (rc)
+        return fail(e, rc == -ENOMEM ? 500 : 400, "messages", "%s", msg);
+    return 0;
 }
 
 static int parse_messages_once(struct api *a, json_t *body, struct gen_req *r, struct verr *e);
@@ -1133,24 +1307,18 @@ static int parse_messages_once(struct api *a, json_t *body, struct gen_req *r, s
 {
     struct chat_rendered ren = {0};
     int rc = -1;
-    if (render_messages(a, body, &ren, e))
+    if (render_messages(a, body, &ren, &r->tools, e))
         goto out;
     for (size_t i = 0; i < ren.n_spans; i++) {
         const struct chat_span *sp = &ren.spans[i];
-        if (sp->special) {
-            char name[64];
-            snprintf(name, sizeof name, "%.*s", (int)sp->len, ren.text + sp->off);
-            int32_t id = moe_tok_lookup(a->tok, name);
-            if (id < 0) {
-                fail(e, 501, "messages", "the vocabulary has no token '%s' needed by the chat template", name);
-                goto out;
-            }
-            if (push_token(r, id, e))
-                goto out;
-        } else if (tokenize(a, ren.text + sp->off, sp->len, false, r, e)) {
+        if (sp->id >= 0 ? push_token(r, sp->id, e) : tokenize(a, ren.text + sp->off, sp->len, false, r, e))
             goto out;
-        }
     }
+    /* A prompt that ends inside <think> (QwQ, DeepSeek R1): the output starts with reasoning. */
+    size_t end = ren.len;
+    while (end > 0 && (ren.text[end - 1] == '\n' || ren.text[end - 1] == ' '))
+        end--;
+    r->think_open = end >= 7 && !memcmp(ren.text + end - 7, "<think>", 7);
     rc = 0;
 out:
     chat_rendered_free(&ren);
@@ -1268,6 +1436,7 @@ static void tok_job_done(uv_work_t *w, int status)
     gen_req_free(&j->r);
     json_decref(j->body);
     free(j->ids);
+    chat_template_free(j->snap.chat);
     free(j);
 }
 
@@ -1280,6 +1449,7 @@ static int tok_job_queue(struct api *a, struct tok_job *j)
     int qrc = uv_queue_work(a->loop, &j->work, tok_job_work, tok_job_done);
     if (qrc)
         return qrc;
+    chat_template_ref(a->chat); /* the pool thread may render after the api is gone */
     j->next = a->jobs;
     if (a->jobs)
         a->jobs->prev = j;
@@ -1331,7 +1501,7 @@ static void handle_generate(struct api *a, struct http_request *req, bool chat)
     }
     if (!(body = load_object(a, req)))
         return;
-    if (parse_common(a, body, &r, &e))
+    if (parse_common(a, body, chat, &r, &e))
         goto fail;
     if (a->loop) {
         struct tok_job *j = calloc(1, sizeof *j);
@@ -1420,6 +1590,11 @@ static void finish_generate(struct api *a, struct http_conn *c, bool chat, struc
     g->n_stops = r.n_stops;
     r.n_stops = 0;
     moe_detok_init(&g->detok);
+    if (chat) {
+        char prefix[40];
+        snprintf(prefix, sizeof prefix, "call_%.24s", g->id + strlen("chatcmpl-"));
+        chat_out_init(&g->co, r.think_open, r.tools, prefix);
+    }
     g->piece_cap = 3 * (moe_tok_max_piece(a->tok) + 4) + 1;
     g->piece = malloc(g->piece_cap);
     if (!g->piece) {
@@ -1586,7 +1761,8 @@ static void handle_apply_template(struct api *a, struct http_request *req)
         return;
     struct verr e = {0};
     struct chat_rendered ren = {0};
-    if (render_messages(a, body, &ren, &e)) {
+    bool tools;
+    if (render_messages(a, body, &ren, &tools, &e)) {
         respond_error(a, req->conn, e.status ? e.status : 400, e.param, "%s", e.msg);
     } else {
         json_t *o = json_object();
@@ -1685,7 +1861,7 @@ static void handle_models(struct api *a, struct http_request *req, const char *o
     json_object_set_new(meta, "n_layer", json_integer(a->model.n_layer));
     json_object_set_new(meta, "n_expert", json_integer(a->model.n_expert));
     json_object_set_new(meta, "n_expert_used", json_integer(a->model.n_expert_used));
-    json_object_set_new(meta, "chat_template", json_string(chat_family_name(a->chat)));
+    json_object_set_new(meta, "chat_template", json_string(api_chat_kind(a)));
     json_object_set_new(m, "meta", meta);
     if (one) {
         if (strcmp(one, a->model_id) != 0) {
@@ -1873,7 +2049,7 @@ static void handle_admin_status(struct api *a, struct http_request *req)
     json_object_set_new(m, "n_expert_used", json_integer(a->model.n_expert_used));
     json_object_set_new(m, "bytes_dense", json_integer((json_int_t)a->model.bytes_dense));
     json_object_set_new(m, "bytes_experts", json_integer((json_int_t)a->model.bytes_experts));
-    json_object_set_new(m, "chat_template", json_string(chat_family_name(a->chat)));
+    json_object_set_new(m, "chat_template", json_string(api_chat_kind(a)));
     json_object_set_new(o, "model", m);
     json_object_set_new(o, "status", json_string(a->draining ? "stopping" : a->ready ? "ready" : "loading"));
     json_object_set_new(o, "pid", json_integer(getpid()));
@@ -2061,6 +2237,30 @@ void api_handle(void *user, struct http_request *req)
 
 /* ---- lifecycle ---- */
 
+/* The chat template: --chat-template's text (an error in it is the daemon's error), else the
+ * model's (an error in it makes chat requests answer 501 with it), else built-in ChatML. */
+static int api_load_chat(struct api *a, const struct api_opts *o, char *err, size_t errlen)
+{
+    const char *tmpl = moe_tok_chat_template(a->tok);
+    char msg[512];
+    if (o->chat_template) {
+        if (chat_template_new(&a->chat, o->chat_template, strlen(o->chat_template), CHAT_SRC_FILE,
+                              msg, sizeof msg))
+            return moe_fail(err, errlen, MOE_EFORMAT, "--chat-template: %s", msg);
+    } else if (tmpl && *tmpl) {
+        if (chat_template_new(&a->chat, tmpl, strlen(tmpl), CHAT_SRC_MODEL, msg, sizeof msg)) {
+            snprintf(a->chat_err, sizeof a->chat_err,
+                     "this model's chat template cannot be used (%s); use --chat-template FILE or "
+                     "/v1/completions", msg);
+            a->chat = NULL;
+        }
+    } else if (chat_template_new(&a->chat, chat_chatml_template, strlen(chat_chatml_template),
+                                 CHAT_SRC_BUILTIN, msg, sizeof msg)) {
+        return moe_fail(err, errlen, MOE_EINTERNAL, "built-in template: %s", msg);
+    }
+    return 0;
+}
+
 int api_new(struct api **out, const struct api_opts *o, char *err, size_t errlen)
 {
     struct api *a = calloc(1, sizeof *a);
@@ -2085,12 +2285,10 @@ int api_new(struct api **out, const struct api_opts *o, char *err, size_t errlen
     a->im_start = a->im_end = -1;
     if (getrandom(&a->id_seed, sizeof a->id_seed, GRND_NONBLOCK) != sizeof a->id_seed)
         a->id_seed = (uint64_t)time(NULL) * 0x9e3779b97f4a7c15ull ^ (uint64_t)getpid();
-    if (a->tok)
-        a->chat = chat_detect(moe_tok_chat_template(a->tok));
-    /* A qwen vocabulary without a template still speaks ChatML. */
-    if (a->tok && a->chat == CHAT_NONE && moe_tok_lookup(a->tok, "<|im_start|>") >= 0 &&
-        moe_tok_lookup(a->tok, "<|im_end|>") >= 0)
-        a->chat = CHAT_CHATML;
+    if (a->tok && api_load_chat(a, o, err, errlen)) {
+        api_free(a);
+        return MOE_EFORMAT;
+    }
     if (a->model.n_layer && a->model.n_expert && a->model.n_layer <= 4096 && a->model.n_expert <= 4096)
         a->routing = calloc((size_t)a->model.n_layer * a->model.n_expert, sizeof *a->routing);
     if (!a->model_id || !a->model_arch) {
@@ -2139,6 +2337,7 @@ void api_free(struct api *a)
     free(a->model_id);
     free(a->model_arch);
     free(a->api_key);
+    chat_template_free(a->chat);
     free(a);
 }
 

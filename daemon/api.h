@@ -65,10 +65,13 @@ struct api_opts {
     struct api_hooks hooks;
     uv_loop_t *loop;                 /* prompts are tokenized on its thread pool (the event loop
                                         never waits for a long prompt); NULL: inline */
+    const char *chat_template;       /* Jinja text that replaces the model's chat template
+                                        (--chat-template); NULL: the model's, else ChatML */
 };
 
-/* Returns 0 or -ENOMEM. A model whose chat template is not ChatML still gets an API: its chat
- * requests answer 501 (400 when it has no template at all). */
+/* Returns 0, -ENOMEM, or MOE_EFORMAT for a chat_template that does not parse (message in err).
+ * A model whose own chat template does not parse still gets an API: its chat requests answer
+ * 501 with the template's error; a model without one gets built-in ChatML. */
 int api_new(struct api **out, const struct api_opts *o, char *err, size_t errlen);
 /* Cancels every generation still running (their connections get an error) and frees. */
 void api_free(struct api *a);

@@ -25,6 +25,7 @@
 #include <uv.h>
 
 #include "daemon/api.h"
+#include "daemon/jinja.h"
 #include "daemon/config.h"
 #include "daemon/devices.h"
 #include "daemon/http.h"
@@ -84,6 +85,27 @@ struct daemon {
 };
 
 /* "2.8 MiB", "17.21 GiB": sizes in log lines. */
+/* A whole text file of at most max bytes, NUL-terminated (malloc'ed), or NULL with err set. */
+static char *read_text_file(const char *path, size_t max, char *err, size_t errlen)
+{
+    FILE *f = fopen(path, "rb");
+    if (!f) {
+        snprintf(err, errlen, "%s", strerror(errno));
+        return NULL;
+    }
+    char *buf = malloc(max + 2);
+    size_t n = buf ? fread(buf, 1, max + 1, f) : 0;
+    bool bad = !buf || ferror(f);
+    fclose(f);
+    if (bad || n > max) {
+        snprintf(err, errlen, bad ? "cannot read it" : "longer than %zu bytes", max);
+        free(buf);
+        return NULL;
+    }
+    buf[n] = 0;
+    return buf;
+}
+
 static const char *human_bytes(uint64_t n, char *buf, size_t cap)
 {
     if (n >= (1ull << 30))
@@ -987,10 +1009,20 @@ static int run(struct daemon *d, int argc, char **argv)
         log_warn("--admin-group %s: no such group; only root and uid %u may use /admin", c->admin_group,
                  (unsigned)geteuid());
     }
-    if ((rc = api_new(&d->api, &ao, err, sizeof err))) {
+    char *tmpl = NULL;
+    if (c->chat_template && !(tmpl = read_text_file(c->chat_template, JINJA_MAX_TEMPLATE, err, sizeof err))) {
+        log_error("--chat-template %s: %s", c->chat_template, err);
+        return 1;
+    }
+    ao.chat_template = tmpl;
+    rc = api_new(&d->api, &ao, err, sizeof err);
+    free(tmpl);
+    if (rc) {
         log_error("%s", err);
         return 1;
     }
+    log_info("chat template: %s", c->chat_template ? c->chat_template
+                                  : moe_tok_chat_template(d->tok) ? "the model's" : "built-in ChatML");
     struct http_limits lim;
     http_limits_default(&lim);
     lim.max_body_bytes = c->max_body;

@@ -1115,6 +1115,27 @@ nomem:
     return -ENOMEM;
 }
 
+int moe_tok_split_special(const struct moe_tokenizer *t, const char *text, size_t len,
+                          struct moe_tok_frag **frags, size_t *n)
+{
+    struct frag *fr;
+    size_t nfr;
+    int rc = split_specials(t, text, len, true, &fr, &nfr);
+    if (rc)
+        return rc;
+    struct moe_tok_frag *out = malloc((nfr ? nfr : 1) * sizeof *out);
+    if (!out) {
+        free(fr);
+        return -ENOMEM;
+    }
+    for (size_t i = 0; i < nfr; i++)
+        out[i] = (struct moe_tok_frag){fr[i].off, fr[i].len, fr[i].id};
+    free(fr);
+    *frags = out;
+    *n = nfr;
+    return 0;
+}
+
 static void enc_free(struct enc *e)
 {
     free(e->bl);

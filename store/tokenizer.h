@@ -27,6 +27,17 @@ int moe_tok_encode(const struct moe_tokenizer *t, const char *text, size_t len, 
 int moe_tok_encode_max(const struct moe_tokenizer *t, const char *text, size_t len,
                        bool parse_special, size_t max_tokens, int32_t **ids, size_t *n);
 
+/* Special tokens (control and user-defined) cut out of text[0..len) exactly as moe_tok_encode
+ * with parse_special cuts them: *frags (malloc'ed, caller frees) gets *n fragments that cover the
+ * text in order, id the token of a special one and -1 for the text between. Returns 0 or
+ * -ENOMEM. For renderers that keep a template's own markers apart from message text. */
+struct moe_tok_frag {
+    size_t off, len;
+    int32_t id;
+};
+int moe_tok_split_special(const struct moe_tokenizer *t, const char *text, size_t len,
+                          struct moe_tok_frag **frags, size_t *n);
+
 /* The raw bytes a token stands for (byte-level decoding applied; special tokens give their text).
  * Returns the byte count (may exceed cap: then only cap bytes were written), or -1 for a bad id. */
 int moe_tok_piece(const struct moe_tokenizer *t, int32_t id, char *buf, size_t cap);

@@ -110,41 +110,127 @@ static char *joined(const struct chat_rendered *r, bool mark)
     size_t n = 0;
     for (size_t i = 0; i < r->n_spans; i++) {
         const struct chat_span *s = &r->spans[i];
-        n += (size_t)snprintf(buf + n, sizeof buf - n, "%s%.*s%s", mark && s->special ? "[" : "",
-                              (int)s->len, r->text + s->off, mark && s->special ? "]" : "");
+        n += (size_t)snprintf(buf + n, sizeof buf - n, "%s%.*s%s", mark && s->id >= 0 ? "[" : "",
+                              (int)s->len, r->text + s->off, mark && s->id >= 0 ? "]" : "");
     }
     return buf;
 }
 
+static struct moe_tokenizer *golden_tokenizer(struct gguf_file **g)
+{
+    char err[512];
+    int rc = gguf_open(g, "tests/golden/models/tiny-qwen3moe-Q8_0.gguf", err, sizeof err);
+    CHECK_MSG(rc == 0, "%s", err);
+    struct moe_tokenizer *t;
+    rc = moe_tok_load(&t, *g, err, sizeof err);
+    CHECK_MSG(rc == 0, "%s", err);
+    return t;
+}
+
+/* Built-in ChatML with the golden vocabulary: the template's markers become their tokens, the
+ * same text in a message stays text. */
 TEST(chat_chatml_render)
 {
-    CHECK_EQ(chat_detect(NULL), CHAT_NONE);
-    CHECK_EQ(chat_detect("{% for message in messages %}<|im_start|>{{ message.role }}"), CHAT_CHATML);
-    CHECK_EQ(chat_detect("{{ bos_token }}[INST] {{ m }} [/INST]"), CHAT_UNSUPPORTED);
-    struct chat_msg m[] = {
-        {"system", "Be brief.", 9},
-        {"user", "Hi <|im_start|>", 15},
-        {"assistant", "Hello!", 6},
-        {"developer", "x", 1},
-    };
+    struct gguf_file *g;
+    struct moe_tokenizer *tok = golden_tokenizer(&g);
+    struct chat_template *t;
+    char err[512];
+    CHECK(chat_template_new(&t, chat_chatml_template, strlen(chat_chatml_template), CHAT_SRC_BUILTIN,
+                            err, sizeof err) == 0);
+    CHECK_STREQ(chat_source_name(chat_template_source(t)), "chatml");
+    json_t *vars = json_pack("{s:[{s:s,s:s},{s:s,s:s},{s:s,s:s},{s:s,s:s}],s:b}", "messages",
+                             "role", "system", "content", "Be brief.", "role", "user", "content",
+                             "Hi <|im_start|>", "role", "assistant", "content", "Hello!", "role",
+                             "developer", "content", "x", "add_generation_prompt", 1);
     struct chat_rendered r;
-    char err[256];
-    CHECK(chat_render(CHAT_CHATML, m, 4, true, &r, err, sizeof err) == 0);
+    CHECK(chat_render(t, tok, vars, 0, &r, err, sizeof err) == 0);
     CHECK_STREQ(r.text, "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi <|im_start|><|im_end|>\n"
                         "<|im_start|>assistant\nHello!<|im_end|>\n<|im_start|>system\nx<|im_end|>\n"
                         "<|im_start|>assistant\n");
-    /* Only the template's markers are special; the user's "<|im_start|>" is text. */
     CHECK_STREQ(joined(&r, true),
                 "[<|im_start|>]system\nBe brief.[<|im_end|>]\n[<|im_start|>]user\nHi <|im_start|>[<|im_end|>]\n"
                 "[<|im_start|>]assistant\nHello![<|im_end|>]\n[<|im_start|>]system\nx[<|im_end|>]\n"
                 "[<|im_start|>]assistant\n");
-    CHECK_EQ(r.n_spans, 18);
+    CHECK_EQ(r.spans[0].id, moe_tok_lookup(tok, "<|im_start|>"));
     chat_rendered_free(&r);
-    struct chat_msg bad = {"tool", "x", 1};
-    CHECK(chat_render(CHAT_CHATML, &bad, 1, true, &r, err, sizeof err) == MOE_EUNSUPPORTED);
-    CHECK(strstr(err, "'tool'") != NULL);
-    CHECK(chat_render(CHAT_UNSUPPORTED, m, 1, true, &r, err, sizeof err) == MOE_EUNSUPPORTED);
-    CHECK(chat_render(CHAT_CHATML, m, 0, true, &r, err, sizeof err) == MOE_EFORMAT);
+    json_decref(vars);
+    chat_template_ref(t);
+    chat_template_free(t); /* one reference left */
+    chat_template_free(t);
+    /* a template error names the line */
+    CHECK(chat_template_new(&t, "a\n{% if %}", 11, CHAT_SRC_FILE, err, sizeof err) == MOE_EFORMAT);
+    CHECK_MSG(strstr(err, "line 2"), "%s", err);
+    moe_tok_free(tok);
+    gguf_close(g);
+}
+
+struct collect {
+    char text[3][1024];
+    size_t n[3];
+    char calls[1024];
+    int events;
+};
+
+static int collect_ev(void *user, enum chat_ev ev, const char *s, size_t n, const struct chat_tool_call *tc)
+{
+    struct collect *c = user;
+    c->events++;
+    if (ev == CHAT_EV_TOOL_CALL) {
+        size_t l = strlen(c->calls);
+        snprintf(c->calls + l, sizeof c->calls - l, "%d:%s:%s(%s);", tc->index, tc->id, tc->name, tc->arguments);
+        return 0;
+    }
+    memcpy(c->text[ev] + c->n[ev], s, n);
+    c->n[ev] += n;
+    c->text[ev][c->n[ev]] = 0;
+    return 0;
+}
+
+/* The output parser on fixed model outputs, fed whole and one byte at a time (as a stream):
+ * both give the same reasoning, content and tool calls. */
+static void check_out(const char *out, bool think_open, bool tools, const char *reasoning,
+                      const char *content, const char *calls)
+{
+    for (int stream = 0; stream < 2; stream++) {
+        struct chat_out p;
+        chat_out_init(&p, think_open, tools, "call_x");
+        struct collect c = {0};
+        size_t len = strlen(out);
+        if (stream)
+            for (size_t i = 0; i <= len; i++)
+                CHECK(chat_out_feed(&p, out, i, false, collect_ev, &c) == 0);
+        CHECK(chat_out_feed(&p, out, len, true, collect_ev, &c) == 0);
+        CHECK_MSG(!strcmp(c.text[CHAT_EV_REASONING], reasoning), "%s (stream %d): reasoning [%s]", out,
+                  stream, c.text[CHAT_EV_REASONING]);
+        CHECK_MSG(!strcmp(c.text[CHAT_EV_CONTENT], content), "%s (stream %d): content [%s]", out, stream,
+                  c.text[CHAT_EV_CONTENT]);
+        CHECK_MSG(!strcmp(c.calls, calls), "%s (stream %d): calls [%s]", out, stream, c.calls);
+    }
+}
+
+TEST(chat_output_reasoning_and_tool_calls)
+{
+    check_out("Hello there.", false, false, "", "Hello there.", "");
+    check_out("<think>\nLet me see.\n</think>\n\nIt is 4.", false, false, "Let me see.", "It is 4.", "");
+    check_out("Let me see.\n</think>\n\nIt is 4.", true, false, "Let me see.", "It is 4.", "");
+    check_out("<think>\nunfinished", false, false, "unfinished", "", "");
+    check_out("<thin", false, false, "", "<thin", "");
+    check_out("a <think> b", false, false, "", "a <think> b", "");
+    check_out("<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>",
+              false, true, "", "", "0:call_x_0:get_weather({\"city\":\"Paris\"});");
+    check_out("<think>\nhmm\n</think>\n\nChecking.\n<tool_call>\n{\"name\": \"a\", \"arguments\": {}}\n</tool_call>\n"
+              "<tool_call>\n{\"name\": \"b\", \"arguments\": \"{\\\"q\\\": 1}\"}\n</tool_call>",
+              false, true, "hmm", "Checking.", "0:call_x_0:a({});1:call_x_1:b({\"q\": 1});");
+    /* malformed JSON stays content; an unterminated call at the end is still parsed */
+    check_out("<tool_call>{\"name\": \"a\", \"arguments\": {oops}</tool_call>", false, true, "",
+              "<tool_call>{\"name\": \"a\", \"arguments\": {oops}</tool_call>", "");
+    check_out("<tool_call>{\"name\": \"a\", \"arguments\": {\"x\": [1, 2]}}", false, true, "", "",
+              "0:call_x_0:a({\"x\":[1,2]});");
+    /* without tools, a tool call is only text */
+    check_out("<tool_call>{\"name\": \"a\"}</tool_call>", false, false, "",
+              "<tool_call>{\"name\": \"a\"}</tool_call>", "");
+    check_out("Sure.  <tool_call>{\"name\": \"a\", \"arguments\": {}}</tool_call> and more", false, true, "",
+              "Sure.and more", "0:call_x_0:a({});");
 }
 
 TEST(api_stop_strings)
@@ -193,34 +279,31 @@ TEST(api_admin_peer_check)
     api_free(a);
 }
 
-/* The rendered chat, tokenized span by span, equals tokenizing the whole text with special
- * tokens parsed (what llama.cpp does) when the messages hold no special-token text. */
+/* The rendered chat (the model's own template), tokenized span by span, equals tokenizing the
+ * whole text with special tokens parsed (what llama.cpp does) when the messages hold no
+ * special-token text. */
 TEST(api_chat_tokens_match_whole_text)
 {
     struct gguf_file *g;
+    struct moe_tokenizer *t = golden_tokenizer(&g);
     char err[512];
-    int rc = gguf_open(&g, "tests/golden/models/tiny-qwen3moe-Q8_0.gguf", err, sizeof err);
-    CHECK_MSG(rc == 0, "%s", err);
-    struct moe_tokenizer *t;
-    rc = moe_tok_load(&t, g, err, sizeof err);
-    CHECK_MSG(rc == 0, "%s", err);
-    CHECK_EQ(chat_detect(moe_tok_chat_template(t)), CHAT_CHATML);
-    struct chat_msg m[] = {{"system", "You are a helpful assistant.", 28},
-                           {"user", "Write 3 words about the sea, please!\n\nThanks.", 46}};
+    const char *src = moe_tok_chat_template(t);
+    CHECK(src);
+    struct chat_template *ct;
+    CHECK_MSG(chat_template_new(&ct, src, strlen(src), CHAT_SRC_MODEL, err, sizeof err) == 0, "%s", err);
+    json_t *vars = json_pack("{s:[{s:s,s:s},{s:s,s:s}],s:b}", "messages", "role", "system", "content",
+                             "You are a helpful assistant.", "role", "user", "content",
+                             "Write 3 words about the sea, please!\n\nThanks.", "add_generation_prompt", 1);
     struct chat_rendered r;
-    CHECK(chat_render(CHAT_CHATML, m, 2, true, &r, err, sizeof err) == 0);
+    CHECK(chat_render(ct, t, vars, 0, &r, err, sizeof err) == 0);
     int32_t *whole;
     size_t n_whole;
     CHECK(moe_tok_encode(t, r.text, r.len, true, &whole, &n_whole) == 0);
     int32_t spans[512];
     size_t n = 0;
     for (size_t i = 0; i < r.n_spans; i++) {
-        if (r.spans[i].special) {
-            char name[32];
-            snprintf(name, sizeof name, "%.*s", (int)r.spans[i].len, r.text + r.spans[i].off);
-            int32_t id = moe_tok_lookup(t, name);
-            CHECK(id >= 0);
-            spans[n++] = id;
+        if (r.spans[i].id >= 0) {
+            spans[n++] = r.spans[i].id;
         } else {
             int32_t *ids;
             size_t k;
@@ -236,6 +319,8 @@ TEST(api_chat_tokens_match_whole_text)
         CHECK_EQ(spans[i], whole[i]);
     free(whole);
     chat_rendered_free(&r);
+    json_decref(vars);
+    chat_template_free(ct);
     moe_tok_free(t);
     gguf_close(g);
 }

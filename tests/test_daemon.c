@@ -413,7 +413,10 @@ TEST(daemon_rejects_bad_requests)
         {cc, "{\"messages\": []}", "must not be empty", 400},
         {cc, "{\"messages\": [{\"role\": \"user\"}], \"temperature\": []}", "'temperature' must be a number", 400},
         {cc, "{\"messages\": [{\"role\": 1, \"content\": \"x\"}]}", "role' must be a string", 400},
-        {cc, "{\"messages\": [{\"role\": \"tool\", \"content\": \"x\"}]}", "'tool' is not supported", 400},
+        {cc, "{\"messages\": [{\"role\": \"robot\", \"content\": \"x\"}]}", "must be system, developer, user, assistant or tool", 400},
+        {cc, "{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"tool_choice\": \"required\"}", "cannot force a tool call", 400},
+        {cc, "{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"tools\": [{\"type\": \"x\"}]}", "'tools[0]' must be", 400},
+        {cc, "{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"chat_template_kwargs\": 1}", "must be an object", 400},
         {cc, "{\"messages\": [{\"role\": \"user\", \"content\": [{\"type\": \"image_url\"}]}]}", "only parts of type", 400},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {

@@ -180,6 +180,42 @@ def test_chat_stream_equals_non_stream(client):
     assert finish == full.choices[0].finish_reason
 
 
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+
+
+def test_chat_tools_and_tool_messages(client):
+    """The request shapes of a tool-calling conversation are accepted and reach the template."""
+    msgs = [{"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "call_1", "type": "function",
+                 "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees"}]
+    r = client.chat.completions.create(model="tiny", messages=msgs, tools=TOOLS, tool_choice="auto",
+                                       max_tokens=6, temperature=0)
+    assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    assert r.choices[0].message.role == "assistant"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="tiny", messages=msgs, tools=TOOLS, tool_choice="required")
+    assert "constrained sampling" in str(e.value)
+
+
+def test_chat_template_kwargs(daemon, client):
+    """Qwen3's enable_thinking=false closes an empty <think> block in the prompt."""
+    msgs = [{"role": "user", "content": "Hi"}]
+    with uds_client(daemon.sock) as http:
+        on = http.post("/apply-template", json={"messages": msgs}).json()["prompt"]
+        off = http.post("/apply-template", json={"messages": msgs,
+                                                 "chat_template_kwargs": {"enable_thinking": False}}).json()["prompt"]
+        tools = http.post("/apply-template", json={"messages": msgs, "tools": TOOLS}).json()["prompt"]
+    assert off == on + "<think>\n\n</think>\n\n"
+    assert "get_weather" in tools and "<tools>" in tools
+    r = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=4, temperature=0,
+                                       extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert r.usage.prompt_tokens > 0
+
+
 def test_seeded_sampling_is_reproducible(client):
     kw = dict(model="tiny", prompt="The sea", max_tokens=10, temperature=0.9, top_p=0.95, seed=1234,
               extra_body={"top_k": 40, "min_p": 0.01, "repetition_penalty": 1.1})
@@ -216,7 +252,7 @@ def test_bad_requests(client):
     assert body["code"] == "context_length_exceeded"
     assert body["n_prompt_tokens"] >= 5000 and body["n_ctx"] == 4096
     with pytest.raises(openai.BadRequestError):
-        client.chat.completions.create(model="tiny", messages=[{"role": "tool", "content": "x"}])
+        client.chat.completions.create(model="tiny", messages=[{"role": "robot", "content": "x"}])
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("no-such-model")
 

@@ -1,0 +1,2650 @@
+/* Jinja evaluator; see jinja.h. Semantics follow Python's jinja2 as Hugging Face configures it
+ * (default Undefined: prints as '', iterates as empty, fails on attribute access; immutable
+ * sandbox: no list.append or dict.update). */
+#include <errno.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "daemon/jinja.h"
+#include "daemon/jinja_int.h"
+#include "store/err.h"
+
+#define MAX_EVAL_DEPTH 1000
+#define MAX_VALUE_DEPTH 512
+
+struct scope {
+    struct jdict vars;
+    struct scope *parent;
+};
+
+struct obuf {
+    char *s;
+    uint8_t *m;
+    size_t len, cap;
+};
+
+struct jloop {
+    const jval *items;
+    size_t i, n;
+};
+
+struct jmethod {
+    jval self;
+    const char *name;
+};
+
+enum { F_RANGE, F_NAMESPACE, F_RAISE, F_STRFTIME, F_DICT };
+static const char *const func_names[] = {"range", "namespace", "raise_exception", "strftime_now",
+                                         "dict", NULL};
+
+struct rctx {
+    struct jbase b;
+    size_t max_output, max_iter, iters;
+    unsigned max_depth, depth, edepth;
+    struct scope *root;
+    bool brk, cont;
+    time_t now;
+    bool now_utc;
+};
+
+#define DIE(R, line, ...) j_die(&(R)->b, MOE_EFORMAT, line, __VA_ARGS__)
+
+static const jval UNDEF = {.t = V_UNDEF};
+static const jval NONE = {.t = V_NONE};
+
+static jval mkbool(bool b) { return (jval){.t = V_BOOL, .u.b = b}; }
+static jval mkint(int64_t i) { return (jval){.t = V_INT, .u.i = i}; }
+static jval mkfloat(double f) { return (jval){.t = V_FLOAT, .u.f = f}; }
+static jval undef_named(const char *n) { return (jval){.t = V_UNDEF, .u.uname = n}; }
+
+static bool is(const char *a, const char *b) { return !strcmp(a, b); }
+
+/* ---- Strings ---- */
+
+static struct jstr *mkjstr(struct rctx *R, const char *s, size_t n, uint8_t prov, const uint8_t *m)
+{
+    struct jstr *js = j_alloc(&R->b, sizeof *js);
+    js->s = s;
+    js->len = n;
+    js->prov = prov;
+    js->m = prov == PROV_MIX ? m : NULL;
+    js->markup = false;
+    return js;
+}
+
+static jval vstr(struct jstr *s) { return (jval){.t = V_STR, .u.s = s}; }
+
+static jval cstr(struct rctx *R, const char *s)
+{
+    size_t n = strlen(s);
+    return vstr(mkjstr(R, j_strndup(&R->b, s, n), n, PROV_LIT, NULL));
+}
+
+static uint8_t sbit(const struct jstr *s, size_t i)
+{
+    return s->prov == PROV_MIX ? s->m[i] : s->prov;
+}
+
+static struct jstr *jsub(struct rctx *R, const struct jstr *s, size_t off, size_t n)
+{
+    if (off > s->len)
+        off = s->len;
+    if (n > s->len - off)
+        n = s->len - off;
+    return mkjstr(R, s->s + off, n, s->prov, s->prov == PROV_MIX ? s->m + off : NULL);
+}
+
+/* ---- Output buffers (text plus one provenance byte per byte) ---- */
+
+static void ob_reserve(struct rctx *R, struct obuf *o, size_t add)
+{
+    if (add > R->max_output || o->len + add > R->max_output)
+        j_die(&R->b, MOE_ETOOBIG, 0, "the output is longer than %zu bytes", R->max_output);
+    if (o->len + add <= o->cap)
+        return;
+    size_t nc = o->cap ? o->cap * 2 : 256;
+    while (nc < o->len + add)
+        nc *= 2;
+    char *ns = j_alloc(&R->b, nc + 1);
+    uint8_t *nm = j_alloc(&R->b, nc);
+    if (o->len) {
+        memcpy(ns, o->s, o->len);
+        memcpy(nm, o->m, o->len);
+    }
+    o->s = ns;
+    o->m = nm;
+    o->cap = nc;
+}
+
+static void ob_put(struct rctx *R, struct obuf *o, const char *s, size_t n, uint8_t bit)
+{
+    if (!n)
+        return;
+    ob_reserve(R, o, n);
+    memcpy(o->s + o->len, s, n);
+    memset(o->m + o->len, bit, n);
+    o->len += n;
+}
+
+static void ob_lit(struct rctx *R, struct obuf *o, const char *s) { ob_put(R, o, s, strlen(s), 0); }
+
+static void ob_str(struct rctx *R, struct obuf *o, const struct jstr *s)
+{
+    if (!s->len)
+        return;
+    ob_reserve(R, o, s->len);
+    memcpy(o->s + o->len, s->s, s->len);
+    if (s->prov == PROV_MIX)
+        memcpy(o->m + o->len, s->m, s->len);
+    else
+        memset(o->m + o->len, s->prov, s->len);
+    o->len += s->len;
+}
+
+static struct jstr *ob_done(struct rctx *R, struct obuf *o)
+{
+    bool any0 = false, any1 = false;
+    for (size_t i = 0; i < o->len; i++) {
+        if (o->m[i])
+            any1 = true;
+        else
+            any0 = true;
+    }
+    uint8_t prov = any1 ? (any0 ? PROV_MIX : PROV_DATA) : PROV_LIT;
+    if (!o->s)
+        return mkjstr(R, "", 0, PROV_LIT, NULL);
+    o->s[o->len] = 0;
+    return mkjstr(R, o->s, o->len, prov, o->m);
+}
+
+static struct jstr *jcat(struct rctx *R, const struct jstr *a, const struct jstr *b)
+{
+    if (!a->len)
+        return (struct jstr *)b;
+    if (!b->len)
+        return (struct jstr *)a;
+    struct obuf o = {0};
+    ob_str(R, &o, a);
+    ob_str(R, &o, b);
+    return ob_done(R, &o);
+}
+
+/* ---- UTF-8 ---- */
+
+static size_t u8_next(const char *s, size_t n, size_t i)
+{
+    i++;
+    while (i < n && ((unsigned char)s[i] & 0xc0) == 0x80)
+        i++;
+    return i;
+}
+
+static size_t u8_count(const char *s, size_t n)
+{
+    size_t c = 0;
+    for (size_t i = 0; i < n; i++)
+        if (((unsigned char)s[i] & 0xc0) != 0x80)
+            c++;
+    return c;
+}
+
+static uint32_t u8_cp(const char *s, size_t n, size_t i, size_t *next)
+{
+    const unsigned char *p = (const unsigned char *)s;
+    size_t e = u8_next(s, n, i);
+    *next = e;
+    uint32_t c = p[i];
+    if (c < 0x80 || e - i == 1)
+        return c;
+    int k = (int)(e - i);
+    c &= k == 2 ? 0x1f : k == 3 ? 0x0f : 0x07;
+    for (size_t j = i + 1; j < e; j++)
+        c = (c << 6) | (p[j] & 0x3f);
+    return c;
+}
+
+/* Byte offsets of every code point start, plus the end. */
+static size_t *u8_offsets(struct rctx *R, const struct jstr *s, size_t *n)
+{
+    size_t c = u8_count(s->s, s->len);
+    size_t *o = j_alloc(&R->b, (c + 1) * sizeof *o);
+    size_t k = 0;
+    for (size_t i = 0; i < s->len; i = u8_next(s->s, s->len, i))
+        o[k++] = i;
+    o[k] = s->len;
+    *n = k;
+    return o;
+}
+
+static bool py_space(uint32_t c)
+{
+    return c == ' ' || (c >= 9 && c <= 13) || (c >= 0x1c && c <= 0x1f) || c == 0x85 || c == 0xa0 ||
+           c == 0x1680 || (c >= 0x2000 && c <= 0x200a) || c == 0x2028 || c == 0x2029 ||
+           c == 0x202f || c == 0x205f || c == 0x3000;
+}
+
+/* ---- Dicts and scopes ---- */
+
+static bool vequal(const jval *a, const jval *b, int depth);
+
+static jval *d_find(const struct jdict *d, const jval *k)
+{
+    for (size_t i = 0; i < d->n; i++)
+        if (vequal(&d->k[i], k, 0))
+            return &d->v[i];
+    return NULL;
+}
+
+static jval *d_find_s(const struct jdict *d, const char *k)
+{
+    size_t n = strlen(k);
+    for (size_t i = 0; i < d->n; i++)
+        if (d->k[i].t == V_STR && d->k[i].u.s->len == n && !memcmp(d->k[i].u.s->s, k, n))
+            return &d->v[i];
+    return NULL;
+}
+
+static void d_set(struct rctx *R, struct jdict *d, jval k, jval v)
+{
+    jval *e = d_find(d, &k);
+    if (e) {
+        *e = v;
+        return;
+    }
+    if (d->n == d->cap) {
+        size_t nc = d->cap ? d->cap * 2 : 4;
+        jval *nk = j_alloc(&R->b, nc * sizeof *nk), *nv = j_alloc(&R->b, nc * sizeof *nv);
+        if (d->n) {
+            memcpy(nk, d->k, d->n * sizeof *nk);
+            memcpy(nv, d->v, d->n * sizeof *nv);
+        }
+        d->k = nk;
+        d->v = nv;
+        d->cap = nc;
+    }
+    d->k[d->n] = k;
+    d->v[d->n++] = v;
+}
+
+static void d_set_s(struct rctx *R, struct jdict *d, const char *k, jval v)
+{
+    jval *e = d_find_s(d, k);
+    if (e) {
+        *e = v;
+        return;
+    }
+    d_set(R, d, vstr(mkjstr(R, k, strlen(k), PROV_LIT, NULL)), v);
+}
+
+static struct scope *new_scope(struct rctx *R, struct scope *parent)
+{
+    struct scope *s = j_zalloc(&R->b, sizeof *s);
+    s->parent = parent;
+    return s;
+}
+
+static jval lookup(struct rctx *R, struct scope *s, const char *name)
+{
+    (void)R;
+    for (; s; s = s->parent) {
+        jval *v = d_find_s(&s->vars, name);
+        if (v)
+            return *v;
+    }
+    for (int i = 0; func_names[i]; i++)
+        if (is(func_names[i], name))
+            return (jval){.t = V_FUNC, .u.fn = i};
+    return undef_named(name);
+}
+
+static jval mklist(struct rctx *R, size_t n, bool tuple)
+{
+    struct jlist *l = j_zalloc(&R->b, sizeof *l);
+    l->v = n ? j_alloc(&R->b, n * sizeof *l->v) : NULL;
+    l->n = n;
+    l->tuple = tuple;
+    return (jval){.t = V_LIST, .u.l = l};
+}
+
+static jval mkdict(struct rctx *R)
+{
+    return (jval){.t = V_DICT, .u.d = j_zalloc(&R->b, sizeof(struct jdict))};
+}
+
+/* ---- Type names, truth, numbers ---- */
+
+static const char *tname(const jval *v)
+{
+    switch (v->t) {
+    case V_UNDEF: return "Undefined";
+    case V_NONE: return "NoneType";
+    case V_BOOL: return "bool";
+    case V_INT: return "int";
+    case V_FLOAT: return "float";
+    case V_STR: return "str";
+    case V_LIST: return v->u.l->tuple ? "tuple" : "list";
+    case V_DICT: return "dict";
+    case V_NS: return "Namespace";
+    case V_LOOP: return "LoopContext";
+    case V_MACRO: return "Macro";
+    default: return "function";
+    }
+}
+
+static bool truthy(const jval *v)
+{
+    switch (v->t) {
+    case V_UNDEF: case V_NONE: return false;
+    case V_BOOL: return v->u.b;
+    case V_INT: return v->u.i != 0;
+    case V_FLOAT: return v->u.f != 0;
+    case V_STR: return v->u.s->len != 0;
+    case V_LIST: return v->u.l->n != 0;
+    case V_DICT: return v->u.d->n != 0;
+    default: return true;
+    }
+}
+
+static bool is_num(const jval *v) { return v->t == V_INT || v->t == V_FLOAT || v->t == V_BOOL; }
+static bool is_intlike(const jval *v) { return v->t == V_INT || v->t == V_BOOL; }
+static int64_t ival(const jval *v) { return v->t == V_BOOL ? v->u.b : v->u.i; }
+static double fval(const jval *v) { return v->t == V_FLOAT ? v->u.f : (double)ival(v); }
+
+static _Noreturn void undefined_error(struct rctx *R, int line, const jval *v)
+{
+    if (v->u.uname)
+        DIE(R, line, "'%s' is undefined", v->u.uname);
+    DIE(R, line, "a value is undefined");
+}
+
+/* Python's repr of a float: the shortest digits that read back the same. */
+static void fmt_float(double x, char *out, size_t cap)
+{
+    if (isnan(x)) { snprintf(out, cap, "nan"); return; }
+    if (isinf(x)) { snprintf(out, cap, x < 0 ? "-inf" : "inf"); return; }
+    char buf[40];
+    int p;
+    for (p = 1; p <= 17; p++) {
+        snprintf(buf, sizeof buf, "%.*e", p - 1, x);
+        if (strtod(buf, NULL) == x)
+            break;
+    }
+    char digits[24];
+    size_t nd = 0;
+    const char *c = buf;
+    bool neg = *c == '-';
+    if (neg)
+        c++;
+    for (; *c && *c != 'e'; c++)
+        if (*c >= '0' && *c <= '9')
+            digits[nd++] = *c;
+    int e = atoi(c + 1);
+    while (nd > 1 && digits[nd - 1] == '0')
+        nd--;
+    digits[nd] = 0;
+    size_t k = 0;
+    char *o = out;
+    if (neg)
+        o[k++] = '-';
+    if (e >= -5 && e < 16) {
+        if (e >= 0) {
+            for (int i = 0; i <= e; i++)
+                o[k++] = (size_t)i < nd ? digits[i] : '0';
+            o[k++] = '.';
+            if ((size_t)e + 1 < nd)
+                for (size_t i = (size_t)e + 1; i < nd; i++)
+                    o[k++] = digits[i];
+            else
+                o[k++] = '0';
+        } else {
+            o[k++] = '0';
+            o[k++] = '.';
+            for (int i = 0; i < -e - 1; i++)
+                o[k++] = '0';
+            for (size_t i = 0; i < nd; i++)
+                o[k++] = digits[i];
+        }
+        o[k] = 0;
+    } else {
+        o[k++] = digits[0];
+        if (nd > 1) {
+            o[k++] = '.';
+            for (size_t i = 1; i < nd; i++)
+                o[k++] = digits[i];
+        }
+        snprintf(o + k, cap - k, "e%c%02d", e < 0 ? '-' : '+', e < 0 ? -e : e);
+    }
+}
+
+/* ---- repr, str, tojson ---- */
+
+/* The escape that Python's repr and json.dumps share for c (q: the quote), or NULL. */
+static const char *short_escape(unsigned char c, char q, char *e)
+{
+    if (c == '\\' || c == (unsigned char)q) {
+        e[0] = '\\';
+        e[1] = (char)c;
+        e[2] = 0;
+        return e;
+    }
+    return c == '\n' ? "\\n" : c == '\r' ? "\\r" : c == '\t' ? "\\t" : NULL;
+}
+
+static void repr_str(struct rctx *R, struct obuf *o, const struct jstr *s)
+{
+    bool sq = memchr(s->s, '\'', s->len) != NULL, dq = memchr(s->s, '"', s->len) != NULL;
+    char q = sq && !dq ? '"' : '\'';
+    ob_put(R, o, &q, 1, 0);
+    for (size_t i = 0; i < s->len; i++) {
+        unsigned char c = (unsigned char)s->s[i];
+        uint8_t bit = sbit(s, i);
+        char e[8];
+        const char *se = short_escape(c, q, e);
+        if (se) {
+            ob_put(R, o, se, strlen(se), bit);
+        } else if (c < 0x20 || c == 0x7f) {
+            snprintf(e, sizeof e, "\\x%02x", c);
+            ob_put(R, o, e, 4, bit);
+        } else {
+            ob_put(R, o, (const char *)&s->s[i], 1, bit);
+        }
+    }
+    ob_put(R, o, &q, 1, 0);
+}
+
+static void write_str(struct rctx *R, struct obuf *o, const jval *v, bool repr, int depth);
+
+static void write_repr(struct rctx *R, struct obuf *o, const jval *v, int depth)
+{
+    write_str(R, o, v, true, depth);
+}
+
+/* Python str() (repr when repr is set) of v appended to o. */
+static void write_str(struct rctx *R, struct obuf *o, const jval *v, bool repr, int depth)
+{
+    if (depth > MAX_VALUE_DEPTH)
+        DIE(R, 0, "a value is nested more than %d deep", MAX_VALUE_DEPTH);
+    char buf[48];
+    switch (v->t) {
+    case V_UNDEF: if (repr) ob_lit(R, o, "Undefined"); return;
+    case V_NONE: ob_lit(R, o, "None"); return;
+    case V_BOOL: ob_lit(R, o, v->u.b ? "True" : "False"); return;
+    case V_INT: snprintf(buf, sizeof buf, "%lld", (long long)v->u.i); ob_lit(R, o, buf); return;
+    case V_FLOAT: fmt_float(v->u.f, buf, sizeof buf); ob_lit(R, o, buf); return;
+    case V_STR:
+        if (repr)
+            repr_str(R, o, v->u.s);
+        else
+            ob_str(R, o, v->u.s);
+        return;
+    case V_LIST: {
+        const struct jlist *l = v->u.l;
+        ob_lit(R, o, l->tuple ? "(" : "[");
+        for (size_t i = 0; i < l->n; i++) {
+            if (i)
+                ob_lit(R, o, ", ");
+            write_repr(R, o, &l->v[i], depth + 1);
+        }
+        ob_lit(R, o, l->tuple ? (l->n == 1 ? ",)" : ")") : "]");
+        return;
+    }
+    case V_DICT: case V_NS: {
+        const struct jdict *d = v->u.d;
+        ob_lit(R, o, v->t == V_NS ? "<Namespace {" : "{");
+        for (size_t i = 0; i < d->n; i++) {
+            if (i)
+                ob_lit(R, o, ", ");
+            write_repr(R, o, &d->k[i], depth + 1);
+            ob_lit(R, o, ": ");
+            write_repr(R, o, &d->v[i], depth + 1);
+        }
+        ob_lit(R, o, v->t == V_NS ? "}>" : "}");
+        return;
+    }
+    case V_LOOP:
+        snprintf(buf, sizeof buf, "<LoopContext %zu/%zu>", v->u.lp->i + 1, v->u.lp->n);
+        ob_lit(R, o, buf);
+        return;
+    case V_MACRO:
+        ob_lit(R, o, "<Macro '");
+        ob_lit(R, o, v->u.mac->name);
+        ob_lit(R, o, "'>");
+        return;
+    default:
+        ob_lit(R, o, "<built-in function>");
+    }
+}
+
+static struct jstr *to_str(struct rctx *R, const jval *v)
+{
+    if (v->t == V_STR)
+        return v->u.s;
+    struct obuf o = {0};
+    write_str(R, &o, v, false, 0);
+    return ob_done(R, &o);
+}
+
+struct json_fmt {
+    const char *indent; /* NULL: none */
+    const char *item_sep, *key_sep;
+    bool sort_keys, ascii;
+};
+
+static void json_str(struct rctx *R, struct obuf *o, const struct jstr *s, bool ascii)
+{
+    ob_put(R, o, "\"", 1, 0);
+    for (size_t i = 0; i < s->len;) {
+        unsigned char c = (unsigned char)s->s[i];
+        uint8_t bit = sbit(s, i);
+        char e[16];
+        const char *se = short_escape(c, '"', e);
+        if (se) {
+            ob_put(R, o, se, strlen(se), bit);
+        } else if (c == '\b') {
+            ob_put(R, o, "\\b", 2, bit);
+        } else if (c == '\f') {
+            ob_put(R, o, "\\f", 2, bit);
+        } else if (c < 0x20) {
+            snprintf(e, sizeof e, "\\u%04x", c);
+            ob_put(R, o, e, 6, bit);
+        } else if (c >= 0x80 && ascii) {
+            size_t nx;
+            uint32_t cp = u8_cp(s->s, s->len, i, &nx);
+            if (cp >= 0x10000) {
+                cp -= 0x10000;
+                snprintf(e, sizeof e, "\\u%04x\\u%04x", 0xd800 + (cp >> 10), 0xdc00 + (cp & 0x3ff));
+            } else {
+                snprintf(e, sizeof e, "\\u%04x", cp);
+            }
+            ob_put(R, o, e, strlen(e), bit);
+            i = nx;
+            continue;
+        } else {
+            ob_put(R, o, (const char *)&s->s[i], 1, bit);
+        }
+        i++;
+    }
+    ob_put(R, o, "\"", 1, 0);
+}
+
+static void json_nl(struct rctx *R, struct obuf *o, const struct json_fmt *f, int level)
+{
+    ob_lit(R, o, "\n");
+    for (int i = 0; i < level; i++)
+        ob_lit(R, o, f->indent);
+}
+
+static int cmp_str(const struct jstr *a, const struct jstr *b)
+{
+    size_t n = a->len < b->len ? a->len : b->len;
+    int c = memcmp(a->s, b->s, n);
+    return c ? c : (a->len > b->len) - (a->len < b->len);
+}
+
+static void json_write(struct rctx *R, struct obuf *o, const jval *v, const struct json_fmt *f,
+                       int level, int line)
+{
+    if (level > MAX_VALUE_DEPTH)
+        DIE(R, line, "a value is nested more than %d deep", MAX_VALUE_DEPTH);
+    char buf[48];
+    switch (v->t) {
+    case V_NONE: ob_lit(R, o, "null"); return;
+    case V_BOOL: ob_lit(R, o, v->u.b ? "true" : "false"); return;
+    case V_INT: snprintf(buf, sizeof buf, "%lld", (long long)v->u.i); ob_lit(R, o, buf); return;
+    case V_FLOAT:
+        if (isnan(v->u.f))
+            ob_lit(R, o, "NaN");
+        else if (isinf(v->u.f))
+            ob_lit(R, o, v->u.f < 0 ? "-Infinity" : "Infinity");
+        else {
+            fmt_float(v->u.f, buf, sizeof buf);
+            ob_lit(R, o, buf);
+        }
+        return;
+    case V_STR: json_str(R, o, v->u.s, f->ascii); return;
+    case V_LIST: {
+        const struct jlist *l = v->u.l;
+        if (!l->n) {
+            ob_lit(R, o, "[]");
+            return;
+        }
+        ob_lit(R, o, "[");
+        for (size_t i = 0; i < l->n; i++) {
+            if (i)
+                ob_lit(R, o, f->item_sep);
+            if (f->indent)
+                json_nl(R, o, f, level + 1);
+            json_write(R, o, &l->v[i], f, level + 1, line);
+        }
+        if (f->indent)
+            json_nl(R, o, f, level);
+        ob_lit(R, o, "]");
+        return;
+    }
+    case V_DICT: {
+        const struct jdict *d = v->u.d;
+        if (!d->n) {
+            ob_lit(R, o, "{}");
+            return;
+        }
+        size_t *ord = j_alloc(&R->b, d->n * sizeof *ord);
+        for (size_t i = 0; i < d->n; i++)
+            ord[i] = i;
+        if (f->sort_keys) /* insertion sort: stable, and dicts are small */
+            for (size_t i = 1; i < d->n; i++)
+                for (size_t j = i; j > 0; j--) {
+                    const jval *a = &d->k[ord[j - 1]], *b = &d->k[ord[j]];
+                    if (a->t != V_STR || b->t != V_STR)
+                        DIE(R, line, "tojson(sort_keys=true) needs string keys");
+                    if (cmp_str(a->u.s, b->u.s) <= 0)
+                        break;
+                    size_t t = ord[j];
+                    ord[j] = ord[j - 1];
+                    ord[j - 1] = t;
+                }
+        ob_lit(R, o, "{");
+        for (size_t i = 0; i < d->n; i++) {
+            const jval *k = &d->k[ord[i]];
+            if (i)
+                ob_lit(R, o, f->item_sep);
+            if (f->indent)
+                json_nl(R, o, f, level + 1);
+            if (k->t == V_STR) {
+                json_str(R, o, k->u.s, f->ascii);
+            } else if (k->t == V_INT || k->t == V_FLOAT || k->t == V_BOOL || k->t == V_NONE) {
+                ob_lit(R, o, "\"");
+                json_write(R, o, k, f, level + 1, line);
+                ob_lit(R, o, "\"");
+            } else {
+                DIE(R, line, "tojson: keys must be str, int, float, bool or None, not %s", tname(k));
+            }
+            ob_lit(R, o, f->key_sep);
+            json_write(R, o, &d->v[ord[i]], f, level + 1, line);
+        }
+        if (f->indent)
+            json_nl(R, o, f, level);
+        ob_lit(R, o, "}");
+        return;
+    }
+    default:
+        DIE(R, line, "tojson: object of type %s is not JSON serializable", tname(v));
+    }
+}
+
+/* ---- Equality and ordering ---- */
+
+static bool vequal(const jval *a, const jval *b, int depth)
+{
+    if (depth > MAX_VALUE_DEPTH)
+        return false;
+    if (is_num(a) && is_num(b)) {
+        if (is_intlike(a) && is_intlike(b))
+            return ival(a) == ival(b);
+        return fval(a) == fval(b);
+    }
+    if (a->t != b->t)
+        return false;
+    switch (a->t) {
+    case V_UNDEF: case V_NONE: return true;
+    case V_STR: return a->u.s->len == b->u.s->len && !memcmp(a->u.s->s, b->u.s->s, a->u.s->len);
+    case V_LIST: {
+        const struct jlist *x = a->u.l, *y = b->u.l;
+        if (x->n != y->n || x->tuple != y->tuple)
+            return false;
+        for (size_t i = 0; i < x->n; i++)
+            if (!vequal(&x->v[i], &y->v[i], depth + 1))
+                return false;
+        return true;
+    }
+    case V_DICT: {
+        const struct jdict *x = a->u.d, *y = b->u.d;
+        if (x->n != y->n)
+            return false;
+        for (size_t i = 0; i < x->n; i++) {
+            jval *o = d_find(y, &x->k[i]);
+            if (!o || !vequal(&x->v[i], o, depth + 1))
+                return false;
+        }
+        return true;
+    }
+    case V_NS: return a->u.d == b->u.d;
+    case V_MACRO: return a->u.mac == b->u.mac;
+    case V_FUNC: return a->u.fn == b->u.fn;
+    default: return false;
+    }
+}
+
+static int vcompare(struct rctx *R, const jval *a, const jval *b, int line, int depth)
+{
+    if (depth > MAX_VALUE_DEPTH)
+        DIE(R, line, "a value is nested more than %d deep", MAX_VALUE_DEPTH);
+    if (is_num(a) && is_num(b)) {
+        if (is_intlike(a) && is_intlike(b))
+            return (ival(a) > ival(b)) - (ival(a) < ival(b));
+        double x = fval(a), y = fval(b);
+        return (x > y) - (x < y);
+    }
+    if (a->t == V_STR && b->t == V_STR)
+        return cmp_str(a->u.s, b->u.s);
+    if (a->t == V_LIST && b->t == V_LIST) {
+        const struct jlist *x = a->u.l, *y = b->u.l;
+        for (size_t i = 0; i < x->n && i < y->n; i++) {
+            if (vequal(&x->v[i], &y->v[i], depth + 1))
+                continue;
+            return vcompare(R, &x->v[i], &y->v[i], line, depth + 1);
+        }
+        return (x->n > y->n) - (x->n < y->n);
+    }
+    if (a->t == V_UNDEF)
+        undefined_error(R, line, a);
+    if (b->t == V_UNDEF)
+        undefined_error(R, line, b);
+    DIE(R, line, "'<' is not supported between '%s' and '%s'", tname(a), tname(b));
+}
+
+/* ---- Iteration ---- */
+
+static jval as_list(struct rctx *R, const jval *v, int line)
+{
+    switch (v->t) {
+    case V_UNDEF: return mklist(R, 0, false);
+    case V_LIST: return *v;
+    case V_DICT: {
+        jval l = mklist(R, v->u.d->n, false);
+        for (size_t i = 0; i < v->u.d->n; i++)
+            l.u.l->v[i] = v->u.d->k[i];
+        return l;
+    }
+    case V_STR: {
+        size_t n, *off = u8_offsets(R, v->u.s, &n);
+        jval l = mklist(R, n, false);
+        for (size_t i = 0; i < n; i++)
+            l.u.l->v[i] = vstr(jsub(R, v->u.s, off[i], off[i + 1] - off[i]));
+        return l;
+    }
+    default:
+        DIE(R, line, "'%s' object is not iterable", tname(v));
+    }
+}
+
+static void count_iter(struct rctx *R, int line)
+{
+    if (++R->iters > R->max_iter)
+        j_die(&R->b, MOE_ETOOBIG, line, "more than %zu loop iterations and calls", R->max_iter);
+}
+
+/* ---- Attributes and items ---- */
+
+static const char *const str_methods[] = {
+    "startswith", "endswith", "split", "rsplit", "strip", "lstrip", "rstrip", "replace", "upper",
+    "lower", "title", "capitalize", "join", "find", "rfind", "count", "splitlines", "format",
+    "isdigit", "isalpha", "isalnum", "isspace", "isupper", "islower", "removeprefix",
+    "removesuffix", "index", NULL};
+static const char *const dict_methods[] = {"get", "items", "keys", "values", "copy", "pop",
+                                           "update", "clear", "setdefault", "popitem", NULL};
+static const char *const list_methods[] = {"index", "count", "copy", "append", "extend", "insert",
+                                           "pop", "remove", "reverse", "sort", "clear", NULL};
+
+static bool in_names(const char *const *names, const char *n)
+{
+    for (int i = 0; names[i]; i++)
+        if (is(names[i], n))
+            return true;
+    return false;
+}
+
+static jval method(struct rctx *R, jval self, const char *name)
+{
+    struct jmethod *m = j_alloc(&R->b, sizeof *m);
+    m->self = self;
+    m->name = name;
+    return (jval){.t = V_METHOD, .u.me = m};
+}
+
+static jval get_attr(struct rctx *R, jval obj, const char *name, int line)
+{
+    switch (obj.t) {
+    case V_UNDEF:
+        undefined_error(R, line, &obj);
+    case V_DICT: {
+        if (in_names(dict_methods, name))
+            return method(R, obj, name);
+        jval *v = d_find_s(obj.u.d, name);
+        return v ? *v : undef_named(name);
+    }
+    case V_NS: {
+        jval *v = d_find_s(obj.u.d, name);
+        return v ? *v : undef_named(name);
+    }
+    case V_STR:
+        return in_names(str_methods, name) ? method(R, obj, name) : undef_named(name);
+    case V_LIST:
+        return in_names(list_methods, name) ? method(R, obj, name) : undef_named(name);
+    case V_LOOP: {
+        const struct jloop *lp = obj.u.lp;
+        if (is(name, "index")) return mkint((int64_t)lp->i + 1);
+        if (is(name, "index0")) return mkint((int64_t)lp->i);
+        if (is(name, "revindex")) return mkint((int64_t)(lp->n - lp->i));
+        if (is(name, "revindex0")) return mkint((int64_t)(lp->n - lp->i - 1));
+        if (is(name, "first")) return mkbool(lp->i == 0);
+        if (is(name, "last")) return mkbool(lp->i + 1 == lp->n);
+        if (is(name, "length")) return mkint((int64_t)lp->n);
+        if (is(name, "depth")) return mkint(1);
+        if (is(name, "depth0")) return mkint(0);
+        if (is(name, "previtem")) return lp->i ? lp->items[lp->i - 1] : undef_named("previtem");
+        if (is(name, "nextitem")) return lp->i + 1 < lp->n ? lp->items[lp->i + 1] : undef_named("nextitem");
+        if (is(name, "cycle")) return method(R, obj, name);
+        return undef_named(name);
+    }
+    default:
+        return undef_named(name);
+    }
+}
+
+static bool idx_of(const jval *k, size_t n, size_t *out)
+{
+    if (!is_intlike(k))
+        return false;
+    int64_t i = ival(k);
+    if (i < 0)
+        i += (int64_t)n;
+    if (i < 0 || (uint64_t)i >= n)
+        return false;
+    *out = (size_t)i;
+    return true;
+}
+
+static jval get_item(struct rctx *R, jval obj, jval key, int line)
+{
+    size_t i;
+    switch (obj.t) {
+    case V_UNDEF:
+        undefined_error(R, line, &obj);
+    case V_DICT: case V_NS: {
+        jval *v = d_find(obj.u.d, &key);
+        if (v)
+            return *v;
+        break;
+    }
+    case V_LIST:
+        if (idx_of(&key, obj.u.l->n, &i))
+            return obj.u.l->v[i];
+        if (is_intlike(&key))
+            return undef_named("list index out of range");
+        break;
+    case V_STR: {
+        size_t n, *off = u8_offsets(R, obj.u.s, &n);
+        if (idx_of(&key, n, &i))
+            return vstr(jsub(R, obj.u.s, off[i], off[i + 1] - off[i]));
+        if (is_intlike(&key))
+            return undef_named("string index out of range");
+        break;
+    }
+    default:
+        break;
+    }
+    if (key.t == V_STR) {
+        char *name = j_strndup(&R->b, key.u.s->s, key.u.s->len);
+        if (obj.t != V_DICT && obj.t != V_NS)
+            return get_attr(R, obj, name, line);
+        return undef_named(name);
+    }
+    return UNDEF;
+}
+
+static jval slice(struct rctx *R, jval obj, const jval *lo, const jval *hi, const jval *st, int line)
+{
+    int64_t step = 1;
+    if (st && st->t != V_NONE) {
+        if (!is_intlike(st))
+            DIE(R, line, "slice indices must be integers");
+        step = ival(st);
+        if (step == 0)
+            DIE(R, line, "slice step cannot be zero");
+    }
+    size_t n, *off = NULL;
+    if (obj.t == V_LIST)
+        n = obj.u.l->n;
+    else if (obj.t == V_STR)
+        off = u8_offsets(R, obj.u.s, &n);
+    else if (obj.t == V_UNDEF)
+        undefined_error(R, line, &obj);
+    else
+        DIE(R, line, "'%s' object is not subscriptable", tname(&obj));
+    int64_t len = (int64_t)n, a, b;
+    const jval *bounds[2] = {lo, hi};
+    int64_t *outs[2] = {&a, &b};
+    for (int k = 0; k < 2; k++) {
+        const jval *x = bounds[k];
+        if (!x || x->t == V_NONE) {
+            *outs[k] = step > 0 ? (k ? len : 0) : (k ? -1 : len - 1);
+            continue;
+        }
+        if (!is_intlike(x))
+            DIE(R, line, "slice indices must be integers");
+        int64_t v = ival(x);
+        if (v < 0) {
+            v = v < -len ? (step > 0 ? 0 : -1) : v + len;
+        } else if (v >= len) {
+            v = step > 0 ? len : len - 1;
+        }
+        *outs[k] = v;
+    }
+    size_t cnt = 0;
+    for (int64_t i = a; step > 0 ? i < b : i > b; i += step)
+        cnt++;
+    if (obj.t == V_LIST) {
+        jval l = mklist(R, cnt, obj.u.l->tuple);
+        size_t k = 0;
+        for (int64_t i = a; step > 0 ? i < b : i > b; i += step)
+            l.u.l->v[k++] = obj.u.l->v[i];
+        return l;
+    }
+    if (step == 1)
+        return vstr(jsub(R, obj.u.s, off[a], off[b > a ? b : a] - off[a]));
+    struct obuf o = {0};
+    for (int64_t i = a; step > 0 ? i < b : i > b; i += step)
+        ob_str(R, &o, jsub(R, obj.u.s, off[i], off[i + 1] - off[i]));
+    return vstr(ob_done(R, &o));
+}
+
+static struct jstr *html_escape(struct rctx *R, const struct jstr *s);
+
+/* ---- Arithmetic ---- */
+
+static jval arith(struct rctx *R, int op, jval a, jval b, int line)
+{
+    if (a.t == V_UNDEF)
+        undefined_error(R, line, &a);
+    if (b.t == V_UNDEF)
+        undefined_error(R, line, &b);
+    if (is_num(&a) && is_num(&b)) {
+        bool ints = is_intlike(&a) && is_intlike(&b);
+        int64_t x = ints ? ival(&a) : 0, y = ints ? ival(&b) : 0, r;
+        double fx = fval(&a), fy = fval(&b);
+        switch (op) {
+        case OP_ADD:
+            if (!ints) return mkfloat(fx + fy);
+            if (__builtin_add_overflow(x, y, &r)) break;
+            return mkint(r);
+        case OP_SUB:
+            if (!ints) return mkfloat(fx - fy);
+            if (__builtin_sub_overflow(x, y, &r)) break;
+            return mkint(r);
+        case OP_MUL:
+            if (!ints) return mkfloat(fx * fy);
+            if (__builtin_mul_overflow(x, y, &r)) break;
+            return mkint(r);
+        case OP_DIV:
+            if (fy == 0) DIE(R, line, "division by zero");
+            return mkfloat(fx / fy);
+        case OP_FDIV: case OP_MOD:
+            if (ints) {
+                if (y == 0) DIE(R, line, "integer division or modulo by zero");
+                if (x == INT64_MIN && y == -1) break;
+                int64_t q = x / y, m = x % y;
+                if (m && ((m < 0) != (y < 0))) {
+                    q--;
+                    m += y;
+                }
+                return mkint(op == OP_FDIV ? q : m);
+            }
+            if (fy == 0) DIE(R, line, "float division or modulo by zero");
+            if (op == OP_FDIV) return mkfloat(floor(fx / fy));
+            {
+                double m = fmod(fx, fy);
+                if (m && ((m < 0) != (fy < 0)))
+                    m += fy;
+                return mkfloat(m);
+            }
+        case OP_POW:
+            if (ints && y >= 0) {
+                int64_t acc = 1;
+                for (int64_t k = 0; k < y; k++) {
+                    if (__builtin_mul_overflow(acc, x, &acc))
+                        DIE(R, line, "integer overflow");
+                    if (acc == 0 || acc == 1)
+                        break;
+                }
+                return mkint(acc);
+            }
+            return mkfloat(pow(fx, fy));
+        }
+        DIE(R, line, "integer overflow");
+    }
+    if (op == OP_ADD && a.t == V_STR && b.t == V_STR) {
+        if (a.u.s->markup == b.u.s->markup) {
+            struct jstr *r = jcat(R, a.u.s, b.u.s);
+            if (r->markup != a.u.s->markup) {
+                r = mkjstr(R, r->s, r->len, r->prov, r->m);
+                r->markup = a.u.s->markup;
+            }
+            return vstr(r);
+        }
+        /* Markup + str escapes the str (and the other way round) */
+        struct jstr *x = a.u.s->markup ? a.u.s : html_escape(R, a.u.s);
+        struct jstr *y = b.u.s->markup ? b.u.s : html_escape(R, b.u.s);
+        struct jstr *r = jcat(R, x, y);
+        r = mkjstr(R, r->s, r->len, r->prov, r->m);
+        r->markup = true;
+        return vstr(r);
+    }
+    if (op == OP_ADD && a.t == V_LIST && b.t == V_LIST) {
+        jval l = mklist(R, a.u.l->n + b.u.l->n, a.u.l->tuple);
+        if (a.u.l->n)
+            memcpy(l.u.l->v, a.u.l->v, a.u.l->n * sizeof(jval));
+        if (b.u.l->n)
+            memcpy(l.u.l->v + a.u.l->n, b.u.l->v, b.u.l->n * sizeof(jval));
+        return l;
+    }
+    if (op == OP_MUL && ((a.t == V_STR || a.t == V_LIST) && is_intlike(&b))) {
+        int64_t k = ival(&b);
+        if (k < 0)
+            k = 0;
+        if (a.t == V_STR) {
+            if (a.u.s->len && (uint64_t)k > R->max_output / a.u.s->len)
+                j_die(&R->b, MOE_ETOOBIG, line, "the output is longer than %zu bytes", R->max_output);
+            struct obuf o = {0};
+            for (int64_t i = 0; i < k; i++)
+                ob_str(R, &o, a.u.s);
+            return vstr(ob_done(R, &o));
+        }
+        size_t n = a.u.l->n;
+        if (n && (uint64_t)k > R->max_iter / n)
+            j_die(&R->b, MOE_ETOOBIG, line, "a list of more than %zu items", R->max_iter);
+        jval l = mklist(R, n * (size_t)k, false);
+        for (int64_t i = 0; i < k; i++)
+            if (n)
+                memcpy(l.u.l->v + (size_t)i * n, a.u.l->v, n * sizeof(jval));
+        return l;
+    }
+    if (op == OP_MUL && is_intlike(&a) && (b.t == V_STR || b.t == V_LIST))
+        return arith(R, op, b, a, line);
+    if (op == OP_MOD && a.t == V_STR)
+        j_die(&R->b, MOE_EUNSUPPORTED, line, "string formatting with '%%' is not supported");
+    static const char *const sym[] = {"+", "-", "*", "/", "//", "%", "**"};
+    DIE(R, line, "unsupported operand types for %s: '%s' and '%s'", sym[op], tname(&a), tname(&b));
+}
+
+static bool contains(struct rctx *R, jval hay, jval needle, int line)
+{
+    switch (hay.t) {
+    case V_STR:
+        if (needle.t != V_STR)
+            DIE(R, line, "'in <string>' requires string as left operand, not %s", tname(&needle));
+        if (!needle.u.s->len)
+            return true;
+        return hay.u.s->len >= needle.u.s->len &&
+               memmem(hay.u.s->s, hay.u.s->len, needle.u.s->s, needle.u.s->len) != NULL;
+    case V_LIST:
+        for (size_t i = 0; i < hay.u.l->n; i++)
+            if (vequal(&hay.u.l->v[i], &needle, 0))
+                return true;
+        return false;
+    case V_DICT: return d_find(hay.u.d, &needle) != NULL;
+    case V_UNDEF: return false;
+    default: DIE(R, line, "argument of type '%s' is not iterable", tname(&hay));
+    }
+}
+
+/* ---- Calls ---- */
+
+struct args {
+    const jval *pos;
+    size_t n;
+    const char **kwn;
+    const jval *kwv;
+    size_t nkw;
+    int line;
+    const char *what; /* for messages */
+};
+
+/* Argument i by position, or by keyword name; NULL when absent. */
+static const jval *arg(const struct args *a, size_t i, const char *name)
+{
+    if (i < a->n)
+        return &a->pos[i];
+    for (size_t k = 0; name && k < a->nkw; k++)
+        if (is(a->kwn[k], name))
+            return &a->kwv[k];
+    return NULL;
+}
+
+static void check_args(struct rctx *R, const struct args *a, size_t max_pos, const char *const *kw)
+{
+    if (a->n > max_pos)
+        DIE(R, a->line, "%s takes at most %zu positional arguments (%zu given)", a->what, max_pos, a->n);
+    for (size_t k = 0; k < a->nkw; k++) {
+        bool ok = false;
+        for (int i = 0; kw && kw[i]; i++)
+            if (is(kw[i], a->kwn[k]))
+                ok = true;
+        if (!ok)
+            DIE(R, a->line, "%s got an unexpected keyword argument '%s'", a->what, a->kwn[k]);
+    }
+}
+
+static struct jstr *need_str(struct rctx *R, const jval *v, int line, const char *what)
+{
+    if (v->t == V_UNDEF)
+        undefined_error(R, line, v);
+    if (v->t != V_STR)
+        DIE(R, line, "%s must be a string, not %s", what, tname(v));
+    return v->u.s;
+}
+
+static void exec_body(struct rctx *R, const struct jnlist *body, struct scope *s, struct obuf *o);
+static jval eval(struct rctx *R, const struct jnode *n, struct scope *s);
+
+static jval call_macro(struct rctx *R, const struct jnode *m, const struct args *a)
+{
+    if (R->depth >= R->max_depth)
+        j_die(&R->b, MOE_ETOOBIG, a->line, "macro calls nested more than %u deep", R->max_depth);
+    count_iter(R, a->line);
+    if (a->n > m->n_targets)
+        DIE(R, a->line, "macro '%s' takes %zu arguments (%zu given)", m->name, m->n_targets, a->n);
+    struct scope *s = new_scope(R, R->root);
+    for (size_t k = 0; k < a->nkw; k++) {
+        bool ok = false;
+        for (size_t i = 0; i < m->n_targets; i++)
+            if (is(m->targets[i], a->kwn[k]))
+                ok = true;
+        if (!ok)
+            DIE(R, a->line, "macro '%s' has no parameter '%s'", m->name, a->kwn[k]);
+    }
+    R->depth++;
+    for (size_t i = 0; i < m->n_targets; i++) {
+        const jval *v = arg(a, i, m->targets[i]);
+        jval val;
+        if (v)
+            val = *v;
+        else if (m->defaults.v[i])
+            val = eval(R, m->defaults.v[i], s);
+        else
+            val = undef_named(m->targets[i]);
+        d_set_s(R, &s->vars, m->targets[i], val);
+    }
+    struct obuf o = {0};
+    bool brk = R->brk, cont = R->cont;
+    exec_body(R, &m->body, s, &o);
+    R->brk = brk;
+    R->cont = cont;
+    R->depth--;
+    return vstr(ob_done(R, &o));
+}
+
+static jval call_func(struct rctx *R, int fn, const struct args *a)
+{
+    switch (fn) {
+    case F_RANGE: {
+        check_args(R, a, 3, NULL);
+        int64_t v[3] = {0, 0, 1};
+        if (a->n == 0)
+            DIE(R, a->line, "range expected at least 1 argument");
+        for (size_t i = 0; i < a->n; i++) {
+            if (!is_intlike(&a->pos[i]))
+                DIE(R, a->line, "range() arguments must be integers, not %s", tname(&a->pos[i]));
+            v[a->n == 1 ? 1 : i] = ival(&a->pos[i]);
+        }
+        if (v[2] == 0)
+            DIE(R, a->line, "range() step must not be zero");
+        size_t cnt = 0;
+        for (int64_t i = v[0]; v[2] > 0 ? i < v[1] : i > v[1]; i += v[2]) {
+            if (++cnt > R->max_iter)
+                j_die(&R->b, MOE_ETOOBIG, a->line, "range() of more than %zu items", R->max_iter);
+            if ((v[2] > 0 && i > INT64_MAX - v[2]) || (v[2] < 0 && i < INT64_MIN - v[2]))
+                break;
+        }
+        jval l = mklist(R, cnt, false);
+        int64_t x = v[0];
+        for (size_t i = 0; i < cnt; i++, x += (i < cnt ? v[2] : 0))
+            l.u.l->v[i] = mkint(x);
+        return l;
+    }
+    case F_NAMESPACE: case F_DICT: {
+        jval d = mkdict(R);
+        if (fn == F_NAMESPACE)
+            d.t = V_NS;
+        if (a->n > 1)
+            DIE(R, a->line, "%s() takes at most one positional argument", func_names[fn]);
+        if (a->n == 1) {
+            if (a->pos[0].t != V_DICT && a->pos[0].t != V_NS)
+                DIE(R, a->line, "%s() argument must be a mapping", func_names[fn]);
+            const struct jdict *src = a->pos[0].u.d;
+            for (size_t i = 0; i < src->n; i++)
+                d_set(R, d.u.d, src->k[i], src->v[i]);
+        }
+        for (size_t k = 0; k < a->nkw; k++)
+            d_set_s(R, d.u.d, a->kwn[k], a->kwv[k]);
+        return d;
+    }
+    case F_RAISE: {
+        struct jstr *m = a->n ? to_str(R, &a->pos[0]) : mkjstr(R, "", 0, PROV_LIT, NULL);
+        DIE(R, a->line, "raise_exception: %.*s", (int)(m->len > 400 ? 400 : m->len), m->s);
+    }
+    case F_STRFTIME: {
+        check_args(R, a, 1, NULL);
+        struct jstr *f = a->n ? need_str(R, &a->pos[0], a->line, "strftime_now's format")
+                              : mkjstr(R, "", 0, PROV_LIT, NULL);
+        struct tm tm;
+        time_t t = R->now ? R->now : time(NULL);
+        if (R->now_utc)
+            gmtime_r(&t, &tm);
+        else
+            localtime_r(&t, &tm);
+        char *fmt = j_strndup(&R->b, f->s, f->len > 256 ? 256 : f->len);
+        char buf[1024];
+        size_t n = fmt[0] ? strftime(buf, sizeof buf, fmt, &tm) : 0;
+        return vstr(mkjstr(R, j_strndup(&R->b, buf, n), n, PROV_LIT, NULL));
+    }
+    }
+    DIE(R, a->line, "unknown function");
+}
+
+static jval call_filter_named(struct rctx *R, const char *name, jval v, const struct args *a);
+static bool run_test(struct rctx *R, const char *name, jval v, const struct args *a);
+
+/* Python's str.split / rsplit. */
+static jval str_split(struct rctx *R, const struct jstr *s, const jval *sep, int64_t maxsplit,
+                      bool right, int line)
+{
+    jval out = mklist(R, 0, false);
+    size_t cap = 0;
+    struct jlist *l = out.u.l;
+#define PUSH(x)                                                                             \
+    do {                                                                                    \
+        if (l->n == cap) {                                                                  \
+            size_t nc = cap ? cap * 2 : 8;                                                  \
+            jval *nv = j_alloc(&R->b, nc * sizeof *nv);                                     \
+            if (l->n)                                                                       \
+                memcpy(nv, l->v, l->n * sizeof *nv);                                        \
+            l->v = nv;                                                                      \
+            cap = nc;                                                                       \
+        }                                                                                   \
+        l->v[l->n++] = (x);                                                                 \
+    } while (0)
+    if (!sep || sep->t == V_NONE) {
+        /* runs of whitespace; leading and trailing whitespace gives no empty pieces */
+        size_t n, *off = u8_offsets(R, s, &n);
+        bool *sp = j_alloc(&R->b, (n + 1) * sizeof *sp);
+        for (size_t i = 0; i < n; i++) {
+            size_t nx;
+            sp[i] = py_space(u8_cp(s->s, s->len, off[i], &nx));
+        }
+        int64_t splits = 0;
+        if (!right) {
+            size_t i = 0;
+            while (i < n) {
+                while (i < n && sp[i])
+                    i++;
+                if (i >= n)
+                    break;
+                size_t j = i;
+                if (maxsplit >= 0 && splits >= maxsplit) {
+                    size_t e = n;
+                    while (e > i && sp[e - 1])
+                        e--;
+                    PUSH(vstr(jsub(R, s, off[i], off[e] - off[i])));
+                    break;
+                }
+                while (j < n && !sp[j])
+                    j++;
+                PUSH(vstr(jsub(R, s, off[i], off[j] - off[i])));
+                splits++;
+                i = j;
+            }
+        } else {
+            size_t i = n;
+            while (i > 0) {
+                while (i > 0 && sp[i - 1])
+                    i--;
+                if (i == 0)
+                    break;
+                size_t j = i;
+                if (maxsplit >= 0 && splits >= maxsplit) {
+                    size_t b = 0;
+                    while (b < i && sp[b])
+                        b++;
+                    PUSH(vstr(jsub(R, s, off[b], off[i] - off[b])));
+                    break;
+                }
+                while (j > 0 && !sp[j - 1])
+                    j--;
+                PUSH(vstr(jsub(R, s, off[j], off[i] - off[j])));
+                splits++;
+                i = j;
+            }
+            for (size_t a = 0, b = l->n ? l->n - 1 : 0; a < b; a++, b--) {
+                jval t = l->v[a];
+                l->v[a] = l->v[b];
+                l->v[b] = t;
+            }
+        }
+        return out;
+    }
+    const struct jstr *p = need_str(R, sep, line, "the separator");
+    if (!p->len)
+        DIE(R, line, "empty separator");
+    int64_t splits = 0;
+    if (!right) {
+        size_t i = 0;
+        for (;;) {
+            const char *hit = (maxsplit < 0 || splits < maxsplit) && s->len - i >= p->len
+                                  ? memmem(s->s + i, s->len - i, p->s, p->len) : NULL;
+            if (!hit) {
+                PUSH(vstr(jsub(R, s, i, s->len - i)));
+                break;
+            }
+            size_t h = (size_t)(hit - s->s);
+            PUSH(vstr(jsub(R, s, i, h - i)));
+            i = h + p->len;
+            splits++;
+        }
+    } else {
+        size_t e = s->len;
+        for (;;) {
+            size_t h = SIZE_MAX;
+            if ((maxsplit < 0 || splits < maxsplit) && e >= p->len)
+                for (size_t k = e - p->len + 1; k-- > 0;)
+                    if (!memcmp(s->s + k, p->s, p->len)) {
+                        h = k;
+                        break;
+                    }
+            if (h == SIZE_MAX) {
+                PUSH(vstr(jsub(R, s, 0, e)));
+                break;
+            }
+            PUSH(vstr(jsub(R, s, h + p->len, e - h - p->len)));
+            e = h;
+            splits++;
+        }
+        for (size_t a = 0, b = l->n ? l->n - 1 : 0; a < b; a++, b--) {
+            jval t = l->v[a];
+            l->v[a] = l->v[b];
+            l->v[b] = t;
+        }
+    }
+#undef PUSH
+    return out;
+}
+
+static bool strippable(const struct jstr *s, size_t off, bool ws, const uint32_t *set, size_t ns)
+{
+    size_t nx;
+    uint32_t cp = u8_cp(s->s, s->len, off, &nx);
+    if (ws)
+        return py_space(cp);
+    for (size_t q = 0; q < ns; q++)
+        if (set[q] == cp)
+            return true;
+    return false;
+}
+
+/* str.strip family: which 1 left, 2 right, 3 both; chars NULL: whitespace. */
+static struct jstr *str_strip(struct rctx *R, const struct jstr *s, const jval *chars, int which, int line)
+{
+    size_t n, *off = u8_offsets(R, s, &n);
+    uint32_t set[64];
+    size_t ns = 0;
+    bool ws = !chars || chars->t == V_NONE;
+    if (!ws) {
+        const struct jstr *c = need_str(R, chars, line, "strip's argument");
+        for (size_t i = 0; i < c->len && ns < 64;) {
+            size_t nx;
+            set[ns++] = u8_cp(c->s, c->len, i, &nx);
+            i = nx;
+        }
+    }
+    size_t a = 0, b = n;
+    if (which & 1)
+        while (a < b && strippable(s, off[a], ws, set, ns))
+            a++;
+    if (which & 2)
+        while (b > a && strippable(s, off[b - 1], ws, set, ns))
+            b--;
+    return jsub(R, s, off[a], off[b] - off[a]);
+}
+
+static struct jstr *str_replace(struct rctx *R, const struct jstr *s, const struct jstr *old,
+                                const struct jstr *new, int64_t count)
+{
+    struct obuf o = {0};
+    int64_t done = 0;
+    if (!old->len) { /* Python inserts new between every code point */
+        for (size_t i = 0; i <= s->len; i = u8_next(s->s, s->len, i)) {
+            if (count < 0 || done < count) {
+                ob_str(R, &o, new);
+                done++;
+            }
+            if (i < s->len) {
+                size_t nx = u8_next(s->s, s->len, i);
+                ob_str(R, &o, jsub(R, s, i, nx - i));
+            }
+            if (i >= s->len)
+                break;
+        }
+        return ob_done(R, &o);
+    }
+    size_t i = 0;
+    while (i < s->len) {
+        const char *hit = (count < 0 || done < count) && s->len - i >= old->len
+                              ? memmem(s->s + i, s->len - i, old->s, old->len) : NULL;
+        if (!hit)
+            break;
+        size_t h = (size_t)(hit - s->s);
+        ob_str(R, &o, jsub(R, s, i, h - i));
+        ob_str(R, &o, new);
+        i = h + old->len;
+        done++;
+    }
+    ob_str(R, &o, jsub(R, s, i, s->len - i));
+    return ob_done(R, &o);
+}
+
+/* ASCII case mapping (mode 0 lower, 1 upper, 2 title, 3 capitalize), provenance kept. */
+static struct jstr *str_case(struct rctx *R, const struct jstr *s, int mode)
+{
+    char *p = j_alloc(&R->b, s->len + 1);
+    bool prev_alpha = false;
+    for (size_t i = 0; i < s->len; i++) {
+        char c = s->s[i];
+        bool up;
+        if (mode == 0) up = false;
+        else if (mode == 1) up = true;
+        else if (mode == 2) up = !prev_alpha;
+        else up = i == 0;
+        if (up && c >= 'a' && c <= 'z')
+            c = (char)(c - 32);
+        else if (!up && c >= 'A' && c <= 'Z')
+            c = (char)(c + 32);
+        p[i] = c;
+        unsigned char u = (unsigned char)s->s[i];
+        prev_alpha = (u >= 'a' && u <= 'z') || (u >= 'A' && u <= 'Z') || u >= 0x80;
+    }
+    p[s->len] = 0;
+    return mkjstr(R, p, s->len, s->prov, s->m);
+}
+
+/* markupsafe.escape: a Markup string with & < > " ' replaced. */
+static struct jstr *html_escape(struct rctx *R, const struct jstr *s)
+{
+    struct obuf o = {0};
+    for (size_t i = 0; i < s->len; i++) {
+        char c = s->s[i];
+        const char *rep = c == '&' ? "&amp;" : c == '<' ? "&lt;" : c == '>' ? "&gt;"
+                        : c == '"' ? "&#34;" : c == '\'' ? "&#39;" : NULL;
+        if (rep)
+            ob_put(R, &o, rep, strlen(rep), sbit(s, i));
+        else
+            ob_put(R, &o, s->s + i, 1, sbit(s, i));
+    }
+    struct jstr *r = ob_done(R, &o);
+    r->markup = true;
+    return r;
+}
+
+static jval join(struct rctx *R, jval seq, const struct jstr *sep, int line)
+{
+    jval l = as_list(R, &seq, line);
+    struct obuf o = {0};
+    for (size_t i = 0; i < l.u.l->n; i++) {
+        if (i)
+            ob_str(R, &o, sep);
+        ob_str(R, &o, to_str(R, &l.u.l->v[i]));
+    }
+    return vstr(ob_done(R, &o));
+}
+
+static jval call_method(struct rctx *R, const struct jmethod *m, const struct args *a)
+{
+    jval self = m->self;
+    const char *name = m->name;
+    int line = a->line;
+    if (self.t == V_STR) {
+        const struct jstr *s = self.u.s;
+        if (is(name, "startswith") || is(name, "endswith")) {
+            check_args(R, a, 1, NULL);
+            const jval *p = arg(a, 0, NULL);
+            if (!p)
+                DIE(R, line, "%s() takes one argument", name);
+            jval opts = p->t == V_LIST ? *p : (jval){0};
+            size_t nopt = p->t == V_LIST ? p->u.l->n : 1;
+            for (size_t k = 0; k < nopt; k++) {
+                const struct jstr *x = need_str(R, p->t == V_LIST ? &opts.u.l->v[k] : p, line, name);
+                if (x->len <= s->len &&
+                    !memcmp(name[0] == 's' ? s->s : s->s + s->len - x->len, x->s, x->len))
+                    return mkbool(true);
+            }
+            return mkbool(false);
+        }
+        if (is(name, "split") || is(name, "rsplit")) {
+            static const char *const kw[] = {"sep", "maxsplit", NULL};
+            check_args(R, a, 2, kw);
+            const jval *ms = arg(a, 1, "maxsplit");
+            if (ms && !is_intlike(ms))
+                DIE(R, line, "maxsplit must be an integer");
+            return str_split(R, s, arg(a, 0, "sep"), ms ? ival(ms) : -1, name[0] == 'r', line);
+        }
+        if (is(name, "strip") || is(name, "lstrip") || is(name, "rstrip")) {
+            check_args(R, a, 1, NULL);
+            return vstr(str_strip(R, s, arg(a, 0, NULL), name[0] == 'l' ? 1 : name[0] == 'r' ? 2 : 3, line));
+        }
+        if (is(name, "replace")) {
+            static const char *const kw[] = {"count", NULL};
+            check_args(R, a, 3, kw);
+            const jval *o = arg(a, 0, NULL), *n = arg(a, 1, NULL), *c = arg(a, 2, "count");
+            if (!o || !n)
+                DIE(R, line, "replace() takes at least 2 arguments");
+            if (c && !is_intlike(c))
+                DIE(R, line, "replace()'s count must be an integer");
+            return vstr(str_replace(R, s, need_str(R, o, line, "replace's old"),
+                                    need_str(R, n, line, "replace's new"), c ? ival(c) : -1));
+        }
+        if (is(name, "upper") || is(name, "lower") || is(name, "title") || is(name, "capitalize")) {
+            check_args(R, a, 0, NULL);
+            return vstr(str_case(R, s, name[0] == 'l' ? 0 : name[0] == 'u' ? 1 : name[0] == 't' ? 2 : 3));
+        }
+        if (is(name, "join")) {
+            check_args(R, a, 1, NULL);
+            if (!a->n)
+                DIE(R, line, "join() takes one argument");
+            return join(R, a->pos[0], s, line);
+        }
+        if (is(name, "find") || is(name, "rfind") || is(name, "count") || is(name, "index")) {
+            check_args(R, a, 1, NULL);
+            if (!a->n)
+                DIE(R, line, "%s() takes one argument", name);
+            const struct jstr *x = need_str(R, &a->pos[0], line, name);
+            int64_t cnt = 0, first = -1, last = -1;
+            for (size_t i = 0; i + x->len <= s->len;) {
+                if (!memcmp(s->s + i, x->s, x->len)) {
+                    int64_t cpi = (int64_t)u8_count(s->s, i);
+                    if (first < 0)
+                        first = cpi;
+                    last = cpi;
+                    cnt++;
+                    i += x->len ? x->len : 1;
+                } else {
+                    i++;
+                }
+                if (!x->len && i > s->len)
+                    break;
+            }
+            if (is(name, "count"))
+                return mkint(x->len ? cnt : (int64_t)u8_count(s->s, s->len) + 1);
+            if (is(name, "index") && first < 0)
+                DIE(R, line, "substring not found");
+            return mkint(name[0] == 'r' ? last : first);
+        }
+        if (is(name, "splitlines")) {
+            check_args(R, a, 0, NULL);
+            jval sep = cstr(R, "\n");
+            const struct jstr *t = s;
+            if (t->len && t->s[t->len - 1] == '\n')
+                t = jsub(R, t, 0, t->len - 1);
+            if (!t->len && !s->len)
+                return mklist(R, 0, false);
+            return str_split(R, t, &sep, -1, false, line);
+        }
+        if (is(name, "removeprefix") || is(name, "removesuffix")) {
+            check_args(R, a, 1, NULL);
+            if (!a->n)
+                DIE(R, line, "%s() takes one argument", name);
+            const struct jstr *x = need_str(R, &a->pos[0], line, name);
+            bool pre = name[6] == 'p';
+            if (x->len <= s->len && !memcmp(pre ? s->s : s->s + s->len - x->len, x->s, x->len))
+                return vstr(jsub(R, s, pre ? x->len : 0, s->len - x->len));
+            return self;
+        }
+        if (name[0] == 'i' && name[1] == 's') {
+            check_args(R, a, 0, NULL);
+            if (!s->len)
+                return mkbool(false);
+            bool any_cased = false, ok = true;
+            for (size_t i = 0; i < s->len; i++) {
+                unsigned char c = (unsigned char)s->s[i];
+                bool dig = c >= '0' && c <= '9', up = c >= 'A' && c <= 'Z', lo = c >= 'a' && c <= 'z';
+                bool sp = c == ' ' || (c >= 9 && c <= 13);
+                if (is(name, "isdigit")) ok &= dig;
+                else if (is(name, "isalpha")) ok &= up || lo || c >= 0x80;
+                else if (is(name, "isalnum")) ok &= up || lo || dig || c >= 0x80;
+                else if (is(name, "isspace")) ok &= sp;
+                else if (is(name, "isupper")) { ok &= !lo; any_cased |= up; }
+                else { ok &= !up; any_cased |= lo; }
+            }
+            if (is(name, "isupper") || is(name, "islower"))
+                ok &= any_cased;
+            return mkbool(ok);
+        }
+        j_die(&R->b, MOE_EUNSUPPORTED, line, "str.%s() is not supported", name);
+    }
+    if (self.t == V_DICT) {
+        const struct jdict *d = self.u.d;
+        if (is(name, "get")) {
+            check_args(R, a, 2, NULL);
+            if (!a->n)
+                DIE(R, line, "get() takes at least one argument");
+            jval *v = d_find(d, &a->pos[0]);
+            return v ? *v : a->n > 1 ? a->pos[1] : NONE;
+        }
+        if (is(name, "items") || is(name, "keys") || is(name, "values")) {
+            check_args(R, a, 0, NULL);
+            jval l = mklist(R, d->n, false);
+            for (size_t i = 0; i < d->n; i++) {
+                if (name[0] == 'i') {
+                    jval t = mklist(R, 2, true);
+                    t.u.l->v[0] = d->k[i];
+                    t.u.l->v[1] = d->v[i];
+                    l.u.l->v[i] = t;
+                } else {
+                    l.u.l->v[i] = name[0] == 'k' ? d->k[i] : d->v[i];
+                }
+            }
+            return l;
+        }
+        if (is(name, "copy")) {
+            jval c = mkdict(R);
+            for (size_t i = 0; i < d->n; i++)
+                d_set(R, c.u.d, d->k[i], d->v[i]);
+            return c;
+        }
+        DIE(R, line, "dict.%s() modifies the dict, which templates may not do", name);
+    }
+    if (self.t == V_LIST) {
+        const struct jlist *l = self.u.l;
+        if (is(name, "index") || is(name, "count")) {
+            check_args(R, a, 1, NULL);
+            if (!a->n)
+                DIE(R, line, "%s() takes one argument", name);
+            int64_t cnt = 0;
+            for (size_t i = 0; i < l->n; i++)
+                if (vequal(&l->v[i], &a->pos[0], 0)) {
+                    if (name[0] == 'i')
+                        return mkint((int64_t)i);
+                    cnt++;
+                }
+            if (name[0] == 'i')
+                DIE(R, line, "list.index(x): x not in list");
+            return mkint(cnt);
+        }
+        if (is(name, "copy"))
+            return self; /* lists are never modified */
+        DIE(R, line, "list.%s() modifies the list, which templates may not do", name);
+    }
+    if (self.t == V_LOOP && is(name, "cycle")) {
+        if (!a->n)
+            DIE(R, line, "loop.cycle() needs at least one argument");
+        return a->pos[self.u.lp->i % a->n];
+    }
+    DIE(R, line, "'%s' is not callable", name);
+}
+
+static jval call_value(struct rctx *R, jval f, const struct args *a)
+{
+    switch (f.t) {
+    case V_MACRO: return call_macro(R, f.u.mac, a);
+    case V_FUNC: return call_func(R, f.u.fn, a);
+    case V_METHOD: return call_method(R, f.u.me, a);
+    case V_UNDEF: undefined_error(R, a->line, &f);
+    default: DIE(R, a->line, "'%s' object is not callable", tname(&f));
+    }
+}
+
+static struct args eval_args(struct rctx *R, const struct jnode *n, struct scope *s, const char *what)
+{
+    struct args a = {.n = n->args.n, .nkw = n->kwargs.n, .kwn = n->kwnames, .line = n->line, .what = what};
+    if (a.n) {
+        jval *p = j_alloc(&R->b, a.n * sizeof *p);
+        for (size_t i = 0; i < a.n; i++)
+            p[i] = eval(R, n->args.v[i], s);
+        a.pos = p;
+    }
+    if (a.nkw) {
+        jval *p = j_alloc(&R->b, a.nkw * sizeof *p);
+        for (size_t i = 0; i < a.nkw; i++)
+            p[i] = eval(R, n->kwargs.v[i], s);
+        a.kwv = p;
+    }
+    return a;
+}
+
+/* ---- Filters ---- */
+
+/* item.attr where attr may be dotted ("function.name") or a number. */
+static jval attr_path(struct rctx *R, jval v, const struct jstr *path, int line)
+{
+    size_t i = 0;
+    while (i <= path->len) {
+        size_t j = i;
+        while (j < path->len && path->s[j] != '.')
+            j++;
+        char *part = j_strndup(&R->b, path->s + i, j - i);
+        bool num = j > i;
+        for (size_t k = i; k < j; k++)
+            if (path->s[k] < '0' || path->s[k] > '9')
+                num = false;
+        if (v.t == V_UNDEF)
+            return v;
+        if (num && j - i < 18)
+            v = get_item(R, v, mkint(strtoll(part, NULL, 10)), line);
+        else
+            v = get_item(R, v, vstr(mkjstr(R, part, j - i, PROV_LIT, NULL)), line);
+        i = j + 1;
+    }
+    return v;
+}
+
+static jval lower_key(struct rctx *R, jval v, bool case_sensitive)
+{
+    return !case_sensitive && v.t == V_STR ? vstr(str_case(R, v.u.s, 0)) : v;
+}
+
+/* Stable merge sort of vals by keys. */
+static void sort_vals(struct rctx *R, jval *vals, jval *keys, size_t n, bool reverse, int line)
+{
+    if (n < 2)
+        return;
+    jval *tv = j_alloc(&R->b, n * sizeof *tv), *tk = j_alloc(&R->b, n * sizeof *tk);
+    for (size_t w = 1; w < n; w *= 2) {
+        for (size_t lo = 0; lo < n; lo += 2 * w) {
+            size_t mid = lo + w < n ? lo + w : n, hi = lo + 2 * w < n ? lo + 2 * w : n;
+            size_t i = lo, j = mid, k = lo;
+            while (i < mid && j < hi) {
+                int c = vcompare(R, &keys[j], &keys[i], line, 0);
+                bool take_right = reverse ? c > 0 : c < 0;
+                if (take_right) {
+                    tv[k] = vals[j];
+                    tk[k++] = keys[j++];
+                } else {
+                    tv[k] = vals[i];
+                    tk[k++] = keys[i++];
+                }
+            }
+            while (i < mid) {
+                tv[k] = vals[i];
+                tk[k++] = keys[i++];
+            }
+            while (j < hi) {
+                tv[k] = vals[j];
+                tk[k++] = keys[j++];
+            }
+        }
+        memcpy(vals, tv, n * sizeof *vals);
+        memcpy(keys, tk, n * sizeof *keys);
+    }
+}
+
+/* str.splitlines(): the line starting at i ends at *end, the next starts at *next. */
+static void line_end(const struct jstr *s, size_t i, size_t *end, size_t *next)
+{
+    const unsigned char *p = (const unsigned char *)s->s;
+    size_t n = s->len;
+    for (; i < n; i++) {
+        unsigned c = p[i];
+        size_t w = 0;
+        if (c == '\r')
+            w = i + 1 < n && p[i + 1] == '\n' ? 2 : 1;
+        else if (c == '\n' || c == 0x0b || c == 0x0c || (c >= 0x1c && c <= 0x1e))
+            w = 1;
+        else if (c == 0xc2 && i + 1 < n && p[i + 1] == 0x85)
+            w = 2;
+        else if (c == 0xe2 && i + 2 < n && p[i + 1] == 0x80 && (p[i + 2] == 0xa8 || p[i + 2] == 0xa9))
+            w = 3;
+        if (w) {
+            *end = i;
+            *next = i + w;
+            return;
+        }
+    }
+    *end = *next = n;
+}
+
+static jval f_indent(struct rctx *R, jval v, const struct args *a)
+{
+    static const char *const kw[] = {"width", "first", "blank", NULL};
+    check_args(R, a, 3, kw);
+    const jval *w = arg(a, 0, "width"), *first = arg(a, 1, "first"), *blank = arg(a, 2, "blank");
+    struct jstr *ind;
+    if (w && w->t == V_STR) {
+        ind = w->u.s;
+    } else {
+        int64_t n = w ? (is_intlike(w) ? ival(w) : -1) : 4;
+        if (n < 0 || n > 256)
+            DIE(R, a->line, "indent width must be an integer from 0 to 256");
+        char *sp = j_alloc(&R->b, (size_t)n + 1);
+        memset(sp, ' ', (size_t)n);
+        ind = mkjstr(R, sp, (size_t)n, PROV_LIT, NULL);
+    }
+    /* Jinja2: s += "\n"; lines = s.splitlines(); the first line as is, the others indented
+     * (empty ones only with blank) */
+    struct jstr *s = jcat(R, to_str(R, &v), mkjstr(R, "\n", 1, PROV_LIT, NULL));
+    struct obuf o = {0};
+    if (first && truthy(first))
+        ob_str(R, &o, ind);
+    size_t i = 0;
+    for (bool first_line = true; i < s->len; first_line = false) {
+        size_t end, next;
+        line_end(s, i, &end, &next);
+        struct jstr *ln = jsub(R, s, i, end - i);
+        if (!first_line) {
+            ob_lit(R, &o, "\n");
+            if (ln->len || (blank && truthy(blank)))
+                ob_str(R, &o, ind);
+        }
+        ob_str(R, &o, ln);
+        i = next;
+    }
+    return vstr(ob_done(R, &o));
+}
+
+static jval f_tojson(struct rctx *R, jval v, const struct args *a)
+{
+    static const char *const kw[] = {"ensure_ascii", "indent", "separators", "sort_keys", NULL};
+    check_args(R, a, 4, kw);
+    const jval *asc = arg(a, 0, "ensure_ascii"), *ind = arg(a, 1, "indent"),
+               *sep = arg(a, 2, "separators"), *sk = arg(a, 3, "sort_keys");
+    struct json_fmt f = {.item_sep = ", ", .key_sep = ": ", .ascii = asc && truthy(asc),
+                         .sort_keys = sk && truthy(sk)};
+    if (ind && ind->t != V_NONE) {
+        if (ind->t == V_STR) {
+            f.indent = j_strndup(&R->b, ind->u.s->s, ind->u.s->len);
+        } else if (is_intlike(ind)) {
+            int64_t n = ival(ind);
+            if (n > 256)
+                DIE(R, a->line, "tojson indent must be at most 256");
+            n = n < 0 ? 0 : n;
+            char *sp = j_alloc(&R->b, (size_t)n + 1);
+            memset(sp, ' ', (size_t)n);
+            sp[n] = 0;
+            f.indent = sp;
+        } else {
+            DIE(R, a->line, "tojson indent must be an integer or a string");
+        }
+        f.item_sep = ",";
+    }
+    if (sep && sep->t != V_NONE) {
+        if (sep->t != V_LIST || sep->u.l->n != 2 || sep->u.l->v[0].t != V_STR || sep->u.l->v[1].t != V_STR)
+            DIE(R, a->line, "tojson separators must be a pair of strings");
+        f.item_sep = j_strndup(&R->b, sep->u.l->v[0].u.s->s, sep->u.l->v[0].u.s->len);
+        f.key_sep = j_strndup(&R->b, sep->u.l->v[1].u.s->s, sep->u.l->v[1].u.s->len);
+    }
+    struct obuf o = {0};
+    json_write(R, &o, &v, &f, 0, a->line);
+    return vstr(ob_done(R, &o));
+}
+
+static jval f_select(struct rctx *R, const char *fname, jval v, const struct args *a)
+{
+    bool attr = strstr(fname, "attr") != NULL, reject = fname[0] == 'r';
+    if (!truthy(&v)) /* Jinja2 iterates only a true value */
+        return mklist(R, 0, false);
+    jval l = as_list(R, &v, a->line);
+    size_t skip = attr ? 1 : 0;
+    const struct jstr *path = NULL;
+    if (attr) {
+        if (!a->n)
+            DIE(R, a->line, "%s needs an attribute name", fname);
+        path = need_str(R, &a->pos[0], a->line, "the attribute name");
+    }
+    const char *test = NULL;
+    if (a->n > skip) {
+        test = j_strndup(&R->b, need_str(R, &a->pos[skip], a->line, "the test name")->s,
+                         a->pos[skip].u.s->len);
+        if (j_test_id(test) < 0)
+            j_die(&R->b, MOE_EUNSUPPORTED, a->line, "no test named '%s'", test);
+    }
+    struct args ta = {.pos = a->n > skip + 1 ? a->pos + skip + 1 : NULL,
+                      .n = a->n > skip + 1 ? a->n - skip - 1 : 0, .line = a->line, .what = test};
+    jval out = mklist(R, l.u.l->n, false);
+    size_t k = 0;
+    for (size_t i = 0; i < l.u.l->n; i++) {
+        jval x = l.u.l->v[i];
+        jval y = attr ? attr_path(R, x, path, a->line) : x;
+        bool ok = test ? run_test(R, test, y, &ta) : truthy(&y);
+        if (ok != reject)
+            out.u.l->v[k++] = x;
+    }
+    out.u.l->n = k;
+    return out;
+}
+
+static jval call_filter(struct rctx *R, const struct jnode *f, jval v, struct scope *s)
+{
+    struct args a = eval_args(R, f, s, f->name);
+    return call_filter_named(R, f->name, v, &a);
+}
+
+static jval call_filter_named(struct rctx *R, const char *name, jval v, const struct args *a)
+{
+    int line = a->line;
+    if (is(name, "tojson"))
+        return f_tojson(R, v, a);
+    if (is(name, "indent"))
+        return f_indent(R, v, a);
+    if (is(name, "trim")) {
+        check_args(R, a, 1, NULL);
+        return vstr(str_strip(R, to_str(R, &v), arg(a, 0, "chars"), 3, line));
+    }
+    if (is(name, "length") || is(name, "count")) {
+        check_args(R, a, 0, NULL);
+        switch (v.t) {
+        case V_UNDEF: return mkint(0);
+        case V_STR: return mkint((int64_t)u8_count(v.u.s->s, v.u.s->len));
+        case V_LIST: return mkint((int64_t)v.u.l->n);
+        case V_DICT: return mkint((int64_t)v.u.d->n);
+        default: DIE(R, line, "object of type '%s' has no len()", tname(&v));
+        }
+    }
+    if (is(name, "items")) {
+        check_args(R, a, 0, NULL);
+        if (v.t == V_UNDEF)
+            return mklist(R, 0, false);
+        if (v.t != V_DICT)
+            DIE(R, line, "can only get item pairs from a mapping, not %s", tname(&v));
+        struct jmethod m = {v, "items"};
+        struct args none = {.line = line, .what = "items"};
+        return call_method(R, &m, &none);
+    }
+    if (is(name, "dictsort")) {
+        static const char *const kw[] = {"case_sensitive", "by", "reverse", NULL};
+        check_args(R, a, 3, kw);
+        if (v.t != V_DICT)
+            DIE(R, line, "dictsort needs a mapping, not %s", tname(&v));
+        const jval *cs = arg(a, 0, "case_sensitive"), *by = arg(a, 1, "by"), *rev = arg(a, 2, "reverse");
+        bool by_value = false;
+        if (by) {
+            const struct jstr *b = need_str(R, by, line, "dictsort's by");
+            if (b->len == 5 && !memcmp(b->s, "value", 5))
+                by_value = true;
+            else if (!(b->len == 3 && !memcmp(b->s, "key", 3)))
+                DIE(R, line, "dictsort: by must be 'key' or 'value'");
+        }
+        struct jmethod m = {v, "items"};
+        struct args none = {.line = line, .what = "items"};
+        jval l = call_method(R, &m, &none);
+        size_t n = l.u.l->n;
+        jval *keys = j_alloc(&R->b, (n ? n : 1) * sizeof *keys);
+        for (size_t i = 0; i < n; i++)
+            keys[i] = lower_key(R, l.u.l->v[i].u.l->v[by_value ? 1 : 0], cs && truthy(cs));
+        sort_vals(R, l.u.l->v, keys, n, rev && truthy(rev), line);
+        return l;
+    }
+    if (is(name, "selectattr") || is(name, "rejectattr") || is(name, "select") || is(name, "reject"))
+        return f_select(R, name, v, a);
+    if (is(name, "map")) {
+        static const char *const kw[] = {"attribute", "default", NULL};
+        jval l = truthy(&v) ? as_list(R, &v, line) : mklist(R, 0, false);
+        jval out = mklist(R, l.u.l->n, false);
+        const jval *at = NULL;
+        for (size_t k = 0; k < a->nkw; k++)
+            if (is(a->kwn[k], "attribute"))
+                at = &a->kwv[k];
+        if (at) {
+            check_args(R, a, 0, kw);
+            const struct jstr *path = need_str(R, at, line, "map's attribute");
+            const jval *def = arg(a, 99, "default");
+            for (size_t i = 0; i < l.u.l->n; i++) {
+                jval x = attr_path(R, l.u.l->v[i], path, line);
+                out.u.l->v[i] = x.t == V_UNDEF && def ? *def : x;
+            }
+            return out;
+        }
+        if (!a->n)
+            DIE(R, line, "map needs a filter name or attribute=");
+        const struct jstr *fn = need_str(R, &a->pos[0], line, "map's filter name");
+        char *fname = j_strndup(&R->b, fn->s, fn->len);
+        if (j_filter_id(fname) < 0)
+            j_die(&R->b, MOE_EUNSUPPORTED, line, "no filter named '%s'", fname);
+        struct args fa = *a;
+        fa.pos++;
+        fa.n--;
+        fa.what = fname;
+        for (size_t i = 0; i < l.u.l->n; i++)
+            out.u.l->v[i] = call_filter_named(R, fname, l.u.l->v[i], &fa);
+        return out;
+    }
+    if (is(name, "join")) {
+        static const char *const kw[] = {"d", "attribute", NULL};
+        check_args(R, a, 2, kw);
+        const jval *d = arg(a, 0, "d"), *at = arg(a, 1, "attribute");
+        jval seq = v;
+        if (at) {
+            jval l = as_list(R, &v, line);
+            seq = mklist(R, l.u.l->n, false);
+            const struct jstr *path = need_str(R, at, line, "join's attribute");
+            for (size_t i = 0; i < l.u.l->n; i++)
+                seq.u.l->v[i] = attr_path(R, l.u.l->v[i], path, line);
+        }
+        return join(R, seq, d ? to_str(R, d) : mkjstr(R, "", 0, PROV_LIT, NULL), line);
+    }
+    if (is(name, "first") || is(name, "last")) {
+        check_args(R, a, 0, NULL);
+        jval l = as_list(R, &v, line);
+        if (!l.u.l->n)
+            return undef_named(name);
+        return l.u.l->v[name[0] == 'f' ? 0 : l.u.l->n - 1];
+    }
+    if (is(name, "default") || is(name, "d")) {
+        static const char *const kw[] = {"default_value", "boolean", NULL};
+        check_args(R, a, 2, kw);
+        const jval *dv = arg(a, 0, "default_value"), *b = arg(a, 1, "boolean");
+        bool use = v.t == V_UNDEF || (b && truthy(b) && !truthy(&v));
+        return use ? (dv ? *dv : cstr(R, "")) : v;
+    }
+    if (is(name, "upper") || is(name, "lower") || is(name, "capitalize") || is(name, "title")) {
+        check_args(R, a, 0, NULL);
+        struct jstr *s = to_str(R, &v);
+        if (is(name, "capitalize")) {
+            struct jstr *lo = str_case(R, s, 0);
+            return vstr(str_case(R, lo, 3));
+        }
+        return vstr(str_case(R, s, name[0] == 'l' ? 0 : name[0] == 'u' ? 1 : 2));
+    }
+    if (is(name, "replace")) {
+        static const char *const kw[] = {"old", "new", "count", NULL};
+        check_args(R, a, 3, kw);
+        const jval *o = arg(a, 0, "old"), *n = arg(a, 1, "new"), *c = arg(a, 2, "count");
+        if (!o || !n)
+            DIE(R, line, "replace needs old and new");
+        if (c && c->t != V_NONE && !is_intlike(c))
+            DIE(R, line, "replace's count must be an integer");
+        return vstr(str_replace(R, to_str(R, &v), to_str(R, o), to_str(R, n),
+                                c && c->t != V_NONE ? ival(c) : -1));
+    }
+    if (is(name, "string")) {
+        check_args(R, a, 0, NULL);
+        return vstr(to_str(R, &v));
+    }
+    if (is(name, "safe") || is(name, "e") || is(name, "escape") || is(name, "forceescape")) {
+        check_args(R, a, 0, NULL);
+        struct jstr *s = to_str(R, &v);
+        if (name[0] == 's' || (s->markup && name[0] != 'f')) {
+            struct jstr *m = mkjstr(R, s->s, s->len, s->prov, s->m);
+            m->markup = true;
+            return vstr(m);
+        }
+        return vstr(html_escape(R, s));
+    }
+    if (is(name, "int") || is(name, "float")) {
+        static const char *const kw[] = {"default", "base", NULL};
+        check_args(R, a, 2, kw);
+        const jval *dv = arg(a, 0, "default");
+        bool fl = name[0] == 'f';
+        jval def = dv ? *dv : fl ? mkfloat(0) : mkint(0);
+        if (is_num(&v)) {
+            if (fl)
+                return mkfloat(fval(&v));
+            if (v.t == V_FLOAT) {
+                if (!(v.u.f > -9.2e18 && v.u.f < 9.2e18))
+                    return def;
+                return mkint((int64_t)v.u.f);
+            }
+            return mkint(ival(&v));
+        }
+        if (v.t != V_STR)
+            return def;
+        char *t = j_strndup(&R->b, v.u.s->s, v.u.s->len > 64 ? 64 : v.u.s->len), *end;
+        errno = 0;
+        if (!fl) {
+            long long x = strtoll(t, &end, 10);
+            while (*end == ' ' || *end == '\t' || *end == '\n')
+                end++;
+            if (!errno && end != t && !*end)
+                return mkint(x);
+        }
+        double d = strtod(t, &end);
+        while (*end == ' ' || *end == '\t' || *end == '\n')
+            end++;
+        if (end == t || *end)
+            return def;
+        if (fl)
+            return mkfloat(d);
+        if (!(d > -9.2e18 && d < 9.2e18))
+            return def;
+        return mkint((int64_t)d);
+    }
+    if (is(name, "list")) {
+        check_args(R, a, 0, NULL);
+        jval l = as_list(R, &v, line);
+        jval c = mklist(R, l.u.l->n, false);
+        if (l.u.l->n)
+            memcpy(c.u.l->v, l.u.l->v, l.u.l->n * sizeof(jval));
+        return c;
+    }
+    if (is(name, "unique")) {
+        static const char *const kw[] = {"case_sensitive", "attribute", NULL};
+        check_args(R, a, 2, kw);
+        const jval *cs = arg(a, 0, "case_sensitive"), *at = arg(a, 1, "attribute");
+        jval l = as_list(R, &v, line);
+        jval out = mklist(R, l.u.l->n, false);
+        jval *seen = j_alloc(&R->b, (l.u.l->n ? l.u.l->n : 1) * sizeof *seen);
+        size_t k = 0;
+        for (size_t i = 0; i < l.u.l->n; i++) {
+            jval key = l.u.l->v[i];
+            if (at)
+                key = attr_path(R, key, need_str(R, at, line, "unique's attribute"), line);
+            key = lower_key(R, key, cs && truthy(cs));
+            bool dup = false;
+            for (size_t j = 0; j < k && !dup; j++)
+                dup = vequal(&seen[j], &key, 0);
+            if (!dup) {
+                seen[k] = key;
+                out.u.l->v[k++] = l.u.l->v[i];
+            }
+        }
+        out.u.l->n = k;
+        return out;
+    }
+    if (is(name, "reverse")) {
+        check_args(R, a, 0, NULL);
+        if (v.t == V_STR) {
+            jval m1 = mkint(-1);
+            return slice(R, v, NULL, NULL, &m1, line);
+        }
+        jval l = as_list(R, &v, line);
+        jval out = mklist(R, l.u.l->n, false);
+        for (size_t i = 0; i < l.u.l->n; i++)
+            out.u.l->v[i] = l.u.l->v[l.u.l->n - 1 - i];
+        return out;
+    }
+    if (is(name, "sort")) {
+        static const char *const kw[] = {"reverse", "case_sensitive", "attribute", NULL};
+        check_args(R, a, 3, kw);
+        const jval *rev = arg(a, 0, "reverse"), *cs = arg(a, 1, "case_sensitive"), *at = arg(a, 2, "attribute");
+        jval l = as_list(R, &v, line);
+        size_t n = l.u.l->n;
+        jval out = mklist(R, n, false);
+        jval *keys = j_alloc(&R->b, (n ? n : 1) * sizeof *keys);
+        for (size_t i = 0; i < n; i++) {
+            out.u.l->v[i] = l.u.l->v[i];
+            jval k = at ? attr_path(R, l.u.l->v[i], need_str(R, at, line, "sort's attribute"), line)
+                        : l.u.l->v[i];
+            keys[i] = lower_key(R, k, cs && truthy(cs));
+        }
+        sort_vals(R, out.u.l->v, keys, n, rev && truthy(rev), line);
+        return out;
+    }
+    if (is(name, "abs")) {
+        check_args(R, a, 0, NULL);
+        if (v.t == V_FLOAT)
+            return mkfloat(fabs(v.u.f));
+        if (is_intlike(&v)) {
+            if (ival(&v) == INT64_MIN)
+                DIE(R, line, "integer overflow");
+            return mkint(ival(&v) < 0 ? -ival(&v) : ival(&v));
+        }
+        DIE(R, line, "bad operand type for abs(): '%s'", tname(&v));
+    }
+    if (is(name, "round")) {
+        static const char *const kw[] = {"precision", "method", NULL};
+        check_args(R, a, 2, kw);
+        const jval *p = arg(a, 0, "precision");
+        if (!is_num(&v))
+            DIE(R, line, "round needs a number");
+        double m = pow(10, p && is_intlike(p) ? (double)ival(p) : 0);
+        return mkfloat(round(fval(&v) * m) / m);
+    }
+    if (is(name, "min") || is(name, "max") || is(name, "sum")) {
+        static const char *const kw[] = {"attribute", "start", "case_sensitive", NULL};
+        check_args(R, a, 0, kw);
+        jval l = as_list(R, &v, line);
+        const jval *at = arg(a, 99, "attribute");
+        if (is(name, "sum")) {
+            const jval *st = arg(a, 99, "start");
+            jval acc = st ? *st : mkint(0);
+            for (size_t i = 0; i < l.u.l->n; i++) {
+                jval x = at ? attr_path(R, l.u.l->v[i], need_str(R, at, line, "attribute"), line) : l.u.l->v[i];
+                acc = arith(R, OP_ADD, acc, x, line);
+            }
+            return acc;
+        }
+        if (!l.u.l->n)
+            return undef_named(name);
+        jval best = l.u.l->v[0];
+        for (size_t i = 1; i < l.u.l->n; i++) {
+            int c = vcompare(R, &l.u.l->v[i], &best, line, 0);
+            if (name[1] == 'i' ? c < 0 : c > 0)
+                best = l.u.l->v[i];
+        }
+        return best;
+    }
+    if (is(name, "attr")) {
+        check_args(R, a, 1, NULL);
+        if (!a->n)
+            DIE(R, line, "attr needs a name");
+        const struct jstr *n = need_str(R, &a->pos[0], line, "attr's name");
+        return get_attr(R, v, j_strndup(&R->b, n->s, n->len), line);
+    }
+    if (is(name, "wordcount")) {
+        jval l = str_split(R, to_str(R, &v), NULL, -1, false, line);
+        return mkint((int64_t)l.u.l->n);
+    }
+    j_die(&R->b, MOE_EUNSUPPORTED, line, "the filter '%s' is not supported", name);
+}
+
+/* ---- Tests ---- */
+
+static bool run_test(struct rctx *R, const char *name, jval v, const struct args *a)
+{
+    int line = a->line;
+    const jval *x = arg(a, 0, NULL);
+    if (is(name, "defined")) return v.t != V_UNDEF;
+    if (is(name, "undefined")) return v.t == V_UNDEF;
+    if (is(name, "none")) return v.t == V_NONE;
+    if (is(name, "boolean")) return v.t == V_BOOL;
+    if (is(name, "true")) return v.t == V_BOOL && v.u.b;
+    if (is(name, "false")) return v.t == V_BOOL && !v.u.b;
+    if (is(name, "integer")) return v.t == V_INT;
+    if (is(name, "float")) return v.t == V_FLOAT;
+    if (is(name, "number")) return is_num(&v);
+    if (is(name, "string")) return v.t == V_STR;
+    if (is(name, "mapping")) return v.t == V_DICT;
+    if (is(name, "iterable")) return v.t == V_STR || v.t == V_LIST || v.t == V_DICT || v.t == V_UNDEF;
+    if (is(name, "sequence")) return v.t == V_STR || v.t == V_LIST || v.t == V_DICT || v.t == V_UNDEF;
+    if (is(name, "callable")) return v.t == V_MACRO || v.t == V_FUNC || v.t == V_METHOD;
+    if (is(name, "escaped")) return false;
+    if (is(name, "lower") || is(name, "upper")) {
+        if (v.t != V_STR)
+            return false;
+        struct jstr *c = str_case(R, v.u.s, name[0] == 'l' ? 0 : 1);
+        return !memcmp(c->s, v.u.s->s, c->len);
+    }
+    if (is(name, "odd") || is(name, "even") || is(name, "divisibleby")) {
+        if (!is_intlike(&v))
+            DIE(R, line, "the test '%s' needs an integer", name);
+        int64_t d = 2;
+        if (name[0] == 'd') {
+            if (!x || !is_intlike(x) || ival(x) == 0)
+                DIE(R, line, "divisibleby needs a non-zero integer");
+            d = ival(x);
+        }
+        int64_t m = d == -1 ? 0 : ival(&v) % d;
+        return name[0] == 'o' ? m != 0 : m == 0;
+    }
+    if (!x)
+        DIE(R, line, "the test '%s' needs an argument", name);
+    if (is(name, "eq") || is(name, "equalto") || is(name, "==")) return vequal(&v, x, 0);
+    if (is(name, "ne") || is(name, "!=")) return !vequal(&v, x, 0);
+    if (is(name, "sameas")) return vequal(&v, x, 0) && v.t == x->t;
+    if (is(name, "lt") || is(name, "<")) return vcompare(R, &v, x, line, 0) < 0;
+    if (is(name, "le") || is(name, "<=")) return vcompare(R, &v, x, line, 0) <= 0;
+    if (is(name, "gt") || is(name, ">")) return vcompare(R, &v, x, line, 0) > 0;
+    if (is(name, "ge") || is(name, ">=")) return vcompare(R, &v, x, line, 0) >= 0;
+    if (is(name, "in")) return contains(R, *x, v, line);
+    if (is(name, "filter") || is(name, "test")) {
+        if (x->t != V_STR)
+            return false;
+        char *n = j_strndup(&R->b, x->u.s->s, x->u.s->len);
+        return name[0] == 'f' ? j_filter_id(n) >= 0 : j_test_id(n) >= 0;
+    }
+    j_die(&R->b, MOE_EUNSUPPORTED, line, "the test '%s' is not supported", name);
+}
+
+/* ---- Expressions ---- */
+
+static jval eval(struct rctx *R, const struct jnode *n, struct scope *s)
+{
+    if (++R->edepth > MAX_EVAL_DEPTH)
+        j_die(&R->b, MOE_ETOOBIG, n->line, "expressions nested more than %d deep", MAX_EVAL_DEPTH);
+    jval r;
+    switch (n->kind) {
+    case E_LIT:
+        r = n->lit;
+        break;
+    case E_NAME:
+        r = lookup(R, s, n->name);
+        break;
+    case E_LIST: case E_TUPLE:
+        r = mklist(R, n->args.n, n->kind == E_TUPLE);
+        for (size_t i = 0; i < n->args.n; i++)
+            r.u.l->v[i] = eval(R, n->args.v[i], s);
+        break;
+    case E_DICT:
+        r = mkdict(R);
+        for (size_t i = 0; i + 1 < n->args.n; i += 2) {
+            jval k = eval(R, n->args.v[i], s);
+            if (k.t == V_LIST || k.t == V_DICT || k.t == V_NS)
+                DIE(R, n->line, "unhashable type: '%s'", tname(&k));
+            d_set(R, r.u.d, k, eval(R, n->args.v[i + 1], s));
+        }
+        break;
+    case E_ATTR:
+        r = get_attr(R, eval(R, n->a, s), n->name, n->line);
+        break;
+    case E_ITEM:
+        r = get_item(R, eval(R, n->a, s), eval(R, n->b, s), n->line);
+        break;
+    case E_SLICE: {
+        jval obj = eval(R, n->a, s);
+        jval lo, hi, st;
+        if (n->b) lo = eval(R, n->b, s);
+        if (n->c) hi = eval(R, n->c, s);
+        if (n->args.v[0]) st = eval(R, n->args.v[0], s);
+        r = slice(R, obj, n->b ? &lo : NULL, n->c ? &hi : NULL, n->args.v[0] ? &st : NULL, n->line);
+        break;
+    }
+    case E_CALL: {
+        jval f = eval(R, n->a, s);
+        const char *what = n->a->kind == E_NAME || n->a->kind == E_ATTR ? n->a->name : "the call";
+        struct args a = eval_args(R, n, s, what);
+        r = call_value(R, f, &a);
+        break;
+    }
+    case E_FILTER:
+        r = call_filter(R, n, eval(R, n->a, s), s);
+        break;
+    case E_TEST: {
+        jval v = eval(R, n->a, s);
+        struct args a = eval_args(R, n, s, n->name);
+        r = mkbool(run_test(R, n->name, v, &a) != (bool)n->op);
+        break;
+    }
+    case E_NOT:
+        r = eval(R, n->a, s);
+        r = mkbool(!truthy(&r));
+        break;
+    case E_NEG: case E_POS: {
+        jval v = eval(R, n->a, s);
+        if (v.t == V_UNDEF)
+            undefined_error(R, n->line, &v);
+        if (!is_num(&v))
+            DIE(R, n->line, "bad operand type for unary %c: '%s'", n->kind == E_NEG ? '-' : '+', tname(&v));
+        if (n->kind == E_POS)
+            r = v.t == V_BOOL ? mkint(v.u.b) : v;
+        else if (v.t == V_FLOAT)
+            r = mkfloat(-v.u.f);
+        else if (ival(&v) == INT64_MIN)
+            DIE(R, n->line, "integer overflow");
+        else
+            r = mkint(-ival(&v));
+        break;
+    }
+    case E_BIN: {
+        jval a = eval(R, n->a, s), b = eval(R, n->b, s);
+        switch (n->op) {
+        case OP_EQ: r = mkbool(vequal(&a, &b, 0)); break;
+        case OP_NE: r = mkbool(!vequal(&a, &b, 0)); break;
+        case OP_LT: r = mkbool(vcompare(R, &a, &b, n->line, 0) < 0); break;
+        case OP_LE: r = mkbool(vcompare(R, &a, &b, n->line, 0) <= 0); break;
+        case OP_GT: r = mkbool(vcompare(R, &a, &b, n->line, 0) > 0); break;
+        case OP_GE: r = mkbool(vcompare(R, &a, &b, n->line, 0) >= 0); break;
+        case OP_IN: r = mkbool(contains(R, b, a, n->line)); break;
+        case OP_NOTIN: r = mkbool(!contains(R, b, a, n->line)); break;
+        default: r = arith(R, n->op, a, b, n->line);
+        }
+        break;
+    }
+    case E_AND: {
+        jval a = eval(R, n->a, s);
+        r = truthy(&a) ? eval(R, n->b, s) : a;
+        break;
+    }
+    case E_OR: {
+        jval a = eval(R, n->a, s);
+        r = truthy(&a) ? a : eval(R, n->b, s);
+        break;
+    }
+    case E_COND: {
+        jval c = eval(R, n->a, s);
+        r = truthy(&c) ? eval(R, n->b, s) : n->c ? eval(R, n->c, s) : UNDEF;
+        break;
+    }
+    case E_CONCAT: {
+        jval a = eval(R, n->a, s), b = eval(R, n->b, s);
+        r = vstr(jcat(R, to_str(R, &a), to_str(R, &b)));
+        break;
+    }
+    default:
+        DIE(R, n->line, "unexpected node");
+    }
+    R->edepth--;
+    return r;
+}
+
+/* ---- Statements ---- */
+
+static jval apply_filter_chain(struct rctx *R, const struct jnode *f, jval v, struct scope *s)
+{
+    if (!f)
+        return v;
+    v = apply_filter_chain(R, f->a, v, s);
+    return call_filter(R, f, v, s);
+}
+
+static void assign(struct rctx *R, struct scope *s, const char *const *targets, size_t n, jval v, int line)
+{
+    if (n == 1) {
+        d_set_s(R, &s->vars, targets[0], v);
+        return;
+    }
+    jval l = v.t == V_STR ? as_list(R, &v, line) : v;
+    if (l.t != V_LIST)
+        DIE(R, line, "cannot unpack a '%s' into %zu names", tname(&v), n);
+    if (l.u.l->n != n)
+        DIE(R, line, "%s values to unpack (expected %zu, got %zu)",
+            l.u.l->n < n ? "not enough" : "too many", n, l.u.l->n);
+    for (size_t i = 0; i < n; i++)
+        d_set_s(R, &s->vars, targets[i], l.u.l->v[i]);
+}
+
+static void exec_for(struct rctx *R, const struct jnode *n, struct scope *s, struct obuf *o)
+{
+    jval it = eval(R, n->a, s);
+    jval l = as_list(R, &it, n->line);
+    const jval *items = l.u.l->v;
+    size_t cnt = l.u.l->n;
+    if (n->b) {
+        jval *kept = j_alloc(&R->b, (cnt ? cnt : 1) * sizeof *kept);
+        size_t k = 0;
+        for (size_t i = 0; i < cnt; i++) {
+            count_iter(R, n->line);
+            struct scope *fs = new_scope(R, s);
+            assign(R, fs, n->targets, n->n_targets, items[i], n->line);
+            jval c = eval(R, n->b, fs);
+            if (truthy(&c))
+                kept[k++] = items[i];
+        }
+        items = kept;
+        cnt = k;
+    }
+    if (!cnt) {
+        exec_body(R, &n->orelse, s, o);
+        return;
+    }
+    struct jloop *lp = j_alloc(&R->b, sizeof *lp);
+    lp->items = items;
+    lp->n = cnt;
+    /* One scope serves every iteration: what an iteration sets is dropped before the next (as
+     * in Jinja2, where each iteration starts afresh), the loop variables are overwritten. */
+    struct scope *is = new_scope(R, s);
+    d_set_s(R, &is->vars, "loop", (jval){.t = V_LOOP, .u.lp = lp});
+    for (size_t i = 0; i < cnt; i++) {
+        count_iter(R, n->line);
+        lp->i = i;
+        is->vars.n = 1;
+        assign(R, is, n->targets, n->n_targets, items[i], n->line);
+        exec_body(R, &n->body, is, o);
+        R->cont = false;
+        if (R->brk) {
+            R->brk = false;
+            break;
+        }
+    }
+}
+
+static void exec_node(struct rctx *R, const struct jnode *n, struct scope *s, struct obuf *o)
+{
+    switch (n->kind) {
+    case N_TEXT:
+        ob_str(R, o, n->lit.u.s);
+        return;
+    case N_OUT: {
+        jval v = eval(R, n->a, s);
+        write_str(R, o, &v, false, 0);
+        return;
+    }
+    case N_IF: {
+        jval c = eval(R, n->a, s);
+        exec_body(R, truthy(&c) ? &n->body : &n->orelse, s, o);
+        return;
+    }
+    case N_FOR:
+        exec_for(R, n, s, o);
+        return;
+    case N_SET: {
+        jval v = eval(R, n->a, s);
+        if (n->attr) {
+            jval ns = lookup(R, s, n->name);
+            if (ns.t != V_NS)
+                DIE(R, n->line, "cannot assign attribute '%s' on '%s' (not a namespace)", n->attr,
+                    n->name);
+            d_set_s(R, ns.u.d, n->attr, v);
+        } else {
+            assign(R, s, n->targets, n->n_targets, v, n->line);
+        }
+        return;
+    }
+    case N_SETBLOCK: case N_FILTERBLOCK: {
+        struct obuf b = {0};
+        exec_body(R, &n->body, s, &b);
+        jval v = apply_filter_chain(R, n->a, vstr(ob_done(R, &b)), s);
+        if (n->kind == N_SETBLOCK)
+            d_set_s(R, &s->vars, n->name, v);
+        else
+            write_str(R, o, &v, false, 0);
+        return;
+    }
+    case N_MACRO:
+        d_set_s(R, &s->vars, n->name, (jval){.t = V_MACRO, .u.mac = n});
+        return;
+    case N_BREAK:
+        R->brk = true;
+        return;
+    case N_CONTINUE:
+        R->cont = true;
+        return;
+    case N_BLOCK:
+        exec_body(R, &n->body, s, o);
+        return;
+    default:
+        DIE(R, n->line, "unexpected statement");
+    }
+}
+
+static void exec_body(struct rctx *R, const struct jnlist *body, struct scope *s, struct obuf *o)
+{
+    if (++R->edepth > MAX_EVAL_DEPTH)
+        j_die(&R->b, MOE_ETOOBIG, 0, "blocks nested more than %d deep", MAX_EVAL_DEPTH);
+    for (size_t i = 0; i < body->n && !R->brk && !R->cont; i++)
+        exec_node(R, body->v[i], s, o);
+    R->edepth--;
+}
+
+/* ---- Inputs ---- */
+
+static jval from_json(struct rctx *R, json_t *j, uint8_t prov, int depth)
+{
+    if (depth > MAX_VALUE_DEPTH)
+        DIE(R, 0, "an input value is nested more than %d deep", MAX_VALUE_DEPTH);
+    switch (json_typeof(j)) {
+    case JSON_OBJECT: {
+        jval d = mkdict(R);
+        const char *k;
+        json_t *v;
+        json_object_foreach(j, k, v) {
+            size_t kl = strlen(k);
+            d_set(R, d.u.d, vstr(mkjstr(R, j_strndup(&R->b, k, kl), kl, prov, NULL)),
+                  from_json(R, v, prov, depth + 1));
+        }
+        return d;
+    }
+    case JSON_ARRAY: {
+        jval l = mklist(R, json_array_size(j), false);
+        for (size_t i = 0; i < l.u.l->n; i++)
+            l.u.l->v[i] = from_json(R, json_array_get(j, i), prov, depth + 1);
+        return l;
+    }
+    case JSON_STRING: {
+        size_t n = json_string_length(j);
+        return vstr(mkjstr(R, j_strndup(&R->b, json_string_value(j), n), n, prov, NULL));
+    }
+    case JSON_INTEGER: return mkint((int64_t)json_integer_value(j));
+    case JSON_REAL: return mkfloat(json_real_value(j));
+    case JSON_TRUE: return mkbool(true);
+    case JSON_FALSE: return mkbool(false);
+    default: return NONE;
+    }
+}
+
+static void add_vars(struct rctx *R, json_t *obj, uint8_t prov)
+{
+    if (!obj)
+        return;
+    if (!json_is_object(obj))
+        DIE(R, 0, "template variables must be a JSON object");
+    const char *k;
+    json_t *v;
+    json_object_foreach(obj, k, v)
+        d_set_s(R, &R->root->vars, j_strndup(&R->b, k, strlen(k)), from_json(R, v, prov, 0));
+}
+
+int jinja_render(const struct jinja_tmpl *t, json_t *data, json_t *literal,
+                 const struct jinja_opts *opts, struct jinja_out *out, char *err, size_t errlen)
+{
+    static const struct jinja_opts defaults = {0};
+    if (!opts)
+        opts = &defaults;
+    memset(out, 0, sizeof *out);
+    struct rctx *volatile R = calloc(1, sizeof *R);
+    if (!R)
+        return moe_fail(err, errlen, -ENOMEM, "out of memory");
+    R->b.limit = opts->max_memory ? opts->max_memory : 64u << 20;
+    R->max_output = opts->max_output ? opts->max_output : 4u << 20;
+    R->max_iter = opts->max_iterations ? opts->max_iterations : 1000000;
+    R->max_depth = opts->max_depth ? opts->max_depth : 64;
+    R->now = opts->now;
+    R->now_utc = opts->now != 0;
+    if (setjmp(R->b.jb)) {
+        int code = R->b.code;
+        moe_fail(err, errlen, code, "chat template: %s", R->b.msg);
+        j_arena_free(&R->b);
+        free(R);
+        jinja_out_free(out);
+        return code;
+    }
+    R->root = new_scope(R, NULL);
+    add_vars(R, data, PROV_DATA);
+    add_vars(R, literal, PROV_LIT);
+    struct obuf o = {0};
+    exec_body(R, &t->body, R->root, &o);
+    size_t ns = 0;
+    for (size_t i = 0; i < o.len; i++)
+        if (i == 0 || o.m[i] != o.m[i - 1])
+            ns++;
+    out->text = malloc(o.len + 1);
+    out->spans = malloc((ns ? ns : 1) * sizeof *out->spans);
+    if (!out->text || !out->spans)
+        j_die(&R->b, -ENOMEM, 0, "out of memory");
+    if (o.len)
+        memcpy(out->text, o.s, o.len);
+    out->text[o.len] = 0;
+    out->len = o.len;
+    for (size_t i = 0; i < o.len; i++) {
+        if (i == 0 || o.m[i] != o.m[i - 1])
+            out->spans[out->n_spans++] = (struct jinja_span){i, 0, o.m[i] != 0};
+        out->spans[out->n_spans - 1].len++;
+    }
+    j_arena_free(&R->b);
+    free(R);
+    return 0;
+}
+
+void jinja_out_free(struct jinja_out *o)
+{
+    free(o->text);
+    free(o->spans);
+    memset(o, 0, sizeof *o);
+}

@@ -1,0 +1,1238 @@
+/* Jinja lexer and parser; see jinja.h. Whitespace follows Jinja2 with trim_blocks and
+ * lstrip_blocks: a block or comment tag's first newline after it is dropped, spaces and tabs
+ * before it on its line are dropped, '-' strips all whitespace on its side, '+' keeps it. */
+#include <errno.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "daemon/jinja.h"
+#include "daemon/jinja_int.h"
+#include "store/err.h"
+
+/* ---- Arena ---- */
+
+struct jchunk {
+    struct jchunk *next;
+    size_t cap, used;
+};
+#define CHUNK_HDR ((sizeof(struct jchunk) + 15) & ~(size_t)15)
+#define CHUNK_SIZE 65536
+
+void *j_alloc(struct jbase *b, size_t n)
+{
+    if (n > SIZE_MAX / 2)
+        j_die(b, MOE_ETOOBIG, 0, "allocation of %zu bytes", n);
+    n = (n + 15) & ~(size_t)15;
+    struct jchunk *c = b->head;
+    if (c && c->cap - c->used >= n) {
+        void *p = (char *)c + CHUNK_HDR + c->used;
+        c->used += n;
+        return p;
+    }
+    size_t cap = n > CHUNK_SIZE / 4 ? n : CHUNK_SIZE;
+    if (b->total + cap + CHUNK_HDR > b->limit)
+        j_die(b, MOE_ETOOBIG, 0, "the template needs more than %zu bytes of memory", b->limit);
+    struct jchunk *nc = malloc(CHUNK_HDR + cap);
+    if (!nc)
+        j_die(b, -ENOMEM, 0, "out of memory");
+    b->total += CHUNK_HDR + cap;
+    nc->cap = cap;
+    nc->used = n;
+    if (c && cap == n) { /* a large block of its own: keep the current chunk in front */
+        nc->next = c->next;
+        c->next = nc;
+    } else {
+        nc->next = c;
+        b->head = nc;
+    }
+    return (char *)nc + CHUNK_HDR;
+}
+
+void *j_zalloc(struct jbase *b, size_t n)
+{
+    void *p = j_alloc(b, n);
+    memset(p, 0, n);
+    return p;
+}
+
+char *j_strndup(struct jbase *b, const char *s, size_t n)
+{
+    char *p = j_alloc(b, n + 1);
+    if (n)
+        memcpy(p, s, n);
+    p[n] = 0;
+    return p;
+}
+
+void j_arena_free(struct jbase *b)
+{
+    struct jchunk *c = b->head;
+    while (c) {
+        struct jchunk *n = c->next;
+        free(c);
+        c = n;
+    }
+    b->head = NULL;
+    b->total = 0;
+}
+
+void j_die(struct jbase *b, int code, int line, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    int k = line > 0 ? snprintf(b->msg, sizeof b->msg, "line %d: ", line) : 0;
+    vsnprintf(b->msg + k, sizeof b->msg - (size_t)k, fmt, ap);
+    va_end(ap);
+    b->code = code;
+    longjmp(b->jb, 1);
+}
+
+/* ---- Filters and tests by name ---- */
+
+static const char *const filter_names[] = {
+    "abs", "attr", "capitalize", "count", "d", "default", "dictsort", "e", "escape", "first",
+    "float", "forceescape", "indent", "int", "items", "join", "last", "length", "list", "lower",
+    "map", "max", "min", "reject", "rejectattr", "replace", "reverse", "round", "safe", "select",
+    "selectattr", "sort", "string", "sum", "title", "tojson", "trim", "unique", "upper",
+    "wordcount", "center", "batch", NULL,
+};
+static const char *const test_names[] = {
+    "boolean", "callable", "defined", "divisibleby", "eq", "equalto", "escaped", "even", "false",
+    "filter", "float", "ge", "gt", "in", "integer", "iterable", "le", "lower", "lt", "mapping",
+    "ne", "none", "number", "odd", "sameas", "sequence", "string", "test", "true", "undefined",
+    "upper", "==", "!=", "<", "<=", ">", ">=", NULL,
+};
+
+static int find_name(const char *const *names, const char *n)
+{
+    for (int i = 0; names[i]; i++)
+        if (!strcmp(names[i], n))
+            return i;
+    return -1;
+}
+int j_filter_id(const char *name) { return find_name(filter_names, name); }
+int j_test_id(const char *name) { return find_name(test_names, name); }
+
+/* ---- Lexer ---- */
+
+enum tk { T_TEXT, T_VBEGIN, T_VEND, T_BBEGIN, T_BEND, T_NAME, T_STR, T_INT, T_FLOAT, T_OP, T_EOF };
+
+struct tok {
+    uint8_t k;
+    int line;
+    const char *p; /* T_NAME, T_OP: NUL-terminated text; T_TEXT, T_STR: bytes */
+    size_t n;
+    int64_t i;
+    double f;
+};
+
+struct parser {
+    struct jbase *b;
+    const char *src;
+    size_t len;
+    struct tok *t;
+    size_t n, cap, pos;
+    int depth;
+};
+
+#define MAX_NEST 100
+
+static void push_tok(struct parser *P, struct tok t)
+{
+    if (P->n == P->cap) {
+        size_t nc = P->cap ? P->cap * 2 : 256;
+        struct tok *nt = j_alloc(P->b, nc * sizeof *nt);
+        if (P->n)
+            memcpy(nt, P->t, P->n * sizeof *nt);
+        P->t = nt;
+        P->cap = nc;
+    }
+    P->t[P->n++] = t;
+}
+
+static bool is_ws(char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\v' || c == '\f'; }
+static bool is_alpha(char c) { return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || c == '_'; }
+static bool is_digit(char c) { return c >= '0' && c <= '9'; }
+
+static int hexval(char c)
+{
+    if (c >= '0' && c <= '9') return c - '0';
+    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+    if (c >= 'A' && c <= 'F') return c - 'A' + 10;
+    return -1;
+}
+
+static size_t put_utf8(char *o, unsigned long cp)
+{
+    if (cp < 0x80) { o[0] = (char)cp; return 1; }
+    if (cp < 0x800) { o[0] = (char)(0xc0 | (cp >> 6)); o[1] = (char)(0x80 | (cp & 0x3f)); return 2; }
+    if (cp < 0x10000) {
+        o[0] = (char)(0xe0 | (cp >> 12)); o[1] = (char)(0x80 | ((cp >> 6) & 0x3f));
+        o[2] = (char)(0x80 | (cp & 0x3f));
+        return 3;
+    }
+    o[0] = (char)(0xf0 | (cp >> 18)); o[1] = (char)(0x80 | ((cp >> 12) & 0x3f));
+    o[2] = (char)(0x80 | ((cp >> 6) & 0x3f)); o[3] = (char)(0x80 | (cp & 0x3f));
+    return 4;
+}
+
+/* A string literal at s[0] (the quote); Python escapes as Jinja2 decodes them. */
+static size_t lex_string(struct parser *P, size_t i, int *line)
+{
+    const char *s = P->src;
+    char q = s[i];
+    size_t j = i + 1, start_line = (size_t)*line;
+    while (j < P->len && s[j] != q) {
+        if (s[j] == '\\' && j + 1 < P->len)
+            j++;
+        if (s[j] == '\n')
+            (*line)++;
+        j++;
+    }
+    if (j >= P->len)
+        j_die(P->b, MOE_EFORMAT, (int)start_line, "unterminated string literal");
+    char *o = j_alloc(P->b, (j - i) * 2 + 1);
+    size_t n = 0;
+    for (size_t k = i + 1; k < j; k++) {
+        if (s[k] != '\\') {
+            o[n++] = s[k];
+            continue;
+        }
+        char c = s[++k];
+        switch (c) {
+        case 'n': o[n++] = '\n'; break;
+        case 't': o[n++] = '\t'; break;
+        case 'r': o[n++] = '\r'; break;
+        case 'a': o[n++] = '\a'; break;
+        case 'b': o[n++] = '\b'; break;
+        case 'f': o[n++] = '\f'; break;
+        case 'v': o[n++] = '\v'; break;
+        case '\\': o[n++] = '\\'; break;
+        case '\'': o[n++] = '\''; break;
+        case '"': o[n++] = '"'; break;
+        case '\n': break;
+        case 'x': case 'u': case 'U': {
+            int w = c == 'x' ? 2 : c == 'u' ? 4 : 8;
+            unsigned long cp = 0;
+            int d = 0;
+            while (d < w && k + 1 < j && hexval(s[k + 1]) >= 0) {
+                cp = cp * 16 + (unsigned long)hexval(s[k + 1]);
+                k++;
+                d++;
+            }
+            if (d < w || cp > 0x10ffff || (cp >= 0xd800 && cp < 0xe000))
+                j_die(P->b, MOE_EFORMAT, (int)start_line, "bad \\%c escape in a string literal", c);
+            n += put_utf8(o + n, cp);
+            break;
+        }
+        default:
+            if (c >= '0' && c <= '7') {
+                unsigned cp = 0;
+                int d = 0;
+                k--;
+                while (d < 3 && k + 1 < j && s[k + 1] >= '0' && s[k + 1] <= '7') {
+                    cp = cp * 8 + (unsigned)(s[k + 1] - '0');
+                    k++;
+                    d++;
+                }
+                n += put_utf8(o + n, cp);
+            } else {
+                o[n++] = '\\';
+                o[n++] = c;
+            }
+        }
+    }
+    o[n] = 0;
+    push_tok(P, (struct tok){.k = T_STR, .line = (int)start_line, .p = o, .n = n});
+    return j + 1;
+}
+
+static const char *const ops2[] = {"**", "//", "==", "!=", "<=", ">=", NULL};
+static const char ops1[] = "+-*/%~<>=()[]{},.:|";
+
+/* Tokens of one tag from i (past the opener) up to its closer; returns the index past the closer
+ * and sets *strip_after ('-'), *keep_after ('+'). */
+static size_t lex_tag(struct parser *P, size_t i, bool block, int *line, bool *strip_after,
+                      bool *keep_after)
+{
+    const char *s = P->src;
+    int depth = 0;
+    int open_line = *line;
+    for (;;) {
+        while (i < P->len && is_ws(s[i])) {
+            if (s[i] == '\n')
+                (*line)++;
+            i++;
+        }
+        if (i >= P->len)
+            j_die(P->b, MOE_EFORMAT, open_line, "unterminated %s tag", block ? "{% %}" : "{{ }}");
+        if (depth == 0) {
+            char c = s[i];
+            size_t k = i + ((c == '-' || c == '+') ? 1 : 0);
+            if (k + 1 < P->len && ((block && s[k] == '%' && s[k + 1] == '}') ||
+                                   (!block && s[k] == '}' && s[k + 1] == '}'))) {
+                *strip_after = c == '-';
+                *keep_after = c == '+';
+                push_tok(P, (struct tok){.k = block ? T_BEND : T_VEND, .line = *line});
+                return k + 2;
+            }
+        }
+        char c = s[i];
+        if (is_alpha(c)) {
+            size_t j = i;
+            while (j < P->len && (is_alpha(s[j]) || is_digit(s[j])))
+                j++;
+            push_tok(P, (struct tok){.k = T_NAME, .line = *line, .p = j_strndup(P->b, s + i, j - i),
+                                     .n = j - i});
+            i = j;
+        } else if (is_digit(c)) {
+            size_t j = i;
+            bool fl = false;
+            while (j < P->len && (is_digit(s[j]) || (s[j] == '_' && j + 1 < P->len && is_digit(s[j + 1]))))
+                j++;
+            if (j + 1 < P->len && s[j] == '.' && is_digit(s[j + 1])) {
+                fl = true;
+                j++;
+                while (j < P->len && is_digit(s[j]))
+                    j++;
+            }
+            if (j < P->len && (s[j] == 'e' || s[j] == 'E')) {
+                size_t e = j + 1;
+                if (e < P->len && (s[e] == '+' || s[e] == '-'))
+                    e++;
+                if (e < P->len && is_digit(s[e])) {
+                    fl = true;
+                    j = e;
+                    while (j < P->len && is_digit(s[j]))
+                        j++;
+                }
+            }
+            char buf[64];
+            size_t bn = 0;
+            for (size_t k = i; k < j && bn + 1 < sizeof buf; k++)
+                if (s[k] != '_')
+                    buf[bn++] = s[k];
+            buf[bn] = 0;
+            if (j - i >= sizeof buf - 1)
+                j_die(P->b, MOE_EFORMAT, *line, "number literal too long");
+            struct tok t = {.k = fl ? T_FLOAT : T_INT, .line = *line};
+            if (fl) {
+                t.f = strtod(buf, NULL);
+            } else {
+                errno = 0;
+                unsigned long long v = strtoull(buf, NULL, 10);
+                if (errno || v > INT64_MAX)
+                    j_die(P->b, MOE_EUNSUPPORTED, *line, "integer literal %s is too large", buf);
+                t.i = (int64_t)v;
+            }
+            push_tok(P, t);
+            i = j;
+        } else if (c == '\'' || c == '"') {
+            i = lex_string(P, i, line);
+        } else {
+            const char *op = NULL;
+            for (int k = 0; ops2[k]; k++)
+                if (i + 1 < P->len && s[i] == ops2[k][0] && s[i + 1] == ops2[k][1])
+                    op = ops2[k];
+            if (!op) {
+                const char *hit = c ? strchr(ops1, c) : NULL;
+                if (!hit)
+                    j_die(P->b, MOE_EFORMAT, *line, "unexpected character '%c' in a tag",
+                          (c > 32 && c < 127) ? c : '?');
+                char *o = j_alloc(P->b, 2);
+                o[0] = c;
+                o[1] = 0;
+                op = o;
+                if (c == '(' || c == '[' || c == '{')
+                    depth++;
+                else if ((c == ')' || c == ']' || c == '}') && depth > 0)
+                    depth--;
+            }
+            push_tok(P, (struct tok){.k = T_OP, .line = *line, .p = op, .n = strlen(op)});
+            i += strlen(op);
+        }
+    }
+}
+
+static void lex(struct parser *P)
+{
+    const char *s = P->src;
+    size_t i = 0;
+    int line = 1;
+    bool line_starting = true;
+    while (i <= P->len) {
+        /* next tag opener */
+        size_t q = i;
+        while (q + 1 < P->len && !(s[q] == '{' && (s[q + 1] == '{' || s[q + 1] == '%' || s[q + 1] == '#')))
+            q++;
+        if (q + 1 >= P->len)
+            q = P->len;
+        size_t ts = i, te = q;
+        int text_line = line;
+        for (size_t k = i; k < q; k++)
+            if (s[k] == '\n')
+                line++;
+        if (q == P->len) {
+            if (te > ts)
+                push_tok(P, (struct tok){.k = T_TEXT, .line = text_line, .p = s + ts, .n = te - ts});
+            break;
+        }
+        char c = s[q + 1];
+        char sign = q + 2 < P->len && (s[q + 2] == '-' || s[q + 2] == '+') ? s[q + 2] : 0;
+        if (sign == '-') {
+            while (te > ts && is_ws(s[te - 1]))
+                te--;
+        } else if (sign != '+' && c != '{') {
+            size_t lp = te;
+            while (lp > ts && s[lp - 1] != '\n')
+                lp--;
+            bool only_blank = true;
+            for (size_t k = lp; k < te; k++)
+                if (s[k] != ' ' && s[k] != '\t')
+                    only_blank = false;
+            if ((lp > ts || line_starting) && only_blank)
+                te = lp;
+        }
+        if (te > ts)
+            push_tok(P, (struct tok){.k = T_TEXT, .line = text_line, .p = s + ts, .n = te - ts});
+        size_t p = q + 2 + (sign ? 1 : 0);
+        bool strip_after = false, keep_after = false, block = c != '{';
+        size_t end;
+        if (c == '#') {
+            size_t k = p;
+            while (k + 1 < P->len && !(s[k] == '#' && s[k + 1] == '}'))
+                k++;
+            if (k + 1 >= P->len)
+                j_die(P->b, MOE_EFORMAT, line, "unterminated comment");
+            for (size_t x = p; x < k; x++)
+                if (s[x] == '\n')
+                    line++;
+            strip_after = k > p && s[k - 1] == '-';
+            end = k + 2;
+        } else {
+            push_tok(P, (struct tok){.k = block ? T_BBEGIN : T_VBEGIN, .line = line});
+            end = lex_tag(P, p, block, &line, &strip_after, &keep_after);
+        }
+        i = end;
+        if (strip_after) {
+            while (i < P->len && is_ws(s[i])) {
+                if (s[i] == '\n')
+                    line++;
+                i++;
+            }
+        } else if (block && !keep_after && i < P->len && s[i] == '\n') {
+            i++;
+            line++;
+        }
+        line_starting = i > end && s[i - 1] == '\n';
+        if (i == P->len)
+            break;
+    }
+    push_tok(P, (struct tok){.k = T_EOF, .line = line});
+}
+
+/* ---- Parser ---- */
+
+static struct tok *cur(struct parser *P) { return &P->t[P->pos]; }
+static struct tok *nexttok(struct parser *P) { return &P->t[P->pos < P->n - 1 ? P->pos + 1 : P->pos]; }
+
+static bool is_op(const struct tok *t, const char *op) { return t->k == T_OP && !strcmp(t->p, op); }
+static bool is_name(const struct tok *t, const char *n) { return t->k == T_NAME && !strcmp(t->p, n); }
+
+static const char *tok_desc(const struct tok *t, char *buf, size_t cap)
+{
+    switch (t->k) {
+    case T_NAME: case T_OP: snprintf(buf, cap, "'%.40s'", t->p); break;
+    case T_STR: snprintf(buf, cap, "a string"); break;
+    case T_INT: case T_FLOAT: snprintf(buf, cap, "a number"); break;
+    case T_VEND: snprintf(buf, cap, "'}}'"); break;
+    case T_BEND: snprintf(buf, cap, "'%%}'"); break;
+    case T_EOF: snprintf(buf, cap, "the end of the template"); break;
+    default: snprintf(buf, cap, "template text");
+    }
+    return buf;
+}
+
+static _Noreturn void unexpected(struct parser *P, const char *what)
+{
+    char buf[64];
+    j_die(P->b, MOE_EFORMAT, cur(P)->line, "unexpected %s, expected %s",
+          tok_desc(cur(P), buf, sizeof buf), what);
+}
+
+static void expect_op(struct parser *P, const char *op)
+{
+    if (!is_op(cur(P), op)) {
+        char w[16];
+        snprintf(w, sizeof w, "'%s'", op);
+        unexpected(P, w);
+    }
+    P->pos++;
+}
+
+static bool accept_op(struct parser *P, const char *op)
+{
+    if (is_op(cur(P), op)) {
+        P->pos++;
+        return true;
+    }
+    return false;
+}
+
+static bool accept_name(struct parser *P, const char *n)
+{
+    if (is_name(cur(P), n)) {
+        P->pos++;
+        return true;
+    }
+    return false;
+}
+
+/* In a comma-separated list that close ends: true when an item follows (the comma before it
+ * consumed), false at close (consumed; a trailing comma is allowed). */
+static bool more_items(struct parser *P, const char *close, bool first)
+{
+    if (!first && !is_op(cur(P), close))
+        expect_op(P, ",");
+    return !accept_op(P, close);
+}
+
+static const char *expect_ident(struct parser *P, const char *what)
+{
+    if (cur(P)->k != T_NAME)
+        unexpected(P, what);
+    return P->t[P->pos++].p;
+}
+
+static void expect_bend(struct parser *P)
+{
+    if (cur(P)->k != T_BEND)
+        unexpected(P, "'%}'");
+    P->pos++;
+}
+
+static struct jnode *mk(struct parser *P, int kind, int line)
+{
+    struct jnode *n = j_zalloc(P->b, sizeof *n);
+    n->kind = (uint8_t)kind;
+    n->line = line;
+    return n;
+}
+
+static void nl_push(struct parser *P, struct jnlist *l, struct jnode *n, size_t *cap)
+{
+    if (l->n == *cap) {
+        size_t nc = *cap ? *cap * 2 : 4;
+        struct jnode **nv = j_alloc(P->b, nc * sizeof *nv);
+        if (l->n)
+            memcpy(nv, l->v, l->n * sizeof *nv);
+        l->v = nv;
+        *cap = nc;
+    }
+    l->v[l->n++] = n;
+}
+
+static jval str_lit(struct parser *P, const char *s, size_t n)
+{
+    struct jstr *js = j_zalloc(P->b, sizeof *js);
+    js->s = s;
+    js->len = n;
+    return (jval){.t = V_STR, .u.s = js};
+}
+
+static struct jnode *parse_expr(struct parser *P);
+static struct jnode *parse_or(struct parser *P);
+static struct jnode *parse_unary(struct parser *P, bool with_filter);
+static struct jnode *parse_primary(struct parser *P);
+static struct jnode *parse_postfix(struct parser *P, struct jnode *n);
+
+static void enter(struct parser *P)
+{
+    if (++P->depth > MAX_NEST)
+        j_die(P->b, MOE_ETOOBIG, cur(P)->line, "expressions or blocks nested more than %d deep", MAX_NEST);
+}
+
+/* (args) of a call, filter or test: positional then keyword arguments. */
+static void parse_call_args(struct parser *P, struct jnode *n)
+{
+    expect_op(P, "(");
+    size_t cap = 0, kcap = 0, kncap = 0;
+    while (more_items(P, ")", n->args.n + n->kwargs.n == 0)) {
+        if (is_op(cur(P), "*") || is_op(cur(P), "**"))
+            j_die(P->b, MOE_EUNSUPPORTED, cur(P)->line, "*args and **kwargs in calls are not supported");
+        if (cur(P)->k == T_NAME && is_op(nexttok(P), "=")) {
+            const char *k = P->t[P->pos].p;
+            P->pos += 2;
+            if (n->kwargs.n == kncap) {
+                size_t nc = kncap ? kncap * 2 : 4;
+                const char **nk = j_alloc(P->b, nc * sizeof *nk);
+                if (n->kwargs.n)
+                    memcpy(nk, n->kwnames, n->kwargs.n * sizeof *nk);
+                n->kwnames = nk;
+                kncap = nc;
+            }
+            nl_push(P, &n->kwargs, parse_expr(P), &kcap);
+            n->kwnames[n->kwargs.n - 1] = k;
+        } else {
+            if (n->kwargs.n)
+                j_die(P->b, MOE_EFORMAT, cur(P)->line, "a positional argument follows keyword arguments");
+            nl_push(P, &n->args, parse_expr(P), &cap);
+        }
+    }
+}
+
+static struct jnode *parse_filter_or_test(struct parser *P, struct jnode *n)
+{
+    for (;;) {
+        struct tok *t = cur(P);
+        if (is_op(t, "|")) {
+            P->pos++;
+            int line = cur(P)->line;
+            const char *name = expect_ident(P, "a filter name");
+            int id = j_filter_id(name);
+            if (id < 0)
+                j_die(P->b, MOE_EUNSUPPORTED, line, "no filter named '%s'", name);
+            struct jnode *f = mk(P, E_FILTER, line);
+            f->name = name;
+            f->id = id;
+            f->a = n;
+            if (is_op(cur(P), "("))
+                parse_call_args(P, f);
+            n = f;
+        } else if (is_name(t, "is")) {
+            P->pos++;
+            int line = cur(P)->line;
+            bool neg = accept_name(P, "not");
+            const char *name;
+            if (cur(P)->k == T_NAME || (cur(P)->k == T_OP && j_test_id(cur(P)->p) >= 0))
+                name = P->t[P->pos++].p;
+            else
+                unexpected(P, "a test name");
+            int id = j_test_id(name);
+            if (id < 0)
+                j_die(P->b, MOE_EUNSUPPORTED, line, "no test named '%s'", name);
+            struct jnode *te = mk(P, E_TEST, line);
+            te->name = name;
+            te->id = id;
+            te->op = neg;
+            te->a = n;
+            struct tok *c = cur(P);
+            if (is_op(c, "(")) {
+                parse_call_args(P, te);
+            } else if ((c->k == T_NAME || c->k == T_STR || c->k == T_INT || c->k == T_FLOAT ||
+                        is_op(c, "[") || is_op(c, "{")) &&
+                       !is_name(c, "else") && !is_name(c, "or") && !is_name(c, "and")) {
+                if (is_name(c, "is"))
+                    j_die(P->b, MOE_EFORMAT, c->line, "tests cannot be chained with 'is'");
+                size_t cap = 0;
+                nl_push(P, &te->args, parse_postfix(P, parse_primary(P)), &cap);
+            }
+            n = te;
+        } else if (is_op(t, "(")) {
+            struct jnode *c = mk(P, E_CALL, t->line);
+            c->a = n;
+            parse_call_args(P, c);
+            n = c;
+        } else {
+            return n;
+        }
+    }
+}
+
+static struct jnode *parse_subscript(struct parser *P, struct jnode *base, int line)
+{
+    /* after '[' */
+    struct jnode *parts[3] = {NULL, NULL, NULL};
+    bool slice = false;
+    if (!is_op(cur(P), ":"))
+        parts[0] = parse_expr(P);
+    if (accept_op(P, ":")) {
+        slice = true;
+        if (!is_op(cur(P), ":") && !is_op(cur(P), "]"))
+            parts[1] = parse_expr(P);
+        if (accept_op(P, ":") && !is_op(cur(P), "]"))
+            parts[2] = parse_expr(P);
+    }
+    expect_op(P, "]");
+    struct jnode *n = mk(P, slice ? E_SLICE : E_ITEM, line);
+    n->a = base;
+    if (slice) {
+        n->b = parts[0];
+        n->c = parts[1];
+        size_t cap = 0;
+        nl_push(P, &n->args, parts[2], &cap);
+    } else {
+        if (!parts[0])
+            unexpected(P, "an index");
+        n->b = parts[0];
+    }
+    return n;
+}
+
+static struct jnode *parse_postfix(struct parser *P, struct jnode *n)
+{
+    for (;;) {
+        struct tok *t = cur(P);
+        if (is_op(t, ".")) {
+            P->pos++;
+            struct tok *a = cur(P);
+            if (a->k == T_NAME) {
+                struct jnode *x = mk(P, E_ATTR, a->line);
+                x->a = n;
+                x->name = a->p;
+                P->pos++;
+                n = x;
+            } else if (a->k == T_INT) {
+                struct jnode *x = mk(P, E_ITEM, a->line);
+                x->a = n;
+                x->b = mk(P, E_LIT, a->line);
+                x->b->lit = (jval){.t = V_INT, .u.i = a->i};
+                P->pos++;
+                n = x;
+            } else {
+                unexpected(P, "an attribute name");
+            }
+        } else if (is_op(t, "[")) {
+            P->pos++;
+            enter(P);
+            n = parse_subscript(P, n, t->line);
+            P->depth--;
+        } else if (is_op(t, "(")) {
+            struct jnode *c = mk(P, E_CALL, t->line);
+            c->a = n;
+            enter(P);
+            parse_call_args(P, c);
+            P->depth--;
+            n = c;
+        } else {
+            return n;
+        }
+    }
+}
+
+static struct jnode *parse_primary(struct parser *P)
+{
+    struct tok *t = cur(P);
+    struct jnode *n;
+    enter(P);
+    switch (t->k) {
+    case T_NAME:
+        P->pos++;
+        n = mk(P, E_LIT, t->line);
+        if (!strcmp(t->p, "true") || !strcmp(t->p, "True"))
+            n->lit = (jval){.t = V_BOOL, .u.b = true};
+        else if (!strcmp(t->p, "false") || !strcmp(t->p, "False"))
+            n->lit = (jval){.t = V_BOOL, .u.b = false};
+        else if (!strcmp(t->p, "none") || !strcmp(t->p, "None"))
+            n->lit = (jval){.t = V_NONE};
+        else {
+            n->kind = E_NAME;
+            n->name = t->p;
+        }
+        break;
+    case T_STR: {
+        P->pos++;
+        const char *s = t->p;
+        size_t len = t->n;
+        while (cur(P)->k == T_STR) { /* adjacent literals concatenate */
+            char *c = j_alloc(P->b, len + cur(P)->n + 1);
+            memcpy(c, s, len);
+            memcpy(c + len, cur(P)->p, cur(P)->n + 1);
+            len += cur(P)->n;
+            s = c;
+            P->pos++;
+        }
+        n = mk(P, E_LIT, t->line);
+        n->lit = str_lit(P, s, len);
+        break;
+    }
+    case T_INT:
+        P->pos++;
+        n = mk(P, E_LIT, t->line);
+        n->lit = (jval){.t = V_INT, .u.i = t->i};
+        break;
+    case T_FLOAT:
+        P->pos++;
+        n = mk(P, E_LIT, t->line);
+        n->lit = (jval){.t = V_FLOAT, .u.f = t->f};
+        break;
+    case T_OP:
+        if (is_op(t, "(")) {
+            P->pos++;
+            if (accept_op(P, ")")) {
+                n = mk(P, E_TUPLE, t->line);
+                break;
+            }
+            struct jnode *first = parse_expr(P);
+            if (is_op(cur(P), ",")) {
+                n = mk(P, E_TUPLE, t->line);
+                size_t cap = 0;
+                nl_push(P, &n->args, first, &cap);
+                while (accept_op(P, ",") && !is_op(cur(P), ")"))
+                    nl_push(P, &n->args, parse_expr(P), &cap);
+            } else {
+                n = first;
+            }
+            expect_op(P, ")");
+            break;
+        }
+        if (is_op(t, "[")) {
+            P->pos++;
+            n = mk(P, E_LIST, t->line);
+            size_t cap = 0;
+            while (more_items(P, "]", n->args.n == 0))
+                nl_push(P, &n->args, parse_expr(P), &cap);
+            break;
+        }
+        if (is_op(t, "{")) {
+            P->pos++;
+            n = mk(P, E_DICT, t->line);
+            size_t cap = 0;
+            while (more_items(P, "}", n->args.n == 0)) {
+                nl_push(P, &n->args, parse_expr(P), &cap);
+                expect_op(P, ":");
+                nl_push(P, &n->args, parse_expr(P), &cap);
+            }
+            break;
+        }
+        /* fall through */
+    default:
+        unexpected(P, "an expression");
+    }
+    P->depth--;
+    return n;
+}
+
+static struct jnode *parse_unary(struct parser *P, bool with_filter)
+{
+    struct tok *t = cur(P);
+    struct jnode *n;
+    enter(P);
+    if (is_op(t, "-") || is_op(t, "+")) {
+        P->pos++;
+        n = mk(P, is_op(t, "-") ? E_NEG : E_POS, t->line);
+        n->a = parse_unary(P, false);
+    } else {
+        n = parse_primary(P);
+    }
+    n = parse_postfix(P, n);
+    if (with_filter)
+        n = parse_filter_or_test(P, n);
+    P->depth--;
+    return n;
+}
+
+static struct jnode *bin(struct parser *P, int kind, int op, int line, struct jnode *a, struct jnode *b)
+{
+    struct jnode *n = mk(P, kind, line);
+    n->op = (uint8_t)op;
+    n->a = a;
+    n->b = b;
+    return n;
+}
+
+/* Binary operators by precedence, loosest first; levels 2 (not) and 3 (comparisons) have their
+ * own functions, level 8 is the unary level. */
+struct binop {
+    const char *tok;
+    bool word;
+    uint8_t kind, op;
+};
+static const struct binop lv_or[] = {{"or", true, E_OR, 0}, {0}};
+static const struct binop lv_and[] = {{"and", true, E_AND, 0}, {0}};
+static const struct binop lv_add[] = {{"+", false, E_BIN, OP_ADD}, {"-", false, E_BIN, OP_SUB}, {0}};
+static const struct binop lv_concat[] = {{"~", false, E_CONCAT, 0}, {0}};
+static const struct binop lv_mul[] = {{"*", false, E_BIN, OP_MUL}, {"/", false, E_BIN, OP_DIV},
+                                      {"//", false, E_BIN, OP_FDIV}, {"%", false, E_BIN, OP_MOD}, {0}};
+static const struct binop lv_pow[] = {{"**", false, E_BIN, OP_POW}, {0}};
+static const struct binop *const levels[] = {lv_or, lv_and, NULL, NULL, lv_add, lv_concat, lv_mul, lv_pow};
+
+static struct jnode *parse_not(struct parser *P);
+static struct jnode *parse_compare(struct parser *P);
+
+static struct jnode *parse_level(struct parser *P, int lv)
+{
+    if (lv == 2)
+        return parse_not(P);
+    if (lv == 3)
+        return parse_compare(P);
+    if (lv == 8)
+        return parse_unary(P, true);
+    struct jnode *n = parse_level(P, lv + 1);
+    for (;;) {
+        struct tok *t = cur(P);
+        const struct binop *b = levels[lv];
+        while (b->tok && !(b->word ? is_name(t, b->tok) : is_op(t, b->tok)))
+            b++;
+        if (!b->tok)
+            return n;
+        P->pos++;
+        n = bin(P, b->kind, b->op, t->line, n, parse_level(P, lv + 1));
+    }
+}
+
+static struct jnode *parse_compare(struct parser *P)
+{
+    struct jnode *n = parse_level(P, 4), *prev = NULL;
+    for (;;) {
+        struct tok *t = cur(P);
+        int op = is_op(t, "==") ? OP_EQ : is_op(t, "!=") ? OP_NE : is_op(t, "<") ? OP_LT
+               : is_op(t, "<=") ? OP_LE : is_op(t, ">") ? OP_GT : is_op(t, ">=") ? OP_GE
+               : is_name(t, "in") ? OP_IN : -1;
+        if (op < 0 && is_name(t, "not") && is_name(nexttok(P), "in")) {
+            op = OP_NOTIN;
+            P->pos++;
+        }
+        if (op < 0)
+            return n;
+        P->pos++;
+        struct jnode *rhs = parse_level(P, 4);
+        if (!prev) {
+            n = bin(P, E_BIN, op, t->line, n, rhs);
+            prev = n;
+        } else { /* a < b < c: (a < b) and (b < c) */
+            struct jnode *c = bin(P, E_BIN, op, t->line, prev->b, rhs);
+            n = bin(P, E_AND, 0, t->line, n, c);
+            prev = c;
+        }
+    }
+}
+
+static struct jnode *parse_not(struct parser *P)
+{
+    if (is_name(cur(P), "not")) {
+        int line = cur(P)->line;
+        P->pos++;
+        enter(P);
+        struct jnode *n = mk(P, E_NOT, line);
+        n->a = parse_not(P);
+        P->depth--;
+        return n;
+    }
+    return parse_compare(P);
+}
+
+static struct jnode *parse_or(struct parser *P) { return parse_level(P, 0); }
+
+static struct jnode *parse_expr(struct parser *P)
+{
+    enter(P);
+    struct jnode *n = parse_or(P);
+    while (is_name(cur(P), "if")) {
+        int line = cur(P)->line;
+        P->pos++;
+        struct jnode *c = mk(P, E_COND, line);
+        c->a = parse_or(P);
+        c->b = n;
+        if (accept_name(P, "else"))
+            c->c = parse_expr(P);
+        n = c;
+    }
+    P->depth--;
+    return n;
+}
+
+/* expr or expr, expr, ... (a tuple without parentheses) */
+static struct jnode *parse_tuple(struct parser *P)
+{
+    int line = cur(P)->line;
+    struct jnode *n = parse_expr(P);
+    if (!is_op(cur(P), ","))
+        return n;
+    struct jnode *t = mk(P, E_TUPLE, line);
+    size_t cap = 0;
+    nl_push(P, &t->args, n, &cap);
+    while (accept_op(P, ",")) {
+        if (cur(P)->k == T_BEND || cur(P)->k == T_VEND)
+            break;
+        nl_push(P, &t->args, parse_expr(P), &cap);
+    }
+    return t;
+}
+
+/* ---- Statements ---- */
+
+static struct jnlist parse_body(struct parser *P, const char *const *ends, const char **which);
+
+static const char **parse_targets(struct parser *P, size_t *n, const char *what)
+{
+    const char **v = j_alloc(P->b, 16 * sizeof *v);
+    *n = 0;
+    bool paren = accept_op(P, "(");
+    do {
+        if (*n == 16)
+            j_die(P->b, MOE_EUNSUPPORTED, cur(P)->line, "too many %s targets", what);
+        v[(*n)++] = expect_ident(P, "a variable name");
+    } while (accept_op(P, ","));
+    if (paren)
+        expect_op(P, ")");
+    return v;
+}
+
+/* f1(args) | f2 | ... of a filter block or set block: a chain whose each filter's a is the one
+ * applied before it. */
+static struct jnode *parse_filter_chain(struct parser *P)
+{
+    struct jnode *chain = NULL;
+    do {
+        int fl = cur(P)->line;
+        const char *fname = expect_ident(P, "a filter name");
+        struct jnode *f = mk(P, E_FILTER, fl);
+        f->name = fname;
+        if ((f->id = j_filter_id(fname)) < 0)
+            j_die(P->b, MOE_EUNSUPPORTED, fl, "no filter named '%s'", fname);
+        if (is_op(cur(P), "("))
+            parse_call_args(P, f);
+        f->a = chain;
+        chain = f;
+    } while (accept_op(P, "|"));
+    return chain;
+}
+
+static struct jnode *parse_statement(struct parser *P)
+{
+    struct tok *kw = cur(P);
+    if (kw->k != T_NAME)
+        unexpected(P, "a statement name");
+    const char *name = kw->p;
+    int line = kw->line;
+    P->pos++;
+    if (!strcmp(name, "if")) {
+        struct jnode *n = mk(P, N_IF, line), *top = n;
+        n->a = parse_expr(P);
+        expect_bend(P);
+        static const char *const ends[] = {"elif", "else", "endif", NULL};
+        for (;;) {
+            const char *which;
+            n->body = parse_body(P, ends, &which);
+            if (!strcmp(which, "elif")) {
+                struct jnode *e = mk(P, N_IF, cur(P)->line);
+                e->a = parse_expr(P);
+                expect_bend(P);
+                size_t cap = 0;
+                nl_push(P, &n->orelse, e, &cap);
+                n = e;
+                continue;
+            }
+            if (!strcmp(which, "else")) {
+                expect_bend(P);
+                static const char *const e2[] = {"endif", NULL};
+                n->orelse = parse_body(P, e2, &which);
+            }
+            expect_bend(P);
+            return top;
+        }
+    }
+    if (!strcmp(name, "for")) {
+        struct jnode *n = mk(P, N_FOR, line);
+        n->targets = parse_targets(P, &n->n_targets, "loop");
+        if (!accept_name(P, "in"))
+            unexpected(P, "'in'");
+        n->a = parse_or(P);
+        if (accept_name(P, "if"))
+            n->b = parse_expr(P);
+        if (is_name(cur(P), "recursive"))
+            j_die(P->b, MOE_EUNSUPPORTED, cur(P)->line, "recursive loops are not supported");
+        expect_bend(P);
+        static const char *const ends[] = {"else", "endfor", NULL};
+        const char *which;
+        n->body = parse_body(P, ends, &which);
+        if (!strcmp(which, "else")) {
+            expect_bend(P);
+            static const char *const e2[] = {"endfor", NULL};
+            n->orelse = parse_body(P, e2, &which);
+        }
+        expect_bend(P);
+        return n;
+    }
+    if (!strcmp(name, "set")) {
+        struct jnode *n = mk(P, N_SET, line);
+        if (cur(P)->k == T_NAME && is_op(nexttok(P), ".")) {
+            n->name = P->t[P->pos].p;
+            P->pos += 2;
+            n->attr = expect_ident(P, "an attribute name");
+            n->n_targets = 1;
+        } else {
+            n->targets = parse_targets(P, &n->n_targets, "assignment");
+            n->name = n->targets[0];
+        }
+        if (accept_op(P, "=")) {
+            n->a = parse_tuple(P);
+            expect_bend(P);
+            return n;
+        }
+        if (n->attr || n->n_targets != 1)
+            unexpected(P, "'='");
+        n->kind = N_SETBLOCK;
+        n->a = accept_op(P, "|") ? parse_filter_chain(P) : NULL; /* {% set x | filter %} */
+        expect_bend(P);
+        static const char *const ends[] = {"endset", NULL};
+        const char *which;
+        n->body = parse_body(P, ends, &which);
+        expect_bend(P);
+        return n;
+    }
+    if (!strcmp(name, "macro")) {
+        struct jnode *n = mk(P, N_MACRO, line);
+        n->name = expect_ident(P, "a macro name");
+        expect_op(P, "(");
+        const char **params = j_alloc(P->b, 64 * sizeof *params);
+        size_t cap = 0;
+        while (more_items(P, ")", n->n_targets == 0)) {
+            if (n->n_targets == 64)
+                j_die(P->b, MOE_EUNSUPPORTED, cur(P)->line, "too many macro parameters");
+            params[n->n_targets++] = expect_ident(P, "a parameter name");
+            nl_push(P, &n->defaults, accept_op(P, "=") ? parse_expr(P) : NULL, &cap);
+        }
+        n->targets = params;
+        expect_bend(P);
+        static const char *const ends[] = {"endmacro", NULL};
+        const char *which;
+        n->body = parse_body(P, ends, &which);
+        if (cur(P)->k == T_NAME)
+            P->pos++;
+        expect_bend(P);
+        return n;
+    }
+    if (!strcmp(name, "filter")) {
+        struct jnode *n = mk(P, N_FILTERBLOCK, line);
+        n->a = parse_filter_chain(P);
+        expect_bend(P);
+        static const char *const ends[] = {"endfilter", NULL};
+        const char *which;
+        n->body = parse_body(P, ends, &which);
+        expect_bend(P);
+        return n;
+    }
+    if (!strcmp(name, "generation")) {
+        struct jnode *n = mk(P, N_BLOCK, line);
+        expect_bend(P);
+        static const char *const ends[] = {"endgeneration", NULL};
+        const char *which;
+        n->body = parse_body(P, ends, &which);
+        expect_bend(P);
+        return n;
+    }
+    if (!strcmp(name, "break") || !strcmp(name, "continue")) {
+        struct jnode *n = mk(P, name[0] == 'b' ? N_BREAK : N_CONTINUE, line);
+        expect_bend(P);
+        return n;
+    }
+    static const char *const unsupported[] = {"call", "include", "import", "from", "extends",
+                                              "block", "raw", "with", "do", "autoescape", "trans",
+                                              NULL};
+    for (int i = 0; unsupported[i]; i++)
+        if (!strcmp(name, unsupported[i]))
+            j_die(P->b, MOE_EUNSUPPORTED, line, "the '%s' statement is not supported", name);
+    j_die(P->b, MOE_EFORMAT, line, "unknown statement '%s'", name);
+}
+
+/* Nodes up to a {% end %} tag named in ends (NULL ends: the end of the template). Leaves the
+ * position after that tag's name, *which set to it. */
+static struct jnlist parse_body(struct parser *P, const char *const *ends, const char **which)
+{
+    struct jnlist l = {0};
+    size_t cap = 0;
+    int open_line = cur(P)->line;
+    enter(P);
+    for (;;) {
+        struct tok *t = cur(P);
+        if (t->k == T_EOF) {
+            if (ends) {
+                const char *const *e = ends;
+                while (e[1])
+                    e++;
+                j_die(P->b, MOE_EFORMAT, open_line, "missing '%s' (the template ended)", *e);
+            }
+            break;
+        }
+        if (t->k == T_TEXT) {
+            struct jnode *n = mk(P, N_TEXT, t->line);
+            n->lit = str_lit(P, t->p, t->n);
+            nl_push(P, &l, n, &cap);
+            P->pos++;
+        } else if (t->k == T_VBEGIN) {
+            P->pos++;
+            struct jnode *n = mk(P, N_OUT, t->line);
+            n->a = parse_tuple(P);
+            if (cur(P)->k != T_VEND)
+                unexpected(P, "'}}'");
+            P->pos++;
+            nl_push(P, &l, n, &cap);
+        } else if (t->k == T_BBEGIN) {
+            struct tok *kw = nexttok(P);
+            bool end = false;
+            for (int i = 0; ends && ends[i]; i++)
+                if (is_name(kw, ends[i])) {
+                    *which = ends[i];
+                    end = true;
+                }
+            if (end) {
+                P->pos += 2;
+                break;
+            }
+            if (kw->k == T_NAME && (!strncmp(kw->p, "end", 3) || !strcmp(kw->p, "elif") ||
+                                    !strcmp(kw->p, "else")))
+                j_die(P->b, MOE_EFORMAT, kw->line, "unexpected '%s'%s%s", kw->p,
+                      ends ? ", expected " : "", ends ? ends[0] : "");
+            P->pos++;
+            nl_push(P, &l, parse_statement(P), &cap);
+        } else {
+            unexpected(P, "template text or a tag");
+        }
+    }
+    P->depth--;
+    return l;
+}
+
+int jinja_parse(const char *src, size_t len, struct jinja_tmpl **out, char *err, size_t errlen)
+{
+    *out = NULL;
+    if (len > JINJA_MAX_TEMPLATE)
+        return moe_fail(err, errlen, MOE_ETOOBIG, "the chat template is %zu bytes (at most %u)", len,
+                        JINJA_MAX_TEMPLATE);
+    struct jinja_tmpl *t = calloc(1, sizeof *t);
+    if (!t)
+        return moe_fail(err, errlen, -ENOMEM, "out of memory");
+    t->b.limit = 64u << 20;
+    struct parser P = {.b = &t->b};
+    if (setjmp(t->b.jb)) {
+        int code = t->b.code;
+        moe_fail(err, errlen, code, "chat template: %s", t->b.msg);
+        j_arena_free(&t->b);
+        free(t);
+        return code;
+    }
+    /* newlines normalized to \n; one trailing newline dropped (keep_trailing_newline off) */
+    char *s = j_alloc(&t->b, len + 1);
+    size_t n = 0;
+    for (size_t i = 0; i < len; i++) {
+        if (src[i] == '\r') {
+            s[n++] = '\n';
+            if (i + 1 < len && src[i + 1] == '\n')
+                i++;
+        } else {
+            s[n++] = src[i];
+        }
+    }
+    if (n && s[n - 1] == '\n')
+        n--;
+    s[n] = 0;
+    P.src = s;
+    P.len = n;
+    lex(&P);
+    const char *which = NULL;
+    t->body = parse_body(&P, NULL, &which);
+    *out = t;
+    return 0;
+}
+
+void jinja_free(struct jinja_tmpl *t)
+{
+    if (!t)
+        return;
+    j_arena_free(&t->b);
+    free(t);
+}
