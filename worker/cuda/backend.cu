@@ -43,6 +43,8 @@ extern "C" {
 #define MOE_CUDA_GRAPH_MAX 64
 /* Steps of more tokens than this do not prefetch (their layers choose most experts anyway). */
 #define PF_MAX_N 8
+/* Experts predicted per token beyond the n_expert_used a layer chooses. */
+#define PF_EXTRA 0
 /* Steps with at least this many slots per expert on average group their slots by expert. Below,
  * each slot reads its expert's rows itself: with few slots per expert (decode batches) that is
  * faster on the H200 (docs/benchmarks.md), and both give the same floats. */
@@ -156,8 +158,12 @@ struct cuda_backend {
     cudaStream_t st2;
     cudaEvent_t *ev_fork, *ev_read, *ev_join; /* [L] */
     bool *pf_pending;                /* [L]: a prefetch for this layer joins at its resolve */
-    float *pf_rl, *pf_w;             /* [PF_MAX_N][nexp], [PF_MAX_N][kuse] */
-    int32_t *pf_sel;                 /* [PF_MAX_N][kuse] */
+    float *pf_rl, *pf_w;             /* [PF_MAX_N][nexp], [PF_MAX_N][pf_k] */
+    int32_t *pf_sel;                 /* [PF_MAX_N][pf_k] */
+    int pf_k;                        /* experts predicted per token: kuse + MOE_CUDA_PREFETCH_EXTRA */
+    float *pf_x;                     /* [PF_MAX_N][E]: the input re-weighted for layer l+1 */
+    float *pf_scale;                 /* [L-1][E]: ffn_norm[l+1] / ffn_norm[l] (0 where the
+                                      * latter is 0) */
     unsigned long long *pf_counts;   /* [nexp], unread */
     struct moe_cuda_fill_list *d_pf_fill;
     int pf_blocks;
@@ -710,9 +716,38 @@ static int offload_state(struct cuda_backend *b, char *err, size_t errlen)
             OFF_TRY(cudaEventCreateWithFlags(&b->ev_read[l], cudaEventDisableTiming));
             OFF_TRY(cudaEventCreateWithFlags(&b->ev_join[l], cudaEventDisableTiming));
         }
+        const char *px = getenv("MOE_CUDA_PREFETCH_EXTRA");
+        const int64_t extra = px && atoi(px) > 0 ? atoi(px) : PF_EXTRA;
+        b->pf_k = (int)(d->kuse + extra < d->nexp ? d->kuse + extra : d->nexp);
         OFF_TRY(cudaMalloc((void **)&b->pf_rl, sizeof(float) * PF_MAX_N * ne));
-        OFF_TRY(cudaMalloc((void **)&b->pf_w, sizeof(float) * PF_MAX_N * (size_t)d->kuse));
-        OFF_TRY(cudaMalloc((void **)&b->pf_sel, sizeof(int32_t) * PF_MAX_N * (size_t)d->kuse));
+        OFF_TRY(cudaMalloc((void **)&b->pf_w, sizeof(float) * PF_MAX_N * (size_t)b->pf_k));
+        OFF_TRY(cudaMalloc((void **)&b->pf_sel, sizeof(int32_t) * PF_MAX_N * (size_t)b->pf_k));
+        OFF_TRY(cudaMalloc((void **)&b->pf_x, sizeof(float) * PF_MAX_N * (size_t)pad4(d->E)));
+        if (L > 1) {
+            const size_t E = (size_t)d->E;
+            float *sc = (float *)malloc(sizeof(float) * E * (L - 1)),
+                  *w = (float *)malloc(sizeof(float) * E * L);
+            int drc = sc && w ? 0 : -ENOMEM;
+            for (size_t l = 0; l < L && !drc; l++)
+                drc = moe_dequantize(b->m->layers[l].ffn_norm.type, b->m->layers[l].ffn_norm.data,
+                                     w + l * E, (int64_t)E);
+            for (size_t l = 0; l + 1 < L && !drc; l++)
+                for (size_t i = 0; i < E; i++)
+                    sc[l * E + i] = w[l * E + i] != 0.0f ? w[(l + 1) * E + i] / w[l * E + i] : 0.0f;
+            cudaError_t ce = cudaSuccess;
+            if (!drc && (ce = cudaMalloc((void **)&b->pf_scale, sizeof(float) * E * (L - 1))) ==
+                            cudaSuccess)
+                ce = cudaMemcpy(b->pf_scale, sc, sizeof(float) * E * (L - 1),
+                                cudaMemcpyHostToDevice);
+            free(sc);
+            free(w);
+            if (drc) {
+                free(h);
+                free(hl);
+                return moe_fail(err, errlen, drc, "cuda:%d: prefetch: reading the ffn norms", b->dev);
+            }
+            OFF_TRY(ce);
+        }
         OFF_TRY(cudaMalloc((void **)&b->pf_counts, sizeof(unsigned long long) * ne));
         OFF_TRY(cudaMalloc((void **)&b->d_pf_fill, moe_cuda_fill_list_bytes(max_slots)));
         OFF_TRY(cudaMemset(b->d_pf_fill, 0, moe_cuda_fill_list_bytes(max_slots)));
@@ -1086,6 +1121,8 @@ static void cuda_free(struct moe_backend *bb)
     cudaFree(b->pf_w);
     cudaFree(b->pf_sel);
     cudaFree(b->pf_counts);
+    cudaFree(b->pf_x);
+    cudaFree(b->pf_scale);
     cudaFree(b->d_pf_fill);
     unregister_weights(b->xregs, b->n_xregs);
     cudaFreeHost(b->xpinned);
@@ -1388,13 +1425,16 @@ static int prefetch(struct cuda_backend *b, int l)
     const int t = l + 1;
     const struct cuda_layer *ct = &b->layers[t];
     const struct moe_tensor *R = moe_weight(b->m, t, MOE_W_ROUTER);
-    const int k = (int)b->d.kuse;
+    const int k = b->pf_k;
+    const int64_t E = b->d.E, ldx = pad4(E);
     CU(b, cudaStreamWaitEvent(b->st2, b->ev_fork[l], 0));
+    LAUNCH(b, "prefetch input",
+           moe_cuda_scale_rows(b->buf[MOE_BUF_X], b->ld[MOE_BUF_X], b->pf_scale + (size_t)l * E, E,
+                               b->n, b->pf_x, ldx, b->st2));
+    CU(b, cudaEventRecord(b->ev_read[l], b->st2));
     struct moe_mv_job job = {ct->w[MOE_W_ROUTER], R->ne[1], b->pf_rl, b->d.nexp};
     LAUNCH(b, "prefetch router",
-           moe_cuda_matvec_multi(R->type, &job, 1, R->ne[0], b->buf[MOE_BUF_X], b->ld[MOE_BUF_X],
-                                 b->n, false, b->st2));
-    CU(b, cudaEventRecord(b->ev_read[l], b->st2));
+           moe_cuda_matvec_multi(R->type, &job, 1, R->ne[0], b->pf_x, ldx, b->n, false, b->st2));
     LAUNCH(b, "prefetch route",
            moe_cuda_route(b->pf_rl, b->d.nexp, b->d.nexp, k, b->d.norm_topk, b->n, b->pf_sel,
                           b->pf_w, b->pf_counts, b->st2));

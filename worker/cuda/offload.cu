@@ -118,3 +118,24 @@ int moe_cuda_offload_fill(const struct moe_cuda_fill_list *d_fill, int blocks, c
     MOE_CUDA_TRY(cudaGetLastError());
     return 0;
 }
+
+__global__ void scale_rows_kernel(const float *__restrict__ x, int64_t ldx,
+                                  const float *__restrict__ scale, int64_t E,
+                                  float *__restrict__ y, int64_t ldy)
+{
+    const int64_t t = blockIdx.y;
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < E;
+         i += (int64_t)gridDim.x * blockDim.x)
+        y[t * ldy + i] = x[t * ldx + i] * scale[i];
+}
+
+int moe_cuda_scale_rows(const float *d_x, int64_t ldx, const float *d_scale, int64_t E, int64_t n,
+                        float *d_y, int64_t ldy, cudaStream_t s)
+{
+    if (E <= 0 || n <= 0 || n > 65535)
+        return -EINVAL;
+    const unsigned bx = (unsigned)((E + 255) / 256 < 8 ? (E + 255) / 256 : 8);
+    scale_rows_kernel<<<dim3(bx, (unsigned)n), 256, 0, s>>>(d_x, ldx, d_scale, E, d_y, ldy);
+    MOE_CUDA_TRY(cudaGetLastError());
+    return 0;
+}

@@ -25,6 +25,10 @@ size_t moe_cuda_fill_list_bytes(int32_t max_slots);
 int moe_cuda_offload_resolve(const struct moe_cuda_off_layer *d_layer, int32_t nexp,
                              int32_t slots, const int32_t *sel_e, int64_t n_sel,
                              struct moe_cuda_fill_list *d_fill, bool prefetch, cudaStream_t s);
+/* y[t][i] = x[t][i] * scale[i] for n rows of E (the prefetch's input: layer l's normed MoE input
+ * re-weighted by layer l+1's norm over layer l's). */
+int moe_cuda_scale_rows(const float *d_x, int64_t ldx, const float *d_scale, int64_t E, int64_t n,
+                        float *d_y, int64_t ldy, cudaStream_t s);
 /* Runs the copies of *d_fill on `blocks` blocks. */
 int moe_cuda_offload_fill(const struct moe_cuda_fill_list *d_fill, int blocks, cudaStream_t s);
 
