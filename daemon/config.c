@@ -17,7 +17,7 @@
 #include "store/units.h"
 
 /* K_DEVICES: a string, checked to be cpu, auto or a list of GPU indexes. */
-enum kind { K_STR, K_DEVICES, K_U32, K_SIZE, K_LEVEL, K_SHARE, K_CACHE };
+enum kind { K_STR, K_DEVICES, K_U32, K_SIZE, K_LEVEL, K_SHARE, K_CACHE, K_VRAM };
 
 struct key {
     const char *name;
@@ -37,18 +37,20 @@ struct key {
 #define MAX_PARALLEL 256u
 #define DAY_S 86400u
 
+_Static_assert(CONFIG_GPUS_MAX == DEVICES_MAX, "one GPU index range");
+
 #define F(field) offsetof(struct moed_config, field)
 static const struct key keys[] = {
     {"model", K_STR, F(model), "PATH", "GGUF model to serve (required)", 0, 0},
     {"socket", K_STR, F(socket), "PATH", "Unix socket (default " MOED_DEFAULT_SOCKET ")", 0, 0},
     {"listen", K_STR, F(listen), "HOST:PORT", "also listen on loopback TCP (127.0.0.1:PORT)", 0, 0},
     {"state-dir", K_STR, F(state_dir), "DIR", "profile database (default " MOED_DEFAULT_STATE_DIR ")", 0, 0},
-    {"devices", K_DEVICES, F(devices), "LIST", "cpu | auto (what moed-worker --list-devices lists) | GPU indexes 0..63 like 0,1 (default auto)", 0, 0},
+    {"devices", K_DEVICES, F(devices), "LIST", "cpu | auto (what moed-worker --list-devices lists) | workers' devices like 0,1 or cpu,cuda:0 (GPU indexes 0..63; default auto)", 0, 0},
     {"workers", K_U32, F(workers), "N", "worker processes (default: one per device, 1 for cpu)", 1, MAX_WORKERS},
     {"ctx", K_U32, F(ctx), "N", "context length per sequence (0 or default: model's, at most 4096)", 0, MAX_CTX},
     {"parallel", K_U32, F(parallel), "N", "concurrent sequences per worker (default 4)", 1, MAX_PARALLEL},
     {"threads", K_U32, F(threads), "N", "compute threads per worker (0 or default: cores / workers)", 0, MAX_THREADS},
-    {"vram-budget", K_SIZE, F(vram_budget), "SIZE", "VRAM per GPU worker, e.g. 24G (0 or default: the worker decides)", 0, UINT64_MAX},
+    {"vram-budget", K_VRAM, F(vram_budget), "SIZE", "VRAM per GPU worker, e.g. 24G, or per GPU like cuda:0=40G,cuda:1=20G (0 or default: the worker decides)", 0, UINT64_MAX},
     {"expert-residency", K_SHARE, F(expert_residency), "SHARE", "GPU workers: share of each layer's experts in VRAM, e.g. 60% (default: as the budget allows)", 0, 0},
     {"cache-slots", K_CACHE, F(cache_slots), "N", "GPU workers: per-layer expert slots kept as a cache: auto, off or a count (default auto)", 0, 0},
     {"config", K_STR, F(config_file), "FILE", "config file with the same keys (key = value)", 0, 0},
@@ -128,27 +130,62 @@ int config_parse_size(const char *s, uint64_t *out)
     return moe_parse_size(s, out);
 }
 
-/* "cpu", "auto" or "0,1": at most DEVICES_MAX indexes below DEVICES_MAX, as plan_workers reads
- * them. */
+/* "auto", or a list devices_parse_list accepts ("cpu", "0,1", "cpu,cuda:0"). */
 static bool devices_ok(const char *s)
 {
-    if (!strcmp(s, "cpu") || !strcmp(s, "auto"))
-        return true;
-    unsigned n = 0;
-    for (;;) {
-        if (!isdigit((unsigned char)*s))
-            return false;
-        unsigned long k = 0;
-        while (isdigit((unsigned char)*s) && k < DEVICES_MAX)
-            k = k * 10 + (unsigned)(*s++ - '0');
-        if (k >= DEVICES_MAX || ++n > DEVICES_MAX)
-            return false;
-        if (!*s)
-            return true;
-        if (*s++ != ',')
-            return false;
-    }
+    uint32_t n;
+    return !strcmp(s, "auto") || devices_parse_list(s, NULL, &n) == 0;
 }
+
+/* --vram-budget: "SIZE" for every GPU worker, or a list of "DEV=SIZE" (DEV "K" or "cuda:K") and at
+ * most one bare SIZE (the rest): "cuda:0=40G,cuda:1=20G", "24G,1=12G". */
+static int parse_vram(struct moed_config *c, const char *value, char *err, size_t errlen)
+{
+    uint64_t dflt = 0, dev[CONFIG_GPUS_MAX] = {0};
+    bool have_dflt = false;
+    for (const char *s = value;;) {
+        const size_t len = strcspn(s, ",");
+        char item[64];
+        if (len == 0 || len >= sizeof item)
+            return moe_fail(err, errlen, MOE_EFORMAT, "vram-budget: '%s' is not a size or a list "
+                            "like cuda:0=40G,cuda:1=20G", value);
+        memcpy(item, s, len);
+        item[len] = 0;
+        char *eq = strchr(item, '=');
+        uint64_t v;
+        if (eq)
+            *eq = 0;
+        const char *size = eq ? eq + 1 : item;
+        int rc = config_parse_size(size, &v);
+        if (rc)
+            return moe_fail(err, errlen, rc, "vram-budget: '%s' is not a size (bytes, or a number "
+                            "with K, M, G or T)", size);
+        if (eq) {
+            char dn[80];
+            snprintf(dn, sizeof dn, "%s%s", strncmp(item, "cuda:", 5) ? "cuda:" : "", item);
+            const int k = devices_gpu_index(dn);
+            if (k < 0 || k >= CONFIG_GPUS_MAX)
+                return moe_fail(err, errlen, MOE_EFORMAT, "vram-budget: '%s' is not a GPU (K or "
+                                "cuda:K, K < %d)", item, CONFIG_GPUS_MAX);
+            if (dev[k])
+                return moe_fail(err, errlen, MOE_EFORMAT, "vram-budget: GPU %d given twice", k);
+            dev[k] = v ? v : UINT64_MAX; /* cuda:K=0: the worker decides */
+        } else {
+            if (have_dflt)
+                return moe_fail(err, errlen, MOE_EFORMAT, "vram-budget: two sizes for every GPU "
+                                "in '%s'", value);
+            have_dflt = true;
+            dflt = v;
+        }
+        if (!s[len])
+            break;
+        s += len + 1;
+    }
+    c->vram_budget = dflt;
+    memcpy(c->vram_budget_dev, dev, sizeof dev);
+    return 0;
+}
+
 
 /* 1024 -> "1K", 1 << 30 -> "1G": a limit as the user would write it. */
 static const char *size_text(uint64_t v, char *buf, size_t cap)
@@ -189,9 +226,9 @@ int config_set(struct moed_config *c, const char *key, const char *value, char *
     switch (k->kind) {
     case K_DEVICES:
         if (!devices_ok(value))
-            return moe_fail(err, errlen, MOE_EFORMAT, "devices must be cpu, auto or a list of GPU "
-                            "indexes in 0..%u like 0,1 (at most %u), not '%s'", DEVICES_MAX - 1,
-                            DEVICES_MAX, value);
+            return moe_fail(err, errlen, MOE_EFORMAT, "devices must be cpu, auto or a list of "
+                            "devices like 0,1 or cpu,cuda:0 (GPU indexes in 0..%u, at most %u "
+                            "workers), not '%s'", DEVICES_MAX - 1, DEVICES_MAX, value);
         /* fall through */
     case K_STR:
         if (!*value)
@@ -225,6 +262,8 @@ int config_set(struct moed_config *c, const char *key, const char *value, char *
         *(uint64_t *)p = v;
         return 0;
     }
+    case K_VRAM:
+        return parse_vram(c, value, err, errlen);
     case K_SHARE: {
         int rc = moe_parse_share(value, (double *)p);
         if (rc)

@@ -12,6 +12,7 @@
 #include "daemon/log.h"
 
 #define MOED_DEFAULT_SOCKET "/run/moed/moed.sock"
+#define CONFIG_GPUS_MAX 64 /* GPU indexes 0..63 (DEVICES_MAX) */
 #define MOED_DEFAULT_STATE_DIR "/var/lib/moed"
 
 struct moed_config {
@@ -24,7 +25,10 @@ struct moed_config {
     uint32_t ctx;           /* --ctx N; 0: the model's training context, capped at 4096 */
     uint32_t parallel;      /* --parallel N: sequences per worker */
     uint32_t threads;       /* --threads N: compute threads per worker; 0: cores / workers */
-    uint64_t vram_budget;   /* --vram-budget SIZE (bytes); 0: the worker decides */
+    uint64_t vram_budget;   /* --vram-budget SIZE (bytes) for GPUs without their own; 0: the
+                             * worker decides */
+    uint64_t vram_budget_dev[CONFIG_GPUS_MAX]; /* --vram-budget cuda:K=SIZE: GPU K's, 0 none
+                                                * (UINT64_MAX: cuda:K=0, the worker decides) */
     double expert_residency; /* --expert-residency SHARE in (0, 1]; 0: as the budget allows */
     int32_t cache_slots;    /* --cache-slots auto|off|N: 0 auto, -1 off */
     char *config_file;      /* --config FILE */

@@ -1,6 +1,7 @@
 /* Asking the worker program what it can compute on. See daemon/devices.h. */
 #include "daemon/devices.h"
 
+#include <ctype.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <poll.h>
@@ -180,4 +181,53 @@ int devices_list(const char *worker_bin, uint32_t timeout_ms, struct devices_fou
     if (!out->cpu && out->n_gpu == 0)
         return moe_fail(err, errlen, MOE_EFORMAT, "%s --list-devices listed no device", worker_bin);
     return 0;
+}
+
+/* "K" or "cuda:K" with K < DEVICES_MAX at s[0..len): K, or -1. */
+static int gpu_item(const char *s, size_t len)
+{
+    if (len > 5 && !strncmp(s, "cuda:", 5)) {
+        s += 5;
+        len -= 5;
+    }
+    if (len == 0 || len > 2)
+        return -1;
+    int k = 0;
+    for (size_t i = 0; i < len; i++) {
+        if (!isdigit((unsigned char)s[i]))
+            return -1;
+        k = k * 10 + (s[i] - '0');
+    }
+    return k < DEVICES_MAX ? k : -1;
+}
+
+int devices_parse_list(const char *s, char (*names)[16], uint32_t *n)
+{
+    *n = 0;
+    if (!s || !*s)
+        return MOE_EFORMAT;
+    for (;;) {
+        const size_t len = strcspn(s, ",");
+        if (*n == DEVICES_MAX)
+            return MOE_ERANGE;
+        int k;
+        if (len == 3 && !strncmp(s, "cpu", 3)) {
+            if (names)
+                snprintf(names[*n], 16, "cpu");
+        } else if ((k = gpu_item(s, len)) >= 0) {
+            if (names)
+                snprintf(names[*n], 16, "cuda:%d", k);
+        } else {
+            return MOE_EFORMAT;
+        }
+        (*n)++;
+        if (!s[len])
+            return 0;
+        s += len + 1;
+    }
+}
+
+int devices_gpu_index(const char *name)
+{
+    return name && !strncmp(name, "cuda:", 5) ? gpu_item(name, strlen(name)) : -1;
 }

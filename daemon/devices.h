@@ -28,4 +28,13 @@ struct devices_found {
 int devices_list(const char *worker_bin, uint32_t timeout_ms, struct devices_found *out,
                  char *err, size_t errlen);
 
+/* A --devices list other than "auto": comma-separated items "cpu" (a CPU worker), "K" or
+ * "cuda:K" (GPU K < DEVICES_MAX), at most DEVICES_MAX of them, mixed freely ("cpu,0,1"). Writes
+ * the workers' device names ("cpu", "cuda:K") to names[0..*n) when names is not NULL. Returns 0,
+ * MOE_EFORMAT or MOE_ERANGE. */
+int devices_parse_list(const char *s, char (*names)[16], uint32_t *n);
+
+/* The GPU index of a worker device name "cuda:K", or -1. */
+int devices_gpu_index(const char *name);
+
 #endif

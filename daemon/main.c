@@ -677,40 +677,33 @@ static uint32_t plan_auto(struct daemon *d)
     return n;
 }
 
-/* --devices: "cpu" -> N cpu workers; "auto" -> what the worker lists (plan_auto); "0,1" ->
- * cuda:0, cuda:1. */
+/* --devices: "cpu" -> N cpu workers; "auto" -> what the worker lists (plan_auto); a list
+ * ("0,1", "cpu,cuda:0") -> one worker per item. */
 static int plan_workers(struct daemon *d, char *err, size_t errlen)
 {
     const char *dev = d->cfg.devices;
     uint32_t n = 0;
-    bool gpu_list = strcmp(dev, "cpu") != 0 && strcmp(dev, "auto") != 0;
     if (!strcmp(dev, "auto")) {
         n = plan_auto(d);
-    } else if (gpu_list) {
-        const char *p = dev;
-        while (*p) {
-            char *end;
-            errno = 0;
-            long k = strtol(p, &end, 10);
-            if (end == p || errno || k < 0 || k >= MAX_DEVICES || (*end && *end != ','))
-                return moe_fail(err, errlen, MOE_EFORMAT,
-                                "--devices '%s': expected cpu, auto or a list of GPU indexes like 0,1",
-                                dev);
-            if (n == MAX_DEVICES)
-                return moe_fail(err, errlen, MOE_ERANGE, "--devices: too many devices");
-            char name[16];
-            snprintf(name, sizeof name, "cuda:%ld", k);
-            d->devices[n++] = strdup(name);
-            p = *end ? end + 1 : end;
+    } else if (strcmp(dev, "cpu")) {
+        char names[DEVICES_MAX][16];
+        int rc = devices_parse_list(dev, names, &n);
+        if (rc)
+            return moe_fail(err, errlen, rc, "--devices '%s': expected cpu, auto or a list of "
+                            "devices like 0,1 or cpu,cuda:0", dev);
+        if (n > MAX_DEVICES)
+            return moe_fail(err, errlen, MOE_ERANGE, "--devices: too many devices");
+        for (uint32_t i = 0; i < n; i++) {
+            d->devices[i] = strdup(names[i]);
+            d->has_gpu |= devices_gpu_index(names[i]) >= 0;
         }
-        d->has_gpu = true;
     }
     if (n == 0) {
         uint32_t w = d->cfg.workers ? d->cfg.workers : 1;
         for (uint32_t i = 0; i < w && i < MAX_DEVICES; i++)
             d->devices[n++] = strdup("cpu");
     } else if (d->cfg.workers && d->cfg.workers != n) {
-        log_warn("--workers %u ignored: one worker per GPU (%u)", d->cfg.workers, n);
+        log_warn("--workers %u ignored: one worker per listed device (%u)", d->cfg.workers, n);
     }
     for (uint32_t i = 0; i < n; i++)
         if (!d->devices[i])
@@ -809,6 +802,7 @@ static int start_workers(struct daemon *d)
         .n_seq = c->parallel,
         .n_threads = (int)c->threads,
         .vram_budget = c->vram_budget,
+        .vram_budget_dev = c->vram_budget_dev,
         .expert_residency = c->expert_residency,
         .cache_slots = c->cache_slots,
         .profile_counts = profile_counts,

@@ -330,8 +330,8 @@ TEST(daemon_rejects_out_of_range_options)
         {"--max-tokens-default", "x", "--max-tokens-default must be a whole number in 0..16777216"},
         {"--max-body", "10", "--max-body must be 1K..1G, not 10"},
         {"--vram-budget", "-1G", "--vram-budget: '-1G' is not a size"},
-        {"--devices", "0,x", "--devices must be cpu, auto or a list of GPU indexes in 0..63"},
-        {"--devices", "64", "--devices must be cpu, auto or a list of GPU indexes in 0..63"},
+        {"--devices", "0,x", "--devices must be cpu, auto or a list of devices like 0,1 or cpu,cuda:0 (GPU indexes in 0..63"},
+        {"--devices", "64", "--devices must be cpu, auto or a list of devices like 0,1 or cpu,cuda:0 (GPU indexes in 0..63"},
         {"--devices", "0,", "not '0,'"},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
@@ -2204,4 +2204,42 @@ TEST_TIMEOUT(daemon_gives_up_on_a_worker_that_never_starts, 120)
     CHECK_EQ(run_moectl(d.sock, 0, 0, false, st, out, sizeof out), 0);
     CHECK_MSG(strstr(out, "failed") && strstr(out, "exited with status 1"), "%s", out);
     CHECK_EQ(moed_stop(&d, 30), 0);
+}
+
+/* --devices as a list: one worker per item, in order (CPU items here; cpu,cuda:K mixes run on
+ * the GPU machine, tools/device/mixed-daemon.py), each answering the same greedy text. */
+TEST_TIMEOUT(daemon_devices_list_starts_one_worker_each, 180)
+{
+    const char *dir = moe_test_tmpdir();
+    const char *prompt = "tests/golden/prompts/p1.txt";
+    char *want = worker_text(prompt, 8), *ptext = moe_test_read_file_or_fail(prompt, NULL);
+    struct moed d;
+    const char *args[] = {"--devices", "cpu,cpu,cpu", "--parallel", "1", "--threads", "1", NULL};
+    moed_start(&d, dir, args);
+    struct hc_resp r;
+    CHECK(hc_request_unix(d.sock, "GET", "/admin/status", NULL, &r, 5000) == 0);
+    CHECK_EQ(r.status, 200);
+    json_t *j = json_loads(r.body, 0, NULL);
+    json_t *ws = json_object_get(j, "workers");
+    CHECK_MSG(json_is_array(ws) && json_array_size(ws) == 3, "%s", r.body);
+    json_decref(j);
+    hc_resp_free(&r);
+    /* Three clients at once: with one sequence per worker, each worker serves one. */
+    struct client_job jobs[3];
+    pthread_t th[3];
+    for (int i = 0; i < 3; i++) {
+        jobs[i] = (struct client_job){.sock = d.sock, .body = completion_body(ptext, 8, false)};
+        CHECK(pthread_create(&th[i], NULL, client_thread, &jobs[i]) == 0);
+    }
+    for (int i = 0; i < 3; i++) {
+        pthread_join(th[i], NULL);
+        CHECK_MSG(jobs[i].status == 200, "client %d: status %d", i, jobs[i].status);
+        CHECK_MSG(jobs[i].text && !strcmp(jobs[i].text, want), "client %d: '%s' != '%s'", i,
+                  jobs[i].text ? jobs[i].text : "(null)", want);
+        free(jobs[i].text);
+        free(jobs[i].body);
+    }
+    CHECK_EQ(moed_stop(&d, 30), 0);
+    free(want);
+    free(ptext);
 }

@@ -1,11 +1,13 @@
 /* daemon/devices.c, which asks the worker program what it can compute on, against scripts that
  * stand in for it (answers, garbage, failures, a hang), and moed-worker --list-devices itself. */
 #include <stdbool.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 
+#include "daemon/config.h"
 #include "daemon/devices.h"
 #include "store/err.h"
 #include "tests/harness.h"
@@ -131,4 +133,73 @@ TEST(worker_lists_its_devices)
     CHECK_MSG(devices_list(moe_test_bin("moed-worker"), 20000, &f, err, sizeof err) == 0, "%s",
               err);
     CHECK(f.cpu);
+}
+
+/* --devices lists: cpu and GPU items mixed, in order; malformed items and too many refused. */
+TEST(devices_parse_list_mixes_cpu_and_gpus)
+{
+    char names[DEVICES_MAX][16];
+    uint32_t n;
+    CHECK_EQ(devices_parse_list("cpu,0,cuda:3,cpu,63", names, &n), 0);
+    CHECK_EQ(n, 5u);
+    CHECK(!strcmp(names[0], "cpu") && !strcmp(names[1], "cuda:0") && !strcmp(names[2], "cuda:3"));
+    CHECK(!strcmp(names[3], "cpu") && !strcmp(names[4], "cuda:63"));
+    CHECK_EQ(devices_parse_list("7", names, &n), 0);
+    CHECK(n == 1 && !strcmp(names[0], "cuda:7"));
+    static const char *const bad[] = {"", ",", "0,", ",0", "0,,1", "64", "cuda:", "cuda:64",
+                                      "cpu0", "gpu", "0x1", "-1", "cuda:1a", " 0", "CPU", "auto",
+                                      "cuda:007"};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++)
+        CHECK_MSG(devices_parse_list(bad[i], names, &n) == MOE_EFORMAT, "'%s' accepted", bad[i]);
+    char many[4 * (DEVICES_MAX + 1) + 1] = "";
+    for (int i = 0; i <= DEVICES_MAX; i++)
+        strcat(many, i ? ",cpu" : "cpu");
+    CHECK_EQ(devices_parse_list(many, NULL, &n), MOE_ERANGE);
+    CHECK_EQ(devices_gpu_index("cuda:12"), 12);
+    CHECK_EQ(devices_gpu_index("cpu"), -1);
+    CHECK_EQ(devices_gpu_index("cuda:99"), -1);
+}
+
+/* --devices and --vram-budget as moed parses them: mixed lists, per-GPU budgets with a default. */
+TEST(config_devices_and_per_gpu_budgets)
+{
+    struct moed_config c;
+    bool help;
+    char err[512];
+    CHECK(config_init(&c) == 0);
+    char *argv[] = {"moed", "--model", "m", "--devices", "cpu,cuda:1", "--vram-budget",
+                    "cuda:0=40G,1=20G,8G", NULL};
+    CHECK_MSG(config_parse_args(&c, 7, argv, &help, err, sizeof err) == 0, "%s", err);
+    CHECK(!strcmp(c.devices, "cpu,cuda:1"));
+    CHECK_EQ(c.vram_budget, 8ull << 30);
+    CHECK_EQ(c.vram_budget_dev[0], 40ull << 30);
+    CHECK_EQ(c.vram_budget_dev[1], 20ull << 30);
+    CHECK_EQ(c.vram_budget_dev[2], 0ull);
+    config_free(&c);
+
+    CHECK(config_init(&c) == 0);
+    char *argv2[] = {"moed", "--model", "m", "--vram-budget", "cuda:3=0", NULL};
+    CHECK_MSG(config_parse_args(&c, 5, argv2, &help, err, sizeof err) == 0, "%s", err);
+    CHECK_EQ(c.vram_budget, 0ull);
+    CHECK_EQ(c.vram_budget_dev[3], UINT64_MAX); /* the worker decides for GPU 3 */
+    config_free(&c);
+
+    static const char *const bad_budget[] = {"", "12G,13G", "cuda:0=1G,0=2G", "cuda:99=1G",
+                                             "foo=1G", "1=", "=1G", "1G,", "cuda:0=lots"};
+    for (size_t i = 0; i < sizeof bad_budget / sizeof bad_budget[0]; i++) {
+        CHECK(config_init(&c) == 0);
+        char *a[] = {"moed", "--model", "m", "--vram-budget", (char *)bad_budget[i], NULL};
+        CHECK_MSG(config_parse_args(&c, 5, a, &help, err, sizeof err) != 0, "'%s' accepted",
+                  bad_budget[i]);
+        CHECK_MSG(strstr(err, "vram-budget"), "%s", err);
+        config_free(&c);
+    }
+    static const char *const bad_dev[] = {"cpu,", "0,gpu", "auto,0", "cuda:64"};
+    for (size_t i = 0; i < sizeof bad_dev / sizeof bad_dev[0]; i++) {
+        CHECK(config_init(&c) == 0);
+        char *a[] = {"moed", "--model", "m", "--devices", (char *)bad_dev[i], NULL};
+        CHECK_MSG(config_parse_args(&c, 5, a, &help, err, sizeof err) != 0, "'%s' accepted",
+                  bad_dev[i]);
+        config_free(&c);
+    }
 }
