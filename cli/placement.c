@@ -32,6 +32,19 @@ static int cmd_placement(int argc, char **argv)
                         (uint64_t)json_number_value(json_object_get(o, "bytes_used"))),
            json_integer_value(json_object_get(o, "floor")),
            json_integer_value(json_object_get(o, "profile_tokens")));
+    json_t *dr = json_object_get(o, "drift");
+    if (json_is_object(dr)) {
+        printf("drift check: %lld checks of %lld-token windows",
+               json_integer_value(json_object_get(dr, "checks")),
+               json_integer_value(json_object_get(dr, "window_tokens")));
+        if (json_is_number(json_object_get(dr, "heldout_hit_rate_profile")))
+            printf("; held-out hit rate %.1f%% by the profile, %.1f%% by recent traffic",
+                   100.0 * json_number_value(json_object_get(dr, "heldout_hit_rate_profile")),
+                   100.0 * json_number_value(json_object_get(dr, "heldout_hit_rate_recent")));
+        printf("%s\n\n", json_is_true(json_object_get(dr, "drifting"))
+                              ? "; drifting: placing by recent traffic"
+                              : "");
+    }
     printf("%-6s %-6s %-9s %s\n", "layer", "hot", "hit rate", "hot experts");
     size_t i;
     json_t *l;

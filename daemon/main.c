@@ -46,6 +46,10 @@
 #define MAX_DEVICES DEVICES_MAX
 /* How long `moed-worker --list-devices` may take (it starts the CUDA runtime on every GPU). */
 #define LIST_DEVICES_TIMEOUT_MS 20000
+/* The placement's held-out check (store/placement.h): routing windows of this many tokens, and
+ * the gain in hit rate a placement from recent traffic must show to be followed. */
+#define DRIFT_WINDOW_TOKENS 4096
+#define DRIFT_MARGIN 0.05
 
 struct daemon {
     struct moed_config cfg;
@@ -59,6 +63,7 @@ struct daemon {
     struct moe_profile_db *db;
     struct moe_profile profile;
     bool profile_dirty;
+    struct moe_drift drift;          /* the placement's held-out check (store/placement.h) */
     struct moed_workers *workers;
     struct api *api;
     struct http_server *http;
@@ -139,6 +144,23 @@ static void on_profile_timer(uv_timer_t *t)
         push_placement(d);
 }
 
+/* Expert slots per layer of the GPU worker with the fewest (NULL when none offloads): what the
+ * drift check scores placements with. */
+static const uint32_t *gpu_slots(struct daemon *d)
+{
+    const uint32_t *best = NULL;
+    uint64_t least = UINT64_MAX;
+    for (uint32_t i = 0; d->has_gpu && d->workers && i < d->n_workers; i++) {
+        struct moed_worker_offload wo;
+        if (moed_workers_offload(d->workers, i, &wo) == 0 && wo.active && wo.slots &&
+            wo.n_layer == d->profile.n_layer && wo.expert_vram_bytes < least) {
+            least = wo.expert_vram_bytes;
+            best = wo.slots;
+        }
+    }
+    return best;
+}
+
 static void on_routing(void *user, uint32_t worker, const uint64_t *counts, uint32_t n_layer,
                        uint32_t n_expert, uint64_t n_tokens)
 {
@@ -149,6 +171,18 @@ static void on_routing(void *user, uint32_t worker, const uint64_t *counts, uint
     if (moe_profile_merge(&d->profile, counts, (size_t)n_layer * n_expert, n_tokens) == 0) {
         d->profile_dirty = true;
         moe_profile_decay(&d->profile, d->cfg.profile_half_life);
+    }
+    if (d->drift.win[0]) {
+        const int ch = moe_drift_add(&d->drift, counts, n_tokens, d->profile.counts,
+                                     gpu_slots(d));
+        if (ch == 1) {
+            log_info("placement: %s (held-out hit rate %.1f%% with the profile's placement, "
+                     "%.1f%% with one from the %" PRIu64 " tokens before)",
+                     d->drift.drifting ? "routing drifted, following recent traffic"
+                                       : "the profile caught up with recent traffic, back to it",
+                     100 * d->drift.current, 100 * d->drift.fresh, d->drift.window);
+            push_placement(d);
+        }
     }
     api_add_routing(d->api, counts, n_layer, n_expert, n_tokens);
 }
@@ -323,6 +357,16 @@ static int hook_placement(void *user, char **json, char *err, size_t errlen)
     }
     json_object_set_new(o, "layers", layers);
     moe_placement_free(&pl);
+    json_t *dr = json_object();
+    json_object_set_new(dr, "window_tokens", json_integer((json_int_t)d->drift.window));
+    json_object_set_new(dr, "checks", json_integer((json_int_t)d->drift.checks));
+    json_object_set_new(dr, "drifting", json_boolean(d->drift.drifting));
+    json_object_set_new(dr, "changes", json_integer((json_int_t)d->drift.changes));
+    if (d->drift.checked) {
+        json_object_set_new(dr, "heldout_hit_rate_profile", json_real(d->drift.current));
+        json_object_set_new(dr, "heldout_hit_rate_recent", json_real(d->drift.fresh));
+    }
+    json_object_set_new(o, "drift", dr);
     /* What each GPU worker holds: slots and pinned slots per layer, hits and misses since it
      * started (from its last Metrics). */
     json_t *workers = json_array();
@@ -489,8 +533,10 @@ static void push_placement(struct daemon *d)
     }
     for (uint32_t l = 0; l < L; l++)
         eb[l] = moe_model_expert_bytes(&d->model, l);
-    int rc = moe_placement_compute(&pl, L, E, d->model.hp.n_expert_used, eb, d->profile.counts,
-                                   slots_min, err, sizeof err);
+    const uint64_t *by = moe_drift_counts(&d->drift) ? moe_drift_counts(&d->drift)
+                                                      : d->profile.counts;
+    int rc = moe_placement_compute(&pl, L, E, d->model.hp.n_expert_used, eb, by, slots_min, err,
+                                   sizeof err);
     free(eb);
     if (rc) {
         log_warn("placement: %s", err);
@@ -503,10 +549,10 @@ static void push_placement(struct daemon *d)
             bits[i / 8] |= (uint8_t)(1u << (i % 8));
             n_hot++;
         }
-    rc = moed_workers_set_placement(d->workers, bits, nbytes, d->profile.counts);
-    log_debug("placement: profile of %" PRIu64 " tokens sent to the GPU workers (%" PRIu64
-              " experts hot in %.2f GiB)%s", d->profile.tokens, n_hot, pl.bytes_used / 1073741824.0,
-              rc ? " (not sent: size mismatch)" : "");
+    rc = moed_workers_set_placement(d->workers, bits, nbytes, by);
+    log_debug("placement: %s sent to the GPU workers (%" PRIu64 " experts hot in %.2f GiB)%s",
+              by == d->profile.counts ? "the profile" : "recent traffic (drift)", n_hot,
+              pl.bytes_used / 1073741824.0, rc ? " (not sent: size mismatch)" : "");
     moe_placement_free(&pl);
     free(bits);
 }
@@ -976,6 +1022,11 @@ static int run(struct daemon *d, int argc, char **argv)
             return 1;
         }
     }
+    if ((rc = moe_drift_init(&d->drift, hp->n_layer, hp->n_expert, DRIFT_WINDOW_TOKENS,
+                             DRIFT_MARGIN))) {
+        log_error("placement: %s", moe_strerror(rc));
+        return 1;
+    }
 
     d->loop = uv_default_loop();
     struct api_opts ao = {
@@ -1090,6 +1141,7 @@ static void cleanup(struct daemon *d)
     if (d->api)
         api_free(d->api);
     moe_profile_free(&d->profile);
+    moe_drift_free(&d->drift);
     moe_profile_db_close(d->db);
     moe_store_close(d->store);
     moe_tok_free(d->tok);

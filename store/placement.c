@@ -150,3 +150,125 @@ fail:
     free(tmp);
     return rc;
 }
+
+/* Layer l's top-k experts by c (ties: lower id) into mark[n_expert] (1 = in). */
+static void top_k(const uint64_t *c, uint32_t n_expert, uint32_t k, uint8_t *mark, uint32_t *order)
+{
+    for (uint32_t x = 0; x < n_expert; x++) {
+        order[x] = x;
+        mark[x] = 0;
+    }
+    for (uint32_t i = 1; i < n_expert; i++) { /* insertion, stable: equal counts keep id order */
+        uint32_t v = order[i], j = i;
+        while (j > 0 && c[order[j - 1]] < c[v]) {
+            order[j] = order[j - 1];
+            j--;
+        }
+        order[j] = v;
+    }
+    for (uint32_t i = 0; i < k && i < n_expert; i++)
+        mark[order[i]] = 1;
+}
+
+int moe_placement_heldout(uint32_t n_layer, uint32_t n_expert, const uint32_t *slots,
+                          const uint64_t *profile, const uint64_t *older, const uint64_t *newer,
+                          double *current, double *fresh)
+{
+    uint8_t *a = malloc(n_expert ? n_expert : 1), *b = malloc(n_expert ? n_expert : 1);
+    uint32_t *order = malloc(sizeof *order * (n_expert ? n_expert : 1));
+    if (!a || !b || !order) {
+        free(a), free(b), free(order);
+        return -ENOMEM;
+    }
+    double tot = 0, cur = 0, fr = 0;
+    for (uint32_t l = 0; l < n_layer; l++) {
+        if (slots[l] >= n_expert)
+            continue;
+        const size_t o = (size_t)l * n_expert;
+        top_k(profile + o, n_expert, slots[l], a, order);
+        top_k(older + o, n_expert, slots[l], b, order);
+        for (uint32_t x = 0; x < n_expert; x++) {
+            const double v = (double)newer[o + x];
+            tot += v;
+            cur += a[x] ? v : 0;
+            fr += b[x] ? v : 0;
+        }
+    }
+    free(a), free(b), free(order);
+    *current = tot > 0 ? cur / tot : 1.0;
+    *fresh = tot > 0 ? fr / tot : 1.0;
+    return 0;
+}
+
+int moe_drift_init(struct moe_drift *d, uint32_t n_layer, uint32_t n_expert, uint64_t window,
+                   double margin)
+{
+    memset(d, 0, sizeof *d);
+    const size_t n = (size_t)n_layer * n_expert;
+    d->n_layer = n_layer;
+    d->n_expert = n_expert;
+    d->window = window ? window : 1;
+    d->margin = margin;
+    d->win[0] = calloc(n ? n : 1, sizeof(uint64_t));
+    d->win[1] = calloc(n ? n : 1, sizeof(uint64_t));
+    d->recent = calloc(n ? n : 1, sizeof(uint64_t));
+    if (!d->win[0] || !d->win[1] || !d->recent) {
+        moe_drift_free(d);
+        return -ENOMEM;
+    }
+    return 0;
+}
+
+void moe_drift_free(struct moe_drift *d)
+{
+    free(d->win[0]);
+    free(d->win[1]);
+    free(d->recent);
+    d->win[0] = d->win[1] = d->recent = NULL;
+}
+
+int moe_drift_add(struct moe_drift *d, const uint64_t *counts, uint64_t n_tokens,
+                  const uint64_t *profile, const uint32_t *slots)
+{
+    const size_t n = (size_t)d->n_layer * d->n_expert;
+    for (size_t i = 0; i < n; i++)
+        d->win[1][i] += counts[i];
+    d->tokens[1] += n_tokens;
+    if (d->tokens[1] < d->window)
+        return 0;
+    int changed = 0;
+    if (d->tokens[0] && slots && profile) {
+        double cur, fr;
+        int rc = moe_placement_heldout(d->n_layer, d->n_expert, slots, profile, d->win[0],
+                                       d->win[1], &cur, &fr);
+        if (rc)
+            return rc;
+        d->current = cur;
+        d->fresh = fr;
+        d->checked = true;
+        d->checks++;
+        const bool was = d->drifting;
+        if (!was && fr - cur > d->margin)
+            d->drifting = true;
+        else if (was && fr - cur < d->margin / 4)
+            d->drifting = false;
+        for (size_t i = 0; i < n; i++)
+            d->recent[i] = d->win[0][i] + d->win[1][i];
+        if (was != d->drifting) {
+            d->changes++;
+            changed = 1;
+        }
+    }
+    uint64_t *t = d->win[0];
+    d->win[0] = d->win[1];
+    d->win[1] = t;
+    memset(d->win[1], 0, sizeof(uint64_t) * n);
+    d->tokens[0] = d->tokens[1];
+    d->tokens[1] = 0;
+    return changed;
+}
+
+const uint64_t *moe_drift_counts(const struct moe_drift *d)
+{
+    return d->drifting ? d->recent : NULL;
+}

@@ -17,6 +17,7 @@
 #ifndef MOE_PLACEMENT_H
 #define MOE_PLACEMENT_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -38,5 +39,43 @@ int moe_placement_compute(struct moe_placement *out, uint32_t n_layer, uint32_t 
                           const uint64_t *counts, uint64_t budget, char *err, size_t errlen);
 
 void moe_placement_free(struct moe_placement *p);
+
+/* The held-out check of a placement against recent routing. Per layer with fewer slots[l] than
+ * n_expert, the slots[l] experts `profile` ranks highest ("current") and the slots[l] that
+ * `older` ranks highest ("fresh") are scored on `newer`, traffic neither ranking saw: the share
+ * of newer's routings they would serve. *current and *fresh: those shares over every such layer
+ * (weighted by routings); both 1 when no layer offloads or newer is empty. Rankings by count,
+ * ties by lower id. Returns 0 or -ENOMEM. */
+int moe_placement_heldout(uint32_t n_layer, uint32_t n_expert, const uint32_t *slots,
+                          const uint64_t *profile, const uint64_t *older, const uint64_t *newer,
+                          double *current, double *fresh);
+
+/* Drift: routing counts are collected in windows of `window` tokens; each full window is
+ * scored (moe_placement_heldout, the window before it as `older`) against the profile's
+ * placement. When a placement from recent traffic would serve `margin` (a share, e.g. 0.05) more
+ * of it, the placement drifts: it should follow the last two windows until the profile catches
+ * up (the gap falls under margin / 4). The profile itself keeps its own decayed history. */
+struct moe_drift {
+    uint32_t n_layer, n_expert;
+    uint64_t window;               /* tokens per window */
+    double margin;
+    uint64_t *win[2];              /* [2][n_layer][n_expert]: older, newer (filling) */
+    uint64_t tokens[2];
+    uint64_t *recent;              /* [n_layer][n_expert]: older + newer at the last check */
+    bool drifting;
+    bool checked;                  /* a check has run */
+    double current, fresh;         /* the last check's shares */
+    uint64_t checks, changes;
+};
+int moe_drift_init(struct moe_drift *d, uint32_t n_layer, uint32_t n_expert, uint64_t window,
+                   double margin);
+void moe_drift_free(struct moe_drift *d);
+/* Adds a RoutingStats delta of n_tokens tokens. When that fills the newer window and an older
+ * one exists, runs the check with slots[n_layer] (NULL: no check, the windows just turn).
+ * Returns 1 when `drifting` changed (the caller re-places), else 0, or -ENOMEM. */
+int moe_drift_add(struct moe_drift *d, const uint64_t *counts, uint64_t n_tokens,
+                  const uint64_t *profile, const uint32_t *slots);
+/* Counts to place by: the recent windows while drifting, else NULL (the profile). */
+const uint64_t *moe_drift_counts(const struct moe_drift *d);
 
 #endif

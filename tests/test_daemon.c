@@ -570,6 +570,10 @@ TEST(daemon_admin_access)
     CHECK(json_is_array(pw) && json_array_size(pw) >= 1);
     CHECK(json_is_false(json_object_get(json_array_get(pw, 0), "offload")));
     CHECK_STREQ(json_string_value(json_object_get(json_array_get(pw, 0), "device")), "cpu");
+    /* The held-out drift check is reported (it only scores when a GPU worker offloads). */
+    json_t *dr = json_object_get(j, "drift");
+    CHECK(json_is_object(dr) && json_integer_value(json_object_get(dr, "window_tokens")) == 4096);
+    CHECK(json_is_false(json_object_get(dr, "drifting")));
     json_decref(j);
     hc_resp_free(&r);
     CHECK(hc_request_unix(d.sock, "POST", "/admin/placement", "{}", &r, 5000) == 0);

@@ -1,4 +1,5 @@
 /* Placement of hot experts: hand-made routing counts with known best answers. */
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -229,4 +230,79 @@ TEST(placement_uniform_without_profile)
     CHECK_EQ(moe_placement_compute(&p, L, E, K, bad, NULL, 1000, err, sizeof err), MOE_ERANGE);
     CHECK(strstr(err, "layer 1") != NULL);
     CHECK_EQ(moe_placement_compute(&p, 0, E, K, bytes, NULL, 1000, err, sizeof err), MOE_ERANGE);
+}
+
+/* The held-out score: rankings from the profile and from the older window, scored on the newer
+ * one; full layers are skipped. */
+TEST(placement_heldout_scores_on_unseen_traffic)
+{
+    enum { L = 2, E = 4 };
+    const uint32_t slots[L] = {2, 4}; /* layer 1 holds every expert: skipped */
+    const uint64_t profile[L * E] = {9, 8, 1, 0, /* */ 1, 1, 1, 1};
+    const uint64_t older[L * E] = {0, 1, 7, 9, /* */ 5, 5, 5, 5};
+    const uint64_t newer[L * E] = {1, 1, 4, 4, /* */ 100, 0, 0, 0};
+    double cur, fr;
+    CHECK_EQ(moe_placement_heldout(L, E, slots, profile, older, newer, &cur, &fr), 0);
+    CHECK(fabs(cur - 0.2) < 1e-12); /* experts 0, 1: 2 of 10 */
+    CHECK(fabs(fr - 0.8) < 1e-12);  /* experts 3, 2: 8 of 10 */
+    const uint32_t all[L] = {4, 4};
+    CHECK_EQ(moe_placement_heldout(L, E, all, profile, older, newer, &cur, &fr), 0);
+    CHECK(cur == 1.0 && fr == 1.0);
+}
+
+/* Drift: traffic that moves to other experts turns the placement to the recent windows after
+ * two windows; when the profile catches up, back to the profile. Bursts shorter than a window
+ * are only counted. */
+TEST(placement_drift_follows_a_new_workload)
+{
+    enum { L = 3, E = 16, K = 2 };
+    const uint32_t slots[L] = {4, 4, 4};
+    uint64_t profile[L * E] = {0}, delta[L * E];
+    for (int l = 0; l < L; l++)
+        for (int x = 0; x < 4; x++)
+            profile[l * E + x] = 1000; /* the profile: experts 0..3 */
+    struct moe_drift d;
+    CHECK_EQ(moe_drift_init(&d, L, E, 100, 0.05), 0);
+    /* Traffic of 10 tokens per report on experts `base`..base+3 of every layer. */
+#define TRAFFIC(base)                                                                      \
+    do {                                                                                   \
+        memset(delta, 0, sizeof delta);                                                    \
+        for (int l = 0; l < L; l++)                                                        \
+            for (int t = 0; t < 10 * K; t++)                                               \
+                delta[l * E + (base) + t % 4]++;                                           \
+    } while (0)
+    TRAFFIC(0);
+    for (int i = 0; i < 30; i++)
+        CHECK_EQ(moe_drift_add(&d, delta, 10, profile, slots), 0);
+    CHECK(d.checked && !d.drifting);
+    CHECK(fabs(d.current - 1.0) < 1e-12 && fabs(d.fresh - 1.0) < 1e-12);
+    CHECK(moe_drift_counts(&d) == NULL);
+    /* A new workload on experts 8..11. */
+    TRAFFIC(8);
+    int changed = 0, reports = 0;
+    while (!changed && reports < 100) {
+        changed = moe_drift_add(&d, delta, 10, profile, slots);
+        CHECK(changed >= 0);
+        reports++;
+    }
+    CHECK_EQ(changed, 1);
+    CHECK(d.drifting);
+    CHECK_MSG(reports <= 20, "%d reports", reports); /* within two windows */
+    CHECK(d.fresh - d.current > 0.05);
+    const uint64_t *rc = moe_drift_counts(&d);
+    CHECK(rc != NULL && rc[8] > 0 && rc[0] == 0);
+    /* The profile learns the new workload: the placement goes back to it. */
+    for (int l = 0; l < L; l++)
+        for (int x = 0; x < 4; x++) {
+            profile[l * E + x] = 0;
+            profile[l * E + 8 + x] = 5000;
+        }
+    changed = 0;
+    for (reports = 0; !changed && reports < 100; reports++)
+        changed = moe_drift_add(&d, delta, 10, profile, slots);
+    CHECK_EQ(changed, 1);
+    CHECK(!d.drifting && moe_drift_counts(&d) == NULL);
+    CHECK_EQ(d.changes, 2ull);
+    moe_drift_free(&d);
+#undef TRAFFIC
 }
