@@ -548,6 +548,7 @@ TEST(daemon_admin_access)
                           api_key_file(dir), NULL};
     moed_spawn(&d, dir, args);
     moed_wait_socket(&d, 30);
+    moed_require_ready(&d, 60); /* /admin/placement lists the workers once they are started */
 
     /* Over the Unix socket as ourselves (the daemon's own uid): allowed. */
     struct hc_resp r;
