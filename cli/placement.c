@@ -64,9 +64,9 @@ static int cmd_placement(int argc, char **argv)
             continue;
         const double hits = (double)json_integer_value(json_object_get(l, "expert_hits")),
                      misses = (double)json_integer_value(json_object_get(l, "expert_misses"));
-        char vram[32], all[32], fill[32];
+        char vram[32], all[32], fill[32], pf[32];
         printf("\nworker %lld (%s): experts %s of %s in VRAM, hit rate %.1f%% (%.0f hits, "
-               "%.0f misses), %s copied from host, %lld read from host\n",
+               "%.0f misses), %s copied from host, %lld read from host, %lld prefetched (%s)\n",
                json_integer_value(json_object_get(l, "worker")),
                json_string_value(json_object_get(l, "device")),
                moe_fmt_size(vram, sizeof vram,
@@ -76,7 +76,10 @@ static int cmd_placement(int argc, char **argv)
                hits + misses > 0 ? 100.0 * hits / (hits + misses) : 0.0, hits, misses,
                moe_fmt_size(fill, sizeof fill,
                             (uint64_t)json_integer_value(json_object_get(l, "fill_bytes"))),
-               json_integer_value(json_object_get(l, "direct")));
+               json_integer_value(json_object_get(l, "direct")),
+               json_integer_value(json_object_get(l, "prefetched")),
+               moe_fmt_size(pf, sizeof pf,
+                            (uint64_t)json_integer_value(json_object_get(l, "prefetch_bytes"))));
         printf("%-6s %-6s %-6s %-10s %s\n", "layer", "slots", "hot", "residency", "hit rate");
         size_t k;
         json_t *ly;

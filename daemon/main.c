@@ -13,6 +13,7 @@
 #include <signal.h>
 #include <stdatomic.h>
 #include <stdbool.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -386,6 +387,9 @@ static int hook_placement(void *user, char **json, char *err, size_t errlen)
             json_object_set_new(w, "expert_bytes", json_integer((json_int_t)wo.expert_bytes));
             json_object_set_new(w, "fill_bytes", json_integer((json_int_t)wo.fill_bytes));
             json_object_set_new(w, "direct", json_integer((json_int_t)wo.direct));
+            json_object_set_new(w, "direct_bytes", json_integer((json_int_t)wo.direct_bytes));
+            json_object_set_new(w, "prefetched", json_integer((json_int_t)wo.prefetched));
+            json_object_set_new(w, "prefetch_bytes", json_integer((json_int_t)wo.prefetch_bytes));
             json_t *wl = json_array();
             for (uint32_t l = 0; l < wo.n_layer; l++) {
                 json_t *lo = json_object();
@@ -466,18 +470,33 @@ static int hook_metrics(void *user, char **text)
         any_off |= wo[i].active;
     }
     if (any_off) {
-        rc |= moe_buf_printf(&b, &n, &cap, "# HELP moed_worker_expert_fill_bytes_total Expert bytes "
-                              "copied from host memory into VRAM slots.\n# TYPE moed_worker_expert_fill_bytes_total counter\n");
-        for (uint32_t i = 0; i < nw; i++)
-            if (wo[i].active)
-                rc |= moe_buf_printf(&b, &n, &cap, "moed_worker_expert_fill_bytes_total{worker=\"%u\"} %" PRIu64 "\n",
-                                      i, wo[i].fill_bytes);
-        rc |= moe_buf_printf(&b, &n, &cap, "# HELP moed_worker_expert_vram_bytes Expert slots in VRAM.\n"
-                              "# TYPE moed_worker_expert_vram_bytes gauge\n");
-        for (uint32_t i = 0; i < nw; i++)
-            if (wo[i].active)
-                rc |= moe_buf_printf(&b, &n, &cap, "moed_worker_expert_vram_bytes{worker=\"%u\"} %" PRIu64 "\n",
-                                      i, wo[i].expert_vram_bytes);
+        /* One family per counter of struct moed_worker_offload, a line per offloading worker. */
+        static const struct {
+            const char *name, *type, *help;
+            size_t off;
+        } fam[] = {
+            {"expert_fill_bytes_total", "counter", "Expert bytes copied from host memory into VRAM slots.",
+             offsetof(struct moed_worker_offload, fill_bytes)},
+            {"expert_direct_bytes_total", "counter", "Expert bytes the kernels read from host memory (no free slot).",
+             offsetof(struct moed_worker_offload, direct_bytes)},
+            {"expert_prefetched_total", "counter", "Experts copied into VRAM ahead of their layer (layer-ahead prefetch).",
+             offsetof(struct moed_worker_offload, prefetched)},
+            {"expert_prefetch_bytes_total", "counter", "Bytes of those.",
+             offsetof(struct moed_worker_offload, prefetch_bytes)},
+            {"expert_vram_bytes", "gauge", "Expert slots in VRAM.",
+             offsetof(struct moed_worker_offload, expert_vram_bytes)},
+        };
+        for (size_t f = 0; f < sizeof fam / sizeof fam[0]; f++) {
+            rc |= moe_buf_printf(&b, &n, &cap, "# HELP moed_worker_%s %s\n# TYPE moed_worker_%s %s\n",
+                                  fam[f].name, fam[f].help, fam[f].name, fam[f].type);
+            for (uint32_t i = 0; i < nw; i++) {
+                uint64_t v;
+                memcpy(&v, (const char *)&wo[i] + fam[f].off, sizeof v);
+                if (wo[i].active)
+                    rc |= moe_buf_printf(&b, &n, &cap, "moed_worker_%s{worker=\"%u\"} %" PRIu64 "\n",
+                                          fam[f].name, i, v);
+            }
+        }
         static const char *const what[2] = {"hits", "misses"};
         for (int k = 0; k < 2; k++) {
             rc |= moe_buf_printf(&b, &n, &cap, "# HELP moed_worker_layer_expert_%s_total Chosen experts %s "

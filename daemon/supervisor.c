@@ -365,6 +365,9 @@ static void set_offload(struct wslot *w, const Moed__Metrics *m)
     o->expert_bytes = m->expert_bytes;
     o->fill_bytes = m->expert_fill_bytes;
     o->direct = m->expert_direct;
+    o->direct_bytes = m->expert_direct_bytes;
+    o->prefetched = m->expert_prefetched;
+    o->prefetch_bytes = m->expert_prefetch_bytes;
     o->slots = u32;
     o->hot = u32 + L;
     o->hits = u64;

@@ -536,6 +536,9 @@ static void send_event(struct worker *w, struct wevent *ev)
             m.expert_bytes = ev->os.expert_bytes;
             m.expert_fill_bytes = ev->os.fill_bytes;
             m.expert_direct = ev->os.direct;
+            m.expert_direct_bytes = ev->os.direct_bytes;
+            m.expert_prefetched = ev->os.prefetched;
+            m.expert_prefetch_bytes = ev->os.prefetch_bytes;
             for (uint32_t l = 0; l < w->n_layer; l++) {
                 u32[l] = ev->layers[l].slots;
                 u32[w->n_layer + l] = ev->layers[l].hot;
