@@ -17,4 +17,6 @@ for l in uv protobuf-c lmdb http_parser jansson xxhash pcre2-8 systemd; do
     cp -P /usr/lib/x86_64-linux-gnu/lib$l.so* .carry/lib/
 done
 cp build/proto/*.pb-c.[ch] .carry/proto/
+# gpu-check.sh refuses to build with generated files of another proto/moed.proto.
+sha256sum proto/*.proto >.carry/proto/SOURCES.sha256
 du -sh .carry
