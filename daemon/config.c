@@ -50,7 +50,7 @@ static const struct key keys[] = {
     {"ctx", K_U32, F(ctx), "N", "context length per sequence (0 or default: model's, at most 4096)", 0, MAX_CTX},
     {"parallel", K_U32, F(parallel), "N", "concurrent sequences per worker (default 4)", 1, MAX_PARALLEL},
     {"threads", K_U32, F(threads), "N", "compute threads per worker (0 or default: cores / workers)", 0, MAX_THREADS},
-    {"vram-budget", K_VRAM, F(vram_budget), "SIZE", "VRAM per GPU worker, e.g. 24G, or per GPU like cuda:0=40G,cuda:1=20G (0 or default: the worker decides)", 0, UINT64_MAX},
+    {"vram-budget", K_VRAM, F(vram_budget), "SIZE", "VRAM per GPU worker, e.g. 24G or auto (its memory minus a margin), or per GPU like cuda:0=40G,cuda:1=20G (0 or default: no budget)", 0, UINT64_MAX},
     {"expert-residency", K_SHARE, F(expert_residency), "SHARE", "GPU workers: share of each layer's experts in VRAM, e.g. 60% (default: as the budget allows)", 0, 0},
     {"cache-slots", K_CACHE, F(cache_slots), "N", "GPU workers: per-layer expert slots kept as a cache: auto, off or a count (default auto)", 0, 0},
     {"config", K_STR, F(config_file), "FILE", "config file with the same keys (key = value)", 0, 0},
@@ -142,13 +142,13 @@ static bool devices_ok(const char *s)
 static int parse_vram(struct moed_config *c, const char *value, char *err, size_t errlen)
 {
     uint64_t dflt = 0, dev[CONFIG_GPUS_MAX] = {0};
-    bool have_dflt = false;
+    bool have_dflt = false, set[CONFIG_GPUS_MAX] = {false};
     for (const char *s = value;;) {
         const size_t len = strcspn(s, ",");
         char item[64];
         if (len == 0 || len >= sizeof item)
-            return moe_fail(err, errlen, MOE_EFORMAT, "vram-budget: '%s' is not a size or a list "
-                            "like cuda:0=40G,cuda:1=20G", value);
+            return moe_fail(err, errlen, MOE_EFORMAT, "vram-budget: '%s' is not a size, auto or "
+                            "a list like cuda:0=40G,cuda:1=20G", value);
         memcpy(item, s, len);
         item[len] = 0;
         char *eq = strchr(item, '=');
@@ -156,10 +156,14 @@ static int parse_vram(struct moed_config *c, const char *value, char *err, size_
         if (eq)
             *eq = 0;
         const char *size = eq ? eq + 1 : item;
-        int rc = config_parse_size(size, &v);
-        if (rc)
-            return moe_fail(err, errlen, rc, "vram-budget: '%s' is not a size (bytes, or a number "
-                            "with K, M, G or T)", size);
+        if (!strcmp(size, "auto")) {
+            v = MOE_VRAM_AUTO;
+        } else {
+            int rc = config_parse_size(size, &v);
+            if (rc)
+                return moe_fail(err, errlen, rc, "vram-budget: '%s' is not a size (bytes, or a "
+                                "number with K, M, G or T) or auto", size);
+        }
         if (eq) {
             char dn[80];
             snprintf(dn, sizeof dn, "%s%s", strncmp(item, "cuda:", 5) ? "cuda:" : "", item);
@@ -167,9 +171,10 @@ static int parse_vram(struct moed_config *c, const char *value, char *err, size_
             if (k < 0 || k >= CONFIG_GPUS_MAX)
                 return moe_fail(err, errlen, MOE_EFORMAT, "vram-budget: '%s' is not a GPU (K or "
                                 "cuda:K, K < %d)", item, CONFIG_GPUS_MAX);
-            if (dev[k])
+            if (set[k])
                 return moe_fail(err, errlen, MOE_EFORMAT, "vram-budget: GPU %d given twice", k);
-            dev[k] = v ? v : UINT64_MAX; /* cuda:K=0: the worker decides */
+            set[k] = true;
+            dev[k] = v;
         } else {
             if (have_dflt)
                 return moe_fail(err, errlen, MOE_EFORMAT, "vram-budget: two sizes for every GPU "
@@ -183,6 +188,7 @@ static int parse_vram(struct moed_config *c, const char *value, char *err, size_
     }
     c->vram_budget = dflt;
     memcpy(c->vram_budget_dev, dev, sizeof dev);
+    memcpy(c->vram_budget_set, set, sizeof set);
     return 0;
 }
 

@@ -27,8 +27,8 @@ struct moed_config {
     uint32_t threads;       /* --threads N: compute threads per worker; 0: cores / workers */
     uint64_t vram_budget;   /* --vram-budget SIZE (bytes) for GPUs without their own; 0: the
                              * worker decides */
-    uint64_t vram_budget_dev[CONFIG_GPUS_MAX]; /* --vram-budget cuda:K=SIZE: GPU K's, 0 none
-                                                * (UINT64_MAX: cuda:K=0, the worker decides) */
+    uint64_t vram_budget_dev[CONFIG_GPUS_MAX]; /* --vram-budget cuda:K=SIZE: GPU K's own */
+    bool vram_budget_set[CONFIG_GPUS_MAX];     /* whether GPU K has its own */
     double expert_residency; /* --expert-residency SHARE in (0, 1]; 0: as the budget allows */
     int32_t cache_slots;    /* --cache-slots auto|off|N: 0 auto, -1 off */
     char *config_file;      /* --config FILE */

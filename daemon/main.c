@@ -41,6 +41,7 @@
 #include "store/io.h"
 #include "store/model.h"
 #include "store/placement.h"
+#include "store/units.h"
 #include "store/profile.h"
 #include "store/tokenizer.h"
 
@@ -255,7 +256,9 @@ static int hook_status(void *user, char **json, char *err, size_t errlen)
     json_object_set_new(c, "devices", json_string(d->cfg.devices));
     json_object_set_new(c, "workers", json_integer(d->n_workers));
     json_object_set_new(c, "parallel", json_integer(d->cfg.parallel));
-    json_object_set_new(c, "vram_budget", json_integer((json_int_t)d->cfg.vram_budget));
+    json_object_set_new(c, "vram_budget", d->cfg.vram_budget == MOE_VRAM_AUTO
+                                              ? json_string("auto")
+                                              : json_integer((json_int_t)d->cfg.vram_budget));
     json_object_set_new(o, "config", c);
     *json = json_dumps(o, JSON_COMPACT);
     json_decref(o);
@@ -321,7 +324,7 @@ static int hook_placement(void *user, char **json, char *err, size_t errlen)
         eb[l] = moe_model_expert_bytes(&d->model, l);
     uint64_t budget;
     const char *source;
-    if (d->cfg.vram_budget > d->model.bytes_dense) {
+    if (d->cfg.vram_budget != MOE_VRAM_AUTO && d->cfg.vram_budget > d->model.bytes_dense) {
         budget = d->cfg.vram_budget - d->model.bytes_dense;
         source = "vram-budget minus dense weights";
     } else {
@@ -868,6 +871,7 @@ static int start_workers(struct daemon *d)
         .n_threads = (int)c->threads,
         .vram_budget = c->vram_budget,
         .vram_budget_dev = c->vram_budget_dev,
+        .vram_budget_set = c->vram_budget_set,
         .expert_residency = c->expert_residency,
         .cache_slots = c->cache_slots,
         .profile_counts = profile_counts,

@@ -683,8 +683,8 @@ static int slot_start(struct wslot *w, char *err, size_t errlen)
     h.store_fingerprint = ws->o.store_fingerprint;
     h.vram_budget = ws->o.vram_budget;
     const int gpu = devices_gpu_index(h.device);
-    if (gpu >= 0 && ws->o.vram_budget_dev && ws->o.vram_budget_dev[gpu])
-        h.vram_budget = ws->o.vram_budget_dev[gpu] == UINT64_MAX ? 0 : ws->o.vram_budget_dev[gpu];
+    if (gpu >= 0 && ws->o.vram_budget_dev && ws->o.vram_budget_set && ws->o.vram_budget_set[gpu])
+        h.vram_budget = ws->o.vram_budget_dev[gpu];
     h.expert_residency = ws->o.expert_residency;
     h.cache_slots = ws->o.cache_slots;
     const uint64_t *pc = ws->o.profile_counts ? ws->o.profile_counts(ws->o.user) : NULL;

@@ -60,8 +60,8 @@ struct moed_workers_opts {
     uint32_t n_batch;             /* most tokens per forward step; 0: worker default */
     int n_threads;                /* compute threads per worker; 0: all cores / n_workers */
     uint64_t vram_budget;         /* bytes, for GPU workers; 0: worker default */
-    const uint64_t *vram_budget_dev; /* [64] or NULL: GPU K's own budget when nonzero
-                                      * (UINT64_MAX: worker default) */
+    const uint64_t *vram_budget_dev; /* [64] or NULL: GPU K's own budget where */
+    const bool *vram_budget_set;     /* [64] says so */
     double expert_residency;      /* GPU workers: share of experts in VRAM; 0: budget decides */
     int32_t cache_slots;          /* GPU workers: per-layer cache slots; 0 auto, -1 none */
 

@@ -8,6 +8,10 @@
  * without "B"/"iB", surrounding blanks allowed. Returns 0, MOE_EFORMAT or MOE_ERANGE. */
 int moe_parse_size(const char *s, uint64_t *out);
 
+/* --vram-budget auto: the device's memory minus a margin, decided by the GPU worker (a budget
+ * value no device has). */
+#define MOE_VRAM_AUTO UINT64_MAX
+
 /* A share in (0, 1]: "0.6" or "60%". Returns 0, MOE_EFORMAT or MOE_ERANGE. */
 int moe_parse_share(const char *s, double *out);
 

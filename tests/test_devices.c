@@ -10,6 +10,7 @@
 #include "daemon/config.h"
 #include "daemon/devices.h"
 #include "store/err.h"
+#include "store/units.h"
 #include "tests/harness.h"
 
 TEST(devices_list_reads_cpu_and_gpus)
@@ -174,14 +175,20 @@ TEST(config_devices_and_per_gpu_budgets)
     CHECK_EQ(c.vram_budget, 8ull << 30);
     CHECK_EQ(c.vram_budget_dev[0], 40ull << 30);
     CHECK_EQ(c.vram_budget_dev[1], 20ull << 30);
-    CHECK_EQ(c.vram_budget_dev[2], 0ull);
+    CHECK(c.vram_budget_set[0] && c.vram_budget_set[1] && !c.vram_budget_set[2]);
     config_free(&c);
 
     CHECK(config_init(&c) == 0);
-    char *argv2[] = {"moed", "--model", "m", "--vram-budget", "cuda:3=0", NULL};
+    char *argv2[] = {"moed", "--model", "m", "--vram-budget", "cuda:3=0,2=auto", NULL};
     CHECK_MSG(config_parse_args(&c, 5, argv2, &help, err, sizeof err) == 0, "%s", err);
     CHECK_EQ(c.vram_budget, 0ull);
-    CHECK_EQ(c.vram_budget_dev[3], UINT64_MAX); /* the worker decides for GPU 3 */
+    CHECK(c.vram_budget_set[3] && c.vram_budget_dev[3] == 0); /* no budget for GPU 3 */
+    CHECK(c.vram_budget_set[2] && c.vram_budget_dev[2] == MOE_VRAM_AUTO);
+    config_free(&c);
+    CHECK(config_init(&c) == 0);
+    char *argv3[] = {"moed", "--model", "m", "--vram-budget", "auto", NULL};
+    CHECK_MSG(config_parse_args(&c, 5, argv3, &help, err, sizeof err) == 0, "%s", err);
+    CHECK_EQ(c.vram_budget, MOE_VRAM_AUTO);
     config_free(&c);
 
     static const char *const bad_budget[] = {"", "12G,13G", "cuda:0=1G,0=2G", "cuda:99=1G",

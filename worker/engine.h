@@ -24,7 +24,9 @@ struct moe_engine_opts {
     bool kv_f32;         /* CUDA: float32 KV cache instead of f16 */
     /* CUDA expert offload (docs/offload.md). Experts that do not get a VRAM slot are read from
      * host memory inside the step, so the output does not depend on these settings. */
-    uint64_t vram_budget;          /* device bytes the engine may hold in all; 0: no budget */
+    uint64_t vram_budget;          /* device bytes the engine may hold in all; 0: no budget;
+                                    * MOE_VRAM_AUTO (store/units.h): the device's memory minus a
+                                    * margin (max(512 MiB, 1/32 of it)) */
     double expert_residency;       /* share (0, 1] of each layer's experts given VRAM slots;
                                     * 0: as vram_budget allows (all without a budget) */
     int32_t cache_slots;           /* cache ring slots per layer; 0: auto; -1: no ring */

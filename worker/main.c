@@ -71,7 +71,8 @@ static void usage(FILE *f)
             "  --batch N             most tokens per forward step (default 512)\n"
             "  --kv-type f16|f32     KV cache element type on a GPU (default f16; the CPU keeps f32)\n"
             "  --device cpu|cuda:K   (default cpu)\n"
-            "  --vram-budget SIZE    GPU: device memory in all, e.g. 12G; experts that do not fit\n"
+            "  --vram-budget SIZE    GPU: device memory in all, e.g. 12G or auto (the GPU's minus a\n"
+            "                        margin); experts that do not fit\n"
             "                        are read from host memory (the output does not change)\n"
             "  --expert-residency P  GPU: share of each layer's experts in VRAM, e.g. 60%% or 0.6\n"
             "  --cache-slots N|auto|off  GPU: per-layer expert slots used as a cache (default auto)\n"
@@ -194,8 +195,11 @@ static int parse_args(int argc, char **argv, struct opts *o)
             o->kv_f32 = !strcmp(v, "f32");
         }
         else if (!strcmp(a, "--vram-budget")) {
-            if (moe_parse_size(v, &o->vram_budget) || o->vram_budget == 0) {
-                fprintf(stderr, "moed-worker: --vram-budget: '%s' is not a size such as 12G\n", v);
+            if (!strcmp(v, "auto")) {
+                o->vram_budget = MOE_VRAM_AUTO;
+            } else if (moe_parse_size(v, &o->vram_budget) || o->vram_budget == 0) {
+                fprintf(stderr, "moed-worker: --vram-budget: '%s' is not a size such as 12G, or "
+                                "auto\n", v);
                 return 2;
             }
         } else if (!strcmp(a, "--expert-residency")) {

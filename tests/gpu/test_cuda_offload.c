@@ -6,6 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "store/units.h"
 #include "tests/engine_test.h"
 #include "tests/gpu/gpu_test.h"
 #include "worker/cuda/offload_resolve.h"
@@ -272,6 +273,14 @@ TEST_TIMEOUT(cuda_offload_budget, 300)
     CHECK(moe_engine_init(&e, m, &o, err, sizeof err) != 0);
     printf("  64 MiB: %s\n", err);
     CHECK(strstr(err, "the minimum is") != NULL);
+
+    /* auto: the device's memory minus the margin; this model fits whole. */
+    o.vram_budget = MOE_VRAM_AUTO;
+    CHECK_MSG(moe_engine_init(&e, m, &o, err, sizeof err) == 0, "%s", err);
+    CHECK_EQ(moe_engine_offload_stats(e, &os, NULL), 0);
+    printf("  auto: a budget of %.2f GiB\n", (double)os.budget / (1 << 30));
+    CHECK(os.budget > 0 && os.budget != MOE_VRAM_AUTO && !os.active);
+    moe_engine_free(e);
 
     o.vram_budget = 0;
     o.expert_residency = 0.5;

@@ -879,6 +879,16 @@ static int cuda_init(struct moe_backend **out, const struct moe_model *m, struct
         INIT_TRY(cudaFree(0));
         cudaDeviceProp prop;
         INIT_TRY(cudaGetDeviceProperties(&prop, b->dev));
+        if (b->d.vram_budget == MOE_VRAM_AUTO) {
+            /* The device's memory (what every process holds counts, as for any budget) minus a
+             * margin for the driver and for others. */
+            size_t fr = 0, tot = 0;
+            INIT_TRY(cudaMemGetInfo(&fr, &tot));
+            const uint64_t margin = (uint64_t)tot / 32 > (512ull << 20) ? (uint64_t)tot / 32
+                                                                       : 512ull << 20;
+            b->d.vram_budget = (uint64_t)tot > margin ? (uint64_t)tot - margin : 1;
+            d->vram_budget = b->d.vram_budget;
+        }
         INIT_TRY(cudaStreamCreateWithFlags(&b->st, cudaStreamNonBlocking));
 
         b->layers = (struct cuda_layer *)calloc((size_t)d->L, sizeof *b->layers);
