@@ -169,9 +169,11 @@ static const char *error_code(int status)
 static json_t *error_obj(int status, const char *param, const char *msg)
 {
     json_t *e = json_object();
+    /* OpenAI's answer for a model it does not have. */
+    const bool no_model = status == 404 && param && !strcmp(param, "model");
     json_object_set_new(e, "message", json_string(msg));
-    json_object_set_new(e, "type", json_string(error_type(status)));
-    json_object_set_new(e, "code", json_string(error_code(status)));
+    json_object_set_new(e, "type", json_string(no_model ? "invalid_request_error" : error_type(status)));
+    json_object_set_new(e, "code", json_string(no_model ? "model_not_found" : error_code(status)));
     json_object_set_new(e, "param", param ? json_string(param) : json_null());
     return e;
 }
@@ -799,6 +801,10 @@ static int parse_common(struct api *a, json_t *body, bool chat, struct gen_req *
     r->max_tokens = -1;
     if ((v = json_object_get(body, "model")) && !json_is_string(v) && !json_is_null(v))
         return fail(e, 400, "model", "'model' must be a string, not %s", jtype(v));
+    /* As OpenAI: a model that is not served is 404 model_not_found (absent or null: the one). */
+    if (v && json_is_string(v) && strcmp(json_string_value(v), a->model_id) != 0)
+        return fail(e, 404, "model", "The model '%.200s' does not exist (this daemon serves '%s'; "
+                    "see /v1/models)", json_string_value(v), a->model_id);
     if (get_num(body, "temperature", 0, 100, &r->s.temperature, e) ||
         get_num(body, "top_p", 0, 1, &r->s.top_p, e) ||
         get_num(body, "min_p", 0, 1, &r->s.min_p, e) ||

@@ -94,7 +94,8 @@ def daemon():
         pytest.skip(f"{BIN}/moed is not built")
     with tempfile.TemporaryDirectory(prefix="moed-py-") as tmp:
         d = Daemon(tmp)
-        d.start("--devices", "cpu", "--workers", "2", "--parallel", "4", "--threads", "1")
+        d.start("--devices", "cpu", "--workers", "2", "--parallel", "4", "--threads", "1",
+                "--model-alias", "tiny")
         try:
             if not d.wait_ready():
                 lines = [l for l in d.log.read_text().splitlines() if "worker" in l]
@@ -125,7 +126,24 @@ def want():
 
 def test_models(client):
     models = client.models.list()
-    assert [m.id for m in models.data] == ["tiny-qwen3moe-Q8_0"]
+    assert [m.id for m in models.data] == ["tiny"]
+    assert client.models.retrieve("tiny").id == "tiny"
+
+
+def test_model_checked(client):
+    """A model the daemon does not serve is OpenAI's 404 model_not_found, on both endpoints."""
+    with pytest.raises(openai.NotFoundError) as e:
+        client.completions.create(model="tiny-qwen3moe-Q8_0", prompt="Hi", max_tokens=2)
+    assert e.value.body["code"] == "model_not_found" and "'tiny'" in e.value.body["message"]
+    assert e.value.body["param"] == "model"
+    with pytest.raises(openai.NotFoundError) as e:
+        client.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "x"}],
+                                       stream=True)
+    assert e.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4o")
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=7, prompt="Hi", max_tokens=2)
 
 
 def test_completion_matches_worker(client, want):
