@@ -94,6 +94,7 @@ struct gen {
     struct sched_req *req;
     bool chat, stream, include_usage;
     bool headers_sent, finished;
+    bool linked;                    /* in api.gens */
     char id[48];
     time_t created;
     char *stops[MAX_STOPS];
@@ -111,6 +112,18 @@ struct gen {
     uint32_t n_prompt, n_gen;
     uint32_t n_cached;              /* prompt tokens the worker continued from its KV cache */
     double t_start, t_last;         /* moe_now_s(): request complete, last token */
+    double t_first;                 /* the first token (timings) */
+    /* logprobs: one chat-shaped entry ({token, logprob, bytes, top_logprobs}) per generated
+     * token, the offset of its text in text, and how many entries were streamed; lp_bound: the
+     * text a chunk being streamed covers (its entries are those before it). */
+    bool logprobs;
+    uint32_t n_top;
+    json_t *lp;
+    size_t *lp_off, lp_cap, lp_sent, lp_bound;
+    size_t lp_chars;                /* completions: characters before the next entry's text */
+    char *echo;                     /* completions with echo: the prompt's text */
+    size_t echo_len;
+    bool echo_sent;
     /* A callback that arrives while sched_submit() has not returned yet is parked here. */
     bool submitting;
     int early;                      /* 0, 1: done, 2: error */
@@ -333,13 +346,15 @@ size_t api_stop_holdback(const char *text, size_t len, char *const *stops, size_
 static void gen_free(struct gen *g)
 {
     struct api *a = g->api;
-    if (g->prev)
-        g->prev->next = g->next;
-    else if (a->gens == g)
-        a->gens = g->next;
-    if (g->next)
-        g->next->prev = g->prev;
-    a->n_gens--;
+    if (g->linked) {
+        if (g->prev)
+            g->prev->next = g->next;
+        else if (a->gens == g)
+            a->gens = g->next;
+        if (g->next)
+            g->next->prev = g->prev;
+        a->n_gens--;
+    }
     for (size_t i = 0; i < g->n_stops; i++)
         free(g->stops[i]);
     free(g->piece);
@@ -347,6 +362,9 @@ static void gen_free(struct gen *g)
     free(g->reasoning);
     free(g->content);
     json_decref(g->tool_calls);
+    json_decref(g->lp);
+    free(g->lp_off);
+    free(g->echo);
     free(g);
 }
 
@@ -443,6 +461,112 @@ static int stream_headers(struct gen *g)
     return rc;
 }
 
+/* A logprob as JSON can hold it (-inf: a token that cannot be sampled). */
+static double lp_num(float x)
+{
+    return isfinite(x) ? (double)x : -9999.0;
+}
+
+/* {token, logprob, bytes} of one token: its own text (U+FFFD where it is not UTF-8 by itself)
+ * and its bytes. */
+static json_t *lp_token(const struct api *a, int32_t id, float logprob)
+{
+    char buf[512];
+    int n = moe_tok_piece(a->tok, id, buf, sizeof buf);
+    size_t len = n < 0 ? 0 : (size_t)n < sizeof buf ? (size_t)n : sizeof buf;
+    json_t *bytes = json_array();
+    for (size_t i = 0; i < len; i++)
+        json_array_append_new(bytes, json_integer((unsigned char)buf[i]));
+    return json_pack("{s:o,s:f,s:o}", "token", json_text(buf, len), "logprob", lp_num(logprob),
+                     "bytes", bytes);
+}
+
+/* Records a generated token's logprobs; off: where its text starts in g->text. */
+static void lp_add(struct gen *g, int32_t token, const struct sched_logprob *lp, size_t off)
+{
+    size_t n = json_array_size(g->lp);
+    if (n == g->lp_cap) {
+        size_t cap = g->lp_cap ? 2 * g->lp_cap : 64;
+        size_t *p = realloc(g->lp_off, cap * sizeof *p);
+        if (!p)
+            return;
+        g->lp_off = p;
+        g->lp_cap = cap;
+    }
+    json_t *e = lp_token(g->api, token, lp->logprob);
+    json_t *top = json_array();
+    for (uint32_t i = 0; i < lp->n_top && i < g->n_top; i++)
+        json_array_append_new(top, lp_token(g->api, lp->top_id[i], lp->top_lp[i]));
+    json_object_set_new(e, "top_logprobs", top);
+    if (json_array_append_new(g->lp, e) == 0)
+        g->lp_off[n] = off;
+}
+
+static size_t utf8_chars(const char *s, size_t n)
+{
+    size_t c = 0;
+    for (size_t i = 0; i < n; i++)
+        c += ((unsigned char)s[i] & 0xc0) != 0x80;
+    return c;
+}
+
+/* Entries [from, to) in the endpoint's shape: chat {content: [...], refusal}; completions
+ * {tokens, token_logprobs, top_logprobs: [{text: logprob}], text_offset} (text_offset: where
+ * each token starts, in characters, counting the echoed prompt and the tokens before it). */
+static json_t *lp_obj(struct gen *g, size_t from, size_t to)
+{
+    if (g->chat) {
+        json_t *c = json_array();
+        for (size_t i = from; i < to; i++)
+            json_array_append(c, json_array_get(g->lp, i));
+        return json_pack("{s:o,s:n}", "content", c, "refusal");
+    }
+    json_t *toks = json_array(), *lps = json_array(), *tops = json_array(), *offs = json_array();
+    for (size_t i = from; i < to; i++) {
+        json_t *e = json_array_get(g->lp, i);
+        json_array_append(toks, json_object_get(e, "token"));
+        json_array_append(lps, json_object_get(e, "logprob"));
+        json_t *d = json_object(), *t;
+        size_t k;
+        json_array_foreach(json_object_get(e, "top_logprobs"), k, t)
+            json_object_set(d, json_string_value(json_object_get(t, "token")), json_object_get(t, "logprob"));
+        json_array_append_new(tops, d);
+        json_t *tok = json_object_get(e, "token");
+        json_array_append_new(offs, json_integer((json_int_t)g->lp_chars));
+        g->lp_chars += utf8_chars(json_string_value(tok), json_string_length(tok));
+    }
+    return json_pack("{s:o,s:o,s:o,s:o}", "tokens", toks, "token_logprobs", lps, "top_logprobs", tops,
+                     "text_offset", offs);
+}
+
+/* For a streamed chunk: the entries not streamed yet whose text starts before upto; null
+ * without logprobs. */
+static json_t *lp_take(struct gen *g, size_t upto)
+{
+    if (!g->logprobs)
+        return json_null();
+    size_t n = json_array_size(g->lp), to = g->lp_sent;
+    while (to < n && g->lp_off[to] < upto)
+        to++;
+    json_t *o = lp_obj(g, g->lp_sent, to);
+    g->lp_sent = to;
+    return o;
+}
+
+/* llama-server's per-response timings: prompt (request to first token, so queueing too) and
+ * generation (first token to last). */
+static json_t *timings_obj(const struct gen *g)
+{
+    const double pms = g->n_gen ? (g->t_first - g->t_start) * 1e3 : (g->t_last - g->t_start) * 1e3;
+    const double gms = g->n_gen ? (g->t_last - g->t_first) * 1e3 : 0;
+    const uint32_t pn = g->n_prompt - (g->n_cached < g->n_prompt ? g->n_cached : g->n_prompt);
+    return json_pack("{s:I,s:I,s:f,s:f,s:I,s:f,s:f}", "cache_n", (json_int_t)g->n_cached,
+                     "prompt_n", (json_int_t)pn, "prompt_ms", pms,
+                     "prompt_per_second", pms > 0 ? pn * 1e3 / pms : 0.0,
+                     "predicted_n", (json_int_t)g->n_gen, "predicted_ms", gms,
+                     "predicted_per_second", gms > 0 ? g->n_gen * 1e3 / gms : 0.0);
+}
+
 /* One streamed chunk: a chat delta (taken) or a completion's text, with a finish reason or not. */
 static int stream_send(struct gen *g, json_t *delta, const char *text, size_t n, const char *finish)
 {
@@ -458,8 +582,10 @@ static int stream_send(struct gen *g, json_t *delta, const char *text, size_t n,
         json_object_set_new(ch, "delta", delta ? delta : json_object());
     else
         json_object_set_new(ch, "text", finish ? json_string("") : json_text(text, n));
-    json_object_set_new(ch, "logprobs", json_null());
+    json_object_set_new(ch, "logprobs", lp_take(g, finish ? SIZE_MAX : g->lp_bound));
     json_object_set_new(ch, "finish_reason", finish ? json_string(finish) : json_null());
+    if (finish)
+        json_object_set_new(o, "timings", timings_obj(g));
     json_object_set_new(o, "choices", json_pack("[o]", ch));
     if (g->include_usage)
         json_object_set_new(o, "usage", json_null());
@@ -507,6 +633,12 @@ static void stream_pending(struct gen *g, bool final)
     size_t upto = g->text_len;
     if (!final)
         upto -= api_stop_holdback(g->text, g->text_len, g->stops, g->n_stops);
+    if (g->echo && !g->echo_sent) {
+        g->echo_sent = true;
+        g->lp_bound = 0;
+        stream_send(g, NULL, g->echo, g->echo_len, NULL);
+    }
+    g->lp_bound = upto;
     if (g->chat) {
         stream_headers(g);
         chat_out_feed(&g->co, g->text, upto, final, emit_stream, g);
@@ -561,13 +693,22 @@ static void gen_finish(struct gen *g, const char *reason)
                 g->tool_calls = NULL;
             }
             json_object_set_new(ch, "message", m);
+        } else if (g->echo) {
+            char *t = malloc(g->echo_len + g->text_len + 1);
+            if (t) {
+                memcpy(t, g->echo, g->echo_len);
+                memcpy(t + g->echo_len, g->text, g->text_len);
+            }
+            json_object_set_new(ch, "text", t ? json_text(t, g->echo_len + g->text_len) : json_string(""));
+            free(t);
         } else {
             json_object_set_new(ch, "text", json_text(g->text, g->text_len));
         }
-        json_object_set_new(ch, "logprobs", json_null());
+        json_object_set_new(ch, "logprobs", g->logprobs ? lp_obj(g, 0, json_array_size(g->lp)) : json_null());
         json_object_set_new(ch, "finish_reason", json_string(reason));
         json_object_set_new(o, "choices", json_pack("[o]", ch));
         json_object_set_new(o, "usage", usage_obj(g));
+        json_object_set_new(o, "timings", timings_obj(g));
         respond_json(a, c, 200, o, NULL);
     }
     gen_free(g);
@@ -598,18 +739,26 @@ static void on_token(struct sched_req *r, void *user, int32_t token)
 {
     struct gen *g = user;
     struct api *a = g->api;
-    (void)r;
     const double now = moe_now_s();
-    if (g->n_gen == 0)
+    if (g->n_gen == 0) {
         lat_observe(&a->ttft, TTFT_BOUNDS, now - g->t_start);
-    else
+        g->t_first = now;
+    } else {
         lat_observe(&a->itl, ITL_BOUNDS, now - g->t_last);
+    }
     g->t_last = now;
     g->n_gen++;
     a->gen_tokens++;
     tps_add(a, 1);
+    const struct sched_logprob *lp = g->logprobs ? sched_req_logprob(r) : NULL;
+    if (lp)
+        lp_add(g, token, lp, g->text_len);
     size_t n = moe_detok_push(&g->detok, a->tok, token, g->piece, g->piece_cap);
     if (take_text(g, g->piece, n)) {
+        /* The tokens of the stop string are not part of the answer. */
+        while (g->logprobs && json_array_size(g->lp) > g->lp_sent &&
+               g->lp_off[json_array_size(g->lp) - 1] >= g->text_len)
+            json_array_remove(g->lp, json_array_size(g->lp) - 1);
         /* A stop string matched: nothing after it may be generated or sent. */
         sched_cancel(a->sched, g->req);
         g->req = NULL;
@@ -704,11 +853,19 @@ struct gen_req {
     size_t n_stops;
     bool tools;                   /* chat: the request has tools (parse tool calls) */
     bool think_open;              /* chat: the prompt ends inside <think> */
+    bool echo;                    /* completions: the answer starts with the prompt */
+    char *echo_text;              /* the prompt's text (set with the prompt) */
+    size_t echo_len;
+    int32_t *bias_tok;            /* logit_bias; r->s points at these */
+    float *bias_val;
 };
 
 static void gen_req_free(struct gen_req *r)
 {
     free(r->prompt);
+    free(r->echo_text);
+    free(r->bias_tok);
+    free(r->bias_val);
     for (size_t i = 0; i < r->n_stops; i++)
         free(r->stops[i]);
 }
@@ -790,6 +947,86 @@ static int get_bool(json_t *body, const char *key, bool *out, struct verr *e)
     if (!json_is_boolean(v))
         return fail(e, 400, key, "'%s' must be a boolean, not %s", key, jtype(v));
     *out = json_is_true(v);
+    return 0;
+}
+
+/* Chat: logprobs (boolean) and top_logprobs (0..20, only with logprobs); completions: logprobs
+ * (0..20 most likely tokens per position; null or false: none). */
+static int parse_logprobs(json_t *body, bool chat, struct gen_req *r, struct verr *e)
+{
+    json_t *v = json_object_get(body, "logprobs");
+    const int64_t max = SCHED_MAX_TOP_LOGPROBS;
+    int64_t top = 0;
+    bool set = false;
+    if (chat) {
+        if (get_bool(body, "logprobs", &r->s.logprobs, e) ||
+            get_int(body, "top_logprobs", 0, max, &top, &set, e))
+            return -1;
+        if (set && !r->s.logprobs)
+            return fail(e, 400, "top_logprobs", "'top_logprobs' needs 'logprobs': true");
+    } else {
+        if ((v = json_object_get(body, "top_logprobs")) && !json_is_null(v))
+            return fail(e, 400, "top_logprobs", "'top_logprobs' is a chat field; /v1/completions "
+                        "takes 'logprobs': N");
+        v = json_object_get(body, "logprobs");
+        if (v && !json_is_null(v) && !json_is_false(v)) {
+            if (!json_is_integer(v))
+                return fail(e, 400, "logprobs", "'logprobs' must be an integer 0..%d (the most likely "
+                            "tokens to list per position), not %s", (int)max, jtype(v));
+            if (get_int(body, "logprobs", 0, max, &top, &set, e))
+                return -1;
+            r->s.logprobs = true;
+        }
+    }
+    r->s.top_logprobs = (uint32_t)top;
+    return 0;
+}
+
+/* logit_bias: {"token id": bias in -100..100}, added to those logits before sampling. */
+static int parse_logit_bias(struct api *a, json_t *body, struct gen_req *r, struct verr *e)
+{
+    json_t *v = json_object_get(body, "logit_bias");
+    if (!v || json_is_null(v))
+        return 0;
+    if (!json_is_object(v))
+        return fail(e, 400, "logit_bias", "'logit_bias' must be an object of token ids (as strings) "
+                    "to biases, not %s", jtype(v));
+    size_t n = json_object_size(v);
+    if (n == 0)
+        return 0;
+    if (n > SCHED_MAX_BIAS)
+        return fail(e, 400, "logit_bias", "'logit_bias' has %zu entries (at most %d)", n, SCHED_MAX_BIAS);
+    r->bias_tok = malloc(n * sizeof *r->bias_tok);
+    r->bias_val = malloc(n * sizeof *r->bias_val);
+    if (!r->bias_tok || !r->bias_val)
+        return fail(e, 500, NULL, "out of memory");
+    const char *key;
+    json_t *x;
+    size_t k = 0;
+    json_object_foreach(v, key, x) {
+        char *end = NULL;
+        errno = 0;
+        long long id = key[0] >= '0' && key[0] <= '9' ? strtoll(key, &end, 10) : -1;
+        if (!end || *end || errno)
+            return fail(e, 400, "logit_bias", "'logit_bias' key \"%.64s\" is not a token id (a "
+                        "non-negative integer)", key);
+        if (id > INT32_MAX || (a->model.n_vocab && id >= (long long)a->model.n_vocab))
+            return fail(e, 400, "logit_bias", "'logit_bias' key %.64s is not a token id (n_vocab %u)",
+                        key, a->model.n_vocab);
+        if (!json_is_number(x))
+            return fail(e, 400, "logit_bias", "'logit_bias[\"%s\"]' must be a number, not %s", key,
+                        jtype(x));
+        double b = json_number_value(x);
+        if (!isfinite(b) || b < -100 || b > 100)
+            return fail(e, 400, "logit_bias", "'logit_bias[\"%s\"]' must be between -100 and 100, "
+                        "not %g", key, b);
+        r->bias_tok[k] = (int32_t)id;
+        r->bias_val[k] = (float)b;
+        k++;
+    }
+    r->s.bias_tok = r->bias_tok;
+    r->s.bias_val = r->bias_val;
+    r->s.n_bias = (uint32_t)k;
     return 0;
 }
 
@@ -890,8 +1127,7 @@ static int parse_common(struct api *a, json_t *body, bool chat, struct gen_req *
     }
     /* Features we do not have must be refused, not silently ignored. */
     static const char *unsupported[] = {"tools", "functions", "tool_choice", "function_call",
-                                        "logit_bias", "suffix", "audio", "modalities",
-                                        "prediction", "top_logprobs"};
+                                        "suffix", "audio", "modalities", "prediction"};
     for (size_t i = 0; i < sizeof unsupported / sizeof unsupported[0]; i++) {
         if (chat && i < 3 && i != 1) /* chat: tools and tool_choice (see chat_tools) */
             continue;
@@ -922,11 +1158,17 @@ static int parse_common(struct api *a, json_t *body, bool chat, struct gen_req *
         if (v && !json_is_null(v) && !(json_is_string(v) && json_string_length(v) == 0))
             return fail(e, 400, constrained[i], "'%s' is not supported by moed", constrained[i]);
     }
-    if ((v = json_object_get(body, "logprobs")) && !json_is_null(v) && !json_is_false(v) &&
-        !(json_is_integer(v) && json_integer_value(v) == 0))
-        return fail(e, 400, "logprobs", "'logprobs' is not supported by moed");
-    if ((v = json_object_get(body, "echo")) && !json_is_null(v) && !json_is_false(v))
-        return fail(e, 400, "echo", "'echo' is not supported by moed");
+    if (parse_logprobs(body, chat, r, e) || parse_logit_bias(a, body, r, e))
+        return -1;
+    if (chat) {
+        if ((v = json_object_get(body, "echo")) && !json_is_null(v) && !json_is_false(v))
+            return fail(e, 400, "echo", "'echo' is a /v1/completions field");
+    } else if (get_bool(body, "echo", &r->echo, e)) {
+        return -1;
+    }
+    if (r->echo && r->s.logprobs)
+        return fail(e, 400, "echo", "'echo' with 'logprobs' is not supported: moed does not compute "
+                    "the prompt's logprobs (use one or the other)");
     if ((v = json_object_get(body, "best_of")) && !json_is_null(v) &&
         !(json_is_integer(v) && json_integer_value(v) == 1))
         return fail(e, 400, "best_of", "'best_of' must be 1");
@@ -1015,7 +1257,47 @@ static int parse_token_array(struct api *a, json_t *arr, const char *what, struc
     return 0;
 }
 
+static int parse_prompt_tokens(struct api *a, json_t *body, struct gen_req *r, struct verr *e);
+
+/* echo: the prompt's text as given, or for token ids their text. */
 static int parse_prompt(struct api *a, json_t *body, struct gen_req *r, struct verr *e)
+{
+    if (parse_prompt_tokens(a, body, r, e))
+        return -1;
+    if (!r->echo || r->n_prompt_is_bound)
+        return 0;
+    json_t *p = json_object_get(body, "prompt");
+    if (json_is_array(p) && json_array_size(p) == 1 && json_is_string(json_array_get(p, 0)))
+        p = json_array_get(p, 0);
+    if (json_is_string(p)) {
+        r->echo_len = json_string_length(p);
+        r->echo_text = malloc(r->echo_len + 1);
+        if (!r->echo_text)
+            return fail(e, 500, NULL, "out of memory");
+        memcpy(r->echo_text, json_string_value(p), r->echo_len + 1);
+        return 0;
+    }
+    struct moe_detok d;
+    moe_detok_init(&d);
+    size_t cap = 3 * (moe_tok_max_piece(a->tok) + 4) + 1, len = 0, bcap = 0;
+    char *piece = malloc(cap), *out = NULL;
+    int rc = piece ? 0 : -ENOMEM;
+    for (size_t i = 0; rc == 0 && i <= r->n_prompt; i++) {
+        size_t n = i < r->n_prompt ? moe_detok_push(&d, a->tok, r->prompt[i], piece, cap)
+                                   : moe_detok_flush(&d, piece, cap);
+        rc = moe_buf_append(&out, &len, &bcap, piece, n);
+    }
+    free(piece);
+    if (rc) {
+        free(out);
+        return fail(e, 500, NULL, "out of memory");
+    }
+    r->echo_text = out;
+    r->echo_len = len;
+    return 0;
+}
+
+static int parse_prompt_tokens(struct api *a, json_t *body, struct gen_req *r, struct verr *e)
 {
     json_t *p = json_object_get(body, "prompt");
     if (!p || json_is_null(p))
@@ -1591,6 +1873,22 @@ static void finish_generate(struct api *a, struct http_conn *c, bool chat, struc
     g->created = time(NULL);
     g->t_start = g->t_last = t0;
     g->n_prompt = (uint32_t)r.n_prompt;
+    g->logprobs = r.s.logprobs;
+    g->n_top = r.s.top_logprobs;
+    if (g->logprobs && !(g->lp = json_array())) {
+        fail(&e, 500, NULL, "out of memory");
+        goto fail;
+    }
+    if (r.echo) {
+        g->echo = r.echo_text;
+        g->echo_len = r.echo_len;
+        g->lp_chars = utf8_chars(g->echo ? g->echo : "", g->echo_len);
+        rp->echo_text = NULL;
+        if (!g->echo && !(g->echo = strdup(""))) {
+            fail(&e, 500, NULL, "out of memory");
+            goto fail;
+        }
+    }
     new_id(a, g->id, sizeof g->id, chat ? "chatcmpl" : "cmpl");
     memcpy(g->stops, r.stops, sizeof r.stops);
     g->n_stops = r.n_stops;
@@ -1612,6 +1910,7 @@ static void finish_generate(struct api *a, struct http_conn *c, bool chat, struc
         a->gens->prev = g;
     a->gens = g;
     a->n_gens++;
+    g->linked = true;
 
     struct sched_params sp = {
         .prompt = r.prompt,

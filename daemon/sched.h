@@ -22,6 +22,25 @@ struct sched_sampling {
     float frequency_penalty;  /* 0: off */
     uint64_t seed;
     bool has_seed;            /* false: the worker picks a random seed */
+    /* logit_bias: bias_val[i] added to the logit of bias_tok[i] (distinct ids); copied by
+     * sched_submit. */
+    const int32_t *bias_tok;
+    const float *bias_val;
+    uint32_t n_bias;
+    bool logprobs;            /* each token comes with its logprob (sched_req_logprob) */
+    uint32_t top_logprobs;    /* and the most likely tokens', at most SCHED_MAX_TOP_LOGPROBS */
+};
+
+#define SCHED_MAX_TOP_LOGPROBS 20
+#define SCHED_MAX_BIAS 1024       /* logit_bias entries */
+
+/* A generated token's log-probability (log-softmax of the raw logits) and the most likely
+ * tokens' (most likely first). */
+struct sched_logprob {
+    float logprob;
+    uint32_t n_top;
+    int32_t top_id[SCHED_MAX_TOP_LOGPROBS];
+    float top_lp[SCHED_MAX_TOP_LOGPROBS];
 };
 
 enum sched_finish { SCHED_FINISH_STOP = 0, SCHED_FINISH_LENGTH = 1 };
@@ -49,6 +68,9 @@ struct sched_params {
 /* In on_done: how many of the prompt's tokens the worker continued from a kept KV cache
  * (prefix reuse) instead of evaluating them. */
 uint32_t sched_req_cached(const struct sched_req *r);
+
+/* In on_token, for a request with sampling.logprobs: the token's logprobs; else NULL. */
+const struct sched_logprob *sched_req_logprob(const struct sched_req *r);
 
 /* Queues a request. Returns a handle valid until one of on_done/on_error has been called or
  * sched_cancel() returned; NULL (with *http_status and msg set) when it cannot be queued

@@ -13,6 +13,13 @@
  * reports how many prompt tokens it did not have to evaluate (n_cached). At least one prompt
  * token is always evaluated, for its logits.
  *
+ * Jobs that ask for logprobs or a logit_bias need the step's logits on the host: they are
+ * sampled by a host sampler of their own (worker/sampler.h, primed with the prompt as the
+ * engine's is) from moe_engine_forward()'s logits, the others by the engine's sampler through
+ * moe_engine_forward_sample(). A step serves one kind; while both kinds are running, steps
+ * alternate between them. The CPU engine samples with the same code, so a job's tokens do not
+ * depend on which path it takes.
+ *
  * Every call runs on the compute thread; the batcher has no locks of its own. All engine calls
  * of the worker's serving path are in batcher.c. */
 #ifndef MOE_WORKER_BATCHER_H
@@ -36,6 +43,11 @@ struct moe_job {
     struct moe_sampler_params sp;
     int32_t eog[MOE_IPC_MAX_EOG];
     uint32_t n_eog;
+    bool logprobs;             /* report each token's logprob and the n_top most likely */
+    uint32_t n_top;            /* <= MOE_IPC_MAX_TOP_LOGPROBS */
+    int32_t *bias_tok;         /* [n_bias] logit_bias (owned), added before sampling */
+    float *bias_val;
+    uint32_t n_bias;
     struct moe_job *next;
     /* batcher only */
     int32_t slot;
@@ -43,12 +55,21 @@ struct moe_job {
     uint32_t n_cached; /* prompt positions taken from the slot's kept KV cache */
     uint32_t n_gen;
     int32_t last;    /* last sampled token: evaluated at n_past in the next step */
+    struct moe_sampler *hs; /* host sampler: jobs with logprobs or logit_bias (see below) */
 };
 
 /* Frees a job and what it owns (NULL is fine). */
 void moe_job_free(struct moe_job *j);
 
 enum moe_finish { MOE_FINISH_STOP, MOE_FINISH_LENGTH };
+
+/* A sampled token's log-probability and the most likely tokens' (jobs with logprobs). */
+struct moe_token_lp {
+    float logprob;
+    uint32_t n_top;
+    int32_t top_id[MOE_IPC_MAX_TOP_LOGPROBS];
+    float top_lp[MOE_IPC_MAX_TOP_LOGPROBS];
+};
 
 /* Totals since the batcher started, and the state at a routing report. */
 struct moe_batcher_report {
@@ -62,7 +83,8 @@ struct moe_batcher_report {
 /* Where results go. Called on the compute thread, from moe_batcher_step/_report. */
 struct moe_batcher_sink {
     void *user;
-    void (*token)(void *user, uint64_t id, int32_t token);
+    /* lp: NULL unless the job asked for logprobs. */
+    void (*token)(void *user, uint64_t id, int32_t token, const struct moe_token_lp *lp);
     void (*done)(void *user, uint64_t id, enum moe_finish reason, uint32_t n_prompt,
                  uint32_t n_gen, uint32_t n_cached);
     /* The job ended with an error; id 0: the batcher itself failed. */

@@ -40,6 +40,8 @@ struct wevent {
     enum wev_kind kind;
     uint64_t id;
     int32_t token;
+    bool has_lp;                      /* EV_TOKEN: lp is set */
+    struct moe_token_lp lp;
     int reason;
     uint32_t n_prompt, n_gen, n_cached;
     int code;
@@ -128,11 +130,15 @@ static void post_error(struct worker *w, uint64_t id, int code, const char *msg)
 /* ---------------------------------------------------------------------------------------------
  * Compute thread: the batcher's sink turns what it reports into events for the loop */
 
-static void sink_token(void *user, uint64_t id, int32_t token)
+static void sink_token(void *user, uint64_t id, int32_t token, const struct moe_token_lp *lp)
 {
     struct wevent *ev = ev_new(EV_TOKEN, id);
     if (ev) {
         ev->token = token;
+        if (lp) {
+            ev->has_lp = true;
+            ev->lp = *lp;
+        }
         post(user, ev);
     }
 }
@@ -379,6 +385,21 @@ static int on_submit(struct worker *w, const Moed__Submit *s, char *err, size_t 
     if (s->n_eog)
         memcpy(j->eog, s->eog, s->n_eog * sizeof *j->eog);
     fill_sampling(&j->sp, s->sampling);
+    j->logprobs = s->logprobs;
+    j->n_top = s->top_logprobs;
+    const Moed__Sampling *sm = s->sampling;
+    if (sm && sm->n_bias_token) {
+        j->bias_tok = malloc(sm->n_bias_token * sizeof *j->bias_tok);
+        j->bias_val = malloc(sm->n_bias_token * sizeof *j->bias_val);
+        if (!j->bias_tok || !j->bias_val) {
+            w->n_live--;
+            moe_job_free(j);
+            return moe_fail(err, errlen, -ENOMEM, "out of memory");
+        }
+        memcpy(j->bias_tok, sm->bias_token, sm->n_bias_token * sizeof *j->bias_tok);
+        memcpy(j->bias_val, sm->bias_value, sm->n_bias_token * sizeof *j->bias_val);
+        j->n_bias = (uint32_t)sm->n_bias_token;
+    }
     j->slot = -1;
     pthread_mutex_lock(&w->mu);
     if (w->in_tail)
@@ -479,6 +500,13 @@ static void send_event(struct worker *w, struct wevent *ev)
         Moed__Token t = MOED__TOKEN__INIT;
         t.id = ev->id;
         t.token = ev->token;
+        if (ev->has_lp) {
+            t.has_logprob = true;
+            t.logprob = ev->lp.logprob;
+            t.n_top_token = t.n_top_logprob = ev->lp.n_top;
+            t.top_token = ev->lp.top_id;
+            t.top_logprob = ev->lp.top_lp;
+        }
         env.msg_case = MOED__ENVELOPE__MSG_TOKEN;
         env.token = &t;
         if (live_has(w, ev->id, NULL))

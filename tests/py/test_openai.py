@@ -7,6 +7,7 @@ counts, stop strings, and that bad requests raise the SDK's error classes with u
 """
 import concurrent.futures
 import json
+import math
 import os
 import pathlib
 import signal
@@ -122,6 +123,13 @@ def want():
                             "-n", str(N), "--temp", "0", "--json"], capture_output=True, check=True)
         out[p.name] = json.loads(r.stdout)["text"]
     return out
+
+
+def tokenize(client, text):
+    """Token ids of text through llama-server's /tokenize (the SDK's own HTTP client)."""
+    r = client._client.post("http://moed/tokenize", json={"content": text})
+    assert r.status_code == 200
+    return r.json()["tokens"]
 
 
 def test_models(client):
@@ -284,3 +292,140 @@ def test_metrics_and_admin(daemon, client):
         assert len(st["workers"]) == 2
         assert all(w["state"] == "ready" for w in st["workers"])
         assert st["scheduler"]["requests_total"] >= 1
+
+
+def test_logprobs_chat(client):
+    """Chat logprobs in OpenAI's shape: one entry per generated token, the greedy token is the
+    most likely one, the top list is ordered and the same text comes with or without them."""
+    msgs = [{"role": "user", "content": "Tell me about the sea."}]
+    plain = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=12, temperature=0)
+    r = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=12, temperature=0,
+                                       logprobs=True, top_logprobs=5)
+    assert r.choices[0].message.content == plain.choices[0].message.content
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens == 12
+    for e in content:
+        assert e.logprob <= 0 and len(e.top_logprobs) == 5
+        assert bytes(e.bytes).decode("utf-8", "replace") == e.token
+        assert e.top_logprobs[0].token == e.token
+        assert abs(e.top_logprobs[0].logprob - e.logprob) < 1e-6
+        lps = [t.logprob for t in e.top_logprobs]
+        assert lps == sorted(lps, reverse=True) and sum(math.exp(x) for x in lps) <= 1 + 1e-5
+    # Streamed: the same entries, spread over the chunks.
+    got = []
+    for ch in client.chat.completions.create(model="tiny", messages=msgs, max_tokens=12, temperature=0,
+                                             logprobs=True, top_logprobs=5, stream=True):
+        if ch.choices and ch.choices[0].logprobs and ch.choices[0].logprobs.content:
+            got += ch.choices[0].logprobs.content
+    assert [e.token for e in got] == [e.token for e in content]
+    assert all(abs(a.logprob - b.logprob) < 1e-3 for a, b in zip(got, content))
+    # logprobs without top_logprobs: empty top lists; sampled (seeded) text does not change.
+    kw = dict(model="tiny", messages=msgs, max_tokens=12, temperature=0.9, seed=99)
+    a = client.chat.completions.create(**kw)
+    b = client.chat.completions.create(**kw, logprobs=True)
+    assert a.choices[0].message.content == b.choices[0].message.content
+    assert all(e.top_logprobs == [] for e in b.choices[0].logprobs.content)
+    assert a.choices[0].logprobs is None
+
+
+def test_logprobs_completions(client):
+    p = PROMPTS[0].read_text()
+    r = client.completions.create(model="tiny", prompt=p, max_tokens=N, temperature=0, logprobs=3)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == N
+    assert "".join(lp.tokens) == r.choices[0].text
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(N)]
+    for tok, x, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert len(top) <= 3 and abs(max(top.values()) - x) < 1e-6 and top[tok] == x
+    text, toks = "", []
+    for ch in client.completions.create(model="tiny", prompt=p, max_tokens=N, temperature=0, logprobs=3,
+                                        stream=True):
+        text += ch.choices[0].text
+        toks += ch.choices[0].logprobs.tokens
+    assert text == r.choices[0].text and toks == lp.tokens
+    # A stop string's tokens are not listed.
+    stop = r.choices[0].text[len(r.choices[0].text) // 2:][:3]
+    s = client.completions.create(model="tiny", prompt=p, max_tokens=N, temperature=0, logprobs=0, stop=[stop])
+    cut = s.choices[0].text
+    assert "".join(s.choices[0].logprobs.tokens).startswith(cut)
+    assert len(s.choices[0].logprobs.tokens) < N and all(t == {} for t in s.choices[0].logprobs.top_logprobs)
+
+
+def test_logit_bias(client):
+    p = PROMPTS[1].read_text()
+    r = client.completions.create(model="tiny", prompt=p, max_tokens=6, temperature=0, logprobs=1)
+    first = r.choices[0].logprobs.tokens[0]
+    ids = tokenize(client, first)
+    assert len(ids) == 1
+    # Banned: the greedy first token is not taken any more.
+    b = client.completions.create(model="tiny", prompt=p, max_tokens=6, temperature=0, logprobs=1,
+                                  logit_bias={str(ids[0]): -100})
+    assert b.choices[0].logprobs.tokens[0] != first
+    # Forced: every token is the favoured one (also sampled, and streamed); the logprobs are the
+    # model's own, before the bias.
+    word = next(t for t in r.choices[0].logprobs.tokens[1:] + [first]
+                if t.isascii() and t != first and len(tokenize(client, t)) == 1)
+    want = tokenize(client, word)
+    for kw in (dict(temperature=0), dict(temperature=1, seed=5)):
+        f = client.completions.create(model="tiny", prompt=p, max_tokens=6, logit_bias={str(want[0]): 100},
+                                      logprobs=0, **kw)
+        assert f.choices[0].text == word * 6
+        assert all(x < -0.01 for x in f.choices[0].logprobs.token_logprobs)
+    chunks = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}],
+                                            max_tokens=5, temperature=0, stream=True,
+                                            logit_bias={want[0]: 100})
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == word * 5
+
+
+def test_echo_and_timings(client):
+    r = client.completions.create(model="tiny", prompt="The sea", max_tokens=5, temperature=0)
+    e = client.completions.create(model="tiny", prompt="The sea", max_tokens=5, temperature=0, echo=True)
+    assert e.choices[0].text == "The sea" + r.choices[0].text
+    ids = tokenize(client, "The sea")
+    t = client.completions.create(model="tiny", prompt=ids, max_tokens=5, temperature=0, echo=True)
+    assert t.choices[0].text == e.choices[0].text
+    s = "".join(c.choices[0].text for c in client.completions.create(
+        model="tiny", prompt="The sea", max_tokens=5, temperature=0, echo=True, stream=True))
+    assert s == e.choices[0].text
+    tm = e.model_extra["timings"]
+    assert set(tm) >= {"prompt_n", "prompt_ms", "prompt_per_second", "predicted_n", "predicted_ms",
+                       "predicted_per_second", "cache_n"}
+    assert tm["predicted_n"] == 5 and tm["prompt_n"] + tm["cache_n"] == e.usage.prompt_tokens
+    assert tm["prompt_ms"] >= 0 and tm["predicted_ms"] >= 0
+    last = list(client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}],
+                                               max_tokens=3, stream=True))
+    assert last[-1].model_extra["timings"]["predicted_n"] == 3
+
+
+def test_bad_sampling_requests(client):
+    msgs = [{"role": "user", "content": "x"}]
+    bad_chat = [
+        (dict(logprobs=True, top_logprobs=21), "top_logprobs"),
+        (dict(top_logprobs=2), "top_logprobs"),
+        (dict(logprobs="yes"), "logprobs"),
+        (dict(logit_bias={"abc": 1}), "logit_bias"),
+        (dict(logit_bias={"-1": 1}), "logit_bias"),
+        (dict(logit_bias={"1": 101}), "logit_bias"),
+        (dict(logit_bias={"1": "x"}), "logit_bias"),
+        (dict(logit_bias={"99999999": 1}), "logit_bias"),
+        (dict(logit_bias=[1, 2]), "logit_bias"),
+        (dict(logit_bias={str(i): 1 for i in range(1025)}), "logit_bias"),
+        (dict(extra_body={"echo": True}), "echo"),
+    ]
+    for kw, param in bad_chat:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model="tiny", messages=msgs, max_tokens=2, **kw)
+        assert e.value.body["param"] == param, (kw, e.value.body)
+    bad_cmpl = [
+        (dict(logprobs=21), "logprobs"),
+        (dict(logprobs=-1), "logprobs"),
+        (dict(echo=True, logprobs=1), "echo"),
+        (dict(extra_body={"top_logprobs": 2}), "top_logprobs"),
+        (dict(extra_body={"logprobs": True}), "logprobs"),
+    ]
+    for kw, param in bad_cmpl:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model="tiny", prompt="Hi", max_tokens=2, **kw)
+        assert e.value.body["param"] == param, (kw, e.value.body)
+    # Still serving.
+    assert client.completions.create(model="tiny", prompt="Hi", max_tokens=2).usage.completion_tokens == 2
