@@ -25,6 +25,7 @@
 #include "store/version.h"
 
 #define MAX_STOPS 16
+#define MAX_CHOICES 16                  /* n */
 #define MAX_STOP_LEN 256
 #define TPS_BUCKETS 16
 
@@ -87,13 +88,26 @@ struct api {
     struct latency_hist ttft, itl;  /* seconds: request to first token, between tokens */
 };
 
+/* One response: its n choices (a gen each, submitted as n requests) and what they share. */
+struct gen_group {
+    struct api *api;
+    struct http_conn *conn;
+    bool headers_sent;
+    bool submitting;                /* callbacks are parked while the choices are submitted */
+    uint32_t n, n_open;             /* choices; those not finished */
+    struct gen **g;                 /* [n] */
+    json_t *choices;                /* not streamed: [n] the finished choices, null until then */
+};
+
 struct gen {
     struct api *api;
+    struct gen_group *grp;
+    uint32_t index;                 /* the choice's index */
     struct gen *prev, *next;
     struct http_conn *conn;
     struct sched_req *req;
     bool chat, stream, include_usage;
-    bool headers_sent, finished;
+    bool finished;
     bool linked;                    /* in api.gens */
     char id[48];
     time_t created;
@@ -124,8 +138,7 @@ struct gen {
     char *echo;                     /* completions with echo: the prompt's text */
     size_t echo_len;
     bool echo_sent;
-    /* A callback that arrives while sched_submit() has not returned yet is parked here. */
-    bool submitting;
+    /* A callback that arrives while the group is submitted is parked here. */
     int early;                      /* 0, 1: done, 2: error */
     enum sched_finish early_why;
     int early_status;
@@ -368,6 +381,16 @@ static void gen_free(struct gen *g)
     free(g);
 }
 
+static void group_free(struct gen_group *grp)
+{
+    for (uint32_t i = 0; i < grp->n; i++)
+        if (grp->g[i])
+            gen_free(grp->g[i]);
+    free(grp->g);
+    json_decref(grp->choices);
+    free(grp);
+}
+
 static void tps_add(struct api *a, uint64_t n)
 {
     int64_t s = (int64_t)moe_now_s();
@@ -390,12 +413,17 @@ static double tps_rate(const struct api *a)
     return (double)sum / 10.0;
 }
 
-static json_t *usage_obj(const struct gen *g)
+/* The prompt once, the completion tokens of every choice (as OpenAI counts n > 1). */
+static json_t *usage_obj(const struct gen_group *grp)
 {
+    const struct gen *g = grp->g[0];
+    json_int_t gen = 0;
+    for (uint32_t i = 0; i < grp->n; i++)
+        gen += grp->g[i]->n_gen;
     json_t *u = json_object();
     json_object_set_new(u, "prompt_tokens", json_integer(g->n_prompt));
-    json_object_set_new(u, "completion_tokens", json_integer(g->n_gen));
-    json_object_set_new(u, "total_tokens", json_integer((json_int_t)g->n_prompt + g->n_gen));
+    json_object_set_new(u, "completion_tokens", json_integer(gen));
+    json_object_set_new(u, "total_tokens", json_integer((json_int_t)g->n_prompt + gen));
     /* As OpenAI reports prompt caching: the prompt tokens taken from a kept KV cache. */
     json_object_set_new(u, "prompt_tokens_details",
                         json_pack("{s:I}", "cached_tokens", (json_int_t)g->n_cached));
@@ -433,23 +461,22 @@ static int sse_send(struct gen *g, json_t *obj)
     return rc;
 }
 
+/* Starts the event stream; a chat stream opens every choice with an assistant role delta. */
 static int stream_headers(struct gen *g)
 {
-    if (g->headers_sent)
+    if (g->grp->headers_sent)
         return 0;
-    g->headers_sent = true;
+    g->grp->headers_sent = true;
     count_response(g->api, 200);
     int rc = http_stream_start(g->conn, 200, "text/event-stream",
                                "Cache-Control: no-cache\r\nX-Accel-Buffering: no\r\n");
-    if (rc)
-        return rc;
-    if (g->chat) {
+    for (uint32_t i = 0; rc == 0 && g->chat && i < g->grp->n; i++) {
         json_t *o = chunk_obj(g);
         json_t *ch = json_object();
         json_t *delta = json_object();
         json_object_set_new(delta, "role", json_string("assistant"));
         json_object_set_new(delta, "content", json_string(""));
-        json_object_set_new(ch, "index", json_integer(0));
+        json_object_set_new(ch, "index", json_integer(i));
         json_object_set_new(ch, "delta", delta);
         json_object_set_new(ch, "logprobs", json_null());
         json_object_set_new(ch, "finish_reason", json_null());
@@ -553,18 +580,31 @@ static json_t *lp_take(struct gen *g, size_t upto)
     return o;
 }
 
-/* llama-server's per-response timings: prompt (request to first token, so queueing too) and
- * generation (first token to last). */
-static json_t *timings_obj(const struct gen *g)
+/* llama-server's per-response timings: prompt (request to first token, so queueing too; the
+ * first choice's) and generation (first token to last, of all choices together). */
+static json_t *timings_obj(const struct gen_group *grp)
 {
+    const struct gen *g = grp->g[0];
     const double pms = g->n_gen ? (g->t_first - g->t_start) * 1e3 : (g->t_last - g->t_start) * 1e3;
-    const double gms = g->n_gen ? (g->t_last - g->t_first) * 1e3 : 0;
+    double first = 0, last = 0;
+    json_int_t n_gen = 0;
+    for (uint32_t i = 0; i < grp->n; i++) {
+        const struct gen *x = grp->g[i];
+        if (!x->n_gen)
+            continue;
+        if (!n_gen || x->t_first < first)
+            first = x->t_first;
+        if (!n_gen || x->t_last > last)
+            last = x->t_last;
+        n_gen += x->n_gen;
+    }
+    const double gms = n_gen ? (last - first) * 1e3 : 0;
     const uint32_t pn = g->n_prompt - (g->n_cached < g->n_prompt ? g->n_cached : g->n_prompt);
     return json_pack("{s:I,s:I,s:f,s:f,s:I,s:f,s:f}", "cache_n", (json_int_t)g->n_cached,
                      "prompt_n", (json_int_t)pn, "prompt_ms", pms,
                      "prompt_per_second", pms > 0 ? pn * 1e3 / pms : 0.0,
-                     "predicted_n", (json_int_t)g->n_gen, "predicted_ms", gms,
-                     "predicted_per_second", gms > 0 ? g->n_gen * 1e3 / gms : 0.0);
+                     "predicted_n", n_gen, "predicted_ms", gms,
+                     "predicted_per_second", gms > 0 ? (double)n_gen * 1e3 / gms : 0.0);
 }
 
 /* One streamed chunk: a chat delta (taken) or a completion's text, with a finish reason or not. */
@@ -577,15 +617,15 @@ static int stream_send(struct gen *g, json_t *delta, const char *text, size_t n,
     }
     json_t *o = chunk_obj(g);
     json_t *ch = json_object();
-    json_object_set_new(ch, "index", json_integer(0));
+    json_object_set_new(ch, "index", json_integer(g->index));
     if (g->chat)
         json_object_set_new(ch, "delta", delta ? delta : json_object());
     else
         json_object_set_new(ch, "text", finish ? json_string("") : json_text(text, n));
     json_object_set_new(ch, "logprobs", lp_take(g, finish ? SIZE_MAX : g->lp_bound));
     json_object_set_new(ch, "finish_reason", finish ? json_string(finish) : json_null());
-    if (finish)
-        json_object_set_new(o, "timings", timings_obj(g));
+    if (finish && g->grp->n_open == 1) /* the last choice to finish */
+        json_object_set_new(o, "timings", timings_obj(g->grp));
     json_object_set_new(o, "choices", json_pack("[o]", ch));
     if (g->include_usage)
         json_object_set_new(o, "usage", json_null());
@@ -645,17 +685,22 @@ static void stream_pending(struct gen *g, bool final)
     } else if (upto > g->sent) {
         stream_send(g, NULL, g->text + g->sent, upto - g->sent, NULL);
         g->sent = upto;
-    } else if (!g->headers_sent) {
+    } else if (!g->grp->headers_sent) {
         stream_headers(g);
     }
 }
 
-/* The generation is over (stop string, end of generation or length): answer and free. */
+/* A choice is over (stop string, end of generation or length): its last chunk, or its part of
+ * the answer; once every choice is, the end of the stream or the answer, and the group is
+ * freed. */
 static void gen_finish(struct gen *g, const char *reason)
 {
     struct api *a = g->api;
+    struct gen_group *grp = g->grp;
     struct http_conn *c = g->conn;
-    http_conn_on_abort(c, NULL, NULL);
+    if (g->finished)
+        return;
+    g->finished = true;
     if (g->chat && !g->stream)
         chat_out_feed(&g->co, g->text, g->text_len, true, emit_collect, g);
     if (g->chat && g->co.n_calls && !strcmp(reason, "stop"))
@@ -665,22 +710,9 @@ static void gen_finish(struct gen *g, const char *reason)
         if (g->chat && g->co.n_calls && !strcmp(reason, "stop"))
             reason = "tool_calls";
         stream_send(g, NULL, NULL, 0, reason);
-        if (g->include_usage) {
-            json_t *o = chunk_obj(g);
-            json_object_set_new(o, "choices", json_array());
-            json_object_set_new(o, "usage", usage_obj(g));
-            sse_send(g, o);
-        }
-        http_stream_write(c, "data: [DONE]\n\n", 14);
-        http_stream_end(c);
     } else {
-        json_t *o = json_object();
-        json_object_set_new(o, "id", json_string(g->id));
-        json_object_set_new(o, "object", json_string(g->chat ? "chat.completion" : "text_completion"));
-        json_object_set_new(o, "created", json_integer(g->created));
-        json_object_set_new(o, "model", json_string(a->model_id));
         json_t *ch = json_object();
-        json_object_set_new(ch, "index", json_integer(0));
+        json_object_set_new(ch, "index", json_integer(g->index));
         if (g->chat) {
             json_t *m = json_object();
             json_object_set_new(m, "role", json_string("assistant"));
@@ -706,12 +738,33 @@ static void gen_finish(struct gen *g, const char *reason)
         }
         json_object_set_new(ch, "logprobs", g->logprobs ? lp_obj(g, 0, json_array_size(g->lp)) : json_null());
         json_object_set_new(ch, "finish_reason", json_string(reason));
-        json_object_set_new(o, "choices", json_pack("[o]", ch));
-        json_object_set_new(o, "usage", usage_obj(g));
-        json_object_set_new(o, "timings", timings_obj(g));
+        json_array_set_new(grp->choices, g->index, ch);
+    }
+    if (--grp->n_open)
+        return;
+    http_conn_on_abort(c, NULL, NULL);
+    if (g->stream) {
+        if (g->include_usage) {
+            json_t *o = chunk_obj(g);
+            json_object_set_new(o, "choices", json_array());
+            json_object_set_new(o, "usage", usage_obj(grp));
+            sse_send(g, o);
+        }
+        http_stream_write(c, "data: [DONE]\n\n", 14);
+        http_stream_end(c);
+    } else {
+        json_t *o = json_object();
+        json_object_set_new(o, "id", json_string(g->id));
+        json_object_set_new(o, "object", json_string(g->chat ? "chat.completion" : "text_completion"));
+        json_object_set_new(o, "created", json_integer(g->created));
+        json_object_set_new(o, "model", json_string(a->model_id));
+        json_object_set_new(o, "choices", grp->choices);
+        grp->choices = NULL;
+        json_object_set_new(o, "usage", usage_obj(grp));
+        json_object_set_new(o, "timings", timings_obj(grp));
         respond_json(a, c, 200, o, NULL);
     }
-    gen_free(g);
+    group_free(grp);
 }
 
 /* Appends new text, checks the stop strings; true when a stop string ended the generation. */
@@ -785,7 +838,7 @@ static void on_done(struct sched_req *r, void *user, enum sched_finish why, uint
     (void)n_prompt, (void)n_gen;
     g->n_cached = sched_req_cached(r);
     g->req = NULL;
-    if (g->submitting) {
+    if (g->grp->submitting) {
         g->early = 1;
         g->early_why = why;
         return;
@@ -798,7 +851,7 @@ static void on_error(struct sched_req *r, void *user, int http_status, const cha
     struct gen *g = user;
     (void)r;
     g->req = NULL;
-    if (g->submitting) {
+    if (g->grp->submitting) {
         g->early = 2;
         g->early_status = http_status;
         snprintf(g->early_msg, sizeof g->early_msg, "%s", message ? message : "");
@@ -807,13 +860,28 @@ static void on_error(struct sched_req *r, void *user, int http_status, const cha
     gen_fail(g, http_status, message);
 }
 
+/* Stops every choice of the group (the others' requests are cancelled). */
+static void group_cancel(struct gen_group *grp)
+{
+    for (uint32_t i = 0; i < grp->n; i++) {
+        struct gen *x = grp->g[i];
+        if (x && x->req)
+            sched_cancel(grp->api->sched, x->req);
+        if (x)
+            x->req = NULL;
+    }
+}
+
+/* A choice failed: the whole response does (an error event once streaming) and is freed. */
 static void gen_fail(struct gen *g, int http_status, const char *message)
 {
     struct api *a = g->api;
+    struct gen_group *grp = g->grp;
     a->gen_errors++;
     log_warn("generation %s failed (%d): %s", g->id, http_status, message);
     http_conn_on_abort(g->conn, NULL, NULL);
-    if (g->headers_sent) {
+    group_cancel(grp);
+    if (grp->headers_sent) {
         /* Too late for a status code: an error event tells SSE clients (the openai SDK raises
          * it) that the stream is broken, and there is no [DONE]. */
         int status = http_status >= 400 ? http_status : 500;
@@ -824,18 +892,16 @@ static void gen_fail(struct gen *g, int http_status, const char *message)
     } else {
         respond_error(a, g->conn, http_status >= 400 ? http_status : 500, NULL, "%s", message);
     }
-    gen_free(g);
+    group_free(grp);
 }
 
 /* The client went away: stop generating for it. */
 static void on_abort(void *user)
 {
-    struct gen *g = user;
-    if (g->req)
-        sched_cancel(g->api->sched, g->req);
-    g->req = NULL;
-    log_debug("generation %s: client disconnected after %u tokens", g->id, g->n_gen);
-    gen_free(g);
+    struct gen_group *grp = user;
+    group_cancel(grp);
+    log_debug("generation %s: client disconnected after %u tokens", grp->g[0]->id, grp->g[0]->n_gen);
+    group_free(grp);
 }
 
 /* ---- request parsing ---- */
@@ -853,6 +919,7 @@ struct gen_req {
     size_t n_stops;
     bool tools;                   /* chat: the request has tools (parse tool calls) */
     bool think_open;              /* chat: the prompt ends inside <think> */
+    uint32_t n;                   /* choices */
     bool echo;                    /* completions: the answer starts with the prompt */
     char *echo_text;              /* the prompt's text (set with the prompt) */
     size_t echo_len;
@@ -1053,10 +1120,9 @@ static int parse_common(struct api *a, json_t *body, bool chat, struct gen_req *
     bool seed_set = false, mt_set = false;
     if (get_int(body, "top_k", 0, a->model.n_vocab ? a->model.n_vocab : INT32_MAX, &k, NULL, e) ||
         get_int(body, "seed", INT64_MIN, INT64_MAX, &seed, &seed_set, e) ||
-        get_int(body, "n", 1, INT64_MAX, &n, NULL, e))
+        get_int(body, "n", 1, MAX_CHOICES, &n, NULL, e))
         return -1;
-    if (n != 1)
-        return fail(e, 400, "n", "'n' must be 1 (one choice per request)");
+    r->n = (uint32_t)n;
     r->s.top_k = (int32_t)k;
     r->s.seed = (uint64_t)seed;
     r->s.has_seed = seed_set;
@@ -1170,8 +1236,8 @@ static int parse_common(struct api *a, json_t *body, bool chat, struct gen_req *
         return fail(e, 400, "echo", "'echo' with 'logprobs' is not supported: moed does not compute "
                     "the prompt's logprobs (use one or the other)");
     if ((v = json_object_get(body, "best_of")) && !json_is_null(v) &&
-        !(json_is_integer(v) && json_integer_value(v) == 1))
-        return fail(e, 400, "best_of", "'best_of' must be 1");
+        !(json_is_integer(v) && (json_integer_value(v) == 1 || json_integer_value(v) == (json_int_t)r->n)))
+        return fail(e, 400, "best_of", "'best_of' must be 1 or equal 'n' (moed returns every sequence)");
     if ((v = json_object_get(body, "response_format")) && !json_is_null(v)) {
         json_t *t = json_is_object(v) ? json_object_get(v, "type") : NULL;
         if (!t || !json_is_string(t) || strcmp(json_string_value(t), "text") != 0)
@@ -1821,14 +1887,72 @@ fail:
     json_decref(body);
 }
 
+/* One choice of a response: everything but its request. NULL when out of memory. */
+static struct gen *gen_new(struct api *a, struct gen_group *grp, uint32_t index, bool chat,
+                           const struct gen_req *r, const char *id, time_t created, double t0)
+{
+    struct gen *g = calloc(1, sizeof *g);
+    if (!g)
+        return NULL;
+    g->api = a;
+    g->grp = grp;
+    g->index = index;
+    g->conn = grp->conn;
+    g->chat = chat;
+    g->stream = r->stream;
+    g->include_usage = r->include_usage;
+    g->created = created;
+    g->t_start = g->t_last = t0;
+    g->n_prompt = (uint32_t)r->n_prompt;
+    g->logprobs = r->s.logprobs;
+    g->n_top = r->s.top_logprobs;
+    snprintf(g->id, sizeof g->id, "%s", id);
+    bool ok = !g->logprobs || (g->lp = json_array());
+    if (ok && r->echo) {
+        g->echo = malloc(r->echo_len + 1);
+        ok = g->echo != NULL;
+        if (ok) {
+            if (r->echo_len)
+                memcpy(g->echo, r->echo_text, r->echo_len);
+            g->echo[r->echo_len] = 0;
+            g->echo_len = r->echo_len;
+            g->lp_chars = utf8_chars(g->echo, g->echo_len);
+        }
+    }
+    for (size_t i = 0; ok && i < r->n_stops; i++) {
+        ok = (g->stops[i] = strdup(r->stops[i])) != NULL;
+        g->n_stops += ok;
+    }
+    moe_detok_init(&g->detok);
+    if (chat) {
+        char prefix[40];
+        snprintf(prefix, sizeof prefix, "call_%.24s", g->id + strlen("chatcmpl-"));
+        chat_out_init(&g->co, r->think_open, r->tools, prefix);
+    }
+    g->piece_cap = 3 * (moe_tok_max_piece(a->tok) + 4) + 1;
+    ok = ok && (g->piece = malloc(g->piece_cap));
+    g->next = a->gens;
+    if (a->gens)
+        a->gens->prev = g;
+    a->gens = g;
+    a->n_gens++;
+    g->linked = true;
+    if (!ok) {
+        gen_free(g);
+        return NULL;
+    }
+    return g;
+}
+
 static void finish_generate(struct api *a, struct http_conn *c, bool chat, struct gen_req *rp,
                             struct verr *ep, int rc, double t0)
 {
     struct gen_req r = *rp;
     struct verr e = *ep;
+    struct gen_group *grp = NULL;
     struct gen *g = NULL;
-    /* r's allocations stay owned by the caller's struct (freed there); ownership of the prompt
-     * passes to the scheduler's copy only through sched_submit, which copies it. */
+    /* r's allocations stay owned by the caller's struct (freed there): the scheduler copies the
+     * prompt, each choice its stop strings and echo. */
     if (rc)
         goto fail;
     if (a->draining) {
@@ -1860,102 +1984,91 @@ static void finish_generate(struct api *a, struct http_conn *c, bool chat, struc
     else
         max_tokens = chat ? room : (16 < room ? 16 : room);
 
-    g = calloc(1, sizeof *g);
-    if (!g) {
+    grp = calloc(1, sizeof *grp);
+    if (grp) {
+        grp->api = a;
+        grp->conn = c;
+        grp->n = grp->n_open = r.n;
+        grp->g = calloc(r.n, sizeof *grp->g);
+        grp->choices = json_array();
+    }
+    if (!grp || !grp->g || !grp->choices) {
         fail(&e, 500, NULL, "out of memory");
         goto fail;
     }
-    g->api = a;
-    g->conn = c;
-    g->chat = chat;
-    g->stream = r.stream;
-    g->include_usage = r.include_usage;
-    g->created = time(NULL);
-    g->t_start = g->t_last = t0;
-    g->n_prompt = (uint32_t)r.n_prompt;
-    g->logprobs = r.s.logprobs;
-    g->n_top = r.s.top_logprobs;
-    if (g->logprobs && !(g->lp = json_array())) {
-        fail(&e, 500, NULL, "out of memory");
-        goto fail;
-    }
-    if (r.echo) {
-        g->echo = r.echo_text;
-        g->echo_len = r.echo_len;
-        g->lp_chars = utf8_chars(g->echo ? g->echo : "", g->echo_len);
-        rp->echo_text = NULL;
-        if (!g->echo && !(g->echo = strdup(""))) {
+    char id[48];
+    new_id(a, id, sizeof id, chat ? "chatcmpl" : "cmpl");
+    const time_t created = time(NULL);
+    for (uint32_t i = 0; i < r.n; i++) {
+        json_array_append_new(grp->choices, json_null());
+        if (!(grp->g[i] = gen_new(a, grp, i, chat, &r, id, created, t0))) {
             fail(&e, 500, NULL, "out of memory");
             goto fail;
         }
     }
-    new_id(a, g->id, sizeof g->id, chat ? "chatcmpl" : "cmpl");
-    memcpy(g->stops, r.stops, sizeof r.stops);
-    g->n_stops = r.n_stops;
-    r.n_stops = 0;
-    moe_detok_init(&g->detok);
-    if (chat) {
-        char prefix[40];
-        snprintf(prefix, sizeof prefix, "call_%.24s", g->id + strlen("chatcmpl-"));
-        chat_out_init(&g->co, r.think_open, r.tools, prefix);
-    }
-    g->piece_cap = 3 * (moe_tok_max_piece(a->tok) + 4) + 1;
-    g->piece = malloc(g->piece_cap);
-    if (!g->piece) {
-        fail(&e, 500, NULL, "out of memory");
-        goto fail;
-    }
-    g->next = a->gens;
-    if (a->gens)
-        a->gens->prev = g;
-    a->gens = g;
-    a->n_gens++;
-    g->linked = true;
-
-    struct sched_params sp = {
-        .prompt = r.prompt,
-        .n_prompt = (uint32_t)r.n_prompt,
-        .max_tokens = max_tokens,
-        .sampling = r.s,
-        .cb = {on_token, on_done, on_error},
-        .user = g,
-    };
+    g = grp->g[0];
+    /* Every choice is a request of its own; seeded ones get seed, seed + 1, ... */
     int status = 503;
     char msg[512] = "";
     a->gen_requests++;
     a->prompt_tokens += r.n_prompt;
-    http_conn_on_abort(c, on_abort, g);
-    g->submitting = true;
-    struct sched_req *sr = sched_submit(a->sched, &sp, &status, msg, sizeof msg);
-    g->submitting = false;
-    if (g->early) {
-        /* The scheduler finished the request inside sched_submit(): the handle is gone. */
-        if (g->early == 1)
-            gen_done(g, g->early_why);
-        else
-            gen_fail(g, g->early_status, g->early_msg);
-        g = NULL;
-        goto out;
+    http_conn_on_abort(c, on_abort, grp);
+    grp->submitting = true;
+    for (uint32_t i = 0; i < r.n; i++) {
+        struct sched_params sp = {
+            .prompt = r.prompt,
+            .n_prompt = (uint32_t)r.n_prompt,
+            .max_tokens = max_tokens,
+            .sampling = r.s,
+            .cb = {on_token, on_done, on_error},
+            .user = grp->g[i],
+        };
+        sp.sampling.seed += i;
+        struct sched_req *sr = sched_submit(a->sched, &sp, &status, msg, sizeof msg);
+        if (!grp->g[i]->early)
+            grp->g[i]->req = sr; /* else it finished inside: the handle is gone */
+        if (!sr && !grp->g[i]->early)
+            break;
     }
-    g->req = sr;
-    if (!g->req) {
-        http_conn_on_abort(c, NULL, NULL);
-        a->gen_errors++;
-        gen_free(g);
-        g = NULL;
-        fail(&e, status >= 400 ? status : 503, NULL, "%s", msg[0] ? msg : "the request could not be queued");
-        goto fail;
+    grp->submitting = false;
+    for (uint32_t i = 0; i < r.n; i++) {
+        struct gen *x = grp->g[i];
+        if (x->early == 2 || (!x->req && !x->early)) {
+            /* Not queued, or failed at once: the response fails as a whole. */
+            if (x->early == 2) {
+                status = x->early_status;
+                snprintf(msg, sizeof msg, "%s", x->early_msg);
+            }
+            http_conn_on_abort(c, NULL, NULL);
+            group_cancel(grp);
+            a->gen_errors++;
+            group_free(grp);
+            grp = NULL;
+            fail(&e, status >= 400 ? status : 503, NULL, "%s", msg[0] ? msg : "the request could not be queued");
+            goto fail;
+        }
     }
-    log_debug("%s: %zu prompt tokens, max_tokens %u, temperature %g%s", g->id, r.n_prompt,
-              max_tokens, (double)r.s.temperature, r.stream ? ", streaming" : "");
+    log_debug("%s: %zu prompt tokens, max_tokens %u, temperature %g, n %u%s", g->id, r.n_prompt,
+              max_tokens, (double)r.s.temperature, r.n, r.stream ? ", streaming" : "");
+    /* Choices the scheduler finished inside sched_submit() (their handles are gone); the last
+     * one to finish frees the group. */
+    for (uint32_t i = 0; i < r.n; i++) {
+        struct gen *x = grp->g[i];
+        if (x->early != 1)
+            continue;
+        const bool last = grp->n_open == 1;
+        gen_done(x, x->early_why);
+        if (last)
+            break;
+    }
     goto out;
 fail:
-    if (g)
-        gen_free(g);
+    if (grp)
+        group_free(grp);
     respond_error(a, c, e.status ? e.status : 400, e.param, "%s", e.msg);
 out:
-    /* The stop strings moved into g (or were freed with it); the caller frees the rest. */
-    rp->n_stops = r.n_stops;
+    /* The stop strings were copied into each choice; the caller frees r's allocations. */
+    (void)g;
 }
 
 
@@ -2624,11 +2737,9 @@ void api_free(struct api *a)
     }
     while (a->gens) {
         struct gen *g = a->gens;
-        if (g->req)
-            sched_cancel(a->sched, g->req);
-        g->req = NULL;
+        group_cancel(g->grp);
         http_conn_on_abort(g->conn, NULL, NULL);
-        if (g->headers_sent) {
+        if (g->grp->headers_sent) {
             json_t *o = json_object();
             json_object_set_new(o, "error", error_obj(503, NULL, "moed is shutting down"));
             sse_send(g, o);
@@ -2636,7 +2747,7 @@ void api_free(struct api *a)
         } else {
             respond_error(a, g->conn, 503, NULL, "moed is shutting down");
         }
-        gen_free(g);
+        group_free(g->grp);
     }
     free(a->routing);
     free(a->model_id);

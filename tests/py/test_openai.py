@@ -266,9 +266,13 @@ def test_stop_string(client, want):
 
 
 def test_bad_requests(client):
+    for n in (0, 17):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model="tiny", prompt="hi", n=n)
+        assert "'n' must be between 1 and 16" in str(e.value)
     with pytest.raises(openai.BadRequestError) as e:
-        client.completions.create(model="tiny", prompt="hi", n=2)
-    assert "'n' must be 1" in str(e.value)
+        client.completions.create(model="tiny", prompt="hi", n=2, best_of=3)
+    assert e.value.body["param"] == "best_of"
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model="tiny", prompt="hi", max_tokens=0)
     assert "max_tokens" in str(e.value)
@@ -429,3 +433,62 @@ def test_bad_sampling_requests(client):
         assert e.value.body["param"] == param, (kw, e.value.body)
     # Still serving.
     assert client.completions.create(model="tiny", prompt="Hi", max_tokens=2).usage.completion_tokens == 2
+
+
+def test_n_choices(client):
+    """n > 1: one request per choice, seeded seed, seed + 1, ...; the prompt counted once."""
+    p = PROMPTS[2].read_text()
+    kw = dict(model="tiny", prompt=p, max_tokens=8, temperature=1.0)
+    r = client.completions.create(**kw, n=3, seed=40, logprobs=1)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    single = [client.completions.create(**kw, seed=40 + i) for i in range(3)]
+    assert [c.text for c in r.choices] == [x.choices[0].text for x in single]
+    assert len({c.text for c in r.choices}) > 1
+    assert r.usage.prompt_tokens == single[0].usage.prompt_tokens
+    assert r.usage.completion_tokens == sum(x.usage.completion_tokens for x in single)
+    assert all(len(c.logprobs.tokens) == 8 for c in r.choices)
+    assert r.model_extra["timings"]["predicted_n"] == r.usage.completion_tokens
+    # Chat, streamed: each choice's deltas under its index, each opened with the role.
+    msgs = [{"role": "user", "content": "Tell me a story."}]
+    full = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=10, temperature=0.8,
+                                          seed=3, n=2)
+    text, roles, finish, usage = {0: "", 1: ""}, set(), {}, None
+    for ch in client.chat.completions.create(model="tiny", messages=msgs, max_tokens=10, temperature=0.8,
+                                             seed=3, n=2, stream=True, stream_options={"include_usage": True}):
+        if ch.usage:
+            usage = ch.usage
+        for c in ch.choices:
+            if c.delta.role:
+                roles.add(c.index)
+            text[c.index] += c.delta.content or ""
+            if c.finish_reason:
+                finish[c.index] = c.finish_reason
+    assert roles == {0, 1} and set(finish) == {0, 1}
+    assert [text[0], text[1]] == [c.message.content for c in full.choices]
+    assert usage.completion_tokens == full.usage.completion_tokens
+    # A stop string ends one choice; the others go on.
+    stop = single[0].choices[0].text[2:5]
+    s = client.completions.create(**kw, n=2, seed=40, stop=[stop])
+    assert s.choices[0].finish_reason == "stop"
+    assert s.choices[0].text == single[0].choices[0].text.split(stop)[0]
+    assert s.choices[1].text.startswith(single[1].choices[0].text.split(stop)[0])
+
+
+def test_n_choices_disconnect(daemon, client):
+    """A client that leaves a 16-choice stream cancels every choice; the daemon keeps serving."""
+    with uds_client(daemon.sock) as http:
+        c = openai.OpenAI(base_url="http://moed/v1", api_key="x", http_client=http, max_retries=0)
+        stream = c.completions.create(model="tiny", prompt="The sea", max_tokens=200, n=16, stream=True)
+        for i, _ in enumerate(stream):
+            if i == 5:
+                break
+        stream.close()
+    deadline = time.time() + 10
+    while time.time() < deadline:
+        with uds_client(daemon.sock) as http:
+            if "moed_generations_in_flight 0" in http.get("/metrics").text:
+                break
+        time.sleep(0.05)
+    else:
+        raise AssertionError("the choices of a closed stream are still generating")
+    assert client.completions.create(model="tiny", prompt="Hi", max_tokens=2, n=2).usage.completion_tokens == 4
