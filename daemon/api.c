@@ -2212,6 +2212,37 @@ static void handle_props(struct api *a, struct http_request *req)
 }
 
 /* POST /detokenize {"tokens": [ids]} -> {"content": text}. */
+/* GET /slots, read-only, in llama-server's shape: per sequence slot its id, the request on it
+ * (id_task, -1: none), n_ctx, is_processing (and the older numeric state), and next_token's
+ * n_decoded / n_remain; moed adds the worker and the prompt's token count. */
+static void handle_slots(struct api *a, struct http_request *req)
+{
+    size_t n = a->sched ? sched_slots(a->sched, NULL, 0) : 0;
+    struct sched_slot *sl = n ? calloc(n, sizeof *sl) : NULL;
+    if (n && !sl) {
+        respond_error(a, req->conn, 500, NULL, "out of memory");
+        return;
+    }
+    if (n)
+        n = sched_slots(a->sched, sl, n);
+    json_t *arr = json_array();
+    for (size_t i = 0; i < n; i++) {
+        const bool busy = sl[i].id != 0;
+        json_t *nt = json_pack("{s:b,s:I,s:I}", "has_next_token", busy, "n_remain",
+                               busy ? (json_int_t)sl[i].max_tokens - sl[i].n_gen : (json_int_t)-1,
+                               "n_decoded", (json_int_t)sl[i].n_gen);
+        json_array_append_new(arr, json_pack("{s:I,s:I,s:I,s:b,s:i,s:I,s:I,s:I,s:o}",
+                                             "id", (json_int_t)i,
+                                             "id_task", busy ? (json_int_t)sl[i].id : (json_int_t)-1,
+                                             "n_ctx", (json_int_t)sl[i].n_ctx, "is_processing", busy,
+                                             "state", busy ? 1 : 0, "worker", (json_int_t)sl[i].worker,
+                                             "n_prompt_tokens", (json_int_t)sl[i].n_prompt,
+                                             "n_decoded", (json_int_t)sl[i].n_gen, "next_token", nt));
+    }
+    free(sl);
+    respond_json(a, req->conn, 200, arr, NULL);
+}
+
 static void handle_detokenize(struct api *a, struct http_request *req)
 {
     json_t *body = load_object(a, req);
@@ -2632,7 +2663,8 @@ void api_handle(void *user, struct http_request *req)
         return;
     }
     if (!get && (!strcmp(path, "/v1/models") || !strncmp(path, "/v1/models/", 11) ||
-                 !strcmp(path, "/health") || !strcmp(path, "/metrics") || !strcmp(path, "/props"))) {
+                 !strcmp(path, "/health") || !strcmp(path, "/metrics") || !strcmp(path, "/props") ||
+                 !strcmp(path, "/slots"))) {
         respond_error(a, req->conn, 405, NULL, "%s is not allowed on %s (use GET)", req->method_name, path);
         return;
     }
@@ -2644,6 +2676,8 @@ void api_handle(void *user, struct http_request *req)
         handle_health(a, req);
     } else if (!strcmp(path, "/props")) {
         handle_props(a, req);
+    } else if (!strcmp(path, "/slots")) {
+        handle_slots(a, req);
     } else if (!strcmp(path, "/metrics")) {
         handle_metrics(a, req);
     } else if (!strncmp(path, "/admin/", 7)) {

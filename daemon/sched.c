@@ -433,6 +433,30 @@ void sched_get_stats(const struct sched *s, struct sched_stats *out)
     out->workers_total = s->cfg.n_workers;
 }
 
+size_t sched_slots(const struct sched *s, struct sched_slot *out, size_t cap)
+{
+    size_t n = 0;
+    for (uint32_t w = 0; w < s->cfg.n_workers; w++) {
+        const struct wstate *ws = &s->w[w];
+        if (!ws->ready)
+            continue;
+        const struct sched_req *r = ws->reqs.head;
+        for (uint32_t k = 0; k < ws->n_seq; k++, n++) {
+            if (n >= cap)
+                continue;
+            out[n] = (struct sched_slot){.worker = w, .n_ctx = ws->n_ctx};
+            if (r) {
+                out[n].id = r->id;
+                out[n].n_prompt = r->n_prompt;
+                out[n].n_gen = r->n_gen;
+                out[n].max_tokens = r->max_tokens;
+                r = r->next;
+            }
+        }
+    }
+    return n;
+}
+
 void sched_worker_ready(struct sched *s, uint32_t w, uint32_t n_seq, uint32_t n_ctx)
 {
     if (w >= s->cfg.n_workers)

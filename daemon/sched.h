@@ -7,6 +7,7 @@
 #define MOED_SCHED_H
 
 #include <stdbool.h>
+#include <stddef.h>
 #include <stdint.h>
 
 struct sched;
@@ -90,5 +91,15 @@ struct sched_stats {
     uint64_t prompt_tokens_total, gen_tokens_total;
 };
 void sched_get_stats(const struct sched *s, struct sched_stats *out);
+
+/* A sequence slot of a ready worker, as the scheduler sees it: a worker's running requests take
+ * its first slots in the order they were sent (the worker's own slot numbers are not known). */
+struct sched_slot {
+    uint32_t worker, n_ctx;
+    uint64_t id;              /* the request running there; 0: idle */
+    uint32_t n_prompt, n_gen, max_tokens;
+};
+/* Writes up to cap slots, worker by worker; returns how many there are. */
+size_t sched_slots(const struct sched *s, struct sched_slot *out, size_t cap);
 
 #endif

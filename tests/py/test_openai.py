@@ -492,3 +492,23 @@ def test_n_choices_disconnect(daemon, client):
     else:
         raise AssertionError("the choices of a closed stream are still generating")
     assert client.completions.create(model="tiny", prompt="Hi", max_tokens=2, n=2).usage.completion_tokens == 4
+
+
+def test_slots(daemon, client):
+    """/slots (read-only, llama-server's shape): idle slots, then a running request on one."""
+    with uds_client(daemon.sock) as http:
+        slots = http.get("/slots").json()
+        assert len(slots) == 8 and [s["id"] for s in slots] == list(range(8))
+        assert all(set(s) >= {"id", "id_task", "n_ctx", "is_processing", "state", "next_token"} for s in slots)
+        assert all(s["n_ctx"] == 4096 for s in slots)
+        assert http.post("/slots", json={}).status_code == 405
+        stream = client.completions.create(model="tiny", prompt="The sea", max_tokens=2000, stream=True,
+                                           temperature=1.0, logit_bias={"0": -100})
+        for i, _ in enumerate(stream):
+            if i == 3:
+                break
+        busy = [s for s in http.get("/slots").json() if s["is_processing"]]
+        stream.close()
+        assert len(busy) == 1 and busy[0]["state"] == 1 and busy[0]["id_task"] > 0
+        assert busy[0]["n_decoded"] >= 3 and busy[0]["next_token"]["n_remain"] <= 2000 - 3
+        assert busy[0]["n_prompt_tokens"] == tokenize(client, "The sea").__len__()
