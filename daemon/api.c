@@ -600,10 +600,12 @@ static json_t *timings_obj(const struct gen_group *grp)
     }
     const double gms = n_gen ? (last - first) * 1e3 : 0;
     const uint32_t pn = g->n_prompt - (g->n_cached < g->n_prompt ? g->n_cached : g->n_prompt);
-    return json_pack("{s:I,s:I,s:f,s:f,s:I,s:f,s:f}", "cache_n", (json_int_t)g->n_cached,
+    return json_pack("{s:I,s:I,s:f,s:f,s:f,s:I,s:f,s:f,s:f}", "cache_n", (json_int_t)g->n_cached,
                      "prompt_n", (json_int_t)pn, "prompt_ms", pms,
+                     "prompt_per_token_ms", pn ? pms / pn : 0.0,
                      "prompt_per_second", pms > 0 ? pn * 1e3 / pms : 0.0,
                      "predicted_n", n_gen, "predicted_ms", gms,
+                     "predicted_per_token_ms", n_gen ? gms / (double)n_gen : 0.0,
                      "predicted_per_second", gms > 0 ? (double)n_gen * 1e3 / gms : 0.0);
 }
 

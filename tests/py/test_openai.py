@@ -393,7 +393,7 @@ def test_echo_and_timings(client):
     assert s == e.choices[0].text
     tm = e.model_extra["timings"]
     assert set(tm) >= {"prompt_n", "prompt_ms", "prompt_per_second", "predicted_n", "predicted_ms",
-                       "predicted_per_second", "cache_n"}
+                       "predicted_per_second", "cache_n", "prompt_per_token_ms", "predicted_per_token_ms"}
     assert tm["predicted_n"] == 5 and tm["prompt_n"] + tm["cache_n"] == e.usage.prompt_tokens
     assert tm["prompt_ms"] >= 0 and tm["predicted_ms"] >= 0
     last = list(client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}],
