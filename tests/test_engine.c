@@ -729,7 +729,7 @@ static int bt_report(void *user, const struct moe_batcher_report *r)
     return 0;
 }
 
-TEST(batcher_host_sampling_logprobs_and_bias)
+static void batcher_host_sampling(bool all_host)
 {
     struct test_model tm;
     test_model_open_golden(&tm, "Q8_0");
@@ -738,7 +738,8 @@ TEST(batcher_host_sampling_logprobs_and_bias)
     struct moe_batcher *b = NULL;
     struct bt_seen seen = {0};
     struct moe_batcher_cfg cfg = {.eng = e, .n_vocab = V, .n_layer = tm.m.hp.n_layer,
-                                  .n_expert = tm.m.hp.n_expert, .n_ctx = 64, .n_seq = 3, .n_batch = 512};
+                                  .n_expert = tm.m.hp.n_expert, .n_ctx = 64, .n_seq = 3, .n_batch = 512,
+                                  .host_sample_all = all_host};
     struct moe_batcher_sink sink = {&seen, bt_token, bt_done, bt_error, bt_report};
     CHECK_EQ(moe_batcher_init(&b, &cfg, &sink), 0);
     int32_t prompt[7];
@@ -812,4 +813,15 @@ TEST(batcher_host_sampling_logprobs_and_bias)
     moe_batcher_free(b);
     moe_engine_free(e);
     test_model_close(&tm);
+}
+
+TEST(batcher_host_sampling_logprobs_and_bias)
+{
+    batcher_host_sampling(false);
+}
+
+/* A CPU worker samples every job on the host: the same tokens and logprobs, no alternating. */
+TEST(batcher_host_sampling_for_every_job)
+{
+    batcher_host_sampling(true);
 }

@@ -40,9 +40,9 @@ struct moe_batcher {
     bool host_turn;
 };
 
-static bool host_job(const struct moe_job *j)
+static bool host_job(const struct moe_batcher *b, const struct moe_job *j)
 {
-    return j->logprobs || j->n_bias;
+    return b->cfg.host_sample_all || j->logprobs || j->n_bias;
 }
 
 void moe_job_free(struct moe_job *j)
@@ -196,7 +196,7 @@ static void admit(struct moe_batcher *b)
          * sampler; either's penalties see the prompt. */
         int rc;
         char err[160] = "";
-        if (host_job(j)) {
+        if (host_job(b, j)) {
             rc = moe_sampler_init(&j->hs, &j->sp, b->cfg.n_vocab, err, sizeof err);
             for (uint32_t i = 0; rc == 0 && i < j->n_prompt; i++)
                 moe_sampler_accept(j->hs, j->prompt[i]);
@@ -237,7 +237,7 @@ static uint32_t build_batch(struct moe_batcher *b, bool host, uint32_t *n_decode
     /* Decode tokens first, so that running sequences never wait behind a long prompt. */
     for (uint32_t s = 0; s < cfg->n_seq; s++) {
         struct moe_job *j = b->slot[s];
-        if (!j || j->n_past < j->n_prompt || host_job(j) != host)
+        if (!j || j->n_past < j->n_prompt || host_job(b, j) != host)
             continue;
         b->tok[n] = j->last;
         b->pos[n] = (int32_t)j->n_past;
@@ -257,7 +257,7 @@ static uint32_t build_batch(struct moe_batcher *b, bool host, uint32_t *n_decode
     }
     for (uint32_t s = 0; s < cfg->n_seq && n < limit; s++) {
         struct moe_job *j = b->slot[s];
-        if (!j || j->n_past >= j->n_prompt || host_job(j) != host)
+        if (!j || j->n_past >= j->n_prompt || host_job(b, j) != host)
             continue;
         uint32_t take = j->n_prompt - j->n_past;
         if (take > limit - n)
@@ -345,8 +345,8 @@ int moe_batcher_step(struct moe_batcher *b)
     bool any_host = false, any_engine = false;
     for (uint32_t s = 0; s < b->cfg.n_seq; s++)
         if (b->slot[s]) {
-            any_host |= host_job(b->slot[s]);
-            any_engine |= !host_job(b->slot[s]);
+            any_host |= host_job(b, b->slot[s]);
+            any_engine |= !host_job(b, b->slot[s]);
         }
     bool host = any_host && any_engine ? (b->host_turn = !b->host_turn) : any_host;
     uint32_t n_decode, n_out;

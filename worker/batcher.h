@@ -18,7 +18,8 @@
  * engine's is) from moe_engine_forward()'s logits, the others by the engine's sampler through
  * moe_engine_forward_sample(). A step serves one kind; while both kinds are running, steps
  * alternate between them. The CPU engine samples with the same code, so a job's tokens do not
- * depend on which path it takes.
+ * depend on which path it takes, and a CPU worker (cfg.host_sample_all) takes the host path for
+ * every job.
  *
  * Every call runs on the compute thread; the batcher has no locks of its own. All engine calls
  * of the worker's serving path are in batcher.c. */
@@ -97,6 +98,8 @@ struct moe_batcher_sink {
 struct moe_batcher_cfg {
     struct moe_engine *eng;
     uint32_t n_vocab, n_layer, n_expert, n_ctx, n_seq, n_batch;
+    bool host_sample_all;      /* every job is sampled on the host (a CPU engine samples on the
+                                * host anyway: no alternating steps) */
 };
 
 struct moe_batcher;

@@ -226,7 +226,8 @@ static void *compute_main(void *arg)
     struct moe_batcher *b = NULL;
     struct moe_batcher_cfg cfg = {.eng = w->eng, .n_vocab = w->n_vocab, .n_layer = w->n_layer,
                                   .n_expert = w->n_expert, .n_ctx = w->n_ctx, .n_seq = w->n_seq,
-                                  .n_batch = w->n_batch};
+                                  .n_batch = w->n_batch,
+                                  .host_sample_all = !strcmp(moe_engine_get_opts(w->eng)->device, "cpu")};
     struct moe_batcher_sink sink = {.user = w, .token = sink_token, .done = sink_done,
                                     .error = sink_error, .report = sink_report};
     int fatal = moe_batcher_init(&b, &cfg, &sink);
