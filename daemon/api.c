@@ -135,6 +135,7 @@ struct gen {
     json_t *lp;
     size_t *lp_off, lp_cap, lp_sent, lp_bound;
     size_t lp_chars;                /* completions: characters before the next entry's text */
+    uint32_t n_plp;                 /* echo with logprobs: the first entries are the prompt's */
     char *echo;                     /* completions with echo: the prompt's text */
     size_t echo_len;
     bool echo_sent;
@@ -508,25 +509,30 @@ static json_t *lp_token(const struct api *a, int32_t id, float logprob)
                      "bytes", bytes);
 }
 
-/* Records a generated token's logprobs; off: where its text starts in g->text. */
-static void lp_add(struct gen *g, int32_t token, const struct sched_logprob *lp, size_t off)
+/* Records a token's logprobs (NULL: the prompt's first token, which has none); off: where its
+ * text starts in g->text. Returns 0 or -ENOMEM. */
+static int lp_add(struct gen *g, int32_t token, const struct sched_logprob *lp, size_t off)
 {
     size_t n = json_array_size(g->lp);
     if (n == g->lp_cap) {
         size_t cap = g->lp_cap ? 2 * g->lp_cap : 64;
         size_t *p = realloc(g->lp_off, cap * sizeof *p);
         if (!p)
-            return;
+            return -ENOMEM;
         g->lp_off = p;
         g->lp_cap = cap;
     }
-    json_t *e = lp_token(g->api, token, lp->logprob);
-    json_t *top = json_array();
-    for (uint32_t i = 0; i < lp->n_top && i < g->n_top; i++)
+    json_t *e = lp_token(g->api, token, lp ? lp->logprob : 0);
+    json_t *top = lp ? json_array() : json_null();
+    for (uint32_t i = 0; lp && i < lp->n_top && i < g->n_top; i++)
         json_array_append_new(top, lp_token(g->api, lp->top_id[i], lp->top_lp[i]));
     json_object_set_new(e, "top_logprobs", top);
-    if (json_array_append_new(g->lp, e) == 0)
-        g->lp_off[n] = off;
+    if (!lp)
+        json_object_set_new(e, "logprob", json_null());
+    if (json_array_append_new(g->lp, e))
+        return -ENOMEM;
+    g->lp_off[n] = off;
+    return 0;
 }
 
 static size_t utf8_chars(const char *s, size_t n)
@@ -553,9 +559,10 @@ static json_t *lp_obj(struct gen *g, size_t from, size_t to)
         json_t *e = json_array_get(g->lp, i);
         json_array_append(toks, json_object_get(e, "token"));
         json_array_append(lps, json_object_get(e, "logprob"));
-        json_t *d = json_object(), *t;
+        json_t *top = json_object_get(e, "top_logprobs"), *t;
+        json_t *d = json_is_null(top) ? json_null() : json_object();
         size_t k;
-        json_array_foreach(json_object_get(e, "top_logprobs"), k, t)
+        json_array_foreach(top, k, t)
             json_object_set(d, json_string_value(json_object_get(t, "token")), json_object_get(t, "logprob"));
         json_array_append_new(tops, d);
         json_t *tok = json_object_get(e, "token");
@@ -566,14 +573,14 @@ static json_t *lp_obj(struct gen *g, size_t from, size_t to)
                      "text_offset", offs);
 }
 
-/* For a streamed chunk: the entries not streamed yet whose text starts before upto; null
- * without logprobs. */
+/* For a streamed chunk: the entries not streamed yet whose text starts before upto (and the
+ * prompt's, with the echoed prompt); null without logprobs. */
 static json_t *lp_take(struct gen *g, size_t upto)
 {
     if (!g->logprobs)
         return json_null();
     size_t n = json_array_size(g->lp), to = g->lp_sent;
-    while (to < n && g->lp_off[to] < upto)
+    while (to < n && (to < g->n_plp || g->lp_off[to] < upto))
         to++;
     json_t *o = lp_obj(g, g->lp_sent, to);
     g->lp_sent = to;
@@ -812,6 +819,7 @@ static void on_token(struct sched_req *r, void *user, int32_t token)
     if (take_text(g, g->piece, n)) {
         /* The tokens of the stop string are not part of the answer. */
         while (g->logprobs && json_array_size(g->lp) > g->lp_sent &&
+               json_array_size(g->lp) > g->n_plp &&
                g->lp_off[json_array_size(g->lp) - 1] >= g->text_len)
             json_array_remove(g->lp, json_array_size(g->lp) - 1);
         /* A stop string matched: nothing after it may be generated or sent. */
@@ -822,6 +830,23 @@ static void on_token(struct sched_req *r, void *user, int32_t token)
     }
     if (g->stream)
         stream_pending(g, false);
+}
+
+/* echo with logprobs: the prompt's tokens, in order, before any generated one. */
+static void on_prompt_logprob(struct sched_req *r, void *user, uint32_t pos, int32_t token,
+                              const struct sched_logprob *lp)
+{
+    struct gen *g = user;
+    (void)r;
+    if (!g->logprobs || g->n_gen || !g->n_plp)
+        return;
+    if (pos == 1 && g->n_plp > 1) { /* sent again by the worker a retry went to */
+        while (json_array_size(g->lp) > 1)
+            json_array_remove(g->lp, json_array_size(g->lp) - 1);
+        g->n_plp = 1;
+    }
+    if (pos == g->n_plp && lp_add(g, token, lp, 0) == 0)
+        g->n_plp++;
 }
 
 static void gen_done(struct gen *g, enum sched_finish why)
@@ -1234,9 +1259,8 @@ static int parse_common(struct api *a, json_t *body, bool chat, struct gen_req *
     } else if (get_bool(body, "echo", &r->echo, e)) {
         return -1;
     }
-    if (r->echo && r->s.logprobs)
-        return fail(e, 400, "echo", "'echo' with 'logprobs' is not supported: moed does not compute "
-                    "the prompt's logprobs (use one or the other)");
+    /* echo with logprobs lists the prompt's tokens first, as OpenAI's legacy completions do. */
+    r->s.prompt_logprobs = r->echo && r->s.logprobs;
     if ((v = json_object_get(body, "best_of")) && !json_is_null(v) &&
         !(json_is_integer(v) && (json_integer_value(v) == 1 || json_integer_value(v) == (json_int_t)r->n)))
         return fail(e, 400, "best_of", "'best_of' must be 1 or equal 'n' (moed returns every sequence)");
@@ -1910,6 +1934,9 @@ static struct gen *gen_new(struct api *a, struct gen_group *grp, uint32_t index,
     g->n_top = r->s.top_logprobs;
     snprintf(g->id, sizeof g->id, "%s", id);
     bool ok = !g->logprobs || (g->lp = json_array());
+    /* The prompt's first token leads its entries, without a logprob (nothing comes before). */
+    if (ok && r->s.prompt_logprobs)
+        g->n_plp = (ok = lp_add(g, r->prompt[0], NULL, 0) == 0);
     if (ok && r->echo) {
         g->echo = malloc(r->echo_len + 1);
         ok = g->echo != NULL;
@@ -1918,7 +1945,8 @@ static struct gen *gen_new(struct api *a, struct gen_group *grp, uint32_t index,
                 memcpy(g->echo, r->echo_text, r->echo_len);
             g->echo[r->echo_len] = 0;
             g->echo_len = r->echo_len;
-            g->lp_chars = utf8_chars(g->echo, g->echo_len);
+            /* text_offset counts the prompt's token texts when they are listed */
+            g->lp_chars = r->s.prompt_logprobs ? 0 : utf8_chars(g->echo, g->echo_len);
         }
     }
     for (size_t i = 0; ok && i < r->n_stops; i++) {
@@ -2022,7 +2050,7 @@ static void finish_generate(struct api *a, struct http_conn *c, bool chat, struc
             .n_prompt = (uint32_t)r.n_prompt,
             .max_tokens = max_tokens,
             .sampling = r.s,
-            .cb = {on_token, on_done, on_error},
+            .cb = {on_token, on_done, on_error, on_prompt_logprob},
             .user = grp->g[i],
         };
         sp.sampling.seed += i;

@@ -538,6 +538,16 @@ void sched_worker_token(struct sched *s, uint32_t w, uint64_t id, int32_t token,
         r->cb.on_token(r, r->user, token); /* may cancel r: do not touch it afterwards */
 }
 
+void sched_worker_prompt_logprob(struct sched *s, uint32_t w, uint64_t id, uint32_t pos,
+                                 int32_t token, const struct sched_logprob *lp)
+{
+    struct sched_req *r = find(s, w, id);
+    if (!r || !r->sampling.prompt_logprobs || pos >= r->n_prompt || !lp)
+        return;
+    if (r->cb.on_prompt_logprob)
+        r->cb.on_prompt_logprob(r, r->user, pos, token, lp);
+}
+
 const struct sched_logprob *sched_req_logprob(const struct sched_req *r)
 {
     return r->sampling.logprobs ? r->lp : NULL;

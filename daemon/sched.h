@@ -30,6 +30,7 @@ struct sched_sampling {
     uint32_t n_bias;
     bool logprobs;            /* each token comes with its logprob (sched_req_logprob) */
     uint32_t top_logprobs;    /* and the most likely tokens', at most SCHED_MAX_TOP_LOGPROBS */
+    bool prompt_logprobs;     /* with logprobs: the prompt's too (cb.on_prompt_logprob) */
 };
 
 #define SCHED_MAX_TOP_LOGPROBS 20
@@ -55,6 +56,10 @@ struct sched_cb {
     /* Generation failed (worker died after streaming, no worker, overload...). http_status is the
      * status the API should use (500, 503, 400) when nothing was sent yet. */
     void (*on_error)(struct sched_req *r, void *user, int http_status, const char *message);
+    /* sampling.prompt_logprobs: prompt token `token` at pos (1..n_prompt-1) and its logprobs,
+     * before the first on_token (a retry on another worker sends them again from pos 1). */
+    void (*on_prompt_logprob)(struct sched_req *r, void *user, uint32_t pos, int32_t token,
+                              const struct sched_logprob *lp);
 };
 
 struct sched_params {

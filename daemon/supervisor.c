@@ -400,8 +400,11 @@ static int on_msg(struct moe_ipc_conn *c, void *user, const Moed__Envelope *env,
         return on_ready_msg(w, env->ready, err, errlen);
     case MOED__ENVELOPE__MSG_TOKEN: {
         struct sched_logprob lp;
-        w->info.tokens_generated++;
-        if (ws->sched)
+        w->info.tokens_generated += !env->token->prompt;
+        if (ws->sched && env->token->prompt)
+            sched_worker_prompt_logprob(ws->sched, w->index, env->token->id, env->token->prompt_pos,
+                                        env->token->token, token_logprob(env->token, &lp));
+        else if (ws->sched)
             sched_worker_token(ws->sched, w->index, env->token->id, env->token->token,
                                token_logprob(env->token, &lp));
         return 0;
@@ -982,6 +985,7 @@ int moed_workers_send_submit(struct moed_workers *ws, uint32_t wi, uint64_t id, 
     m.n_eog = n_eog;
     m.logprobs = sp->logprobs;
     m.top_logprobs = sp->top_logprobs;
+    m.prompt_logprobs = sp->prompt_logprobs;
     Moed__Envelope env = MOED__ENVELOPE__INIT;
     env.msg_case = MOED__ENVELOPE__MSG_SUBMIT;
     env.submit = &m;

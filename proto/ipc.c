@@ -235,6 +235,8 @@ static int validate_from_daemon(const Moed__Envelope *env, const struct moe_ipc_
                                     "outside -100..100", i, (double)p->bias_value[i]);
             }
         }
+        if (s->prompt_logprobs && !s->logprobs)
+            return moe_fail(err, errlen, MOE_ERANGE, "submit.prompt_logprobs without logprobs");
         if (s->top_logprobs > MOE_IPC_MAX_TOP_LOGPROBS || (s->top_logprobs && !s->logprobs))
             return moe_fail(err, errlen, MOE_ERANGE, "submit.top_logprobs %u: at most %u, and only "
                             "with logprobs", s->top_logprobs, MOE_IPC_MAX_TOP_LOGPROBS);
@@ -306,6 +308,10 @@ static int validate_from_worker(const Moed__Envelope *env, const struct moe_ipc_
         for (size_t i = 0; i < env->token->n_top_token; i++)
             if ((rc = check_token(env->token->top_token[i], lim, "token.top_token", i, err, errlen)))
                 return rc;
+        if (env->token->prompt && (!env->token->has_logprob || env->token->prompt_pos < 1 ||
+                                   (lim->n_ctx && env->token->prompt_pos >= lim->n_ctx)))
+            return moe_fail(err, errlen, MOE_ERANGE, "token: prompt position %u (1..n_ctx - 1, with "
+                            "has_logprob)", env->token->prompt_pos);
         return 0;
     case MOED__ENVELOPE__MSG_DONE: {
         const Moed__Done *d = env->done;

@@ -405,7 +405,7 @@ TEST(daemon_rejects_bad_requests)
         {cp, "{\"prompt\": \"hi\", \"logprobs\": 21}", "'logprobs' must be between 0 and 20", 400},
         {cp, "{\"prompt\": \"hi\", \"logit_bias\": {\"x1\": 2}}", "key \"x1\" is not a token id", 400},
         {cp, "{\"prompt\": \"hi\", \"logit_bias\": {\"1\": -100.5}}", "between -100 and 100", 400},
-        {cp, "{\"prompt\": \"hi\", \"echo\": true, \"logprobs\": 1}", "the prompt's logprobs", 400},
+        {cp, "{\"prompt\": \"hi\", \"echo\": 1}", "'echo' must be a boolean", 400},
         {cp, "{\"prompt\": \"hi\", \"model\": \"other\"}", "'other' does not exist", 404},
         {cc, "{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"top_logprobs\": 3}", "needs 'logprobs': true", 400},
         {cp, "{\"prompt\": \"hi\", \"tools\": [{}]}", "'tools' is not supported", 400},

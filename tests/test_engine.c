@@ -740,7 +740,8 @@ static void batcher_host_sampling(bool all_host)
     struct moe_batcher_cfg cfg = {.eng = e, .n_vocab = V, .n_layer = tm.m.hp.n_layer,
                                   .n_expert = tm.m.hp.n_expert, .n_ctx = 64, .n_seq = 3, .n_batch = 512,
                                   .host_sample_all = all_host};
-    struct moe_batcher_sink sink = {&seen, bt_token, bt_done, bt_error, bt_report};
+    struct moe_batcher_sink sink = {.user = &seen, .token = bt_token, .done = bt_done,
+                                    .error = bt_error, .report = bt_report};
     CHECK_EQ(moe_batcher_init(&b, &cfg, &sink), 0);
     int32_t prompt[7];
     for (uint32_t i = 0; i < P; i++)
@@ -824,4 +825,105 @@ TEST(batcher_host_sampling_logprobs_and_bias)
 TEST(batcher_host_sampling_for_every_job)
 {
     batcher_host_sampling(true);
+}
+
+/* Prompt logprobs: a job asking for them gets every prompt position after the first, in order
+ * and in chunks of MOE_BATCHER_PROMPT_ROWS, with the log-softmax of the logits a plain forward of
+ * the prompt gives, then its tokens; it never continues a kept prefix. */
+struct plp_seen {
+    uint32_t n, next_pos, tokens;
+    float lp[80];
+    int32_t tok[80];
+};
+
+static void plp_prompt(void *user, uint64_t id, uint32_t pos, int32_t token, const struct moe_token_lp *lp)
+{
+    struct plp_seen *s = user;
+    (void)id;
+    CHECK_EQ(s->tokens, 0);
+    CHECK_EQ(pos, s->next_pos);
+    CHECK(pos < 80);
+    s->next_pos++;
+    s->lp[pos] = lp->logprob;
+    s->tok[pos] = token;
+    s->n++;
+}
+
+static void plp_token(void *user, uint64_t id, int32_t token, const struct moe_token_lp *lp)
+{
+    struct plp_seen *s = user;
+    (void)id, (void)token;
+    CHECK(lp != NULL);
+    s->tokens++;
+}
+
+static void plp_done(void *user, uint64_t id, enum moe_finish reason, uint32_t n_prompt,
+                     uint32_t n_gen, uint32_t n_cached)
+{
+    (void)user, (void)id, (void)reason, (void)n_prompt, (void)n_gen;
+    CHECK_EQ(n_cached, 0);
+}
+
+static void plp_error(void *user, uint64_t id, int code, const char *msg)
+{
+    (void)user;
+    CHECK_MSG(0, "job %llu: %d %s", (unsigned long long)id, code, msg);
+}
+
+TEST(batcher_prompt_logprobs)
+{
+    struct test_model tm;
+    test_model_open_golden(&tm, "Q8_0");
+    const uint32_t V = tm.m.hp.n_vocab, P = 70;
+    struct moe_engine *e = test_engine(&tm.m, 128, 2, 0, 2);
+    struct moe_batcher *b = NULL;
+    struct plp_seen seen = {.next_pos = 1};
+    struct moe_batcher_cfg cfg = {.eng = e, .n_vocab = V, .n_layer = tm.m.hp.n_layer,
+                                  .n_expert = tm.m.hp.n_expert, .n_ctx = 128, .n_seq = 2, .n_batch = 512};
+    struct moe_batcher_sink sink = {.user = &seen, .token = plp_token, .prompt_lp = plp_prompt,
+                                    .done = plp_done, .error = plp_error, .report = bt_report};
+    CHECK_EQ(moe_batcher_init(&b, &cfg, &sink), 0);
+    int32_t prompt[70];
+    for (uint32_t i = 0; i < P; i++)
+        prompt[i] = (int32_t)((i * 31 + 7) % V);
+    for (int round = 0; round < 2; round++) { /* the second time, a kept prefix is not used */
+        struct moe_job *j = calloc(1, sizeof *j);
+        CHECK(j);
+        j->id = 1;
+        j->prompt = malloc(sizeof prompt);
+        memcpy(j->prompt, prompt, sizeof prompt);
+        j->n_prompt = P;
+        j->max_tokens = 2;
+        j->slot = -1;
+        moe_sampler_defaults(&j->sp);
+        j->sp.temperature = 0;
+        j->logprobs = j->prompt_logprobs = true;
+        j->n_top = 1;
+        seen.n = seen.tokens = 0;
+        seen.next_pos = 1;
+        moe_batcher_add(b, j);
+        int steps = 0;
+        for (; moe_batcher_busy(b) && steps < 100; steps++)
+            CHECK_EQ(moe_batcher_step(b), 0);
+        CHECK_EQ(seen.n, P - 1);
+        CHECK_EQ(seen.tokens, 2);
+        CHECK(steps >= (int)((P + MOE_BATCHER_PROMPT_ROWS - 1) / MOE_BATCHER_PROMPT_ROWS));
+    }
+    struct moe_engine *r = test_engine(&tm.m, 128, 1, 0, 2);
+    float *lg = malloc(sizeof(float) * P * V);
+    CHECK(lg);
+    test_prefill(r, 0, 0, prompt, P, lg);
+    for (uint32_t p = 1; p < P; p++) {
+        float want;
+        int32_t id;
+        float top;
+        moe_logprobs(lg + (size_t)(p - 1) * V, V, prompt[p], 1, &want, &id, &top);
+        CHECK_EQ(seen.tok[p], prompt[p]);
+        CHECK_NEAR(seen.lp[p], want, 1e-4);
+    }
+    free(lg);
+    moe_engine_free(r);
+    moe_batcher_free(b);
+    moe_engine_free(e);
+    test_model_close(&tm);
 }

@@ -438,7 +438,11 @@ TEST(ipc_validate_checks_every_range)
     s.top_logprobs = 21;
     CHECK_EQ(validate_one(&e, MOE_IPC_FROM_DAEMON, err, sizeof err), MOE_ERANGE);
     s.top_logprobs = 0;
+    s.prompt_logprobs = true;
+    CHECK_EQ(validate_one(&e, MOE_IPC_FROM_DAEMON, err, sizeof err), 0);
     s.logprobs = false;
+    CHECK_EQ(validate_one(&e, MOE_IPC_FROM_DAEMON, err, sizeof err), MOE_ERANGE);
+    s.prompt_logprobs = false;
 
     uint64_t counts[48] = {0};
     Moed__RoutingStats rs = MOED__ROUTING_STATS__INIT;
@@ -483,6 +487,13 @@ TEST(ipc_validate_checks_every_range)
     tt[1] = 4160;
     CHECK_EQ(validate_one(&e, MOE_IPC_FROM_WORKER, err, sizeof err), MOE_ERANGE);
     tk.n_top_token = tk.n_top_logprob = 0;
+    tk.prompt = true; /* a prompt position: 1.., with its logprob */
+    CHECK_EQ(validate_one(&e, MOE_IPC_FROM_WORKER, err, sizeof err), MOE_ERANGE);
+    tk.prompt_pos = 5;
+    CHECK_EQ(validate_one(&e, MOE_IPC_FROM_WORKER, err, sizeof err), 0);
+    tk.has_logprob = false;
+    CHECK_EQ(validate_one(&e, MOE_IPC_FROM_WORKER, err, sizeof err), MOE_ERANGE);
+    tk.prompt = false;
 
     uint8_t hot[6] = {0};
     Moed__SetPlacement pl = MOED__SET_PLACEMENT__INIT;

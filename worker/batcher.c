@@ -19,8 +19,11 @@ struct moe_batcher {
     struct moe_job *pend_head, *pend_tail; /* admitted by the daemon, waiting for a slot */
     int32_t *tok, *pos, *seq; /* [n_batch] */
     uint8_t *want;            /* [n_batch] */
-    struct moe_job **owner;   /* [n_seq]: job of the k-th logits row */
-    int32_t *sampled;         /* [n_seq]: token sampled for the k-th row (in the engine) */
+    /* [n_seq + MOE_BATCHER_PROMPT_ROWS] per logits row of the step: its job, the prompt
+     * position it predicts (-1: a row to sample from) and the token sampled from it */
+    struct moe_job **owner;
+    int32_t *row_pos;
+    int32_t *sampled;
     uint64_t *prev_counts;    /* routing counts at the last report */
     uint64_t *delta;
     uint64_t *cur_counts;     /* scratch: the engine's counts now */
@@ -36,7 +39,7 @@ struct moe_batcher {
      * first use ([n_seq][n_vocab]), a row to bias ([n_vocab]), each row's logprobs, and whose
      * turn it is while both kinds run. */
     float *logits, *biased;
-    struct moe_token_lp *lp;  /* [n_seq] */
+    struct moe_token_lp *lp;  /* [n_seq + MOE_BATCHER_PROMPT_ROWS] */
     bool host_turn;
 };
 
@@ -209,9 +212,12 @@ static void admit(struct moe_batcher *b)
             moe_job_free(j);
             continue;
         }
-        /* Continue after the shared prefix; at least the last prompt token is evaluated. */
+        /* Continue after the shared prefix; at least the last prompt token is evaluated (every
+         * one when the prompt's logprobs are wanted). */
         if (best >= j->n_prompt)
             best = j->n_prompt - 1;
+        if (j->prompt_logprobs)
+            best = 0;
         if (best)
             moe_engine_seq_keep(b->cfg.eng, (int32_t)s, best);
         else
@@ -243,11 +249,13 @@ static uint32_t build_batch(struct moe_batcher *b, bool host, uint32_t *n_decode
         b->pos[n] = (int32_t)j->n_past;
         b->seq[n] = (int32_t)s;
         b->want[n] = 1;
+        b->row_pos[no] = -1;
         b->owner[no++] = j;
         b->hist[s][j->n_past] = j->last;
         n++;
     }
     *n_decode = n;
+    bool prompt_rows = false; /* one chunk with prompt logprobs per step */
     /* While sequences are decoding, a step's time is their token latency: take prompts in
      * smaller bites then, so that one long prompt does not stall every running stream. */
     uint32_t limit = cfg->n_batch;
@@ -259,18 +267,29 @@ static uint32_t build_batch(struct moe_batcher *b, bool host, uint32_t *n_decode
         struct moe_job *j = b->slot[s];
         if (!j || j->n_past >= j->n_prompt || host_job(b, j) != host)
             continue;
+        if (j->prompt_logprobs && prompt_rows)
+            continue;
         uint32_t take = j->n_prompt - j->n_past;
         if (take > limit - n)
             take = limit - n;
+        if (j->prompt_logprobs && take > MOE_BATCHER_PROMPT_ROWS)
+            take = MOE_BATCHER_PROMPT_ROWS;
+        prompt_rows |= j->prompt_logprobs;
         for (uint32_t k = 0; k < take; k++) {
-            b->tok[n] = j->prompt[j->n_past + k];
-            b->pos[n] = (int32_t)(j->n_past + k);
+            const uint32_t p = j->n_past + k;
+            b->tok[n] = j->prompt[p];
+            b->pos[n] = (int32_t)p;
             b->seq[n] = (int32_t)s;
-            b->want[n] = 0;
+            b->want[n] = j->prompt_logprobs && p + 1 < j->n_prompt;
+            if (b->want[n]) {
+                b->row_pos[no] = (int32_t)(p + 1);
+                b->owner[no++] = j;
+            }
             n++;
         }
         if (j->n_past + take == j->n_prompt) {
             b->want[n - 1] = 1;
+            b->row_pos[no] = -1;
             b->owner[no++] = j;
         }
     }
@@ -303,9 +322,9 @@ static int forward_host(struct moe_batcher *b, const struct moe_batch *batch, ui
 {
     const uint32_t V = b->cfg.n_vocab;
     if (!b->logits) {
-        b->logits = malloc(sizeof *b->logits * (size_t)b->cfg.n_seq * V);
+        b->logits = malloc(sizeof *b->logits * ((size_t)b->cfg.n_seq + MOE_BATCHER_PROMPT_ROWS) * V);
         b->biased = malloc(sizeof *b->biased * (size_t)V);
-        b->lp = calloc(b->cfg.n_seq, sizeof *b->lp);
+        b->lp = calloc((size_t)b->cfg.n_seq + MOE_BATCHER_PROMPT_ROWS, sizeof *b->lp);
         if (!b->logits || !b->biased || !b->lp) {
             free(b->logits);
             free(b->biased);
@@ -321,6 +340,15 @@ static int forward_host(struct moe_batcher *b, const struct moe_batch *batch, ui
     for (uint32_t k = 0; k < n_out; k++) {
         struct moe_job *j = b->owner[k];
         const float *lg = b->logits + (size_t)k * V;
+        if (b->row_pos[k] >= 0) {
+            /* A prompt row: the logprobs of the prompt token it predicts. */
+            struct moe_token_lp *lp = &b->lp[k];
+            const int32_t t = j->prompt[b->row_pos[k]];
+            lp->n_top = moe_logprobs(lg, V, t, j->n_top, &lp->logprob, lp->top_id, lp->top_lp);
+            if (b->sink.prompt_lp)
+                b->sink.prompt_lp(b->sink.user, j->id, (uint32_t)b->row_pos[k], t, lp);
+            continue;
+        }
         if (j->n_bias) {
             memcpy(b->biased, lg, sizeof *lg * V);
             for (uint32_t i = 0; i < j->n_bias; i++)
@@ -377,7 +405,8 @@ int moe_batcher_step(struct moe_batcher *b)
             b->prompt_total++;
     }
     for (uint32_t k = 0; k < n_out; k++)
-        sample_row(b, k);
+        if (b->row_pos[k] < 0)
+            sample_row(b, k);
     return 0;
 }
 
@@ -392,12 +421,14 @@ int moe_batcher_init(struct moe_batcher **out, const struct moe_batcher_cfg *cfg
     b->sink = *sink;
     size_t ncount = (size_t)cfg->n_layer * cfg->n_expert;
     b->slot = calloc(cfg->n_seq, sizeof *b->slot);
-    b->owner = calloc(cfg->n_seq, sizeof *b->owner);
+    const size_t rows = (size_t)cfg->n_seq + MOE_BATCHER_PROMPT_ROWS;
+    b->owner = calloc(rows, sizeof *b->owner);
+    b->row_pos = calloc(rows, sizeof *b->row_pos);
     b->tok = calloc(cfg->n_batch, sizeof *b->tok);
     b->pos = calloc(cfg->n_batch, sizeof *b->pos);
     b->seq = calloc(cfg->n_batch, sizeof *b->seq);
     b->want = calloc(cfg->n_batch, 1);
-    b->sampled = calloc(cfg->n_seq, sizeof *b->sampled);
+    b->sampled = calloc(rows, sizeof *b->sampled);
     b->prev_counts = calloc(ncount, sizeof *b->prev_counts);
     b->delta = calloc(ncount, sizeof *b->delta);
     b->cur_counts = calloc(ncount, sizeof *b->cur_counts);
@@ -405,7 +436,7 @@ int moe_batcher_init(struct moe_batcher **out, const struct moe_batcher_cfg *cfg
     b->valid = calloc(cfg->n_seq, sizeof *b->valid);
     b->used_at = calloc(cfg->n_seq, sizeof *b->used_at);
     b->last_report = moe_now_s();
-    if (!b->slot || !b->owner || !b->tok || !b->pos || !b->seq || !b->want || !b->sampled ||
+    if (!b->slot || !b->owner || !b->row_pos || !b->tok || !b->pos || !b->seq || !b->want || !b->sampled ||
         !b->prev_counts || !b->delta || !b->cur_counts || !b->hist || !b->valid || !b->used_at) {
         moe_batcher_free(b);
         return -ENOMEM;
@@ -438,6 +469,7 @@ void moe_batcher_free(struct moe_batcher *b)
     }
     free(b->slot);
     free(b->owner);
+    free(b->row_pos);
     free(b->tok);
     free(b->pos);
     free(b->seq);

@@ -21,6 +21,9 @@
  * depend on which path it takes, and a CPU worker (cfg.host_sample_all) takes the host path for
  * every job.
  *
+ * A job with prompt logprobs has its prompt evaluated in chunks of at most MOE_BATCHER_PROMPT_ROWS
+ * tokens with the logits of every row (one such chunk per step).
+ *
  * Every call runs on the compute thread; the batcher has no locks of its own. All engine calls
  * of the worker's serving path are in batcher.c. */
 #ifndef MOE_WORKER_BATCHER_H
@@ -46,6 +49,8 @@ struct moe_job {
     uint32_t n_eog;
     bool logprobs;             /* report each token's logprob and the n_top most likely */
     uint32_t n_top;            /* <= MOE_IPC_MAX_TOP_LOGPROBS */
+    bool prompt_logprobs;      /* and each prompt token's after the first (sink.prompt_lp); the
+                                * whole prompt is evaluated (no prefix reuse) */
     int32_t *bias_tok;         /* [n_bias] logit_bias (owned), added before sampling */
     float *bias_val;
     uint32_t n_bias;
@@ -88,12 +93,18 @@ struct moe_batcher_sink {
     void (*token)(void *user, uint64_t id, int32_t token, const struct moe_token_lp *lp);
     void (*done)(void *user, uint64_t id, enum moe_finish reason, uint32_t n_prompt,
                  uint32_t n_gen, uint32_t n_cached);
+    /* Jobs with prompt_logprobs: prompt token `token` at position pos (>= 1) and its logprobs
+     * given the positions before, in order, before the job's first token. */
+    void (*prompt_lp)(void *user, uint64_t id, uint32_t pos, int32_t token,
+                      const struct moe_token_lp *lp);
     /* The job ended with an error; id 0: the batcher itself failed. */
     void (*error)(void *user, uint64_t id, int code, const char *msg);
     /* Returns 0 when the report was taken; otherwise its counts stay pending and go out with
      * the next one. */
     int (*report)(void *user, const struct moe_batcher_report *r);
 };
+
+#define MOE_BATCHER_PROMPT_ROWS 32
 
 struct moe_batcher_cfg {
     struct moe_engine *eng;

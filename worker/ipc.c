@@ -41,6 +41,8 @@ struct wevent {
     uint64_t id;
     int32_t token;
     bool has_lp;                      /* EV_TOKEN: lp is set */
+    bool prompt;                      /* EV_TOKEN: a prompt position's logprobs */
+    uint32_t prompt_pos;
     struct moe_token_lp lp;
     int reason;
     uint32_t n_prompt, n_gen, n_cached;
@@ -143,6 +145,20 @@ static void sink_token(void *user, uint64_t id, int32_t token, const struct moe_
     }
 }
 
+static void sink_prompt_lp(void *user, uint64_t id, uint32_t pos, int32_t token,
+                           const struct moe_token_lp *lp)
+{
+    struct wevent *ev = ev_new(EV_TOKEN, id);
+    if (ev) {
+        ev->token = token;
+        ev->has_lp = true;
+        ev->lp = *lp;
+        ev->prompt = true;
+        ev->prompt_pos = pos;
+        post(user, ev);
+    }
+}
+
 static void sink_done(void *user, uint64_t id, enum moe_finish reason, uint32_t n_prompt,
                       uint32_t n_gen, uint32_t n_cached)
 {
@@ -228,8 +244,8 @@ static void *compute_main(void *arg)
                                   .n_expert = w->n_expert, .n_ctx = w->n_ctx, .n_seq = w->n_seq,
                                   .n_batch = w->n_batch,
                                   .host_sample_all = !strcmp(moe_engine_get_opts(w->eng)->device, "cpu")};
-    struct moe_batcher_sink sink = {.user = w, .token = sink_token, .done = sink_done,
-                                    .error = sink_error, .report = sink_report};
+    struct moe_batcher_sink sink = {.user = w, .token = sink_token, .prompt_lp = sink_prompt_lp,
+                                    .done = sink_done, .error = sink_error, .report = sink_report};
     int fatal = moe_batcher_init(&b, &cfg, &sink);
     if (fatal) {
         post_error(w, 0, fatal, "out of memory for the compute loop");
@@ -388,6 +404,7 @@ static int on_submit(struct worker *w, const Moed__Submit *s, char *err, size_t 
     fill_sampling(&j->sp, s->sampling);
     j->logprobs = s->logprobs;
     j->n_top = s->top_logprobs;
+    j->prompt_logprobs = s->prompt_logprobs;
     const Moed__Sampling *sm = s->sampling;
     if (sm && sm->n_bias_token) {
         j->bias_tok = malloc(sm->n_bias_token * sizeof *j->bias_tok);
@@ -508,6 +525,8 @@ static void send_event(struct worker *w, struct wevent *ev)
             t.top_token = ev->lp.top_id;
             t.top_logprob = ev->lp.top_lp;
         }
+        t.prompt = ev->prompt;
+        t.prompt_pos = ev->prompt_pos;
         env.msg_case = MOED__ENVELOPE__MSG_TOKEN;
         env.token = &t;
         if (live_has(w, ev->id, NULL))

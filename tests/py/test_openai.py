@@ -423,7 +423,6 @@ def test_bad_sampling_requests(client):
     bad_cmpl = [
         (dict(logprobs=21), "logprobs"),
         (dict(logprobs=-1), "logprobs"),
-        (dict(echo=True, logprobs=1), "echo"),
         (dict(extra_body={"top_logprobs": 2}), "top_logprobs"),
         (dict(extra_body={"logprobs": True}), "logprobs"),
     ]
@@ -512,3 +511,38 @@ def test_slots(daemon, client):
         assert len(busy) == 1 and busy[0]["state"] == 1 and busy[0]["id_task"] > 0
         assert busy[0]["n_decoded"] >= 3 and busy[0]["next_token"]["n_remain"] <= 2000 - 3
         assert busy[0]["n_prompt_tokens"] == tokenize(client, "The sea").__len__()
+
+
+def test_echo_with_logprobs(client):
+    """echo with logprobs lists the prompt's tokens first (the first without a logprob), each
+    scored given the ones before it, as OpenAI's legacy completions do."""
+    p = PROMPTS[0].read_text()
+    ids = tokenize(client, p)
+    g = client.completions.create(model="tiny", prompt=ids, max_tokens=3, temperature=0, logprobs=2)
+    first = g.choices[0].logprobs
+    # The prompt extended by the greedy first token: its last prompt entry is that token.
+    ext = ids + tokenize(client, first.tokens[0])
+    assert len(ext) == len(ids) + 1
+    r = client.completions.create(model="tiny", prompt=ext, max_tokens=3, temperature=0, logprobs=2,
+                                  echo=True)
+    lp = r.choices[0].logprobs
+    n = len(ext)
+    assert len(lp.tokens) == n + 3 and r.usage.prompt_tokens == n
+    assert r.usage.prompt_tokens_details.cached_tokens == 0  # every prompt position is evaluated
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(x is not None and x <= 0 for x in lp.token_logprobs[1:])
+    assert all(1 <= len(t) <= 2 for t in lp.top_logprobs[1:])
+    assert lp.tokens[n - 1] == first.tokens[0]
+    assert abs(lp.token_logprobs[n - 1] - first.token_logprobs[0]) < 1e-3
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(n + 3)]
+    assert r.choices[0].text.endswith("".join(lp.tokens[n:]))
+    # Streamed: the echo chunk carries the prompt's entries.
+    chunks = list(client.completions.create(model="tiny", prompt=ext, max_tokens=3, temperature=0, logprobs=2,
+                                            echo=True, stream=True))
+    assert chunks[0].choices[0].logprobs.tokens == lp.tokens[:n]
+    assert sum((c.choices[0].logprobs.tokens for c in chunks), []) == lp.tokens
+    # Longer than one chunk of prompt rows (32 a step).
+    long = client.completions.create(model="tiny", prompt=ids * 6, max_tokens=1, temperature=0, logprobs=0,
+                                     echo=True)
+    assert len(long.choices[0].logprobs.tokens) == len(ids) * 6 + 1
+    assert all(x is not None for x in long.choices[0].logprobs.token_logprobs[1:])
