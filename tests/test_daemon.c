@@ -377,6 +377,8 @@ TEST(daemon_rejects_bad_requests)
                           "--listen", "127.0.0.1:0", "--api-key-file", api_key_file(dir), NULL};
     moed_spawn(&d, dir, args);
     moed_wait_socket(&d, 30);
+    /* Requests are parsed once the model is served (before that every one is 503). */
+    CHECK(moed_wait_ready(&d, 60));
     struct stat st;
     CHECK(stat(d.sock, &st) == 0);
     CHECK_EQ(st.st_mode & 0777, 0660);
@@ -554,6 +556,7 @@ TEST(daemon_admin_access)
                           api_key_file(dir), NULL};
     moed_spawn(&d, dir, args);
     moed_wait_socket(&d, 30);
+    CHECK(moed_wait_ready(&d, 60)); /* /admin/placement lists the workers once they are up */
 
     /* Over the Unix socket as ourselves (the daemon's own uid): allowed. */
     struct hc_resp r;
