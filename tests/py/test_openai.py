@@ -496,7 +496,9 @@ def test_n_choices_disconnect(daemon, client):
 def test_slots(daemon, client):
     """/slots (read-only, llama-server's shape): idle slots, then a running request on one."""
     with uds_client(daemon.sock) as http:
-        slots = http.get("/slots").json()
+        deadline = time.time() + 30
+        while len(slots := http.get("/slots").json()) < 8 and time.time() < deadline:
+            time.sleep(0.05)  # both workers' slots, once both are ready
         assert len(slots) == 8 and [s["id"] for s in slots] == list(range(8))
         assert all(set(s) >= {"id", "id_task", "n_ctx", "is_processing", "state", "next_token"} for s in slots)
         assert all(s["n_ctx"] == 4096 for s in slots)
