@@ -384,7 +384,7 @@ static void gen_free(struct gen *g)
 
 static void group_free(struct gen_group *grp)
 {
-    for (uint32_t i = 0; i < grp->n; i++)
+    for (uint32_t i = 0; grp->g && i < grp->n; i++)
         if (grp->g[i])
             gen_free(grp->g[i]);
     free(grp->g);
