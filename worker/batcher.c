@@ -36,8 +36,8 @@ struct moe_batcher {
     uint64_t *used_at, admissions;
     uint64_t cached_total;
     /* Host sampling (jobs with logprobs or logit_bias): the step's logits rows, allocated on
-     * first use ([n_seq][n_vocab]), a row to bias ([n_vocab]), each row's logprobs, and whose
-     * turn it is while both kinds run. */
+     * first use ([n_seq + MOE_BATCHER_PROMPT_ROWS][n_vocab]), a row to bias ([n_vocab]), each
+     * row's logprobs, and whose turn it is while both kinds run. */
     float *logits, *biased;
     struct moe_token_lp *lp;  /* [n_seq + MOE_BATCHER_PROMPT_ROWS] */
     bool host_turn;
