@@ -25,6 +25,7 @@
 #include "store/version.h"
 
 #define MAX_STOPS 16
+#define MAX_CHOICES 16                  /* n */
 #define MAX_STOP_LEN 256
 #define TPS_BUCKETS 16
 
@@ -87,13 +88,27 @@ struct api {
     struct latency_hist ttft, itl;  /* seconds: request to first token, between tokens */
 };
 
+/* One response: its n choices (a gen each, submitted as n requests) and what they share. */
+struct gen_group {
+    struct api *api;
+    struct http_conn *conn;
+    bool headers_sent;
+    bool submitting;                /* callbacks are parked while the choices are submitted */
+    uint32_t n, n_open;             /* choices; those not finished */
+    struct gen **g;                 /* [n] */
+    json_t *choices;                /* not streamed: [n] the finished choices, null until then */
+};
+
 struct gen {
     struct api *api;
+    struct gen_group *grp;
+    uint32_t index;                 /* the choice's index */
     struct gen *prev, *next;
     struct http_conn *conn;
     struct sched_req *req;
     bool chat, stream, include_usage;
-    bool headers_sent, finished;
+    bool finished;
+    bool linked;                    /* in api.gens */
     char id[48];
     time_t created;
     char *stops[MAX_STOPS];
@@ -111,8 +126,20 @@ struct gen {
     uint32_t n_prompt, n_gen;
     uint32_t n_cached;              /* prompt tokens the worker continued from its KV cache */
     double t_start, t_last;         /* moe_now_s(): request complete, last token */
-    /* A callback that arrives while sched_submit() has not returned yet is parked here. */
-    bool submitting;
+    double t_first;                 /* the first token (timings) */
+    /* logprobs: one chat-shaped entry ({token, logprob, bytes, top_logprobs}) per generated
+     * token, the offset of its text in text, and how many entries were streamed; lp_bound: the
+     * text a chunk being streamed covers (its entries are those before it). */
+    bool logprobs;
+    uint32_t n_top;
+    json_t *lp;
+    size_t *lp_off, lp_cap, lp_sent, lp_bound;
+    size_t lp_chars;                /* completions: characters before the next entry's text */
+    uint32_t n_plp;                 /* echo with logprobs: the first entries are the prompt's */
+    char *echo;                     /* completions with echo: the prompt's text */
+    size_t echo_len;
+    bool echo_sent;
+    /* A callback that arrives while the group is submitted is parked here. */
     int early;                      /* 0, 1: done, 2: error */
     enum sched_finish early_why;
     int early_status;
@@ -169,9 +196,11 @@ static const char *error_code(int status)
 static json_t *error_obj(int status, const char *param, const char *msg)
 {
     json_t *e = json_object();
+    /* OpenAI's answer for a model it does not have. */
+    const bool no_model = status == 404 && param && !strcmp(param, "model");
     json_object_set_new(e, "message", json_string(msg));
-    json_object_set_new(e, "type", json_string(error_type(status)));
-    json_object_set_new(e, "code", json_string(error_code(status)));
+    json_object_set_new(e, "type", json_string(no_model ? "invalid_request_error" : error_type(status)));
+    json_object_set_new(e, "code", json_string(no_model ? "model_not_found" : error_code(status)));
     json_object_set_new(e, "param", param ? json_string(param) : json_null());
     return e;
 }
@@ -331,13 +360,15 @@ size_t api_stop_holdback(const char *text, size_t len, char *const *stops, size_
 static void gen_free(struct gen *g)
 {
     struct api *a = g->api;
-    if (g->prev)
-        g->prev->next = g->next;
-    else if (a->gens == g)
-        a->gens = g->next;
-    if (g->next)
-        g->next->prev = g->prev;
-    a->n_gens--;
+    if (g->linked) {
+        if (g->prev)
+            g->prev->next = g->next;
+        else if (a->gens == g)
+            a->gens = g->next;
+        if (g->next)
+            g->next->prev = g->prev;
+        a->n_gens--;
+    }
     for (size_t i = 0; i < g->n_stops; i++)
         free(g->stops[i]);
     free(g->piece);
@@ -345,7 +376,20 @@ static void gen_free(struct gen *g)
     free(g->reasoning);
     free(g->content);
     json_decref(g->tool_calls);
+    json_decref(g->lp);
+    free(g->lp_off);
+    free(g->echo);
     free(g);
+}
+
+static void group_free(struct gen_group *grp)
+{
+    for (uint32_t i = 0; grp->g && i < grp->n; i++)
+        if (grp->g[i])
+            gen_free(grp->g[i]);
+    free(grp->g);
+    json_decref(grp->choices);
+    free(grp);
 }
 
 static void tps_add(struct api *a, uint64_t n)
@@ -370,12 +414,17 @@ static double tps_rate(const struct api *a)
     return (double)sum / 10.0;
 }
 
-static json_t *usage_obj(const struct gen *g)
+/* The prompt once, the completion tokens of every choice (as OpenAI counts n > 1). */
+static json_t *usage_obj(const struct gen_group *grp)
 {
+    const struct gen *g = grp->g[0];
+    json_int_t gen = 0;
+    for (uint32_t i = 0; i < grp->n; i++)
+        gen += grp->g[i]->n_gen;
     json_t *u = json_object();
     json_object_set_new(u, "prompt_tokens", json_integer(g->n_prompt));
-    json_object_set_new(u, "completion_tokens", json_integer(g->n_gen));
-    json_object_set_new(u, "total_tokens", json_integer((json_int_t)g->n_prompt + g->n_gen));
+    json_object_set_new(u, "completion_tokens", json_integer(gen));
+    json_object_set_new(u, "total_tokens", json_integer((json_int_t)g->n_prompt + gen));
     /* As OpenAI reports prompt caching: the prompt tokens taken from a kept KV cache. */
     json_object_set_new(u, "prompt_tokens_details",
                         json_pack("{s:I}", "cached_tokens", (json_int_t)g->n_cached));
@@ -413,23 +462,22 @@ static int sse_send(struct gen *g, json_t *obj)
     return rc;
 }
 
+/* Starts the event stream; a chat stream opens every choice with an assistant role delta. */
 static int stream_headers(struct gen *g)
 {
-    if (g->headers_sent)
+    if (g->grp->headers_sent)
         return 0;
-    g->headers_sent = true;
+    g->grp->headers_sent = true;
     count_response(g->api, 200);
     int rc = http_stream_start(g->conn, 200, "text/event-stream",
                                "Cache-Control: no-cache\r\nX-Accel-Buffering: no\r\n");
-    if (rc)
-        return rc;
-    if (g->chat) {
+    for (uint32_t i = 0; rc == 0 && g->chat && i < g->grp->n; i++) {
         json_t *o = chunk_obj(g);
         json_t *ch = json_object();
         json_t *delta = json_object();
         json_object_set_new(delta, "role", json_string("assistant"));
         json_object_set_new(delta, "content", json_string(""));
-        json_object_set_new(ch, "index", json_integer(0));
+        json_object_set_new(ch, "index", json_integer(i));
         json_object_set_new(ch, "delta", delta);
         json_object_set_new(ch, "logprobs", json_null());
         json_object_set_new(ch, "finish_reason", json_null());
@@ -439,6 +487,133 @@ static int stream_headers(struct gen *g)
         rc = sse_send(g, o);
     }
     return rc;
+}
+
+/* A logprob as JSON can hold it (-inf: a token that cannot be sampled). */
+static double lp_num(float x)
+{
+    return isfinite(x) ? (double)x : -9999.0;
+}
+
+/* {token, logprob, bytes} of one token: its own text (U+FFFD where it is not UTF-8 by itself)
+ * and its bytes. */
+static json_t *lp_token(const struct api *a, int32_t id, float logprob)
+{
+    char buf[512];
+    int n = moe_tok_piece(a->tok, id, buf, sizeof buf);
+    size_t len = n < 0 ? 0 : (size_t)n < sizeof buf ? (size_t)n : sizeof buf;
+    json_t *bytes = json_array();
+    for (size_t i = 0; i < len; i++)
+        json_array_append_new(bytes, json_integer((unsigned char)buf[i]));
+    return json_pack("{s:o,s:f,s:o}", "token", json_text(buf, len), "logprob", lp_num(logprob),
+                     "bytes", bytes);
+}
+
+/* Records a token's logprobs (NULL: the prompt's first token, which has none); off: where its
+ * text starts in g->text. Returns 0 or -ENOMEM. */
+static int lp_add(struct gen *g, int32_t token, const struct sched_logprob *lp, size_t off)
+{
+    size_t n = json_array_size(g->lp);
+    if (n == g->lp_cap) {
+        size_t cap = g->lp_cap ? 2 * g->lp_cap : 64;
+        size_t *p = realloc(g->lp_off, cap * sizeof *p);
+        if (!p)
+            return -ENOMEM;
+        g->lp_off = p;
+        g->lp_cap = cap;
+    }
+    json_t *e = lp_token(g->api, token, lp ? lp->logprob : 0);
+    json_t *top = lp ? json_array() : json_null();
+    for (uint32_t i = 0; lp && i < lp->n_top && i < g->n_top; i++)
+        json_array_append_new(top, lp_token(g->api, lp->top_id[i], lp->top_lp[i]));
+    json_object_set_new(e, "top_logprobs", top);
+    if (!lp)
+        json_object_set_new(e, "logprob", json_null());
+    if (json_array_append_new(g->lp, e))
+        return -ENOMEM;
+    g->lp_off[n] = off;
+    return 0;
+}
+
+static size_t utf8_chars(const char *s, size_t n)
+{
+    size_t c = 0;
+    for (size_t i = 0; i < n; i++)
+        c += ((unsigned char)s[i] & 0xc0) != 0x80;
+    return c;
+}
+
+/* Entries [from, to) in the endpoint's shape: chat {content: [...], refusal}; completions
+ * {tokens, token_logprobs, top_logprobs: [{text: logprob}], text_offset} (text_offset: where
+ * each token starts, in characters, counting the echoed prompt and the tokens before it). */
+static json_t *lp_obj(struct gen *g, size_t from, size_t to)
+{
+    if (g->chat) {
+        json_t *c = json_array();
+        for (size_t i = from; i < to; i++)
+            json_array_append(c, json_array_get(g->lp, i));
+        return json_pack("{s:o,s:n}", "content", c, "refusal");
+    }
+    json_t *toks = json_array(), *lps = json_array(), *tops = json_array(), *offs = json_array();
+    for (size_t i = from; i < to; i++) {
+        json_t *e = json_array_get(g->lp, i);
+        json_array_append(toks, json_object_get(e, "token"));
+        json_array_append(lps, json_object_get(e, "logprob"));
+        json_t *top = json_object_get(e, "top_logprobs"), *t;
+        json_t *d = json_is_null(top) ? json_null() : json_object();
+        size_t k;
+        json_array_foreach(top, k, t)
+            json_object_set(d, json_string_value(json_object_get(t, "token")), json_object_get(t, "logprob"));
+        json_array_append_new(tops, d);
+        json_t *tok = json_object_get(e, "token");
+        json_array_append_new(offs, json_integer((json_int_t)g->lp_chars));
+        g->lp_chars += utf8_chars(json_string_value(tok), json_string_length(tok));
+    }
+    return json_pack("{s:o,s:o,s:o,s:o}", "tokens", toks, "token_logprobs", lps, "top_logprobs", tops,
+                     "text_offset", offs);
+}
+
+/* For a streamed chunk: the entries not streamed yet whose text starts before upto (and the
+ * prompt's, with the echoed prompt); null without logprobs. */
+static json_t *lp_take(struct gen *g, size_t upto)
+{
+    if (!g->logprobs)
+        return json_null();
+    size_t n = json_array_size(g->lp), to = g->lp_sent;
+    while (to < n && (to < g->n_plp || g->lp_off[to] < upto))
+        to++;
+    json_t *o = lp_obj(g, g->lp_sent, to);
+    g->lp_sent = to;
+    return o;
+}
+
+/* llama-server's per-response timings: prompt (request to first token, so queueing too; the
+ * first choice's) and generation (first token to last, of all choices together). */
+static json_t *timings_obj(const struct gen_group *grp)
+{
+    const struct gen *g = grp->g[0];
+    const double pms = g->n_gen ? (g->t_first - g->t_start) * 1e3 : (g->t_last - g->t_start) * 1e3;
+    double first = 0, last = 0;
+    json_int_t n_gen = 0;
+    for (uint32_t i = 0; i < grp->n; i++) {
+        const struct gen *x = grp->g[i];
+        if (!x->n_gen)
+            continue;
+        if (!n_gen || x->t_first < first)
+            first = x->t_first;
+        if (!n_gen || x->t_last > last)
+            last = x->t_last;
+        n_gen += x->n_gen;
+    }
+    const double gms = n_gen ? (last - first) * 1e3 : 0;
+    const uint32_t pn = g->n_prompt - (g->n_cached < g->n_prompt ? g->n_cached : g->n_prompt);
+    return json_pack("{s:I,s:I,s:f,s:f,s:f,s:I,s:f,s:f,s:f}", "cache_n", (json_int_t)g->n_cached,
+                     "prompt_n", (json_int_t)pn, "prompt_ms", pms,
+                     "prompt_per_token_ms", pn ? pms / pn : 0.0,
+                     "prompt_per_second", pms > 0 ? pn * 1e3 / pms : 0.0,
+                     "predicted_n", n_gen, "predicted_ms", gms,
+                     "predicted_per_token_ms", n_gen ? gms / (double)n_gen : 0.0,
+                     "predicted_per_second", gms > 0 ? (double)n_gen * 1e3 / gms : 0.0);
 }
 
 /* One streamed chunk: a chat delta (taken) or a completion's text, with a finish reason or not. */
@@ -451,13 +626,15 @@ static int stream_send(struct gen *g, json_t *delta, const char *text, size_t n,
     }
     json_t *o = chunk_obj(g);
     json_t *ch = json_object();
-    json_object_set_new(ch, "index", json_integer(0));
+    json_object_set_new(ch, "index", json_integer(g->index));
     if (g->chat)
         json_object_set_new(ch, "delta", delta ? delta : json_object());
     else
         json_object_set_new(ch, "text", finish ? json_string("") : json_text(text, n));
-    json_object_set_new(ch, "logprobs", json_null());
+    json_object_set_new(ch, "logprobs", lp_take(g, finish ? SIZE_MAX : g->lp_bound));
     json_object_set_new(ch, "finish_reason", finish ? json_string(finish) : json_null());
+    if (finish && g->grp->n_open == 1) /* the last choice to finish */
+        json_object_set_new(o, "timings", timings_obj(g->grp));
     json_object_set_new(o, "choices", json_pack("[o]", ch));
     if (g->include_usage)
         json_object_set_new(o, "usage", json_null());
@@ -505,23 +682,34 @@ static void stream_pending(struct gen *g, bool final)
     size_t upto = g->text_len;
     if (!final)
         upto -= api_stop_holdback(g->text, g->text_len, g->stops, g->n_stops);
+    if (g->echo && !g->echo_sent) {
+        g->echo_sent = true;
+        g->lp_bound = 0;
+        stream_send(g, NULL, g->echo, g->echo_len, NULL);
+    }
+    g->lp_bound = upto;
     if (g->chat) {
         stream_headers(g);
         chat_out_feed(&g->co, g->text, upto, final, emit_stream, g);
     } else if (upto > g->sent) {
         stream_send(g, NULL, g->text + g->sent, upto - g->sent, NULL);
         g->sent = upto;
-    } else if (!g->headers_sent) {
+    } else if (!g->grp->headers_sent) {
         stream_headers(g);
     }
 }
 
-/* The generation is over (stop string, end of generation or length): answer and free. */
+/* A choice is over (stop string, end of generation or length): its last chunk, or its part of
+ * the answer; once every choice is, the end of the stream or the answer, and the group is
+ * freed. */
 static void gen_finish(struct gen *g, const char *reason)
 {
     struct api *a = g->api;
+    struct gen_group *grp = g->grp;
     struct http_conn *c = g->conn;
-    http_conn_on_abort(c, NULL, NULL);
+    if (g->finished)
+        return;
+    g->finished = true;
     if (g->chat && !g->stream)
         chat_out_feed(&g->co, g->text, g->text_len, true, emit_collect, g);
     if (g->chat && g->co.n_calls && !strcmp(reason, "stop"))
@@ -531,22 +719,9 @@ static void gen_finish(struct gen *g, const char *reason)
         if (g->chat && g->co.n_calls && !strcmp(reason, "stop"))
             reason = "tool_calls";
         stream_send(g, NULL, NULL, 0, reason);
-        if (g->include_usage) {
-            json_t *o = chunk_obj(g);
-            json_object_set_new(o, "choices", json_array());
-            json_object_set_new(o, "usage", usage_obj(g));
-            sse_send(g, o);
-        }
-        http_stream_write(c, "data: [DONE]\n\n", 14);
-        http_stream_end(c);
     } else {
-        json_t *o = json_object();
-        json_object_set_new(o, "id", json_string(g->id));
-        json_object_set_new(o, "object", json_string(g->chat ? "chat.completion" : "text_completion"));
-        json_object_set_new(o, "created", json_integer(g->created));
-        json_object_set_new(o, "model", json_string(a->model_id));
         json_t *ch = json_object();
-        json_object_set_new(ch, "index", json_integer(0));
+        json_object_set_new(ch, "index", json_integer(g->index));
         if (g->chat) {
             json_t *m = json_object();
             json_object_set_new(m, "role", json_string("assistant"));
@@ -559,16 +734,46 @@ static void gen_finish(struct gen *g, const char *reason)
                 g->tool_calls = NULL;
             }
             json_object_set_new(ch, "message", m);
+        } else if (g->echo) {
+            char *t = malloc(g->echo_len + g->text_len + 1);
+            if (t) {
+                memcpy(t, g->echo, g->echo_len);
+                memcpy(t + g->echo_len, g->text, g->text_len);
+            }
+            json_object_set_new(ch, "text", t ? json_text(t, g->echo_len + g->text_len) : json_string(""));
+            free(t);
         } else {
             json_object_set_new(ch, "text", json_text(g->text, g->text_len));
         }
-        json_object_set_new(ch, "logprobs", json_null());
+        json_object_set_new(ch, "logprobs", g->logprobs ? lp_obj(g, 0, json_array_size(g->lp)) : json_null());
         json_object_set_new(ch, "finish_reason", json_string(reason));
-        json_object_set_new(o, "choices", json_pack("[o]", ch));
-        json_object_set_new(o, "usage", usage_obj(g));
+        json_array_set_new(grp->choices, g->index, ch);
+    }
+    if (--grp->n_open)
+        return;
+    http_conn_on_abort(c, NULL, NULL);
+    if (g->stream) {
+        if (g->include_usage) {
+            json_t *o = chunk_obj(g);
+            json_object_set_new(o, "choices", json_array());
+            json_object_set_new(o, "usage", usage_obj(grp));
+            sse_send(g, o);
+        }
+        http_stream_write(c, "data: [DONE]\n\n", 14);
+        http_stream_end(c);
+    } else {
+        json_t *o = json_object();
+        json_object_set_new(o, "id", json_string(g->id));
+        json_object_set_new(o, "object", json_string(g->chat ? "chat.completion" : "text_completion"));
+        json_object_set_new(o, "created", json_integer(g->created));
+        json_object_set_new(o, "model", json_string(a->model_id));
+        json_object_set_new(o, "choices", grp->choices);
+        grp->choices = NULL;
+        json_object_set_new(o, "usage", usage_obj(grp));
+        json_object_set_new(o, "timings", timings_obj(grp));
         respond_json(a, c, 200, o, NULL);
     }
-    gen_free(g);
+    group_free(grp);
 }
 
 /* Appends new text, checks the stop strings; true when a stop string ended the generation. */
@@ -596,18 +801,27 @@ static void on_token(struct sched_req *r, void *user, int32_t token)
 {
     struct gen *g = user;
     struct api *a = g->api;
-    (void)r;
     const double now = moe_now_s();
-    if (g->n_gen == 0)
+    if (g->n_gen == 0) {
         lat_observe(&a->ttft, TTFT_BOUNDS, now - g->t_start);
-    else
+        g->t_first = now;
+    } else {
         lat_observe(&a->itl, ITL_BOUNDS, now - g->t_last);
+    }
     g->t_last = now;
     g->n_gen++;
     a->gen_tokens++;
     tps_add(a, 1);
+    const struct sched_logprob *lp = g->logprobs ? sched_req_logprob(r) : NULL;
+    if (lp)
+        lp_add(g, token, lp, g->text_len);
     size_t n = moe_detok_push(&g->detok, a->tok, token, g->piece, g->piece_cap);
     if (take_text(g, g->piece, n)) {
+        /* The tokens of the stop string are not part of the answer. */
+        while (g->logprobs && json_array_size(g->lp) > g->lp_sent &&
+               json_array_size(g->lp) > g->n_plp &&
+               g->lp_off[json_array_size(g->lp) - 1] >= g->text_len)
+            json_array_remove(g->lp, json_array_size(g->lp) - 1);
         /* A stop string matched: nothing after it may be generated or sent. */
         sched_cancel(a->sched, g->req);
         g->req = NULL;
@@ -616,6 +830,23 @@ static void on_token(struct sched_req *r, void *user, int32_t token)
     }
     if (g->stream)
         stream_pending(g, false);
+}
+
+/* echo with logprobs: the prompt's tokens, in order, before any generated one. */
+static void on_prompt_logprob(struct sched_req *r, void *user, uint32_t pos, int32_t token,
+                              const struct sched_logprob *lp)
+{
+    struct gen *g = user;
+    (void)r;
+    if (!g->logprobs || g->n_gen || !g->n_plp)
+        return;
+    if (pos == 1 && g->n_plp > 1) { /* sent again by the worker a retry went to */
+        while (json_array_size(g->lp) > 1)
+            json_array_remove(g->lp, json_array_size(g->lp) - 1);
+        g->n_plp = 1;
+    }
+    if (pos == g->n_plp && lp_add(g, token, lp, 0) == 0)
+        g->n_plp++;
 }
 
 static void gen_done(struct gen *g, enum sched_finish why)
@@ -634,7 +865,7 @@ static void on_done(struct sched_req *r, void *user, enum sched_finish why, uint
     (void)n_prompt, (void)n_gen;
     g->n_cached = sched_req_cached(r);
     g->req = NULL;
-    if (g->submitting) {
+    if (g->grp->submitting) {
         g->early = 1;
         g->early_why = why;
         return;
@@ -647,7 +878,7 @@ static void on_error(struct sched_req *r, void *user, int http_status, const cha
     struct gen *g = user;
     (void)r;
     g->req = NULL;
-    if (g->submitting) {
+    if (g->grp->submitting) {
         g->early = 2;
         g->early_status = http_status;
         snprintf(g->early_msg, sizeof g->early_msg, "%s", message ? message : "");
@@ -656,13 +887,28 @@ static void on_error(struct sched_req *r, void *user, int http_status, const cha
     gen_fail(g, http_status, message);
 }
 
+/* Stops every choice of the group (the others' requests are cancelled). */
+static void group_cancel(struct gen_group *grp)
+{
+    for (uint32_t i = 0; i < grp->n; i++) {
+        struct gen *x = grp->g[i];
+        if (x && x->req)
+            sched_cancel(grp->api->sched, x->req);
+        if (x)
+            x->req = NULL;
+    }
+}
+
+/* A choice failed: the whole response does (an error event once streaming) and is freed. */
 static void gen_fail(struct gen *g, int http_status, const char *message)
 {
     struct api *a = g->api;
+    struct gen_group *grp = g->grp;
     a->gen_errors++;
     log_warn("generation %s failed (%d): %s", g->id, http_status, message);
     http_conn_on_abort(g->conn, NULL, NULL);
-    if (g->headers_sent) {
+    group_cancel(grp);
+    if (grp->headers_sent) {
         /* Too late for a status code: an error event tells SSE clients (the openai SDK raises
          * it) that the stream is broken, and there is no [DONE]. */
         int status = http_status >= 400 ? http_status : 500;
@@ -673,18 +919,16 @@ static void gen_fail(struct gen *g, int http_status, const char *message)
     } else {
         respond_error(a, g->conn, http_status >= 400 ? http_status : 500, NULL, "%s", message);
     }
-    gen_free(g);
+    group_free(grp);
 }
 
 /* The client went away: stop generating for it. */
 static void on_abort(void *user)
 {
-    struct gen *g = user;
-    if (g->req)
-        sched_cancel(g->api->sched, g->req);
-    g->req = NULL;
-    log_debug("generation %s: client disconnected after %u tokens", g->id, g->n_gen);
-    gen_free(g);
+    struct gen_group *grp = user;
+    group_cancel(grp);
+    log_debug("generation %s: client disconnected after %u tokens", grp->g[0]->id, grp->g[0]->n_gen);
+    group_free(grp);
 }
 
 /* ---- request parsing ---- */
@@ -702,11 +946,20 @@ struct gen_req {
     size_t n_stops;
     bool tools;                   /* chat: the request has tools (parse tool calls) */
     bool think_open;              /* chat: the prompt ends inside <think> */
+    uint32_t n;                   /* choices */
+    bool echo;                    /* completions: the answer starts with the prompt */
+    char *echo_text;              /* the prompt's text (set with the prompt) */
+    size_t echo_len;
+    int32_t *bias_tok;            /* logit_bias; r->s points at these */
+    float *bias_val;
 };
 
 static void gen_req_free(struct gen_req *r)
 {
     free(r->prompt);
+    free(r->echo_text);
+    free(r->bias_tok);
+    free(r->bias_val);
     for (size_t i = 0; i < r->n_stops; i++)
         free(r->stops[i]);
 }
@@ -791,6 +1044,86 @@ static int get_bool(json_t *body, const char *key, bool *out, struct verr *e)
     return 0;
 }
 
+/* Chat: logprobs (boolean) and top_logprobs (0..20, only with logprobs); completions: logprobs
+ * (0..20 most likely tokens per position; null or false: none). */
+static int parse_logprobs(json_t *body, bool chat, struct gen_req *r, struct verr *e)
+{
+    json_t *v = json_object_get(body, "logprobs");
+    const int64_t max = SCHED_MAX_TOP_LOGPROBS;
+    int64_t top = 0;
+    bool set = false;
+    if (chat) {
+        if (get_bool(body, "logprobs", &r->s.logprobs, e) ||
+            get_int(body, "top_logprobs", 0, max, &top, &set, e))
+            return -1;
+        if (set && !r->s.logprobs)
+            return fail(e, 400, "top_logprobs", "'top_logprobs' needs 'logprobs': true");
+    } else {
+        if ((v = json_object_get(body, "top_logprobs")) && !json_is_null(v))
+            return fail(e, 400, "top_logprobs", "'top_logprobs' is a chat field; /v1/completions "
+                        "takes 'logprobs': N");
+        v = json_object_get(body, "logprobs");
+        if (v && !json_is_null(v) && !json_is_false(v)) {
+            if (!json_is_integer(v))
+                return fail(e, 400, "logprobs", "'logprobs' must be an integer 0..%d (the most likely "
+                            "tokens to list per position), not %s", (int)max, jtype(v));
+            if (get_int(body, "logprobs", 0, max, &top, &set, e))
+                return -1;
+            r->s.logprobs = true;
+        }
+    }
+    r->s.top_logprobs = (uint32_t)top;
+    return 0;
+}
+
+/* logit_bias: {"token id": bias in -100..100}, added to those logits before sampling. */
+static int parse_logit_bias(struct api *a, json_t *body, struct gen_req *r, struct verr *e)
+{
+    json_t *v = json_object_get(body, "logit_bias");
+    if (!v || json_is_null(v))
+        return 0;
+    if (!json_is_object(v))
+        return fail(e, 400, "logit_bias", "'logit_bias' must be an object of token ids (as strings) "
+                    "to biases, not %s", jtype(v));
+    size_t n = json_object_size(v);
+    if (n == 0)
+        return 0;
+    if (n > SCHED_MAX_BIAS)
+        return fail(e, 400, "logit_bias", "'logit_bias' has %zu entries (at most %d)", n, SCHED_MAX_BIAS);
+    r->bias_tok = malloc(n * sizeof *r->bias_tok);
+    r->bias_val = malloc(n * sizeof *r->bias_val);
+    if (!r->bias_tok || !r->bias_val)
+        return fail(e, 500, NULL, "out of memory");
+    const char *key;
+    json_t *x;
+    size_t k = 0;
+    json_object_foreach(v, key, x) {
+        char *end = NULL;
+        errno = 0;
+        long long id = key[0] >= '0' && key[0] <= '9' ? strtoll(key, &end, 10) : -1;
+        if (!end || *end || errno)
+            return fail(e, 400, "logit_bias", "'logit_bias' key \"%.64s\" is not a token id (a "
+                        "non-negative integer)", key);
+        if (id > INT32_MAX || (a->model.n_vocab && id >= (long long)a->model.n_vocab))
+            return fail(e, 400, "logit_bias", "'logit_bias' key %.64s is not a token id (n_vocab %u)",
+                        key, a->model.n_vocab);
+        if (!json_is_number(x))
+            return fail(e, 400, "logit_bias", "'logit_bias[\"%s\"]' must be a number, not %s", key,
+                        jtype(x));
+        double b = json_number_value(x);
+        if (!isfinite(b) || b < -100 || b > 100)
+            return fail(e, 400, "logit_bias", "'logit_bias[\"%s\"]' must be between -100 and 100, "
+                        "not %g", key, b);
+        r->bias_tok[k] = (int32_t)id;
+        r->bias_val[k] = (float)b;
+        k++;
+    }
+    r->s.bias_tok = r->bias_tok;
+    r->s.bias_val = r->bias_val;
+    r->s.n_bias = (uint32_t)k;
+    return 0;
+}
+
 /* Fields shared by both generation endpoints. */
 static int parse_common(struct api *a, json_t *body, bool chat, struct gen_req *r, struct verr *e)
 {
@@ -799,6 +1132,10 @@ static int parse_common(struct api *a, json_t *body, bool chat, struct gen_req *
     r->max_tokens = -1;
     if ((v = json_object_get(body, "model")) && !json_is_string(v) && !json_is_null(v))
         return fail(e, 400, "model", "'model' must be a string, not %s", jtype(v));
+    /* As OpenAI: a model that is not served is 404 model_not_found (absent or null: the one). */
+    if (v && json_is_string(v) && strcmp(json_string_value(v), a->model_id) != 0)
+        return fail(e, 404, "model", "The model '%.200s' does not exist (this daemon serves '%s'; "
+                    "see /v1/models)", json_string_value(v), a->model_id);
     if (get_num(body, "temperature", 0, 100, &r->s.temperature, e) ||
         get_num(body, "top_p", 0, 1, &r->s.top_p, e) ||
         get_num(body, "min_p", 0, 1, &r->s.min_p, e) ||
@@ -810,10 +1147,9 @@ static int parse_common(struct api *a, json_t *body, bool chat, struct gen_req *
     bool seed_set = false, mt_set = false;
     if (get_int(body, "top_k", 0, a->model.n_vocab ? a->model.n_vocab : INT32_MAX, &k, NULL, e) ||
         get_int(body, "seed", INT64_MIN, INT64_MAX, &seed, &seed_set, e) ||
-        get_int(body, "n", 1, INT64_MAX, &n, NULL, e))
+        get_int(body, "n", 1, MAX_CHOICES, &n, NULL, e))
         return -1;
-    if (n != 1)
-        return fail(e, 400, "n", "'n' must be 1 (one choice per request)");
+    r->n = (uint32_t)n;
     r->s.top_k = (int32_t)k;
     r->s.seed = (uint64_t)seed;
     r->s.has_seed = seed_set;
@@ -884,8 +1220,7 @@ static int parse_common(struct api *a, json_t *body, bool chat, struct gen_req *
     }
     /* Features we do not have must be refused, not silently ignored. */
     static const char *unsupported[] = {"tools", "functions", "tool_choice", "function_call",
-                                        "logit_bias", "suffix", "audio", "modalities",
-                                        "prediction", "top_logprobs"};
+                                        "suffix", "audio", "modalities", "prediction"};
     for (size_t i = 0; i < sizeof unsupported / sizeof unsupported[0]; i++) {
         if (chat && i < 3 && i != 1) /* chat: tools and tool_choice (see chat_tools) */
             continue;
@@ -916,14 +1251,19 @@ static int parse_common(struct api *a, json_t *body, bool chat, struct gen_req *
         if (v && !json_is_null(v) && !(json_is_string(v) && json_string_length(v) == 0))
             return fail(e, 400, constrained[i], "'%s' is not supported by moed", constrained[i]);
     }
-    if ((v = json_object_get(body, "logprobs")) && !json_is_null(v) && !json_is_false(v) &&
-        !(json_is_integer(v) && json_integer_value(v) == 0))
-        return fail(e, 400, "logprobs", "'logprobs' is not supported by moed");
-    if ((v = json_object_get(body, "echo")) && !json_is_null(v) && !json_is_false(v))
-        return fail(e, 400, "echo", "'echo' is not supported by moed");
+    if (parse_logprobs(body, chat, r, e) || parse_logit_bias(a, body, r, e))
+        return -1;
+    if (chat) {
+        if ((v = json_object_get(body, "echo")) && !json_is_null(v) && !json_is_false(v))
+            return fail(e, 400, "echo", "'echo' is a /v1/completions field");
+    } else if (get_bool(body, "echo", &r->echo, e)) {
+        return -1;
+    }
+    /* echo with logprobs lists the prompt's tokens first, as OpenAI's legacy completions do. */
+    r->s.prompt_logprobs = r->echo && r->s.logprobs;
     if ((v = json_object_get(body, "best_of")) && !json_is_null(v) &&
-        !(json_is_integer(v) && json_integer_value(v) == 1))
-        return fail(e, 400, "best_of", "'best_of' must be 1");
+        !(json_is_integer(v) && (json_integer_value(v) == 1 || json_integer_value(v) == (json_int_t)r->n)))
+        return fail(e, 400, "best_of", "'best_of' must be 1 or equal 'n' (moed returns every sequence)");
     if ((v = json_object_get(body, "response_format")) && !json_is_null(v)) {
         json_t *t = json_is_object(v) ? json_object_get(v, "type") : NULL;
         if (!t || !json_is_string(t) || strcmp(json_string_value(t), "text") != 0)
@@ -1009,7 +1349,47 @@ static int parse_token_array(struct api *a, json_t *arr, const char *what, struc
     return 0;
 }
 
+static int parse_prompt_tokens(struct api *a, json_t *body, struct gen_req *r, struct verr *e);
+
+/* echo: the prompt's text as given, or for token ids their text. */
 static int parse_prompt(struct api *a, json_t *body, struct gen_req *r, struct verr *e)
+{
+    if (parse_prompt_tokens(a, body, r, e))
+        return -1;
+    if (!r->echo || r->n_prompt_is_bound)
+        return 0;
+    json_t *p = json_object_get(body, "prompt");
+    if (json_is_array(p) && json_array_size(p) == 1 && json_is_string(json_array_get(p, 0)))
+        p = json_array_get(p, 0);
+    if (json_is_string(p)) {
+        r->echo_len = json_string_length(p);
+        r->echo_text = malloc(r->echo_len + 1);
+        if (!r->echo_text)
+            return fail(e, 500, NULL, "out of memory");
+        memcpy(r->echo_text, json_string_value(p), r->echo_len + 1);
+        return 0;
+    }
+    struct moe_detok d;
+    moe_detok_init(&d);
+    size_t cap = 3 * (moe_tok_max_piece(a->tok) + 4) + 1, len = 0, bcap = 0;
+    char *piece = malloc(cap), *out = NULL;
+    int rc = piece ? 0 : -ENOMEM;
+    for (size_t i = 0; rc == 0 && i <= r->n_prompt; i++) {
+        size_t n = i < r->n_prompt ? moe_detok_push(&d, a->tok, r->prompt[i], piece, cap)
+                                   : moe_detok_flush(&d, piece, cap);
+        rc = moe_buf_append(&out, &len, &bcap, piece, n);
+    }
+    free(piece);
+    if (rc) {
+        free(out);
+        return fail(e, 500, NULL, "out of memory");
+    }
+    r->echo_text = out;
+    r->echo_len = len;
+    return 0;
+}
+
+static int parse_prompt_tokens(struct api *a, json_t *body, struct gen_req *r, struct verr *e)
 {
     json_t *p = json_object_get(body, "prompt");
     if (!p || json_is_null(p))
@@ -1533,14 +1913,76 @@ fail:
     json_decref(body);
 }
 
+/* One choice of a response: everything but its request. NULL when out of memory. */
+static struct gen *gen_new(struct api *a, struct gen_group *grp, uint32_t index, bool chat,
+                           const struct gen_req *r, const char *id, time_t created, double t0)
+{
+    struct gen *g = calloc(1, sizeof *g);
+    if (!g)
+        return NULL;
+    g->api = a;
+    g->grp = grp;
+    g->index = index;
+    g->conn = grp->conn;
+    g->chat = chat;
+    g->stream = r->stream;
+    g->include_usage = r->include_usage;
+    g->created = created;
+    g->t_start = g->t_last = t0;
+    g->n_prompt = (uint32_t)r->n_prompt;
+    g->logprobs = r->s.logprobs;
+    g->n_top = r->s.top_logprobs;
+    snprintf(g->id, sizeof g->id, "%s", id);
+    bool ok = !g->logprobs || (g->lp = json_array());
+    /* The prompt's first token leads its entries, without a logprob (nothing comes before). */
+    if (ok && r->s.prompt_logprobs)
+        g->n_plp = (ok = lp_add(g, r->prompt[0], NULL, 0) == 0);
+    if (ok && r->echo) {
+        g->echo = malloc(r->echo_len + 1);
+        ok = g->echo != NULL;
+        if (ok) {
+            if (r->echo_len)
+                memcpy(g->echo, r->echo_text, r->echo_len);
+            g->echo[r->echo_len] = 0;
+            g->echo_len = r->echo_len;
+            /* text_offset counts the prompt's token texts when they are listed */
+            g->lp_chars = r->s.prompt_logprobs ? 0 : utf8_chars(g->echo, g->echo_len);
+        }
+    }
+    for (size_t i = 0; ok && i < r->n_stops; i++) {
+        ok = (g->stops[i] = strdup(r->stops[i])) != NULL;
+        g->n_stops += ok;
+    }
+    moe_detok_init(&g->detok);
+    if (chat) {
+        char prefix[40];
+        snprintf(prefix, sizeof prefix, "call_%.24s", g->id + strlen("chatcmpl-"));
+        chat_out_init(&g->co, r->think_open, r->tools, prefix);
+    }
+    g->piece_cap = 3 * (moe_tok_max_piece(a->tok) + 4) + 1;
+    ok = ok && (g->piece = malloc(g->piece_cap));
+    g->next = a->gens;
+    if (a->gens)
+        a->gens->prev = g;
+    a->gens = g;
+    a->n_gens++;
+    g->linked = true;
+    if (!ok) {
+        gen_free(g);
+        return NULL;
+    }
+    return g;
+}
+
 static void finish_generate(struct api *a, struct http_conn *c, bool chat, struct gen_req *rp,
                             struct verr *ep, int rc, double t0)
 {
     struct gen_req r = *rp;
     struct verr e = *ep;
+    struct gen_group *grp = NULL;
     struct gen *g = NULL;
-    /* r's allocations stay owned by the caller's struct (freed there); ownership of the prompt
-     * passes to the scheduler's copy only through sched_submit, which copies it. */
+    /* r's allocations stay owned by the caller's struct (freed there): the scheduler copies the
+     * prompt, each choice its stop strings and echo. */
     if (rc)
         goto fail;
     if (a->draining) {
@@ -1572,85 +2014,91 @@ static void finish_generate(struct api *a, struct http_conn *c, bool chat, struc
     else
         max_tokens = chat ? room : (16 < room ? 16 : room);
 
-    g = calloc(1, sizeof *g);
-    if (!g) {
+    grp = calloc(1, sizeof *grp);
+    if (grp) {
+        grp->api = a;
+        grp->conn = c;
+        grp->n = grp->n_open = r.n;
+        grp->g = calloc(r.n, sizeof *grp->g);
+        grp->choices = json_array();
+    }
+    if (!grp || !grp->g || !grp->choices) {
         fail(&e, 500, NULL, "out of memory");
         goto fail;
     }
-    g->api = a;
-    g->conn = c;
-    g->chat = chat;
-    g->stream = r.stream;
-    g->include_usage = r.include_usage;
-    g->created = time(NULL);
-    g->t_start = g->t_last = t0;
-    g->n_prompt = (uint32_t)r.n_prompt;
-    new_id(a, g->id, sizeof g->id, chat ? "chatcmpl" : "cmpl");
-    memcpy(g->stops, r.stops, sizeof r.stops);
-    g->n_stops = r.n_stops;
-    r.n_stops = 0;
-    moe_detok_init(&g->detok);
-    if (chat) {
-        char prefix[40];
-        snprintf(prefix, sizeof prefix, "call_%.24s", g->id + strlen("chatcmpl-"));
-        chat_out_init(&g->co, r.think_open, r.tools, prefix);
+    char id[48];
+    new_id(a, id, sizeof id, chat ? "chatcmpl" : "cmpl");
+    const time_t created = time(NULL);
+    for (uint32_t i = 0; i < r.n; i++) {
+        json_array_append_new(grp->choices, json_null());
+        if (!(grp->g[i] = gen_new(a, grp, i, chat, &r, id, created, t0))) {
+            fail(&e, 500, NULL, "out of memory");
+            goto fail;
+        }
     }
-    g->piece_cap = 3 * (moe_tok_max_piece(a->tok) + 4) + 1;
-    g->piece = malloc(g->piece_cap);
-    if (!g->piece) {
-        fail(&e, 500, NULL, "out of memory");
-        goto fail;
-    }
-    g->next = a->gens;
-    if (a->gens)
-        a->gens->prev = g;
-    a->gens = g;
-    a->n_gens++;
-
-    struct sched_params sp = {
-        .prompt = r.prompt,
-        .n_prompt = (uint32_t)r.n_prompt,
-        .max_tokens = max_tokens,
-        .sampling = r.s,
-        .cb = {on_token, on_done, on_error},
-        .user = g,
-    };
+    g = grp->g[0];
+    /* Every choice is a request of its own; seeded ones get seed, seed + 1, ... */
     int status = 503;
     char msg[512] = "";
     a->gen_requests++;
     a->prompt_tokens += r.n_prompt;
-    http_conn_on_abort(c, on_abort, g);
-    g->submitting = true;
-    struct sched_req *sr = sched_submit(a->sched, &sp, &status, msg, sizeof msg);
-    g->submitting = false;
-    if (g->early) {
-        /* The scheduler finished the request inside sched_submit(): the handle is gone. */
-        if (g->early == 1)
-            gen_done(g, g->early_why);
-        else
-            gen_fail(g, g->early_status, g->early_msg);
-        g = NULL;
-        goto out;
+    http_conn_on_abort(c, on_abort, grp);
+    grp->submitting = true;
+    for (uint32_t i = 0; i < r.n; i++) {
+        struct sched_params sp = {
+            .prompt = r.prompt,
+            .n_prompt = (uint32_t)r.n_prompt,
+            .max_tokens = max_tokens,
+            .sampling = r.s,
+            .cb = {on_token, on_done, on_error, on_prompt_logprob},
+            .user = grp->g[i],
+        };
+        sp.sampling.seed += i;
+        struct sched_req *sr = sched_submit(a->sched, &sp, &status, msg, sizeof msg);
+        if (!grp->g[i]->early)
+            grp->g[i]->req = sr; /* else it finished inside: the handle is gone */
+        if (!sr && !grp->g[i]->early)
+            break;
     }
-    g->req = sr;
-    if (!g->req) {
-        http_conn_on_abort(c, NULL, NULL);
-        a->gen_errors++;
-        gen_free(g);
-        g = NULL;
-        fail(&e, status >= 400 ? status : 503, NULL, "%s", msg[0] ? msg : "the request could not be queued");
-        goto fail;
+    grp->submitting = false;
+    for (uint32_t i = 0; i < r.n; i++) {
+        struct gen *x = grp->g[i];
+        if (x->early == 2 || (!x->req && !x->early)) {
+            /* Not queued, or failed at once: the response fails as a whole. */
+            if (x->early == 2) {
+                status = x->early_status;
+                snprintf(msg, sizeof msg, "%s", x->early_msg);
+            }
+            http_conn_on_abort(c, NULL, NULL);
+            group_cancel(grp);
+            a->gen_errors++;
+            group_free(grp);
+            grp = NULL;
+            fail(&e, status >= 400 ? status : 503, NULL, "%s", msg[0] ? msg : "the request could not be queued");
+            goto fail;
+        }
     }
-    log_debug("%s: %zu prompt tokens, max_tokens %u, temperature %g%s", g->id, r.n_prompt,
-              max_tokens, (double)r.s.temperature, r.stream ? ", streaming" : "");
+    log_debug("%s: %zu prompt tokens, max_tokens %u, temperature %g, n %u%s", g->id, r.n_prompt,
+              max_tokens, (double)r.s.temperature, r.n, r.stream ? ", streaming" : "");
+    /* Choices the scheduler finished inside sched_submit() (their handles are gone); the last
+     * one to finish frees the group. */
+    for (uint32_t i = 0; i < r.n; i++) {
+        struct gen *x = grp->g[i];
+        if (x->early != 1)
+            continue;
+        const bool last = grp->n_open == 1;
+        gen_done(x, x->early_why);
+        if (last)
+            break;
+    }
     goto out;
 fail:
-    if (g)
-        gen_free(g);
+    if (grp)
+        group_free(grp);
     respond_error(a, c, e.status ? e.status : 400, e.param, "%s", e.msg);
 out:
-    /* The stop strings moved into g (or were freed with it); the caller frees the rest. */
-    rp->n_stops = r.n_stops;
+    /* The stop strings were copied into each choice; the caller frees r's allocations. */
+    (void)g;
 }
 
 
@@ -1794,6 +2242,37 @@ static void handle_props(struct api *a, struct http_request *req)
 }
 
 /* POST /detokenize {"tokens": [ids]} -> {"content": text}. */
+/* GET /slots, read-only, in llama-server's shape: per sequence slot its id, the request on it
+ * (id_task, -1: none), n_ctx, is_processing (and the older numeric state), and next_token's
+ * n_decoded / n_remain; moed adds the worker and the prompt's token count. */
+static void handle_slots(struct api *a, struct http_request *req)
+{
+    size_t n = a->sched ? sched_slots(a->sched, NULL, 0) : 0;
+    struct sched_slot *sl = n ? calloc(n, sizeof *sl) : NULL;
+    if (n && !sl) {
+        respond_error(a, req->conn, 500, NULL, "out of memory");
+        return;
+    }
+    if (n)
+        n = sched_slots(a->sched, sl, n);
+    json_t *arr = json_array();
+    for (size_t i = 0; i < n; i++) {
+        const bool busy = sl[i].id != 0;
+        json_t *nt = json_pack("{s:b,s:I,s:I}", "has_next_token", busy, "n_remain",
+                               busy ? (json_int_t)sl[i].max_tokens - sl[i].n_gen : (json_int_t)-1,
+                               "n_decoded", (json_int_t)sl[i].n_gen);
+        json_array_append_new(arr, json_pack("{s:I,s:I,s:I,s:b,s:i,s:I,s:I,s:I,s:o}",
+                                             "id", (json_int_t)i,
+                                             "id_task", busy ? (json_int_t)sl[i].id : (json_int_t)-1,
+                                             "n_ctx", (json_int_t)sl[i].n_ctx, "is_processing", busy,
+                                             "state", busy ? 1 : 0, "worker", (json_int_t)sl[i].worker,
+                                             "n_prompt_tokens", (json_int_t)sl[i].n_prompt,
+                                             "n_decoded", (json_int_t)sl[i].n_gen, "next_token", nt));
+    }
+    free(sl);
+    respond_json(a, req->conn, 200, arr, NULL);
+}
+
 static void handle_detokenize(struct api *a, struct http_request *req)
 {
     json_t *body = load_object(a, req);
@@ -2214,7 +2693,8 @@ void api_handle(void *user, struct http_request *req)
         return;
     }
     if (!get && (!strcmp(path, "/v1/models") || !strncmp(path, "/v1/models/", 11) ||
-                 !strcmp(path, "/health") || !strcmp(path, "/metrics") || !strcmp(path, "/props"))) {
+                 !strcmp(path, "/health") || !strcmp(path, "/metrics") || !strcmp(path, "/props") ||
+                 !strcmp(path, "/slots"))) {
         respond_error(a, req->conn, 405, NULL, "%s is not allowed on %s (use GET)", req->method_name, path);
         return;
     }
@@ -2226,6 +2706,8 @@ void api_handle(void *user, struct http_request *req)
         handle_health(a, req);
     } else if (!strcmp(path, "/props")) {
         handle_props(a, req);
+    } else if (!strcmp(path, "/slots")) {
+        handle_slots(a, req);
     } else if (!strcmp(path, "/metrics")) {
         handle_metrics(a, req);
     } else if (!strncmp(path, "/admin/", 7)) {
@@ -2319,11 +2801,9 @@ void api_free(struct api *a)
     }
     while (a->gens) {
         struct gen *g = a->gens;
-        if (g->req)
-            sched_cancel(a->sched, g->req);
-        g->req = NULL;
+        group_cancel(g->grp);
         http_conn_on_abort(g->conn, NULL, NULL);
-        if (g->headers_sent) {
+        if (g->grp->headers_sent) {
             json_t *o = json_object();
             json_object_set_new(o, "error", error_obj(503, NULL, "moed is shutting down"));
             sse_send(g, o);
@@ -2331,7 +2811,7 @@ void api_free(struct api *a)
         } else {
             respond_error(a, g->conn, 503, NULL, "moed is shutting down");
         }
-        gen_free(g);
+        group_free(g->grp);
     }
     free(a->routing);
     free(a->model_id);

@@ -58,6 +58,7 @@ static const struct key keys[] = {
     {"log-file", K_STR, F(log_file), "PATH", "log to a file instead of stderr (SIGHUP reopens)", 0, 0},
     {"admin-group", K_STR, F(admin_group), "NAME", "group allowed on /admin/* (default moed-admin)", 0, 0},
     {"api-key-file", K_STR, F(api_key_file), "FILE", "the API key TCP clients must send (required with --listen)", 0, 0},
+    {"model-alias", K_STR, F(model_alias), "NAME", "the model id served in /v1/models and required in requests' 'model' (default: the GGUF's file name without .gguf)", 0, 0},
     {"chat-template", K_STR, F(chat_template), "FILE", "Jinja chat template to use instead of the model's tokenizer.chat_template", 0, 0},
     {"worker-bin", K_STR, F(worker_bin), "PATH", "moed-worker program (default: next to moed)", 0, 0},
     {"max-body", K_SIZE, F(max_body), "SIZE", "request body limit (default 8M)", 1024, 1ull << 30},

@@ -38,6 +38,7 @@ struct moed_config {
     char *api_key_file;     /* --api-key-file FILE (required with --listen) */
     char *api_key;          /* its key, read by config_parse_args */
     char *chat_template;    /* --chat-template FILE: replaces the model's chat template; NULL: none */
+    char *model_alias;      /* --model-alias NAME: the served model id; NULL: the file name's stem */
     char *worker_bin;       /* --worker-bin PATH; NULL: moed-worker next to moed */
     uint64_t max_body;      /* --max-body SIZE: request body limit (413 above) */
     uint32_t idle_timeout_s;   /* --idle-timeout S: idle keep-alive connections are closed */

@@ -1067,7 +1067,7 @@ static int run(struct daemon *d, int argc, char **argv)
         .loop = d->loop,
     };
     char model_id[256];
-    ao.model.id = base_name(c->model, model_id, sizeof model_id);
+    ao.model.id = c->model_alias ? c->model_alias : base_name(c->model, model_id, sizeof model_id);
     struct group gr, *grp = NULL;
     char grbuf[4096];
     if (c->admin_group && getgrnam_r(c->admin_group, &gr, grbuf, sizeof grbuf, &grp) == 0 && grp) {

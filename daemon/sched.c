@@ -37,6 +37,9 @@ struct sched_req {
     int32_t worker;          /* -1 while queued */
     uint32_t n_gen;
     uint32_t n_cached;       /* from the worker's Done: prompt tokens it continued from cache */
+    int32_t *bias_tok;       /* sampling.bias_* point here */
+    float *bias_val;
+    const struct sched_logprob *lp; /* during on_token */
     uint32_t attempts;
     uint64_t queued_at;      /* uv_now() when (re)queued */
     bool finishing;
@@ -119,6 +122,8 @@ static void list_push_front(struct rlist *l, struct sched_req *r)
 static void req_free(struct sched_req *r)
 {
     free(r->prompt);
+    free(r->bias_tok);
+    free(r->bias_val);
     free(r);
 }
 
@@ -370,8 +375,13 @@ struct sched_req *sched_submit(struct sched *s, const struct sched_params *p, in
     struct sched_req *r = calloc(1, sizeof *r);
     if (r)
         r->prompt = malloc(p->n_prompt * sizeof *r->prompt);
-    if (!r || !r->prompt) {
-        free(r);
+    if (r && p->sampling.n_bias) {
+        r->bias_tok = malloc(p->sampling.n_bias * sizeof *r->bias_tok);
+        r->bias_val = malloc(p->sampling.n_bias * sizeof *r->bias_val);
+    }
+    if (!r || !r->prompt || (p->sampling.n_bias && (!r->bias_tok || !r->bias_val))) {
+        if (r)
+            req_free(r);
         if (http_status)
             *http_status = 503;
         snprintf(msg, msglen, "out of memory");
@@ -382,6 +392,12 @@ struct sched_req *sched_submit(struct sched *s, const struct sched_params *p, in
     r->n_prompt = p->n_prompt;
     r->max_tokens = p->max_tokens;
     r->sampling = p->sampling;
+    if (p->sampling.n_bias) {
+        memcpy(r->bias_tok, p->sampling.bias_tok, p->sampling.n_bias * sizeof *r->bias_tok);
+        memcpy(r->bias_val, p->sampling.bias_val, p->sampling.n_bias * sizeof *r->bias_val);
+    }
+    r->sampling.bias_tok = r->bias_tok;
+    r->sampling.bias_val = r->bias_val;
     r->cb = p->cb;
     r->user = p->user;
     r->worker = -1;
@@ -415,6 +431,30 @@ void sched_get_stats(const struct sched *s, struct sched_stats *out)
     out->running = s->n_running;
     out->workers_ready = n_ready(s);
     out->workers_total = s->cfg.n_workers;
+}
+
+size_t sched_slots(const struct sched *s, struct sched_slot *out, size_t cap)
+{
+    size_t n = 0;
+    for (uint32_t w = 0; w < s->cfg.n_workers; w++) {
+        const struct wstate *ws = &s->w[w];
+        if (!ws->ready)
+            continue;
+        const struct sched_req *r = ws->reqs.head;
+        for (uint32_t k = 0; k < ws->n_seq; k++, n++) {
+            if (n >= cap)
+                continue;
+            out[n] = (struct sched_slot){.worker = w, .n_ctx = ws->n_ctx};
+            if (r) {
+                out[n].id = r->id;
+                out[n].n_prompt = r->n_prompt;
+                out[n].n_gen = r->n_gen;
+                out[n].max_tokens = r->max_tokens;
+                r = r->next;
+            }
+        }
+    }
+    return n;
 }
 
 void sched_worker_ready(struct sched *s, uint32_t w, uint32_t n_seq, uint32_t n_ctx)
@@ -485,15 +525,32 @@ void sched_worker_lost(struct sched *s, uint32_t w, const char *why)
     check_idle(s);
 }
 
-void sched_worker_token(struct sched *s, uint32_t w, uint64_t id, int32_t token)
+void sched_worker_token(struct sched *s, uint32_t w, uint64_t id, int32_t token,
+                        const struct sched_logprob *lp)
 {
     struct sched_req *r = find(s, w, id);
     if (!r)
         return; /* cancelled while the token was on the wire */
     r->n_gen++;
     s->st.gen_tokens_total++;
+    r->lp = lp;
     if (r->cb.on_token)
         r->cb.on_token(r, r->user, token); /* may cancel r: do not touch it afterwards */
+}
+
+void sched_worker_prompt_logprob(struct sched *s, uint32_t w, uint64_t id, uint32_t pos,
+                                 int32_t token, const struct sched_logprob *lp)
+{
+    struct sched_req *r = find(s, w, id);
+    if (!r || !r->sampling.prompt_logprobs || pos >= r->n_prompt || !lp)
+        return;
+    if (r->cb.on_prompt_logprob)
+        r->cb.on_prompt_logprob(r, r->user, pos, token, lp);
+}
+
+const struct sched_logprob *sched_req_logprob(const struct sched_req *r)
+{
+    return r->sampling.logprobs ? r->lp : NULL;
 }
 
 void sched_worker_done(struct sched *s, uint32_t w, uint64_t id, int finish_reason,

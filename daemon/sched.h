@@ -7,6 +7,7 @@
 #define MOED_SCHED_H
 
 #include <stdbool.h>
+#include <stddef.h>
 #include <stdint.h>
 
 struct sched;
@@ -22,6 +23,26 @@ struct sched_sampling {
     float frequency_penalty;  /* 0: off */
     uint64_t seed;
     bool has_seed;            /* false: the worker picks a random seed */
+    /* logit_bias: bias_val[i] added to the logit of bias_tok[i] (distinct ids); copied by
+     * sched_submit. */
+    const int32_t *bias_tok;
+    const float *bias_val;
+    uint32_t n_bias;
+    bool logprobs;            /* each token comes with its logprob (sched_req_logprob) */
+    uint32_t top_logprobs;    /* and the most likely tokens', at most SCHED_MAX_TOP_LOGPROBS */
+    bool prompt_logprobs;     /* with logprobs: the prompt's too (cb.on_prompt_logprob) */
+};
+
+#define SCHED_MAX_TOP_LOGPROBS 20
+#define SCHED_MAX_BIAS 1024       /* logit_bias entries */
+
+/* A generated token's log-probability (log-softmax of the raw logits) and the most likely
+ * tokens' (most likely first). */
+struct sched_logprob {
+    float logprob;
+    uint32_t n_top;
+    int32_t top_id[SCHED_MAX_TOP_LOGPROBS];
+    float top_lp[SCHED_MAX_TOP_LOGPROBS];
 };
 
 enum sched_finish { SCHED_FINISH_STOP = 0, SCHED_FINISH_LENGTH = 1 };
@@ -35,6 +56,10 @@ struct sched_cb {
     /* Generation failed (worker died after streaming, no worker, overload...). http_status is the
      * status the API should use (500, 503, 400) when nothing was sent yet. */
     void (*on_error)(struct sched_req *r, void *user, int http_status, const char *message);
+    /* sampling.prompt_logprobs: prompt token `token` at pos (1..n_prompt-1) and its logprobs,
+     * before the first on_token (a retry on another worker sends them again from pos 1). */
+    void (*on_prompt_logprob)(struct sched_req *r, void *user, uint32_t pos, int32_t token,
+                              const struct sched_logprob *lp);
 };
 
 struct sched_params {
@@ -49,6 +74,9 @@ struct sched_params {
 /* In on_done: how many of the prompt's tokens the worker continued from a kept KV cache
  * (prefix reuse) instead of evaluating them. */
 uint32_t sched_req_cached(const struct sched_req *r);
+
+/* In on_token, for a request with sampling.logprobs: the token's logprobs; else NULL. */
+const struct sched_logprob *sched_req_logprob(const struct sched_req *r);
 
 /* Queues a request. Returns a handle valid until one of on_done/on_error has been called or
  * sched_cancel() returned; NULL (with *http_status and msg set) when it cannot be queued
@@ -68,5 +96,15 @@ struct sched_stats {
     uint64_t prompt_tokens_total, gen_tokens_total;
 };
 void sched_get_stats(const struct sched *s, struct sched_stats *out);
+
+/* A sequence slot of a ready worker, as the scheduler sees it: a worker's running requests take
+ * its first slots in the order they were sent (the worker's own slot numbers are not known). */
+struct sched_slot {
+    uint32_t worker, n_ctx;
+    uint64_t id;              /* the request running there; 0: idle */
+    uint32_t n_prompt, n_gen, max_tokens;
+};
+/* Writes up to cap slots, worker by worker; returns how many there are. */
+size_t sched_slots(const struct sched *s, struct sched_slot *out, size_t cap);
 
 #endif

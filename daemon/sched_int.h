@@ -32,7 +32,11 @@ void sched_close(struct sched *s, void (*cb)(void *user), void *user);
 void sched_worker_ready(struct sched *s, uint32_t w, uint32_t n_seq, uint32_t n_ctx);
 /* The worker is gone: its requests are re-queued (no token sent yet) or failed. */
 void sched_worker_lost(struct sched *s, uint32_t w, const char *why);
-void sched_worker_token(struct sched *s, uint32_t w, uint64_t id, int32_t token);
+/* lp: the token's logprobs (NULL: none sent). */
+void sched_worker_token(struct sched *s, uint32_t w, uint64_t id, int32_t token,
+                        const struct sched_logprob *lp);
+void sched_worker_prompt_logprob(struct sched *s, uint32_t w, uint64_t id, uint32_t pos,
+                                 int32_t token, const struct sched_logprob *lp);
 void sched_worker_done(struct sched *s, uint32_t w, uint64_t id, int finish_reason,
                        uint32_t n_prompt, uint32_t n_gen, uint32_t n_cached);
 void sched_worker_error(struct sched *s, uint32_t w, uint64_t id, int code, const char *msg);

@@ -374,6 +374,21 @@ static void set_offload(struct wslot *w, const Moed__Metrics *m)
     o->misses = u64 + L;
 }
 
+_Static_assert(SCHED_MAX_TOP_LOGPROBS == MOE_IPC_MAX_TOP_LOGPROBS && SCHED_MAX_BIAS == MOE_IPC_MAX_BIAS,
+               "the scheduler's bounds are the protocol's");
+
+/* A Token's logprobs (validated: top lists of equal length, at most the maximum), or NULL. */
+static const struct sched_logprob *token_logprob(const Moed__Token *t, struct sched_logprob *lp)
+{
+    if (!t->has_logprob)
+        return NULL;
+    lp->logprob = t->logprob;
+    lp->n_top = (uint32_t)t->n_top_token;
+    memcpy(lp->top_id, t->top_token, t->n_top_token * sizeof *lp->top_id);
+    memcpy(lp->top_lp, t->top_logprob, t->n_top_token * sizeof *lp->top_lp);
+    return lp;
+}
+
 static int on_msg(struct moe_ipc_conn *c, void *user, const Moed__Envelope *env, char *err,
                   size_t errlen)
 {
@@ -387,11 +402,17 @@ static int on_msg(struct moe_ipc_conn *c, void *user, const Moed__Envelope *env,
     switch (env->msg_case) {
     case MOED__ENVELOPE__MSG_READY:
         return on_ready_msg(w, env->ready, err, errlen);
-    case MOED__ENVELOPE__MSG_TOKEN:
-        w->info.tokens_generated++;
-        if (ws->sched)
-            sched_worker_token(ws->sched, w->index, env->token->id, env->token->token);
+    case MOED__ENVELOPE__MSG_TOKEN: {
+        struct sched_logprob lp;
+        w->info.tokens_generated += !env->token->prompt;
+        if (ws->sched && env->token->prompt)
+            sched_worker_prompt_logprob(ws->sched, w->index, env->token->id, env->token->prompt_pos,
+                                        env->token->token, token_logprob(env->token, &lp));
+        else if (ws->sched)
+            sched_worker_token(ws->sched, w->index, env->token->id, env->token->token,
+                               token_logprob(env->token, &lp));
         return 0;
+    }
     case MOED__ENVELOPE__MSG_DONE:
         if (ws->sched)
             sched_worker_done(ws->sched, w->index, env->done->id, env->done->reason,
@@ -958,6 +979,9 @@ int moed_workers_send_submit(struct moed_workers *ws, uint32_t wi, uint64_t id, 
     s.frequency_penalty = sp->frequency_penalty;
     s.seed = sp->seed;
     s.has_seed = sp->has_seed;
+    s.bias_token = (int32_t *)sp->bias_tok;
+    s.bias_value = (float *)sp->bias_val;
+    s.n_bias_token = s.n_bias_value = sp->n_bias;
     Moed__Submit m = MOED__SUBMIT__INIT;
     m.id = id;
     m.prompt = (int32_t *)prompt;
@@ -966,6 +990,9 @@ int moed_workers_send_submit(struct moed_workers *ws, uint32_t wi, uint64_t id, 
     m.sampling = &s;
     m.eog = (int32_t *)eog;
     m.n_eog = n_eog;
+    m.logprobs = sp->logprobs;
+    m.top_logprobs = sp->top_logprobs;
+    m.prompt_logprobs = sp->prompt_logprobs;
     Moed__Envelope env = MOED__ENVELOPE__INIT;
     env.msg_case = MOED__ENVELOPE__MSG_SUBMIT;
     env.submit = &m;

@@ -224,7 +224,22 @@ static int validate_from_daemon(const Moed__Envelope *env, const struct moe_ipc_
                 !finite_in(p->presence_penalty, -100, 100) ||
                 !finite_in(p->frequency_penalty, -100, 100))
                 return moe_fail(err, errlen, MOE_ERANGE, "submit.sampling: a penalty is out of range");
+            if (p->n_bias_token != p->n_bias_value || p->n_bias_token > MOE_IPC_MAX_BIAS)
+                return moe_fail(err, errlen, MOE_ERANGE, "submit.sampling: %zu bias tokens, %zu values "
+                                "(equal, at most %u)", p->n_bias_token, p->n_bias_value, MOE_IPC_MAX_BIAS);
+            for (size_t i = 0; i < p->n_bias_token; i++) {
+                if ((rc = check_token(p->bias_token[i], lim, "submit.sampling.bias_token", i, err, errlen)))
+                    return rc;
+                if (!finite_in(p->bias_value[i], -100, 100))
+                    return moe_fail(err, errlen, MOE_ERANGE, "submit.sampling.bias_value[%zu] = %g is "
+                                    "outside -100..100", i, (double)p->bias_value[i]);
+            }
         }
+        if (s->prompt_logprobs && !s->logprobs)
+            return moe_fail(err, errlen, MOE_ERANGE, "submit.prompt_logprobs without logprobs");
+        if (s->top_logprobs > MOE_IPC_MAX_TOP_LOGPROBS || (s->top_logprobs && !s->logprobs))
+            return moe_fail(err, errlen, MOE_ERANGE, "submit.top_logprobs %u: at most %u, and only "
+                            "with logprobs", s->top_logprobs, MOE_IPC_MAX_TOP_LOGPROBS);
         return 0;
     }
     case MOED__ENVELOPE__MSG_CANCEL:
@@ -282,7 +297,22 @@ static int validate_from_worker(const Moed__Envelope *env, const struct moe_ipc_
     case MOED__ENVELOPE__MSG_TOKEN:
         if (env->token->id == 0)
             return moe_fail(err, errlen, MOE_ERANGE, "token.id is 0");
-        return check_token(env->token->token, lim, "token.token", 0, err, errlen);
+        if ((rc = check_token(env->token->token, lim, "token.token", 0, err, errlen)))
+            return rc;
+        if (env->token->n_top_token != env->token->n_top_logprob ||
+            env->token->n_top_token > MOE_IPC_MAX_TOP_LOGPROBS ||
+            (env->token->n_top_token && !env->token->has_logprob))
+            return moe_fail(err, errlen, MOE_ERANGE, "token: %zu top tokens, %zu top logprobs "
+                            "(equal, at most %u, only with has_logprob)", env->token->n_top_token,
+                            env->token->n_top_logprob, MOE_IPC_MAX_TOP_LOGPROBS);
+        for (size_t i = 0; i < env->token->n_top_token; i++)
+            if ((rc = check_token(env->token->top_token[i], lim, "token.top_token", i, err, errlen)))
+                return rc;
+        if (env->token->prompt && (!env->token->has_logprob || env->token->prompt_pos < 1 ||
+                                   (lim->n_ctx && env->token->prompt_pos >= lim->n_ctx)))
+            return moe_fail(err, errlen, MOE_ERANGE, "token: prompt position %u (1..n_ctx - 1, with "
+                            "has_logprob)", env->token->prompt_pos);
+        return 0;
     case MOED__ENVELOPE__MSG_DONE: {
         const Moed__Done *d = env->done;
         if (d->id == 0)

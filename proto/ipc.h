@@ -32,6 +32,8 @@
 #define MOE_IPC_MAX_CTX (1u << 24)   /* n_ctx */
 #define MOE_IPC_MAX_EOG 64u          /* eog ids per Submit */
 #define MOE_IPC_MAX_TEXT 4096u       /* any string field, bytes */
+#define MOE_IPC_MAX_BIAS 1024u       /* logit_bias entries per Submit */
+#define MOE_IPC_MAX_TOP_LOGPROBS 20u /* top_logprobs per Token */
 
 /* Which end sent a message; validation rejects messages sent in the wrong direction. */
 enum moe_ipc_from { MOE_IPC_FROM_DAEMON = 0, MOE_IPC_FROM_WORKER = 1 };

@@ -377,6 +377,8 @@ TEST(daemon_rejects_bad_requests)
                           "--listen", "127.0.0.1:0", "--api-key-file", api_key_file(dir), NULL};
     moed_spawn(&d, dir, args);
     moed_wait_socket(&d, 30);
+    /* Requests are parsed once the model is served (before that every one is 503). */
+    CHECK(moed_wait_ready(&d, 60));
     struct stat st;
     CHECK(stat(d.sock, &st) == 0);
     CHECK_EQ(st.st_mode & 0777, 0660);
@@ -395,13 +397,19 @@ TEST(daemon_rejects_bad_requests)
         {cp, "{\"prompt\": \"hi\", \"max_tokens\": 0}", "'max_tokens' must be between", 400},
         {cp, "{\"prompt\": \"hi\", \"max_tokens\": 100000}", "'max_tokens' must be between", 400},
         {cp, "{\"prompt\": \"hi\", \"max_completion_tokens\": -3}", "'max_completion_tokens'", 400},
-        {cp, "{\"prompt\": \"hi\", \"n\": 2}", "'n' must be 1", 400},
+        {cp, "{\"prompt\": \"hi\", \"n\": 0}", "'n' must be between 1 and 16", 400},
+        {cp, "{\"prompt\": \"hi\", \"n\": 17}", "'n' must be between 1 and 16", 400},
         {cp, "{\"prompt\": \"hi\", \"stream\": 1}", "'stream' must be a boolean", 400},
         {cp, "{\"prompt\": \"hi\", \"stop\": 5}", "'stop' must be a string", 400},
         {cp, "{\"prompt\": \"hi\", \"stop\": [\"a\", 1]}", "'stop[1]' must be a string", 400},
         {cp, "{\"prompt\": \"hi\", \"top_p\": 1.5}", "'top_p' must be between", 400},
         {cp, "{\"prompt\": \"hi\", \"seed\": 1.5}", "'seed' must be an integer", 400},
-        {cp, "{\"prompt\": \"hi\", \"logprobs\": 3}", "'logprobs' is not supported", 400},
+        {cp, "{\"prompt\": \"hi\", \"logprobs\": 21}", "'logprobs' must be between 0 and 20", 400},
+        {cp, "{\"prompt\": \"hi\", \"logit_bias\": {\"x1\": 2}}", "key \"x1\" is not a token id", 400},
+        {cp, "{\"prompt\": \"hi\", \"logit_bias\": {\"1\": -100.5}}", "between -100 and 100", 400},
+        {cp, "{\"prompt\": \"hi\", \"echo\": 1}", "'echo' must be a boolean", 400},
+        {cp, "{\"prompt\": \"hi\", \"model\": \"other\"}", "'other' does not exist", 404},
+        {cc, "{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"top_logprobs\": 3}", "needs 'logprobs': true", 400},
         {cp, "{\"prompt\": \"hi\", \"tools\": [{}]}", "'tools' is not supported", 400},
         {cp, "{\"prompt\": 7}", "'prompt' must be a string", 400},
         {cp, "{\"prompt\": [\"a\", \"b\"]}", "only one prompt", 400},

@@ -10,6 +10,7 @@
 #include "store/ggml_type.h"
 #include "store/quant.h"
 #include "tests/engine_test.h"
+#include "worker/batcher.h"
 #include "worker/cpu/pool.h"
 
 /* ------------------------------------------------------------------ a synthetic model */
@@ -680,6 +681,249 @@ TEST(engine_offload_options_checked)
     struct moe_offload_stats s;
     CHECK_EQ(moe_engine_offload_stats(e, &s, NULL), 0);
     CHECK(!s.active);
+    moe_engine_free(e);
+    test_model_close(&tm);
+}
+
+/* The batcher's two sampling paths: a job with logprobs or logit_bias is sampled on the host
+ * from the step's logits, the others by the engine, in alternating steps while both run. The
+ * host job's tokens equal the engine job's (same prompt, greedy), its logprobs are the
+ * log-softmax of the logits an engine of its own computes for the same tokens (up to the last
+ * bits: the batcher batches the three sequences together), and a +100 bias
+ * makes a sampled job pick its token every time. */
+struct bt_seen {
+    int32_t tok[3][32];
+    struct moe_token_lp lp[3][32];
+    uint32_t n[3], done[3], errors;
+};
+
+static void bt_token(void *user, uint64_t id, int32_t token, const struct moe_token_lp *lp)
+{
+    struct bt_seen *s = user;
+    CHECK(id >= 1 && id <= 3 && s->n[id - 1] < 32);
+    CHECK_EQ(lp != NULL, id == 2);
+    s->tok[id - 1][s->n[id - 1]] = token;
+    if (lp)
+        s->lp[id - 1][s->n[id - 1]] = *lp;
+    s->n[id - 1]++;
+}
+
+static void bt_done(void *user, uint64_t id, enum moe_finish reason, uint32_t n_prompt,
+                    uint32_t n_gen, uint32_t n_cached)
+{
+    struct bt_seen *s = user;
+    (void)reason, (void)n_prompt, (void)n_cached;
+    s->done[id - 1] = n_gen;
+}
+
+static void bt_error(void *user, uint64_t id, int code, const char *msg)
+{
+    struct bt_seen *s = user;
+    fprintf(stderr, "job %llu: %d %s\n", (unsigned long long)id, code, msg);
+    s->errors++;
+}
+
+static int bt_report(void *user, const struct moe_batcher_report *r)
+{
+    (void)user, (void)r;
+    return 0;
+}
+
+static void batcher_host_sampling(bool all_host)
+{
+    struct test_model tm;
+    test_model_open_golden(&tm, "Q8_0");
+    const uint32_t V = tm.m.hp.n_vocab, P = 7, G = 12;
+    struct moe_engine *e = test_engine(&tm.m, 64, 3, 0, 2);
+    struct moe_batcher *b = NULL;
+    struct bt_seen seen = {0};
+    struct moe_batcher_cfg cfg = {.eng = e, .n_vocab = V, .n_layer = tm.m.hp.n_layer,
+                                  .n_expert = tm.m.hp.n_expert, .n_ctx = 64, .n_seq = 3, .n_batch = 512,
+                                  .host_sample_all = all_host};
+    struct moe_batcher_sink sink = {.user = &seen, .token = bt_token, .done = bt_done,
+                                    .error = bt_error, .report = bt_report};
+    CHECK_EQ(moe_batcher_init(&b, &cfg, &sink), 0);
+    int32_t prompt[7];
+    for (uint32_t i = 0; i < P; i++)
+        prompt[i] = (int32_t)((i * 97 + 5) % V);
+    const int32_t forced = 321;
+    for (uint64_t id = 1; id <= 3; id++) {
+        struct moe_job *j = calloc(1, sizeof *j);
+        CHECK(j);
+        j->id = id;
+        j->prompt = malloc(sizeof prompt);
+        memcpy(j->prompt, prompt, sizeof prompt);
+        j->n_prompt = P;
+        j->max_tokens = G;
+        j->slot = -1;
+        moe_sampler_defaults(&j->sp);
+        j->sp.temperature = id == 3 ? 1.0f : 0.0f;
+        j->sp.seed = 11;
+        if (id == 2) {
+            j->logprobs = true;
+            j->n_top = 5;
+        }
+        if (id == 3) {
+            j->bias_tok = malloc(sizeof *j->bias_tok);
+            j->bias_val = malloc(sizeof *j->bias_val);
+            j->bias_tok[0] = forced;
+            j->bias_val[0] = 100;
+            j->n_bias = 1;
+        }
+        moe_batcher_add(b, j);
+    }
+    for (int guard = 0; moe_batcher_busy(b) && guard < 1000; guard++)
+        CHECK_EQ(moe_batcher_step(b), 0);
+    CHECK_EQ(seen.errors, 0);
+    for (int i = 0; i < 3; i++)
+        CHECK_EQ(seen.done[i], G);
+    for (uint32_t k = 0; k < G; k++) {
+        CHECK_EQ(seen.tok[0][k], seen.tok[1][k]);
+        CHECK_EQ(seen.tok[2][k], forced);
+    }
+    /* The reference: the same tokens through an engine of its own, logits of each step. */
+    struct moe_engine *r = test_engine(&tm.m, 64, 1, 0, 2);
+    float *lg = malloc(sizeof(float) * V);
+    CHECK(lg);
+    for (uint32_t k = 0; k < G; k++) {
+        int32_t tk[7], pos[7], sq[7] = {0};
+        uint8_t want[7] = {0};
+        uint32_t n = k == 0 ? P : 1;
+        for (uint32_t i = 0; i < n; i++) {
+            tk[i] = k == 0 ? prompt[i] : seen.tok[1][k - 1];
+            pos[i] = (int32_t)(k == 0 ? i : P + k - 1);
+        }
+        want[n - 1] = 1;
+        struct moe_batch bt = {.n = n, .token = tk, .pos = pos, .seq = sq, .logits = want};
+        CHECK_EQ(moe_engine_forward(r, &bt, lg), 0);
+        float chosen;
+        int32_t id[5];
+        float lp[5];
+        uint32_t nt = moe_logprobs(lg, V, seen.tok[1][k], 5, &chosen, id, lp);
+        const struct moe_token_lp *got = &seen.lp[1][k];
+        CHECK_EQ(got->n_top, nt);
+        CHECK_NEAR(got->logprob, chosen, 1e-4); /* batched with other sequences: last bits */
+        CHECK_EQ(got->top_id[0], seen.tok[1][k]);
+        for (uint32_t i = 0; i < nt; i++) {
+            CHECK_EQ(got->top_id[i], id[i]);
+            CHECK_NEAR(got->top_lp[i], lp[i], 1e-4);
+        }
+    }
+    free(lg);
+    moe_engine_free(r);
+    moe_batcher_free(b);
+    moe_engine_free(e);
+    test_model_close(&tm);
+}
+
+TEST(batcher_host_sampling_logprobs_and_bias)
+{
+    batcher_host_sampling(false);
+}
+
+/* A CPU worker samples every job on the host: the same tokens and logprobs, no alternating. */
+TEST(batcher_host_sampling_for_every_job)
+{
+    batcher_host_sampling(true);
+}
+
+/* Prompt logprobs: a job asking for them gets every prompt position after the first, in order
+ * and in chunks of MOE_BATCHER_PROMPT_ROWS, with the log-softmax of the logits a plain forward of
+ * the prompt gives, then its tokens; it never continues a kept prefix. */
+struct plp_seen {
+    uint32_t n, next_pos, tokens;
+    float lp[80];
+    int32_t tok[80];
+};
+
+static void plp_prompt(void *user, uint64_t id, uint32_t pos, int32_t token, const struct moe_token_lp *lp)
+{
+    struct plp_seen *s = user;
+    (void)id;
+    CHECK_EQ(s->tokens, 0);
+    CHECK_EQ(pos, s->next_pos);
+    CHECK(pos < 80);
+    s->next_pos++;
+    s->lp[pos] = lp->logprob;
+    s->tok[pos] = token;
+    s->n++;
+}
+
+static void plp_token(void *user, uint64_t id, int32_t token, const struct moe_token_lp *lp)
+{
+    struct plp_seen *s = user;
+    (void)id, (void)token;
+    CHECK(lp != NULL);
+    s->tokens++;
+}
+
+static void plp_done(void *user, uint64_t id, enum moe_finish reason, uint32_t n_prompt,
+                     uint32_t n_gen, uint32_t n_cached)
+{
+    (void)user, (void)id, (void)reason, (void)n_prompt, (void)n_gen;
+    CHECK_EQ(n_cached, 0);
+}
+
+static void plp_error(void *user, uint64_t id, int code, const char *msg)
+{
+    (void)user;
+    CHECK_MSG(0, "job %llu: %d %s", (unsigned long long)id, code, msg);
+}
+
+TEST(batcher_prompt_logprobs)
+{
+    struct test_model tm;
+    test_model_open_golden(&tm, "Q8_0");
+    const uint32_t V = tm.m.hp.n_vocab, P = 70;
+    struct moe_engine *e = test_engine(&tm.m, 128, 2, 0, 2);
+    struct moe_batcher *b = NULL;
+    struct plp_seen seen = {.next_pos = 1};
+    struct moe_batcher_cfg cfg = {.eng = e, .n_vocab = V, .n_layer = tm.m.hp.n_layer,
+                                  .n_expert = tm.m.hp.n_expert, .n_ctx = 128, .n_seq = 2, .n_batch = 512};
+    struct moe_batcher_sink sink = {.user = &seen, .token = plp_token, .prompt_lp = plp_prompt,
+                                    .done = plp_done, .error = plp_error, .report = bt_report};
+    CHECK_EQ(moe_batcher_init(&b, &cfg, &sink), 0);
+    int32_t prompt[70];
+    for (uint32_t i = 0; i < P; i++)
+        prompt[i] = (int32_t)((i * 31 + 7) % V);
+    for (int round = 0; round < 2; round++) { /* the second time, a kept prefix is not used */
+        struct moe_job *j = calloc(1, sizeof *j);
+        CHECK(j);
+        j->id = 1;
+        j->prompt = malloc(sizeof prompt);
+        memcpy(j->prompt, prompt, sizeof prompt);
+        j->n_prompt = P;
+        j->max_tokens = 2;
+        j->slot = -1;
+        moe_sampler_defaults(&j->sp);
+        j->sp.temperature = 0;
+        j->logprobs = j->prompt_logprobs = true;
+        j->n_top = 1;
+        seen.n = seen.tokens = 0;
+        seen.next_pos = 1;
+        moe_batcher_add(b, j);
+        int steps = 0;
+        for (; moe_batcher_busy(b) && steps < 100; steps++)
+            CHECK_EQ(moe_batcher_step(b), 0);
+        CHECK_EQ(seen.n, P - 1);
+        CHECK_EQ(seen.tokens, 2);
+        CHECK(steps >= (int)((P + MOE_BATCHER_PROMPT_ROWS - 1) / MOE_BATCHER_PROMPT_ROWS));
+    }
+    struct moe_engine *r = test_engine(&tm.m, 128, 1, 0, 2);
+    float *lg = malloc(sizeof(float) * P * V);
+    CHECK(lg);
+    test_prefill(r, 0, 0, prompt, P, lg);
+    for (uint32_t p = 1; p < P; p++) {
+        float want;
+        int32_t id;
+        float top;
+        moe_logprobs(lg + (size_t)(p - 1) * V, V, prompt[p], 1, &want, &id, &top);
+        CHECK_EQ(seen.tok[p], prompt[p]);
+        CHECK_NEAR(seen.lp[p], want, 1e-4);
+    }
+    free(lg);
+    moe_engine_free(r);
+    moe_batcher_free(b);
     moe_engine_free(e);
     test_model_close(&tm);
 }

@@ -411,6 +411,38 @@ TEST(ipc_validate_checks_every_range)
     CHECK_EQ(validate_one(&e, MOE_IPC_FROM_DAEMON, err, sizeof err), MOE_ERANGE);
     s.n_eog = 0;
     CHECK_EQ(validate_one(&e, MOE_IPC_FROM_DAEMON, err, sizeof err), 0);
+    /* logit_bias: equal lengths, token ids, -100..100; top_logprobs at most 20, with logprobs */
+    int32_t bt[2] = {5, 4159};
+    float bv[2] = {-100, 100};
+    sp.bias_token = bt;
+    sp.bias_value = bv;
+    sp.n_bias_token = sp.n_bias_value = 2;
+    CHECK_EQ(validate_one(&e, MOE_IPC_FROM_DAEMON, err, sizeof err), 0);
+    sp.n_bias_value = 1;
+    CHECK_EQ(validate_one(&e, MOE_IPC_FROM_DAEMON, err, sizeof err), MOE_ERANGE);
+    sp.n_bias_value = 2;
+    bv[1] = 100.5f;
+    CHECK_EQ(validate_one(&e, MOE_IPC_FROM_DAEMON, err, sizeof err), MOE_ERANGE);
+    CHECK(strstr(err, "bias_value[1]"));
+    bv[1] = NAN;
+    CHECK_EQ(validate_one(&e, MOE_IPC_FROM_DAEMON, err, sizeof err), MOE_ERANGE);
+    bv[1] = 1;
+    bt[0] = 4160;
+    CHECK_EQ(validate_one(&e, MOE_IPC_FROM_DAEMON, err, sizeof err), MOE_ERANGE);
+    CHECK(strstr(err, "bias_token[0]"));
+    sp.n_bias_token = sp.n_bias_value = 0;
+    s.top_logprobs = 3;
+    CHECK_EQ(validate_one(&e, MOE_IPC_FROM_DAEMON, err, sizeof err), MOE_ERANGE);
+    s.logprobs = true;
+    CHECK_EQ(validate_one(&e, MOE_IPC_FROM_DAEMON, err, sizeof err), 0);
+    s.top_logprobs = 21;
+    CHECK_EQ(validate_one(&e, MOE_IPC_FROM_DAEMON, err, sizeof err), MOE_ERANGE);
+    s.top_logprobs = 0;
+    s.prompt_logprobs = true;
+    CHECK_EQ(validate_one(&e, MOE_IPC_FROM_DAEMON, err, sizeof err), 0);
+    s.logprobs = false;
+    CHECK_EQ(validate_one(&e, MOE_IPC_FROM_DAEMON, err, sizeof err), MOE_ERANGE);
+    s.prompt_logprobs = false;
 
     uint64_t counts[48] = {0};
     Moed__RoutingStats rs = MOED__ROUTING_STATS__INIT;
@@ -438,6 +470,30 @@ TEST(ipc_validate_checks_every_range)
     tk.token = 4159;
     CHECK_EQ(validate_one(&e, MOE_IPC_FROM_WORKER, err, sizeof err), 0);
     CHECK_EQ(validate_one(&e, MOE_IPC_FROM_DAEMON, err, sizeof err), MOE_EFORMAT);
+    int32_t tt[21] = {1, 2};
+    float tl[21] = {-0.5f, -1};
+    tk.top_token = tt;
+    tk.top_logprob = tl;
+    tk.n_top_token = tk.n_top_logprob = 2;
+    CHECK_EQ(validate_one(&e, MOE_IPC_FROM_WORKER, err, sizeof err), MOE_ERANGE); /* no has_logprob */
+    tk.has_logprob = true;
+    tk.logprob = -0.5f;
+    CHECK_EQ(validate_one(&e, MOE_IPC_FROM_WORKER, err, sizeof err), 0);
+    tk.n_top_logprob = 1;
+    CHECK_EQ(validate_one(&e, MOE_IPC_FROM_WORKER, err, sizeof err), MOE_ERANGE);
+    tk.n_top_token = tk.n_top_logprob = 21;
+    CHECK_EQ(validate_one(&e, MOE_IPC_FROM_WORKER, err, sizeof err), MOE_ERANGE);
+    tk.n_top_token = tk.n_top_logprob = 2;
+    tt[1] = 4160;
+    CHECK_EQ(validate_one(&e, MOE_IPC_FROM_WORKER, err, sizeof err), MOE_ERANGE);
+    tk.n_top_token = tk.n_top_logprob = 0;
+    tk.prompt = true; /* a prompt position: 1.., with its logprob */
+    CHECK_EQ(validate_one(&e, MOE_IPC_FROM_WORKER, err, sizeof err), MOE_ERANGE);
+    tk.prompt_pos = 5;
+    CHECK_EQ(validate_one(&e, MOE_IPC_FROM_WORKER, err, sizeof err), 0);
+    tk.has_logprob = false;
+    CHECK_EQ(validate_one(&e, MOE_IPC_FROM_WORKER, err, sizeof err), MOE_ERANGE);
+    tk.prompt = false;
 
     uint8_t hot[6] = {0};
     Moed__SetPlacement pl = MOED__SET_PLACEMENT__INIT;

@@ -1,6 +1,7 @@
 /* Sampler tests with hand-made logits: greedy, top-k, top-p, min-p, temperature, seeds,
  * penalties, and parameter validation. */
 #include <math.h>
+#include <stdbool.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -385,4 +386,54 @@ TEST(sampler_rng_state)
     moe_sampler_rng_state(s, a);
     CHECK(memcmp(a, want, sizeof a) == 0);
     moe_sampler_free(s);
+}
+
+/* moe_logprobs is the log-softmax of the raw logits: checked against a direct computation in
+ * long double, with ties ranked by id, -inf and NaN left out of the top list. */
+TEST(sampler_logprobs_are_log_softmax)
+{
+    enum { V = 1000 };
+    static float lg[V];
+    uint64_t x = 12345;
+    for (int i = 0; i < V; i++) {
+        x = x * 6364136223846793005ull + 1442695040888963407ull;
+        lg[i] = (float)((double)(x >> 11) / 9007199254740992.0 * 20.0 - 10.0);
+    }
+    lg[7] = lg[8] = 30.0f;      /* a tie at the top: 7 ranks first */
+    lg[9] = -INFINITY;
+    lg[10] = NAN;
+    long double z = 0;
+    for (int i = 0; i < V; i++)
+        if (i != 9 && i != 10)
+            z += expl((long double)lg[i] - 30.0L);
+    const long double lz = 30.0L + logl(z);
+    int32_t id[20];
+    float lp[20], chosen;
+    uint32_t n = moe_logprobs(lg, V, 123, 20, &chosen, id, lp);
+    CHECK_EQ(n, 20);
+    CHECK_NEAR(chosen, (double)((long double)lg[123] - lz), 1e-5);
+    CHECK_EQ(id[0], 7);
+    CHECK_EQ(id[1], 8);
+    for (uint32_t k = 0; k < n; k++) {
+        CHECK_NEAR(lp[k], (double)((long double)lg[id[k]] - lz), 1e-5);
+        if (k)
+            CHECK(lp[k] <= lp[k - 1]);
+    }
+    /* Nothing outside the list is more likely than its last entry. */
+    for (int i = 0; i < V; i++) {
+        bool in = false;
+        for (uint32_t k = 0; k < n; k++)
+            in |= id[k] == i;
+        if (!in && i != 9 && i != 10)
+            CHECK(lg[i] <= lg[id[n - 1]]);
+    }
+    moe_logprobs(lg, V, 9, 0, &chosen, id, lp);
+    CHECK(isinf(chosen) && chosen < 0);
+    /* Fewer finite logits than asked for; a single finite logit has probability 1. */
+    float two[4] = {-INFINITY, 1.0f, NAN, -INFINITY};
+    n = moe_logprobs(two, 4, 1, 20, &chosen, id, lp);
+    CHECK_EQ(n, 1);
+    CHECK_EQ(id[0], 1);
+    CHECK_NEAR(chosen, 0.0, 1e-7);
+    CHECK_NEAR(lp[0], 0.0, 1e-7);
 }

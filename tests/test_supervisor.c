@@ -221,7 +221,7 @@ static void submit(struct ctx *c, struct treq *t, const int32_t *prompt, uint32_
     p.max_tokens = max_tokens;
     p.sampling.top_p = 1;
     p.sampling.repetition_penalty = 1;
-    p.cb = (struct sched_cb){cb_token, cb_done, cb_error};
+    p.cb = (struct sched_cb){cb_token, cb_done, cb_error, NULL};
     p.user = t;
     int status = 0;
     char msg[256];

@@ -19,8 +19,11 @@ struct moe_batcher {
     struct moe_job *pend_head, *pend_tail; /* admitted by the daemon, waiting for a slot */
     int32_t *tok, *pos, *seq; /* [n_batch] */
     uint8_t *want;            /* [n_batch] */
-    struct moe_job **owner;   /* [n_seq]: job of the k-th logits row */
-    int32_t *sampled;         /* [n_seq]: token sampled for the k-th row (in the engine) */
+    /* [n_seq + MOE_BATCHER_PROMPT_ROWS] per logits row of the step: its job, the prompt
+     * position it predicts (-1: a row to sample from) and the token sampled from it */
+    struct moe_job **owner;
+    int32_t *row_pos;
+    int32_t *sampled;
     uint64_t *prev_counts;    /* routing counts at the last report */
     uint64_t *delta;
     uint64_t *cur_counts;     /* scratch: the engine's counts now */
@@ -32,13 +35,27 @@ struct moe_batcher {
     uint32_t *valid;
     uint64_t *used_at, admissions;
     uint64_t cached_total;
+    /* Host sampling (jobs with logprobs or logit_bias): the step's logits rows, allocated on
+     * first use ([n_seq + MOE_BATCHER_PROMPT_ROWS][n_vocab]), a row to bias ([n_vocab]), each
+     * row's logprobs, and whose turn it is while both kinds run. */
+    float *logits, *biased;
+    struct moe_token_lp *lp;  /* [n_seq + MOE_BATCHER_PROMPT_ROWS] */
+    bool host_turn;
 };
+
+static bool host_job(const struct moe_batcher *b, const struct moe_job *j)
+{
+    return b->cfg.host_sample_all || j->logprobs || j->n_bias;
+}
 
 void moe_job_free(struct moe_job *j)
 {
     if (!j)
         return;
     free(j->prompt);
+    free(j->bias_tok);
+    free(j->bias_val);
+    moe_sampler_free(j->hs);
     free(j);
 }
 
@@ -178,16 +195,29 @@ static void admit(struct moe_batcher *b)
                 best = lcp;
             }
         }
-        /* The engine samples (on the GPU for a CUDA worker); its penalties see the prompt. */
-        int rc = moe_engine_seq_sampler(b->cfg.eng, (int32_t)s, &j->sp, j->prompt, j->n_prompt);
+        /* The engine samples (on the GPU for a CUDA worker), or for a host job its own
+         * sampler; either's penalties see the prompt. */
+        int rc;
+        char err[160] = "";
+        if (host_job(b, j)) {
+            rc = moe_sampler_init(&j->hs, &j->sp, b->cfg.n_vocab, err, sizeof err);
+            for (uint32_t i = 0; rc == 0 && i < j->n_prompt; i++)
+                moe_sampler_accept(j->hs, j->prompt[i]);
+        } else {
+            rc = moe_engine_seq_sampler(b->cfg.eng, (int32_t)s, &j->sp, j->prompt, j->n_prompt);
+            snprintf(err, sizeof err, "%s", moe_engine_errmsg(b->cfg.eng));
+        }
         if (rc) {
-            b->sink.error(b->sink.user, j->id, rc, moe_engine_errmsg(b->cfg.eng));
+            b->sink.error(b->sink.user, j->id, rc, err[0] ? err : moe_strerror(rc));
             moe_job_free(j);
             continue;
         }
-        /* Continue after the shared prefix; at least the last prompt token is evaluated. */
+        /* Continue after the shared prefix; at least the last prompt token is evaluated (every
+         * one when the prompt's logprobs are wanted). */
         if (best >= j->n_prompt)
             best = j->n_prompt - 1;
+        if (j->prompt_logprobs)
+            best = 0;
         if (best)
             moe_engine_seq_keep(b->cfg.eng, (int32_t)s, best);
         else
@@ -206,24 +236,26 @@ static void admit(struct moe_batcher *b)
 
 /* Fills the step's batch: decode tokens, then prompt chunks. Returns the token count; *n_decode
  * and *n_out receive how many are decode tokens and how many rows of logits are wanted. */
-static uint32_t build_batch(struct moe_batcher *b, uint32_t *n_decode, uint32_t *n_out)
+static uint32_t build_batch(struct moe_batcher *b, bool host, uint32_t *n_decode, uint32_t *n_out)
 {
     const struct moe_batcher_cfg *cfg = &b->cfg;
     uint32_t n = 0, no = 0;
     /* Decode tokens first, so that running sequences never wait behind a long prompt. */
     for (uint32_t s = 0; s < cfg->n_seq; s++) {
         struct moe_job *j = b->slot[s];
-        if (!j || j->n_past < j->n_prompt)
+        if (!j || j->n_past < j->n_prompt || host_job(b, j) != host)
             continue;
         b->tok[n] = j->last;
         b->pos[n] = (int32_t)j->n_past;
         b->seq[n] = (int32_t)s;
         b->want[n] = 1;
+        b->row_pos[no] = -1;
         b->owner[no++] = j;
         b->hist[s][j->n_past] = j->last;
         n++;
     }
     *n_decode = n;
+    bool prompt_rows = false; /* one chunk with prompt logprobs per step */
     /* While sequences are decoding, a step's time is their token latency: take prompts in
      * smaller bites then, so that one long prompt does not stall every running stream. */
     uint32_t limit = cfg->n_batch;
@@ -233,20 +265,31 @@ static uint32_t build_batch(struct moe_batcher *b, uint32_t *n_decode, uint32_t 
     }
     for (uint32_t s = 0; s < cfg->n_seq && n < limit; s++) {
         struct moe_job *j = b->slot[s];
-        if (!j || j->n_past >= j->n_prompt)
+        if (!j || j->n_past >= j->n_prompt || host_job(b, j) != host)
+            continue;
+        if (j->prompt_logprobs && prompt_rows)
             continue;
         uint32_t take = j->n_prompt - j->n_past;
         if (take > limit - n)
             take = limit - n;
+        if (j->prompt_logprobs && take > MOE_BATCHER_PROMPT_ROWS)
+            take = MOE_BATCHER_PROMPT_ROWS;
+        prompt_rows |= j->prompt_logprobs;
         for (uint32_t k = 0; k < take; k++) {
-            b->tok[n] = j->prompt[j->n_past + k];
-            b->pos[n] = (int32_t)(j->n_past + k);
+            const uint32_t p = j->n_past + k;
+            b->tok[n] = j->prompt[p];
+            b->pos[n] = (int32_t)p;
             b->seq[n] = (int32_t)s;
-            b->want[n] = 0;
+            b->want[n] = j->prompt_logprobs && p + 1 < j->n_prompt;
+            if (b->want[n]) {
+                b->row_pos[no] = (int32_t)(p + 1);
+                b->owner[no++] = j;
+            }
             n++;
         }
         if (j->n_past + take == j->n_prompt) {
             b->want[n - 1] = 1;
+            b->row_pos[no] = -1;
             b->owner[no++] = j;
         }
     }
@@ -266,23 +309,82 @@ static void sample_row(struct moe_batcher *b, uint32_t k)
     j->last = t;
     j->n_gen++;
     b->gen_total++;
-    b->sink.token(b->sink.user, j->id, t);
+    b->sink.token(b->sink.user, j->id, t, j->logprobs ? &b->lp[k] : NULL);
     if (is_eog(j, t))
         finish(b, j, true, MOE_FINISH_STOP);
     else if (j->n_gen >= j->max_tokens || j->n_past >= b->cfg.n_ctx)
         finish(b, j, true, MOE_FINISH_LENGTH);
 }
 
+/* A host step: the logits of each wanted row, logprobs from them as they are, then the job's
+ * logit_bias and its sampler. */
+static int forward_host(struct moe_batcher *b, const struct moe_batch *batch, uint32_t n_out)
+{
+    const uint32_t V = b->cfg.n_vocab;
+    if (!b->logits) {
+        b->logits = malloc(sizeof *b->logits * ((size_t)b->cfg.n_seq + MOE_BATCHER_PROMPT_ROWS) * V);
+        b->biased = malloc(sizeof *b->biased * (size_t)V);
+        b->lp = calloc((size_t)b->cfg.n_seq + MOE_BATCHER_PROMPT_ROWS, sizeof *b->lp);
+        if (!b->logits || !b->biased || !b->lp) {
+            free(b->logits);
+            free(b->biased);
+            free(b->lp);
+            b->logits = b->biased = NULL;
+            b->lp = NULL;
+            return -ENOMEM;
+        }
+    }
+    int rc = moe_engine_forward(b->cfg.eng, batch, b->logits);
+    if (rc)
+        return rc;
+    for (uint32_t k = 0; k < n_out; k++) {
+        struct moe_job *j = b->owner[k];
+        const float *lg = b->logits + (size_t)k * V;
+        if (b->row_pos[k] >= 0) {
+            /* A prompt row: the logprobs of the prompt token it predicts. */
+            struct moe_token_lp *lp = &b->lp[k];
+            const int32_t t = j->prompt[b->row_pos[k]];
+            lp->n_top = moe_logprobs(lg, V, t, j->n_top, &lp->logprob, lp->top_id, lp->top_lp);
+            if (b->sink.prompt_lp)
+                b->sink.prompt_lp(b->sink.user, j->id, (uint32_t)b->row_pos[k], t, lp);
+            continue;
+        }
+        if (j->n_bias) {
+            memcpy(b->biased, lg, sizeof *lg * V);
+            for (uint32_t i = 0; i < j->n_bias; i++)
+                b->biased[j->bias_tok[i]] += j->bias_val[i];
+        }
+        int32_t t = moe_sampler_sample(j->hs, j->n_bias ? b->biased : lg);
+        if (t >= 0)
+            moe_sampler_accept(j->hs, t);
+        b->sampled[k] = t;
+        if (j->logprobs) {
+            struct moe_token_lp *lp = &b->lp[k];
+            lp->n_top = moe_logprobs(lg, V, t, j->n_top, &lp->logprob, lp->top_id, lp->top_lp);
+        }
+    }
+    return 0;
+}
+
 int moe_batcher_step(struct moe_batcher *b)
 {
     admit(b);
+    /* Which kind of job this step serves: host jobs and engine jobs take turns. */
+    bool any_host = false, any_engine = false;
+    for (uint32_t s = 0; s < b->cfg.n_seq; s++)
+        if (b->slot[s]) {
+            any_host |= host_job(b, b->slot[s]);
+            any_engine |= !host_job(b, b->slot[s]);
+        }
+    bool host = any_host && any_engine ? (b->host_turn = !b->host_turn) : any_host;
     uint32_t n_decode, n_out;
-    uint32_t n = build_batch(b, &n_decode, &n_out);
+    uint32_t n = build_batch(b, host, &n_decode, &n_out);
     if (n == 0)
         return 0;
     struct moe_batch batch = {.n = n, .token = b->tok, .pos = b->pos, .seq = b->seq,
                               .logits = b->want};
-    int rc = moe_engine_forward_sample(b->cfg.eng, &batch, b->sampled);
+    int rc = host ? forward_host(b, &batch, n_out)
+                  : moe_engine_forward_sample(b->cfg.eng, &batch, b->sampled);
     if (rc) {
         char msg[256];
         snprintf(msg, sizeof msg, "forward failed: %s: %s", moe_strerror(rc),
@@ -303,7 +405,8 @@ int moe_batcher_step(struct moe_batcher *b)
             b->prompt_total++;
     }
     for (uint32_t k = 0; k < n_out; k++)
-        sample_row(b, k);
+        if (b->row_pos[k] < 0)
+            sample_row(b, k);
     return 0;
 }
 
@@ -318,12 +421,14 @@ int moe_batcher_init(struct moe_batcher **out, const struct moe_batcher_cfg *cfg
     b->sink = *sink;
     size_t ncount = (size_t)cfg->n_layer * cfg->n_expert;
     b->slot = calloc(cfg->n_seq, sizeof *b->slot);
-    b->owner = calloc(cfg->n_seq, sizeof *b->owner);
+    const size_t rows = (size_t)cfg->n_seq + MOE_BATCHER_PROMPT_ROWS;
+    b->owner = calloc(rows, sizeof *b->owner);
+    b->row_pos = calloc(rows, sizeof *b->row_pos);
     b->tok = calloc(cfg->n_batch, sizeof *b->tok);
     b->pos = calloc(cfg->n_batch, sizeof *b->pos);
     b->seq = calloc(cfg->n_batch, sizeof *b->seq);
     b->want = calloc(cfg->n_batch, 1);
-    b->sampled = calloc(cfg->n_seq, sizeof *b->sampled);
+    b->sampled = calloc(rows, sizeof *b->sampled);
     b->prev_counts = calloc(ncount, sizeof *b->prev_counts);
     b->delta = calloc(ncount, sizeof *b->delta);
     b->cur_counts = calloc(ncount, sizeof *b->cur_counts);
@@ -331,7 +436,7 @@ int moe_batcher_init(struct moe_batcher **out, const struct moe_batcher_cfg *cfg
     b->valid = calloc(cfg->n_seq, sizeof *b->valid);
     b->used_at = calloc(cfg->n_seq, sizeof *b->used_at);
     b->last_report = moe_now_s();
-    if (!b->slot || !b->owner || !b->tok || !b->pos || !b->seq || !b->want || !b->sampled ||
+    if (!b->slot || !b->owner || !b->row_pos || !b->tok || !b->pos || !b->seq || !b->want || !b->sampled ||
         !b->prev_counts || !b->delta || !b->cur_counts || !b->hist || !b->valid || !b->used_at) {
         moe_batcher_free(b);
         return -ENOMEM;
@@ -364,6 +469,7 @@ void moe_batcher_free(struct moe_batcher *b)
     }
     free(b->slot);
     free(b->owner);
+    free(b->row_pos);
     free(b->tok);
     free(b->pos);
     free(b->seq);
@@ -377,5 +483,8 @@ void moe_batcher_free(struct moe_batcher *b)
     free(b->hist);
     free(b->valid);
     free(b->used_at);
+    free(b->logits);
+    free(b->biased);
+    free(b->lp);
     free(b);
 }

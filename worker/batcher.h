@@ -13,6 +13,17 @@
  * reports how many prompt tokens it did not have to evaluate (n_cached). At least one prompt
  * token is always evaluated, for its logits.
  *
+ * Jobs that ask for logprobs or a logit_bias need the step's logits on the host: they are
+ * sampled by a host sampler of their own (worker/sampler.h, primed with the prompt as the
+ * engine's is) from moe_engine_forward()'s logits, the others by the engine's sampler through
+ * moe_engine_forward_sample(). A step serves one kind; while both kinds are running, steps
+ * alternate between them. The CPU engine samples with the same code, so a job's tokens do not
+ * depend on which path it takes, and a CPU worker (cfg.host_sample_all) takes the host path for
+ * every job.
+ *
+ * A job with prompt logprobs has its prompt evaluated in chunks of at most MOE_BATCHER_PROMPT_ROWS
+ * tokens with the logits of every row (one such chunk per step).
+ *
  * Every call runs on the compute thread; the batcher has no locks of its own. All engine calls
  * of the worker's serving path are in batcher.c. */
 #ifndef MOE_WORKER_BATCHER_H
@@ -36,6 +47,13 @@ struct moe_job {
     struct moe_sampler_params sp;
     int32_t eog[MOE_IPC_MAX_EOG];
     uint32_t n_eog;
+    bool logprobs;             /* report each token's logprob and the n_top most likely */
+    uint32_t n_top;            /* <= MOE_IPC_MAX_TOP_LOGPROBS */
+    bool prompt_logprobs;      /* and each prompt token's after the first (sink.prompt_lp); the
+                                * whole prompt is evaluated (no prefix reuse) */
+    int32_t *bias_tok;         /* [n_bias] logit_bias (owned), added before sampling */
+    float *bias_val;
+    uint32_t n_bias;
     struct moe_job *next;
     /* batcher only */
     int32_t slot;
@@ -43,12 +61,21 @@ struct moe_job {
     uint32_t n_cached; /* prompt positions taken from the slot's kept KV cache */
     uint32_t n_gen;
     int32_t last;    /* last sampled token: evaluated at n_past in the next step */
+    struct moe_sampler *hs; /* host sampler: jobs with logprobs or logit_bias (see below) */
 };
 
 /* Frees a job and what it owns (NULL is fine). */
 void moe_job_free(struct moe_job *j);
 
 enum moe_finish { MOE_FINISH_STOP, MOE_FINISH_LENGTH };
+
+/* A sampled token's log-probability and the most likely tokens' (jobs with logprobs). */
+struct moe_token_lp {
+    float logprob;
+    uint32_t n_top;
+    int32_t top_id[MOE_IPC_MAX_TOP_LOGPROBS];
+    float top_lp[MOE_IPC_MAX_TOP_LOGPROBS];
+};
 
 /* Totals since the batcher started, and the state at a routing report. */
 struct moe_batcher_report {
@@ -62,9 +89,14 @@ struct moe_batcher_report {
 /* Where results go. Called on the compute thread, from moe_batcher_step/_report. */
 struct moe_batcher_sink {
     void *user;
-    void (*token)(void *user, uint64_t id, int32_t token);
+    /* lp: NULL unless the job asked for logprobs. */
+    void (*token)(void *user, uint64_t id, int32_t token, const struct moe_token_lp *lp);
     void (*done)(void *user, uint64_t id, enum moe_finish reason, uint32_t n_prompt,
                  uint32_t n_gen, uint32_t n_cached);
+    /* Jobs with prompt_logprobs: prompt token `token` at position pos (>= 1) and its logprobs
+     * given the positions before, in order, before the job's first token. */
+    void (*prompt_lp)(void *user, uint64_t id, uint32_t pos, int32_t token,
+                      const struct moe_token_lp *lp);
     /* The job ended with an error; id 0: the batcher itself failed. */
     void (*error)(void *user, uint64_t id, int code, const char *msg);
     /* Returns 0 when the report was taken; otherwise its counts stay pending and go out with
@@ -72,9 +104,13 @@ struct moe_batcher_sink {
     int (*report)(void *user, const struct moe_batcher_report *r);
 };
 
+#define MOE_BATCHER_PROMPT_ROWS 32
+
 struct moe_batcher_cfg {
     struct moe_engine *eng;
     uint32_t n_vocab, n_layer, n_expert, n_ctx, n_seq, n_batch;
+    bool host_sample_all;      /* every job is sampled on the host (a CPU engine samples on the
+                                * host anyway: no alternating steps) */
 };
 
 struct moe_batcher;

@@ -40,6 +40,10 @@ struct wevent {
     enum wev_kind kind;
     uint64_t id;
     int32_t token;
+    bool has_lp;                      /* EV_TOKEN: lp is set */
+    bool prompt;                      /* EV_TOKEN: a prompt position's logprobs */
+    uint32_t prompt_pos;
+    struct moe_token_lp lp;
     int reason;
     uint32_t n_prompt, n_gen, n_cached;
     int code;
@@ -128,11 +132,29 @@ static void post_error(struct worker *w, uint64_t id, int code, const char *msg)
 /* ---------------------------------------------------------------------------------------------
  * Compute thread: the batcher's sink turns what it reports into events for the loop */
 
-static void sink_token(void *user, uint64_t id, int32_t token)
+static void sink_token(void *user, uint64_t id, int32_t token, const struct moe_token_lp *lp)
 {
     struct wevent *ev = ev_new(EV_TOKEN, id);
     if (ev) {
         ev->token = token;
+        if (lp) {
+            ev->has_lp = true;
+            ev->lp = *lp;
+        }
+        post(user, ev);
+    }
+}
+
+static void sink_prompt_lp(void *user, uint64_t id, uint32_t pos, int32_t token,
+                           const struct moe_token_lp *lp)
+{
+    struct wevent *ev = ev_new(EV_TOKEN, id);
+    if (ev) {
+        ev->token = token;
+        ev->has_lp = true;
+        ev->lp = *lp;
+        ev->prompt = true;
+        ev->prompt_pos = pos;
         post(user, ev);
     }
 }
@@ -220,9 +242,10 @@ static void *compute_main(void *arg)
     struct moe_batcher *b = NULL;
     struct moe_batcher_cfg cfg = {.eng = w->eng, .n_vocab = w->n_vocab, .n_layer = w->n_layer,
                                   .n_expert = w->n_expert, .n_ctx = w->n_ctx, .n_seq = w->n_seq,
-                                  .n_batch = w->n_batch};
-    struct moe_batcher_sink sink = {.user = w, .token = sink_token, .done = sink_done,
-                                    .error = sink_error, .report = sink_report};
+                                  .n_batch = w->n_batch,
+                                  .host_sample_all = !strcmp(moe_engine_get_opts(w->eng)->device, "cpu")};
+    struct moe_batcher_sink sink = {.user = w, .token = sink_token, .prompt_lp = sink_prompt_lp,
+                                    .done = sink_done, .error = sink_error, .report = sink_report};
     int fatal = moe_batcher_init(&b, &cfg, &sink);
     if (fatal) {
         post_error(w, 0, fatal, "out of memory for the compute loop");
@@ -379,6 +402,22 @@ static int on_submit(struct worker *w, const Moed__Submit *s, char *err, size_t 
     if (s->n_eog)
         memcpy(j->eog, s->eog, s->n_eog * sizeof *j->eog);
     fill_sampling(&j->sp, s->sampling);
+    j->logprobs = s->logprobs;
+    j->n_top = s->top_logprobs;
+    j->prompt_logprobs = s->prompt_logprobs;
+    const Moed__Sampling *sm = s->sampling;
+    if (sm && sm->n_bias_token) {
+        j->bias_tok = malloc(sm->n_bias_token * sizeof *j->bias_tok);
+        j->bias_val = malloc(sm->n_bias_token * sizeof *j->bias_val);
+        if (!j->bias_tok || !j->bias_val) {
+            w->n_live--;
+            moe_job_free(j);
+            return moe_fail(err, errlen, -ENOMEM, "out of memory");
+        }
+        memcpy(j->bias_tok, sm->bias_token, sm->n_bias_token * sizeof *j->bias_tok);
+        memcpy(j->bias_val, sm->bias_value, sm->n_bias_token * sizeof *j->bias_val);
+        j->n_bias = (uint32_t)sm->n_bias_token;
+    }
     j->slot = -1;
     pthread_mutex_lock(&w->mu);
     if (w->in_tail)
@@ -479,6 +518,15 @@ static void send_event(struct worker *w, struct wevent *ev)
         Moed__Token t = MOED__TOKEN__INIT;
         t.id = ev->id;
         t.token = ev->token;
+        if (ev->has_lp) {
+            t.has_logprob = true;
+            t.logprob = ev->lp.logprob;
+            t.n_top_token = t.n_top_logprob = ev->lp.n_top;
+            t.top_token = ev->lp.top_id;
+            t.top_logprob = ev->lp.top_lp;
+        }
+        t.prompt = ev->prompt;
+        t.prompt_pos = ev->prompt_pos;
         env.msg_case = MOED__ENVELOPE__MSG_TOKEN;
         env.token = &t;
         if (live_has(w, ev->id, NULL))

@@ -345,3 +345,40 @@ int32_t moe_sampler_sample(struct moe_sampler *s, const float *logits)
     }
     return c[n - 1].id; /* rounding left u just above the total */
 }
+
+uint32_t moe_logprobs(const float *logits, uint32_t n_vocab, int32_t token, uint32_t n_top,
+                      float *chosen_lp, int32_t *top_id, float *top_lp)
+{
+    float mx = -INFINITY;
+    for (uint32_t i = 0; i < n_vocab; i++)
+        if (logits[i] > mx)
+            mx = logits[i];
+    double z = 0.0;
+    if (mx > -INFINITY)
+        for (uint32_t i = 0; i < n_vocab; i++)
+            if (logits[i] > -INFINITY)
+                z += exp((double)logits[i] - (double)mx);
+    const double lz = mx > -INFINITY ? (double)mx + log(z) : 0.0;
+    float lt = token >= 0 && (uint32_t)token < n_vocab ? logits[token] : -INFINITY;
+    *chosen_lp = lt > -INFINITY && mx > -INFINITY ? (float)((double)lt - lz) : -INFINITY;
+    /* The best n_top by insertion into a short sorted list: ranked as the sampler ranks. */
+    uint32_t k = 0;
+    for (uint32_t i = 0; i < n_vocab && n_top; i++) {
+        float l = logits[i];
+        if (!(l > -INFINITY))
+            continue;
+        if (k == n_top && !(l > top_lp[k - 1]))
+            continue; /* ties keep the lower id already held */
+        uint32_t at = k < n_top ? k++ : k - 1;
+        while (at > 0 && l > top_lp[at - 1]) {
+            top_lp[at] = top_lp[at - 1];
+            top_id[at] = top_id[at - 1];
+            at--;
+        }
+        top_lp[at] = l;
+        top_id[at] = (int32_t)i;
+    }
+    for (uint32_t i = 0; i < k; i++)
+        top_lp[i] = (float)((double)top_lp[i] - lz);
+    return k;
+}

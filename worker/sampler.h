@@ -61,6 +61,12 @@ void moe_sampler_apply_penalties(struct moe_sampler *s, float *logits);
  * token id, or -1 if every logit is NaN / -inf. */
 int32_t moe_sampler_sample(struct moe_sampler *s, const float *logits);
 
+/* Log-probabilities of the raw logits[n_vocab] (log-softmax; NaN counts as -inf): *chosen_lp
+ * gets token's, top_id/top_lp[n_top] the n_top most likely tokens' (most likely first, lower id
+ * first on ties; fewer when fewer are finite). Returns how many top entries were written. */
+uint32_t moe_logprobs(const float *logits, uint32_t n_vocab, int32_t token, uint32_t n_top,
+                      float *chosen_lp, int32_t *top_id, float *top_lp);
+
 /* The PRNG, exposed for tests: next 64 random bits / a double uniform in [0, 1). */
 uint64_t moe_sampler_rand_u64(struct moe_sampler *s);
 double moe_sampler_rand_unit(struct moe_sampler *s);

@@ -7,6 +7,7 @@ counts, stop strings, and that bad requests raise the SDK's error classes with u
 """
 import concurrent.futures
 import json
+import math
 import os
 import pathlib
 import signal
@@ -94,7 +95,8 @@ def daemon():
         pytest.skip(f"{BIN}/moed is not built")
     with tempfile.TemporaryDirectory(prefix="moed-py-") as tmp:
         d = Daemon(tmp)
-        d.start("--devices", "cpu", "--workers", "2", "--parallel", "4", "--threads", "1")
+        d.start("--devices", "cpu", "--workers", "2", "--parallel", "4", "--threads", "1",
+                "--model-alias", "tiny")
         try:
             if not d.wait_ready():
                 lines = [l for l in d.log.read_text().splitlines() if "worker" in l]
@@ -123,9 +125,33 @@ def want():
     return out
 
 
+def tokenize(client, text):
+    """Token ids of text through llama-server's /tokenize (the SDK's own HTTP client)."""
+    r = client._client.post("http://moed/tokenize", json={"content": text})
+    assert r.status_code == 200
+    return r.json()["tokens"]
+
+
 def test_models(client):
     models = client.models.list()
-    assert [m.id for m in models.data] == ["tiny-qwen3moe-Q8_0"]
+    assert [m.id for m in models.data] == ["tiny"]
+    assert client.models.retrieve("tiny").id == "tiny"
+
+
+def test_model_checked(client):
+    """A model the daemon does not serve is OpenAI's 404 model_not_found, on both endpoints."""
+    with pytest.raises(openai.NotFoundError) as e:
+        client.completions.create(model="tiny-qwen3moe-Q8_0", prompt="Hi", max_tokens=2)
+    assert e.value.body["code"] == "model_not_found" and "'tiny'" in e.value.body["message"]
+    assert e.value.body["param"] == "model"
+    with pytest.raises(openai.NotFoundError) as e:
+        client.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "x"}],
+                                       stream=True)
+    assert e.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4o")
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=7, prompt="Hi", max_tokens=2)
 
 
 def test_completion_matches_worker(client, want):
@@ -240,9 +266,13 @@ def test_stop_string(client, want):
 
 
 def test_bad_requests(client):
+    for n in (0, 17):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model="tiny", prompt="hi", n=n)
+        assert "'n' must be between 1 and 16" in str(e.value)
     with pytest.raises(openai.BadRequestError) as e:
-        client.completions.create(model="tiny", prompt="hi", n=2)
-    assert "'n' must be 1" in str(e.value)
+        client.completions.create(model="tiny", prompt="hi", n=2, best_of=3)
+    assert e.value.body["param"] == "best_of"
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model="tiny", prompt="hi", max_tokens=0)
     assert "max_tokens" in str(e.value)
@@ -266,3 +296,255 @@ def test_metrics_and_admin(daemon, client):
         assert len(st["workers"]) == 2
         assert all(w["state"] == "ready" for w in st["workers"])
         assert st["scheduler"]["requests_total"] >= 1
+
+
+def test_logprobs_chat(client):
+    """Chat logprobs in OpenAI's shape: one entry per generated token, the greedy token is the
+    most likely one, the top list is ordered and the same text comes with or without them."""
+    msgs = [{"role": "user", "content": "Tell me about the sea."}]
+    plain = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=12, temperature=0)
+    r = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=12, temperature=0,
+                                       logprobs=True, top_logprobs=5)
+    assert r.choices[0].message.content == plain.choices[0].message.content
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens == 12
+    for e in content:
+        assert e.logprob <= 0 and len(e.top_logprobs) == 5
+        assert bytes(e.bytes).decode("utf-8", "replace") == e.token
+        assert e.top_logprobs[0].token == e.token
+        assert abs(e.top_logprobs[0].logprob - e.logprob) < 1e-6
+        lps = [t.logprob for t in e.top_logprobs]
+        assert lps == sorted(lps, reverse=True) and sum(math.exp(x) for x in lps) <= 1 + 1e-5
+    # Streamed: the same entries, spread over the chunks.
+    got = []
+    for ch in client.chat.completions.create(model="tiny", messages=msgs, max_tokens=12, temperature=0,
+                                             logprobs=True, top_logprobs=5, stream=True):
+        if ch.choices and ch.choices[0].logprobs and ch.choices[0].logprobs.content:
+            got += ch.choices[0].logprobs.content
+    assert [e.token for e in got] == [e.token for e in content]
+    assert all(abs(a.logprob - b.logprob) < 1e-3 for a, b in zip(got, content))
+    # logprobs without top_logprobs: empty top lists; sampled (seeded) text does not change.
+    kw = dict(model="tiny", messages=msgs, max_tokens=12, temperature=0.9, seed=99)
+    a = client.chat.completions.create(**kw)
+    b = client.chat.completions.create(**kw, logprobs=True)
+    assert a.choices[0].message.content == b.choices[0].message.content
+    assert all(e.top_logprobs == [] for e in b.choices[0].logprobs.content)
+    assert a.choices[0].logprobs is None
+
+
+def test_logprobs_completions(client):
+    p = PROMPTS[0].read_text()
+    r = client.completions.create(model="tiny", prompt=p, max_tokens=N, temperature=0, logprobs=3)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == N
+    assert "".join(lp.tokens) == r.choices[0].text
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(N)]
+    for tok, x, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert len(top) <= 3 and abs(max(top.values()) - x) < 1e-6 and top[tok] == x
+    text, toks = "", []
+    for ch in client.completions.create(model="tiny", prompt=p, max_tokens=N, temperature=0, logprobs=3,
+                                        stream=True):
+        text += ch.choices[0].text
+        toks += ch.choices[0].logprobs.tokens
+    assert text == r.choices[0].text and toks == lp.tokens
+    # A stop string's tokens are not listed.
+    stop = r.choices[0].text[len(r.choices[0].text) // 2:][:3]
+    s = client.completions.create(model="tiny", prompt=p, max_tokens=N, temperature=0, logprobs=0, stop=[stop])
+    cut = s.choices[0].text
+    assert "".join(s.choices[0].logprobs.tokens).startswith(cut)
+    assert len(s.choices[0].logprobs.tokens) < N and all(t == {} for t in s.choices[0].logprobs.top_logprobs)
+
+
+def test_logit_bias(client):
+    p = PROMPTS[1].read_text()
+    r = client.completions.create(model="tiny", prompt=p, max_tokens=6, temperature=0, logprobs=1)
+    first = r.choices[0].logprobs.tokens[0]
+    ids = tokenize(client, first)
+    assert len(ids) == 1
+    # Banned: the greedy first token is not taken any more.
+    b = client.completions.create(model="tiny", prompt=p, max_tokens=6, temperature=0, logprobs=1,
+                                  logit_bias={str(ids[0]): -100})
+    assert b.choices[0].logprobs.tokens[0] != first
+    # Forced: every token is the favoured one (also sampled, and streamed); the logprobs are the
+    # model's own, before the bias.
+    word = next(t for t in r.choices[0].logprobs.tokens[1:] + [first]
+                if t.isascii() and t != first and len(tokenize(client, t)) == 1)
+    want = tokenize(client, word)
+    for kw in (dict(temperature=0), dict(temperature=1, seed=5)):
+        f = client.completions.create(model="tiny", prompt=p, max_tokens=6, logit_bias={str(want[0]): 100},
+                                      logprobs=0, **kw)
+        assert f.choices[0].text == word * 6
+        assert all(x < -0.01 for x in f.choices[0].logprobs.token_logprobs)
+    chunks = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}],
+                                            max_tokens=5, temperature=0, stream=True,
+                                            logit_bias={want[0]: 100})
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == word * 5
+
+
+def test_echo_and_timings(client):
+    r = client.completions.create(model="tiny", prompt="The sea", max_tokens=5, temperature=0)
+    e = client.completions.create(model="tiny", prompt="The sea", max_tokens=5, temperature=0, echo=True)
+    assert e.choices[0].text == "The sea" + r.choices[0].text
+    ids = tokenize(client, "The sea")
+    t = client.completions.create(model="tiny", prompt=ids, max_tokens=5, temperature=0, echo=True)
+    assert t.choices[0].text == e.choices[0].text
+    s = "".join(c.choices[0].text for c in client.completions.create(
+        model="tiny", prompt="The sea", max_tokens=5, temperature=0, echo=True, stream=True))
+    assert s == e.choices[0].text
+    tm = e.model_extra["timings"]
+    assert set(tm) >= {"prompt_n", "prompt_ms", "prompt_per_second", "predicted_n", "predicted_ms",
+                       "predicted_per_second", "cache_n", "prompt_per_token_ms", "predicted_per_token_ms"}
+    assert tm["predicted_n"] == 5 and tm["prompt_n"] + tm["cache_n"] == e.usage.prompt_tokens
+    assert tm["prompt_ms"] >= 0 and tm["predicted_ms"] >= 0
+    last = list(client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}],
+                                               max_tokens=3, stream=True))
+    assert last[-1].model_extra["timings"]["predicted_n"] == 3
+
+
+def test_bad_sampling_requests(client):
+    msgs = [{"role": "user", "content": "x"}]
+    bad_chat = [
+        (dict(logprobs=True, top_logprobs=21), "top_logprobs"),
+        (dict(top_logprobs=2), "top_logprobs"),
+        (dict(logprobs="yes"), "logprobs"),
+        (dict(logit_bias={"abc": 1}), "logit_bias"),
+        (dict(logit_bias={"-1": 1}), "logit_bias"),
+        (dict(logit_bias={"1": 101}), "logit_bias"),
+        (dict(logit_bias={"1": "x"}), "logit_bias"),
+        (dict(logit_bias={"99999999": 1}), "logit_bias"),
+        (dict(logit_bias=[1, 2]), "logit_bias"),
+        (dict(logit_bias={str(i): 1 for i in range(1025)}), "logit_bias"),
+        (dict(extra_body={"echo": True}), "echo"),
+    ]
+    for kw, param in bad_chat:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model="tiny", messages=msgs, max_tokens=2, **kw)
+        assert e.value.body["param"] == param, (kw, e.value.body)
+    bad_cmpl = [
+        (dict(logprobs=21), "logprobs"),
+        (dict(logprobs=-1), "logprobs"),
+        (dict(extra_body={"top_logprobs": 2}), "top_logprobs"),
+        (dict(extra_body={"logprobs": True}), "logprobs"),
+    ]
+    for kw, param in bad_cmpl:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model="tiny", prompt="Hi", max_tokens=2, **kw)
+        assert e.value.body["param"] == param, (kw, e.value.body)
+    # Still serving.
+    assert client.completions.create(model="tiny", prompt="Hi", max_tokens=2).usage.completion_tokens == 2
+
+
+def test_n_choices(client):
+    """n > 1: one request per choice, seeded seed, seed + 1, ...; the prompt counted once."""
+    p = PROMPTS[2].read_text()
+    kw = dict(model="tiny", prompt=p, max_tokens=8, temperature=1.0)
+    r = client.completions.create(**kw, n=3, seed=40, logprobs=1)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    single = [client.completions.create(**kw, seed=40 + i) for i in range(3)]
+    assert [c.text for c in r.choices] == [x.choices[0].text for x in single]
+    assert len({c.text for c in r.choices}) > 1
+    assert r.usage.prompt_tokens == single[0].usage.prompt_tokens
+    assert r.usage.completion_tokens == sum(x.usage.completion_tokens for x in single)
+    assert all(len(c.logprobs.tokens) == 8 for c in r.choices)
+    assert r.model_extra["timings"]["predicted_n"] == r.usage.completion_tokens
+    # Chat, streamed: each choice's deltas under its index, each opened with the role.
+    msgs = [{"role": "user", "content": "Tell me a story."}]
+    full = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=10, temperature=0.8,
+                                          seed=3, n=2)
+    text, roles, finish, usage = {0: "", 1: ""}, set(), {}, None
+    for ch in client.chat.completions.create(model="tiny", messages=msgs, max_tokens=10, temperature=0.8,
+                                             seed=3, n=2, stream=True, stream_options={"include_usage": True}):
+        if ch.usage:
+            usage = ch.usage
+        for c in ch.choices:
+            if c.delta.role:
+                roles.add(c.index)
+            text[c.index] += c.delta.content or ""
+            if c.finish_reason:
+                finish[c.index] = c.finish_reason
+    assert roles == {0, 1} and set(finish) == {0, 1}
+    assert [text[0], text[1]] == [c.message.content for c in full.choices]
+    assert usage.completion_tokens == full.usage.completion_tokens
+    # A stop string ends one choice; the others go on.
+    stop = single[0].choices[0].text[2:5]
+    s = client.completions.create(**kw, n=2, seed=40, stop=[stop])
+    assert s.choices[0].finish_reason == "stop"
+    assert s.choices[0].text == single[0].choices[0].text.split(stop)[0]
+    assert s.choices[1].text.startswith(single[1].choices[0].text.split(stop)[0])
+
+
+def test_n_choices_disconnect(daemon, client):
+    """A client that leaves a 16-choice stream cancels every choice; the daemon keeps serving."""
+    with uds_client(daemon.sock) as http:
+        c = openai.OpenAI(base_url="http://moed/v1", api_key="x", http_client=http, max_retries=0)
+        stream = c.completions.create(model="tiny", prompt="The sea", max_tokens=200, n=16, stream=True)
+        for i, _ in enumerate(stream):
+            if i == 5:
+                break
+        stream.close()
+    deadline = time.time() + 10
+    while time.time() < deadline:
+        with uds_client(daemon.sock) as http:
+            if "moed_generations_in_flight 0" in http.get("/metrics").text:
+                break
+        time.sleep(0.05)
+    else:
+        raise AssertionError("the choices of a closed stream are still generating")
+    assert client.completions.create(model="tiny", prompt="Hi", max_tokens=2, n=2).usage.completion_tokens == 4
+
+
+def test_slots(daemon, client):
+    """/slots (read-only, llama-server's shape): idle slots, then a running request on one."""
+    with uds_client(daemon.sock) as http:
+        deadline = time.time() + 30
+        while len(slots := http.get("/slots").json()) < 8 and time.time() < deadline:
+            time.sleep(0.05)  # both workers' slots, once both are ready
+        assert len(slots) == 8 and [s["id"] for s in slots] == list(range(8))
+        assert all(set(s) >= {"id", "id_task", "n_ctx", "is_processing", "state", "next_token"} for s in slots)
+        assert all(s["n_ctx"] == 4096 for s in slots)
+        assert http.post("/slots", json={}).status_code == 405
+        stream = client.completions.create(model="tiny", prompt="The sea", max_tokens=2000, stream=True,
+                                           temperature=1.0, logit_bias={"0": -100})
+        for i, _ in enumerate(stream):
+            if i == 3:
+                break
+        busy = [s for s in http.get("/slots").json() if s["is_processing"]]
+        stream.close()
+        assert len(busy) == 1 and busy[0]["state"] == 1 and busy[0]["id_task"] > 0
+        assert busy[0]["n_decoded"] >= 3 and busy[0]["next_token"]["n_remain"] <= 2000 - 3
+        assert busy[0]["n_prompt_tokens"] == tokenize(client, "The sea").__len__()
+
+
+def test_echo_with_logprobs(client):
+    """echo with logprobs lists the prompt's tokens first (the first without a logprob), each
+    scored given the ones before it, as OpenAI's legacy completions do."""
+    p = PROMPTS[0].read_text()
+    ids = tokenize(client, p)
+    g = client.completions.create(model="tiny", prompt=ids, max_tokens=3, temperature=0, logprobs=2)
+    first = g.choices[0].logprobs
+    # The prompt extended by the greedy first token: its last prompt entry is that token.
+    ext = ids + tokenize(client, first.tokens[0])
+    assert len(ext) == len(ids) + 1
+    r = client.completions.create(model="tiny", prompt=ext, max_tokens=3, temperature=0, logprobs=2,
+                                  echo=True)
+    lp = r.choices[0].logprobs
+    n = len(ext)
+    assert len(lp.tokens) == n + 3 and r.usage.prompt_tokens == n
+    assert r.usage.prompt_tokens_details.cached_tokens == 0  # every prompt position is evaluated
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(x is not None and x <= 0 for x in lp.token_logprobs[1:])
+    assert all(1 <= len(t) <= 2 for t in lp.top_logprobs[1:])
+    assert lp.tokens[n - 1] == first.tokens[0]
+    assert abs(lp.token_logprobs[n - 1] - first.token_logprobs[0]) < 1e-3
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(n + 3)]
+    assert r.choices[0].text.endswith("".join(lp.tokens[n:]))
+    # Streamed: the echo chunk carries the prompt's entries.
+    chunks = list(client.completions.create(model="tiny", prompt=ext, max_tokens=3, temperature=0, logprobs=2,
+                                            echo=True, stream=True))
+    assert chunks[0].choices[0].logprobs.tokens == lp.tokens[:n]
+    assert sum((c.choices[0].logprobs.tokens for c in chunks), []) == lp.tokens
+    # Longer than one chunk of prompt rows (32 a step).
+    long = client.completions.create(model="tiny", prompt=ids * 6, max_tokens=1, temperature=0, logprobs=0,
+                                     echo=True)
+    assert len(long.choices[0].logprobs.tokens) == len(ids) * 6 + 1
+    assert all(x is not None for x in long.choices[0].logprobs.token_logprobs[1:])
