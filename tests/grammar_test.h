@@ -60,7 +60,7 @@ static inline void gt_vocab_synthetic(struct gt_vocab *v, uint32_t n)
         "3.14", "-", "e+", "E", ".", "é", "€", "😀", "\xe2\x82", "\xac", "\xf0\x9f", "\x98\x80",
         "\\n", "\\\"", "\\u00", "\\", "\"}", "\"]", "α", "βγ", " \"", "\n  ", "\n    \"", "  }",
         "\"\n}", "a", "ab", "abc", "x", "name", " name", "\"name", "age", "\"id\"", "2024-01-",
-        "-01", ":00", "T12", "Z",
+        "-01", ":00", "T12", "Z", "\xed\xa0\x80", "\xed", "\xed\x9f", "\xc0\x80", "\xf4\x90",
     };
     static const char *mb[] = {"é", "ü", "€", "😀", "α", "ω", "中", "\xe2\x82", "\xac"};
     static const char letters[] = "etaoinshrdlucmfwypvbgkjqxzETAONS_";

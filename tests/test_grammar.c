@@ -202,6 +202,14 @@ TEST(grammar_accepts_at_any_byte_split)
     CHECK_EQ(moe_grammar_state_accept_bytes(st, "\xb1", 1), 1);  /* α */
     moe_grammar_state_free(st);
     moe_grammar_free(g);
+    /* bytes that are not UTF-8: overlong forms, surrogates, past U+10FFFF, stray continuation */
+    gs = "root ::= .*";
+    g = moe_grammar_parse(gs, strlen(gs), err, sizeof err);
+    static const char *bad[] = {"\xc0\x80", "\xe0\x80\x80", "\xed\xa0", "\xf4\x90", "\x80", "\xff"};
+    for (size_t i = 0; i < sizeof bad / sizeof *bad; i++)
+        CHECK_MSG(gt_match(g, bad[i]) != 1, "bad UTF-8 %zu accepted", i);
+    CHECK_EQ(gt_match(g, "\xed\x9f\xbf\xee\x80\x80\xf4\x8f\xbf\xbf"), 1); /* U+D7FF U+E000 U+10FFFF */
+    moe_grammar_free(g);
 }
 
 TEST(grammar_rejection_leaves_the_state_unchanged)

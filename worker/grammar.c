@@ -285,7 +285,7 @@ static long utf8_decode(const char **pp, const char *end)
             return -1;
         cp = (cp << 6) | (p[i] & 0x3f);
     }
-    if (cp < min || cp > 0x10ffff)
+    if (cp < min || cp > 0x10ffff || (cp >= 0xd800 && cp <= 0xdfff))
         return -1;
     *pp += n + 1;
     return (long)cp;
@@ -1096,8 +1096,9 @@ static long step(struct moe_grammar_state *st, const uint32_t *in, uint32_t n,
         p.rem--;
         if (p.rem == 0) {
             cp = p.val;
-            if ((p.len == 3 && cp < 0x800) || (p.len == 4 && (cp < 0x10000 || cp > 0x10ffff)))
-                return 0;
+            if ((p.len == 3 && (cp < 0x800 || (cp >= 0xd800 && cp <= 0xdfff))) ||
+                (p.len == 4 && (cp < 0x10000 || cp > 0x10ffff)))
+                return 0; /* overlong, a surrogate, or past U+10FFFF: not UTF-8 */
             goto full;
         }
     }
@@ -1110,12 +1111,26 @@ static long step(struct moe_grammar_state *st, const uint32_t *in, uint32_t n,
             lo = min;
         if (hi > 0x10ffff)
             hi = 0x10ffff;
+        /* surrogates are not characters: [lo, hi] less D800..DFFF is one or two ranges */
+        uint32_t lo2 = 1, hi2 = 0;
+        if (lo <= 0xdfff && hi >= 0xd800) {
+            if (hi > 0xdfff)
+                lo2 = 0xe000, hi2 = hi;
+            if (lo < 0xd800)
+                hi = 0xd7ff;
+            else if (lo2 <= hi2)
+                lo = lo2, hi = hi2, lo2 = 1, hi2 = 0;
+            else
+                return 0;
+        }
         if (lo > hi)
             return 0;
         uint32_t n0 = out->n;
         for (uint32_t i = 0; i < n; i++) {
             uint32_t s = in[i];
-            if (s && cls_match_range(g, &g->cls[EL_VAL(g->el[st->nodes[s].pos])], lo, hi))
+            const struct gclass *cl = s ? &g->cls[EL_VAL(g->el[st->nodes[s].pos])] : NULL;
+            if (cl && (cls_match_range(g, cl, lo, hi) ||
+                       (lo2 <= hi2 && cls_match_range(g, cl, lo2, hi2))))
                 if (u32v_push(out, s) != 0) {
                     st_limit(st, "out of memory");
                     return -1;

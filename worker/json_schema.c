@@ -6,6 +6,7 @@
 #include "worker/json_schema.h"
 
 #include <stdarg.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -109,7 +110,10 @@ static void cerr(struct conv *c, const char *path, const char *fmt, ...)
     va_start(ap, fmt);
     vsnprintf(msg, sizeof msg, fmt, ap);
     va_end(ap);
-    snprintf(c->err, c->errlen, "schema at '%s': %s", path[0] ? path : "/", msg);
+    size_t pl = strlen(path);
+    const char *tail = pl > 120 ? path + pl - 120 : path;
+    snprintf(c->err, c->errlen, "%s (at %s%s)", msg, pl > 120 ? "..." : "",
+             path[0] ? tail : "/");
 }
 
 static struct rule *find_rule(struct conv *c, const char *name)
@@ -440,7 +444,7 @@ static const char *visit_string(struct conv *c, json_t *s, const char *hint, con
     }
     if (lo == 0 && hi < 0)
         return prim(c, "string");
-    if (!prim(c, "char"))
+    if (!prim(c, "char") || !prim(c, "space"))
         return NULL;
     struct sb b = {0};
     sb_add(&b, "\"\\\"\" char");
@@ -517,6 +521,127 @@ static const char *kv_rule(struct conv *c, const char *key, const char *value, c
     return add_rule(c, hint, &b);
 }
 
+/* Keys that are none of the declared property names: a rule over the trie of the names (as
+ * JSON writes them). At each node: end here (when no name ends here), take a child's character
+ * and go on, or take any other character and then anything. Names that need escapes in JSON are
+ * not excluded (see docs/grammar.md). */
+struct knode {
+    long child, sibling;
+    uint32_t cp;
+    int end;
+};
+
+static uint32_t next_cp(const char **pp)
+{
+    const unsigned char *p = (const unsigned char *)*pp;
+    uint32_t c = p[0];
+    int n = c < 0x80 ? 0 : c < 0xe0 ? 1 : c < 0xf0 ? 2 : 3;
+    if (n)
+        c &= 0x3fu >> n;
+    for (int i = 1; i <= n && p[i]; i++)
+        c = (c << 6) | (p[i] & 0x3fu);
+    *pp += 1 + n;
+    return c;
+}
+
+static void sb_class_cp(struct sb *b, uint32_t cp)
+{
+    if (cp < 0x80)
+        sb_addf(b, "\\x%02X", cp);
+    else if (cp < 0x10000)
+        sb_addf(b, "\\u%04X", cp);
+    else
+        sb_addf(b, "\\U%08X", cp);
+}
+
+static const char *not_keys_node(struct conv *c, struct knode *t, long i, const char *hint)
+{
+    if (!prim(c, "char"))
+        return NULL;
+    struct sb b = {0};
+    int alts = 0;
+    if (!t[i].end) {
+        sb_add(&b, "\"\"");
+        alts++;
+    }
+    for (long k = t[i].child; k >= 0; k = t[k].sibling) {
+        const char *sub = not_keys_node(c, t, k, hint);
+        if (!sub) {
+            free(b.p);
+            return NULL;
+        }
+        char u[5] = {0};
+        uint32_t cp = t[k].cp;
+        if (cp < 0x80) {
+            u[0] = (char)cp;
+        } else if (cp < 0x800) {
+            u[0] = (char)(0xc0 | (cp >> 6)), u[1] = (char)(0x80 | (cp & 0x3f));
+        } else if (cp < 0x10000) {
+            u[0] = (char)(0xe0 | (cp >> 12)), u[1] = (char)(0x80 | ((cp >> 6) & 0x3f));
+            u[2] = (char)(0x80 | (cp & 0x3f));
+        } else {
+            u[0] = (char)(0xf0 | (cp >> 18)), u[1] = (char)(0x80 | ((cp >> 12) & 0x3f));
+            u[2] = (char)(0x80 | ((cp >> 6) & 0x3f)), u[3] = (char)(0x80 | (cp & 0x3f));
+        }
+        if (alts++)
+            sb_add(&b, " | ");
+        sb_literal(&b, u, strlen(u));
+        sb_addf(&b, " %s", sub);
+    }
+    if (alts++)
+        sb_add(&b, " | ");
+    sb_add(&b, "[^\"\\\\\\x7F\\x00-\\x1F");
+    for (long k = t[i].child; k >= 0; k = t[k].sibling)
+        sb_class_cp(&b, t[k].cp);
+    sb_add(&b, "] char* | [\\\\] ([\"\\\\bfnrt/] | \"u\" [0-9a-fA-F]{4}) char*");
+    return add_rule(c, hint, &b);
+}
+
+static const char *not_keys(struct conv *c, json_t *props, const char *hint)
+{
+    size_t cap = 1;
+    const char *key;
+    json_t *v;
+    json_object_foreach(props, key, v) cap += strlen(key);
+    struct knode *t = malloc(cap * sizeof *t);
+    if (!t) {
+        cerr(c, "", "out of memory");
+        return NULL;
+    }
+    long n = 1;
+    t[0] = (struct knode){-1, -1, 0, 0};
+    json_object_foreach(props, key, v) {
+        int plain = 1;
+        for (const unsigned char *q = (const unsigned char *)key; *q; q++)
+            plain &= *q >= 0x20 && *q != 0x7f && *q != '"' && *q != '\\';
+        if (!plain)
+            continue;
+        long at = 0;
+        for (const char *q = key; *q;) {
+            uint32_t cp = next_cp(&q);
+            long k = t[at].child;
+            while (k >= 0 && t[k].cp != cp)
+                k = t[k].sibling;
+            if (k < 0) {
+                k = n++;
+                t[k] = (struct knode){-1, t[at].child, cp, 0};
+                t[at].child = k;
+            }
+            at = k;
+        }
+        t[at].end = 1;
+    }
+    char h[128];
+    snprintf(h, sizeof h, "%s-other-key", hint);
+    const char *inner = not_keys_node(c, t, 0, h);
+    free(t);
+    if (!inner || !prim(c, "space"))
+        return NULL;
+    struct sb b = {0};
+    sb_addf(&b, "\"\\\"\" %s \"\\\"\" space", inner);
+    return add_rule(c, h, &b);
+}
+
 static const char *visit_object(struct conv *c, json_t *props, json_t *required, json_t *addl,
                                 const char *hint, const char *path)
 {
@@ -556,10 +681,11 @@ static const char *visit_object(struct conv *c, json_t *props, json_t *required,
         path_join(sub, sizeof sub, path, "additionalProperties", NULL);
         snprintf(ah, sizeof ah, "%s-additional", hint);
         val = json_is_object(addl) ? visit(c, addl, ah, sub) : prim(c, "value");
-        if (!val || !prim(c, "string"))
+        const char *keyr = n ? not_keys(c, props, hint) : prim(c, "string");
+        if (!val || !keyr)
             return NULL;
         struct sb b = {0};
-        sb_addf(&b, "string \":\" space %s", val);
+        sb_addf(&b, "%s \":\" space %s", keyr, val);
         snprintf(ah, sizeof ah, "%s-additional-kv", hint);
         akv = add_rule(c, ah, &b);
         if (!akv)
@@ -902,7 +1028,8 @@ int moe_json_schema_to_gbnf(json_t *schema, char **gbnf, char *err, size_t errle
             if (!c.rules[i].body)
                 continue;
             sb_addf(&out, "%s ::= ", c.rules[i].name);
-            sb_add(&out, c.rules[i].body);
+            /* an empty body is written "" (after "::=" the rule may continue on the next line) */
+            sb_add(&out, c.rules[i].body[0] ? c.rules[i].body : "\"\"");
             sb_add(&out, "\n");
         }
         if (out.oom) {
