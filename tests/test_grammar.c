@@ -2,6 +2,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "store/gguf.h"
+#include "store/tokenizer.h"
 #include "tests/grammar_test.h"
 #include "tests/harness.h"
 
@@ -401,50 +403,106 @@ TEST(grammar_mini_fuzz)
     gt_vocab_free(&tv);
 }
 
-/* Mask time on a 151,936-token vocabulary (Qwen3's size), printed with -v; nothing asserted. */
-TEST_TIMEOUT(grammar_mask_time_qwen3_sized_vocab, 300)
+/* Points of a JSON object to time the mask at; brute: also check it token by token. */
+static const struct {
+    const char *what, *prefix;
+    int brute;
+} mask_points[] = {
+    {"start of an object", "", 1},
+    {"after '{'", "{", 0},
+    {"inside a key", "{\"na", 1},
+    {"after a key", "{\"name\"", 0},
+    {"inside a string value", "{\"name\": \"Jo", 0},
+    {"inside a number", "{\"n\": 12", 1},
+    {"after a value", "{\"n\": 12, \"a\": [true", 0},
+    {"inside a UTF-8 character", "{\"k\": \"\xe6\x97", 1},
+};
+
+/* Builds the vocabulary, prints the mask time at each point (json_object grammar) and checks the
+ * mask against feeding every token to a clone where the point says so. */
+static void mask_time_and_check(const struct gt_vocab *tv, const char *label)
 {
-    moe_test_rng_seed(3);
-    struct gt_vocab tv;
-    gt_vocab_synthetic(&tv, 151936);
-    char err[256];
+    char err[512];
     double t0 = moe_test_now();
-    struct moe_grammar_vocab *v = moe_grammar_vocab_new((const char *const *)tv.tok, tv.len, tv.n,
-                                                        tv.eog, err, sizeof err);
-    CHECK(v != NULL);
-    double t_build = moe_test_now() - t0;
-    fprintf(stderr, "vocab: %u tokens, %u trie nodes, built in %.1f ms\n", tv.n,
-            moe_grammar_vocab_n_nodes(v), t_build * 1e3);
+    struct moe_grammar_vocab *v = moe_grammar_vocab_new((const char *const *)tv->tok, tv->len,
+                                                        tv->n, tv->eog, err, sizeof err);
+    CHECK_MSG(v != NULL, "%s", err);
+    fprintf(stderr, "%s: %u tokens, %u trie nodes, built in %.1f ms\n", label, tv->n,
+            moe_grammar_vocab_n_nodes(v), (moe_test_now() - t0) * 1e3);
     const char *gs = gt_json_object_gbnf();
     struct moe_grammar *g = moe_grammar_parse(gs, strlen(gs), err, sizeof err);
     CHECK_MSG(g != NULL, "%s", err);
-    static const struct {
-        const char *what, *prefix;
-    } points[] = {
-        {"start of an object", ""},
-        {"after '{'", "{"},
-        {"inside a key", "{\"na"},
-        {"after a key", "{\"name\""},
-        {"inside a string value", "{\"name\": \"Jo"},
-        {"inside a number", "{\"n\": 12"},
-        {"after a value", "{\"n\": 12, \"a\": [true"},
-    };
-    uint8_t *mask = malloc(tv.n);
-    for (size_t i = 0; i < sizeof points / sizeof *points; i++) {
+    uint8_t *mask = malloc(tv->n);
+    double total = 0;
+    size_t n_points = sizeof mask_points / sizeof *mask_points;
+    for (size_t i = 0; i < n_points; i++) {
         struct moe_grammar_state *st = moe_grammar_state_new(g, err, sizeof err);
-        CHECK(moe_grammar_state_accept_bytes(st, points[i].prefix, strlen(points[i].prefix)) == 1);
+        const char *pre = mask_points[i].prefix;
+        CHECK(moe_grammar_state_accept_bytes(st, pre, strlen(pre)) == 1);
         int reps = 5;
         long allowed = 0;
         t0 = moe_test_now();
         for (int r = 0; r < reps; r++)
             allowed = moe_grammar_mask(st, v, mask);
         double ms = (moe_test_now() - t0) * 1e3 / reps;
+        total += ms;
         CHECK(allowed > 0);
-        fprintf(stderr, "mask %-24s %7.2f ms  %6ld tokens allowed\n", points[i].what, ms, allowed);
+        fprintf(stderr, "  mask %-26s %7.2f ms  %6ld tokens allowed\n", mask_points[i].what, ms,
+                allowed);
+        for (uint32_t t = 0; mask_points[i].brute && t < tv->n; t++) {
+            int want = 0;
+            if (tv->eog[t]) {
+                want = moe_grammar_state_is_accepting(st);
+            } else if (tv->len[t]) {
+                struct moe_grammar_state *c = moe_grammar_state_clone(st);
+                want = moe_grammar_state_accept_bytes(c, tv->tok[t], tv->len[t]) == 1;
+                moe_grammar_state_free(c);
+            }
+            CHECK_MSG(mask[t] == want, "%s: token %u ('%.*s') mask %d", mask_points[i].what, t,
+                      (int)tv->len[t], tv->tok[t], mask[t]);
+        }
         moe_grammar_state_free(st);
     }
+    fprintf(stderr, "  mean %.2f ms per mask\n", total / (double)n_points);
     free(mask);
     moe_grammar_free(g);
     moe_grammar_vocab_free(v);
+}
+
+/* Mask time on a synthetic 151,936-token vocabulary (Qwen3's size), printed with -v. */
+TEST_TIMEOUT(grammar_mask_synthetic_vocab, 300)
+{
+    moe_test_rng_seed(3);
+    struct gt_vocab tv;
+    gt_vocab_synthetic(&tv, 151936);
+    mask_time_and_check(&tv, "synthetic vocab");
+    gt_vocab_free(&tv);
+}
+
+/* The real Qwen3 vocabulary (tests/golden): token bytes through the tokenizer, control tokens
+ * never allowed (no bytes), end-of-generation ones when accepting. */
+TEST_TIMEOUT(grammar_mask_qwen3_vocab, 300)
+{
+    const char *path = "tests/golden/tokenizer/qwen3-vocab.gguf";
+    char err[512] = "";
+    struct gguf_file *f = NULL;
+    CHECK_MSG(gguf_open(&f, path, err, sizeof err) == 0, "%s: %s", path, err);
+    struct moe_tokenizer *tok = NULL;
+    CHECK_MSG(moe_tok_load(&tok, f, err, sizeof err) == 0, "%s", err);
+    gguf_close(f);
+    uint32_t n = moe_tok_n_vocab(tok);
+    CHECK_EQ(n, 151936);
+    struct gt_vocab tv = {calloc(n, sizeof(char *)), calloc(n, sizeof(uint32_t)), calloc(n, 1), n};
+    char buf[4096];
+    for (uint32_t i = 0; i < n; i++) {
+        int len = moe_tok_piece(tok, (int32_t)i, buf, sizeof buf);
+        CHECK(len >= 0 && len <= (int)sizeof buf);
+        tv.eog[i] = moe_tok_is_eog(tok, (int32_t)i);
+        if (moe_tok_is_control(tok, (int32_t)i) && !tv.eog[i])
+            len = 0;
+        gt_vocab_set(&tv, i, buf, (size_t)len);
+    }
+    moe_tok_free(tok);
+    mask_time_and_check(&tv, "qwen3 vocab");
     gt_vocab_free(&tv);
 }

@@ -795,6 +795,10 @@ struct moe_grammar *moe_grammar_parse(const char *text, size_t len, char *err, s
         perr(&ps, NULL, "grammar longer than %u bytes", MOE_GRAMMAR_MAX_TEXT);
         return NULL;
     }
+    if (u32v_reserve(&ps.ranges, 16) != 0) {
+        perr(&ps, NULL, "out of memory");
+        return NULL;
+    }
     const char *p = skip_space(&ps, text, 1);
     while (p < ps.end && !ps.failed)
         p = skip_space(&ps, parse_rule(&ps, p), 1);
@@ -1331,16 +1335,20 @@ const char *moe_grammar_state_error(const struct moe_grammar_state *st) { return
 /* ---------------------------------------------------------------- vocabulary and mask */
 
 struct tnode {
-    uint32_t first_child, tok_off, n_tok;
+    uint32_t first_child;
+    uint32_t lo, hi;   /* the subtree's tokens are ord[lo .. hi), those ending here first */
+    uint32_t n_tok;    /* tokens ending here */
+    uint64_t below[2]; /* ASCII bytes on the edges below this node */
     uint16_t n_child;
     uint8_t byte;
+    uint8_t non_ascii_below;
 };
 
 struct moe_grammar_vocab {
     uint32_t n;
     struct tnode *nodes;
     uint32_t n_nodes;
-    uint32_t *toks; /* token ids, grouped by the node they end at */
+    uint32_t *ord; /* token ids sorted by their bytes (eog and empty tokens left out) */
     uint32_t *eog;
     uint32_t n_eog;
 };
@@ -1372,9 +1380,8 @@ struct moe_grammar_vocab *moe_grammar_vocab_new(const char *const *tokens, const
     if (!v || !ord)
         goto oom;
     v->n = n;
-    v->toks = malloc((size_t)(n ? n : 1) * sizeof *v->toks);
     v->eog = malloc((size_t)(n ? n : 1) * sizeof *v->eog);
-    if (!v->toks || !v->eog)
+    if (!v->eog)
         goto oom;
     uint32_t m = 0;
     for (uint32_t i = 0; i < n; i++) {
@@ -1401,13 +1408,13 @@ struct moe_grammar_vocab *moe_grammar_vocab_new(const char *const *tokens, const
     v->nodes[0] = (struct tnode){0};
     lo[0] = 0, hi[0] = m, dep[0] = 0;
     v->n_nodes = 1;
-    uint32_t n_toks = 0;
     for (uint32_t i = 0; i < v->n_nodes; i++) {
         uint32_t l = lo[i], h = hi[i], d = dep[i];
-        v->nodes[i].tok_off = n_toks;
+        v->nodes[i].lo = l;
+        v->nodes[i].hi = h;
         while (l < h && lens[ord[l]] == d)
-            v->toks[n_toks++] = ord[l++];
-        v->nodes[i].n_tok = n_toks - v->nodes[i].tok_off;
+            l++;
+        v->nodes[i].n_tok = l - lo[i];
         v->nodes[i].first_child = v->n_nodes;
         while (l < h) {
             uint8_t b = (uint8_t)tokens[ord[l]][d];
@@ -1436,7 +1443,19 @@ struct moe_grammar_vocab *moe_grammar_vocab_new(const char *const *tokens, const
             l = e;
         }
     }
-    free(ord);
+    /* children come after their parent: fold the byte sets bottom up */
+    for (uint32_t i = v->n_nodes; i-- > 0;) {
+        struct tnode *nd = &v->nodes[i];
+        for (uint32_t c = nd->first_child; c < nd->first_child + nd->n_child; c++) {
+            const struct tnode *ch = &v->nodes[c];
+            nd->below[0] |= ch->below[0];
+            nd->below[1] |= ch->below[1];
+            nd->non_ascii_below |= ch->non_ascii_below | (ch->byte >= 0x80);
+            if (ch->byte < 0x80)
+                nd->below[ch->byte >> 6] |= 1ull << (ch->byte & 63);
+        }
+    }
+    v->ord = ord;
     free(lo);
     free(hi);
     free(dep);
@@ -1458,7 +1477,7 @@ void moe_grammar_vocab_free(struct moe_grammar_vocab *v)
     if (!v)
         return;
     free(v->nodes);
-    free(v->toks);
+    free(v->ord);
     free(v->eog);
     free(v);
 }
@@ -1466,31 +1485,86 @@ void moe_grammar_vocab_free(struct moe_grammar_vocab *v)
 uint32_t moe_grammar_vocab_n(const struct moe_grammar_vocab *v) { return v->n; }
 uint32_t moe_grammar_vocab_n_nodes(const struct moe_grammar_vocab *v) { return v->n_nodes; }
 
-/* The children of trie node t, with the stacks at arena[off .. off+n) and UTF-8 state part. */
-static long walk(struct moe_grammar_state *st, const struct moe_grammar_vocab *v, uint32_t t,
-                 uint32_t off, uint32_t n, struct utf8p part, uint8_t *mask)
+static int cmp_u32(const void *a, const void *b)
 {
+    uint32_t x = *(const uint32_t *)a, y = *(const uint32_t *)b;
+    return x < y ? -1 : x > y;
+}
+
+static void sort_u32(uint32_t *p, uint32_t n)
+{
+    if (n > 16) {
+        qsort(p, n, sizeof *p, cmp_u32);
+        return;
+    }
+    for (uint32_t i = 1; i < n; i++) {
+        uint32_t x = p[i], j = i;
+        for (; j > 0 && p[j - 1] > x; j--)
+            p[j] = p[j - 1];
+        p[j] = x;
+    }
+}
+
+/* What the mask walk knows about the state's own set S0: the ASCII bytes that lead from S0 back
+ * to S0 (a loop such as the inside of a string). A trie node reached with S0 whose subtree holds
+ * only such bytes has all its tokens allowed without walking it. */
+struct mask_ctx {
+    const struct moe_grammar_vocab *v;
+    uint8_t *mask;
+    const uint32_t *s0; /* sorted */
+    uint32_t n0;
+    uint64_t loop[2];
+};
+
+/* The children of trie node t, with the stacks at arena[off .. off+n) and UTF-8 state part;
+ * is_s0: those stacks are the state's own set (S0). */
+static long walk(struct moe_grammar_state *st, struct mask_ctx *mc, uint32_t t, uint32_t off,
+                 uint32_t n, struct utf8p part, int is_s0)
+{
+    const struct moe_grammar_vocab *v = mc->v;
     long allowed = 0;
     const struct tnode *nd = &v->nodes[t];
     for (uint32_t c = nd->first_child; c < nd->first_child + nd->n_child; c++) {
         const struct tnode *ch = &v->nodes[c];
         uint32_t mark = st->n_nodes, top = st->arena.n;
         struct utf8p p = part;
-        /* step() reads its input from the arena and appends to it: make room first so that
-         * the arena does not move under it (a step appends at most MOE_GRAMMAR_MAX_STACKS). */
-        if (u32v_reserve(&st->arena, (size_t)top + MOE_GRAMMAR_MAX_STACKS + 1) != 0) {
-            st_limit(st, "out of memory");
-            return -1;
+        uint32_t noff = 0, nn = mc->n0;
+        int next_s0 = is_s0 && ch->byte < 0x80 && ((mc->loop[ch->byte >> 6] >> (ch->byte & 63)) & 1);
+        if (!next_s0) {
+            /* step() reads its input from the arena and appends to it: make room first so that
+             * the arena does not move under it (one step appends at most MOE_GRAMMAR_MAX_STACKS) */
+            if (u32v_reserve(&st->arena, (size_t)top + MOE_GRAMMAR_MAX_STACKS + 1) != 0) {
+                st_limit(st, "out of memory");
+                return -1;
+            }
+            long r = step(st, st->arena.p + off, n, &p, ch->byte, &st->arena);
+            if (r < 0)
+                return -1;
+            if (r == 0) {
+                st->arena.n = top;
+                rollback(st, mark);
+                continue;
+            }
+            noff = top;
+            nn = (uint32_t)r;
+            if (p.rem == 0 && nn == mc->n0 && (mc->loop[0] | mc->loop[1])) {
+                uint32_t *out = st->arena.p + top;
+                sort_u32(out, nn);
+                next_s0 = memcmp(out, mc->s0, (size_t)nn * sizeof *out) == 0;
+            }
         }
-        long r = step(st, st->arena.p + off, n, &p, ch->byte, &st->arena);
-        if (r < 0)
-            return -1;
-        if (r > 0) {
+        if (next_s0 && !ch->non_ascii_below && !(ch->below[0] & ~mc->loop[0]) &&
+            !(ch->below[1] & ~mc->loop[1])) {
+            /* every byte below loops back to S0: the whole subtree is allowed */
+            for (uint32_t k = ch->lo; k < ch->hi; k++)
+                mc->mask[v->ord[k]] = 1;
+            allowed += ch->hi - ch->lo;
+        } else {
             for (uint32_t k = 0; k < ch->n_tok; k++)
-                mask[v->toks[ch->tok_off + k]] = 1;
+                mc->mask[v->ord[ch->lo + k]] = 1;
             allowed += ch->n_tok;
             if (ch->n_child) {
-                long a = walk(st, v, c, top, (uint32_t)r, p, mask);
+                long a = walk(st, mc, c, noff, nn, p, next_s0);
                 if (a < 0)
                     return -1;
                 allowed += a;
@@ -1513,14 +1587,37 @@ long moe_grammar_mask(struct moe_grammar_state *st, const struct moe_grammar_voc
             mask[v->eog[i]] = 1;
         allowed += v->n_eog;
     }
-    if (u32v_reserve(&st->arena, (size_t)st->set.n + 1) != 0) {
+    uint32_t n0 = st->set.n;
+    if (u32v_reserve(&st->arena, (size_t)n0 + MOE_GRAMMAR_MAX_STACKS + 1) != 0 ||
+        u32v_reserve(&st->tmp, (size_t)n0 + 1) != 0) {
         st_limit(st, "out of memory");
         return -1;
     }
-    memcpy(st->arena.p, st->set.p, st->set.n * sizeof *st->set.p);
-    st->arena.n = st->set.n;
+    memcpy(st->arena.p, st->set.p, n0 * sizeof *st->set.p);
+    memcpy(st->tmp.p, st->set.p, n0 * sizeof *st->set.p);
+    sort_u32(st->tmp.p, n0);
+    st->arena.n = n0;
+    struct mask_ctx mc = {v, mask, st->tmp.p, n0, {0, 0}};
     uint32_t mark = st->n_nodes;
-    long a = walk(st, v, 0, 0, st->set.n, st->part, mask);
+    if (st->part.rem == 0 && n0) {
+        for (uint32_t b = 0; b < 128; b++) {
+            struct utf8p p = st->part;
+            long r = step(st, st->arena.p, n0, &p, (uint8_t)b, &st->arena);
+            if (r < 0) {
+                rollback(st, mark);
+                st->arena.n = 0;
+                return -1;
+            }
+            if ((uint32_t)r == n0) {
+                sort_u32(st->arena.p + n0, n0);
+                if (memcmp(st->arena.p + n0, mc.s0, n0 * sizeof *mc.s0) == 0)
+                    mc.loop[b >> 6] |= 1ull << (b & 63);
+            }
+            st->arena.n = n0;
+            rollback(st, mark);
+        }
+    }
+    long a = walk(st, &mc, 0, 0, n0, st->part, 1);
     rollback(st, mark);
     st->arena.n = 0;
     if (a < 0)
