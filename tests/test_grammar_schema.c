@@ -406,3 +406,66 @@ TEST_TIMEOUT(grammar_schema_random_generation, 300)
     CHECK(made >= (int)json_array_size(cases) * 4);
     json_decref(f);
 }
+
+/* Mutated fixture schemas: conversion either refuses with a message or gives a grammar that
+ * parses and starts. */
+TEST(grammar_schema_mini_fuzz)
+{
+    json_t *f = load_fixture();
+    json_t *cases = json_object_get(f, "cases");
+    static const char alphabet[] = "{}[]\":,0123456789 -tfnaeiouxyz$#/\\";
+    static const char *words[] = {"\"type\"", "\"string\"", "\"object\"", "\"array\"",
+                                  "\"items\"", "\"properties\"", "\"required\"", "\"enum\"",
+                                  "\"anyOf\"", "\"$ref\"", "\"#/$defs/x\"", "\"null\"",
+                                  "\"minItems\"", "\"maxLength\"", "\"additionalProperties\"",
+                                  "true", "false", "{}", "[]", "\"format\"", "\"date\""};
+    moe_test_rng_seed(5);
+    int converted = 0, refused = 0;
+    for (int iter = 0; iter < 40000; iter++) {
+        json_t *c = json_array_get(cases, moe_test_rng_u32() % json_array_size(cases));
+        char *text = json_dumps(json_object_get(c, "schema"), JSON_COMPACT | JSON_ENCODE_ANY);
+        size_t n = strlen(text);
+        char *buf = malloc(n + 256);
+        memcpy(buf, text, n + 1);
+        free(text);
+        int muts = 1 + (int)(moe_test_rng_u32() % 3);
+        for (int m = 0; m < muts; m++) {
+            uint32_t op = moe_test_rng_u32() % 3, at = (uint32_t)(moe_test_rng_u32() % (n + 1));
+            if (op == 0 && at < n) {
+                buf[at] = alphabet[moe_test_rng_u32() % (sizeof alphabet - 1)];
+            } else if (op == 1) { /* at most 3 words of under 32 bytes: buf has room */
+                const char *w = words[moe_test_rng_u32() % (sizeof words / sizeof *words)];
+                size_t wl = strlen(w);
+                memmove(buf + at + wl, buf + at, n - at + 1);
+                memcpy(buf + at, w, wl);
+                n += wl;
+            } else if (at < n) {
+                memmove(buf + at, buf + at + 1, n - at);
+                n--;
+            }
+        }
+        json_error_t je;
+        json_t *s = json_loadb(buf, n, JSON_DECODE_ANY, &je);
+        free(buf);
+        if (!s)
+            continue;
+        char err[512] = "", *gbnf = NULL;
+        if (moe_json_schema_to_gbnf(s, &gbnf, err, sizeof err) == 0) {
+            struct moe_grammar *g = moe_grammar_parse(gbnf, strlen(gbnf), err, sizeof err);
+            CHECK_MSG(g != NULL, "converted grammar does not parse: %s\n%s", err, gbnf);
+            struct moe_grammar_state *st = moe_grammar_state_new(g, err, sizeof err);
+            CHECK_MSG(st != NULL, "%s", err);
+            moe_grammar_state_free(st);
+            moe_grammar_free(g);
+            free(gbnf);
+            converted++;
+        } else {
+            CHECK(gbnf == NULL && err[0] != '\0');
+            refused++;
+        }
+        json_decref(s);
+    }
+    fprintf(stderr, "%d mutated schemas converted, %d refused\n", converted, refused);
+    CHECK(converted > 400);
+    json_decref(f);
+}
