@@ -1514,6 +1514,7 @@ struct mask_ctx {
     const uint32_t *s0; /* sorted */
     uint32_t n0;
     uint64_t loop[2];
+    uint64_t work; /* stacks stepped so far */
 };
 
 /* The children of trie node t, with the stacks at arena[off .. off+n) and UTF-8 state part;
@@ -1540,6 +1541,12 @@ static long walk(struct moe_grammar_state *st, struct mask_ctx *mc, uint32_t t, 
             long r = step(st, st->arena.p + off, n, &p, ch->byte, &st->arena);
             if (r < 0)
                 return -1;
+            mc->work += n + (uint64_t)r;
+            if (mc->work > MOE_GRAMMAR_MAX_MASK_WORK) {
+                st_limit(st, "mask needs more than %u stack steps (grammar too ambiguous)",
+                         MOE_GRAMMAR_MAX_MASK_WORK);
+                return -1;
+            }
             if (r == 0) {
                 st->arena.n = top;
                 rollback(st, mark);
@@ -1597,7 +1604,7 @@ long moe_grammar_mask(struct moe_grammar_state *st, const struct moe_grammar_voc
     memcpy(st->tmp.p, st->set.p, n0 * sizeof *st->set.p);
     sort_u32(st->tmp.p, n0);
     st->arena.n = n0;
-    struct mask_ctx mc = {v, mask, st->tmp.p, n0, {0, 0}};
+    struct mask_ctx mc = {v, mask, st->tmp.p, n0, {0, 0}, 0};
     uint32_t mark = st->n_nodes;
     if (st->part.rem == 0 && n0) {
         for (uint32_t b = 0; b < 128; b++) {

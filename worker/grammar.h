@@ -27,6 +27,7 @@
 #define MOE_GRAMMAR_MAX_DEPTH 4096         /* depth of one parse stack (nesting of the text) */
 #define MOE_GRAMMAR_MAX_NODES (1u << 23)   /* stack nodes of one state (memory) */
 #define MOE_GRAMMAR_MAX_TOKEN 1024         /* bytes of one vocabulary token */
+#define MOE_GRAMMAR_MAX_MASK_WORK (1u << 27) /* stack steps of one mask (time) */
 
 struct moe_grammar;
 struct moe_grammar_state;
