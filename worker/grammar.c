@@ -895,6 +895,18 @@ static void st_limit(struct moe_grammar_state *st, const char *fmt, ...)
     va_end(ap);
 }
 
+/* Rebuilds the hash chains in creation order, so that the newest node heads its chain (rollback
+ * relies on it). */
+static void rechain(struct moe_grammar_state *st)
+{
+    memset(st->bucket, 0, st->n_bucket * sizeof *st->bucket);
+    for (uint32_t i = 1; i < st->n_nodes; i++) {
+        uint32_t h = node_hash(st->nodes[i].pos, st->nodes[i].parent) & (st->n_bucket - 1);
+        st->nodes[i].next = st->bucket[h];
+        st->bucket[h] = i;
+    }
+}
+
 static int rehash(struct moe_grammar_state *st, uint32_t n_bucket)
 {
     uint32_t *b = calloc(n_bucket, sizeof *b);
@@ -903,12 +915,7 @@ static int rehash(struct moe_grammar_state *st, uint32_t n_bucket)
     free(st->bucket);
     st->bucket = b;
     st->n_bucket = n_bucket;
-    /* In creation order, so that the newest node heads its chain (rollback relies on it). */
-    for (uint32_t i = 1; i < st->n_nodes; i++) {
-        uint32_t h = node_hash(st->nodes[i].pos, st->nodes[i].parent) & (n_bucket - 1);
-        st->nodes[i].next = b[h];
-        b[h] = i;
-    }
+    rechain(st);
     return 0;
 }
 
@@ -1274,8 +1281,8 @@ static void collect(struct moe_grammar_state *st)
     uint32_t nb = 1024;
     while (nb < n)
         nb *= 2;
-    if (rehash(st, nb) != 0)
-        rehash(st, st->n_bucket); /* keep the old size; on failure the table is untouched */
+    if (nb >= st->n_bucket || rehash(st, nb) != 0)
+        rechain(st); /* the table keeps its size (no memory needed) */
     st->live = n;
 }
 
