@@ -1,0 +1,471 @@
+/* JSON Schema to GBNF (worker/json_schema.c), checked through the matcher: the documents of
+ * tests/fixtures/grammar/schemas.json (expectations checked against the jsonschema package by
+ * tools/grammar-fixtures.py), refused schemas, and random generation under the token mask. */
+#include <jansson.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "tests/grammar_test.h"
+#include "tests/harness.h"
+
+#define FIXTURE "tests/fixtures/grammar/schemas.json"
+
+static json_t *load_fixture(void)
+{
+    json_error_t je;
+    json_t *f = json_load_file(FIXTURE, 0, &je);
+    CHECK_MSG(f != NULL, "%s:%d: %s", FIXTURE, je.line, je.text);
+    return f;
+}
+
+static struct moe_grammar *schema_grammar(json_t *schema, const char *name)
+{
+    char err[512], *gbnf = NULL;
+    int rc = moe_json_schema_to_gbnf(schema, &gbnf, err, sizeof err);
+    CHECK_MSG(rc == 0, "%s: %s", name, err);
+    struct moe_grammar *g = moe_grammar_parse(gbnf, strlen(gbnf), err, sizeof err);
+    CHECK_MSG(g != NULL, "%s: %s\n%s", name, err, gbnf);
+    free(gbnf);
+    return g;
+}
+
+TEST(grammar_schema_documents)
+{
+    json_t *f = load_fixture();
+    json_t *cases = json_object_get(f, "cases"), *c;
+    size_t i, n_docs = 0;
+    CHECK(json_array_size(cases) >= 30);
+    json_array_foreach(cases, i, c) {
+        const char *name = json_string_value(json_object_get(c, "name"));
+        struct moe_grammar *g = schema_grammar(json_object_get(c, "schema"), name);
+        size_t j;
+        json_t *d;
+        json_array_foreach(json_object_get(c, "valid"), j, d) {
+            CHECK_MSG(gt_match(g, json_string_value(d)) == 1, "%s: should accept %s", name,
+                      json_string_value(d));
+            n_docs++;
+        }
+        json_array_foreach(json_object_get(c, "invalid"), j, d) {
+            CHECK_MSG(gt_match(g, json_string_value(d)) == 0, "%s: should reject %s", name,
+                      json_string_value(d));
+            n_docs++;
+        }
+        moe_grammar_free(g);
+    }
+    fprintf(stderr, "%zu schemas, %zu documents\n", json_array_size(cases), n_docs);
+    json_decref(f);
+}
+
+TEST(grammar_schema_refusals_name_the_keyword)
+{
+    json_t *f = load_fixture();
+    json_t *errors = json_object_get(f, "errors"), *e;
+    size_t i;
+    CHECK(json_array_size(errors) >= 10);
+    json_array_foreach(errors, i, e) {
+        char err[512], *gbnf = (char *)"unset";
+        int rc = moe_json_schema_to_gbnf(json_object_get(e, "schema"), &gbnf, err, sizeof err);
+        const char *want = json_string_value(json_object_get(e, "error"));
+        CHECK_MSG(rc == -1 && gbnf == NULL, "schema %zu converted", i);
+        CHECK_MSG(strstr(err, want) != NULL, "schema %zu: '%s' lacks '%s'", i, err, want);
+    }
+    json_decref(f);
+}
+
+TEST(grammar_json_object_grammar)
+{
+    const char *gs = moe_json_object_gbnf();
+    char err[256];
+    struct moe_grammar *g = moe_grammar_parse(gs, strlen(gs), err, sizeof err);
+    CHECK_MSG(g != NULL, "%s", err);
+    static const char *yes[] = {"{}", "{\"a\": 1}", "{\"a\":[1,2.5e-3,{\"b\":null}],\"c\":\"é\"}",
+                                "{\n  \"k\": true,\n  \"l\": false\n}\n"};
+    static const char *no[] = {"[]", "\"s\"", "1", "{", "{\"a\"}", "{\"a\":1,}", "{'a':1}",
+                               "{\"a\":01}", "{} {}"};
+    for (size_t i = 0; i < sizeof yes / sizeof *yes; i++)
+        CHECK_MSG(gt_match(g, yes[i]) == 1, "should accept %s", yes[i]);
+    for (size_t i = 0; i < sizeof no / sizeof *no; i++)
+        CHECK_MSG(gt_match(g, no[i]) == 0, "should reject %s", no[i]);
+    moe_grammar_free(g);
+}
+
+TEST(grammar_schema_deep_recursion_and_limits)
+{
+    /* a deeply nested document of a recursive schema stays within the state's limits */
+    json_error_t je;
+    json_t *s = json_loads("{\"$defs\":{\"l\":{\"type\":\"array\",\"items\":{\"$ref\":\"#/$defs/l\"}}},"
+                           "\"$ref\":\"#/$defs/l\"}",
+                           0, &je);
+    CHECK(s != NULL);
+    struct moe_grammar *g = schema_grammar(s, "nested lists");
+    char doc[2 * 200 + 1];
+    for (int i = 0; i < 200; i++) {
+        doc[i] = '[';
+        doc[200 + i] = ']';
+    }
+    doc[400] = '\0';
+    CHECK_EQ(gt_match(g, doc), 1);
+    doc[399] = '\0';
+    CHECK_EQ(gt_match(g, doc), 0);
+    moe_grammar_free(g);
+    json_decref(s);
+    /* schemas nested past the converter's depth are refused */
+    char buf[64 * 16 + 64];
+    size_t n = 0;
+    for (int i = 0; i < 70; i++)
+        n += (size_t)sprintf(buf + n, "{\"items\":");
+    n += (size_t)sprintf(buf + n, "{}");
+    for (int i = 0; i < 70; i++)
+        buf[n++] = '}';
+    buf[n] = '\0';
+    s = json_loads(buf, 0, &je);
+    CHECK(s != NULL);
+    char err[256], *gbnf;
+    CHECK_EQ(moe_json_schema_to_gbnf(s, &gbnf, err, sizeof err), -1);
+    CHECK_MSG(strstr(err, "nested deeper") != NULL, "%s", err);
+    json_decref(s);
+}
+
+/* ---------------------------------------------------------------- random generation */
+
+static json_t *resolve_ref(json_t *root, const char *ref)
+{
+    if (strcmp(ref, "#") == 0)
+        return root;
+    static const char *sect[] = {"$defs", "definitions"};
+    for (int i = 0; i < 2; i++) {
+        size_t n = strlen(sect[i]);
+        if (strncmp(ref, "#/", 2) == 0 && strncmp(ref + 2, sect[i], n) == 0 && ref[2 + n] == '/')
+            return json_object_get(json_object_get(root, sect[i]), ref + 3 + n);
+    }
+    return NULL;
+}
+
+static size_t utf8_len(const char *s)
+{
+    size_t n = 0;
+    for (; *s; s++)
+        n += ((unsigned char)*s & 0xc0) != 0x80;
+    return n;
+}
+
+static int type_ok(const char *t, json_t *d)
+{
+    if (strcmp(t, "string") == 0)
+        return json_is_string(d);
+    if (strcmp(t, "integer") == 0)
+        return json_is_integer(d);
+    if (strcmp(t, "number") == 0)
+        return json_is_number(d);
+    if (strcmp(t, "boolean") == 0)
+        return json_is_boolean(d);
+    if (strcmp(t, "null") == 0)
+        return json_is_null(d);
+    if (strcmp(t, "array") == 0)
+        return json_is_array(d);
+    if (strcmp(t, "object") == 0)
+        return json_is_object(d);
+    return 0;
+}
+
+/* The shape the grammar promises: types, enum/const, properties (required, no others unless
+ * additionalProperties allows), items and their counts, string lengths, anyOf/oneOf/allOf, $ref.
+ * Numeric bounds and formats are not checked. */
+static int shape_ok_x(json_t *root, json_t *s, json_t *d, int extra_ok);
+
+static int shape_ok(json_t *root, json_t *s, json_t *d) { return shape_ok_x(root, s, d, 0); }
+
+/* extra_ok: keys beyond the properties are allowed (inside allOf) */
+static int shape_ok_x(json_t *root, json_t *s, json_t *d, int extra_ok)
+{
+    if (json_is_true(s))
+        return 1;
+    json_t *v;
+    if ((v = json_object_get(s, "$ref")))
+        return shape_ok(root, resolve_ref(root, json_string_value(v)), d);
+    if ((v = json_object_get(s, "const")))
+        return json_equal(v, d);
+    size_t i;
+    json_t *x;
+    if ((v = json_object_get(s, "enum"))) {
+        json_array_foreach(v, i, x) if (json_equal(x, d)) return 1;
+        return 0;
+    }
+    if ((v = json_object_get(s, "anyOf")) || (v = json_object_get(s, "oneOf"))) {
+        json_array_foreach(v, i, x) if (shape_ok(root, x, d)) return 1;
+        return 0;
+    }
+    if ((v = json_object_get(s, "allOf"))) {
+        json_array_foreach(v, i, x) if (!shape_ok_x(root, x, d, 1)) return 0;
+    }
+    if (json_is_null(d) && json_is_true(json_object_get(s, "nullable")))
+        return 1;
+    if ((v = json_object_get(s, "type"))) {
+        int ok = 0;
+        if (json_is_string(v))
+            ok = type_ok(json_string_value(v), d);
+        json_array_foreach(v, i, x) ok |= type_ok(json_string_value(x), d);
+        if (!ok)
+            return 0;
+    }
+    if (json_is_object(d)) {
+        json_t *props = json_object_get(s, "properties"), *addl;
+        addl = json_object_get(s, "additionalProperties");
+        json_array_foreach(json_object_get(s, "required"), i, x)
+            if (!json_object_get(d, json_string_value(x))) return 0;
+        const char *k;
+        json_object_foreach(d, k, x) {
+            json_t *ps = json_object_get(props, k);
+            if (ps) {
+                if (!shape_ok(root, ps, x))
+                    return 0;
+            } else if (!extra_ok && (json_is_false(addl) || (!addl && props))) {
+                return 0;
+            } else if (json_is_object(addl) && !shape_ok(root, addl, x)) {
+                return 0;
+            }
+        }
+    }
+    if (json_is_array(d)) {
+        json_t *items = json_object_get(s, "items");
+        json_array_foreach(d, i, x) if (items && !shape_ok(root, items, x)) return 0;
+        json_t *mn = json_object_get(s, "minItems"), *mx = json_object_get(s, "maxItems");
+        if (mn && json_array_size(d) < (size_t)json_integer_value(mn))
+            return 0;
+        if (mx && json_array_size(d) > (size_t)json_integer_value(mx))
+            return 0;
+    }
+    if (json_is_string(d)) {
+        size_t n = utf8_len(json_string_value(d));
+        json_t *mn = json_object_get(s, "minLength"), *mx = json_object_get(s, "maxLength");
+        if (mn && n < (size_t)json_integer_value(mn))
+            return 0;
+        if (mx && n > (size_t)json_integer_value(mx))
+            return 0;
+    }
+    return 1;
+}
+
+struct gen_vocab {
+    char *tok[768];
+    uint32_t len[768];
+    uint8_t eog[768];
+    uint32_t n;
+};
+
+static void gv_add(struct gen_vocab *v, const char *s)
+{
+    if (v->n >= 767)
+        return;
+    for (uint32_t i = 0; i < v->n; i++)
+        if (strcmp(v->tok[i], s) == 0)
+            return;
+    v->tok[v->n] = strdup(s);
+    v->len[v->n] = (uint32_t)strlen(s);
+    v->n++;
+}
+
+/* Property names and literal values of the schema become tokens, as a model's vocabulary would
+ * hold the pieces it needs. */
+static void gv_from_schema(struct gen_vocab *v, json_t *s)
+{
+    const char *k;
+    json_t *x;
+    size_t i;
+    if (json_is_array(s)) {
+        json_array_foreach(s, i, x) gv_from_schema(v, x);
+        return;
+    }
+    if (!json_is_object(s))
+        return;
+    json_object_foreach(s, k, x) {
+        if (strcmp(k, "properties") == 0 && json_is_object(x)) {
+            const char *p;
+            json_t *ps;
+            json_object_foreach(x, p, ps) {
+                json_t *js = json_string(p);
+                char *q = json_dumps(js, JSON_ENCODE_ANY);
+                gv_add(v, q);
+                char buf[300];
+                snprintf(buf, sizeof buf, "%s:", q);
+                gv_add(v, buf);
+                free(q);
+                json_decref(js);
+                gv_from_schema(v, ps);
+            }
+        } else if (strcmp(k, "const") == 0 || strcmp(k, "enum") == 0) {
+            json_t *vals = strcmp(k, "enum") == 0 ? json_incref(x) : json_pack("[O]", x);
+            json_array_foreach(vals, i, x) {
+                char *q = json_dumps(x, JSON_ENCODE_ANY | JSON_COMPACT);
+                gv_add(v, q);
+                free(q);
+            }
+            json_decref(vals);
+        } else {
+            gv_from_schema(v, x);
+        }
+    }
+}
+
+static const char *gen_base[] = {
+    "{", "}", "[", "]", "\"", ":", ",", " ", "\n", "  ", "{\"", "\":", "\",", "\": ", ", ",
+    "\"}", "\"]", "true", "false", "null", "0", "1", "2", "3", "4", "5", "6", "7", "8", "9",
+    "12", "-", ".", "e", "E", "+", "a", "b", "c", "d", "f", "x", "yz", "hello", " world", "é",
+    "😀", "\xf0\x9f", "\x98\x80", "\\n", "\\\"", "\\u00e9", "T", "Z", "20", "-0", "1-",
+};
+
+static int is_closer(const char *t)
+{
+    return strcmp(t, "\"") == 0 || strcmp(t, "}") == 0 || strcmp(t, "]") == 0 ||
+           strcmp(t, "\"}") == 0 || strcmp(t, "\"]") == 0 || strcmp(t, "0") == 0 ||
+           strcmp(t, "null") == 0 || strcmp(t, "true") == 0;
+}
+
+TEST_TIMEOUT(grammar_schema_random_generation, 300)
+{
+    json_t *f = load_fixture();
+    json_t *cases = json_object_get(f, "cases"), *c;
+    size_t ci;
+    int made = 0, unfinished = 0, overflow = 0;
+    moe_test_rng_seed(42);
+    json_array_foreach(cases, ci, c) {
+        const char *name = json_string_value(json_object_get(c, "name"));
+        json_t *schema = json_object_get(c, "schema");
+        struct moe_grammar *g = schema_grammar(schema, name);
+        struct gen_vocab gv = {0};
+        for (size_t i = 0; i < sizeof gen_base / sizeof *gen_base; i++)
+            gv_add(&gv, gen_base[i]);
+        for (int ch = 1; ch < 256; ch++) /* the byte tokens of a BPE vocabulary */
+            gv_add(&gv, (char[]){(char)ch, 0});
+        gv_from_schema(&gv, schema);
+        gv_add(&gv, "<eos>");
+        gv.eog[gv.n - 1] = 1;
+        char err[512];
+        struct moe_grammar_vocab *v = moe_grammar_vocab_new((const char *const *)gv.tok, gv.len,
+                                                            gv.n, gv.eog, err, sizeof err);
+        CHECK(v != NULL);
+        uint8_t mask[768];
+        uint32_t allowed[768];
+        for (int walk = 0; walk < 6; walk++) {
+            struct moe_grammar_state *st = moe_grammar_state_new(g, err, sizeof err);
+            char out[8192];
+            size_t n_out = 0;
+            int done = 0;
+            for (int step = 0; step < 600 && !done; step++) {
+                CHECK(moe_grammar_mask(st, v, mask) >= 0);
+                uint32_t n_allowed = 0, n_close = 0, close[768];
+                for (uint32_t t = 0; t < gv.n; t++) {
+                    if (!mask[t] || gv.eog[t])
+                        continue;
+                    allowed[n_allowed++] = t;
+                    if (is_closer(gv.tok[t]))
+                        close[n_close++] = t;
+                }
+                int can_end = mask[gv.n - 1];
+                CHECK_EQ(can_end, moe_grammar_state_is_accepting(st));
+                if (can_end && (n_allowed == 0 || moe_test_rng_u32() % 3 == 0 || step > 200)) {
+                    done = 1;
+                    break;
+                }
+                CHECK_MSG(n_allowed > 0, "%s: dead end after '%.*s'", name, (int)n_out, out);
+                uint32_t t = allowed[moe_test_rng_u32() % n_allowed];
+                if (step > 60 && n_close && moe_test_rng_u32() % 4 != 0)
+                    t = close[moe_test_rng_u32() % n_close];
+                if (n_out + gv.len[t] >= sizeof out)
+                    break;
+                CHECK_EQ(moe_grammar_state_accept_bytes(st, gv.tok[t], gv.len[t]), 1);
+                memcpy(out + n_out, gv.tok[t], gv.len[t]);
+                n_out += gv.len[t];
+            }
+            moe_grammar_state_free(st);
+            if (!done) {
+                unfinished++;
+                continue;
+            }
+            out[n_out] = '\0';
+            json_error_t je;
+            json_t *doc = json_loads(out, JSON_DECODE_ANY, &je);
+            if (!doc && strstr(je.text, "overflow")) {
+                overflow++; /* e.g. 1e999: valid JSON text, out of range for jansson */
+                continue;
+            }
+            CHECK_MSG(doc != NULL, "%s: generated '%s' does not parse: %s", name, out, je.text);
+            CHECK_MSG(shape_ok(schema, schema, doc), "%s: generated '%s' does not fit", name,
+                      out);
+            json_decref(doc);
+            made++;
+        }
+        moe_grammar_vocab_free(v);
+        for (uint32_t i = 0; i < gv.n; i++)
+            free(gv.tok[i]);
+        moe_grammar_free(g);
+    }
+    fprintf(stderr, "%d documents generated and checked, %d unfinished, %d out of jansson's range\n",
+            made, unfinished, overflow);
+    CHECK(made >= (int)json_array_size(cases) * 4);
+    json_decref(f);
+}
+
+/* Mutated fixture schemas: conversion either refuses with a message or gives a grammar that
+ * parses and starts. */
+TEST(grammar_schema_mini_fuzz)
+{
+    json_t *f = load_fixture();
+    json_t *cases = json_object_get(f, "cases");
+    static const char alphabet[] = "{}[]\":,0123456789 -tfnaeiouxyz$#/\\";
+    static const char *words[] = {"\"type\"", "\"string\"", "\"object\"", "\"array\"",
+                                  "\"items\"", "\"properties\"", "\"required\"", "\"enum\"",
+                                  "\"anyOf\"", "\"$ref\"", "\"#/$defs/x\"", "\"null\"",
+                                  "\"minItems\"", "\"maxLength\"", "\"additionalProperties\"",
+                                  "true", "false", "{}", "[]", "\"format\"", "\"date\""};
+    moe_test_rng_seed(5);
+    int converted = 0, refused = 0;
+    for (int iter = 0; iter < 40000; iter++) {
+        json_t *c = json_array_get(cases, moe_test_rng_u32() % json_array_size(cases));
+        char *text = json_dumps(json_object_get(c, "schema"), JSON_COMPACT | JSON_ENCODE_ANY);
+        size_t n = strlen(text);
+        char *buf = malloc(n + 256);
+        memcpy(buf, text, n + 1);
+        free(text);
+        int muts = 1 + (int)(moe_test_rng_u32() % 3);
+        for (int m = 0; m < muts; m++) {
+            uint32_t op = moe_test_rng_u32() % 3, at = (uint32_t)(moe_test_rng_u32() % (n + 1));
+            if (op == 0 && at < n) {
+                buf[at] = alphabet[moe_test_rng_u32() % (sizeof alphabet - 1)];
+            } else if (op == 1) { /* at most 3 words of under 32 bytes: buf has room */
+                const char *w = words[moe_test_rng_u32() % (sizeof words / sizeof *words)];
+                size_t wl = strlen(w);
+                memmove(buf + at + wl, buf + at, n - at + 1);
+                memcpy(buf + at, w, wl);
+                n += wl;
+            } else if (at < n) {
+                memmove(buf + at, buf + at + 1, n - at);
+                n--;
+            }
+        }
+        json_error_t je;
+        json_t *s = json_loadb(buf, n, JSON_DECODE_ANY, &je);
+        free(buf);
+        if (!s)
+            continue;
+        char err[512] = "", *gbnf = NULL;
+        if (moe_json_schema_to_gbnf(s, &gbnf, err, sizeof err) == 0) {
+            struct moe_grammar *g = moe_grammar_parse(gbnf, strlen(gbnf), err, sizeof err);
+            CHECK_MSG(g != NULL, "converted grammar does not parse: %s\n%s", err, gbnf);
+            struct moe_grammar_state *st = moe_grammar_state_new(g, err, sizeof err);
+            CHECK_MSG(st != NULL, "%s", err);
+            moe_grammar_state_free(st);
+            moe_grammar_free(g);
+            free(gbnf);
+            converted++;
+        } else {
+            CHECK(gbnf == NULL && err[0] != '\0');
+            refused++;
+        }
+        json_decref(s);
+    }
+    fprintf(stderr, "%d mutated schemas converted, %d refused\n", converted, refused);
+    CHECK(converted > 400);
+    json_decref(f);
+}

@@ -1,0 +1,259 @@
+#!/usr/bin/env python3
+"""Writes tests/fixtures/grammar/schemas.json: JSON schemas with documents the grammar made from
+each one must accept ("valid") and reject ("invalid"), and schemas the converter must refuse.
+
+Every expectation is checked against the jsonschema package (Draft 2020-12) first, so the fixture
+says what JSON Schema says, except where the grammar is deliberately narrower or wider (listed per
+case in grammar_rejects / grammar_accepts, see docs/grammar.md). Documents given as objects are
+written compact, with ", "/": " separators and indented; {"raw": text} is used as is.
+
+    python3 -m venv /tmp/v && /tmp/v/bin/pip install jsonschema
+    /tmp/v/bin/python tools/grammar-fixtures.py
+"""
+import json
+import os
+import sys
+
+import jsonschema
+
+RAW = "raw"
+
+
+def raw(s):
+    return {RAW: s}
+
+
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+ABC = {
+    "type": "object",
+    "properties": {"a": {"type": "string"}, "b": {"type": "integer"}, "c": {"type": "boolean"}},
+    "required": ["b"],
+    "additionalProperties": False,
+}
+
+CASES = [
+    ("string", {"type": "string"}, ["abc", "", "é😀", "a\"b\\c\n", raw('"\\u00e9\\/"')],
+     [1, None, raw("abc"), raw('"a\x01"'), raw('"\\x"')]),
+    ("integer", {"type": "integer"}, [0, -5, 123456], [1.5, "1", raw("01"), raw("-"), raw("1e5")]),
+    ("number", {"type": "number"}, [1.5, -0.25, 10, raw("2.5E-3"), raw("1e+10")],
+     ["1", raw(".5"), raw("1."), raw("+1"), raw("1e")]),
+    ("boolean", {"type": "boolean"}, [True, False], [1, "true", raw("True")]),
+    ("null", {"type": "null"}, [None], [0, raw("nul")]),
+    ("enum", {"enum": ["red", "green", 1, None]}, ["red", "green", 1, None], ["blue", 2, "Red"]),
+    ("const", {"const": "fixed"}, ["fixed"], ["other", raw("fixed")]),
+    ("required-props", PERSON, [{"name": "Al", "age": 3}],
+     [{"name": "Al"}, {"name": "Al", "age": 3, "x": 1}, {"name": 1, "age": 3},
+      {"age": 3, "name": "Al"}]),
+    ("optional-props", ABC,
+     [{"b": 1}, {"a": "x", "b": 1}, {"b": 1, "c": True}, {"a": "x", "b": 1, "c": False}],
+     [{}, {"a": "x"}, {"a": "x", "c": True}, {"b": 1, "b2": 1}, raw('{"b":1,}'),
+      raw('{,"b":1}')]),
+    ("all-optional",
+     {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+      "additionalProperties": False},
+     [{}, {"a": 1}, {"b": 2}, {"a": 1, "b": 2}], [{"c": 1}, raw('{"a":1 "b":2}'), raw('{,}')]),
+    ("additional-true",
+     {"type": "object", "properties": {"a": {"type": "integer"}}, "additionalProperties": True},
+     [{"a": 1, "z": [1]}, {"z": "q"}, {}, {"ab": "s", "": 1}],
+     [{"a": "s"}, {"z": 1, "a": "s"}, {"b": 2, "a": 1}, raw('{"z"}')]),
+    ("additional-schema-with-props",
+     {"type": "object", "properties": {"id": {"type": "integer"}, "ide": {"type": "string"}},
+      "required": ["id"], "additionalProperties": {"type": "boolean"}},
+     [{"id": 1}, {"id": 1, "ide": "x", "i": True, "idea": False, "x": True}],
+     [{"id": 1, "i": 2}, {"id": 1, "ide": True}, {"i": True}]),
+    ("additional-schema", {"type": "object", "additionalProperties": {"type": "integer"}},
+     [{}, {"x": 1, "y": 2}], [{"x": "s"}, [1]]),
+    ("any-object", {"type": "object"}, [{}, {"a": [1, {"b": None}], "c": "d"}],
+     [[], raw("{"), "x"]),
+    ("nested-objects",
+     {"type": "object", "properties": {
+         "name": {"type": "string"},
+         "address": {"type": "object", "properties": {"street": {"type": "string"},
+                                                      "city": {"type": "string"}},
+                     "required": ["street", "city"], "additionalProperties": False}},
+      "required": ["name", "address"], "additionalProperties": False},
+     [{"name": "A", "address": {"street": "S", "city": "C"}}],
+     [{"name": "A", "address": {"street": "S"}}, {"name": "A", "address": "x"}]),
+    ("int-array", {"type": "array", "items": {"type": "integer"}}, [[], [1, 2, 3]],
+     [[1, "a"], {}, raw("[1,]"), raw("[,1]")]),
+    ("bounded-array", {"type": "array", "items": {"type": "string"}, "minItems": 2, "maxItems": 3},
+     [["a", "b"], ["a", "b", "c"]], [["a"], ["a", "b", "c", "d"], []]),
+    ("nonempty-array", {"type": "array", "minItems": 1}, [[1], [1, "2", None, [3], {}]], [[]]),
+    ("empty-array", {"type": "array", "maxItems": 0}, [[]], [[1]]),
+    ("array-of-objects",
+     {"type": "array", "items": {"type": "object", "properties": {"id": {"type": "integer"}},
+                                 "required": ["id"], "additionalProperties": False}},
+     [[{"id": 1}, {"id": 2}], []], [[{"id": "x"}], [{}], [{"id": 1, "x": 2}]]),
+    ("string-length", {"type": "string", "minLength": 2, "maxLength": 4},
+     ["ab", "abcd", "éé", "\\n\\t"], ["a", "abcde", ""]),
+    ("date", {"type": "string", "format": "date"}, ["2024-01-31", "1999-12-01"],
+     [raw('"2024-13-01"'), raw('"24-01-01"'), 5]),
+    ("date-time", {"type": "string", "format": "date-time"},
+     ["2024-01-31T12:30:00Z", "2024-01-31T12:30:00.123+02:00"],
+     [raw('"2024-01-31 12:30:00"'), raw('"2024-01-31T12:30:00"')]),
+    ("uuid", {"type": "string", "format": "uuid"}, ["123e4567-e89b-12d3-a456-426614174000"],
+     [raw('"123e4567"'), raw('"123e4567-e89b-12d3-a456-42661417400g"')]),
+    ("time", {"type": "string", "format": "time"}, ["23:59:59Z", "08:00:00+01:00"],
+     [raw('"24:00:00Z"'), raw('"8:00:00Z"')]),
+    ("ref-defs",
+     {"$defs": {"pt": {"type": "object", "properties": {"x": {"type": "number"},
+                                                       "y": {"type": "number"}},
+                       "required": ["x", "y"], "additionalProperties": False}},
+      "type": "object", "properties": {"a": {"$ref": "#/$defs/pt"}, "b": {"$ref": "#/$defs/pt"}},
+      "required": ["a", "b"], "additionalProperties": False},
+     [{"a": {"x": 1, "y": 2.5}, "b": {"x": -1, "y": 0}}],
+     [{"a": {"x": 1}, "b": {"x": 1, "y": 2}}, {"a": {"x": 1, "y": 2}}]),
+    ("ref-recursive",
+     {"definitions": {"node": {"type": "object", "properties": {
+         "value": {"type": "integer"},
+         "children": {"type": "array", "items": {"$ref": "#/definitions/node"}}},
+         "required": ["value"], "additionalProperties": False}},
+      "$ref": "#/definitions/node"},
+     [{"value": 1, "children": [{"value": 2}, {"value": 3, "children": []}]}, {"value": 0}],
+     [{"value": 1, "children": [{"v": 2}]}, {"children": []}]),
+    ("anyof", {"anyOf": [{"type": "string"}, {"type": "integer"}]}, ["a", 5], [True, 1.5, None]),
+    ("oneof-tagged",
+     {"oneOf": [
+         {"type": "object", "properties": {"kind": {"const": "a"}, "x": {"type": "integer"}},
+          "required": ["kind", "x"], "additionalProperties": False},
+         {"type": "object", "properties": {"kind": {"const": "b"}, "y": {"type": "string"}},
+          "required": ["kind", "y"], "additionalProperties": False}]},
+     [{"kind": "a", "x": 1}, {"kind": "b", "y": "s"}],
+     [{"kind": "a", "y": "s"}, {"kind": "c", "x": 1}]),
+    ("nullable-type-array", {"type": ["string", "null"]}, ["x", None], [1, False]),
+    ("type-array", {"type": ["number", "boolean"]}, [1.5, True, 3], ["s", None]),
+    ("nullable-openapi", {"type": "integer", "nullable": True}, [1, None], ["x"]),
+    ("allof-objects",
+     {"type": "object", "allOf": [
+         {"properties": {"a": {"type": "integer"}}, "required": ["a"]},
+         {"properties": {"b": {"type": "string"}}, "required": ["b"]}]},
+     [{"a": 1, "b": "x"}], [{"a": 1}, {"b": "x"}]),
+    ("any-value", {}, [1, "s", [1, {"a": None}], {"k": True}, None],
+     [raw("tru"), raw("[1,]"), raw("")]),
+    ("enum-composite", {"enum": [[1, 2], {"a": 1}]}, [raw("[1,2]"), raw('{"a":1}')],
+     [[1], {"a": 2}]),
+    ("odd-keys",
+     {"type": "object", "properties": {"a b": {"type": "string"}, "q\"uote": {"type": "integer"},
+                                       "ü": {"type": "null"}},
+      "required": ["a b", "q\"uote", "ü"], "additionalProperties": False},
+     [{"a b": "x", "q\"uote": 1, "ü": None}], [{"a b": "x", "q\"uote": 1}]),
+    ("nested-arrays",
+     {"type": "array", "items": {"type": "array", "items": {"type": "array",
+                                                           "items": {"type": "integer"}}}},
+     [[[[1], [2, 3]], []], []], [[[["x"]]], [[1]]]),
+    ("unicode-const", {"const": "héllo😀"}, ["héllo😀"], ["hello", raw('"h\\u00e9llo\\ud83d\\ude00"')]),
+    ("whitespace",
+     {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
+     [raw('{ "a" : 1 }'), raw('{\n  "a": 1\n}'), raw('{"a":1}\n')],
+     [raw('{"a":     1}'), raw('{"a":1}' + " " * 30), raw('{\n\n"a":1}')]),
+    ("ignored-bounds", {"type": "integer", "minimum": 0, "maximum": 10}, [5, 50], ["5"]),
+    ("title-and-description",
+     {"title": "T", "description": "D", "$schema": "https://json-schema.org/draft/2020-12/schema",
+      "type": "object", "properties": {"id": {"type": "string", "description": "x"}},
+      "required": ["id"], "additionalProperties": False},
+     [{"id": "a"}], [{"id": 1}]),
+]
+
+# Documents where the grammar deliberately differs from JSON Schema (see docs/grammar.md).
+GRAMMAR_REJECTS = {  # valid for the schema, rejected by the grammar
+    "required-props": [{"age": 3, "name": "Al"}],  # properties in schema order only
+    "integer": [raw("1e5")],  # integers are written without fraction or exponent
+    "whitespace": [raw('{"a":     1}'), raw('{"a":1}' + " " * 30), raw('{\n\n"a":1}')],
+    "unicode-const": [raw('"h\\u00e9llo\\ud83d\\ude00"')],  # const/enum as written
+    "additional-true": [{"b": 2, "a": 1}],  # declared properties come before the others
+}
+GRAMMAR_ACCEPTS = {  # invalid for the schema, accepted by the grammar
+    "ignored-bounds": [50],
+    "nullable-openapi": [None],  # OpenAPI's nullable, not JSON Schema
+}
+
+ERRORS = [
+    ({"type": "string", "pattern": "^a"}, "keyword 'pattern' is not supported"),
+    ({"type": "object", "patternProperties": {"x": {}}}, "keyword 'patternProperties'"),
+    ({"not": {"type": "string"}}, "keyword 'not'"),
+    ({"type": "string", "format": "email"}, "format 'email' is not supported"),
+    ({"$ref": "http://example.com/s.json"}, "not a local reference"),
+    ({"$ref": "#/$defs/missing"}, "not a local reference"),
+    ({"type": "object", "properties": {"a": {"type": "integer", "multipleOf": 2}}},
+     "keyword 'multipleOf' is not supported (at /properties/a)"),
+    ({"type": "array", "items": [{"type": "integer"}]}, "tuples"),
+    ({"allOf": [{"type": "string"}, {"type": "object"}]}, "object schemas only"),
+    ({"type": "array", "minItems": 5, "maxItems": 2}, "maxItems < minItems"),
+    (False, "matches nothing"),
+    ({"type": "foo"}, "unknown type 'foo'"),
+    ({"type": "object", "properties": {}, "required": ["x"]}, "required property 'x'"),
+    ({"type": "array", "uniqueItems": True}, "keyword 'uniqueItems'"),
+    ({"if": {}, "then": {}}, "keyword 'if'"),
+    ({"enum": []}, "non-empty array"),
+]
+
+
+def texts(doc):
+    if isinstance(doc, dict) and set(doc) == {RAW}:
+        return [doc[RAW]]
+    out = [json.dumps(doc, ensure_ascii=False, separators=(",", ":")),
+           json.dumps(doc, ensure_ascii=False)]
+    if isinstance(doc, (dict, list)) and doc:
+        out.append(json.dumps(doc, ensure_ascii=False, indent=2))
+    return list(dict.fromkeys(out))
+
+
+def schema_valid(schema, text):
+    try:
+        doc = json.loads(text)
+    except ValueError:
+        return None
+    if isinstance(schema, dict) and schema.get("format") == "time" and isinstance(doc, str):
+        # jsonschema's own time check refuses the RFC 3339 offset "Z"; check it as a date-time
+        schema, doc = dict(schema, format="date-time"), "1970-01-01T" + doc
+    v = jsonschema.Draft202012Validator(schema, format_checker=jsonschema.FormatChecker())
+    return v.is_valid(doc)
+
+
+def main():
+    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+    out = {"cases": [], "errors": []}
+    bad = 0
+    for name, schema, valid, invalid in CASES:
+        rej = [t for d in GRAMMAR_REJECTS.get(name, []) for t in texts(d)]
+        acc = [t for d in GRAMMAR_ACCEPTS.get(name, []) for t in texts(d)]
+        vt = [t for d in valid for t in texts(d)]
+        it = [t for d in invalid for t in texts(d)]
+        for t in vt:
+            want = t not in acc
+            if schema_valid(schema, t) is not want:
+                print(f"{name}: {t!r} should be {'valid' if want else 'invalid'} per the schema")
+                bad += 1
+        for t in it:
+            ok = schema_valid(schema, t)
+            if t in rej:
+                if ok is not True:
+                    print(f"{name}: {t!r} is listed as rejected by the grammar only")
+                    bad += 1
+            elif ok:
+                print(f"{name}: {t!r} is valid per the schema")
+                bad += 1
+        if len(vt) == 0 or len(it) == 0:
+            print(f"{name}: needs documents both ways")
+            bad += 1
+        out["cases"].append({"name": name, "schema": schema, "valid": vt, "invalid": it})
+    for schema, msg in ERRORS:
+        out["errors"].append({"schema": schema, "error": msg})
+    if bad:
+        sys.exit(f"{bad} expectations disagree with jsonschema")
+    path = os.path.join(root, "tests/fixtures/grammar/schemas.json")
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(out, f, ensure_ascii=False, indent=1)
+        f.write("\n")
+    print(f"{os.path.relpath(path, root)}: {len(out['cases'])} schemas, "
+          f"{sum(len(c['valid']) + len(c['invalid']) for c in out['cases'])} documents, "
+          f"{len(out['errors'])} refused schemas")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1070 @@
+/* JSON Schema to GBNF. See json_schema.h and docs/grammar.md.
+ *
+ * Every schema becomes a rule whose text ends with `space` (bounded optional whitespace), so
+ * rules compose by concatenation. Identical rule bodies share one rule; $ref targets get a rule
+ * each (recursive schemas become recursive rules). */
+#include "worker/json_schema.h"
+
+#include <stdarg.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define MAX_DEPTH 64
+#define MAX_BOUND 1000 /* larger maxItems / maxLength are treated as unbounded */
+
+struct sb {
+    char *p;
+    size_t n, cap;
+    int oom;
+};
+
+static void sb_addn(struct sb *b, const char *s, size_t n)
+{
+    if (b->oom)
+        return;
+    if (b->n + n + 1 > b->cap) {
+        size_t cap = b->cap ? b->cap : 128;
+        while (cap < b->n + n + 1)
+            cap *= 2;
+        char *p = realloc(b->p, cap);
+        if (!p) {
+            b->oom = 1;
+            return;
+        }
+        b->p = p;
+        b->cap = cap;
+    }
+    memcpy(b->p + b->n, s, n);
+    b->n += n;
+    b->p[b->n] = '\0';
+}
+
+static void sb_add(struct sb *b, const char *s) { sb_addn(b, s, strlen(s)); }
+
+static void sb_addf(struct sb *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void sb_addf(struct sb *b, const char *fmt, ...)
+{
+    char tmp[512];
+    va_list ap;
+    va_start(ap, fmt);
+    int w = vsnprintf(tmp, sizeof tmp, fmt, ap);
+    va_end(ap);
+    if (w > 0)
+        sb_addn(b, tmp, (size_t)w < sizeof tmp ? (size_t)w : sizeof tmp - 1);
+}
+
+/* s as a GBNF string literal (quotes included). */
+static void sb_literal(struct sb *b, const char *s, size_t n)
+{
+    sb_add(b, "\"");
+    for (size_t i = 0; i < n; i++) {
+        unsigned char c = (unsigned char)s[i];
+        if (c == '"' || c == '\\') {
+            char e[3] = {'\\', (char)c, 0};
+            sb_add(b, e);
+        } else if (c == '\n') {
+            sb_add(b, "\\n");
+        } else if (c < 0x20 || c == 0x7f) {
+            sb_addf(b, "\\x%02X", c);
+        } else {
+            sb_addn(b, (const char *)&c, 1);
+        }
+    }
+    sb_add(b, "\"");
+}
+
+struct rule {
+    char *name, *body; /* body NULL: reserved, not defined yet */
+};
+
+struct ref {
+    char *ptr;
+    const char *name;
+};
+
+struct conv {
+    json_t *root;
+    struct rule *rules;
+    size_t n_rules, cap_rules;
+    struct ref *refs;
+    size_t n_refs, cap_refs;
+    int depth;
+    char *err;
+    size_t errlen;
+    int failed;
+};
+
+static void cerr(struct conv *c, const char *path, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+static void cerr(struct conv *c, const char *path, const char *fmt, ...)
+{
+    if (c->failed)
+        return;
+    c->failed = 1;
+    if (!c->err || !c->errlen)
+        return;
+    char msg[400];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    size_t pl = strlen(path);
+    const char *tail = pl > 120 ? path + pl - 120 : path;
+    snprintf(c->err, c->errlen, "%s (at %s%s)", msg, pl > 120 ? "..." : "",
+             path[0] ? tail : "/");
+}
+
+static struct rule *find_rule(struct conv *c, const char *name)
+{
+    for (size_t i = 0; i < c->n_rules; i++)
+        if (strcmp(c->rules[i].name, name) == 0)
+            return &c->rules[i];
+    return NULL;
+}
+
+/* Reserves a fresh rule name derived from hint; returns its index or -1. */
+static long reserve(struct conv *c, const char *hint)
+{
+    char base[96];
+    size_t n = 0;
+    for (const char *p = hint; *p && n < 64; p++) {
+        char ch = *p;
+        int ok = (ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') || (ch >= '0' && ch <= '9');
+        if (!ok)
+            ch = '-';
+        if (ch == '-' && (n == 0 || base[n - 1] == '-'))
+            continue;
+        base[n++] = ch;
+    }
+    while (n && base[n - 1] == '-')
+        n--;
+    if (!n)
+        base[n++] = 'r';
+    base[n] = '\0';
+    char name[128];
+    snprintf(name, sizeof name, "%s", base);
+    for (unsigned k = 1; find_rule(c, name); k++)
+        snprintf(name, sizeof name, "%s-%u", base, k);
+    if (c->n_rules == c->cap_rules) {
+        size_t cap = c->cap_rules ? c->cap_rules * 2 : 32;
+        struct rule *r = realloc(c->rules, cap * sizeof *r);
+        if (!r) {
+            cerr(c, "", "out of memory");
+            return -1;
+        }
+        c->rules = r;
+        c->cap_rules = cap;
+    }
+    c->rules[c->n_rules].name = strdup(name);
+    c->rules[c->n_rules].body = NULL;
+    if (!c->rules[c->n_rules].name) {
+        cerr(c, "", "out of memory");
+        return -1;
+    }
+    return (long)c->n_rules++;
+}
+
+/* A rule with this body (an existing one when some rule already has it). Takes body->p. */
+static const char *add_rule(struct conv *c, const char *hint, struct sb *body)
+{
+    if (body->oom) {
+        free(body->p);
+        cerr(c, "", "out of memory");
+        return NULL;
+    }
+    const char *text = body->p ? body->p : "";
+    for (size_t i = 0; i < c->n_rules; i++) {
+        if (c->rules[i].body && strcmp(c->rules[i].body, text) == 0) {
+            free(body->p);
+            return c->rules[i].name;
+        }
+    }
+    long i = reserve(c, hint);
+    if (i < 0) {
+        free(body->p);
+        return NULL;
+    }
+    c->rules[i].body = body->p ? body->p : strdup("");
+    return c->rules[i].name;
+}
+
+/* ---------------------------------------------------------------- primitives */
+
+static const struct {
+    const char *name, *body, *deps;
+} prims[] = {
+    {"space", "| \" \" | \"\\n\" [ \\t]{0,20}", ""},
+    {"boolean", "(\"true\" | \"false\") space", "space"},
+    {"null", "\"null\" space", "space"},
+    {"char", "[^\"\\\\\\x7F\\x00-\\x1F] | [\\\\] ([\"\\\\bfnrt/] | \"u\" [0-9a-fA-F]{4})", ""},
+    {"string", "\"\\\"\" char* \"\\\"\" space", "char space"},
+    {"integral-part", "[0] | [1-9] [0-9]{0,15}", ""},
+    {"decimal-part", "[0-9]{1,16}", ""},
+    {"number",
+     "(\"-\"? integral-part) (\".\" decimal-part)? ([eE] [-+]? integral-part)? space",
+     "integral-part decimal-part space"},
+    {"integer", "(\"-\"? integral-part) space", "integral-part space"},
+    {"value", "object | array | string | number | boolean | null",
+     "object array string number boolean null"},
+    {"object",
+     "\"{\" space ( string \":\" space value (\",\" space string \":\" space value)* )? \"}\" "
+     "space",
+     "space string value"},
+    {"array", "\"[\" space ( value (\",\" space value)* )? \"]\" space", "space value"},
+    {"date", "[0-9]{4} \"-\" ( \"0\" [1-9] | \"1\" [0-2] ) \"-\" ( \"0\" [1-9] | [1-2] [0-9] | "
+             "\"3\" [0-1] )",
+     ""},
+    {"time", "( [01] [0-9] | \"2\" [0-3] ) \":\" [0-5] [0-9] \":\" [0-5] [0-9] ( \".\" [0-9]{1,6} "
+             ")? ( \"Z\" | [+-] ( [01] [0-9] | \"2\" [0-3] ) \":\" [0-5] [0-9] )",
+     ""},
+    {"date-string", "\"\\\"\" date \"\\\"\" space", "date space"},
+    {"time-string", "\"\\\"\" time \"\\\"\" space", "time space"},
+    {"date-time-string", "\"\\\"\" date \"T\" time \"\\\"\" space", "date time space"},
+    {"uuid", "\"\\\"\" [0-9a-fA-F]{8} \"-\" [0-9a-fA-F]{4} \"-\" [0-9a-fA-F]{4} \"-\" "
+             "[0-9a-fA-F]{4} \"-\" [0-9a-fA-F]{12} \"\\\"\" space",
+     "space"},
+};
+
+static const char *prim(struct conv *c, const char *name)
+{
+    struct rule *r = find_rule(c, name);
+    if (r && r->body)
+        return r->name;
+    for (size_t i = 0; i < sizeof prims / sizeof *prims; i++) {
+        if (strcmp(prims[i].name, name) != 0)
+            continue;
+        long k = r ? (long)(r - c->rules) : reserve(c, name);
+        if (k < 0)
+            return NULL;
+        c->rules[k].body = strdup(prims[i].body);
+        if (!c->rules[k].body) {
+            cerr(c, "", "out of memory");
+            return NULL;
+        }
+        const char *d = prims[i].deps;
+        while (*d) {
+            const char *e = strchr(d, ' ');
+            size_t n = e ? (size_t)(e - d) : strlen(d);
+            char dep[32];
+            snprintf(dep, sizeof dep, "%.*s", (int)n, d);
+            if (!prim(c, dep))
+                return NULL;
+            d += n;
+            while (*d == ' ')
+                d++;
+        }
+        return c->rules[k].name;
+    }
+    cerr(c, "", "internal: no primitive '%s'", name);
+    return NULL;
+}
+
+/* ---------------------------------------------------------------- schemas */
+
+static const char *visit(struct conv *c, json_t *s, const char *hint, const char *path);
+
+static int is_annotation(const char *k)
+{
+    static const char *ann[] = {"$schema", "$id", "$comment", "title", "description", "default",
+                                "examples", "deprecated", "readOnly", "writeOnly", "$defs",
+                                "definitions", "$anchor"};
+    for (size_t i = 0; i < sizeof ann / sizeof *ann; i++)
+        if (strcmp(k, ann[i]) == 0)
+            return 1;
+    return 0;
+}
+
+static int check_keywords(struct conv *c, json_t *s, const char *path)
+{
+    static const char *known[] = {"type", "enum", "const", "anyOf", "oneOf", "allOf", "$ref",
+                                  "nullable", "properties", "required", "additionalProperties",
+                                  "items", "minItems", "maxItems", "minLength", "maxLength",
+                                  "format", "minimum", "maximum", "exclusiveMinimum",
+                                  "exclusiveMaximum"};
+    const char *k;
+    json_t *v;
+    json_object_foreach(s, k, v) {
+        if (is_annotation(k))
+            continue;
+        size_t i;
+        for (i = 0; i < sizeof known / sizeof *known; i++)
+            if (strcmp(k, known[i]) == 0)
+                break;
+        if (i == sizeof known / sizeof *known) {
+            cerr(c, path, "keyword '%s' is not supported", k);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+static void path_join(char *out, size_t cap, const char *path, const char *a, const char *b)
+{
+    snprintf(out, cap, "%s/%s%s%s", path, a, b ? "/" : "", b ? b : "");
+}
+
+/* The schema a "#/..." pointer names, or NULL. */
+static json_t *resolve(struct conv *c, const char *ref)
+{
+    if (ref[0] != '#')
+        return NULL;
+    json_t *cur = c->root;
+    const char *p = ref + 1;
+    while (*p == '/' && cur) {
+        p++;
+        const char *e = strchr(p, '/');
+        size_t n = e ? (size_t)(e - p) : strlen(p);
+        char key[256];
+        size_t k = 0;
+        for (size_t i = 0; i < n && k + 1 < sizeof key; i++) {
+            if (p[i] == '~' && i + 1 < n && (p[i + 1] == '0' || p[i + 1] == '1')) {
+                key[k++] = p[i + 1] == '0' ? '~' : '/';
+                i++;
+            } else {
+                key[k++] = p[i];
+            }
+        }
+        key[k] = '\0';
+        if (json_is_object(cur)) {
+            cur = json_object_get(cur, key);
+        } else if (json_is_array(cur)) {
+            char *end;
+            unsigned long idx = strtoul(key, &end, 10);
+            cur = *end ? NULL : json_array_get(cur, idx);
+        } else {
+            cur = NULL;
+        }
+        p += n;
+    }
+    return *p ? NULL : cur;
+}
+
+static const char *visit_ref(struct conv *c, const char *ref, const char *path)
+{
+    for (size_t i = 0; i < c->n_refs; i++)
+        if (strcmp(c->refs[i].ptr, ref) == 0)
+            return c->refs[i].name;
+    json_t *target = resolve(c, ref);
+    if (!target) {
+        cerr(c, path, "$ref '%s' is not a local reference that resolves (#/$defs/..., "
+                      "#/definitions/...)", ref);
+        return NULL;
+    }
+    const char *last = strrchr(ref, '/');
+    char hint[96];
+    snprintf(hint, sizeof hint, "ref-%s", last ? last + 1 : "root");
+    long k = reserve(c, hint);
+    if (k < 0)
+        return NULL;
+    if (c->n_refs == c->cap_refs) {
+        size_t cap = c->cap_refs ? c->cap_refs * 2 : 16;
+        struct ref *r = realloc(c->refs, cap * sizeof *r);
+        if (!r) {
+            cerr(c, path, "out of memory");
+            return NULL;
+        }
+        c->refs = r;
+        c->cap_refs = cap;
+    }
+    c->refs[c->n_refs].ptr = strdup(ref);
+    c->refs[c->n_refs].name = c->rules[k].name;
+    c->n_refs++;
+    char tpath[512];
+    snprintf(tpath, sizeof tpath, "%s", ref + 1);
+    const char *inner = visit(c, target, c->rules[k].name, tpath);
+    if (!inner)
+        return NULL;
+    c->rules[k].body = strdup(inner);
+    return c->rules[k].name;
+}
+
+static long get_uint(struct conv *c, json_t *s, const char *key, long dflt, const char *path)
+{
+    json_t *v = json_object_get(s, key);
+    if (!v)
+        return dflt;
+    if (!json_is_integer(v) || json_integer_value(v) < 0) {
+        cerr(c, path, "'%s' must be a non-negative integer", key);
+        return -2;
+    }
+    json_int_t x = json_integer_value(v);
+    return x > 1000000 ? 1000000 : (long)x;
+}
+
+/* ("," space item){lo,hi}, with hi < 0 for unbounded. */
+static void sb_repeat(struct sb *b, const char *sep_item, long lo, long hi)
+{
+    if (hi == 0)
+        return;
+    sb_addf(b, " (%s)", sep_item);
+    if (hi < 0) {
+        if (lo == 0)
+            sb_add(b, "*");
+        else
+            sb_addf(b, "{%ld,}", lo);
+    } else {
+        sb_addf(b, "{%ld,%ld}", lo, hi);
+    }
+}
+
+static const char *visit_string(struct conv *c, json_t *s, const char *hint, const char *path)
+{
+    json_t *f = json_object_get(s, "format");
+    if (f) {
+        const char *fmt = json_string_value(f);
+        if (!fmt) {
+            cerr(c, path, "'format' must be a string");
+            return NULL;
+        }
+        if (strcmp(fmt, "date") == 0)
+            return prim(c, "date-string");
+        if (strcmp(fmt, "time") == 0)
+            return prim(c, "time-string");
+        if (strcmp(fmt, "date-time") == 0)
+            return prim(c, "date-time-string");
+        if (strcmp(fmt, "uuid") == 0)
+            return prim(c, "uuid");
+        cerr(c, path, "format '%s' is not supported (date, time, date-time, uuid are)", fmt);
+        return NULL;
+    }
+    long lo = get_uint(c, s, "minLength", 0, path), hi = get_uint(c, s, "maxLength", -1, path);
+    if (lo == -2 || hi == -2)
+        return NULL;
+    if (lo > MAX_BOUND) {
+        cerr(c, path, "minLength over %d is not supported", MAX_BOUND);
+        return NULL;
+    }
+    if (hi > MAX_BOUND)
+        hi = -1;
+    if (hi >= 0 && hi < lo) {
+        cerr(c, path, "maxLength < minLength: no string matches");
+        return NULL;
+    }
+    if (lo == 0 && hi < 0)
+        return prim(c, "string");
+    if (!prim(c, "char") || !prim(c, "space"))
+        return NULL;
+    struct sb b = {0};
+    sb_add(&b, "\"\\\"\" char");
+    if (hi < 0)
+        sb_addf(&b, "{%ld,}", lo);
+    else
+        sb_addf(&b, "{%ld,%ld}", lo, hi);
+    sb_add(&b, " \"\\\"\" space");
+    return add_rule(c, hint, &b);
+}
+
+static const char *visit_array(struct conv *c, json_t *s, const char *hint, const char *path)
+{
+    json_t *items = json_object_get(s, "items");
+    const char *item;
+    char sub[512], ih[128];
+    path_join(sub, sizeof sub, path, "items", NULL);
+    snprintf(ih, sizeof ih, "%s-item", hint);
+    if (!items || json_is_true(items))
+        item = prim(c, "value");
+    else if (json_is_object(items))
+        item = visit(c, items, ih, sub);
+    else {
+        cerr(c, path, "'items' must be a schema (tuples with an array of schemas are not "
+                      "supported)");
+        return NULL;
+    }
+    if (!item || !prim(c, "space"))
+        return NULL;
+    long lo = get_uint(c, s, "minItems", 0, path), hi = get_uint(c, s, "maxItems", -1, path);
+    if (lo == -2 || hi == -2)
+        return NULL;
+    if (lo > MAX_BOUND) {
+        cerr(c, path, "minItems over %d is not supported", MAX_BOUND);
+        return NULL;
+    }
+    if (hi > MAX_BOUND)
+        hi = -1;
+    if (hi >= 0 && hi < lo) {
+        cerr(c, path, "maxItems < minItems: no array matches");
+        return NULL;
+    }
+    struct sb b = {0};
+    char sep_item[160];
+    snprintf(sep_item, sizeof sep_item, "\",\" space %s", item);
+    sb_add(&b, "\"[\" space");
+    if (hi != 0) {
+        if (lo == 0) {
+            sb_addf(&b, " ( %s", item);
+            sb_repeat(&b, sep_item, 0, hi < 0 ? -1 : hi - 1);
+            sb_add(&b, " )?");
+        } else {
+            sb_addf(&b, " %s", item);
+            sb_repeat(&b, sep_item, lo - 1, hi < 0 ? -1 : hi - 1);
+        }
+    }
+    sb_add(&b, " \"]\" space");
+    return add_rule(c, hint, &b);
+}
+
+static const char *kv_rule(struct conv *c, const char *key, const char *value, const char *hint)
+{
+    struct sb b = {0};
+    json_t *ks = json_string(key);
+    char *kj = ks ? json_dumps(ks, JSON_ENCODE_ANY) : NULL;
+    json_decref(ks);
+    if (!kj) {
+        cerr(c, "", "out of memory");
+        return NULL;
+    }
+    sb_literal(&b, kj, strlen(kj));
+    free(kj);
+    sb_addf(&b, " space \":\" space %s", value);
+    return add_rule(c, hint, &b);
+}
+
+/* Keys that are none of the declared property names: a rule over the trie of the names (as
+ * JSON writes them). At each node: end here (when no name ends here), take a child's character
+ * and go on, or take any other character and then anything. Names that need escapes in JSON are
+ * not excluded (see docs/grammar.md). */
+struct knode {
+    long child, sibling;
+    uint32_t cp;
+    int end;
+};
+
+static uint32_t next_cp(const char **pp)
+{
+    const unsigned char *p = (const unsigned char *)*pp;
+    uint32_t c = p[0];
+    int n = c < 0x80 ? 0 : c < 0xe0 ? 1 : c < 0xf0 ? 2 : 3;
+    if (n)
+        c &= 0x3fu >> n;
+    for (int i = 1; i <= n && p[i]; i++)
+        c = (c << 6) | (p[i] & 0x3fu);
+    *pp += 1 + n;
+    return c;
+}
+
+static void sb_class_cp(struct sb *b, uint32_t cp)
+{
+    if (cp < 0x80)
+        sb_addf(b, "\\x%02X", cp);
+    else if (cp < 0x10000)
+        sb_addf(b, "\\u%04X", cp);
+    else
+        sb_addf(b, "\\U%08X", cp);
+}
+
+static const char *not_keys_node(struct conv *c, struct knode *t, long i, const char *hint)
+{
+    if (!prim(c, "char"))
+        return NULL;
+    struct sb b = {0};
+    int alts = 0;
+    if (!t[i].end) {
+        sb_add(&b, "\"\"");
+        alts++;
+    }
+    for (long k = t[i].child; k >= 0; k = t[k].sibling) {
+        const char *sub = not_keys_node(c, t, k, hint);
+        if (!sub) {
+            free(b.p);
+            return NULL;
+        }
+        char u[5] = {0};
+        uint32_t cp = t[k].cp;
+        if (cp < 0x80) {
+            u[0] = (char)cp;
+        } else if (cp < 0x800) {
+            u[0] = (char)(0xc0 | (cp >> 6)), u[1] = (char)(0x80 | (cp & 0x3f));
+        } else if (cp < 0x10000) {
+            u[0] = (char)(0xe0 | (cp >> 12)), u[1] = (char)(0x80 | ((cp >> 6) & 0x3f));
+            u[2] = (char)(0x80 | (cp & 0x3f));
+        } else {
+            u[0] = (char)(0xf0 | (cp >> 18)), u[1] = (char)(0x80 | ((cp >> 12) & 0x3f));
+            u[2] = (char)(0x80 | ((cp >> 6) & 0x3f)), u[3] = (char)(0x80 | (cp & 0x3f));
+        }
+        if (alts++)
+            sb_add(&b, " | ");
+        sb_literal(&b, u, strlen(u));
+        sb_addf(&b, " %s", sub);
+    }
+    if (alts++)
+        sb_add(&b, " | ");
+    sb_add(&b, "[^\"\\\\\\x7F\\x00-\\x1F");
+    for (long k = t[i].child; k >= 0; k = t[k].sibling)
+        sb_class_cp(&b, t[k].cp);
+    sb_add(&b, "] char* | [\\\\] ([\"\\\\bfnrt/] | \"u\" [0-9a-fA-F]{4}) char*");
+    return add_rule(c, hint, &b);
+}
+
+static const char *not_keys(struct conv *c, json_t *props, const char *hint)
+{
+    size_t cap = 1;
+    const char *key;
+    json_t *v;
+    json_object_foreach(props, key, v) cap += strlen(key);
+    struct knode *t = malloc(cap * sizeof *t);
+    if (!t) {
+        cerr(c, "", "out of memory");
+        return NULL;
+    }
+    long n = 1;
+    t[0] = (struct knode){-1, -1, 0, 0};
+    json_object_foreach(props, key, v) {
+        int plain = 1;
+        for (const unsigned char *q = (const unsigned char *)key; *q; q++)
+            plain &= *q >= 0x20 && *q != 0x7f && *q != '"' && *q != '\\';
+        if (!plain)
+            continue;
+        long at = 0;
+        for (const char *q = key; *q;) {
+            uint32_t cp = next_cp(&q);
+            long k = t[at].child;
+            while (k >= 0 && t[k].cp != cp)
+                k = t[k].sibling;
+            if (k < 0) {
+                k = n++;
+                t[k] = (struct knode){-1, t[at].child, cp, 0};
+                t[at].child = k;
+            }
+            at = k;
+        }
+        t[at].end = 1;
+    }
+    char h[128];
+    snprintf(h, sizeof h, "%s-other-key", hint);
+    const char *inner = not_keys_node(c, t, 0, h);
+    free(t);
+    if (!inner || !prim(c, "space"))
+        return NULL;
+    struct sb b = {0};
+    sb_addf(&b, "\"\\\"\" %s \"\\\"\" space", inner);
+    return add_rule(c, h, &b);
+}
+
+static const char *visit_object(struct conv *c, json_t *props, json_t *required, json_t *addl,
+                                const char *hint, const char *path)
+{
+    if (!prim(c, "space"))
+        return NULL;
+    if (props && !json_is_object(props)) {
+        cerr(c, path, "'properties' must be an object");
+        return NULL;
+    }
+    if (required && !json_is_array(required)) {
+        cerr(c, path, "'required' must be an array of names");
+        return NULL;
+    }
+    size_t n = props ? json_object_size(props) : 0;
+    size_t i;
+    json_t *r;
+    json_array_foreach(required, i, r) {
+        if (!json_is_string(r)) {
+            cerr(c, path, "'required' must be an array of names");
+            return NULL;
+        }
+        if (!props || !json_object_get(props, json_string_value(r))) {
+            cerr(c, path, "required property '%s' is not in 'properties'", json_string_value(r));
+            return NULL;
+        }
+    }
+    /* extra key-value pairs: none (additionalProperties false, or absent next to properties,
+     * as llama.cpp's converter does), any value, or a schema */
+    const char *akv = NULL;
+    if (addl && !json_is_boolean(addl) && !json_is_object(addl)) {
+        cerr(c, path, "'additionalProperties' must be a boolean or a schema");
+        return NULL;
+    }
+    if ((!addl && n == 0) || json_is_true(addl) || json_is_object(addl)) {
+        const char *val;
+        char sub[512], ah[128];
+        path_join(sub, sizeof sub, path, "additionalProperties", NULL);
+        snprintf(ah, sizeof ah, "%s-additional", hint);
+        val = json_is_object(addl) ? visit(c, addl, ah, sub) : prim(c, "value");
+        const char *keyr = n ? not_keys(c, props, hint) : prim(c, "string");
+        if (!val || !keyr)
+            return NULL;
+        struct sb b = {0};
+        sb_addf(&b, "%s \":\" space %s", keyr, val);
+        snprintf(ah, sizeof ah, "%s-additional-kv", hint);
+        akv = add_rule(c, ah, &b);
+        if (!akv)
+            return NULL;
+    }
+    if (n == 0 && akv && !addl && !required)
+        return prim(c, "object");
+    /* kv[i], and the rule names of the tails: t[i] (a pair was written already, so each one
+     * starts with a comma) and f[i] (none was) over properties i.. in their order */
+    const char **kv = calloc(n + 1, sizeof *kv);
+    const char **opt = calloc(n + 1, sizeof *opt);
+    if (!kv || !opt) {
+        free(kv);
+        free(opt);
+        cerr(c, path, "out of memory");
+        return NULL;
+    }
+    const char *key;
+    json_t *ps;
+    i = 0;
+    json_object_foreach(props, key, ps) {
+        char sub[512], ph[160];
+        path_join(sub, sizeof sub, path, "properties", key);
+        snprintf(ph, sizeof ph, "%s-%s", hint, key);
+        const char *val = visit(c, ps, ph, sub);
+        if (!val)
+            break;
+        snprintf(ph, sizeof ph, "%s-%s-kv", hint, key);
+        kv[i] = kv_rule(c, key, val, ph);
+        if (!kv[i])
+            break;
+        int req = 0;
+        size_t j;
+        json_array_foreach(required, j, r) req |= strcmp(json_string_value(r), key) == 0;
+        opt[i] = req ? NULL : "";
+        i++;
+    }
+    const char *result = NULL;
+    if (i == n) {
+        struct sb b = {0};
+        char th[128];
+        /* t[n] and f[n] */
+        if (akv)
+            sb_addf(&b, "(\",\" space %s)*", akv);
+        snprintf(th, sizeof th, "%s-rest", hint);
+        const char *t_next = add_rule(c, th, &b);
+        b = (struct sb){0};
+        if (akv)
+            sb_addf(&b, "( %s (\",\" space %s)* )?", akv, akv);
+        const char *f_next = t_next ? add_rule(c, th, &b) : NULL;
+        for (size_t k = n; k-- > 0 && f_next;) {
+            b = (struct sb){0};
+            if (opt[k])
+                sb_addf(&b, "(\",\" space %s)? %s", kv[k], t_next);
+            else
+                sb_addf(&b, "\",\" space %s %s", kv[k], t_next);
+            const char *t = add_rule(c, th, &b);
+            b = (struct sb){0};
+            if (opt[k])
+                sb_addf(&b, "%s %s | %s", kv[k], t_next, f_next);
+            else
+                sb_addf(&b, "%s %s", kv[k], t_next);
+            f_next = t ? add_rule(c, th, &b) : NULL;
+            t_next = t;
+        }
+        if (f_next) {
+            b = (struct sb){0};
+            sb_addf(&b, "\"{\" space %s \"}\" space", f_next);
+            result = add_rule(c, hint, &b);
+        }
+    }
+    free(kv);
+    free(opt);
+    return result;
+}
+
+/* allOf of object schemas: their properties (later ones win), required names and
+ * additionalProperties (the last one given) merged. */
+static const char *visit_all_of(struct conv *c, json_t *all, const char *hint, const char *path)
+{
+    if (!json_is_array(all) || json_array_size(all) == 0) {
+        cerr(c, path, "'allOf' must be a non-empty array");
+        return NULL;
+    }
+    if (json_array_size(all) == 1) {
+        char sub[512];
+        path_join(sub, sizeof sub, path, "allOf", "0");
+        return visit(c, json_array_get(all, 0), hint, sub);
+    }
+    json_t *props = json_object(), *req = json_array(), *addl = NULL;
+    size_t i;
+    json_t *s;
+    const char *result = NULL;
+    json_array_foreach(all, i, s) {
+        char sub[512], idx[24];
+        snprintf(idx, sizeof idx, "%zu", i);
+        path_join(sub, sizeof sub, path, "allOf", idx);
+        for (int hops = 0; json_is_object(s) && json_object_get(s, "$ref") && hops < 16; hops++) {
+            const char *ref = json_string_value(json_object_get(s, "$ref"));
+            s = ref ? resolve(c, ref) : NULL;
+        }
+        json_t *t = json_is_object(s) ? json_object_get(s, "type") : NULL;
+        if (!json_is_object(s) || (t && !(json_is_string(t) &&
+                                          strcmp(json_string_value(t), "object") == 0))) {
+            cerr(c, sub, "'allOf' is supported for object schemas only");
+            goto out;
+        }
+        const char *k;
+        json_t *v;
+        json_object_foreach(s, k, v) {
+            if (strcmp(k, "type") && strcmp(k, "properties") && strcmp(k, "required") &&
+                strcmp(k, "additionalProperties") && !is_annotation(k)) {
+                cerr(c, sub, "keyword '%s' inside 'allOf' is not supported", k);
+                goto out;
+            }
+        }
+        json_t *p = json_object_get(s, "properties");
+        if (p && json_object_update(props, p) != 0) {
+            cerr(c, sub, "'properties' must be an object");
+            goto out;
+        }
+        json_t *r = json_object_get(s, "required");
+        if (r && json_array_extend(req, r) != 0) {
+            cerr(c, sub, "'required' must be an array of names");
+            goto out;
+        }
+        if (json_object_get(s, "additionalProperties"))
+            addl = json_object_get(s, "additionalProperties");
+    }
+    /* drop duplicate required names */
+    json_t *uniq = json_array();
+    json_array_foreach(req, i, s) {
+        size_t j;
+        json_t *u;
+        int seen = 0;
+        json_array_foreach(uniq, j, u) seen |= json_equal(u, s);
+        if (!seen)
+            json_array_append(uniq, s);
+    }
+    result = visit_object(c, props, uniq, addl, hint, path);
+    json_decref(uniq);
+out:
+    json_decref(props);
+    json_decref(req);
+    return result;
+}
+
+static const char *visit_literals(struct conv *c, json_t *vals, const char *hint,
+                                  const char *path)
+{
+    if (!prim(c, "space"))
+        return NULL;
+    struct sb b = {0};
+    size_t i;
+    json_t *v;
+    sb_add(&b, "(");
+    json_array_foreach(vals, i, v) {
+        char *j = json_dumps(v, JSON_ENCODE_ANY | JSON_COMPACT);
+        if (!j) {
+            free(b.p);
+            cerr(c, path, "out of memory");
+            return NULL;
+        }
+        if (i)
+            sb_add(&b, " | ");
+        sb_literal(&b, j, strlen(j));
+        free(j);
+    }
+    sb_add(&b, ") space");
+    return add_rule(c, hint, &b);
+}
+
+static const char *visit_type(struct conv *c, json_t *s, const char *type, const char *hint,
+                              const char *path)
+{
+    if (strcmp(type, "string") == 0)
+        return visit_string(c, s, hint, path);
+    if (strcmp(type, "integer") == 0)
+        return prim(c, "integer");
+    if (strcmp(type, "number") == 0)
+        return prim(c, "number");
+    if (strcmp(type, "boolean") == 0)
+        return prim(c, "boolean");
+    if (strcmp(type, "null") == 0)
+        return prim(c, "null");
+    if (strcmp(type, "array") == 0)
+        return visit_array(c, s, hint, path);
+    if (strcmp(type, "object") == 0)
+        return visit_object(c, json_object_get(s, "properties"), json_object_get(s, "required"),
+                            json_object_get(s, "additionalProperties"), hint, path);
+    cerr(c, path, "unknown type '%s'", type);
+    return NULL;
+}
+
+/* Alternatives: names[0..n) as one rule. */
+static const char *alternation(struct conv *c, const char **names, size_t n, const char *hint)
+{
+    if (n == 1)
+        return names[0];
+    struct sb b = {0};
+    for (size_t i = 0; i < n; i++) {
+        if (i)
+            sb_add(&b, " | ");
+        sb_add(&b, names[i]);
+    }
+    return add_rule(c, hint, &b);
+}
+
+static const char *visit_inner(struct conv *c, json_t *s, const char *hint, const char *path)
+{
+    if (json_is_true(s))
+        return prim(c, "value");
+    if (json_is_false(s)) {
+        cerr(c, path, "schema 'false' matches nothing");
+        return NULL;
+    }
+    if (!json_is_object(s)) {
+        cerr(c, path, "a schema must be an object or a boolean");
+        return NULL;
+    }
+    if (check_keywords(c, s, path) != 0)
+        return NULL;
+    json_t *v;
+    if ((v = json_object_get(s, "$ref"))) {
+        if (!json_is_string(v)) {
+            cerr(c, path, "'$ref' must be a string");
+            return NULL;
+        }
+        return visit_ref(c, json_string_value(v), path);
+    }
+    const char *base = NULL;
+    if ((v = json_object_get(s, "const"))) {
+        json_t *one = json_pack("[O]", v);
+        base = visit_literals(c, one, hint, path);
+        json_decref(one);
+    } else if ((v = json_object_get(s, "enum"))) {
+        if (!json_is_array(v) || json_array_size(v) == 0) {
+            cerr(c, path, "'enum' must be a non-empty array");
+            return NULL;
+        }
+        base = visit_literals(c, v, hint, path);
+    } else if ((v = json_object_get(s, "anyOf")) || (v = json_object_get(s, "oneOf"))) {
+        const char *kw = json_object_get(s, "anyOf") ? "anyOf" : "oneOf";
+        if (!json_is_array(v) || json_array_size(v) == 0) {
+            cerr(c, path, "'%s' must be a non-empty array", kw);
+            return NULL;
+        }
+        size_t n = json_array_size(v), i;
+        const char **names = calloc(n, sizeof *names);
+        if (!names) {
+            cerr(c, path, "out of memory");
+            return NULL;
+        }
+        json_t *sub;
+        json_array_foreach(v, i, sub) {
+            char sp[512], idx[24], h[128];
+            snprintf(idx, sizeof idx, "%zu", i);
+            path_join(sp, sizeof sp, path, kw, idx);
+            snprintf(h, sizeof h, "%s-%zu", hint, i);
+            names[i] = visit(c, sub, h, sp);
+            if (!names[i])
+                break;
+        }
+        if (i == n)
+            base = alternation(c, names, n, hint);
+        free(names);
+    } else if ((v = json_object_get(s, "allOf"))) {
+        base = visit_all_of(c, v, hint, path);
+    } else if ((v = json_object_get(s, "type"))) {
+        if (json_is_string(v)) {
+            base = visit_type(c, s, json_string_value(v), hint, path);
+        } else if (json_is_array(v) && json_array_size(v) > 0) {
+            size_t n = json_array_size(v), i;
+            const char **names = calloc(n, sizeof *names);
+            if (!names) {
+                cerr(c, path, "out of memory");
+                return NULL;
+            }
+            json_t *t;
+            json_array_foreach(v, i, t) {
+                char h[128];
+                snprintf(h, sizeof h, "%s-%s", hint, json_is_string(t) ? json_string_value(t) : "");
+                if (!json_is_string(t)) {
+                    cerr(c, path, "'type' must be a string or an array of strings");
+                    break;
+                }
+                names[i] = visit_type(c, s, json_string_value(t), h, path);
+                if (!names[i])
+                    break;
+            }
+            if (i == n)
+                base = alternation(c, names, n, hint);
+            free(names);
+        } else {
+            cerr(c, path, "'type' must be a string or an array of strings");
+            return NULL;
+        }
+    } else if (json_object_get(s, "properties") || json_object_get(s, "additionalProperties")) {
+        base = visit_type(c, s, "object", hint, path);
+    } else if (json_object_get(s, "items")) {
+        base = visit_type(c, s, "array", hint, path);
+    } else {
+        base = prim(c, "value");
+    }
+    if (base && json_is_true(json_object_get(s, "nullable"))) {
+        const char *alts[2] = {base, prim(c, "null")};
+        char h[128];
+        snprintf(h, sizeof h, "%s-nullable", hint);
+        base = alts[1] ? alternation(c, alts, 2, h) : NULL;
+    }
+    return base;
+}
+
+static const char *visit(struct conv *c, json_t *s, const char *hint, const char *path)
+{
+    if (c->failed)
+        return NULL;
+    if (++c->depth > MAX_DEPTH) {
+        cerr(c, path, "schema nested deeper than %d", MAX_DEPTH);
+        return NULL;
+    }
+    const char *r = visit_inner(c, s, hint, path);
+    c->depth--;
+    return c->failed ? NULL : r;
+}
+
+int moe_json_schema_to_gbnf(json_t *schema, char **gbnf, char *err, size_t errlen)
+{
+    *gbnf = NULL;
+    if (err && errlen)
+        err[0] = '\0';
+    struct conv c = {.root = schema, .err = err, .errlen = errlen};
+    long root = reserve(&c, "root");
+    const char *top = root >= 0 ? visit(&c, schema, "root-value", "") : NULL;
+    int rc = -1;
+    if (top) {
+        c.rules[root].body = strdup(top);
+        struct sb out = {0};
+        for (size_t i = 0; i < c.n_rules; i++) {
+            if (!c.rules[i].body)
+                continue;
+            sb_addf(&out, "%s ::= ", c.rules[i].name);
+            /* an empty body is written "" (after "::=" the rule may continue on the next line) */
+            sb_add(&out, c.rules[i].body[0] ? c.rules[i].body : "\"\"");
+            sb_add(&out, "\n");
+        }
+        if (out.oom) {
+            free(out.p);
+            cerr(&c, "", "out of memory");
+        } else {
+            *gbnf = out.p;
+            rc = 0;
+        }
+    }
+    for (size_t i = 0; i < c.n_rules; i++) {
+        free(c.rules[i].name);
+        free(c.rules[i].body);
+    }
+    for (size_t i = 0; i < c.n_refs; i++)
+        free(c.refs[i].ptr);
+    free(c.rules);
+    free(c.refs);
+    return rc;
+}
+
+const char *moe_json_object_gbnf(void)
+{
+    return "root ::= object\n"
+           "value ::= object | array | string | number | boolean | null\n"
+           "object ::= \"{\" space ( string \":\" space value (\",\" space string \":\" space "
+           "value)* )? \"}\" space\n"
+           "array ::= \"[\" space ( value (\",\" space value)* )? \"]\" space\n"
+           "string ::= \"\\\"\" char* \"\\\"\" space\n"
+           "char ::= [^\"\\\\\\x7F\\x00-\\x1F] | [\\\\] ([\"\\\\bfnrt/] | \"u\" [0-9a-fA-F]{4})\n"
+           "number ::= (\"-\"? integral-part) (\".\" decimal-part)? ([eE] [-+]? integral-part)? "
+           "space\n"
+           "integral-part ::= [0] | [1-9] [0-9]{0,15}\n"
+           "decimal-part ::= [0-9]{1,16}\n"
+           "boolean ::= (\"true\" | \"false\") space\n"
+           "null ::= \"null\" space\n"
+           "space ::= | \" \" | \"\\n\" [ \\t]{0,20}\n";
+}
