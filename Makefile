@@ -175,12 +175,10 @@ demo: deps
 	$(Q)MOE_BIN=$(BINDIR) scripts/demo.sh
 
 # libFuzzer targets: clang with -fsanitize=fuzzer,address, linked against sanitized store objects
-# (and the daemon's Jinja renderer, which depends on nothing else of the daemon, and the worker's
-# grammar code, which depends on nothing else of the worker).
+# (and the daemon's Jinja renderer, which depends on nothing else of the daemon).
 FUZZ_BUILD := $(O)/build/fuzz
 FUZZ_BINS  := $(FUZZ_SRC:tests/%.c=$(FUZZ_BUILD)/%)
 FUZZ_DAEMON_SRC := $(wildcard daemon/jinja*.c)
-FUZZ_DAEMON_SRC += $(wildcard worker/grammar.c worker/json_schema.c)
 fuzz: $(FUZZ_BINS)
 $(FUZZ_BUILD)/%: tests/%.c $(STORE_SRC) $(FUZZ_DAEMON_SRC) | $(PROTO_GEN_H)
 	@mkdir -p $(dir $@)

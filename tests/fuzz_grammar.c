@@ -11,8 +11,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "worker/grammar.h"
-#include "worker/json_schema.h"
+#include "store/grammar.h"
+#include "store/json_schema.h"
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 

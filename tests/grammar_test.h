@@ -7,8 +7,8 @@
 #include <string.h>
 
 #include "tests/harness.h"
-#include "worker/grammar.h"
-#include "worker/json_schema.h"
+#include "store/grammar.h"
+#include "store/json_schema.h"
 
 /* 1 when the grammar matches all of s (byte by byte), 0 when not, -1 on a limit. */
 static inline int gt_match_n(const struct moe_grammar *g, const char *s, size_t n)

@@ -1,4 +1,4 @@
-/* GBNF parser, matcher and token mask (worker/grammar.c). */
+/* GBNF parser, matcher and token mask (store/grammar.c). */
 #include <stdlib.h>
 #include <string.h>
 

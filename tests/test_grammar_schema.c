@@ -1,4 +1,4 @@
-/* JSON Schema to GBNF (worker/json_schema.c), checked through the matcher: the documents of
+/* JSON Schema to GBNF (store/json_schema.c), checked through the matcher: the documents of
  * tests/fixtures/grammar/schemas.json (expectations checked against the jsonschema package by
  * tools/grammar-fixtures.py), refused schemas, and random generation under the token mask. */
 #include <jansson.h>

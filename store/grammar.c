@@ -9,7 +9,7 @@
  * (element position, parent node), hash-consed so that equal stacks are the same node and a set
  * of stacks deduplicates as a set of integers. The top of every stack in the set is a CLS element;
  * node 0 is the empty stack (the grammar is complete). */
-#include "worker/grammar.h"
+#include "store/grammar.h"
 
 #include <stdarg.h>
 #include <stdio.h>

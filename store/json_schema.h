@@ -1,8 +1,8 @@
 /* JSON Schema to GBNF, for response_format json_schema (strict) and json_object. The grammar
  * accepts the JSON text of the documents the schema describes, with bounded optional whitespace
  * between tokens (a model cannot loop on spaces). See docs/grammar.md for the subset. */
-#ifndef MOE_WORKER_JSON_SCHEMA_H
-#define MOE_WORKER_JSON_SCHEMA_H
+#ifndef MOE_STORE_JSON_SCHEMA_H
+#define MOE_STORE_JSON_SCHEMA_H
 
 #include <jansson.h>
 #include <stddef.h>

@@ -10,8 +10,8 @@
  * The grammar matches Unicode code points; bytes are decoded as UTF-8 by the state, so a token
  * may end inside a code point and the next one complete it. A grammar is immutable after parsing
  * and may be shared by any number of states and threads; a state belongs to one thread at a time. */
-#ifndef MOE_WORKER_GRAMMAR_H
-#define MOE_WORKER_GRAMMAR_H
+#ifndef MOE_STORE_GRAMMAR_H
+#define MOE_STORE_GRAMMAR_H
 
 #include <stdbool.h>
 #include <stddef.h>

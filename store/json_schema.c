@@ -3,7 +3,7 @@
  * Every schema becomes a rule whose text ends with `space` (bounded optional whitespace), so
  * rules compose by concatenation. Identical rule bodies share one rule; $ref targets get a rule
  * each (recursive schemas become recursive rules). */
-#include "worker/json_schema.h"
+#include "store/json_schema.h"
 
 #include <stdarg.h>
 #include <stdint.h>
