@@ -21,6 +21,8 @@
 #include "daemon/log.h"
 #include "store/buf.h"
 #include "store/err.h"
+#include "store/grammar.h"
+#include "store/json_schema.h"
 #include "store/io.h"
 #include "store/version.h"
 
@@ -815,7 +817,11 @@ static void on_token(struct sched_req *r, void *user, int32_t token)
     const struct sched_logprob *lp = g->logprobs ? sched_req_logprob(r) : NULL;
     if (lp)
         lp_add(g, token, lp, g->text_len);
-    size_t n = moe_detok_push(&g->detok, a->tok, token, g->piece, g->piece_cap);
+    /* The end-of-generation token ends the answer; its text ("<|endoftext|>") is not part of
+     * it (the worker ends the request after it). */
+    size_t n = moe_tok_is_eog(a->tok, token)
+                   ? 0
+                   : moe_detok_push(&g->detok, a->tok, token, g->piece, g->piece_cap);
     if (take_text(g, g->piece, n)) {
         /* The tokens of the stop string are not part of the answer. */
         while (g->logprobs && json_array_size(g->lp) > g->lp_sent &&
@@ -952,6 +958,7 @@ struct gen_req {
     size_t echo_len;
     int32_t *bias_tok;            /* logit_bias; r->s points at these */
     float *bias_val;
+    char *grammar;                /* GBNF from grammar / json_schema / response_format; r->s too */
 };
 
 static void gen_req_free(struct gen_req *r)
@@ -960,6 +967,7 @@ static void gen_req_free(struct gen_req *r)
     free(r->echo_text);
     free(r->bias_tok);
     free(r->bias_val);
+    free(r->grammar);
     for (size_t i = 0; i < r->n_stops; i++)
         free(r->stops[i]);
 }
@@ -1077,6 +1085,67 @@ static int parse_logprobs(json_t *body, bool chat, struct gen_req *r, struct ver
 }
 
 /* logit_bias: {"token id": bias in -100..100}, added to those logits before sampling. */
+/* Structured output: `grammar` (GBNF, as llama-server takes it), `json_schema` (a schema, as
+ * llama-server takes it) or `response_format` {"type": "json_object"} / {"type": "json_schema",
+ * "json_schema": {"schema": ...}} (OpenAI), at most one of them. The grammar is parsed here so
+ * that a bad one is a 400; the worker masks the tokens it does not allow (store/grammar.h). */
+static int parse_constraint(json_t *body, struct gen_req *r, struct verr *e)
+{
+    json_t *g = json_object_get(body, "grammar"), *js = json_object_get(body, "json_schema"),
+           *rf = json_object_get(body, "response_format");
+    if (g && (json_is_null(g) || (json_is_string(g) && json_string_length(g) == 0)))
+        g = NULL;
+    if (js && json_is_null(js))
+        js = NULL;
+    const char *rft = NULL;
+    json_t *rf_schema = NULL;
+    if (rf && !json_is_null(rf)) {
+        json_t *t = json_is_object(rf) ? json_object_get(rf, "type") : NULL;
+        if (!json_is_string(t))
+            return fail(e, 400, "response_format", "'response_format' must be an object with a "
+                        "'type' of text, json_object or json_schema");
+        rft = json_string_value(t);
+        if (!strcmp(rft, "text")) {
+            rft = NULL;
+        } else if (!strcmp(rft, "json_schema")) {
+            json_t *o = json_object_get(rf, "json_schema");
+            rf_schema = json_is_object(o) ? json_object_get(o, "schema") : NULL;
+            if (!json_is_object(rf_schema) && !json_is_boolean(rf_schema))
+                return fail(e, 400, "response_format", "'response_format.json_schema.schema' "
+                            "must be a JSON Schema object");
+        } else if (strcmp(rft, "json_object")) {
+            return fail(e, 400, "response_format", "'response_format.type' must be text, "
+                        "json_object or json_schema, not '%s'", rft);
+        }
+    }
+    if ((g != NULL) + (js != NULL) + (rft != NULL) > 1)
+        return fail(e, 400, g ? "grammar" : "json_schema", "give one of 'grammar', 'json_schema' "
+                    "and 'response_format' (json_object or json_schema)");
+    char err[512];
+    if (g) {
+        if (!json_is_string(g))
+            return fail(e, 400, "grammar", "'grammar' must be a string (GBNF)");
+        if (!(r->grammar = strdup(json_string_value(g))))
+            return fail(e, 500, NULL, "out of memory");
+    } else if (js || rf_schema) {
+        if (moe_json_schema_to_gbnf(js ? js : rf_schema, &r->grammar, err, sizeof err))
+            return fail(e, 400, js ? "json_schema" : "response_format", "the JSON schema: %s",
+                        err);
+    } else if (rft) {
+        if (!(r->grammar = strdup(moe_json_object_gbnf())))
+            return fail(e, 500, NULL, "out of memory");
+    } else {
+        return 0;
+    }
+    struct moe_grammar *gr = moe_grammar_parse(r->grammar, strlen(r->grammar), err, sizeof err);
+    if (!gr)
+        return fail(e, 400, g ? "grammar" : js ? "json_schema" : "response_format",
+                    "the grammar: %s", err);
+    moe_grammar_free(gr);
+    r->s.grammar = r->grammar;
+    return 0;
+}
+
 static int parse_logit_bias(struct api *a, json_t *body, struct gen_req *r, struct verr *e)
 {
     json_t *v = json_object_get(body, "logit_bias");
@@ -1125,6 +1194,8 @@ static int parse_logit_bias(struct api *a, json_t *body, struct gen_req *r, stru
 }
 
 /* Fields shared by both generation endpoints. */
+static int force_tool_call(json_t *body, struct gen_req *r, struct verr *e);
+
 static int parse_common(struct api *a, json_t *body, bool chat, struct gen_req *r, struct verr *e)
 {
     json_t *v;
@@ -1245,13 +1316,14 @@ static int parse_common(struct api *a, json_t *body, bool chat, struct gen_req *
             return fail(e, 400, samplers[i].name, "'%s' is not supported by moed (only %g, its "
                         "neutral value)", samplers[i].name, samplers[i].neutral);
     }
-    static const char *const constrained[] = {"grammar", "json_schema", "samplers"};
+    static const char *const constrained[] = {"samplers"};
     for (size_t i = 0; i < sizeof constrained / sizeof constrained[0]; i++) {
         v = json_object_get(body, constrained[i]);
         if (v && !json_is_null(v) && !(json_is_string(v) && json_string_length(v) == 0))
             return fail(e, 400, constrained[i], "'%s' is not supported by moed", constrained[i]);
     }
-    if (parse_logprobs(body, chat, r, e) || parse_logit_bias(a, body, r, e))
+    if (parse_logprobs(body, chat, r, e) || parse_logit_bias(a, body, r, e) ||
+        parse_constraint(body, r, e) || (chat && force_tool_call(body, r, e)))
         return -1;
     if (chat) {
         if ((v = json_object_get(body, "echo")) && !json_is_null(v) && !json_is_false(v))
@@ -1264,11 +1336,6 @@ static int parse_common(struct api *a, json_t *body, bool chat, struct gen_req *
     if ((v = json_object_get(body, "best_of")) && !json_is_null(v) &&
         !(json_is_integer(v) && (json_integer_value(v) == 1 || json_integer_value(v) == (json_int_t)r->n)))
         return fail(e, 400, "best_of", "'best_of' must be 1 or equal 'n' (moed returns every sequence)");
-    if ((v = json_object_get(body, "response_format")) && !json_is_null(v)) {
-        json_t *t = json_is_object(v) ? json_object_get(v, "type") : NULL;
-        if (!t || !json_is_string(t) || strcmp(json_string_value(t), "text") != 0)
-            return fail(e, 400, "response_format", "only response_format {\"type\": \"text\"} is supported");
-    }
     return 0;
 }
 
@@ -1499,6 +1566,88 @@ static int chat_tool_calls(json_t *m, size_t i, bool as_objects, bool *had_text,
     return 0;
 }
 
+/* tool_choice "required" or a named function: the answer must be one tool call in the
+ * Qwen/Hermes format, <tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>, with
+ * arguments that follow the function's parameters schema; a grammar made from the tools (a JSON
+ * Schema of the call, converted, then wrapped in the markers) forces it. */
+static int force_tool_call(json_t *body, struct gen_req *r, struct verr *e)
+{
+    json_t *choice = json_object_get(body, "tool_choice"), *tools = json_object_get(body, "tools");
+    const char *cs = json_string_value(choice);
+    const char *want = NULL;
+    if (!choice || json_is_null(choice) || (cs && strcmp(cs, "required")))
+        return 0; /* auto, none */
+    if (!cs) {
+        json_t *fn = json_is_object(choice) ? json_object_get(choice, "function") : NULL;
+        if (!json_is_string(json_object_get(choice, "type")) ||
+            strcmp(json_string_value(json_object_get(choice, "type")), "function") ||
+            !json_is_string(json_object_get(fn, "name")))
+            return fail(e, 400, "tool_choice", "tool_choice must be \"auto\", \"none\", "
+                        "\"required\" or {\"type\": \"function\", \"function\": {\"name\": ...}}");
+        want = json_string_value(json_object_get(fn, "name"));
+    }
+    if (!json_is_array(tools) || json_array_size(tools) == 0)
+        return fail(e, 400, "tool_choice", "tool_choice %s needs 'tools'", cs ? cs : "naming a function");
+    if (r->grammar)
+        return fail(e, 400, "tool_choice", "tool_choice %s cannot be combined with "
+                    "response_format, grammar or json_schema", cs ? cs : "naming a function");
+    json_t *any = json_array();
+    size_t i;
+    json_t *t;
+    json_array_foreach(tools, i, t) {
+        json_t *fn = json_object_get(t, "function");
+        const char *name = json_string_value(json_object_get(fn, "name"));
+        if (!name || (want && strcmp(want, name)))
+            continue;
+        json_t *params = json_object_get(fn, "parameters");
+        json_t *args = json_is_object(params) ? json_incref(params)
+                                              : json_pack("{s:s}", "type", "object");
+        json_array_append_new(any, json_pack("{s:s, s:{s:{s:s}, s:o}, s:[s,s], s:b}", "type",
+                                             "object", "properties", "name", "const", name,
+                                             "arguments", args, "required", "name", "arguments",
+                                             "additionalProperties", 0));
+    }
+    if (json_array_size(any) == 0) {
+        json_decref(any);
+        return fail(e, 400, "tool_choice", "tool_choice names '%s', which is not among 'tools'", want);
+    }
+    json_t *schema = json_array_size(any) == 1 ? json_incref(json_array_get(any, 0))
+                                               : json_pack("{s:O}", "anyOf", any);
+    json_decref(any);
+    char err[512], *gbnf = NULL;
+    int rc = moe_json_schema_to_gbnf(schema, &gbnf, err, sizeof err);
+    json_decref(schema);
+    if (rc)
+        return fail(e, 400, "tools", "a tool's parameters cannot be enforced: %s", err);
+    /* The converter's start rule becomes the call; the new root wraps it in the markers. */
+    const char *at = strncmp(gbnf, "root ::=", 8) ? strstr(gbnf, "\nroot ::=") : gbnf;
+    if (!at) {
+        free(gbnf);
+        return fail(e, 500, "tools", "the tool call grammar has no root rule");
+    }
+    if (at != gbnf)
+        at++;
+    static const char wrap[] = "root ::= \"<tool_call>\\n\" moed-tool-call \"\\n</tool_call>\"\n";
+    const size_t pre = (size_t)(at - gbnf), len = strlen(gbnf);
+    char *g = malloc(sizeof wrap + len + 32);
+    if (!g) {
+        free(gbnf);
+        return fail(e, 500, NULL, "out of memory");
+    }
+    snprintf(g, sizeof wrap + len + 32, "%s%.*smoed-tool-call ::=%s", wrap, (int)pre, gbnf,
+             at + 8);
+    free(gbnf);
+    struct moe_grammar *gr = moe_grammar_parse(g, strlen(g), err, sizeof err);
+    if (!gr) {
+        free(g);
+        return fail(e, 400, "tools", "the tool call grammar: %s", err);
+    }
+    moe_grammar_free(gr);
+    r->grammar = g;
+    r->s.grammar = g;
+    return 0;
+}
+
 /* The request's tools (NULL when none, or tool_choice "none"), checked. */
 static int chat_tools(json_t *body, json_t **out, struct verr *e)
 {
@@ -1508,11 +1657,10 @@ static int chat_tools(json_t *body, json_t **out, struct verr *e)
         const char *cs = json_string_value(choice);
         if (cs && !strcmp(cs, "none"))
             return 0;
-        if (!cs || strcmp(cs, "auto") != 0)
-            return fail(e, 400, "tool_choice",
-                        "tool_choice %s is not supported: moed cannot force a tool call (that needs "
-                        "constrained sampling); use \"auto\" or \"none\"",
-                        cs ? cs : "naming a function");
+        if (cs && strcmp(cs, "auto") && strcmp(cs, "required"))
+            return fail(e, 400, "tool_choice", "tool_choice must be \"auto\", \"none\", "
+                        "\"required\" or {\"type\": \"function\", \"function\": {\"name\": ...}}");
+        /* required and a named function: forced by a grammar (force_tool_call). */
     }
     if (!tools || json_is_null(tools))
         return 0;

@@ -38,6 +38,7 @@ struct sched_req {
     uint32_t n_gen;
     uint32_t n_cached;       /* from the worker's Done: prompt tokens it continued from cache */
     int32_t *bias_tok;       /* sampling.bias_* point here */
+    char *grammar;           /* and sampling.grammar */
     float *bias_val;
     const struct sched_logprob *lp; /* during on_token */
     uint32_t attempts;
@@ -124,6 +125,7 @@ static void req_free(struct sched_req *r)
     free(r->prompt);
     free(r->bias_tok);
     free(r->bias_val);
+    free(r->grammar);
     free(r);
 }
 
@@ -379,7 +381,10 @@ struct sched_req *sched_submit(struct sched *s, const struct sched_params *p, in
         r->bias_tok = malloc(p->sampling.n_bias * sizeof *r->bias_tok);
         r->bias_val = malloc(p->sampling.n_bias * sizeof *r->bias_val);
     }
-    if (!r || !r->prompt || (p->sampling.n_bias && (!r->bias_tok || !r->bias_val))) {
+    if (r && p->sampling.grammar)
+        r->grammar = strdup(p->sampling.grammar);
+    if (!r || !r->prompt || (p->sampling.n_bias && (!r->bias_tok || !r->bias_val)) ||
+        (p->sampling.grammar && !r->grammar)) {
         if (r)
             req_free(r);
         if (http_status)
@@ -398,6 +403,7 @@ struct sched_req *sched_submit(struct sched *s, const struct sched_params *p, in
     }
     r->sampling.bias_tok = r->bias_tok;
     r->sampling.bias_val = r->bias_val;
+    r->sampling.grammar = r->grammar;
     r->cb = p->cb;
     r->user = p->user;
     r->worker = -1;

@@ -31,6 +31,8 @@ struct sched_sampling {
     bool logprobs;            /* each token comes with its logprob (sched_req_logprob) */
     uint32_t top_logprobs;    /* and the most likely tokens', at most SCHED_MAX_TOP_LOGPROBS */
     bool prompt_logprobs;     /* with logprobs: the prompt's too (cb.on_prompt_logprob) */
+    const char *grammar;      /* GBNF the output must follow (validated); NULL: none. Copied by
+                               * sched_submit. */
 };
 
 #define SCHED_MAX_TOP_LOGPROBS 20

@@ -982,6 +982,7 @@ int moed_workers_send_submit(struct moed_workers *ws, uint32_t wi, uint64_t id, 
     s.bias_token = (int32_t *)sp->bias_tok;
     s.bias_value = (float *)sp->bias_val;
     s.n_bias_token = s.n_bias_value = sp->n_bias;
+    s.grammar = sp->grammar ? (char *)sp->grammar : (char *)"";
     Moed__Submit m = MOED__SUBMIT__INIT;
     m.id = id;
     m.prompt = (int32_t *)prompt;

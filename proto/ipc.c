@@ -224,6 +224,9 @@ static int validate_from_daemon(const Moed__Envelope *env, const struct moe_ipc_
                 !finite_in(p->presence_penalty, -100, 100) ||
                 !finite_in(p->frequency_penalty, -100, 100))
                 return moe_fail(err, errlen, MOE_ERANGE, "submit.sampling: a penalty is out of range");
+            if (p->grammar && strlen(p->grammar) > MOE_IPC_MAX_GRAMMAR)
+                return moe_fail(err, errlen, MOE_ERANGE, "submit.sampling.grammar: %zu bytes, at "
+                                "most %u", strlen(p->grammar), MOE_IPC_MAX_GRAMMAR);
             if (p->n_bias_token != p->n_bias_value || p->n_bias_token > MOE_IPC_MAX_BIAS)
                 return moe_fail(err, errlen, MOE_ERANGE, "submit.sampling: %zu bias tokens, %zu values "
                                 "(equal, at most %u)", p->n_bias_token, p->n_bias_value, MOE_IPC_MAX_BIAS);

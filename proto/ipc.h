@@ -33,6 +33,7 @@
 #define MOE_IPC_MAX_EOG 64u          /* eog ids per Submit */
 #define MOE_IPC_MAX_TEXT 4096u       /* any string field, bytes */
 #define MOE_IPC_MAX_BIAS 1024u       /* logit_bias entries per Submit */
+#define MOE_IPC_MAX_GRAMMAR (1u << 20) /* GBNF bytes per Submit (MOE_GRAMMAR_MAX_TEXT) */
 #define MOE_IPC_MAX_TOP_LOGPROBS 20u /* top_logprobs per Token */
 
 /* Which end sent a message; validation rejects messages sent in the wrong direction. */

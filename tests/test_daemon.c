@@ -422,7 +422,8 @@ TEST(daemon_rejects_bad_requests)
         {cc, "{\"messages\": [{\"role\": \"user\"}], \"temperature\": []}", "'temperature' must be a number", 400},
         {cc, "{\"messages\": [{\"role\": 1, \"content\": \"x\"}]}", "role' must be a string", 400},
         {cc, "{\"messages\": [{\"role\": \"robot\", \"content\": \"x\"}]}", "must be system, developer, user, assistant or tool", 400},
-        {cc, "{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"tool_choice\": \"required\"}", "cannot force a tool call", 400},
+        {cc, "{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"tool_choice\": \"required\"}", "needs 'tools'", 400},
+        {cc, "{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"tool_choice\": \"always\"}", "tool_choice must be", 400},
         {cc, "{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"tools\": [{\"type\": \"x\"}]}", "'tools[0]' must be", 400},
         {cc, "{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"chat_template_kwargs\": 1}", "must be an object", 400},
         {cc, "{\"messages\": [{\"role\": \"user\", \"content\": [{\"type\": \"image_url\"}]}]}", "only parts of type", 400},
@@ -1882,8 +1883,8 @@ TEST_TIMEOUT(daemon_llama_server_fields, 120)
         {"\"mirostat\": 2", "mirostat"},     {"\"typical_p\": 0.5", "typical_p"},
         {"\"tfs_z\": 0.9", "tfs_z"},         {"\"dry_multiplier\": 0.8", "dry_multiplier"},
         {"\"xtc_probability\": 0.5", "xtc_probability"},
-        {"\"grammar\": \"root ::= [a-z]+\"", "grammar"},
-        {"\"json_schema\": {\"type\": \"object\"}", "json_schema"},
+        {"\"grammar\": \"root ::= [a-z\"", "grammar"}, /* malformed: an open class */
+        {"\"json_schema\": {\"type\": \"object\", \"patternProperties\": {}}", "json_schema"},
         {"\"n_probs\": 5", "n_probs"},        {"\"n_predict\": 0", "n_predict"},
         {"\"n_predict\": -2", "n_predict"},
     };

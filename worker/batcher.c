@@ -2,6 +2,7 @@
 #include "worker/batcher.h"
 
 #include <errno.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -39,13 +40,14 @@ struct moe_batcher {
      * first use ([n_seq + MOE_BATCHER_PROMPT_ROWS][n_vocab]), a row to bias ([n_vocab]), each
      * row's logprobs, and whose turn it is while both kinds run. */
     float *logits, *biased;
+    uint8_t *gmask;           /* [n_vocab]: the grammar's allowed tokens (jobs with a grammar) */
     struct moe_token_lp *lp;  /* [n_seq + MOE_BATCHER_PROMPT_ROWS] */
     bool host_turn;
 };
 
 static bool host_job(const struct moe_batcher *b, const struct moe_job *j)
 {
-    return b->cfg.host_sample_all || j->logprobs || j->n_bias;
+    return b->cfg.host_sample_all || j->logprobs || j->n_bias || j->gram;
 }
 
 void moe_job_free(struct moe_job *j)
@@ -55,11 +57,12 @@ void moe_job_free(struct moe_job *j)
     free(j->prompt);
     free(j->bias_tok);
     free(j->bias_val);
+    moe_grammar_state_free(j->gram);
+    moe_grammar_free(j->grammar);
     moe_sampler_free(j->hs);
     free(j);
 }
 
-/* Ends a running or waiting job and frees it. */
 /* Ends a running or waiting job and frees it. The slot keeps the job's evaluated positions for
  * a later prompt with the same prefix (valid: they hold KV of hist's tokens). */
 static void end_job(struct moe_batcher *b, struct moe_job *j, bool send_done,
@@ -302,6 +305,14 @@ static void sample_row(struct moe_batcher *b, uint32_t k)
 {
     struct moe_job *j = b->owner[k];
     int32_t t = b->sampled[k];
+    if (j->gram_fail) {
+        char msg[192];
+        snprintf(msg, sizeof msg, "grammar: %s",
+                 j->gram_fail == 1 ? moe_grammar_state_error(j->gram)
+                                   : "no token of the vocabulary can continue the text");
+        fail_job(b, j, MOE_EFORMAT, msg);
+        return;
+    }
     if (t < 0) {
         fail_job(b, j, MOE_ERANGE, "every logit is NaN or -inf; cannot sample");
         return;
@@ -310,8 +321,8 @@ static void sample_row(struct moe_batcher *b, uint32_t k)
     j->n_gen++;
     b->gen_total++;
     b->sink.token(b->sink.user, j->id, t, j->logprobs ? &b->lp[k] : NULL);
-    if (is_eog(j, t))
-        finish(b, j, true, MOE_FINISH_STOP);
+    if (is_eog(j, t) || (j->gram && !moe_grammar_state_can_continue(j->gram)))
+        finish(b, j, true, MOE_FINISH_STOP); /* an end token, or the grammar is complete */
     else if (j->n_gen >= j->max_tokens || j->n_past >= b->cfg.n_ctx)
         finish(b, j, true, MOE_FINISH_LENGTH);
 }
@@ -324,13 +335,16 @@ static int forward_host(struct moe_batcher *b, const struct moe_batch *batch, ui
     if (!b->logits) {
         b->logits = malloc(sizeof *b->logits * ((size_t)b->cfg.n_seq + MOE_BATCHER_PROMPT_ROWS) * V);
         b->biased = malloc(sizeof *b->biased * (size_t)V);
+        b->gmask = malloc(V);
         b->lp = calloc((size_t)b->cfg.n_seq + MOE_BATCHER_PROMPT_ROWS, sizeof *b->lp);
-        if (!b->logits || !b->biased || !b->lp) {
+        if (!b->logits || !b->biased || !b->lp || !b->gmask) {
             free(b->logits);
             free(b->biased);
             free(b->lp);
+            free(b->gmask);
             b->logits = b->biased = NULL;
             b->lp = NULL;
+            b->gmask = NULL;
             return -ENOMEM;
         }
     }
@@ -349,14 +363,28 @@ static int forward_host(struct moe_batcher *b, const struct moe_batch *batch, ui
                 b->sink.prompt_lp(b->sink.user, j->id, (uint32_t)b->row_pos[k], t, lp);
             continue;
         }
-        if (j->n_bias) {
+        if (j->n_bias || j->gram)
             memcpy(b->biased, lg, sizeof *lg * V);
-            for (uint32_t i = 0; i < j->n_bias; i++)
-                b->biased[j->bias_tok[i]] += j->bias_val[i];
+        for (uint32_t i = 0; i < j->n_bias; i++)
+            b->biased[j->bias_tok[i]] += j->bias_val[i];
+        if (j->gram) {
+            /* Tokens the grammar cannot take next are out, before the sampler sees the row. */
+            const long allowed = moe_grammar_mask(j->gram, j->tb->trie, b->gmask);
+            if (allowed <= 0) {
+                j->gram_fail = allowed < 0 ? 1 : 2;
+                b->sampled[k] = -1;
+                continue;
+            }
+            for (uint32_t v = 0; v < V; v++)
+                if (!b->gmask[v])
+                    b->biased[v] = -INFINITY;
         }
-        int32_t t = moe_sampler_sample(j->hs, j->n_bias ? b->biased : lg);
+        int32_t t = moe_sampler_sample(j->hs, j->n_bias || j->gram ? b->biased : lg);
         if (t >= 0)
             moe_sampler_accept(j->hs, t);
+        if (t >= 0 && j->gram && !is_eog(j, t) &&
+            moe_grammar_state_accept_bytes(j->gram, j->tb->tok[t], j->tb->len[t]) != 1)
+            j->gram_fail = 1; /* the mask allowed it, so only a limit can refuse it */
         b->sampled[k] = t;
         if (j->logprobs) {
             struct moe_token_lp *lp = &b->lp[k];
@@ -485,6 +513,7 @@ void moe_batcher_free(struct moe_batcher *b)
     free(b->used_at);
     free(b->logits);
     free(b->biased);
+    free(b->gmask);
     free(b->lp);
     free(b);
 }

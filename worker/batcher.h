@@ -34,6 +34,7 @@
 #include <stdint.h>
 
 #include "proto/ipc.h"
+#include "store/grammar.h"
 #include "worker/engine.h"
 #include "worker/sampler.h"
 
@@ -54,6 +55,13 @@ struct moe_job {
     int32_t *bias_tok;         /* [n_bias] logit_bias (owned), added before sampling */
     float *bias_val;
     uint32_t n_bias;
+    /* Constrained sampling (store/grammar.h): the job's grammar and its state (both owned) and
+     * the vocabulary's bytes (shared, outliving the job). Each step allows only the tokens the
+     * grammar can take; the job ends (STOP) when the grammar cannot go on. */
+    struct moe_grammar *grammar;
+    struct moe_grammar_state *gram;
+    const struct moe_token_bytes *tb;
+    int gram_fail;             /* batcher only: 1 a grammar limit, 2 no token allowed */
     struct moe_job *next;
     /* batcher only */
     int32_t slot;
@@ -62,6 +70,15 @@ struct moe_job {
     uint32_t n_gen;
     int32_t last;    /* last sampled token: evaluated at n_past in the next step */
     struct moe_sampler *hs; /* host sampler: jobs with logprobs or logit_bias (see below) */
+};
+
+/* A vocabulary for grammar masks: token i's bytes (none for control tokens that are not
+ * end-of-generation: never allowed) and the trie built from them. */
+struct moe_token_bytes {
+    uint32_t n;
+    char **tok;
+    uint32_t *len;
+    struct moe_grammar_vocab *trie;
 };
 
 /* Frees a job and what it owns (NULL is fine). */

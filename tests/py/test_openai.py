@@ -223,8 +223,36 @@ def test_chat_tools_and_tool_messages(client):
     assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
     assert r.choices[0].message.role == "assistant"
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model="tiny", messages=msgs, tools=TOOLS, tool_choice="required")
-    assert "constrained sampling" in str(e.value)
+        client.chat.completions.create(model="tiny", messages=msgs, tools=TOOLS,
+                                       tool_choice={"type": "function", "function": {"name": "nope"}})
+    assert "not among 'tools'" in str(e.value)
+
+
+def test_tool_choice_forces_a_call(client):
+    """tool_choice required / a named function: the answer is a tool call whose arguments follow
+    the function's parameters (forced by a grammar), even from a model that never learnt tools."""
+    import jsonschema
+    # Bounded arguments, so that a random model ends its call well within max_tokens.
+    tools = [{"type": "function", "function": {
+        "name": "get_weather", "parameters": {"type": "object", "properties": {
+            "city": {"type": "string", "maxLength": 12}}, "required": ["city"]}}},
+             {"type": "function", "function": {
+        "name": "add", "parameters": {"type": "object", "properties": {
+            "a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"],
+            "additionalProperties": False}}}]
+    params = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+    msgs = [{"role": "user", "content": "Weather in Paris?"}]
+    for seed in range(3):
+        for choice in ("required", {"type": "function", "function": {"name": "add"}}):
+            r = client.chat.completions.create(model="tiny", messages=msgs, tools=tools, tool_choice=choice,
+                                               max_tokens=300, temperature=1.0, seed=seed)
+            c = r.choices[0]
+            assert c.finish_reason == "tool_calls", c.message
+            assert len(c.message.tool_calls) == 1
+            call = c.message.tool_calls[0].function
+            if choice != "required":
+                assert call.name == "add"
+            jsonschema.validate(json.loads(call.arguments), params[call.name])
 
 
 def test_chat_template_kwargs(daemon, client):
@@ -548,3 +576,95 @@ def test_echo_with_logprobs(client):
                                      echo=True)
     assert len(long.choices[0].logprobs.tokens) == len(ids) * 6 + 1
     assert all(x is not None for x in long.choices[0].logprobs.token_logprobs[1:])
+
+
+SCHEMAS = [
+    {"type": "object", "properties": {"answer": {"enum": ["yes", "no", "maybe"]},
+                                      "count": {"type": "integer"}, "sure": {"type": "boolean"}},
+     "required": ["answer", "count", "sure"], "additionalProperties": False},
+    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                      "tags": {"type": "array", "items": {"type": "string", "maxLength": 5},
+                                               "maxItems": 3}},
+     "required": ["name", "tags"], "additionalProperties": False},
+    {"type": "object", "properties": {"v": {"anyOf": [{"type": "integer"}, {"type": "null"},
+                                                      {"const": "none"}]}},
+     "required": ["v"], "additionalProperties": False},
+    {"$defs": {"pt": {"type": "object", "properties": {"x": {"type": "integer"}, "y": {"type": "integer"}},
+                      "required": ["x", "y"], "additionalProperties": False}},
+     "type": "object", "properties": {"a": {"$ref": "#/$defs/pt"}, "b": {"$ref": "#/$defs/pt"}},
+     "required": ["a", "b"], "additionalProperties": False},
+    {"type": "array", "items": {"type": ["number", "null"]}, "minItems": 1, "maxItems": 4},
+    {"type": "object", "properties": {"kind": {"const": "point"},
+                                      "ok": {"type": ["boolean", "null"]},
+                                      "word": {"type": "string", "minLength": 2, "maxLength": 4}},
+     "required": ["kind", "ok", "word"], "additionalProperties": False},
+]
+
+
+def test_structured_output_validates(client):
+    """response_format json_schema (and llama-server's json_schema field) at temperature 1: every
+    output parses and validates against its schema."""
+    import jsonschema
+    for i, schema in enumerate(SCHEMAS):
+        for seed in range(3):
+            if seed < 2:
+                r = client.completions.create(
+                    model="tiny", prompt="And God said", max_tokens=400, temperature=1.0, seed=seed,
+                    extra_body={"response_format": {"type": "json_schema",
+                                                    "json_schema": {"name": f"s{i}", "schema": schema,
+                                                                    "strict": True}}})
+            else:
+                r = client.completions.create(model="tiny", prompt="In the beginning", max_tokens=400,
+                                              temperature=1.0, seed=seed,
+                                              extra_body={"json_schema": schema})
+            c = r.choices[0]
+            assert c.finish_reason == "stop", (schema, c.text)
+            jsonschema.validate(json.loads(c.text), schema)
+
+
+def test_structured_output_chat_and_stream(client):
+    schema = SCHEMAS[0]
+    rf = {"type": "json_schema", "json_schema": {"name": "a", "schema": schema, "strict": True}}
+    r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Answer."}],
+                                       max_tokens=300, temperature=1.0, seed=5, response_format=rf)
+    import jsonschema
+    jsonschema.validate(json.loads(r.choices[0].message.content), schema)
+    chunks = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Answer."}],
+                                            max_tokens=300, temperature=1.0, seed=5, response_format=rf,
+                                            stream=True)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == r.choices[0].message.content
+    # json_object: a JSON object whenever generation ends on its own.
+    for seed in range(3):
+        r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}],
+                                           max_tokens=300, temperature=1.0, seed=seed,
+                                           response_format={"type": "json_object"})
+        c = r.choices[0]
+        if c.finish_reason == "stop":
+            assert isinstance(json.loads(c.message.content), dict)
+        else:
+            assert c.finish_reason == "length"
+
+
+def test_grammar_field(client):
+    for seed in range(4):
+        r = client.completions.create(model="tiny", prompt="And God said", max_tokens=20, temperature=1.0,
+                                      seed=seed, extra_body={"grammar": 'root ::= ("yes" | "no") "."'})
+        assert r.choices[0].text in ("yes.", "no.") and r.choices[0].finish_reason == "stop"
+
+
+def test_bad_constraints(client):
+    bad = [
+        {"grammar": "root ::= undefined-rule"},
+        {"grammar": 'root ::= "a'},
+        {"grammar": 5},
+        {"json_schema": {"type": "object", "patternProperties": {"^a": {"type": "string"}}}},
+        {"response_format": {"type": "xml"}},
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+        {"grammar": 'root ::= "a"', "response_format": {"type": "json_object"}},
+    ]
+    for body in bad:
+        with pytest.raises(openai.BadRequestError):
+            client.completions.create(model="tiny", prompt="x", max_tokens=4, extra_body=body)
+    # The daemon keeps serving.
+    assert client.completions.create(model="tiny", prompt="x", max_tokens=2, temperature=0).choices
