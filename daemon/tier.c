@@ -1,0 +1,450 @@
+/* The daemon's side of the tiered store (see tier.h). */
+#include "daemon/tier.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <inttypes.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <xxhash.h>
+
+#include "proto/ipc.h"
+#include "store/err.h"
+#include "store/io.h"
+#include "store/pool.h"
+
+#define RETRY_MS 2            /* every slot pinned: look again this often */
+#define RETRY_GIVE_UP_MS 60000
+
+/* One blob's state on the daemon side. */
+struct pend {
+    uint64_t waiters;         /* workers (bits) waiting for the read under way */
+    int32_t slot;             /* slot being written, while reading */
+    bool reading;
+};
+
+struct retry {
+    uint32_t worker, blob;
+    uint64_t since;
+};
+
+struct rd {
+    uv_work_t req;
+    struct moed_tier *t;
+    uint32_t blob;
+    int32_t slot;
+    uint8_t *dst;
+    uint64_t off[3], size[3], dst_off[3];
+    int code;
+    char msg[200];
+    double seconds;
+};
+
+struct moed_tier {
+    struct moed_tier_opts o;
+    struct moe_pool *pool;
+    uint32_t n_layer, n_expert, n_blobs;
+    int fd;
+    /* what the file was when the daemon opened it */
+    uint64_t size, head_len, head_hash;
+    struct timespec mtime;
+    struct pend *pend;        /* [n_blobs] */
+    struct retry *retry;
+    size_t n_retry, cap_retry;
+    uv_timer_t timer;
+    bool timer_on;
+    struct moed_tier_stats st;
+};
+
+static uint64_t layer_share_bonus(struct moed_tier *t, uint32_t blob)
+{
+    /* Up to 4 s of recency for an expert the profile routes to four times its fair share. */
+    const uint64_t *c = t->o.counts ? t->o.counts(t->o.user) : NULL;
+    if (!c)
+        return 0;
+    uint32_t l = blob / t->n_expert;
+    uint64_t sum = 0;
+    for (uint32_t e = 0; e < t->n_expert; e++)
+        sum += c[l * t->n_expert + e];
+    if (!sum)
+        return 0;
+    double fair = (double)c[blob] * t->n_expert / (double)sum;
+    return (uint64_t)(1000.0 * (fair > 4.0 ? 4.0 : fair));
+}
+
+/* A slot to load into: an empty one, else the unpinned one with the oldest use (the profile
+ * makes popular experts look younger). Claimed (LOADING), or -1 when every slot is pinned. */
+static int32_t take_slot(struct moed_tier *t)
+{
+    struct moe_pool *p = t->pool;
+    for (int pass = 0; pass < 2; pass++) {
+        int32_t best = -1;
+        uint64_t best_score = UINT64_MAX;
+        for (uint32_t s = 0; s < p->n_slots; s++) {
+            int32_t b = atomic_load(&p->slot[s].blob);
+            if (b == MOE_POOL_NONE) {
+                best = (int32_t)s;
+                break;
+            }
+            if (b < 0 || moe_pool_slot_refs(p, (int32_t)s))
+                continue;
+            uint64_t score = atomic_load_explicit(&p->slot[s].used, memory_order_relaxed) +
+                             layer_share_bonus(t, (uint32_t)b);
+            if (score < best_score) {
+                best_score = score;
+                best = (int32_t)s;
+            }
+        }
+        if (best < 0)
+            return -1;
+        int32_t old = atomic_load(&p->slot[best].blob);
+        if (moe_pool_claim(p, best)) {
+            if (old >= 0)
+                t->st.evictions++;
+            return best;
+        }
+        /* A worker pinned it while we looked: once more, then wait for the retry timer. */
+    }
+    return -1;
+}
+
+static void answer(struct moed_tier *t, uint32_t w, uint32_t blob, int32_t slot, int code,
+                   const char *msg)
+{
+    uint32_t l = blob / t->n_expert, e = blob % t->n_expert;
+    uint64_t off = 0, size = 0;
+    if (!code) {
+        const struct moe_store_layer *L = moe_store_layer(t->o.store, l);
+        off = t->pool->slots_off + (uint64_t)slot * t->pool->slot_bytes;
+        size = L->blob_bytes;
+    }
+    t->o.answer(t->o.user, w, l, e, off, size, code, msg);
+}
+
+/* The file must still be the one the store was built from: same inode, size and, when it was
+ * written to, the same header and tensor table. */
+static int check_file(struct moed_tier *t, char *msg, size_t n)
+{
+    struct stat st;
+    if (fstat(t->fd, &st) != 0)
+        return moe_fail(msg, n, -errno, "%s: fstat: %s", t->o.path, strerror(errno));
+    if ((uint64_t)st.st_size != t->size)
+        return moe_fail(msg, n, MOE_EFORMAT, "%s changed under the daemon: %lld bytes, it had %"
+                        PRIu64 " (restart moed to serve the new file)", t->o.path,
+                        (long long)st.st_size, t->size);
+    if (st.st_mtim.tv_sec == t->mtime.tv_sec && st.st_mtim.tv_nsec == t->mtime.tv_nsec)
+        return 0;
+    uint8_t *head = malloc(t->head_len);
+    if (!head)
+        return moe_fail(msg, n, -ENOMEM, "out of memory");
+    ssize_t got = pread(t->fd, head, t->head_len, 0);
+    uint64_t h = got == (ssize_t)t->head_len ? XXH3_64bits(head, t->head_len) : 0;
+    free(head);
+    if (got != (ssize_t)t->head_len || h != t->head_hash)
+        return moe_fail(msg, n, MOE_EFORMAT, "%s changed under the daemon: its header and tensor "
+                        "table are not the ones the store was built from (restart moed)",
+                        t->o.path);
+    return 0;
+}
+
+static void read_work(uv_work_t *req)
+{
+    struct rd *r = req->data;
+    struct moed_tier *t = r->t;
+    double t0 = moe_now_s();
+    r->code = check_file(t, r->msg, sizeof r->msg);
+    for (int k = 0; k < 3 && !r->code; k++) {
+        uint64_t done = 0;
+        while (done < r->size[k]) {
+            ssize_t got = pread(t->fd, r->dst + r->dst_off[k] + done, r->size[k] - done,
+                                (off_t)(r->off[k] + done));
+            if (got < 0 && errno == EINTR)
+                continue;
+            if (got <= 0) {
+                r->code = got < 0 ? -errno : MOE_EFORMAT;
+                snprintf(r->msg, sizeof r->msg, "%s: reading expert (%u, %u) at %" PRIu64 ": %s",
+                         t->o.path, r->blob / t->n_expert, r->blob % t->n_expert,
+                         r->off[k] + done, got < 0 ? strerror(errno) : "the file ends early");
+                break;
+            }
+            done += (uint64_t)got;
+        }
+    }
+    /* A file that shrank or changed during the read must not leave mixed bytes in a slot. */
+    if (!r->code)
+        r->code = check_file(t, r->msg, sizeof r->msg);
+    r->seconds = moe_now_s() - t0;
+}
+
+static void read_done(uv_work_t *req, int status)
+{
+    struct rd *r = req->data;
+    struct moed_tier *t = r->t;
+    struct pend *pd = &t->pend[r->blob];
+    if (status && !r->code) {
+        r->code = MOE_ECANCELED;
+        snprintf(r->msg, sizeof r->msg, "read cancelled");
+    }
+    t->st.read_seconds += r->seconds;
+    uint64_t waiters = pd->waiters;
+    pd->waiters = 0;
+    pd->reading = false;
+    if (r->code) {
+        t->st.read_errors++;
+        moe_pool_release_claim(t->pool, r->slot);
+        moe_ipc_log(MOE_LOG_ERROR, "tiered store: %s", r->msg);
+        for (uint32_t w = 0; w < 64; w++)
+            if (waiters >> w & 1)
+                answer(t, w, r->blob, -1, r->code, r->msg);
+    } else {
+        t->st.reads++;
+        t->st.read_bytes += r->size[0] + r->size[1] + r->size[2];
+        moe_pool_publish(t->pool, r->slot, r->blob, UINT32_MAX);
+        for (uint32_t w = 0; w < 64; w++)
+            if (waiters >> w & 1 && moe_pool_pin_for(t->pool, r->slot, r->blob, w))
+                answer(t, w, r->blob, r->slot, 0, NULL);
+    }
+    free(r);
+}
+
+/* Starts the read of blob into a free slot; false when no slot is free now. */
+static bool start_read(struct moed_tier *t, uint32_t blob, char *msg, size_t n, int *code)
+{
+    *code = 0;
+    int32_t slot = take_slot(t);
+    if (slot < 0)
+        return false;
+    uint32_t l = blob / t->n_expert, e = blob % t->n_expert;
+    struct moe_expert_slice sl;
+    struct rd *r = calloc(1, sizeof *r);
+    int rc = r ? moe_model_expert_slice(t->o.model, l, e, &sl) : -ENOMEM;
+    if (rc) {
+        free(r);
+        moe_pool_release_claim(t->pool, slot);
+        *code = moe_fail(msg, n, rc, "expert (%u, %u): %s", l, e, moe_strerror(rc));
+        return true;
+    }
+    const struct moe_store_layer *L = moe_store_layer(t->o.store, l);
+    r->t = t;
+    r->blob = blob;
+    r->slot = slot;
+    r->dst = t->pool->slots_base + (uint64_t)slot * t->pool->slot_bytes;
+    for (int k = 0; k < 3; k++) {
+        r->off[k] = sl.off[k];
+        r->size[k] = sl.size[k];
+        r->dst_off[k] = L->off[k];
+    }
+    r->req.data = r;
+    if ((rc = uv_queue_work(t->o.loop, &r->req, read_work, read_done))) {
+        free(r);
+        moe_pool_release_claim(t->pool, slot);
+        *code = moe_fail(msg, n, MOE_EINTERNAL, "uv_queue_work: %s", uv_strerror(rc));
+        return true;
+    }
+    t->pend[blob].reading = true;
+    t->pend[blob].slot = slot;
+    return true;
+}
+
+static void arm_retry(struct moed_tier *t);
+
+/* Serves (worker, blob) now if it can: in the pool already, a read under way, or a slot free.
+ * Returns false when it has to wait for a slot. */
+static bool serve(struct moed_tier *t, uint32_t w, uint32_t blob)
+{
+    struct pend *pd = &t->pend[blob];
+    if (pd->reading) {
+        pd->waiters |= 1ull << w;
+        t->st.merged++;
+        return true;
+    }
+    int32_t s = atomic_load(&t->pool->where[blob]);
+    if (s >= 0 && moe_pool_pin_for(t->pool, s, blob, w)) {
+        answer(t, w, blob, s, 0, NULL); /* it arrived while the request was on its way */
+        return true;
+    }
+    char msg[200];
+    int code;
+    if (!start_read(t, blob, msg, sizeof msg, &code))
+        return false;
+    if (code)
+        answer(t, w, blob, -1, code, msg);
+    else
+        pd->waiters |= 1ull << w;
+    return true;
+}
+
+static void on_retry(uv_timer_t *tm)
+{
+    struct moed_tier *t = tm->data;
+    uint64_t now = uv_now(t->o.loop);
+    size_t keep = 0;
+    for (size_t i = 0; i < t->n_retry; i++) {
+        struct retry *q = &t->retry[i];
+        if (serve(t, q->worker, q->blob))
+            continue;
+        if (now - q->since > RETRY_GIVE_UP_MS) {
+            answer(t, q->worker, q->blob, -1, MOE_ETOOBIG, "every slot of the expert pool stayed "
+                   "pinned for 60 s (raise --ram-budget)");
+            continue;
+        }
+        t->retry[keep++] = *q;
+    }
+    t->n_retry = keep;
+    if (!keep) {
+        uv_timer_stop(&t->timer);
+        t->timer_on = false;
+    }
+}
+
+static void arm_retry(struct moed_tier *t)
+{
+    if (!t->timer_on) {
+        uv_timer_start(&t->timer, on_retry, RETRY_MS, RETRY_MS);
+        t->timer_on = true;
+    }
+}
+
+void moed_tier_request(struct moed_tier *t, uint32_t worker, uint32_t layer, uint32_t expert)
+{
+    uint32_t blob = layer * t->n_expert + expert;
+    t->st.requests++;
+    if (worker >= t->pool->n_workers || blob >= t->n_blobs)
+        return; /* validated by the caller */
+    if (serve(t, worker, blob))
+        return;
+    t->st.no_slot++;
+    if (t->n_retry == t->cap_retry) {
+        size_t nc = t->cap_retry ? t->cap_retry * 2 : 16;
+        struct retry *p = realloc(t->retry, nc * sizeof *p);
+        if (!p) {
+            answer(t, worker, blob, -1, -ENOMEM, "out of memory");
+            return;
+        }
+        t->retry = p;
+        t->cap_retry = nc;
+    }
+    t->retry[t->n_retry++] = (struct retry){worker, blob, uv_now(t->o.loop)};
+    arm_retry(t);
+}
+
+void moed_tier_worker_gone(struct moed_tier *t, uint32_t worker)
+{
+    if (worker >= t->pool->n_workers)
+        return;
+    for (uint32_t b = 0; b < t->n_blobs; b++)
+        t->pend[b].waiters &= ~(1ull << worker);
+    size_t keep = 0;
+    for (size_t i = 0; i < t->n_retry; i++)
+        if (t->retry[i].worker != worker)
+            t->retry[keep++] = t->retry[i];
+    t->n_retry = keep;
+    uint64_t n = moe_pool_reclaim(t->pool, worker);
+    t->st.reclaimed += n;
+    if (n)
+        moe_ipc_log(MOE_LOG_INFO, "tiered store: reclaimed %" PRIu64 " pins of worker %u", n,
+                    worker);
+}
+
+void moed_tier_stats(const struct moed_tier *t, struct moed_tier_stats *out)
+{
+    *out = t->st;
+    out->resident = 0;
+    out->pinned = 0;
+    for (uint32_t s = 0; s < t->pool->n_slots; s++) {
+        if (atomic_load(&t->pool->slot[s].blob) >= 0)
+            out->resident++;
+        out->pinned += moe_pool_slot_refs(t->pool, (int32_t)s);
+    }
+}
+
+int moed_tier_new(struct moed_tier **out, const struct moed_tier_opts *o, char *err,
+                  size_t errlen)
+{
+    struct moe_pool *p = moe_store_pool(o->store);
+    const struct gguf_file *f = o->model->gguf;
+    if (!p || !f)
+        return moe_fail(err, errlen, MOE_EINTERNAL, "tiered store: no pool or no file");
+    struct moed_tier *t = calloc(1, sizeof *t);
+    if (!t)
+        return moe_fail(err, errlen, -ENOMEM, "out of memory");
+    t->o = *o;
+    t->pool = p;
+    t->n_layer = o->model->hp.n_layer;
+    t->n_expert = o->model->hp.n_expert;
+    t->n_blobs = t->n_layer * t->n_expert;
+    t->pend = calloc(t->n_blobs, sizeof *t->pend);
+    t->fd = open(o->path, O_RDONLY | O_CLOEXEC);
+    struct stat st;
+    int rc = 0;
+    if (!t->pend)
+        rc = moe_fail(err, errlen, -ENOMEM, "out of memory");
+    else if (t->fd < 0 || fstat(t->fd, &st) != 0)
+        rc = moe_fail(err, errlen, -errno, "%s: %s", o->path, strerror(errno));
+    else if ((uint64_t)st.st_size != f->size)
+        rc = moe_fail(err, errlen, MOE_EFORMAT, "%s changed while the daemon opened it", o->path);
+    if (rc) {
+        moed_tier_free(t);
+        return rc;
+    }
+    t->size = (uint64_t)st.st_size;
+    t->mtime = st.st_mtim;
+    t->head_len = f->data_offset < f->size ? f->data_offset : f->size;
+    t->head_hash = XXH3_64bits(f->base, t->head_len);
+    uv_timer_init(o->loop, &t->timer);
+    t->timer.data = t;
+    t->st.slots = p->n_slots;
+    t->st.slot_bytes = p->slot_bytes;
+    t->st.n_blobs = t->n_blobs;
+    *out = t;
+    return 0;
+}
+
+void moed_tier_free(struct moed_tier *t)
+{
+    if (!t)
+        return;
+    if (t->fd >= 0)
+        close(t->fd);
+    free(t->pend);
+    free(t->retry);
+    free(t);
+}
+
+struct rank {
+    uint64_t count;
+    uint32_t layer, expert;
+};
+
+static int cmp_rank(const void *a, const void *b)
+{
+    const struct rank *x = a, *y = b;
+    if (x->count != y->count)
+        return x->count > y->count ? -1 : 1;
+    if (x->expert != y->expert)
+        return x->expert < y->expert ? -1 : 1;
+    return x->layer < y->layer ? -1 : x->layer > y->layer;
+}
+
+uint32_t moed_tier_fill_order(const uint64_t *counts, uint32_t n_layer, uint32_t n_expert,
+                              uint32_t n_slots, uint32_t *out)
+{
+    uint32_t nb = n_layer * n_expert;
+    struct rank *r = malloc(sizeof *r * (nb ? nb : 1));
+    if (!r)
+        return 0;
+    for (uint32_t l = 0; l < n_layer; l++)
+        for (uint32_t e = 0; e < n_expert; e++)
+            r[l * n_expert + e] = (struct rank){counts ? counts[l * n_expert + e] : 0, l, e};
+    qsort(r, nb, sizeof *r, cmp_rank);
+    uint32_t n = n_slots < nb ? n_slots : nb;
+    for (uint32_t i = 0; i < n; i++)
+        out[i] = r[i].layer * n_expert + r[i].expert;
+    free(r);
+    return n;
+}
