@@ -355,6 +355,47 @@ static int validate_one(const Moed__Envelope *e, enum moe_ipc_from from, char *e
     return rc;
 }
 
+/* Tiered store frames: an expert that does not exist is a bad frame, in either direction. */
+TEST(ipc_expert_request_and_ready_ranges)
+{
+    char err[256];
+    Moed__ExpertRequest q = MOED__EXPERT_REQUEST__INIT;
+    q.layer = 2;
+    q.expert = 15;
+    q.step = 7;
+    Moed__Envelope e = MOED__ENVELOPE__INIT;
+    e.msg_case = MOED__ENVELOPE__MSG_EXPERT_REQUEST;
+    e.expert_request = &q;
+    CHECK_EQ(validate_one(&e, MOE_IPC_FROM_WORKER, err, sizeof err), 0);
+    CHECK_EQ(validate_one(&e, MOE_IPC_FROM_DAEMON, err, sizeof err), MOE_EFORMAT);
+    q.layer = 3;
+    CHECK_EQ(validate_one(&e, MOE_IPC_FROM_WORKER, err, sizeof err), MOE_ERANGE);
+    CHECK(strstr(err, "expert (3, 15) does not exist"));
+    q.layer = 0;
+    q.expert = 16;
+    CHECK_EQ(validate_one(&e, MOE_IPC_FROM_WORKER, err, sizeof err), MOE_ERANGE);
+
+    Moed__ExpertReady r = MOED__EXPERT_READY__INIT;
+    r.layer = 1;
+    r.expert = 3;
+    r.offset = 1 << 22;
+    r.size = 4096;
+    e.msg_case = MOED__ENVELOPE__MSG_EXPERT_READY;
+    e.expert_ready = &r;
+    CHECK_EQ(validate_one(&e, MOE_IPC_FROM_DAEMON, err, sizeof err), 0);
+    CHECK_EQ(validate_one(&e, MOE_IPC_FROM_WORKER, err, sizeof err), MOE_EFORMAT);
+    r.expert = 99;
+    CHECK_EQ(validate_one(&e, MOE_IPC_FROM_DAEMON, err, sizeof err), MOE_ERANGE);
+    r.expert = 3;
+    char *big = malloc(5000);
+    memset(big, 'x', 4999);
+    big[4999] = 0;
+    r.code = MOE_EFORMAT;
+    r.error = big;
+    CHECK_EQ(validate_one(&e, MOE_IPC_FROM_DAEMON, err, sizeof err), MOE_ERANGE);
+    free(big);
+}
+
 TEST(ipc_validate_checks_every_range)
 {
     char err[256];
