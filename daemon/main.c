@@ -251,6 +251,8 @@ static int hook_status(void *user, char **json, char *err, size_t errlen)
             json_object_set_new(pl, "read_bytes", json_integer((json_int_t)ts.read_bytes));
             json_object_set_new(pl, "read_errors", json_integer((json_int_t)ts.read_errors));
             json_object_set_new(pl, "read_seconds", json_real(ts.read_seconds));
+            json_object_set_new(pl, "read_p50_ms", json_real(ts.read_p50_ms));
+            json_object_set_new(pl, "read_p99_ms", json_real(ts.read_p99_ms));
             json_object_set_new(pl, "evictions", json_integer((json_int_t)ts.evictions));
             json_object_set_new(pl, "reclaimed", json_integer((json_int_t)ts.reclaimed));
             json_object_set_new(s, "pool", pl);
@@ -512,10 +514,13 @@ static int hook_metrics(void *user, char **text)
             "# HELP moed_pool_disk_read_bytes_total Bytes read from the model file for the pool.\n# TYPE moed_pool_disk_read_bytes_total counter\nmoed_pool_disk_read_bytes_total %" PRIu64 "\n"
             "# HELP moed_pool_read_errors_total Blob reads that failed.\n# TYPE moed_pool_read_errors_total counter\nmoed_pool_read_errors_total %" PRIu64 "\n"
             "# HELP moed_pool_evictions_total Experts dropped from a slot for another.\n# TYPE moed_pool_evictions_total counter\nmoed_pool_evictions_total %" PRIu64 "\n"
-            "# HELP moed_pool_merged_requests_total Requests that joined a read under way.\n# TYPE moed_pool_merged_requests_total counter\nmoed_pool_merged_requests_total %" PRIu64 "\n",
+            "# HELP moed_pool_merged_requests_total Requests that joined a read under way.\n# TYPE moed_pool_merged_requests_total counter\nmoed_pool_merged_requests_total %" PRIu64 "\n"
+            "# HELP moed_pool_read_latency_seconds Blob read latency quantiles (power-of-two buckets).\n# TYPE moed_pool_read_latency_seconds gauge\n"
+            "moed_pool_read_latency_seconds{quantile=\"0.5\"} %.6f\nmoed_pool_read_latency_seconds{quantile=\"0.99\"} %.6f\n",
             ts.slots, ts.resident, ts.slot_bytes * ts.slots, hits, misses,
             hits + misses ? (double)hits / (double)(hits + misses) : 1.0, waits, (double)wait_us / 1e6,
-            ts.reads, ts.read_bytes, ts.read_errors, ts.evictions, ts.merged);
+            ts.reads, ts.read_bytes, ts.read_errors, ts.evictions, ts.merged, ts.read_p50_ms / 1e3,
+            ts.read_p99_ms / 1e3);
     }
     rc |= moe_buf_printf(&b, &n, &cap, "# HELP moed_profile_tokens Tokens the routing profile has learned from.\n"
                           "# TYPE moed_profile_tokens gauge\nmoed_profile_tokens %" PRIu64 "\n",

@@ -20,6 +20,7 @@
 
 #define RETRY_MS 2            /* every slot pinned: look again this often */
 #define RETRY_GIVE_UP_MS 60000
+#define LAT_BUCKETS 32        /* read latency: bucket i counts reads of [2^(i-1), 2^i) us */
 
 /* One blob's state on the daemon side. */
 struct pend {
@@ -59,7 +60,33 @@ struct moed_tier {
     uv_timer_t timer;
     bool timer_on;
     struct moed_tier_stats st;
+    uint64_t lat[LAT_BUCKETS];
 };
+
+static void count_latency(struct moed_tier *t, double seconds)
+{
+    uint64_t us = (uint64_t)(seconds * 1e6);
+    int i = 0;
+    while (i < LAT_BUCKETS - 1 && us >= (1ull << i))
+        i++;
+    t->lat[i]++;
+}
+
+/* The upper bound (ms) of the bucket holding quantile q of the reads. */
+static double latency_quantile(const struct moed_tier *t, double q)
+{
+    uint64_t total = 0, seen = 0;
+    for (int i = 0; i < LAT_BUCKETS; i++)
+        total += t->lat[i];
+    if (!total)
+        return 0;
+    for (int i = 0; i < LAT_BUCKETS; i++) {
+        seen += t->lat[i];
+        if ((double)seen >= q * (double)total)
+            return (double)(1ull << i) / 1000.0;
+    }
+    return (double)(1ull << (LAT_BUCKETS - 1)) / 1000.0;
+}
 
 static uint64_t layer_share_bonus(struct moed_tier *t, uint32_t blob)
 {
@@ -191,6 +218,7 @@ static void read_done(uv_work_t *req, int status)
         snprintf(r->msg, sizeof r->msg, "read cancelled");
     }
     t->st.read_seconds += r->seconds;
+    count_latency(t, r->seconds);
     uint64_t waiters = pd->waiters;
     pd->waiters = 0;
     pd->reading = false;
@@ -354,6 +382,8 @@ void moed_tier_worker_gone(struct moed_tier *t, uint32_t worker)
 void moed_tier_stats(const struct moed_tier *t, struct moed_tier_stats *out)
 {
     *out = t->st;
+    out->read_p50_ms = latency_quantile(t, 0.50);
+    out->read_p99_ms = latency_quantile(t, 0.99);
     out->resident = 0;
     out->pinned = 0;
     for (uint32_t s = 0; s < t->pool->n_slots; s++) {

@@ -43,6 +43,7 @@ struct moed_tier_stats {
     uint64_t no_slot;         /* times a request waited because every slot was pinned */
     uint64_t reclaimed;       /* pins dropped for workers that died */
     double read_seconds;      /* time spent in reads, summed */
+    double read_p50_ms, read_p99_ms; /* read latency (upper bounds of power-of-two buckets) */
 };
 
 int moed_tier_new(struct moed_tier **out, const struct moed_tier_opts *o, char *err,

@@ -2299,7 +2299,13 @@ TEST_TIMEOUT(daemon_ram_budget_output_equals_full_store, 300)
                 CHECK(metric_value(r.body, "moed_pool_disk_read_bytes_total") > 0);
                 double hr = metric_value(r.body, "moed_pool_hit_rate");
                 CHECK(hr > 0 && hr < 1);
+                CHECK(metric_value(r.body, "moed_pool_read_latency_seconds{quantile=\"0.99\"}") > 0);
                 hc_resp_free(&r);
+                char out[8192];
+                const char *st_args[] = {"status", NULL};
+                CHECK_EQ(run_moectl(d.sock, 0, 0, false, st_args, out, sizeof out), 0);
+                CHECK_MSG(strstr(out, "pool ") && strstr(out, "slots of 36 KiB") && strstr(out, "hit rate"),
+                          "%s", out);
             }
             CHECK_EQ(moed_stop(&d, 30), 0);
         }
