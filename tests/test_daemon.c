@@ -2313,7 +2313,7 @@ TEST_TIMEOUT(daemon_ram_budget_output_equals_full_store, 300)
         free(want[i]);
 }
 
-TEST_TIMEOUT(daemon_ram_budget_refusals, 120)
+TEST_TIMEOUT(daemon_ram_budget_refusals_and_auto, 120)
 {
     const char *dir = moe_test_tmpdir();
     struct {
@@ -2339,6 +2339,17 @@ TEST_TIMEOUT(daemon_ram_budget_refusals, 120)
             dump_log(&d);
             CHECK_MSG(false, "--ram-budget %s: no '%s' in the log", cases[i].budget, cases[i].want);
         }
+    }
+    /* auto: 3/4 of MemAvailable, far more than this model's experts: the full store. */
+    {
+        char sub[512];
+        snprintf(sub, sizeof sub, "%s/auto", dir);
+        mkdir(sub, 0700);
+        struct moed d;
+        const char *args[] = {"--model", KJV, "--devices", "cpu", "--threads", "1", "--ram-budget", "auto", NULL};
+        moed_start(&d, sub, args);
+        CHECK_EQ(pool_stat(d.sock, "slots"), -1);
+        CHECK_EQ(moed_stop(&d, 30), 0);
     }
     /* moed --help names the option. */
     int status;

@@ -21,6 +21,7 @@
 #include "worker/tier.h"
 
 #define F16_PATH "tests/golden/models/tiny-qwen3moe-F16.gguf"
+#define Q4KM_PATH "tests/golden/models/tiny-qwen3moe-Q4_K_M.gguf" /* expert types differ by layer */
 
 struct opened {
     struct gguf_file *f;
@@ -335,12 +336,12 @@ static float *run_logits(struct moe_model *m, const struct moe_expert_src *src, 
     return out;
 }
 
-TEST_TIMEOUT(tier_cpu_engine_logits_equal_the_full_store, 120)
+static void engine_logits_equal(const char *path)
 {
     struct opened o, full, tiny;
-    open_model(&o, F16_PATH);
-    open_model(&full, F16_PATH);
-    open_model(&tiny, F16_PATH);
+    open_model(&o, path);
+    open_model(&full, path);
+    open_model(&tiny, path);
     char err[512];
     struct moe_store *fs = NULL;
     CHECK(moe_store_create(&fs, &o.m, 2, NULL, NULL, err, sizeof err) == 0);
@@ -408,4 +409,10 @@ TEST_TIMEOUT(tier_cpu_engine_logits_equal_the_full_store, 120)
     close_model(&tiny);
     close_model(&full);
     close_model(&o);
+}
+
+TEST_TIMEOUT(tier_cpu_engine_logits_equal_the_full_store, 120)
+{
+    engine_logits_equal(F16_PATH);
+    engine_logits_equal(Q4KM_PATH);
 }
