@@ -72,7 +72,7 @@ static int cmd_status(int argc, char **argv)
         char h3[32];
         printf("pool       %lld of %lld experts in %lld slots of %s;  hit rate %.1f%%, %lld waits "
                "(%.2f s);  disk %s in %lld reads (p50 %.2f ms, p99 %.2f ms), %lld errors;  %lld "
-               "evictions, %lld pinned\n",
+               "evictions, %lld pinned;  %lld read ahead (%lld used)\n",
                json_integer_value(json_object_get(pl, "resident")),
                json_integer_value(json_object_get(pl, "experts")),
                json_integer_value(json_object_get(pl, "slots")),
@@ -86,7 +86,9 @@ static int cmd_status(int argc, char **argv)
                json_number_value(json_object_get(pl, "read_p99_ms")),
                json_integer_value(json_object_get(pl, "read_errors")),
                json_integer_value(json_object_get(pl, "evictions")),
-               json_integer_value(json_object_get(pl, "pinned")));
+               json_integer_value(json_object_get(pl, "pinned")),
+               json_integer_value(json_object_get(pl, "prefetch_reads")),
+               json_integer_value(json_object_get(pl, "prefetch_used")));
     }
     json_t *ws = json_object_get(o, "workers");
     if (json_array_size(ws)) {

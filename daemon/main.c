@@ -255,6 +255,10 @@ static int hook_status(void *user, char **json, char *err, size_t errlen)
             json_object_set_new(pl, "read_p99_ms", json_real(ts.read_p99_ms));
             json_object_set_new(pl, "evictions", json_integer((json_int_t)ts.evictions));
             json_object_set_new(pl, "reclaimed", json_integer((json_int_t)ts.reclaimed));
+            json_object_set_new(pl, "prefetch_requests", json_integer((json_int_t)ts.prefetch_requests));
+            json_object_set_new(pl, "prefetch_reads", json_integer((json_int_t)ts.prefetch_reads));
+            json_object_set_new(pl, "prefetch_dropped", json_integer((json_int_t)ts.prefetch_dropped));
+            json_object_set_new(pl, "prefetch_used", json_integer((json_int_t)ts.prefetch_used));
             json_object_set_new(s, "pool", pl);
         }
         json_object_set_new(o, "store", s);
@@ -516,11 +520,13 @@ static int hook_metrics(void *user, char **text)
             "# HELP moed_pool_evictions_total Experts dropped from a slot for another.\n# TYPE moed_pool_evictions_total counter\nmoed_pool_evictions_total %" PRIu64 "\n"
             "# HELP moed_pool_merged_requests_total Requests that joined a read under way.\n# TYPE moed_pool_merged_requests_total counter\nmoed_pool_merged_requests_total %" PRIu64 "\n"
             "# HELP moed_pool_read_latency_seconds Blob read latency quantiles (power-of-two buckets).\n# TYPE moed_pool_read_latency_seconds gauge\n"
-            "moed_pool_read_latency_seconds{quantile=\"0.5\"} %.6f\nmoed_pool_read_latency_seconds{quantile=\"0.99\"} %.6f\n",
+            "moed_pool_read_latency_seconds{quantile=\"0.5\"} %.6f\nmoed_pool_read_latency_seconds{quantile=\"0.99\"} %.6f\n"
+            "# HELP moed_pool_prefetch_reads_total Read-aheads of predicted experts.\n# TYPE moed_pool_prefetch_reads_total counter\nmoed_pool_prefetch_reads_total %" PRIu64 "\n"
+            "# HELP moed_pool_prefetch_used_total Requests that joined a read-ahead under way.\n# TYPE moed_pool_prefetch_used_total counter\nmoed_pool_prefetch_used_total %" PRIu64 "\n",
             ts.slots, ts.resident, ts.slot_bytes * ts.slots, hits, misses,
             hits + misses ? (double)hits / (double)(hits + misses) : 1.0, waits, (double)wait_us / 1e6,
             ts.reads, ts.read_bytes, ts.read_errors, ts.evictions, ts.merged, ts.read_p50_ms / 1e3,
-            ts.read_p99_ms / 1e3);
+            ts.read_p99_ms / 1e3, ts.prefetch_reads, ts.prefetch_used);
     }
     rc |= moe_buf_printf(&b, &n, &cap, "# HELP moed_profile_tokens Tokens the routing profile has learned from.\n"
                           "# TYPE moed_profile_tokens gauge\nmoed_profile_tokens %" PRIu64 "\n",
@@ -865,12 +871,12 @@ static const char *base_name(const char *path, char *out, size_t cap)
 /* ---- tiered store ---- */
 
 static void on_expert_request(void *user, uint32_t worker, uint32_t layer, uint32_t expert,
-                              uint64_t step)
+                              uint64_t step, bool prefetch)
 {
     struct daemon *d = user;
     (void)step;
     if (d->tier)
-        moed_tier_request(d->tier, worker, layer, expert);
+        moed_tier_request(d->tier, worker, layer, expert, prefetch);
 }
 
 static void on_worker_reaped(void *user, uint32_t worker)
@@ -1054,6 +1060,7 @@ static void store_done(uv_work_t *w, int status)
         char err[512];
         struct moed_tier_opts to = {.loop = d->loop, .store = d->store, .model = &d->model,
                                     .path = d->cfg.model, .counts = profile_counts,
+                                    .prefetch_max = d->cfg.pool_prefetch,
                                     .answer = tier_answer, .user = d};
         if (moed_tier_new(&d->tier, &to, err, sizeof err)) {
             log_error("tiered store: %s", err);

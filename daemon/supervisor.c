@@ -444,7 +444,8 @@ static int on_msg(struct moe_ipc_conn *c, void *user, const Moed__Envelope *env,
             return moe_fail(err, errlen, MOE_EUNSUPPORTED, "expert_request: every expert is in "
                             "the store (no --ram-budget)");
         ws->o.on_expert_request(ws->o.user, w->index, env->expert_request->layer,
-                                env->expert_request->expert, env->expert_request->step);
+                                env->expert_request->expert, env->expert_request->step,
+                                env->expert_request->prefetch);
         return 0;
     default:
         return moe_fail(err, errlen, MOE_EFORMAT, "unexpected %s", moe_ipc_msg_name(env->msg_case));

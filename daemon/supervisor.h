@@ -99,9 +99,9 @@ struct moed_workers_opts {
      * Ready (sd_notify READY=1). */
     void (*on_ready)(void *user);
     /* Tiered store: worker asks for expert (layer, expert) (in range); answer with
-     * moed_workers_expert_ready. NULL: an ExpertRequest is a protocol violation. */
+     * moed_workers_expert_ready (not for a prefetch: that one gets no answer). NULL: an ExpertRequest is a protocol violation. */
     void (*on_expert_request)(void *user, uint32_t worker, uint32_t layer, uint32_t expert,
-                              uint64_t step);
+                              uint64_t step, bool prefetch);
     /* Worker's process was reaped (before any restart): drop what it held. May be NULL. */
     void (*on_worker_reaped)(void *user, uint32_t worker);
     /* A worker changed state (logs, STATUS=, WATCHDOG decisions); may be NULL. */

@@ -27,6 +27,7 @@ struct pend {
     uint64_t waiters;         /* workers (bits) waiting for the read under way */
     int32_t slot;             /* slot being written, while reading */
     bool reading;
+    bool ahead;               /* the read under way is a read-ahead */
 };
 
 struct retry {
@@ -39,6 +40,7 @@ struct rd {
     struct moed_tier *t;
     uint32_t blob;
     int32_t slot;
+    bool ahead;
     uint8_t *dst;
     uint64_t off[3], size[3], dst_off[3];
     int code;
@@ -59,6 +61,7 @@ struct moed_tier {
     size_t n_retry, cap_retry;
     uv_timer_t timer;
     bool timer_on;
+    uint32_t ahead_in_flight;
     struct moed_tier_stats st;
     uint64_t lat[LAT_BUCKETS];
 };
@@ -226,6 +229,9 @@ static void read_done(uv_work_t *req, int status)
     uint64_t waiters = pd->waiters;
     pd->waiters = 0;
     pd->reading = false;
+    pd->ahead = false;
+    if (r->ahead)
+        t->ahead_in_flight--;
     if (r->code) {
         t->st.read_errors++;
         moe_pool_release_claim(t->pool, r->slot);
@@ -235,6 +241,7 @@ static void read_done(uv_work_t *req, int status)
                 answer(t, w, r->blob, -1, r->code, r->msg);
     } else {
         t->st.reads++;
+        t->st.prefetch_reads += r->ahead;
         t->st.read_bytes += r->size[0] + r->size[1] + r->size[2];
         moe_pool_publish(t->pool, r->slot, r->blob, UINT32_MAX);
         for (uint32_t w = 0; w < 64; w++)
@@ -245,7 +252,8 @@ static void read_done(uv_work_t *req, int status)
 }
 
 /* Starts the read of blob into a free slot; false when no slot is free now. */
-static bool start_read(struct moed_tier *t, uint32_t blob, char *msg, size_t n, int *code)
+static bool start_read(struct moed_tier *t, uint32_t blob, bool ahead, char *msg, size_t n,
+                       int *code)
 {
     *code = 0;
     int32_t slot = take_slot(t);
@@ -278,8 +286,11 @@ static bool start_read(struct moed_tier *t, uint32_t blob, char *msg, size_t n, 
         *code = moe_fail(msg, n, MOE_EINTERNAL, "uv_queue_work: %s", uv_strerror(rc));
         return true;
     }
+    r->ahead = ahead;
     t->pend[blob].reading = true;
+    t->pend[blob].ahead = ahead;
     t->pend[blob].slot = slot;
+    t->ahead_in_flight += ahead;
     return true;
 }
 
@@ -293,6 +304,7 @@ static bool serve(struct moed_tier *t, uint32_t w, uint32_t blob)
     if (pd->reading) {
         pd->waiters |= 1ull << w;
         t->st.merged++;
+        t->st.prefetch_used += pd->ahead;
         return true;
     }
     int32_t s = atomic_load(&t->pool->where[blob]);
@@ -302,7 +314,7 @@ static bool serve(struct moed_tier *t, uint32_t w, uint32_t blob)
     }
     char msg[200];
     int code;
-    if (!start_read(t, blob, msg, sizeof msg, &code))
+    if (!start_read(t, blob, false, msg, sizeof msg, &code))
         return false;
     if (code)
         answer(t, w, blob, -1, code, msg);
@@ -342,12 +354,29 @@ static void arm_retry(struct moed_tier *t)
     }
 }
 
-void moed_tier_request(struct moed_tier *t, uint32_t worker, uint32_t layer, uint32_t expert)
+/* A read-ahead: the victim rule of demand reads, at most prefetch_max at a time. */
+static void read_ahead(struct moed_tier *t, uint32_t blob)
+{
+    char msg[200];
+    int code;
+    t->st.prefetch_requests++;
+    if (t->pend[blob].reading || atomic_load(&t->pool->where[blob]) >= 0)
+        return;
+    if (t->ahead_in_flight >= t->o.prefetch_max || !start_read(t, blob, true, msg, sizeof msg, &code))
+        t->st.prefetch_dropped++;
+}
+
+void moed_tier_request(struct moed_tier *t, uint32_t worker, uint32_t layer, uint32_t expert,
+                       bool prefetch)
 {
     uint32_t blob = layer * t->n_expert + expert;
-    t->st.requests++;
     if (worker >= t->pool->n_workers || blob >= t->n_blobs)
         return; /* validated by the caller */
+    if (prefetch) {
+        read_ahead(t, blob);
+        return;
+    }
+    t->st.requests++;
     if (serve(t, worker, blob))
         return;
     t->st.no_slot++;

@@ -5,6 +5,7 @@
 #ifndef MOED_TIER_H
 #define MOED_TIER_H
 
+#include <stdbool.h>
 #include <stdint.h>
 
 #include <uv.h>
@@ -28,6 +29,7 @@ struct moed_tier_opts {
     const uint64_t *(*counts)(void *user);
     moed_tier_answer_fn answer;
     void *user;
+    uint32_t prefetch_max;          /* read-aheads in flight at most; 0: prefetches dropped */
 };
 
 struct moed_tier_stats {
@@ -44,12 +46,19 @@ struct moed_tier_stats {
     uint64_t reclaimed;       /* pins dropped for workers that died */
     double read_seconds;      /* time spent in reads, summed */
     double read_p50_ms, read_p99_ms; /* read latency (upper bounds of power-of-two buckets) */
+    uint64_t prefetch_requests; /* read-aheads asked for */
+    uint64_t prefetch_reads;    /* ... read (the rest: present, under way, or dropped) */
+    uint64_t prefetch_dropped;  /* ... dropped: prefetch_max under way, or no slot free */
+    uint64_t prefetch_used;     /* demand requests that joined a read-ahead under way */
 };
 
 int moed_tier_new(struct moed_tier **out, const struct moed_tier_opts *o, char *err,
                   size_t errlen);
-/* An ExpertRequest from worker `worker` (layer and expert already range-checked). */
-void moed_tier_request(struct moed_tier *t, uint32_t worker, uint32_t layer, uint32_t expert);
+/* An ExpertRequest from worker `worker` (layer and expert already range-checked). A prefetch
+ * is read ahead (into a slot chosen as for a demand read) when fewer than prefetch_max
+ * read-aheads are under way and a slot is free, else dropped; it is never answered. */
+void moed_tier_request(struct moed_tier *t, uint32_t worker, uint32_t layer, uint32_t expert,
+                       bool prefetch);
 /* Worker `worker` is gone (its process was reaped): its pins are dropped, its requests
  * forgotten. */
 void moed_tier_worker_gone(struct moed_tier *t, uint32_t worker);

@@ -2261,16 +2261,18 @@ TEST_TIMEOUT(daemon_ram_budget_output_equals_full_store, 300)
     const int n = 24;
     char *want[3];
     tier_reference(dir, n, want);
-    static const char *const budgets[3] = {"100%", "50%", "20%"};
+    /* The last: 20% without read-ahead. */
+    static const char *const budgets[4] = {"100%", "50%", "20%", "20%"};
     static const char *const nworkers[2] = {"1", "2"};
-    for (int b = 0; b < 3; b++)
+    for (int b = 0; b < 4; b++)
         for (int w = 0; w < 2; w++) {
             char sub[512];
             snprintf(sub, sizeof sub, "%s/%d%d", dir, b, w);
             mkdir(sub, 0700);
             struct moed d;
             const char *args[] = {"--model", KJV, "--devices", "cpu", "--workers", nworkers[w], "--parallel", "4",
-                                  "--threads", "1", "--ram-budget", budgets[b], NULL};
+                                  "--threads", "1", "--ram-budget", budgets[b], b == 3 ? "--pool-prefetch" : NULL,
+                                  "0", NULL};
             moed_start(&d, sub, args);
             char *got[6];
             tier_run_clients(d.sock, 6, n, got);
@@ -2284,6 +2286,13 @@ TEST_TIMEOUT(daemon_ram_budget_output_equals_full_store, 300)
                 CHECK_EQ(slots, -1); /* every expert fits: the full store */
             } else {
                 CHECK_EQ(slots, b == 1 ? 64 : 25);
+                /* Read-ahead of the next layer's predicted experts, unless turned off. */
+                if (b == 3) {
+                    CHECK_EQ(pool_stat(d.sock, "prefetch_reads"), 0);
+                } else {
+                    CHECK(pool_stat(d.sock, "prefetch_requests") > 0);
+                    CHECK(pool_stat(d.sock, "prefetch_reads") > 0);
+                }
                 CHECK(pool_stat(d.sock, "reads") > 0);
                 CHECK(pool_stat(d.sock, "read_bytes") >= pool_stat(d.sock, "reads") * 30000);
                 CHECK_EQ(pool_stat(d.sock, "read_errors"), 0);

@@ -276,13 +276,18 @@ struct fake_daemon {
     struct opened *o;
     struct wtier *t;
     uint32_t worker;
-    int requests;
+    int requests, prefetches;
     bool fail;             /* answer every request with an error */
 };
 
-static void fake_request(void *user, uint32_t layer, uint32_t expert)
+static void fake_request(void *user, uint32_t layer, uint32_t expert, bool prefetch)
 {
     struct fake_daemon *f = user;
+    if (prefetch) {
+        CHECK(layer >= 1 && layer < f->o->m.hp.n_layer && expert < f->o->m.hp.n_expert);
+        f->prefetches++;
+        return; /* a read-ahead the daemon drops */
+    }
     struct moe_pool *p = moe_store_pool(f->s);
     uint32_t b = layer * f->o->m.hp.n_expert + expert;
     char err[256];
@@ -371,6 +376,8 @@ static void engine_logits_equal(const char *path)
     CHECK(st.misses > 10);
     CHECK(st.hits > 0);
     CHECK_EQ((int)st.misses, fd.requests);
+    CHECK(fd.prefetches > 0);
+    CHECK_EQ((int)st.prefetches, fd.prefetches);
     struct moe_pool *p = moe_store_pool(ps);
     for (uint32_t i = 0; i < p->n_slots; i++)
         CHECK_EQ(moe_pool_slot_refs(p, (int32_t)i), 0u); /* every pin given back */

@@ -27,6 +27,9 @@ struct moe_expert_src {
                    char *err, size_t errlen);
     /* Layer l is done with them. */
     void (*release)(void *user, int layer, const int32_t *ids, int n);
+    /* Optional: the experts the next layer will probably choose (its router applied to this
+     * layer's input), so that they can be read ahead. Never blocks. */
+    void (*prefetch)(void *user, int layer, const int32_t *ids, int n);
     int max_pinned;      /* >= 1 */
     void *user;
 };

@@ -54,7 +54,7 @@ struct wevent {
     struct moe_offload_stats os;      /* EV_STATS: the expert cache (os.active: with layers) */
     struct moe_offload_layer *layers; /* [n_layer] or NULL */
     struct wtier_stats ts;            /* EV_STATS: the tiered store's counters */
-    uint32_t layer, expert;           /* EV_XREQ */
+    uint32_t layer, expert;           /* EV_XREQ (reason: 1 for a read-ahead) */
     struct wevent *next;
 };
 
@@ -221,7 +221,7 @@ static int sink_report(void *user, const struct moe_batcher_report *r)
 }
 
 /* Compute thread: an expert the step needs is not in the pool; the loop sends the request. */
-static void tier_request(void *user, uint32_t layer, uint32_t expert)
+static void tier_request(void *user, uint32_t layer, uint32_t expert, bool prefetch)
 {
     struct worker *w = user;
     struct wevent *ev = ev_new(EV_XREQ, atomic_load(&w->steps));
@@ -232,6 +232,7 @@ static void tier_request(void *user, uint32_t layer, uint32_t expert)
     }
     ev->layer = layer;
     ev->expert = expert;
+    ev->reason = prefetch;
     post(w, ev);
 }
 
@@ -559,6 +560,7 @@ static void send_event(struct worker *w, struct wevent *ev)
         m.pool_misses = ev->ts.misses;
         m.pool_waits = ev->ts.waits;
         m.pool_wait_us = ev->ts.wait_us;
+        m.pool_prefetches = ev->ts.prefetches;
         uint32_t *u32 = NULL;
         uint64_t *u64 = NULL;
         if (ev->layers && (u32 = malloc(sizeof *u32 * 2 * w->n_layer)) &&
@@ -591,6 +593,7 @@ static void send_event(struct worker *w, struct wevent *ev)
         x.layer = ev->layer;
         x.expert = ev->expert;
         x.step = ev->id;
+        x.prefetch = ev->reason != 0;
         env.msg_case = MOED__ENVELOPE__MSG_EXPERT_REQUEST;
         env.expert_request = &x;
         moe_ipc_conn_send(w->conn, &env);

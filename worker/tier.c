@@ -33,7 +33,7 @@ struct wtier {
     int ans_code;
     char ans_msg[200];
     bool aborted;
-    _Atomic uint64_t hits, misses, waits, wait_us;
+    _Atomic uint64_t hits, misses, waits, wait_us, prefetches;
 };
 
 static void fill_view(struct wtier *t, int layer, int32_t expert, int32_t slot,
@@ -81,7 +81,7 @@ static int tier_acquire(void *user, int layer, const int32_t *ids, int n, struct
     pthread_mutex_unlock(&t->mu);
     for (int i = 0; i < n; i++)
         if (t->held[ids[i]] < 0)
-            t->request(t->user, (uint32_t)layer, (uint32_t)ids[i]);
+            t->request(t->user, (uint32_t)layer, (uint32_t)ids[i], false);
     int rc = 0;
     pthread_mutex_lock(&t->mu);
     for (int i = 0; i < n; i++) {
@@ -123,6 +123,18 @@ static void tier_release(void *user, int layer, const int32_t *ids, int n)
     unpin_all(user, ids, n);
 }
 
+static void tier_prefetch(void *user, int layer, const int32_t *ids, int n)
+{
+    struct wtier *t = user;
+    uint32_t base = (uint32_t)layer * t->n_expert;
+    for (int i = 0; i < n; i++)
+        if (atomic_load_explicit(&t->pool->where[base + (uint32_t)ids[i]], memory_order_relaxed) <
+            0) {
+            t->request(t->user, (uint32_t)layer, (uint32_t)ids[i], true);
+            atomic_fetch_add_explicit(&t->prefetches, 1, memory_order_relaxed);
+        }
+}
+
 int wtier_new(struct wtier **out, struct moe_store *s, const struct moe_model *m, uint32_t worker,
               wtier_request_fn request, void *user, char *err, size_t errlen)
 {
@@ -152,6 +164,7 @@ int wtier_new(struct wtier **out, struct moe_store *s, const struct moe_model *m
     pthread_cond_init(&t->cv, NULL);
     t->src.acquire = tier_acquire;
     t->src.release = tier_release;
+    t->src.prefetch = tier_prefetch;
     t->src.max_pinned = (int)p->quota;
     t->src.user = t;
     *out = t;
@@ -229,4 +242,5 @@ void wtier_stats(struct wtier *t, struct wtier_stats *out)
     out->misses = atomic_load(&t->misses);
     out->waits = atomic_load(&t->waits);
     out->wait_us = atomic_load(&t->wait_us);
+    out->prefetches = atomic_load(&t->prefetches);
 }

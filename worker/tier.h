@@ -5,6 +5,7 @@
 #ifndef MOE_WORKER_TIER_H
 #define MOE_WORKER_TIER_H
 
+#include <stdbool.h>
 #include <stdint.h>
 
 #include "store/expert_store.h"
@@ -13,14 +14,16 @@
 
 struct wtier;
 
-/* Sends an ExpertRequest (from the compute thread; the caller queues it for the event loop). */
-typedef void (*wtier_request_fn)(void *user, uint32_t layer, uint32_t expert);
+/* Sends an ExpertRequest (from the compute thread; the caller queues it for the event loop).
+ * prefetch: a read-ahead the daemon may drop, with no answer. */
+typedef void (*wtier_request_fn)(void *user, uint32_t layer, uint32_t expert, bool prefetch);
 
 struct wtier_stats {
     uint64_t hits;        /* chosen experts found in the pool */
     uint64_t misses;      /* chosen experts asked for */
     uint64_t waits;       /* expert parts that had to wait for the daemon */
     uint64_t wait_us;     /* time spent waiting, cumulative */
+    uint64_t prefetches;  /* read-aheads asked for (predicted experts not in the pool) */
 };
 
 /* s must be a tiered store (moe_store_pool(s) != NULL); worker is this worker's index. */

@@ -78,6 +78,8 @@ struct cpu_backend {
     struct moe_expert *xv;        /* [nexp] views from the expert source (d.expert_src) */
     struct moe_expert *xtmp;      /* [nexp] what the source filled in */
     int32_t *xids;                /* [nexp] the layer's chosen experts */
+    int32_t *xpred;               /* [nexp] the next layer's predicted experts */
+    uint8_t *xmark;               /* [nexp] all zero outside predict_next */
     uint8_t *xsel;                /* [nexp] 1: in the part being computed */
     void (*attn_values)(float *o, const float *w, const float *V, int64_t np, int64_t hdv);
     char errmsg[256];
@@ -224,6 +226,8 @@ static int cpu_init(struct moe_backend **out, const struct moe_model *m, struct 
         e->xv = xcalloc(e->nexp, sizeof *e->xv, &bad);
         e->xtmp = xcalloc(e->nexp, sizeof *e->xtmp, &bad);
         e->xids = xcalloc(e->nexp, sizeof *e->xids, &bad);
+        e->xpred = xcalloc(e->nexp, sizeof *e->xpred, &bad);
+        e->xmark = xcalloc(e->nexp, 1, &bad);
         e->xsel = xcalloc(e->nexp, 1, &bad);
     }
     e->taken = xcalloc(e->nexp, 1, &bad);
@@ -276,6 +280,8 @@ static void cpu_free(struct moe_backend *b)
     free(e->xv);
     free(e->xtmp);
     free(e->xids);
+    free(e->xpred);
+    free(e->xmark);
     free(e->xsel);
     free(e->taken);
     free(e->xg);
@@ -785,6 +791,40 @@ static int make_tasks(struct cpu_backend *e, int64_t rows, const uint8_t *sel)
     return nt;
 }
 
+/* The experts layer l+1 will probably choose: its router applied to layer l's normed input
+ * (the residual stream changes little from one layer to the next), top-k per token. The router
+ * logits buffer is free again once route(l) has run. Handed to the source to read ahead. */
+static void predict_next(struct cpu_backend *e, int l)
+{
+    static const struct moe_mm router = {MOE_W_ROUTER, MOE_BUF_RL};
+    if (cpu_matmul(&e->base, l + 1, &router, 1, MOE_BUF_X, false))
+        return;
+    int nx = 0;
+    for (int64_t t = 0; t < e->n; t++) {
+        const float *r = BUF(e, MOE_BUF_RL) + t * e->nexp;
+        int64_t pick[64];
+        int64_t k = e->kuse < 64 ? e->kuse : 64;
+        for (int64_t j = 0; j < k; j++) {
+            int64_t best = -1;
+            for (int64_t x = 0; x < e->nexp; x++)
+                if (!e->taken[x] && (best < 0 || r[x] > r[best]))
+                    best = x;
+            e->taken[best] = 1;
+            pick[j] = best;
+        }
+        for (int64_t j = 0; j < k; j++) {
+            e->taken[pick[j]] = 0;
+            if (!e->xmark[pick[j]]) {
+                e->xmark[pick[j]] = 1;
+                e->xpred[nx++] = (int32_t)pick[j];
+            }
+        }
+    }
+    for (int i = 0; i < nx; i++)
+        e->xmark[e->xpred[i]] = 0;
+    e->d.expert_src->prefetch(e->d.expert_src->user, l + 1, e->xpred, nx);
+}
+
 /* Experts from a source whose views move: the chosen experts in parts of at most max_pinned,
  * each part acquired, computed and released; the combine runs once all parts are done, so the
  * sums are the same as in one pass. */
@@ -807,6 +847,9 @@ static int experts_from_source(struct cpu_backend *e, struct fwd *f)
             e->xsel[e->xids[at + i]] = 1;
         }
         f->xv = e->xv;
+        /* Read-ahead for the next layer once this layer's first part is pinned. */
+        if (at == 0 && src->prefetch && f->l + 1 < e->L)
+            predict_next(e, f->l);
         par_for(e, make_tasks(e, e->ff, e->xsel), 2.0 * macs, expert_up_task, f);
         par_for(e, make_tasks(e, e->E, e->xsel), macs, expert_down_task, f);
         for (int i = 0; i < np; i++)
