@@ -4,7 +4,7 @@
 # decode tokens/s, disk bytes per token, achieved read rate, hit rate and waits.
 #
 #   BIN=bin OUT=/tmp bench/tier-30b.sh [THREADS] [BUDGETS...]
-# BUDGETS default to 100% 50% 25%. Before each run the model file's pages leave the page cache
+# BUDGETS default to 100% 50% 25%; MOED_ARGS are added to moed's arguments. Before each run the model file's pages leave the page cache
 # (posix_fadvise DONTNEED; the rest of the cache is left alone). MODEL=FILE uses another GGUF.
 # Results go to docs/benchmarks.md by hand.
 set -uo pipefail
@@ -45,7 +45,7 @@ for B in $BUDGETS; do
     echo "== --ram-budget $B"
     drop
     "$BIN/moed" --model "$M" --socket "$st/s.sock" --state-dir "$st/state" --devices cpu --workers 1 \
-        --threads "$T" --ram-budget "$B" > "$st/log" 2>&1 &
+        --threads "$T" --ram-budget "$B" ${MOED_ARGS:-} > "$st/log" 2>&1 &
     pid=$!
     for _ in $(seq 1 3000); do
         "$BIN/moectl" --socket "$st/s.sock" status 2>/dev/null | grep -q "^moed *ready" && break
