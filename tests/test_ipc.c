@@ -629,7 +629,7 @@ TEST(ipc_conn_streams_frames_and_closes_on_garbage)
     char err[256];
 
     /* Daemon side reads a worker's frames: 5000 tokens, then garbage. */
-    for (int variant = 0; variant < 4; variant++) {
+    for (int variant = 0; variant < 5; variant++) {
         int sv[2];
         CHECK(socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) == 0);
         struct conn_test t = {0};
@@ -677,6 +677,18 @@ TEST(ipc_conn_streams_frames_and_closes_on_garbage)
             close(sv[1]);
             sv[1] = -1;
             why = "truncated";
+        } else if (variant == 4) {
+            /* The tiered store's request for an expert the model does not have. */
+            Moed__ExpertRequest q = MOED__EXPERT_REQUEST__INIT;
+            q.layer = 3;
+            Moed__Envelope e = MOED__ENVELOPE__INIT;
+            e.msg_case = MOED__ENVELOPE__MSG_EXPERT_REQUEST;
+            e.expert_request = &q;
+            size_t len;
+            uint8_t *b = encode(&e, &len);
+            CHECK(write(sv[1], b, len) == (ssize_t)len);
+            free(b);
+            why = "expert (3, 0) does not exist";
         } else {
             /* Well-formed, in range for protobuf, but a token id past the vocabulary. */
             Moed__Token tk = MOED__TOKEN__INIT;
@@ -914,6 +926,22 @@ TEST(ipc_worker_rejects_token_id_out_of_range)
     e.submit = &s;
     send_env(w.fd, &e);
     expect_rejected(&w, "submit.prompt[1] = 4160 is not a token id");
+}
+
+TEST(ipc_worker_rejects_expert_ready_without_a_pool)
+{
+    struct wproc w;
+    moe_ipc_free(hello_and_ready(&w, 128, 1));
+    Moed__ExpertReady r = MOED__EXPERT_READY__INIT;
+    r.layer = 1;
+    r.expert = 2;
+    r.offset = 1 << 21;
+    r.size = 4096;
+    Moed__Envelope e = MOED__ENVELOPE__INIT;
+    e.msg_case = MOED__ENVELOPE__MSG_EXPERT_READY;
+    e.expert_ready = &r;
+    send_env(w.fd, &e);
+    expect_rejected(&w, "holds every expert");
 }
 
 TEST(ipc_worker_rejects_placement_for_another_shape)
