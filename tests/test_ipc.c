@@ -609,6 +609,8 @@ static void ct_on_close(struct moe_ipc_conn *c, void *user, int reason, const ch
     snprintf(t->close_msg, sizeof t->close_msg, "%s", msg);
 }
 
+static void send_env(int fd, const Moed__Envelope *e);
+
 static void run_until(uv_loop_t *loop, int *flag, int target, double secs)
 {
     double t0 = moe_test_now();
@@ -684,10 +686,7 @@ TEST(ipc_conn_streams_frames_and_closes_on_garbage)
             Moed__Envelope e = MOED__ENVELOPE__INIT;
             e.msg_case = MOED__ENVELOPE__MSG_EXPERT_REQUEST;
             e.expert_request = &q;
-            size_t len;
-            uint8_t *b = encode(&e, &len);
-            CHECK(write(sv[1], b, len) == (ssize_t)len);
-            free(b);
+            send_env(sv[1], &e);
             why = "expert (3, 0) does not exist";
         } else {
             /* Well-formed, in range for protobuf, but a token id past the vocabulary. */
@@ -697,10 +696,7 @@ TEST(ipc_conn_streams_frames_and_closes_on_garbage)
             Moed__Envelope e = MOED__ENVELOPE__INIT;
             e.msg_case = MOED__ENVELOPE__MSG_TOKEN;
             e.token = &tk;
-            size_t len;
-            uint8_t *b = encode(&e, &len);
-            CHECK(write(sv[1], b, len) == (ssize_t)len);
-            free(b);
+            send_env(sv[1], &e);
             why = "not a token id";
         }
         run_until(&loop, &t.closed, 1, 5);
