@@ -894,57 +894,20 @@ static void tier_answer(void *user, uint32_t worker, uint32_t layer, uint32_t ex
         moed_workers_expert_ready(d->workers, worker, layer, expert, offset, size, code, msg);
 }
 
-/* MemAvailable in bytes, or 0. */
-static uint64_t mem_available_bytes(void)
-{
-    FILE *f = fopen("/proc/meminfo", "r");
-    char line[256];
-    unsigned long long kb = 0;
-    while (f && fgets(line, sizeof line, f))
-        if (sscanf(line, "MemAvailable: %llu kB", &kb) == 1)
-            break;
-    if (f)
-        fclose(f);
-    return (uint64_t)kb * 1024;
-}
-
 /* --ram-budget: how many expert slots the store gets (0: every expert, a full store) and which
  * blobs fill them at start. */
 static int plan_tier(struct daemon *d, char *err, size_t errlen)
 {
     const char *v = d->cfg.ram_budget;
     const struct moe_hparams *hp = &d->model.hp;
-    uint64_t all = (uint64_t)hp->n_layer * hp->n_expert, budget;
+    uint64_t all = (uint64_t)hp->n_layer * hp->n_expert, slots;
     if (!v)
         return 0;
-    if (!strcmp(v, "auto")) {
-        uint64_t avail = mem_available_bytes();
-        uint64_t use = avail / 4 * 3;
-        budget = use > d->model.bytes_dense ? use - d->model.bytes_dense : 0;
-    } else if (strchr(v, '%')) {
-        double share;
-        if (moe_parse_share(v, &share))
-            return moe_fail(err, errlen, MOE_EFORMAT, "--ram-budget '%s': a share must be in (0%%, "
-                            "100%%]", v);
-        budget = (uint64_t)(share * (double)d->model.bytes_experts);
-    } else if (moe_parse_size(v, &budget)) {
-        return moe_fail(err, errlen, MOE_EFORMAT, "--ram-budget '%s' is not a size (512M, 20G), a "
-                        "share of the experts (50%%) or auto", v);
-    }
+    int rc = moe_store_budget_slots(&d->model, v, d->n_workers, &slots, err, errlen);
+    if (rc || !slots)
+        return rc; /* refused, or every expert fits: the full store */
     uint64_t slot = moe_store_slot_bytes(&d->model);
-    uint64_t slots = slot ? budget / slot : 0;
-    if (slots >= all)
-        return 0; /* every expert fits: the full store */
-    uint64_t need = (uint64_t)hp->n_layer * hp->n_expert_used;
-    if (need < (uint64_t)d->n_workers * hp->n_expert_used)
-        need = (uint64_t)d->n_workers * hp->n_expert_used;
-    char b1[32], b2[32];
-    if (slots < need)
-        return moe_fail(err, errlen, MOE_ERANGE, "--ram-budget %s gives %" PRIu64 " expert slots of "
-                        "%s; one step needs at least %" PRIu64 " (%u layers x top-%u, and top-%u "
-                        "per worker): give at least %s", v, slots,
-                        human_bytes(slot, b1, sizeof b1), need, hp->n_layer, hp->n_expert_used,
-                        hp->n_expert_used, human_bytes(need * slot, b2, sizeof b2));
+    char b1[32];
     for (uint32_t i = 0; i < d->n_workers; i++)
         if (strcmp(d->devices[i], "cpu") != 0)
             return moe_fail(err, errlen, MOE_EUNSUPPORTED, "--ram-budget %s keeps %" PRIu64 " of %"

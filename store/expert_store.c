@@ -19,6 +19,7 @@
 #include "store/err.h"
 #include "store/gguf.h"
 #include "store/io.h"
+#include "store/units.h"
 
 _Static_assert(sizeof(struct moe_store_header) == 136, "store header layout changed");
 _Static_assert(sizeof(struct moe_store_layer) == 88, "store layer entry layout changed");
@@ -268,6 +269,44 @@ uint64_t moe_store_slot_bytes(const struct moe_model *m)
             best = at;
     }
     return best;
+}
+
+int moe_store_budget_slots(const struct moe_model *m, const char *v, uint32_t n_workers,
+                           uint64_t *slots, char *err, size_t errlen)
+{
+    const struct moe_hparams *hp = &m->hp;
+    uint64_t all = (uint64_t)hp->n_layer * hp->n_expert, budget;
+    *slots = 0;
+    if (!strcmp(v, "auto")) {
+        uint64_t use = mem_available() / 4 * 3;
+        budget = use > m->bytes_dense ? use - m->bytes_dense : 0;
+    } else if (strchr(v, '%')) {
+        double share;
+        if (moe_parse_share(v, &share))
+            return moe_fail(err, errlen, MOE_EFORMAT, "--ram-budget '%s': a share must be in (0%%, "
+                            "100%%]", v);
+        budget = (uint64_t)(share * (double)m->bytes_experts);
+    } else if (moe_parse_size(v, &budget)) {
+        return moe_fail(err, errlen, MOE_EFORMAT, "--ram-budget '%s' is not a size (512M, 20G), a "
+                        "share of the experts (50%%) or auto", v);
+    }
+    uint64_t slot = moe_store_slot_bytes(m);
+    uint64_t n = slot ? budget / slot : 0;
+    if (n >= all)
+        return 0;
+    uint64_t need = (uint64_t)hp->n_layer * hp->n_expert_used;
+    if (need < (uint64_t)n_workers * hp->n_expert_used)
+        need = (uint64_t)n_workers * hp->n_expert_used;
+    if (n < need) {
+        char b1[32], b2[32];
+        return moe_fail(err, errlen, MOE_ERANGE, "--ram-budget %s gives %" PRIu64 " expert slots of "
+                        "%s; one step needs at least %" PRIu64 " (%u layers x top-%u, and top-%u "
+                        "per worker): give at least %s", v, n, moe_fmt_size(b1, sizeof b1, slot),
+                        need, hp->n_layer, hp->n_expert_used, hp->n_expert_used,
+                        moe_fmt_size(b2, sizeof b2, need * slot));
+    }
+    *slots = n;
+    return 0;
 }
 
 static int store_create(struct moe_store **out, const struct moe_model *m, int n_threads,

@@ -118,6 +118,14 @@ int moe_store_create_pool(struct moe_store **out, const struct moe_model *m, int
 /* Bytes of one pool slot for model m (the largest blob, 4 KiB aligned). */
 uint64_t moe_store_slot_bytes(const struct moe_model *m);
 
+/* A RAM budget for the experts as moed --ram-budget takes it: "SIZE" (units.h), "P%" of the
+ * model's expert bytes, or "auto" (3/4 of MemAvailable less the dense weights), to pool slots.
+ * *slots = 0 when every expert fits (a full store). A pool below one step's experts (n_layer x
+ * top-k slots, and top-k for each of n_workers) is MOE_ERANGE with the minimum in the message;
+ * a value that is none of the three is MOE_EFORMAT. */
+int moe_store_budget_slots(const struct moe_model *m, const char *budget, uint32_t n_workers,
+                           uint64_t *slots, char *err, size_t errlen);
+
 /* The pool of a tiered store (NULL for a full store). Workers may pin through it; the daemon
  * also writes blobs into its slots. */
 struct moe_pool *moe_store_pool(struct moe_store *s);
