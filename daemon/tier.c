@@ -42,7 +42,7 @@ struct rd {
     int32_t slot;
     bool ahead;
     uint8_t *dst;
-    uint64_t off[3], size[3], dst_off[3];
+    uint64_t off[3], size[3], dst_off[3], blob_bytes;
     int code;
     char msg[200];
     double seconds;
@@ -208,6 +208,8 @@ static void read_work(uv_work_t *req)
     /* A file that shrank or changed during the read must not leave mixed bytes in a slot. */
     if (!r->code)
         r->code = check_file(t, r->msg, sizeof r->msg);
+    if (!r->code)
+        t->pool->slot[r->slot].hash = moe_pool_slot_hash(t->pool, r->slot, r->blob_bytes);
     /* The blob now lives in the pool: keeping its pages in the page cache as well would spend
      * the RAM the budget keeps free. */
     for (int k = 0; k < 3 && !r->code; k++)
@@ -274,6 +276,7 @@ static bool start_read(struct moed_tier *t, uint32_t blob, bool ahead, char *msg
     r->blob = blob;
     r->slot = slot;
     r->dst = t->pool->slots_base + (uint64_t)slot * t->pool->slot_bytes;
+    r->blob_bytes = L->blob_bytes;
     for (int k = 0; k < 3; k++) {
         r->off[k] = sl.off[k];
         r->size[k] = sl.size[k];

@@ -535,8 +535,11 @@ static int store_create(struct moe_store **out, const struct moe_model *m, int n
     }
 
     if (n_slots)
-        for (uint32_t i = 0; i < n_fill; i++)
+        for (uint32_t i = 0; i < n_fill; i++) {
+            s->pool.slot[i].hash =
+                moe_pool_slot_hash(&s->pool, (int32_t)i, lt[fill[i] / ne].blob_bytes);
             moe_pool_publish(&s->pool, (int32_t)i, fill[i], UINT32_MAX);
+        }
 
     /* The daemon keeps a read-only view: a stray write would silently change every worker's
      * weights. A tiered store's slots and table stay writable: the daemon loads blobs there. */

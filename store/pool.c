@@ -4,6 +4,8 @@
 #include <string.h>
 #include <time.h>
 
+#include <xxhash.h>
+
 static uint64_t align8(uint64_t x)
 {
     return (x + 7) & ~(uint64_t)7;
@@ -61,9 +63,15 @@ void moe_pool_init_table(void *table, uint32_t n_layer, uint32_t n_expert, uint3
         atomic_init(&p.slot[s].gen, 0);
         atomic_init(&p.slot[s].used, 0);
         p.slot[s].reserved = 0;
+        p.slot[s].hash = 0;
     }
     for (uint64_t i = 0; i < (uint64_t)n_slots * n_workers; i++)
         atomic_init(&p.refs[i], 0);
+}
+
+uint64_t moe_pool_slot_hash(const struct moe_pool *p, int32_t slot, uint64_t n)
+{
+    return XXH3_64bits(p->slots_base + (uint64_t)slot * p->slot_bytes, n);
 }
 
 uint64_t moe_pool_now_ms(void)

@@ -10,6 +10,7 @@
  *                                      MOE_POOL_LOADING (being written by the daemon)
  *   slot[s].gen                        bumped each time the slot gets another blob
  *   slot[s].used                       CLOCK_MONOTONIC ms of the last pin (recency for eviction)
+ *   slot[s].hash                       XXH3-64 of the slot's first blob_bytes, set with the blob
  *   refs[s * n_workers + w]            pins of worker w on slot s
  *
  * Only the daemon changes where[] and slot[].blob; a worker only changes its own refs column
@@ -46,6 +47,7 @@ struct moe_pool_slot {
     uint32_t reserved;
     _Atomic uint64_t gen;
     _Atomic uint64_t used;
+    uint64_t hash;            /* XXH3-64 of the blob's bytes, written before the blob is published */
 };
 
 /* One process's view of a pool (pointers into its mappings). */
@@ -83,7 +85,10 @@ uint64_t moe_pool_slot_refs(struct moe_pool *p, int32_t slot);
 /* Daemon: takes slot s for a new blob: marks it LOADING and unlinks its old blob, unless some
  * worker pins it (then it is left as it was and false is returned). */
 bool moe_pool_claim(struct moe_pool *p, int32_t slot);
-/* Daemon: slot s (claimed, data written) now holds blob; pins it for worker w first when
+/* XXH3-64 of slot s's first n bytes (what slot.hash holds for a blob of n bytes). */
+uint64_t moe_pool_slot_hash(const struct moe_pool *p, int32_t slot, uint64_t n);
+
+/* Daemon: slot s (claimed, data written, hash set) now holds blob; pins it for worker w first when
  * w < n_workers (the pin the ExpertReady hands over). */
 void moe_pool_publish(struct moe_pool *p, int32_t slot, uint32_t blob, uint32_t w);
 /* Daemon: gives a claimed slot back empty (the read failed). */

@@ -2384,7 +2384,11 @@ TEST_TIMEOUT(daemon_ram_budget_tiny_pool_eviction_and_kill9, 300)
      * sequences each: nearly every expert of every step is a read, and slots turn over all the time. */
     const char *args[] = {"--model", KJV, "--devices", "cpu", "--workers", "2", "--parallel", "4", "--threads", "1",
                           "--ram-budget", "576K", NULL};
+    /* The workers check every blob they use against the daemon's hash of it, when pinned and
+     * when let go: a torn or stale slot fails the request. */
+    setenv("MOED_POOL_VERIFY", "1", 1);
     moed_start(&d, sub, args);
+    unsetenv("MOED_POOL_VERIFY");
     CHECK_EQ(pool_stat(d.sock, "slots"), 16);
     for (int round = 0; round < 2; round++) {
         char *got[8];

@@ -278,6 +278,7 @@ struct fake_daemon {
     uint32_t worker;
     int requests, prefetches;
     bool fail;             /* answer every request with an error */
+    bool corrupt;          /* flip a byte of each blob after hashing it */
 };
 
 static void fake_request(void *user, uint32_t layer, uint32_t expert, bool prefetch)
@@ -311,6 +312,9 @@ static void fake_request(void *user, uint32_t layer, uint32_t expert, bool prefe
     memset(d, 0xA5, p->slot_bytes); /* garbage where the last blob was */
     for (int k = 0; k < 3; k++)
         memcpy(d + L->off[k], f->o->f->base + sl.off[k], sl.size[k]);
+    p->slot[slot].hash = moe_pool_slot_hash(p, slot, L->blob_bytes);
+    if (f->corrupt)
+        d[L->off[1] + 7] ^= 0x40;
     moe_pool_publish(p, slot, b, f->worker);
     CHECK_MSG(wtier_ready(f->t, layer, expert, p->slots_off + (uint64_t)slot * p->slot_bytes,
                           L->blob_bytes, 0, NULL, err, sizeof err) == 0, "%s", err);
@@ -362,6 +366,7 @@ static void engine_logits_equal(const char *path)
     struct fake_daemon fd = {.s = ps, .o = &o, .worker = 2};
     CHECK(wtier_new(&fd.t, psw, &tiny.m, 2, fake_request, &fd, err, sizeof err) == 0);
     CHECK_EQ(wtier_source(fd.t)->max_pinned, 4);
+    wtier_set_verify(fd.t, true); /* every blob used is checked against its hash */
 
     int32_t tok[40];
     for (int i = 0; i < 40; i++)
@@ -381,6 +386,29 @@ static void engine_logits_equal(const char *path)
     struct moe_pool *p = moe_store_pool(ps);
     for (uint32_t i = 0; i < p->n_slots; i++)
         CHECK_EQ(moe_pool_slot_refs(p, (int32_t)i), 0u); /* every pin given back */
+
+    /* A slot whose bytes no longer match its hash fails the step (verify mode). */
+    {
+        struct moe_engine *ev = NULL;
+        struct moe_engine_opts eo = {.n_ctx = 64, .n_seq = 1, .n_batch = 64, .n_threads = 1,
+                                     .device = "cpu", .expert_src = wtier_source(fd.t)};
+        CHECK(moe_engine_init(&ev, &tiny.m, &eo, err, sizeof err) == 0);
+        for (uint32_t i = 0; i < p->n_slots; i++)
+            if (moe_pool_claim(p, (int32_t)i))
+                moe_pool_release_claim(p, (int32_t)i); /* empty: every expert is loaded anew */
+        fd.corrupt = true;
+        int32_t pos1[40], seq1[40] = {0};
+        for (int i = 0; i < 40; i++)
+            pos1[i] = i;
+        struct moe_batch b1 = {.n = 40, .token = tok, .pos = pos1, .seq = seq1};
+        CHECK_EQ(moe_engine_forward(ev, &b1, got), MOE_EINTERNAL);
+        CHECK_MSG(strstr(moe_engine_errmsg(ev), "do not match the hash") != NULL, "%s",
+                  moe_engine_errmsg(ev));
+        fd.corrupt = false;
+        for (uint32_t i = 0; i < p->n_slots; i++)
+            CHECK_EQ(moe_pool_slot_refs(p, (int32_t)i), 0u);
+        moe_engine_free(ev);
+    }
 
     /* A request that fails (the file shrank) fails the step with the daemon's message. */
     fd.fail = true;

@@ -707,6 +707,8 @@ static int load(struct worker *w, const Moed__Hello *h, int store_fd, char *err,
         if ((rc = wtier_new(&w->tier, w->store, &w->model, h->worker_index, tier_request, w, err,
                             errlen)))
             return rc;
+        const char *verify = getenv("MOED_POOL_VERIFY");
+        wtier_set_verify(w->tier, verify && verify[0] && strcmp(verify, "0") != 0);
     }
     w->n_vocab = hp->n_vocab;
     w->n_layer = hp->n_layer;

@@ -33,6 +33,8 @@ struct wtier {
     int ans_code;
     char ans_msg[200];
     bool aborted;
+    bool verify;               /* compute thread: check blob hashes (wtier_set_verify) */
+    int32_t torn_slot;         /* compute thread: a slot whose bytes changed under a pin, or -1 */
     _Atomic uint64_t hits, misses, waits, wait_us, prefetches;
 };
 
@@ -45,6 +47,13 @@ static void fill_view(struct wtier *t, int layer, int32_t expert, int32_t slot,
     v->gate.data = blob + L->off[0];
     v->up.data = blob + L->off[1];
     v->down.data = blob + L->off[2];
+}
+
+/* Does pinned slot s hold the bytes the daemon hashed for (layer's) blob? */
+static bool slot_intact(struct wtier *t, int layer, int32_t s)
+{
+    const struct moe_store_layer *L = moe_store_layer(t->store, (uint32_t)layer);
+    return moe_pool_slot_hash(t->pool, s, L->blob_bytes) == t->pool->slot[s].hash;
 }
 
 static void unpin_all(struct wtier *t, const int32_t *ids, int n)
@@ -112,6 +121,15 @@ static int tier_acquire(void *user, int layer, const int32_t *ids, int n, struct
         return rc;
     }
 done:
+    for (int i = 0; t->verify && i < n; i++)
+        if (t->torn_slot >= 0 || !slot_intact(t, layer, t->held[ids[i]])) {
+            int32_t s = t->torn_slot >= 0 ? t->torn_slot : t->held[ids[i]];
+            moe_fail(err, errlen, MOE_EINTERNAL, "expert pool slot %d: its bytes do not match the "
+                     "hash of the blob it holds%s", s, t->torn_slot >= 0 ? " (changed while pinned)" : "");
+            t->torn_slot = -1;
+            unpin_all(t, ids, n);
+            return MOE_EINTERNAL;
+        }
     for (int i = 0; i < n; i++)
         fill_view(t, layer, ids[i], t->held[ids[i]], &views[i]);
     return 0;
@@ -119,8 +137,11 @@ done:
 
 static void tier_release(void *user, int layer, const int32_t *ids, int n)
 {
-    (void)layer;
-    unpin_all(user, ids, n);
+    struct wtier *t = user;
+    for (int i = 0; t->verify && i < n; i++)
+        if (t->held[ids[i]] >= 0 && !slot_intact(t, layer, t->held[ids[i]]))
+            t->torn_slot = t->held[ids[i]]; /* reported by the next acquire */
+    unpin_all(t, ids, n);
 }
 
 static void tier_prefetch(void *user, int layer, const int32_t *ids, int n)
@@ -153,6 +174,7 @@ int wtier_new(struct wtier **out, struct moe_store *s, const struct moe_model *m
     }
     for (uint32_t x = 0; x < m->hp.n_expert; x++)
         t->held[x] = -1;
+    t->torn_slot = -1;
     t->pool = p;
     t->store = s;
     t->m = m;
@@ -183,6 +205,11 @@ void wtier_free(struct wtier *t)
     free(t->ans);
     free(t->ans_slot);
     free(t);
+}
+
+void wtier_set_verify(struct wtier *t, bool on)
+{
+    t->verify = on;
 }
 
 const struct moe_expert_src *wtier_source(struct wtier *t)

@@ -30,6 +30,9 @@ struct wtier_stats {
 int wtier_new(struct wtier **out, struct moe_store *s, const struct moe_model *m, uint32_t worker,
               wtier_request_fn request, void *user, char *err, size_t errlen);
 void wtier_free(struct wtier *t);
+/* Checks every pinned blob against the hash the daemon wrote with it, when pinned and again when
+ * let go (MOED_POOL_VERIFY=1 in the worker's environment): a mismatch fails the step. */
+void wtier_set_verify(struct wtier *t, bool on);
 const struct moe_expert_src *wtier_source(struct wtier *t);
 
 /* Event loop: an ExpertReady arrived. Returns 0, or an error (a bad frame: an offset that is
