@@ -345,6 +345,33 @@ static float *run_logits(struct moe_model *m, const struct moe_expert_src *src, 
     return out;
 }
 
+/* From an empty pool, a 40-token step through src fails with code and a message holding want;
+ * no pin is left behind. */
+static void step_fails_from_empty_pool(struct moe_model *m, const struct moe_expert_src *src,
+                                       struct moe_pool *p, const int32_t *tok, int code,
+                                       const char *want)
+{
+    char err[512];
+    struct moe_engine *e = NULL;
+    struct moe_engine_opts eo = {.n_ctx = 64, .n_seq = 1, .n_batch = 64, .n_threads = 1,
+                                 .device = "cpu", .expert_src = src};
+    CHECK(moe_engine_init(&e, m, &eo, err, sizeof err) == 0);
+    for (uint32_t i = 0; i < p->n_slots; i++)
+        if (moe_pool_claim(p, (int32_t)i))
+            moe_pool_release_claim(p, (int32_t)i); /* empty: every expert is a miss */
+    int32_t pos[40], seq[40] = {0};
+    for (int i = 0; i < 40; i++)
+        pos[i] = i;
+    float *out = calloc((size_t)40 * m->hp.n_vocab, sizeof *out);
+    struct moe_batch b = {.n = 40, .token = tok, .pos = pos, .seq = seq};
+    CHECK_EQ(moe_engine_forward(e, &b, out), code);
+    CHECK_MSG(strstr(moe_engine_errmsg(e), want) != NULL, "%s", moe_engine_errmsg(e));
+    for (uint32_t i = 0; i < p->n_slots; i++)
+        CHECK_EQ(moe_pool_slot_refs(p, (int32_t)i), 0u);
+    free(out);
+    moe_engine_free(e);
+}
+
 static void engine_logits_equal(const char *path)
 {
     struct opened o, full, tiny;
@@ -388,46 +415,13 @@ static void engine_logits_equal(const char *path)
         CHECK_EQ(moe_pool_slot_refs(p, (int32_t)i), 0u); /* every pin given back */
 
     /* A slot whose bytes no longer match its hash fails the step (verify mode). */
-    {
-        struct moe_engine *ev = NULL;
-        struct moe_engine_opts eo = {.n_ctx = 64, .n_seq = 1, .n_batch = 64, .n_threads = 1,
-                                     .device = "cpu", .expert_src = wtier_source(fd.t)};
-        CHECK(moe_engine_init(&ev, &tiny.m, &eo, err, sizeof err) == 0);
-        for (uint32_t i = 0; i < p->n_slots; i++)
-            if (moe_pool_claim(p, (int32_t)i))
-                moe_pool_release_claim(p, (int32_t)i); /* empty: every expert is loaded anew */
-        fd.corrupt = true;
-        int32_t pos1[40], seq1[40] = {0};
-        for (int i = 0; i < 40; i++)
-            pos1[i] = i;
-        struct moe_batch b1 = {.n = 40, .token = tok, .pos = pos1, .seq = seq1};
-        CHECK_EQ(moe_engine_forward(ev, &b1, got), MOE_EINTERNAL);
-        CHECK_MSG(strstr(moe_engine_errmsg(ev), "do not match the hash") != NULL, "%s",
-                  moe_engine_errmsg(ev));
-        fd.corrupt = false;
-        for (uint32_t i = 0; i < p->n_slots; i++)
-            CHECK_EQ(moe_pool_slot_refs(p, (int32_t)i), 0u);
-        moe_engine_free(ev);
-    }
-
+    fd.corrupt = true;
+    step_fails_from_empty_pool(&tiny.m, wtier_source(fd.t), p, tok, MOE_EINTERNAL,
+                               "do not match the hash");
+    fd.corrupt = false;
     /* A request that fails (the file shrank) fails the step with the daemon's message. */
     fd.fail = true;
-    struct moe_engine *e = NULL;
-    struct moe_engine_opts eo = {.n_ctx = 64, .n_seq = 1, .n_batch = 64, .n_threads = 1,
-                                 .device = "cpu", .expert_src = wtier_source(fd.t)};
-    CHECK(moe_engine_init(&e, &tiny.m, &eo, err, sizeof err) == 0);
-    for (uint32_t i = 0; i < p->n_slots; i++)
-        if (moe_pool_claim(p, (int32_t)i))
-            moe_pool_release_claim(p, (int32_t)i); /* an empty pool: everything is a miss */
-    int32_t pos[40], seq[40] = {0};
-    for (int i = 0; i < 40; i++)
-        pos[i] = i;
-    struct moe_batch b = {.n = 40, .token = tok, .pos = pos, .seq = seq};
-    CHECK_EQ(moe_engine_forward(e, &b, got), MOE_EFORMAT);
-    CHECK_MSG(strstr(moe_engine_errmsg(e), "the file shrank") != NULL, "%s", moe_engine_errmsg(e));
-    for (uint32_t i = 0; i < p->n_slots; i++)
-        CHECK_EQ(moe_pool_slot_refs(p, (int32_t)i), 0u);
-    moe_engine_free(e);
+    step_fails_from_empty_pool(&tiny.m, wtier_source(fd.t), p, tok, MOE_EFORMAT, "the file shrank");
 
     /* An answer nobody asked for, or an offset that is not a slot, is a bad frame. */
     CHECK(wtier_ready(fd.t, 0, 1, p->slots_off + 1, 10, 0, NULL, err, sizeof err) != 0);
