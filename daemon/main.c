@@ -175,12 +175,13 @@ static const char *state_name(enum moed_worker_state s)
     return "?";
 }
 
-/* The tiered store's counters: the daemon's, and the workers' summed. */
+/* The tiered store's counters: the daemon's, and the workers' summed (tokens: prompt and
+ * generated tokens the workers evaluated). */
 static void pool_totals(struct daemon *d, struct moed_tier_stats *ts, uint64_t *hits,
-                        uint64_t *misses, uint64_t *waits, uint64_t *wait_us)
+                        uint64_t *misses, uint64_t *waits, uint64_t *wait_us, uint64_t *tokens)
 {
     moed_tier_stats(d->tier, ts);
-    *hits = *misses = *waits = *wait_us = 0;
+    *hits = *misses = *waits = *wait_us = *tokens = 0;
     for (uint32_t i = 0; d->workers && i < d->n_workers; i++) {
         struct moed_worker_info wi;
         if (moed_workers_info(d->workers, i, &wi) == 0) {
@@ -188,6 +189,7 @@ static void pool_totals(struct daemon *d, struct moed_tier_stats *ts, uint64_t *
             *misses += wi.pool_misses;
             *waits += wi.pool_waits;
             *wait_us += wi.pool_wait_us;
+            *tokens += wi.tokens_generated + wi.prompt_tokens;
         }
     }
 }
@@ -232,8 +234,8 @@ static int hook_status(void *user, char **json, char *err, size_t errlen)
         json_object_set_new(s, "huge_page_bytes", json_integer((json_int_t)si.huge_bytes));
         if (d->tier) {
             struct moed_tier_stats ts;
-            uint64_t hits, misses, waits, wait_us;
-            pool_totals(d, &ts, &hits, &misses, &waits, &wait_us);
+            uint64_t hits, misses, waits, wait_us, tokens;
+            pool_totals(d, &ts, &hits, &misses, &waits, &wait_us, &tokens);
             json_t *pl = json_object();
             json_object_set_new(pl, "slots", json_integer(ts.slots));
             json_object_set_new(pl, "slot_bytes", json_integer((json_int_t)ts.slot_bytes));
@@ -245,6 +247,7 @@ static int hook_status(void *user, char **json, char *err, size_t errlen)
             json_object_set_new(pl, "hit_rate", json_real(hits + misses ? (double)hits / (double)(hits + misses) : 1.0));
             json_object_set_new(pl, "waits", json_integer((json_int_t)waits));
             json_object_set_new(pl, "wait_seconds", json_real((double)wait_us / 1e6));
+            json_object_set_new(pl, "waits_per_token", json_real(tokens ? (double)waits / (double)tokens : 0.0));
             json_object_set_new(pl, "requests", json_integer((json_int_t)ts.requests));
             json_object_set_new(pl, "merged", json_integer((json_int_t)ts.merged));
             json_object_set_new(pl, "reads", json_integer((json_int_t)ts.reads));
@@ -503,8 +506,9 @@ static int hook_metrics(void *user, char **text)
     }
     if (d->tier) {
         struct moed_tier_stats ts;
-        uint64_t hits, misses, waits, wait_us;
-        pool_totals(d, &ts, &hits, &misses, &waits, &wait_us);
+        uint64_t hits, misses, waits, wait_us, tokens;
+        pool_totals(d, &ts, &hits, &misses, &waits, &wait_us, &tokens);
+        (void)tokens;
         rc |= moe_buf_printf(&b, &n, &cap,
             "# HELP moed_pool_slots Expert slots of the tiered store's pool.\n# TYPE moed_pool_slots gauge\nmoed_pool_slots %u\n"
             "# HELP moed_pool_resident Pool slots holding an expert.\n# TYPE moed_pool_resident gauge\nmoed_pool_resident %u\n"
