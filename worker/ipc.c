@@ -24,10 +24,10 @@
 #include "store/gguf.h"
 #include "store/io.h"
 #include "store/model.h"
-#include "worker/tier.h"
 #include "worker/batcher.h"
 #include "worker/engine.h"
 #include "worker/sampler.h"
+#include "worker/tier.h"
 
 #define HELLO_TIMEOUT_MS 60000
 /* The daemon keeps at most n_seq requests on a worker; a little backlog beyond that is allowed
@@ -54,7 +54,8 @@ struct wevent {
     struct moe_offload_stats os;      /* EV_STATS: the expert cache (os.active: with layers) */
     struct moe_offload_layer *layers; /* [n_layer] or NULL */
     struct wtier_stats ts;            /* EV_STATS: the tiered store's counters */
-    uint32_t layer, expert;           /* EV_XREQ (reason: 1 for a read-ahead) */
+    uint32_t layer, expert;           /* EV_XREQ */
+    bool prefetch;                    /* EV_XREQ: a read-ahead */
     struct wevent *next;
 };
 
@@ -226,13 +227,14 @@ static void tier_request(void *user, uint32_t layer, uint32_t expert, bool prefe
     struct worker *w = user;
     struct wevent *ev = ev_new(EV_XREQ, atomic_load(&w->steps));
     if (!ev) {
-        /* Without the request the step would wait forever: end the connection instead. */
+        /* Without the request the step would wait forever: exit instead (the daemon restarts
+         * the worker and retries its requests). */
         moe_ipc_log(MOE_LOG_ERROR, "out of memory asking for expert (%u, %u)", layer, expert);
         abort();
     }
     ev->layer = layer;
     ev->expert = expert;
-    ev->reason = prefetch;
+    ev->prefetch = prefetch;
     post(w, ev);
 }
 
@@ -593,7 +595,7 @@ static void send_event(struct worker *w, struct wevent *ev)
         x.layer = ev->layer;
         x.expert = ev->expert;
         x.step = ev->id;
-        x.prefetch = ev->reason != 0;
+        x.prefetch = ev->prefetch;
         env.msg_case = MOED__ENVELOPE__MSG_EXPERT_REQUEST;
         env.expert_request = &x;
         moe_ipc_conn_send(w->conn, &env);
