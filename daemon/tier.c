@@ -62,6 +62,8 @@ struct moed_tier {
     uv_timer_t timer;
     bool timer_on;
     uint32_t ahead_in_flight;
+    uint32_t *bonus;          /* [n_blobs] ms of recency credit from the profile */
+    uint64_t bonus_at;        /* uv_now() of its computation; 0: never */
     struct moed_tier_stats st;
     uint64_t lat[LAT_BUCKETS];
 };
@@ -91,20 +93,25 @@ static double latency_quantile(const struct moed_tier *t, double q)
     return (double)(1ull << (LAT_BUCKETS - 1)) / 1000.0;
 }
 
-static uint64_t layer_share_bonus(struct moed_tier *t, uint32_t blob)
+/* Recency credit of each blob from the profile: up to 4 s for an expert its layer routes to at
+ * four times the fair share. Recomputed at most once a second (the profile moves slowly). */
+static void refresh_bonus(struct moed_tier *t)
 {
-    /* Up to 4 s of recency for an expert the profile routes to four times its fair share. */
+    uint64_t now = uv_now(t->o.loop);
+    if (t->bonus_at && now - t->bonus_at < 1000)
+        return;
+    t->bonus_at = now ? now : 1;
     const uint64_t *c = t->o.counts ? t->o.counts(t->o.user) : NULL;
-    if (!c)
-        return 0;
-    uint32_t l = blob / t->n_expert;
-    uint64_t sum = 0;
-    for (uint32_t e = 0; e < t->n_expert; e++)
-        sum += c[l * t->n_expert + e];
-    if (!sum)
-        return 0;
-    double fair = (double)c[blob] * t->n_expert / (double)sum;
-    return (uint64_t)(1000.0 * (fair > 4.0 ? 4.0 : fair));
+    for (uint32_t l = 0; l < t->n_layer; l++) {
+        uint64_t sum = 0;
+        for (uint32_t e = 0; c && e < t->n_expert; e++)
+            sum += c[l * t->n_expert + e];
+        for (uint32_t e = 0; e < t->n_expert; e++) {
+            uint32_t b = l * t->n_expert + e;
+            double fair = sum ? (double)c[b] * t->n_expert / (double)sum : 0.0;
+            t->bonus[b] = (uint32_t)(1000.0 * (fair > 4.0 ? 4.0 : fair));
+        }
+    }
 }
 
 /* A slot to load into: an empty one, else the unpinned one with the oldest use (the profile
@@ -112,6 +119,7 @@ static uint64_t layer_share_bonus(struct moed_tier *t, uint32_t blob)
 static int32_t take_slot(struct moed_tier *t)
 {
     struct moe_pool *p = t->pool;
+    refresh_bonus(t);
     for (int pass = 0; pass < 2; pass++) {
         int32_t best = -1;
         uint64_t best_score = UINT64_MAX;
@@ -124,7 +132,7 @@ static int32_t take_slot(struct moed_tier *t)
             if (b < 0 || moe_pool_slot_refs(p, (int32_t)s))
                 continue;
             uint64_t score = atomic_load_explicit(&p->slot[s].used, memory_order_relaxed) +
-                             layer_share_bonus(t, (uint32_t)b);
+                             t->bonus[b];
             if (score < best_score) {
                 best_score = score;
                 best = (int32_t)s;
@@ -445,10 +453,11 @@ int moed_tier_new(struct moed_tier **out, const struct moed_tier_opts *o, char *
     t->n_expert = o->model->hp.n_expert;
     t->n_blobs = t->n_layer * t->n_expert;
     t->pend = calloc(t->n_blobs, sizeof *t->pend);
+    t->bonus = calloc(t->n_blobs, sizeof *t->bonus);
     t->fd = open(o->path, O_RDONLY | O_CLOEXEC);
     struct stat st;
     int rc = 0;
-    if (!t->pend)
+    if (!t->pend || !t->bonus)
         rc = moe_fail(err, errlen, -ENOMEM, "out of memory");
     else if (t->fd < 0 || fstat(t->fd, &st) != 0)
         rc = moe_fail(err, errlen, -errno, "%s: %s", o->path, strerror(errno));
@@ -478,6 +487,7 @@ void moed_tier_free(struct moed_tier *t)
     if (t->fd >= 0)
         close(t->fd);
     free(t->pend);
+    free(t->bonus);
     free(t->retry);
     free(t);
 }
