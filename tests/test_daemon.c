@@ -2436,7 +2436,21 @@ TEST_TIMEOUT(daemon_ram_budget_tiny_pool_eviction_and_kill9, 300)
     fprintf(stderr, "tiny pool: %lld reads, %lld evictions, %lld merged, %lld pins reclaimed\n",
             pool_stat(d.sock, "reads"), pool_stat(d.sock, "evictions"), pool_stat(d.sock, "merged"),
             pool_stat(d.sock, "reclaimed"));
+    /* SIGTERM while requests wait for reads: they drain, the daemon exits 0. */
+    struct client_job jobs[4];
+    pthread_t th[4];
+    for (int i = 0; i < 4; i++) {
+        jobs[i] = (struct client_job){.sock = d.sock, .body = completion_body(tier_prompts[i % 3], 100, false)};
+        CHECK(pthread_create(&th[i], NULL, client_thread, &jobs[i]) == 0);
+    }
+    usleep(30 * 1000);
     CHECK_EQ(moed_stop(&d, 30), 0);
+    for (int i = 0; i < 4; i++) {
+        pthread_join(th[i], NULL);
+        CHECK_MSG(jobs[i].status == 200 || jobs[i].status == 503, "status %d", jobs[i].status);
+        free(jobs[i].text);
+        free(jobs[i].body);
+    }
     for (int i = 0; i < 3; i++)
         free(want[i]);
 }
