@@ -21,6 +21,7 @@
 
 #include "cli/moectl.h"
 #include "store/err.h"
+#include "store/expert_store.h"
 #include "store/ggml_type.h"
 #include "store/gguf.h"
 #include "store/model.h"
@@ -55,6 +56,12 @@ struct vram_plan {
     double residency;       /* resident expert bytes / all expert bytes */
 };
 
+/* --ram-budget: the tiered store's pool (docs/store.md). slots = 0: every expert fits. */
+struct ram_plan {
+    const char *budget;
+    uint64_t slots, slot_bytes, experts, min_slots;
+};
+
 static void plan_vram(const struct moe_model *m, uint64_t budget, uint64_t ctx, struct vram_plan *p)
 {
     const struct moe_hparams *hp = &m->hp;
@@ -77,7 +84,8 @@ struct type_count {
 };
 
 static int print_json(const char *path, const struct gguf_file *f, const struct moe_model *m,
-                      const struct type_count *tc, const struct vram_plan *vp)
+                      const struct type_count *tc, const struct vram_plan *vp,
+                      const struct ram_plan *rp)
 {
     const struct moe_hparams *hp = &m->hp;
     json_t *o = json_object();
@@ -143,10 +151,37 @@ static int print_json(const char *path, const struct gguf_file *f, const struct 
         json_object_set_new(v, "residency", json_real(vp->residency));
         json_object_set_new(o, "vram", v);
     }
+    if (rp) {
+        json_t *r = json_object();
+        json_object_set_new(r, "budget", json_string(rp->budget));
+        json_object_set_new(r, "all_experts_fit", json_boolean(rp->slots == 0));
+        json_object_set_new(r, "slots", json_integer((json_int_t)(rp->slots ? rp->slots : rp->experts)));
+        json_object_set_new(r, "slot_bytes", json_integer((json_int_t)rp->slot_bytes));
+        json_object_set_new(r, "experts", json_integer((json_int_t)rp->experts));
+        json_object_set_new(r, "min_slots", json_integer((json_int_t)rp->min_slots));
+        json_object_set_new(o, "ram", r);
+    }
     int rc = json_dumpf(o, stdout, JSON_INDENT(2)) == 0 ? 0 : 1;
     fputc('\n', stdout);
     json_decref(o);
     return rc;
+}
+
+static void print_ram(const struct moe_model *m, const struct ram_plan *rp)
+{
+    char a[32], b[32];
+    printf("\nRAM budget %s for the experts:\n", rp->budget);
+    if (!rp->slots) {
+        printf("  every expert fits: the full store (%s)\n", human(m->bytes_experts, a, sizeof a));
+        return;
+    }
+    printf("  pool              %" PRIu64 " of %" PRIu64 " experts in slots of %s (%s)\n", rp->slots,
+           rp->experts, human(rp->slot_bytes, a, sizeof a), human(rp->slots * rp->slot_bytes, b, sizeof b));
+    printf("  minimum           %" PRIu64 " slots (layers x top-k)\n", rp->min_slots);
+    printf("  hit rate          %.1f%% if routing were even; the learned profile fills the hottest first\n",
+           100.0 * (double)rp->slots / (double)rp->experts);
+    printf("  RAM in the store  %s dense + %s pool\n", human(m->bytes_dense, a, sizeof a),
+           human(rp->slots * rp->slot_bytes, b, sizeof b));
 }
 
 static void print_text(const char *path, const struct gguf_file *f, const struct moe_model *m,
@@ -201,8 +236,10 @@ static void print_text(const char *path, const struct gguf_file *f, const struct
 static void usage(FILE *fp)
 {
     fprintf(fp, "usage: moectl [--json] inspect MODEL [--vram-budget SIZE | --expert-residency P] [--ctx N]\n"
+                "                       [--ram-budget SIZE|P%%|auto]\n"
                 "  SIZE: bytes, or with K/M/G/T (binary; KiB/GiB/GB also accepted), e.g. 24G\n"
-                "  P: the share of each layer's experts to keep in VRAM, e.g. 60%%: shows the budget it needs\n");
+                "  P: the share of each layer's experts to keep in VRAM, e.g. 60%%: shows the budget it needs\n"
+                "  --ram-budget: the pool moed --ram-budget would keep (docs/store.md)\n");
 }
 
 static int cmd_inspect(int argc, char **argv)
@@ -211,7 +248,12 @@ static int cmd_inspect(int argc, char **argv)
     uint64_t budget = 0, ctx = INSPECT_DEFAULT_CTX;
     bool have_budget = false;
     double residency = 0;
+    const char *ram = NULL;
     for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "--ram-budget") && i + 1 < argc) {
+            ram = argv[++i];
+            continue;
+        }
         if (!strcmp(argv[i], "--vram-budget") && i + 1 < argc) {
             if (moe_parse_size(argv[++i], &budget) != 0) {
                 fprintf(stderr, "moectl inspect: bad size '%s'\n", argv[i]);
@@ -287,14 +329,25 @@ static int cmd_inspect(int argc, char **argv)
     }
     if (have_budget)
         plan_vram(&m, budget, ctx, &vp);
+    struct ram_plan rp = {.budget = ram, .slot_bytes = moe_store_slot_bytes(&m),
+                          .experts = (uint64_t)m.hp.n_layer * m.hp.n_expert,
+                          .min_slots = (uint64_t)m.hp.n_layer * m.hp.n_expert_used};
+    if (ram && (rc = moe_store_budget_slots(&m, ram, 1, &rp.slots, err, sizeof err))) {
+        fprintf(stderr, "moectl inspect: %s\n", err);
+        moe_model_free(&m);
+        gguf_close(f);
+        return 2;
+    }
     int ret = 0;
     if (moectl_opts.json)
-        ret = print_json(path, f, &m, tc, have_budget ? &vp : NULL);
+        ret = print_json(path, f, &m, tc, have_budget ? &vp : NULL, ram ? &rp : NULL);
     else
         print_text(path, f, &m, tc, have_budget ? &vp : NULL);
+    if (ram && !moectl_opts.json)
+        print_ram(&m, &rp);
     moe_model_free(&m);
     gguf_close(f);
     return ret;
 }
 
-MOECTL_COMMAND(inspect, "MODEL [--vram-budget SIZE] [--ctx N]  describe a GGUF model", cmd_inspect)
+MOECTL_COMMAND(inspect, "MODEL [--vram-budget SIZE] [--ram-budget B] [--ctx N]  describe a GGUF model", cmd_inspect)

@@ -67,6 +67,30 @@ static int cmd_status(int argc, char **argv)
                hsize(json_object_get(st, "bytes"), h1, sizeof h1),
                hsize(json_object_get(st, "huge_page_bytes"), h2, sizeof h2),
                json_number_value(json_object_get(st, "load_seconds")));
+    json_t *pl = json_object_get(st, "pool");
+    if (pl) {
+        char h3[32];
+        printf("pool       %lld of %lld experts in %lld slots of %s;  hit rate %.1f%%, %lld waits "
+               "(%.2f per token, %.2f s);  disk %s in %lld reads (p50 %.2f ms, p99 %.2f ms), %lld errors;  %lld "
+               "evictions, %lld pinned;  %lld read ahead (%lld used)\n",
+               json_integer_value(json_object_get(pl, "resident")),
+               json_integer_value(json_object_get(pl, "experts")),
+               json_integer_value(json_object_get(pl, "slots")),
+               hsize(json_object_get(pl, "slot_bytes"), h1, sizeof h1),
+               100.0 * json_number_value(json_object_get(pl, "hit_rate")),
+               json_integer_value(json_object_get(pl, "waits")),
+               json_number_value(json_object_get(pl, "waits_per_token")),
+               json_number_value(json_object_get(pl, "wait_seconds")),
+               hsize(json_object_get(pl, "read_bytes"), h3, sizeof h3),
+               json_integer_value(json_object_get(pl, "reads")),
+               json_number_value(json_object_get(pl, "read_p50_ms")),
+               json_number_value(json_object_get(pl, "read_p99_ms")),
+               json_integer_value(json_object_get(pl, "read_errors")),
+               json_integer_value(json_object_get(pl, "evictions")),
+               json_integer_value(json_object_get(pl, "pinned")),
+               json_integer_value(json_object_get(pl, "prefetch_reads")),
+               json_integer_value(json_object_get(pl, "prefetch_used")));
+    }
     json_t *ws = json_object_get(o, "workers");
     if (json_array_size(ws)) {
         printf("\n%-3s %-10s %-8s %-8s %-8s %-7s %-9s %-10s %s\n", "#", "state", "pid", "device",

@@ -52,6 +52,8 @@ static const struct key keys[] = {
     {"threads", K_U32, F(threads), "N", "compute threads per worker (0 or default: cores / workers)", 0, MAX_THREADS},
     {"vram-budget", K_VRAM, F(vram_budget), "SIZE", "VRAM per GPU worker, e.g. 24G or auto (its memory minus a margin), or per GPU like cuda:0=40G,cuda:1=20G (0 or default: no budget)", 0, UINT64_MAX},
     {"expert-residency", K_SHARE, F(expert_residency), "SHARE", "GPU workers: share of each layer's experts in VRAM, e.g. 60% (default: as the budget allows)", 0, 0},
+    {"ram-budget", K_STR, F(ram_budget), "SIZE|P%|auto", "host RAM for experts: bytes, a share of the expert bytes (50%) or auto (3/4 of MemAvailable less the dense weights); below all experts the store keeps a pool and CPU workers ask for missing experts (default: every expert)", 0, 0},
+    {"pool-prefetch", K_U32, F(pool_prefetch), "N", "with --ram-budget: read-aheads of the experts CPU workers predict for their next layer, at most N reads at a time (0: off; default 8)", 0, 1024},
     {"cache-slots", K_CACHE, F(cache_slots), "N", "GPU workers: per-layer expert slots kept as a cache: auto, off or a count (default auto)", 0, 0},
     {"config", K_STR, F(config_file), "FILE", "config file with the same keys (key = value)", 0, 0},
     {"log-level", K_LEVEL, F(log_level), "LEVEL", "error | warn | info | debug (default info)", 0, 0},
@@ -103,6 +105,7 @@ int config_init(struct moed_config *c)
     c->admin_reserve = 16;
     c->worker_silent_s = 10;
     c->worker_stall_s = 300;
+    c->pool_prefetch = 8;
     if (dup_into(&c->socket, MOED_DEFAULT_SOCKET) || dup_into(&c->state_dir, MOED_DEFAULT_STATE_DIR) ||
         dup_into(&c->devices, "auto") || dup_into(&c->admin_group, "moed-admin")) {
         config_free(c);

@@ -30,6 +30,8 @@ struct moed_config {
     uint64_t vram_budget_dev[CONFIG_GPUS_MAX]; /* --vram-budget cuda:K=SIZE: GPU K's own */
     bool vram_budget_set[CONFIG_GPUS_MAX];     /* whether GPU K has its own */
     double expert_residency; /* --expert-residency SHARE in (0, 1]; 0: as the budget allows */
+    char *ram_budget;       /* --ram-budget SIZE|P%|auto; NULL: every expert in the store */
+    uint32_t pool_prefetch; /* --pool-prefetch N: read-aheads in flight at most (0: off) */
     int32_t cache_slots;    /* --cache-slots auto|off|N: 0 auto, -1 off */
     char *config_file;      /* --config FILE */
     enum log_level log_level; /* --log-level error|warn|info|debug */

@@ -33,6 +33,7 @@
 #include "daemon/log.h"
 #include "daemon/notify.h"
 #include "daemon/supervisor.h"
+#include "daemon/tier.h"
 #include "proto/ipc.h"
 #include "store/buf.h"
 #include "store/err.h"
@@ -44,6 +45,7 @@
 #include "store/units.h"
 #include "store/profile.h"
 #include "store/tokenizer.h"
+#include "store/units.h"
 
 #define MAX_DEVICES DEVICES_MAX
 /* How long `moed-worker --list-devices` may take (it starts the CUDA runtime on every GPU). */
@@ -89,6 +91,11 @@ struct daemon {
     char store_err[512];
     bool store_loading;
     atomic_bool store_cancel;
+    /* Tiered store (--ram-budget below every expert): pool slots and their first blobs. */
+    uint32_t pool_slots;
+    uint32_t *pool_fill;
+    uint32_t n_pool_fill;
+    struct moed_tier *tier;
 };
 
 /* "2.8 MiB", "17.21 GiB": sizes in log lines. */
@@ -204,6 +211,25 @@ static const char *state_name(enum moed_worker_state s)
     return "?";
 }
 
+/* The tiered store's counters: the daemon's, and the workers' summed (tokens: prompt and
+ * generated tokens the workers evaluated). */
+static void pool_totals(struct daemon *d, struct moed_tier_stats *ts, uint64_t *hits,
+                        uint64_t *misses, uint64_t *waits, uint64_t *wait_us, uint64_t *tokens)
+{
+    moed_tier_stats(d->tier, ts);
+    *hits = *misses = *waits = *wait_us = *tokens = 0;
+    for (uint32_t i = 0; d->workers && i < d->n_workers; i++) {
+        struct moed_worker_info wi;
+        if (moed_workers_info(d->workers, i, &wi) == 0) {
+            *hits += wi.pool_hits;
+            *misses += wi.pool_misses;
+            *waits += wi.pool_waits;
+            *wait_us += wi.pool_wait_us;
+            *tokens += wi.tokens_generated + wi.prompt_tokens;
+        }
+    }
+}
+
 static int hook_status(void *user, char **json, char *err, size_t errlen)
 {
     struct daemon *d = user;
@@ -242,6 +268,38 @@ static int hook_status(void *user, char **json, char *err, size_t errlen)
         json_object_set_new(s, "expert_bytes", json_integer((json_int_t)si.expert_bytes));
         json_object_set_new(s, "load_seconds", json_real(si.seconds));
         json_object_set_new(s, "huge_page_bytes", json_integer((json_int_t)si.huge_bytes));
+        if (d->tier) {
+            struct moed_tier_stats ts;
+            uint64_t hits, misses, waits, wait_us, tokens;
+            pool_totals(d, &ts, &hits, &misses, &waits, &wait_us, &tokens);
+            json_t *pl = json_object();
+            json_object_set_new(pl, "slots", json_integer(ts.slots));
+            json_object_set_new(pl, "slot_bytes", json_integer((json_int_t)ts.slot_bytes));
+            json_object_set_new(pl, "resident", json_integer(ts.resident));
+            json_object_set_new(pl, "pinned", json_integer((json_int_t)ts.pinned));
+            json_object_set_new(pl, "experts", json_integer(ts.n_blobs));
+            json_object_set_new(pl, "hits", json_integer((json_int_t)hits));
+            json_object_set_new(pl, "misses", json_integer((json_int_t)misses));
+            json_object_set_new(pl, "hit_rate", json_real(hits + misses ? (double)hits / (double)(hits + misses) : 1.0));
+            json_object_set_new(pl, "waits", json_integer((json_int_t)waits));
+            json_object_set_new(pl, "wait_seconds", json_real((double)wait_us / 1e6));
+            json_object_set_new(pl, "waits_per_token", json_real(tokens ? (double)waits / (double)tokens : 0.0));
+            json_object_set_new(pl, "requests", json_integer((json_int_t)ts.requests));
+            json_object_set_new(pl, "merged", json_integer((json_int_t)ts.merged));
+            json_object_set_new(pl, "reads", json_integer((json_int_t)ts.reads));
+            json_object_set_new(pl, "read_bytes", json_integer((json_int_t)ts.read_bytes));
+            json_object_set_new(pl, "read_errors", json_integer((json_int_t)ts.read_errors));
+            json_object_set_new(pl, "read_seconds", json_real(ts.read_seconds));
+            json_object_set_new(pl, "read_p50_ms", json_real(ts.read_p50_ms));
+            json_object_set_new(pl, "read_p99_ms", json_real(ts.read_p99_ms));
+            json_object_set_new(pl, "evictions", json_integer((json_int_t)ts.evictions));
+            json_object_set_new(pl, "reclaimed", json_integer((json_int_t)ts.reclaimed));
+            json_object_set_new(pl, "prefetch_requests", json_integer((json_int_t)ts.prefetch_requests));
+            json_object_set_new(pl, "prefetch_reads", json_integer((json_int_t)ts.prefetch_reads));
+            json_object_set_new(pl, "prefetch_dropped", json_integer((json_int_t)ts.prefetch_dropped));
+            json_object_set_new(pl, "prefetch_used", json_integer((json_int_t)ts.prefetch_used));
+            json_object_set_new(s, "pool", pl);
+        }
         json_object_set_new(o, "store", s);
     }
     json_t *p = json_object();
@@ -511,6 +569,34 @@ static int hook_metrics(void *user, char **text)
                                           "moed_worker_layer_expert_%s_total{worker=\"%u\",layer=\"%u\"} %" PRIu64 "\n",
                                           what[k], i, l, k ? wo[i].misses[l] : wo[i].hits[l]);
         }
+    }
+    if (d->tier) {
+        struct moed_tier_stats ts;
+        uint64_t hits, misses, waits, wait_us, tokens;
+        pool_totals(d, &ts, &hits, &misses, &waits, &wait_us, &tokens);
+        (void)tokens;
+        rc |= moe_buf_printf(&b, &n, &cap,
+            "# HELP moed_pool_slots Expert slots of the tiered store's pool.\n# TYPE moed_pool_slots gauge\nmoed_pool_slots %u\n"
+            "# HELP moed_pool_resident Pool slots holding an expert.\n# TYPE moed_pool_resident gauge\nmoed_pool_resident %u\n"
+            "# HELP moed_pool_bytes Bytes of the pool's slots.\n# TYPE moed_pool_bytes gauge\nmoed_pool_bytes %" PRIu64 "\n"
+            "# HELP moed_pool_hits_total Chosen experts the workers found in the pool.\n# TYPE moed_pool_hits_total counter\nmoed_pool_hits_total %" PRIu64 "\n"
+            "# HELP moed_pool_misses_total Chosen experts the workers asked for.\n# TYPE moed_pool_misses_total counter\nmoed_pool_misses_total %" PRIu64 "\n"
+            "# HELP moed_pool_hit_rate Share of chosen experts found in the pool.\n# TYPE moed_pool_hit_rate gauge\nmoed_pool_hit_rate %.6f\n"
+            "# HELP moed_pool_waits_total Expert parts a worker step waited for.\n# TYPE moed_pool_waits_total counter\nmoed_pool_waits_total %" PRIu64 "\n"
+            "# HELP moed_pool_wait_seconds_total Time worker steps waited for experts.\n# TYPE moed_pool_wait_seconds_total counter\nmoed_pool_wait_seconds_total %.6f\n"
+            "# HELP moed_pool_disk_reads_total Expert blobs read from the model file.\n# TYPE moed_pool_disk_reads_total counter\nmoed_pool_disk_reads_total %" PRIu64 "\n"
+            "# HELP moed_pool_disk_read_bytes_total Bytes read from the model file for the pool.\n# TYPE moed_pool_disk_read_bytes_total counter\nmoed_pool_disk_read_bytes_total %" PRIu64 "\n"
+            "# HELP moed_pool_read_errors_total Blob reads that failed.\n# TYPE moed_pool_read_errors_total counter\nmoed_pool_read_errors_total %" PRIu64 "\n"
+            "# HELP moed_pool_evictions_total Experts dropped from a slot for another.\n# TYPE moed_pool_evictions_total counter\nmoed_pool_evictions_total %" PRIu64 "\n"
+            "# HELP moed_pool_merged_requests_total Requests that joined a read under way.\n# TYPE moed_pool_merged_requests_total counter\nmoed_pool_merged_requests_total %" PRIu64 "\n"
+            "# HELP moed_pool_read_latency_seconds Blob read latency quantiles (power-of-two buckets).\n# TYPE moed_pool_read_latency_seconds gauge\n"
+            "moed_pool_read_latency_seconds{quantile=\"0.5\"} %.6f\nmoed_pool_read_latency_seconds{quantile=\"0.99\"} %.6f\n"
+            "# HELP moed_pool_prefetch_reads_total Read-aheads of predicted experts.\n# TYPE moed_pool_prefetch_reads_total counter\nmoed_pool_prefetch_reads_total %" PRIu64 "\n"
+            "# HELP moed_pool_prefetch_used_total Requests that joined a read-ahead under way.\n# TYPE moed_pool_prefetch_used_total counter\nmoed_pool_prefetch_used_total %" PRIu64 "\n",
+            ts.slots, ts.resident, ts.slot_bytes * ts.slots, hits, misses,
+            hits + misses ? (double)hits / (double)(hits + misses) : 1.0, waits, (double)wait_us / 1e6,
+            ts.reads, ts.read_bytes, ts.read_errors, ts.evictions, ts.merged, ts.read_p50_ms / 1e3,
+            ts.read_p99_ms / 1e3, ts.prefetch_reads, ts.prefetch_used);
     }
     rc |= moe_buf_printf(&b, &n, &cap, "# HELP moed_profile_tokens Tokens the routing profile has learned from.\n"
                           "# TYPE moed_profile_tokens gauge\nmoed_profile_tokens %" PRIu64 "\n",
@@ -847,6 +933,67 @@ static const char *base_name(const char *path, char *out, size_t cap)
     return out;
 }
 
+/* ---- tiered store ---- */
+
+static void on_expert_request(void *user, uint32_t worker, uint32_t layer, uint32_t expert,
+                              uint64_t step, bool prefetch)
+{
+    struct daemon *d = user;
+    (void)step;
+    if (d->tier)
+        moed_tier_request(d->tier, worker, layer, expert, prefetch);
+}
+
+static void on_worker_reaped(void *user, uint32_t worker)
+{
+    struct daemon *d = user;
+    if (d->tier)
+        moed_tier_worker_gone(d->tier, worker);
+}
+
+static void tier_answer(void *user, uint32_t worker, uint32_t layer, uint32_t expert,
+                        uint64_t offset, uint64_t size, int code, const char *msg)
+{
+    struct daemon *d = user;
+    if (d->workers)
+        moed_workers_expert_ready(d->workers, worker, layer, expert, offset, size, code, msg);
+}
+
+/* --ram-budget: how many expert slots the store gets (0: every expert, a full store) and which
+ * blobs fill them at start. */
+static int plan_tier(struct daemon *d, char *err, size_t errlen)
+{
+    const char *v = d->cfg.ram_budget;
+    const struct moe_hparams *hp = &d->model.hp;
+    uint64_t all = (uint64_t)hp->n_layer * hp->n_expert, slots;
+    if (!v)
+        return 0;
+    int rc = moe_store_budget_slots(&d->model, v, d->n_workers, &slots, err, errlen);
+    if (rc || !slots)
+        return rc; /* refused, or every expert fits: the full store */
+    uint64_t slot = moe_store_slot_bytes(&d->model);
+    char b1[32];
+    for (uint32_t i = 0; i < d->n_workers; i++)
+        if (strcmp(d->devices[i], "cpu") != 0)
+            return moe_fail(err, errlen, MOE_EUNSUPPORTED, "--ram-budget %s keeps %" PRIu64 " of %"
+                            PRIu64 " experts in RAM, which only CPU workers serve for now (worker %u "
+                            "is %s: the GPU half of the tiered store is not built yet); use "
+                            "--devices cpu or no --ram-budget", v, slots, all, i, d->devices[i]);
+    if (d->n_workers > MOE_POOL_MAX_WORKERS)
+        return moe_fail(err, errlen, MOE_ERANGE, "--ram-budget: at most %u workers share a pool",
+                        MOE_POOL_MAX_WORKERS);
+    d->pool_slots = (uint32_t)slots;
+    d->pool_fill = malloc(sizeof *d->pool_fill * slots);
+    if (!d->pool_fill)
+        return moe_fail(err, errlen, -ENOMEM, "out of memory");
+    d->n_pool_fill = moed_tier_fill_order(d->profile.tokens ? d->profile.counts : NULL,
+                                          hp->n_layer, hp->n_expert, d->pool_slots, d->pool_fill);
+    log_info("--ram-budget %s: %u of %" PRIu64 " experts in RAM (%s), filled %s", v, d->pool_slots,
+             all, human_bytes(slots * slot, b1, sizeof b1),
+             d->profile.tokens ? "by the routing profile" : "evenly (no profile yet)");
+    return 0;
+}
+
 /* Starts the workers once the store exists. Returns 0 or 1 (logged). */
 static int start_workers(struct daemon *d)
 {
@@ -887,6 +1034,8 @@ static int start_workers(struct daemon *d)
         .silent_ms = c->worker_silent_s * 1000u,
         .stall_ms = c->worker_stall_s * 1000u,
         .on_routing = on_routing,
+        .on_expert_request = d->pool_slots ? on_expert_request : NULL,
+        .on_worker_reaped = d->pool_slots ? on_worker_reaped : NULL,
         .on_ready = on_ready,
         .on_worker_state = on_worker_state,
         .user = d,
@@ -904,8 +1053,13 @@ static int start_workers(struct daemon *d)
 static void store_build(uv_work_t *w)
 {
     struct daemon *d = w->data;
-    d->store_rc = moe_store_create(&d->store_built, &d->model, 0, store_progress, d, d->store_err,
-                                   sizeof d->store_err);
+    if (d->pool_slots)
+        d->store_rc = moe_store_create_pool(&d->store_built, &d->model, 0, d->pool_slots,
+                                            d->n_workers, d->pool_fill, d->n_pool_fill,
+                                            store_progress, d, d->store_err, sizeof d->store_err);
+    else
+        d->store_rc = moe_store_create(&d->store_built, &d->model, 0, store_progress, d,
+                                       d->store_err, sizeof d->store_err);
 }
 
 static void store_done(uv_work_t *w, int status)
@@ -932,6 +1086,22 @@ static void store_done(uv_work_t *w, int status)
     log_info("expert store: %s in %.2f s (%d threads, %s on huge pages)",
              human_bytes(si.size, hb1, sizeof hb1), si.seconds, si.threads,
              human_bytes(si.huge_bytes, hb2, sizeof hb2));
+    if (d->pool_slots) {
+        char err[512];
+        struct moed_tier_opts to = {.loop = d->loop, .store = d->store, .model = &d->model,
+                                    .path = d->cfg.model, .counts = profile_counts,
+                                    .prefetch_max = d->cfg.pool_prefetch,
+                                    .answer = tier_answer, .user = d};
+        if (moed_tier_new(&d->tier, &to, err, sizeof err)) {
+            log_error("tiered store: %s", err);
+            d->exit_code = 1;
+            begin_stop(d, "tiered store failed");
+            return;
+        }
+        log_info("tiered store: %u expert slots of %s, %u of %u experts loaded at start",
+                 si.pool_slots, human_bytes(si.pool_slot_bytes, hb1, sizeof hb1), d->n_pool_fill,
+                 d->model.hp.n_layer * d->model.hp.n_expert);
+    }
     if (start_workers(d)) {
         d->exit_code = 1;
         begin_stop(d, "workers failed to start");
@@ -1050,6 +1220,10 @@ static int run(struct daemon *d, int argc, char **argv)
         log_error("placement: %s", moe_strerror(rc));
         return 1;
     }
+    if ((rc = plan_tier(d, err, sizeof err))) {
+        log_error("%s", err);
+        return 2;
+    }
 
     d->loop = uv_default_loop();
     struct api_opts ao = {
@@ -1166,6 +1340,8 @@ static void cleanup(struct daemon *d)
     moe_profile_free(&d->profile);
     moe_drift_free(&d->drift);
     moe_profile_db_close(d->db);
+    moed_tier_free(d->tier);
+    free(d->pool_fill);
     moe_store_close(d->store);
     moe_tok_free(d->tok);
     if (d->model_ok)

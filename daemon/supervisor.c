@@ -264,6 +264,9 @@ static void on_exit_cb(uv_process_t *p, int64_t status, int term_signal)
     w->info.pid = 0;
     w->info.running = 0;
     w->proc_handle_open = false;
+    /* Nothing of this process reads the store any more: what it pinned can go. */
+    if (w->ws->o.on_worker_reaped)
+        w->ws->o.on_worker_reaped(w->ws->o.user, w->index);
     close_handle(w->ws, (uv_handle_t *)&w->proc);
     slot_down(w, why);
 }
@@ -447,6 +450,10 @@ static int on_msg(struct moe_ipc_conn *c, void *user, const Moed__Envelope *env,
         w->info.tokens_per_s = env->metrics->decode_tokens_per_s;
         w->info.expert_hits = env->metrics->expert_hits;
         w->info.expert_misses = env->metrics->expert_misses;
+        w->info.pool_hits = env->metrics->pool_hits;
+        w->info.pool_misses = env->metrics->pool_misses;
+        w->info.pool_waits = env->metrics->pool_waits;
+        w->info.pool_wait_us = env->metrics->pool_wait_us;
         if (env->metrics->vram_used)
             w->info.vram_used = env->metrics->vram_used;
         set_offload(w, env->metrics);
@@ -458,8 +465,13 @@ static int on_msg(struct moe_ipc_conn *c, void *user, const Moed__Envelope *env,
         w->hb_running = env->heartbeat->running;
         return 0;
     case MOED__ENVELOPE__MSG_EXPERT_REQUEST:
-        return moe_fail(err, errlen, MOE_EUNSUPPORTED, "expert_request: the tiered store is not "
-                        "enabled");
+        if (!ws->o.on_expert_request)
+            return moe_fail(err, errlen, MOE_EUNSUPPORTED, "expert_request: every expert is in "
+                            "the store (no --ram-budget)");
+        ws->o.on_expert_request(ws->o.user, w->index, env->expert_request->layer,
+                                env->expert_request->expert, env->expert_request->step,
+                                env->expert_request->prefetch);
+        return 0;
     default:
         return moe_fail(err, errlen, MOE_EFORMAT, "unexpected %s", moe_ipc_msg_name(env->msg_case));
     }
@@ -1151,4 +1163,25 @@ void moed_workers_free(struct moed_workers *ws)
     free(ws->devices);
     free(ws->slots);
     free(ws);
+}
+
+int moed_workers_expert_ready(struct moed_workers *ws, uint32_t i, uint32_t layer, uint32_t expert,
+                              uint64_t offset, uint64_t size, int code, const char *msg)
+{
+    if (i >= ws->o.n_workers)
+        return -EINVAL;
+    struct wslot *w = &ws->slots[i];
+    if (!w->conn)
+        return 0;
+    Moed__ExpertReady r = MOED__EXPERT_READY__INIT;
+    r.layer = layer;
+    r.expert = expert;
+    r.offset = offset;
+    r.size = size;
+    r.code = code;
+    r.error = (char *)(msg ? msg : "");
+    Moed__Envelope env = MOED__ENVELOPE__INIT;
+    env.msg_case = MOED__ENVELOPE__MSG_EXPERT_READY;
+    env.expert_ready = &r;
+    return moe_ipc_conn_send(w->conn, &env);
 }

@@ -100,6 +100,12 @@ struct moed_workers_opts {
     /* Called once, the first time every worker is Ready or failed for good, with at least one
      * Ready (sd_notify READY=1). */
     void (*on_ready)(void *user);
+    /* Tiered store: worker asks for expert (layer, expert) (in range); answer with
+     * moed_workers_expert_ready (not for a prefetch: that one gets no answer). NULL: an ExpertRequest is a protocol violation. */
+    void (*on_expert_request)(void *user, uint32_t worker, uint32_t layer, uint32_t expert,
+                              uint64_t step, bool prefetch);
+    /* Worker's process was reaped (before any restart): drop what it held. May be NULL. */
+    void (*on_worker_reaped)(void *user, uint32_t worker);
     /* A worker changed state (logs, STATUS=, WATCHDOG decisions); may be NULL. */
     void (*on_worker_state)(void *user, uint32_t worker, enum moed_worker_state st);
     void *user;
@@ -117,6 +123,8 @@ struct moed_worker_info {
     uint64_t tokens_generated, prompt_tokens;
     double tokens_per_s;          /* decode rate in the worker's last Metrics interval */
     uint64_t expert_hits, expert_misses; /* GPU expert cache lookups, cumulative */
+    uint64_t pool_hits, pool_misses;     /* tiered store: experts found in / asked for */
+    uint64_t pool_waits, pool_wait_us;   /* expert parts that waited for the daemon, time */
     char last_error[160];         /* why it last died or was rejected; "" when never */
 };
 
@@ -159,6 +167,11 @@ int moed_workers_info(const struct moed_workers *w, uint32_t i, struct moed_work
  * model) or -ENOMEM. */
 int moed_workers_set_placement(struct moed_workers *w, const uint8_t *bitmap, size_t nbytes,
                                const uint64_t *counts);
+
+/* Answers an ExpertRequest of worker i (see moed_tier_answer_fn). Dropped when the worker has
+ * no connection. Returns 0 or -EINVAL. */
+int moed_workers_expert_ready(struct moed_workers *w, uint32_t i, uint32_t layer, uint32_t expert,
+                              uint64_t offset, uint64_t size, int code, const char *msg);
 
 /* Drains and stops: new submits get 503, queued requests get on_error(503) right away, running
  * requests may finish for up to timeout_ms and are then ended with on_error(503); then every

@@ -268,6 +268,8 @@ static int validate_from_daemon(const Moed__Envelope *env, const struct moe_ipc_
         if ((lim->n_layer && x->layer >= lim->n_layer) || (lim->n_expert && x->expert >= lim->n_expert))
             return moe_fail(err, errlen, MOE_ERANGE, "expert_ready: expert (%u, %u) does not exist",
                             x->layer, x->expert);
+        if (x->error && strlen(x->error) >= MOE_IPC_MAX_TEXT)
+            return moe_fail(err, errlen, MOE_ERANGE, "expert_ready: error message too long");
         return 0;
     }
     case MOED__ENVELOPE__MSG_SHUTDOWN:

@@ -19,6 +19,7 @@
 #include "store/err.h"
 #include "store/gguf.h"
 #include "store/io.h"
+#include "store/units.h"
 
 _Static_assert(sizeof(struct moe_store_header) == 136, "store header layout changed");
 _Static_assert(sizeof(struct moe_store_layer) == 88, "store layer entry layout changed");
@@ -36,6 +37,10 @@ struct moe_store {
     const struct moe_store_layer *layers;
     const struct moe_store_dense *dense;
     struct moe_store_info info;
+    uint8_t *table;          /* tiered store: the slot table mapping (workers map it apart) */
+    uint64_t table_size;
+    struct moe_pool pool;
+    bool pooled;
 };
 
 static uint64_t align_up(uint64_t x, uint64_t a)
@@ -250,8 +255,64 @@ static int run_copy(struct copy_job *j, int n_threads, moe_store_progress_fn pro
     return 0;
 }
 
-int moe_store_create(struct moe_store **out, const struct moe_model *m, int n_threads,
-                     moe_store_progress_fn progress, void *user, char *err, size_t errlen)
+uint64_t moe_store_slot_bytes(const struct moe_model *m)
+{
+    uint64_t best = 0;
+    for (uint32_t l = 0; l < m->hp.n_layer; l++) {
+        const struct moe_expert *x = &m->layers[l].experts[0];
+        uint64_t at = 0;
+        const struct moe_tensor *v[3] = {&x->gate, &x->up, &x->down};
+        for (int k = 0; k < 3; k++)
+            at = align_up(at, MOE_STORE_SLICE_ALIGN) + v[k]->nbytes;
+        at = align_up(at, MOE_STORE_BLOB_ALIGN);
+        if (at > best)
+            best = at;
+    }
+    return best;
+}
+
+int moe_store_budget_slots(const struct moe_model *m, const char *v, uint32_t n_workers,
+                           uint64_t *slots, char *err, size_t errlen)
+{
+    const struct moe_hparams *hp = &m->hp;
+    uint64_t all = (uint64_t)hp->n_layer * hp->n_expert, budget;
+    *slots = 0;
+    if (!strcmp(v, "auto")) {
+        uint64_t use = mem_available() / 4 * 3;
+        budget = use > m->bytes_dense ? use - m->bytes_dense : 0;
+    } else if (strchr(v, '%')) {
+        double share;
+        if (moe_parse_share(v, &share))
+            return moe_fail(err, errlen, MOE_EFORMAT, "--ram-budget '%s': a share must be in (0%%, "
+                            "100%%]", v);
+        budget = (uint64_t)(share * (double)m->bytes_experts);
+    } else if (moe_parse_size(v, &budget)) {
+        return moe_fail(err, errlen, MOE_EFORMAT, "--ram-budget '%s' is not a size (512M, 20G), a "
+                        "share of the experts (50%%) or auto", v);
+    }
+    uint64_t slot = moe_store_slot_bytes(m);
+    uint64_t n = slot ? budget / slot : 0;
+    if (n >= all)
+        return 0;
+    uint64_t need = (uint64_t)hp->n_layer * hp->n_expert_used;
+    if (need < (uint64_t)n_workers * hp->n_expert_used)
+        need = (uint64_t)n_workers * hp->n_expert_used;
+    if (n < need) {
+        char b1[32], b2[32];
+        return moe_fail(err, errlen, MOE_ERANGE, "--ram-budget %s gives %" PRIu64 " expert slots of "
+                        "%s; one step needs at least %" PRIu64 " (%u layers x top-%u, and top-%u "
+                        "per worker): give at least %s", v, n, moe_fmt_size(b1, sizeof b1, slot),
+                        need, hp->n_layer, hp->n_expert_used, hp->n_expert_used,
+                        moe_fmt_size(b2, sizeof b2, need * slot));
+    }
+    *slots = n;
+    return 0;
+}
+
+static int store_create(struct moe_store **out, const struct moe_model *m, int n_threads,
+                        uint32_t n_slots, uint32_t n_workers, const uint32_t *fill,
+                        uint32_t n_fill, moe_store_progress_fn progress, void *user, char *err,
+                        size_t errlen)
 {
     int rc = 0;
     struct moe_store *s = NULL;
@@ -353,11 +414,36 @@ int moe_store_create(struct moe_store **out, const struct moe_model *m, int n_th
     h.dense_size = at - h.dense_off;
     h.experts_off = align_up(at, MOE_STORE_REGION_ALIGN);
     at = h.experts_off;
-    for (uint32_t l = 0; l < nl; l++) {
-        lt[l].blobs_off = at;
-        at += lt[l].blob_stride * ne;
+    uint64_t slot_bytes = 0;
+    if (n_slots) {
+        /* Tiered: slots of the largest blob; the layer entries keep the slice layout only. */
+        for (uint32_t l = 0; l < nl; l++)
+            if (lt[l].blob_stride > slot_bytes)
+                slot_bytes = lt[l].blob_stride;
+        for (uint32_t l = 0; l < nl; l++) {
+            lt[l].blobs_off = at;
+            lt[l].blob_stride = slot_bytes;
+        }
+        at += slot_bytes * n_slots;
+        h.experts_size = at - h.experts_off;
+        h.pool_table_off = align_up(at, MOE_STORE_BLOB_ALIGN);
+        h.pool_table_size =
+            align_up(moe_pool_table_bytes(nl, ne, n_slots, n_workers), MOE_STORE_BLOB_ALIGN);
+        h.pool_slots = n_slots;
+        h.pool_slot_bytes = slot_bytes;
+        at = h.pool_table_off + h.pool_table_size;
+        expert_payload = 0;
+        for (uint32_t i = 0; i < n_fill; i++) {
+            uint32_t l = fill[i] / ne;
+            expert_payload += lt[l].size[0] + lt[l].size[1] + lt[l].size[2];
+        }
+    } else {
+        for (uint32_t l = 0; l < nl; l++) {
+            lt[l].blobs_off = at;
+            at += lt[l].blob_stride * ne;
+        }
+        h.experts_size = at - h.experts_off;
     }
-    h.experts_size = at - h.experts_off;
     h.total_size = align_up(at, MOE_STORE_REGION_ALIGN);
 
     uint64_t avail = mem_available();
@@ -399,22 +485,32 @@ int moe_store_create(struct moe_store **out, const struct moe_model *m, int n_th
     for (size_t i = 0; i < n_dense && rc == 0; i++)
         rc = push_item(&items, &n_items, &cap_items, f->base + dt[i].src_off, dt[i].off,
                        dt[i].size);
-    for (uint32_t l = 0; l < nl && rc == 0; l++)
-        for (uint32_t e = 0; e < ne && rc == 0; e++) {
-            struct moe_expert_slice sl;
-            if ((rc = moe_model_expert_slice(m, l, e, &sl)))
-                break;
-            uint64_t blob = lt[l].blobs_off + (uint64_t)e * lt[l].blob_stride;
-            for (int k = 0; k < 3 && rc == 0; k++) {
-                if (sl.size[k] != lt[l].size[k] || sl.type[k] != lt[l].type[k] ||
-                    sl.off[k] + sl.size[k] > f->size) {
-                    rc = MOE_EFORMAT;
-                    break;
-                }
-                rc = push_item(&items, &n_items, &cap_items, f->base + sl.off[k],
-                               blob + lt[l].off[k], sl.size[k]);
-            }
+    if (n_slots) {
+        moe_pool_init_table(s->base + h.pool_table_off, nl, ne, n_slots, n_workers, slot_bytes);
+        moe_pool_bind(&s->pool, s->base + h.pool_table_off, s->base + h.experts_off,
+                      h.experts_off);
+        s->pooled = true;
+    }
+    uint64_t n_blobs = n_slots ? n_fill : (uint64_t)nl * ne;
+    for (uint64_t i = 0; i < n_blobs && rc == 0; i++) {
+        uint32_t b = n_slots ? fill[i] : (uint32_t)i, l = b / ne, e = b % ne;
+        struct moe_expert_slice sl;
+        if (b >= nl * ne || (rc = moe_model_expert_slice(m, l, e, &sl))) {
+            rc = rc ? rc : MOE_ERANGE;
+            break;
         }
+        uint64_t blob = n_slots ? h.experts_off + i * slot_bytes
+                                : lt[l].blobs_off + (uint64_t)e * lt[l].blob_stride;
+        for (int k = 0; k < 3 && rc == 0; k++) {
+            if (sl.size[k] != lt[l].size[k] || sl.type[k] != lt[l].type[k] ||
+                sl.off[k] + sl.size[k] > f->size) {
+                rc = MOE_EFORMAT;
+                break;
+            }
+            rc = push_item(&items, &n_items, &cap_items, f->base + sl.off[k],
+                           blob + lt[l].off[k], sl.size[k]);
+        }
+    }
     if (rc) {
         rc = moe_fail(err, errlen, rc, "expert store: building the copy list: %s",
                       moe_strerror(rc));
@@ -438,9 +534,16 @@ int moe_store_create(struct moe_store **out, const struct moe_model *m, int n_th
         goto fail;
     }
 
-    /* The daemon keeps a read-only view: nothing writes a sealed store today, and a stray write
-     * would silently change every worker's weights. */
-    if (mprotect(s->base, s->size, PROT_READ) != 0) {
+    if (n_slots)
+        for (uint32_t i = 0; i < n_fill; i++) {
+            s->pool.slot[i].hash =
+                moe_pool_slot_hash(&s->pool, (int32_t)i, lt[fill[i] / ne].blob_bytes);
+            moe_pool_publish(&s->pool, (int32_t)i, fill[i], UINT32_MAX);
+        }
+
+    /* The daemon keeps a read-only view: a stray write would silently change every worker's
+     * weights. A tiered store's slots and table stay writable: the daemon loads blobs there. */
+    if (mprotect(s->base, n_slots ? h.experts_off : s->size, PROT_READ) != 0) {
         rc = moe_fail(err, errlen, -errno, "expert store: mprotect: %s", strerror(errno));
         goto fail;
     }
@@ -459,6 +562,8 @@ int moe_store_create(struct moe_store **out, const struct moe_model *m, int n_th
     s->info.n_layer = nl;
     s->info.n_expert = ne;
     s->info.n_dense = (uint32_t)n_dense;
+    s->info.pool_slots = n_slots;
+    s->info.pool_slot_bytes = slot_bytes;
     moe_store_huge_bytes(s->base, s->size, &s->info.huge_bytes);
 
     free(items);
@@ -474,6 +579,30 @@ fail:
     free(e0);
     moe_store_close(s);
     return rc;
+}
+
+int moe_store_create(struct moe_store **out, const struct moe_model *m, int n_threads,
+                     moe_store_progress_fn progress, void *user, char *err, size_t errlen)
+{
+    return store_create(out, m, n_threads, 0, 0, NULL, 0, progress, user, err, errlen);
+}
+
+int moe_store_create_pool(struct moe_store **out, const struct moe_model *m, int n_threads,
+                          uint32_t n_slots, uint32_t n_workers, const uint32_t *fill,
+                          uint32_t n_fill, moe_store_progress_fn progress, void *user, char *err,
+                          size_t errlen)
+{
+    if (n_slots == 0 || n_fill > n_slots || n_workers == 0 || n_workers > MOE_POOL_MAX_WORKERS ||
+        n_slots > (uint32_t)INT32_MAX)
+        return moe_fail(err, errlen, MOE_ERANGE, "expert store: a pool of %u slots for %u workers "
+                        "filled with %u blobs", n_slots, n_workers, n_fill);
+    return store_create(out, m, n_threads, n_slots, n_workers, fill, n_fill, progress, user, err,
+                        errlen);
+}
+
+struct moe_pool *moe_store_pool(struct moe_store *s)
+{
+    return s && s->pooled ? &s->pool : NULL;
 }
 
 /* ---- worker side ---------------------------------------------------------------------------- */
@@ -534,19 +663,39 @@ static int check_store(struct moe_store *s, const struct moe_model *m, char *err
         return moe_fail(err, errlen, MOE_EFORMAT, "expert store: expert region [%" PRIu64 ", +%"
                         PRIu64 ") is outside the store", h->experts_off, h->experts_size);
 
+    bool pooled = h->pool_table_off != 0;
+    if (pooled) {
+        if (h->pool_slot_bytes == 0 || h->pool_slot_bytes % MOE_STORE_BLOB_ALIGN ||
+            h->pool_slots == 0 || h->pool_slots > INT32_MAX ||
+            h->pool_slots > h->experts_size / h->pool_slot_bytes ||
+            h->pool_table_off % MOE_STORE_BLOB_ALIGN ||
+            h->pool_table_off < h->experts_off + h->experts_size || h->pool_table_off > size ||
+            h->pool_table_size > size - h->pool_table_off ||
+            h->pool_table_size < sizeof(struct moe_pool_head))
+            return moe_fail(err, errlen, MOE_EFORMAT, "expert store: pool of %" PRIu64 " slots of %"
+                            PRIu64 " bytes, table at %" PRIu64 " (+%" PRIu64 ") does not fit",
+                            h->pool_slots, h->pool_slot_bytes, h->pool_table_off,
+                            h->pool_table_size);
+    }
     uint64_t prev_end = h->experts_off;
     for (uint32_t l = 0; l < h->n_layer; l++) {
         const struct moe_store_layer *L = &s->layers[l];
         const struct moe_expert *x = &m->layers[l].experts[0];
         uint64_t end_region = h->experts_off + h->experts_size;
-        if (L->blob_stride == 0 || L->blob_stride % MOE_STORE_BLOB_ALIGN ||
+        if (pooled) {
+            if (L->blobs_off != h->experts_off || L->blob_stride != h->pool_slot_bytes ||
+                L->blob_bytes > L->blob_stride)
+                return moe_fail(err, errlen, MOE_EFORMAT, "expert store: layer %u: blobs of %"
+                                PRIu64 " bytes do not fit the pool's slots", l, L->blob_bytes);
+        } else if (L->blob_stride == 0 || L->blob_stride % MOE_STORE_BLOB_ALIGN ||
             L->blobs_off % MOE_STORE_BLOB_ALIGN || L->blob_bytes > L->blob_stride ||
             L->blobs_off < prev_end || L->blobs_off > end_region ||
             L->blob_stride > (end_region - L->blobs_off) / h->n_expert)
             return moe_fail(err, errlen, MOE_EFORMAT, "expert store: layer %u: blobs at %" PRIu64
                             " stride %" PRIu64 " do not fit the expert region", l, L->blobs_off,
                             L->blob_stride);
-        prev_end = L->blobs_off + L->blob_stride * h->n_expert;
+        else
+            prev_end = L->blobs_off + L->blob_stride * h->n_expert;
         for (int k = 0; k < 3; k++) {
             const struct moe_tensor *v = expert_view(x, k);
             if (L->off[k] > L->blob_bytes || L->size[k] > L->blob_bytes - L->off[k])
@@ -639,6 +788,33 @@ int moe_store_attach(struct moe_store **out, int fd, const struct moe_model *m, 
     s->hdr = (const struct moe_store_header *)s->base;
     if ((rc = check_store(s, m, err, errlen)))
         goto fail;
+    if (s->hdr->pool_table_off) {
+        /* The slot table is where workers pin slots: it is the one writable part. */
+        const struct moe_store_header *h = s->hdr;
+        s->table_size = h->pool_table_size;
+        s->table = mmap(NULL, s->table_size, PROT_READ | PROT_WRITE, MAP_SHARED, s->fd,
+                        (off_t)h->pool_table_off);
+        if (s->table == MAP_FAILED) {
+            s->table = NULL;
+            rc = moe_fail(err, errlen, -errno, "expert store: mapping the slot table: %s",
+                          strerror(errno));
+            goto fail;
+        }
+        const struct moe_pool_head *ph = (const struct moe_pool_head *)s->table;
+        if (ph->n_slots != h->pool_slots || ph->slot_bytes != h->pool_slot_bytes ||
+            ph->n_layer != h->n_layer || ph->n_expert != h->n_expert || ph->n_workers == 0 ||
+            ph->n_workers > MOE_POOL_MAX_WORKERS || ph->quota == 0 ||
+            moe_pool_table_bytes(ph->n_layer, ph->n_expert, ph->n_slots, ph->n_workers) >
+                s->table_size) {
+            rc = moe_fail(err, errlen, MOE_EFORMAT, "expert store: the slot table does not match "
+                          "the header (%u slots, %u workers)", ph->n_slots, ph->n_workers);
+            goto fail;
+        }
+        moe_pool_bind(&s->pool, s->table, (uint8_t *)s->base + h->experts_off, h->experts_off);
+        s->pooled = true;
+        s->info.pool_slots = (uint32_t)h->pool_slots;
+        s->info.pool_slot_bytes = h->pool_slot_bytes;
+    }
     s->info.size = s->size;
     s->info.fingerprint = s->hdr->fingerprint;
     s->info.n_layer = s->hdr->n_layer;
@@ -760,7 +936,10 @@ int moe_store_apply(const struct moe_store *s, struct moe_model *m, char *err, s
         for (uint32_t e = 0; e < h->n_expert; e++) {
             struct moe_expert *x = &m->layers[l].experts[e];
             struct moe_tensor *views[3] = {&x->gate, &x->up, &x->down};
-            const uint8_t *blob = s->base + L->blobs_off + (uint64_t)e * L->blob_stride;
+            /* Tiered: blobs move between slots; views name slot 0 until the compute asks the
+             * pool where the expert is (the engine's expert source). */
+            const uint8_t *blob = s->base + L->blobs_off +
+                                  (s->pooled ? 0 : (uint64_t)e * L->blob_stride);
             for (int k = 0; k < 3; k++) {
                 if (views[k]->nbytes != L->size[k] || views[k]->type != L->type[k]) {
                     rc = moe_fail(err, errlen, MOE_ERANGE, "expert store: layer %u expert %u "
@@ -814,6 +993,8 @@ int moe_store_blob(const struct moe_store *s, uint32_t layer, uint32_t expert, c
 {
     if (layer >= s->hdr->n_layer || expert >= s->hdr->n_expert)
         return MOE_ERANGE;
+    if (s->pooled)
+        return MOE_ENOTFOUND;
     const struct moe_store_layer *L = &s->layers[layer];
     *ptr = s->base + L->blobs_off + (uint64_t)expert * L->blob_stride;
     *size = L->blob_bytes;
@@ -848,6 +1029,8 @@ void moe_store_close(struct moe_store *s)
         return;
     if (s->base != MAP_FAILED && s->base)
         munmap(s->base, s->size);
+    if (s->table)
+        munmap(s->table, s->table_size);
     if (s->fd >= 0)
         close(s->fd);
     free(s);

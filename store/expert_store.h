@@ -17,6 +17,7 @@
 #include <stdint.h>
 
 #include "store/model.h"
+#include "store/pool.h"
 
 #define MOE_STORE_MAGIC "MOESTORE" /* 8 bytes, no NUL in the file */
 #define MOE_STORE_VERSION 1u
@@ -43,7 +44,12 @@ struct moe_store_header {
     uint64_t experts_off;      /* expert region [experts_off, experts_off + experts_size) */
     uint64_t experts_size;
     uint64_t tables_hash;      /* XXH3-64 of both tables, as written */
-    uint64_t reserved[4];      /* zero */
+    /* Tiered store (0 in a full store): the expert region is pool_slots slots of
+     * pool_slot_bytes, and the slot table (store/pool.h) is at pool_table_off. */
+    uint64_t pool_table_off;   /* page aligned */
+    uint64_t pool_table_size;  /* page multiple */
+    uint64_t pool_slots;
+    uint64_t pool_slot_bytes;
 };
 
 struct moe_store_layer {
@@ -89,6 +95,8 @@ struct moe_store_info {
     int thp_advised;           /* 1 if madvise(MADV_HUGEPAGE) on the mapping succeeded */
     char thp_shmem_mode[16];   /* /sys/kernel/mm/transparent_hugepage/shmem_enabled, or "" */
     uint64_t huge_bytes;       /* bytes of our mapping on huge pages, measured after the copy */
+    uint32_t pool_slots;       /* tiered store: expert slots (0: every expert is in the store) */
+    uint64_t pool_slot_bytes;  /* bytes per slot */
 };
 
 /* Daemon side. Copies every routed expert and dense tensor of `m` (which must come from
@@ -97,6 +105,30 @@ struct moe_store_info {
  * mapping is read-only once the copy is done. */
 int moe_store_create(struct moe_store **out, const struct moe_model *m, int n_threads,
                      moe_store_progress_fn progress, void *user, char *err, size_t errlen);
+
+/* The same with a bounded expert pool (a tiered store): n_slots slots of the largest blob's
+ * size, filled with the blobs fill[0..n_fill) (layer * n_expert + expert, distinct), and a slot
+ * table with room for n_workers workers' pins (store/pool.h). The pool's slots and table stay
+ * writable in the creator's mapping. */
+int moe_store_create_pool(struct moe_store **out, const struct moe_model *m, int n_threads,
+                          uint32_t n_slots, uint32_t n_workers, const uint32_t *fill,
+                          uint32_t n_fill, moe_store_progress_fn progress, void *user, char *err,
+                          size_t errlen);
+
+/* Bytes of one pool slot for model m (the largest blob, 4 KiB aligned). */
+uint64_t moe_store_slot_bytes(const struct moe_model *m);
+
+/* A RAM budget for the experts as moed --ram-budget takes it: "SIZE" (units.h), "P%" of the
+ * model's expert bytes, or "auto" (3/4 of MemAvailable less the dense weights), to pool slots.
+ * *slots = 0 when every expert fits (a full store). A pool below one step's experts (n_layer x
+ * top-k slots, and top-k for each of n_workers) is MOE_ERANGE with the minimum in the message;
+ * a value that is none of the three is MOE_EFORMAT. */
+int moe_store_budget_slots(const struct moe_model *m, const char *budget, uint32_t n_workers,
+                           uint64_t *slots, char *err, size_t errlen);
+
+/* The pool of a tiered store (NULL for a full store). Workers may pin through it; the daemon
+ * also writes blobs into its slots. */
+struct moe_pool *moe_store_pool(struct moe_store *s);
 
 /* Worker side. Maps `fd` (not taken over: the store keeps its own dup, the caller may close its
  * fd) read-only and checks it against `m` (the worker's own moe_model_from_gguf of the same
@@ -127,7 +159,7 @@ uint64_t moe_store_size(const struct moe_store *s);
 const void *moe_store_base(const struct moe_store *s);
 
 /* Blob of (layer, expert): *ptr and *size (bytes used, without padding). MOE_ERANGE if out of
- * range. The layer's entry gives the gate/up/down offsets inside every blob of that layer. */
+ * range, MOE_ENOTFOUND in a tiered store (blobs move; use the pool). The layer's entry gives the gate/up/down offsets inside every blob of that layer. */
 int moe_store_blob(const struct moe_store *s, uint32_t layer, uint32_t expert, const void **ptr,
                    uint64_t *size);
 const struct moe_store_layer *moe_store_layer(const struct moe_store *s, uint32_t layer);

@@ -2221,7 +2221,7 @@ TEST_TIMEOUT(daemon_gives_up_on_a_worker_that_never_starts, 120)
 }
 
 /* --devices as a list: one worker per item, in order (CPU items here; cpu,cuda:K mixes run on
- * the GPU machine, tools/device/mixed-daemon.py), each answering the same greedy text. */
+ * the GPU machine, tools/device/offload-daemon.py), each answering the same greedy text. */
 TEST_TIMEOUT(daemon_devices_list_starts_one_worker_each, 180)
 {
     const char *dir = moe_test_tmpdir();
@@ -2256,4 +2256,310 @@ TEST_TIMEOUT(daemon_devices_list_starts_one_worker_each, 180)
     CHECK_EQ(moed_stop(&d, 30), 0);
     free(want);
     free(ptext);
+}
+
+/* ---- tiered store (--ram-budget) ---- */
+
+#define KJV "models/kjv-demo-F16.gguf"   /* 4 layers x 32 experts (top-4), 36 KiB slots */
+
+static const char *const tier_prompts[3] = {"In the beginning God created", "And the LORD spake unto Moses, saying",
+                                            "Blessed are the"};
+
+/* nclients concurrent greedy completions of n tokens over the prompts; texts into out[nclients]. */
+static void tier_run_clients(const char *sock, int nclients, int n, char **out)
+{
+    struct client_job jobs[8];
+    pthread_t th[8];
+    CHECK(nclients <= 8);
+    for (int i = 0; i < nclients; i++) {
+        jobs[i] = (struct client_job){.sock = sock, .body = completion_body(tier_prompts[i % 3], n, false)};
+        CHECK(pthread_create(&th[i], NULL, client_thread, &jobs[i]) == 0);
+    }
+    for (int i = 0; i < nclients; i++) {
+        pthread_join(th[i], NULL);
+        CHECK_MSG(jobs[i].status == 200 && jobs[i].text, "client %d: status %d", i, jobs[i].status);
+        out[i] = jobs[i].text;
+        free(jobs[i].body);
+    }
+}
+
+/* A number from /admin/status's store.pool (-1 when there is no pool). */
+static long long pool_stat(const char *sock, const char *key)
+{
+    struct hc_resp r;
+    CHECK(hc_request_unix(sock, "GET", "/admin/status", NULL, &r, 5000) == 0);
+    json_t *o = json_loads(r.body, 0, NULL);
+    hc_resp_free(&r);
+    json_t *p = json_object_get(json_object_get(o, "store"), "pool");
+    long long v = p ? (long long)json_number_value(json_object_get(p, key)) : -1;
+    json_decref(o);
+    return v;
+}
+
+/* The greedy texts of the full store, one worker: what every budget must reproduce. */
+static void tier_reference(const char *dir, int n, char **want)
+{
+    struct moed d;
+    const char *args[] = {"--model", KJV, "--devices", "cpu", "--workers", "1", "--threads", "1", NULL};
+    moed_start(&d, dir, args);
+    tier_run_clients(d.sock, 3, n, want);
+    CHECK_EQ(pool_stat(d.sock, "slots"), -1);
+    CHECK_EQ(moed_stop(&d, 30), 0);
+}
+
+TEST_TIMEOUT(daemon_ram_budget_output_equals_full_store, 300)
+{
+    const char *dir = moe_test_tmpdir();
+    const int n = 24;
+    char *want[3];
+    tier_reference(dir, n, want);
+    /* The last: 20% without read-ahead. */
+    static const char *const budgets[4] = {"100%", "50%", "20%", "20%"};
+    static const char *const nworkers[2] = {"1", "2"};
+    for (int b = 0; b < 4; b++)
+        for (int w = 0; w < 2; w++) {
+            char sub[512];
+            snprintf(sub, sizeof sub, "%s/%d%d", dir, b, w);
+            mkdir(sub, 0700);
+            struct moed d;
+            const char *args[] = {"--model", KJV, "--devices", "cpu", "--workers", nworkers[w], "--parallel", "4",
+                                  "--threads", "1", "--ram-budget", budgets[b], b == 3 ? "--pool-prefetch" : NULL,
+                                  "0", NULL};
+            moed_start(&d, sub, args);
+            char *got[6];
+            tier_run_clients(d.sock, 6, n, got);
+            for (int i = 0; i < 6; i++) {
+                CHECK_MSG(!strcmp(got[i], want[i % 3]), "--ram-budget %s, %s workers, client %d: '%s' != '%s'",
+                          budgets[b], nworkers[w], i, got[i], want[i % 3]);
+                free(got[i]);
+            }
+            long long slots = pool_stat(d.sock, "slots");
+            if (b == 0) {
+                CHECK_EQ(slots, -1); /* every expert fits: the full store */
+            } else {
+                CHECK_EQ(slots, b == 1 ? 64 : 25);
+                /* Read-ahead of the next layer's predicted experts, unless turned off. */
+                if (b == 3) {
+                    CHECK_EQ(pool_stat(d.sock, "prefetch_reads"), 0);
+                } else {
+                    CHECK(pool_stat(d.sock, "prefetch_requests") > 0);
+                    CHECK(pool_stat(d.sock, "prefetch_reads") > 0);
+                }
+                CHECK(pool_stat(d.sock, "reads") > 0);
+                CHECK(pool_stat(d.sock, "read_bytes") >= pool_stat(d.sock, "reads") * 30000);
+                CHECK_EQ(pool_stat(d.sock, "read_errors"), 0);
+                CHECK_EQ(pool_stat(d.sock, "pinned"), 0); /* idle: nothing pinned */
+                /* The workers' hit counts arrive with their Metrics (about once a second). */
+                for (int tries = 0; tries < 50 && pool_stat(d.sock, "misses") <= 0; tries++)
+                    usleep(100 * 1000);
+                CHECK(pool_stat(d.sock, "misses") > 0);
+                CHECK(pool_stat(d.sock, "hits") > 0);
+                struct hc_resp r;
+                CHECK(hc_request_unix(d.sock, "GET", "/metrics", NULL, &r, 5000) == 0);
+                CHECK_EQ(metric_value(r.body, "moed_pool_slots"), (double)slots);
+                CHECK(metric_value(r.body, "moed_pool_disk_read_bytes_total") > 0);
+                double hr = metric_value(r.body, "moed_pool_hit_rate");
+                CHECK(hr > 0 && hr < 1);
+                CHECK(metric_value(r.body, "moed_pool_read_latency_seconds{quantile=\"0.99\"}") > 0);
+                hc_resp_free(&r);
+                char out[8192];
+                const char *st_args[] = {"status", NULL};
+                CHECK_EQ(run_moectl(d.sock, 0, 0, false, st_args, out, sizeof out), 0);
+                CHECK_MSG(strstr(out, "pool ") && strstr(out, "slots of 36 KiB") && strstr(out, "hit rate"),
+                          "%s", out);
+            }
+            CHECK_EQ(moed_stop(&d, 30), 0);
+        }
+    for (int i = 0; i < 3; i++)
+        free(want[i]);
+}
+
+TEST_TIMEOUT(daemon_ram_budget_refusals_and_auto, 120)
+{
+    const char *dir = moe_test_tmpdir();
+    struct {
+        const char *budget, *devices, *want;
+    } cases[] = {
+        /* 15 slots of 36 KiB; 4 layers x top-4 need 16 */
+        {"540K", "cpu", "one step needs at least 16"},
+        {"10%", "cpu", "give at least 576.0 KiB"},
+        {"lots", "cpu", "is not a size"},
+        {"0%", "cpu", "a share must be in"},
+        {"50%", "0", "the GPU half of the tiered store is not built yet"},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        char sub[512];
+        snprintf(sub, sizeof sub, "%s/%zu", dir, i);
+        mkdir(sub, 0700);
+        struct moed d;
+        const char *args[] = {"--model", KJV, "--devices", cases[i].devices, "--ram-budget", cases[i].budget, NULL};
+        moed_spawn(&d, sub, args);
+        int rc = moed_wait_exit(&d, 30);
+        CHECK_MSG(rc == 2, "--ram-budget %s --devices %s: exit %d", cases[i].budget, cases[i].devices, rc);
+        if (!log_contains(&d, cases[i].want)) {
+            dump_log(&d);
+            CHECK_MSG(false, "--ram-budget %s: no '%s' in the log", cases[i].budget, cases[i].want);
+        }
+    }
+    /* auto: 3/4 of MemAvailable, far more than this model's experts: the full store. */
+    {
+        char sub[512];
+        snprintf(sub, sizeof sub, "%s/auto", dir);
+        mkdir(sub, 0700);
+        struct moed d;
+        const char *args[] = {"--model", KJV, "--devices", "cpu", "--threads", "1", "--ram-budget", "auto", NULL};
+        moed_start(&d, sub, args);
+        CHECK_EQ(pool_stat(d.sock, "slots"), -1);
+        CHECK_EQ(moed_stop(&d, 30), 0);
+    }
+    /* moed --help names the option. */
+    int status;
+    char cmd[512];
+    snprintf(cmd, sizeof cmd, "%s --help", moe_test_bin("moed"));
+    char *out = moe_test_run_shell(cmd, &status);
+    CHECK_EQ(status, 0);
+    CHECK(strstr(out, "--ram-budget") != NULL);
+    free(out);
+}
+
+TEST_TIMEOUT(daemon_ram_budget_tiny_pool_eviction_and_kill9, 300)
+{
+    const char *dir = moe_test_tmpdir();
+    const int n = 24;
+    char *want[3];
+    tier_reference(dir, n, want);
+    char sub[512];
+    snprintf(sub, sizeof sub, "%s/tiny", dir);
+    mkdir(sub, 0700);
+    struct moed d;
+    /* The smallest pool: 16 slots (4 layers x top-4), 8 per worker, shared by 2 workers with 4
+     * sequences each: nearly every expert of every step is a read, and slots turn over all the time. */
+    const char *args[] = {"--model", KJV, "--devices", "cpu", "--workers", "2", "--parallel", "4", "--threads", "1",
+                          "--ram-budget", "576K", NULL};
+    /* The workers check every blob they use against the daemon's hash of it, when pinned and
+     * when let go: a torn or stale slot fails the request. */
+    setenv("MOED_POOL_VERIFY", "1", 1);
+    moed_start(&d, sub, args);
+    unsetenv("MOED_POOL_VERIFY");
+    CHECK_EQ(pool_stat(d.sock, "slots"), 16);
+    for (int round = 0; round < 2; round++) {
+        char *got[8];
+        tier_run_clients(d.sock, 8, n, got);
+        for (int i = 0; i < 8; i++) {
+            CHECK_MSG(!strcmp(got[i], want[i % 3]), "round %d client %d: '%s' != '%s'", round, i, got[i],
+                      want[i % 3]);
+            free(got[i]);
+        }
+    }
+    CHECK(pool_stat(d.sock, "evictions") > 100);
+    CHECK_EQ(pool_stat(d.sock, "read_errors"), 0);
+    CHECK_EQ(pool_stat(d.sock, "pinned"), 0);
+
+    /* kill -9 of a worker in the middle of its requests, three times: the survivors keep
+     * answering right, and whatever the dead one had pinned is given back when it is reaped. */
+    for (int k = 0; k < 3; k++) {
+        int pid = worker_pid(d.sock, k % 2);
+        CHECK(pid > 0);
+        struct client_job jobs[4];
+        pthread_t th[4];
+        for (int i = 0; i < 4; i++) {
+            jobs[i] = (struct client_job){.sock = d.sock, .body = completion_body(tier_prompts[i % 3], 200, false)};
+            CHECK(pthread_create(&th[i], NULL, client_thread, &jobs[i]) == 0);
+        }
+        usleep(50 * 1000 + (useconds_t)k * 30 * 1000);
+        CHECK(kill(pid, SIGKILL) == 0);
+        for (int i = 0; i < 4; i++) {
+            pthread_join(th[i], NULL);
+            /* A request either finished (on the survivor or retried) or failed with 500. */
+            CHECK_MSG(jobs[i].status == 200 || jobs[i].status == 500, "status %d", jobs[i].status);
+            free(jobs[i].text);
+            free(jobs[i].body);
+        }
+        CHECK(moed_wait_ready(&d, 60));
+    }
+    CHECK(log_contains(&d, "was killed by signal 9"));
+    char *got[8];
+    tier_run_clients(d.sock, 6, n, got);
+    for (int i = 0; i < 6; i++) {
+        CHECK_MSG(!strcmp(got[i], want[i % 3]), "after kill -9, client %d: '%s' != '%s'", i, got[i], want[i % 3]);
+        free(got[i]);
+    }
+    CHECK_EQ(pool_stat(d.sock, "pinned"), 0);
+    fprintf(stderr, "tiny pool: %lld reads, %lld evictions, %lld merged, %lld pins reclaimed\n",
+            pool_stat(d.sock, "reads"), pool_stat(d.sock, "evictions"), pool_stat(d.sock, "merged"),
+            pool_stat(d.sock, "reclaimed"));
+    /* SIGTERM while requests wait for reads: they drain, the daemon exits 0. */
+    struct client_job jobs[4];
+    pthread_t th[4];
+    for (int i = 0; i < 4; i++) {
+        jobs[i] = (struct client_job){.sock = d.sock, .body = completion_body(tier_prompts[i % 3], 100, false)};
+        CHECK(pthread_create(&th[i], NULL, client_thread, &jobs[i]) == 0);
+    }
+    usleep(30 * 1000);
+    CHECK_EQ(moed_stop(&d, 30), 0);
+    for (int i = 0; i < 4; i++) {
+        pthread_join(th[i], NULL);
+        CHECK_MSG(jobs[i].status == 200 || jobs[i].status == 503, "status %d", jobs[i].status);
+        free(jobs[i].text);
+        free(jobs[i].body);
+    }
+    for (int i = 0; i < 3; i++)
+        free(want[i]);
+}
+
+/* The GGUF shrinks or changes under a tiered daemon: the requests that need a read fail with
+ * a message that says so; the daemon and its workers live on. */
+TEST_TIMEOUT(daemon_ram_budget_file_changed_or_truncated, 180)
+{
+    const char *dir = moe_test_tmpdir();
+    for (int variant = 0; variant < 2; variant++) {
+        char sub[512], model[600];
+        snprintf(sub, sizeof sub, "%s/%d", dir, variant);
+        mkdir(sub, 0700);
+        snprintf(model, sizeof model, "%s/model.gguf", sub);
+        size_t len;
+        char *bytes = moe_test_read_file_or_fail(KJV, &len);
+        moe_test_write_file(model, bytes, len);
+        struct moed d;
+        const char *args[] = {"--model", model, "--devices", "cpu", "--workers", "1", "--threads", "1",
+                              "--ram-budget", "20%", NULL};
+        moed_start(&d, sub, args);
+        char *got[3];
+        tier_run_clients(d.sock, 3, 8, got);
+        for (int i = 0; i < 3; i++)
+            free(got[i]);
+        if (variant == 0) {
+            CHECK(truncate(model, (off_t)(len / 2)) == 0);
+        } else {
+            /* Same size, another header: a KV's bytes (in the first 4 KiB) changed in place. */
+            int fd = open(model, O_WRONLY);
+            CHECK(fd >= 0);
+            CHECK(pwrite(fd, "XX", 2, 40) == 2);
+            close(fd);
+            struct timespec ts[2] = {{0, UTIME_NOW}, {0, UTIME_NOW}};
+            utimensat(AT_FDCWD, model, ts, 0);
+        }
+        int status = 0;
+        json_t *res = NULL;
+        /* Prompts long enough that some expert is not in the 25 slots. */
+        for (int tries = 0; tries < 5 && status != 500; tries++) {
+            json_decref(res);
+            char body[256];
+            snprintf(body, sizeof body, "{\"prompt\": \"%s %d\", \"max_tokens\": 16, \"temperature\": 0}",
+                     tier_prompts[tries % 3], tries);
+            res = post_json(d.sock, "/v1/completions", body, &status);
+        }
+        CHECK_MSG(status == 500, "status %d: %s", status, err_msg(res));
+        CHECK_MSG(strstr(err_msg(res), "changed under the daemon") != NULL, "%s", err_msg(res));
+        json_decref(res);
+        CHECK(pool_stat(d.sock, "read_errors") > 0);
+        CHECK_EQ(pool_stat(d.sock, "pinned"), 0);
+        /* Still alive and answering. */
+        struct hc_resp r;
+        CHECK(hc_request_unix(d.sock, "GET", "/health", NULL, &r, 5000) == 0);
+        hc_resp_free(&r);
+        CHECK_EQ(worker_restarts(d.sock), 0);
+        CHECK_EQ(moed_stop(&d, 30), 0);
+        free(bytes);
+    }
 }

@@ -355,6 +355,47 @@ static int validate_one(const Moed__Envelope *e, enum moe_ipc_from from, char *e
     return rc;
 }
 
+/* Tiered store frames: an expert that does not exist is a bad frame, in either direction. */
+TEST(ipc_expert_request_and_ready_ranges)
+{
+    char err[256];
+    Moed__ExpertRequest q = MOED__EXPERT_REQUEST__INIT;
+    q.layer = 2;
+    q.expert = 15;
+    q.step = 7;
+    Moed__Envelope e = MOED__ENVELOPE__INIT;
+    e.msg_case = MOED__ENVELOPE__MSG_EXPERT_REQUEST;
+    e.expert_request = &q;
+    CHECK_EQ(validate_one(&e, MOE_IPC_FROM_WORKER, err, sizeof err), 0);
+    CHECK_EQ(validate_one(&e, MOE_IPC_FROM_DAEMON, err, sizeof err), MOE_EFORMAT);
+    q.layer = 3;
+    CHECK_EQ(validate_one(&e, MOE_IPC_FROM_WORKER, err, sizeof err), MOE_ERANGE);
+    CHECK(strstr(err, "expert (3, 15) does not exist"));
+    q.layer = 0;
+    q.expert = 16;
+    CHECK_EQ(validate_one(&e, MOE_IPC_FROM_WORKER, err, sizeof err), MOE_ERANGE);
+
+    Moed__ExpertReady r = MOED__EXPERT_READY__INIT;
+    r.layer = 1;
+    r.expert = 3;
+    r.offset = 1 << 22;
+    r.size = 4096;
+    e.msg_case = MOED__ENVELOPE__MSG_EXPERT_READY;
+    e.expert_ready = &r;
+    CHECK_EQ(validate_one(&e, MOE_IPC_FROM_DAEMON, err, sizeof err), 0);
+    CHECK_EQ(validate_one(&e, MOE_IPC_FROM_WORKER, err, sizeof err), MOE_EFORMAT);
+    r.expert = 99;
+    CHECK_EQ(validate_one(&e, MOE_IPC_FROM_DAEMON, err, sizeof err), MOE_ERANGE);
+    r.expert = 3;
+    char *big = malloc(5000);
+    memset(big, 'x', 4999);
+    big[4999] = 0;
+    r.code = MOE_EFORMAT;
+    r.error = big;
+    CHECK_EQ(validate_one(&e, MOE_IPC_FROM_DAEMON, err, sizeof err), MOE_ERANGE);
+    free(big);
+}
+
 TEST(ipc_validate_checks_every_range)
 {
     char err[256];
@@ -624,6 +665,8 @@ static void ct_on_close(struct moe_ipc_conn *c, void *user, int reason, const ch
     snprintf(t->close_msg, sizeof t->close_msg, "%s", msg);
 }
 
+static void send_env(int fd, const Moed__Envelope *e);
+
 static void run_until(uv_loop_t *loop, int *flag, int target, double secs)
 {
     double t0 = moe_test_now();
@@ -644,7 +687,7 @@ TEST(ipc_conn_streams_frames_and_closes_on_garbage)
     char err[256];
 
     /* Daemon side reads a worker's frames: 5000 tokens, then garbage. */
-    for (int variant = 0; variant < 4; variant++) {
+    for (int variant = 0; variant < 5; variant++) {
         int sv[2];
         CHECK(socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) == 0);
         struct conn_test t = {0};
@@ -692,6 +735,15 @@ TEST(ipc_conn_streams_frames_and_closes_on_garbage)
             close(sv[1]);
             sv[1] = -1;
             why = "truncated";
+        } else if (variant == 4) {
+            /* The tiered store's request for an expert the model does not have. */
+            Moed__ExpertRequest q = MOED__EXPERT_REQUEST__INIT;
+            q.layer = 3;
+            Moed__Envelope e = MOED__ENVELOPE__INIT;
+            e.msg_case = MOED__ENVELOPE__MSG_EXPERT_REQUEST;
+            e.expert_request = &q;
+            send_env(sv[1], &e);
+            why = "expert (3, 0) does not exist";
         } else {
             /* Well-formed, in range for protobuf, but a token id past the vocabulary. */
             Moed__Token tk = MOED__TOKEN__INIT;
@@ -700,10 +752,7 @@ TEST(ipc_conn_streams_frames_and_closes_on_garbage)
             Moed__Envelope e = MOED__ENVELOPE__INIT;
             e.msg_case = MOED__ENVELOPE__MSG_TOKEN;
             e.token = &tk;
-            size_t len;
-            uint8_t *b = encode(&e, &len);
-            CHECK(write(sv[1], b, len) == (ssize_t)len);
-            free(b);
+            send_env(sv[1], &e);
             why = "not a token id";
         }
         run_until(&loop, &t.closed, 1, 5);
@@ -929,6 +978,22 @@ TEST(ipc_worker_rejects_token_id_out_of_range)
     e.submit = &s;
     send_env(w.fd, &e);
     expect_rejected(&w, "submit.prompt[1] = 4160 is not a token id");
+}
+
+TEST(ipc_worker_rejects_expert_ready_without_a_pool)
+{
+    struct wproc w;
+    moe_ipc_free(hello_and_ready(&w, 128, 1));
+    Moed__ExpertReady r = MOED__EXPERT_READY__INIT;
+    r.layer = 1;
+    r.expert = 2;
+    r.offset = 1 << 21;
+    r.size = 4096;
+    Moed__Envelope e = MOED__ENVELOPE__INIT;
+    e.msg_case = MOED__ENVELOPE__MSG_EXPERT_READY;
+    e.expert_ready = &r;
+    send_env(w.fd, &e);
+    expect_rejected(&w, "holds every expert");
 }
 
 TEST(ipc_worker_rejects_placement_for_another_shape)

@@ -9,6 +9,7 @@
 #include "store/err.h"
 #include "store/ggml_type.h"
 #include "store/gguf.h"
+#include "store/expert_store.h"
 #include "store/model.h"
 #include "tests/gguf_bytes.h"
 #include "tests/harness.h"
@@ -345,6 +346,23 @@ TEST(moectl_inspect_json)
     CHECK_EQ(jint(v, "slots_per_layer", NULL), 0);
     CHECK(jint(v, "experts_available", NULL) < 0);
     json_decref(j);
+
+    /* --ram-budget: the tiered store's pool (48 experts; 12 slots is the minimum). */
+    snprintf(args, sizeof args, "%s --ram-budget 50%%", path);
+    CHECK_EQ(run_inspect(args, &j), 0);
+    json_t *r = json_object_get(j, "ram");
+    CHECK(r && !json_is_true(json_object_get(r, "all_experts_fit")));
+    CHECK_EQ(jint(r, "experts", NULL), 48);
+    CHECK_EQ(jint(r, "min_slots", NULL), 12);
+    CHECK_EQ(jint(r, "slot_bytes", NULL), moe_store_slot_bytes(&m));
+    CHECK_EQ(jint(r, "slots", NULL), (uint64_t)(0.5 * (double)m.bytes_experts) / moe_store_slot_bytes(&m));
+    json_decref(j);
+    snprintf(args, sizeof args, "%s --ram-budget 1G", path);
+    CHECK_EQ(run_inspect(args, &j), 0);
+    CHECK(json_is_true(json_object_get(json_object_get(j, "ram"), "all_experts_fit")));
+    json_decref(j);
+    snprintf(args, sizeof args, "%s --ram-budget 10%%", path); /* 4 slots */
+    CHECK_EQ(run_inspect(args, NULL), 2);
 
     /* Errors: missing file and a non-model GGUF exit 1; bad arguments exit 2. */
     CHECK_EQ(run_inspect("/nonexistent.gguf", NULL), 1);

@@ -43,6 +43,7 @@
 #include "worker/sampler.h"
 
 struct moe_offload_stats;
+struct moe_expert_src;
 struct moe_offload_layer;
 
 /* Dimensions and options a backend is built for (filled by worker/engine.c). */
@@ -62,6 +63,7 @@ struct moe_dims {
     const uint64_t *expert_counts;
     bool host_register;
     bool no_prefetch;
+    const struct moe_expert_src *expert_src; /* CPU: experts found per layer (engine.h) */
 };
 
 /* Activation buffers, each with room for n_batch rows. */

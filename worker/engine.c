@@ -228,11 +228,19 @@ int moe_engine_init(struct moe_engine **out, const struct moe_model *m,
     d->expert_counts = o->expert_counts;
     d->host_register = o->host_register;
     d->no_prefetch = o->no_prefetch;
+    d->expert_src = o->expert_src;
     if (!(o->expert_residency >= 0.0 && o->expert_residency <= 1.0) || o->cache_slots < -1 ||
         (int64_t)o->cache_slots > d->nexp) {
         rc = moe_fail(err, errlen, MOE_ERANGE,
                       "engine: expert residency %g outside (0, 1] or cache slots %d outside "
                       "-1..%lld", o->expert_residency, o->cache_slots, (long long)d->nexp);
+        goto fail;
+    }
+    if (o->expert_src && (vt != &moe_backend_cpu || o->expert_src->max_pinned < 1 ||
+                          !o->expert_src->acquire || !o->expert_src->release)) {
+        rc = moe_fail(err, errlen, MOE_EUNSUPPORTED,
+                      "engine: experts from a tiered store need the CPU backend (got %s)",
+                      e->device);
         goto fail;
     }
     if ((o->vram_budget || o->expert_residency > 0.0) && !vt->offload_stats) {

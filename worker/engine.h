@@ -15,6 +15,25 @@
 
 struct moe_engine;
 
+/* Where the CPU backend finds routed experts whose place in memory changes (a tiered store,
+ * docs/store.md). Between a layer's routing and its expert products the backend asks for the
+ * experts the router chose, at most max_pinned at a time, computes with them and gives them
+ * back; the results are the same as with fixed views. */
+struct moe_expert_src {
+    /* Makes experts ids[0..n) of layer l readable and fills views[i] (gate/up/down with the
+     * model's types and shapes). May block (a disk read). Returns 0 or an error that fails the
+     * step, with a message in err. */
+    int (*acquire)(void *user, int layer, const int32_t *ids, int n, struct moe_expert *views,
+                   char *err, size_t errlen);
+    /* Layer l is done with them. */
+    void (*release)(void *user, int layer, const int32_t *ids, int n);
+    /* Optional: the experts the next layer will probably choose (its router applied to this
+     * layer's input), so that they can be read ahead. Never blocks. */
+    void (*prefetch)(void *user, int layer, const int32_t *ids, int n);
+    int max_pinned;      /* >= 1 */
+    void *user;
+};
+
 struct moe_engine_opts {
     uint32_t n_ctx;      /* KV cache positions per sequence */
     uint32_t n_seq;      /* concurrent sequences */
@@ -36,6 +55,7 @@ struct moe_engine_opts {
                                     * the GPU may map; else experts outside VRAM are read from a
                                     * pinned copy */
     bool no_prefetch;              /* no layer-ahead prefetch of predicted experts */
+    const struct moe_expert_src *expert_src; /* CPU only; NULL: the model's views are fixed */
 };
 
 struct moe_batch {

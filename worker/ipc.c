@@ -28,13 +28,14 @@
 #include "worker/batcher.h"
 #include "worker/engine.h"
 #include "worker/sampler.h"
+#include "worker/tier.h"
 
 #define HELLO_TIMEOUT_MS 60000
 /* The daemon keeps at most n_seq requests on a worker; a little backlog beyond that is allowed
  * (a Submit may cross a Done on the wire), a lot of it is a daemon bug. */
 #define BACKLOG_FACTOR 4
 
-enum wev_kind { EV_TOKEN, EV_DONE, EV_ERROR, EV_STATS, EV_EXIT };
+enum wev_kind { EV_TOKEN, EV_DONE, EV_ERROR, EV_STATS, EV_EXIT, EV_XREQ };
 
 /* Something for the main thread to send (or, for EV_EXIT, to act on). */
 struct wevent {
@@ -57,6 +58,9 @@ struct wevent {
     uint64_t expert_hits, expert_misses;
     struct moe_offload_stats os;      /* EV_STATS: the expert cache (os.active: with layers) */
     struct moe_offload_layer *layers; /* [n_layer] or NULL */
+    struct wtier_stats ts;            /* EV_STATS: the tiered store's counters */
+    uint32_t layer, expert;           /* EV_XREQ */
+    bool prefetch;                    /* EV_XREQ: a read-ahead */
     struct wevent *next;
 };
 
@@ -88,6 +92,7 @@ struct worker {
     struct moe_model model;
     bool model_ok;
     struct moe_store *store;
+    struct wtier *tier;           /* tiered store: where pooled experts are found */
     struct moe_engine *eng;
     struct moe_token_bytes *tb;    /* the vocabulary's bytes for grammars, made on first use */
     uint32_t n_vocab, n_layer, n_expert, n_ctx, n_seq, n_batch;
@@ -234,8 +239,27 @@ static int sink_report(void *user, const struct moe_batcher_report *r)
         free(ev->layers);
         ev->layers = NULL;
     }
+    if (w->tier)
+        wtier_stats(w->tier, &ev->ts);
     post(w, ev);
     return 0;
+}
+
+/* Compute thread: an expert the step needs is not in the pool; the loop sends the request. */
+static void tier_request(void *user, uint32_t layer, uint32_t expert, bool prefetch)
+{
+    struct worker *w = user;
+    struct wevent *ev = ev_new(EV_XREQ, atomic_load(&w->steps));
+    if (!ev) {
+        /* Without the request the step would wait forever: exit instead (the daemon restarts
+         * the worker and retries its requests). */
+        moe_ipc_log(MOE_LOG_ERROR, "out of memory asking for expert (%u, %u)", layer, expert);
+        abort();
+    }
+    ev->layer = layer;
+    ev->expert = expert;
+    ev->prefetch = prefetch;
+    post(w, ev);
 }
 
 static void *compute_main(void *arg)
@@ -561,10 +585,14 @@ static int on_msg(struct moe_ipc_conn *conn, void *user, const Moed__Envelope *e
         moe_ipc_log(MOE_LOG_DEBUG, "placement received (%zu counts)",
                     env->set_placement->n_counts);
         return 0;
-    case MOED__ENVELOPE__MSG_EXPERT_READY:
-        moe_ipc_log(MOE_LOG_WARN, "expert_ready for (%u, %u) ignored: this worker has no tiered store",
-                    env->expert_ready->layer, env->expert_ready->expert);
-        return 0;
+    case MOED__ENVELOPE__MSG_EXPERT_READY: {
+        const Moed__ExpertReady *x = env->expert_ready;
+        if (!w->tier)
+            return moe_fail(err, errlen, MOE_EFORMAT, "expert_ready for (%u, %u), but this "
+                            "worker's store holds every expert", x->layer, x->expert);
+        return wtier_ready(w->tier, x->layer, x->expert, x->offset, x->size, x->code, x->error,
+                           err, errlen);
+    }
     case MOED__ENVELOPE__MSG_SHUTDOWN:
         moe_ipc_log(MOE_LOG_INFO, "shutdown requested (%s)", env->shutdown->drain ? "drain" : "now");
         tell_compute_stop(w, env->shutdown->drain);
@@ -586,6 +614,8 @@ static void on_close(struct moe_ipc_conn *conn, void *user, int reason, const ch
     else if (reason == UV_EOF)
         moe_ipc_log(MOE_LOG_INFO, "the daemon closed the connection: %s", msg);
     /* Nobody is left to read what the compute thread would produce. */
+    if (w->tier)
+        wtier_abort(w->tier);
     tell_compute_stop(w, false);
 }
 
@@ -655,6 +685,11 @@ static void send_event(struct worker *w, struct wevent *ev)
         m.decode_tokens_per_s = ev->tokens_per_s;
         m.expert_hits = ev->expert_hits;
         m.expert_misses = ev->expert_misses;
+        m.pool_hits = ev->ts.hits;
+        m.pool_misses = ev->ts.misses;
+        m.pool_waits = ev->ts.waits;
+        m.pool_wait_us = ev->ts.wait_us;
+        m.pool_prefetches = ev->ts.prefetches;
         uint32_t *u32 = NULL;
         uint64_t *u64 = NULL;
         if (ev->layers && (u32 = malloc(sizeof *u32 * 2 * w->n_layer)) &&
@@ -683,6 +718,17 @@ static void send_event(struct worker *w, struct wevent *ev)
         moe_ipc_conn_send(w->conn, &env);
         free(u32);
         free(u64);
+        return;
+    }
+    case EV_XREQ: {
+        Moed__ExpertRequest x = MOED__EXPERT_REQUEST__INIT;
+        x.layer = ev->layer;
+        x.expert = ev->expert;
+        x.step = ev->id;
+        x.prefetch = ev->prefetch;
+        env.msg_case = MOED__ENVELOPE__MSG_EXPERT_REQUEST;
+        env.expert_request = &x;
+        moe_ipc_conn_send(w->conn, &env);
         return;
     }
     case EV_EXIT:
@@ -785,6 +831,17 @@ static int load(struct worker *w, const Moed__Hello *h, int store_fd, char *err,
                         h->model_path, w->model.fingerprint);
     if (store_fd >= 0 && (rc = moe_store_open_model(&w->store, store_fd, &w->model, err, errlen)))
         return rc;
+    const char *dev = h->device[0] ? h->device : "cpu";
+    if (w->store && moe_store_pool(w->store)) {
+        if (strcmp(dev, "cpu") != 0)
+            return moe_fail(err, errlen, MOE_EUNSUPPORTED, "a tiered store (--ram-budget below "
+                            "all experts) is served by CPU workers only; %s was asked for", dev);
+        if ((rc = wtier_new(&w->tier, w->store, &w->model, h->worker_index, tier_request, w, err,
+                            errlen)))
+            return rc;
+        const char *verify = getenv("MOED_POOL_VERIFY");
+        wtier_set_verify(w->tier, verify && verify[0] && strcmp(verify, "0") != 0);
+    }
     w->n_vocab = hp->n_vocab;
     w->n_layer = hp->n_layer;
     w->n_expert = hp->n_expert;
@@ -795,7 +852,8 @@ static int load(struct worker *w, const Moed__Hello *h, int store_fd, char *err,
         w->n_batch = w->n_seq;
     struct moe_engine_opts eo = {.n_ctx = w->n_ctx, .n_seq = w->n_seq, .n_batch = w->n_batch,
                                  .n_threads = h->n_threads,
-                                 .device = h->device[0] ? h->device : "cpu"};
+                                 .device = dev,
+                                 .expert_src = w->tier ? wtier_source(w->tier) : NULL};
     if (!strncmp(eo.device, "cuda", 4)) {
         /* Expert offload: the budget and residency apply to GPU workers; the hot set follows
          * the daemon's profile when it sent one of the model's shape. */
@@ -853,6 +911,7 @@ static void worker_free(struct worker *w)
 {
     moe_engine_free(w->eng);
     token_bytes_free(w->tb);
+    wtier_free(w->tier);
     moe_store_close(w->store);
     if (w->model_ok)
         moe_model_free(&w->model);

@@ -6,6 +6,7 @@
  * accumulations are float32 (norm and softmax sums in double). Routing groups the step's tokens
  * by expert on the host, so each active expert's weights are decoded once per step. */
 #include "worker/backend.h"
+#include "worker/engine.h"
 
 #include <errno.h>
 #include <math.h>
@@ -74,6 +75,12 @@ struct cpu_backend {
     float *scores;                /* [nth][n_ctx] */
     float *xo;                    /* [nb][E] normed rows for the head */
     int32_t *task;                /* expert tasks: [2 * n_expert * ceil(max(ff,E)/rows)] */
+    struct moe_expert *xv;        /* [nexp] views from the expert source (d.expert_src) */
+    struct moe_expert *xtmp;      /* [nexp] what the source filled in */
+    int32_t *xids;                /* [nexp] the layer's chosen experts */
+    int32_t *xpred;               /* [nexp] the next layer's predicted experts */
+    uint8_t *xmark;               /* [nexp] all zero outside predict_next */
+    uint8_t *xsel;                /* [nexp] 1: in the part being computed */
     void (*attn_values)(float *o, const float *w, const float *V, int64_t np, int64_t hdv);
     char errmsg[256];
 };
@@ -215,6 +222,14 @@ static int cpu_init(struct moe_backend **out, const struct moe_model *m, struct 
     e->slot_tok = xcalloc(ns, sizeof(int32_t), &bad);
     e->ex_off = xcalloc(e->nexp + 1, sizeof(int32_t), &bad);
     e->ex_fill = xcalloc(e->nexp, sizeof(int32_t), &bad);
+    if (d->expert_src) {
+        e->xv = xcalloc(e->nexp, sizeof *e->xv, &bad);
+        e->xtmp = xcalloc(e->nexp, sizeof *e->xtmp, &bad);
+        e->xids = xcalloc(e->nexp, sizeof *e->xids, &bad);
+        e->xpred = xcalloc(e->nexp, sizeof *e->xpred, &bad);
+        e->xmark = xcalloc(e->nexp, 1, &bad);
+        e->xsel = xcalloc(e->nexp, 1, &bad);
+    }
     e->taken = xcalloc(e->nexp, 1, &bad);
     e->xg = xcalloc(ns * e->E, sizeof(float), &bad);
     e->act = xcalloc(ns * e->ff, sizeof(float), &bad);
@@ -262,6 +277,12 @@ static void cpu_free(struct moe_backend *b)
     free(e->slot_tok);
     free(e->ex_off);
     free(e->ex_fill);
+    free(e->xv);
+    free(e->xtmp);
+    free(e->xids);
+    free(e->xpred);
+    free(e->xmark);
+    free(e->xsel);
     free(e->taken);
     free(e->xg);
     free(e->act);
@@ -535,6 +556,7 @@ static int cpu_matmul(struct moe_backend *b, int l, const struct moe_mm *mm, int
 struct fwd {
     struct cpu_backend *e;
     int l;
+    const struct moe_expert *xv;  /* the layer's expert views */
 };
 
 /* Per-head RMSNorm of q and k, RoPE, and the store of k and v into the cache. */
@@ -566,7 +588,7 @@ static void qk_task(void *arg, int64_t t, int ith)
 static int cpu_qk_rope_kv(struct moe_backend *b, int l)
 {
     struct cpu_backend *e = (struct cpu_backend *)b;
-    struct fwd f = {e, l};
+    struct fwd f = {e, l, NULL};
     par_for(e, e->n, e->n * (e->qdim + e->kdim) * 4, qk_task, &f);
     return 0;
 }
@@ -606,7 +628,7 @@ static void attn_task(void *arg, int64_t task, int ith)
 static int cpu_attention(struct moe_backend *b, int l)
 {
     struct cpu_backend *e = (struct cpu_backend *)b;
-    struct fwd f = {e, l};
+    struct fwd f = {e, l, NULL};
     double macs = 0;
     for (int64_t t = 0; t < e->n; t++)
         macs += (double)e->pos[t] + 1;
@@ -695,7 +717,7 @@ static void expert_up_task(void *arg, int64_t i, int ith)
     int x = e->task[2 * i];
     int64_t r0 = e->task[2 * i + 1];
     int64_t r1 = r0 + ENG_EXPERT_ROWS < e->ff ? r0 + ENG_EXPERT_ROWS : e->ff;
-    const struct moe_expert *ex = &e->m->layers[f->l].experts[x];
+    const struct moe_expert *ex = &f->xv[x];
     int64_t s0 = e->ex_off[x], cnt = e->ex_off[x + 1] - s0;
     const float *X = e->xg + s0 * e->E;
     float *G = e->gbuf + s0 * e->ff, *U = e->ubuf + s0 * e->ff;
@@ -722,7 +744,7 @@ static void expert_down_task(void *arg, int64_t i, int ith)
     int x = e->task[2 * i];
     int64_t r0 = e->task[2 * i + 1];
     int64_t r1 = r0 + ENG_EXPERT_ROWS < e->E ? r0 + ENG_EXPERT_ROWS : e->E;
-    const struct moe_expert *ex = &e->m->layers[f->l].experts[x];
+    const struct moe_expert *ex = &f->xv[x];
     int64_t s0 = e->ex_off[x], cnt = e->ex_off[x + 1] - s0;
     const float *A = e->act + s0 * e->ff;
     float *D = e->dout + s0 * e->E;
@@ -753,11 +775,12 @@ static void combine_task(void *arg, int64_t t, int ith)
         h[i] += acc[i];
 }
 
-static int make_tasks(struct cpu_backend *e, int64_t rows)
+/* Tasks for the experts with tokens (and, with sel, only those marked in it). */
+static int make_tasks(struct cpu_backend *e, int64_t rows, const uint8_t *sel)
 {
     int nt = 0;
     for (int64_t x = 0; x < e->nexp; x++) {
-        if (e->ex_off[x + 1] == e->ex_off[x])
+        if (e->ex_off[x + 1] == e->ex_off[x] || (sel && !sel[x]))
             continue;
         for (int64_t r = 0; r < rows; r += ENG_EXPERT_ROWS) {
             e->task[2 * nt] = (int32_t)x;
@@ -768,14 +791,90 @@ static int make_tasks(struct cpu_backend *e, int64_t rows)
     return nt;
 }
 
+/* The experts layer l+1 will probably choose: its router applied to layer l's normed input
+ * (the residual stream changes little from one layer to the next), top-k per token. The router
+ * logits buffer is free again once route(l) has run. Handed to the source to read ahead. */
+static void predict_next(struct cpu_backend *e, int l)
+{
+    static const struct moe_mm router = {MOE_W_ROUTER, MOE_BUF_RL};
+    if (cpu_matmul(&e->base, l + 1, &router, 1, MOE_BUF_X, false))
+        return;
+    int nx = 0;
+    for (int64_t t = 0; t < e->n; t++) {
+        const float *r = BUF(e, MOE_BUF_RL) + t * e->nexp;
+        int64_t pick[64];
+        int64_t k = e->kuse < 64 ? e->kuse : 64;
+        for (int64_t j = 0; j < k; j++) {
+            int64_t best = -1;
+            for (int64_t x = 0; x < e->nexp; x++)
+                if (!e->taken[x] && (best < 0 || r[x] > r[best]))
+                    best = x;
+            e->taken[best] = 1;
+            pick[j] = best;
+        }
+        for (int64_t j = 0; j < k; j++) {
+            e->taken[pick[j]] = 0;
+            if (!e->xmark[pick[j]]) {
+                e->xmark[pick[j]] = 1;
+                e->xpred[nx++] = (int32_t)pick[j];
+            }
+        }
+    }
+    for (int i = 0; i < nx; i++)
+        e->xmark[e->xpred[i]] = 0;
+    e->d.expert_src->prefetch(e->d.expert_src->user, l + 1, e->xpred, nx);
+}
+
+/* Experts from a source whose views move: the chosen experts in parts of at most max_pinned,
+ * each part acquired, computed and released; the combine runs once all parts are done, so the
+ * sums are the same as in one pass. */
+static int experts_from_source(struct cpu_backend *e, struct fwd *f)
+{
+    const struct moe_expert_src *src = e->d.expert_src;
+    int nx = 0;
+    for (int64_t x = 0; x < e->nexp; x++)
+        if (e->ex_off[x + 1] > e->ex_off[x])
+            e->xids[nx++] = (int32_t)x;
+    double macs = 1.0 * e->n * e->kuse * e->E * e->ff;
+    for (int at = 0; at < nx; at += src->max_pinned) {
+        int np = nx - at < src->max_pinned ? nx - at : src->max_pinned;
+        int rc = src->acquire(src->user, f->l, e->xids + at, np, e->xtmp, e->errmsg,
+                              sizeof e->errmsg);
+        if (rc)
+            return rc;
+        for (int i = 0; i < np; i++) {
+            e->xv[e->xids[at + i]] = e->xtmp[i];
+            e->xsel[e->xids[at + i]] = 1;
+        }
+        f->xv = e->xv;
+        /* Read-ahead for the next layer once this layer's first part is pinned. */
+        if (at == 0 && src->prefetch && f->l + 1 < e->L)
+            predict_next(e, f->l);
+        par_for(e, make_tasks(e, e->ff, e->xsel), 2.0 * macs, expert_up_task, f);
+        par_for(e, make_tasks(e, e->E, e->xsel), macs, expert_down_task, f);
+        for (int i = 0; i < np; i++)
+            e->xsel[e->xids[at + i]] = 0;
+        src->release(src->user, f->l, e->xids + at, np);
+    }
+    return 0;
+}
+
 static int cpu_experts(struct moe_backend *b, int l)
 {
     struct cpu_backend *e = (struct cpu_backend *)b;
-    struct fwd f = {e, l};
+    struct fwd f = {e, l, e->m->layers[l].experts};
     int64_t n = e->n;
     par_for(e, n * e->kuse, n * e->kuse * e->E / 4, gather_task, &f);
-    par_for(e, make_tasks(e, e->ff), 2.0 * n * e->kuse * e->E * e->ff, expert_up_task, &f);
-    par_for(e, make_tasks(e, e->E), 1.0 * n * e->kuse * e->E * e->ff, expert_down_task, &f);
+    if (e->d.expert_src) {
+        int rc = experts_from_source(e, &f);
+        if (rc)
+            return rc;
+    } else {
+        par_for(e, make_tasks(e, e->ff, NULL), 2.0 * n * e->kuse * e->E * e->ff, expert_up_task,
+                &f);
+        par_for(e, make_tasks(e, e->E, NULL), 1.0 * n * e->kuse * e->E * e->ff, expert_down_task,
+                &f);
+    }
     par_for(e, n, n * e->kuse * e->E, combine_task, &f);
     return 0;
 }

@@ -1,0 +1,273 @@
+/* The worker's side of a tiered store (see tier.h). */
+#include "worker/tier.h"
+
+#include <errno.h>
+#include <inttypes.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "store/err.h"
+#include "store/io.h"
+#include "store/pool.h"
+
+enum { ANS_NONE = 0, ANS_WAIT, ANS_OK, ANS_FAIL };
+
+struct wtier {
+    struct moe_expert_src src;
+    struct moe_pool *pool;
+    struct moe_store *store;
+    const struct moe_model *m;
+    uint32_t worker, n_expert;
+    wtier_request_fn request;
+    void *user;
+    int32_t *held;             /* compute thread: [n_expert] slot pinned for the current part */
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    /* under mu */
+    uint8_t *ans;              /* [n_layer * n_expert] */
+    int32_t *ans_slot;
+    int ans_code;
+    char ans_msg[200];
+    bool aborted;
+    bool verify;               /* compute thread: check blob hashes (wtier_set_verify) */
+    int32_t torn_slot;         /* compute thread: a slot whose bytes changed under a pin, or -1 */
+    _Atomic uint64_t hits, misses, waits, wait_us, prefetches;
+};
+
+static void fill_view(struct wtier *t, int layer, int32_t expert, int32_t slot,
+                      struct moe_expert *v)
+{
+    const struct moe_store_layer *L = moe_store_layer(t->store, (uint32_t)layer);
+    const uint8_t *blob = t->pool->slots_base + (uint64_t)slot * t->pool->slot_bytes;
+    *v = t->m->layers[layer].experts[expert];
+    v->gate.data = blob + L->off[0];
+    v->up.data = blob + L->off[1];
+    v->down.data = blob + L->off[2];
+}
+
+/* Does pinned slot s hold the bytes the daemon hashed for (layer's) blob? */
+static bool slot_intact(struct wtier *t, int layer, int32_t s)
+{
+    const struct moe_store_layer *L = moe_store_layer(t->store, (uint32_t)layer);
+    return moe_pool_slot_hash(t->pool, s, L->blob_bytes) == t->pool->slot[s].hash;
+}
+
+static void unpin_all(struct wtier *t, const int32_t *ids, int n)
+{
+    for (int i = 0; i < n; i++)
+        if (t->held[ids[i]] >= 0) {
+            moe_pool_unpin(t->pool, t->worker, t->held[ids[i]]);
+            t->held[ids[i]] = -1;
+        }
+}
+
+static int tier_acquire(void *user, int layer, const int32_t *ids, int n, struct moe_expert *views,
+                        char *err, size_t errlen)
+{
+    struct wtier *t = user;
+    uint32_t base = (uint32_t)layer * t->n_expert;
+    int missing = 0;
+    for (int i = 0; i < n; i++) {
+        int32_t s = moe_pool_pin(t->pool, t->worker, base + (uint32_t)ids[i]);
+        t->held[ids[i]] = s;
+        if (s < 0)
+            missing++;
+    }
+    atomic_fetch_add_explicit(&t->hits, (uint64_t)(n - missing), memory_order_relaxed);
+    if (!missing)
+        goto done;
+    atomic_fetch_add_explicit(&t->misses, (uint64_t)missing, memory_order_relaxed);
+    atomic_fetch_add_explicit(&t->waits, 1, memory_order_relaxed);
+    double t0 = moe_now_s();
+    pthread_mutex_lock(&t->mu);
+    for (int i = 0; i < n; i++)
+        if (t->held[ids[i]] < 0)
+            t->ans[base + (uint32_t)ids[i]] = ANS_WAIT;
+    pthread_mutex_unlock(&t->mu);
+    for (int i = 0; i < n; i++)
+        if (t->held[ids[i]] < 0)
+            t->request(t->user, (uint32_t)layer, (uint32_t)ids[i], false);
+    int rc = 0;
+    pthread_mutex_lock(&t->mu);
+    for (int i = 0; i < n; i++) {
+        if (t->held[ids[i]] >= 0)
+            continue;
+        uint32_t b = base + (uint32_t)ids[i];
+        while (t->ans[b] == ANS_WAIT && !t->aborted)
+            pthread_cond_wait(&t->cv, &t->mu);
+        if (t->ans[b] == ANS_OK) {
+            t->held[ids[i]] = t->ans_slot[b];
+        } else if (!rc) {
+            rc = t->ans[b] == ANS_FAIL ? (t->ans_code ? t->ans_code : MOE_EINTERNAL) : MOE_ECANCELED;
+            moe_fail(err, errlen, rc, "expert (%d, %d): %s", layer, ids[i],
+                     t->ans[b] == ANS_FAIL ? t->ans_msg : "the daemon connection is gone");
+        }
+        if (t->ans[b] != ANS_WAIT)
+            t->ans[b] = ANS_NONE;
+    }
+    /* After an abort, answers still on their way are dropped by wtier_ready (ANS_NONE). */
+    for (int i = 0; i < n; i++)
+        if (t->ans[base + (uint32_t)ids[i]] == ANS_WAIT)
+            t->ans[base + (uint32_t)ids[i]] = ANS_NONE;
+    pthread_mutex_unlock(&t->mu);
+    atomic_fetch_add_explicit(&t->wait_us, (uint64_t)((moe_now_s() - t0) * 1e6),
+                              memory_order_relaxed);
+    if (rc) {
+        unpin_all(t, ids, n);
+        return rc;
+    }
+done:
+    for (int i = 0; t->verify && i < n; i++)
+        if (t->torn_slot >= 0 || !slot_intact(t, layer, t->held[ids[i]])) {
+            int32_t s = t->torn_slot >= 0 ? t->torn_slot : t->held[ids[i]];
+            moe_fail(err, errlen, MOE_EINTERNAL, "expert pool slot %d: its bytes do not match the "
+                     "hash of the blob it holds%s", s, t->torn_slot >= 0 ? " (changed while pinned)" : "");
+            t->torn_slot = -1;
+            unpin_all(t, ids, n);
+            return MOE_EINTERNAL;
+        }
+    for (int i = 0; i < n; i++)
+        fill_view(t, layer, ids[i], t->held[ids[i]], &views[i]);
+    return 0;
+}
+
+static void tier_release(void *user, int layer, const int32_t *ids, int n)
+{
+    struct wtier *t = user;
+    for (int i = 0; t->verify && i < n; i++)
+        if (t->held[ids[i]] >= 0 && !slot_intact(t, layer, t->held[ids[i]]))
+            t->torn_slot = t->held[ids[i]]; /* reported by the next acquire */
+    unpin_all(t, ids, n);
+}
+
+static void tier_prefetch(void *user, int layer, const int32_t *ids, int n)
+{
+    struct wtier *t = user;
+    uint32_t base = (uint32_t)layer * t->n_expert;
+    for (int i = 0; i < n; i++)
+        if (atomic_load_explicit(&t->pool->where[base + (uint32_t)ids[i]], memory_order_relaxed) <
+            0) {
+            t->request(t->user, (uint32_t)layer, (uint32_t)ids[i], true);
+            atomic_fetch_add_explicit(&t->prefetches, 1, memory_order_relaxed);
+        }
+}
+
+int wtier_new(struct wtier **out, struct moe_store *s, const struct moe_model *m, uint32_t worker,
+              wtier_request_fn request, void *user, char *err, size_t errlen)
+{
+    struct moe_pool *p = moe_store_pool(s);
+    if (!p)
+        return moe_fail(err, errlen, MOE_EINTERNAL, "tiered store: the store has no pool");
+    if (worker >= p->n_workers)
+        return moe_fail(err, errlen, MOE_ERANGE, "tiered store: worker %u, the slot table has room "
+                        "for %u", worker, p->n_workers);
+    struct wtier *t = calloc(1, sizeof *t);
+    size_t nb = (size_t)m->hp.n_layer * m->hp.n_expert;
+    if (!t || !(t->held = malloc(sizeof *t->held * m->hp.n_expert)) || !(t->ans = calloc(nb, 1)) ||
+        !(t->ans_slot = calloc(nb, sizeof *t->ans_slot))) {
+        wtier_free(t);
+        return moe_fail(err, errlen, -ENOMEM, "tiered store: out of memory");
+    }
+    for (uint32_t x = 0; x < m->hp.n_expert; x++)
+        t->held[x] = -1;
+    t->torn_slot = -1;
+    t->pool = p;
+    t->store = s;
+    t->m = m;
+    t->worker = worker;
+    t->n_expert = m->hp.n_expert;
+    t->request = request;
+    t->user = user;
+    pthread_mutex_init(&t->mu, NULL);
+    pthread_cond_init(&t->cv, NULL);
+    t->src.acquire = tier_acquire;
+    t->src.release = tier_release;
+    t->src.prefetch = tier_prefetch;
+    t->src.max_pinned = (int)p->quota;
+    t->src.user = t;
+    *out = t;
+    return 0;
+}
+
+void wtier_free(struct wtier *t)
+{
+    if (!t)
+        return;
+    if (t->pool) {
+        pthread_mutex_destroy(&t->mu);
+        pthread_cond_destroy(&t->cv);
+    }
+    free(t->held);
+    free(t->ans);
+    free(t->ans_slot);
+    free(t);
+}
+
+void wtier_set_verify(struct wtier *t, bool on)
+{
+    t->verify = on;
+}
+
+const struct moe_expert_src *wtier_source(struct wtier *t)
+{
+    return &t->src;
+}
+
+int wtier_ready(struct wtier *t, uint32_t layer, uint32_t expert, uint64_t offset, uint64_t size,
+                int code, const char *msg, char *err, size_t errlen)
+{
+    struct moe_pool *p = t->pool;
+    uint32_t b = layer * t->n_expert + expert;
+    int32_t slot = -1;
+    if (code == 0) {
+        const struct moe_store_layer *L = moe_store_layer(t->store, layer);
+        if (offset < p->slots_off || (offset - p->slots_off) % p->slot_bytes ||
+            (offset - p->slots_off) / p->slot_bytes >= p->n_slots || !L || size != L->blob_bytes)
+            return moe_fail(err, errlen, MOE_ERANGE, "expert_ready (%u, %u): offset %" PRIu64
+                            " size %" PRIu64 " is not a slot of this store's pool", layer, expert,
+                            offset, size);
+        slot = (int32_t)((offset - p->slots_off) / p->slot_bytes);
+        if (!moe_pool_holds(p, slot, b))
+            return moe_fail(err, errlen, MOE_ERANGE, "expert_ready (%u, %u): slot %d holds another "
+                            "blob", layer, expert, slot);
+    }
+    pthread_mutex_lock(&t->mu);
+    bool waited = t->ans[b] == ANS_WAIT;
+    if (waited) {
+        t->ans[b] = code ? ANS_FAIL : ANS_OK;
+        t->ans_slot[b] = slot;
+        if (code) {
+            t->ans_code = code;
+            snprintf(t->ans_msg, sizeof t->ans_msg, "%s", msg && msg[0] ? msg : moe_strerror(code));
+        }
+        pthread_cond_broadcast(&t->cv);
+    }
+    pthread_mutex_unlock(&t->mu);
+    if (!waited && code == 0)
+        moe_pool_unpin(p, t->worker, slot); /* given up on (abort): drop the pin it came with */
+    if (!waited && code == 0 && !t->aborted)
+        return moe_fail(err, errlen, MOE_EFORMAT, "expert_ready (%u, %u) that was not asked for",
+                        layer, expert);
+    return 0;
+}
+
+void wtier_abort(struct wtier *t)
+{
+    pthread_mutex_lock(&t->mu);
+    t->aborted = true;
+    pthread_cond_broadcast(&t->cv);
+    pthread_mutex_unlock(&t->mu);
+}
+
+void wtier_stats(struct wtier *t, struct wtier_stats *out)
+{
+    out->hits = atomic_load(&t->hits);
+    out->misses = atomic_load(&t->misses);
+    out->waits = atomic_load(&t->waits);
+    out->wait_us = atomic_load(&t->wait_us);
+    out->prefetches = atomic_load(&t->prefetches);
+}
