@@ -67,6 +67,11 @@ struct api {
     gid_t admin_gid;
     bool have_admin_gid;
     uint32_t max_tokens_default;
+    struct {                        /* a request's sampling defaults (api_opts.sampling) */
+        float temperature, top_p, min_p, repetition_penalty;
+        int32_t top_k;
+        const char *source;
+    } sampling;
     char *api_key;                  /* owned copy, or NULL */
     _Atomic uint64_t load_done, load_total; /* expert store build progress (any thread) */
     struct api_hooks hooks;
@@ -1199,7 +1204,11 @@ static int force_tool_call(json_t *body, struct gen_req *r, struct verr *e);
 static int parse_common(struct api *a, json_t *body, bool chat, struct gen_req *r, struct verr *e)
 {
     json_t *v;
-    r->s = (struct sched_sampling){.temperature = 1.0f, .top_p = 1.0f, .repetition_penalty = 1.0f};
+    r->s = (struct sched_sampling){.temperature = a->sampling.temperature,
+                                   .top_p = a->sampling.top_p,
+                                   .top_k = a->sampling.top_k,
+                                   .min_p = a->sampling.min_p,
+                                   .repetition_penalty = a->sampling.repetition_penalty};
     r->max_tokens = -1;
     if ((v = json_object_get(body, "model")) && !json_is_string(v) && !json_is_null(v))
         return fail(e, 400, "model", "'model' must be a string, not %s", jtype(v));
@@ -2374,9 +2383,13 @@ static void handle_apply_template(struct api *a, struct http_request *req)
 static void handle_props(struct api *a, struct http_request *req)
 {
     const char *tmpl = a->tok ? moe_tok_chat_template(a->tok) : NULL;
-    json_t *params = json_pack("{s:f,s:f,s:i,s:f,s:f,s:f,s:f,s:i}", "temperature", 1.0, "top_p",
-                               1.0, "top_k", 0, "min_p", 0.0, "repeat_penalty", 1.0,
-                               "presence_penalty", 0.0, "frequency_penalty", 0.0, "n_predict", -1);
+    json_t *params = json_pack("{s:f,s:f,s:i,s:f,s:f,s:f,s:f,s:i,s:s}", "temperature",
+                               (double)a->sampling.temperature, "top_p",
+                               (double)a->sampling.top_p, "top_k", (int)a->sampling.top_k,
+                               "min_p", (double)a->sampling.min_p, "repeat_penalty",
+                               (double)a->sampling.repetition_penalty, "presence_penalty", 0.0,
+                               "frequency_penalty", 0.0, "n_predict", -1, "defaults_from",
+                               a->sampling.source);
     json_t *o = json_object();
     json_object_set_new(o, "default_generation_settings",
                         json_pack("{s:i,s:o}", "n_ctx", (json_int_t)a->model.n_ctx, "params",
@@ -2906,6 +2919,17 @@ int api_new(struct api **out, const struct api_opts *o, char *err, size_t errlen
     a->admin_gid = o->admin_gid;
     a->have_admin_gid = o->have_admin_gid;
     a->max_tokens_default = o->max_tokens_default;
+    if (o->sampling.set) {
+        a->sampling.temperature = o->sampling.temperature;
+        a->sampling.top_p = o->sampling.top_p;
+        a->sampling.top_k = o->sampling.top_k;
+        a->sampling.min_p = o->sampling.min_p;
+        a->sampling.repetition_penalty = o->sampling.repetition_penalty;
+        a->sampling.source = o->sampling.source ? o->sampling.source : "configuration";
+    } else {
+        a->sampling.temperature = a->sampling.top_p = a->sampling.repetition_penalty = 1.0f;
+        a->sampling.source = "OpenAI's defaults";
+    }
     if (o->api_key && !(a->api_key = strdup(o->api_key))) {
         api_free(a);
         return -ENOMEM;

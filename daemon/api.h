@@ -67,6 +67,14 @@ struct api_opts {
                                         never waits for a long prompt); NULL: inline */
     const char *chat_template;       /* Jinja text that replaces the model's chat template
                                         (--chat-template); NULL: the model's, else ChatML */
+    /* What a request that gives no temperature, top_p, top_k, min_p or repetition penalty
+     * gets; all zero: OpenAI's defaults (temperature 1, top_p 1, no top_k, min_p or penalty). */
+    struct {
+        float temperature, top_p, min_p, repetition_penalty;
+        int32_t top_k;
+        bool set;
+        const char *source;          /* where they come from, for /props and the log */
+    } sampling;
 };
 
 /* Returns 0, -ENOMEM, or MOE_EFORMAT for a chat_template that does not parse (message in err).

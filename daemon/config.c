@@ -5,6 +5,7 @@
 #include <errno.h>
 #include <inttypes.h>
 #include <limits.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -17,7 +18,8 @@
 #include "store/units.h"
 
 /* K_DEVICES: a string, checked to be cpu, auto or a list of GPU indexes. */
-enum kind { K_STR, K_DEVICES, K_U32, K_SIZE, K_LEVEL, K_SHARE, K_CACHE, K_VRAM };
+/* K_FLOAT: a decimal number (a double) in [min/1000, max/1000]. */
+enum kind { K_STR, K_DEVICES, K_U32, K_SIZE, K_LEVEL, K_SHARE, K_CACHE, K_VRAM, K_FLOAT };
 
 struct key {
     const char *name;
@@ -68,6 +70,11 @@ static const struct key keys[] = {
     {"profile-interval", K_U32, F(profile_interval_s), "SECONDS", "save routing counts (default 5)", 1, DAY_S},
     {"profile-half-life", K_SIZE, F(profile_half_life), "TOKENS", "routings this many tokens old weigh half (K/M/G suffixes, binary; 0: never; default 10000000)", 0, UINT64_MAX},
     {"queue-max", K_U32, F(queue_max), "N", "requests waiting for a slot (default 256)", 1, 1000000},
+    {"temp", K_FLOAT, F(default_temp), "T", "temperature of requests that give none (default: the model's general.sampling.temp, else 1)", 0, 100000},
+    {"top-p", K_FLOAT, F(default_top_p), "P", "top_p of requests that give none (default: the model's general.sampling.top_p, else 1)", 1, 1000},
+    {"top-k", K_U32, F(default_top_k), "K", "top_k of requests that give none, 0 off (default: the model's general.sampling.top_k, else off)", 0, 1000000},
+    {"min-p", K_FLOAT, F(default_min_p), "P", "min_p of requests that give none (default: the model's general.sampling.min_p, else off)", 0, 1000},
+    {"repeat-penalty", K_FLOAT, F(default_repeat_penalty), "R", "repetition penalty of requests that give none (default: the model's general.sampling.penalty_repeat, else 1)", 1, 100000},
     {"max-tokens-default", K_U32, F(max_tokens_default), "N",
      "max_tokens when a request gives none (0 or default: up to the context)", 0, MAX_CTX},
     {"max-total-body", K_SIZE, F(max_total_body), "SIZE", "request bodies all connections may hold at once, then 503 (0 or default: max(256M, 4 x max-body))", 0, 1ull << 36},
@@ -94,6 +101,8 @@ int config_init(struct moed_config *c)
 {
     memset(c, 0, sizeof *c);
     c->log_level = LOG_LEVEL_INFO;
+    c->default_temp = c->default_top_p = c->default_min_p = c->default_repeat_penalty = NAN;
+    c->default_top_k = UINT32_MAX; /* unset */
     c->parallel = 4;
     c->max_body = 8u << 20;
     c->idle_timeout_s = 60;
@@ -274,6 +283,19 @@ int config_set(struct moed_config *c, const char *key, const char *value, char *
     }
     case K_VRAM:
         return parse_vram(c, value, err, errlen);
+    case K_FLOAT: {
+        char *end;
+        errno = 0;
+        double v = strtod(value, &end);
+        if (end == value || *end || errno || !isfinite(v))
+            return moe_fail(err, errlen, MOE_EFORMAT, "%s must be a number, not '%s'", k->name,
+                            value);
+        if (v < (double)k->min / 1000 || v > (double)k->max / 1000)
+            return moe_fail(err, errlen, MOE_ERANGE, "%s must be %g..%g, not %s", k->name,
+                            (double)k->min / 1000, (double)k->max / 1000, value);
+        *(double *)p = v;
+        return 0;
+    }
     case K_SHARE: {
         int rc = moe_parse_share(value, (double *)p);
         if (rc)
@@ -381,6 +403,9 @@ void config_usage(FILE *f)
         char range[64] = "";
         if (keys[i].kind == K_U32)
             snprintf(range, sizeof range, "; %" PRIu64 "..%" PRIu64, keys[i].min, keys[i].max);
+        else if (keys[i].kind == K_FLOAT)
+            snprintf(range, sizeof range, "; %g..%g", (double)keys[i].min / 1000,
+                     (double)keys[i].max / 1000);
         else if (keys[i].kind == K_SIZE && keys[i].max != UINT64_MAX) {
             char lo[32], hi[32];
             snprintf(range, sizeof range, "; %s..%s", size_text(keys[i].min, lo, sizeof lo),

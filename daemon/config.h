@@ -48,6 +48,11 @@ struct moed_config {
     uint64_t profile_half_life; /* --profile-half-life N: tokens after which old routings weigh half; 0: never */
     uint32_t queue_max;     /* --queue-max N: requests waiting for a slot (503 above) */
     uint32_t max_tokens_default; /* --max-tokens-default N: when a request names none; 0: to n_ctx */
+    /* Sampling defaults for requests that give none (--temp, --top-p, --top-k, --min-p,
+     * --repeat-penalty); NaN / UINT32_MAX: not set (the model's general.sampling.*, else
+     * OpenAI's). */
+    double default_temp, default_top_p, default_min_p, default_repeat_penalty;
+    uint32_t default_top_k;
     uint64_t max_total_body; /* --max-total-body SIZE: bodies of all connections; 0: max(256M, 4 x max-body) */
     uint64_t max_write_queue; /* --max-write-queue SIZE: queued for a client that does not read */
     uint32_t max_conns;     /* --max-conns N: per listener */

@@ -10,6 +10,7 @@
 #include <grp.h>
 #include <inttypes.h>
 #include <limits.h>
+#include <math.h>
 #include <signal.h>
 #include <stdatomic.h>
 #include <stdbool.h>
@@ -607,6 +608,50 @@ static int hook_metrics(void *user, char **text)
     }
     *text = b;
     return 0;
+}
+
+/* Sampling defaults, field by field: the configuration's (--temp, ...), else the model's
+ * general.sampling.* (what its publisher recommends), else OpenAI's. */
+static void set_sampling_defaults(struct daemon *d, struct api_opts *ao)
+{
+    const struct moed_config *c = &d->cfg;
+    struct moe_sampling_hints h;
+    moe_gguf_sampling_hints(d->gguf, &h);
+    bool cfg = false, model = false;
+#define PICK(dst, conf, conf_set, hint, hint_set, dflt)                                    \
+    do {                                                                                   \
+        if (conf_set) {                                                                    \
+            dst = (conf);                                                                  \
+            cfg = true;                                                                    \
+        } else if (hint_set) {                                                             \
+            dst = (hint);                                                                  \
+            model = true;                                                                  \
+        } else {                                                                           \
+            dst = (dflt);                                                                  \
+        }                                                                                  \
+    } while (0)
+    PICK(ao->sampling.temperature, (float)c->default_temp, !isnan(c->default_temp),
+         (float)h.temperature, !isnan(h.temperature), 1.0f);
+    PICK(ao->sampling.top_p, (float)c->default_top_p, !isnan(c->default_top_p), (float)h.top_p,
+         !isnan(h.top_p), 1.0f);
+    PICK(ao->sampling.min_p, (float)c->default_min_p, !isnan(c->default_min_p), (float)h.min_p,
+         !isnan(h.min_p), 0.0f);
+    PICK(ao->sampling.repetition_penalty, (float)c->default_repeat_penalty,
+         !isnan(c->default_repeat_penalty), (float)h.repeat_penalty, !isnan(h.repeat_penalty),
+         1.0f);
+    PICK(ao->sampling.top_k, (int32_t)c->default_top_k, c->default_top_k != UINT32_MAX,
+         (int32_t)h.top_k, h.top_k >= 0, 0);
+#undef PICK
+    ao->sampling.set = true;
+    ao->sampling.source = cfg && model ? "configuration and the model's general.sampling"
+                          : cfg        ? "configuration"
+                          : model      ? "the model's general.sampling"
+                                       : "OpenAI's defaults";
+    if (cfg || model)
+        log_info("sampling defaults (%s): temperature %g, top_p %g, top_k %d, min_p %g, "
+                 "repetition penalty %g", ao->sampling.source, (double)ao->sampling.temperature,
+                 (double)ao->sampling.top_p, (int)ao->sampling.top_k, (double)ao->sampling.min_p,
+                 (double)ao->sampling.repetition_penalty);
 }
 
 /* ---- lifecycle ---- */
@@ -1242,6 +1287,7 @@ static int run(struct daemon *d, int argc, char **argv)
     };
     char model_id[256];
     ao.model.id = c->model_alias ? c->model_alias : base_name(c->model, model_id, sizeof model_id);
+    set_sampling_defaults(d, &ao);
     struct group gr, *grp = NULL;
     char grbuf[4096];
     if (c->admin_group && getgrnam_r(c->admin_group, &gr, grbuf, sizeof grbuf, &grp) == 0 && grp) {

@@ -360,3 +360,45 @@ void moe_model_free(struct moe_model *m)
     free(m->layers);
     memset(m, 0, sizeof *m);
 }
+
+/* A numeric KV of any type as a double; false when absent or not a number. */
+static bool kv_number(const struct gguf_file *f, const char *key, double *out)
+{
+    const struct gguf_kv *kv = gguf_find_kv(f, key);
+    if (!kv)
+        return false;
+    switch (kv->type) {
+    case GGUF_U8: case GGUF_U16: case GGUF_U32: case GGUF_U64:
+        *out = (double)kv->v.u64;
+        return true;
+    case GGUF_I8: case GGUF_I16: case GGUF_I32: case GGUF_I64:
+        *out = (double)kv->v.i64;
+        return true;
+    case GGUF_F32: case GGUF_F64:
+        *out = kv->v.f64;
+        return isfinite(*out);
+    default:
+        return false;
+    }
+}
+
+void moe_gguf_sampling_hints(const struct gguf_file *f, struct moe_sampling_hints *out)
+{
+    double v;
+    out->temperature = out->top_p = out->min_p = out->repeat_penalty = NAN;
+    out->top_k = out->penalty_last_n = -1;
+    if (kv_number(f, "general.sampling.temp", &v) && v >= 0 && v <= 100)
+        out->temperature = v;
+    if (kv_number(f, "general.sampling.top_p", &v) && v > 0 && v <= 1)
+        out->top_p = v;
+    if (kv_number(f, "general.sampling.min_p", &v) && v >= 0 && v <= 1)
+        out->min_p = v;
+    if (kv_number(f, "general.sampling.penalty_repeat", &v) && v > 0 && v <= 100)
+        out->repeat_penalty = v;
+    if (kv_number(f, "general.sampling.top_k", &v) && v >= 0 && v <= (double)INT32_MAX &&
+        v == (double)(int64_t)v)
+        out->top_k = (int64_t)v;
+    if (kv_number(f, "general.sampling.penalty_last_n", &v) && v >= -1 && v <= (double)INT32_MAX &&
+        v == (double)(int64_t)v)
+        out->penalty_last_n = (int64_t)v;
+}

@@ -88,6 +88,16 @@ struct moe_model {
  * qwen3moe"). Returns 0 or an error with a message naming the key or tensor. */
 int moe_model_from_gguf(struct moe_model *m, const struct gguf_file *f, char *err, size_t errlen);
 
+/* The sampling settings a model's publisher recommends, as llama.cpp's converter writes them
+ * (general.sampling.temp, top_k, top_p, min_p, penalty_repeat, penalty_last_n; any numeric
+ * type). A field is NaN (top_k, penalty_last_n: -1) when the file does not have it or has a value
+ * out of range (a negative temperature, top_p outside (0, 1], ...). */
+struct moe_sampling_hints {
+    double temperature, top_p, min_p, repeat_penalty;
+    int64_t top_k, penalty_last_n;
+};
+void moe_gguf_sampling_hints(const struct gguf_file *f, struct moe_sampling_hints *out);
+
 /* File location of an expert's gate/up/down slices (valid after moe_model_from_gguf). */
 int moe_model_expert_slice(const struct moe_model *m, uint32_t layer, uint32_t expert,
                            struct moe_expert_slice *out);

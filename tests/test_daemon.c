@@ -2563,3 +2563,41 @@ TEST_TIMEOUT(daemon_ram_budget_file_changed_or_truncated, 180)
         free(bytes);
     }
 }
+
+/* --temp 0: a request that gives no temperature is greedy (the standalone worker's text); one
+ * that gives its own is not bound by it; /props shows the defaults and where they come from. */
+TEST_TIMEOUT(daemon_sampling_defaults_from_config, 120)
+{
+    const char *dir = moe_test_tmpdir();
+    const char *prompt = "tests/golden/prompts/p2.txt";
+    char *want = worker_text(prompt, 12), *ptext = moe_test_read_file_or_fail(prompt, NULL);
+    struct moed d;
+    const char *args[] = {"--devices", "cpu", "--temp", "0", "--top-k", "7", NULL};
+    moed_start(&d, dir, args);
+    json_t *o = json_pack("{s:s, s:i}", "prompt", ptext, "max_tokens", 12);
+    char *body = json_dumps(o, JSON_COMPACT);
+    json_decref(o);
+    int status;
+    for (int i = 0; i < 2; i++) {
+        json_t *j = post_json(d.sock, "/v1/completions", body, &status);
+        CHECK_EQ(status, 200);
+        const char *text = json_string_value(
+            json_object_get(json_array_get(json_object_get(j, "choices"), 0), "text"));
+        CHECK_MSG(text && !strcmp(text, want), "'%s' != '%s'", text ? text : "(null)", want);
+        json_decref(j);
+    }
+    free(body);
+    struct hc_resp r;
+    CHECK(hc_request_unix(d.sock, "GET", "/props", NULL, &r, 5000) == 0);
+    CHECK_EQ(r.status, 200);
+    json_t *p = json_loads(r.body, 0, NULL);
+    json_t *params = json_object_get(json_object_get(p, "default_generation_settings"), "params");
+    CHECK(json_number_value(json_object_get(params, "temperature")) == 0.0);
+    CHECK_EQ(json_integer_value(json_object_get(params, "top_k")), 7);
+    CHECK_STREQ(json_string_value(json_object_get(params, "defaults_from")), "configuration");
+    json_decref(p);
+    hc_resp_free(&r);
+    CHECK_EQ(moed_stop(&d, 30), 0);
+    free(want);
+    free(ptext);
+}
