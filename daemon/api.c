@@ -61,6 +61,7 @@ struct api {
     struct api_model_info model;
     char *model_id, *model_arch;
     struct chat_template *chat;     /* NULL: chat requests are refused with chat_err */
+    char *chat_text;                /* the template text in use (owned; /props) */
     char chat_err[640];
     int32_t im_start, im_end;
     uid_t admin_uid;
@@ -2382,7 +2383,7 @@ static void handle_apply_template(struct api *a, struct http_request *req)
  * chat template, the defaults a request gets). */
 static void handle_props(struct api *a, struct http_request *req)
 {
-    const char *tmpl = a->tok ? moe_tok_chat_template(a->tok) : NULL;
+    const char *tmpl = a->chat_text; /* --chat-template's, the model's or the built-in one */
     json_t *params = json_pack("{s:f,s:f,s:i,s:f,s:f,s:f,s:f,s:i,s:s}", "temperature",
                                (double)a->sampling.temperature, "top_p",
                                (double)a->sampling.top_p, "top_k", (int)a->sampling.top_k,
@@ -2886,6 +2887,10 @@ static int api_load_chat(struct api *a, const struct api_opts *o, char *err, siz
 {
     const char *tmpl = moe_tok_chat_template(a->tok);
     char msg[512];
+    const char *text = o->chat_template ? o->chat_template : tmpl && *tmpl ? tmpl
+                                                                         : chat_chatml_template;
+    if (!(a->chat_text = strdup(text)))
+        return -ENOMEM;
     if (o->chat_template) {
         if (chat_template_new(&a->chat, o->chat_template, strlen(o->chat_template), CHAT_SRC_FILE,
                               msg, sizeof msg))
@@ -2986,6 +2991,7 @@ void api_free(struct api *a)
         group_free(g->grp);
     }
     free(a->routing);
+    free(a->chat_text);
     free(a->model_id);
     free(a->model_arch);
     free(a->api_key);

@@ -2601,3 +2601,41 @@ TEST_TIMEOUT(daemon_sampling_defaults_from_config, 120)
     free(want);
     free(ptext);
 }
+
+/* --chat-template FILE replaces the model's template: /apply-template renders with it and
+ * /props shows it; one that does not parse stops moed at start. */
+TEST_TIMEOUT(daemon_chat_template_file, 120)
+{
+    const char *dir = moe_test_tmpdir();
+    char path[512], bad[512];
+    snprintf(path, sizeof path, "%s/t.jinja", dir);
+    snprintf(bad, sizeof bad, "%s/bad.jinja", dir);
+    static const char tmpl[] = "{% for m in messages %}[{{ m.role | upper }}] {{ m.content }}\n"
+                               "{% endfor %}{% if add_generation_prompt %}[ASSISTANT]{% endif %}";
+    moe_test_write_file(path, tmpl, strlen(tmpl));
+    moe_test_write_file(bad, "{% for m in %}", 14);
+    struct moed d;
+    const char *args[] = {"--devices", "cpu", "--chat-template", path, NULL};
+    moed_start(&d, dir, args);
+    int status;
+    json_t *j = post_json(d.sock, "/apply-template",
+                          "{\"messages\": [{\"role\": \"user\", \"content\": \"Hi\"}]}", &status);
+    CHECK_EQ(status, 200);
+    CHECK_STREQ(json_string_value(json_object_get(j, "prompt")), "[USER] Hi\n[ASSISTANT]");
+    json_decref(j);
+    struct hc_resp r;
+    CHECK(hc_request_unix(d.sock, "GET", "/props", NULL, &r, 5000) == 0);
+    json_t *p = json_loads(r.body, 0, NULL);
+    CHECK_STREQ(json_string_value(json_object_get(p, "chat_template")), tmpl);
+    json_decref(p);
+    hc_resp_free(&r);
+    CHECK_EQ(moed_stop(&d, 30), 0);
+
+    char dir2[600];
+    snprintf(dir2, sizeof dir2, "%s/two", dir);
+    CHECK(mkdir(dir2, 0700) == 0);
+    const char *args2[] = {"--devices", "cpu", "--chat-template", bad, NULL};
+    moed_spawn(&d, dir2, args2);
+    CHECK_EQ(moed_wait_exit(&d, 30), 1);
+    CHECK(log_contains(&d, "--chat-template"));
+}
