@@ -1091,6 +1091,20 @@ static int parse_logprobs(json_t *body, bool chat, struct gen_req *r, struct ver
 }
 
 /* logit_bias: {"token id": bias in -100..100}, added to those logits before sampling. */
+/* Whether a grammar parses and can start (the worker's first steps are what a state at the
+ * start needs: an ambiguity past its limits shows here). 0 or -1 with the message in err. */
+static int grammar_check(const char *text, char *err, size_t errlen)
+{
+    struct moe_grammar *gr = moe_grammar_parse(text, strlen(text), err, errlen);
+    if (!gr)
+        return -1;
+    struct moe_grammar_state *st = moe_grammar_state_new(gr, err, errlen);
+    const int rc = st ? 0 : -1;
+    moe_grammar_state_free(st);
+    moe_grammar_free(gr);
+    return rc;
+}
+
 /* Structured output: `grammar` (GBNF, as llama-server takes it), `json_schema` (a schema, as
  * llama-server takes it) or `response_format` {"type": "json_object"} / {"type": "json_schema",
  * "json_schema": {"schema": ...}} (OpenAI), at most one of them. The grammar is parsed here so
@@ -1143,11 +1157,9 @@ static int parse_constraint(json_t *body, struct gen_req *r, struct verr *e)
     } else {
         return 0;
     }
-    struct moe_grammar *gr = moe_grammar_parse(r->grammar, strlen(r->grammar), err, sizeof err);
-    if (!gr)
+    if (grammar_check(r->grammar, err, sizeof err))
         return fail(e, 400, g ? "grammar" : js ? "json_schema" : "response_format",
                     "the grammar: %s", err);
-    moe_grammar_free(gr);
     r->s.grammar = r->grammar;
     return 0;
 }
@@ -1647,12 +1659,10 @@ static int force_tool_call(json_t *body, struct gen_req *r, struct verr *e)
     snprintf(g, sizeof wrap + len + 32, "%s%.*smoed-tool-call ::=%s", wrap, (int)pre, gbnf,
              at + 8);
     free(gbnf);
-    struct moe_grammar *gr = moe_grammar_parse(g, strlen(g), err, sizeof err);
-    if (!gr) {
+    if (grammar_check(g, err, sizeof err)) {
         free(g);
         return fail(e, 400, "tools", "the tool call grammar: %s", err);
     }
-    moe_grammar_free(gr);
     r->grammar = g;
     r->s.grammar = g;
     return 0;

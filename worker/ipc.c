@@ -515,9 +515,13 @@ static int on_submit(struct worker *w, const Moed__Submit *s, char *err, size_t 
                                                   sizeof gerr)))
             j->gram = moe_grammar_state_new(j->grammar, gerr, sizeof gerr);
         if (!j->gram) {
-            w->n_live--;
+            /* This request fails (the daemon checked the grammar, so a limit of this worker
+             * or memory); the connection and the other requests go on. */
+            char msg[300];
+            snprintf(msg, sizeof msg, "grammar: %s", gerr);
             moe_job_free(j);
-            return moe_fail(err, errlen, MOE_EFORMAT, "grammar: %s", gerr);
+            post_error(w, s->id, MOE_EFORMAT, msg);
+            return 0;
         }
         j->tb = tb;
     }

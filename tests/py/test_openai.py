@@ -662,9 +662,14 @@ def test_bad_constraints(client):
         {"response_format": {"type": "xml"}},
         {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
         {"grammar": 'root ::= "a"', "response_format": {"type": "json_object"}},
+        # Parses, but starts with more parse stacks than a state may hold: refused by the
+        # daemon, not by the worker (which would lose its connection).
+        {"grammar": "root ::= " + " | ".join('"%05d"' % i for i in range(80000))},
     ]
     for body in bad:
         with pytest.raises(openai.BadRequestError):
             client.completions.create(model="tiny", prompt="x", max_tokens=4, extra_body=body)
-    # The daemon keeps serving.
+    # The daemon keeps serving, and no worker was restarted.
     assert client.completions.create(model="tiny", prompt="x", max_tokens=2, temperature=0).choices
+    st = client._client.get("http://moed/admin/status").json()
+    assert all(w["restarts"] == 0 for w in st["workers"]), st["workers"]
