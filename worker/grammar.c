@@ -1079,18 +1079,17 @@ static int cls_match_range(const struct moe_grammar *g, const struct gclass *c, 
     return cur <= hi;
 }
 
-/* One byte: the stacks in[0..n) with UTF-8 state *part become out (appended). Returns the number
- * of stacks appended (0: the byte is rejected), or -1 on a limit. */
-static long step(struct moe_grammar_state *st, const uint32_t *in, uint32_t n,
-                 struct utf8p *part, uint8_t b, struct u32v *out)
+/* Feeds byte b to the UTF-8 decoder *p (changed only when the byte is taken). -1: not UTF-8
+ * (overlong, a surrogate, past U+10FFFF, a stray or missing continuation byte), whatever follows;
+ * 1: the code point *cp is complete; 0: inside a code point whose completions are the valid ones
+ * in [lo[0], hi[0]] and [lo[1], hi[1]] (the second empty when lo > hi; the first never). */
+static int utf8_feed(struct utf8p *part, uint8_t b, uint32_t *cp, uint32_t lo[2], uint32_t hi[2])
 {
-    const struct moe_grammar *g = st->g;
-    uint32_t cp;
     struct utf8p p = *part;
     if (p.rem == 0) {
         if (b < 0x80) {
-            cp = b;
-            goto full;
+            *cp = b;
+            return 1;
         } else if ((b & 0xe0) == 0xc0 && b >= 0xc2) {
             p = (struct utf8p){b & 0x1fu, 1, 2};
         } else if ((b & 0xf0) == 0xe0) {
@@ -1098,60 +1097,77 @@ static long step(struct moe_grammar_state *st, const uint32_t *in, uint32_t n,
         } else if ((b & 0xf8) == 0xf0 && b <= 0xf4) {
             p = (struct utf8p){b & 0x07u, 3, 4};
         } else {
-            return 0;
+            return -1;
         }
     } else {
         if ((b & 0xc0) != 0x80)
-            return 0;
+            return -1;
         p.val = (p.val << 6) | (b & 0x3fu);
         p.rem--;
         if (p.rem == 0) {
-            cp = p.val;
-            if ((p.len == 3 && (cp < 0x800 || (cp >= 0xd800 && cp <= 0xdfff))) ||
-                (p.len == 4 && (cp < 0x10000 || cp > 0x10ffff)))
-                return 0; /* overlong, a surrogate, or past U+10FFFF: not UTF-8 */
-            goto full;
+            uint32_t c = p.val;
+            if ((p.len == 3 && (c < 0x800 || (c >= 0xd800 && c <= 0xdfff))) ||
+                (p.len == 4 && (c < 0x10000 || c > 0x10ffff)))
+                return -1;
+            *part = (struct utf8p){0, 0, 0};
+            *cp = c;
+            return 1;
         }
     }
-    /* Inside a code point: keep the stacks that some completion could match. */
-    {
-        uint32_t sh = 6u * p.rem;
-        uint32_t lo = p.val << sh, hi = lo | ((1u << sh) - 1);
-        uint32_t min = p.len == 2 ? 0x80 : p.len == 3 ? 0x800 : 0x10000;
-        if (lo < min)
-            lo = min;
-        if (hi > 0x10ffff)
-            hi = 0x10ffff;
-        /* surrogates are not characters: [lo, hi] less D800..DFFF is one or two ranges */
-        uint32_t lo2 = 1, hi2 = 0;
-        if (lo <= 0xdfff && hi >= 0xd800) {
-            if (hi > 0xdfff)
-                lo2 = 0xe000, hi2 = hi;
-            if (lo < 0xd800)
-                hi = 0xd7ff;
-            else if (lo2 <= hi2)
-                lo = lo2, hi = hi2, lo2 = 1, hi2 = 0;
-            else
-                return 0;
-        }
-        if (lo > hi)
-            return 0;
+    uint32_t sh = 6u * p.rem;
+    uint32_t l = p.val << sh, h = l | ((1u << sh) - 1);
+    uint32_t min = p.len == 2 ? 0x80 : p.len == 3 ? 0x800 : 0x10000;
+    if (l < min)
+        l = min;
+    if (h > 0x10ffff)
+        h = 0x10ffff;
+    lo[1] = 1, hi[1] = 0;
+    /* surrogates are not characters: [l, h] less D800..DFFF is one or two ranges */
+    if (l <= 0xdfff && h >= 0xd800) {
+        if (h > 0xdfff)
+            lo[1] = 0xe000, hi[1] = h;
+        if (l < 0xd800)
+            h = 0xd7ff;
+        else if (lo[1] <= hi[1])
+            l = lo[1], h = hi[1], lo[1] = 1, hi[1] = 0;
+        else
+            return -1;
+    }
+    if (l > h)
+        return -1;
+    lo[0] = l, hi[0] = h;
+    *part = p;
+    return 0;
+}
+
+/* One byte: the stacks in[0..n) with UTF-8 state *part become out (appended). Returns the number
+ * of stacks appended (0: the byte is rejected), or -1 on a limit. */
+static long step(struct moe_grammar_state *st, const uint32_t *in, uint32_t n,
+                 struct utf8p *part, uint8_t b, struct u32v *out)
+{
+    const struct moe_grammar *g = st->g;
+    uint32_t cp, lo[2], hi[2];
+    struct utf8p p = *part;
+    int k = utf8_feed(&p, b, &cp, lo, hi);
+    if (k < 0)
+        return 0;
+    if (k == 0) {
+        /* inside a code point: keep the stacks that some completion could match */
         uint32_t n0 = out->n;
         for (uint32_t i = 0; i < n; i++) {
             uint32_t s = in[i];
             const struct gclass *cl = s ? &g->cls[EL_VAL(g->el[st->nodes[s].pos])] : NULL;
-            if (cl && (cls_match_range(g, cl, lo, hi) ||
-                       (lo2 <= hi2 && cls_match_range(g, cl, lo2, hi2))))
+            if (cl && (cls_match_range(g, cl, lo[0], hi[0]) ||
+                       (lo[1] <= hi[1] && cls_match_range(g, cl, lo[1], hi[1]))))
                 if (u32v_push(out, s) != 0) {
                     st_limit(st, "out of memory");
                     return -1;
                 }
         }
-        *part = p;
+        if (out->n > n0)
+            *part = p;
         return out->n - n0;
     }
-full:
-    p = (struct utf8p){0, 0, 0};
     next_gen(st);
     uint32_t n0 = out->n;
     st->out_limit = n0 + MOE_GRAMMAR_MAX_STACKS;
