@@ -409,12 +409,12 @@ static const struct {
     int brute;
 } mask_points[] = {
     {"start of an object", "", 1},
-    {"after '{'", "{", 0},
+    {"after '{'", "{", 1},
     {"inside a key", "{\"na", 1},
-    {"after a key", "{\"name\"", 0},
-    {"inside a string value", "{\"name\": \"Jo", 0},
+    {"after a key", "{\"name\"", 1},
+    {"inside a string value", "{\"name\": \"Jo", 1},
     {"inside a number", "{\"n\": 12", 1},
-    {"after a value", "{\"n\": 12, \"a\": [true", 0},
+    {"after a value", "{\"n\": 12, \"a\": [true", 1},
     {"inside a UTF-8 character", "{\"k\": \"\xe6\x97", 1},
 };
 

@@ -1365,6 +1365,7 @@ struct tnode {
     uint16_t n_child;
     uint8_t byte;
     uint8_t non_ascii_below;
+    uint8_t bad_utf8_below; /* some token below is not UTF-8 (decoded from its first byte) */
 };
 
 struct moe_grammar_vocab {
@@ -1466,11 +1467,29 @@ struct moe_grammar_vocab *moe_grammar_vocab_new(const char *const *tokens, const
             l = e;
         }
     }
-    /* children come after their parent: fold the byte sets bottom up */
+    /* children come after their parent: decode the prefixes top down (bad: not UTF-8), then fold
+     * the byte sets and the bad flags bottom up */
+    struct utf8p *dec = malloc(v->n_nodes * sizeof *dec);
+    uint8_t *bad = calloc(v->n_nodes, 1);
+    if (!dec || !bad) {
+        free(dec);
+        free(bad);
+        goto oom;
+    }
+    dec[0] = (struct utf8p){0, 0, 0};
+    for (uint32_t i = 0; i < v->n_nodes; i++) {
+        const struct tnode *nd = &v->nodes[i];
+        for (uint32_t c = nd->first_child; c < nd->first_child + nd->n_child; c++) {
+            uint32_t cp, l[2], h[2];
+            dec[c] = dec[i];
+            bad[c] = bad[i] || utf8_feed(&dec[c], v->nodes[c].byte, &cp, l, h) < 0;
+        }
+    }
     for (uint32_t i = v->n_nodes; i-- > 0;) {
         struct tnode *nd = &v->nodes[i];
         for (uint32_t c = nd->first_child; c < nd->first_child + nd->n_child; c++) {
             const struct tnode *ch = &v->nodes[c];
+            nd->bad_utf8_below |= ch->bad_utf8_below | bad[c];
             nd->below[0] |= ch->below[0];
             nd->below[1] |= ch->below[1];
             nd->non_ascii_below |= ch->non_ascii_below | (ch->byte >= 0x80);
@@ -1478,6 +1497,8 @@ struct moe_grammar_vocab *moe_grammar_vocab_new(const char *const *tokens, const
                 nd->below[ch->byte >> 6] |= 1ull << (ch->byte & 63);
         }
     }
+    free(dec);
+    free(bad);
     v->ord = ord;
     free(lo);
     free(hi);
@@ -1528,22 +1549,27 @@ static void sort_u32(uint32_t *p, uint32_t n)
     }
 }
 
-/* What the mask walk knows about the state's own set S0: the ASCII bytes that lead from S0 back
- * to S0 (a loop such as the inside of a string). A trie node reached with S0 whose subtree holds
- * only such bytes has all its tokens allowed without walking it. */
+/* What the mask walk knows about the state's own set S0 (at a code point boundary): the ASCII
+ * bytes that lead from S0 back to S0, and whether every non-ASCII character does (a loop such as
+ * the inside of a string). Then the walk needs no steps along such bytes, only UTF-8 decoding,
+ * and a trie node reached with S0 whose subtree holds only such bytes (and valid UTF-8) has all
+ * its tokens allowed without being walked. */
 struct mask_ctx {
     const struct moe_grammar_vocab *v;
     uint8_t *mask;
     const uint32_t *s0; /* sorted */
     uint32_t n0;
     uint64_t loop[2];
+    int loop_na;
     uint64_t work; /* stacks stepped so far */
 };
 
-/* The children of trie node t, with the stacks at arena[off .. off+n) and UTF-8 state part;
- * is_s0: those stacks are the state's own set (S0). */
+enum { W_SET, W_S0, W_S0_INSIDE }; /* stacks in the arena; S0; S0 inside a code point */
+
+/* The children of trie node t, with the stacks at arena[off .. off+n) and UTF-8 state part, or
+ * with S0 (mode W_S0, W_S0_INSIDE). */
 static long walk(struct moe_grammar_state *st, struct mask_ctx *mc, uint32_t t, uint32_t off,
-                 uint32_t n, struct utf8p part, int is_s0)
+                 uint32_t n, struct utf8p part, int mode)
 {
     const struct moe_grammar_vocab *v = mc->v;
     long allowed = 0;
@@ -1552,16 +1578,28 @@ static long walk(struct moe_grammar_state *st, struct mask_ctx *mc, uint32_t t, 
         const struct tnode *ch = &v->nodes[c];
         uint32_t mark = st->n_nodes, top = st->arena.n;
         struct utf8p p = part;
-        uint32_t noff = 0, nn = mc->n0;
-        int next_s0 = is_s0 && ch->byte < 0x80 && ((mc->loop[ch->byte >> 6] >> (ch->byte & 63)) & 1);
-        if (!next_s0) {
+        uint32_t noff = 0, nn = mc->n0, cp, lo[2], hi[2];
+        uint8_t b = ch->byte;
+        int next;
+        if (mode == W_S0_INSIDE) {
+            int k = utf8_feed(&p, b, &cp, lo, hi);
+            if (k < 0)
+                continue;
+            next = k ? W_S0 : W_S0_INSIDE;
+        } else if (mode == W_S0 && b < 0x80 && ((mc->loop[b >> 6] >> (b & 63)) & 1)) {
+            next = W_S0;
+        } else if (mode == W_S0 && b >= 0x80 && mc->loop_na) {
+            if (utf8_feed(&p, b, &cp, lo, hi) < 0)
+                continue;
+            next = W_S0_INSIDE;
+        } else {
             /* step() reads its input from the arena and appends to it: make room first so that
              * the arena does not move under it (one step appends at most MOE_GRAMMAR_MAX_STACKS) */
             if (u32v_reserve(&st->arena, (size_t)top + MOE_GRAMMAR_MAX_STACKS + 1) != 0) {
                 st_limit(st, "out of memory");
                 return -1;
             }
-            long r = step(st, st->arena.p + off, n, &p, ch->byte, &st->arena);
+            long r = step(st, st->arena.p + off, n, &p, b, &st->arena);
             if (r < 0)
                 return -1;
             mc->work += n + (uint64_t)r;
@@ -1577,14 +1615,16 @@ static long walk(struct moe_grammar_state *st, struct mask_ctx *mc, uint32_t t, 
             }
             noff = top;
             nn = (uint32_t)r;
-            if (p.rem == 0 && nn == mc->n0 && (mc->loop[0] | mc->loop[1])) {
+            next = W_SET;
+            if (p.rem == 0 && nn == mc->n0 && (mc->loop[0] | mc->loop[1] | (uint64_t)mc->loop_na)) {
                 uint32_t *out = st->arena.p + top;
                 sort_u32(out, nn);
-                next_s0 = memcmp(out, mc->s0, (size_t)nn * sizeof *out) == 0;
+                if (memcmp(out, mc->s0, (size_t)nn * sizeof *out) == 0)
+                    next = W_S0;
             }
         }
-        if (next_s0 && !ch->non_ascii_below && !(ch->below[0] & ~mc->loop[0]) &&
-            !(ch->below[1] & ~mc->loop[1])) {
+        if (next != W_SET && !(ch->below[0] & ~mc->loop[0]) && !(ch->below[1] & ~mc->loop[1]) &&
+            !ch->bad_utf8_below && (!ch->non_ascii_below || mc->loop_na)) {
             /* every byte below loops back to S0: the whole subtree is allowed */
             for (uint32_t k = ch->lo; k < ch->hi; k++)
                 mc->mask[v->ord[k]] = 1;
@@ -1594,7 +1634,7 @@ static long walk(struct moe_grammar_state *st, struct mask_ctx *mc, uint32_t t, 
                 mc->mask[v->ord[ch->lo + k]] = 1;
             allowed += ch->n_tok;
             if (ch->n_child) {
-                long a = walk(st, mc, c, noff, nn, p, next_s0);
+                long a = walk(st, mc, c, noff, nn, p, next);
                 if (a < 0)
                     return -1;
                 allowed += a;
@@ -1604,6 +1644,61 @@ static long walk(struct moe_grammar_state *st, struct mask_ctx *mc, uint32_t t, 
         rollback(st, mark);
     }
     return allowed;
+}
+
+/* Whether the class matches all characters from U+0080 on or none of them. */
+static int cls_uniform_non_ascii(const struct moe_grammar *g, const struct gclass *c)
+{
+    const uint32_t *r = g->ranges + c->off;
+    int all = 0;
+    if (c->neg) {
+        all = c->n == 0 || r[2 * (c->n - 1) + 1] < 0x80;
+    } else {
+        for (uint32_t i = 0; i < c->n; i++)
+            all |= r[2 * i] <= 0x80 && r[2 * i + 1] >= 0x10ffff;
+    }
+    return all || !cls_match_range(g, c, 0x80, 0x10ffff);
+}
+
+/* Fills mc->loop and mc->loop_na for S0 = arena[0 .. n0) (see struct mask_ctx). The arena has
+ * room for 2 * n0 + MOE_GRAMMAR_MAX_STACKS entries, so that the steps here never move it. */
+static int find_loops(struct moe_grammar_state *st, struct mask_ctx *mc)
+{
+    uint32_t n0 = mc->n0, mark = st->n_nodes;
+    for (uint32_t b = 0; b < 128; b++) {
+        struct utf8p p = st->part;
+        long r = step(st, st->arena.p, n0, &p, (uint8_t)b, &st->arena);
+        if (r < 0)
+            return -1;
+        if ((uint32_t)r == n0) {
+            sort_u32(st->arena.p + n0, n0);
+            if (memcmp(st->arena.p + n0, mc->s0, n0 * sizeof *mc->s0) == 0)
+                mc->loop[b >> 6] |= 1ull << (b & 63);
+        }
+        st->arena.n = n0;
+        rollback(st, mark);
+    }
+    /* Every stack's class takes all non-ASCII characters or none: then all of them lead where
+     * U+00E9 (C3 A9) leads. */
+    const struct moe_grammar *g = st->g;
+    for (uint32_t i = 0; i < n0; i++) {
+        uint32_t s = st->arena.p[i];
+        if (s && !cls_uniform_non_ascii(g, &g->cls[EL_VAL(g->el[st->nodes[s].pos])]))
+            return 0;
+    }
+    struct utf8p p = st->part;
+    long r1 = step(st, st->arena.p, n0, &p, 0xc3, &st->arena);
+    long r2 = r1 > 0 ? step(st, st->arena.p + n0, (uint32_t)r1, &p, 0xa9, &st->arena) : r1;
+    if (r1 < 0 || r2 < 0)
+        return -1;
+    if ((uint32_t)r2 == n0) {
+        uint32_t *out = st->arena.p + n0 + r1;
+        sort_u32(out, n0);
+        mc->loop_na = memcmp(out, mc->s0, n0 * sizeof *mc->s0) == 0;
+    }
+    st->arena.n = n0;
+    rollback(st, mark);
+    return 0;
 }
 
 long moe_grammar_mask(struct moe_grammar_state *st, const struct moe_grammar_vocab *v,
@@ -1618,7 +1713,7 @@ long moe_grammar_mask(struct moe_grammar_state *st, const struct moe_grammar_voc
         allowed += v->n_eog;
     }
     uint32_t n0 = st->set.n;
-    if (u32v_reserve(&st->arena, (size_t)n0 + MOE_GRAMMAR_MAX_STACKS + 1) != 0 ||
+    if (u32v_reserve(&st->arena, 2 * (size_t)n0 + MOE_GRAMMAR_MAX_STACKS + 1) != 0 ||
         u32v_reserve(&st->tmp, (size_t)n0 + 1) != 0) {
         st_limit(st, "out of memory");
         return -1;
@@ -1627,27 +1722,14 @@ long moe_grammar_mask(struct moe_grammar_state *st, const struct moe_grammar_voc
     memcpy(st->tmp.p, st->set.p, n0 * sizeof *st->set.p);
     sort_u32(st->tmp.p, n0);
     st->arena.n = n0;
-    struct mask_ctx mc = {v, mask, st->tmp.p, n0, {0, 0}, 0};
+    struct mask_ctx mc = {v, mask, st->tmp.p, n0, {0, 0}, 0, 0};
     uint32_t mark = st->n_nodes;
-    if (st->part.rem == 0 && n0) {
-        for (uint32_t b = 0; b < 128; b++) {
-            struct utf8p p = st->part;
-            long r = step(st, st->arena.p, n0, &p, (uint8_t)b, &st->arena);
-            if (r < 0) {
-                rollback(st, mark);
-                st->arena.n = 0;
-                return -1;
-            }
-            if ((uint32_t)r == n0) {
-                sort_u32(st->arena.p + n0, n0);
-                if (memcmp(st->arena.p + n0, mc.s0, n0 * sizeof *mc.s0) == 0)
-                    mc.loop[b >> 6] |= 1ull << (b & 63);
-            }
-            st->arena.n = n0;
-            rollback(st, mark);
-        }
+    if (st->part.rem == 0 && n0 && find_loops(st, &mc) != 0) {
+        rollback(st, mark);
+        st->arena.n = 0;
+        return -1;
     }
-    long a = walk(st, &mc, 0, 0, n0, st->part, 1);
+    long a = walk(st, &mc, 0, 0, n0, st->part, st->part.rem ? W_SET : W_S0);
     rollback(st, mark);
     st->arena.n = 0;
     if (a < 0)
