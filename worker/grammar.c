@@ -862,6 +862,9 @@ struct utf8p {
     uint8_t len;  /* bytes of the whole sequence */
 };
 
+struct mask_cache;
+static void mask_cache_free(struct mask_cache *c);
+
 struct moe_grammar_state {
     const struct moe_grammar *g;
     struct gnode *nodes;
@@ -873,6 +876,7 @@ struct moe_grammar_state {
     struct u32v set; /* current stacks */
     struct utf8p part;
     struct u32v work, tmp, tmp2, arena;
+    struct mask_cache *cache; /* the mask's step cache, kept between masks for its memory */
     uint32_t live; /* nodes after the last collection */
     uint32_t out_limit; /* a step may not append past this */
     int limit;     /* set by a step that hit a limit */
@@ -1241,6 +1245,7 @@ void moe_grammar_state_free(struct moe_grammar_state *st)
     free(st->tmp.p);
     free(st->tmp2.p);
     free(st->arena.p);
+    mask_cache_free(st->cache);
     free(st);
 }
 
@@ -1554,6 +1559,167 @@ static void sort_u32(uint32_t *p, uint32_t n)
  * the inside of a string). Then the walk needs no steps along such bytes, only UTF-8 decoding,
  * and a trie node reached with S0 whose subtree holds only such bytes (and valid UTF-8) has all
  * its tokens allowed without being walked. */
+/* The step cache of one mask: stack sets interned by content (set i at store[rec[i].off ..]),
+ * and transitions (set, UTF-8 state, byte) -> (set or -1, UTF-8 state). While it is on, the nodes
+ * its sets use are kept; past MASK_CACHE_NODES new nodes it is turned off for the rest of the
+ * mask and the walk rolls back the nodes of each edge again. */
+#define MASK_CACHE_NODES (1u << 20)
+
+struct setrec {
+    uint32_t off, n, hash;
+};
+
+struct trans {
+    uint32_t set, part, part_out;
+    int32_t res; /* -1: rejected */
+    uint32_t used; /* == the cache's generation */
+    uint8_t byte;
+};
+
+struct mask_cache {
+    struct u32v store;
+    struct setrec *rec;
+    uint32_t n_rec, cap_rec;
+    uint32_t *intern; /* pairs: rec index + 1, generation */
+    uint32_t cap_intern;
+    uint32_t gen; /* entries of other generations are empty (no clearing between masks) */
+    struct trans *tr;
+    uint32_t n_tr, cap_tr;
+};
+
+static void mask_cache_free(struct mask_cache *c)
+{
+    if (!c)
+        return;
+    free(c->store.p);
+    free(c->rec);
+    free(c->intern);
+    free(c->tr);
+    free(c);
+}
+
+static uint32_t set_hash(const uint32_t *p, uint32_t n)
+{
+    uint32_t h = 2166136261u ^ n;
+    for (uint32_t i = 0; i < n; i++)
+        h = (h ^ p[i]) * 16777619u;
+    return h ? h : 1;
+}
+
+static uint32_t part_pack(struct utf8p p) { return p.val | (uint32_t)p.rem << 21 | (uint32_t)p.len << 24; }
+
+static struct utf8p part_unpack(uint32_t x)
+{
+    return (struct utf8p){x & 0x1fffffu, (uint8_t)((x >> 21) & 7), (uint8_t)(x >> 24)};
+}
+
+static uint32_t trans_hash(uint32_t set, uint32_t part, uint8_t b)
+{
+    return (set * 0x9e3779b1u) ^ (part * 0x85ebca77u) ^ ((uint32_t)b * 0xc2b2ae3du);
+}
+
+/* The index of the (sorted) set p[0..n), added when new; -1 out of memory. */
+static long intern_set(struct mask_cache *c, const uint32_t *p, uint32_t n)
+{
+    uint32_t h = set_hash(p, n);
+    if (2 * (c->n_rec + 1) > c->cap_intern) {
+        uint32_t cap = c->cap_intern ? c->cap_intern * 2 : 1024;
+        uint32_t *t = calloc(2 * (size_t)cap, sizeof *t);
+        if (!t)
+            return -1;
+        for (uint32_t i = 0; i < c->n_rec; i++) {
+            uint32_t j = c->rec[i].hash & (cap - 1);
+            while (t[2 * j + 1] == c->gen)
+                j = (j + 1) & (cap - 1);
+            t[2 * j] = i + 1;
+            t[2 * j + 1] = c->gen;
+        }
+        free(c->intern);
+        c->intern = t;
+        c->cap_intern = cap;
+    }
+    uint32_t j = h & (c->cap_intern - 1);
+    for (; c->intern[2 * j + 1] == c->gen; j = (j + 1) & (c->cap_intern - 1)) {
+        const struct setrec *r = &c->rec[c->intern[2 * j] - 1];
+        if (r->hash == h && r->n == n && memcmp(c->store.p + r->off, p, n * sizeof *p) == 0)
+            return (long)c->intern[2 * j] - 1;
+    }
+    if (c->n_rec == c->cap_rec) {
+        uint32_t cap = c->cap_rec ? c->cap_rec * 2 : 1024;
+        struct setrec *r = realloc(c->rec, cap * sizeof *r);
+        if (!r)
+            return -1;
+        c->rec = r;
+        c->cap_rec = cap;
+    }
+    if (u32v_reserve(&c->store, (size_t)c->store.n + n + 1) != 0)
+        return -1;
+    c->rec[c->n_rec] = (struct setrec){c->store.n, n, h};
+    memcpy(c->store.p + c->store.n, p, n * sizeof *p);
+    c->store.n += n;
+    c->intern[2 * j] = c->n_rec + 1;
+    c->intern[2 * j + 1] = c->gen;
+    return (long)c->n_rec++;
+}
+
+static struct trans *trans_find(struct mask_cache *c, uint32_t set, uint32_t part, uint8_t b)
+{
+    if (!c->cap_tr)
+        return NULL;
+    for (uint32_t j = trans_hash(set, part, b) & (c->cap_tr - 1); c->tr[j].used == c->gen;
+         j = (j + 1) & (c->cap_tr - 1))
+        if (c->tr[j].set == set && c->tr[j].part == part && c->tr[j].byte == b)
+            return &c->tr[j];
+    return NULL;
+}
+
+static int trans_put(struct mask_cache *c, struct trans t)
+{
+    if (2 * (c->n_tr + 1) > c->cap_tr) {
+        uint32_t cap = c->cap_tr ? c->cap_tr * 2 : 4096;
+        struct trans *n = calloc(cap, sizeof *n);
+        if (!n)
+            return -1;
+        for (uint32_t i = 0; i < c->cap_tr; i++) {
+            if (c->tr[i].used != c->gen)
+                continue;
+            uint32_t j = trans_hash(c->tr[i].set, c->tr[i].part, c->tr[i].byte) & (cap - 1);
+            while (n[j].used == c->gen)
+                j = (j + 1) & (cap - 1);
+            n[j] = c->tr[i];
+        }
+        free(c->tr);
+        c->tr = n;
+        c->cap_tr = cap;
+    }
+    uint32_t j = trans_hash(t.set, t.part, t.byte) & (c->cap_tr - 1);
+    while (c->tr[j].used == c->gen)
+        j = (j + 1) & (c->cap_tr - 1);
+    t.used = c->gen;
+    c->tr[j] = t;
+    c->n_tr++;
+    return 0;
+}
+
+static void mask_cache_reset(struct mask_cache *c)
+{
+    c->store.n = 0;
+    c->n_rec = 0;
+    c->n_tr = 0;
+    if (++c->gen == 0) { /* wrapped: clear once */
+        if (c->intern)
+            memset(c->intern, 0, 2 * (size_t)c->cap_intern * sizeof *c->intern);
+        if (c->tr)
+            memset(c->tr, 0, c->cap_tr * sizeof *c->tr);
+        c->gen = 1;
+    }
+}
+
+/* What the mask walk knows about the state's own set S0 (at a code point boundary): the ASCII
+ * bytes that lead from S0 back to S0, and whether every non-ASCII character does (a loop such as
+ * the inside of a string). Then the walk needs no steps along such bytes, only UTF-8 decoding,
+ * and a trie node reached with S0 whose subtree holds only such bytes (and valid UTF-8) has all
+ * its tokens allowed without being walked. */
 struct mask_ctx {
     const struct moe_grammar_vocab *v;
     uint8_t *mask;
@@ -1562,23 +1728,27 @@ struct mask_ctx {
     uint64_t loop[2];
     int loop_na;
     uint64_t work; /* stacks stepped so far */
+    struct mask_cache *c;
+    int cache_on;
+    uint32_t node_limit; /* the cache turns off past this many nodes */
 };
 
-enum { W_SET, W_S0, W_S0_INSIDE }; /* stacks in the arena; S0; S0 inside a code point */
+enum { W_SET, W_S0, W_S0_INSIDE }; /* a cached set; S0; S0 inside a code point */
 
-/* The children of trie node t, with the stacks at arena[off .. off+n) and UTF-8 state part, or
- * with S0 (mode W_S0, W_S0_INSIDE). */
-static long walk(struct moe_grammar_state *st, struct mask_ctx *mc, uint32_t t, uint32_t off,
-                 uint32_t n, struct utf8p part, int mode)
+/* The children of trie node t, reached with cached set `set` and UTF-8 state part, or with S0
+ * (mode W_S0, W_S0_INSIDE; set is S0's index then). */
+static long walk(struct moe_grammar_state *st, struct mask_ctx *mc, uint32_t t, uint32_t set,
+                 struct utf8p part, int mode)
 {
     const struct moe_grammar_vocab *v = mc->v;
+    struct mask_cache *cc = mc->c;
     long allowed = 0;
     const struct tnode *nd = &v->nodes[t];
     for (uint32_t c = nd->first_child; c < nd->first_child + nd->n_child; c++) {
         const struct tnode *ch = &v->nodes[c];
         uint32_t mark = st->n_nodes, top = st->arena.n;
         struct utf8p p = part;
-        uint32_t noff = 0, nn = mc->n0, cp, lo[2], hi[2];
+        uint32_t nset = set, cp, lo[2], hi[2];
         uint8_t b = ch->byte;
         int next;
         if (mode == W_S0_INSIDE) {
@@ -1593,35 +1763,54 @@ static long walk(struct moe_grammar_state *st, struct mask_ctx *mc, uint32_t t, 
                 continue;
             next = W_S0_INSIDE;
         } else {
-            /* step() reads its input from the arena and appends to it: make room first so that
-             * the arena does not move under it (one step appends at most MOE_GRAMMAR_MAX_STACKS) */
-            if (u32v_reserve(&st->arena, (size_t)top + MOE_GRAMMAR_MAX_STACKS + 1) != 0) {
-                st_limit(st, "out of memory");
-                return -1;
+            uint32_t pk = part_pack(part);
+            struct trans *hit = mc->cache_on ? trans_find(cc, set, pk, b) : NULL;
+            if (hit) {
+                if (hit->res < 0)
+                    continue;
+                nset = (uint32_t)hit->res;
+                p = part_unpack(hit->part_out);
+            } else {
+                /* step() reads the set from the cache's store and appends to the arena */
+                if (u32v_reserve(&st->arena, (size_t)top + MOE_GRAMMAR_MAX_STACKS + 1) != 0) {
+                    st_limit(st, "out of memory");
+                    return -1;
+                }
+                const struct setrec *in = &cc->rec[set];
+                long r = step(st, cc->store.p + in->off, in->n, &p, b, &st->arena);
+                if (r < 0)
+                    return -1;
+                mc->work += in->n + (uint64_t)r;
+                if (mc->work > MOE_GRAMMAR_MAX_MASK_WORK) {
+                    st_limit(st, "mask needs more than %u stack steps (grammar too ambiguous)",
+                             MOE_GRAMMAR_MAX_MASK_WORK);
+                    return -1;
+                }
+                long id = -1;
+                if (r > 0) {
+                    sort_u32(st->arena.p + top, (uint32_t)r);
+                    id = intern_set(cc, st->arena.p + top, (uint32_t)r);
+                    if (id < 0) {
+                        st_limit(st, "out of memory");
+                        return -1;
+                    }
+                }
+                if (mc->cache_on && st->n_nodes > mc->node_limit)
+                    mc->cache_on = 0;
+                if (mc->cache_on &&
+                    trans_put(cc, (struct trans){set, pk, part_pack(p), (int32_t)id, 0, b}) != 0)
+                    mc->cache_on = 0;
+                if (r == 0) {
+                    st->arena.n = top;
+                    if (!mc->cache_on)
+                        rollback(st, mark);
+                    continue;
+                }
+                nset = (uint32_t)id;
             }
-            long r = step(st, st->arena.p + off, n, &p, b, &st->arena);
-            if (r < 0)
-                return -1;
-            mc->work += n + (uint64_t)r;
-            if (mc->work > MOE_GRAMMAR_MAX_MASK_WORK) {
-                st_limit(st, "mask needs more than %u stack steps (grammar too ambiguous)",
-                         MOE_GRAMMAR_MAX_MASK_WORK);
-                return -1;
-            }
-            if (r == 0) {
-                st->arena.n = top;
-                rollback(st, mark);
-                continue;
-            }
-            noff = top;
-            nn = (uint32_t)r;
-            next = W_SET;
-            if (p.rem == 0 && nn == mc->n0 && (mc->loop[0] | mc->loop[1] | (uint64_t)mc->loop_na)) {
-                uint32_t *out = st->arena.p + top;
-                sort_u32(out, nn);
-                if (memcmp(out, mc->s0, (size_t)nn * sizeof *out) == 0)
-                    next = W_S0;
-            }
+            st->arena.n = top;
+            /* sets are interned: back at S0 (at a code point boundary) is index 0 */
+            next = nset == 0 && p.rem == 0 && st->part.rem == 0 ? W_S0 : W_SET;
         }
         if (next != W_SET && !(ch->below[0] & ~mc->loop[0]) && !(ch->below[1] & ~mc->loop[1]) &&
             !ch->bad_utf8_below && (!ch->non_ascii_below || mc->loop_na)) {
@@ -1634,14 +1823,15 @@ static long walk(struct moe_grammar_state *st, struct mask_ctx *mc, uint32_t t, 
                 mc->mask[v->ord[ch->lo + k]] = 1;
             allowed += ch->n_tok;
             if (ch->n_child) {
-                long a = walk(st, mc, c, noff, nn, p, next);
+                long a = walk(st, mc, c, nset, p, next);
                 if (a < 0)
                     return -1;
                 allowed += a;
             }
         }
         st->arena.n = top;
-        rollback(st, mark);
+        if (!mc->cache_on)
+            rollback(st, mark);
     }
     return allowed;
 }
@@ -1722,14 +1912,24 @@ long moe_grammar_mask(struct moe_grammar_state *st, const struct moe_grammar_voc
     memcpy(st->tmp.p, st->set.p, n0 * sizeof *st->set.p);
     sort_u32(st->tmp.p, n0);
     st->arena.n = n0;
-    struct mask_ctx mc = {v, mask, st->tmp.p, n0, {0, 0}, 0, 0};
+    if (!st->cache && !(st->cache = calloc(1, sizeof *st->cache))) {
+        st_limit(st, "out of memory");
+        return -1;
+    }
+    mask_cache_reset(st->cache);
     uint32_t mark = st->n_nodes;
+    struct mask_ctx mc = {v, mask, st->tmp.p, n0, {0, 0}, 0, 0, st->cache, 1,
+                          mark + MASK_CACHE_NODES};
+    if (intern_set(st->cache, mc.s0, n0) != 0) { /* S0 is set 0 */
+        st_limit(st, "out of memory");
+        return -1;
+    }
     if (st->part.rem == 0 && n0 && find_loops(st, &mc) != 0) {
         rollback(st, mark);
         st->arena.n = 0;
         return -1;
     }
-    long a = walk(st, &mc, 0, 0, n0, st->part, st->part.rem ? W_SET : W_S0);
+    long a = walk(st, &mc, 0, 0, st->part, st->part.rem ? W_SET : W_S0);
     rollback(st, mark);
     st->arena.n = 0;
     if (a < 0)
