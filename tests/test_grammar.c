@@ -304,6 +304,9 @@ TEST(grammar_mask_equals_brute_force)
                 moe_grammar_state_free(st);
                 continue;
             }
+            moe_grammar_state_set_mask_cache(st, (uint32_t)(pi % 3) * 8); /* 0, 8, 16 */
+            if (pi == 0)
+                moe_grammar_state_set_mask_cache(st, MOE_GRAMMAR_MASK_CACHE_NODES);
             long allowed = moe_grammar_mask(st, v, mask);
             CHECK(allowed >= 0);
             long count = 0;
@@ -460,6 +463,18 @@ static void time_points(const struct gt_vocab *tv, const struct moe_grammar_voca
         total += ms;
         CHECK(allowed > 0);
         fprintf(stderr, "  mask %-28s %7.2f ms  %6ld tokens allowed\n", pts[i].what, ms, allowed);
+        /* the same mask without the step cache, and with one that runs out along the way */
+        static const uint32_t cache_sizes[] = {0, 64};
+        uint8_t *m2 = malloc(tv->n);
+        for (size_t k = 0; k < sizeof cache_sizes / sizeof *cache_sizes; k++) {
+            struct moe_grammar_state *c2 = moe_grammar_state_clone(st);
+            moe_grammar_state_set_mask_cache(c2, cache_sizes[k]);
+            CHECK_EQ(moe_grammar_mask(c2, v, m2), allowed);
+            CHECK_MSG(memcmp(m2, mask, tv->n) == 0, "%s: cache %u differs", pts[i].what,
+                      cache_sizes[k]);
+            moe_grammar_state_free(c2);
+        }
+        free(m2);
         for (uint32_t t = 0; t < tv->n; t++) {
             int want = 0;
             if (tv->eog[t]) {

@@ -877,6 +877,7 @@ struct moe_grammar_state {
     struct utf8p part;
     struct u32v work, tmp, tmp2, arena;
     struct mask_cache *cache; /* the mask's step cache, kept between masks for its memory */
+    uint32_t cache_nodes;     /* nodes the cache may keep during one mask (0: no cache) */
     uint32_t live; /* nodes after the last collection */
     uint32_t out_limit; /* a step may not append past this */
     int limit;     /* set by a step that hit a limit */
@@ -1213,6 +1214,7 @@ struct moe_grammar_state *moe_grammar_state_new(const struct moe_grammar *g, cha
         goto oom;
     st->gen = 1;
     st->out_limit = MOE_GRAMMAR_MAX_STACKS;
+    st->cache_nodes = MOE_GRAMMAR_MASK_CACHE_NODES;
     for (uint32_t a = g->alt_off[g->root]; a < g->alt_off[g->root + 1]; a++) {
         uint32_t at = g->alts[a], x = 0;
         if (EL_KIND(g->el[at]) > K_ALT)
@@ -1272,6 +1274,7 @@ struct moe_grammar_state *moe_grammar_state_clone(const struct moe_grammar_state
     st->part = src->part;
     st->gen = 1;
     st->live = src->live;
+    st->cache_nodes = src->cache_nodes;
     memcpy(st->err, src->err, sizeof st->err);
     return st;
 }
@@ -1358,6 +1361,11 @@ bool moe_grammar_state_can_continue(const struct moe_grammar_state *st)
 }
 
 size_t moe_grammar_state_n_stacks(const struct moe_grammar_state *st) { return st->set.n; }
+
+void moe_grammar_state_set_mask_cache(struct moe_grammar_state *st, uint32_t max_nodes)
+{
+    st->cache_nodes = max_nodes;
+}
 const char *moe_grammar_state_error(const struct moe_grammar_state *st) { return st->err; }
 
 /* ---------------------------------------------------------------- vocabulary and mask */
@@ -1561,9 +1569,8 @@ static void sort_u32(uint32_t *p, uint32_t n)
  * its tokens allowed without being walked. */
 /* The step cache of one mask: stack sets interned by content (set i at store[rec[i].off ..]),
  * and transitions (set, UTF-8 state, byte) -> (set or -1, UTF-8 state). While it is on, the nodes
- * its sets use are kept; past MASK_CACHE_NODES new nodes it is turned off for the rest of the
+ * its sets use are kept; past st->cache_nodes new nodes it is turned off for the rest of the
  * mask and the walk rolls back the nodes of each edge again. */
-#define MASK_CACHE_NODES (1u << 20)
 
 struct setrec {
     uint32_t off, n, hash;
@@ -1918,8 +1925,8 @@ long moe_grammar_mask(struct moe_grammar_state *st, const struct moe_grammar_voc
     }
     mask_cache_reset(st->cache);
     uint32_t mark = st->n_nodes;
-    struct mask_ctx mc = {v, mask, st->tmp.p, n0, {0, 0}, 0, 0, st->cache, 1,
-                          mark + MASK_CACHE_NODES};
+    struct mask_ctx mc = {v, mask, st->tmp.p, n0, {0, 0}, 0, 0, st->cache, st->cache_nodes > 0,
+                          mark + st->cache_nodes};
     if (intern_set(st->cache, mc.s0, n0) != 0) { /* S0 is set 0 */
         st_limit(st, "out of memory");
         return -1;
