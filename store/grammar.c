@@ -862,6 +862,9 @@ struct utf8p {
     uint8_t len;  /* bytes of the whole sequence */
 };
 
+struct mask_cache;
+static void mask_cache_free(struct mask_cache *c);
+
 struct moe_grammar_state {
     const struct moe_grammar *g;
     struct gnode *nodes;
@@ -873,6 +876,8 @@ struct moe_grammar_state {
     struct u32v set; /* current stacks */
     struct utf8p part;
     struct u32v work, tmp, tmp2, arena;
+    struct mask_cache *cache; /* the mask's step cache, kept between masks for its memory */
+    uint32_t cache_nodes;     /* nodes the cache may keep during one mask (0: no cache) */
     uint32_t live; /* nodes after the last collection */
     uint32_t out_limit; /* a step may not append past this */
     int limit;     /* set by a step that hit a limit */
@@ -1079,18 +1084,17 @@ static int cls_match_range(const struct moe_grammar *g, const struct gclass *c, 
     return cur <= hi;
 }
 
-/* One byte: the stacks in[0..n) with UTF-8 state *part become out (appended). Returns the number
- * of stacks appended (0: the byte is rejected), or -1 on a limit. */
-static long step(struct moe_grammar_state *st, const uint32_t *in, uint32_t n,
-                 struct utf8p *part, uint8_t b, struct u32v *out)
+/* Feeds byte b to the UTF-8 decoder *p (changed only when the byte is taken). -1: not UTF-8
+ * (overlong, a surrogate, past U+10FFFF, a stray or missing continuation byte), whatever follows;
+ * 1: the code point *cp is complete; 0: inside a code point whose completions are the valid ones
+ * in [lo[0], hi[0]] and [lo[1], hi[1]] (the second empty when lo > hi; the first never). */
+static int utf8_feed(struct utf8p *part, uint8_t b, uint32_t *cp, uint32_t lo[2], uint32_t hi[2])
 {
-    const struct moe_grammar *g = st->g;
-    uint32_t cp;
     struct utf8p p = *part;
     if (p.rem == 0) {
         if (b < 0x80) {
-            cp = b;
-            goto full;
+            *cp = b;
+            return 1;
         } else if ((b & 0xe0) == 0xc0 && b >= 0xc2) {
             p = (struct utf8p){b & 0x1fu, 1, 2};
         } else if ((b & 0xf0) == 0xe0) {
@@ -1098,60 +1102,77 @@ static long step(struct moe_grammar_state *st, const uint32_t *in, uint32_t n,
         } else if ((b & 0xf8) == 0xf0 && b <= 0xf4) {
             p = (struct utf8p){b & 0x07u, 3, 4};
         } else {
-            return 0;
+            return -1;
         }
     } else {
         if ((b & 0xc0) != 0x80)
-            return 0;
+            return -1;
         p.val = (p.val << 6) | (b & 0x3fu);
         p.rem--;
         if (p.rem == 0) {
-            cp = p.val;
-            if ((p.len == 3 && (cp < 0x800 || (cp >= 0xd800 && cp <= 0xdfff))) ||
-                (p.len == 4 && (cp < 0x10000 || cp > 0x10ffff)))
-                return 0; /* overlong, a surrogate, or past U+10FFFF: not UTF-8 */
-            goto full;
+            uint32_t c = p.val;
+            if ((p.len == 3 && (c < 0x800 || (c >= 0xd800 && c <= 0xdfff))) ||
+                (p.len == 4 && (c < 0x10000 || c > 0x10ffff)))
+                return -1;
+            *part = (struct utf8p){0, 0, 0};
+            *cp = c;
+            return 1;
         }
     }
-    /* Inside a code point: keep the stacks that some completion could match. */
-    {
-        uint32_t sh = 6u * p.rem;
-        uint32_t lo = p.val << sh, hi = lo | ((1u << sh) - 1);
-        uint32_t min = p.len == 2 ? 0x80 : p.len == 3 ? 0x800 : 0x10000;
-        if (lo < min)
-            lo = min;
-        if (hi > 0x10ffff)
-            hi = 0x10ffff;
-        /* surrogates are not characters: [lo, hi] less D800..DFFF is one or two ranges */
-        uint32_t lo2 = 1, hi2 = 0;
-        if (lo <= 0xdfff && hi >= 0xd800) {
-            if (hi > 0xdfff)
-                lo2 = 0xe000, hi2 = hi;
-            if (lo < 0xd800)
-                hi = 0xd7ff;
-            else if (lo2 <= hi2)
-                lo = lo2, hi = hi2, lo2 = 1, hi2 = 0;
-            else
-                return 0;
-        }
-        if (lo > hi)
-            return 0;
+    uint32_t sh = 6u * p.rem;
+    uint32_t l = p.val << sh, h = l | ((1u << sh) - 1);
+    uint32_t min = p.len == 2 ? 0x80 : p.len == 3 ? 0x800 : 0x10000;
+    if (l < min)
+        l = min;
+    if (h > 0x10ffff)
+        h = 0x10ffff;
+    lo[1] = 1, hi[1] = 0;
+    /* surrogates are not characters: [l, h] less D800..DFFF is one or two ranges */
+    if (l <= 0xdfff && h >= 0xd800) {
+        if (h > 0xdfff)
+            lo[1] = 0xe000, hi[1] = h;
+        if (l < 0xd800)
+            h = 0xd7ff;
+        else if (lo[1] <= hi[1])
+            l = lo[1], h = hi[1], lo[1] = 1, hi[1] = 0;
+        else
+            return -1;
+    }
+    if (l > h)
+        return -1;
+    lo[0] = l, hi[0] = h;
+    *part = p;
+    return 0;
+}
+
+/* One byte: the stacks in[0..n) with UTF-8 state *part become out (appended). Returns the number
+ * of stacks appended (0: the byte is rejected), or -1 on a limit. */
+static long step(struct moe_grammar_state *st, const uint32_t *in, uint32_t n,
+                 struct utf8p *part, uint8_t b, struct u32v *out)
+{
+    const struct moe_grammar *g = st->g;
+    uint32_t cp, lo[2], hi[2];
+    struct utf8p p = *part;
+    int k = utf8_feed(&p, b, &cp, lo, hi);
+    if (k < 0)
+        return 0;
+    if (k == 0) {
+        /* inside a code point: keep the stacks that some completion could match */
         uint32_t n0 = out->n;
         for (uint32_t i = 0; i < n; i++) {
             uint32_t s = in[i];
             const struct gclass *cl = s ? &g->cls[EL_VAL(g->el[st->nodes[s].pos])] : NULL;
-            if (cl && (cls_match_range(g, cl, lo, hi) ||
-                       (lo2 <= hi2 && cls_match_range(g, cl, lo2, hi2))))
+            if (cl && (cls_match_range(g, cl, lo[0], hi[0]) ||
+                       (lo[1] <= hi[1] && cls_match_range(g, cl, lo[1], hi[1]))))
                 if (u32v_push(out, s) != 0) {
                     st_limit(st, "out of memory");
                     return -1;
                 }
         }
-        *part = p;
+        if (out->n > n0)
+            *part = p;
         return out->n - n0;
     }
-full:
-    p = (struct utf8p){0, 0, 0};
     next_gen(st);
     uint32_t n0 = out->n;
     st->out_limit = n0 + MOE_GRAMMAR_MAX_STACKS;
@@ -1193,6 +1214,7 @@ struct moe_grammar_state *moe_grammar_state_new(const struct moe_grammar *g, cha
         goto oom;
     st->gen = 1;
     st->out_limit = MOE_GRAMMAR_MAX_STACKS;
+    st->cache_nodes = MOE_GRAMMAR_MASK_CACHE_NODES;
     for (uint32_t a = g->alt_off[g->root]; a < g->alt_off[g->root + 1]; a++) {
         uint32_t at = g->alts[a], x = 0;
         if (EL_KIND(g->el[at]) > K_ALT)
@@ -1225,6 +1247,7 @@ void moe_grammar_state_free(struct moe_grammar_state *st)
     free(st->tmp.p);
     free(st->tmp2.p);
     free(st->arena.p);
+    mask_cache_free(st->cache);
     free(st);
 }
 
@@ -1251,6 +1274,7 @@ struct moe_grammar_state *moe_grammar_state_clone(const struct moe_grammar_state
     st->part = src->part;
     st->gen = 1;
     st->live = src->live;
+    st->cache_nodes = src->cache_nodes;
     memcpy(st->err, src->err, sizeof st->err);
     return st;
 }
@@ -1337,6 +1361,11 @@ bool moe_grammar_state_can_continue(const struct moe_grammar_state *st)
 }
 
 size_t moe_grammar_state_n_stacks(const struct moe_grammar_state *st) { return st->set.n; }
+
+void moe_grammar_state_set_mask_cache(struct moe_grammar_state *st, uint32_t max_nodes)
+{
+    st->cache_nodes = max_nodes;
+}
 const char *moe_grammar_state_error(const struct moe_grammar_state *st) { return st->err; }
 
 /* ---------------------------------------------------------------- vocabulary and mask */
@@ -1349,6 +1378,7 @@ struct tnode {
     uint16_t n_child;
     uint8_t byte;
     uint8_t non_ascii_below;
+    uint8_t bad_utf8_below; /* some token below is not UTF-8 (decoded from its first byte) */
 };
 
 struct moe_grammar_vocab {
@@ -1450,11 +1480,29 @@ struct moe_grammar_vocab *moe_grammar_vocab_new(const char *const *tokens, const
             l = e;
         }
     }
-    /* children come after their parent: fold the byte sets bottom up */
+    /* children come after their parent: decode the prefixes top down (bad: not UTF-8), then fold
+     * the byte sets and the bad flags bottom up */
+    struct utf8p *dec = malloc(v->n_nodes * sizeof *dec);
+    uint8_t *bad = calloc(v->n_nodes, 1);
+    if (!dec || !bad) {
+        free(dec);
+        free(bad);
+        goto oom;
+    }
+    dec[0] = (struct utf8p){0, 0, 0};
+    for (uint32_t i = 0; i < v->n_nodes; i++) {
+        const struct tnode *nd = &v->nodes[i];
+        for (uint32_t c = nd->first_child; c < nd->first_child + nd->n_child; c++) {
+            uint32_t cp, l[2], h[2];
+            dec[c] = dec[i];
+            bad[c] = bad[i] || utf8_feed(&dec[c], v->nodes[c].byte, &cp, l, h) < 0;
+        }
+    }
     for (uint32_t i = v->n_nodes; i-- > 0;) {
         struct tnode *nd = &v->nodes[i];
         for (uint32_t c = nd->first_child; c < nd->first_child + nd->n_child; c++) {
             const struct tnode *ch = &v->nodes[c];
+            nd->bad_utf8_below |= ch->bad_utf8_below | bad[c];
             nd->below[0] |= ch->below[0];
             nd->below[1] |= ch->below[1];
             nd->non_ascii_below |= ch->non_ascii_below | (ch->byte >= 0x80);
@@ -1462,6 +1510,8 @@ struct moe_grammar_vocab *moe_grammar_vocab_new(const char *const *tokens, const
                 nd->below[ch->byte >> 6] |= 1ull << (ch->byte & 63);
         }
     }
+    free(dec);
+    free(bad);
     v->ord = ord;
     free(lo);
     free(hi);
@@ -1512,63 +1562,265 @@ static void sort_u32(uint32_t *p, uint32_t n)
     }
 }
 
-/* What the mask walk knows about the state's own set S0: the ASCII bytes that lead from S0 back
- * to S0 (a loop such as the inside of a string). A trie node reached with S0 whose subtree holds
- * only such bytes has all its tokens allowed without walking it. */
+/* What the mask walk knows about the state's own set S0 (at a code point boundary): the ASCII
+ * bytes that lead from S0 back to S0, and whether every non-ASCII character does (a loop such as
+ * the inside of a string). Then the walk needs no steps along such bytes, only UTF-8 decoding,
+ * and a trie node reached with S0 whose subtree holds only such bytes (and valid UTF-8) has all
+ * its tokens allowed without being walked. */
+/* The step cache of one mask: stack sets interned by content (set i at store[rec[i].off ..]),
+ * and transitions (set, UTF-8 state, byte) -> (set or -1, UTF-8 state). While it is on, the nodes
+ * its sets use are kept; past st->cache_nodes new nodes it is turned off for the rest of the
+ * mask and the walk rolls back the nodes of each edge again. */
+
+struct setrec {
+    uint32_t off, n, hash;
+};
+
+struct trans {
+    uint32_t set, part, part_out;
+    int32_t res; /* -1: rejected */
+    uint32_t used; /* == the cache's generation */
+    uint8_t byte;
+};
+
+struct mask_cache {
+    struct u32v store;
+    struct setrec *rec;
+    uint32_t n_rec, cap_rec;
+    uint32_t *intern; /* pairs: rec index + 1, generation */
+    uint32_t cap_intern;
+    uint32_t gen; /* entries of other generations are empty (no clearing between masks) */
+    struct trans *tr;
+    uint32_t n_tr, cap_tr;
+};
+
+static void mask_cache_free(struct mask_cache *c)
+{
+    if (!c)
+        return;
+    free(c->store.p);
+    free(c->rec);
+    free(c->intern);
+    free(c->tr);
+    free(c);
+}
+
+static uint32_t set_hash(const uint32_t *p, uint32_t n)
+{
+    uint32_t h = 2166136261u ^ n;
+    for (uint32_t i = 0; i < n; i++)
+        h = (h ^ p[i]) * 16777619u;
+    return h ? h : 1;
+}
+
+static uint32_t part_pack(struct utf8p p) { return p.val | (uint32_t)p.rem << 21 | (uint32_t)p.len << 24; }
+
+static struct utf8p part_unpack(uint32_t x)
+{
+    return (struct utf8p){x & 0x1fffffu, (uint8_t)((x >> 21) & 7), (uint8_t)(x >> 24)};
+}
+
+static uint32_t trans_hash(uint32_t set, uint32_t part, uint8_t b)
+{
+    return (set * 0x9e3779b1u) ^ (part * 0x85ebca77u) ^ ((uint32_t)b * 0xc2b2ae3du);
+}
+
+/* The index of the (sorted) set p[0..n), added when new; -1 out of memory. */
+static long intern_set(struct mask_cache *c, const uint32_t *p, uint32_t n)
+{
+    uint32_t h = set_hash(p, n);
+    if (2 * (c->n_rec + 1) > c->cap_intern) {
+        uint32_t cap = c->cap_intern ? c->cap_intern * 2 : 1024;
+        uint32_t *t = calloc(2 * (size_t)cap, sizeof *t);
+        if (!t)
+            return -1;
+        for (uint32_t i = 0; i < c->n_rec; i++) {
+            uint32_t j = c->rec[i].hash & (cap - 1);
+            while (t[2 * j + 1] == c->gen)
+                j = (j + 1) & (cap - 1);
+            t[2 * j] = i + 1;
+            t[2 * j + 1] = c->gen;
+        }
+        free(c->intern);
+        c->intern = t;
+        c->cap_intern = cap;
+    }
+    uint32_t j = h & (c->cap_intern - 1);
+    for (; c->intern[2 * j + 1] == c->gen; j = (j + 1) & (c->cap_intern - 1)) {
+        const struct setrec *r = &c->rec[c->intern[2 * j] - 1];
+        if (r->hash == h && r->n == n && memcmp(c->store.p + r->off, p, n * sizeof *p) == 0)
+            return (long)c->intern[2 * j] - 1;
+    }
+    if (c->n_rec == c->cap_rec) {
+        uint32_t cap = c->cap_rec ? c->cap_rec * 2 : 1024;
+        struct setrec *r = realloc(c->rec, cap * sizeof *r);
+        if (!r)
+            return -1;
+        c->rec = r;
+        c->cap_rec = cap;
+    }
+    if (u32v_reserve(&c->store, (size_t)c->store.n + n + 1) != 0)
+        return -1;
+    c->rec[c->n_rec] = (struct setrec){c->store.n, n, h};
+    memcpy(c->store.p + c->store.n, p, n * sizeof *p);
+    c->store.n += n;
+    c->intern[2 * j] = c->n_rec + 1;
+    c->intern[2 * j + 1] = c->gen;
+    return (long)c->n_rec++;
+}
+
+static struct trans *trans_find(struct mask_cache *c, uint32_t set, uint32_t part, uint8_t b)
+{
+    if (!c->cap_tr)
+        return NULL;
+    for (uint32_t j = trans_hash(set, part, b) & (c->cap_tr - 1); c->tr[j].used == c->gen;
+         j = (j + 1) & (c->cap_tr - 1))
+        if (c->tr[j].set == set && c->tr[j].part == part && c->tr[j].byte == b)
+            return &c->tr[j];
+    return NULL;
+}
+
+static int trans_put(struct mask_cache *c, struct trans t)
+{
+    if (2 * (c->n_tr + 1) > c->cap_tr) {
+        uint32_t cap = c->cap_tr ? c->cap_tr * 2 : 4096;
+        struct trans *n = calloc(cap, sizeof *n);
+        if (!n)
+            return -1;
+        for (uint32_t i = 0; i < c->cap_tr; i++) {
+            if (c->tr[i].used != c->gen)
+                continue;
+            uint32_t j = trans_hash(c->tr[i].set, c->tr[i].part, c->tr[i].byte) & (cap - 1);
+            while (n[j].used == c->gen)
+                j = (j + 1) & (cap - 1);
+            n[j] = c->tr[i];
+        }
+        free(c->tr);
+        c->tr = n;
+        c->cap_tr = cap;
+    }
+    uint32_t j = trans_hash(t.set, t.part, t.byte) & (c->cap_tr - 1);
+    while (c->tr[j].used == c->gen)
+        j = (j + 1) & (c->cap_tr - 1);
+    t.used = c->gen;
+    c->tr[j] = t;
+    c->n_tr++;
+    return 0;
+}
+
+static void mask_cache_reset(struct mask_cache *c)
+{
+    c->store.n = 0;
+    c->n_rec = 0;
+    c->n_tr = 0;
+    if (++c->gen == 0) { /* wrapped: clear once */
+        if (c->intern)
+            memset(c->intern, 0, 2 * (size_t)c->cap_intern * sizeof *c->intern);
+        if (c->tr)
+            memset(c->tr, 0, c->cap_tr * sizeof *c->tr);
+        c->gen = 1;
+    }
+}
+
+/* What the mask walk knows about the state's own set S0 (at a code point boundary): the ASCII
+ * bytes that lead from S0 back to S0, and whether every non-ASCII character does (a loop such as
+ * the inside of a string). Then the walk needs no steps along such bytes, only UTF-8 decoding,
+ * and a trie node reached with S0 whose subtree holds only such bytes (and valid UTF-8) has all
+ * its tokens allowed without being walked. */
 struct mask_ctx {
     const struct moe_grammar_vocab *v;
     uint8_t *mask;
     const uint32_t *s0; /* sorted */
     uint32_t n0;
     uint64_t loop[2];
+    int loop_na;
     uint64_t work; /* stacks stepped so far */
+    struct mask_cache *c;
+    int cache_on;
+    uint32_t node_limit; /* the cache turns off past this many nodes */
 };
 
-/* The children of trie node t, with the stacks at arena[off .. off+n) and UTF-8 state part;
- * is_s0: those stacks are the state's own set (S0). */
-static long walk(struct moe_grammar_state *st, struct mask_ctx *mc, uint32_t t, uint32_t off,
-                 uint32_t n, struct utf8p part, int is_s0)
+enum { W_SET, W_S0, W_S0_INSIDE }; /* a cached set; S0; S0 inside a code point */
+
+/* The children of trie node t, reached with cached set `set` and UTF-8 state part, or with S0
+ * (mode W_S0, W_S0_INSIDE; set is S0's index then). */
+static long walk(struct moe_grammar_state *st, struct mask_ctx *mc, uint32_t t, uint32_t set,
+                 struct utf8p part, int mode)
 {
     const struct moe_grammar_vocab *v = mc->v;
+    struct mask_cache *cc = mc->c;
     long allowed = 0;
     const struct tnode *nd = &v->nodes[t];
     for (uint32_t c = nd->first_child; c < nd->first_child + nd->n_child; c++) {
         const struct tnode *ch = &v->nodes[c];
         uint32_t mark = st->n_nodes, top = st->arena.n;
         struct utf8p p = part;
-        uint32_t noff = 0, nn = mc->n0;
-        int next_s0 = is_s0 && ch->byte < 0x80 && ((mc->loop[ch->byte >> 6] >> (ch->byte & 63)) & 1);
-        if (!next_s0) {
-            /* step() reads its input from the arena and appends to it: make room first so that
-             * the arena does not move under it (one step appends at most MOE_GRAMMAR_MAX_STACKS) */
-            if (u32v_reserve(&st->arena, (size_t)top + MOE_GRAMMAR_MAX_STACKS + 1) != 0) {
-                st_limit(st, "out of memory");
-                return -1;
-            }
-            long r = step(st, st->arena.p + off, n, &p, ch->byte, &st->arena);
-            if (r < 0)
-                return -1;
-            mc->work += n + (uint64_t)r;
-            if (mc->work > MOE_GRAMMAR_MAX_MASK_WORK) {
-                st_limit(st, "mask needs more than %u stack steps (grammar too ambiguous)",
-                         MOE_GRAMMAR_MAX_MASK_WORK);
-                return -1;
-            }
-            if (r == 0) {
-                st->arena.n = top;
-                rollback(st, mark);
+        uint32_t nset = set, cp, lo[2], hi[2];
+        uint8_t b = ch->byte;
+        int next;
+        if (mode == W_S0_INSIDE) {
+            int k = utf8_feed(&p, b, &cp, lo, hi);
+            if (k < 0)
                 continue;
+            next = k ? W_S0 : W_S0_INSIDE;
+        } else if (mode == W_S0 && b < 0x80 && ((mc->loop[b >> 6] >> (b & 63)) & 1)) {
+            next = W_S0;
+        } else if (mode == W_S0 && b >= 0x80 && mc->loop_na) {
+            if (utf8_feed(&p, b, &cp, lo, hi) < 0)
+                continue;
+            next = W_S0_INSIDE;
+        } else {
+            uint32_t pk = part_pack(part);
+            struct trans *hit = mc->cache_on ? trans_find(cc, set, pk, b) : NULL;
+            if (hit) {
+                if (hit->res < 0)
+                    continue;
+                nset = (uint32_t)hit->res;
+                p = part_unpack(hit->part_out);
+            } else {
+                /* step() reads the set from the cache's store and appends to the arena */
+                if (u32v_reserve(&st->arena, (size_t)top + MOE_GRAMMAR_MAX_STACKS + 1) != 0) {
+                    st_limit(st, "out of memory");
+                    return -1;
+                }
+                const struct setrec *in = &cc->rec[set];
+                long r = step(st, cc->store.p + in->off, in->n, &p, b, &st->arena);
+                if (r < 0)
+                    return -1;
+                mc->work += in->n + (uint64_t)r;
+                if (mc->work > MOE_GRAMMAR_MAX_MASK_WORK) {
+                    st_limit(st, "mask needs more than %u stack steps (grammar too ambiguous)",
+                             MOE_GRAMMAR_MAX_MASK_WORK);
+                    return -1;
+                }
+                long id = -1;
+                if (r > 0) {
+                    sort_u32(st->arena.p + top, (uint32_t)r);
+                    id = intern_set(cc, st->arena.p + top, (uint32_t)r);
+                    if (id < 0) {
+                        st_limit(st, "out of memory");
+                        return -1;
+                    }
+                }
+                if (mc->cache_on && st->n_nodes > mc->node_limit)
+                    mc->cache_on = 0;
+                if (mc->cache_on &&
+                    trans_put(cc, (struct trans){set, pk, part_pack(p), (int32_t)id, 0, b}) != 0)
+                    mc->cache_on = 0;
+                if (r == 0) {
+                    st->arena.n = top;
+                    if (!mc->cache_on)
+                        rollback(st, mark);
+                    continue;
+                }
+                nset = (uint32_t)id;
             }
-            noff = top;
-            nn = (uint32_t)r;
-            if (p.rem == 0 && nn == mc->n0 && (mc->loop[0] | mc->loop[1])) {
-                uint32_t *out = st->arena.p + top;
-                sort_u32(out, nn);
-                next_s0 = memcmp(out, mc->s0, (size_t)nn * sizeof *out) == 0;
-            }
+            st->arena.n = top;
+            /* sets are interned: back at S0 (at a code point boundary) is index 0 */
+            next = nset == 0 && p.rem == 0 && st->part.rem == 0 ? W_S0 : W_SET;
         }
-        if (next_s0 && !ch->non_ascii_below && !(ch->below[0] & ~mc->loop[0]) &&
-            !(ch->below[1] & ~mc->loop[1])) {
+        if (next != W_SET && !(ch->below[0] & ~mc->loop[0]) && !(ch->below[1] & ~mc->loop[1]) &&
+            !ch->bad_utf8_below && (!ch->non_ascii_below || mc->loop_na)) {
             /* every byte below loops back to S0: the whole subtree is allowed */
             for (uint32_t k = ch->lo; k < ch->hi; k++)
                 mc->mask[v->ord[k]] = 1;
@@ -1578,16 +1830,72 @@ static long walk(struct moe_grammar_state *st, struct mask_ctx *mc, uint32_t t, 
                 mc->mask[v->ord[ch->lo + k]] = 1;
             allowed += ch->n_tok;
             if (ch->n_child) {
-                long a = walk(st, mc, c, noff, nn, p, next_s0);
+                long a = walk(st, mc, c, nset, p, next);
                 if (a < 0)
                     return -1;
                 allowed += a;
             }
         }
         st->arena.n = top;
-        rollback(st, mark);
+        if (!mc->cache_on)
+            rollback(st, mark);
     }
     return allowed;
+}
+
+/* Whether the class matches all characters from U+0080 on or none of them. */
+static int cls_uniform_non_ascii(const struct moe_grammar *g, const struct gclass *c)
+{
+    const uint32_t *r = g->ranges + c->off;
+    int all = 0;
+    if (c->neg) {
+        all = c->n == 0 || r[2 * (c->n - 1) + 1] < 0x80;
+    } else {
+        for (uint32_t i = 0; i < c->n; i++)
+            all |= r[2 * i] <= 0x80 && r[2 * i + 1] >= 0x10ffff;
+    }
+    return all || !cls_match_range(g, c, 0x80, 0x10ffff);
+}
+
+/* Fills mc->loop and mc->loop_na for S0 = arena[0 .. n0) (see struct mask_ctx). The arena has
+ * room for 2 * n0 + MOE_GRAMMAR_MAX_STACKS entries, so that the steps here never move it. */
+static int find_loops(struct moe_grammar_state *st, struct mask_ctx *mc)
+{
+    uint32_t n0 = mc->n0, mark = st->n_nodes;
+    for (uint32_t b = 0; b < 128; b++) {
+        struct utf8p p = st->part;
+        long r = step(st, st->arena.p, n0, &p, (uint8_t)b, &st->arena);
+        if (r < 0)
+            return -1;
+        if ((uint32_t)r == n0) {
+            sort_u32(st->arena.p + n0, n0);
+            if (memcmp(st->arena.p + n0, mc->s0, n0 * sizeof *mc->s0) == 0)
+                mc->loop[b >> 6] |= 1ull << (b & 63);
+        }
+        st->arena.n = n0;
+        rollback(st, mark);
+    }
+    /* Every stack's class takes all non-ASCII characters or none: then all of them lead where
+     * U+00E9 (C3 A9) leads. */
+    const struct moe_grammar *g = st->g;
+    for (uint32_t i = 0; i < n0; i++) {
+        uint32_t s = st->arena.p[i];
+        if (s && !cls_uniform_non_ascii(g, &g->cls[EL_VAL(g->el[st->nodes[s].pos])]))
+            return 0;
+    }
+    struct utf8p p = st->part;
+    long r1 = step(st, st->arena.p, n0, &p, 0xc3, &st->arena);
+    long r2 = r1 > 0 ? step(st, st->arena.p + n0, (uint32_t)r1, &p, 0xa9, &st->arena) : r1;
+    if (r1 < 0 || r2 < 0)
+        return -1;
+    if ((uint32_t)r2 == n0) {
+        uint32_t *out = st->arena.p + n0 + r1;
+        sort_u32(out, n0);
+        mc->loop_na = memcmp(out, mc->s0, n0 * sizeof *mc->s0) == 0;
+    }
+    st->arena.n = n0;
+    rollback(st, mark);
+    return 0;
 }
 
 long moe_grammar_mask(struct moe_grammar_state *st, const struct moe_grammar_vocab *v,
@@ -1602,7 +1910,7 @@ long moe_grammar_mask(struct moe_grammar_state *st, const struct moe_grammar_voc
         allowed += v->n_eog;
     }
     uint32_t n0 = st->set.n;
-    if (u32v_reserve(&st->arena, (size_t)n0 + MOE_GRAMMAR_MAX_STACKS + 1) != 0 ||
+    if (u32v_reserve(&st->arena, 2 * (size_t)n0 + MOE_GRAMMAR_MAX_STACKS + 1) != 0 ||
         u32v_reserve(&st->tmp, (size_t)n0 + 1) != 0) {
         st_limit(st, "out of memory");
         return -1;
@@ -1611,27 +1919,24 @@ long moe_grammar_mask(struct moe_grammar_state *st, const struct moe_grammar_voc
     memcpy(st->tmp.p, st->set.p, n0 * sizeof *st->set.p);
     sort_u32(st->tmp.p, n0);
     st->arena.n = n0;
-    struct mask_ctx mc = {v, mask, st->tmp.p, n0, {0, 0}, 0};
-    uint32_t mark = st->n_nodes;
-    if (st->part.rem == 0 && n0) {
-        for (uint32_t b = 0; b < 128; b++) {
-            struct utf8p p = st->part;
-            long r = step(st, st->arena.p, n0, &p, (uint8_t)b, &st->arena);
-            if (r < 0) {
-                rollback(st, mark);
-                st->arena.n = 0;
-                return -1;
-            }
-            if ((uint32_t)r == n0) {
-                sort_u32(st->arena.p + n0, n0);
-                if (memcmp(st->arena.p + n0, mc.s0, n0 * sizeof *mc.s0) == 0)
-                    mc.loop[b >> 6] |= 1ull << (b & 63);
-            }
-            st->arena.n = n0;
-            rollback(st, mark);
-        }
+    if (!st->cache && !(st->cache = calloc(1, sizeof *st->cache))) {
+        st_limit(st, "out of memory");
+        return -1;
     }
-    long a = walk(st, &mc, 0, 0, n0, st->part, 1);
+    mask_cache_reset(st->cache);
+    uint32_t mark = st->n_nodes;
+    struct mask_ctx mc = {v, mask, st->tmp.p, n0, {0, 0}, 0, 0, st->cache, st->cache_nodes > 0,
+                          mark + st->cache_nodes};
+    if (intern_set(st->cache, mc.s0, n0) != 0) { /* S0 is set 0 */
+        st_limit(st, "out of memory");
+        return -1;
+    }
+    if (st->part.rem == 0 && n0 && find_loops(st, &mc) != 0) {
+        rollback(st, mark);
+        st->arena.n = 0;
+        return -1;
+    }
+    long a = walk(st, &mc, 0, 0, st->part, st->part.rem ? W_SET : W_S0);
     rollback(st, mark);
     st->arena.n = 0;
     if (a < 0)

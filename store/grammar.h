@@ -28,6 +28,7 @@
 #define MOE_GRAMMAR_MAX_NODES (1u << 23)   /* stack nodes of one state (memory) */
 #define MOE_GRAMMAR_MAX_TOKEN 1024         /* bytes of one vocabulary token */
 #define MOE_GRAMMAR_MAX_MASK_WORK (1u << 27) /* stack steps of one mask (time) */
+#define MOE_GRAMMAR_MASK_CACHE_NODES (1u << 20) /* default of moe_grammar_state_set_mask_cache */
 
 struct moe_grammar;
 struct moe_grammar_state;
@@ -72,6 +73,11 @@ void moe_grammar_vocab_free(struct moe_grammar_vocab *v);
 uint32_t moe_grammar_vocab_n(const struct moe_grammar_vocab *v);
 /* Nodes of the vocabulary's byte trie (for logs). */
 uint32_t moe_grammar_vocab_n_nodes(const struct moe_grammar_vocab *v);
+
+/* The mask caches its grammar steps, keeping the stack nodes they make for the rest of the mask:
+ * at most max_nodes of them (16 bytes each; default MOE_GRAMMAR_MASK_CACHE_NODES), after which
+ * that mask goes on without the cache. 0: no cache. The mask is the same either way. */
+void moe_grammar_state_set_mask_cache(struct moe_grammar_state *st, uint32_t max_nodes);
 
 /* mask[i] = 1 for each token whose bytes the state accepts next (eog tokens: when accepting),
  * 0 for the others; mask has moe_grammar_vocab_n(v) entries. Returns the number of tokens

@@ -84,8 +84,15 @@ struct ref {
     const char *name;
 };
 
+struct smap {
+    uint32_t *slot; /* rule index + 1; 0 empty */
+    uint32_t cap;   /* a power of two */
+    uint32_t n;
+};
+
 struct conv {
     json_t *root;
+    struct smap names, bodies;
     struct rule *rules;
     size_t n_rules, cap_rules;
     struct ref *refs;
@@ -116,12 +123,73 @@ static void cerr(struct conv *c, const char *path, const char *fmt, ...)
              path[0] ? tail : "/");
 }
 
-static struct rule *find_rule(struct conv *c, const char *name)
+/* Rule lookup by name and by body: open addressing over rule indexes (the first rule with a
+ * body keeps it). */
+static uint32_t str_hash(const char *s)
 {
-    for (size_t i = 0; i < c->n_rules; i++)
-        if (strcmp(c->rules[i].name, name) == 0)
-            return &c->rules[i];
-    return NULL;
+    uint32_t h = 2166136261u;
+    for (; *s; s++)
+        h = (h ^ (unsigned char)*s) * 16777619u;
+    return h;
+}
+
+static const char *rule_key(const struct conv *c, int by_body, uint32_t i)
+{
+    return by_body ? c->rules[i].body : c->rules[i].name;
+}
+
+static long smap_find(const struct conv *c, int by_body, const char *key)
+{
+    const struct smap *m = by_body ? &c->bodies : &c->names;
+    if (!m->cap)
+        return -1;
+    for (uint32_t j = str_hash(key) & (m->cap - 1); m->slot[j]; j = (j + 1) & (m->cap - 1))
+        if (strcmp(rule_key(c, by_body, m->slot[j] - 1), key) == 0)
+            return (long)m->slot[j] - 1;
+    return -1;
+}
+
+static void slot_put(uint32_t *slot, uint32_t cap, uint32_t h, uint32_t v)
+{
+    uint32_t j = h & (cap - 1);
+    while (slot[j])
+        j = (j + 1) & (cap - 1);
+    slot[j] = v;
+}
+
+static int smap_add(struct conv *c, int by_body, uint32_t idx)
+{
+    struct smap *m = by_body ? &c->bodies : &c->names;
+    if (smap_find(c, by_body, rule_key(c, by_body, idx)) >= 0)
+        return 0;
+    if (2 * (m->n + 1) > m->cap) {
+        uint32_t cap = m->cap ? m->cap * 2 : 64;
+        uint32_t *slot = calloc(cap, sizeof *slot);
+        if (!slot) {
+            cerr(c, "", "out of memory");
+            return -1;
+        }
+        for (uint32_t j = 0; j < m->cap; j++)
+            if (m->slot[j])
+                slot_put(slot, cap, str_hash(rule_key(c, by_body, m->slot[j] - 1)), m->slot[j]);
+        free(m->slot);
+        m->slot = slot;
+        m->cap = cap;
+    }
+    slot_put(m->slot, m->cap, str_hash(rule_key(c, by_body, idx)), idx + 1);
+    m->n++;
+    return 0;
+}
+
+/* Gives rule k its body (taken), indexed for sharing. */
+static int set_body(struct conv *c, long k, char *body)
+{
+    if (!body) {
+        cerr(c, "", "out of memory");
+        return -1;
+    }
+    c->rules[k].body = body;
+    return smap_add(c, 1, (uint32_t)k);
 }
 
 /* Reserves a fresh rule name derived from hint; returns its index or -1. */
@@ -145,7 +213,7 @@ static long reserve(struct conv *c, const char *hint)
     base[n] = '\0';
     char name[128];
     snprintf(name, sizeof name, "%s", base);
-    for (unsigned k = 1; find_rule(c, name); k++)
+    for (unsigned k = 1; smap_find(c, 0, name) >= 0; k++)
         snprintf(name, sizeof name, "%s-%u", base, k);
     if (c->n_rules == c->cap_rules) {
         size_t cap = c->cap_rules ? c->cap_rules * 2 : 32;
@@ -163,7 +231,10 @@ static long reserve(struct conv *c, const char *hint)
         cerr(c, "", "out of memory");
         return -1;
     }
-    return (long)c->n_rules++;
+    c->n_rules++;
+    if (smap_add(c, 0, (uint32_t)(c->n_rules - 1)) != 0)
+        return -1;
+    return (long)c->n_rules - 1;
 }
 
 /* A rule with this body (an existing one when some rule already has it). Takes body->p. */
@@ -174,19 +245,18 @@ static const char *add_rule(struct conv *c, const char *hint, struct sb *body)
         cerr(c, "", "out of memory");
         return NULL;
     }
-    const char *text = body->p ? body->p : "";
-    for (size_t i = 0; i < c->n_rules; i++) {
-        if (c->rules[i].body && strcmp(c->rules[i].body, text) == 0) {
-            free(body->p);
-            return c->rules[i].name;
-        }
+    long i = smap_find(c, 1, body->p ? body->p : "");
+    if (i >= 0) {
+        free(body->p);
+        return c->rules[i].name;
     }
-    long i = reserve(c, hint);
+    i = reserve(c, hint);
     if (i < 0) {
         free(body->p);
         return NULL;
     }
-    c->rules[i].body = body->p ? body->p : strdup("");
+    if (set_body(c, i, body->p ? body->p : strdup("")) != 0)
+        return NULL;
     return c->rules[i].name;
 }
 
@@ -229,7 +299,8 @@ static const struct {
 
 static const char *prim(struct conv *c, const char *name)
 {
-    struct rule *r = find_rule(c, name);
+    long at = smap_find(c, 0, name);
+    struct rule *r = at >= 0 ? &c->rules[at] : NULL;
     if (r && r->body)
         return r->name;
     for (size_t i = 0; i < sizeof prims / sizeof *prims; i++) {
@@ -238,11 +309,8 @@ static const char *prim(struct conv *c, const char *name)
         long k = r ? (long)(r - c->rules) : reserve(c, name);
         if (k < 0)
             return NULL;
-        c->rules[k].body = strdup(prims[i].body);
-        if (!c->rules[k].body) {
-            cerr(c, "", "out of memory");
+        if (set_body(c, k, strdup(prims[i].body)) != 0)
             return NULL;
-        }
         const char *d = prims[i].deps;
         while (*d) {
             const char *e = strchr(d, ' ');
@@ -376,7 +444,8 @@ static const char *visit_ref(struct conv *c, const char *ref, const char *path)
     const char *inner = visit(c, target, c->rules[k].name, tpath);
     if (!inner)
         return NULL;
-    c->rules[k].body = strdup(inner);
+    if (set_body(c, k, strdup(inner)) != 0)
+        return NULL;
     return c->rules[k].name;
 }
 
@@ -727,14 +796,15 @@ static const char *visit_object(struct conv *c, json_t *props, json_t *required,
     if (i == n) {
         struct sb b = {0};
         char th[128];
-        /* t[n] and f[n] */
+        /* t[n] and f[n]: <hint>-tail<k> after a pair was written, <hint>-from<k> before */
         if (akv)
             sb_addf(&b, "(\",\" space %s)*", akv);
-        snprintf(th, sizeof th, "%s-rest", hint);
+        snprintf(th, sizeof th, "%s-tail%zu", hint, n);
         const char *t_next = add_rule(c, th, &b);
         b = (struct sb){0};
         if (akv)
             sb_addf(&b, "( %s (\",\" space %s)* )?", akv, akv);
+        snprintf(th, sizeof th, "%s-from%zu", hint, n);
         const char *f_next = t_next ? add_rule(c, th, &b) : NULL;
         for (size_t k = n; k-- > 0 && f_next;) {
             b = (struct sb){0};
@@ -742,12 +812,14 @@ static const char *visit_object(struct conv *c, json_t *props, json_t *required,
                 sb_addf(&b, "(\",\" space %s)? %s", kv[k], t_next);
             else
                 sb_addf(&b, "\",\" space %s %s", kv[k], t_next);
+            snprintf(th, sizeof th, "%s-tail%zu", hint, k);
             const char *t = add_rule(c, th, &b);
             b = (struct sb){0};
             if (opt[k])
                 sb_addf(&b, "%s %s | %s", kv[k], t_next, f_next);
             else
                 sb_addf(&b, "%s %s", kv[k], t_next);
+            snprintf(th, sizeof th, "%s-from%zu", hint, k);
             f_next = t ? add_rule(c, th, &b) : NULL;
             t_next = t;
         }
@@ -1048,6 +1120,8 @@ int moe_json_schema_to_gbnf(json_t *schema, char **gbnf, char *err, size_t errle
         free(c.refs[i].ptr);
     free(c.rules);
     free(c.refs);
+    free(c.names.slot);
+    free(c.bodies.slot);
     return rc;
 }
 

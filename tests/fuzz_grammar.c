@@ -5,7 +5,8 @@
  * matcher. Mode even: the text is GBNF. Mode odd: the text is a JSON schema; its conversion must
  * either fail with a message or give a grammar that parses (short of the grammar limits). The
  * matcher then takes the bytes in chunks (sizes from the bytes themselves), and the mask over a
- * small vocabulary is checked against feeding each token to a clone. */
+ * small vocabulary is checked against feeding each token to a clone (the mask with its step
+ * cache on, off, or small enough to run out, by the last byte). */
 #include <jansson.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -46,6 +47,9 @@ static void run(const struct moe_grammar *g, const uint8_t *in, size_t n)
     struct moe_grammar_state *st = moe_grammar_state_new(g, err, sizeof err);
     if (!st)
         return;
+    /* the mask with its step cache, without, and with one that runs out along the way */
+    static const uint32_t cache_sizes[] = {MOE_GRAMMAR_MASK_CACHE_NODES, 0, 24};
+    moe_grammar_state_set_mask_cache(st, cache_sizes[n ? in[n - 1] % 3 : 0]);
     size_t i = 0;
     for (int round = 0; round < 64 && i <= n; round++) {
         long allowed = moe_grammar_mask(st, v, mask);

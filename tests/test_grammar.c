@@ -304,6 +304,9 @@ TEST(grammar_mask_equals_brute_force)
                 moe_grammar_state_free(st);
                 continue;
             }
+            moe_grammar_state_set_mask_cache(st, (uint32_t)(pi % 3) * 8); /* 0, 8, 16 */
+            if (pi == 0)
+                moe_grammar_state_set_mask_cache(st, MOE_GRAMMAR_MASK_CACHE_NODES);
             long allowed = moe_grammar_mask(st, v, mask);
             CHECK(allowed >= 0);
             long count = 0;
@@ -403,53 +406,76 @@ TEST(grammar_mini_fuzz)
     gt_vocab_free(&tv);
 }
 
-/* Points of a JSON object to time the mask at; brute: also check it token by token. */
-static const struct {
+/* Points of the output to time the mask at, each also checked token by token against feeding
+ * every token to a clone of the state. */
+struct mask_point {
     const char *what, *prefix;
-    int brute;
-} mask_points[] = {
-    {"start of an object", "", 1},
-    {"after '{'", "{", 0},
-    {"inside a key", "{\"na", 1},
-    {"after a key", "{\"name\"", 0},
-    {"inside a string value", "{\"name\": \"Jo", 0},
-    {"inside a number", "{\"n\": 12", 1},
-    {"after a value", "{\"n\": 12, \"a\": [true", 0},
-    {"inside a UTF-8 character", "{\"k\": \"\xe6\x97", 1},
 };
 
-/* Builds the vocabulary, prints the mask time at each point (json_object grammar) and checks the
- * mask against feeding every token to a clone where the point says so. */
-static void mask_time_and_check(const struct gt_vocab *tv, const char *label)
+static const struct mask_point object_points[] = {
+    {"start of an object", ""},
+    {"after '{'", "{"},
+    {"inside a key", "{\"na"},
+    {"after a key", "{\"name\""},
+    {"inside a string value", "{\"name\": \"Jo"},
+    {"inside a number", "{\"n\": 12"},
+    {"after a value", "{\"n\": 12, \"a\": [true"},
+    {"inside a UTF-8 character", "{\"k\": \"\xe6\x97"},
+};
+
+static const char *mask_schema =
+    "{\"type\":\"object\",\"properties\":{\"name\":{\"type\":\"string\",\"maxLength\":40},"
+    "\"kind\":{\"enum\":[\"person\",\"company\",\"other\"]},\"age\":{\"type\":\"integer\"},"
+    "\"tags\":{\"type\":\"array\",\"items\":{\"type\":\"string\"},\"maxItems\":8},"
+    "\"address\":{\"type\":\"object\",\"properties\":{\"city\":{\"type\":\"string\"},"
+    "\"id\":{\"type\":\"string\",\"format\":\"uuid\"}},\"required\":[\"city\"]}},"
+    "\"required\":[\"name\",\"kind\"],\"additionalProperties\":{\"type\":\"boolean\"}}";
+
+static const struct mask_point schema_points[] = {
+    {"start", ""},
+    {"after '{'", "{"},
+    {"inside maxLength 40 string", "{\"name\": \"Jo"},
+    {"after the first value", "{\"name\": \"Jo\", "},
+    {"inside an enum", "{\"name\": \"Jo\", \"kind\": \"pe"},
+    {"inside an extra key", "{\"name\":\"x\",\"kind\":\"other\",\"zz"},
+    {"inside the tags array", "{\"name\":\"x\",\"kind\":\"other\",\"tags\":[\"a\","},
+    {"inside a uuid", "{\"name\":\"x\",\"kind\":\"other\",\"address\":{\"city\":\"P\",\"id\":\"12"},
+};
+
+static void time_points(const struct gt_vocab *tv, const struct moe_grammar_vocab *v,
+                        const char *gs, const struct mask_point *pts, size_t n_points)
 {
     char err[512];
-    double t0 = moe_test_now();
-    struct moe_grammar_vocab *v = moe_grammar_vocab_new((const char *const *)tv->tok, tv->len,
-                                                        tv->n, tv->eog, err, sizeof err);
-    CHECK_MSG(v != NULL, "%s", err);
-    fprintf(stderr, "%s: %u tokens, %u trie nodes, built in %.1f ms\n", label, tv->n,
-            moe_grammar_vocab_n_nodes(v), (moe_test_now() - t0) * 1e3);
-    const char *gs = gt_json_object_gbnf();
     struct moe_grammar *g = moe_grammar_parse(gs, strlen(gs), err, sizeof err);
     CHECK_MSG(g != NULL, "%s", err);
     uint8_t *mask = malloc(tv->n);
     double total = 0;
-    size_t n_points = sizeof mask_points / sizeof *mask_points;
     for (size_t i = 0; i < n_points; i++) {
         struct moe_grammar_state *st = moe_grammar_state_new(g, err, sizeof err);
-        const char *pre = mask_points[i].prefix;
-        CHECK(moe_grammar_state_accept_bytes(st, pre, strlen(pre)) == 1);
+        CHECK_MSG(moe_grammar_state_accept_bytes(st, pts[i].prefix, strlen(pts[i].prefix)) == 1,
+                  "%s", pts[i].what);
         int reps = 5;
         long allowed = 0;
-        t0 = moe_test_now();
+        double t0 = moe_test_now();
         for (int r = 0; r < reps; r++)
             allowed = moe_grammar_mask(st, v, mask);
         double ms = (moe_test_now() - t0) * 1e3 / reps;
         total += ms;
         CHECK(allowed > 0);
-        fprintf(stderr, "  mask %-26s %7.2f ms  %6ld tokens allowed\n", mask_points[i].what, ms,
-                allowed);
-        for (uint32_t t = 0; mask_points[i].brute && t < tv->n; t++) {
+        fprintf(stderr, "  mask %-28s %7.2f ms  %6ld tokens allowed\n", pts[i].what, ms, allowed);
+        /* the same mask without the step cache, and with one that runs out along the way */
+        static const uint32_t cache_sizes[] = {0, 64};
+        uint8_t *m2 = malloc(tv->n);
+        for (size_t k = 0; k < sizeof cache_sizes / sizeof *cache_sizes; k++) {
+            struct moe_grammar_state *c2 = moe_grammar_state_clone(st);
+            moe_grammar_state_set_mask_cache(c2, cache_sizes[k]);
+            CHECK_EQ(moe_grammar_mask(c2, v, m2), allowed);
+            CHECK_MSG(memcmp(m2, mask, tv->n) == 0, "%s: cache %u differs", pts[i].what,
+                      cache_sizes[k]);
+            moe_grammar_state_free(c2);
+        }
+        free(m2);
+        for (uint32_t t = 0; t < tv->n; t++) {
             int want = 0;
             if (tv->eog[t]) {
                 want = moe_grammar_state_is_accepting(st);
@@ -458,7 +484,7 @@ static void mask_time_and_check(const struct gt_vocab *tv, const char *label)
                 want = moe_grammar_state_accept_bytes(c, tv->tok[t], tv->len[t]) == 1;
                 moe_grammar_state_free(c);
             }
-            CHECK_MSG(mask[t] == want, "%s: token %u ('%.*s') mask %d", mask_points[i].what, t,
+            CHECK_MSG(mask[t] == want, "%s: token %u ('%.*s') mask %d", pts[i].what, t,
                       (int)tv->len[t], tv->tok[t], mask[t]);
         }
         moe_grammar_state_free(st);
@@ -466,6 +492,29 @@ static void mask_time_and_check(const struct gt_vocab *tv, const char *label)
     fprintf(stderr, "  mean %.2f ms per mask\n", total / (double)n_points);
     free(mask);
     moe_grammar_free(g);
+}
+
+/* Builds the vocabulary and times the mask with the json_object grammar and a schema's. */
+static void mask_time_and_check(const struct gt_vocab *tv, const char *label)
+{
+    char err[512];
+    double t0 = moe_test_now();
+    struct moe_grammar_vocab *v = moe_grammar_vocab_new((const char *const *)tv->tok, tv->len,
+                                                        tv->n, tv->eog, err, sizeof err);
+    CHECK_MSG(v != NULL, "%s", err);
+    fprintf(stderr, "%s: %u tokens, %u trie nodes, built in %.1f ms\njson_object grammar:\n",
+            label, tv->n, moe_grammar_vocab_n_nodes(v), (moe_test_now() - t0) * 1e3);
+    time_points(tv, v, gt_json_object_gbnf(), object_points,
+                sizeof object_points / sizeof *object_points);
+    json_error_t je;
+    json_t *schema = json_loads(mask_schema, 0, &je);
+    CHECK_MSG(schema != NULL, "%s", je.text);
+    char *gbnf;
+    CHECK_MSG(moe_json_schema_to_gbnf(schema, &gbnf, err, sizeof err) == 0, "%s", err);
+    fprintf(stderr, "schema grammar:\n");
+    time_points(tv, v, gbnf, schema_points, sizeof schema_points / sizeof *schema_points);
+    free(gbnf);
+    json_decref(schema);
     moe_grammar_vocab_free(v);
 }
 
