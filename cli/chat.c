@@ -1,6 +1,8 @@
 /* moectl chat: an interactive chat with the served model. Each line read from stdin is a user
  * message; the reply streams to stdout; the conversation is kept for the next turn. Also
  * moectl_complete(), the streaming request shared with generate. */
+#include <errno.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -71,6 +73,14 @@ int moectl_complete(const char *path, json_t *req, int chat, char **text)
     int rc = client_request(moectl_opts.socket, "POST", path, "application/json", body, strlen(body),
                             stream ? on_event : NULL, &s, &r);
     free(body);
+    if (rc == CLIENT_INTERRUPTED) {
+        putchar('\n');
+        if (text)
+            *text = s.text ? s.text : strdup(""); /* what came before the interrupt */
+        else
+            free(s.text);
+        return rc;
+    }
     if (rc) {
         free(s.text);
         return rc;
@@ -107,11 +117,18 @@ int moectl_complete(const char *path, json_t *req, int chat, char **text)
     return rc;
 }
 
+static void on_sigint(int sig)
+{
+    (void)sig;
+    client_interrupted = 1;
+}
+
 static int chat_usage(FILE *f)
 {
     fprintf(f, "usage: moectl [--socket PATH] [--json] chat [-n N] [--temp T] [--system TEXT]\n"
                "  (and the other sampling options of generate, with the same ranges)\n"
-               "  reads one user message per line from stdin; the reply streams to stdout\n");
+               "  reads one user message per line from stdin; the reply streams to stdout;\n"
+               "  Ctrl-C stops a reply (what came is kept) or clears the line; Ctrl-D or /quit ends\n");
     return f == stdout ? 0 : 2;
 }
 
@@ -128,6 +145,11 @@ static int cmd_chat(int argc, char **argv)
         return chat_usage(stderr);
     }
     bool tty = isatty(0);
+    /* Ctrl-C stops the reply being streamed, not the session (no SA_RESTART: a blocked read
+     * returns, see client_interrupted). */
+    struct sigaction sa = {.sa_handler = on_sigint}, old_sa;
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGINT, &sa, &old_sa);
     char *line = NULL;
     size_t cap = 0;
     int rc = 0;
@@ -136,7 +158,14 @@ static int cmd_chat(int argc, char **argv)
             fputs("> ", stdout);
             fflush(stdout);
         }
+        errno = 0;
         ssize_t n = getline(&line, &cap, stdin);
+        if (n < 0 && client_interrupted) { /* Ctrl-C at the prompt: a fresh line */
+            client_interrupted = 0;
+            clearerr(stdin);
+            putchar('\n');
+            continue;
+        }
         if (n < 0)
             break;
         while (n > 0 && (line[n - 1] == '\n' || line[n - 1] == '\r'))
@@ -148,13 +177,18 @@ static int cmd_chat(int argc, char **argv)
         json_array_append_new(msgs, json_pack("{s:s, s:s}", "role", "user", "content", line));
         char *reply = NULL;
         rc = moectl_complete("/v1/chat/completions", req, 1, &reply);
-        if (rc) {
+        if (rc == CLIENT_INTERRUPTED) {
+            client_interrupted = 0;
+            rc = 0;
+            fprintf(stderr, "moectl: reply stopped\n");
+        } else if (rc) {
             free(reply);
             break;
         }
         json_array_append_new(msgs, json_pack("{s:s, s:s}", "role", "assistant", "content", reply));
         free(reply);
     }
+    sigaction(SIGINT, &old_sa, NULL);
     free(line);
     json_decref(req);
     return rc;

@@ -139,6 +139,8 @@ static int send_all(int fd, const char *p, size_t n)
     return 0;
 }
 
+volatile sig_atomic_t client_interrupted;
+
 int client_request(const char *socket_path, const char *method, const char *path,
                    const char *content_type, const char *body, size_t len, client_sse_fn sse,
                    void *user, struct client_resp *out)
@@ -195,6 +197,10 @@ int client_request(const char *socket_path, const char *method, const char *path
     char buf[16384];
     int rc = 0;
     for (;;) {
+        if (client_interrupted) {
+            rc = CLIENT_INTERRUPTED;
+            break;
+        }
         ssize_t n = recv(fd, buf, sizeof buf, 0);
         if (n < 0 && errno == EINTR)
             continue;

@@ -3,13 +3,20 @@
 #ifndef MOECTL_CLIENT_H
 #define MOECTL_CLIENT_H
 
+#include <signal.h>
 #include <stdbool.h>
 #include <stddef.h>
 
 #include <jansson.h>
 
 /* moectl exit codes (cli/moectl.h). */
-enum { CLIENT_EXIT_FAIL = 1, CLIENT_EXIT_NOT_RUNNING = 3, CLIENT_EXIT_DENIED = 4 };
+enum { CLIENT_EXIT_FAIL = 1, CLIENT_EXIT_NOT_RUNNING = 3, CLIENT_EXIT_DENIED = 4,
+       CLIENT_INTERRUPTED = 130 };
+
+/* Set by a signal handler (moectl chat's SIGINT, installed without SA_RESTART): the response
+ * being read is abandoned (the connection closes, so moed stops generating) and
+ * client_request returns CLIENT_INTERRUPTED. The handler's owner clears it. */
+extern volatile sig_atomic_t client_interrupted;
 
 struct client_resp {
     int status;
