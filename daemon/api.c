@@ -2517,6 +2517,8 @@ static void handle_models(struct api *a, struct http_request *req, const char *o
     json_object_set_new(meta, "n_expert", json_integer(a->model.n_expert));
     json_object_set_new(meta, "n_expert_used", json_integer(a->model.n_expert_used));
     json_object_set_new(meta, "chat_template", json_string(api_chat_kind(a)));
+    if (a->chat)
+        json_object_set_new(meta, "tool_call_format", json_string(chat_fmt_name(chat_template_format(a->chat))));
     json_object_set_new(m, "meta", meta);
     if (one) {
         if (strcmp(one, a->model_id) != 0) {
