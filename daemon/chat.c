@@ -81,6 +81,8 @@ enum chat_fmt chat_fmt_detect(const char *src, size_t len)
         return CHAT_FMT_HERMES;
     if (has(src, len, "<function="))
         return CHAT_FMT_FUNCTIONARY;
+    if (has(src, len, ">>>all"))
+        return CHAT_FMT_FUNCTIONARY2;
     if (has(src, len, "functools["))
         return CHAT_FMT_FIREFUNCTION;
     if (has(src, len, "<|START_ACTION|>") || (has(src, len, "Action:") && has(src, len, "tool_name")))
@@ -95,7 +97,8 @@ enum chat_fmt chat_template_format(const struct chat_template *t) { return t->fm
 const char *chat_fmt_name(enum chat_fmt f)
 {
     static const char *const names[] = {"hermes", "llama", "mistral", "deepseek", "harmony",
-                                        "command-r", "functionary", "firefunction"};
+                                        "command-r", "functionary", "firefunction",
+                                        "functionary-v3.2"};
     return (unsigned)f < sizeof names / sizeof names[0] ? names[f] : "hermes";
 }
 
@@ -219,8 +222,12 @@ void chat_out_init(struct chat_out *p, bool think_open, bool tools, const char *
                    enum chat_fmt fmt)
 {
     memset(p, 0, sizeof *p);
-    p->state = fmt == CHAT_FMT_HARMONY ? S_HTEXT : think_open ? S_REASON_START : S_START;
+    p->state = fmt == CHAT_FMT_HARMONY ? S_HTEXT : fmt == CHAT_FMT_FUNCTIONARY2 ? S_XTOOLS
+               : think_open ? S_REASON_START : S_START;
     p->fmt = fmt;
+    /* Command R7B writes its plan between its own markers */
+    p->think = fmt == CHAT_FMT_COMMAND_R ? "<|START_THINKING|>" : THINK;
+    p->think_end = fmt == CHAT_FMT_COMMAND_R ? "<|END_THINKING|>" : THINK_END;
     p->tools = tools;
     snprintf(p->id_prefix, sizeof p->id_prefix, "%s", id_prefix ? id_prefix : "call");
 }
@@ -264,13 +271,14 @@ static const char *const *fmt_starts(enum chat_fmt f, bool between)
     static const char *const ds[] = {DS_CALLS, DS_CALL, NULL}, *const ds2[] = {DS_CALLS, DS_CALL, DS_CALLS_END, NULL};
     static const char *const cr[] = {"Action:", "<|START_ACTION|>", NULL};
     static const char *const fn[] = {"<function=", PYTAG, NULL};
-    static const char *const ff[] = {"functools", NULL};
+    static const char *const ff[] = {"functools", NULL}, *const f2[] = {">>>", NULL};
     switch (f) {
     case CHAT_FMT_LLAMA: return between ? llama2 : llama;
     case CHAT_FMT_MISTRAL: return mistral;
     case CHAT_FMT_DEEPSEEK: return between ? ds2 : ds;
     case CHAT_FMT_COMMAND_R: return cr;
     case CHAT_FMT_FUNCTIONARY: return fn;
+    case CHAT_FMT_FUNCTIONARY2: return f2;
     default: return ff;
     }
 }
@@ -621,6 +629,40 @@ static int parse_region(enum chat_fmt f, const char *r, size_t n, bool final, si
         *used = t;
         return args_call(calls, r + i, (size_t)(gt - r) - i, r + b, e - b) ? -1 : 1;
     }
+    case CHAT_FMT_FUNCTIONARY2: {
+        /* the first recipient follows the prompt's >>> */
+        i = starts(r, n, ">>>") ? 3 : 0;
+        const char *nl = memchr(r + i, '\n', n - i);
+        if (!nl)
+            NEED_OR_BAD(n);
+        size_t nb = i, ne = (size_t)(nl - r);
+        while (nb < ne && ws(r[nb]))
+            nb++;
+        while (ne > nb && ws(r[ne - 1]))
+            ne--;
+        if (ne - nb == 3 && !memcmp(r + nb, "all", 3)) {
+            *used = (size_t)(nl - r) + 1; /* the text that follows is content */
+            return 1;
+        }
+        size_t j = skip_ws(r, n, (size_t)(nl - r) + 1);
+        if (ne - nb == 6 && !memcmp(r + nb, "python", 6) && (j == n || r[j] != '{')) {
+            const char *next = memmem(r + j, n - j, ">>>", 3);
+            if (!next && !final)
+                return 0;
+            size_t ce = next ? (size_t)(next - r) : n;
+            *used = ce;
+            while (ce > j && ws(r[ce - 1]))
+                ce--;
+            json_t *code = json_pack("{s:s%}", "code", r + j, ce - j);
+            int rc = code ? add_call(calls, "python", 6, code) : -1;
+            json_decref(code);
+            return rc ? -1 : 1;
+        }
+        if ((k = json_after(r, n, j, "{", final, &b, &e, used)) <= 0)
+            return k;
+        *used = e;
+        return args_call(calls, r + nb, ne - nb, r + b, e - b) ? -1 : 1;
+    }
     default: /* firefunction */
         if ((k = json_after(r, n, sizeof "functools" - 1, "[", final, &b, &e, used)) <= 0)
             return k;
@@ -659,15 +701,16 @@ static int feed_calls(struct chat_out *p, const char *r, size_t n, bool final, c
 {
     int rc;
     *more = false;
+    bool on = p->tools || p->fmt == CHAT_FMT_FUNCTIONARY2; /* its recipients are there anyway */
     if (p->state == S_XCONTENT) {
-        size_t ml = 0, at = p->tools ? find_any(r, n, fmt_starts(p->fmt, false), &ml) : n;
+        size_t ml = 0, at = on ? find_any(r, n, fmt_starts(p->fmt, false), &ml) : n;
         if (p->tools && p->fmt == CHAT_FMT_LLAMA && !p->said) { /* the message is the call */
             size_t w = skip_ws(r, n, 0);
             at = w < n && r[w] == '{' && w < at ? w : at;
         }
-        size_t upto = at < n ? at : final || !p->tools ? n : n - partial_any(r, n, fmt_starts(p->fmt, false));
+        size_t upto = at < n ? at : final || !on ? n : n - partial_any(r, n, fmt_starts(p->fmt, false));
         size_t keep = upto;
-        if (p->tools && !(final && at == n)) /* whitespace before a tool call is dropped */
+        if (on && !(final && at == n)) /* whitespace before a tool call is dropped */
             while (keep > 0 && ws(r[keep - 1]))
                 keep--;
         if ((rc = say(p, r, keep, emit, user)))
@@ -690,7 +733,7 @@ static int feed_calls(struct chat_out *p, const char *r, size_t n, bool final, c
     r += w;
     n -= w;
     const char *const *ms = fmt_starts(p->fmt, true);
-    bool hit = false, part = false;
+    bool hit = p->fmt == CHAT_FMT_FUNCTIONARY2 && !p->kind, part = false;
     for (const char *const *m = ms; *m; m++) {
         hit = hit || starts(r, n, *m);
         part = part || prefix_of(r, n, *m);
@@ -708,6 +751,9 @@ static int feed_calls(struct chat_out *p, const char *r, size_t n, bool final, c
         return -ENOMEM;
     size_t used = n;
     int k = parse_region(p->fmt, r, n, final, &used, calls);
+    p->kind = p->kind || k != 0;
+    if (k > 0 && !p->tools && json_array_size(calls)) /* calls without tools are text */
+        k = -1;
     if (k == 0) {
         *more = false;
         rc = 0;
@@ -809,10 +855,10 @@ int chat_out_feed(struct chat_out *p, const char *text, size_t len, bool final, 
         size_t n = len - p->pos;
         switch (p->state) {
         case S_START:
-            if (n >= sizeof THINK - 1 && !memcmp(r, THINK, sizeof THINK - 1)) {
-                p->pos += sizeof THINK - 1;
+            if (n >= strlen(p->think) && !memcmp(r, p->think, strlen(p->think))) {
+                p->pos += strlen(p->think);
                 p->state = S_REASON_START;
-            } else if (!final && prefix_of(r, n, THINK)) {
+            } else if (!final && prefix_of(r, n, p->think)) {
                 return 0;
             } else {
                 p->state = p->fmt == CHAT_FMT_HERMES ? S_CONTENT : S_XCONTENT;
@@ -829,15 +875,15 @@ int chat_out_feed(struct chat_out *p, const char *text, size_t len, bool final, 
                        : p->fmt == CHAT_FMT_HERMES ? S_CONTENT : S_XCONTENT;
             break;
         case S_REASON: {
-            const char *hit = memmem(r, n, THINK_END, sizeof THINK_END - 1);
-            size_t upto = hit ? (size_t)(hit - r) : final ? n : n - partial_tag(r, n, THINK_END);
+            const char *hit = memmem(r, n, p->think_end, strlen(p->think_end));
+            size_t upto = hit ? (size_t)(hit - r) : final ? n : n - partial_tag(r, n, p->think_end);
             size_t keep = upto;
             while (keep > 0 && ws(r[keep - 1])) /* trailing whitespace waits for more text */
                 keep--;
             if (keep && (rc = emit(user, CHAT_EV_REASONING, r, keep, NULL)))
                 return rc;
             if (hit) {
-                p->pos += upto + sizeof THINK_END - 1;
+                p->pos += upto + strlen(p->think_end);
                 p->state = S_CONTENT_START;
                 break;
             }

@@ -47,6 +47,7 @@ enum chat_fmt {
     CHAT_FMT_COMMAND_R,     /* Action: ```json [...]```, <|START_ACTION|>[...]<|END_ACTION|> */
     CHAT_FMT_FUNCTIONARY,   /* <function=NAME>{...}</function>: functionary v3.1 */
     CHAT_FMT_FIREFUNCTION,  /* functools[{...}, ...] */
+    CHAT_FMT_FUNCTIONARY2,  /* >>>recipient\n...: functionary v3.2 */
 };
 /* The format a template's text teaches (CHAT_FMT_HERMES when none is recognised). */
 enum chat_fmt chat_fmt_detect(const char *src, size_t len);
@@ -86,7 +87,8 @@ struct chat_template *chat_template_ref(struct chat_template *t);
  * Text generated so far is fed in (the whole text each time, growing); events come out as soon
  * as they can no longer change:
  *   reasoning  text between <think> (at the start of the output, or left open by the prompt)
- *              and </think>, without the whitespace around it;
+ *              and </think> (command-r: <|START_THINKING|> and <|END_THINKING|>), without the
+ *              whitespace around it;
  *   content    the rest (whitespace after </think> dropped);
  *   tool call  when tools are on, each call in the format's shape; a call that does not parse
  *              stays content:
@@ -105,7 +107,10 @@ struct chat_template *chat_template_ref(struct chat_template *t);
  *     command-r   Action: ```json [{"tool_name", "parameters"}, ...] ``` (Command R+) or
  *                 <|START_ACTION|>[...]<|END_ACTION|> (R7B);
  *     functionary <function=name>{...}</function> (v3.1);
- *     firefunction functools[{"name", "arguments"}, ...]. */
+ *     firefunction functools[{"name", "arguments"}, ...];
+ *     functionary-v3.2  >>>recipient\ntext, one after the other (the prompt wrote the first
+ *                 >>>): "all" is content, another name a call with its JSON object, "python" a
+ *                 call with its code (whatever the tools). */
 enum chat_ev { CHAT_EV_REASONING, CHAT_EV_CONTENT, CHAT_EV_TOOL_CALL };
 
 struct chat_tool_call {
@@ -122,8 +127,9 @@ struct chat_out {
     bool tools;
     bool said;           /* some content was given */
     enum chat_fmt fmt;
+    const char *think, *think_end; /* the reasoning's markers */
     int n_calls;
-    int kind;            /* harmony: what the open message is */
+    int kind;            /* harmony: what the open message is; functionary v3.2: a recipient was read */
     char name[96];       /* harmony: the open call's function */
     char id_prefix[40];
 };

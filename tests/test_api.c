@@ -263,6 +263,7 @@ TEST(chat_format_detected_from_templates)
         {"CohereForAI-c4ai-command-r7b-12-2024-tool_use", CHAT_FMT_COMMAND_R},
         {"meetkai-functionary-medium-v3.1", CHAT_FMT_FUNCTIONARY},
         {"fireworks-ai-llama-3-firefunction-v2", CHAT_FMT_FIREFUNCTION},
+        {"meetkai-functionary-medium-v3.2", CHAT_FMT_FUNCTIONARY2},
         {"google-gemma-2-2b-it", CHAT_FMT_HERMES},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
@@ -368,6 +369,9 @@ TEST(chat_output_command_r_functionary_firefunction_calls)
               false, true, "", "I will look it up.", "0:call_x_0:search({\"q\":\"a\"});1:call_x_1:b({});");
     check_fmt(CHAT_FMT_COMMAND_R, "<|START_ACTION|>[\n    {\"tool_call_id\": \"0\", \"tool_name\": \"a\", "
               "\"parameters\": {\"x\": 1}}\n]<|END_ACTION|>", false, true, "", "", "0:call_x_0:a({\"x\":1});");
+    check_fmt(CHAT_FMT_COMMAND_R, "<|START_THINKING|>I will search.<|END_THINKING|><|START_ACTION|>[{\"tool_call_id\": "
+              "\"0\", \"tool_name\": \"a\", \"parameters\": {}}]<|END_ACTION|>", false, true, "I will search.", "",
+              "0:call_x_0:a({});");
     check_fmt(CHAT_FMT_COMMAND_R, "Action: nothing to do", false, true, "", "Action: nothing to do", "");
     check_fmt(CHAT_FMT_FUNCTIONARY, "<function=get_weather>{\"city\": \"Paris\"}</function>\n<function=b>{}</function>",
               false, true, "", "", "0:call_x_0:get_weather({\"city\":\"Paris\"});1:call_x_1:b({});");
@@ -375,6 +379,14 @@ TEST(chat_output_command_r_functionary_firefunction_calls)
               "Text<function=a>{bad}</function>", "");
     check_fmt(CHAT_FMT_FIREFUNCTION, " functools[{\"name\": \"a\", \"arguments\": {\"x\": 1}}, {\"name\": \"b\", "
               "\"arguments\": {}}]", false, true, "", "", "0:call_x_0:a({\"x\":1});1:call_x_1:b({});");
+    enum chat_fmt f2 = CHAT_FMT_FUNCTIONARY2;
+    check_fmt(f2, "all\nLet me check.>>>get_weather\n{\"city\": \"Paris\"}>>>b\n{}", false, true, "", "Let me check.",
+              "0:call_x_0:get_weather({\"city\":\"Paris\"});1:call_x_1:b({});");
+    check_fmt(f2, "python\nprint(1)\n>>>all\nDone.", false, true, "", "Done.",
+              "0:call_x_0:python({\"code\":\"print(1)\"});");
+    check_fmt(f2, "all\nHello!", false, false, "", "Hello!", "");
+    check_fmt(f2, "a\n{oops}>>>all\nok", false, true, "", "a\n{oops}ok", "");
+    check_fmt(f2, "a\n{}", false, false, "", "a\n{}", "");
     check_fmt(CHAT_FMT_FIREFUNCTION, "functools[{\"name\": 1}]", false, true, "", "functools[{\"name\": 1}]", "");
 }
 
