@@ -437,7 +437,8 @@ static json_t *py_kwargs(const char *s, size_t n)
     json_t *o = json_object();
     char *buf = malloc(n + 1);
     size_t i = skip_ws(s, n, 0);
-    while (o && buf && i < n) {
+    bool bad = !o || !buf;
+    while (!bad && i < n) {
         char key[64];
         size_t k = 0;
         while (i < n && k < sizeof key - 1 && (s[i] == '_' || (s[i] >= 'a' && s[i] <= 'z') ||
@@ -445,7 +446,7 @@ static json_t *py_kwargs(const char *s, size_t n)
             key[k++] = s[i++];
         key[k] = 0;
         i = skip_ws(s, n, i);
-        if (!k || i >= n || s[i] != '=')
+        if ((bad = !k || i >= n || s[i] != '='))
             break;
         i = skip_ws(s, n, i + 1);
         json_t *v = NULL;
@@ -479,16 +480,16 @@ static json_t *py_kwargs(const char *s, size_t n)
             else if ((v = json_loadb(s + b, e - b, JSON_DECODE_ANY, NULL)) && !json_is_number(v))
                 json_decref(v), v = NULL;
         }
-        if (!v || json_object_set_new(o, key, v))
+        if ((bad = !v || json_object_set_new(o, key, v)))
             break;
         i = skip_ws(s, n, i);
         if (i < n && s[i] == ',')
             i = skip_ws(s, n, i + 1);
-        else if (i < n)
+        else if ((bad = i < n))
             break;
     }
     free(buf);
-    if (o && i < n) {
+    if (bad) {
         json_decref(o);
         o = NULL;
     }
@@ -781,16 +782,18 @@ static int feed_harmony(struct chat_out *p, const char *r, size_t n, bool final,
     size_t ml = 0, at;
     *more = false;
     switch (p->state) {
-    case S_HTEXT:
+    case S_HTEXT: {
         at = find_any(r, n, head, &ml);
-        if ((rc = say(p, r, at < n ? at : final ? n : n - partial_any(r, n, head), emit, user)))
+        size_t upto = at < n ? at : final ? n : n - partial_any(r, n, head);
+        if ((rc = say(p, r, upto, emit, user)))
             return rc;
-        p->pos += at < n ? at : final ? n : n - partial_any(r, n, head);
+        p->pos += upto;
         if (at < n) {
             p->state = S_HHEAD;
             *more = true;
         }
         return 0;
+    }
     case S_HHEAD: {
         const char *m = memmem(r, n, MSG, sizeof MSG - 1);
         if (!m) {

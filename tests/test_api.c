@@ -299,6 +299,12 @@ TEST(chat_output_llama_calls)
               "", "0:call_x_0:brave_search({\"query\":\"weather in Paris\",\"n\":3,\"safe\":true});");
     check_fmt(f, "<|python_tag|>print(2 + 2)", false, true, "", "",
               "0:call_x_0:python({\"code\":\"print(2 + 2)\"});");
+    check_fmt(f, "<|python_tag|>wolfram_alpha.call(query='it\\'s 2+2')", false, true, "", "",
+              "0:call_x_0:wolfram_alpha({\"query\":\"it's 2+2\"});");
+    /* keyword arguments that are not literals: the text is code */
+    check_fmt(f, "<|python_tag|>x.call(q)", false, true, "", "", "0:call_x_0:python({\"code\":\"x.call(q)\"});");
+    check_fmt(f, "<|python_tag|>x.call(q=\"open)", false, true, "", "",
+              "0:call_x_0:python({\"code\":\"x.call(q=\\\"open)\"});");
     /* text, then a tagged call; a JSON answer that is no call stays content */
     check_fmt(f, "Let me look. <|python_tag|>{\"name\": \"a\", \"parameters\": {}}", false, true, "",
               "Let me look.", "0:call_x_0:a({});");
