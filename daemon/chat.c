@@ -77,7 +77,9 @@ enum chat_fmt chat_fmt_detect(const char *src, size_t len)
         return CHAT_FMT_DEEPSEEK;
     if (has(src, len, "[TOOL_CALLS]"))
         return CHAT_FMT_MISTRAL;
-    if (has(src, len, "<tool_call>") || has(src, len, "<seed:tool_call>"))
+    if (has(src, len, "<seed:tool_call>"))
+        return CHAT_FMT_SEED;
+    if (has(src, len, "<tool_call>"))
         return CHAT_FMT_HERMES;
     if (has(src, len, "<function="))
         return CHAT_FMT_FUNCTIONARY;
@@ -98,7 +100,7 @@ const char *chat_fmt_name(enum chat_fmt f)
 {
     static const char *const names[] = {"hermes", "llama", "mistral", "deepseek", "harmony",
                                         "command-r", "functionary", "firefunction",
-                                        "functionary-v3.2"};
+                                        "functionary-v3.2", "seed"};
     return (unsigned)f < sizeof names / sizeof names[0] ? names[f] : "hermes";
 }
 
@@ -226,8 +228,10 @@ void chat_out_init(struct chat_out *p, bool think_open, bool tools, const char *
                : think_open ? S_REASON_START : S_START;
     p->fmt = fmt;
     /* Command R7B writes its plan between its own markers */
-    p->think = fmt == CHAT_FMT_COMMAND_R ? "<|START_THINKING|>" : THINK;
-    p->think_end = fmt == CHAT_FMT_COMMAND_R ? "<|END_THINKING|>" : THINK_END;
+    p->think = fmt == CHAT_FMT_COMMAND_R ? "<|START_THINKING|>" : fmt == CHAT_FMT_SEED ? "<seed:think>" : THINK;
+    p->think_end = fmt == CHAT_FMT_COMMAND_R ? "<|END_THINKING|>"
+                   : fmt == CHAT_FMT_SEED    ? "</seed:think>"
+                                             : THINK_END;
     p->tools = tools;
     snprintf(p->id_prefix, sizeof p->id_prefix, "%s", id_prefix ? id_prefix : "call");
 }
@@ -272,6 +276,7 @@ static const char *const *fmt_starts(enum chat_fmt f, bool between)
     static const char *const cr[] = {"Action:", "<|START_ACTION|>", NULL};
     static const char *const fn[] = {"<function=", PYTAG, NULL};
     static const char *const ff[] = {"functools", NULL}, *const f2[] = {">>>", NULL};
+    static const char *const seed[] = {"<seed:tool_call>", NULL};
     switch (f) {
     case CHAT_FMT_LLAMA: return between ? llama2 : llama;
     case CHAT_FMT_MISTRAL: return mistral;
@@ -279,6 +284,7 @@ static const char *const *fmt_starts(enum chat_fmt f, bool between)
     case CHAT_FMT_COMMAND_R: return cr;
     case CHAT_FMT_FUNCTIONARY: return fn;
     case CHAT_FMT_FUNCTIONARY2: return f2;
+    case CHAT_FMT_SEED: return seed;
     default: return ff;
     }
 }
@@ -496,6 +502,49 @@ static json_t *py_kwargs(const char *s, size_t n)
     return o;
 }
 
+/* <function=name><parameter=key>value</parameter>...</function> as a call. */
+static int xml_call(json_t *calls, const char *s, size_t n)
+{
+    const char *f = memmem(s, n, "<function=", 10), *end = s + n;
+    const char *gt = f ? memchr(f, '>', (size_t)(end - f)) : NULL;
+    if (!gt)
+        return -1;
+    json_t *args = json_object();
+    const char *q = gt + 1, *fe = memmem(q, (size_t)(end - q), "</function>", 11);
+    if (fe)
+        end = fe;
+    int rc = args ? 0 : -1;
+    const char *pa;
+    while (!rc && (pa = memmem(q, (size_t)(end - q), "<parameter=", 11))) {
+        const char *k = pa + 11, *kg = memchr(k, '>', (size_t)(end - k));
+        const char *v = kg ? kg + 1 : NULL;
+        const char *ve = v ? memmem(v, (size_t)(end - v), "</parameter>", 12) : NULL;
+        char key[128];
+        if (!ve || (size_t)(kg - k) >= sizeof key) {
+            rc = -1;
+            break;
+        }
+        memcpy(key, k, (size_t)(kg - k));
+        key[kg - k] = 0;
+        while (v < ve && ws(*v))
+            v++;
+        size_t vl = (size_t)(ve - v);
+        while (vl && ws(v[vl - 1]))
+            vl--;
+        json_t *val = json_loadb(v, vl, JSON_DECODE_ANY, NULL);
+        if (!val || json_is_string(val)) {
+            json_decref(val);
+            val = json_stringn(v, vl);
+        }
+        rc = !val || json_object_set_new(args, key, val) ? -1 : 0;
+        q = ve + 12;
+    }
+    if (!rc)
+        rc = add_call(calls, f + 10, (size_t)(gt - f - 10), args);
+    json_decref(args);
+    return rc;
+}
+
 /* <|python_tag|> then, up to the end: a call object, name.call(kwargs) or code. */
 static int python_tag(const char *r, size_t n, bool final, size_t *used, json_t *calls)
 {
@@ -663,6 +712,14 @@ static int parse_region(enum chat_fmt f, const char *r, size_t n, bool final, si
             return k;
         *used = e;
         return args_call(calls, r + nb, ne - nb, r + b, e - b) ? -1 : 1;
+    }
+    case CHAT_FMT_SEED: {
+        const char *end = memmem(r, n, "</seed:tool_call>", 17);
+        if (!end && !final)
+            return 0;
+        size_t bl = end ? (size_t)(end - r) : n;
+        *used = end ? bl + 17 : n;
+        return xml_call(calls, r + 16, bl - 16) ? -1 : 1;
     }
     default: /* firefunction */
         if ((k = json_after(r, n, sizeof "functools" - 1, "[", final, &b, &e, used)) <= 0)

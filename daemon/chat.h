@@ -48,6 +48,7 @@ enum chat_fmt {
     CHAT_FMT_FUNCTIONARY,   /* <function=NAME>{...}</function>: functionary v3.1 */
     CHAT_FMT_FIREFUNCTION,  /* functools[{...}, ...] */
     CHAT_FMT_FUNCTIONARY2,  /* >>>recipient\n...: functionary v3.2 */
+    CHAT_FMT_SEED,          /* <seed:tool_call><function=NAME><parameter=K>V</parameter>... */
 };
 /* The format a template's text teaches (CHAT_FMT_HERMES when none is recognised). */
 enum chat_fmt chat_fmt_detect(const char *src, size_t len);
@@ -87,7 +88,7 @@ struct chat_template *chat_template_ref(struct chat_template *t);
  * Text generated so far is fed in (the whole text each time, growing); events come out as soon
  * as they can no longer change:
  *   reasoning  text between <think> (at the start of the output, or left open by the prompt)
- *              and </think> (command-r: <|START_THINKING|> and <|END_THINKING|>), without the
+ *              and </think> (command-r: <|START_THINKING|> and <|END_THINKING|>; seed: <seed:think>), without the
  *              whitespace around it;
  *   content    the rest (whitespace after </think> dropped);
  *   tool call  when tools are on, each call in the format's shape; a call that does not parse
@@ -110,7 +111,11 @@ struct chat_template *chat_template_ref(struct chat_template *t);
  *     firefunction functools[{"name", "arguments"}, ...];
  *     functionary-v3.2  >>>recipient\ntext, one after the other (the prompt wrote the first
  *                 >>>): "all" is content, another name a call with its JSON object, "python" a
- *                 call with its code (whatever the tools). */
+ *                 call with its code (whatever the tools);
+ *     seed        <seed:tool_call><function=name><parameter=key>value</parameter>...</function>
+ *                 </seed:tool_call> (Seed-OSS; a value that is JSON other than a string is
+ *                 that value, else the text), its reasoning between <seed:think> and
+ *                 </seed:think>. */
 enum chat_ev { CHAT_EV_REASONING, CHAT_EV_CONTENT, CHAT_EV_TOOL_CALL };
 
 struct chat_tool_call {

@@ -265,6 +265,7 @@ TEST(chat_format_detected_from_templates)
         {"fireworks-ai-llama-3-firefunction-v2", CHAT_FMT_FIREFUNCTION},
         {"meetkai-functionary-medium-v3.2", CHAT_FMT_FUNCTIONARY2},
         {"google-gemma-2-2b-it", CHAT_FMT_HERMES},
+        {"ByteDance-Seed-OSS", CHAT_FMT_SEED},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
         char path[256];
@@ -393,6 +394,13 @@ TEST(chat_output_command_r_functionary_firefunction_calls)
     check_fmt(f2, "all\nHello!", false, false, "", "Hello!", "");
     check_fmt(f2, "a\n{oops}>>>all\nok", false, true, "", "a\n{oops}ok", "");
     check_fmt(f2, "a\n{}", false, false, "", "a\n{}", "");
+    check_fmt(CHAT_FMT_SEED, "<seed:think>Look it up.</seed:think>Checking.\n<seed:tool_call>\n<function=get_weather>\n"
+              "<parameter=city>Paris</parameter>\n<parameter=days>3</parameter>\n<parameter=note>two\nlines"
+              "</parameter>\n</function>\n</seed:tool_call><seed:tool_call><function=b></function></seed:tool_call>",
+              false, true, "Look it up.", "Checking.",
+              "0:call_x_0:get_weather({\"city\":\"Paris\",\"days\":3,\"note\":\"two\\nlines\"});1:call_x_1:b({});");
+    check_fmt(CHAT_FMT_SEED, "<seed:tool_call><function=a><parameter=x>1</function></seed:tool_call>", false, true,
+              "", "<seed:tool_call><function=a><parameter=x>1</function></seed:tool_call>", "");
     check_fmt(CHAT_FMT_FIREFUNCTION, "functools[{\"name\": 1}]", false, true, "", "functools[{\"name\": 1}]", "");
 }
 
