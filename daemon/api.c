@@ -958,6 +958,7 @@ struct gen_req {
     size_t n_stops;
     bool tools;                   /* chat: the request has tools (parse tool calls) */
     bool think_open;              /* chat: the prompt ends inside <think> */
+    bool call_forced;             /* chat: the grammar forces a <tool_call> (force_tool_call) */
     uint32_t n;                   /* choices */
     bool echo;                    /* completions: the answer starts with the prompt */
     char *echo_text;              /* the prompt's text (set with the prompt) */
@@ -1665,6 +1666,7 @@ static int force_tool_call(json_t *body, struct gen_req *r, struct verr *e)
     }
     r->grammar = g;
     r->s.grammar = g;
+    r->call_forced = true;
     return 0;
 }
 
@@ -2125,7 +2127,9 @@ static struct gen *gen_new(struct api *a, struct gen_group *grp, uint32_t index,
     if (chat) {
         char prefix[40];
         snprintf(prefix, sizeof prefix, "call_%.24s", g->id + strlen("chatcmpl-"));
-        chat_out_init(&g->co, r->think_open, r->tools, prefix);
+        /* the calls come in the template's format, or in the one the grammar forces */
+        enum chat_fmt fmt = r->call_forced || !a->chat ? CHAT_FMT_HERMES : chat_template_format(a->chat);
+        chat_out_init(&g->co, r->think_open, r->tools, prefix, fmt);
     }
     g->piece_cap = 3 * (moe_tok_max_piece(a->tok) + 4) + 1;
     ok = ok && (g->piece = malloc(g->piece_cap));
@@ -2513,6 +2517,8 @@ static void handle_models(struct api *a, struct http_request *req, const char *o
     json_object_set_new(meta, "n_expert", json_integer(a->model.n_expert));
     json_object_set_new(meta, "n_expert_used", json_integer(a->model.n_expert_used));
     json_object_set_new(meta, "chat_template", json_string(api_chat_kind(a)));
+    if (a->chat)
+        json_object_set_new(meta, "tool_call_format", json_string(chat_fmt_name(chat_template_format(a->chat))));
     json_object_set_new(m, "meta", meta);
     if (one) {
         if (strcmp(one, a->model_id) != 0) {

@@ -186,26 +186,36 @@ static int collect_ev(void *user, enum chat_ev ev, const char *s, size_t n, cons
     return 0;
 }
 
-/* The output parser on fixed model outputs, fed whole and one byte at a time (as a stream):
- * both give the same reasoning, content and tool calls. */
+/* The output parser on fixed model outputs, fed whole, one byte at a time (as a stream) and in
+ * two pieces split at every byte: all give the same reasoning, content and tool calls. */
+static void check_fmt(enum chat_fmt fmt, const char *out, bool think_open, bool tools,
+                      const char *reasoning, const char *content, const char *calls)
+{
+    size_t len = strlen(out);
+    for (size_t stream = 0; stream < len + 2; stream++) {
+        struct chat_out p;
+        chat_out_init(&p, think_open, tools, "call_x", fmt);
+        struct collect c = {0};
+        if (stream == 1)
+            for (size_t i = 0; i <= len; i++)
+                CHECK(chat_out_feed(&p, out, i, false, collect_ev, &c) == 0);
+        else if (stream > 1)
+            CHECK(chat_out_feed(&p, out, stream - 2, false, collect_ev, &c) == 0);
+        CHECK(chat_out_feed(&p, out, len, true, collect_ev, &c) == 0);
+        CHECK_MSG(!strcmp(c.text[CHAT_EV_REASONING], reasoning), "%s (stream %zu): reasoning [%s]", out,
+                  stream, c.text[CHAT_EV_REASONING]);
+        CHECK_MSG(!strcmp(c.text[CHAT_EV_CONTENT], content), "%s (stream %zu): content [%s]", out, stream,
+                  c.text[CHAT_EV_CONTENT]);
+        CHECK_MSG(!strcmp(c.calls, calls), "%s (stream %zu): calls [%s]", out, stream, c.calls);
+        if (strcmp(c.calls, calls) || strcmp(c.text[CHAT_EV_CONTENT], content))
+            break;
+    }
+}
+
 static void check_out(const char *out, bool think_open, bool tools, const char *reasoning,
                       const char *content, const char *calls)
 {
-    for (int stream = 0; stream < 2; stream++) {
-        struct chat_out p;
-        chat_out_init(&p, think_open, tools, "call_x");
-        struct collect c = {0};
-        size_t len = strlen(out);
-        if (stream)
-            for (size_t i = 0; i <= len; i++)
-                CHECK(chat_out_feed(&p, out, i, false, collect_ev, &c) == 0);
-        CHECK(chat_out_feed(&p, out, len, true, collect_ev, &c) == 0);
-        CHECK_MSG(!strcmp(c.text[CHAT_EV_REASONING], reasoning), "%s (stream %d): reasoning [%s]", out,
-                  stream, c.text[CHAT_EV_REASONING]);
-        CHECK_MSG(!strcmp(c.text[CHAT_EV_CONTENT], content), "%s (stream %d): content [%s]", out, stream,
-                  c.text[CHAT_EV_CONTENT]);
-        CHECK_MSG(!strcmp(c.calls, calls), "%s (stream %d): calls [%s]", out, stream, c.calls);
-    }
+    check_fmt(CHAT_FMT_HERMES, out, think_open, tools, reasoning, content, calls);
 }
 
 TEST(chat_output_reasoning_and_tool_calls)
@@ -231,6 +241,167 @@ TEST(chat_output_reasoning_and_tool_calls)
               "<tool_call>{\"name\": \"a\"}</tool_call>", "");
     check_out("Sure.  <tool_call>{\"name\": \"a\", \"arguments\": {}}</tool_call> and more", false, true, "",
               "Sure.and more", "0:call_x_0:a({});");
+}
+
+/* Each family's template is told by its markers. */
+TEST(chat_format_detected_from_templates)
+{
+    static const struct { const char *file; enum chat_fmt fmt; } cases[] = {
+        {"Qwen-Qwen3-0.6B", CHAT_FMT_HERMES},
+        {"Qwen-Qwen2.5-7B-Instruct", CHAT_FMT_HERMES},
+        {"NousResearch-Hermes-3-Llama-3.1-8B-tool_use", CHAT_FMT_HERMES},
+        {"meta-llama-Llama-3.1-8B-Instruct", CHAT_FMT_LLAMA},
+        {"meta-llama-Llama-3.2-3B-Instruct", CHAT_FMT_LLAMA},
+        {"meta-llama-Llama-3.3-70B-Instruct", CHAT_FMT_LLAMA},
+        {"mistralai-Mistral-Nemo-Instruct-2407", CHAT_FMT_MISTRAL},
+        {"Mistral-Small-3.2-24B-Instruct-2506", CHAT_FMT_MISTRAL},
+        {"unsloth-mistral-Devstral-Small-2507", CHAT_FMT_MISTRAL},
+        {"deepseek-ai-DeepSeek-V3.1", CHAT_FMT_DEEPSEEK},
+        {"deepseek-ai-DeepSeek-R1-Distill-Qwen-32B", CHAT_FMT_DEEPSEEK},
+        {"openai-gpt-oss-120b", CHAT_FMT_HARMONY},
+        {"CohereForAI-c4ai-command-r-plus-tool_use", CHAT_FMT_COMMAND_R},
+        {"CohereForAI-c4ai-command-r7b-12-2024-tool_use", CHAT_FMT_COMMAND_R},
+        {"meetkai-functionary-medium-v3.1", CHAT_FMT_FUNCTIONARY},
+        {"fireworks-ai-llama-3-firefunction-v2", CHAT_FMT_FIREFUNCTION},
+        {"meetkai-functionary-medium-v3.2", CHAT_FMT_FUNCTIONARY2},
+        {"google-gemma-2-2b-it", CHAT_FMT_HERMES},
+        {"ByteDance-Seed-OSS", CHAT_FMT_SEED},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        char path[256];
+        snprintf(path, sizeof path, "tests/fixtures/chat-templates/%s.jinja", cases[i].file);
+        size_t len;
+        char *src = moe_test_read_file_or_fail(path, &len);
+        if (!src)
+            continue;
+        CHECK_MSG(chat_fmt_detect(src, len) == cases[i].fmt, "%s: %s", cases[i].file,
+                  chat_fmt_name(chat_fmt_detect(src, len)));
+        free(src);
+    }
+    char err[256];
+    struct chat_template *t;
+    CHECK(chat_template_new(&t, chat_chatml_template, strlen(chat_chatml_template), CHAT_SRC_BUILTIN,
+                            err, sizeof err) == 0);
+    CHECK_EQ(chat_template_format(t), CHAT_FMT_HERMES);
+    chat_template_free(t);
+}
+
+TEST(chat_output_llama_calls)
+{
+    enum chat_fmt f = CHAT_FMT_LLAMA;
+    check_fmt(f, "{\"name\": \"get_weather\", \"parameters\": {\"city\": \"Paris\"}}", false, true, "", "",
+              "0:call_x_0:get_weather({\"city\":\"Paris\"});");
+    check_fmt(f, "<|python_tag|>{\"name\": \"a\", \"parameters\": {\"x\": 1}}", false, true, "", "",
+              "0:call_x_0:a({\"x\":1});");
+    check_fmt(f, "\n{\"name\": \"a\", \"parameters\": {}}; {\"name\": \"b\", \"parameters\": {\"s\": \"}\"}}", false,
+              true, "", "", "0:call_x_0:a({});1:call_x_1:b({\"s\":\"}\"});");
+    /* built-in tools and code */
+    check_fmt(f, "<|python_tag|>brave_search.call(query=\"weather in Paris\", n=3, safe=True)", false, true, "",
+              "", "0:call_x_0:brave_search({\"query\":\"weather in Paris\",\"n\":3,\"safe\":true});");
+    check_fmt(f, "<|python_tag|>print(2 + 2)", false, true, "", "",
+              "0:call_x_0:python({\"code\":\"print(2 + 2)\"});");
+    check_fmt(f, "<|python_tag|>wolfram_alpha.call(query='it\\'s 2+2')", false, true, "", "",
+              "0:call_x_0:wolfram_alpha({\"query\":\"it's 2+2\"});");
+    /* keyword arguments that are not literals: the text is code */
+    check_fmt(f, "<|python_tag|>x.call(q)", false, true, "", "", "0:call_x_0:python({\"code\":\"x.call(q)\"});");
+    check_fmt(f, "<|python_tag|>x.call(q=\"open)", false, true, "", "",
+              "0:call_x_0:python({\"code\":\"x.call(q=\\\"open)\"});");
+    /* text, then a tagged call; a JSON answer that is no call stays content */
+    check_fmt(f, "Let me look. <|python_tag|>{\"name\": \"a\", \"parameters\": {}}", false, true, "",
+              "Let me look.", "0:call_x_0:a({});");
+    check_fmt(f, "{\"answer\": 4} is it", false, true, "", "{\"answer\": 4} is it", "");
+    check_fmt(f, "{\"name\": \"a\", \"parameters\": {oops}}", false, true, "",
+              "{\"name\": \"a\", \"parameters\": {oops}}", "");
+    check_fmt(f, "The JSON {\"name\": \"a\", \"parameters\": {}} is text here", false, true, "",
+              "The JSON {\"name\": \"a\", \"parameters\": {}} is text here", "");
+    check_fmt(f, "{\"name\": \"a\", \"parameters\": {}}", false, false, "", "{\"name\": \"a\", \"parameters\": {}}", "");
+}
+
+TEST(chat_output_mistral_calls)
+{
+    enum chat_fmt f = CHAT_FMT_MISTRAL;
+    /* Nemo: a JSON list */
+    check_fmt(f, "[TOOL_CALLS][{\"name\": \"a\", \"arguments\": {\"x\": [1, \"]\"]}}, {\"name\": \"b\", "
+                 "\"arguments\": {}, \"id\": \"abcdefghi\"}]", false, true, "", "",
+              "0:call_x_0:a({\"x\":[1,\"]\"]});1:call_x_1:b({});");
+    /* Small 3.2, Devstral: name[ARGS]{...}, one marker per call */
+    check_fmt(f, "Checking. [TOOL_CALLS]get_weather[ARGS]{\"city\": \"Paris\"}[TOOL_CALLS]get_time[CALL_ID]"
+                 "a1b2c3d4e[ARGS]{}", false, true, "", "Checking.",
+              "0:call_x_0:get_weather({\"city\":\"Paris\"});1:call_x_1:get_time({});");
+    check_fmt(f, "[TOOL_CALLS]a[ARGS]{\"x\": 1} Done.", false, true, "", "Done.", "0:call_x_0:a({\"x\":1});");
+    check_fmt(f, "[TOOL_CALLS]a[ARGS]{\"x\": oops}", false, true, "", "[TOOL_CALLS]a[ARGS]{\"x\": oops}", "");
+    check_fmt(f, "[TOOL_CALLS][{\"name\": \"a\"", false, true, "", "[TOOL_CALLS][{\"name\": \"a\"", "");
+    check_fmt(f, "[TOOL_CALLS]a[ARGS]{}", false, false, "", "[TOOL_CALLS]a[ARGS]{}", "");
+}
+
+TEST(chat_output_deepseek_calls)
+{
+    enum chat_fmt f = CHAT_FMT_DEEPSEEK;
+    /* V3.1 */
+    check_fmt(f, "Sure.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{\"city\": \"Paris\"}"
+                 "<｜tool▁call▁end｜><｜tool▁call▁begin｜>b<｜tool▁sep｜>{}<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
+              false, true, "", "Sure.", "0:call_x_0:get_weather({\"city\":\"Paris\"});1:call_x_1:b({});");
+    /* R1: the type, then the name and a fenced JSON */
+    check_fmt(f, "<think>\nHmm.\n</think>\n\n<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>"
+                 "get_weather\n```json\n{\"city\": \"Paris\"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
+              false, true, "Hmm.", "", "0:call_x_0:get_weather({\"city\":\"Paris\"});");
+    check_fmt(f, "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>a<｜tool▁sep｜>{oops}<｜tool▁call▁end｜>"
+                 "<｜tool▁calls▁end｜> after", false, true, "",
+              "<｜tool▁call▁begin｜>a<｜tool▁sep｜>{oops}<｜tool▁call▁end｜><｜tool▁calls▁end｜> after", "");
+    check_fmt(f, "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>a<｜tool▁sep｜>{\"q\": 1}", false, true, "", "",
+              "0:call_x_0:a({\"q\":1});");
+}
+
+TEST(chat_output_harmony_channels_and_calls)
+{
+    enum chat_fmt f = CHAT_FMT_HARMONY;
+    check_fmt(f, "<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant<|channel|>commentary "
+                 "to=functions.get_weather <|constrain|>json<|message|>{\"city\": \"Paris\"}<|call|>",
+              false, true, "Need the weather.", "", "0:call_x_0:get_weather({\"city\":\"Paris\"});");
+    check_fmt(f, "<|channel|>analysis<|message|>Easy.<|end|><|start|>assistant<|channel|>final<|message|>It is 4.",
+              false, false, "Easy.", "It is 4.", "");
+    check_fmt(f, "<|channel|>final<|message|>Hi<|return|>", false, true, "", "Hi", "");
+    /* the recipient before the channel, as the template writes past calls */
+    check_fmt(f, "<|start|>assistant to=functions.a<|channel|>commentary json<|message|>{}<|call|>", false, true,
+              "", "", "0:call_x_0:a({});");
+    check_fmt(f, "<|channel|>commentary to=functions.a <|constrain|>json<|message|>{oops}<|call|>", false, true,
+              "", "{oops}", "");
+    check_fmt(f, "plain text", false, true, "", "plain text", "");
+}
+
+TEST(chat_output_command_r_functionary_firefunction_calls)
+{
+    check_fmt(CHAT_FMT_COMMAND_R, "I will look it up.\nAction: ```json\n[\n    {\n        \"tool_name\": \"search\",\n"
+              "        \"parameters\": {\"q\": \"a\"}\n    },\n    {\"tool_name\": \"b\", \"parameters\": {}}\n]\n```",
+              false, true, "", "I will look it up.", "0:call_x_0:search({\"q\":\"a\"});1:call_x_1:b({});");
+    check_fmt(CHAT_FMT_COMMAND_R, "<|START_ACTION|>[\n    {\"tool_call_id\": \"0\", \"tool_name\": \"a\", "
+              "\"parameters\": {\"x\": 1}}\n]<|END_ACTION|>", false, true, "", "", "0:call_x_0:a({\"x\":1});");
+    check_fmt(CHAT_FMT_COMMAND_R, "<|START_THINKING|>I will search.<|END_THINKING|><|START_ACTION|>[{\"tool_call_id\": "
+              "\"0\", \"tool_name\": \"a\", \"parameters\": {}}]<|END_ACTION|>", false, true, "I will search.", "",
+              "0:call_x_0:a({});");
+    check_fmt(CHAT_FMT_COMMAND_R, "Action: nothing to do", false, true, "", "Action: nothing to do", "");
+    check_fmt(CHAT_FMT_FUNCTIONARY, "<function=get_weather>{\"city\": \"Paris\"}</function>\n<function=b>{}</function>",
+              false, true, "", "", "0:call_x_0:get_weather({\"city\":\"Paris\"});1:call_x_1:b({});");
+    check_fmt(CHAT_FMT_FUNCTIONARY, "Text <function=a>{bad}</function>", false, true, "",
+              "Text<function=a>{bad}</function>", "");
+    check_fmt(CHAT_FMT_FIREFUNCTION, " functools[{\"name\": \"a\", \"arguments\": {\"x\": 1}}, {\"name\": \"b\", "
+              "\"arguments\": {}}]", false, true, "", "", "0:call_x_0:a({\"x\":1});1:call_x_1:b({});");
+    enum chat_fmt f2 = CHAT_FMT_FUNCTIONARY2;
+    check_fmt(f2, "all\nLet me check.>>>get_weather\n{\"city\": \"Paris\"}>>>b\n{}", false, true, "", "Let me check.",
+              "0:call_x_0:get_weather({\"city\":\"Paris\"});1:call_x_1:b({});");
+    check_fmt(f2, "python\nprint(1)\n>>>all\nDone.", false, true, "", "Done.",
+              "0:call_x_0:python({\"code\":\"print(1)\"});");
+    check_fmt(f2, "all\nHello!", false, false, "", "Hello!", "");
+    check_fmt(f2, "a\n{oops}>>>all\nok", false, true, "", "a\n{oops}ok", "");
+    check_fmt(f2, "a\n{}", false, false, "", "a\n{}", "");
+    check_fmt(CHAT_FMT_SEED, "<seed:think>Look it up.</seed:think>Checking.\n<seed:tool_call>\n<function=get_weather>\n"
+              "<parameter=city>Paris</parameter>\n<parameter=days>3</parameter>\n<parameter=note>two\nlines"
+              "</parameter>\n</function>\n</seed:tool_call><seed:tool_call><function=b></function></seed:tool_call>",
+              false, true, "Look it up.", "Checking.",
+              "0:call_x_0:get_weather({\"city\":\"Paris\",\"days\":3,\"note\":\"two\\nlines\"});1:call_x_1:b({});");
+    check_fmt(CHAT_FMT_SEED, "<seed:tool_call><function=a><parameter=x>1</function></seed:tool_call>", false, true,
+              "", "<seed:tool_call><function=a><parameter=x>1</function></seed:tool_call>", "");
+    check_fmt(CHAT_FMT_FIREFUNCTION, "functools[{\"name\": 1}]", false, true, "", "functools[{\"name\": 1}]", "");
 }
 
 TEST(api_stop_strings)

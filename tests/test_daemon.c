@@ -2610,7 +2610,7 @@ TEST_TIMEOUT(daemon_chat_template_file, 120)
     char path[512], bad[512];
     snprintf(path, sizeof path, "%s/t.jinja", dir);
     snprintf(bad, sizeof bad, "%s/bad.jinja", dir);
-    static const char tmpl[] = "{% for m in messages %}[{{ m.role | upper }}] {{ m.content }}\n"
+    static const char tmpl[] = "{# [TOOL_CALLS] #}{% for m in messages %}[{{ m.role | upper }}] {{ m.content }}\n"
                                "{% endfor %}{% if add_generation_prompt %}[ASSISTANT]{% endif %}";
     moe_test_write_file(path, tmpl, strlen(tmpl));
     moe_test_write_file(bad, "{% for m in %}", 14);
@@ -2627,6 +2627,13 @@ TEST_TIMEOUT(daemon_chat_template_file, 120)
     CHECK(hc_request_unix(d.sock, "GET", "/props", NULL, &r, 5000) == 0);
     json_t *p = json_loads(r.body, 0, NULL);
     CHECK_STREQ(json_string_value(json_object_get(p, "chat_template")), tmpl);
+    json_decref(p);
+    hc_resp_free(&r);
+    /* the template's markers tell how the model writes its tool calls */
+    CHECK(hc_request_unix(d.sock, "GET", "/v1/models", NULL, &r, 5000) == 0);
+    p = json_loads(r.body, 0, NULL);
+    json_t *meta = json_object_get(json_array_get(json_object_get(p, "data"), 0), "meta");
+    CHECK_STREQ(json_string_value(json_object_get(meta, "tool_call_format")), "mistral");
     json_decref(p);
     hc_resp_free(&r);
     CHECK_EQ(moed_stop(&d, 30), 0);
