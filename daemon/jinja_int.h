@@ -48,6 +48,7 @@ struct jlist;
 struct jdict;
 struct jloop;
 struct jmethod;
+struct jmacro;
 struct jnode;
 
 typedef struct jval {
@@ -60,7 +61,7 @@ typedef struct jval {
         struct jlist *l;
         struct jdict *d;    /* V_DICT, V_NS */
         struct jloop *lp;
-        const struct jnode *mac;
+        struct jmacro *mac;   /* a macro and the scope it was defined in */
         int fn;
         struct jmethod *me;
         const char *uname;  /* V_UNDEF: what was looked up, for messages (may be NULL) */
@@ -71,6 +72,7 @@ struct jlist {
     jval *v;
     size_t n;
     bool tuple;
+    bool group; /* groupby's (grouper, list) pair: a tuple with those two attributes */
 };
 
 struct jdict {
@@ -84,6 +86,7 @@ enum jnk {
     /* statements */
     N_TEXT, N_OUT, N_IF, N_FOR, N_SET, N_SETBLOCK, N_MACRO, N_FILTERBLOCK, N_BREAK, N_CONTINUE,
     N_BLOCK, /* a body rendered as is ({% generation %}) */
+    N_CALLBLOCK, /* {% call %}: a the macro call, c the caller (an N_MACRO) */
     /* expressions */
     E_LIT, E_NAME, E_LIST, E_TUPLE, E_DICT, E_ATTR, E_ITEM, E_SLICE, E_CALL, E_FILTER, E_TEST,
     E_NOT, E_NEG, E_POS, E_BIN, E_AND, E_OR, E_COND, E_CONCAT,
@@ -99,7 +102,7 @@ struct jnlist {
 
 struct jnode {
     uint8_t kind;
-    uint8_t op;        /* E_BIN: enum jop; E_TEST: negated */
+    uint8_t op;        /* E_BIN: enum jop; E_TEST: negated; N_FOR: recursive; N_MACRO: uses caller */
     int line;
     int id;            /* E_FILTER / E_TEST: which one; N_FOR: number of targets */
     const char *name;  /* E_NAME, E_ATTR, E_FILTER, E_TEST, N_SET target, N_MACRO */
@@ -119,6 +122,9 @@ struct jinja_tmpl {
     struct jbase b;
     struct jnlist body;
 };
+
+/* Writes cp as UTF-8 (1 to 4 bytes) at o; returns the length. */
+size_t j_put_utf8(char *o, unsigned long cp);
 
 /* Filters and tests are resolved at parse time (an unknown one is an error then). */
 int j_filter_id(const char *name);

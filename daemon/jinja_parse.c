@@ -96,7 +96,7 @@ static const char *const filter_names[] = {
     "float", "forceescape", "indent", "int", "items", "join", "last", "length", "list", "lower",
     "map", "max", "min", "reject", "rejectattr", "replace", "reverse", "round", "safe", "select",
     "selectattr", "sort", "string", "sum", "title", "tojson", "trim", "unique", "upper",
-    "wordcount", "center", "batch", NULL,
+    "wordcount", "center", "batch", "format", "slice", "truncate", "groupby", NULL,
 };
 static const char *const test_names[] = {
     "boolean", "callable", "defined", "divisibleby", "eq", "equalto", "escaped", "even", "false",
@@ -135,6 +135,7 @@ struct parser {
     struct tok *t;
     size_t n, cap, pos;
     int depth;
+    size_t caller_refs; /* names 'caller' parsed so far */
 };
 
 #define MAX_NEST 100
@@ -164,7 +165,7 @@ static int hexval(char c)
     return -1;
 }
 
-static size_t put_utf8(char *o, unsigned long cp)
+size_t j_put_utf8(char *o, unsigned long cp)
 {
     if (cp < 0x80) { o[0] = (char)cp; return 1; }
     if (cp < 0x800) { o[0] = (char)(0xc0 | (cp >> 6)); o[1] = (char)(0x80 | (cp & 0x3f)); return 2; }
@@ -224,7 +225,7 @@ static size_t lex_string(struct parser *P, size_t i, int *line)
             }
             if (d < w || cp > 0x10ffff || (cp >= 0xd800 && cp < 0xe000))
                 j_die(P->b, MOE_EFORMAT, (int)start_line, "bad \\%c escape in a string literal", c);
-            n += put_utf8(o + n, cp);
+            n += j_put_utf8(o + n, cp);
             break;
         }
         default:
@@ -237,7 +238,7 @@ static size_t lex_string(struct parser *P, size_t i, int *line)
                     k++;
                     d++;
                 }
-                n += put_utf8(o + n, cp);
+                n += j_put_utf8(o + n, cp);
             } else {
                 o[n++] = '\\';
                 o[n++] = c;
@@ -730,6 +731,8 @@ static struct jnode *parse_primary(struct parser *P)
         else {
             n->kind = E_NAME;
             n->name = t->p;
+            if (!strcmp(t->p, "caller"))
+                P->caller_refs++;
         }
         break;
     case T_STR: {
@@ -991,6 +994,20 @@ static struct jnode *parse_filter_chain(struct parser *P)
     return chain;
 }
 
+/* Parameters up to ')' (the '(' consumed): names with optional defaults. */
+static void parse_params(struct parser *P, struct jnode *n)
+{
+    const char **params = j_alloc(P->b, 64 * sizeof *params);
+    size_t cap = 0;
+    while (more_items(P, ")", n->n_targets == 0)) {
+        if (n->n_targets == 64)
+            j_die(P->b, MOE_EUNSUPPORTED, cur(P)->line, "too many macro parameters");
+        params[n->n_targets++] = expect_ident(P, "a parameter name");
+        nl_push(P, &n->defaults, accept_op(P, "=") ? parse_expr(P) : NULL, &cap);
+    }
+    n->targets = params;
+}
+
 static struct jnode *parse_statement(struct parser *P)
 {
     struct tok *kw = cur(P);
@@ -1033,8 +1050,8 @@ static struct jnode *parse_statement(struct parser *P)
         n->a = parse_or(P);
         if (accept_name(P, "if"))
             n->b = parse_expr(P);
-        if (is_name(cur(P), "recursive"))
-            j_die(P->b, MOE_EUNSUPPORTED, cur(P)->line, "recursive loops are not supported");
+        if (accept_name(P, "recursive"))
+            n->op = 1;
         expect_bend(P);
         static const char *const ends[] = {"else", "endfor", NULL};
         const char *which;
@@ -1078,21 +1095,31 @@ static struct jnode *parse_statement(struct parser *P)
         struct jnode *n = mk(P, N_MACRO, line);
         n->name = expect_ident(P, "a macro name");
         expect_op(P, "(");
-        const char **params = j_alloc(P->b, 64 * sizeof *params);
-        size_t cap = 0;
-        while (more_items(P, ")", n->n_targets == 0)) {
-            if (n->n_targets == 64)
-                j_die(P->b, MOE_EUNSUPPORTED, cur(P)->line, "too many macro parameters");
-            params[n->n_targets++] = expect_ident(P, "a parameter name");
-            nl_push(P, &n->defaults, accept_op(P, "=") ? parse_expr(P) : NULL, &cap);
-        }
-        n->targets = params;
+        parse_params(P, n);
         expect_bend(P);
+        size_t refs = P->caller_refs;
         static const char *const ends[] = {"endmacro", NULL};
         const char *which;
         n->body = parse_body(P, ends, &which);
+        n->op = P->caller_refs != refs;
         if (cur(P)->k == T_NAME)
             P->pos++;
+        expect_bend(P);
+        return n;
+    }
+    if (!strcmp(name, "call")) {
+        struct jnode *n = mk(P, N_CALLBLOCK, line), *c = mk(P, N_MACRO, line);
+        c->name = "caller";
+        if (accept_op(P, "("))
+            parse_params(P, c);
+        n->a = parse_expr(P);
+        if (n->a->kind != E_CALL)
+            j_die(P->b, MOE_EFORMAT, line, "{%% call %%} needs a macro call");
+        n->c = c;
+        expect_bend(P);
+        static const char *const ends[] = {"endcall", NULL};
+        const char *which;
+        c->body = parse_body(P, ends, &which);
         expect_bend(P);
         return n;
     }
@@ -1120,7 +1147,7 @@ static struct jnode *parse_statement(struct parser *P)
         expect_bend(P);
         return n;
     }
-    static const char *const unsupported[] = {"call", "include", "import", "from", "extends",
+    static const char *const unsupported[] = {"include", "import", "from", "extends",
                                               "block", "raw", "with", "do", "autoescape", "trans",
                                               NULL};
     for (int i = 0; unsupported[i]; i++)

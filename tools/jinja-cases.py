@@ -1,0 +1,161 @@
+#!/usr/bin/env python3
+"""Renders small templates, one per Jinja feature, with Python's jinja2 in the environment that
+tools/chat-fixtures.py sets up (Hugging Face's: trim_blocks, lstrip_blocks, loop controls,
+raise_exception, tojson without ASCII escaping); writes tests/fixtures/jinja-cases.json (each
+case's template, data variables and jinja2's output, or the error it raised). tests/test_jinja.c
+renders the same with moed's renderer and compares byte for byte.
+
+    tools/jinja-cases.py            regenerate the fixture
+    tools/jinja-cases.py --check    fail when the committed fixture differs"""
+import importlib.util
+import json
+import os
+import sys
+
+TOOLS = os.path.dirname(os.path.abspath(__file__))
+OUT = os.path.join(TOOLS, "..", "tests", "fixtures", "jinja-cases.json")
+
+spec = importlib.util.spec_from_file_location("chat_fixtures", os.path.join(TOOLS, "chat-fixtures.py"))
+chat_fixtures = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(chat_fixtures)
+
+TREE = [{"name": "a", "children": [{"name": "a1", "children": []},
+                                   {"name": "a2", "children": [{"name": "a2x", "children": []}]}]},
+        {"name": "b", "children": []}]
+PEOPLE = [{"name": "Ann", "city": "Paris", "age": 31}, {"name": "bob", "city": "berlin", "age": 25},
+          {"name": "Cy", "city": "paris", "age": 40}, {"name": "Di", "city": "Berlin", "age": 19}]
+
+# (name, template[, data])
+CASES = [
+    # the % operator
+    ("pct_s", "{{ '%s' % 'x' }}|{{ '%s' % 3 }}|{{ '%s' % none }}|{{ '%s' % [1, 'a'] }}|{{ '%s' % 1.5 }}"),
+    ("pct_d", "{{ '%d items' % 3 }}|{{ '%d' % 3.9 }}|{{ '%i' % -7 }}|{{ '%+d' % 5 }}|{{ '%05d' % 42 }}|{{ '%-5d|' % 42 }}|{{ '%5d' % -42 }}"),
+    ("pct_f", "{{ '%.2f' % 3.14159 }}|{{ '%f' % 2 }}|{{ '%8.3f' % -1.5 }}|{{ '%-8.1f|' % 2.25 }}|{{ '%.0f' % 2.5 }}|{{ '%+.1f' % 1 }}"),
+    ("pct_tuple", "{{ '%s and %s' % ('a', 'b') }}|{{ '%s=%d' % ('n', 4) }}|{{ '(%s)' % ((1, 2),) }}"),
+    ("pct_other", "{{ '%x %X %o %c %%' % (255, 255, 8, 65) }}|{{ '%r' % 'a' }}|{{ '%5s|%-5s|' % ('ab', 'cd') }}|{{ '%.1s' % 'xyz' }}"),
+    ("pct_e_g", "{{ '%e' % 12345.678 }}|{{ '%.2e' % 0.000123 }}|{{ '%g' % 0.0001 }}|{{ '%g' % 1234567.0 }}|{{ '%g' % 100 }}|{{ '%.3g' % 3.14159 }}"),
+    ("pct_dict", "{{ '%(name)s is %(age)d' % {'name': 'Ann', 'age': 31} }}"),
+    ("pct_data", "{{ 'Hi %s, you are %d' % (m.name, m.age) }}", {"m": {"name": "Zoë", "age": 7}}),
+    ("pct_too_few", "{{ '%s %s' % ('a',) }}"),
+    ("pct_too_many", "{{ '%s' % ('a', 'b') }}"),
+    ("pct_bad_type", "{{ '%d' % 'x' }}"),
+    ("pct_format_filter", "{{ '%s-%s' | format(1, 'b') }}|{{ '%(a)s!' | format(a='x') }}|{{ '%.1f' | format(2) }}"),
+    # str.format
+    ("fmt_positional", "{{ '{} {}'.format('a', 1) }}|{{ '{0}{1}{0}'.format('a', 'b') }}|{{ '{}'.format(none) }}|{{ '{}'.format([1, 'x']) }}"),
+    ("fmt_named", "{{ '{name} is {age}'.format(name='Ann', age=31) }}|{{ '{0} {x}'.format(1, x=2) }}"),
+    ("fmt_spec", "{{ '{:>5}|{:<5}|{:^5}|{:05d}|{:.2f}'.format('a', 'b', 'c', 42, 3.14159) }}|{{ '{:*^9}'.format('mid') }}|{{ '{:x}'.format(255) }}|{{ '{:+d}'.format(3) }}"),
+    ("fmt_escape_conv", "{{ '{{literal}} {}'.format(1) }}|{{ '{!r}'.format('a') }}|{{ '{!s}'.format(2) }}|{{ '{:>6.2f}'.format(1.005) }}"),
+    ("fmt_index", "{{ '{0[x]} {1[1]} {0.x}'.format({'x': 'X'}, [1, 2]) }}"),
+    ("fmt_data", "{{ '<{}>'.format(m) }}", {"m": "dätä"}),
+    ("fmt_missing", "{{ '{} {}'.format(1) }}"),
+    # call blocks
+    ("call_simple", "{% macro wrap(tag) %}<{{ tag }}>{{ caller() }}</{{ tag }}>{% endmacro %}{% call wrap('b') %}bold{% endcall %}"),
+    ("call_args", "{% macro each(items) %}{% for i in items %}{{ caller(i, loop.index) }}{% endfor %}{% endmacro %}"
+                  "{% call(x, n) each(['a', 'b']) %}[{{ n }}:{{ x }}]{% endcall %}"),
+    ("call_outer_vars", "{% set y = 5 %}{% macro twice() %}{{ caller() }}{{ caller() }}{% endmacro %}"
+                        "{% for i in [1, 2] %}{% call twice() %}{{ i }}{{ y }}{% endcall %};{% endfor %}"),
+    ("call_whitespace", "{% macro box() %}\n  [{{ caller() }}]\n{% endmacro %}\n{% call box() %}\n  inner\n{% endcall %}\nend"),
+    ("call_kwargs", "{% macro m(a, b='B') %}{{ a }}{{ b }}{{ caller() }}{% endmacro %}{% call m(b='x', a='y') %}!{% endcall %}"),
+    ("call_nested", "{% macro w(t) %}<{{ t }}>{{ caller() }}</{{ t }}>{% endmacro %}{% call w('a') %}{% call w('b') %}x{% endcall %}{% endcall %}"),
+    ("call_no_caller_param", "{% macro m() %}plain{% endmacro %}{% call m() %}x{% endcall %}"),
+    ("caller_undefined", "{% macro m() %}[{{ caller is defined }}]{% endmacro %}{{ m() }}"),
+    # recursive loops
+    ("recursive", "{% for item in tree recursive %}{{ item.name }}{% if item.children %}({{ loop(item.children) }}){% endif %}"
+                  "{% if not loop.last %},{% endif %}{% endfor %}", {"tree": TREE}),
+    ("recursive_depth", "{% for item in tree recursive %}{{ loop.depth }}{{ loop.depth0 }}{{ item.name }}/{{ loop.index }}"
+                        "{{ loop(item.children) }};{% endfor %}", {"tree": TREE}),
+    ("recursive_filter_else", "{% for item in tree if item.name != 'a1' recursive %}{{ item.name }}"
+                              "[{{ loop(item.children) }}]{% else %}-{% endfor %}", {"tree": TREE}),
+    ("recursive_lines", "{% for item in tree recursive %}\n{{ '  ' * loop.depth0 }}- {{ item.name }}\n"
+                        "{% if item.children %}\n{{ loop(item.children) }}{% endif %}\n{% endfor %}", {"tree": TREE}),
+    # filter blocks
+    ("filter_block", "{% filter upper %}abc {{ 'x' }}{% endfilter %}|{% filter replace('a', 'o') | title %}a cat{% endfilter %}"),
+    ("filter_block_indent", "{% filter indent(2) %}\nline1\nline2\n{% endfilter %}"),
+    # case mapping
+    ("case_latin1", "{{ 'àéîõü çñ ÿ' | upper }}|{{ 'ÀÉÎÕÜ ÇÑ Þ' | lower }}|{{ 'straße' | upper }}|{{ 'ÆØÅ' | lower }}"),
+    ("case_latin_ext", "{{ 'łódź żółć ő ű ğ ş ı' | upper }}|{{ 'ŁÓDŹ ŻÓŁĆ Ő Ű Ğ Ş İ' | lower }}|{{ 'ŉ' | upper }}"),
+    ("case_greek", "{{ 'αβγ δέλτα ω' | upper }}|{{ 'ΑΒΓ ΔΈΛΤΑ Ω' | lower }}|{{ 'ΟΔΟΣ ΣΑΣ Σ' | lower }}|{{ 'ΐ' | upper }}"),
+    ("case_cyrillic", "{{ 'привет мир ёж ї' | upper }}|{{ 'ПРИВЕТ МИР ЁЖ Ї' | lower }}|{{ 'привет' | capitalize }}"),
+    ("case_title", "{{ 'élan vital-ñu (éx) [ça] <ßa>' | title }}|{{ 'ÉCOLE ÉTÉ' | title }}|{{ 'hello 1st world' | title }}"),
+    ("case_methods", "{{ 'élan ÉTÉ'.upper() }}|{{ 'ÉLAN'.lower() }}|{{ 'éLAN vital 1st'.title() }}|{{ 'ÉLAN'.capitalize() }}|{{ 'ǆemal'.title() }}"),
+    ("case_tests", "{{ 'é' is lower }}{{ 'É' is upper }}{{ 'É' is lower }}{{ '1' is lower }}{{ 'ab1' is lower }}"),
+    ("case_data", "{{ m | upper }}", {"m": "ünïcödé Ωmega"}),
+    # loop objects
+    ("loop_stored", "{% set ns = namespace() %}{% for x in [1, 2, 3] %}{% if loop.first %}{% set ns.l = loop %}{% endif %}"
+                    "{{ ns.l.index }}{% endfor %}{{ ns.l.index }}{{ ns.l.last }}"),
+    ("loop_stored_nested", "{% for x in [1, 2] %}{% set outer = loop %}{% for y in 'ab' %}{{ outer.index }}{{ loop.index }}{{ y }},{% endfor %}{% endfor %}"),
+    ("loop_iteration_scope", "{% for x in [1, 2] %}{% if loop.first %}{% set z = 5 %}{% endif %}{{ z }};{% endfor %}{{ x }}"),
+    ("loop_attrs", "{% for x in 'abc' %}{{ loop.revindex }}{{ loop.revindex0 }}{{ loop.previtem }}{{ loop.nextitem }}{{ loop.length }}{{ loop.cycle('o', 'e') }} {% endfor %}"),
+    # filters real templates use
+    ("dictsort", "{{ {'b': 1, 'A': 2, 'c': 0} | dictsort }}|{{ {'b': 1, 'A': 2} | dictsort(true) }}|{{ {'b': 1, 'a': 2, 'c': 0} | dictsort(by='value', reverse=true) }}"),
+    ("batch", "{{ [1, 2, 3, 4, 5] | batch(2) | list }}|{{ [1, 2, 3] | batch(2, 'x') | list }}|{% for r in 'abcd' | batch(3) %}{{ r | join }};{% endfor %}"),
+    ("slice", "{{ [1, 2, 3, 4, 5] | slice(2) | list }}|{{ [1, 2, 3, 4] | slice(3, 0) | list }}|{{ [1] | slice(3) | list }}"),
+    ("sum_min_max", "{{ [1, 2.5, 3] | sum }}|{{ people | sum(attribute='age') }}|{{ [1, 2] | sum(start=10) }}|{{ [3, 1, 2] | min }}|{{ ['b', 'A', 'c'] | max }}"
+                    "|{{ ['b', 'A', 'c'] | min }}|{{ ['b', 'A', 'c'] | max(case_sensitive=true) }}|{{ (people | max(attribute='age')).name }}|{{ (people | min(attribute='name')).name }}",
+     {"people": PEOPLE}),
+    ("abs_round", "{{ -3 | abs }}|{{ -2.5 | abs }}|{{ 2.5 | round }}|{{ 3.5 | round }}|{{ 2.675 | round(2) }}|{{ 1234 | round(-2) }}|{{ 5 | round }}"
+                  "|{{ 2.1 | round(method='ceil') }}|{{ 2.9 | round(0, 'floor') }}|{{ -0.5 | round }}|{{ 7.25 | round(1) }}"),
+    ("wordcount", "{{ 'hello, world!' | wordcount }}|{{ 'a-b c_d  e.f' | wordcount }}|{{ '' | wordcount }}|{{ 'héllo wörld' | wordcount }}"),
+    ("indent", "{{ 'a\nb\n\nc' | indent }}|{{ 'a\nb' | indent(2, true) }}|{{ 'a\n\nb' | indent(width='> ', blank=true) }}"),
+    ("center", "[{{ 'ab' | center(7) }}]|[{{ 'abc' | center(6) }}]|[{{ 'héllo' | center(9) }}]|[{{ 'long' | center(2) }}]|[{{ 'x' | center }}]"),
+    ("truncate", "{{ 'foo bar baz qux' | truncate(9) }}|{{ 'foo bar baz qux' | truncate(9, true) }}|{{ 'foo bar baz qux' | truncate(11, false, '..', 0) }}"
+                 "|{{ 'short' | truncate(3, leeway=5) }}|{{ ('x' * 300) | truncate | length }}|{{ 'héllo wörld again' | truncate(10, leeway=0) }}"),
+    ("reverse", "{{ 'abc' | reverse }}|{{ [1, 2, 3] | reverse | list }}|{{ 'héllo' | reverse }}"),
+    ("sort_attr", "{{ people | sort(attribute='age') | map(attribute='name') | join(',') }}|{{ people | sort(attribute='name', reverse=true) | map(attribute='name') | join(',') }}"
+                  "|{{ people | sort(attribute='city,age') | map(attribute='name') | join(',') }}|{{ ['b', 'A', 'c'] | sort }}|{{ ['b', 'A', 'c'] | sort(case_sensitive=true) }}",
+     {"people": PEOPLE}),
+    ("groupby", "{% for g in people | groupby('city') %}{{ g.grouper }}:{{ g.list | map(attribute='name') | join('+') }};{% endfor %}"
+                "|{% for city, ps in people | groupby('city', case_sensitive=true) %}{{ city }}={{ ps | length }};{% endfor %}",
+     {"people": PEOPLE}),
+    ("tojson_indent", "{{ {'a': [1, {'b': none}], 'c': 'é'} | tojson(indent=2) }}|{{ [] | tojson(indent=2) }}|{{ {'x': 1} | tojson(indent='\t') }}|{{ {'b': 1, 'a': 2} | tojson(sort_keys=true) }}"),
+    # operators
+    ("in_strings_dicts", "{{ 'ell' in 'hello' }}{{ '' in 'x' }}{{ 'z' not in 'abc' }}{{ 'a' in {'a': 1} }}{{ 1 in {'a': 1} }}{{ 'b' in ['a', 'b'] }}{{ 'x' in m }}", {"m": {"x": 0}}),
+    ("string_mul", "{{ 'ab' * 3 }}|{{ 2 * 'x' }}|{{ 'x' * 0 }}|{{ '-' * -1 }}|{{ [1] * 2 }}"),
+    ("tilde_numbers", "{{ 1 ~ 2 }}|{{ 1.5 ~ 'x' }}|{{ 'n' ~ none ~ true }}|{{ [1] ~ '' }}"),
+    ("int_div_pow", "{{ 7 // 2 }}|{{ -7 // 2 }}|{{ 7.5 // 2 }}|{{ 2 ** 10 }}|{{ 2 ** -1 }}|{{ 2.0 ** 3 }}|{{ 2 ** 3 ** 2 }}|{{ -2 ** 2 }}|{{ 7 % 3 }}|{{ -7 % 3 }}|{{ 7.5 % 2 }}"),
+    # tests
+    ("test_divisibleby", "{{ 9 is divisibleby 3 }}{{ 10 is divisibleby(3) }}{{ 0 is divisibleby 5 }}{{ 4 is even }}{{ 3 is even }}{{ -3 is odd }}{{ 0 is odd }}"),
+    ("test_sameas", "{{ none is sameas none }}{{ true is sameas true }}{{ false is sameas 0 }}{{ 1 is sameas true }}{{ x is sameas x }}", {"x": [1]}),
+    # namespaces
+    ("namespace_basic", "{% set ns = namespace(a=1, b='x') %}{% set ns.a = ns.a + 1 %}{% set ns.c = [ns.b] %}{{ ns.a }}{{ ns.b }}{{ ns.c }}{{ ns.d is defined }}"),
+    ("namespace_in_loop", "{% set ns = namespace(found=false, items=[]) %}{% for x in [1, 2, 3] %}{% if x == 2 %}{% set ns.found = true %}{% endif %}"
+                          "{% set ns.items = ns.items + [x * 2] %}{% endfor %}{{ ns.found }}{{ ns.items }}"),
+    ("namespace_from_dict", "{% set ns = namespace({'a': 1}, b=2) %}{{ ns.a }}{{ ns.b }}{% set ns.a = 'z' %}{{ ns['a'] }}"),
+    ("namespace_macro", "{% set ns = namespace(n=0) %}{% macro bump(n) %}{% set ns.n = ns.n + n %}{% endmacro %}{{ bump(2) }}{{ bump(3) }}{{ ns.n }}"),
+    ("namespace_not_ns", "{% set d = {} %}{% set d.x = 1 %}"),
+    # whitespace control
+    ("ws_lstrip", "<\n    {% if true %}\n    yes\n    {% endif %}\n>"),
+    ("ws_plus_open", "<\n    {%+ if true %}x{% endif %}\n>"),
+    ("ws_plus_close", "<{% if true +%}\nx{% endif +%}\n>"),
+    ("ws_minus", "a   {%- if true -%}   b   {%- endif -%}   c"),
+    ("ws_vars_not_lstripped", "<\n    {{ 'v' }}\n    {# c #}\n>"),
+    ("ws_comment_minus", "a  {#- c -#}  b\n  {# c2 #}\nc"),
+    ("ws_text_before_tag", "x {% if true %}y{% endif %}\n  z {% if true %}\nw{% endif %}"),
+    ("ws_trailing_newline", "{% for x in [1, 2] %}\n{{ x }}\n{% endfor %}\n"),
+    ("ws_tab_crlf", "a\r\n\t{% if true %}\r\nb\r\n\t{% endif %}\r\nc"),
+    ("ws_plus_minus_mix", "a\n  {%+ if true -%}\n  b\n  {%- endif +%}\nc"),
+]
+
+
+def render_cases():
+    e = chat_fixtures.env()
+    out = []
+    for c in CASES:
+        name, src = c[0], c[1]
+        data = c[2] if len(c) > 2 else {}
+        case = {"name": name, "template": src, "data": data}
+        try:
+            case["text"] = e.from_string(src).render(**data)
+        except Exception as ex:  # jinja2 raised: moed must raise too
+            case["error"] = f"{type(ex).__name__}: {ex}"
+        out.append(case)
+    return out
+
+
+def main():
+    text = json.dumps(render_cases(), ensure_ascii=False, indent=1) + "\n"
+    return chat_fixtures.write_or_check({OUT: text}, "tools/jinja-cases.py")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
