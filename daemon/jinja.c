@@ -1665,6 +1665,16 @@ static struct jstr *fmt_num(struct rctx *R, const jval *v, const char *flags, in
             DIE(R, line, "%%%c format: %s is required, not %s", conv,
                 conv == 'd' ? "a real number" : "an integer", tname(v));
         }
+        if (conv == 'o' && strchr(flags, '#')) { /* Python writes 0o, C a 0 */
+            bool neg = x < 0, plus = strchr(flags, '+'), sp = strchr(flags, ' ');
+            int w = snprintf(buf, sizeof buf, "%s0o%llo", neg ? "-" : plus ? "+" : sp ? " " : "",
+                             neg ? 0ULL - (unsigned long long)x : (unsigned long long)x);
+            struct jstr *body = mkjstr(R, j_strndup(&R->b, buf, (size_t)w), (size_t)w, PROV_LIT, NULL);
+            struct obuf o = {0};
+            bool zero = strchr(flags, '0') && !strchr(flags, '-');
+            pad_put(R, &o, body, width, strchr(flags, '-') ? '<' : zero ? '=' : '>', zero ? "0" : " ", 1);
+            return ob_done(R, &o);
+        }
         snprintf(spec + k, sizeof spec - k, "ll%c", conv);
         snprintf(buf, sizeof buf, spec, (long long)x);
     } else {
@@ -1795,6 +1805,8 @@ static void format_spec(struct rctx *R, struct obuf *o, const jval *v, const str
     char align = 0, fill[4] = " ";
     size_t fill_len = 1;
     size_t c1 = n ? u8_next(s, n, 0) : 0;
+    if (c1 > 4) /* not UTF-8: one byte */
+        c1 = 1;
     if (c1 < n && strchr("<>=^", s[c1]) && s[c1]) {
         memcpy(fill, s, c1);
         fill_len = c1;
@@ -2953,7 +2965,13 @@ static bool run_test(struct rctx *R, const char *name, jval v, const struct args
         DIE(R, line, "the test '%s' needs an argument", name);
     if (is(name, "eq") || is(name, "equalto") || is(name, "==")) return vequal(&v, x, 0);
     if (is(name, "ne") || is(name, "!=")) return !vequal(&v, x, 0);
-    if (is(name, "sameas")) return vequal(&v, x, 0) && v.t == x->t;
+    if (is(name, "sameas")) { /* Python's 'is': lists and dicts by identity */
+        if (v.t != x->t)
+            return false;
+        if (v.t == V_LIST || v.t == V_DICT || v.t == V_NS)
+            return v.t == V_LIST ? v.u.l == x->u.l : v.u.d == x->u.d;
+        return vequal(&v, x, 0);
+    }
     if (is(name, "lt") || is(name, "<")) return vcompare(R, &v, x, line, 0) < 0;
     if (is(name, "le") || is(name, "<=")) return vcompare(R, &v, x, line, 0) <= 0;
     if (is(name, "gt") || is(name, ">")) return vcompare(R, &v, x, line, 0) > 0;

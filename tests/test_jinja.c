@@ -294,6 +294,8 @@ TEST(jinja_errors_name_construct_and_line)
     expect_error("{% for a, b in [1] %}{% endfor %}", NULL, MOE_EFORMAT, "cannot unpack");
     expect_error("{% endfor %}", NULL, MOE_EFORMAT, "unexpected 'endfor'");
     expect_error("{{ 'abc", NULL, MOE_EFORMAT, "unterminated string");
+    /* a format spec's fill that is not UTF-8 (found by fuzzing): one byte, then an error */
+    expect_error("{{ '{:\xbd\xbd\xbd\xbd\xbd\xbd>6.f}'.format(1) }}", NULL, MOE_EFORMAT, "invalid format specifier");
 }
 
 TEST(jinja_limits)
@@ -341,22 +343,102 @@ TEST(jinja_limits)
                         "{% endfor %}{{ ns.s | length }}", NULL, &out, err, sizeof err, &small), MOE_ETOOBIG);
 }
 
-/* Mutated real templates through parse and render: any outcome but a crash (ASan builds check
- * memory too). Deterministic: the same mutations every run. */
+static const char *const fuzz_bits[] = {
+    "{%", "%}", "{{", "}}", "{#", "#}", "-", "(", ")", "[", "]", "{", "}", "|", "'", "\"", ",", ":",
+    ".", "if ", "endif", "for ", "endfor", "in ", "not ", "set ", "=", "macro ", "endmacro", "loop.",
+    "tojson", "~", "*", "\n", "\\", "0", "9999999999999999999", "[::-1]", "namespace(", "range(",
+    "raise_exception(", " is ", "defined", "messages", "...", "call ", "endcall", "caller(",
+    " recursive", "loop(", "%s", "%(", " % ", "%-9.3f", ".format(", "{0", "{:", "{!r:>", "|format(",
+    "|batch(", "|slice(", "|groupby(", "|truncate(", "|center(", "|title", "|upper", "filter ",
+    "endfilter", "\xc3\x89", "\xce\xa3", "\xc3",
+};
+
+struct fuzz_counts {
+    size_t parsed, rendered, total;
+};
+
+/* Mutates src (1 to 4 deletions, insertions, byte flips, duplications), then parses and renders
+ * it with data: either outcome is fine, a crash or a span that does not cover the output is not. */
+static void fuzz_one(const char *src, size_t len, json_t *data, struct fuzz_counts *fc)
+{
+    char *m = malloc(len + 4096);
+    memcpy(m, src, len);
+    size_t ml = len;
+    int nmut = 1 + (int)(moe_test_rng_u32() % 4);
+    for (int k = 0; k < nmut && ml > 0; k++) {
+        size_t at = moe_test_rng_u32() % ml;
+        switch (moe_test_rng_u32() % 4) {
+        case 0: { /* delete a range */
+            size_t dl = 1 + moe_test_rng_u32() % 40;
+            if (dl > ml - at)
+                dl = ml - at;
+            memmove(m + at, m + at + dl, ml - at - dl);
+            ml -= dl;
+            break;
+        }
+        case 1: { /* insert a token */
+            const char *b = fuzz_bits[moe_test_rng_u32() % (sizeof fuzz_bits / sizeof fuzz_bits[0])];
+            size_t bl = strlen(b);
+            if (ml + bl > len + 4000)
+                break;
+            memmove(m + at + bl, m + at, ml - at);
+            memcpy(m + at, b, bl);
+            ml += bl;
+            break;
+        }
+        case 2: /* flip a byte */
+            m[at] = (char)(moe_test_rng_u32() & 0xff);
+            break;
+        default: { /* duplicate a range */
+            size_t dl = 1 + moe_test_rng_u32() % 200;
+            if (dl > ml - at)
+                dl = ml - at;
+            if (ml + dl > len + 4000)
+                break;
+            memmove(m + at + dl, m + at, ml - at);
+            memcpy(m + at + dl, m + at, dl);
+            ml += dl;
+        }
+        }
+    }
+    fc->total++;
+    struct jinja_tmpl *t;
+    char err[512];
+    if (jinja_parse(m, ml, &t, err, sizeof err) == 0) {
+        fc->parsed++;
+        struct jinja_opts o = {.now = FIXED_NOW, .max_output = 1 << 20, .max_memory = 16 << 20,
+                               .max_iterations = 100000};
+        struct jinja_out out;
+        if (jinja_render(t, data, NULL, &o, &out, err, sizeof err) == 0) {
+            fc->rendered++;
+            size_t cover = 0;
+            for (size_t i = 0; i < out.n_spans; i++) {
+                CHECK_EQ(out.spans[i].off, cover);
+                cover += out.spans[i].len;
+            }
+            CHECK_EQ(cover, out.len);
+            jinja_out_free(&out);
+        } else {
+            CHECK(err[0]);
+        }
+        jinja_free(t);
+    } else {
+        CHECK(err[0]);
+    }
+    free(m);
+}
+
+/* Mutated real templates and feature cases through parse and render: any outcome but a crash
+ * (ASan builds check memory too). Deterministic: the same mutations every run. */
 TEST_TIMEOUT(jinja_mini_fuzz, 300)
 {
-    static const char *const bits[] = {"{%", "%}", "{{", "}}", "{#", "#}", "-", "(", ")", "[", "]",
-                                       "{", "}", "|", "'", "\"", ",", ":", ".", "if ", "endif",
-                                       "for ", "endfor", "in ", "not ", "set ", "=", "macro ",
-                                       "endmacro", "loop.", "tojson", "~", "*", "\n", "\\", "0",
-                                       "9999999999999999999", "[::-1]", "namespace(", "range(",
-                                       "raise_exception(", " is ", "defined", "messages", "..."};
     json_t *convs = load_json(FIXDIR "/conversations.json");
+    json_t *cases = load_json("tests/fixtures/jinja-cases.json");
     DIR *d = opendir(FIXDIR);
     CHECK(d);
     struct dirent *de;
     moe_test_rng_seed(20250314);
-    size_t parsed = 0, rendered = 0, total = 0;
+    struct fuzz_counts fc = {0};
     while ((de = readdir(d))) {
         size_t nl = strlen(de->d_name);
         if (nl < 7 || strcmp(de->d_name + nl - 6, ".jinja"))
@@ -366,79 +448,22 @@ TEST_TIMEOUT(jinja_mini_fuzz, 300)
         size_t len;
         char *src = moe_test_read_file_or_fail(path, &len);
         for (int it = 0; it < 40; it++) {
-            char *m = malloc(len + 4096);
-            memcpy(m, src, len);
-            size_t ml = len;
-            int nmut = 1 + (int)(moe_test_rng_u32() % 4);
-            for (int k = 0; k < nmut && ml > 0; k++) {
-                size_t at = moe_test_rng_u32() % ml;
-                switch (moe_test_rng_u32() % 4) {
-                case 0: { /* delete a range */
-                    size_t dl = 1 + moe_test_rng_u32() % 40;
-                    if (dl > ml - at)
-                        dl = ml - at;
-                    memmove(m + at, m + at + dl, ml - at - dl);
-                    ml -= dl;
-                    break;
-                }
-                case 1: { /* insert a token */
-                    const char *b = bits[moe_test_rng_u32() % (sizeof bits / sizeof bits[0])];
-                    size_t bl = strlen(b);
-                    if (ml + bl > len + 4000)
-                        break;
-                    memmove(m + at + bl, m + at, ml - at);
-                    memcpy(m + at, b, bl);
-                    ml += bl;
-                    break;
-                }
-                case 2: /* flip a byte */
-                    m[at] = (char)(moe_test_rng_u32() & 0xff);
-                    break;
-                default: { /* duplicate a range */
-                    size_t dl = 1 + moe_test_rng_u32() % 200;
-                    if (dl > ml - at)
-                        dl = ml - at;
-                    if (ml + dl > len + 4000)
-                        break;
-                    memmove(m + at + dl, m + at, ml - at);
-                    memcpy(m + at + dl, m + at, dl);
-                    ml += dl;
-                }
-                }
-            }
-            total++;
-            struct jinja_tmpl *t;
-            char err[512];
-            if (jinja_parse(m, ml, &t, err, sizeof err) == 0) {
-                parsed++;
-                json_t *c = json_array_get(convs, (size_t)it % json_array_size(convs));
-                json_t *vars = conv_vars(c);
-                struct jinja_opts o = {.now = FIXED_NOW, .max_output = 1 << 20, .max_memory = 16 << 20,
-                                       .max_iterations = 100000};
-                struct jinja_out out;
-                if (jinja_render(t, vars, NULL, &o, &out, err, sizeof err) == 0) {
-                    rendered++;
-                    size_t cover = 0;
-                    for (size_t i = 0; i < out.n_spans; i++) {
-                        CHECK_EQ(out.spans[i].off, cover);
-                        cover += out.spans[i].len;
-                    }
-                    CHECK_EQ(cover, out.len);
-                    jinja_out_free(&out);
-                } else {
-                    CHECK(err[0]);
-                }
-                json_decref(vars);
-                jinja_free(t);
-            } else {
-                CHECK(err[0]);
-            }
-            free(m);
+            json_t *vars = conv_vars(json_array_get(convs, (size_t)it % json_array_size(convs)));
+            fuzz_one(src, len, vars, &fc);
+            json_decref(vars);
         }
         free(src);
     }
     closedir(d);
-    fprintf(stderr, "%zu mutated templates: %zu parsed, %zu rendered\n", total, parsed, rendered);
-    CHECK(total >= 23 * 40);
+    size_t i;
+    json_t *c;
+    json_array_foreach(cases, i, c) {
+        const char *src = json_string_value(json_object_get(c, "template"));
+        for (int it = 0; it < 20; it++)
+            fuzz_one(src, strlen(src), json_object_get(c, "data"), &fc);
+    }
+    fprintf(stderr, "%zu mutated templates: %zu parsed, %zu rendered\n", fc.total, fc.parsed, fc.rendered);
+    CHECK(fc.total >= 23 * 40 + 75 * 20);
+    json_decref(cases);
     json_decref(convs);
 }

@@ -41,6 +41,11 @@ CASES = [
     ("pct_bad_type", "{{ '%d' % 'x' }}"),
     ("pct_format_filter", "{{ '%s-%s' | format(1, 'b') }}|{{ '%(a)s!' | format(a='x') }}|{{ '%.1f' | format(2) }}"),
     # str.format
+    ("pct_edge", "{{ '%5.1s|%-6.2f|%+05d|% d|%#x|%#o|%3c' % ('xyz', 1.234, 7, 3, 255, 8, 'q') }}|{{ '%s%%' % 50 }}|{{ '%(a)s %(a)r' % {'a': 'v'} }}|{{ 'none' % {} }}"),
+    ("pct_octal_prefix", "{{ '%#06o|%-#6o|%#o|%#X' % (8, 8, -8, 255) }}"),
+    ("pct_unknown_conv", "{{ '%y' % 1 }}"),
+    ("pct_missing_key", "{{ '%(b)s' % {'a': 1} }}"),
+    ("pct_not_mapping", "{{ '%(a)s' % (1,) }}"),
     ("fmt_positional", "{{ '{} {}'.format('a', 1) }}|{{ '{0}{1}{0}'.format('a', 'b') }}|{{ '{}'.format(none) }}|{{ '{}'.format([1, 'x']) }}"),
     ("fmt_named", "{{ '{name} is {age}'.format(name='Ann', age=31) }}|{{ '{0} {x}'.format(1, x=2) }}"),
     ("fmt_spec", "{{ '{:>5}|{:<5}|{:^5}|{:05d}|{:.2f}'.format('a', 'b', 'c', 42, 3.14159) }}|{{ '{:*^9}'.format('mid') }}|{{ '{:x}'.format(255) }}|{{ '{:+d}'.format(3) }}"),
@@ -49,6 +54,11 @@ CASES = [
     ("fmt_data", "{{ '<{}>'.format(m) }}", {"m": "dätä"}),
     ("fmt_missing", "{{ '{} {}'.format(1) }}"),
     # call blocks
+    ("fmt_numbers", "{{ '{:5}|{:<5}|{:=+8.2f}|{:#x}|{:08.3f}|{:e}|{:.1%}|{:g}|{:.3}|{: d}|{:c}'.format(42, 1.5, 3.14159, 255, -2.5, 1234.5, 0.256, 0.00001234, 3.14159, 7, 65) }}"),
+    ("fmt_strings", "{{ '[{:10}]|[{:>10.3}]|[{:_<6}]|[{:\u00e9^7}]'.format('left', 'truncated', 'ab', 'mid') }}|{{ '{}{}'.format(true, none) }}|{{ '{:d}'.format(true) }}"),
+    ("fmt_bad_code", "{{ '{:d}'.format('x') }}"),
+    ("fmt_single_brace", "{{ 'a } b'.format() }}"),
+    ("fmt_missing_key", "{{ '{x}'.format(y=1) }}"),
     ("call_simple", "{% macro wrap(tag) %}<{{ tag }}>{{ caller() }}</{{ tag }}>{% endmacro %}{% call wrap('b') %}bold{% endcall %}"),
     ("call_args", "{% macro each(items) %}{% for i in items %}{{ caller(i, loop.index) }}{% endfor %}{% endmacro %}"
                   "{% call(x, n) each(['a', 'b']) %}[{{ n }}:{{ x }}]{% endcall %}"),
@@ -60,6 +70,9 @@ CASES = [
     ("call_no_caller_param", "{% macro m() %}plain{% endmacro %}{% call m() %}x{% endcall %}"),
     ("caller_undefined", "{% macro m() %}[{{ caller is defined }}]{% endmacro %}{{ m() }}"),
     # recursive loops
+    ("call_in_loop_and_macro", "{% macro li(x) %}<li>{{ caller(x | upper) }}</li>{% endmacro %}{% macro ul(xs) %}<ul>{% for x in xs %}{% call(y) li(x) %}{{ y }}{{ loop.index }}{% endcall %}{% endfor %}</ul>{% endmacro %}{{ ul(['a', 'b']) }}"),
+    ("call_caller_default", "{% macro m() %}{{ caller() }}{{ caller('z') }}{% endmacro %}{% call(v='d') m() %}[{{ v }}]{% endcall %}"),
+    ("call_not_macro", "{% call range(3) %}x{% endcall %}"),
     ("recursive", "{% for item in tree recursive %}{{ item.name }}{% if item.children %}({{ loop(item.children) }}){% endif %}"
                   "{% if not loop.last %},{% endif %}{% endfor %}", {"tree": TREE}),
     ("recursive_depth", "{% for item in tree recursive %}{{ loop.depth }}{{ loop.depth0 }}{{ item.name }}/{{ loop.index }}"
@@ -69,6 +82,9 @@ CASES = [
     ("recursive_lines", "{% for item in tree recursive %}\n{{ '  ' * loop.depth0 }}- {{ item.name }}\n"
                         "{% if item.children %}\n{{ loop(item.children) }}{% endif %}\n{% endfor %}", {"tree": TREE}),
     # filter blocks
+    ("recursive_outer_vars", "{% set sep = '/' %}{% for item in tree recursive %}{{ sep }}{{ item.name }}{% if loop.depth < 2 %}{{ loop(item.children) }}{% endif %}{% endfor %}", {"tree": TREE}),
+    ("recursive_loop_not_marked", "{% for x in [[1]] %}{{ loop(x) }}{% endfor %}"),
+    ("recursive_macro", "{% macro walk(items, d) %}{% for i in items %}{{ d }}{{ i.name }} {{ walk(i.children, d ~ '-') }}{% endfor %}{% endmacro %}{{ walk(tree, '') }}", {"tree": TREE}),
     ("filter_block", "{% filter upper %}abc {{ 'x' }}{% endfilter %}|{% filter replace('a', 'o') | title %}a cat{% endfilter %}"),
     ("filter_block_indent", "{% filter indent(2) %}\nline1\nline2\n{% endfilter %}"),
     # case mapping
@@ -81,12 +97,17 @@ CASES = [
     ("case_tests", "{{ 'é' is lower }}{{ 'É' is upper }}{{ 'É' is lower }}{{ '1' is lower }}{{ 'ab1' is lower }}"),
     ("case_data", "{{ m | upper }}", {"m": "ünïcödé Ωmega"}),
     # loop objects
+    ("case_more", "{{ 'ǆ ǈ' | upper }}|{{ 'ǅ' | lower }}|{{ 'ΣΑΣ. Σ' | lower }}|{{ 'ﬁ' | upper }}|{{ 'ᾳ' | upper }}|{{ 'ǆungla' | capitalize }}|{{ '日本abc'.title() }}|{{ 'x-ǆ' | title }}"),
+    ("case_isupper", "{{ 'ÉTÉ 1'.isupper() }}{{ 'été'.islower() }}{{ 'Été'.isupper() }}{{ '日本'.islower() }}{{ 'ǅ'.isupper() }}"),
     ("loop_stored", "{% set ns = namespace() %}{% for x in [1, 2, 3] %}{% if loop.first %}{% set ns.l = loop %}{% endif %}"
                     "{{ ns.l.index }}{% endfor %}{{ ns.l.index }}{{ ns.l.last }}"),
     ("loop_stored_nested", "{% for x in [1, 2] %}{% set outer = loop %}{% for y in 'ab' %}{{ outer.index }}{{ loop.index }}{{ y }},{% endfor %}{% endfor %}"),
     ("loop_iteration_scope", "{% for x in [1, 2] %}{% if loop.first %}{% set z = 5 %}{% endif %}{{ z }};{% endfor %}{{ x }}"),
     ("loop_attrs", "{% for x in 'abc' %}{{ loop.revindex }}{{ loop.revindex0 }}{{ loop.previtem }}{{ loop.nextitem }}{{ loop.length }}{{ loop.cycle('o', 'e') }} {% endfor %}"),
     # filters real templates use
+    ("loop_stored_list", "{% set ns = namespace(l=[]) %}{% for x in [1, 2, 3] %}{% set ns.l = ns.l + [loop] %}{% endfor %}{% for l in ns.l %}{{ l.index }}{% endfor %}"),
+    ("loop_var_after", "{% for x in [1, 2] %}{% set l = loop %}{% endfor %}{{ l is defined }}{{ x is defined }}"),
+    ("macro_no_caller_scope", "{% macro m() %}[{{ y }}]{% endmacro %}{% for y in [7] %}{{ m() }}{% endfor %}{% set x = 0 %}{% macro n() %}{{ x }}{% endmacro %}{% set x = 5 %}{{ n() }}"),
     ("dictsort", "{{ {'b': 1, 'A': 2, 'c': 0} | dictsort }}|{{ {'b': 1, 'A': 2} | dictsort(true) }}|{{ {'b': 1, 'a': 2, 'c': 0} | dictsort(by='value', reverse=true) }}"),
     ("batch", "{{ [1, 2, 3, 4, 5] | batch(2) | list }}|{{ [1, 2, 3] | batch(2, 'x') | list }}|{% for r in 'abcd' | batch(3) %}{{ r | join }};{% endfor %}"),
     ("slice", "{{ [1, 2, 3, 4, 5] | slice(2) | list }}|{{ [1, 2, 3, 4] | slice(3, 0) | list }}|{{ [1] | slice(3) | list }}"),
@@ -115,7 +136,7 @@ CASES = [
     ("int_div_pow", "{{ 7 // 2 }}|{{ -7 // 2 }}|{{ 7.5 // 2 }}|{{ 2 ** 10 }}|{{ 2 ** -1 }}|{{ 2.0 ** 3 }}|{{ 2 ** 3 ** 2 }}|{{ -2 ** 2 }}|{{ 7 % 3 }}|{{ -7 % 3 }}|{{ 7.5 % 2 }}"),
     # tests
     ("test_divisibleby", "{{ 9 is divisibleby 3 }}{{ 10 is divisibleby(3) }}{{ 0 is divisibleby 5 }}{{ 4 is even }}{{ 3 is even }}{{ -3 is odd }}{{ 0 is odd }}"),
-    ("test_sameas", "{{ none is sameas none }}{{ true is sameas true }}{{ false is sameas 0 }}{{ 1 is sameas true }}{{ x is sameas x }}", {"x": [1]}),
+    ("test_sameas", "{{ none is sameas none }}{{ true is sameas true }}{{ false is sameas 0 }}{{ 1 is sameas true }}{{ x is sameas x }}{{ [1] is sameas [1] }}{{ x is sameas y }}", {"x": [1], "y": [1]}),
     # namespaces
     ("namespace_basic", "{% set ns = namespace(a=1, b='x') %}{% set ns.a = ns.a + 1 %}{% set ns.c = [ns.b] %}{{ ns.a }}{{ ns.b }}{{ ns.c }}{{ ns.d is defined }}"),
     ("namespace_in_loop", "{% set ns = namespace(found=false, items=[]) %}{% for x in [1, 2, 3] %}{% if x == 2 %}{% set ns.found = true %}{% endif %}"
@@ -135,6 +156,11 @@ CASES = [
     ("ws_tab_crlf", "a\r\n\t{% if true %}\r\nb\r\n\t{% endif %}\r\nc"),
     ("ws_plus_minus_mix", "a\n  {%+ if true -%}\n  b\n  {%- endif +%}\nc"),
 ]
+
+with open(os.path.join(TOOLS, "..", "tests", "fuzz-corpus", "jinja", "features.jinja"), encoding="utf-8") as f:
+    CASES.append(("fuzz_seed_features", f.read(), {
+        "messages": [{"role": "user", "content": "hi %"}, {"role": "assistant", "content": "Ça va"}],
+        "tools": [{"function": {"name": "f"}, "children": [{"function": {"name": "g"}}]}]}))
 
 
 def render_cases():
