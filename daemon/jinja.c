@@ -32,6 +32,7 @@ struct jloop {
     const struct jnode *node; /* the for (a recursive one runs again through loop(items)) */
     struct scope *scope;      /* where it runs */
     unsigned depth;           /* 0 at the top, 1 in loop(...), ... */
+    jval changed;             /* loop.changed's last arguments (V_UNDEF: none yet) */
 };
 
 struct jmacro {
@@ -846,7 +847,7 @@ static jval get_attr(struct rctx *R, jval obj, const char *name, int line)
         if (is(name, "depth0")) return mkint((int64_t)lp->depth);
         if (is(name, "previtem")) return lp->i ? lp->items[lp->i - 1] : undef_named("previtem");
         if (is(name, "nextitem")) return lp->i + 1 < lp->n ? lp->items[lp->i + 1] : undef_named("nextitem");
-        if (is(name, "cycle")) return method(R, obj, name);
+        if (is(name, "cycle") || is(name, "changed")) return method(R, obj, name);
         return undef_named(name);
     }
     default:
@@ -1158,18 +1159,21 @@ static jval call_macro(struct rctx *R, const struct jmacro *mc, const struct arg
     if (R->depth >= R->max_depth)
         j_die(&R->b, MOE_ETOOBIG, a->line, "macro calls nested more than %u deep", R->max_depth);
     count_iter(R, a->line);
-    if (a->n > m->n_targets)
+    if (a->n > m->n_targets && !(m->op & MAC_VARARGS))
         DIE(R, a->line, "macro '%s' takes %zu arguments (%zu given)", m->name, m->n_targets, a->n);
-    if (caller && !m->op)
+    if (caller && !(m->op & MAC_CALLER))
         DIE(R, a->line, "macro '%s' was invoked with two values for the special caller argument", m->name);
     struct scope *s = new_scope(R, mc->env);
+    jval kwargs = mkdict(R);
     for (size_t k = 0; k < a->nkw; k++) {
         bool ok = false;
         for (size_t i = 0; i < m->n_targets; i++)
             if (is(m->targets[i], a->kwn[k]))
                 ok = true;
-        if (!ok)
+        if (!ok && !(m->op & MAC_KWARGS))
             DIE(R, a->line, "macro '%s' has no parameter '%s'", m->name, a->kwn[k]);
+        if (!ok)
+            d_set_s(R, kwargs.u.d, a->kwn[k], a->kwv[k]);
     }
     R->depth++;
     for (size_t i = 0; i < m->n_targets; i++) {
@@ -1183,8 +1187,17 @@ static jval call_macro(struct rctx *R, const struct jmacro *mc, const struct arg
             val = undef_named(m->targets[i]);
         d_set_s(R, &s->vars, m->targets[i], val);
     }
-    if (m->op)
+    if (m->op & MAC_CALLER)
         d_set_s(R, &s->vars, "caller", caller ? *caller : undef_named("caller"));
+    if (m->op & MAC_VARARGS) {
+        size_t extra = a->n > m->n_targets ? a->n - m->n_targets : 0;
+        jval va = mklist(R, extra, true);
+        for (size_t i = 0; i < extra; i++)
+            va.u.l->v[i] = a->pos[m->n_targets + i];
+        d_set_s(R, &s->vars, "varargs", va);
+    }
+    if (m->op & MAC_KWARGS)
+        d_set_s(R, &s->vars, "kwargs", kwargs);
     struct obuf o = {0};
     bool brk = R->brk, cont = R->cont;
     exec_body(R, &m->body, s, &o);
@@ -2166,6 +2179,14 @@ static jval call_method(struct rctx *R, const struct jmethod *m, const struct ar
             return self; /* lists are never modified */
         DIE(R, line, "list.%s() modifies the list, which templates may not do", name);
     }
+    if (self.t == V_LOOP && is(name, "changed")) {
+        jval now = mklist(R, a->n, true);
+        if (a->n)
+            memcpy(now.u.l->v, a->pos, a->n * sizeof(jval));
+        bool changed = self.u.lp->changed.t == V_UNDEF || !vequal(&self.u.lp->changed, &now, 0);
+        self.u.lp->changed = now;
+        return mkbool(changed);
+    }
     if (self.t == V_LOOP && is(name, "cycle")) {
         if (!a->n)
             DIE(R, line, "loop.cycle() needs at least one argument");
@@ -2180,7 +2201,7 @@ static void exec_for_list(struct rctx *R, const struct jnode *n, struct scope *s
 /* loop(items) in a recursive loop: the loop's body over items, one level deeper. */
 static jval call_loop(struct rctx *R, struct jloop *lp, const struct args *a)
 {
-    if (!lp->node->op)
+    if (!lp->node->op) /* N_FOR: recursive */
         DIE(R, a->line, "the loop is not marked 'recursive'; loop() calls only such loops");
     if (a->n != 1 || a->nkw)
         DIE(R, a->line, "loop() takes one argument, the items");
@@ -3163,6 +3184,7 @@ static void exec_for_list(struct rctx *R, const struct jnode *n, struct scope *s
     lp->node = n;
     lp->scope = s;
     lp->depth = depth;
+    lp->changed = UNDEF;
     /* One scope serves every iteration: what an iteration sets is dropped before the next (as
      * in Jinja2, where each iteration starts afresh), the loop variables are overwritten. */
     struct scope *is = new_scope(R, s);
@@ -3239,6 +3261,16 @@ static void exec_node(struct rctx *R, const struct jnode *n, struct scope *s, st
     case N_MACRO:
         d_set_s(R, &s->vars, n->name, mkmacro(R, n, s));
         return;
+    case N_WITH: {
+        struct scope *ws = new_scope(R, s);
+        jval *vals = j_alloc(&R->b, (n->args.n ? n->args.n : 1) * sizeof *vals);
+        for (size_t i = 0; i < n->args.n; i++) /* all evaluated outside, then bound */
+            vals[i] = eval(R, n->args.v[i], s);
+        for (size_t i = 0; i < n->args.n; i++)
+            d_set_s(R, &ws->vars, n->targets[i], vals[i]);
+        exec_body(R, &n->body, ws, o);
+        return;
+    }
     case N_CALLBLOCK: {
         const struct jnode *c = n->a;
         jval f = eval(R, c->a, s);

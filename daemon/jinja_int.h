@@ -87,6 +87,7 @@ enum jnk {
     N_TEXT, N_OUT, N_IF, N_FOR, N_SET, N_SETBLOCK, N_MACRO, N_FILTERBLOCK, N_BREAK, N_CONTINUE,
     N_BLOCK, /* a body rendered as is ({% generation %}) */
     N_CALLBLOCK, /* {% call %}: a the macro call, c the caller (an N_MACRO) */
+    N_WITH,      /* {% with %}: targets, values in args */
     /* expressions */
     E_LIT, E_NAME, E_LIST, E_TUPLE, E_DICT, E_ATTR, E_ITEM, E_SLICE, E_CALL, E_FILTER, E_TEST,
     E_NOT, E_NEG, E_POS, E_BIN, E_AND, E_OR, E_COND, E_CONCAT,
@@ -95,6 +96,9 @@ enum jnk {
 enum jop { OP_ADD, OP_SUB, OP_MUL, OP_DIV, OP_FDIV, OP_MOD, OP_POW,
            OP_EQ, OP_NE, OP_LT, OP_LE, OP_GT, OP_GE, OP_IN, OP_NOTIN };
 
+/* What a macro's body names (N_MACRO's op): the special variables it then gets. */
+enum { MAC_CALLER = 1, MAC_VARARGS = 2, MAC_KWARGS = 4 };
+
 struct jnlist {
     struct jnode **v;
     size_t n;
@@ -102,7 +106,7 @@ struct jnlist {
 
 struct jnode {
     uint8_t kind;
-    uint8_t op;        /* E_BIN: enum jop; E_TEST: negated; N_FOR: recursive; N_MACRO: uses caller */
+    uint8_t op;        /* E_BIN: enum jop; E_TEST: negated; N_FOR: recursive; N_MACRO: MAC_* */
     int line;
     int id;            /* E_FILTER / E_TEST: which one; N_FOR: number of targets */
     const char *name;  /* E_NAME, E_ATTR, E_FILTER, E_TEST, N_SET target, N_MACRO */

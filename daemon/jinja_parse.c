@@ -135,7 +135,7 @@ struct parser {
     struct tok *t;
     size_t n, cap, pos;
     int depth;
-    size_t caller_refs; /* names 'caller' parsed so far */
+    size_t refs[3]; /* names 'caller', 'varargs', 'kwargs' parsed so far */
 };
 
 #define MAX_NEST 100
@@ -731,8 +731,10 @@ static struct jnode *parse_primary(struct parser *P)
         else {
             n->kind = E_NAME;
             n->name = t->p;
-            if (!strcmp(t->p, "caller"))
-                P->caller_refs++;
+            static const char *const special[] = {"caller", "varargs", "kwargs"};
+            for (int k = 0; k < 3; k++)
+                if (!strcmp(t->p, special[k]))
+                    P->refs[k]++;
         }
         break;
     case T_STR: {
@@ -1097,11 +1099,14 @@ static struct jnode *parse_statement(struct parser *P)
         expect_op(P, "(");
         parse_params(P, n);
         expect_bend(P);
-        size_t refs = P->caller_refs;
+        size_t refs[3];
+        memcpy(refs, P->refs, sizeof refs);
         static const char *const ends[] = {"endmacro", NULL};
         const char *which;
         n->body = parse_body(P, ends, &which);
-        n->op = P->caller_refs != refs;
+        for (int k = 0; k < 3; k++)
+            if (P->refs[k] != refs[k])
+                n->op |= (uint8_t)(1 << k);
         if (cur(P)->k == T_NAME)
             P->pos++;
         expect_bend(P);
@@ -1133,6 +1138,27 @@ static struct jnode *parse_statement(struct parser *P)
         expect_bend(P);
         return n;
     }
+    if (!strcmp(name, "with")) { /* {% with a = 1, b = x %}: a scope with those variables */
+        struct jnode *n = mk(P, N_WITH, line);
+        const char **names = j_alloc(P->b, 64 * sizeof *names);
+        size_t cap = 0;
+        while (cur(P)->k != T_BEND) {
+            if (n->n_targets == 64)
+                j_die(P->b, MOE_EUNSUPPORTED, cur(P)->line, "too many with targets");
+            if (n->n_targets)
+                expect_op(P, ",");
+            names[n->n_targets++] = expect_ident(P, "a variable name");
+            expect_op(P, "=");
+            nl_push(P, &n->args, parse_expr(P), &cap);
+        }
+        n->targets = names;
+        expect_bend(P);
+        static const char *const ends[] = {"endwith", NULL};
+        const char *which;
+        n->body = parse_body(P, ends, &which);
+        expect_bend(P);
+        return n;
+    }
     if (!strcmp(name, "generation")) {
         struct jnode *n = mk(P, N_BLOCK, line);
         expect_bend(P);
@@ -1148,7 +1174,7 @@ static struct jnode *parse_statement(struct parser *P)
         return n;
     }
     static const char *const unsupported[] = {"include", "import", "from", "extends",
-                                              "block", "raw", "with", "do", "autoescape", "trans",
+                                              "block", "raw", "do", "autoescape", "trans",
                                               NULL};
     for (int i = 0; unsupported[i]; i++)
         if (!strcmp(name, unsupported[i]))

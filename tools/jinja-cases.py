@@ -81,6 +81,12 @@ CASES = [
                               "[{{ loop(item.children) }}]{% else %}-{% endfor %}", {"tree": TREE}),
     ("recursive_lines", "{% for item in tree recursive %}\n{{ '  ' * loop.depth0 }}- {{ item.name }}\n"
                         "{% if item.children %}\n{{ loop(item.children) }}{% endif %}\n{% endfor %}", {"tree": TREE}),
+    ("macro_varargs_kwargs", "{% macro m(a) %}{{ a }}|{{ varargs }}|{{ kwargs | dictsort }}{% endmacro %}{{ m(1, 2, 3, x=4, a2=5) }}|{{ m(0) }}"),
+    ("macro_no_varargs", "{% macro m(a) %}{{ a }}{% endmacro %}{{ m(1, 2) }}"),
+    ("macro_no_kwargs", "{% macro m(a) %}{{ a }}{% endmacro %}{{ m(1, b=2) }}"),
+    ("loop_changed", "{% for p in people | sort(attribute='city') %}{% if loop.changed(p.city | lower) %}[{{ p.city }}]{% endif %}{{ p.name }} {% endfor %}", {"people": PEOPLE}),
+    ("with_block", "{% set a = 1 %}{% with a = 2, b = a %}{{ a }}{{ b }}{% set c = 3 %}{{ c }}{% endwith %}{{ a }}{{ c is defined }}"),
+    ("with_whitespace", "<\n  {% with x = 'v' %}\n  {{ x }}\n  {% endwith %}\n>"),
     # filter blocks
     ("recursive_outer_vars", "{% set sep = '/' %}{% for item in tree recursive %}{{ sep }}{{ item.name }}{% if loop.depth < 2 %}{{ loop(item.children) }}{% endif %}{% endfor %}", {"tree": TREE}),
     ("recursive_loop_not_marked", "{% for x in [[1]] %}{{ loop(x) }}{% endfor %}"),
