@@ -357,6 +357,72 @@ static size_t lex_tag(struct parser *P, size_t i, bool block, int *line, bool *s
     }
 }
 
+/* The text of a {% raw %} block from i (past the raw tag; strip_after: it ended with '-%}') up to
+ * {% endraw %}, as jinja2 takes it: no newline dropped after the raw tag, the end tag's
+ * lstrip_blocks and trim_blocks applied. Returns the index past the end tag. */
+static size_t lex_raw(struct parser *P, size_t i, bool strip_after, int *line)
+{
+    const char *s = P->src;
+    while (strip_after && i < P->len && is_ws(s[i])) {
+        if (s[i] == '\n')
+            (*line)++;
+        i++;
+    }
+    int text_line = *line;
+    for (size_t q = i; q + 1 < P->len; q++) {
+        if (s[q] != '{' || s[q + 1] != '%')
+            continue;
+        size_t k = q + 2;
+        char open = k < P->len && (s[k] == '-' || s[k] == '+') ? s[k] : 0;
+        if (open)
+            k++;
+        while (k < P->len && is_ws(s[k]))
+            k++;
+        if (P->len - k < 6 || memcmp(s + k, "endraw", 6))
+            continue;
+        k += 6;
+        while (k < P->len && is_ws(s[k]))
+            k++;
+        char close = k < P->len && (s[k] == '-' || s[k] == '+') ? s[k] : 0;
+        if (close)
+            k++;
+        if (k + 1 >= P->len || s[k] != '%' || s[k + 1] != '}')
+            continue;
+        size_t te = q;
+        if (open == '-') {
+            while (te > i && is_ws(s[te - 1]))
+                te--;
+        } else if (!open) {
+            size_t lp = te;
+            while (lp > i && s[lp - 1] != '\n')
+                lp--;
+            bool blank = true;
+            for (size_t x = lp; x < te; x++)
+                blank &= s[x] == ' ' || s[x] == '\t';
+            if (blank && (lp > i || (i > 0 && s[i - 1] == '\n')))
+                te = lp;
+        }
+        if (te > i)
+            push_tok(P, (struct tok){.k = T_TEXT, .line = text_line, .p = s + i, .n = te - i});
+        k += 2;
+        for (size_t x = i; x < k; x++)
+            if (s[x] == '\n')
+                (*line)++;
+        if (close == '-') {
+            while (k < P->len && is_ws(s[k])) {
+                if (s[k] == '\n')
+                    (*line)++;
+                k++;
+            }
+        } else if (close != '+' && k < P->len && s[k] == '\n') {
+            k++;
+            (*line)++;
+        }
+        return k;
+    }
+    j_die(P->b, MOE_EFORMAT, text_line, "missing 'endraw' (the template ended)");
+}
+
 static void lex(struct parser *P)
 {
     const char *s = P->src;
@@ -415,6 +481,16 @@ static void lex(struct parser *P)
         } else {
             push_tok(P, (struct tok){.k = block ? T_BBEGIN : T_VBEGIN, .line = line});
             end = lex_tag(P, p, block, &line, &strip_after, &keep_after);
+            struct tok *t3 = P->n >= 3 ? &P->t[P->n - 3] : NULL;
+            if (block && t3 && t3[0].k == T_BBEGIN && t3[1].k == T_NAME && !strcmp(t3[1].p, "raw") &&
+                t3[2].k == T_BEND) {
+                P->n -= 3;
+                i = lex_raw(P, end, strip_after, &line);
+                line_starting = i > 0 && s[i - 1] == '\n';
+                if (i == P->len)
+                    break;
+                continue;
+            }
         }
         i = end;
         if (strip_after) {
@@ -1174,7 +1250,7 @@ static struct jnode *parse_statement(struct parser *P)
         return n;
     }
     static const char *const unsupported[] = {"include", "import", "from", "extends",
-                                              "block", "raw", "do", "autoescape", "trans",
+                                              "block", "do", "autoescape", "trans",
                                               NULL};
     for (int i = 0; unsupported[i]; i++)
         if (!strcmp(name, unsupported[i]))

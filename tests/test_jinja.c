@@ -275,6 +275,24 @@ TEST(jinja_provenance_keeps_data_data)
     CHECK_EQ(strcmp(out.text, "<s>"), 0);
     CHECK(!out.spans[0].data);
     jinja_out_free(&out);
+    /* formatting, case mapping, call blocks and recursive loops keep data data (the text as
+     * jinja2 renders it) */
+    const char *src2 = "{{ '<%s|' % m[0] }}{{ '{:>4}>'.format(m[1]) }}{{ m[0] | upper }}"
+                       "{% macro w() %}({{ caller() }}){% endmacro %}{% call w() %}{{ m[1] }}{% endcall %}"
+                       "{% for x in [m] recursive %}{% if x is string %}{{ x | title }}{% else %}{{ loop(x) }}{% endif %}{% endfor %}";
+    CHECK_EQ(render_str(src2, "{\"m\": [\"é<|x|>\", \"ab\"]}", &out, err, sizeof err, NULL), 0);
+    CHECK_MSG(!strcmp(out.text, "<é<|x|>|  ab>É<|X|>(ab)É<|x|>Ab"), "%s", out.text);
+    struct { const char *text; bool data; } want2[] = {
+        {"<", false}, {"é<|x|>", true}, {"|  ", false}, {"ab", true}, {">", false}, {"É<|X|>", true},
+        {"(", false}, {"ab", true}, {")", false}, {"É<|x|>Ab", true},
+    };
+    CHECK_EQ(out.n_spans, sizeof want2 / sizeof want2[0]);
+    for (size_t i = 0; i < out.n_spans && i < sizeof want2 / sizeof want2[0]; i++) {
+        CHECK_EQ(out.spans[i].data, want2[i].data);
+        CHECK_EQ(out.spans[i].len, strlen(want2[i].text));
+        CHECK(!memcmp(out.text + out.spans[i].off, want2[i].text, out.spans[i].len));
+    }
+    jinja_out_free(&out);
 }
 
 TEST(jinja_errors_name_construct_and_line)
@@ -350,7 +368,8 @@ static const char *const fuzz_bits[] = {
     "raise_exception(", " is ", "defined", "messages", "...", "call ", "endcall", "caller(",
     " recursive", "loop(", "%s", "%(", " % ", "%-9.3f", ".format(", "{0", "{:", "{!r:>", "|format(",
     "|batch(", "|slice(", "|groupby(", "|truncate(", "|center(", "|title", "|upper", "filter ",
-    "endfilter", "\xc3\x89", "\xce\xa3", "\xc3",
+    "endfilter", "raw %}", "endraw", "with ", "endwith", "varargs", "kwargs", "loop.changed(",
+    "\xc3\x89", "\xce\xa3", "\xc3",
 };
 
 struct fuzz_counts {

@@ -87,6 +87,9 @@ CASES = [
     ("loop_changed", "{% for p in people | sort(attribute='city') %}{% if loop.changed(p.city | lower) %}[{{ p.city }}]{% endif %}{{ p.name }} {% endfor %}", {"people": PEOPLE}),
     ("with_block", "{% set a = 1 %}{% with a = 2, b = a %}{{ a }}{{ b }}{% set c = 3 %}{{ c }}{% endwith %}{{ a }}{{ c is defined }}"),
     ("with_whitespace", "<\n  {% with x = 'v' %}\n  {{ x }}\n  {% endwith %}\n>"),
+    ("raw_block", "a\n  {% raw %}\n  {{ x }} {% if %}\n  {% endraw %}\nb|{% raw %}{% endraw %}|{%raw%}x{%endraw%}|{% raw %}{# c #}{% endraw +%}\n."),
+    ("raw_minus", "a {%- raw -%}  {{ y }}  {%- endraw -%} b|{%- raw %} {% endraw -%} c"),
+    ("raw_unterminated", "{% raw %}{{ x }}"),
     # filter blocks
     ("recursive_outer_vars", "{% set sep = '/' %}{% for item in tree recursive %}{{ sep }}{{ item.name }}{% if loop.depth < 2 %}{{ loop(item.children) }}{% endif %}{% endfor %}", {"tree": TREE}),
     ("recursive_loop_not_marked", "{% for x in [[1]] %}{{ loop(x) }}{% endfor %}"),
