@@ -1678,10 +1678,17 @@ static struct jstr *fmt_num(struct rctx *R, const jval *v, const char *flags, in
             DIE(R, line, "%%%c format: %s is required, not %s", conv,
                 conv == 'd' ? "a real number" : "an integer", tname(v));
         }
-        if (conv == 'o' && strchr(flags, '#')) { /* Python writes 0o, C a 0 */
-            bool neg = x < 0, plus = strchr(flags, '+'), sp = strchr(flags, ' ');
-            int w = snprintf(buf, sizeof buf, "%s0o%llo", neg ? "-" : plus ? "+" : sp ? " " : "",
-                             neg ? 0ULL - (unsigned long long)x : (unsigned long long)x);
+        if (conv != 'd' && (x < 0 || strpbrk(flags, "#+ "))) { /* Python: -ff, +ff, 0o17 (C: ffffff01, ff, 017) */
+            unsigned long long mag = x < 0 ? 0ULL - (unsigned long long)x : (unsigned long long)x;
+            char digits[32];
+            int nd = snprintf(digits, sizeof digits, conv == 'x' ? "%llx" : conv == 'X' ? "%llX" : "%llo", mag);
+            const char *sign = x < 0 ? "-" : strchr(flags, '+') ? "+" : strchr(flags, ' ') ? " " : "";
+            const char *pre = !strchr(flags, '#') ? "" : conv == 'o' ? "0o" : conv == 'x' ? "0x" : "0X";
+            char zeros[FMT_MAX_PREC + 1];
+            int nz = prec > nd ? (int)prec - nd : 0;
+            memset(zeros, '0', (size_t)nz);
+            zeros[nz] = 0;
+            int w = snprintf(buf, sizeof buf, "%s%s%s%s", sign, pre, zeros, digits);
             struct jstr *body = mkjstr(R, j_strndup(&R->b, buf, (size_t)w), (size_t)w, PROV_LIT, NULL);
             struct obuf o = {0};
             bool zero = strchr(flags, '0') && !strchr(flags, '-');
@@ -1901,6 +1908,8 @@ static void format_spec(struct rctx *R, struct obuf *o, const jval *v, const str
                     mkjstr(R, "%", 1, PROV_LIT, NULL));
     } else if (!type || strchr("eEfFgG", type)) {
         body = fmt_num(R, v, flags, -1, prec < 0 ? 6 : prec, type ? type : 'g', line);
+        if (!type && isfinite(fval(v)) && !memchr(body->s, '.', body->len) && !memchr(body->s, 'e', body->len))
+            body = jcat(R, body, mkjstr(R, ".0", 2, PROV_LIT, NULL));
     } else {
         DIE(R, line, "Unknown format code '%c' for a number", type > 32 && type < 127 ? type : '?');
     }
@@ -1913,7 +1922,7 @@ static struct jstr *py_format(struct rctx *R, const struct jstr *f, const struct
     struct obuf o = {0};
     const char *s = f->s;
     size_t auto_i = 0, n = f->len;
-    int line = a->line;
+    int line = a->line, numbering = 0; /* 1 automatic, 2 manual */
     for (size_t i = 0; i < n;) {
         if ((s[i] == '{' || s[i] == '}') && i + 1 < n && s[i + 1] == s[i]) {
             ob_str(R, &o, jsub(R, f, i, 1));
@@ -1940,6 +1949,9 @@ static struct jstr *py_format(struct rctx *R, const struct jstr *f, const struct
         for (size_t k = i; k < j; k++)
             digits &= is_digit_c(s[k]);
         if (j == i || digits) {
+            if (numbering && numbering != (j == i ? 1 : 2))
+                DIE(R, line, "cannot switch between manual and automatic field numbering");
+            numbering = j == i ? 1 : 2;
             size_t idx = j == i ? auto_i++ : (size_t)strtoull(j_strndup(&R->b, s + i, j - i > 9 ? 9 : j - i), NULL, 10);
             if (idx >= a->n)
                 DIE(R, line, "IndexError: Replacement index %zu out of range for positional args tuple", idx);
@@ -2797,7 +2809,10 @@ static jval call_filter_named(struct rctx *R, const char *name, jval v, const st
         if (!a->n)
             DIE(R, line, "attr needs a name");
         const struct jstr *n = need_str(R, &a->pos[0], line, "attr's name");
-        return get_attr(R, v, j_strndup(&R->b, n->s, n->len), line);
+        char *an = j_strndup(&R->b, n->s, n->len);
+        if (v.t == V_DICT && !in_names(dict_methods, an)) /* Python's getattr: not the keys */
+            return undef_named(an);
+        return get_attr(R, v, an, line);
     }
     if (is(name, "format")) {
         if (a->n && a->nkw)

@@ -43,6 +43,9 @@ CASES = [
     # str.format
     ("pct_edge", "{{ '%5.1s|%-6.2f|%+05d|% d|%#x|%#o|%3c' % ('xyz', 1.234, 7, 3, 255, 8, 'q') }}|{{ '%s%%' % 50 }}|{{ '%(a)s %(a)r' % {'a': 'v'} }}|{{ 'none' % {} }}"),
     ("pct_octal_prefix", "{{ '%#06o|%-#6o|%#o|%#X' % (8, 8, -8, 255) }}"),
+    ("pct_more", "{{ '%d|%s|%.3s|%x|%e|%g|%r|%r|%s' % (true, true, 12345, -255, 0, 1e16, 1.5, [1, 'a'], ((),)) }}|{{ '' % () }}|{{ '%-+6d|%06.2f|%5.0e' % (3, -1.5, 12345) }}"),
+    ("pct_char_string", "{{ '%c' % 'ab' }}"),
+    ("pct_empty_tuple", "{{ '%s' % () }}"),
     ("pct_unknown_conv", "{{ '%y' % 1 }}"),
     ("pct_missing_key", "{{ '%(b)s' % {'a': 1} }}"),
     ("pct_not_mapping", "{{ '%(a)s' % (1,) }}"),
@@ -56,6 +59,10 @@ CASES = [
     # call blocks
     ("fmt_numbers", "{{ '{:5}|{:<5}|{:=+8.2f}|{:#x}|{:08.3f}|{:e}|{:.1%}|{:g}|{:.3}|{: d}|{:c}'.format(42, 1.5, 3.14159, 255, -2.5, 1234.5, 0.256, 0.00001234, 3.14159, 7, 65) }}"),
     ("fmt_strings", "{{ '[{:10}]|[{:>10.3}]|[{:_<6}]|[{:\u00e9^7}]'.format('left', 'truncated', 'ab', 'mid') }}|{{ '{}{}'.format(true, none) }}|{{ '{:d}'.format(true) }}"),
+    ("fmt_more", "{{ '{:.2}|{:.2}|{:.3}|{}|{:}|{:5}|{:<5}|{!r:>6}'.format(3.0, 1e20, 2.5, 1e16, none, true, false, 'q') }}|{{ '{:^6}|{:^7}|{:*>3}|{:.0f}|{:.0f}'.format('ab', 'ab', 'toolong', 2.5, 3.5) }}"),
+    ("fmt_mixed_numbering", "{{ '{}{0}'.format(1) }}"),
+    ("pct_hex_octal", "{{ '%x|%#x|%#X|%.4x|%#8x|%-#8o|%#08x|%+x|%o' % (-255, -255, 255, 10, 255, 8, 255, 5, -8) }}"),
+    ("fmt_none_spec", "{{ '{:5}'.format(none) }}"),
     ("fmt_bad_code", "{{ '{:d}'.format('x') }}"),
     ("fmt_single_brace", "{{ 'a } b'.format() }}"),
     ("fmt_missing_key", "{{ '{x}'.format(y=1) }}"),
@@ -123,6 +130,10 @@ CASES = [
     ("sum_min_max", "{{ [1, 2.5, 3] | sum }}|{{ people | sum(attribute='age') }}|{{ [1, 2] | sum(start=10) }}|{{ [3, 1, 2] | min }}|{{ ['b', 'A', 'c'] | max }}"
                     "|{{ ['b', 'A', 'c'] | min }}|{{ ['b', 'A', 'c'] | max(case_sensitive=true) }}|{{ (people | max(attribute='age')).name }}|{{ (people | min(attribute='name')).name }}",
      {"people": PEOPLE}),
+    ("filters_edges", "{{ [1.5, 2.25] | sum }}|{{ 1234.5678 | round(-2) }}|{{ 'abcdefghij' | truncate(5, leeway=0) }}|{{ 'abcdefghij' | truncate(10, leeway=0) }}"
+                      "|{{ [1, 2, 3, 4] | batch(2, 'x') | list }}|{{ [1, 2, 3] | slice(3, 'f') | list }}|{{ [] | min }}|{{ [] | batch(3) | list }}"
+                      "|{{ people | groupby('missing', default='none') | map('first') | list }}|{{ [[1, 'a'], [2, 'b'], [1, 'c']] | groupby(0) | map('last') | list }}"
+                      "|{{ people | max(attribute='city') | attr('name') }}|{{ [1, 1.0, true] | unique | list }}", {"people": PEOPLE}),
     ("abs_round", "{{ -3 | abs }}|{{ -2.5 | abs }}|{{ 2.5 | round }}|{{ 3.5 | round }}|{{ 2.675 | round(2) }}|{{ 1234 | round(-2) }}|{{ 5 | round }}"
                   "|{{ 2.1 | round(method='ceil') }}|{{ 2.9 | round(0, 'floor') }}|{{ -0.5 | round }}|{{ 7.25 | round(1) }}"),
     ("wordcount", "{{ 'hello, world!' | wordcount }}|{{ 'a-b c_d  e.f' | wordcount }}|{{ '' | wordcount }}|{{ 'héllo wörld' | wordcount }}"),
