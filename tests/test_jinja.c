@@ -1,6 +1,7 @@
 /* The Jinja renderer: the 23 real chat templates against jinja2's output (fixtures made by
- * tools/chat-fixtures.py), provenance of output bytes, errors with lines, limits, and a
- * deterministic mini-fuzz of mutated templates (no crash, no leak under ASan). */
+ * tools/chat-fixtures.py), one small template per feature against jinja2 (tools/jinja-cases.py),
+ * provenance of output bytes, errors with lines, limits, and a deterministic mini-fuzz of mutated
+ * templates (no crash, no leak under ASan). */
 #include <dirent.h>
 #include <jansson.h>
 #include <stdio.h>

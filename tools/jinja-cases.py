@@ -148,6 +148,7 @@ CASES = [
     ("groupby", "{% for g in people | groupby('city') %}{{ g.grouper }}:{{ g.list | map(attribute='name') | join('+') }};{% endfor %}"
                 "|{% for city, ps in people | groupby('city', case_sensitive=true) %}{{ city }}={{ ps | length }};{% endfor %}",
      {"people": PEOPLE}),
+    ("groupby_printed", "{{ [{'a': 1}, {'a': 2}, {'a': 1}] | groupby('a') }}|{{ ([{'a': 'x'}] | groupby('a'))[0].grouper }}"),
     ("tojson_indent", "{{ {'a': [1, {'b': none}], 'c': 'é'} | tojson(indent=2) }}|{{ [] | tojson(indent=2) }}|{{ {'x': 1} | tojson(indent='\t') }}|{{ {'b': 1, 'a': 2} | tojson(sort_keys=true) }}"),
     # operators
     ("in_strings_dicts", "{{ 'ell' in 'hello' }}{{ '' in 'x' }}{{ 'z' not in 'abc' }}{{ 'a' in {'a': 1} }}{{ 1 in {'a': 1} }}{{ 'b' in ['a', 'b'] }}{{ 'x' in m }}", {"m": {"x": 0}}),
