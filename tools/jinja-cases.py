@@ -120,6 +120,10 @@ CASES = [
     ("loop_stored_nested", "{% for x in [1, 2] %}{% set outer = loop %}{% for y in 'ab' %}{{ outer.index }}{{ loop.index }}{{ y }},{% endfor %}{% endfor %}"),
     ("loop_iteration_scope", "{% for x in [1, 2] %}{% if loop.first %}{% set z = 5 %}{% endif %}{{ z }};{% endfor %}{{ x }}"),
     ("loop_attrs", "{% for x in 'abc' %}{{ loop.revindex }}{{ loop.revindex0 }}{{ loop.previtem }}{{ loop.nextitem }}{{ loop.length }}{{ loop.cycle('o', 'e') }} {% endfor %}"),
+    ("loop_filtered", "{% for x in range(6) if x is odd %}{{ loop.index }}/{{ loop.length }}/{{ loop.revindex }}/{{ loop.previtem }}/{{ loop.nextitem }} {% endfor %}"),
+    ("loop_nested_shadow", "{% for a in [1, 2] %}{% for b in 'xy' %}{{ loop.index }}{% endfor %}{{ loop.index }}{{ loop.cycle('a', 'b') }};{% endfor %}"),
+    ("loop_else_break", "{% for x in [1, 2, 3] %}{% if x == 2 %}{% break %}{% endif %}{{ x }}{% else %}none{% endfor %}|{% for x in [] if x %}{% else %}empty{% endfor %}"),
+    ("loop_unpack_items", "{% for k, v in {'a': [1, 2], 'b': []} | dictsort %}{{ k }}{% for x in v %}{{ x }}{% else %}-{% endfor %}{% endfor %}"),
     # filters real templates use
     ("loop_stored_list", "{% set ns = namespace(l=[]) %}{% for x in [1, 2, 3] %}{% set ns.l = ns.l + [loop] %}{% endfor %}{% for l in ns.l %}{{ l.index }}{% endfor %}"),
     ("loop_var_after", "{% for x in [1, 2] %}{% set l = loop %}{% endfor %}{{ l is defined }}{{ x is defined }}"),
