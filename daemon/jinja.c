@@ -2254,6 +2254,41 @@ static struct args eval_args(struct rctx *R, const struct jnode *n, struct scope
             p[i] = eval(R, n->kwargs.v[i], s);
         a.kwv = p;
     }
+    if (n->b) { /* *seq: more positional arguments */
+        jval x = eval(R, n->b, s);
+        jval l = as_list(R, &x, n->line);
+        jval *p = j_alloc(&R->b, (a.n + l.u.l->n + 1) * sizeof *p);
+        if (a.n)
+            memcpy(p, a.pos, a.n * sizeof *p);
+        if (l.u.l->n)
+            memcpy(p + a.n, l.u.l->v, l.u.l->n * sizeof *p);
+        a.pos = p;
+        a.n += l.u.l->n;
+    }
+    if (n->c) { /* **mapping: more keyword arguments */
+        jval x = eval(R, n->c, s);
+        if (x.t != V_DICT && x.t != V_NS)
+            DIE(R, n->line, "argument after ** must be a mapping, not %s", tname(&x));
+        const struct jdict *d = x.u.d;
+        const char **kn = j_alloc(&R->b, (a.nkw + d->n + 1) * sizeof *kn);
+        jval *kv = j_alloc(&R->b, (a.nkw + d->n + 1) * sizeof *kv);
+        if (a.nkw) {
+            memcpy(kn, a.kwn, a.nkw * sizeof *kn);
+            memcpy(kv, a.kwv, a.nkw * sizeof *kv);
+        }
+        for (size_t i = 0; i < d->n; i++) {
+            if (d->k[i].t != V_STR)
+                DIE(R, n->line, "keywords must be strings");
+            for (size_t k = 0; k < a.nkw + i; k++)
+                if (strlen(kn[k]) == d->k[i].u.s->len && !memcmp(kn[k], d->k[i].u.s->s, d->k[i].u.s->len))
+                    DIE(R, n->line, "got multiple values for keyword argument '%s'", kn[k]);
+            kn[a.nkw + i] = j_strndup(&R->b, d->k[i].u.s->s, d->k[i].u.s->len);
+            kv[a.nkw + i] = d->v[i];
+        }
+        a.kwn = kn;
+        a.kwv = kv;
+        a.nkw += d->n;
+    }
     return a;
 }
 

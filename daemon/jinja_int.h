@@ -112,7 +112,8 @@ struct jnode {
     const char *name;  /* E_NAME, E_ATTR, E_FILTER, E_TEST, N_SET target, N_MACRO */
     const char *attr;  /* N_SET: namespace attribute (ns.attr) */
     jval lit;          /* E_LIT; N_TEXT (a string) */
-    struct jnode *a, *b, *c; /* operands; N_IF/N_FOR: a condition / iterable, b loop filter */
+    struct jnode *a, *b, *c; /* operands; N_IF/N_FOR: a condition / iterable, b loop filter;
+                              * calls, filters, tests: b *args, c **kwargs */
     struct jnlist args;      /* call / filter / test arguments; list, tuple, dict (k,v pairs) items */
     const char **kwnames;    /* keyword arguments: names, values in kwargs */
     struct jnlist kwargs;

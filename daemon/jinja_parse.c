@@ -636,10 +636,17 @@ static void parse_call_args(struct parser *P, struct jnode *n)
 {
     expect_op(P, "(");
     size_t cap = 0, kcap = 0, kncap = 0;
-    while (more_items(P, ")", n->args.n + n->kwargs.n == 0)) {
-        if (is_op(cur(P), "*") || is_op(cur(P), "**"))
-            j_die(P->b, MOE_EUNSUPPORTED, cur(P)->line, "*args and **kwargs in calls are not supported");
-        if (cur(P)->k == T_NAME && is_op(nexttok(P), "=")) {
+    while (more_items(P, ")", n->args.n + n->kwargs.n == 0 && !n->b && !n->c)) {
+        if (is_op(cur(P), "*") || is_op(cur(P), "**")) { /* f(*seq, **mapping) */
+            bool two = cur(P)->p[1] == '*';
+            struct jnode **slot = two ? &n->c : &n->b;
+            if (*slot || (!two && n->c))
+                j_die(P->b, MOE_EFORMAT, cur(P)->line, "a misplaced or repeated %s in a call", two ? "**" : "*");
+            P->pos++;
+            *slot = parse_expr(P);
+        } else if (cur(P)->k == T_NAME && is_op(nexttok(P), "=")) {
+            if (n->c)
+                j_die(P->b, MOE_EFORMAT, cur(P)->line, "a keyword argument follows **");
             const char *k = P->t[P->pos].p;
             P->pos += 2;
             if (n->kwargs.n == kncap) {
@@ -653,8 +660,8 @@ static void parse_call_args(struct parser *P, struct jnode *n)
             nl_push(P, &n->kwargs, parse_expr(P), &kcap);
             n->kwnames[n->kwargs.n - 1] = k;
         } else {
-            if (n->kwargs.n)
-                j_die(P->b, MOE_EFORMAT, cur(P)->line, "a positional argument follows keyword arguments");
+            if (n->kwargs.n || n->b || n->c)
+                j_die(P->b, MOE_EFORMAT, cur(P)->line, "a positional argument follows keyword or * arguments");
             nl_push(P, &n->args, parse_expr(P), &cap);
         }
     }

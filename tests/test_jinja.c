@@ -370,7 +370,7 @@ static const char *const fuzz_bits[] = {
     " recursive", "loop(", "%s", "%(", " % ", "%-9.3f", ".format(", "{0", "{:", "{!r:>", "|format(",
     "|batch(", "|slice(", "|groupby(", "|truncate(", "|center(", "|title", "|upper", "filter ",
     "endfilter", "raw %}", "endraw", "with ", "endwith", "varargs", "kwargs", "loop.changed(",
-    "\xc3\x89", "\xce\xa3", "\xc3",
+    "*[", "**{", "\xc3\x89", "\xce\xa3", "\xc3",
 };
 
 struct fuzz_counts {

@@ -89,6 +89,11 @@ CASES = [
     ("recursive_lines", "{% for item in tree recursive %}\n{{ '  ' * loop.depth0 }}- {{ item.name }}\n"
                         "{% if item.children %}\n{{ loop(item.children) }}{% endif %}\n{% endfor %}", {"tree": TREE}),
     ("macro_varargs_kwargs", "{% macro m(a) %}{{ a }}|{{ varargs }}|{{ kwargs | dictsort }}{% endmacro %}{{ m(1, 2, 3, x=4, a2=5) }}|{{ m(0) }}"),
+    ("call_splats", "{{ range(*[1, 4]) | list }}|{% macro m(a, b, c='C') %}{{ a }}{{ b }}{{ c }}{% endmacro %}{{ m(*[1], **{'b': 2}) }}{{ m(0, *[1, 2]) }}{{ m(c='z', **{'a': 'x', 'b': 'y'}) }}"
+                    "|{{ 'x{}{}'.format(*['a', 'b']) }}|{{ '{k}'.format(**{'k': 'v'}) }}|{{ dict(b=2, **{'a': 1}) | dictsort }}|{{ [1, 2] | join(*['-']) }}|{{ 'a' is in(*['abc']) }}"),
+    ("call_keyword_after_splat", "{{ dict(**{'a': 1}, b=2) }}"),
+    ("call_splat_not_mapping", "{{ range(**[1]) }}"),
+    ("call_splat_duplicate", "{% macro m(a) %}{% endmacro %}{{ m(a=1, **{'a': 2}) }}"),
     ("macro_no_varargs", "{% macro m(a) %}{{ a }}{% endmacro %}{{ m(1, 2) }}"),
     ("macro_no_kwargs", "{% macro m(a) %}{{ a }}{% endmacro %}{{ m(1, b=2) }}"),
     ("loop_changed", "{% for p in people | sort(attribute='city') %}{% if loop.changed(p.city | lower) %}[{{ p.city }}]{% endif %}{{ p.name }} {% endfor %}", {"people": PEOPLE}),
