@@ -3341,7 +3341,10 @@ static void exec_node(struct rctx *R, const struct jnode *n, struct scope *s, st
         R->cont = true;
         return;
     case N_BLOCK:
-        exec_body(R, &n->body, s, o);
+        if (n->op & BLK_REQUIRED)
+            DIE(R, n->line, "required block '%s' not found", n->name);
+        /* a {% block %} has its own scope; unless scoped it sees the template's variables only */
+        exec_body(R, &n->body, !n->op ? s : new_scope(R, (n->op & BLK_SCOPED) ? s : R->root), o);
         return;
     default:
         DIE(R, n->line, "unexpected statement");

@@ -85,7 +85,7 @@ struct jdict {
 enum jnk {
     /* statements */
     N_TEXT, N_OUT, N_IF, N_FOR, N_SET, N_SETBLOCK, N_MACRO, N_FILTERBLOCK, N_BREAK, N_CONTINUE,
-    N_BLOCK, /* a body rendered as is ({% generation %}) */
+    N_BLOCK, /* a body: {% generation %} (op 0, rendered as is), {% block %} (op BLK_*) */
     N_CALLBLOCK, /* {% call %}: a the macro call, c the caller (an N_MACRO) */
     N_WITH,      /* {% with %}: targets, values in args */
     /* expressions */
@@ -98,6 +98,8 @@ enum jop { OP_ADD, OP_SUB, OP_MUL, OP_DIV, OP_FDIV, OP_MOD, OP_POW,
 
 /* What a macro's body names (N_MACRO's op): the special variables it then gets. */
 enum { MAC_CALLER = 1, MAC_VARARGS = 2, MAC_KWARGS = 4 };
+/* A {% block %} (N_BLOCK's op): its own scope, seeing the loop around it when scoped. */
+enum { BLK_NAMED = 1, BLK_SCOPED = 2, BLK_REQUIRED = 4 };
 
 struct jnlist {
     struct jnode **v;

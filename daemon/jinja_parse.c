@@ -136,6 +136,8 @@ struct parser {
     size_t n, cap, pos;
     int depth;
     size_t refs[3]; /* names 'caller', 'varargs', 'kwargs' parsed so far */
+    const char *blocks[256]; /* names of the {% block %}s so far */
+    size_t n_blocks;
 };
 
 #define MAX_NEST 100
@@ -1242,6 +1244,41 @@ static struct jnode *parse_statement(struct parser *P)
         expect_bend(P);
         return n;
     }
+    if (!strcmp(name, "block")) { /* without extends: rendered in place */
+        struct jnode *n = mk(P, N_BLOCK, line);
+        n->name = expect_ident(P, "a block name");
+        n->op = BLK_NAMED;
+        for (size_t i = 0; i < P->n_blocks; i++)
+            if (!strcmp(P->blocks[i], n->name))
+                j_die(P->b, MOE_EFORMAT, line, "block '%s' defined twice", n->name);
+        if (P->n_blocks == sizeof P->blocks / sizeof P->blocks[0])
+            j_die(P->b, MOE_EUNSUPPORTED, line, "more than %zu blocks", P->n_blocks);
+        P->blocks[P->n_blocks++] = n->name;
+        for (;;) {
+            if (accept_name(P, "scoped"))
+                n->op |= BLK_SCOPED;
+            else if (accept_name(P, "required"))
+                n->op |= BLK_REQUIRED;
+            else
+                break;
+        }
+        expect_bend(P);
+        static const char *const ends[] = {"endblock", NULL};
+        const char *which;
+        n->body = parse_body(P, ends, &which);
+        if (cur(P)->k == T_NAME)
+            P->pos++;
+        expect_bend(P);
+        for (size_t i = 0; (n->op & BLK_REQUIRED) && i < n->body.n; i++) {
+            const struct jnode *b = n->body.v[i];
+            bool blank = b->kind == N_TEXT;
+            for (size_t k = 0; blank && k < b->lit.u.s->len; k++)
+                blank = strchr(" \t\n\r\v\f", b->lit.u.s->s[k]) != NULL;
+            if (!blank)
+                j_die(P->b, MOE_EFORMAT, line, "required blocks can only contain comments or whitespace");
+        }
+        return n;
+    }
     if (!strcmp(name, "generation")) {
         struct jnode *n = mk(P, N_BLOCK, line);
         expect_bend(P);
@@ -1256,9 +1293,8 @@ static struct jnode *parse_statement(struct parser *P)
         expect_bend(P);
         return n;
     }
-    static const char *const unsupported[] = {"include", "import", "from", "extends",
-                                              "block", "do", "autoescape", "trans",
-                                              NULL};
+    static const char *const unsupported[] = {"include", "import", "from", "extends", "do",
+                                              "autoescape", "trans", NULL};
     for (int i = 0; unsupported[i]; i++)
         if (!strcmp(name, unsupported[i]))
             j_die(P->b, MOE_EUNSUPPORTED, line, "the '%s' statement is not supported", name);

@@ -102,6 +102,11 @@ CASES = [
     ("raw_block", "a\n  {% raw %}\n  {{ x }} {% if %}\n  {% endraw %}\nb|{% raw %}{% endraw %}|{%raw%}x{%endraw%}|{% raw %}{# c #}{% endraw +%}\n."),
     ("raw_minus", "a {%- raw -%}  {{ y }}  {%- endraw -%} b|{%- raw %} {% endraw -%} c"),
     ("raw_unterminated", "{% raw %}{{ x }}"),
+    ("block_in_place", "{% set a = 1 %}{% block b %}[{{ a }}]{% endblock %}{% for x in [1, 2] %}{% block c %}{{ x }}{% endblock %}{% block d scoped %}{{ x }}{% endblock d %}{% endfor %}"
+                       "{% block e %}{% set q = 1 %}{% endblock %}{{ q }}|\n  {% block f %}\n  body\n  {% endblock %}\nend"),
+    ("block_twice", "{% block b %}x{% endblock %}{% block b %}y{% endblock %}"),
+    ("block_required_text", "{% block b required %}x{% endblock %}"),
+    ("block_required_empty", "{% block b required %} {# c #} {% endblock %}"),
     # filter blocks
     ("recursive_outer_vars", "{% set sep = '/' %}{% for item in tree recursive %}{{ sep }}{{ item.name }}{% if loop.depth < 2 %}{{ loop(item.children) }}{% endif %}{% endfor %}", {"tree": TREE}),
     ("recursive_loop_not_marked", "{% for x in [[1]] %}{{ loop(x) }}{% endfor %}"),
