@@ -330,6 +330,14 @@ TEST(jinja_limits)
     expect_error("{% for i in range(100000) %}{{ 'xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx' }}{% endfor %}",
                  NULL, MOE_ETOOBIG, "output is longer");
     expect_error("{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}", NULL, MOE_ETOOBIG, "macro calls nested");
+    expect_error("{% macro m() %}{% call m() %}{{ caller() }}{% endcall %}{% endmacro %}{{ m() }}", NULL,
+                 MOE_ETOOBIG, "nested more than");
+    expect_error("{% set ns = namespace(t=[]) %}{% for i in range(100) %}{% set ns.t = [ns.t] %}{% endfor %}"
+                 "{% for x in ns.t recursive %}{{ loop(x) }}{% endfor %}", NULL, MOE_ETOOBIG, "nested more than");
+    expect_error("{{ '%999999d' % 1 }}", NULL, MOE_EUNSUPPORTED, "a format width above");
+    expect_error("{{ '{:>999999}'.format(1) }}", NULL, MOE_EUNSUPPORTED, "a format width above");
+    expect_error("{{ 'x' | center(999999999) }}", NULL, MOE_ETOOBIG, "center width");
+    expect_error("{% for b in range(600000) | batch(1) %}{% endfor %}", NULL, MOE_ETOOBIG, "loop iterations");
     expect_error("{% set ns = namespace(x=[]) %}{% for i in range(2000) %}{% set ns.x = [ns.x] %}{% endfor %}"
                  "{{ ns.x | tojson }}", NULL, MOE_EFORMAT, "nested more than");
     char *deep = malloc(3000);
