@@ -3015,11 +3015,8 @@ static bool run_test(struct rctx *R, const char *name, jval v, const struct args
     if (is(name, "sequence")) return v.t == V_STR || v.t == V_LIST || v.t == V_DICT || v.t == V_UNDEF;
     if (is(name, "callable")) return v.t == V_MACRO || v.t == V_FUNC || v.t == V_METHOD;
     if (is(name, "escaped")) return false;
-    if (is(name, "lower") || is(name, "upper")) {
-        if (v.t != V_STR)
-            return false;
-        return str_is_case(v.u.s, name[0] == 'l');
-    }
+    if (is(name, "lower") || is(name, "upper")) /* str(value).islower() */
+        return str_is_case(to_str(R, &v), name[0] == 'l');
     if (is(name, "odd") || is(name, "even") || is(name, "divisibleby")) {
         if (!is_intlike(&v))
             DIE(R, line, "the test '%s' needs an integer", name);

@@ -120,7 +120,7 @@ CASES = [
     ("case_cyrillic", "{{ 'привет мир ёж ї' | upper }}|{{ 'ПРИВЕТ МИР ЁЖ Ї' | lower }}|{{ 'привет' | capitalize }}"),
     ("case_title", "{{ 'élan vital-ñu (éx) [ça] <ßa>' | title }}|{{ 'ÉCOLE ÉTÉ' | title }}|{{ 'hello 1st world' | title }}"),
     ("case_methods", "{{ 'élan ÉTÉ'.upper() }}|{{ 'ÉLAN'.lower() }}|{{ 'éLAN vital 1st'.title() }}|{{ 'ÉLAN'.capitalize() }}|{{ 'ǆemal'.title() }}"),
-    ("case_tests", "{{ 'é' is lower }}{{ 'É' is upper }}{{ 'É' is lower }}{{ '1' is lower }}{{ 'ab1' is lower }}"),
+    ("case_tests", "{{ 'é' is lower }}{{ 'É' is upper }}{{ 'É' is lower }}{{ '1' is lower }}{{ 'ab1' is lower }}{{ ['a'] is lower }}{{ none is upper }}{{ x is lower }}{{ 5 is lower }}"),
     ("case_data", "{{ m | upper }}", {"m": "ünïcödé Ωmega"}),
     # loop objects
     ("case_more", "{{ 'ǆ ǈ' | upper }}|{{ 'ǅ' | lower }}|{{ 'ΣΑΣ. Σ' | lower }}|{{ 'ﬁ' | upper }}|{{ 'ᾳ' | upper }}|{{ 'ǆungla' | capitalize }}|{{ '日本abc'.title() }}|{{ 'x-ǆ' | title }}"),
