@@ -791,7 +791,7 @@ static const char *const str_methods[] = {
     "startswith", "endswith", "split", "rsplit", "strip", "lstrip", "rstrip", "replace", "upper",
     "lower", "title", "capitalize", "join", "find", "rfind", "count", "splitlines", "format",
     "isdigit", "isalpha", "isalnum", "isspace", "isupper", "islower", "removeprefix",
-    "removesuffix", "index", NULL};
+    "removesuffix", "index", "center", "ljust", "rjust", "zfill", NULL};
 static const char *const dict_methods[] = {"get", "items", "keys", "values", "copy", "pop",
                                            "update", "clear", "setdefault", "popitem", NULL};
 static const char *const list_methods[] = {"index", "count", "copy", "append", "extend", "insert",
@@ -2013,6 +2013,32 @@ static struct jstr *py_format(struct rctx *R, const struct jstr *f, const struct
     return ob_done(R, &o);
 }
 
+/* Python's str.center / ljust / rjust (how '^', '<', '>'); fill: one code point (NULL: a space). */
+static struct jstr *str_justify(struct rctx *R, struct jstr *t, int64_t width, char how,
+                                const struct jstr *fill, int line)
+{
+    if (width > 100000)
+        j_die(&R->b, MOE_ETOOBIG, line, "a width of %lld", (long long)width);
+    if (fill && u8_count(fill->s, fill->len) != 1)
+        DIE(R, line, "the fill character must be exactly one character long");
+    int64_t len = (int64_t)u8_count(t->s, t->len), marg = width - len;
+    if (marg <= 0)
+        return t;
+    int64_t left = how == '<' ? 0 : how == '>' ? marg : marg / 2 + (marg & width & 1);
+    struct obuf o = {0};
+    for (int64_t k = 0; k < marg; k++) {
+        if (k == left)
+            ob_str(R, &o, t);
+        if (fill)
+            ob_str(R, &o, fill);
+        else
+            ob_lit(R, &o, " ");
+    }
+    if (left == marg)
+        ob_str(R, &o, t);
+    return ob_done(R, &o);
+}
+
 static jval call_method(struct rctx *R, const struct jmethod *m, const struct args *a)
 {
     jval self = m->self;
@@ -2064,6 +2090,19 @@ static jval call_method(struct rctx *R, const struct jmethod *m, const struct ar
         }
         if (is(name, "format"))
             return vstr(py_format(R, s, a));
+        if (is(name, "center") || is(name, "ljust") || is(name, "rjust") || is(name, "zfill")) {
+            bool z = name[0] == 'z';
+            check_args(R, a, z ? 1 : 2, NULL);
+            if (!a->n || !is_intlike(&a->pos[0]))
+                DIE(R, line, "%s() needs an integer width", name);
+            if (!z)
+                return vstr(str_justify(R, (struct jstr *)s, ival(&a->pos[0]), name[0] == 'c' ? '^' : name[0] == 'l' ? '<' : '>',
+                                        a->n > 1 ? need_str(R, &a->pos[1], line, "the fill character") : NULL, line));
+            size_t sg = s->len && (s->s[0] == '-' || s->s[0] == '+'); /* zeros after the sign */
+            struct jstr *digits = str_justify(R, jsub(R, s, sg, s->len - sg), ival(&a->pos[0]) - (int64_t)sg, '>',
+                                              mkjstr(R, "0", 1, PROV_LIT, NULL), line);
+            return vstr(jcat(R, jsub(R, s, 0, sg), digits));
+        }
         if (is(name, "join")) {
             check_args(R, a, 1, NULL);
             if (!a->n)
@@ -2884,21 +2923,7 @@ static jval call_filter_named(struct rctx *R, const char *name, jval v, const st
         const jval *w = arg(a, 0, "width");
         if (w && !is_intlike(w))
             DIE(R, line, "center's width must be an integer");
-        int64_t width = w ? ival(w) : 80;
-        if (width > 100000)
-            j_die(&R->b, MOE_ETOOBIG, line, "center width %lld", (long long)width);
-        struct jstr *t = to_str(R, &v);
-        int64_t len = (int64_t)u8_count(t->s, t->len), marg = width - len;
-        struct obuf o = {0};
-        if (marg <= 0)
-            return vstr(t);
-        int64_t left = marg / 2 + (marg & width & 1); /* as Python's str.center */
-        for (int64_t k = 0; k < left; k++)
-            ob_lit(R, &o, " ");
-        ob_str(R, &o, t);
-        for (int64_t k = left; k < marg; k++)
-            ob_lit(R, &o, " ");
-        return vstr(ob_done(R, &o));
+        return vstr(str_justify(R, to_str(R, &v), w ? ival(w) : 80, '^', NULL, line));
     }
     if (is(name, "truncate")) {
         static const char *const kw[] = {"length", "killwords", "end", "leeway", NULL};

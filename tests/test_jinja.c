@@ -336,7 +336,7 @@ TEST(jinja_limits)
                  "{% for x in ns.t recursive %}{{ loop(x) }}{% endfor %}", NULL, MOE_ETOOBIG, "nested more than");
     expect_error("{{ '%999999d' % 1 }}", NULL, MOE_EUNSUPPORTED, "a format width above");
     expect_error("{{ '{:>999999}'.format(1) }}", NULL, MOE_EUNSUPPORTED, "a format width above");
-    expect_error("{{ 'x' | center(999999999) }}", NULL, MOE_ETOOBIG, "center width");
+    expect_error("{{ 'x' | center(999999999) }}", NULL, MOE_ETOOBIG, "a width of");
     expect_error("{% for b in range(600000) | batch(1) %}{% endfor %}", NULL, MOE_ETOOBIG, "loop iterations");
     expect_error("{% set ns = namespace(x=[]) %}{% for i in range(2000) %}{% set ns.x = [ns.x] %}{% endfor %}"
                  "{{ ns.x | tojson }}", NULL, MOE_EFORMAT, "nested more than");

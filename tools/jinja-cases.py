@@ -153,6 +153,8 @@ CASES = [
     ("wordcount", "{{ 'hello, world!' | wordcount }}|{{ 'a-b c_d  e.f' | wordcount }}|{{ '' | wordcount }}|{{ 'héllo wörld' | wordcount }}"),
     ("indent", "{{ 'a\nb\n\nc' | indent }}|{{ 'a\nb' | indent(2, true) }}|{{ 'a\n\nb' | indent(width='> ', blank=true) }}"),
     ("center", "[{{ 'ab' | center(7) }}]|[{{ 'abc' | center(6) }}]|[{{ 'héllo' | center(9) }}]|[{{ 'long' | center(2) }}]|[{{ 'x' | center }}]"),
+    ("justify_methods", "[{{ 'ab'.center(7) }}|{{ 'ab'.center(6, '*') }}|{{ 'é'.ljust(4, 'ü') }}|{{ 'x'.rjust(3) }}|{{ 'long'.rjust(2) }}|{{ '42'.zfill(5) }}|{{ '-42'.zfill(5) }}|{{ '+7'.zfill(1) }}|{{ ''.zfill(2) }}]"),
+    ("justify_bad_fill", "{{ 'a'.center(5, 'xy') }}"),
     ("truncate", "{{ 'foo bar baz qux' | truncate(9) }}|{{ 'foo bar baz qux' | truncate(9, true) }}|{{ 'foo bar baz qux' | truncate(11, false, '..', 0) }}"
                  "|{{ 'short' | truncate(3, leeway=5) }}|{{ ('x' * 300) | truncate | length }}|{{ 'héllo wörld again' | truncate(10, leeway=0) }}"),
     ("reverse", "{{ 'abc' | reverse }}|{{ [1, 2, 3] | reverse | list }}|{{ 'héllo' | reverse }}"),
