@@ -29,6 +29,15 @@ struct obuf {
 struct jloop {
     const jval *items;
     size_t i, n;
+    const struct jnode *node; /* the for (a recursive one runs again through loop(items)) */
+    struct scope *scope;      /* where it runs */
+    unsigned depth;           /* 0 at the top, 1 in loop(...), ... */
+    jval changed;             /* loop.changed's last arguments (V_UNDEF: none yet) */
+};
+
+struct jmacro {
+    const struct jnode *n;
+    struct scope *env;
 };
 
 struct jmethod {
@@ -510,7 +519,7 @@ static void write_str(struct rctx *R, struct obuf *o, const jval *v, bool repr, 
         return;
     case V_MACRO:
         ob_lit(R, o, "<Macro '");
-        ob_lit(R, o, v->u.mac->name);
+        ob_lit(R, o, v->u.mac->n->name);
         ob_lit(R, o, "'>");
         return;
     default:
@@ -711,7 +720,7 @@ static bool vequal(const jval *a, const jval *b, int depth)
         return true;
     }
     case V_NS: return a->u.d == b->u.d;
-    case V_MACRO: return a->u.mac == b->u.mac;
+    case V_MACRO: return a->u.mac->n == b->u.mac->n;
     case V_FUNC: return a->u.fn == b->u.fn;
     default: return false;
     }
@@ -782,7 +791,7 @@ static const char *const str_methods[] = {
     "startswith", "endswith", "split", "rsplit", "strip", "lstrip", "rstrip", "replace", "upper",
     "lower", "title", "capitalize", "join", "find", "rfind", "count", "splitlines", "format",
     "isdigit", "isalpha", "isalnum", "isspace", "isupper", "islower", "removeprefix",
-    "removesuffix", "index", NULL};
+    "removesuffix", "index", "center", "ljust", "rjust", "zfill", NULL};
 static const char *const dict_methods[] = {"get", "items", "keys", "values", "copy", "pop",
                                            "update", "clear", "setdefault", "popitem", NULL};
 static const char *const list_methods[] = {"index", "count", "copy", "append", "extend", "insert",
@@ -822,6 +831,8 @@ static jval get_attr(struct rctx *R, jval obj, const char *name, int line)
     case V_STR:
         return in_names(str_methods, name) ? method(R, obj, name) : undef_named(name);
     case V_LIST:
+        if (obj.u.l->group && (is(name, "grouper") || is(name, "list")))
+            return obj.u.l->v[name[0] == 'g' ? 0 : 1];
         return in_names(list_methods, name) ? method(R, obj, name) : undef_named(name);
     case V_LOOP: {
         const struct jloop *lp = obj.u.lp;
@@ -832,11 +843,11 @@ static jval get_attr(struct rctx *R, jval obj, const char *name, int line)
         if (is(name, "first")) return mkbool(lp->i == 0);
         if (is(name, "last")) return mkbool(lp->i + 1 == lp->n);
         if (is(name, "length")) return mkint((int64_t)lp->n);
-        if (is(name, "depth")) return mkint(1);
-        if (is(name, "depth0")) return mkint(0);
+        if (is(name, "depth")) return mkint((int64_t)lp->depth + 1);
+        if (is(name, "depth0")) return mkint((int64_t)lp->depth);
         if (is(name, "previtem")) return lp->i ? lp->items[lp->i - 1] : undef_named("previtem");
         if (is(name, "nextitem")) return lp->i + 1 < lp->n ? lp->items[lp->i + 1] : undef_named("nextitem");
-        if (is(name, "cycle")) return method(R, obj, name);
+        if (is(name, "cycle") || is(name, "changed")) return method(R, obj, name);
         return undef_named(name);
     }
     default:
@@ -952,6 +963,8 @@ static jval slice(struct rctx *R, jval obj, const jval *lo, const jval *hi, cons
 }
 
 static struct jstr *html_escape(struct rctx *R, const struct jstr *s);
+static struct jstr *py_percent(struct rctx *R, const struct jstr *f, jval args, int line);
+static bool is_digit_c(char c) { return c >= '0' && c <= '9'; }
 
 /* ---- Arithmetic ---- */
 
@@ -1064,7 +1077,7 @@ static jval arith(struct rctx *R, int op, jval a, jval b, int line)
     if (op == OP_MUL && is_intlike(&a) && (b.t == V_STR || b.t == V_LIST))
         return arith(R, op, b, a, line);
     if (op == OP_MOD && a.t == V_STR)
-        j_die(&R->b, MOE_EUNSUPPORTED, line, "string formatting with '%%' is not supported");
+        return vstr(py_percent(R, a.u.s, b, line));
     static const char *const sym[] = {"+", "-", "*", "/", "//", "%", "**"};
     DIE(R, line, "unsupported operand types for %s: '%s' and '%s'", sym[op], tname(&a), tname(&b));
 }
@@ -1139,21 +1152,28 @@ static struct jstr *need_str(struct rctx *R, const jval *v, int line, const char
 static void exec_body(struct rctx *R, const struct jnlist *body, struct scope *s, struct obuf *o);
 static jval eval(struct rctx *R, const struct jnode *n, struct scope *s);
 
-static jval call_macro(struct rctx *R, const struct jnode *m, const struct args *a)
+/* Calls macro mc; caller: the {% call %} block's body as a macro, or NULL. */
+static jval call_macro(struct rctx *R, const struct jmacro *mc, const struct args *a, const jval *caller)
 {
+    const struct jnode *m = mc->n;
     if (R->depth >= R->max_depth)
         j_die(&R->b, MOE_ETOOBIG, a->line, "macro calls nested more than %u deep", R->max_depth);
     count_iter(R, a->line);
-    if (a->n > m->n_targets)
+    if (a->n > m->n_targets && !(m->op & MAC_VARARGS))
         DIE(R, a->line, "macro '%s' takes %zu arguments (%zu given)", m->name, m->n_targets, a->n);
-    struct scope *s = new_scope(R, R->root);
+    if (caller && !(m->op & MAC_CALLER))
+        DIE(R, a->line, "macro '%s' was invoked with two values for the special caller argument", m->name);
+    struct scope *s = new_scope(R, mc->env);
+    jval kwargs = mkdict(R);
     for (size_t k = 0; k < a->nkw; k++) {
         bool ok = false;
         for (size_t i = 0; i < m->n_targets; i++)
             if (is(m->targets[i], a->kwn[k]))
                 ok = true;
-        if (!ok)
+        if (!ok && !(m->op & MAC_KWARGS))
             DIE(R, a->line, "macro '%s' has no parameter '%s'", m->name, a->kwn[k]);
+        if (!ok)
+            d_set_s(R, kwargs.u.d, a->kwn[k], a->kwv[k]);
     }
     R->depth++;
     for (size_t i = 0; i < m->n_targets; i++) {
@@ -1167,6 +1187,17 @@ static jval call_macro(struct rctx *R, const struct jnode *m, const struct args 
             val = undef_named(m->targets[i]);
         d_set_s(R, &s->vars, m->targets[i], val);
     }
+    if (m->op & MAC_CALLER)
+        d_set_s(R, &s->vars, "caller", caller ? *caller : undef_named("caller"));
+    if (m->op & MAC_VARARGS) {
+        size_t extra = a->n > m->n_targets ? a->n - m->n_targets : 0;
+        jval va = mklist(R, extra, true);
+        for (size_t i = 0; i < extra; i++)
+            va.u.l->v[i] = a->pos[m->n_targets + i];
+        d_set_s(R, &s->vars, "varargs", va);
+    }
+    if (m->op & MAC_KWARGS)
+        d_set_s(R, &s->vars, "kwargs", kwargs);
     struct obuf o = {0};
     bool brk = R->brk, cont = R->cont;
     exec_body(R, &m->body, s, &o);
@@ -1444,28 +1475,126 @@ static struct jstr *str_replace(struct rctx *R, const struct jstr *s, const stru
     return ob_done(R, &o);
 }
 
-/* ASCII case mapping (mode 0 lower, 1 upper, 2 title, 3 capitalize), provenance kept. */
+/* ---- Case mapping (Python's str methods: full mappings, from jinja_case.h) ---- */
+
+#include "daemon/jinja_case.h"
+
+static const struct jcase *case_of(uint32_t cp)
+{
+    size_t lo = 0, hi = sizeof jcase_table / sizeof jcase_table[0];
+    while (lo < hi) {
+        size_t mid = (lo + hi) / 2;
+        if (jcase_table[mid].cp == cp)
+            return &jcase_table[mid];
+        if (jcase_table[mid].cp < cp)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return NULL;
+}
+
+/* 2 upper, 4 lower, 8 title (Python's isupper / islower / istitle of one code point) */
+static unsigned case_flags(uint32_t cp)
+{
+    if (cp < 0x80)
+        return (cp >= 'A' && cp <= 'Z') ? 2 : (cp >= 'a' && cp <= 'z') ? 4 : 0;
+    const struct jcase *c = case_of(cp);
+    return c ? c->flags : 0;
+}
+
+static bool is_cased(uint32_t cp) { return case_flags(cp) != 0; }
+
+/* Appends cp mapped (0 lower, 1 upper, 2 title) to o with provenance bit. */
+static void put_case(struct rctx *R, struct obuf *o, const char *src, size_t n, uint32_t cp, int to,
+                     uint8_t bit)
+{
+    if (cp < 0x80) {
+        char c = (char)cp;
+        if (to && c >= 'a' && c <= 'z')
+            c = (char)(c - 32);
+        else if (!to && c >= 'A' && c <= 'Z')
+            c = (char)(c + 32);
+        ob_put(R, o, &c, 1, bit);
+        return;
+    }
+    const struct jcase *c = cp < 0x10000 ? case_of(cp) : NULL;
+    const char *m = !c ? "" : to == 0 ? c->lower : to == 1 ? c->upper : c->title;
+    if (*m)
+        ob_put(R, o, m, strlen(m), bit);
+    else
+        ob_put(R, o, src, n, bit);
+}
+
+static bool title_sep(uint32_t cp)
+{
+    return py_space(cp) || cp == '-' || cp == '(' || cp == '{' || cp == '[' || cp == '<';
+}
+
+/* Case mapping, provenance kept: mode 0 str.lower, 1 str.upper, 2 str.title, 3 str.capitalize,
+ * 4 Jinja's title filter (each piece after a run of whitespace or -({[< gets its first code point
+ * upper-cased, the rest lower-cased). Lowering a capital sigma gives a final sigma at a word's end
+ * (after a cased letter and before none), as Python does. */
 static struct jstr *str_case(struct rctx *R, const struct jstr *s, int mode)
 {
-    char *p = j_alloc(&R->b, s->len + 1);
-    bool prev_alpha = false;
-    for (size_t i = 0; i < s->len; i++) {
-        char c = s->s[i];
-        bool up;
-        if (mode == 0) up = false;
-        else if (mode == 1) up = true;
-        else if (mode == 2) up = !prev_alpha;
-        else up = i == 0;
-        if (up && c >= 'a' && c <= 'z')
-            c = (char)(c - 32);
-        else if (!up && c >= 'A' && c <= 'Z')
-            c = (char)(c + 32);
-        p[i] = c;
-        unsigned char u = (unsigned char)s->s[i];
-        prev_alpha = (u >= 'a' && u <= 'z') || (u >= 'A' && u <= 'Z') || u >= 0x80;
+    struct obuf o = {0};
+    bool prev_cased = false, start = true;
+    for (size_t i = 0; i < s->len;) {
+        size_t nx;
+        uint32_t cp = u8_cp(s->s, s->len, i, &nx);
+        int to;
+        if (mode == 0 || mode == 1) to = mode;
+        else if (mode == 2) to = prev_cased ? 0 : 2;
+        else if (mode == 3) to = i == 0 ? 2 : 0;
+        else to = start ? 1 : 0;
+        if (cp == 0x3a3 && to == 0 && prev_cased) {
+            size_t nn;
+            bool next_cased = nx < s->len && is_cased(u8_cp(s->s, s->len, nx, &nn));
+            if (!next_cased) {
+                ob_put(R, &o, "\xcf\x82", 2, sbit(s, i));
+                i = nx;
+                continue;
+            }
+        }
+        put_case(R, &o, s->s + i, nx - i, cp, to, sbit(s, i));
+        start = title_sep(cp);
+        prev_cased = is_cased(cp);
+        i = nx;
     }
-    p[s->len] = 0;
-    return mkjstr(R, p, s->len, s->prov, s->m);
+    return ob_done(R, &o);
+}
+
+/* A code point that Python's \\w matches: letters, digits, '_' (outside ASCII: a cased letter,
+ * or anything but whitespace and common punctuation, an approximation). */
+static bool word_char(uint32_t cp)
+{
+    if (cp < 0x80)
+        return (cp >= '0' && cp <= '9') || (cp >= 'a' && cp <= 'z') || (cp >= 'A' && cp <= 'Z') || cp == '_';
+    if (is_cased(cp))
+        return true;
+    if (py_space(cp) || (cp >= 0x2000 && cp <= 0x206f) || (cp >= 0x3000 && cp <= 0x303f) ||
+        (cp >= 0xff01 && cp <= 0xff0f) || cp == 0xd7 || cp == 0xf7)
+        return false;
+    if (cp >= 0xa1 && cp <= 0xbf)
+        return cp == 0xaa || cp == 0xb2 || cp == 0xb3 || cp == 0xb5 || cp == 0xb9 || cp == 0xba ||
+               (cp >= 0xbc && cp <= 0xbe);
+    return true;
+}
+
+/* Python's str.islower (lower) / isupper: a cased code point and none of the other case. */
+static bool str_is_case(const struct jstr *s, bool lower)
+{
+    bool any = false;
+    for (size_t i = 0; i < s->len;) {
+        size_t nx;
+        unsigned f = case_flags(u8_cp(s->s, s->len, i, &nx));
+        if (f & (lower ? 2 | 8 : 4 | 8))
+            return false;
+        if (f & (lower ? 4 : 2))
+            any = true;
+        i = nx;
+    }
+    return any;
 }
 
 /* markupsafe.escape: a Markup string with & < > " ' replaced. */
@@ -1496,6 +1625,418 @@ static jval join(struct rctx *R, jval seq, const struct jstr *sep, int line)
         ob_str(R, &o, to_str(R, &l.u.l->v[i]));
     }
     return vstr(ob_done(R, &o));
+}
+
+/* ---- String formatting: the % operator and str.format ---- */
+
+#define FMT_MAX_WIDTH 256
+#define FMT_MAX_PREC 100
+
+/* body padded with fill to width code points: align '<', '>', '^' (extra on the right) or '='
+ * (padding after a sign and a 0x / 0o / 0b prefix). */
+static void pad_put(struct rctx *R, struct obuf *o, const struct jstr *body, int64_t width, char align,
+                    const char *fill, size_t fill_len)
+{
+    size_t n = u8_count(body->s, body->len);
+    size_t padn = width > 0 && (uint64_t)width > n ? (size_t)width - n : 0;
+    size_t left = align == '<' ? 0 : align == '^' ? padn / 2 : padn, skip = 0;
+    if (align == '=') {
+        if (body->len && (body->s[0] == '-' || body->s[0] == '+' || body->s[0] == ' '))
+            skip = 1;
+        if (body->len >= skip + 2 && body->s[skip] == '0' && strchr("xXoObB", body->s[skip + 1]))
+            skip += 2;
+        ob_str(R, o, jsub(R, body, 0, skip));
+    }
+    for (size_t k = 0; k < left; k++)
+        ob_put(R, o, fill, fill_len, 0);
+    ob_str(R, o, jsub(R, body, skip, body->len - skip));
+    for (size_t k = left; k < padn; k++)
+        ob_put(R, o, fill, fill_len, 0);
+}
+
+/* A number by one C conversion (d x X o: an integer; e E f F g G: a float) with flags from
+ * "-+ #0", width and precision (-1: none). */
+static struct jstr *fmt_num(struct rctx *R, const jval *v, const char *flags, int64_t width,
+                            int64_t prec, char conv, int line)
+{
+    if (width > FMT_MAX_WIDTH || prec > FMT_MAX_PREC)
+        j_die(&R->b, MOE_EUNSUPPORTED, line, "a format width above %d or precision above %d",
+              FMT_MAX_WIDTH, FMT_MAX_PREC);
+    char spec[48], buf[1024];
+    size_t k = (size_t)snprintf(spec, sizeof spec, "%%%s", flags);
+    if (width >= 0)
+        k += (size_t)snprintf(spec + k, sizeof spec - k, "%lld", (long long)width);
+    if (prec >= 0)
+        k += (size_t)snprintf(spec + k, sizeof spec - k, ".%lld", (long long)prec);
+    if (strchr("dxXo", conv)) {
+        int64_t x;
+        if (is_intlike(v)) {
+            x = ival(v);
+        } else if (v->t == V_FLOAT && conv == 'd' && v->u.f > -9.2e18 && v->u.f < 9.2e18) {
+            x = (int64_t)v->u.f;
+        } else {
+            DIE(R, line, "%%%c format: %s is required, not %s", conv,
+                conv == 'd' ? "a real number" : "an integer", tname(v));
+        }
+        if (conv != 'd' && (x < 0 || strpbrk(flags, "#+ "))) { /* Python: -ff, +ff, 0o17 (C: ffffff01, ff, 017) */
+            unsigned long long mag = x < 0 ? 0ULL - (unsigned long long)x : (unsigned long long)x;
+            char digits[32];
+            int nd = snprintf(digits, sizeof digits, conv == 'x' ? "%llx" : conv == 'X' ? "%llX" : "%llo", mag);
+            const char *sign = x < 0 ? "-" : strchr(flags, '+') ? "+" : strchr(flags, ' ') ? " " : "";
+            const char *pre = !strchr(flags, '#') ? "" : conv == 'o' ? "0o" : conv == 'x' ? "0x" : "0X";
+            char zeros[FMT_MAX_PREC + 1];
+            int nz = prec > nd ? (int)prec - nd : 0;
+            memset(zeros, '0', (size_t)nz);
+            zeros[nz] = 0;
+            int w = snprintf(buf, sizeof buf, "%s%s%s%s", sign, pre, zeros, digits);
+            struct jstr *body = mkjstr(R, j_strndup(&R->b, buf, (size_t)w), (size_t)w, PROV_LIT, NULL);
+            struct obuf o = {0};
+            bool zero = strchr(flags, '0') && !strchr(flags, '-');
+            pad_put(R, &o, body, width, strchr(flags, '-') ? '<' : zero ? '=' : '>', zero ? "0" : " ", 1);
+            return ob_done(R, &o);
+        }
+        snprintf(spec + k, sizeof spec - k, "ll%c", conv);
+        snprintf(buf, sizeof buf, spec, (long long)x);
+    } else {
+        if (!is_num(v))
+            DIE(R, line, "must be real number, not %s", tname(v));
+        snprintf(spec + k, sizeof spec - k, "%c", conv);
+        snprintf(buf, sizeof buf, spec, fval(v));
+    }
+    size_t n = strlen(buf);
+    return mkjstr(R, j_strndup(&R->b, buf, n), n, PROV_LIT, NULL);
+}
+
+static struct jstr *char_of(struct rctx *R, const jval *v, int line)
+{
+    if (v->t == V_STR && u8_count(v->u.s->s, v->u.s->len) == 1)
+        return v->u.s;
+    if (!is_intlike(v) || ival(v) < 0 || ival(v) > 0x10ffff || (ival(v) >= 0xd800 && ival(v) < 0xe000))
+        DIE(R, line, "%%c requires an int in range(0x110000) or a single character");
+    char *b = j_alloc(&R->b, 5);
+    size_t n = j_put_utf8(b, (unsigned long)ival(v));
+    return mkjstr(R, b, n, PROV_LIT, NULL);
+}
+
+static struct jstr *repr_of(struct rctx *R, const jval *v)
+{
+    struct obuf o = {0};
+    write_repr(R, &o, v, 0);
+    return ob_done(R, &o);
+}
+
+/* Python's str % args: args a tuple (its items), a dict (for %(key)s) or one value. */
+static struct jstr *py_percent(struct rctx *R, const struct jstr *f, jval args, int line)
+{
+    bool tuple = args.t == V_LIST && args.u.l->tuple;
+    const jval *items = tuple ? args.u.l->v : &args;
+    size_t nitems = tuple ? args.u.l->n : 1, next = 0;
+    struct obuf o = {0};
+    const char *s = f->s;
+    for (size_t i = 0; i < f->len;) {
+        if (s[i] != '%') {
+            size_t j = i;
+            while (j < f->len && s[j] != '%')
+                j++;
+            ob_str(R, &o, jsub(R, f, i, j - i));
+            i = j;
+            continue;
+        }
+        if (++i >= f->len)
+            DIE(R, line, "incomplete format");
+        const jval *v = NULL;
+        if (s[i] == '(') {
+            size_t j = i + 1;
+            while (j < f->len && s[j] != ')')
+                j++;
+            if (j >= f->len)
+                DIE(R, line, "incomplete format key");
+            if (args.t != V_DICT)
+                DIE(R, line, "format requires a mapping");
+            v = d_find(args.u.d, &(jval){.t = V_STR, .u.s = jsub(R, f, i + 1, j - i - 1)});
+            if (!v)
+                DIE(R, line, "KeyError: '%.*s'", (int)(j - i - 1 > 100 ? 100 : j - i - 1), s + i + 1);
+            i = j + 1;
+        }
+        char flags[8];
+        size_t nf = 0;
+        while (i < f->len && strchr("-+ #0", s[i]) && s[i]) {
+            if (nf < sizeof flags - 1)
+                flags[nf++] = s[i];
+            i++;
+        }
+        flags[nf] = 0;
+        int64_t width = -1, prec = -1;
+        if (i < f->len && s[i] == '*')
+            j_die(&R->b, MOE_EUNSUPPORTED, line, "'*' widths in %% formatting are not supported");
+        for (; i < f->len && is_digit_c(s[i]); i++)
+            width = (width < 0 ? 0 : width) * 10 + (s[i] - '0') > 100000 ? 100000
+                  : (width < 0 ? 0 : width) * 10 + (s[i] - '0');
+        if (i < f->len && s[i] == '.') {
+            prec = 0;
+            for (i++; i < f->len && is_digit_c(s[i]); i++)
+                prec = prec * 10 + (s[i] - '0') > 100000 ? 100000 : prec * 10 + (s[i] - '0');
+        }
+        while (i < f->len && (s[i] == 'h' || s[i] == 'l' || s[i] == 'L'))
+            i++;
+        if (i >= f->len)
+            DIE(R, line, "incomplete format");
+        char conv = s[i++];
+        if (conv == '%') {
+            ob_lit(R, &o, "%");
+            continue;
+        }
+        if (!v) {
+            if (next >= nitems)
+                DIE(R, line, "not enough arguments for format string");
+            v = &items[next++];
+        }
+        if (width > FMT_MAX_WIDTH)
+            j_die(&R->b, MOE_EUNSUPPORTED, line, "a format width above %d", FMT_MAX_WIDTH);
+        switch (conv) {
+        case 's': case 'r': case 'a': case 'c': {
+            struct jstr *b = conv == 's' ? to_str(R, v) : conv == 'c' ? char_of(R, v, line) : repr_of(R, v);
+            if (prec >= 0 && conv != 'c') {
+                size_t n, *off = u8_offsets(R, b, &n);
+                if ((size_t)prec < n)
+                    b = jsub(R, b, 0, off[prec]);
+            }
+            pad_put(R, &o, b, width, strchr(flags, '-') ? '<' : '>', " ", 1);
+            break;
+        }
+        case 'i': case 'u': conv = 'd'; /* fall through */
+        case 'd': case 'x': case 'X': case 'o': case 'e': case 'E': case 'f': case 'F': case 'g': case 'G':
+            ob_str(R, &o, fmt_num(R, v, flags, width, prec, conv, line));
+            break;
+        default:
+            DIE(R, line, "unsupported format character '%c'", conv > 32 && conv < 127 ? conv : '?');
+        }
+    }
+    if (args.t != V_DICT && next < nitems)
+        DIE(R, line, "not all arguments converted during string formatting");
+    return ob_done(R, &o);
+}
+
+/* One value by a format spec: [[fill]align][sign][#][0][width][.precision][type]. */
+static void format_spec(struct rctx *R, struct obuf *o, const jval *v, const struct jstr *sp, int line)
+{
+    const char *s = sp->s;
+    size_t n = sp->len, i = 0;
+    char align = 0, fill[4] = " ";
+    size_t fill_len = 1;
+    size_t c1 = n ? u8_next(s, n, 0) : 0;
+    if (c1 > 4) /* not UTF-8: one byte */
+        c1 = 1;
+    if (c1 < n && strchr("<>=^", s[c1]) && s[c1]) {
+        memcpy(fill, s, c1);
+        fill_len = c1;
+        align = s[c1];
+        i = c1 + 1;
+    } else if (n && strchr("<>=^", s[0]) && s[0]) {
+        align = s[0];
+        i = 1;
+    }
+    char flags[8];
+    size_t nf = 0;
+    if (i < n && (s[i] == '+' || s[i] == '-' || s[i] == ' '))
+        flags[nf++] = s[i++];
+    if (i < n && s[i] == '#')
+        flags[nf++] = s[i++];
+    if (i < n && s[i] == '0') {
+        if (!align) {
+            align = '=';
+            fill[0] = '0';
+            fill_len = 1;
+        }
+        i++;
+    }
+    flags[nf] = 0;
+    int64_t width = -1, prec = -1;
+    for (; i < n && is_digit_c(s[i]); i++)
+        width = (width < 0 ? 0 : width) * 10 + (s[i] - '0') > 100000 ? 100000 : (width < 0 ? 0 : width) * 10 + (s[i] - '0');
+    if (i < n && (s[i] == ',' || s[i] == '_'))
+        j_die(&R->b, MOE_EUNSUPPORTED, line, "thousands separators in format specs are not supported");
+    if (i < n && s[i] == '.') {
+        prec = 0;
+        for (i++; i < n && is_digit_c(s[i]); i++)
+            prec = prec * 10 + (s[i] - '0') > 100000 ? 100000 : prec * 10 + (s[i] - '0');
+    }
+    char type = i < n ? s[i++] : 0;
+    if (i < n)
+        DIE(R, line, "invalid format specifier");
+    if (width > FMT_MAX_WIDTH)
+        j_die(&R->b, MOE_EUNSUPPORTED, line, "a format width above %d", FMT_MAX_WIDTH);
+    struct jstr *body;
+    bool num = is_num(v) && !(v->t == V_BOOL && !n);
+    if (v->t == V_STR || !num) {
+        if (v->t != V_STR && n)
+            DIE(R, line, "unsupported format string passed to %s.__format__", tname(v));
+        if (type && type != 's')
+            DIE(R, line, "Unknown format code '%c' for object of type 'str'", type > 32 && type < 127 ? type : '?');
+        body = to_str(R, v);
+        if (prec >= 0) {
+            size_t cnt, *off = u8_offsets(R, body, &cnt);
+            if ((size_t)prec < cnt)
+                body = jsub(R, body, 0, off[prec]);
+        }
+        pad_put(R, o, body, width, align ? align : '<', fill, fill_len);
+        return;
+    }
+    bool intv = is_intlike(v);
+    if (type == 'c') {
+        body = char_of(R, v, line);
+    } else if ((!type || type == 'd') && intv) {
+        body = fmt_num(R, v, flags, -1, -1, 'd', line);
+    } else if (type == 'x' || type == 'X' || type == 'o') {
+        if (!intv)
+            DIE(R, line, "Unknown format code '%c' for object of type 'float'", type);
+        body = fmt_num(R, v, flags, -1, -1, type, line);
+    } else if (type == 'd') {
+        DIE(R, line, "Unknown format code 'd' for object of type 'float'");
+    } else if (!type && prec < 0) {
+        struct obuf b = {0};
+        if (strchr(flags, '+') && !signbit(fval(v)))
+            ob_lit(R, &b, "+");
+        else if (strchr(flags, ' ') && !signbit(fval(v)))
+            ob_lit(R, &b, " ");
+        jval fv = mkfloat(fval(v));
+        write_str(R, &b, &fv, false, 0);
+        body = ob_done(R, &b);
+    } else if (type == '%') {
+        jval pv = mkfloat(fval(v) * 100);
+        body = jcat(R, fmt_num(R, &pv, flags, -1, prec < 0 ? 6 : prec, 'f', line),
+                    mkjstr(R, "%", 1, PROV_LIT, NULL));
+    } else if (!type || strchr("eEfFgG", type)) {
+        body = fmt_num(R, v, flags, -1, prec < 0 ? 6 : prec, type ? type : 'g', line);
+        if (!type && isfinite(fval(v)) && !memchr(body->s, '.', body->len) && !memchr(body->s, 'e', body->len))
+            body = jcat(R, body, mkjstr(R, ".0", 2, PROV_LIT, NULL));
+    } else {
+        DIE(R, line, "Unknown format code '%c' for a number", type > 32 && type < 127 ? type : '?');
+    }
+    pad_put(R, o, body, width, align ? align : '>', fill, fill_len);
+}
+
+/* Python's str.format: {}, {0}, {name}, then .attr / [key], !r / !s / !a, :spec; {{ and }}. */
+static struct jstr *py_format(struct rctx *R, const struct jstr *f, const struct args *a)
+{
+    struct obuf o = {0};
+    const char *s = f->s;
+    size_t auto_i = 0, n = f->len;
+    int line = a->line, numbering = 0; /* 1 automatic, 2 manual */
+    for (size_t i = 0; i < n;) {
+        if ((s[i] == '{' || s[i] == '}') && i + 1 < n && s[i + 1] == s[i]) {
+            ob_str(R, &o, jsub(R, f, i, 1));
+            i += 2;
+            continue;
+        }
+        if (s[i] == '}')
+            DIE(R, line, "Single '}' encountered in format string");
+        if (s[i] != '{') {
+            size_t j = i;
+            while (j < n && s[j] != '{' && s[j] != '}')
+                j++;
+            ob_str(R, &o, jsub(R, f, i, j - i));
+            i = j;
+            continue;
+        }
+        size_t j = ++i;
+        while (j < n && !strchr(".[!:}", s[j]) && s[j])
+            j++;
+        if (j >= n)
+            DIE(R, line, "expected '}' before end of string");
+        const jval *v;
+        bool digits = j > i;
+        for (size_t k = i; k < j; k++)
+            digits &= is_digit_c(s[k]);
+        if (j == i || digits) {
+            if (numbering && numbering != (j == i ? 1 : 2))
+                DIE(R, line, "cannot switch between manual and automatic field numbering");
+            numbering = j == i ? 1 : 2;
+            size_t idx = j == i ? auto_i++ : (size_t)strtoull(j_strndup(&R->b, s + i, j - i > 9 ? 9 : j - i), NULL, 10);
+            if (idx >= a->n)
+                DIE(R, line, "IndexError: Replacement index %zu out of range for positional args tuple", idx);
+            v = &a->pos[idx];
+        } else {
+            const char *key = j_strndup(&R->b, s + i, j - i);
+            v = NULL;
+            for (size_t k = 0; k < a->nkw; k++)
+                if (is(a->kwn[k], key))
+                    v = &a->kwv[k];
+            if (!v)
+                DIE(R, line, "KeyError: '%.100s'", key);
+        }
+        jval cur = *v;
+        i = j;
+        while (i < n && (s[i] == '.' || s[i] == '[')) {
+            bool dot = s[i] == '.';
+            size_t k = ++i;
+            while (k < n && (dot ? !strchr(".[!:}", s[k]) : s[k] != ']') && s[k])
+                k++;
+            if (k >= n || k == i)
+                DIE(R, line, "bad field name in a format string");
+            char *part = j_strndup(&R->b, s + i, k - i);
+            bool num = !dot;
+            for (size_t q = i; q < k && num; q++)
+                num = is_digit_c(s[q]);
+            if (dot)
+                cur = get_attr(R, cur, part, line);
+            else if (num && k - i < 18)
+                cur = get_item(R, cur, mkint(strtoll(part, NULL, 10)), line);
+            else
+                cur = get_item(R, cur, vstr(mkjstr(R, part, k - i, PROV_LIT, NULL)), line);
+            if (cur.t == V_UNDEF)
+                DIE(R, line, "'%.100s' is not in the formatted value", part);
+            i = dot ? k : k + 1;
+        }
+        if (i < n && s[i] == '!') {
+            char c = i + 1 < n ? s[i + 1] : 0;
+            if (c != 'r' && c != 's' && c != 'a')
+                DIE(R, line, "Unknown conversion specifier in a format string");
+            cur = vstr(c == 's' ? to_str(R, &cur) : repr_of(R, &cur));
+            i += 2;
+        }
+        size_t ss = i, se = i;
+        if (i < n && s[i] == ':') {
+            ss = ++i;
+            while (i < n && s[i] != '}') {
+                if (s[i] == '{')
+                    j_die(&R->b, MOE_EUNSUPPORTED, line, "nested fields in a format spec are not supported");
+                i++;
+            }
+            se = i;
+        }
+        if (i >= n || s[i] != '}')
+            DIE(R, line, "expected '}' before end of string");
+        i++;
+        format_spec(R, &o, &cur, jsub(R, f, ss, se - ss), line);
+    }
+    return ob_done(R, &o);
+}
+
+/* Python's str.center / ljust / rjust (how '^', '<', '>'); fill: one code point (NULL: a space). */
+static struct jstr *str_justify(struct rctx *R, struct jstr *t, int64_t width, char how,
+                                const struct jstr *fill, int line)
+{
+    if (width > 100000)
+        j_die(&R->b, MOE_ETOOBIG, line, "a width of %lld", (long long)width);
+    if (fill && u8_count(fill->s, fill->len) != 1)
+        DIE(R, line, "the fill character must be exactly one character long");
+    int64_t len = (int64_t)u8_count(t->s, t->len), marg = width - len;
+    if (marg <= 0)
+        return t;
+    int64_t left = how == '<' ? 0 : how == '>' ? marg : marg / 2 + (marg & width & 1);
+    struct obuf o = {0};
+    for (int64_t k = 0; k < marg; k++) {
+        if (k == left)
+            ob_str(R, &o, t);
+        if (fill)
+            ob_str(R, &o, fill);
+        else
+            ob_lit(R, &o, " ");
+    }
+    if (left == marg)
+        ob_str(R, &o, t);
+    return ob_done(R, &o);
 }
 
 static jval call_method(struct rctx *R, const struct jmethod *m, const struct args *a)
@@ -1546,6 +2087,21 @@ static jval call_method(struct rctx *R, const struct jmethod *m, const struct ar
         if (is(name, "upper") || is(name, "lower") || is(name, "title") || is(name, "capitalize")) {
             check_args(R, a, 0, NULL);
             return vstr(str_case(R, s, name[0] == 'l' ? 0 : name[0] == 'u' ? 1 : name[0] == 't' ? 2 : 3));
+        }
+        if (is(name, "format"))
+            return vstr(py_format(R, s, a));
+        if (is(name, "center") || is(name, "ljust") || is(name, "rjust") || is(name, "zfill")) {
+            bool z = name[0] == 'z';
+            check_args(R, a, z ? 1 : 2, NULL);
+            if (!a->n || !is_intlike(&a->pos[0]))
+                DIE(R, line, "%s() needs an integer width", name);
+            if (!z)
+                return vstr(str_justify(R, (struct jstr *)s, ival(&a->pos[0]), name[0] == 'c' ? '^' : name[0] == 'l' ? '<' : '>',
+                                        a->n > 1 ? need_str(R, &a->pos[1], line, "the fill character") : NULL, line));
+            size_t sg = s->len && (s->s[0] == '-' || s->s[0] == '+'); /* zeros after the sign */
+            struct jstr *digits = str_justify(R, jsub(R, s, sg, s->len - sg), ival(&a->pos[0]) - (int64_t)sg, '>',
+                                              mkjstr(R, "0", 1, PROV_LIT, NULL), line);
+            return vstr(jcat(R, jsub(R, s, 0, sg), digits));
         }
         if (is(name, "join")) {
             check_args(R, a, 1, NULL);
@@ -1599,11 +2155,15 @@ static jval call_method(struct rctx *R, const struct jmethod *m, const struct ar
                 return vstr(jsub(R, s, pre ? x->len : 0, s->len - x->len));
             return self;
         }
+        if (is(name, "isupper") || is(name, "islower")) {
+            check_args(R, a, 0, NULL);
+            return mkbool(str_is_case(s, name[2] == 'l'));
+        }
         if (name[0] == 'i' && name[1] == 's') {
             check_args(R, a, 0, NULL);
             if (!s->len)
                 return mkbool(false);
-            bool any_cased = false, ok = true;
+            bool ok = true;
             for (size_t i = 0; i < s->len; i++) {
                 unsigned char c = (unsigned char)s->s[i];
                 bool dig = c >= '0' && c <= '9', up = c >= 'A' && c <= 'Z', lo = c >= 'a' && c <= 'z';
@@ -1611,12 +2171,8 @@ static jval call_method(struct rctx *R, const struct jmethod *m, const struct ar
                 if (is(name, "isdigit")) ok &= dig;
                 else if (is(name, "isalpha")) ok &= up || lo || c >= 0x80;
                 else if (is(name, "isalnum")) ok &= up || lo || dig || c >= 0x80;
-                else if (is(name, "isspace")) ok &= sp;
-                else if (is(name, "isupper")) { ok &= !lo; any_cased |= up; }
-                else { ok &= !up; any_cased |= lo; }
+                else ok &= sp;
             }
-            if (is(name, "isupper") || is(name, "islower"))
-                ok &= any_cased;
             return mkbool(ok);
         }
         j_die(&R->b, MOE_EUNSUPPORTED, line, "str.%s() is not supported", name);
@@ -1674,6 +2230,14 @@ static jval call_method(struct rctx *R, const struct jmethod *m, const struct ar
             return self; /* lists are never modified */
         DIE(R, line, "list.%s() modifies the list, which templates may not do", name);
     }
+    if (self.t == V_LOOP && is(name, "changed")) {
+        jval now = mklist(R, a->n, true);
+        if (a->n)
+            memcpy(now.u.l->v, a->pos, a->n * sizeof(jval));
+        bool changed = self.u.lp->changed.t == V_UNDEF || !vequal(&self.u.lp->changed, &now, 0);
+        self.u.lp->changed = now;
+        return mkbool(changed);
+    }
     if (self.t == V_LOOP && is(name, "cycle")) {
         if (!a->n)
             DIE(R, line, "loop.cycle() needs at least one argument");
@@ -1682,10 +2246,31 @@ static jval call_method(struct rctx *R, const struct jmethod *m, const struct ar
     DIE(R, line, "'%s' is not callable", name);
 }
 
+static void exec_for_list(struct rctx *R, const struct jnode *n, struct scope *s, jval it,
+                          unsigned depth, struct obuf *o);
+
+/* loop(items) in a recursive loop: the loop's body over items, one level deeper. */
+static jval call_loop(struct rctx *R, struct jloop *lp, const struct args *a)
+{
+    if (!lp->node->op) /* N_FOR: recursive */
+        DIE(R, a->line, "the loop is not marked 'recursive'; loop() calls only such loops");
+    if (a->n != 1 || a->nkw)
+        DIE(R, a->line, "loop() takes one argument, the items");
+    if (R->depth >= R->max_depth)
+        j_die(&R->b, MOE_ETOOBIG, a->line, "recursive loops or macro calls nested more than %u deep", R->max_depth);
+    count_iter(R, a->line);
+    R->depth++;
+    struct obuf o = {0};
+    exec_for_list(R, lp->node, lp->scope, a->pos[0], lp->depth + 1, &o);
+    R->depth--;
+    return vstr(ob_done(R, &o));
+}
+
 static jval call_value(struct rctx *R, jval f, const struct args *a)
 {
     switch (f.t) {
-    case V_MACRO: return call_macro(R, f.u.mac, a);
+    case V_MACRO: return call_macro(R, f.u.mac, a, NULL);
+    case V_LOOP: return call_loop(R, f.u.lp, a);
     case V_FUNC: return call_func(R, f.u.fn, a);
     case V_METHOD: return call_method(R, f.u.me, a);
     case V_UNDEF: undefined_error(R, a->line, &f);
@@ -1707,6 +2292,41 @@ static struct args eval_args(struct rctx *R, const struct jnode *n, struct scope
         for (size_t i = 0; i < a.nkw; i++)
             p[i] = eval(R, n->kwargs.v[i], s);
         a.kwv = p;
+    }
+    if (n->b) { /* *seq: more positional arguments */
+        jval x = eval(R, n->b, s);
+        jval l = as_list(R, &x, n->line);
+        jval *p = j_alloc(&R->b, (a.n + l.u.l->n + 1) * sizeof *p);
+        if (a.n)
+            memcpy(p, a.pos, a.n * sizeof *p);
+        if (l.u.l->n)
+            memcpy(p + a.n, l.u.l->v, l.u.l->n * sizeof *p);
+        a.pos = p;
+        a.n += l.u.l->n;
+    }
+    if (n->c) { /* **mapping: more keyword arguments */
+        jval x = eval(R, n->c, s);
+        if (x.t != V_DICT && x.t != V_NS)
+            DIE(R, n->line, "argument after ** must be a mapping, not %s", tname(&x));
+        const struct jdict *d = x.u.d;
+        const char **kn = j_alloc(&R->b, (a.nkw + d->n + 1) * sizeof *kn);
+        jval *kv = j_alloc(&R->b, (a.nkw + d->n + 1) * sizeof *kv);
+        if (a.nkw) {
+            memcpy(kn, a.kwn, a.nkw * sizeof *kn);
+            memcpy(kv, a.kwv, a.nkw * sizeof *kv);
+        }
+        for (size_t i = 0; i < d->n; i++) {
+            if (d->k[i].t != V_STR)
+                DIE(R, n->line, "keywords must be strings");
+            for (size_t k = 0; k < a.nkw + i; k++)
+                if (strlen(kn[k]) == d->k[i].u.s->len && !memcmp(kn[k], d->k[i].u.s->s, d->k[i].u.s->len))
+                    DIE(R, n->line, "got multiple values for keyword argument '%s'", kn[k]);
+            kn[a.nkw + i] = j_strndup(&R->b, d->k[i].u.s->s, d->k[i].u.s->len);
+            kv[a.nkw + i] = d->v[i];
+        }
+        a.kwn = kn;
+        a.kwv = kv;
+        a.nkw += d->n;
     }
     return a;
 }
@@ -1740,6 +2360,18 @@ static jval attr_path(struct rctx *R, jval v, const struct jstr *path, int line)
 static jval lower_key(struct rctx *R, jval v, bool case_sensitive)
 {
     return !case_sensitive && v.t == V_STR ? vstr(str_case(R, v.u.s, 0)) : v;
+}
+
+/* sort's key: attribute "a" or "a,b" (a tuple of the values), strings lowered unless case_sensitive. */
+static jval multi_key(struct rctx *R, jval v, const struct jstr *path, bool case_sensitive, int line)
+{
+    if (!memchr(path->s, ',', path->len))
+        return lower_key(R, attr_path(R, v, path, line), case_sensitive);
+    jval parts = str_split(R, path, &(jval){.t = V_STR, .u.s = mkjstr(R, ",", 1, PROV_LIT, NULL)}, -1, false, line);
+    jval k = mklist(R, parts.u.l->n, true);
+    for (size_t i = 0; i < parts.u.l->n; i++)
+        k.u.l->v[i] = lower_key(R, attr_path(R, v, parts.u.l->v[i].u.s, line), case_sensitive);
+    return k;
 }
 
 /* Stable merge sort of vals by keys. */
@@ -2037,11 +2669,7 @@ static jval call_filter_named(struct rctx *R, const char *name, jval v, const st
     if (is(name, "upper") || is(name, "lower") || is(name, "capitalize") || is(name, "title")) {
         check_args(R, a, 0, NULL);
         struct jstr *s = to_str(R, &v);
-        if (is(name, "capitalize")) {
-            struct jstr *lo = str_case(R, s, 0);
-            return vstr(str_case(R, lo, 3));
-        }
-        return vstr(str_case(R, s, name[0] == 'l' ? 0 : name[0] == 'u' ? 1 : 2));
+        return vstr(str_case(R, s, name[0] == 'l' ? 0 : name[0] == 'u' ? 1 : name[0] == 'c' ? 3 : 4));
     }
     if (is(name, "replace")) {
         static const char *const kw[] = {"old", "new", "count", NULL};
@@ -2160,9 +2788,8 @@ static jval call_filter_named(struct rctx *R, const char *name, jval v, const st
         jval *keys = j_alloc(&R->b, (n ? n : 1) * sizeof *keys);
         for (size_t i = 0; i < n; i++) {
             out.u.l->v[i] = l.u.l->v[i];
-            jval k = at ? attr_path(R, l.u.l->v[i], need_str(R, at, line, "sort's attribute"), line)
-                        : l.u.l->v[i];
-            keys[i] = lower_key(R, k, cs && truthy(cs));
+            keys[i] = at ? multi_key(R, l.u.l->v[i], need_str(R, at, line, "sort's attribute"), cs && truthy(cs), line)
+                         : lower_key(R, l.u.l->v[i], cs && truthy(cs));
         }
         sort_vals(R, out.u.l->v, keys, n, rev && truthy(rev), line);
         return out;
@@ -2181,11 +2808,45 @@ static jval call_filter_named(struct rctx *R, const char *name, jval v, const st
     if (is(name, "round")) {
         static const char *const kw[] = {"precision", "method", NULL};
         check_args(R, a, 2, kw);
-        const jval *p = arg(a, 0, "precision");
+        const jval *p = arg(a, 0, "precision"), *me = arg(a, 1, "method");
         if (!is_num(&v))
             DIE(R, line, "round needs a number");
-        double m = pow(10, p && is_intlike(p) ? (double)ival(p) : 0);
-        return mkfloat(round(fval(&v) * m) / m);
+        if (p && !is_intlike(p))
+            DIE(R, line, "round's precision must be an integer");
+        int64_t prec = p ? ival(p) : 0;
+        if (prec > 300 || prec < -300)
+            return v.t == V_FLOAT || me ? mkfloat(fval(&v)) : v;
+        int mth = 0; /* Python's round (half to even, exact), or math.ceil / math.floor */
+        if (me) {
+            const struct jstr *m = need_str(R, me, line, "round's method");
+            if (m->len == 4 && !memcmp(m->s, "ceil", 4)) mth = 1;
+            else if (m->len == 5 && !memcmp(m->s, "floor", 5)) mth = 2;
+            else if (!(m->len == 6 && !memcmp(m->s, "common", 6)))
+                DIE(R, line, "method must be common, ceil or floor");
+        }
+        double x = fval(&v), sc = pow(10, (double)(prec < 0 ? -prec : prec));
+        if (mth)
+            return mkfloat((mth == 1 ? ceil(x * pow(10, (double)prec)) : floor(x * pow(10, (double)prec))) / pow(10, (double)prec));
+        if (is_intlike(&v)) {
+            if (prec >= 0)
+                return mkint(ival(&v));
+            if (sc > 9e18)
+                return mkint(0);
+            int64_t d = (int64_t)sc, q = ival(&v) / d, r = ival(&v) % d;
+            if (r < 0) { q--; r += d; }
+            if (2 * (double)r > (double)d || (2 * (double)r == (double)d && (q & 1)))
+                q++;
+            return mkint(q * d);
+        }
+        if (!isfinite(x))
+            return v;
+        if (prec == 0)
+            return mkfloat(nearbyint(x));
+        if (prec < 0)
+            return mkfloat(nearbyint(x / sc) * sc);
+        char buf[400];
+        snprintf(buf, sizeof buf, "%.*f", (int)prec, x);
+        return mkfloat(strtod(buf, NULL));
     }
     if (is(name, "min") || is(name, "max") || is(name, "sum")) {
         static const char *const kw[] = {"attribute", "start", "case_sensitive", NULL};
@@ -2203,11 +2864,17 @@ static jval call_filter_named(struct rctx *R, const char *name, jval v, const st
         }
         if (!l.u.l->n)
             return undef_named(name);
-        jval best = l.u.l->v[0];
-        for (size_t i = 1; i < l.u.l->n; i++) {
-            int c = vcompare(R, &l.u.l->v[i], &best, line, 0);
-            if (name[1] == 'i' ? c < 0 : c > 0)
-                best = l.u.l->v[i];
+        const jval *cs = arg(a, 99, "case_sensitive");
+        jval best = l.u.l->v[0], bk = {0};
+        for (size_t i = 0; i < l.u.l->n; i++) {
+            jval x = l.u.l->v[i];
+            jval k = at ? attr_path(R, x, need_str(R, at, line, "attribute"), line) : x;
+            k = lower_key(R, k, cs && truthy(cs));
+            int c = i ? vcompare(R, &k, &bk, line, 0) : 0;
+            if (!i || (name[1] == 'i' ? c < 0 : c > 0)) {
+                best = x;
+                bk = k;
+            }
         }
         return best;
     }
@@ -2216,11 +2883,138 @@ static jval call_filter_named(struct rctx *R, const char *name, jval v, const st
         if (!a->n)
             DIE(R, line, "attr needs a name");
         const struct jstr *n = need_str(R, &a->pos[0], line, "attr's name");
-        return get_attr(R, v, j_strndup(&R->b, n->s, n->len), line);
+        char *an = j_strndup(&R->b, n->s, n->len);
+        if (v.t == V_DICT && !in_names(dict_methods, an)) /* Python's getattr: not the keys */
+            return undef_named(an);
+        return get_attr(R, v, an, line);
+    }
+    if (is(name, "format")) {
+        if (a->n && a->nkw)
+            DIE(R, line, "the format filter takes positional or keyword arguments, not both");
+        jval args;
+        if (a->nkw) {
+            args = mkdict(R);
+            for (size_t k = 0; k < a->nkw; k++)
+                d_set_s(R, args.u.d, a->kwn[k], a->kwv[k]);
+        } else {
+            args = mklist(R, a->n, true);
+            for (size_t k = 0; k < a->n; k++)
+                args.u.l->v[k] = a->pos[k];
+        }
+        return vstr(py_percent(R, to_str(R, &v), args, line));
     }
     if (is(name, "wordcount")) {
-        jval l = str_split(R, to_str(R, &v), NULL, -1, false, line);
-        return mkint((int64_t)l.u.l->n);
+        check_args(R, a, 0, NULL);
+        struct jstr *t = to_str(R, &v);
+        int64_t cnt = 0;
+        bool in = false;
+        for (size_t i = 0; i < t->len;) {
+            size_t nx;
+            bool w = word_char(u8_cp(t->s, t->len, i, &nx));
+            cnt += w && !in;
+            in = w;
+            i = nx;
+        }
+        return mkint(cnt);
+    }
+    if (is(name, "center")) {
+        static const char *const kw[] = {"width", NULL};
+        check_args(R, a, 1, kw);
+        const jval *w = arg(a, 0, "width");
+        if (w && !is_intlike(w))
+            DIE(R, line, "center's width must be an integer");
+        return vstr(str_justify(R, to_str(R, &v), w ? ival(w) : 80, '^', NULL, line));
+    }
+    if (is(name, "truncate")) {
+        static const char *const kw[] = {"length", "killwords", "end", "leeway", NULL};
+        check_args(R, a, 4, kw);
+        const jval *ln = arg(a, 0, "length"), *kill = arg(a, 1, "killwords"), *end = arg(a, 2, "end"),
+                   *lw = arg(a, 3, "leeway");
+        if ((ln && !is_intlike(ln)) || (lw && lw->t != V_NONE && !is_intlike(lw)))
+            DIE(R, line, "truncate's length and leeway must be integers");
+        struct jstr *t = to_str(R, &v), *e = end ? to_str(R, end) : mkjstr(R, "...", 3, PROV_LIT, NULL);
+        int64_t length = ln ? ival(ln) : 255, leeway = lw && lw->t != V_NONE ? ival(lw) : 5;
+        int64_t elen = (int64_t)u8_count(e->s, e->len);
+        if (length < elen || leeway < 0)
+            DIE(R, line, "truncate: expected length >= %lld and leeway >= 0", (long long)elen);
+        size_t n, *off = u8_offsets(R, t, &n);
+        if ((int64_t)n <= length + leeway)
+            return vstr(t);
+        struct jstr *head = jsub(R, t, 0, off[length - elen]);
+        if (!(kill && truthy(kill))) {
+            jval sp = cstr(R, " ");
+            head = str_split(R, head, &sp, 1, true, line).u.l->v[0].u.s;
+        }
+        return vstr(jcat(R, head, e));
+    }
+    if (is(name, "batch") || is(name, "slice")) {
+        static const char *const kw[] = {"linecount", "slices", "fill_with", NULL};
+        check_args(R, a, 2, kw);
+        const jval *cnt = arg(a, 0, name[0] == 'b' ? "linecount" : "slices"), *fill = arg(a, 1, "fill_with");
+        if (!cnt || !is_intlike(cnt) || ival(cnt) <= 0)
+            DIE(R, line, "%s needs a positive integer", name);
+        if (fill && fill->t == V_NONE)
+            fill = NULL;
+        jval l = as_list(R, &v, line);
+        size_t n = l.u.l->n, k = (size_t)(ival(cnt) > 1000000 ? 1000000 : ival(cnt));
+        size_t groups = name[0] == 'b' ? (n + k - 1) / k : k;
+        jval out = mklist(R, groups, false);
+        size_t per = name[0] == 'b' ? k : n / k, extra = name[0] == 'b' ? 0 : n % k, at = 0;
+        for (size_t g = 0; g < groups; g++) {
+            size_t take = name[0] == 'b' ? (n - at < k ? n - at : k) : per + (g < extra);
+            bool pad = fill && (name[0] == 'b' ? take < k : g >= extra);
+            size_t width = name[0] == 'b' && pad ? k : take + pad;
+            jval row = mklist(R, width, false);
+            for (size_t q = 0; q < take; q++)
+                row.u.l->v[q] = l.u.l->v[at + q];
+            for (size_t q = take; q < width; q++)
+                row.u.l->v[q] = *fill;
+            at += take;
+            out.u.l->v[g] = row;
+            count_iter(R, line);
+        }
+        return out;
+    }
+    if (is(name, "groupby")) {
+        static const char *const kw[] = {"attribute", "default", "case_sensitive", NULL};
+        check_args(R, a, 3, kw);
+        const jval *at = arg(a, 0, "attribute"), *def = arg(a, 1, "default"), *cs = arg(a, 2, "case_sensitive");
+        if (!at)
+            DIE(R, line, "groupby needs an attribute");
+        bool sens = cs && truthy(cs);
+        jval l = as_list(R, &v, line);
+        size_t n = l.u.l->n;
+        jval *vals = j_alloc(&R->b, (n ? n : 1) * sizeof *vals), *keys = j_alloc(&R->b, (n ? n : 1) * sizeof *keys);
+        jval *orig = j_alloc(&R->b, (n ? n : 1) * sizeof *orig);
+        for (size_t i = 0; i < n; i++) {
+            jval x = is_intlike(at) ? get_item(R, l.u.l->v[i], *at, line)
+                                    : attr_path(R, l.u.l->v[i], need_str(R, at, line, "groupby's attribute"), line);
+            if (x.t == V_UNDEF && def)
+                x = *def;
+            vals[i] = l.u.l->v[i];
+            keys[i] = lower_key(R, x, sens);
+        }
+        sort_vals(R, vals, keys, n, false, line);
+        for (size_t i = 0; i < n; i++) { /* the grouper as the group's first item has it */
+            jval x = is_intlike(at) ? get_item(R, vals[i], *at, line)
+                                    : attr_path(R, vals[i], at->u.s, line);
+            orig[i] = x.t == V_UNDEF && def ? *def : x;
+        }
+        jval out = mklist(R, 0, false);
+        out.u.l->v = j_alloc(&R->b, (n ? n : 1) * sizeof(jval));
+        for (size_t i = 0; i < n;) {
+            size_t j = i + 1;
+            while (j < n && vequal(&keys[j], &keys[i], 0))
+                j++;
+            jval g = mklist(R, 2, true), items = mklist(R, j - i, false);
+            g.u.l->group = true;
+            memcpy(items.u.l->v, vals + i, (j - i) * sizeof(jval));
+            g.u.l->v[0] = sens ? keys[i] : orig[i];
+            g.u.l->v[1] = items;
+            out.u.l->v[out.u.l->n++] = g;
+            i = j;
+        }
+        return out;
     }
     j_die(&R->b, MOE_EUNSUPPORTED, line, "the filter '%s' is not supported", name);
 }
@@ -2246,12 +3040,8 @@ static bool run_test(struct rctx *R, const char *name, jval v, const struct args
     if (is(name, "sequence")) return v.t == V_STR || v.t == V_LIST || v.t == V_DICT || v.t == V_UNDEF;
     if (is(name, "callable")) return v.t == V_MACRO || v.t == V_FUNC || v.t == V_METHOD;
     if (is(name, "escaped")) return false;
-    if (is(name, "lower") || is(name, "upper")) {
-        if (v.t != V_STR)
-            return false;
-        struct jstr *c = str_case(R, v.u.s, name[0] == 'l' ? 0 : 1);
-        return !memcmp(c->s, v.u.s->s, c->len);
-    }
+    if (is(name, "lower") || is(name, "upper")) /* str(value).islower() */
+        return str_is_case(to_str(R, &v), name[0] == 'l');
     if (is(name, "odd") || is(name, "even") || is(name, "divisibleby")) {
         if (!is_intlike(&v))
             DIE(R, line, "the test '%s' needs an integer", name);
@@ -2268,7 +3058,13 @@ static bool run_test(struct rctx *R, const char *name, jval v, const struct args
         DIE(R, line, "the test '%s' needs an argument", name);
     if (is(name, "eq") || is(name, "equalto") || is(name, "==")) return vequal(&v, x, 0);
     if (is(name, "ne") || is(name, "!=")) return !vequal(&v, x, 0);
-    if (is(name, "sameas")) return vequal(&v, x, 0) && v.t == x->t;
+    if (is(name, "sameas")) { /* Python's 'is': lists and dicts by identity */
+        if (v.t != x->t)
+            return false;
+        if (v.t == V_LIST || v.t == V_DICT || v.t == V_NS)
+            return v.t == V_LIST ? v.u.l == x->u.l : v.u.d == x->u.d;
+        return vequal(&v, x, 0);
+    }
     if (is(name, "lt") || is(name, "<")) return vcompare(R, &v, x, line, 0) < 0;
     if (is(name, "le") || is(name, "<=")) return vcompare(R, &v, x, line, 0) <= 0;
     if (is(name, "gt") || is(name, ">")) return vcompare(R, &v, x, line, 0) > 0;
@@ -2430,9 +3226,9 @@ static void assign(struct rctx *R, struct scope *s, const char *const *targets, 
         d_set_s(R, &s->vars, targets[i], l.u.l->v[i]);
 }
 
-static void exec_for(struct rctx *R, const struct jnode *n, struct scope *s, struct obuf *o)
+static void exec_for_list(struct rctx *R, const struct jnode *n, struct scope *s, jval it,
+                          unsigned depth, struct obuf *o)
 {
-    jval it = eval(R, n->a, s);
     jval l = as_list(R, &it, n->line);
     const jval *items = l.u.l->v;
     size_t cnt = l.u.l->n;
@@ -2457,6 +3253,10 @@ static void exec_for(struct rctx *R, const struct jnode *n, struct scope *s, str
     struct jloop *lp = j_alloc(&R->b, sizeof *lp);
     lp->items = items;
     lp->n = cnt;
+    lp->node = n;
+    lp->scope = s;
+    lp->depth = depth;
+    lp->changed = UNDEF;
     /* One scope serves every iteration: what an iteration sets is dropped before the next (as
      * in Jinja2, where each iteration starts afresh), the loop variables are overwritten. */
     struct scope *is = new_scope(R, s);
@@ -2473,6 +3273,19 @@ static void exec_for(struct rctx *R, const struct jnode *n, struct scope *s, str
             break;
         }
     }
+}
+
+static void exec_for(struct rctx *R, const struct jnode *n, struct scope *s, struct obuf *o)
+{
+    exec_for_list(R, n, s, eval(R, n->a, s), 0, o);
+}
+
+static jval mkmacro(struct rctx *R, const struct jnode *n, struct scope *env)
+{
+    struct jmacro *m = j_alloc(&R->b, sizeof *m);
+    m->n = n;
+    m->env = env;
+    return (jval){.t = V_MACRO, .u.mac = m};
 }
 
 static void exec_node(struct rctx *R, const struct jnode *n, struct scope *s, struct obuf *o)
@@ -2518,8 +3331,31 @@ static void exec_node(struct rctx *R, const struct jnode *n, struct scope *s, st
         return;
     }
     case N_MACRO:
-        d_set_s(R, &s->vars, n->name, (jval){.t = V_MACRO, .u.mac = n});
+        d_set_s(R, &s->vars, n->name, mkmacro(R, n, s));
         return;
+    case N_WITH: {
+        struct scope *ws = new_scope(R, s);
+        jval *vals = j_alloc(&R->b, (n->args.n ? n->args.n : 1) * sizeof *vals);
+        for (size_t i = 0; i < n->args.n; i++) /* all evaluated outside, then bound */
+            vals[i] = eval(R, n->args.v[i], s);
+        for (size_t i = 0; i < n->args.n; i++)
+            d_set_s(R, &ws->vars, n->targets[i], vals[i]);
+        exec_body(R, &n->body, ws, o);
+        return;
+    }
+    case N_CALLBLOCK: {
+        const struct jnode *c = n->a;
+        jval f = eval(R, c->a, s);
+        if (f.t == V_UNDEF)
+            undefined_error(R, n->line, &f);
+        if (f.t != V_MACRO)
+            DIE(R, n->line, "{%% call %%} needs a macro, not %s", tname(&f));
+        struct args a = eval_args(R, c, s, f.u.mac->n->name);
+        jval caller = mkmacro(R, n->c, s);
+        jval r = call_macro(R, f.u.mac, &a, &caller);
+        write_str(R, o, &r, false, 0);
+        return;
+    }
     case N_BREAK:
         R->brk = true;
         return;
@@ -2527,7 +3363,10 @@ static void exec_node(struct rctx *R, const struct jnode *n, struct scope *s, st
         R->cont = true;
         return;
     case N_BLOCK:
-        exec_body(R, &n->body, s, o);
+        if (n->op & BLK_REQUIRED)
+            DIE(R, n->line, "required block '%s' not found", n->name);
+        /* a {% block %} has its own scope; unless scoped it sees the template's variables only */
+        exec_body(R, &n->body, !n->op ? s : new_scope(R, (n->op & BLK_SCOPED) ? s : R->root), o);
         return;
     default:
         DIE(R, n->line, "unexpected statement");

@@ -1,6 +1,7 @@
 /* A Jinja renderer for chat templates: the subset of Jinja2 that model publishers' templates use,
  * with the conventions of Hugging Face's apply_chat_template (trim_blocks, lstrip_blocks, loop
- * controls, raise_exception, strftime_now, tojson without ASCII escaping).
+ * controls, raise_exception, strftime_now, tojson without ASCII escaping); docs/jinja.md lists
+ * what is supported and what is refused.
  *
  *   struct jinja_tmpl *t;
  *   jinja_parse(src, len, &t, err, sizeof err);               once per template

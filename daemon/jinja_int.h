@@ -48,6 +48,7 @@ struct jlist;
 struct jdict;
 struct jloop;
 struct jmethod;
+struct jmacro;
 struct jnode;
 
 typedef struct jval {
@@ -60,7 +61,7 @@ typedef struct jval {
         struct jlist *l;
         struct jdict *d;    /* V_DICT, V_NS */
         struct jloop *lp;
-        const struct jnode *mac;
+        struct jmacro *mac;   /* a macro and the scope it was defined in */
         int fn;
         struct jmethod *me;
         const char *uname;  /* V_UNDEF: what was looked up, for messages (may be NULL) */
@@ -71,6 +72,7 @@ struct jlist {
     jval *v;
     size_t n;
     bool tuple;
+    bool group; /* groupby's (grouper, list) pair: a tuple with those two attributes */
 };
 
 struct jdict {
@@ -83,7 +85,9 @@ struct jdict {
 enum jnk {
     /* statements */
     N_TEXT, N_OUT, N_IF, N_FOR, N_SET, N_SETBLOCK, N_MACRO, N_FILTERBLOCK, N_BREAK, N_CONTINUE,
-    N_BLOCK, /* a body rendered as is ({% generation %}) */
+    N_BLOCK, /* a body: {% generation %} (op 0, rendered as is), {% block %} (op BLK_*) */
+    N_CALLBLOCK, /* {% call %}: a the macro call, c the caller (an N_MACRO) */
+    N_WITH,      /* {% with %}: targets, values in args */
     /* expressions */
     E_LIT, E_NAME, E_LIST, E_TUPLE, E_DICT, E_ATTR, E_ITEM, E_SLICE, E_CALL, E_FILTER, E_TEST,
     E_NOT, E_NEG, E_POS, E_BIN, E_AND, E_OR, E_COND, E_CONCAT,
@@ -92,6 +96,11 @@ enum jnk {
 enum jop { OP_ADD, OP_SUB, OP_MUL, OP_DIV, OP_FDIV, OP_MOD, OP_POW,
            OP_EQ, OP_NE, OP_LT, OP_LE, OP_GT, OP_GE, OP_IN, OP_NOTIN };
 
+/* What a macro's body names (N_MACRO's op): the special variables it then gets. */
+enum { MAC_CALLER = 1, MAC_VARARGS = 2, MAC_KWARGS = 4 };
+/* A {% block %} (N_BLOCK's op): its own scope, seeing the loop around it when scoped. */
+enum { BLK_NAMED = 1, BLK_SCOPED = 2, BLK_REQUIRED = 4 };
+
 struct jnlist {
     struct jnode **v;
     size_t n;
@@ -99,13 +108,14 @@ struct jnlist {
 
 struct jnode {
     uint8_t kind;
-    uint8_t op;        /* E_BIN: enum jop; E_TEST: negated */
+    uint8_t op;        /* E_BIN: enum jop; E_TEST: negated; N_FOR: recursive; N_MACRO: MAC_* */
     int line;
     int id;            /* E_FILTER / E_TEST: which one; N_FOR: number of targets */
     const char *name;  /* E_NAME, E_ATTR, E_FILTER, E_TEST, N_SET target, N_MACRO */
     const char *attr;  /* N_SET: namespace attribute (ns.attr) */
     jval lit;          /* E_LIT; N_TEXT (a string) */
-    struct jnode *a, *b, *c; /* operands; N_IF/N_FOR: a condition / iterable, b loop filter */
+    struct jnode *a, *b, *c; /* operands; N_IF/N_FOR: a condition / iterable, b loop filter;
+                              * calls, filters, tests: b *args, c **kwargs */
     struct jnlist args;      /* call / filter / test arguments; list, tuple, dict (k,v pairs) items */
     const char **kwnames;    /* keyword arguments: names, values in kwargs */
     struct jnlist kwargs;
@@ -119,6 +129,9 @@ struct jinja_tmpl {
     struct jbase b;
     struct jnlist body;
 };
+
+/* Writes cp as UTF-8 (1 to 4 bytes) at o; returns the length. */
+size_t j_put_utf8(char *o, unsigned long cp);
 
 /* Filters and tests are resolved at parse time (an unknown one is an error then). */
 int j_filter_id(const char *name);

@@ -96,7 +96,7 @@ static const char *const filter_names[] = {
     "float", "forceescape", "indent", "int", "items", "join", "last", "length", "list", "lower",
     "map", "max", "min", "reject", "rejectattr", "replace", "reverse", "round", "safe", "select",
     "selectattr", "sort", "string", "sum", "title", "tojson", "trim", "unique", "upper",
-    "wordcount", "center", "batch", NULL,
+    "wordcount", "center", "batch", "format", "slice", "truncate", "groupby", NULL,
 };
 static const char *const test_names[] = {
     "boolean", "callable", "defined", "divisibleby", "eq", "equalto", "escaped", "even", "false",
@@ -135,6 +135,9 @@ struct parser {
     struct tok *t;
     size_t n, cap, pos;
     int depth;
+    size_t refs[3]; /* names 'caller', 'varargs', 'kwargs' parsed so far */
+    const char *blocks[256]; /* names of the {% block %}s so far */
+    size_t n_blocks;
 };
 
 #define MAX_NEST 100
@@ -164,7 +167,7 @@ static int hexval(char c)
     return -1;
 }
 
-static size_t put_utf8(char *o, unsigned long cp)
+size_t j_put_utf8(char *o, unsigned long cp)
 {
     if (cp < 0x80) { o[0] = (char)cp; return 1; }
     if (cp < 0x800) { o[0] = (char)(0xc0 | (cp >> 6)); o[1] = (char)(0x80 | (cp & 0x3f)); return 2; }
@@ -224,7 +227,7 @@ static size_t lex_string(struct parser *P, size_t i, int *line)
             }
             if (d < w || cp > 0x10ffff || (cp >= 0xd800 && cp < 0xe000))
                 j_die(P->b, MOE_EFORMAT, (int)start_line, "bad \\%c escape in a string literal", c);
-            n += put_utf8(o + n, cp);
+            n += j_put_utf8(o + n, cp);
             break;
         }
         default:
@@ -237,7 +240,7 @@ static size_t lex_string(struct parser *P, size_t i, int *line)
                     k++;
                     d++;
                 }
-                n += put_utf8(o + n, cp);
+                n += j_put_utf8(o + n, cp);
             } else {
                 o[n++] = '\\';
                 o[n++] = c;
@@ -356,6 +359,72 @@ static size_t lex_tag(struct parser *P, size_t i, bool block, int *line, bool *s
     }
 }
 
+/* The text of a {% raw %} block from i (past the raw tag; strip_after: it ended with '-%}') up to
+ * {% endraw %}, as jinja2 takes it: no newline dropped after the raw tag, the end tag's
+ * lstrip_blocks and trim_blocks applied. Returns the index past the end tag. */
+static size_t lex_raw(struct parser *P, size_t i, bool strip_after, int *line)
+{
+    const char *s = P->src;
+    while (strip_after && i < P->len && is_ws(s[i])) {
+        if (s[i] == '\n')
+            (*line)++;
+        i++;
+    }
+    int text_line = *line;
+    for (size_t q = i; q + 1 < P->len; q++) {
+        if (s[q] != '{' || s[q + 1] != '%')
+            continue;
+        size_t k = q + 2;
+        char open = k < P->len && (s[k] == '-' || s[k] == '+') ? s[k] : 0;
+        if (open)
+            k++;
+        while (k < P->len && is_ws(s[k]))
+            k++;
+        if (P->len - k < 6 || memcmp(s + k, "endraw", 6))
+            continue;
+        k += 6;
+        while (k < P->len && is_ws(s[k]))
+            k++;
+        char close = k < P->len && (s[k] == '-' || s[k] == '+') ? s[k] : 0;
+        if (close)
+            k++;
+        if (k + 1 >= P->len || s[k] != '%' || s[k + 1] != '}')
+            continue;
+        size_t te = q;
+        if (open == '-') {
+            while (te > i && is_ws(s[te - 1]))
+                te--;
+        } else if (!open) {
+            size_t lp = te;
+            while (lp > i && s[lp - 1] != '\n')
+                lp--;
+            bool blank = true;
+            for (size_t x = lp; x < te; x++)
+                blank &= s[x] == ' ' || s[x] == '\t';
+            if (blank && (lp > i || (i > 0 && s[i - 1] == '\n')))
+                te = lp;
+        }
+        if (te > i)
+            push_tok(P, (struct tok){.k = T_TEXT, .line = text_line, .p = s + i, .n = te - i});
+        k += 2;
+        for (size_t x = i; x < k; x++)
+            if (s[x] == '\n')
+                (*line)++;
+        if (close == '-') {
+            while (k < P->len && is_ws(s[k])) {
+                if (s[k] == '\n')
+                    (*line)++;
+                k++;
+            }
+        } else if (close != '+' && k < P->len && s[k] == '\n') {
+            k++;
+            (*line)++;
+        }
+        return k;
+    }
+    j_die(P->b, MOE_EFORMAT, text_line, "missing 'endraw' (the template ended)");
+}
+
 static void lex(struct parser *P)
 {
     const char *s = P->src;
@@ -414,6 +483,16 @@ static void lex(struct parser *P)
         } else {
             push_tok(P, (struct tok){.k = block ? T_BBEGIN : T_VBEGIN, .line = line});
             end = lex_tag(P, p, block, &line, &strip_after, &keep_after);
+            struct tok *t3 = P->n >= 3 ? &P->t[P->n - 3] : NULL;
+            if (block && t3 && t3[0].k == T_BBEGIN && t3[1].k == T_NAME && !strcmp(t3[1].p, "raw") &&
+                t3[2].k == T_BEND) {
+                P->n -= 3;
+                i = lex_raw(P, end, strip_after, &line);
+                line_starting = i > 0 && s[i - 1] == '\n';
+                if (i == P->len)
+                    break;
+                continue;
+            }
         }
         i = end;
         if (strip_after) {
@@ -559,10 +638,17 @@ static void parse_call_args(struct parser *P, struct jnode *n)
 {
     expect_op(P, "(");
     size_t cap = 0, kcap = 0, kncap = 0;
-    while (more_items(P, ")", n->args.n + n->kwargs.n == 0)) {
-        if (is_op(cur(P), "*") || is_op(cur(P), "**"))
-            j_die(P->b, MOE_EUNSUPPORTED, cur(P)->line, "*args and **kwargs in calls are not supported");
-        if (cur(P)->k == T_NAME && is_op(nexttok(P), "=")) {
+    while (more_items(P, ")", n->args.n + n->kwargs.n == 0 && !n->b && !n->c)) {
+        if (is_op(cur(P), "*") || is_op(cur(P), "**")) { /* f(*seq, **mapping) */
+            bool two = cur(P)->p[1] == '*';
+            struct jnode **slot = two ? &n->c : &n->b;
+            if (*slot || (!two && n->c))
+                j_die(P->b, MOE_EFORMAT, cur(P)->line, "a misplaced or repeated %s in a call", two ? "**" : "*");
+            P->pos++;
+            *slot = parse_expr(P);
+        } else if (cur(P)->k == T_NAME && is_op(nexttok(P), "=")) {
+            if (n->c)
+                j_die(P->b, MOE_EFORMAT, cur(P)->line, "a keyword argument follows **");
             const char *k = P->t[P->pos].p;
             P->pos += 2;
             if (n->kwargs.n == kncap) {
@@ -576,8 +662,8 @@ static void parse_call_args(struct parser *P, struct jnode *n)
             nl_push(P, &n->kwargs, parse_expr(P), &kcap);
             n->kwnames[n->kwargs.n - 1] = k;
         } else {
-            if (n->kwargs.n)
-                j_die(P->b, MOE_EFORMAT, cur(P)->line, "a positional argument follows keyword arguments");
+            if (n->kwargs.n || n->b || n->c)
+                j_die(P->b, MOE_EFORMAT, cur(P)->line, "a positional argument follows keyword or * arguments");
             nl_push(P, &n->args, parse_expr(P), &cap);
         }
     }
@@ -730,6 +816,10 @@ static struct jnode *parse_primary(struct parser *P)
         else {
             n->kind = E_NAME;
             n->name = t->p;
+            static const char *const special[] = {"caller", "varargs", "kwargs"};
+            for (int k = 0; k < 3; k++)
+                if (!strcmp(t->p, special[k]))
+                    P->refs[k]++;
         }
         break;
     case T_STR: {
@@ -991,6 +1081,20 @@ static struct jnode *parse_filter_chain(struct parser *P)
     return chain;
 }
 
+/* Parameters up to ')' (the '(' consumed): names with optional defaults. */
+static void parse_params(struct parser *P, struct jnode *n)
+{
+    const char **params = j_alloc(P->b, 64 * sizeof *params);
+    size_t cap = 0;
+    while (more_items(P, ")", n->n_targets == 0)) {
+        if (n->n_targets == 64)
+            j_die(P->b, MOE_EUNSUPPORTED, cur(P)->line, "too many macro parameters");
+        params[n->n_targets++] = expect_ident(P, "a parameter name");
+        nl_push(P, &n->defaults, accept_op(P, "=") ? parse_expr(P) : NULL, &cap);
+    }
+    n->targets = params;
+}
+
 static struct jnode *parse_statement(struct parser *P)
 {
     struct tok *kw = cur(P);
@@ -1033,8 +1137,8 @@ static struct jnode *parse_statement(struct parser *P)
         n->a = parse_or(P);
         if (accept_name(P, "if"))
             n->b = parse_expr(P);
-        if (is_name(cur(P), "recursive"))
-            j_die(P->b, MOE_EUNSUPPORTED, cur(P)->line, "recursive loops are not supported");
+        if (accept_name(P, "recursive"))
+            n->op = 1;
         expect_bend(P);
         static const char *const ends[] = {"else", "endfor", NULL};
         const char *which;
@@ -1078,21 +1182,34 @@ static struct jnode *parse_statement(struct parser *P)
         struct jnode *n = mk(P, N_MACRO, line);
         n->name = expect_ident(P, "a macro name");
         expect_op(P, "(");
-        const char **params = j_alloc(P->b, 64 * sizeof *params);
-        size_t cap = 0;
-        while (more_items(P, ")", n->n_targets == 0)) {
-            if (n->n_targets == 64)
-                j_die(P->b, MOE_EUNSUPPORTED, cur(P)->line, "too many macro parameters");
-            params[n->n_targets++] = expect_ident(P, "a parameter name");
-            nl_push(P, &n->defaults, accept_op(P, "=") ? parse_expr(P) : NULL, &cap);
-        }
-        n->targets = params;
+        parse_params(P, n);
         expect_bend(P);
+        size_t refs[3];
+        memcpy(refs, P->refs, sizeof refs);
         static const char *const ends[] = {"endmacro", NULL};
         const char *which;
         n->body = parse_body(P, ends, &which);
+        for (int k = 0; k < 3; k++)
+            if (P->refs[k] != refs[k])
+                n->op |= (uint8_t)(1 << k);
         if (cur(P)->k == T_NAME)
             P->pos++;
+        expect_bend(P);
+        return n;
+    }
+    if (!strcmp(name, "call")) {
+        struct jnode *n = mk(P, N_CALLBLOCK, line), *c = mk(P, N_MACRO, line);
+        c->name = "caller";
+        if (accept_op(P, "("))
+            parse_params(P, c);
+        n->a = parse_expr(P);
+        if (n->a->kind != E_CALL)
+            j_die(P->b, MOE_EFORMAT, line, "{%% call %%} needs a macro call");
+        n->c = c;
+        expect_bend(P);
+        static const char *const ends[] = {"endcall", NULL};
+        const char *which;
+        c->body = parse_body(P, ends, &which);
         expect_bend(P);
         return n;
     }
@@ -1104,6 +1221,62 @@ static struct jnode *parse_statement(struct parser *P)
         const char *which;
         n->body = parse_body(P, ends, &which);
         expect_bend(P);
+        return n;
+    }
+    if (!strcmp(name, "with")) { /* {% with a = 1, b = x %}: a scope with those variables */
+        struct jnode *n = mk(P, N_WITH, line);
+        const char **names = j_alloc(P->b, 64 * sizeof *names);
+        size_t cap = 0;
+        while (cur(P)->k != T_BEND) {
+            if (n->n_targets == 64)
+                j_die(P->b, MOE_EUNSUPPORTED, cur(P)->line, "too many with targets");
+            if (n->n_targets)
+                expect_op(P, ",");
+            names[n->n_targets++] = expect_ident(P, "a variable name");
+            expect_op(P, "=");
+            nl_push(P, &n->args, parse_expr(P), &cap);
+        }
+        n->targets = names;
+        expect_bend(P);
+        static const char *const ends[] = {"endwith", NULL};
+        const char *which;
+        n->body = parse_body(P, ends, &which);
+        expect_bend(P);
+        return n;
+    }
+    if (!strcmp(name, "block")) { /* without extends: rendered in place */
+        struct jnode *n = mk(P, N_BLOCK, line);
+        n->name = expect_ident(P, "a block name");
+        n->op = BLK_NAMED;
+        for (size_t i = 0; i < P->n_blocks; i++)
+            if (!strcmp(P->blocks[i], n->name))
+                j_die(P->b, MOE_EFORMAT, line, "block '%s' defined twice", n->name);
+        if (P->n_blocks == sizeof P->blocks / sizeof P->blocks[0])
+            j_die(P->b, MOE_EUNSUPPORTED, line, "more than %zu blocks", P->n_blocks);
+        P->blocks[P->n_blocks++] = n->name;
+        for (;;) {
+            if (accept_name(P, "scoped"))
+                n->op |= BLK_SCOPED;
+            else if (accept_name(P, "required"))
+                n->op |= BLK_REQUIRED;
+            else
+                break;
+        }
+        expect_bend(P);
+        static const char *const ends[] = {"endblock", NULL};
+        const char *which;
+        n->body = parse_body(P, ends, &which);
+        if (cur(P)->k == T_NAME)
+            P->pos++;
+        expect_bend(P);
+        for (size_t i = 0; (n->op & BLK_REQUIRED) && i < n->body.n; i++) {
+            const struct jnode *b = n->body.v[i];
+            bool blank = b->kind == N_TEXT;
+            for (size_t k = 0; blank && k < b->lit.u.s->len; k++)
+                blank = strchr(" \t\n\r\v\f", b->lit.u.s->s[k]) != NULL;
+            if (!blank)
+                j_die(P->b, MOE_EFORMAT, line, "required blocks can only contain comments or whitespace");
+        }
         return n;
     }
     if (!strcmp(name, "generation")) {
@@ -1120,9 +1293,8 @@ static struct jnode *parse_statement(struct parser *P)
         expect_bend(P);
         return n;
     }
-    static const char *const unsupported[] = {"call", "include", "import", "from", "extends",
-                                              "block", "raw", "with", "do", "autoescape", "trans",
-                                              NULL};
+    static const char *const unsupported[] = {"include", "import", "from", "extends", "do",
+                                              "autoescape", "trans", NULL};
     for (int i = 0; unsupported[i]; i++)
         if (!strcmp(name, unsupported[i]))
             j_die(P->b, MOE_EUNSUPPORTED, line, "the '%s' statement is not supported", name);

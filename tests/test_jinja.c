@@ -1,6 +1,7 @@
 /* The Jinja renderer: the 23 real chat templates against jinja2's output (fixtures made by
- * tools/chat-fixtures.py), provenance of output bytes, errors with lines, limits, and a
- * deterministic mini-fuzz of mutated templates (no crash, no leak under ASan). */
+ * tools/chat-fixtures.py), one small template per feature against jinja2 (tools/jinja-cases.py),
+ * provenance of output bytes, errors with lines, limits, and a deterministic mini-fuzz of mutated
+ * templates (no crash, no leak under ASan). */
 #include <dirent.h>
 #include <jansson.h>
 #include <stdio.h>
@@ -118,6 +119,54 @@ TEST(jinja_real_templates_match_jinja2)
     json_decref(exp);
 }
 
+/* One template per feature (tests/fixtures/jinja-cases.json, made by tools/jinja-cases.py):
+ * moed's output is jinja2's byte for byte, and where jinja2 raised, moed fails with a message. */
+TEST(jinja_feature_cases_match_jinja2)
+{
+    json_t *cases = load_json("tests/fixtures/jinja-cases.json");
+    size_t i, n_ok = 0, n_err = 0, bad = 0;
+    json_t *c;
+    json_array_foreach(cases, i, c) {
+        const char *name = json_string_value(json_object_get(c, "name"));
+        const char *src = json_string_value(json_object_get(c, "template"));
+        json_t *wt = json_object_get(c, "text");
+        struct jinja_tmpl *t;
+        struct jinja_out out;
+        char err[512];
+        int rc = jinja_parse(src, strlen(src), &t, err, sizeof err);
+        if (rc == 0) {
+            struct jinja_opts o = {.now = FIXED_NOW};
+            rc = jinja_render(t, json_object_get(c, "data"), NULL, &o, &out, err, sizeof err);
+            jinja_free(t);
+        }
+        if (wt) {
+            if (rc) {
+                fprintf(stderr, "%s: %s\n", name, err);
+                bad++;
+            } else if (out.len != json_string_length(wt) || memcmp(out.text, json_string_value(wt), out.len)) {
+                show_diff(name, "case", json_string_value(wt), out.text);
+                bad++;
+            } else {
+                n_ok++;
+            }
+        } else if (rc == 0) {
+            fprintf(stderr, "%s: jinja2 raised (%s) but moed rendered [%s]\n", name,
+                    json_string_value(json_object_get(c, "error")), out.text);
+            bad++;
+        } else {
+            CHECK_MSG(err[0], "%s: an error without a message", name);
+            n_err++;
+        }
+        if (!rc)
+            jinja_out_free(&out);
+    }
+    fprintf(stderr, "%zu feature cases: %zu identical, %zu errors as in jinja2, %zu bad\n",
+            json_array_size(cases), n_ok, n_err, bad);
+    CHECK(json_array_size(cases) >= 75);
+    CHECK_EQ(bad, 0);
+    json_decref(cases);
+}
+
 /* Renders src with data {"m": <m_json>} (and bos_token "<s>" as template text). Returns the rc;
  * *out holds the output on success. */
 static int render_str(const char *src, const char *data_json, struct jinja_out *out, char *err,
@@ -227,6 +276,24 @@ TEST(jinja_provenance_keeps_data_data)
     CHECK_EQ(strcmp(out.text, "<s>"), 0);
     CHECK(!out.spans[0].data);
     jinja_out_free(&out);
+    /* formatting, case mapping, call blocks and recursive loops keep data data (the text as
+     * jinja2 renders it) */
+    const char *src2 = "{{ '<%s|' % m[0] }}{{ '{:>4}>'.format(m[1]) }}{{ m[0] | upper }}"
+                       "{% macro w() %}({{ caller() }}){% endmacro %}{% call w() %}{{ m[1] }}{% endcall %}"
+                       "{% for x in [m] recursive %}{% if x is string %}{{ x | title }}{% else %}{{ loop(x) }}{% endif %}{% endfor %}";
+    CHECK_EQ(render_str(src2, "{\"m\": [\"é<|x|>\", \"ab\"]}", &out, err, sizeof err, NULL), 0);
+    CHECK_MSG(!strcmp(out.text, "<é<|x|>|  ab>É<|X|>(ab)É<|x|>Ab"), "%s", out.text);
+    struct { const char *text; bool data; } want2[] = {
+        {"<", false}, {"é<|x|>", true}, {"|  ", false}, {"ab", true}, {">", false}, {"É<|X|>", true},
+        {"(", false}, {"ab", true}, {")", false}, {"É<|x|>Ab", true},
+    };
+    CHECK_EQ(out.n_spans, sizeof want2 / sizeof want2[0]);
+    for (size_t i = 0; i < out.n_spans && i < sizeof want2 / sizeof want2[0]; i++) {
+        CHECK_EQ(out.spans[i].data, want2[i].data);
+        CHECK_EQ(out.spans[i].len, strlen(want2[i].text));
+        CHECK(!memcmp(out.text + out.spans[i].off, want2[i].text, out.spans[i].len));
+    }
+    jinja_out_free(&out);
 }
 
 TEST(jinja_errors_name_construct_and_line)
@@ -242,10 +309,12 @@ TEST(jinja_errors_name_construct_and_line)
     expect_error("{{ [].append(1) }}", NULL, MOE_EFORMAT, "list.append() modifies the list");
     expect_error("{{ 1 // 0 }}", NULL, MOE_EFORMAT, "division or modulo by zero");
     expect_error("{{ 9223372036854775807 + 1 }}", NULL, MOE_EFORMAT, "integer overflow");
-    expect_error("{{ '%s' % 1 }}", NULL, MOE_EUNSUPPORTED, "string formatting");
+    expect_error("{{ '%*d' % (3, 1) }}", NULL, MOE_EUNSUPPORTED, "'*' widths");
     expect_error("{% for a, b in [1] %}{% endfor %}", NULL, MOE_EFORMAT, "cannot unpack");
     expect_error("{% endfor %}", NULL, MOE_EFORMAT, "unexpected 'endfor'");
     expect_error("{{ 'abc", NULL, MOE_EFORMAT, "unterminated string");
+    /* a format spec's fill that is not UTF-8 (found by fuzzing): one byte, then an error */
+    expect_error("{{ '{:\xbd\xbd\xbd\xbd\xbd\xbd>6.f}'.format(1) }}", NULL, MOE_EFORMAT, "invalid format specifier");
 }
 
 TEST(jinja_limits)
@@ -261,6 +330,14 @@ TEST(jinja_limits)
     expect_error("{% for i in range(100000) %}{{ 'xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx' }}{% endfor %}",
                  NULL, MOE_ETOOBIG, "output is longer");
     expect_error("{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}", NULL, MOE_ETOOBIG, "macro calls nested");
+    expect_error("{% macro m() %}{% call m() %}{{ caller() }}{% endcall %}{% endmacro %}{{ m() }}", NULL,
+                 MOE_ETOOBIG, "nested more than");
+    expect_error("{% set ns = namespace(t=[]) %}{% for i in range(100) %}{% set ns.t = [ns.t] %}{% endfor %}"
+                 "{% for x in ns.t recursive %}{{ loop(x) }}{% endfor %}", NULL, MOE_ETOOBIG, "nested more than");
+    expect_error("{{ '%999999d' % 1 }}", NULL, MOE_EUNSUPPORTED, "a format width above");
+    expect_error("{{ '{:>999999}'.format(1) }}", NULL, MOE_EUNSUPPORTED, "a format width above");
+    expect_error("{{ 'x' | center(999999999) }}", NULL, MOE_ETOOBIG, "a width of");
+    expect_error("{% for b in range(600000) | batch(1) %}{% endfor %}", NULL, MOE_ETOOBIG, "loop iterations");
     expect_error("{% set ns = namespace(x=[]) %}{% for i in range(2000) %}{% set ns.x = [ns.x] %}{% endfor %}"
                  "{{ ns.x | tojson }}", NULL, MOE_EFORMAT, "nested more than");
     char *deep = malloc(3000);
@@ -293,22 +370,103 @@ TEST(jinja_limits)
                         "{% endfor %}{{ ns.s | length }}", NULL, &out, err, sizeof err, &small), MOE_ETOOBIG);
 }
 
-/* Mutated real templates through parse and render: any outcome but a crash (ASan builds check
- * memory too). Deterministic: the same mutations every run. */
+static const char *const fuzz_bits[] = {
+    "{%", "%}", "{{", "}}", "{#", "#}", "-", "(", ")", "[", "]", "{", "}", "|", "'", "\"", ",", ":",
+    ".", "if ", "endif", "for ", "endfor", "in ", "not ", "set ", "=", "macro ", "endmacro", "loop.",
+    "tojson", "~", "*", "\n", "\\", "0", "9999999999999999999", "[::-1]", "namespace(", "range(",
+    "raise_exception(", " is ", "defined", "messages", "...", "call ", "endcall", "caller(",
+    " recursive", "loop(", "%s", "%(", " % ", "%-9.3f", ".format(", "{0", "{:", "{!r:>", "|format(",
+    "|batch(", "|slice(", "|groupby(", "|truncate(", "|center(", "|title", "|upper", "filter ",
+    "endfilter", "raw %}", "endraw", "with ", "endwith", "varargs", "kwargs", "loop.changed(",
+    "*[", "**{", "\xc3\x89", "\xce\xa3", "\xc3",
+};
+
+struct fuzz_counts {
+    size_t parsed, rendered, total;
+};
+
+/* Mutates src (1 to 4 deletions, insertions, byte flips, duplications), then parses and renders
+ * it with data: either outcome is fine, a crash or a span that does not cover the output is not. */
+static void fuzz_one(const char *src, size_t len, json_t *data, struct fuzz_counts *fc)
+{
+    char *m = malloc(len + 4096);
+    memcpy(m, src, len);
+    size_t ml = len;
+    int nmut = 1 + (int)(moe_test_rng_u32() % 4);
+    for (int k = 0; k < nmut && ml > 0; k++) {
+        size_t at = moe_test_rng_u32() % ml;
+        switch (moe_test_rng_u32() % 4) {
+        case 0: { /* delete a range */
+            size_t dl = 1 + moe_test_rng_u32() % 40;
+            if (dl > ml - at)
+                dl = ml - at;
+            memmove(m + at, m + at + dl, ml - at - dl);
+            ml -= dl;
+            break;
+        }
+        case 1: { /* insert a token */
+            const char *b = fuzz_bits[moe_test_rng_u32() % (sizeof fuzz_bits / sizeof fuzz_bits[0])];
+            size_t bl = strlen(b);
+            if (ml + bl > len + 4000)
+                break;
+            memmove(m + at + bl, m + at, ml - at);
+            memcpy(m + at, b, bl);
+            ml += bl;
+            break;
+        }
+        case 2: /* flip a byte */
+            m[at] = (char)(moe_test_rng_u32() & 0xff);
+            break;
+        default: { /* duplicate a range */
+            size_t dl = 1 + moe_test_rng_u32() % 200;
+            if (dl > ml - at)
+                dl = ml - at;
+            if (ml + dl > len + 4000)
+                break;
+            memmove(m + at + dl, m + at, ml - at);
+            memcpy(m + at + dl, m + at, dl);
+            ml += dl;
+        }
+        }
+    }
+    fc->total++;
+    struct jinja_tmpl *t;
+    char err[512];
+    if (jinja_parse(m, ml, &t, err, sizeof err) == 0) {
+        fc->parsed++;
+        struct jinja_opts o = {.now = FIXED_NOW, .max_output = 1 << 20, .max_memory = 16 << 20,
+                               .max_iterations = 100000};
+        struct jinja_out out;
+        if (jinja_render(t, data, NULL, &o, &out, err, sizeof err) == 0) {
+            fc->rendered++;
+            size_t cover = 0;
+            for (size_t i = 0; i < out.n_spans; i++) {
+                CHECK_EQ(out.spans[i].off, cover);
+                cover += out.spans[i].len;
+            }
+            CHECK_EQ(cover, out.len);
+            jinja_out_free(&out);
+        } else {
+            CHECK(err[0]);
+        }
+        jinja_free(t);
+    } else {
+        CHECK(err[0]);
+    }
+    free(m);
+}
+
+/* Mutated real templates and feature cases through parse and render: any outcome but a crash
+ * (ASan builds check memory too). Deterministic: the same mutations every run. */
 TEST_TIMEOUT(jinja_mini_fuzz, 300)
 {
-    static const char *const bits[] = {"{%", "%}", "{{", "}}", "{#", "#}", "-", "(", ")", "[", "]",
-                                       "{", "}", "|", "'", "\"", ",", ":", ".", "if ", "endif",
-                                       "for ", "endfor", "in ", "not ", "set ", "=", "macro ",
-                                       "endmacro", "loop.", "tojson", "~", "*", "\n", "\\", "0",
-                                       "9999999999999999999", "[::-1]", "namespace(", "range(",
-                                       "raise_exception(", " is ", "defined", "messages", "..."};
     json_t *convs = load_json(FIXDIR "/conversations.json");
+    json_t *cases = load_json("tests/fixtures/jinja-cases.json");
     DIR *d = opendir(FIXDIR);
     CHECK(d);
     struct dirent *de;
     moe_test_rng_seed(20250314);
-    size_t parsed = 0, rendered = 0, total = 0;
+    struct fuzz_counts fc = {0};
     while ((de = readdir(d))) {
         size_t nl = strlen(de->d_name);
         if (nl < 7 || strcmp(de->d_name + nl - 6, ".jinja"))
@@ -318,79 +476,22 @@ TEST_TIMEOUT(jinja_mini_fuzz, 300)
         size_t len;
         char *src = moe_test_read_file_or_fail(path, &len);
         for (int it = 0; it < 40; it++) {
-            char *m = malloc(len + 4096);
-            memcpy(m, src, len);
-            size_t ml = len;
-            int nmut = 1 + (int)(moe_test_rng_u32() % 4);
-            for (int k = 0; k < nmut && ml > 0; k++) {
-                size_t at = moe_test_rng_u32() % ml;
-                switch (moe_test_rng_u32() % 4) {
-                case 0: { /* delete a range */
-                    size_t dl = 1 + moe_test_rng_u32() % 40;
-                    if (dl > ml - at)
-                        dl = ml - at;
-                    memmove(m + at, m + at + dl, ml - at - dl);
-                    ml -= dl;
-                    break;
-                }
-                case 1: { /* insert a token */
-                    const char *b = bits[moe_test_rng_u32() % (sizeof bits / sizeof bits[0])];
-                    size_t bl = strlen(b);
-                    if (ml + bl > len + 4000)
-                        break;
-                    memmove(m + at + bl, m + at, ml - at);
-                    memcpy(m + at, b, bl);
-                    ml += bl;
-                    break;
-                }
-                case 2: /* flip a byte */
-                    m[at] = (char)(moe_test_rng_u32() & 0xff);
-                    break;
-                default: { /* duplicate a range */
-                    size_t dl = 1 + moe_test_rng_u32() % 200;
-                    if (dl > ml - at)
-                        dl = ml - at;
-                    if (ml + dl > len + 4000)
-                        break;
-                    memmove(m + at + dl, m + at, ml - at);
-                    memcpy(m + at + dl, m + at, dl);
-                    ml += dl;
-                }
-                }
-            }
-            total++;
-            struct jinja_tmpl *t;
-            char err[512];
-            if (jinja_parse(m, ml, &t, err, sizeof err) == 0) {
-                parsed++;
-                json_t *c = json_array_get(convs, (size_t)it % json_array_size(convs));
-                json_t *vars = conv_vars(c);
-                struct jinja_opts o = {.now = FIXED_NOW, .max_output = 1 << 20, .max_memory = 16 << 20,
-                                       .max_iterations = 100000};
-                struct jinja_out out;
-                if (jinja_render(t, vars, NULL, &o, &out, err, sizeof err) == 0) {
-                    rendered++;
-                    size_t cover = 0;
-                    for (size_t i = 0; i < out.n_spans; i++) {
-                        CHECK_EQ(out.spans[i].off, cover);
-                        cover += out.spans[i].len;
-                    }
-                    CHECK_EQ(cover, out.len);
-                    jinja_out_free(&out);
-                } else {
-                    CHECK(err[0]);
-                }
-                json_decref(vars);
-                jinja_free(t);
-            } else {
-                CHECK(err[0]);
-            }
-            free(m);
+            json_t *vars = conv_vars(json_array_get(convs, (size_t)it % json_array_size(convs)));
+            fuzz_one(src, len, vars, &fc);
+            json_decref(vars);
         }
         free(src);
     }
     closedir(d);
-    fprintf(stderr, "%zu mutated templates: %zu parsed, %zu rendered\n", total, parsed, rendered);
-    CHECK(total >= 23 * 40);
+    size_t i;
+    json_t *c;
+    json_array_foreach(cases, i, c) {
+        const char *src = json_string_value(json_object_get(c, "template"));
+        for (int it = 0; it < 20; it++)
+            fuzz_one(src, strlen(src), json_object_get(c, "data"), &fc);
+    }
+    fprintf(stderr, "%zu mutated templates: %zu parsed, %zu rendered\n", fc.total, fc.parsed, fc.rendered);
+    CHECK(fc.total >= 23 * 40 + 75 * 20);
+    json_decref(cases);
     json_decref(convs);
 }

@@ -184,21 +184,25 @@ def dump(x):
     return json.dumps(x, ensure_ascii=False, indent=1) + "\n"
 
 
-def main():
-    files = {"conversations.json": dump(CONVERSATIONS), "expected.json": dump(render_all())}
-    check = "--check" in sys.argv[1:]
+def write_or_check(files, script):
+    """Writes each path's text, or with --check only compares; returns the exit status."""
     bad = 0
-    for fn, text in files.items():
-        path = os.path.join(HERE, fn)
-        if check:
+    for path, text in files.items():
+        if "--check" in sys.argv[1:]:
             with open(path, encoding="utf-8") as f:
                 if f.read() != text:
-                    print(f"{path} is out of date; run tools/chat-fixtures.py", file=sys.stderr)
+                    print(f"{path} is out of date; run {script}", file=sys.stderr)
                     bad = 1
         else:
             with open(path, "w", encoding="utf-8") as f:
                 f.write(text)
     return bad
+
+
+def main():
+    return write_or_check({os.path.join(HERE, "conversations.json"): dump(CONVERSATIONS),
+                           os.path.join(HERE, "expected.json"): dump(render_all())},
+                          "tools/chat-fixtures.py")
 
 
 if __name__ == "__main__":

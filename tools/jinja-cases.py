@@ -1,0 +1,224 @@
+#!/usr/bin/env python3
+"""Renders small templates, one per Jinja feature, with Python's jinja2 in the environment that
+tools/chat-fixtures.py sets up (Hugging Face's: trim_blocks, lstrip_blocks, loop controls,
+raise_exception, tojson without ASCII escaping); writes tests/fixtures/jinja-cases.json (each
+case's template, data variables and jinja2's output, or the error it raised). tests/test_jinja.c
+renders the same with moed's renderer and compares byte for byte.
+
+    tools/jinja-cases.py            regenerate the fixture
+    tools/jinja-cases.py --check    fail when the committed fixture differs"""
+import importlib.util
+import json
+import os
+import sys
+
+TOOLS = os.path.dirname(os.path.abspath(__file__))
+OUT = os.path.join(TOOLS, "..", "tests", "fixtures", "jinja-cases.json")
+
+spec = importlib.util.spec_from_file_location("chat_fixtures", os.path.join(TOOLS, "chat-fixtures.py"))
+chat_fixtures = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(chat_fixtures)
+
+TREE = [{"name": "a", "children": [{"name": "a1", "children": []},
+                                   {"name": "a2", "children": [{"name": "a2x", "children": []}]}]},
+        {"name": "b", "children": []}]
+PEOPLE = [{"name": "Ann", "city": "Paris", "age": 31}, {"name": "bob", "city": "berlin", "age": 25},
+          {"name": "Cy", "city": "paris", "age": 40}, {"name": "Di", "city": "Berlin", "age": 19}]
+
+# (name, template[, data])
+CASES = [
+    # the % operator
+    ("pct_s", "{{ '%s' % 'x' }}|{{ '%s' % 3 }}|{{ '%s' % none }}|{{ '%s' % [1, 'a'] }}|{{ '%s' % 1.5 }}"),
+    ("pct_d", "{{ '%d items' % 3 }}|{{ '%d' % 3.9 }}|{{ '%i' % -7 }}|{{ '%+d' % 5 }}|{{ '%05d' % 42 }}|{{ '%-5d|' % 42 }}|{{ '%5d' % -42 }}"),
+    ("pct_f", "{{ '%.2f' % 3.14159 }}|{{ '%f' % 2 }}|{{ '%8.3f' % -1.5 }}|{{ '%-8.1f|' % 2.25 }}|{{ '%.0f' % 2.5 }}|{{ '%+.1f' % 1 }}"),
+    ("pct_tuple", "{{ '%s and %s' % ('a', 'b') }}|{{ '%s=%d' % ('n', 4) }}|{{ '(%s)' % ((1, 2),) }}"),
+    ("pct_other", "{{ '%x %X %o %c %%' % (255, 255, 8, 65) }}|{{ '%r' % 'a' }}|{{ '%5s|%-5s|' % ('ab', 'cd') }}|{{ '%.1s' % 'xyz' }}"),
+    ("pct_e_g", "{{ '%e' % 12345.678 }}|{{ '%.2e' % 0.000123 }}|{{ '%g' % 0.0001 }}|{{ '%g' % 1234567.0 }}|{{ '%g' % 100 }}|{{ '%.3g' % 3.14159 }}"),
+    ("pct_dict", "{{ '%(name)s is %(age)d' % {'name': 'Ann', 'age': 31} }}"),
+    ("pct_data", "{{ 'Hi %s, you are %d' % (m.name, m.age) }}", {"m": {"name": "Zoë", "age": 7}}),
+    ("pct_too_few", "{{ '%s %s' % ('a',) }}"),
+    ("pct_too_many", "{{ '%s' % ('a', 'b') }}"),
+    ("pct_bad_type", "{{ '%d' % 'x' }}"),
+    ("pct_format_filter", "{{ '%s-%s' | format(1, 'b') }}|{{ '%(a)s!' | format(a='x') }}|{{ '%.1f' | format(2) }}"),
+    # str.format
+    ("pct_edge", "{{ '%5.1s|%-6.2f|%+05d|% d|%#x|%#o|%3c' % ('xyz', 1.234, 7, 3, 255, 8, 'q') }}|{{ '%s%%' % 50 }}|{{ '%(a)s %(a)r' % {'a': 'v'} }}|{{ 'none' % {} }}"),
+    ("pct_octal_prefix", "{{ '%#06o|%-#6o|%#o|%#X' % (8, 8, -8, 255) }}"),
+    ("pct_more", "{{ '%d|%s|%.3s|%x|%e|%g|%r|%r|%s' % (true, true, 12345, -255, 0, 1e16, 1.5, [1, 'a'], ((),)) }}|{{ '' % () }}|{{ '%-+6d|%06.2f|%5.0e' % (3, -1.5, 12345) }}"),
+    ("pct_char_string", "{{ '%c' % 'ab' }}"),
+    ("pct_empty_tuple", "{{ '%s' % () }}"),
+    ("pct_unknown_conv", "{{ '%y' % 1 }}"),
+    ("pct_missing_key", "{{ '%(b)s' % {'a': 1} }}"),
+    ("pct_not_mapping", "{{ '%(a)s' % (1,) }}"),
+    ("fmt_positional", "{{ '{} {}'.format('a', 1) }}|{{ '{0}{1}{0}'.format('a', 'b') }}|{{ '{}'.format(none) }}|{{ '{}'.format([1, 'x']) }}"),
+    ("fmt_named", "{{ '{name} is {age}'.format(name='Ann', age=31) }}|{{ '{0} {x}'.format(1, x=2) }}"),
+    ("fmt_spec", "{{ '{:>5}|{:<5}|{:^5}|{:05d}|{:.2f}'.format('a', 'b', 'c', 42, 3.14159) }}|{{ '{:*^9}'.format('mid') }}|{{ '{:x}'.format(255) }}|{{ '{:+d}'.format(3) }}"),
+    ("fmt_escape_conv", "{{ '{{literal}} {}'.format(1) }}|{{ '{!r}'.format('a') }}|{{ '{!s}'.format(2) }}|{{ '{:>6.2f}'.format(1.005) }}"),
+    ("fmt_index", "{{ '{0[x]} {1[1]} {0.x}'.format({'x': 'X'}, [1, 2]) }}"),
+    ("fmt_data", "{{ '<{}>'.format(m) }}", {"m": "dätä"}),
+    ("fmt_missing", "{{ '{} {}'.format(1) }}"),
+    # call blocks
+    ("fmt_numbers", "{{ '{:5}|{:<5}|{:=+8.2f}|{:#x}|{:08.3f}|{:e}|{:.1%}|{:g}|{:.3}|{: d}|{:c}'.format(42, 1.5, 3.14159, 255, -2.5, 1234.5, 0.256, 0.00001234, 3.14159, 7, 65) }}"),
+    ("fmt_strings", "{{ '[{:10}]|[{:>10.3}]|[{:_<6}]|[{:\u00e9^7}]'.format('left', 'truncated', 'ab', 'mid') }}|{{ '{}{}'.format(true, none) }}|{{ '{:d}'.format(true) }}"),
+    ("fmt_more", "{{ '{:.2}|{:.2}|{:.3}|{}|{:}|{:5}|{:<5}|{!r:>6}'.format(3.0, 1e20, 2.5, 1e16, none, true, false, 'q') }}|{{ '{:^6}|{:^7}|{:*>3}|{:.0f}|{:.0f}'.format('ab', 'ab', 'toolong', 2.5, 3.5) }}"),
+    ("fmt_mixed_numbering", "{{ '{}{0}'.format(1) }}"),
+    ("pct_hex_octal", "{{ '%x|%#x|%#X|%.4x|%#8x|%-#8o|%#08x|%+x|%o' % (-255, -255, 255, 10, 255, 8, 255, 5, -8) }}"),
+    ("fmt_none_spec", "{{ '{:5}'.format(none) }}"),
+    ("fmt_bad_code", "{{ '{:d}'.format('x') }}"),
+    ("fmt_single_brace", "{{ 'a } b'.format() }}"),
+    ("fmt_missing_key", "{{ '{x}'.format(y=1) }}"),
+    ("call_simple", "{% macro wrap(tag) %}<{{ tag }}>{{ caller() }}</{{ tag }}>{% endmacro %}{% call wrap('b') %}bold{% endcall %}"),
+    ("call_args", "{% macro each(items) %}{% for i in items %}{{ caller(i, loop.index) }}{% endfor %}{% endmacro %}"
+                  "{% call(x, n) each(['a', 'b']) %}[{{ n }}:{{ x }}]{% endcall %}"),
+    ("call_outer_vars", "{% set y = 5 %}{% macro twice() %}{{ caller() }}{{ caller() }}{% endmacro %}"
+                        "{% for i in [1, 2] %}{% call twice() %}{{ i }}{{ y }}{% endcall %};{% endfor %}"),
+    ("call_whitespace", "{% macro box() %}\n  [{{ caller() }}]\n{% endmacro %}\n{% call box() %}\n  inner\n{% endcall %}\nend"),
+    ("call_kwargs", "{% macro m(a, b='B') %}{{ a }}{{ b }}{{ caller() }}{% endmacro %}{% call m(b='x', a='y') %}!{% endcall %}"),
+    ("call_nested", "{% macro w(t) %}<{{ t }}>{{ caller() }}</{{ t }}>{% endmacro %}{% call w('a') %}{% call w('b') %}x{% endcall %}{% endcall %}"),
+    ("call_no_caller_param", "{% macro m() %}plain{% endmacro %}{% call m() %}x{% endcall %}"),
+    ("caller_undefined", "{% macro m() %}[{{ caller is defined }}]{% endmacro %}{{ m() }}"),
+    # recursive loops
+    ("call_in_loop_and_macro", "{% macro li(x) %}<li>{{ caller(x | upper) }}</li>{% endmacro %}{% macro ul(xs) %}<ul>{% for x in xs %}{% call(y) li(x) %}{{ y }}{{ loop.index }}{% endcall %}{% endfor %}</ul>{% endmacro %}{{ ul(['a', 'b']) }}"),
+    ("call_caller_default", "{% macro m() %}{{ caller() }}{{ caller('z') }}{% endmacro %}{% call(v='d') m() %}[{{ v }}]{% endcall %}"),
+    ("call_not_macro", "{% call range(3) %}x{% endcall %}"),
+    ("recursive", "{% for item in tree recursive %}{{ item.name }}{% if item.children %}({{ loop(item.children) }}){% endif %}"
+                  "{% if not loop.last %},{% endif %}{% endfor %}", {"tree": TREE}),
+    ("recursive_depth", "{% for item in tree recursive %}{{ loop.depth }}{{ loop.depth0 }}{{ item.name }}/{{ loop.index }}"
+                        "{{ loop(item.children) }};{% endfor %}", {"tree": TREE}),
+    ("recursive_filter_else", "{% for item in tree if item.name != 'a1' recursive %}{{ item.name }}"
+                              "[{{ loop(item.children) }}]{% else %}-{% endfor %}", {"tree": TREE}),
+    ("recursive_lines", "{% for item in tree recursive %}\n{{ '  ' * loop.depth0 }}- {{ item.name }}\n"
+                        "{% if item.children %}\n{{ loop(item.children) }}{% endif %}\n{% endfor %}", {"tree": TREE}),
+    ("macro_varargs_kwargs", "{% macro m(a) %}{{ a }}|{{ varargs }}|{{ kwargs | dictsort }}{% endmacro %}{{ m(1, 2, 3, x=4, a2=5) }}|{{ m(0) }}"),
+    ("call_splats", "{{ range(*[1, 4]) | list }}|{% macro m(a, b, c='C') %}{{ a }}{{ b }}{{ c }}{% endmacro %}{{ m(*[1], **{'b': 2}) }}{{ m(0, *[1, 2]) }}{{ m(c='z', **{'a': 'x', 'b': 'y'}) }}"
+                    "|{{ 'x{}{}'.format(*['a', 'b']) }}|{{ '{k}'.format(**{'k': 'v'}) }}|{{ dict(b=2, **{'a': 1}) | dictsort }}|{{ [1, 2] | join(*['-']) }}|{{ 'a' is in(*['abc']) }}"),
+    ("call_keyword_after_splat", "{{ dict(**{'a': 1}, b=2) }}"),
+    ("call_splat_not_mapping", "{{ range(**[1]) }}"),
+    ("call_splat_duplicate", "{% macro m(a) %}{% endmacro %}{{ m(a=1, **{'a': 2}) }}"),
+    ("macro_no_varargs", "{% macro m(a) %}{{ a }}{% endmacro %}{{ m(1, 2) }}"),
+    ("macro_no_kwargs", "{% macro m(a) %}{{ a }}{% endmacro %}{{ m(1, b=2) }}"),
+    ("loop_changed", "{% for p in people | sort(attribute='city') %}{% if loop.changed(p.city | lower) %}[{{ p.city }}]{% endif %}{{ p.name }} {% endfor %}", {"people": PEOPLE}),
+    ("with_block", "{% set a = 1 %}{% with a = 2, b = a %}{{ a }}{{ b }}{% set c = 3 %}{{ c }}{% endwith %}{{ a }}{{ c is defined }}"),
+    ("with_whitespace", "<\n  {% with x = 'v' %}\n  {{ x }}\n  {% endwith %}\n>"),
+    ("raw_block", "a\n  {% raw %}\n  {{ x }} {% if %}\n  {% endraw %}\nb|{% raw %}{% endraw %}|{%raw%}x{%endraw%}|{% raw %}{# c #}{% endraw +%}\n."),
+    ("raw_minus", "a {%- raw -%}  {{ y }}  {%- endraw -%} b|{%- raw %} {% endraw -%} c"),
+    ("raw_unterminated", "{% raw %}{{ x }}"),
+    ("block_in_place", "{% set a = 1 %}{% block b %}[{{ a }}]{% endblock %}{% for x in [1, 2] %}{% block c %}{{ x }}{% endblock %}{% block d scoped %}{{ x }}{% endblock d %}{% endfor %}"
+                       "{% block e %}{% set q = 1 %}{% endblock %}{{ q }}|\n  {% block f %}\n  body\n  {% endblock %}\nend"),
+    ("block_twice", "{% block b %}x{% endblock %}{% block b %}y{% endblock %}"),
+    ("block_required_text", "{% block b required %}x{% endblock %}"),
+    ("block_required_empty", "{% block b required %} {# c #} {% endblock %}"),
+    # filter blocks
+    ("recursive_outer_vars", "{% set sep = '/' %}{% for item in tree recursive %}{{ sep }}{{ item.name }}{% if loop.depth < 2 %}{{ loop(item.children) }}{% endif %}{% endfor %}", {"tree": TREE}),
+    ("recursive_loop_not_marked", "{% for x in [[1]] %}{{ loop(x) }}{% endfor %}"),
+    ("recursive_macro", "{% macro walk(items, d) %}{% for i in items %}{{ d }}{{ i.name }} {{ walk(i.children, d ~ '-') }}{% endfor %}{% endmacro %}{{ walk(tree, '') }}", {"tree": TREE}),
+    ("filter_block", "{% filter upper %}abc {{ 'x' }}{% endfilter %}|{% filter replace('a', 'o') | title %}a cat{% endfilter %}"),
+    ("filter_block_indent", "{% filter indent(2) %}\nline1\nline2\n{% endfilter %}"),
+    # case mapping
+    ("case_latin1", "{{ 'àéîõü çñ ÿ' | upper }}|{{ 'ÀÉÎÕÜ ÇÑ Þ' | lower }}|{{ 'straße' | upper }}|{{ 'ÆØÅ' | lower }}"),
+    ("case_latin_ext", "{{ 'łódź żółć ő ű ğ ş ı' | upper }}|{{ 'ŁÓDŹ ŻÓŁĆ Ő Ű Ğ Ş İ' | lower }}|{{ 'ŉ' | upper }}"),
+    ("case_greek", "{{ 'αβγ δέλτα ω' | upper }}|{{ 'ΑΒΓ ΔΈΛΤΑ Ω' | lower }}|{{ 'ΟΔΟΣ ΣΑΣ Σ' | lower }}|{{ 'ΐ' | upper }}"),
+    ("case_cyrillic", "{{ 'привет мир ёж ї' | upper }}|{{ 'ПРИВЕТ МИР ЁЖ Ї' | lower }}|{{ 'привет' | capitalize }}"),
+    ("case_title", "{{ 'élan vital-ñu (éx) [ça] <ßa>' | title }}|{{ 'ÉCOLE ÉTÉ' | title }}|{{ 'hello 1st world' | title }}"),
+    ("case_methods", "{{ 'élan ÉTÉ'.upper() }}|{{ 'ÉLAN'.lower() }}|{{ 'éLAN vital 1st'.title() }}|{{ 'ÉLAN'.capitalize() }}|{{ 'ǆemal'.title() }}"),
+    ("case_tests", "{{ 'é' is lower }}{{ 'É' is upper }}{{ 'É' is lower }}{{ '1' is lower }}{{ 'ab1' is lower }}{{ ['a'] is lower }}{{ none is upper }}{{ x is lower }}{{ 5 is lower }}"),
+    ("case_data", "{{ m | upper }}", {"m": "ünïcödé Ωmega"}),
+    # loop objects
+    ("case_more", "{{ 'ǆ ǈ' | upper }}|{{ 'ǅ' | lower }}|{{ 'ΣΑΣ. Σ' | lower }}|{{ 'ﬁ' | upper }}|{{ 'ᾳ' | upper }}|{{ 'ǆungla' | capitalize }}|{{ '日本abc'.title() }}|{{ 'x-ǆ' | title }}"),
+    ("case_isupper", "{{ 'ÉTÉ 1'.isupper() }}{{ 'été'.islower() }}{{ 'Été'.isupper() }}{{ '日本'.islower() }}{{ 'ǅ'.isupper() }}"),
+    ("loop_stored", "{% set ns = namespace() %}{% for x in [1, 2, 3] %}{% if loop.first %}{% set ns.l = loop %}{% endif %}"
+                    "{{ ns.l.index }}{% endfor %}{{ ns.l.index }}{{ ns.l.last }}"),
+    ("loop_stored_nested", "{% for x in [1, 2] %}{% set outer = loop %}{% for y in 'ab' %}{{ outer.index }}{{ loop.index }}{{ y }},{% endfor %}{% endfor %}"),
+    ("loop_iteration_scope", "{% for x in [1, 2] %}{% if loop.first %}{% set z = 5 %}{% endif %}{{ z }};{% endfor %}{{ x }}"),
+    ("loop_attrs", "{% for x in 'abc' %}{{ loop.revindex }}{{ loop.revindex0 }}{{ loop.previtem }}{{ loop.nextitem }}{{ loop.length }}{{ loop.cycle('o', 'e') }} {% endfor %}"),
+    ("loop_filtered", "{% for x in range(6) if x is odd %}{{ loop.index }}/{{ loop.length }}/{{ loop.revindex }}/{{ loop.previtem }}/{{ loop.nextitem }} {% endfor %}"),
+    ("loop_nested_shadow", "{% for a in [1, 2] %}{% for b in 'xy' %}{{ loop.index }}{% endfor %}{{ loop.index }}{{ loop.cycle('a', 'b') }};{% endfor %}"),
+    ("loop_else_break", "{% for x in [1, 2, 3] %}{% if x == 2 %}{% break %}{% endif %}{{ x }}{% else %}none{% endfor %}|{% for x in [] if x %}{% else %}empty{% endfor %}"),
+    ("loop_unpack_items", "{% for k, v in {'a': [1, 2], 'b': []} | dictsort %}{{ k }}{% for x in v %}{{ x }}{% else %}-{% endfor %}{% endfor %}"),
+    # filters real templates use
+    ("loop_stored_list", "{% set ns = namespace(l=[]) %}{% for x in [1, 2, 3] %}{% set ns.l = ns.l + [loop] %}{% endfor %}{% for l in ns.l %}{{ l.index }}{% endfor %}"),
+    ("loop_var_after", "{% for x in [1, 2] %}{% set l = loop %}{% endfor %}{{ l is defined }}{{ x is defined }}"),
+    ("macro_no_caller_scope", "{% macro m() %}[{{ y }}]{% endmacro %}{% for y in [7] %}{{ m() }}{% endfor %}{% set x = 0 %}{% macro n() %}{{ x }}{% endmacro %}{% set x = 5 %}{{ n() }}"),
+    ("dictsort", "{{ {'b': 1, 'A': 2, 'c': 0} | dictsort }}|{{ {'b': 1, 'A': 2} | dictsort(true) }}|{{ {'b': 1, 'a': 2, 'c': 0} | dictsort(by='value', reverse=true) }}"),
+    ("batch", "{{ [1, 2, 3, 4, 5] | batch(2) | list }}|{{ [1, 2, 3] | batch(2, 'x') | list }}|{% for r in 'abcd' | batch(3) %}{{ r | join }};{% endfor %}"),
+    ("slice", "{{ [1, 2, 3, 4, 5] | slice(2) | list }}|{{ [1, 2, 3, 4] | slice(3, 0) | list }}|{{ [1] | slice(3) | list }}"),
+    ("sum_min_max", "{{ [1, 2.5, 3] | sum }}|{{ people | sum(attribute='age') }}|{{ [1, 2] | sum(start=10) }}|{{ [3, 1, 2] | min }}|{{ ['b', 'A', 'c'] | max }}"
+                    "|{{ ['b', 'A', 'c'] | min }}|{{ ['b', 'A', 'c'] | max(case_sensitive=true) }}|{{ (people | max(attribute='age')).name }}|{{ (people | min(attribute='name')).name }}",
+     {"people": PEOPLE}),
+    ("filters_edges", "{{ [1.5, 2.25] | sum }}|{{ 1234.5678 | round(-2) }}|{{ 'abcdefghij' | truncate(5, leeway=0) }}|{{ 'abcdefghij' | truncate(10, leeway=0) }}"
+                      "|{{ [1, 2, 3, 4] | batch(2, 'x') | list }}|{{ [1, 2, 3] | slice(3, 'f') | list }}|{{ [] | min }}|{{ [] | batch(3) | list }}"
+                      "|{{ people | groupby('missing', default='none') | map('first') | list }}|{{ [[1, 'a'], [2, 'b'], [1, 'c']] | groupby(0) | map('last') | list }}"
+                      "|{{ people | max(attribute='city') | attr('name') }}|{{ [1, 1.0, true] | unique | list }}", {"people": PEOPLE}),
+    ("abs_round", "{{ -3 | abs }}|{{ -2.5 | abs }}|{{ 2.5 | round }}|{{ 3.5 | round }}|{{ 2.675 | round(2) }}|{{ 1234 | round(-2) }}|{{ 5 | round }}"
+                  "|{{ 2.1 | round(method='ceil') }}|{{ 2.9 | round(0, 'floor') }}|{{ -0.5 | round }}|{{ 7.25 | round(1) }}"),
+    ("wordcount", "{{ 'hello, world!' | wordcount }}|{{ 'a-b c_d  e.f' | wordcount }}|{{ '' | wordcount }}|{{ 'héllo wörld' | wordcount }}"),
+    ("indent", "{{ 'a\nb\n\nc' | indent }}|{{ 'a\nb' | indent(2, true) }}|{{ 'a\n\nb' | indent(width='> ', blank=true) }}"),
+    ("center", "[{{ 'ab' | center(7) }}]|[{{ 'abc' | center(6) }}]|[{{ 'héllo' | center(9) }}]|[{{ 'long' | center(2) }}]|[{{ 'x' | center }}]"),
+    ("justify_methods", "[{{ 'ab'.center(7) }}|{{ 'ab'.center(6, '*') }}|{{ 'é'.ljust(4, 'ü') }}|{{ 'x'.rjust(3) }}|{{ 'long'.rjust(2) }}|{{ '42'.zfill(5) }}|{{ '-42'.zfill(5) }}|{{ '+7'.zfill(1) }}|{{ ''.zfill(2) }}]"),
+    ("justify_bad_fill", "{{ 'a'.center(5, 'xy') }}"),
+    ("truncate", "{{ 'foo bar baz qux' | truncate(9) }}|{{ 'foo bar baz qux' | truncate(9, true) }}|{{ 'foo bar baz qux' | truncate(11, false, '..', 0) }}"
+                 "|{{ 'short' | truncate(3, leeway=5) }}|{{ ('x' * 300) | truncate | length }}|{{ 'héllo wörld again' | truncate(10, leeway=0) }}"),
+    ("reverse", "{{ 'abc' | reverse }}|{{ [1, 2, 3] | reverse | list }}|{{ 'héllo' | reverse }}"),
+    ("sort_attr", "{{ people | sort(attribute='age') | map(attribute='name') | join(',') }}|{{ people | sort(attribute='name', reverse=true) | map(attribute='name') | join(',') }}"
+                  "|{{ people | sort(attribute='city,age') | map(attribute='name') | join(',') }}|{{ ['b', 'A', 'c'] | sort }}|{{ ['b', 'A', 'c'] | sort(case_sensitive=true) }}",
+     {"people": PEOPLE}),
+    ("groupby", "{% for g in people | groupby('city') %}{{ g.grouper }}:{{ g.list | map(attribute='name') | join('+') }};{% endfor %}"
+                "|{% for city, ps in people | groupby('city', case_sensitive=true) %}{{ city }}={{ ps | length }};{% endfor %}",
+     {"people": PEOPLE}),
+    ("groupby_printed", "{{ [{'a': 1}, {'a': 2}, {'a': 1}] | groupby('a') }}|{{ ([{'a': 'x'}] | groupby('a'))[0].grouper }}"),
+    ("tojson_indent", "{{ {'a': [1, {'b': none}], 'c': 'é'} | tojson(indent=2) }}|{{ [] | tojson(indent=2) }}|{{ {'x': 1} | tojson(indent='\t') }}|{{ {'b': 1, 'a': 2} | tojson(sort_keys=true) }}"),
+    # operators
+    ("in_strings_dicts", "{{ 'ell' in 'hello' }}{{ '' in 'x' }}{{ 'z' not in 'abc' }}{{ 'a' in {'a': 1} }}{{ 1 in {'a': 1} }}{{ 'b' in ['a', 'b'] }}{{ 'x' in m }}", {"m": {"x": 0}}),
+    ("string_mul", "{{ 'ab' * 3 }}|{{ 2 * 'x' }}|{{ 'x' * 0 }}|{{ '-' * -1 }}|{{ [1] * 2 }}"),
+    ("tilde_numbers", "{{ 1 ~ 2 }}|{{ 1.5 ~ 'x' }}|{{ 'n' ~ none ~ true }}|{{ [1] ~ '' }}"),
+    ("int_div_pow", "{{ 7 // 2 }}|{{ -7 // 2 }}|{{ 7.5 // 2 }}|{{ 2 ** 10 }}|{{ 2 ** -1 }}|{{ 2.0 ** 3 }}|{{ 2 ** 3 ** 2 }}|{{ -2 ** 2 }}|{{ 7 % 3 }}|{{ -7 % 3 }}|{{ 7.5 % 2 }}"),
+    # tests
+    ("test_divisibleby", "{{ 9 is divisibleby 3 }}{{ 10 is divisibleby(3) }}{{ 0 is divisibleby 5 }}{{ 4 is even }}{{ 3 is even }}{{ -3 is odd }}{{ 0 is odd }}"),
+    ("test_sameas", "{{ none is sameas none }}{{ true is sameas true }}{{ false is sameas 0 }}{{ 1 is sameas true }}{{ x is sameas x }}{{ [1] is sameas [1] }}{{ x is sameas y }}", {"x": [1], "y": [1]}),
+    # namespaces
+    ("namespace_basic", "{% set ns = namespace(a=1, b='x') %}{% set ns.a = ns.a + 1 %}{% set ns.c = [ns.b] %}{{ ns.a }}{{ ns.b }}{{ ns.c }}{{ ns.d is defined }}"),
+    ("namespace_in_loop", "{% set ns = namespace(found=false, items=[]) %}{% for x in [1, 2, 3] %}{% if x == 2 %}{% set ns.found = true %}{% endif %}"
+                          "{% set ns.items = ns.items + [x * 2] %}{% endfor %}{{ ns.found }}{{ ns.items }}"),
+    ("namespace_from_dict", "{% set ns = namespace({'a': 1}, b=2) %}{{ ns.a }}{{ ns.b }}{% set ns.a = 'z' %}{{ ns['a'] }}"),
+    ("namespace_macro", "{% set ns = namespace(n=0) %}{% macro bump(n) %}{% set ns.n = ns.n + n %}{% endmacro %}{{ bump(2) }}{{ bump(3) }}{{ ns.n }}"),
+    ("namespace_not_ns", "{% set d = {} %}{% set d.x = 1 %}"),
+    # whitespace control
+    ("ws_lstrip", "<\n    {% if true %}\n    yes\n    {% endif %}\n>"),
+    ("ws_plus_open", "<\n    {%+ if true %}x{% endif %}\n>"),
+    ("ws_plus_close", "<{% if true +%}\nx{% endif +%}\n>"),
+    ("ws_minus", "a   {%- if true -%}   b   {%- endif -%}   c"),
+    ("ws_vars_not_lstripped", "<\n    {{ 'v' }}\n    {# c #}\n>"),
+    ("ws_comment_minus", "a  {#- c -#}  b\n  {# c2 #}\nc"),
+    ("ws_text_before_tag", "x {% if true %}y{% endif %}\n  z {% if true %}\nw{% endif %}"),
+    ("ws_trailing_newline", "{% for x in [1, 2] %}\n{{ x }}\n{% endfor %}\n"),
+    ("ws_tab_crlf", "a\r\n\t{% if true %}\r\nb\r\n\t{% endif %}\r\nc"),
+    ("ws_plus_minus_mix", "a\n  {%+ if true -%}\n  b\n  {%- endif +%}\nc"),
+]
+
+with open(os.path.join(TOOLS, "..", "tests", "fuzz-corpus", "jinja", "features.jinja"), encoding="utf-8") as f:
+    CASES.append(("fuzz_seed_features", f.read(), {
+        "messages": [{"role": "user", "content": "hi %"}, {"role": "assistant", "content": "Ça va"}],
+        "tools": [{"function": {"name": "f"}, "children": [{"function": {"name": "g"}}]}]}))
+
+
+def render_cases():
+    e = chat_fixtures.env()
+    out = []
+    for c in CASES:
+        name, src = c[0], c[1]
+        data = c[2] if len(c) > 2 else {}
+        case = {"name": name, "template": src, "data": data}
+        try:
+            case["text"] = e.from_string(src).render(**data)
+        except Exception as ex:  # jinja2 raised: moed must raise too
+            case["error"] = f"{type(ex).__name__}: {ex}"
+        out.append(case)
+    return out
+
+
+def main():
+    text = json.dumps(render_cases(), ensure_ascii=False, indent=1) + "\n"
+    return chat_fixtures.write_or_check({OUT: text}, "tools/jinja-cases.py")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
