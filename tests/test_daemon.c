@@ -2066,6 +2066,8 @@ TEST(daemon_log_file_sighup)
     const char *args[] = {"--devices", "cpu", "--workers", "1", "--log-file", logf, "--log-level", "debug", NULL};
     moed_spawn(&d, dir, args);
     moed_wait_socket(&d, 30);
+    /* The worker must be up: its shutdown line is checked below. */
+    moed_require_ready(&d, 60);
     CHECK(access(logf, F_OK) == 0);
     CHECK(rename(logf, moved) == 0);
     kill(d.pid, SIGHUP);
