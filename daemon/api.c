@@ -68,11 +68,7 @@ struct api {
     gid_t admin_gid;
     bool have_admin_gid;
     uint32_t max_tokens_default;
-    struct {                        /* a request's sampling defaults (api_opts.sampling) */
-        float temperature, top_p, min_p, repetition_penalty;
-        int32_t top_k;
-        const char *source;
-    } sampling;
+    struct api_sampling_defaults sampling; /* always set (OpenAI's when the options are not) */
     char *api_key;                  /* owned copy, or NULL */
     _Atomic uint64_t load_done, load_total; /* expert store build progress (any thread) */
     struct api_hooks hooks;
@@ -1589,26 +1585,46 @@ static int chat_tool_calls(json_t *m, size_t i, bool as_objects, bool *had_text,
     return 0;
 }
 
+enum { TOOL_CHOICE_AUTO, TOOL_CHOICE_NONE, TOOL_CHOICE_REQUIRED, TOOL_CHOICE_NAMED };
+
+/* tool_choice (absent or null: auto); for a named function *want is its name. Returns one of
+ * TOOL_CHOICE_* or -1 (a 400 in e). */
+static int parse_tool_choice(json_t *choice, const char **want, struct verr *e)
+{
+    *want = NULL;
+    if (!choice || json_is_null(choice))
+        return TOOL_CHOICE_AUTO;
+    const char *cs = json_string_value(choice);
+    if (cs && !strcmp(cs, "auto"))
+        return TOOL_CHOICE_AUTO;
+    if (cs && !strcmp(cs, "none"))
+        return TOOL_CHOICE_NONE;
+    if (cs && !strcmp(cs, "required"))
+        return TOOL_CHOICE_REQUIRED;
+    json_t *type = json_object_get(choice, "type"), *fn = json_object_get(choice, "function");
+    if (!cs && json_is_string(type) && !strcmp(json_string_value(type), "function") &&
+        json_is_string(json_object_get(fn, "name"))) {
+        *want = json_string_value(json_object_get(fn, "name"));
+        return TOOL_CHOICE_NAMED;
+    }
+    return fail(e, 400, "tool_choice", "tool_choice must be \"auto\", \"none\", \"required\" or "
+                "{\"type\": \"function\", \"function\": {\"name\": ...}}");
+}
+
 /* tool_choice "required" or a named function: the answer must be one tool call in the
  * Qwen/Hermes format, <tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>, with
  * arguments that follow the function's parameters schema; a grammar made from the tools (a JSON
  * Schema of the call, converted, then wrapped in the markers) forces it. */
 static int force_tool_call(json_t *body, struct gen_req *r, struct verr *e)
 {
-    json_t *choice = json_object_get(body, "tool_choice"), *tools = json_object_get(body, "tools");
-    const char *cs = json_string_value(choice);
+    json_t *tools = json_object_get(body, "tools");
     const char *want = NULL;
-    if (!choice || json_is_null(choice) || (cs && strcmp(cs, "required")))
-        return 0; /* auto, none */
-    if (!cs) {
-        json_t *fn = json_is_object(choice) ? json_object_get(choice, "function") : NULL;
-        if (!json_is_string(json_object_get(choice, "type")) ||
-            strcmp(json_string_value(json_object_get(choice, "type")), "function") ||
-            !json_is_string(json_object_get(fn, "name")))
-            return fail(e, 400, "tool_choice", "tool_choice must be \"auto\", \"none\", "
-                        "\"required\" or {\"type\": \"function\", \"function\": {\"name\": ...}}");
-        want = json_string_value(json_object_get(fn, "name"));
-    }
+    const int tc = parse_tool_choice(json_object_get(body, "tool_choice"), &want, e);
+    if (tc < 0)
+        return -1;
+    if (tc == TOOL_CHOICE_AUTO || tc == TOOL_CHOICE_NONE)
+        return 0;
+    const char *cs = tc == TOOL_CHOICE_REQUIRED ? "required" : NULL;
     if (!json_is_array(tools) || json_array_size(tools) == 0)
         return fail(e, 400, "tool_choice", "tool_choice %s needs 'tools'", cs ? cs : "naming a function");
     if (r->grammar)
@@ -1674,16 +1690,13 @@ static int force_tool_call(json_t *body, struct gen_req *r, struct verr *e)
 static int chat_tools(json_t *body, json_t **out, struct verr *e)
 {
     *out = NULL;
-    json_t *tools = json_object_get(body, "tools"), *choice = json_object_get(body, "tool_choice");
-    if (choice && !json_is_null(choice)) {
-        const char *cs = json_string_value(choice);
-        if (cs && !strcmp(cs, "none"))
-            return 0;
-        if (cs && strcmp(cs, "auto") && strcmp(cs, "required"))
-            return fail(e, 400, "tool_choice", "tool_choice must be \"auto\", \"none\", "
-                        "\"required\" or {\"type\": \"function\", \"function\": {\"name\": ...}}");
-        /* required and a named function: forced by a grammar (force_tool_call). */
-    }
+    json_t *tools = json_object_get(body, "tools");
+    const char *want;
+    const int tc = parse_tool_choice(json_object_get(body, "tool_choice"), &want, e);
+    if (tc < 0)
+        return -1;
+    if (tc == TOOL_CHOICE_NONE)
+        return 0; /* required and a named function are forced by a grammar (force_tool_call) */
     if (!tools || json_is_null(tools))
         return 0;
     if (!json_is_array(tools))
@@ -2940,17 +2953,12 @@ int api_new(struct api **out, const struct api_opts *o, char *err, size_t errlen
     a->admin_gid = o->admin_gid;
     a->have_admin_gid = o->have_admin_gid;
     a->max_tokens_default = o->max_tokens_default;
-    if (o->sampling.set) {
-        a->sampling.temperature = o->sampling.temperature;
-        a->sampling.top_p = o->sampling.top_p;
-        a->sampling.top_k = o->sampling.top_k;
-        a->sampling.min_p = o->sampling.min_p;
-        a->sampling.repetition_penalty = o->sampling.repetition_penalty;
-        a->sampling.source = o->sampling.source ? o->sampling.source : "configuration";
-    } else {
-        a->sampling.temperature = a->sampling.top_p = a->sampling.repetition_penalty = 1.0f;
-        a->sampling.source = "OpenAI's defaults";
-    }
+    a->sampling = o->sampling;
+    if (!a->sampling.set)
+        a->sampling = (struct api_sampling_defaults){.temperature = 1.0f, .top_p = 1.0f,
+                                                     .repetition_penalty = 1.0f, .set = true};
+    if (!a->sampling.source)
+        a->sampling.source = o->sampling.set ? "configuration" : "OpenAI's defaults";
     if (o->api_key && !(a->api_key = strdup(o->api_key))) {
         api_free(a);
         return -ENOMEM;

@@ -52,6 +52,14 @@ struct api_hooks {
     void *user;
 };
 
+/* A request's sampling defaults. */
+struct api_sampling_defaults {
+    float temperature, top_p, min_p, repetition_penalty;
+    int32_t top_k;
+    bool set;
+    const char *source;              /* where they come from, for /props and the log (static) */
+};
+
 struct api_opts {
     const struct moe_tokenizer *tok; /* NULL: generation endpoints answer 503 */
     struct sched *sched;             /* NULL: generation endpoints answer 503 (set later) */
@@ -68,13 +76,8 @@ struct api_opts {
     const char *chat_template;       /* Jinja text that replaces the model's chat template
                                         (--chat-template); NULL: the model's, else ChatML */
     /* What a request that gives no temperature, top_p, top_k, min_p or repetition penalty
-     * gets; all zero: OpenAI's defaults (temperature 1, top_p 1, no top_k, min_p or penalty). */
-    struct {
-        float temperature, top_p, min_p, repetition_penalty;
-        int32_t top_k;
-        bool set;
-        const char *source;          /* where they come from, for /props and the log */
-    } sampling;
+     * gets; not set: OpenAI's defaults (temperature 1, top_p 1, no top_k, min_p or penalty). */
+    struct api_sampling_defaults sampling;
 };
 
 /* Returns 0, -ENOMEM, or MOE_EFORMAT for a chat_template that does not parse (message in err).

@@ -160,7 +160,7 @@ static const uint32_t *gpu_slots(struct daemon *d)
 {
     const uint32_t *best = NULL;
     uint64_t least = UINT64_MAX;
-    for (uint32_t i = 0; d->has_gpu && d->workers && i < d->n_workers; i++) {
+    for (uint32_t i = 0; d->workers && i < d->n_workers; i++) {
         struct moed_worker_offload wo;
         if (moed_workers_offload(d->workers, i, &wo) == 0 && wo.active && wo.slots &&
             wo.n_layer == d->profile.n_layer && wo.expert_vram_bytes < least) {
@@ -182,7 +182,7 @@ static void on_routing(void *user, uint32_t worker, const uint64_t *counts, uint
         d->profile_dirty = true;
         moe_profile_decay(&d->profile, d->cfg.profile_half_life);
     }
-    if (d->drift.win[0]) {
+    if (d->drift.win[0] && d->has_gpu) { /* only GPU workers place experts */
         const int ch = moe_drift_add(&d->drift, counts, n_tokens, d->profile.counts,
                                      gpu_slots(d));
         if (ch == 1) {
@@ -425,7 +425,7 @@ static int hook_placement(void *user, char **json, char *err, size_t errlen)
     json_object_set_new(dr, "checks", json_integer((json_int_t)d->drift.checks));
     json_object_set_new(dr, "drifting", json_boolean(d->drift.drifting));
     json_object_set_new(dr, "changes", json_integer((json_int_t)d->drift.changes));
-    if (d->drift.checked) {
+    if (d->drift.checks) {
         json_object_set_new(dr, "heldout_hit_rate_profile", json_real(d->drift.current));
         json_object_set_new(dr, "heldout_hit_rate_recent", json_real(d->drift.fresh));
     }

@@ -245,7 +245,6 @@ int moe_drift_add(struct moe_drift *d, const uint64_t *counts, uint64_t n_tokens
             return rc;
         d->current = cur;
         d->fresh = fr;
-        d->checked = true;
         d->checks++;
         const bool was = d->drifting;
         if (!was && fr - cur > d->margin)

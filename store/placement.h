@@ -63,8 +63,7 @@ struct moe_drift {
     uint64_t tokens[2];
     uint64_t *recent;              /* [n_layer][n_expert]: older + newer at the last check */
     bool drifting;
-    bool checked;                  /* a check has run */
-    double current, fresh;         /* the last check's shares */
+    double current, fresh;         /* the last check's shares (when checks > 0) */
     uint64_t checks, changes;
 };
 int moe_drift_init(struct moe_drift *d, uint32_t n_layer, uint32_t n_expert, uint64_t window,
