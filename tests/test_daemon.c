@@ -41,6 +41,18 @@ static const char *spawn_notify_socket; /* NOTIFY_SOCKET for the next spawn (wat
 /* When set, moed starts in a process group of its own (as a shell's foreground job would). */
 static bool spawn_new_pgrp;
 
+/* The device the tests' "--devices cpu" workers run on: MOE_TEST_DEVICE ("cuda:K" or "K"), or
+ * "cpu". */
+static const char *test_device(void)
+{
+    static char name[16];
+    const char *dev = getenv("MOE_TEST_DEVICE");
+    if (!dev || !*dev || !strcmp(dev, "cpu") || strlen(dev) > 7)
+        return "cpu";
+    snprintf(name, sizeof name, "%s%s", strncmp(dev, "cuda:", 5) ? "cuda:" : "", dev);
+    return name;
+}
+
 static void moed_spawn(struct moed *d, const char *dir, const char *const *extra)
 {
     memset(d, 0, sizeof *d);
@@ -58,9 +70,26 @@ static void moed_spawn(struct moed *d, const char *dir, const char *const *extra
     argv[n++] = "--worker-bin";
     argv[n++] = moe_test_bin("moed-worker");
     bool has_model = false;
+    /* MOE_TEST_DEVICE (e.g. "cuda:0" on a GPU machine) replaces "--devices cpu": as many
+     * workers on that device as the test's --workers, so the same tests run the daemon with
+     * other workers. */
+    static char devlist[64 * 8];
+    const char *dev = strcmp(test_device(), "cpu") ? test_device() : NULL;
+    int nw = 1;
+    for (int i = 0; dev && extra && extra[i] && extra[i + 1]; i++)
+        if (!strcmp(extra[i], "--workers"))
+            nw = atoi(extra[i + 1]) > 0 && atoi(extra[i + 1]) <= 64 ? atoi(extra[i + 1]) : 1;
     for (int i = 0; extra && extra[i] && n < 60; i++) {
         if (!strcmp(extra[i], "--model"))
             has_model = true;
+        if (i > 0 && dev && !strcmp(extra[i - 1], "--devices") && !strcmp(extra[i], "cpu")) {
+            devlist[0] = 0;
+            for (int w = 0; w < nw; w++)
+                snprintf(devlist + strlen(devlist), sizeof devlist - strlen(devlist), "%s%s",
+                         w ? "," : "", dev);
+            argv[n++] = devlist;
+            continue;
+        }
         argv[n++] = extra[i];
     }
     if (!has_model) {
@@ -579,7 +608,7 @@ TEST(daemon_admin_access)
     json_t *pw = json_object_get(j, "workers");
     CHECK(json_is_array(pw) && json_array_size(pw) >= 1);
     CHECK(json_is_false(json_object_get(json_array_get(pw, 0), "offload")));
-    CHECK_STREQ(json_string_value(json_object_get(json_array_get(pw, 0), "device")), "cpu");
+    CHECK_STREQ(json_string_value(json_object_get(json_array_get(pw, 0), "device")), test_device());
     /* The held-out drift check is reported (it only scores when a GPU worker offloads). */
     json_t *dr = json_object_get(j, "drift");
     CHECK(json_is_object(dr) && json_integer_value(json_object_get(dr, "window_tokens")) == 4096);
@@ -2199,7 +2228,9 @@ TEST_TIMEOUT(daemon_gives_up_on_a_worker_that_never_starts, 120)
     const char *args[] = {"--devices", "cpu", "--worker-bin", w, NULL};
     moed_spawn(&d, dir, args);
     moed_wait_socket(&d, 30);
-    CHECK_MSG(wait_summary(d.sock, "cpu:failed", 30, sum, sizeof sum), "%s", sum);
+    char want[64];
+    snprintf(want, sizeof want, "%s:failed", test_device());
+    CHECK_MSG(wait_summary(d.sock, want, 30, sum, sizeof sum), "%s", sum);
     CHECK(log_contains(&d, "giving up after 5 starts in a row"));
     CHECK_EQ(worker_restarts(d.sock), 4);
     /* It stays failed and the daemon keeps answering. */
@@ -2212,8 +2243,8 @@ TEST_TIMEOUT(daemon_gives_up_on_a_worker_that_never_starts, 120)
     hc_resp_free(&r);
     CHECK(hc_request_unix(d.sock, "GET", "/metrics", NULL, &r, 5000) == 0);
     CHECK_EQ(r.status, 200);
-    CHECK_MSG(r.body && strstr(r.body, "moed_worker_failed{worker=\"0\",device=\"cpu\"} 1"), "%s",
-              r.body ? r.body : "");
+    snprintf(want, sizeof want, "moed_worker_failed{worker=\"0\",device=\"%s\"} 1", test_device());
+    CHECK_MSG(r.body && strstr(r.body, want), "%s", r.body ? r.body : "");
     hc_resp_free(&r);
     char out[4096];
     const char *st[] = {"status", NULL};
@@ -2311,6 +2342,8 @@ static void tier_reference(const char *dir, int n, char **want)
 
 TEST_TIMEOUT(daemon_ram_budget_output_equals_full_store, 300)
 {
+    if (strcmp(test_device(), "cpu"))
+        moe_test_skip("GPU workers do not take a --ram-budget pool yet (CPU workers only)");
     const char *dir = moe_test_tmpdir();
     const int n = 24;
     char *want[3];
@@ -2426,6 +2459,8 @@ TEST_TIMEOUT(daemon_ram_budget_refusals_and_auto, 120)
 
 TEST_TIMEOUT(daemon_ram_budget_tiny_pool_eviction_and_kill9, 300)
 {
+    if (strcmp(test_device(), "cpu"))
+        moe_test_skip("GPU workers do not take a --ram-budget pool yet (CPU workers only)");
     const char *dir = moe_test_tmpdir();
     const int n = 24;
     char *want[3];
@@ -2513,6 +2548,8 @@ TEST_TIMEOUT(daemon_ram_budget_tiny_pool_eviction_and_kill9, 300)
  * a message that says so; the daemon and its workers live on. */
 TEST_TIMEOUT(daemon_ram_budget_file_changed_or_truncated, 180)
 {
+    if (strcmp(test_device(), "cpu"))
+        moe_test_skip("GPU workers do not take a --ram-budget pool yet (CPU workers only)");
     const char *dir = moe_test_tmpdir();
     for (int variant = 0; variant < 2; variant++) {
         char sub[512], model[600];

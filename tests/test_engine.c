@@ -919,7 +919,9 @@ TEST(batcher_prompt_logprobs)
         float top;
         moe_logprobs(lg + (size_t)(p - 1) * V, V, prompt[p], 1, &want, &id, &top);
         CHECK_EQ(seen.tok[p], prompt[p]);
-        CHECK_NEAR(seen.lp[p], want, 1e-4);
+        /* On a GPU the reference's one 70-token step multiplies on tensor cores, the batcher's
+         * chunks on the mat-vecs. */
+        CHECK_NEAR(seen.lp[p], want, test_consistency_tol(1e-4) * (1.0 + fabs(want)));
     }
     free(lg);
     moe_engine_free(r);

@@ -74,6 +74,7 @@ struct pair {
     int64_t n;
     float *hc, *hg;
     double worst[MOE_BUF_COUNT];
+    double tol; /* 0: 1e-4 */
 };
 
 static void poison(struct pair *p, enum moe_buf buf)
@@ -111,7 +112,7 @@ static void lockstep(struct pair *p, const struct moe_step *st, float *lc, float
         {MOE_W_Q, MOE_BUF_Q}, {MOE_W_K, MOE_BUF_K}, {MOE_W_V, MOE_BUF_V}};
     static const struct moe_mm wo = {MOE_W_O, MOE_BUF_H};
     static const struct moe_mm router = {MOE_W_ROUTER, MOE_BUF_RL};
-    const double tol = 1e-4;
+    const double tol = p->tol > 0 ? p->tol : 1e-4;
     p->n = st->n;
     BOTH(p, c->vt->begin(c, st), g->vt->begin(g, st));
     poison(p, MOE_BUF_H);
@@ -155,7 +156,8 @@ static void lockstep(struct pair *p, const struct moe_step *st, float *lc, float
         CHECK_EQ(g->vt->read_buf(g, MOE_BUF_SEL_E, p->n, eg), 0);
         for (int64_t i = 0; i < p->n * k; i++)
             same += ec[i] == eg[i];
-        CHECK_MSG(same >= p->n * k - 2, "route (layer %d): %lld of %lld choices differ", l,
+        const int64_t swaps = p->n * k / 100 > 2 ? p->n * k / 100 : 2; /* near-ties */
+        CHECK_MSG(same >= p->n * k - swaps, "route (layer %d): %lld of %lld choices differ", l,
                   (long long)(p->n * k - same), (long long)(p->n * k));
         CHECK_EQ(g->vt->write_buf(g, MOE_BUF_SEL_E, p->n, ec), 0);
         free(ec), free(eg);
@@ -197,7 +199,7 @@ TEST_TIMEOUT(cuda_backend_ops_match_cpu, 600)
         struct moe_engine *ec = engine_on(m, "cpu", 128, 3, 64, false);
         struct moe_engine *eg = engine_on(m, "cuda:0", 128, 3, 64, true);
         struct pair p = {moe_engine_backend(ec), moe_engine_backend(eg), moe_engine_dims(ec), 0,
-                         NULL, NULL, {0}};
+                         NULL, NULL, {0}, 0};
         int64_t wmax = V > 64 * 4096 ? V : 64 * 4096;
         p.hc = malloc(sizeof(float) * 64 * (size_t)wmax);
         p.hg = malloc(sizeof(float) * 64 * (size_t)wmax);
@@ -230,6 +232,69 @@ TEST_TIMEOUT(cuda_backend_ops_match_cpu, 600)
         moe_engine_free(eg);
         test_model_close(&tm);
     }
+}
+
+/* Prompt-sized steps (more tokens than a recorded graph takes), op by op: the products and the
+ * experts on tensor cores (activations rounded to f16) and attention on tensor cores over the f16
+ * cache, against the CPU's float ops. Two sequences share the first step, interleaved, so that
+ * thread blocks hold tokens of both; the second continues one of them past the first step's
+ * positions, with decode tokens of the other in the same step. */
+TEST_TIMEOUT(cuda_backend_prompt_ops_match_cpu, 600)
+{
+    need_gpu();
+    setenv("MOE_CUDA_NO_GRAPHS", "1", 1);
+    enum { N1 = 150, N2 = 83, NMAX = 160 };
+    double worst_att = 0, worst_h = 0, worst_q = 0;
+    for (size_t mi = 0; mi < N_MODELS; mi++) {
+        struct test_model tm;
+        test_model_open(&tm, MODELS[mi]);
+        const struct moe_model *m = &tm.m;
+        const int64_t V = m->hp.n_vocab;
+        struct moe_engine *ec = engine_on(m, "cpu", 256, 3, NMAX, false);
+        struct moe_engine *eg = engine_on(m, "cuda:0", 256, 3, NMAX, false);
+        struct pair p = {moe_engine_backend(ec), moe_engine_backend(eg), moe_engine_dims(ec), 0,
+                         NULL, NULL, {0}, 5e-3};
+        int64_t wmax = V > 64 * 4096 ? V : 64 * 4096;
+        p.hc = malloc(sizeof(float) * NMAX * (size_t)wmax);
+        p.hg = malloc(sizeof(float) * NMAX * (size_t)wmax);
+        float *lc = malloc(sizeof(float) * 8 * (size_t)V), *lg = malloc(sizeof(float) * 8 * (size_t)V);
+        int32_t tok[NMAX], pos[NMAX], seq[NMAX], orow[NMAX];
+        float *rope = malloc(sizeof(float) * NMAX * m->hp.head_dim);
+        CHECK(p.hc && p.hg && lc && lg && rope);
+        moe_test_rng_seed(300 + mi);
+        /* Step 1: sequence 0 positions 0..99 and sequence 1 positions 0..49, in runs of 7 and 3. */
+        int64_t n = 0, a = 0, b = 0;
+        while (n < N1) {
+            for (int i = 0; i < 7 && a < 100; i++, n++)
+                tok[n] = (int32_t)(moe_test_rng_u32() % V), pos[n] = (int32_t)a++, seq[n] = 0;
+            for (int i = 0; i < 3 && b < 50; i++, n++)
+                tok[n] = (int32_t)(moe_test_rng_u32() % V), pos[n] = (int32_t)b++, seq[n] = 1;
+        }
+        struct moe_step st;
+        make_step(&st, N1, tok, pos, seq, rope, orow, m, 4);
+        lockstep(&p, &st, lc, lg);
+        /* Step 2: sequence 1 positions 50..129, a decode token of sequence 0 (position 100) and
+         * a new sequence 2 (positions 0 and 1). */
+        for (int64_t i = 0; i < 80; i++)
+            tok[i] = (int32_t)(moe_test_rng_u32() % V), pos[i] = (int32_t)(50 + i), seq[i] = 1;
+        int32_t xpos[3] = {100, 0, 1}, xseq[3] = {0, 2, 2};
+        for (int i = 0; i < 3; i++)
+            tok[80 + i] = (int32_t)(moe_test_rng_u32() % V), pos[80 + i] = xpos[i], seq[80 + i] = xseq[i];
+        make_step(&st, N2, tok, pos, seq, rope, orow, m, 3);
+        lockstep(&p, &st, lc, lg);
+        printf("  %-44s worst rel: x %.1e q %.1e att %.1e h %.1e rl %.1e\n", MODELS[mi],
+               p.worst[MOE_BUF_X], p.worst[MOE_BUF_Q], p.worst[MOE_BUF_ATT], p.worst[MOE_BUF_H],
+               p.worst[MOE_BUF_RL]);
+        worst_att = fmax(worst_att, p.worst[MOE_BUF_ATT]);
+        worst_h = fmax(worst_h, p.worst[MOE_BUF_H]);
+        worst_q = fmax(worst_q, p.worst[MOE_BUF_Q]);
+        free(p.hc), free(p.hg), free(lc), free(lg), free(rope);
+        moe_engine_free(ec);
+        moe_engine_free(eg);
+        test_model_close(&tm);
+    }
+    printf("  prompt steps of %d and %d tokens: worst rel q %.1e, attention %.1e, h %.1e\n", N1,
+           N2, worst_q, worst_att, worst_h);
 }
 
 /* Evaluates a prompt then `steps` greedy decode tokens; returns all logits of the decode steps
@@ -495,7 +560,9 @@ TEST_TIMEOUT(cuda_engine_samples_wide_steps, 300)
             printf("  row %d: device drew %d, its logits' argmax is %d\n", i, got[1][i], gpu_best);
         CHECK_EQ(got[1][i], gpu_best);
         equal += got[0][i] == got[1][i];
-        if (margin > 1e-3f * (1.0f + fabsf(lg[0][(size_t)i * V + cpu_best]))) {
+        /* A 140-token step multiplies on tensor cores (f16-rounded operands): rows whose best
+         * two logits are within 1% may order them differently from the CPU. */
+        if (margin > 1e-2f * (1.0f + fabsf(lg[0][(size_t)i * V + cpu_best]))) {
             decided++;
             CHECK_EQ(got[0][i], got[1][i]);
         }

@@ -4,7 +4,7 @@
 # (include/, lib/; tools/device/pack-deps.sh makes it) along with the generated protobuf-c files.
 #
 #   tools/device/gpu-check.sh [LOGDIR] [steps...]
-#   steps: build tests parity sanitizer daemon daemon-offload tiny big offload
+#   steps: build tests parity sanitizer daemon daemon-tests daemon-offload tiny big offload
 #
 # Every step logs to LOGDIR/<step>.log and prints a one-line result; the run goes on after a
 # failed step so that one call reports everything.
@@ -72,6 +72,13 @@ if has daemon; then
     MOE_BIN="$B/bin" timeout 300 scripts/demo.sh >"$LOG/demo.log" 2>&1
     echo "demo: exit $?"
     tail -n 14 "$LOG/demo.log"
+fi
+if has daemon-tests; then
+    step "the daemon's system tests with CUDA workers (MOE_TEST_DEVICE=cuda:0)"
+    MOE_TEST_DEVICE=cuda:0 MOE_BIN="$B/bin" timeout 600 "$B/build/tests/moe-tests" \
+        -v -j 4 -f test_daemon >"$LOG/daemon-tests.log" 2>&1
+    echo "daemon-tests: exit $?"
+    grep -E "^(ok|FAIL|SKIP)|passed" "$LOG/daemon-tests.log" | grep -v "^ok" | tail -n 40
 fi
 if has daemon-offload; then
     step "daemon with a CUDA worker under an expert residency"

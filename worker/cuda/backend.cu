@@ -31,6 +31,7 @@ extern "C" {
 }
 #include "worker/cuda/cuda_check.cuh"
 #include "worker/cuda/experts.cuh"
+#include "worker/cuda/attn_mma.cuh"
 #include "worker/cuda/gemm.h"
 #include "worker/cuda/matvec.h"
 #include "worker/cuda/ops.cuh"
@@ -119,7 +120,7 @@ struct cuda_backend {
     int64_t n, n_out;
     int n_split, sms;
     int mode;
-    bool capturing, head_chunked, use_graphs, use_gemm;
+    bool capturing, head_chunked, use_graphs, use_gemm, use_flash;
     int64_t group_min;               /* slots per expert; MOE_CUDA_GROUP_MIN overrides */
     /* MOE_CUDA_PROFILE=1: an event before every kernel (event nodes in the graphs), time per
      * op name printed at free (a development aid; run it with MOE_CUDA_NO_PDL=1). */
@@ -131,7 +132,7 @@ struct cuda_backend {
         const char *name;
         double ms;
         long count;
-    } prof[16];
+    } prof[32];
     int n_prof;
     double prof_steps;
     struct cuda_graph graphs[2 * MOE_CUDA_GRAPH_MAX];
@@ -836,7 +837,8 @@ static int cuda_init(struct moe_backend **out, const struct moe_model *m, struct
     b->d = *d;
     b->dev = d->device;
     b->use_graphs = getenv("MOE_CUDA_NO_GRAPHS") == NULL;
-    b->use_gemm = getenv("MOE_CUDA_GEMM") != NULL && strcmp(getenv("MOE_CUDA_GEMM"), "0") != 0;
+    b->use_gemm = getenv("MOE_CUDA_GEMM") == NULL || strcmp(getenv("MOE_CUDA_GEMM"), "0") != 0;
+    b->use_flash = getenv("MOE_CUDA_FLASH") == NULL || strcmp(getenv("MOE_CUDA_FLASH"), "0") != 0;
     b->profile = getenv("MOE_CUDA_PROFILE") != NULL;
     b->group_min = getenv("MOE_CUDA_GROUP_MIN") ? atoll(getenv("MOE_CUDA_GROUP_MIN"))
                                                 : MOE_CUDA_GROUP_MIN;
@@ -1180,7 +1182,13 @@ static void mark(struct cuda_backend *b, const char *name)
 {
     if (!b->profile || b->n_ev >= (int)(sizeof b->ev / sizeof b->ev[0]))
         return;
-    cudaEventRecord(b->ev[b->n_ev], b->st);
+    /* Captured records must be external to become event nodes the replays record. */
+    if (cudaEventRecordWithFlags(b->ev[b->n_ev], b->st,
+                                 b->mode == MODE_CAPTURE ? cudaEventRecordExternal
+                                                         : cudaEventRecordDefault) != cudaSuccess) {
+        (void)cudaGetLastError(); /* the profile misses a mark; the step goes on */
+        return;
+    }
     b->ev_name[b->n_ev++] = name;
 }
 
@@ -1189,15 +1197,48 @@ static void prof_collect(struct cuda_backend *b)
     if (!b->profile || b->n_ev < 2)
         return;
     cudaEventSynchronize(b->ev[b->n_ev - 1]);
+    /* MOE_CUDA_PROFILE=steps: also each prompt-sized step's own breakdown. */
+    const bool each = b->n > MOE_CUDA_GRAPH_MAX && !strcmp(getenv("MOE_CUDA_PROFILE"), "steps");
+    struct {
+        const char *name;
+        float ms;
+    } st[32];
+    int nst = 0;
+    for (int i = 0; each && i + 1 < b->n_ev; i++) {
+        float ms = 0;
+        if (cudaEventElapsedTime(&ms, b->ev[i], b->ev[i + 1]) != cudaSuccess) {
+            (void)cudaGetLastError();
+            continue;
+        }
+        int k = 0;
+        while (k < nst && strcmp(st[k].name, b->ev_name[i]))
+            k++;
+        if (k == nst && nst < 32)
+            st[nst++] = {b->ev_name[i], 0.0f};
+        if (k < 32)
+            st[k].ms += ms;
+    }
+    if (each) {
+        float tot = 0;
+        for (int k = 0; k < nst; k++)
+            tot += st[k].ms;
+        fprintf(stderr, "cuda profile: step of %lld tokens, %.3f ms:", (long long)b->n, tot);
+        for (int k = 0; k < nst; k++)
+            fprintf(stderr, " %s %.3f", st[k].name, st[k].ms);
+        fprintf(stderr, "\n");
+    }
     for (int i = 0; i + 1 < b->n_ev; i++) {
         float ms = 0;
-        cudaEventElapsedTime(&ms, b->ev[i], b->ev[i + 1]);
+        if (cudaEventElapsedTime(&ms, b->ev[i], b->ev[i + 1]) != cudaSuccess) {
+            (void)cudaGetLastError(); /* not to be mistaken for a kernel's error later */
+            ms = 0;
+        }
         int k = 0;
         while (k < b->n_prof && strcmp(b->prof[k].name, b->ev_name[i]))
             k++;
-        if (k == b->n_prof && b->n_prof < 16)
+        if (k == b->n_prof && b->n_prof < 32)
             b->prof[b->n_prof++] = {b->ev_name[i], 0, 0};
-        if (k < 16) {
+        if (k < 32) {
             b->prof[k].ms += ms;
             b->prof[k].count++;
         }
@@ -1319,11 +1360,11 @@ static int cuda_rmsnorm(struct moe_backend *bb, int l, enum moe_wid w, enum moe_
     return 0;
 }
 
-/* With MOE_CUDA_GEMM=1, steps longer than a graph-recorded one (prompt chunks) multiply on
- * tensor cores: the weights decoded to f16 tiles, the activations rounded to f16, sums in float32
- * (worker/cuda/gemm.h); float32 weights (routers, F32 files) keep the float mat-vecs, whose
- * precision f16 tiles would lose. Off by default: it is checked on the test models but not yet
- * measured on a full-size one (docs/benchmarks.md). Decode steps always use the mat-vecs. */
+/* Steps longer than a graph-recorded one (prompt chunks) multiply on tensor cores: the weights
+ * decoded to f16 tiles, the activations rounded to f16, sums in float32 (worker/cuda/gemm.h);
+ * float32 weights (routers, F32 files) keep the float mat-vecs, whose precision f16 tiles would
+ * lose. MOE_CUDA_GEMM=0 keeps prompts on the mat-vecs too. Decode steps always use the
+ * mat-vecs. */
 static bool use_gemm(const struct cuda_backend *b, uint32_t type)
 {
     return b->use_gemm && b->n > MOE_CUDA_GRAPH_MAX && type != MOE_TYPE_F32 &&
@@ -1399,6 +1440,14 @@ static int cuda_attention(struct moe_backend *bb, int l)
     /* Decode-sized steps split the KV range (the same split for every batch size, so a
      * sequence's result does not depend on its batch); prompt chunks have blocks enough. */
     int split = b->n <= MOE_CUDA_GRAPH_MAX ? b->n_split : 1;
+    if (b->n > MOE_CUDA_GRAPH_MAX && b->use_flash && moe_cuda_attention_mma_supported(&b->kv)) {
+        /* Prompt steps: tensor cores (worker/cuda/attn_mma.cu). */
+        LAUNCH(b, "attention (tensor cores)",
+               moe_cuda_attention_mma(b->buf[MOE_BUF_Q], b->ld[MOE_BUF_Q], D_POS(b), D_SEQ(b),
+                                      &b->kv, l, b->d.H, b->n, b->buf[MOE_BUF_ATT],
+                                      b->ld[MOE_BUF_ATT], b->st));
+        return 0;
+    }
     LAUNCH(b, "attention",
            moe_cuda_attention(b->buf[MOE_BUF_Q], b->ld[MOE_BUF_Q], D_POS(b), D_SEQ(b), &b->kv, l,
                               b->d.H, b->n, split, b->part, b->att_done, b->buf[MOE_BUF_ATT],

@@ -281,23 +281,37 @@ group_kernel(const int32_t *__restrict__ sel_e, int n_slots, int nexp, int kuse,
     __syncthreads();
     for (int e = threadIdx.x; e < nexp; e += blockDim.x) {
         ex_off[e] = off[e];
-        if (cnt[e]) {
+        if (cnt[e])
             act_list[aix[e]] = e;
-            int32_t pos = off[e];
-            for (int s = 0; s < n_slots && pos < off[e] + cnt[e]; s++)
-                if (sel_e[s] == e) {
-                    slot_list[pos] = s;
-                    if (slot_tok) {
-                        slot_tok[pos] = s / kuse;
-                        slot_pos[s] = pos;
-                    }
-                    pos++;
-                }
-        }
     }
     if (threadIdx.x == 0) {
         ex_off[nexp] = n_slots;
         *n_active = aix[nexp - 1] + (cnt[nexp - 1] > 0);
+    }
+    __syncthreads(); /* off[] was read above; from here it is each expert's cursor */
+    /* Each expert's slots in slot order: warp w owns experts w, w + nw, ... (off[e] is its
+     * cursor) and walks the slots 32 at a time; a ballot ranks the lanes that chose e. */
+    const int nw = (int)(blockDim.x >> 5);
+    for (int s0 = 0; s0 < n_slots; s0 += 32) {
+        const int s = s0 + lane;
+        const int32_t ev = s < n_slots ? sel_e[s] : -1;
+        for (int e = w; e < nexp; e += nw) {
+            const unsigned m = __ballot_sync(0xffffffffu, ev == e);
+            if (!m)
+                continue;
+            if (ev == e) {
+                const int32_t pos = off[e] + __popc(m & ((1u << lane) - 1u));
+                slot_list[pos] = s;
+                if (slot_tok) {
+                    slot_tok[pos] = s / kuse;
+                    slot_pos[s] = pos;
+                }
+            }
+            __syncwarp();
+            if (lane == 0)
+                off[e] += __popc(m);
+            __syncwarp();
+        }
     }
 }
 
