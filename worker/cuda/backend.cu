@@ -118,7 +118,7 @@ struct cuda_backend {
     float *dout;                     /* [nb·k][ld_dout] expert outputs before the combine */
     int64_t ld_dout;
     int64_t n, n_out;
-    int n_split, sms;
+    int sms;
     int mode;
     bool capturing, head_chunked, use_graphs, use_gemm, use_flash;
     int64_t group_min;               /* slots per expert; MOE_CUDA_GROUP_MIN overrides */
@@ -934,16 +934,12 @@ static int cuda_init(struct moe_backend **out, const struct moe_model *m, struct
         b->ld_act = pad4(d->ff);
         INIT_TRY(cudaMalloc((void **)&b->act, sizeof(float) * ns * (size_t)b->ld_act));
         INIT_TRY(cudaMalloc((void **)&b->scratch, 2 * sizeof(float) * ns * (size_t)b->ld_act));
-        /* Splits: enough blocks to fill the GPU at batch 1, at most 32. */
-        int sms = b->sms = prop.multiProcessorCount;
-        b->n_split = (int)((2 * sms + d->H - 1) / d->H);
-        if (b->n_split > 32)
-            b->n_split = 32;
-        if (b->n_split < 1)
-            b->n_split = 1;
+        /* Attention partials for decode-sized steps (the only ones that split). */
+        b->sms = prop.multiProcessorCount;
+        const int64_t nsplit_tok = nb < MOE_CUDA_GRAPH_MAX ? (int64_t)nb : MOE_CUDA_GRAPH_MAX;
         INIT_TRY(cudaMalloc((void **)&b->part,
                             sizeof(float) * (size_t)moe_cuda_attention_part_floats(
-                                                (int64_t)nb, d->H, b->n_split, d->hdv)));
+                                                nsplit_tok, d->H, d->hdv)));
         INIT_TRY(cudaMalloc((void **)&b->xo, sizeof(float) * nb * (size_t)pad4(d->E)));
         INIT_TRY(cudaMalloc((void **)&b->att_done, sizeof(unsigned) * nb * (size_t)d->H));
         INIT_TRY(cudaMalloc((void **)&b->groups.ex_off, sizeof(int32_t) * (size_t)(d->nexp + 1)));
@@ -1437,9 +1433,13 @@ static int cuda_attention(struct moe_backend *bb, int l)
 {
     struct cuda_backend *b = (struct cuda_backend *)bb;
     SKIP_IF_REPLAY(b);
-    /* Decode-sized steps split the KV range (the same split for every batch size, so a
-     * sequence's result does not depend on its batch); prompt chunks have blocks enough. */
-    int split = b->n <= MOE_CUDA_GRAPH_MAX ? b->n_split : 1;
+    /* Decode-sized steps split each token's positions (by its length alone), with blocks enough
+     * for about four per SM; prompt chunks have blocks enough unsplit. */
+    int split = 0;
+    if (b->n <= MOE_CUDA_GRAPH_MAX) {
+        const int64_t want = (4 * (int64_t)b->sms + b->d.H * b->n - 1) / (b->d.H * b->n);
+        split = want < 1 ? 1 : want > ATT_MAX_SPLITS ? ATT_MAX_SPLITS : (int)want;
+    }
     if (b->n > MOE_CUDA_GRAPH_MAX && b->use_flash && moe_cuda_attention_mma_supported(&b->kv)) {
         /* Prompt steps: tensor cores (worker/cuda/attn_mma.cu). */
         LAUNCH(b, "attention (tensor cores)",

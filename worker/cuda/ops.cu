@@ -251,180 +251,243 @@ int moe_cuda_qk_rope_kv(float *d_q, int64_t ldq, float *d_k, int64_t ldk, const 
 
 /* ---------------------------------------------------------------- attention */
 
-/* One block per (head, token, split): each warp walks every ATT_WARPS-th position of the split
- * (ATT_ILP consecutive positions at a time) with an online softmax (running max m, sum l,
- * unnormalised output in registers, a lane holding elements lane + 32·i), then the warps are
- * merged into the split's partial result ([hdv]
- * unnormalised, m, l). The last split block of a (token, head) to finish (a counter per pair,
- * reset by that block for the next step) merges the splits into the output. */
-template <bool F32>
+/* Decode attention (flash-decoding). A token's positions 0..len-1 are cut into splits of C
+ * positions, C = max(ATT_CHUNK, ceil(len / ATT_MAX_SPLITS)): the cut depends on len alone, never
+ * on the step. Block (head, token, z) computes splits z, z + Z, ... (Z = gridDim.z, chosen by
+ * the caller from the step's size to fill the GPU): each warp walks every ATT_WARPS-th group of
+ * ATT_ILP positions of the split with an online softmax (running max m, sum l, unnormalised
+ * output in registers, a lane holding elements lane + 32·i; the values of a group are loaded with
+ * its keys, before the scores are known), the warps are merged into the split's partial result
+ * ([hdv] unnormalised, m, l). The block that completes the last split of a (token, head) (a
+ * counter per pair, reset by that block for the next step) merges the partials in split order.
+ * A token with one split writes its output directly. Every float operation of a token is the same
+ * whatever Z and whatever else is in the step. */
+#define ATT_CHUNK 32
+template <bool F32, int EL>
 static __global__ void __launch_bounds__(32 * ATT_WARPS)
 attn_split_kernel(const float *__restrict__ q, int64_t ldq, const int32_t *__restrict__ pos,
                   const int32_t *__restrict__ seq, moe_cuda_kv kv, int layer, int64_t H,
-                  int n_split, float scale, float *__restrict__ part,
-                  unsigned *__restrict__ done, float *__restrict__ out, int64_t ldo)
+                  float scale, int split, float *__restrict__ part, unsigned *__restrict__ done,
+                  float *__restrict__ out, int64_t ldo)
 {
     pdl_trigger();
     pdl_wait();
-    __shared__ float sm_m[ATT_WARPS], sm_l[ATT_WARPS];
+    __shared__ float sm_m[ATT_WARPS], sm_l[ATT_WARPS], sm_w[ATT_MAX_SPLITS], sm_gl;
     __shared__ bool last;
     extern __shared__ float sm_acc[]; /* [ATT_WARPS][hdv] */
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
-    const int64_t h = blockIdx.x, t = blockIdx.y, sp = blockIdx.z;
+    const int64_t h = blockIdx.x, t = blockIdx.y;
+    const int Z = (int)gridDim.z;
     const int64_t hd = kv.hd, hdv = kv.hdv, group = H / kv.Hkv, kvh = h / group;
     const int64_t len = (int64_t)pos[t] + 1;
-    const int64_t chunk = (len + n_split - 1) / n_split;
-    const int64_t p0 = sp * chunk, p1 = p0 + chunk < len ? p0 + chunk : len;
+    int64_t C = (len + ATT_MAX_SPLITS - 1) / ATT_MAX_SPLITS;
+    if (C < ATT_CHUNK)
+        C = ATT_CHUNK;
+    if (!split)
+        C = len; /* one split: prompt steps, which have blocks enough */
+    const int ns = (int)((len + C - 1) / C);
+    if ((int)blockIdx.z >= ns)
+        return;
     const size_t row0 = (((size_t)layer * kv.n_seq + (size_t)seq[t]) * kv.Hkv + (size_t)kvh) *
                         kv.n_ctx;
-    float qv[MAXD_LANE], acc[MAXD_LANE];
+    float qv[EL];
 #pragma unroll
-    for (int i = 0; i < MAXD_LANE; i++) {
+    for (int i = 0; i < EL; i++) {
         int64_t e = lane + 32 * i;
         qv[i] = e < hd ? q[t * ldq + h * hd + e] * scale : 0.0f;
-        acc[i] = 0.0f;
     }
-    /* ATT_ILP positions per iteration of a warp, their loads issued together. */
-    float m = -INFINITY, l = 0.0f;
-    for (int64_t pb = p0 + (int64_t)w * ATT_ILP; pb < p1; pb += ATT_WARPS * ATT_ILP) {
-        float sd[ATT_ILP];
+    float *pp = part + (t * H + h) * ATT_MAX_SPLITS * (hdv + 2);
+    int mine = 0;
+    for (int sp = (int)blockIdx.z; sp < ns; sp += Z, mine++) {
+        const int64_t p0 = (int64_t)sp * C, p1 = p0 + C < len ? p0 + C : len;
+        float acc[EL];
 #pragma unroll
-        for (int c = 0; c < ATT_ILP; c++) {
-            const int64_t p = pb + c < p1 ? pb + c : pb;
-            const size_t kr = (row0 + (size_t)p) * hd;
-            float d = 0.0f;
+        for (int i = 0; i < EL; i++)
+            acc[i] = 0.0f;
+        float m = -INFINITY, l = 0.0f;
+        for (int64_t pb = p0 + (int64_t)w * ATT_ILP; pb < p1; pb += ATT_WARPS * ATT_ILP) {
+            float sd[ATT_ILP], vv[ATT_ILP][EL];
 #pragma unroll
-            for (int i = 0; i < MAXD_LANE; i++) {
-                int64_t e = lane + 32 * i;
-                if (e < hd)
-                    d += qv[i] * kv_get<F32>(kv.k, kr + e);
+            for (int c = 0; c < ATT_ILP; c++) {
+                const int64_t p = pb + c < p1 ? pb + c : pb;
+                const size_t kr = (row0 + (size_t)p) * hd, vr = (row0 + (size_t)p) * hdv;
+                float d = 0.0f;
+#pragma unroll
+                for (int i = 0; i < EL; i++) {
+                    int64_t e = lane + 32 * i;
+                    if (e < hd)
+                        d += qv[i] * kv_get<F32>(kv.k, kr + e);
+                    vv[c][i] = e < hdv ? kv_get<F32>(kv.v, vr + e) : 0.0f;
+                }
+                sd[c] = d;
             }
-            sd[c] = d;
-        }
 #pragma unroll
-        for (int o = 16; o > 0; o >>= 1)
+            for (int o = 16; o > 0; o >>= 1)
+#pragma unroll
+                for (int c = 0; c < ATT_ILP; c++)
+                    sd[c] += __shfl_xor_sync(0xffffffffu, sd[c], o);
+            float mn = m;
 #pragma unroll
             for (int c = 0; c < ATT_ILP; c++)
-                sd[c] += __shfl_xor_sync(0xffffffffu, sd[c], o);
-        float mn = m;
+                if (pb + c < p1)
+                    mn = fmaxf(mn, sd[c]);
+            const float corr = __expf(m - mn);
+            float pe[ATT_ILP];
 #pragma unroll
-        for (int c = 0; c < ATT_ILP; c++)
-            if (pb + c < p1)
-                mn = fmaxf(mn, sd[c]);
-        const float corr = __expf(m - mn);
-        float pe[ATT_ILP];
+            for (int c = 0; c < ATT_ILP; c++)
+                pe[c] = pb + c < p1 ? __expf(sd[c] - mn) : 0.0f;
+            l *= corr;
 #pragma unroll
-        for (int c = 0; c < ATT_ILP; c++)
-            pe[c] = pb + c < p1 ? __expf(sd[c] - mn) : 0.0f;
-        l *= corr;
+            for (int c = 0; c < ATT_ILP; c++)
+                l += pe[c];
 #pragma unroll
-        for (int c = 0; c < ATT_ILP; c++)
-            l += pe[c];
-#pragma unroll
-        for (int i = 0; i < MAXD_LANE; i++) {
-            int64_t e = lane + 32 * i;
-            if (e < hdv) {
+            for (int i = 0; i < EL; i++) {
                 float a = acc[i] * corr;
 #pragma unroll
-                for (int c = 0; c < ATT_ILP; c++) {
-                    const int64_t p = pb + c < p1 ? pb + c : pb;
-                    a += pe[c] * kv_get<F32>(kv.v, (row0 + (size_t)p) * hdv + e);
-                }
+                for (int c = 0; c < ATT_ILP; c++)
+                    a += pe[c] * vv[c][i];
                 acc[i] = a;
             }
+            m = mn;
         }
-        m = mn;
-    }
-    if (lane == 0) {
-        sm_m[w] = m;
-        sm_l[w] = l;
-    }
+        __syncthreads(); /* the previous split's merge is done with the shared arrays */
+        if (lane == 0) {
+            sm_m[w] = m;
+            sm_l[w] = l;
+        }
 #pragma unroll
-    for (int i = 0; i < MAXD_LANE; i++) {
-        int64_t e = lane + 32 * i;
-        if (e < hdv)
-            sm_acc[w * hdv + e] = acc[i];
-    }
-    __syncthreads();
-    float M = -INFINITY;
-    for (int j = 0; j < ATT_WARPS; j++)
-        M = fmaxf(M, sm_m[j]);
-    float L = 0.0f;
-    for (int j = 0; j < ATT_WARPS; j++)
-        if (sm_m[j] != -INFINITY)
-            L += sm_l[j] * __expf(sm_m[j] - M);
-    if (n_split == 1) {
-        const float inv = 1.0f / L;
+        for (int i = 0; i < EL; i++) {
+            int64_t e = lane + 32 * i;
+            if (e < hdv)
+                sm_acc[w * hdv + e] = acc[i];
+        }
+        __syncthreads();
+        float M = -INFINITY;
+        for (int j = 0; j < ATT_WARPS; j++)
+            M = fmaxf(M, sm_m[j]);
+        float L = 0.0f;
+        for (int j = 0; j < ATT_WARPS; j++)
+            if (sm_m[j] != -INFINITY)
+                L += sm_l[j] * __expf(sm_m[j] - M);
+        if (ns == 1) {
+            const float inv = 1.0f / L;
+            for (int64_t e = threadIdx.x; e < hdv; e += blockDim.x) {
+                float o = 0.0f;
+                for (int j = 0; j < ATT_WARPS; j++)
+                    if (sm_m[j] != -INFINITY)
+                        o += sm_acc[j * hdv + e] * __expf(sm_m[j] - M);
+                out[t * ldo + h * hdv + e] = o * inv;
+            }
+            return;
+        }
+        float *ps = pp + sp * (hdv + 2);
         for (int64_t e = threadIdx.x; e < hdv; e += blockDim.x) {
             float o = 0.0f;
             for (int j = 0; j < ATT_WARPS; j++)
                 if (sm_m[j] != -INFINITY)
                     o += sm_acc[j * hdv + e] * __expf(sm_m[j] - M);
-            out[t * ldo + h * hdv + e] = o * inv;
+            ps[e] = o;
         }
-        return;
+        if (threadIdx.x == 0) {
+            ps[hdv] = M;
+            ps[hdv + 1] = L;
+        }
     }
-    float *pp = part + (t * H + h) * n_split * (hdv + 2);
-    float *mine = pp + sp * (hdv + 2);
-    for (int64_t e = threadIdx.x; e < hdv; e += blockDim.x) {
-        float o = 0.0f;
-        for (int j = 0; j < ATT_WARPS; j++)
-            if (sm_m[j] != -INFINITY)
-                o += sm_acc[j * hdv + e] * __expf(sm_m[j] - M);
-        mine[e] = o;
-    }
-    if (threadIdx.x == 0) {
-        mine[hdv] = M;
-        mine[hdv + 1] = L;
-    }
-    /* Publish the partial, then count this split in. */
+    /* Publish the partials, then count this block's splits in. */
     __threadfence();
     __syncthreads();
     if (threadIdx.x == 0) {
-        unsigned prev = atomicAdd(&done[t * H + h], 1u);
-        last = prev == (unsigned)n_split - 1;
+        unsigned prev = atomicAdd(&done[t * H + h], (unsigned)mine);
+        last = prev + (unsigned)mine == (unsigned)ns;
     }
     __syncthreads();
     if (!last)
         return;
     __threadfence();
-    float GM = -INFINITY;
-    for (int s2 = 0; s2 < n_split; s2++)
-        GM = fmaxf(GM, __ldcg(pp + s2 * (hdv + 2) + hdv));
-    float GL = 0.0f;
-    for (int s2 = 0; s2 < n_split; s2++) {
-        float ms = __ldcg(pp + s2 * (hdv + 2) + hdv);
-        if (ms != -INFINITY)
-            GL += __ldcg(pp + s2 * (hdv + 2) + hdv + 1) * __expf(ms - GM);
+    /* The merge: split weights by one warp (ns <= ATT_MAX_SPLITS = 64), then every output
+     * element summed over the splits in split order. */
+    if (w == 0) {
+        float ms[ATT_MAX_SPLITS / 32], ls[ATT_MAX_SPLITS / 32];
+        float gm = -INFINITY;
+#pragma unroll
+        for (int i = 0; i < ATT_MAX_SPLITS / 32; i++) {
+            const int s2 = lane + 32 * i;
+            ms[i] = s2 < ns ? __ldcg(pp + s2 * (hdv + 2) + hdv) : -INFINITY;
+            ls[i] = s2 < ns ? __ldcg(pp + s2 * (hdv + 2) + hdv + 1) : 0.0f;
+            gm = fmaxf(gm, ms[i]);
+        }
+        gm = warp_max(gm);
+        float gl = 0.0f;
+#pragma unroll
+        for (int i = 0; i < ATT_MAX_SPLITS / 32; i++) {
+            const int s2 = lane + 32 * i;
+            const float wt = ms[i] != -INFINITY ? __expf(ms[i] - gm) : 0.0f;
+            if (s2 < ns)
+                sm_w[s2] = wt;
+            gl += ls[i] * wt;
+        }
+        gl = warp_sum(gl);
+        if (lane == 0)
+            sm_gl = gl;
     }
-    const float inv = 1.0f / GL;
+    __syncthreads();
+    const float inv = 1.0f / sm_gl;
     for (int64_t e = threadIdx.x; e < hdv; e += blockDim.x) {
         float o = 0.0f;
-        for (int s2 = 0; s2 < n_split; s2++) {
-            float ms = __ldcg(pp + s2 * (hdv + 2) + hdv);
-            if (ms != -INFINITY)
-                o += __ldcg(pp + s2 * (hdv + 2) + e) * __expf(ms - GM);
+        int s2 = 0;
+        for (; s2 + 8 <= ns; s2 += 8) {
+            float v[8];
+#pragma unroll
+            for (int j = 0; j < 8; j++)
+                v[j] = __ldcg(pp + (s2 + j) * (hdv + 2) + e);
+#pragma unroll
+            for (int j = 0; j < 8; j++)
+                o += v[j] * sm_w[s2 + j];
         }
+        for (; s2 < ns; s2++)
+            o += __ldcg(pp + s2 * (hdv + 2) + e) * sm_w[s2];
         out[t * ldo + h * hdv + e] = o * inv;
     }
     if (threadIdx.x == 0)
         done[t * H + h] = 0;
 }
 
+template <bool F32>
+static cudaError_t launch_attn(int el, dim3 g, size_t smem, cudaStream_t s, const float *d_q,
+                               int64_t ldq, const int32_t *d_pos, const int32_t *d_seq,
+                               const struct moe_cuda_kv *kv, int layer, int64_t H, float scale,
+                               int split, float *d_part, unsigned *d_done, float *d_out,
+                               int64_t ldo)
+{
+#define ATT_ARGS g, dim3(32 * ATT_WARPS), smem, s, d_q, ldq, d_pos, d_seq, *kv, layer, H, scale, \
+                 split, d_part, d_done, d_out, ldo
+    return el <= 1   ? moe_launch(attn_split_kernel<F32, 1>, ATT_ARGS)
+           : el <= 2 ? moe_launch(attn_split_kernel<F32, 2>, ATT_ARGS)
+           : el <= 4 ? moe_launch(attn_split_kernel<F32, 4>, ATT_ARGS)
+           : el <= 8 ? moe_launch(attn_split_kernel<F32, 8>, ATT_ARGS)
+                     : moe_launch(attn_split_kernel<F32, MAXD_LANE>, ATT_ARGS);
+#undef ATT_ARGS
+}
+
 int moe_cuda_attention(const float *d_q, int64_t ldq, const int32_t *d_pos, const int32_t *d_seq,
-                       const struct moe_cuda_kv *kv, int layer, int64_t H, int64_t n, int n_split,
+                       const struct moe_cuda_kv *kv, int layer, int64_t H, int64_t n, int n_blocks,
                        float *d_part, unsigned *d_done, float *d_out, int64_t ldo, cudaStream_t s)
 {
     if (n <= 0)
         return 0;
-    if (kv->hd > 32 * MAXD_LANE || kv->hdv > 32 * MAXD_LANE || n_split < 1 || n > 65535)
+    if (kv->hd > 32 * MAXD_LANE || kv->hdv > 32 * MAXD_LANE || n_blocks < 0 ||
+        n_blocks > ATT_MAX_SPLITS || n > 65535)
         return -EINVAL;
     const float scale = (float)(1.0 / sqrt((double)kv->hd));
-    dim3 g((unsigned)H, (unsigned)n, (unsigned)n_split);
+    const int split = n_blocks > 0;
+    dim3 g((unsigned)H, (unsigned)n, (unsigned)(split ? n_blocks : 1));
     size_t smem = sizeof(float) * (size_t)(ATT_WARPS * kv->hdv);
-    MOE_CUDA_TRY(moe_launch(kv->f32 ? attn_split_kernel<true> : attn_split_kernel<false>, g,
-                            dim3(32 * ATT_WARPS), smem, s, d_q, ldq, d_pos, d_seq, *kv, layer, H,
-                            n_split, scale, d_part, d_done, d_out, ldo));
+    const int64_t wd = kv->hd > kv->hdv ? kv->hd : kv->hdv;
+    const int el = (int)((wd + 31) / 32);
+    MOE_CUDA_TRY(kv->f32 ? launch_attn<true>(el, g, smem, s, d_q, ldq, d_pos, d_seq, kv, layer, H,
+                                             scale, split, d_part, d_done, d_out, ldo)
+                         : launch_attn<false>(el, g, smem, s, d_q, ldq, d_pos, d_seq, kv, layer, H,
+                                              scale, split, d_part, d_done, d_out, ldo));
     return 0;
 }
 
@@ -449,20 +512,26 @@ static __global__ void route_kernel(const float *__restrict__ logits, int64_t ld
         return;
     float *p = pr + (size_t)w * nexp;
     const float *r = logits + t * ldl;
+    const int ne = (int)nexp;
+    /* The row into shared memory, its loads issued together. */
+#pragma unroll 8
+    for (int x = lane; x < ne; x += 32)
+        p[x] = r[x];
+    __syncwarp();
     float mx = -INFINITY;
-    for (int64_t x = lane; x < nexp; x += 32)
-        mx = fmaxf(mx, r[x]);
+    for (int x = lane; x < ne; x += 32)
+        mx = fmaxf(mx, p[x]);
     mx = warp_max(mx);
     double z = 0.0;
-    for (int64_t x = lane; x < nexp; x += 32) {
-        float e = expf(r[x] - mx);
+    for (int x = lane; x < ne; x += 32) {
+        float e = expf(p[x] - mx);
         p[x] = e;
         z += e;
     }
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1)
         z += __shfl_xor_sync(0xffffffffu, z, o);
-    for (int64_t x = lane; x < nexp; x += 32)
+    for (int x = lane; x < ne; x += 32)
         p[x] = (float)(p[x] / z);
     __syncwarp();
     /* Taken experts are marked in shared memory by setting their probability to a sentinel
@@ -473,7 +542,7 @@ static __global__ void route_kernel(const float *__restrict__ logits, int64_t ld
     for (int j = 0; j < k; j++) {
         vi best = {0.0f, -1};
         int last_nan = -1;
-        for (int64_t x = lane; x < nexp; x += 32) {
+        for (int x = lane; x < ne; x += 32) {
             float v = p[x];
             if (v == -1.0f)
                 continue;

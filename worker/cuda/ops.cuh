@@ -33,11 +33,16 @@ int moe_cuda_qk_rope_kv(float *d_q, int64_t ldq, float *d_k, int64_t ldk, const 
                         float eps, int64_t n, cudaStream_t s);
 
 /* Causal attention of n tokens: out[t][h·hdv..] = softmax(q·K/√hd) V over positions 0..pos[t] of
- * sequence seq[t], split over n_split KV ranges (flash-decoding) with partial results in
- * d_part ([n][H][n_split][hdv + 2] floats), merged by the last split to finish; d_done: [n][H]
- * counters, zero before the first launch (each launch leaves them zero). */
+ * sequence seq[t] (flash-decoding). A token's positions are cut into at most ATT_MAX_SPLITS
+ * splits by its length alone; n_blocks (1..ATT_MAX_SPLITS) blocks per (token, head) share them,
+ * so the result does not depend on n_blocks or on the other tokens. n_blocks 0: no split (one
+ * block per (token, head) over all its positions; prompt steps, no partials). Partial results go to
+ * d_part ([n][H][ATT_MAX_SPLITS][hdv + 2] floats, used by tokens with more than one split),
+ * merged by the block that completes the last split; d_done: [n][H] counters, zero before the
+ * first launch (each launch leaves them zero). */
+#define ATT_MAX_SPLITS 64
 int moe_cuda_attention(const float *d_q, int64_t ldq, const int32_t *d_pos, const int32_t *d_seq,
-                       const struct moe_cuda_kv *kv, int layer, int64_t H, int64_t n, int n_split,
+                       const struct moe_cuda_kv *kv, int layer, int64_t H, int64_t n, int n_blocks,
                        float *d_part, unsigned *d_done, float *d_out, int64_t ldo, cudaStream_t s);
 
 /* Router: for each token, softmax over logits [n][nexp], top-k (lowest index wins ties; NaN never
@@ -50,11 +55,10 @@ int moe_cuda_route(const float *d_logits, int64_t ldl, int64_t nexp, int k, bool
 /* tok[t] = argmax of logits[t][V] (lowest index on ties, NaN never wins; -1 when all are NaN). */
 int moe_cuda_argmax(const float *d_logits, int64_t V, int64_t n, int32_t *d_tok, cudaStream_t s);
 
-/* Partial-result floats of one attention launch. */
-static inline int64_t moe_cuda_attention_part_floats(int64_t n, int64_t H, int n_split,
-                                                     int64_t hdv)
+/* Partial-result floats of an attention launch of n tokens. */
+static inline int64_t moe_cuda_attention_part_floats(int64_t n, int64_t H, int64_t hdv)
 {
-    return n * H * (int64_t)n_split * (hdv + 2);
+    return n * H * (int64_t)ATT_MAX_SPLITS * (hdv + 2);
 }
 
 #endif
