@@ -716,11 +716,15 @@ static void bt_done(void *user, uint64_t id, enum moe_finish reason, uint32_t n_
     s->done[id - 1] = n_gen;
 }
 
+static void job_error(uint32_t *errors, uint64_t id, int code, const char *msg)
+{
+    fprintf(stderr, "job %llu: %d %s\n", (unsigned long long)id, code, msg);
+    (*errors)++;
+}
+
 static void bt_error(void *user, uint64_t id, int code, const char *msg)
 {
-    struct bt_seen *s = user;
-    fprintf(stderr, "job %llu: %d %s\n", (unsigned long long)id, code, msg);
-    s->errors++;
+    job_error(&((struct bt_seen *)user)->errors, id, code, msg);
 }
 
 static int bt_report(void *user, const struct moe_batcher_report *r)
@@ -925,6 +929,135 @@ TEST(batcher_prompt_logprobs)
     }
     free(lg);
     moe_engine_free(r);
+    moe_batcher_free(b);
+    moe_engine_free(e);
+    test_model_close(&tm);
+}
+
+/* moe_engine_seq_copy: a sequence given another's evaluated prefix continues exactly as that one
+ * does (the same step, bit for bit, on every backend), and copies past what the source holds or
+ * outside the sequences are refused. */
+TEST(engine_seq_copy_continues_exactly)
+{
+    struct test_model tm;
+    test_model_open_golden(&tm, "Q8_0");
+    const uint32_t V = tm.m.hp.n_vocab, P = 40;
+    struct moe_engine *e = test_engine(&tm.m, 64, 3, 0, 2);
+    int32_t prompt[40];
+    for (uint32_t i = 0; i < P; i++)
+        prompt[i] = (int32_t)((i * 53 + 9) % V);
+    float *all = malloc(sizeof(float) * P * V), *ref = malloc(sizeof(float) * V),
+          *got = malloc(sizeof(float) * V);
+    CHECK(all && ref && got);
+    test_prefill(e, 0, 0, prompt, P - 1, all);
+    CHECK(moe_engine_seq_copy(e, 0, 2, P) != 0); /* more than it holds */
+    CHECK(moe_engine_seq_copy(e, 0, 3, 4) != 0); /* no sequence 3 */
+    CHECK(moe_engine_seq_copy(e, -1, 2, 4) != 0);
+    test_prefill(e, 2, 0, prompt + 7, 5, all); /* something to overwrite */
+    CHECK_EQ(moe_engine_seq_copy(e, 0, 2, P - 1), 0);
+    CHECK_EQ(moe_engine_seq_len(e, 2), P - 1);
+    test_prefill(e, 0, (int32_t)(P - 1), prompt + P - 1, 1, ref);
+    test_prefill(e, 2, (int32_t)(P - 1), prompt + P - 1, 1, got);
+    CHECK(memcmp(got, ref, sizeof(float) * V) == 0);
+    free(all), free(ref), free(got);
+    moe_engine_free(e);
+    test_model_close(&tm);
+}
+
+struct share_seen {
+    int32_t tok[4][8];
+    uint32_t n[4], cached[4], done, errors;
+};
+
+static void sh_token(void *user, uint64_t id, int32_t token, const struct moe_token_lp *lp)
+{
+    struct share_seen *s = user;
+    (void)lp;
+    CHECK(id >= 1 && id <= 4 && s->n[id - 1] < 8);
+    s->tok[id - 1][s->n[id - 1]++] = token;
+}
+
+static void sh_done(void *user, uint64_t id, enum moe_finish reason, uint32_t n_prompt,
+                    uint32_t n_gen, uint32_t n_cached)
+{
+    struct share_seen *s = user;
+    (void)reason, (void)n_prompt, (void)n_gen;
+    s->cached[id - 1] = n_cached;
+    s->done++;
+}
+
+static void sh_error(void *user, uint64_t id, int code, const char *msg)
+{
+    job_error(&((struct share_seen *)user)->errors, id, code, msg);
+}
+
+/* Jobs admitted together with the same long prompt (n > 1 choices, a shared system prompt):
+ * the first evaluates it, the others copy its KV once it is there and evaluate only the rest of
+ * theirs; greedy, the job that copied all of the first one's prompt gives its tokens, and every
+ * job the tokens of its prompt alone. A job whose prompt shares only a short prefix evaluates its
+ * own. */
+TEST(batcher_shares_a_prompt_being_evaluated)
+{
+    struct test_model tm;
+    test_model_open_golden(&tm, "Q8_0");
+    const uint32_t V = tm.m.hp.n_vocab, P = 60, G = 6;
+    struct moe_engine *e = test_engine(&tm.m, 128, 4, 0, 2);
+    struct moe_batcher *b = NULL;
+    struct share_seen seen = {0};
+    struct moe_batcher_cfg cfg = {.eng = e, .n_vocab = V, .n_layer = tm.m.hp.n_layer,
+                                  .n_expert = tm.m.hp.n_expert, .n_ctx = 128, .n_seq = 4,
+                                  .n_batch = 512};
+    struct moe_batcher_sink sink = {.user = &seen, .token = sh_token, .done = sh_done,
+                                    .error = sh_error, .report = bt_report};
+    CHECK_EQ(moe_batcher_init(&b, &cfg, &sink), 0);
+    int32_t prompt[4][60];
+    for (uint32_t i = 0; i < P; i++) {
+        prompt[0][i] = prompt[1][i] = (int32_t)((i * 31 + 7) % V);
+        prompt[2][i] = i < 50 ? prompt[0][i] : (int32_t)((i * 17 + 3) % V); /* 50 shared */
+        prompt[3][i] = i < 8 ? prompt[0][i] : (int32_t)((i * 13 + 1) % V);  /* 8: too few */
+    }
+    for (uint64_t id = 1; id <= 4; id++) {
+        struct moe_job *j = calloc(1, sizeof *j);
+        CHECK(j);
+        j->id = id;
+        j->prompt = malloc(sizeof prompt[0]);
+        memcpy(j->prompt, prompt[id - 1], sizeof prompt[0]);
+        j->n_prompt = P;
+        j->max_tokens = G;
+        j->slot = -1;
+        moe_sampler_defaults(&j->sp);
+        j->sp.temperature = 0.0f;
+        moe_batcher_add(b, j);
+    }
+    for (int guard = 0; moe_batcher_busy(b) && guard < 1000; guard++)
+        CHECK_EQ(moe_batcher_step(b), 0);
+    CHECK_EQ(seen.errors, 0);
+    CHECK_EQ(seen.done, 4);
+    CHECK_EQ(seen.cached[0], 0);
+    CHECK_EQ(seen.cached[1], P - 1);
+    CHECK_EQ(seen.cached[2], 50);
+    CHECK_EQ(seen.cached[3], 0);
+    /* The copy is the first job's KV bit for bit, so the second job repeats it exactly. */
+    CHECK_EQ(seen.n[1], G);
+    CHECK(memcmp(seen.tok[0], seen.tok[1], sizeof(int32_t) * G) == 0);
+    /* References: each prompt alone in an engine of its own (on the CPU, whose results do not
+     * depend on the batch; a GPU's prompt steps of more than 64 tokens round differently). */
+    for (int k = 0; k < 4 && test_consistency_tol(0) == 0; k++) {
+        struct moe_engine *r = test_engine(&tm.m, 128, 1, 0, 2);
+        float *lg = malloc(sizeof(float) * P * V);
+        CHECK(lg);
+        test_prefill(r, 0, 0, prompt[k], P, lg);
+        int32_t t = moe_test_argmax(lg + (size_t)(P - 1) * V, V);
+        CHECK_EQ(seen.n[k], G);
+        for (uint32_t g = 0; g < G; g++) {
+            CHECK_MSG(seen.tok[k][g] == t, "job %d token %u: %d, alone %d", k + 1, g,
+                      seen.tok[k][g], t);
+            test_prefill(r, 0, (int32_t)(P + g), &t, 1, lg);
+            t = moe_test_argmax(lg, V);
+        }
+        free(lg);
+        moe_engine_free(r);
+    }
     moe_batcher_free(b);
     moe_engine_free(e);
     test_model_close(&tm);

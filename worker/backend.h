@@ -146,6 +146,9 @@ struct moe_backend_vt {
      * penalty history (e.g. the prompt). Sampled tokens are added to the history by the step. */
     int (*sampler)(struct moe_backend *b, int32_t seq, const struct moe_sampler_params *p,
                    const int32_t *history, size_t n_history);
+    /* Copies positions 0..n-1 of sequence src's KV cache (every layer) to sequence dst, outside
+     * a step; the bits are the same, so dst continues exactly as src would. */
+    int (*kv_copy)(struct moe_backend *b, int32_t src, int32_t dst, uint32_t n);
 
     /* Routing counts since init, [L][nexp], copied to dst. */
     int (*routing_counts)(struct moe_backend *b, uint64_t *dst);

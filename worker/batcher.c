@@ -225,6 +225,25 @@ static void admit(struct moe_batcher *b)
             moe_engine_seq_keep(b->cfg.eng, (int32_t)s, best);
         else
             moe_engine_seq_clear(b->cfg.eng, (int32_t)s);
+        /* A longer prefix in a running job's slot (evaluated or still to be): copied from there
+         * once it holds it. */
+        j->share_slot = -1;
+        for (uint32_t c = 0; c < b->cfg.n_seq && !j->prompt_logprobs; c++) {
+            const struct moe_job *o = b->slot[c];
+            if (!o)
+                continue;
+            const uint32_t known = o->n_past > o->n_prompt ? o->n_past : o->n_prompt;
+            const uint32_t lim = known < j->n_prompt - 1 ? known : j->n_prompt - 1;
+            uint32_t lcp = 0;
+            while (lcp < lim && b->hist[c][lcp] == j->prompt[lcp])
+                lcp++;
+            if (lcp >= best + MOE_BATCHER_SHARE_MIN &&
+                (j->share_slot < 0 || lcp > j->share_n)) {
+                j->share_slot = (int32_t)c;
+                j->share_id = o->id;
+                j->share_n = lcp;
+            }
+        }
         memcpy(b->hist[s], j->prompt, sizeof *j->prompt * j->n_prompt);
         b->valid[s] = 0; /* until the job ends, its own n_past says */
         b->used_at[s] = ++b->admissions;
@@ -235,6 +254,41 @@ static void admit(struct moe_batcher *b)
         b->slot[s] = j;
         b->n_running++;
     }
+}
+
+/* A job sharing another slot's prefix: copies it when that slot holds it (its job running with
+ * share_n positions evaluated, or ended and the positions kept), and returns true; false while
+ * the other job still evaluates them. When the other slot lost them (its job failed, or the slot
+ * went to another job) the job evaluates its prompt itself. A failed copy fails the job. */
+static bool take_shared(struct moe_batcher *b, struct moe_job *j)
+{
+    const uint32_t c = (uint32_t)j->share_slot;
+    const struct moe_job *o = b->slot[c];
+    uint32_t held;
+    if (o && o->id == j->share_id) {
+        if (o->n_past < j->share_n)
+            return false;
+        held = o->n_past;
+    } else {
+        held = o ? 0 : b->valid[c]; /* ended: what its slot kept, if still its tokens */
+        for (uint32_t i = 0; i < j->share_n && held; i++)
+            if (b->hist[c][i] != j->prompt[i])
+                held = 0;
+    }
+    j->share_slot = -1;
+    if (held < j->share_n || j->share_n <= j->n_past)
+        return true;
+    int rc = moe_engine_seq_copy(b->cfg.eng, (int32_t)c, j->slot, j->share_n);
+    if (rc) {
+        char msg[192];
+        snprintf(msg, sizeof msg, "%s", moe_engine_errmsg(b->cfg.eng));
+        fail_job(b, j, rc, msg);
+        return true;
+    }
+    b->cached_total += j->share_n - j->n_past;
+    j->n_cached += j->share_n - j->n_past;
+    j->n_past = j->share_n;
+    return true;
 }
 
 /* Fills the step's batch: decode tokens, then prompt chunks. Returns the token count; *n_decode
@@ -270,6 +324,10 @@ static uint32_t build_batch(struct moe_batcher *b, bool host, uint32_t *n_decode
         struct moe_job *j = b->slot[s];
         if (!j || j->n_past >= j->n_prompt || host_job(b, j) != host)
             continue;
+        if (j->share_slot >= 0 && !take_shared(b, j))
+            continue; /* its prefix is still being evaluated elsewhere */
+        if (!b->slot[s])
+            continue; /* the copy failed: the job is gone */
         if (j->prompt_logprobs && prompt_rows)
             continue;
         uint32_t take = j->n_prompt - j->n_past;

@@ -66,7 +66,13 @@ struct moe_job {
     /* batcher only */
     int32_t slot;
     uint32_t n_past; /* positions evaluated for this sequence */
-    uint32_t n_cached; /* prompt positions taken from the slot's kept KV cache */
+    uint32_t n_cached; /* prompt positions taken from a kept KV cache (its slot's or a copy) */
+    /* A prompt prefix another slot is evaluating (n > 1 choices, a shared system prompt): the
+     * job waits for slot share_slot's job share_id to hold share_n positions, then copies them
+     * (moe_engine_seq_copy) instead of evaluating them again. share_slot -1: none. */
+    int32_t share_slot;
+    uint64_t share_id;
+    uint32_t share_n;
     uint32_t n_gen;
     int32_t last;    /* last sampled token: evaluated at n_past in the next step */
     struct moe_sampler *hs; /* host sampler: jobs with logprobs or logit_bias (see below) */
@@ -122,6 +128,9 @@ struct moe_batcher_sink {
 };
 
 #define MOE_BATCHER_PROMPT_ROWS 32
+/* The shortest prompt prefix a job copies from another running job's slot rather than
+ * evaluating it itself. */
+#define MOE_BATCHER_SHARE_MIN 16
 
 struct moe_batcher_cfg {
     struct moe_engine *eng;

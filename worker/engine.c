@@ -320,6 +320,23 @@ void moe_engine_seq_keep(struct moe_engine *e, int32_t seq, uint32_t n)
         e->filled[seq] = (int32_t)n;
 }
 
+int moe_engine_seq_copy(struct moe_engine *e, int32_t src, int32_t dst, uint32_t n)
+{
+    if (src < 0 || dst < 0 || (uint32_t)src >= e->o.n_seq || (uint32_t)dst >= e->o.n_seq)
+        return eng_err(e, MOE_ERANGE, "seq copy: sequences %d -> %d outside 0..%u", src, dst,
+                       e->o.n_seq - 1);
+    if (n > (uint32_t)e->filled[src])
+        return eng_err(e, MOE_ERANGE, "seq copy: %u positions, sequence %d holds %d", n, src,
+                       e->filled[src]);
+    if (src == dst)
+        return 0;
+    int rc = e->b->vt->kv_copy(e->b, src, dst, n);
+    if (rc)
+        return eng_err(e, rc, "seq copy: %s", e->b->vt->errmsg(e->b));
+    e->filled[dst] = (int32_t)n;
+    return 0;
+}
+
 int moe_engine_routing_counts(struct moe_engine *e, uint64_t *dst)
 {
     int rc = e->b->vt->routing_counts(e->b, dst);

@@ -94,6 +94,11 @@ void moe_engine_seq_clear(struct moe_engine *e, int32_t seq);
  * token of the sequence is then at position min(n, what it held). */
 void moe_engine_seq_keep(struct moe_engine *e, int32_t seq, uint32_t n);
 
+/* Copies sequence src's first n cached positions (at most what it holds) into sequence dst,
+ * which then holds exactly those n: a shared prompt prefix evaluated once. Returns 0 or an error
+ * (bad sequences or n, a device failure). */
+int moe_engine_seq_copy(struct moe_engine *e, int32_t src, int32_t dst, uint32_t n);
+
 /* Cumulative routing counts since init, [n_layer][n_expert] (one count per token and chosen
  * expert), copied to dst. Returns 0 or an error (a device failure). */
 int moe_engine_routing_counts(struct moe_engine *e, uint64_t *dst);

@@ -957,6 +957,25 @@ static int cpu_sampler(struct moe_backend *b, int32_t seq, const struct moe_samp
     return 0;
 }
 
+static int cpu_kv_copy(struct moe_backend *b, int32_t src, int32_t dst, uint32_t n)
+{
+    struct cpu_backend *e = (struct cpu_backend *)b;
+    if (src < 0 || dst < 0 || (uint32_t)src >= e->d.n_seq || (uint32_t)dst >= e->d.n_seq ||
+        n > e->d.n_ctx)
+        return cpu_err(e, MOE_ERANGE, "kv copy: sequences %d -> %d, %u positions", src, dst, n);
+    if (src == dst || n == 0)
+        return 0;
+    for (int l = 0; l < (int)e->L; l++)
+        for (int64_t h = 0; h < e->Hkv; h++) {
+            memcpy(e->kc + kv_row(e, l, dst, h) * (size_t)e->hd,
+                   e->kc + kv_row(e, l, src, h) * (size_t)e->hd, sizeof(float) * n * (size_t)e->hd);
+            memcpy(e->vc + kv_row(e, l, dst, h) * (size_t)e->hdv,
+                   e->vc + kv_row(e, l, src, h) * (size_t)e->hdv,
+                   sizeof(float) * n * (size_t)e->hdv);
+        }
+    return 0;
+}
+
 static int cpu_routing_counts(struct moe_backend *b, uint64_t *dst)
 {
     struct cpu_backend *e = (struct cpu_backend *)b;
@@ -1011,6 +1030,7 @@ const struct moe_backend_vt moe_backend_cpu = {
     .head = cpu_head,
     .end = cpu_end,
     .sampler = cpu_sampler,
+    .kv_copy = cpu_kv_copy,
     .routing_counts = cpu_routing_counts,
     .read_buf = cpu_read_buf,
     .write_buf = cpu_write_buf,

@@ -1727,6 +1727,31 @@ static int cuda_end(struct moe_backend *bb, float *out, int32_t *tokens)
 }
 
 
+static int cuda_kv_copy(struct moe_backend *bb, int32_t src, int32_t dst, uint32_t n)
+{
+    struct cuda_backend *b = (struct cuda_backend *)bb;
+    if (src < 0 || dst < 0 || (uint32_t)src >= b->d.n_seq || (uint32_t)dst >= b->d.n_seq ||
+        n > b->d.n_ctx)
+        return cu_err(b, MOE_ERANGE, "kv copy: sequences %d -> %d, %u positions", src, dst, n);
+    if (src == dst || n == 0)
+        return 0;
+    /* Per layer, the Hkv rows of positions 0..n-1 of each sequence, n_ctx positions apart. */
+    const size_t es = b->kv.f32 ? 4 : 2;
+    const struct { void *base; int64_t w; } parts[2] = {{b->kv.k, b->d.hd}, {b->kv.v, b->d.hdv}};
+    for (int i = 0; i < 2; i++) {
+        const size_t pitch = (size_t)b->d.n_ctx * (size_t)parts[i].w * es;
+        for (int l = 0; l < (int)b->d.L; l++) {
+            const size_t o_src = (((size_t)l * b->d.n_seq + (size_t)src) * (size_t)b->d.Hkv) * pitch;
+            const size_t o_dst = (((size_t)l * b->d.n_seq + (size_t)dst) * (size_t)b->d.Hkv) * pitch;
+            CU(b, cudaMemcpy2DAsync((uint8_t *)parts[i].base + o_dst, pitch,
+                                    (const uint8_t *)parts[i].base + o_src, pitch,
+                                    (size_t)n * (size_t)parts[i].w * es, (size_t)b->d.Hkv,
+                                    cudaMemcpyDeviceToDevice, b->st));
+        }
+    }
+    return 0;
+}
+
 static int cuda_sampler(struct moe_backend *bb, int32_t seq, const struct moe_sampler_params *p,
                         const int32_t *history, size_t n_history)
 {
@@ -1956,6 +1981,7 @@ extern "C" const struct moe_backend_vt moe_backend_cuda = {
     cuda_head,
     cuda_end,
     cuda_sampler,
+    cuda_kv_copy,
     cuda_routing_counts,
     cuda_read_buf,
     cuda_write_buf,
