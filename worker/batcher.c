@@ -9,6 +9,7 @@
 
 #include "store/err.h"
 #include "store/io.h"
+#include "store/tokenizer.h"
 
 #define REPORT_INTERVAL_S 1.0
 
@@ -574,4 +575,63 @@ void moe_batcher_free(struct moe_batcher *b)
     free(b->gmask);
     free(b->lp);
     free(b);
+}
+
+void moe_token_bytes_free(struct moe_token_bytes *tb)
+{
+    if (!tb)
+        return;
+    for (uint32_t i = 0; tb->tok && i < tb->n; i++)
+        free(tb->tok[i]);
+    free(tb->tok);
+    free(tb->len);
+    moe_grammar_vocab_free(tb->trie);
+    free(tb);
+}
+
+struct moe_token_bytes *moe_token_bytes_new(const struct gguf_file *f, char *err, size_t errlen)
+{
+    struct moe_tokenizer *tok = NULL;
+    if (moe_tok_load(&tok, f, err, errlen))
+        return NULL;
+    const uint32_t n = moe_tok_n_vocab(tok);
+    struct moe_token_bytes *tb = calloc(1, sizeof *tb);
+    uint8_t *eog = calloc(n ? n : 1, 1);
+    size_t cap = moe_tok_max_piece(tok) + 1;
+    char *buf = malloc(cap);
+    int rc = tb && eog && buf ? 0 : -ENOMEM;
+    if (!rc) {
+        tb->n = n;
+        tb->tok = calloc(n ? n : 1, sizeof *tb->tok);
+        tb->len = calloc(n ? n : 1, sizeof *tb->len);
+        rc = tb->tok && tb->len ? 0 : -ENOMEM;
+    }
+    for (uint32_t i = 0; i < n && !rc; i++) {
+        eog[i] = moe_tok_is_eog(tok, (int32_t)i);
+        int len = moe_tok_is_control(tok, (int32_t)i) && !eog[i]
+                      ? 0
+                      : moe_tok_piece(tok, (int32_t)i, buf, cap);
+        if (len < 0 || (size_t)len > cap)
+            len = 0;
+        tb->tok[i] = malloc((size_t)len + 1);
+        if (!tb->tok[i]) {
+            rc = -ENOMEM;
+            break;
+        }
+        memcpy(tb->tok[i], buf, (size_t)len);
+        tb->len[i] = eog[i] ? 0 : (uint32_t)len;
+    }
+    if (!rc && !(tb->trie = moe_grammar_vocab_new((const char *const *)tb->tok, tb->len, n, eog,
+                                                  err, errlen)))
+        rc = MOE_EFORMAT;
+    free(buf);
+    free(eog);
+    moe_tok_free(tok);
+    if (rc) {
+        moe_token_bytes_free(tb);
+        if (rc == -ENOMEM)
+            moe_fail(err, errlen, rc, "out of memory");
+        return NULL;
+    }
+    return tb;
 }

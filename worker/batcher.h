@@ -87,6 +87,13 @@ struct moe_token_bytes {
     struct moe_grammar_vocab *trie;
 };
 
+struct gguf_file;
+/* The vocabulary of a GGUF's tokenizer as grammars see it (the tokenizer is loaded for this and
+ * let go): each token's bytes, none for control tokens that do not end generation, and the trie
+ * of them. NULL with err on failure. */
+struct moe_token_bytes *moe_token_bytes_new(const struct gguf_file *f, char *err, size_t errlen);
+void moe_token_bytes_free(struct moe_token_bytes *tb);
+
 /* Frees a job and what it owns (NULL is fine). */
 void moe_job_free(struct moe_job *j);
 

@@ -394,68 +394,12 @@ static void fill_sampling(struct moe_sampler_params *sp, const Moed__Sampling *p
         sp->seed = p->seed;
 }
 
-static void token_bytes_free(struct moe_token_bytes *tb)
-{
-    if (!tb)
-        return;
-    for (uint32_t i = 0; tb->tok && i < tb->n; i++)
-        free(tb->tok[i]);
-    free(tb->tok);
-    free(tb->len);
-    moe_grammar_vocab_free(tb->trie);
-    free(tb);
-}
-
-/* The vocabulary as grammars see it (the model's tokenizer, loaded for this and let go): each
- * token's bytes, none for control tokens that do not end generation, and the trie of them. */
+/* The vocabulary as grammars see it, made on first use. */
 static const struct moe_token_bytes *token_bytes(struct worker *w, char *err, size_t errlen)
 {
-    if (w->tb)
-        return w->tb;
-    struct moe_tokenizer *tok = NULL;
-    if (moe_tok_load(&tok, w->gguf, err, errlen))
-        return NULL;
-    const uint32_t n = moe_tok_n_vocab(tok);
-    struct moe_token_bytes *tb = calloc(1, sizeof *tb);
-    uint8_t *eog = calloc(n ? n : 1, 1);
-    size_t cap = moe_tok_max_piece(tok) + 1;
-    char *buf = malloc(cap);
-    int rc = tb && eog && buf ? 0 : -ENOMEM;
-    if (!rc) {
-        tb->n = n;
-        tb->tok = calloc(n ? n : 1, sizeof *tb->tok);
-        tb->len = calloc(n ? n : 1, sizeof *tb->len);
-        rc = tb->tok && tb->len ? 0 : -ENOMEM;
-    }
-    for (uint32_t i = 0; i < n && !rc; i++) {
-        eog[i] = moe_tok_is_eog(tok, (int32_t)i);
-        int len = moe_tok_is_control(tok, (int32_t)i) && !eog[i]
-                      ? 0
-                      : moe_tok_piece(tok, (int32_t)i, buf, cap);
-        if (len < 0 || (size_t)len > cap)
-            len = 0;
-        tb->tok[i] = malloc((size_t)len + 1);
-        if (!tb->tok[i]) {
-            rc = -ENOMEM;
-            break;
-        }
-        memcpy(tb->tok[i], buf, (size_t)len);
-        tb->len[i] = eog[i] ? 0 : (uint32_t)len;
-    }
-    if (!rc && !(tb->trie = moe_grammar_vocab_new((const char *const *)tb->tok, tb->len, n, eog,
-                                                  err, errlen)))
-        rc = MOE_EFORMAT;
-    free(buf);
-    free(eog);
-    moe_tok_free(tok);
-    if (rc) {
-        token_bytes_free(tb);
-        if (rc == -ENOMEM)
-            moe_fail(err, errlen, rc, "out of memory");
-        return NULL;
-    }
-    w->tb = tb;
-    return tb;
+    if (!w->tb)
+        w->tb = moe_token_bytes_new(w->gguf, err, errlen);
+    return w->tb;
 }
 
 static int on_submit(struct worker *w, const Moed__Submit *s, char *err, size_t errlen)
@@ -914,7 +858,7 @@ static void send_fatal(int fd, int code, const char *msg)
 static void worker_free(struct worker *w)
 {
     moe_engine_free(w->eng);
-    token_bytes_free(w->tb);
+    moe_token_bytes_free(w->tb);
     wtier_free(w->tier);
     moe_store_close(w->store);
     if (w->model_ok)
