@@ -1,13 +1,16 @@
 /* moectl chat: an interactive chat with the served model. Each line read from stdin is a user
- * message; the reply streams to stdout; the conversation is kept for the next turn. Also
+ * message; the reply streams to stdout; the conversation is kept for the next turn. On a terminal
+ * the line is read with libedit (editing, history of the session's messages). Also
  * moectl_complete(), the streaming request shared with generate. */
 #include <errno.h>
 #include <signal.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 
+#include <histedit.h>
 #include <jansson.h>
 
 #include "cli/client.h"
@@ -123,6 +126,74 @@ static void on_sigint(int sig)
     client_interrupted = 1;
 }
 
+/* Where user lines come from: libedit (el, with the session's history) on a terminal, else
+ * getline into buf. */
+struct line_in {
+    EditLine *el;
+    History *hist;
+    char *buf;
+    size_t cap;
+};
+
+static const char *chat_prompt(EditLine *el)
+{
+    (void)el;
+    return "> ";
+}
+
+/* The next user line, without its end, valid until the next call; NULL at the end of input.
+ * *cleared is set when Ctrl-C came instead of a line (the caller asks again). */
+static char *read_line(struct line_in *in, bool *cleared)
+{
+    *cleared = false;
+    errno = 0;
+    ssize_t n;
+    if (in->el) {
+        int count = 0;
+        client_interrupted = 0; /* a Ctrl-C before the prompt showed is spent */
+        const char *s = el_gets(in->el, &count);
+        if (client_interrupted) { /* Ctrl-C while typing: drop the line */
+            client_interrupted = 0;
+            *cleared = true;
+            putchar('\n');
+            return NULL;
+        }
+        if (!s || count <= 0)
+            return NULL;
+        n = (ssize_t)strlen(s);
+        if ((size_t)n + 1 > in->cap) {
+            char *nb = realloc(in->buf, (size_t)n + 1);
+            if (!nb)
+                return NULL;
+            in->buf = nb;
+            in->cap = (size_t)n + 1;
+        }
+        memcpy(in->buf, s, (size_t)n + 1);
+    } else {
+        if (isatty(0)) {
+            fputs("> ", stdout);
+            fflush(stdout);
+        }
+        n = getline(&in->buf, &in->cap, stdin);
+        if (n < 0 && client_interrupted) { /* Ctrl-C at the prompt: a fresh line */
+            client_interrupted = 0;
+            clearerr(stdin);
+            putchar('\n');
+            *cleared = true;
+            return NULL;
+        }
+        if (n < 0)
+            return NULL;
+    }
+    while (n > 0 && (in->buf[n - 1] == '\n' || in->buf[n - 1] == '\r'))
+        in->buf[--n] = 0;
+    if (in->el && n > 0) {
+        HistEvent ev;
+        history(in->hist, &ev, H_ENTER, in->buf);
+    }
+    return in->buf;
+}
+
 static int chat_usage(FILE *f)
 {
     fprintf(f, "usage: moectl [--socket PATH] [--json] chat [-n N] [--temp T] [--system TEXT]\n"
@@ -144,33 +215,31 @@ static int cmd_chat(int argc, char **argv)
         json_decref(req);
         return chat_usage(stderr);
     }
-    bool tty = isatty(0);
     /* Ctrl-C stops the reply being streamed, not the session (no SA_RESTART: a blocked read
-     * returns, see client_interrupted). */
+     * returns, see client_interrupted); while a line is typed it drops the line. */
     struct sigaction sa = {.sa_handler = on_sigint}, old_sa;
     sigemptyset(&sa.sa_mask);
     sigaction(SIGINT, &sa, &old_sa);
-    char *line = NULL;
-    size_t cap = 0;
+    struct line_in in = {0};
+    if (isatty(0) && isatty(1) && (in.el = el_init("moectl", stdin, stdout, stderr))) {
+        HistEvent ev;
+        in.hist = history_init();
+        if (in.hist) {
+            history(in.hist, &ev, H_SETSIZE, 1000);
+            el_set(in.el, EL_HIST, history, in.hist);
+        }
+        el_set(in.el, EL_PROMPT, chat_prompt);
+        el_set(in.el, EL_EDITOR, "emacs");
+    }
     int rc = 0;
     for (;;) {
-        if (tty) {
-            fputs("> ", stdout);
-            fflush(stdout);
-        }
-        errno = 0;
-        ssize_t n = getline(&line, &cap, stdin);
-        if (n < 0 && client_interrupted) { /* Ctrl-C at the prompt: a fresh line */
-            client_interrupted = 0;
-            clearerr(stdin);
-            putchar('\n');
+        bool cleared;
+        char *line = read_line(&in, &cleared);
+        if (cleared)
             continue;
-        }
-        if (n < 0)
+        if (!line)
             break;
-        while (n > 0 && (line[n - 1] == '\n' || line[n - 1] == '\r'))
-            line[--n] = 0;
-        if (n == 0)
+        if (!*line)
             continue;
         if (!strcmp(line, "/quit") || !strcmp(line, "/exit"))
             break;
@@ -188,8 +257,12 @@ static int cmd_chat(int argc, char **argv)
         json_array_append_new(msgs, json_pack("{s:s, s:s}", "role", "assistant", "content", reply));
         free(reply);
     }
+    if (in.el)
+        el_end(in.el);
+    if (in.hist)
+        history_end(in.hist);
     sigaction(SIGINT, &old_sa, NULL);
-    free(line);
+    free(in.buf);
     json_decref(req);
     return rc;
 }

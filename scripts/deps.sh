@@ -11,6 +11,8 @@ PKGS=(
     build-essential
     libuv1-dev libprotobuf-c-dev protobuf-c-compiler liblmdb-dev
     libhttp-parser-dev libjansson-dev libxxhash-dev libpcre2-dev libsystemd-dev
+    # moectl chat's line editing
+    libedit-dev
     # `make fuzz`: libFuzzer and the sanitizer runtimes come with clang's runtime package
     clang libclang-rt-14-dev
     # scripts/demo.sh speaks HTTP to the daemon's Unix socket and reads its JSON with python3;
