@@ -991,6 +991,60 @@ static void sh_error(void *user, uint64_t id, int code, const char *msg)
     job_error(&((struct share_seen *)user)->errors, id, code, msg);
 }
 
+/* A greedy job of G tokens for the sharing tests. */
+static void share_add(struct moe_batcher *b, uint64_t id, const int32_t *prompt, uint32_t P,
+                      uint32_t G)
+{
+    struct moe_job *j = calloc(1, sizeof *j);
+    CHECK(j);
+    j->id = id;
+    j->prompt = malloc(sizeof(int32_t) * P);
+    CHECK(j->prompt);
+    memcpy(j->prompt, prompt, sizeof(int32_t) * P);
+    j->n_prompt = P;
+    j->max_tokens = G;
+    j->slot = -1;
+    moe_sampler_defaults(&j->sp);
+    j->sp.temperature = 0.0f;
+    moe_batcher_add(b, j);
+}
+
+/* On the CPU (whose results do not depend on the batch; a GPU's prompt steps of more than 64
+ * tokens round differently): got[0..G) are the greedy tokens of the prompt alone. */
+static void share_check_alone(const struct moe_model *m, const int32_t *prompt, uint32_t P,
+                              const int32_t *got, uint32_t G, int job)
+{
+    if (test_consistency_tol(0) != 0)
+        return;
+    const uint32_t V = m->hp.n_vocab;
+    struct moe_engine *r = test_engine(m, 128, 1, 0, 2);
+    float *lg = malloc(sizeof(float) * P * V);
+    CHECK(lg);
+    test_prefill(r, 0, 0, prompt, P, lg);
+    int32_t t = moe_test_argmax(lg + (size_t)(P - 1) * V, V);
+    for (uint32_t g = 0; g < G; g++) {
+        CHECK_MSG(got[g] == t, "job %d token %u: %d, alone %d", job, g, got[g], t);
+        test_prefill(r, 0, (int32_t)(P + g), &t, 1, lg);
+        t = moe_test_argmax(lg, V);
+    }
+    free(lg);
+    moe_engine_free(r);
+}
+
+/* A batcher of n_seq slots and n_batch tokens per step over the sharing tests' sink. */
+static struct moe_batcher *share_batcher(struct moe_engine *e, const struct moe_model *m,
+                                         uint32_t n_seq, uint32_t n_batch, struct share_seen *seen)
+{
+    struct moe_batcher *b = NULL;
+    struct moe_batcher_cfg cfg = {.eng = e, .n_vocab = m->hp.n_vocab, .n_layer = m->hp.n_layer,
+                                  .n_expert = m->hp.n_expert, .n_ctx = 128, .n_seq = n_seq,
+                                  .n_batch = n_batch};
+    struct moe_batcher_sink sink = {.user = seen, .token = sh_token, .done = sh_done,
+                                    .error = sh_error, .report = bt_report};
+    CHECK_EQ(moe_batcher_init(&b, &cfg, &sink), 0);
+    return b;
+}
+
 /* Jobs admitted together with the same long prompt (n > 1 choices, a shared system prompt):
  * the first evaluates it, the others copy its KV once it is there and evaluate only the rest of
  * theirs; greedy, the job that copied all of the first one's prompt gives its tokens, and every
@@ -1002,33 +1056,16 @@ TEST(batcher_shares_a_prompt_being_evaluated)
     test_model_open_golden(&tm, "Q8_0");
     const uint32_t V = tm.m.hp.n_vocab, P = 60, G = 6;
     struct moe_engine *e = test_engine(&tm.m, 128, 4, 0, 2);
-    struct moe_batcher *b = NULL;
     struct share_seen seen = {0};
-    struct moe_batcher_cfg cfg = {.eng = e, .n_vocab = V, .n_layer = tm.m.hp.n_layer,
-                                  .n_expert = tm.m.hp.n_expert, .n_ctx = 128, .n_seq = 4,
-                                  .n_batch = 512};
-    struct moe_batcher_sink sink = {.user = &seen, .token = sh_token, .done = sh_done,
-                                    .error = sh_error, .report = bt_report};
-    CHECK_EQ(moe_batcher_init(&b, &cfg, &sink), 0);
+    struct moe_batcher *b = share_batcher(e, &tm.m, 4, 512, &seen);
     int32_t prompt[4][60];
     for (uint32_t i = 0; i < P; i++) {
         prompt[0][i] = prompt[1][i] = (int32_t)((i * 31 + 7) % V);
         prompt[2][i] = i < 50 ? prompt[0][i] : (int32_t)((i * 17 + 3) % V); /* 50 shared */
         prompt[3][i] = i < 8 ? prompt[0][i] : (int32_t)((i * 13 + 1) % V);  /* 8: too few */
     }
-    for (uint64_t id = 1; id <= 4; id++) {
-        struct moe_job *j = calloc(1, sizeof *j);
-        CHECK(j);
-        j->id = id;
-        j->prompt = malloc(sizeof prompt[0]);
-        memcpy(j->prompt, prompt[id - 1], sizeof prompt[0]);
-        j->n_prompt = P;
-        j->max_tokens = G;
-        j->slot = -1;
-        moe_sampler_defaults(&j->sp);
-        j->sp.temperature = 0.0f;
-        moe_batcher_add(b, j);
-    }
+    for (uint64_t id = 1; id <= 4; id++)
+        share_add(b, id, prompt[id - 1], P, G);
     for (int guard = 0; moe_batcher_busy(b) && guard < 1000; guard++)
         CHECK_EQ(moe_batcher_step(b), 0);
     CHECK_EQ(seen.errors, 0);
@@ -1040,24 +1077,41 @@ TEST(batcher_shares_a_prompt_being_evaluated)
     /* The copy is the first job's KV bit for bit, so the second job repeats it exactly. */
     CHECK_EQ(seen.n[1], G);
     CHECK(memcmp(seen.tok[0], seen.tok[1], sizeof(int32_t) * G) == 0);
-    /* References: each prompt alone in an engine of its own (on the CPU, whose results do not
-     * depend on the batch; a GPU's prompt steps of more than 64 tokens round differently). */
-    for (int k = 0; k < 4 && test_consistency_tol(0) == 0; k++) {
-        struct moe_engine *r = test_engine(&tm.m, 128, 1, 0, 2);
-        float *lg = malloc(sizeof(float) * P * V);
-        CHECK(lg);
-        test_prefill(r, 0, 0, prompt[k], P, lg);
-        int32_t t = moe_test_argmax(lg + (size_t)(P - 1) * V, V);
+    for (int k = 0; k < 4; k++) {
         CHECK_EQ(seen.n[k], G);
-        for (uint32_t g = 0; g < G; g++) {
-            CHECK_MSG(seen.tok[k][g] == t, "job %d token %u: %d, alone %d", k + 1, g,
-                      seen.tok[k][g], t);
-            test_prefill(r, 0, (int32_t)(P + g), &t, 1, lg);
-            t = moe_test_argmax(lg, V);
-        }
-        free(lg);
-        moe_engine_free(r);
+        share_check_alone(&tm.m, prompt[k], P, seen.tok[k], G, k + 1);
     }
+    moe_batcher_free(b);
+    moe_engine_free(e);
+    test_model_close(&tm);
+}
+
+/* The job a sharer waits on goes away before it has evaluated the shared prefix (cancelled after
+ * two 16-token chunks): the sharer copies what the ended job's slot kept, evaluates the rest and
+ * gives the tokens of its prompt alone. */
+TEST(batcher_sharer_outlives_its_source)
+{
+    struct test_model tm;
+    test_model_open_golden(&tm, "Q8_0");
+    const uint32_t V = tm.m.hp.n_vocab, P = 60, G = 6;
+    struct moe_engine *e = test_engine(&tm.m, 128, 2, 0, 2);
+    struct share_seen seen = {0};
+    struct moe_batcher *b = share_batcher(e, &tm.m, 2, 16, &seen);
+    int32_t prompt[60];
+    for (uint32_t i = 0; i < P; i++)
+        prompt[i] = (int32_t)((i * 41 + 13) % V);
+    share_add(b, 1, prompt, P, G);
+    share_add(b, 2, prompt, P, G);
+    CHECK_EQ(moe_batcher_step(b), 0);
+    CHECK_EQ(moe_batcher_step(b), 0);
+    moe_batcher_cancel(b, 1);
+    for (int guard = 0; moe_batcher_busy(b) && guard < 1000; guard++)
+        CHECK_EQ(moe_batcher_step(b), 0);
+    CHECK_EQ(seen.errors, 0);
+    CHECK_EQ(seen.n[1], G);
+    /* The cancelled job's slot kept the 32 positions it had evaluated. */
+    CHECK_MSG(seen.cached[1] == 32, "cached %u", seen.cached[1]);
+    share_check_alone(&tm.m, prompt, P, seen.tok[1], G, 2);
     moe_batcher_free(b);
     moe_engine_free(e);
     test_model_close(&tm);

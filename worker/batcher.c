@@ -258,9 +258,10 @@ static void admit(struct moe_batcher *b)
 }
 
 /* A job sharing another slot's prefix: copies it when that slot holds it (its job running with
- * share_n positions evaluated, or ended and the positions kept), and returns true; false while
- * the other job still evaluates them. When the other slot lost them (its job failed, or the slot
- * went to another job) the job evaluates its prompt itself. A failed copy fails the job. */
+ * share_n positions evaluated), or what the slot kept of it when that job ended first, and
+ * returns true; false while the other job still evaluates them. When the other slot lost them
+ * (its job failed, or the slot went to another job) the job evaluates its prompt itself. A
+ * failed copy fails the job. */
 static bool take_shared(struct moe_batcher *b, struct moe_job *j)
 {
     const uint32_t c = (uint32_t)j->share_slot;
@@ -277,9 +278,12 @@ static bool take_shared(struct moe_batcher *b, struct moe_job *j)
                 held = 0;
     }
     j->share_slot = -1;
-    if (held < j->share_n || j->share_n <= j->n_past)
+    /* What the other slot holds of the prefix (all of it, or what an ended job had evaluated). */
+    const uint32_t n = held < j->share_n ? held : j->share_n;
+    if (n <= j->n_past)
         return true;
-    int rc = moe_engine_seq_copy(b->cfg.eng, (int32_t)c, j->slot, j->share_n);
+    j->share_n = n;
+    int rc = moe_engine_seq_copy(b->cfg.eng, (int32_t)c, j->slot, n);
     if (rc) {
         char msg[192];
         snprintf(msg, sizeof msg, "%s", moe_engine_errmsg(b->cfg.eng));
