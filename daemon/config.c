@@ -14,12 +14,13 @@
 
 #include "daemon/devices.h"
 #include "daemon/http.h"
+#include "daemon/tier.h"
 #include "store/err.h"
 #include "store/units.h"
 
 /* K_DEVICES: a string, checked to be cpu, auto or a list of GPU indexes. */
 /* K_FLOAT: a decimal number (a double) in [min/1000, max/1000]. */
-enum kind { K_STR, K_DEVICES, K_U32, K_SIZE, K_LEVEL, K_SHARE, K_CACHE, K_VRAM, K_FLOAT };
+enum kind { K_STR, K_DEVICES, K_U32, K_SIZE, K_LEVEL, K_SHARE, K_CACHE, K_VRAM, K_FLOAT, K_POOL_IO };
 
 struct key {
     const char *name;
@@ -40,6 +41,8 @@ struct key {
 #define DAY_S 86400u
 
 _Static_assert(CONFIG_GPUS_MAX == DEVICES_MAX, "one GPU index range");
+_Static_assert(MOED_TIER_IO_AUTO == 0 && MOED_TIER_IO_DIRECT == 1 && MOED_TIER_IO_BUFFERED == 2,
+               "--pool-io's modes in order");
 
 #define F(field) offsetof(struct moed_config, field)
 static const struct key keys[] = {
@@ -56,6 +59,7 @@ static const struct key keys[] = {
     {"expert-residency", K_SHARE, F(expert_residency), "SHARE", "GPU workers: share of each layer's experts in VRAM, e.g. 60% (default: as the budget allows)", 0, 0},
     {"ram-budget", K_STR, F(ram_budget), "SIZE|P%|auto", "host RAM for experts: bytes, a share of the expert bytes (50%) or auto (3/4 of MemAvailable less the dense weights); below all experts the store keeps a pool and CPU workers ask for missing experts (default: every expert)", 0, 0},
     {"pool-prefetch", K_U32, F(pool_prefetch), "N", "with --ram-budget: read-aheads of the experts CPU workers predict for their next layer, at most N reads at a time (0: off; default 8)", 0, 1024},
+    {"pool-io", K_POOL_IO, F(pool_io), "MODE", "with --ram-budget: how experts are read from the GGUF: auto (O_DIRECT where the file system takes it, else buffered), direct or buffered (default auto)", 0, 0},
     {"cache-slots", K_CACHE, F(cache_slots), "N", "GPU workers: per-layer expert slots kept as a cache: auto, off or a count (default auto)", 0, 0},
     {"config", K_STR, F(config_file), "FILE", "config file with the same keys (key = value)", 0, 0},
     {"log-level", K_LEVEL, F(log_level), "LEVEL", "error | warn | info | debug (default info)", 0, 0},
@@ -320,6 +324,16 @@ int config_set(struct moed_config *c, const char *key, const char *value, char *
                             k->name, value);
         *(int32_t *)p = (int32_t)v;
         return 0;
+    }
+    case K_POOL_IO: {
+        static const char *const modes[] = {"auto", "direct", "buffered"};
+        for (int i = 0; i < 3; i++)
+            if (!strcmp(value, modes[i])) {
+                *(int *)p = i; /* MOED_TIER_IO_AUTO, _DIRECT, _BUFFERED */
+                return 0;
+            }
+        return moe_fail(err, errlen, MOE_EFORMAT, "%s must be auto, direct or buffered, not '%s'",
+                        k->name, value);
     }
     case K_LEVEL:
         if (log_level_parse(value, (enum log_level *)p))

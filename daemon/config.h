@@ -32,6 +32,7 @@ struct moed_config {
     double expert_residency; /* --expert-residency SHARE in (0, 1]; 0: as the budget allows */
     char *ram_budget;       /* --ram-budget SIZE|P%|auto; NULL: every expert in the store */
     uint32_t pool_prefetch; /* --pool-prefetch N: read-aheads in flight at most (0: off) */
+    int pool_io;            /* --pool-io auto|direct|buffered: MOED_TIER_IO_* (daemon/tier.h) */
     int32_t cache_slots;    /* --cache-slots auto|off|N: 0 auto, -1 off */
     char *config_file;      /* --config FILE */
     enum log_level log_level; /* --log-level error|warn|info|debug */

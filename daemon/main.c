@@ -290,6 +290,7 @@ static int hook_status(void *user, char **json, char *err, size_t errlen)
             json_object_set_new(pl, "reads", json_integer((json_int_t)ts.reads));
             json_object_set_new(pl, "read_bytes", json_integer((json_int_t)ts.read_bytes));
             json_object_set_new(pl, "read_errors", json_integer((json_int_t)ts.read_errors));
+            json_object_set_new(pl, "io", json_string(moed_tier_io(d->tier, NULL)));
             json_object_set_new(pl, "read_seconds", json_real(ts.read_seconds));
             json_object_set_new(pl, "read_p50_ms", json_real(ts.read_p50_ms));
             json_object_set_new(pl, "read_p99_ms", json_real(ts.read_p99_ms));
@@ -1136,16 +1137,21 @@ static void store_done(uv_work_t *w, int status)
         struct moed_tier_opts to = {.loop = d->loop, .store = d->store, .model = &d->model,
                                     .path = d->cfg.model, .counts = profile_counts,
                                     .prefetch_max = d->cfg.pool_prefetch,
-                                    .answer = tier_answer, .user = d};
+                                    .io = d->cfg.pool_io, .answer = tier_answer, .user = d};
         if (moed_tier_new(&d->tier, &to, err, sizeof err)) {
             log_error("tiered store: %s", err);
             d->exit_code = 1;
             begin_stop(d, "tiered store failed");
             return;
         }
-        log_info("tiered store: %u expert slots of %s, %u of %u experts loaded at start",
+        const char *why = "";
+        const char *io = moed_tier_io(d->tier, &why);
+        log_info("tiered store: %u expert slots of %s, %u of %u experts loaded at start; misses "
+                 "read %s%s%s%s",
                  si.pool_slots, human_bytes(si.pool_slot_bytes, hb1, sizeof hb1), d->n_pool_fill,
-                 d->model.hp.n_layer * d->model.hp.n_expert);
+                 d->model.hp.n_layer * d->model.hp.n_expert,
+                 !strcmp(io, "direct") ? "with O_DIRECT" : "buffered", why[0] ? " (O_DIRECT: " : "",
+                 why, why[0] ? ")" : "");
     }
     if (start_workers(d)) {
         d->exit_code = 1;

@@ -53,6 +53,7 @@ struct moed_tier {
     struct moe_pool *pool;
     uint32_t n_layer, n_expert, n_blobs;
     int fd;
+    int dfd;                  /* the file again with O_DIRECT, or -1: buffered reads */
     /* what the file was when the daemon opened it */
     uint64_t size, head_len, head_hash;
     struct timespec mtime;
@@ -66,6 +67,7 @@ struct moed_tier {
     uint64_t bonus_at;        /* uv_now() of its computation; 0: never */
     struct moed_tier_stats st;
     uint64_t lat[LAT_BUCKETS];
+    char direct_error[96];    /* why O_DIRECT was not taken ("" when it was, or not tried) */
 };
 
 static void count_latency(struct moed_tier *t, double seconds)
@@ -190,6 +192,52 @@ static int check_file(struct moed_tier *t, char *msg, size_t n)
     return 0;
 }
 
+/* n bytes at off into dst (EINTR and short reads retried), or at least `need` of them when the
+ * file ends first: 0, or the error (with the offset it stopped at in *at). */
+static int read_full(int fd, uint8_t *dst, uint64_t n, uint64_t need, uint64_t off, uint64_t *at)
+{
+    uint64_t done = 0;
+    while (done < n) {
+        ssize_t got = pread(fd, dst + done, n - done, (off_t)(off + done));
+        if (got < 0 && errno == EINTR)
+            continue;
+        if (got == 0 && done >= need)
+            break;
+        if (got <= 0) {
+            *at = off + done;
+            return got < 0 ? -errno : MOE_EFORMAT;
+        }
+        done += (uint64_t)got;
+    }
+    return 0;
+}
+
+/* O_DIRECT reads go through an aligned buffer of the thread pool thread: the blocks covering
+ * [off, off + n) (the file's last one may come short), then the wanted bytes copied out. */
+#define DIRECT_ALIGN 4096u
+static _Thread_local uint8_t *direct_buf;
+static _Thread_local size_t direct_cap;
+
+static int read_direct(int fd, uint8_t *dst, uint64_t n, uint64_t off, uint64_t *at)
+{
+    const uint64_t a = off & ~(uint64_t)(DIRECT_ALIGN - 1);
+    const uint64_t end = (off + n + DIRECT_ALIGN - 1) & ~(uint64_t)(DIRECT_ALIGN - 1);
+    const uint64_t len = end - a;
+    if (len > direct_cap) {
+        free(direct_buf);
+        direct_cap = 0;
+        if (!(direct_buf = aligned_alloc(DIRECT_ALIGN, len))) {
+            *at = off;
+            return -ENOMEM;
+        }
+        direct_cap = len;
+    }
+    int rc = read_full(fd, direct_buf, len, off + n - a, a, at);
+    if (!rc)
+        memcpy(dst, direct_buf + (off - a), n);
+    return rc;
+}
+
 static void read_work(uv_work_t *req)
 {
     struct rd *r = req->data;
@@ -197,21 +245,14 @@ static void read_work(uv_work_t *req)
     double t0 = moe_now_s();
     r->code = check_file(t, r->msg, sizeof r->msg);
     for (int k = 0; k < 3 && !r->code; k++) {
-        uint64_t done = 0;
-        while (done < r->size[k]) {
-            ssize_t got = pread(t->fd, r->dst + r->dst_off[k] + done, r->size[k] - done,
-                                (off_t)(r->off[k] + done));
-            if (got < 0 && errno == EINTR)
-                continue;
-            if (got <= 0) {
-                r->code = got < 0 ? -errno : MOE_EFORMAT;
-                snprintf(r->msg, sizeof r->msg, "%s: reading expert (%u, %u) at %" PRIu64 ": %s",
-                         t->o.path, r->blob / t->n_expert, r->blob % t->n_expert,
-                         r->off[k] + done, got < 0 ? strerror(errno) : "the file ends early");
-                break;
-            }
-            done += (uint64_t)got;
-        }
+        uint64_t at = 0;
+        uint8_t *dst = r->dst + r->dst_off[k];
+        r->code = t->dfd >= 0 ? read_direct(t->dfd, dst, r->size[k], r->off[k], &at)
+                              : read_full(t->fd, dst, r->size[k], r->size[k], r->off[k], &at);
+        if (r->code)
+            snprintf(r->msg, sizeof r->msg, "%s: reading expert (%u, %u) at %" PRIu64 ": %s",
+                     t->o.path, r->blob / t->n_expert, r->blob % t->n_expert, at,
+                     r->code == MOE_EFORMAT ? "the file ends early" : strerror(-r->code));
     }
     /* A file that shrank or changed during the read must not leave mixed bytes in a slot. */
     if (!r->code)
@@ -219,8 +260,8 @@ static void read_work(uv_work_t *req)
     if (!r->code)
         t->pool->slot[r->slot].hash = moe_pool_slot_hash(t->pool, r->slot, r->blob_bytes);
     /* The blob now lives in the pool: keeping its pages in the page cache as well would spend
-     * the RAM the budget keeps free. */
-    for (int k = 0; k < 3 && !r->code; k++)
+     * the RAM the budget keeps free (O_DIRECT reads leave none). */
+    for (int k = 0; k < 3 && !r->code && t->dfd < 0; k++)
         posix_fadvise(t->fd, (off_t)r->off[k], (off_t)r->size[k], POSIX_FADV_DONTNEED);
     r->seconds = moe_now_s() - t0;
 }
@@ -455,6 +496,7 @@ int moed_tier_new(struct moed_tier **out, const struct moed_tier_opts *o, char *
     t->pend = calloc(t->n_blobs, sizeof *t->pend);
     t->bonus = calloc(t->n_blobs, sizeof *t->bonus);
     t->fd = open(o->path, O_RDONLY | O_CLOEXEC);
+    t->dfd = -1;
     struct stat st;
     int rc = 0;
     if (!t->pend || !t->bonus)
@@ -471,6 +513,28 @@ int moed_tier_new(struct moed_tier **out, const struct moed_tier_opts *o, char *
     t->mtime = st.st_mtim;
     t->head_len = f->data_offset < f->size ? f->data_offset : f->size;
     t->head_hash = XXH3_64bits(f->base, t->head_len);
+    /* O_DIRECT where the file system takes it (a probe read of the first block), unless
+     * buffered reads are asked for. */
+    t->direct_error[0] = 0;
+    if (o->io != MOED_TIER_IO_BUFFERED) {
+        t->dfd = open(o->path, O_RDONLY | O_CLOEXEC | O_DIRECT);
+        uint8_t *probe = t->dfd >= 0 ? aligned_alloc(DIRECT_ALIGN, DIRECT_ALIGN) : NULL;
+        ssize_t got = probe ? pread(t->dfd, probe, DIRECT_ALIGN, 0) : -1;
+        if (got < 0 || (got < (ssize_t)DIRECT_ALIGN && (uint64_t)got != t->size)) {
+            snprintf(t->direct_error, sizeof t->direct_error, "%s",
+                     t->dfd < 0 || got < 0 ? strerror(errno) : "a short read");
+            if (t->dfd >= 0)
+                close(t->dfd);
+            t->dfd = -1;
+        }
+        free(probe);
+        if (t->dfd < 0 && o->io == MOED_TIER_IO_DIRECT) {
+            rc = moe_fail(err, errlen, -EINVAL, "--pool-io direct: %s refuses O_DIRECT reads (%s)",
+                          o->path, t->direct_error);
+            moed_tier_free(t);
+            return rc;
+        }
+    }
     uv_timer_init(o->loop, &t->timer);
     t->timer.data = t;
     t->st.slots = p->n_slots;
@@ -486,6 +550,8 @@ void moed_tier_free(struct moed_tier *t)
         return;
     if (t->fd >= 0)
         close(t->fd);
+    if (t->dfd >= 0)
+        close(t->dfd);
     free(t->pend);
     free(t->bonus);
     free(t->retry);
@@ -523,4 +589,11 @@ uint32_t moed_tier_fill_order(const uint64_t *counts, uint32_t n_layer, uint32_t
         out[i] = r[i].layer * n_expert + r[i].expert;
     free(r);
     return n;
+}
+
+const char *moed_tier_io(const struct moed_tier *t, const char **why)
+{
+    if (why)
+        *why = t->direct_error;
+    return t->dfd >= 0 ? "direct" : "buffered";
 }

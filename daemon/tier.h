@@ -30,7 +30,13 @@ struct moed_tier_opts {
     moed_tier_answer_fn answer;
     void *user;
     uint32_t prefetch_max;          /* read-aheads in flight at most; 0: prefetches dropped */
+    int io;                         /* MOED_TIER_IO_*: how blobs are read from the file */
 };
+
+/* Blob reads: O_DIRECT where the file system takes it, else buffered (then each read blob is
+ * dropped from the page cache); or either one always (direct: refused at start where the file
+ * system does not take it). */
+enum { MOED_TIER_IO_AUTO, MOED_TIER_IO_DIRECT, MOED_TIER_IO_BUFFERED };
 
 struct moed_tier_stats {
     uint32_t slots, n_blobs, resident;
@@ -54,6 +60,9 @@ struct moed_tier_stats {
 
 int moed_tier_new(struct moed_tier **out, const struct moed_tier_opts *o, char *err,
                   size_t errlen);
+/* "direct" or "buffered": how this tier reads; *why (when not NULL): why O_DIRECT was not taken
+ * ("" when it was or was not tried). */
+const char *moed_tier_io(const struct moed_tier *t, const char **why);
 /* An ExpertRequest from worker `worker` (layer and expert already range-checked). A prefetch
  * is read ahead (into a slot chosen as for a demand read) when fewer than prefetch_max
  * read-aheads are under way and a slot is free, else dropped; it is never answered. */

@@ -359,6 +359,7 @@ TEST(daemon_rejects_out_of_range_options)
         {"--max-tokens-default", "x", "--max-tokens-default must be a whole number in 0..16777216"},
         {"--max-body", "10", "--max-body must be 1K..1G, not 10"},
         {"--vram-budget", "-1G", "--vram-budget: '-1G' is not a size"},
+        {"--pool-io", "fast", "--pool-io must be auto, direct or buffered, not 'fast'"},
         {"--devices", "0,x", "--devices must be cpu, auto or a list of devices like 0,1 or cpu,cuda:0 (GPU indexes in 0..63"},
         {"--devices", "64", "--devices must be cpu, auto or a list of devices like 0,1 or cpu,cuda:0 (GPU indexes in 0..63"},
         {"--devices", "0,", "not '0,'"},
@@ -2348,7 +2349,8 @@ TEST_TIMEOUT(daemon_ram_budget_output_equals_full_store, 300)
     const int n = 24;
     char *want[3];
     tier_reference(dir, n, want);
-    /* The last: 20% without read-ahead. */
+    /* The last: 20% without read-ahead, and with buffered reads (the others read with O_DIRECT
+     * where the test's file system takes it). */
     static const char *const budgets[4] = {"100%", "50%", "20%", "20%"};
     static const char *const nworkers[2] = {"1", "2"};
     for (int b = 0; b < 4; b++)
@@ -2359,8 +2361,13 @@ TEST_TIMEOUT(daemon_ram_budget_output_equals_full_store, 300)
             struct moed d;
             const char *args[] = {"--model", KJV, "--devices", "cpu", "--workers", nworkers[w], "--parallel", "4",
                                   "--threads", "1", "--ram-budget", budgets[b], b == 3 ? "--pool-prefetch" : NULL,
-                                  "0", NULL};
+                                  "0", "--pool-io", "buffered", NULL};
             moed_start(&d, sub, args);
+            if (b == 3)
+                CHECK(log_contains(&d, "misses read buffered"));
+            else if (b > 0)
+                CHECK(log_contains(&d, "misses read with O_DIRECT") ||
+                      log_contains(&d, "misses read buffered (O_DIRECT: "));
             char *got[6];
             tier_run_clients(d.sock, 6, n, got);
             for (int i = 0; i < 6; i++) {
