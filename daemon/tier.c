@@ -123,23 +123,7 @@ static int32_t take_slot(struct moed_tier *t)
     struct moe_pool *p = t->pool;
     refresh_bonus(t);
     for (int pass = 0; pass < 2; pass++) {
-        int32_t best = -1;
-        uint64_t best_score = UINT64_MAX;
-        for (uint32_t s = 0; s < p->n_slots; s++) {
-            int32_t b = atomic_load(&p->slot[s].blob);
-            if (b == MOE_POOL_NONE) {
-                best = (int32_t)s;
-                break;
-            }
-            if (b < 0 || moe_pool_slot_refs(p, (int32_t)s))
-                continue;
-            uint64_t score = atomic_load_explicit(&p->slot[s].used, memory_order_relaxed) +
-                             t->bonus[b];
-            if (score < best_score) {
-                best_score = score;
-                best = (int32_t)s;
-            }
-        }
+        int32_t best = moe_pool_victim(p, t->bonus);
         if (best < 0)
             return -1;
         int32_t old = atomic_load(&p->slot[best].blob);

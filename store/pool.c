@@ -116,6 +116,57 @@ uint64_t moe_pool_slot_refs(struct moe_pool *p, int32_t slot)
     return n;
 }
 
+/* The best candidate not in skip[0..n_skip) (and unpinned, with check_refs): -2 an empty slot
+ * (its index in *empty), -1 none. */
+static int32_t best_score(struct moe_pool *p, const uint32_t *bonus, const int32_t *skip,
+                          int n_skip, bool check_refs, int32_t *empty)
+{
+    int32_t best = -1;
+    uint64_t best_score = UINT64_MAX;
+    for (uint32_t s = 0; s < p->n_slots; s++) {
+        int32_t b = atomic_load(&p->slot[s].blob);
+        if (b == MOE_POOL_NONE) {
+            *empty = (int32_t)s;
+            return -2;
+        }
+        if (b < 0 || (check_refs && moe_pool_slot_refs(p, (int32_t)s)))
+            continue;
+        bool skipped = false;
+        for (int i = 0; i < n_skip && !skipped; i++)
+            skipped = skip[i] == (int32_t)s;
+        if (skipped)
+            continue;
+        uint64_t score = atomic_load_explicit(&p->slot[s].used, memory_order_relaxed) +
+                         (bonus ? bonus[b] : 0);
+        if (score < best_score) {
+            best_score = score;
+            best = (int32_t)s;
+        }
+    }
+    return best;
+}
+
+int32_t moe_pool_victim(struct moe_pool *p, const uint32_t *bonus)
+{
+    /* Pins are short and refresh `used`, so the oldest slots are rarely pinned: rank first, check
+     * pins of the best few; skipping a pinned one and ranking again keeps the full scan's answer. */
+    enum { TRIES = 8 };
+    int32_t skip[TRIES], empty = -1;
+    for (int n = 0; n < TRIES; n++) {
+        int32_t s = best_score(p, bonus, skip, n, false, &empty);
+        if (s == -2)
+            return empty;
+        if (s < 0)
+            return -1;
+        if (moe_pool_slot_refs(p, s) == 0)
+            return s;
+        skip[n] = s;
+    }
+    /* Many of the oldest are pinned: the full scan, pins checked for every slot. */
+    int32_t s = best_score(p, bonus, NULL, 0, true, &empty);
+    return s == -2 ? empty : s;
+}
+
 bool moe_pool_claim(struct moe_pool *p, int32_t slot)
 {
     struct moe_pool_slot *sl = &p->slot[slot];

@@ -82,6 +82,13 @@ bool moe_pool_holds(struct moe_pool *p, int32_t slot, uint32_t blob);
 /* Pins of slot s by every worker. */
 uint64_t moe_pool_slot_refs(struct moe_pool *p, int32_t slot);
 
+/* Daemon: the slot to load a new blob into: the first empty one, else the unpinned one holding a
+ * blob with the smallest used + bonus[blob] (ms; bonus may be NULL), the first in slot order on
+ * ties; -1 when every slot is loading or pinned. Scores are ranked first and pins checked only
+ * for the best candidates, so a choice costs O(slots + workers) unless the oldest slots are
+ * pinned (then up to O(slots × workers), with the same answer). Nothing is claimed. */
+int32_t moe_pool_victim(struct moe_pool *p, const uint32_t *bonus);
+
 /* Daemon: takes slot s for a new blob: marks it LOADING and unlinks its old blob, unless some
  * worker pins it (then it is left as it was and false is returned). */
 bool moe_pool_claim(struct moe_pool *p, int32_t slot);

@@ -445,3 +445,57 @@ TEST_TIMEOUT(tier_cpu_engine_logits_equal_the_full_store, 120)
     engine_logits_equal(F16_PATH);
     engine_logits_equal(Q4KM_PATH);
 }
+
+/* moe_pool_victim against the plain rule on random tables: the first empty slot, else the
+ * unpinned slot holding a blob with the smallest used + bonus (first on ties), else -1; including
+ * tables whose oldest slots are all pinned (the fallback scan) and ties. */
+TEST(tier_pool_victim_is_the_oldest_unpinned)
+{
+    moe_test_rng_seed(77);
+    const uint32_t n_layer = 4, n_expert = 64;
+    uint32_t bonus[4 * 64];
+    for (int c = 0; c < 3000; c++) {
+        const uint32_t n_slots = 1 + moe_test_rng_u32() % 200, n_workers = 1 + moe_test_rng_u32() % 6;
+        const uint64_t bytes = moe_pool_table_bytes(n_layer, n_expert, n_slots, n_workers);
+        void *table = calloc(1, bytes);
+        CHECK(table);
+        moe_pool_init_table(table, n_layer, n_expert, n_slots, n_workers, 4096);
+        struct moe_pool p;
+        moe_pool_bind(&p, table, NULL, 0);
+        const bool with_bonus = c % 2, ties = c % 5 == 0, pin_oldest = c % 3 == 0;
+        for (uint32_t b = 0; b < n_layer * n_expert; b++)
+            bonus[b] = with_bonus ? moe_test_rng_u32() % 4000 : 0;
+        const bool all_full = c % 4 != 0;
+        for (uint32_t s = 0; s < n_slots; s++) {
+            const uint32_t r = moe_test_rng_u32() % 100;
+            int32_t blob = r < 8 ? MOE_POOL_LOADING : (int32_t)((s * 37 + (uint32_t)c) % (n_layer * n_expert));
+            if (!all_full && r >= 95)
+                blob = MOE_POOL_NONE;
+            atomic_store(&p.slot[s].blob, blob);
+            const uint64_t used = ties ? 1000 + moe_test_rng_u32() % 3 : moe_test_rng_u32() % 100000;
+            atomic_store(&p.slot[s].used, used);
+            if (moe_test_rng_u32() % 100 < 30 || (pin_oldest && used < 30000))
+                atomic_store(&p.refs[(uint64_t)s * n_workers + moe_test_rng_u32() % n_workers], 1 + moe_test_rng_u32() % 3);
+        }
+        int32_t want = -1;
+        uint64_t best = UINT64_MAX;
+        for (uint32_t s = 0; s < n_slots; s++) {
+            const int32_t b = atomic_load(&p.slot[s].blob);
+            if (b == MOE_POOL_NONE) {
+                want = (int32_t)s;
+                break;
+            }
+            if (b < 0 || moe_pool_slot_refs(&p, (int32_t)s))
+                continue;
+            const uint64_t score = atomic_load(&p.slot[s].used) + (with_bonus ? bonus[b] : 0);
+            if (score < best) {
+                best = score;
+                want = (int32_t)s;
+            }
+        }
+        const int32_t got = moe_pool_victim(&p, with_bonus ? bonus : NULL);
+        CHECK_MSG(got == want, "case %d (%u slots, %u workers): got %d, want %d", c, n_slots,
+                  n_workers, got, want);
+        free(table);
+    }
+}
