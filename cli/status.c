@@ -71,7 +71,7 @@ static int cmd_status(int argc, char **argv)
     if (pl) {
         char h3[32];
         printf("pool       %lld of %lld experts in %lld slots of %s;  hit rate %.1f%%, %lld waits "
-               "(%.2f per token, %.2f s);  disk %s in %lld reads (p50 %.2f ms, p99 %.2f ms), %lld errors;  %lld "
+               "(%.2f per token, %.2f s);  disk %s in %lld %s reads (p50 %.2f ms, p99 %.2f ms), %lld errors;  %lld "
                "evictions, %lld pinned;  %lld read ahead (%lld used)\n",
                json_integer_value(json_object_get(pl, "resident")),
                json_integer_value(json_object_get(pl, "experts")),
@@ -83,6 +83,8 @@ static int cmd_status(int argc, char **argv)
                json_number_value(json_object_get(pl, "wait_seconds")),
                hsize(json_object_get(pl, "read_bytes"), h3, sizeof h3),
                json_integer_value(json_object_get(pl, "reads")),
+               json_string_value(json_object_get(pl, "io")) ? json_string_value(json_object_get(pl, "io"))
+                                                            : "?",
                json_number_value(json_object_get(pl, "read_p50_ms")),
                json_number_value(json_object_get(pl, "read_p99_ms")),
                json_integer_value(json_object_get(pl, "read_errors")),
