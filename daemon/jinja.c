@@ -3054,6 +3054,12 @@ static bool run_test(struct rctx *R, const char *name, jval v, const struct args
         int64_t m = d == -1 ? 0 : ival(&v) % d;
         return name[0] == 'o' ? m != 0 : m == 0;
     }
+    if (is(name, "filter") || is(name, "test")) { /* whether the value names one */
+        if (v.t != V_STR)
+            return false;
+        char *n = j_strndup(&R->b, v.u.s->s, v.u.s->len);
+        return name[0] == 'f' ? j_filter_id(n) >= 0 || j_filter_refused(n) : j_test_id(n) >= 0;
+    }
     if (!x)
         DIE(R, line, "the test '%s' needs an argument", name);
     if (is(name, "eq") || is(name, "equalto") || is(name, "==")) return vequal(&v, x, 0);
@@ -3065,17 +3071,11 @@ static bool run_test(struct rctx *R, const char *name, jval v, const struct args
             return v.t == V_LIST ? v.u.l == x->u.l : v.u.d == x->u.d;
         return vequal(&v, x, 0);
     }
-    if (is(name, "lt") || is(name, "<")) return vcompare(R, &v, x, line, 0) < 0;
+    if (is(name, "lt") || is(name, "<") || is(name, "lessthan")) return vcompare(R, &v, x, line, 0) < 0;
     if (is(name, "le") || is(name, "<=")) return vcompare(R, &v, x, line, 0) <= 0;
-    if (is(name, "gt") || is(name, ">")) return vcompare(R, &v, x, line, 0) > 0;
+    if (is(name, "gt") || is(name, ">") || is(name, "greaterthan")) return vcompare(R, &v, x, line, 0) > 0;
     if (is(name, "ge") || is(name, ">=")) return vcompare(R, &v, x, line, 0) >= 0;
     if (is(name, "in")) return contains(R, *x, v, line);
-    if (is(name, "filter") || is(name, "test")) {
-        if (x->t != V_STR)
-            return false;
-        char *n = j_strndup(&R->b, x->u.s->s, x->u.s->len);
-        return name[0] == 'f' ? j_filter_id(n) >= 0 : j_test_id(n) >= 0;
-    }
     j_die(&R->b, MOE_EUNSUPPORTED, line, "the test '%s' is not supported", name);
 }
 
@@ -3130,9 +3130,13 @@ static jval eval(struct rctx *R, const struct jnode *n, struct scope *s)
         break;
     }
     case E_FILTER:
+        if (n->id < 0) /* a name jinja2 does not know either, in an if (see check_names) */
+            DIE(R, n->line, "no filter named '%s'", n->name);
         r = call_filter(R, n, eval(R, n->a, s), s);
         break;
     case E_TEST: {
+        if (n->id < 0)
+            DIE(R, n->line, "no test named '%s'", n->name);
         jval v = eval(R, n->a, s);
         struct args a = eval_args(R, n, s, n->name);
         r = mkbool(run_test(R, n->name, v, &a) != (bool)n->op);

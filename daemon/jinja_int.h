@@ -133,8 +133,11 @@ struct jinja_tmpl {
 /* Writes cp as UTF-8 (1 to 4 bytes) at o; returns the length. */
 size_t j_put_utf8(char *o, unsigned long cp);
 
-/* Filters and tests are resolved at parse time (an unknown one is an error then). */
+/* Filters and tests are resolved at parse time: an unknown one is an error then, except in an if
+ * or a conditional expression, where (as in jinja2) it fails when evaluated (id -1). */
 int j_filter_id(const char *name);
 int j_test_id(const char *name);
+/* One of jinja2's filters that moed refuses (wordwrap, urlize, ...). */
+bool j_filter_refused(const char *name);
 
 #endif

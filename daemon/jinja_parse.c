@@ -102,7 +102,12 @@ static const char *const test_names[] = {
     "boolean", "callable", "defined", "divisibleby", "eq", "equalto", "escaped", "even", "false",
     "filter", "float", "ge", "gt", "in", "integer", "iterable", "le", "lower", "lt", "mapping",
     "ne", "none", "number", "odd", "sameas", "sequence", "string", "test", "true", "undefined",
-    "upper", "==", "!=", "<", "<=", ">", ">=", NULL,
+    "upper", "==", "!=", "<", "<=", ">", ">=", "greaterthan", "lessthan", NULL,
+};
+/* jinja2's own filters that moed does not implement: refused at parse time wherever they are. */
+static const char *const refused_filters[] = {
+    "filesizeformat", "pprint", "random", "striptags", "urlencode", "urlize", "wordwrap", "xmlattr",
+    NULL,
 };
 
 static int find_name(const char *const *names, const char *n)
@@ -114,6 +119,7 @@ static int find_name(const char *const *names, const char *n)
 }
 int j_filter_id(const char *name) { return find_name(filter_names, name); }
 int j_test_id(const char *name) { return find_name(test_names, name); }
+bool j_filter_refused(const char *name) { return find_name(refused_filters, name) >= 0; }
 
 /* ---- Lexer ---- */
 
@@ -678,8 +684,9 @@ static struct jnode *parse_filter_or_test(struct parser *P, struct jnode *n)
             int line = cur(P)->line;
             const char *name = expect_ident(P, "a filter name");
             int id = j_filter_id(name);
-            if (id < 0)
-                j_die(P->b, MOE_EUNSUPPORTED, line, "no filter named '%s'", name);
+            if (id < 0 && j_filter_refused(name))
+                j_die(P->b, MOE_EUNSUPPORTED, line, "the filter '%s' is not supported", name);
+            /* an unknown name (id -1) is checked after parsing: see check_names */
             struct jnode *f = mk(P, E_FILTER, line);
             f->name = name;
             f->id = id;
@@ -696,9 +703,7 @@ static struct jnode *parse_filter_or_test(struct parser *P, struct jnode *n)
                 name = P->t[P->pos++].p;
             else
                 unexpected(P, "a test name");
-            int id = j_test_id(name);
-            if (id < 0)
-                j_die(P->b, MOE_EUNSUPPORTED, line, "no test named '%s'", name);
+            int id = j_test_id(name); /* unknown (-1): checked after parsing */
             struct jnode *te = mk(P, E_TEST, line);
             te->name = name;
             te->id = id;
@@ -1072,7 +1077,8 @@ static struct jnode *parse_filter_chain(struct parser *P)
         struct jnode *f = mk(P, E_FILTER, fl);
         f->name = fname;
         if ((f->id = j_filter_id(fname)) < 0)
-            j_die(P->b, MOE_EUNSUPPORTED, fl, "no filter named '%s'", fname);
+            j_die(P->b, MOE_EUNSUPPORTED, fl, j_filter_refused(fname) ? "the filter '%s' is not supported"
+                                                                      : "no filter named '%s'", fname);
         if (is_op(cur(P), "("))
             parse_call_args(P, f);
         f->a = chain;
@@ -1359,6 +1365,57 @@ static struct jnlist parse_body(struct parser *P, const char *const *ends, const
     return l;
 }
 
+/* An unknown filter or test name is an error at parse time, except where jinja2's compiler is in
+ * a "soft" frame: the test and branches of an if statement or a conditional expression, up to the
+ * next construct with its own frame (a for loop's body, filter and else; a macro; a call block's
+ * caller; a filter block; a set block; a with block's body; a block). There jinja2 raises only
+ * when the filter or test is evaluated, and so does moed (see eval). */
+static void check_names(struct parser *P, const struct jnode *n, bool soft);
+
+static void check_list(struct parser *P, const struct jnlist *l, bool soft)
+{
+    for (size_t i = 0; i < l->n; i++)
+        check_names(P, l->v[i], soft);
+}
+
+static void check_names(struct parser *P, const struct jnode *n, bool soft)
+{
+    for (; n; ) { /* iterates along a, where long left-leaning chains are */
+        if ((n->kind == E_FILTER || n->kind == E_TEST) && n->id < 0 && !soft)
+            j_die(P->b, MOE_EUNSUPPORTED, n->line, "no %s named '%s'", n->kind == E_FILTER ? "filter" : "test",
+                  n->name);
+        bool sa = soft, inner = soft; /* a's softness; b, c, arguments and bodies */
+        switch (n->kind) {
+        case N_IF: case E_COND:
+            sa = inner = true;
+            break;
+        case N_FOR: /* the iterable in the frame around; the filter, body and else in the loop's */
+            inner = false;
+            break;
+        case N_SETBLOCK: case N_MACRO: case N_FILTERBLOCK: case N_BLOCK:
+            sa = inner = false;
+            break;
+        case N_CALLBLOCK: case N_WITH: /* the call and the values in the frame around */
+            check_names(P, n->c, false);
+            check_list(P, &n->args, soft);
+            check_list(P, &n->body, false);
+            n = n->a;
+            continue;
+        default:
+            break;
+        }
+        check_names(P, n->b, inner);
+        check_names(P, n->c, inner);
+        check_list(P, &n->args, inner);
+        check_list(P, &n->kwargs, inner);
+        check_list(P, &n->body, inner);
+        check_list(P, &n->orelse, inner);
+        check_list(P, &n->defaults, inner);
+        soft = sa;
+        n = n->a;
+    }
+}
+
 int jinja_parse(const char *src, size_t len, struct jinja_tmpl **out, char *err, size_t errlen)
 {
     *out = NULL;
@@ -1397,6 +1454,7 @@ int jinja_parse(const char *src, size_t len, struct jinja_tmpl **out, char *err,
     lex(&P);
     const char *which = NULL;
     t->body = parse_body(&P, NULL, &which);
+    check_list(&P, &t->body, false);
     *out = t;
     return 0;
 }

@@ -192,6 +192,21 @@ CASES = [
     ("ws_trailing_newline", "{% for x in [1, 2] %}\n{{ x }}\n{% endfor %}\n"),
     ("ws_tab_crlf", "a\r\n\t{% if true %}\r\nb\r\n\t{% endif %}\r\nc"),
     ("ws_plus_minus_mix", "a\n  {%+ if true -%}\n  b\n  {%- endif +%}\nc"),
+    # unknown filter and test names: an error at parse time, except in an if or a conditional
+    # expression (up to the next loop, macro, call, filter, set or with body), where only evaluating
+    # them fails
+    ("unknown_filter_soft", "{% if false %}{{ x | nosuch }}{% elif false and x | nosuch2 %}{% else %}[{{ 'a' if true else y | nosuch }}]{% endif %}|{% if true %}{% set z = 1 if true else (2 | nosuch) %}{{ z }}{% endif %}|{% if false %}{% for x in y | nosuch %}{% endfor %}{% with a = 1 | nosuch %}{% endwith %}{% endif %}|{{ 1 if x is defined else x is nosuch }}", {"x": 0}),
+    ("unknown_test_top", "{{ x is defined and x is nosuch }}"),
+    ("unknown_filter_soft_taken", "{% if true %}{{ 1 | nosuch }}{% endif %}"),
+    ("unknown_test_soft_taken", "{{ 'y' if 1 is nosuch else 'n' }}"),
+    ("unknown_filter_top", "{{ 1 | nosuch }}"),
+    ("unknown_filter_loop_body", "{% if false %}{% for x in [] %}{{ x | nosuch }}{% endfor %}{% endif %}"),
+    ("unknown_filter_loop_filter", "{% if false %}{% for x in [] if x is nosuch %}{% endfor %}{% endif %}"),
+    ("unknown_filter_macro", "{% if false %}{% macro m() %}{{ 1 | nosuch }}{% endmacro %}{% endif %}"),
+    ("unknown_filter_caller", "{% macro m() %}{{ caller() }}{% endmacro %}{% if false %}{% call m() %}{{ 1 | nosuch }}{% endcall %}{% endif %}"),
+    ("unknown_filter_with_body", "{% if false %}{% with a = 1 %}{{ a | nosuch }}{% endwith %}{% endif %}"),
+    ("unknown_filter_set_block", "{% if false %}{% set a | nosuch %}x{% endset %}{% endif %}"),
+    ("tests_more_names", "{{ 3 is greaterthan 2 }}{{ 1 is lessthan(0) }}{{ 'wordwrap' is filter }}{{ 'nosuch' is filter }}{{ 'lessthan' is test }}"),
 ]
 
 with open(os.path.join(TOOLS, "..", "tests", "fuzz-corpus", "jinja", "features.jinja"), encoding="utf-8") as f:
