@@ -3369,8 +3369,10 @@ static void exec_node(struct rctx *R, const struct jnode *n, struct scope *s, st
     case N_BLOCK:
         if (n->op & BLK_REQUIRED)
             DIE(R, n->line, "required block '%s' not found", n->name);
-        /* a {% block %} has its own scope; unless scoped it sees the template's variables only */
-        exec_body(R, &n->body, !n->op ? s : new_scope(R, (n->op & BLK_SCOPED) ? s : R->root), o);
+        /* a {% block %} has its own scope; unless scoped it sees the template's variables only.
+         * {% generation %} (a call block in transformers) sees the variables around it, but what
+         * it sets stays inside. */
+        exec_body(R, &n->body, new_scope(R, !n->op || (n->op & BLK_SCOPED) ? s : R->root), o);
         return;
     default:
         DIE(R, n->line, "unexpected statement");

@@ -85,7 +85,7 @@ struct jdict {
 enum jnk {
     /* statements */
     N_TEXT, N_OUT, N_IF, N_FOR, N_SET, N_SETBLOCK, N_MACRO, N_FILTERBLOCK, N_BREAK, N_CONTINUE,
-    N_BLOCK, /* a body: {% generation %} (op 0, rendered as is), {% block %} (op BLK_*) */
+    N_BLOCK, /* a body in its own scope: {% generation %} (op 0), {% block %} (op BLK_*) */
     N_CALLBLOCK, /* {% call %}: a the macro call, c the caller (an N_MACRO) */
     N_WITH,      /* {% with %}: targets, values in args */
     /* expressions */

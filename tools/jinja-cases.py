@@ -12,6 +12,10 @@ import json
 import os
 import sys
 
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+
 TOOLS = os.path.dirname(os.path.abspath(__file__))
 OUT = os.path.join(TOOLS, "..", "tests", "fixtures", "jinja-cases.json")
 
@@ -206,6 +210,10 @@ CASES = [
     ("unknown_filter_caller", "{% macro m() %}{{ caller() }}{% endmacro %}{% if false %}{% call m() %}{{ 1 | nosuch }}{% endcall %}{% endif %}"),
     ("unknown_filter_with_body", "{% if false %}{% with a = 1 %}{{ a | nosuch }}{% endwith %}{% endif %}"),
     ("unknown_filter_set_block", "{% if false %}{% set a | nosuch %}x{% endset %}{% endif %}"),
+    # {% generation %}: rendered in place, in its own scope
+    ("generation_scope", "{% set a = 1 %}{% set ns = namespace(n=0) %}{% for i in [1, 2] %}{% generation %}{% set a = i * 10 %}{% set b = 2 %}"
+                         "{% set ns.n = ns.n + i %}[{{ a }}{{ b }}{{ loop.index }}]{% endgeneration %}{{ a }}{{ b is defined }};{% endfor %}{{ ns.n }}"
+                         "\n  {% generation %}\n  x\n  {% endgeneration %}\n."),
     ("tests_more_names", "{{ 3 is greaterthan 2 }}{{ 1 is lessthan(0) }}{{ 'wordwrap' is filter }}{{ 'nosuch' is filter }}{{ 'lessthan' is test }}"),
 ]
 
@@ -215,8 +223,23 @@ with open(os.path.join(TOOLS, "..", "tests", "fuzz-corpus", "jinja", "features.j
         "tools": [{"function": {"name": "f"}, "children": [{"function": {"name": "g"}}]}]}))
 
 
+class Generation(jinja2.ext.Extension):
+    """transformers' {% generation %} tag (AssistantTracker): the body rendered as a call block's
+    caller, so what it sets stays inside."""
+    tags = {"generation"}
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(["name:endgeneration"], drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
+
+    def _render(self, caller):
+        return caller()
+
+
 def render_cases():
     e = chat_fixtures.env()
+    e.add_extension(Generation)
     out = []
     for c in CASES:
         name, src = c[0], c[1]
