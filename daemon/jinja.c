@@ -362,11 +362,57 @@ static bool is_intlike(const jval *v) { return v->t == V_INT || v->t == V_BOOL; 
 static int64_t ival(const jval *v) { return v->t == V_BOOL ? v->u.b : v->u.i; }
 static double fval(const jval *v) { return v->t == V_FLOAT ? v->u.f : (double)ival(v); }
 
+/* An undefined value's name is a variable's, or (starting with \1) the whole message jinja2 gives
+ * for a missing attribute or item. */
 static _Noreturn void undefined_error(struct rctx *R, int line, const jval *v)
 {
+    if (v->u.uname && v->u.uname[0] == '\1')
+        DIE(R, line, "%s", v->u.uname + 1);
     if (v->u.uname)
         DIE(R, line, "'%s' is undefined", v->u.uname);
     DIE(R, line, "a value is undefined");
+}
+
+/* jinja2's object_type_repr: how its messages name the type of a value ("dict object", "None"). */
+static const char *type_repr(struct rctx *R, const jval *v)
+{
+    const char *t;
+    switch (v->t) {
+    case V_NONE: return "None";
+    case V_NS: t = "jinja2.utils.Namespace"; break;
+    case V_LOOP: t = "jinja2.runtime.LoopContext"; break;
+    case V_MACRO: t = "jinja2.runtime.Macro"; break;
+    case V_FUNC: case V_METHOD: t = "builtin_function_or_method"; break;
+    default: t = tname(v);
+    }
+    size_t n = strlen(t) + 8;
+    char *m = j_alloc(&R->b, n);
+    snprintf(m, n, "%s object", t);
+    return m;
+}
+
+/* The undefined value of obj.name, for jinja2's message: 'dict object' has no attribute 'x'. */
+static jval undef_attr(struct rctx *R, const jval *obj, const char *name)
+{
+    const char *t = type_repr(R, obj);
+    size_t n = strlen(t) + strlen(name) + 32;
+    char *m = j_alloc(&R->b, n);
+    snprintf(m, n, "\1'%s' has no attribute '%s'", t, name);
+    return undef_named(m);
+}
+
+static struct jstr *repr_of(struct rctx *R, const jval *v);
+
+/* The undefined value of obj[key] for a key that is not a name: list object has no element 5. */
+static jval undef_elem(struct rctx *R, const jval *obj, const jval *key)
+{
+    const char *t = type_repr(R, obj);
+    const struct jstr *k = repr_of(R, key);
+    int kl = k->len > 200 ? 200 : (int)k->len;
+    size_t n = strlen(t) + (size_t)kl + 32;
+    char *m = j_alloc(&R->b, n);
+    snprintf(m, n, "\1%s has no element %.*s", t, kl, k->s);
+    return undef_named(m);
 }
 
 /* Python's repr of a float: the shortest digits that read back the same. */
@@ -822,18 +868,18 @@ static jval get_attr(struct rctx *R, jval obj, const char *name, int line)
         if (in_names(dict_methods, name))
             return method(R, obj, name);
         jval *v = d_find_s(obj.u.d, name);
-        return v ? *v : undef_named(name);
+        return v ? *v : undef_attr(R, &obj, name);
     }
     case V_NS: {
         jval *v = d_find_s(obj.u.d, name);
-        return v ? *v : undef_named(name);
+        return v ? *v : undef_attr(R, &obj, name);
     }
     case V_STR:
-        return in_names(str_methods, name) ? method(R, obj, name) : undef_named(name);
+        return in_names(str_methods, name) ? method(R, obj, name) : undef_attr(R, &obj, name);
     case V_LIST:
         if (obj.u.l->group && (is(name, "grouper") || is(name, "list")))
             return obj.u.l->v[name[0] == 'g' ? 0 : 1];
-        return in_names(list_methods, name) ? method(R, obj, name) : undef_named(name);
+        return in_names(list_methods, name) ? method(R, obj, name) : undef_attr(R, &obj, name);
     case V_LOOP: {
         const struct jloop *lp = obj.u.lp;
         if (is(name, "index")) return mkint((int64_t)lp->i + 1);
@@ -848,10 +894,10 @@ static jval get_attr(struct rctx *R, jval obj, const char *name, int line)
         if (is(name, "previtem")) return lp->i ? lp->items[lp->i - 1] : undef_named("previtem");
         if (is(name, "nextitem")) return lp->i + 1 < lp->n ? lp->items[lp->i + 1] : undef_named("nextitem");
         if (is(name, "cycle") || is(name, "changed")) return method(R, obj, name);
-        return undef_named(name);
+        return undef_attr(R, &obj, name);
     }
     default:
-        return undef_named(name);
+        return undef_attr(R, &obj, name);
     }
 }
 
@@ -884,14 +930,14 @@ static jval get_item(struct rctx *R, jval obj, jval key, int line)
         if (idx_of(&key, obj.u.l->n, &i))
             return obj.u.l->v[i];
         if (is_intlike(&key))
-            return undef_named("list index out of range");
+            return undef_elem(R, &obj, &key);
         break;
     case V_STR: {
         size_t n, *off = u8_offsets(R, obj.u.s, &n);
         if (idx_of(&key, n, &i))
             return vstr(jsub(R, obj.u.s, off[i], off[i + 1] - off[i]));
         if (is_intlike(&key))
-            return undef_named("string index out of range");
+            return undef_elem(R, &obj, &key);
         break;
     }
     default:
@@ -901,9 +947,9 @@ static jval get_item(struct rctx *R, jval obj, jval key, int line)
         char *name = j_strndup(&R->b, key.u.s->s, key.u.s->len);
         if (obj.t != V_DICT && obj.t != V_NS)
             return get_attr(R, obj, name, line);
-        return undef_named(name);
+        return undef_attr(R, &obj, name);
     }
-    return UNDEF;
+    return undef_elem(R, &obj, &key);
 }
 
 static jval slice(struct rctx *R, jval obj, const jval *lo, const jval *hi, const jval *st, int line)
@@ -2885,7 +2931,7 @@ static jval call_filter_named(struct rctx *R, const char *name, jval v, const st
         const struct jstr *n = need_str(R, &a->pos[0], line, "attr's name");
         char *an = j_strndup(&R->b, n->s, n->len);
         if (v.t == V_DICT && !in_names(dict_methods, an)) /* Python's getattr: not the keys */
-            return undef_named(an);
+            return undef_attr(R, &v, an);
         return get_attr(R, v, an, line);
     }
     if (is(name, "format")) {

@@ -47,6 +47,14 @@ static json_t *conv_vars(json_t *c)
     return v;
 }
 
+/* Where jinja2 raised UndefinedError, moed's message says what jinja2's does ('x' is undefined,
+ * 'dict object' has no attribute 'y', list object has no element 3). */
+static bool same_undefined_message(const char *jinja2_error, const char *err)
+{
+    static const char pre[] = "UndefinedError: ";
+    return strncmp(jinja2_error, pre, sizeof pre - 1) || strstr(err, jinja2_error + sizeof pre - 1);
+}
+
 static void show_diff(const char *tmpl, const char *conv, const char *want, const char *got)
 {
     size_t i = 0;
@@ -102,6 +110,8 @@ TEST(jinja_real_templates_match_jinja2)
             } else {
                 CHECK_MSG(strstr(err, "line ") || rc == MOE_ETOOBIG, "%s / %s: error without a line: %s",
                           tname, cname, err);
+                const char *je = json_string_value(json_object_get(want, "error"));
+                CHECK_MSG(same_undefined_message(je, err), "%s / %s: jinja2 says %s, moed %s", tname, cname, je, err);
                 n_err++;
             }
             if (!rc)
@@ -155,6 +165,8 @@ TEST(jinja_feature_cases_match_jinja2)
             bad++;
         } else {
             CHECK_MSG(err[0], "%s: an error without a message", name);
+            const char *je = json_string_value(json_object_get(c, "error"));
+            CHECK_MSG(same_undefined_message(je, err), "%s: jinja2 says %s, moed %s", name, je, err);
             n_err++;
         }
         if (!rc)

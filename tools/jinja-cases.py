@@ -210,6 +210,17 @@ CASES = [
     ("unknown_filter_caller", "{% macro m() %}{{ caller() }}{% endmacro %}{% if false %}{% call m() %}{{ 1 | nosuch }}{% endcall %}{% endif %}"),
     ("unknown_filter_with_body", "{% if false %}{% with a = 1 %}{{ a | nosuch }}{% endwith %}{% endif %}"),
     ("unknown_filter_set_block", "{% if false %}{% set a | nosuch %}x{% endset %}{% endif %}"),
+    # what is undefined, in jinja2's words (the test compares UndefinedError messages)
+    ("undefined_attr", "{{ m.k.x }}", {"m": {"j": 1}}),
+    ("undefined_attr_str", "{{ m.items() }}", {"m": "s"}),
+    ("undefined_attr_none", "{{ m.x.y }}", {"m": None}),
+    ("undefined_attr_ns", "{% set ns = namespace(a=1) %}{{ ns.b.c }}"),
+    ("undefined_attr_loop", "{% for x in [1] %}{{ loop.nope.x }}{% endfor %}"),
+    ("undefined_element", "{{ m[5] + 1 }}", {"m": [1, 2]}),
+    ("undefined_element_str", "{{ 'ab'[7].x }}"),
+    ("undefined_element_key", "{{ m[1].x }}", {"m": {"1": "one"}}),
+    ("undefined_element_tuple", "{{ (1, 2)[-3].x }}"),
+    ("undefined_item_name", "{{ m['nope'].x }}", {"m": [1]}),
     # {% generation %}: rendered in place, in its own scope
     ("generation_scope", "{% set a = 1 %}{% set ns = namespace(n=0) %}{% for i in [1, 2] %}{% generation %}{% set a = i * 10 %}{% set b = 2 %}"
                          "{% set ns.n = ns.n + i %}[{{ a }}{{ b }}{{ loop.index }}]{% endgeneration %}{{ a }}{{ b is defined }};{% endfor %}{{ ns.n }}"
