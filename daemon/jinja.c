@@ -402,6 +402,7 @@ static jval undef_attr(struct rctx *R, const jval *obj, const char *name)
 }
 
 static struct jstr *repr_of(struct rctx *R, const jval *v);
+static void line_end(const struct jstr *s, size_t i, size_t *end, size_t *next);
 
 /* The undefined value of obj[key] for a key that is not a name: list object has no element 5. */
 static jval undef_elem(struct rctx *R, const jval *obj, const jval *key)
@@ -444,7 +445,7 @@ static void fmt_float(double x, char *out, size_t cap)
     char *o = out;
     if (neg)
         o[k++] = '-';
-    if (e >= -5 && e < 16) {
+    if (e >= -4 && e < 16) { /* as repr: 0.0001, 1e-05, 1e+16 */
         if (e >= 0) {
             for (int i = 0; i <= e; i++)
                 o[k++] = (size_t)i < nd ? digits[i] : '0';
@@ -488,6 +489,24 @@ static const char *short_escape(unsigned char c, char q, char *e)
     return c == '\n' ? "\\n" : c == '\r' ? "\\r" : c == '\t' ? "\\t" : NULL;
 }
 
+#include "daemon/jinja_printable.h"
+
+/* Whether Python's repr writes cp as an escape (cp is not printable). */
+static bool repr_escapes(uint32_t cp)
+{
+    size_t lo = 0, hi = sizeof jprint_escaped / sizeof jprint_escaped[0];
+    while (lo < hi) {
+        size_t mid = (lo + hi) / 2;
+        if (cp < jprint_escaped[mid][0])
+            hi = mid;
+        else if (cp > jprint_escaped[mid][1])
+            lo = mid + 1;
+        else
+            return true;
+    }
+    return false;
+}
+
 static void repr_str(struct rctx *R, struct obuf *o, const struct jstr *s)
 {
     bool sq = memchr(s->s, '\'', s->len) != NULL, dq = memchr(s->s, '"', s->len) != NULL;
@@ -503,6 +522,18 @@ static void repr_str(struct rctx *R, struct obuf *o, const struct jstr *s)
         } else if (c < 0x20 || c == 0x7f) {
             snprintf(e, sizeof e, "\\x%02x", c);
             ob_put(R, o, e, 4, bit);
+        } else if (c >= 0x80) { /* \xa0, \u200b, \U000e0001 where not printable */
+            size_t next;
+            uint32_t cp = u8_cp(s->s, s->len, i, &next);
+            if (next - i >= 2 && next - i <= 4 && cp <= 0x10ffff && repr_escapes(cp)) {
+                char u[12];
+                int k = snprintf(u, sizeof u, cp <= 0xff ? "\\x%02x" : cp <= 0xffff ? "\\u%04x" : "\\U%08x", cp);
+                ob_put(R, o, u, (size_t)k, bit);
+            } else {
+                for (size_t j = i; j < next; j++)
+                    ob_put(R, o, &s->s[j], 1, sbit(s, j));
+            }
+            i = next - 1;
         } else {
             ob_put(R, o, (const char *)&s->s[i], 1, bit);
         }
@@ -2181,15 +2212,21 @@ static jval call_method(struct rctx *R, const struct jmethod *m, const struct ar
                 DIE(R, line, "substring not found");
             return mkint(name[0] == 'r' ? last : first);
         }
-        if (is(name, "splitlines")) {
-            check_args(R, a, 0, NULL);
-            jval sep = cstr(R, "\n");
-            const struct jstr *t = s;
-            if (t->len && t->s[t->len - 1] == '\n')
-                t = jsub(R, t, 0, t->len - 1);
-            if (!t->len && !s->len)
-                return mklist(R, 0, false);
-            return str_split(R, t, &sep, -1, false, line);
+        if (is(name, "splitlines")) { /* at \n, \r\n, \r, \v, \f, \x1c-\x1e, \x85, U+2028, U+2029 */
+            static const char *const kw[] = {"keepends", NULL};
+            check_args(R, a, 1, kw);
+            const jval *ke = arg(a, 0, "keepends");
+            bool keep = ke && truthy(ke);
+            size_t cnt = 0, end, next;
+            for (size_t i = 0; i < s->len; i = next, cnt++)
+                line_end(s, i, &end, &next);
+            jval out = mklist(R, cnt, false);
+            cnt = 0;
+            for (size_t i = 0; i < s->len; i = next) {
+                line_end(s, i, &end, &next);
+                out.u.l->v[cnt++] = vstr(jsub(R, s, i, (keep ? next : end) - i));
+            }
+            return out;
         }
         if (is(name, "removeprefix") || is(name, "removesuffix")) {
             check_args(R, a, 1, NULL);
@@ -2210,14 +2247,17 @@ static jval call_method(struct rctx *R, const struct jmethod *m, const struct ar
             if (!s->len)
                 return mkbool(false);
             bool ok = true;
+            if (is(name, "isspace")) { /* the whitespace of str.split() */
+                for (size_t i = 0, next; i < s->len; i = next)
+                    ok &= py_space(u8_cp(s->s, s->len, i, &next));
+                return mkbool(ok);
+            }
             for (size_t i = 0; i < s->len; i++) {
                 unsigned char c = (unsigned char)s->s[i];
                 bool dig = c >= '0' && c <= '9', up = c >= 'A' && c <= 'Z', lo = c >= 'a' && c <= 'z';
-                bool sp = c == ' ' || (c >= 9 && c <= 13);
                 if (is(name, "isdigit")) ok &= dig;
                 else if (is(name, "isalpha")) ok &= up || lo || c >= 0x80;
-                else if (is(name, "isalnum")) ok &= up || lo || dig || c >= 0x80;
-                else ok &= sp;
+                else ok &= up || lo || dig || c >= 0x80; /* isalnum */
             }
             return mkbool(ok);
         }

@@ -222,6 +222,8 @@ static size_t lex_string(struct parser *P, size_t i, int *line)
         case '\'': o[n++] = '\''; break;
         case '"': o[n++] = '"'; break;
         case '\n': break;
+        case 'N': /* \N{name}: needs Unicode's names */
+            j_die(P->b, MOE_EUNSUPPORTED, (int)start_line, "\\N{...} escapes in string literals are not supported");
         case 'x': case 'u': case 'U': {
             int w = c == 'x' ? 2 : c == 'u' ? 4 : 8;
             unsigned long cp = 0;

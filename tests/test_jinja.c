@@ -331,6 +331,7 @@ TEST(jinja_errors_name_construct_and_line)
     expect_error("{% for a, b in [1] %}{% endfor %}", NULL, MOE_EFORMAT, "cannot unpack");
     expect_error("{% endfor %}", NULL, MOE_EFORMAT, "unexpected 'endfor'");
     expect_error("{{ 'abc", NULL, MOE_EFORMAT, "unterminated string");
+    expect_error("\n{{ '\\N{BULLET}' }}", NULL, MOE_EUNSUPPORTED, "line 2: \\N{...} escapes in string literals are not supported");
     /* a format spec's fill that is not UTF-8 (found by fuzzing): one byte, then an error */
     expect_error("{{ '{:\xbd\xbd\xbd\xbd\xbd\xbd>6.f}'.format(1) }}", NULL, MOE_EFORMAT, "invalid format specifier");
 }
