@@ -2184,7 +2184,11 @@ static jval call_method(struct rctx *R, const struct jmethod *m, const struct ar
             check_args(R, a, 1, NULL);
             if (!a->n)
                 DIE(R, line, "join() takes one argument");
-            return join(R, a->pos[0], s, line);
+            jval l = as_list(R, &a->pos[0], line); /* str.join, unlike the filter: strings only */
+            for (size_t i = 0; i < l.u.l->n; i++)
+                if (l.u.l->v[i].t != V_STR)
+                    DIE(R, line, "sequence item %zu: expected str instance, %s found", i, tname(&l.u.l->v[i]));
+            return join(R, l, s, line);
         }
         if (is(name, "find") || is(name, "rfind") || is(name, "count") || is(name, "index")) {
             check_args(R, a, 1, NULL);

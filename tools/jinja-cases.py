@@ -221,6 +221,9 @@ CASES = [
     ("repr_not_printable", "{{ m }}|{{ m | string }}|{{ '%r' % m.d }}|{{ '{!r}'.format(m.d) }}|{{ [m.d ~ 'é😀'] }}|{{ m.d }}|{{ ['\\u00ad\\u3000', '\\x85'] }}",
      {"m": {"d": "a\u00a0b\u200bc\u2028d\U000e0001e", "ok": "café ✓ 日本 😀"}}),
     ("str_isspace_unicode", "{{ '\\u00a0\\u3000 \\x1c'.isspace() }}{{ m.isspace() }}{{ 'a '.isspace() }}{{ ''.isspace() }}{{ '\\u200b'.isspace() }}", {"m": "\u2028\t\u2003"}),
+    # str.join takes strings only (the join filter converts)
+    ("str_join_strings", "{{ '-'.join(['a', m]) }}|{{ ''.join('xyz') }}|{{ ', '.join(d) }}|{{ [1, none] | join('-') }}", {"m": "b", "d": {"k": 1, "l": 2}}),
+    ("str_join_not_string", "{{ '-'.join(['a', 1]) }}"),
     # what is undefined, in jinja2's words (the test compares UndefinedError messages)
     ("undefined_attr", "{{ m.k.x }}", {"m": {"j": 1}}),
     ("undefined_attr_str", "{{ m.items() }}", {"m": "s"}),
