@@ -868,7 +868,11 @@ static const char *const str_methods[] = {
     "startswith", "endswith", "split", "rsplit", "strip", "lstrip", "rstrip", "replace", "upper",
     "lower", "title", "capitalize", "join", "find", "rfind", "count", "splitlines", "format",
     "isdigit", "isalpha", "isalnum", "isspace", "isupper", "islower", "removeprefix",
-    "removesuffix", "index", "center", "ljust", "rjust", "zfill", NULL};
+    "removesuffix", "index", "center", "ljust", "rjust", "zfill", "rindex", "partition", "rpartition",
+    "isascii",
+    /* Python's, not implemented: calling one fails with "str.x() is not supported" */
+    "casefold", "swapcase", "expandtabs", "encode", "format_map", "isnumeric", "isdecimal", "istitle",
+    "isidentifier", "isprintable", "translate", "maketrans", NULL};
 static const char *const dict_methods[] = {"get", "items", "keys", "values", "copy", "pop",
                                            "update", "clear", "setdefault", "popitem", NULL};
 static const char *const list_methods[] = {"index", "count", "copy", "append", "extend", "insert",
@@ -2190,7 +2194,7 @@ static jval call_method(struct rctx *R, const struct jmethod *m, const struct ar
                     DIE(R, line, "sequence item %zu: expected str instance, %s found", i, tname(&l.u.l->v[i]));
             return join(R, l, s, line);
         }
-        if (is(name, "find") || is(name, "rfind") || is(name, "count") || is(name, "index")) {
+        if (is(name, "find") || is(name, "rfind") || is(name, "count") || is(name, "index") || is(name, "rindex")) {
             check_args(R, a, 1, NULL);
             if (!a->n)
                 DIE(R, line, "%s() takes one argument", name);
@@ -2212,9 +2216,49 @@ static jval call_method(struct rctx *R, const struct jmethod *m, const struct ar
             }
             if (is(name, "count"))
                 return mkint(x->len ? cnt : (int64_t)u8_count(s->s, s->len) + 1);
-            if (is(name, "index") && first < 0)
+            for (size_t i = s->len - x->len + 1; x->len && last >= 0 && i-- > 0;) /* the last, overlaps too */
+                if (!memcmp(s->s + i, x->s, x->len)) {
+                    last = (int64_t)u8_count(s->s, i);
+                    break;
+                }
+            if ((is(name, "index") || is(name, "rindex")) && first < 0)
                 DIE(R, line, "substring not found");
             return mkint(name[0] == 'r' ? last : first);
+        }
+        if (is(name, "partition") || is(name, "rpartition")) { /* (before, sep, after) */
+            check_args(R, a, 1, NULL);
+            if (!a->n)
+                DIE(R, line, "%s() takes one argument", name);
+            const struct jstr *x = need_str(R, &a->pos[0], line, name);
+            if (!x->len)
+                DIE(R, line, "empty separator");
+            bool r = name[0] == 'r';
+            size_t at = s->len;
+            for (size_t k = 0; k + x->len <= s->len; k++) {
+                size_t i = r ? s->len - x->len - k : k;
+                if (!memcmp(s->s + i, x->s, x->len)) {
+                    at = i;
+                    break;
+                }
+            }
+            jval t = mklist(R, 3, true);
+            jval empty = vstr(jsub(R, s, 0, 0));
+            if (at == s->len) { /* not found: the string first (partition) or last */
+                t.u.l->v[0] = t.u.l->v[1] = t.u.l->v[2] = empty;
+                t.u.l->v[r ? 2 : 0] = self;
+                return t;
+            }
+            t.u.l->v[0] = vstr(jsub(R, s, 0, at));
+            t.u.l->v[1] = vstr(jsub(R, s, at, x->len));
+            t.u.l->v[2] = vstr(jsub(R, s, at + x->len, s->len - at - x->len));
+            return t;
+        }
+        if (is(name, "isascii")) {
+            check_args(R, a, 0, NULL);
+            for (size_t i = 0; i < s->len; i++)
+                if ((unsigned char)s->s[i] >= 0x80)
+                    return mkbool(false);
+            return mkbool(true);
         }
         if (is(name, "splitlines")) { /* at \n, \r\n, \r, \v, \f, \x1c-\x1e, \x85, U+2028, U+2029 */
             static const char *const kw[] = {"keepends", NULL};
@@ -2246,7 +2290,7 @@ static jval call_method(struct rctx *R, const struct jmethod *m, const struct ar
             check_args(R, a, 0, NULL);
             return mkbool(str_is_case(s, name[2] == 'l'));
         }
-        if (name[0] == 'i' && name[1] == 's') {
+        if (is(name, "isdigit") || is(name, "isalpha") || is(name, "isalnum") || is(name, "isspace")) {
             check_args(R, a, 0, NULL);
             if (!s->len)
                 return mkbool(false);

@@ -317,6 +317,7 @@ TEST(jinja_errors_name_construct_and_line)
     expect_error("{{ x | frobnicate }}", NULL, MOE_EUNSUPPORTED, "no filter named 'frobnicate'");
     expect_error("{{ x is frob }}", NULL, MOE_EUNSUPPORTED, "no test named 'frob'");
     expect_error("{{ x | wordwrap }}", NULL, MOE_EUNSUPPORTED, "the filter 'wordwrap' is not supported");
+    expect_error("{{ 'abc'.casefold() }}", NULL, MOE_EUNSUPPORTED, "str.casefold() is not supported");
     /* in an if, as in jinja2, an unknown name fails only when evaluated */
     expect_render("{% if false %}{{ x | frob }}{% endif %}{{ 1 if true else x is frob }}", NULL, "1");
     expect_error("{% if true %}\n{{ x | frob }}{% endif %}", NULL, MOE_EFORMAT, "line 2: no filter named 'frob'");

@@ -224,6 +224,12 @@ CASES = [
     # str.join takes strings only (the join filter converts)
     ("str_join_strings", "{{ '-'.join(['a', m]) }}|{{ ''.join('xyz') }}|{{ ', '.join(d) }}|{{ [1, none] | join('-') }}", {"m": "b", "d": {"k": 1, "l": 2}}),
     ("str_join_not_string", "{{ '-'.join(['a', 1]) }}"),
+    # more str methods: rfind and rindex find the last match even where matches overlap
+    ("str_find_partition", "{{ 'aaa'.rfind('aa') }}{{ 'aaa'.rindex('a') }}{{ m.rfind('-') }}{{ m.find('-') }}{{ 'abc'.rfind('') }}{{ 'ab'.rfind('x') }}"
+                           "|{{ m.partition('-') }}{{ m.rpartition('-') }}{{ m.partition('?') }}{{ m.rpartition('?') }}|{{ m.isascii() }}{{ 'ab'.isascii() }}",
+     {"m": "é-a-b"}),
+    ("str_rindex_missing", "{{ 'abc'.rindex('z') }}"),
+    ("str_partition_empty", "{{ 'abc'.partition('') }}"),
     # what is undefined, in jinja2's words (the test compares UndefinedError messages)
     ("undefined_attr", "{{ m.k.x }}", {"m": {"j": 1}}),
     ("undefined_attr_str", "{{ m.items() }}", {"m": "s"}),
