@@ -487,6 +487,7 @@ static void lex(struct parser *P)
                 if (s[x] == '\n')
                     line++;
             strip_after = k > p && s[k - 1] == '-';
+            keep_after = k > p && s[k - 1] == '+'; /* +#}: the newline after stays */
             end = k + 2;
         } else {
             push_tok(P, (struct tok){.k = block ? T_BBEGIN : T_VBEGIN, .line = line});

@@ -199,6 +199,7 @@ CASES = [
     ("ws_trailing_newline", "{% for x in [1, 2] %}\n{{ x }}\n{% endfor %}\n"),
     ("ws_tab_crlf", "a\r\n\t{% if true %}\r\nb\r\n\t{% endif %}\r\nc"),
     ("ws_plus_minus_mix", "a\n  {%+ if true -%}\n  b\n  {%- endif +%}\nc"),
+    ("ws_comment_plus", "a\n{# c +#}\nb\n  {# d +#}\nc\n{#- e +#}\nd {#+ f #}\ne"),
     # unknown filter and test names: an error at parse time, except in an if or a conditional
     # expression (up to the next loop, macro, call, filter, set or with body), where only evaluating
     # them fails
