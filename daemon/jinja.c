@@ -1893,7 +1893,8 @@ static struct jstr *py_percent(struct rctx *R, const struct jstr *f, jval args, 
             DIE(R, line, "unsupported format character '%c'", conv > 32 && conv < 127 ? conv : '?');
         }
     }
-    if (args.t != V_DICT && next < nitems)
+    /* Python does not check what is left of a mapping (for it, lists are mappings too) */
+    if (args.t != V_DICT && !(args.t == V_LIST && !tuple) && next < nitems)
         DIE(R, line, "not all arguments converted during string formatting");
     return ob_done(R, &o);
 }
@@ -2573,6 +2574,10 @@ static jval f_indent(struct rctx *R, jval v, const struct args *a)
     static const char *const kw[] = {"width", "first", "blank", NULL};
     check_args(R, a, 3, kw);
     const jval *w = arg(a, 0, "width"), *first = arg(a, 1, "first"), *blank = arg(a, 2, "blank");
+    if (v.t == V_LIST) /* jinja2: s += "\n"; s.splitlines() */
+        DIE(R, a->line, "indent: 'list' object has no attribute 'splitlines'");
+    if (v.t != V_STR)
+        DIE(R, a->line, "indent: unsupported operand type(s) for +=: '%s' and 'str'", tname(&v));
     struct jstr *ind;
     if (w && w->t == V_STR) {
         ind = w->u.s;
@@ -3066,8 +3071,16 @@ static jval call_filter_named(struct rctx *R, const char *name, jval v, const st
                    *lw = arg(a, 3, "leeway");
         if ((ln && !is_intlike(ln)) || (lw && lw->t != V_NONE && !is_intlike(lw)))
             DIE(R, line, "truncate's length and leeway must be integers");
-        struct jstr *t = to_str(R, &v), *e = end ? to_str(R, end) : mkjstr(R, "...", 3, PROV_LIT, NULL);
         int64_t length = ln ? ival(ln) : 255, leeway = lw && lw->t != V_NONE ? ival(lw) : 5;
+        if (v.t == V_LIST || v.t == V_DICT) { /* jinja2 takes len(), then slices and adds a str */
+            size_t vn = v.t == V_LIST ? v.u.l->n : v.u.d->n;
+            if ((int64_t)vn <= length + leeway)
+                return v;
+            DIE(R, line, "truncate: can only truncate a string, not a long %s", tname(&v));
+        }
+        if (v.t != V_STR)
+            DIE(R, line, "object of type '%s' has no len()", tname(&v));
+        struct jstr *t = v.u.s, *e = end ? to_str(R, end) : mkjstr(R, "...", 3, PROV_LIT, NULL);
         int64_t elen = (int64_t)u8_count(e->s, e->len);
         if (length < elen || leeway < 0)
             DIE(R, line, "truncate: expected length >= %lld and leeway >= 0", (long long)elen);
@@ -3177,6 +3190,16 @@ static bool run_test(struct rctx *R, const char *name, jval v, const struct args
     if (is(name, "lower") || is(name, "upper")) /* str(value).islower() */
         return str_is_case(to_str(R, &v), name[0] == 'l');
     if (is(name, "odd") || is(name, "even") || is(name, "divisibleby")) {
+        if ((v.t == V_FLOAT && (name[0] != 'd' || (x && is_num(x)))) ||
+            (is_intlike(&v) && name[0] == 'd' && x && x->t == V_FLOAT)) { /* Python's float %: value % 2 == 1 */
+            double b = name[0] == 'd' ? fval(x) : 2, m;
+            if (b == 0)
+                DIE(R, line, "float modulo");
+            m = fmod(fval(&v), b);
+            if (m != 0 && (m < 0) != (b < 0))
+                m += b;
+            return name[0] == 'o' ? m == 1 : m == 0;
+        }
         if (!is_intlike(&v))
             DIE(R, line, "the test '%s' needs an integer", name);
         int64_t d = 2;

@@ -231,6 +231,16 @@ CASES = [
      {"m": "é-a-b"}),
     ("str_rindex_missing", "{{ 'abc'.rindex('z') }}"),
     ("str_partition_empty", "{{ 'abc'.partition('') }}"),
+    # odd, even and divisibleby take floats as Python's % does
+    ("test_parity_floats", "{{ 1000.0 is even }}{{ 2.5 is odd }}{{ -3.0 is odd }}{{ 2.5 is divisibleby 0.5 }}{{ 7 is divisibleby 2.0 }}{{ 3.0 is even }}{{ m is odd }}", {"m": 5.0}),
+    # truncate and indent take strings (truncate: or a list short enough); % of a list or dict
+    # does not check for arguments left over
+    ("truncate_not_string", "{{ 5 | truncate(3) }}"),
+    ("truncate_none", "{{ m | truncate }}", {"m": None}),
+    ("truncate_short_list", "{{ [1, 2] | truncate(3, leeway=0) }}|{{ {'a': 1} | truncate }}"),
+    ("indent_not_string", "{{ 5 | indent(2) }}"),
+    ("indent_list", "{{ [1] | indent(2) }}"),
+    ("pct_list_mapping", "{{ 'abc' % [1] }}|{{ 'abc' % {'a': 1} }}|{{ 'x%sy' % [1, 2] }}|{{ '%(a)s' % m }}", {"m": {"a": "é"}}),
     # what is undefined, in jinja2's words (the test compares UndefinedError messages)
     ("undefined_attr", "{{ m.k.x }}", {"m": {"j": 1}}),
     ("undefined_attr_str", "{{ m.items() }}", {"m": "s"}),
