@@ -1096,16 +1096,26 @@ static jval arith(struct rctx *R, int op, jval a, jval b, int line)
             }
         case OP_POW:
             if (ints && y >= 0) {
-                int64_t acc = 1;
-                for (int64_t k = 0; k < y; k++) {
+                if (x == 0 || x == 1)
+                    return mkint(y == 0 ? 1 : x);
+                if (x == -1)
+                    return mkint(y % 2 ? -1 : 1);
+                int64_t acc = 1; /* |x| >= 2: overflows within 64 steps */
+                for (int64_t k = 0; k < y; k++)
                     if (__builtin_mul_overflow(acc, x, &acc))
                         DIE(R, line, "integer overflow");
-                    if (acc == 0 || acc == 1)
-                        break;
-                }
                 return mkint(acc);
             }
-            return mkfloat(pow(fx, fy));
+            if (fx == 0 && fy < 0)
+                DIE(R, line, "0.0 cannot be raised to a negative power");
+            if (fx < 0 && isfinite(fy) && fy != floor(fy))
+                j_die(&R->b, MOE_EUNSUPPORTED, line, "a negative number to a fractional power is complex");
+            {
+                double r = pow(fx, fy);
+                if (isinf(r) && isfinite(fx) && isfinite(fy))
+                    DIE(R, line, "(34, 'Numerical result out of range')");
+                return mkfloat(r);
+            }
         }
         DIE(R, line, "integer overflow");
     }

@@ -328,6 +328,7 @@ TEST(jinja_errors_name_construct_and_line)
     expect_error("{{ [].append(1) }}", NULL, MOE_EFORMAT, "list.append() modifies the list");
     expect_error("{{ 1 // 0 }}", NULL, MOE_EFORMAT, "division or modulo by zero");
     expect_error("{{ 9223372036854775807 + 1 }}", NULL, MOE_EFORMAT, "integer overflow");
+    expect_error("{{ (-8.0) ** 0.5 }}", NULL, MOE_EUNSUPPORTED, "a negative number to a fractional power is complex");
     expect_error("{{ '%*d' % (3, 1) }}", NULL, MOE_EUNSUPPORTED, "'*' widths");
     expect_error("{% for a, b in [1] %}{% endfor %}", NULL, MOE_EFORMAT, "cannot unpack");
     expect_error("{% endfor %}", NULL, MOE_EFORMAT, "unexpected 'endfor'");

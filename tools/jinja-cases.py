@@ -231,6 +231,10 @@ CASES = [
      {"m": "é-a-b"}),
     ("str_rindex_missing", "{{ 'abc'.rindex('z') }}"),
     ("str_partition_empty", "{{ 'abc'.partition('') }}"),
+    # ** as Python's: (-1) ** n by parity, float overflow is an error
+    ("pow_edges", "{{ (-1) ** 3 }}|{{ (-1) ** 4 }}|{{ m ** 9223372036854775807 }}|{{ 0 ** 0 }}|{{ 1 ** 99 }}|{{ (-2) ** 3 }}|{{ 2 ** -2 }}|{{ (-8.0) ** 2 }}|{{ 4 ** 0.5 }}", {"m": -1}),
+    ("pow_float_overflow", "{{ 2.5 ** m }}", {"m": 1000}),
+    ("pow_zero_negative", "{{ 0 ** m }}", {"m": -1}),
     # odd, even and divisibleby take floats as Python's % does
     ("test_parity_floats", "{{ 1000.0 is even }}{{ 2.5 is odd }}{{ -3.0 is odd }}{{ 2.5 is divisibleby 0.5 }}{{ 7 is divisibleby 2.0 }}{{ 3.0 is even }}{{ m is odd }}", {"m": 5.0}),
     # truncate and indent take strings (truncate: or a list short enough); % of a list or dict
