@@ -196,16 +196,20 @@ static const char *error_code(int status)
     }
 }
 
-/* Builds the error object; extra members (n_prompt_tokens...) may be added by the caller. */
+static json_t *json_text(const char *s, size_t n);
+
+/* Builds the error object; extra members (n_prompt_tokens...) may be added by the caller. The
+ * message quotes what the client sent (a path, a field's value), which need not be UTF-8, and
+ * may be cut inside a sequence: it is always made valid text. */
 static json_t *error_obj(int status, const char *param, const char *msg)
 {
     json_t *e = json_object();
     /* OpenAI's answer for a model it does not have. */
     const bool no_model = status == 404 && param && !strcmp(param, "model");
-    json_object_set_new(e, "message", json_string(msg));
+    json_object_set_new(e, "message", json_text(msg, strlen(msg)));
     json_object_set_new(e, "type", json_string(no_model ? "invalid_request_error" : error_type(status)));
     json_object_set_new(e, "code", json_string(no_model ? "model_not_found" : error_code(status)));
-    json_object_set_new(e, "param", param ? json_string(param) : json_null());
+    json_object_set_new(e, "param", param ? json_text(param, strlen(param)) : json_null());
     return e;
 }
 

@@ -499,6 +499,18 @@ TEST(daemon_rejects_bad_requests)
     CHECK_EQ(r.status, 404);
     CHECK(strstr(r.body, "\"error\""));
     hc_resp_free(&r);
+    /* A path that is not UTF-8 is quoted in the message with U+FFFD for its bad bytes (the
+     * message was left out of the error object). */
+    const char *bad_paths[] = {"/v2/\xff\xfe/x", "/v1/models/\xc3"};
+    for (size_t i = 0; i < 2; i++) {
+        CHECK(hc_request_unix(d.sock, "GET", bad_paths[i], NULL, &r, 5000) == 0);
+        CHECK_EQ(r.status, 404);
+        j = json_loads(r.body, 0, NULL);
+        CHECK_MSG(strstr(err_msg(j), i ? "is not served here" : "no such endpoint") &&
+                  strstr(err_msg(j), "\xef\xbf\xbd"), "%s", r.body);
+        json_decref(j);
+        hc_resp_free(&r);
+    }
     CHECK(hc_request_unix(d.sock, "GET", "/v1/completions", NULL, &r, 5000) == 0);
     CHECK_EQ(r.status, 405);
     hc_resp_free(&r);
