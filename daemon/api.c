@@ -746,7 +746,8 @@ static void gen_finish(struct gen *g, const char *reason)
             char *t = malloc(g->echo_len + g->text_len + 1);
             if (t) {
                 memcpy(t, g->echo, g->echo_len);
-                memcpy(t + g->echo_len, g->text, g->text_len);
+                if (g->text_len) /* nothing generated: text is NULL */
+                    memcpy(t + g->echo_len, g->text, g->text_len);
             }
             json_object_set_new(ch, "text", t ? json_text(t, g->echo_len + g->text_len) : json_string(""));
             free(t);

@@ -910,6 +910,8 @@ int chat_out_feed(struct chat_out *p, const char *text, size_t len, bool final, 
                   void *user)
 {
     int rc = 0;
+    if (!text) /* nothing generated yet: no buffer (len is 0) */
+        text = "";
     while (p->pos < len || (final && p->state == S_START)) {
         const char *r = text + p->pos;
         size_t n = len - p->pos;

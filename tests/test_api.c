@@ -243,6 +243,23 @@ TEST(chat_output_reasoning_and_tool_calls)
               "Sure.and more", "0:call_x_0:a({});");
 }
 
+/* A generation that ends before any text (its first token ends it) has no buffer yet: the
+ * parser takes NULL with length 0, streamed or not, in every format. */
+TEST(chat_output_of_nothing)
+{
+    for (int fmt = CHAT_FMT_HERMES; fmt <= CHAT_FMT_SEED; fmt++)
+        for (int think_open = 0; think_open < 2; think_open++) {
+            struct chat_out p;
+            chat_out_init(&p, think_open, true, "call_x", (enum chat_fmt)fmt);
+            struct collect c = {0};
+            CHECK(chat_out_feed(&p, NULL, 0, false, collect_ev, &c) == 0);
+            CHECK(chat_out_feed(&p, NULL, 0, true, collect_ev, &c) == 0);
+            CHECK_MSG(!c.n[CHAT_EV_CONTENT] && !c.n[CHAT_EV_REASONING] && !c.calls[0],
+                      "format %d: [%s] [%s] [%s]", fmt, c.text[CHAT_EV_CONTENT],
+                      c.text[CHAT_EV_REASONING], c.calls);
+        }
+}
+
 /* Each family's template is told by its markers. */
 TEST(chat_format_detected_from_templates)
 {

@@ -1764,6 +1764,58 @@ TEST_TIMEOUT(daemon_tokenize_and_detokenize, 120)
     CHECK_EQ(moed_stop(&d, 60), 0);
 }
 
+/* A generation whose first token ends it (logit_bias pushes the end-of-generation tokens): the
+ * completion with echo is the prompt alone, the chat answer is empty, streamed or not. */
+TEST_TIMEOUT(daemon_generation_that_ends_at_once, 120)
+{
+    struct moed d;
+    moed_start_one_cpu(&d);
+    int status;
+    char bias[256] = "";
+    const char *eog[] = {"<|endoftext|>", "<|im_end|>"};
+    for (size_t i = 0; i < 2; i++) {
+        char body[128];
+        snprintf(body, sizeof body, "{\"content\": \"%s\"}", eog[i]);
+        json_t *j = post_json(d.sock, "/tokenize", body, &status);
+        CHECK_EQ(status, 200);
+        json_t *toks = json_object_get(j, "tokens");
+        CHECK_MSG(json_array_size(toks) == 1, "%s is not one token", eog[i]);
+        size_t l = strlen(bias);
+        snprintf(bias + l, sizeof bias - l, "%s\"%lld\": 100", i ? ", " : "",
+                 (long long)json_integer_value(json_array_get(toks, 0)));
+        json_decref(j);
+    }
+    char body[512];
+    snprintf(body, sizeof body, "{\"prompt\": \"In the beginning\", \"echo\": true, \"max_tokens\": 4, "
+             "\"temperature\": 0, \"logit_bias\": {%s}}", bias);
+    json_t *j = post_json(d.sock, "/v1/completions", body, &status);
+    CHECK_MSG(status == 200, "%d %s", status, err_msg(j));
+    json_t *ch = json_array_get(json_object_get(j, "choices"), 0);
+    CHECK_STREQ(json_string_value(json_object_get(ch, "text")), "In the beginning");
+    CHECK_STREQ(json_string_value(json_object_get(ch, "finish_reason")), "stop");
+    json_decref(j);
+    for (int stream = 0; stream < 2; stream++) {
+        snprintf(body, sizeof body, "{\"messages\": [{\"role\": \"user\", \"content\": \"Hi\"}], "
+                 "\"max_tokens\": 4, \"temperature\": 0, \"stream\": %s, \"logit_bias\": {%s}}",
+                 stream ? "true" : "false", bias);
+        struct hc_resp r;
+        CHECK(hc_request_unix(d.sock, "POST", "/v1/chat/completions", body, &r, 60000) == 0);
+        CHECK_MSG(r.status == 200, "%d %s", r.status, r.body);
+        if (stream) {
+            CHECK_MSG(strstr(r.body, "\"finish_reason\":\"stop\"") && strstr(r.body, "data: [DONE]"),
+                      "%s", r.body);
+        } else {
+            j = json_loads(r.body, 0, NULL);
+            ch = json_array_get(json_object_get(j, "choices"), 0);
+            CHECK_STREQ(json_string_value(json_object_get(json_object_get(ch, "message"), "content")), "");
+            CHECK_STREQ(json_string_value(json_object_get(ch, "finish_reason")), "stop");
+            json_decref(j);
+        }
+        hc_resp_free(&r);
+    }
+    CHECK_EQ(moed_stop(&d, 60), 0);
+}
+
 /* A completion of token ids at temperature 0; returns its text (malloc'd) and cached tokens. */
 static char *complete_ids(const char *sock, const int32_t *ids, size_t n, int64_t *cached)
 {
