@@ -180,6 +180,11 @@ demo: deps
 FUZZ_BUILD := $(O)/build/fuzz
 FUZZ_BINS  := $(FUZZ_SRC:tests/%.c=$(FUZZ_BUILD)/%)
 FUZZ_DAEMON_SRC := $(wildcard daemon/jinja*.c)
+# fuzz_api drives the API itself: it also links the chat layer, the scheduler and the log (the
+# HTTP connection and the worker are played by the target).
+FUZZ_API_SRC := daemon/api.c daemon/chat.c daemon/sched.c daemon/log.c
+$(FUZZ_BUILD)/fuzz_api: FUZZ_DAEMON_SRC += $(FUZZ_API_SRC)
+$(FUZZ_BUILD)/fuzz_api: $(FUZZ_API_SRC)
 fuzz: $(FUZZ_BINS)
 $(FUZZ_BUILD)/%: tests/%.c $(STORE_SRC) $(FUZZ_DAEMON_SRC) | $(PROTO_GEN_H)
 	@mkdir -p $(dir $@)
