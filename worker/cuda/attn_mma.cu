@@ -33,7 +33,8 @@ extern "C" {
 #define AM_ROWS 64  /* tokens per block */
 #define AM_KEYS 64  /* positions per key tile */
 #define AM_WARPS 4
-#define AM_PAD 8    /* halves of padding per staged row: the 8 rows a fragment load reads lie in distinct banks */
+/* Halves of padding per staged row: the 8 rows a fragment load reads lie in distinct banks. */
+#define AM_PAD 8
 
 static __device__ __forceinline__ uint32_t pack_half2(float lo, float hi)
 {
@@ -254,15 +255,8 @@ static cudaError_t launch_mma(const float *d_q, int64_t ldq, const int32_t *d_po
                               int64_t H, int64_t n, float scale_log2, float *d_out, int64_t ldo,
                               cudaStream_t s)
 {
-    const size_t smem = sizeof(__half) * 2 * AM_KEYS * (D + AM_PAD);
-    static bool attr_set = false;
-    if (smem > 48 * 1024 && !attr_set) {
-        cudaError_t e = cudaFuncSetAttribute(attn_mma_kernel<D>,
-                                             cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
-        if (e != cudaSuccess)
-            return e;
-        attr_set = true;
-    }
+    constexpr size_t smem = sizeof(__half) * 2 * AM_KEYS * (D + AM_PAD);
+    static_assert(smem <= 48 * 1024, "the K and V tiles fit the default dynamic shared memory");
     dim3 grid((unsigned)((n + AM_ROWS - 1) / AM_ROWS), (unsigned)H);
     return moe_launch(attn_mma_kernel<D>, grid, dim3(32 * AM_WARPS), smem, s, d_q, ldq, d_pos,
                       d_seq, *kv, layer, H, n, scale_log2, d_out, ldo);
@@ -275,7 +269,7 @@ int moe_cuda_attention_mma(const float *d_q, int64_t ldq, const int32_t *d_pos,
     if (n <= 0)
         return 0;
     if (!moe_cuda_attention_mma_supported(kv) || !d_q || !d_pos || !d_seq || !d_out ||
-        kv->Hkv <= 0 || H % kv->Hkv != 0 || (H + 0) > 65535 || ldq % 2 != 0 || ldo % 2 != 0 ||
+        kv->Hkv <= 0 || H % kv->Hkv != 0 || H > 65535 || ldq % 2 != 0 || ldo % 2 != 0 ||
         ((uintptr_t)d_q & 7) || ((uintptr_t)d_out & 7) || ((uintptr_t)kv->k & 15) ||
         ((uintptr_t)kv->v & 15))
         return -EINVAL;

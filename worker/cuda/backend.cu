@@ -85,6 +85,13 @@ struct cuda_layer {
     const void **host[3];            /* host [nexp]: device addresses of the host copies */
 };
 
+/* Profiling (MOE_CUDA_PROFILE): time and launches of one op name. */
+struct prof_op {
+    const char *name;
+    double ms;
+    long count;
+};
+
 struct cuda_backend {
     struct moe_backend base;
     const struct moe_model *m;
@@ -124,15 +131,11 @@ struct cuda_backend {
     int64_t group_min;               /* slots per expert; MOE_CUDA_GROUP_MIN overrides */
     /* MOE_CUDA_PROFILE=1: an event before every kernel (event nodes in the graphs), time per
      * op name printed at free (a development aid; run it with MOE_CUDA_NO_PDL=1). */
-    bool profile;
+    bool profile, profile_steps;     /* MOE_CUDA_PROFILE=steps: each prompt step printed too */
     cudaEvent_t ev[64 * 16];
     const char *ev_name[64 * 16];
     int n_ev;
-    struct {
-        const char *name;
-        double ms;
-        long count;
-    } prof[32];
+    struct prof_op prof[32];
     int n_prof;
     double prof_steps;
     struct cuda_graph graphs[2 * MOE_CUDA_GRAPH_MAX];
@@ -840,6 +843,7 @@ static int cuda_init(struct moe_backend **out, const struct moe_model *m, struct
     b->use_gemm = getenv("MOE_CUDA_GEMM") == NULL || strcmp(getenv("MOE_CUDA_GEMM"), "0") != 0;
     b->use_flash = getenv("MOE_CUDA_FLASH") == NULL || strcmp(getenv("MOE_CUDA_FLASH"), "0") != 0;
     b->profile = getenv("MOE_CUDA_PROFILE") != NULL;
+    b->profile_steps = b->profile && !strcmp(getenv("MOE_CUDA_PROFILE"), "steps");
     b->group_min = getenv("MOE_CUDA_GROUP_MIN") ? atoll(getenv("MOE_CUDA_GROUP_MIN"))
                                                 : MOE_CUDA_GROUP_MIN;
     if (b->group_min < 1)
@@ -1188,56 +1192,47 @@ static void mark(struct cuda_backend *b, const char *name)
     b->ev_name[b->n_ev++] = name;
 }
 
+/* Adds ms to the op called name in tab (at most 32 ops). */
+static void prof_add(struct prof_op *tab, int *n, const char *name, double ms)
+{
+    int k = 0;
+    while (k < *n && strcmp(tab[k].name, name))
+        k++;
+    if (k == *n && *n < 32)
+        tab[(*n)++] = {name, 0, 0};
+    if (k < 32) {
+        tab[k].ms += ms;
+        tab[k].count++;
+    }
+}
+
 static void prof_collect(struct cuda_backend *b)
 {
     if (!b->profile || b->n_ev < 2)
         return;
     cudaEventSynchronize(b->ev[b->n_ev - 1]);
-    /* MOE_CUDA_PROFILE=steps: also each prompt-sized step's own breakdown. */
-    const bool each = b->n > MOE_CUDA_GRAPH_MAX && !strcmp(getenv("MOE_CUDA_PROFILE"), "steps");
-    struct {
-        const char *name;
-        float ms;
-    } st[32];
+    /* With MOE_CUDA_PROFILE=steps, each prompt-sized step's own breakdown as well. */
+    const bool each = b->profile_steps && b->n > MOE_CUDA_GRAPH_MAX;
+    struct prof_op st[32];
     int nst = 0;
-    for (int i = 0; each && i + 1 < b->n_ev; i++) {
-        float ms = 0;
-        if (cudaEventElapsedTime(&ms, b->ev[i], b->ev[i + 1]) != cudaSuccess) {
-            (void)cudaGetLastError();
-            continue;
-        }
-        int k = 0;
-        while (k < nst && strcmp(st[k].name, b->ev_name[i]))
-            k++;
-        if (k == nst && nst < 32)
-            st[nst++] = {b->ev_name[i], 0.0f};
-        if (k < 32)
-            st[k].ms += ms;
-    }
-    if (each) {
-        float tot = 0;
-        for (int k = 0; k < nst; k++)
-            tot += st[k].ms;
-        fprintf(stderr, "cuda profile: step of %lld tokens, %.3f ms:", (long long)b->n, tot);
-        for (int k = 0; k < nst; k++)
-            fprintf(stderr, " %s %.3f", st[k].name, st[k].ms);
-        fprintf(stderr, "\n");
-    }
+    double tot = 0;
     for (int i = 0; i + 1 < b->n_ev; i++) {
         float ms = 0;
         if (cudaEventElapsedTime(&ms, b->ev[i], b->ev[i + 1]) != cudaSuccess) {
             (void)cudaGetLastError(); /* not to be mistaken for a kernel's error later */
             ms = 0;
         }
-        int k = 0;
-        while (k < b->n_prof && strcmp(b->prof[k].name, b->ev_name[i]))
-            k++;
-        if (k == b->n_prof && b->n_prof < 32)
-            b->prof[b->n_prof++] = {b->ev_name[i], 0, 0};
-        if (k < 32) {
-            b->prof[k].ms += ms;
-            b->prof[k].count++;
+        prof_add(b->prof, &b->n_prof, b->ev_name[i], ms);
+        if (each) {
+            prof_add(st, &nst, b->ev_name[i], ms);
+            tot += ms;
         }
+    }
+    if (each) {
+        fprintf(stderr, "cuda profile: step of %lld tokens, %.3f ms:", (long long)b->n, tot);
+        for (int k = 0; k < nst; k++)
+            fprintf(stderr, " %s %.3f", st[k].name, st[k].ms);
+        fprintf(stderr, "\n");
     }
     b->prof_steps += 1;
     b->n_ev = 0;
