@@ -170,6 +170,16 @@ static bool is_eog(const struct moe_job *j, int32_t t)
     return false;
 }
 
+/* How many leading tokens of j's prompt slot c's history holds, at most lim. */
+static uint32_t hist_lcp(const struct moe_batcher *b, uint32_t c, const struct moe_job *j,
+                         uint32_t lim)
+{
+    uint32_t n = 0;
+    while (n < lim && b->hist[c][n] == j->prompt[n])
+        n++;
+    return n;
+}
+
 /* Moves waiting jobs into free slots, each with its sampler primed with the prompt. */
 static void admit(struct moe_batcher *b)
 {
@@ -185,10 +195,8 @@ static void admit(struct moe_batcher *b)
         for (uint32_t c = 0; c < b->cfg.n_seq; c++) {
             if (b->slot[c])
                 continue;
-            uint32_t lcp = 0;
-            const uint32_t lim = b->valid[c] < j->n_prompt ? b->valid[c] : j->n_prompt;
-            while (lcp < lim && b->hist[c][lcp] == j->prompt[lcp])
-                lcp++;
+            const uint32_t lcp =
+                hist_lcp(b, c, j, b->valid[c] < j->n_prompt ? b->valid[c] : j->n_prompt);
             bool take = s == UINT32_MAX || lcp > best;
             if (!take && lcp == 0 && best == 0) {
                 const bool ce = b->valid[c] == 0, se = b->valid[s] == 0;
@@ -235,9 +243,7 @@ static void admit(struct moe_batcher *b)
                 continue;
             const uint32_t known = o->n_past > o->n_prompt ? o->n_past : o->n_prompt;
             const uint32_t lim = known < j->n_prompt - 1 ? known : j->n_prompt - 1;
-            uint32_t lcp = 0;
-            while (lcp < lim && b->hist[c][lcp] == j->prompt[lcp])
-                lcp++;
+            const uint32_t lcp = hist_lcp(b, c, j, lim);
             if (lcp >= best + MOE_BATCHER_SHARE_MIN &&
                 (j->share_slot < 0 || lcp > j->share_n)) {
                 j->share_slot = (int32_t)c;
@@ -272,10 +278,8 @@ static bool take_shared(struct moe_batcher *b, struct moe_job *j)
             return false;
         held = o->n_past;
     } else {
-        held = o ? 0 : b->valid[c]; /* ended: what its slot kept, if still its tokens */
-        for (uint32_t i = 0; i < j->share_n && held; i++)
-            if (b->hist[c][i] != j->prompt[i])
-                held = 0;
+        /* Ended: what its slot kept, if still its tokens. */
+        held = !o && hist_lcp(b, c, j, j->share_n) == j->share_n ? b->valid[c] : 0;
     }
     j->share_slot = -1;
     /* What the other slot holds of the prefix (all of it, or what an ended job had evaluated). */
