@@ -17,6 +17,7 @@
  *       matmul(l, {ROUTER→RL}, X)
  *       route(l)                     softmax, top-k, renormalise, group, count
  *       experts(l)                   H += Σ_j w_j · down_j(silu(gate_j·X) ⊙ up_j·X)
+ *     (or, instead of the loop, layers() when the backend fuses this step's layers)
  *     head()                         logits of the selected rows: output(out_norm(H[row])),
  *                                    then, when the step samples, each row's next token drawn
  *                                    by its sequence's sampler (sampler())
@@ -167,6 +168,11 @@ struct moe_backend_vt {
      * max_loads experts; *pending: experts still to copy (call again). NULL: no offload. */
     int (*set_hot)(struct moe_backend *b, const uint64_t *counts, uint32_t max_loads,
                    uint32_t *pending);
+    /* Optional: every layer of the step at once, between embed() and head(), with the floats
+     * of the per-layer op sequence bit for bit (CUDA: one persistent kernel for one-token
+     * steps). Returns 1 when it ran them (the model loop then skips the per-layer ops), 0 when
+     * this step goes op by op, < 0 on failure. NULL: always op by op. */
+    int (*layers)(struct moe_backend *b);
 };
 
 /* Every backend struct starts with this. */

@@ -21,7 +21,10 @@ int moe_qwen3moe_step(struct moe_backend *b, const struct moe_dims *d, const str
 
     TRY(vt->begin(b, st));
     TRY(vt->embed(b, MOE_BUF_H));
-    for (int l = 0; l < (int)d->L; l++) {
+    const int fused = vt->layers ? vt->layers(b) : 0;
+    if (fused < 0)
+        return fused;
+    for (int l = 0; !fused && l < (int)d->L; l++) {
         TRY(vt->rmsnorm(b, l, MOE_W_ATTN_NORM, MOE_BUF_H, MOE_BUF_X));
         TRY(vt->matmul(b, l, qkv, 3, MOE_BUF_X, false));
         TRY(vt->qk_rope_kv(b, l));

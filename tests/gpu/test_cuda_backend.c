@@ -380,6 +380,73 @@ TEST_TIMEOUT(cuda_forward_matches_cpu_and_is_deterministic, 600)
     }
 }
 
+/* The fused decode step (every layer of a one-token step in one kernel) gives the floats of the
+ * op-by-op step bit for bit: greedy decodes after a short and after a long prompt (several
+ * attention splits per head), on every model the fused kernel takes; the backend's description
+ * says which step it runs. */
+TEST_TIMEOUT(cuda_fused_step_equals_op_by_op, 600)
+{
+    need_gpu();
+    int fused_models = 0;
+    for (size_t mi = 0; mi < N_MODELS; mi++) {
+        struct test_model tm;
+        test_model_open(&tm, MODELS[mi]);
+        const struct moe_model *m = &tm.m;
+        const int64_t V = m->hp.n_vocab;
+        setenv("MOE_CUDA_FUSED", "1", 1);
+        struct moe_engine *a = engine_on(m, "cuda:0", 512, 2, 0, false);
+        setenv("MOE_CUDA_FUSED", "0", 1);
+        struct moe_engine *b = engine_on(m, "cuda:0", 512, 2, 0, false);
+        unsetenv("MOE_CUDA_FUSED");
+        char desc[512] = "";
+        uint64_t bytes = 0;
+        struct moe_backend *ba = moe_engine_backend(a);
+        ba->vt->info(ba, &bytes, desc, sizeof desc);
+        const bool fused = strstr(desc, "fused decode step") != NULL;
+        printf("  %-44s %s\n", MODELS[mi], strstr(desc, fused ? "fused" : "decode op by op"));
+        if (!fused) {
+            moe_engine_free(a);
+            moe_engine_free(b);
+            test_model_close(&tm);
+            continue;
+        }
+        fused_models++;
+        static const int64_t plen[2] = {23, 301};
+        for (int pi = 0; pi < 2; pi++) {
+            const int64_t P = plen[pi];
+            const int steps = 10;
+            int32_t *prompt = malloc(sizeof(int32_t) * (size_t)P), ta[10], tb[10];
+            CHECK(prompt);
+            moe_test_rng_seed(31 + mi * 7 + (uint64_t)pi);
+            for (int64_t i = 0; i < P; i++)
+                prompt[i] = (int32_t)(moe_test_rng_u32() % V);
+            moe_engine_seq_clear(a, 0);
+            moe_engine_seq_clear(b, 0);
+            float *ga = run_greedy(a, prompt, P, steps, 0, V, ta);
+            float *gb = run_greedy(b, prompt, P, steps, 0, V, tb);
+            size_t diff = 0;
+            for (size_t i = 0; i < (size_t)(steps + 1) * (size_t)V; i++)
+                diff += memcmp(&ga[i], &gb[i], sizeof(float)) != 0;
+            printf("  %-44s prompt %lld: %zu of %lld logits differ\n", "", (long long)P, diff,
+                   (long long)(steps + 1) * V);
+            CHECK_EQ(diff, 0);
+            CHECK(memcmp(ta, tb, sizeof ta) == 0);
+            free(ga), free(gb), free(prompt);
+        }
+        uint64_t *ca = calloc((size_t)m->hp.n_layer * m->hp.n_expert, sizeof *ca);
+        uint64_t *cb = calloc((size_t)m->hp.n_layer * m->hp.n_expert, sizeof *cb);
+        CHECK(ca && cb);
+        CHECK_EQ(moe_engine_routing_counts(a, ca), 0);
+        CHECK_EQ(moe_engine_routing_counts(b, cb), 0);
+        CHECK(memcmp(ca, cb, sizeof *ca * (size_t)m->hp.n_layer * m->hp.n_expert) == 0);
+        free(ca), free(cb);
+        moe_engine_free(a);
+        moe_engine_free(b);
+        test_model_close(&tm);
+    }
+    CHECK_MSG(fused_models >= 4, "only %d models ran the fused step", fused_models);
+}
+
 /* Graph replay and direct launches give the same floats; routing counts add up. */
 TEST_TIMEOUT(cuda_graphs_equal_direct_launches, 300)
 {

@@ -4,16 +4,16 @@
 # Makefile links, and the protobuf-c files generated here (run `make` first).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-rm -rf .carry && mkdir -p .carry/include .carry/lib .carry/proto
+rm -rf .carry/include .carry/lib .carry/proto && mkdir -p .carry/include .carry/lib .carry/proto
 for p in libuv1-dev libprotobuf-c-dev liblmdb-dev libhttp-parser-dev libjansson-dev \
-         libxxhash-dev libpcre2-dev libsystemd-dev; do
+         libxxhash-dev libpcre2-dev libsystemd-dev libedit-dev; do
     dpkg -L "$p" | grep '^/usr/include/' | while read -r f; do
         [ -f "$f" ] || continue
         d=.carry/include/${f#/usr/include/}
         mkdir -p "$(dirname "$d")" && cp "$f" "$d"
     done
 done
-for l in uv protobuf-c lmdb http_parser jansson xxhash pcre2-8 systemd; do
+for l in uv protobuf-c lmdb http_parser jansson xxhash pcre2-8 systemd edit bsd md tinfo; do
     cp -P /usr/lib/x86_64-linux-gnu/lib$l.so* .carry/lib/
 done
 cp build/proto/*.pb-c.[ch] .carry/proto/

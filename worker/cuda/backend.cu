@@ -32,6 +32,7 @@ extern "C" {
 #include "worker/cuda/cuda_check.cuh"
 #include "worker/cuda/experts.cuh"
 #include "worker/cuda/attn_mma.cuh"
+#include "worker/cuda/fused.cuh"
 #include "worker/cuda/gemm.h"
 #include "worker/cuda/matvec.h"
 #include "worker/cuda/ops.cuh"
@@ -178,6 +179,17 @@ struct cuda_backend {
     char xhow[96];
     const void **tab;                /* init: a layer's expert table before its upload */
     size_t nodes_b1;                 /* kernels in the graph of a 1-token sampling step */
+    /* The fused decode step (fused.cuh): one-token steps run every layer in one kernel. */
+    bool fused, fused_coop;
+    struct moe_fused_args fargs;     /* the step's pointers (fixed for the backend's life) */
+    struct moe_fused_layer *d_fused; /* device [L] */
+    unsigned *fused_bar;
+    int fused_blocks, fused_per_sm;
+    size_t fused_smem;
+    uint64_t *fused_timing, *h_fused_timing; /* MOE_CUDA_FUSED_TIMING: [L·FUSED_NPH + 1] */
+    double fused_ph_ns[FUSED_NPH];
+    long fused_steps;
+    char fused_why[96];              /* why a one-token step runs op by op ("" when fused) */
     char desc[512];
     char errmsg[256];
 };
@@ -829,6 +841,200 @@ static void phase(const char *what)
     fprintf(stderr, "cuda init: %8.3f s %s\n", t - t0, what);
 }
 
+/* The fused decode step (fused.cuh), with MOE_CUDA_FUSED=1 (on the H200 it is still slower than
+ * the per-op graph: docs/benchmarks.md), when the model and the configuration allow it: every
+ * expert in VRAM, an f16 KV cache, head dims up to 128, experts of one type per matrix with gate
+ * and up alike, every matrix of a kind the kernel computes. Otherwise one-token steps run op by
+ * op and fused_why says why. A captured launch of no layers must run first (a device or driver
+ * that refuses the launch keeps the per-op step).
+ * MOE_CUDA_FUSED_BPS=1 runs one block per SM (registers for 255 a thread) instead of two;
+ * MOE_CUDA_FUSED_PREFETCH=0 drops the L2 prefetches; MOE_CUDA_FUSED_TIMING=1 prints the time of
+ * every phase at exit. */
+static int fused_setup(struct cuda_backend *b)
+{
+    const struct moe_dims *d = &b->d;
+    const char *env = getenv("MOE_CUDA_FUSED");
+#define NOT_FUSED(...)                                                                      \
+    do {                                                                                    \
+        snprintf(b->fused_why, sizeof b->fused_why, __VA_ARGS__);                           \
+        return 0;                                                                           \
+    } while (0)
+    if (!env || strcmp(env, "1"))
+        NOT_FUSED("MOE_CUDA_FUSED=1 fuses it");
+    if (b->offload)
+        NOT_FUSED("experts outside VRAM");
+    if (d->kv_f32)
+        NOT_FUSED("f32 KV cache");
+    if (d->hd != d->hdv || d->hd > 128 || d->hd % 2 || d->H % d->Hkv)
+        NOT_FUSED("head dims %lld/%lld", (long long)d->hd, (long long)d->hdv);
+    struct moe_fused_layer *fl =
+        (struct moe_fused_layer *)calloc((size_t)d->L, sizeof(struct moe_fused_layer));
+    if (!fl)
+        return -ENOMEM;
+    bool router_smem = true;
+    for (int l = 0; l < (int)d->L; l++) {
+        const struct cuda_layer *cl = &b->layers[l];
+        struct moe_fused_layer *f = &fl[l];
+        if (cl->mixed || cl->gate_type != cl->up_type) {
+            free(fl);
+            NOT_FUSED("blk.%d: experts of several types", l);
+        }
+        struct {
+            enum moe_wid w;
+            struct moe_fused_mat *m;
+            enum moe_buf y;
+        } mats[] = {{MOE_W_Q, &f->qkv[0], MOE_BUF_Q}, {MOE_W_K, &f->qkv[1], MOE_BUF_K},
+                    {MOE_W_V, &f->qkv[2], MOE_BUF_V}, {MOE_W_O, &f->o, MOE_BUF_H},
+                    {MOE_W_ROUTER, &f->router, MOE_BUF_RL}};
+        for (size_t i = 0; i < sizeof mats / sizeof mats[0]; i++) {
+            const struct moe_tensor *t = moe_weight(b->m, l, mats[i].w);
+            struct moe_fused_geom g;
+            if (!t || !cl->w[mats[i].w] || !moe_cuda_fused_geom(t->type, t->ne[0], &g)) {
+                free(fl);
+                NOT_FUSED("blk.%d: a %s matrix", l, t ? moe_type_get(t->type)->name : "missing");
+            }
+            struct moe_fused_mat *m = mats[i].m;
+            m->w = (const uint8_t *)cl->w[mats[i].w];
+            m->y = b->buf[mats[i].y];
+            m->rows = t->ne[1];
+            m->items = (t->ne[1] + g.rows_per_item - 1) / g.rows_per_item;
+            m->row_bytes = g.row_bytes;
+            m->block_bytes = g.block_bytes;
+            m->nu = g.nu;
+            m->kind = g.kind;
+        }
+        struct moe_fused_geom gu, dn;
+        if (!moe_cuda_fused_geom(cl->gate_type, d->E, &gu) ||
+            !moe_cuda_fused_geom(cl->down_type, d->ff, &dn)) {
+            free(fl);
+            NOT_FUSED("blk.%d: experts of type %s/%s", l, moe_type_get(cl->gate_type)->name,
+                      moe_type_get(cl->down_type)->name);
+        }
+        router_smem = router_smem && f->router.kind == moe_cuda_fused_kind_f32v();
+        f->attn_norm = cl->attn_norm;
+        f->ffn_norm = cl->ffn_norm;
+        f->q_norm = cl->q_norm;
+        f->k_norm = cl->k_norm;
+        f->gate = (const uint8_t *const *)cl->gate;
+        f->up = (const uint8_t *const *)cl->up;
+        f->down = (const uint8_t *const *)cl->down;
+        f->gu_row_bytes = gu.row_bytes;
+        f->gu_block_bytes = gu.block_bytes;
+        f->gu_nu = gu.nu;
+        f->gu_kind = gu.kind;
+        f->down_row_bytes = dn.row_bytes;
+        f->down_block_bytes = dn.block_bytes;
+        f->down_nu = dn.nu;
+        f->down_kind = dn.kind;
+        f->counts = b->counts + (size_t)l * d->nexp;
+    }
+    const char *bps = getenv("MOE_CUDA_FUSED_BPS");
+    int per_sm = 0;
+    size_t smem = 0;
+    if (moe_cuda_fused_config(d->E, d->hd, d->nexp, (int)d->kuse, bps && atoi(bps) == 1 ? 1 : 2,
+                              &per_sm, &smem) ||
+        per_sm < 1) {
+        free(fl);
+        cudaGetLastError();
+        NOT_FUSED("the fused kernel does not fit an SM");
+    }
+    cudaError_t e = cudaMalloc((void **)&b->d_fused, sizeof *fl * (size_t)d->L);
+    if (e == cudaSuccess)
+        e = cudaMemcpy(b->d_fused, fl, sizeof *fl * (size_t)d->L, cudaMemcpyHostToDevice);
+    free(fl);
+    if (e == cudaSuccess)
+        e = cudaMalloc((void **)&b->fused_bar,
+                       sizeof(unsigned) * (MOE_FUSED_BAR_WORDS + (size_t)b->sms));
+    if (e != cudaSuccess)
+        return cu_err(b, MOE_EBACKEND, "cuda:%d: fused step tables: %s", b->dev,
+                      cudaGetErrorString(e));
+    b->fused_per_sm = per_sm;
+    b->fused_blocks = per_sm * b->sms;
+    b->fused_smem = smem;
+    struct moe_fused_args *a = &b->fargs;
+    a->layers = b->d_fused;
+    a->L = (int)d->L;
+    a->h = b->buf[MOE_BUF_H];
+    a->x = b->buf[MOE_BUF_X];
+    a->q = b->buf[MOE_BUF_Q];
+    a->k = b->buf[MOE_BUF_K];
+    a->v = b->buf[MOE_BUF_V];
+    a->att = b->buf[MOE_BUF_ATT];
+    a->rl = b->buf[MOE_BUF_RL];
+    a->sel_w = b->buf[MOE_BUF_SEL_W];
+    a->sel_e = (int32_t *)b->buf[MOE_BUF_SEL_E];
+    a->act = b->act;
+    a->ld_act = b->ld_act;
+    a->kv = b->kv;
+    a->rope = b->d_rope;
+    a->pos = b->d_in + d->n_batch;  /* D_POS, D_SEQ */
+    a->seq = b->d_in + 2 * d->n_batch;
+    a->part = b->part;
+    a->att_done = b->att_done;
+    /* As many split groups per head as leave every attention group of the grid one (head,
+     * split group) pair: one round. */
+    const int64_t z = 2 * (int64_t)b->fused_blocks / d->H;
+    a->att_z = z < 1 ? 1 : z > ATT_MAX_SPLITS ? ATT_MAX_SPLITS : (int)z;
+    a->el = d->hd <= 32 ? 1 : d->hd <= 64 ? 2 : 4;
+    a->E = d->E;
+    a->H = d->H;
+    a->nexp = d->nexp;
+    a->ff = d->ff;
+    a->kuse = (int)d->kuse;
+    a->eps = d->eps;
+    a->att_scale = (float)(1.0 / sqrt((double)d->hd));
+    a->norm_topk = d->norm_topk;
+    a->router_smem = router_smem;
+    a->prefetch = !getenv("MOE_CUDA_FUSED_PREFETCH") || strcmp(getenv("MOE_CUDA_FUSED_PREFETCH"), "0");
+    a->bar = b->fused_bar;
+    a->nsm = b->sms;
+    a->spare_barriers = getenv("MOE_CUDA_FUSED_SPARE") ? atoi(getenv("MOE_CUDA_FUSED_SPARE")) : 0;
+    a->timing = NULL;
+    /* The probe: a captured launch of no layers, cooperative where the device offers it. */
+    int coop = 0;
+    cudaDeviceGetAttribute(&coop, cudaDevAttrCooperativeLaunch, b->dev);
+    struct moe_fused_args probe = *a;
+    probe.L = 0;
+    for (int attempt = coop ? 0 : 1; attempt < 2; attempt++) {
+        b->fused_coop = attempt == 0;
+        cudaGraph_t g = NULL;
+        cudaGraphExec_t x = NULL;
+        e = cudaStreamBeginCapture(b->st, cudaStreamCaptureModeThreadLocal);
+        int lrc = e == cudaSuccess ? moe_cuda_fused_launch(&probe, b->fused_blocks, per_sm, smem,
+                                                          b->fused_coop, b->st)
+                                   : MOE_EBACKEND;
+        cudaError_t ec = cudaStreamEndCapture(b->st, &g);
+        if (lrc == 0 && ec == cudaSuccess && g)
+            ec = cudaGraphInstantiate(&x, g, 0);
+        if (lrc == 0 && ec == cudaSuccess && x)
+            ec = cudaGraphLaunch(x, b->st);
+        if (lrc == 0 && ec == cudaSuccess)
+            ec = cudaStreamSynchronize(b->st);
+        if (x)
+            cudaGraphExecDestroy(x);
+        if (g)
+            cudaGraphDestroy(g);
+        cudaGetLastError();
+        if (lrc == 0 && ec == cudaSuccess) {
+            const char *tm = getenv("MOE_CUDA_FUSED_TIMING");
+            if (tm && strcmp(tm, "0")) {
+                const size_t n = (size_t)d->L * FUSED_NPH + 1;
+                if (cudaMalloc((void **)&b->fused_timing, sizeof(uint64_t) * n) == cudaSuccess &&
+                    cudaMemset(b->fused_timing, 0, sizeof(uint64_t) * n) == cudaSuccess &&
+                    cudaMallocHost((void **)&b->h_fused_timing, sizeof(uint64_t) * n) ==
+                        cudaSuccess)
+                    a->timing = b->fused_timing;
+                cudaGetLastError();
+            }
+            b->fused = true;
+            b->fused_why[0] = 0;
+            return 0;
+        }
+    }
+    NOT_FUSED("the fused kernel did not launch");
+#undef NOT_FUSED
+}
+
 static int cuda_init(struct moe_backend **out, const struct moe_model *m, struct moe_dims *d,
                      char *err, size_t errlen)
 {
@@ -1024,6 +1230,10 @@ static int cuda_init(struct moe_backend **out, const struct moe_model *m, struct
         phase("weights uploaded");
         if (b->offload && (rc = offload_state(b, err, errlen)))
             goto fail;
+        if ((rc = fused_setup(b))) {
+            moe_fail(err, errlen, rc, "%s", b->errmsg);
+            goto fail;
+        }
         if (b->profile)
             for (int i = 0; i < (int)(sizeof b->ev / sizeof b->ev[0]); i++)
                 INIT_TRY(cudaEventCreate(&b->ev[i]));
@@ -1039,6 +1249,14 @@ static int cuda_init(struct moe_backend **out, const struct moe_model *m, struct
                  prop.multiProcessorCount, prop.major, prop.minor,
                  (double)b->arena_size / (1 << 30), (double)(tot - fr) / (1 << 30),
                  (double)tot / (1 << 30), d->kv_f32 ? "f32" : "f16");
+        {
+            size_t k = strlen(b->desc);
+            if (b->fused)
+                snprintf(b->desc + k, sizeof b->desc - k, ", fused decode step (%d blocks)",
+                         b->fused_blocks);
+            else
+                snprintf(b->desc + k, sizeof b->desc - k, ", decode op by op (%s)", b->fused_why);
+        }
         if (b->offload) {
             int32_t smin = INT32_MAX, smax = 0, hot = 0;
             for (int l = 0; l < (int)d->L; l++) {
@@ -1096,6 +1314,24 @@ static void cuda_free(struct moe_backend *bb)
     if (b->profile && b->ev[0])
         for (int i = 0; i < (int)(sizeof b->ev / sizeof b->ev[0]); i++)
             cudaEventDestroy(b->ev[i]);
+    if (b->fused_steps > 0) {
+        static const char *const ph[FUSED_NPH] = {"norm", "q/k/v", "qk-rope-kv", "attention",
+                                                  "o", "ffn norm", "router", "softmax", "top-k", "gate/up",
+                                                  "down", "spare barriers"};
+        double tot = 0;
+        for (int i = 0; i < FUSED_NPH; i++)
+            tot += b->fused_ph_ns[i];
+        fprintf(stderr, "cuda fused step: %ld steps, %d blocks, %.1f us per step in the layers\n",
+                b->fused_steps, b->fused_blocks, tot / 1e3 / (double)b->fused_steps);
+        for (int i = 0; i < FUSED_NPH; i++)
+            fprintf(stderr, "  %-14s %8.2f us/layer %5.1f%%\n", ph[i],
+                    b->fused_ph_ns[i] / 1e3 / (double)b->fused_steps / (double)b->d.L,
+                    tot > 0 ? 100 * b->fused_ph_ns[i] / tot : 0.0);
+    }
+    cudaFree(b->d_fused);
+    cudaFree(b->fused_bar);
+    cudaFree(b->fused_timing);
+    cudaFreeHost(b->h_fused_timing);
     if (b->capturing) {
         cudaGraph_t g;
         if (cudaStreamEndCapture(b->st, &g) == cudaSuccess)
@@ -1603,6 +1839,44 @@ static int cuda_experts(struct moe_backend *bb, int l)
     return 0;
 }
 
+/* Every layer of a one-token step in the fused kernel (fused.cuh), when fused_setup() found
+ * the model and configuration fit for it. */
+static int cuda_layers(struct moe_backend *bb)
+{
+    struct cuda_backend *b = (struct cuda_backend *)bb;
+    if (!b->fused || b->n != 1)
+        return 0;
+    if (b->mode == MODE_REPLAY)
+        return 1;
+    mark(b, "layers");
+    LAUNCH(b, "fused layers",
+           moe_cuda_fused_launch(&b->fargs, b->fused_blocks, b->fused_per_sm, b->fused_smem,
+                                 b->fused_coop, b->st));
+    return 1;
+}
+
+/* MOE_CUDA_FUSED_TIMING: the phase stamps of the step that just ran, added up (the step has
+ * synchronised). */
+static void fused_collect(struct cuda_backend *b)
+{
+    if (!b->fused_timing || b->n != 1)
+        return;
+    const size_t n = (size_t)b->d.L * FUSED_NPH + 1;
+    if (cudaMemcpy(b->h_fused_timing, b->fused_timing, sizeof(uint64_t) * n,
+                   cudaMemcpyDeviceToHost) != cudaSuccess)
+        return;
+    uint64_t prev = b->h_fused_timing[n - 1];
+    for (int64_t l = 0; l < b->d.L; l++)
+        for (int p = 0; p < FUSED_NPH; p++) {
+            const uint64_t t = b->h_fused_timing[l * FUSED_NPH + p];
+            if (!t)
+                continue; /* a phase that ends with the next one */
+            b->fused_ph_ns[p] += (double)(t - prev);
+            prev = t;
+        }
+    b->fused_steps++;
+}
+
 /* Output norm and head for rows [r0, r0+cnt) of out_row into b->logits. */
 static int head_rows(struct cuda_backend *b, int64_t r0, int64_t cnt)
 {
@@ -1698,6 +1972,7 @@ static int cuda_end(struct moe_backend *bb, float *out, int32_t *tokens)
         if (out)
             memcpy(out, b->h_logits, sizeof(float) * (size_t)b->d.V * (size_t)b->n_out);
         prof_collect(b);
+        fused_collect(b);
         return 0;
     }
     if (b->n_out && !out)
@@ -1718,6 +1993,7 @@ static int cuda_end(struct moe_backend *bb, float *out, int32_t *tokens)
     }
     CU(b, cudaStreamSynchronize(b->st));
     prof_collect(b);
+    fused_collect(b);
     return 0;
 }
 
@@ -1984,4 +2260,5 @@ extern "C" const struct moe_backend_vt moe_backend_cuda = {
     cuda_info,
     cuda_offload_stats,
     cuda_set_hot,
+    cuda_layers,
 };

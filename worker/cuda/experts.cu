@@ -22,80 +22,9 @@ extern "C" {
 #include "worker/cuda/qdot.cuh"
 
 
-static __device__ __forceinline__ float silu_f(float g)
-{
-    return g / (1.0f + expf(-g));
-}
+#include "worker/cuda/experts_dev.cuh"
 
-/* RW rows' dot products with T inputs x[i], complete in every lane: the weights are loaded and
- * decoded once for all T (the compiler shares them between the unrolled calls), with the same
- * float operations per (row, input) as for one input. The plain types' decoders take one row at
- * a time, so their rows are walked one after the other. */
-template <int K, int RW, int T>
-static __device__ __forceinline__ void row_dots_multi(const uint8_t *const *rowp,
-                                                      unsigned block_bytes, int nu,
-                                                      const float *const *x, float (*acc)[RW])
-{
-    constexpr int PB = unit_shape<K>::per_block, BL = unit_shape<K>::blck;
-    if constexpr (rows_per_warp<K>() == 1 && RW > 1) {
-        UNROLL
-        for (int r = 0; r < RW; r++) {
-            float a1[T][1];
-            row_dots_multi<K, 1, T>(rowp + r, block_bytes, nu, x, a1);
-            UNROLL
-            for (int i = 0; i < T; i++)
-                acc[i][r] = a1[i][0];
-        }
-    } else {
-        const int lane = threadIdx.x & 31;
-        UNROLL
-        for (int i = 0; i < T; i++)
-            UNROLL
-            for (int r = 0; r < RW; r++)
-                acc[i][r] = 0.0f;
-#pragma unroll(RW >= 2 || T > 1 ? 1 : 2)
-        for (int u = lane; u < nu; u += 32) {
-            const unsigned bi = (unsigned)u / PB;
-            const uint8_t *bs[RW];
-            UNROLL
-            for (int r = 0; r < RW; r++)
-                bs[r] = rowp[r] + (size_t)bi * block_bytes;
-            UNROLL
-            for (int i = 0; i < T; i++)
-                unit_dot<K, RW>(bs, (int)((unsigned)u % PB), x[i] + (size_t)bi * BL, acc[i]);
-        }
-        UNROLL
-        for (int i = 0; i < T; i++)
-            UNROLL
-            for (int r = 0; r < RW; r++)
-                UNROLL
-                for (int o = 16; o > 0; o >>= 1)
-                    acc[i][r] += __shfl_xor_sync(0xffffffffu, acc[i][r], o);
-    }
-}
-
-template <int K, int RW>
-static __device__ __forceinline__ void row_dots(const uint8_t *const *rowp, unsigned block_bytes,
-                                                int nu, const float *__restrict__ x, float *acc)
-{
-    float a1[1][RW];
-    const float *xs[1] = {x};
-    row_dots_multi<K, RW, 1>(rowp, block_bytes, nu, xs, a1);
-    UNROLL
-    for (int r = 0; r < RW; r++)
-        acc[r] = a1[0][r];
-}
-
-/* Rows per warp and warps per block of the expert kernels. A warp walks GU_ROWS rows of gate and
- * the same rows of up (2·GU_ROWS dot products sharing each x load), so every lane has several
- * independent loads in flight; a layer's gate/up for one token is one wave of blocks. */
-#define GU_ROWS 4
-#define GU_WARPS 4
-/* Slots of one expert taken together by the grouped kernels (weights decoded once for them). */
-#define GROUP_T 4
-/* Rows per warp in the grouped gate/up (fewer than GU_ROWS: GROUP_T inputs share registers). */
-#define GUG_ROWS 2
-
+/* mode 0: act = silu(gate)·up (gate, up same type K); mode 1: out = W·x for table a only. */
 /* mode 0: act = silu(gate)·up (gate, up same type K); mode 1: out = W·x for table a only. */
 template <int K, int MODE>
 static __global__ void __launch_bounds__(32 * GU_WARPS)
@@ -114,24 +43,8 @@ gate_up_kernel(const uint8_t *const *__restrict__ ga, const uint8_t *const *__re
     const int e = sel_e[slot];
     if (etype && etype[e] != want)
         return; /* another pass computes this expert (a layer of mixed types) */
-    const float *xt = x + (slot / kuse) * ldx;
-    constexpr int M = MODE == 0 ? 2 : 1; /* matrices */
-    const uint8_t *rowp[M * GU_ROWS];
-    const uint8_t *base[2] = {ga[e], MODE == 0 ? ua[e] : ga[e]};
-#pragma unroll
-    for (int r = 0; r < GU_ROWS; r++) {
-        const int64_t row = r0 + r < ff ? r0 + r : r0; /* past the end: recompute r0, unstored */
-#pragma unroll
-        for (int m = 0; m < M; m++)
-            rowp[M * r + m] = base[m] + (size_t)row * row_bytes;
-    }
-    float acc[M * GU_ROWS];
-    row_dots<K, M * GU_ROWS>(rowp, block_bytes, nu, xt, acc);
-    const int lane = threadIdx.x & 31;
-#pragma unroll
-    for (int r = 0; r < GU_ROWS; r++)
-        if (lane == r && r0 + r < ff)
-            out[slot * ldo + r0 + r] = MODE == 0 ? silu_f(acc[2 * r]) * acc[2 * r + 1] : acc[r];
+    gate_up_warp<K, MODE>(ga[e], MODE == 0 ? ua[e] : ga[e], row_bytes, block_bytes, nu, ff,
+                          x + (slot / kuse) * ldx, r0, out + slot * ldo);
 }
 
 static __global__ void swiglu_kernel(const float *__restrict__ g, const float *__restrict__ u,
@@ -145,12 +58,7 @@ static __global__ void swiglu_kernel(const float *__restrict__ g, const float *_
 }
 
 
-/* Two rows of one token per block, one warp per expert (j = warp, warp + DOWN_WARPS, ...). */
-#define DOWN_WARPS 8
-#define DOWN_ROWS 16
-
-/* DOWN_ROWS rows of one token per block, one warp per expert (j = warp, warp + DOWN_WARPS, ...),
- * each warp computing all the rows of its expert (half of them at a time). */
+/* DOWN_ROWS rows of one token per block (down_block, experts_dev.cuh). */
 template <int K>
 static __global__ void __launch_bounds__(32 * DOWN_WARPS)
 down_kernel(const uint8_t *const *__restrict__ da, size_t row_bytes, unsigned block_bytes, int nu,
@@ -161,36 +69,10 @@ down_kernel(const uint8_t *const *__restrict__ da, size_t row_bytes, unsigned bl
     pdl_trigger();
     pdl_wait();
     extern __shared__ float part[]; /* [kuse][DOWN_ROWS] */
-    constexpr int HALF = DOWN_ROWS / 2;
-    const int w = threadIdx.x >> 5, nw = blockDim.x >> 5, lane = threadIdx.x & 31;
-    const int64_t r0 = (int64_t)blockIdx.x * DOWN_ROWS;
     const int64_t t = blockIdx.y;
-    for (int j = w; j < kuse; j += nw) {
-        const int64_t slot = t * kuse + j;
-        const uint8_t *base = da[sel_e[slot]];
-#pragma unroll
-        for (int hf = 0; hf < 2; hf++) {
-            const uint8_t *rowp[HALF];
-#pragma unroll
-            for (int r = 0; r < HALF; r++) {
-                const int64_t row = r0 + hf * HALF + r;
-                rowp[r] = base + (size_t)(row < E ? row : r0) * row_bytes;
-            }
-            float acc[HALF];
-            row_dots<K, HALF>(rowp, block_bytes, nu, act + slot * ldact, acc);
-#pragma unroll
-            for (int r = 0; r < HALF; r++)
-                if (lane == r)
-                    part[j * DOWN_ROWS + hf * HALF + r] = acc[r];
-        }
-    }
-    __syncthreads();
-    if (threadIdx.x < DOWN_ROWS && r0 + threadIdx.x < E) {
-        float tot = 0.0f;
-        for (int j = 0; j < kuse; j++)
-            tot += sel_w[t * kuse + j] * part[j * DOWN_ROWS + threadIdx.x];
-        h[t * ldh + r0 + threadIdx.x] += tot;
-    }
+    down_block<K>(da, row_bytes, block_bytes, nu, E, act + t * kuse * ldact, ldact, kuse,
+                  sel_e + t * kuse, sel_w + t * kuse, h + t * ldh, (int64_t)blockIdx.x * DOWN_ROWS,
+                  part);
 }
 
 /* ---------------------------------------------------------------- grouped by expert */
@@ -432,13 +314,6 @@ static __global__ void combine_kernel(const float *__restrict__ dout, int64_t ld
     }
 }
 
-/* The stored type of a kind (the vector kinds read plain types 16 bytes at a time). */
-static constexpr uint32_t base_type(int K)
-{
-    return K == KIND_F32_V ? MOE_TYPE_F32 : K == KIND_F16_V ? MOE_TYPE_F16
-                                          : K == KIND_BF16_V ? MOE_TYPE_BF16 : (uint32_t)K;
-}
-
 /* Expert rows are 16-byte aligned when the row length allows it (the backend aligns every
  * expert to 256 bytes), so the plain types use their vector kinds then. */
 #define PLAIN_CASES(CASE, type, n)                                                          \
@@ -448,7 +323,7 @@ static constexpr uint32_t base_type(int K)
 
 template <int K> static unsigned blk_bytes(int64_t n, size_t *row_bytes, int *nu)
 {
-    *row_bytes = moe_row_bytes(base_type(K), n);
+    *row_bytes = moe_row_bytes(kind_type(K), n);
     const int64_t nb = n / unit_shape<K>::blck;
     *nu = (int)(nb * unit_shape<K>::per_block);
     return (unsigned)(*row_bytes / (size_t)nb);
@@ -467,7 +342,7 @@ static int launch_gate_up(const void *const *a, const void *const *b, int64_t n,
     dim3 g((unsigned)((ff + per - 1) / per), (unsigned)(n_tok * kuse));
     MOE_CUDA_TRY(moe_launch(gate_up_kernel<K, MODE>, g, dim3(32 * GU_WARPS), 0, s,
                             (const uint8_t *const *)a, (const uint8_t *const *)b, rb, bb, nu, ff, x,
-                            ldx, kuse, sel_e, out, ldo, etype, (int)base_type(K)));
+                            ldx, kuse, sel_e, out, ldo, etype, (int)kind_type(K)));
     return 0;
 }
 
@@ -599,7 +474,7 @@ static int launch_down_grouped(const void *const *d, int64_t ff, int64_t E, cons
                             (const uint8_t *const *)d, rb, bb, nu, E, act, ldact,
                             (const int32_t *)gr->ex_off, (const int32_t *)gr->slot_list,
                             (const int32_t *)gr->act_list, (const int32_t *)gr->n_active, dout,
-                            ldd, etype, (int)base_type(K)));
+                            ldd, etype, (int)kind_type(K)));
     return 0;
 }
 

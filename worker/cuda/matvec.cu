@@ -33,7 +33,7 @@ extern "C" {
 }
 #include "worker/cuda/cuda_check.cuh"
 #include "worker/cuda/launch.cuh"
-#include "worker/cuda/qdot.cuh"
+#include "worker/cuda/mv_warp.cuh"
 
 #define ROWS_PER_BLOCK 4
 #define THREADS (32 * ROWS_PER_BLOCK)
@@ -69,7 +69,6 @@ template <int K, int T>
 static __global__ void __launch_bounds__(THREADS)
 matvec_kernel(const mv_args a, int64_t n_tok)
 {
-    constexpr int PB = unit_shape<K>::per_block, BL = unit_shape<K>::blck;
     constexpr int RW = rows_per_warp<K>();
     const int lane = threadIdx.x & 31;
     int g = 0;
@@ -97,33 +96,7 @@ matvec_kernel(const mv_args a, int64_t n_tok)
     for (int i = 0; i < T; i++)
         xt[i] = a.x + (t0 + i < n_tok ? t0 + i : t0) * a.ldx;
     float acc[T][RW];
-    UNROLL
-    for (int i = 0; i < T; i++)
-        UNROLL
-        for (int r = 0; r < RW; r++)
-            acc[i][r] = 0.0f;
-    /* With one token and one row per warp the loop is unrolled twice, so that each lane has two
-     * units' loads in flight; two rows or several tokens already do that. */
-#ifdef __CUDA_ARCH__
-#pragma unroll(T == 1 ? 3 - RW : 1)
-#endif
-    for (int u = lane; u < a.nu; u += 32) {
-        const unsigned bi = (unsigned)u / PB;
-        const uint8_t *bs[RW];
-        UNROLL
-        for (int r = 0; r < RW; r++)
-            bs[r] = w0 + r * rs + (size_t)bi * a.block_bytes;
-        UNROLL
-        for (int i = 0; i < T; i++)
-            unit_dot<K, RW>(bs, (int)((unsigned)u % PB), xt[i] + (size_t)bi * BL, acc[i]);
-    }
-    UNROLL
-    for (int i = 0; i < T; i++)
-        UNROLL
-        for (int r = 0; r < RW; r++)
-            UNROLL
-            for (int o = 16; o > 0; o >>= 1)
-                acc[i][r] += __shfl_xor_sync(0xffffffffu, acc[i][r], o);
+    mv_warp<K, T>(w0, rs, a.block_bytes, a.nu, xt, acc);
     if (lane == 0) {
         UNROLL
         for (int i = 0; i < T; i++) {
@@ -141,13 +114,6 @@ matvec_kernel(const mv_args a, int64_t n_tok)
             }
         }
     }
-}
-
-/* The stored type of a kind. */
-static constexpr uint32_t kind_type(int K)
-{
-    return K == KIND_F32_V ? MOE_TYPE_F32 : K == KIND_F16_V ? MOE_TYPE_F16
-                                          : K == KIND_BF16_V ? MOE_TYPE_BF16 : (uint32_t)K;
 }
 
 template <int K>

@@ -348,6 +348,13 @@ template <int K> __host__ __device__ constexpr int rows_per_warp()
 }
 
 
+/* The stored type of a kind (the vector kinds read plain types 16 bytes at a time). */
+static constexpr uint32_t kind_type(int K)
+{
+    return K == KIND_F32_V ? MOE_TYPE_F32 : K == KIND_F16_V ? MOE_TYPE_F16
+                                          : K == KIND_BF16_V ? MOE_TYPE_BF16 : (uint32_t)K;
+}
+
 /* The quantized types unit_dot decodes, as X(type) for each: the cases of a switch that
  * instantiates a template per type. */
 #define MOE_QDOT_TYPES(X)                                                                  \

@@ -1,0 +1,491 @@
+/* Device bodies of the small ops (ops.cu): RMSNorm's sum of squares, q/k-norm + RoPE + KV store,
+ * decode attention, routing. The per-op kernels of ops.cu and the fused decode kernel (fused.cu)
+ * both call these, so a value is computed with the same float operations whichever runs it:
+ * what keeps the fused step bit-identical to the op-by-op one. A body takes the indices a
+ * kernel would read from blockIdx (and, where a body spans several warps, its thread index in
+ * its group and the barrier of the group), never the launch geometry. */
+#ifndef MOE_CUDA_OPS_DEV_CUH
+#define MOE_CUDA_OPS_DEV_CUH
+
+#include <math.h>
+#include <stdint.h>
+
+#include <cuda_fp16.h>
+
+#include "worker/cuda/ops.cuh"
+
+/* Elements a lane holds of one head vector: head dims up to 32 · MAXD_LANE. */
+#define MAXD_LANE 16
+#define ATT_WARPS 4
+#define ATT_ILP 4
+#define ATT_CHUNK 32
+#define ROUTE_WARPS 4
+
+static __device__ __forceinline__ float warp_sum(float v)
+{
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1)
+        v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+static __device__ __forceinline__ float warp_max(float v)
+{
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1)
+        v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+/* (value, index) argmax where a candidate is valid when idx >= 0. better(): valid beats invalid,
+ * the larger value wins, the lower index wins ties. */
+struct vi {
+    float v;
+    int i;
+};
+
+static __device__ __forceinline__ bool better(vi a, vi b)
+{
+    if (a.i < 0)
+        return false;
+    if (b.i < 0)
+        return true;
+    return a.v > b.v || (a.v == b.v && a.i < b.i);
+}
+
+/* ---------------------------------------------------------------- RMSNorm */
+
+/* Σ x[i]² over a row, by one warp in a fixed order (lane-strided, four elements at a time when
+ * the row allows 16-byte loads, then a shuffle tree); every lane gets it. */
+static __device__ __forceinline__ float row_ss_warp(const float *x, int64_t width)
+{
+    const int lane = threadIdx.x & 31;
+    float ss = 0.0f;
+    if (width % 4 == 0 && ((uintptr_t)x & 15) == 0) {
+        const float4 *x4 = (const float4 *)x;
+        const int64_t n4 = width / 4;
+#pragma unroll 8
+        for (int64_t i = lane; i < n4; i += 32) {
+            const float4 v = x4[i];
+            ss += v.x * v.x;
+            ss += v.y * v.y;
+            ss += v.z * v.z;
+            ss += v.w * v.w;
+        }
+    } else {
+#pragma unroll 8
+        for (int64_t i = lane; i < width; i += 32)
+            ss += x[i] * x[i];
+    }
+    return warp_sum(ss);
+}
+
+/* The scale of a row: 1 / sqrt(mean(x²) + eps). */
+static __device__ __forceinline__ float rms_scale(float ss, int64_t width, float eps)
+{
+    return 1.0f / sqrtf(ss / (float)width + eps);
+}
+
+/* ---------------------------------------------------------------- q/k norm, RoPE, KV store */
+
+template <bool F32>
+static __device__ __forceinline__ void kv_put(void *base, size_t idx, float v)
+{
+    if constexpr (F32)
+        ((float *)base)[idx] = v;
+    else
+        ((__half *)base)[idx] = __float2half_rn(v);
+}
+
+template <bool F32>
+static __device__ __forceinline__ float kv_get(const void *base, size_t idx)
+{
+    if constexpr (F32)
+        return ((const float *)base)[idx];
+    else
+        return __half2float(((const __half *)base)[idx]);
+}
+
+/* Head hi of token t, by one warp: query heads 0..H-1, then key heads (which also store v).
+ * row: hd floats of shared memory for this warp. */
+template <bool F32>
+static __device__ __forceinline__ void qk_rope_kv_warp(float *q, int64_t ldq, float *k, int64_t ldk,
+                                                       const float *v, int64_t ldv,
+                                                       const float *qn, const float *kn,
+                                                       const float *rope, const int32_t *pos,
+                                                       const int32_t *seq, const moe_cuda_kv &kv,
+                                                       int layer, int64_t H, float eps, int64_t t,
+                                                       int64_t hi, float *row)
+{
+    const int lane = threadIdx.x & 31;
+    const int64_t hd = kv.hd, half = hd / 2;
+    const bool isq = hi < H;
+    float *vec = isq ? q + t * ldq + hi * hd : k + t * ldk + (hi - H) * hd;
+    const float *nw = isq ? qn : kn;
+    float ss = 0.0f;
+    for (int64_t i = lane; i < hd; i += 32) {
+        float x = vec[i];
+        row[i] = x;
+        ss += x * x;
+    }
+    ss = warp_sum(ss);
+    const float sc = 1.0f / sqrtf(ss / (float)hd + eps);
+    __syncwarp();
+    const float *cs = rope + t * hd;
+    size_t cell = 0;
+    if (!isq) {
+        const int64_t kvh = hi - H;
+        cell = ((((size_t)layer * kv.n_seq + (size_t)seq[t]) * kv.Hkv + (size_t)kvh) * kv.n_ctx +
+                (size_t)pos[t]);
+    }
+    for (int64_t i = lane; i < half; i += 32) {
+        float a = row[i] * sc * nw[i], b = row[i + half] * sc * nw[i + half];
+        float c = cs[2 * i], sn = cs[2 * i + 1];
+        float o0 = a * c - b * sn, o1 = a * sn + b * c;
+        vec[i] = o0;
+        vec[i + half] = o1;
+        if (!isq) {
+            kv_put<F32>(kv.k, cell * hd + i, o0);
+            kv_put<F32>(kv.k, cell * hd + i + half, o1);
+        }
+    }
+    if (!isq) {
+        const float *vr = v + t * ldv + (hi - H) * kv.hdv;
+        for (int64_t i = lane; i < kv.hdv; i += 32)
+            kv_put<F32>(kv.v, cell * kv.hdv + i, vr[i]);
+    }
+    __syncwarp();
+}
+
+/* ---------------------------------------------------------------- attention */
+
+/* Barriers of a group of ATT_WARPS warps: a whole block, or one of the halves of a block of
+ * 2·ATT_WARPS warps (named barriers 1 and 2). */
+struct att_sync_block {
+    __device__ __forceinline__ void operator()() const { __syncthreads(); }
+};
+struct att_sync_named {
+    int id;
+    __device__ __forceinline__ void operator()() const
+    {
+        asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(32 * ATT_WARPS) : "memory");
+    }
+};
+
+/* The shared memory of one attention group. */
+struct att_smem {
+    float m[ATT_WARPS], l[ATT_WARPS], w[ATT_MAX_SPLITS], gl;
+    int last;
+};
+
+/* Decode attention (flash-decoding) of head h, token t, split group z of Z, by ATT_WARPS warps
+ * (tid: the thread's index in the group, 0..32·ATT_WARPS-1; sync: the group's barrier;
+ * acc: ATT_WARPS·hdv floats of shared memory). A token's positions 0..len-1 are cut into splits
+ * of C positions, C = max(ATT_CHUNK, ceil(len / ATT_MAX_SPLITS)): the cut depends on len alone,
+ * never on the step. The group computes splits z, z + Z, ...: each warp walks every
+ * ATT_WARPS-th group of ATT_ILP positions of the split with an online softmax (running max m,
+ * sum l, unnormalised output in registers, a lane holding elements lane + 32·i; the values of a
+ * group are loaded with its keys, before the scores are known), the warps are merged into the
+ * split's partial result ([hdv] unnormalised, m, l). The group that completes the last split of
+ * a (token, head) (a counter per pair, reset by that group for the next step) merges the
+ * partials in split order. A token with one split writes its output directly. Every float
+ * operation of a token is the same whatever Z and whatever else is in the step. split 0: the
+ * whole range is one split (prompt steps). */
+template <bool F32, int EL, class Sync>
+static __device__ __forceinline__ void
+attn_split_body(const float *q, int64_t ldq, const int32_t *pos, const int32_t *seq,
+                const moe_cuda_kv &kv, int layer, int64_t H, float scale, int split, float *part,
+                unsigned *done, float *out, int64_t ldo, int64_t h, int64_t t, int z, int Z,
+                int tid, att_smem *sm, float *sm_acc, Sync sync)
+{
+    constexpr int NT = 32 * ATT_WARPS;
+    const int lane = tid & 31, w = tid >> 5;
+    const int64_t hd = kv.hd, hdv = kv.hdv, group = H / kv.Hkv, kvh = h / group;
+    const int64_t len = (int64_t)pos[t] + 1;
+    int64_t C = (len + ATT_MAX_SPLITS - 1) / ATT_MAX_SPLITS;
+    if (C < ATT_CHUNK)
+        C = ATT_CHUNK;
+    if (!split)
+        C = len;
+    const int ns = (int)((len + C - 1) / C);
+    if (z >= ns)
+        return;
+    const size_t row0 = (((size_t)layer * kv.n_seq + (size_t)seq[t]) * kv.Hkv + (size_t)kvh) *
+                        kv.n_ctx;
+    float qv[EL];
+#pragma unroll
+    for (int i = 0; i < EL; i++) {
+        int64_t e = lane + 32 * i;
+        qv[i] = e < hd ? q[t * ldq + h * hd + e] * scale : 0.0f;
+    }
+    float *pp = part + (t * H + h) * ATT_MAX_SPLITS * (hdv + 2);
+    int mine = 0;
+    for (int sp = z; sp < ns; sp += Z, mine++) {
+        const int64_t p0 = (int64_t)sp * C, p1 = p0 + C < len ? p0 + C : len;
+        float acc[EL];
+#pragma unroll
+        for (int i = 0; i < EL; i++)
+            acc[i] = 0.0f;
+        float m = -INFINITY, l = 0.0f;
+        for (int64_t pb = p0 + (int64_t)w * ATT_ILP; pb < p1; pb += ATT_WARPS * ATT_ILP) {
+            float sd[ATT_ILP], vv[ATT_ILP][EL];
+#pragma unroll
+            for (int c = 0; c < ATT_ILP; c++) {
+                const int64_t p = pb + c < p1 ? pb + c : pb;
+                const size_t kr = (row0 + (size_t)p) * hd, vr = (row0 + (size_t)p) * hdv;
+                float d = 0.0f;
+#pragma unroll
+                for (int i = 0; i < EL; i++) {
+                    int64_t e = lane + 32 * i;
+                    if (e < hd)
+                        d += qv[i] * kv_get<F32>(kv.k, kr + e);
+                    vv[c][i] = e < hdv ? kv_get<F32>(kv.v, vr + e) : 0.0f;
+                }
+                sd[c] = d;
+            }
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1)
+#pragma unroll
+                for (int c = 0; c < ATT_ILP; c++)
+                    sd[c] += __shfl_xor_sync(0xffffffffu, sd[c], o);
+            float mn = m;
+#pragma unroll
+            for (int c = 0; c < ATT_ILP; c++)
+                if (pb + c < p1)
+                    mn = fmaxf(mn, sd[c]);
+            const float corr = __expf(m - mn);
+            float pe[ATT_ILP];
+#pragma unroll
+            for (int c = 0; c < ATT_ILP; c++)
+                pe[c] = pb + c < p1 ? __expf(sd[c] - mn) : 0.0f;
+            l *= corr;
+#pragma unroll
+            for (int c = 0; c < ATT_ILP; c++)
+                l += pe[c];
+#pragma unroll
+            for (int i = 0; i < EL; i++) {
+                float a = acc[i] * corr;
+#pragma unroll
+                for (int c = 0; c < ATT_ILP; c++)
+                    a += pe[c] * vv[c][i];
+                acc[i] = a;
+            }
+            m = mn;
+        }
+        sync(); /* the previous split's merge is done with the shared arrays */
+        if (lane == 0) {
+            sm->m[w] = m;
+            sm->l[w] = l;
+        }
+#pragma unroll
+        for (int i = 0; i < EL; i++) {
+            int64_t e = lane + 32 * i;
+            if (e < hdv)
+                sm_acc[w * hdv + e] = acc[i];
+        }
+        sync();
+        float M = -INFINITY;
+        for (int j = 0; j < ATT_WARPS; j++)
+            M = fmaxf(M, sm->m[j]);
+        float L = 0.0f;
+        for (int j = 0; j < ATT_WARPS; j++)
+            if (sm->m[j] != -INFINITY)
+                L += sm->l[j] * __expf(sm->m[j] - M);
+        if (ns == 1) {
+            const float inv = 1.0f / L;
+            for (int64_t e = tid; e < hdv; e += NT) {
+                float o = 0.0f;
+                for (int j = 0; j < ATT_WARPS; j++)
+                    if (sm->m[j] != -INFINITY)
+                        o += sm_acc[j * hdv + e] * __expf(sm->m[j] - M);
+                out[t * ldo + h * hdv + e] = o * inv;
+            }
+            sync(); /* the shared arrays are free for the group's next use */
+            return;
+        }
+        float *ps = pp + sp * (hdv + 2);
+        for (int64_t e = tid; e < hdv; e += NT) {
+            float o = 0.0f;
+            for (int j = 0; j < ATT_WARPS; j++)
+                if (sm->m[j] != -INFINITY)
+                    o += sm_acc[j * hdv + e] * __expf(sm->m[j] - M);
+            ps[e] = o;
+        }
+        if (tid == 0) {
+            ps[hdv] = M;
+            ps[hdv + 1] = L;
+        }
+    }
+    /* Publish the partials, then count this group's splits in. */
+    __threadfence();
+    sync();
+    if (tid == 0) {
+        unsigned prev = atomicAdd(&done[t * H + h], (unsigned)mine);
+        sm->last = prev + (unsigned)mine == (unsigned)ns;
+    }
+    sync();
+    if (!sm->last)
+        return;
+    __threadfence();
+    /* The merge: split weights by one warp (ns <= ATT_MAX_SPLITS = 64), then every output
+     * element summed over the splits in split order. */
+    if (w == 0) {
+        float ms[ATT_MAX_SPLITS / 32], ls[ATT_MAX_SPLITS / 32];
+        float gm = -INFINITY;
+#pragma unroll
+        for (int i = 0; i < ATT_MAX_SPLITS / 32; i++) {
+            const int s2 = lane + 32 * i;
+            ms[i] = s2 < ns ? __ldcg(pp + s2 * (hdv + 2) + hdv) : -INFINITY;
+            ls[i] = s2 < ns ? __ldcg(pp + s2 * (hdv + 2) + hdv + 1) : 0.0f;
+            gm = fmaxf(gm, ms[i]);
+        }
+        gm = warp_max(gm);
+        float gl = 0.0f;
+#pragma unroll
+        for (int i = 0; i < ATT_MAX_SPLITS / 32; i++) {
+            const int s2 = lane + 32 * i;
+            const float wt = ms[i] != -INFINITY ? __expf(ms[i] - gm) : 0.0f;
+            if (s2 < ns)
+                sm->w[s2] = wt;
+            gl += ls[i] * wt;
+        }
+        gl = warp_sum(gl);
+        if (lane == 0)
+            sm->gl = gl;
+    }
+    sync();
+    const float inv = 1.0f / sm->gl;
+    for (int64_t e = tid; e < hdv; e += NT) {
+        float o = 0.0f;
+        int s2 = 0;
+        for (; s2 + 8 <= ns; s2 += 8) {
+            float v[8];
+#pragma unroll
+            for (int j = 0; j < 8; j++)
+                v[j] = __ldcg(pp + (s2 + j) * (hdv + 2) + e);
+#pragma unroll
+            for (int j = 0; j < 8; j++)
+                o += v[j] * sm->w[s2 + j];
+        }
+        for (; s2 < ns; s2++)
+            o += __ldcg(pp + s2 * (hdv + 2) + e) * sm->w[s2];
+        out[t * ldo + h * hdv + e] = o * inv;
+    }
+    if (tid == 0)
+        done[t * H + h] = 0;
+    sync(); /* the shared arrays are free for the group's next use */
+}
+
+/* ---------------------------------------------------------------- routing */
+
+/* One warp routes one token: logits row r (nexp values) → sel_e / sel_w [k] (any memory this
+ * warp may write; renormalised in place), counts[e] incremented for each choice when counts is
+ * not NULL.
+ * p: nexp floats of shared memory. The CPU's rule for the top-k scan (lowest index first): the
+ * best is replaced by a larger probability, or whenever the best so far is NaN. So among the
+ * untaken experts a non-NaN maximum (lowest index on ties) wins; when all are NaN, the last one.
+ * Sums in double, as on the CPU. */
+/* The softmax of route_warp: logits row r into p as probabilities. */
+static __device__ __forceinline__ void route_softmax_warp(const float *r, int ne, float *p)
+{
+    const int lane = threadIdx.x & 31;
+    /* The row into shared memory, its loads issued together. */
+#pragma unroll 8
+    for (int x = lane; x < ne; x += 32)
+        p[x] = r[x];
+    __syncwarp();
+    float mx = -INFINITY;
+    for (int x = lane; x < ne; x += 32)
+        mx = fmaxf(mx, p[x]);
+    mx = warp_max(mx);
+    double z = 0.0;
+    for (int x = lane; x < ne; x += 32) {
+        float e = expf(p[x] - mx);
+        p[x] = e;
+        z += e;
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1)
+        z += __shfl_xor_sync(0xffffffffu, z, o);
+    for (int x = lane; x < ne; x += 32)
+        p[x] = (float)(p[x] / z);
+    __syncwarp();
+}
+
+/* The top-k of route_warp over the probabilities p (route_softmax_warp), which it consumes. */
+static __device__ __forceinline__ void route_topk_warp(int ne, int k, bool norm_topk,
+                                                       int32_t *sel_e, float *sel_w,
+                                                       unsigned long long *counts, float *p)
+{
+    const int lane = threadIdx.x & 31;
+    /* Taken experts are marked in shared memory by setting their probability to a sentinel
+     * that no softmax output equals (-1); the chosen values are kept in lane registers. */
+    double wsum = 0.0;
+    float chosen_w = 0.0f;
+    int chosen_e = 0;
+    for (int j = 0; j < k; j++) {
+        vi best = {0.0f, -1};
+        int last_nan = -1;
+        for (int x = lane; x < ne; x += 32) {
+            float v = p[x];
+            if (v == -1.0f)
+                continue;
+            if (isnan(v)) {
+                last_nan = (int)x;
+                continue;
+            }
+            vi c = {v, (int)x};
+            if (better(c, best))
+                best = c;
+        }
+        /* The warp's best: probabilities are >= +0 or NaN (never negative), so for the valid
+         * ones the float bits order as the values; the largest bits, then the lowest index
+         * among the lanes that hold them (two warp reductions). */
+        const unsigned key = best.i >= 0 ? __float_as_uint(best.v) + 1u : 0u;
+        const unsigned mk = __reduce_max_sync(0xffffffffu, key);
+        if (mk) {
+            best.i = (int)__reduce_min_sync(0xffffffffu, key == mk ? (unsigned)best.i : ~0u);
+            best.v = __uint_as_float(mk - 1u);
+        } else {
+            best.i = (int)__reduce_max_sync(0xffffffffu, (unsigned)(last_nan + 1)) - 1;
+            best.v = p[best.i];
+        }
+        __syncwarp();
+        if (lane == 0)
+            p[best.i] = -1.0f;
+        if (lane == (j & 31)) {
+            chosen_w = best.v;
+            chosen_e = best.i;
+        }
+        __syncwarp();
+        wsum += best.v;
+        if ((j & 31) == 31 || j == k - 1) {
+            /* Lanes 0..(j & 31) hold choices j & ~31 .. j. */
+            int base = j & ~31;
+            if (lane <= (j & 31)) {
+                sel_e[base + lane] = chosen_e;
+                sel_w[base + lane] = chosen_w;
+            }
+        }
+    }
+    __syncwarp();
+    if (norm_topk && wsum > 0.0)
+        for (int j = lane; j < k; j += 32)
+            sel_w[j] = (float)(sel_w[j] / wsum);
+    /* The counters, all choices at once (lane j & 31 wrote choice j): integer adds, so their
+     * order does not matter, and one round trip instead of one per choice. */
+    if (counts)
+        for (int j = lane; j < k; j += 32)
+            atomicAdd(&counts[sel_e[j]], 1ull);
+    __syncwarp();
+}
+
+static __device__ __forceinline__ void route_warp(const float *r, int ne, int k, bool norm_topk,
+                                                  int32_t *sel_e, float *sel_w,
+                                                  unsigned long long *counts, float *p)
+{
+    route_softmax_warp(r, ne, p);
+    route_topk_warp(ne, k, norm_topk, sel_e, sel_w, counts, p);
+}
+
+#endif
