@@ -447,6 +447,62 @@ TEST_TIMEOUT(cuda_fused_step_equals_op_by_op, 600)
     CHECK_MSG(fused_models >= 4, "only %d models ran the fused step", fused_models);
 }
 
+/* Expert slots grouped by expert (MOE_CUDA_GROUP_MIN=1: every step of several tokens groups)
+ * give the floats of the per-slot kernels bit for bit: 40- and 100-token prompts and decode
+ * batches of 4 sequences, CUDA-core kernels only (MOE_CUDA_GEMM=0) so that prompts group too. */
+TEST_TIMEOUT(cuda_grouped_experts_equal_per_slot, 600)
+{
+    need_gpu();
+    for (size_t mi = 0; mi < N_MODELS; mi++) {
+        struct test_model tm;
+        test_model_open(&tm, MODELS[mi]);
+        const struct moe_model *m = &tm.m;
+        const int64_t V = m->hp.n_vocab;
+        setenv("MOE_CUDA_GEMM", "0", 1);
+        setenv("MOE_CUDA_GROUP_MIN", "1", 1);
+        struct moe_engine *g = engine_on(m, "cuda:0", 160, 4, 0, false);
+        setenv("MOE_CUDA_GROUP_MIN", "1000000", 1);
+        struct moe_engine *p = engine_on(m, "cuda:0", 160, 4, 0, false);
+        unsetenv("MOE_CUDA_GROUP_MIN");
+        unsetenv("MOE_CUDA_GEMM");
+        const uint32_t plen[4] = {40, 100, 17, 63};
+        float *lg = malloc(sizeof(float) * 100 * (size_t)V);
+        float *lp = malloc(sizeof(float) * 100 * (size_t)V);
+        int32_t *prompt = malloc(sizeof(int32_t) * 100);
+        CHECK(lg && lp && prompt);
+        moe_test_rng_seed(91 + mi);
+        int32_t last[4];
+        size_t diff = 0;
+        for (int q = 0; q < 4; q++) {
+            for (uint32_t i = 0; i < plen[q]; i++)
+                prompt[i] = (int32_t)(moe_test_rng_u32() % V);
+            test_prefill(g, q, 0, prompt, plen[q], lg);
+            test_prefill(p, q, 0, prompt, plen[q], lp);
+            for (size_t i = 0; i < (size_t)plen[q] * (size_t)V; i++)
+                diff += memcmp(&lg[i], &lp[i], sizeof(float)) != 0;
+            last[q] = (int32_t)moe_test_argmax(lp + (size_t)(plen[q] - 1) * V, (size_t)V);
+        }
+        for (int st = 0; st < 6; st++) {
+            int32_t ps[4], sq[4] = {0, 1, 2, 3};
+            for (int q = 0; q < 4; q++)
+                ps[q] = (int32_t)plen[q] + st;
+            struct moe_batch b = {.n = 4, .token = last, .pos = ps, .seq = sq};
+            CHECK_MSG(moe_engine_forward(g, &b, lg) == 0, "%s", moe_engine_errmsg(g));
+            CHECK_MSG(moe_engine_forward(p, &b, lp) == 0, "%s", moe_engine_errmsg(p));
+            for (size_t i = 0; i < 4 * (size_t)V; i++)
+                diff += memcmp(&lg[i], &lp[i], sizeof(float)) != 0;
+            for (int q = 0; q < 4; q++)
+                last[q] = (int32_t)moe_test_argmax(lp + (size_t)q * V, (size_t)V);
+        }
+        printf("  %-44s grouped vs per slot: %zu logits differ\n", MODELS[mi], diff);
+        CHECK_EQ(diff, 0);
+        free(lg), free(lp), free(prompt);
+        moe_engine_free(g);
+        moe_engine_free(p);
+        test_model_close(&tm);
+    }
+}
+
 /* Graph replay and direct launches give the same floats; routing counts add up. */
 TEST_TIMEOUT(cuda_graphs_equal_direct_launches, 300)
 {

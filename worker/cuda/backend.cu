@@ -47,10 +47,12 @@ extern "C" {
 #define PF_MAX_N 8
 /* Experts predicted per token beyond the n_expert_used a layer chooses. */
 #define PF_EXTRA 0
-/* Steps with at least this many slots per expert on average group their slots by expert. Below,
- * each slot reads its expert's rows itself: with few slots per expert (decode batches) that is
- * faster on the H200 (docs/benchmarks.md), and both give the same floats. */
-#define MOE_CUDA_GROUP_MIN 8
+/* Steps with at least this many slots per expert on average group their slots by expert (each
+ * active expert's rows read and decoded once for its slots). Below, each slot reads its
+ * expert's rows itself. On the H200 (docs/benchmarks.md) grouping gains 28% at 64 decoding
+ * sequences (4 slots per expert) and is even at 16 (1 slot per expert); both give the same
+ * floats. */
+#define MOE_CUDA_GROUP_MIN 2
 /* Logit rows computed per pass of the output head. */
 #define LOGIT_ROWS 64
 /* Penalty windows up to this many tokens (penalty_last_n; "whole history" keeps this many). */

@@ -197,9 +197,45 @@ group_kernel(const int32_t *__restrict__ sel_e, int n_slots, int nexp, int kuse,
     }
 }
 
+/* The slots slot_list[i..i+T) and their input rows: row slot / per of x (per: the slots of a
+ * token for the gate/up input, 1 for the per-slot down input). */
+template <int T>
+static __device__ __forceinline__ void chunk_inputs(const int32_t *slot_list, int32_t i,
+                                                    const float *x, int64_t ldx, int per,
+                                                    int32_t *slot, const float **xs)
+{
+#pragma unroll
+    for (int c = 0; c < T; c++) {
+        slot[c] = slot_list[i + c];
+        xs[c] = x + (int64_t)(slot[c] / per) * ldx;
+    }
+}
+
+/* T slots slot_list[i..i+T) of one expert through GUG_ROWS rows of gate and up (rowp: gate row,
+ * up row, alternating): act = silu(gate·x)·(up·x) of each slot. */
+template <int K, int T>
+static __device__ __forceinline__ void gu_chunk(const uint8_t *const *rowp, unsigned block_bytes,
+                                                int nu, int64_t ff, const float *x, int64_t ldx,
+                                                int kuse, const int32_t *slot_list, int32_t i,
+                                                int64_t r0, float *out, int64_t ldo)
+{
+    const int lane = threadIdx.x & 31;
+    int32_t slot[T];
+    const float *xs[T];
+    chunk_inputs<T>(slot_list, i, x, ldx, kuse, slot, xs);
+    float acc[T][2 * GUG_ROWS];
+    row_dots_multi<K, 2 * GUG_ROWS, T>(rowp, block_bytes, nu, xs, acc);
+#pragma unroll
+    for (int c = 0; c < T; c++)
+#pragma unroll
+        for (int r = 0; r < GUG_ROWS; r++)
+            if (lane == r && r0 + r < ff)
+                out[(int64_t)slot[c] * ldo + r0 + r] = silu_f(acc[c][2 * r]) * acc[c][2 * r + 1];
+}
+
 /* Gate/up grouped: one block per (16 rows, active expert), looping over the expert's slots
- * GROUP_T at a time; the weights come from HBM once per step and are decoded once per GROUP_T
- * slots. Same arithmetic per slot as gate_up_kernel. */
+ * GROUP_T at a time (the last ones 2 or 1 at a time); the weights come from HBM once per step
+ * and are decoded once per chunk of slots. Same arithmetic per slot as gate_up_kernel. */
 template <int K>
 static __global__ void __launch_bounds__(32 * GU_WARPS)
 gate_up_grouped_kernel(const uint8_t *const *__restrict__ ga, const uint8_t *const *__restrict__ ua,
@@ -224,30 +260,48 @@ gate_up_grouped_kernel(const uint8_t *const *__restrict__ ga, const uint8_t *con
         rowp[2 * r] = ga[e] + (size_t)row * row_bytes;
         rowp[2 * r + 1] = ua[e] + (size_t)row * row_bytes;
     }
-    const int lane = threadIdx.x & 31;
     const int32_t s0 = ex_off[e], s1 = ex_off[e + 1];
-    for (int32_t i = s0; i < s1; i += GROUP_T) {
-        int32_t slot[GROUP_T];
-        const float *xs[GROUP_T];
-#pragma unroll
-        for (int c = 0; c < GROUP_T; c++) {
-            slot[c] = slot_list[i + c < s1 ? i + c : i];
-            xs[c] = x + (int64_t)(slot[c] / kuse) * ldx;
+    /* Slots GROUP_T at a time, the last ones 2 or 1 at a time (a chunk of T decodes each weight
+     * once for T slots, with each slot's float operations those of one). */
+    for (int32_t i = s0; i < s1;) {
+        const int32_t rem = s1 - i;
+        if (rem >= GROUP_T) {
+            gu_chunk<K, GROUP_T>(rowp, block_bytes, nu, ff, x, ldx, kuse, slot_list, i, r0, out, ldo);
+            i += GROUP_T;
+        } else if (rem >= 2) {
+            gu_chunk<K, 2>(rowp, block_bytes, nu, ff, x, ldx, kuse, slot_list, i, r0, out, ldo);
+            i += 2;
+        } else {
+            gu_chunk<K, 1>(rowp, block_bytes, nu, ff, x, ldx, kuse, slot_list, i, r0, out, ldo);
+            i += 1;
         }
-        float acc[GROUP_T][2 * GUG_ROWS];
-        row_dots_multi<K, 2 * GUG_ROWS, GROUP_T>(rowp, block_bytes, nu, xs, acc);
-#pragma unroll
-        for (int c = 0; c < GROUP_T; c++)
-#pragma unroll
-            for (int r = 0; r < GUG_ROWS; r++)
-                if (lane == r && r0 + r < ff && i + c < s1)
-                    out[(int64_t)slot[c] * ldo + r0 + r] =
-                        silu_f(acc[c][2 * r]) * acc[c][2 * r + 1];
     }
 }
 
-/* Down grouped: one block per (16 rows, active expert), warps taking the expert's slots in turn;
- * dout[slot] gets the expert's output rows (same arithmetic as down_kernel's per-expert dots). */
+/* T slots slot_list[i..i+T) of one expert through its down rows rr .. rr+R-1 (rowp) into dout. */
+template <int K, int T, int R>
+static __device__ __forceinline__ void down_chunk(const uint8_t *const *rowp, unsigned block_bytes,
+                                                  int nu, int64_t E, const float *act,
+                                                  int64_t ldact, const int32_t *slot_list,
+                                                  int32_t i, int64_t rr, float *dout, int64_t ldd)
+{
+    const int lane = threadIdx.x & 31;
+    int32_t slot[T];
+    const float *xs[T];
+    chunk_inputs<T>(slot_list, i, act, ldact, 1, slot, xs);
+    float acc[T][R];
+    row_dots_multi<K, R, T>(rowp, block_bytes, nu, xs, acc);
+#pragma unroll
+    for (int c = 0; c < T; c++)
+#pragma unroll
+        for (int r = 0; r < R; r++)
+            if (lane == r && rr + r < E)
+                dout[(int64_t)slot[c] * ldd + rr + r] = acc[c][r];
+}
+
+/* Down grouped: one block per (16 rows, active expert), warps taking (chunk of slots, 4 rows)
+ * items in turn; dout[slot] gets the expert's output rows (same arithmetic as down_kernel's
+ * per-expert dots). */
 template <int K>
 static __global__ void __launch_bounds__(32 * DOWN_WARPS)
 down_grouped_kernel(const uint8_t *const *__restrict__ da, size_t row_bytes, unsigned block_bytes,
@@ -264,35 +318,41 @@ down_grouped_kernel(const uint8_t *const *__restrict__ da, size_t row_bytes, uns
     if (etype && etype[act_list[blockIdx.y]] != want)
         return;
     constexpr int HALF = DOWN_ROWS / 4; /* rows per pass */
-    const int w = threadIdx.x >> 5, nw = blockDim.x >> 5, lane = threadIdx.x & 31;
+    const int w = threadIdx.x >> 5, nw = blockDim.x >> 5;
     const int64_t r0 = (int64_t)blockIdx.x * DOWN_ROWS;
     const int e = act_list[blockIdx.y];
     const uint8_t *base = da[e];
     const int32_t s0 = ex_off[e], s1 = ex_off[e + 1];
-    for (int32_t i = s0 + w * GROUP_T; i < s1; i += nw * GROUP_T) {
-        int32_t slot[GROUP_T];
-        const float *xs[GROUP_T];
+    /* Items (chunk of up to GROUP_T slots, pass of HALF rows) over the warps, so an expert with
+     * few slots still keeps several warps busy; a chunk of 3 goes as 2 + 1. */
+    constexpr int PASSES = DOWN_ROWS / HALF;
+    const int32_t nchunks = (s1 - s0 + GROUP_T - 1) / GROUP_T;
+    for (int32_t it = w; it < nchunks * PASSES; it += nw) {
+        const int hf = (int)(it % PASSES);
+        const int32_t i0 = s0 + (it / PASSES) * GROUP_T;
+        const int32_t i1 = i0 + GROUP_T < s1 ? i0 + GROUP_T : s1;
+        const uint8_t *rowp[HALF];
 #pragma unroll
-        for (int c = 0; c < GROUP_T; c++) {
-            slot[c] = slot_list[i + c < s1 ? i + c : i];
-            xs[c] = act + (int64_t)slot[c] * ldact;
+        for (int r = 0; r < HALF; r++) {
+            const int64_t row = r0 + hf * HALF + r;
+            rowp[r] = base + (size_t)(row < E ? row : r0) * row_bytes;
         }
-#pragma unroll
-        for (int hf = 0; hf < DOWN_ROWS / HALF; hf++) {
-            const uint8_t *rowp[HALF];
-#pragma unroll
-            for (int r = 0; r < HALF; r++) {
-                const int64_t row = r0 + hf * HALF + r;
-                rowp[r] = base + (size_t)(row < E ? row : r0) * row_bytes;
+        const int64_t rr = r0 + hf * HALF;
+        for (int32_t i = i0; i < i1;) {
+            const int32_t rem = i1 - i;
+            if (rem >= GROUP_T) {
+                down_chunk<K, GROUP_T, HALF>(rowp, block_bytes, nu, E, act, ldact, slot_list, i, rr,
+                                             dout, ldd);
+                i += GROUP_T;
+            } else if (rem >= 2) {
+                down_chunk<K, 2, HALF>(rowp, block_bytes, nu, E, act, ldact, slot_list, i, rr, dout,
+                                       ldd);
+                i += 2;
+            } else {
+                down_chunk<K, 1, HALF>(rowp, block_bytes, nu, E, act, ldact, slot_list, i, rr, dout,
+                                       ldd);
+                i += 1;
             }
-            float acc[GROUP_T][HALF];
-            row_dots_multi<K, HALF, GROUP_T>(rowp, block_bytes, nu, xs, acc);
-#pragma unroll
-            for (int c = 0; c < GROUP_T; c++)
-#pragma unroll
-                for (int r = 0; r < HALF; r++)
-                    if (lane == r && r0 + hf * HALF + r < E && i + c < s1)
-                        dout[(int64_t)slot[c] * ldd + r0 + hf * HALF + r] = acc[c][r];
         }
     }
 }
