@@ -1053,7 +1053,7 @@ static jval arith(struct rctx *R, int op, jval a, jval b, int line)
 {
     if (a.t == V_UNDEF)
         undefined_error(R, line, &a);
-    if (b.t == V_UNDEF)
+    if (b.t == V_UNDEF && !(op == OP_MOD && a.t == V_STR)) /* '%s' % undefined formats it as '' */
         undefined_error(R, line, &b);
     if (is_num(&a) && is_num(&b)) {
         bool ints = is_intlike(&a) && is_intlike(&b);
@@ -1136,7 +1136,7 @@ static jval arith(struct rctx *R, int op, jval a, jval b, int line)
         r->markup = true;
         return vstr(r);
     }
-    if (op == OP_ADD && a.t == V_LIST && b.t == V_LIST) {
+    if (op == OP_ADD && a.t == V_LIST && b.t == V_LIST && a.u.l->tuple == b.u.l->tuple) {
         jval l = mklist(R, a.u.l->n + b.u.l->n, a.u.l->tuple);
         if (a.u.l->n)
             memcpy(l.u.l->v, a.u.l->v, a.u.l->n * sizeof(jval));
@@ -1358,6 +1358,18 @@ static jval call_func(struct rctx *R, int fn, const struct args *a)
         else
             localtime_r(&t, &tm);
         char *fmt = j_strndup(&R->b, f->s, f->len > 256 ? 256 : f->len);
+        /* Python formats a naive datetime: %Z and %z give nothing */
+        size_t w = 0;
+        for (size_t r = 0; fmt[r]; r++) {
+            if (fmt[r] == '%' && (fmt[r + 1] == 'Z' || fmt[r + 1] == 'z')) {
+                r++;
+                continue;
+            }
+            fmt[w++] = fmt[r];
+            if (fmt[r] == '%' && fmt[r + 1])
+                fmt[w++] = fmt[++r];
+        }
+        fmt[w] = 0;
         char buf[1024];
         size_t n = fmt[0] ? strftime(buf, sizeof buf, fmt, &tm) : 0;
         return vstr(mkjstr(R, j_strndup(&R->b, buf, n), n, PROV_LIT, NULL));
@@ -1405,11 +1417,8 @@ static jval str_split(struct rctx *R, const struct jstr *s, const jval *sep, int
                 if (i >= n)
                     break;
                 size_t j = i;
-                if (maxsplit >= 0 && splits >= maxsplit) {
-                    size_t e = n;
-                    while (e > i && sp[e - 1])
-                        e--;
-                    PUSH(vstr(jsub(R, s, off[i], off[e] - off[i])));
+                if (maxsplit >= 0 && splits >= maxsplit) { /* the rest, trailing whitespace too */
+                    PUSH(vstr(jsub(R, s, off[i], off[n] - off[i])));
                     break;
                 }
                 while (j < n && !sp[j])
@@ -1426,11 +1435,8 @@ static jval str_split(struct rctx *R, const struct jstr *s, const jval *sep, int
                 if (i == 0)
                     break;
                 size_t j = i;
-                if (maxsplit >= 0 && splits >= maxsplit) {
-                    size_t b = 0;
-                    while (b < i && sp[b])
-                        b++;
-                    PUSH(vstr(jsub(R, s, off[b], off[i] - off[b])));
+                if (maxsplit >= 0 && splits >= maxsplit) { /* the rest, leading whitespace too */
+                    PUSH(vstr(jsub(R, s, 0, off[i])));
                     break;
                 }
                 while (j > 0 && !sp[j - 1])
@@ -1842,6 +1848,8 @@ static struct jstr *py_percent(struct rctx *R, const struct jstr *f, jval args, 
                 j++;
             if (j >= f->len)
                 DIE(R, line, "incomplete format key");
+            if (args.t == V_UNDEF)
+                undefined_error(R, line, &args);
             if (args.t != V_DICT)
                 DIE(R, line, "format requires a mapping");
             v = d_find(args.u.d, &(jval){.t = V_STR, .u.s = jsub(R, f, i + 1, j - i - 1)});
@@ -1897,6 +1905,8 @@ static struct jstr *py_percent(struct rctx *R, const struct jstr *f, jval args, 
         }
         case 'i': case 'u': conv = 'd'; /* fall through */
         case 'd': case 'x': case 'X': case 'o': case 'e': case 'E': case 'f': case 'F': case 'g': case 'G':
+            if (v->t == V_UNDEF) /* undefined has no number */
+                undefined_error(R, line, v);
             ob_str(R, &o, fmt_num(R, v, flags, width, prec, conv, line));
             break;
         default:
@@ -2131,6 +2141,37 @@ static struct jstr *str_justify(struct rctx *R, struct jstr *t, int64_t width, c
     return ob_done(R, &o);
 }
 
+/* The part of s that str methods' optional start and end arguments (positions i and i + 1, code
+ * points, negative from the end, none for the default) select, as Python clamps them; *cp_off is
+ * where it begins. NULL when end falls before start, where even an empty string is not found. */
+static const struct jstr *str_range(struct rctx *R, const struct jstr *s, const struct args *a, size_t i,
+                                    int64_t *cp_off, const char *what)
+{
+    const jval *st = arg(a, i, NULL), *en = arg(a, i + 1, NULL);
+    int64_t n = (int64_t)u8_count(s->s, s->len), b = 0, e = n;
+    for (int k = 0; k < 2; k++) {
+        const jval *v = k ? en : st;
+        if (!v || v->t == V_NONE)
+            continue;
+        if (!is_intlike(v))
+            DIE(R, a->line, "slice indices of %s() must be integers or None", what);
+        int64_t x = ival(v);
+        if (x < 0 && (x += n) < 0)
+            x = 0;
+        if (k)
+            e = x > n ? n : x;
+        else
+            b = x;
+    }
+    *cp_off = b;
+    if (e < b)
+        return NULL;
+    if (!st && !en)
+        return s;
+    size_t *off = u8_offsets(R, s, &(size_t){0});
+    return jsub(R, s, off[b], off[e] - off[b]);
+}
+
 static jval call_method(struct rctx *R, const struct jmethod *m, const struct args *a)
 {
     jval self = m->self;
@@ -2139,10 +2180,14 @@ static jval call_method(struct rctx *R, const struct jmethod *m, const struct ar
     if (self.t == V_STR) {
         const struct jstr *s = self.u.s;
         if (is(name, "startswith") || is(name, "endswith")) {
-            check_args(R, a, 1, NULL);
+            check_args(R, a, 3, NULL);
             const jval *p = arg(a, 0, NULL);
             if (!p)
-                DIE(R, line, "%s() takes one argument", name);
+                DIE(R, line, "%s() takes at least 1 argument", name);
+            int64_t from;
+            s = str_range(R, s, a, 1, &from, name);
+            if (!s)
+                return mkbool(false);
             jval opts = p->t == V_LIST ? *p : (jval){0};
             size_t nopt = p->t == V_LIST ? p->u.l->n : 1;
             for (size_t k = 0; k < nopt; k++) {
@@ -2206,10 +2251,17 @@ static jval call_method(struct rctx *R, const struct jmethod *m, const struct ar
             return join(R, l, s, line);
         }
         if (is(name, "find") || is(name, "rfind") || is(name, "count") || is(name, "index") || is(name, "rindex")) {
-            check_args(R, a, 1, NULL);
+            check_args(R, a, 3, NULL);
             if (!a->n)
-                DIE(R, line, "%s() takes one argument", name);
+                DIE(R, line, "%s() takes at least 1 argument", name);
             const struct jstr *x = need_str(R, &a->pos[0], line, name);
+            int64_t from;
+            s = str_range(R, s, a, 1, &from, name);
+            if (!s) {
+                if (is(name, "index") || is(name, "rindex"))
+                    DIE(R, line, "substring not found");
+                return mkint(is(name, "count") ? 0 : -1);
+            }
             int64_t cnt = 0, first = -1, last = -1;
             for (size_t i = 0; i + x->len <= s->len;) {
                 if (!memcmp(s->s + i, x->s, x->len)) {
@@ -2234,7 +2286,8 @@ static jval call_method(struct rctx *R, const struct jmethod *m, const struct ar
                 }
             if ((is(name, "index") || is(name, "rindex")) && first < 0)
                 DIE(R, line, "substring not found");
-            return mkint(name[0] == 'r' ? last : first);
+            int64_t at = name[0] == 'r' ? last : first;
+            return mkint(at < 0 ? at : at + from);
         }
         if (is(name, "partition") || is(name, "rpartition")) { /* (before, sep, after) */
             check_args(R, a, 1, NULL);

@@ -659,6 +659,9 @@ static void parse_call_args(struct parser *P, struct jnode *n)
             if (n->c)
                 j_die(P->b, MOE_EFORMAT, cur(P)->line, "a keyword argument follows **");
             const char *k = P->t[P->pos].p;
+            for (size_t i = 0; i < n->kwargs.n; i++)
+                if (!strcmp(n->kwnames[i], k))
+                    j_die(P->b, MOE_EFORMAT, cur(P)->line, "keyword argument repeated: %s", k);
             P->pos += 2;
             if (n->kwargs.n == kncap) {
                 size_t nc = kncap ? kncap * 2 : 4;
@@ -1032,23 +1035,27 @@ static struct jnode *parse_expr(struct parser *P)
     return n;
 }
 
-/* expr or expr, expr, ... (a tuple without parentheses) */
-static struct jnode *parse_tuple(struct parser *P)
+/* expr or expr, expr, ... (a tuple without parentheses); without condexpr, as jinja2 parses an
+ * if's test and a for's iterable, the items are not conditional expressions (the for's `if`
+ * filter follows them, and `recursive` ends them too). */
+static struct jnode *parse_tuple_of(struct parser *P, bool condexpr)
 {
     int line = cur(P)->line;
-    struct jnode *n = parse_expr(P);
+    struct jnode *n = condexpr ? parse_expr(P) : parse_or(P);
     if (!is_op(cur(P), ","))
         return n;
     struct jnode *t = mk(P, E_TUPLE, line);
     size_t cap = 0;
     nl_push(P, &t->args, n, &cap);
     while (accept_op(P, ",")) {
-        if (cur(P)->k == T_BEND || cur(P)->k == T_VEND)
+        if (cur(P)->k == T_BEND || cur(P)->k == T_VEND || (!condexpr && is_name(cur(P), "recursive")))
             break;
-        nl_push(P, &t->args, parse_expr(P), &cap);
+        nl_push(P, &t->args, condexpr ? parse_expr(P) : parse_or(P), &cap);
     }
     return t;
 }
+
+static struct jnode *parse_tuple(struct parser *P) { return parse_tuple_of(P, true); }
 
 /* ---- Statements ---- */
 
@@ -1114,7 +1121,7 @@ static struct jnode *parse_statement(struct parser *P)
     P->pos++;
     if (!strcmp(name, "if")) {
         struct jnode *n = mk(P, N_IF, line), *top = n;
-        n->a = parse_expr(P);
+        n->a = parse_tuple_of(P, false);
         expect_bend(P);
         static const char *const ends[] = {"elif", "else", "endif", NULL};
         for (;;) {
@@ -1122,7 +1129,7 @@ static struct jnode *parse_statement(struct parser *P)
             n->body = parse_body(P, ends, &which);
             if (!strcmp(which, "elif")) {
                 struct jnode *e = mk(P, N_IF, cur(P)->line);
-                e->a = parse_expr(P);
+                e->a = parse_tuple_of(P, false);
                 expect_bend(P);
                 size_t cap = 0;
                 nl_push(P, &n->orelse, e, &cap);
@@ -1143,7 +1150,7 @@ static struct jnode *parse_statement(struct parser *P)
         n->targets = parse_targets(P, &n->n_targets, "loop");
         if (!accept_name(P, "in"))
             unexpected(P, "'in'");
-        n->a = parse_or(P);
+        n->a = parse_tuple_of(P, false);
         if (accept_name(P, "if"))
             n->b = parse_expr(P);
         if (accept_name(P, "recursive"))

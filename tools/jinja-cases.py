@@ -261,6 +261,29 @@ CASES = [
                          "{% set ns.n = ns.n + i %}[{{ a }}{{ b }}{{ loop.index }}]{% endgeneration %}{{ a }}{{ b is defined }};{% endfor %}{{ ns.n }}"
                          "\n  {% generation %}\n  x\n  {% endgeneration %}\n."),
     ("tests_more_names", "{{ 3 is greaterthan 2 }}{{ 1 is lessthan(0) }}{{ 'wordwrap' is filter }}{{ 'nosuch' is filter }}{{ 'lessthan' is test }}"),
+    # str methods' start and end arguments (code points, negative from the end, none)
+    ("str_method_ranges", "{{ 'abc'.startswith('b', 1) }}{{ 'abc'.startswith('', 3) }}{{ 'abc'.startswith('', 4) }}"
+                          "{{ 'abc'.endswith('b', 0, -1) }}{{ 'abc'.endswith(('x', 'c'), -1, none) }}|{{ 'éaéb'.find('é', 1) }}"
+                          "|{{ 'éaéb'.rfind('é', 0, -2) }}|{{ 'abc'.find('', 3) }}|{{ 'abc'.find('', 4) }}|{{ 'abcabc'.find('c', -20, -4) }}"
+                          "|{{ 'abcabc'.count('b', 2) }}|{{ 'abc'.count('', 1) }}|{{ 'abc'.count('', 5) }}|{{ 'abcabc'.index('c', 3, 6) }}"),
+    ("str_method_range_not_found", "{{ 'abc'.index('a', 1) }}"),
+    ("str_method_range_bad_index", "{{ 'abc'.find('a', 'x') }}"),
+    # split(None, maxsplit): the rest keeps its whitespace on the far side
+    ("split_whitespace_maxsplit", "{{ '  a b  c  '.split(none, 1) }}{{ '  a b  c  '.rsplit(none, 1) }}{{ ' a '.split(none, 0) }}"
+                                  "{{ ' a '.rsplit(none, 0) }}{{ 'a  '.split(none, 1) }}{{ ' x\ty\n'.split(maxsplit=1) }}"),
+    # strftime_now formats a naive datetime: no zone
+    ("strftime_no_zone", "{{ strftime_now('%d|%Z|%z|%%Z|%%%z|%H') }}"),
+    # an undefined value formats as '' with %s (jinja2's str of Undefined), but is no number or mapping
+    ("pct_undefined", "{{ 'Hi %s!' % m.nope }}|{{ '%s-%s' % (nope, 1) }}|{{ '[%5s]' % m.nope }}", {"m": {}}),
+    ("pct_undefined_number", "{{ '%d' % m.nope }}", {"m": {}}),
+    ("pct_undefined_mapping", "{{ '%(a)s' % m.nope }}", {"m": {}}),
+    ("list_plus_tuple", "{{ [1] + (2,) }}"),
+    ("tuple_plus_tuple", "{{ (1,) + (2, 3) }}|{{ [1] + [2] }}"),
+    # an if's test and a for's iterable may be tuples without parentheses
+    ("tuple_unparenthesized_tests", "{% for a in 1, 2 %}{{ a }}{% endfor %}|{% for a in 'x', 'y', 'z' if a != 'y' %}{{ a }}{% endfor %}"
+                                    "|{% for a in 'p', 'q' recursive %}{{ a }}{% endfor %}|{% if 0, %}t{% endif %}"
+                                    "|{% if false %}{% elif 1, 2 %}e{% endif %}"),
+    ("call_keyword_repeated", "{% macro f(a) %}{{ a }}{% endmacro %}{{ f(a=1, a=2) }}"),
 ]
 
 with open(os.path.join(TOOLS, "..", "tests", "fuzz-corpus", "jinja", "features.jinja"), encoding="utf-8") as f:
