@@ -2857,8 +2857,9 @@ static jval call_filter_named(struct rctx *R, const char *name, jval v, const st
     if (is(name, "first") || is(name, "last")) {
         check_args(R, a, 0, NULL);
         jval l = as_list(R, &v, line);
-        if (!l.u.l->n)
-            return undef_named(name);
+        if (!l.u.l->n) /* jinja2's undefined, with its hint */
+            return undef_named(name[0] == 'f' ? "\1No first item, sequence was empty."
+                                              : "\1No last item, sequence was empty.");
         return l.u.l->v[name[0] == 'f' ? 0 : l.u.l->n - 1];
     }
     if (is(name, "default") || is(name, "d")) {
@@ -3065,7 +3066,7 @@ static jval call_filter_named(struct rctx *R, const char *name, jval v, const st
             return acc;
         }
         if (!l.u.l->n)
-            return undef_named(name);
+            return undef_named("\1No aggregated item, sequence was empty.");
         const jval *cs = arg(a, 99, "case_sensitive");
         jval best = l.u.l->v[0], bk = {0};
         for (size_t i = 0; i < l.u.l->n; i++) {

@@ -283,6 +283,10 @@ CASES = [
     ("tuple_unparenthesized_tests", "{% for a in 1, 2 %}{{ a }}{% endfor %}|{% for a in 'x', 'y', 'z' if a != 'y' %}{{ a }}{% endfor %}"
                                     "|{% for a in 'p', 'q' recursive %}{{ a }}{% endfor %}|{% if 0, %}t{% endif %}"
                                     "|{% if false %}{% elif 1, 2 %}e{% endif %}"),
+    # first, last, min and max of an empty sequence: jinja2's undefined with its hint
+    ("first_empty_undefined", "[{{ []|first }}{{ []|last|default('L') }}{{ []|min is defined }}]{{ []|first|attr('x') }}"),
+    ("last_empty_undefined", "{{ ([]|last).x }}"),
+    ("max_empty_undefined", "{{ ([]|max).y }}"),
     ("call_keyword_repeated", "{% macro f(a) %}{{ a }}{% endmacro %}{{ f(a=1, a=2) }}"),
 ]
 
