@@ -926,8 +926,10 @@ static jval get_attr(struct rctx *R, jval obj, const char *name, int line)
         if (is(name, "length")) return mkint((int64_t)lp->n);
         if (is(name, "depth")) return mkint((int64_t)lp->depth + 1);
         if (is(name, "depth0")) return mkint((int64_t)lp->depth);
-        if (is(name, "previtem")) return lp->i ? lp->items[lp->i - 1] : undef_named("previtem");
-        if (is(name, "nextitem")) return lp->i + 1 < lp->n ? lp->items[lp->i + 1] : undef_named("nextitem");
+        if (is(name, "previtem"))
+            return lp->i ? lp->items[lp->i - 1] : undef_named("\1there is no previous item");
+        if (is(name, "nextitem"))
+            return lp->i + 1 < lp->n ? lp->items[lp->i + 1] : undef_named("\1there is no next item");
         if (is(name, "cycle") || is(name, "changed")) return method(R, obj, name);
         return undef_attr(R, &obj, name);
     }
@@ -1274,12 +1276,16 @@ static jval call_macro(struct rctx *R, const struct jmacro *mc, const struct arg
             val = *v;
         else if (m->defaults.v[i])
             val = eval(R, m->defaults.v[i], s);
-        else
-            val = undef_named(m->targets[i]);
+        else { /* jinja2's undefined for a parameter left out */
+            size_t n = strlen(m->targets[i]) + 32;
+            char *msg = j_alloc(&R->b, n);
+            snprintf(msg, n, "\1parameter '%s' was not provided", m->targets[i]);
+            val = undef_named(msg);
+        }
         d_set_s(R, &s->vars, m->targets[i], val);
     }
     if (m->op & MAC_CALLER)
-        d_set_s(R, &s->vars, "caller", caller ? *caller : undef_named("caller"));
+        d_set_s(R, &s->vars, "caller", caller ? *caller : undef_named("\1No caller defined"));
     if (m->op & MAC_VARARGS) {
         size_t extra = a->n > m->n_targets ? a->n - m->n_targets : 0;
         jval va = mklist(R, extra, true);

@@ -287,6 +287,10 @@ CASES = [
     ("first_empty_undefined", "[{{ []|first }}{{ []|last|default('L') }}{{ []|min is defined }}]{{ []|first|attr('x') }}"),
     ("last_empty_undefined", "{{ ([]|last).x }}"),
     ("max_empty_undefined", "{{ ([]|max).y }}"),
+    # the undefined values jinja2 gives a hint: a parameter left out, no caller, no previous item
+    ("macro_param_missing_hint", "{% macro f(a, b) %}[{{ a }}]{{ b is defined }}{{ a.x }}{% endmacro %}{{ f() }}"),
+    ("macro_no_caller_hint", "{% macro f() %}{{ caller is defined }}{{ caller().x }}{% endmacro %}{{ f() }}"),
+    ("loop_previtem_hint", "{% for x in [1, 2] %}{{ loop.previtem is defined }}{% if not loop.first %}{{ loop.nextitem.a }}{% endif %}{% endfor %}"),
     ("call_keyword_repeated", "{% macro f(a) %}{{ a }}{% endmacro %}{{ f(a=1, a=2) }}"),
 ]
 
