@@ -873,10 +873,13 @@ static const char *const str_methods[] = {
     /* Python's, not implemented: calling one fails with "str.x() is not supported" */
     "casefold", "swapcase", "expandtabs", "encode", "format_map", "isnumeric", "isdecimal", "istitle",
     "isidentifier", "isprintable", "translate", "maketrans", NULL};
-static const char *const dict_methods[] = {"get", "items", "keys", "values", "copy", "pop",
-                                           "update", "clear", "setdefault", "popitem", NULL};
-static const char *const list_methods[] = {"index", "count", "copy", "append", "extend", "insert",
-                                           "pop", "remove", "reverse", "sort", "clear", NULL};
+static const char *const dict_methods[] = {"get", "items", "keys", "values", "copy", NULL};
+static const char *const list_methods[] = {"index", "count", "copy", NULL};
+/* The methods that modify: as in jinja2's immutable sandbox, the attribute is undefined (even
+ * where a dict has such a key), and calling it fails. */
+static const char *const dict_modifying[] = {"pop", "update", "clear", "setdefault", "popitem", NULL};
+static const char *const list_modifying[] = {"append", "extend", "insert", "pop", "remove", "reverse",
+                                             "sort", "clear", NULL};
 
 static bool in_names(const char *const *names, const char *n)
 {
@@ -894,6 +897,14 @@ static jval method(struct rctx *R, jval self, const char *name)
     return (jval){.t = V_METHOD, .u.me = m};
 }
 
+static jval modifying_method(struct rctx *R, const char *type, const char *name)
+{
+    size_t n = 2 * strlen(type) + strlen(name) + 64;
+    char *m = j_alloc(&R->b, n);
+    snprintf(m, n, "\1%s.%s() modifies the %s, which templates may not do", type, name, type);
+    return undef_named(m);
+}
+
 static jval get_attr(struct rctx *R, jval obj, const char *name, int line)
 {
     switch (obj.t) {
@@ -902,6 +913,8 @@ static jval get_attr(struct rctx *R, jval obj, const char *name, int line)
     case V_DICT: {
         if (in_names(dict_methods, name))
             return method(R, obj, name);
+        if (in_names(dict_modifying, name))
+            return modifying_method(R, "dict", name);
         jval *v = d_find_s(obj.u.d, name);
         return v ? *v : undef_attr(R, &obj, name);
     }
@@ -914,6 +927,8 @@ static jval get_attr(struct rctx *R, jval obj, const char *name, int line)
     case V_LIST:
         if (obj.u.l->group && (is(name, "grouper") || is(name, "list")))
             return obj.u.l->v[name[0] == 'g' ? 0 : 1];
+        if (in_names(list_modifying, name) && !obj.u.l->tuple)
+            return modifying_method(R, "list", name);
         return in_names(list_methods, name) ? method(R, obj, name) : undef_attr(R, &obj, name);
     case V_LOOP: {
         const struct jloop *lp = obj.u.lp;
@@ -2411,7 +2426,7 @@ static jval call_method(struct rctx *R, const struct jmethod *m, const struct ar
                 d_set(R, c.u.d, d->k[i], d->v[i]);
             return c;
         }
-        DIE(R, line, "dict.%s() modifies the dict, which templates may not do", name);
+        DIE(R, line, "dict.%s() is not supported", name);
     }
     if (self.t == V_LIST) {
         const struct jlist *l = self.u.l;
@@ -2432,7 +2447,7 @@ static jval call_method(struct rctx *R, const struct jmethod *m, const struct ar
         }
         if (is(name, "copy"))
             return self; /* lists are never modified */
-        DIE(R, line, "list.%s() modifies the list, which templates may not do", name);
+        DIE(R, line, "list.%s() is not supported", name);
     }
     if (self.t == V_LOOP && is(name, "changed")) {
         jval now = mklist(R, a->n, true);
@@ -3093,7 +3108,7 @@ static jval call_filter_named(struct rctx *R, const char *name, jval v, const st
             DIE(R, line, "attr needs a name");
         const struct jstr *n = need_str(R, &a->pos[0], line, "attr's name");
         char *an = j_strndup(&R->b, n->s, n->len);
-        if (v.t == V_DICT && !in_names(dict_methods, an)) /* Python's getattr: not the keys */
+        if (v.t == V_DICT && !in_names(dict_methods, an) && !in_names(dict_modifying, an)) /* not the keys */
             return undef_attr(R, &v, an);
         return get_attr(R, v, an, line);
     }

@@ -291,6 +291,11 @@ CASES = [
     ("macro_param_missing_hint", "{% macro f(a, b) %}[{{ a }}]{{ b is defined }}{{ a.x }}{% endmacro %}{{ f() }}"),
     ("macro_no_caller_hint", "{% macro f() %}{{ caller is defined }}{{ caller().x }}{% endmacro %}{{ f() }}"),
     ("loop_previtem_hint", "{% for x in [1, 2] %}{{ loop.previtem is defined }}{% if not loop.first %}{{ loop.nextitem.a }}{% endif %}{% endfor %}"),
+    # a modifying method is an undefined attribute (the immutable sandbox), even over a dict's key
+    ("modifying_methods_undefined", "{% set s = {'pop': 1, 'update': 2, 'get': 3} %}{{ s.pop is defined }}{{ s.update is defined }}"
+                                    "{{ s|attr('clear') is defined }}{{ s.get is callable }}{{ s['pop'] }}|{{ [1].append is defined }}"
+                                    "{{ [1].sort is defined }}{{ (1, 2).count(2) }}[{{ [1].reverse }}]"),
+    ("modifying_method_called", "{% set d = {'a': 1} %}{{ d.setdefault('b', 2) }}"),
     ("call_keyword_repeated", "{% macro f(a) %}{{ a }}{% endmacro %}{{ f(a=1, a=2) }}"),
 ]
 
