@@ -298,6 +298,29 @@ static size_t lex_tag(struct parser *P, size_t i, bool block, int *line, bool *s
             push_tok(P, (struct tok){.k = T_NAME, .line = *line, .p = j_strndup(P->b, s + i, j - i),
                                      .n = j - i});
             i = j;
+        } else if (c == '0' && i + 2 < P->len && strchr("xXoObB", s[i + 1]) && s[i + 1]) {
+            /* 0x1f, 0o17, 0b101 (digits may be separated by single underscores) */
+            int base = s[i + 1] == 'x' || s[i + 1] == 'X' ? 16 : s[i + 1] == 'o' || s[i + 1] == 'O' ? 8 : 2;
+            size_t j = i + 2;
+            uint64_t v = 0;
+            bool any = false;
+            for (;;) {
+                size_t k = j + (j < P->len && s[j] == '_');
+                int d = k >= P->len ? -1 : is_digit(s[k]) ? s[k] - '0'
+                      : (s[k] | 0x20) >= 'a' && (s[k] | 0x20) <= 'f' ? (s[k] | 0x20) - 'a' + 10 : -1;
+                if (d < 0 || d >= base)
+                    break;
+                if (v > (uint64_t)INT64_MAX / (uint64_t)base)
+                    j_die(P->b, MOE_EUNSUPPORTED, *line, "integer literal is too large");
+                v = v * (uint64_t)base + (uint64_t)d;
+                any = true;
+                j = k + 1;
+            }
+            if (!any || v > INT64_MAX)
+                j_die(P->b, any ? MOE_EUNSUPPORTED : MOE_EFORMAT, *line,
+                      any ? "integer literal is too large" : "invalid number literal");
+            push_tok(P, (struct tok){.k = T_INT, .line = *line, .i = (int64_t)v});
+            i = j;
         } else if (is_digit(c)) {
             size_t j = i;
             bool fl = false;

@@ -296,6 +296,9 @@ CASES = [
                                     "{{ s|attr('clear') is defined }}{{ s.get is callable }}{{ s['pop'] }}|{{ [1].append is defined }}"
                                     "{{ [1].sort is defined }}{{ (1, 2).count(2) }}[{{ [1].reverse }}]"),
     ("modifying_method_called", "{% set d = {'a': 1} %}{{ d.setdefault('b', 2) }}"),
+    # integer literals in base 16, 8 and 2, with underscores as in decimal ones
+    ("int_literal_bases", "{{ 0x1F }}|{{ 0o17 }}|{{ 0b101 }}|{{ 0X_ff }}|{{ 0B1_0 }}|{{ 0x10 + 1_000 }}|{{ 0x7fffffffffffffff }}"),
+    ("int_literal_base_empty", "{{ 0x }}"),
     ("call_keyword_repeated", "{% macro f(a) %}{{ a }}{% endmacro %}{{ f(a=1, a=2) }}"),
 ]
 
