@@ -3049,8 +3049,10 @@ static jval call_filter_named(struct rctx *R, const char *name, jval v, const st
                 DIE(R, line, "method must be common, ceil or floor");
         }
         double x = fval(&v), sc = pow(10, (double)(prec < 0 ? -prec : prec));
-        if (mth)
-            return mkfloat((mth == 1 ? ceil(x * pow(10, (double)prec)) : floor(x * pow(10, (double)prec))) / pow(10, (double)prec));
+        if (mth) { /* math.ceil / floor give an int: a zero has no sign (+ 0.0 drops it) */
+            double r = (mth == 1 ? ceil(x * pow(10, (double)prec)) : floor(x * pow(10, (double)prec))) + 0.0;
+            return mkfloat(r / pow(10, (double)prec));
+        }
         if (is_intlike(&v)) {
             if (prec >= 0)
                 return mkint(ival(&v));

@@ -299,6 +299,8 @@ CASES = [
     # integer literals in base 16, 8 and 2, with underscores as in decimal ones
     ("int_literal_bases", "{{ 0x1F }}|{{ 0o17 }}|{{ 0b101 }}|{{ 0X_ff }}|{{ 0B1_0 }}|{{ 0x10 + 1_000 }}|{{ 0x7fffffffffffffff }}"),
     ("int_literal_base_empty", "{{ 0x }}"),
+    # round's ceil and floor go through Python's int: no negative zero
+    ("round_ceil_floor_zero", "{{ -0.2|round(0, 'ceil') }}|{{ -0.004|round(2, 'ceil') }}|{{ -0.0|round(1, 'floor') }}|{{ -0.2|round }}|{{ -0.5|round(0, 'floor') }}"),
     ("call_keyword_repeated", "{% macro f(a) %}{{ a }}{% endmacro %}{{ f(a=1, a=2) }}"),
 ]
 
