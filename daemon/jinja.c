@@ -1205,7 +1205,10 @@ static bool contains(struct rctx *R, jval hay, jval needle, int line)
             if (vequal(&hay.u.l->v[i], &needle, 0))
                 return true;
         return false;
-    case V_DICT: return d_find(hay.u.d, &needle) != NULL;
+    case V_DICT:
+        if ((needle.t == V_LIST && !needle.u.l->tuple) || needle.t == V_DICT) /* not a key Python can hash */
+            DIE(R, line, "unhashable type: '%s'", tname(&needle));
+        return d_find(hay.u.d, &needle) != NULL;
     case V_UNDEF: return false;
     default: DIE(R, line, "argument of type '%s' is not iterable", tname(&hay));
     }
@@ -2658,6 +2661,8 @@ static jval f_indent(struct rctx *R, jval v, const struct args *a)
     static const char *const kw[] = {"width", "first", "blank", NULL};
     check_args(R, a, 3, kw);
     const jval *w = arg(a, 0, "width"), *first = arg(a, 1, "first"), *blank = arg(a, 2, "blank");
+    if (v.t == V_UNDEF) /* undefined + "\n" */
+        undefined_error(R, a->line, &v);
     if (v.t == V_LIST) /* jinja2: s += "\n"; s.splitlines() */
         DIE(R, a->line, "indent: 'list' object has no attribute 'splitlines'");
     if (v.t != V_STR)
@@ -2806,6 +2811,8 @@ static jval call_filter_named(struct rctx *R, const char *name, jval v, const st
     if (is(name, "dictsort")) {
         static const char *const kw[] = {"case_sensitive", "by", "reverse", NULL};
         check_args(R, a, 3, kw);
+        if (v.t == V_UNDEF) /* undefined.items() */
+            undefined_error(R, line, &v);
         if (v.t != V_DICT)
             DIE(R, line, "dictsort needs a mapping, not %s", tname(&v));
         const jval *cs = arg(a, 0, "case_sensitive"), *by = arg(a, 1, "by"), *rev = arg(a, 2, "reverse");
@@ -2925,6 +2932,8 @@ static jval call_filter_named(struct rctx *R, const char *name, jval v, const st
         check_args(R, a, 2, kw);
         const jval *dv = arg(a, 0, "default");
         bool fl = name[0] == 'f';
+        if (v.t == V_UNDEF) /* int(undefined) fails in jinja2 */
+            undefined_error(R, line, &v);
         jval def = dv ? *dv : fl ? mkfloat(0) : mkint(0);
         if (is_num(&v)) {
             if (fl)
@@ -3165,12 +3174,15 @@ static jval call_filter_named(struct rctx *R, const char *name, jval v, const st
                 return v;
             DIE(R, line, "truncate: can only truncate a string, not a long %s", tname(&v));
         }
-        if (v.t != V_STR)
+        if (v.t != V_STR && v.t != V_UNDEF)
             DIE(R, line, "object of type '%s' has no len()", tname(&v));
-        struct jstr *t = v.u.s, *e = end ? to_str(R, end) : mkjstr(R, "...", 3, PROV_LIT, NULL);
+        struct jstr *e = end ? to_str(R, end) : mkjstr(R, "...", 3, PROV_LIT, NULL);
         int64_t elen = (int64_t)u8_count(e->s, e->len);
         if (length < elen || leeway < 0)
             DIE(R, line, "truncate: expected length >= %lld and leeway >= 0", (long long)elen);
+        if (v.t == V_UNDEF) /* of length 0: as it is */
+            return v;
+        struct jstr *t = v.u.s;
         size_t n, *off = u8_offsets(R, t, &n);
         if ((int64_t)n <= length + leeway)
             return vstr(t);

@@ -301,6 +301,15 @@ CASES = [
     ("int_literal_base_empty", "{{ 0x }}"),
     # round's ceil and floor go through Python's int: no negative zero
     ("round_ceil_floor_zero", "{{ -0.2|round(0, 'ceil') }}|{{ -0.004|round(2, 'ceil') }}|{{ -0.0|round(1, 'floor') }}|{{ -0.2|round }}|{{ -0.5|round(0, 'floor') }}"),
+    # filters of an undefined value: truncate keeps it (its length is 0); int, float, indent and
+    # dictsort fail with jinja2's UndefinedError
+    ("undefined_truncate", "[{{ m.nope|truncate(5) }}{{ ([]|min)|truncate(3, end='') }}{{ m.nope|truncate is defined }}]", {"m": {}}),
+    ("undefined_int", "{{ m.nope|int(5) }}", {"m": {}}),
+    ("undefined_float", "{{ m.nope|float }}", {"m": {}}),
+    ("undefined_indent", "{{ m.nope|indent(2) }}", {"m": {}}),
+    ("undefined_dictsort", "{{ m.nope|dictsort }}", {"m": {}}),
+    # a list or dict is not a key a dict can have
+    ("in_dict_unhashable", "{{ 'a' in {'a': 1} }}{{ (1, 2) in {'a': 1} }}{{ ['a'] in {'a': 1} }}"),
     ("call_keyword_repeated", "{% macro f(a) %}{{ a }}{% endmacro %}{{ f(a=1, a=2) }}"),
 ]
 
