@@ -3506,8 +3506,8 @@ static void exec_for_list(struct rctx *R, const struct jnode *n, struct scope *s
         items = kept;
         cnt = k;
     }
-    if (!cnt) {
-        exec_body(R, &n->orelse, s, o);
+    if (!cnt) { /* in a scope of its own, as jinja2's loop frame: what it sets stays inside */
+        exec_body(R, &n->orelse, new_scope(R, s), o);
         return;
     }
     struct jloop *lp = j_alloc(&R->b, sizeof *lp);

@@ -310,6 +310,9 @@ CASES = [
     ("undefined_dictsort", "{{ m.nope|dictsort }}", {"m": {}}),
     # a list or dict is not a key a dict can have
     ("in_dict_unhashable", "{{ 'a' in {'a': 1} }}{{ (1, 2) in {'a': 1} }}{{ ['a'] in {'a': 1} }}"),
+    # a for's else block has the loop's scope: what it sets stays inside
+    ("for_else_scope", "{% set e = 0 %}{% set ns = namespace(n=0) %}{% for i in [] %}{% else %}{% set e = 1 %}{% set f = 2 %}"
+                       "{% set ns.n = 3 %}{{ e }}{{ f }}{% endfor %}|{{ e }}{{ f is defined }}{{ ns.n }}"),
     ("call_keyword_repeated", "{% macro f(a) %}{{ a }}{% endmacro %}{{ f(a=1, a=2) }}"),
 ]
 
