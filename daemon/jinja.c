@@ -2780,6 +2780,8 @@ static jval call_filter(struct rctx *R, const struct jnode *f, jval v, struct sc
 static jval call_filter_named(struct rctx *R, const char *name, jval v, const struct args *a)
 {
     int line = a->line;
+    if (j_filter_refused(name))
+        j_die(&R->b, MOE_EUNSUPPORTED, line, "the filter '%s' is not supported", name);
     if (is(name, "tojson"))
         return f_tojson(R, v, a);
     if (is(name, "indent"))
@@ -2858,6 +2860,8 @@ static jval call_filter_named(struct rctx *R, const char *name, jval v, const st
             DIE(R, line, "map needs a filter name or attribute=");
         const struct jstr *fn = need_str(R, &a->pos[0], line, "map's filter name");
         char *fname = j_strndup(&R->b, fn->s, fn->len);
+        if (j_filter_refused(fname))
+            j_die(&R->b, MOE_EUNSUPPORTED, line, "the filter '%s' is not supported", fname);
         if (j_filter_id(fname) < 0)
             j_die(&R->b, MOE_EUNSUPPORTED, line, "no filter named '%s'", fname);
         struct args fa = *a;
@@ -3386,7 +3390,7 @@ static jval eval(struct rctx *R, const struct jnode *n, struct scope *s)
         break;
     }
     case E_FILTER:
-        if (n->id < 0) /* a name jinja2 does not know either, in an if (see check_names) */
+        if (n->id < 0 && !j_filter_refused(n->name)) /* a name jinja2 does not know either, in an if */
             DIE(R, n->line, "no filter named '%s'", n->name);
         r = call_filter(R, n, eval(R, n->a, s), s);
         break;

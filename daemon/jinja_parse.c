@@ -104,7 +104,8 @@ static const char *const test_names[] = {
     "ne", "none", "number", "odd", "sameas", "sequence", "string", "test", "true", "undefined",
     "upper", "==", "!=", "<", "<=", ">", ">=", "greaterthan", "lessthan", NULL,
 };
-/* jinja2's own filters that moed does not implement: refused at parse time wherever they are. */
+/* jinja2's own filters that moed does not implement: a template naming one parses (jinja2 knows
+ * them), and the render fails where one is applied. */
 static const char *const refused_filters[] = {
     "filesizeformat", "pprint", "random", "striptags", "urlencode", "urlize", "wordwrap", "xmlattr",
     NULL,
@@ -713,8 +714,6 @@ static struct jnode *parse_filter_or_test(struct parser *P, struct jnode *n)
             int line = cur(P)->line;
             const char *name = expect_ident(P, "a filter name");
             int id = j_filter_id(name);
-            if (id < 0 && j_filter_refused(name))
-                j_die(P->b, MOE_EUNSUPPORTED, line, "the filter '%s' is not supported", name);
             /* an unknown name (id -1) is checked after parsing: see check_names */
             struct jnode *f = mk(P, E_FILTER, line);
             f->name = name;
@@ -1109,9 +1108,8 @@ static struct jnode *parse_filter_chain(struct parser *P)
         const char *fname = expect_ident(P, "a filter name");
         struct jnode *f = mk(P, E_FILTER, fl);
         f->name = fname;
-        if ((f->id = j_filter_id(fname)) < 0)
-            j_die(P->b, MOE_EUNSUPPORTED, fl, j_filter_refused(fname) ? "the filter '%s' is not supported"
-                                                                      : "no filter named '%s'", fname);
+        if ((f->id = j_filter_id(fname)) < 0 && !j_filter_refused(fname))
+            j_die(P->b, MOE_EUNSUPPORTED, fl, "no filter named '%s'", fname);
         if (is_op(cur(P), "("))
             parse_call_args(P, f);
         f->a = chain;
@@ -1414,7 +1412,8 @@ static void check_list(struct parser *P, const struct jnlist *l, bool soft)
 static void check_names(struct parser *P, const struct jnode *n, bool soft)
 {
     for (; n; ) { /* iterates along a, where long left-leaning chains are */
-        if ((n->kind == E_FILTER || n->kind == E_TEST) && n->id < 0 && !soft)
+        if ((n->kind == E_FILTER || n->kind == E_TEST) && n->id < 0 && !soft &&
+            !(n->kind == E_FILTER && j_filter_refused(n->name)))
             j_die(P->b, MOE_EUNSUPPORTED, n->line, "no %s named '%s'", n->kind == E_FILTER ? "filter" : "test",
                   n->name);
         bool sa = soft, inner = soft; /* a's softness; b, c, arguments and bodies */

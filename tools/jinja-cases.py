@@ -313,6 +313,9 @@ CASES = [
     # a for's else block has the loop's scope: what it sets stays inside
     ("for_else_scope", "{% set e = 0 %}{% set ns = namespace(n=0) %}{% for i in [] %}{% else %}{% set e = 1 %}{% set f = 2 %}"
                        "{% set ns.n = 3 %}{{ e }}{{ f }}{% endfor %}|{{ e }}{{ f is defined }}{{ ns.n }}"),
+    # a filter jinja2 has and moed does not (wordwrap, striptags, ...) fails only where applied
+    ("unimplemented_filter_unused", "{% if false %}{{ x|wordwrap }}{% endif %}{% for i in [] %}{{ i|striptags }}{% endfor %}"
+                                    "{% macro f() %}{% filter urlencode %}{{ x|pprint }}{% endfilter %}{% endmacro %}ok"),
     ("call_keyword_repeated", "{% macro f(a) %}{{ a }}{% endmacro %}{{ f(a=1, a=2) }}"),
 ]
 
