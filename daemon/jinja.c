@@ -45,9 +45,18 @@ struct jmethod {
     const char *name;
 };
 
-enum { F_RANGE, F_NAMESPACE, F_RAISE, F_STRFTIME, F_DICT };
+/* joiner(sep): '' when first called, then sep; cycler(items...): next() gives the current item
+ * and moves on, current is it, reset() goes back to the first. */
+struct jobj {
+    bool cycler, used;
+    jval sep;
+    jval *items;
+    size_t n, pos;
+};
+
+enum { F_RANGE, F_NAMESPACE, F_RAISE, F_STRFTIME, F_DICT, F_JOINER, F_CYCLER };
 static const char *const func_names[] = {"range", "namespace", "raise_exception", "strftime_now",
-                                         "dict", NULL};
+                                         "dict", "joiner", "cycler", NULL};
 
 struct rctx {
     struct jbase b;
@@ -339,6 +348,7 @@ static const char *tname(const jval *v)
     case V_NS: return "Namespace";
     case V_LOOP: return "LoopContext";
     case V_MACRO: return "Macro";
+    case V_OBJ: return v->u.ob->cycler ? "Cycler" : "Joiner";
     default: return "function";
     }
 }
@@ -383,6 +393,7 @@ static const char *type_repr(struct rctx *R, const jval *v)
     case V_LOOP: t = "jinja2.runtime.LoopContext"; break;
     case V_MACRO: t = "jinja2.runtime.Macro"; break;
     case V_FUNC: case V_METHOD: t = "builtin_function_or_method"; break;
+    case V_OBJ: t = v->u.ob->cycler ? "jinja2.utils.Cycler" : "jinja2.utils.Joiner"; break;
     default: t = tname(v);
     }
     size_t n = strlen(t) + 8;
@@ -599,6 +610,9 @@ static void write_str(struct rctx *R, struct obuf *o, const jval *v, bool repr, 
         ob_lit(R, o, v->u.mac->n->name);
         ob_lit(R, o, "'>");
         return;
+    case V_OBJ:
+        ob_lit(R, o, v->u.ob->cycler ? "<jinja2.utils.Cycler object>" : "<jinja2.utils.Joiner object>");
+        return;
     default:
         ob_lit(R, o, "<built-in function>");
     }
@@ -799,6 +813,7 @@ static bool vequal(const jval *a, const jval *b, int depth)
     case V_NS: return a->u.d == b->u.d;
     case V_MACRO: return a->u.mac->n == b->u.mac->n;
     case V_FUNC: return a->u.fn == b->u.fn;
+    case V_OBJ: return a->u.ob == b->u.ob;
     default: return false;
     }
 }
@@ -930,6 +945,12 @@ static jval get_attr(struct rctx *R, jval obj, const char *name, int line)
         if (in_names(list_modifying, name) && !obj.u.l->tuple)
             return modifying_method(R, "list", name);
         return in_names(list_methods, name) ? method(R, obj, name) : undef_attr(R, &obj, name);
+    case V_OBJ:
+        if (obj.u.ob->cycler && is(name, "current"))
+            return obj.u.ob->items[obj.u.ob->pos];
+        if (obj.u.ob->cycler && (is(name, "next") || is(name, "reset")))
+            return method(R, obj, name);
+        return undef_attr(R, &obj, name);
     case V_LOOP: {
         const struct jloop *lp = obj.u.lp;
         if (is(name, "index")) return mkint((int64_t)lp->i + 1);
@@ -1349,6 +1370,25 @@ static jval call_func(struct rctx *R, int fn, const struct args *a)
         for (size_t i = 0; i < cnt; i++, x += (i < cnt ? v[2] : 0))
             l.u.l->v[i] = mkint(x);
         return l;
+    }
+    case F_JOINER: case F_CYCLER: {
+        struct jobj *ob = j_alloc(&R->b, sizeof *ob);
+        memset(ob, 0, sizeof *ob);
+        ob->cycler = fn == F_CYCLER;
+        if (ob->cycler) {
+            check_args(R, a, SIZE_MAX, NULL);
+            if (!a->n)
+                DIE(R, a->line, "cycler: at least one item has to be provided");
+            ob->items = j_alloc(&R->b, a->n * sizeof *ob->items);
+            memcpy(ob->items, a->pos, a->n * sizeof *ob->items);
+            ob->n = a->n;
+        } else {
+            static const char *const kw[] = {"sep", NULL};
+            check_args(R, a, 1, kw);
+            const jval *sep = arg(a, 0, "sep");
+            ob->sep = sep ? *sep : vstr(mkjstr(R, ", ", 2, PROV_LIT, NULL));
+        }
+        return (jval){.t = V_OBJ, .u.ob = ob};
     }
     case F_NAMESPACE: case F_DICT: {
         jval d = mkdict(R);
@@ -2460,6 +2500,17 @@ static jval call_method(struct rctx *R, const struct jmethod *m, const struct ar
         self.u.lp->changed = now;
         return mkbool(changed);
     }
+    if (self.t == V_OBJ && (is(name, "next") || is(name, "reset"))) {
+        check_args(R, a, 0, NULL);
+        struct jobj *ob = self.u.ob;
+        if (name[0] == 'r') {
+            ob->pos = 0;
+            return NONE;
+        }
+        jval rv = ob->items[ob->pos];
+        ob->pos = (ob->pos + 1) % ob->n;
+        return rv;
+    }
     if (self.t == V_LOOP && is(name, "cycle")) {
         if (!a->n)
             DIE(R, line, "loop.cycle() needs at least one argument");
@@ -2495,6 +2546,15 @@ static jval call_value(struct rctx *R, jval f, const struct args *a)
     case V_LOOP: return call_loop(R, f.u.lp, a);
     case V_FUNC: return call_func(R, f.u.fn, a);
     case V_METHOD: return call_method(R, f.u.me, a);
+    case V_OBJ: /* a joiner */
+        if (f.u.ob->cycler)
+            DIE(R, a->line, "'Cycler' object is not callable");
+        check_args(R, a, 0, NULL);
+        if (!f.u.ob->used) {
+            f.u.ob->used = true;
+            return vstr(mkjstr(R, "", 0, PROV_LIT, NULL));
+        }
+        return f.u.ob->sep;
     case V_UNDEF: undefined_error(R, a->line, &f);
     default: DIE(R, a->line, "'%s' object is not callable", tname(&f));
     }
@@ -3288,7 +3348,8 @@ static bool run_test(struct rctx *R, const char *name, jval v, const struct args
     if (is(name, "mapping")) return v.t == V_DICT;
     if (is(name, "iterable")) return v.t == V_STR || v.t == V_LIST || v.t == V_DICT || v.t == V_UNDEF;
     if (is(name, "sequence")) return v.t == V_STR || v.t == V_LIST || v.t == V_DICT || v.t == V_UNDEF;
-    if (is(name, "callable")) return v.t == V_MACRO || v.t == V_FUNC || v.t == V_METHOD;
+    if (is(name, "callable"))
+        return v.t == V_MACRO || v.t == V_FUNC || v.t == V_METHOD || (v.t == V_OBJ && !v.u.ob->cycler);
     if (is(name, "escaped")) return false;
     if (is(name, "lower") || is(name, "upper")) /* str(value).islower() */
         return str_is_case(to_str(R, &v), name[0] == 'l');

@@ -316,6 +316,13 @@ CASES = [
     # a filter jinja2 has and moed does not (wordwrap, striptags, ...) fails only where applied
     ("unimplemented_filter_unused", "{% if false %}{{ x|wordwrap }}{% endif %}{% for i in [] %}{{ i|striptags }}{% endfor %}"
                                     "{% macro f() %}{% filter urlencode %}{{ x|pprint }}{% endfilter %}{% endmacro %}ok"),
+    # jinja2's joiner and cycler globals
+    ("joiner_cycler", "{% set j = joiner(sep=' | ') %}{% for x in [3, 1, 2] %}{{ j() }}{{ x }}{% endfor %}"
+                      "|{% set c = cycler('a', 'b', 'c') %}{{ c.current }}{{ c.next() }}{{ c.next() }}{{ c.current }}{{ c.reset() }}"
+                      "{{ c.next() }}|{{ c is callable }}{{ joiner() is callable }}{{ c.nope is defined }}"
+                      "|{% set k = joiner('-') %}{% macro f() %}{{ k() }}x{% endmacro %}{{ f() }}{{ f() }}{{ f() }}"),
+    ("cycler_empty", "{{ cycler() }}"),
+    ("cycler_not_callable", "{{ cycler(1)() }}"),
     ("call_keyword_repeated", "{% macro f(a) %}{{ a }}{% endmacro %}{{ f(a=1, a=2) }}"),
 ]
 
