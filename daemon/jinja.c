@@ -3613,6 +3613,15 @@ static jval mkmacro(struct rctx *R, const struct jnode *n, struct scope *env)
     return (jval){.t = V_MACRO, .u.mac = m};
 }
 
+/* {% set ns.attr = v %} (and the block form): only a namespace takes an attribute. */
+static void set_ns_attr(struct rctx *R, struct scope *s, const struct jnode *n, jval v)
+{
+    jval ns = lookup(R, s, n->name);
+    if (ns.t != V_NS)
+        DIE(R, n->line, "cannot assign attribute '%s' on '%s' (not a namespace)", n->attr, n->name);
+    d_set_s(R, ns.u.d, n->attr, v);
+}
+
 static void exec_node(struct rctx *R, const struct jnode *n, struct scope *s, struct obuf *o)
 {
     switch (n->kind) {
@@ -3634,25 +3643,22 @@ static void exec_node(struct rctx *R, const struct jnode *n, struct scope *s, st
         return;
     case N_SET: {
         jval v = eval(R, n->a, s);
-        if (n->attr) {
-            jval ns = lookup(R, s, n->name);
-            if (ns.t != V_NS)
-                DIE(R, n->line, "cannot assign attribute '%s' on '%s' (not a namespace)", n->attr,
-                    n->name);
-            d_set_s(R, ns.u.d, n->attr, v);
-        } else {
+        if (n->attr)
+            set_ns_attr(R, s, n, v);
+        else
             assign(R, s, n->targets, n->n_targets, v, n->line);
-        }
         return;
     }
     case N_SETBLOCK: case N_FILTERBLOCK: {
         struct obuf b = {0};
         exec_body(R, &n->body, s, &b);
         jval v = apply_filter_chain(R, n->a, vstr(ob_done(R, &b)), s);
-        if (n->kind == N_SETBLOCK)
-            d_set_s(R, &s->vars, n->name, v);
-        else
+        if (n->kind == N_FILTERBLOCK)
             write_str(R, o, &v, false, 0);
+        else if (n->attr) /* {% set ns.x %}...{% endset %} */
+            set_ns_attr(R, s, n, v);
+        else
+            d_set_s(R, &s->vars, n->name, v);
         return;
     }
     case N_MACRO:

@@ -1204,7 +1204,7 @@ static struct jnode *parse_statement(struct parser *P)
             expect_bend(P);
             return n;
         }
-        if (n->attr || n->n_targets != 1)
+        if (n->n_targets != 1)
             unexpected(P, "'='");
         n->kind = N_SETBLOCK;
         n->a = accept_op(P, "|") ? parse_filter_chain(P) : NULL; /* {% set x | filter %} */

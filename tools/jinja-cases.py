@@ -323,6 +323,9 @@ CASES = [
                       "|{% set k = joiner('-') %}{% macro f() %}{{ k() }}x{% endmacro %}{{ f() }}{{ f() }}{{ f() }}"),
     ("cycler_empty", "{{ cycler() }}"),
     ("cycler_not_callable", "{{ cycler(1)() }}"),
+    # a block set may assign a namespace's attribute
+    ("set_block_namespace_attr", "{% set ns = namespace(x='') %}{% set ns.x | upper %}block {{ 3 }}{% endset %}{{ ns.x }}|"
+                                 "{% for i in [1, 2] %}{% set ns.x %}{{ ns.x }}{{ i }}{% endset %}{% endfor %}{{ ns.x }}"),
     ("call_keyword_repeated", "{% macro f(a) %}{{ a }}{% endmacro %}{{ f(a=1, a=2) }}"),
 ]
 
