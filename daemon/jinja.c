@@ -3651,7 +3651,7 @@ static void exec_node(struct rctx *R, const struct jnode *n, struct scope *s, st
     }
     case N_SETBLOCK: case N_FILTERBLOCK: {
         struct obuf b = {0};
-        exec_body(R, &n->body, s, &b);
+        exec_body(R, &n->body, new_scope(R, s), &b); /* its own scope, as in jinja2 */
         jval v = apply_filter_chain(R, n->a, vstr(ob_done(R, &b)), s);
         if (n->kind == N_FILTERBLOCK)
             write_str(R, o, &v, false, 0);

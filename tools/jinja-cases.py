@@ -326,6 +326,9 @@ CASES = [
     # a block set may assign a namespace's attribute
     ("set_block_namespace_attr", "{% set ns = namespace(x='') %}{% set ns.x | upper %}block {{ 3 }}{% endset %}{{ ns.x }}|"
                                  "{% for i in [1, 2] %}{% set ns.x %}{{ ns.x }}{{ i }}{% endset %}{% endfor %}{{ ns.x }}"),
+    # the body of a block set or a filter block has its own scope
+    ("set_filter_block_scope", "{% set i = 1 %}{% set blk %}a{% set i = 5 %}{% set j = 6 %}{{ i }}{% endset %}{{ blk }}{{ i }}{{ j is defined }}"
+                               "|{% filter upper %}{% set i = 7 %}x{{ i }}{% endfilter %}{{ i }}"),
     ("call_keyword_repeated", "{% macro f(a) %}{{ a }}{% endmacro %}{{ f(a=1, a=2) }}"),
 ]
 
