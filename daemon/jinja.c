@@ -3586,18 +3586,24 @@ static void exec_for_list(struct rctx *R, const struct jnode *n, struct scope *s
      * in Jinja2, where each iteration starts afresh), the loop variables are overwritten. */
     struct scope *is = new_scope(R, s);
     d_set_s(R, &is->vars, "loop", (jval){.t = V_LOOP, .u.lp = lp});
+    bool completed = false; /* an iteration reached the end of the body */
     for (size_t i = 0; i < cnt; i++) {
         count_iter(R, n->line);
         lp->i = i;
         is->vars.n = 1;
         assign(R, is, n->targets, n->n_targets, items[i], n->line);
         exec_body(R, &n->body, is, o);
+        completed |= !R->brk && !R->cont;
         R->cont = false;
         if (R->brk) {
             R->brk = false;
             break;
         }
     }
+    /* jinja2 clears its "no iteration" flag at the end of the body, so the else block runs too
+     * when every iteration left by break or continue */
+    if (!completed && n->orelse.n)
+        exec_body(R, &n->orelse, new_scope(R, s), o);
 }
 
 static void exec_for(struct rctx *R, const struct jnode *n, struct scope *s, struct obuf *o)
@@ -3652,6 +3658,8 @@ static void exec_node(struct rctx *R, const struct jnode *n, struct scope *s, st
     case N_SETBLOCK: case N_FILTERBLOCK: {
         struct obuf b = {0};
         exec_body(R, &n->body, new_scope(R, s), &b); /* its own scope, as in jinja2 */
+        if (R->brk || R->cont) /* left for the loop around: nothing is filtered, written or set */
+            return;
         jval v = apply_filter_chain(R, n->a, vstr(ob_done(R, &b)), s);
         if (n->kind == N_FILTERBLOCK)
             write_str(R, o, &v, false, 0);

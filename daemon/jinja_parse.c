@@ -145,6 +145,7 @@ struct parser {
     size_t refs[3]; /* names 'caller', 'varargs', 'kwargs' parsed so far */
     const char *blocks[256]; /* names of the {% block %}s so far */
     size_t n_blocks;
+    int loops; /* for loops around, in the same function as jinja2 compiles it (break and continue) */
 };
 
 #define MAX_NEST 100
@@ -1083,6 +1084,18 @@ static struct jnode *parse_tuple(struct parser *P) { return parse_tuple_of(P, tr
 
 static struct jnlist parse_body(struct parser *P, const char *const *ends, const char **which);
 
+/* A body with `loops` for loops around it that break and continue may leave: a for loop's body
+ * one more, a macro's, a call block's, a block's and generation's none (jinja2 compiles them as
+ * functions of their own). */
+static struct jnlist parse_body_in(struct parser *P, const char *const *ends, const char **which, int loops)
+{
+    int saved = P->loops;
+    P->loops = loops;
+    struct jnlist r = parse_body(P, ends, which);
+    P->loops = saved;
+    return r;
+}
+
 static const char **parse_targets(struct parser *P, size_t *n, const char *what)
 {
     const char **v = j_alloc(P->b, 16 * sizeof *v);
@@ -1179,7 +1192,7 @@ static struct jnode *parse_statement(struct parser *P)
         expect_bend(P);
         static const char *const ends[] = {"else", "endfor", NULL};
         const char *which;
-        n->body = parse_body(P, ends, &which);
+        n->body = parse_body_in(P, ends, &which, P->loops + 1);
         if (!strcmp(which, "else")) {
             expect_bend(P);
             static const char *const e2[] = {"endfor", NULL};
@@ -1225,7 +1238,7 @@ static struct jnode *parse_statement(struct parser *P)
         memcpy(refs, P->refs, sizeof refs);
         static const char *const ends[] = {"endmacro", NULL};
         const char *which;
-        n->body = parse_body(P, ends, &which);
+        n->body = parse_body_in(P, ends, &which, 0);
         for (int k = 0; k < 3; k++)
             if (P->refs[k] != refs[k])
                 n->op |= (uint8_t)(1 << k);
@@ -1246,7 +1259,7 @@ static struct jnode *parse_statement(struct parser *P)
         expect_bend(P);
         static const char *const ends[] = {"endcall", NULL};
         const char *which;
-        c->body = parse_body(P, ends, &which);
+        c->body = parse_body_in(P, ends, &which, 0);
         expect_bend(P);
         return n;
     }
@@ -1302,7 +1315,7 @@ static struct jnode *parse_statement(struct parser *P)
         expect_bend(P);
         static const char *const ends[] = {"endblock", NULL};
         const char *which;
-        n->body = parse_body(P, ends, &which);
+        n->body = parse_body_in(P, ends, &which, 0);
         if (cur(P)->k == T_NAME)
             P->pos++;
         expect_bend(P);
@@ -1321,11 +1334,13 @@ static struct jnode *parse_statement(struct parser *P)
         expect_bend(P);
         static const char *const ends[] = {"endgeneration", NULL};
         const char *which;
-        n->body = parse_body(P, ends, &which);
+        n->body = parse_body_in(P, ends, &which, 0);
         expect_bend(P);
         return n;
     }
     if (!strcmp(name, "break") || !strcmp(name, "continue")) {
+        if (!P->loops)
+            j_die(P->b, MOE_EFORMAT, line, "'%s' outside a loop", name);
         struct jnode *n = mk(P, name[0] == 'b' ? N_BREAK : N_CONTINUE, line);
         expect_bend(P);
         return n;

@@ -329,6 +329,17 @@ CASES = [
     # the body of a block set or a filter block has its own scope
     ("set_filter_block_scope", "{% set i = 1 %}{% set blk %}a{% set i = 5 %}{% set j = 6 %}{{ i }}{% endset %}{{ blk }}{{ i }}{{ j is defined }}"
                                "|{% filter upper %}{% set i = 7 %}x{{ i }}{% endfilter %}{{ i }}"),
+    # break and continue: only in a loop body of the same function (not in a loop's else, a macro
+    # or a call block); the else block runs when no iteration reached the end of the body; a
+    # filter block left by continue writes nothing
+    ("break_outside_loop", "{% for x in [1] %}{% else %}{% break %}{% endfor %}"),
+    ("continue_in_macro_in_loop", "{% for x in [1] %}{% macro f() %}{% continue %}{% endmacro %}{% endfor %}"),
+    ("continue_in_call_block", "{% macro w() %}{{ caller() }}{% endmacro %}{% for x in [1] %}{% call w() %}{% continue %}{% endcall %}{% endfor %}"),
+    ("for_else_after_break_continue", "{% for x in [1, 2] %}{% break %}{% else %}E{% endfor %}|{% for x in [1, 2] %}{{ x }}{% continue %}"
+                                      "{% else %}E{% endfor %}|{% for x in [1, 2] %}{{ x }}{% if x == 1 %}{% continue %}{% endif %}"
+                                      "{% else %}E{% endfor %}|{% for x in [1, 2] %}{{ x }}{% if x == 2 %}{% break %}{% endif %}{% else %}E{% endfor %}"),
+    ("filter_block_continue", "{% for x in [1, 2] %}{% filter upper %}a{% if x == 1 %}{% continue %}{% endif %}b{% endfilter %}{{ x }}"
+                              "{% with %}{% if x == 2 %}{% break %}{% endif %}w{% endwith %}{% endfor %}"),
     ("call_keyword_repeated", "{% macro f(a) %}{{ a }}{% endmacro %}{{ f(a=1, a=2) }}"),
 ]
 
