@@ -1259,7 +1259,12 @@ static struct jnode *parse_statement(struct parser *P)
         expect_bend(P);
         static const char *const ends[] = {"endcall", NULL};
         const char *which;
+        size_t refs[3];
+        memcpy(refs, P->refs, sizeof refs);
         c->body = parse_body_in(P, ends, &which, 0);
+        for (int k = 0; k < 3; k++) /* as a macro's: its own caller (none), varargs and kwargs */
+            if (P->refs[k] != refs[k])
+                c->op |= (uint8_t)(1 << k);
         expect_bend(P);
         return n;
     }

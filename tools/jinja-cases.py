@@ -340,6 +340,11 @@ CASES = [
                                       "{% else %}E{% endfor %}|{% for x in [1, 2] %}{{ x }}{% if x == 2 %}{% break %}{% endif %}{% else %}E{% endfor %}"),
     ("filter_block_continue", "{% for x in [1, 2] %}{% filter upper %}a{% if x == 1 %}{% continue %}{% endif %}b{% endfilter %}{{ x }}"
                               "{% with %}{% if x == 2 %}{% break %}{% endif %}w{% endwith %}{% endfor %}"),
+    # a call block's body is a macro of its own: varargs and kwargs of caller(...), and no caller
+    ("call_block_own_varargs", "{% macro f() %}{{ caller(1, 2, k=3) }}{% endmacro %}{% call f() %}{{ varargs }}{{ kwargs }}"
+                               "{{ caller is defined }}{% endcall %}"),
+    ("call_block_no_caller", "{% macro f() %}{{ caller() }}{% endmacro %}{% macro g() %}{% call f() %}in g {{ caller() }}{% endcall %}"
+                             "{% endmacro %}{% call g() %}outer{% endcall %}"),
     ("call_keyword_repeated", "{% macro f(a) %}{{ a }}{% endmacro %}{{ f(a=1, a=2) }}"),
 ]
 
