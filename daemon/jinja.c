@@ -1886,6 +1886,32 @@ static struct jstr *repr_of(struct rctx *R, const jval *v)
     return ob_done(R, &o);
 }
 
+/* Python's ascii(): the repr with each code point beyond ASCII as \x, \u or \U escape (of the
+ * provenance of the code point it stands for). */
+static struct jstr *ascii_of(struct rctx *R, const jval *v)
+{
+    struct jstr *r = repr_of(R, v);
+    struct obuf o = {0};
+    size_t i = 0, run = 0;
+    while (i < r->len) {
+        if (!((unsigned char)r->s[i] & 0x80)) {
+            i++;
+            continue;
+        }
+        ob_str(R, &o, jsub(R, r, run, i - run));
+        size_t nx;
+        uint32_t c = u8_cp(r->s, r->len, i, &nx);
+        char buf[16];
+        const char *f = c < 0x100 ? "\\x%02x" : c < 0x10000 ? "\\u%04x" : "\\U%08x";
+        int n = snprintf(buf, sizeof buf, f, (unsigned)c);
+        uint8_t prov = r->prov == PROV_MIX ? (r->m[i] ? PROV_DATA : PROV_LIT) : r->prov;
+        ob_str(R, &o, mkjstr(R, j_strndup(&R->b, buf, (size_t)n), (size_t)n, prov, NULL));
+        i = run = nx;
+    }
+    ob_str(R, &o, jsub(R, r, run, r->len - run));
+    return ob_done(R, &o);
+}
+
 /* Python's str % args: args a tuple (its items), a dict (for %(key)s) or one value. */
 static struct jstr *py_percent(struct rctx *R, const struct jstr *f, jval args, int line)
 {
@@ -1958,7 +1984,8 @@ static struct jstr *py_percent(struct rctx *R, const struct jstr *f, jval args, 
             j_die(&R->b, MOE_EUNSUPPORTED, line, "a format width above %d", FMT_MAX_WIDTH);
         switch (conv) {
         case 's': case 'r': case 'a': case 'c': {
-            struct jstr *b = conv == 's' ? to_str(R, v) : conv == 'c' ? char_of(R, v, line) : repr_of(R, v);
+            struct jstr *b = conv == 's' ? to_str(R, v) : conv == 'c' ? char_of(R, v, line)
+                           : conv == 'a' ? ascii_of(R, v) : repr_of(R, v);
             if (prec >= 0 && conv != 'c') {
                 size_t n, *off = u8_offsets(R, b, &n);
                 if ((size_t)prec < n)
@@ -2158,7 +2185,7 @@ static struct jstr *py_format(struct rctx *R, const struct jstr *f, const struct
             char c = i + 1 < n ? s[i + 1] : 0;
             if (c != 'r' && c != 's' && c != 'a')
                 DIE(R, line, "Unknown conversion specifier in a format string");
-            cur = vstr(c == 's' ? to_str(R, &cur) : repr_of(R, &cur));
+            cur = vstr(c == 's' ? to_str(R, &cur) : c == 'a' ? ascii_of(R, &cur) : repr_of(R, &cur));
             i += 2;
         }
         size_t ss = i, se = i;

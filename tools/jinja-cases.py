@@ -345,6 +345,9 @@ CASES = [
                                "{{ caller is defined }}{% endcall %}"),
     ("call_block_no_caller", "{% macro f() %}{{ caller() }}{% endmacro %}{% macro g() %}{% call f() %}in g {{ caller() }}{% endcall %}"
                              "{% endmacro %}{% call g() %}outer{% endcall %}"),
+    # %a and !a: Python's ascii(), the repr with escapes beyond ASCII
+    ("pct_ascii_conversion", "{{ '%a|%r' % ('é\n', 'é') }}|{{ '%a' % [['ü', '😀'], {'k': 'ÿ\u2028'}] }}|{{ '{!a:>10}|{!a}'.format('é', 'plain') }}"
+                             "|{{ '%6a|' % 'é' }}"),
     ("call_keyword_repeated", "{% macro f(a) %}{{ a }}{% endmacro %}{{ f(a=1, a=2) }}"),
 ]
 
