@@ -2275,12 +2275,14 @@ static jval call_method(struct rctx *R, const struct jmethod *m, const struct ar
             const jval *p = arg(a, 0, NULL);
             if (!p)
                 DIE(R, line, "%s() takes at least 1 argument", name);
+            jval opts = p->t == V_LIST ? *p : (jval){0};
+            size_t nopt = p->t == V_LIST ? p->u.l->n : 1;
+            for (size_t k = 0; k < nopt; k++) /* the type first, as Python checks it */
+                need_str(R, p->t == V_LIST ? &opts.u.l->v[k] : p, line, name);
             int64_t from;
             s = str_range(R, s, a, 1, &from, name);
             if (!s)
                 return mkbool(false);
-            jval opts = p->t == V_LIST ? *p : (jval){0};
-            size_t nopt = p->t == V_LIST ? p->u.l->n : 1;
             for (size_t k = 0; k < nopt; k++) {
                 const struct jstr *x = need_str(R, p->t == V_LIST ? &opts.u.l->v[k] : p, line, name);
                 if (x->len <= s->len &&
@@ -2419,6 +2421,8 @@ static jval call_method(struct rctx *R, const struct jmethod *m, const struct ar
             static const char *const kw[] = {"keepends", NULL};
             check_args(R, a, 1, kw);
             const jval *ke = arg(a, 0, "keepends");
+            if (ke && !is_intlike(ke))
+                DIE(R, line, "'%s' object cannot be interpreted as an integer", tname(ke));
             bool keep = ke && truthy(ke);
             size_t cnt = 0, end, next;
             for (size_t i = 0; i < s->len; i = next, cnt++)

@@ -268,6 +268,8 @@ CASES = [
                           "|{{ 'abcabc'.count('b', 2) }}|{{ 'abc'.count('', 1) }}|{{ 'abc'.count('', 5) }}|{{ 'abcabc'.index('c', 3, 6) }}"),
     ("str_method_range_not_found", "{{ 'abc'.index('a', 1) }}"),
     ("str_method_range_bad_index", "{{ 'abc'.find('a', 'x') }}"),
+    ("str_method_range_bad_prefix", "{{ 'é'.startswith(none, 2) }}"),
+    ("splitlines_keepends_not_int", "{{ 'a\nb'.splitlines(keepends=1) }}{{ 'a\nb'.splitlines(',') }}"),
     # split(None, maxsplit): the rest keeps its whitespace on the far side
     ("split_whitespace_maxsplit", "{{ '  a b  c  '.split(none, 1) }}{{ '  a b  c  '.rsplit(none, 1) }}{{ ' a '.split(none, 0) }}"
                                   "{{ ' a '.rsplit(none, 0) }}{{ 'a  '.split(none, 1) }}{{ ' x\ty\n'.split(maxsplit=1) }}"),
