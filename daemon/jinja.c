@@ -45,9 +45,18 @@ struct jmethod {
     const char *name;
 };
 
-enum { F_RANGE, F_NAMESPACE, F_RAISE, F_STRFTIME, F_DICT };
+/* joiner(sep): '' when first called, then sep; cycler(items...): next() gives the current item
+ * and moves on, current is it, reset() goes back to the first. */
+struct jobj {
+    bool cycler, used;
+    jval sep;
+    jval *items;
+    size_t n, pos;
+};
+
+enum { F_RANGE, F_NAMESPACE, F_RAISE, F_STRFTIME, F_DICT, F_JOINER, F_CYCLER };
 static const char *const func_names[] = {"range", "namespace", "raise_exception", "strftime_now",
-                                         "dict", NULL};
+                                         "dict", "joiner", "cycler", NULL};
 
 struct rctx {
     struct jbase b;
@@ -339,6 +348,7 @@ static const char *tname(const jval *v)
     case V_NS: return "Namespace";
     case V_LOOP: return "LoopContext";
     case V_MACRO: return "Macro";
+    case V_OBJ: return v->u.ob->cycler ? "Cycler" : "Joiner";
     default: return "function";
     }
 }
@@ -383,6 +393,7 @@ static const char *type_repr(struct rctx *R, const jval *v)
     case V_LOOP: t = "jinja2.runtime.LoopContext"; break;
     case V_MACRO: t = "jinja2.runtime.Macro"; break;
     case V_FUNC: case V_METHOD: t = "builtin_function_or_method"; break;
+    case V_OBJ: t = v->u.ob->cycler ? "jinja2.utils.Cycler" : "jinja2.utils.Joiner"; break;
     default: t = tname(v);
     }
     size_t n = strlen(t) + 8;
@@ -599,6 +610,9 @@ static void write_str(struct rctx *R, struct obuf *o, const jval *v, bool repr, 
         ob_lit(R, o, v->u.mac->n->name);
         ob_lit(R, o, "'>");
         return;
+    case V_OBJ:
+        ob_lit(R, o, v->u.ob->cycler ? "<jinja2.utils.Cycler object>" : "<jinja2.utils.Joiner object>");
+        return;
     default:
         ob_lit(R, o, "<built-in function>");
     }
@@ -799,6 +813,7 @@ static bool vequal(const jval *a, const jval *b, int depth)
     case V_NS: return a->u.d == b->u.d;
     case V_MACRO: return a->u.mac->n == b->u.mac->n;
     case V_FUNC: return a->u.fn == b->u.fn;
+    case V_OBJ: return a->u.ob == b->u.ob;
     default: return false;
     }
 }
@@ -873,10 +888,13 @@ static const char *const str_methods[] = {
     /* Python's, not implemented: calling one fails with "str.x() is not supported" */
     "casefold", "swapcase", "expandtabs", "encode", "format_map", "isnumeric", "isdecimal", "istitle",
     "isidentifier", "isprintable", "translate", "maketrans", NULL};
-static const char *const dict_methods[] = {"get", "items", "keys", "values", "copy", "pop",
-                                           "update", "clear", "setdefault", "popitem", NULL};
-static const char *const list_methods[] = {"index", "count", "copy", "append", "extend", "insert",
-                                           "pop", "remove", "reverse", "sort", "clear", NULL};
+static const char *const dict_methods[] = {"get", "items", "keys", "values", "copy", NULL};
+static const char *const list_methods[] = {"index", "count", "copy", NULL};
+/* The methods that modify: as in jinja2's immutable sandbox, the attribute is undefined (even
+ * where a dict has such a key), and calling it fails. */
+static const char *const dict_modifying[] = {"pop", "update", "clear", "setdefault", "popitem", NULL};
+static const char *const list_modifying[] = {"append", "extend", "insert", "pop", "remove", "reverse",
+                                             "sort", "clear", NULL};
 
 static bool in_names(const char *const *names, const char *n)
 {
@@ -894,6 +912,14 @@ static jval method(struct rctx *R, jval self, const char *name)
     return (jval){.t = V_METHOD, .u.me = m};
 }
 
+static jval modifying_method(struct rctx *R, const char *type, const char *name)
+{
+    size_t n = 2 * strlen(type) + strlen(name) + 64;
+    char *m = j_alloc(&R->b, n);
+    snprintf(m, n, "\1%s.%s() modifies the %s, which templates may not do", type, name, type);
+    return undef_named(m);
+}
+
 static jval get_attr(struct rctx *R, jval obj, const char *name, int line)
 {
     switch (obj.t) {
@@ -902,6 +928,8 @@ static jval get_attr(struct rctx *R, jval obj, const char *name, int line)
     case V_DICT: {
         if (in_names(dict_methods, name))
             return method(R, obj, name);
+        if (in_names(dict_modifying, name))
+            return modifying_method(R, "dict", name);
         jval *v = d_find_s(obj.u.d, name);
         return v ? *v : undef_attr(R, &obj, name);
     }
@@ -914,7 +942,15 @@ static jval get_attr(struct rctx *R, jval obj, const char *name, int line)
     case V_LIST:
         if (obj.u.l->group && (is(name, "grouper") || is(name, "list")))
             return obj.u.l->v[name[0] == 'g' ? 0 : 1];
+        if (in_names(list_modifying, name) && !obj.u.l->tuple)
+            return modifying_method(R, "list", name);
         return in_names(list_methods, name) ? method(R, obj, name) : undef_attr(R, &obj, name);
+    case V_OBJ:
+        if (obj.u.ob->cycler && is(name, "current"))
+            return obj.u.ob->items[obj.u.ob->pos];
+        if (obj.u.ob->cycler && (is(name, "next") || is(name, "reset")))
+            return method(R, obj, name);
+        return undef_attr(R, &obj, name);
     case V_LOOP: {
         const struct jloop *lp = obj.u.lp;
         if (is(name, "index")) return mkint((int64_t)lp->i + 1);
@@ -926,8 +962,10 @@ static jval get_attr(struct rctx *R, jval obj, const char *name, int line)
         if (is(name, "length")) return mkint((int64_t)lp->n);
         if (is(name, "depth")) return mkint((int64_t)lp->depth + 1);
         if (is(name, "depth0")) return mkint((int64_t)lp->depth);
-        if (is(name, "previtem")) return lp->i ? lp->items[lp->i - 1] : undef_named("previtem");
-        if (is(name, "nextitem")) return lp->i + 1 < lp->n ? lp->items[lp->i + 1] : undef_named("nextitem");
+        if (is(name, "previtem"))
+            return lp->i ? lp->items[lp->i - 1] : undef_named("\1there is no previous item");
+        if (is(name, "nextitem"))
+            return lp->i + 1 < lp->n ? lp->items[lp->i + 1] : undef_named("\1there is no next item");
         if (is(name, "cycle") || is(name, "changed")) return method(R, obj, name);
         return undef_attr(R, &obj, name);
     }
@@ -1053,7 +1091,7 @@ static jval arith(struct rctx *R, int op, jval a, jval b, int line)
 {
     if (a.t == V_UNDEF)
         undefined_error(R, line, &a);
-    if (b.t == V_UNDEF)
+    if (b.t == V_UNDEF && !(op == OP_MOD && a.t == V_STR)) /* '%s' % undefined formats it as '' */
         undefined_error(R, line, &b);
     if (is_num(&a) && is_num(&b)) {
         bool ints = is_intlike(&a) && is_intlike(&b);
@@ -1136,7 +1174,7 @@ static jval arith(struct rctx *R, int op, jval a, jval b, int line)
         r->markup = true;
         return vstr(r);
     }
-    if (op == OP_ADD && a.t == V_LIST && b.t == V_LIST) {
+    if (op == OP_ADD && a.t == V_LIST && b.t == V_LIST && a.u.l->tuple == b.u.l->tuple) {
         jval l = mklist(R, a.u.l->n + b.u.l->n, a.u.l->tuple);
         if (a.u.l->n)
             memcpy(l.u.l->v, a.u.l->v, a.u.l->n * sizeof(jval));
@@ -1188,7 +1226,10 @@ static bool contains(struct rctx *R, jval hay, jval needle, int line)
             if (vequal(&hay.u.l->v[i], &needle, 0))
                 return true;
         return false;
-    case V_DICT: return d_find(hay.u.d, &needle) != NULL;
+    case V_DICT:
+        if ((needle.t == V_LIST && !needle.u.l->tuple) || needle.t == V_DICT) /* not a key Python can hash */
+            DIE(R, line, "unhashable type: '%s'", tname(&needle));
+        return d_find(hay.u.d, &needle) != NULL;
     case V_UNDEF: return false;
     default: DIE(R, line, "argument of type '%s' is not iterable", tname(&hay));
     }
@@ -1274,12 +1315,16 @@ static jval call_macro(struct rctx *R, const struct jmacro *mc, const struct arg
             val = *v;
         else if (m->defaults.v[i])
             val = eval(R, m->defaults.v[i], s);
-        else
-            val = undef_named(m->targets[i]);
+        else { /* jinja2's undefined for a parameter left out */
+            size_t n = strlen(m->targets[i]) + 32;
+            char *msg = j_alloc(&R->b, n);
+            snprintf(msg, n, "\1parameter '%s' was not provided", m->targets[i]);
+            val = undef_named(msg);
+        }
         d_set_s(R, &s->vars, m->targets[i], val);
     }
     if (m->op & MAC_CALLER)
-        d_set_s(R, &s->vars, "caller", caller ? *caller : undef_named("caller"));
+        d_set_s(R, &s->vars, "caller", caller ? *caller : undef_named("\1No caller defined"));
     if (m->op & MAC_VARARGS) {
         size_t extra = a->n > m->n_targets ? a->n - m->n_targets : 0;
         jval va = mklist(R, extra, true);
@@ -1326,6 +1371,25 @@ static jval call_func(struct rctx *R, int fn, const struct args *a)
             l.u.l->v[i] = mkint(x);
         return l;
     }
+    case F_JOINER: case F_CYCLER: {
+        struct jobj *ob = j_alloc(&R->b, sizeof *ob);
+        memset(ob, 0, sizeof *ob);
+        ob->cycler = fn == F_CYCLER;
+        if (ob->cycler) {
+            check_args(R, a, SIZE_MAX, NULL);
+            if (!a->n)
+                DIE(R, a->line, "cycler: at least one item has to be provided");
+            ob->items = j_alloc(&R->b, a->n * sizeof *ob->items);
+            memcpy(ob->items, a->pos, a->n * sizeof *ob->items);
+            ob->n = a->n;
+        } else {
+            static const char *const kw[] = {"sep", NULL};
+            check_args(R, a, 1, kw);
+            const jval *sep = arg(a, 0, "sep");
+            ob->sep = sep ? *sep : vstr(mkjstr(R, ", ", 2, PROV_LIT, NULL));
+        }
+        return (jval){.t = V_OBJ, .u.ob = ob};
+    }
     case F_NAMESPACE: case F_DICT: {
         jval d = mkdict(R);
         if (fn == F_NAMESPACE)
@@ -1358,6 +1422,18 @@ static jval call_func(struct rctx *R, int fn, const struct args *a)
         else
             localtime_r(&t, &tm);
         char *fmt = j_strndup(&R->b, f->s, f->len > 256 ? 256 : f->len);
+        /* Python formats a naive datetime: %Z and %z give nothing */
+        size_t w = 0;
+        for (size_t r = 0; fmt[r]; r++) {
+            if (fmt[r] == '%' && (fmt[r + 1] == 'Z' || fmt[r + 1] == 'z')) {
+                r++;
+                continue;
+            }
+            fmt[w++] = fmt[r];
+            if (fmt[r] == '%' && fmt[r + 1])
+                fmt[w++] = fmt[++r];
+        }
+        fmt[w] = 0;
         char buf[1024];
         size_t n = fmt[0] ? strftime(buf, sizeof buf, fmt, &tm) : 0;
         return vstr(mkjstr(R, j_strndup(&R->b, buf, n), n, PROV_LIT, NULL));
@@ -1405,11 +1481,8 @@ static jval str_split(struct rctx *R, const struct jstr *s, const jval *sep, int
                 if (i >= n)
                     break;
                 size_t j = i;
-                if (maxsplit >= 0 && splits >= maxsplit) {
-                    size_t e = n;
-                    while (e > i && sp[e - 1])
-                        e--;
-                    PUSH(vstr(jsub(R, s, off[i], off[e] - off[i])));
+                if (maxsplit >= 0 && splits >= maxsplit) { /* the rest, trailing whitespace too */
+                    PUSH(vstr(jsub(R, s, off[i], off[n] - off[i])));
                     break;
                 }
                 while (j < n && !sp[j])
@@ -1426,11 +1499,8 @@ static jval str_split(struct rctx *R, const struct jstr *s, const jval *sep, int
                 if (i == 0)
                     break;
                 size_t j = i;
-                if (maxsplit >= 0 && splits >= maxsplit) {
-                    size_t b = 0;
-                    while (b < i && sp[b])
-                        b++;
-                    PUSH(vstr(jsub(R, s, off[b], off[i] - off[b])));
+                if (maxsplit >= 0 && splits >= maxsplit) { /* the rest, leading whitespace too */
+                    PUSH(vstr(jsub(R, s, 0, off[i])));
                     break;
                 }
                 while (j > 0 && !sp[j - 1])
@@ -1816,6 +1886,32 @@ static struct jstr *repr_of(struct rctx *R, const jval *v)
     return ob_done(R, &o);
 }
 
+/* Python's ascii(): the repr with each code point beyond ASCII as \x, \u or \U escape (of the
+ * provenance of the code point it stands for). */
+static struct jstr *ascii_of(struct rctx *R, const jval *v)
+{
+    struct jstr *r = repr_of(R, v);
+    struct obuf o = {0};
+    size_t i = 0, run = 0;
+    while (i < r->len) {
+        if (!((unsigned char)r->s[i] & 0x80)) {
+            i++;
+            continue;
+        }
+        ob_str(R, &o, jsub(R, r, run, i - run));
+        size_t nx;
+        uint32_t c = u8_cp(r->s, r->len, i, &nx);
+        char buf[16];
+        const char *f = c < 0x100 ? "\\x%02x" : c < 0x10000 ? "\\u%04x" : "\\U%08x";
+        int n = snprintf(buf, sizeof buf, f, (unsigned)c);
+        uint8_t prov = r->prov == PROV_MIX ? (r->m[i] ? PROV_DATA : PROV_LIT) : r->prov;
+        ob_str(R, &o, mkjstr(R, j_strndup(&R->b, buf, (size_t)n), (size_t)n, prov, NULL));
+        i = run = nx;
+    }
+    ob_str(R, &o, jsub(R, r, run, r->len - run));
+    return ob_done(R, &o);
+}
+
 /* Python's str % args: args a tuple (its items), a dict (for %(key)s) or one value. */
 static struct jstr *py_percent(struct rctx *R, const struct jstr *f, jval args, int line)
 {
@@ -1842,6 +1938,8 @@ static struct jstr *py_percent(struct rctx *R, const struct jstr *f, jval args, 
                 j++;
             if (j >= f->len)
                 DIE(R, line, "incomplete format key");
+            if (args.t == V_UNDEF)
+                undefined_error(R, line, &args);
             if (args.t != V_DICT)
                 DIE(R, line, "format requires a mapping");
             v = d_find(args.u.d, &(jval){.t = V_STR, .u.s = jsub(R, f, i + 1, j - i - 1)});
@@ -1886,7 +1984,8 @@ static struct jstr *py_percent(struct rctx *R, const struct jstr *f, jval args, 
             j_die(&R->b, MOE_EUNSUPPORTED, line, "a format width above %d", FMT_MAX_WIDTH);
         switch (conv) {
         case 's': case 'r': case 'a': case 'c': {
-            struct jstr *b = conv == 's' ? to_str(R, v) : conv == 'c' ? char_of(R, v, line) : repr_of(R, v);
+            struct jstr *b = conv == 's' ? to_str(R, v) : conv == 'c' ? char_of(R, v, line)
+                           : conv == 'a' ? ascii_of(R, v) : repr_of(R, v);
             if (prec >= 0 && conv != 'c') {
                 size_t n, *off = u8_offsets(R, b, &n);
                 if ((size_t)prec < n)
@@ -1897,6 +1996,8 @@ static struct jstr *py_percent(struct rctx *R, const struct jstr *f, jval args, 
         }
         case 'i': case 'u': conv = 'd'; /* fall through */
         case 'd': case 'x': case 'X': case 'o': case 'e': case 'E': case 'f': case 'F': case 'g': case 'G':
+            if (v->t == V_UNDEF) /* undefined has no number */
+                undefined_error(R, line, v);
             ob_str(R, &o, fmt_num(R, v, flags, width, prec, conv, line));
             break;
         default:
@@ -2084,7 +2185,7 @@ static struct jstr *py_format(struct rctx *R, const struct jstr *f, const struct
             char c = i + 1 < n ? s[i + 1] : 0;
             if (c != 'r' && c != 's' && c != 'a')
                 DIE(R, line, "Unknown conversion specifier in a format string");
-            cur = vstr(c == 's' ? to_str(R, &cur) : repr_of(R, &cur));
+            cur = vstr(c == 's' ? to_str(R, &cur) : c == 'a' ? ascii_of(R, &cur) : repr_of(R, &cur));
             i += 2;
         }
         size_t ss = i, se = i;
@@ -2131,6 +2232,37 @@ static struct jstr *str_justify(struct rctx *R, struct jstr *t, int64_t width, c
     return ob_done(R, &o);
 }
 
+/* The part of s that str methods' optional start and end arguments (positions i and i + 1, code
+ * points, negative from the end, none for the default) select, as Python clamps them; *cp_off is
+ * where it begins. NULL when end falls before start, where even an empty string is not found. */
+static const struct jstr *str_range(struct rctx *R, const struct jstr *s, const struct args *a, size_t i,
+                                    int64_t *cp_off, const char *what)
+{
+    const jval *st = arg(a, i, NULL), *en = arg(a, i + 1, NULL);
+    int64_t n = (int64_t)u8_count(s->s, s->len), b = 0, e = n;
+    for (int k = 0; k < 2; k++) {
+        const jval *v = k ? en : st;
+        if (!v || v->t == V_NONE)
+            continue;
+        if (!is_intlike(v))
+            DIE(R, a->line, "slice indices of %s() must be integers or None", what);
+        int64_t x = ival(v);
+        if (x < 0 && (x += n) < 0)
+            x = 0;
+        if (k)
+            e = x > n ? n : x;
+        else
+            b = x;
+    }
+    *cp_off = b;
+    if (e < b)
+        return NULL;
+    if (!st && !en)
+        return s;
+    size_t *off = u8_offsets(R, s, &(size_t){0});
+    return jsub(R, s, off[b], off[e] - off[b]);
+}
+
 static jval call_method(struct rctx *R, const struct jmethod *m, const struct args *a)
 {
     jval self = m->self;
@@ -2139,12 +2271,18 @@ static jval call_method(struct rctx *R, const struct jmethod *m, const struct ar
     if (self.t == V_STR) {
         const struct jstr *s = self.u.s;
         if (is(name, "startswith") || is(name, "endswith")) {
-            check_args(R, a, 1, NULL);
+            check_args(R, a, 3, NULL);
             const jval *p = arg(a, 0, NULL);
             if (!p)
-                DIE(R, line, "%s() takes one argument", name);
+                DIE(R, line, "%s() takes at least 1 argument", name);
             jval opts = p->t == V_LIST ? *p : (jval){0};
             size_t nopt = p->t == V_LIST ? p->u.l->n : 1;
+            for (size_t k = 0; k < nopt; k++) /* the type first, as Python checks it */
+                need_str(R, p->t == V_LIST ? &opts.u.l->v[k] : p, line, name);
+            int64_t from;
+            s = str_range(R, s, a, 1, &from, name);
+            if (!s)
+                return mkbool(false);
             for (size_t k = 0; k < nopt; k++) {
                 const struct jstr *x = need_str(R, p->t == V_LIST ? &opts.u.l->v[k] : p, line, name);
                 if (x->len <= s->len &&
@@ -2206,10 +2344,17 @@ static jval call_method(struct rctx *R, const struct jmethod *m, const struct ar
             return join(R, l, s, line);
         }
         if (is(name, "find") || is(name, "rfind") || is(name, "count") || is(name, "index") || is(name, "rindex")) {
-            check_args(R, a, 1, NULL);
+            check_args(R, a, 3, NULL);
             if (!a->n)
-                DIE(R, line, "%s() takes one argument", name);
+                DIE(R, line, "%s() takes at least 1 argument", name);
             const struct jstr *x = need_str(R, &a->pos[0], line, name);
+            int64_t from;
+            s = str_range(R, s, a, 1, &from, name);
+            if (!s) {
+                if (is(name, "index") || is(name, "rindex"))
+                    DIE(R, line, "substring not found");
+                return mkint(is(name, "count") ? 0 : -1);
+            }
             int64_t cnt = 0, first = -1, last = -1;
             for (size_t i = 0; i + x->len <= s->len;) {
                 if (!memcmp(s->s + i, x->s, x->len)) {
@@ -2234,7 +2379,8 @@ static jval call_method(struct rctx *R, const struct jmethod *m, const struct ar
                 }
             if ((is(name, "index") || is(name, "rindex")) && first < 0)
                 DIE(R, line, "substring not found");
-            return mkint(name[0] == 'r' ? last : first);
+            int64_t at = name[0] == 'r' ? last : first;
+            return mkint(at < 0 ? at : at + from);
         }
         if (is(name, "partition") || is(name, "rpartition")) { /* (before, sep, after) */
             check_args(R, a, 1, NULL);
@@ -2275,6 +2421,8 @@ static jval call_method(struct rctx *R, const struct jmethod *m, const struct ar
             static const char *const kw[] = {"keepends", NULL};
             check_args(R, a, 1, kw);
             const jval *ke = arg(a, 0, "keepends");
+            if (ke && !is_intlike(ke))
+                DIE(R, line, "'%s' object cannot be interpreted as an integer", tname(ke));
             bool keep = ke && truthy(ke);
             size_t cnt = 0, end, next;
             for (size_t i = 0; i < s->len; i = next, cnt++)
@@ -2352,7 +2500,7 @@ static jval call_method(struct rctx *R, const struct jmethod *m, const struct ar
                 d_set(R, c.u.d, d->k[i], d->v[i]);
             return c;
         }
-        DIE(R, line, "dict.%s() modifies the dict, which templates may not do", name);
+        DIE(R, line, "dict.%s() is not supported", name);
     }
     if (self.t == V_LIST) {
         const struct jlist *l = self.u.l;
@@ -2373,7 +2521,7 @@ static jval call_method(struct rctx *R, const struct jmethod *m, const struct ar
         }
         if (is(name, "copy"))
             return self; /* lists are never modified */
-        DIE(R, line, "list.%s() modifies the list, which templates may not do", name);
+        DIE(R, line, "list.%s() is not supported", name);
     }
     if (self.t == V_LOOP && is(name, "changed")) {
         jval now = mklist(R, a->n, true);
@@ -2382,6 +2530,17 @@ static jval call_method(struct rctx *R, const struct jmethod *m, const struct ar
         bool changed = self.u.lp->changed.t == V_UNDEF || !vequal(&self.u.lp->changed, &now, 0);
         self.u.lp->changed = now;
         return mkbool(changed);
+    }
+    if (self.t == V_OBJ && (is(name, "next") || is(name, "reset"))) {
+        check_args(R, a, 0, NULL);
+        struct jobj *ob = self.u.ob;
+        if (name[0] == 'r') {
+            ob->pos = 0;
+            return NONE;
+        }
+        jval rv = ob->items[ob->pos];
+        ob->pos = (ob->pos + 1) % ob->n;
+        return rv;
     }
     if (self.t == V_LOOP && is(name, "cycle")) {
         if (!a->n)
@@ -2418,6 +2577,15 @@ static jval call_value(struct rctx *R, jval f, const struct args *a)
     case V_LOOP: return call_loop(R, f.u.lp, a);
     case V_FUNC: return call_func(R, f.u.fn, a);
     case V_METHOD: return call_method(R, f.u.me, a);
+    case V_OBJ: /* a joiner */
+        if (f.u.ob->cycler)
+            DIE(R, a->line, "'Cycler' object is not callable");
+        check_args(R, a, 0, NULL);
+        if (!f.u.ob->used) {
+            f.u.ob->used = true;
+            return vstr(mkjstr(R, "", 0, PROV_LIT, NULL));
+        }
+        return f.u.ob->sep;
     case V_UNDEF: undefined_error(R, a->line, &f);
     default: DIE(R, a->line, "'%s' object is not callable", tname(&f));
     }
@@ -2584,6 +2752,8 @@ static jval f_indent(struct rctx *R, jval v, const struct args *a)
     static const char *const kw[] = {"width", "first", "blank", NULL};
     check_args(R, a, 3, kw);
     const jval *w = arg(a, 0, "width"), *first = arg(a, 1, "first"), *blank = arg(a, 2, "blank");
+    if (v.t == V_UNDEF) /* undefined + "\n" */
+        undefined_error(R, a->line, &v);
     if (v.t == V_LIST) /* jinja2: s += "\n"; s.splitlines() */
         DIE(R, a->line, "indent: 'list' object has no attribute 'splitlines'");
     if (v.t != V_STR)
@@ -2701,6 +2871,8 @@ static jval call_filter(struct rctx *R, const struct jnode *f, jval v, struct sc
 static jval call_filter_named(struct rctx *R, const char *name, jval v, const struct args *a)
 {
     int line = a->line;
+    if (j_filter_refused(name))
+        j_die(&R->b, MOE_EUNSUPPORTED, line, "the filter '%s' is not supported", name);
     if (is(name, "tojson"))
         return f_tojson(R, v, a);
     if (is(name, "indent"))
@@ -2732,6 +2904,8 @@ static jval call_filter_named(struct rctx *R, const char *name, jval v, const st
     if (is(name, "dictsort")) {
         static const char *const kw[] = {"case_sensitive", "by", "reverse", NULL};
         check_args(R, a, 3, kw);
+        if (v.t == V_UNDEF) /* undefined.items() */
+            undefined_error(R, line, &v);
         if (v.t != V_DICT)
             DIE(R, line, "dictsort needs a mapping, not %s", tname(&v));
         const jval *cs = arg(a, 0, "case_sensitive"), *by = arg(a, 1, "by"), *rev = arg(a, 2, "reverse");
@@ -2777,6 +2951,8 @@ static jval call_filter_named(struct rctx *R, const char *name, jval v, const st
             DIE(R, line, "map needs a filter name or attribute=");
         const struct jstr *fn = need_str(R, &a->pos[0], line, "map's filter name");
         char *fname = j_strndup(&R->b, fn->s, fn->len);
+        if (j_filter_refused(fname))
+            j_die(&R->b, MOE_EUNSUPPORTED, line, "the filter '%s' is not supported", fname);
         if (j_filter_id(fname) < 0)
             j_die(&R->b, MOE_EUNSUPPORTED, line, "no filter named '%s'", fname);
         struct args fa = *a;
@@ -2804,8 +2980,9 @@ static jval call_filter_named(struct rctx *R, const char *name, jval v, const st
     if (is(name, "first") || is(name, "last")) {
         check_args(R, a, 0, NULL);
         jval l = as_list(R, &v, line);
-        if (!l.u.l->n)
-            return undef_named(name);
+        if (!l.u.l->n) /* jinja2's undefined, with its hint */
+            return undef_named(name[0] == 'f' ? "\1No first item, sequence was empty."
+                                              : "\1No last item, sequence was empty.");
         return l.u.l->v[name[0] == 'f' ? 0 : l.u.l->n - 1];
     }
     if (is(name, "default") || is(name, "d")) {
@@ -2850,6 +3027,8 @@ static jval call_filter_named(struct rctx *R, const char *name, jval v, const st
         check_args(R, a, 2, kw);
         const jval *dv = arg(a, 0, "default");
         bool fl = name[0] == 'f';
+        if (v.t == V_UNDEF) /* int(undefined) fails in jinja2 */
+            undefined_error(R, line, &v);
         jval def = dv ? *dv : fl ? mkfloat(0) : mkint(0);
         if (is_num(&v)) {
             if (fl)
@@ -2974,8 +3153,10 @@ static jval call_filter_named(struct rctx *R, const char *name, jval v, const st
                 DIE(R, line, "method must be common, ceil or floor");
         }
         double x = fval(&v), sc = pow(10, (double)(prec < 0 ? -prec : prec));
-        if (mth)
-            return mkfloat((mth == 1 ? ceil(x * pow(10, (double)prec)) : floor(x * pow(10, (double)prec))) / pow(10, (double)prec));
+        if (mth) { /* math.ceil / floor give an int: a zero has no sign (+ 0.0 drops it) */
+            double r = (mth == 1 ? ceil(x * pow(10, (double)prec)) : floor(x * pow(10, (double)prec))) + 0.0;
+            return mkfloat(r / pow(10, (double)prec));
+        }
         if (is_intlike(&v)) {
             if (prec >= 0)
                 return mkint(ival(&v));
@@ -3012,7 +3193,7 @@ static jval call_filter_named(struct rctx *R, const char *name, jval v, const st
             return acc;
         }
         if (!l.u.l->n)
-            return undef_named(name);
+            return undef_named("\1No aggregated item, sequence was empty.");
         const jval *cs = arg(a, 99, "case_sensitive");
         jval best = l.u.l->v[0], bk = {0};
         for (size_t i = 0; i < l.u.l->n; i++) {
@@ -3033,7 +3214,7 @@ static jval call_filter_named(struct rctx *R, const char *name, jval v, const st
             DIE(R, line, "attr needs a name");
         const struct jstr *n = need_str(R, &a->pos[0], line, "attr's name");
         char *an = j_strndup(&R->b, n->s, n->len);
-        if (v.t == V_DICT && !in_names(dict_methods, an)) /* Python's getattr: not the keys */
+        if (v.t == V_DICT && !in_names(dict_methods, an) && !in_names(dict_modifying, an)) /* not the keys */
             return undef_attr(R, &v, an);
         return get_attr(R, v, an, line);
     }
@@ -3088,12 +3269,15 @@ static jval call_filter_named(struct rctx *R, const char *name, jval v, const st
                 return v;
             DIE(R, line, "truncate: can only truncate a string, not a long %s", tname(&v));
         }
-        if (v.t != V_STR)
+        if (v.t != V_STR && v.t != V_UNDEF)
             DIE(R, line, "object of type '%s' has no len()", tname(&v));
-        struct jstr *t = v.u.s, *e = end ? to_str(R, end) : mkjstr(R, "...", 3, PROV_LIT, NULL);
+        struct jstr *e = end ? to_str(R, end) : mkjstr(R, "...", 3, PROV_LIT, NULL);
         int64_t elen = (int64_t)u8_count(e->s, e->len);
         if (length < elen || leeway < 0)
             DIE(R, line, "truncate: expected length >= %lld and leeway >= 0", (long long)elen);
+        if (v.t == V_UNDEF) /* of length 0: as it is */
+            return v;
+        struct jstr *t = v.u.s;
         size_t n, *off = u8_offsets(R, t, &n);
         if ((int64_t)n <= length + leeway)
             return vstr(t);
@@ -3195,7 +3379,8 @@ static bool run_test(struct rctx *R, const char *name, jval v, const struct args
     if (is(name, "mapping")) return v.t == V_DICT;
     if (is(name, "iterable")) return v.t == V_STR || v.t == V_LIST || v.t == V_DICT || v.t == V_UNDEF;
     if (is(name, "sequence")) return v.t == V_STR || v.t == V_LIST || v.t == V_DICT || v.t == V_UNDEF;
-    if (is(name, "callable")) return v.t == V_MACRO || v.t == V_FUNC || v.t == V_METHOD;
+    if (is(name, "callable"))
+        return v.t == V_MACRO || v.t == V_FUNC || v.t == V_METHOD || (v.t == V_OBJ && !v.u.ob->cycler);
     if (is(name, "escaped")) return false;
     if (is(name, "lower") || is(name, "upper")) /* str(value).islower() */
         return str_is_case(to_str(R, &v), name[0] == 'l');
@@ -3297,7 +3482,7 @@ static jval eval(struct rctx *R, const struct jnode *n, struct scope *s)
         break;
     }
     case E_FILTER:
-        if (n->id < 0) /* a name jinja2 does not know either, in an if (see check_names) */
+        if (n->id < 0 && !j_filter_refused(n->name)) /* a name jinja2 does not know either, in an if */
             DIE(R, n->line, "no filter named '%s'", n->name);
         r = call_filter(R, n, eval(R, n->a, s), s);
         break;
@@ -3417,8 +3602,8 @@ static void exec_for_list(struct rctx *R, const struct jnode *n, struct scope *s
         items = kept;
         cnt = k;
     }
-    if (!cnt) {
-        exec_body(R, &n->orelse, s, o);
+    if (!cnt) { /* in a scope of its own, as jinja2's loop frame: what it sets stays inside */
+        exec_body(R, &n->orelse, new_scope(R, s), o);
         return;
     }
     struct jloop *lp = j_alloc(&R->b, sizeof *lp);
@@ -3432,18 +3617,24 @@ static void exec_for_list(struct rctx *R, const struct jnode *n, struct scope *s
      * in Jinja2, where each iteration starts afresh), the loop variables are overwritten. */
     struct scope *is = new_scope(R, s);
     d_set_s(R, &is->vars, "loop", (jval){.t = V_LOOP, .u.lp = lp});
+    bool completed = false; /* an iteration reached the end of the body */
     for (size_t i = 0; i < cnt; i++) {
         count_iter(R, n->line);
         lp->i = i;
         is->vars.n = 1;
         assign(R, is, n->targets, n->n_targets, items[i], n->line);
         exec_body(R, &n->body, is, o);
+        completed |= !R->brk && !R->cont;
         R->cont = false;
         if (R->brk) {
             R->brk = false;
             break;
         }
     }
+    /* jinja2 clears its "no iteration" flag at the end of the body, so the else block runs too
+     * when every iteration left by break or continue */
+    if (!completed && n->orelse.n)
+        exec_body(R, &n->orelse, new_scope(R, s), o);
 }
 
 static void exec_for(struct rctx *R, const struct jnode *n, struct scope *s, struct obuf *o)
@@ -3457,6 +3648,15 @@ static jval mkmacro(struct rctx *R, const struct jnode *n, struct scope *env)
     m->n = n;
     m->env = env;
     return (jval){.t = V_MACRO, .u.mac = m};
+}
+
+/* {% set ns.attr = v %} (and the block form): only a namespace takes an attribute. */
+static void set_ns_attr(struct rctx *R, struct scope *s, const struct jnode *n, jval v)
+{
+    jval ns = lookup(R, s, n->name);
+    if (ns.t != V_NS)
+        DIE(R, n->line, "cannot assign attribute '%s' on '%s' (not a namespace)", n->attr, n->name);
+    d_set_s(R, ns.u.d, n->attr, v);
 }
 
 static void exec_node(struct rctx *R, const struct jnode *n, struct scope *s, struct obuf *o)
@@ -3480,25 +3680,24 @@ static void exec_node(struct rctx *R, const struct jnode *n, struct scope *s, st
         return;
     case N_SET: {
         jval v = eval(R, n->a, s);
-        if (n->attr) {
-            jval ns = lookup(R, s, n->name);
-            if (ns.t != V_NS)
-                DIE(R, n->line, "cannot assign attribute '%s' on '%s' (not a namespace)", n->attr,
-                    n->name);
-            d_set_s(R, ns.u.d, n->attr, v);
-        } else {
+        if (n->attr)
+            set_ns_attr(R, s, n, v);
+        else
             assign(R, s, n->targets, n->n_targets, v, n->line);
-        }
         return;
     }
     case N_SETBLOCK: case N_FILTERBLOCK: {
         struct obuf b = {0};
-        exec_body(R, &n->body, s, &b);
+        exec_body(R, &n->body, new_scope(R, s), &b); /* its own scope, as in jinja2 */
+        if (R->brk || R->cont) /* left for the loop around: nothing is filtered, written or set */
+            return;
         jval v = apply_filter_chain(R, n->a, vstr(ob_done(R, &b)), s);
-        if (n->kind == N_SETBLOCK)
-            d_set_s(R, &s->vars, n->name, v);
-        else
+        if (n->kind == N_FILTERBLOCK)
             write_str(R, o, &v, false, 0);
+        else if (n->attr) /* {% set ns.x %}...{% endset %} */
+            set_ns_attr(R, s, n, v);
+        else
+            d_set_s(R, &s->vars, n->name, v);
         return;
     }
     case N_MACRO:

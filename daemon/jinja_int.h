@@ -42,6 +42,7 @@ struct jstr {
 enum jvt {
     V_UNDEF, V_NONE, V_BOOL, V_INT, V_FLOAT, V_STR, V_LIST, V_DICT,
     V_NS, V_LOOP, V_MACRO, V_FUNC, V_METHOD,
+    V_OBJ, /* jinja2's joiner and cycler: objects with a state */
 };
 
 struct jlist;
@@ -50,6 +51,7 @@ struct jloop;
 struct jmethod;
 struct jmacro;
 struct jnode;
+struct jobj;
 
 typedef struct jval {
     uint8_t t;
@@ -64,6 +66,7 @@ typedef struct jval {
         struct jmacro *mac;   /* a macro and the scope it was defined in */
         int fn;
         struct jmethod *me;
+        struct jobj *ob;
         const char *uname;  /* V_UNDEF: what was looked up, for messages (may be NULL) */
     } u;
 } jval;

@@ -104,7 +104,8 @@ static const char *const test_names[] = {
     "ne", "none", "number", "odd", "sameas", "sequence", "string", "test", "true", "undefined",
     "upper", "==", "!=", "<", "<=", ">", ">=", "greaterthan", "lessthan", NULL,
 };
-/* jinja2's own filters that moed does not implement: refused at parse time wherever they are. */
+/* jinja2's own filters that moed does not implement: a template naming one parses (jinja2 knows
+ * them), and the render fails where one is applied. */
 static const char *const refused_filters[] = {
     "filesizeformat", "pprint", "random", "striptags", "urlencode", "urlize", "wordwrap", "xmlattr",
     NULL,
@@ -144,6 +145,7 @@ struct parser {
     size_t refs[3]; /* names 'caller', 'varargs', 'kwargs' parsed so far */
     const char *blocks[256]; /* names of the {% block %}s so far */
     size_t n_blocks;
+    int loops; /* for loops around, in the same function as jinja2 compiles it (break and continue) */
 };
 
 #define MAX_NEST 100
@@ -297,6 +299,29 @@ static size_t lex_tag(struct parser *P, size_t i, bool block, int *line, bool *s
                 j++;
             push_tok(P, (struct tok){.k = T_NAME, .line = *line, .p = j_strndup(P->b, s + i, j - i),
                                      .n = j - i});
+            i = j;
+        } else if (c == '0' && i + 2 < P->len && strchr("xXoObB", s[i + 1]) && s[i + 1]) {
+            /* 0x1f, 0o17, 0b101 (digits may be separated by single underscores) */
+            int base = s[i + 1] == 'x' || s[i + 1] == 'X' ? 16 : s[i + 1] == 'o' || s[i + 1] == 'O' ? 8 : 2;
+            size_t j = i + 2;
+            uint64_t v = 0;
+            bool any = false;
+            for (;;) {
+                size_t k = j + (j < P->len && s[j] == '_');
+                int d = k >= P->len ? -1 : is_digit(s[k]) ? s[k] - '0'
+                      : (s[k] | 0x20) >= 'a' && (s[k] | 0x20) <= 'f' ? (s[k] | 0x20) - 'a' + 10 : -1;
+                if (d < 0 || d >= base)
+                    break;
+                if (v > (uint64_t)INT64_MAX / (uint64_t)base)
+                    j_die(P->b, MOE_EUNSUPPORTED, *line, "integer literal is too large");
+                v = v * (uint64_t)base + (uint64_t)d;
+                any = true;
+                j = k + 1;
+            }
+            if (!any || v > INT64_MAX)
+                j_die(P->b, any ? MOE_EUNSUPPORTED : MOE_EFORMAT, *line,
+                      any ? "integer literal is too large" : "invalid number literal");
+            push_tok(P, (struct tok){.k = T_INT, .line = *line, .i = (int64_t)v});
             i = j;
         } else if (is_digit(c)) {
             size_t j = i;
@@ -659,6 +684,9 @@ static void parse_call_args(struct parser *P, struct jnode *n)
             if (n->c)
                 j_die(P->b, MOE_EFORMAT, cur(P)->line, "a keyword argument follows **");
             const char *k = P->t[P->pos].p;
+            for (size_t i = 0; i < n->kwargs.n; i++)
+                if (!strcmp(n->kwnames[i], k))
+                    j_die(P->b, MOE_EFORMAT, cur(P)->line, "keyword argument repeated: %s", k);
             P->pos += 2;
             if (n->kwargs.n == kncap) {
                 size_t nc = kncap ? kncap * 2 : 4;
@@ -687,8 +715,6 @@ static struct jnode *parse_filter_or_test(struct parser *P, struct jnode *n)
             int line = cur(P)->line;
             const char *name = expect_ident(P, "a filter name");
             int id = j_filter_id(name);
-            if (id < 0 && j_filter_refused(name))
-                j_die(P->b, MOE_EUNSUPPORTED, line, "the filter '%s' is not supported", name);
             /* an unknown name (id -1) is checked after parsing: see check_names */
             struct jnode *f = mk(P, E_FILTER, line);
             f->name = name;
@@ -1032,27 +1058,43 @@ static struct jnode *parse_expr(struct parser *P)
     return n;
 }
 
-/* expr or expr, expr, ... (a tuple without parentheses) */
-static struct jnode *parse_tuple(struct parser *P)
+/* expr or expr, expr, ... (a tuple without parentheses); without condexpr, as jinja2 parses an
+ * if's test and a for's iterable, the items are not conditional expressions (the for's `if`
+ * filter follows them, and `recursive` ends them too). */
+static struct jnode *parse_tuple_of(struct parser *P, bool condexpr)
 {
     int line = cur(P)->line;
-    struct jnode *n = parse_expr(P);
+    struct jnode *n = condexpr ? parse_expr(P) : parse_or(P);
     if (!is_op(cur(P), ","))
         return n;
     struct jnode *t = mk(P, E_TUPLE, line);
     size_t cap = 0;
     nl_push(P, &t->args, n, &cap);
     while (accept_op(P, ",")) {
-        if (cur(P)->k == T_BEND || cur(P)->k == T_VEND)
+        if (cur(P)->k == T_BEND || cur(P)->k == T_VEND || (!condexpr && is_name(cur(P), "recursive")))
             break;
-        nl_push(P, &t->args, parse_expr(P), &cap);
+        nl_push(P, &t->args, condexpr ? parse_expr(P) : parse_or(P), &cap);
     }
     return t;
 }
 
+static struct jnode *parse_tuple(struct parser *P) { return parse_tuple_of(P, true); }
+
 /* ---- Statements ---- */
 
 static struct jnlist parse_body(struct parser *P, const char *const *ends, const char **which);
+
+/* A body with `loops` for loops around it that break and continue may leave: a for loop's body
+ * one more, a macro's, a call block's, a block's and generation's none (jinja2 compiles them as
+ * functions of their own). */
+static struct jnlist parse_body_in(struct parser *P, const char *const *ends, const char **which, int loops)
+{
+    int saved = P->loops;
+    P->loops = loops;
+    struct jnlist r = parse_body(P, ends, which);
+    P->loops = saved;
+    return r;
+}
 
 static const char **parse_targets(struct parser *P, size_t *n, const char *what)
 {
@@ -1079,9 +1121,8 @@ static struct jnode *parse_filter_chain(struct parser *P)
         const char *fname = expect_ident(P, "a filter name");
         struct jnode *f = mk(P, E_FILTER, fl);
         f->name = fname;
-        if ((f->id = j_filter_id(fname)) < 0)
-            j_die(P->b, MOE_EUNSUPPORTED, fl, j_filter_refused(fname) ? "the filter '%s' is not supported"
-                                                                      : "no filter named '%s'", fname);
+        if ((f->id = j_filter_id(fname)) < 0 && !j_filter_refused(fname))
+            j_die(P->b, MOE_EUNSUPPORTED, fl, "no filter named '%s'", fname);
         if (is_op(cur(P), "("))
             parse_call_args(P, f);
         f->a = chain;
@@ -1114,7 +1155,7 @@ static struct jnode *parse_statement(struct parser *P)
     P->pos++;
     if (!strcmp(name, "if")) {
         struct jnode *n = mk(P, N_IF, line), *top = n;
-        n->a = parse_expr(P);
+        n->a = parse_tuple_of(P, false);
         expect_bend(P);
         static const char *const ends[] = {"elif", "else", "endif", NULL};
         for (;;) {
@@ -1122,7 +1163,7 @@ static struct jnode *parse_statement(struct parser *P)
             n->body = parse_body(P, ends, &which);
             if (!strcmp(which, "elif")) {
                 struct jnode *e = mk(P, N_IF, cur(P)->line);
-                e->a = parse_expr(P);
+                e->a = parse_tuple_of(P, false);
                 expect_bend(P);
                 size_t cap = 0;
                 nl_push(P, &n->orelse, e, &cap);
@@ -1143,7 +1184,7 @@ static struct jnode *parse_statement(struct parser *P)
         n->targets = parse_targets(P, &n->n_targets, "loop");
         if (!accept_name(P, "in"))
             unexpected(P, "'in'");
-        n->a = parse_or(P);
+        n->a = parse_tuple_of(P, false);
         if (accept_name(P, "if"))
             n->b = parse_expr(P);
         if (accept_name(P, "recursive"))
@@ -1151,7 +1192,7 @@ static struct jnode *parse_statement(struct parser *P)
         expect_bend(P);
         static const char *const ends[] = {"else", "endfor", NULL};
         const char *which;
-        n->body = parse_body(P, ends, &which);
+        n->body = parse_body_in(P, ends, &which, P->loops + 1);
         if (!strcmp(which, "else")) {
             expect_bend(P);
             static const char *const e2[] = {"endfor", NULL};
@@ -1176,7 +1217,7 @@ static struct jnode *parse_statement(struct parser *P)
             expect_bend(P);
             return n;
         }
-        if (n->attr || n->n_targets != 1)
+        if (n->n_targets != 1)
             unexpected(P, "'='");
         n->kind = N_SETBLOCK;
         n->a = accept_op(P, "|") ? parse_filter_chain(P) : NULL; /* {% set x | filter %} */
@@ -1197,7 +1238,7 @@ static struct jnode *parse_statement(struct parser *P)
         memcpy(refs, P->refs, sizeof refs);
         static const char *const ends[] = {"endmacro", NULL};
         const char *which;
-        n->body = parse_body(P, ends, &which);
+        n->body = parse_body_in(P, ends, &which, 0);
         for (int k = 0; k < 3; k++)
             if (P->refs[k] != refs[k])
                 n->op |= (uint8_t)(1 << k);
@@ -1218,7 +1259,12 @@ static struct jnode *parse_statement(struct parser *P)
         expect_bend(P);
         static const char *const ends[] = {"endcall", NULL};
         const char *which;
-        c->body = parse_body(P, ends, &which);
+        size_t refs[3];
+        memcpy(refs, P->refs, sizeof refs);
+        c->body = parse_body_in(P, ends, &which, 0);
+        for (int k = 0; k < 3; k++) /* as a macro's: its own caller (none), varargs and kwargs */
+            if (P->refs[k] != refs[k])
+                c->op |= (uint8_t)(1 << k);
         expect_bend(P);
         return n;
     }
@@ -1274,7 +1320,7 @@ static struct jnode *parse_statement(struct parser *P)
         expect_bend(P);
         static const char *const ends[] = {"endblock", NULL};
         const char *which;
-        n->body = parse_body(P, ends, &which);
+        n->body = parse_body_in(P, ends, &which, 0);
         if (cur(P)->k == T_NAME)
             P->pos++;
         expect_bend(P);
@@ -1293,11 +1339,13 @@ static struct jnode *parse_statement(struct parser *P)
         expect_bend(P);
         static const char *const ends[] = {"endgeneration", NULL};
         const char *which;
-        n->body = parse_body(P, ends, &which);
+        n->body = parse_body_in(P, ends, &which, 0);
         expect_bend(P);
         return n;
     }
     if (!strcmp(name, "break") || !strcmp(name, "continue")) {
+        if (!P->loops)
+            j_die(P->b, MOE_EFORMAT, line, "'%s' outside a loop", name);
         struct jnode *n = mk(P, name[0] == 'b' ? N_BREAK : N_CONTINUE, line);
         expect_bend(P);
         return n;
@@ -1384,7 +1432,8 @@ static void check_list(struct parser *P, const struct jnlist *l, bool soft)
 static void check_names(struct parser *P, const struct jnode *n, bool soft)
 {
     for (; n; ) { /* iterates along a, where long left-leaning chains are */
-        if ((n->kind == E_FILTER || n->kind == E_TEST) && n->id < 0 && !soft)
+        if ((n->kind == E_FILTER || n->kind == E_TEST) && n->id < 0 && !soft &&
+            !(n->kind == E_FILTER && j_filter_refused(n->name)))
             j_die(P->b, MOE_EUNSUPPORTED, n->line, "no %s named '%s'", n->kind == E_FILTER ? "filter" : "test",
                   n->name);
         bool sa = soft, inner = soft; /* a's softness; b, c, arguments and bodies */

@@ -261,6 +261,96 @@ CASES = [
                          "{% set ns.n = ns.n + i %}[{{ a }}{{ b }}{{ loop.index }}]{% endgeneration %}{{ a }}{{ b is defined }};{% endfor %}{{ ns.n }}"
                          "\n  {% generation %}\n  x\n  {% endgeneration %}\n."),
     ("tests_more_names", "{{ 3 is greaterthan 2 }}{{ 1 is lessthan(0) }}{{ 'wordwrap' is filter }}{{ 'nosuch' is filter }}{{ 'lessthan' is test }}"),
+    # str methods' start and end arguments (code points, negative from the end, none)
+    ("str_method_ranges", "{{ 'abc'.startswith('b', 1) }}{{ 'abc'.startswith('', 3) }}{{ 'abc'.startswith('', 4) }}"
+                          "{{ 'abc'.endswith('b', 0, -1) }}{{ 'abc'.endswith(('x', 'c'), -1, none) }}|{{ 'éaéb'.find('é', 1) }}"
+                          "|{{ 'éaéb'.rfind('é', 0, -2) }}|{{ 'abc'.find('', 3) }}|{{ 'abc'.find('', 4) }}|{{ 'abcabc'.find('c', -20, -4) }}"
+                          "|{{ 'abcabc'.count('b', 2) }}|{{ 'abc'.count('', 1) }}|{{ 'abc'.count('', 5) }}|{{ 'abcabc'.index('c', 3, 6) }}"),
+    ("str_method_range_not_found", "{{ 'abc'.index('a', 1) }}"),
+    ("str_method_range_bad_index", "{{ 'abc'.find('a', 'x') }}"),
+    ("str_method_range_bad_prefix", "{{ 'é'.startswith(none, 2) }}"),
+    ("splitlines_keepends_not_int", "{{ 'a\nb'.splitlines(keepends=1) }}{{ 'a\nb'.splitlines(',') }}"),
+    # split(None, maxsplit): the rest keeps its whitespace on the far side
+    ("split_whitespace_maxsplit", "{{ '  a b  c  '.split(none, 1) }}{{ '  a b  c  '.rsplit(none, 1) }}{{ ' a '.split(none, 0) }}"
+                                  "{{ ' a '.rsplit(none, 0) }}{{ 'a  '.split(none, 1) }}{{ ' x\ty\n'.split(maxsplit=1) }}"),
+    # strftime_now formats a naive datetime: no zone
+    ("strftime_no_zone", "{{ strftime_now('%d|%Z|%z|%%Z|%%%z|%H') }}"),
+    # an undefined value formats as '' with %s (jinja2's str of Undefined), but is no number or mapping
+    ("pct_undefined", "{{ 'Hi %s!' % m.nope }}|{{ '%s-%s' % (nope, 1) }}|{{ '[%5s]' % m.nope }}", {"m": {}}),
+    ("pct_undefined_number", "{{ '%d' % m.nope }}", {"m": {}}),
+    ("pct_undefined_mapping", "{{ '%(a)s' % m.nope }}", {"m": {}}),
+    ("list_plus_tuple", "{{ [1] + (2,) }}"),
+    ("tuple_plus_tuple", "{{ (1,) + (2, 3) }}|{{ [1] + [2] }}"),
+    # an if's test and a for's iterable may be tuples without parentheses
+    ("tuple_unparenthesized_tests", "{% for a in 1, 2 %}{{ a }}{% endfor %}|{% for a in 'x', 'y', 'z' if a != 'y' %}{{ a }}{% endfor %}"
+                                    "|{% for a in 'p', 'q' recursive %}{{ a }}{% endfor %}|{% if 0, %}t{% endif %}"
+                                    "|{% if false %}{% elif 1, 2 %}e{% endif %}"),
+    # first, last, min and max of an empty sequence: jinja2's undefined with its hint
+    ("first_empty_undefined", "[{{ []|first }}{{ []|last|default('L') }}{{ []|min is defined }}]{{ []|first|attr('x') }}"),
+    ("last_empty_undefined", "{{ ([]|last).x }}"),
+    ("max_empty_undefined", "{{ ([]|max).y }}"),
+    # the undefined values jinja2 gives a hint: a parameter left out, no caller, no previous item
+    ("macro_param_missing_hint", "{% macro f(a, b) %}[{{ a }}]{{ b is defined }}{{ a.x }}{% endmacro %}{{ f() }}"),
+    ("macro_no_caller_hint", "{% macro f() %}{{ caller is defined }}{{ caller().x }}{% endmacro %}{{ f() }}"),
+    ("loop_previtem_hint", "{% for x in [1, 2] %}{{ loop.previtem is defined }}{% if not loop.first %}{{ loop.nextitem.a }}{% endif %}{% endfor %}"),
+    # a modifying method is an undefined attribute (the immutable sandbox), even over a dict's key
+    ("modifying_methods_undefined", "{% set s = {'pop': 1, 'update': 2, 'get': 3} %}{{ s.pop is defined }}{{ s.update is defined }}"
+                                    "{{ s|attr('clear') is defined }}{{ s.get is callable }}{{ s['pop'] }}|{{ [1].append is defined }}"
+                                    "{{ [1].sort is defined }}{{ (1, 2).count(2) }}[{{ [1].reverse }}]"),
+    ("modifying_method_called", "{% set d = {'a': 1} %}{{ d.setdefault('b', 2) }}"),
+    # integer literals in base 16, 8 and 2, with underscores as in decimal ones
+    ("int_literal_bases", "{{ 0x1F }}|{{ 0o17 }}|{{ 0b101 }}|{{ 0X_ff }}|{{ 0B1_0 }}|{{ 0x10 + 1_000 }}|{{ 0x7fffffffffffffff }}"),
+    ("int_literal_base_empty", "{{ 0x }}"),
+    # round's ceil and floor go through Python's int: no negative zero
+    ("round_ceil_floor_zero", "{{ -0.2|round(0, 'ceil') }}|{{ -0.004|round(2, 'ceil') }}|{{ -0.0|round(1, 'floor') }}|{{ -0.2|round }}|{{ -0.5|round(0, 'floor') }}"),
+    # filters of an undefined value: truncate keeps it (its length is 0); int, float, indent and
+    # dictsort fail with jinja2's UndefinedError
+    ("undefined_truncate", "[{{ m.nope|truncate(5) }}{{ ([]|min)|truncate(3, end='') }}{{ m.nope|truncate is defined }}]", {"m": {}}),
+    ("undefined_int", "{{ m.nope|int(5) }}", {"m": {}}),
+    ("undefined_float", "{{ m.nope|float }}", {"m": {}}),
+    ("undefined_indent", "{{ m.nope|indent(2) }}", {"m": {}}),
+    ("undefined_dictsort", "{{ m.nope|dictsort }}", {"m": {}}),
+    # a list or dict is not a key a dict can have
+    ("in_dict_unhashable", "{{ 'a' in {'a': 1} }}{{ (1, 2) in {'a': 1} }}{{ ['a'] in {'a': 1} }}"),
+    # a for's else block has the loop's scope: what it sets stays inside
+    ("for_else_scope", "{% set e = 0 %}{% set ns = namespace(n=0) %}{% for i in [] %}{% else %}{% set e = 1 %}{% set f = 2 %}"
+                       "{% set ns.n = 3 %}{{ e }}{{ f }}{% endfor %}|{{ e }}{{ f is defined }}{{ ns.n }}"),
+    # a filter jinja2 has and moed does not (wordwrap, striptags, ...) fails only where applied
+    ("unimplemented_filter_unused", "{% if false %}{{ x|wordwrap }}{% endif %}{% for i in [] %}{{ i|striptags }}{% endfor %}"
+                                    "{% macro f() %}{% filter urlencode %}{{ x|pprint }}{% endfilter %}{% endmacro %}ok"),
+    # jinja2's joiner and cycler globals
+    ("joiner_cycler", "{% set j = joiner(sep=' | ') %}{% for x in [3, 1, 2] %}{{ j() }}{{ x }}{% endfor %}"
+                      "|{% set c = cycler('a', 'b', 'c') %}{{ c.current }}{{ c.next() }}{{ c.next() }}{{ c.current }}{{ c.reset() }}"
+                      "{{ c.next() }}|{{ c is callable }}{{ joiner() is callable }}{{ c.nope is defined }}"
+                      "|{% set k = joiner('-') %}{% macro f() %}{{ k() }}x{% endmacro %}{{ f() }}{{ f() }}{{ f() }}"),
+    ("cycler_empty", "{{ cycler() }}"),
+    ("cycler_not_callable", "{{ cycler(1)() }}"),
+    # a block set may assign a namespace's attribute
+    ("set_block_namespace_attr", "{% set ns = namespace(x='') %}{% set ns.x | upper %}block {{ 3 }}{% endset %}{{ ns.x }}|"
+                                 "{% for i in [1, 2] %}{% set ns.x %}{{ ns.x }}{{ i }}{% endset %}{% endfor %}{{ ns.x }}"),
+    # the body of a block set or a filter block has its own scope
+    ("set_filter_block_scope", "{% set i = 1 %}{% set blk %}a{% set i = 5 %}{% set j = 6 %}{{ i }}{% endset %}{{ blk }}{{ i }}{{ j is defined }}"
+                               "|{% filter upper %}{% set i = 7 %}x{{ i }}{% endfilter %}{{ i }}"),
+    # break and continue: only in a loop body of the same function (not in a loop's else, a macro
+    # or a call block); the else block runs when no iteration reached the end of the body; a
+    # filter block left by continue writes nothing
+    ("break_outside_loop", "{% for x in [1] %}{% else %}{% break %}{% endfor %}"),
+    ("continue_in_macro_in_loop", "{% for x in [1] %}{% macro f() %}{% continue %}{% endmacro %}{% endfor %}"),
+    ("continue_in_call_block", "{% macro w() %}{{ caller() }}{% endmacro %}{% for x in [1] %}{% call w() %}{% continue %}{% endcall %}{% endfor %}"),
+    ("for_else_after_break_continue", "{% for x in [1, 2] %}{% break %}{% else %}E{% endfor %}|{% for x in [1, 2] %}{{ x }}{% continue %}"
+                                      "{% else %}E{% endfor %}|{% for x in [1, 2] %}{{ x }}{% if x == 1 %}{% continue %}{% endif %}"
+                                      "{% else %}E{% endfor %}|{% for x in [1, 2] %}{{ x }}{% if x == 2 %}{% break %}{% endif %}{% else %}E{% endfor %}"),
+    ("filter_block_continue", "{% for x in [1, 2] %}{% filter upper %}a{% if x == 1 %}{% continue %}{% endif %}b{% endfilter %}{{ x }}"
+                              "{% with %}{% if x == 2 %}{% break %}{% endif %}w{% endwith %}{% endfor %}"),
+    # a call block's body is a macro of its own: varargs and kwargs of caller(...), and no caller
+    ("call_block_own_varargs", "{% macro f() %}{{ caller(1, 2, k=3) }}{% endmacro %}{% call f() %}{{ varargs }}{{ kwargs }}"
+                               "{{ caller is defined }}{% endcall %}"),
+    ("call_block_no_caller", "{% macro f() %}{{ caller() }}{% endmacro %}{% macro g() %}{% call f() %}in g {{ caller() }}{% endcall %}"
+                             "{% endmacro %}{% call g() %}outer{% endcall %}"),
+    # %a and !a: Python's ascii(), the repr with escapes beyond ASCII
+    ("pct_ascii_conversion", "{{ '%a|%r' % ('é\n', 'é') }}|{{ '%a' % [['ü', '😀'], {'k': 'ÿ\u2028'}] }}|{{ '{!a:>10}|{!a}'.format('é', 'plain') }}"
+                             "|{{ '%6a|' % 'é' }}"),
+    ("call_keyword_repeated", "{% macro f(a) %}{{ a }}{% endmacro %}{{ f(a=1, a=2) }}"),
 ]
 
 with open(os.path.join(TOOLS, "..", "tests", "fuzz-corpus", "jinja", "features.jinja"), encoding="utf-8") as f:
