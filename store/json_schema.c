@@ -5,6 +5,7 @@
  * each (recursive schemas become recursive rules). */
 #include "store/json_schema.h"
 
+#include <math.h>
 #include <stdarg.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -478,6 +479,232 @@ static void sb_repeat(struct sb *b, const char *sep_item, long lo, long hi)
     }
 }
 
+/* ---------------------------------------------------------------- numeric bounds */
+
+#define NUM_LIM 9999999999999999LL /* the largest integral part of 16 digits */
+
+static const char *const bound_keys[] = {"minimum", "exclusiveMinimum", "maximum",
+                                         "exclusiveMaximum"};
+
+/* The first numeric bound keyword of s, or NULL. */
+static const char *bound_keyword(json_t *s)
+{
+    for (size_t i = 0; i < sizeof bound_keys / sizeof *bound_keys; i++)
+        if (json_object_get(s, bound_keys[i]))
+            return bound_keys[i];
+    return NULL;
+}
+
+/* Digit strings from x to y, both n digits (x <= y), as a GBNF sequence: the common prefix, then
+ * x's first digit with the rest from x up, the digits between with anything after, and y's first
+ * digit with the rest up to y. */
+static void sb_digits(struct sb *b, const char *x, const char *y, size_t n)
+{
+    size_t k = 0;
+    while (k < n && x[k] == y[k])
+        k++;
+    if (k)
+        sb_literal(b, x, k);
+    if (k == n)
+        return;
+    if (k)
+        sb_add(b, " ");
+    x += k, y += k, n -= k;
+    int x_low = strspn(x + 1, "0") == n - 1, y_high = strspn(y + 1, "9") == n - 1;
+    char d0 = (char)(x_low ? x[0] : x[0] + 1), d1 = (char)(y_high ? y[0] : y[0] - 1);
+    char nines[24], zeros[24];
+    memset(nines, '9', n - 1);
+    memset(zeros, '0', n - 1);
+    nines[n - 1] = zeros[n - 1] = '\0';
+    int alts = 0;
+    sb_add(b, "(");
+    if (!x_low) {
+        sb_addf(b, "\"%c\" ", x[0]);
+        sb_digits(b, x + 1, nines, n - 1);
+        alts++;
+    }
+    if (d0 <= d1) {
+        sb_addf(b, "%s[%c-%c]", alts++ ? " | " : "", d0, d1);
+        if (n > 1)
+            sb_addf(b, " [0-9]{%zu}", n - 1);
+    }
+    if (!y_high) {
+        sb_addf(b, "%s\"%c\" ", alts ? " | " : "", y[0]);
+        sb_digits(b, zeros, y + 1, n - 1);
+    }
+    sb_add(b, ")");
+}
+
+/* The integers lo..hi (0 <= lo <= hi <= NUM_LIM) as JSON writes them, one GBNF group. */
+static void sb_uint_range(struct sb *b, long long lo, long long hi)
+{
+    char x[24], y[24], from[24], to[24];
+    int dl = snprintf(x, sizeof x, "%lld", lo), dh = snprintf(y, sizeof y, "%lld", hi);
+    sb_add(b, "(");
+    for (int n = dl; n <= dh; n++) {
+        if (n > dl)
+            sb_add(b, " | ");
+        if (n > dl && n < dh) { /* every number of these lengths */
+            sb_addf(b, "[1-9] [0-9]{%d,%d}", n - 1, dh - 2);
+            n = dh - 1;
+            continue;
+        }
+        memset(from, '0', (size_t)n);
+        memset(to, '9', (size_t)n);
+        from[0] = '1';
+        from[n] = to[n] = '\0';
+        sb_digits(b, n == dl ? x : from, n == dh ? y : to, (size_t)n);
+    }
+    sb_add(b, ")");
+}
+
+/* Fractions of 1 to 16 digits that are not all zeros: a rule. */
+static const char *nonzero_fraction(struct conv *c)
+{
+    const char *prev = NULL;
+    for (int k = 1; k <= 16; k++) {
+        struct sb b = {0};
+        sb_add(&b, "[1-9]");
+        if (k > 1)
+            sb_addf(&b, " [0-9]{0,%d} | \"0\" %s", k - 1, prev);
+        char h[32];
+        snprintf(h, sizeof h, "nonzero-fraction-%d", k);
+        if (!(prev = add_rule(c, h, &b)))
+            return NULL;
+    }
+    return prev;
+}
+
+/* Magnitudes y with a <= y <= b (a < y when ax, y < b when bx; 0 <= a, b <= NUM_LIM + 1):
+ * integral digits and, when frac, an optional fraction. Appends alternatives (each after " | "
+ * once one is written) and returns how many. */
+static int sb_magnitude(struct conv *c, struct sb *o, long long a, int ax, long long b, int bx,
+                        int frac)
+{
+    /* integral parts that take any fraction (or, for integers, all of them) */
+    long long lo = a + ax, hi = frac || bx ? b - 1 : b;
+    if (hi > NUM_LIM)
+        hi = NUM_LIM;
+    int n = 0;
+    if (lo <= hi) {
+        sb_uint_range(o, lo, hi);
+        if (frac)
+            sb_add(o, " (\".\" decimal-part)?");
+        n++;
+    }
+    if (!frac)
+        return n;
+    if (ax && a < b && a <= NUM_LIM) { /* a and a fraction above it */
+        const char *nz = nonzero_fraction(c);
+        if (!nz)
+            return -1;
+        sb_addf(o, "%s\"%lld\" \".\" %s", n++ ? " | " : "", a, nz);
+    }
+    if (!bx && b <= NUM_LIM && (b > a || (b == a && !ax))) /* b itself */
+        sb_addf(o, "%s\"%lld\" (\".\" [0]{1,16})?", n++ ? " | " : "", b);
+    return n;
+}
+
+/* A bound of s as (value, exclusive). For an integer schema, the nearest integer inside; for a
+ * number, the bound must be integral. Values are clamped to +-(NUM_LIM + 1). Returns 0 when
+ * absent, 1 when read, -1 refused. */
+static int read_bound(struct conv *c, json_t *s, const char *key, int upper, int integer,
+                      long long *v, int *excl, const char *path)
+{
+    json_t *j = json_object_get(s, key);
+    if (!j)
+        return 0;
+    if (!json_is_number(j)) {
+        cerr(c, path, "'%s' must be a number", key);
+        return -1;
+    }
+    double d = json_number_value(j);
+    int x = strstr(key, "exclusive") != NULL;
+    if (!json_is_integer(j) && d != floor(d)) {
+        if (!integer) {
+            cerr(c, path, "'%s' %g on a number is not supported (integral bounds are)", key, d);
+            return -1;
+        }
+        /* the integers past a fractional bound: the inclusive bound is the next one inside */
+        d = upper ? floor(d) : ceil(d);
+        x = 0;
+    }
+    double lim = (double)(NUM_LIM + 1);
+    long long iv;
+    if (json_is_integer(j)) {
+        json_int_t ji = json_integer_value(j);
+        iv = ji > NUM_LIM + 1 ? NUM_LIM + 1 : ji < -NUM_LIM - 1 ? -NUM_LIM - 1 : (long long)ji;
+    } else {
+        iv = d > lim ? NUM_LIM + 1 : d < -lim ? -NUM_LIM - 1 : (long long)d;
+    }
+    if (integer && x) { /* x < v: x <= v - 1; v < x: v + 1 <= x */
+        iv += upper ? -1 : 1;
+        x = 0;
+    }
+    *v = iv;
+    *excl = x;
+    return 1;
+}
+
+/* An integer or a number with minimum / maximum / exclusiveMinimum / exclusiveMaximum: the
+ * values in range exactly, without exponents (see docs/grammar.md). */
+static const char *visit_numeric(struct conv *c, json_t *s, int integer, const char *hint,
+                                 const char *path)
+{
+    if (!bound_keyword(s))
+        return prim(c, integer ? "integer" : "number");
+    /* lo <= x (lo < x when lx), x <= hi (x < hi when hx) */
+    long long lo = -NUM_LIM - 1, hi = NUM_LIM + 1;
+    int lx = 1, hx = 1;
+    for (size_t i = 0; i < sizeof bound_keys / sizeof *bound_keys; i++) {
+        long long v;
+        int x, upper = i >= 2;
+        int r = read_bound(c, s, bound_keys[i], upper, integer, &v, &x, path);
+        if (r < 0)
+            return NULL;
+        if (r == 0)
+            continue;
+        if (!upper && (v > lo || (v == lo && x)))
+            lo = v, lx = x;
+        if (upper && (v < hi || (v == hi && x)))
+            hi = v, hx = x;
+    }
+    if (lo > NUM_LIM || hi < -NUM_LIM) {
+        cerr(c, path, "no %s of at most 16 integral digits satisfies the bounds",
+             integer ? "integer" : "number");
+        return NULL;
+    }
+    if (lo > hi || (lo == hi && (lx || hx))) {
+        cerr(c, path, "no %s satisfies the bounds", integer ? "integer" : "number");
+        return NULL;
+    }
+    if (!prim(c, "space") || (!integer && !prim(c, "decimal-part")))
+        return NULL;
+    struct sb b = {0};
+    sb_add(&b, "(");
+    /* x >= 0: magnitudes from max(lo, 0) to hi */
+    int np = hi < 0 ? 0 : sb_magnitude(c, &b, lo < 0 ? 0 : lo, lo < 0 ? 0 : lx, hi, hx, !integer);
+    /* x <= 0, written "-" and y = -x: from max(-hi, 0) to -lo */
+    struct sb neg = {0};
+    int nn = lo > 0 ? 0 : sb_magnitude(c, &neg, hi > 0 ? 0 : -hi, hi > 0 ? 0 : hx, -lo, lx,
+                                       !integer);
+    if (np < 0 || nn < 0) {
+        free(b.p);
+        free(neg.p);
+        return NULL;
+    }
+    if (nn)
+        sb_addf(&b, "%s\"-\" (%s)", np ? " | " : "", neg.p);
+    free(neg.p);
+    sb_add(&b, ") space");
+    if (!np && !nn) { /* not reached: the checks above leave some value */
+        free(b.p);
+        cerr(c, path, "no %s satisfies the bounds", integer ? "integer" : "number");
+        return NULL;
+    }
+    return add_rule(c, hint, &b);
+}
+
 static const char *visit_string(struct conv *c, json_t *s, const char *hint, const char *path)
 {
     json_t *f = json_object_get(s, "format");
@@ -935,10 +1162,8 @@ static const char *visit_type(struct conv *c, json_t *s, const char *type, const
 {
     if (strcmp(type, "string") == 0)
         return visit_string(c, s, hint, path);
-    if (strcmp(type, "integer") == 0)
-        return prim(c, "integer");
-    if (strcmp(type, "number") == 0)
-        return prim(c, "number");
+    if (strcmp(type, "integer") == 0 || strcmp(type, "number") == 0)
+        return visit_numeric(c, s, type[0] == 'i', hint, path);
     if (strcmp(type, "boolean") == 0)
         return prim(c, "boolean");
     if (strcmp(type, "null") == 0)
@@ -981,6 +1206,19 @@ static const char *visit_inner(struct conv *c, json_t *s, const char *hint, cons
     if (check_keywords(c, s, path) != 0)
         return NULL;
     json_t *v;
+    const char *bk = bound_keyword(s);
+    if (bk) { /* bounds are enforced by the integer and number rules only */
+        static const char *other[] = {"$ref", "const", "enum", "anyOf", "oneOf", "allOf"};
+        for (size_t i = 0; i < sizeof other / sizeof *other; i++)
+            if (json_object_get(s, other[i])) {
+                cerr(c, path, "'%s' next to '%s' is not supported", bk, other[i]);
+                return NULL;
+            }
+        if (!json_object_get(s, "type")) {
+            cerr(c, path, "'%s' needs 'type' integer or number", bk);
+            return NULL;
+        }
+    }
     if ((v = json_object_get(s, "$ref"))) {
         if (!json_is_string(v)) {
             cerr(c, path, "'$ref' must be a string");

@@ -127,6 +127,128 @@ TEST(grammar_schema_deep_recursion_and_limits)
     json_decref(s);
 }
 
+/* ---------------------------------------------------------------- numeric bounds */
+
+/* The value of a JSON number, exact for integers of 16 digits (a long double holds 64 bits). */
+static long double num_value(json_t *v)
+{
+    return json_is_integer(v) ? (long double)json_integer_value(v) : json_real_value(v);
+}
+
+/* Whether x is within the bounds of s (the bound keywords, as JSON Schema reads them). */
+static int in_bounds(json_t *s, long double x)
+{
+    json_t *v;
+    if ((v = json_object_get(s, "minimum")) && x < num_value(v))
+        return 0;
+    if ((v = json_object_get(s, "maximum")) && x > num_value(v))
+        return 0;
+    if ((v = json_object_get(s, "exclusiveMinimum")) && x <= num_value(v))
+        return 0;
+    if ((v = json_object_get(s, "exclusiveMaximum")) && x >= num_value(v))
+        return 0;
+    return 1;
+}
+
+/* A random bound: an integer near 0, near a power of ten, or (for half of them) with .5. */
+static json_t *random_bound(int fractional)
+{
+    static const long long near[] = {0, 1, 9, 10, 99, 100, 999, 1000, 9999999999999999LL};
+    long long v = (long long)(moe_test_rng_u32() % 2400) - 1200;
+    if (moe_test_rng_u32() % 3 == 0)
+        v = near[moe_test_rng_u32() % (sizeof near / sizeof *near)] +
+            (long long)(moe_test_rng_u32() % 5) - 2;
+    if (moe_test_rng_u32() % 2)
+        v = -v;
+    if (fractional && moe_test_rng_u32() % 2)
+        return json_real((double)v + 0.5);
+    return json_integer(v);
+}
+
+TEST_TIMEOUT(grammar_schema_numeric_bounds, 300)
+{
+    moe_test_rng_seed(11);
+    static const char *keys[] = {"minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum"};
+    int checked = 0, refused = 0;
+    for (int iter = 0; iter < 300; iter++) {
+        int integer = iter % 2 == 0;
+        json_t *s = json_pack("{ss}", "type", integer ? "integer" : "number");
+        int nb = 0;
+        for (int k = 0; k < 4; k++)
+            if (moe_test_rng_u32() % 3 == 0) {
+                json_object_set_new(s, keys[k], random_bound(integer));
+                nb++;
+            }
+        if (!nb)
+            json_object_set_new(s, keys[moe_test_rng_u32() % 4], random_bound(integer));
+        char err[512], *gbnf = NULL;
+        if (moe_json_schema_to_gbnf(s, &gbnf, err, sizeof err) != 0) {
+            /* only an empty range is refused */
+            int any = 0;
+            for (long long x = -1300; x <= 1300 && !any; x++)
+                any = in_bounds(s, (long double)x) || in_bounds(s, x + 0.25L);
+            char *t = json_dumps(s, JSON_COMPACT);
+            CHECK_MSG(!any && strstr(err, "satisfies the bounds"), "%s refused: %s", t, err);
+            free(t);
+            refused++;
+            json_decref(s);
+            continue;
+        }
+        struct moe_grammar *g = moe_grammar_parse(gbnf, strlen(gbnf), err, sizeof err);
+        CHECK_MSG(g != NULL, "%s\n%s", err, gbnf);
+        long long centres[] = {0, 1000, -1000, 9999999999999999LL, -9999999999999999LL};
+        for (size_t ci = 0; ci < sizeof centres / sizeof *centres; ci++) {
+            for (long long x = centres[ci] - 1300; x <= centres[ci] + 1300; x++) {
+                if (x > 9999999999999999LL || x < -9999999999999999LL)
+                    continue;
+                if (ci && (x % 7) && llabs(x - centres[ci]) > 20)
+                    continue;
+                char t[64];
+                snprintf(t, sizeof t, "%lld", x);
+                int want = in_bounds(s, (long double)x);
+                CHECK_MSG(gt_match(g, t) == want, "%s: %s\n%s", t, want ? "rejected" : "accepted",
+                          gbnf);
+                if (integer) {
+                    snprintf(t, sizeof t, "%lld.5", x);
+                    CHECK(gt_match(g, t) == 0);
+                    continue;
+                }
+                snprintf(t, sizeof t, "%lld.000", x);
+                CHECK_MSG(gt_match(g, t) == want, "%s\n%s", t, gbnf);
+                /* x + 0.25 and x - 0.25, written from the magnitude */
+                for (int sg = -1; sg <= 1; sg += 2) {
+                    long double y = (long double)x + sg * 0.25L;
+                    long double m = y < 0 ? -y : y;
+                    long long ip = (long long)m;
+                    snprintf(t, sizeof t, "%s%lld.%s", y < 0 ? "-" : "", ip,
+                             m - (long double)ip == 0.75L ? "75" : "25");
+                    CHECK_MSG(gt_match(g, t) == in_bounds(s, y), "%s\n%s", t, gbnf);
+                }
+                /* the smallest fraction of 16 digits off an integer */
+                if (llabs(x) < 100) {
+                    snprintf(t, sizeof t, "%lld.0000000000000001", x);
+                    long double y = (long double)x + (x < 0 || t[0] == '-' ? -1e-16L : 1e-16L);
+                    CHECK_MSG(gt_match(g, t) == in_bounds(s, y), "%s\n%s", t, gbnf);
+                }
+            }
+        }
+        if (in_bounds(s, 0)) {
+            CHECK(gt_match(g, "-0") == 1);
+            CHECK(gt_match(g, "0") == 1);
+        }
+        static const char *bad[] = {"00", "01", "-", "1e3", "+1", "1.", ".5", "-01", "1 1"};
+        for (size_t i = 0; i < sizeof bad / sizeof *bad; i++)
+            CHECK_MSG(gt_match(g, bad[i]) == 0, "accepted %s\n%s", bad[i], gbnf);
+        CHECK_MSG(moe_grammar_n_rules(g) < 400, "%u rules\n%s", moe_grammar_n_rules(g), gbnf);
+        moe_grammar_free(g);
+        free(gbnf);
+        json_decref(s);
+        checked++;
+    }
+    fprintf(stderr, "%d bounded schemas checked, %d refused as empty\n", checked, refused);
+    CHECK(checked > 200);
+}
+
 /* ---------------------------------------------------------------- random generation */
 
 static json_t *resolve_ref(json_t *root, const char *ref)
@@ -170,8 +292,8 @@ static int type_ok(const char *t, json_t *d)
 }
 
 /* The shape the grammar promises: types, enum/const, properties (required, no others unless
- * additionalProperties allows), items and their counts, string lengths, anyOf/oneOf/allOf, $ref.
- * Numeric bounds and formats are not checked. */
+ * additionalProperties allows), items and their counts, string lengths, numeric bounds,
+ * anyOf/oneOf/allOf, $ref. Formats are not checked. */
 static int shape_ok_x(json_t *root, json_t *s, json_t *d, int extra_ok);
 
 static int shape_ok(json_t *root, json_t *s, json_t *d) { return shape_ok_x(root, s, d, 0); }
@@ -236,6 +358,8 @@ static int shape_ok_x(json_t *root, json_t *s, json_t *d, int extra_ok)
         if (mx && json_array_size(d) > (size_t)json_integer_value(mx))
             return 0;
     }
+    if (json_is_number(d) && !in_bounds(s, num_value(d)))
+        return 0;
     if (json_is_string(d)) {
         size_t n = utf8_len(json_string_value(d));
         json_t *mn = json_object_get(s, "minLength"), *mx = json_object_get(s, "maxLength");
@@ -418,7 +542,8 @@ TEST(grammar_schema_mini_fuzz)
                                   "\"items\"", "\"properties\"", "\"required\"", "\"enum\"",
                                   "\"anyOf\"", "\"$ref\"", "\"#/$defs/x\"", "\"null\"",
                                   "\"minItems\"", "\"maxLength\"", "\"additionalProperties\"",
-                                  "true", "false", "{}", "[]", "\"format\"", "\"date\""};
+                                  "true", "false", "{}", "[]", "\"format\"", "\"date\"",
+                                  "\"minimum\"", "\"exclusiveMaximum\"", "1.5", "-3", "1e300"};
     moe_test_rng_seed(5);
     int converted = 0, refused = 0;
     for (int iter = 0; iter < 40000; iter++) {

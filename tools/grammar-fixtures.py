@@ -10,6 +10,7 @@ written compact, with ", "/": " separators and indented; {"raw": text} is used a
     python3 -m venv /tmp/v && /tmp/v/bin/pip install jsonschema
     /tmp/v/bin/python tools/grammar-fixtures.py
 """
+import decimal
 import json
 import os
 import sys
@@ -151,7 +152,27 @@ CASES = [
      {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
      [raw('{ "a" : 1 }'), raw('{\n  "a": 1\n}'), raw('{"a":1}\n')],
      [raw('{"a":     1}'), raw('{"a":1}' + " " * 30), raw('{\n\n"a":1}')]),
-    ("ignored-bounds", {"type": "integer", "minimum": 0, "maximum": 10}, [5, 50], ["5"]),
+    ("int-range", {"type": "integer", "minimum": 0, "maximum": 10},
+     [0, 5, 10, raw("-0")], [-1, 11, 50, 100, "5", raw("05"), raw("5.0")]),
+    ("int-fractional-bounds", {"type": "integer", "minimum": 1.5, "exclusiveMaximum": 120.5},
+     [2, 9, 10, 99, 119, 120], [1, 0, -2, 121, 200, 1000]),
+    ("int-min-only", {"type": "integer", "minimum": 17},
+     [17, 18, 99, 100, 1234567890123456], [16, 0, -17, -1, raw("-0"), raw("017")]),
+    ("int-max-only", {"type": "integer", "exclusiveMaximum": -2},
+     [-3, -10, -99, -1000, -1234567890123456], [-2, -1, 0, 2, 3, raw("-0")]),
+    ("int-negative-range", {"type": "integer", "exclusiveMinimum": -1000, "maximum": -999},
+     [-999], [-1000, -998, 999, 0]),
+    ("number-range", {"type": "number", "minimum": 0, "maximum": 1},
+     [0, 1, 0.5, 0.999, raw("1.000"), raw("-0"), raw("-0.0"), raw("0.0000000000000001")],
+     [-0.5, 1.5, 1.001, 2, -1, raw("1e0"), raw("0.5e1")]),
+    ("number-exclusive", {"type": "number", "exclusiveMinimum": -3, "exclusiveMaximum": 10},
+     [-2.999, -2, 0, 9.99, raw("-2.9999999999999999")],
+     [-3, raw("-3.0"), 10, raw("10.00"), 10.5, -3.5]),
+    ("number-exclusive-min", {"type": "number", "exclusiveMinimum": 5},
+     [5.01, raw("5.0000000000000001"), 6, 100000],
+     [5, raw("5.000"), 4.99, -6, 0]),
+    ("bounds-in-type-array", {"type": ["integer", "null"], "minimum": 1, "maximum": 3},
+     [1, 3, None], [0, 4, "2"]),
     ("title-and-description",
      {"title": "T", "description": "D", "$schema": "https://json-schema.org/draft/2020-12/schema",
       "type": "object", "properties": {"id": {"type": "string", "description": "x"}},
@@ -163,12 +184,13 @@ CASES = [
 GRAMMAR_REJECTS = {  # valid for the schema, rejected by the grammar
     "required-props": [{"age": 3, "name": "Al"}],  # properties in schema order only
     "integer": [raw("1e5")],  # integers are written without fraction or exponent
+    "int-range": [raw("5.0")],
+    "number-range": [raw("1e0")],  # bounded numbers are written without exponent
     "whitespace": [raw('{"a":     1}'), raw('{"a":1}' + " " * 30), raw('{\n\n"a":1}')],
     "unicode-const": [raw('"h\\u00e9llo\\ud83d\\ude00"')],  # const/enum as written
     "additional-true": [{"b": 2, "a": 1}],  # declared properties come before the others
 }
 GRAMMAR_ACCEPTS = {  # invalid for the schema, accepted by the grammar
-    "ignored-bounds": [50],
     "nullable-openapi": [None],  # OpenAPI's nullable, not JSON Schema
 }
 
@@ -190,6 +212,15 @@ ERRORS = [
     ({"type": "array", "uniqueItems": True}, "keyword 'uniqueItems'"),
     ({"if": {}, "then": {}}, "keyword 'if'"),
     ({"enum": []}, "non-empty array"),
+    ({"type": "number", "minimum": 0.5}, "'minimum' 0.5 on a number is not supported"),
+    ({"type": "number", "exclusiveMaximum": 2.25}, "'exclusiveMaximum' 2.25 on a number"),
+    ({"type": "integer", "minimum": 5, "maximum": 4}, "no integer satisfies the bounds"),
+    ({"type": "integer", "minimum": 4.2, "maximum": 4.8}, "no integer satisfies the bounds"),
+    ({"type": "number", "exclusiveMinimum": 3, "maximum": 3}, "no number satisfies the bounds"),
+    ({"type": "integer", "minimum": 1e20}, "at most 16 integral digits"),
+    ({"type": "integer", "maximum": "10"}, "'maximum' must be a number"),
+    ({"minimum": 0}, "'minimum' needs 'type' integer or number"),
+    ({"type": "integer", "enum": [1, 2], "maximum": 1}, "'maximum' next to 'enum'"),
 ]
 
 
@@ -203,9 +234,16 @@ def texts(doc):
     return list(dict.fromkeys(out))
 
 
+def exact_float(text):
+    """A fraction as a Decimal (exact against the bounds); integral ones as a float, which
+    jsonschema counts as an integer."""
+    d = decimal.Decimal(text)
+    return float(text) if d == d.to_integral_value() else d
+
+
 def schema_valid(schema, text):
-    try:
-        doc = json.loads(text)
+    try:  # decimals exactly: 5.0000000000000001 is over 5
+        doc = json.loads(text, parse_float=exact_float)
     except ValueError:
         return None
     if isinstance(schema, dict) and schema.get("format") == "time" and isinstance(doc, str):
