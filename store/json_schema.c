@@ -99,6 +99,7 @@ struct conv {
     struct ref *refs;
     size_t n_refs, cap_refs;
     int depth;
+    long pattern_repeat; /* repetition counts and groups of the patterns so far */
     char *err;
     size_t errlen;
     int failed;
@@ -351,7 +352,7 @@ static int check_keywords(struct conv *c, json_t *s, const char *path)
                                   "nullable", "properties", "required", "additionalProperties",
                                   "items", "minItems", "maxItems", "minLength", "maxLength",
                                   "format", "minimum", "maximum", "exclusiveMinimum",
-                                  "exclusiveMaximum"};
+                                  "exclusiveMaximum", "pattern"};
     const char *k;
     json_t *v;
     json_object_foreach(s, k, v) {
@@ -705,8 +706,642 @@ static const char *visit_numeric(struct conv *c, json_t *s, int integer, const c
     return add_rule(c, hint, &b);
 }
 
+static uint32_t next_cp(const char **pp)
+{
+    const unsigned char *p = (const unsigned char *)*pp;
+    uint32_t c = p[0];
+    int n = c < 0x80 ? 0 : c < 0xe0 ? 1 : c < 0xf0 ? 2 : 3;
+    if (n)
+        c &= 0x3fu >> n;
+    for (int i = 1; i <= n && p[i]; i++)
+        c = (c << 6) | (p[i] & 0x3fu);
+    *pp += 1 + n;
+    return c;
+}
+
+static void sb_class_cp(struct sb *b, uint32_t cp)
+{
+    if (cp < 0x80)
+        sb_addf(b, "\\x%02X", cp);
+    else if (cp < 0x10000)
+        sb_addf(b, "\\u%04X", cp);
+    else
+        sb_addf(b, "\\U%08X", cp);
+}
+
+/* Code point cp (not NUL) as a GBNF string literal of its UTF-8. */
+static void sb_literal_cp(struct sb *b, uint32_t cp)
+{
+    char u[5] = {0};
+    if (cp < 0x80) {
+        u[0] = (char)cp;
+    } else if (cp < 0x800) {
+        u[0] = (char)(0xc0 | (cp >> 6)), u[1] = (char)(0x80 | (cp & 0x3f));
+    } else if (cp < 0x10000) {
+        u[0] = (char)(0xe0 | (cp >> 12)), u[1] = (char)(0x80 | ((cp >> 6) & 0x3f));
+        u[2] = (char)(0x80 | (cp & 0x3f));
+    } else {
+        u[0] = (char)(0xf0 | (cp >> 18)), u[1] = (char)(0x80 | ((cp >> 12) & 0x3f));
+        u[2] = (char)(0x80 | ((cp >> 6) & 0x3f)), u[3] = (char)(0x80 | (cp & 0x3f));
+    }
+    sb_literal(b, u, strlen(u));
+}
+
+/* ---------------------------------------------------------------- pattern */
+
+/* `pattern` (ECMA-262 syntax, matched anywhere in the string unless anchored) becomes the string's
+ * content: each set of characters as JSON writes them (a `"`, `\` or control character escaped),
+ * each group a rule. Backreferences, lookaround, word boundaries and inner anchors are refused. */
+#define MAX_PATTERN 2048        /* bytes of one pattern */
+#define MAX_PATTERN_REPEAT 4000 /* repetition counts and groups over all patterns of a schema */
+#define MAX_PATTERN_GROUPS 32   /* nesting of groups */
+
+struct cset {
+    uint32_t (*r)[2]; /* ranges lo..hi; sorted and merged after cs_norm */
+    size_t n, cap;
+    int oom;
+};
+
+static void cs_add(struct cset *s, uint32_t lo, uint32_t hi)
+{
+    if (s->n == s->cap) {
+        size_t cap = s->cap ? s->cap * 2 : 8;
+        uint32_t(*r)[2] = realloc(s->r, cap * sizeof *r);
+        if (!r) {
+            s->oom = 1;
+            return;
+        }
+        s->r = r;
+        s->cap = cap;
+    }
+    s->r[s->n][0] = lo;
+    s->r[s->n][1] = hi;
+    s->n++;
+}
+
+static int cs_cmp(const void *a, const void *b)
+{
+    const uint32_t *x = a, *y = b;
+    return x[0] < y[0] ? -1 : x[0] > y[0];
+}
+
+static void cs_norm(struct cset *s)
+{
+    if (!s->n)
+        return;
+    qsort(s->r, s->n, sizeof *s->r, cs_cmp);
+    size_t k = 0;
+    for (size_t i = 1; i < s->n; i++) {
+        if (s->r[i][0] <= s->r[k][1] + 1) {
+            if (s->r[i][1] > s->r[k][1])
+                s->r[k][1] = s->r[i][1];
+        } else {
+            s->r[++k][0] = s->r[i][0];
+            s->r[k][1] = s->r[i][1];
+        }
+    }
+    s->n = k + 1;
+}
+
+/* The code points (up to U+10FFFF) not in s; s normalized first. */
+static void cs_negate(struct cset *s)
+{
+    cs_norm(s);
+    struct cset t = {0};
+    uint32_t next = 0;
+    for (size_t i = 0; i < s->n; i++) {
+        if (s->r[i][0] > next)
+            cs_add(&t, next, s->r[i][0] - 1);
+        next = s->r[i][1] + 1;
+    }
+    if (next <= 0x10ffff)
+        cs_add(&t, next, 0x10ffff);
+    t.oom |= s->oom;
+    free(s->r);
+    *s = t;
+}
+
+/* \d \w \s and their complements \D \W \S (ECMA-262: ASCII digits and word characters, Unicode
+ * white space and line terminators). */
+static int cs_class_escape(struct cset *s, char e)
+{
+    static const uint32_t space[][2] = {{0x09, 0x0d}, {0x20, 0x20}, {0xa0, 0xa0},
+                                        {0x1680, 0x1680}, {0x2000, 0x200a}, {0x2028, 0x2029},
+                                        {0x202f, 0x202f}, {0x205f, 0x205f}, {0x3000, 0x3000},
+                                        {0xfeff, 0xfeff}};
+    struct cset t = {0};
+    switch (e | 0x20) {
+    case 'd':
+        cs_add(&t, '0', '9');
+        break;
+    case 'w':
+        cs_add(&t, '0', '9'), cs_add(&t, 'A', 'Z'), cs_add(&t, '_', '_'), cs_add(&t, 'a', 'z');
+        break;
+    case 's':
+        for (size_t i = 0; i < sizeof space / sizeof *space; i++)
+            cs_add(&t, space[i][0], space[i][1]);
+        break;
+    default:
+        return 0;
+    }
+    if (e >= 'A' && e <= 'Z')
+        cs_negate(&t);
+    for (size_t i = 0; i < t.n; i++)
+        cs_add(s, t.r[i][0], t.r[i][1]);
+    s->oom |= t.oom;
+    free(t.r);
+    return 1;
+}
+
+/* The characters of s as they appear inside a JSON string: one class of those written as
+ * themselves, and the escapes of the others. */
+static void sb_cset(struct sb *b, const struct cset *s)
+{
+    static const uint32_t plain[][2] = {{0x20, 0x21}, {0x23, 0x5b}, {0x5d, 0x7e},
+                                        {0x80, 0xd7ff}, {0xe000, 0x10ffff}};
+    uint32_t one = s->r[0][0];
+    if (s->n == 1 && s->r[0][1] == one && one >= 0x20 && one != '"' && one != '\\' &&
+        one != 0x7f) { /* a character written as itself */
+        sb_literal_cp(b, one);
+        return;
+    }
+    struct sb cls = {0};
+    for (size_t i = 0; i < s->n; i++)
+        for (size_t k = 0; k < sizeof plain / sizeof *plain; k++) {
+            uint32_t lo = s->r[i][0] > plain[k][0] ? s->r[i][0] : plain[k][0];
+            uint32_t hi = s->r[i][1] < plain[k][1] ? s->r[i][1] : plain[k][1];
+            if (lo > hi)
+                continue;
+            sb_class_cp(&cls, lo);
+            if (hi > lo) {
+                sb_add(&cls, "-");
+                sb_class_cp(&cls, hi);
+            }
+        }
+    int alts = 0;
+    char has[0x80] = {0};
+    for (size_t i = 0; i < s->n; i++)
+        for (uint32_t cp = s->r[i][0]; cp <= s->r[i][1] && cp < 0x80; cp++)
+            has[cp] = 1;
+    struct sb out = {0};
+    if (cls.p) {
+        sb_add(&out, "[");
+        sb_add(&out, cls.p);
+        sb_add(&out, "]");
+        alts++;
+    }
+    free(cls.p);
+    if (has['"'])
+        sb_addf(&out, "%s\"\\\\\\\"\"", alts++ ? " | " : "");
+    if (has['\\'])
+        sb_addf(&out, "%s\"\\\\\\\\\"", alts++ ? " | " : "");
+    /* control characters: a short escape where JSON has one, and \u00XX (hex in either case) */
+    struct sb esc = {0};
+    char shorts[8] = {0}, *sp = shorts;
+    for (const char *e = "\bb\ff\nn\rr\tt"; *e; e += 2)
+        if (has[(unsigned char)e[0]])
+            *sp++ = e[1];
+    if (sp > shorts)
+        sb_addf(&esc, "[%s]", shorts);
+    for (unsigned hi = 0; hi < 8; hi++) {
+        struct sb lo = {0};
+        for (unsigned d = 0; d < 16; d++) {
+            unsigned cp = hi << 4 | d;
+            if (!has[cp] || (cp >= 0x20 && cp != 0x7f))
+                continue;
+            if (d < 10)
+                sb_addf(&lo, "%u", d);
+            else
+                sb_addf(&lo, "%c%c", 'a' + (d - 10), 'A' + (d - 10));
+        }
+        if (lo.p)
+            sb_addf(&esc, "%s\"u00%u\" [%s]", esc.p ? " | " : "", hi, lo.p);
+        esc.oom |= lo.oom;
+        free(lo.p);
+    }
+    if (esc.p) {
+        sb_addf(&out, "%s[\\\\] (", alts++ ? " | " : "");
+        sb_add(&out, esc.p);
+        sb_add(&out, ")");
+    }
+    out.oom |= esc.oom;
+    free(esc.p);
+    if (alts > 1)
+        sb_add(b, "(");
+    sb_add(b, out.p ? out.p : "");
+    if (alts > 1)
+        sb_add(b, ")");
+    b->oom |= out.oom;
+    free(out.p);
+}
+
+struct rx {
+    struct conv *c;
+    const char *start, *p, *end, *path, *hint;
+    int groups;
+};
+
+static void rx_fail(struct rx *r, const char *what)
+{
+    cerr(r->c, r->path, "pattern: %s (at offset %ld) is not supported", what,
+         (long)(r->p - r->start));
+}
+
+static int rx_alt(struct rx *r, struct sb *b, int top);
+
+/* A character of the pattern outside escapes, as a code point. */
+static uint32_t rx_cp(struct rx *r) { return next_cp(&r->p); }
+
+/* An escape at r->p (after the '\'): a class escape into s (returns 2), a character (1, *cp), or
+ * refused (0). in_class: inside [...], where \b is a backspace. */
+static int rx_escape(struct rx *r, struct cset *s, uint32_t *cp, int in_class)
+{
+    if (r->p >= r->end) {
+        rx_fail(r, "a '\\' at the end");
+        return 0;
+    }
+    char e = *r->p;
+    if (cs_class_escape(s, e)) {
+        r->p++;
+        return 2;
+    }
+    static const char ctl[] = "t\tn\nr\rv\vf\f";
+    const char *k = strchr(ctl, e);
+    if (e && k && (k - ctl) % 2 == 0) {
+        r->p++;
+        *cp = (unsigned char)k[1];
+        return 1;
+    }
+    if (e == 'b' && in_class) {
+        r->p++;
+        *cp = 8;
+        return 1;
+    }
+    if (e == '0' && !(r->p + 1 < r->end && r->p[1] >= '0' && r->p[1] <= '9')) {
+        r->p++;
+        *cp = 0;
+        return 1;
+    }
+    if (e == 'c' && r->p + 1 < r->end && ((r->p[1] | 0x20) >= 'a' && (r->p[1] | 0x20) <= 'z')) {
+        *cp = (uint32_t)(r->p[1] & 31);
+        r->p += 2;
+        return 1;
+    }
+    if (e == 'x' || e == 'u') {
+        int nd = e == 'x' ? 2 : 4;
+        uint32_t v = 0;
+        for (int i = 1; i <= nd; i++) {
+            char h = r->p + i < r->end ? r->p[i] : 0;
+            int d = h >= '0' && h <= '9' ? h - '0' : (h | 0x20) >= 'a' && (h | 0x20) <= 'f'
+                                                         ? (h | 0x20) - 'a' + 10 : -1;
+            if (d < 0) {
+                rx_fail(r, e == 'x' ? "'\\x' without 2 hex digits"
+                                    : "'\\u' without 4 hex digits ('\\u{...}' included)");
+                return 0;
+            }
+            v = v * 16 + (uint32_t)d;
+        }
+        if (v >= 0xd800 && v <= 0xdfff) {
+            rx_fail(r, "a surrogate '\\u' escape");
+            return 0;
+        }
+        r->p += 1 + nd;
+        *cp = v;
+        return 1;
+    }
+    if ((e >= 'a' && e <= 'z') || (e >= 'A' && e <= 'Z') || (e >= '0' && e <= '9')) {
+        char what[64];
+        snprintf(what, sizeof what, "the escape '\\%c'%s", e,
+                 e >= '1' && e <= '9' ? " (a backreference)"
+                 : e == 'b' || e == 'B' ? " (a word boundary)"
+                 : e == 'p' || e == 'P' ? " (a Unicode property)"
+                 : e == 'k' ? " (a named backreference)" : "");
+        rx_fail(r, what);
+        return 0;
+    }
+    *cp = rx_cp(r); /* an escaped punctuation character is itself */
+    return 1;
+}
+
+/* [...] at r->p (after the '['). */
+static int rx_class(struct rx *r, struct cset *s)
+{
+    int neg = r->p < r->end && *r->p == '^';
+    r->p += neg;
+    while (r->p < r->end && *r->p != ']') {
+        uint32_t lo, hi;
+        int k = 1;
+        if (*r->p == '\\') {
+            r->p++;
+            if (!(k = rx_escape(r, s, &lo, 1)))
+                return -1;
+        } else {
+            lo = rx_cp(r);
+        }
+        if (k == 1 && r->p + 1 < r->end && r->p[0] == '-' && r->p[1] != ']') {
+            r->p++;
+            int k2 = 1;
+            if (*r->p == '\\') {
+                r->p++;
+                struct cset t = {0};
+                k2 = rx_escape(r, &t, &hi, 1);
+                free(t.r);
+                if (!k2)
+                    return -1;
+            } else {
+                hi = rx_cp(r);
+            }
+            if (k2 != 1 || hi < lo) {
+                rx_fail(r, k2 != 1 ? "a class escape as a range's end" : "a range out of order");
+                return -1;
+            }
+            cs_add(s, lo, hi);
+        } else if (k == 1) {
+            cs_add(s, lo, lo);
+        }
+    }
+    if (r->p >= r->end) {
+        rx_fail(r, "a '[' without ']'");
+        return -1;
+    }
+    r->p++;
+    if (neg)
+        cs_negate(s);
+    cs_norm(s);
+    return 0;
+}
+
+/* {m}, {m,}, {m,n} at r->p (at the '{'): 1 and the counts (hi -1: unbounded), 0 when it is
+ * not one. */
+static int rx_braces(struct rx *r, long *lo, long *hi)
+{
+    const char *p = r->p + 1;
+    long m = 0, n;
+    if (p >= r->end || *p < '0' || *p > '9')
+        return 0;
+    for (; p < r->end && *p >= '0' && *p <= '9'; p++)
+        m = m > 100000 ? m : m * 10 + (*p - '0');
+    n = m;
+    if (p < r->end && *p == ',') {
+        p++;
+        n = -1;
+        if (p < r->end && *p >= '0' && *p <= '9')
+            for (n = 0; p < r->end && *p >= '0' && *p <= '9'; p++)
+                n = n > 100000 ? n : n * 10 + (*p - '0');
+    }
+    if (p >= r->end || *p != '}')
+        return 0;
+    r->p = p + 1;
+    *lo = m;
+    *hi = n;
+    return 1;
+}
+
+/* One item (an atom and its quantifier) into b; *nullable: whether it can match nothing.
+ * Returns 0, 1 at the end of a sequence ('|', ')' or the end), -1 refused. */
+static int rx_item(struct rx *r, struct sb *b, int *nullable)
+{
+    struct sb atom = {0};
+    struct cset s = {0};
+    int null = 0, group = *r->p == '(';
+    char ch = *r->p;
+    if (ch == '|' || ch == ')')
+        return 1;
+    if (ch == '*' || ch == '+' || ch == '?' || (ch == '{' && rx_braces(r, &(long){0},
+                                                                         &(long){0}))) {
+        rx_fail(r, "a quantifier with nothing to repeat");
+        return -1;
+    }
+    if (ch == '{') {
+        rx_fail(r, "a '{' that is no quantifier (escape it)");
+        return -1;
+    }
+    if (ch == '^' || ch == '$') {
+        rx_fail(r, ch == '^' ? "'^' past the start of an alternative"
+                             : "'$' before the end of an alternative");
+        return -1;
+    }
+    if (ch == '(') {
+        r->p++;
+        if (r->p < r->end && *r->p == '?') {
+            if (r->p + 1 < r->end && r->p[1] == ':') {
+                r->p += 2;
+            } else if (r->p + 2 < r->end && r->p[1] == '<' && r->p[2] != '=' && r->p[2] != '!') {
+                const char *e = memchr(r->p, '>', (size_t)(r->end - r->p));
+                if (!e) {
+                    rx_fail(r, "a group name without '>'");
+                    return -1;
+                }
+                r->p = e + 1; /* a named group matches as a plain one */
+            } else {
+                rx_fail(r, "lookaround or a group modifier '(?'");
+                return -1;
+            }
+        }
+        if (++r->groups > MAX_PATTERN_GROUPS) {
+            rx_fail(r, "groups nested this deep");
+            return -1;
+        }
+        struct sb body = {0};
+        null = rx_alt(r, &body, 0);
+        r->groups--;
+        if (null < 0) {
+            free(body.p);
+            return -1;
+        }
+        if (r->p >= r->end || *r->p != ')') {
+            free(body.p);
+            rx_fail(r, "a '(' without ')'");
+            return -1;
+        }
+        r->p++;
+        r->c->pattern_repeat++; /* a rule */
+        char h[128];
+        snprintf(h, sizeof h, "%s-group", r->hint);
+        const char *name = add_rule(r->c, h, &body);
+        if (!name)
+            return -1;
+        sb_add(&atom, name);
+    } else {
+        r->p++;
+        uint32_t cp;
+        if (ch == '[') {
+            if (rx_class(r, &s) != 0) {
+                free(s.r);
+                return -1;
+            }
+        } else if (ch == '.') { /* anything but the line terminators */
+            cs_add(&s, '\n', '\n'), cs_add(&s, '\r', '\r'), cs_add(&s, 0x2028, 0x2029);
+            cs_negate(&s);
+        } else if (ch == '\\') {
+            int k = rx_escape(r, &s, &cp, 0);
+            if (!k) {
+                free(s.r);
+                return -1;
+            }
+            if (k == 1)
+                cs_add(&s, cp, cp);
+            cs_norm(&s);
+        } else {
+            r->p--;
+            cp = rx_cp(r);
+            cs_add(&s, cp, cp);
+        }
+        if (s.oom) {
+            free(s.r);
+            cerr(r->c, r->path, "out of memory");
+            return -1;
+        }
+        if (!s.n) {
+            free(s.r);
+            rx_fail(r, "a class that matches nothing");
+            return -1;
+        }
+        sb_cset(&atom, &s);
+        free(s.r);
+    }
+    /* the quantifier; a lazy one ('?' after it) matches the same strings */
+    long lo = 1, hi = 1;
+    if (r->p < r->end) {
+        ch = *r->p;
+        if (ch == '*' || ch == '+' || ch == '?') {
+            lo = ch == '+', hi = ch == '?' ? 1 : -1;
+            r->p++;
+        } else if (ch == '{' && !rx_braces(r, &lo, &hi)) {
+            free(atom.p);
+            rx_fail(r, "a '{' that is no quantifier (escape it)");
+            return -1;
+        }
+        if ((lo != 1 || hi != 1) && r->p < r->end && *r->p == '?')
+            r->p++;
+    }
+    if ((hi >= 0 && hi < lo) || lo > MAX_BOUND || hi > MAX_BOUND) {
+        free(atom.p);
+        rx_fail(r, hi >= 0 && hi < lo ? "a quantifier {m,n} with n < m"
+                                      : "a repetition count over 1000");
+        return -1;
+    }
+    if (hi < 0 && null) {
+        free(atom.p);
+        rx_fail(r, "an unbounded repetition of a group that can match nothing");
+        return -1;
+    }
+    r->c->pattern_repeat += hi < 0 ? lo + 1 : hi;
+    if (r->c->pattern_repeat > MAX_PATTERN_REPEAT) {
+        free(atom.p);
+        rx_fail(r, "repetition counts and groups over 4000 in all");
+        return -1;
+    }
+    *nullable = lo == 0 || null;
+    if (hi != 0) {
+        /* a set may be several items ([\\] and an escape): repeated as one */
+        int wrap = !group && (lo != 1 || hi != 1) && strchr(atom.p, ' ');
+        sb_add(b, wrap ? "(" : "");
+        sb_add(b, atom.p);
+        sb_add(b, wrap ? ")" : "");
+        if (lo == 0 && hi == 1)
+            sb_add(b, "?");
+        else if (lo == 0 && hi < 0)
+            sb_add(b, "*");
+        else if (lo == 1 && hi < 0)
+            sb_add(b, "+");
+        else if (hi < 0)
+            sb_addf(b, "{%ld,}", lo);
+        else if (lo != 1 || hi != 1)
+            sb_addf(b, lo == hi ? "{%ld}" : "{%ld,%ld}", lo, hi);
+        sb_add(b, " ");
+    }
+    free(atom.p);
+    return 0;
+}
+
+/* Alternatives up to ')' or the end, into b. At the top, each one may start with '^' and end
+ * with '$'; one without is matched anywhere in the string. Returns whether it can match nothing
+ * (0, 1), -1 refused. */
+static int rx_alt(struct rx *r, struct sb *b, int top)
+{
+    int nullable = 0;
+    for (int alt = 0;; alt++) {
+        if (alt)
+            sb_add(b, "| ");
+        int start = top && r->p < r->end && *r->p == '^', end = 0, seq_null = 1;
+        r->p += start;
+        if (top && !start)
+            sb_add(b, "char* ");
+        size_t at = b->n;
+        for (;;) {
+            if (r->p >= r->end)
+                break;
+            if (top && *r->p == '$' && (r->p + 1 == r->end || r->p[1] == '|')) {
+                r->p++;
+                end = 1;
+                break;
+            }
+            int item_null, k = rx_item(r, b, &item_null);
+            if (k < 0)
+                return -1;
+            if (k)
+                break;
+            seq_null &= item_null;
+        }
+        if (top && !end)
+            sb_add(b, "char* ");
+        else if (b->n == at)
+            sb_add(b, "\"\" ");
+        nullable |= seq_null;
+        if (r->p >= r->end || *r->p != '|')
+            break;
+        r->p++;
+    }
+    if (top && r->p < r->end) {
+        rx_fail(r, "a ')' without '('");
+        return -1;
+    }
+    return nullable;
+}
+
+static const char *visit_pattern(struct conv *c, json_t *pat, const char *hint, const char *path)
+{
+    if (!json_is_string(pat)) {
+        cerr(c, path, "'pattern' must be a string");
+        return NULL;
+    }
+    size_t n = json_string_length(pat);
+    if (n > MAX_PATTERN) {
+        cerr(c, path, "'pattern' longer than %d bytes is not supported", MAX_PATTERN);
+        return NULL;
+    }
+    if (!prim(c, "char") || !prim(c, "space"))
+        return NULL;
+    char h[128];
+    snprintf(h, sizeof h, "%s-pattern", hint);
+    const char *text = json_string_value(pat);
+    struct rx r = {c, text, text, text + n, path, h, 0};
+    struct sb body = {0};
+    if (rx_alt(&r, &body, 1) < 0) {
+        free(body.p);
+        return NULL;
+    }
+    const char *inner = add_rule(c, h, &body);
+    if (!inner)
+        return NULL;
+    struct sb b = {0};
+    sb_addf(&b, "\"\\\"\" %s \"\\\"\" space", inner);
+    return add_rule(c, hint, &b);
+}
+
 static const char *visit_string(struct conv *c, json_t *s, const char *hint, const char *path)
 {
+    json_t *pat = json_object_get(s, "pattern");
+    if (pat) {
+        static const char *other[] = {"format", "minLength", "maxLength"};
+        for (size_t i = 0; i < sizeof other / sizeof *other; i++)
+            if (json_object_get(s, other[i])) {
+                cerr(c, path, "'pattern' next to '%s' is not supported", other[i]);
+                return NULL;
+            }
+        return visit_pattern(c, pat, hint, path);
+    }
     json_t *f = json_object_get(s, "format");
     if (f) {
         const char *fmt = json_string_value(f);
@@ -827,29 +1462,6 @@ struct knode {
     int end;
 };
 
-static uint32_t next_cp(const char **pp)
-{
-    const unsigned char *p = (const unsigned char *)*pp;
-    uint32_t c = p[0];
-    int n = c < 0x80 ? 0 : c < 0xe0 ? 1 : c < 0xf0 ? 2 : 3;
-    if (n)
-        c &= 0x3fu >> n;
-    for (int i = 1; i <= n && p[i]; i++)
-        c = (c << 6) | (p[i] & 0x3fu);
-    *pp += 1 + n;
-    return c;
-}
-
-static void sb_class_cp(struct sb *b, uint32_t cp)
-{
-    if (cp < 0x80)
-        sb_addf(b, "\\x%02X", cp);
-    else if (cp < 0x10000)
-        sb_addf(b, "\\u%04X", cp);
-    else
-        sb_addf(b, "\\U%08X", cp);
-}
-
 static const char *not_keys_node(struct conv *c, struct knode *t, long i, const char *hint)
 {
     if (!prim(c, "char"))
@@ -866,22 +1478,9 @@ static const char *not_keys_node(struct conv *c, struct knode *t, long i, const 
             free(b.p);
             return NULL;
         }
-        char u[5] = {0};
-        uint32_t cp = t[k].cp;
-        if (cp < 0x80) {
-            u[0] = (char)cp;
-        } else if (cp < 0x800) {
-            u[0] = (char)(0xc0 | (cp >> 6)), u[1] = (char)(0x80 | (cp & 0x3f));
-        } else if (cp < 0x10000) {
-            u[0] = (char)(0xe0 | (cp >> 12)), u[1] = (char)(0x80 | ((cp >> 6) & 0x3f));
-            u[2] = (char)(0x80 | (cp & 0x3f));
-        } else {
-            u[0] = (char)(0xf0 | (cp >> 18)), u[1] = (char)(0x80 | ((cp >> 12) & 0x3f));
-            u[2] = (char)(0x80 | ((cp >> 6) & 0x3f)), u[3] = (char)(0x80 | (cp & 0x3f));
-        }
         if (alts++)
             sb_add(&b, " | ");
-        sb_literal(&b, u, strlen(u));
+        sb_literal_cp(&b, t[k].cp);
         sb_addf(&b, " %s", sub);
     }
     if (alts++)
@@ -1207,7 +1806,9 @@ static const char *visit_inner(struct conv *c, json_t *s, const char *hint, cons
         return NULL;
     json_t *v;
     const char *bk = bound_keyword(s);
-    if (bk) { /* bounds are enforced by the integer and number rules only */
+    if (!bk && json_object_get(s, "pattern"))
+        bk = "pattern";
+    if (bk) { /* enforced by the rule of their type only */
         static const char *other[] = {"$ref", "const", "enum", "anyOf", "oneOf", "allOf"};
         for (size_t i = 0; i < sizeof other / sizeof *other; i++)
             if (json_object_get(s, other[i])) {
@@ -1215,7 +1816,8 @@ static const char *visit_inner(struct conv *c, json_t *s, const char *hint, cons
                 return NULL;
             }
         if (!json_object_get(s, "type")) {
-            cerr(c, path, "'%s' needs 'type' integer or number", bk);
+            cerr(c, path, "'%s' needs 'type' %s", bk,
+                 strcmp(bk, "pattern") ? "integer or number" : "string");
             return NULL;
         }
     }

@@ -1,7 +1,9 @@
 /* JSON Schema to GBNF (store/json_schema.c), checked through the matcher: the documents of
  * tests/fixtures/grammar/schemas.json (expectations checked against the jsonschema package by
  * tools/grammar-fixtures.py), refused schemas, and random generation under the token mask. */
+#define PCRE2_CODE_UNIT_WIDTH 8
 #include <jansson.h>
+#include <pcre2.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -249,6 +251,102 @@ TEST_TIMEOUT(grammar_schema_numeric_bounds, 300)
     CHECK(checked > 200);
 }
 
+/* ---------------------------------------------------------------- pattern */
+
+/* Whether pattern finds a match in s (n bytes), by PCRE2: ECMA-262 syntax for what the converter
+ * takes; ucp: Unicode \d \w \s (wider than ECMA-262's, for checking what a grammar allows). */
+static int pcre_search(const char *pattern, const char *s, size_t n, int ucp)
+{
+    int ec;
+    PCRE2_SIZE eo;
+    pcre2_code *re = pcre2_compile((PCRE2_SPTR)pattern, PCRE2_ZERO_TERMINATED,
+                                   PCRE2_UTF | PCRE2_DOLLAR_ENDONLY | PCRE2_ALT_BSUX |
+                                       (ucp ? PCRE2_UCP : 0),
+                                   &ec, &eo, NULL);
+    CHECK_MSG(re != NULL, "pcre2 refuses %s", pattern);
+    pcre2_match_data *md = pcre2_match_data_create_from_pattern(re, NULL);
+    int rc = pcre2_match(re, (PCRE2_SPTR)s, n, 0, 0, md, NULL);
+    pcre2_match_data_free(md);
+    pcre2_code_free(re);
+    return rc >= 0;
+}
+
+TEST(grammar_schema_pattern_against_pcre)
+{
+    static const char *pats[] = {
+        "^a*b$", "ab", "a|b", "^(a|bc)+$", "[^a-c]", "^[\\d\\s]*$", "^.{2}$", "a.c", "\\\\",
+        "\"", "^[\"\\\\]+$", "^\\t?x?$", "^(?:ab|a)(?:c|bc)$", "^a{2,3}$", "a{2}", "^[^\"]*$",
+        "\\w+-\\w", "^é+😀?$", "^[a-cé-ë]$", "^(a(b(c)?)?)?$", "^.*$", "x*", "^$", "^(a|)b$",
+        "\\u0001", "^[\\x00-\\x1f]$", "^(?<g>a)b?$", "1$|^9", "^[.]\\.$", "[-a]", "^a+?$",
+        "^[^\\D5]\\W$", "^\\S\\s", "c{1,}$", "^(ab){0,2}$", "^\\x41?\\cA?$", "^[\\b]?é$"};
+    static const char *alpha[] = {"a", "b", "c", "1", "9", "5", "\"", "\\", "\n", "\t", " ",
+                                  "é", "ë", "😀", "-", ".", "A", "_", "x", "\x01", "\b"};
+    moe_test_rng_seed(3);
+    int n_match = 0, n_checked = 0;
+    for (size_t pi = 0; pi < sizeof pats / sizeof *pats; pi++) {
+        json_t *s = json_pack("{ssss}", "type", "string", "pattern", pats[pi]);
+        struct moe_grammar *g = schema_grammar(s, pats[pi]);
+        for (int k = 0; k < 2000; k++) {
+            char text[64];
+            size_t n = 0;
+            int len = (int)(moe_test_rng_u32() % 6);
+            for (int i = 0; i < len; i++) {
+                const char *a = alpha[moe_test_rng_u32() % (sizeof alpha / sizeof *alpha)];
+                memcpy(text + n, a, strlen(a));
+                n += strlen(a);
+            }
+            json_t *js = json_stringn(text, n);
+            char *doc = json_dumps(js, JSON_ENCODE_ANY);
+            int want = pcre_search(pats[pi], text, n, 0);
+            CHECK_MSG(gt_match(g, doc) == want, "%s: %s %s", pats[pi], doc,
+                      want ? "rejected" : "accepted");
+            n_match += want;
+            n_checked++;
+            free(doc);
+            json_decref(js);
+        }
+        moe_grammar_free(g);
+        json_decref(s);
+    }
+    fprintf(stderr, "%d strings checked against PCRE2, %d matching\n", n_checked, n_match);
+}
+
+TEST(grammar_schema_pattern_limits)
+{
+    /* long or repetitive patterns are refused or stay within the grammar's limits */
+    static const char *pats[] = {"(((((((((((((((((((((((((((((((((a)))))))))))))))))))))))))))))))))",
+                                 "(a{1000}){1000}", "((a|b){1000}c){3}", "[^\\s\\S]",
+                                 "(x+x+)+y", "(.*){1,1000}", "(a?){1000}b"};
+    for (size_t i = 0; i < sizeof pats / sizeof *pats; i++) {
+        json_t *s = json_pack("{ssss}", "type", "string", "pattern", pats[i]);
+        char err[512], *gbnf = NULL;
+        if (moe_json_schema_to_gbnf(s, &gbnf, err, sizeof err) == 0) {
+            struct moe_grammar *g = moe_grammar_parse(gbnf, strlen(gbnf), err, sizeof err);
+            CHECK_MSG(g != NULL, "%s: %s", pats[i], err);
+            struct moe_grammar_state *st = moe_grammar_state_new(g, err, sizeof err);
+            CHECK(st != NULL);
+            const char *doc = "\"xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxy\"";
+            for (const char *p = doc; *p; p++)
+                if (moe_grammar_state_accept_bytes(st, p, 1) != 1)
+                    break;
+            moe_grammar_state_free(st);
+            moe_grammar_free(g);
+            free(gbnf);
+        } else {
+            CHECK_MSG(strstr(err, "pattern") != NULL, "%s: %s", pats[i], err);
+        }
+        json_decref(s);
+    }
+    char big[4096];
+    memset(big, 'a', sizeof big - 1);
+    big[sizeof big - 1] = '\0';
+    json_t *s = json_pack("{ssss}", "type", "string", "pattern", big);
+    char err[512], *gbnf = NULL;
+    CHECK_EQ(moe_json_schema_to_gbnf(s, &gbnf, err, sizeof err), -1);
+    CHECK_MSG(strstr(err, "longer than") != NULL, "%s", err);
+    json_decref(s);
+}
+
 /* ---------------------------------------------------------------- random generation */
 
 static json_t *resolve_ref(json_t *root, const char *ref)
@@ -293,7 +391,7 @@ static int type_ok(const char *t, json_t *d)
 
 /* The shape the grammar promises: types, enum/const, properties (required, no others unless
  * additionalProperties allows), items and their counts, string lengths, numeric bounds,
- * anyOf/oneOf/allOf, $ref. Formats are not checked. */
+ * patterns (by PCRE2), anyOf/oneOf/allOf, $ref. Formats are not checked. */
 static int shape_ok_x(json_t *root, json_t *s, json_t *d, int extra_ok);
 
 static int shape_ok(json_t *root, json_t *s, json_t *d) { return shape_ok_x(root, s, d, 0); }
@@ -359,6 +457,9 @@ static int shape_ok_x(json_t *root, json_t *s, json_t *d, int extra_ok)
             return 0;
     }
     if (json_is_number(d) && !in_bounds(s, num_value(d)))
+        return 0;
+    if (json_is_string(d) && json_is_string(v = json_object_get(s, "pattern")) &&
+        !pcre_search(json_string_value(v), json_string_value(d), json_string_length(d), 1))
         return 0;
     if (json_is_string(d)) {
         size_t n = utf8_len(json_string_value(d));
@@ -543,7 +644,8 @@ TEST(grammar_schema_mini_fuzz)
                                   "\"anyOf\"", "\"$ref\"", "\"#/$defs/x\"", "\"null\"",
                                   "\"minItems\"", "\"maxLength\"", "\"additionalProperties\"",
                                   "true", "false", "{}", "[]", "\"format\"", "\"date\"",
-                                  "\"minimum\"", "\"exclusiveMaximum\"", "1.5", "-3", "1e300"};
+                                  "\"minimum\"", "\"exclusiveMaximum\"", "1.5", "-3", "1e300",
+                                  "\"pattern\"", "\"^a\"", "(", ")", "|", "*", "\\\\"};
     moe_test_rng_seed(5);
     int converted = 0, refused = 0;
     for (int iter = 0; iter < 40000; iter++) {
