@@ -352,7 +352,7 @@ static int check_keywords(struct conv *c, json_t *s, const char *path)
                                   "nullable", "properties", "required", "additionalProperties",
                                   "items", "minItems", "maxItems", "minLength", "maxLength",
                                   "format", "minimum", "maximum", "exclusiveMinimum",
-                                  "exclusiveMaximum", "pattern"};
+                                  "exclusiveMaximum", "pattern", "prefixItems"};
     const char *k;
     json_t *v;
     json_object_foreach(s, k, v) {
@@ -1226,7 +1226,8 @@ static int rx_item(struct rx *r, struct sb *b, int *nullable)
         rx_fail(r, "an unbounded repetition of a group that can match nothing");
         return -1;
     }
-    r->c->pattern_repeat += hi < 0 ? lo + 1 : hi;
+    if (lo != 1 || hi != 1) /* rules and copies in the grammar */
+        r->c->pattern_repeat += hi < 0 ? lo + 1 : hi;
     if (r->c->pattern_repeat > MAX_PATTERN_REPEAT) {
         free(atom.p);
         rx_fail(r, "repetition counts and groups over 4000 in all");
@@ -1387,23 +1388,46 @@ static const char *visit_string(struct conv *c, json_t *s, const char *hint, con
     return add_rule(c, hint, &b);
 }
 
+/* The items of an array with prefixItems: element i (0-based) with i already written, to the end
+ * (each tail starts with a comma). rest: the rule of the items past the prefix; hi < 0 unbounded. */
+static const char *prefix_tail(struct conv *c, const char **pn, size_t k, size_t i, long lo,
+                               long hi, const char *rest, const char *hint)
+{
+    struct sb b = {0};
+    char th[128];
+    snprintf(th, sizeof th, "%s-rest%zu", hint, i);
+    if (i == k || (hi >= 0 && (long)i >= hi))
+        return add_rule(c, th, &(struct sb){0});
+    const char *next = i + 1 < k ? prefix_tail(c, pn, k, i + 1, lo, hi, rest, hint) : rest;
+    if (!next)
+        return NULL;
+    if ((long)i >= lo)
+        sb_addf(&b, "(\",\" space %s %s)?", pn[i], next);
+    else
+        sb_addf(&b, "\",\" space %s %s", pn[i], next);
+    return add_rule(c, th, &b);
+}
+
 static const char *visit_array(struct conv *c, json_t *s, const char *hint, const char *path)
 {
-    json_t *items = json_object_get(s, "items");
-    const char *item;
+    json_t *items = json_object_get(s, "items"), *prefix = json_object_get(s, "prefixItems");
+    const char *item = NULL; /* NULL: no items (past the prefix) */
     char sub[512], ih[128];
     path_join(sub, sizeof sub, path, "items", NULL);
     snprintf(ih, sizeof ih, "%s-item", hint);
-    if (!items || json_is_true(items))
-        item = prim(c, "value");
-    else if (json_is_object(items))
-        item = visit(c, items, ih, sub);
-    else {
-        cerr(c, path, "'items' must be a schema (tuples with an array of schemas are not "
-                      "supported)");
+    if (prefix && (!json_is_array(prefix) || json_array_size(prefix) == 0)) {
+        cerr(c, path, "'prefixItems' must be a non-empty array of schemas");
         return NULL;
     }
-    if (!item || !prim(c, "space"))
+    if (!items || json_is_true(items)) {
+        item = prim(c, "value");
+    } else if (json_is_object(items)) {
+        item = visit(c, items, ih, sub);
+    } else if (!json_is_false(items)) {
+        cerr(c, path, "'items' must be a schema (for tuples, 'prefixItems' is)");
+        return NULL;
+    }
+    if ((!item && !json_is_false(items)) || !prim(c, "space"))
         return NULL;
     long lo = get_uint(c, s, "minItems", 0, path), hi = get_uint(c, s, "maxItems", -1, path);
     if (lo == -2 || hi == -2)
@@ -1414,13 +1438,55 @@ static const char *visit_array(struct conv *c, json_t *s, const char *hint, cons
     }
     if (hi > MAX_BOUND)
         hi = -1;
+    size_t k = prefix ? json_array_size(prefix) : 0;
+    if (!item && (hi < 0 || hi > (long)k))
+        hi = (long)k;
     if (hi >= 0 && hi < lo) {
-        cerr(c, path, "maxItems < minItems: no array matches");
+        cerr(c, path, "%s < minItems: no array matches",
+             !item && hi == (long)k ? "the items allowed ('items' false)" : "maxItems");
         return NULL;
     }
+    char sep_item[160] = "";
+    if (item)
+        snprintf(sep_item, sizeof sep_item, "\",\" space %s", item);
     struct sb b = {0};
-    char sep_item[160];
-    snprintf(sep_item, sizeof sep_item, "\",\" space %s", item);
+    if (k) {
+        /* the items past the prefix, then the prefix's tails */
+        const char **pn = calloc(k, sizeof *pn);
+        if (!pn) {
+            cerr(c, path, "out of memory");
+            return NULL;
+        }
+        size_t i;
+        json_t *ps;
+        json_array_foreach(prefix, i, ps) {
+            char idx[24], ph[128];
+            snprintf(idx, sizeof idx, "%zu", i);
+            path_join(sub, sizeof sub, path, "prefixItems", idx);
+            snprintf(ph, sizeof ph, "%s-%zu", hint, i);
+            if (!(pn[i] = visit(c, ps, ph, sub)))
+                break;
+        }
+        const char *rest = NULL, *tail = NULL;
+        if (i == k) {
+            if (item)
+                sb_repeat(&b, sep_item, lo > (long)k ? lo - (long)k : 0,
+                          hi < 0 ? -1 : hi - (long)k);
+            char th[128];
+            snprintf(th, sizeof th, "%s-rest", hint);
+            rest = add_rule(c, th, &b);
+            tail = rest && k > 1 ? prefix_tail(c, pn, k, 1, lo, hi, rest, hint) : rest;
+        }
+        b = (struct sb){0};
+        if (tail) {
+            sb_add(&b, "\"[\" space");
+            if (hi != 0)
+                sb_addf(&b, lo ? " %s %s" : " ( %s %s )?", pn[0], tail);
+            sb_add(&b, " \"]\" space");
+        }
+        free(pn);
+        return tail ? add_rule(c, hint, &b) : NULL;
+    }
     sb_add(&b, "\"[\" space");
     if (hi != 0) {
         if (lo == 0) {
@@ -1897,7 +1963,7 @@ static const char *visit_inner(struct conv *c, json_t *s, const char *hint, cons
         }
     } else if (json_object_get(s, "properties") || json_object_get(s, "additionalProperties")) {
         base = visit_type(c, s, "object", hint, path);
-    } else if (json_object_get(s, "items")) {
+    } else if (json_object_get(s, "items") || json_object_get(s, "prefixItems")) {
         base = visit_type(c, s, "array", hint, path);
     } else {
         base = prim(c, "value");

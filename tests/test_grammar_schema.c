@@ -337,6 +337,20 @@ TEST(grammar_schema_pattern_limits)
         }
         json_decref(s);
     }
+    /* short patterns on many properties fit: only groups and repetitions count */
+    json_t *props = json_object();
+    for (int i = 0; i < 300; i++) {
+        char key[16], pat[64];
+        snprintf(key, sizeof key, "p%d", i);
+        snprintf(pat, sizeof pat, "^[a-z]+-(\\d{2}|x)$|^%d$", i);
+        json_object_set_new(props, key, json_pack("{ssss}", "type", "string", "pattern", pat));
+    }
+    json_t *obj = json_pack("{ssso}", "type", "object", "properties", props);
+    struct moe_grammar *g = schema_grammar(obj, "300 patterns");
+    CHECK(gt_match(g, "{\"p0\": \"ab-12\", \"p7\": \"7\"}") == 1);
+    CHECK(gt_match(g, "{\"p0\": \"ab-1\"}") == 0);
+    moe_grammar_free(g);
+    json_decref(obj);
     char big[4096];
     memset(big, 'a', sizeof big - 1);
     big[sizeof big - 1] = '\0';
@@ -390,8 +404,8 @@ static int type_ok(const char *t, json_t *d)
 }
 
 /* The shape the grammar promises: types, enum/const, properties (required, no others unless
- * additionalProperties allows), items and their counts, string lengths, numeric bounds,
- * patterns (by PCRE2), anyOf/oneOf/allOf, $ref. Formats are not checked. */
+ * additionalProperties allows), items (prefixItems too) and their counts, string lengths,
+ * numeric bounds, patterns (by PCRE2), anyOf/oneOf/allOf, $ref. Formats are not checked. */
 static int shape_ok_x(json_t *root, json_t *s, json_t *d, int extra_ok);
 
 static int shape_ok(json_t *root, json_t *s, json_t *d) { return shape_ok_x(root, s, d, 0); }
@@ -448,8 +462,12 @@ static int shape_ok_x(json_t *root, json_t *s, json_t *d, int extra_ok)
         }
     }
     if (json_is_array(d)) {
-        json_t *items = json_object_get(s, "items");
-        json_array_foreach(d, i, x) if (items && !shape_ok(root, items, x)) return 0;
+        json_t *items = json_object_get(s, "items"), *prefix = json_object_get(s, "prefixItems");
+        json_array_foreach(d, i, x) {
+            json_t *is = i < json_array_size(prefix) ? json_array_get(prefix, i) : items;
+            if (json_is_false(is) || (is && !shape_ok(root, is, x)))
+                return 0;
+        }
         json_t *mn = json_object_get(s, "minItems"), *mx = json_object_get(s, "maxItems");
         if (mn && json_array_size(d) < (size_t)json_integer_value(mn))
             return 0;
@@ -645,7 +663,8 @@ TEST(grammar_schema_mini_fuzz)
                                   "\"minItems\"", "\"maxLength\"", "\"additionalProperties\"",
                                   "true", "false", "{}", "[]", "\"format\"", "\"date\"",
                                   "\"minimum\"", "\"exclusiveMaximum\"", "1.5", "-3", "1e300",
-                                  "\"pattern\"", "\"^a\"", "(", ")", "|", "*", "\\\\"};
+                                  "\"pattern\"", "\"^a\"", "(", ")", "|", "*", "\\\\",
+                                  "\"prefixItems\"", "[{}]"};
     moe_test_rng_seed(5);
     int converted = 0, refused = 0;
     for (int iter = 0; iter < 40000; iter++) {
