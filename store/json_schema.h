@@ -9,8 +9,8 @@
 
 /* Converts schema into GBNF text (*gbnf, malloc'ed, root rule `root`). 0 on success; -1 with a
  * message in err naming the keyword and where it is (a JSON pointer) for what is not supported:
- * the conversion is strict, it never drops a constraint it cannot express, except the numeric
- * bounds (minimum, maximum, exclusiveMinimum, exclusiveMaximum), which it ignores. */
+ * the conversion is strict, it never drops a constraint it cannot express (numeric bounds and
+ * patterns included: those it cannot enforce exactly are refused). */
 int moe_json_schema_to_gbnf(json_t *schema, char **gbnf, char *err, size_t errlen);
 
 /* The grammar of response_format json_object: any JSON object (values of any type inside). */
