@@ -101,6 +101,7 @@ struct gen_group {
     uint32_t n, n_open;             /* choices; those not finished */
     struct gen **g;                 /* [n] */
     json_t *choices;                /* not streamed: [n] the finished choices, null until then */
+    json_t *resp;                   /* Responses API: the Response's echoed fields, else NULL */
 };
 
 struct gen {
@@ -111,6 +112,7 @@ struct gen {
     struct http_conn *conn;
     struct sched_req *req;
     bool chat, stream, include_usage;
+    bool responses;                 /* POST /v1/responses (chat, answered as a Response) */
     bool finished;
     bool linked;                    /* in api.gens */
     char id[48];
@@ -148,7 +150,18 @@ struct gen {
     enum sched_finish early_why;
     int early_status;
     char early_msg[256];
+    /* Responses: the output items done (r_output), the one being written (a message or
+     * reasoning, its id and text), the next event's sequence_number, whether an item answers. */
+    json_t *r_output;
+    int r_open;                     /* 0, RESP_MESSAGE or RESP_REASONING */
+    char r_item[48];
+    char *r_text;
+    size_t r_len, r_cap;
+    json_int_t r_seq;
+    bool r_answered;
 };
+
+enum { RESP_MESSAGE = 1, RESP_REASONING = 2 };
 
 /* ---- small helpers ---- */
 
@@ -387,6 +400,8 @@ static void gen_free(struct gen *g)
     json_decref(g->lp);
     free(g->lp_off);
     free(g->echo);
+    free(g->r_text);
+    json_decref(g->r_output);
     free(g);
 }
 
@@ -397,6 +412,7 @@ static void group_free(struct gen_group *grp)
             gen_free(grp->g[i]);
     free(grp->g);
     json_decref(grp->choices);
+    json_decref(grp->resp);
     free(grp);
 }
 
@@ -449,25 +465,200 @@ static json_t *chunk_obj(const struct gen *g)
     return o;
 }
 
-static int sse_send(struct gen *g, json_t *obj)
+/* One server-sent event: obj (taken) as its data, with an event line when event is not NULL. */
+static int sse_send_event(struct gen *g, const char *event, json_t *obj)
 {
     char *s = json_dumps(obj, JSON_COMPACT);
     json_decref(obj);
     if (!s)
         return -ENOMEM;
-    size_t n = strlen(s);
-    char *buf = malloc(n + 9);
+    size_t n = strlen(s), el = event ? strlen(event) + 8 : 0;
+    char *buf = malloc(el + n + 9);
     if (!buf) {
         free(s);
         return -ENOMEM;
     }
-    memcpy(buf, "data: ", 6);
-    memcpy(buf + 6, s, n);
-    memcpy(buf + 6 + n, "\n\n", 2);
+    if (event)
+        snprintf(buf, el + 1, "event: %s\n", event);
+    memcpy(buf + el, "data: ", 6);
+    memcpy(buf + el + 6, s, n);
+    memcpy(buf + el + 6 + n, "\n\n", 2);
     free(s);
-    int rc = http_stream_write(g->conn, buf, n + 8);
+    int rc = http_stream_write(g->conn, buf, el + n + 8);
     free(buf);
     return rc;
+}
+
+static int sse_send(struct gen *g, json_t *obj)
+{
+    return sse_send_event(g, NULL, obj);
+}
+
+/* ---- Responses API output: items and events ---- */
+
+static void new_id(struct api *a, char *out, size_t cap, const char *prefix);
+
+/* A Responses event (taken): its type and sequence_number set, sent when streaming. */
+static int resp_event(struct gen *g, const char *type, json_t *ev)
+{
+    if (!g->stream) {
+        json_decref(ev);
+        return 0;
+    }
+    json_t *o = json_pack("{s:s}", "type", type); /* type first, as OpenAI sends it */
+    json_object_update(o, ev);
+    json_decref(ev);
+    json_object_set_new(o, "sequence_number", json_integer(g->r_seq++));
+    return sse_send_event(g, type, o);
+}
+
+/* The Response as it stands: the echoed request fields, the output items done, usage once
+ * finished. */
+static json_t *resp_snapshot(struct gen *g, const char *status)
+{
+    const struct gen_group *grp = g->grp;
+    json_t *o = json_pack("{s:s}", "id", g->id), *echo = json_deep_copy(grp->resp);
+    json_object_update(o, echo);
+    json_decref(echo);
+    json_object_set_new(o, "created_at", json_integer(g->created));
+    json_object_set_new(o, "status", json_string(status));
+    json_object_set_new(o, "model", json_string(g->api->model_id));
+    json_object_set_new(o, "output", json_deep_copy(g->r_output));
+    if (!strcmp(status, "completed") || !strcmp(status, "incomplete")) {
+        json_object_set_new(o, "usage", json_pack("{s:I,s:{s:I},s:I,s:{s:i},s:I}", "input_tokens",
+                                                  (json_int_t)g->n_prompt, "input_tokens_details",
+                                                  "cached_tokens", (json_int_t)g->n_cached,
+                                                  "output_tokens", (json_int_t)g->n_gen,
+                                                  "output_tokens_details", "reasoning_tokens", 0,
+                                                  "total_tokens",
+                                                  (json_int_t)g->n_prompt + g->n_gen));
+    }
+    return o;
+}
+
+/* {item_id, output_index[, content_index]} of the item being written. */
+static json_t *resp_at(const struct gen *g, bool content)
+{
+    json_t *o = json_pack("{s:s,s:I}", "item_id", g->r_item, "output_index",
+                          (json_int_t)json_array_size(g->r_output));
+    if (content)
+        json_object_set_new(o, "content_index", json_integer(0));
+    return o;
+}
+
+/* The open item's content part with text so far. */
+static json_t *resp_part(const struct gen *g)
+{
+    json_t *text = json_text(g->r_text ? g->r_text : "", g->r_len);
+    if (g->r_open == RESP_REASONING)
+        return json_pack("{s:s,s:o}", "type", "reasoning_text", "text", text);
+    return json_pack("{s:s,s:o,s:[],s:[]}", "type", "output_text", "text", text, "annotations",
+                     "logprobs");
+}
+
+static json_t *resp_item(const struct gen *g, const char *status, json_t *content)
+{
+    if (g->r_open == RESP_REASONING)
+        return json_pack("{s:s,s:s,s:[],s:o,s:s}", "id", g->r_item, "type", "reasoning", "summary",
+                         "content", content, "status", status);
+    return json_pack("{s:s,s:s,s:s,s:s,s:o}", "id", g->r_item, "type", "message", "status", status,
+                     "role", "assistant", "content", content);
+}
+
+/* An item is done: its event, and it joins the output. */
+static void resp_item_done(struct gen *g, json_t *item)
+{
+    json_t *ev = json_pack("{s:I,s:O}", "output_index", (json_int_t)json_array_size(g->r_output),
+                           "item", item);
+    resp_event(g, "response.output_item.done", ev);
+    json_array_append_new(g->r_output, item);
+}
+
+/* Opens a message or reasoning item (output_item.added, content_part.added). */
+static void resp_open(struct gen *g, int kind)
+{
+    struct api *a = g->api;
+    g->r_open = kind;
+    g->r_len = 0;
+    new_id(a, g->r_item, sizeof g->r_item, kind == RESP_MESSAGE ? "msg_" : "rs_");
+    if (kind == RESP_MESSAGE)
+        g->r_answered = true;
+    resp_event(g, "response.output_item.added",
+               json_pack("{s:I,s:o}", "output_index", (json_int_t)json_array_size(g->r_output),
+                         "item", resp_item(g, "in_progress", json_array())));
+    json_t *ev = resp_at(g, true);
+    json_object_set_new(ev, "part", resp_part(g));
+    resp_event(g, "response.content_part.added", ev);
+}
+
+/* Closes the open item, if any (the text's done, content_part.done, output_item.done). */
+static void resp_close(struct gen *g, const char *status)
+{
+    if (!g->r_open)
+        return;
+    json_t *ev = resp_at(g, true);
+    json_object_set_new(ev, "text", json_text(g->r_text ? g->r_text : "", g->r_len));
+    if (g->r_open == RESP_MESSAGE)
+        json_object_set_new(ev, "logprobs", json_array());
+    resp_event(g, g->r_open == RESP_MESSAGE ? "response.output_text.done"
+                                            : "response.reasoning_text.done", ev);
+    ev = resp_at(g, true);
+    json_object_set_new(ev, "part", resp_part(g));
+    resp_event(g, "response.content_part.done", ev);
+    resp_item_done(g, resp_item(g, status, json_pack("[o]", resp_part(g))));
+    g->r_open = 0;
+    g->r_len = 0;
+}
+
+/* chat_out's events as Response output items (and their events when streaming). */
+static int emit_resp(void *user, enum chat_ev ev, const char *s, size_t n, const struct chat_tool_call *tc)
+{
+    struct gen *g = user;
+    if (ev == CHAT_EV_TOOL_CALL) {
+        resp_close(g, "completed");
+        g->r_answered = true;
+        char id[48];
+        new_id(g->api, id, sizeof id, "fc_");
+        const json_int_t at = (json_int_t)json_array_size(g->r_output);
+        json_t *item = json_pack("{s:s,s:s,s:s,s:s,s:s,s:s}", "id", id, "type", "function_call",
+                                 "status", "in_progress", "arguments", "", "call_id", tc->id,
+                                 "name", tc->name);
+        resp_event(g, "response.output_item.added",
+                   json_pack("{s:I,s:O}", "output_index", at, "item", item));
+        resp_event(g, "response.function_call_arguments.delta",
+                   json_pack("{s:s,s:I,s:s}", "item_id", id, "output_index", at, "delta",
+                             tc->arguments));
+        resp_event(g, "response.function_call_arguments.done",
+                   json_pack("{s:s,s:I,s:s,s:s}", "item_id", id, "output_index", at, "name",
+                             tc->name, "arguments", tc->arguments));
+        json_object_set_new(item, "status", json_string("completed"));
+        json_object_set_new(item, "arguments", json_string(tc->arguments));
+        resp_item_done(g, item);
+        return 0;
+    }
+    const int kind = ev == CHAT_EV_REASONING ? RESP_REASONING : RESP_MESSAGE;
+    if (!n)
+        return 0;
+    if (g->r_open != kind) {
+        resp_close(g, "completed");
+        resp_open(g, kind);
+    }
+    if (moe_buf_append(&g->r_text, &g->r_len, &g->r_cap, s, n))
+        return -ENOMEM;
+    json_t *d = resp_at(g, true);
+    json_object_set_new(d, "delta", json_text(s, n));
+    if (kind == RESP_MESSAGE)
+        json_object_set_new(d, "logprobs", json_array());
+    return resp_event(g, kind == RESP_MESSAGE ? "response.output_text.delta"
+                                              : "response.reasoning_text.delta", d);
+}
+
+/* The stream's first events: response.created and response.in_progress. */
+static int resp_started(struct gen *g)
+{
+    int rc = resp_event(g, "response.created", json_pack("{s:o}", "response", resp_snapshot(g, "in_progress")));
+    return rc ? rc : resp_event(g, "response.in_progress",
+                                json_pack("{s:o}", "response", resp_snapshot(g, "in_progress")));
 }
 
 /* Starts the event stream; a chat stream opens every choice with an assistant role delta. */
@@ -479,6 +670,8 @@ static int stream_headers(struct gen *g)
     count_response(g->api, 200);
     int rc = http_stream_start(g->conn, 200, "text/event-stream",
                                "Cache-Control: no-cache\r\nX-Accel-Buffering: no\r\n");
+    if (rc == 0 && g->responses)
+        return resp_started(g);
     for (uint32_t i = 0; rc == 0 && g->chat && i < g->grp->n; i++) {
         json_t *o = chunk_obj(g);
         json_t *ch = json_object();
@@ -698,13 +891,41 @@ static void stream_pending(struct gen *g, bool final)
     g->lp_bound = upto;
     if (g->chat) {
         stream_headers(g);
-        chat_out_feed(&g->co, g->text, upto, final, emit_stream, g);
+        chat_out_feed(&g->co, g->text, upto, final, g->responses ? emit_resp : emit_stream, g);
     } else if (upto > g->sent) {
         stream_send(g, NULL, g->text + g->sent, upto - g->sent, NULL);
         g->sent = upto;
     } else if (!g->grp->headers_sent) {
         stream_headers(g);
     }
+}
+
+/* A Response is over (it has one choice): its last items, then the Response (the last event
+ * when streaming); the group is freed. A length cut makes it incomplete. */
+static void resp_finish(struct gen *g, const char *reason)
+{
+    const bool cut = !strcmp(reason, "length");
+    const char *status = cut ? "incomplete" : "completed";
+    if (g->stream)
+        stream_pending(g, true);
+    else
+        chat_out_feed(&g->co, g->text, g->text_len, true, emit_resp, g);
+    resp_close(g, status);
+    if (!g->r_answered) { /* nothing but reasoning, or nothing at all: an empty message */
+        resp_open(g, RESP_MESSAGE);
+        resp_close(g, status);
+    }
+    json_t *o = resp_snapshot(g, status);
+    if (cut)
+        json_object_set_new(o, "incomplete_details", json_pack("{s:s}", "reason", "max_output_tokens"));
+    http_conn_on_abort(g->conn, NULL, NULL);
+    if (g->stream) {
+        resp_event(g, cut ? "response.incomplete" : "response.completed", json_pack("{s:o}", "response", o));
+        http_stream_end(g->conn);
+    } else {
+        respond_json(g->api, g->conn, 200, o, NULL);
+    }
+    group_free(g->grp);
 }
 
 /* A choice is over (stop string, end of generation or length): its last chunk, or its part of
@@ -718,6 +939,10 @@ static void gen_finish(struct gen *g, const char *reason)
     if (g->finished)
         return;
     g->finished = true;
+    if (g->responses) {
+        resp_finish(g, reason);
+        return;
+    }
     if (g->chat && !g->stream)
         chat_out_feed(&g->co, g->text, g->text_len, true, emit_collect, g);
     if (g->chat && g->co.n_calls && !strcmp(reason, "stop"))
@@ -925,9 +1150,19 @@ static void gen_fail(struct gen *g, int http_status, const char *message)
         /* Too late for a status code: an error event tells SSE clients (the openai SDK raises
          * it) that the stream is broken, and there is no [DONE]. */
         int status = http_status >= 400 ? http_status : 500;
-        json_t *o = json_object();
-        json_object_set_new(o, "error", error_obj(status, NULL, message));
-        sse_send(g, o);
+        if (g->responses) {
+            /* As OpenAI's stream: an error event, then response.failed with the Response. */
+            resp_event(g, "error", json_pack("{s:s,s:o,s:n}", "code", error_code(status), "message",
+                                             json_text(message, strlen(message)), "param"));
+            json_t *r = resp_snapshot(g, "failed");
+            json_object_set_new(r, "error", json_pack("{s:s,s:o}", "code", "server_error", "message",
+                                                      json_text(message, strlen(message))));
+            resp_event(g, "response.failed", json_pack("{s:o}", "response", r));
+        } else {
+            json_t *o = json_object();
+            json_object_set_new(o, "error", error_obj(status, NULL, message));
+            sse_send(g, o);
+        }
         http_stream_end(g->conn);
     } else {
         respond_error(a, g->conn, http_status >= 400 ? http_status : 500, NULL, "%s", message);
@@ -958,6 +1193,7 @@ struct gen_req {
     char *stops[MAX_STOPS];
     size_t n_stops;
     bool tools;                   /* chat: the request has tools (parse tool calls) */
+    json_t *resp;                 /* POST /v1/responses: the Response's echoed fields */
     bool think_open;              /* chat: the prompt ends inside <think> */
     bool call_forced;             /* chat: the grammar forces a <tool_call> (force_tool_call) */
     uint32_t n;                   /* choices */
@@ -976,6 +1212,7 @@ static void gen_req_free(struct gen_req *r)
     free(r->bias_tok);
     free(r->bias_val);
     free(r->grammar);
+    json_decref(r->resp);
     for (size_t i = 0; i < r->n_stops; i++)
         free(r->stops[i]);
 }
@@ -1899,7 +2136,7 @@ static void new_id(struct api *a, char *out, size_t cap, const char *prefix)
     x ^= x >> 31;
     x *= 0xbf58476d1ce4e5b9ull;
     x ^= x >> 29;
-    snprintf(out, cap, "%s-%016" PRIx64 "%08" PRIx64, prefix, x, a->id_next);
+    snprintf(out, cap, "%s%016" PRIx64 "%08" PRIx64, prefix, x, a->id_next);
 }
 
 /* Answers or submits a request whose prompt is tokenized (rc 0) or refused (e). */
@@ -2052,7 +2289,287 @@ static json_t *load_object(struct api *a, struct http_request *req)
     return body;
 }
 
-static void handle_generate(struct api *a, struct http_request *req, bool chat)
+/* ---- Responses API requests: translated into a chat request ---- */
+
+/* A Responses content (a string, or input_text / output_text parts) as chat content. */
+static int resp_content(json_t *c, const char *where, size_t i, json_t **out, struct verr *e)
+{
+    if (json_is_string(c)) {
+        *out = json_incref(c);
+        return 0;
+    }
+    if (!json_is_array(c))
+        return fail(e, 400, "input", "'input[%zu].%s' must be a string or an array of content "
+                    "parts, not %s", i, where, c ? jtype(c) : "missing");
+    json_t *parts = json_array();
+    size_t k;
+    json_t *p;
+    json_array_foreach(c, k, p) {
+        const char *type = json_string_value(json_object_get(p, "type"));
+        json_t *text = json_object_get(p, "text");
+        if (!type || (strcmp(type, "input_text") && strcmp(type, "output_text"))) {
+            json_decref(parts);
+            return fail(e, 400, "input", "'input[%zu].%s[%zu]': only input_text and output_text "
+                        "parts are supported, not %s", i, where, k,
+                        type ? type : "a part without a type");
+        }
+        if (!json_is_string(text)) {
+            json_decref(parts);
+            return fail(e, 400, "input", "'input[%zu].%s[%zu].text' must be a string", i, where, k);
+        }
+        json_array_append_new(parts, json_pack("{s:s,s:O}", "type", "text", "text", text));
+    }
+    *out = parts;
+    return 0;
+}
+
+/* input (a string or a list of items) and instructions as chat messages. */
+static json_t *resp_messages(json_t *body, struct verr *e)
+{
+    json_t *input = json_object_get(body, "input"), *ins = json_object_get(body, "instructions");
+    if (ins && !json_is_null(ins) && !json_is_string(ins))
+        return fail(e, 400, "instructions", "'instructions' must be a string, not %s", jtype(ins)), NULL;
+    if (!input || json_is_null(input))
+        return fail(e, 400, "input", "'input' is required"), NULL;
+    if (!json_is_string(input) && !json_is_array(input))
+        return fail(e, 400, "input", "'input' must be a string or an array of input items, not %s",
+                    jtype(input)), NULL;
+    json_t *msgs = json_array();
+    if (json_is_string(ins))
+        json_array_append_new(msgs, json_pack("{s:s,s:O}", "role", "system", "content", ins));
+    if (json_is_string(input)) {
+        json_array_append_new(msgs, json_pack("{s:s,s:O}", "role", "user", "content", input));
+        return msgs;
+    }
+    size_t i;
+    json_t *it;
+    json_array_foreach(input, i, it) {
+        if (!json_is_object(it)) {
+            fail(e, 400, "input", "'input[%zu]' must be an object, not %s", i, jtype(it));
+            goto bad;
+        }
+        json_t *tv = json_object_get(it, "type"), *content;
+        const char *type = tv ? json_string_value(tv) : "message";
+        json_t *last = json_array_get(msgs, json_array_size(msgs) - 1);
+        if (!type) {
+            fail(e, 400, "input", "'input[%zu].type' must be a string", i);
+            goto bad;
+        }
+        if (!strcmp(type, "message")) {
+            const char *role = json_string_value(json_object_get(it, "role"));
+            if (!role || (strcmp(role, "user") && strcmp(role, "system") && strcmp(role, "developer") &&
+                          strcmp(role, "assistant"))) {
+                fail(e, 400, "input", "'input[%zu].role' must be user, system, developer or assistant", i);
+                goto bad;
+            }
+            if (resp_content(json_object_get(it, "content"), "content", i, &content, e))
+                goto bad;
+            json_array_append_new(msgs, json_pack("{s:s,s:o}", "role", role, "content", content));
+        } else if (!strcmp(type, "function_call")) {
+            json_t *id = json_object_get(it, "call_id"), *name = json_object_get(it, "name"),
+                   *args = json_object_get(it, "arguments");
+            if (!json_is_string(id) || !json_is_string(name) || !json_is_string(args)) {
+                fail(e, 400, "input", "'input[%zu]' (function_call) needs string 'call_id', 'name' and "
+                     "'arguments'", i);
+                goto bad;
+            }
+            /* Calls in a row (and after the assistant's text) are one assistant message. */
+            const char *lr = json_string_value(json_object_get(last, "role"));
+            if (!lr || strcmp(lr, "assistant")) {
+                last = json_pack("{s:s,s:s}", "role", "assistant", "content", "");
+                json_array_append_new(msgs, last);
+            }
+            json_t *calls = json_object_get(last, "tool_calls");
+            if (!calls)
+                json_object_set_new(last, "tool_calls", calls = json_array());
+            json_array_append_new(calls, json_pack("{s:O,s:s,s:{s:O,s:O}}", "id", id, "type",
+                                                   "function", "function", "name", name,
+                                                   "arguments", args));
+        } else if (!strcmp(type, "function_call_output")) {
+            json_t *id = json_object_get(it, "call_id");
+            if (!json_is_string(id)) {
+                fail(e, 400, "input", "'input[%zu].call_id' must be a string", i);
+                goto bad;
+            }
+            if (resp_content(json_object_get(it, "output"), "output", i, &content, e))
+                goto bad;
+            json_array_append_new(msgs, json_pack("{s:s,s:O,s:o}", "role", "tool", "tool_call_id", id,
+                                                  "content", content));
+        } else if (strcmp(type, "reasoning")) { /* earlier reasoning: templates drop it anyway */
+            fail(e, 400, "input", "'input[%zu]': items of type '%.64s' are not supported (message, "
+                 "function_call, function_call_output%s)", i, type,
+                 !strcmp(type, "item_reference") ? "; moed does not store responses" : "");
+            goto bad;
+        }
+    }
+    return msgs;
+bad:
+    json_decref(msgs);
+    return NULL;
+}
+
+/* tools (the flat {"type": "function", "name", ...} form) and tool_choice in the chat shape. */
+static int resp_tools(json_t *body, json_t *chat, struct verr *e)
+{
+    json_t *tools = json_object_get(body, "tools"), *tc = json_object_get(body, "tool_choice");
+    if (tools && !json_is_null(tools)) {
+        if (!json_is_array(tools))
+            return fail(e, 400, "tools", "'tools' must be an array, not %s", jtype(tools));
+        json_t *out = json_array();
+        json_object_set_new(chat, "tools", out);
+        size_t i;
+        json_t *t;
+        json_array_foreach(tools, i, t) {
+            const char *type = json_string_value(json_object_get(t, "type"));
+            if (!type || strcmp(type, "function"))
+                return fail(e, 400, "tools", "'tools[%zu]': only function tools are supported, not "
+                            "'%.64s'", i, type ? type : "a tool without a type");
+            if (!json_is_string(json_object_get(t, "name")))
+                return fail(e, 400, "tools", "'tools[%zu].name' must be a string", i);
+            json_t *fn = json_object();
+            static const char *const keys[] = {"name", "description", "parameters", "strict"};
+            for (size_t k = 0; k < sizeof keys / sizeof keys[0]; k++)
+                if (json_object_get(t, keys[k]) && !json_is_null(json_object_get(t, keys[k])))
+                    json_object_set(fn, keys[k], json_object_get(t, keys[k]));
+            json_array_append_new(out, json_pack("{s:s,s:o}", "type", "function", "function", fn));
+        }
+    }
+    if (!tc || json_is_null(tc) || json_is_string(tc)) {
+        if (tc)
+            json_object_set(chat, "tool_choice", tc); /* the chat parser checks the string */
+        return 0;
+    }
+    const char *type = json_string_value(json_object_get(tc, "type"));
+    json_t *name = json_object_get(tc, "name");
+    if (!type || strcmp(type, "function") || !json_is_string(name))
+        return fail(e, 400, "tool_choice", "'tool_choice' must be \"auto\", \"none\", \"required\" "
+                    "or {\"type\": \"function\", \"name\": ...}");
+    json_object_set_new(chat, "tool_choice", json_pack("{s:s,s:{s:O}}", "type", "function",
+                                                       "function", "name", name));
+    return 0;
+}
+
+/* text.format as the chat response_format. */
+static int resp_format(json_t *body, json_t *chat, struct verr *e)
+{
+    json_t *text = json_object_get(body, "text");
+    if (!text || json_is_null(text))
+        return 0;
+    if (!json_is_object(text))
+        return fail(e, 400, "text", "'text' must be an object, not %s", jtype(text));
+    json_t *f = json_object_get(text, "format");
+    if (!f || json_is_null(f))
+        return 0;
+    const char *type = json_string_value(json_object_get(f, "type"));
+    if (!type)
+        return fail(e, 400, "text.format", "'text.format' must be an object with a 'type' of text, "
+                    "json_object or json_schema");
+    if (strcmp(type, "json_schema")) {
+        if (strcmp(type, "text") && strcmp(type, "json_object"))
+            return fail(e, 400, "text.format", "'text.format.type' must be text, json_object or "
+                        "json_schema, not '%.64s'", type);
+        json_object_set_new(chat, "response_format", json_pack("{s:s}", "type", type));
+        return 0;
+    }
+    json_t *schema = json_object_get(f, "schema");
+    if (!json_is_object(schema) && !json_is_boolean(schema))
+        return fail(e, 400, "text.format", "'text.format.schema' must be a JSON Schema object");
+    json_object_set_new(chat, "response_format", json_pack("{s:s,s:{s:O}}", "type", "json_schema",
+                                                           "json_schema", "schema", schema));
+    return 0;
+}
+
+/* A Responses request as the chat request that computes it; r->resp gets the fields the
+ * Response echoes. NULL with e set when it asks for what moed cannot do. */
+static json_t *resp_chat_body(struct api *a, json_t *body, struct gen_req *r, struct verr *e)
+{
+    json_t *v;
+    static const struct {
+        const char *key, *why;
+    } refused[] = {
+        {"previous_response_id", "moed does not store responses; send the whole conversation as 'input'"},
+        {"conversation", "moed does not store conversations; send the whole conversation as 'input'"},
+        {"prompt", "prompt templates are not supported"},
+        {"max_tool_calls", "'max_tool_calls' is not supported"},
+        {"include", "'include' is not supported"},
+    };
+    for (size_t i = 0; i < sizeof refused / sizeof refused[0]; i++) {
+        v = json_object_get(body, refused[i].key);
+        if (v && !json_is_null(v) && !(json_is_array(v) && json_array_size(v) == 0))
+            return fail(e, 400, refused[i].key, "%s", refused[i].why), NULL;
+    }
+    bool background = false, store = false;
+    if (get_bool(body, "background", &background, e) || get_bool(body, "store", &store, e))
+        return NULL;
+    if (background)
+        return fail(e, 400, "background", "background responses are not supported"), NULL;
+    if ((v = json_object_get(body, "top_logprobs")) && !json_is_null(v) &&
+        !(json_is_integer(v) && json_integer_value(v) == 0))
+        return fail(e, 400, "top_logprobs", "'top_logprobs' is not supported"), NULL;
+    json_t *reasoning = json_object_get(body, "reasoning"), *effort = NULL;
+    if (reasoning && !json_is_null(reasoning)) {
+        if (!json_is_object(reasoning))
+            return fail(e, 400, "reasoning", "'reasoning' must be an object, not %s", jtype(reasoning)), NULL;
+        v = json_object_get(reasoning, "summary");
+        if ((v && !json_is_null(v)) || ((v = json_object_get(reasoning, "generate_summary")) && !json_is_null(v)))
+            return fail(e, 400, "reasoning", "reasoning summaries are not supported"), NULL;
+        effort = json_object_get(reasoning, "effort");
+        if (effort && !json_is_null(effort) && !json_is_string(effort))
+            return fail(e, 400, "reasoning", "'reasoning.effort' must be a string"), NULL;
+    }
+    int64_t mt = 0;
+    bool mt_set = false;
+    if (get_int(body, "max_output_tokens", 1, a->model.n_ctx ? a->model.n_ctx : INT32_MAX, &mt,
+                &mt_set, e))
+        return NULL;
+    json_t *msgs = resp_messages(body, e);
+    if (!msgs)
+        return NULL;
+    json_t *chat = json_pack("{s:o}", "messages", msgs);
+    static const char *const copied[] = {"model", "temperature", "top_p", "stream", "truncation"};
+    for (size_t i = 0; i < sizeof copied / sizeof copied[0]; i++)
+        if ((v = json_object_get(body, copied[i])))
+            json_object_set(chat, copied[i], v);
+    if (mt_set)
+        json_object_set_new(chat, "max_completion_tokens", json_integer(mt));
+    if (json_is_string(effort))
+        json_object_set(chat, "reasoning_effort", effort);
+    if (resp_tools(body, chat, e) || resp_format(body, chat, e)) {
+        json_decref(chat);
+        return NULL;
+    }
+    /* What the Response echoes: the request's values, or what was used in their place. */
+    json_t *get;
+#define RESP_ECHO(key, dflt) ((get = json_object_get(body, key)) && !json_is_null(get) ? json_incref(get) : (dflt))
+    r->resp = json_object();
+    json_object_set_new(r->resp, "object", json_string("response"));
+    json_object_set_new(r->resp, "error", json_null());
+    json_object_set_new(r->resp, "incomplete_details", json_null());
+    json_object_set_new(r->resp, "instructions", RESP_ECHO("instructions", json_null()));
+    json_object_set_new(r->resp, "max_output_tokens", RESP_ECHO("max_output_tokens", json_null()));
+    json_object_set_new(r->resp, "metadata", RESP_ECHO("metadata", json_object()));
+    json_object_set_new(r->resp, "parallel_tool_calls", RESP_ECHO("parallel_tool_calls", json_true()));
+    json_object_set_new(r->resp, "previous_response_id", json_null());
+    json_object_set_new(r->resp, "reasoning", json_pack("{s:O,s:n}", "effort",
+                                                        effort ? effort : json_null(), "summary"));
+    json_object_set_new(r->resp, "store", json_false());
+    json_object_set_new(r->resp, "temperature",
+                        RESP_ECHO("temperature", json_real(a->sampling.temperature)));
+    json_object_set_new(r->resp, "text", RESP_ECHO("text", json_pack("{s:{s:s}}", "format", "type", "text")));
+    json_object_set_new(r->resp, "tool_choice", RESP_ECHO("tool_choice", json_string("auto")));
+    json_object_set_new(r->resp, "tools", RESP_ECHO("tools", json_array()));
+    json_object_set_new(r->resp, "top_p", RESP_ECHO("top_p", json_real(a->sampling.top_p)));
+    json_object_set_new(r->resp, "truncation", RESP_ECHO("truncation", json_string("disabled")));
+    json_object_set_new(r->resp, "user", RESP_ECHO("user", json_null()));
+    json_object_set_new(r->resp, "background", json_false());
+    json_object_set_new(r->resp, "service_tier", json_string("default"));
+    json_object_set_new(r->resp, "usage", json_null());
+#undef RESP_ECHO
+    return chat;
+}
+
+/* POST /v1/completions, /v1/chat/completions and /v1/responses (chat, answered as a Response). */
+static void handle_generate(struct api *a, struct http_request *req, bool chat, bool responses)
 {
     const double t0 = moe_now_s();
     struct http_conn *c = req->conn;
@@ -2069,6 +2586,12 @@ static void handle_generate(struct api *a, struct http_request *req, bool chat)
     }
     if (!(body = load_object(a, req)))
         return;
+    if (responses) {
+        json_t *cb = resp_chat_body(a, body, &r, &e);
+        json_decref(body);
+        if (!(body = cb))
+            goto fail;
+    }
     if (parse_common(a, body, chat, &r, &e))
         goto fail;
     if (a->loop) {
@@ -2115,13 +2638,15 @@ static struct gen *gen_new(struct api *a, struct gen_group *grp, uint32_t index,
     g->chat = chat;
     g->stream = r->stream;
     g->include_usage = r->include_usage;
+    g->responses = r->resp != NULL;
     g->created = created;
     g->t_start = g->t_last = t0;
     g->n_prompt = (uint32_t)r->n_prompt;
     g->logprobs = r->s.logprobs;
     g->n_top = r->s.top_logprobs;
     snprintf(g->id, sizeof g->id, "%s", id);
-    bool ok = !g->logprobs || (g->lp = json_array());
+    bool ok = (!g->logprobs || (g->lp = json_array())) &&
+              (!g->responses || (g->r_output = json_array()));
     /* The prompt's first token leads its entries, without a logprob (nothing comes before). */
     if (ok && r->s.prompt_logprobs)
         g->n_plp = (ok = lp_add(g, r->prompt[0], NULL, 0) == 0);
@@ -2144,7 +2669,7 @@ static struct gen *gen_new(struct api *a, struct gen_group *grp, uint32_t index,
     moe_detok_init(&g->detok);
     if (chat) {
         char prefix[40];
-        snprintf(prefix, sizeof prefix, "call_%.24s", g->id + strlen("chatcmpl-"));
+        snprintf(prefix, sizeof prefix, "call_%.24s", g->id + strcspn(g->id, "-_") + 1);
         /* the calls come in the template's format, or in the one the grammar forces */
         enum chat_fmt fmt = r->call_forced || !a->chat ? CHAT_FMT_HERMES : chat_template_format(a->chat);
         chat_out_init(&g->co, r->think_open, r->tools, prefix, fmt);
@@ -2171,6 +2696,7 @@ static void finish_generate(struct api *a, struct http_conn *c, bool chat, struc
     struct verr e = *ep;
     struct gen_group *grp = NULL;
     struct gen *g = NULL;
+    const char *what = r.resp ? "input" : chat ? "messages" : "prompt";
     /* r's allocations stay owned by the caller's struct (freed there): the scheduler copies the
      * prompt, each choice its stop strings and echo. */
     if (rc)
@@ -2180,7 +2706,7 @@ static void finish_generate(struct api *a, struct http_conn *c, bool chat, struc
         goto fail;
     }
     if (r.n_prompt == 0) {
-        fail(&e, 400, chat ? "messages" : "prompt", "the prompt is empty (0 tokens)");
+        fail(&e, 400, what, "the prompt is empty (0 tokens)");
         goto fail;
     }
     uint32_t n_ctx = a->model.n_ctx;
@@ -2189,7 +2715,7 @@ static void finish_generate(struct api *a, struct http_conn *c, bool chat, struc
         json_object_set_new(extra, "n_prompt_tokens", json_integer((json_int_t)r.n_prompt));
         json_object_set_new(extra, "n_ctx", json_integer(n_ctx));
         json_object_set_new(extra, "code", json_string("context_length_exceeded"));
-        respond_error_ex(a, c, 400, chat ? "messages" : "prompt", extra,
+        respond_error_ex(a, c, 400, what, extra,
                          "the prompt has %s%zu tokens; the context holds %u (prompt and completion "
                          "together)", r.n_prompt_is_bound ? "more than " : "",
                          r.n_prompt - (r.n_prompt_is_bound ? 1 : 0), n_ctx);
@@ -2211,13 +2737,14 @@ static void finish_generate(struct api *a, struct http_conn *c, bool chat, struc
         grp->n = grp->n_open = r.n;
         grp->g = calloc(r.n, sizeof *grp->g);
         grp->choices = json_array();
+        grp->resp = json_incref(r.resp);
     }
     if (!grp || !grp->g || !grp->choices) {
         fail(&e, 500, NULL, "out of memory");
         goto fail;
     }
     char id[48];
-    new_id(a, id, sizeof id, chat ? "chatcmpl" : "cmpl");
+    new_id(a, id, sizeof id, r.resp ? "resp_" : chat ? "chatcmpl-" : "cmpl-");
     const time_t created = time(NULL);
     for (uint32_t i = 0; i < r.n; i++) {
         json_array_append_new(grp->choices, json_null());
@@ -2880,12 +3407,14 @@ void api_handle(void *user, struct http_request *req)
             handle_apply_template(a, req);
         return;
     }
-    if (!strcmp(path, "/v1/completions") || !strcmp(path, "/v1/chat/completions")) {
+    if (!strcmp(path, "/v1/completions") || !strcmp(path, "/v1/chat/completions") ||
+        !strcmp(path, "/v1/responses")) {
         if (!post) {
             respond_error(a, req->conn, 405, NULL, "%s is not allowed on %s (use POST)", req->method_name, path);
             return;
         }
-        handle_generate(a, req, path[4] == 'c' && path[5] == 'h');
+        const bool responses = path[4] == 'r';
+        handle_generate(a, req, responses || (path[4] == 'c' && path[5] == 'h'), responses);
         return;
     }
     if (!get && (!strcmp(path, "/v1/models") || !strncmp(path, "/v1/models/", 11) ||

@@ -415,7 +415,7 @@ TEST(daemon_rejects_bad_requests)
 
     int status;
     json_t *j;
-    const char *cp = "/v1/completions", *cc = "/v1/chat/completions";
+    const char *cp = "/v1/completions", *cc = "/v1/chat/completions", *cr = "/v1/responses";
     struct {
         const char *path, *body, *needle;
         int status;
@@ -457,6 +457,38 @@ TEST(daemon_rejects_bad_requests)
         {cc, "{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"tools\": [{\"type\": \"x\"}]}", "'tools[0]' must be", 400},
         {cc, "{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"chat_template_kwargs\": 1}", "must be an object", 400},
         {cc, "{\"messages\": [{\"role\": \"user\", \"content\": [{\"type\": \"image_url\"}]}]}", "only parts of type", 400},
+        /* The Responses API: its own fields checked, what moed cannot honour refused. */
+        {cr, "{\"input\": \"hi\"", "not valid JSON", 400},
+        {cr, "{}", "'input' is required", 400},
+        {cr, "{\"input\": 5}", "'input' must be a string or an array", 400},
+        {cr, "{\"input\": [7]}", "'input[0]' must be an object", 400},
+        {cr, "{\"input\": [{\"role\": \"tool\", \"content\": \"x\"}]}", "'input[0].role' must be", 400},
+        {cr, "{\"input\": [{\"role\": \"user\"}]}", "'input[0].content' must be a string", 400},
+        {cr, "{\"input\": [{\"role\": \"user\", \"content\": [{\"type\": \"input_image\"}]}]}", "only input_text and output_text", 400},
+        {cr, "{\"input\": [{\"role\": \"user\", \"content\": [{\"type\": \"input_text\"}]}]}", "'input[0].content[0].text' must be", 400},
+        {cr, "{\"input\": [{\"type\": \"item_reference\", \"id\": \"msg_1\"}]}", "does not store responses", 400},
+        {cr, "{\"input\": [{\"type\": \"function_call\", \"name\": \"f\"}]}", "needs string 'call_id'", 400},
+        {cr, "{\"input\": [{\"type\": \"function_call_output\", \"call_id\": \"c\", \"output\": 1}]}", "'input[0].output' must be", 400},
+        {cr, "{\"input\": \"hi\", \"instructions\": 1}", "'instructions' must be a string", 400},
+        {cr, "{\"input\": \"hi\", \"previous_response_id\": \"resp_1\"}", "does not store responses", 400},
+        {cr, "{\"input\": \"hi\", \"conversation\": \"conv_1\"}", "does not store conversations", 400},
+        {cr, "{\"input\": \"hi\", \"background\": true}", "background responses are not supported", 400},
+        {cr, "{\"input\": \"hi\", \"store\": \"yes\"}", "'store' must be a boolean", 400},
+        {cr, "{\"input\": \"hi\", \"include\": [\"reasoning.encrypted_content\"]}", "'include' is not supported", 400},
+        {cr, "{\"input\": \"hi\", \"max_output_tokens\": 0}", "'max_output_tokens' must be between", 400},
+        {cr, "{\"input\": \"hi\", \"max_output_tokens\": \"8\"}", "'max_output_tokens' must be an integer", 400},
+        {cr, "{\"input\": \"hi\", \"temperature\": \"hot\"}", "'temperature' must be a number", 400},
+        {cr, "{\"input\": \"hi\", \"stream\": 1}", "'stream' must be a boolean", 400},
+        {cr, "{\"input\": \"hi\", \"tools\": [{\"type\": \"web_search\"}]}", "only function tools", 400},
+        {cr, "{\"input\": \"hi\", \"tools\": [{\"type\": \"function\"}]}", "'tools[0].name' must be", 400},
+        {cr, "{\"input\": \"hi\", \"tools\": {}}", "'tools' must be an array", 400},
+        {cr, "{\"input\": \"hi\", \"tool_choice\": {\"type\": \"file_search\"}}", "'tool_choice' must be", 400},
+        {cr, "{\"input\": \"hi\", \"tool_choice\": \"required\"}", "needs 'tools'", 400},
+        {cr, "{\"input\": \"hi\", \"text\": {\"format\": {\"type\": \"xml\"}}}", "'text.format.type' must be", 400},
+        {cr, "{\"input\": \"hi\", \"text\": {\"format\": {\"type\": \"json_schema\"}}}", "'text.format.schema' must be", 400},
+        {cr, "{\"input\": \"hi\", \"text\": 3}", "'text' must be an object", 400},
+        {cr, "{\"input\": \"hi\", \"reasoning\": {\"summary\": \"auto\"}}", "summaries are not supported", 400},
+        {cr, "{\"input\": \"hi\", \"model\": \"other\"}", "'other' does not exist", 404},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
         j = post_json(d.sock, cases[i].path, cases[i].body, &status);
@@ -512,6 +544,9 @@ TEST(daemon_rejects_bad_requests)
         hc_resp_free(&r);
     }
     CHECK(hc_request_unix(d.sock, "GET", "/v1/completions", NULL, &r, 5000) == 0);
+    CHECK_EQ(r.status, 405);
+    hc_resp_free(&r);
+    CHECK(hc_request_unix(d.sock, "GET", "/v1/responses", NULL, &r, 5000) == 0);
     CHECK_EQ(r.status, 405);
     hc_resp_free(&r);
     CHECK(hc_request_unix(d.sock, "POST", "/v1/models", "{}", &r, 5000) == 0);
@@ -852,16 +887,22 @@ static char *completion_body(const char *prompt, int n, bool stream)
     return s;
 }
 
-/* Connects to sock and sends a streaming greedy completion of n tokens for prompt. */
-static void start_stream(struct hc_conn *c, const char *sock, const char *prompt, int n)
+/* Connects to sock and sends POST path with body, without waiting for the answer. */
+static void start_post(struct hc_conn *c, const char *sock, const char *path, const char *body)
 {
     CHECK(hc_connect_unix(c, sock) == 0);
-    char *body = completion_body(prompt, n, true);
     char head[256];
-    int hn = snprintf(head, sizeof head, "POST /v1/completions HTTP/1.1\r\nContent-Length: %zu\r\n\r\n",
+    int hn = snprintf(head, sizeof head, "POST %s HTTP/1.1\r\nContent-Length: %zu\r\n\r\n", path,
                       strlen(body));
     CHECK(hc_send(c, head, (size_t)hn) == 0);
     CHECK(hc_send(c, body, strlen(body)) == 0);
+}
+
+/* Connects to sock and sends a streaming greedy completion of n tokens for prompt. */
+static void start_stream(struct hc_conn *c, const char *sock, const char *prompt, int n)
+{
+    char *body = completion_body(prompt, n, true);
+    start_post(c, sock, "/v1/completions", body);
     free(body);
 }
 
@@ -1055,17 +1096,16 @@ static int worker_pid(const char *sock, int idx)
     return pid;
 }
 
-TEST_TIMEOUT(daemon_worker_killed_during_generation, 240)
+/* Sends a long streaming generation (POST path with body), kills the only worker once tokens
+ * flow and checks that the stream ends with an error event (error_mark) or a finished retry
+ * (end_mark), never a hang; then that the worker comes back and serves again. */
+static void kill_worker_while_streaming(struct moed *d, const char *path, const char *body,
+                                        const char *error_mark, const char *end_mark)
 {
-    const char *dir = moe_test_tmpdir();
-    struct moed d;
-    const char *args[] = {"--devices", "cpu", "--workers", "1", "--threads", "1", NULL};
-    moed_start(&d, dir, args);
-    int pid = worker_pid(d.sock, 0);
+    int pid = worker_pid(d->sock, 0);
     CHECK(pid > 0);
-    /* A long streaming generation; kill the worker once tokens flow. */
     struct hc_conn c;
-    start_stream(&c, d.sock, "The history of the world", 3000);
+    start_post(&c, d->sock, path, body);
     /* Wait for a few streamed tokens (they stay in c.buf for hc_read below). */
     for (int tries = 0; tries < 200; tries++) {
         struct pollfd pfd = {.fd = c.fd, .events = POLLIN};
@@ -1078,30 +1118,44 @@ TEST_TIMEOUT(daemon_worker_killed_during_generation, 240)
         int events = 0;
         for (const char *p = c.buf; (p = strstr(p, "data: ")) != NULL; p += 6)
             events++;
-        if (events >= 3)
+        if (events >= 6)
             break;
     }
     CHECK_MSG(strstr(c.buf, "data: {") != NULL, "no tokens streamed");
-    CHECK(strstr(c.buf, "[DONE]") == NULL);
+    CHECK(strstr(c.buf, end_mark) == NULL);
     CHECK(kill(pid, SIGKILL) == 0);
     struct hc_resp r;
     int rc = hc_read(&c, &r, 60000);
     hc_close(&c);
-    /* The client gets an error event (or a completed retry), never a hang. */
     CHECK_MSG(rc == 0 || rc == -ECONNRESET, "read: %d", rc);
     CHECK_EQ(r.status, 200);
-    CHECK_MSG(r.body && (strstr(r.body, "\"error\"") || strstr(r.body, "data: [DONE]")), "body end: %s",
+    CHECK_MSG(r.body && (strstr(r.body, error_mark) || strstr(r.body, end_mark)), "body end: %s",
               r.body ? r.body + (r.body_len > 300 ? r.body_len - 300 : 0) : "");
     hc_resp_free(&r);
-    /* The worker comes back and later requests succeed. */
-    CHECK(moed_wait_ready(&d, 60));
-    int pid2 = worker_pid(d.sock, 0);
+    CHECK(moed_wait_ready(d, 60));
+    int pid2 = worker_pid(d->sock, 0);
     CHECK(pid2 > 0 && pid2 != pid);
     int status;
-    json_t *res = post_json(d.sock, "/v1/completions", "{\"prompt\": \"Hi\", \"max_tokens\": 4, \"temperature\": 0}",
+    json_t *res = post_json(d->sock, "/v1/completions", "{\"prompt\": \"Hi\", \"max_tokens\": 4, \"temperature\": 0}",
                             &status);
     CHECK_MSG(status == 200, "%s", err_msg(res));
     json_decref(res);
+}
+
+TEST_TIMEOUT(daemon_worker_killed_during_generation, 240)
+{
+    const char *dir = moe_test_tmpdir();
+    struct moed d;
+    const char *args[] = {"--devices", "cpu", "--workers", "1", "--threads", "1", NULL};
+    moed_start(&d, dir, args);
+    char *body = completion_body("The history of the world", 3000, true);
+    kill_worker_while_streaming(&d, "/v1/completions", body, "\"error\"", "data: [DONE]");
+    free(body);
+    /* A Responses stream: an error event and response.failed (or the retry's final Response). */
+    kill_worker_while_streaming(&d, "/v1/responses",
+                                "{\"input\": \"The history of the world\", \"max_output_tokens\": 3000, "
+                                "\"temperature\": 0, \"stream\": true}",
+                                "event: response.failed", "\"usage\":{\"input_tokens\"");
     CHECK_EQ(moed_stop(&d, 30), 0);
 }
 
