@@ -335,6 +335,7 @@ static const struct route routes[] = {
     {HTTP_GET, "/admin/status"},         {HTTP_PUT, "/admin/profile"},
     {HTTP_GET, "/v1/completions"},       {HTTP_POST, NULL},
     {HTTP_GET, NULL},                    {HTTP_DELETE, NULL},
+    {HTTP_POST, "/v1/responses"},
 };
 #define N_ROUTES (sizeof routes / sizeof routes[0])
 
