@@ -559,33 +559,181 @@ static void sb_uint_range(struct sb *b, long long lo, long long hi)
     sb_add(b, ")");
 }
 
-/* Fractions of 1 to 16 digits that are not all zeros: a rule. */
-static const char *nonzero_fraction(struct conv *c)
+/* Fractions of 1 to k digits (k <= 16) that are not all zeros: a rule. */
+static const char *nonzero_fraction(struct conv *c, int k)
 {
     const char *prev = NULL;
-    for (int k = 1; k <= 16; k++) {
+    for (int j = 1; j <= k; j++) {
         struct sb b = {0};
         sb_add(&b, "[1-9]");
-        if (k > 1)
-            sb_addf(&b, " [0-9]{0,%d} | \"0\" %s", k - 1, prev);
+        if (j > 1)
+            sb_addf(&b, " [0-9]{0,%d} | \"0\" %s", j - 1, prev);
         char h[32];
-        snprintf(h, sizeof h, "nonzero-fraction-%d", k);
+        snprintf(h, sizeof h, "nonzero-fraction-%d", j);
         if (!(prev = add_rule(c, h, &b)))
             return NULL;
     }
     return prev;
 }
 
+/* A bound's value i + f / 10^16, with 0 <= f < 10^16 (so i is the floor). */
+struct dec {
+    long long i, f;
+};
+
+#define FRAC_ONE 10000000000000000LL /* 10^16 */
+
+static int dec_cmp(struct dec a, struct dec b)
+{
+    if (a.i != b.i)
+        return a.i < b.i ? -1 : 1;
+    return (a.f > b.f) - (a.f < b.f);
+}
+
+static struct dec dec_neg(struct dec a)
+{
+    return a.f ? (struct dec){-a.i - 1, FRAC_ONE - a.f} : (struct dec){-a.i, 0};
+}
+
+/* Fraction digits s (0 to L of them; at least one when ne) whose value, read as 0.s, is >= 0.x
+ * (> when xs) and <= 0.y (< when ys); x and y without trailing zeros, y NULL for no upper bound.
+ * Decided digit by digit as strings compare: a digit strictly between the bounds' digits leaves
+ * the rest free, one equal to a bound's digit keeps that bound for the rest. Writes one group
+ * (which may match the empty string when !ne). Returns 1 written, 0 when only the empty string
+ * fits (nothing written), -1 when nothing fits, -2 out of memory. */
+static int sb_fraction(struct conv *c, struct sb *o, const char *x, int xs, const char *y, int ys,
+                       int L, int ne)
+{
+    int empty = !ne && !*x && !xs && (!y || *y || !ys);
+    if (y && !*y && ys)
+        return -1;
+    if (L == 0)
+        return empty ? 0 : -1;
+    if (!*x && !xs && (!y || !*y)) { /* anything, or zeros only */
+        sb_addf(o, "[%s]{%d,%d}", y ? "0" : "0-9", ne, L);
+        return 1;
+    }
+    if (!*x && xs && !y) { /* not all zeros */
+        const char *nz = nonzero_fraction(c, L);
+        if (!nz)
+            return -2;
+        sb_add(o, nz);
+        return 1;
+    }
+    struct sb a = {0};
+    int n = 0;
+    for (int d = 0; d <= 9; d++) {
+        /* the bounds for the digits after d: "" / 0 and NULL when d leaves that side free */
+        const char *nx = "", *ny = NULL;
+        int nxs = 0, nys = 0, lo_free, up_free;
+        if (!*x) {
+            lo_free = !xs || d > 0;
+            nxs = !lo_free;
+        } else {
+            if (d < x[0] - '0')
+                continue;
+            lo_free = d > x[0] - '0';
+            if (!lo_free)
+                nx = x + 1, nxs = xs;
+        }
+        if (!y) {
+            up_free = 1;
+        } else {
+            int y0 = *y ? y[0] - '0' : 0;
+            if (d > y0)
+                continue;
+            up_free = *y && d < y0;
+            if (!up_free)
+                ny = *y ? y + 1 : y, nys = ys;
+        }
+        if (lo_free && up_free) { /* a run of free digits */
+            int e = d;
+            while (e < 9 && (!*x || e + 1 > x[0] - '0') && (!y || (*y && e + 1 < y[0] - '0')))
+                e++;
+            if (e > d)
+                sb_addf(&a, "%s[%d-%d]", n++ ? " | " : "", d, e);
+            else
+                sb_addf(&a, "%s[%d]", n++ ? " | " : "", d);
+            if (L > 1)
+                sb_addf(&a, " [0-9]{0,%d}", L - 1);
+            d = e;
+            continue;
+        }
+        struct sb rest = {0};
+        int r = sb_fraction(c, &rest, nx, nxs, ny, nys, L - 1, 0);
+        if (r == -2) {
+            free(rest.p);
+            free(a.p);
+            return -2;
+        }
+        if (r >= 0) {
+            sb_addf(&a, "%s\"%d\"%s", n++ ? " | " : "", d, r ? " " : "");
+            sb_add(&a, r ? rest.p : "");
+        }
+        free(rest.p);
+    }
+    if (a.oom) {
+        free(a.p);
+        return -2;
+    }
+    if (n) {
+        sb_add(o, "(");
+        sb_add(o, a.p);
+        sb_add(o, empty ? ")?" : ")");
+    }
+    free(a.p);
+    return n ? 1 : empty ? 0 : -1;
+}
+
+/* The 16 fraction digits of f without trailing zeros. */
+static void frac_digits(char *out, long long f)
+{
+    snprintf(out, 17, "%016lld", f);
+    size_t n = strlen(out);
+    while (n && out[n - 1] == '0')
+        n--;
+    out[n] = '\0';
+}
+
+/* Integral part ip and a fraction from 0.x to 0.y (see sb_fraction; y NULL: below 1), appended as
+ * one more alternative of o when some value fits. Returns the count of alternatives, -1 on memory. */
+static int sb_int_fraction(struct conv *c, struct sb *o, int n, long long ip, long long x, int xs,
+                           const long long *y, int ys)
+{
+    char xd[17], yd[17];
+    frac_digits(xd, x);
+    if (y)
+        frac_digits(yd, *y);
+    struct sb f = {0};
+    int r = sb_fraction(c, &f, xd, xs, y ? yd : NULL, ys, 16, 1);
+    int zero = !x && !xs && (!y || *y || !ys); /* the integral part alone */
+    if (r == -2 || f.oom) {
+        free(f.p);
+        return -1;
+    }
+    if (r > 0) {
+        sb_addf(o, "%s\"%lld\" %s\".\" ", n ? " | " : "", ip, zero ? "(" : "");
+        sb_add(o, f.p);
+        sb_add(o, zero ? ")?" : "");
+    }
+    else if (zero)
+        sb_addf(o, "%s\"%lld\"", n ? " | " : "", ip);
+    free(f.p);
+    return n + (r > 0 || zero);
+}
+
 /* Magnitudes y with a <= y <= b (a < y when ax, y < b when bx; 0 <= a, b <= NUM_LIM + 1):
- * integral digits and, when frac, an optional fraction. Appends alternatives (each after " | "
- * once one is written) and returns how many. */
-static int sb_magnitude(struct conv *c, struct sb *o, long long a, int ax, long long b, int bx,
+ * integral digits and, when frac, an optional fraction (a and b whole unless frac). Appends
+ * alternatives (each after " | " once one is written) and returns how many. */
+static int sb_magnitude(struct conv *c, struct sb *o, struct dec a, int ax, struct dec b, int bx,
                         int frac)
 {
     /* integral parts that take any fraction (or, for integers, all of them) */
-    long long lo = a + ax, hi = frac || bx ? b - 1 : b;
+    long long lo = a.i + (ax || a.f), hi = frac || bx ? b.i - 1 : b.i;
     if (hi > NUM_LIM)
         hi = NUM_LIM;
+    if (frac && a.i == b.i) /* one integral part, the fraction between both bounds' */
+        return sb_int_fraction(c, o, 0, a.i, a.f, ax, &b.f, bx);
     int n = 0;
     if (lo <= hi) {
         sb_uint_range(o, lo, hi);
@@ -595,22 +743,48 @@ static int sb_magnitude(struct conv *c, struct sb *o, long long a, int ax, long 
     }
     if (!frac)
         return n;
-    if (ax && a < b && a <= NUM_LIM) { /* a and a fraction above it */
-        const char *nz = nonzero_fraction(c);
-        if (!nz)
-            return -1;
-        sb_addf(o, "%s\"%lld\" \".\" %s", n++ ? " | " : "", a, nz);
-    }
-    if (!bx && b <= NUM_LIM && (b > a || (b == a && !ax))) /* b itself */
-        sb_addf(o, "%s\"%lld\" (\".\" [0]{1,16})?", n++ ? " | " : "", b);
+    if ((ax || a.f) && a.i <= NUM_LIM) /* a and the fractions above a's */
+        n = sb_int_fraction(c, o, n, a.i, a.f, ax, NULL, 0);
+    if (n >= 0 && b.i <= NUM_LIM) /* b and the fractions below b's */
+        n = sb_int_fraction(c, o, n, b.i, 0, 0, &b.f, bx);
     return n;
 }
 
+/* A non-integral bound d of a number as a decimal of at most 16 fraction digits: d exactly when
+ * it has that few (2.75, 0.0000152587890625), else the decimal with the fewest digits that reads
+ * back as d (0.1 for the double nearest 0.1). -1 when that one has more than 16. text: d short. */
+static int dec_of_double(double d, struct dec *v, char *text, size_t tn)
+{
+    char e[48];
+    int p = 1;
+    for (; p < 17; p++) {
+        snprintf(e, sizeof e, "%.*e", p - 1, d);
+        if (strtod(e, NULL) == d)
+            break;
+    }
+    snprintf(text, tn, "%.*g", p, d);
+    int fd = 16;
+    if (ldexp(d, 16) != floor(ldexp(d, 16))) { /* not exactly k / 2^16: the short one */
+        snprintf(e, sizeof e, "%.*e", p - 1, d);
+        fd = p - 1 - atoi(strchr(e, 'e') + 1);
+        if (fd > 16)
+            return -1;
+    }
+    /* |d| < 2^52 (it has a fraction): fd digits after the point fit e */
+    snprintf(e, sizeof e, "%.*f", fd, fabs(d));
+    char *dot = strchr(e, '.');
+    long long ip = strtoll(e, NULL, 10), fp = 0;
+    for (int k = 0; k < 16; k++)
+        fp = fp * 10 + (dot && k < fd ? dot[1 + k] - '0' : 0);
+    *v = d < 0 ? dec_neg((struct dec){ip, fp}) : (struct dec){ip, fp};
+    return 0;
+}
+
 /* A bound of s as (value, exclusive). For an integer schema, the nearest integer inside; for a
- * number, the bound must be integral. Values are clamped to +-(NUM_LIM + 1). Returns 0 when
- * absent, 1 when read, -1 refused. */
+ * number, the decimal of at most 16 fraction digits that it is. Values are clamped to
+ * +-(NUM_LIM + 1). Returns 0 when absent, 1 when read, -1 refused. */
 static int read_bound(struct conv *c, json_t *s, const char *key, int upper, int integer,
-                      long long *v, int *excl, const char *path)
+                      struct dec *v, int *excl, const char *path)
 {
     json_t *j = json_object_get(s, key);
     if (!j)
@@ -623,8 +797,13 @@ static int read_bound(struct conv *c, json_t *s, const char *key, int upper, int
     int x = strstr(key, "exclusive") != NULL;
     if (!json_is_integer(j) && d != floor(d)) {
         if (!integer) {
-            cerr(c, path, "'%s' %g on a number is not supported (integral bounds are)", key, d);
-            return -1;
+            char text[40];
+            if (dec_of_double(d, v, text, sizeof text) != 0) {
+                cerr(c, path, "'%s' %s has more than 16 fraction digits", key, text);
+                return -1;
+            }
+            *excl = x;
+            return 1;
         }
         /* the integers past a fractional bound: the inclusive bound is the next one inside */
         d = upper ? floor(d) : ceil(d);
@@ -642,7 +821,7 @@ static int read_bound(struct conv *c, json_t *s, const char *key, int upper, int
         iv += upper ? -1 : 1;
         x = 0;
     }
-    *v = iv;
+    *v = (struct dec){iv, 0};
     *excl = x;
     return 1;
 }
@@ -655,28 +834,30 @@ static const char *visit_numeric(struct conv *c, json_t *s, int integer, const c
     if (!bound_keyword(s))
         return prim(c, integer ? "integer" : "number");
     /* lo <= x (lo < x when lx), x <= hi (x < hi when hx) */
-    long long lo = -NUM_LIM - 1, hi = NUM_LIM + 1;
+    struct dec lo = {-NUM_LIM - 1, 0}, hi = {NUM_LIM + 1, 0}, zero = {0, 0};
     int lx = 1, hx = 1;
     for (size_t i = 0; i < sizeof bound_keys / sizeof *bound_keys; i++) {
-        long long v;
+        struct dec v;
         int x, upper = i >= 2;
         int r = read_bound(c, s, bound_keys[i], upper, integer, &v, &x, path);
         if (r < 0)
             return NULL;
         if (r == 0)
             continue;
-        if (!upper && (v > lo || (v == lo && x)))
+        int k = dec_cmp(v, upper ? hi : lo);
+        if (!upper && (k > 0 || (k == 0 && x)))
             lo = v, lx = x;
-        if (upper && (v < hi || (v == hi && x)))
+        if (upper && (k < 0 || (k == 0 && x)))
             hi = v, hx = x;
     }
-    if (lo > NUM_LIM || hi < -NUM_LIM) {
-        cerr(c, path, "no %s of at most 16 integral digits satisfies the bounds",
-             integer ? "integer" : "number");
+    const char *what = integer ? "integer" : "number";
+    if (lo.i > NUM_LIM || hi.i < -NUM_LIM) {
+        cerr(c, path, "no %s of at most 16 integral digits satisfies the bounds", what);
         return NULL;
     }
-    if (lo > hi || (lo == hi && (lx || hx))) {
-        cerr(c, path, "no %s satisfies the bounds", integer ? "integer" : "number");
+    int k = dec_cmp(lo, hi);
+    if (k > 0 || (k == 0 && (lx || hx))) {
+        cerr(c, path, "no %s satisfies the bounds", what);
         return NULL;
     }
     if (!prim(c, "space") || (!integer && !prim(c, "decimal-part")))
@@ -684,23 +865,31 @@ static const char *visit_numeric(struct conv *c, json_t *s, int integer, const c
     struct sb b = {0};
     sb_add(&b, "(");
     /* x >= 0: magnitudes from max(lo, 0) to hi */
-    int np = hi < 0 ? 0 : sb_magnitude(c, &b, lo < 0 ? 0 : lo, lo < 0 ? 0 : lx, hi, hx, !integer);
+    int lo_neg = dec_cmp(lo, zero) < 0, hi_pos = dec_cmp(hi, zero) > 0;
+    int np = dec_cmp(hi, zero) < 0
+                 ? 0
+                 : sb_magnitude(c, &b, lo_neg ? zero : lo, lo_neg ? 0 : lx, hi, hx, !integer);
     /* x <= 0, written "-" and y = -x: from max(-hi, 0) to -lo */
     struct sb neg = {0};
-    int nn = lo > 0 ? 0 : sb_magnitude(c, &neg, hi > 0 ? 0 : -hi, hi > 0 ? 0 : hx, -lo, lx,
-                                       !integer);
+    int nn = dec_cmp(lo, zero) > 0 ? 0
+                                   : sb_magnitude(c, &neg, hi_pos ? zero : dec_neg(hi),
+                                                  hi_pos ? 0 : hx, dec_neg(lo), lx, !integer);
     if (np < 0 || nn < 0) {
         free(b.p);
         free(neg.p);
+        cerr(c, path, "out of memory");
         return NULL;
     }
-    if (nn)
-        sb_addf(&b, "%s\"-\" (%s)", np ? " | " : "", neg.p);
+    if (nn) {
+        sb_add(&b, np ? " | \"-\" (" : "\"-\" (");
+        sb_add(&b, neg.p);
+        sb_add(&b, ")");
+    }
     free(neg.p);
     sb_add(&b, ") space");
-    if (!np && !nn) { /* not reached: the checks above leave some value */
+    if (!np && !nn) { /* two exclusive bounds 10^-16 apart */
         free(b.p);
-        cerr(c, path, "no %s satisfies the bounds", integer ? "integer" : "number");
+        cerr(c, path, "no %s of at most 16 fraction digits satisfies the bounds", what);
         return NULL;
     }
     return add_rule(c, hint, &b);

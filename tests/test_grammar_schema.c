@@ -2,6 +2,7 @@
  * tests/fixtures/grammar/schemas.json (expectations checked against the jsonschema package by
  * tools/grammar-fixtures.py), refused schemas, and random generation under the token mask. */
 #define PCRE2_CODE_UNIT_WIDTH 8
+#include <math.h>
 #include <jansson.h>
 #include <pcre2.h>
 #include <stdio.h>
@@ -137,34 +138,93 @@ static long double num_value(json_t *v)
     return json_is_integer(v) ? (long double)json_integer_value(v) : json_real_value(v);
 }
 
-/* Whether x is within the bounds of s (the bound keywords, as JSON Schema reads them). */
-static int in_bounds(json_t *s, long double x)
+/* Whether x is within the bounds of s (the bound keywords, as JSON Schema reads them); cmp(x, v)
+ * is the sign of x - v for a bound v. */
+static int bounds_hold(json_t *s, int (*cmp)(const void *, json_t *), const void *x)
 {
     json_t *v;
-    if ((v = json_object_get(s, "minimum")) && x < num_value(v))
+    if ((v = json_object_get(s, "minimum")) && cmp(x, v) < 0)
         return 0;
-    if ((v = json_object_get(s, "maximum")) && x > num_value(v))
+    if ((v = json_object_get(s, "maximum")) && cmp(x, v) > 0)
         return 0;
-    if ((v = json_object_get(s, "exclusiveMinimum")) && x <= num_value(v))
+    if ((v = json_object_get(s, "exclusiveMinimum")) && cmp(x, v) <= 0)
         return 0;
-    if ((v = json_object_get(s, "exclusiveMaximum")) && x >= num_value(v))
+    if ((v = json_object_get(s, "exclusiveMaximum")) && cmp(x, v) >= 0)
         return 0;
     return 1;
 }
 
-/* A random bound: an integer near 0, near a power of ten, or (for half of them) with .5. */
-static json_t *random_bound(int fractional)
+static int cmp_long_double(const void *x, json_t *v)
+{
+    long double a = *(const long double *)x, b = num_value(v);
+    return (a > b) - (a < b);
+}
+
+static int in_bounds(json_t *s, long double x)
+{
+    return bounds_hold(s, cmp_long_double, &x);
+}
+
+/* A random bound: an integer near 0, near a power of ten, or (for half of them) with .5; for a
+ * number (non-whole), half of those with k / 65536 instead, of up to 16 fraction digits. */
+static json_t *random_bound(int fractional, int number)
 {
     static const long long near[] = {0, 1, 9, 10, 99, 100, 999, 1000, 9999999999999999LL};
     long long v = (long long)(moe_test_rng_u32() % 2400) - 1200;
     if (moe_test_rng_u32() % 3 == 0)
         v = near[moe_test_rng_u32() % (sizeof near / sizeof *near)] +
             (long long)(moe_test_rng_u32() % 5) - 2;
+    if (number && moe_test_rng_u32() % 8 == 0)
+        v = 4503599627370495LL - (long long)(moe_test_rng_u32() % 3); /* 2^52 - 1: .5 is exact */
     if (moe_test_rng_u32() % 2)
         v = -v;
-    if (fractional && moe_test_rng_u32() % 2)
-        return json_real((double)v + 0.5);
-    return json_integer(v);
+    if (!fractional || moe_test_rng_u32() % 2)
+        return json_integer(v);
+    if (!number || llabs(v) > 100000 || moe_test_rng_u32() % 2)
+        return json_real((double)v + (v < 0 ? -0.5 : 0.5));
+    /* k / 65536: 1 to 16 fraction digits, by how many factors of 2 k has */
+    unsigned k = (moe_test_rng_u32() % 65535 + 1) >> (moe_test_rng_u32() % 16);
+    if (!k)
+        k = 1;
+    double f = (double)k / 65536.0;
+    return json_real((double)v + (v < 0 || (v == 0 && moe_test_rng_u32() % 2) ? -f : f));
+}
+
+/* Decimal values with up to 16 fraction digits, exactly: the value times 10^16. */
+typedef __int128 scaled_t;
+#define SCALE 10000000000000000LL
+
+/* A bound as a scaled value: integers, and reals of up to 16 binary fraction digits. */
+static scaled_t bound_scaled(json_t *v)
+{
+    if (json_is_integer(v))
+        return (scaled_t)json_integer_value(v) * SCALE;
+    double d = json_real_value(v), ip = trunc(d);
+    long long k = llround((d - ip) * 65536.0); /* exact: bounds are k / 65536 past a whole */
+    return (scaled_t)(long long)ip * SCALE + (scaled_t)k * (SCALE / 65536);
+}
+
+static int cmp_scaled(const void *x, json_t *v)
+{
+    scaled_t a = *(const scaled_t *)x, b = bound_scaled(v);
+    return (a > b) - (a < b);
+}
+
+static int in_bounds_scaled(json_t *s, scaled_t x)
+{
+    return bounds_hold(s, cmp_scaled, &x);
+}
+
+/* x as JSON: all 16 fraction digits (trailing zeros included) when full, else the fewest. */
+static void scaled_text(char *t, size_t n, scaled_t x, int full)
+{
+    scaled_t m = x < 0 ? -x : x;
+    int k = snprintf(t, n, "%s%lld.%016lld", x < 0 ? "-" : "", (long long)(m / SCALE),
+                     (long long)(m % SCALE));
+    while (!full && t[k - 1] == '0')
+        t[--k] = '\0';
+    if (t[k - 1] == '.')
+        t[k - 1] = '\0';
 }
 
 TEST_TIMEOUT(grammar_schema_numeric_bounds, 300)
@@ -178,17 +238,23 @@ TEST_TIMEOUT(grammar_schema_numeric_bounds, 300)
         int nb = 0;
         for (int k = 0; k < 4; k++)
             if (moe_test_rng_u32() % 3 == 0) {
-                json_object_set_new(s, keys[k], random_bound(integer));
+                json_object_set_new(s, keys[k], random_bound(1, !integer));
                 nb++;
             }
         if (!nb)
-            json_object_set_new(s, keys[moe_test_rng_u32() % 4], random_bound(integer));
+            json_object_set_new(s, keys[moe_test_rng_u32() % 4], random_bound(1, !integer));
         char err[512], *gbnf = NULL;
         if (moe_json_schema_to_gbnf(s, &gbnf, err, sizeof err) != 0) {
             /* only an empty range is refused */
             int any = 0;
             for (long long x = -1300; x <= 1300 && !any; x++)
-                any = in_bounds(s, (long double)x) || in_bounds(s, x + 0.25L);
+                any = in_bounds(s, (long double)x) || (!integer && in_bounds(s, x + 0.25L));
+            for (int k = 0; k < 4 && !integer; k++) /* a bound of 16 digits, or 10^-16 past it */
+                for (int d = -1; d <= 1 && json_object_get(s, keys[k]); d++) {
+                    scaled_t x = bound_scaled(json_object_get(s, keys[k])) + d;
+                    any = any || (x < (scaled_t)SCALE * SCALE && x > -(scaled_t)SCALE * SCALE &&
+                                  in_bounds_scaled(s, x));
+                }
             char *t = json_dumps(s, JSON_COMPACT);
             CHECK_MSG(!any && strstr(err, "satisfies the bounds"), "%s refused: %s", t, err);
             free(t);
@@ -231,6 +297,26 @@ TEST_TIMEOUT(grammar_schema_numeric_bounds, 300)
                     snprintf(t, sizeof t, "%lld.0000000000000001", x);
                     long double y = (long double)x + (x < 0 || t[0] == '-' ? -1e-16L : 1e-16L);
                     CHECK_MSG(gt_match(g, t) == in_bounds(s, y), "%s\n%s", t, gbnf);
+                }
+            }
+        }
+        /* a number: at each bound, the bound itself (with and without trailing zeros) and the
+         * values 10^-16, 10^-8 and 1 either side */
+        for (int k = 0; k < 4 && !integer; k++) {
+            json_t *v = json_object_get(s, keys[k]);
+            if (!v)
+                continue;
+            static const long long steps[] = {0, 1, -1, 100000000, -100000000, SCALE, -SCALE};
+            for (size_t si = 0; si < sizeof steps / sizeof *steps; si++) {
+                scaled_t x = bound_scaled(v) + steps[si];
+                if (x >= (scaled_t)SCALE * SCALE || x <= -(scaled_t)SCALE * SCALE)
+                    continue;
+                for (int full = 0; full <= 1; full++) {
+                    char t[64];
+                    scaled_text(t, sizeof t, x, full);
+                    int want = in_bounds_scaled(s, x);
+                    CHECK_MSG(gt_match(g, t) == want, "%s: %s\n%s", t,
+                              want ? "rejected" : "accepted", gbnf);
                 }
             }
         }

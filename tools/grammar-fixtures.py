@@ -171,6 +171,40 @@ CASES = [
     ("number-exclusive-min", {"type": "number", "exclusiveMinimum": 5},
      [5.01, raw("5.0000000000000001"), 6, 100000],
      [5, raw("5.000"), 4.99, -6, 0]),
+    # non-whole bounds on numbers, exact in binary so that jsonschema's float bounds are the
+    # decimals written here; documents at each bound with trailing zeros and 10^-16 either side
+    ("number-fractional-range", {"type": "number", "minimum": 0.5, "exclusiveMaximum": 2.75},
+     [0.5, raw("0.50"), raw("0.5000000000000000"), raw("0.5000000000000001"), 1, raw("1.0"), 2,
+      2.7, raw("2.74"), raw("2.7499999999999999"), raw("2.7")],
+     [raw("0.4999999999999999"), 0.4, 0, raw("-0"), -0.5, 2.75, raw("2.750"),
+      raw("2.7500000000000001"), 2.8, 3, raw("0.5e0"), raw("00.5"), raw(".5")]),
+    ("number-negative-fractional",
+     {"type": "number", "exclusiveMinimum": -2.75, "maximum": -0.125},
+     [-0.125, raw("-0.1250"), raw("-0.1250000000000001"), -1, -2, -2.7,
+      raw("-2.7499999999999999")],
+     [raw("-0.1249999999999999"), -0.12, raw("-0.0"), 0, raw("-0"), 0.125, -2.75,
+      raw("-2.7500"), raw("-2.7500000000000001"), -3, -100]),
+    ("number-straddling-zero",
+     {"type": "number", "minimum": -0.0000152587890625, "maximum": 1.0000152587890625},
+     [raw("-0.0000152587890625"), raw("-0.0000152587890624"),
+      raw("-0.00001"), raw("-0"), raw("-0.0"), 0, 0.5, 1, raw("1.0000152587890625"),
+      raw("1.0000152587890624"), raw("1.00001")],
+     [raw("-0.0000152587890626"), -0.0001, raw("-0.00002"), raw("1.0000152587890626"),
+      raw("1.00002"), 2, -1]),
+    ("number-one-integral-part",
+     {"type": "number", "exclusiveMinimum": 7.25, "exclusiveMaximum": 7.5},
+     [raw("7.2500000000000001"), 7.3, raw("7.26"), raw("7.4999999999999999"), 7.4],
+     [7.25, raw("7.250"), 7.5, raw("7.50"), raw("7.5000000000000001"), 7, raw("7.0"), 7.2, 8,
+      -7.3]),
+    ("number-fractional-min-only", {"type": "number", "minimum": -1.5},
+     [-1.5, raw("-1.50000"), raw("-1.4999999999999999"), -1, raw("-0"), 0, 1000.5,
+      raw("1234567890123456.5")],
+     [raw("-1.5000000000000001"), -1.6, -2, -1000, raw("12345678901234567")]),
+    # a bound that is no exact binary fraction is the shortest decimal that reads back as the
+    # same double: 0.1, where jsonschema compares 0.1 with the double a little over it
+    ("number-decimal-bound", {"type": "number", "minimum": 0.1, "maximum": 0.2},
+     [0.15, raw("0.1000000000000001"), raw("0.2"), raw("0.1"), raw("0.1000")],
+     [raw("0.0999999999999999"), raw("0.2000000000000001"), 0, 0.3]),
     ("bounds-in-type-array", {"type": ["integer", "null"], "minimum": 1, "maximum": 3},
      [1, 3, None], [0, 4, "2"]),
     # patterns: jsonschema searches with Python's re, which reads these as ECMA-262 does (the
@@ -232,6 +266,8 @@ GRAMMAR_REJECTS = {  # valid for the schema, rejected by the grammar
     "integer": [raw("1e5")],  # integers are written without fraction or exponent
     "int-range": [raw("5.0")],
     "number-range": [raw("1e0")],  # bounded numbers are written without exponent
+    "number-fractional-range": [raw("0.5e0")],
+    "number-fractional-min-only": [raw("12345678901234567")],  # 16 integral digits at most
     "whitespace": [raw('{"a":     1}'), raw('{"a":1}' + " " * 30), raw('{\n\n"a":1}')],
     "unicode-const": [raw('"h\\u00e9llo\\ud83d\\ude00"')],  # const/enum as written
     "additional-true": [{"b": 2, "a": 1}],  # declared properties come before the others
@@ -239,6 +275,7 @@ GRAMMAR_REJECTS = {  # valid for the schema, rejected by the grammar
 }
 GRAMMAR_ACCEPTS = {  # invalid for the schema, accepted by the grammar
     "nullable-openapi": [None],  # OpenAPI's nullable, not JSON Schema
+    "number-decimal-bound": [raw("0.1"), raw("0.1000")],  # the bound read as 0.1 (see above)
 }
 
 ERRORS = [
@@ -285,8 +322,15 @@ ERRORS = [
      "the items allowed ('items' false) < minItems"),
     ({"type": "array", "prefixItems": [{"type": "string", "format": "email"}]},
      "(at /prefixItems/0)"),
-    ({"type": "number", "minimum": 0.5}, "'minimum' 0.5 on a number is not supported"),
-    ({"type": "number", "exclusiveMaximum": 2.25}, "'exclusiveMaximum' 2.25 on a number"),
+    ({"type": "number", "minimum": 1e-20}, "'minimum' 1e-20 has more than 16 fraction digits"),
+    ({"type": "number", "exclusiveMaximum": 0.12345678901234567},
+     "'exclusiveMaximum' 0.12345678901234566 has more than 16 fraction digits"),
+    ({"type": "number", "exclusiveMinimum": 0.1234567890123456,
+      "exclusiveMaximum": 0.1234567890123457},
+     "no number of at most 16 fraction digits satisfies the bounds"),
+    ({"type": "number", "minimum": 2.5, "maximum": 2.25}, "no number satisfies the bounds"),
+    ({"type": "number", "exclusiveMinimum": -0.5, "maximum": -0.5},
+     "no number satisfies the bounds"),
     ({"type": "integer", "minimum": 5, "maximum": 4}, "no integer satisfies the bounds"),
     ({"type": "integer", "minimum": 4.2, "maximum": 4.8}, "no integer satisfies the bounds"),
     ({"type": "number", "exclusiveMinimum": 3, "maximum": 3}, "no number satisfies the bounds"),
