@@ -946,7 +946,7 @@ static int fused_setup(struct cuda_backend *b)
     free(fl);
     if (e == cudaSuccess)
         e = cudaMalloc((void **)&b->fused_bar,
-                       sizeof(unsigned) * (MOE_FUSED_BAR_WORDS + (size_t)b->sms));
+                       sizeof(unsigned) * (MOE_FUSED_BAR_WORDS + MOE_FUSED_SM_SLOTS));
     if (e != cudaSuccess)
         return cu_err(b, MOE_EBACKEND, "cuda:%d: fused step tables: %s", b->dev,
                       cudaGetErrorString(e));
@@ -989,7 +989,7 @@ static int fused_setup(struct cuda_backend *b)
     a->router_smem = router_smem;
     a->prefetch = !getenv("MOE_CUDA_FUSED_PREFETCH") || strcmp(getenv("MOE_CUDA_FUSED_PREFETCH"), "0");
     a->bar = b->fused_bar;
-    a->nsm = b->sms;
+    a->sm_slots = MOE_FUSED_SM_SLOTS;
     a->spare_barriers = getenv("MOE_CUDA_FUSED_SPARE") ? atoi(getenv("MOE_CUDA_FUSED_SPARE")) : 0;
     a->timing = NULL;
     /* The probe: a captured launch of no layers, cooperative where the device offers it. */

@@ -312,32 +312,39 @@ static __device__ __forceinline__ void attention_phase(const moe_fused_args &a, 
 }
 
 /* This block's place in an order of the blocks by (rank on its SM, SM): the blocks count
- * themselves in per SM (cnt[nsm], zero at launch), meet at a barrier, then each counts the
- * blocks before it. A permutation of 0..gridDim.x-1 whatever the placement. */
-static __device__ __forceinline__ int64_t spread_index(unsigned *cnt, int nsm, unsigned *bar,
+ * themselves in per SM id (cnt[slots], zero at launch), meet at a barrier, then each counts the
+ * blocks before it. A permutation of 0..gridDim.x-1 whatever the placement. SM ids need not be
+ * contiguous (%nsmid bounds them, and may exceed the SM count); when they do not fit the array,
+ * every block keeps its launch order (the same decision in all blocks, so the barrier count
+ * stays uniform). */
+static __device__ __forceinline__ int64_t spread_index(unsigned *cnt, int slots, unsigned *bar,
                                                        unsigned *k)
 {
+    unsigned nsmid;
+    asm("mov.u32 %0, %%nsmid;" : "=r"(nsmid));
+    if (nsmid > (unsigned)slots)
+        return blockIdx.x;
     __shared__ unsigned rank_s, smid_s;
     __shared__ int64_t idx_s;
     if (threadIdx.x == 0) {
         unsigned smid;
         asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
         smid_s = smid;
-        rank_s = smid < (unsigned)nsm ? atomicAdd(&cnt[smid], 1u) : 0u;
+        rank_s = atomicAdd(&cnt[smid], 1u);
     }
     grid_sync(bar, k);
     if (threadIdx.x < 32) {
         const unsigned rank = rank_s, me = smid_s;
         int64_t before = 0;
-        for (int sm = (int)threadIdx.x; sm < nsm; sm += 32) {
+        for (unsigned sm = threadIdx.x; sm < nsmid; sm += 32) {
             const unsigned c = *(volatile unsigned *)&cnt[sm];
             before += c < rank ? c : rank;
-            before += (unsigned)sm < me && c > rank;
+            before += sm < me && c > rank;
         }
         for (int o = 16; o > 0; o >>= 1)
             before += __shfl_xor_sync(0xffffffffu, before, o);
         if (threadIdx.x == 0)
-            idx_s = me < (unsigned)nsm ? before : blockIdx.x;
+            idx_s = before;
     }
     __syncthreads();
     return idx_s;
@@ -358,7 +365,7 @@ static __global__ void __launch_bounds__(FUSED_THREADS, MINB) fused_decode_kerne
     unsigned target = 0; /* barriers passed */
     /* Work goes by a block order that visits every SM before any SM's second block (vb0), so a
      * phase with fewer work items than blocks spreads them over the SMs. */
-    const int64_t vb0 = spread_index(a.bar + MOE_FUSED_BAR_WORDS, a.nsm, a.bar, &target);
+    const int64_t vb0 = spread_index(a.bar + MOE_FUSED_BAR_WORDS, a.sm_slots, a.bar, &target);
     const int64_t gw = vb0 * FUSED_WARPS + warp;
     const int64_t GW = (int64_t)gridDim.x * FUSED_WARPS;
     const int64_t E = a.E, ff = a.ff;
@@ -587,10 +594,11 @@ int moe_cuda_fused_config(int64_t E, int64_t hd, int64_t nexp, int kuse, int max
 int moe_cuda_fused_launch(const struct moe_fused_args *a, int blocks, int per_sm, size_t smem,
                           bool coop, cudaStream_t s)
 {
-    if (blocks < 1 || a->nsm < 1 || a->kuse < 1 || a->kuse > FUSED_KMAX || a->att_z < 1 ||
+    if (blocks < 1 || a->sm_slots < 1 || a->kuse < 1 || a->kuse > FUSED_KMAX || a->att_z < 1 ||
         a->att_z > ATT_MAX_SPLITS)
         return -EINVAL;
-    MOE_CUDA_TRY(cudaMemsetAsync(a->bar, 0, sizeof(unsigned) * (MOE_FUSED_BAR_WORDS + (size_t)a->nsm), s));
+    const size_t bar_bytes = sizeof(unsigned) * (MOE_FUSED_BAR_WORDS + (size_t)a->sm_slots);
+    MOE_CUDA_TRY(cudaMemsetAsync(a->bar, 0, bar_bytes, s));
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = dim3((unsigned)blocks);
     cfg.blockDim = dim3(FUSED_THREADS);

@@ -53,9 +53,9 @@ struct moe_fused_args {
     bool norm_topk;
     bool router_smem;       /* the router reads the normed input from shared memory */
     bool prefetch;          /* weights of the next phase prefetched into L2 before a barrier */
-    unsigned *bar;          /* [MOE_FUSED_BAR_WORDS + nsm] the grid barrier and per-SM block
-                             * counts, zeroed at launch */
-    int nsm;                /* SMs of the device */
+    unsigned *bar;          /* [MOE_FUSED_BAR_WORDS + sm_slots] the grid barrier and per-SM-id
+                             * block counts, zeroed at launch */
+    int sm_slots;           /* SM ids the counts have room for (MOE_FUSED_SM_SLOTS) */
     int spare_barriers;     /* extra barriers after each layer (measuring the barrier) */
     uint64_t *timing;       /* NULL, or [L][FUSED_NPH] end of each phase (ns, %globaltimer) and
                              * [L·FUSED_NPH] the start */
@@ -69,6 +69,7 @@ enum {
 };
 
 #define MOE_FUSED_BAR_WORDS 64
+#define MOE_FUSED_SM_SLOTS 1024
 
 /* How the fused kernel walks the rows of a weight: kind, bytes per row and per block, units per
  * row, rows per warp item. */
