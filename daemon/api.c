@@ -159,6 +159,10 @@ struct gen {
     size_t r_len, r_cap;
     json_int_t r_seq;
     bool r_answered;
+    /* Responses with logprobs: the open message's entries (taken from lp), and the first lp
+     * entry no output item has had yet. */
+    json_t *r_lp;
+    size_t r_lp_next;
 };
 
 enum { RESP_MESSAGE = 1, RESP_REASONING = 2 };
@@ -402,6 +406,7 @@ static void gen_free(struct gen *g)
     free(g->echo);
     free(g->r_text);
     json_decref(g->r_output);
+    json_decref(g->r_lp);
     free(g);
 }
 
@@ -552,8 +557,48 @@ static json_t *resp_part(const struct gen *g)
     json_t *text = json_text(g->r_text ? g->r_text : "", g->r_len);
     if (g->r_open == RESP_REASONING)
         return json_pack("{s:s,s:o}", "type", "reasoning_text", "text", text);
-    return json_pack("{s:s,s:o,s:[],s:[]}", "type", "output_text", "text", text, "annotations",
-                     "logprobs");
+    return json_pack("{s:s,s:o,s:[],s:o}", "type", "output_text", "text", text, "annotations",
+                     "logprobs", g->r_lp ? json_deep_copy(g->r_lp) : json_array());
+}
+
+/* Logprob entries as the text events give them: {token, logprob, top_logprobs: [{token,
+ * logprob}]} (without the bytes the output_text part has). */
+static json_t *resp_lp_event(const json_t *entries)
+{
+    json_t *out = json_array(), *e, *t;
+    size_t i, k;
+    json_array_foreach(entries, i, e) {
+        json_t *top = json_array();
+        json_array_foreach(json_object_get(e, "top_logprobs"), k, t)
+            json_array_append_new(top, json_pack("{s:O,s:O}", "token", json_object_get(t, "token"),
+                                                 "logprob", json_object_get(t, "logprob")));
+        json_array_append_new(out, json_pack("{s:O,s:O,s:o}", "token", json_object_get(e, "token"),
+                                             "logprob", json_object_get(e, "logprob"),
+                                             "top_logprobs", top));
+    }
+    return out;
+}
+
+/* With logprobs: the entries of the text [start, end) of g->text that chat_out gave as an
+ * item's text. Entries whose text ends before start (markup, reasoning) are passed over; those
+ * starting before end are the text's: added to the open message's (content) and returned, or
+ * passed over (reasoning). NULL without logprobs. */
+static json_t *resp_lp_take(struct gen *g, size_t start, size_t end, bool content)
+{
+    if (!g->logprobs)
+        return NULL;
+    json_t *got = json_array();
+    size_t n = json_array_size(g->lp);
+    for (; g->r_lp_next < n && g->lp_off[g->r_lp_next] < end; g->r_lp_next++) {
+        const size_t i = g->r_lp_next, off = g->lp_off[i];
+        const size_t next = i + 1 < n ? g->lp_off[i + 1] : g->text_len;
+        if (!content || (off < start && next <= start))
+            continue;
+        json_t *e = json_array_get(g->lp, i);
+        json_array_append(g->r_lp, e);
+        json_array_append(got, e);
+    }
+    return got;
 }
 
 static json_t *resp_item(const struct gen *g, const char *status, json_t *content)
@@ -580,6 +625,8 @@ static void resp_open(struct gen *g, int kind)
     struct api *a = g->api;
     g->r_open = kind;
     g->r_len = 0;
+    if (g->r_lp)
+        json_array_clear(g->r_lp);
     new_id(a, g->r_item, sizeof g->r_item, kind == RESP_MESSAGE ? "msg_" : "rs_");
     if (kind == RESP_MESSAGE)
         g->r_answered = true;
@@ -599,7 +646,7 @@ static void resp_close(struct gen *g, const char *status)
     json_t *ev = resp_at(g, true);
     json_object_set_new(ev, "text", json_text(g->r_text ? g->r_text : "", g->r_len));
     if (g->r_open == RESP_MESSAGE)
-        json_object_set_new(ev, "logprobs", json_array());
+        json_object_set_new(ev, "logprobs", g->r_lp ? resp_lp_event(g->r_lp) : json_array());
     resp_event(g, g->r_open == RESP_MESSAGE ? "response.output_text.done"
                                             : "response.reasoning_text.done", ev);
     ev = resp_at(g, true);
@@ -608,6 +655,8 @@ static void resp_close(struct gen *g, const char *status)
     resp_item_done(g, resp_item(g, status, json_pack("[o]", resp_part(g))));
     g->r_open = 0;
     g->r_len = 0;
+    if (g->r_lp)
+        json_array_clear(g->r_lp);
 }
 
 /* chat_out's events as Response output items (and their events when streaming). */
@@ -645,10 +694,18 @@ static int emit_resp(void *user, enum chat_ev ev, const char *s, size_t n, const
     }
     if (moe_buf_append(&g->r_text, &g->r_len, &g->r_cap, s, n))
         return -ENOMEM;
+    /* s is the text chat_out was fed (g->text): where it lies there gives its tokens. */
+    size_t start = 0, end = g->stream ? g->lp_bound : g->text_len;
+    if (g->text && s >= g->text && s + n <= g->text + g->text_len) {
+        start = (size_t)(s - g->text);
+        end = start + n;
+    }
+    json_t *lp = resp_lp_take(g, start, end, kind == RESP_MESSAGE);
     json_t *d = resp_at(g, true);
     json_object_set_new(d, "delta", json_text(s, n));
     if (kind == RESP_MESSAGE)
-        json_object_set_new(d, "logprobs", json_array());
+        json_object_set_new(d, "logprobs", lp ? resp_lp_event(lp) : json_array());
+    json_decref(lp);
     return resp_event(g, kind == RESP_MESSAGE ? "response.output_text.delta"
                                               : "response.reasoning_text.delta", d);
 }
@@ -2491,7 +2548,6 @@ static json_t *resp_chat_body(struct api *a, json_t *body, struct gen_req *r, st
         {"conversation", "moed does not store conversations; send the whole conversation as 'input'"},
         {"prompt", "prompt templates are not supported"},
         {"max_tool_calls", "'max_tool_calls' is not supported"},
-        {"include", "'include' is not supported"},
     };
     for (size_t i = 0; i < sizeof refused / sizeof refused[0]; i++) {
         v = json_object_get(body, refused[i].key);
@@ -2503,9 +2559,29 @@ static json_t *resp_chat_body(struct api *a, json_t *body, struct gen_req *r, st
         return NULL;
     if (background)
         return fail(e, 400, "background", "background responses are not supported"), NULL;
-    if ((v = json_object_get(body, "top_logprobs")) && !json_is_null(v) &&
-        !(json_is_integer(v) && json_integer_value(v) == 0))
-        return fail(e, 400, "top_logprobs", "'top_logprobs' is not supported"), NULL;
+    /* include: only message.output_text.logprobs (the output text's logprobs). */
+    bool logprobs = false;
+    if ((v = json_object_get(body, "include")) && !json_is_null(v)) {
+        if (!json_is_array(v))
+            return fail(e, 400, "include", "'include' must be an array of strings, not %s", jtype(v)), NULL;
+        json_t *x;
+        size_t i;
+        json_array_foreach(v, i, x) {
+            if (!json_is_string(x))
+                return fail(e, 400, "include", "'include[%zu]' must be a string, not %s", i, jtype(x)), NULL;
+            if (strcmp(json_string_value(x), "message.output_text.logprobs"))
+                return fail(e, 400, "include", "'include' value '%.64s' is not supported (only "
+                            "message.output_text.logprobs)", json_string_value(x)), NULL;
+            logprobs = true;
+        }
+    }
+    int64_t top = 0;
+    bool top_set = false;
+    if (get_int(body, "top_logprobs", 0, 20, &top, &top_set, e))
+        return NULL;
+    if (top > 0 && !logprobs)
+        return fail(e, 400, "top_logprobs", "'top_logprobs' needs 'include': "
+                    "[\"message.output_text.logprobs\"]"), NULL;
     json_t *reasoning = json_object_get(body, "reasoning"), *effort = NULL;
     if (reasoning && !json_is_null(reasoning)) {
         if (!json_is_object(reasoning))
@@ -2532,6 +2608,10 @@ static json_t *resp_chat_body(struct api *a, json_t *body, struct gen_req *r, st
             json_object_set(chat, copied[i], v);
     if (mt_set)
         json_object_set_new(chat, "max_completion_tokens", json_integer(mt));
+    if (logprobs) {
+        json_object_set_new(chat, "logprobs", json_true());
+        json_object_set_new(chat, "top_logprobs", json_integer(top));
+    }
     if (json_is_string(effort))
         json_object_set(chat, "reasoning_effort", effort);
     if (resp_tools(body, chat, e) || resp_format(body, chat, e)) {
@@ -2558,6 +2638,7 @@ static json_t *resp_chat_body(struct api *a, json_t *body, struct gen_req *r, st
     json_object_set_new(r->resp, "text", RESP_ECHO("text", json_pack("{s:{s:s}}", "format", "type", "text")));
     json_object_set_new(r->resp, "tool_choice", RESP_ECHO("tool_choice", json_string("auto")));
     json_object_set_new(r->resp, "tools", RESP_ECHO("tools", json_array()));
+    json_object_set_new(r->resp, "top_logprobs", json_integer(top));
     json_object_set_new(r->resp, "top_p", RESP_ECHO("top_p", json_real(a->sampling.top_p)));
     json_object_set_new(r->resp, "truncation", RESP_ECHO("truncation", json_string("disabled")));
     json_object_set_new(r->resp, "user", RESP_ECHO("user", json_null()));
@@ -2646,7 +2727,8 @@ static struct gen *gen_new(struct api *a, struct gen_group *grp, uint32_t index,
     g->n_top = r->s.top_logprobs;
     snprintf(g->id, sizeof g->id, "%s", id);
     bool ok = (!g->logprobs || (g->lp = json_array())) &&
-              (!g->responses || (g->r_output = json_array()));
+              (!g->responses || (g->r_output = json_array())) &&
+              (!g->responses || !g->logprobs || (g->r_lp = json_array()));
     /* The prompt's first token leads its entries, without a logprob (nothing comes before). */
     if (ok && r->s.prompt_logprobs)
         g->n_plp = (ok = lp_add(g, r->prompt[0], NULL, 0) == 0);

@@ -149,7 +149,66 @@ def test_function_tools(client):
     assert events[-1].response.output[-1].arguments == done.arguments
 
 
+LP = ["message.output_text.logprobs"]
+
+
+def test_logprobs_equal_chat(client):
+    """include message.output_text.logprobs: the output_text's logprobs are the chat completion's
+    for the same greedy request (its tokens with text), each with top_logprobs entries; streamed
+    deltas' logprobs concatenate to the done event's list and the final one."""
+    msgs = [{"role": "user", "content": "Hello there"}]
+    c = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=12, temperature=0,
+                                       logprobs=True, top_logprobs=3)
+    r = client.responses.create(model="tiny", input="Hello there", max_output_tokens=12,
+                                temperature=0, include=LP, top_logprobs=3)
+    assert r.top_logprobs == 3
+    part = r.output[-1].content[0]
+    assert part.type == "output_text" and part.text == c.choices[0].message.content
+    got, want = part.logprobs, c.choices[0].logprobs.content
+    assert got and b"".join(bytes(e.bytes) for e in got) == part.text.encode()
+    # The end-of-generation token (chat lists it) has no text in the output.
+    assert len(want) - len(got) in ((0, 1) if c.choices[0].finish_reason == "stop" else (0,))
+    for a, b in zip(got, want):
+        assert a.token == b.token and a.bytes == b.bytes and abs(a.logprob - b.logprob) < 1e-3
+        assert len(a.top_logprobs) == 3
+        assert [(t.token, t.bytes) for t in a.top_logprobs] == [(t.token, t.bytes) for t in b.top_logprobs]
+    events = list(client.responses.create(model="tiny", input="Hello there", max_output_tokens=12,
+                                          temperature=0, include=LP, top_logprobs=3, stream=True))
+    deltas = [x for e in events if e.type == "response.output_text.delta" for x in e.logprobs]
+    done = [e for e in events if e.type == "response.output_text.done"][-1]
+    assert [(x.token, x.logprob) for x in deltas] == [(x.token, x.logprob) for x in done.logprobs]
+    # (A request's logprobs can differ in the last float digits with the KV cache it continues.)
+    assert [x.token for x in done.logprobs] == [x.token for x in got]
+    assert all(abs(x.logprob - y.logprob) < 1e-3 for x, y in zip(done.logprobs, got))
+    assert all(len(x.top_logprobs) == 3 for x in deltas)
+    final = events[-1].response.output[-1].content[0]
+    assert [(x.token, x.bytes) for x in final.logprobs] == [(x.token, x.bytes) for x in got]
+    # top_logprobs 0 (or left out): the entries, empty top lists.
+    z = client.responses.create(model="tiny", input="Hello there", max_output_tokens=12,
+                                temperature=0, include=LP)
+    zp = z.output[-1].content[0].logprobs
+    assert [x.token for x in zp] == [x.token for x in got] and all(x.top_logprobs == [] for x in zp)
+    assert z.top_logprobs == 0
+    # A function call is no output_text: its tokens are in no logprobs list.
+    t = client.responses.create(model="tiny", input="Weather?", tools=TOOLS, tool_choice="required",
+                                max_output_tokens=80, temperature=0, include=LP, top_logprobs=2)
+    assert t.output[-1].type == "function_call"
+    assert all(p.logprobs == [] for o in t.output if o.type == "message" for p in o.content)
+
+
+def test_no_logprobs_without_include(client):
+    r = client.responses.create(model="tiny", input="Hello there", max_output_tokens=6, temperature=0)
+    assert r.output[-1].content[0].logprobs == []
+    events = list(client.responses.create(model="tiny", input="Hello there", max_output_tokens=6,
+                                          temperature=0, stream=True))
+    assert all(e.logprobs == [] for e in events if e.type in ("response.output_text.delta",
+                                                             "response.output_text.done"))
+
+
 @pytest.mark.parametrize("kwargs, param", [
+    ({"include": ["reasoning.encrypted_content"]}, "include"),
+    ({"include": LP, "top_logprobs": 21}, "top_logprobs"),
+    ({"top_logprobs": 2}, "top_logprobs"),
     ({"previous_response_id": "resp_123"}, "previous_response_id"),
     ({"background": True}, "background"),
     ({"tools": [{"type": "web_search"}]}, "tools"),
