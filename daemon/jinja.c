@@ -343,7 +343,7 @@ static const char *tname(const jval *v)
     case V_INT: return "int";
     case V_FLOAT: return "float";
     case V_STR: return "str";
-    case V_LIST: return v->u.l->tuple ? "tuple" : "list";
+    case V_LIST: return v->u.l->range ? "range" : v->u.l->tuple ? "tuple" : "list";
     case V_DICT: return "dict";
     case V_NS: return "Namespace";
     case V_LOOP: return "LoopContext";
@@ -579,6 +579,16 @@ static void write_str(struct rctx *R, struct obuf *o, const jval *v, bool repr, 
         return;
     case V_LIST: {
         const struct jlist *l = v->u.l;
+        if (l->range) { /* range(start, stop) or range(start, stop, step) */
+            for (int k = 0; k < 3; k++) {
+                if (k == 2 && l->range[2] == 1)
+                    break;
+                snprintf(buf, sizeof buf, "%s%lld", k ? ", " : "range(", (long long)l->range[k]);
+                ob_lit(R, o, buf);
+            }
+            ob_lit(R, o, ")");
+            return;
+        }
         ob_lit(R, o, l->tuple ? "(" : "[");
         for (size_t i = 0; i < l->n; i++) {
             if (i)
@@ -707,6 +717,8 @@ static void json_write(struct rctx *R, struct obuf *o, const jval *v, const stru
     case V_STR: json_str(R, o, v->u.s, f->ascii); return;
     case V_LIST: {
         const struct jlist *l = v->u.l;
+        if (l->range)
+            DIE(R, line, "tojson: object of type range is not JSON serializable");
         if (!l->n) {
             ob_lit(R, o, "[]");
             return;
@@ -792,7 +804,7 @@ static bool vequal(const jval *a, const jval *b, int depth)
     case V_STR: return a->u.s->len == b->u.s->len && !memcmp(a->u.s->s, b->u.s->s, a->u.s->len);
     case V_LIST: {
         const struct jlist *x = a->u.l, *y = b->u.l;
-        if (x->n != y->n || x->tuple != y->tuple)
+        if (x->n != y->n || x->tuple != y->tuple || !x->range != !y->range) /* ranges: as sequences */
             return false;
         for (size_t i = 0; i < x->n; i++)
             if (!vequal(&x->v[i], &y->v[i], depth + 1))
@@ -942,6 +954,8 @@ static jval get_attr(struct rctx *R, jval obj, const char *name, int line)
     case V_LIST:
         if (obj.u.l->group && (is(name, "grouper") || is(name, "list")))
             return obj.u.l->v[name[0] == 'g' ? 0 : 1];
+        if (obj.u.l->range) /* a range has no list methods but these */
+            return is(name, "index") || is(name, "count") ? method(R, obj, name) : undef_attr(R, &obj, name);
         if (in_names(list_modifying, name) && !obj.u.l->tuple)
             return modifying_method(R, "list", name);
         return in_names(list_methods, name) ? method(R, obj, name) : undef_attr(R, &obj, name);
@@ -1071,6 +1085,15 @@ static jval slice(struct rctx *R, jval obj, const jval *lo, const jval *hi, cons
         size_t k = 0;
         for (int64_t i = a; step > 0 ? i < b : i > b; i += step)
             l.u.l->v[k++] = obj.u.l->v[i];
+        const int64_t *r = obj.u.l->range;
+        int64_t sub[3], x, y;
+        if (r && !__builtin_mul_overflow(a, r[2], &x) && !__builtin_add_overflow(r[0], x, &sub[0]) &&
+            !__builtin_mul_overflow(b, r[2], &y) && !__builtin_add_overflow(r[0], y, &sub[1]) &&
+            !__builtin_mul_overflow(step, r[2], &sub[2])) { /* a range's slice is a range, as in Python */
+            int64_t *rng = j_alloc(&R->b, sizeof sub);
+            memcpy(rng, sub, sizeof sub);
+            l.u.l->range = rng;
+        }
         return l;
     }
     if (step == 1)
@@ -1174,7 +1197,8 @@ static jval arith(struct rctx *R, int op, jval a, jval b, int line)
         r->markup = true;
         return vstr(r);
     }
-    if (op == OP_ADD && a.t == V_LIST && b.t == V_LIST && a.u.l->tuple == b.u.l->tuple) {
+    if (op == OP_ADD && a.t == V_LIST && b.t == V_LIST && a.u.l->tuple == b.u.l->tuple && !a.u.l->range &&
+        !b.u.l->range) {
         jval l = mklist(R, a.u.l->n + b.u.l->n, a.u.l->tuple);
         if (a.u.l->n)
             memcpy(l.u.l->v, a.u.l->v, a.u.l->n * sizeof(jval));
@@ -1182,7 +1206,7 @@ static jval arith(struct rctx *R, int op, jval a, jval b, int line)
             memcpy(l.u.l->v + a.u.l->n, b.u.l->v, b.u.l->n * sizeof(jval));
         return l;
     }
-    if (op == OP_MUL && ((a.t == V_STR || a.t == V_LIST) && is_intlike(&b))) {
+    if (op == OP_MUL && ((a.t == V_STR || (a.t == V_LIST && !a.u.l->range)) && is_intlike(&b))) {
         int64_t k = ival(&b);
         if (k < 0)
             k = 0;
@@ -1369,6 +1393,9 @@ static jval call_func(struct rctx *R, int fn, const struct args *a)
         int64_t x = v[0];
         for (size_t i = 0; i < cnt; i++, x += (i < cnt ? v[2] : 0))
             l.u.l->v[i] = mkint(x);
+        int64_t *rng = j_alloc(&R->b, sizeof v);
+        memcpy(rng, v, sizeof v);
+        l.u.l->range = rng;
         return l;
     }
     case F_JOINER: case F_CYCLER: {
@@ -3566,20 +3593,38 @@ static jval apply_filter_chain(struct rctx *R, const struct jnode *f, jval v, st
     return call_filter(R, f, v, s);
 }
 
-static void assign(struct rctx *R, struct scope *s, const char *const *targets, size_t n, jval v, int line)
+/* {% set ns.attr = v %} (and the block form, and ns.attr in a tuple target): only a namespace
+ * takes an attribute. */
+static void set_ns_attr(struct rctx *R, struct scope *s, const struct jnode *t, jval v)
 {
-    if (n == 1) {
-        d_set_s(R, &s->vars, targets[0], v);
+    jval ns = lookup(R, s, t->name);
+    if (ns.t != V_NS)
+        DIE(R, t->line, "cannot assign attribute '%s' on '%s' (not a namespace)", t->attr, t->name);
+    d_set_s(R, ns.u.d, t->attr, v);
+}
+
+/* Binds v to an assignment target (see struct jnode's tgt), unpacking as Python does: a string
+ * gives its characters, a dict its keys, an undefined value nothing; the rest is not iterable. The
+ * target nests at most as deep as the parser allows. */
+static void assign(struct rctx *R, struct scope *s, const struct jnode *t, jval v, int line)
+{
+    if (t->kind == E_NAME) {
+        if (t->attr)
+            set_ns_attr(R, s, t, v);
+        else
+            d_set_s(R, &s->vars, t->name, v);
         return;
     }
-    jval l = v.t == V_STR ? as_list(R, &v, line) : v;
-    if (l.t != V_LIST)
-        DIE(R, line, "cannot unpack a '%s' into %zu names", tname(&v), n);
-    if (l.u.l->n != n)
-        DIE(R, line, "%s values to unpack (expected %zu, got %zu)",
-            l.u.l->n < n ? "not enough" : "too many", n, l.u.l->n);
+    if (v.t != V_LIST && v.t != V_STR && v.t != V_DICT && v.t != V_UNDEF)
+        DIE(R, line, "cannot unpack non-iterable %s object", tname(&v));
+    jval l = as_list(R, &v, line);
+    size_t n = t->args.n;
+    if (l.u.l->n > n)
+        DIE(R, line, "too many values to unpack (expected %zu)", n);
+    if (l.u.l->n < n)
+        DIE(R, line, "not enough values to unpack (expected %zu, got %zu)", n, l.u.l->n);
     for (size_t i = 0; i < n; i++)
-        d_set_s(R, &s->vars, targets[i], l.u.l->v[i]);
+        assign(R, s, t->args.v[i], l.u.l->v[i], line);
 }
 
 static void exec_for_list(struct rctx *R, const struct jnode *n, struct scope *s, jval it,
@@ -3594,7 +3639,7 @@ static void exec_for_list(struct rctx *R, const struct jnode *n, struct scope *s
         for (size_t i = 0; i < cnt; i++) {
             count_iter(R, n->line);
             struct scope *fs = new_scope(R, s);
-            assign(R, fs, n->targets, n->n_targets, items[i], n->line);
+            assign(R, fs, n->tgt, items[i], n->line);
             jval c = eval(R, n->b, fs);
             if (truthy(&c))
                 kept[k++] = items[i];
@@ -3622,7 +3667,7 @@ static void exec_for_list(struct rctx *R, const struct jnode *n, struct scope *s
         count_iter(R, n->line);
         lp->i = i;
         is->vars.n = 1;
-        assign(R, is, n->targets, n->n_targets, items[i], n->line);
+        assign(R, is, n->tgt, items[i], n->line);
         exec_body(R, &n->body, is, o);
         completed |= !R->brk && !R->cont;
         R->cont = false;
@@ -3650,15 +3695,6 @@ static jval mkmacro(struct rctx *R, const struct jnode *n, struct scope *env)
     return (jval){.t = V_MACRO, .u.mac = m};
 }
 
-/* {% set ns.attr = v %} (and the block form): only a namespace takes an attribute. */
-static void set_ns_attr(struct rctx *R, struct scope *s, const struct jnode *n, jval v)
-{
-    jval ns = lookup(R, s, n->name);
-    if (ns.t != V_NS)
-        DIE(R, n->line, "cannot assign attribute '%s' on '%s' (not a namespace)", n->attr, n->name);
-    d_set_s(R, ns.u.d, n->attr, v);
-}
-
 static void exec_node(struct rctx *R, const struct jnode *n, struct scope *s, struct obuf *o)
 {
     switch (n->kind) {
@@ -3679,11 +3715,7 @@ static void exec_node(struct rctx *R, const struct jnode *n, struct scope *s, st
         exec_for(R, n, s, o);
         return;
     case N_SET: {
-        jval v = eval(R, n->a, s);
-        if (n->attr)
-            set_ns_attr(R, s, n, v);
-        else
-            assign(R, s, n->targets, n->n_targets, v, n->line);
+        assign(R, s, n->tgt, eval(R, n->a, s), n->line);
         return;
     }
     case N_SETBLOCK: case N_FILTERBLOCK: {
@@ -3694,10 +3726,8 @@ static void exec_node(struct rctx *R, const struct jnode *n, struct scope *s, st
         jval v = apply_filter_chain(R, n->a, vstr(ob_done(R, &b)), s);
         if (n->kind == N_FILTERBLOCK)
             write_str(R, o, &v, false, 0);
-        else if (n->attr) /* {% set ns.x %}...{% endset %} */
-            set_ns_attr(R, s, n, v);
-        else
-            d_set_s(R, &s->vars, n->name, v);
+        else /* {% set x %}, {% set ns.x %}, {% set a, b %}...{% endset %} */
+            assign(R, s, n->tgt, v, n->line);
         return;
     }
     case N_MACRO:

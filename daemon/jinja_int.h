@@ -76,6 +76,7 @@ struct jlist {
     size_t n;
     bool tuple;
     bool group; /* groupby's (grouper, list) pair: a tuple with those two attributes */
+    const int64_t *range; /* range()'s result: its start, stop and step, as Python prints them */
 };
 
 struct jdict {
@@ -115,7 +116,7 @@ struct jnode {
     int line;
     int id;            /* E_FILTER / E_TEST: which one; N_FOR: number of targets */
     const char *name;  /* E_NAME, E_ATTR, E_FILTER, E_TEST, N_SET target, N_MACRO */
-    const char *attr;  /* N_SET: namespace attribute (ns.attr) */
+    const char *attr;  /* an assignment target's E_NAME: the namespace attribute (ns.attr) */
     jval lit;          /* E_LIT; N_TEXT (a string) */
     struct jnode *a, *b, *c; /* operands; N_IF/N_FOR: a condition / iterable, b loop filter;
                               * calls, filters, tests: b *args, c **kwargs */
@@ -123,7 +124,9 @@ struct jnode {
     const char **kwnames;    /* keyword arguments: names, values in kwargs */
     struct jnlist kwargs;
     struct jnlist body, orelse;
-    const char **targets;    /* N_FOR / N_SET: names; N_MACRO: parameter names */
+    struct jnode *tgt;       /* N_FOR, N_SET, N_SETBLOCK: what is assigned, an E_NAME (a variable,
+                              * or ns.attr where attr is set) or an E_TUPLE of targets in args */
+    const char **targets;    /* N_WITH: names; N_MACRO: parameter names */
     struct jnlist defaults;  /* N_MACRO: default per parameter (NULL entries: none) */
     size_t n_targets;
 };

@@ -1096,19 +1096,51 @@ static struct jnlist parse_body_in(struct parser *P, const char *const *ends, co
     return r;
 }
 
-static const char **parse_targets(struct parser *P, size_t *n, const char *what)
+/* One assignment target in parentheses or at the top: a name, ns.attr (top level of a set only,
+ * as jinja2's with_namespace) or a parenthesized tuple of targets, which may be empty or end in a
+ * comma; (a) is a. */
+static struct jnode *parse_target_item(struct parser *P, bool ns)
 {
-    const char **v = j_alloc(P->b, 16 * sizeof *v);
-    *n = 0;
-    bool paren = accept_op(P, "(");
-    do {
-        if (*n == 16)
-            j_die(P->b, MOE_EUNSUPPORTED, cur(P)->line, "too many %s targets", what);
-        v[(*n)++] = expect_ident(P, "a variable name");
-    } while (accept_op(P, ","));
-    if (paren)
-        expect_op(P, ")");
-    return v;
+    struct tok *t = cur(P);
+    if (t->k == T_NAME) {
+        struct jnode *n = mk(P, E_NAME, t->line);
+        n->name = t->p;
+        P->pos++;
+        if (ns && accept_op(P, "."))
+            n->attr = expect_ident(P, "an attribute name");
+        return n;
+    }
+    if (!is_op(t, "("))
+        unexpected(P, "a variable name");
+    if (++P->depth > MAX_NEST)
+        j_die(P->b, MOE_ETOOBIG, t->line, "expressions or blocks nested more than %d deep", MAX_NEST);
+    P->pos++;
+    struct jnode *tup = mk(P, E_TUPLE, t->line);
+    size_t cap = 0;
+    bool comma = false;
+    while (more_items(P, ")", tup->args.n == 0)) {
+        nl_push(P, &tup->args, parse_target_item(P, false), &cap);
+        if (is_op(cur(P), ","))
+            comma = true;
+    }
+    P->depth--;
+    return tup->args.n == 1 && !comma ? tup->args.v[0] : tup;
+}
+
+/* The target of a for loop or a set: items separated by commas, a tuple when there is a comma. A
+ * trailing comma only before '%}' (a set block), as in jinja2. */
+static struct jnode *parse_target(struct parser *P, bool ns)
+{
+    int line = cur(P)->line;
+    struct jnode *first = parse_target_item(P, ns);
+    if (!is_op(cur(P), ","))
+        return first;
+    struct jnode *tup = mk(P, E_TUPLE, line);
+    size_t cap = 0;
+    nl_push(P, &tup->args, first, &cap);
+    while (accept_op(P, ",") && cur(P)->k != T_BEND)
+        nl_push(P, &tup->args, parse_target_item(P, ns), &cap);
+    return tup;
 }
 
 /* f1(args) | f2 | ... of a filter block or set block: a chain whose each filter's a is the one
@@ -1181,7 +1213,7 @@ static struct jnode *parse_statement(struct parser *P)
     }
     if (!strcmp(name, "for")) {
         struct jnode *n = mk(P, N_FOR, line);
-        n->targets = parse_targets(P, &n->n_targets, "loop");
+        n->tgt = parse_target(P, false);
         if (!accept_name(P, "in"))
             unexpected(P, "'in'");
         n->a = parse_tuple_of(P, false);
@@ -1203,22 +1235,12 @@ static struct jnode *parse_statement(struct parser *P)
     }
     if (!strcmp(name, "set")) {
         struct jnode *n = mk(P, N_SET, line);
-        if (cur(P)->k == T_NAME && is_op(nexttok(P), ".")) {
-            n->name = P->t[P->pos].p;
-            P->pos += 2;
-            n->attr = expect_ident(P, "an attribute name");
-            n->n_targets = 1;
-        } else {
-            n->targets = parse_targets(P, &n->n_targets, "assignment");
-            n->name = n->targets[0];
-        }
+        n->tgt = parse_target(P, true);
         if (accept_op(P, "=")) {
             n->a = parse_tuple(P);
             expect_bend(P);
             return n;
         }
-        if (n->n_targets != 1)
-            unexpected(P, "'='");
         n->kind = N_SETBLOCK;
         n->a = accept_op(P, "|") ? parse_filter_chain(P) : NULL; /* {% set x | filter %} */
         expect_bend(P);

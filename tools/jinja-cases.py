@@ -328,6 +328,70 @@ CASES = [
     # a block set may assign a namespace's attribute
     ("set_block_namespace_attr", "{% set ns = namespace(x='') %}{% set ns.x | upper %}block {{ 3 }}{% endset %}{{ ns.x }}|"
                                  "{% for i in [1, 2] %}{% set ns.x %}{{ ns.x }}{{ i }}{% endset %}{% endfor %}{{ ns.x }}"),
+    # nested unpacking targets, in for loops and sets, as Python unpacks
+    ("unpack_for_nested", "{% for a, (b, c) in [[1, [2, 3]], (4, 'xy')] %}{{ a }}{{ b }}{{ c }};{% endfor %}"
+                          "|{% for (a, b) in [[1, 2]] %}{{ a }}{{ b }}{% endfor %}|{% for (a) in [1, 2] %}{{ a }}{% endfor %}"
+                          "|{% for (a,) in [[1], 'z'] %}{{ a }}{% endfor %}|{% for ((a, b), c) in [[[1, 2], 3]] %}{{ a }}{{ b }}{{ c }}{% endfor %}"
+                          "|{% for (a, b,) in [[1, 2]] %}{{ a }}{{ b }}{% endfor %}|{% for a, (b,) in [[1, [2]]] %}{{ a }}{{ b }}{% endfor %}"
+                          "|{% for () in [[], ''] %}e{% endfor %}|{% for a, b in {'k': 1, 'l': 2}.items() %}{{ a }}{{ b }}{% endfor %}"),
+    ("unpack_for_filter_recursive", "{% for a, (b, c) in [[1, [2, 3]], [4, [5, 1]]] if c > 2 %}{{ a }}{{ b }}{{ c }}{% endfor %}"
+                                    "|{% for n, (k, v) in [['a', ['x', [['b', ['y', []]]]]]] recursive %}{{ n }}{{ k }}[{{ loop(v) }}]{% endfor %}"),
+    ("unpack_set_nested", "{% set a, (b, c) = [1, [2, 3]] %}{{ a }}{{ b }}{{ c }}|{% set (a, b) = 4, 5 %}{{ a }}{{ b }}"
+                          "|{% set ((a, b), (c, d)) = ((1, 2), (3, 4)) %}{{ a }}{{ b }}{{ c }}{{ d }}|{% set ((a)) = 6 %}{{ a }}"
+                          "|{% set (a,) = [7] %}{{ a }}|{% set () = [] %}|{% set a, (b, c) = 'a', 'bc' %}{{ a }}{{ b }}{{ c }}"
+                          "|{% set a, b = b, a %}{{ a }}{{ b }}|{% set a, b = {'x': 1, 'y': 2} %}{{ a }}{{ b }}|{% set a, b = 'xy' %}{{ a }}{{ b }}"),
+    ("unpack_set_namespace", "{% set ns = namespace(a=0) %}{% set ns.a, b = 1, 2 %}{{ ns.a }}{{ b }}|{% set b, ns.a = 3, 4 %}{{ ns.a }}{{ b }}"
+                             "|{% set ns.a, ns.b = 5, 6 %}{{ ns.a }}{{ ns.b }}|{% set ns.a, (b, c) = 7, (8, 9) %}{{ ns.a }}{{ b }}{{ c }}"),
+    ("unpack_set_block", "{% set a, b %}xy{% endset %}{{ a }}|{{ b }}|{% set a, b | upper %}pq{% endset %}{{ a }}{{ b }}"
+                         "|{% set (a) %}xy{% endset %}{{ a }}|{% set ns = namespace() %}{% set ns.a, %}z{% endset %}{{ ns.a }}"
+                         "|{% set ns.a, b %}uv{% endset %}{{ ns.a }}{{ b }}"),
+    ("unpack_too_many", "{% set a, b = 1, 2, 3 %}"),
+    ("unpack_too_many_nested", "{% for a, (b, c) in [[1, [2, 3, 4]]] %}{% endfor %}"),
+    ("unpack_too_many_str", "{% set a, (b, c) = [1, 'xyz'] %}"),
+    ("unpack_not_enough", "{% set a, b, c = 1, 2 %}"),
+    ("unpack_not_enough_nested", "{% set a, (b, c) = [1, [2]] %}"),
+    ("unpack_not_enough_str", "{% for a, b in 'ab' %}{% endfor %}"),
+    ("unpack_not_enough_undefined", "{% set a, (b, c) = 1, nothing %}"),
+    ("unpack_not_enough_block", "{% set ns = namespace() %}{% set ns.a, b %}x{% endset %}"),
+    ("unpack_non_iterable_int", "{% set a, (b, c) = [1, 2] %}"),
+    ("unpack_non_iterable_none", "{% for a, (b, c) in [[1, none]] %}{% endfor %}"),
+    ("unpack_non_iterable_for", "{% for a, b in [1] if a %}{% endfor %}"),
+    ("unpack_non_iterable_empty", "{% for () in [1] %}{% endfor %}"),
+    ("unpack_non_iterable_float", "{% set a, b = 1.5 %}"),
+    ("unpack_non_iterable_bool", "{% set a, b = true %}"),
+    ("unpack_non_iterable_namespace", "{% set a, b = namespace() %}"),
+    ("unpack_non_iterable_ns_attr", "{% set ns = namespace() %}{% set ns.a, b = 1 %}"),
+    ("unpack_attr_not_namespace", "{% set x = 1 %}{% set x.a, b = 1, 2 %}"),
+    ("unpack_trailing_comma_set", "{% set a, = [1] %}"),
+    ("unpack_trailing_comma_for", "{% for a, in [[1]] %}{% endfor %}"),
+    ("unpack_paren_ns_attr", "{% set ns = namespace() %}{% set (ns.a, b) = 1, 2 %}"),
+    ("unpack_nested_ns_attr", "{% set ns = namespace() %}{% set a, (ns.b, c) = 1, (2, 3) %}"),
+    ("unpack_for_ns_attr", "{% set ns = namespace() %}{% for a, ns.a in [[1, 2]] %}{% endfor %}"),
+    ("unpack_paren_expression", "{% set (a + b) = 1 %}"),
+    ("unpack_paren_literal", "{% set (a, 1) = 1, 2 %}"),
+    ("unpack_for_literal", "{% for 1 in [1] %}{% endfor %}"),
+    ("unpack_unclosed", "{% for (a, (b in [1] %}{% endfor %}"),
+    ("unpack_nested_deep", "{% set " + "(" * 20 + "a, b" + ")" * 20 + " = 1, 2 %}{{ a }}{{ b }}"),
+    ("unpack_deep", "{% set " + "(" * 150 + "a" + ")" * 150 + " = 1 %}{{ a }}"),
+    # range() is a range: printed as Python prints it, sliced to a range, compared as a sequence
+    # with other ranges only, not JSON, without list methods and operators
+    ("range_print", "{{ range(3) }}|{{ range(1, 5) }}|{{ range(1, 10, 2) }}|{{ range(0) }}|{{ range(5, 1, -1) }}|{{ range(-3) }}"
+                    "|{{ [range(2)] }}|{{ (range(2), 1) }}|{{ {'a': range(2)} }}|{{ range(3) | string }}|{{ range(3) ~ '' }}"
+                    "|{{ '%s' % range(2) }}|{{ range(3) | string | length }}"),
+    ("range_as_sequence", "{{ range(3) | list }}|{{ range(3) | length }}|{{ range(3)[1] }}|{{ range(3) | join(',') }}"
+                          "|{{ range(3) | reverse | list }}|{{ range(3) | sum }}|{{ range(3) | map('string') | list }}"
+                          "|{% set a, b = range(2) %}{{ a }}{{ b }}|{{ range(3) is sequence }}|{{ range(3) | first }}"),
+    ("range_slice", "{{ range(10)[2:5] }}|{{ range(10)[::2] }}|{{ range(10)[::-1] }}|{{ range(1, 20, 3)[1:-1:2] }}"
+                    "|{{ range(5)[9:] }}|{{ range(3)[-1] }}|{{ range(10)[2:5] | list }}"),
+    ("range_compare", "{{ range(3) == range(0, 3, 1) }}|{{ range(0) == range(2, 2) }}|{{ range(3) == [0, 1, 2] }}"
+                      "|{{ range(3) != [0, 1, 2] }}|{{ range(3) | list == [0, 1, 2] }}|{{ range(1, 3) == range(1, 4) }}"),
+    ("range_methods", "{{ range(3).index(2) }}|{{ range(3).count(1) }}|{{ range(3).append is defined }}|{{ range(3).copy is defined }}"),
+    ("range_tojson", "{{ range(3) | tojson }}"),
+    ("range_tojson_nested", "{{ {'a': [range(1)]} | tojson }}"),
+    ("range_add", "{{ range(3) + [1] }}"),
+    ("range_add_range", "{{ range(3) + range(2) }}"),
+    ("range_mul", "{{ range(3) * 2 }}"),
+    ("range_list_tojson", "{{ range(3) | list | tojson }}"),
     # the body of a block set or a filter block has its own scope
     ("set_filter_block_scope", "{% set i = 1 %}{% set blk %}a{% set i = 5 %}{% set j = 6 %}{{ i }}{% endset %}{{ blk }}{{ i }}{{ j is defined }}"
                                "|{% filter upper %}{% set i = 7 %}x{{ i }}{% endfilter %}{{ i }}"),
