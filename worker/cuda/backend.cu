@@ -904,6 +904,7 @@ static int fused_setup(struct cuda_backend *b)
             m->block_bytes = g.block_bytes;
             m->nu = g.nu;
             m->kind = g.kind;
+            m->rows_per_item = g.rows_per_item;
         }
         struct moe_fused_geom gu, dn;
         if (!moe_cuda_fused_geom(cl->gate_type, d->E, &gu) ||

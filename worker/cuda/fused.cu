@@ -59,10 +59,7 @@ static_assert(FUSED_WARPS == 2 * ATT_WARPS, "two attention groups per block");
 static_assert(FUSED_WARPS >= DOWN_WARPS, "down_block takes one warp per expert in turn");
 
 /* The kinds the fused kernel computes (the quantized types and the plain types' vector forms). */
-#define FUSED_KINDS(X)                                                                     \
-    X(MOE_TYPE_Q8_0) X(MOE_TYPE_Q4_0) X(MOE_TYPE_Q4_1) X(MOE_TYPE_Q5_0) X(MOE_TYPE_Q5_1)   \
-    X(MOE_TYPE_Q4_K) X(MOE_TYPE_Q5_K) X(MOE_TYPE_Q6_K) X(KIND_F32_V) X(KIND_F16_V)       \
-    X(KIND_BF16_V)
+#define FUSED_KINDS(X) MOE_QDOT_TYPES(X) X(KIND_F32_V) X(KIND_F16_V) X(KIND_BF16_V)
 
 static __device__ __forceinline__ uint64_t global_ns()
 {
@@ -140,16 +137,6 @@ static __device__ __noinline__ void mv_dispatch(const moe_fused_mat &m, int64_t 
     }
 }
 
-static __device__ __forceinline__ int rows_per_item(int kind)
-{
-    switch (kind) {
-#define CASE(T) case T: return rows_per_warp<T>();
-    FUSED_KINDS(CASE)
-#undef CASE
-    }
-    return 1;
-}
-
 /* Two items of one quantized matrix by one warp, their four rows' loads in flight together. */
 template <int K>
 static __device__ __forceinline__ void mv_pair_item(const moe_fused_mat &m, int64_t i1, int64_t i2,
@@ -177,20 +164,26 @@ static __device__ __forceinline__ void mv_pair_item(const moe_fused_mat &m, int6
                 }
 }
 
-#define FUSED_QKINDS(X)                                                                    \
-    X(MOE_TYPE_Q8_0) X(MOE_TYPE_Q4_0) X(MOE_TYPE_Q4_1) X(MOE_TYPE_Q5_0) X(MOE_TYPE_Q5_1)   \
-    X(MOE_TYPE_Q4_K) X(MOE_TYPE_Q5_K) X(MOE_TYPE_Q6_K)
-
 /* 1 when it took the pair (a quantized kind), 0 when the items go one by one. */
 static __device__ __noinline__ int mv_pair(const moe_fused_mat &m, int64_t i1, int64_t i2,
                                            const float *x, bool accumulate)
 {
     switch (m.kind) {
 #define CASE(T) case T: mv_pair_item<T>(m, i1, i2, x, accumulate); return 1;
-    FUSED_QKINDS(CASE)
+    MOE_QDOT_TYPES(CASE)
 #undef CASE
     }
     return 0;
+}
+
+/* The matrix of item it among m[0..n) (items numbered across them in order): advances g and
+ * base (its first item) from where the last, smaller it left them; false past the end. */
+static __device__ __forceinline__ bool item_matrix(const moe_fused_mat *m, int n, int64_t it,
+                                                   int *g, int64_t *base)
+{
+    while (*g < n && it >= *base + m[*g].items)
+        *base += m[(*g)++].items;
+    return *g < n;
 }
 
 /* Items it = first, first + stride, ... of the matrices m[0..n) in order; where a warp has two
@@ -200,11 +193,7 @@ static __device__ __forceinline__ void mv_phase(const moe_fused_mat *m, int n, c
 {
     int64_t base = 0;
     int g = 0;
-    for (int64_t it = first;; it += stride) {
-        while (g < n && it >= base + m[g].items)
-            base += m[g++].items;
-        if (g >= n)
-            return;
+    for (int64_t it = first; item_matrix(m, n, it, &g, &base); it += stride) {
         const int64_t it2 = it + stride;
         if (it2 < base + m[g].items && mv_pair(m[g], it - base, it2 - base, x, accumulate)) {
             it = it2;
@@ -221,12 +210,8 @@ static __device__ __forceinline__ void mv_prefetch(const moe_fused_mat *m, int n
     const int lane = threadIdx.x & 31;
     int64_t base = 0;
     int g = 0;
-    for (int64_t it = first;; it += stride) {
-        while (g < n && it >= base + m[g].items)
-            base += m[g++].items;
-        if (g >= n)
-            return;
-        const int rw = rows_per_item(m[g].kind);
+    for (int64_t it = first; item_matrix(m, n, it, &g, &base); it += stride) {
+        const int rw = m[g].rows_per_item;
         const int64_t row = (it - base) * rw;
         const int64_t nr = row + rw <= m[g].rows ? rw : m[g].rows - row;
         const uint8_t *p = m[g].w + (size_t)row * m[g].row_bytes;
@@ -293,6 +278,26 @@ static __device__ __forceinline__ float norm_scale(const float *h, int64_t E, fl
     }
     __syncthreads();
     return *sc_s;
+}
+
+/* X = RMSNorm(H) · w over this block's slices (blocks vb < xblocks, FUSED_THREADS elements a
+ * slice, slices gridDim.x apart). */
+static __device__ __forceinline__ void norm_slices(const moe_fused_args &a, const float *w,
+                                                   int64_t vb, int64_t xblocks, float *sc_s)
+{
+    if (vb >= xblocks)
+        return;
+    const float sc = norm_scale(a.h, a.E, a.eps, sc_s);
+    for (int64_t i = vb * FUSED_THREADS + threadIdx.x; i < a.E;
+         i += (int64_t)gridDim.x * FUSED_THREADS)
+        a.x[i] = a.h[i] * sc * w[i];
+}
+
+/* With a.timing, block 0's clock into a.timing[i]. */
+static __device__ __forceinline__ void stamp(const moe_fused_args &a, size_t i)
+{
+    if (a.timing && blockIdx.x == 0 && threadIdx.x == 0)
+        a.timing[i] = global_ns();
 }
 
 template <int EL>
@@ -374,11 +379,9 @@ static __global__ void __launch_bounds__(FUSED_THREADS, MINB) fused_decode_kerne
 #define SYNC(ph)                                                                            \
     do {                                                                                    \
         grid_sync(a.bar, &target);                                                          \
-        if (a.timing && blockIdx.x == 0 && threadIdx.x == 0)                                \
-            a.timing[(size_t)l * FUSED_NPH + (ph)] = global_ns();                           \
+        stamp(a, (size_t)l * FUSED_NPH + (ph));                                             \
     } while (0)
-    if (a.timing && blockIdx.x == 0 && threadIdx.x == 0)
-        a.timing[(size_t)a.L * FUSED_NPH] = global_ns();
+    stamp(a, (size_t)a.L * FUSED_NPH);
     /* Blocks that write a slice of X (FUSED_THREADS elements each). */
     const int64_t xblocks = (E + FUSED_THREADS - 1) / FUSED_THREADS;
     if ((int)threadIdx.x < kuse)
@@ -392,12 +395,7 @@ static __global__ void __launch_bounds__(FUSED_THREADS, MINB) fused_decode_kerne
     for (int l = 0; l < a.L; l++) {
         const moe_fused_layer &ly = fs->ly[l & 1];
         /* A: X = RMSNorm(H) · attn_norm. */
-        if (vb0 < xblocks) {
-            const float sc = norm_scale(a.h, E, a.eps, sc_s);
-            for (int64_t i = vb0 * FUSED_THREADS + threadIdx.x; i < E;
-                 i += (int64_t)gridDim.x * FUSED_THREADS)
-                a.x[i] = a.h[i] * sc * ly.attn_norm[i];
-        }
+        norm_slices(a, ly.attn_norm, vb0, xblocks, sc_s);
         SYNC(FUSED_PH_NORM1);
         /* B: q, k, v. */
         mv_phase(ly.qkv, 3, a.x, false, gw, GW);
@@ -440,12 +438,7 @@ static __global__ void __launch_bounds__(FUSED_THREADS, MINB) fused_decode_kerne
                              nrb * FUSED_WARPS);
             }
         } else {
-            if (vb0 < xblocks) {
-                const float sc = norm_scale(a.h, E, a.eps, sc_s);
-                for (int64_t i = vb0 * FUSED_THREADS + threadIdx.x; i < E;
-                     i += (int64_t)gridDim.x * FUSED_THREADS)
-                    a.x[i] = a.h[i] * sc * ly.ffn_norm[i];
-            }
+            norm_slices(a, ly.ffn_norm, vb0, xblocks, sc_s);
             SYNC(FUSED_PH_NORM2);
             mv_phase(&ly.router, 1, a.x, false, gw, GW);
         }
@@ -453,8 +446,7 @@ static __global__ void __launch_bounds__(FUSED_THREADS, MINB) fused_decode_kerne
         /* H: routing (every block), gate/up. */
         if (warp == 0) {
             route_softmax_warp(a.rl, (int)a.nexp, scratch);
-            if (a.timing && blockIdx.x == 0 && threadIdx.x == 0)
-                a.timing[(size_t)l * FUSED_NPH + FUSED_PH_SOFTMAX] = global_ns();
+            stamp(a, (size_t)l * FUSED_NPH + FUSED_PH_SOFTMAX);
             route_topk_warp((int)a.nexp, kuse, a.norm_topk, sel_e_s, sel_w_s,
                             blockIdx.x == 0 ? ly.counts : NULL, scratch);
         }
@@ -470,8 +462,7 @@ static __global__ void __launch_bounds__(FUSED_THREADS, MINB) fused_decode_kerne
             }
         }
         __syncthreads();
-        if (a.timing && blockIdx.x == 0 && threadIdx.x == 0)
-            a.timing[(size_t)l * FUSED_NPH + FUSED_PH_ROUTE] = global_ns();
+        stamp(a, (size_t)l * FUSED_NPH + FUSED_PH_ROUTE);
         {
             const int64_t groups = (ff + GU_ROWS - 1) / GU_ROWS, ldact = a.ld_act;
             for (int64_t it = gw; it < groups * kuse; it += GW) {
@@ -509,8 +500,8 @@ static __global__ void __launch_bounds__(FUSED_THREADS, MINB) fused_decode_kerne
         /* Measuring the barrier alone (MOE_CUDA_FUSED_SPARE). */
         for (int i = 0; i < a.spare_barriers; i++)
             grid_sync(a.bar, &target);
-        if (a.spare_barriers && a.timing && blockIdx.x == 0 && threadIdx.x == 0)
-            a.timing[(size_t)l * FUSED_NPH + FUSED_PH_SPARE] = global_ns();
+        if (a.spare_barriers)
+            stamp(a, (size_t)l * FUSED_NPH + FUSED_PH_SPARE);
     }
 #undef SYNC
 }

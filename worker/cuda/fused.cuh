@@ -15,14 +15,14 @@
 
 /* One matrix of a mat-vec phase: y (=, or += when accumulating) W · x for `rows` rows. kind:
  * the stored type, or one of the 16-byte vector kinds of the plain types (qdot.cuh); items: row
- * groups a warp takes (rows / rows per warp, rounded up). */
+ * groups a warp takes (rows / rows_per_item, rounded up). */
 struct moe_fused_mat {
     const uint8_t *w;
     float *y;
     int64_t rows, items;
     size_t row_bytes;
     unsigned block_bytes;
-    int nu, kind;
+    int nu, kind, rows_per_item;
 };
 
 struct moe_fused_layer {
