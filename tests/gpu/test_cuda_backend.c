@@ -503,6 +503,75 @@ TEST_TIMEOUT(cuda_grouped_experts_equal_per_slot, 600)
     }
 }
 
+/* The launches the backend saves give the floats and routing counts of the launches they
+ * replace: routing inside the gate/up launch (MOE_CUDA_ROUTE_FOLD=0: its own kernel) and
+ * RMSNorm inside the next mat-vec (MOE_CUDA_NORM_FOLD=0). Prompts (grouped or on tensor cores,
+ * which route and normalise on their own) and decode steps of 1 sequence (folded) and of 4, with
+ * graphs. */
+TEST_TIMEOUT(cuda_folded_launches_equal_separate_ones, 600)
+{
+    need_gpu();
+    static const char *const off[2] = {"MOE_CUDA_ROUTE_FOLD", "MOE_CUDA_NORM_FOLD"};
+    for (size_t mi = 0; mi < N_MODELS; mi++) {
+        struct test_model tm;
+        test_model_open(&tm, MODELS[mi]);
+        const struct moe_model *m = &tm.m;
+        const int64_t V = m->hp.n_vocab;
+        const size_t LE = (size_t)m->hp.n_layer * m->hp.n_expert;
+        struct moe_engine *f = engine_on(m, "cuda:0", 160, 4, 0, false);
+        float *lf = malloc(sizeof(float) * 100 * (size_t)V);
+        float *lr = malloc(sizeof(float) * 100 * (size_t)V);
+        int32_t *prompt = malloc(sizeof(int32_t) * 100);
+        uint64_t *cf = calloc(LE, sizeof *cf), *cr = calloc(LE, sizeof *cr);
+        CHECK(lf && lr && prompt && cf && cr);
+        for (int v = 0; v < 2; v++) {
+            setenv(off[v], "0", 1);
+            struct moe_engine *r = engine_on(m, "cuda:0", 160, 4, 0, false);
+            unsetenv(off[v]);
+            const uint32_t plen[4] = {23, 90, 5, 41};
+            moe_test_rng_seed(311 + mi);
+            int32_t last[4];
+            size_t diff = 0;
+            for (int q = 0; q < 4; q++) {
+                for (uint32_t i = 0; i < plen[q]; i++)
+                    prompt[i] = (int32_t)(moe_test_rng_u32() % V);
+                test_prefill(f, q, 0, prompt, plen[q], lf);
+                test_prefill(r, q, 0, prompt, plen[q], lr);
+                for (size_t i = 0; i < (size_t)plen[q] * (size_t)V; i++)
+                    diff += memcmp(&lf[i], &lr[i], sizeof(float)) != 0;
+                last[q] = (int32_t)moe_test_argmax(lr + (size_t)(plen[q] - 1) * V, (size_t)V);
+            }
+            for (int st = 0; st < 8; st++) {
+                const int n = st < 4 ? 1 : 4; /* sequence 0 alone, then all four */
+                int32_t ps[4], sq[4] = {0, 1, 2, 3};
+                for (int q = 0; q < 4; q++)
+                    ps[q] = (int32_t)plen[q] + (q == 0 ? st : st - 4);
+                struct moe_batch b = {.n = n, .token = last, .pos = ps, .seq = sq};
+                CHECK_MSG(moe_engine_forward(f, &b, lf) == 0, "%s", moe_engine_errmsg(f));
+                CHECK_MSG(moe_engine_forward(r, &b, lr) == 0, "%s", moe_engine_errmsg(r));
+                for (size_t i = 0; i < (size_t)n * (size_t)V; i++)
+                    diff += memcmp(&lf[i], &lr[i], sizeof(float)) != 0;
+                for (int q = 0; q < n; q++)
+                    last[q] = (int32_t)moe_test_argmax(lr + (size_t)q * V, (size_t)V);
+            }
+            CHECK_EQ(moe_engine_routing_counts(f, cf), 0);
+            CHECK_EQ(moe_engine_routing_counts(r, cr), 0);
+            /* f has run the same steps once per variant so far: its counts are v + 1 times r's. */
+            size_t cdiff = 0;
+            for (size_t i = 0; i < LE; i++)
+                cdiff += cf[i] != (uint64_t)(v + 1) * cr[i];
+            printf("  %-44s folded vs %s=0: %zu logits differ, %zu routing counts\n",
+                   MODELS[mi], off[v], diff, cdiff);
+            CHECK_EQ(diff, 0);
+            CHECK_EQ(cdiff, 0);
+            moe_engine_free(r);
+        }
+        free(lf), free(lr), free(prompt), free(cf), free(cr);
+        moe_engine_free(f);
+        test_model_close(&tm);
+    }
+}
+
 /* Graph replay and direct launches give the same floats; routing counts add up. */
 TEST_TIMEOUT(cuda_graphs_equal_direct_launches, 300)
 {

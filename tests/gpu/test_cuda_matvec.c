@@ -163,6 +163,88 @@ TEST(cuda_matvec_q4_k) { check_type(MOE_TYPE_Q4_K, 107); }
 TEST(cuda_matvec_q5_k) { check_type(MOE_TYPE_Q5_K, 108); }
 TEST(cuda_matvec_q6_k) { check_type(MOE_TYPE_Q6_K, 109); }
 
+/* moe_cuda_matvec_multi_norm: the input is RMSNorm(src)·g, made on the way. Against the CPU: the
+ * normalised row (double sums) within 1e-5 relative, y within 1e-5 of Σ|w·x| + the row's share
+ * of that difference; two jobs (q and k style) in one launch, y and dst poisoned first. */
+static void check_norm_type(uint32_t type, uint64_t seed)
+{
+    static const int64_t ns[] = {256, 2048};
+    const int64_t rows = 131, r0 = 100;
+    const float eps = 1e-6f;
+    need_gpu();
+    moe_test_rng_seed(seed);
+    cudaStream_t st;
+    CU(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+    const char *tn = moe_type_get(type)->name;
+    for (size_t i = 0; i < sizeof ns / sizeof ns[0]; i++) {
+        const int64_t n = ns[i];
+        uint8_t *w = make_weights(type, rows, n);
+        float *src = malloc(sizeof(float) * (size_t)n), *g = malloc(sizeof(float) * (size_t)n);
+        float *xn = malloc(sizeof(float) * (size_t)n), *dn = malloc(sizeof(float) * (size_t)n);
+        float *ycpu = malloc(sizeof(float) * (size_t)rows), *ygpu = malloc(sizeof(float) * (size_t)rows);
+        CHECK(src && g && xn && dn && ycpu && ygpu);
+        double ss = 0.0;
+        for (int64_t k = 0; k < n; k++) {
+            src[k] = rng_f() * 3.0f;
+            g[k] = 0.5f + rng_f();
+            ss += (double)src[k] * src[k];
+        }
+        const float sc = (float)(1.0 / sqrt(ss / (double)n + eps));
+        for (int64_t k = 0; k < n; k++)
+            xn[k] = src[k] * sc * g[k];
+        moe_matvec(type, w, n, xn, ycpu, 0, rows);
+        double *as = abs_sums(type, w, rows, n, xn);
+        uint8_t *dw;
+        float *dsrc, *dg, *ddst, *dy;
+        const size_t wb = moe_row_bytes(type, n) * (size_t)rows;
+        CU(cudaMalloc((void **)&dw, wb));
+        CU(cudaMalloc((void **)&dsrc, sizeof(float) * (size_t)n));
+        CU(cudaMalloc((void **)&dg, sizeof(float) * (size_t)n));
+        CU(cudaMalloc((void **)&ddst, sizeof(float) * (size_t)n));
+        CU(cudaMalloc((void **)&dy, sizeof(float) * (size_t)rows));
+        CU(cudaMemcpyAsync(dw, w, wb, cudaMemcpyHostToDevice, st));
+        CU(cudaMemcpyAsync(dsrc, src, sizeof(float) * (size_t)n, cudaMemcpyHostToDevice, st));
+        CU(cudaMemcpyAsync(dg, g, sizeof(float) * (size_t)n, cudaMemcpyHostToDevice, st));
+        CU(cudaMemsetAsync(ddst, 0xff, sizeof(float) * (size_t)n, st));
+        CU(cudaMemsetAsync(dy, 0xff, sizeof(float) * (size_t)rows, st));
+        const struct moe_mv_job jobs[2] = {
+            {dw, r0, dy, r0},
+            {dw + moe_row_bytes(type, n) * (size_t)r0, rows - r0, dy + r0, rows - r0}};
+        const int rc = moe_cuda_matvec_multi_norm(type, jobs, 2, n, dsrc, dg, eps, ddst, st);
+        CHECK_MSG(rc == 0, "%s n=%lld: %s", tn, (long long)n, moe_strerror(rc));
+        CU(cudaMemcpyAsync(ygpu, dy, sizeof(float) * (size_t)rows, cudaMemcpyDeviceToHost, st));
+        CU(cudaMemcpyAsync(dn, ddst, sizeof(float) * (size_t)n, cudaMemcpyDeviceToHost, st));
+        CU(cudaStreamSynchronize(st));
+        for (int64_t k = 0; k < n; k++)
+            CHECK_MSG(fabs((double)dn[k] - xn[k]) <= 1e-5 * fabs((double)xn[k]) + 1e-30,
+                      "%s n=%lld: normalised x[%lld] gpu %.9g cpu %.9g", tn, (long long)n,
+                      (long long)k, (double)dn[k], (double)xn[k]);
+        for (int64_t r = 0; r < rows; r++)
+            CHECK_MSG(fabs((double)ygpu[r] - ycpu[r]) <= 2e-5 * as[r],
+                      "%s n=%lld: y[%lld] gpu %.9g cpu %.9g", tn, (long long)n, (long long)r,
+                      (double)ygpu[r], (double)ycpu[r]);
+        /* Misaligned g or dst: refused, so the caller can fall back. */
+        CHECK_EQ(moe_cuda_matvec_multi_norm(type, jobs, 2, n, dsrc, dg + 1, eps, ddst, st), -EINVAL);
+        CHECK_EQ(moe_cuda_matvec_multi_norm(type, jobs, 2, n, dsrc, dg, eps, ddst + 1, st), -EINVAL);
+        CU(cudaFree(dw));
+        CU(cudaFree(dsrc));
+        CU(cudaFree(dg));
+        CU(cudaFree(ddst));
+        CU(cudaFree(dy));
+        free(w), free(src), free(g), free(xn), free(dn), free(ycpu), free(ygpu), free(as);
+    }
+    CU(cudaStreamDestroy(st));
+}
+
+TEST(cuda_matvec_norm_all_types)
+{
+    static const uint32_t types[] = {MOE_TYPE_F32,  MOE_TYPE_F16,  MOE_TYPE_BF16, MOE_TYPE_Q8_0,
+                                     MOE_TYPE_Q4_0, MOE_TYPE_Q5_0, MOE_TYPE_Q4_1, MOE_TYPE_Q5_1,
+                                     MOE_TYPE_Q4_K, MOE_TYPE_Q5_K, MOE_TYPE_Q6_K};
+    for (size_t i = 0; i < sizeof types / sizeof types[0]; i++)
+        check_norm_type(types[i], 500 + i);
+}
+
 /* Types without a CUDA kernel, bad shapes and misaligned pointers are error returns, and rows=0
  * launches nothing (y keeps its contents). */
 TEST(cuda_matvec_rejects_bad_arguments)

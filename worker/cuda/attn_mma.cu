@@ -70,8 +70,8 @@ attn_mma_kernel(const float *__restrict__ q, int64_t ldq, const int32_t *__restr
     __shared__ int32_t r_seq[AM_ROWS], r_pos[AM_ROWS], d_seq[AM_ROWS], d_max[AM_ROWS];
     __shared__ int n_d;
 
-    pdl_trigger();
     pdl_wait();
+    pdl_trigger();
     const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, g = lane >> 2, c = lane & 3;
     const int64_t t0 = (int64_t)blockIdx.x * AM_ROWS, h = blockIdx.y;
     const int64_t kvh = h / (H / kv.Hkv);

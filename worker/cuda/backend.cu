@@ -132,6 +132,14 @@ struct cuda_backend {
     int mode;
     bool capturing, head_chunked, use_graphs, use_gemm, use_flash;
     int64_t group_min;               /* slots per expert; MOE_CUDA_GROUP_MIN overrides */
+    bool route_fold;                 /* routing inside gate/up (route_folds); MOE_CUDA_ROUTE_FOLD=0
+                                      * keeps its own launch */
+    int route_pending;               /* the layer whose routing the expert op does; -1: none */
+    bool norm_fold;                  /* RMSNorm inside the next mat-vec; MOE_CUDA_NORM_FOLD=0: not */
+    bool norm_pending;               /* an RMSNorm the next op does (or launches first) */
+    int pn_l;
+    enum moe_wid pn_w;
+    enum moe_buf pn_src, pn_dst;
     /* MOE_CUDA_PROFILE=1: an event before every kernel (event nodes in the graphs), time per
      * op name printed at free (a development aid; run it with MOE_CUDA_NO_PDL=1). */
     bool profile, profile_steps;     /* MOE_CUDA_PROFILE=steps: each prompt step printed too */
@@ -223,6 +231,14 @@ static int cu_err(struct cuda_backend *b, int code, const char *fmt, ...)
         if (rc_)                                                                            \
             return cu_err(b, rc_ == MOE_EBACKEND ? MOE_EBACKEND : rc_, "cuda:%d: %s: %s",   \
                           (b)->dev, what, moe_strerror(rc_));                               \
+    } while (0)
+
+/* An internal step whose error message is already set. */
+#define TRY_CU(call)                                                                        \
+    do {                                                                                    \
+        int rc_ = (call);                                                                   \
+        if (rc_)                                                                            \
+            return rc_;                                                                     \
     } while (0)
 
 static int cuda_supports(uint32_t type)
@@ -1057,6 +1073,9 @@ static int cuda_init(struct moe_backend **out, const struct moe_model *m, struct
                                                 : MOE_CUDA_GROUP_MIN;
     if (b->group_min < 1)
         b->group_min = 1;
+    b->route_fold = !getenv("MOE_CUDA_ROUTE_FOLD") || atoi(getenv("MOE_CUDA_ROUTE_FOLD")) != 0;
+    b->norm_fold = !getenv("MOE_CUDA_NORM_FOLD") || atoi(getenv("MOE_CUDA_NORM_FOLD")) != 0;
+    b->route_pending = -1;
     int rc = 0;
     int count = 0;
     cudaError_t ce = cudaGetDeviceCount(&count);
@@ -1319,7 +1338,7 @@ static void cuda_free(struct moe_backend *bb)
             cudaEventDestroy(b->ev[i]);
     if (b->fused_steps > 0) {
         static const char *const ph[FUSED_NPH] = {"norm", "q/k/v", "qk-rope-kv", "attention",
-                                                  "o", "ffn norm", "router", "softmax", "top-k", "gate/up",
+                                                  "o", "ffn norm", "router", "routing", "expert pointers", "gate/up",
                                                   "down", "spare barriers"};
         double tot = 0;
         for (int i = 0; i < FUSED_NPH; i++)
@@ -1508,6 +1527,8 @@ static int cuda_begin(struct moe_backend *bb, const struct moe_step *st)
     b->n = st->n;
     b->n_out = st->n_out;
     b->head_chunked = false;
+    b->route_pending = -1;
+    b->norm_pending = false;
     for (int64_t l = 0; b->pf_pending && l < b->d.L; l++)
         b->pf_pending[l] = false;
     /* Inputs: staged in pinned memory, one copy each (the previous step has finished: end()
@@ -1557,10 +1578,13 @@ static int cuda_begin(struct moe_backend *bb, const struct moe_step *st)
         mark(b, __func__ + 5);                                                              \
     } while (0)
 
+static int flush_pending(struct cuda_backend *b);
+
 static int cuda_embed(struct moe_backend *bb, enum moe_buf dst)
 {
     struct cuda_backend *b = (struct cuda_backend *)bb;
     SKIP_IF_REPLAY(b);
+    TRY_CU(flush_pending(b));
     LAUNCH(b, "embed", moe_cuda_embed(b->m->token_embd.type, b->embd, b->d.E, D_TOKEN(b), b->n,
                                       b->buf[dst], b->ld[dst], b->st));
     return 0;
@@ -1577,17 +1601,62 @@ static const float *norm_weight(struct cuda_backend *b, int l, enum moe_wid w)
                                  : NULL;
 }
 
+static int launch_rmsnorm(struct cuda_backend *b, int l, enum moe_wid w, enum moe_buf src,
+                          enum moe_buf dst)
+{
+    LAUNCH(b, "rmsnorm", moe_cuda_rmsnorm(b->buf[src], b->ld[src], NULL, norm_weight(b, l, w),
+                                          b->d.E, b->d.eps, b->n, b->buf[dst], b->ld[dst],
+                                          b->st));
+    return 0;
+}
+
+static int launch_route(struct cuda_backend *b, int l);
+
+/* The RMSNorm left pending by cuda_rmsnorm, launched now. */
+static int flush_norm(struct cuda_backend *b)
+{
+    if (!b->norm_pending)
+        return 0;
+    b->norm_pending = false;
+    return b->mode == MODE_REPLAY ? 0 : launch_rmsnorm(b, b->pn_l, b->pn_w, b->pn_src, b->pn_dst);
+}
+
+/* A routing left to the expert op (route_pending) done now by its own kernel: something other
+ * than that op is about to read or replace the choices. */
+static int route_now(struct cuda_backend *b)
+{
+    const int l = b->route_pending;
+    b->route_pending = -1;
+    return l >= 0 && b->mode != MODE_REPLAY ? launch_route(b, l) : 0;
+}
+
+/* Whatever an op left for the next one, launched before an op that does not take it over. */
+static int flush_pending(struct cuda_backend *b)
+{
+    const int rc = flush_norm(b);
+    return rc ? rc : route_now(b);
+}
+
 static int cuda_rmsnorm(struct moe_backend *bb, int l, enum moe_wid w, enum moe_buf src,
                         enum moe_buf dst)
 {
     struct cuda_backend *b = (struct cuda_backend *)bb;
     SKIP_IF_REPLAY(b);
+    TRY_CU(flush_pending(b));
     const float *nw = norm_weight(b, l, w);
     if (!nw || moe_buf_width(&b->d, src) != b->d.E || moe_buf_width(&b->d, dst) != b->d.E)
         return cu_err(b, MOE_ERANGE, "rmsnorm: bad weight %d or buffers", (int)w);
-    LAUNCH(b, "rmsnorm", moe_cuda_rmsnorm(b->buf[src], b->ld[src], NULL, nw, b->d.E, b->d.eps,
-                                          b->n, b->buf[dst], b->ld[dst], b->st));
-    return 0;
+    if (b->norm_fold && b->n == 1 && src != dst) {
+        /* Left to the next op: a mat-vec reading dst applies it on the way (cuda_matmul);
+         * anything else launches it first (flush_pending). */
+        b->norm_pending = true;
+        b->pn_l = l;
+        b->pn_w = w;
+        b->pn_src = src;
+        b->pn_dst = dst;
+        return 0;
+    }
+    return launch_rmsnorm(b, l, w, src, dst);
 }
 
 /* Steps longer than a graph-recorded one (prompt chunks) multiply on tensor cores: the weights
@@ -1610,6 +1679,12 @@ static int cuda_matmul(struct moe_backend *bb, int l, const struct moe_mm *mm, i
     if (l < 0 || l >= (int)b->d.L || n_mm < 1 || n_mm > 3)
         return cu_err(b, MOE_ERANGE, "matmul: layer %d, %d products", l, n_mm);
     mark(b, n_mm == 3 ? "qkv" : mm[0].w == MOE_W_O ? "o" : "router");
+    /* A pending RMSNorm into src goes into the first launch (cuda_rmsnorm). */
+    bool fold = b->norm_pending && src == b->pn_dst && !accumulate && b->n == 1;
+    if (!fold)
+        TRY_CU(flush_pending(b));
+    else
+        TRY_CU(route_now(b));
     const float *x = b->buf[src];
     const int64_t ldx = b->ld[src];
     /* One launch per weight type (q, k and v usually share theirs). */
@@ -1643,6 +1718,19 @@ static int cuda_matmul(struct moe_backend *bb, int l, const struct moe_mm *mm, i
                                      jobs[i].y, jobs[i].ldy, accumulate, b->st));
             continue;
         }
+        if (fold) {
+            fold = false;
+            b->norm_pending = false;
+            const int rc = moe_cuda_matvec_multi_norm(W->type, jobs, nj, W->ne[0],
+                                                      b->buf[b->pn_src],
+                                                      norm_weight(b, b->pn_l, b->pn_w), b->d.eps,
+                                                      b->buf[b->pn_dst], b->st);
+            if (rc == 0)
+                continue;
+            if (rc != -EINVAL)
+                LAUNCH(b, "rmsnorm + matmul", rc);
+            TRY_CU(launch_rmsnorm(b, b->pn_l, b->pn_w, b->pn_src, b->pn_dst)); /* misaligned */
+        }
         LAUNCH(b, "matmul",
                moe_cuda_matvec_multi(W->type, jobs, nj, W->ne[0], x, ldx, b->n, accumulate,
                                      b->st));
@@ -1654,6 +1742,7 @@ static int cuda_qk_rope_kv(struct moe_backend *bb, int l)
 {
     struct cuda_backend *b = (struct cuda_backend *)bb;
     SKIP_IF_REPLAY(b);
+    TRY_CU(flush_pending(b));
     const struct cuda_layer *cl = &b->layers[l];
     LAUNCH(b, "qk_rope_kv",
            moe_cuda_qk_rope_kv(b->buf[MOE_BUF_Q], b->ld[MOE_BUF_Q], b->buf[MOE_BUF_K],
@@ -1667,6 +1756,7 @@ static int cuda_attention(struct moe_backend *bb, int l)
 {
     struct cuda_backend *b = (struct cuda_backend *)bb;
     SKIP_IF_REPLAY(b);
+    TRY_CU(flush_pending(b));
     /* Decode-sized steps split each token's positions (by its length alone), with blocks enough
      * for about four per SM; prompt chunks have blocks enough unsplit. */
     int split = 0;
@@ -1689,15 +1779,42 @@ static int cuda_attention(struct moe_backend *bb, int l)
     return 0;
 }
 
-static int cuda_route(struct moe_backend *bb, int l)
+/* Whether layer l's expert op takes the per-slot path with the routing done in its gate/up
+ * launch (moe_cuda_expert_gate_up with a route): all of the layer's experts in VRAM (nothing to
+ * resolve in between), gate and up of one type, a step too small for grouping. */
+static bool route_folds(const struct cuda_backend *b, int l)
 {
-    struct cuda_backend *b = (struct cuda_backend *)bb;
-    SKIP_IF_REPLAY(b);
+    const struct cuda_layer *cl = &b->layers[l];
+    const int64_t k = b->d.kuse;
+    /* One token only: with several, every gate/up block would route its token again (measured
+     * slower from 4 sequences up). */
+    if (!b->route_fold || b->n != 1 || cl->slots < b->d.nexp || cl->mixed ||
+        cl->gate_type != cl->up_type)
+        return false;
+    if (use_gemm(b, cl->gate_type) && use_gemm(b, cl->up_type) && use_gemm(b, cl->down_type))
+        return false;
+    return k < b->group_min * b->d.nexp;
+}
+
+static int launch_route(struct cuda_backend *b, int l)
+{
     LAUNCH(b, "route",
            moe_cuda_route(b->buf[MOE_BUF_RL], b->ld[MOE_BUF_RL], b->d.nexp, (int)b->d.kuse,
                           b->d.norm_topk, b->n, (int32_t *)b->buf[MOE_BUF_SEL_E],
                           b->buf[MOE_BUF_SEL_W], b->counts + (size_t)l * b->d.nexp, b->st));
     return 0;
+}
+
+static int cuda_route(struct moe_backend *bb, int l)
+{
+    struct cuda_backend *b = (struct cuda_backend *)bb;
+    SKIP_IF_REPLAY(b);
+    TRY_CU(flush_pending(b));
+    if (route_folds(b, l)) {
+        b->route_pending = l; /* cuda_experts routes in its gate/up launch */
+        return 0;
+    }
+    return launch_route(b, l);
 }
 
 /* Whether layer t gets a prefetch this step: it has cache slots, and the step is small. */
@@ -1744,6 +1861,12 @@ static int cuda_experts(struct moe_backend *bb, int l)
 {
     struct cuda_backend *b = (struct cuda_backend *)bb;
     SKIP_IF_REPLAY(b);
+    TRY_CU(flush_norm(b));
+    const bool fold = b->route_pending == l;
+    if (fold)
+        b->route_pending = -1;
+    else
+        TRY_CU(route_now(b));
     const struct cuda_layer *cl = &b->layers[l];
     const int k = (int)b->d.kuse;
     const int32_t *sel_e = (const int32_t *)b->buf[MOE_BUF_SEL_E];
@@ -1829,11 +1952,15 @@ static int cuda_experts(struct moe_backend *bb, int l)
                                             b->buf[MOE_BUF_H], b->ld[MOE_BUF_H], b->st));
         return 0;
     }
+    const struct moe_cuda_route_in rt = {b->buf[MOE_BUF_RL], b->ld[MOE_BUF_RL], (int)b->d.nexp,
+                                         b->d.norm_topk, (int32_t *)b->buf[MOE_BUF_SEL_E],
+                                         b->buf[MOE_BUF_SEL_W],
+                                         b->counts + (size_t)l * b->d.nexp};
     mark(b, "gate_up");
-    LAUNCH(b, "expert gate/up",
+    LAUNCH(b, fold ? "route + expert gate/up" : "expert gate/up",
            moe_cuda_expert_gate_up(cl->gate_type, cl->up_type, cl->gate, cl->up, b->d.E, b->d.ff,
                                    b->buf[MOE_BUF_X], b->ld[MOE_BUF_X], b->n, k, sel_e, b->act,
-                                   b->ld_act, b->scratch, b->st));
+                                   b->ld_act, b->scratch, fold ? &rt : NULL, b->st));
     mark(b, "down");
     LAUNCH(b, "expert down",
            moe_cuda_expert_down(cl->down_type, cl->down, b->d.ff, b->d.E, b->act, b->ld_act, b->n,
@@ -1847,6 +1974,7 @@ static int cuda_experts(struct moe_backend *bb, int l)
 static int cuda_layers(struct moe_backend *bb)
 {
     struct cuda_backend *b = (struct cuda_backend *)bb;
+    TRY_CU(flush_pending(b));
     if (!b->fused || b->n != 1)
         return 0;
     if (b->mode == MODE_REPLAY)
@@ -1897,6 +2025,7 @@ static int cuda_head(struct moe_backend *bb)
 {
     struct cuda_backend *b = (struct cuda_backend *)bb;
     SKIP_IF_REPLAY(b);
+    TRY_CU(flush_pending(b));
     if (b->n_out == 0)
         return 0;
     if (b->n_out > LOGIT_ROWS && !b->sample) {
@@ -1923,6 +2052,7 @@ static int cuda_end(struct moe_backend *bb, float *out, int32_t *tokens)
     struct cuda_backend *b = (struct cuda_backend *)bb;
     if (b->mode != MODE_REPLAY)
         mark(b, "end");
+    TRY_CU(flush_pending(b));
     if (b->mode == MODE_CAPTURE) {
         cudaGraph_t g;
         b->capturing = false;
@@ -2060,6 +2190,7 @@ static int cuda_read_buf(struct moe_backend *bb, enum moe_buf buf, int64_t n, vo
     struct cuda_backend *b = (struct cuda_backend *)bb;
     if ((int)buf < 0 || buf >= MOE_BUF_COUNT || n < 0 || n > (int64_t)b->d.n_batch)
         return cu_err(b, MOE_ERANGE, "read_buf: bad buffer or row count");
+    TRY_CU(flush_pending(b));
 
     int64_t w = moe_buf_width(&b->d, buf);
     CU(b, cudaMemcpy2DAsync(dst, sizeof(float) * (size_t)w, b->buf[buf],
@@ -2074,6 +2205,7 @@ static int cuda_write_buf(struct moe_backend *bb, enum moe_buf buf, int64_t n, c
     struct cuda_backend *b = (struct cuda_backend *)bb;
     if ((int)buf < 0 || buf >= MOE_BUF_COUNT || n < 0 || n > (int64_t)b->d.n_batch)
         return cu_err(b, MOE_ERANGE, "write_buf: bad buffer or row count");
+    TRY_CU(flush_pending(b));
 
     int64_t w = moe_buf_width(&b->d, buf);
     CU(b, cudaMemcpy2DAsync(b->buf[buf], sizeof(float) * (size_t)b->ld[buf], src,

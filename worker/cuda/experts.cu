@@ -19,28 +19,51 @@ extern "C" {
 }
 #include "worker/cuda/cuda_check.cuh"
 #include "worker/cuda/launch.cuh"
+#include "worker/cuda/ops_dev.cuh"
 #include "worker/cuda/qdot.cuh"
-
 
 #include "worker/cuda/experts_dev.cuh"
 
 /* mode 0: act = silu(gate)·up (gate, up same type K); mode 1: out = W·x for table a only. */
-/* mode 0: act = silu(gate)·up (gate, up same type K); mode 1: out = W·x for table a only. */
+/* With rt.rl set, every warp first routes its slot's token itself (route_warp on the router's
+ * logits, into its own shared memory: sel is not read), and warp 0 of the token's first block
+ * (x 0, slot t·k) also stores the choices in rt.sel_e / rt.sel_w for the down kernel and counts
+ * them: the routing of the step without a launch of its own. Dynamic shared memory: GU_WARPS ·
+ * route_smem_floats(nexp, k) floats. */
 template <int K, int MODE>
 static __global__ void __launch_bounds__(32 * GU_WARPS)
 gate_up_kernel(const uint8_t *const *__restrict__ ga, const uint8_t *const *__restrict__ ua,
                size_t row_bytes, unsigned block_bytes, int nu, int64_t ff,
                const float *__restrict__ x, int64_t ldx, int kuse,
                const int32_t *__restrict__ sel_e, float *__restrict__ out, int64_t ldo,
-               const uint8_t *__restrict__ etype, int want)
+               const uint8_t *__restrict__ etype, int want, const moe_cuda_route_in rt)
 {
-    pdl_trigger();
     pdl_wait();
+    pdl_trigger();
     const int64_t r0 = ((int64_t)blockIdx.x * GU_WARPS + (threadIdx.x >> 5)) * GU_ROWS;
     if (r0 >= ff)
         return;
     const int64_t slot = blockIdx.y;
-    const int e = sel_e[slot];
+    int e;
+    if (rt.rl) {
+        extern __shared__ float rsm[];
+        const int lane = threadIdx.x & 31;
+        const int64_t t = slot / kuse;
+        float *p = rsm + (threadIdx.x >> 5) * route_smem_floats(rt.nexp, kuse);
+        int32_t *se = (int32_t *)(p + rt.nexp);
+        float *sw = p + rt.nexp + kuse;
+        const bool writer = blockIdx.x == 0 && slot % kuse == 0 && threadIdx.x < 32;
+        route_warp(rt.rl + t * rt.ldl, rt.nexp, kuse, rt.norm_topk, se, sw,
+                   writer ? rt.counts : NULL, p);
+        if (writer)
+            for (int j = lane; j < kuse; j += 32) {
+                rt.sel_e[t * kuse + j] = se[j];
+                rt.sel_w[t * kuse + j] = sw[j];
+            }
+        e = se[slot % kuse];
+    } else {
+        e = sel_e[slot];
+    }
     if (etype && etype[e] != want)
         return; /* another pass computes this expert (a layer of mixed types) */
     gate_up_warp<K, MODE>(ga[e], MODE == 0 ? ua[e] : ga[e], row_bytes, block_bytes, nu, ff,
@@ -50,8 +73,8 @@ gate_up_kernel(const uint8_t *const *__restrict__ ga, const uint8_t *const *__re
 static __global__ void swiglu_kernel(const float *__restrict__ g, const float *__restrict__ u,
                                      float *__restrict__ act, int64_t count)
 {
-    pdl_trigger();
     pdl_wait();
+    pdl_trigger();
     int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < count)
         act[i] = silu_f(g[i]) * u[i];
@@ -66,8 +89,8 @@ down_kernel(const uint8_t *const *__restrict__ da, size_t row_bytes, unsigned bl
             const int32_t *__restrict__ sel_e, const float *__restrict__ sel_w,
             float *__restrict__ h, int64_t ldh)
 {
-    pdl_trigger();
     pdl_wait();
+    pdl_trigger();
     extern __shared__ float part[]; /* [kuse][DOWN_ROWS] */
     const int64_t t = blockIdx.y;
     down_block<K>(da, row_bytes, block_bytes, nu, E, act + t * kuse * ldact, ldact, kuse,
@@ -84,8 +107,8 @@ static __global__ void combine_pos_kernel(const float *__restrict__ dout, int64_
                                           const int32_t *__restrict__ slot_pos,
                                           float *__restrict__ h, int64_t ldh)
 {
-    pdl_trigger();
     pdl_wait();
+    pdl_trigger();
     const int64_t t = blockIdx.y;
     for (int64_t r = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; r < E;
          r += (int64_t)gridDim.x * blockDim.x) {
@@ -105,8 +128,8 @@ group_kernel(const int32_t *__restrict__ sel_e, int n_slots, int nexp, int kuse,
              int32_t *__restrict__ act_list, int32_t *__restrict__ n_active,
              int32_t *__restrict__ slot_tok, int32_t *__restrict__ slot_pos)
 {
-    pdl_trigger();
     pdl_wait();
+    pdl_trigger();
     extern __shared__ int32_t sh[]; /* cnt[nexp], off[nexp], act[nexp] */
     int32_t *cnt = sh, *off = sh + nexp, *aix = sh + 2 * nexp;
     __shared__ int32_t wsum[2][32];
@@ -245,8 +268,8 @@ gate_up_grouped_kernel(const uint8_t *const *__restrict__ ga, const uint8_t *con
                        const int32_t *__restrict__ act_list, const int32_t *__restrict__ n_active,
                        float *__restrict__ out, int64_t ldo)
 {
-    pdl_trigger();
     pdl_wait();
+    pdl_trigger();
     if ((int)blockIdx.y >= *n_active)
         return;
     const int64_t r0 = ((int64_t)blockIdx.x * GU_WARPS + (threadIdx.x >> 5)) * GUG_ROWS;
@@ -311,8 +334,8 @@ down_grouped_kernel(const uint8_t *const *__restrict__ da, size_t row_bytes, uns
                     float *__restrict__ dout, int64_t ldd, const uint8_t *__restrict__ etype,
                     int want)
 {
-    pdl_trigger();
     pdl_wait();
+    pdl_trigger();
     if ((int)blockIdx.y >= *n_active)
         return;
     if (etype && etype[act_list[blockIdx.y]] != want)
@@ -362,8 +385,8 @@ static __global__ void combine_kernel(const float *__restrict__ dout, int64_t ld
                                       int kuse, const float *__restrict__ sel_w,
                                       float *__restrict__ h, int64_t ldh)
 {
-    pdl_trigger();
     pdl_wait();
+    pdl_trigger();
     const int64_t t = blockIdx.y;
     for (int64_t r = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; r < E;
          r += (int64_t)gridDim.x * blockDim.x) {
@@ -393,16 +416,20 @@ template <int K, int MODE>
 static int launch_gate_up(const void *const *a, const void *const *b, int64_t n, int64_t ff,
                           const float *x, int64_t ldx, int64_t n_tok, int kuse,
                           const int32_t *sel_e, float *out, int64_t ldo, const uint8_t *etype,
-                          cudaStream_t s)
+                          const moe_cuda_route_in &rt, cudaStream_t s)
 {
     size_t rb;
     int nu;
     unsigned bb = blk_bytes<K>(n, &rb, &nu);
     const int64_t per = GU_ROWS * GU_WARPS;
     dim3 g((unsigned)((ff + per - 1) / per), (unsigned)(n_tok * kuse));
-    MOE_CUDA_TRY(moe_launch(gate_up_kernel<K, MODE>, g, dim3(32 * GU_WARPS), 0, s,
+    const size_t smem =
+        rt.rl ? sizeof(float) * GU_WARPS * (size_t)route_smem_floats(rt.nexp, kuse) : 0;
+    if (smem > 48 * 1024)
+        return -EINVAL;
+    MOE_CUDA_TRY(moe_launch(gate_up_kernel<K, MODE>, g, dim3(32 * GU_WARPS), smem, s,
                             (const uint8_t *const *)a, (const uint8_t *const *)b, rb, bb, nu, ff, x,
-                            ldx, kuse, sel_e, out, ldo, etype, (int)kind_type(K)));
+                            ldx, kuse, sel_e, out, ldo, etype, (int)kind_type(K), rt));
     return 0;
 }
 
@@ -410,9 +437,9 @@ template <int MODE>
 static int gate_up_dispatch(uint32_t type, const void *const *a, const void *const *b, int64_t n,
                             int64_t ff, const float *x, int64_t ldx, int64_t n_tok, int kuse,
                             const int32_t *sel_e, float *out, int64_t ldo, cudaStream_t s,
-                            const uint8_t *etype = NULL)
+                            const uint8_t *etype = NULL, const moe_cuda_route_in &rt = {})
 {
-#define CALL(T) return launch_gate_up<T, MODE>(a, b, n, ff, x, ldx, n_tok, kuse, sel_e, out, ldo, etype, s);
+#define CALL(T) return launch_gate_up<T, MODE>(a, b, n, ff, x, ldx, n_tok, kuse, sel_e, out, ldo, etype, rt, s);
 #define CASE(T) case T: CALL(T)
     switch (type) {
     MOE_QDOT_TYPES(CASE)
@@ -426,15 +453,19 @@ static int gate_up_dispatch(uint32_t type, const void *const *a, const void *con
 int moe_cuda_expert_gate_up(uint32_t gate_type, uint32_t up_type, const void *const *d_gate,
                             const void *const *d_up, int64_t n, int64_t ff, const float *d_x,
                             int64_t ldx, int64_t n_tok, int kuse, const int32_t *d_sel_e,
-                            float *d_act, int64_t ldact, float *d_scratch, cudaStream_t s)
+                            float *d_act, int64_t ldact, float *d_scratch,
+                            const struct moe_cuda_route_in *route, cudaStream_t s)
 {
     if (!moe_qdot_supported(gate_type) || !moe_qdot_supported(up_type))
         return MOE_EUNSUPPORTED;
     if (n_tok <= 0 || kuse <= 0 || n_tok * kuse > 65535)
         return -EINVAL;
+    if (route && (gate_type != up_type || route->nexp < kuse))
+        return -EINVAL;
     if (gate_type == up_type)
         return gate_up_dispatch<0>(gate_type, d_gate, d_up, n, ff, d_x, ldx, n_tok, kuse,
-                                   d_sel_e, d_act, ldact, s);
+                                   d_sel_e, d_act, ldact, s, NULL,
+                                   route ? *route : moe_cuda_route_in{});
     /* Mixed types: gate into scratch[0], up into scratch[1] (same row stride as act), then the
      * SwiGLU over whole rows (the padding of a row included, which nothing reads). */
     const int64_t count = n_tok * kuse * ldact;

@@ -8,12 +8,28 @@
 
 #include <cuda_runtime.h>
 
+/* The routing that moe_cuda_expert_gate_up may do itself (moe_cuda_route's arguments): the
+ * router's logits rl (rows ldl apart, nexp each), and where the choices and their counts go. */
+struct moe_cuda_route_in {
+    const float *rl;
+    int64_t ldl;
+    int nexp;
+    bool norm_topk;
+    int32_t *sel_e;
+    float *sel_w;
+    unsigned long long *counts;
+};
+
 /* act[s][r] = silu(gate_e · x[t]) · (up_e · x[t]) for every slot s = t·k + j, e = sel_e[s],
- * t < n_tok, r < ff (x rows ldx floats apart, act rows ldact, both multiples of 4). gate and up: [ff][n] of one type each, tables of device pointers. */
+ * t < n_tok, r < ff (x rows ldx floats apart, act rows ldact, both multiples of 4). gate and up:
+ * [ff][n] of one type each, tables of device pointers. route: NULL, or the step's routing done
+ * in the same launch (gate and up of one type): sel_e is then ignored, route->sel_e / sel_w /
+ * counts get what moe_cuda_route would have written. */
 int moe_cuda_expert_gate_up(uint32_t gate_type, uint32_t up_type, const void *const *d_gate,
                             const void *const *d_up, int64_t n, int64_t ff, const float *d_x,
                             int64_t ldx, int64_t n_tok, int kuse, const int32_t *d_sel_e,
-                            float *d_act, int64_t ldact, float *d_scratch, cudaStream_t s);
+                            float *d_act, int64_t ldact, float *d_scratch,
+                            const struct moe_cuda_route_in *route, cudaStream_t s);
 
 /* h[t][r] += Σ_j sel_w[t·k+j] · (down_e · act[t·k+j]) for r < E, summed over j = 0..k-1 in that
  * order (after each expert's dot product is complete), then added to h once. */

@@ -445,10 +445,9 @@ static __global__ void __launch_bounds__(FUSED_THREADS, MINB) fused_decode_kerne
         SYNC(FUSED_PH_ROUTER);
         /* H: routing (every block), gate/up. */
         if (warp == 0) {
-            route_softmax_warp(a.rl, (int)a.nexp, scratch);
+            route_warp(a.rl, (int)a.nexp, kuse, a.norm_topk, sel_e_s, sel_w_s,
+                       blockIdx.x == 0 ? ly.counts : NULL, scratch);
             stamp(a, (size_t)l * FUSED_NPH + FUSED_PH_SOFTMAX);
-            route_topk_warp((int)a.nexp, kuse, a.norm_topk, sel_e_s, sel_w_s,
-                            blockIdx.x == 0 ? ly.counts : NULL, scratch);
         }
         __syncthreads();
         if ((int)threadIdx.x < kuse) {

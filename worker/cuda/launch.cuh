@@ -1,11 +1,12 @@
 /* Kernel launches with programmatic dependent launch (Hopper): every kernel of a step is launched
- * with the programmatic-stream-serialization attribute, starts with pdl_trigger() (its successor
- * may be scheduled now) and waits in pdl_wait() for its predecessor to complete before it touches
- * activations. What it may do before the wait is read weights, which no kernel writes; the
- * mat-vec kernels prefetch their rows into L2 there. Under stream capture the attribute becomes a
+ * with the programmatic-stream-serialization attribute, waits in pdl_wait() for its predecessor
+ * to complete before it touches activations, then calls pdl_trigger() (its successor may be
+ * scheduled now: so only one kernel waits ahead, instead of a chain of them holding SM slots).
+ * What a kernel may do before the wait is read weights, which no kernel writes; the mat-vec
+ * kernels prefetch their rows into L2 there. Under stream capture the attribute becomes a
  * programmatic edge of the graph, so a step's kernels overlap their launch and prologue with the
- * tail of the kernel before. It is off unless MOE_CUDA_PDL=1: on the H200 it measured slower
- * than plain launches inside graphs (docs/benchmarks.md). */
+ * tail of the kernel before. It is off unless MOE_CUDA_PDL=1: on the H200 it measured no faster
+ * than plain launches inside graphs (docs/cuda.md). */
 #ifndef MOE_CUDA_LAUNCH_CUH
 #define MOE_CUDA_LAUNCH_CUH
 

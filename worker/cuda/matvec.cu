@@ -34,6 +34,7 @@ extern "C" {
 #include "worker/cuda/cuda_check.cuh"
 #include "worker/cuda/launch.cuh"
 #include "worker/cuda/mv_warp.cuh"
+#include "worker/cuda/ops_dev.cuh"
 
 #define ROWS_PER_BLOCK 4
 #define THREADS (32 * ROWS_PER_BLOCK)
@@ -56,6 +57,10 @@ struct mv_args {
     const float *x;
     int64_t ldx;
     int accumulate;
+    /* NORM kernels: x is the RMSNorm's source row, g its weight; dst gets the normalised row. */
+    const float *g;
+    float eps;
+    float *dst;
 };
 
 /* Each block of threads takes ROWS_PER_BLOCK rows of T tokens (blockIdx.y picks the group of
@@ -65,10 +70,11 @@ struct mv_args {
  * few tens of warps resident per SM, one unit per lane at a time is not enough bytes in flight to
  * cover HBM latency, hence two (two rows, or one row unrolled twice). Before waiting for the
  * previous kernel, each warp prefetches its rows into L2. */
-template <int K, int T>
+template <int K, int T, bool NORM = false>
 static __global__ void __launch_bounds__(THREADS)
 matvec_kernel(const mv_args a, int64_t n_tok)
 {
+    static_assert(!NORM || T == 1, "the RMSNorm is fused for one token");
     constexpr int RW = rows_per_warp<K>();
     const int lane = threadIdx.x & 31;
     int g = 0;
@@ -86,8 +92,31 @@ matvec_kernel(const mv_args a, int64_t n_tok)
             if (has2)
                 prefetch_l2(w0 + rs + off);
         }
-    pdl_trigger();
     pdl_wait();
+    pdl_trigger();
+    if constexpr (NORM) {
+        /* Every warp computes the scale (no block barrier); the first warps of the grid also
+         * store the normalised row, 128 elements each. */
+        const int64_t width = (int64_t)a.nu / unit_shape<K>::per_block * unit_shape<K>::blck;
+        const float sc = rms_scale(row_ss_warp(a.x, width), width, a.eps);
+        const int64_t nwarp = (int64_t)gridDim.x * (blockDim.x >> 5);
+        for (int64_t c = (int64_t)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+             c * 128 < width; c += nwarp)
+            for (int64_t i = c * 128 + lane; i < (c + 1) * 128 && i < width; i += 32)
+                a.dst[i] = a.x[i] * sc * a.g[i];
+        if (!live)
+            return;
+        const XNorm xn = {a.x, a.g, sc};
+        const float *xt[1] = {a.x};
+        float acc[1][RW];
+        mv_warp<K, 1, XNorm>(w0, rs, a.block_bytes, a.nu, xt, acc, &xn);
+        if (lane == 0) {
+            sg.y[row] = acc[0][0];
+            if (RW == 2 && has2)
+                sg.y[row + 1] = acc[0][RW - 1];
+        }
+        return;
+    }
     if (!live)
         return;
     const int64_t t0 = (int64_t)blockIdx.y * T;
@@ -118,7 +147,8 @@ matvec_kernel(const mv_args a, int64_t n_tok)
 
 template <int K>
 static int launch(const struct moe_mv_job *jobs, int n_jobs, int64_t n, const float *x,
-                  int64_t ldx, int64_t n_tok, int accumulate, cudaStream_t s)
+                  int64_t ldx, int64_t n_tok, int accumulate, cudaStream_t s,
+                  const float *g = NULL, float eps = 0.0f, float *dst = NULL)
 {
     constexpr int PB = unit_shape<K>::per_block, BL = unit_shape<K>::blck;
     const int64_t nb = n / BL;
@@ -131,6 +161,9 @@ static int launch(const struct moe_mv_job *jobs, int n_jobs, int64_t n, const fl
     a.x = x;
     a.ldx = ldx;
     a.accumulate = accumulate;
+    a.g = g;
+    a.eps = eps;
+    a.dst = dst;
     a.nseg = n_jobs;
     int64_t blocks = 0;
     for (int j = 0; j < n_jobs; j++) {
@@ -144,11 +177,12 @@ static int launch(const struct moe_mv_job *jobs, int n_jobs, int64_t n, const fl
         return -EINVAL;
     /* Tokens per block: weights decoded once for up to 8 tokens. */
     const int T = n_tok >= 8 ? 8 : n_tok >= 4 ? 4 : n_tok >= 2 ? 2 : 1;
-    dim3 g((unsigned)blocks, (unsigned)((n_tok + T - 1) / T)), th(THREADS / rows_per_warp<K>());
-    cudaError_t e = T == 8   ? moe_launch(matvec_kernel<K, 8>, g, th, 0, s, a, n_tok)
-                    : T == 4 ? moe_launch(matvec_kernel<K, 4>, g, th, 0, s, a, n_tok)
-                    : T == 2 ? moe_launch(matvec_kernel<K, 2>, g, th, 0, s, a, n_tok)
-                             : moe_launch(matvec_kernel<K, 1>, g, th, 0, s, a, n_tok);
+    dim3 gr((unsigned)blocks, (unsigned)((n_tok + T - 1) / T)), th(THREADS / rows_per_warp<K>());
+    cudaError_t e = dst      ? moe_launch(matvec_kernel<K, 1, true>, gr, th, 0, s, a, n_tok)
+                    : T == 8 ? moe_launch(matvec_kernel<K, 8>, gr, th, 0, s, a, n_tok)
+                    : T == 4 ? moe_launch(matvec_kernel<K, 4>, gr, th, 0, s, a, n_tok)
+                    : T == 2 ? moe_launch(matvec_kernel<K, 2>, gr, th, 0, s, a, n_tok)
+                             : moe_launch(matvec_kernel<K, 1>, gr, th, 0, s, a, n_tok);
     MOE_CUDA_TRY(e);
     return 0;
 }
@@ -177,9 +211,9 @@ extern "C" int moe_cuda_matvec_tok(uint32_t type, const void *d_w, int64_t n, in
     return moe_cuda_matvec_multi(type, &j, 1, n, d_x, ldx, n_tok, accumulate, s);
 }
 
-extern "C" int moe_cuda_matvec_multi(uint32_t type, const struct moe_mv_job *jobs, int n_jobs,
-                                     int64_t n, const float *d_x, int64_t ldx, int64_t n_tok,
-                                     int accumulate, cudaStream_t s)
+static int matvec_multi(uint32_t type, const struct moe_mv_job *jobs, int n_jobs, int64_t n,
+                        const float *d_x, int64_t ldx, int64_t n_tok, int accumulate,
+                        cudaStream_t s, const float *g, float eps, float *dst)
 {
     if (!moe_cuda_matvec_supported(type))
         return MOE_EUNSUPPORTED;
@@ -199,7 +233,7 @@ extern "C" int moe_cuda_matvec_multi(uint32_t type, const struct moe_mv_job *job
     }
     if (n_tok == 0)
         return 0;
-#define ARGS jobs, n_jobs, n, d_x, ldx, n_tok, accumulate, s
+#define ARGS jobs, n_jobs, n, d_x, ldx, n_tok, accumulate, s, g, eps, dst
     /* The plain types read 16 bytes at a time when every row starts 16-byte aligned. */
     switch (type) {
     case MOE_TYPE_F32: return vec ? launch<KIND_F32_V>(ARGS) : launch<MOE_TYPE_F32>(ARGS);
@@ -211,4 +245,21 @@ extern "C" int moe_cuda_matvec_multi(uint32_t type, const struct moe_mv_job *job
     }
 #undef ARGS
     return MOE_EUNSUPPORTED;
+}
+
+extern "C" int moe_cuda_matvec_multi(uint32_t type, const struct moe_mv_job *jobs, int n_jobs,
+                                     int64_t n, const float *d_x, int64_t ldx, int64_t n_tok,
+                                     int accumulate, cudaStream_t s)
+{
+    return matvec_multi(type, jobs, n_jobs, n, d_x, ldx, n_tok, accumulate, s, NULL, 0.0f, NULL);
+}
+
+extern "C" int moe_cuda_matvec_multi_norm(uint32_t type, const struct moe_mv_job *jobs,
+                                          int n_jobs, int64_t n, const float *d_src,
+                                          const float *d_g, float eps, float *d_dst,
+                                          cudaStream_t s)
+{
+    if (!d_g || !d_dst || !aligned(d_g, 16) || !aligned(d_dst, 16) || n % 4 != 0)
+        return -EINVAL;
+    return matvec_multi(type, jobs, n_jobs, n, d_src, n, 1, 0, s, d_g, eps, d_dst);
 }

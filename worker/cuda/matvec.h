@@ -58,6 +58,14 @@ int moe_cuda_matvec_multi(uint32_t type, const struct moe_mv_job *jobs, int n_jo
                           const float *d_x, int64_t ldx, int64_t n_tok, int accumulate,
                           cudaStream_t s);
 
+/* moe_cuda_matvec_multi for one token whose input is RMSNorm(src)·g, computed on the way (each
+ * warp sums src's squares itself, in the order of the RMSNorm kernel): the products and the
+ * normalised row stored in d_dst are the floats of an RMSNorm launch followed by the mat-vec, one
+ * launch fewer. src, g, dst: n floats each, 16-byte aligned (-EINVAL otherwise). */
+int moe_cuda_matvec_multi_norm(uint32_t type, const struct moe_mv_job *jobs, int n_jobs, int64_t n,
+                               const float *d_src, const float *d_g, float eps, float *d_dst,
+                               cudaStream_t s);
+
 #ifdef __cplusplus
 }
 #endif

@@ -4,23 +4,34 @@
 #ifndef MOE_CUDA_MV_WARP_CUH
 #define MOE_CUDA_MV_WARP_CUH
 
+#include <type_traits>
+
 #include "worker/cuda/qdot.cuh"
+
+/* How many of a lane's units the row walk unrolls (so their loads can be in flight together):
+ * MOE_MV_UNROLL when defined (a build for measurements), else two for one row and one input. */
+#ifdef MOE_MV_UNROLL
+#define MV_UNROLL(RW, T) (MOE_MV_UNROLL)
+#else
+#define MV_UNROLL(RW, T) ((RW) >= 2 || (T) > 1 ? 1 : 2)
+#endif
 
 /* RW rows' dot products with T inputs x[i], complete in every lane: the weights are loaded and
  * decoded once for all T (the compiler shares them between the unrolled calls), with the same
  * float operations per (row, input) as for one input. The plain types' decoders take one row at
  * a time, so their rows are walked one after the other. */
-template <int K, int RW, int T>
-static __device__ __forceinline__ void row_dots_multi(const uint8_t *const *rowp,
-                                                      unsigned block_bytes, int nu,
-                                                      const float *const *x, float (*acc)[RW])
+template <int K, int RW, int T, class XL>
+static __device__ __forceinline__ void row_dots_multi_x(const uint8_t *const *rowp,
+                                                        unsigned block_bytes, int nu,
+                                                        const float *const *x, float (*acc)[RW],
+                                                        const XL *xin)
 {
     constexpr int PB = unit_shape<K>::per_block, BL = unit_shape<K>::blck;
     if constexpr (rows_per_warp<K>() == 1 && RW > 1) {
         UNROLL
         for (int r = 0; r < RW; r++) {
             float a1[T][1];
-            row_dots_multi<K, 1, T>(rowp + r, block_bytes, nu, x, a1);
+            row_dots_multi_x<K, 1, T, XL>(rowp + r, block_bytes, nu, x, a1, xin);
             UNROLL
             for (int i = 0; i < T; i++)
                 acc[i][r] = a1[i][0];
@@ -32,7 +43,8 @@ static __device__ __forceinline__ void row_dots_multi(const uint8_t *const *rowp
             UNROLL
             for (int r = 0; r < RW; r++)
                 acc[i][r] = 0.0f;
-#pragma unroll(RW >= 2 || T > 1 ? 1 : 2)
+        constexpr int UNR = MV_UNROLL(RW, T);
+#pragma unroll(UNR)
         for (int u = lane; u < nu; u += 32) {
             const unsigned bi = (unsigned)u / PB;
             const uint8_t *bs[RW];
@@ -41,7 +53,8 @@ static __device__ __forceinline__ void row_dots_multi(const uint8_t *const *rowp
                 bs[r] = rowp[r] + (size_t)bi * block_bytes;
             UNROLL
             for (int i = 0; i < T; i++)
-                unit_dot<K, RW>(bs, (int)((unsigned)u % PB), x[i] + (size_t)bi * BL, acc[i]);
+                unit_dot<K, RW, XL>(bs, (int)((unsigned)u % PB), x[i] + (size_t)bi * BL, acc[i],
+                                    xin[i]);
         }
         UNROLL
         for (int i = 0; i < T; i++)
@@ -51,6 +64,16 @@ static __device__ __forceinline__ void row_dots_multi(const uint8_t *const *rowp
                 for (int o = 16; o > 0; o >>= 1)
                     acc[i][r] += __shfl_xor_sync(0xffffffffu, acc[i][r], o);
     }
+}
+
+/* row_dots_multi_x with the inputs read as they are. */
+template <int K, int RW, int T>
+static __device__ __forceinline__ void row_dots_multi(const uint8_t *const *rowp,
+                                                      unsigned block_bytes, int nu,
+                                                      const float *const *x, float (*acc)[RW])
+{
+    XPlain xin[T];
+    row_dots_multi_x<K, RW, T, XPlain>(rowp, block_bytes, nu, x, acc, xin);
 }
 
 template <int K, int RW>
@@ -69,17 +92,21 @@ static __device__ __forceinline__ void row_dots(const uint8_t *const *rowp, unsi
  * w0 + rs (rs 0: one row, computed twice) against T inputs xt[i]; acc[i][r] complete in every
  * lane. With one token and one row per warp the loop is unrolled twice, so that each lane has two
  * units' loads in flight; two rows or several tokens already do that. */
-template <int K, int T>
+template <int K, int T, class XL = XPlain>
 static __device__ __forceinline__ void mv_warp(const uint8_t *w0, size_t rs, unsigned block_bytes,
                                                int nu, const float *const *xt,
-                                               float (*acc)[rows_per_warp<K>()])
+                                               float (*acc)[rows_per_warp<K>()],
+                                               const XL *xin = nullptr)
 {
     constexpr int RW = rows_per_warp<K>();
     const uint8_t *rowp[RW];
     UNROLL
     for (int r = 0; r < RW; r++)
         rowp[r] = w0 + r * rs;
-    row_dots_multi<K, RW, T>(rowp, block_bytes, nu, xt, acc);
+    if constexpr (std::is_same<XL, XPlain>::value)
+        row_dots_multi<K, RW, T>(rowp, block_bytes, nu, xt, acc);
+    else
+        row_dots_multi_x<K, RW, T, XL>(rowp, block_bytes, nu, xt, acc, xin);
 }
 
 #endif

@@ -47,8 +47,8 @@ static __global__ void embed_kernel(uint32_t type, const uint8_t *__restrict__ t
                                     const int32_t *__restrict__ token, int64_t ldo,
                                     float *__restrict__ out)
 {
-    pdl_trigger();
     pdl_wait();
+    pdl_trigger();
     const int64_t t = blockIdx.x;
     const uint8_t *row = table + (size_t)token[t] * row_bytes;
     float y[256];
@@ -78,8 +78,8 @@ static __global__ void rmsnorm_kernel(const float *__restrict__ x, int64_t ldx,
                                       const float *__restrict__ w, int64_t width, float eps,
                                       float *__restrict__ y, int64_t ldy)
 {
-    pdl_trigger();
     pdl_wait();
+    pdl_trigger();
     __shared__ float sc_s;
     const int64_t t = blockIdx.x, src = row ? row[t] : t;
     const float *xr = x + src * ldx;
@@ -121,8 +121,8 @@ static __global__ void qk_rope_kv_kernel(float *__restrict__ q, int64_t ldq,
                                          const int32_t *__restrict__ seq, moe_cuda_kv kv,
                                          int layer, int64_t H, float eps)
 {
-    pdl_trigger();
     pdl_wait();
+    pdl_trigger();
     extern __shared__ float sm[];
     const int w = threadIdx.x >> 5;
     const int64_t t = blockIdx.x, hi = (int64_t)blockIdx.y * ATT_WARPS + w;
@@ -159,8 +159,8 @@ attn_split_kernel(const float *__restrict__ q, int64_t ldq, const int32_t *__res
                   float scale, int split, float *__restrict__ part, unsigned *__restrict__ done,
                   float *__restrict__ out, int64_t ldo)
 {
-    pdl_trigger();
     pdl_wait();
+    pdl_trigger();
     __shared__ att_smem sm;
     extern __shared__ float sm_acc[]; /* [ATT_WARPS][hdv] */
     attn_split_body<F32, EL>(q, ldq, pos, seq, kv, layer, H, scale, split, part, done, out, ldo,
@@ -216,8 +216,8 @@ static __global__ void route_kernel(const float *__restrict__ logits, int64_t ld
                                     float *__restrict__ sel_w,
                                     unsigned long long *__restrict__ counts)
 {
-    pdl_trigger();
     pdl_wait();
+    pdl_trigger();
     extern __shared__ float pr[]; /* [ROUTE_WARPS][nexp] */
     const int w = threadIdx.x >> 5;
     const int64_t t = (int64_t)blockIdx.x * ROUTE_WARPS + w;
@@ -250,8 +250,8 @@ int moe_cuda_route(const float *d_logits, int64_t ldl, int64_t nexp, int k, bool
 static __global__ void argmax_kernel(const float *__restrict__ logits, int64_t V,
                                      int32_t *__restrict__ tok)
 {
-    pdl_trigger();
     pdl_wait();
+    pdl_trigger();
     __shared__ float redv[32];
     __shared__ int redi[32];
     const float *r = logits + (int64_t)blockIdx.x * V;

@@ -385,6 +385,26 @@ attn_split_body(const float *q, int64_t ldq, const int32_t *pos, const int32_t *
  * best is replaced by a larger probability, or whenever the best so far is NaN. So among the
  * untaken experts a non-NaN maximum (lowest index on ties) wins; when all are NaN, the last one.
  * Sums in double, as on the CPU. */
+/* The warp's choice from each lane's best untaken probability (best.i < 0: none) and its last NaN
+ * (-1: none): probabilities are >= +0 or NaN (never negative), so for the valid ones the float
+ * bits order as the values; the largest bits, then the lowest index among the lanes that hold
+ * them (two warp reductions). When every lane has only NaNs left, the highest NaN index, its
+ * value from nan_value(index) (called by the whole warp). */
+template <class NanValue>
+static __device__ __forceinline__ vi warp_pick(vi best, int last_nan, NanValue nan_value)
+{
+    const unsigned key = best.i >= 0 ? __float_as_uint(best.v) + 1u : 0u;
+    const unsigned mk = __reduce_max_sync(0xffffffffu, key);
+    if (mk) {
+        best.i = (int)__reduce_min_sync(0xffffffffu, key == mk ? (unsigned)best.i : ~0u);
+        best.v = __uint_as_float(mk - 1u);
+    } else {
+        best.i = (int)__reduce_max_sync(0xffffffffu, (unsigned)(last_nan + 1)) - 1;
+        best.v = nan_value(best.i);
+    }
+    return best;
+}
+
 /* The softmax of route_warp: logits row r into p as probabilities. */
 static __device__ __forceinline__ void route_softmax_warp(const float *r, int ne, float *p)
 {
@@ -438,18 +458,7 @@ static __device__ __forceinline__ void route_topk_warp(int ne, int k, bool norm_
             if (better(c, best))
                 best = c;
         }
-        /* The warp's best: probabilities are >= +0 or NaN (never negative), so for the valid
-         * ones the float bits order as the values; the largest bits, then the lowest index
-         * among the lanes that hold them (two warp reductions). */
-        const unsigned key = best.i >= 0 ? __float_as_uint(best.v) + 1u : 0u;
-        const unsigned mk = __reduce_max_sync(0xffffffffu, key);
-        if (mk) {
-            best.i = (int)__reduce_min_sync(0xffffffffu, key == mk ? (unsigned)best.i : ~0u);
-            best.v = __uint_as_float(mk - 1u);
-        } else {
-            best.i = (int)__reduce_max_sync(0xffffffffu, (unsigned)(last_nan + 1)) - 1;
-            best.v = p[best.i];
-        }
+        best = warp_pick(best, last_nan, [&](int i) { return p[i]; });
         __syncwarp();
         if (lane == 0)
             p[best.i] = -1.0f;
@@ -480,12 +489,123 @@ static __device__ __forceinline__ void route_topk_warp(int ne, int k, bool norm_
     __syncwarp();
 }
 
+/* Shared floats one routing warp needs when it also keeps its k choices there (p, then sel_e and
+ * sel_w). */
+static __host__ __device__ __forceinline__ int route_smem_floats(int nexp, int k)
+{
+    return (nexp + 2 * k + 3) & ~3;
+}
+
+/* route_warp for nexp <= 32·R with the probabilities in registers (lane l holds experts l, l + 32,
+ * ...): the same floats as route_softmax_warp + route_topk_warp (the same operations in the same
+ * order), without shared memory, and for k <= 32 without reading back what it wrote. */
+template <int R>
+static __device__ __forceinline__ void route_warp_reg(const float *r, int ne, int k, bool norm_topk,
+                                                      int32_t *sel_e, float *sel_w,
+                                                      unsigned long long *counts)
+{
+    const int lane = threadIdx.x & 31;
+    float v[R];
+#pragma unroll
+    for (int i = 0; i < R; i++)
+        v[i] = lane + 32 * i < ne ? r[lane + 32 * i] : 0.0f;
+    float mx = -INFINITY;
+#pragma unroll
+    for (int i = 0; i < R; i++)
+        if (lane + 32 * i < ne)
+            mx = fmaxf(mx, v[i]);
+    mx = warp_max(mx);
+    double z = 0.0;
+#pragma unroll
+    for (int i = 0; i < R; i++)
+        if (lane + 32 * i < ne) {
+            const float e = expf(v[i] - mx);
+            v[i] = e;
+            z += e;
+        }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1)
+        z += __shfl_xor_sync(0xffffffffu, z, o);
+    /* Taken experts (and the slots past ne) hold -1, which no probability equals. */
+#pragma unroll
+    for (int i = 0; i < R; i++)
+        v[i] = lane + 32 * i < ne ? (float)(v[i] / z) : -1.0f;
+    double wsum = 0.0;
+    float chosen_w = 0.0f;
+    int chosen_e = 0;
+    for (int j = 0; j < k; j++) {
+        vi best = {0.0f, -1};
+        int last_nan = -1;
+#pragma unroll
+        for (int i = 0; i < R; i++) {
+            const float x = v[i];
+            if (x == -1.0f)
+                continue;
+            if (isnan(x)) {
+                last_nan = lane + 32 * i;
+                continue;
+            }
+            const vi c = {x, lane + 32 * i};
+            if (better(c, best))
+                best = c;
+        }
+        best = warp_pick(best, last_nan, [&](int at) {
+            float mine = 0.0f;
+#pragma unroll
+            for (int i = 0; i < R; i++)
+                if (lane + 32 * i == at)
+                    mine = v[i];
+            return __shfl_sync(0xffffffffu, mine, at & 31);
+        });
+#pragma unroll
+        for (int i = 0; i < R; i++)
+            if (lane + 32 * i == best.i)
+                v[i] = -1.0f;
+        if (lane == (j & 31)) {
+            chosen_w = best.v;
+            chosen_e = best.i;
+        }
+        wsum += best.v;
+        if (k > 32 && (j & 31) == 31 && j != k - 1) {
+            /* More than 32 choices: lanes 0..31 hold choices j - 31 .. j, stored as they are
+             * and renormalised below. */
+            sel_e[(j & ~31) + lane] = chosen_e;
+            sel_w[(j & ~31) + lane] = chosen_w;
+        }
+    }
+    const int base = (k - 1) & ~31;
+    if (lane <= ((k - 1) & 31)) {
+        sel_e[base + lane] = chosen_e;
+        sel_w[base + lane] = k <= 32 && norm_topk && wsum > 0.0 ? (float)(chosen_w / wsum)
+                                                                : chosen_w;
+        if (k <= 32 && counts)
+            atomicAdd(&counts[chosen_e], 1ull);
+    }
+    if (k > 32) {
+        __syncwarp();
+        if (norm_topk && wsum > 0.0)
+            for (int j = lane; j < k; j += 32)
+                sel_w[j] = (float)(sel_w[j] / wsum);
+        if (counts)
+            for (int j = lane; j < k; j += 32)
+                atomicAdd(&counts[sel_e[j]], 1ull);
+    }
+    __syncwarp();
+}
+
+/* p: shared memory for nexp floats, used only when nexp > 256 (registers hold fewer). */
 static __device__ __forceinline__ void route_warp(const float *r, int ne, int k, bool norm_topk,
                                                   int32_t *sel_e, float *sel_w,
                                                   unsigned long long *counts, float *p)
 {
-    route_softmax_warp(r, ne, p);
-    route_topk_warp(ne, k, norm_topk, sel_e, sel_w, counts, p);
+    if (ne <= 128) {
+        route_warp_reg<4>(r, ne, k, norm_topk, sel_e, sel_w, counts);
+    } else if (ne <= 256) {
+        route_warp_reg<8>(r, ne, k, norm_topk, sel_e, sel_w, counts);
+    } else {
+        route_softmax_warp(r, ne, p);
+        route_topk_warp(ne, k, norm_topk, sel_e, sel_w, counts, p);
+    }
 }
 
 #endif

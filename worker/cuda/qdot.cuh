@@ -68,6 +68,24 @@ static HD float4 ldx4(const float *x)
     return *(const float4 *)x;
 }
 
+/* How unit_dot reads its x elements. XPlain: as they are. XNorm: RMSNorm applied on the way,
+ * (x·sc)·g[i] for the element at x0 + i, the float the RMSNorm kernel stores. */
+struct XPlain {
+    HD float4 ld4(const float *p) const { return ldx4(p); }
+    HD float ld1(const float *p) const { return *p; }
+};
+
+struct XNorm {
+    const float *x0, *g;
+    float sc;
+    HD float4 ld4(const float *p) const
+    {
+        const float4 v = ldx4(p), w = ldx4(g + (p - x0));
+        return make_float4(v.x * sc * w.x, v.y * sc * w.y, v.z * sc * w.z, v.w * sc * w.w);
+    }
+    HD float ld1(const float *p) const { return *p * sc * g[p - x0]; }
+};
+
 /* Byte k of w (0..255) minus off, as a float, without an int→float conversion: a byte permute
  * (PRMT) assembles the bits of the float 2^23 + byte, and the subtraction is exact. The
  * conversion unit (16 per clock per SM on Hopper) would otherwise cap the 4-bit types at a
@@ -133,22 +151,23 @@ template <> struct unit_shape<MOE_TYPE_Q6_K> { enum { per_block = 16, blck = 256
  * block at bs[r] with xb, the x elements of that block (the RW rows may be of one matrix or of
  * several of the same type). The x values (and, for the K-quants,
  * their sums) are loaded once for all RW rows. */
-template <int K, int RW>
-static HD void unit_dot(const uint8_t *const *bs, int t, const float *xb, float *acc)
+template <int K, int RW, class XL = XPlain>
+static HD void unit_dot(const uint8_t *const *bs, int t, const float *xb, float *acc,
+                        const XL &xin = XL())
 {
     const uint8_t *b0 = bs[0];
     if constexpr (K == MOE_TYPE_F32) {
-        acc[0] += *(const float *)b0 * xb[0];
+        acc[0] += *(const float *)b0 * xin.ld1(xb);
     } else if constexpr (K == KIND_F32_V) {
-        float4 w = *(const float4 *)b0, x = ldx4(xb);
+        float4 w = *(const float4 *)b0, x = xin.ld4(xb);
         acc[0] += w.x * x.x + w.y * x.y + w.z * x.z + w.w * x.w;
     } else if constexpr (K == MOE_TYPE_F16) {
-        acc[0] += h2f(ld16(b0)) * xb[0];
+        acc[0] += h2f(ld16(b0)) * xin.ld1(xb);
     } else if constexpr (K == MOE_TYPE_BF16) {
-        acc[0] += bf2f(ld16(b0)) * xb[0];
+        acc[0] += bf2f(ld16(b0)) * xin.ld1(xb);
     } else if constexpr (K == KIND_F16_V || K == KIND_BF16_V) {
         uint4 w = *(const uint4 *)b0;
-        float4 x0 = ldx4(xb), x1 = ldx4(xb + 4);
+        float4 x0 = xin.ld4(xb), x1 = xin.ld4(xb + 4);
         const uint32_t ws[4] = {w.x, w.y, w.z, w.w};
         const float xs[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
         float a = 0.0f;
@@ -169,7 +188,7 @@ static HD void unit_dot(const uint8_t *const *bs, int t, const float *xb, float 
     } else if constexpr (K == MOE_TYPE_Q8_0) {
         /* half d; int8 qs[32]. Unit t: elements 8t..8t+7. Flipping the sign bits maps each
          * int8 q to q + 128 in 0..255. */
-        float4 x0 = ldx4(xb + 8 * t), x1 = ldx4(xb + 8 * t + 4);
+        float4 x0 = xin.ld4(xb + 8 * t), x1 = xin.ld4(xb + 8 * t + 4);
         const float xs[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
         UNROLL
         for (int r = 0; r < RW; r++) {
@@ -186,7 +205,7 @@ static HD void unit_dot(const uint8_t *const *bs, int t, const float *xb, float 
     } else if constexpr (K == MOE_TYPE_Q4_1 || K == MOE_TYPE_Q5_1) {
         /* Q4_1: half d, m; u8 qs[16]. Q5_1: half d, m; u32 qh; u8 qs[16]. Value d·q + m; units as
          * for Q4_0/Q5_0, the sum is d·Σq·x + m·Σx. */
-        float4 xl = ldx4(xb + 4 * t), xh = ldx4(xb + 16 + 4 * t);
+        float4 xl = xin.ld4(xb + 4 * t), xh = xin.ld4(xb + 16 + 4 * t);
         const float xls[4] = {xl.x, xl.y, xl.z, xl.w}, xhs[4] = {xh.x, xh.y, xh.z, xh.w};
         const float sx = xl.x + xl.y + xl.z + xl.w + (xh.x + xh.y + xh.z + xh.w);
         UNROLL
@@ -218,7 +237,7 @@ static HD void unit_dot(const uint8_t *const *bs, int t, const float *xb, float 
         /* Q4_0: half d; u8 qs[16]. Q5_0: half d; u32 qh; u8 qs[16]. Unit t: bytes qs[4t..4t+3],
          * i.e. elements 4t..4t+3 (low nibbles) and 16+4t..16+4t+3 (high nibbles); the 5th bits
          * are bits 4t.. and 4t+16.. of qh, spread here into bit 4 of each byte. */
-        float4 xl = ldx4(xb + 4 * t), xh = ldx4(xb + 16 + 4 * t);
+        float4 xl = xin.ld4(xb + 4 * t), xh = xin.ld4(xb + 16 + 4 * t);
         const float xls[4] = {xl.x, xl.y, xl.z, xl.w}, xhs[4] = {xh.x, xh.y, xh.z, xh.w};
         UNROLL
         for (int r = 0; r < RW; r++) {
@@ -257,7 +276,7 @@ static HD void unit_dot(const uint8_t *const *bs, int t, const float *xb, float 
         float xl[16], xh[16], sxl = 0.0f, sxh = 0.0f;
         UNROLL
         for (int i = 0; i < 4; i++) {
-            float4 a = ldx4(xlp + 4 * i), e = ldx4(xhp + 4 * i);
+            float4 a = xin.ld4(xlp + 4 * i), e = xin.ld4(xhp + 4 * i);
             xl[4 * i] = a.x, xl[4 * i + 1] = a.y, xl[4 * i + 2] = a.z, xl[4 * i + 3] = a.w;
             xh[4 * i] = e.x, xh[4 * i + 1] = e.y, xh[4 * i + 2] = e.z, xh[4 * i + 3] = e.w;
         }
@@ -309,7 +328,7 @@ static HD void unit_dot(const uint8_t *const *bs, int t, const float *xb, float 
         float xs[4][4];
         UNROLL
         for (int g = 0; g < 4; g++) {
-            float4 v = ldx4(x0 + 32 * g);
+            float4 v = xin.ld4(x0 + 32 * g);
             xs[g][0] = v.x, xs[g][1] = v.y, xs[g][2] = v.z, xs[g][3] = v.w;
         }
         UNROLL
