@@ -14,7 +14,9 @@ static __device__ __forceinline__ float silu_f(float g)
 /* Rows per warp and warps per block of the expert kernels. A warp walks GU_ROWS rows of gate and
  * the same rows of up (2·GU_ROWS dot products sharing each x load), so every lane has several
  * independent loads in flight; a layer's gate/up for one token is one wave of blocks. */
+#ifndef GU_ROWS /* a build for measurements may set it */
 #define GU_ROWS 4
+#endif
 #define GU_WARPS 4
 /* Slots of one expert taken together by the grouped kernels (weights decoded once for them). */
 #define GROUP_T 4
@@ -23,7 +25,9 @@ static __device__ __forceinline__ float silu_f(float g)
 
 /* Two rows of one token per block, one warp per expert (j = warp, warp + DOWN_WARPS, ...). */
 #define DOWN_WARPS 8
+#ifndef DOWN_ROWS /* a build for measurements may set it (a multiple of 4) */
 #define DOWN_ROWS 16
+#endif
 
 /* One warp: rows r0 .. r0+GU_ROWS-1 of gate (table a's expert at ga) and of up (ua), with input x;
  * out[r] = silu(gate·x)·(up·x) (mode 0; gate and up of type K) or gate·x (mode 1). */

@@ -2,7 +2,8 @@
  * head): the decoders of every block format, one "unit" (the piece of one block that one thread
  * decodes, 8 to 32 elements) at a time. See matvec.cu for how a warp walks a row with them.
  *
- * Codes become floats exactly (byte_f), are multiplied into per-sub-block float sums, and the
+ * Codes become floats exactly (byte_f: the integer code; code_f for the K-quants: 0.5 + code/256,
+ * which saves a subtraction per element), are multiplied into per-sub-block float sums, and the
  * sums are scaled: for Q4_K/Q5_K d·sc·Σq·x − dmin·m·Σx, for Q4_1/Q5_1 d·Σq·x + m·Σx, for the
  * others d·Σq·x. Everything is __host__ __device__ so that a host build can check a decoder. */
 #ifndef MOE_CUDA_QDOT_CUH
@@ -101,6 +102,33 @@ static HD float byte_f(uint32_t w, int k, float off)
     memcpy(&f, &bits, sizeof f);
     return f - (8388608.0f + off);
 #endif
+}
+
+/* Byte k of w, a code below 128, as the float 0.5 + code/256, exactly: the byte becomes mantissa
+ * bits 16..22 under the exponent of 0.5 (one PRMT with magic = 0x3f000000 in a register, from
+ * code_magic(), and the selector as its immediate). A product with x then needs no subtraction
+ * of its own: Σ code·x = 256·Σ(0.5 + code/256)·x − 128·Σx, once per sum. */
+static HD float code_f(uint32_t w, int k, uint32_t magic)
+{
+#ifdef __CUDA_ARCH__
+    return __uint_as_float(__byte_perm(w, magic, 0x7044u | ((unsigned)k << 8)));
+#else
+    uint32_t bits = magic | ((w >> (8 * k)) & 0xff) << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+#endif
+}
+
+/* 0x3f000000, opaque to the compiler so that it stays in one register (otherwise it becomes
+ * PRMT's immediate and every selector is moved into a register first). */
+static HD uint32_t code_magic()
+{
+    uint32_t m = 0x3f000000u;
+#ifdef __CUDA_ARCH__
+    asm volatile("" : "+r"(m));
+#endif
+    return m;
 }
 
 static HD uint32_t byte_of(uint32_t w, int k)
@@ -302,6 +330,7 @@ static HD void unit_dot(const uint8_t *const *bs, int t, const float *xb, float 
                 qv = *(const uint4 *)(b + OFF(q4_k, qs) + 32 * c + l0);
             }
             const uint32_t qs[4] = {qv.x, qv.y, qv.z, qv.w}, hs[4] = {hv.x, hv.y, hv.z, hv.w};
+            const uint32_t mg = code_magic();
             float ql = 0.0f, qh = 0.0f;
             UNROLL
             for (int i = 0; i < 4; i++) {
@@ -312,11 +341,13 @@ static HD void unit_dot(const uint8_t *const *bs, int t, const float *xb, float 
                 }
                 UNROLL
                 for (int k = 0; k < 4; k++) {
-                    ql = fmaf(byte_f(lo, k, 0.0f), xl[4 * i + k], ql);
-                    qh = fmaf(byte_f(hi, k, 0.0f), xh[4 * i + k], qh);
+                    ql = fmaf(code_f(lo, k, mg), xl[4 * i + k], ql);
+                    qh = fmaf(code_f(hi, k, mg), xh[4 * i + k], qh);
                 }
             }
-            acc[r] += d0 * ql - n0 * sxl + (d1 * qh - n1 * sxh);
+            /* Σq·x of each half from the biased codes (code_f). */
+            const float sl = fmaf(-128.0f, sxl, 256.0f * ql), sh = fmaf(-128.0f, sxh, 256.0f * qh);
+            acc[r] += d0 * sl - n0 * sxl + (d1 * sh - n1 * sxh);
         }
     } else if constexpr (K == MOE_TYPE_Q6_K) {
         /* u8 ql[128]; u8 qh[64]; i8 scales[16]; half d. Unit t: half h = t/8, l0 = 4·(t%8);
@@ -325,12 +356,14 @@ static HD void unit_dot(const uint8_t *const *bs, int t, const float *xb, float 
          * their top 2 bits from bits 2g..2g+1 of qh[l0+k]. */
         const int h = t >> 3, l0 = (t & 7) * 4, is = l0 / 16;
         const float *x0 = xb + 128 * h + l0;
-        float xs[4][4];
+        float xs[4][4], sx[4];
         UNROLL
         for (int g = 0; g < 4; g++) {
             float4 v = xin.ld4(x0 + 32 * g);
             xs[g][0] = v.x, xs[g][1] = v.y, xs[g][2] = v.z, xs[g][3] = v.w;
+            sx[g] = v.x + v.y + v.z + v.w;
         }
+        const uint32_t mg = code_magic();
         UNROLL
         for (int r = 0; r < RW; r++) {
             const uint8_t *b = bs[r], *ql = b + OFF(q6_k, ql) + 64 * h;
@@ -349,8 +382,9 @@ static HD void unit_dot(const uint8_t *const *bs, int t, const float *xb, float 
                 float sg = 0.0f;
                 UNROLL
                 for (int k = 0; k < 4; k++)
-                    sg = fmaf(byte_f(q[g], k, 32.0f), xs[g][k], sg);
-                sum = fmaf((float)sc[is + 2 * g], sg, sum);
+                    sg = fmaf(code_f(q[g], k, mg), xs[g][k], sg);
+                /* Σ(q − 32)·x from the biased codes: 256·sg − (128 + 32)·Σx. */
+                sum = fmaf((float)sc[is + 2 * g], fmaf(-160.0f, sx[g], 256.0f * sg), sum);
             }
             acc[r] += h2f(ld16(b + OFF(q6_k, d))) * sum;
         }
