@@ -69,6 +69,8 @@ WORKER_SRC := $(filter-out worker/main.c,$(wildcard worker/*.c worker/cpu/*.c))
 DAEMON_SRC := $(filter-out daemon/main.c,$(wildcard daemon/*.c))
 CLI_SRC    := $(wildcard cli/*.c)
 TEST_SRC   := $(wildcard tests/test_*.c) tests/harness.c
+# Host-only checks of the CUDA code (its __host__ __device__ parts), built when nvcc is.
+TEST_CU_SRC := $(if $(CUDA_OBJ),$(wildcard tests/test_*.cu))
 FUZZ_SRC   := $(wildcard tests/fuzz_*.c)
 BENCH_SRC  := $(wildcard bench/*.c)
 # GPU tests need a GPU to run, so `make test` never runs them; they are built whenever the CUDA
@@ -79,7 +81,7 @@ STORE_OBJ  := $(STORE_SRC:%.c=$(BUILD)/%.o) $(PROTO_GEN_C:%.c=%.o)
 WORKER_OBJ := $(WORKER_SRC:%.c=$(BUILD)/%.o) $(CUDA_OBJ)
 DAEMON_OBJ := $(DAEMON_SRC:%.c=$(BUILD)/%.o)
 CLI_OBJ    := $(CLI_SRC:%.c=$(BUILD)/%.o)
-TEST_OBJ   := $(TEST_SRC:%.c=$(BUILD)/%.o)
+TEST_OBJ   := $(TEST_SRC:%.c=$(BUILD)/%.o) $(TEST_CU_SRC:%.cu=$(BUILD)/%.o)
 GPU_TEST_OBJ := $(GPU_TEST_SRC:%.c=$(BUILD)/%.o)
 BENCH_OBJ  := $(BENCH_SRC:%.c=$(BUILD)/%.o)
 BENCH_BINS := $(BENCH_SRC:bench/%.c=$(BUILD)/bench/%)

@@ -143,19 +143,18 @@ static HD uint32_t byte_of(uint32_t w, int k)
 static HD void kq_scales(uint32_t s0, uint32_t s1, uint32_t s2, int c, float d, float dmin,
                          float *d0, float *n0, float *d1, float *n1)
 {
-    int sc[2], m[2];
-    for (int i = 0; i < 2; i++) {
-        int j = 2 * c + i, jj = j & 3;
-        uint32_t lo_sc = byte_of(s0, jj) & 63, lo_m = byte_of(s1, jj) & 63;
-        uint32_t hi_sc = (byte_of(s2, jj) & 15) | (byte_of(s0, jj) >> 6) << 4;
-        uint32_t hi_m = (byte_of(s2, jj) >> 4) | (byte_of(s1, jj) >> 6) << 4;
-        sc[i] = (int)(j < 4 ? lo_sc : hi_sc);
-        m[i] = (int)(j < 4 ? lo_m : hi_m);
-    }
-    *d0 = d * (float)sc[0];
-    *n0 = dmin * (float)m[0];
-    *d1 = d * (float)sc[1];
-    *n1 = dmin * (float)m[1];
+    /* Sub-blocks 2c and 2c+1 use bytes 2(c & 1) and 2(c & 1) + 1 of each word: both at once, in
+     * the low 16 bits, the two bytes' fields assembled side by side. */
+    const int sh = 16 * (c & 1);
+    const uint32_t h0 = s0 >> sh, h1 = s1 >> sh, h2 = s2 >> sh;
+    const uint32_t lo_sc = h0 & 0x3f3fu, lo_m = h1 & 0x3f3fu;
+    const uint32_t hi_sc = (h2 & 0x0f0fu) | ((h0 >> 2) & 0x3030u);
+    const uint32_t hi_m = ((h2 >> 4) & 0x0f0fu) | ((h1 >> 2) & 0x3030u);
+    const uint32_t sc = c < 2 ? lo_sc : hi_sc, m = c < 2 ? lo_m : hi_m;
+    *d0 = d * (float)(int)(sc & 0xffu);
+    *n0 = dmin * (float)(int)(m & 0xffu);
+    *d1 = d * (float)(int)(sc >> 8 & 0xffu);
+    *n1 = dmin * (float)(int)(m >> 8 & 0xffu);
 }
 
 /* Units per block and elements per block, by kind. */

@@ -1,0 +1,186 @@
+/* The CUDA dot-product decoders (worker/cuda/qdot.cuh) run on the host: they are
+ * __host__ __device__, so CI, which has nvcc but no GPU, checks their logic. For every type the
+ * CUDA kernels decode, a row walked unit by unit (as a warp's lanes walk it) against the store's
+ * reference decoder (moe_dequantize) and a double dot product; several rows at once against one
+ * at a time (the kernels promise the same floats per row); RMSNorm applied on the way (XNorm)
+ * against a normalised copy of x. The device-only paths (byte permutes, vector loads) are checked
+ * on the GPU by tests/gpu/test_cuda_matvec.c. */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "worker/cuda/qdot.cuh"
+
+extern "C" {
+#include "store/quant.h"
+#include "tests/harness.h"
+}
+
+static uint64_t rng = 0x9e3779b97f4a7c15ull;
+
+static float rnd(void)
+{
+    rng ^= rng << 13, rng ^= rng >> 7, rng ^= rng << 17;
+    return (float)((rng >> 40) & 0xffffff) / 16777216.0f - 0.5f;
+}
+
+/* Row r of a [rows][n] matrix of type kind_type(K), made from random floats. */
+static uint8_t *make_rows(uint32_t type, int64_t rows, int64_t n)
+{
+    const size_t rb = moe_row_bytes(type, n);
+    uint8_t *w = (uint8_t *)malloc(rb * (size_t)rows);
+    float *f = (float *)malloc(sizeof(float) * (size_t)n);
+    CHECK(w && f);
+    for (int64_t r = 0; r < rows; r++) {
+        for (int64_t i = 0; i < n; i++)
+            f[i] = rnd() * (0.05f + 0.02f * (float)((i / 32 + r) % 4));
+        CHECK_EQ(moe_quantize(type, f, w + rb * (size_t)r, n), 0);
+    }
+    free(f);
+    return w;
+}
+
+/* Σ over the units of RW rows of unit_dot<K, RW, XL>, in a warp's order: lane l's units l, l+32,
+ * ... summed per lane, then the lanes' sums added in a shuffle tree's pattern. */
+template <int K, int RW, class XL>
+static void walk(const uint8_t *const *rows, int64_t n, const float *x, const XL &xin, float *out)
+{
+    if constexpr (rows_per_warp<K>() == 1 && RW > 1) {
+        /* The plain types' decoders take one row at a time (so does row_dots_multi). */
+        for (int r = 0; r < RW; r++)
+            walk<K, 1, XL>(&rows[r], n, x, xin, &out[r]);
+        return;
+    }
+    constexpr int PB = unit_shape<K>::per_block, BL = unit_shape<K>::blck;
+    const size_t rb = moe_row_bytes(kind_type(K), n);
+    const int64_t nb = n / BL, nu = nb * PB;
+    const unsigned bb = (unsigned)(rb / (size_t)nb);
+    float lane[32][RW];
+    for (int l = 0; l < 32; l++) {
+        for (int r = 0; r < RW; r++)
+            lane[l][r] = 0.0f;
+        for (int64_t u = l; u < nu; u += 32) {
+            const uint8_t *bs[RW];
+            for (int r = 0; r < RW; r++)
+                bs[r] = rows[r] + (size_t)(u / PB) * bb;
+            unit_dot<K, RW, XL>(bs, (int)(u % PB), x + (u / PB) * BL, lane[l], xin);
+        }
+    }
+    for (int r = 0; r < RW; r++) {
+        float v[32];
+        for (int l = 0; l < 32; l++)
+            v[l] = lane[l][r];
+        for (int o = 16; o > 0; o >>= 1) {
+            float t[32];
+            for (int l = 0; l < 32; l++)
+                t[l] = v[l] + v[l ^ o];
+            memcpy(v, t, sizeof v);
+        }
+        out[r] = v[0];
+    }
+}
+
+template <int K>
+static void check_kind(const char *name)
+{
+    const uint32_t type = kind_type(K);
+    constexpr int RW = 4;
+    static const int64_t ns[] = {256, 768, 2048};
+    for (size_t ni = 0; ni < sizeof ns / sizeof ns[0]; ni++) {
+        const int64_t n = ns[ni];
+        const size_t rb = moe_row_bytes(type, n);
+        uint8_t *w = make_rows(type, RW, n);
+        float *x = (float *)malloc(sizeof(float) * (size_t)n);
+        float *g = (float *)malloc(sizeof(float) * (size_t)n);
+        float *xn = (float *)malloc(sizeof(float) * (size_t)n);
+        float *d = (float *)malloc(sizeof(float) * (size_t)n);
+        CHECK(x && g && xn && d);
+        for (int64_t i = 0; i < n; i++) {
+            x[i] = 4.0f * rnd();
+            g[i] = 1.0f + rnd();
+        }
+        const float sc = 0.37f;
+        for (int64_t i = 0; i < n; i++)
+            xn[i] = x[i] * sc * g[i];
+        const uint8_t *rows[RW];
+        for (int r = 0; r < RW; r++)
+            rows[r] = w + rb * (size_t)r;
+        float together[RW], norm[RW];
+        walk<K, RW, XPlain>(rows, n, x, XPlain(), together);
+        const XNorm xnorm = {x, g, sc};
+        walk<K, RW, XNorm>(rows, n, x, xnorm, norm);
+        for (int r = 0; r < RW; r++) {
+            CHECK_EQ(moe_dequantize(type, rows[r], d, n), 0);
+            double ref = 0.0, mag = 0.0;
+            for (int64_t i = 0; i < n; i++) {
+                ref += (double)d[i] * x[i];
+                mag += fabs((double)d[i] * x[i]);
+            }
+            float one[1], onen[1];
+            walk<K, 1, XPlain>(&rows[r], n, x, XPlain(), one);
+            walk<K, 1, XPlain>(&rows[r], n, xn, XPlain(), onen);
+            CHECK_MSG(fabs((double)one[0] - ref) <= 1e-5 * mag,
+                      "%s n=%lld row %d: %.9g, reference %.9g (Σ|w·x| %.4g)", name, (long long)n, r,
+                      (double)one[0], ref, mag);
+            CHECK_MSG(memcmp(&one[0], &together[r], sizeof(float)) == 0,
+                      "%s n=%lld row %d: %.9g alone, %.9g with %d rows", name, (long long)n, r,
+                      (double)one[0], (double)together[r], RW);
+            CHECK_MSG(memcmp(&onen[0], &norm[r], sizeof(float)) == 0,
+                      "%s n=%lld row %d: %.9g on normalised x, %.9g normalised on the way", name,
+                      (long long)n, r, (double)onen[0], (double)norm[r]);
+        }
+        free(w), free(x), free(g), free(xn), free(d);
+    }
+}
+
+TEST(qdot_host_decoders_match_the_reference)
+{
+    check_kind<MOE_TYPE_F32>("f32");
+    check_kind<KIND_F32_V>("f32 (16-byte)");
+    check_kind<MOE_TYPE_F16>("f16");
+    check_kind<KIND_F16_V>("f16 (16-byte)");
+    check_kind<MOE_TYPE_BF16>("bf16");
+    check_kind<KIND_BF16_V>("bf16 (16-byte)");
+    check_kind<MOE_TYPE_Q8_0>("q8_0");
+    check_kind<MOE_TYPE_Q4_0>("q4_0");
+    check_kind<MOE_TYPE_Q5_0>("q5_0");
+    check_kind<MOE_TYPE_Q4_1>("q4_1");
+    check_kind<MOE_TYPE_Q5_1>("q5_1");
+    check_kind<MOE_TYPE_Q4_K>("q4_K");
+    check_kind<MOE_TYPE_Q5_K>("q5_K");
+    check_kind<MOE_TYPE_Q6_K>("q6_K");
+}
+
+/* The K-quant scale decoder against the layout spelled out byte by byte (docs/kernels.md): every
+ * sub-block j's 6-bit scale and min, for random scale bytes. */
+TEST(qdot_host_k_quant_scales)
+{
+    for (int it = 0; it < 200000; it++) {
+        uint8_t b[12];
+        for (int i = 0; i < 12; i++) {
+            rng ^= rng << 13, rng ^= rng >> 7, rng ^= rng << 17;
+            b[i] = (uint8_t)(it < 256 ? it : rng >> 56);
+        }
+        uint32_t s[3];
+        memcpy(s, b, sizeof s);
+        for (int c = 0; c < 4; c++) {
+            float d0, n0, d1, n1;
+            kq_scales(s[0], s[1], s[2], c, 1.0f, 1.0f, &d0, &n0, &d1, &n1);
+            const float got[4] = {d0, n0, d1, n1};
+            for (int i = 0; i < 2; i++) {
+                const int j = 2 * c + i;
+                int sc, m;
+                if (j < 4) {
+                    sc = b[j] & 63;
+                    m = b[j + 4] & 63;
+                } else {
+                    sc = (b[j + 4] & 15) | (b[j - 4] >> 6) << 4;
+                    m = (b[j + 4] >> 4) | (b[j] >> 6) << 4;
+                }
+                CHECK_MSG(got[2 * i] == (float)sc && got[2 * i + 1] == (float)m,
+                          "sub-block %d: scale %g min %g, layout says %d %d", j,
+                          (double)got[2 * i], (double)got[2 * i + 1], sc, m);
+            }
+        }
+    }
+}
