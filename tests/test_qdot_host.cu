@@ -42,7 +42,7 @@ static uint8_t *make_rows(uint32_t type, int64_t rows, int64_t n)
 
 /* Σ over the units of RW rows of unit_dot<K, RW, XL>, in a warp's order: lane l's units l, l+32,
  * ... summed per lane, then the lanes' sums added in a shuffle tree's pattern. */
-template <int K, int RW, class XL>
+template <int K, int RW, class XL, bool Q8 = false>
 static void walk(const uint8_t *const *rows, int64_t n, const float *x, const XL &xin, float *out)
 {
     if constexpr (rows_per_warp<K>() == 1 && RW > 1) {
@@ -63,7 +63,10 @@ static void walk(const uint8_t *const *rows, int64_t n, const float *x, const XL
             const uint8_t *bs[RW];
             for (int r = 0; r < RW; r++)
                 bs[r] = rows[r] + (size_t)(u / PB) * bb;
-            unit_dot<K, RW, XL>(bs, (int)(u % PB), x + (u / PB) * BL, lane[l], xin);
+            if constexpr (Q8)
+                unit_dot_q8<K, RW, XL>(bs, (int)(u % PB), x + (u / PB) * BL, lane[l], xin);
+            else
+                unit_dot<K, RW, XL>(bs, (int)(u % PB), x + (u / PB) * BL, lane[l], xin);
         }
     }
     for (int r = 0; r < RW; r++) {
@@ -149,6 +152,58 @@ TEST(qdot_host_decoders_match_the_reference)
     check_kind<MOE_TYPE_Q4_K>("q4_K");
     check_kind<MOE_TYPE_Q5_K>("q5_K");
     check_kind<MOE_TYPE_Q6_K>("q6_K");
+}
+
+/* The int8-activation decode (MOE_Q8_ROWS builds): within 1% of Σ|w·x| of the reference (the
+ * activations are rounded to 8 bits per 16 values; the worst seen is printed), and several rows
+ * at once give each row's floats alone. */
+template <int K>
+static void check_q8(const char *name)
+{
+    const uint32_t type = kind_type(K);
+    constexpr int RW = 4;
+    double worst = 0.0;
+    for (int64_t n : {256, 768, 2048, 4096}) {
+        const size_t rb = moe_row_bytes(type, n);
+        uint8_t *w = make_rows(type, RW, n);
+        float *x = (float *)malloc(sizeof(float) * (size_t)n);
+        float *d = (float *)malloc(sizeof(float) * (size_t)n);
+        CHECK(x && d);
+        for (int64_t i = 0; i < n; i++)
+            x[i] = 4.0f * rnd() * (i % 7 == 0 ? 8.0f : 1.0f); /* some outliers per group */
+        const uint8_t *rows[RW];
+        for (int r = 0; r < RW; r++)
+            rows[r] = w + rb * (size_t)r;
+        float together[RW];
+        walk<K, RW, XPlain, true>(rows, n, x, XPlain(), together);
+        for (int r = 0; r < RW; r++) {
+            CHECK_EQ(moe_dequantize(type, rows[r], d, n), 0);
+            double ref = 0.0, mag = 0.0;
+            for (int64_t i = 0; i < n; i++) {
+                ref += (double)d[i] * x[i];
+                mag += fabs((double)d[i] * x[i]);
+            }
+            float one[1];
+            walk<K, 1, XPlain, true>(&rows[r], n, x, XPlain(), one);
+            const double e = fabs((double)one[0] - ref) / mag;
+            worst = e > worst ? e : worst;
+            CHECK_MSG(e <= 1e-2, "%s n=%lld row %d (int8 x): %.9g, reference %.9g (Σ|w·x| %.4g)",
+                      name, (long long)n, r, (double)one[0], ref, mag);
+            CHECK_MSG(memcmp(&one[0], &together[r], sizeof(float)) == 0,
+                      "%s n=%lld row %d (int8 x): %.9g alone, %.9g with %d rows", name,
+                      (long long)n, r, (double)one[0], (double)together[r], RW);
+        }
+        free(w), free(x), free(d);
+    }
+    printf("  %-6s int8 activations: worst error %.2e of Σ|w·x|\n", name, worst);
+}
+
+TEST(qdot_host_int8_activations)
+{
+    check_q8<MOE_TYPE_Q8_0>("q8_0");
+    check_q8<MOE_TYPE_Q4_K>("q4_K");
+    check_q8<MOE_TYPE_Q5_K>("q5_K");
+    check_q8<MOE_TYPE_Q6_K>("q6_K");
 }
 
 /* The K-quant scale decoder against the layout spelled out byte by byte (docs/kernels.md): every

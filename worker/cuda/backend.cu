@@ -1278,6 +1278,11 @@ static int cuda_init(struct moe_backend **out, const struct moe_model *m, struct
                          b->fused_blocks);
             else
                 snprintf(b->desc + k, sizeof b->desc - k, ", decode op by op (%s)", b->fused_why);
+#if defined(MOE_Q8_ROWS) && MOE_Q8_ROWS > 0
+            k = strlen(b->desc);
+            snprintf(b->desc + k, sizeof b->desc - k,
+                     ", int8 activations in row walks of %d+ rows (MOE_Q8_ROWS)", MOE_Q8_ROWS);
+#endif
         }
         if (b->offload) {
             int32_t smin = INT32_MAX, smax = 0, hot = 0;

@@ -53,8 +53,12 @@ static __device__ __forceinline__ void row_dots_multi_x(const uint8_t *const *ro
                 bs[r] = rowp[r] + (size_t)bi * block_bytes;
             UNROLL
             for (int i = 0; i < T; i++)
-                unit_dot<K, RW, XL>(bs, (int)((unsigned)u % PB), x[i] + (size_t)bi * BL, acc[i],
-                                    xin[i]);
+                if constexpr (q8_rows<K, RW>())
+                    unit_dot_q8<K, RW, XL>(bs, (int)((unsigned)u % PB), x[i] + (size_t)bi * BL,
+                                           acc[i], xin[i]);
+                else
+                    unit_dot<K, RW, XL>(bs, (int)((unsigned)u % PB), x[i] + (size_t)bi * BL,
+                                        acc[i], xin[i]);
         }
         UNROLL
         for (int i = 0; i < T; i++)

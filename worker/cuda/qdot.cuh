@@ -9,6 +9,7 @@
 #ifndef MOE_CUDA_QDOT_CUH
 #define MOE_CUDA_QDOT_CUH
 
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -405,6 +406,174 @@ static constexpr uint32_t kind_type(int K)
 {
     return K == KIND_F32_V ? MOE_TYPE_F32 : K == KIND_F16_V ? MOE_TYPE_F16
                                           : K == KIND_BF16_V ? MOE_TYPE_BF16 : (uint32_t)K;
+}
+
+/* ---------------------------------------------------------------- int8 activations */
+
+/* An opt-in decode for the rows of the expert kernels (MOE_Q8_ROWS, a compile-time setting; 0,
+ * the default, keeps every product in float): a lane quantises its unit's x values to int8 with
+ * one scale per 16 of them (8 for Q8_0) and multiplies them with the codes four at a time
+ * (dp4a), so the per-element work is shared by four elements. It applies to the K-quants and
+ * Q8_0 in row walks of at least MOE_Q8_ROWS rows, where the quantisation is spread over the
+ * rows: the expert kernels (4 to 8 rows), never the mat-vecs (2). Its floats are no longer the
+ * float path's (the activations are rounded to 8 bits, as llama.cpp's CUDA mat-vec does), so a
+ * build with it is held to the parity thresholds, not to the float path's 1e-5. */
+#ifndef MOE_Q8_ROWS
+#define MOE_Q8_ROWS 0
+#endif
+
+template <int K> __host__ __device__ constexpr bool q8_kind()
+{
+    return K == MOE_TYPE_Q4_K || K == MOE_TYPE_Q5_K || K == MOE_TYPE_Q6_K || K == MOE_TYPE_Q8_0;
+}
+
+template <int K, int RW> __host__ __device__ constexpr bool q8_rows()
+{
+    return MOE_Q8_ROWS > 0 && RW >= MOE_Q8_ROWS && q8_kind<K>();
+}
+
+/* Σ of the four products of the signed bytes of a and b, plus c. */
+static HD int dp4a_s8(uint32_t a, uint32_t b, int c)
+{
+#ifdef __CUDA_ARCH__
+    return __dp4a((int)a, (int)b, c);
+#else
+    for (int k = 0; k < 4; k++)
+        c += (int)(int8_t)(uint8_t)(a >> (8 * k)) * (int)(int8_t)(uint8_t)(b >> (8 * k));
+    return c;
+#endif
+}
+
+/* v[0..N) as int8 q = round(v·127/max|v|), packed four to a word (element 4j + k in byte k of
+ * w[j]); returns the scale max|v|/127 (v ≈ scale·q; 0 when v is all zero). */
+template <int N>
+static HD float q8_pack(const float *v, uint32_t *w)
+{
+    float amax = 0.0f;
+    UNROLL
+    for (int i = 0; i < N; i++)
+        amax = fmaxf(amax, fabsf(v[i]));
+    const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+    /* v·id rounded to the nearest integer (ties to even) by one FMA: adding 1.5·2^23 leaves
+     * that integer in the low mantissa bits, so byte 0 of the float's bits is its two's
+     * complement; the bytes are then gathered by permutes (no int conversions). */
+    UNROLL
+    for (int j = 0; j < N / 4; j++) {
+        uint32_t b[4];
+        UNROLL
+        for (int k = 0; k < 4; k++) {
+            const float f = fmaf(v[4 * j + k], id, 12582912.0f);
+            memcpy(&b[k], &f, sizeof f);
+        }
+#ifdef __CUDA_ARCH__
+        w[j] = __byte_perm(__byte_perm(b[0], b[1], 0x0040u), __byte_perm(b[2], b[3], 0x0040u),
+                           0x5410u);
+#else
+        w[j] = (b[0] & 0xffu) | (b[1] & 0xffu) << 8 | (b[2] & 0xffu) << 16 | (b[3] & 0xffu) << 24;
+#endif
+    }
+    return amax * (1.0f / 127.0f);
+}
+
+/* unit_dot's contract (the same units, rows and x) with int8 activations, for q8_kind types. */
+template <int K, int RW, class XL = XPlain>
+static HD void unit_dot_q8(const uint8_t *const *bs, int t, const float *xb, float *acc,
+                           const XL &xin = XL())
+{
+    static_assert(q8_kind<K>(), "int8 activations are for the K-quants and Q8_0");
+    if constexpr (K == MOE_TYPE_Q8_0) {
+        const float4 x0 = xin.ld4(xb + 8 * t), x1 = xin.ld4(xb + 8 * t + 4);
+        const float xs[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
+        uint32_t xq[2];
+        const float dx = q8_pack<8>(xs, xq);
+        UNROLL
+        for (int r = 0; r < RW; r++) {
+            const uint8_t *b = bs[r], *q = b + OFF(q8_0, qs) + 8 * t;
+            const int sq = dp4a_s8(ld32a2(q + 4), xq[1], dp4a_s8(ld32a2(q), xq[0], 0));
+            acc[r] += h2f(ld16(b + OFF(q8_0, d))) * dx * (float)sq;
+        }
+    } else if constexpr (K == MOE_TYPE_Q4_K || K == MOE_TYPE_Q5_K) {
+        const int c = t >> 1, l0 = (t & 1) * 16;
+        const float *xlp = xb + 64 * c + l0, *xhp = xlp + 32;
+        float xl[16], xh[16], sxl = 0.0f, sxh = 0.0f;
+        UNROLL
+        for (int i = 0; i < 4; i++) {
+            float4 a = xin.ld4(xlp + 4 * i), e = xin.ld4(xhp + 4 * i);
+            xl[4 * i] = a.x, xl[4 * i + 1] = a.y, xl[4 * i + 2] = a.z, xl[4 * i + 3] = a.w;
+            xh[4 * i] = e.x, xh[4 * i + 1] = e.y, xh[4 * i + 2] = e.z, xh[4 * i + 3] = e.w;
+        }
+        UNROLL
+        for (int i = 0; i < 16; i++) {
+            sxl += xl[i];
+            sxh += xh[i];
+        }
+        uint32_t ql8[4], qh8[4];
+        const float dl = q8_pack<16>(xl, ql8), dh = q8_pack<16>(xh, qh8);
+        UNROLL
+        for (int r = 0; r < RW; r++) {
+            const uint8_t *b = bs[r];
+            float d0, n0, d1, n1;
+            const uint8_t *sc = b + OFF(q4_k, scales);
+            kq_scales(*(const uint32_t *)sc, *(const uint32_t *)(sc + 4),
+                      *(const uint32_t *)(sc + 8), c, h2f(ld16(b + OFF(q4_k, d))),
+                      h2f(ld16(b + OFF(q4_k, dmin))), &d0, &n0, &d1, &n1);
+            uint4 qv, hv = make_uint4(0, 0, 0, 0);
+            if constexpr (K == MOE_TYPE_Q5_K) {
+                qv = *(const uint4 *)(b + OFF(q5_k, qs) + 32 * c + l0);
+                hv = *(const uint4 *)(b + OFF(q5_k, qh) + l0);
+            } else {
+                qv = *(const uint4 *)(b + OFF(q4_k, qs) + 32 * c + l0);
+            }
+            const uint32_t qs[4] = {qv.x, qv.y, qv.z, qv.w}, hs[4] = {hv.x, hv.y, hv.z, hv.w};
+            int il = 0, ih = 0;
+            UNROLL
+            for (int i = 0; i < 4; i++) {
+                uint32_t lo = qs[i] & 0x0f0f0f0fu, hi = (qs[i] >> 4) & 0x0f0f0f0fu;
+                if constexpr (K == MOE_TYPE_Q5_K) {
+                    lo |= ((hs[i] >> (2 * c)) & 0x01010101u) << 4;
+                    hi |= ((hs[i] >> (2 * c + 1)) & 0x01010101u) << 4;
+                }
+                il = dp4a_s8(lo, ql8[i], il);
+                ih = dp4a_s8(hi, qh8[i], ih);
+            }
+            acc[r] += d0 * (dl * (float)il) - n0 * sxl + (d1 * (dh * (float)ih) - n1 * sxh);
+        }
+    } else {
+        /* Q6_K: the unit's 16 elements (4 groups of 4) share one scale; Σ(q − 32)·x per group
+         * from Σq·xq − 32·Σxq. */
+        const int h = t >> 3, l0 = (t & 7) * 4, is = l0 / 16;
+        const float *x0 = xb + 128 * h + l0;
+        float xs[16];
+        UNROLL
+        for (int g = 0; g < 4; g++) {
+            const float4 v = xin.ld4(x0 + 32 * g);
+            xs[4 * g] = v.x, xs[4 * g + 1] = v.y, xs[4 * g + 2] = v.z, xs[4 * g + 3] = v.w;
+        }
+        uint32_t xq[4];
+        const float dx = q8_pack<16>(xs, xq);
+        int sxq[4];
+        UNROLL
+        for (int g = 0; g < 4; g++)
+            sxq[g] = dp4a_s8(0x01010101u, xq[g], 0);
+        UNROLL
+        for (int r = 0; r < RW; r++) {
+            const uint8_t *b = bs[r], *ql = b + OFF(q6_k, ql) + 64 * h;
+            const uint8_t *qhp = b + OFF(q6_k, qh) + 32 * h;
+            const int8_t *sc = (const int8_t *)(b + OFF(q6_k, scales) + 8 * h);
+            uint32_t qa = ld32a2(ql + l0), qb = ld32a2(ql + 32 + l0), hh = ld32a2(qhp + l0);
+            const uint32_t q[4] = {
+                (qa & 0x0f0f0f0fu) | ((hh << 4) & 0x30303030u),
+                (qb & 0x0f0f0f0fu) | ((hh << 2) & 0x30303030u),
+                ((qa >> 4) & 0x0f0f0f0fu) | (hh & 0x30303030u),
+                ((qb >> 4) & 0x0f0f0f0fu) | ((hh >> 2) & 0x30303030u),
+            };
+            int isum = 0;
+            UNROLL
+            for (int g = 0; g < 4; g++)
+                isum += (int)sc[is + 2 * g] * (dp4a_s8(q[g], xq[g], 0) - 32 * sxq[g]);
+            acc[r] += h2f(ld16(b + OFF(q6_k, d))) * dx * (float)isum;
+        }
+    }
 }
 
 /* The quantized types unit_dot decodes, as X(type) for each: the cases of a switch that
