@@ -83,6 +83,21 @@ static void walk(const uint8_t *const *rows, int64_t n, const float *x, const XL
     }
 }
 
+/* The reference: row decoded by moe_dequantize (into d, n floats), its dot with x in double;
+ * *mag gets Σ|w·x|, the error scale. */
+static double ref_dot(uint32_t type, const uint8_t *row, int64_t n, const float *x, float *d,
+                      double *mag)
+{
+    CHECK_EQ(moe_dequantize(type, row, d, n), 0);
+    double ref = 0.0, m = 0.0;
+    for (int64_t i = 0; i < n; i++) {
+        ref += (double)d[i] * x[i];
+        m += fabs((double)d[i] * x[i]);
+    }
+    *mag = m;
+    return ref;
+}
+
 template <int K>
 static void check_kind(const char *name)
 {
@@ -113,12 +128,8 @@ static void check_kind(const char *name)
         const XNorm xnorm = {x, g, sc};
         walk<K, RW, XNorm>(rows, n, x, xnorm, norm);
         for (int r = 0; r < RW; r++) {
-            CHECK_EQ(moe_dequantize(type, rows[r], d, n), 0);
-            double ref = 0.0, mag = 0.0;
-            for (int64_t i = 0; i < n; i++) {
-                ref += (double)d[i] * x[i];
-                mag += fabs((double)d[i] * x[i]);
-            }
+            double mag;
+            const double ref = ref_dot(type, rows[r], n, x, d, &mag);
             float one[1], onen[1];
             walk<K, 1, XPlain>(&rows[r], n, x, XPlain(), one);
             walk<K, 1, XPlain>(&rows[r], n, xn, XPlain(), onen);
@@ -177,12 +188,8 @@ static void check_q8(const char *name)
         float together[RW];
         walk<K, RW, XPlain, true>(rows, n, x, XPlain(), together);
         for (int r = 0; r < RW; r++) {
-            CHECK_EQ(moe_dequantize(type, rows[r], d, n), 0);
-            double ref = 0.0, mag = 0.0;
-            for (int64_t i = 0; i < n; i++) {
-                ref += (double)d[i] * x[i];
-                mag += fabs((double)d[i] * x[i]);
-            }
+            double mag;
+            const double ref = ref_dot(type, rows[r], n, x, d, &mag);
             float one[1];
             walk<K, 1, XPlain, true>(&rows[r], n, x, XPlain(), one);
             const double e = fabs((double)one[0] - ref) / mag;

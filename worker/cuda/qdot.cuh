@@ -158,6 +158,90 @@ static HD void kq_scales(uint32_t s0, uint32_t s1, uint32_t s2, int c, float d, 
     *n1 = dmin * (float)(int)(m >> 8 & 0xffu);
 }
 
+/* The x elements of a Q4_K/Q5_K unit t (chunk c = t/2, l0 = 16·(t%2)): the 16 that its low
+ * nibbles multiply (elements 64c + l0 + i, sub-block 2c) in xl, the 16 of its high nibbles
+ * (64c + 32 + l0 + i, sub-block 2c+1) in xh, and their sums. */
+template <class XL>
+static HD void kq_unit_x(const XL &xin, const float *xb, int t, float *xl, float *xh, float *sxl,
+                         float *sxh)
+{
+    const int c = t >> 1, l0 = (t & 1) * 16;
+    const float *xlp = xb + 64 * c + l0, *xhp = xlp + 32;
+    UNROLL
+    for (int i = 0; i < 4; i++) {
+        float4 a = xin.ld4(xlp + 4 * i), e = xin.ld4(xhp + 4 * i);
+        xl[4 * i] = a.x, xl[4 * i + 1] = a.y, xl[4 * i + 2] = a.z, xl[4 * i + 3] = a.w;
+        xh[4 * i] = e.x, xh[4 * i + 1] = e.y, xh[4 * i + 2] = e.z, xh[4 * i + 3] = e.w;
+    }
+    float l = 0.0f, h = 0.0f;
+    UNROLL
+    for (int i = 0; i < 16; i++) {
+        l += xl[i];
+        h += xh[i];
+    }
+    *sxl = l;
+    *sxh = h;
+}
+
+/* Block b's part of Q4_K/Q5_K unit t: the scales and mins of sub-blocks 2c and 2c+1 (kq_scales)
+ * and their codes, four per word (one per byte): lo[i] for xl[4i..4i+3], hi[i] for xh (Q5_K's
+ * fifth bits included). */
+template <int K>
+static HD void kq_unit_row(const uint8_t *b, int t, float *d0, float *n0, float *d1, float *n1,
+                           uint32_t *lo, uint32_t *hi)
+{
+    const int c = t >> 1, l0 = (t & 1) * 16;
+    const uint8_t *sc = b + OFF(q4_k, scales);
+    kq_scales(*(const uint32_t *)sc, *(const uint32_t *)(sc + 4), *(const uint32_t *)(sc + 8), c,
+              h2f(ld16(b + OFF(q4_k, d))), h2f(ld16(b + OFF(q4_k, dmin))), d0, n0, d1, n1);
+    uint4 qv, hv = make_uint4(0, 0, 0, 0);
+    if constexpr (K == MOE_TYPE_Q5_K) {
+        qv = *(const uint4 *)(b + OFF(q5_k, qs) + 32 * c + l0);
+        hv = *(const uint4 *)(b + OFF(q5_k, qh) + l0);
+    } else {
+        qv = *(const uint4 *)(b + OFF(q4_k, qs) + 32 * c + l0);
+    }
+    const uint32_t qs[4] = {qv.x, qv.y, qv.z, qv.w}, hs[4] = {hv.x, hv.y, hv.z, hv.w};
+    UNROLL
+    for (int i = 0; i < 4; i++) {
+        lo[i] = qs[i] & 0x0f0f0f0fu;
+        hi[i] = (qs[i] >> 4) & 0x0f0f0f0fu;
+        if constexpr (K == MOE_TYPE_Q5_K) {
+            lo[i] |= ((hs[i] >> (2 * c)) & 0x01010101u) << 4;
+            hi[i] |= ((hs[i] >> (2 * c + 1)) & 0x01010101u) << 4;
+        }
+    }
+}
+
+/* The x elements of Q6_K unit t (half h = t/8, l0 = 4·(t%8)): element 128h + 32g + l0 + k in
+ * xs[4g + k] for g, k < 4. */
+template <class XL>
+static HD void q6k_unit_x(const XL &xin, const float *xb, int t, float *xs)
+{
+    const float *x0 = xb + 128 * (t >> 3) + (t & 7) * 4;
+    UNROLL
+    for (int g = 0; g < 4; g++) {
+        const float4 v = xin.ld4(x0 + 32 * g);
+        xs[4 * g] = v.x, xs[4 * g + 1] = v.y, xs[4 * g + 2] = v.z, xs[4 * g + 3] = v.w;
+    }
+}
+
+/* Block b's part of Q6_K unit t: the 6-bit codes of group g (four per word) in q[g], whose
+ * scale is (*sc)[2g], and the block's d. The low 4 bits come from ql[l0+k] (g = 0, 2: low/high
+ * nibble) or ql[32+l0+k] (g = 1, 3), the top 2 from bits 2g..2g+1 of qh[l0+k]. */
+static HD void q6k_unit_row(const uint8_t *b, int t, uint32_t *q, const int8_t **sc, float *d)
+{
+    const int h = t >> 3, l0 = (t & 7) * 4;
+    const uint8_t *ql = b + OFF(q6_k, ql) + 64 * h, *qhp = b + OFF(q6_k, qh) + 32 * h;
+    const uint32_t qa = ld32a2(ql + l0), qb = ld32a2(ql + 32 + l0), hh = ld32a2(qhp + l0);
+    q[0] = (qa & 0x0f0f0f0fu) | ((hh << 4) & 0x30303030u);
+    q[1] = (qb & 0x0f0f0f0fu) | ((hh << 2) & 0x30303030u);
+    q[2] = ((qa >> 4) & 0x0f0f0f0fu) | (hh & 0x30303030u);
+    q[3] = ((qb >> 4) & 0x0f0f0f0fu) | ((hh >> 2) & 0x30303030u);
+    *sc = (const int8_t *)(b + OFF(q6_k, scales) + 8 * h) + l0 / 16;
+    *d = h2f(ld16(b + OFF(q6_k, d)));
+}
+
 /* Units per block and elements per block, by kind. */
 template <int K> struct unit_shape;
 template <> struct unit_shape<MOE_TYPE_F32> { enum { per_block = 1, blck = 1 }; };
@@ -295,98 +379,54 @@ static HD void unit_dot(const uint8_t *const *bs, int t, const float *xb, float 
             acc[r] += h2f(ld16(b + OFF(q4_0, d))) * sq; /* Q5_0's d is there too */
         }
     } else if constexpr (K == MOE_TYPE_Q4_K || K == MOE_TYPE_Q5_K) {
-        /* half d, dmin; u8 scales[12]; (Q5_K: u8 qh[32];) u8 qs[128]. Unit t: chunk c = t/2,
-         * l0 = 16·(t%2): 16 bytes q[32c + l0 ..], whose low nibbles are elements 64c+l0+i
-         * (sub-block 2c) and high nibbles 64c+32+l0+i (sub-block 2c+1). Per sub-block the sum
-         * is d·sc·Σq·x − dmin·m·Σx. */
-        const int c = t >> 1, l0 = (t & 1) * 16;
-        const float *xlp = xb + 64 * c + l0, *xhp = xlp + 32;
-        float xl[16], xh[16], sxl = 0.0f, sxh = 0.0f;
-        UNROLL
-        for (int i = 0; i < 4; i++) {
-            float4 a = xin.ld4(xlp + 4 * i), e = xin.ld4(xhp + 4 * i);
-            xl[4 * i] = a.x, xl[4 * i + 1] = a.y, xl[4 * i + 2] = a.z, xl[4 * i + 3] = a.w;
-            xh[4 * i] = e.x, xh[4 * i + 1] = e.y, xh[4 * i + 2] = e.z, xh[4 * i + 3] = e.w;
-        }
-        UNROLL
-        for (int i = 0; i < 16; i++) {
-            sxl += xl[i];
-            sxh += xh[i];
-        }
+        /* half d, dmin; u8 scales[12]; (Q5_K: u8 qh[32];) u8 qs[128]. Unit t: 16 bytes of qs
+         * (kq_unit_x, kq_unit_row). Per sub-block the sum is d·sc·Σq·x − dmin·m·Σx. */
+        float xl[16], xh[16], sxl, sxh;
+        kq_unit_x(xin, xb, t, xl, xh, &sxl, &sxh);
         UNROLL
         for (int r = 0; r < RW; r++) {
-            const uint8_t *b = bs[r];
             float d0, n0, d1, n1;
-            const uint8_t *sc = b + OFF(q4_k, scales);
-            kq_scales(*(const uint32_t *)sc, *(const uint32_t *)(sc + 4),
-                      *(const uint32_t *)(sc + 8), c, h2f(ld16(b + OFF(q4_k, d))),
-                      h2f(ld16(b + OFF(q4_k, dmin))), &d0, &n0,
-                      &d1, &n1);
-            uint4 qv, hv = make_uint4(0, 0, 0, 0);
-            if constexpr (K == MOE_TYPE_Q5_K) {
-                qv = *(const uint4 *)(b + OFF(q5_k, qs) + 32 * c + l0);
-                hv = *(const uint4 *)(b + OFF(q5_k, qh) + l0);
-            } else {
-                qv = *(const uint4 *)(b + OFF(q4_k, qs) + 32 * c + l0);
-            }
-            const uint32_t qs[4] = {qv.x, qv.y, qv.z, qv.w}, hs[4] = {hv.x, hv.y, hv.z, hv.w};
+            uint32_t lo[4], hi[4];
+            kq_unit_row<K>(bs[r], t, &d0, &n0, &d1, &n1, lo, hi);
             const uint32_t mg = code_magic();
             float ql = 0.0f, qh = 0.0f;
             UNROLL
-            for (int i = 0; i < 4; i++) {
-                uint32_t lo = qs[i] & 0x0f0f0f0fu, hi = (qs[i] >> 4) & 0x0f0f0f0fu;
-                if constexpr (K == MOE_TYPE_Q5_K) {
-                    lo |= ((hs[i] >> (2 * c)) & 0x01010101u) << 4;
-                    hi |= ((hs[i] >> (2 * c + 1)) & 0x01010101u) << 4;
-                }
+            for (int i = 0; i < 4; i++)
                 UNROLL
                 for (int k = 0; k < 4; k++) {
-                    ql = fmaf(code_f(lo, k, mg), xl[4 * i + k], ql);
-                    qh = fmaf(code_f(hi, k, mg), xh[4 * i + k], qh);
+                    ql = fmaf(code_f(lo[i], k, mg), xl[4 * i + k], ql);
+                    qh = fmaf(code_f(hi[i], k, mg), xh[4 * i + k], qh);
                 }
-            }
             /* Σq·x of each half from the biased codes (code_f). */
             const float sl = fmaf(-128.0f, sxl, 256.0f * ql), sh = fmaf(-128.0f, sxh, 256.0f * qh);
             acc[r] += d0 * sl - n0 * sxl + (d1 * sh - n1 * sxh);
         }
     } else if constexpr (K == MOE_TYPE_Q6_K) {
-        /* u8 ql[128]; u8 qh[64]; i8 scales[16]; half d. Unit t: half h = t/8, l0 = 4·(t%8);
-         * elements 128h + 32g + l0 + k for g = 0..3, k = 0..3, whose 6-bit codes take their
-         * low 4 bits from ql[l0+k] (g = 0, 2: low/high nibble) or ql[32+l0+k] (g = 1, 3) and
-         * their top 2 bits from bits 2g..2g+1 of qh[l0+k]. */
-        const int h = t >> 3, l0 = (t & 7) * 4, is = l0 / 16;
-        const float *x0 = xb + 128 * h + l0;
-        float xs[4][4], sx[4];
+        /* u8 ql[128]; u8 qh[64]; i8 scales[16]; half d. Unit t: 16 elements in 4 groups
+         * (q6k_unit_x, q6k_unit_row). */
+        float xs[16], sx[4];
+        q6k_unit_x(xin, xb, t, xs);
         UNROLL
-        for (int g = 0; g < 4; g++) {
-            float4 v = xin.ld4(x0 + 32 * g);
-            xs[g][0] = v.x, xs[g][1] = v.y, xs[g][2] = v.z, xs[g][3] = v.w;
-            sx[g] = v.x + v.y + v.z + v.w;
-        }
+        for (int g = 0; g < 4; g++)
+            sx[g] = xs[4 * g] + xs[4 * g + 1] + xs[4 * g + 2] + xs[4 * g + 3];
         const uint32_t mg = code_magic();
         UNROLL
         for (int r = 0; r < RW; r++) {
-            const uint8_t *b = bs[r], *ql = b + OFF(q6_k, ql) + 64 * h;
-            const uint8_t *qhp = b + OFF(q6_k, qh) + 32 * h;
-            const int8_t *sc = (const int8_t *)(b + OFF(q6_k, scales) + 8 * h);
-            uint32_t qa = ld32a2(ql + l0), qb = ld32a2(ql + 32 + l0), hh = ld32a2(qhp + l0);
-            const uint32_t q[4] = {
-                (qa & 0x0f0f0f0fu) | ((hh << 4) & 0x30303030u),
-                (qb & 0x0f0f0f0fu) | ((hh << 2) & 0x30303030u),
-                ((qa >> 4) & 0x0f0f0f0fu) | (hh & 0x30303030u),
-                ((qb >> 4) & 0x0f0f0f0fu) | ((hh >> 2) & 0x30303030u),
-            };
+            uint32_t q[4];
+            const int8_t *sc;
+            float d;
+            q6k_unit_row(bs[r], t, q, &sc, &d);
             float sum = 0.0f;
             UNROLL
             for (int g = 0; g < 4; g++) {
                 float sg = 0.0f;
                 UNROLL
                 for (int k = 0; k < 4; k++)
-                    sg = fmaf(code_f(q[g], k, mg), xs[g][k], sg);
+                    sg = fmaf(code_f(q[g], k, mg), xs[4 * g + k], sg);
                 /* Σ(q − 32)·x from the biased codes: 256·sg − (128 + 32)·Σx. */
-                sum = fmaf((float)sc[is + 2 * g], fmaf(-160.0f, sx[g], 256.0f * sg), sum);
+                sum = fmaf((float)sc[2 * g], fmaf(-160.0f, sx[g], 256.0f * sg), sum);
             }
-            acc[r] += h2f(ld16(b + OFF(q6_k, d))) * sum;
+            acc[r] += d * sum;
         }
     }
 }
@@ -493,62 +533,28 @@ static HD void unit_dot_q8(const uint8_t *const *bs, int t, const float *xb, flo
             acc[r] += h2f(ld16(b + OFF(q8_0, d))) * dx * (float)sq;
         }
     } else if constexpr (K == MOE_TYPE_Q4_K || K == MOE_TYPE_Q5_K) {
-        const int c = t >> 1, l0 = (t & 1) * 16;
-        const float *xlp = xb + 64 * c + l0, *xhp = xlp + 32;
-        float xl[16], xh[16], sxl = 0.0f, sxh = 0.0f;
-        UNROLL
-        for (int i = 0; i < 4; i++) {
-            float4 a = xin.ld4(xlp + 4 * i), e = xin.ld4(xhp + 4 * i);
-            xl[4 * i] = a.x, xl[4 * i + 1] = a.y, xl[4 * i + 2] = a.z, xl[4 * i + 3] = a.w;
-            xh[4 * i] = e.x, xh[4 * i + 1] = e.y, xh[4 * i + 2] = e.z, xh[4 * i + 3] = e.w;
-        }
-        UNROLL
-        for (int i = 0; i < 16; i++) {
-            sxl += xl[i];
-            sxh += xh[i];
-        }
+        float xl[16], xh[16], sxl, sxh;
+        kq_unit_x(xin, xb, t, xl, xh, &sxl, &sxh);
         uint32_t ql8[4], qh8[4];
         const float dl = q8_pack<16>(xl, ql8), dh = q8_pack<16>(xh, qh8);
         UNROLL
         for (int r = 0; r < RW; r++) {
-            const uint8_t *b = bs[r];
             float d0, n0, d1, n1;
-            const uint8_t *sc = b + OFF(q4_k, scales);
-            kq_scales(*(const uint32_t *)sc, *(const uint32_t *)(sc + 4),
-                      *(const uint32_t *)(sc + 8), c, h2f(ld16(b + OFF(q4_k, d))),
-                      h2f(ld16(b + OFF(q4_k, dmin))), &d0, &n0, &d1, &n1);
-            uint4 qv, hv = make_uint4(0, 0, 0, 0);
-            if constexpr (K == MOE_TYPE_Q5_K) {
-                qv = *(const uint4 *)(b + OFF(q5_k, qs) + 32 * c + l0);
-                hv = *(const uint4 *)(b + OFF(q5_k, qh) + l0);
-            } else {
-                qv = *(const uint4 *)(b + OFF(q4_k, qs) + 32 * c + l0);
-            }
-            const uint32_t qs[4] = {qv.x, qv.y, qv.z, qv.w}, hs[4] = {hv.x, hv.y, hv.z, hv.w};
+            uint32_t lo[4], hi[4];
+            kq_unit_row<K>(bs[r], t, &d0, &n0, &d1, &n1, lo, hi);
             int il = 0, ih = 0;
             UNROLL
             for (int i = 0; i < 4; i++) {
-                uint32_t lo = qs[i] & 0x0f0f0f0fu, hi = (qs[i] >> 4) & 0x0f0f0f0fu;
-                if constexpr (K == MOE_TYPE_Q5_K) {
-                    lo |= ((hs[i] >> (2 * c)) & 0x01010101u) << 4;
-                    hi |= ((hs[i] >> (2 * c + 1)) & 0x01010101u) << 4;
-                }
-                il = dp4a_s8(lo, ql8[i], il);
-                ih = dp4a_s8(hi, qh8[i], ih);
+                il = dp4a_s8(lo[i], ql8[i], il);
+                ih = dp4a_s8(hi[i], qh8[i], ih);
             }
             acc[r] += d0 * (dl * (float)il) - n0 * sxl + (d1 * (dh * (float)ih) - n1 * sxh);
         }
     } else {
         /* Q6_K: the unit's 16 elements (4 groups of 4) share one scale; Σ(q − 32)·x per group
          * from Σq·xq − 32·Σxq. */
-        const int h = t >> 3, l0 = (t & 7) * 4, is = l0 / 16;
-        const float *x0 = xb + 128 * h + l0;
         float xs[16];
-        UNROLL
-        for (int g = 0; g < 4; g++) {
-            const float4 v = xin.ld4(x0 + 32 * g);
-            xs[4 * g] = v.x, xs[4 * g + 1] = v.y, xs[4 * g + 2] = v.z, xs[4 * g + 3] = v.w;
-        }
+        q6k_unit_x(xin, xb, t, xs);
         uint32_t xq[4];
         const float dx = q8_pack<16>(xs, xq);
         int sxq[4];
@@ -557,21 +563,15 @@ static HD void unit_dot_q8(const uint8_t *const *bs, int t, const float *xb, flo
             sxq[g] = dp4a_s8(0x01010101u, xq[g], 0);
         UNROLL
         for (int r = 0; r < RW; r++) {
-            const uint8_t *b = bs[r], *ql = b + OFF(q6_k, ql) + 64 * h;
-            const uint8_t *qhp = b + OFF(q6_k, qh) + 32 * h;
-            const int8_t *sc = (const int8_t *)(b + OFF(q6_k, scales) + 8 * h);
-            uint32_t qa = ld32a2(ql + l0), qb = ld32a2(ql + 32 + l0), hh = ld32a2(qhp + l0);
-            const uint32_t q[4] = {
-                (qa & 0x0f0f0f0fu) | ((hh << 4) & 0x30303030u),
-                (qb & 0x0f0f0f0fu) | ((hh << 2) & 0x30303030u),
-                ((qa >> 4) & 0x0f0f0f0fu) | (hh & 0x30303030u),
-                ((qb >> 4) & 0x0f0f0f0fu) | ((hh >> 2) & 0x30303030u),
-            };
+            uint32_t q[4];
+            const int8_t *sc;
+            float d;
+            q6k_unit_row(bs[r], t, q, &sc, &d);
             int isum = 0;
             UNROLL
             for (int g = 0; g < 4; g++)
-                isum += (int)sc[is + 2 * g] * (dp4a_s8(q[g], xq[g], 0) - 32 * sxq[g]);
-            acc[r] += h2f(ld16(b + OFF(q6_k, d))) * dx * (float)isum;
+                isum += (int)sc[2 * g] * (dp4a_s8(q[g], xq[g], 0) - 32 * sxq[g]);
+            acc[r] += d * dx * (float)isum;
         }
     }
 }
