@@ -19,6 +19,7 @@
 #include "tests/engine_test.h"
 #include "tests/gpu/gpu_test.h"
 #include "worker/backend.h"
+#include "worker/cuda/matvec.h"
 
 
 static const char *const MODELS[] = {
@@ -75,6 +76,7 @@ struct pair {
     float *hc, *hg;
     double worst[MOE_BUF_COUNT];
     double tol; /* 0: 1e-4 */
+    bool q8;    /* experts with int8 activations (q8_experts) */
 };
 
 static void poison(struct pair *p, enum moe_buf buf)
@@ -102,6 +104,25 @@ static void sync_buf(struct pair *p, enum moe_buf buf, const char *what, int l, 
         CHECK_MSG((call_c) == 0, "cpu: %s", (p)->c->vt->errmsg((p)->c));                    \
         CHECK_MSG((call_g) == 0, "cuda: %s", (p)->g->vt->errmsg((p)->g));                   \
     } while (0)
+
+/* Whether this build computes the model's experts with int8 activations (MOE_Q8_ROWS): then
+ * the expert outputs and what follows from them are held to the parity thresholds (3e-2)
+ * instead of the float path's. */
+static bool q8_experts(const struct moe_model *m)
+{
+    if (moe_cuda_q8_rows() <= 0)
+        return false;
+    for (uint32_t l = 0; l < m->hp.n_layer; l++)
+        for (uint32_t x = 0; x < m->hp.n_expert; x++) {
+            const struct moe_expert *e = &m->layers[l].experts[x];
+            const uint32_t t[3] = {e->gate.type, e->up.type, e->down.type};
+            for (int i = 0; i < 3; i++)
+                if (t[i] == MOE_TYPE_Q4_K || t[i] == MOE_TYPE_Q5_K || t[i] == MOE_TYPE_Q6_K ||
+                    t[i] == MOE_TYPE_Q8_0)
+                    return true;
+        }
+    return false;
+}
 
 /* One step through both backends, op by op. */
 static void lockstep(struct pair *p, const struct moe_step *st, float *lc, float *lg)
@@ -163,7 +184,7 @@ static void lockstep(struct pair *p, const struct moe_step *st, float *lc, float
         free(ec), free(eg);
         sync_buf(p, MOE_BUF_SEL_W, "routing weights", l, same == p->n * k ? tol : 1.0);
         BOTH(p, c->vt->experts(c, l), g->vt->experts(g, l));
-        sync_buf(p, MOE_BUF_H, "experts + residual", l, tol);
+        sync_buf(p, MOE_BUF_H, "experts + residual", l, p->q8 ? 3e-2 : tol);
     }
     BOTH(p, c->vt->head(c), g->vt->head(g));
     BOTH(p, c->vt->end(c, lc, NULL), g->vt->end(g, lg, NULL));
@@ -199,7 +220,7 @@ TEST_TIMEOUT(cuda_backend_ops_match_cpu, 600)
         struct moe_engine *ec = engine_on(m, "cpu", 128, 3, 64, false);
         struct moe_engine *eg = engine_on(m, "cuda:0", 128, 3, 64, true);
         struct pair p = {moe_engine_backend(ec), moe_engine_backend(eg), moe_engine_dims(ec), 0,
-                         NULL, NULL, {0}, 0};
+                         NULL, NULL, {0}, 0, q8_experts(m)};
         int64_t wmax = V > 64 * 4096 ? V : 64 * 4096;
         p.hc = malloc(sizeof(float) * 64 * (size_t)wmax);
         p.hg = malloc(sizeof(float) * 64 * (size_t)wmax);
@@ -253,7 +274,7 @@ TEST_TIMEOUT(cuda_backend_prompt_ops_match_cpu, 600)
         struct moe_engine *ec = engine_on(m, "cpu", 256, 3, NMAX, false);
         struct moe_engine *eg = engine_on(m, "cuda:0", 256, 3, NMAX, false);
         struct pair p = {moe_engine_backend(ec), moe_engine_backend(eg), moe_engine_dims(ec), 0,
-                         NULL, NULL, {0}, 5e-3};
+                         NULL, NULL, {0}, 5e-3, q8_experts(m)};
         int64_t wmax = V > 64 * 4096 ? V : 64 * 4096;
         p.hc = malloc(sizeof(float) * NMAX * (size_t)wmax);
         p.hg = malloc(sizeof(float) * NMAX * (size_t)wmax);
@@ -338,8 +359,16 @@ TEST_TIMEOUT(cuda_forward_matches_cpu_and_is_deterministic, 600)
         for (int s = 0; s < steps; s++)
             same += tc[s] == tg[s];
         printf("  %-44s gpu vs cpu: rel-L2 %.2e, greedy %d/%d\n", MODELS[mi], rel, same, steps);
-        CHECK_MSG(rel < 2e-3, "rel-L2 %.3e", rel);
-        CHECK_EQ(same, steps);
+        if (q8_experts(m)) {
+            /* The parity thresholds: the tokens may part after a near-tie, so the first step's
+             * logits (the prompt's last row) carry the comparison. */
+            const double rel0 = moe_test_rel_l2(g, c, (size_t)V);
+            CHECK_MSG(rel0 < 3e-2, "rel-L2 of the prompt's logits %.3e", rel0);
+            CHECK(tc[0] == tg[0]);
+        } else {
+            CHECK_MSG(rel < 2e-3, "rel-L2 %.3e", rel);
+            CHECK_EQ(same, steps);
+        }
 
         /* The same request again on another sequence: bit-identical. */
         moe_engine_seq_clear(eg, 0);

@@ -187,6 +187,11 @@ static int launch(const struct moe_mv_job *jobs, int n_jobs, int64_t n, const fl
     return 0;
 }
 
+extern "C" int moe_cuda_q8_rows(void)
+{
+    return MOE_Q8_ROWS;
+}
+
 extern "C" int moe_cuda_matvec_supported(uint32_t type)
 {
     return moe_qdot_supported(type);

@@ -58,6 +58,10 @@ int moe_cuda_matvec_multi(uint32_t type, const struct moe_mv_job *jobs, int n_jo
                           const float *d_x, int64_t ldx, int64_t n_tok, int accumulate,
                           cudaStream_t s);
 
+/* MOE_Q8_ROWS of this build (worker/cuda/qdot.cuh): 0 when every product is in float, else the
+ * row count from which the expert kernels use int8 activations for the K-quants and Q8_0. */
+int moe_cuda_q8_rows(void);
+
 /* moe_cuda_matvec_multi for one token whose input is RMSNorm(src)·g, computed on the way (each
  * warp sums src's squares itself, in the order of the RMSNorm kernel): the products and the
  * normalised row stored in d_dst are the floats of an RMSNorm launch followed by the mat-vec, one
