@@ -859,6 +859,76 @@ static void phase(const char *what)
     fprintf(stderr, "cuda init: %8.3f s %s\n", t - t0, what);
 }
 
+/* The fused step's per-layer parameters into fl[L]; 1, with b->fused_why saying why, when a
+ * layer does not fit the fused kernel. *router_smem: whether every router is float32 with
+ * 16-byte rows (read from shared memory). */
+static int fused_table(struct cuda_backend *b, struct moe_fused_layer *fl, bool *router_smem)
+{
+    const struct moe_dims *d = &b->d;
+#define NOT_FUSED(...)                                                                      \
+    do {                                                                                    \
+        snprintf(b->fused_why, sizeof b->fused_why, __VA_ARGS__);                           \
+        return 1;                                                                           \
+    } while (0)
+    *router_smem = true;
+    for (int l = 0; l < (int)d->L; l++) {
+        const struct cuda_layer *cl = &b->layers[l];
+        struct moe_fused_layer *f = &fl[l];
+        if (cl->mixed || cl->gate_type != cl->up_type) {
+            NOT_FUSED("blk.%d: experts of several types", l);
+        }
+        struct {
+            enum moe_wid w;
+            struct moe_fused_mat *m;
+            enum moe_buf y;
+        } mats[] = {{MOE_W_Q, &f->qkv[0], MOE_BUF_Q}, {MOE_W_K, &f->qkv[1], MOE_BUF_K},
+                    {MOE_W_V, &f->qkv[2], MOE_BUF_V}, {MOE_W_O, &f->o, MOE_BUF_H},
+                    {MOE_W_ROUTER, &f->router, MOE_BUF_RL}};
+        for (size_t i = 0; i < sizeof mats / sizeof mats[0]; i++) {
+            const struct moe_tensor *t = moe_weight(b->m, l, mats[i].w);
+            struct moe_fused_geom g;
+            if (!t || !cl->w[mats[i].w] || !moe_cuda_fused_geom(t->type, t->ne[0], &g)) {
+                NOT_FUSED("blk.%d: a %s matrix", l, t ? moe_type_get(t->type)->name : "missing");
+            }
+            struct moe_fused_mat *m = mats[i].m;
+            m->w = (const uint8_t *)cl->w[mats[i].w];
+            m->y = b->buf[mats[i].y];
+            m->rows = t->ne[1];
+            m->items = (t->ne[1] + g.rows_per_item - 1) / g.rows_per_item;
+            m->row_bytes = g.row_bytes;
+            m->block_bytes = g.block_bytes;
+            m->nu = g.nu;
+            m->kind = g.kind;
+            m->rows_per_item = g.rows_per_item;
+        }
+        struct moe_fused_geom gu, dn;
+        if (!moe_cuda_fused_geom(cl->gate_type, d->E, &gu) ||
+            !moe_cuda_fused_geom(cl->down_type, d->ff, &dn)) {
+            NOT_FUSED("blk.%d: experts of type %s/%s", l, moe_type_get(cl->gate_type)->name,
+                      moe_type_get(cl->down_type)->name);
+        }
+        *router_smem = *router_smem && f->router.kind == moe_cuda_fused_kind_f32v();
+        f->attn_norm = cl->attn_norm;
+        f->ffn_norm = cl->ffn_norm;
+        f->q_norm = cl->q_norm;
+        f->k_norm = cl->k_norm;
+        f->gate = (const uint8_t *const *)cl->gate;
+        f->up = (const uint8_t *const *)cl->up;
+        f->down = (const uint8_t *const *)cl->down;
+        f->gu_row_bytes = gu.row_bytes;
+        f->gu_block_bytes = gu.block_bytes;
+        f->gu_nu = gu.nu;
+        f->gu_kind = gu.kind;
+        f->down_row_bytes = dn.row_bytes;
+        f->down_block_bytes = dn.block_bytes;
+        f->down_nu = dn.nu;
+        f->down_kind = dn.kind;
+        f->counts = b->counts + (size_t)l * d->nexp;
+    }
+    return 0;
+#undef NOT_FUSED
+}
+
 /* The fused decode step (fused.cuh), with MOE_CUDA_FUSED=1 (on the H200 it is still slower than
  * the per-op graph: docs/benchmarks.md), when the model and the configuration allow it: every
  * expert in VRAM, an f16 KV cache, head dims up to 128, experts of one type per matrix with gate
@@ -889,63 +959,10 @@ static int fused_setup(struct cuda_backend *b)
         (struct moe_fused_layer *)calloc((size_t)d->L, sizeof(struct moe_fused_layer));
     if (!fl)
         return -ENOMEM;
-    bool router_smem = true;
-    for (int l = 0; l < (int)d->L; l++) {
-        const struct cuda_layer *cl = &b->layers[l];
-        struct moe_fused_layer *f = &fl[l];
-        if (cl->mixed || cl->gate_type != cl->up_type) {
-            free(fl);
-            NOT_FUSED("blk.%d: experts of several types", l);
-        }
-        struct {
-            enum moe_wid w;
-            struct moe_fused_mat *m;
-            enum moe_buf y;
-        } mats[] = {{MOE_W_Q, &f->qkv[0], MOE_BUF_Q}, {MOE_W_K, &f->qkv[1], MOE_BUF_K},
-                    {MOE_W_V, &f->qkv[2], MOE_BUF_V}, {MOE_W_O, &f->o, MOE_BUF_H},
-                    {MOE_W_ROUTER, &f->router, MOE_BUF_RL}};
-        for (size_t i = 0; i < sizeof mats / sizeof mats[0]; i++) {
-            const struct moe_tensor *t = moe_weight(b->m, l, mats[i].w);
-            struct moe_fused_geom g;
-            if (!t || !cl->w[mats[i].w] || !moe_cuda_fused_geom(t->type, t->ne[0], &g)) {
-                free(fl);
-                NOT_FUSED("blk.%d: a %s matrix", l, t ? moe_type_get(t->type)->name : "missing");
-            }
-            struct moe_fused_mat *m = mats[i].m;
-            m->w = (const uint8_t *)cl->w[mats[i].w];
-            m->y = b->buf[mats[i].y];
-            m->rows = t->ne[1];
-            m->items = (t->ne[1] + g.rows_per_item - 1) / g.rows_per_item;
-            m->row_bytes = g.row_bytes;
-            m->block_bytes = g.block_bytes;
-            m->nu = g.nu;
-            m->kind = g.kind;
-            m->rows_per_item = g.rows_per_item;
-        }
-        struct moe_fused_geom gu, dn;
-        if (!moe_cuda_fused_geom(cl->gate_type, d->E, &gu) ||
-            !moe_cuda_fused_geom(cl->down_type, d->ff, &dn)) {
-            free(fl);
-            NOT_FUSED("blk.%d: experts of type %s/%s", l, moe_type_get(cl->gate_type)->name,
-                      moe_type_get(cl->down_type)->name);
-        }
-        router_smem = router_smem && f->router.kind == moe_cuda_fused_kind_f32v();
-        f->attn_norm = cl->attn_norm;
-        f->ffn_norm = cl->ffn_norm;
-        f->q_norm = cl->q_norm;
-        f->k_norm = cl->k_norm;
-        f->gate = (const uint8_t *const *)cl->gate;
-        f->up = (const uint8_t *const *)cl->up;
-        f->down = (const uint8_t *const *)cl->down;
-        f->gu_row_bytes = gu.row_bytes;
-        f->gu_block_bytes = gu.block_bytes;
-        f->gu_nu = gu.nu;
-        f->gu_kind = gu.kind;
-        f->down_row_bytes = dn.row_bytes;
-        f->down_block_bytes = dn.block_bytes;
-        f->down_nu = dn.nu;
-        f->down_kind = dn.kind;
-        f->counts = b->counts + (size_t)l * d->nexp;
+    bool router_smem;
+    if (fused_table(b, fl, &router_smem)) {
+        free(fl);
+        return 0;
     }
     const char *bps = getenv("MOE_CUDA_FUSED_BPS");
     int per_sm = 0;

@@ -399,10 +399,7 @@ static __global__ void combine_kernel(const float *__restrict__ dout, int64_t ld
 
 /* Expert rows are 16-byte aligned when the row length allows it (the backend aligns every
  * expert to 256 bytes), so the plain types use their vector kinds then. */
-#define PLAIN_CASES(CASE, type, n)                                                          \
-    case MOE_TYPE_F32: if (moe_row_bytes(type, n) % 16 == 0) CASE(KIND_F32_V) else CASE(MOE_TYPE_F32) \
-    case MOE_TYPE_F16: if (moe_row_bytes(type, n) % 16 == 0) CASE(KIND_F16_V) else CASE(MOE_TYPE_F16) \
-    case MOE_TYPE_BF16: if (moe_row_bytes(type, n) % 16 == 0) CASE(KIND_BF16_V) else CASE(MOE_TYPE_BF16)
+#define PLAIN_CASES(CASE, type, n) MOE_PLAIN_KINDS(CASE, moe_row_bytes(type, n) % 16 == 0)
 
 template <int K> static unsigned blk_bytes(int64_t n, size_t *row_bytes, int *nu)
 {

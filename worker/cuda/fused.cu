@@ -521,17 +521,27 @@ template <int K> static int geom(int64_t n, struct moe_fused_geom *g)
     return nb * PB <= 0x7fffffff;
 }
 
+/* geom for the kinds the fused step walks (FUSED_KINDS); 0 for the plain types' one-element
+ * kinds (rows that are not 16-byte aligned), which it does not. */
+template <int K> static int geom_of(int64_t n, struct moe_fused_geom *g)
+{
+    if constexpr (K == MOE_TYPE_F32 || K == MOE_TYPE_F16 || K == MOE_TYPE_BF16)
+        return 0;
+    else
+        return geom<K>(n, g);
+}
+
 int moe_cuda_fused_geom(uint32_t type, int64_t n, struct moe_fused_geom *g)
 {
     if (n <= 0)
         return 0;
     switch (type) {
-#define CASE(T) case T: return geom<T>(n, g);
+#define CALL(T) return geom_of<T>(n, g);
+#define CASE(T) case T: CALL(T)
     MOE_QDOT_TYPES(CASE)
+    MOE_PLAIN_KINDS(CALL, moe_row_bytes(type, n) % 16 == 0)
 #undef CASE
-    case MOE_TYPE_F32: return moe_row_bytes(type, n) % 16 == 0 && geom<KIND_F32_V>(n, g);
-    case MOE_TYPE_F16: return moe_row_bytes(type, n) % 16 == 0 && geom<KIND_F16_V>(n, g);
-    case MOE_TYPE_BF16: return moe_row_bytes(type, n) % 16 == 0 && geom<KIND_BF16_V>(n, g);
+#undef CALL
     default: return 0;
     }
 }

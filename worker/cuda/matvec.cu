@@ -241,12 +241,12 @@ static int matvec_multi(uint32_t type, const struct moe_mv_job *jobs, int n_jobs
 #define ARGS jobs, n_jobs, n, d_x, ldx, n_tok, accumulate, s, g, eps, dst
     /* The plain types read 16 bytes at a time when every row starts 16-byte aligned. */
     switch (type) {
-    case MOE_TYPE_F32: return vec ? launch<KIND_F32_V>(ARGS) : launch<MOE_TYPE_F32>(ARGS);
-    case MOE_TYPE_F16: return vec ? launch<KIND_F16_V>(ARGS) : launch<MOE_TYPE_F16>(ARGS);
-    case MOE_TYPE_BF16: return vec ? launch<KIND_BF16_V>(ARGS) : launch<MOE_TYPE_BF16>(ARGS);
-#define CASE(T) case T: return launch<T>(ARGS);
+#define CALL(T) return launch<T>(ARGS);
+#define CASE(T) case T: CALL(T)
+    MOE_PLAIN_KINDS(CALL, vec)
     MOE_QDOT_TYPES(CASE)
 #undef CASE
+#undef CALL
     }
 #undef ARGS
     return MOE_EUNSUPPORTED;

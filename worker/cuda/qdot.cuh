@@ -582,6 +582,13 @@ static HD void unit_dot_q8(const uint8_t *const *bs, int t, const float *xb, flo
     X(MOE_TYPE_Q8_0) X(MOE_TYPE_Q4_0) X(MOE_TYPE_Q4_1) X(MOE_TYPE_Q5_0) X(MOE_TYPE_Q5_1)   \
     X(MOE_TYPE_Q4_K) X(MOE_TYPE_Q5_K) X(MOE_TYPE_Q6_K)
 
+/* The plain types as cases of a switch on the type: X(kind) for each, with the kind that reads
+ * 16 bytes at a time when vec (every row 16-byte aligned), else the type itself. X returns. */
+#define MOE_PLAIN_KINDS(X, vec)                                                            \
+    case MOE_TYPE_F32: if (vec) { X(KIND_F32_V) } else { X(MOE_TYPE_F32) }                 \
+    case MOE_TYPE_F16: if (vec) { X(KIND_F16_V) } else { X(MOE_TYPE_F16) }                 \
+    case MOE_TYPE_BF16: if (vec) { X(KIND_BF16_V) } else { X(MOE_TYPE_BF16) }
+
 /* The weight types unit_dot handles: MOE_QDOT_TYPES and the plain F32, F16, BF16. */
 static inline bool moe_qdot_supported(uint32_t t)
 {
