@@ -200,6 +200,12 @@ static void check_q8(const char *name)
                       "%s n=%lld row %d (int8 x): %.9g alone, %.9g with %d rows", name,
                       (long long)n, r, (double)one[0], (double)together[r], RW);
         }
+        /* A NaN in x reaches the product, as in the float path. */
+        x[n / 3] = NAN;
+        float nanv[1];
+        walk<K, 1, XPlain, true>(&rows[0], n, x, XPlain(), nanv);
+        CHECK_MSG(isnan(nanv[0]), "%s n=%lld: a NaN in x gave %.9g", name, (long long)n,
+                  (double)nanv[0]);
         free(w), free(x), free(d);
     }
     printf("  %-6s int8 activations: worst error %.2e of Σ|w·x|\n", name, worst);

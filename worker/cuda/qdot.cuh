@@ -489,10 +489,19 @@ static HD int dp4a_s8(uint32_t a, uint32_t b, int c)
 template <int N>
 static HD float q8_pack(const float *v, uint32_t *w)
 {
-    float amax = 0.0f;
+    /* max |v| as the largest of the bit patterns without the sign: the order of non-negative
+     * floats, and a NaN is larger than any of them, so it makes the scale NaN (fmaxf would drop
+     * it and the NaN would vanish from the product). */
+    uint32_t abits = 0;
     UNROLL
-    for (int i = 0; i < N; i++)
-        amax = fmaxf(amax, fabsf(v[i]));
+    for (int i = 0; i < N; i++) {
+        uint32_t u;
+        memcpy(&u, &v[i], sizeof u);
+        u &= 0x7fffffffu;
+        abits = u > abits ? u : abits;
+    }
+    float amax;
+    memcpy(&amax, &abits, sizeof amax);
     const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
     /* v·id rounded to the nearest integer (ties to even) by one FMA: adding 1.5·2^23 leaves
      * that integer in the low mantissa bits, so byte 0 of the float's bits is its two's
