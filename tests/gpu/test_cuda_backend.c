@@ -476,6 +476,45 @@ TEST_TIMEOUT(cuda_fused_step_equals_op_by_op, 600)
     CHECK_MSG(fused_models >= 4, "only %d models ran the fused step", fused_models);
 }
 
+/* Four prompts of random tokens (lengths plen, at most 100) on sequences 0..3 of engines a and b,
+ * then `steps` decode steps: the first `solo` of sequence 0 alone, the others of all four, each
+ * feeding b's greedy tokens to both. Returns how many of the logits differ in their bits. */
+static size_t two_engines_diff(struct moe_engine *a, struct moe_engine *b, int64_t V,
+                               const uint32_t plen[4], int steps, int solo)
+{
+    float *la = malloc(sizeof(float) * 100 * (size_t)V);
+    float *lb = malloc(sizeof(float) * 100 * (size_t)V);
+    int32_t *prompt = malloc(sizeof(int32_t) * 100);
+    CHECK(la && lb && prompt);
+    int32_t last[4], pos[4], sq[4] = {0, 1, 2, 3};
+    size_t diff = 0;
+    for (int q = 0; q < 4; q++) {
+        CHECK(plen[q] >= 1 && plen[q] <= 100);
+        for (uint32_t i = 0; i < plen[q]; i++)
+            prompt[i] = (int32_t)(moe_test_rng_u32() % V);
+        test_prefill(a, q, 0, prompt, plen[q], la);
+        test_prefill(b, q, 0, prompt, plen[q], lb);
+        for (size_t i = 0; i < (size_t)plen[q] * (size_t)V; i++)
+            diff += memcmp(&la[i], &lb[i], sizeof(float)) != 0;
+        last[q] = (int32_t)moe_test_argmax(lb + (size_t)(plen[q] - 1) * V, (size_t)V);
+        pos[q] = (int32_t)plen[q];
+    }
+    for (int st = 0; st < steps; st++) {
+        const int n = st < solo ? 1 : 4;
+        struct moe_batch bt = {.n = n, .token = last, .pos = pos, .seq = sq};
+        CHECK_MSG(moe_engine_forward(a, &bt, la) == 0, "%s", moe_engine_errmsg(a));
+        CHECK_MSG(moe_engine_forward(b, &bt, lb) == 0, "%s", moe_engine_errmsg(b));
+        for (size_t i = 0; i < (size_t)n * (size_t)V; i++)
+            diff += memcmp(&la[i], &lb[i], sizeof(float)) != 0;
+        for (int q = 0; q < n; q++) {
+            last[q] = (int32_t)moe_test_argmax(lb + (size_t)q * V, (size_t)V);
+            pos[q]++;
+        }
+    }
+    free(la), free(lb), free(prompt);
+    return diff;
+}
+
 /* Expert slots grouped by expert (MOE_CUDA_GROUP_MIN=1: every step of several tokens groups)
  * give the floats of the per-slot kernels bit for bit: 40- and 100-token prompts and decode
  * batches of 4 sequences, CUDA-core kernels only (MOE_CUDA_GEMM=0) so that prompts group too. */
@@ -495,37 +534,10 @@ TEST_TIMEOUT(cuda_grouped_experts_equal_per_slot, 600)
         unsetenv("MOE_CUDA_GROUP_MIN");
         unsetenv("MOE_CUDA_GEMM");
         const uint32_t plen[4] = {40, 100, 17, 63};
-        float *lg = malloc(sizeof(float) * 100 * (size_t)V);
-        float *lp = malloc(sizeof(float) * 100 * (size_t)V);
-        int32_t *prompt = malloc(sizeof(int32_t) * 100);
-        CHECK(lg && lp && prompt);
         moe_test_rng_seed(91 + mi);
-        int32_t last[4];
-        size_t diff = 0;
-        for (int q = 0; q < 4; q++) {
-            for (uint32_t i = 0; i < plen[q]; i++)
-                prompt[i] = (int32_t)(moe_test_rng_u32() % V);
-            test_prefill(g, q, 0, prompt, plen[q], lg);
-            test_prefill(p, q, 0, prompt, plen[q], lp);
-            for (size_t i = 0; i < (size_t)plen[q] * (size_t)V; i++)
-                diff += memcmp(&lg[i], &lp[i], sizeof(float)) != 0;
-            last[q] = (int32_t)moe_test_argmax(lp + (size_t)(plen[q] - 1) * V, (size_t)V);
-        }
-        for (int st = 0; st < 6; st++) {
-            int32_t ps[4], sq[4] = {0, 1, 2, 3};
-            for (int q = 0; q < 4; q++)
-                ps[q] = (int32_t)plen[q] + st;
-            struct moe_batch b = {.n = 4, .token = last, .pos = ps, .seq = sq};
-            CHECK_MSG(moe_engine_forward(g, &b, lg) == 0, "%s", moe_engine_errmsg(g));
-            CHECK_MSG(moe_engine_forward(p, &b, lp) == 0, "%s", moe_engine_errmsg(p));
-            for (size_t i = 0; i < 4 * (size_t)V; i++)
-                diff += memcmp(&lg[i], &lp[i], sizeof(float)) != 0;
-            for (int q = 0; q < 4; q++)
-                last[q] = (int32_t)moe_test_argmax(lp + (size_t)q * V, (size_t)V);
-        }
+        const size_t diff = two_engines_diff(g, p, V, plen, 6, 0);
         printf("  %-44s grouped vs per slot: %zu logits differ\n", MODELS[mi], diff);
         CHECK_EQ(diff, 0);
-        free(lg), free(lp), free(prompt);
         moe_engine_free(g);
         moe_engine_free(p);
         test_model_close(&tm);
@@ -548,41 +560,16 @@ TEST_TIMEOUT(cuda_folded_launches_equal_separate_ones, 600)
         const int64_t V = m->hp.n_vocab;
         const size_t LE = (size_t)m->hp.n_layer * m->hp.n_expert;
         struct moe_engine *f = engine_on(m, "cuda:0", 160, 4, 0, false);
-        float *lf = malloc(sizeof(float) * 100 * (size_t)V);
-        float *lr = malloc(sizeof(float) * 100 * (size_t)V);
-        int32_t *prompt = malloc(sizeof(int32_t) * 100);
         uint64_t *cf = calloc(LE, sizeof *cf), *cr = calloc(LE, sizeof *cr);
-        CHECK(lf && lr && prompt && cf && cr);
+        CHECK(cf && cr);
         for (int v = 0; v < 2; v++) {
             setenv(off[v], "0", 1);
             struct moe_engine *r = engine_on(m, "cuda:0", 160, 4, 0, false);
             unsetenv(off[v]);
             const uint32_t plen[4] = {23, 90, 5, 41};
             moe_test_rng_seed(311 + mi);
-            int32_t last[4];
-            size_t diff = 0;
-            for (int q = 0; q < 4; q++) {
-                for (uint32_t i = 0; i < plen[q]; i++)
-                    prompt[i] = (int32_t)(moe_test_rng_u32() % V);
-                test_prefill(f, q, 0, prompt, plen[q], lf);
-                test_prefill(r, q, 0, prompt, plen[q], lr);
-                for (size_t i = 0; i < (size_t)plen[q] * (size_t)V; i++)
-                    diff += memcmp(&lf[i], &lr[i], sizeof(float)) != 0;
-                last[q] = (int32_t)moe_test_argmax(lr + (size_t)(plen[q] - 1) * V, (size_t)V);
-            }
-            for (int st = 0; st < 8; st++) {
-                const int n = st < 4 ? 1 : 4; /* sequence 0 alone, then all four */
-                int32_t ps[4], sq[4] = {0, 1, 2, 3};
-                for (int q = 0; q < 4; q++)
-                    ps[q] = (int32_t)plen[q] + (q == 0 ? st : st - 4);
-                struct moe_batch b = {.n = n, .token = last, .pos = ps, .seq = sq};
-                CHECK_MSG(moe_engine_forward(f, &b, lf) == 0, "%s", moe_engine_errmsg(f));
-                CHECK_MSG(moe_engine_forward(r, &b, lr) == 0, "%s", moe_engine_errmsg(r));
-                for (size_t i = 0; i < (size_t)n * (size_t)V; i++)
-                    diff += memcmp(&lf[i], &lr[i], sizeof(float)) != 0;
-                for (int q = 0; q < n; q++)
-                    last[q] = (int32_t)moe_test_argmax(lr + (size_t)q * V, (size_t)V);
-            }
+            /* Sequence 0 alone for 4 steps (folded), then all four. */
+            const size_t diff = two_engines_diff(f, r, V, plen, 8, 4);
             CHECK_EQ(moe_engine_routing_counts(f, cf), 0);
             CHECK_EQ(moe_engine_routing_counts(r, cr), 0);
             /* f has run the same steps once per variant so far: its counts are v + 1 times r's. */
@@ -595,7 +582,7 @@ TEST_TIMEOUT(cuda_folded_launches_equal_separate_ones, 600)
             CHECK_EQ(cdiff, 0);
             moe_engine_free(r);
         }
-        free(lf), free(lr), free(prompt), free(cf), free(cr);
+        free(cf), free(cr);
         moe_engine_free(f);
         test_model_close(&tm);
     }

@@ -599,17 +599,12 @@ int moe_cuda_fused_launch(const struct moe_fused_args *a, int blocks, int per_sm
         return -EINVAL;
     const size_t bar_bytes = sizeof(unsigned) * (MOE_FUSED_BAR_WORDS + (size_t)a->sm_slots);
     MOE_CUDA_TRY(cudaMemsetAsync(a->bar, 0, bar_bytes, s));
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3((unsigned)blocks);
-    cfg.blockDim = dim3(FUSED_THREADS);
-    cfg.dynamicSmemBytes = smem;
-    cfg.stream = s;
-    cudaLaunchAttribute at[1];
-    at[0].id = cudaLaunchAttributeCooperative;
-    at[0].val.cooperative = 1;
-    cfg.attrs = at;
-    cfg.numAttrs = coop ? 1 : 0;
-    MOE_CUDA_TRY(per_sm >= 2 ? cudaLaunchKernelEx(&cfg, fused_decode_kernel<2>, *a)
-                             : cudaLaunchKernelEx(&cfg, fused_decode_kernel<1>, *a));
+    cudaLaunchAttribute at;
+    at.id = cudaLaunchAttributeCooperative;
+    at.val.cooperative = 1;
+    const dim3 g((unsigned)blocks), th(FUSED_THREADS);
+    MOE_CUDA_TRY(per_sm >= 2
+                     ? moe_launch_with(fused_decode_kernel<2>, g, th, smem, s, coop ? &at : NULL, *a)
+                     : moe_launch_with(fused_decode_kernel<1>, g, th, smem, s, coop ? &at : NULL, *a));
     return 0;
 }

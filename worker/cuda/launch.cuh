@@ -41,21 +41,30 @@ static inline bool moe_pdl_enabled()
     return on != 0;
 }
 
+/* A launch with one attribute, or none (at NULL). */
 template <typename... KArgs, typename... Args>
-static inline cudaError_t moe_launch(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem,
-                                     cudaStream_t s, Args... args)
+static inline cudaError_t moe_launch_with(void (*kernel)(KArgs...), dim3 grid, dim3 block,
+                                          size_t smem, cudaStream_t s, cudaLaunchAttribute *at,
+                                          Args... args)
 {
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = grid;
     cfg.blockDim = block;
     cfg.dynamicSmemBytes = smem;
     cfg.stream = s;
-    cudaLaunchAttribute at[1];
-    at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    at[0].val.programmaticStreamSerializationAllowed = 1;
     cfg.attrs = at;
-    cfg.numAttrs = moe_pdl_enabled() ? 1 : 0;
+    cfg.numAttrs = at ? 1 : 0;
     return cudaLaunchKernelEx(&cfg, kernel, ((KArgs)args)...);
+}
+
+template <typename... KArgs, typename... Args>
+static inline cudaError_t moe_launch(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem,
+                                     cudaStream_t s, Args... args)
+{
+    cudaLaunchAttribute at;
+    at.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    at.val.programmaticStreamSerializationAllowed = 1;
+    return moe_launch_with(kernel, grid, block, smem, s, moe_pdl_enabled() ? &at : NULL, args...);
 }
 
 #endif

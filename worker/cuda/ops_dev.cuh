@@ -432,6 +432,25 @@ static __device__ __forceinline__ void route_softmax_warp(const float *r, int ne
     __syncwarp();
 }
 
+/* The end of a warp's top-k once all k choices are stored in sel_e / sel_w as they were picked:
+ * the weights renormalised by their double sum wsum (norm_topk), then the counters, all choices
+ * at once (integer adds, so their order does not matter, and one round trip instead of one per
+ * choice). */
+static __device__ __forceinline__ void route_finish_warp(int k, bool norm_topk, double wsum,
+                                                         int32_t *sel_e, float *sel_w,
+                                                         unsigned long long *counts)
+{
+    const int lane = threadIdx.x & 31;
+    __syncwarp();
+    if (norm_topk && wsum > 0.0)
+        for (int j = lane; j < k; j += 32)
+            sel_w[j] = (float)(sel_w[j] / wsum);
+    if (counts)
+        for (int j = lane; j < k; j += 32)
+            atomicAdd(&counts[sel_e[j]], 1ull);
+    __syncwarp();
+}
+
 /* The top-k of route_warp over the probabilities p (route_softmax_warp), which it consumes. */
 static __device__ __forceinline__ void route_topk_warp(int ne, int k, bool norm_topk,
                                                        int32_t *sel_e, float *sel_w,
@@ -477,16 +496,7 @@ static __device__ __forceinline__ void route_topk_warp(int ne, int k, bool norm_
             }
         }
     }
-    __syncwarp();
-    if (norm_topk && wsum > 0.0)
-        for (int j = lane; j < k; j += 32)
-            sel_w[j] = (float)(sel_w[j] / wsum);
-    /* The counters, all choices at once (lane j & 31 wrote choice j): integer adds, so their
-     * order does not matter, and one round trip instead of one per choice. */
-    if (counts)
-        for (int j = lane; j < k; j += 32)
-            atomicAdd(&counts[sel_e[j]], 1ull);
-    __syncwarp();
+    route_finish_warp(k, norm_topk, wsum, sel_e, sel_w, counts);
 }
 
 /* Shared floats one routing warp needs when it also keeps its k choices there (p, then sel_e and
@@ -581,15 +591,8 @@ static __device__ __forceinline__ void route_warp_reg(const float *r, int ne, in
         if (k <= 32 && counts)
             atomicAdd(&counts[chosen_e], 1ull);
     }
-    if (k > 32) {
-        __syncwarp();
-        if (norm_topk && wsum > 0.0)
-            for (int j = lane; j < k; j += 32)
-                sel_w[j] = (float)(sel_w[j] / wsum);
-        if (counts)
-            for (int j = lane; j < k; j += 32)
-                atomicAdd(&counts[sel_e[j]], 1ull);
-    }
+    if (k > 32)
+        route_finish_warp(k, norm_topk, wsum, sel_e, sel_w, counts);
     __syncwarp();
 }
 
