@@ -16,12 +16,10 @@ extern "C" {
 #include "tests/harness.h"
 }
 
-static uint64_t rng = 0x9e3779b97f4a7c15ull;
-
+/* Uniform in [-0.5, 0.5), from the harness's generator. */
 static float rnd(void)
 {
-    rng ^= rng << 13, rng ^= rng >> 7, rng ^= rng << 17;
-    return (float)((rng >> 40) & 0xffffff) / 16777216.0f - 0.5f;
+    return (float)moe_test_rng_u32() / 4294967296.0f - 0.5f;
 }
 
 /* Row r of a [rows][n] matrix of type kind_type(K), made from random floats. */
@@ -149,6 +147,7 @@ static void check_kind(const char *name)
 
 TEST(qdot_host_decoders_match_the_reference)
 {
+    moe_test_rng_seed(11);
     check_kind<MOE_TYPE_F32>("f32");
     check_kind<KIND_F32_V>("f32 (16-byte)");
     check_kind<MOE_TYPE_F16>("f16");
@@ -213,6 +212,7 @@ static void check_q8(const char *name)
 
 TEST(qdot_host_int8_activations)
 {
+    moe_test_rng_seed(12);
     check_q8<MOE_TYPE_Q8_0>("q8_0");
     check_q8<MOE_TYPE_Q4_K>("q4_K");
     check_q8<MOE_TYPE_Q5_K>("q5_K");
@@ -223,12 +223,11 @@ TEST(qdot_host_int8_activations)
  * sub-block j's 6-bit scale and min, for random scale bytes. */
 TEST(qdot_host_k_quant_scales)
 {
+    moe_test_rng_seed(13);
     for (int it = 0; it < 200000; it++) {
         uint8_t b[12];
-        for (int i = 0; i < 12; i++) {
-            rng ^= rng << 13, rng ^= rng >> 7, rng ^= rng << 17;
-            b[i] = (uint8_t)(it < 256 ? it : rng >> 56);
-        }
+        for (int i = 0; i < 12; i++)
+            b[i] = (uint8_t)(it < 256 ? it : moe_test_rng_u32() >> 24);
         uint32_t s[3];
         memcpy(s, b, sizeof s);
         for (int c = 0; c < 4; c++) {

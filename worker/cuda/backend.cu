@@ -233,6 +233,13 @@ static int cu_err(struct cuda_backend *b, int code, const char *fmt, ...)
                           (b)->dev, what, moe_strerror(rc_));                               \
     } while (0)
 
+/* A switch that is on unless the variable is "0". */
+static bool env_on(const char *name)
+{
+    const char *v = getenv(name);
+    return !v || strcmp(v, "0") != 0;
+}
+
 /* An internal step whose error message is already set. */
 #define TRY_CU(call)                                                                        \
     do {                                                                                    \
@@ -1021,7 +1028,7 @@ static int fused_setup(struct cuda_backend *b)
     a->att_scale = (float)(1.0 / sqrt((double)d->hd));
     a->norm_topk = d->norm_topk;
     a->router_smem = router_smem;
-    a->prefetch = !getenv("MOE_CUDA_FUSED_PREFETCH") || strcmp(getenv("MOE_CUDA_FUSED_PREFETCH"), "0");
+    a->prefetch = env_on("MOE_CUDA_FUSED_PREFETCH");
     a->bar = b->fused_bar;
     a->sm_slots = MOE_FUSED_SM_SLOTS;
     a->spare_barriers = getenv("MOE_CUDA_FUSED_SPARE") ? atoi(getenv("MOE_CUDA_FUSED_SPARE")) : 0;
@@ -1082,16 +1089,16 @@ static int cuda_init(struct moe_backend **out, const struct moe_model *m, struct
     b->d = *d;
     b->dev = d->device;
     b->use_graphs = getenv("MOE_CUDA_NO_GRAPHS") == NULL;
-    b->use_gemm = getenv("MOE_CUDA_GEMM") == NULL || strcmp(getenv("MOE_CUDA_GEMM"), "0") != 0;
-    b->use_flash = getenv("MOE_CUDA_FLASH") == NULL || strcmp(getenv("MOE_CUDA_FLASH"), "0") != 0;
+    b->use_gemm = env_on("MOE_CUDA_GEMM");
+    b->use_flash = env_on("MOE_CUDA_FLASH");
     b->profile = getenv("MOE_CUDA_PROFILE") != NULL;
     b->profile_steps = b->profile && !strcmp(getenv("MOE_CUDA_PROFILE"), "steps");
     b->group_min = getenv("MOE_CUDA_GROUP_MIN") ? atoll(getenv("MOE_CUDA_GROUP_MIN"))
                                                 : MOE_CUDA_GROUP_MIN;
     if (b->group_min < 1)
         b->group_min = 1;
-    b->route_fold = !getenv("MOE_CUDA_ROUTE_FOLD") || atoi(getenv("MOE_CUDA_ROUTE_FOLD")) != 0;
-    b->norm_fold = !getenv("MOE_CUDA_NORM_FOLD") || atoi(getenv("MOE_CUDA_NORM_FOLD")) != 0;
+    b->route_fold = env_on("MOE_CUDA_ROUTE_FOLD");
+    b->norm_fold = env_on("MOE_CUDA_NORM_FOLD");
     b->route_pending = -1;
     int rc = 0;
     int count = 0;
@@ -1813,9 +1820,7 @@ static bool route_folds(const struct cuda_backend *b, int l)
     if (!b->route_fold || b->n != 1 || cl->slots < b->d.nexp || cl->mixed ||
         cl->gate_type != cl->up_type)
         return false;
-    if (use_gemm(b, cl->gate_type) && use_gemm(b, cl->up_type) && use_gemm(b, cl->down_type))
-        return false;
-    return k < b->group_min * b->d.nexp;
+    return k < b->group_min * b->d.nexp; /* (one token never takes the tensor cores) */
 }
 
 static int launch_route(struct cuda_backend *b, int l)
