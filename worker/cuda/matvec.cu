@@ -94,28 +94,17 @@ matvec_kernel(const mv_args a, int64_t n_tok)
         }
     pdl_wait();
     pdl_trigger();
+    float sc = 0.0f;
     if constexpr (NORM) {
         /* Every warp computes the scale (no block barrier); the first warps of the grid also
-         * store the normalised row, 128 elements each. */
+         * store the normalised row, 128 elements each (a.x is the one token's source row). */
         const int64_t width = (int64_t)a.nu / unit_shape<K>::per_block * unit_shape<K>::blck;
-        const float sc = rms_scale(row_ss_warp(a.x, width), width, a.eps);
+        sc = rms_scale(row_ss_warp(a.x, width), width, a.eps);
         const int64_t nwarp = (int64_t)gridDim.x * (blockDim.x >> 5);
         for (int64_t c = (int64_t)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
              c * 128 < width; c += nwarp)
             for (int64_t i = c * 128 + lane; i < (c + 1) * 128 && i < width; i += 32)
                 a.dst[i] = a.x[i] * sc * a.g[i];
-        if (!live)
-            return;
-        const XNorm xn = {a.x, a.g, sc};
-        const float *xt[1] = {a.x};
-        float acc[1][RW];
-        mv_warp<K, 1, XNorm>(w0, rs, a.block_bytes, a.nu, xt, acc, &xn);
-        if (lane == 0) {
-            sg.y[row] = acc[0][0];
-            if (RW == 2 && has2)
-                sg.y[row + 1] = acc[0][RW - 1];
-        }
-        return;
     }
     if (!live)
         return;
@@ -125,7 +114,12 @@ matvec_kernel(const mv_args a, int64_t n_tok)
     for (int i = 0; i < T; i++)
         xt[i] = a.x + (t0 + i < n_tok ? t0 + i : t0) * a.ldx;
     float acc[T][RW];
-    mv_warp<K, T>(w0, rs, a.block_bytes, a.nu, xt, acc);
+    if constexpr (NORM) {
+        const XNorm xn = {a.x, a.g, sc};
+        mv_warp<K, 1, XNorm>(w0, rs, a.block_bytes, a.nu, xt, acc, &xn);
+    } else {
+        mv_warp<K, T>(w0, rs, a.block_bytes, a.nu, xt, acc);
+    }
     if (lane == 0) {
         UNROLL
         for (int i = 0; i < T; i++) {
