@@ -340,15 +340,15 @@ down_grouped_kernel(const uint8_t *const *__restrict__ da, size_t row_bytes, uns
         return;
     if (etype && etype[act_list[blockIdx.y]] != want)
         return;
-    constexpr int HALF = DOWN_ROWS / 4; /* rows per pass */
+    constexpr int HALF = DOWNG_ROWS / 4; /* rows per pass */
     const int w = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    const int64_t r0 = (int64_t)blockIdx.x * DOWN_ROWS;
+    const int64_t r0 = (int64_t)blockIdx.x * DOWNG_ROWS;
     const int e = act_list[blockIdx.y];
     const uint8_t *base = da[e];
     const int32_t s0 = ex_off[e], s1 = ex_off[e + 1];
     /* Items (chunk of up to GROUP_T slots, pass of HALF rows) over the warps, so an expert with
      * few slots still keeps several warps busy; a chunk of 3 goes as 2 + 1. */
-    constexpr int PASSES = DOWN_ROWS / HALF;
+    constexpr int PASSES = DOWNG_ROWS / HALF;
     const int32_t nchunks = (s1 - s0 + GROUP_T - 1) / GROUP_T;
     for (int32_t it = w; it < nchunks * PASSES; it += nw) {
         const int hf = (int)(it % PASSES);
@@ -557,7 +557,7 @@ static int launch_down_grouped(const void *const *d, int64_t ff, int64_t E, cons
     size_t rb;
     int nu;
     unsigned bb = blk_bytes<K>(ff, &rb, &nu);
-    dim3 g((unsigned)((E + DOWN_ROWS - 1) / DOWN_ROWS), (unsigned)max_active);
+    dim3 g((unsigned)((E + DOWNG_ROWS - 1) / DOWNG_ROWS), (unsigned)max_active);
     MOE_CUDA_TRY(moe_launch(down_grouped_kernel<K>, g, dim3(32 * DOWN_WARPS), 0, s,
                             (const uint8_t *const *)d, rb, bb, nu, E, act, ldact,
                             (const int32_t *)gr->ex_off, (const int32_t *)gr->slot_list,

@@ -23,10 +23,16 @@ static __device__ __forceinline__ float silu_f(float g)
 /* Rows per warp in the grouped gate/up (fewer than GU_ROWS: GROUP_T inputs share registers). */
 #define GUG_ROWS 2
 
-/* Two rows of one token per block, one warp per expert (j = warp, warp + DOWN_WARPS, ...). */
+/* DOWN_ROWS rows of one token per block, one warp per expert (j = warp, warp + DOWN_WARPS, ...),
+ * in two passes of DOWN_ROWS/2 rows. At one token 8 rows give 256 blocks for a 2048-wide model
+ * (two per SM on an H200): measured 275 -> 307 tok/s against 16 rows (docs/benchmarks.md). */
 #define DOWN_WARPS 8
 #ifndef DOWN_ROWS /* a build for measurements may set it (a multiple of 4) */
-#define DOWN_ROWS 16
+#define DOWN_ROWS 8
+#endif
+/* Rows per block of the grouped down kernel (passes of DOWNG_ROWS/4 rows over the warps). */
+#ifndef DOWNG_ROWS
+#define DOWNG_ROWS 16
 #endif
 
 /* One warp: rows r0 .. r0+GU_ROWS-1 of gate (table a's expert at ga) and of up (ua), with input x;
