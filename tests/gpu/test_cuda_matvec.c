@@ -289,3 +289,106 @@ TEST(cuda_matvec_rejects_bad_arguments)
     CU(cudaFree(dx));
     CU(cudaFree(dy));
 }
+
+/* moe_cuda_matvec_mixed: matrices of two types in one launch give, bit for bit, the products of
+ * one launch per type, plain (1, 3 and 8 tokens) and with the RMSNorm on the way (one token,
+ * the normalised row too); a pair without a kernel is refused. */
+static void check_mixed_pair(uint32_t t1, uint32_t t2, uint64_t seed)
+{
+    static const int64_t ns[] = {256, 2048};
+    static const int64_t toks[] = {1, 3, 8};
+    const int64_t r1a = 100, r1b = 31, r2 = 45, T = 8;
+    const float eps = 1e-6f;
+    need_gpu();
+    moe_test_rng_seed(seed);
+    cudaStream_t st;
+    CU(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+    for (size_t i = 0; i < sizeof ns / sizeof ns[0]; i++) {
+        const int64_t n = ns[i], rows = r1a + r1b + r2;
+        uint8_t *w1 = make_weights(t1, r1a + r1b, n), *w2 = make_weights(t2, r2, n);
+        const size_t b1 = moe_row_bytes(t1, n) * (size_t)(r1a + r1b);
+        const size_t b2 = moe_row_bytes(t2, n) * (size_t)r2;
+        float *x = malloc(sizeof(float) * (size_t)(T * n)), *g = malloc(sizeof(float) * (size_t)n);
+        float *ya = malloc(sizeof(float) * (size_t)(T * rows));
+        float *yb = malloc(sizeof(float) * (size_t)(T * rows));
+        float *da = malloc(sizeof(float) * (size_t)n), *db = malloc(sizeof(float) * (size_t)n);
+        CHECK(x && g && ya && yb && da && db);
+        for (int64_t k = 0; k < T * n; k++)
+            x[k] = rng_f() * 2.0f;
+        for (int64_t k = 0; k < n; k++)
+            g[k] = 0.5f + rng_f();
+        uint8_t *dw1, *dw2;
+        float *dx, *dg, *dy, *dd;
+        CU(cudaMalloc((void **)&dw1, b1));
+        CU(cudaMalloc((void **)&dw2, b2));
+        CU(cudaMalloc((void **)&dx, sizeof(float) * (size_t)(T * n)));
+        CU(cudaMalloc((void **)&dg, sizeof(float) * (size_t)n));
+        CU(cudaMalloc((void **)&dy, sizeof(float) * (size_t)(T * rows)));
+        CU(cudaMalloc((void **)&dd, sizeof(float) * (size_t)n));
+        CU(cudaMemcpyAsync(dw1, w1, b1, cudaMemcpyHostToDevice, st));
+        CU(cudaMemcpyAsync(dw2, w2, b2, cudaMemcpyHostToDevice, st));
+        CU(cudaMemcpyAsync(dx, x, sizeof(float) * (size_t)(T * n), cudaMemcpyHostToDevice, st));
+        CU(cudaMemcpyAsync(dg, g, sizeof(float) * (size_t)n, cudaMemcpyHostToDevice, st));
+        /* y rows: [q (r1a) | v (r2) | k (r1b)], so the segments are not in output order. */
+        const struct moe_mv_job jobs[3] = {
+            {dw1, r1a, dy, rows},
+            {dw1 + moe_row_bytes(t1, n) * (size_t)r1a, r1b, dy + r1a + r2, rows},
+            {dw2, r2, dy + r1a, rows}};
+        for (int norm = 0; norm < 2; norm++)
+            for (size_t ti = 0; ti < (norm ? 1 : sizeof toks / sizeof toks[0]); ti++) {
+                const int64_t nt = toks[ti];
+                for (int pass = 0; pass < 2; pass++) {
+                    CU(cudaMemsetAsync(dy, 0xff, sizeof(float) * (size_t)(T * rows), st));
+                    CU(cudaMemsetAsync(dd, 0xff, sizeof(float) * (size_t)n, st));
+                    int rc;
+                    if (pass == 0 && norm)
+                        rc = moe_cuda_matvec_mixed(t1, t2, jobs, 3, 2, n, dx, n, 1, 0, dg, eps,
+                                                   dd, st);
+                    else if (pass == 0)
+                        rc = moe_cuda_matvec_mixed(t1, t2, jobs, 3, 2, n, dx, n, nt, 0, NULL,
+                                                   0.0f, NULL, st);
+                    else if (norm) {
+                        rc = moe_cuda_matvec_multi_norm(t1, jobs, 2, n, dx, dg, eps, dd, st);
+                        if (rc == 0)
+                            rc = moe_cuda_matvec_multi_norm(t2, jobs + 2, 1, n, dx, dg, eps, dd,
+                                                            st);
+                    } else {
+                        rc = moe_cuda_matvec_multi(t1, jobs, 2, n, dx, n, nt, 0, st);
+                        if (rc == 0)
+                            rc = moe_cuda_matvec_multi(t2, jobs + 2, 1, n, dx, n, nt, 0, st);
+                    }
+                    CHECK_MSG(rc == 0, "%s+%s n=%lld: %s", moe_type_get(t1)->name,
+                              moe_type_get(t2)->name, (long long)n, moe_strerror(rc));
+                    CU(cudaMemcpyAsync(pass ? yb : ya, dy, sizeof(float) * (size_t)(nt * rows),
+                                       cudaMemcpyDeviceToHost, st));
+                    CU(cudaMemcpyAsync(pass ? db : da, dd, sizeof(float) * (size_t)n,
+                                       cudaMemcpyDeviceToHost, st));
+                    CU(cudaStreamSynchronize(st));
+                }
+                for (int64_t k = 0; k < nt * rows; k++)
+                    CHECK_MSG(!isnan(ya[k]) && memcmp(&ya[k], &yb[k], sizeof(float)) == 0,
+                              "%s+%s n=%lld, %lld tokens, norm %d: y[%lld] %.9g vs %.9g",
+                              moe_type_get(t1)->name, moe_type_get(t2)->name, (long long)n,
+                              (long long)nt, norm, (long long)k, (double)ya[k], (double)yb[k]);
+                if (norm)
+                    CHECK(memcmp(da, db, sizeof(float) * (size_t)n) == 0);
+            }
+        CHECK_EQ(moe_cuda_matvec_mixed(MOE_TYPE_Q8_0, MOE_TYPE_F16, jobs, 3, 2, n, dx, n, 1, 0,
+                                       NULL, 0.0f, NULL, st),
+                 MOE_EUNSUPPORTED);
+        CU(cudaFree(dw1));
+        CU(cudaFree(dw2));
+        CU(cudaFree(dx));
+        CU(cudaFree(dg));
+        CU(cudaFree(dy));
+        CU(cudaFree(dd));
+        free(w1), free(w2), free(x), free(g), free(ya), free(yb), free(da), free(db);
+    }
+    CU(cudaStreamDestroy(st));
+}
+
+TEST(cuda_matvec_two_types_in_one_launch)
+{
+    check_mixed_pair(MOE_TYPE_Q4_K, MOE_TYPE_Q6_K, 600);
+    check_mixed_pair(MOE_TYPE_Q5_K, MOE_TYPE_Q6_K, 601);
+}

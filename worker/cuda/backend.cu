@@ -123,7 +123,8 @@ struct cuda_backend {
     float *h_rope;
     float *h_logits;                 /* pinned [LOGIT_ROWS][V] */
 
-    unsigned *att_done;              /* [nb][H] split counters of the attention */
+    unsigned *att_done;              /* [nb][H] split counters of the attention, then */
+    unsigned *kv_done;               /* [nb][Hkv] key counters of the attention with RoPE */
     struct moe_cuda_groups groups;   /* slots by expert, for steps of several tokens */
     float *dout;                     /* [nb·k][ld_dout] expert outputs before the combine */
     int64_t ld_dout;
@@ -137,6 +138,11 @@ struct cuda_backend {
     int route_pending;               /* the layer whose routing the expert op does; -1: none */
     bool norm_fold;                  /* RMSNorm inside the next mat-vec; MOE_CUDA_NORM_FOLD=0: not */
     bool norm_pending;               /* an RMSNorm the next op does (or launches first) */
+    bool rope_fold;                  /* q/k-norm + RoPE + KV store inside the attention
+                                      * (MOE_CUDA_ROPE_FOLD=1; off: its own kernel) */
+    int rope_pending;                /* the layer whose qk_rope_kv the attention does; -1: none */
+    bool mixed_mv;                   /* q/k/v of two weight types in one launch (matmul_mixed);
+                                      * MOE_CUDA_MIXED_MV=0: one launch per type */
     int pn_l;
     enum moe_wid pn_w;
     enum moe_buf pn_src, pn_dst;
@@ -1099,7 +1105,11 @@ static int cuda_init(struct moe_backend **out, const struct moe_model *m, struct
         b->group_min = 1;
     b->route_fold = env_on("MOE_CUDA_ROUTE_FOLD");
     b->norm_fold = env_on("MOE_CUDA_NORM_FOLD");
+    /* Opt-in: measured slower on the H200 (docs/cuda.md). */
+    b->rope_fold = getenv("MOE_CUDA_ROPE_FOLD") && !strcmp(getenv("MOE_CUDA_ROPE_FOLD"), "1");
+    b->mixed_mv = env_on("MOE_CUDA_MIXED_MV");
     b->route_pending = -1;
+    b->rope_pending = -1;
     int rc = 0;
     int count = 0;
     cudaError_t ce = cudaGetDeviceCount(&count);
@@ -1197,7 +1207,9 @@ static int cuda_init(struct moe_backend **out, const struct moe_model *m, struct
                             sizeof(float) * (size_t)moe_cuda_attention_part_floats(
                                                 nsplit_tok, d->H, d->hdv)));
         INIT_TRY(cudaMalloc((void **)&b->xo, sizeof(float) * nb * (size_t)pad4(d->E)));
-        INIT_TRY(cudaMalloc((void **)&b->att_done, sizeof(unsigned) * nb * (size_t)d->H));
+        INIT_TRY(cudaMalloc((void **)&b->att_done,
+                            sizeof(unsigned) * nb * (size_t)(d->H + d->Hkv)));
+        b->kv_done = b->att_done + nb * (size_t)d->H;
         INIT_TRY(cudaMalloc((void **)&b->groups.ex_off, sizeof(int32_t) * (size_t)(d->nexp + 1)));
         INIT_TRY(cudaMalloc((void **)&b->groups.slot_list, sizeof(int32_t) * ns));
         INIT_TRY(cudaMalloc((void **)&b->groups.act_list, sizeof(int32_t) * (size_t)d->nexp));
@@ -1206,7 +1218,7 @@ static int cuda_init(struct moe_backend **out, const struct moe_model *m, struct
         INIT_TRY(cudaMalloc((void **)&b->groups.slot_pos, sizeof(int32_t) * ns));
         b->ld_dout = pad4(d->E);
         INIT_TRY(cudaMalloc((void **)&b->dout, sizeof(float) * ns * (size_t)b->ld_dout));
-        INIT_TRY(cudaMemset(b->att_done, 0, sizeof(unsigned) * nb * (size_t)d->H));
+        INIT_TRY(cudaMemset(b->att_done, 0, sizeof(unsigned) * nb * (size_t)(d->H + d->Hkv)));
         int64_t lrows = nb < LOGIT_ROWS ? (int64_t)nb : LOGIT_ROWS;
         INIT_TRY(cudaMalloc((void **)&b->logits, sizeof(float) * (size_t)(lrows * d->V)));
         INIT_TRY(cudaMalloc((void **)&b->d_in, sizeof(int32_t) * 5 * nb));
@@ -1557,6 +1569,7 @@ static int cuda_begin(struct moe_backend *bb, const struct moe_step *st)
     b->n_out = st->n_out;
     b->head_chunked = false;
     b->route_pending = -1;
+    b->rope_pending = -1;
     b->norm_pending = false;
     for (int64_t l = 0; b->pf_pending && l < b->d.L; l++)
         b->pf_pending[l] = false;
@@ -1659,11 +1672,23 @@ static int route_now(struct cuda_backend *b)
     return l >= 0 && b->mode != MODE_REPLAY ? launch_route(b, l) : 0;
 }
 
+static int launch_qk_rope_kv(struct cuda_backend *b, int l);
+
+/* A q/k-norm + RoPE + KV store left to the attention (rope_pending), launched now. */
+static int rope_now(struct cuda_backend *b)
+{
+    const int l = b->rope_pending;
+    b->rope_pending = -1;
+    return l >= 0 && b->mode != MODE_REPLAY ? launch_qk_rope_kv(b, l) : 0;
+}
+
 /* Whatever an op left for the next one, launched before an op that does not take it over. */
 static int flush_pending(struct cuda_backend *b)
 {
-    const int rc = flush_norm(b);
-    return rc ? rc : route_now(b);
+    int rc = flush_norm(b);
+    if (!rc)
+        rc = route_now(b);
+    return rc ? rc : rope_now(b);
 }
 
 static int cuda_rmsnorm(struct moe_backend *bb, int l, enum moe_wid w, enum moe_buf src,
@@ -1699,6 +1724,64 @@ static bool use_gemm(const struct cuda_backend *b, uint32_t type)
            moe_cuda_gemm_supported(type);
 }
 
+/* cuda_matmul's products of two weight types in one launch (fold: with the pending RMSNorm):
+ * 0 when done, 1 when the products are not of exactly two types with a kernel for the pair
+ * (nothing launched), < 0 on an error. */
+static int matmul_mixed(struct cuda_backend *b, int l, const struct moe_mm *mm, int n_mm,
+                        enum moe_buf src, bool accumulate, bool fold)
+{
+    const struct moe_tensor *W[3];
+    uint32_t t1 = 0, t2 = 0;
+    for (int j = 0; j < n_mm; j++) {
+        W[j] = moe_weight(b->m, l, mm[j].w);
+        if (!W[j] || mm[j].w > MOE_W_ROUTER || !b->layers[l].w[mm[j].w] ||
+            W[j]->ne[0] != moe_buf_width(&b->d, src) ||
+            W[j]->ne[1] != moe_buf_width(&b->d, mm[j].dst))
+            return 1; /* the per-type path reports it */
+        if (j == 0)
+            t1 = W[j]->type;
+        else if (W[j]->type != t1 && t2 == 0)
+            t2 = W[j]->type;
+        else if (W[j]->type != t1 && W[j]->type != t2)
+            return 1;
+    }
+    if (t2 == 0)
+        return 1;
+    if (!moe_cuda_matvec_mixed_supported(t1, t2)) {
+        const uint32_t t = t1;
+        t1 = t2, t2 = t;
+        if (!moe_cuda_matvec_mixed_supported(t1, t2))
+            return 1;
+    }
+    struct moe_mv_job jobs[3];
+    int nj = 0, n1 = 0;
+    for (int pass = 0; pass < 2; pass++)
+        for (int j = 0; j < n_mm; j++)
+            if (W[j]->type == (pass ? t2 : t1))
+                jobs[nj++] = (struct moe_mv_job){b->layers[l].w[mm[j].w], W[j]->ne[1],
+                                                 b->buf[mm[j].dst], b->ld[mm[j].dst]};
+    for (int j = 0; j < n_mm; j++)
+        n1 += W[j]->type == t1;
+    const int64_t n = W[0]->ne[0];
+    int rc;
+    if (fold) {
+        rc = moe_cuda_matvec_mixed(t1, t2, jobs, nj, n1, n, b->buf[b->pn_src], n, 1, 0,
+                                   norm_weight(b, b->pn_l, b->pn_w), b->d.eps, b->buf[b->pn_dst],
+                                   b->st);
+        if (rc == -EINVAL)
+            return 1; /* misaligned: the per-type path launches the RMSNorm first */
+        if (rc == 0)
+            b->norm_pending = false;
+    } else {
+        rc = moe_cuda_matvec_mixed(t1, t2, jobs, nj, n1, n, b->buf[src], b->ld[src], b->n,
+                                   accumulate, NULL, 0.0f, NULL, b->st);
+        if (rc == -EINVAL)
+            return 1;
+    }
+    LAUNCH(b, fold ? "rmsnorm + matmul (two types)" : "matmul (two types)", rc);
+    return 0;
+}
+
 static int cuda_matmul(struct moe_backend *bb, int l, const struct moe_mm *mm, int n_mm,
                        enum moe_buf src, bool accumulate)
 {
@@ -1716,6 +1799,13 @@ static int cuda_matmul(struct moe_backend *bb, int l, const struct moe_mm *mm, i
         TRY_CU(route_now(b));
     const float *x = b->buf[src];
     const int64_t ldx = b->ld[src];
+    if (n_mm > 1 && b->mixed_mv && b->n <= MOE_CUDA_GRAPH_MAX) {
+        /* Two weight types (v in Q6_K, q and k in Q4_K on half the layers of a Q4_K_M file):
+         * one launch for both when there is a kernel for the pair. */
+        const int rc = matmul_mixed(b, l, mm, n_mm, src, accumulate, fold);
+        if (rc <= 0)
+            return rc;
+    }
     /* One launch per weight type (q, k and v usually share theirs). */
     bool done[3] = {false, false, false};
     for (int j = 0; j < n_mm; j++) {
@@ -1767,11 +1857,8 @@ static int cuda_matmul(struct moe_backend *bb, int l, const struct moe_mm *mm, i
     return 0;
 }
 
-static int cuda_qk_rope_kv(struct moe_backend *bb, int l)
+static int launch_qk_rope_kv(struct cuda_backend *b, int l)
 {
-    struct cuda_backend *b = (struct cuda_backend *)bb;
-    SKIP_IF_REPLAY(b);
-    TRY_CU(flush_pending(b));
     const struct cuda_layer *cl = &b->layers[l];
     LAUNCH(b, "qk_rope_kv",
            moe_cuda_qk_rope_kv(b->buf[MOE_BUF_Q], b->ld[MOE_BUF_Q], b->buf[MOE_BUF_K],
@@ -1781,11 +1868,35 @@ static int cuda_qk_rope_kv(struct moe_backend *bb, int l)
     return 0;
 }
 
-static int cuda_attention(struct moe_backend *bb, int l)
+static int cuda_qk_rope_kv(struct moe_backend *bb, int l)
 {
     struct cuda_backend *b = (struct cuda_backend *)bb;
     SKIP_IF_REPLAY(b);
     TRY_CU(flush_pending(b));
+    if (l < 0 || l >= (int)b->d.L)
+        return cu_err(b, MOE_ERANGE, "qk_rope_kv: layer %d", l);
+    if (b->rope_fold && b->n == 1) {
+        /* Left to the attention of this layer, which does it on the way (cuda_attention);
+         * anything else launches it first (flush_pending). One token: no other token of the
+         * step reads the position it stores. */
+        b->rope_pending = l;
+        return 0;
+    }
+    return launch_qk_rope_kv(b, l);
+}
+
+static int cuda_attention(struct moe_backend *bb, int l)
+{
+    struct cuda_backend *b = (struct cuda_backend *)bb;
+    SKIP_IF_REPLAY(b);
+    const bool fold = b->rope_pending == l && b->n == 1;
+    if (fold) {
+        b->rope_pending = -1;
+        TRY_CU(flush_norm(b));
+        TRY_CU(route_now(b));
+    } else {
+        TRY_CU(flush_pending(b));
+    }
     /* Decode-sized steps split each token's positions (by its length alone), with blocks enough
      * for about four per SM; prompt chunks have blocks enough unsplit. */
     int split = 0;
@@ -1799,6 +1910,17 @@ static int cuda_attention(struct moe_backend *bb, int l)
                moe_cuda_attention_mma(b->buf[MOE_BUF_Q], b->ld[MOE_BUF_Q], D_POS(b), D_SEQ(b),
                                       &b->kv, l, b->d.H, b->n, b->buf[MOE_BUF_ATT],
                                       b->ld[MOE_BUF_ATT], b->st));
+        return 0;
+    }
+    if (fold) {
+        const struct cuda_layer *cl = &b->layers[l];
+        const struct moe_cuda_rope ro = {b->buf[MOE_BUF_Q], b->buf[MOE_BUF_K], b->buf[MOE_BUF_V],
+                                         b->ld[MOE_BUF_K], b->ld[MOE_BUF_V], cl->q_norm,
+                                         cl->k_norm, b->d_rope, b->d.eps, b->kv_done};
+        LAUNCH(b, "qk_rope_kv + attention",
+               moe_cuda_attention_rope(&ro, b->ld[MOE_BUF_Q], D_POS(b), D_SEQ(b), &b->kv, l,
+                                       b->d.H, b->n, split, b->part, b->att_done,
+                                       b->buf[MOE_BUF_ATT], b->ld[MOE_BUF_ATT], b->st));
         return 0;
     }
     LAUNCH(b, "attention",

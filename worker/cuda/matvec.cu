@@ -39,21 +39,22 @@ extern "C" {
 #define ROWS_PER_BLOCK 4
 #define THREADS (32 * ROWS_PER_BLOCK)
 
-/* Up to three matrices of one type and row length, in one launch (q, k and v of a layer): segment
- * g takes grid blocks [blk0, blk0 + its blocks). */
+/* Up to three matrices of one row length, in one launch (q, k and v of a layer), of one weight
+ * type or of two (the first nseg1 segments of kind K, the others of kind K2: a layer whose v is
+ * Q6_K and q, k Q4_K): segment g takes grid blocks [blk0, blk0 + its blocks). */
 struct mv_seg {
     const uint8_t *w;
     float *y;
     int64_t ldy, rows;
     unsigned blk0;
+    unsigned block_bytes;
+    size_t row_bytes;
+    int nu;
 };
 
 struct mv_args {
     mv_seg seg[3];
-    int nseg;
-    size_t row_bytes;
-    unsigned block_bytes;
-    int nu;
+    int nseg, nseg1;
     const float *x;
     int64_t ldx;
     int accumulate;
@@ -70,24 +71,18 @@ struct mv_args {
  * few tens of warps resident per SM, one unit per lane at a time is not enough bytes in flight to
  * cover HBM latency, hence two (two rows, or one row unrolled twice). Before waiting for the
  * previous kernel, each warp prefetches its rows into L2. */
-template <int K, int T, bool NORM = false>
-static __global__ void __launch_bounds__(THREADS)
-matvec_kernel(const mv_args a, int64_t n_tok)
+template <int K, int T, bool NORM>
+static __device__ __forceinline__ void mv_rows(const mv_args &a, const mv_seg &sg, int64_t n_tok)
 {
-    static_assert(!NORM || T == 1, "the RMSNorm is fused for one token");
     constexpr int RW = rows_per_warp<K>();
     const int lane = threadIdx.x & 31;
-    int g = 0;
-    while (g + 1 < a.nseg && blockIdx.x >= a.seg[g + 1].blk0)
-        g++;
-    const mv_seg sg = a.seg[g];
     const int64_t row = (int64_t)(blockIdx.x - sg.blk0) * ROWS_PER_BLOCK + (threadIdx.x >> 5) * RW;
     const bool live = row < sg.rows;
     const bool has2 = RW == 2 && row + 1 < sg.rows;
-    const uint8_t *w0 = sg.w + (size_t)(live ? row : 0) * a.row_bytes;
-    const size_t rs = has2 ? a.row_bytes : 0;
+    const uint8_t *w0 = sg.w + (size_t)(live ? row : 0) * sg.row_bytes;
+    const size_t rs = has2 ? sg.row_bytes : 0;
     if (live)
-        for (size_t off = (size_t)lane * 128; off < a.row_bytes; off += 32 * 128) {
+        for (size_t off = (size_t)lane * 128; off < sg.row_bytes; off += 32 * 128) {
             prefetch_l2(w0 + off);
             if (has2)
                 prefetch_l2(w0 + rs + off);
@@ -98,7 +93,7 @@ matvec_kernel(const mv_args a, int64_t n_tok)
     if constexpr (NORM) {
         /* Every warp computes the scale (no block barrier); the first warps of the grid also
          * store the normalised row, 128 elements each (a.x is the one token's source row). */
-        const int64_t width = (int64_t)a.nu / unit_shape<K>::per_block * unit_shape<K>::blck;
+        const int64_t width = (int64_t)sg.nu / unit_shape<K>::per_block * unit_shape<K>::blck;
         sc = rms_scale(row_ss_warp(a.x, width), width, a.eps);
         const int64_t nwarp = (int64_t)gridDim.x * (blockDim.x >> 5);
         for (int64_t c = (int64_t)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
@@ -116,9 +111,9 @@ matvec_kernel(const mv_args a, int64_t n_tok)
     float acc[T][RW];
     if constexpr (NORM) {
         const XNorm xn = {a.x, a.g, sc};
-        mv_warp<K, 1, XNorm>(w0, rs, a.block_bytes, a.nu, xt, acc, &xn);
+        mv_warp<K, 1, XNorm>(w0, rs, sg.block_bytes, sg.nu, xt, acc, &xn);
     } else {
-        mv_warp<K, T>(w0, rs, a.block_bytes, a.nu, xt, acc);
+        mv_warp<K, T>(w0, rs, sg.block_bytes, sg.nu, xt, acc);
     }
     if (lane == 0) {
         UNROLL
@@ -139,19 +134,32 @@ matvec_kernel(const mv_args a, int64_t n_tok)
     }
 }
 
-template <int K>
-static int launch(const struct moe_mv_job *jobs, int n_jobs, int64_t n, const float *x,
+/* K2 == K: one weight type. Otherwise both kinds must take the same rows per warp (one block
+ * size). */
+template <int K, int K2, int T, bool NORM = false>
+static __global__ void __launch_bounds__(THREADS)
+matvec_kernel(const mv_args a, int64_t n_tok)
+{
+    static_assert(!NORM || T == 1, "the RMSNorm is fused for one token");
+    static_assert(rows_per_warp<K>() == rows_per_warp<K2>(), "one block size");
+    int g = 0;
+    while (g + 1 < a.nseg && blockIdx.x >= a.seg[g + 1].blk0)
+        g++;
+    if (K == K2 || g < a.nseg1)
+        mv_rows<K, T, NORM>(a, a.seg[g], n_tok);
+    else
+        mv_rows<K2, T, NORM>(a, a.seg[g], n_tok);
+}
+
+/* jobs[0..n1) of kind K, the rest of kind K2 (n1 == n_jobs when one type). */
+template <int K, int K2 = K>
+static int launch(const struct moe_mv_job *jobs, int n_jobs, int n1, int64_t n, const float *x,
                   int64_t ldx, int64_t n_tok, int accumulate, cudaStream_t s,
                   const float *g = NULL, float eps = 0.0f, float *dst = NULL)
 {
-    constexpr int PB = unit_shape<K>::per_block, BL = unit_shape<K>::blck;
-    const int64_t nb = n / BL;
     mv_args a = {};
-    a.row_bytes = moe_row_bytes(kind_type(K), n);
-    a.block_bytes = (unsigned)(a.row_bytes / (size_t)nb);
-    if (nb * PB > 0x7fffffff || n_tok > 65535)
+    if (n_tok > 65535)
         return -EINVAL;
-    a.nu = (int)(nb * PB);
     a.x = x;
     a.ldx = ldx;
     a.accumulate = accumulate;
@@ -159,10 +167,19 @@ static int launch(const struct moe_mv_job *jobs, int n_jobs, int64_t n, const fl
     a.eps = eps;
     a.dst = dst;
     a.nseg = n_jobs;
+    a.nseg1 = n1;
     int64_t blocks = 0;
     for (int j = 0; j < n_jobs; j++) {
+        const int kind = j < n1 ? K : K2;
+        const int64_t BL = j < n1 ? (int64_t)unit_shape<K>::blck : (int64_t)unit_shape<K2>::blck;
+        const int64_t PB =
+            j < n1 ? (int64_t)unit_shape<K>::per_block : (int64_t)unit_shape<K2>::per_block;
+        const int64_t nb = n / BL;
+        const size_t rb = moe_row_bytes(kind_type(kind), n);
+        if (nb * PB > 0x7fffffff)
+            return -EINVAL;
         a.seg[j] = {(const uint8_t *)jobs[j].w, jobs[j].y, jobs[j].ldy, jobs[j].rows,
-                    (unsigned)blocks};
+                    (unsigned)blocks, (unsigned)(rb / (size_t)nb), rb, (int)(nb * PB)};
         blocks += (jobs[j].rows + ROWS_PER_BLOCK - 1) / ROWS_PER_BLOCK;
     }
     if (blocks == 0)
@@ -172,11 +189,11 @@ static int launch(const struct moe_mv_job *jobs, int n_jobs, int64_t n, const fl
     /* Tokens per block: weights decoded once for up to 8 tokens. */
     const int T = n_tok >= 8 ? 8 : n_tok >= 4 ? 4 : n_tok >= 2 ? 2 : 1;
     dim3 gr((unsigned)blocks, (unsigned)((n_tok + T - 1) / T)), th(THREADS / rows_per_warp<K>());
-    cudaError_t e = dst      ? moe_launch(matvec_kernel<K, 1, true>, gr, th, 0, s, a, n_tok)
-                    : T == 8 ? moe_launch(matvec_kernel<K, 8>, gr, th, 0, s, a, n_tok)
-                    : T == 4 ? moe_launch(matvec_kernel<K, 4>, gr, th, 0, s, a, n_tok)
-                    : T == 2 ? moe_launch(matvec_kernel<K, 2>, gr, th, 0, s, a, n_tok)
-                             : moe_launch(matvec_kernel<K, 1>, gr, th, 0, s, a, n_tok);
+    cudaError_t e = dst      ? moe_launch(matvec_kernel<K, K2, 1, true>, gr, th, 0, s, a, n_tok)
+                    : T == 8 ? moe_launch(matvec_kernel<K, K2, 8>, gr, th, 0, s, a, n_tok)
+                    : T == 4 ? moe_launch(matvec_kernel<K, K2, 4>, gr, th, 0, s, a, n_tok)
+                    : T == 2 ? moe_launch(matvec_kernel<K, K2, 2>, gr, th, 0, s, a, n_tok)
+                             : moe_launch(matvec_kernel<K, K2, 1>, gr, th, 0, s, a, n_tok);
     MOE_CUDA_TRY(e);
     return 0;
 }
@@ -210,29 +227,39 @@ extern "C" int moe_cuda_matvec_tok(uint32_t type, const void *d_w, int64_t n, in
     return moe_cuda_matvec_multi(type, &j, 1, n, d_x, ldx, n_tok, accumulate, s);
 }
 
+/* The checks of a job list: jobs[0..n1) of type t1, the rest of t2. */
+static int check_jobs(uint32_t t1, uint32_t t2, const struct moe_mv_job *jobs, int n_jobs, int n1,
+                      int64_t n, const float *d_x, int64_t ldx, int64_t n_tok, bool *vec)
+{
+    if (!moe_cuda_matvec_supported(t1) || !moe_cuda_matvec_supported(t2))
+        return MOE_EUNSUPPORTED;
+    if (n <= 0 || n % moe_type_get(t1)->blck != 0 || n % moe_type_get(t2)->blck != 0 ||
+        n_jobs < 1 || n_jobs > 3 || n1 < 1 || n1 > n_jobs || n_tok < 0 || !d_x ||
+        !aligned(d_x, 16) || ldx < n || ldx % 4 != 0)
+        return -EINVAL;
+    *vec = true;
+    for (int j = 0; j < n_jobs; j++) {
+        const uint32_t type = j < n1 ? t1 : t2;
+        const uintptr_t need = type == MOE_TYPE_Q4_K || type == MOE_TYPE_Q5_K ? 16
+                               : type == MOE_TYPE_F32                          ? 4
+                                                                               : 2;
+        if (!jobs[j].w || !jobs[j].y || jobs[j].rows < 0 || jobs[j].ldy < jobs[j].rows ||
+            !aligned(jobs[j].w, need))
+            return -EINVAL;
+        *vec = *vec && aligned(jobs[j].w, 16) && moe_row_bytes(type, n) % 16 == 0;
+    }
+    return 0;
+}
+
 static int matvec_multi(uint32_t type, const struct moe_mv_job *jobs, int n_jobs, int64_t n,
                         const float *d_x, int64_t ldx, int64_t n_tok, int accumulate,
                         cudaStream_t s, const float *g, float eps, float *dst)
 {
-    if (!moe_cuda_matvec_supported(type))
-        return MOE_EUNSUPPORTED;
-    const struct moe_type_info *ti = moe_type_get(type);
-    if (n <= 0 || n % ti->blck != 0 || n_jobs < 1 || n_jobs > 3 || n_tok < 0 || !d_x ||
-        !aligned(d_x, 16) || ldx < n || ldx % 4 != 0)
-        return -EINVAL;
-    uintptr_t need = type == MOE_TYPE_Q4_K || type == MOE_TYPE_Q5_K ? 16
-                     : type == MOE_TYPE_F32                          ? 4
-                                                                     : 2;
-    bool vec = moe_row_bytes(type, n) % 16 == 0;
-    for (int j = 0; j < n_jobs; j++) {
-        if (!jobs[j].w || !jobs[j].y || jobs[j].rows < 0 || jobs[j].ldy < jobs[j].rows ||
-            !aligned(jobs[j].w, need))
-            return -EINVAL;
-        vec = vec && aligned(jobs[j].w, 16);
-    }
-    if (n_tok == 0)
-        return 0;
-#define ARGS jobs, n_jobs, n, d_x, ldx, n_tok, accumulate, s, g, eps, dst
+    bool vec;
+    const int rc = check_jobs(type, type, jobs, n_jobs, n_jobs, n, d_x, ldx, n_tok, &vec);
+    if (rc || n_tok == 0)
+        return rc;
+#define ARGS jobs, n_jobs, n_jobs, n, d_x, ldx, n_tok, accumulate, s, g, eps, dst
     /* The plain types read 16 bytes at a time when every row starts 16-byte aligned. */
     switch (type) {
 #define CALL(T) return launch<T>(ARGS);
@@ -243,6 +270,41 @@ static int matvec_multi(uint32_t type, const struct moe_mv_job *jobs, int n_jobs
 #undef CALL
     }
 #undef ARGS
+    return MOE_EUNSUPPORTED;
+}
+
+/* The pairs of types with a two-type kernel: the K-quant mixes of the _M files (q and k in
+ * Q4_K or Q5_K, v in Q6_K on half the layers). */
+#define MV_MIXED_PAIRS(X) X(MOE_TYPE_Q4_K, MOE_TYPE_Q6_K) X(MOE_TYPE_Q5_K, MOE_TYPE_Q6_K)
+
+extern "C" int moe_cuda_matvec_mixed_supported(uint32_t t1, uint32_t t2)
+{
+#define PAIR(A, B) if (t1 == A && t2 == B) return 1;
+    MV_MIXED_PAIRS(PAIR)
+#undef PAIR
+    return 0;
+}
+
+extern "C" int moe_cuda_matvec_mixed(uint32_t t1, uint32_t t2, const struct moe_mv_job *jobs,
+                                     int n_jobs, int n1, int64_t n, const float *d_x, int64_t ldx,
+                                     int64_t n_tok, int accumulate, const float *d_g, float eps,
+                                     float *d_dst, cudaStream_t s)
+{
+    if (!moe_cuda_matvec_mixed_supported(t1, t2))
+        return MOE_EUNSUPPORTED;
+    bool vec;
+    const int rc = check_jobs(t1, t2, jobs, n_jobs, n1, n, d_x, ldx, n_tok, &vec);
+    if (rc || n_tok == 0)
+        return rc;
+    if (d_dst && (!d_g || !aligned(d_g, 16) || !aligned(d_dst, 16) || n % 4 != 0 ||
+                  n_tok != 1 || accumulate))
+        return -EINVAL;
+#define PAIR(A, B)                                                                          \
+    if (t1 == A && t2 == B)                                                                 \
+        return launch<A, B>(jobs, n_jobs, n1, n, d_x, d_dst ? n : ldx, n_tok, accumulate, s, \
+                            d_dst ? d_g : NULL, eps, d_dst);
+    MV_MIXED_PAIRS(PAIR)
+#undef PAIR
     return MOE_EUNSUPPORTED;
 }
 

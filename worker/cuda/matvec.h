@@ -70,6 +70,16 @@ int moe_cuda_matvec_multi_norm(uint32_t type, const struct moe_mv_job *jobs, int
                                const float *d_src, const float *d_g, float eps, float *d_dst,
                                cudaStream_t s);
 
+/* moe_cuda_matvec_multi (d_dst NULL) or moe_cuda_matvec_multi_norm (d_dst, d_g: one token, x
+ * is the RMSNorm's source) for matrices of two weight types in one launch: jobs[0..n1) of type
+ * t1, the others of t2, each product the floats of its type's launch. MOE_EUNSUPPORTED for a pair
+ * without a kernel (moe_cuda_matvec_mixed_supported; the caller then launches per type). */
+int moe_cuda_matvec_mixed_supported(uint32_t t1, uint32_t t2);
+int moe_cuda_matvec_mixed(uint32_t t1, uint32_t t2, const struct moe_mv_job *jobs, int n_jobs,
+                          int n1, int64_t n, const float *d_x, int64_t ldx, int64_t n_tok,
+                          int accumulate, const float *d_g, float eps, float *d_dst,
+                          cudaStream_t s);
+
 #ifdef __cplusplus
 }
 #endif

@@ -12,6 +12,7 @@
 
 #include <cuda_fp16.h>
 
+#include "worker/cuda/launch.cuh"
 #include "worker/cuda/ops.cuh"
 
 /* Elements a lane holds of one head vector: head dims up to 32 · MAXD_LANE. */
@@ -106,6 +107,52 @@ static __device__ __forceinline__ float kv_get(const void *base, size_t idx)
         return __half2float(((const __half *)base)[idx]);
 }
 
+/* One head by one warp: y = NEOX RoPE(RMSNorm(src)·nw) with angles cs ([hd/2][2]); put(i, y[i],
+ * i + hd/2, y[i + hd/2]) for i < hd/2. row: hd floats of this warp's shared memory (src may be
+ * where put writes). Every float operation is the same wherever the head goes, so the standalone
+ * kernel and the attention that does it on the way (attn_split_body) agree bit for bit. */
+template <class Put>
+static __device__ __forceinline__ void rope_head_warp(const float *src, const float *nw,
+                                                      const float *cs, int64_t hd, float eps,
+                                                      float *row, Put put)
+{
+    const int lane = threadIdx.x & 31;
+    const int64_t half = hd / 2;
+    float ss = 0.0f;
+    for (int64_t i = lane; i < hd; i += 32) {
+        float x = src[i];
+        row[i] = x;
+        ss += x * x;
+    }
+    ss = warp_sum(ss);
+    const float sc = 1.0f / sqrtf(ss / (float)hd + eps);
+    __syncwarp();
+    for (int64_t i = lane; i < half; i += 32) {
+        float a = row[i] * sc * nw[i], b = row[i + half] * sc * nw[i + half];
+        float c = cs[2 * i], sn = cs[2 * i + 1];
+        float o0 = a * c - b * sn, o1 = a * sn + b * c;
+        put(i, o0, i + half, o1);
+    }
+    __syncwarp();
+}
+
+/* The KV cache cell of (layer, sequence, kv head, position). */
+static __device__ __forceinline__ size_t kv_cell(const moe_cuda_kv &kv, int layer, int32_t seq,
+                                                 int64_t kvh, int32_t pos)
+{
+    return (((size_t)layer * kv.n_seq + (size_t)seq) * kv.Hkv + (size_t)kvh) * kv.n_ctx +
+           (size_t)pos;
+}
+
+/* v as the cache holds it (rounded to f16 unless F32). */
+template <bool F32> static __device__ __forceinline__ float kv_round(float v)
+{
+    if constexpr (F32)
+        return v;
+    else
+        return __half2float(__float2half_rn(v));
+}
+
 /* Head hi of token t, by one warp: query heads 0..H-1, then key heads (which also store v).
  * row: hd floats of shared memory for this warp. */
 template <bool F32>
@@ -117,43 +164,29 @@ static __device__ __forceinline__ void qk_rope_kv_warp(float *q, int64_t ldq, fl
                                                        int layer, int64_t H, float eps, int64_t t,
                                                        int64_t hi, float *row)
 {
-    const int lane = threadIdx.x & 31;
-    const int64_t hd = kv.hd, half = hd / 2;
+    const int64_t hd = kv.hd;
     const bool isq = hi < H;
     float *vec = isq ? q + t * ldq + hi * hd : k + t * ldk + (hi - H) * hd;
-    const float *nw = isq ? qn : kn;
-    float ss = 0.0f;
-    for (int64_t i = lane; i < hd; i += 32) {
-        float x = vec[i];
-        row[i] = x;
-        ss += x * x;
-    }
-    ss = warp_sum(ss);
-    const float sc = 1.0f / sqrtf(ss / (float)hd + eps);
-    __syncwarp();
     const float *cs = rope + t * hd;
-    size_t cell = 0;
-    if (!isq) {
-        const int64_t kvh = hi - H;
-        cell = ((((size_t)layer * kv.n_seq + (size_t)seq[t]) * kv.Hkv + (size_t)kvh) * kv.n_ctx +
-                (size_t)pos[t]);
+    if (isq) {
+        rope_head_warp(vec, qn, cs, hd, eps, row, [&](int64_t i, float o0, int64_t j, float o1) {
+            vec[i] = o0;
+            vec[j] = o1;
+        });
+        return;
     }
-    for (int64_t i = lane; i < half; i += 32) {
-        float a = row[i] * sc * nw[i], b = row[i + half] * sc * nw[i + half];
-        float c = cs[2 * i], sn = cs[2 * i + 1];
-        float o0 = a * c - b * sn, o1 = a * sn + b * c;
+    const int64_t kvh = hi - H;
+    const size_t cell = kv_cell(kv, layer, seq[t], kvh, pos[t]);
+    rope_head_warp(vec, kn, cs, hd, eps, row, [&](int64_t i, float o0, int64_t j, float o1) {
         vec[i] = o0;
-        vec[i + half] = o1;
-        if (!isq) {
-            kv_put<F32>(kv.k, cell * hd + i, o0);
-            kv_put<F32>(kv.k, cell * hd + i + half, o1);
-        }
-    }
-    if (!isq) {
-        const float *vr = v + t * ldv + (hi - H) * kv.hdv;
-        for (int64_t i = lane; i < kv.hdv; i += 32)
-            kv_put<F32>(kv.v, cell * kv.hdv + i, vr[i]);
-    }
+        vec[j] = o1;
+        kv_put<F32>(kv.k, cell * hd + i, o0);
+        kv_put<F32>(kv.k, cell * hd + j, o1);
+    });
+    const int lane = threadIdx.x & 31;
+    const float *vr = v + t * ldv + kvh * kv.hdv;
+    for (int64_t i = lane; i < kv.hdv; i += 32)
+        kv_put<F32>(kv.v, cell * kv.hdv + i, vr[i]);
     __syncwarp();
 }
 
@@ -175,8 +208,14 @@ struct att_sync_named {
 /* The shared memory of one attention group. */
 struct att_smem {
     float m[ATT_WARPS], l[ATT_WARPS], w[ATT_MAX_SPLITS], gl;
-    int last;
+    int last, klast;
 };
+
+/* Shared floats attn_split_body needs with a fold: q, k, v of the head, two rows of scratch. */
+static __host__ __device__ __forceinline__ int64_t att_rope_floats(int64_t hd, int64_t hdv)
+{
+    return 4 * hd + hdv;
+}
 
 /* Decode attention (flash-decoding) of head h, token t, split group z of Z, by ATT_WARPS warps
  * (tid: the thread's index in the group, 0..32·ATT_WARPS-1; sync: the group's barrier;
@@ -191,12 +230,13 @@ struct att_smem {
  * partials in split order. A token with one split writes its output directly. Every float
  * operation of a token is the same whatever Z and whatever else is in the step. split 0: the
  * whole range is one split (prompt steps). */
-template <bool F32, int EL, class Sync>
+template <bool F32, int EL, class Sync, bool ROPE = false>
 static __device__ __forceinline__ void
 attn_split_body(const float *q, int64_t ldq, const int32_t *pos, const int32_t *seq,
                 const moe_cuda_kv &kv, int layer, int64_t H, float scale, int split, float *part,
                 unsigned *done, float *out, int64_t ldo, int64_t h, int64_t t, int z, int Z,
-                int tid, att_smem *sm, float *sm_acc, Sync sync)
+                int tid, att_smem *sm, float *sm_acc, Sync sync, const moe_cuda_rope *ro = nullptr,
+                float *sr = nullptr)
 {
     constexpr int NT = 32 * ATT_WARPS;
     const int lane = tid & 31, w = tid >> 5;
@@ -212,12 +252,95 @@ attn_split_body(const float *q, int64_t ldq, const int32_t *pos, const int32_t *
         return;
     const size_t row0 = (((size_t)layer * kv.n_seq + (size_t)seq[t]) * kv.Hkv + (size_t)kvh) *
                         kv.n_ctx;
+    /* With ROPE: the head's query (every group) and, in the group of the last split, the key and
+     * value of the token's own position, from the projections (sr: q, k, v, scratch). */
+    const bool cur_grp = ROPE && (ns - 1) % Z == z;
+    float kown[EL] = {}, vown[EL] = {}; /* the own position's key and value, as the cache would hold them */
+    if constexpr (ROPE) {
+        /* The keys and values of this group's splits into L2 first: they do not depend on the
+         * query, so their loads overlap the norm and rotation below. */
+        const size_t es = F32 ? 4 : 2;
+        for (int sp = z; sp < ns; sp += Z) {
+            const int64_t p0 = (int64_t)sp * C, p1 = p0 + C < len ? p0 + C : len;
+            const size_t kb = (size_t)(p1 - p0) * (size_t)hd * es, vb = (size_t)(p1 - p0) * (size_t)hdv * es;
+            const char *kp = (const char *)kv.k + (row0 + (size_t)p0) * (size_t)hd * es;
+            const char *vp = (const char *)kv.v + (row0 + (size_t)p0) * (size_t)hdv * es;
+            for (size_t off = (size_t)tid * 128; off < kb; off += (size_t)NT * 128)
+                prefetch_l2(kp + off);
+            for (size_t off = (size_t)tid * 128; off < vb; off += (size_t)NT * 128)
+                prefetch_l2(vp + off);
+        }
+        float *sq = sr, *sk = sr + hd, *sv = sr + 2 * hd, *scr = sr + 2 * hd + hdv;
+        const float *cs = ro->rope + t * hd;
+        if (w == 0)
+            rope_head_warp(q + t * ldq + h * hd, ro->qn, cs, hd, ro->eps, scr,
+                           [&](int64_t i, float o0, int64_t j, float o1) {
+                               sq[i] = o0;
+                               sq[j] = o1;
+                           });
+        if (cur_grp) {
+            /* One block of the kv head's group also stores the cell (no block of this launch
+             * reads it from the cache). */
+            const bool store = h % group == 0;
+            const size_t cell = kv_cell(kv, layer, seq[t], kvh, pos[t]);
+            if (w == 1 % ATT_WARPS)
+                rope_head_warp(ro->k + t * ro->ldk + kvh * hd, ro->kn, cs, hd, ro->eps,
+                               scr + hd, [&](int64_t i, float o0, int64_t j, float o1) {
+                                   sk[i] = o0;
+                                   sk[j] = o1;
+                                   if (store) {
+                                       kv_put<F32>(kv.k, cell * hd + i, o0);
+                                       kv_put<F32>(kv.k, cell * hd + j, o1);
+                                   }
+                               });
+            for (int64_t e = tid; e < hdv; e += NT) {
+                const float x = ro->v[t * ro->ldv + kvh * hdv + e];
+                sv[e] = kv_round<F32>(x);
+                if (store)
+                    kv_put<F32>(kv.v, cell * hdv + e, x);
+            }
+        }
+        sync();
+        if (cur_grp) {
+#pragma unroll
+            for (int i = 0; i < EL; i++) {
+                const int64_t e = lane + 32 * i;
+                kown[i] = e < hd ? kv_round<F32>(sk[e]) : 0.0f;
+                vown[i] = e < hdv ? sv[e] : 0.0f;
+            }
+        }
+    }
     float qv[EL];
 #pragma unroll
     for (int i = 0; i < EL; i++) {
         int64_t e = lane + 32 * i;
-        qv[i] = e < hd ? q[t * ldq + h * hd + e] * scale : 0.0f;
+        if constexpr (ROPE)
+            qv[i] = e < hd ? sr[e] * scale : 0.0f;
+        else
+            qv[i] = e < hd ? q[t * ldq + h * hd + e] * scale : 0.0f;
     }
+    /* With ROPE, after the group's splits: the group that completes the kv head's count (the
+     * last-split groups of its query heads) writes the rotated key back into k; every group
+     * that reads k has read it by then. The whole group calls it. */
+    auto k_back = [&]() {
+        if constexpr (ROPE) {
+            if (!cur_grp)
+                return;
+            if (tid == 0) {
+                __threadfence();
+                const unsigned c = atomicAdd(&ro->kv_done[t * kv.Hkv + kvh], 1u) + 1;
+                sm->klast = c == (unsigned)group;
+            }
+            sync();
+            if (sm->klast) {
+                __threadfence();
+                for (int64_t e = tid; e < hd; e += NT)
+                    ro->k[t * ro->ldk + kvh * hd + e] = sr[hd + e];
+                if (tid == 0)
+                    ro->kv_done[t * kv.Hkv + kvh] = 0;
+            }
+        }
+    };
     float *pp = part + (t * H + h) * ATT_MAX_SPLITS * (hdv + 2);
     int mine = 0;
     for (int sp = z; sp < ns; sp += Z, mine++) {
@@ -234,12 +357,13 @@ attn_split_body(const float *q, int64_t ldq, const int32_t *pos, const int32_t *
                 const int64_t p = pb + c < p1 ? pb + c : pb;
                 const size_t kr = (row0 + (size_t)p) * hd, vr = (row0 + (size_t)p) * hdv;
                 float d = 0.0f;
+                const bool own = cur_grp && p == len - 1; /* not in the cache yet */
 #pragma unroll
                 for (int i = 0; i < EL; i++) {
                     int64_t e = lane + 32 * i;
                     if (e < hd)
-                        d += qv[i] * kv_get<F32>(kv.k, kr + e);
-                    vv[c][i] = e < hdv ? kv_get<F32>(kv.v, vr + e) : 0.0f;
+                        d += qv[i] * (own ? kown[i] : kv_get<F32>(kv.k, kr + e));
+                    vv[c][i] = e < hdv ? (own ? vown[i] : kv_get<F32>(kv.v, vr + e)) : 0.0f;
                 }
                 sd[c] = d;
             }
@@ -300,6 +424,10 @@ attn_split_body(const float *q, int64_t ldq, const int32_t *pos, const int32_t *
                         o += sm_acc[j * hdv + e] * __expf(sm->m[j] - M);
                 out[t * ldo + h * hdv + e] = o * inv;
             }
+            if constexpr (ROPE)
+                for (int64_t e = tid; e < hd; e += NT)
+                    ro->q[t * ldq + h * hd + e] = sr[e];
+            k_back();
             sync(); /* the shared arrays are free for the group's next use */
             return;
         }
@@ -316,6 +444,7 @@ attn_split_body(const float *q, int64_t ldq, const int32_t *pos, const int32_t *
             ps[hdv + 1] = L;
         }
     }
+    k_back();
     /* Publish the partials, then count this group's splits in. */
     __threadfence();
     sync();
@@ -371,6 +500,9 @@ attn_split_body(const float *q, int64_t ldq, const int32_t *pos, const int32_t *
             o += __ldcg(pp + s2 * (hdv + 2) + e) * sm->w[s2];
         out[t * ldo + h * hdv + e] = o * inv;
     }
+    if constexpr (ROPE) /* every group of the head has read q */
+        for (int64_t e = tid; e < hd; e += NT)
+            ro->q[t * ldq + h * hd + e] = sr[e];
     if (tid == 0)
         done[t * H + h] = 0;
     sync(); /* the shared arrays are free for the group's next use */
