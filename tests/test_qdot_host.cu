@@ -164,9 +164,39 @@ TEST(qdot_host_decoders_match_the_reference)
     check_kind<MOE_TYPE_Q6_K>("q6_K");
 }
 
-/* The int8-activation decode (MOE_Q8_ROWS builds): within 1% of Σ|w·x| of the reference (the
- * activations are rounded to 8 bits per 16 values; the worst seen is printed), and several rows
- * at once give each row's floats alone. */
+/* The group of element i whose activations share one int8 scale in unit_dot_q8: the unit's 8
+ * (Q8_0) or 16 values (a Q4_K/Q5_K unit's low or high half; a Q6_K unit's four runs of four, 32
+ * apart). */
+template <int K> static int64_t q8_group(int64_t i)
+{
+    if constexpr (K == MOE_TYPE_Q8_0)
+        return i / 8;
+    else if constexpr (K == MOE_TYPE_Q6_K) {
+        const int64_t j = i % 256, h = j / 128, l = j % 32;
+        return (i / 256) * 16 + h * 8 + l / 4;
+    } else
+        return i / 16;
+}
+
+/* x rounded as unit_dot_q8 rounds it: per group, round(x·127/max|x|)·max|x|/127. */
+template <int K> static void q8_round(const float *x, int64_t n, float *xr)
+{
+    const int64_t ng = q8_group<K>(n - 1) + 1;
+    float *amax = (float *)calloc((size_t)ng, sizeof(float));
+    CHECK(amax);
+    for (int64_t i = 0; i < n; i++)
+        amax[q8_group<K>(i)] = fmaxf(amax[q8_group<K>(i)], fabsf(x[i]));
+    for (int64_t i = 0; i < n; i++) {
+        const float a = amax[q8_group<K>(i)];
+        xr[i] = a > 0.0f ? nearbyintf(x[i] * (127.0f / a)) * (a * (1.0f / 127.0f)) : 0.0f;
+    }
+    free(amax);
+}
+
+/* The int8-activation decode (MOE_Q8_ROWS builds): the reference's dot product with x rounded as
+ * the decoder rounds it, within 2e-5 of Σ|w·x| (only the float order differs: so the rounding is
+ * the only error, the K-quant mins included), within 1% of the exact reference (the worst seen
+ * is printed), and several rows at once give each row's floats alone. */
 template <int K>
 static void check_q8(const char *name)
 {
@@ -178,9 +208,11 @@ static void check_q8(const char *name)
         uint8_t *w = make_rows(type, RW, n);
         float *x = (float *)malloc(sizeof(float) * (size_t)n);
         float *d = (float *)malloc(sizeof(float) * (size_t)n);
-        CHECK(x && d);
+        float *xr = (float *)malloc(sizeof(float) * (size_t)n);
+        CHECK(x && d && xr);
         for (int64_t i = 0; i < n; i++)
             x[i] = 4.0f * rnd() * (i % 7 == 0 ? 8.0f : 1.0f); /* some outliers per group */
+        q8_round<K>(x, n, xr);
         const uint8_t *rows[RW];
         for (int r = 0; r < RW; r++)
             rows[r] = w + rb * (size_t)r;
@@ -195,6 +227,11 @@ static void check_q8(const char *name)
             worst = e > worst ? e : worst;
             CHECK_MSG(e <= 1e-2, "%s n=%lld row %d (int8 x): %.9g, reference %.9g (Σ|w·x| %.4g)",
                       name, (long long)n, r, (double)one[0], ref, mag);
+            double mag_r;
+            const double ref_r = ref_dot(type, rows[r], n, xr, d, &mag_r);
+            CHECK_MSG(fabs((double)one[0] - ref_r) <= 2e-5 * mag,
+                      "%s n=%lld row %d (int8 x): %.9g, reference with x rounded alike %.9g "
+                      "(Σ|w·x| %.4g)", name, (long long)n, r, (double)one[0], ref_r, mag);
             CHECK_MSG(memcmp(&one[0], &together[r], sizeof(float)) == 0,
                       "%s n=%lld row %d (int8 x): %.9g alone, %.9g with %d rows", name,
                       (long long)n, r, (double)one[0], (double)together[r], RW);
@@ -205,7 +242,7 @@ static void check_q8(const char *name)
         walk<K, 1, XPlain, true>(&rows[0], n, x, XPlain(), nanv);
         CHECK_MSG(isnan(nanv[0]), "%s n=%lld: a NaN in x gave %.9g", name, (long long)n,
                   (double)nanv[0]);
-        free(w), free(x), free(d);
+        free(w), free(x), free(d), free(xr);
     }
     printf("  %-6s int8 activations: worst error %.2e of Σ|w·x|\n", name, worst);
 }

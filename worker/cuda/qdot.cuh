@@ -546,6 +546,17 @@ static HD void unit_dot_q8(const uint8_t *const *bs, int t, const float *xb, flo
         kq_unit_x(xin, xb, t, xl, xh, &sxl, &sxh);
         uint32_t ql8[4], qh8[4];
         const float dl = q8_pack<16>(xl, ql8), dh = q8_pack<16>(xh, qh8);
+        /* The mins multiply the sums of the rounded x, as the codes do: the rounding errors then
+         * meet the dequantised weights (centred), not the codes alone (all >= 0, whose mean part
+         * the exact Σx would leave uncancelled: about twice the error). */
+        int il0 = 0, ih0 = 0;
+        UNROLL
+        for (int i = 0; i < 4; i++) {
+            il0 = dp4a_s8(0x01010101u, ql8[i], il0);
+            ih0 = dp4a_s8(0x01010101u, qh8[i], ih0);
+        }
+        sxl = dl * (float)il0;
+        sxh = dh * (float)ih0;
         UNROLL
         for (int r = 0; r < RW; r++) {
             float d0, n0, d1, n1;
