@@ -509,6 +509,13 @@ static int hook_metrics(void *user, char **text)
     for (uint32_t i = 0; i < nw; i++)
         rc |= moe_buf_printf(&b, &n, &cap, "moed_worker_tokens_per_second{worker=\"%u\"} %.3f\n",
                               i, wi[i].tokens_per_s);
+    rc |= moe_buf_printf(&b, &n, &cap, "# HELP moed_worker_sequence_tokens_per_second Decode tokens per second of one of the worker's sequences, as the scheduler measures it to place requests (0: not measured yet).\n"
+                          "# TYPE moed_worker_sequence_tokens_per_second gauge\n");
+    for (uint32_t i = 0; i < nw; i++)
+        rc |= moe_buf_printf(&b, &n, &cap,
+                              "moed_worker_sequence_tokens_per_second{worker=\"%u\"} %.3f\n", i,
+                              d->workers ? sched_worker_rate(moed_workers_sched(d->workers), i)
+                                         : 0.0);
     rc |= moe_buf_printf(&b, &n, &cap, "# HELP moed_worker_vram_used_bytes Device memory the worker holds (0 on the CPU).\n"
                           "# TYPE moed_worker_vram_used_bytes gauge\n");
     for (uint32_t i = 0; i < nw; i++)

@@ -43,6 +43,7 @@ struct sched_req {
     const struct sched_logprob *lp; /* during on_token */
     uint32_t attempts;
     uint64_t queued_at;      /* uv_now() when (re)queued */
+    uint64_t last_tok_ns;    /* uv_hrtime() of its last token; 0: none yet */
     bool finishing;
     struct sched_req *prev, *next;
 };
@@ -62,6 +63,7 @@ struct wstate {
     uint64_t aff[AFF_CAP];   /* ring of block hashes of prompts sent here */
     uint32_t aff_n, aff_pos;
     uint64_t last_sent;      /* dispatch counter value of its last request; 0: none */
+    double rate;             /* decode tokens/s per sequence, moving average; 0: not measured */
 };
 
 struct sched {
@@ -180,30 +182,48 @@ static bool aff_has(const struct wstate *w, uint64_t h)
     return false;
 }
 
-/* The worker for the next request: among those with a free slot, the one that holds the
- * longest prefix of its prompt; then the most free slots; then the one unused longest (so that
- * separate conversations spread over the workers and keep their caches). */
+int32_t sched_pick(const struct sched_cand *c, uint32_t n)
+{
+    double fastest = 0.0;
+    for (uint32_t i = 0; i < n; i++)
+        if (c[i].free && c[i].rate > fastest)
+            fastest = c[i].rate;
+    int32_t best = -1;
+    for (uint32_t i = 0; i < n; i++) {
+        if (!c[i].free || (c[i].rate > 0.0 && c[i].rate * SCHED_SPEED_BAND < fastest))
+            continue;
+        bool take = best < 0 || c[i].affinity > c[best].affinity;
+        if (!take && c[i].affinity == c[best].affinity) {
+            const bool ui = c[i].rate <= 0.0, ub = c[best].rate <= 0.0;
+            take = (ui && !ub) ||
+                   (ui == ub && (c[i].n_free > c[best].n_free ||
+                                 (c[i].n_free == c[best].n_free &&
+                                  c[i].last_sent < c[best].last_sent)));
+        }
+        if (take)
+            best = (int32_t)i;
+    }
+    return best;
+}
+
+/* The worker for the next request (sched_pick on what the scheduler knows of each). */
 static int32_t pick_worker(struct sched *s, const uint64_t *h, uint32_t nb)
 {
-    int32_t best = -1;
-    uint32_t best_k = 0, best_free = 0;
+    struct sched_cand c[64], *cv = s->cfg.n_workers <= 64 ? c : NULL;
+    if (!cv && !(cv = malloc(sizeof *cv * s->cfg.n_workers)))
+        return -1; /* tried again at the next event */
     for (uint32_t i = 0; i < s->cfg.n_workers; i++) {
-        struct wstate *w = &s->w[i];
-        if (!w->ready || w->running >= w->n_seq)
-            continue;
+        const struct wstate *w = &s->w[i];
         uint32_t k = 0;
-        while (k < nb && aff_has(w, h[k]))
+        const bool free = w->ready && w->running < w->n_seq;
+        while (free && k < nb && aff_has(w, h[k]))
             k++;
-        const uint32_t fr = w->n_seq - w->running;
-        bool take = best < 0 || k > best_k;
-        if (!take && k == best_k)
-            take = fr > best_free || (fr == best_free && w->last_sent < s->w[best].last_sent);
-        if (take) {
-            best = (int32_t)i;
-            best_k = k;
-            best_free = fr;
-        }
+        cv[i] = (struct sched_cand){free, k, free ? w->n_seq - w->running : 0, w->rate,
+                                    w->last_sent};
     }
+    const int32_t best = sched_pick(cv, s->cfg.n_workers);
+    if (cv != c)
+        free(cv);
     return best;
 }
 
@@ -430,6 +450,11 @@ void sched_cancel(struct sched *s, struct sched_req *r)
     }
 }
 
+double sched_worker_rate(const struct sched *s, uint32_t w)
+{
+    return s && w < s->cfg.n_workers ? s->w[w].rate : 0.0;
+}
+
 void sched_get_stats(const struct sched *s, struct sched_stats *out)
 {
     *out = s->st;
@@ -470,6 +495,7 @@ void sched_worker_ready(struct sched *s, uint32_t w, uint32_t n_seq, uint32_t n_
     s->w[w].ready = true;
     s->w[w].n_seq = n_seq;
     s->w[w].n_ctx = n_ctx;
+    s->w[w].rate = 0.0; /* measured again (a restarted worker may run elsewhere) */
     dispatch(s);
 }
 
@@ -524,6 +550,7 @@ void sched_worker_lost(struct sched *s, uint32_t w, const char *why)
         struct sched_req *r = retry.tail;
         list_remove(&retry, r);
         r->queued_at = uv_now(s->loop);
+        r->last_tok_ns = 0;
         list_push_front(&s->queue, r);
         s->n_queued++;
     }
@@ -537,6 +564,18 @@ void sched_worker_token(struct sched *s, uint32_t w, uint64_t id, int32_t token,
     struct sched_req *r = find(s, w, id);
     if (!r)
         return; /* cancelled while the token was on the wire */
+    /* The worker's decode rate per sequence from the gaps between a request's tokens (the first
+     * token's wait is the prompt's, not counted). */
+    const uint64_t now = uv_hrtime();
+    if (r->last_tok_ns && now > r->last_tok_ns) {
+        double dt = (double)(now - r->last_tok_ns) * 1e-9;
+        if (dt < 1e-4)
+            dt = 1e-4; /* tokens that came in one read */
+        const double v = 1.0 / dt;
+        struct wstate *ws = &s->w[w];
+        ws->rate = ws->rate > 0.0 ? 0.95 * ws->rate + 0.05 * v : v;
+    }
+    r->last_tok_ns = now;
     r->n_gen++;
     s->st.gen_tokens_total++;
     r->lp = lp;

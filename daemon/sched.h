@@ -99,6 +99,10 @@ struct sched_stats {
 };
 void sched_get_stats(const struct sched *s, struct sched_stats *out);
 
+/* Worker w's decode tokens per second per sequence as the scheduler measured it (the moving
+ * average it places requests by); 0 when not measured since the worker got ready. */
+double sched_worker_rate(const struct sched *s, uint32_t w);
+
 /* A sequence slot of a ready worker, as the scheduler sees it: a worker's running requests take
  * its first slots in the order they were sent (the worker's own slot numbers are not known). */
 struct sched_slot {

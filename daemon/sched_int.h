@@ -4,6 +4,7 @@
 #ifndef MOED_SCHED_INT_H
 #define MOED_SCHED_INT_H
 
+#include <stdbool.h>
 #include <stdint.h>
 
 #include <uv.h>
@@ -49,6 +50,27 @@ uint32_t sched_n_running(const struct sched *s);
 uint32_t sched_n_running_on(const struct sched *s, uint32_t w);
 /* Called whenever the number of running requests drops to zero (used while draining). */
 void sched_set_idle_cb(struct sched *s, void (*cb)(void *user), void *user);
+
+/* What the scheduler knows of a ready worker when it places a request (sched_pick). */
+struct sched_cand {
+    bool free;          /* it has a free sequence slot */
+    uint32_t affinity;  /* leading blocks of the prompt it was sent before (prefix affinity) */
+    uint32_t n_free;    /* free sequence slots */
+    double rate;        /* measured decode tokens/s of one of its sequences (moving average over
+                         * its recent tokens, at the load it had); 0: not measured yet */
+    uint64_t last_sent; /* dispatch counter value of its last request; 0: none */
+};
+
+/* Workers whose measured rates are within this factor of the fastest count as equally fast. */
+#define SCHED_SPEED_BAND 2.0
+
+/* The worker for a request among c[0..n), or -1 when none has a free slot. Among the free ones,
+ * only the fast ones: a measured rate within SCHED_SPEED_BAND of the fastest (a GPU worker
+ * before a CPU worker of the same daemon while it has slots), or not measured yet. Among those
+ * the longest prefix affinity (a worker keeps the cache of what it ran); then a worker not
+ * measured yet (so that each gets measured); then the most free slots; then the one unused
+ * longest (so that conversations spread over equal workers and keep their caches). */
+int32_t sched_pick(const struct sched_cand *c, uint32_t n);
 
 /* Calls into the supervisor (daemon/supervisor.c). Return 0 or an error when the worker's
  * connection is gone (the supervisor then reports the worker lost). */

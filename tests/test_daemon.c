@@ -1435,6 +1435,10 @@ TEST_TIMEOUT(daemon_profile_survives_restart_and_kill9, 300)
         const char *p = strstr(r.body, "\nmoed_routed_tokens_total ");
         CHECK(p != NULL);
         CHECK(atof(p + 26) > 0);
+        /* The scheduler measured the worker's decode rate from the requests' token gaps. */
+        const char *sr = strstr(r.body, "\nmoed_worker_sequence_tokens_per_second{worker=\"0\"} ");
+        CHECK(sr != NULL);
+        CHECK(atof(strchr(sr, '}') + 2) > 0);
         unsigned long long layer0 = 0;
         for (const char *q = r.body; (q = strstr(q, "moed_expert_routings_total{layer=\"0\",")) != NULL; q++) {
             const char *v = strchr(q, '}');
