@@ -1105,7 +1105,7 @@ static int cuda_init(struct moe_backend **out, const struct moe_model *m, struct
         b->group_min = 1;
     b->route_fold = env_on("MOE_CUDA_ROUTE_FOLD");
     b->norm_fold = env_on("MOE_CUDA_NORM_FOLD");
-    /* Opt-in: measured slower on the H200 (docs/cuda.md). */
+    /* Opt-in: a first version measured slower on the H200 (docs/cuda.md). */
     b->rope_fold = getenv("MOE_CUDA_ROPE_FOLD") && !strcmp(getenv("MOE_CUDA_ROPE_FOLD"), "1");
     b->mixed_mv = env_on("MOE_CUDA_MIXED_MV");
     b->route_pending = -1;
@@ -1875,7 +1875,7 @@ static int cuda_qk_rope_kv(struct moe_backend *bb, int l)
     TRY_CU(flush_pending(b));
     if (l < 0 || l >= (int)b->d.L)
         return cu_err(b, MOE_ERANGE, "qk_rope_kv: layer %d", l);
-    if (b->rope_fold && b->n == 1) {
+    if (b->rope_fold && b->n == 1 && moe_cuda_attention_rope_fits(&b->kv)) {
         /* Left to the attention of this layer, which does it on the way (cuda_attention);
          * anything else launches it first (flush_pending). One token: no other token of the
          * step reads the position it stores. */

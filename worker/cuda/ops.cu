@@ -163,11 +163,10 @@ attn_split_kernel(const float *__restrict__ q, int64_t ldq, const int32_t *__res
     pdl_wait();
     pdl_trigger();
     __shared__ att_smem sm;
-    extern __shared__ float sm_acc[]; /* [ATT_WARPS][hdv], then the fold's floats */
+    extern __shared__ float sm_acc[]; /* [ATT_WARPS][hdv] */
     attn_split_body<F32, EL, att_sync_block, ROPE>(
         q, ldq, pos, seq, kv, layer, H, scale, split, part, done, out, ldo, blockIdx.x, blockIdx.y,
-        (int)blockIdx.z, (int)gridDim.z, (int)threadIdx.x, &sm, sm_acc, att_sync_block(), &ro,
-        sm_acc + ATT_WARPS * kv.hdv);
+        (int)blockIdx.z, (int)gridDim.z, (int)threadIdx.x, &sm, sm_acc, att_sync_block(), &ro);
 }
 
 template <bool F32, bool ROPE>
@@ -179,11 +178,17 @@ static cudaError_t launch_attn(int el, dim3 g, size_t smem, cudaStream_t s, cons
 {
 #define ATT_ARGS g, dim3(32 * ATT_WARPS), smem, s, d_q, ldq, d_pos, d_seq, *kv, layer, H, scale, \
                  split, d_part, d_done, d_out, ldo, ro
-    return el <= 1   ? moe_launch(attn_split_kernel<F32, 1, ROPE>, ATT_ARGS)
-           : el <= 2 ? moe_launch(attn_split_kernel<F32, 2, ROPE>, ATT_ARGS)
-           : el <= 4 ? moe_launch(attn_split_kernel<F32, 4, ROPE>, ATT_ARGS)
-           : el <= 8 ? moe_launch(attn_split_kernel<F32, 8, ROPE>, ATT_ARGS)
-                     : moe_launch(attn_split_kernel<F32, MAXD_LANE, ROPE>, ATT_ARGS);
+    if constexpr (ROPE) /* heads of 64, 128, 256 or 512 (moe_cuda_attention_rope_fits) */
+        return el <= 2   ? moe_launch(attn_split_kernel<F32, 2, true>, ATT_ARGS)
+               : el <= 4 ? moe_launch(attn_split_kernel<F32, 4, true>, ATT_ARGS)
+               : el <= 8 ? moe_launch(attn_split_kernel<F32, 8, true>, ATT_ARGS)
+                         : moe_launch(attn_split_kernel<F32, MAXD_LANE, true>, ATT_ARGS);
+    else
+        return el <= 1   ? moe_launch(attn_split_kernel<F32, 1, false>, ATT_ARGS)
+               : el <= 2 ? moe_launch(attn_split_kernel<F32, 2, false>, ATT_ARGS)
+               : el <= 4 ? moe_launch(attn_split_kernel<F32, 4, false>, ATT_ARGS)
+               : el <= 8 ? moe_launch(attn_split_kernel<F32, 8, false>, ATT_ARGS)
+                         : moe_launch(attn_split_kernel<F32, MAXD_LANE, false>, ATT_ARGS);
 #undef ATT_ARGS
 }
 
@@ -195,13 +200,13 @@ static int attention(const float *d_q, int64_t ldq, const int32_t *d_pos, const 
     if (n <= 0)
         return 0;
     if (kv->hd > 32 * MAXD_LANE || kv->hdv > 32 * MAXD_LANE || n_blocks < 0 ||
-        n_blocks > ATT_MAX_SPLITS || n > 65535 || (ro && n_blocks < 1))
+        n_blocks > ATT_MAX_SPLITS || n > 65535 ||
+        (ro && (n_blocks < 1 || !moe_cuda_attention_rope_fits(kv))))
         return -EINVAL;
     const float scale = (float)(1.0 / sqrt((double)kv->hd));
     const int split = n_blocks > 0;
     dim3 g((unsigned)H, (unsigned)n, (unsigned)(split ? n_blocks : 1));
-    size_t smem = sizeof(float) * (size_t)(ATT_WARPS * kv->hdv +
-                                           (ro ? att_rope_floats(kv->hd, kv->hdv) : 0));
+    size_t smem = sizeof(float) * (size_t)(ATT_WARPS * kv->hdv);
     const int64_t wd = kv->hd > kv->hdv ? kv->hd : kv->hdv;
     const int el = (int)((wd + 31) / 32);
     const moe_cuda_rope none = {};

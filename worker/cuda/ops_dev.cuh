@@ -107,6 +107,17 @@ static __device__ __forceinline__ float kv_get(const void *base, size_t idx)
         return __half2float(((const __half *)base)[idx]);
 }
 
+/* One NEOX RoPE pair of a normalised head: x0, x1 (elements i and i + hd/2) scaled by sc and
+ * their norm weights g0, g1, rotated by (c, sn). One function for every kernel that does it, so
+ * the floats are the same bit for bit. */
+static __device__ __forceinline__ void rope_pair(float x0, float x1, float sc, float g0, float g1,
+                                                 float c, float sn, float *o0, float *o1)
+{
+    const float a = x0 * sc * g0, b = x1 * sc * g1;
+    *o0 = a * c - b * sn;
+    *o1 = a * sn + b * c;
+}
+
 /* One head by one warp: y = NEOX RoPE(RMSNorm(src)·nw) with angles cs ([hd/2][2]); put(i, y[i],
  * i + hd/2, y[i + hd/2]) for i < hd/2. row: hd floats of this warp's shared memory (src may be
  * where put writes). Every float operation is the same wherever the head goes, so the standalone
@@ -128,12 +139,44 @@ static __device__ __forceinline__ void rope_head_warp(const float *src, const fl
     const float sc = 1.0f / sqrtf(ss / (float)hd + eps);
     __syncwarp();
     for (int64_t i = lane; i < half; i += 32) {
-        float a = row[i] * sc * nw[i], b = row[i + half] * sc * nw[i + half];
-        float c = cs[2 * i], sn = cs[2 * i + 1];
-        float o0 = a * c - b * sn, o1 = a * sn + b * c;
+        float o0, o1;
+        rope_pair(row[i], row[i + half], sc, nw[i], nw[i + half], cs[2 * i], cs[2 * i + 1], &o0,
+                  &o1);
         put(i, o0, i + half, o1);
     }
     __syncwarp();
+}
+
+/* rope_head_warp's values in registers: y[i] = element lane + 32·i of the head (hd = 32·EL, EL
+ * even, so an element's RoPE partner, half a head away, is the same lane's y[i ± EL/2]). The same
+ * float operations in the same order, without shared memory or a barrier. */
+template <int EL>
+static __device__ __forceinline__ void rope_head_regs(const float *src, const float *nw,
+                                                      const float *cs, float eps, float *y)
+{
+    static_assert(EL % 2 == 0, "a head of 64·k elements");
+    const int lane = threadIdx.x & 31;
+    constexpr int HE = EL / 2;
+    float x[EL], g[EL], c[HE], sn[HE];
+#pragma unroll
+    for (int i = 0; i < EL; i++) {
+        x[i] = src[lane + 32 * i];
+        g[i] = nw[lane + 32 * i];
+    }
+#pragma unroll
+    for (int i = 0; i < HE; i++) {
+        c[i] = cs[2 * (lane + 32 * i)];
+        sn[i] = cs[2 * (lane + 32 * i) + 1];
+    }
+    float ss = 0.0f;
+#pragma unroll
+    for (int i = 0; i < EL; i++)
+        ss += x[i] * x[i];
+    ss = warp_sum(ss);
+    const float sc = 1.0f / sqrtf(ss / (float)(32 * EL) + eps);
+#pragma unroll
+    for (int i = 0; i < HE; i++)
+        rope_pair(x[i], x[i + HE], sc, g[i], g[i + HE], c[i], sn[i], &y[i], &y[i + HE]);
 }
 
 /* The KV cache cell of (layer, sequence, kv head, position). */
@@ -211,12 +254,6 @@ struct att_smem {
     int last, klast;
 };
 
-/* Shared floats attn_split_body needs with a fold: q, k, v of the head, two rows of scratch. */
-static __host__ __device__ __forceinline__ int64_t att_rope_floats(int64_t hd, int64_t hdv)
-{
-    return 4 * hd + hdv;
-}
-
 /* Decode attention (flash-decoding) of head h, token t, split group z of Z, by ATT_WARPS warps
  * (tid: the thread's index in the group, 0..32·ATT_WARPS-1; sync: the group's barrier;
  * acc: ATT_WARPS·hdv floats of shared memory). A token's positions 0..len-1 are cut into splits
@@ -235,8 +272,7 @@ static __device__ __forceinline__ void
 attn_split_body(const float *q, int64_t ldq, const int32_t *pos, const int32_t *seq,
                 const moe_cuda_kv &kv, int layer, int64_t H, float scale, int split, float *part,
                 unsigned *done, float *out, int64_t ldo, int64_t h, int64_t t, int z, int Z,
-                int tid, att_smem *sm, float *sm_acc, Sync sync, const moe_cuda_rope *ro = nullptr,
-                float *sr = nullptr)
+                int tid, att_smem *sm, float *sm_acc, Sync sync, const moe_cuda_rope *ro = nullptr)
 {
     constexpr int NT = 32 * ATT_WARPS;
     const int lane = tid & 31, w = tid >> 5;
@@ -252,61 +288,31 @@ attn_split_body(const float *q, int64_t ldq, const int32_t *pos, const int32_t *
         return;
     const size_t row0 = (((size_t)layer * kv.n_seq + (size_t)seq[t]) * kv.Hkv + (size_t)kvh) *
                         kv.n_ctx;
-    /* With ROPE: the head's query (every group) and, in the group of the last split, the key and
-     * value of the token's own position, from the projections (sr: q, k, v, scratch). */
+    /* With ROPE (hd = hdv = 32·EL, EL even): every warp normalises and rotates the head's query
+     * in registers (qr), and in the group of the last split also the key of the token's own
+     * position (kr), whose key and value it then takes from registers instead of the cache. */
     const bool cur_grp = ROPE && (ns - 1) % Z == z;
-    float kown[EL] = {}, vown[EL] = {}; /* the own position's key and value, as the cache would hold them */
+    float qr[EL] = {}, kr[EL] = {};
+    float kown[EL] = {}, vown[EL] = {}; /* the own position's key and value, as the cache holds them */
     if constexpr (ROPE) {
-        /* The keys and values of this group's splits into L2 first: they do not depend on the
-         * query, so their loads overlap the norm and rotation below. */
-        const size_t es = F32 ? 4 : 2;
-        for (int sp = z; sp < ns; sp += Z) {
-            const int64_t p0 = (int64_t)sp * C, p1 = p0 + C < len ? p0 + C : len;
-            const size_t kb = (size_t)(p1 - p0) * (size_t)hd * es, vb = (size_t)(p1 - p0) * (size_t)hdv * es;
-            const char *kp = (const char *)kv.k + (row0 + (size_t)p0) * (size_t)hd * es;
-            const char *vp = (const char *)kv.v + (row0 + (size_t)p0) * (size_t)hdv * es;
-            for (size_t off = (size_t)tid * 128; off < kb; off += (size_t)NT * 128)
-                prefetch_l2(kp + off);
-            for (size_t off = (size_t)tid * 128; off < vb; off += (size_t)NT * 128)
-                prefetch_l2(vp + off);
-        }
-        float *sq = sr, *sk = sr + hd, *sv = sr + 2 * hd, *scr = sr + 2 * hd + hdv;
         const float *cs = ro->rope + t * hd;
-        if (w == 0)
-            rope_head_warp(q + t * ldq + h * hd, ro->qn, cs, hd, ro->eps, scr,
-                           [&](int64_t i, float o0, int64_t j, float o1) {
-                               sq[i] = o0;
-                               sq[j] = o1;
-                           });
+        rope_head_regs<EL>(q + t * ldq + h * hd, ro->qn, cs, ro->eps, qr);
         if (cur_grp) {
-            /* One block of the kv head's group also stores the cell (no block of this launch
-             * reads it from the cache). */
-            const bool store = h % group == 0;
+            rope_head_regs<EL>(ro->k + t * ro->ldk + kvh * hd, ro->kn, cs, ro->eps, kr);
+            /* One warp of one block per kv head stores the cell (no block of this launch reads
+             * it from the cache). */
+            const bool store = h % group == 0 && w == 0;
             const size_t cell = kv_cell(kv, layer, seq[t], kvh, pos[t]);
-            if (w == 1 % ATT_WARPS)
-                rope_head_warp(ro->k + t * ro->ldk + kvh * hd, ro->kn, cs, hd, ro->eps,
-                               scr + hd, [&](int64_t i, float o0, int64_t j, float o1) {
-                                   sk[i] = o0;
-                                   sk[j] = o1;
-                                   if (store) {
-                                       kv_put<F32>(kv.k, cell * hd + i, o0);
-                                       kv_put<F32>(kv.k, cell * hd + j, o1);
-                                   }
-                               });
-            for (int64_t e = tid; e < hdv; e += NT) {
-                const float x = ro->v[t * ro->ldv + kvh * hdv + e];
-                sv[e] = kv_round<F32>(x);
-                if (store)
-                    kv_put<F32>(kv.v, cell * hdv + e, x);
-            }
-        }
-        sync();
-        if (cur_grp) {
 #pragma unroll
             for (int i = 0; i < EL; i++) {
                 const int64_t e = lane + 32 * i;
-                kown[i] = e < hd ? kv_round<F32>(sk[e]) : 0.0f;
-                vown[i] = e < hdv ? sv[e] : 0.0f;
+                const float x = ro->v[t * ro->ldv + kvh * hdv + e];
+                kown[i] = kv_round<F32>(kr[i]);
+                vown[i] = kv_round<F32>(x);
+                if (store) {
+                    kv_put<F32>(kv.k, cell * hd + e, kr[i]);
+                    kv_put<F32>(kv.v, cell * hdv + e, x);
+                }
             }
         }
     }
@@ -315,7 +321,7 @@ attn_split_body(const float *q, int64_t ldq, const int32_t *pos, const int32_t *
     for (int i = 0; i < EL; i++) {
         int64_t e = lane + 32 * i;
         if constexpr (ROPE)
-            qv[i] = e < hd ? sr[e] * scale : 0.0f;
+            qv[i] = qr[i] * scale;
         else
             qv[i] = e < hd ? q[t * ldq + h * hd + e] * scale : 0.0f;
     }
@@ -332,11 +338,12 @@ attn_split_body(const float *q, int64_t ldq, const int32_t *pos, const int32_t *
                 sm->klast = c == (unsigned)group;
             }
             sync();
-            if (sm->klast) {
+            if (sm->klast && w == 0) {
                 __threadfence();
-                for (int64_t e = tid; e < hd; e += NT)
-                    ro->k[t * ro->ldk + kvh * hd + e] = sr[hd + e];
-                if (tid == 0)
+#pragma unroll
+                for (int i = 0; i < EL; i++)
+                    ro->k[t * ro->ldk + kvh * hd + lane + 32 * i] = kr[i];
+                if (lane == 0)
                     ro->kv_done[t * kv.Hkv + kvh] = 0;
             }
         }
@@ -425,8 +432,10 @@ attn_split_body(const float *q, int64_t ldq, const int32_t *pos, const int32_t *
                 out[t * ldo + h * hdv + e] = o * inv;
             }
             if constexpr (ROPE)
-                for (int64_t e = tid; e < hd; e += NT)
-                    ro->q[t * ldq + h * hd + e] = sr[e];
+                if (w == 0)
+#pragma unroll
+                    for (int i = 0; i < EL; i++)
+                        ro->q[t * ldq + h * hd + lane + 32 * i] = qr[i];
             k_back();
             sync(); /* the shared arrays are free for the group's next use */
             return;
@@ -501,8 +510,10 @@ attn_split_body(const float *q, int64_t ldq, const int32_t *pos, const int32_t *
         out[t * ldo + h * hdv + e] = o * inv;
     }
     if constexpr (ROPE) /* every group of the head has read q */
-        for (int64_t e = tid; e < hd; e += NT)
-            ro->q[t * ldq + h * hd + e] = sr[e];
+        if (w == 0)
+#pragma unroll
+            for (int i = 0; i < EL; i++)
+                ro->q[t * ldq + h * hd + lane + 32 * i] = qr[i];
     if (tid == 0)
         done[t * H + h] = 0;
     sync(); /* the shared arrays are free for the group's next use */
