@@ -95,12 +95,12 @@ static int cmd_status(int argc, char **argv)
     }
     json_t *ws = json_object_get(o, "workers");
     if (json_array_size(ws)) {
-        printf("\n%-3s %-10s %-8s %-8s %-8s %-7s %-9s %-10s %s\n", "#", "state", "pid", "device",
-               "restarts", "running", "tok/s", "vram GiB", "last error");
+        printf("\n%-3s %-10s %-8s %-8s %-8s %-7s %-9s %-11s %-10s %s\n", "#", "state", "pid",
+               "device", "restarts", "running", "tok/s", "seq tok/s", "vram GiB", "last error");
         size_t i;
         json_t *w;
         json_array_foreach(ws, i, w) {
-            printf("%-3lld %-10s %-8lld %-8s %-8lld %-7lld %-9.1f %-10.2f %s\n",
+            printf("%-3lld %-10s %-8lld %-8s %-8lld %-7lld %-9.1f %-11.1f %-10.2f %s\n",
                    json_integer_value(json_object_get(w, "index")),
                    json_string_value(json_object_get(w, "state")),
                    json_integer_value(json_object_get(w, "pid")),
@@ -108,6 +108,7 @@ static int cmd_status(int argc, char **argv)
                    json_integer_value(json_object_get(w, "restarts")),
                    json_integer_value(json_object_get(w, "running")),
                    json_number_value(json_object_get(w, "tokens_per_second")),
+                   json_number_value(json_object_get(w, "sequence_tokens_per_second")),
                    gib(json_object_get(w, "vram_used")),
                    json_string_value(json_object_get(w, "last_error")));
         }

@@ -256,6 +256,8 @@ static int hook_status(void *user, char **json, char *err, size_t errlen)
         json_object_set_new(w, "ram_used", json_integer((json_int_t)wi.ram_used));
         json_object_set_new(w, "tokens_generated", json_integer((json_int_t)wi.tokens_generated));
         json_object_set_new(w, "tokens_per_second", json_real(wi.tokens_per_s));
+        json_object_set_new(w, "sequence_tokens_per_second",
+                            json_real(sched_worker_rate(moed_workers_sched(d->workers), i)));
         json_object_set_new(w, "last_error", json_string(wi.last_error));
         json_array_append_new(ws, w);
     }

@@ -651,6 +651,9 @@ TEST(daemon_admin_access)
     json_t *j = json_loads(r.body, 0, NULL);
     CHECK_STREQ(json_string_value(json_object_get(json_object_get(j, "model"), "arch")), "qwen3moe");
     CHECK(json_is_array(json_object_get(j, "workers")));
+    /* The scheduler's measure of each worker (0: nothing decoded yet). */
+    CHECK(json_is_number(json_object_get(json_array_get(json_object_get(j, "workers"), 0),
+                                         "sequence_tokens_per_second")));
     json_decref(j);
     hc_resp_free(&r);
     CHECK(hc_request_unix(d.sock, "GET", "/admin/profile", NULL, &r, 5000) == 0);
