@@ -12,7 +12,6 @@
 
 #include <cuda_fp16.h>
 
-#include "worker/cuda/launch.cuh"
 #include "worker/cuda/ops.cuh"
 
 /* Elements a lane holds of one head vector: head dims up to 32 · MAXD_LANE. */
