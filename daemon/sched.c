@@ -73,6 +73,7 @@ struct sched {
     struct sched_config cfg;
     int32_t *eog;
     struct wstate *w;
+    struct sched_cand *cand; /* [n_workers], pick_worker's view of them */
     struct rlist queue;
     uint32_t n_queued, n_running;
     uint64_t next_id;
@@ -209,9 +210,7 @@ int32_t sched_pick(const struct sched_cand *c, uint32_t n)
 /* The worker for the next request (sched_pick on what the scheduler knows of each). */
 static int32_t pick_worker(struct sched *s, const uint64_t *h, uint32_t nb)
 {
-    struct sched_cand c[64], *cv = s->cfg.n_workers <= 64 ? c : NULL;
-    if (!cv && !(cv = malloc(sizeof *cv * s->cfg.n_workers)))
-        return -1; /* tried again at the next event */
+    struct sched_cand *cv = s->cand;
     for (uint32_t i = 0; i < s->cfg.n_workers; i++) {
         const struct wstate *w = &s->w[i];
         uint32_t k = 0;
@@ -221,10 +220,7 @@ static int32_t pick_worker(struct sched *s, const uint64_t *h, uint32_t nb)
         cv[i] = (struct sched_cand){free, k, free ? w->n_seq - w->running : 0, w->rate,
                                     w->last_sent};
     }
-    const int32_t best = sched_pick(cv, s->cfg.n_workers);
-    if (cv != c)
-        free(cv);
-    return best;
+    return sched_pick(cv, s->cfg.n_workers);
 }
 
 static void aff_add(struct sched *s, struct wstate *w, const uint64_t *h, uint32_t nb)
@@ -314,13 +310,15 @@ int sched_create(struct sched **out, uv_loop_t *loop, struct moed_workers *ws,
     s->cfg = *cfg;
     s->next_id = 1;
     s->w = calloc(cfg->n_workers, sizeof *s->w);
+    s->cand = calloc(cfg->n_workers, sizeof *s->cand);
     if (cfg->n_eog) {
         s->eog = malloc(cfg->n_eog * sizeof *s->eog);
         if (s->eog)
             memcpy(s->eog, cfg->eog, cfg->n_eog * sizeof *s->eog);
     }
-    if (!s->w || (cfg->n_eog && !s->eog)) {
+    if (!s->w || !s->cand || (cfg->n_eog && !s->eog)) {
         free(s->w);
+        free(s->cand);
         free(s->eog);
         free(s);
         return -ENOMEM;
@@ -364,6 +362,7 @@ void sched_destroy(struct sched *s)
             req_free(r);
         }
     free(s->w);
+    free(s->cand);
     free(s->eog);
     free(s);
 }

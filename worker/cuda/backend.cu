@@ -1727,6 +1727,21 @@ static bool use_gemm(const struct cuda_backend *b, uint32_t type)
 /* cuda_matmul's products of two weight types in one launch (fold: with the pending RMSNorm):
  * 0 when done, 1 when the products are not of exactly two types with a kernel for the pair
  * (nothing launched), < 0 on an error. */
+/* Whether product m of layer l (weight W) fits the op: a dense weight of the layer, uploaded,
+ * from src's width to its destination's. */
+static bool mm_fits(const struct cuda_backend *b, int l, const struct moe_mm *m, enum moe_buf src,
+                    const struct moe_tensor *W)
+{
+    return W && m->w <= MOE_W_ROUTER && b->layers[l].w[m->w] &&
+           W->ne[0] == moe_buf_width(&b->d, src) && W->ne[1] == moe_buf_width(&b->d, m->dst);
+}
+
+static struct moe_mv_job mm_job(const struct cuda_backend *b, int l, const struct moe_mm *m,
+                                const struct moe_tensor *W)
+{
+    return (struct moe_mv_job){b->layers[l].w[m->w], W->ne[1], b->buf[m->dst], b->ld[m->dst]};
+}
+
 static int matmul_mixed(struct cuda_backend *b, int l, const struct moe_mm *mm, int n_mm,
                         enum moe_buf src, bool accumulate, bool fold)
 {
@@ -1734,9 +1749,7 @@ static int matmul_mixed(struct cuda_backend *b, int l, const struct moe_mm *mm, 
     uint32_t t1 = 0, t2 = 0;
     for (int j = 0; j < n_mm; j++) {
         W[j] = moe_weight(b->m, l, mm[j].w);
-        if (!W[j] || mm[j].w > MOE_W_ROUTER || !b->layers[l].w[mm[j].w] ||
-            W[j]->ne[0] != moe_buf_width(&b->d, src) ||
-            W[j]->ne[1] != moe_buf_width(&b->d, mm[j].dst))
+        if (!mm_fits(b, l, &mm[j], src, W[j]))
             return 1; /* the per-type path reports it */
         if (j == 0)
             t1 = W[j]->type;
@@ -1755,13 +1768,13 @@ static int matmul_mixed(struct cuda_backend *b, int l, const struct moe_mm *mm, 
     }
     struct moe_mv_job jobs[3];
     int nj = 0, n1 = 0;
-    for (int pass = 0; pass < 2; pass++)
+    for (int pass = 0; pass < 2; pass++) {
         for (int j = 0; j < n_mm; j++)
             if (W[j]->type == (pass ? t2 : t1))
-                jobs[nj++] = (struct moe_mv_job){b->layers[l].w[mm[j].w], W[j]->ne[1],
-                                                 b->buf[mm[j].dst], b->ld[mm[j].dst]};
-    for (int j = 0; j < n_mm; j++)
-        n1 += W[j]->type == t1;
+                jobs[nj++] = mm_job(b, l, &mm[j], W[j]);
+        if (pass == 0)
+            n1 = nj;
+    }
     const int64_t n = W[0]->ne[0];
     int rc;
     if (fold) {
@@ -1818,13 +1831,10 @@ static int cuda_matmul(struct moe_backend *bb, int l, const struct moe_mm *mm, i
             const struct moe_tensor *Wi = moe_weight(b->m, l, mm[i].w);
             if (done[i] || !Wi || Wi->type != W->type)
                 continue;
-            if (mm[i].w > MOE_W_ROUTER || !b->layers[l].w[mm[i].w] ||
-                Wi->ne[0] != moe_buf_width(&b->d, src) ||
-                Wi->ne[1] != moe_buf_width(&b->d, mm[i].dst))
+            if (!mm_fits(b, l, &mm[i], src, Wi))
                 return cu_err(b, MOE_ERANGE, "matmul: weight %d of layer %d does not fit",
                               (int)mm[i].w, l);
-            jobs[nj++] = (struct moe_mv_job){b->layers[l].w[mm[i].w], Wi->ne[1], b->buf[mm[i].dst],
-                                             b->ld[mm[i].dst]};
+            jobs[nj++] = mm_job(b, l, &mm[i], Wi);
             done[i] = true;
         }
         if (!W || nj == 0)

@@ -324,6 +324,17 @@ attn_split_body(const float *q, int64_t ldq, const int32_t *pos, const int32_t *
         else
             qv[i] = e < hd ? q[t * ldq + h * hd + e] * scale : 0.0f;
     }
+    /* With ROPE, by the group that merges the head's splits (every group of the head has read
+     * q by then): the rotated query back into q. */
+    auto q_back = [&]() {
+        if constexpr (ROPE) {
+            if (w == 0) {
+#pragma unroll
+                for (int i = 0; i < EL; i++)
+                    ro->q[t * ldq + h * hd + lane + 32 * i] = qr[i];
+            }
+        }
+    };
     /* With ROPE, after the group's splits: the group that completes the kv head's count (the
      * last-split groups of its query heads) writes the rotated key back into k; every group
      * that reads k has read it by then. The whole group calls it. */
@@ -430,11 +441,7 @@ attn_split_body(const float *q, int64_t ldq, const int32_t *pos, const int32_t *
                         o += sm_acc[j * hdv + e] * __expf(sm->m[j] - M);
                 out[t * ldo + h * hdv + e] = o * inv;
             }
-            if constexpr (ROPE)
-                if (w == 0)
-#pragma unroll
-                    for (int i = 0; i < EL; i++)
-                        ro->q[t * ldq + h * hd + lane + 32 * i] = qr[i];
+            q_back();
             k_back();
             sync(); /* the shared arrays are free for the group's next use */
             return;
@@ -508,11 +515,7 @@ attn_split_body(const float *q, int64_t ldq, const int32_t *pos, const int32_t *
             o += __ldcg(pp + s2 * (hdv + 2) + e) * sm->w[s2];
         out[t * ldo + h * hdv + e] = o * inv;
     }
-    if constexpr (ROPE) /* every group of the head has read q */
-        if (w == 0)
-#pragma unroll
-            for (int i = 0; i < EL; i++)
-                ro->q[t * ldq + h * hd + lane + 32 * i] = qr[i];
+    q_back();
     if (tid == 0)
         done[t * H + h] = 0;
     sync(); /* the shared arrays are free for the group's next use */
