@@ -77,8 +77,6 @@ struct pair {
     double worst[MOE_BUF_COUNT];
     double tol; /* 0: 1e-4 */
     bool q8;    /* experts with int8 activations (q8_experts) */
-    bool defer; /* one-token steps: nothing read between qk_rope_kv and attention, so the CUDA
-                 * backend may do both in one launch; q and k are compared after it */
 };
 
 static void poison(struct pair *p, enum moe_buf buf)
@@ -152,19 +150,12 @@ static void lockstep(struct pair *p, const struct moe_step *st, float *lc, float
         sync_buf(p, MOE_BUF_Q, "q", l, tol);
         sync_buf(p, MOE_BUF_K, "k", l, tol);
         sync_buf(p, MOE_BUF_V, "v", l, tol);
-        const bool defer = p->defer && p->n == 1;
         BOTH(p, c->vt->qk_rope_kv(c, l), g->vt->qk_rope_kv(g, l));
-        if (!defer) {
-            sync_buf(p, MOE_BUF_Q, "q norm+rope", l, tol);
-            sync_buf(p, MOE_BUF_K, "k norm+rope", l, tol);
-            poison(p, MOE_BUF_ATT);
-        }
+        sync_buf(p, MOE_BUF_Q, "q norm+rope", l, tol);
+        sync_buf(p, MOE_BUF_K, "k norm+rope", l, tol);
+        poison(p, MOE_BUF_ATT);
         BOTH(p, c->vt->attention(c, l), g->vt->attention(g, l));
         sync_buf(p, MOE_BUF_ATT, "attention", l, tol);
-        if (defer) {
-            sync_buf(p, MOE_BUF_Q, "q norm+rope (with the attention)", l, tol);
-            sync_buf(p, MOE_BUF_K, "k norm+rope (with the attention)", l, tol);
-        }
         BOTH(p, c->vt->matmul(c, l, &wo, 1, MOE_BUF_ATT, true),
              g->vt->matmul(g, l, &wo, 1, MOE_BUF_ATT, true));
         sync_buf(p, MOE_BUF_H, "o + residual", l, tol);
@@ -227,11 +218,9 @@ TEST_TIMEOUT(cuda_backend_ops_match_cpu, 600)
         const struct moe_model *m = &tm.m;
         const int64_t P = 37, V = m->hp.n_vocab;
         struct moe_engine *ec = engine_on(m, "cpu", 128, 3, 64, false);
-        setenv("MOE_CUDA_ROPE_FOLD", "1", 1); /* the last step checks it (p.defer) */
         struct moe_engine *eg = engine_on(m, "cuda:0", 128, 3, 64, true);
-        unsetenv("MOE_CUDA_ROPE_FOLD");
         struct pair p = {moe_engine_backend(ec), moe_engine_backend(eg), moe_engine_dims(ec), 0,
-                         NULL, NULL, {0}, 0, q8_experts(m), false};
+                         NULL, NULL, {0}, 0, q8_experts(m)};
         int64_t wmax = V > 64 * 4096 ? V : 64 * 4096;
         p.hc = malloc(sizeof(float) * 64 * (size_t)wmax);
         p.hg = malloc(sizeof(float) * 64 * (size_t)wmax);
@@ -256,11 +245,9 @@ TEST_TIMEOUT(cuda_backend_ops_match_cpu, 600)
             tok[i] = (int32_t)(moe_test_rng_u32() % V), pos[i] = dpos[i], seq[i] = dseq[i];
         make_step(&st, 3, tok, pos, seq, rope, orow, m, 3);
         lockstep(&p, &st, lc, lg);
-        /* One token of sequence 0 (two attention splits) with nothing read between q/k-norm +
-         * RoPE and the attention: one launch on the CUDA backend (MOE_CUDA_ROPE_FOLD=1). */
+        /* One token of sequence 0 (two attention splits). */
         tok[0] = (int32_t)(moe_test_rng_u32() % V), pos[0] = (int32_t)P + 1, seq[0] = 0;
         make_step(&st, 1, tok, pos, seq, rope, orow, m, 1);
-        p.defer = true;
         lockstep(&p, &st, lc, lg);
         printf("  %-44s worst rel: x %.1e q %.1e att %.1e h %.1e rl %.1e\n", MODELS[mi],
                p.worst[MOE_BUF_X], p.worst[MOE_BUF_Q], p.worst[MOE_BUF_ATT], p.worst[MOE_BUF_H],
@@ -291,7 +278,7 @@ TEST_TIMEOUT(cuda_backend_prompt_ops_match_cpu, 600)
         struct moe_engine *ec = engine_on(m, "cpu", 256, 3, NMAX, false);
         struct moe_engine *eg = engine_on(m, "cuda:0", 256, 3, NMAX, false);
         struct pair p = {moe_engine_backend(ec), moe_engine_backend(eg), moe_engine_dims(ec), 0,
-                         NULL, NULL, {0}, 5e-3, q8_experts(m), false};
+                         NULL, NULL, {0}, 5e-3, q8_experts(m)};
         int64_t wmax = V > 64 * 4096 ? V : 64 * 4096;
         p.hc = malloc(sizeof(float) * NMAX * (size_t)wmax);
         p.hg = malloc(sizeof(float) * NMAX * (size_t)wmax);
@@ -563,28 +550,24 @@ TEST_TIMEOUT(cuda_grouped_experts_equal_per_slot, 600)
 
 /* The launches the backend saves give the floats and routing counts of the launches they
  * replace: routing inside the gate/up launch (MOE_CUDA_ROUTE_FOLD=0: its own kernel), RMSNorm
- * inside the next mat-vec (MOE_CUDA_NORM_FOLD=0), q/k-norm + RoPE + KV store inside the
- * attention (opt-in, MOE_CUDA_ROPE_FOLD=1 for the folded engine) and q/k/v of two weight types
- * in one launch (MOE_CUDA_MIXED_MV=0). Prompts (grouped or on tensor cores,
- * which route and normalise on their own) and decode steps of 1 sequence (folded) and of 4, with
- * graphs. */
+ * inside the next mat-vec (MOE_CUDA_NORM_FOLD=0) and q/k/v of two weight types in one launch
+ * (MOE_CUDA_MIXED_MV=0). Prompts (grouped or on tensor cores, which route and normalise on their
+ * own) and decode steps of 1 sequence (folded) and of 4, with graphs. */
 TEST_TIMEOUT(cuda_folded_launches_equal_separate_ones, 600)
 {
     need_gpu();
-    static const char *const off[4] = {"MOE_CUDA_ROUTE_FOLD", "MOE_CUDA_NORM_FOLD",
-                                       "MOE_CUDA_ROPE_FOLD", "MOE_CUDA_MIXED_MV"};
+    static const char *const off[3] = {"MOE_CUDA_ROUTE_FOLD", "MOE_CUDA_NORM_FOLD",
+                                       "MOE_CUDA_MIXED_MV"};
     for (size_t mi = 0; mi < N_MODELS; mi++) {
         struct test_model tm;
         test_model_open(&tm, MODELS[mi]);
         const struct moe_model *m = &tm.m;
         const int64_t V = m->hp.n_vocab;
         const size_t LE = (size_t)m->hp.n_layer * m->hp.n_expert;
-        setenv("MOE_CUDA_ROPE_FOLD", "1", 1); /* opt-in; the others are on by default */
         struct moe_engine *f = engine_on(m, "cuda:0", 160, 4, 0, false);
-        unsetenv("MOE_CUDA_ROPE_FOLD");
         uint64_t *cf = calloc(LE, sizeof *cf), *cr = calloc(LE, sizeof *cr);
         CHECK(cf && cr);
-        for (int v = 0; v < 4; v++) {
+        for (int v = 0; v < 3; v++) {
             setenv(off[v], "0", 1);
             struct moe_engine *r = engine_on(m, "cuda:0", 160, 4, 0, false);
             unsetenv(off[v]);

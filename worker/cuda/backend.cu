@@ -123,8 +123,7 @@ struct cuda_backend {
     float *h_rope;
     float *h_logits;                 /* pinned [LOGIT_ROWS][V] */
 
-    unsigned *att_done;              /* [nb][H] split counters of the attention, then */
-    unsigned *kv_done;               /* [nb][Hkv] key counters of the attention with RoPE */
+    unsigned *att_done;              /* [nb][H] split counters of the attention */
     struct moe_cuda_groups groups;   /* slots by expert, for steps of several tokens */
     float *dout;                     /* [nb·k][ld_dout] expert outputs before the combine */
     int64_t ld_dout;
@@ -138,9 +137,6 @@ struct cuda_backend {
     int route_pending;               /* the layer whose routing the expert op does; -1: none */
     bool norm_fold;                  /* RMSNorm inside the next mat-vec; MOE_CUDA_NORM_FOLD=0: not */
     bool norm_pending;               /* an RMSNorm the next op does (or launches first) */
-    bool rope_fold;                  /* q/k-norm + RoPE + KV store inside the attention
-                                      * (MOE_CUDA_ROPE_FOLD=1; off: its own kernel) */
-    int rope_pending;                /* the layer whose qk_rope_kv the attention does; -1: none */
     bool mixed_mv;                   /* q/k/v of two weight types in one launch (matmul_mixed);
                                       * MOE_CUDA_MIXED_MV=0: one launch per type */
     int pn_l;
@@ -1105,11 +1101,8 @@ static int cuda_init(struct moe_backend **out, const struct moe_model *m, struct
         b->group_min = 1;
     b->route_fold = env_on("MOE_CUDA_ROUTE_FOLD");
     b->norm_fold = env_on("MOE_CUDA_NORM_FOLD");
-    /* Opt-in: a first version measured slower on the H200 (docs/cuda.md). */
-    b->rope_fold = getenv("MOE_CUDA_ROPE_FOLD") && !strcmp(getenv("MOE_CUDA_ROPE_FOLD"), "1");
     b->mixed_mv = env_on("MOE_CUDA_MIXED_MV");
     b->route_pending = -1;
-    b->rope_pending = -1;
     int rc = 0;
     int count = 0;
     cudaError_t ce = cudaGetDeviceCount(&count);
@@ -1207,9 +1200,7 @@ static int cuda_init(struct moe_backend **out, const struct moe_model *m, struct
                             sizeof(float) * (size_t)moe_cuda_attention_part_floats(
                                                 nsplit_tok, d->H, d->hdv)));
         INIT_TRY(cudaMalloc((void **)&b->xo, sizeof(float) * nb * (size_t)pad4(d->E)));
-        INIT_TRY(cudaMalloc((void **)&b->att_done,
-                            sizeof(unsigned) * nb * (size_t)(d->H + d->Hkv)));
-        b->kv_done = b->att_done + nb * (size_t)d->H;
+        INIT_TRY(cudaMalloc((void **)&b->att_done, sizeof(unsigned) * nb * (size_t)d->H));
         INIT_TRY(cudaMalloc((void **)&b->groups.ex_off, sizeof(int32_t) * (size_t)(d->nexp + 1)));
         INIT_TRY(cudaMalloc((void **)&b->groups.slot_list, sizeof(int32_t) * ns));
         INIT_TRY(cudaMalloc((void **)&b->groups.act_list, sizeof(int32_t) * (size_t)d->nexp));
@@ -1218,7 +1209,7 @@ static int cuda_init(struct moe_backend **out, const struct moe_model *m, struct
         INIT_TRY(cudaMalloc((void **)&b->groups.slot_pos, sizeof(int32_t) * ns));
         b->ld_dout = pad4(d->E);
         INIT_TRY(cudaMalloc((void **)&b->dout, sizeof(float) * ns * (size_t)b->ld_dout));
-        INIT_TRY(cudaMemset(b->att_done, 0, sizeof(unsigned) * nb * (size_t)(d->H + d->Hkv)));
+        INIT_TRY(cudaMemset(b->att_done, 0, sizeof(unsigned) * nb * (size_t)d->H));
         int64_t lrows = nb < LOGIT_ROWS ? (int64_t)nb : LOGIT_ROWS;
         INIT_TRY(cudaMalloc((void **)&b->logits, sizeof(float) * (size_t)(lrows * d->V)));
         INIT_TRY(cudaMalloc((void **)&b->d_in, sizeof(int32_t) * 5 * nb));
@@ -1569,7 +1560,6 @@ static int cuda_begin(struct moe_backend *bb, const struct moe_step *st)
     b->n_out = st->n_out;
     b->head_chunked = false;
     b->route_pending = -1;
-    b->rope_pending = -1;
     b->norm_pending = false;
     for (int64_t l = 0; b->pf_pending && l < b->d.L; l++)
         b->pf_pending[l] = false;
@@ -1672,23 +1662,11 @@ static int route_now(struct cuda_backend *b)
     return l >= 0 && b->mode != MODE_REPLAY ? launch_route(b, l) : 0;
 }
 
-static int launch_qk_rope_kv(struct cuda_backend *b, int l);
-
-/* A q/k-norm + RoPE + KV store left to the attention (rope_pending), launched now. */
-static int rope_now(struct cuda_backend *b)
-{
-    const int l = b->rope_pending;
-    b->rope_pending = -1;
-    return l >= 0 && b->mode != MODE_REPLAY ? launch_qk_rope_kv(b, l) : 0;
-}
-
 /* Whatever an op left for the next one, launched before an op that does not take it over. */
 static int flush_pending(struct cuda_backend *b)
 {
-    int rc = flush_norm(b);
-    if (!rc)
-        rc = route_now(b);
-    return rc ? rc : rope_now(b);
+    const int rc = flush_norm(b);
+    return rc ? rc : route_now(b);
 }
 
 static int cuda_rmsnorm(struct moe_backend *bb, int l, enum moe_wid w, enum moe_buf src,
@@ -1867,8 +1845,13 @@ static int cuda_matmul(struct moe_backend *bb, int l, const struct moe_mm *mm, i
     return 0;
 }
 
-static int launch_qk_rope_kv(struct cuda_backend *b, int l)
+static int cuda_qk_rope_kv(struct moe_backend *bb, int l)
 {
+    struct cuda_backend *b = (struct cuda_backend *)bb;
+    SKIP_IF_REPLAY(b);
+    TRY_CU(flush_pending(b));
+    if (l < 0 || l >= (int)b->d.L)
+        return cu_err(b, MOE_ERANGE, "qk_rope_kv: layer %d", l);
     const struct cuda_layer *cl = &b->layers[l];
     LAUNCH(b, "qk_rope_kv",
            moe_cuda_qk_rope_kv(b->buf[MOE_BUF_Q], b->ld[MOE_BUF_Q], b->buf[MOE_BUF_K],
@@ -1878,35 +1861,11 @@ static int launch_qk_rope_kv(struct cuda_backend *b, int l)
     return 0;
 }
 
-static int cuda_qk_rope_kv(struct moe_backend *bb, int l)
-{
-    struct cuda_backend *b = (struct cuda_backend *)bb;
-    SKIP_IF_REPLAY(b);
-    TRY_CU(flush_pending(b));
-    if (l < 0 || l >= (int)b->d.L)
-        return cu_err(b, MOE_ERANGE, "qk_rope_kv: layer %d", l);
-    if (b->rope_fold && b->n == 1 && moe_cuda_attention_rope_fits(&b->kv)) {
-        /* Left to the attention of this layer, which does it on the way (cuda_attention);
-         * anything else launches it first (flush_pending). One token: no other token of the
-         * step reads the position it stores. */
-        b->rope_pending = l;
-        return 0;
-    }
-    return launch_qk_rope_kv(b, l);
-}
-
 static int cuda_attention(struct moe_backend *bb, int l)
 {
     struct cuda_backend *b = (struct cuda_backend *)bb;
     SKIP_IF_REPLAY(b);
-    const bool fold = b->rope_pending == l && b->n == 1;
-    if (fold) {
-        b->rope_pending = -1;
-        TRY_CU(flush_norm(b));
-        TRY_CU(route_now(b));
-    } else {
-        TRY_CU(flush_pending(b));
-    }
+    TRY_CU(flush_pending(b));
     /* Decode-sized steps split each token's positions (by its length alone), with blocks enough
      * for about four per SM; prompt chunks have blocks enough unsplit. */
     int split = 0;
@@ -1920,17 +1879,6 @@ static int cuda_attention(struct moe_backend *bb, int l)
                moe_cuda_attention_mma(b->buf[MOE_BUF_Q], b->ld[MOE_BUF_Q], D_POS(b), D_SEQ(b),
                                       &b->kv, l, b->d.H, b->n, b->buf[MOE_BUF_ATT],
                                       b->ld[MOE_BUF_ATT], b->st));
-        return 0;
-    }
-    if (fold) {
-        const struct cuda_layer *cl = &b->layers[l];
-        const struct moe_cuda_rope ro = {b->buf[MOE_BUF_Q], b->buf[MOE_BUF_K], b->buf[MOE_BUF_V],
-                                         b->ld[MOE_BUF_K], b->ld[MOE_BUF_V], cl->q_norm,
-                                         cl->k_norm, b->d_rope, b->d.eps, b->kv_done};
-        LAUNCH(b, "qk_rope_kv + attention",
-               moe_cuda_attention_rope(&ro, b->ld[MOE_BUF_Q], D_POS(b), D_SEQ(b), &b->kv, l,
-                                       b->d.H, b->n, split, b->part, b->att_done,
-                                       b->buf[MOE_BUF_ATT], b->ld[MOE_BUF_ATT], b->st));
         return 0;
     }
     LAUNCH(b, "attention",

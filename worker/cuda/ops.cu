@@ -151,57 +151,48 @@ int moe_cuda_qk_rope_kv(float *d_q, int64_t ldq, float *d_k, int64_t ldk, const 
 /* ---------------------------------------------------------------- attention */
 
 /* Decode attention (flash-decoding): one block of ATT_WARPS warps per (head, token, split group);
- * the body (ops_dev.cuh) says how positions are split and merged. ROPE: q/k-norm, RoPE and the
- * KV store on the way (ro). */
-template <bool F32, int EL, bool ROPE>
+ * the body (ops_dev.cuh) says how positions are split and merged. */
+template <bool F32, int EL>
 static __global__ void __launch_bounds__(32 * ATT_WARPS)
 attn_split_kernel(const float *__restrict__ q, int64_t ldq, const int32_t *__restrict__ pos,
                   const int32_t *__restrict__ seq, moe_cuda_kv kv, int layer, int64_t H,
                   float scale, int split, float *__restrict__ part, unsigned *__restrict__ done,
-                  float *__restrict__ out, int64_t ldo, moe_cuda_rope ro)
+                  float *__restrict__ out, int64_t ldo)
 {
     pdl_wait();
     pdl_trigger();
     __shared__ att_smem sm;
     extern __shared__ float sm_acc[]; /* [ATT_WARPS][hdv] */
-    attn_split_body<F32, EL, att_sync_block, ROPE>(
-        q, ldq, pos, seq, kv, layer, H, scale, split, part, done, out, ldo, blockIdx.x, blockIdx.y,
-        (int)blockIdx.z, (int)gridDim.z, (int)threadIdx.x, &sm, sm_acc, att_sync_block(), &ro);
+    attn_split_body<F32, EL>(q, ldq, pos, seq, kv, layer, H, scale, split, part, done, out, ldo,
+                             blockIdx.x, blockIdx.y, (int)blockIdx.z, (int)gridDim.z,
+                             (int)threadIdx.x, &sm, sm_acc, att_sync_block());
 }
 
-template <bool F32, bool ROPE>
+template <bool F32>
 static cudaError_t launch_attn(int el, dim3 g, size_t smem, cudaStream_t s, const float *d_q,
                                int64_t ldq, const int32_t *d_pos, const int32_t *d_seq,
                                const struct moe_cuda_kv *kv, int layer, int64_t H, float scale,
                                int split, float *d_part, unsigned *d_done, float *d_out,
-                               int64_t ldo, const moe_cuda_rope &ro)
+                               int64_t ldo)
 {
 #define ATT_ARGS g, dim3(32 * ATT_WARPS), smem, s, d_q, ldq, d_pos, d_seq, *kv, layer, H, scale, \
-                 split, d_part, d_done, d_out, ldo, ro
-    if constexpr (ROPE) /* heads of 64, 128, 256 or 512 (moe_cuda_attention_rope_fits) */
-        return el <= 2   ? moe_launch(attn_split_kernel<F32, 2, true>, ATT_ARGS)
-               : el <= 4 ? moe_launch(attn_split_kernel<F32, 4, true>, ATT_ARGS)
-               : el <= 8 ? moe_launch(attn_split_kernel<F32, 8, true>, ATT_ARGS)
-                         : moe_launch(attn_split_kernel<F32, MAXD_LANE, true>, ATT_ARGS);
-    else
-        return el <= 1   ? moe_launch(attn_split_kernel<F32, 1, false>, ATT_ARGS)
-               : el <= 2 ? moe_launch(attn_split_kernel<F32, 2, false>, ATT_ARGS)
-               : el <= 4 ? moe_launch(attn_split_kernel<F32, 4, false>, ATT_ARGS)
-               : el <= 8 ? moe_launch(attn_split_kernel<F32, 8, false>, ATT_ARGS)
-                         : moe_launch(attn_split_kernel<F32, MAXD_LANE, false>, ATT_ARGS);
+                 split, d_part, d_done, d_out, ldo
+    return el <= 1   ? moe_launch(attn_split_kernel<F32, 1>, ATT_ARGS)
+           : el <= 2 ? moe_launch(attn_split_kernel<F32, 2>, ATT_ARGS)
+           : el <= 4 ? moe_launch(attn_split_kernel<F32, 4>, ATT_ARGS)
+           : el <= 8 ? moe_launch(attn_split_kernel<F32, 8>, ATT_ARGS)
+                     : moe_launch(attn_split_kernel<F32, MAXD_LANE>, ATT_ARGS);
 #undef ATT_ARGS
 }
 
-static int attention(const float *d_q, int64_t ldq, const int32_t *d_pos, const int32_t *d_seq,
-                     const struct moe_cuda_kv *kv, int layer, int64_t H, int64_t n, int n_blocks,
-                     float *d_part, unsigned *d_done, float *d_out, int64_t ldo,
-                     const moe_cuda_rope *ro, cudaStream_t s)
+int moe_cuda_attention(const float *d_q, int64_t ldq, const int32_t *d_pos, const int32_t *d_seq,
+                       const struct moe_cuda_kv *kv, int layer, int64_t H, int64_t n, int n_blocks,
+                       float *d_part, unsigned *d_done, float *d_out, int64_t ldo, cudaStream_t s)
 {
     if (n <= 0)
         return 0;
     if (kv->hd > 32 * MAXD_LANE || kv->hdv > 32 * MAXD_LANE || n_blocks < 0 ||
-        n_blocks > ATT_MAX_SPLITS || n > 65535 ||
-        (ro && (n_blocks < 1 || !moe_cuda_attention_rope_fits(kv))))
+        n_blocks > ATT_MAX_SPLITS || n > 65535)
         return -EINVAL;
     const float scale = (float)(1.0 / sqrt((double)kv->hd));
     const int split = n_blocks > 0;
@@ -209,31 +200,11 @@ static int attention(const float *d_q, int64_t ldq, const int32_t *d_pos, const 
     size_t smem = sizeof(float) * (size_t)(ATT_WARPS * kv->hdv);
     const int64_t wd = kv->hd > kv->hdv ? kv->hd : kv->hdv;
     const int el = (int)((wd + 31) / 32);
-    const moe_cuda_rope none = {};
-    const moe_cuda_rope &r = ro ? *ro : none;
-#define ATT_CALL(F, R) launch_attn<F, R>(el, g, smem, s, d_q, ldq, d_pos, d_seq, kv, layer, H, \
-                                         scale, split, d_part, d_done, d_out, ldo, r)
-    MOE_CUDA_TRY(kv->f32 ? (ro ? ATT_CALL(true, true) : ATT_CALL(true, false))
-                         : (ro ? ATT_CALL(false, true) : ATT_CALL(false, false)));
-#undef ATT_CALL
+    MOE_CUDA_TRY(kv->f32 ? launch_attn<true>(el, g, smem, s, d_q, ldq, d_pos, d_seq, kv, layer, H,
+                                             scale, split, d_part, d_done, d_out, ldo)
+                         : launch_attn<false>(el, g, smem, s, d_q, ldq, d_pos, d_seq, kv, layer, H,
+                                              scale, split, d_part, d_done, d_out, ldo));
     return 0;
-}
-
-int moe_cuda_attention(const float *d_q, int64_t ldq, const int32_t *d_pos, const int32_t *d_seq,
-                       const struct moe_cuda_kv *kv, int layer, int64_t H, int64_t n, int n_blocks,
-                       float *d_part, unsigned *d_done, float *d_out, int64_t ldo, cudaStream_t s)
-{
-    return attention(d_q, ldq, d_pos, d_seq, kv, layer, H, n, n_blocks, d_part, d_done, d_out, ldo,
-                     NULL, s);
-}
-
-int moe_cuda_attention_rope(const struct moe_cuda_rope *ro, int64_t ldq, const int32_t *d_pos,
-                            const int32_t *d_seq, const struct moe_cuda_kv *kv, int layer,
-                            int64_t H, int64_t n, int n_blocks, float *d_part, unsigned *d_done,
-                            float *d_out, int64_t ldo, cudaStream_t s)
-{
-    return attention(ro->q, ldq, d_pos, d_seq, kv, layer, H, n, n_blocks, d_part, d_done, d_out,
-                     ldo, ro, s);
 }
 
 /* ---------------------------------------------------------------- routing */

@@ -45,38 +45,6 @@ int moe_cuda_attention(const float *d_q, int64_t ldq, const int32_t *d_pos, cons
                        const struct moe_cuda_kv *kv, int layer, int64_t H, int64_t n, int n_blocks,
                        float *d_part, unsigned *d_done, float *d_out, int64_t ldo, cudaStream_t s);
 
-/* What moe_cuda_attention_rope needs to do moe_cuda_qk_rope_kv's work on the way: k, v and their
- * strides, the norm weights, the RoPE angles, eps; kv_done: [n][Hkv] counters, zero before the
- * first launch (each launch leaves them zero). */
-struct moe_cuda_rope {
-    float *q, *k;
-    const float *v;
-    int64_t ldk, ldv;
-    const float *qn, *kn, *rope;
-    float eps;
-    unsigned *kv_done;
-};
-
-/* moe_cuda_qk_rope_kv then moe_cuda_attention (with n_blocks >= 1) in one launch, the same floats
- * in q, k, the cache and out: every warp normalises and rotates its head's query itself, in
- * registers; the blocks of a token's last split also their kv head's key, and take the token's
- * own position from registers instead of the cache; one block per kv head stores the cell; the
- * last block to read a query or key writes it back. Heads of 64, 128, 256 or 512 with hd = hdv
- * (moe_cuda_attention_rope_fits; -EINVAL otherwise). Only for steps in which no two tokens share a sequence (no
- * token reads a position another token of the step stores), which the caller ensures: it is
- * not checked. */
-static inline bool moe_cuda_attention_rope_fits(const struct moe_cuda_kv *kv)
-{
-    /* A lane's elements of a head and their RoPE partners in its own registers: hd = hdv, a
-     * multiple of 64 that a lane's 16 registers hold. */
-    return kv->hd == kv->hdv && kv->hd % 64 == 0 && kv->hd <= 512 &&
-           (kv->hd / 32 == 2 || kv->hd / 32 == 4 || kv->hd / 32 == 8 || kv->hd / 32 == 16);
-}
-int moe_cuda_attention_rope(const struct moe_cuda_rope *ro, int64_t ldq, const int32_t *d_pos,
-                            const int32_t *d_seq, const struct moe_cuda_kv *kv, int layer,
-                            int64_t H, int64_t n, int n_blocks, float *d_part, unsigned *d_done,
-                            float *d_out, int64_t ldo, cudaStream_t s);
-
 /* Router: for each token, softmax over logits [n][nexp], top-k (lowest index wins ties; NaN never
  * wins unless nothing else is left), optional renormalisation; sel_e/sel_w [n][k]; counts[nexp]
  * (this layer's) incremented. */

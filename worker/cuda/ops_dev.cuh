@@ -107,8 +107,7 @@ static __device__ __forceinline__ float kv_get(const void *base, size_t idx)
 }
 
 /* One NEOX RoPE pair of a normalised head: x0, x1 (elements i and i + hd/2) scaled by sc and
- * their norm weights g0, g1, rotated by (c, sn). One function for every kernel that does it, so
- * the floats are the same bit for bit. */
+ * their norm weights g0, g1, rotated by (c, sn). */
 static __device__ __forceinline__ void rope_pair(float x0, float x1, float sc, float g0, float g1,
                                                  float c, float sn, float *o0, float *o1)
 {
@@ -119,8 +118,8 @@ static __device__ __forceinline__ void rope_pair(float x0, float x1, float sc, f
 
 /* One head by one warp: y = NEOX RoPE(RMSNorm(src)·nw) with angles cs ([hd/2][2]); put(i, y[i],
  * i + hd/2, y[i + hd/2]) for i < hd/2. row: hd floats of this warp's shared memory (src may be
- * where put writes). Every float operation is the same wherever the head goes, so the standalone
- * kernel and the attention that does it on the way (attn_split_body) agree bit for bit. */
+ * where put writes). Every float operation is the same wherever the head goes (q or k, the
+ * standalone kernel or the fused step). */
 template <class Put>
 static __device__ __forceinline__ void rope_head_warp(const float *src, const float *nw,
                                                       const float *cs, int64_t hd, float eps,
@@ -146,53 +145,12 @@ static __device__ __forceinline__ void rope_head_warp(const float *src, const fl
     __syncwarp();
 }
 
-/* rope_head_warp's values in registers: y[i] = element lane + 32·i of the head (hd = 32·EL, EL
- * even, so an element's RoPE partner, half a head away, is the same lane's y[i ± EL/2]). The same
- * float operations in the same order, without shared memory or a barrier. */
-template <int EL>
-static __device__ __forceinline__ void rope_head_regs(const float *src, const float *nw,
-                                                      const float *cs, float eps, float *y)
-{
-    static_assert(EL % 2 == 0, "a head of 64·k elements");
-    const int lane = threadIdx.x & 31;
-    constexpr int HE = EL / 2;
-    float x[EL], g[EL], c[HE], sn[HE];
-#pragma unroll
-    for (int i = 0; i < EL; i++) {
-        x[i] = src[lane + 32 * i];
-        g[i] = nw[lane + 32 * i];
-    }
-#pragma unroll
-    for (int i = 0; i < HE; i++) {
-        c[i] = cs[2 * (lane + 32 * i)];
-        sn[i] = cs[2 * (lane + 32 * i) + 1];
-    }
-    float ss = 0.0f;
-#pragma unroll
-    for (int i = 0; i < EL; i++)
-        ss += x[i] * x[i];
-    ss = warp_sum(ss);
-    const float sc = 1.0f / sqrtf(ss / (float)(32 * EL) + eps);
-#pragma unroll
-    for (int i = 0; i < HE; i++)
-        rope_pair(x[i], x[i + HE], sc, g[i], g[i + HE], c[i], sn[i], &y[i], &y[i + HE]);
-}
-
 /* The KV cache cell of (layer, sequence, kv head, position). */
 static __device__ __forceinline__ size_t kv_cell(const moe_cuda_kv &kv, int layer, int32_t seq,
                                                  int64_t kvh, int32_t pos)
 {
     return (((size_t)layer * kv.n_seq + (size_t)seq) * kv.Hkv + (size_t)kvh) * kv.n_ctx +
            (size_t)pos;
-}
-
-/* v as the cache holds it (rounded to f16 unless F32). */
-template <bool F32> static __device__ __forceinline__ float kv_round(float v)
-{
-    if constexpr (F32)
-        return v;
-    else
-        return __half2float(__float2half_rn(v));
 }
 
 /* Head hi of token t, by one warp: query heads 0..H-1, then key heads (which also store v).
@@ -250,7 +208,7 @@ struct att_sync_named {
 /* The shared memory of one attention group. */
 struct att_smem {
     float m[ATT_WARPS], l[ATT_WARPS], w[ATT_MAX_SPLITS], gl;
-    int last, klast;
+    int last;
 };
 
 /* Decode attention (flash-decoding) of head h, token t, split group z of Z, by ATT_WARPS warps
@@ -266,12 +224,12 @@ struct att_smem {
  * partials in split order. A token with one split writes its output directly. Every float
  * operation of a token is the same whatever Z and whatever else is in the step. split 0: the
  * whole range is one split (prompt steps). */
-template <bool F32, int EL, class Sync, bool ROPE = false>
+template <bool F32, int EL, class Sync>
 static __device__ __forceinline__ void
 attn_split_body(const float *q, int64_t ldq, const int32_t *pos, const int32_t *seq,
                 const moe_cuda_kv &kv, int layer, int64_t H, float scale, int split, float *part,
                 unsigned *done, float *out, int64_t ldo, int64_t h, int64_t t, int z, int Z,
-                int tid, att_smem *sm, float *sm_acc, Sync sync, const moe_cuda_rope *ro = nullptr)
+                int tid, att_smem *sm, float *sm_acc, Sync sync)
 {
     constexpr int NT = 32 * ATT_WARPS;
     const int lane = tid & 31, w = tid >> 5;
@@ -287,77 +245,12 @@ attn_split_body(const float *q, int64_t ldq, const int32_t *pos, const int32_t *
         return;
     const size_t row0 = (((size_t)layer * kv.n_seq + (size_t)seq[t]) * kv.Hkv + (size_t)kvh) *
                         kv.n_ctx;
-    /* With ROPE (hd = hdv = 32·EL, EL even): every warp normalises and rotates the head's query
-     * in registers (qr), and in the group of the last split also the key of the token's own
-     * position (kr), whose key and value it then takes from registers instead of the cache. */
-    const bool cur_grp = ROPE && (ns - 1) % Z == z;
-    float qr[EL] = {}, kr[EL] = {};
-    float kown[EL] = {}, vown[EL] = {}; /* the own position's key and value, as the cache holds them */
-    if constexpr (ROPE) {
-        const float *cs = ro->rope + t * hd;
-        rope_head_regs<EL>(q + t * ldq + h * hd, ro->qn, cs, ro->eps, qr);
-        if (cur_grp) {
-            rope_head_regs<EL>(ro->k + t * ro->ldk + kvh * hd, ro->kn, cs, ro->eps, kr);
-            /* One warp of one block per kv head stores the cell (no block of this launch reads
-             * it from the cache). */
-            const bool store = h % group == 0 && w == 0;
-            const size_t cell = kv_cell(kv, layer, seq[t], kvh, pos[t]);
-#pragma unroll
-            for (int i = 0; i < EL; i++) {
-                const int64_t e = lane + 32 * i;
-                const float x = ro->v[t * ro->ldv + kvh * hdv + e];
-                kown[i] = kv_round<F32>(kr[i]);
-                vown[i] = kv_round<F32>(x);
-                if (store) {
-                    kv_put<F32>(kv.k, cell * hd + e, kr[i]);
-                    kv_put<F32>(kv.v, cell * hdv + e, x);
-                }
-            }
-        }
-    }
     float qv[EL];
 #pragma unroll
     for (int i = 0; i < EL; i++) {
         int64_t e = lane + 32 * i;
-        if constexpr (ROPE)
-            qv[i] = qr[i] * scale;
-        else
-            qv[i] = e < hd ? q[t * ldq + h * hd + e] * scale : 0.0f;
+        qv[i] = e < hd ? q[t * ldq + h * hd + e] * scale : 0.0f;
     }
-    /* With ROPE, by the group that merges the head's splits (every group of the head has read
-     * q by then): the rotated query back into q. */
-    auto q_back = [&]() {
-        if constexpr (ROPE) {
-            if (w == 0) {
-#pragma unroll
-                for (int i = 0; i < EL; i++)
-                    ro->q[t * ldq + h * hd + lane + 32 * i] = qr[i];
-            }
-        }
-    };
-    /* With ROPE, after the group's splits: the group that completes the kv head's count (the
-     * last-split groups of its query heads) writes the rotated key back into k; every group
-     * that reads k has read it by then. The whole group calls it. */
-    auto k_back = [&]() {
-        if constexpr (ROPE) {
-            if (!cur_grp)
-                return;
-            if (tid == 0) {
-                __threadfence();
-                const unsigned c = atomicAdd(&ro->kv_done[t * kv.Hkv + kvh], 1u) + 1;
-                sm->klast = c == (unsigned)group;
-            }
-            sync();
-            if (sm->klast && w == 0) {
-                __threadfence();
-#pragma unroll
-                for (int i = 0; i < EL; i++)
-                    ro->k[t * ro->ldk + kvh * hd + lane + 32 * i] = kr[i];
-                if (lane == 0)
-                    ro->kv_done[t * kv.Hkv + kvh] = 0;
-            }
-        }
-    };
     float *pp = part + (t * H + h) * ATT_MAX_SPLITS * (hdv + 2);
     int mine = 0;
     for (int sp = z; sp < ns; sp += Z, mine++) {
@@ -374,13 +267,12 @@ attn_split_body(const float *q, int64_t ldq, const int32_t *pos, const int32_t *
                 const int64_t p = pb + c < p1 ? pb + c : pb;
                 const size_t kr = (row0 + (size_t)p) * hd, vr = (row0 + (size_t)p) * hdv;
                 float d = 0.0f;
-                const bool own = cur_grp && p == len - 1; /* not in the cache yet */
 #pragma unroll
                 for (int i = 0; i < EL; i++) {
                     int64_t e = lane + 32 * i;
                     if (e < hd)
-                        d += qv[i] * (own ? kown[i] : kv_get<F32>(kv.k, kr + e));
-                    vv[c][i] = e < hdv ? (own ? vown[i] : kv_get<F32>(kv.v, vr + e)) : 0.0f;
+                        d += qv[i] * kv_get<F32>(kv.k, kr + e);
+                    vv[c][i] = e < hdv ? kv_get<F32>(kv.v, vr + e) : 0.0f;
                 }
                 sd[c] = d;
             }
@@ -441,8 +333,6 @@ attn_split_body(const float *q, int64_t ldq, const int32_t *pos, const int32_t *
                         o += sm_acc[j * hdv + e] * __expf(sm->m[j] - M);
                 out[t * ldo + h * hdv + e] = o * inv;
             }
-            q_back();
-            k_back();
             sync(); /* the shared arrays are free for the group's next use */
             return;
         }
@@ -459,7 +349,6 @@ attn_split_body(const float *q, int64_t ldq, const int32_t *pos, const int32_t *
             ps[hdv + 1] = L;
         }
     }
-    k_back();
     /* Publish the partials, then count this group's splits in. */
     __threadfence();
     sync();
@@ -515,7 +404,6 @@ attn_split_body(const float *q, int64_t ldq, const int32_t *pos, const int32_t *
             o += __ldcg(pp + s2 * (hdv + 2) + e) * sm->w[s2];
         out[t * ldo + h * hdv + e] = o * inv;
     }
-    q_back();
     if (tid == 0)
         done[t * H + h] = 0;
     sync(); /* the shared arrays are free for the group's next use */
