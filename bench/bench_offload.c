@@ -4,7 +4,7 @@
  *
  *   build/bench/bench_offload MODEL.gguf [--device cuda:0] [--prompt 512] [--gen 128]
  *                             [--residency 0.75,0.6,0.4,0.25] [--budgets 12.7G,10G]
- *                             [--calib 4] [--h2d-gbps 55] [--no-store]
+ *                             [--calib 4] [--h2d-gbps 55] [--no-store] [--calibrated-only]
  *
  * The experts are served as the daemon serves them: from a shared-memory expert store
  * (store/expert_store.h) built once, which each engine registers with CUDA. --no-store keeps the
@@ -17,8 +17,10 @@
  * same routing. Modes per residency: "uniform" (no profile: every slot is cache), "calibrated"
  * (hot set from the counts, a quarter of the slots cache), "calibrated, no cache" (hot only,
  * misses read from host memory), "calibrated, no prefetch" (no layer-ahead prefetch); at 60%
- * also "uniform, no cache", "uniform, no prefetch" and "calibrated, half cache". Budgets run
- * calibrated, with and without prefetch. */
+ * also "uniform, no cache", "uniform, no prefetch", "calibrated, half cache" and "calibrated,
+ * no staging" (prompt steps without the staging buffers: MOE_CUDA_STAGE=0). Budgets run
+ * calibrated, with and without prefetch, and without staging. --calibrated-only: only
+ * "calibrated" and "calibrated, no staging" at each residency and budget. */
 #include <inttypes.h>
 #include <math.h>
 #include <stdio.h>
@@ -99,7 +101,7 @@ int main(int argc, char **argv)
                *budget_list = "";
     int64_t P = 512, G = 128, calib = 4;
     double h2d = 55.0;
-    bool use_store = true;
+    bool use_store = true, cal_only = false;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (!strcmp(a, "--device") && v)
@@ -118,6 +120,8 @@ int main(int argc, char **argv)
             h2d = atof(v), i++;
         else if (!strcmp(a, "--no-store"))
             use_store = false;
+        else if (!strcmp(a, "--calibrated-only"))
+            cal_only = true;
         else if (a[0] != '-')
             model = a;
         else {
@@ -171,12 +175,18 @@ int main(int argc, char **argv)
         double r;
         if (moe_parse_share(tmp, &r) == 0) {
             static const int modes[] = {0, 1, 2, 4};
-            for (size_t i = 0; i < sizeof modes / sizeof modes[0]; i++)
-                cf[nc++] = (struct cfg){r, 0, modes[i]};
-            if (r > 0.55 && r < 0.65) {
+            if (cal_only) {
+                cf[nc++] = (struct cfg){r, 0, 1};
+                cf[nc++] = (struct cfg){r, 0, 7};
+            } else {
+                for (size_t i = 0; i < sizeof modes / sizeof modes[0]; i++)
+                    cf[nc++] = (struct cfg){r, 0, modes[i]};
+            }
+            if (r > 0.55 && r < 0.65 && !cal_only) {
                 cf[nc++] = (struct cfg){r, 0, 3};
                 cf[nc++] = (struct cfg){r, 0, 5};
                 cf[nc++] = (struct cfg){r, 0, 6};
+                cf[nc++] = (struct cfg){r, 0, 7};
             }
         }
         s += k + (s[k] == ',');
@@ -186,22 +196,25 @@ int main(int argc, char **argv)
         size_t k = strcspn(s, ",");
         snprintf(tmp, sizeof tmp, "%.*s", (int)(k < 31 ? k : 31), s);
         uint64_t bb;
-        if (moe_parse_size(tmp, &bb) == 0 && bb && nc < 63) {
+        if (moe_parse_size(tmp, &bb) == 0 && bb && nc < 62) {
             cf[nc++] = (struct cfg){0, bb, 1};
-            cf[nc++] = (struct cfg){0, bb, 4};
+            if (!cal_only)
+                cf[nc++] = (struct cfg){0, bb, 4};
+            cf[nc++] = (struct cfg){0, bb, 7};
         }
         s += k + (s[k] == ',');
     }
     static const char *const mode_name[] = {"uniform", "calibrated", "calibrated, no cache",
                                             "uniform, no cache", "calibrated, no prefetch",
-                                            "uniform, no prefetch", "calibrated, half cache"};
+                                            "uniform, no prefetch", "calibrated, half cache",
+                                            "calibrated, no staging"};
     for (int ci = 0; ci < nc; ci++) {
         struct moe_engine_opts o = {.n_ctx = (uint32_t)(P + G + 8), .n_seq = 1, .n_batch = 512,
                                     .device = device, .expert_residency = cf[ci].r,
                                     .vram_budget = cf[ci].budget, .host_register = use_store};
         if (ci > 0) {
             const int md = cf[ci].mode;
-            o.expert_counts = md == 1 || md == 2 || md == 4 || md == 6 ? counts : NULL;
+            o.expert_counts = md == 1 || md == 2 || md == 4 || md == 6 || md == 7 ? counts : NULL;
             o.cache_slots = md == 2 || md == 3 ? -1 : 0;
             if (md == 6) /* half of each layer's slots as cache */
                 o.cache_slots = (int32_t)(llround(cf[ci].r * (double)E) / 2);
@@ -210,7 +223,12 @@ int main(int argc, char **argv)
         struct moe_engine *e = NULL;
         fprintf(stderr, "bench_offload: configuration %d of %d\n", ci + 1, nc);
         double t0 = moe_now_s();
-        if (moe_engine_init(&e, m, &o, err, sizeof err)) {
+        if (ci > 0 && cf[ci].mode == 7)
+            setenv("MOE_CUDA_STAGE", "0", 1); /* read at init */
+        const int irc = moe_engine_init(&e, m, &o, err, sizeof err);
+        if (ci > 0 && cf[ci].mode == 7)
+            unsetenv("MOE_CUDA_STAGE");
+        if (irc) {
             printf("%s: %s\n", mode_name[cf[ci].mode], err);
             continue;
         }
@@ -252,7 +270,8 @@ int main(int argc, char **argv)
         r->tg = (double)G / tg;
         r->miss_rate = looked > 0 ? (double)(z.misses - a.misses) / looked : 0;
         r->pcie_per_tok = (double)((z.fill_bytes - a.fill_bytes) + (z.direct_bytes - a.direct_bytes) +
-                                   (z.prefetch_bytes - a.prefetch_bytes)) /
+                                   (z.prefetch_bytes - a.prefetch_bytes) +
+                                   (z.stage_bytes - a.stage_bytes)) /
                           (double)G;
         r->prefetched = (double)(z.prefetched - a.prefetched) / (double)G;
         r->vram_gib = (double)info.device_bytes / (1 << 30);

@@ -547,7 +547,8 @@ static int hook_metrics(void *user, char **text)
             const char *name, *type, *help;
             size_t off;
         } fam[] = {
-            {"expert_fill_bytes_total", "counter", "Expert bytes copied from host memory into VRAM slots.",
+            {"expert_fill_bytes_total", "counter",
+             "Expert bytes copied from host memory into VRAM (cache slots and prompt staging).",
              offsetof(struct moed_worker_offload, fill_bytes)},
             {"expert_direct_bytes_total", "counter", "Expert bytes the kernels read from host memory (no free slot).",
              offsetof(struct moed_worker_offload, direct_bytes)},

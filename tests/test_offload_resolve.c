@@ -414,3 +414,108 @@ TEST(offload_prefetch_places_without_counting)
     CHECK_EQ(m.slot_of[0], 0); /* pinned */
     sim_free(&m);
 }
+
+/* A decode-like step through the cache: three random experts resolved and filled. */
+static void decode_step(struct sim *m, uint8_t *need)
+{
+    memset(need, 0, (uint32_t)m->L.nexp);
+    for (int i = 0; i < 3; i++)
+        need[moe_test_rng_u32() % (uint32_t)m->L.nexp] = 1;
+    moe_off_resolve(&m->L, need, m->slot_of, m->slot_exp, m->ref, m->pinned, &m->hand, m->fl,
+                    m->stats);
+    sim_fill(m);
+}
+
+/* Prompt staging: the first `cap` experts without a slot are copied into the staging buffer in
+ * expert order and the tables point there; the slots and the cache state are not touched; the
+ * end counts every lookup once and gives the host copies back to the tables. */
+TEST(offload_stage_copies_and_restores)
+{
+    static const int32_t shapes[][3] = {
+        /* nexp, slots, cap */
+        {16, 6, 10}, {16, 6, 4}, {16, 6, 0}, {128, 77, 51}, {128, 77, 20}, {8, 1, 7}, {32, 32, 4},
+    };
+    moe_test_rng_seed(20261202);
+    for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {
+        const int32_t ne = shapes[si][0], S = shapes[si][1], cap = shapes[si][2];
+        const size_t nn = (uint32_t)ne;
+        struct sim m;
+        sim_init(&m, ne, S, S / 2);
+        free(m.fl);
+        m.fl = malloc(sizeof *m.fl + sizeof(struct moe_cuda_fill) * 3 * (size_t)(cap + S + 1));
+        uint8_t *stage = malloc((size_t)(cap + 1) * m.L.slot_bytes);
+        uint8_t *need = malloc(nn), *ref0 = malloc((size_t)S + 1);
+        int32_t *slot0 = malloc(sizeof(int32_t) * (size_t)ne);
+        CHECK(m.fl && stage && need && ref0 && slot0);
+        /* Some cache traffic first, so that slots hold other experts than at init. */
+        for (int step = 0; step < 20; step++)
+            decode_step(&m, need);
+        check_state(&m);
+        for (int step = 0; step < 30; step++) {
+            memcpy(slot0, m.slot_of, sizeof(int32_t) * (size_t)ne);
+            memset(stage, 0xee, (size_t)(cap + 1) * m.L.slot_bytes);
+            unsigned long long st0[MOE_OFF_NSTATS];
+            memcpy(st0, m.stats, sizeof st0);
+            const int32_t staged = moe_off_stage(&m.L, m.slot_of, stage, cap, m.fl, m.stats);
+            sim_fill(&m);
+            int32_t unslotted = 0;
+            for (int32_t e = 0; e < ne; e++)
+                unslotted += m.slot_of[e] < 0;
+            CHECK_EQ(staged, unslotted < cap ? unslotted : cap);
+            CHECK_EQ(m.stats[MOE_OFF_STAGED] - st0[MOE_OFF_STAGED], (unsigned long long)staged);
+            unsigned long long bytes = 0;
+            int32_t j = 0;
+            for (int32_t e = 0; e < ne; e++) {
+                CHECK_EQ(m.slot_of[e], slot0[e]);
+                for (int p = 0; p < 3; p++) {
+                    const void *want;
+                    if (m.slot_of[e] >= 0)
+                        want = m.base + (size_t)m.slot_of[e] * m.L.slot_bytes + m.L.part_off[p];
+                    else if (j < cap)
+                        want = stage + (size_t)j * m.L.slot_bytes + m.L.part_off[p];
+                    else
+                        want = m.host[p * ne + e];
+                    CHECK(m.tab[p][e] == want);
+                    /* Whatever the table says holds the expert's bytes. */
+                    CHECK(memcmp(m.tab[p][e], m.host[p * ne + e], m.bytes[p * ne + e]) == 0);
+                    if (m.slot_of[e] < 0 && j < cap)
+                        bytes += m.bytes[p * ne + e];
+                }
+                j += m.slot_of[e] < 0;
+            }
+            CHECK_EQ(m.stats[MOE_OFF_STAGE_BYTES] - st0[MOE_OFF_STAGE_BYTES], bytes);
+            /* The step's choices: a prompt chunk's, most experts. */
+            memset(need, 0, nn);
+            int32_t want_hits = 0, want_miss = 0, want_direct = 0;
+            j = 0;
+            for (int32_t e = 0; e < ne; e++) {
+                need[e] = moe_test_rng_u32() % 4 != 0;
+                if (m.slot_of[e] >= 0) {
+                    want_hits += need[e];
+                } else {
+                    want_miss += need[e];
+                    want_direct += need[e] && j >= cap;
+                    j++;
+                }
+            }
+            memcpy(ref0, m.ref, (size_t)S);
+            moe_off_stage_end(&m.L, need, m.slot_of, m.ref, cap, m.stats);
+            CHECK_EQ(m.stats[MOE_OFF_HITS] - st0[MOE_OFF_HITS], (unsigned long long)want_hits);
+            CHECK_EQ(m.stats[MOE_OFF_MISSES] - st0[MOE_OFF_MISSES], (unsigned long long)want_miss);
+            CHECK_EQ(m.stats[MOE_OFF_DIRECT] - st0[MOE_OFF_DIRECT], (unsigned long long)want_direct);
+            CHECK_EQ(m.stats[MOE_OFF_STAGE_READS] - st0[MOE_OFF_STAGE_READS],
+                     (unsigned long long)(want_miss - want_direct));
+            CHECK_EQ(m.stats[MOE_OFF_FILL_BYTES], st0[MOE_OFF_FILL_BYTES]);
+            for (int32_t s = 0; s < S; s++) {
+                const int32_t e = m.slot_exp[s];
+                CHECK_EQ(m.ref[s], e >= 0 && need[e] ? 1 : ref0[s]);
+            }
+            check_state(&m); /* every table back at its slot or host copy */
+            /* And the cache goes on working between staged steps. */
+            decode_step(&m, need);
+            check_state(&m);
+        }
+        free(stage), free(need), free(ref0), free(slot0);
+        sim_free(&m);
+    }
+}

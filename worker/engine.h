@@ -141,6 +141,9 @@ struct moe_offload_stats {
     uint64_t expert_vram_bytes;    /* the slots */
     uint64_t hits, misses, fill_bytes, direct, direct_bytes;
     uint64_t prefetched, prefetch_bytes; /* experts copied ahead into cache slots, their bytes */
+    uint64_t staged, stage_bytes;  /* experts copied into the prompt staging buffers, their bytes */
+    uint64_t stage_reads;          /* misses read from a staging buffer (neither filled nor direct) */
+    uint32_t stage_experts;        /* experts a prompt staging buffer holds (two buffers); 0: none */
     uint64_t budget;               /* vram_budget, 0 for none */
     uint64_t device_bytes_now;     /* device memory in use now (CUDA: incl. the context) */
 };

@@ -644,7 +644,8 @@ static void send_event(struct worker *w, struct wevent *ev)
             (u64 = malloc(sizeof *u64 * 2 * w->n_layer))) {
             m.expert_vram_bytes = ev->os.expert_vram_bytes;
             m.expert_bytes = ev->os.expert_bytes;
-            m.expert_fill_bytes = ev->os.fill_bytes;
+            /* Cache fills and prompt staging: every copy from host memory into VRAM. */
+            m.expert_fill_bytes = ev->os.fill_bytes + ev->os.stage_bytes;
             m.expert_direct = ev->os.direct;
             m.expert_direct_bytes = ev->os.direct_bytes;
             m.expert_prefetched = ev->os.prefetched;

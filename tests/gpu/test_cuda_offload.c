@@ -25,24 +25,29 @@ struct config {
     int32_t cache_slots;
     bool counts;            /* hot set from routing counts of a first run */
     bool no_prefetch;
+    const char *stage;      /* MOE_CUDA_STAGE for the engine (NULL: auto) */
 };
 
 static const struct config CONFIGS[] = {
-    {"60%", 0.6, 0, false, false},
-    {"30%", 0.3, 0, false, false},
-    {"30% cache off", 0.3, -1, false, false},
-    {"30% one cache slot", 0.3, 1, false, false},
-    {"60% from counts", 0.6, 0, true, false},
-    {"30% from counts", 0.3, 0, true, false},
-    {"30% no prefetch", 0.3, 0, false, true},
-    {"60% counts, no prefetch", 0.6, 0, true, true},
-    {"one token's experts", 1e-9, 0, false, false},
+    {"60%", 0.6, 0, false, false, NULL},
+    {"30%", 0.3, 0, false, false, NULL},
+    {"30% cache off", 0.3, -1, false, false, NULL},
+    {"30% one cache slot", 0.3, 1, false, false, NULL},
+    {"60% from counts", 0.6, 0, true, false, NULL},
+    {"30% from counts", 0.3, 0, true, false, NULL},
+    {"30% no prefetch", 0.3, 0, false, true, NULL},
+    {"60% counts, no prefetch", 0.6, 0, true, true, NULL},
+    {"one token's experts", 1e-9, 0, false, false, NULL},
+    {"30% no staging", 0.3, 0, false, false, "0"},
+    {"30% staging of 1", 0.3, 0, false, false, "1"},
+    {"60% counts, staging of all", 0.6, 0, true, false, "100000"},
 };
 #define N_CONFIGS (sizeof CONFIGS / sizeof CONFIGS[0])
 
-enum { N_SEQ = 3, PROMPT = 90, DECODE = 12, N_BATCH = 64 };
+enum { N_SEQ = 3, PROMPT = 90, DECODE = 12, N_BATCH = 72 };
 
-/* The workload: sequence 0's prompt in chunks of N_BATCH (a direct step and a recorded one),
+/* The workload: sequence 0's prompt in chunks of N_BATCH (a direct step and a recorded one, both
+ * staged where the engine stages prompts),
  * then DECODE steps of all N_SEQ sequences (graphs; sequences 1 and 2 start with one token),
  * logits of every step appended to *out; then sampled steps (temperature 0.8, seeded), tokens
  * appended to *tok. Returns the number of logit rows. */
@@ -105,9 +110,14 @@ static struct moe_engine *engine(const struct moe_model *m, const struct config 
         o.expert_counts = c->counts ? counts : NULL;
         o.no_prefetch = c->no_prefetch;
     }
+    /* Staging is read at init. */
+    if (c && c->stage)
+        setenv("MOE_CUDA_STAGE", c->stage, 1);
     struct moe_engine *e = NULL;
     char err[512] = "";
-    CHECK_MSG(moe_engine_init(&e, m, &o, err, sizeof err) == 0, "%s", err);
+    const int rc = moe_engine_init(&e, m, &o, err, sizeof err);
+    unsetenv("MOE_CUDA_STAGE");
+    CHECK_MSG(rc == 0, "%s", err);
     return e;
 }
 
@@ -148,11 +158,12 @@ TEST_TIMEOUT(cuda_offload_is_exact, 600)
                 diff += memcmp(&got[i], &ref[i], sizeof(float)) != 0;
             const uint64_t looked = os.hits + os.misses;
             printf("  %-34s %-20s layer 0: slots %u (%u hot): %llu hits, %llu misses, %.2f MiB filled, "
-                   "%llu from host, %llu prefetched; %zu of %zu logits differ\n",
+                   "%llu from host, %llu prefetched, %llu staged in buffers of %u (%llu read); %zu of %zu logits differ\n",
                    MODELS[mi] + (strrchr(MODELS[mi], '/') - MODELS[mi]) + 1, c->name, pl[0].slots,
                    pl[0].hot, (unsigned long long)os.hits, (unsigned long long)os.misses,
                    (double)os.fill_bytes / (1 << 20), (unsigned long long)os.direct,
-                   (unsigned long long)os.prefetched, diff,
+                   (unsigned long long)os.prefetched, (unsigned long long)os.staged, os.stage_experts,
+                   (unsigned long long)os.stage_reads, diff,
                    rows * (size_t)V);
             if (ci == 0)
                 printf("    %s\n", info.desc);
@@ -164,9 +175,21 @@ TEST_TIMEOUT(cuda_offload_is_exact, 600)
             {
                 CHECK(os.misses > 0);
                 CHECK(os.expert_vram_bytes < os.expert_bytes);
+                /* A miss is filled into a slot, read from a staging buffer or read from
+                 * host memory. */
+                CHECK(os.direct + os.stage_reads <= os.misses);
+                if (c->stage && !strcmp(c->stage, "0"))
+                    CHECK_EQ(os.stage_experts, 0u);
+                if (c->stage && strcmp(c->stage, "0"))
+                    CHECK(os.stage_experts > 0);
+                if (os.stage_experts)
+                    CHECK(os.staged > 0 && os.stage_reads > 0); /* both prompt chunks stage */
+                else
+                    CHECK_EQ(os.staged, (uint64_t)0);
+                CHECK(os.stage_reads <= os.staged);
                 if (c->cache_slots < 0) {
                     CHECK_EQ(os.fill_bytes, (uint64_t)0);
-                    CHECK_EQ(os.direct, os.misses);
+                    CHECK_EQ(os.direct + os.stage_reads, os.misses);
                 } else {
                     CHECK(os.fill_bytes > 0);
                 }
@@ -250,7 +273,7 @@ TEST_TIMEOUT(cuda_offload_budget, 300)
     CHECK_EQ(os.budget, budget);
     moe_engine_free(e);
 
-    const struct config half = {"50%", 0.5, 0, false, false};
+    const struct config half = {"50%", 0.5, 0, false, false, NULL};
     e = engine(m, &half, NULL, budget);
     float *out = malloc(sizeof(float) * (size_t)(PROMPT + 2 * DECODE * N_SEQ) * (size_t)V);
     int32_t tok[DECODE * N_SEQ];

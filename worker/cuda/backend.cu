@@ -184,6 +184,20 @@ struct cuda_backend {
     unsigned long long *pf_counts;   /* [nexp], unread */
     struct moe_cuda_fill_list *d_pf_fill;
     int pf_blocks;
+    /* Prompt staging (steps of at least stage_min_n tokens; offload.cuh): two buffers of
+     * stage_cap experts after the slots in xarena. At layer l the second stream copies the next
+     * offloaded layer's experts without a slot into the other buffer while layer l computes
+     * (ev_sfork, ev_sjoin[buffer]); the layer reads them there instead of from host memory. */
+    int32_t stage_cap;               /* experts a buffer holds; 0: no staging */
+    uint64_t stage_bytes;            /* bytes of one buffer */
+    uint8_t *stage[2];
+    struct moe_cuda_fill_list *d_stage_fill[2];
+    cudaEvent_t ev_sfork, ev_sjoin[2];
+    int8_t *stage_buf;               /* [L]: the buffer a layer is staged in this step, -1 none */
+    int stage_next;                  /* the buffer the next staging takes */
+    bool stage_step;                 /* this step stages */
+    int64_t stage_min_n;
+    int stage_blocks;
     uint64_t expert_bytes, expert_vram;
     struct reg_range *xregs;         /* host ranges registered for the GPU to read */
     size_t n_xregs;
@@ -519,6 +533,22 @@ static int64_t cache_slots_for(const struct moe_dims *d, int64_t S, bool profile
     return moe_off_cache_slots(S, d->nexp, d->kuse, d->cache_slots, profile);
 }
 
+/* Experts a prompt staging buffer holds when S of nexp experts per layer have a slot: the
+ * others (nexp - S), but the two buffers at most an eighth of the slots' bytes;
+ * MOE_CUDA_STAGE=N sets it (0: no staging). */
+static int64_t stage_experts(int64_t nexp, int64_t S, uint64_t sum_slot, uint64_t max_slot)
+{
+    const char *env = getenv("MOE_CUDA_STAGE");
+    if (env && *env) {
+        const long long v = atoll(env);
+        return v <= 0 ? 0 : v < nexp ? v : nexp;
+    }
+    if (S >= nexp || !max_slot)
+        return 0;
+    const int64_t cap = (int64_t)((uint64_t)S * sum_slot / (16 * max_slot));
+    return nexp - S < cap ? nexp - S : cap;
+}
+
 /* Slots per layer from the budget or the residency, how many of them are pinned (hot), and
  * which experts take them (most-routed first when counts are given). `used`: device bytes in use
  * before the expert slots (context, dense weights, KV cache, buffers). */
@@ -527,7 +557,7 @@ static int plan_experts(struct cuda_backend *b, uint64_t used, char *err, size_t
     const struct moe_model *m = b->m;
     const struct moe_dims *d = &b->d;
     const int64_t nexp = d->nexp, kmin = d->kuse < nexp ? d->kuse : nexp;
-    uint64_t sum_slot = 0;
+    uint64_t sum_slot = 0, max_slot = 0;
     b->expert_bytes = 0;
     for (int l = 0; l < (int)d->L; l++) {
         struct cuda_layer *cl = &b->layers[l];
@@ -536,18 +566,35 @@ static int plan_experts(struct cuda_backend *b, uint64_t used, char *err, size_t
                 b->expert_bytes += expert_part(&m->layers[l].experts[x], p)->nbytes;
         cl->slot_bytes = moe_model_expert_slot(m, (uint32_t)l, cl->part_off);
         sum_slot += cl->slot_bytes;
+        max_slot = cl->slot_bytes > max_slot ? cl->slot_bytes : max_slot;
     }
     int64_t S = nexp;
     if (d->expert_residency > 0.0) {
         S = llround(d->expert_residency * (double)nexp);
         S = S < kmin ? kmin : S > nexp ? nexp : S;
     }
+    int64_t P = stage_experts(nexp, S, sum_slot, max_slot); /* staging buffer, experts */
     if (d->vram_budget) {
         const uint64_t fixed = used + MOE_OFFLOAD_RESERVE;
         const uint64_t avail = d->vram_budget > fixed ? d->vram_budget - fixed : 0;
         if (d->expert_residency <= 0.0) {
             S = (int64_t)(avail / sum_slot);
             S = S > nexp ? nexp : S;
+            /* Room for the staging buffers too, unless that leaves less than one token's. */
+            P = stage_experts(nexp, S, sum_slot, max_slot);
+            const int64_t S2 = (int64_t)((avail - (avail < 2 * P * max_slot ? avail : 2 * P * max_slot)) / sum_slot);
+            if (P && S2 >= kmin) {
+                S = S2;
+                const int64_t P2 = stage_experts(nexp, S, sum_slot, max_slot);
+                P = P2 < P ? P2 : P;
+            } else {
+                P = 0;
+            }
+        } else {
+            P = stage_experts(nexp, S, sum_slot, max_slot);
+            const uint64_t used_slots = (uint64_t)S * sum_slot;
+            if (used_slots + 2 * P * max_slot > avail)
+                P = used_slots < avail ? (int64_t)((avail - used_slots) / (2 * max_slot)) : 0;
         }
         if (S < kmin || (uint64_t)S * sum_slot > avail)
             return moe_fail(err, errlen, MOE_ERANGE,
@@ -623,6 +670,10 @@ static int plan_experts(struct cuda_backend *b, uint64_t used, char *err, size_t
     free(order);
     free(Sl);
     b->expert_vram = b->xarena_size;
+    b->stage_cap = b->offload ? (int32_t)P : 0;
+    b->stage_bytes = (uint64_t)b->stage_cap * max_slot;
+    if (b->stage_cap)
+        b->xarena_size += 256 + 2 * b->stage_bytes; /* from a 256-byte boundary */
     return 0;
 }
 
@@ -796,6 +847,35 @@ static int offload_state(struct cuda_backend *b, char *err, size_t errlen)
         OFF_TRY(cudaMemset(b->d_pf_fill, 0, moe_cuda_fill_list_bytes(max_slots)));
         const char *pb = getenv("MOE_CUDA_PREFETCH_BLOCKS");
         b->pf_blocks = pb && atoi(pb) > 0 ? atoi(pb) : (b->sms / 8 > 8 ? b->sms / 8 : 8);
+    }
+    if (b->stage_cap) {
+        b->stage_buf = (int8_t *)malloc(L);
+        if (!b->stage_buf) {
+            free(h);
+            free(hl);
+            return -ENOMEM;
+        }
+        memset(b->stage_buf, -1, L);
+        if (!b->st2)
+            OFF_TRY(cudaStreamCreateWithFlags(&b->st2, cudaStreamNonBlocking));
+        OFF_TRY(cudaEventCreateWithFlags(&b->ev_sfork, cudaEventDisableTiming));
+        for (int i = 0; i < 2; i++) {
+            OFF_TRY(cudaEventCreateWithFlags(&b->ev_sjoin[i], cudaEventDisableTiming));
+            OFF_TRY(cudaMalloc((void **)&b->d_stage_fill[i], moe_cuda_fill_list_bytes(b->stage_cap)));
+            OFF_TRY(cudaMemset(b->d_stage_fill[i], 0, moe_cuda_fill_list_bytes(b->stage_cap)));
+        }
+        const char *sb = getenv("MOE_CUDA_STAGE_BLOCKS");
+        /* A quarter of the SMs: the copies are bound by the link, and the layer computing
+         * meanwhile keeps the rest (docs/benchmarks.md: 33 blocks 1.4x faster prompts than 132
+         * or 264 on the H200). */
+        b->stage_blocks = sb && atoi(sb) > 0 ? atoi(sb) : (b->sms / 4 > 8 ? b->sms / 4 : 8);
+        /* Steps whose choices cover the experts about twice over (and never a prefetching
+         * one); MOE_CUDA_STAGE_MIN_N sets it. */
+        const int64_t kk = d->kuse > 0 ? d->kuse : 1;
+        const char *sn = getenv("MOE_CUDA_STAGE_MIN_N");
+        b->stage_min_n = sn && atoll(sn) > 0 ? atoll(sn) : (2 * (int64_t)ne + kk - 1) / kk;
+        if (b->stage_min_n <= PF_MAX_N)
+            b->stage_min_n = PF_MAX_N + 1;
     }
     size_t off = 0;
     for (size_t l = 0; l < L; l++) {
@@ -1248,6 +1328,11 @@ static int cuda_init(struct moe_backend **out, const struct moe_model *m, struct
                 b->layers[l].base = b->xarena + at;
                 at += (size_t)b->layers[l].slots * b->layers[l].slot_bytes;
             }
+            if (b->stage_cap) {
+                at = (at + 255) & ~(size_t)255;
+                b->stage[0] = b->xarena + at;
+                b->stage[1] = b->xarena + at + b->stage_bytes;
+            }
         }
         phase("expert slots planned");
         if (b->offload && (rc = map_host_experts(b, err, errlen)))
@@ -1324,13 +1409,16 @@ static int cuda_init(struct moe_backend **out, const struct moe_model *m, struct
                 snprintf(range, sizeof range, "%d", smin);
             else
                 snprintf(range, sizeof range, "%d..%d", smin, smax);
-            char vram[32], all[32];
+            char vram[32], all[32], stg[96] = "";
+            if (b->stage_cap)
+                snprintf(stg, sizeof stg, ", prompts of %lld+ tokens staged (2 x %d experts)",
+                         (long long)b->stage_min_n, (int)b->stage_cap);
             snprintf(b->desc + k, sizeof b->desc - k,
                      ", experts %s of %s in VRAM (%s of %lld slots per layer, %d pinned in all), "
-                     "the rest %s%s",
+                     "the rest %s%s%s",
                      moe_fmt_size(vram, sizeof vram, b->expert_vram),
                      moe_fmt_size(all, sizeof all, b->expert_bytes), range, (long long)d->nexp,
-                     hot, b->xhow, b->pf ? ", layer-ahead prefetch" : "");
+                     hot, b->xhow, b->pf ? ", layer-ahead prefetch" : "", stg);
         }
         if (d->vram_budget && b->dev_bytes > d->vram_budget) {
             rc = moe_fail(err, errlen, MOE_ERANGE,
@@ -1405,6 +1493,14 @@ static void cuda_free(struct moe_backend *bb)
     free(b->h_off);
     cudaFree(b->d_offstats);
     cudaFree(b->d_fill);
+    for (int i = 0; i < 2; i++) {
+        cudaFree(b->d_stage_fill[i]);
+        if (b->ev_sjoin[i])
+            cudaEventDestroy(b->ev_sjoin[i]);
+    }
+    if (b->ev_sfork)
+        cudaEventDestroy(b->ev_sfork);
+    free(b->stage_buf);
     for (int64_t l = 0; b->ev_fork && l < b->d.L; l++) {
         if (b->ev_fork[l])
             cudaEventDestroy(b->ev_fork[l]);
@@ -1563,6 +1659,16 @@ static int cuda_begin(struct moe_backend *bb, const struct moe_step *st)
     b->norm_pending = false;
     for (int64_t l = 0; b->pf_pending && l < b->d.L; l++)
         b->pf_pending[l] = false;
+    /* Layers a failed step staged without reaching them get their tables back. */
+    for (int64_t l = 0; b->stage_buf && l < b->d.L; l++)
+        if (b->stage_buf[l] >= 0) {
+            b->stage_buf[l] = -1;
+            LAUNCH(b, "prompt staging end",
+                   moe_cuda_offload_stage_end(b->d_off + l, (int32_t)b->d.nexp, NULL, 0,
+                                              b->stage_cap, b->st));
+        }
+    b->stage_step = b->stage_cap > 0 && st->n >= b->stage_min_n;
+    b->stage_next = 0;
     /* Inputs: staged in pinned memory, one copy each (the previous step has finished: end()
      * synchronised). */
     size_t n = (size_t)st->n;
@@ -1964,6 +2070,61 @@ static int prefetch(struct cuda_backend *b, int l)
     return 0;
 }
 
+static int expert_kernels(struct cuda_backend *b, int l, bool fold);
+
+/* The next layer after l with experts outside VRAM, or -1. */
+static int next_offloaded(const struct cuda_backend *b, int l)
+{
+    for (int t = l + 1; t < (int)b->d.L; t++)
+        if (b->layers[t].slots < b->d.nexp)
+            return t;
+    return -1;
+}
+
+/* Layer t's experts without a slot copied into the next staging buffer on stream s, the
+ * layer's tables pointed there; on the second stream, ev_sjoin of the buffer at the end. */
+static int stage_layer(struct cuda_backend *b, int t, cudaStream_t s)
+{
+    const int j = b->stage_next;
+    b->stage_next ^= 1;
+    b->stage_buf[t] = (int8_t)j;
+    LAUNCH(b, "prompt staging",
+           moe_cuda_offload_stage(b->d_off + t, (int32_t)b->d.nexp, b->stage[j], b->stage_cap,
+                                  b->d_stage_fill[j], s));
+    LAUNCH(b, "prompt staging copies",
+           moe_cuda_offload_fill(b->d_stage_fill[j], b->stage_blocks, s));
+    if (s != b->st)
+        CU(b, cudaEventRecord(b->ev_sjoin[j], s));
+    return 0;
+}
+
+/* A staging step's layer l: its experts staged (now, or joined from the second stream, where
+ * the next offloaded layer's staging starts, into the other buffer, while this layer computes),
+ * the expert kernels, then the lookups counted and the tables restored. */
+static int staged_experts(struct cuda_backend *b, int l, bool fold)
+{
+    mark(b, "staging");
+    const bool ahead = b->stage_buf[l] >= 0; /* issued on the second stream */
+    if (!ahead)
+        TRY_CU(stage_layer(b, l, b->st));
+    const int t = next_offloaded(b, l);
+    if (t >= 0) {
+        /* Fork after every earlier layer's reads of the other buffer. */
+        CU(b, cudaEventRecord(b->ev_sfork, b->st));
+        CU(b, cudaStreamWaitEvent(b->st2, b->ev_sfork, 0));
+        TRY_CU(stage_layer(b, t, b->st2));
+    }
+    if (ahead)
+        CU(b, cudaStreamWaitEvent(b->st, b->ev_sjoin[b->stage_buf[l]], 0));
+    TRY_CU(expert_kernels(b, l, fold));
+    LAUNCH(b, "prompt staging end",
+           moe_cuda_offload_stage_end(b->d_off + l, (int32_t)b->d.nexp,
+                                      (const int32_t *)b->buf[MOE_BUF_SEL_E], b->n * b->d.kuse,
+                                      b->stage_cap, b->st));
+    b->stage_buf[l] = -1;
+    return 0;
+}
+
 static int cuda_experts(struct moe_backend *bb, int l)
 {
     struct cuda_backend *b = (struct cuda_backend *)bb;
@@ -1980,6 +2141,8 @@ static int cuda_experts(struct moe_backend *bb, int l)
     const bool pf_next = prefetches(b, l + 1);
     if (pf_next)
         CU(b, cudaEventRecord(b->ev_fork[l], b->st));
+    if (cl->slots < b->d.nexp && b->stage_step)
+        return staged_experts(b, l, fold);
     if (cl->slots < b->d.nexp) {
         /* Experts outside VRAM: resolve this step's choices against the slots, fill misses. */
         mark(b, "offload");
@@ -1999,6 +2162,16 @@ static int cuda_experts(struct moe_backend *bb, int l)
             return prc;
         CU(b, cudaStreamWaitEvent(b->st, b->ev_read[l], 0)); /* MOE_BUF_X is read */
     }
+    return expert_kernels(b, l, fold);
+}
+
+/* Layer l's expert kernels over the step's routing (MOE_BUF_SEL_E / SEL_W): gate/up with
+ * SwiGLU, down, the combine and the residual, by whichever path fits the step and the types. */
+static int expert_kernels(struct cuda_backend *b, int l, bool fold)
+{
+    const struct cuda_layer *cl = &b->layers[l];
+    const int k = (int)b->d.kuse;
+    const int32_t *sel_e = (const int32_t *)b->buf[MOE_BUF_SEL_E];
     if (cl->mixed) {
         mark(b, "mixed");
         LAUNCH(b, "experts (mixed types)",
@@ -2435,6 +2608,7 @@ static int cuda_offload_stats(struct moe_backend *bb, struct moe_offload_stats *
     s->expert_bytes = b->expert_bytes;
     s->expert_vram_bytes = b->expert_vram;
     s->budget = b->d.vram_budget;
+    s->stage_experts = (uint32_t)b->stage_cap;
     size_t fr = 0, tot = 0;
     if (cudaMemGetInfo(&fr, &tot) == cudaSuccess)
         s->device_bytes_now = (uint64_t)(tot - fr);
@@ -2466,6 +2640,9 @@ static int cuda_offload_stats(struct moe_backend *bb, struct moe_offload_stats *
             s->direct_bytes += c[MOE_OFF_DIRECT_BYTES];
             s->prefetched += c[MOE_OFF_PREFETCH];
             s->prefetch_bytes += c[MOE_OFF_PREFETCH_BYTES];
+            s->staged += c[MOE_OFF_STAGED];
+            s->stage_bytes += c[MOE_OFF_STAGE_BYTES];
+            s->stage_reads += c[MOE_OFF_STAGE_READS];
         }
         s->hits += x.hits;
         s->misses += x.misses;

@@ -10,6 +10,18 @@ size_t moe_cuda_fill_list_bytes(int32_t max_slots)
     return sizeof(struct moe_cuda_fill_list) + sizeof(struct moe_cuda_fill) * (size_t)(n - 1);
 }
 
+/* need[e] = 1 for each of the n_sel chosen experts (ids out of range ignored), by the whole
+ * block; need[] was zeroed before the block's barrier. */
+static __device__ void mark_need(uint8_t *need, const int32_t *sel_e, int n_sel, int32_t nexp)
+{
+    for (int i = threadIdx.x; i < n_sel; i += blockDim.x) {
+        const int32_t e = sel_e[i];
+        if (e >= 0 && e < nexp)
+            need[e] = 1;
+    }
+    __syncthreads();
+}
+
 /* One block. The layer's state is read into shared memory, thread 0 walks the chosen experts in
  * expert order (deterministic), and the state is written back. */
 __global__ void offload_resolve_kernel(const struct moe_cuda_off_layer *__restrict__ lp,
@@ -32,12 +44,7 @@ __global__ void offload_resolve_kernel(const struct moe_cuda_off_layer *__restri
         s_pin[i] = L.pinned[i];
     }
     __syncthreads();
-    for (int i = threadIdx.x; i < n_sel; i += blockDim.x) {
-        const int32_t e = sel_e[i];
-        if (e >= 0 && e < L.nexp)
-            s_need[e] = 1;
-    }
-    __syncthreads();
+    mark_need(s_need, sel_e, n_sel, L.nexp);
     if (threadIdx.x == 0) {
         int32_t hand = S ? *L.hand : 0;
         moe_off_resolve_mode(&L, s_need, s_slot, s_exp, s_ref, s_pin, &hand, fl, L.stats, prefetch);
@@ -106,6 +113,59 @@ int moe_cuda_offload_resolve(const struct moe_cuda_off_layer *d_layer, int32_t n
         return -EINVAL;
     const size_t smem = (size_t)(nexp + slots) * sizeof(int32_t) + (size_t)(nexp + 2 * slots);
     offload_resolve_kernel<<<1, 256, smem, s>>>(d_layer, sel_e, (int)n_sel, d_fill, prefetch);
+    MOE_CUDA_TRY(cudaGetLastError());
+    return 0;
+}
+
+/* One block, thread 0 walks (the order of the staging buffer is the experts' order). */
+__global__ void offload_stage_kernel(const struct moe_cuda_off_layer *__restrict__ lp,
+                                     uint8_t *stage, int32_t cap,
+                                     struct moe_cuda_fill_list *__restrict__ fl)
+{
+    if (threadIdx.x != 0)
+        return;
+    const struct moe_cuda_off_layer L = *lp;
+    moe_off_stage(&L, L.slot_of, stage, cap, fl, L.stats);
+}
+
+__global__ void offload_stage_end_kernel(const struct moe_cuda_off_layer *__restrict__ lp,
+                                         const int32_t *__restrict__ sel_e, int n_sel,
+                                         int32_t cap)
+{
+    const struct moe_cuda_off_layer L = *lp;
+    extern __shared__ uint8_t s_need[];
+    for (int i = threadIdx.x; i < L.nexp; i += blockDim.x)
+        s_need[i] = 0;
+    __syncthreads();
+    mark_need(s_need, sel_e, n_sel, L.nexp);
+    if (threadIdx.x == 0) {
+        if (n_sel > 0) {
+            moe_off_stage_end(&L, s_need, L.slot_of, L.ref, cap, L.stats);
+        } else {
+            for (int32_t e = 0; e < L.nexp; e++)
+                if (L.slot_of[e] < 0)
+                    for (int p = 0; p < 3; p++)
+                        L.tab[p][e] = L.host[p * L.nexp + e];
+        }
+    }
+}
+
+int moe_cuda_offload_stage(const struct moe_cuda_off_layer *d_layer, int32_t nexp, uint8_t *stage,
+                           int32_t cap, struct moe_cuda_fill_list *d_fill, cudaStream_t s)
+{
+    if (nexp <= 0 || cap < 0 || !stage)
+        return -EINVAL;
+    offload_stage_kernel<<<1, 1, 0, s>>>(d_layer, stage, cap, d_fill);
+    MOE_CUDA_TRY(cudaGetLastError());
+    return 0;
+}
+
+int moe_cuda_offload_stage_end(const struct moe_cuda_off_layer *d_layer, int32_t nexp,
+                               const int32_t *sel_e, int64_t n_sel, int32_t cap, cudaStream_t s)
+{
+    if (nexp <= 0 || cap < 0 || n_sel < 0 || n_sel > (1 << 24))
+        return -EINVAL;
+    offload_stage_end_kernel<<<1, 256, (size_t)nexp, s>>>(d_layer, sel_e, (int)n_sel, cap);
     MOE_CUDA_TRY(cudaGetLastError());
     return 0;
 }

@@ -29,6 +29,16 @@ int moe_cuda_offload_resolve(const struct moe_cuda_off_layer *d_layer, int32_t n
  * re-weighted by layer l+1's norm over layer l's). */
 int moe_cuda_scale_rows(const float *d_x, int64_t ldx, const float *d_scale, int64_t E, int64_t n,
                         float *d_y, int64_t ldy, cudaStream_t s);
+/* Prompt staging (moe_off_stage): the first `cap` experts of layer *d_layer without a slot
+ * into the staging buffer `stage`, the copies written to *d_fill (run them with
+ * moe_cuda_offload_fill), the tables pointed at the buffer. */
+int moe_cuda_offload_stage(const struct moe_cuda_off_layer *d_layer, int32_t nexp, uint8_t *stage,
+                           int32_t cap, struct moe_cuda_fill_list *d_fill, cudaStream_t s);
+/* After the staged layer's expert kernels (moe_off_stage_end): the lookups of the n_sel chosen
+ * experts sel_e counted, the tables pointed back at the host copies. n_sel 0: only the
+ * tables (a staging whose layer never ran). */
+int moe_cuda_offload_stage_end(const struct moe_cuda_off_layer *d_layer, int32_t nexp,
+                               const int32_t *sel_e, int64_t n_sel, int32_t cap, cudaStream_t s);
 /* Runs the copies of *d_fill on `blocks` blocks. */
 int moe_cuda_offload_fill(const struct moe_cuda_fill_list *d_fill, int blocks, cudaStream_t s);
 

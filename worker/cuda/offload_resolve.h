@@ -19,7 +19,8 @@
 
 /* Counters per layer (stats[]). */
 enum { MOE_OFF_HITS, MOE_OFF_MISSES, MOE_OFF_FILL_BYTES, MOE_OFF_DIRECT, MOE_OFF_DIRECT_BYTES,
-       MOE_OFF_PREFETCH, MOE_OFF_PREFETCH_BYTES, MOE_OFF_NSTATS };
+       MOE_OFF_PREFETCH, MOE_OFF_PREFETCH_BYTES, MOE_OFF_STAGED, MOE_OFF_STAGE_BYTES,
+       MOE_OFF_STAGE_READS, MOE_OFF_NSTATS };
 
 /* One layer's offload state, in device memory. */
 struct moe_cuda_off_layer {
@@ -50,6 +51,30 @@ struct moe_cuda_fill_list {
     struct moe_cuda_fill job[1];   /* [3 * slots] */
 };
 #define MOE_OFF_CHUNK 16384u
+
+/* Queues the three copies of expert e into the slot-sized area `at` (gate, up, down at the
+ * layer's part offsets) as jobs *nj.. of fl and points the layer's tables there. Returns the
+ * bytes queued. */
+static inline MOE_OFF_HD unsigned long long moe_off_queue(const struct moe_cuda_off_layer *L,
+                                                          int32_t e, uint8_t *at,
+                                                          struct moe_cuda_fill_list *fl,
+                                                          int32_t *nj, uint32_t *chunks)
+{
+    const int32_t ne = L->nexp;
+    unsigned long long bytes = 0;
+    for (int p = 0; p < 3; p++) {
+        struct moe_cuda_fill j;
+        j.src = (const uint8_t *)L->host[p * ne + e];
+        j.dst = at + L->part_off[p];
+        j.bytes = L->bytes[p * ne + e];
+        j.chunk0 = *chunks;
+        *chunks += (j.bytes + MOE_OFF_CHUNK - 1) / MOE_OFF_CHUNK;
+        bytes += j.bytes;
+        fl->job[(*nj)++] = j;
+        L->tab[p][e] = at + L->part_off[p];
+    }
+    return bytes;
+}
 
 /* Walks the experts marked in need[nexp] in expert order. slot_of, slot_exp, ref and pinned
  * are the layer's state (L's arrays or copies of them); *hand the clock hand. A chosen expert
@@ -116,18 +141,7 @@ static inline MOE_OFF_HD void moe_off_resolve_mode(const struct moe_cuda_off_lay
         slot_of[e] = victim;
         ref[victim] = 1;
         placed++;
-        uint8_t *slot = L->base + (size_t)victim * L->slot_bytes;
-        for (int p = 0; p < 3; p++) {
-            struct moe_cuda_fill j;
-            j.src = (const uint8_t *)L->host[p * ne + e];
-            j.dst = slot + L->part_off[p];
-            j.bytes = L->bytes[p * ne + e];
-            j.chunk0 = chunks;
-            chunks += (j.bytes + MOE_OFF_CHUNK - 1) / MOE_OFF_CHUNK;
-            fill += j.bytes;
-            fl->job[nj++] = j;
-            L->tab[p][e] = slot + L->part_off[p];
-        }
+        fill += moe_off_queue(L, e, L->base + (size_t)victim * L->slot_bytes, fl, &nj, &chunks);
     }
     fl->n = nj;
     fl->n_chunks = (int32_t)chunks;
@@ -154,6 +168,76 @@ static inline MOE_OFF_HD void moe_off_resolve(const struct moe_cuda_off_layer *L
                                               unsigned long long *stats)
 {
     moe_off_resolve_mode(L, need, slot_of, slot_exp, ref, pinned, hand, fl, stats, 0);
+}
+
+/* Prompt staging (steps that touch most of a layer's experts): before the layer runs, the
+ * first `cap` experts without a slot, in expert order, are copied into a staging buffer (expert
+ * j of it at stage + j·slot_bytes) by the copies queued in fl, and the layer's tables point
+ * there; the slots and the cache state are not touched. moe_off_stage_end, after the layer's
+ * expert kernels, counts the step's lookups and points the tables back at the host copies.
+ * Returns the number of experts staged. */
+static inline MOE_OFF_HD int32_t moe_off_stage(const struct moe_cuda_off_layer *L,
+                                               const int32_t *slot_of, uint8_t *stage,
+                                               int32_t cap, struct moe_cuda_fill_list *fl,
+                                               unsigned long long *stats)
+{
+    const int32_t ne = L->nexp;
+    int32_t j = 0, nj = 0;
+    uint32_t chunks = 0;
+    unsigned long long bytes = 0;
+    for (int32_t e = 0; e < ne && j < cap; e++) {
+        if (slot_of[e] >= 0)
+            continue;
+        bytes += moe_off_queue(L, e, stage + (size_t)j * L->slot_bytes, fl, &nj, &chunks);
+        j++;
+    }
+    fl->n = nj;
+    fl->n_chunks = (int32_t)chunks;
+    stats[MOE_OFF_STAGED] += (unsigned long long)j;
+    stats[MOE_OFF_STAGE_BYTES] += bytes;
+    return j;
+}
+
+/* After a staged layer's expert kernels: the experts marked in need[] were hits (with a slot;
+ * reference bit set) or misses; a miss among the first `cap` experts without a slot was read
+ * from the staging buffer (MOE_OFF_STAGE_READS), one beyond them from host memory (direct). Every expert without a slot gets its host copy back in the
+ * tables. */
+static inline MOE_OFF_HD void moe_off_stage_end(const struct moe_cuda_off_layer *L,
+                                                const uint8_t *need, const int32_t *slot_of,
+                                                uint8_t *ref, int32_t cap,
+                                                unsigned long long *stats)
+{
+    const int32_t ne = L->nexp;
+    unsigned long long hits = 0, misses = 0, direct = 0, direct_bytes = 0, reads = 0;
+    int32_t j = 0;
+    for (int32_t e = 0; e < ne; e++) {
+        const int32_t s = slot_of[e];
+        if (s >= 0) {
+            if (need[e]) {
+                hits++;
+                ref[s] = 1;
+            }
+            continue;
+        }
+        if (need[e]) {
+            misses++;
+            if (j >= cap) {
+                direct++;
+                for (int p = 0; p < 3; p++)
+                    direct_bytes += L->bytes[p * ne + e];
+            } else {
+                reads++;
+            }
+        }
+        j++;
+        for (int p = 0; p < 3; p++)
+            L->tab[p][e] = L->host[p * ne + e];
+    }
+    stats[MOE_OFF_HITS] += hits;
+    stats[MOE_OFF_MISSES] += misses;
+    stats[MOE_OFF_DIRECT] += direct;
+    stats[MOE_OFF_DIRECT_BYTES] += direct_bytes;
+    stats[MOE_OFF_STAGE_READS] += reads;
 }
 
 /* Unpinned slots (the cache ring) of a layer with S slots, nexp experts and k chosen per token.

@@ -467,9 +467,21 @@ template <int K> __host__ __device__ constexpr bool q8_kind()
     return K == MOE_TYPE_Q4_K || K == MOE_TYPE_Q5_K || K == MOE_TYPE_Q6_K || K == MOE_TYPE_Q8_0;
 }
 
+/* The types the int8 walks take in a build with MOE_Q8_ROWS (bits: 1 Q4_K, 2 Q5_K, 4 Q6_K,
+ * 8 Q8_0; all by default), to tell one decoder's error from another's. */
+#ifndef MOE_Q8_TYPES
+#define MOE_Q8_TYPES 15
+#endif
+
+template <int K> __host__ __device__ constexpr bool q8_enabled()
+{
+    return (K == MOE_TYPE_Q4_K && (MOE_Q8_TYPES & 1)) || (K == MOE_TYPE_Q5_K && (MOE_Q8_TYPES & 2)) ||
+           (K == MOE_TYPE_Q6_K && (MOE_Q8_TYPES & 4)) || (K == MOE_TYPE_Q8_0 && (MOE_Q8_TYPES & 8));
+}
+
 template <int K, int RW> __host__ __device__ constexpr bool q8_rows()
 {
-    return MOE_Q8_ROWS > 0 && RW >= MOE_Q8_ROWS && q8_kind<K>();
+    return MOE_Q8_ROWS > 0 && RW >= MOE_Q8_ROWS && q8_kind<K>() && q8_enabled<K>();
 }
 
 /* Σ of the four products of the signed bytes of a and b, plus c. */
