@@ -63,8 +63,14 @@ struct wstate {
     uint64_t aff[AFF_CAP];   /* ring of block hashes of prompts sent here */
     uint32_t aff_n, aff_pos;
     uint64_t last_sent;      /* dispatch counter value of its last request; 0: none */
-    double rate;             /* decode tokens/s per sequence, moving average; 0: not measured */
+    double gap_s;            /* seconds between a sequence's tokens, moving average; 0: none */
+    uint32_t n_gaps;         /* gaps measured (the scheduler weighs the rate from SCHED_MIN_GAPS) */
+    double rate;             /* 1 / gap_s: decode tokens/s per sequence; 0: not measured */
 };
+
+/* Gaps a worker's rate rests on before the scheduler weighs it: the first tokens of a fresh
+ * worker (page faults, cold caches) and a handful of sub-millisecond gaps are noise. */
+#define SCHED_MIN_GAPS 64
 
 struct sched {
     uv_loop_t *loop;
@@ -217,8 +223,8 @@ static int32_t pick_worker(struct sched *s, const uint64_t *h, uint32_t nb)
         const bool free = w->ready && w->running < w->n_seq;
         while (free && k < nb && aff_has(w, h[k]))
             k++;
-        cv[i] = (struct sched_cand){free, k, free ? w->n_seq - w->running : 0, w->rate,
-                                    w->last_sent};
+        cv[i] = (struct sched_cand){free, k, free ? w->n_seq - w->running : 0,
+                                    w->n_gaps >= SCHED_MIN_GAPS ? w->rate : 0.0, w->last_sent};
     }
     return sched_pick(cv, s->cfg.n_workers);
 }
@@ -495,6 +501,8 @@ void sched_worker_ready(struct sched *s, uint32_t w, uint32_t n_seq, uint32_t n_
     s->w[w].n_seq = n_seq;
     s->w[w].n_ctx = n_ctx;
     s->w[w].rate = 0.0; /* measured again (a restarted worker may run elsewhere) */
+    s->w[w].gap_s = 0.0;
+    s->w[w].n_gaps = 0;
     dispatch(s);
 }
 
@@ -564,15 +572,19 @@ void sched_worker_token(struct sched *s, uint32_t w, uint64_t id, int32_t token,
     if (!r)
         return; /* cancelled while the token was on the wire */
     /* The worker's decode rate per sequence from the gaps between a request's tokens (the first
-     * token's wait is the prompt's, not counted). */
+     * token's wait is the prompt's, not counted): a moving average of the gaps, not of their
+     * inverses, so that tokens that arrive together in one read (a gap near 0) and the longer
+     * gap before them average out instead of counting as a burst of speed. */
     const uint64_t now = uv_hrtime();
-    if (r->last_tok_ns && now > r->last_tok_ns) {
-        double dt = (double)(now - r->last_tok_ns) * 1e-9;
-        if (dt < 1e-4)
-            dt = 1e-4; /* tokens that came in one read */
-        const double v = 1.0 / dt;
+    if (r->last_tok_ns && now >= r->last_tok_ns) {
+        const double dt = (double)(now - r->last_tok_ns) * 1e-9;
         struct wstate *ws = &s->w[w];
-        ws->rate = ws->rate > 0.0 ? 0.95 * ws->rate + 0.05 * v : v;
+        /* The mean of the first SCHED_MIN_GAPS gaps, then a moving average. */
+        if (ws->n_gaps < SCHED_MIN_GAPS)
+            ws->n_gaps++;
+        ws->gap_s += (dt - ws->gap_s) * (ws->n_gaps < SCHED_MIN_GAPS ? 1.0 / ws->n_gaps : 0.05);
+        if (ws->gap_s > 0.0)
+            ws->rate = 1.0 / ws->gap_s;
     }
     r->last_tok_ns = now;
     r->n_gen++;

@@ -61,8 +61,10 @@ struct sched_cand {
     uint64_t last_sent; /* dispatch counter value of its last request; 0: none */
 };
 
-/* Workers whose measured rates are within this factor of the fastest count as equally fast. */
-#define SCHED_SPEED_BAND 2.0
+/* Workers whose measured rates are within this factor of the fastest count as equally fast:
+ * wide enough for equal workers measured on a loaded machine, narrow against a CPU worker
+ * beside a GPU one (10x and more). */
+#define SCHED_SPEED_BAND 4.0
 
 /* The worker for a request among c[0..n), or -1 when none has a free slot. Among the free ones,
  * only the fast ones: a measured rate within SCHED_SPEED_BAND of the fastest (a GPU worker

@@ -36,11 +36,11 @@ TEST(sched_pick_prefers_the_fast_worker)
     CHECK_EQ(sched_pick(c, 2), 1);
     /* A loaded GPU worker whose sequences now run at 20 tok/s shares with the CPU worker. */
     c[0] = CAND(true, 0, 1, 20.0, 9);
-    CHECK_EQ(sched_pick(c, 2), 1); /* affinity 8 wins among rates within 2x */
+    CHECK_EQ(sched_pick(c, 2), 1); /* affinity 8 wins among rates within the band (4x) */
 }
 
-/* Among equally fast workers (measured within 2x: noise between equal workers) the old rule: longest affinity, then most free slots, then the
- * one unused longest. */
+/* Among equally fast workers (measured within 4x: noise between equal workers on a loaded
+ * machine) the old rule: longest affinity, then most free slots, then the one unused longest. */
 TEST(sched_pick_equal_workers_keep_affinity_then_spread)
 {
     struct sched_cand c[3] = {CAND(true, 2, 1, 100.0, 5), CAND(true, 4, 1, 80.0, 6),
@@ -51,7 +51,10 @@ TEST(sched_pick_equal_workers_keep_affinity_then_spread)
     c[1].affinity = c[2].affinity = 0;
     c[0].affinity = 0;
     CHECK_EQ(sched_pick(c, 3), 0);
-    /* Outside the band (120 > 2 x 50): the slow one is left out even with the longest prefix. */
+    /* Within the band (120 < 4 x 50) affinity still wins; outside it (120 > 4 x 25) the slow
+     * one is left out even with the longest prefix. */
     c[0] = CAND(true, 9, 4, 50.0, 1);
+    CHECK_EQ(sched_pick(c, 3), 0);
+    c[0].rate = 25.0;
     CHECK_EQ(sched_pick(c, 3), 1);
 }
