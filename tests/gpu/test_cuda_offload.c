@@ -249,6 +249,70 @@ TEST_TIMEOUT(cuda_offload_is_exact, 600)
     }
 }
 
+/* A link whose copies lose to reading in place (simulated: the fill path paced to 0.2 GB/s)
+ * pins every slot and turns prefetch and staging off, so the worker runs as with the cache off;
+ * with the check off the cache stays on and its paced copies still give the resident bytes. */
+TEST_TIMEOUT(cuda_offload_slow_link_pins_every_slot, 300)
+{
+    need_gpu();
+    static const char *const models[] = {GOLDEN "/models/tiny-qwen3moe-Q4_K_M.gguf",
+                                         "tests/fixtures/hf/hd128-e32-long.gguf"};
+    for (size_t mi = 0; mi < 2; mi++) {
+        struct test_model tm;
+        test_model_open(&tm, models[mi]);
+        const struct moe_model *m = &tm.m;
+        const int64_t V = m->hp.n_vocab;
+        const size_t cap = (size_t)(PROMPT + 2 * DECODE * N_SEQ) * (size_t)V;
+        float *ref = malloc(sizeof(float) * cap), *got = malloc(sizeof(float) * cap);
+        int32_t ref_tok[DECODE * N_SEQ], got_tok[DECODE * N_SEQ];
+        CHECK(ref && got);
+        struct moe_engine *e = engine(m, NULL, NULL, 0);
+        const size_t rows = run(e, m, ref, ref_tok);
+        moe_engine_free(e);
+        const struct config c30 = {"30%", 0.3, 0, false, false, NULL};
+        for (int check = 1; check >= 0; check--) {
+            setenv("MOE_CUDA_LINK_GBPS", "0.2", 1);
+            if (!check)
+                setenv("MOE_CUDA_LINK_CHECK", "0", 1);
+            e = engine(m, &c30, NULL, 0);
+            unsetenv("MOE_CUDA_LINK_GBPS");
+            unsetenv("MOE_CUDA_LINK_CHECK");
+            memset(got, 0xff, sizeof(float) * cap);
+            CHECK_EQ(run(e, m, got, got_tok), rows);
+            struct moe_offload_stats os;
+            CHECK_EQ(moe_engine_offload_stats(e, &os, NULL), 0);
+            struct moe_engine_info info;
+            moe_engine_info(e, &info);
+            size_t diff = 0;
+            for (size_t i = 0; i < rows * (size_t)V; i++)
+                diff += memcmp(&got[i], &ref[i], sizeof(float)) != 0;
+            printf("  %-34s check %s: %llu misses, %.2f MiB filled, %llu from host, %llu prefetched, "
+                   "%llu staged; %zu logits differ\n    %s\n",
+                   strrchr(models[mi], '/') + 1, check ? "on " : "off",
+                   (unsigned long long)os.misses, (double)os.fill_bytes / (1 << 20),
+                   (unsigned long long)os.direct, (unsigned long long)os.prefetched,
+                   (unsigned long long)os.staged, diff, info.desc);
+            CHECK_EQ(diff, (size_t)0);
+            CHECK(memcmp(got_tok, ref_tok, sizeof ref_tok) == 0);
+            CHECK(os.misses > 0);
+            if (check) {
+                CHECK(strstr(info.desc, "copies lose") != NULL);
+                CHECK_EQ(os.fill_bytes, (uint64_t)0);
+                CHECK_EQ(os.prefetched, (uint64_t)0);
+                CHECK_EQ(os.staged, (uint64_t)0);
+                CHECK_EQ(os.direct, os.misses);
+            } else {
+                CHECK(strstr(info.desc, "copies lose") == NULL);
+                CHECK(os.fill_bytes > 0);
+            }
+            moe_engine_free(e);
+        }
+        free(ref);
+        free(got);
+        test_model_close(&tm);
+    }
+}
+
 /* A budget holds: with room for everything nothing is offloaded; with a residency under it the
  * device memory in use after a workload stays within it; one too small fails naming the
  * minimum. Offload needs a GPU. (Sizes near the tiny model's are below the allocation

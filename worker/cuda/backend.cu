@@ -198,6 +198,11 @@ struct cuda_backend {
     bool stage_step;                 /* this step stages */
     int64_t stage_min_n;
     int stage_blocks;
+    /* The link (link_check): the fill path's and the in-place reads' GB/s measured at start;
+     * link_gbps > 0 paces the fill path (MOE_CUDA_LINK_GBPS, a simulated slow link). */
+    float link_gbps;
+    double link_fill_gbps, link_read_gbps;
+    bool link_slow;                  /* copies lose to reading in place: cache, prefetch, staging off */
     uint64_t expert_bytes, expert_vram;
     struct reg_range *xregs;         /* host ranges registered for the GPU to read */
     size_t n_xregs;
@@ -757,8 +762,55 @@ static int map_host_experts(struct cuda_backend *b, char *err, size_t errlen)
 }
 
 /* The per-layer device state of the offload (after upload pass 1 filled the tables). */
+/* Measures, before the cache is set up, how fast the two ways of reaching an expert outside
+ * VRAM run on this link: copying it into VRAM (the fill path of the cache, the prefetch and the
+ * staging) and reading it in place. When copies run at less than half the speed of reads (a
+ * link or host path that penalises them; MOE_CUDA_LINK_GBPS simulates one), a copied expert
+ * costs more than two reads, which the cache would rarely win back: every slot is pinned and
+ * prefetch and staging are off, so the worker runs as fast as with the cache off.
+ * MOE_CUDA_LINK_CHECK=0 keeps the cache whatever the measurement. */
+static int link_check(struct cuda_backend *b, char *err, size_t errlen)
+{
+    const char *lg = getenv("MOE_CUDA_LINK_GBPS");
+    b->link_gbps = lg && atof(lg) > 0 ? (float)atof(lg) : 0.0f;
+    const struct moe_tensor *g0 = &b->m->layers[0].experts[0].gate;
+    size_t bytes = (size_t)b->d.nexp * g0->nbytes;
+    bytes = bytes < ((size_t)32 << 20) ? bytes : ((size_t)32 << 20);
+    if (bytes < MOE_OFF_CHUNK || !b->layers[0].host[0][0])
+        return 0;
+    uint8_t *dst = NULL;
+    cudaError_t ce = cudaMalloc((void **)&dst, bytes);
+    if (ce != cudaSuccess)
+        return moe_fail(err, errlen, MOE_EBACKEND, "cuda:%d: link check: %s", b->dev,
+                        cudaGetErrorString(ce));
+    const int rc = moe_cuda_link_probe((const uint8_t *)b->layers[0].host[0][0], bytes, dst,
+                                       2 * b->sms, b->link_gbps, &b->link_fill_gbps,
+                                       &b->link_read_gbps, b->st);
+    cudaFree(dst);
+    if (rc)
+        return moe_fail(err, errlen, MOE_EBACKEND, "cuda:%d: link check failed", b->dev);
+    const char *lc = getenv("MOE_CUDA_LINK_CHECK");
+    /* Over a small model's few experts both kernels take about their launch time: a
+     * difference under 50 us is no evidence. */
+    const double t_fill = b->link_fill_gbps > 0 ? (double)bytes / (b->link_fill_gbps * 1e9) : 0,
+                 t_read = b->link_read_gbps > 0 ? (double)bytes / (b->link_read_gbps * 1e9) : 0;
+    b->link_slow = !(lc && !strcmp(lc, "0")) && b->link_fill_gbps < 0.5 * b->link_read_gbps &&
+                   t_fill - t_read > 50e-6;
+    if (b->link_slow) {
+        for (int64_t l = 0; l < b->d.L; l++)
+            b->layers[l].hot = b->layers[l].slots;
+        b->stage_cap = 0;
+    }
+    return 0;
+}
+
 static int offload_state(struct cuda_backend *b, char *err, size_t errlen)
 {
+    {
+        const int lrc = link_check(b, err, errlen);
+        if (lrc)
+            return lrc;
+    }
     const struct moe_dims *d = &b->d;
     const size_t L = (size_t)d->L, ne = (size_t)d->nexp;
     size_t bytes = 0;
@@ -793,7 +845,7 @@ static int offload_state(struct cuda_backend *b, char *err, size_t errlen)
     OFF_TRY(cudaMalloc((void **)&b->d_fill, moe_cuda_fill_list_bytes(max_slots)));
     OFF_TRY(cudaMemset(b->d_fill, 0, moe_cuda_fill_list_bytes(max_slots)));
     const char *pf_env = getenv("MOE_CUDA_PREFETCH");
-    b->pf = !d->no_prefetch && !(pf_env && !strcmp(pf_env, "0"));
+    b->pf = !d->no_prefetch && !(pf_env && !strcmp(pf_env, "0")) && !b->link_slow;
     if (b->pf) {
         b->ev_fork = (cudaEvent_t *)calloc(L, sizeof(cudaEvent_t));
         b->ev_read = (cudaEvent_t *)calloc(L, sizeof(cudaEvent_t));
@@ -1409,10 +1461,16 @@ static int cuda_init(struct moe_backend **out, const struct moe_model *m, struct
                 snprintf(range, sizeof range, "%d", smin);
             else
                 snprintf(range, sizeof range, "%d..%d", smin, smax);
-            char vram[32], all[32], stg[96] = "";
+            char vram[32], all[32], stg[192] = "";
+            int sk = 0;
             if (b->stage_cap)
-                snprintf(stg, sizeof stg, ", prompts of %lld+ tokens staged (2 x %d experts)",
-                         (long long)b->stage_min_n, (int)b->stage_cap);
+                sk = snprintf(stg, sizeof stg, ", prompts of %lld+ tokens staged (2 x %d experts)",
+                              (long long)b->stage_min_n, (int)b->stage_cap);
+            if (sk >= 0 && (size_t)sk < sizeof stg)
+                snprintf(stg + sk, sizeof stg - (size_t)sk,
+                         ", link %.1f GB/s copied, %.1f read in place%s", b->link_fill_gbps,
+                         b->link_read_gbps,
+                         b->link_slow ? ": copies lose, cache, prefetch and staging off" : "");
             snprintf(b->desc + k, sizeof b->desc - k,
                      ", experts %s of %s in VRAM (%s of %lld slots per layer, %d pinned in all), "
                      "the rest %s%s%s",
@@ -2064,7 +2122,7 @@ static int prefetch(struct cuda_backend *b, int l)
     LAUNCH(b, "prefetch residency",
            moe_cuda_offload_resolve(b->d_off + t, (int32_t)b->d.nexp, ct->slots, b->pf_sel,
                                     b->n * k, b->d_pf_fill, true, b->st2));
-    LAUNCH(b, "prefetch fill", moe_cuda_offload_fill(b->d_pf_fill, b->pf_blocks, b->st2));
+    LAUNCH(b, "prefetch fill", moe_cuda_offload_fill(b->d_pf_fill, b->pf_blocks, b->link_gbps, b->st2));
     CU(b, cudaEventRecord(b->ev_join[t], b->st2));
     b->pf_pending[t] = true;
     return 0;
@@ -2092,7 +2150,7 @@ static int stage_layer(struct cuda_backend *b, int t, cudaStream_t s)
            moe_cuda_offload_stage(b->d_off + t, (int32_t)b->d.nexp, b->stage[j], b->stage_cap,
                                   b->d_stage_fill[j], s));
     LAUNCH(b, "prompt staging copies",
-           moe_cuda_offload_fill(b->d_stage_fill[j], b->stage_blocks, s));
+           moe_cuda_offload_fill(b->d_stage_fill[j], b->stage_blocks, b->link_gbps, s));
     if (s != b->st)
         CU(b, cudaEventRecord(b->ev_sjoin[j], s));
     return 0;
@@ -2154,7 +2212,7 @@ static int cuda_experts(struct moe_backend *bb, int l)
                moe_cuda_offload_resolve(b->d_off + l, (int32_t)b->d.nexp, cl->slots, sel_e,
                                         b->n * k, b->d_fill, false, b->st));
         if (cl->hot < cl->slots)
-            LAUNCH(b, "expert fill", moe_cuda_offload_fill(b->d_fill, b->fill_blocks, b->st));
+            LAUNCH(b, "expert fill", moe_cuda_offload_fill(b->d_fill, b->fill_blocks, b->link_gbps, b->st));
     }
     if (pf_next) {
         const int prc = prefetch(b, l);
@@ -2539,7 +2597,8 @@ static int cuda_set_hot(struct moe_backend *bb, const uint64_t *counts, uint32_t
         const struct moe_cuda_off_layer *o = &b->h_off[l];
         if (cl->slots >= ne)
             continue;
-        const int64_t P = cl->slots - cache_slots_for(d, cl->slots, true);
+        /* On a link where copies lose (link_check) every slot stays pinned. */
+        const int64_t P = cl->slots - (b->link_slow ? 0 : cache_slots_for(d, cl->slots, true));
         const uint64_t *c = counts + (size_t)l * ne;
         int32_t nw = 0;
         for (int64_t x = 0; x < ne; x++) { /* insertion by count, stable */

@@ -1,5 +1,6 @@
 /* Expert offload kernels (see offload.cuh). */
 #include <errno.h>
+#include <stdlib.h>
 
 #include "worker/cuda/cuda_check.cuh"
 #include "worker/cuda/offload.cuh"
@@ -62,10 +63,27 @@ __global__ void offload_resolve_kernel(const struct moe_cuda_off_layer *__restri
 
 /* Grid-stride over the chunks of every copy; 16-byte loads where source and destination allow
  * (the store's slices are 64-byte aligned, slots 256), bytes otherwise. */
-__global__ void __launch_bounds__(256) offload_fill_kernel(const struct moe_cuda_fill_list *__restrict__ fl)
+static __device__ __forceinline__ uint64_t global_ns()
+{
+    uint64_t t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
+/* ns_per_chunk > 0 (a simulated slow link, MOE_CUDA_LINK_GBPS): chunk c is not done before
+ * (c + 1) * ns_per_chunk after the block started, so the copies run at most at that rate. */
+__global__ void __launch_bounds__(256) offload_fill_kernel(const struct moe_cuda_fill_list *__restrict__ fl,
+                                                           double ns_per_chunk)
 {
     const int nc = fl->n_chunks, nj = fl->n;
+    const uint64_t t0 = ns_per_chunk > 0 ? global_ns() : 0;
     for (int c = blockIdx.x; c < nc; c += gridDim.x) {
+        if (ns_per_chunk > 0) {
+            if (threadIdx.x == 0)
+                while ((double)(global_ns() - t0) < (double)(c + 1) * ns_per_chunk)
+                    __nanosleep(1000);
+            __syncthreads();
+        }
         int lo = 0, hi = nj - 1;
         while (lo < hi) { /* the last copy whose first chunk is <= c */
             const int mid = (lo + hi + 1) / 2;
@@ -170,12 +188,92 @@ int moe_cuda_offload_stage_end(const struct moe_cuda_off_layer *d_layer, int32_t
     return 0;
 }
 
-int moe_cuda_offload_fill(const struct moe_cuda_fill_list *d_fill, int blocks, cudaStream_t s)
+static double ns_per_chunk(float link_gbps)
+{
+    return link_gbps > 0 ? (double)MOE_OFF_CHUNK / (double)link_gbps : 0.0;
+}
+
+int moe_cuda_offload_fill(const struct moe_cuda_fill_list *d_fill, int blocks, float link_gbps,
+                          cudaStream_t s)
 {
     if (blocks <= 0)
         return -EINVAL;
-    offload_fill_kernel<<<blocks, 256, 0, s>>>(d_fill);
+    offload_fill_kernel<<<blocks, 256, 0, s>>>(d_fill, ns_per_chunk(link_gbps));
     MOE_CUDA_TRY(cudaGetLastError());
+    return 0;
+}
+
+/* What an expert kernel reading its weights from host memory does to the link: 16-byte loads
+ * over [src, src + bytes), summed so that they are not dropped. */
+__global__ void __launch_bounds__(256) link_read_kernel(const uint4 *__restrict__ src, size_t n16,
+                                                        unsigned *__restrict__ out)
+{
+    unsigned acc = 0;
+    for (size_t i = (size_t)blockIdx.x * 256 + threadIdx.x; i < n16; i += (size_t)gridDim.x * 256) {
+        const uint4 v = src[i];
+        acc ^= v.x ^ v.y ^ v.z ^ v.w;
+    }
+    if (acc == 0x9e3779b9u) /* practically never; keeps the loads */
+        out[blockIdx.x] = acc;
+}
+
+int moe_cuda_link_probe(const uint8_t *d_src, size_t bytes, uint8_t *d_dst, int blocks,
+                        float link_gbps, double *fill_gbps, double *read_gbps, cudaStream_t s)
+{
+    bytes &= ~(size_t)15;
+    if (!d_src || !d_dst || bytes < MOE_OFF_CHUNK || blocks <= 0)
+        return -EINVAL;
+    const uint32_t per = 1u << 24; /* jobs of 16 MiB */
+    const int32_t nj = (int32_t)((bytes + per - 1) / per);
+    const size_t lb = sizeof(struct moe_cuda_fill_list) + sizeof(struct moe_cuda_fill) * (size_t)nj;
+    struct moe_cuda_fill_list *h = (struct moe_cuda_fill_list *)calloc(1, lb);
+    if (!h)
+        return -ENOMEM;
+    uint32_t chunks = 0;
+    for (int32_t j = 0; j < nj; j++) {
+        const size_t off = (size_t)j * per;
+        struct moe_cuda_fill *f = &h->job[j];
+        f->src = d_src + off;
+        f->dst = d_dst + off;
+        f->bytes = (uint32_t)(bytes - off < per ? bytes - off : per);
+        f->chunk0 = chunks;
+        chunks += (f->bytes + MOE_OFF_CHUNK - 1) / MOE_OFF_CHUNK;
+    }
+    h->n = nj;
+    h->n_chunks = (int32_t)chunks;
+    struct moe_cuda_fill_list *d = NULL;
+    unsigned *d_out = NULL;
+    cudaEvent_t e[3] = {};
+    cudaError_t ce = cudaMalloc((void **)&d, lb);
+    if (ce == cudaSuccess)
+        ce = cudaMalloc((void **)&d_out, sizeof(unsigned) * (size_t)blocks);
+    for (int i = 0; i < 3 && ce == cudaSuccess; i++)
+        ce = cudaEventCreate(&e[i]);
+    if (ce == cudaSuccess)
+        ce = cudaMemcpyAsync(d, h, lb, cudaMemcpyHostToDevice, s);
+    /* Each measured once after a warm-up run. */
+    for (int rep = 0; rep < 2 && ce == cudaSuccess; rep++) {
+        cudaEventRecord(e[0], s);
+        offload_fill_kernel<<<blocks, 256, 0, s>>>(d, ns_per_chunk(link_gbps));
+        cudaEventRecord(e[1], s);
+        link_read_kernel<<<blocks, 256, 0, s>>>((const uint4 *)d_src, bytes / 16, d_out);
+        cudaEventRecord(e[2], s);
+        ce = cudaEventSynchronize(e[2]);
+    }
+    float ms_fill = 0, ms_read = 0;
+    if (ce == cudaSuccess)
+        ce = cudaEventElapsedTime(&ms_fill, e[0], e[1]);
+    if (ce == cudaSuccess)
+        ce = cudaEventElapsedTime(&ms_read, e[1], e[2]);
+    for (int i = 0; i < 3; i++)
+        if (e[i])
+            cudaEventDestroy(e[i]);
+    cudaFree(d);
+    cudaFree(d_out);
+    free(h);
+    MOE_CUDA_TRY(ce);
+    *fill_gbps = ms_fill > 0 ? (double)bytes / (ms_fill * 1e6) : 0;
+    *read_gbps = ms_read > 0 ? (double)bytes / (ms_read * 1e6) : 0;
     return 0;
 }
 
