@@ -118,7 +118,7 @@ int32_t moe_engine_seq_len(const struct moe_engine *e, int32_t seq);
 /* What the engine runs on. */
 struct moe_engine_info {
     char device[32];           /* "cpu", "cuda:0" */
-    char desc[320];            /* "NVIDIA H200, 132 SMs, ..." */
+    char desc[1024];           /* "NVIDIA H200, 132 SMs, ..." */
     uint64_t device_bytes;     /* device memory held (CUDA: peak use incl. the context) */
     uint64_t kv_bytes;         /* the KV cache for n_seq x n_ctx positions */
 };

@@ -221,7 +221,7 @@ struct cuda_backend {
     double fused_ph_ns[FUSED_NPH];
     long fused_steps;
     char fused_why[96];              /* why a one-token step runs op by op ("" when fused) */
-    char desc[512];
+    char desc[1024];
     char errmsg[256];
 };
 
