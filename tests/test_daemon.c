@@ -2389,6 +2389,26 @@ TEST_TIMEOUT(daemon_gives_up_on_a_worker_that_never_starts, 120)
 
 /* --devices as a list: one worker per item, in order (CPU items here; cpu,cuda:K mixes run on
  * the GPU machine, tools/device/offload-daemon.py), each answering the same greedy text. */
+/* n concurrent greedy completions of ntok tokens of ptext, each of which must be `want`. */
+static void clients_get(const char *sock, int n, const char *ptext, int ntok, const char *want)
+{
+    struct client_job jobs[8];
+    pthread_t th[8];
+    CHECK(n <= 8);
+    for (int i = 0; i < n; i++) {
+        jobs[i] = (struct client_job){.sock = sock, .body = completion_body(ptext, ntok, false)};
+        CHECK(pthread_create(&th[i], NULL, client_thread, &jobs[i]) == 0);
+    }
+    for (int i = 0; i < n; i++) {
+        pthread_join(th[i], NULL);
+        CHECK_MSG(jobs[i].status == 200, "client %d: status %d", i, jobs[i].status);
+        CHECK_MSG(jobs[i].text && !strcmp(jobs[i].text, want), "client %d: '%s' != '%s'", i,
+                  jobs[i].text ? jobs[i].text : "(null)", want);
+        free(jobs[i].text);
+        free(jobs[i].body);
+    }
+}
+
 TEST_TIMEOUT(daemon_devices_list_starts_one_worker_each, 180)
 {
     const char *dir = moe_test_tmpdir();
@@ -2406,20 +2426,57 @@ TEST_TIMEOUT(daemon_devices_list_starts_one_worker_each, 180)
     json_decref(j);
     hc_resp_free(&r);
     /* Three clients at once: with one sequence per worker, each worker serves one. */
-    struct client_job jobs[3];
-    pthread_t th[3];
-    for (int i = 0; i < 3; i++) {
-        jobs[i] = (struct client_job){.sock = d.sock, .body = completion_body(ptext, 8, false)};
-        CHECK(pthread_create(&th[i], NULL, client_thread, &jobs[i]) == 0);
-    }
-    for (int i = 0; i < 3; i++) {
-        pthread_join(th[i], NULL);
-        CHECK_MSG(jobs[i].status == 200, "client %d: status %d", i, jobs[i].status);
-        CHECK_MSG(jobs[i].text && !strcmp(jobs[i].text, want), "client %d: '%s' != '%s'", i,
-                  jobs[i].text ? jobs[i].text : "(null)", want);
-        free(jobs[i].text);
-        free(jobs[i].body);
-    }
+    clients_get(d.sock, 3, ptext, 8, want);
+    CHECK_EQ(moed_stop(&d, 30), 0);
+    free(want);
+    free(ptext);
+}
+
+/* tokens_generated of worker i from /admin/status (-1 when absent). */
+static long long worker_tokens(const char *sock, size_t i)
+{
+    struct hc_resp r;
+    if (hc_request_unix(sock, "GET", "/admin/status", NULL, &r, 5000) != 0)
+        return -1;
+    json_t *o = json_loads(r.body ? r.body : "", 0, NULL);
+    hc_resp_free(&r);
+    json_t *w = json_array_get(json_object_get(o, "workers"), i);
+    const long long v = w ? (long long)json_integer_value(json_object_get(w, "tokens_generated")) : -1;
+    json_decref(o);
+    return v;
+}
+
+/* Workers of two kinds in one daemon (with MOE_TEST_DEVICE=cuda:K a GPU worker and a CPU
+ * worker; without, two CPU workers): concurrent clients, more than one worker's slots, all get
+ * the greedy text of the worker run alone, and both workers serve. */
+TEST_TIMEOUT(daemon_mixed_devices_serve_equal_greedy_text, 180)
+{
+    const char *dir = moe_test_tmpdir();
+    const char *prompt = "tests/golden/prompts/p1.txt";
+    char *want = worker_text(prompt, 8), *ptext = moe_test_read_file_or_fail(prompt, NULL);
+    char devs[32];
+    const bool gpu = strcmp(test_device(), "cpu") != 0;
+    snprintf(devs, sizeof devs, "%s,cpu", gpu ? test_device() : "cpu");
+    struct moed d;
+    /* Not "--devices cpu": moed_spawn leaves a list as it is. */
+    const char *args[] = {"--devices", devs, "--parallel", "2", "--threads", "1", NULL};
+    moed_start(&d, dir, args);
+    char sum[128], want_sum[64];
+    snprintf(want_sum, sizeof want_sum, "%s:ready,cpu:ready", gpu ? test_device() : "cpu");
+    CHECK_MSG(wait_summary(d.sock, want_sum, 60, sum, sizeof sum), "workers: %s", sum);
+    for (int round = 0; round < 2; round++)
+        clients_get(d.sock, 6, ptext, 8, want);
+    /* Six at once over four slots: both workers took some (their counts come with Metrics). */
+    double t0 = moe_test_now();
+    long long t_a = 0, t_b = 0;
+    do {
+        t_a = worker_tokens(d.sock, 0);
+        t_b = worker_tokens(d.sock, 1);
+        if (t_a > 0 && t_b > 0)
+            break;
+        usleep(100000);
+    } while (moe_test_now() - t0 < 10);
+    CHECK_MSG(t_a > 0 && t_b > 0, "tokens generated: %lld and %lld", t_a, t_b);
     CHECK_EQ(moed_stop(&d, 30), 0);
     free(want);
     free(ptext);
