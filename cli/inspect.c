@@ -11,7 +11,9 @@
  *                       worker's layout, moe_model_expert_slot)
  *
  * Every layer gets the same number of slots (the placement's uniform split before a profile
- * exists); slot sizes differ per layer because quant mixes do. */
+ * exists); slot sizes differ per layer because quant mixes do. When experts stay out of VRAM,
+ * the two prompt staging buffers come out of the same room, as the CUDA worker sizes them
+ * (moe_off_budget_split, worker/cuda/offload_resolve.h). */
 #include <errno.h>
 #include <inttypes.h>
 #include <jansson.h>
@@ -26,6 +28,7 @@
 #include "store/gguf.h"
 #include "store/model.h"
 #include "store/units.h"
+#include "worker/cuda/offload_resolve.h"
 
 #define INSPECT_RESERVE ((uint64_t)512 << 20)
 #define INSPECT_DEFAULT_CTX 4096
@@ -54,6 +57,8 @@ struct vram_plan {
     int64_t available;      /* may be negative: the budget does not even hold the dense part */
     uint32_t slots;         /* per layer */
     double residency;       /* resident expert bytes / all expert bytes */
+    uint64_t max_slot;      /* the largest slot of any layer */
+    uint32_t stage;         /* experts a prompt staging buffer holds (two buffers) */
 };
 
 /* --ram-budget: the tiered store's pool (docs/store.md). slots = 0: every expert fits. */
@@ -70,12 +75,20 @@ static void plan_vram(const struct moe_model *m, uint64_t budget, uint64_t ctx, 
     p->kv = (uint64_t)hp->n_layer * 2 * hp->n_head_kv * hp->head_dim * ctx * 2;
     p->reserve = INSPECT_RESERVE;
     p->per_slot_all_layers = 0;
-    for (uint32_t l = 0; l < hp->n_layer; l++)
-        p->per_slot_all_layers += moe_model_expert_slot(m, l, NULL);
+    p->max_slot = 0;
+    for (uint32_t l = 0; l < hp->n_layer; l++) {
+        const uint64_t sb = moe_model_expert_slot(m, l, NULL);
+        p->per_slot_all_layers += sb;
+        p->max_slot = sb > p->max_slot ? sb : p->max_slot;
+    }
     uint64_t fixed = m->bytes_dense + p->kv + p->reserve;
     p->available = budget >= fixed ? (int64_t)(budget - fixed) : -(int64_t)(fixed - budget);
-    uint64_t slots = p->available > 0 ? (uint64_t)p->available / p->per_slot_all_layers : 0;
-    p->slots = slots > hp->n_expert ? hp->n_expert : (uint32_t)slots;
+    int64_t S = 0, P = 0;
+    if (p->available > 0)
+        moe_off_budget_split(hp->n_expert, hp->n_expert_used, (uint64_t)p->available,
+                             p->per_slot_all_layers, p->max_slot, -1, &S, &P);
+    p->slots = (uint32_t)S;
+    p->stage = (uint32_t)P;
     p->residency = (double)p->slots / (double)hp->n_expert;
 }
 
@@ -149,6 +162,8 @@ static int print_json(const char *path, const struct gguf_file *f, const struct 
         json_object_set_new(v, "slot_bytes_all_layers", json_integer((json_int_t)vp->per_slot_all_layers));
         json_object_set_new(v, "slots_per_layer", json_integer(vp->slots));
         json_object_set_new(v, "residency", json_real(vp->residency));
+        json_object_set_new(v, "stage_experts", json_integer(vp->stage));
+        json_object_set_new(v, "stage_bytes", json_integer((json_int_t)(2 * vp->stage * vp->max_slot)));
         json_object_set_new(o, "vram", v);
     }
     if (rp) {
@@ -231,6 +246,9 @@ static void print_text(const char *path, const struct gguf_file *f, const struct
            vp->slots, hp->n_expert, human(vp->per_slot_all_layers, c, sizeof c));
     printf("  residency         %.1f%%%s\n", 100.0 * vp->residency,
            vp->slots == hp->n_expert ? " (all experts fit)" : "");
+    if (vp->stage)
+        printf("  prompt staging    2 x %" PRIu32 " experts (%s)\n", vp->stage,
+               human(2 * vp->stage * vp->max_slot, a, sizeof a));
 }
 
 static void usage(FILE *fp)
@@ -318,17 +336,28 @@ static int cmd_inspect(int argc, char **argv)
         return 2;
     }
     struct vram_plan vp;
+    uint64_t S = 0; /* with --expert-residency: the share's slots per layer */
     if (residency > 0) {
         /* The budget that holds this share: S slots in every layer (at least one token's). */
         const struct moe_hparams *hp = &m.hp;
-        uint64_t S = (uint64_t)(residency * hp->n_expert + 0.5);
+        S = (uint64_t)(residency * hp->n_expert + 0.5);
         S = S < hp->n_expert_used ? hp->n_expert_used : S > hp->n_expert ? hp->n_expert : S;
         plan_vram(&m, 0, ctx, &vp);
-        budget = m.bytes_dense + vp.kv + vp.reserve + S * vp.per_slot_all_layers;
+        budget = m.bytes_dense + vp.kv + vp.reserve + S * vp.per_slot_all_layers +
+                 2 * (uint64_t)moe_off_stage_auto(hp->n_expert, (int64_t)S, vp.per_slot_all_layers,
+                                                  vp.max_slot) * vp.max_slot;
         have_budget = true;
     }
     if (have_budget)
         plan_vram(&m, budget, ctx, &vp);
+    if (residency > 0) {
+        /* The worker keeps the share's slots and sizes the staging for them. */
+        const struct moe_hparams *hp = &m.hp;
+        vp.slots = (uint32_t)S;
+        vp.stage = (uint32_t)moe_off_stage_auto(hp->n_expert, (int64_t)S, vp.per_slot_all_layers,
+                                                vp.max_slot);
+        vp.residency = (double)S / (double)hp->n_expert;
+    }
     struct ram_plan rp = {.budget = ram, .slot_bytes = moe_store_slot_bytes(&m),
                           .experts = (uint64_t)m.hp.n_layer * m.hp.n_expert,
                           .min_slots = (uint64_t)m.hp.n_layer * m.hp.n_expert_used};

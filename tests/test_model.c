@@ -332,6 +332,19 @@ TEST(moectl_inspect_json)
     CHECK_NEAR(json_real_value(json_object_get(v, "residency")), 5.0 / 16, 1e-9);
     json_decref(j);
 
+    /* Room for 10.5 slots per layer: the prompt staging buffers (as the CUDA worker sizes them)
+     * take some of it, and slots + buffers fit in what is left. */
+    budget = m.bytes_dense + kv + (512ull << 20) + 10 * slot + slot / 2;
+    snprintf(args, sizeof args, "%s --ctx 1024 --vram-budget %" PRIu64, path, budget);
+    CHECK_EQ(run_inspect(args, &j), 0);
+    v = json_object_get(j, "vram");
+    CHECK(jint(v, "stage_experts", NULL) >= 1);
+    CHECK(jint(v, "slots_per_layer", NULL) < 10);
+    CHECK(jint(v, "slots_per_layer", NULL) * jint(v, "slot_bytes_all_layers", NULL) +
+              jint(v, "stage_bytes", NULL) <=
+          jint(v, "experts_available", NULL));
+    json_decref(j);
+
     /* 24G holds everything; 100M does not even hold the reserve. Suffix forms. */
     snprintf(args, sizeof args, "%s --vram-budget 24GiB", path);
     CHECK_EQ(run_inspect(args, &j), 0);

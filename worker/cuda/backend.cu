@@ -538,20 +538,21 @@ static int64_t cache_slots_for(const struct moe_dims *d, int64_t S, bool profile
     return moe_off_cache_slots(S, d->nexp, d->kuse, d->cache_slots, profile);
 }
 
-/* Experts a prompt staging buffer holds when S of nexp experts per layer have a slot: the
- * others (nexp - S), but the two buffers at most an eighth of the slots' bytes;
- * MOE_CUDA_STAGE=N sets it (0: no staging). */
-static int64_t stage_experts(int64_t nexp, int64_t S, uint64_t sum_slot, uint64_t max_slot)
+/* Experts a prompt staging buffer holds when S of nexp experts per layer have a slot
+ * (moe_off_stage_auto); MOE_CUDA_STAGE=N sets it (0: no staging). The setting, or -1 for auto. */
+static int64_t stage_setting(int64_t nexp)
 {
     const char *env = getenv("MOE_CUDA_STAGE");
-    if (env && *env) {
-        const long long v = atoll(env);
-        return v <= 0 ? 0 : v < nexp ? v : nexp;
-    }
-    if (S >= nexp || !max_slot)
-        return 0;
-    const int64_t cap = (int64_t)((uint64_t)S * sum_slot / (16 * max_slot));
-    return nexp - S < cap ? nexp - S : cap;
+    if (!env || !*env)
+        return -1;
+    const long long v = atoll(env);
+    return v <= 0 ? 0 : v < nexp ? v : nexp;
+}
+
+static int64_t stage_experts(int64_t nexp, int64_t S, uint64_t sum_slot, uint64_t max_slot)
+{
+    const int64_t fixed = stage_setting(nexp);
+    return fixed >= 0 ? fixed : moe_off_stage_auto(nexp, S, sum_slot, max_slot);
 }
 
 /* Slots per layer from the budget or the residency, how many of them are pinned (hot), and
@@ -583,18 +584,9 @@ static int plan_experts(struct cuda_backend *b, uint64_t used, char *err, size_t
         const uint64_t fixed = used + MOE_OFFLOAD_RESERVE;
         const uint64_t avail = d->vram_budget > fixed ? d->vram_budget - fixed : 0;
         if (d->expert_residency <= 0.0) {
-            S = (int64_t)(avail / sum_slot);
-            S = S > nexp ? nexp : S;
             /* Room for the staging buffers too, unless that leaves less than one token's. */
-            P = stage_experts(nexp, S, sum_slot, max_slot);
-            const int64_t S2 = (int64_t)((avail - (avail < 2 * P * max_slot ? avail : 2 * P * max_slot)) / sum_slot);
-            if (P && S2 >= kmin) {
-                S = S2;
-                const int64_t P2 = stage_experts(nexp, S, sum_slot, max_slot);
-                P = P2 < P ? P2 : P;
-            } else {
-                P = 0;
-            }
+            moe_off_budget_split(nexp, kmin, avail, sum_slot, max_slot, stage_setting(nexp), &S,
+                                 &P);
         } else {
             P = stage_experts(nexp, S, sum_slot, max_slot);
             const uint64_t used_slots = (uint64_t)S * sum_slot;

@@ -240,6 +240,41 @@ static inline MOE_OFF_HD void moe_off_stage_end(const struct moe_cuda_off_layer 
     stats[MOE_OFF_STAGE_READS] += reads;
 }
 
+/* Experts a prompt staging buffer holds when S of a layer's nexp experts have a slot: the
+ * others, with both buffers at most an eighth of the slots' bytes (sum_slot: one slot of every
+ * layer; max_slot: the largest slot). */
+static inline MOE_OFF_HD int64_t moe_off_stage_auto(int64_t nexp, int64_t S, uint64_t sum_slot,
+                                                    uint64_t max_slot)
+{
+    if (S >= nexp || !max_slot)
+        return 0;
+    const int64_t cap = (int64_t)((uint64_t)S * sum_slot / (16 * max_slot));
+    return nexp - S < cap ? nexp - S : cap;
+}
+
+/* Slots per layer *S and staging experts per buffer *P under `avail` bytes for both (what a VRAM
+ * budget leaves after everything else): as many slots as fit (at most nexp), then room for the
+ * two buffers out of them unless that leaves fewer than kmin slots (then no staging).
+ * fixed_P >= 0 sets P instead of moe_off_stage_auto. *S < kmin: the budget is too small. */
+static inline MOE_OFF_HD void moe_off_budget_split(int64_t nexp, int64_t kmin, uint64_t avail,
+                                                   uint64_t sum_slot, uint64_t max_slot,
+                                                   int64_t fixed_P, int64_t *S, int64_t *P)
+{
+    int64_t s0 = sum_slot ? (int64_t)(avail / sum_slot) : nexp;
+    s0 = s0 > nexp ? nexp : s0;
+    int64_t p = fixed_P >= 0 ? fixed_P : moe_off_stage_auto(nexp, s0, sum_slot, max_slot);
+    const uint64_t sb = 2 * (uint64_t)p * max_slot;
+    const int64_t s1 = sum_slot ? (int64_t)((avail - (avail < sb ? avail : sb)) / sum_slot) : nexp;
+    if (s0 < nexp && p && s1 >= kmin) {
+        const int64_t p1 = fixed_P >= 0 ? fixed_P : moe_off_stage_auto(nexp, s1, sum_slot, max_slot);
+        *S = s1;
+        *P = p1 < p ? p1 : p;
+    } else {
+        *S = s0;
+        *P = 0;
+    }
+}
+
 /* Unpinned slots (the cache ring) of a layer with S slots, nexp experts and k chosen per token.
  * opt: the --cache-slots setting (-1 no ring, 0 auto, N). Auto: without a profile every slot is
  * cache; with one a quarter of them, but at least 2k (a step's misses and the next step's), so a
