@@ -20,7 +20,11 @@
  * also "uniform, no cache", "uniform, no prefetch", "calibrated, half cache" and "calibrated,
  * no staging" (prompt steps without the staging buffers: MOE_CUDA_STAGE=0). Budgets run
  * calibrated, with and without prefetch, and without staging. --calibrated-only: only
- * "calibrated" and "calibrated, no staging" at each residency and budget. */
+ * "calibrated" and "calibrated, no staging" at each residency and budget.
+ *
+ * "PCIe MB/token" counts the whole held-out run's copies (the prompt's included) over the decoded
+ * tokens; "decode PCIe MB/token" the decode steps' alone, and "x minimum" that against each
+ * decode miss's expert crossing once (misses x the layer's expert bytes). */
 #include <inttypes.h>
 #include <math.h>
 #include <stdio.h>
@@ -48,9 +52,22 @@ static void die(struct moe_engine *e, const char *what)
     exit(1);
 }
 
-/* Prompt of n random tokens (from seed) on sequence 0, then g greedy tokens; seconds of each. */
+/* Offload counters, totals and per layer (L of them), at one moment. */
+struct snap {
+    struct moe_offload_stats s;
+    struct moe_offload_layer *pl;
+};
+
+static void snap_take(struct moe_engine *e, struct snap *x)
+{
+    if (moe_engine_offload_stats(e, &x->s, x->pl))
+        die(e, "offload stats");
+}
+
+/* Prompt of n random tokens (from seed) on sequence 0, then g greedy tokens; seconds of each.
+ * mid (may be NULL): the counters between the prompt and the first decoded token. */
 static void generate(struct moe_engine *e, uint64_t seed, int64_t n, int64_t g, int64_t V,
-                     double *t_prompt, double *t_gen)
+                     double *t_prompt, double *t_gen, struct snap *mid)
 {
     int32_t *tok = malloc(sizeof(int32_t) * (size_t)n), *pos = malloc(sizeof(int32_t) * (size_t)n),
             *sq = calloc((size_t)n, sizeof(int32_t));
@@ -75,6 +92,10 @@ static void generate(struct moe_engine *e, uint64_t seed, int64_t n, int64_t g, 
     if (moe_engine_forward_sample(e, &b, &cur))
         die(e, "prompt");
     double t1 = moe_now_s();
+    if (mid) {
+        snap_take(e, mid);
+        t1 = moe_now_s();
+    }
     for (int64_t s = 0; s < g; s++) {
         int32_t p = (int32_t)(n + s), q = 0, nx;
         struct moe_batch d = {.n = 1, .token = &cur, .pos = &p, .seq = &q};
@@ -93,6 +114,7 @@ static void generate(struct moe_engine *e, uint64_t seed, int64_t n, int64_t g, 
 struct result {
     char name[64];
     double pp, tg, miss_rate, pcie_per_tok, prefetched, vram_gib, expert_gib;
+    double dec_pcie_per_tok, min_per_tok; /* decode alone: copies and the minimum, bytes */
 };
 
 int main(int argc, char **argv)
@@ -156,6 +178,11 @@ int main(int argc, char **argv)
     const int64_t V = m->hp.n_vocab, L = m->hp.n_layer, E = m->hp.n_expert;
     uint64_t *counts = calloc((size_t)(L * E), sizeof *counts);
     struct result res[64];
+    struct moe_offload_layer *pl_a = calloc((size_t)L, sizeof *pl_a),
+                             *pl_m = calloc((size_t)L, sizeof *pl_m),
+                             *pl_z = calloc((size_t)L, sizeof *pl_z);
+    if (!pl_a || !pl_m || !pl_z)
+        return 1;
     int nres = 0;
     double base_tg = 0;
 
@@ -209,7 +236,7 @@ int main(int argc, char **argv)
                                             "uniform, no prefetch", "calibrated, half cache",
                                             "calibrated, no staging"};
     for (int ci = 0; ci < nc; ci++) {
-        struct moe_engine_opts o = {.n_ctx = (uint32_t)(P + G + 8), .n_seq = 1, .n_batch = 512,
+        struct moe_engine_opts o = {.n_ctx = (uint32_t)(P + (G > 16 ? G : 16) + 8), .n_seq = 1, .n_batch = 512,
                                     .device = device, .expert_residency = cf[ci].r,
                                     .vram_budget = cf[ci].budget, .host_register = use_store};
         if (ci > 0) {
@@ -235,22 +262,21 @@ int main(int argc, char **argv)
         double t_init = moe_now_s() - t0;
         if (ci == 0)
             for (int64_t c = 0; c < calib; c++)
-                generate(e, 1000 + (uint64_t)c, P, G, V, NULL, NULL);
+                generate(e, 1000 + (uint64_t)c, P, G, V, NULL, NULL, NULL);
         if (ci == 0 && moe_engine_routing_counts(e, counts))
             die(e, "routing counts");
         /* Warm-up (records the graphs; warms the cache on a prompt of its own), then the
          * held-out prompt. */
         double tw0 = moe_now_s(), twp, twg;
-        generate(e, 7, P, 16, V, &twp, &twg);
+        generate(e, 7, P, 16, V, &twp, &twg, NULL);
         fprintf(stderr, "bench_offload: init %.1f s, warm-up %.2f s (prompt %.2f s, 16 tokens %.2f s)\n",
                 t_init, moe_now_s() - tw0, twp, twg);
-        struct moe_offload_stats a, z;
-        if (moe_engine_offload_stats(e, &a, NULL))
-            die(e, "offload stats");
+        struct snap sa = {.pl = pl_a}, sm = {.pl = pl_m}, sz = {.pl = pl_z};
+        snap_take(e, &sa);
         double tp, tg;
-        generate(e, 42, P, G, V, &tp, &tg);
-        if (moe_engine_offload_stats(e, &z, NULL))
-            die(e, "offload stats");
+        generate(e, 42, P, G, V, &tp, &tg, &sm);
+        snap_take(e, &sz);
+        const struct moe_offload_stats a = sa.s, z = sz.s, mi = sm.s;
         struct moe_engine_info info;
         moe_engine_info(e, &info);
         struct result *r = &res[nres++];
@@ -274,6 +300,18 @@ int main(int argc, char **argv)
                                    (z.stage_bytes - a.stage_bytes)) /
                           (double)G;
         r->prefetched = (double)(z.prefetched - a.prefetched) / (double)G;
+        /* Decode alone: its copies per token, and the minimum, each decode miss's expert
+         * crossing once (misses x the layer's expert bytes). */
+        r->dec_pcie_per_tok = (double)((z.fill_bytes - mi.fill_bytes) +
+                                       (z.direct_bytes - mi.direct_bytes) +
+                                       (z.prefetch_bytes - mi.prefetch_bytes) +
+                                       (z.stage_bytes - mi.stage_bytes)) /
+                              (double)G;
+        double min_bytes = 0;
+        for (int64_t l = 0; l < L; l++)
+            min_bytes += (double)(sz.pl[l].misses - sm.pl[l].misses) *
+                         (double)moe_model_expert_bytes(m, (uint32_t)l);
+        r->min_per_tok = min_bytes / (double)G;
         r->vram_gib = (double)info.device_bytes / (1 << 30);
         r->expert_gib = (double)z.expert_vram_bytes / (1 << 30);
         if (ci == 0)
@@ -287,19 +325,25 @@ int main(int argc, char **argv)
         moe_engine_free(e);
     }
     printf("\n| configuration | VRAM GiB | experts GiB | pp%" PRId64 " tok/s | decode tok/s | "
-           "vs resident | miss rate | PCIe MB/token | prefetched/token | PCIe limit tok/s |\n"
-           "|---|---|---|---|---|---|---|---|---|---|\n", P);
+           "vs resident | miss rate | PCIe MB/token | prefetched/token | PCIe limit tok/s | "
+           "decode PCIe MB/token | x minimum |\n"
+           "|---|---|---|---|---|---|---|---|---|---|---|---|\n", P);
     for (int i = 0; i < nres; i++) {
         const struct result *r = &res[i];
         /* The limit: the resident time or a token's copies over the H2D rate, whichever is
          * longer. */
         const double t_res = 1.0 / base_tg, t_pcie = r->pcie_per_tok / (h2d * 1e9);
         const double lim = 1.0 / (t_res > t_pcie ? t_res : t_pcie);
-        printf("| %s | %.2f | %.2f | %.1f | %.1f | %.2f | %.1f%% | %.1f | %.1f | %.0f |\n",
+        char xm[16] = "-";
+        if (r->min_per_tok > 0)
+            snprintf(xm, sizeof xm, "%.2f", r->dec_pcie_per_tok / r->min_per_tok);
+        printf("| %s | %.2f | %.2f | %.1f | %.1f | %.2f | %.1f%% | %.1f | %.1f | %.0f | %.1f | %s |\n",
                r->name, r->vram_gib, r->expert_gib, r->pp, r->tg, r->tg / base_tg,
-               100 * r->miss_rate, r->pcie_per_tok / 1e6, r->prefetched, lim);
+               100 * r->miss_rate, r->pcie_per_tok / 1e6, r->prefetched, lim,
+               r->dec_pcie_per_tok / 1e6, xm);
     }
     free(counts);
+    free(pl_a), free(pl_m), free(pl_z);
     moe_store_close(view);
     moe_store_close(store);
     moe_loaded_close(&lm);
