@@ -198,6 +198,7 @@ struct cuda_backend {
     bool stage_step;                 /* this step stages */
     int64_t stage_min_n;
     int stage_blocks;
+    bool stage_dma;                  /* direct steps stage by the copy engines (MOE_CUDA_STAGE_DMA) */
     /* The link (link_check): the fill path's and the in-place reads' GB/s measured at start;
      * link_gbps > 0 paces the fill path (MOE_CUDA_LINK_GBPS, a simulated slow link). */
     float link_gbps;
@@ -908,6 +909,10 @@ static int offload_state(struct cuda_backend *b, char *err, size_t errlen)
             OFF_TRY(cudaMalloc((void **)&b->d_stage_fill[i], moe_cuda_fill_list_bytes(b->stage_cap)));
             OFF_TRY(cudaMemset(b->d_stage_fill[i], 0, moe_cuda_fill_list_bytes(b->stage_cap)));
         }
+        /* MOE_CUDA_STAGE_DMA=1: a direct step's staging copies by the copy engines
+         * (cudaMemcpyAsync) instead of the fill kernel; not on a paced link. */
+        const char *sd = getenv("MOE_CUDA_STAGE_DMA");
+        b->stage_dma = sd && !strcmp(sd, "1") && b->link_gbps <= 0;
         const char *sb = getenv("MOE_CUDA_STAGE_BLOCKS");
         /* A quarter of the SMs: the copies are bound by the link, and the layer computing
          * meanwhile keeps the rest (docs/benchmarks.md: 33 blocks 1.4x faster prompts than 132
@@ -1756,6 +1761,13 @@ static int cuda_begin(struct moe_backend *bb, const struct moe_step *st)
             b->mode = MODE_CAPTURE;
         }
     }
+    if (b->mode == MODE_DIRECT && b->stage_step && b->stage_dma) {
+        /* Staging by the copy engines reads the layers' slots on the host: their state now
+         * (a staging step changes none of it). */
+        CU(b, cudaMemcpyAsync(b->h_offmem, b->d_offmem, b->offmem_bytes, cudaMemcpyDeviceToHost,
+                              b->st));
+        CU(b, cudaStreamSynchronize(b->st));
+    }
     return 0;
 }
 
@@ -2141,8 +2153,29 @@ static int stage_layer(struct cuda_backend *b, int t, cudaStream_t s)
     LAUNCH(b, "prompt staging",
            moe_cuda_offload_stage(b->d_off + t, (int32_t)b->d.nexp, b->stage[j], b->stage_cap,
                                   b->d_stage_fill[j], s));
-    LAUNCH(b, "prompt staging copies",
-           moe_cuda_offload_fill(b->d_stage_fill[j], b->stage_blocks, b->link_gbps, s));
+    if (b->stage_dma && b->mode == MODE_DIRECT) {
+        /* The same copies by the copy engines: the experts without a slot in the host mirror
+         * of the layer's state (begin() fetched it), in expert order, as moe_off_stage
+         * queues them. */
+        const struct cuda_layer *cl = &b->layers[t];
+        const int32_t *slot_of =
+            (const int32_t *)(b->h_offmem +
+                              ((const uint8_t *)b->h_off[t].slot_of - b->d_offmem));
+        int32_t k = 0;
+        for (int64_t x = 0; x < b->d.nexp && k < b->stage_cap; x++) {
+            if (slot_of[x] >= 0)
+                continue;
+            uint8_t *at = b->stage[j] + (size_t)k * cl->slot_bytes;
+            for (int p = 0; p < 3; p++)
+                CU(b, cudaMemcpyAsync(at + cl->part_off[p], cl->host[p][x],
+                                      expert_part(&b->m->layers[t].experts[x], p)->nbytes,
+                                      cudaMemcpyDefault, s));
+            k++;
+        }
+    } else {
+        LAUNCH(b, "prompt staging copies",
+               moe_cuda_offload_fill(b->d_stage_fill[j], b->stage_blocks, b->link_gbps, s));
+    }
     if (s != b->st)
         CU(b, cudaEventRecord(b->ev_sjoin[j], s));
     return 0;
