@@ -855,9 +855,12 @@ static int offload_state(struct cuda_backend *b, char *err, size_t errlen)
             OFF_TRY(cudaEventCreateWithFlags(&b->ev_read[l], cudaEventDisableTiming));
             OFF_TRY(cudaEventCreateWithFlags(&b->ev_join[l], cudaEventDisableTiming));
         }
+        /* MOE_CUDA_PREFETCH_EXTRA=N: N more (or, negative, fewer: only the likeliest) experts
+         * predicted per token than the layer chooses; at least one. */
         const char *px = getenv("MOE_CUDA_PREFETCH_EXTRA");
-        const int64_t extra = px && atoi(px) > 0 ? atoi(px) : PF_EXTRA;
-        b->pf_k = (int)(d->kuse + extra < d->nexp ? d->kuse + extra : d->nexp);
+        const int64_t extra = px && *px ? atoi(px) : PF_EXTRA;
+        const int64_t want = d->kuse + extra < 1 ? 1 : d->kuse + extra;
+        b->pf_k = (int)(want < d->nexp ? want : d->nexp);
         OFF_TRY(cudaMalloc((void **)&b->pf_rl, sizeof(float) * PF_MAX_N * ne));
         OFF_TRY(cudaMalloc((void **)&b->pf_w, sizeof(float) * PF_MAX_N * (size_t)b->pf_k));
         OFF_TRY(cudaMalloc((void **)&b->pf_sel, sizeof(int32_t) * PF_MAX_N * (size_t)b->pf_k));
