@@ -24,7 +24,9 @@
  *
  * "PCIe MB/token" counts the whole held-out run's copies (the prompt's included) over the decoded
  * tokens; "decode PCIe MB/token" the decode steps' alone, and "x minimum" that against each
- * decode miss's expert crossing once (misses x the layer's expert bytes). */
+ * decode miss's expert crossing once (misses x the layer's expert bytes). A prefetched expert
+ * that the layer then finds is a hit, not a miss: its bytes are in the numerator only, so with
+ * prefetch the ratio also counts the prefetches that were right. */
 #include <inttypes.h>
 #include <math.h>
 #include <stdio.h>

@@ -580,9 +580,8 @@ void sched_worker_token(struct sched *s, uint32_t w, uint64_t id, int32_t token,
         const double dt = (double)(now - r->last_tok_ns) * 1e-9;
         struct wstate *ws = &s->w[w];
         /* The mean of the first SCHED_MIN_GAPS gaps, then a moving average. */
-        if (ws->n_gaps < SCHED_MIN_GAPS)
-            ws->n_gaps++;
-        ws->gap_s += (dt - ws->gap_s) * (ws->n_gaps < SCHED_MIN_GAPS ? 1.0 / ws->n_gaps : 0.05);
+        const uint32_t k = ws->n_gaps < SCHED_MIN_GAPS ? ++ws->n_gaps : SCHED_MIN_GAPS + 1;
+        ws->gap_s += (dt - ws->gap_s) * (k <= SCHED_MIN_GAPS ? 1.0 / k : 0.05);
         if (ws->gap_s > 0.0)
             ws->rate = 1.0 / ws->gap_s;
     }

@@ -1717,8 +1717,15 @@ static int cuda_begin(struct moe_backend *bb, const struct moe_step *st)
     b->norm_pending = false;
     for (int64_t l = 0; b->pf_pending && l < b->d.L; l++)
         b->pf_pending[l] = false;
-    /* Layers a failed step staged without reaching them get their tables back. */
+    /* Layers a failed step staged without reaching them get their tables back, after whatever
+     * that step left queued on the second stream (a staging kernel there would write them
+     * again). */
+    bool open_stage = false;
     for (int64_t l = 0; b->stage_buf && l < b->d.L; l++)
+        open_stage |= b->stage_buf[l] >= 0;
+    if (open_stage && b->st2)
+        CU(b, cudaStreamSynchronize(b->st2));
+    for (int64_t l = 0; open_stage && l < b->d.L; l++)
         if (b->stage_buf[l] >= 0) {
             b->stage_buf[l] = -1;
             LAUNCH(b, "prompt staging end",
