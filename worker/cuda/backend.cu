@@ -771,15 +771,24 @@ static int link_check(struct cuda_backend *b, char *err, size_t errlen)
     bytes = bytes < ((size_t)32 << 20) ? bytes : ((size_t)32 << 20);
     if (bytes < MOE_OFF_CHUNK || !b->layers[0].host[0][0])
         return 0;
+    /* Into the staging buffers when they are large enough (not in use yet: no memory beyond
+     * the budget's split), else a buffer of its own out of the reserve. */
     uint8_t *dst = NULL;
-    cudaError_t ce = cudaMalloc((void **)&dst, bytes);
-    if (ce != cudaSuccess)
-        return moe_fail(err, errlen, MOE_EBACKEND, "cuda:%d: link check: %s", b->dev,
-                        cudaGetErrorString(ce));
+    const bool own = !(b->stage_cap && 2 * b->stage_bytes >= ((uint64_t)1 << 20));
+    if (!own) {
+        dst = b->stage[0];
+        bytes = bytes < 2 * b->stage_bytes ? bytes : (size_t)(2 * b->stage_bytes);
+    } else {
+        cudaError_t ce = cudaMalloc((void **)&dst, bytes);
+        if (ce != cudaSuccess)
+            return moe_fail(err, errlen, MOE_EBACKEND, "cuda:%d: link check: %s", b->dev,
+                            cudaGetErrorString(ce));
+    }
     const int rc = moe_cuda_link_probe((const uint8_t *)b->layers[0].host[0][0], bytes, dst,
                                        2 * b->sms, b->link_gbps, &b->link_fill_gbps,
                                        &b->link_read_gbps, b->st);
-    cudaFree(dst);
+    if (own)
+        cudaFree(dst);
     if (rc)
         return moe_fail(err, errlen, MOE_EBACKEND, "cuda:%d: link check failed", b->dev);
     const char *lc = getenv("MOE_CUDA_LINK_CHECK");
