@@ -576,17 +576,19 @@ static int run_standalone(const struct opts *o)
         struct moe_offload_stats os;
         if (moe_engine_offload_stats(eng, &os, NULL) == 0 && os.active) {
             const uint64_t looked = os.hits + os.misses;
-            char vram[32], all[32], fill[32], direct[32], pf[32];
+            char vram[32], all[32], fill[32], direct[32], pf[32], stg[32];
             fprintf(stderr,
                     "moed-worker: experts %s of %s in VRAM; %" PRIu64 " hits, %" PRIu64
                     " misses (%.1f%%), %s copied to VRAM, %" PRIu64 " read from host (%s), %" PRIu64
-                    " prefetched (%s)\n",
+                    " prefetched (%s), %" PRIu64 " staged for prompts (%s, %" PRIu64
+                    " misses read there)\n",
                     moe_fmt_size(vram, sizeof vram, os.expert_vram_bytes),
                     moe_fmt_size(all, sizeof all, os.expert_bytes), os.hits, os.misses,
                     looked ? 100.0 * (double)os.misses / (double)looked : 0.0,
                     moe_fmt_size(fill, sizeof fill, os.fill_bytes), os.direct,
                     moe_fmt_size(direct, sizeof direct, os.direct_bytes), os.prefetched,
-                    moe_fmt_size(pf, sizeof pf, os.prefetch_bytes));
+                    moe_fmt_size(pf, sizeof pf, os.prefetch_bytes), os.staged,
+                    moe_fmt_size(stg, sizeof stg, os.stage_bytes), os.stage_reads);
         }
     }
     if (o->routing_stats) {
