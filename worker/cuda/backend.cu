@@ -65,6 +65,7 @@ struct reg_range;
 struct cuda_graph {
     int64_t n, n_out;
     bool sample;
+    bool stage;              /* recorded with prompt staging */
     cudaGraphExec_t exec;
     int n_ev;                /* profiling: the event nodes recorded in it, and their names */
     const char **ev_name;
@@ -1741,7 +1742,22 @@ static int cuda_begin(struct moe_backend *bb, const struct moe_step *st)
                    moe_cuda_offload_stage_end(b->d_off + l, (int32_t)b->d.nexp, NULL, 0,
                                               b->stage_cap, b->st));
         }
-    b->stage_step = b->stage_cap > 0 && st->n >= b->stage_min_n;
+    /* Prompt-like steps only: at least two tokens per sequence on average. A decode batch (one
+     * token of each of its sequences) keeps the cache, whose ring carries experts over from
+     * one step to the next. */
+    b->stage_step = false;
+    if (b->stage_cap > 0 && st->n >= b->stage_min_n) {
+        int64_t nseq = 0;
+        for (int64_t i = 0; i < st->n; i++) {
+            bool seen = false;
+            for (int64_t j = 0; j < i && !seen; j++)
+                seen = st->seq[j] == st->seq[i];
+            nseq += !seen;
+            if (2 * nseq > st->n)
+                break;
+        }
+        b->stage_step = 2 * nseq <= st->n;
+    }
     b->stage_next = 0;
     /* Inputs: staged in pinned memory, one copy each (the previous step has finished: end()
      * synchronised). */
@@ -1770,7 +1786,7 @@ static int cuda_begin(struct moe_backend *bb, const struct moe_step *st)
     if (b->use_graphs && st->n <= MOE_CUDA_GRAPH_MAX && st->n_out <= LOGIT_ROWS) {
         for (int i = 0; i < b->n_graphs; i++)
             if (b->graphs[i].n == st->n && b->graphs[i].n_out == st->n_out &&
-                b->graphs[i].sample == st->sample) {
+                b->graphs[i].sample == st->sample && b->graphs[i].stage == b->stage_step) {
                 b->mode = MODE_REPLAY;
                 return 0;
             }
@@ -2450,7 +2466,7 @@ static int cuda_end(struct moe_backend *bb, float *out, int32_t *tokens)
         if (e != cudaSuccess)
             return cu_err(b, MOE_EBACKEND, "cuda:%d: cudaGraphInstantiate: %s", b->dev,
                           cudaGetErrorString(e));
-        struct cuda_graph cg = {b->n, b->n_out, b->sample, exec, 0, NULL};
+        struct cuda_graph cg = {b->n, b->n_out, b->sample, b->stage_step, exec, 0, NULL};
         if (b->profile && (cg.ev_name = (const char **)malloc(sizeof(char *) * (size_t)b->n_ev))) {
             cg.n_ev = b->n_ev;
             memcpy(cg.ev_name, b->ev_name, sizeof(char *) * (size_t)b->n_ev);
@@ -2462,7 +2478,7 @@ static int cuda_end(struct moe_backend *bb, float *out, int32_t *tokens)
         cudaGraphExec_t exec = NULL;
         for (int i = 0; i < b->n_graphs; i++)
             if (b->graphs[i].n == b->n && b->graphs[i].n_out == b->n_out &&
-                b->graphs[i].sample == b->sample) {
+                b->graphs[i].sample == b->sample && b->graphs[i].stage == b->stage_step) {
                 exec = b->graphs[i].exec;
                 b->n_ev = b->graphs[i].n_ev;
                 if (b->n_ev)
