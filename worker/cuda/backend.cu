@@ -590,7 +590,6 @@ static int plan_experts(struct cuda_backend *b, uint64_t used, char *err, size_t
             moe_off_budget_split(nexp, kmin, avail, sum_slot, max_slot, stage_setting(nexp), &S,
                                  &P);
         } else {
-            P = stage_experts(nexp, S, sum_slot, max_slot);
             const uint64_t used_slots = (uint64_t)S * sum_slot;
             if (used_slots + 2 * P * max_slot > avail)
                 P = used_slots < avail ? (int64_t)((avail - used_slots) / (2 * max_slot)) : 0;
@@ -755,7 +754,6 @@ static int map_host_experts(struct cuda_backend *b, char *err, size_t errlen)
     return 0;
 }
 
-/* The per-layer device state of the offload (after upload pass 1 filled the tables). */
 /* Measures, before the cache is set up, how fast the two ways of reaching an expert outside
  * VRAM run on this link: copying it into VRAM (the fill path of the cache, the prefetch and the
  * staging) and reading it in place. When copies run at less than half the speed of reads (a
@@ -807,13 +805,12 @@ static int link_check(struct cuda_backend *b, char *err, size_t errlen)
     return 0;
 }
 
+/* The per-layer device state of the offload (after upload pass 1 filled the tables). */
 static int offload_state(struct cuda_backend *b, char *err, size_t errlen)
 {
-    {
-        const int lrc = link_check(b, err, errlen);
-        if (lrc)
-            return lrc;
-    }
+    const int lrc = link_check(b, err, errlen);
+    if (lrc)
+        return lrc;
     const struct moe_dims *d = &b->d;
     const size_t L = (size_t)d->L, ne = (size_t)d->nexp;
     size_t bytes = 0;
@@ -1905,9 +1902,6 @@ static bool use_gemm(const struct cuda_backend *b, uint32_t type)
            moe_cuda_gemm_supported(type);
 }
 
-/* cuda_matmul's products of two weight types in one launch (fold: with the pending RMSNorm):
- * 0 when done, 1 when the products are not of exactly two types with a kernel for the pair
- * (nothing launched), < 0 on an error. */
 /* Whether product m of layer l (weight W) fits the op: a dense weight of the layer, uploaded,
  * from src's width to its destination's. */
 static bool mm_fits(const struct cuda_backend *b, int l, const struct moe_mm *m, enum moe_buf src,
@@ -1923,6 +1917,9 @@ static struct moe_mv_job mm_job(const struct cuda_backend *b, int l, const struc
     return (struct moe_mv_job){b->layers[l].w[m->w], W->ne[1], b->buf[m->dst], b->ld[m->dst]};
 }
 
+/* cuda_matmul's products of two weight types in one launch (fold: with the pending RMSNorm):
+ * 0 when done, 1 when the products are not of exactly two types with a kernel for the pair
+ * (nothing launched), < 0 on an error. */
 static int matmul_mixed(struct cuda_backend *b, int l, const struct moe_mm *mm, int n_mm,
                         enum moe_buf src, bool accumulate, bool fold)
 {
@@ -2169,6 +2166,13 @@ static int prefetch(struct cuda_backend *b, int l)
 
 static int expert_kernels(struct cuda_backend *b, int l, bool fold);
 
+/* Where h_offmem, the host mirror of the offload state, holds what `dev` points to in
+ * d_offmem. */
+static void *host_view(const struct cuda_backend *b, const void *dev)
+{
+    return b->h_offmem + ((const uint8_t *)dev - b->d_offmem);
+}
+
 /* The next layer after l with experts outside VRAM, or -1. */
 static int next_offloaded(const struct cuda_backend *b, int l)
 {
@@ -2193,9 +2197,7 @@ static int stage_layer(struct cuda_backend *b, int t, cudaStream_t s)
          * of the layer's state (begin() fetched it), in expert order, as moe_off_stage
          * queues them. */
         const struct cuda_layer *cl = &b->layers[t];
-        const int32_t *slot_of =
-            (const int32_t *)(b->h_offmem +
-                              ((const uint8_t *)b->h_off[t].slot_of - b->d_offmem));
+        const int32_t *slot_of = (const int32_t *)host_view(b, b->h_off[t].slot_of);
         int32_t k = 0;
         for (int64_t x = 0; x < b->d.nexp && k < b->stage_cap; x++) {
             if (slot_of[x] >= 0)
@@ -2650,7 +2652,6 @@ static int cuda_set_hot(struct moe_backend *bb, const uint64_t *counts, uint32_t
     int rc = 0;
     if (!want || !scratch || !loads)
         rc = -ENOMEM;
-#define HOST_VIEW(T, dev) ((T *)(b->h_offmem + ((const uint8_t *)(dev) - b->d_offmem)))
     int32_t left = (int32_t)(max_loads < INT32_MAX ? max_loads : INT32_MAX);
     for (int l = 0; l < (int)d->L && !rc; l++) {
         struct cuda_layer *cl = &b->layers[l];
@@ -2673,8 +2674,9 @@ static int cuda_set_hot(struct moe_backend *bb, const uint64_t *counts, uint32_t
         }
         if (nw > P)
             nw = (int32_t)P;
-        int32_t *slot_of = HOST_VIEW(int32_t, o->slot_of), *slot_exp = HOST_VIEW(int32_t, o->slot_exp);
-        uint8_t *pinned = HOST_VIEW(uint8_t, o->pinned), *ref = HOST_VIEW(uint8_t, o->ref);
+        int32_t *slot_of = (int32_t *)host_view(b, o->slot_of),
+                *slot_exp = (int32_t *)host_view(b, o->slot_exp);
+        uint8_t *pinned = (uint8_t *)host_view(b, o->pinned), *ref = (uint8_t *)host_view(b, o->ref);
         int32_t nl = 0;
         *pending += (uint32_t)moe_off_repin((int32_t)ne, cl->slots, slot_of, slot_exp, pinned, ref,
                                             want, nw, left, loads, &nl, scratch);
@@ -2708,7 +2710,6 @@ static int cuda_set_hot(struct moe_backend *bb, const uint64_t *counts, uint32_t
         }
         cl->hot = hot;
     }
-#undef HOST_VIEW
     free(want);
     free(scratch);
     free(loads);

@@ -61,8 +61,6 @@ __global__ void offload_resolve_kernel(const struct moe_cuda_off_layer *__restri
     }
 }
 
-/* Grid-stride over the chunks of every copy; 16-byte loads where source and destination allow
- * (the store's slices are 64-byte aligned, slots 256), bytes otherwise. */
 static __device__ __forceinline__ uint64_t global_ns()
 {
     uint64_t t;
@@ -70,8 +68,10 @@ static __device__ __forceinline__ uint64_t global_ns()
     return t;
 }
 
-/* ns_per_chunk > 0 (a simulated slow link, MOE_CUDA_LINK_GBPS): chunk c is not done before
- * (c + 1) * ns_per_chunk after the block started, so the copies run at most at that rate. */
+/* Grid-stride over the chunks of every copy; 16-byte loads where source and destination allow
+ * (the store's slices are 64-byte aligned, slots 256), bytes otherwise. ns_per_chunk > 0 (a
+ * simulated slow link, MOE_CUDA_LINK_GBPS): chunk c is not done before (c + 1) * ns_per_chunk
+ * after the block started, so the copies run at most at that rate. */
 __global__ void __launch_bounds__(256) offload_fill_kernel(const struct moe_cuda_fill_list *__restrict__ fl,
                                                            double ns_per_chunk)
 {
@@ -156,16 +156,8 @@ __global__ void offload_stage_end_kernel(const struct moe_cuda_off_layer *__rest
         s_need[i] = 0;
     __syncthreads();
     mark_need(s_need, sel_e, n_sel, L.nexp);
-    if (threadIdx.x == 0) {
-        if (n_sel > 0) {
-            moe_off_stage_end(&L, s_need, L.slot_of, L.ref, cap, L.stats);
-        } else {
-            for (int32_t e = 0; e < L.nexp; e++)
-                if (L.slot_of[e] < 0)
-                    for (int p = 0; p < 3; p++)
-                        L.tab[p][e] = L.host[p * L.nexp + e];
-        }
-    }
+    if (threadIdx.x == 0) /* n_sel 0: nothing needed, so only the tables change */
+        moe_off_stage_end(&L, s_need, L.slot_of, L.ref, cap, L.stats);
 }
 
 int moe_cuda_offload_stage(const struct moe_cuda_off_layer *d_layer, int32_t nexp, uint8_t *stage,
