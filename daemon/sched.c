@@ -65,8 +65,13 @@ struct wstate {
     uint64_t last_sent;      /* dispatch counter value of its last request; 0: none */
     double gap_s;            /* seconds between a sequence's tokens, moving average; 0: none */
     uint32_t n_gaps;         /* gaps measured (the scheduler weighs the rate from SCHED_MIN_GAPS) */
-    double rate;             /* 1 / gap_s: decode tokens/s per sequence; 0: not measured */
 };
+
+/* A worker's decode tokens/s per sequence (1 / its mean gap); 0: not measured. */
+static double wrate(const struct wstate *w)
+{
+    return w->gap_s > 0.0 ? 1.0 / w->gap_s : 0.0;
+}
 
 /* Gaps a worker's rate rests on before the scheduler weighs it: the first tokens of a fresh
  * worker (page faults, cold caches) and a handful of sub-millisecond gaps are noise. */
@@ -224,7 +229,7 @@ static int32_t pick_worker(struct sched *s, const uint64_t *h, uint32_t nb)
         while (free && k < nb && aff_has(w, h[k]))
             k++;
         cv[i] = (struct sched_cand){free, k, free ? w->n_seq - w->running : 0,
-                                    w->n_gaps >= SCHED_MIN_GAPS ? w->rate : 0.0, w->last_sent};
+                                    w->n_gaps >= SCHED_MIN_GAPS ? wrate(w) : 0.0, w->last_sent};
     }
     return sched_pick(cv, s->cfg.n_workers);
 }
@@ -457,7 +462,7 @@ void sched_cancel(struct sched *s, struct sched_req *r)
 
 double sched_worker_rate(const struct sched *s, uint32_t w)
 {
-    return s && w < s->cfg.n_workers ? s->w[w].rate : 0.0;
+    return s && w < s->cfg.n_workers ? wrate(&s->w[w]) : 0.0;
 }
 
 void sched_get_stats(const struct sched *s, struct sched_stats *out)
@@ -500,8 +505,7 @@ void sched_worker_ready(struct sched *s, uint32_t w, uint32_t n_seq, uint32_t n_
     s->w[w].ready = true;
     s->w[w].n_seq = n_seq;
     s->w[w].n_ctx = n_ctx;
-    s->w[w].rate = 0.0; /* measured again (a restarted worker may run elsewhere) */
-    s->w[w].gap_s = 0.0;
+    s->w[w].gap_s = 0.0; /* measured again (a restarted worker may run elsewhere) */
     s->w[w].n_gaps = 0;
     dispatch(s);
 }
@@ -582,8 +586,6 @@ void sched_worker_token(struct sched *s, uint32_t w, uint64_t id, int32_t token,
         /* The mean of the first SCHED_MIN_GAPS gaps, then a moving average. */
         const uint32_t k = ws->n_gaps < SCHED_MIN_GAPS ? ++ws->n_gaps : SCHED_MIN_GAPS + 1;
         ws->gap_s += (dt - ws->gap_s) * (k <= SCHED_MIN_GAPS ? 1.0 / k : 0.05);
-        if (ws->gap_s > 0.0)
-            ws->rate = 1.0 / ws->gap_s;
     }
     r->last_tok_ns = now;
     r->n_gen++;
