@@ -66,6 +66,14 @@ static void snap_take(struct moe_engine *e, struct snap *x)
         die(e, "offload stats");
 }
 
+/* Bytes copied from host memory between two counter snapshots a and z: fills, direct reads,
+ * prefetches and prompt staging. */
+static uint64_t copied_bytes(const struct moe_offload_stats *a, const struct moe_offload_stats *z)
+{
+    return (z->fill_bytes - a->fill_bytes) + (z->direct_bytes - a->direct_bytes) +
+           (z->prefetch_bytes - a->prefetch_bytes) + (z->stage_bytes - a->stage_bytes);
+}
+
 /* Prompt of n random tokens (from seed) on sequence 0, then g greedy tokens; seconds of each.
  * mid (may be NULL): the counters between the prompt and the first decoded token. */
 static void generate(struct moe_engine *e, uint64_t seed, int64_t n, int64_t g, int64_t V,
@@ -297,18 +305,11 @@ int main(int argc, char **argv)
         r->pp = (double)P / tp;
         r->tg = (double)G / tg;
         r->miss_rate = looked > 0 ? (double)(z.misses - a.misses) / looked : 0;
-        r->pcie_per_tok = (double)((z.fill_bytes - a.fill_bytes) + (z.direct_bytes - a.direct_bytes) +
-                                   (z.prefetch_bytes - a.prefetch_bytes) +
-                                   (z.stage_bytes - a.stage_bytes)) /
-                          (double)G;
+        r->pcie_per_tok = (double)copied_bytes(&a, &z) / (double)G;
         r->prefetched = (double)(z.prefetched - a.prefetched) / (double)G;
         /* Decode alone: its copies per token, and the minimum, each decode miss's expert
          * crossing once (misses x the layer's expert bytes). */
-        r->dec_pcie_per_tok = (double)((z.fill_bytes - mi.fill_bytes) +
-                                       (z.direct_bytes - mi.direct_bytes) +
-                                       (z.prefetch_bytes - mi.prefetch_bytes) +
-                                       (z.stage_bytes - mi.stage_bytes)) /
-                              (double)G;
+        r->dec_pcie_per_tok = (double)copied_bytes(&mi, &z) / (double)G;
         double min_bytes = 0;
         for (int64_t l = 0; l < L; l++)
             min_bytes += (double)(sz.pl[l].misses - sm.pl[l].misses) *

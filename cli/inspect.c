@@ -336,27 +336,27 @@ static int cmd_inspect(int argc, char **argv)
         return 2;
     }
     struct vram_plan vp;
-    uint64_t S = 0; /* with --expert-residency: the share's slots per layer */
+    uint64_t S = 0, P = 0; /* with --expert-residency: the share's slots and staging */
     if (residency > 0) {
-        /* The budget that holds this share: S slots in every layer (at least one token's). */
+        /* The budget that holds this share: S slots in every layer (at least one token's) and
+         * the staging the worker sizes for them. */
         const struct moe_hparams *hp = &m.hp;
         S = (uint64_t)(residency * hp->n_expert + 0.5);
         S = S < hp->n_expert_used ? hp->n_expert_used : S > hp->n_expert ? hp->n_expert : S;
         plan_vram(&m, 0, ctx, &vp);
+        P = (uint64_t)moe_off_stage_auto(hp->n_expert, (int64_t)S, vp.per_slot_all_layers,
+                                         vp.max_slot);
         budget = m.bytes_dense + vp.kv + vp.reserve + S * vp.per_slot_all_layers +
-                 2 * (uint64_t)moe_off_stage_auto(hp->n_expert, (int64_t)S, vp.per_slot_all_layers,
-                                                  vp.max_slot) * vp.max_slot;
+                 2 * P * vp.max_slot;
         have_budget = true;
     }
     if (have_budget)
         plan_vram(&m, budget, ctx, &vp);
     if (residency > 0) {
-        /* The worker keeps the share's slots and sizes the staging for them. */
-        const struct moe_hparams *hp = &m.hp;
+        /* The worker keeps the share's slots (plan_vram's split of the budget may differ). */
         vp.slots = (uint32_t)S;
-        vp.stage = (uint32_t)moe_off_stage_auto(hp->n_expert, (int64_t)S, vp.per_slot_all_layers,
-                                                vp.max_slot);
-        vp.residency = (double)S / (double)hp->n_expert;
+        vp.stage = (uint32_t)P;
+        vp.residency = (double)S / (double)m.hp.n_expert;
     }
     struct ram_plan rp = {.budget = ram, .slot_bytes = moe_store_slot_bytes(&m),
                           .experts = (uint64_t)m.hp.n_layer * m.hp.n_expert,
