@@ -4,6 +4,7 @@
 
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include <cuda_runtime_api.h>
 
@@ -25,6 +26,15 @@ static inline void need_gpu(void)
     if (e != cudaSuccess || count == 0)
         moe_test_skip("no CUDA device (%s)", e != cudaSuccess ? cudaGetErrorString(e) : "0 devices");
     CU(cudaSetDevice(0));
+}
+
+/* How many of the n floats of a and b differ in their bits. */
+static inline size_t floats_differing(const float *a, const float *b, size_t n)
+{
+    size_t d = 0;
+    for (size_t i = 0; i < n; i++)
+        d += memcmp(&a[i], &b[i], sizeof(float)) != 0;
+    return d;
 }
 
 /* Uniform in [-1, 1). */

@@ -457,9 +457,7 @@ TEST_TIMEOUT(cuda_fused_step_equals_op_by_op, 600)
             moe_engine_seq_clear(b, 0);
             float *ga = run_greedy(a, prompt, P, steps, 0, V, ta);
             float *gb = run_greedy(b, prompt, P, steps, 0, V, tb);
-            size_t diff = 0;
-            for (size_t i = 0; i < (size_t)(steps + 1) * (size_t)V; i++)
-                diff += memcmp(&ga[i], &gb[i], sizeof(float)) != 0;
+            const size_t diff = floats_differing(ga, gb, (size_t)(steps + 1) * (size_t)V);
             printf("  %-44s prompt %lld: %zu of %lld logits differ\n", "", (long long)P, diff,
                    (long long)(steps + 1) * V);
             CHECK_EQ(diff, 0);
@@ -498,8 +496,7 @@ static size_t two_engines_diff(struct moe_engine *a, struct moe_engine *b, int64
             prompt[i] = (int32_t)(moe_test_rng_u32() % V);
         test_prefill(a, q, 0, prompt, plen[q], la);
         test_prefill(b, q, 0, prompt, plen[q], lb);
-        for (size_t i = 0; i < (size_t)plen[q] * (size_t)V; i++)
-            diff += memcmp(&la[i], &lb[i], sizeof(float)) != 0;
+        diff += floats_differing(la, lb, (size_t)plen[q] * (size_t)V);
         last[q] = (int32_t)moe_test_argmax(lb + (size_t)(plen[q] - 1) * V, (size_t)V);
         pos[q] = (int32_t)plen[q];
     }
@@ -508,8 +505,7 @@ static size_t two_engines_diff(struct moe_engine *a, struct moe_engine *b, int64
         struct moe_batch bt = {.n = n, .token = last, .pos = pos, .seq = sq};
         CHECK_MSG(moe_engine_forward(a, &bt, la) == 0, "%s", moe_engine_errmsg(a));
         CHECK_MSG(moe_engine_forward(b, &bt, lb) == 0, "%s", moe_engine_errmsg(b));
-        for (size_t i = 0; i < (size_t)n * (size_t)V; i++)
-            diff += memcmp(&la[i], &lb[i], sizeof(float)) != 0;
+        diff += floats_differing(la, lb, (size_t)n * (size_t)V);
         for (int q = 0; q < n; q++) {
             last[q] = (int32_t)moe_test_argmax(lb + (size_t)q * V, (size_t)V);
             pos[q]++;

@@ -158,9 +158,7 @@ TEST_TIMEOUT(cuda_offload_is_exact, 600)
             CHECK_EQ(moe_engine_offload_stats(e, &os, pl), 0);
             struct moe_engine_info info;
             moe_engine_info(e, &info);
-            size_t diff = 0;
-            for (size_t i = 0; i < rows * (size_t)V; i++)
-                diff += memcmp(&got[i], &ref[i], sizeof(float)) != 0;
+            size_t diff = floats_differing(got, ref, rows * (size_t)V);
             const uint64_t looked = os.hits + os.misses;
             printf("  %-34s %-20s layer 0: slots %u (%u hot): %llu hits, %llu misses, %.2f MiB filled, "
                    "%llu from host, %llu prefetched, %llu staged in buffers of %u (%llu read); %zu of %zu logits differ\n",
@@ -237,9 +235,7 @@ TEST_TIMEOUT(cuda_offload_is_exact, 600)
                     moe_engine_seq_clear(e, i);
                 memset(got, 0xff, sizeof(float) * cap);
                 CHECK_EQ(run(e, m, got, got_tok), rows);
-                diff = 0;
-                for (size_t i = 0; i < rows * (size_t)V; i++)
-                    diff += memcmp(&got[i], &ref[i], sizeof(float)) != 0;
+                diff = floats_differing(got, ref, rows * (size_t)V);
                 printf("    re-pinned in %d calls (%u hot): %zu logits differ\n", calls, hot, diff);
                 CHECK_EQ(diff, (size_t)0);
                 CHECK(memcmp(got_tok, ref_tok, sizeof ref_tok) == 0);
@@ -288,9 +284,7 @@ TEST_TIMEOUT(cuda_offload_slow_link_pins_every_slot, 300)
             CHECK_EQ(moe_engine_offload_stats(e, &os, NULL), 0);
             struct moe_engine_info info;
             moe_engine_info(e, &info);
-            size_t diff = 0;
-            for (size_t i = 0; i < rows * (size_t)V; i++)
-                diff += memcmp(&got[i], &ref[i], sizeof(float)) != 0;
+            size_t diff = floats_differing(got, ref, rows * (size_t)V);
             printf("  %-34s check %s: %llu misses, %.2f MiB filled, %llu from host, %llu prefetched, "
                    "%llu staged; %zu logits differ\n    %s\n",
                    strrchr(models[mi], '/') + 1, check ? "on " : "off",
