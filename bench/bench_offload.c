@@ -5,6 +5,7 @@
  *   build/bench/bench_offload MODEL.gguf [--device cuda:0] [--prompt 512] [--gen 128]
  *                             [--residency 0.75,0.6,0.4,0.25] [--budgets 12.7G,10G]
  *                             [--calib 4] [--h2d-gbps 55] [--no-store] [--calibrated-only]
+ *                             [--env VAR=VALUE[;VAR=VALUE...]]...
  *
  * The experts are served as the daemon serves them: from a shared-memory expert store
  * (store/expert_store.h) built once, which each engine registers with CUDA. --no-store keeps the
@@ -20,7 +21,10 @@
  * also "uniform, no cache", "uniform, no prefetch", "calibrated, half cache" and "calibrated,
  * no staging" (prompt steps without the staging buffers: MOE_CUDA_STAGE=0). Budgets run
  * calibrated, with and without prefetch, and without staging. --calibrated-only: only
- * "calibrated" and "calibrated, no staging" at each residency and budget.
+ * "calibrated" and "calibrated, no staging" at each residency and budget. Each --env adds a
+ * "calibrated" run at each residency and budget with those environment variables set while its
+ * engine starts (the CUDA backend reads its MOE_CUDA_* settings there), e.g. --env
+ * MOE_CUDA_PREFETCH_EXTRA=-2: variants measured side by side with the default in one process.
  *
  * "PCIe MB/token" counts the whole held-out run's copies (the prompt's included) over the decoded
  * tokens; "decode PCIe MB/token" the decode steps' alone, and "x minimum" that against each
@@ -121,8 +125,27 @@ static void generate(struct moe_engine *e, uint64_t seed, int64_t n, int64_t g, 
     free(tok), free(pos), free(sq), free(want);
 }
 
+/* Sets (on) or unsets (off) each VAR=VALUE of a ';'-separated list. */
+static void env_apply(const char *list, bool on)
+{
+    for (const char *s = list; *s;) {
+        const size_t k = strcspn(s, ";");
+        char kv[256];
+        snprintf(kv, sizeof kv, "%.*s", (int)(k < 255 ? k : 255), s);
+        char *eq = strchr(kv, '=');
+        if (eq && eq > kv) {
+            *eq = 0;
+            if (on)
+                setenv(kv, eq + 1, 1);
+            else
+                unsetenv(kv);
+        }
+        s += k + (s[k] == ';');
+    }
+}
+
 struct result {
-    char name[64];
+    char name[128];
     double pp, tg, miss_rate, pcie_per_tok, prefetched, vram_gib, expert_gib;
     double dec_pcie_per_tok, min_per_tok; /* decode alone: copies and the minimum, bytes */
 };
@@ -134,6 +157,8 @@ int main(int argc, char **argv)
     int64_t P = 512, G = 128, calib = 4;
     double h2d = 55.0;
     bool use_store = true, cal_only = false;
+    const char *envs[8];
+    int n_env = 0;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (!strcmp(a, "--device") && v)
@@ -154,6 +179,8 @@ int main(int argc, char **argv)
             use_store = false;
         else if (!strcmp(a, "--calibrated-only"))
             cal_only = true;
+        else if (!strcmp(a, "--env") && v && n_env < 8 && strchr(v, '='))
+            envs[n_env++] = v, i++;
         else if (a[0] != '-')
             model = a;
         else {
@@ -164,7 +191,8 @@ int main(int argc, char **argv)
     setvbuf(stdout, NULL, _IOLBF, 0);
     if (!model || P < 1 || G < 1) {
         fprintf(stderr, "usage: bench_offload MODEL.gguf [--device D] [--prompt N] [--gen N] "
-                        "[--residency 0.75,0.6] [--budgets 12.7G,10G] [--calib N] [--h2d-gbps X]\n");
+                        "[--residency 0.75,0.6] [--budgets 12.7G,10G] [--calib N] [--h2d-gbps X] "
+                        "[--no-store] [--calibrated-only] [--env VAR=VALUE[;VAR=VALUE]]...\n");
         return 2;
     }
     char err[512];
@@ -187,7 +215,7 @@ int main(int argc, char **argv)
     const struct moe_model *m = &lm.model;
     const int64_t V = m->hp.n_vocab, L = m->hp.n_layer, E = m->hp.n_expert;
     uint64_t *counts = calloc((size_t)(L * E), sizeof *counts);
-    struct result res[64];
+    struct result res[96];
     struct moe_offload_layer *pl_a = calloc((size_t)L, sizeof *pl_a),
                              *pl_m = calloc((size_t)L, sizeof *pl_m),
                              *pl_z = calloc((size_t)L, sizeof *pl_z);
@@ -202,10 +230,11 @@ int main(int argc, char **argv)
         double r;
         uint64_t budget;
         int mode; /* mode_name[] */
-    } cf[64];
+        int env;  /* envs[env - 1] set at init; 0: none */
+    } cf[96];
     int nc = 0;
-    cf[nc++] = (struct cfg){0, 0, 0};
-    for (const char *s = res_list; *s && nc < 56;) {
+    cf[nc++] = (struct cfg){0, 0, 0, 0};
+    for (const char *s = res_list; *s && nc < 80 - n_env;) {
         char tmp[32];
         size_t k = strcspn(s, ",");
         snprintf(tmp, sizeof tmp, "%.*s", (int)(k < 31 ? k : 31), s);
@@ -213,31 +242,35 @@ int main(int argc, char **argv)
         if (moe_parse_share(tmp, &r) == 0) {
             static const int modes[] = {0, 1, 2, 4};
             if (cal_only) {
-                cf[nc++] = (struct cfg){r, 0, 1};
-                cf[nc++] = (struct cfg){r, 0, 7};
+                cf[nc++] = (struct cfg){r, 0, 1, 0};
+                cf[nc++] = (struct cfg){r, 0, 7, 0};
             } else {
                 for (size_t i = 0; i < sizeof modes / sizeof modes[0]; i++)
-                    cf[nc++] = (struct cfg){r, 0, modes[i]};
+                    cf[nc++] = (struct cfg){r, 0, modes[i], 0};
             }
             if (r > 0.55 && r < 0.65 && !cal_only) {
-                cf[nc++] = (struct cfg){r, 0, 3};
-                cf[nc++] = (struct cfg){r, 0, 5};
-                cf[nc++] = (struct cfg){r, 0, 6};
-                cf[nc++] = (struct cfg){r, 0, 7};
+                cf[nc++] = (struct cfg){r, 0, 3, 0};
+                cf[nc++] = (struct cfg){r, 0, 5, 0};
+                cf[nc++] = (struct cfg){r, 0, 6, 0};
+                cf[nc++] = (struct cfg){r, 0, 7, 0};
             }
+            for (int j = 0; j < n_env; j++)
+                cf[nc++] = (struct cfg){r, 0, 1, j + 1};
         }
         s += k + (s[k] == ',');
     }
-    for (const char *s = budget_list; *s && nc < 64;) {
+    for (const char *s = budget_list; *s && nc < 96 - 3 - n_env;) {
         char tmp[32];
         size_t k = strcspn(s, ",");
         snprintf(tmp, sizeof tmp, "%.*s", (int)(k < 31 ? k : 31), s);
         uint64_t bb;
-        if (moe_parse_size(tmp, &bb) == 0 && bb && nc < 62) {
-            cf[nc++] = (struct cfg){0, bb, 1};
+        if (moe_parse_size(tmp, &bb) == 0 && bb) {
+            cf[nc++] = (struct cfg){0, bb, 1, 0};
             if (!cal_only)
-                cf[nc++] = (struct cfg){0, bb, 4};
-            cf[nc++] = (struct cfg){0, bb, 7};
+                cf[nc++] = (struct cfg){0, bb, 4, 0};
+            cf[nc++] = (struct cfg){0, bb, 7, 0};
+            for (int j = 0; j < n_env; j++)
+                cf[nc++] = (struct cfg){0, bb, 1, j + 1};
         }
         s += k + (s[k] == ',');
     }
@@ -262,7 +295,11 @@ int main(int argc, char **argv)
         double t0 = moe_now_s();
         if (ci > 0 && cf[ci].mode == 7)
             setenv("MOE_CUDA_STAGE", "0", 1); /* read at init */
+        if (cf[ci].env)
+            env_apply(envs[cf[ci].env - 1], true);
         const int irc = moe_engine_init(&e, m, &o, err, sizeof err);
+        if (cf[ci].env)
+            env_apply(envs[cf[ci].env - 1], false);
         if (ci > 0 && cf[ci].mode == 7)
             unsetenv("MOE_CUDA_STAGE");
         if (irc) {
@@ -298,6 +335,10 @@ int main(int argc, char **argv)
         else
             snprintf(r->name, sizeof r->name, "%.0f%%, %s", 100 * cf[ci].r,
                      mode_name[cf[ci].mode]);
+        if (cf[ci].env) {
+            const size_t nl = strlen(r->name);
+            snprintf(r->name + nl, sizeof r->name - nl, ", %s", envs[cf[ci].env - 1]);
+        }
         /* Lookups and bytes of the held-out run: prompt and decode together for the miss
          * rate; bytes per decoded token counts the whole run's copies over G tokens (an upper
          * bound: the prompt's copies are in it). */
@@ -319,7 +360,7 @@ int main(int argc, char **argv)
         r->expert_gib = (double)z.expert_vram_bytes / (1 << 30);
         if (ci == 0)
             base_tg = r->tg;
-        printf("%-34s init %.1f s  pp%" PRId64 " %7.1f tok/s  decode %6.1f tok/s (%.2fx)  miss "
+        printf("%-40s init %.1f s  pp%" PRId64 " %7.1f tok/s  decode %6.1f tok/s (%.2fx)  miss "
                "%.1f%%  PCIe %.1f MB/token  prefetched %.1f/token  VRAM %.2f GiB (experts %.2f)\n",
                r->name, t_init, P, r->pp, r->tg, r->tg / base_tg, 100 * r->miss_rate,
                r->pcie_per_tok / 1e6, r->prefetched, r->vram_gib, r->expert_gib);

@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# Tiered store on a synthetic Qwen3-30B-A3B-shape model (Q4_K_M), CPU worker: the disk's
-# sequential read speed (dd, O_DIRECT), then for each RAM budget a daemon with one CPU worker:
-# decode tokens/s, disk bytes per token, achieved read rate, hit rate and waits.
+# Tiered store on a synthetic Qwen3-30B-A3B-shape model (Q4_K_M): the disk's sequential read
+# speed (dd, O_DIRECT), then for each RAM budget a daemon with one worker (a CPU worker, or the
+# GPU DEVICES names): decode tokens/s, disk bytes per token, achieved read rate, hit rate and
+# waits.
 #
-#   BIN=bin OUT=/tmp bench/tier-30b.sh [THREADS] [BUDGETS...]
-# BUDGETS default to 100% 50% 25%; MOED_ARGS are added to moed's arguments. Before each run the model file's pages leave the page cache
+#   BIN=bin OUT=/tmp [DEVICES=0] bench/tier-30b.sh [THREADS] [BUDGETS...]
+# BUDGETS default to 100% 50% 25%; MOED_ARGS are added to moed's arguments (a GPU worker's
+# --vram-budget, say). Before each run the model file's pages leave the page cache
 # (posix_fadvise DONTNEED; the rest of the cache is left alone). MODEL=FILE uses another GGUF.
 # Results go to docs/benchmarks.md by hand.
 set -uo pipefail
@@ -15,7 +17,8 @@ shift || true
 BUDGETS=${*:-100% 50% 25%}
 N=${GEN:-32}
 M=${MODEL:-$OUT/q30-q4_k_m.gguf}
-echo "== machine: $(nproc) cores, $(free -g | awk '/Mem/ {print $2}') GiB RAM; threads $T; commit $(git rev-parse --short HEAD 2>/dev/null)"
+DEV=${DEVICES:-cpu}
+echo "== machine: $(nproc) cores, $(free -g | awk '/Mem/ {print $2}') GiB RAM; threads $T; worker $DEV; commit $(git rev-parse --short HEAD 2>/dev/null)"
 if [ ! -f "$M" ]; then
     "$BIN/moectl" mkmodel --preset qwen3-30b-a3b --quant q4_k_m --threads "$T" -o "$M" >/dev/null || exit 1
 fi
@@ -44,7 +47,7 @@ P="In the beginning God created the heaven and the earth. And the earth was with
 for B in $BUDGETS; do
     echo "== --ram-budget $B"
     drop
-    "$BIN/moed" --model "$M" --socket "$st/s.sock" --state-dir "$st/state" --devices cpu --workers 1 \
+    "$BIN/moed" --model "$M" --socket "$st/s.sock" --state-dir "$st/state" --devices "$DEV" --workers 1 \
         --threads "$T" --ram-budget "$B" ${MOED_ARGS:-} > "$st/log" 2>&1 &
     pid=$!
     for _ in $(seq 1 3000); do
@@ -52,7 +55,7 @@ for B in $BUDGETS; do
         kill -0 $pid 2>/dev/null || break
         sleep 0.1
     done
-    grep -E "ram-budget|tiered store|expert store" "$st/log"
+    grep -E "ram-budget|tiered store|expert store|ready on" "$st/log"
     w=$(req "$P" 1)
     echo "prompt + 1 token: $w s"
     read -r b0 s0 r0 w0 h0 m0 <<<"$(pool)"

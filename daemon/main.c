@@ -1028,13 +1028,18 @@ static int plan_tier(struct daemon *d, char *err, size_t errlen)
     if (rc || !slots)
         return rc; /* refused, or every expert fits: the full store */
     uint64_t slot = moe_store_slot_bytes(&d->model);
-    char b1[32];
+    char b1[32], b2[32];
+    /* A GPU worker pins the experts one layer's step reads in place at once: its share of the
+     * slots must hold a layer's experts (docs/offload.md). */
     for (uint32_t i = 0; i < d->n_workers; i++)
-        if (strcmp(d->devices[i], "cpu") != 0)
-            return moe_fail(err, errlen, MOE_EUNSUPPORTED, "--ram-budget %s keeps %" PRIu64 " of %"
-                            PRIu64 " experts in RAM, which only CPU workers serve for now (worker %u "
-                            "is %s: the GPU half of the tiered store is not built yet); use "
-                            "--devices cpu or no --ram-budget", v, slots, all, i, d->devices[i]);
+        if (strcmp(d->devices[i], "cpu") != 0 && slots / d->n_workers < hp->n_expert)
+            return moe_fail(err, errlen, MOE_ERANGE, "--ram-budget %s keeps %" PRIu64 " of %"
+                            PRIu64 " experts in RAM, %" PRIu64 " per worker; worker %u is %s, and "
+                            "a GPU worker needs a share of at least one layer's experts (%u): "
+                            "give at least %s", v, slots, all, slots / d->n_workers, i,
+                            d->devices[i], hp->n_expert,
+                            human_bytes((uint64_t)hp->n_expert * d->n_workers * slot, b2,
+                                        sizeof b2));
     if (d->n_workers > MOE_POOL_MAX_WORKERS)
         return moe_fail(err, errlen, MOE_ERANGE, "--ram-budget: at most %u workers share a pool",
                         MOE_POOL_MAX_WORKERS);

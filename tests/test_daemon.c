@@ -2533,25 +2533,42 @@ static void tier_reference(const char *dir, int n, char **want)
 
 TEST_TIMEOUT(daemon_ram_budget_output_equals_full_store, 300)
 {
-    if (strcmp(test_device(), "cpu"))
-        moe_test_skip("GPU workers do not take a --ram-budget pool yet (CPU workers only)");
+    /* With MOE_TEST_DEVICE=cuda:K the workers are GPU workers, a quarter of each layer's
+     * experts in VRAM, the rest borrowed from the pool inside the step; a GPU worker's share of
+     * the slots must hold a layer's 32 experts, so 30% (38 slots) is for one worker only. */
+    const bool gpu = strcmp(test_device(), "cpu") != 0;
     const char *dir = moe_test_tmpdir();
     const int n = 24;
     char *want[3];
     tier_reference(dir, n, want);
-    /* The last: 20% without read-ahead, and with buffered reads (the others read with O_DIRECT
+    /* The last: without read-ahead, and with buffered reads (the others read with O_DIRECT
      * where the test's file system takes it). */
-    static const char *const budgets[4] = {"100%", "50%", "20%", "20%"};
+    static const char *const budgets_cpu[4] = {"100%", "50%", "20%", "20%"};
+    static const char *const budgets_gpu[4] = {"100%", "60%", "30%", "30%"};
+    const char *const *budgets = gpu ? budgets_gpu : budgets_cpu;
     static const char *const nworkers[2] = {"1", "2"};
     for (int b = 0; b < 4; b++)
         for (int w = 0; w < 2; w++) {
+            if (gpu && b >= 2 && w == 1)
+                continue;
             char sub[512];
             snprintf(sub, sizeof sub, "%s/%d%d", dir, b, w);
             mkdir(sub, 0700);
             struct moed d;
-            const char *args[] = {"--model", KJV, "--devices", "cpu", "--workers", nworkers[w], "--parallel", "4",
-                                  "--threads", "1", "--ram-budget", budgets[b], b == 3 ? "--pool-prefetch" : NULL,
-                                  "0", "--pool-io", "buffered", NULL};
+            const char *args[20] = {"--model", KJV, "--devices", "cpu", "--workers", nworkers[w], "--parallel", "4",
+                                    "--threads", "1", "--ram-budget", budgets[b]};
+            int na = 12;
+            if (gpu) {
+                args[na++] = "--expert-residency";
+                args[na++] = "25%";
+            }
+            if (b == 3) {
+                args[na++] = "--pool-prefetch";
+                args[na++] = "0";
+                args[na++] = "--pool-io";
+                args[na++] = "buffered";
+            }
+            args[na] = NULL;
             moed_start(&d, sub, args);
             if (b == 3)
                 CHECK(log_contains(&d, "misses read buffered"));
@@ -2569,11 +2586,12 @@ TEST_TIMEOUT(daemon_ram_budget_output_equals_full_store, 300)
             if (b == 0) {
                 CHECK_EQ(slots, -1); /* every expert fits: the full store */
             } else {
-                CHECK_EQ(slots, b == 1 ? 64 : 25);
-                /* Read-ahead of the next layer's predicted experts, unless turned off. */
+                CHECK_EQ(slots, gpu ? (b == 1 ? 76 : 38) : (b == 1 ? 64 : 25));
+                /* Read-ahead of the next layer's predicted experts (CPU workers), unless turned
+                 * off. */
                 if (b == 3) {
                     CHECK_EQ(pool_stat(d.sock, "prefetch_reads"), 0);
-                } else {
+                } else if (!gpu) {
                     CHECK(pool_stat(d.sock, "prefetch_requests") > 0);
                     CHECK(pool_stat(d.sock, "prefetch_reads") > 0);
                 }
@@ -2617,7 +2635,8 @@ TEST_TIMEOUT(daemon_ram_budget_refusals_and_auto, 120)
         {"10%", "cpu", "give at least 576.0 KiB"},
         {"lots", "cpu", "is not a size"},
         {"0%", "cpu", "a share must be in"},
-        {"50%", "0", "the GPU half of the tiered store is not built yet"},
+        /* 20 slots: a GPU worker needs a layer's 32 */
+        {"720K", "0", "a GPU worker needs a share of at least one layer's experts (32)"},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
         char sub[512];
@@ -2656,8 +2675,7 @@ TEST_TIMEOUT(daemon_ram_budget_refusals_and_auto, 120)
 
 TEST_TIMEOUT(daemon_ram_budget_tiny_pool_eviction_and_kill9, 300)
 {
-    if (strcmp(test_device(), "cpu"))
-        moe_test_skip("GPU workers do not take a --ram-budget pool yet (CPU workers only)");
+    const bool gpu = strcmp(test_device(), "cpu") != 0;
     const char *dir = moe_test_tmpdir();
     const int n = 24;
     char *want[3];
@@ -2667,15 +2685,17 @@ TEST_TIMEOUT(daemon_ram_budget_tiny_pool_eviction_and_kill9, 300)
     mkdir(sub, 0700);
     struct moed d;
     /* The smallest pool: 16 slots (4 layers x top-4), 8 per worker, shared by 2 workers with 4
-     * sequences each: nearly every expert of every step is a read, and slots turn over all the time. */
+     * sequences each: nearly every expert of every step is a read, and slots turn over all the time.
+     * GPU workers (MOE_TEST_DEVICE): the smallest pool they take, a layer's 32 experts each (64
+     * slots), and a quarter of the experts in VRAM. */
     const char *args[] = {"--model", KJV, "--devices", "cpu", "--workers", "2", "--parallel", "4", "--threads", "1",
-                          "--ram-budget", "576K", NULL};
+                          "--ram-budget", gpu ? "2304K" : "576K", gpu ? "--expert-residency" : NULL, "25%", NULL};
     /* The workers check every blob they use against the daemon's hash of it, when pinned and
      * when let go: a torn or stale slot fails the request. */
     setenv("MOED_POOL_VERIFY", "1", 1);
     moed_start(&d, sub, args);
     unsetenv("MOED_POOL_VERIFY");
-    CHECK_EQ(pool_stat(d.sock, "slots"), 16);
+    CHECK_EQ(pool_stat(d.sock, "slots"), gpu ? 64 : 16);
     for (int round = 0; round < 2; round++) {
         char *got[8];
         tier_run_clients(d.sock, 8, n, got);
@@ -2745,8 +2765,7 @@ TEST_TIMEOUT(daemon_ram_budget_tiny_pool_eviction_and_kill9, 300)
  * a message that says so; the daemon and its workers live on. */
 TEST_TIMEOUT(daemon_ram_budget_file_changed_or_truncated, 180)
 {
-    if (strcmp(test_device(), "cpu"))
-        moe_test_skip("GPU workers do not take a --ram-budget pool yet (CPU workers only)");
+    const bool gpu = strcmp(test_device(), "cpu") != 0;
     const char *dir = moe_test_tmpdir();
     for (int variant = 0; variant < 2; variant++) {
         char sub[512], model[600];
@@ -2758,7 +2777,8 @@ TEST_TIMEOUT(daemon_ram_budget_file_changed_or_truncated, 180)
         moe_test_write_file(model, bytes, len);
         struct moed d;
         const char *args[] = {"--model", model, "--devices", "cpu", "--workers", "1", "--threads", "1",
-                              "--ram-budget", "20%", NULL};
+                              "--ram-budget", gpu ? "30%" : "20%", gpu ? "--expert-residency" : NULL,
+                              "25%", NULL};
         moed_start(&d, sub, args);
         char *got[3];
         tier_run_clients(d.sock, 3, 8, got);

@@ -3,6 +3,7 @@
  * experts and this step's experts are never evicted, a miss always gets a slot when one is free,
  * the tables point where the state says, and the slots, filled by the queued copies, hold the
  * bytes of the expert they say they hold. */
+#include <stdbool.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -516,6 +517,94 @@ TEST(offload_stage_copies_and_restores)
             check_state(&m);
         }
         free(stage), free(need), free(ref0), free(slot0);
+        sim_free(&m);
+    }
+}
+
+/* A tiered store's borrow (moe_off_pool_list / lend / return, the resolve kernel's request and
+ * the pool_done kernel): the chosen experts without a slot are asked for in expert order; lent
+ * addresses reach the host and kernel tables, then the walk copies from them; after the layer
+ * they are dropped, and an expert the walk placed keeps its slot. A failed request lends
+ * placeholders inside the slots and places nothing. */
+TEST(offload_pool_borrow_lends_and_returns)
+{
+    moe_test_rng_seed(21);
+    for (int c = 0; c < 200; c++) {
+        const int32_t nexp = 8 + (int32_t)(moe_test_rng_u32() % 40);
+        const int32_t S = 2 + (int32_t)(moe_test_rng_u32() % (uint32_t)(nexp - 3));
+        const int32_t hot = (int32_t)(moe_test_rng_u32() % (uint32_t)S);
+        struct sim m;
+        sim_init(&m, nexp, S, hot);
+        /* With a tiered store no expert has an address of its own outside the slots. */
+        uint8_t *pool = malloc((size_t)nexp * 3 * 704);
+        CHECK(pool);
+        for (int32_t e = 0; e < nexp; e++)
+            for (int p = 0; p < 3; p++) {
+                m.host[p * nexp + e] = NULL;
+                if (m.slot_of[e] < 0)
+                    m.tab[p][e] = NULL;
+            }
+        uint8_t *need = calloc((size_t)nexp, 1);
+        int32_t *list = malloc(sizeof(int32_t) * (size_t)nexp);
+        uint64_t *ptr = malloc(sizeof(uint64_t) * 3 * (size_t)nexp);
+        CHECK(need && list && ptr);
+        for (int32_t e = 0; e < nexp; e++)
+            need[e] = moe_test_rng_u32() % 3 == 0;
+        const int32_t n = moe_off_pool_list(need, m.slot_of, nexp, list);
+        int32_t want = 0;
+        for (int32_t e = 0; e < nexp; e++)
+            if (need[e] && m.slot_of[e] < 0) {
+                CHECK(want < n && list[want] == e);
+                want++;
+            }
+        CHECK_EQ(n, want);
+        const bool fail = c % 5 == 0;
+        for (int32_t i = 0; i < n; i++)
+            for (int p = 0; p < 3; p++) {
+                /* The pool's copy of the expert: the same bytes the simulation's host had. */
+                uint8_t *at = pool + ((size_t)list[i] * 3 + (size_t)p) * 704;
+                memcpy(at, m.hostmem + ((size_t)list[i] * 3 + (size_t)p) * 704, 704);
+                ptr[3 * i + p] = (uint64_t)(uintptr_t)at;
+            }
+        /* Two "threads" lend the entries between them, as the kernel's block does. */
+        moe_off_pool_lend(&m.L, list, n, fail ? NULL : ptr, need, 0, 2);
+        moe_off_pool_lend(&m.L, list, n, fail ? NULL : ptr, need, 1, 2);
+        for (int32_t i = 0; i < n; i++)
+            for (int p = 0; p < 3; p++) {
+                const void *v = fail ? (const void *)(m.base + m.L.part_off[p])
+                                     : (const void *)(uintptr_t)ptr[3 * i + p];
+                CHECK(m.host[p * nexp + list[i]] == v && m.tab[p][list[i]] == v);
+                CHECK_EQ(need[list[i]], fail ? 0 : 1);
+            }
+        moe_off_resolve(&m.L, need, m.slot_of, m.slot_exp, m.ref, m.pinned, &m.hand, m.fl,
+                        m.stats);
+        sim_fill(&m);
+        /* Placed experts hold their bytes; the lent ones read in place point at the pool. */
+        for (int32_t i = 0; i < n && !fail; i++) {
+            const int32_t e = list[i], s = m.slot_of[e];
+            for (int p = 0; p < 3; p++) {
+                const uint8_t *want_b = m.hostmem + ((size_t)e * 3 + (size_t)p) * 704;
+                if (s >= 0)
+                    CHECK(memcmp(m.base + (size_t)s * m.L.slot_bytes + m.L.part_off[p], want_b,
+                                 m.bytes[p * nexp + e]) == 0);
+                else
+                    CHECK(m.tab[p][e] == (const void *)(uintptr_t)ptr[3 * i + p]);
+            }
+        }
+        for (int32_t i = 0; i < n && fail; i++)
+            CHECK(m.slot_of[list[i]] < 0); /* nothing placed from a failed request */
+        moe_off_pool_return(&m.L, list, n, m.slot_of, 0, 1);
+        for (int32_t i = 0; i < n; i++) {
+            const int32_t e = list[i], s = m.slot_of[e];
+            for (int p = 0; p < 3; p++) {
+                CHECK(m.host[p * nexp + e] == NULL);
+                if (s >= 0)
+                    CHECK(m.tab[p][e] == m.base + (size_t)s * m.L.slot_bytes + m.L.part_off[p]);
+                else
+                    CHECK(m.tab[p][e] == NULL);
+            }
+        }
+        free(need), free(list), free(ptr), free(pool);
         sim_free(&m);
     }
 }

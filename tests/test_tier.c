@@ -372,78 +372,224 @@ static void step_fails_from_empty_pool(struct moe_model *m, const struct moe_exp
     moe_engine_free(e);
 }
 
+/* A model opened three times (for the stand-in daemon, the full store's engine and the pool's),
+ * its full store, a pool of n_slots (0: one layer's experts) for n_workers seen by worker
+ * `worker`, and the stand-in daemon, every blob used checked against its hash. */
+struct tier_fix {
+    struct opened o, full, tiny;
+    struct moe_store *fs, *fsw, *ps, *psw;
+    struct fake_daemon fd;
+};
+
+static void fix_open(struct tier_fix *f, const char *path, uint32_t n_slots, uint32_t n_workers,
+                     uint32_t worker)
+{
+    char err[512];
+    memset(f, 0, sizeof *f);
+    open_model(&f->o, path);
+    open_model(&f->full, path);
+    open_model(&f->tiny, path);
+    CHECK(moe_store_create(&f->fs, &f->o.m, 2, NULL, NULL, err, sizeof err) == 0);
+    CHECK_MSG(moe_store_open_model(&f->fsw, moe_store_fd(f->fs), &f->full.m, err, sizeof err) == 0,
+              "%s", err);
+    f->ps = pooled(&f->o, n_slots ? n_slots : f->o.m.hp.n_expert, n_workers);
+    CHECK_MSG(moe_store_open_model(&f->psw, moe_store_fd(f->ps), &f->tiny.m, err, sizeof err) == 0,
+              "%s", err);
+    f->fd = (struct fake_daemon){.s = f->ps, .o = &f->o, .worker = worker};
+    CHECK(wtier_new(&f->fd.t, f->psw, &f->tiny.m, worker, fake_request, &f->fd, err, sizeof err) ==
+          0);
+    wtier_set_verify(f->fd.t, true);
+}
+
+static void fix_close(struct tier_fix *f)
+{
+    wtier_free(f->fd.t);
+    moe_store_close(f->psw);
+    moe_store_close(f->ps);
+    moe_store_close(f->fsw);
+    moe_store_close(f->fs);
+    close_model(&f->tiny);
+    close_model(&f->full);
+    close_model(&f->o);
+}
+
 static void engine_logits_equal(const char *path)
 {
-    struct opened o, full, tiny;
-    open_model(&o, path);
-    open_model(&full, path);
-    open_model(&tiny, path);
     char err[512];
-    struct moe_store *fs = NULL;
-    CHECK(moe_store_create(&fs, &o.m, 2, NULL, NULL, err, sizeof err) == 0);
-    struct moe_store *fsw = NULL;
-    CHECK_MSG(moe_store_open_model(&fsw, moe_store_fd(fs), &full.m, err, sizeof err) == 0, "%s",
-              err);
     /* The minimum pool (3 layers x top-4) shared by 3 workers: 4 pins at a time, so a prompt
      * layer's experts come in several parts and slots are rewritten all the time. */
-    struct moe_store *ps = pooled(&o, 12, 3);
-    struct moe_store *psw = NULL;
-    CHECK_MSG(moe_store_open_model(&psw, moe_store_fd(ps), &tiny.m, err, sizeof err) == 0, "%s",
-              err);
-    struct fake_daemon fd = {.s = ps, .o = &o, .worker = 2};
-    CHECK(wtier_new(&fd.t, psw, &tiny.m, 2, fake_request, &fd, err, sizeof err) == 0);
-    CHECK_EQ(wtier_source(fd.t)->max_pinned, 4);
-    wtier_set_verify(fd.t, true); /* every blob used is checked against its hash */
+    struct tier_fix f;
+    fix_open(&f, path, 12, 3, 2);
+    struct opened *o = &f.o;
+    struct fake_daemon *fd = &f.fd;
+    CHECK_EQ(wtier_source(fd->t)->max_pinned, 4);
 
     int32_t tok[40];
     for (int i = 0; i < 40; i++)
-        tok[i] = (int32_t)((i * 977 + 13) % (int)o.m.hp.n_vocab);
-    float *want = run_logits(&full.m, NULL, tok, 40);
-    float *got = run_logits(&tiny.m, wtier_source(fd.t), tok, 40);
-    size_t n = (size_t)42 * o.m.hp.n_vocab;
+        tok[i] = (int32_t)((i * 977 + 13) % (int)o->m.hp.n_vocab);
+    float *want = run_logits(&f.full.m, NULL, tok, 40);
+    float *got = run_logits(&f.tiny.m, wtier_source(fd->t), tok, 40);
+    size_t n = (size_t)42 * o->m.hp.n_vocab;
     CHECK_MSG(memcmp(want, got, n * sizeof *want) == 0, "logits differ (rel l2 %g)",
               moe_test_rel_l2(want, got, n));
     struct wtier_stats st;
-    wtier_stats(fd.t, &st);
+    wtier_stats(fd->t, &st);
     CHECK(st.misses > 10);
     CHECK(st.hits > 0);
-    CHECK_EQ((int)st.misses, fd.requests);
-    CHECK(fd.prefetches > 0);
-    CHECK_EQ((int)st.prefetches, fd.prefetches);
-    struct moe_pool *p = moe_store_pool(ps);
+    CHECK_EQ((int)st.misses, fd->requests);
+    CHECK(fd->prefetches > 0);
+    CHECK_EQ((int)st.prefetches, fd->prefetches);
+    struct moe_pool *p = moe_store_pool(f.ps);
     for (uint32_t i = 0; i < p->n_slots; i++)
         CHECK_EQ(moe_pool_slot_refs(p, (int32_t)i), 0u); /* every pin given back */
 
     /* A slot whose bytes no longer match its hash fails the step (verify mode). */
-    fd.corrupt = true;
-    step_fails_from_empty_pool(&tiny.m, wtier_source(fd.t), p, tok, MOE_EINTERNAL,
+    fd->corrupt = true;
+    step_fails_from_empty_pool(&f.tiny.m, wtier_source(fd->t), p, tok, MOE_EINTERNAL,
                                "do not match the hash");
-    fd.corrupt = false;
+    fd->corrupt = false;
     /* A request that fails (the file shrank) fails the step with the daemon's message. */
-    fd.fail = true;
-    step_fails_from_empty_pool(&tiny.m, wtier_source(fd.t), p, tok, MOE_EFORMAT, "the file shrank");
+    fd->fail = true;
+    step_fails_from_empty_pool(&f.tiny.m, wtier_source(fd->t), p, tok, MOE_EFORMAT, "the file shrank");
 
     /* An answer nobody asked for, or an offset that is not a slot, is a bad frame. */
-    CHECK(wtier_ready(fd.t, 0, 1, p->slots_off + 1, 10, 0, NULL, err, sizeof err) != 0);
-    CHECK(wtier_ready(fd.t, 0, 1, p->slots_off + 1000 * p->slot_bytes, 10, 0, NULL, err,
+    CHECK(wtier_ready(fd->t, 0, 1, p->slots_off + 1, 10, 0, NULL, err, sizeof err) != 0);
+    CHECK(wtier_ready(fd->t, 0, 1, p->slots_off + 1000 * p->slot_bytes, 10, 0, NULL, err,
                       sizeof err) != 0);
 
     free(want);
     free(got);
-    wtier_free(fd.t);
-    moe_store_close(psw);
-    moe_store_close(ps);
-    moe_store_close(fsw);
-    moe_store_close(fs);
-    close_model(&tiny);
-    close_model(&full);
-    close_model(&o);
+    fix_close(&f);
 }
 
 TEST_TIMEOUT(tier_cpu_engine_logits_equal_the_full_store, 120)
 {
     engine_logits_equal(F16_PATH);
     engine_logits_equal(Q4KM_PATH);
+}
+
+/* MOE_TEST_DEVICE ("cuda:K" or "K"), or NULL for the CPU. */
+static const char *cuda_test_device(void)
+{
+    static char name[16];
+    const char *dev = getenv("MOE_TEST_DEVICE");
+    if (!dev || !*dev || !strcmp(dev, "cpu") || strlen(dev) > 7)
+        return NULL;
+    snprintf(name, sizeof name, "%s%s", strncmp(dev, "cuda:", 5) ? "cuda:" : "", dev);
+    return name;
+}
+
+/* A CUDA engine at an expert residency over the experts of src (a pool) or the model's views:
+ * a 40-token prompt, then 12 decode steps of 2 sequences; the logits of every row. */
+static float *run_cuda(struct moe_model *m, const struct moe_expert_src *src, const char *dev,
+                       double residency, const int32_t *tok)
+{
+    char err[512];
+    struct moe_engine *e = NULL;
+    struct moe_engine_opts eo = {.n_ctx = 128, .n_seq = 2, .n_batch = 64, .device = dev,
+                                 .expert_residency = residency, .host_register = true,
+                                 .expert_src = src};
+    CHECK_MSG(moe_engine_init(&e, m, &eo, err, sizeof err) == 0, "%s", err);
+    const uint32_t V = m->hp.n_vocab, n = 40;
+    float *out = calloc((size_t)(n + 24) * V, sizeof *out);
+    int32_t pos[40], seq[40] = {0};
+    for (uint32_t i = 0; i < n; i++)
+        pos[i] = (int32_t)i;
+    struct moe_batch b = {.n = n, .token = tok, .pos = pos, .seq = seq};
+    CHECK_MSG(moe_engine_forward(e, &b, out) == 0, "%s", moe_engine_errmsg(e));
+    for (int s = 0; s < 12; s++) {
+        int32_t t2[2] = {tok[(s * 7 + 1) % 40], tok[(s * 3 + 2) % 40]};
+        int32_t p2[2] = {(int32_t)n + s, s}, s2[2] = {0, 1};
+        struct moe_batch b2 = {.n = 2, .token = t2, .pos = p2, .seq = s2};
+        CHECK_MSG(moe_engine_forward(e, &b2, out + (size_t)(n + 2 * s) * V) == 0, "%s",
+                  moe_engine_errmsg(e));
+    }
+    moe_engine_free(e);
+    return out;
+}
+
+/* The CUDA engine over a pool (MOE_TEST_DEVICE=cuda:K; skipped without): experts without a VRAM
+ * slot borrowed from the pool inside the step through the backend's channel, missing ones asked
+ * of the stand-in daemon while the step waits; logits bit-identical to the same device's run from
+ * the full store at 50% and 25% residency; every pin given back; a failed request fails its
+ * step with the daemon's message and the engine goes on. */
+static void cuda_engine_logits_equal(const char *path, const char *dev)
+{
+    char err[512];
+    /* The smallest pool a GPU worker takes: one layer's experts. */
+    struct tier_fix f;
+    fix_open(&f, path, 0, 1, 0);
+    struct fake_daemon *fd = &f.fd;
+    struct moe_pool *p = moe_store_pool(f.ps);
+    const uint32_t V = f.o.m.hp.n_vocab;
+    int32_t tok[40];
+    for (int i = 0; i < 40; i++)
+        tok[i] = (int32_t)((i * 977 + 13) % (int)V);
+    const size_t n = (size_t)64 * V;
+    static const double residency[2] = {0.5, 0.25};
+    for (int r = 0; r < 2; r++) {
+        float *want = run_cuda(&f.full.m, NULL, dev, residency[r], tok);
+        const int before = fd->requests;
+        float *got = run_cuda(&f.tiny.m, wtier_source(fd->t), dev, residency[r], tok);
+        CHECK_MSG(memcmp(want, got, n * sizeof *want) == 0, "%s at %.0f%%: logits differ (rel l2 %g)",
+                  path, 100 * residency[r], moe_test_rel_l2(want, got, n));
+        CHECK_MSG(fd->requests > before, "no expert was asked of the daemon at %.0f%%",
+                  100 * residency[r]);
+        for (uint32_t i = 0; i < p->n_slots; i++)
+            CHECK_EQ(moe_pool_slot_refs(p, (int32_t)i), 0u);
+        free(want);
+        free(got);
+    }
+    struct wtier_stats st;
+    wtier_stats(fd->t, &st);
+    CHECK(st.hits > 0);
+    CHECK_EQ((int)st.misses, fd->requests);
+
+    /* A request that fails fails the step with the daemon's message; the next step, with the
+     * daemon answering again, runs. */
+    struct moe_engine *e = NULL;
+    struct moe_engine_opts eo = {.n_ctx = 128, .n_seq = 1, .n_batch = 64, .device = dev,
+                                 .expert_residency = 0.25, .host_register = true,
+                                 .expert_src = wtier_source(fd->t)};
+    CHECK_MSG(moe_engine_init(&e, &f.tiny.m, &eo, err, sizeof err) == 0, "%s", err);
+    for (uint32_t i = 0; i < p->n_slots; i++)
+        if (moe_pool_claim(p, (int32_t)i))
+            moe_pool_release_claim(p, (int32_t)i); /* empty: every borrowed expert is a miss */
+    int32_t pos[40], seq[40] = {0};
+    for (int i = 0; i < 40; i++)
+        pos[i] = i;
+    float *out = calloc((size_t)40 * V, sizeof *out);
+    struct moe_batch b = {.n = 40, .token = tok, .pos = pos, .seq = seq};
+    fd->fail = true;
+    CHECK_EQ(moe_engine_forward(e, &b, out), MOE_EFORMAT);
+    CHECK_MSG(strstr(moe_engine_errmsg(e), "the file shrank") != NULL, "%s", moe_engine_errmsg(e));
+    for (uint32_t i = 0; i < p->n_slots; i++)
+        CHECK_EQ(moe_pool_slot_refs(p, (int32_t)i), 0u);
+    fd->fail = false;
+    CHECK_MSG(moe_engine_forward(e, &b, out) == 0, "%s", moe_engine_errmsg(e));
+    for (uint32_t i = 0; i < p->n_slots; i++)
+        CHECK_EQ(moe_pool_slot_refs(p, (int32_t)i), 0u);
+    free(out);
+    moe_engine_free(e);
+    fix_close(&f);
+
+    /* A pool share smaller than one layer's experts is refused with the minimum. */
+    struct tier_fix f2;
+    fix_open(&f2, path, 0, 2, 1);
+    eo.expert_src = wtier_source(f2.fd.t);
+    e = NULL;
+    CHECK(moe_engine_init(&e, &f2.tiny.m, &eo, err, sizeof err) != 0);
+    CHECK_MSG(strstr(err, "one layer's experts") != NULL, "%s", err);
+    fix_close(&f2);
+}
+
+TEST_TIMEOUT(tier_cuda_engine_logits_equal_the_full_store, 300)
+{
+    const char *dev = cuda_test_device();
+    if (!dev)
+        moe_test_skip("MOE_TEST_DEVICE names no CUDA device");
+    cuda_engine_logits_equal(F16_PATH, dev);
+    cuda_engine_logits_equal(Q4KM_PATH, dev);
 }
 
 /* moe_pool_victim against the plain rule on random tables: the first empty slot, else the

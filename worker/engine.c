@@ -236,11 +236,14 @@ int moe_engine_init(struct moe_engine **out, const struct moe_model *m,
                       "-1..%lld", o->expert_residency, o->cache_slots, (long long)d->nexp);
         goto fail;
     }
-    if (o->expert_src && (vt != &moe_backend_cpu || o->expert_src->max_pinned < 1 ||
-                          !o->expert_src->acquire || !o->expert_src->release)) {
+    if (o->expert_src && (o->expert_src->max_pinned < 1 || !o->expert_src->acquire ||
+                          !o->expert_src->release ||
+                          (vt != &moe_backend_cpu &&
+                           (!o->expert_src->pin || !o->expert_src->unpin ||
+                            !o->expert_src->slots_base || !o->expert_src->part_off)))) {
         rc = moe_fail(err, errlen, MOE_EUNSUPPORTED,
-                      "engine: experts from a tiered store need the CPU backend (got %s)",
-                      e->device);
+                      "engine: experts from a tiered store need the CPU backend or a pool of "
+                      "slots the device can read (got %s)", e->device);
         goto fail;
     }
     if ((o->vram_budget || o->expert_residency > 0.0) && !vt->offload_stats) {

@@ -19,6 +19,13 @@ struct moe_engine;
  * docs/store.md). Between a layer's routing and its expert products the backend asks for the
  * experts the router chose, at most max_pinned at a time, computes with them and gives them
  * back; the results are the same as with fixed views. */
+/* What moe_expert_src.pin does with an expert that is not in the pool. */
+enum {
+    MOE_PIN_PRESENT,   /* nothing: slot -1 (never blocks, sends nothing) */
+    MOE_PIN_READAHEAD, /* slot -1 and a read-ahead asked for (never blocks) */
+    MOE_PIN_WAIT,      /* asked for and waited for (may block on a disk read) */
+};
+
 struct moe_expert_src {
     /* Makes experts ids[0..n) of layer l readable and fills views[i] (gate/up/down with the
      * model's types and shapes). May block (a disk read). Returns 0 or an error that fails the
@@ -32,6 +39,19 @@ struct moe_expert_src {
     void (*prefetch)(void *user, int layer, const int32_t *ids, int n);
     int max_pinned;      /* >= 1 */
     void *user;
+    /* Device backends (CUDA), which read pinned experts in place from the pool's slots; NULL
+     * where the source has no pool of slots. pin: the slots of experts ids[0..n) of layer l,
+     * pinned for this worker, into slots[i]; those not in the pool: `how` (MOE_PIN_*). Returns
+     * 0 or an error that fails the step, with a message in err; on an error nothing stays
+     * pinned. unpin: lets go of slots[0..n) (-1 entries skipped); layer is the one they were
+     * pinned for. Both may be called from any one thread at a time. */
+    int (*pin)(void *user, int layer, const int32_t *ids, int n, int how, int32_t *slots,
+               char *err, size_t errlen);
+    void (*unpin)(void *user, int layer, const int32_t *slots, int n);
+    const uint8_t *slots_base;  /* slot s at slots_base + s * slot_bytes (the worker's mapping) */
+    uint64_t slot_bytes;
+    uint32_t n_slots;
+    const uint64_t *part_off;   /* [n_layer][3]: gate, up and down inside a layer's blob */
 };
 
 struct moe_engine_opts {
@@ -55,7 +75,8 @@ struct moe_engine_opts {
                                     * the GPU may map; else experts outside VRAM are read from a
                                     * pinned copy */
     bool no_prefetch;              /* no layer-ahead prefetch of predicted experts */
-    const struct moe_expert_src *expert_src; /* CPU only; NULL: the model's views are fixed */
+    const struct moe_expert_src *expert_src; /* NULL: the model's views are fixed; CUDA needs
+                                              * its pin / unpin (a pool of slots) */
 };
 
 struct moe_batch {

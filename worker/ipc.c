@@ -782,9 +782,6 @@ static int load(struct worker *w, const Moed__Hello *h, int store_fd, char *err,
         return rc;
     const char *dev = h->device[0] ? h->device : "cpu";
     if (w->store && moe_store_pool(w->store)) {
-        if (strcmp(dev, "cpu") != 0)
-            return moe_fail(err, errlen, MOE_EUNSUPPORTED, "a tiered store (--ram-budget below "
-                            "all experts) is served by CPU workers only; %s was asked for", dev);
         if ((rc = wtier_new(&w->tier, w->store, &w->model, h->worker_index, tier_request, w, err,
                             errlen)))
             return rc;

@@ -25,6 +25,7 @@ struct wtier {
     wtier_request_fn request;
     void *user;
     int32_t *held;             /* compute thread: [n_expert] slot pinned for the current part */
+    int32_t *got;              /* compute thread: [n_expert] scratch of tier_acquire */
     pthread_mutex_t mu;
     pthread_cond_t cv;
     /* under mu */
@@ -35,6 +36,7 @@ struct wtier {
     bool aborted;
     bool verify;               /* compute thread: check blob hashes (wtier_set_verify) */
     int32_t torn_slot;         /* compute thread: a slot whose bytes changed under a pin, or -1 */
+    uint64_t *part_off;        /* [n_layer][3] (the device backends' view of the blob layout) */
     _Atomic uint64_t hits, misses, waits, wait_us, prefetches;
 };
 
@@ -65,6 +67,9 @@ static void unpin_all(struct wtier *t, const int32_t *ids, int n)
         }
 }
 
+static int wait_answers(struct wtier *t, int layer, const int32_t *ids, int n, int32_t *slots,
+                        char *err, size_t errlen);
+
 static int tier_acquire(void *user, int layer, const int32_t *ids, int n, struct moe_expert *views,
                         char *err, size_t errlen)
 {
@@ -91,29 +96,13 @@ static int tier_acquire(void *user, int layer, const int32_t *ids, int n, struct
     for (int i = 0; i < n; i++)
         if (t->held[ids[i]] < 0)
             t->request(t->user, (uint32_t)layer, (uint32_t)ids[i], false);
-    int rc = 0;
-    pthread_mutex_lock(&t->mu);
-    for (int i = 0; i < n; i++) {
-        if (t->held[ids[i]] >= 0)
-            continue;
-        uint32_t b = base + (uint32_t)ids[i];
-        while (t->ans[b] == ANS_WAIT && !t->aborted)
-            pthread_cond_wait(&t->cv, &t->mu);
-        if (t->ans[b] == ANS_OK) {
-            t->held[ids[i]] = t->ans_slot[b];
-        } else if (!rc) {
-            rc = t->ans[b] == ANS_FAIL ? (t->ans_code ? t->ans_code : MOE_EINTERNAL) : MOE_ECANCELED;
-            moe_fail(err, errlen, rc, "expert (%d, %d): %s", layer, ids[i],
-                     t->ans[b] == ANS_FAIL ? t->ans_msg : "the daemon connection is gone");
-        }
-        if (t->ans[b] != ANS_WAIT)
-            t->ans[b] = ANS_NONE;
-    }
     /* After an abort, answers still on their way are dropped by wtier_ready (ANS_NONE). */
+    int32_t *got = t->got;
     for (int i = 0; i < n; i++)
-        if (t->ans[base + (uint32_t)ids[i]] == ANS_WAIT)
-            t->ans[base + (uint32_t)ids[i]] = ANS_NONE;
-    pthread_mutex_unlock(&t->mu);
+        got[i] = t->held[ids[i]];
+    int rc = wait_answers(t, layer, ids, n, got, err, errlen);
+    for (int i = 0; i < n; i++)
+        t->held[ids[i]] = got[i];
     atomic_fetch_add_explicit(&t->wait_us, (uint64_t)((moe_now_s() - t0) * 1e6),
                               memory_order_relaxed);
     if (rc) {
@@ -156,6 +145,102 @@ static void tier_prefetch(void *user, int layer, const int32_t *ids, int n)
         }
 }
 
+/* Waits for the answers to blobs base + ids[i] marked ANS_WAIT whose slots[i] is -1 (their
+ * requests sent), filling slots[]; an error (the first) in err. Under no lock. */
+static int wait_answers(struct wtier *t, int layer, const int32_t *ids, int n, int32_t *slots,
+                        char *err, size_t errlen)
+{
+    const uint32_t base = (uint32_t)layer * t->n_expert;
+    int rc = 0;
+    pthread_mutex_lock(&t->mu);
+    for (int i = 0; i < n; i++) {
+        if (slots[i] >= 0)
+            continue;
+        uint32_t b = base + (uint32_t)ids[i];
+        while (t->ans[b] == ANS_WAIT && !t->aborted)
+            pthread_cond_wait(&t->cv, &t->mu);
+        if (t->ans[b] == ANS_OK) {
+            slots[i] = t->ans_slot[b];
+        } else if (!rc) {
+            rc = t->ans[b] == ANS_FAIL ? (t->ans_code ? t->ans_code : MOE_EINTERNAL) : MOE_ECANCELED;
+            moe_fail(err, errlen, rc, "expert (%d, %d): %s", layer, ids[i],
+                     t->ans[b] == ANS_FAIL ? t->ans_msg : "the daemon connection is gone");
+        }
+        if (t->ans[b] != ANS_WAIT)
+            t->ans[b] = ANS_NONE;
+    }
+    for (int i = 0; i < n; i++)
+        if (t->ans[base + (uint32_t)ids[i]] == ANS_WAIT)
+            t->ans[base + (uint32_t)ids[i]] = ANS_NONE;
+    pthread_mutex_unlock(&t->mu);
+    return rc;
+}
+
+/* The device backends' pin (engine.h): pins kept by slot, not in held[], so that several
+ * layers' pins can be held at once. */
+static int tier_pin(void *user, int layer, const int32_t *ids, int n, int how, int32_t *slots,
+                    char *err, size_t errlen)
+{
+    struct wtier *t = user;
+    const uint32_t base = (uint32_t)layer * t->n_expert;
+    int missing = 0;
+    for (int i = 0; i < n; i++) {
+        slots[i] = moe_pool_pin(t->pool, t->worker, base + (uint32_t)ids[i]);
+        missing += slots[i] < 0;
+    }
+    atomic_fetch_add_explicit(&t->hits, (uint64_t)(n - missing), memory_order_relaxed);
+    int rc = 0;
+    if (missing && how == MOE_PIN_READAHEAD) {
+        for (int i = 0; i < n; i++)
+            if (slots[i] < 0) {
+                t->request(t->user, (uint32_t)layer, (uint32_t)ids[i], true);
+                atomic_fetch_add_explicit(&t->prefetches, 1, memory_order_relaxed);
+            }
+    } else if (missing && how == MOE_PIN_WAIT) {
+        atomic_fetch_add_explicit(&t->misses, (uint64_t)missing, memory_order_relaxed);
+        atomic_fetch_add_explicit(&t->waits, 1, memory_order_relaxed);
+        const double t0 = moe_now_s();
+        pthread_mutex_lock(&t->mu);
+        for (int i = 0; i < n; i++)
+            if (slots[i] < 0)
+                t->ans[base + (uint32_t)ids[i]] = ANS_WAIT;
+        pthread_mutex_unlock(&t->mu);
+        for (int i = 0; i < n; i++)
+            if (slots[i] < 0)
+                t->request(t->user, (uint32_t)layer, (uint32_t)ids[i], false);
+        rc = wait_answers(t, layer, ids, n, slots, err, errlen);
+        atomic_fetch_add_explicit(&t->wait_us, (uint64_t)((moe_now_s() - t0) * 1e6),
+                                  memory_order_relaxed);
+    }
+    for (int i = 0; !rc && t->verify && i < n; i++)
+        if (slots[i] >= 0 && (t->torn_slot >= 0 || !slot_intact(t, layer, slots[i]))) {
+            const int32_t s = t->torn_slot >= 0 ? t->torn_slot : slots[i];
+            rc = moe_fail(err, errlen, MOE_EINTERNAL, "expert pool slot %d: its bytes do not match "
+                          "the hash of the blob it holds%s", s,
+                          t->torn_slot >= 0 ? " (changed while pinned)" : "");
+            t->torn_slot = -1;
+        }
+    if (rc)
+        for (int i = 0; i < n; i++)
+            if (slots[i] >= 0) {
+                moe_pool_unpin(t->pool, t->worker, slots[i]);
+                slots[i] = -1;
+            }
+    return rc;
+}
+
+static void tier_unpin(void *user, int layer, const int32_t *slots, int n)
+{
+    struct wtier *t = user;
+    for (int i = 0; i < n; i++) {
+        if (slots[i] < 0)
+            continue;
+        if (t->verify && !slot_intact(t, layer, slots[i]))
+            t->torn_slot = slots[i]; /* reported by the next pin */
+        moe_pool_unpin(t->pool, t->worker, slots[i]);
+    }
+}
+
 int wtier_new(struct wtier **out, struct moe_store *s, const struct moe_model *m, uint32_t worker,
               wtier_request_fn request, void *user, char *err, size_t errlen)
 {
@@ -167,7 +252,9 @@ int wtier_new(struct wtier **out, struct moe_store *s, const struct moe_model *m
                         "for %u", worker, p->n_workers);
     struct wtier *t = calloc(1, sizeof *t);
     size_t nb = (size_t)m->hp.n_layer * m->hp.n_expert;
-    if (!t || !(t->held = malloc(sizeof *t->held * m->hp.n_expert)) || !(t->ans = calloc(nb, 1)) ||
+    if (!t || !(t->held = malloc(sizeof *t->held * m->hp.n_expert)) ||
+        !(t->got = malloc(sizeof *t->got * m->hp.n_expert)) ||
+        !(t->part_off = malloc(sizeof *t->part_off * 3 * m->hp.n_layer)) || !(t->ans = calloc(nb, 1)) ||
         !(t->ans_slot = calloc(nb, sizeof *t->ans_slot))) {
         wtier_free(t);
         return moe_fail(err, errlen, -ENOMEM, "tiered store: out of memory");
@@ -189,6 +276,17 @@ int wtier_new(struct wtier **out, struct moe_store *s, const struct moe_model *m
     t->src.prefetch = tier_prefetch;
     t->src.max_pinned = (int)p->quota;
     t->src.user = t;
+    for (uint32_t l = 0; l < m->hp.n_layer; l++) {
+        const struct moe_store_layer *L = moe_store_layer(s, l);
+        for (int k = 0; k < 3; k++)
+            t->part_off[3 * l + (uint32_t)k] = L->off[k];
+    }
+    t->src.pin = tier_pin;
+    t->src.unpin = tier_unpin;
+    t->src.slots_base = p->slots_base;
+    t->src.slot_bytes = p->slot_bytes;
+    t->src.n_slots = p->n_slots;
+    t->src.part_off = t->part_off;
     *out = t;
     return 0;
 }
@@ -202,6 +300,8 @@ void wtier_free(struct wtier *t)
         pthread_cond_destroy(&t->cv);
     }
     free(t->held);
+    free(t->got);
+    free(t->part_off);
     free(t->ans);
     free(t->ans_slot);
     free(t);

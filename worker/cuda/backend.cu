@@ -12,6 +12,8 @@
  * host synchronisation. */
 #include <errno.h>
 #include <math.h>
+#include <pthread.h>
+#include <sched.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -87,6 +89,14 @@ struct cuda_layer {
     uint8_t *base;                   /* [slots][slot_bytes] */
     int32_t *plan;                   /* host [nexp]: the expert's first slot or MOE_OFF_HOST */
     const void **host[3];            /* host [nexp]: device addresses of the host copies */
+};
+
+/* A tiered store's answered request: the pool slots pinned for it (cuda_backend.pp). */
+#define POOL_PINS 4
+struct pool_pins {
+    uint32_t req;
+    int32_t layer, n;
+    int32_t *slots;                  /* [nexp] */
 };
 
 /* Profiling (MOE_CUDA_PROFILE): time and launches of one op name. */
@@ -176,6 +186,9 @@ struct cuda_backend {
     cudaStream_t st2;
     cudaEvent_t *ev_fork, *ev_read, *ev_join; /* [L] */
     bool *pf_pending;                /* [L]: a prefetch for this layer joins at its resolve */
+    bool resolve_route;              /* offloaded decode layers route in the resolve's launch */
+    int pf_read;                     /* a prefetch forked at this layer may still read MOE_BUF_X:
+                                      * the next write of it waits for ev_read; -1 none */
     float *pf_rl, *pf_w;             /* [PF_MAX_N][nexp], [PF_MAX_N][pf_k] */
     int32_t *pf_sel;                 /* [PF_MAX_N][pf_k] */
     int pf_k;                        /* experts predicted per token: kuse + MOE_CUDA_PREFETCH_EXTRA */
@@ -209,7 +222,31 @@ struct cuda_backend {
     struct reg_range *xregs;         /* host ranges registered for the GPU to read */
     size_t n_xregs;
     uint8_t *xpinned;                /* or, where registration is refused, a pinned copy */
-    char xhow[96];
+    char xhow[160];
+    /* A tiered store (d.expert_src with a pool of slots, docs/offload.md): experts without a
+     * VRAM slot have no fixed host address. A layer's resolve asks for its chosen ones through
+     * the channel (mapped host memory), and pool_service, a thread of the backend, pins them in
+     * the pool (waiting for the daemon to read those not in it) and answers with their device
+     * addresses; the layer's pool_done kernel says when the pins may go. */
+    const struct moe_expert_src *xsrc;
+    struct moe_off_chan *h_chan, *d_chan;
+    uint32_t *d_chan_seq;
+    int32_t *d_borrow;               /* [L][nexp] lent experts, then [L] their counts */
+    const uint8_t **slot_dev;        /* [n_slots]: device address of each pool slot */
+    uint64_t pool_probe_bytes;       /* registered bytes from slot 0 on (the link check) */
+    pthread_mutex_t pool_mu;
+    pthread_cond_t svc_cv;
+    bool pool_mu_ok;
+    pthread_t svc;
+    bool svc_started;
+    bool svc_stop, svc_active;       /* under pool_mu */
+    struct pool_pins pp[POOL_PINS];  /* under pool_mu: the pins of answered requests, oldest first */
+    int pp_head, pp_n;
+    int32_t *pp_ids;                 /* [nexp]: the request being served */
+    int pool_rc;                     /* under pool_mu: the first failed request of the step */
+    char pool_msg[256];
+    uint32_t pool_timeouts;          /* the channel's timeouts already reported */
+    int32_t pool_empty;              /* slots left empty at start (their expert not in the pool) */
     const void **tab;                /* init: a layer's expert table before its upload */
     size_t nodes_b1;                 /* kernels in the graph of a 1-token sampling step */
     /* The fused decode step (fused.cuh): one-token steps run every layer in one kernel. */
@@ -338,8 +375,8 @@ static const void *expert_upload(struct cuda_backend *b, int l, int which, int x
     if (at == MOE_OFF_HOST)
         return cl->host[which][x];
     uint8_t *dst = cl->base + (size_t)at * cl->slot_bytes + cl->part_off[which];
-    if (*rc)
-        return NULL;
+    if (*rc || b->xsrc)
+        return *rc ? NULL : dst; /* a tiered store's slots: pool_fill_slots */
     cudaError_t e = cudaMemcpy(dst, t->data, t->nbytes, cudaMemcpyHostToDevice);
     if (e != cudaSuccess) {
         *rc = cu_err(b, MOE_EBACKEND, "cuda:%d: uploading blk.%d expert %d: %s", b->dev, l, x,
@@ -581,14 +618,20 @@ static int plan_experts(struct cuda_backend *b, uint64_t used, char *err, size_t
         S = llround(d->expert_residency * (double)nexp);
         S = S < kmin ? kmin : S > nexp ? nexp : S;
     }
-    int64_t P = stage_experts(nexp, S, sum_slot, max_slot); /* staging buffer, experts */
+    /* With a tiered store every layer keeps at least one expert out of VRAM, so that every
+     * layer resolves (a slot whose expert is not in the pool at start stays empty); and no
+     * prompt staging (its copies would need the pool's pins of a whole layer ahead). */
+    const int64_t smax = b->xsrc && nexp > kmin ? nexp - 1 : nexp;
+    S = S > smax ? smax : S;
+    int64_t P = b->xsrc ? 0 : stage_experts(nexp, S, sum_slot, max_slot); /* staging buffer, experts */
     if (d->vram_budget) {
         const uint64_t fixed = used + MOE_OFFLOAD_RESERVE;
         const uint64_t avail = d->vram_budget > fixed ? d->vram_budget - fixed : 0;
         if (d->expert_residency <= 0.0) {
             /* Room for the staging buffers too, unless that leaves less than one token's. */
-            moe_off_budget_split(nexp, kmin, avail, sum_slot, max_slot, stage_setting(nexp), &S,
-                                 &P);
+            moe_off_budget_split(nexp, kmin, avail, sum_slot, max_slot,
+                                 b->xsrc ? 0 : stage_setting(nexp), &S, &P);
+            S = S > smax ? smax : S;
         } else {
             const uint64_t used_slots = (uint64_t)S * sum_slot;
             if (used_slots + 2 * P * max_slot > avail)
@@ -625,8 +668,10 @@ static int plan_experts(struct cuda_backend *b, uint64_t used, char *err, size_t
     if (S < nexp && d->expert_counts &&
         moe_placement_compute(&pl, (uint32_t)d->L, (uint32_t)nexp, (uint32_t)d->kuse, eb,
                               d->expert_counts, (uint64_t)S * sum_slot, perr, sizeof perr) == 0) {
-        for (int l = 0; l < (int)d->L; l++)
+        for (int l = 0; l < (int)d->L; l++) {
             Sl[l] = pl.n_hot[l] < (uint32_t)kmin ? kmin : (int64_t)pl.n_hot[l];
+            Sl[l] = Sl[l] > smax ? smax : Sl[l];
+        }
         moe_placement_free(&pl);
     }
     free(eb);
@@ -676,11 +721,53 @@ static int plan_experts(struct cuda_backend *b, uint64_t used, char *err, size_t
 }
 
 
+/* A tiered store: the pool's slots registered with CUDA (in chunks cut only between slots) and
+ * each slot's device address. The experts have no fixed host address (host[] stays NULL). */
+static int map_pool(struct cuda_backend *b, char *err, size_t errlen)
+{
+    const struct moe_expert_src *x = b->xsrc;
+    const size_t n = x->n_slots;
+    struct reg_range *r = (struct reg_range *)malloc(sizeof *r * (n ? n : 1));
+    b->slot_dev = (const uint8_t **)calloc(n ? n : 1, sizeof *b->slot_dev);
+    if (!r || !b->slot_dev) {
+        free(r);
+        return -ENOMEM;
+    }
+    for (size_t i = 0; i < n; i++) {
+        r[i].a = (uintptr_t)x->slots_base + i * x->slot_bytes;
+        r[i].b = r[i].a + x->slot_bytes;
+    }
+    bool all = false;
+    b->n_xregs = register_ranges(r, n, cudaHostRegisterMapped | cudaHostRegisterReadOnly |
+                                           cudaHostRegisterPortable, &b->xregs, &all, 0);
+    free(r);
+    if (!all || !n)
+        return moe_fail(err, errlen, MOE_EBACKEND, "cuda:%d: cannot register the tiered store's "
+                        "%zu expert slots (%.2f GiB) with CUDA for the GPU to read", b->dev, n,
+                        (double)n * (double)x->slot_bytes / (1 << 30));
+    for (size_t i = 0; i < n; i++) {
+        void *dp = NULL;
+        if (cudaHostGetDevicePointer(&dp, (void *)(x->slots_base + i * x->slot_bytes), 0) !=
+                cudaSuccess ||
+            ((uintptr_t)dp & 255))
+            return moe_fail(err, errlen, MOE_EBACKEND, "cuda:%d: the tiered store's slot %zu has "
+                            "no device address the kernels can use", b->dev, i);
+        b->slot_dev[i] = (const uint8_t *)dp;
+    }
+    /* The chunk holding slot 0 (the lowest address: the plan sorts), for the link probe. */
+    b->pool_probe_bytes = (uint64_t)(b->xregs[0].b - b->xregs[0].a);
+    snprintf(b->xhow, sizeof b->xhow, "read from the tiered store's pool (%zu slots; missing "
+             "experts asked of the daemon)", n);
+    return 0;
+}
+
 /* Device addresses of the host copies of every expert (with offload any expert may be read from
  * host memory: re-pinning can unpin a hot one, which the cache may then evict): the host memory
  * registered with CUDA where it can be, else a pinned copy. */
 static int map_host_experts(struct cuda_backend *b, char *err, size_t errlen)
 {
+    if (b->xsrc)
+        return map_pool(b, err, errlen);
     const struct moe_model *m = b->m;
     const struct moe_dims *d = &b->d;
     size_t n = 0, cap = (size_t)d->L * 3 * (size_t)d->nexp, copy_bytes = 0;
@@ -754,6 +841,281 @@ static int map_host_experts(struct cuda_backend *b, char *err, size_t errlen)
     return 0;
 }
 
+/* Tiered store: expert x of layer l copied into VRAM at dst (its parts at the layer's
+ * part_off[]) from the pool slot pinned for the copy. how: MOE_PIN_PRESENT (not in the pool:
+ * *got false, nothing copied) or MOE_PIN_WAIT. */
+static int pool_copy_expert(struct cuda_backend *b, int l, int32_t x, uint8_t *dst, int how,
+                            bool *got)
+{
+    const struct moe_expert_src *xs = b->xsrc;
+    const struct cuda_layer *cl = &b->layers[l];
+    int32_t slot = -1;
+    char msg[256] = "";
+    *got = false;
+    pthread_mutex_lock(&b->pool_mu);
+    int rc = xs->pin(xs->user, l, &x, 1, how, &slot, msg, sizeof msg);
+    if (rc) {
+        rc = cu_err(b, rc, "cuda:%d: blk.%d expert %d from the tiered store: %s", b->dev, l, x,
+                    msg);
+    } else if (slot >= 0) {
+        const uint8_t *src = xs->slots_base + (uint64_t)slot * xs->slot_bytes;
+        const uint64_t *po = xs->part_off + 3 * (size_t)l;
+        cudaError_t e = cudaSuccess;
+        for (int p = 0; p < 3 && e == cudaSuccess; p++)
+            e = cudaMemcpy(dst + cl->part_off[p], src + po[p],
+                           expert_part(&b->m->layers[l].experts[x], p)->nbytes,
+                           cudaMemcpyHostToDevice);
+        xs->unpin(xs->user, l, &slot, 1);
+        if (e != cudaSuccess)
+            rc = cu_err(b, MOE_EBACKEND, "cuda:%d: copying blk.%d expert %d from the tiered "
+                        "store: %s", b->dev, l, x, cudaGetErrorString(e));
+        *got = e == cudaSuccess;
+    }
+    pthread_mutex_unlock(&b->pool_mu);
+    return rc;
+}
+
+/* Under pool_mu: the pins of answered requests up to request `done` let go (all: every one;
+ * the GPU must be done with them). */
+static void pool_release(struct cuda_backend *b, uint32_t done, bool all)
+{
+    while (b->pp_n > 0) {
+        struct pool_pins *p = &b->pp[b->pp_head];
+        if (!all && (int32_t)(done - p->req) < 0)
+            break;
+        b->xsrc->unpin(b->xsrc->user, p->layer, p->slots, p->n);
+        b->pp_head = (b->pp_head + 1) % POOL_PINS;
+        b->pp_n--;
+    }
+}
+
+/* Under pool_mu: request r of the channel answered, its experts pinned (waiting for the daemon
+ * for those not in the pool) and their device addresses written; a request that fails (the
+ * daemon's error, a malformed request) is answered with status 1 and its message kept for the
+ * step's end. */
+static void pool_serve(struct cuda_backend *b, uint32_t r)
+{
+    struct moe_off_chan *c = b->h_chan;
+    const struct moe_expert_src *xs = b->xsrc;
+    const int32_t ne = (int32_t)b->d.nexp, layer = c->layer, n = c->n;
+    volatile int32_t *ids = moe_off_chan_ids(c);
+    volatile uint64_t *ptr = moe_off_chan_ptr(c, ne);
+    char msg[256] = "";
+    int rc = 0;
+    if (layer < 0 || layer >= (int32_t)b->d.L || n < 1 || n > ne || b->pp_n == POOL_PINS)
+        rc = moe_fail(msg, sizeof msg, MOE_EINTERNAL, "a malformed pool request (layer %d, %d "
+                      "experts, %d unanswered)", layer, n, b->pp_n);
+    for (int32_t i = 0; !rc && i < n; i++) {
+        b->pp_ids[i] = ids[i];
+        if (b->pp_ids[i] < 0 || b->pp_ids[i] >= ne)
+            rc = moe_fail(msg, sizeof msg, MOE_EINTERNAL, "a pool request for expert %d",
+                          b->pp_ids[i]);
+    }
+    struct pool_pins *p = &b->pp[(b->pp_head + b->pp_n) % POOL_PINS];
+    if (!rc)
+        rc = xs->pin(xs->user, layer, b->pp_ids, n, MOE_PIN_WAIT, p->slots, msg, sizeof msg);
+    if (!rc) {
+        const uint64_t *po = xs->part_off + 3 * (size_t)layer;
+        for (int32_t i = 0; i < n; i++) {
+            const int32_t sl = p->slots[i];
+            for (int q = 0; q < 3; q++)
+                ptr[3 * i + q] = sl >= 0 && (uint32_t)sl < xs->n_slots
+                                     ? (uint64_t)(uintptr_t)(b->slot_dev[sl] + po[q])
+                                     : 0;
+            if (sl < 0 || (uint32_t)sl >= xs->n_slots)
+                rc = moe_fail(msg, sizeof msg, MOE_EINTERNAL, "pool slot %d of %u", sl,
+                              xs->n_slots);
+        }
+        if (rc)
+            xs->unpin(xs->user, layer, p->slots, n);
+    }
+    if (!rc) {
+        p->req = r;
+        p->layer = layer;
+        p->n = n;
+        b->pp_n++;
+    } else if (!b->pool_rc) {
+        b->pool_rc = rc;
+        snprintf(b->pool_msg, sizeof b->pool_msg, "%s", msg[0] ? msg : moe_strerror(rc));
+    }
+    c->status = rc ? 1 : 0;
+    __sync_synchronize();
+    c->ans = r;
+}
+
+/* The thread that answers the channel while a step runs (cuda_begin to cuda_end): new requests
+ * served, the pins of layers that ran let go. */
+static void *pool_service(void *arg)
+{
+    struct cuda_backend *b = (struct cuda_backend *)arg;
+    struct moe_off_chan *c = b->h_chan;
+    uint32_t seen = c->req;
+    unsigned idle = 0;
+    pthread_mutex_lock(&b->pool_mu);
+    while (!b->svc_stop) {
+        if (!b->svc_active) {
+            pthread_cond_wait(&b->svc_cv, &b->pool_mu);
+            continue;
+        }
+        const uint32_t r = c->req;
+        __sync_synchronize();
+        /* done is written before the next request: read after it, it lets the last layer's
+         * pins go before the next layer's are taken (at most one layer's pins at a time). */
+        if (b->pp_n)
+            pool_release(b, c->done, false);
+        if (r != seen) {
+            seen = r;
+            pool_serve(b, r);
+            idle = 0;
+            continue;
+        }
+        pthread_mutex_unlock(&b->pool_mu);
+        if (++idle < 1024) {
+#if defined(__x86_64__) || defined(__i386__)
+            __builtin_ia32_pause();
+#endif
+        } else {
+            sched_yield();
+        }
+        pthread_mutex_lock(&b->pool_mu);
+    }
+    pthread_mutex_unlock(&b->pool_mu);
+    return NULL;
+}
+
+/* The channel, its device counters and the service thread (after offload_state). */
+static int pool_start(struct cuda_backend *b, char *err, size_t errlen)
+{
+    const size_t L = (size_t)b->d.L, ne = (size_t)b->d.nexp;
+    cudaError_t e = cudaHostAlloc((void **)&b->h_chan, moe_off_chan_bytes((int32_t)ne),
+                                  cudaHostAllocMapped | cudaHostAllocPortable);
+    if (e == cudaSuccess) {
+        memset((void *)b->h_chan, 0, moe_off_chan_bytes((int32_t)ne));
+        e = cudaHostGetDevicePointer((void **)&b->d_chan, b->h_chan, 0);
+    }
+    if (e == cudaSuccess)
+        e = cudaMalloc((void **)&b->d_chan_seq, sizeof(uint32_t));
+    if (e == cudaSuccess)
+        e = cudaMemset(b->d_chan_seq, 0, sizeof(uint32_t));
+    if (e == cudaSuccess)
+        e = cudaMalloc((void **)&b->d_borrow, sizeof(int32_t) * (L * ne + L));
+    if (e == cudaSuccess)
+        e = cudaMemset(b->d_borrow, 0, sizeof(int32_t) * (L * ne + L));
+    if (e != cudaSuccess)
+        return moe_fail(err, errlen, MOE_EBACKEND, "cuda:%d: the tiered store's channel: %s",
+                        b->dev, cudaGetErrorString(e));
+    b->pp_ids = (int32_t *)malloc(sizeof(int32_t) * ne);
+    for (int i = 0; i < POOL_PINS; i++)
+        b->pp[i].slots = (int32_t *)malloc(sizeof(int32_t) * ne);
+    for (int i = 0; i < POOL_PINS; i++)
+        if (!b->pp[i].slots)
+            return -ENOMEM;
+    if (!b->pp_ids)
+        return -ENOMEM;
+    const int rc = pthread_create(&b->svc, NULL, pool_service, b);
+    if (rc)
+        return moe_fail(err, errlen, MOE_EBACKEND, "cuda:%d: the tiered store's thread: %s",
+                        b->dev, strerror(rc));
+    b->svc_started = true;
+    return 0;
+}
+
+/* A step starts (cuda_begin): the service answers from now on. */
+static void pool_step_begin(struct cuda_backend *b)
+{
+    if (!b->svc_started)
+        return;
+    pthread_mutex_lock(&b->pool_mu);
+    b->svc_active = true;
+    pthread_cond_signal(&b->svc_cv);
+    pthread_mutex_unlock(&b->pool_mu);
+}
+
+/* The step is over (cuda_end, rc its result): every pin let go (after the stream, if the step
+ * failed on its way), and a failed request or one the GPU gave up waiting for fails it. */
+static int pool_step_end(struct cuda_backend *b, int rc)
+{
+    if (!b->svc_started)
+        return rc;
+    if (rc)
+        cudaStreamSynchronize(b->st);
+    pthread_mutex_lock(&b->pool_mu);
+    pool_release(b, 0, true);
+    b->svc_active = false;
+    const int prc = b->pool_rc;
+    char msg[256];
+    snprintf(msg, sizeof msg, "%s", b->pool_msg);
+    b->pool_rc = 0;
+    b->pool_msg[0] = 0;
+    const uint32_t to = b->h_chan->timeouts;
+    pthread_mutex_unlock(&b->pool_mu);
+    if (rc)
+        return rc;
+    if (prc)
+        return cu_err(b, prc, "cuda:%d: %s", b->dev, msg);
+    if (to != b->pool_timeouts) {
+        b->pool_timeouts = to;
+        return cu_err(b, -ETIMEDOUT, "cuda:%d: a layer waited %.0f s for experts from the "
+                      "tiered store and gave up", b->dev, MOE_OFF_CHAN_WAIT_NS / 1e9);
+    }
+    return 0;
+}
+
+static void pool_stop(struct cuda_backend *b)
+{
+    if (b->svc_started) {
+        pthread_mutex_lock(&b->pool_mu);
+        b->svc_stop = true;
+        pthread_cond_signal(&b->svc_cv);
+        pthread_mutex_unlock(&b->pool_mu);
+        pthread_join(b->svc, NULL);
+        b->svc_started = false;
+        pool_release(b, 0, true);
+    }
+    if (b->h_chan)
+        cudaFreeHost((void *)b->h_chan);
+    cudaFree(b->d_chan_seq);
+    cudaFree(b->d_borrow);
+    free(b->pp_ids);
+    for (int i = 0; i < POOL_PINS; i++)
+        free(b->pp[i].slots);
+    free((void *)b->slot_dev);
+    if (b->pool_mu_ok) {
+        pthread_mutex_destroy(&b->pool_mu);
+        pthread_cond_destroy(&b->svc_cv);
+        b->pool_mu_ok = false;
+    }
+}
+
+/* Tiered store, at start: the planned slots filled from the pool. The daemon cannot be asked
+ * yet (the worker's connection starts after the engine), so a slot whose expert is not in the
+ * pool stays empty: the cache fills it on demand, a re-pinning later pins it. */
+static int pool_fill_slots(struct cuda_backend *b)
+{
+    const int64_t ne = b->d.nexp;
+    for (int l = 0; l < (int)b->d.L; l++) {
+        struct cuda_layer *cl = &b->layers[l];
+        const void **tabs[3] = {cl->gate, cl->up, cl->down};
+        for (int32_t x = 0; x < (int32_t)ne; x++) {
+            if (cl->plan[x] == MOE_OFF_HOST)
+                continue;
+            bool got = false;
+            int rc = pool_copy_expert(b, l, x, cl->base + (size_t)cl->plan[x] * cl->slot_bytes,
+                                      MOE_PIN_PRESENT, &got);
+            if (rc)
+                return rc;
+            if (got)
+                continue;
+            cl->plan[x] = MOE_OFF_HOST; /* the slot stays empty; the tables say "no address" */
+            b->pool_empty++;
+            const void *none = NULL;
+            for (int p = 0; p < 3; p++)
+                CU(b, cudaMemcpy((void *)(tabs[p] + x), &none, sizeof none, cudaMemcpyHostToDevice));
+        }
+    }
+    return 0;
+}
+
 /* Measures, before the cache is set up, how fast the two ways of reaching an expert outside
  * VRAM run on this link: copying it into VRAM (the fill path of the cache, the prefetch and the
  * staging) and reading it in place. When copies run at less than half the speed of reads (a
@@ -768,7 +1130,11 @@ static int link_check(struct cuda_backend *b, char *err, size_t errlen)
     const struct moe_tensor *g0 = &b->m->layers[0].experts[0].gate;
     size_t bytes = (size_t)b->d.nexp * g0->nbytes;
     bytes = bytes < ((size_t)32 << 20) ? bytes : ((size_t)32 << 20);
-    if (bytes < MOE_OFF_CHUNK || !b->layers[0].host[0][0])
+    /* A tiered store's experts have no fixed address: the pool's first registered chunk. */
+    const uint8_t *src = b->xsrc ? b->slot_dev[0] : (const uint8_t *)b->layers[0].host[0][0];
+    if (b->xsrc)
+        bytes = bytes < b->pool_probe_bytes ? bytes : (size_t)b->pool_probe_bytes;
+    if (bytes < MOE_OFF_CHUNK || !src)
         return 0;
     /* Into the staging buffers when they are large enough (not in use yet: no memory beyond
      * the budget's split), else a buffer of its own out of the reserve. */
@@ -783,7 +1149,7 @@ static int link_check(struct cuda_backend *b, char *err, size_t errlen)
             return moe_fail(err, errlen, MOE_EBACKEND, "cuda:%d: link check: %s", b->dev,
                             cudaGetErrorString(ce));
     }
-    const int rc = moe_cuda_link_probe((const uint8_t *)b->layers[0].host[0][0], bytes, dst,
+    const int rc = moe_cuda_link_probe(src, bytes, dst,
                                        2 * b->sms, b->link_gbps, &b->link_fill_gbps,
                                        &b->link_read_gbps, b->st);
     if (own)
@@ -845,7 +1211,9 @@ static int offload_state(struct cuda_backend *b, char *err, size_t errlen)
     OFF_TRY(cudaMalloc((void **)&b->d_fill, moe_cuda_fill_list_bytes(max_slots)));
     OFF_TRY(cudaMemset(b->d_fill, 0, moe_cuda_fill_list_bytes(max_slots)));
     const char *pf_env = getenv("MOE_CUDA_PREFETCH");
-    b->pf = !d->no_prefetch && !(pf_env && !strcmp(pf_env, "0")) && !b->link_slow;
+    /* No layer-ahead prefetch with a tiered store: its copies would need pool pins taken on
+     * the second stream. */
+    b->pf = !d->no_prefetch && !(pf_env && !strcmp(pf_env, "0")) && !b->link_slow && !b->xsrc;
     if (b->pf) {
         b->ev_fork = (cudaEvent_t *)calloc(L, sizeof(cudaEvent_t));
         b->ev_read = (cudaEvent_t *)calloc(L, sizeof(cudaEvent_t));
@@ -943,6 +1311,7 @@ static int offload_state(struct cuda_backend *b, char *err, size_t errlen)
         struct moe_cuda_off_layer *o = &hl[l];
         o->nexp = (int32_t)ne;
         o->slots = cl->slots;
+        o->layer = (int32_t)l;
         memcpy(o->part_off, cl->part_off, sizeof o->part_off);
         o->slot_bytes = cl->slot_bytes;
         o->base = cl->base;
@@ -956,15 +1325,13 @@ static int offload_state(struct cuda_backend *b, char *err, size_t errlen)
         o->ref = o->pinned + S;
         off += align256(2 * S + 1);
         const void **host = (const void **)(h + off);
-        o->host = (const void *const *)(b->d_offmem + off);
+        o->host = (const void **)(b->d_offmem + off);
         off += align256(3 * ne * sizeof(void *));
         uint32_t *by = (uint32_t *)(h + off);
         o->bytes = (const uint32_t *)(b->d_offmem + off);
         off += align256(3 * ne * sizeof(uint32_t));
-        for (size_t r = 0; r < S; r++) {
+        for (size_t r = 0; r < S; r++)
             slot_exp[r] = -1;
-            pinned[r] = r < (size_t)cl->hot;
-        }
         *hand = cl->hot < cl->slots ? cl->hot : 0;
         for (size_t x = 0; x < ne; x++) {
             slot_of[x] = cl->plan[x];
@@ -974,6 +1341,20 @@ static int offload_state(struct cuda_backend *b, char *err, size_t errlen)
                 host[p * ne + x] = cl->host[p][x];
                 by[p * ne + x] = (uint32_t)expert_part(&b->m->layers[l].experts[x], p)->nbytes;
             }
+        }
+        /* The first `hot` slots are pinned, those left empty (a tiered store's expert not in
+         * the pool at start) excepted: they are cache. */
+        int32_t hot = 0;
+        for (size_t r = 0; r < S; r++) {
+            pinned[r] = r < (size_t)cl->hot && slot_exp[r] >= 0;
+            hot += pinned[r];
+        }
+        cl->hot = hot;
+        if (b->xsrc) {
+            o->chan = b->d_chan;
+            o->chan_seq = b->d_chan_seq;
+            o->borrow = b->d_borrow + l * ne;
+            o->n_borrow = b->d_borrow + L * ne + l;
         }
         o->tab[0] = cl->gate;
         o->tab[1] = cl->up;
@@ -1241,7 +1622,9 @@ static int cuda_init(struct moe_backend **out, const struct moe_model *m, struct
     b->route_fold = env_on("MOE_CUDA_ROUTE_FOLD");
     b->norm_fold = env_on("MOE_CUDA_NORM_FOLD");
     b->mixed_mv = env_on("MOE_CUDA_MIXED_MV");
+    b->resolve_route = env_on("MOE_CUDA_RESOLVE_ROUTE");
     b->route_pending = -1;
+    b->pf_read = -1;
     int rc = 0;
     int count = 0;
     cudaError_t ce = cudaGetDeviceCount(&count);
@@ -1253,6 +1636,20 @@ static int cuda_init(struct moe_backend **out, const struct moe_model *m, struct
     if (b->dev >= count) {
         rc = moe_fail(err, errlen, MOE_ERANGE, "cuda:%d: only %d CUDA device(s)", b->dev, count);
         goto fail;
+    }
+    if (d->expert_src) {
+        /* A tiered store (docs/offload.md): a layer's request may take all its experts. */
+        b->xsrc = d->expert_src;
+        pthread_mutex_init(&b->pool_mu, NULL);
+        pthread_cond_init(&b->svc_cv, NULL);
+        b->pool_mu_ok = true;
+        if (b->xsrc->max_pinned < (int)d->nexp || !b->xsrc->n_slots) {
+            rc = moe_fail(err, errlen, MOE_ERANGE, "cuda:%d: a GPU worker needs a tiered store "
+                          "whose pool lets it pin one layer's experts at once (%lld); its share "
+                          "is %d slots: give --ram-budget at least %lld slots per worker",
+                          b->dev, (long long)d->nexp, b->xsrc->max_pinned, (long long)d->nexp);
+            goto fail;
+        }
     }
     if ((int64_t)d->n_batch * d->kuse > 65535) {
         rc = moe_fail(err, errlen, MOE_ERANGE,
@@ -1421,6 +1818,17 @@ static int cuda_init(struct moe_backend **out, const struct moe_model *m, struct
             }
         }
         phase("weights uploaded");
+        if (b->xsrc && (rc = pool_fill_slots(b))) {
+            moe_fail(err, errlen, rc, "%s", b->errmsg);
+            goto fail;
+        }
+        if (b->pool_empty) {
+            const size_t k = strlen(b->xhow);
+            snprintf(b->xhow + k, sizeof b->xhow - k, ", %d VRAM slots empty at start",
+                     (int)b->pool_empty);
+        }
+        if (b->xsrc && (rc = pool_start(b, err, errlen)))
+            goto fail;
         if (b->offload && (rc = offload_state(b, err, errlen)))
             goto fail;
         if ((rc = fused_setup(b))) {
@@ -1507,6 +1915,9 @@ static void cuda_free(struct moe_backend *bb)
     struct cuda_backend *b = (struct cuda_backend *)bb;
     if (!b)
         return;
+    if (b->st)
+        cudaStreamSynchronize(b->st);
+    pool_stop(b);
     if (b->profile && b->prof_steps > 0) {
         double tot = 0;
         for (int i = 0; i < b->n_prof; i++)
@@ -1720,8 +2131,10 @@ static int cuda_begin(struct moe_backend *bb, const struct moe_step *st)
     b->n = st->n;
     b->n_out = st->n_out;
     b->head_chunked = false;
+    pool_step_begin(b);
     b->route_pending = -1;
     b->norm_pending = false;
+    b->pf_read = -1;
     for (int64_t l = 0; b->pf_pending && l < b->d.L; l++)
         b->pf_pending[l] = false;
     /* Layers a failed step staged without reaching them get their tables back, after whatever
@@ -1833,9 +2246,21 @@ static const float *norm_weight(struct cuda_backend *b, int l, enum moe_wid w)
                                  : NULL;
 }
 
+/* Before a kernel writes buffer dst: a prefetch still reading MOE_BUF_X (forked at pf_read)
+ * is waited for. Only then, not before the layer's own expert kernels, which leave it alone. */
+static int before_write(struct cuda_backend *b, enum moe_buf dst)
+{
+    if (dst != MOE_BUF_X || b->pf_read < 0)
+        return 0;
+    CU(b, cudaStreamWaitEvent(b->st, b->ev_read[b->pf_read], 0));
+    b->pf_read = -1;
+    return 0;
+}
+
 static int launch_rmsnorm(struct cuda_backend *b, int l, enum moe_wid w, enum moe_buf src,
                           enum moe_buf dst)
 {
+    TRY_CU(before_write(b, dst));
     LAUNCH(b, "rmsnorm", moe_cuda_rmsnorm(b->buf[src], b->ld[src], NULL, norm_weight(b, l, w),
                                           b->d.E, b->d.eps, b->n, b->buf[dst], b->ld[dst],
                                           b->st));
@@ -1956,6 +2381,7 @@ static int matmul_mixed(struct cuda_backend *b, int l, const struct moe_mm *mm, 
     const int64_t n = W[0]->ne[0];
     int rc;
     if (fold) {
+        TRY_CU(before_write(b, b->pn_dst));
         rc = moe_cuda_matvec_mixed(t1, t2, jobs, nj, n1, n, b->buf[b->pn_src], n, 1, 0,
                                    norm_weight(b, b->pn_l, b->pn_w), b->d.eps, b->buf[b->pn_dst],
                                    b->st);
@@ -2028,6 +2454,7 @@ static int cuda_matmul(struct moe_backend *bb, int l, const struct moe_mm *mm, i
         if (fold) {
             fold = false;
             b->norm_pending = false;
+            TRY_CU(before_write(b, b->pn_dst));
             const int rc = moe_cuda_matvec_multi_norm(W->type, jobs, nj, W->ne[0],
                                                       b->buf[b->pn_src],
                                                       norm_weight(b, b->pn_l, b->pn_w), b->d.eps,
@@ -2112,13 +2539,21 @@ static int launch_route(struct cuda_backend *b, int l)
     return 0;
 }
 
+/* Whether the resolve of offloaded layer l routes first, in its own launch (a decode step of up
+ * to MOE_OFF_ROUTE_MAX tokens; MOE_CUDA_RESOLVE_ROUTE=0 keeps the route kernel). */
+static bool route_in_resolve(const struct cuda_backend *b, int l)
+{
+    return b->resolve_route && b->layers[l].slots < b->d.nexp && !b->stage_step &&
+           b->n <= MOE_OFF_ROUTE_MAX && b->d.nexp <= 256;
+}
+
 static int cuda_route(struct moe_backend *bb, int l)
 {
     struct cuda_backend *b = (struct cuda_backend *)bb;
     SKIP_IF_REPLAY(b);
     TRY_CU(flush_pending(b));
-    if (route_folds(b, l)) {
-        b->route_pending = l; /* cuda_experts routes in its gate/up launch */
+    if (route_folds(b, l) || route_in_resolve(b, l)) {
+        b->route_pending = l; /* cuda_experts routes in its gate/up or resolve launch */
         return 0;
     }
     return launch_route(b, l);
@@ -2157,7 +2592,7 @@ static int prefetch(struct cuda_backend *b, int l)
                           b->pf_w, b->pf_counts, b->st2));
     LAUNCH(b, "prefetch residency",
            moe_cuda_offload_resolve(b->d_off + t, (int32_t)b->d.nexp, ct->slots, b->pf_sel,
-                                    b->n * k, b->d_pf_fill, true, b->st2));
+                                    b->n * k, b->d_pf_fill, true, NULL, b->st2));
     LAUNCH(b, "prefetch fill", moe_cuda_offload_fill(b->d_pf_fill, b->pf_blocks, b->link_gbps, b->st2));
     CU(b, cudaEventRecord(b->ev_join[t], b->st2));
     b->pf_pending[t] = true;
@@ -2250,12 +2685,15 @@ static int cuda_experts(struct moe_backend *bb, int l)
     struct cuda_backend *b = (struct cuda_backend *)bb;
     SKIP_IF_REPLAY(b);
     TRY_CU(flush_norm(b));
-    const bool fold = b->route_pending == l;
-    if (fold)
+    const struct cuda_layer *cl = &b->layers[l];
+    /* The routing left to this op: in the resolve's launch (offloaded layers), else in the
+     * gate/up launch (fold). */
+    const bool in_resolve = b->route_pending == l && cl->slots < b->d.nexp && !b->stage_step;
+    const bool fold = b->route_pending == l && !in_resolve;
+    if (b->route_pending == l)
         b->route_pending = -1;
     else
         TRY_CU(route_now(b));
-    const struct cuda_layer *cl = &b->layers[l];
     const int k = (int)b->d.kuse;
     const int32_t *sel_e = (const int32_t *)b->buf[MOE_BUF_SEL_E];
     const bool pf_next = prefetches(b, l + 1);
@@ -2270,9 +2708,14 @@ static int cuda_experts(struct moe_backend *bb, int l)
             CU(b, cudaStreamWaitEvent(b->st, b->ev_join[l], 0));
             b->pf_pending[l] = false;
         }
+        struct moe_cuda_off_route rt = {b->buf[MOE_BUF_RL], b->ld[MOE_BUF_RL], (int)b->n, k,
+                                        (int)b->d.nexp, b->d.norm_topk,
+                                        (int32_t *)b->buf[MOE_BUF_SEL_E], b->buf[MOE_BUF_SEL_W],
+                                        b->counts + (size_t)l * b->d.nexp};
         LAUNCH(b, "expert residency",
                moe_cuda_offload_resolve(b->d_off + l, (int32_t)b->d.nexp, cl->slots, sel_e,
-                                        b->n * k, b->d_fill, false, b->st));
+                                        b->n * k, b->d_fill, false, in_resolve ? &rt : NULL,
+                                        b->st));
         if (cl->hot < cl->slots)
             LAUNCH(b, "expert fill", moe_cuda_offload_fill(b->d_fill, b->fill_blocks, b->link_gbps, b->st));
     }
@@ -2280,9 +2723,12 @@ static int cuda_experts(struct moe_backend *bb, int l)
         const int prc = prefetch(b, l);
         if (prc)
             return prc;
-        CU(b, cudaStreamWaitEvent(b->st, b->ev_read[l], 0)); /* MOE_BUF_X is read */
+        b->pf_read = l; /* the next write of MOE_BUF_X waits for its read (before_write) */
     }
-    return expert_kernels(b, l, fold);
+    TRY_CU(expert_kernels(b, l, fold));
+    if (b->xsrc && cl->slots < b->d.nexp)
+        LAUNCH(b, "pool done", moe_cuda_offload_pool_done(b->d_off + l, b->st));
+    return 0;
 }
 
 /* Layer l's expert kernels over the step's routing (MOE_BUF_SEL_E / SEL_W): gate/up with
@@ -2447,12 +2893,21 @@ static int cuda_head(struct moe_backend *bb)
     return 0;
 }
 
+static int end_step(struct cuda_backend *b, float *out, int32_t *tokens);
+
 static int cuda_end(struct moe_backend *bb, float *out, int32_t *tokens)
 {
     struct cuda_backend *b = (struct cuda_backend *)bb;
+    return pool_step_end(b, end_step(b, out, tokens));
+}
+
+static int end_step(struct cuda_backend *b, float *out, int32_t *tokens)
+{
     if (b->mode != MODE_REPLAY)
         mark(b, "end");
     TRY_CU(flush_pending(b));
+    if (b->mode != MODE_REPLAY)
+        TRY_CU(before_write(b, MOE_BUF_X)); /* every fork joined before the capture ends */
     if (b->mode == MODE_CAPTURE) {
         cudaGraph_t g;
         b->capturing = false;
@@ -2606,6 +3061,7 @@ static int cuda_write_buf(struct moe_backend *bb, enum moe_buf buf, int64_t n, c
     if ((int)buf < 0 || buf >= MOE_BUF_COUNT || n < 0 || n > (int64_t)b->d.n_batch)
         return cu_err(b, MOE_ERANGE, "write_buf: bad buffer or row count");
     TRY_CU(flush_pending(b));
+    TRY_CU(before_write(b, buf));
 
     int64_t w = moe_buf_width(&b->d, buf);
     CU(b, cudaMemcpy2DAsync(b->buf[buf], sizeof(float) * (size_t)b->ld[buf], src,
@@ -2653,6 +3109,7 @@ static int cuda_set_hot(struct moe_backend *bb, const uint64_t *counts, uint32_t
     if (!want || !scratch || !loads)
         rc = -ENOMEM;
     int32_t left = (int32_t)(max_loads < INT32_MAX ? max_loads : INT32_MAX);
+    bool pool_failed = false; /* a tiered store's expert could not be had: the rest not done */
     for (int l = 0; l < (int)d->L && !rc; l++) {
         struct cuda_layer *cl = &b->layers[l];
         const struct moe_cuda_off_layer *o = &b->h_off[l];
@@ -2685,11 +3142,31 @@ static int cuda_set_hot(struct moe_backend *bb, const uint64_t *counts, uint32_t
         for (int32_t i = 0; i < nl && !rc; i++) {
             const struct moe_off_load *ld = &loads[i];
             const struct moe_expert *ex = &b->m->layers[l].experts[ld->x];
+            bool got = true;
+            /* A tiered store's expert comes from the pool (asked of the daemon when it is not
+             * there: between steps, the worker's connection runs). */
+            if (b->xsrc && (rc = pool_copy_expert(b, l, ld->x,
+                                                  cl->base + (size_t)ld->s * cl->slot_bytes,
+                                                  MOE_PIN_WAIT, &got)) != 0) {
+                /* This load and the layer's next ones undone (nothing of them reached the
+                 * device): each slot keeps the expert it held, as cache. */
+                for (int32_t j = i; j < nl; j++) {
+                    const struct moe_off_load *u = &loads[j];
+                    slot_of[u->x] = MOE_OFF_HOST;
+                    slot_exp[u->s] = u->old;
+                    if (u->old >= 0)
+                        slot_of[u->old] = u->s;
+                    pinned[u->s] = 0;
+                }
+                pool_failed = true;
+                break;
+            }
             for (int p = 0; p < 3 && !rc; p++) {
                 const struct moe_tensor *t = expert_part(ex, p);
                 uint8_t *at = cl->base + (size_t)ld->s * cl->slot_bytes + cl->part_off[p];
                 const void *old_ptr = ld->old >= 0 ? cl->host[p][ld->old] : NULL;
-                cudaError_t e = cudaMemcpy(at, t->data, t->nbytes, cudaMemcpyHostToDevice);
+                cudaError_t e = b->xsrc ? cudaSuccess
+                                        : cudaMemcpy(at, t->data, t->nbytes, cudaMemcpyHostToDevice);
                 if (e == cudaSuccess && ld->old >= 0)
                     e = cudaMemcpy((void *)(tabs[p] + ld->old), &old_ptr, sizeof old_ptr,
                                    cudaMemcpyHostToDevice);
@@ -2713,10 +3190,10 @@ static int cuda_set_hot(struct moe_backend *bb, const uint64_t *counts, uint32_t
     free(want);
     free(scratch);
     free(loads);
-    if (rc)
+    if (rc && !pool_failed)
         return rc;
     CU(b, cudaMemcpy(b->d_offmem, b->h_offmem, b->offmem_bytes, cudaMemcpyHostToDevice));
-    return 0;
+    return rc;
 }
 
 static int cuda_offload_stats(struct moe_backend *bb, struct moe_offload_stats *s,

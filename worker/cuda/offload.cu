@@ -4,6 +4,7 @@
 
 #include "worker/cuda/cuda_check.cuh"
 #include "worker/cuda/offload.cuh"
+#include "worker/cuda/ops_dev.cuh"
 
 size_t moe_cuda_fill_list_bytes(int32_t max_slots)
 {
@@ -23,18 +24,84 @@ static __device__ void mark_need(uint8_t *need, const int32_t *sel_e, int n_sel,
     __syncthreads();
 }
 
+static __device__ __forceinline__ uint64_t global_ns()
+{
+    uint64_t t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
+/* A tiered store's request (offload_resolve.h, struct moe_off_chan), by the whole block: the
+ * chosen experts without a slot (list, shared memory) written to the channel, thread 0 waits for
+ * the worker's answer (at most MOE_OFF_CHAN_WAIT_NS), then their addresses are lent to the
+ * layer's tables (moe_off_pool_lend; without an answer, placeholders, and the step fails on the
+ * host). */
+static __device__ void pool_borrow(const struct moe_cuda_off_layer &L, uint8_t *need,
+                                   const int32_t *slot_of, int32_t *list)
+{
+    __shared__ int32_t s_n, s_ok;
+    struct moe_off_chan *c = L.chan;
+    if (threadIdx.x == 0)
+        s_n = moe_off_pool_list(need, slot_of, L.nexp, list);
+    __syncthreads();
+    const int32_t n = s_n;
+    if (n == 0)
+        return;
+    volatile int32_t *ids = moe_off_chan_ids(c);
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        ids[i] = list[i];
+        L.borrow[i] = list[i];
+    }
+    __threadfence_system();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        const uint32_t seq = *L.chan_seq + 1;
+        *L.chan_seq = seq;
+        *L.n_borrow = n;
+        c->layer = L.layer;
+        c->n = n;
+        __threadfence_system();
+        c->req = seq;
+        const uint64_t t0 = global_ns();
+        int ok = 1;
+        while (c->ans != seq) {
+            if (global_ns() - t0 > MOE_OFF_CHAN_WAIT_NS) {
+                ok = 0;
+                c->timeouts = c->timeouts + 1;
+                break;
+            }
+            __nanosleep(256);
+        }
+        __threadfence_system();
+        s_ok = ok && c->status == 0;
+    }
+    __syncthreads();
+    moe_off_pool_lend(&L, list, n, s_ok ? moe_off_chan_ptr(c, L.nexp) : NULL, need,
+                      (int32_t)threadIdx.x, (int32_t)blockDim.x);
+    __syncthreads();
+}
+
 /* One block. The layer's state is read into shared memory, thread 0 walks the chosen experts in
- * expert order (deterministic), and the state is written back. */
+ * expert order (deterministic), and the state is written back. With rt.rl, warp w first routes
+ * token w (route_warp, as the route kernel does). With a tiered store's channel (L.chan, and
+ * not a prefetch), the chosen experts without a slot are asked for first (pool_borrow). */
 __global__ void offload_resolve_kernel(const struct moe_cuda_off_layer *__restrict__ lp,
                                        const int32_t *__restrict__ sel_e, int n_sel,
                                        struct moe_cuda_fill_list *__restrict__ fl,
-                                       int prefetch)
+                                       int prefetch, struct moe_cuda_off_route rt)
 {
+    if (rt.rl) {
+        const int w = (int)(threadIdx.x >> 5);
+        if (w < rt.n)
+            route_warp(rt.rl + (int64_t)w * rt.ldl, rt.nexp, rt.k, rt.norm_topk,
+                       rt.sel_e + (int64_t)w * rt.k, rt.sel_w + (int64_t)w * rt.k, rt.counts,
+                       nullptr);
+    }
     const struct moe_cuda_off_layer L = *lp;
     extern __shared__ int32_t sm[];
     const int S = L.slots;
-    int32_t *s_slot = sm, *s_exp = sm + L.nexp;
-    uint8_t *s_need = (uint8_t *)(s_exp + S), *s_ref = s_need + L.nexp, *s_pin = s_ref + S;
+    int32_t *s_slot = sm, *s_exp = sm + L.nexp, *s_list = s_exp + S;
+    uint8_t *s_need = (uint8_t *)(s_list + L.nexp), *s_ref = s_need + L.nexp, *s_pin = s_ref + S;
     for (int i = threadIdx.x; i < L.nexp; i += blockDim.x) {
         s_slot[i] = L.slot_of[i];
         s_need[i] = 0;
@@ -46,6 +113,8 @@ __global__ void offload_resolve_kernel(const struct moe_cuda_off_layer *__restri
     }
     __syncthreads();
     mark_need(s_need, sel_e, n_sel, L.nexp);
+    if (L.chan && !prefetch)
+        pool_borrow(L, s_need, s_slot, s_list);
     if (threadIdx.x == 0) {
         int32_t hand = S ? *L.hand : 0;
         moe_off_resolve_mode(&L, s_need, s_slot, s_exp, s_ref, s_pin, &hand, fl, L.stats, prefetch);
@@ -61,12 +130,23 @@ __global__ void offload_resolve_kernel(const struct moe_cuda_off_layer *__restri
     }
 }
 
-static __device__ __forceinline__ uint64_t global_ns()
+/* After a tiered store's layer ran (moe_off_pool_return): its lent addresses dropped, and the
+ * worker told that the request's pins may go. */
+__global__ void offload_pool_done_kernel(const struct moe_cuda_off_layer *__restrict__ lp)
 {
-    uint64_t t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    return t;
+    const struct moe_cuda_off_layer L = *lp;
+    const int32_t n = *L.n_borrow;
+    if (n == 0)
+        return;
+    moe_off_pool_return(&L, L.borrow, n, L.slot_of, (int32_t)threadIdx.x, (int32_t)blockDim.x);
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        *L.n_borrow = 0;
+        __threadfence_system();
+        L.chan->done = *L.chan_seq;
+    }
 }
+
 
 /* Grid-stride over the chunks of every copy; 16-byte loads where source and destination allow
  * (the store's slices are 64-byte aligned, slots 256), bytes otherwise. ns_per_chunk > 0 (a
@@ -125,12 +205,27 @@ __global__ void __launch_bounds__(256) offload_fill_kernel(const struct moe_cuda
 int moe_cuda_offload_resolve(const struct moe_cuda_off_layer *d_layer, int32_t nexp,
                              int32_t slots, const int32_t *sel_e, int64_t n_sel,
                              struct moe_cuda_fill_list *d_fill, bool prefetch,
-                             cudaStream_t s)
+                             const struct moe_cuda_off_route *rt, cudaStream_t s)
 {
     if (nexp <= 0 || slots < 0 || slots > nexp || n_sel < 0 || n_sel > (1 << 24))
         return -EINVAL;
-    const size_t smem = (size_t)(nexp + slots) * sizeof(int32_t) + (size_t)(nexp + 2 * slots);
-    offload_resolve_kernel<<<1, 256, smem, s>>>(d_layer, sel_e, (int)n_sel, d_fill, prefetch);
+    struct moe_cuda_off_route r = {};
+    if (rt) {
+        if (!rt->rl || rt->n < 1 || rt->n > MOE_OFF_ROUTE_MAX || rt->k < 1 || rt->k > rt->nexp ||
+            rt->nexp != nexp || nexp > 256 || (int64_t)rt->n * rt->k != n_sel ||
+            rt->sel_e != sel_e)
+            return -EINVAL;
+        r = *rt;
+    }
+    const size_t smem = (size_t)(2 * nexp + slots) * sizeof(int32_t) + (size_t)(nexp + 2 * slots);
+    offload_resolve_kernel<<<1, 256, smem, s>>>(d_layer, sel_e, (int)n_sel, d_fill, prefetch, r);
+    MOE_CUDA_TRY(cudaGetLastError());
+    return 0;
+}
+
+int moe_cuda_offload_pool_done(const struct moe_cuda_off_layer *d_layer, cudaStream_t s)
+{
+    offload_pool_done_kernel<<<1, 128, 0, s>>>(d_layer);
     MOE_CUDA_TRY(cudaGetLastError());
     return 0;
 }

@@ -19,12 +19,33 @@
 /* Bytes of a fill list for layers of up to max_slots slots. */
 size_t moe_cuda_fill_list_bytes(int32_t max_slots);
 
+/* The routing a resolve can do first (decode steps of up to MOE_OFF_ROUTE_MAX tokens, layers of
+ * up to 256 experts): the route kernel's (moe_cuda_route) top-k of rl's n rows of nexp logits
+ * into sel_e / sel_w, counted in counts. */
+#define MOE_OFF_ROUTE_MAX 8
+struct moe_cuda_off_route {
+    const float *rl;
+    int64_t ldl;
+    int n, k, nexp;
+    bool norm_topk;
+    int32_t *sel_e;
+    float *sel_w;
+    unsigned long long *counts;
+};
+
 /* Resolves the n_sel chosen experts of sel_e for the layer *d_layer (device memory; nexp and
  * slots are its values, needed here for the launch shape), writing the copies to *d_fill.
- * prefetch: sel_e is a prediction for a layer that has not routed yet (moe_off_resolve_mode). */
+ * prefetch: sel_e is a prediction for a layer that has not routed yet (moe_off_resolve_mode).
+ * rt (or NULL): the routing that writes sel_e, done first in the same launch. With a tiered
+ * store's channel (the layer's chan), the chosen experts without a slot are borrowed from the
+ * pool first (offload_resolve.h, struct moe_off_chan). */
 int moe_cuda_offload_resolve(const struct moe_cuda_off_layer *d_layer, int32_t nexp,
                              int32_t slots, const int32_t *sel_e, int64_t n_sel,
-                             struct moe_cuda_fill_list *d_fill, bool prefetch, cudaStream_t s);
+                             struct moe_cuda_fill_list *d_fill, bool prefetch,
+                             const struct moe_cuda_off_route *rt, cudaStream_t s);
+/* After the expert kernels of a layer with a tiered store's channel: what its resolve borrowed
+ * is given back (moe_off_pool_return) and the worker told (the channel's done). */
+int moe_cuda_offload_pool_done(const struct moe_cuda_off_layer *d_layer, cudaStream_t s);
 /* y[t][i] = x[t][i] * scale[i] for n rows of E (the prefetch's input: layer l's normed MoE input
  * re-weighted by layer l+1's norm over layer l's). */
 int moe_cuda_scale_rows(const float *d_x, int64_t ldx, const float *d_scale, int64_t E, int64_t n,

@@ -22,9 +22,38 @@ enum { MOE_OFF_HITS, MOE_OFF_MISSES, MOE_OFF_FILL_BYTES, MOE_OFF_DIRECT, MOE_OFF
        MOE_OFF_PREFETCH, MOE_OFF_PREFETCH_BYTES, MOE_OFF_STAGED, MOE_OFF_STAGE_BYTES,
        MOE_OFF_STAGE_READS, MOE_OFF_NSTATS };
 
+/* Tiered store (docs/offload.md, "A tiered store"): the channel through which a layer's resolve
+ * asks the worker for the pool slots of its chosen experts that have no VRAM slot. It lives in
+ * mapped host memory: the header, then ids[nexp] (int32) and ptr[nexp][3] (uint64, device
+ * addresses of gate, up and down), moe_off_chan_bytes(nexp) in all. */
+struct moe_off_chan {
+    volatile uint32_t req;      /* device: request number, written after layer, n and ids */
+    volatile uint32_t ans;      /* host: = req once ptr and status are written */
+    volatile uint32_t done;     /* device: the latest request whose layer has run (its pins may go) */
+    volatile int32_t status;    /* host: 0, or no addresses (the step fails) */
+    volatile uint32_t timeouts; /* device: requests given up on (no answer in MOE_OFF_CHAN_WAIT_NS) */
+    volatile int32_t layer, n;
+    uint32_t pad[9];
+};
+#define MOE_OFF_CHAN_WAIT_NS 120000000000ull
+
+static inline MOE_OFF_HD size_t moe_off_chan_bytes(int32_t nexp)
+{
+    return sizeof(struct moe_off_chan) + 4 * (size_t)((nexp + 1) & ~1) + 24 * (size_t)nexp;
+}
+static inline MOE_OFF_HD volatile int32_t *moe_off_chan_ids(struct moe_off_chan *c)
+{
+    return (volatile int32_t *)(c + 1);
+}
+static inline MOE_OFF_HD volatile uint64_t *moe_off_chan_ptr(struct moe_off_chan *c, int32_t nexp)
+{
+    return (volatile uint64_t *)((uint8_t *)(c + 1) + 4 * (size_t)((nexp + 1) & ~1));
+}
+
 /* One layer's offload state, in device memory. */
 struct moe_cuda_off_layer {
     int32_t nexp, slots;
+    int32_t layer;
     uint32_t part_off[3];          /* gate, up, down inside a slot */
     uint64_t slot_bytes;
     uint8_t *base;                 /* [slots][slot_bytes] in VRAM */
@@ -33,10 +62,16 @@ struct moe_cuda_off_layer {
     uint8_t *pinned;               /* [slots]: 1 = hot, never evicted */
     uint8_t *ref;                  /* [slots]: clock reference bits */
     int32_t *hand;                 /* [1]: clock hand */
-    const void *const *host;       /* [3][nexp]: device addresses of the host copies */
+    const void **host;             /* [3][nexp]: device addresses of the host copies (with a
+                                    * tiered store NULL, but for the experts a request borrowed
+                                    * from the pool until the layer's pool_done) */
     const uint32_t *bytes;         /* [3][nexp] */
     const void **tab[3];           /* the layer's gate, up and down tables the kernels read */
     unsigned long long *stats;     /* [MOE_OFF_NSTATS] */
+    struct moe_off_chan *chan;     /* tiered store: the request channel; NULL: none */
+    uint32_t *chan_seq;            /* [1]: the last request number (shared by the layers) */
+    int32_t *borrow;               /* [nexp]: the experts this layer's request borrowed */
+    int32_t *n_borrow;             /* [1] */
 };
 
 /* A copy from host memory into a slot. */
@@ -238,6 +273,59 @@ static inline MOE_OFF_HD void moe_off_stage_end(const struct moe_cuda_off_layer 
     stats[MOE_OFF_DIRECT] += direct;
     stats[MOE_OFF_DIRECT_BYTES] += direct_bytes;
     stats[MOE_OFF_STAGE_READS] += reads;
+}
+
+/* Tiered store: the chosen experts (need[]) without a slot, in expert order, into list[];
+ * returns their count: what a layer's resolve asks the worker to lend from the pool. */
+static inline MOE_OFF_HD int32_t moe_off_pool_list(const uint8_t *need, const int32_t *slot_of,
+                                                   int32_t nexp, int32_t *list)
+{
+    int32_t n = 0;
+    for (int32_t e = 0; e < nexp; e++)
+        if (need[e] && slot_of[e] < 0)
+            list[n++] = e;
+    return n;
+}
+
+/* Tiered store, once the request for list[0..n) is answered: expert list[i] is read at
+ * ptr[3i + p] (gate, up, down). ptr NULL (the request failed; the step will too): it is read
+ * from a placeholder inside the layer's slots instead, so that no kernel faults, and it drops
+ * out of need[] (the walk places nothing from it). i0, di: the entries this thread does (the
+ * kernel spreads them over its block). */
+static inline MOE_OFF_HD void moe_off_pool_lend(const struct moe_cuda_off_layer *L,
+                                                const int32_t *list, int32_t n,
+                                                const volatile uint64_t *ptr, uint8_t *need,
+                                                int32_t i0, int32_t di)
+{
+    const int32_t ne = L->nexp;
+    for (int32_t i = i0; i < n; i += di) {
+        const int32_t e = list[i];
+        for (int p = 0; p < 3; p++) {
+            const void *v = ptr ? (const void *)(uintptr_t)ptr[3 * i + p]
+                                : (const void *)(L->base + L->part_off[p]);
+            L->host[p * ne + e] = v;
+            L->tab[p][e] = v;
+        }
+        if (!ptr)
+            need[e] = 0;
+    }
+}
+
+/* Tiered store, after the layer's expert kernels: the addresses lent for list[0..n) are
+ * dropped (their pins go); an expert the resolve placed in a slot keeps its slot's tables. */
+static inline MOE_OFF_HD void moe_off_pool_return(const struct moe_cuda_off_layer *L,
+                                                  const int32_t *list, int32_t n,
+                                                  const int32_t *slot_of, int32_t i0, int32_t di)
+{
+    const int32_t ne = L->nexp;
+    for (int32_t i = i0; i < n; i += di) {
+        const int32_t e = list[i];
+        for (int p = 0; p < 3; p++) {
+            L->host[p * ne + e] = (const void *)0;
+            if (slot_of[e] < 0)
+                L->tab[p][e] = (const void *)0;
+        }
+    }
 }
 
 /* Experts a prompt staging buffer holds when S of a layer's nexp experts have a slot: the
