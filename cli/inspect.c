@@ -174,6 +174,7 @@ static int print_json(const char *path, const struct gguf_file *f, const struct 
         json_object_set_new(r, "slot_bytes", json_integer((json_int_t)rp->slot_bytes));
         json_object_set_new(r, "experts", json_integer((json_int_t)rp->experts));
         json_object_set_new(r, "min_slots", json_integer((json_int_t)rp->min_slots));
+        json_object_set_new(r, "gpu_worker_slots", json_integer((json_int_t)m->hp.n_expert));
         json_object_set_new(o, "ram", r);
     }
     int rc = json_dumpf(o, stdout, JSON_INDENT(2)) == 0 ? 0 : 1;
@@ -193,6 +194,8 @@ static void print_ram(const struct moe_model *m, const struct ram_plan *rp)
     printf("  pool              %" PRIu64 " of %" PRIu64 " experts in slots of %s (%s)\n", rp->slots,
            rp->experts, human(rp->slot_bytes, a, sizeof a), human(rp->slots * rp->slot_bytes, b, sizeof b));
     printf("  minimum           %" PRIu64 " slots (layers x top-k)\n", rp->min_slots);
+    printf("  GPU workers       %" PRIu32 " slots each (one layer's experts): %s\n", m->hp.n_expert,
+           rp->slots >= m->hp.n_expert ? "this pool takes one" : "too few, CPU workers only");
     printf("  hit rate          %.1f%% if routing were even; the learned profile fills the hottest first\n",
            100.0 * (double)rp->slots / (double)rp->experts);
     printf("  RAM in the store  %s dense + %s pool\n", human(m->bytes_dense, a, sizeof a),
@@ -366,6 +369,14 @@ static int cmd_inspect(int argc, char **argv)
         moe_model_free(&m);
         gguf_close(f);
         return 2;
+    }
+    if (ram && rp.slots && have_budget && vp.available > 0 && m.hp.n_expert > m.hp.n_expert_used) {
+        /* A GPU worker over a pool keeps at least one expert of every layer out of VRAM and
+         * stages no prompts (docs/offload.md, "A tiered store"). */
+        if (vp.slots >= m.hp.n_expert)
+            vp.slots = m.hp.n_expert - 1;
+        vp.stage = 0;
+        vp.residency = (double)vp.slots / (double)m.hp.n_expert;
     }
     int ret = 0;
     if (moectl_opts.json)

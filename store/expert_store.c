@@ -292,7 +292,9 @@ int moe_store_budget_slots(const struct moe_model *m, const char *v, uint32_t n_
     }
     uint64_t slot = moe_store_slot_bytes(m);
     uint64_t n = slot ? budget / slot : 0;
-    if (n >= all)
+    /* The experts' own bytes (100%) are the full store: its blobs take their own sizes, the
+     * pool's slots the largest blob's (in a quant mix that differ, fewer than every expert). */
+    if (n >= all || budget >= m->bytes_experts)
         return 0;
     uint64_t need = (uint64_t)hp->n_layer * hp->n_expert_used;
     if (need < (uint64_t)n_workers * hp->n_expert_used)

@@ -163,3 +163,25 @@ TEST(moectl_options_take_equals_values)
     CHECK_EQ(moectl(log, sizeof log, sock, "status", NULL), 3);
     CHECK_MSG(strstr(log, "other.sock"), "%s", log);
 }
+
+/* moectl inspect --ram-budget: the pool moed would keep, its minimum and whether a GPU worker
+ * takes it; with a VRAM budget too, the split a GPU worker over that pool makes (an expert of
+ * every layer stays out of VRAM); a budget below one step's experts is refused as moed refuses it. */
+TEST(moectl_inspect_ram_budget)
+{
+    char log[8192];
+    CHECK_EQ(moectl(log, sizeof log, "inspect", "--ram-budget", "720K", "--vram-budget", "1G",
+                    "models/kjv-demo-F16.gguf", NULL), 0);
+    CHECK_MSG(strstr(log, "pool              20 of 128 experts") &&
+                  strstr(log, "too few, CPU workers only") && strstr(log, "slots per layer   31 of 32"),
+              "%s", log);
+    CHECK_EQ(moectl(log, sizeof log, "inspect", "--ram-budget", "50%", "models/kjv-demo-F16.gguf",
+                    NULL), 0);
+    CHECK_MSG(strstr(log, "64 of 128 experts") && strstr(log, "this pool takes one"), "%s", log);
+    CHECK_EQ(moectl(log, sizeof log, "inspect", "--ram-budget", "100%", "--vram-budget", "1G",
+                    "models/kjv-demo-F16.gguf", NULL), 0);
+    CHECK_MSG(strstr(log, "every expert fits") && strstr(log, "slots per layer   32 of 32"), "%s", log);
+    CHECK_EQ(moectl(log, sizeof log, "inspect", "--ram-budget", "540K", "models/kjv-demo-F16.gguf",
+                    NULL), 2);
+    CHECK_MSG(strstr(log, "one step needs at least 16"), "%s", log);
+}

@@ -645,3 +645,34 @@ TEST(tier_pool_victim_is_the_oldest_unpinned)
         free(table);
     }
 }
+
+/* --ram-budget's slots: a share of the expert bytes in slots of the largest blob; 100% (or any
+ * size holding the experts' bytes) is the full store even where blobs differ in size and a
+ * pool of those bytes would hold fewer experts (the Q4_K_M file's Q4_K and Q6_K layers); below
+ * one step's experts is refused with the minimum. */
+TEST(tier_budget_slots_full_store_at_the_experts_bytes)
+{
+    char err[512];
+    static const char *const paths[2] = {F16_PATH, Q4KM_PATH};
+    for (int i = 0; i < 2; i++) {
+        struct opened o;
+        open_model(&o, paths[i]);
+        const uint64_t all = (uint64_t)o.m.hp.n_layer * o.m.hp.n_expert;
+        const uint64_t slot = moe_store_slot_bytes(&o.m);
+        uint64_t slots = 1;
+        CHECK_EQ(moe_store_budget_slots(&o.m, "100%", 1, &slots, err, sizeof err), 0);
+        CHECK_EQ(slots, 0u);
+        char size[32];
+        snprintf(size, sizeof size, "%llu", (unsigned long long)o.m.bytes_experts);
+        CHECK_EQ(moe_store_budget_slots(&o.m, size, 1, &slots, err, sizeof err), 0);
+        CHECK_EQ(slots, 0u);
+        if (i == 1)
+            CHECK_MSG(o.m.bytes_experts / slot < all, "the Q4_K_M file's blobs should differ");
+        CHECK_EQ(moe_store_budget_slots(&o.m, "50%", 1, &slots, err, sizeof err), 0);
+        CHECK_EQ(slots, (uint64_t)(0.5 * (double)o.m.bytes_experts) / slot);
+        snprintf(size, sizeof size, "%llu", (unsigned long long)(slot * 3));
+        CHECK(moe_store_budget_slots(&o.m, size, 1, &slots, err, sizeof err) != 0);
+        CHECK_MSG(strstr(err, "one step needs at least"), "%s", err);
+        close_model(&o);
+    }
+}
