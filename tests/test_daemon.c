@@ -2587,11 +2587,10 @@ TEST_TIMEOUT(daemon_ram_budget_output_equals_full_store, 300)
                 CHECK_EQ(slots, -1); /* every expert fits: the full store */
             } else {
                 CHECK_EQ(slots, gpu ? (b == 1 ? 76 : 38) : (b == 1 ? 64 : 25));
-                /* Read-ahead of the next layer's predicted experts (CPU workers), unless turned
-                 * off. */
+                /* Read-ahead of the next layer's predicted experts, unless turned off. */
                 if (b == 3) {
                     CHECK_EQ(pool_stat(d.sock, "prefetch_reads"), 0);
-                } else if (!gpu) {
+                } else {
                     CHECK(pool_stat(d.sock, "prefetch_requests") > 0);
                     CHECK(pool_stat(d.sock, "prefetch_reads") > 0);
                 }

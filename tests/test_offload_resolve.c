@@ -608,3 +608,19 @@ TEST(offload_pool_borrow_lends_and_returns)
         sim_free(&m);
     }
 }
+
+/* A tiered store's read-ahead hint (moe_off_hint_list): the predicted experts without a slot,
+ * each once, in the order first predicted; out-of-range ids skipped. */
+TEST(offload_pool_hint_lists_predicted_experts_without_a_slot)
+{
+    const int32_t nexp = 8;
+    const int32_t slot_of[8] = {0, -1, 2, -1, -1, 1, -1, -1};
+    const int32_t sel[10] = {3, 0, 3, 7, -1, 9, 1, 2, 7, 6};
+    uint8_t seen[8] = {0};
+    int32_t list[8];
+    const int32_t n = moe_off_hint_list(sel, 10, slot_of, nexp, seen, list);
+    CHECK_EQ(n, 4);
+    CHECK(list[0] == 3 && list[1] == 7 && list[2] == 1 && list[3] == 6);
+    uint8_t none[8] = {0};
+    CHECK_EQ(moe_off_hint_list(sel, 0, slot_of, nexp, none, list), 0);
+}

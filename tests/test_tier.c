@@ -510,9 +510,9 @@ static float *run_cuda(struct moe_model *m, const struct moe_expert_src *src, co
 
 /* The CUDA engine over a pool (MOE_TEST_DEVICE=cuda:K; skipped without): experts without a VRAM
  * slot borrowed from the pool inside the step through the backend's channel, missing ones asked
- * of the stand-in daemon while the step waits; logits bit-identical to the same device's run from
- * the full store at 50% and 25% residency; every pin given back; a failed request fails its
- * step with the daemon's message and the engine goes on. */
+ * of the stand-in daemon while the step waits, predicted ones asked to be read ahead; logits
+ * bit-identical to the same device's run from the full store at 50% and 25% residency; every pin
+ * given back; a failed request fails its step with the daemon's message and the engine goes on. */
 static void cuda_engine_logits_equal(const char *path, const char *dev)
 {
     char err[512];
@@ -544,6 +544,9 @@ static void cuda_engine_logits_equal(const char *path, const char *dev)
     wtier_stats(fd->t, &st);
     CHECK(st.hits > 0);
     CHECK_EQ((int)st.misses, fd->requests);
+    /* The decode steps' layer-ahead predictions came as read-aheads of experts not in the pool. */
+    CHECK(fd->prefetches > 0);
+    CHECK_EQ((int)st.prefetches, fd->prefetches);
 
     /* A request that fails fails the step with the daemon's message; the next step, with the
      * daemon answering again, runs. */

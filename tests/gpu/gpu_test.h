@@ -2,9 +2,12 @@
 #ifndef MOE_TESTS_GPU_TEST_H
 #define MOE_TESTS_GPU_TEST_H
 
+#include <errno.h>
+#include <fcntl.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/file.h>
 
 #include <cuda_runtime_api.h>
 
@@ -18,14 +21,38 @@
         CHECK_MSG(e_ == cudaSuccess, "%s: %s", #call, cudaGetErrorString(e_));              \
     } while (0)
 
-/* Skips the test without a usable CUDA device; else selects device 0. */
-static inline void need_gpu(void)
+/* GPU tests share the device (they may run in parallel, -j); the few that measure its memory as
+ * a whole must run alone. A lock file held for the test's life (each test is a process of its
+ * own): shared by every GPU test, exclusive for those. */
+static inline void gpu_lock(int how)
+{
+    const int fd = open("/tmp/moe-gpu-tests.lock", O_RDWR | O_CREAT | O_CLOEXEC, 0666);
+    if (fd >= 0)
+        while (flock(fd, how) != 0 && errno == EINTR)
+            ;
+}
+
+static inline void gpu_select(void)
 {
     int count = 0;
     cudaError_t e = cudaGetDeviceCount(&count);
     if (e != cudaSuccess || count == 0)
         moe_test_skip("no CUDA device (%s)", e != cudaSuccess ? cudaGetErrorString(e) : "0 devices");
     CU(cudaSetDevice(0));
+}
+
+/* Skips the test without a usable CUDA device; else selects device 0. */
+static inline void need_gpu(void)
+{
+    gpu_select();
+    gpu_lock(LOCK_SH);
+}
+
+/* need_gpu for a test that measures the device's memory in use: no other GPU test runs with it. */
+static inline void need_gpu_alone(void)
+{
+    gpu_select();
+    gpu_lock(LOCK_EX);
 }
 
 /* How many of the n floats of a and b differ in their bits. */

@@ -318,7 +318,7 @@ TEST_TIMEOUT(cuda_offload_slow_link_pins_every_slot, 300)
  * granularity of the device; the 30B-shape model's budgets are measured in bench_offload.) */
 TEST_TIMEOUT(cuda_offload_budget, 300)
 {
-    need_gpu();
+    need_gpu_alone(); /* the budget counts the whole device */
     struct test_model tm;
     test_model_open(&tm, "models/kjv-demo-F16.gguf");
     const struct moe_model *m = &tm.m;
@@ -348,8 +348,7 @@ TEST_TIMEOUT(cuda_offload_budget, 300)
            (double)budget / (1 << 20), (double)os.device_bytes_now / (1 << 20),
            (double)os.expert_vram_bytes / (1 << 20), (double)os.expert_bytes / (1 << 20));
     CHECK(os.active);
-    /* Device-wide, like the budget itself: another process on the GPU (a second test runner
-     * with -j) counts too. */
+    /* Device-wide, like the budget itself (another GPU test does not run meanwhile). */
     CHECK_MSG(os.device_bytes_now <= budget,
               "%.1f MiB in use on the device over the %.1f MiB budget (other processes count)",
               (double)os.device_bytes_now / (1 << 20), (double)budget / (1 << 20));

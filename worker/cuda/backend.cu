@@ -230,7 +230,9 @@ struct cuda_backend {
      * addresses; the layer's pool_done kernel says when the pins may go. */
     const struct moe_expert_src *xsrc;
     struct moe_off_chan *h_chan, *d_chan;
-    uint32_t *d_chan_seq;
+    struct moe_off_hint *h_hint, *d_hint; /* read-ahead hints (the prefetch's predictions) */
+    uint32_t *d_chan_seq;            /* [2]: the channel's last request, the hint's last number */
+    uint32_t hint_seen;              /* pool_service: the last hint read */
     int32_t *d_borrow;               /* [L][nexp] lent experts, then [L] their counts */
     const uint8_t **slot_dev;        /* [n_slots]: device address of each pool slot */
     uint64_t pool_probe_bytes;       /* registered bytes from slot 0 on (the link check) */
@@ -943,6 +945,30 @@ static void pool_serve(struct cuda_backend *b, uint32_t r)
     c->ans = r;
 }
 
+/* Under pool_mu: the latest read-ahead hint passed to the expert source's prefetch (which asks
+ * the daemon to read those not in the pool, never waiting); one that changed while it was read
+ * is dropped. */
+static void pool_read_ahead(struct cuda_backend *b)
+{
+    struct moe_off_hint *h = b->h_hint;
+    const int32_t ne = (int32_t)b->d.nexp;
+    const uint32_t seq = h->seq;
+    __sync_synchronize();
+    const int32_t layer = h->layer, n = h->n;
+    volatile int32_t *ids = (volatile int32_t *)(h + 1);
+    int32_t k = 0;
+    for (int32_t i = 0; n <= ne && i < n; i++) {
+        const int32_t e = ids[i];
+        if (e >= 0 && e < ne)
+            b->pp_ids[k++] = e;
+    }
+    __sync_synchronize();
+    b->hint_seen = seq;
+    if (h->seq != seq || layer < 0 || layer >= (int32_t)b->d.L || !k || !b->xsrc->prefetch)
+        return;
+    b->xsrc->prefetch(b->xsrc->user, layer, b->pp_ids, k);
+}
+
 /* The thread that answers the channel while a step runs (cuda_begin to cuda_end): new requests
  * served, the pins of layers that ran let go. */
 static void *pool_service(void *arg)
@@ -969,13 +995,23 @@ static void *pool_service(void *arg)
             idle = 0;
             continue;
         }
+        if (b->h_hint->seq != b->hint_seen) {
+            pool_read_ahead(b);
+            idle = 0;
+            continue;
+        }
         pthread_mutex_unlock(&b->pool_mu);
+        /* Spin while a layer may be waiting; a step that never reaches its end (it failed on
+         * the host) leaves the thread active: after a long idle spell it sleeps between looks. */
         if (++idle < 1024) {
 #if defined(__x86_64__) || defined(__i386__)
             __builtin_ia32_pause();
 #endif
-        } else {
+        } else if (idle < 1024 + 100000) {
             sched_yield();
+        } else {
+            const struct timespec ts = {0, 200000};
+            nanosleep(&ts, NULL);
         }
         pthread_mutex_lock(&b->pool_mu);
     }
@@ -994,9 +1030,16 @@ static int pool_start(struct cuda_backend *b, char *err, size_t errlen)
         e = cudaHostGetDevicePointer((void **)&b->d_chan, b->h_chan, 0);
     }
     if (e == cudaSuccess)
-        e = cudaMalloc((void **)&b->d_chan_seq, sizeof(uint32_t));
+        e = cudaHostAlloc((void **)&b->h_hint, moe_off_hint_bytes((int32_t)ne),
+                          cudaHostAllocMapped | cudaHostAllocPortable);
+    if (e == cudaSuccess) {
+        memset((void *)b->h_hint, 0, moe_off_hint_bytes((int32_t)ne));
+        e = cudaHostGetDevicePointer((void **)&b->d_hint, b->h_hint, 0);
+    }
     if (e == cudaSuccess)
-        e = cudaMemset(b->d_chan_seq, 0, sizeof(uint32_t));
+        e = cudaMalloc((void **)&b->d_chan_seq, 2 * sizeof(uint32_t));
+    if (e == cudaSuccess)
+        e = cudaMemset(b->d_chan_seq, 0, 2 * sizeof(uint32_t));
     if (e == cudaSuccess)
         e = cudaMalloc((void **)&b->d_borrow, sizeof(int32_t) * (L * ne + L));
     if (e == cudaSuccess)
@@ -1074,6 +1117,8 @@ static void pool_stop(struct cuda_backend *b)
     }
     if (b->h_chan)
         cudaFreeHost((void *)b->h_chan);
+    if (b->h_hint)
+        cudaFreeHost((void *)b->h_hint);
     cudaFree(b->d_chan_seq);
     cudaFree(b->d_borrow);
     free(b->pp_ids);
@@ -1211,9 +1256,10 @@ static int offload_state(struct cuda_backend *b, char *err, size_t errlen)
     OFF_TRY(cudaMalloc((void **)&b->d_fill, moe_cuda_fill_list_bytes(max_slots)));
     OFF_TRY(cudaMemset(b->d_fill, 0, moe_cuda_fill_list_bytes(max_slots)));
     const char *pf_env = getenv("MOE_CUDA_PREFETCH");
-    /* No layer-ahead prefetch with a tiered store: its copies would need pool pins taken on
-     * the second stream. */
-    b->pf = !d->no_prefetch && !(pf_env && !strcmp(pf_env, "0")) && !b->link_slow && !b->xsrc;
+    /* With a tiered store the layer-ahead prediction copies nothing (that would need pool pins
+     * on the second stream): its experts without a VRAM slot go to the worker as a read-ahead
+     * hint (pool_read_ahead). */
+    b->pf = !d->no_prefetch && !(pf_env && !strcmp(pf_env, "0")) && !b->link_slow;
     if (b->pf) {
         b->ev_fork = (cudaEvent_t *)calloc(L, sizeof(cudaEvent_t));
         b->ev_read = (cudaEvent_t *)calloc(L, sizeof(cudaEvent_t));
@@ -1353,6 +1399,8 @@ static int offload_state(struct cuda_backend *b, char *err, size_t errlen)
         if (b->xsrc) {
             o->chan = b->d_chan;
             o->chan_seq = b->d_chan_seq;
+            o->hint = b->d_hint;
+            o->hint_seq = b->d_chan_seq + 1;
             o->borrow = b->d_borrow + l * ne;
             o->n_borrow = b->d_borrow + L * ne + l;
         }
@@ -1891,7 +1939,9 @@ static int cuda_init(struct moe_backend **out, const struct moe_model *m, struct
                      "the rest %s%s%s",
                      moe_fmt_size(vram, sizeof vram, b->expert_vram),
                      moe_fmt_size(all, sizeof all, b->expert_bytes), range, (long long)d->nexp,
-                     hot, b->xhow, b->pf ? ", layer-ahead prefetch" : "", stg);
+                     hot, b->xhow,
+                     !b->pf ? "" : b->xsrc ? ", layer-ahead read-ahead hints" : ", layer-ahead prefetch",
+                     stg);
         }
         if (d->vram_budget && b->dev_bytes > d->vram_budget) {
             rc = moe_fail(err, errlen, MOE_ERANGE,
@@ -2565,7 +2615,7 @@ static bool prefetches(const struct cuda_backend *b, int t)
     if (!b->pf || t <= 0 || t >= (int)b->d.L || b->n > PF_MAX_N)
         return false;
     const struct cuda_layer *cl = &b->layers[t];
-    return cl->slots < b->d.nexp && cl->hot < cl->slots && cl->w[MOE_W_ROUTER] &&
+    return cl->slots < b->d.nexp && (cl->hot < cl->slots || b->xsrc) && cl->w[MOE_W_ROUTER] &&
            !use_gemm(b, cl->type[MOE_W_ROUTER]);
 }
 
@@ -2590,10 +2640,17 @@ static int prefetch(struct cuda_backend *b, int l)
     LAUNCH(b, "prefetch route",
            moe_cuda_route(b->pf_rl, b->d.nexp, b->d.nexp, k, b->d.norm_topk, b->n, b->pf_sel,
                           b->pf_w, b->pf_counts, b->st2));
-    LAUNCH(b, "prefetch residency",
-           moe_cuda_offload_resolve(b->d_off + t, (int32_t)b->d.nexp, ct->slots, b->pf_sel,
-                                    b->n * k, b->d_pf_fill, true, NULL, b->st2));
-    LAUNCH(b, "prefetch fill", moe_cuda_offload_fill(b->d_pf_fill, b->pf_blocks, b->link_gbps, b->st2));
+    if (b->xsrc) {
+        LAUNCH(b, "read-ahead hint",
+               moe_cuda_offload_pool_hint(b->d_off + t, (int32_t)b->d.nexp, b->pf_sel, b->n * k,
+                                          b->st2));
+    } else {
+        LAUNCH(b, "prefetch residency",
+               moe_cuda_offload_resolve(b->d_off + t, (int32_t)b->d.nexp, ct->slots, b->pf_sel,
+                                        b->n * k, b->d_pf_fill, true, NULL, b->st2));
+        LAUNCH(b, "prefetch fill",
+               moe_cuda_offload_fill(b->d_pf_fill, b->pf_blocks, b->link_gbps, b->st2));
+    }
     CU(b, cudaEventRecord(b->ev_join[t], b->st2));
     b->pf_pending[t] = true;
     return 0;

@@ -223,6 +223,50 @@ int moe_cuda_offload_resolve(const struct moe_cuda_off_layer *d_layer, int32_t n
     return 0;
 }
 
+/* One block: the hint of moe_off_hint_list written to *L.hint and its number bumped. */
+__global__ void offload_pool_hint_kernel(const struct moe_cuda_off_layer *__restrict__ lp,
+                                         const int32_t *__restrict__ sel, int n_sel)
+{
+    const struct moe_cuda_off_layer L = *lp;
+    extern __shared__ int32_t hm[];
+    int32_t *list = hm;
+    uint8_t *seen = (uint8_t *)(hm + L.nexp);
+    for (int i = threadIdx.x; i < L.nexp; i += blockDim.x)
+        seen[i] = 0;
+    __syncthreads();
+    __shared__ int32_t s_n;
+    if (threadIdx.x == 0)
+        s_n = moe_off_hint_list(sel, n_sel, L.slot_of, L.nexp, seen, list);
+    __syncthreads();
+    const int32_t n = s_n;
+    if (n == 0)
+        return;
+    volatile int32_t *ids = (volatile int32_t *)(L.hint + 1);
+    for (int i = threadIdx.x; i < n; i += blockDim.x)
+        ids[i] = list[i];
+    __threadfence_system();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        L.hint->layer = L.layer;
+        L.hint->n = n;
+        __threadfence_system();
+        const uint32_t seq = *L.hint_seq + 1;
+        *L.hint_seq = seq;
+        L.hint->seq = seq;
+    }
+}
+
+int moe_cuda_offload_pool_hint(const struct moe_cuda_off_layer *d_layer, int32_t nexp,
+                               const int32_t *sel, int64_t n_sel, cudaStream_t s)
+{
+    if (nexp <= 0 || n_sel < 0 || n_sel > (1 << 24))
+        return -EINVAL;
+    const size_t smem = (size_t)nexp * sizeof(int32_t) + (size_t)nexp;
+    offload_pool_hint_kernel<<<1, 128, smem, s>>>(d_layer, sel, (int)n_sel);
+    MOE_CUDA_TRY(cudaGetLastError());
+    return 0;
+}
+
 int moe_cuda_offload_pool_done(const struct moe_cuda_off_layer *d_layer, cudaStream_t s)
 {
     offload_pool_done_kernel<<<1, 128, 0, s>>>(d_layer);

@@ -43,6 +43,11 @@ int moe_cuda_offload_resolve(const struct moe_cuda_off_layer *d_layer, int32_t n
                              int32_t slots, const int32_t *sel_e, int64_t n_sel,
                              struct moe_cuda_fill_list *d_fill, bool prefetch,
                              const struct moe_cuda_off_route *rt, cudaStream_t s);
+/* Tiered store, on the prefetch's stream: the n_sel predicted experts sel of layer *d_layer
+ * that have no VRAM slot written to the layer's hint (moe_off_hint_list), for the worker to
+ * have them read ahead. */
+int moe_cuda_offload_pool_hint(const struct moe_cuda_off_layer *d_layer, int32_t nexp,
+                               const int32_t *sel, int64_t n_sel, cudaStream_t s);
 /* After the expert kernels of a layer with a tiered store's channel: what its resolve borrowed
  * is given back (moe_off_pool_return) and the worker told (the channel's done). */
 int moe_cuda_offload_pool_done(const struct moe_cuda_off_layer *d_layer, cudaStream_t s);

@@ -37,6 +37,21 @@ struct moe_off_chan {
 };
 #define MOE_OFF_CHAN_WAIT_NS 120000000000ull
 
+/* Tiered store: the experts layer-ahead prediction expects of a layer and that have no VRAM slot,
+ * for the worker to have the daemon read ahead those not in the pool (a hint: the latest
+ * overwrites the last; the worker drops one it read while it changed). Mapped host memory: the
+ * header, then ids[nexp]. */
+struct moe_off_hint {
+    volatile uint32_t seq;      /* device: bumped after layer, n and ids */
+    volatile int32_t layer, n;
+    uint32_t pad[13];
+};
+
+static inline MOE_OFF_HD size_t moe_off_hint_bytes(int32_t nexp)
+{
+    return sizeof(struct moe_off_hint) + 4 * (size_t)nexp;
+}
+
 static inline MOE_OFF_HD size_t moe_off_chan_bytes(int32_t nexp)
 {
     return sizeof(struct moe_off_chan) + 4 * (size_t)((nexp + 1) & ~1) + 24 * (size_t)nexp;
@@ -72,6 +87,8 @@ struct moe_cuda_off_layer {
     uint32_t *chan_seq;            /* [1]: the last request number (shared by the layers) */
     int32_t *borrow;               /* [nexp]: the experts this layer's request borrowed */
     int32_t *n_borrow;             /* [1] */
+    struct moe_off_hint *hint;     /* tiered store: the read-ahead hint (shared by the layers) */
+    uint32_t *hint_seq;            /* [1]: the last hint's number */
 };
 
 /* A copy from host memory into a slot. */
@@ -284,6 +301,25 @@ static inline MOE_OFF_HD int32_t moe_off_pool_list(const uint8_t *need, const in
     for (int32_t e = 0; e < nexp; e++)
         if (need[e] && slot_of[e] < 0)
             list[n++] = e;
+    return n;
+}
+
+/* Tiered store: the predicted experts sel[0..n_sel) (ids out of range skipped) that have no
+ * slot, each once, in the order first predicted, into list[]; seen[nexp] zeroed on entry, left
+ * marked. Returns their count: the read-ahead hint of a layer. */
+static inline MOE_OFF_HD int32_t moe_off_hint_list(const int32_t *sel, int64_t n_sel,
+                                                   const int32_t *slot_of, int32_t nexp,
+                                                   uint8_t *seen, int32_t *list)
+{
+    int32_t n = 0;
+    for (int64_t i = 0; i < n_sel; i++) {
+        const int32_t e = sel[i];
+        if (e < 0 || e >= nexp || seen[e])
+            continue;
+        seen[e] = 1;
+        if (slot_of[e] < 0)
+            list[n++] = e;
+    }
     return n;
 }
 
