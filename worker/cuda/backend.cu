@@ -953,6 +953,8 @@ static void pool_read_ahead(struct cuda_backend *b)
     struct moe_off_hint *h = b->h_hint;
     const int32_t ne = (int32_t)b->d.nexp;
     const uint32_t seq = h->seq;
+    if (seq == 0)
+        return; /* being written (the kernel clears seq first) */
     __sync_synchronize();
     const int32_t layer = h->layer, n = h->n;
     volatile int32_t *ids = (volatile int32_t *)(h + 1);
@@ -981,6 +983,7 @@ static void *pool_service(void *arg)
     while (!b->svc_stop) {
         if (!b->svc_active) {
             pthread_cond_wait(&b->svc_cv, &b->pool_mu);
+            idle = 0;
             continue;
         }
         const uint32_t r = c->req;
@@ -1069,6 +1072,17 @@ static void pool_step_begin(struct cuda_backend *b)
     if (!b->svc_started)
         return;
     pthread_mutex_lock(&b->pool_mu);
+    if (b->svc_active) {
+        /* The last step failed on the host before its end: once the GPU is done with it, its
+         * pins go and its errors are not this step's. */
+        pthread_mutex_unlock(&b->pool_mu);
+        cudaStreamSynchronize(b->st);
+        pthread_mutex_lock(&b->pool_mu);
+        pool_release(b, 0, true);
+        b->pool_rc = 0;
+        b->pool_msg[0] = 0;
+        b->pool_timeouts = b->h_chan->timeouts;
+    }
     b->svc_active = true;
     pthread_cond_signal(&b->svc_cv);
     pthread_mutex_unlock(&b->pool_mu);
@@ -1091,13 +1105,14 @@ static int pool_step_end(struct cuda_backend *b, int rc)
     b->pool_rc = 0;
     b->pool_msg[0] = 0;
     const uint32_t to = b->h_chan->timeouts;
+    const bool timed_out = to != b->pool_timeouts;
+    b->pool_timeouts = to; /* counted once, whatever else failed the step */
     pthread_mutex_unlock(&b->pool_mu);
     if (rc)
         return rc;
     if (prc)
         return cu_err(b, prc, "cuda:%d: %s", b->dev, msg);
-    if (to != b->pool_timeouts) {
-        b->pool_timeouts = to;
+    if (timed_out) {
         return cu_err(b, -ETIMEDOUT, "cuda:%d: a layer waited %.0f s for experts from the "
                       "tiered store and gave up", b->dev, MOE_OFF_CHAN_WAIT_NS / 1e9);
     }

@@ -241,6 +241,12 @@ __global__ void offload_pool_hint_kernel(const struct moe_cuda_off_layer *__rest
     const int32_t n = s_n;
     if (n == 0)
         return;
+    /* seq 0 while the hint is written: the worker drops one it read meanwhile. */
+    if (threadIdx.x == 0) {
+        L.hint->seq = 0;
+        __threadfence_system();
+    }
+    __syncthreads();
     volatile int32_t *ids = (volatile int32_t *)(L.hint + 1);
     for (int i = threadIdx.x; i < n; i += blockDim.x)
         ids[i] = list[i];

@@ -42,7 +42,8 @@ struct moe_off_chan {
  * overwrites the last; the worker drops one it read while it changed). Mapped host memory: the
  * header, then ids[nexp]. */
 struct moe_off_hint {
-    volatile uint32_t seq;      /* device: bumped after layer, n and ids */
+    volatile uint32_t seq;      /* device: 0 while layer, n and ids are written, then the
+                                 * hint's number (never 0) */
     volatile int32_t layer, n;
     uint32_t pad[13];
 };
