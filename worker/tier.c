@@ -25,7 +25,7 @@ struct wtier {
     wtier_request_fn request;
     void *user;
     int32_t *held;             /* compute thread: [n_expert] slot pinned for the current part */
-    int32_t *got;              /* compute thread: [n_expert] scratch of tier_acquire */
+    int32_t *got;              /* compute thread: [n_expert] scratch of tier_acquire / release */
     pthread_mutex_t mu;
     pthread_cond_t cv;
     /* under mu */
@@ -56,93 +56,6 @@ static bool slot_intact(struct wtier *t, int layer, int32_t s)
 {
     const struct moe_store_layer *L = moe_store_layer(t->store, (uint32_t)layer);
     return moe_pool_slot_hash(t->pool, s, L->blob_bytes) == t->pool->slot[s].hash;
-}
-
-static void unpin_all(struct wtier *t, const int32_t *ids, int n)
-{
-    for (int i = 0; i < n; i++)
-        if (t->held[ids[i]] >= 0) {
-            moe_pool_unpin(t->pool, t->worker, t->held[ids[i]]);
-            t->held[ids[i]] = -1;
-        }
-}
-
-static int wait_answers(struct wtier *t, int layer, const int32_t *ids, int n, int32_t *slots,
-                        char *err, size_t errlen);
-
-static int tier_acquire(void *user, int layer, const int32_t *ids, int n, struct moe_expert *views,
-                        char *err, size_t errlen)
-{
-    struct wtier *t = user;
-    uint32_t base = (uint32_t)layer * t->n_expert;
-    int missing = 0;
-    for (int i = 0; i < n; i++) {
-        int32_t s = moe_pool_pin(t->pool, t->worker, base + (uint32_t)ids[i]);
-        t->held[ids[i]] = s;
-        if (s < 0)
-            missing++;
-    }
-    atomic_fetch_add_explicit(&t->hits, (uint64_t)(n - missing), memory_order_relaxed);
-    if (!missing)
-        goto done;
-    atomic_fetch_add_explicit(&t->misses, (uint64_t)missing, memory_order_relaxed);
-    atomic_fetch_add_explicit(&t->waits, 1, memory_order_relaxed);
-    double t0 = moe_now_s();
-    pthread_mutex_lock(&t->mu);
-    for (int i = 0; i < n; i++)
-        if (t->held[ids[i]] < 0)
-            t->ans[base + (uint32_t)ids[i]] = ANS_WAIT;
-    pthread_mutex_unlock(&t->mu);
-    for (int i = 0; i < n; i++)
-        if (t->held[ids[i]] < 0)
-            t->request(t->user, (uint32_t)layer, (uint32_t)ids[i], false);
-    /* After an abort, answers still on their way are dropped by wtier_ready (ANS_NONE). */
-    int32_t *got = t->got;
-    for (int i = 0; i < n; i++)
-        got[i] = t->held[ids[i]];
-    int rc = wait_answers(t, layer, ids, n, got, err, errlen);
-    for (int i = 0; i < n; i++)
-        t->held[ids[i]] = got[i];
-    atomic_fetch_add_explicit(&t->wait_us, (uint64_t)((moe_now_s() - t0) * 1e6),
-                              memory_order_relaxed);
-    if (rc) {
-        unpin_all(t, ids, n);
-        return rc;
-    }
-done:
-    for (int i = 0; t->verify && i < n; i++)
-        if (t->torn_slot >= 0 || !slot_intact(t, layer, t->held[ids[i]])) {
-            int32_t s = t->torn_slot >= 0 ? t->torn_slot : t->held[ids[i]];
-            moe_fail(err, errlen, MOE_EINTERNAL, "expert pool slot %d: its bytes do not match the "
-                     "hash of the blob it holds%s", s, t->torn_slot >= 0 ? " (changed while pinned)" : "");
-            t->torn_slot = -1;
-            unpin_all(t, ids, n);
-            return MOE_EINTERNAL;
-        }
-    for (int i = 0; i < n; i++)
-        fill_view(t, layer, ids[i], t->held[ids[i]], &views[i]);
-    return 0;
-}
-
-static void tier_release(void *user, int layer, const int32_t *ids, int n)
-{
-    struct wtier *t = user;
-    for (int i = 0; t->verify && i < n; i++)
-        if (t->held[ids[i]] >= 0 && !slot_intact(t, layer, t->held[ids[i]]))
-            t->torn_slot = t->held[ids[i]]; /* reported by the next acquire */
-    unpin_all(t, ids, n);
-}
-
-static void tier_prefetch(void *user, int layer, const int32_t *ids, int n)
-{
-    struct wtier *t = user;
-    uint32_t base = (uint32_t)layer * t->n_expert;
-    for (int i = 0; i < n; i++)
-        if (atomic_load_explicit(&t->pool->where[base + (uint32_t)ids[i]], memory_order_relaxed) <
-            0) {
-            t->request(t->user, (uint32_t)layer, (uint32_t)ids[i], true);
-            atomic_fetch_add_explicit(&t->prefetches, 1, memory_order_relaxed);
-        }
 }
 
 /* Waits for the answers to blobs base + ids[i] marked ANS_WAIT whose slots[i] is -1 (their
@@ -176,8 +89,9 @@ static int wait_answers(struct wtier *t, int layer, const int32_t *ids, int n, i
     return rc;
 }
 
-/* The device backends' pin (engine.h): pins kept by slot, not in held[], so that several
- * layers' pins can be held at once. */
+/* The expert source's pin (engine.h): pins kept by slot, not in held[], so that a device
+ * backend can hold several layers' pins at once (tier_acquire keeps them in held[]). After an
+ * abort, answers still on their way are dropped by wtier_ready (ANS_NONE). */
 static int tier_pin(void *user, int layer, const int32_t *ids, int n, int how, int32_t *slots,
                     char *err, size_t errlen)
 {
@@ -236,9 +150,48 @@ static void tier_unpin(void *user, int layer, const int32_t *slots, int n)
         if (slots[i] < 0)
             continue;
         if (t->verify && !slot_intact(t, layer, slots[i]))
-            t->torn_slot = slots[i]; /* reported by the next pin */
+            t->torn_slot = slots[i]; /* reported by the next pin or acquire */
         moe_pool_unpin(t->pool, t->worker, slots[i]);
     }
+}
+
+/* The CPU backend's acquire: tier_pin (waiting), the slots kept in held[] for the release. */
+static int tier_acquire(void *user, int layer, const int32_t *ids, int n, struct moe_expert *views,
+                        char *err, size_t errlen)
+{
+    struct wtier *t = user;
+    int32_t *got = t->got;
+    const int rc = tier_pin(t, layer, ids, n, MOE_PIN_WAIT, got, err, errlen);
+    if (rc)
+        return rc;
+    for (int i = 0; i < n; i++) {
+        t->held[ids[i]] = got[i];
+        fill_view(t, layer, ids[i], got[i], &views[i]);
+    }
+    return 0;
+}
+
+static void tier_release(void *user, int layer, const int32_t *ids, int n)
+{
+    struct wtier *t = user;
+    int32_t *got = t->got;
+    for (int i = 0; i < n; i++) {
+        got[i] = t->held[ids[i]];
+        t->held[ids[i]] = -1;
+    }
+    tier_unpin(t, layer, got, n);
+}
+
+static void tier_prefetch(void *user, int layer, const int32_t *ids, int n)
+{
+    struct wtier *t = user;
+    uint32_t base = (uint32_t)layer * t->n_expert;
+    for (int i = 0; i < n; i++)
+        if (atomic_load_explicit(&t->pool->where[base + (uint32_t)ids[i]], memory_order_relaxed) <
+            0) {
+            t->request(t->user, (uint32_t)layer, (uint32_t)ids[i], true);
+            atomic_fetch_add_explicit(&t->prefetches, 1, memory_order_relaxed);
+        }
 }
 
 int wtier_new(struct wtier **out, struct moe_store *s, const struct moe_model *m, uint32_t worker,

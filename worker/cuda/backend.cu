@@ -1066,6 +1066,23 @@ static int pool_start(struct cuda_backend *b, char *err, size_t errlen)
     return 0;
 }
 
+/* Under pool_mu, with the GPU done with the step: every pin let go, and what failed the step
+ * taken (its first failed request into *prc and msg, when msg is given; whether a layer gave
+ * up waiting into *timed_out) and cleared, so that it is counted once. */
+static void pool_settle(struct cuda_backend *b, int *prc, char *msg, size_t msglen,
+                        bool *timed_out)
+{
+    pool_release(b, 0, true);
+    *prc = b->pool_rc;
+    if (msg)
+        snprintf(msg, msglen, "%s", b->pool_msg);
+    b->pool_rc = 0;
+    b->pool_msg[0] = 0;
+    const uint32_t to = b->h_chan->timeouts;
+    *timed_out = to != b->pool_timeouts;
+    b->pool_timeouts = to;
+}
+
 /* A step starts (cuda_begin): the service answers from now on. */
 static void pool_step_begin(struct cuda_backend *b)
 {
@@ -1078,10 +1095,9 @@ static void pool_step_begin(struct cuda_backend *b)
         pthread_mutex_unlock(&b->pool_mu);
         cudaStreamSynchronize(b->st);
         pthread_mutex_lock(&b->pool_mu);
-        pool_release(b, 0, true);
-        b->pool_rc = 0;
-        b->pool_msg[0] = 0;
-        b->pool_timeouts = b->h_chan->timeouts;
+        int prc;
+        bool timed_out;
+        pool_settle(b, &prc, NULL, 0, &timed_out); /* not this step's */
     }
     b->svc_active = true;
     pthread_cond_signal(&b->svc_cv);
@@ -1097,25 +1113,19 @@ static int pool_step_end(struct cuda_backend *b, int rc)
     if (rc)
         cudaStreamSynchronize(b->st);
     pthread_mutex_lock(&b->pool_mu);
-    pool_release(b, 0, true);
-    b->svc_active = false;
-    const int prc = b->pool_rc;
+    int prc;
     char msg[256];
-    snprintf(msg, sizeof msg, "%s", b->pool_msg);
-    b->pool_rc = 0;
-    b->pool_msg[0] = 0;
-    const uint32_t to = b->h_chan->timeouts;
-    const bool timed_out = to != b->pool_timeouts;
-    b->pool_timeouts = to; /* counted once, whatever else failed the step */
+    bool timed_out;
+    pool_settle(b, &prc, msg, sizeof msg, &timed_out);
+    b->svc_active = false;
     pthread_mutex_unlock(&b->pool_mu);
     if (rc)
         return rc;
     if (prc)
         return cu_err(b, prc, "cuda:%d: %s", b->dev, msg);
-    if (timed_out) {
+    if (timed_out)
         return cu_err(b, -ETIMEDOUT, "cuda:%d: a layer waited %.0f s for experts from the "
                       "tiered store and gave up", b->dev, MOE_OFF_CHAN_WAIT_NS / 1e9);
-    }
     return 0;
 }
 
