@@ -189,6 +189,59 @@ TEST(offload_resolve_keeps_the_cache_consistent)
     }
 }
 
+/* With L.fsrc (the expert kernels copying as they go, instead of the fill kernel): a layer's own
+ * resolve lists, for each expert whose copies it queued, exactly those copies' sources, and
+ * nothing else; copying by that list alone (source to the tables' destinations) leaves the
+ * slots as the fill kernel would. A prefetch lists nothing (its copies stay the fill's). */
+TEST(offload_resolve_lists_the_copies_the_expert_kernels_make)
+{
+    static const int32_t shapes[][4] = {{16, 6, 2, 4}, {128, 77, 19, 8}, {32, 8, 7, 16}};
+    moe_test_rng_seed(20261202);
+    for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {
+        const int32_t ne = shapes[si][0], S = shapes[si][1], hot = shapes[si][2],
+                      kmax = shapes[si][3];
+        struct sim m;
+        sim_init(&m, ne, S, hot);
+        const void **fsrc = calloc(3 * (size_t)ne, sizeof(void *));
+        uint8_t *need = malloc((size_t)ne);
+        CHECK(fsrc && need);
+        m.L.fsrc = fsrc;
+        unsigned long long listed = 0;
+        for (int step = 0; step < 300; step++) {
+            memset(need, 0, (size_t)ne);
+            const int32_t k = 1 + (int32_t)(moe_test_rng_u32() % (uint32_t)kmax);
+            for (int32_t i = 0; i < k; i++)
+                need[moe_test_rng_u32() % (uint32_t)ne] = 1;
+            const int prefetch = step % 4 == 3;
+            memset(fsrc, 0, 3 * (size_t)ne * sizeof(void *)); /* what the resolve kernel does */
+            moe_off_resolve_mode(&m.L, need, m.slot_of, m.slot_exp, m.ref, m.pinned, &m.hand,
+                                 m.fl, m.stats, prefetch);
+            int32_t nlisted = 0;
+            for (int32_t e = 0; e < ne; e++)
+                for (int p = 0; p < 3; p++) {
+                    const void *src = fsrc[p * ne + e];
+                    if (!src)
+                        continue;
+                    CHECK(!prefetch);
+                    CHECK(need[e] && m.slot_of[e] >= 0);
+                    CHECK(src == m.host[p * ne + e]);
+                    nlisted++;
+                    /* The kernel's copy: from the listed source to where the table points. */
+                    memcpy((void *)m.tab[p][e], src, m.bytes[p * ne + e]);
+                }
+            if (prefetch)
+                sim_fill(&m); /* a prefetch's copies are the fill kernel's */
+            else
+                CHECK_EQ(nlisted, m.fl->n); /* one listed source per queued copy */
+            listed += (unsigned long long)nlisted;
+            check_state(&m);
+        }
+        CHECK_MSG(listed > 0, "shape %zu: no copies listed", si);
+        free(fsrc), free(need);
+        sim_free(&m);
+    }
+}
+
 /* The clock gives recently used experts a second chance: with one cold expert among the
  * cached ones, a miss evicts the cold one. */
 TEST(offload_resolve_evicts_the_unreferenced_slot)

@@ -178,6 +178,12 @@ struct cuda_backend {
     unsigned long long *d_offstats;  /* [L][MOE_OFF_NSTATS] */
     struct moe_cuda_fill_list *d_fill;
     int fill_blocks;
+    /* [L][3][nexp] device: each layer's fill sources (struct moe_cuda_off_layer's fsrc); NULL
+     * when the fill kernel makes every copy. With them, a decode step whose expert kernels take
+     * one launch per slot leaves a layer's copies to those kernels (each warp copies the rows it
+     * is about to read) instead of launching the fill kernel first: MOE_CUDA_FILL_FOLD=0 keeps
+     * the fill launch; a paced link (MOE_CUDA_LINK_GBPS) keeps it too. */
+    const void **d_fsrc;
     /* Layer-ahead prefetch (decode steps of up to PF_MAX_N tokens): at layer l, a second stream
      * applies layer l+1's router to layer l's MoE input, places the predicted experts in l+1's
      * cache slots and copies them, while layer l computes; layer l+1 waits for it before its own
@@ -1280,6 +1286,11 @@ static int offload_state(struct cuda_backend *b, char *err, size_t errlen)
     OFF_TRY(cudaMemset(b->d_offstats, 0, sizeof(unsigned long long) * L * MOE_OFF_NSTATS));
     OFF_TRY(cudaMalloc((void **)&b->d_fill, moe_cuda_fill_list_bytes(max_slots)));
     OFF_TRY(cudaMemset(b->d_fill, 0, moe_cuda_fill_list_bytes(max_slots)));
+    const char *ff_env = getenv("MOE_CUDA_FILL_FOLD");
+    if (!(ff_env && !strcmp(ff_env, "0")) && b->link_gbps <= 0) {
+        OFF_TRY(cudaMalloc((void **)&b->d_fsrc, sizeof(void *) * 3 * ne * L));
+        OFF_TRY(cudaMemset(b->d_fsrc, 0, sizeof(void *) * 3 * ne * L));
+    }
     const char *pf_env = getenv("MOE_CUDA_PREFETCH");
     /* With a tiered store the layer-ahead prediction copies nothing (that would need pool pins
      * on the second stream): its experts without a VRAM slot go to the worker as a read-ahead
@@ -1432,6 +1443,7 @@ static int offload_state(struct cuda_backend *b, char *err, size_t errlen)
         o->tab[0] = cl->gate;
         o->tab[1] = cl->up;
         o->tab[2] = cl->down;
+        o->fsrc = b->d_fsrc ? b->d_fsrc + l * 3 * ne : NULL;
         o->stats = b->d_offstats + l * MOE_OFF_NSTATS;
     }
     OFF_TRY(cudaMemcpy(b->d_offmem, h, bytes, cudaMemcpyHostToDevice));
@@ -2044,6 +2056,7 @@ static void cuda_free(struct moe_backend *bb)
     free(b->h_off);
     cudaFree(b->d_offstats);
     cudaFree(b->d_fill);
+    cudaFree((void *)b->d_fsrc);
     for (int i = 0; i < 2; i++) {
         cudaFree(b->d_stage_fill[i]);
         if (b->ev_sjoin[i])
@@ -2681,7 +2694,8 @@ static int prefetch(struct cuda_backend *b, int l)
     return 0;
 }
 
-static int expert_kernels(struct cuda_backend *b, int l, bool fold);
+static int expert_kernels(struct cuda_backend *b, int l, bool fold, const void *const *fill);
+static bool experts_per_slot(const struct cuda_backend *b, const struct cuda_layer *cl);
 
 /* Where h_offmem, the host mirror of the offload state, holds what `dev` points to in
  * d_offmem. */
@@ -2753,7 +2767,7 @@ static int staged_experts(struct cuda_backend *b, int l, bool fold)
     }
     if (ahead)
         CU(b, cudaStreamWaitEvent(b->st, b->ev_sjoin[b->stage_buf[l]], 0));
-    TRY_CU(expert_kernels(b, l, fold));
+    TRY_CU(expert_kernels(b, l, fold, NULL));
     LAUNCH(b, "prompt staging end",
            moe_cuda_offload_stage_end(b->d_off + l, (int32_t)b->d.nexp,
                                       (const int32_t *)b->buf[MOE_BUF_SEL_E], b->n * b->d.kuse,
@@ -2779,6 +2793,7 @@ static int cuda_experts(struct moe_backend *bb, int l)
     const int k = (int)b->d.kuse;
     const int32_t *sel_e = (const int32_t *)b->buf[MOE_BUF_SEL_E];
     const bool pf_next = prefetches(b, l + 1);
+    const void *const *fill = NULL;
     if (pf_next)
         CU(b, cudaEventRecord(b->ev_fork[l], b->st));
     if (cl->slots < b->d.nexp && b->stage_step)
@@ -2798,8 +2813,13 @@ static int cuda_experts(struct moe_backend *bb, int l)
                moe_cuda_offload_resolve(b->d_off + l, (int32_t)b->d.nexp, cl->slots, sel_e,
                                         b->n * k, b->d_fill, false, in_resolve ? &rt : NULL,
                                         b->st));
-        if (cl->hot < cl->slots)
-            LAUNCH(b, "expert fill", moe_cuda_offload_fill(b->d_fill, b->fill_blocks, b->link_gbps, b->st));
+        if (cl->hot < cl->slots) {
+            if (b->d_fsrc && experts_per_slot(b, cl))
+                fill = b->d_fsrc + (size_t)l * 3 * (size_t)b->d.nexp; /* the kernels copy */
+            else
+                LAUNCH(b, "expert fill",
+                       moe_cuda_offload_fill(b->d_fill, b->fill_blocks, b->link_gbps, b->st));
+        }
     }
     if (pf_next) {
         const int prc = prefetch(b, l);
@@ -2807,15 +2827,30 @@ static int cuda_experts(struct moe_backend *bb, int l)
             return prc;
         b->pf_read = l; /* the next write of MOE_BUF_X waits for its read (before_write) */
     }
-    TRY_CU(expert_kernels(b, l, fold));
+    TRY_CU(expert_kernels(b, l, fold, fill));
     if (b->xsrc && cl->slots < b->d.nexp)
         LAUNCH(b, "pool done", moe_cuda_offload_pool_done(b->d_off + l, b->st));
     return 0;
 }
 
+/* Whether layer l's expert kernels in this step are the per-slot ones (the last case of
+ * expert_kernels): not a layer of mixed types, not a prompt step on tensor cores, not enough
+ * slots per expert to group them. */
+static bool experts_per_slot(const struct cuda_backend *b, const struct cuda_layer *cl)
+{
+    if (cl->mixed)
+        return false;
+    if (use_gemm(b, cl->gate_type) && use_gemm(b, cl->up_type) && use_gemm(b, cl->down_type))
+        return false;
+    return !(b->n * (int64_t)b->d.kuse >= b->group_min * b->d.nexp &&
+             cl->gate_type == cl->up_type);
+}
+
 /* Layer l's expert kernels over the step's routing (MOE_BUF_SEL_E / SEL_W): gate/up with
- * SwiGLU, down, the combine and the residual, by whichever path fits the step and the types. */
-static int expert_kernels(struct cuda_backend *b, int l, bool fold)
+ * SwiGLU, down, the combine and the residual, by whichever path fits the step and the types.
+ * fill (or NULL): the layer's fill sources ([3][nexp]), for the per-slot kernels to make the
+ * copies the layer's resolve queued (experts_per_slot must hold). */
+static int expert_kernels(struct cuda_backend *b, int l, bool fold, const void *const *fill)
 {
     const struct cuda_layer *cl = &b->layers[l];
     const int k = (int)b->d.kuse;
@@ -2888,12 +2923,13 @@ static int expert_kernels(struct cuda_backend *b, int l, bool fold)
     LAUNCH(b, fold ? "route + expert gate/up" : "expert gate/up",
            moe_cuda_expert_gate_up(cl->gate_type, cl->up_type, cl->gate, cl->up, b->d.E, b->d.ff,
                                    b->buf[MOE_BUF_X], b->ld[MOE_BUF_X], b->n, k, sel_e, b->act,
-                                   b->ld_act, b->scratch, fold ? &rt : NULL, b->st));
+                                   b->ld_act, b->scratch, fold ? &rt : NULL, fill, b->d.nexp,
+                                   b->st));
     mark(b, "down");
     LAUNCH(b, "expert down",
            moe_cuda_expert_down(cl->down_type, cl->down, b->d.ff, b->d.E, b->act, b->ld_act, b->n,
                                 k, sel_e, b->buf[MOE_BUF_SEL_W], b->buf[MOE_BUF_H],
-                                b->ld[MOE_BUF_H], b->st));
+                                b->ld[MOE_BUF_H], fill ? fill + 2 * b->d.nexp : NULL, b->st));
     return 0;
 }
 

@@ -24,7 +24,9 @@ extern "C" {
 
 #include "worker/cuda/experts_dev.cuh"
 
-/* mode 0: act = silu(gate)·up (gate, up same type K); mode 1: out = W·x for table a only. */
+/* mode 0: act = silu(gate)·up (gate, up same type K); mode 1: out = W·x for table a only.
+ * fa, fb (or NULL): the fill sources of tables a and b (warp_fill_rows): each warp first copies
+ * the rows it reads of an expert whose copies the layer's resolve left to this kernel. */
 /* With rt.rl set, every warp first routes its slot's token itself (route_warp on the router's
  * logits, into its own shared memory: sel is not read), and warp 0 of the token's first block
  * (x 0, slot t·k) also stores the choices in rt.sel_e / rt.sel_w for the down kernel and counts
@@ -36,7 +38,8 @@ gate_up_kernel(const uint8_t *const *__restrict__ ga, const uint8_t *const *__re
                size_t row_bytes, unsigned block_bytes, int nu, int64_t ff,
                const float *__restrict__ x, int64_t ldx, int kuse,
                const int32_t *__restrict__ sel_e, float *__restrict__ out, int64_t ldo,
-               const uint8_t *__restrict__ etype, int want, const moe_cuda_route_in rt)
+               const uint8_t *__restrict__ etype, int want, const moe_cuda_route_in rt,
+               const uint8_t *const *__restrict__ fa, const uint8_t *const *__restrict__ fb)
 {
     pdl_wait();
     pdl_trigger();
@@ -66,6 +69,12 @@ gate_up_kernel(const uint8_t *const *__restrict__ ga, const uint8_t *const *__re
     }
     if (etype && etype[e] != want)
         return; /* another pass computes this expert (a layer of mixed types) */
+    if (fa) {
+        const int64_t rows = ff - r0 < GU_ROWS ? ff - r0 : GU_ROWS;
+        warp_fill_rows(ga[e], fa[e], r0, rows, row_bytes);
+        if (MODE == 0)
+            warp_fill_rows(ua[e], fb[e], r0, rows, row_bytes);
+    }
     gate_up_warp<K, MODE>(ga[e], MODE == 0 ? ua[e] : ga[e], row_bytes, block_bytes, nu, ff,
                           x + (slot / kuse) * ldx, r0, out + slot * ldo);
 }
@@ -87,7 +96,7 @@ static __global__ void __launch_bounds__(32 * DOWN_WARPS)
 down_kernel(const uint8_t *const *__restrict__ da, size_t row_bytes, unsigned block_bytes, int nu,
             int64_t E, const float *__restrict__ act, int64_t ldact, int kuse,
             const int32_t *__restrict__ sel_e, const float *__restrict__ sel_w,
-            float *__restrict__ h, int64_t ldh)
+            float *__restrict__ h, int64_t ldh, const uint8_t *const *__restrict__ fill)
 {
     pdl_wait();
     pdl_trigger();
@@ -95,7 +104,7 @@ down_kernel(const uint8_t *const *__restrict__ da, size_t row_bytes, unsigned bl
     const int64_t t = blockIdx.y;
     down_block<K>(da, row_bytes, block_bytes, nu, E, act + t * kuse * ldact, ldact, kuse,
                   sel_e + t * kuse, sel_w + t * kuse, h + t * ldh, (int64_t)blockIdx.x * DOWN_ROWS,
-                  part);
+                  part, fill);
 }
 
 /* ---------------------------------------------------------------- grouped by expert */
@@ -413,7 +422,8 @@ template <int K, int MODE>
 static int launch_gate_up(const void *const *a, const void *const *b, int64_t n, int64_t ff,
                           const float *x, int64_t ldx, int64_t n_tok, int kuse,
                           const int32_t *sel_e, float *out, int64_t ldo, const uint8_t *etype,
-                          const moe_cuda_route_in &rt, cudaStream_t s)
+                          const moe_cuda_route_in &rt, const void *const *fa,
+                          const void *const *fb, cudaStream_t s)
 {
     size_t rb;
     int nu;
@@ -426,7 +436,8 @@ static int launch_gate_up(const void *const *a, const void *const *b, int64_t n,
         return -EINVAL;
     MOE_CUDA_TRY(moe_launch(gate_up_kernel<K, MODE>, g, dim3(32 * GU_WARPS), smem, s,
                             (const uint8_t *const *)a, (const uint8_t *const *)b, rb, bb, nu, ff, x,
-                            ldx, kuse, sel_e, out, ldo, etype, (int)kind_type(K), rt));
+                            ldx, kuse, sel_e, out, ldo, etype, (int)kind_type(K), rt,
+                            (const uint8_t *const *)fa, (const uint8_t *const *)fb));
     return 0;
 }
 
@@ -434,9 +445,10 @@ template <int MODE>
 static int gate_up_dispatch(uint32_t type, const void *const *a, const void *const *b, int64_t n,
                             int64_t ff, const float *x, int64_t ldx, int64_t n_tok, int kuse,
                             const int32_t *sel_e, float *out, int64_t ldo, cudaStream_t s,
-                            const uint8_t *etype = NULL, const moe_cuda_route_in &rt = {})
+                            const uint8_t *etype = NULL, const moe_cuda_route_in &rt = {},
+                            const void *const *fa = NULL, const void *const *fb = NULL)
 {
-#define CALL(T) return launch_gate_up<T, MODE>(a, b, n, ff, x, ldx, n_tok, kuse, sel_e, out, ldo, etype, rt, s);
+#define CALL(T) return launch_gate_up<T, MODE>(a, b, n, ff, x, ldx, n_tok, kuse, sel_e, out, ldo, etype, rt, fa, fb, s);
 #define CASE(T) case T: CALL(T)
     switch (type) {
     MOE_QDOT_TYPES(CASE)
@@ -451,7 +463,8 @@ int moe_cuda_expert_gate_up(uint32_t gate_type, uint32_t up_type, const void *co
                             const void *const *d_up, int64_t n, int64_t ff, const float *d_x,
                             int64_t ldx, int64_t n_tok, int kuse, const int32_t *d_sel_e,
                             float *d_act, int64_t ldact, float *d_scratch,
-                            const struct moe_cuda_route_in *route, cudaStream_t s)
+                            const struct moe_cuda_route_in *route, const void *const *d_fill,
+                            int64_t nexp, cudaStream_t s)
 {
     if (!moe_qdot_supported(gate_type) || !moe_qdot_supported(up_type))
         return MOE_EUNSUPPORTED;
@@ -459,19 +472,22 @@ int moe_cuda_expert_gate_up(uint32_t gate_type, uint32_t up_type, const void *co
         return -EINVAL;
     if (route && (gate_type != up_type || route->nexp < kuse))
         return -EINVAL;
+    if (d_fill && nexp <= 0)
+        return -EINVAL;
+    const void *const *fg = d_fill, *const *fu = d_fill ? d_fill + nexp : NULL;
     if (gate_type == up_type)
         return gate_up_dispatch<0>(gate_type, d_gate, d_up, n, ff, d_x, ldx, n_tok, kuse,
                                    d_sel_e, d_act, ldact, s, NULL,
-                                   route ? *route : moe_cuda_route_in{});
+                                   route ? *route : moe_cuda_route_in{}, fg, fu);
     /* Mixed types: gate into scratch[0], up into scratch[1] (same row stride as act), then the
      * SwiGLU over whole rows (the padding of a row included, which nothing reads). */
     const int64_t count = n_tok * kuse * ldact;
     float *g = d_scratch, *u = d_scratch + count;
     int rc = gate_up_dispatch<1>(gate_type, d_gate, NULL, n, ff, d_x, ldx, n_tok, kuse, d_sel_e,
-                                 g, ldact, s);
+                                 g, ldact, s, NULL, {}, fg);
     if (!rc)
         rc = gate_up_dispatch<1>(up_type, d_up, NULL, n, ff, d_x, ldx, n_tok, kuse, d_sel_e, u,
-                                 ldact, s);
+                                 ldact, s, NULL, {}, fu);
     if (rc)
         return rc;
     return moe_cuda_expert_swiglu(g, u, d_act, count, s);
@@ -480,7 +496,8 @@ int moe_cuda_expert_gate_up(uint32_t gate_type, uint32_t up_type, const void *co
 template <int K>
 static int launch_down(const void *const *d, int64_t ff, int64_t E, const float *act,
                        int64_t ldact, int64_t n_tok, int kuse, const int32_t *sel_e,
-                       const float *sel_w, float *h, int64_t ldh, cudaStream_t s)
+                       const float *sel_w, float *h, int64_t ldh, const void *const *fill,
+                       cudaStream_t s)
 {
     size_t rb;
     int nu;
@@ -490,20 +507,20 @@ static int launch_down(const void *const *d, int64_t ff, int64_t E, const float 
     MOE_CUDA_TRY(moe_launch(down_kernel<K>, g, dim3(32 * (warps < 1 ? 1 : warps)),
                             sizeof(float) * DOWN_ROWS * (size_t)kuse,
                             s, (const uint8_t *const *)d, rb, bb, nu, E, act, ldact, kuse, sel_e,
-                            sel_w, h, ldh));
+                            sel_w, h, ldh, (const uint8_t *const *)fill));
     return 0;
 }
 
 int moe_cuda_expert_down(uint32_t type, const void *const *d_down, int64_t ff, int64_t E,
                          const float *d_act, int64_t ldact, int64_t n_tok, int kuse,
                          const int32_t *d_sel_e, const float *d_sel_w, float *d_h, int64_t ldh,
-                         cudaStream_t s)
+                         const void *const *d_fill, cudaStream_t s)
 {
     if (!moe_qdot_supported(type))
         return MOE_EUNSUPPORTED;
     if (n_tok <= 0 || kuse <= 0 || n_tok > 65535)
         return -EINVAL;
-#define CALL(T) return launch_down<T>(d_down, ff, E, d_act, ldact, n_tok, kuse, d_sel_e, d_sel_w, d_h, ldh, s);
+#define CALL(T) return launch_down<T>(d_down, ff, E, d_act, ldact, n_tok, kuse, d_sel_e, d_sel_w, d_h, ldh, d_fill, s);
 #define CASE(T) case T: CALL(T)
     switch (type) {
     MOE_QDOT_TYPES(CASE)

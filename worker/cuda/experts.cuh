@@ -24,19 +24,23 @@ struct moe_cuda_route_in {
  * t < n_tok, r < ff (x rows ldx floats apart, act rows ldact, both multiples of 4). gate and up:
  * [ff][n] of one type each, tables of device pointers. route: NULL, or the step's routing done
  * in the same launch (gate and up of one type): sel_e is then ignored, route->sel_e / sel_w /
- * counts get what moe_cuda_route would have written. */
+ * counts get what moe_cuda_route would have written. d_fill (or NULL): [3][nexp] fill sources
+ * of an offloaded layer (struct moe_cuda_off_layer's fsrc): where an expert's entry is set, its
+ * gate and up rows are copied from there to where the tables point before they are read. */
 int moe_cuda_expert_gate_up(uint32_t gate_type, uint32_t up_type, const void *const *d_gate,
                             const void *const *d_up, int64_t n, int64_t ff, const float *d_x,
                             int64_t ldx, int64_t n_tok, int kuse, const int32_t *d_sel_e,
                             float *d_act, int64_t ldact, float *d_scratch,
-                            const struct moe_cuda_route_in *route, cudaStream_t s);
+                            const struct moe_cuda_route_in *route, const void *const *d_fill,
+                            int64_t nexp, cudaStream_t s);
 
 /* h[t][r] += Σ_j sel_w[t·k+j] · (down_e · act[t·k+j]) for r < E, summed over j = 0..k-1 in that
- * order (after each expert's dot product is complete), then added to h once. */
+ * order (after each expert's dot product is complete), then added to h once. d_fill (or NULL):
+ * the down part of the fill sources (fsrc + 2·nexp), as for gate/up. */
 int moe_cuda_expert_down(uint32_t type, const void *const *d_down, int64_t ff, int64_t E,
                          const float *d_act, int64_t ldact, int64_t n_tok, int kuse,
                          const int32_t *d_sel_e, const float *d_sel_w, float *d_h, int64_t ldh,
-                         cudaStream_t s);
+                         const void *const *d_fill, cudaStream_t s);
 
 /* The step's expert slots grouped by expert (device buffers, filled by moe_cuda_expert_group):
  * the slots of expert e are slot_list[ex_off[e] .. ex_off[e+1]), in slot order; act_list[0 ..

@@ -35,6 +35,48 @@ static __device__ __forceinline__ float silu_f(float g)
 #define DOWNG_ROWS 16
 #endif
 
+/* One warp copies n bytes from src (host memory mapped for the GPU) to dst (a VRAM slot): the
+ * copies of an expert that a layer's resolve left to the expert kernels (docs/offload.md, "Inside
+ * the step"), each warp the rows it is about to read. 16-byte words when both ends and n allow
+ * it, eight loads in flight per lane before their stores; the warp's later reads of dst see the
+ * bytes (__syncwarp orders its lanes' memory accesses). */
+static __device__ __forceinline__ void warp_fill(uint8_t *dst, const uint8_t *src, size_t n)
+{
+    const int lane = threadIdx.x & 31;
+    if ((((uintptr_t)dst | (uintptr_t)src | n) & 15) == 0) {
+        const uint4 *s4 = (const uint4 *)src;
+        uint4 *d4 = (uint4 *)dst;
+        const size_t n16 = n / 16;
+        size_t i = (size_t)lane;
+        for (; i + 7 * 32 < n16; i += 8 * 32) {
+            uint4 v[8];
+#pragma unroll
+            for (int u = 0; u < 8; u++)
+                v[u] = s4[i + 32 * u];
+#pragma unroll
+            for (int u = 0; u < 8; u++)
+                d4[i + 32 * u] = v[u];
+        }
+        for (; i < n16; i += 32)
+            d4[i] = s4[i];
+    } else {
+        for (size_t i = (size_t)lane; i < n; i += 32)
+            dst[i] = src[i];
+    }
+    __syncwarp();
+}
+
+/* A warp's rows r0 .. r0+rows-1 (rows of row_bytes) of one matrix copied from fill to at, when
+ * fill is set (the copies left to the expert kernels). */
+static __device__ __forceinline__ void warp_fill_rows(const uint8_t *at, const uint8_t *fill,
+                                                      int64_t r0, int64_t rows, size_t row_bytes)
+{
+    if (!fill || rows <= 0)
+        return;
+    const size_t off = (size_t)r0 * row_bytes;
+    warp_fill((uint8_t *)at + off, fill + off, (size_t)rows * row_bytes);
+}
+
 /* One warp: rows r0 .. r0+GU_ROWS-1 of gate (table a's expert at ga) and of up (ua), with input x;
  * out[r] = silu(gate·x)·(up·x) (mode 0; gate and up of type K) or gate·x (mode 1). */
 template <int K, int MODE>
@@ -66,18 +108,23 @@ static __device__ __forceinline__ void gate_up_warp(const uint8_t *ga, const uin
  * r0+DOWN_ROWS-1 of one token's down products (act: the token's k input rows, ldact apart;
  * sel_e, sel_w: its k choices), then one thread per row weights and adds them in the token's
  * top-k order and adds the sum into h (the token's residual row): the fixed-order combine of the
- * CPU backend, fused. part: k·DOWN_ROWS floats of shared memory. */
+ * CPU backend, fused. part: k·DOWN_ROWS floats of shared memory. dfill (or NULL): the down
+ * table's fill sources (warp_fill_rows). */
 template <int K>
 static __device__ __forceinline__ void down_block(const uint8_t *const *da, size_t row_bytes,
                                                   unsigned block_bytes, int nu, int64_t E,
                                                   const float *act, int64_t ldact, int kuse,
                                                   const int32_t *sel_e, const float *sel_w,
-                                                  float *h, int64_t r0, float *part)
+                                                  float *h, int64_t r0, float *part,
+                                                  const uint8_t *const *dfill = nullptr)
 {
     constexpr int HALF = DOWN_ROWS / 2;
     const int w = threadIdx.x >> 5, nw = blockDim.x >> 5, lane = threadIdx.x & 31;
     for (int j = w; j < kuse; j += nw) {
         const uint8_t *base = da[sel_e[j]];
+        if (dfill)
+            warp_fill_rows(base, dfill[sel_e[j]], r0, E - r0 < DOWN_ROWS ? E - r0 : DOWN_ROWS,
+                           row_bytes);
 #pragma unroll
         for (int hf = 0; hf < 2; hf++) {
             const uint8_t *rowp[HALF];

@@ -21,6 +21,7 @@
 
 #include <errno.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include <cuda_fp16.h>
@@ -186,8 +187,16 @@ static int launch(const struct moe_mv_job *jobs, int n_jobs, int n1, int64_t n, 
         return 0;
     if (blocks > 0x7fffffff)
         return -EINVAL;
-    /* Tokens per block: weights decoded once for up to 8 tokens. */
-    const int T = n_tok >= 8 ? 8 : n_tok >= 4 ? 4 : n_tok >= 2 ? 2 : 1;
+    /* Tokens per block: weights decoded once for up to 8 tokens (MOE_CUDA_MV_TMAX, 1/2/4/8,
+     * sets fewer, for measurements: a token's floats are the same whatever T is). */
+    static int tmax = 0;
+    if (!tmax) {
+        const char *v = getenv("MOE_CUDA_MV_TMAX");
+        const int x = v && *v ? atoi(v) : 8;
+        tmax = x >= 8 ? 8 : x >= 4 ? 4 : x >= 2 ? 2 : 1;
+    }
+    const int64_t nt = n_tok < tmax ? n_tok : tmax;
+    const int T = nt >= 8 ? 8 : nt >= 4 ? 4 : nt >= 2 ? 2 : 1;
     dim3 gr((unsigned)blocks, (unsigned)((n_tok + T - 1) / T)), th(THREADS / rows_per_warp<K>());
     cudaError_t e = dst      ? moe_launch(matvec_kernel<K, K2, 1, true>, gr, th, 0, s, a, n_tok)
                     : T == 8 ? moe_launch(matvec_kernel<K, K2, 8>, gr, th, 0, s, a, n_tok)

@@ -82,9 +82,11 @@ static __device__ void pool_borrow(const struct moe_cuda_off_layer &L, uint8_t *
 }
 
 /* One block. The layer's state is read into shared memory, thread 0 walks the chosen experts in
- * expert order (deterministic), and the state is written back. With rt.rl, warp w first routes
- * token w (route_warp, as the route kernel does). With a tiered store's channel (L.chan, and
- * not a prefetch), the chosen experts without a slot are asked for first (pool_borrow). */
+ * expert order (deterministic), and the state is written back; a layer's own resolve also lists
+ * its copies' sources in L.fsrc (cleared first) for expert kernels that copy as they go. With
+ * rt.rl, warp w first routes token w (route_warp, as the route kernel does). With a tiered
+ * store's channel (L.chan, and not a prefetch), the chosen experts without a slot are asked for
+ * first (pool_borrow). */
 __global__ void offload_resolve_kernel(const struct moe_cuda_off_layer *__restrict__ lp,
                                        const int32_t *__restrict__ sel_e, int n_sel,
                                        struct moe_cuda_fill_list *__restrict__ fl,
@@ -111,6 +113,9 @@ __global__ void offload_resolve_kernel(const struct moe_cuda_off_layer *__restri
         s_ref[i] = L.ref[i];
         s_pin[i] = L.pinned[i];
     }
+    if (L.fsrc && !prefetch) /* the walk lists this step's copies afresh */
+        for (int i = threadIdx.x; i < 3 * L.nexp; i += blockDim.x)
+            L.fsrc[i] = nullptr;
     __syncthreads();
     mark_need(s_need, sel_e, n_sel, L.nexp);
     if (L.chan && !prefetch)

@@ -83,6 +83,10 @@ struct moe_cuda_off_layer {
                                     * from the pool until the layer's pool_done) */
     const uint32_t *bytes;         /* [3][nexp] */
     const void **tab[3];           /* the layer's gate, up and down tables the kernels read */
+    const void **fsrc;             /* [3][nexp] or NULL: for each expert whose copies a layer's
+                                    * own resolve queued, their sources (the host copies), else
+                                    * NULL; the expert kernels that copy as they go read it
+                                    * (moe_off_resolve_mode) */
     unsigned long long *stats;     /* [MOE_OFF_NSTATS] */
     struct moe_off_chan *chan;     /* tiered store: the request channel; NULL: none */
     uint32_t *chan_seq;            /* [1]: the last request number (shared by the layers) */
@@ -134,8 +138,9 @@ static inline MOE_OFF_HD unsigned long long moe_off_queue(const struct moe_cuda_
  * with a slot is a hit (reference bit set). A miss takes the first slot the hand reaches that is
  * not pinned, not holding an expert of this step, and whose reference bit is clear (clearing the
  * bits it passes): the old expert's tables go back to its host copy, the new one's to the slot,
- * and its three copies are queued in fl. With no such slot it is read from host memory. Adds to
- * stats[MOE_OFF_NSTATS].
+ * and its three copies are queued in fl (and, with L->fsrc and not a prefetch, their sources
+ * set there: L->fsrc's entries must be NULL on entry). With no such slot it is read from host
+ * memory. Adds to stats[MOE_OFF_NSTATS].
  *
  * prefetch: need[] is a prediction for a layer that has not routed yet (layer-ahead prefetch):
  * the same walk places the predicted experts, but nothing counts as a hit, miss or direct read
@@ -195,6 +200,9 @@ static inline MOE_OFF_HD void moe_off_resolve_mode(const struct moe_cuda_off_lay
         ref[victim] = 1;
         placed++;
         fill += moe_off_queue(L, e, L->base + (size_t)victim * L->slot_bytes, fl, &nj, &chunks);
+        if (L->fsrc && !prefetch)
+            for (int p = 0; p < 3; p++)
+                L->fsrc[p * ne + e] = L->host[p * ne + e];
     }
     fl->n = nj;
     fl->n_chunks = (int32_t)chunks;
