@@ -242,6 +242,95 @@ TEST(offload_resolve_lists_the_copies_the_expert_kernels_make)
     }
 }
 
+/* The resolve kernel's order (offload_resolve.h): every hit first, in any order (here from the
+ * last expert down), then the misses in expert order, gives the state, copies and counters of
+ * moe_off_resolve_mode's single walk. */
+TEST(offload_resolve_hits_first_equal_the_walk)
+{
+    static const int32_t shapes[][4] = {{16, 6, 2, 6}, {128, 77, 19, 8}, {128, 32, 0, 64},
+                                        {32, 8, 7, 16}, {8, 1, 0, 3}};
+    moe_test_rng_seed(4242);
+    for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {
+        const int32_t ne = shapes[si][0], S = shapes[si][1], hot = shapes[si][2],
+                      kmax = shapes[si][3];
+        struct sim m;
+        sim_init(&m, ne, S, hot);
+        const size_t flb = sizeof *m.fl + sizeof(struct moe_cuda_fill) * 3 * (size_t)(S + 1);
+        int32_t *so = malloc(sizeof(int32_t) * (size_t)ne);
+        int32_t *se = malloc(sizeof(int32_t) * (size_t)S + 4);
+        uint8_t *rf = malloc((size_t)S + 1), *need = malloc((size_t)ne);
+        struct moe_cuda_fill_list *fa = malloc(flb);
+        const void **tb = malloc(sizeof(void *) * 3 * (size_t)ne);
+        CHECK(so && se && rf && need && fa && tb);
+        for (int step = 0; step < 300; step++) {
+            memset(need, 0, (size_t)ne);
+            const int32_t k = 1 + (int32_t)(moe_test_rng_u32() % (uint32_t)kmax);
+            for (int32_t i = 0; i < k; i++) {
+                uint32_t r = moe_test_rng_u32() % (uint32_t)ne;
+                need[moe_test_rng_u32() % 2 ? r * r / (uint32_t)ne : r] = 1;
+            }
+            const int prefetch = step % 5 == 4;
+            /* The state before, kept to run the step twice. */
+            memcpy(so, m.slot_of, sizeof(int32_t) * (size_t)ne);
+            memcpy(se, m.slot_exp, sizeof(int32_t) * (size_t)S);
+            memcpy(rf, m.ref, (size_t)S);
+            const int32_t hand0 = m.hand;
+            unsigned long long st0[MOE_OFF_NSTATS];
+            memcpy(st0, m.stats, sizeof st0);
+            for (int p = 0; p < 3; p++)
+                memcpy(tb + p * ne, m.tab[p], sizeof(void *) * (size_t)ne);
+            moe_off_resolve_mode(&m.L, need, m.slot_of, m.slot_exp, m.ref, m.pinned, &m.hand,
+                                 m.fl, m.stats, prefetch);
+            memcpy(fa, m.fl, flb);
+            int32_t *so1 = malloc(sizeof(int32_t) * (size_t)ne);
+            int32_t *se1 = malloc(sizeof(int32_t) * (size_t)S + 4);
+            uint8_t *rf1 = malloc((size_t)S + 1);
+            const void **tb1 = malloc(sizeof(void *) * 3 * (size_t)ne);
+            CHECK(so1 && se1 && rf1 && tb1);
+            memcpy(so1, m.slot_of, sizeof(int32_t) * (size_t)ne);
+            memcpy(se1, m.slot_exp, sizeof(int32_t) * (size_t)S);
+            memcpy(rf1, m.ref, (size_t)S);
+            for (int p = 0; p < 3; p++)
+                memcpy(tb1 + p * ne, m.tab[p], sizeof(void *) * (size_t)ne);
+            const int32_t hand1 = m.hand;
+            unsigned long long st1[MOE_OFF_NSTATS];
+            memcpy(st1, m.stats, sizeof st1);
+            /* Again from the same state, hits first. */
+            memcpy(m.slot_of, so, sizeof(int32_t) * (size_t)ne);
+            memcpy(m.slot_exp, se, sizeof(int32_t) * (size_t)S);
+            memcpy(m.ref, rf, (size_t)S);
+            m.hand = hand0;
+            memcpy(m.stats, st0, sizeof st0);
+            for (int p = 0; p < 3; p++)
+                memcpy(m.tab[p], tb + p * ne, sizeof(void *) * (size_t)ne);
+            struct moe_off_walk w;
+            moe_off_walk_begin(&m.L, &m.hand, &w);
+            for (int32_t e = ne - 1; e >= 0; e--)
+                w.hits += (unsigned long long)moe_off_hit(e, need, m.slot_of, m.ref);
+            for (int32_t e = 0; e < ne; e++)
+                if (need[e] && m.slot_of[e] < 0)
+                    moe_off_miss(&m.L, e, need, m.slot_of, m.slot_exp, m.ref, m.pinned, m.fl,
+                                 prefetch, &w);
+            moe_off_walk_end(&m.L, &w, &m.hand, m.fl, m.stats, prefetch);
+            CHECK(memcmp(so1, m.slot_of, sizeof(int32_t) * (size_t)ne) == 0);
+            CHECK(memcmp(se1, m.slot_exp, sizeof(int32_t) * (size_t)S) == 0);
+            CHECK(memcmp(rf1, m.ref, (size_t)S) == 0);
+            CHECK_EQ(hand1, m.hand);
+            CHECK(memcmp(st1, m.stats, sizeof st1) == 0);
+            for (int p = 0; p < 3; p++)
+                CHECK(memcmp(tb1 + p * ne, m.tab[p], sizeof(void *) * (size_t)ne) == 0);
+            CHECK_EQ(fa->n, m.fl->n);
+            CHECK_EQ(fa->n_chunks, m.fl->n_chunks);
+            CHECK(memcmp(fa->job, m.fl->job, sizeof(struct moe_cuda_fill) * (size_t)fa->n) == 0);
+            sim_fill(&m);
+            check_state(&m);
+            free(so1), free(se1), free(rf1), free(tb1);
+        }
+        free(so), free(se), free(rf), free(need), free(fa), free(tb);
+        sim_free(&m);
+    }
+}
+
 /* The clock gives recently used experts a second chance: with one cold expert among the
  * cached ones, a miss evicts the cold one. */
 TEST(offload_resolve_evicts_the_unreferenced_slot)

@@ -1225,9 +1225,17 @@ static int link_check(struct cuda_backend *b, char *err, size_t errlen)
             return moe_fail(err, errlen, MOE_EBACKEND, "cuda:%d: link check: %s", b->dev,
                             cudaGetErrorString(ce));
     }
-    const int rc = moe_cuda_link_probe(src, bytes, dst,
-                                       2 * b->sms, b->link_gbps, &b->link_fill_gbps,
-                                       &b->link_read_gbps, b->st);
+    /* The best of three of each (another process on the GPU, or the first touch of the
+     * mapping, only ever slows one down: a single probe misjudged a small model's link now and
+     * then while the GPU tests ran two at a time). */
+    int rc = 0;
+    b->link_fill_gbps = b->link_read_gbps = 0;
+    for (int i = 0; i < 3 && !rc; i++) {
+        double f = 0, r = 0;
+        rc = moe_cuda_link_probe(src, bytes, dst, 2 * b->sms, b->link_gbps, &f, &r, b->st);
+        b->link_fill_gbps = f > b->link_fill_gbps ? f : b->link_fill_gbps;
+        b->link_read_gbps = r > b->link_read_gbps ? r : b->link_read_gbps;
+    }
     if (own)
         cudaFree(dst);
     if (rc)

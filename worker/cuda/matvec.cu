@@ -187,12 +187,15 @@ static int launch(const struct moe_mv_job *jobs, int n_jobs, int n1, int64_t n, 
         return 0;
     if (blocks > 0x7fffffff)
         return -EINVAL;
-    /* Tokens per block: weights decoded once for up to 8 tokens (MOE_CUDA_MV_TMAX, 1/2/4/8,
-     * sets fewer, for measurements: a token's floats are the same whatever T is). */
+    /* Tokens per block: weights decoded once for up to 2 tokens (MOE_CUDA_MV_TMAX, 1/2/4/8,
+     * sets another bound; a token's floats are the same whatever T is). More tokens per block
+     * share the decoding but take more registers (95 a thread at 2, 188 at 8 for Q4_K), so
+     * fewer warps hide the loads: 2 measured 1.7-2.2% faster than 8 at 4 and 16 sequences,
+     * 1.3% slower at 64 (docs/benchmarks.md). */
     static int tmax = 0;
     if (!tmax) {
         const char *v = getenv("MOE_CUDA_MV_TMAX");
-        const int x = v && *v ? atoi(v) : 8;
+        const int x = v && *v ? atoi(v) : 2;
         tmax = x >= 8 ? 8 : x >= 4 ? 4 : x >= 2 ? 2 : 1;
     }
     const int64_t nt = n_tok < tmax ? n_tok : tmax;

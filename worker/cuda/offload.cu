@@ -102,8 +102,11 @@ __global__ void offload_resolve_kernel(const struct moe_cuda_off_layer *__restri
     const struct moe_cuda_off_layer L = *lp;
     extern __shared__ int32_t sm[];
     const int S = L.slots;
+    const int nmask = (L.nexp + 31) / 32;
     int32_t *s_slot = sm, *s_exp = sm + L.nexp, *s_list = s_exp + S;
-    uint8_t *s_need = (uint8_t *)(s_list + L.nexp), *s_ref = s_need + L.nexp, *s_pin = s_ref + S;
+    uint32_t *s_miss = (uint32_t *)(s_list + L.nexp); /* [nmask]: the misses, a bit each */
+    uint8_t *s_need = (uint8_t *)(s_miss + nmask), *s_ref = s_need + L.nexp, *s_pin = s_ref + S;
+    __shared__ unsigned s_hits;
     for (int i = threadIdx.x; i < L.nexp; i += blockDim.x) {
         s_slot[i] = L.slot_of[i];
         s_need[i] = 0;
@@ -120,9 +123,33 @@ __global__ void offload_resolve_kernel(const struct moe_cuda_off_layer *__restri
     mark_need(s_need, sel_e, n_sel, L.nexp);
     if (L.chan && !prefetch)
         pool_borrow(L, s_need, s_slot, s_list);
+    /* The walk of moe_off_resolve_mode in its two parts (offload_resolve.h): the hits by every
+     * thread, then the misses by thread 0 in expert order. */
+    for (int i = threadIdx.x; i < nmask; i += blockDim.x)
+        s_miss[i] = 0;
+    if (threadIdx.x == 0)
+        s_hits = 0;
+    __syncthreads();
+    unsigned hits = 0;
+    for (int e = threadIdx.x; e < L.nexp; e += blockDim.x) {
+        if (moe_off_hit(e, s_need, s_slot, s_ref))
+            hits++;
+        else if (s_need[e])
+            atomicOr(&s_miss[e >> 5], 1u << (e & 31));
+    }
+    if (hits)
+        atomicAdd(&s_hits, hits);
+    __syncthreads();
     if (threadIdx.x == 0) {
         int32_t hand = S ? *L.hand : 0;
-        moe_off_resolve_mode(&L, s_need, s_slot, s_exp, s_ref, s_pin, &hand, fl, L.stats, prefetch);
+        struct moe_off_walk w;
+        moe_off_walk_begin(&L, &hand, &w);
+        w.hits = s_hits;
+        for (int i = 0; i < nmask; i++)
+            for (uint32_t m = s_miss[i]; m; m &= m - 1)
+                moe_off_miss(&L, i * 32 + __ffs((int)m) - 1, s_need, s_slot, s_exp, s_ref,
+                             s_pin, fl, prefetch, &w);
+        moe_off_walk_end(&L, &w, &hand, fl, L.stats, prefetch);
         if (S)
             *L.hand = hand;
     }
@@ -222,7 +249,8 @@ int moe_cuda_offload_resolve(const struct moe_cuda_off_layer *d_layer, int32_t n
             return -EINVAL;
         r = *rt;
     }
-    const size_t smem = (size_t)(2 * nexp + slots) * sizeof(int32_t) + (size_t)(nexp + 2 * slots);
+    const size_t smem = (size_t)(2 * nexp + slots + (nexp + 31) / 32) * sizeof(int32_t) +
+                        (size_t)(nexp + 2 * slots);
     offload_resolve_kernel<<<1, 256, smem, s>>>(d_layer, sel_e, (int)n_sel, d_fill, prefetch, r);
     MOE_CUDA_TRY(cudaGetLastError());
     return 0;

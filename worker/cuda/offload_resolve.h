@@ -133,6 +133,106 @@ static inline MOE_OFF_HD unsigned long long moe_off_queue(const struct moe_cuda_
     return bytes;
 }
 
+/* A resolve in two parts: moe_off_hit for every chosen expert, in any order (the kernel runs
+ * them in parallel), then moe_off_miss for the others in expert order, then moe_off_walk_end.
+ * That is the walk of moe_off_resolve_mode step for step: a miss's clock search passes over the
+ * slots of this step's experts without touching their bits, so where the hits' bits are set in
+ * the walk does not matter. */
+struct moe_off_walk {
+    int32_t h, nj;
+    uint32_t chunks;
+    unsigned long long hits, misses, fill, direct, direct_bytes, placed;
+};
+
+static inline MOE_OFF_HD void moe_off_walk_begin(const struct moe_cuda_off_layer *L,
+                                                 const int32_t *hand, struct moe_off_walk *w)
+{
+    w->h = L->slots ? *hand : 0;
+    w->nj = 0;
+    w->chunks = 0;
+    w->hits = w->misses = w->fill = w->direct = w->direct_bytes = w->placed = 0;
+}
+
+/* Chosen expert e, when it has a slot: its reference bit set; returns 1 (a hit), else 0. */
+static inline MOE_OFF_HD int moe_off_hit(int32_t e, const uint8_t *need, const int32_t *slot_of,
+                                         uint8_t *ref)
+{
+    if (!need[e] || slot_of[e] < 0)
+        return 0;
+    ref[slot_of[e]] = 1;
+    return 1;
+}
+
+/* Chosen expert e without a slot (a miss): the clock's victim for it, or a read from host. */
+static inline MOE_OFF_HD void moe_off_miss(const struct moe_cuda_off_layer *L, int32_t e,
+                                           const uint8_t *need, int32_t *slot_of,
+                                           int32_t *slot_exp, uint8_t *ref,
+                                           const uint8_t *pinned, struct moe_cuda_fill_list *fl,
+                                           int prefetch, struct moe_off_walk *w)
+{
+    const int32_t S = L->slots, ne = L->nexp;
+    w->misses++;
+    int32_t victim = -1;
+    for (int32_t t = 0; t < 2 * S + 1; t++) {
+        const int32_t c = w->h;
+        w->h = w->h + 1 == S ? 0 : w->h + 1;
+        const int32_t x = slot_exp[c];
+        if (pinned[c] || (x >= 0 && need[x]))
+            continue; /* hot, or read by this step */
+        if (ref[c]) {
+            ref[c] = 0;
+            continue;
+        }
+        victim = c;
+        break;
+    }
+    if (victim < 0) {
+        /* Every unpinned slot holds an expert of this step: read this one from host. */
+        if (prefetch)
+            return;
+        w->direct++;
+        for (int p = 0; p < 3; p++)
+            w->direct_bytes += L->bytes[p * ne + e];
+        return;
+    }
+    const int32_t old = slot_exp[victim];
+    if (old >= 0) {
+        slot_of[old] = MOE_OFF_HOST;
+        for (int p = 0; p < 3; p++)
+            L->tab[p][old] = L->host[p * ne + old];
+    }
+    slot_exp[victim] = e;
+    slot_of[e] = victim;
+    ref[victim] = 1;
+    w->placed++;
+    w->fill += moe_off_queue(L, e, L->base + (size_t)victim * L->slot_bytes, fl, &w->nj,
+                             &w->chunks);
+    if (L->fsrc && !prefetch)
+        for (int p = 0; p < 3; p++)
+            L->fsrc[p * ne + e] = L->host[p * ne + e];
+}
+
+static inline MOE_OFF_HD void moe_off_walk_end(const struct moe_cuda_off_layer *L,
+                                               const struct moe_off_walk *w, int32_t *hand,
+                                               struct moe_cuda_fill_list *fl,
+                                               unsigned long long *stats, int prefetch)
+{
+    fl->n = w->nj;
+    fl->n_chunks = (int32_t)w->chunks;
+    if (L->slots)
+        *hand = w->h;
+    if (prefetch) {
+        stats[MOE_OFF_PREFETCH] += w->placed;
+        stats[MOE_OFF_PREFETCH_BYTES] += w->fill;
+        return;
+    }
+    stats[MOE_OFF_HITS] += w->hits;
+    stats[MOE_OFF_MISSES] += w->misses;
+    stats[MOE_OFF_FILL_BYTES] += w->fill;
+    stats[MOE_OFF_DIRECT] += w->direct;
+    stats[MOE_OFF_DIRECT_BYTES] += w->direct_bytes;
+}
+
 /* Walks the experts marked in need[nexp] in expert order. slot_of, slot_exp, ref and pinned
  * are the layer's state (L's arrays or copies of them); *hand the clock hand. A chosen expert
  * with a slot is a hit (reference bit set). A miss takes the first slot the hand reaches that is
@@ -152,72 +252,15 @@ static inline MOE_OFF_HD void moe_off_resolve_mode(const struct moe_cuda_off_lay
                                                    struct moe_cuda_fill_list *fl,
                                                    unsigned long long *stats, int prefetch)
 {
-    const int32_t S = L->slots, ne = L->nexp;
-    unsigned long long hits = 0, misses = 0, fill = 0, direct = 0, direct_bytes = 0, placed = 0;
-    int32_t h = S ? *hand : 0, nj = 0;
-    uint32_t chunks = 0;
-    for (int32_t e = 0; e < ne; e++) {
-        if (!need[e])
-            continue;
-        const int32_t s = slot_of[e];
-        if (s >= 0) {
-            hits++;
-            ref[s] = 1;
-            continue;
-        }
-        misses++;
-        int32_t victim = -1;
-        for (int32_t t = 0; t < 2 * S + 1; t++) {
-            const int32_t c = h;
-            h = h + 1 == S ? 0 : h + 1;
-            const int32_t x = slot_exp[c];
-            if (pinned[c] || (x >= 0 && need[x]))
-                continue; /* hot, or read by this step */
-            if (ref[c]) {
-                ref[c] = 0;
-                continue;
-            }
-            victim = c;
-            break;
-        }
-        if (victim < 0) {
-            /* Every unpinned slot holds an expert of this step: read this one from host. */
-            if (prefetch)
-                continue;
-            direct++;
-            for (int p = 0; p < 3; p++)
-                direct_bytes += L->bytes[p * ne + e];
-            continue;
-        }
-        const int32_t old = slot_exp[victim];
-        if (old >= 0) {
-            slot_of[old] = MOE_OFF_HOST;
-            for (int p = 0; p < 3; p++)
-                L->tab[p][old] = L->host[p * ne + old];
-        }
-        slot_exp[victim] = e;
-        slot_of[e] = victim;
-        ref[victim] = 1;
-        placed++;
-        fill += moe_off_queue(L, e, L->base + (size_t)victim * L->slot_bytes, fl, &nj, &chunks);
-        if (L->fsrc && !prefetch)
-            for (int p = 0; p < 3; p++)
-                L->fsrc[p * ne + e] = L->host[p * ne + e];
+    struct moe_off_walk w;
+    moe_off_walk_begin(L, hand, &w);
+    for (int32_t e = 0; e < L->nexp; e++) {
+        if (moe_off_hit(e, need, slot_of, ref))
+            w.hits++;
+        else if (need[e])
+            moe_off_miss(L, e, need, slot_of, slot_exp, ref, pinned, fl, prefetch, &w);
     }
-    fl->n = nj;
-    fl->n_chunks = (int32_t)chunks;
-    if (S)
-        *hand = h;
-    if (prefetch) {
-        stats[MOE_OFF_PREFETCH] += placed;
-        stats[MOE_OFF_PREFETCH_BYTES] += fill;
-        return;
-    }
-    stats[MOE_OFF_HITS] += hits;
-    stats[MOE_OFF_MISSES] += misses;
-    stats[MOE_OFF_FILL_BYTES] += fill;
-    stats[MOE_OFF_DIRECT] += direct;
-    stats[MOE_OFF_DIRECT_BYTES] += direct_bytes;
+    moe_off_walk_end(L, &w, hand, fl, stats, prefetch);
 }
 
 /* The layer's own lookup (not a prefetch). */

@@ -183,25 +183,43 @@ static HD void kq_unit_x(const XL &xin, const float *xb, int t, float *xl, float
     *sxh = h;
 }
 
-/* Block b's part of Q4_K/Q5_K unit t: the scales and mins of sub-blocks 2c and 2c+1 (kq_scales)
- * and their codes, four per word (one per byte): lo[i] for xl[4i..4i+3], hi[i] for xh (Q5_K's
- * fifth bits included). */
+/* The bytes of block b that Q4_K/Q5_K unit t reads, loaded apart from their decoding
+ * (kq_unit_decode) so that a walk of several rows has every row's loads in flight before the
+ * first row's arithmetic: the 16-byte header (d, dmin and the 12 scale bytes; the block and so
+ * the header are 16-byte aligned), the unit's 16 bytes of qs and, for Q5_K, of qh. */
+struct kq_raw {
+    uint4 hdr, qv, hv;
+};
+static_assert(OFF(q4_k, d) == 0 && OFF(q4_k, dmin) == 2 && OFF(q4_k, scales) == 4 &&
+                  OFF(q5_k, d) == 0 && OFF(q5_k, dmin) == 2 && OFF(q5_k, scales) == 4,
+              "the Q4_K/Q5_K header is d, dmin, scales[12]");
+
 template <int K>
-static HD void kq_unit_row(const uint8_t *b, int t, float *d0, float *n0, float *d1, float *n1,
-                           uint32_t *lo, uint32_t *hi)
+static HD void kq_unit_load(const uint8_t *b, int t, kq_raw *r)
 {
     const int c = t >> 1, l0 = (t & 1) * 16;
-    const uint8_t *sc = b + OFF(q4_k, scales);
-    kq_scales(*(const uint32_t *)sc, *(const uint32_t *)(sc + 4), *(const uint32_t *)(sc + 8), c,
-              h2f(ld16(b + OFF(q4_k, d))), h2f(ld16(b + OFF(q4_k, dmin))), d0, n0, d1, n1);
-    uint4 qv, hv = make_uint4(0, 0, 0, 0);
+    r->hdr = *(const uint4 *)b;
     if constexpr (K == MOE_TYPE_Q5_K) {
-        qv = *(const uint4 *)(b + OFF(q5_k, qs) + 32 * c + l0);
-        hv = *(const uint4 *)(b + OFF(q5_k, qh) + l0);
+        r->qv = *(const uint4 *)(b + OFF(q5_k, qs) + 32 * c + l0);
+        r->hv = *(const uint4 *)(b + OFF(q5_k, qh) + l0);
     } else {
-        qv = *(const uint4 *)(b + OFF(q4_k, qs) + 32 * c + l0);
+        r->qv = *(const uint4 *)(b + OFF(q4_k, qs) + 32 * c + l0);
+        r->hv = make_uint4(0, 0, 0, 0);
     }
-    const uint32_t qs[4] = {qv.x, qv.y, qv.z, qv.w}, hs[4] = {hv.x, hv.y, hv.z, hv.w};
+}
+
+/* Unit t's part of a block from its loaded bytes: the scales and mins of sub-blocks 2c and
+ * 2c+1 (kq_scales) and their codes, four per word (one per byte): lo[i] for xl[4i..4i+3], hi[i]
+ * for xh (Q5_K's fifth bits included). */
+template <int K>
+static HD void kq_unit_decode(const kq_raw &raw, int t, float *d0, float *n0, float *d1,
+                              float *n1, uint32_t *lo, uint32_t *hi)
+{
+    const int c = t >> 1;
+    kq_scales(raw.hdr.y, raw.hdr.z, raw.hdr.w, c, h2f((uint16_t)(raw.hdr.x & 0xffffu)),
+              h2f((uint16_t)(raw.hdr.x >> 16)), d0, n0, d1, n1);
+    const uint32_t qs[4] = {raw.qv.x, raw.qv.y, raw.qv.z, raw.qv.w},
+                   hs[4] = {raw.hv.x, raw.hv.y, raw.hv.z, raw.hv.w};
     UNROLL
     for (int i = 0; i < 4; i++) {
         lo[i] = qs[i] & 0x0f0f0f0fu;
@@ -211,6 +229,16 @@ static HD void kq_unit_row(const uint8_t *b, int t, float *d0, float *n0, float 
             hi[i] |= ((hs[i] >> (2 * c + 1)) & 0x01010101u) << 4;
         }
     }
+}
+
+/* Block b's part of Q4_K/Q5_K unit t (kq_unit_load, then kq_unit_decode). */
+template <int K>
+static HD void kq_unit_row(const uint8_t *b, int t, float *d0, float *n0, float *d1, float *n1,
+                           uint32_t *lo, uint32_t *hi)
+{
+    kq_raw raw;
+    kq_unit_load<K>(b, t, &raw);
+    kq_unit_decode<K>(raw, t, d0, n0, d1, n1, lo, hi);
 }
 
 /* The x elements of Q6_K unit t (half h = t/8, l0 = 4·(t%8)): element 128h + 32g + l0 + k in
@@ -226,20 +254,51 @@ static HD void q6k_unit_x(const XL &xin, const float *xb, int t, float *xs)
     }
 }
 
-/* Block b's part of Q6_K unit t: the 6-bit codes of group g (four per word) in q[g], whose
- * scale is (*sc)[2g], and the block's d. The low 4 bits come from ql[l0+k] (g = 0, 2: low/high
- * nibble) or ql[32+l0+k] (g = 1, 3), the top 2 from bits 2g..2g+1 of qh[l0+k]. */
-static HD void q6k_unit_row(const uint8_t *b, int t, uint32_t *q, const int8_t **sc, float *d)
+/* The bytes of block b that Q6_K unit t reads (h = t/8, l0 = 4·(t%8)), loaded apart from their
+ * decoding, as kq_unit_load: four bytes each of ql[l0..], ql[32+l0..] and qh[l0..] (the block is
+ * only 2-byte aligned in a row), the four scales of its groups and d. */
+struct q6k_raw {
+    uint32_t qa, qb, hh;
+    int8_t sc[4];
+    uint16_t d;
+};
+
+static HD void q6k_unit_load(const uint8_t *b, int t, q6k_raw *r)
 {
     const int h = t >> 3, l0 = (t & 7) * 4;
     const uint8_t *ql = b + OFF(q6_k, ql) + 64 * h, *qhp = b + OFF(q6_k, qh) + 32 * h;
-    const uint32_t qa = ld32a2(ql + l0), qb = ld32a2(ql + 32 + l0), hh = ld32a2(qhp + l0);
+    r->qa = ld32a2(ql + l0);
+    r->qb = ld32a2(ql + 32 + l0);
+    r->hh = ld32a2(qhp + l0);
+    const int8_t *sc = (const int8_t *)(b + OFF(q6_k, scales) + 8 * h) + l0 / 16;
+    UNROLL
+    for (int g = 0; g < 4; g++)
+        r->sc[g] = sc[2 * g];
+    r->d = ld16(b + OFF(q6_k, d));
+}
+
+/* Q6_K unit t's 6-bit codes of group g (four per word) in q[g], whose scale is raw.sc[g]. The
+ * low 4 bits come from ql[l0+k] (g = 0, 2: low/high nibble) or ql[32+l0+k] (g = 1, 3), the top
+ * 2 from bits 2g..2g+1 of qh[l0+k]. */
+static HD void q6k_unit_decode(const q6k_raw &raw, uint32_t *q)
+{
+    const uint32_t qa = raw.qa, qb = raw.qb, hh = raw.hh;
     q[0] = (qa & 0x0f0f0f0fu) | ((hh << 4) & 0x30303030u);
     q[1] = (qb & 0x0f0f0f0fu) | ((hh << 2) & 0x30303030u);
     q[2] = ((qa >> 4) & 0x0f0f0f0fu) | (hh & 0x30303030u);
     q[3] = ((qb >> 4) & 0x0f0f0f0fu) | ((hh >> 2) & 0x30303030u);
+}
+
+/* Block b's part of Q6_K unit t: the codes of group g in q[g], whose scale is (*sc)[2g], and
+ * the block's d. */
+static HD void q6k_unit_row(const uint8_t *b, int t, uint32_t *q, const int8_t **sc, float *d)
+{
+    const int h = t >> 3, l0 = (t & 7) * 4;
+    q6k_raw raw;
+    q6k_unit_load(b, t, &raw);
+    q6k_unit_decode(raw, q);
     *sc = (const int8_t *)(b + OFF(q6_k, scales) + 8 * h) + l0 / 16;
-    *d = h2f(ld16(b + OFF(q6_k, d)));
+    *d = h2f(raw.d);
 }
 
 /* Units per block and elements per block, by kind. */
@@ -258,6 +317,15 @@ template <> struct unit_shape<MOE_TYPE_Q5_1> { enum { per_block = 4, blck = 32 }
 template <> struct unit_shape<MOE_TYPE_Q4_K> { enum { per_block = 8, blck = 256 }; };
 template <> struct unit_shape<MOE_TYPE_Q5_K> { enum { per_block = 8, blck = 256 }; };
 template <> struct unit_shape<MOE_TYPE_Q6_K> { enum { per_block = 16, blck = 256 }; };
+
+/* The K-quant walks of up to MOE_ROWS_LOAD_FIRST rows load every row's bytes of a unit before
+ * the first row's arithmetic; longer ones load each row's just before its own. 0 by default:
+ * loading first (4 or 8) measured 1.6-2% faster at 4 to 64 sequences but 1.3% slower at one
+ * (docs/benchmarks.md). The floats are the same either way; a build option for measurements. */
+#ifndef MOE_ROWS_LOAD_FIRST
+#define MOE_ROWS_LOAD_FIRST 0
+#endif
+#define MOE_LOAD_FIRST(RW) ((RW) <= MOE_ROWS_LOAD_FIRST)
 
 /* Adds to acc[r], for r < RW, the partial dot product of unit t (0 <= t < per_block) of the
  * block at bs[r] with xb, the x elements of that block (the RW rows may be of one matrix or of
@@ -380,14 +448,24 @@ static HD void unit_dot(const uint8_t *const *bs, int t, const float *xb, float 
         }
     } else if constexpr (K == MOE_TYPE_Q4_K || K == MOE_TYPE_Q5_K) {
         /* half d, dmin; u8 scales[12]; (Q5_K: u8 qh[32];) u8 qs[128]. Unit t: 16 bytes of qs
-         * (kq_unit_x, kq_unit_row). Per sub-block the sum is d·sc·Σq·x − dmin·m·Σx. */
+         * (kq_unit_x, kq_unit_load, kq_unit_decode). Per sub-block the sum is d·sc·Σq·x − dmin·m·Σx. */
+        /* Every row's bytes are loaded before the first row's arithmetic (else the compiler
+         * issues each row's loads after the previous row's products: one memory latency per
+         * row instead of one per unit). */
+        kq_raw raw[RW];
+        UNROLL
+        for (int r = 0; r < RW; r++)
+            if constexpr (MOE_LOAD_FIRST(RW))
+                kq_unit_load<K>(bs[r], t, &raw[r]);
         float xl[16], xh[16], sxl, sxh;
         kq_unit_x(xin, xb, t, xl, xh, &sxl, &sxh);
         UNROLL
         for (int r = 0; r < RW; r++) {
             float d0, n0, d1, n1;
             uint32_t lo[4], hi[4];
-            kq_unit_row<K>(bs[r], t, &d0, &n0, &d1, &n1, lo, hi);
+            if constexpr (!MOE_LOAD_FIRST(RW))
+                kq_unit_load<K>(bs[r], t, &raw[r]);
+            kq_unit_decode<K>(raw[r], t, &d0, &n0, &d1, &n1, lo, hi);
             const uint32_t mg = code_magic();
             float ql = 0.0f, qh = 0.0f;
             UNROLL
@@ -403,7 +481,12 @@ static HD void unit_dot(const uint8_t *const *bs, int t, const float *xb, float 
         }
     } else if constexpr (K == MOE_TYPE_Q6_K) {
         /* u8 ql[128]; u8 qh[64]; i8 scales[16]; half d. Unit t: 16 elements in 4 groups
-         * (q6k_unit_x, q6k_unit_row). */
+         * (q6k_unit_x, q6k_unit_load, q6k_unit_decode). */
+        q6k_raw raw[RW]; /* every row's loads in flight first, as for Q4_K */
+        UNROLL
+        for (int r = 0; r < RW; r++)
+            if constexpr (MOE_LOAD_FIRST(RW))
+                q6k_unit_load(bs[r], t, &raw[r]);
         float xs[16], sx[4];
         q6k_unit_x(xin, xb, t, xs);
         UNROLL
@@ -413,9 +496,10 @@ static HD void unit_dot(const uint8_t *const *bs, int t, const float *xb, float 
         UNROLL
         for (int r = 0; r < RW; r++) {
             uint32_t q[4];
-            const int8_t *sc;
-            float d;
-            q6k_unit_row(bs[r], t, q, &sc, &d);
+            if constexpr (!MOE_LOAD_FIRST(RW))
+                q6k_unit_load(bs[r], t, &raw[r]);
+            q6k_unit_decode(raw[r], q);
+            const float d = h2f(raw[r].d);
             float sum = 0.0f;
             UNROLL
             for (int g = 0; g < 4; g++) {
@@ -424,7 +508,7 @@ static HD void unit_dot(const uint8_t *const *bs, int t, const float *xb, float 
                 for (int k = 0; k < 4; k++)
                     sg = fmaf(code_f(q[g], k, mg), xs[4 * g + k], sg);
                 /* Σ(q − 32)·x from the biased codes: 256·sg − (128 + 32)·Σx. */
-                sum = fmaf((float)sc[2 * g], fmaf(-160.0f, sx[g], 256.0f * sg), sum);
+                sum = fmaf((float)raw[r].sc[g], fmaf(-160.0f, sx[g], 256.0f * sg), sum);
             }
             acc[r] += d * sum;
         }
