@@ -27,10 +27,12 @@
  * MOE_CUDA_PREFETCH_EXTRA=-2: variants measured side by side with the default in one process.
  *
  * "PCIe MB/token" counts the whole held-out run's copies (the prompt's included) over the decoded
- * tokens; "decode PCIe MB/token" the decode steps' alone, and "x minimum" that against each
- * decode miss's expert crossing once (misses x the layer's expert bytes). A prefetched expert
- * that the layer then finds is a hit, not a miss: its bytes are in the numerator only, so with
- * prefetch the ratio also counts the prefetches that were right. */
+ * tokens; "decode PCIe MB/token" the decode steps' alone, and "x minimum" that against the
+ * bytes the decode steps had to bring over: each miss's expert once (misses x the layer's expert
+ * bytes) and each prefetched expert its layer then chose (a hit thanks to the prefetch). So the
+ * ratio is 1 plus the prefetches that were wrong (evicted before their layer chose them, or
+ * still waiting) over what was needed; "prefetch right" is the share of decode prefetches their
+ * layer chose. */
 #include <inttypes.h>
 #include <math.h>
 #include <stdio.h>
@@ -148,6 +150,7 @@ struct result {
     char name[128];
     double pp, tg, miss_rate, pcie_per_tok, prefetched, vram_gib, expert_gib;
     double dec_pcie_per_tok, min_per_tok; /* decode alone: copies and the minimum, bytes */
+    double pf_right;                      /* decode: prefetched experts chosen / prefetched */
 };
 
 int main(int argc, char **argv)
@@ -355,7 +358,10 @@ int main(int argc, char **argv)
         for (int64_t l = 0; l < L; l++)
             min_bytes += (double)(sz.pl[l].misses - sm.pl[l].misses) *
                          (double)moe_model_expert_bytes(m, (uint32_t)l);
+        min_bytes += (double)(z.prefetch_used_bytes - mi.prefetch_used_bytes);
         r->min_per_tok = min_bytes / (double)G;
+        const double pf_dec = (double)(z.prefetched - mi.prefetched);
+        r->pf_right = pf_dec > 0 ? (double)(z.prefetch_used - mi.prefetch_used) / pf_dec : -1;
         r->vram_gib = (double)info.device_bytes / (1 << 30);
         r->expert_gib = (double)z.expert_vram_bytes / (1 << 30);
         if (ci == 0)
@@ -370,21 +376,24 @@ int main(int argc, char **argv)
     }
     printf("\n| configuration | VRAM GiB | experts GiB | pp%" PRId64 " tok/s | decode tok/s | "
            "vs resident | miss rate | PCIe MB/token | prefetched/token | PCIe limit tok/s | "
-           "decode PCIe MB/token | x minimum |\n"
-           "|---|---|---|---|---|---|---|---|---|---|---|---|\n", P);
+           "decode PCIe MB/token | x minimum | prefetch right |\n"
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|\n", P);
     for (int i = 0; i < nres; i++) {
         const struct result *r = &res[i];
         /* The limit: the resident time or a token's copies over the H2D rate, whichever is
          * longer. */
         const double t_res = 1.0 / base_tg, t_pcie = r->pcie_per_tok / (h2d * 1e9);
         const double lim = 1.0 / (t_res > t_pcie ? t_res : t_pcie);
-        char xm[16] = "-";
+        char xm[16] = "-", pr[16] = "-";
         if (r->min_per_tok > 0)
             snprintf(xm, sizeof xm, "%.2f", r->dec_pcie_per_tok / r->min_per_tok);
-        printf("| %s | %.2f | %.2f | %.1f | %.1f | %.2f | %.1f%% | %.1f | %.1f | %.0f | %.1f | %s |\n",
+        if (r->pf_right >= 0)
+            snprintf(pr, sizeof pr, "%.1f%%", 100 * r->pf_right);
+        printf("| %s | %.2f | %.2f | %.1f | %.1f | %.2f | %.1f%% | %.1f | %.1f | %.0f | %.1f | %s "
+               "| %s |\n",
                r->name, r->vram_gib, r->expert_gib, r->pp, r->tg, r->tg / base_tg,
                100 * r->miss_rate, r->pcie_per_tok / 1e6, r->prefetched, lim,
-               r->dec_pcie_per_tok / 1e6, xm);
+               r->dec_pcie_per_tok / 1e6, xm, pr);
     }
     free(counts);
     free(pl_a), free(pl_m), free(pl_z);

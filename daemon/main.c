@@ -455,6 +455,8 @@ static int hook_placement(void *user, char **json, char *err, size_t errlen)
             json_object_set_new(w, "direct_bytes", json_integer((json_int_t)wo.direct_bytes));
             json_object_set_new(w, "prefetched", json_integer((json_int_t)wo.prefetched));
             json_object_set_new(w, "prefetch_bytes", json_integer((json_int_t)wo.prefetch_bytes));
+            json_object_set_new(w, "prefetch_used", json_integer((json_int_t)wo.prefetch_used));
+            json_object_set_new(w, "prefetch_wasted", json_integer((json_int_t)wo.prefetch_wasted));
             json_t *wl = json_array();
             for (uint32_t l = 0; l < wo.n_layer; l++) {
                 json_t *lo = json_object();
@@ -556,6 +558,12 @@ static int hook_metrics(void *user, char **text)
              offsetof(struct moed_worker_offload, prefetched)},
             {"expert_prefetch_bytes_total", "counter", "Bytes of those.",
              offsetof(struct moed_worker_offload, prefetch_bytes)},
+            {"expert_prefetch_used_total", "counter",
+             "Prefetched experts that their layer then chose.",
+             offsetof(struct moed_worker_offload, prefetch_used)},
+            {"expert_prefetch_wasted_total", "counter",
+             "Prefetched experts evicted before their layer chose them.",
+             offsetof(struct moed_worker_offload, prefetch_wasted)},
             {"expert_vram_bytes", "gauge", "Expert slots in VRAM.",
              offsetof(struct moed_worker_offload, expert_vram_bytes)},
         };

@@ -371,6 +371,8 @@ static void set_offload(struct wslot *w, const Moed__Metrics *m)
     o->direct_bytes = m->expert_direct_bytes;
     o->prefetched = m->expert_prefetched;
     o->prefetch_bytes = m->expert_prefetch_bytes;
+    o->prefetch_used = m->expert_prefetch_used;
+    o->prefetch_wasted = m->expert_prefetch_wasted;
     o->slots = u32;
     o->hot = u32 + L;
     o->hits = u64;

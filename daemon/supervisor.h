@@ -134,7 +134,7 @@ struct moed_worker_offload {
     bool active;
     uint32_t n_layer;
     uint64_t expert_vram_bytes, expert_bytes, fill_bytes, direct;
-    uint64_t direct_bytes, prefetched, prefetch_bytes;
+    uint64_t direct_bytes, prefetched, prefetch_bytes, prefetch_used, prefetch_wasted;
     const uint32_t *slots, *hot;
     const uint64_t *hits, *misses;
 };

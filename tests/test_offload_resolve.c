@@ -261,7 +261,10 @@ TEST(offload_resolve_hits_first_equal_the_walk)
         uint8_t *rf = malloc((size_t)S + 1), *need = malloc((size_t)ne);
         struct moe_cuda_fill_list *fa = malloc(flb);
         const void **tb = malloc(sizeof(void *) * 3 * (size_t)ne);
-        CHECK(so && se && rf && need && fa && tb);
+        uint8_t *pf = calloc((size_t)S + 1, 1), *pf0 = malloc((size_t)S + 1),
+                *pf1 = malloc((size_t)S + 1);
+        CHECK(so && se && rf && need && fa && tb && pf && pf0 && pf1);
+        m.L.pf = pf;
         for (int step = 0; step < 300; step++) {
             memset(need, 0, (size_t)ne);
             const int32_t k = 1 + (int32_t)(moe_test_rng_u32() % (uint32_t)kmax);
@@ -274,6 +277,7 @@ TEST(offload_resolve_hits_first_equal_the_walk)
             memcpy(so, m.slot_of, sizeof(int32_t) * (size_t)ne);
             memcpy(se, m.slot_exp, sizeof(int32_t) * (size_t)S);
             memcpy(rf, m.ref, (size_t)S);
+            memcpy(pf0, pf, (size_t)S);
             const int32_t hand0 = m.hand;
             unsigned long long st0[MOE_OFF_NSTATS];
             memcpy(st0, m.stats, sizeof st0);
@@ -290,6 +294,7 @@ TEST(offload_resolve_hits_first_equal_the_walk)
             memcpy(so1, m.slot_of, sizeof(int32_t) * (size_t)ne);
             memcpy(se1, m.slot_exp, sizeof(int32_t) * (size_t)S);
             memcpy(rf1, m.ref, (size_t)S);
+            memcpy(pf1, pf, (size_t)S);
             for (int p = 0; p < 3; p++)
                 memcpy(tb1 + p * ne, m.tab[p], sizeof(void *) * (size_t)ne);
             const int32_t hand1 = m.hand;
@@ -299,6 +304,7 @@ TEST(offload_resolve_hits_first_equal_the_walk)
             memcpy(m.slot_of, so, sizeof(int32_t) * (size_t)ne);
             memcpy(m.slot_exp, se, sizeof(int32_t) * (size_t)S);
             memcpy(m.ref, rf, (size_t)S);
+            memcpy(pf, pf0, (size_t)S);
             m.hand = hand0;
             memcpy(m.stats, st0, sizeof st0);
             for (int p = 0; p < 3; p++)
@@ -306,15 +312,17 @@ TEST(offload_resolve_hits_first_equal_the_walk)
             struct moe_off_walk w;
             moe_off_walk_begin(&m.L, &m.hand, &w);
             for (int32_t e = ne - 1; e >= 0; e--)
-                w.hits += (unsigned long long)moe_off_hit(e, need, m.slot_of, m.ref);
+                moe_off_count_hit(&m.L, e, moe_off_hit(e, need, m.slot_of, m.ref, m.L.pf, prefetch),
+                                  &w);
             for (int32_t e = 0; e < ne; e++)
                 if (need[e] && m.slot_of[e] < 0)
-                    moe_off_miss(&m.L, e, need, m.slot_of, m.slot_exp, m.ref, m.pinned, m.fl,
-                                 prefetch, &w);
+                    moe_off_miss(&m.L, e, need, m.slot_of, m.slot_exp, m.ref, m.pinned, m.L.pf,
+                                 m.fl, prefetch, &w);
             moe_off_walk_end(&m.L, &w, &m.hand, m.fl, m.stats, prefetch);
             CHECK(memcmp(so1, m.slot_of, sizeof(int32_t) * (size_t)ne) == 0);
             CHECK(memcmp(se1, m.slot_exp, sizeof(int32_t) * (size_t)S) == 0);
             CHECK(memcmp(rf1, m.ref, (size_t)S) == 0);
+            CHECK(memcmp(pf1, pf, (size_t)S) == 0);
             CHECK_EQ(hand1, m.hand);
             CHECK(memcmp(st1, m.stats, sizeof st1) == 0);
             for (int p = 0; p < 3; p++)
@@ -326,7 +334,81 @@ TEST(offload_resolve_hits_first_equal_the_walk)
             check_state(&m);
             free(so1), free(se1), free(rf1), free(tb1);
         }
-        free(so), free(se), free(rf), free(need), free(fa), free(tb);
+        free(so), free(se), free(rf), free(need), free(fa), free(tb), free(pf), free(pf0),
+            free(pf1);
+        sim_free(&m);
+    }
+}
+
+/* Prefetch accounting (L.pf): a prefetched expert that its layer's own lookup then finds is
+ * used once (with its bytes); one evicted before that is wasted; a prediction finding it again
+ * counts nothing. Over random traffic, every prefetched expert ends up used, wasted or still
+ * waiting in its slot. */
+TEST(offload_prefetch_used_and_wasted_are_counted)
+{
+    moe_test_rng_seed(77);
+    struct sim m;
+    sim_init(&m, 8, 2, 0); /* experts 0 and 1 cached in the two slots */
+    uint8_t pf[3] = {0}, need[8] = {0};
+    m.L.pf = pf;
+    need[5] = 1;
+    moe_off_resolve_mode(&m.L, need, m.slot_of, m.slot_exp, m.ref, m.pinned, &m.hand, m.fl,
+                         m.stats, 1); /* predicted: 5 copied ahead */
+    sim_fill(&m);
+    CHECK_EQ(m.stats[MOE_OFF_PREFETCH], 1ull);
+    CHECK(m.slot_of[5] >= 0 && pf[m.slot_of[5]] == 1);
+    moe_off_resolve_mode(&m.L, need, m.slot_of, m.slot_exp, m.ref, m.pinned, &m.hand, m.fl,
+                         m.stats, 1); /* predicted again: nothing counted */
+    CHECK_EQ(m.stats[MOE_OFF_PF_USED], 0ull);
+    moe_off_resolve(&m.L, need, m.slot_of, m.slot_exp, m.ref, m.pinned, &m.hand, m.fl, m.stats);
+    CHECK_EQ(m.stats[MOE_OFF_PF_USED], 1ull);
+    CHECK_EQ(m.stats[MOE_OFF_PF_USED_BYTES], (unsigned long long)(m.bytes[5] + m.bytes[8 + 5] +
+                                                                  m.bytes[16 + 5]));
+    CHECK_EQ(m.stats[MOE_OFF_HITS], 1ull);
+    moe_off_resolve(&m.L, need, m.slot_of, m.slot_exp, m.ref, m.pinned, &m.hand, m.fl, m.stats);
+    CHECK_EQ(m.stats[MOE_OFF_PF_USED], 1ull); /* once */
+    /* Predicted 6, then two steps choosing others evict it unused. */
+    memset(need, 0, sizeof need);
+    need[6] = 1;
+    moe_off_resolve_mode(&m.L, need, m.slot_of, m.slot_exp, m.ref, m.pinned, &m.hand, m.fl,
+                         m.stats, 1);
+    sim_fill(&m);
+    CHECK(m.slot_of[6] >= 0);
+    memset(need, 0, sizeof need);
+    need[2] = need[3] = 1;
+    moe_off_resolve(&m.L, need, m.slot_of, m.slot_exp, m.ref, m.pinned, &m.hand, m.fl, m.stats);
+    sim_fill(&m);
+    CHECK_EQ(m.slot_of[6], MOE_OFF_HOST);
+    CHECK_EQ(m.stats[MOE_OFF_PF_WASTED], 1ull);
+    check_state(&m);
+    sim_free(&m);
+
+    static const int32_t shapes[][3] = {{16, 6, 2}, {128, 40, 8}, {32, 8, 0}};
+    for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {
+        const int32_t ne = shapes[si][0], S = shapes[si][1], hot = shapes[si][2];
+        sim_init(&m, ne, S, hot);
+        uint8_t *fl = calloc((size_t)S + 1, 1), *nd = malloc((size_t)ne);
+        CHECK(fl && nd);
+        m.L.pf = fl;
+        for (int step = 0; step < 400; step++) {
+            memset(nd, 0, (size_t)ne);
+            for (int i = 0; i < 4; i++) {
+                const uint32_t r = moe_test_rng_u32() % (uint32_t)ne;
+                nd[r * r / (uint32_t)ne] = 1;
+            }
+            moe_off_resolve_mode(&m.L, nd, m.slot_of, m.slot_exp, m.ref, m.pinned, &m.hand, m.fl,
+                                 m.stats, step % 2 == 0);
+            sim_fill(&m);
+            unsigned long long waiting = 0;
+            for (int32_t sl = 0; sl < S; sl++)
+                waiting += fl[sl];
+            CHECK_EQ(m.stats[MOE_OFF_PF_USED] + m.stats[MOE_OFF_PF_WASTED] + waiting,
+                     m.stats[MOE_OFF_PREFETCH]);
+        }
+        CHECK(m.stats[MOE_OFF_PF_USED] > 0);
+        CHECK(hot == S || m.stats[MOE_OFF_PF_WASTED] > 0);
+        check_state(&m);
+        free(fl), free(nd);
         sim_free(&m);
     }
 }

@@ -162,6 +162,9 @@ struct moe_offload_stats {
     uint64_t expert_vram_bytes;    /* the slots */
     uint64_t hits, misses, fill_bytes, direct, direct_bytes;
     uint64_t prefetched, prefetch_bytes; /* experts copied ahead into cache slots, their bytes */
+    uint64_t prefetch_used;        /* prefetched experts that their layer then chose */
+    uint64_t prefetch_used_bytes;  /* their bytes */
+    uint64_t prefetch_wasted;      /* prefetched experts evicted before their layer chose them */
     uint64_t staged, stage_bytes;  /* experts copied into the prompt staging buffers, their bytes */
     uint64_t stage_reads;          /* misses read from a staging buffer (neither filled nor direct) */
     uint32_t stage_experts;        /* experts a prompt staging buffer holds (two buffers); 0: none */

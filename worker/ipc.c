@@ -650,6 +650,8 @@ static void send_event(struct worker *w, struct wevent *ev)
             m.expert_direct_bytes = ev->os.direct_bytes;
             m.expert_prefetched = ev->os.prefetched;
             m.expert_prefetch_bytes = ev->os.prefetch_bytes;
+            m.expert_prefetch_used = ev->os.prefetch_used;
+            m.expert_prefetch_wasted = ev->os.prefetch_wasted;
             for (uint32_t l = 0; l < w->n_layer; l++) {
                 u32[l] = ev->layers[l].slots;
                 u32[w->n_layer + l] = ev->layers[l].hot;

@@ -580,14 +580,15 @@ static int run_standalone(const struct opts *o)
             fprintf(stderr,
                     "moed-worker: experts %s of %s in VRAM; %" PRIu64 " hits, %" PRIu64
                     " misses (%.1f%%), %s copied to VRAM, %" PRIu64 " read from host (%s), %" PRIu64
-                    " prefetched (%s), %" PRIu64 " staged for prompts (%s, %" PRIu64
-                    " misses read there)\n",
+                    " prefetched (%s; %" PRIu64 " then chosen, %" PRIu64 " evicted unchosen), %" PRIu64
+                    " staged for prompts (%s, %" PRIu64 " misses read there)\n",
                     moe_fmt_size(vram, sizeof vram, os.expert_vram_bytes),
                     moe_fmt_size(all, sizeof all, os.expert_bytes), os.hits, os.misses,
                     looked ? 100.0 * (double)os.misses / (double)looked : 0.0,
                     moe_fmt_size(fill, sizeof fill, os.fill_bytes), os.direct,
                     moe_fmt_size(direct, sizeof direct, os.direct_bytes), os.prefetched,
-                    moe_fmt_size(pf, sizeof pf, os.prefetch_bytes), os.staged,
+                    moe_fmt_size(pf, sizeof pf, os.prefetch_bytes), os.prefetch_used,
+                    os.prefetch_wasted, os.staged,
                     moe_fmt_size(stg, sizeof stg, os.stage_bytes), os.stage_reads);
         }
     }

@@ -167,11 +167,13 @@ TEST_TIMEOUT(cuda_offload_is_exact, 600)
             size_t diff = floats_differing(got, ref, rows * (size_t)V);
             const uint64_t looked = os.hits + os.misses;
             printf("  %-34s %-20s layer 0: slots %u (%u hot): %llu hits, %llu misses, %.2f MiB filled, "
-                   "%llu from host, %llu prefetched, %llu staged in buffers of %u (%llu read); %zu of %zu logits differ\n",
+                   "%llu from host, %llu prefetched (%llu chosen, %llu evicted unchosen), %llu staged in buffers of %u (%llu read); %zu of %zu logits differ\n",
                    MODELS[mi] + (strrchr(MODELS[mi], '/') - MODELS[mi]) + 1, c->name, pl[0].slots,
                    pl[0].hot, (unsigned long long)os.hits, (unsigned long long)os.misses,
                    (double)os.fill_bytes / (1 << 20), (unsigned long long)os.direct,
-                   (unsigned long long)os.prefetched, (unsigned long long)os.staged, os.stage_experts,
+                   (unsigned long long)os.prefetched, (unsigned long long)os.prefetch_used,
+                   (unsigned long long)os.prefetch_wasted, (unsigned long long)os.staged,
+                   os.stage_experts,
                    (unsigned long long)os.stage_reads, diff,
                    rows * (size_t)V);
             if (ci == 0)
@@ -205,6 +207,14 @@ TEST_TIMEOUT(cuda_offload_is_exact, 600)
                 for (int64_t l = 0; l < L; l++)
                     if (pl[l].slots < (uint32_t)E)
                         CHECK(pl[l].hits + pl[l].misses > 0);
+                /* A prefetched expert is chosen by its layer, evicted first, or still waits. */
+                CHECK(os.prefetch_used + os.prefetch_wasted <= os.prefetched);
+                CHECK(os.prefetch_used <= os.hits);
+                if (c->no_prefetch)
+                    CHECK_EQ(os.prefetch_used + os.prefetch_wasted, (uint64_t)0);
+                else if (c->residency >= 0.6 && os.prefetched >= 20)
+                    CHECK_MSG(os.prefetch_used > 0, "%llu prefetched, none chosen",
+                              (unsigned long long)os.prefetched);
             }
             if (c->counts) {
                 /* Live re-pinning by the counts, a few experts per call, then the same workload

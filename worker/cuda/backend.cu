@@ -1267,7 +1267,7 @@ static int offload_state(struct cuda_backend *b, char *err, size_t errlen)
     int32_t max_slots = 0;
     for (size_t l = 0; l < L; l++) {
         const size_t S = (size_t)b->layers[l].slots;
-        bytes += align256(sizeof(int32_t) * (ne + S + 1)) + align256(2 * S + 1) +
+        bytes += align256(sizeof(int32_t) * (ne + S + 1)) + align256(3 * S + 1) +
                  align256(3 * ne * sizeof(void *)) + align256(3 * ne * sizeof(uint32_t));
         max_slots = b->layers[l].slots > max_slots ? b->layers[l].slots : max_slots;
     }
@@ -1413,7 +1413,8 @@ static int offload_state(struct cuda_backend *b, char *err, size_t errlen)
         uint8_t *pinned = h + off;
         o->pinned = b->d_offmem + off;
         o->ref = o->pinned + S;
-        off += align256(2 * S + 1);
+        o->pf = o->ref + S; /* zero: no slot holds a prefetched expert yet */
+        off += align256(3 * S + 1);
         const void **host = (const void **)(h + off);
         o->host = (const void **)(b->d_offmem + off);
         off += align256(3 * ne * sizeof(void *));
@@ -3264,6 +3265,9 @@ static int cuda_set_hot(struct moe_backend *bb, const uint64_t *counts, uint32_t
         *pending += (uint32_t)moe_off_repin((int32_t)ne, cl->slots, slot_of, slot_exp, pinned, ref,
                                             want, nw, left, loads, &nl, scratch);
         left -= nl;
+        uint8_t *pfl = (uint8_t *)host_view(b, o->pf);
+        for (int32_t i = 0; i < nl; i++)
+            pfl[loads[i].s] = 0; /* a slot loaded here holds no prefetch */
         const void **tabs[3] = {cl->gate, cl->up, cl->down};
         for (int32_t i = 0; i < nl && !rc; i++) {
             const struct moe_off_load *ld = &loads[i];
@@ -3366,6 +3370,9 @@ static int cuda_offload_stats(struct moe_backend *bb, struct moe_offload_stats *
             s->staged += c[MOE_OFF_STAGED];
             s->stage_bytes += c[MOE_OFF_STAGE_BYTES];
             s->stage_reads += c[MOE_OFF_STAGE_READS];
+            s->prefetch_used += c[MOE_OFF_PF_USED];
+            s->prefetch_used_bytes += c[MOE_OFF_PF_USED_BYTES];
+            s->prefetch_wasted += c[MOE_OFF_PF_WASTED];
         }
         s->hits += x.hits;
         s->misses += x.misses;

@@ -106,7 +106,9 @@ __global__ void offload_resolve_kernel(const struct moe_cuda_off_layer *__restri
     int32_t *s_slot = sm, *s_exp = sm + L.nexp, *s_list = s_exp + S;
     uint32_t *s_miss = (uint32_t *)(s_list + L.nexp); /* [nmask]: the misses, a bit each */
     uint8_t *s_need = (uint8_t *)(s_miss + nmask), *s_ref = s_need + L.nexp, *s_pin = s_ref + S;
-    __shared__ unsigned s_hits;
+    uint8_t *s_pf = s_pin + S;
+    __shared__ unsigned s_hits, s_used;
+    __shared__ unsigned long long s_used_bytes;
     for (int i = threadIdx.x; i < L.nexp; i += blockDim.x) {
         s_slot[i] = L.slot_of[i];
         s_need[i] = 0;
@@ -115,6 +117,7 @@ __global__ void offload_resolve_kernel(const struct moe_cuda_off_layer *__restri
         s_exp[i] = L.slot_exp[i];
         s_ref[i] = L.ref[i];
         s_pin[i] = L.pinned[i];
+        s_pf[i] = L.pf ? L.pf[i] : 0;
     }
     if (L.fsrc && !prefetch) /* the walk lists this step's copies afresh */
         for (int i = threadIdx.x; i < 3 * L.nexp; i += blockDim.x)
@@ -127,28 +130,39 @@ __global__ void offload_resolve_kernel(const struct moe_cuda_off_layer *__restri
      * thread, then the misses by thread 0 in expert order. */
     for (int i = threadIdx.x; i < nmask; i += blockDim.x)
         s_miss[i] = 0;
-    if (threadIdx.x == 0)
-        s_hits = 0;
+    if (threadIdx.x == 0) {
+        s_hits = s_used = 0;
+        s_used_bytes = 0;
+    }
     __syncthreads();
-    unsigned hits = 0;
+    uint8_t *pf = L.pf ? s_pf : nullptr;
+    const int32_t no_hand = 0;
+    struct moe_off_walk mine; /* this thread's hits */
+    moe_off_walk_begin(&L, &no_hand, &mine);
     for (int e = threadIdx.x; e < L.nexp; e += blockDim.x) {
-        if (moe_off_hit(e, s_need, s_slot, s_ref))
-            hits++;
-        else if (s_need[e])
+        const int r = moe_off_hit(e, s_need, s_slot, s_ref, pf, prefetch);
+        moe_off_count_hit(&L, e, r, &mine);
+        if (!r && s_need[e])
             atomicOr(&s_miss[e >> 5], 1u << (e & 31));
     }
-    if (hits)
-        atomicAdd(&s_hits, hits);
+    if (mine.hits)
+        atomicAdd(&s_hits, (unsigned)mine.hits);
+    if (mine.pf_used) {
+        atomicAdd(&s_used, (unsigned)mine.pf_used);
+        atomicAdd(&s_used_bytes, mine.pf_used_bytes);
+    }
     __syncthreads();
     if (threadIdx.x == 0) {
         int32_t hand = S ? *L.hand : 0;
         struct moe_off_walk w;
         moe_off_walk_begin(&L, &hand, &w);
         w.hits = s_hits;
+        w.pf_used = s_used;
+        w.pf_used_bytes = s_used_bytes;
         for (int i = 0; i < nmask; i++)
             for (uint32_t m = s_miss[i]; m; m &= m - 1)
                 moe_off_miss(&L, i * 32 + __ffs((int)m) - 1, s_need, s_slot, s_exp, s_ref,
-                             s_pin, fl, prefetch, &w);
+                             s_pin, pf, fl, prefetch, &w);
         moe_off_walk_end(&L, &w, &hand, fl, L.stats, prefetch);
         if (S)
             *L.hand = hand;
@@ -159,6 +173,8 @@ __global__ void offload_resolve_kernel(const struct moe_cuda_off_layer *__restri
     for (int i = threadIdx.x; i < S; i += blockDim.x) {
         L.slot_exp[i] = s_exp[i];
         L.ref[i] = s_ref[i];
+        if (L.pf)
+            L.pf[i] = s_pf[i];
     }
 }
 
@@ -250,7 +266,7 @@ int moe_cuda_offload_resolve(const struct moe_cuda_off_layer *d_layer, int32_t n
         r = *rt;
     }
     const size_t smem = (size_t)(2 * nexp + slots + (nexp + 31) / 32) * sizeof(int32_t) +
-                        (size_t)(nexp + 2 * slots);
+                        (size_t)(nexp + 3 * slots);
     offload_resolve_kernel<<<1, 256, smem, s>>>(d_layer, sel_e, (int)n_sel, d_fill, prefetch, r);
     MOE_CUDA_TRY(cudaGetLastError());
     return 0;

@@ -20,7 +20,9 @@
 /* Counters per layer (stats[]). */
 enum { MOE_OFF_HITS, MOE_OFF_MISSES, MOE_OFF_FILL_BYTES, MOE_OFF_DIRECT, MOE_OFF_DIRECT_BYTES,
        MOE_OFF_PREFETCH, MOE_OFF_PREFETCH_BYTES, MOE_OFF_STAGED, MOE_OFF_STAGE_BYTES,
-       MOE_OFF_STAGE_READS, MOE_OFF_NSTATS };
+       MOE_OFF_STAGE_READS,
+       /* prefetched experts the layer then chose (their bytes), and those evicted unchosen */
+       MOE_OFF_PF_USED, MOE_OFF_PF_USED_BYTES, MOE_OFF_PF_WASTED, MOE_OFF_NSTATS };
 
 /* Tiered store (docs/offload.md, "A tiered store"): the channel through which a layer's resolve
  * asks the worker for the pool slots of its chosen experts that have no VRAM slot. It lives in
@@ -77,6 +79,8 @@ struct moe_cuda_off_layer {
     int32_t *slot_exp;             /* [slots]: the expert a slot holds, -1 none */
     uint8_t *pinned;               /* [slots]: 1 = hot, never evicted */
     uint8_t *ref;                  /* [slots]: clock reference bits */
+    uint8_t *pf;                   /* [slots] or NULL: 1 while the slot holds a prefetched expert
+                                    * that no lookup of the layer's own has found yet */
     int32_t *hand;                 /* [1]: clock hand */
     const void **host;             /* [3][nexp]: device addresses of the host copies (with a
                                     * tiered store NULL, but for the experts a request borrowed
@@ -142,6 +146,7 @@ struct moe_off_walk {
     int32_t h, nj;
     uint32_t chunks;
     unsigned long long hits, misses, fill, direct, direct_bytes, placed;
+    unsigned long long pf_used, pf_used_bytes, pf_wasted;
 };
 
 static inline MOE_OFF_HD void moe_off_walk_begin(const struct moe_cuda_off_layer *L,
@@ -151,24 +156,53 @@ static inline MOE_OFF_HD void moe_off_walk_begin(const struct moe_cuda_off_layer
     w->nj = 0;
     w->chunks = 0;
     w->hits = w->misses = w->fill = w->direct = w->direct_bytes = w->placed = 0;
+    w->pf_used = w->pf_used_bytes = w->pf_wasted = 0;
 }
 
-/* Chosen expert e, when it has a slot: its reference bit set; returns 1 (a hit), else 0. */
+/* Chosen expert e, when it has a slot: its reference bit set; returns 1 (a hit), 2 when the
+ * hit is a layer's own lookup finding a prefetched expert first (pf: L->pf or a copy of it; its
+ * flag cleared), else 0. */
 static inline MOE_OFF_HD int moe_off_hit(int32_t e, const uint8_t *need, const int32_t *slot_of,
-                                         uint8_t *ref)
+                                         uint8_t *ref, uint8_t *pf, int prefetch)
 {
     if (!need[e] || slot_of[e] < 0)
         return 0;
-    ref[slot_of[e]] = 1;
+    const int32_t s = slot_of[e];
+    ref[s] = 1;
+    if (pf && pf[s] && !prefetch) {
+        pf[s] = 0;
+        return 2;
+    }
     return 1;
+}
+
+/* The bytes of expert e (its three parts). */
+static inline MOE_OFF_HD unsigned long long moe_off_expert_bytes(const struct moe_cuda_off_layer *L,
+                                                                 int32_t e)
+{
+    return (unsigned long long)L->bytes[e] + L->bytes[L->nexp + e] + L->bytes[2 * L->nexp + e];
+}
+
+/* Adds moe_off_hit's result r for expert e to the walk's counters. */
+static inline MOE_OFF_HD void moe_off_count_hit(const struct moe_cuda_off_layer *L, int32_t e,
+                                                int r, struct moe_off_walk *w)
+{
+    if (r == 0)
+        return;
+    w->hits++;
+    if (r == 2) {
+        w->pf_used++;
+        w->pf_used_bytes += moe_off_expert_bytes(L, e);
+    }
 }
 
 /* Chosen expert e without a slot (a miss): the clock's victim for it, or a read from host. */
 static inline MOE_OFF_HD void moe_off_miss(const struct moe_cuda_off_layer *L, int32_t e,
                                            const uint8_t *need, int32_t *slot_of,
                                            int32_t *slot_exp, uint8_t *ref,
-                                           const uint8_t *pinned, struct moe_cuda_fill_list *fl,
-                                           int prefetch, struct moe_off_walk *w)
+                                           const uint8_t *pinned, uint8_t *pf,
+                                           struct moe_cuda_fill_list *fl, int prefetch,
+                                           struct moe_off_walk *w)
 {
     const int32_t S = L->slots, ne = L->nexp;
     w->misses++;
@@ -204,6 +238,10 @@ static inline MOE_OFF_HD void moe_off_miss(const struct moe_cuda_off_layer *L, i
     slot_exp[victim] = e;
     slot_of[e] = victim;
     ref[victim] = 1;
+    if (pf) {
+        w->pf_wasted += pf[victim]; /* a prefetched expert evicted before any lookup found it */
+        pf[victim] = prefetch ? 1 : 0;
+    }
     w->placed++;
     w->fill += moe_off_queue(L, e, L->base + (size_t)victim * L->slot_bytes, fl, &w->nj,
                              &w->chunks);
@@ -221,11 +259,14 @@ static inline MOE_OFF_HD void moe_off_walk_end(const struct moe_cuda_off_layer *
     fl->n_chunks = (int32_t)w->chunks;
     if (L->slots)
         *hand = w->h;
+    stats[MOE_OFF_PF_WASTED] += w->pf_wasted;
     if (prefetch) {
         stats[MOE_OFF_PREFETCH] += w->placed;
         stats[MOE_OFF_PREFETCH_BYTES] += w->fill;
         return;
     }
+    stats[MOE_OFF_PF_USED] += w->pf_used;
+    stats[MOE_OFF_PF_USED_BYTES] += w->pf_used_bytes;
     stats[MOE_OFF_HITS] += w->hits;
     stats[MOE_OFF_MISSES] += w->misses;
     stats[MOE_OFF_FILL_BYTES] += w->fill;
@@ -240,7 +281,8 @@ static inline MOE_OFF_HD void moe_off_walk_end(const struct moe_cuda_off_layer *
  * bits it passes): the old expert's tables go back to its host copy, the new one's to the slot,
  * and its three copies are queued in fl (and, with L->fsrc and not a prefetch, their sources
  * set there: L->fsrc's entries must be NULL on entry). With no such slot it is read from host
- * memory. Adds to stats[MOE_OFF_NSTATS].
+ * memory. Adds to stats[MOE_OFF_NSTATS]; with L->pf, also which prefetched experts the layer's
+ * own lookups found (used) and which were evicted first (wasted).
  *
  * prefetch: need[] is a prediction for a layer that has not routed yet (layer-ahead prefetch):
  * the same walk places the predicted experts, but nothing counts as a hit, miss or direct read
@@ -255,10 +297,10 @@ static inline MOE_OFF_HD void moe_off_resolve_mode(const struct moe_cuda_off_lay
     struct moe_off_walk w;
     moe_off_walk_begin(L, hand, &w);
     for (int32_t e = 0; e < L->nexp; e++) {
-        if (moe_off_hit(e, need, slot_of, ref))
-            w.hits++;
-        else if (need[e])
-            moe_off_miss(L, e, need, slot_of, slot_exp, ref, pinned, fl, prefetch, &w);
+        const int r = moe_off_hit(e, need, slot_of, ref, L->pf, prefetch);
+        moe_off_count_hit(L, e, r, &w);
+        if (!r && need[e])
+            moe_off_miss(L, e, need, slot_of, slot_exp, ref, pinned, L->pf, fl, prefetch, &w);
     }
     moe_off_walk_end(L, &w, hand, fl, stats, prefetch);
 }
