@@ -120,6 +120,19 @@ static void check_state(const struct sim *m)
     }
 }
 
+/* need[] cleared, then k random choices marked (some may repeat): uniform when skew is 0; else
+ * r·r/ne for a uniform r (low ids more often), always when skew is 1, otherwise unless a draw
+ * of 0..skew-1 gives 0. */
+static void random_need(uint8_t *need, int32_t ne, int32_t k, uint32_t skew)
+{
+    memset(need, 0, (size_t)ne);
+    for (int32_t i = 0; i < k; i++) {
+        const uint32_t r = moe_test_rng_u32() % (uint32_t)ne;
+        const bool sk = skew == 1 || (skew > 1 && moe_test_rng_u32() % skew);
+        need[sk ? r * r / (uint32_t)ne : r] = 1;
+    }
+}
+
 TEST(offload_resolve_keeps_the_cache_consistent)
 {
     static const int32_t shapes[][4] = {
@@ -141,13 +154,8 @@ TEST(offload_resolve_keeps_the_cache_consistent)
         memcpy(pinned_exp, m.slot_exp, sizeof(int32_t) * (size_t)S);
         unsigned long long fills = 0;
         for (int step = 0; step < 400; step++) {
-            memset(need, 0, (size_t)ne);
             /* Skewed choices: low expert ids more often, some steps wide (a prompt chunk). */
-            const int32_t k = 1 + (int32_t)(moe_test_rng_u32() % (uint32_t)kmax);
-            for (int32_t i = 0; i < k; i++) {
-                uint32_t r = moe_test_rng_u32() % (uint32_t)ne;
-                need[moe_test_rng_u32() % 3 ? r * r / (uint32_t)ne : r] = 1;
-            }
+            random_need(need, ne, 1 + (int32_t)(moe_test_rng_u32() % (uint32_t)kmax), 3);
             int32_t uniq = 0, had_slot = 0, free_unpinned = 0;
             for (int32_t e = 0; e < ne; e++) {
                 uniq += need[e];
@@ -208,10 +216,7 @@ TEST(offload_resolve_lists_the_copies_the_expert_kernels_make)
         m.L.fsrc = fsrc;
         unsigned long long listed = 0;
         for (int step = 0; step < 300; step++) {
-            memset(need, 0, (size_t)ne);
-            const int32_t k = 1 + (int32_t)(moe_test_rng_u32() % (uint32_t)kmax);
-            for (int32_t i = 0; i < k; i++)
-                need[moe_test_rng_u32() % (uint32_t)ne] = 1;
+            random_need(need, ne, 1 + (int32_t)(moe_test_rng_u32() % (uint32_t)kmax), 0);
             const int prefetch = step % 4 == 3;
             memset(fsrc, 0, 3 * (size_t)ne * sizeof(void *)); /* what the resolve kernel does */
             moe_off_resolve_mode(&m.L, need, m.slot_of, m.slot_exp, m.ref, m.pinned, &m.hand,
@@ -266,12 +271,7 @@ TEST(offload_resolve_hits_first_equal_the_walk)
         CHECK(so && se && rf && need && fa && tb && pf && pf0 && pf1);
         m.L.pf = pf;
         for (int step = 0; step < 300; step++) {
-            memset(need, 0, (size_t)ne);
-            const int32_t k = 1 + (int32_t)(moe_test_rng_u32() % (uint32_t)kmax);
-            for (int32_t i = 0; i < k; i++) {
-                uint32_t r = moe_test_rng_u32() % (uint32_t)ne;
-                need[moe_test_rng_u32() % 2 ? r * r / (uint32_t)ne : r] = 1;
-            }
+            random_need(need, ne, 1 + (int32_t)(moe_test_rng_u32() % (uint32_t)kmax), 2);
             const int prefetch = step % 5 == 4;
             /* The state before, kept to run the step twice. */
             memcpy(so, m.slot_of, sizeof(int32_t) * (size_t)ne);
@@ -391,11 +391,7 @@ TEST(offload_prefetch_used_and_wasted_are_counted)
         CHECK(fl && nd);
         m.L.pf = fl;
         for (int step = 0; step < 400; step++) {
-            memset(nd, 0, (size_t)ne);
-            for (int i = 0; i < 4; i++) {
-                const uint32_t r = moe_test_rng_u32() % (uint32_t)ne;
-                nd[r * r / (uint32_t)ne] = 1;
-            }
+            random_need(nd, ne, 4, 1);
             moe_off_resolve_mode(&m.L, nd, m.slot_of, m.slot_exp, m.ref, m.pinned, &m.hand, m.fl,
                                  m.stats, step % 2 == 0);
             sim_fill(&m);

@@ -2704,7 +2704,9 @@ static int prefetch(struct cuda_backend *b, int l)
 }
 
 static int expert_kernels(struct cuda_backend *b, int l, bool fold, const void *const *fill);
-static bool experts_per_slot(const struct cuda_backend *b, const struct cuda_layer *cl);
+/* The kernels that compute a layer's experts in a step (expert_kernels). */
+enum expert_path { XP_MIXED, XP_GEMM, XP_GROUPED, XP_PER_SLOT };
+static enum expert_path expert_path(const struct cuda_backend *b, const struct cuda_layer *cl);
 
 /* Where h_offmem, the host mirror of the offload state, holds what `dev` points to in
  * d_offmem. */
@@ -2823,7 +2825,7 @@ static int cuda_experts(struct moe_backend *bb, int l)
                                         b->n * k, b->d_fill, false, in_resolve ? &rt : NULL,
                                         b->st));
         if (cl->hot < cl->slots) {
-            if (b->d_fsrc && experts_per_slot(b, cl))
+            if (b->d_fsrc && expert_path(b, cl) == XP_PER_SLOT)
                 fill = b->d_fsrc + (size_t)l * 3 * (size_t)b->d.nexp; /* the kernels copy */
             else
                 LAUNCH(b, "expert fill",
@@ -2842,29 +2844,31 @@ static int cuda_experts(struct moe_backend *bb, int l)
     return 0;
 }
 
-/* Whether layer l's expert kernels in this step are the per-slot ones (the last case of
- * expert_kernels): not a layer of mixed types, not a prompt step on tensor cores, not enough
- * slots per expert to group them. */
-static bool experts_per_slot(const struct cuda_backend *b, const struct cuda_layer *cl)
+/* Which kernels compute layer cl's experts in this step: a layer of mixed types has its own;
+ * a prompt step on tensor cores; enough slots per expert to group them; else one launch per
+ * slot. */
+static enum expert_path expert_path(const struct cuda_backend *b, const struct cuda_layer *cl)
 {
     if (cl->mixed)
-        return false;
+        return XP_MIXED;
     if (use_gemm(b, cl->gate_type) && use_gemm(b, cl->up_type) && use_gemm(b, cl->down_type))
-        return false;
-    return !(b->n * (int64_t)b->d.kuse >= b->group_min * b->d.nexp &&
-             cl->gate_type == cl->up_type);
+        return XP_GEMM;
+    if (b->n * (int64_t)b->d.kuse >= b->group_min * b->d.nexp && cl->gate_type == cl->up_type)
+        return XP_GROUPED;
+    return XP_PER_SLOT;
 }
 
 /* Layer l's expert kernels over the step's routing (MOE_BUF_SEL_E / SEL_W): gate/up with
  * SwiGLU, down, the combine and the residual, by whichever path fits the step and the types.
  * fill (or NULL): the layer's fill sources ([3][nexp]), for the per-slot kernels to make the
- * copies the layer's resolve queued (experts_per_slot must hold). */
+ * copies the layer's resolve queued (the path must be XP_PER_SLOT). */
 static int expert_kernels(struct cuda_backend *b, int l, bool fold, const void *const *fill)
 {
     const struct cuda_layer *cl = &b->layers[l];
     const int k = (int)b->d.kuse;
     const int32_t *sel_e = (const int32_t *)b->buf[MOE_BUF_SEL_E];
-    if (cl->mixed) {
+    const enum expert_path path = expert_path(b, cl);
+    if (path == XP_MIXED) {
         mark(b, "mixed");
         LAUNCH(b, "experts (mixed types)",
                moe_cuda_expert_mixed(&cl->mx, b->d.E, b->d.ff, b->d.E, b->buf[MOE_BUF_X],
@@ -2873,7 +2877,7 @@ static int expert_kernels(struct cuda_backend *b, int l, bool fold, const void *
                                      b->ld_dout, b->buf[MOE_BUF_H], b->ld[MOE_BUF_H], b->st));
         return 0;
     }
-    if (use_gemm(b, cl->gate_type) && use_gemm(b, cl->up_type) && use_gemm(b, cl->down_type)) {
+    if (path == XP_GEMM) {
         /* Prompt steps: slots grouped by expert, each expert's products on tensor cores over
          * its slots (outputs in grouped order), then the combine in each token's order. */
         const int64_t slots = b->n * k;
@@ -2903,7 +2907,7 @@ static int expert_kernels(struct cuda_backend *b, int l, bool fold, const void *
                                            b->buf[MOE_BUF_H], b->ld[MOE_BUF_H], b->st));
         return 0;
     }
-    if (b->n * k >= b->group_min * b->d.nexp && cl->gate_type == cl->up_type) {
+    if (path == XP_GROUPED) {
         /* Many tokens (prompts): slots grouped by expert, each active expert's weights read and
          * decoded once for several of its slots. */
         const int64_t slots = b->n * k;

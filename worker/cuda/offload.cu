@@ -136,9 +136,7 @@ __global__ void offload_resolve_kernel(const struct moe_cuda_off_layer *__restri
     }
     __syncthreads();
     uint8_t *pf = L.pf ? s_pf : nullptr;
-    const int32_t no_hand = 0;
-    struct moe_off_walk mine; /* this thread's hits */
-    moe_off_walk_begin(&L, &no_hand, &mine);
+    struct moe_off_walk mine = {}; /* this thread's hits */
     for (int e = threadIdx.x; e < L.nexp; e += blockDim.x) {
         const int r = moe_off_hit(e, s_need, s_slot, s_ref, pf, prefetch);
         moe_off_count_hit(&L, e, r, &mine);

@@ -225,8 +225,7 @@ static inline MOE_OFF_HD void moe_off_miss(const struct moe_cuda_off_layer *L, i
         if (prefetch)
             return;
         w->direct++;
-        for (int p = 0; p < 3; p++)
-            w->direct_bytes += L->bytes[p * ne + e];
+        w->direct_bytes += moe_off_expert_bytes(L, e);
         return;
     }
     const int32_t old = slot_exp[victim];
@@ -369,8 +368,7 @@ static inline MOE_OFF_HD void moe_off_stage_end(const struct moe_cuda_off_layer 
             misses++;
             if (j >= cap) {
                 direct++;
-                for (int p = 0; p < 3; p++)
-                    direct_bytes += L->bytes[p * ne + e];
+                direct_bytes += moe_off_expert_bytes(L, e);
             } else {
                 reads++;
             }
