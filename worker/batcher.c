@@ -114,6 +114,13 @@ void moe_batcher_cancel(struct moe_batcher *b, uint64_t id)
         }
 }
 
+void moe_batcher_fail_running(struct moe_batcher *b, int code, const char *msg)
+{
+    for (uint32_t s = 0; s < b->cfg.n_seq; s++)
+        if (b->slot[s])
+            fail_job(b, b->slot[s], code, msg);
+}
+
 void moe_batcher_add(struct moe_batcher *b, struct moe_job *j)
 {
     j->next = NULL;
@@ -486,9 +493,7 @@ int moe_batcher_step(struct moe_batcher *b)
                  moe_engine_errmsg(b->cfg.eng));
         moe_ipc_log(MOE_LOG_ERROR, "%s", msg);
         /* Every sequence in the batch is now in an unknown state: fail them all. */
-        for (uint32_t s = 0; s < b->cfg.n_seq; s++)
-            if (b->slot[s])
-                fail_job(b, b->slot[s], rc, msg);
+        moe_batcher_fail_running(b, rc, msg);
         return rc == MOE_EBACKEND ? rc : 0;
     }
     /* Advance positions of everything evaluated. */

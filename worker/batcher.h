@@ -158,6 +158,9 @@ void moe_batcher_free(struct moe_batcher *b);
 void moe_batcher_add(struct moe_batcher *b, struct moe_job *j);
 /* Ends job `id` (running or waiting) without reporting it; unknown ids are ignored. */
 void moe_batcher_cancel(struct moe_batcher *b, uint64_t id);
+/* Fails every running job with code and msg (reported through sink.error): the engine's state
+ * can no longer be trusted. Waiting jobs stay. */
+void moe_batcher_fail_running(struct moe_batcher *b, int code, const char *msg);
 /* true while any job is running or waiting. */
 bool moe_batcher_busy(const struct moe_batcher *b);
 

@@ -81,6 +81,8 @@ struct worker {
     /* compute thread only: counts being applied, and whether experts remain to copy */
     uint64_t *place_counts;
     bool place_pending;
+    int place_fatal;               /* compute thread: re-pinning failed on the device (MOE_EBACKEND) */
+    char place_msg[256];
     /* outbox: compute -> main, under mu */
     struct wevent *out_head, *out_tail;
     /* main thread only */
@@ -200,12 +202,21 @@ static void apply_placement(struct worker *w)
         w->place_counts = in;
         w->place_pending = true;
     }
-    if (!w->place_counts || !w->place_pending)
+    if (!w->place_counts || !w->place_pending || w->place_fatal)
         return;
     uint32_t pending = 0;
-    if (moe_engine_set_hot(w->eng, w->place_counts, REPIN_LOADS_PER_REPORT, &pending)) {
-        moe_ipc_log(MOE_LOG_WARN, "%s", moe_engine_errmsg(w->eng));
+    const int rc = moe_engine_set_hot(w->eng, w->place_counts, REPIN_LOADS_PER_REPORT, &pending);
+    if (rc == MOE_EBACKEND) {
+        /* The device failed mid-way: its tables and slots may disagree, so the worker stops
+         * (the compute loop fails its sequences) and the daemon starts another. */
+        snprintf(w->place_msg, sizeof w->place_msg, "%s", moe_engine_errmsg(w->eng));
+        moe_ipc_log(MOE_LOG_ERROR, "%s", w->place_msg);
+        w->place_fatal = rc;
         pending = 0;
+    } else if (rc) {
+        /* Nothing of the failed loads reached the device (a tiered store could not give an
+         * expert): the placement is tried again with the next report. */
+        moe_ipc_log(MOE_LOG_WARN, "%s", moe_engine_errmsg(w->eng));
     }
     w->place_pending = pending > 0;
 }
@@ -287,7 +298,7 @@ static void *compute_main(void *arg)
             pthread_mutex_unlock(&w->mu);
             moe_batcher_report(b, true); /* going idle: flush what the last requests routed */
             pthread_mutex_lock(&w->mu);
-            if (w->stop || w->in_head || w->n_cancels)
+            if (w->stop || w->in_head || w->n_cancels || w->place_fatal)
                 break;
             pthread_cond_wait(&w->cv, &w->mu);
         }
@@ -316,6 +327,11 @@ static void *compute_main(void *arg)
             break;
         if (stop && !moe_batcher_busy(b))
             break;
+        if (w->place_fatal) { /* re-pinning failed on the device (apply_placement) */
+            fatal = w->place_fatal;
+            moe_batcher_fail_running(b, fatal, w->place_msg);
+            break;
+        }
         fatal = moe_batcher_step(b);
         atomic_fetch_add(&w->steps, 1);
         if (fatal)

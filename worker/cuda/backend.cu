@@ -238,6 +238,10 @@ struct cuda_backend {
     struct moe_off_chan *h_chan, *d_chan;
     struct moe_off_hint *h_hint, *d_hint; /* read-ahead hints (the prefetch's predictions) */
     uint32_t *d_chan_seq;            /* [2]: the channel's last request, the hint's last number */
+    unsigned long long *d_urgent;    /* [1] or NULL: the prefetch's copies wait for the layers'
+                                      * misses until then (moe_cuda_off_layer.urgent) */
+    double pf_yield;                 /* MOE_CUDA_PF_YIELD: the wait, in link-read times of the
+                                      * misses' bytes (0: the prefetch does not wait) */
     uint32_t hint_seen;              /* pool_service: the last hint read */
     int32_t *d_borrow;               /* [L][nexp] lent experts, then [L] their counts */
     const uint8_t **slot_dev;        /* [n_slots]: device address of each pool slot */
@@ -1304,6 +1308,12 @@ static int offload_state(struct cuda_backend *b, char *err, size_t errlen)
      * on the second stream): its experts without a VRAM slot go to the worker as a read-ahead
      * hint (pool_read_ahead). */
     b->pf = !d->no_prefetch && !(pf_env && !strcmp(pf_env, "0")) && !b->link_slow;
+    const char *py_env = getenv("MOE_CUDA_PF_YIELD");
+    b->pf_yield = py_env && *py_env ? atof(py_env) : 0.0;
+    if (b->pf && !b->xsrc && b->pf_yield > 0 && b->link_read_gbps > 0) {
+        OFF_TRY(cudaMalloc((void **)&b->d_urgent, sizeof *b->d_urgent));
+        OFF_TRY(cudaMemset(b->d_urgent, 0, sizeof *b->d_urgent));
+    }
     if (b->pf) {
         b->ev_fork = (cudaEvent_t *)calloc(L, sizeof(cudaEvent_t));
         b->ev_read = (cudaEvent_t *)calloc(L, sizeof(cudaEvent_t));
@@ -1454,6 +1464,10 @@ static int offload_state(struct cuda_backend *b, char *err, size_t errlen)
         o->tab[2] = cl->down;
         o->fsrc = b->d_fsrc ? b->d_fsrc + l * 3 * ne : NULL;
         o->stats = b->d_offstats + l * MOE_OFF_NSTATS;
+        if (b->d_urgent) {
+            o->urgent = b->d_urgent;
+            o->urgent_ns_per_byte = b->pf_yield / b->link_read_gbps; /* GB/s = bytes per ns */
+        }
     }
     OFF_TRY(cudaMemcpy(b->d_offmem, h, bytes, cudaMemcpyHostToDevice));
     OFF_TRY(cudaMemcpy(b->d_off, hl, sizeof *hl * L, cudaMemcpyHostToDevice));
@@ -1986,7 +2000,10 @@ static int cuda_init(struct moe_backend **out, const struct moe_model *m, struct
                      moe_fmt_size(vram, sizeof vram, b->expert_vram),
                      moe_fmt_size(all, sizeof all, b->expert_bytes), range, (long long)d->nexp,
                      hot, b->xhow,
-                     !b->pf ? "" : b->xsrc ? ", layer-ahead read-ahead hints" : ", layer-ahead prefetch",
+                     !b->pf        ? ""
+                     : b->xsrc     ? ", layer-ahead read-ahead hints"
+                     : b->d_urgent ? ", layer-ahead prefetch (after the misses)"
+                                   : ", layer-ahead prefetch",
                      stg);
         }
         if (d->vram_budget && b->dev_bytes > d->vram_budget) {
@@ -2060,6 +2077,7 @@ static void cuda_free(struct moe_backend *bb)
     cudaFree(b->arena);
     cudaFree(b->xarena);
     cudaFree(b->d_off);
+    cudaFree(b->d_urgent);
     cudaFree(b->d_offmem);
     free(b->h_offmem);
     free(b->h_off);
@@ -2696,7 +2714,8 @@ static int prefetch(struct cuda_backend *b, int l)
                moe_cuda_offload_resolve(b->d_off + t, (int32_t)b->d.nexp, ct->slots, b->pf_sel,
                                         b->n * k, b->d_pf_fill, true, NULL, b->st2));
         LAUNCH(b, "prefetch fill",
-               moe_cuda_offload_fill(b->d_pf_fill, b->pf_blocks, b->link_gbps, b->st2));
+               moe_cuda_offload_fill(b->d_pf_fill, b->pf_blocks, b->link_gbps, b->d_urgent,
+                                     b->st2));
     }
     CU(b, cudaEventRecord(b->ev_join[t], b->st2));
     b->pf_pending[t] = true;
@@ -2753,7 +2772,7 @@ static int stage_layer(struct cuda_backend *b, int t, cudaStream_t s)
         }
     } else {
         LAUNCH(b, "prompt staging copies",
-               moe_cuda_offload_fill(b->d_stage_fill[j], b->stage_blocks, b->link_gbps, s));
+               moe_cuda_offload_fill(b->d_stage_fill[j], b->stage_blocks, b->link_gbps, NULL, s));
     }
     if (s != b->st)
         CU(b, cudaEventRecord(b->ev_sjoin[j], s));
@@ -2829,7 +2848,7 @@ static int cuda_experts(struct moe_backend *bb, int l)
                 fill = b->d_fsrc + (size_t)l * 3 * (size_t)b->d.nexp; /* the kernels copy */
             else
                 LAUNCH(b, "expert fill",
-                       moe_cuda_offload_fill(b->d_fill, b->fill_blocks, b->link_gbps, b->st));
+                       moe_cuda_offload_fill(b->d_fill, b->fill_blocks, b->link_gbps, NULL, b->st));
         }
     }
     if (pf_next) {
@@ -3219,9 +3238,37 @@ static void cuda_info(const struct moe_backend *bb, uint64_t *device_bytes, char
 
 /* Re-pins every offloaded layer between steps: its pinned slots go to its most-routed experts by
  * counts ([L][nexp]; experts never routed are not pinned), as many as the cache rule with a
- * profile leaves pinned; the state is read back, changed by moe_off_repin, the moved experts
- * copied into their slots and the tables repointed, the state written back. At most max_loads
- * experts are copied per call; *pending says how many wait for the next call. */
+ * profile leaves pinned. The state is read back and changed by moe_off_repin for every layer
+ * first; with a tiered store every expert to load is then asked for at once (read ahead, so the
+ * daemon's reads overlap); then the moved experts are copied into their slots, the tables
+ * repointed and the state written back. At most max_loads experts are copied per call; *pending
+ * says how many wait for the next call. An expert a tiered store cannot give undoes its load and
+ * the later ones (each slot keeps the expert it held, as cache; the error is returned and the
+ * state stays consistent). A CUDA error is MOE_EBACKEND: the device state is not to be trusted
+ * (the worker stops). */
+struct repin_load {
+    int32_t l;
+    struct moe_off_load ld;
+};
+
+/* Undoes loads[from..n) of the host mirror's state, last first. */
+static void repin_undo(struct cuda_backend *b, const struct repin_load *loads, int32_t from,
+                       int32_t n)
+{
+    for (int32_t j = n - 1; j >= from; j--) {
+        const struct moe_cuda_off_layer *o = &b->h_off[loads[j].l];
+        const struct moe_off_load *u = &loads[j].ld;
+        int32_t *slot_of = (int32_t *)host_view(b, o->slot_of),
+                *slot_exp = (int32_t *)host_view(b, o->slot_exp);
+        uint8_t *pinned = (uint8_t *)host_view(b, o->pinned);
+        slot_of[u->x] = MOE_OFF_HOST;
+        slot_exp[u->s] = u->old;
+        if (u->old >= 0)
+            slot_of[u->old] = u->s;
+        pinned[u->s] = 0;
+    }
+}
+
 static int cuda_set_hot(struct moe_backend *bb, const uint64_t *counts, uint32_t max_loads,
                         uint32_t *pending)
 {
@@ -3233,14 +3280,18 @@ static int cuda_set_hot(struct moe_backend *bb, const uint64_t *counts, uint32_t
         return 0;
     CU(b, cudaStreamSynchronize(b->st));
     CU(b, cudaMemcpy(b->h_offmem, b->d_offmem, b->offmem_bytes, cudaMemcpyDeviceToHost));
+    const int32_t cap = (int32_t)(max_loads < (uint32_t)INT32_MAX ? max_loads : INT32_MAX);
+    const size_t ncap = (size_t)(cap < (int64_t)d->L * ne ? cap : (int64_t)d->L * ne);
     int32_t *want = (int32_t *)malloc(sizeof(int32_t) * (size_t)ne);
     uint8_t *scratch = (uint8_t *)malloc((size_t)ne);
-    struct moe_off_load *loads = (struct moe_off_load *)malloc(sizeof *loads * (size_t)ne);
+    struct moe_off_load *ll = (struct moe_off_load *)malloc(sizeof *ll * (size_t)ne);
+    struct repin_load *loads = (struct repin_load *)malloc(sizeof *loads * (ncap ? ncap : 1));
+    int32_t *ids = (int32_t *)malloc(sizeof(int32_t) * (ncap ? ncap : 1));
     int rc = 0;
-    if (!want || !scratch || !loads)
+    if (!want || !scratch || !ll || !loads || !ids)
         rc = -ENOMEM;
-    int32_t left = (int32_t)(max_loads < INT32_MAX ? max_loads : INT32_MAX);
-    bool pool_failed = false; /* a tiered store's expert could not be had: the rest not done */
+    int32_t left = cap, n = 0;
+    /* Plan: every layer's moves, in the host mirror. */
     for (int l = 0; l < (int)d->L && !rc; l++) {
         struct cuda_layer *cl = &b->layers[l];
         const struct moe_cuda_off_layer *o = &b->h_off[l];
@@ -3267,52 +3318,71 @@ static int cuda_set_hot(struct moe_backend *bb, const uint64_t *counts, uint32_t
         uint8_t *pinned = (uint8_t *)host_view(b, o->pinned), *ref = (uint8_t *)host_view(b, o->ref);
         int32_t nl = 0;
         *pending += (uint32_t)moe_off_repin((int32_t)ne, cl->slots, slot_of, slot_exp, pinned, ref,
-                                            want, nw, left, loads, &nl, scratch);
+                                            want, nw, left, ll, &nl, scratch);
         left -= nl;
-        uint8_t *pfl = (uint8_t *)host_view(b, o->pf);
         for (int32_t i = 0; i < nl; i++)
-            pfl[loads[i].s] = 0; /* a slot loaded here holds no prefetch */
-        const void **tabs[3] = {cl->gate, cl->up, cl->down};
-        for (int32_t i = 0; i < nl && !rc; i++) {
-            const struct moe_off_load *ld = &loads[i];
-            const struct moe_expert *ex = &b->m->layers[l].experts[ld->x];
-            bool got = true;
-            /* A tiered store's expert comes from the pool (asked of the daemon when it is not
-             * there: between steps, the worker's connection runs). */
-            if (b->xsrc && (rc = pool_copy_expert(b, l, ld->x,
-                                                  cl->base + (size_t)ld->s * cl->slot_bytes,
-                                                  MOE_PIN_WAIT, &got)) != 0) {
-                /* This load and the layer's next ones undone (nothing of them reached the
-                 * device): each slot keeps the expert it held, as cache. */
-                for (int32_t j = i; j < nl; j++) {
-                    const struct moe_off_load *u = &loads[j];
-                    slot_of[u->x] = MOE_OFF_HOST;
-                    slot_exp[u->s] = u->old;
-                    if (u->old >= 0)
-                        slot_of[u->old] = u->s;
-                    pinned[u->s] = 0;
-                }
-                pool_failed = true;
-                break;
-            }
-            for (int p = 0; p < 3 && !rc; p++) {
-                const struct moe_tensor *t = expert_part(ex, p);
-                uint8_t *at = cl->base + (size_t)ld->s * cl->slot_bytes + cl->part_off[p];
-                const void *old_ptr = ld->old >= 0 ? cl->host[p][ld->old] : NULL;
-                cudaError_t e = b->xsrc ? cudaSuccess
-                                        : cudaMemcpy(at, t->data, t->nbytes, cudaMemcpyHostToDevice);
-                if (e == cudaSuccess && ld->old >= 0)
-                    e = cudaMemcpy((void *)(tabs[p] + ld->old), &old_ptr, sizeof old_ptr,
-                                   cudaMemcpyHostToDevice);
-                const void *new_ptr = at;
-                if (e == cudaSuccess)
-                    e = cudaMemcpy((void *)(tabs[p] + ld->x), &new_ptr, sizeof new_ptr,
-                                   cudaMemcpyHostToDevice);
-                if (e != cudaSuccess)
-                    rc = cu_err(b, MOE_EBACKEND, "cuda:%d: re-pinning blk.%d expert %d: %s",
-                                b->dev, l, ld->x, cudaGetErrorString(e));
-            }
+            loads[n++] = (struct repin_load){l, ll[i]};
+    }
+    /* A tiered store: every expert to load asked for now, layer by layer, without waiting. */
+    if (!rc && b->xsrc && b->xsrc->prefetch) {
+        pthread_mutex_lock(&b->pool_mu);
+        for (int32_t i = 0; i < n;) {
+            int32_t k = 0, j = i;
+            for (; j < n && loads[j].l == loads[i].l; j++)
+                ids[k++] = loads[j].ld.x;
+            b->xsrc->prefetch(b->xsrc->user, loads[i].l, ids, k);
+            i = j;
         }
+        pthread_mutex_unlock(&b->pool_mu);
+    }
+    /* Copy: each moved expert into its slot, the tables repointed. */
+    bool pool_failed = false; /* a tiered store's expert could not be had: the rest undone */
+    for (int32_t i = 0; i < n && !rc; i++) {
+        const int l = loads[i].l;
+        struct cuda_layer *cl = &b->layers[l];
+        const struct moe_off_load *ld = &loads[i].ld;
+        const struct moe_expert *ex = &b->m->layers[l].experts[ld->x];
+        ((uint8_t *)host_view(b, b->h_off[l].pf))[ld->s] = 0; /* a loaded slot holds no prefetch */
+        bool got = true;
+        /* A tiered store's expert comes from the pool (asked of the daemon when it is not
+         * there: between steps, the worker's connection runs). */
+        if (b->xsrc && (rc = pool_copy_expert(b, l, ld->x,
+                                              cl->base + (size_t)ld->s * cl->slot_bytes,
+                                              MOE_PIN_WAIT, &got)) != 0) {
+            if (rc != MOE_EBACKEND) {
+                /* Nothing of this load and the later ones reached the device. */
+                repin_undo(b, loads, i, n);
+                *pending += (uint32_t)(n - i);
+                pool_failed = true;
+            }
+            break;
+        }
+        const void **tabs[3] = {cl->gate, cl->up, cl->down};
+        for (int p = 0; p < 3 && !rc; p++) {
+            const struct moe_tensor *t = expert_part(ex, p);
+            uint8_t *at = cl->base + (size_t)ld->s * cl->slot_bytes + cl->part_off[p];
+            const void *old_ptr = ld->old >= 0 ? cl->host[p][ld->old] : NULL;
+            cudaError_t e = b->xsrc ? cudaSuccess
+                                    : cudaMemcpy(at, t->data, t->nbytes, cudaMemcpyHostToDevice);
+            if (e == cudaSuccess && ld->old >= 0)
+                e = cudaMemcpy((void *)(tabs[p] + ld->old), &old_ptr, sizeof old_ptr,
+                               cudaMemcpyHostToDevice);
+            const void *new_ptr = at;
+            if (e == cudaSuccess)
+                e = cudaMemcpy((void *)(tabs[p] + ld->x), &new_ptr, sizeof new_ptr,
+                               cudaMemcpyHostToDevice);
+            if (e != cudaSuccess)
+                rc = cu_err(b, MOE_EBACKEND, "cuda:%d: re-pinning blk.%d expert %d: %s",
+                            b->dev, l, ld->x, cudaGetErrorString(e));
+        }
+    }
+    for (int l = 0; l < (int)d->L && (!rc || pool_failed); l++) {
+        struct cuda_layer *cl = &b->layers[l];
+        if (cl->slots >= ne)
+            continue;
+        const struct moe_cuda_off_layer *o = &b->h_off[l];
+        const int32_t *slot_exp = (const int32_t *)host_view(b, o->slot_exp);
+        uint8_t *pinned = (uint8_t *)host_view(b, o->pinned);
         int32_t hot = 0;
         for (int32_t sl = 0; sl < cl->slots; sl++) {
             if (d->cache_slots < 0 && slot_exp[sl] >= 0)
@@ -3323,7 +3393,9 @@ static int cuda_set_hot(struct moe_backend *bb, const uint64_t *counts, uint32_t
     }
     free(want);
     free(scratch);
+    free(ll);
     free(loads);
+    free(ids);
     if (rc && !pool_failed)
         return rc;
     CU(b, cudaMemcpy(b->d_offmem, b->h_offmem, b->offmem_bytes, cudaMemcpyHostToDevice));
