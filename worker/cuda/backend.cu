@@ -238,10 +238,6 @@ struct cuda_backend {
     struct moe_off_chan *h_chan, *d_chan;
     struct moe_off_hint *h_hint, *d_hint; /* read-ahead hints (the prefetch's predictions) */
     uint32_t *d_chan_seq;            /* [2]: the channel's last request, the hint's last number */
-    unsigned long long *d_urgent;    /* [1] or NULL: the prefetch's copies wait for the layers'
-                                      * misses until then (moe_cuda_off_layer.urgent) */
-    double pf_yield;                 /* MOE_CUDA_PF_YIELD: the wait, in link-read times of the
-                                      * misses' bytes (0: the prefetch does not wait) */
     uint32_t hint_seen;              /* pool_service: the last hint read */
     int32_t *d_borrow;               /* [L][nexp] lent experts, then [L] their counts */
     const uint8_t **slot_dev;        /* [n_slots]: device address of each pool slot */
@@ -1308,12 +1304,6 @@ static int offload_state(struct cuda_backend *b, char *err, size_t errlen)
      * on the second stream): its experts without a VRAM slot go to the worker as a read-ahead
      * hint (pool_read_ahead). */
     b->pf = !d->no_prefetch && !(pf_env && !strcmp(pf_env, "0")) && !b->link_slow;
-    const char *py_env = getenv("MOE_CUDA_PF_YIELD");
-    b->pf_yield = py_env && *py_env ? atof(py_env) : 0.0;
-    if (b->pf && !b->xsrc && b->pf_yield > 0 && b->link_read_gbps > 0) {
-        OFF_TRY(cudaMalloc((void **)&b->d_urgent, sizeof *b->d_urgent));
-        OFF_TRY(cudaMemset(b->d_urgent, 0, sizeof *b->d_urgent));
-    }
     if (b->pf) {
         b->ev_fork = (cudaEvent_t *)calloc(L, sizeof(cudaEvent_t));
         b->ev_read = (cudaEvent_t *)calloc(L, sizeof(cudaEvent_t));
@@ -1464,10 +1454,6 @@ static int offload_state(struct cuda_backend *b, char *err, size_t errlen)
         o->tab[2] = cl->down;
         o->fsrc = b->d_fsrc ? b->d_fsrc + l * 3 * ne : NULL;
         o->stats = b->d_offstats + l * MOE_OFF_NSTATS;
-        if (b->d_urgent) {
-            o->urgent = b->d_urgent;
-            o->urgent_ns_per_byte = b->pf_yield / b->link_read_gbps; /* GB/s = bytes per ns */
-        }
     }
     OFF_TRY(cudaMemcpy(b->d_offmem, h, bytes, cudaMemcpyHostToDevice));
     OFF_TRY(cudaMemcpy(b->d_off, hl, sizeof *hl * L, cudaMemcpyHostToDevice));
@@ -2000,10 +1986,7 @@ static int cuda_init(struct moe_backend **out, const struct moe_model *m, struct
                      moe_fmt_size(vram, sizeof vram, b->expert_vram),
                      moe_fmt_size(all, sizeof all, b->expert_bytes), range, (long long)d->nexp,
                      hot, b->xhow,
-                     !b->pf        ? ""
-                     : b->xsrc     ? ", layer-ahead read-ahead hints"
-                     : b->d_urgent ? ", layer-ahead prefetch (after the misses)"
-                                   : ", layer-ahead prefetch",
+                     !b->pf ? "" : b->xsrc ? ", layer-ahead read-ahead hints" : ", layer-ahead prefetch",
                      stg);
         }
         if (d->vram_budget && b->dev_bytes > d->vram_budget) {
@@ -2077,7 +2060,6 @@ static void cuda_free(struct moe_backend *bb)
     cudaFree(b->arena);
     cudaFree(b->xarena);
     cudaFree(b->d_off);
-    cudaFree(b->d_urgent);
     cudaFree(b->d_offmem);
     free(b->h_offmem);
     free(b->h_off);
@@ -2714,8 +2696,7 @@ static int prefetch(struct cuda_backend *b, int l)
                moe_cuda_offload_resolve(b->d_off + t, (int32_t)b->d.nexp, ct->slots, b->pf_sel,
                                         b->n * k, b->d_pf_fill, true, NULL, b->st2));
         LAUNCH(b, "prefetch fill",
-               moe_cuda_offload_fill(b->d_pf_fill, b->pf_blocks, b->link_gbps, b->d_urgent,
-                                     b->st2));
+               moe_cuda_offload_fill(b->d_pf_fill, b->pf_blocks, b->link_gbps, b->st2));
     }
     CU(b, cudaEventRecord(b->ev_join[t], b->st2));
     b->pf_pending[t] = true;
@@ -2772,7 +2753,7 @@ static int stage_layer(struct cuda_backend *b, int t, cudaStream_t s)
         }
     } else {
         LAUNCH(b, "prompt staging copies",
-               moe_cuda_offload_fill(b->d_stage_fill[j], b->stage_blocks, b->link_gbps, NULL, s));
+               moe_cuda_offload_fill(b->d_stage_fill[j], b->stage_blocks, b->link_gbps, s));
     }
     if (s != b->st)
         CU(b, cudaEventRecord(b->ev_sjoin[j], s));
@@ -2848,7 +2829,7 @@ static int cuda_experts(struct moe_backend *bb, int l)
                 fill = b->d_fsrc + (size_t)l * 3 * (size_t)b->d.nexp; /* the kernels copy */
             else
                 LAUNCH(b, "expert fill",
-                       moe_cuda_offload_fill(b->d_fill, b->fill_blocks, b->link_gbps, NULL, b->st));
+                       moe_cuda_offload_fill(b->d_fill, b->fill_blocks, b->link_gbps, b->st));
         }
     }
     if (pf_next) {

@@ -9,20 +9,11 @@
 #include "worker/cuda/qdot.cuh"
 
 /* How many of a lane's units the row walk unrolls (so their loads can be in flight together):
- * MOE_MV_UNROLL when defined (a build for measurements), else for one input MOE_MV_UNROLL_1
- * with one row, MOE_MV_UNROLL_2 with two (the mat-vecs' walks) and none otherwise. Unrolling
- * keeps each lane's additions in their order, so the floats do not depend on it. */
-#ifndef MOE_MV_UNROLL_1
-#define MOE_MV_UNROLL_1 2
-#endif
-#ifndef MOE_MV_UNROLL_2
-#define MOE_MV_UNROLL_2 1
-#endif
+ * MOE_MV_UNROLL when defined (a build for measurements), else two for one row and one input. */
 #ifdef MOE_MV_UNROLL
 #define MV_UNROLL(RW, T) (MOE_MV_UNROLL)
 #else
-#define MV_UNROLL(RW, T)                                                                        \
-    ((T) > 1 ? 1 : (RW) == 1 ? MOE_MV_UNROLL_1 : (RW) == 2 ? MOE_MV_UNROLL_2 : 1)
+#define MV_UNROLL(RW, T) ((RW) >= 2 || (T) > 1 ? 1 : 2)
 #endif
 
 /* RW rows' dot products with T inputs x[i], complete in every lane: the weights are loaded and

@@ -164,10 +164,6 @@ __global__ void offload_resolve_kernel(const struct moe_cuda_off_layer *__restri
         moe_off_walk_end(&L, &w, &hand, fl, L.stats, prefetch);
         if (S)
             *L.hand = hand;
-        const unsigned long long owed = w.fill + w.direct_bytes;
-        if (!prefetch && L.urgent && L.urgent_ns_per_byte > 0 && owed)
-            atomicMax(L.urgent, global_ns() + (unsigned long long)((double)owed *
-                                                                   L.urgent_ns_per_byte));
     }
     __syncthreads();
     for (int i = threadIdx.x; i < L.nexp; i += blockDim.x)
@@ -201,21 +197,13 @@ __global__ void offload_pool_done_kernel(const struct moe_cuda_off_layer *__rest
 /* Grid-stride over the chunks of every copy; 16-byte loads where source and destination allow
  * (the store's slices are 64-byte aligned, slots 256), bytes otherwise. ns_per_chunk > 0 (a
  * simulated slow link, MOE_CUDA_LINK_GBPS): chunk c is not done before (c + 1) * ns_per_chunk
- * after the block started, so the copies run at most at that rate. urgent (or NULL): no chunk
- * starts before the time it holds (moe_cuda_off_layer.urgent: a layer's misses go first). */
+ * after the block started, so the copies run at most at that rate. */
 __global__ void __launch_bounds__(256) offload_fill_kernel(const struct moe_cuda_fill_list *__restrict__ fl,
-                                                           double ns_per_chunk,
-                                                           const unsigned long long *urgent)
+                                                           double ns_per_chunk)
 {
     const int nc = fl->n_chunks, nj = fl->n;
     const uint64_t t0 = ns_per_chunk > 0 ? global_ns() : 0;
     for (int c = blockIdx.x; c < nc; c += gridDim.x) {
-        if (urgent) {
-            if (threadIdx.x == 0)
-                while (global_ns() < *(const volatile unsigned long long *)urgent)
-                    __nanosleep(500);
-            __syncthreads();
-        }
         if (ns_per_chunk > 0) {
             if (threadIdx.x == 0)
                 while ((double)(global_ns() - t0) < (double)(c + 1) * ns_per_chunk)
@@ -390,11 +378,11 @@ static double ns_per_chunk(float link_gbps)
 }
 
 int moe_cuda_offload_fill(const struct moe_cuda_fill_list *d_fill, int blocks, float link_gbps,
-                          const unsigned long long *d_urgent, cudaStream_t s)
+                          cudaStream_t s)
 {
     if (blocks <= 0)
         return -EINVAL;
-    offload_fill_kernel<<<blocks, 256, 0, s>>>(d_fill, ns_per_chunk(link_gbps), d_urgent);
+    offload_fill_kernel<<<blocks, 256, 0, s>>>(d_fill, ns_per_chunk(link_gbps));
     MOE_CUDA_TRY(cudaGetLastError());
     return 0;
 }
@@ -450,7 +438,7 @@ int moe_cuda_link_probe(const uint8_t *d_src, size_t bytes, uint8_t *d_dst, int 
     /* Each measured once after a warm-up run. */
     for (int rep = 0; rep < 2 && ce == cudaSuccess; rep++) {
         cudaEventRecord(e[0], s);
-        offload_fill_kernel<<<blocks, 256, 0, s>>>(d, ns_per_chunk(link_gbps), nullptr);
+        offload_fill_kernel<<<blocks, 256, 0, s>>>(d, ns_per_chunk(link_gbps));
         cudaEventRecord(e[1], s);
         link_read_kernel<<<blocks, 256, 0, s>>>((const uint4 *)d_src, bytes / 16, d_out);
         cudaEventRecord(e[2], s);

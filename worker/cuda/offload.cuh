@@ -66,10 +66,9 @@ int moe_cuda_offload_stage(const struct moe_cuda_off_layer *d_layer, int32_t nex
 int moe_cuda_offload_stage_end(const struct moe_cuda_off_layer *d_layer, int32_t nexp,
                                const int32_t *sel_e, int64_t n_sel, int32_t cap, cudaStream_t s);
 /* Runs the copies of *d_fill on `blocks` blocks; link_gbps > 0 paces them to at most that many
- * GB/s (a simulated slow link: MOE_CUDA_LINK_GBPS), 0 runs them as fast as they go. d_urgent
- * (or NULL): a device time before which no copy starts (moe_cuda_off_layer.urgent). */
+ * GB/s (a simulated slow link: MOE_CUDA_LINK_GBPS), 0 runs them as fast as they go. */
 int moe_cuda_offload_fill(const struct moe_cuda_fill_list *d_fill, int blocks, float link_gbps,
-                          const unsigned long long *d_urgent, cudaStream_t s);
+                          cudaStream_t s);
 /* Measures the two ways an expert outside VRAM reaches the GPU over `bytes` of host memory
  * mapped at d_src: copied into VRAM (d_dst, as many bytes) by the fill kernel (paced as
  * moe_cuda_offload_fill), and read in place by a kernel as the expert kernels read it; GB/s of

@@ -98,12 +98,6 @@ struct moe_cuda_off_layer {
     int32_t *n_borrow;             /* [1] */
     struct moe_off_hint *hint;     /* tiered store: the read-ahead hint (shared by the layers) */
     uint32_t *hint_seq;            /* [1]: the last hint's number */
-    /* Layer-ahead prefetch yielding the link to a layer's misses: a layer's own resolve that
-     * queues bytes to bring over sets *urgent (shared by the layers; %globaltimer ns) to at
-     * least now + bytes · urgent_ns_per_byte, and the prefetch's copies wait until then. NULL or
-     * 0: off. */
-    unsigned long long *urgent;
-    double urgent_ns_per_byte;
 };
 
 /* A copy from host memory into a slot. */
