@@ -340,6 +340,128 @@ TEST(offload_resolve_hits_first_equal_the_walk)
     }
 }
 
+/* The resolve kernel's fast path (moe_off_fast_hit / moe_off_fast_end, a step whose chosen
+ * experts all have a slot, repeats among the choices, prefetched experts among them) leaves the
+ * state, the counters and the copies list as the walk does, and the chosen experts' copy
+ * sources cleared. Steps with a miss run the walk, so the state evolves as it does in a run. */
+TEST(offload_resolve_fast_path_equals_the_walk)
+{
+    static const int32_t shapes[][4] = {{128, 96, 40, 8}, {128, 77, 19, 16}, {16, 12, 0, 4},
+                                        {64, 64, 8, 8}};
+    moe_test_rng_seed(77);
+    for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {
+        const int32_t ne = shapes[si][0], S = shapes[si][1], hot = shapes[si][2],
+                      kmax = shapes[si][3];
+        struct sim m;
+        sim_init(&m, ne, S, hot);
+        int32_t *so = malloc(sizeof(int32_t) * (size_t)ne), *se = malloc(sizeof(int32_t) * (size_t)S);
+        uint8_t *rf = malloc((size_t)S), *pf = calloc((size_t)S, 1), *pf0 = malloc((size_t)S);
+        uint8_t *need = malloc((size_t)ne);
+        const void **fsrc = malloc(sizeof(void *) * 3 * (size_t)ne);
+        int32_t *sel = malloc(sizeof(int32_t) * (size_t)kmax);
+        CHECK(so && se && rf && pf && pf0 && need && fsrc && sel);
+        m.L.pf = pf;
+        int fast_steps = 0, with_pf = 0;
+        for (int step = 0; step < 400; step++) {
+            const int32_t k = 1 + (int32_t)(moe_test_rng_u32() % (uint32_t)kmax);
+            /* Mostly experts that have a slot, so that most steps hit throughout. */
+            memset(need, 0, (size_t)ne);
+            for (int32_t i = 0; i < k; i++) {
+                int32_t e = (int32_t)(moe_test_rng_u32() % (uint32_t)ne);
+                if (moe_test_rng_u32() % 8 && S > 0)
+                    e = m.slot_exp[moe_test_rng_u32() % (uint32_t)S];
+                sel[i] = e < 0 ? 0 : e;
+                need[sel[i]] = 1;
+            }
+            if (step % 7 == 3) { /* a prediction places experts ahead (pf flags) */
+                uint8_t *pn = malloc((size_t)ne);
+                CHECK(pn);
+                random_need(pn, ne, kmax, 0);
+                m.L.fsrc = NULL;
+                moe_off_resolve_mode(&m.L, pn, m.slot_of, m.slot_exp, m.ref, m.pinned, &m.hand,
+                                     m.fl, m.stats, 1);
+                sim_fill(&m);
+                free(pn);
+            }
+            bool all_hit = true;
+            for (int32_t i = 0; i < k; i++)
+                all_hit = all_hit && m.slot_of[sel[i]] >= 0;
+            memcpy(so, m.slot_of, sizeof(int32_t) * (size_t)ne);
+            memcpy(se, m.slot_exp, sizeof(int32_t) * (size_t)S);
+            memcpy(rf, m.ref, (size_t)S);
+            memcpy(pf0, pf, (size_t)S);
+            const int32_t hand0 = m.hand;
+            unsigned long long st0[MOE_OFF_NSTATS];
+            memcpy(st0, m.stats, sizeof st0);
+            if (all_hit) {
+                fast_steps++;
+                for (int32_t i = 0; i < 3 * ne; i++)
+                    fsrc[i] = &m; /* stale sources of an earlier step */
+                m.L.fsrc = fsrc;
+                struct moe_off_walk w;
+                memset(&w, 0, sizeof w);
+                for (int32_t i = 0; i < k; i++) {
+                    bool first = true;
+                    for (int32_t j = 0; j < i; j++)
+                        first = first && sel[j] != sel[i];
+                    if (first)
+                        moe_off_fast_hit(&m.L, sel[i], m.slot_of[sel[i]], m.ref, pf, &w);
+                }
+                with_pf += w.pf_used > 0;
+                moe_off_fast_end(&w, m.fl, m.stats);
+                for (int32_t i = 0; i < k; i++)
+                    for (int p = 0; p < 3; p++)
+                        CHECK(fsrc[p * ne + sel[i]] == NULL);
+                const int fl_n = m.fl->n, fl_c = m.fl->n_chunks;
+                int32_t *so1 = malloc(sizeof(int32_t) * (size_t)ne);
+                uint8_t *rf1 = malloc((size_t)S), *pf1 = malloc((size_t)S);
+                CHECK(so1 && rf1 && pf1);
+                memcpy(so1, m.slot_of, sizeof(int32_t) * (size_t)ne);
+                memcpy(rf1, m.ref, (size_t)S);
+                memcpy(pf1, pf, (size_t)S);
+                unsigned long long st1[MOE_OFF_NSTATS];
+                memcpy(st1, m.stats, sizeof st1);
+                CHECK(memcmp(se, m.slot_exp, sizeof(int32_t) * (size_t)S) == 0);
+                CHECK_EQ(m.hand, hand0);
+                /* The walk from the same state. */
+                memcpy(m.slot_of, so, sizeof(int32_t) * (size_t)ne);
+                memcpy(m.ref, rf, (size_t)S);
+                memcpy(pf, pf0, (size_t)S);
+                memcpy(m.stats, st0, sizeof st0);
+                for (int32_t i = 0; i < 3 * ne; i++)
+                    fsrc[i] = NULL;
+                m.fl->n = -1;
+                moe_off_resolve_mode(&m.L, need, m.slot_of, m.slot_exp, m.ref, m.pinned, &m.hand,
+                                     m.fl, m.stats, 0);
+                CHECK(memcmp(so1, m.slot_of, sizeof(int32_t) * (size_t)ne) == 0);
+                CHECK(memcmp(se, m.slot_exp, sizeof(int32_t) * (size_t)S) == 0);
+                CHECK(memcmp(rf1, m.ref, (size_t)S) == 0);
+                CHECK(memcmp(pf1, pf, (size_t)S) == 0);
+                CHECK(memcmp(st1, m.stats, sizeof st1) == 0);
+                CHECK_EQ(m.hand, hand0);
+                CHECK_EQ(m.fl->n, fl_n);
+                CHECK_EQ(m.fl->n_chunks, fl_c);
+                for (int32_t i = 0; i < 3 * ne; i++)
+                    CHECK(fsrc[i] == NULL); /* nothing to copy */
+                free(so1), free(rf1), free(pf1);
+            } else {
+                m.L.fsrc = NULL;
+                moe_off_resolve_mode(&m.L, need, m.slot_of, m.slot_exp, m.ref, m.pinned, &m.hand,
+                                     m.fl, m.stats, 0);
+                sim_fill(&m);
+            }
+            check_state(&m);
+        }
+        CHECK(fast_steps > 100);
+        if (S < ne)
+            CHECK(with_pf > 0);
+        m.L.fsrc = NULL;
+        m.L.pf = NULL;
+        free(so), free(se), free(rf), free(pf), free(pf0), free(need), free(fsrc), free(sel);
+        sim_free(&m);
+    }
+}
+
 /* Prefetch accounting (L.pf): a prefetched expert that its layer's own lookup then finds is
  * used once (with its bytes); one evicted before that is wasted; a prediction finding it again
  * counts nothing. Over random traffic, every prefetched expert ends up used, wasted or still

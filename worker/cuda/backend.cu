@@ -239,6 +239,8 @@ struct cuda_backend {
     struct moe_off_hint *h_hint, *d_hint; /* read-ahead hints (the prefetch's predictions) */
     uint32_t *d_chan_seq;            /* [2]: the channel's last request, the hint's last number */
     uint32_t hint_seen;              /* pool_service: the last hint read */
+    bool resolve_fast;               /* a resolve whose choices all hit skips the walk
+                                      * (MOE_CUDA_RESOLVE_FAST=0: never) */
     int32_t *d_borrow;               /* [L][nexp] lent experts, then [L] their counts */
     const uint8_t **slot_dev;        /* [n_slots]: device address of each pool slot */
     uint64_t pool_probe_bytes;       /* registered bytes from slot 0 on (the link check) */
@@ -1304,6 +1306,8 @@ static int offload_state(struct cuda_backend *b, char *err, size_t errlen)
      * on the second stream): its experts without a VRAM slot go to the worker as a read-ahead
      * hint (pool_read_ahead). */
     b->pf = !d->no_prefetch && !(pf_env && !strcmp(pf_env, "0")) && !b->link_slow;
+    const char *fast_env = getenv("MOE_CUDA_RESOLVE_FAST");
+    b->resolve_fast = !(fast_env && !strcmp(fast_env, "0"));
     if (b->pf) {
         b->ev_fork = (cudaEvent_t *)calloc(L, sizeof(cudaEvent_t));
         b->ev_read = (cudaEvent_t *)calloc(L, sizeof(cudaEvent_t));
@@ -2694,7 +2698,7 @@ static int prefetch(struct cuda_backend *b, int l)
     } else {
         LAUNCH(b, "prefetch residency",
                moe_cuda_offload_resolve(b->d_off + t, (int32_t)b->d.nexp, ct->slots, b->pf_sel,
-                                        b->n * k, b->d_pf_fill, true, NULL, b->st2));
+                                        b->n * k, b->d_pf_fill, true, NULL, false, b->st2));
         LAUNCH(b, "prefetch fill",
                moe_cuda_offload_fill(b->d_pf_fill, b->pf_blocks, b->link_gbps, b->st2));
     }
@@ -2823,7 +2827,7 @@ static int cuda_experts(struct moe_backend *bb, int l)
         LAUNCH(b, "expert residency",
                moe_cuda_offload_resolve(b->d_off + l, (int32_t)b->d.nexp, cl->slots, sel_e,
                                         b->n * k, b->d_fill, false, in_resolve ? &rt : NULL,
-                                        b->st));
+                                        b->resolve_fast, b->st));
         if (cl->hot < cl->slots) {
             if (b->d_fsrc && expert_path(b, cl) == XP_PER_SLOT)
                 fill = b->d_fsrc + (size_t)l * 3 * (size_t)b->d.nexp; /* the kernels copy */

@@ -86,11 +86,59 @@ static __device__ void pool_borrow(const struct moe_cuda_off_layer &L, uint8_t *
  * its copies' sources in L.fsrc (cleared first) for expert kernels that copy as they go. With
  * rt.rl, warp w first routes token w (route_warp, as the route kernel does). With a tiered
  * store's channel (L.chan, and not a prefetch), the chosen experts without a slot are asked for
- * first (pool_borrow). */
+ * first (pool_borrow). fast: a layer's own resolve whose chosen experts all have a slot (and at
+ * most FAST_MAX of them) only touches their entries (resolve_fast), not the whole state. */
+#define FAST_MAX 64
+
+/* The fast resolve of offload_resolve_kernel, by the whole block: each thread looks up one
+ * chosen expert's slot; when one has none, false (nothing changed). Else the first of each
+ * distinct expert's threads applies moe_off_fast_hit, thread 0 the counters. */
+static __device__ bool resolve_fast(const struct moe_cuda_off_layer &L, const int32_t *sel_e,
+                                    int n_sel, struct moe_cuda_fill_list *fl)
+{
+    __shared__ unsigned f_hits, f_used;
+    __shared__ unsigned long long f_used_bytes;
+    if (threadIdx.x == 0) {
+        f_hits = f_used = 0;
+        f_used_bytes = 0;
+    }
+    int32_t e = -1, s = -1;
+    if ((int)threadIdx.x < n_sel) {
+        e = __ldcg(sel_e + threadIdx.x);
+        if (e >= 0 && e < L.nexp)
+            s = __ldcg(L.slot_of + e);
+        else
+            e = -1;
+    }
+    if (__syncthreads_or(e >= 0 && s < 0)) /* a miss: the walk */
+        return false;
+    bool first = e >= 0;
+    for (int j = 0; first && j < (int)threadIdx.x; j++)
+        first = __ldcg(sel_e + j) != e;
+    if (first) {
+        struct moe_off_walk w = {};
+        moe_off_fast_hit(&L, e, s, L.ref, L.pf, &w);
+        atomicAdd(&f_hits, (unsigned)w.hits);
+        if (w.pf_used) {
+            atomicAdd(&f_used, (unsigned)w.pf_used);
+            atomicAdd(&f_used_bytes, w.pf_used_bytes);
+        }
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        struct moe_off_walk w = {};
+        w.hits = f_hits;
+        w.pf_used = f_used;
+        w.pf_used_bytes = f_used_bytes;
+        moe_off_fast_end(&w, fl, L.stats);
+    }
+    return true;
+}
+
 __global__ void offload_resolve_kernel(const struct moe_cuda_off_layer *__restrict__ lp,
-                                       const int32_t *__restrict__ sel_e, int n_sel,
+                                       const int32_t *sel_e, int n_sel,
                                        struct moe_cuda_fill_list *__restrict__ fl,
-                                       int prefetch, struct moe_cuda_off_route rt)
+                                       int prefetch, struct moe_cuda_off_route rt, int fast)
 {
     if (rt.rl) {
         const int w = (int)(threadIdx.x >> 5);
@@ -100,6 +148,12 @@ __global__ void offload_resolve_kernel(const struct moe_cuda_off_layer *__restri
                        nullptr);
     }
     const struct moe_cuda_off_layer L = *lp;
+    if (fast && !prefetch && !L.chan && n_sel <= FAST_MAX && n_sel <= (int)blockDim.x) {
+        if (rt.rl)
+            __syncthreads(); /* the routing's choices written */
+        if (resolve_fast(L, sel_e, n_sel, fl))
+            return;
+    }
     extern __shared__ int32_t sm[];
     const int S = L.slots;
     const int nmask = (L.nexp + 31) / 32;
@@ -251,7 +305,7 @@ __global__ void __launch_bounds__(256) offload_fill_kernel(const struct moe_cuda
 int moe_cuda_offload_resolve(const struct moe_cuda_off_layer *d_layer, int32_t nexp,
                              int32_t slots, const int32_t *sel_e, int64_t n_sel,
                              struct moe_cuda_fill_list *d_fill, bool prefetch,
-                             const struct moe_cuda_off_route *rt, cudaStream_t s)
+                             const struct moe_cuda_off_route *rt, bool fast, cudaStream_t s)
 {
     if (nexp <= 0 || slots < 0 || slots > nexp || n_sel < 0 || n_sel > (1 << 24))
         return -EINVAL;
@@ -265,7 +319,8 @@ int moe_cuda_offload_resolve(const struct moe_cuda_off_layer *d_layer, int32_t n
     }
     const size_t smem = (size_t)(2 * nexp + slots + (nexp + 31) / 32) * sizeof(int32_t) +
                         (size_t)(nexp + 3 * slots);
-    offload_resolve_kernel<<<1, 256, smem, s>>>(d_layer, sel_e, (int)n_sel, d_fill, prefetch, r);
+    offload_resolve_kernel<<<1, 256, smem, s>>>(d_layer, sel_e, (int)n_sel, d_fill, prefetch, r,
+                                                 fast);
     MOE_CUDA_TRY(cudaGetLastError());
     return 0;
 }

@@ -38,11 +38,13 @@ struct moe_cuda_off_route {
  * prefetch: sel_e is a prediction for a layer that has not routed yet (moe_off_resolve_mode).
  * rt (or NULL): the routing that writes sel_e, done first in the same launch. With a tiered
  * store's channel (the layer's chan), the chosen experts without a slot are borrowed from the
- * pool first (offload_resolve.h, struct moe_off_chan). */
+ * pool first (offload_resolve.h, struct moe_off_chan). fast: a layer's own resolve (no channel,
+ * at most 64 choices) whose chosen experts all have a slot touches only their entries
+ * (moe_off_fast_hit), with the walk's result. */
 int moe_cuda_offload_resolve(const struct moe_cuda_off_layer *d_layer, int32_t nexp,
                              int32_t slots, const int32_t *sel_e, int64_t n_sel,
                              struct moe_cuda_fill_list *d_fill, bool prefetch,
-                             const struct moe_cuda_off_route *rt, cudaStream_t s);
+                             const struct moe_cuda_off_route *rt, bool fast, cudaStream_t s);
 /* Tiered store, on the prefetch's stream: the n_sel predicted experts sel of layer *d_layer
  * that have no VRAM slot written to the layer's hint (moe_off_hint_list), for the worker to
  * have them read ahead. */

@@ -196,6 +196,40 @@ static inline MOE_OFF_HD void moe_off_count_hit(const struct moe_cuda_off_layer 
     }
 }
 
+/* A layer's own resolve when every chosen expert has a slot: for each distinct chosen expert e
+ * in slot s, what the walk does to it (reference bit set, a prefetched expert's flag cleared and
+ * counted as used, a hit counted) and its copy sources cleared (the expert kernels read only the
+ * chosen experts' entries); then moe_off_fast_end. The state and counters are those
+ * moe_off_resolve_mode leaves for that step: no slot changes hands and the hand stays. */
+static inline MOE_OFF_HD void moe_off_fast_hit(const struct moe_cuda_off_layer *L, int32_t e,
+                                               int32_t s, uint8_t *ref, uint8_t *pf,
+                                               struct moe_off_walk *w)
+{
+    ref[s] = 1;
+    if (pf && pf[s]) {
+        pf[s] = 0;
+        w->pf_used++;
+        w->pf_used_bytes += moe_off_expert_bytes(L, e);
+    }
+    w->hits++;
+    if (L->fsrc)
+        for (int p = 0; p < 3; p++)
+            L->fsrc[p * L->nexp + e] = 0;
+}
+
+/* The counters of a resolve made of moe_off_fast_hit calls (w: their sums), and an empty list
+ * of copies. */
+static inline MOE_OFF_HD void moe_off_fast_end(const struct moe_off_walk *w,
+                                               struct moe_cuda_fill_list *fl,
+                                               unsigned long long *stats)
+{
+    fl->n = 0;
+    fl->n_chunks = 0;
+    stats[MOE_OFF_HITS] += w->hits;
+    stats[MOE_OFF_PF_USED] += w->pf_used;
+    stats[MOE_OFF_PF_USED_BYTES] += w->pf_used_bytes;
+}
+
 /* Chosen expert e without a slot (a miss): the clock's victim for it, or a read from host. */
 static inline MOE_OFF_HD void moe_off_miss(const struct moe_cuda_off_layer *L, int32_t e,
                                            const uint8_t *need, int32_t *slot_of,
