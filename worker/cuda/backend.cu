@@ -241,6 +241,9 @@ struct cuda_backend {
     uint32_t hint_seen;              /* pool_service: the last hint read */
     bool resolve_fast;               /* a resolve whose choices all hit skips the walk
                                       * (MOE_CUDA_RESOLVE_FAST=0: never) */
+    bool resolve_in_gu;              /* one-token steps resolve in the gate/up launch
+                                      * (MOE_CUDA_RESOLVE_IN_GU=0: a resolve launch) */
+    unsigned long long *d_gusync;    /* [L][3]: struct moe_cuda_gu_resolve's sync words */
     int32_t *d_borrow;               /* [L][nexp] lent experts, then [L] their counts */
     const uint8_t **slot_dev;        /* [n_slots]: device address of each pool slot */
     uint64_t pool_probe_bytes;       /* registered bytes from slot 0 on (the link check) */
@@ -1308,6 +1311,12 @@ static int offload_state(struct cuda_backend *b, char *err, size_t errlen)
     b->pf = !d->no_prefetch && !(pf_env && !strcmp(pf_env, "0")) && !b->link_slow;
     const char *fast_env = getenv("MOE_CUDA_RESOLVE_FAST");
     b->resolve_fast = !(fast_env && !strcmp(fast_env, "0"));
+    const char *gu_env = getenv("MOE_CUDA_RESOLVE_IN_GU");
+    b->resolve_in_gu = b->resolve_fast && !(gu_env && !strcmp(gu_env, "0")) && !b->xsrc;
+    if (b->resolve_in_gu) {
+        OFF_TRY(cudaMalloc((void **)&b->d_gusync, sizeof(unsigned long long) * 3 * L));
+        OFF_TRY(cudaMemset(b->d_gusync, 0, sizeof(unsigned long long) * 3 * L));
+    }
     if (b->pf) {
         b->ev_fork = (cudaEvent_t *)calloc(L, sizeof(cudaEvent_t));
         b->ev_read = (cudaEvent_t *)calloc(L, sizeof(cudaEvent_t));
@@ -2070,6 +2079,7 @@ static void cuda_free(struct moe_backend *bb)
     cudaFree(b->d_offstats);
     cudaFree(b->d_fill);
     cudaFree((void *)b->d_fsrc);
+    cudaFree(b->d_gusync);
     for (int i = 0; i < 2; i++) {
         cudaFree(b->d_stage_fill[i]);
         if (b->ev_sjoin[i])
@@ -2707,7 +2717,8 @@ static int prefetch(struct cuda_backend *b, int l)
     return 0;
 }
 
-static int expert_kernels(struct cuda_backend *b, int l, bool fold, const void *const *fill);
+static int expert_kernels(struct cuda_backend *b, int l, bool fold, const void *const *fill,
+                          const struct moe_cuda_gu_resolve *rs);
 /* The kernels that compute a layer's experts in a step (expert_kernels). */
 enum expert_path { XP_MIXED, XP_GEMM, XP_GROUPED, XP_PER_SLOT };
 static enum expert_path expert_path(const struct cuda_backend *b, const struct cuda_layer *cl);
@@ -2782,7 +2793,7 @@ static int staged_experts(struct cuda_backend *b, int l, bool fold)
     }
     if (ahead)
         CU(b, cudaStreamWaitEvent(b->st, b->ev_sjoin[b->stage_buf[l]], 0));
-    TRY_CU(expert_kernels(b, l, fold, NULL));
+    TRY_CU(expert_kernels(b, l, fold, NULL, NULL));
     LAUNCH(b, "prompt staging end",
            moe_cuda_offload_stage_end(b->d_off + l, (int32_t)b->d.nexp,
                                       (const int32_t *)b->buf[MOE_BUF_SEL_E], b->n * b->d.kuse,
@@ -2798,8 +2809,14 @@ static int cuda_experts(struct moe_backend *bb, int l)
     TRY_CU(flush_norm(b));
     const struct cuda_layer *cl = &b->layers[l];
     /* The routing left to this op: in the resolve's launch (offloaded layers), else in the
-     * gate/up launch (fold). */
-    const bool in_resolve = b->route_pending == l && cl->slots < b->d.nexp && !b->stage_step;
+     * gate/up launch (fold); one-token steps of an offloaded layer (without a tiered store)
+     * route and resolve in the gate/up launch (gu_resolve). */
+    const bool gu_res = b->resolve_in_gu && b->route_pending == l && cl->slots < b->d.nexp &&
+                        !b->stage_step && !b->xsrc && b->n == 1 && b->d_fsrc && b->d_gusync &&
+                        b->d.kuse <= 64 && cl->gate_type == cl->up_type &&
+                        expert_path(b, cl) == XP_PER_SLOT;
+    const bool in_resolve =
+        b->route_pending == l && cl->slots < b->d.nexp && !b->stage_step && !gu_res;
     const bool fold = b->route_pending == l && !in_resolve;
     if (b->route_pending == l)
         b->route_pending = -1;
@@ -2809,6 +2826,7 @@ static int cuda_experts(struct moe_backend *bb, int l)
     const int32_t *sel_e = (const int32_t *)b->buf[MOE_BUF_SEL_E];
     const bool pf_next = prefetches(b, l + 1);
     const void *const *fill = NULL;
+    struct moe_cuda_gu_resolve rs = {};
     if (pf_next)
         CU(b, cudaEventRecord(b->ev_fork[l], b->st));
     if (cl->slots < b->d.nexp && b->stage_step)
@@ -2824,11 +2842,17 @@ static int cuda_experts(struct moe_backend *bb, int l)
                                         (int)b->d.nexp, b->d.norm_topk,
                                         (int32_t *)b->buf[MOE_BUF_SEL_E], b->buf[MOE_BUF_SEL_W],
                                         b->counts + (size_t)l * b->d.nexp};
-        LAUNCH(b, "expert residency",
-               moe_cuda_offload_resolve(b->d_off + l, (int32_t)b->d.nexp, cl->slots, sel_e,
-                                        b->n * k, b->d_fill, false, in_resolve ? &rt : NULL,
-                                        b->resolve_fast, b->st));
-        if (cl->hot < cl->slots) {
+        if (gu_res) {
+            rs = (struct moe_cuda_gu_resolve){b->d_off + l, b->d_fill, b->d_gusync + 3 * l,
+                                              (int32_t)b->d.nexp, cl->slots};
+            fill = b->d_fsrc + (size_t)l * 3 * (size_t)b->d.nexp; /* the kernels copy */
+        } else {
+            LAUNCH(b, "expert residency",
+                   moe_cuda_offload_resolve(b->d_off + l, (int32_t)b->d.nexp, cl->slots, sel_e,
+                                            b->n * k, b->d_fill, false, in_resolve ? &rt : NULL,
+                                            b->resolve_fast, b->st));
+        }
+        if (!gu_res && cl->hot < cl->slots) {
             if (b->d_fsrc && expert_path(b, cl) == XP_PER_SLOT)
                 fill = b->d_fsrc + (size_t)l * 3 * (size_t)b->d.nexp; /* the kernels copy */
             else
@@ -2842,7 +2866,7 @@ static int cuda_experts(struct moe_backend *bb, int l)
             return prc;
         b->pf_read = l; /* the next write of MOE_BUF_X waits for its read (before_write) */
     }
-    TRY_CU(expert_kernels(b, l, fold, fill));
+    TRY_CU(expert_kernels(b, l, fold, fill, gu_res ? &rs : NULL));
     if (b->xsrc && cl->slots < b->d.nexp)
         LAUNCH(b, "pool done", moe_cuda_offload_pool_done(b->d_off + l, b->st));
     return 0;
@@ -2866,7 +2890,8 @@ static enum expert_path expert_path(const struct cuda_backend *b, const struct c
  * SwiGLU, down, the combine and the residual, by whichever path fits the step and the types.
  * fill (or NULL): the layer's fill sources ([3][nexp]), for the per-slot kernels to make the
  * copies the layer's resolve queued (the path must be XP_PER_SLOT). */
-static int expert_kernels(struct cuda_backend *b, int l, bool fold, const void *const *fill)
+static int expert_kernels(struct cuda_backend *b, int l, bool fold, const void *const *fill,
+                          const struct moe_cuda_gu_resolve *rs)
 {
     const struct cuda_layer *cl = &b->layers[l];
     const int k = (int)b->d.kuse;
@@ -2937,11 +2962,11 @@ static int expert_kernels(struct cuda_backend *b, int l, bool fold, const void *
                                          b->buf[MOE_BUF_SEL_W],
                                          b->counts + (size_t)l * b->d.nexp};
     mark(b, "gate_up");
-    LAUNCH(b, fold ? "route + expert gate/up" : "expert gate/up",
+    LAUNCH(b, rs ? "route + expert residency + gate/up" : fold ? "route + expert gate/up" : "expert gate/up",
            moe_cuda_expert_gate_up(cl->gate_type, cl->up_type, cl->gate, cl->up, b->d.E, b->d.ff,
                                    b->buf[MOE_BUF_X], b->ld[MOE_BUF_X], b->n, k, sel_e, b->act,
                                    b->ld_act, b->scratch, fold ? &rt : NULL, fill, b->d.nexp,
-                                   b->st));
+                                   rs, b->st));
     mark(b, "down");
     LAUNCH(b, "expert down",
            moe_cuda_expert_down(cl->down_type, cl->down, b->d.ff, b->d.E, b->act, b->ld_act, b->n,

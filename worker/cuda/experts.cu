@@ -23,6 +23,7 @@ extern "C" {
 #include "worker/cuda/qdot.cuh"
 
 #include "worker/cuda/experts_dev.cuh"
+#include "worker/cuda/offload_dev.cuh"
 
 /* mode 0: act = silu(gate)·up (gate, up same type K); mode 1: out = W·x for table a only.
  * fa, fb (or NULL): the fill sources of tables a and b (warp_fill_rows): each warp first copies
@@ -32,6 +33,73 @@ extern "C" {
  * (x 0, slot t·k) also stores the choices in rt.sel_e / rt.sel_w for the down kernel and counts
  * them: the routing of the step without a launch of its own. Dynamic shared memory: GU_WARPS ·
  * route_smem_floats(nexp, k) floats. */
+/* A pointer of a table that a block of this launch may have changed (resolve_walk). */
+static __device__ __forceinline__ const uint8_t *fresh_ptr(const uint8_t *const *tab, int e)
+{
+    return (const uint8_t *)__ldcg((const unsigned long long *)(tab + e));
+}
+
+/* The lookup of a gate/up launch that resolves its own layer (struct moe_cuda_gu_resolve), by
+ * the whole block after the routing: sel, the block's choices (kuse, shared memory), e its
+ * expert, wsm the walk's shared memory. Returns whether the block must read its expert's table
+ * entries and copy sources afresh (a block that waited for the walk, or made it). */
+static __device__ bool gu_resolve(const moe_cuda_gu_resolve &rs, const int32_t *sel, int kuse,
+                                  int e, int32_t *wsm)
+{
+    __shared__ unsigned long long s_epoch;
+    __shared__ int s_first, s_fresh;
+    volatile unsigned long long *sync = rs.sync;
+    if (threadIdx.x == 0) {
+        const unsigned long long t = atomicAdd(rs.sync, 1ull);
+        const unsigned long long G = (unsigned long long)gridDim.x * gridDim.y;
+        s_epoch = t / G + 1;
+        s_first = t % G == 0;
+    }
+    __syncthreads();
+    const unsigned long long ep = s_epoch;
+    if (s_first) {
+        const struct moe_cuda_off_layer L = *rs.off;
+        if (!resolve_fast(L, sel, kuse, rs.fl)) {
+            /* A miss (nothing changed yet): the step's other blocks are told before the walk
+             * changes the state. */
+            if (threadIdx.x == 0) {
+                sync[1] = ep;
+                __threadfence();
+            }
+            __syncthreads();
+            resolve_walk(L, sel, kuse, rs.fl, 0, wsm);
+        }
+        __threadfence();
+        __syncthreads();
+        if (threadIdx.x == 0)
+            sync[2] = ep;
+        return true;
+    }
+    if (threadIdx.x == 0) {
+        /* The expert had a slot before the step (read before the walk's notice): its tables and
+         * bytes stay for the step (the walk never evicts a chosen expert). Else wait. */
+        const int32_t s = __ldcg(rs.off->slot_of + e);
+        __threadfence();
+        const int wait = s < 0 || sync[1] == ep;
+        if (wait)
+            while (sync[2] < ep)
+                __nanosleep(64);
+        __threadfence();
+        s_fresh = wait;
+    }
+    __syncthreads();
+    return s_fresh;
+}
+
+/* mode 0: act = silu(gate)·up (gate, up same type K); mode 1: out = W·x for table a only.
+ * fa, fb (or NULL): the fill sources of tables a and b (warp_fill_rows): each warp first copies
+ * the rows it reads of an expert whose copies the layer's resolve left to this kernel. */
+/* With rt.rl set, every warp first routes its slot's token itself (route_warp on the router's
+ * logits, into its own shared memory: sel is not read), and warp 0 of the token's first block
+ * (x 0, slot t·k) also stores the choices in rt.sel_e / rt.sel_w for the down kernel and counts
+ * them: the routing of the step without a launch of its own. Dynamic shared memory: GU_WARPS ·
+ * route_smem_floats(nexp, k) floats, then with rs.off the walk's (moe_cuda_resolve_smem): the
+ * block resolves the layer's choices itself (gu_resolve). */
 template <int K, int MODE>
 static __global__ void __launch_bounds__(32 * GU_WARPS)
 gate_up_kernel(const uint8_t *const *__restrict__ ga, const uint8_t *const *__restrict__ ua,
@@ -39,17 +107,18 @@ gate_up_kernel(const uint8_t *const *__restrict__ ga, const uint8_t *const *__re
                const float *__restrict__ x, int64_t ldx, int kuse,
                const int32_t *__restrict__ sel_e, float *__restrict__ out, int64_t ldo,
                const uint8_t *__restrict__ etype, int want, const moe_cuda_route_in rt,
-               const uint8_t *const *__restrict__ fa, const uint8_t *const *__restrict__ fb)
+               const uint8_t *const *__restrict__ fa, const uint8_t *const *__restrict__ fb,
+               const moe_cuda_gu_resolve rs)
 {
     pdl_wait();
     pdl_trigger();
+    extern __shared__ float rsm[];
     const int64_t r0 = ((int64_t)blockIdx.x * GU_WARPS + (threadIdx.x >> 5)) * GU_ROWS;
-    if (r0 >= ff)
+    if (r0 >= ff && !rs.off) /* with rs.off every thread takes part in the lookup */
         return;
     const int64_t slot = blockIdx.y;
     int e;
     if (rt.rl) {
-        extern __shared__ float rsm[];
         const int lane = threadIdx.x & 31;
         const int64_t t = slot / kuse;
         float *p = rsm + (threadIdx.x >> 5) * route_smem_floats(rt.nexp, kuse);
@@ -67,16 +136,24 @@ gate_up_kernel(const uint8_t *const *__restrict__ ga, const uint8_t *const *__re
     } else {
         e = sel_e[slot];
     }
+    bool fresh = false;
+    if (rs.off) /* warp 0's choices; the walk's memory after every warp's routing */
+        fresh = gu_resolve(rs, (const int32_t *)(rsm + rt.nexp), kuse, e,
+                           (int32_t *)(rsm + GU_WARPS * route_smem_floats(rt.nexp, kuse)));
+    if (r0 >= ff)
+        return;
     if (etype && etype[e] != want)
         return; /* another pass computes this expert (a layer of mixed types) */
-    if (fa) {
+    const uint8_t *g = fresh ? fresh_ptr(ga, e) : ga[e];
+    const uint8_t *u = MODE != 0 ? g : fresh ? fresh_ptr(ua, e) : ua[e];
+    if (fa && (!rs.off || fresh)) {
         const int64_t rows = ff - r0 < GU_ROWS ? ff - r0 : GU_ROWS;
-        warp_fill_rows(ga[e], fa[e], r0, rows, row_bytes);
+        warp_fill_rows(g, fresh ? fresh_ptr(fa, e) : fa[e], r0, rows, row_bytes);
         if (MODE == 0)
-            warp_fill_rows(ua[e], fb[e], r0, rows, row_bytes);
+            warp_fill_rows(u, fresh ? fresh_ptr(fb, e) : fb[e], r0, rows, row_bytes);
     }
-    gate_up_warp<K, MODE>(ga[e], MODE == 0 ? ua[e] : ga[e], row_bytes, block_bytes, nu, ff,
-                          x + (slot / kuse) * ldx, r0, out + slot * ldo);
+    gate_up_warp<K, MODE>(g, u, row_bytes, block_bytes, nu, ff, x + (slot / kuse) * ldx, r0,
+                          out + slot * ldo);
 }
 
 static __global__ void swiglu_kernel(const float *__restrict__ g, const float *__restrict__ u,
@@ -423,21 +500,22 @@ static int launch_gate_up(const void *const *a, const void *const *b, int64_t n,
                           const float *x, int64_t ldx, int64_t n_tok, int kuse,
                           const int32_t *sel_e, float *out, int64_t ldo, const uint8_t *etype,
                           const moe_cuda_route_in &rt, const void *const *fa,
-                          const void *const *fb, cudaStream_t s)
+                          const void *const *fb, const moe_cuda_gu_resolve &rs, cudaStream_t s)
 {
     size_t rb;
     int nu;
     unsigned bb = blk_bytes<K>(n, &rb, &nu);
     const int64_t per = GU_ROWS * GU_WARPS;
     dim3 g((unsigned)((ff + per - 1) / per), (unsigned)(n_tok * kuse));
-    const size_t smem =
-        rt.rl ? sizeof(float) * GU_WARPS * (size_t)route_smem_floats(rt.nexp, kuse) : 0;
+    size_t smem = rt.rl ? sizeof(float) * GU_WARPS * (size_t)route_smem_floats(rt.nexp, kuse) : 0;
+    if (rs.off)
+        smem += moe_cuda_resolve_smem(rs.nexp, rs.slots);
     if (smem > 48 * 1024)
         return -EINVAL;
     MOE_CUDA_TRY(moe_launch(gate_up_kernel<K, MODE>, g, dim3(32 * GU_WARPS), smem, s,
                             (const uint8_t *const *)a, (const uint8_t *const *)b, rb, bb, nu, ff, x,
                             ldx, kuse, sel_e, out, ldo, etype, (int)kind_type(K), rt,
-                            (const uint8_t *const *)fa, (const uint8_t *const *)fb));
+                            (const uint8_t *const *)fa, (const uint8_t *const *)fb, rs));
     return 0;
 }
 
@@ -446,9 +524,10 @@ static int gate_up_dispatch(uint32_t type, const void *const *a, const void *con
                             int64_t ff, const float *x, int64_t ldx, int64_t n_tok, int kuse,
                             const int32_t *sel_e, float *out, int64_t ldo, cudaStream_t s,
                             const uint8_t *etype = NULL, const moe_cuda_route_in &rt = {},
-                            const void *const *fa = NULL, const void *const *fb = NULL)
+                            const void *const *fa = NULL, const void *const *fb = NULL,
+                            const moe_cuda_gu_resolve &rs = {})
 {
-#define CALL(T) return launch_gate_up<T, MODE>(a, b, n, ff, x, ldx, n_tok, kuse, sel_e, out, ldo, etype, rt, fa, fb, s);
+#define CALL(T) return launch_gate_up<T, MODE>(a, b, n, ff, x, ldx, n_tok, kuse, sel_e, out, ldo, etype, rt, fa, fb, rs, s);
 #define CASE(T) case T: CALL(T)
     switch (type) {
     MOE_QDOT_TYPES(CASE)
@@ -464,7 +543,8 @@ int moe_cuda_expert_gate_up(uint32_t gate_type, uint32_t up_type, const void *co
                             int64_t ldx, int64_t n_tok, int kuse, const int32_t *d_sel_e,
                             float *d_act, int64_t ldact, float *d_scratch,
                             const struct moe_cuda_route_in *route, const void *const *d_fill,
-                            int64_t nexp, cudaStream_t s)
+                            int64_t nexp, const struct moe_cuda_gu_resolve *resolve,
+                            cudaStream_t s)
 {
     if (!moe_qdot_supported(gate_type) || !moe_qdot_supported(up_type))
         return MOE_EUNSUPPORTED;
@@ -474,11 +554,15 @@ int moe_cuda_expert_gate_up(uint32_t gate_type, uint32_t up_type, const void *co
         return -EINVAL;
     if (d_fill && nexp <= 0)
         return -EINVAL;
+    if (resolve && (!route || !d_fill || !resolve->off || !resolve->fl || !resolve->sync ||
+                    resolve->nexp != nexp || kuse > FAST_MAX || kuse > 32 * GU_WARPS))
+        return -EINVAL;
     const void *const *fg = d_fill, *const *fu = d_fill ? d_fill + nexp : NULL;
     if (gate_type == up_type)
         return gate_up_dispatch<0>(gate_type, d_gate, d_up, n, ff, d_x, ldx, n_tok, kuse,
                                    d_sel_e, d_act, ldact, s, NULL,
-                                   route ? *route : moe_cuda_route_in{}, fg, fu);
+                                   route ? *route : moe_cuda_route_in{}, fg, fu,
+                                   resolve ? *resolve : moe_cuda_gu_resolve{});
     /* Mixed types: gate into scratch[0], up into scratch[1] (same row stride as act), then the
      * SwiGLU over whole rows (the padding of a row included, which nothing reads). */
     const int64_t count = n_tok * kuse * ldact;

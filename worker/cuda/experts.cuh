@@ -20,19 +20,38 @@ struct moe_cuda_route_in {
     unsigned long long *counts;
 };
 
+/* A gate/up launch that resolves its layer's choices itself (a one-token step of an offloaded
+ * layer, with the routing in the launch and the copies made by the expert kernels): the layer's
+ * offload state (device memory), the walk's copies list, and the layer's three sync words
+ * (zeroed at start, used by no other launch; the launch's grid must be the same at every step):
+ * the blocks' tickets, the step whose walk changes the state, the step whose resolve is done.
+ * The first block of a step resolves (offload_dev.cuh: resolve_fast, else resolve_walk); a
+ * block whose expert already had a slot goes on without waiting, the others wait for it. */
+struct moe_cuda_off_layer;
+struct moe_cuda_fill_list;
+struct moe_cuda_gu_resolve {
+    const struct moe_cuda_off_layer *off;
+    struct moe_cuda_fill_list *fl;
+    unsigned long long *sync;
+    int32_t nexp, slots;
+};
+
 /* act[s][r] = silu(gate_e · x[t]) · (up_e · x[t]) for every slot s = t·k + j, e = sel_e[s],
  * t < n_tok, r < ff (x rows ldx floats apart, act rows ldact, both multiples of 4). gate and up:
  * [ff][n] of one type each, tables of device pointers. route: NULL, or the step's routing done
  * in the same launch (gate and up of one type): sel_e is then ignored, route->sel_e / sel_w /
  * counts get what moe_cuda_route would have written. d_fill (or NULL): [3][nexp] fill sources
  * of an offloaded layer (struct moe_cuda_off_layer's fsrc): where an expert's entry is set, its
- * gate and up rows are copied from there to where the tables point before they are read. */
+ * gate and up rows are copied from there to where the tables point before they are read.
+ * resolve (or NULL; with route and d_fill): the layer's lookup of its choices in the same
+ * launch (struct moe_cuda_gu_resolve), instead of moe_cuda_offload_resolve before it. */
 int moe_cuda_expert_gate_up(uint32_t gate_type, uint32_t up_type, const void *const *d_gate,
                             const void *const *d_up, int64_t n, int64_t ff, const float *d_x,
                             int64_t ldx, int64_t n_tok, int kuse, const int32_t *d_sel_e,
                             float *d_act, int64_t ldact, float *d_scratch,
                             const struct moe_cuda_route_in *route, const void *const *d_fill,
-                            int64_t nexp, cudaStream_t s);
+                            int64_t nexp, const struct moe_cuda_gu_resolve *resolve,
+                            cudaStream_t s);
 
 /* h[t][r] += Σ_j sel_w[t·k+j] · (down_e · act[t·k+j]) for r < E, summed over j = 0..k-1 in that
  * order (after each expert's dot product is complete), then added to h once. d_fill (or NULL):
