@@ -241,9 +241,9 @@ struct cuda_backend {
     uint32_t hint_seen;              /* pool_service: the last hint read */
     bool resolve_fast;               /* a resolve whose choices all hit skips the walk
                                       * (MOE_CUDA_RESOLVE_FAST=0: never) */
-    bool resolve_in_gu;              /* one-token steps resolve in the gate/up launch
+    unsigned long long *d_gusync;    /* [L][3] or NULL: struct moe_cuda_gu_resolve's sync words;
+                                      * set when one-token steps resolve in the gate/up launch
                                       * (MOE_CUDA_RESOLVE_IN_GU=0: a resolve launch) */
-    unsigned long long *d_gusync;    /* [L][3]: struct moe_cuda_gu_resolve's sync words */
     int32_t *d_borrow;               /* [L][nexp] lent experts, then [L] their counts */
     const uint8_t **slot_dev;        /* [n_slots]: device address of each pool slot */
     uint64_t pool_probe_bytes;       /* registered bytes from slot 0 on (the link check) */
@@ -1312,8 +1312,7 @@ static int offload_state(struct cuda_backend *b, char *err, size_t errlen)
     const char *fast_env = getenv("MOE_CUDA_RESOLVE_FAST");
     b->resolve_fast = !(fast_env && !strcmp(fast_env, "0"));
     const char *gu_env = getenv("MOE_CUDA_RESOLVE_IN_GU");
-    b->resolve_in_gu = b->resolve_fast && !(gu_env && !strcmp(gu_env, "0")) && !b->xsrc;
-    if (b->resolve_in_gu) {
+    if (b->resolve_fast && !(gu_env && !strcmp(gu_env, "0")) && !b->xsrc) {
         OFF_TRY(cudaMalloc((void **)&b->d_gusync, sizeof(unsigned long long) * 3 * L));
         OFF_TRY(cudaMemset(b->d_gusync, 0, sizeof(unsigned long long) * 3 * L));
     }
@@ -2811,9 +2810,9 @@ static int cuda_experts(struct moe_backend *bb, int l)
     /* The routing left to this op: in the resolve's launch (offloaded layers), else in the
      * gate/up launch (fold); one-token steps of an offloaded layer (without a tiered store)
      * route and resolve in the gate/up launch (gu_resolve). */
-    const bool gu_res = b->resolve_in_gu && b->route_pending == l && cl->slots < b->d.nexp &&
-                        !b->stage_step && !b->xsrc && b->n == 1 && b->d_fsrc && b->d_gusync &&
-                        b->d.kuse <= 64 && cl->gate_type == cl->up_type &&
+    const bool gu_res = b->d_gusync && b->route_pending == l && cl->slots < b->d.nexp &&
+                        !b->stage_step && b->n == 1 && b->d_fsrc &&
+                        b->d.kuse <= MOE_OFF_FAST_MAX && cl->gate_type == cl->up_type &&
                         expert_path(b, cl) == XP_PER_SLOT;
     const bool in_resolve =
         b->route_pending == l && cl->slots < b->d.nexp && !b->stage_step && !gu_res;
@@ -2842,17 +2841,17 @@ static int cuda_experts(struct moe_backend *bb, int l)
                                         (int)b->d.nexp, b->d.norm_topk,
                                         (int32_t *)b->buf[MOE_BUF_SEL_E], b->buf[MOE_BUF_SEL_W],
                                         b->counts + (size_t)l * b->d.nexp};
-        if (gu_res) {
+        if (gu_res)
             rs = (struct moe_cuda_gu_resolve){b->d_off + l, b->d_fill, b->d_gusync + 3 * l,
                                               (int32_t)b->d.nexp, cl->slots};
-            fill = b->d_fsrc + (size_t)l * 3 * (size_t)b->d.nexp; /* the kernels copy */
-        } else {
+        else
             LAUNCH(b, "expert residency",
                    moe_cuda_offload_resolve(b->d_off + l, (int32_t)b->d.nexp, cl->slots, sel_e,
                                             b->n * k, b->d_fill, false, in_resolve ? &rt : NULL,
                                             b->resolve_fast, b->st));
-        }
-        if (!gu_res && cl->hot < cl->slots) {
+        /* The resolve inside gate/up needs the kernels' copy sources even where every slot is
+         * pinned (it clears them for the choices). */
+        if (gu_res || cl->hot < cl->slots) {
             if (b->d_fsrc && expert_path(b, cl) == XP_PER_SLOT)
                 fill = b->d_fsrc + (size_t)l * 3 * (size_t)b->d.nexp; /* the kernels copy */
             else

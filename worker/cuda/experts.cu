@@ -25,14 +25,6 @@ extern "C" {
 #include "worker/cuda/experts_dev.cuh"
 #include "worker/cuda/offload_dev.cuh"
 
-/* mode 0: act = silu(gate)·up (gate, up same type K); mode 1: out = W·x for table a only.
- * fa, fb (or NULL): the fill sources of tables a and b (warp_fill_rows): each warp first copies
- * the rows it reads of an expert whose copies the layer's resolve left to this kernel. */
-/* With rt.rl set, every warp first routes its slot's token itself (route_warp on the router's
- * logits, into its own shared memory: sel is not read), and warp 0 of the token's first block
- * (x 0, slot t·k) also stores the choices in rt.sel_e / rt.sel_w for the down kernel and counts
- * them: the routing of the step without a launch of its own. Dynamic shared memory: GU_WARPS ·
- * route_smem_floats(nexp, k) floats. */
 /* A pointer of a table that a block of this launch may have changed (resolve_walk). */
 static __device__ __forceinline__ const uint8_t *fresh_ptr(const uint8_t *const *tab, int e)
 {
@@ -555,7 +547,7 @@ int moe_cuda_expert_gate_up(uint32_t gate_type, uint32_t up_type, const void *co
     if (d_fill && nexp <= 0)
         return -EINVAL;
     if (resolve && (!route || !d_fill || !resolve->off || !resolve->fl || !resolve->sync ||
-                    resolve->nexp != nexp || kuse > FAST_MAX || kuse > 32 * GU_WARPS))
+                    resolve->nexp != nexp || kuse > MOE_OFF_FAST_MAX || kuse > 32 * GU_WARPS))
         return -EINVAL;
     const void *const *fg = d_fill, *const *fu = d_fill ? d_fill + nexp : NULL;
     if (gate_type == up_type)

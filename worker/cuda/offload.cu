@@ -18,8 +18,9 @@ size_t moe_cuda_fill_list_bytes(int32_t max_slots)
  * its copies' sources in L.fsrc (cleared first) for expert kernels that copy as they go. With
  * rt.rl, warp w first routes token w (route_warp, as the route kernel does). With a tiered
  * store's channel (L.chan, and not a prefetch), the chosen experts without a slot are asked for
- * first (pool_borrow). fast: a layer's own resolve whose chosen experts all have a slot (and at
- * most FAST_MAX of them) only touches their entries (resolve_fast), not the whole state. */
+ * first (pool_borrow). fast: a layer's own resolve whose chosen experts all have a slot (and
+ * at most MOE_OFF_FAST_MAX of them) only touches their entries (resolve_fast), not the whole
+ * state. */
 __global__ void offload_resolve_kernel(const struct moe_cuda_off_layer *__restrict__ lp,
                                        const int32_t *sel_e, int n_sel,
                                        struct moe_cuda_fill_list *__restrict__ fl,
@@ -33,7 +34,7 @@ __global__ void offload_resolve_kernel(const struct moe_cuda_off_layer *__restri
                        nullptr);
     }
     const struct moe_cuda_off_layer L = *lp;
-    if (fast && !prefetch && !L.chan && n_sel <= FAST_MAX && n_sel <= (int)blockDim.x) {
+    if (fast && !prefetch && !L.chan && n_sel <= MOE_OFF_FAST_MAX && n_sel <= (int)blockDim.x) {
         if (rt.rl)
             __syncthreads(); /* the routing's choices written */
         if (resolve_fast(L, sel_e, n_sel, fl))

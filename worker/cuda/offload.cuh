@@ -23,6 +23,8 @@ size_t moe_cuda_fill_list_bytes(int32_t max_slots);
  * up to 256 experts): the route kernel's (moe_cuda_route) top-k of rl's n rows of nexp logits
  * into sel_e / sel_w, counted in counts. */
 #define MOE_OFF_ROUTE_MAX 8
+/* The most choices a resolve's short way takes (one thread each; resolve_fast). */
+#define MOE_OFF_FAST_MAX 64
 struct moe_cuda_off_route {
     const float *rl;
     int64_t ldl;
@@ -39,8 +41,8 @@ struct moe_cuda_off_route {
  * rt (or NULL): the routing that writes sel_e, done first in the same launch. With a tiered
  * store's channel (the layer's chan), the chosen experts without a slot are borrowed from the
  * pool first (offload_resolve.h, struct moe_off_chan). fast: a layer's own resolve (no channel,
- * at most 64 choices) whose chosen experts all have a slot touches only their entries
- * (moe_off_fast_hit), with the walk's result. */
+ * at most MOE_OFF_FAST_MAX choices) whose chosen experts all have a slot touches only their
+ * entries (moe_off_fast_hit), with the walk's result. */
 int moe_cuda_offload_resolve(const struct moe_cuda_off_layer *d_layer, int32_t nexp,
                              int32_t slots, const int32_t *sel_e, int64_t n_sel,
                              struct moe_cuda_fill_list *d_fill, bool prefetch,

@@ -81,8 +81,36 @@ static __device__ void pool_borrow(const struct moe_cuda_off_layer &L, uint8_t *
     __syncthreads();
 }
 
-/* The fast resolve of a layer's own lookup (no channel): at most FAST_MAX choices. */
-#define FAST_MAX 64
+/* The sum of a block's threads' hit counters (in shared memory; zeroed before a barrier, then
+ * block_hits_add by each thread, then after a barrier block_hits_get). */
+struct block_hits {
+    unsigned hits, used;
+    unsigned long long used_bytes;
+};
+
+static __device__ void block_hits_zero(struct block_hits *h)
+{
+    h->hits = h->used = 0;
+    h->used_bytes = 0;
+}
+
+static __device__ void block_hits_add(struct block_hits *h, const struct moe_off_walk &mine)
+{
+    if (mine.hits)
+        atomicAdd(&h->hits, (unsigned)mine.hits);
+    if (mine.pf_used) {
+        atomicAdd(&h->used, (unsigned)mine.pf_used);
+        atomicAdd(&h->used_bytes, mine.pf_used_bytes);
+    }
+}
+
+static __device__ void block_hits_get(const struct block_hits *h, struct moe_off_walk *w)
+{
+    w->hits = h->hits;
+    w->pf_used = h->used;
+    w->pf_used_bytes = h->used_bytes;
+}
+
 
 /* The fast resolve of offload_resolve_kernel, by the whole block: each thread looks up one
  * chosen expert's slot; when one has none, false (nothing changed). Else the first of each
@@ -90,12 +118,9 @@ static __device__ void pool_borrow(const struct moe_cuda_off_layer &L, uint8_t *
 static __device__ bool resolve_fast(const struct moe_cuda_off_layer &L, const int32_t *sel_e,
                                     int n_sel, struct moe_cuda_fill_list *fl)
 {
-    __shared__ unsigned f_hits, f_used;
-    __shared__ unsigned long long f_used_bytes;
-    if (threadIdx.x == 0) {
-        f_hits = f_used = 0;
-        f_used_bytes = 0;
-    }
+    __shared__ struct block_hits f;
+    if (threadIdx.x == 0)
+        block_hits_zero(&f);
     int32_t e = -1, s = -1;
     if ((int)threadIdx.x < n_sel) {
         e = sel_e[threadIdx.x];
@@ -112,18 +137,12 @@ static __device__ bool resolve_fast(const struct moe_cuda_off_layer &L, const in
     if (first) {
         struct moe_off_walk w = {};
         moe_off_fast_hit(&L, e, s, L.ref, L.pf, &w);
-        atomicAdd(&f_hits, (unsigned)w.hits);
-        if (w.pf_used) {
-            atomicAdd(&f_used, (unsigned)w.pf_used);
-            atomicAdd(&f_used_bytes, w.pf_used_bytes);
-        }
+        block_hits_add(&f, w);
     }
     __syncthreads();
     if (threadIdx.x == 0) {
         struct moe_off_walk w = {};
-        w.hits = f_hits;
-        w.pf_used = f_used;
-        w.pf_used_bytes = f_used_bytes;
+        block_hits_get(&f, &w);
         moe_off_fast_end(&w, fl, L.stats);
     }
     return true;
@@ -142,8 +161,7 @@ static __device__ void resolve_walk(const struct moe_cuda_off_layer &L, const in
     uint32_t *s_miss = (uint32_t *)(s_list + L.nexp); /* [nmask]: the misses, a bit each */
     uint8_t *s_need = (uint8_t *)(s_miss + nmask), *s_ref = s_need + L.nexp, *s_pin = s_ref + S;
     uint8_t *s_pf = s_pin + S;
-    __shared__ unsigned s_hits, s_used;
-    __shared__ unsigned long long s_used_bytes;
+    __shared__ struct block_hits bh;
     for (int i = threadIdx.x; i < L.nexp; i += blockDim.x) {
         s_slot[i] = L.slot_of[i];
         s_need[i] = 0;
@@ -165,10 +183,8 @@ static __device__ void resolve_walk(const struct moe_cuda_off_layer &L, const in
      * thread, then the misses by thread 0 in expert order. */
     for (int i = threadIdx.x; i < nmask; i += blockDim.x)
         s_miss[i] = 0;
-    if (threadIdx.x == 0) {
-        s_hits = s_used = 0;
-        s_used_bytes = 0;
-    }
+    if (threadIdx.x == 0)
+        block_hits_zero(&bh);
     __syncthreads();
     uint8_t *pf = L.pf ? s_pf : nullptr;
     struct moe_off_walk mine = {}; /* this thread's hits */
@@ -178,20 +194,13 @@ static __device__ void resolve_walk(const struct moe_cuda_off_layer &L, const in
         if (!r && s_need[e])
             atomicOr(&s_miss[e >> 5], 1u << (e & 31));
     }
-    if (mine.hits)
-        atomicAdd(&s_hits, (unsigned)mine.hits);
-    if (mine.pf_used) {
-        atomicAdd(&s_used, (unsigned)mine.pf_used);
-        atomicAdd(&s_used_bytes, mine.pf_used_bytes);
-    }
+    block_hits_add(&bh, mine);
     __syncthreads();
     if (threadIdx.x == 0) {
         int32_t hand = S ? *L.hand : 0;
         struct moe_off_walk w;
         moe_off_walk_begin(&L, &hand, &w);
-        w.hits = s_hits;
-        w.pf_used = s_used;
-        w.pf_used_bytes = s_used_bytes;
+        block_hits_get(&bh, &w);
         for (int i = 0; i < nmask; i++)
             for (uint32_t m = s_miss[i]; m; m &= m - 1)
                 moe_off_miss(&L, i * 32 + __ffs((int)m) - 1, s_need, s_slot, s_exp, s_ref,
