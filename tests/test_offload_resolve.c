@@ -120,6 +120,74 @@ static void check_state(const struct sim *m)
     }
 }
 
+/* A copy of a sim's cache state (prefetch flags too, when L.pf is set), clock hand, counters and
+ * tables, to run a step twice from the same state and compare the two results. */
+struct sim_snap {
+    int32_t *slot_of, *slot_exp, hand;
+    uint8_t *ref, *pf;
+    const void **tab;
+    unsigned long long stats[MOE_OFF_NSTATS];
+};
+
+static void sim_snap_init(struct sim_snap *c, const struct sim *m)
+{
+    const size_t ne = (size_t)m->L.nexp, S = (size_t)m->L.slots;
+    c->slot_of = malloc(sizeof(int32_t) * ne);
+    c->slot_exp = malloc(sizeof(int32_t) * S + 4);
+    c->ref = malloc(S + 1);
+    c->pf = malloc(S + 1);
+    c->tab = malloc(sizeof(void *) * 3 * ne);
+    CHECK(c->slot_of && c->slot_exp && c->ref && c->pf && c->tab);
+}
+
+static void sim_snap_free(struct sim_snap *c)
+{
+    free(c->slot_of), free(c->slot_exp), free(c->ref), free(c->pf), free(c->tab);
+}
+
+static void sim_snap_take(struct sim_snap *c, const struct sim *m)
+{
+    const size_t ne = (size_t)m->L.nexp, S = (size_t)m->L.slots;
+    memcpy(c->slot_of, m->slot_of, sizeof(int32_t) * ne);
+    memcpy(c->slot_exp, m->slot_exp, sizeof(int32_t) * S);
+    memcpy(c->ref, m->ref, S);
+    if (m->L.pf)
+        memcpy(c->pf, m->L.pf, S);
+    c->hand = m->hand;
+    memcpy(c->stats, m->stats, sizeof c->stats);
+    for (int p = 0; p < 3; p++)
+        memcpy(c->tab + (size_t)p * ne, m->tab[p], sizeof(void *) * ne);
+}
+
+static void sim_snap_put(const struct sim_snap *c, struct sim *m)
+{
+    const size_t ne = (size_t)m->L.nexp, S = (size_t)m->L.slots;
+    memcpy(m->slot_of, c->slot_of, sizeof(int32_t) * ne);
+    memcpy(m->slot_exp, c->slot_exp, sizeof(int32_t) * S);
+    memcpy(m->ref, c->ref, S);
+    if (m->L.pf)
+        memcpy(m->L.pf, c->pf, S);
+    m->hand = c->hand;
+    memcpy(m->stats, c->stats, sizeof c->stats);
+    for (int p = 0; p < 3; p++)
+        memcpy(m->tab[p], c->tab + (size_t)p * ne, sizeof(void *) * ne);
+}
+
+/* The sim holds what the snapshot holds. */
+static void sim_snap_check(const struct sim_snap *c, const struct sim *m)
+{
+    const size_t ne = (size_t)m->L.nexp, S = (size_t)m->L.slots;
+    CHECK(memcmp(c->slot_of, m->slot_of, sizeof(int32_t) * ne) == 0);
+    CHECK(memcmp(c->slot_exp, m->slot_exp, sizeof(int32_t) * S) == 0);
+    CHECK(memcmp(c->ref, m->ref, S) == 0);
+    if (m->L.pf)
+        CHECK(memcmp(c->pf, m->L.pf, S) == 0);
+    CHECK_EQ(c->hand, m->hand);
+    CHECK(memcmp(c->stats, m->stats, sizeof c->stats) == 0);
+    for (int p = 0; p < 3; p++)
+        CHECK(memcmp(c->tab + (size_t)p * ne, m->tab[p], sizeof(void *) * ne) == 0);
+}
+
 /* need[] cleared, then k random choices marked (some may repeat): uniform when skew is 0; else
  * r·r/ne for a uniform r (low ids more often), always when skew is 1, otherwise unless a draw
  * of 0..skew-1 gives 0. */
@@ -261,54 +329,24 @@ TEST(offload_resolve_hits_first_equal_the_walk)
         struct sim m;
         sim_init(&m, ne, S, hot);
         const size_t flb = sizeof *m.fl + sizeof(struct moe_cuda_fill) * 3 * (size_t)(S + 1);
-        int32_t *so = malloc(sizeof(int32_t) * (size_t)ne);
-        int32_t *se = malloc(sizeof(int32_t) * (size_t)S + 4);
-        uint8_t *rf = malloc((size_t)S + 1), *need = malloc((size_t)ne);
+        uint8_t *need = malloc((size_t)ne), *pf = calloc((size_t)S + 1, 1);
         struct moe_cuda_fill_list *fa = malloc(flb);
-        const void **tb = malloc(sizeof(void *) * 3 * (size_t)ne);
-        uint8_t *pf = calloc((size_t)S + 1, 1), *pf0 = malloc((size_t)S + 1),
-                *pf1 = malloc((size_t)S + 1);
-        CHECK(so && se && rf && need && fa && tb && pf && pf0 && pf1);
+        CHECK(need && fa && pf);
         m.L.pf = pf;
+        struct sim_snap before, walked;
+        sim_snap_init(&before, &m);
+        sim_snap_init(&walked, &m);
         for (int step = 0; step < 300; step++) {
             random_need(need, ne, 1 + (int32_t)(moe_test_rng_u32() % (uint32_t)kmax), 2);
             const int prefetch = step % 5 == 4;
             /* The state before, kept to run the step twice. */
-            memcpy(so, m.slot_of, sizeof(int32_t) * (size_t)ne);
-            memcpy(se, m.slot_exp, sizeof(int32_t) * (size_t)S);
-            memcpy(rf, m.ref, (size_t)S);
-            memcpy(pf0, pf, (size_t)S);
-            const int32_t hand0 = m.hand;
-            unsigned long long st0[MOE_OFF_NSTATS];
-            memcpy(st0, m.stats, sizeof st0);
-            for (int p = 0; p < 3; p++)
-                memcpy(tb + p * ne, m.tab[p], sizeof(void *) * (size_t)ne);
+            sim_snap_take(&before, &m);
             moe_off_resolve_mode(&m.L, need, m.slot_of, m.slot_exp, m.ref, m.pinned, &m.hand,
                                  m.fl, m.stats, prefetch);
             memcpy(fa, m.fl, flb);
-            int32_t *so1 = malloc(sizeof(int32_t) * (size_t)ne);
-            int32_t *se1 = malloc(sizeof(int32_t) * (size_t)S + 4);
-            uint8_t *rf1 = malloc((size_t)S + 1);
-            const void **tb1 = malloc(sizeof(void *) * 3 * (size_t)ne);
-            CHECK(so1 && se1 && rf1 && tb1);
-            memcpy(so1, m.slot_of, sizeof(int32_t) * (size_t)ne);
-            memcpy(se1, m.slot_exp, sizeof(int32_t) * (size_t)S);
-            memcpy(rf1, m.ref, (size_t)S);
-            memcpy(pf1, pf, (size_t)S);
-            for (int p = 0; p < 3; p++)
-                memcpy(tb1 + p * ne, m.tab[p], sizeof(void *) * (size_t)ne);
-            const int32_t hand1 = m.hand;
-            unsigned long long st1[MOE_OFF_NSTATS];
-            memcpy(st1, m.stats, sizeof st1);
+            sim_snap_take(&walked, &m);
             /* Again from the same state, hits first. */
-            memcpy(m.slot_of, so, sizeof(int32_t) * (size_t)ne);
-            memcpy(m.slot_exp, se, sizeof(int32_t) * (size_t)S);
-            memcpy(m.ref, rf, (size_t)S);
-            memcpy(pf, pf0, (size_t)S);
-            m.hand = hand0;
-            memcpy(m.stats, st0, sizeof st0);
-            for (int p = 0; p < 3; p++)
-                memcpy(m.tab[p], tb + p * ne, sizeof(void *) * (size_t)ne);
+            sim_snap_put(&before, &m);
             struct moe_off_walk w;
             moe_off_walk_begin(&m.L, &m.hand, &w);
             for (int32_t e = ne - 1; e >= 0; e--)
@@ -319,23 +357,16 @@ TEST(offload_resolve_hits_first_equal_the_walk)
                     moe_off_miss(&m.L, e, need, m.slot_of, m.slot_exp, m.ref, m.pinned, m.L.pf,
                                  m.fl, prefetch, &w);
             moe_off_walk_end(&m.L, &w, &m.hand, m.fl, m.stats, prefetch);
-            CHECK(memcmp(so1, m.slot_of, sizeof(int32_t) * (size_t)ne) == 0);
-            CHECK(memcmp(se1, m.slot_exp, sizeof(int32_t) * (size_t)S) == 0);
-            CHECK(memcmp(rf1, m.ref, (size_t)S) == 0);
-            CHECK(memcmp(pf1, pf, (size_t)S) == 0);
-            CHECK_EQ(hand1, m.hand);
-            CHECK(memcmp(st1, m.stats, sizeof st1) == 0);
-            for (int p = 0; p < 3; p++)
-                CHECK(memcmp(tb1 + p * ne, m.tab[p], sizeof(void *) * (size_t)ne) == 0);
+            sim_snap_check(&walked, &m);
             CHECK_EQ(fa->n, m.fl->n);
             CHECK_EQ(fa->n_chunks, m.fl->n_chunks);
             CHECK(memcmp(fa->job, m.fl->job, sizeof(struct moe_cuda_fill) * (size_t)fa->n) == 0);
             sim_fill(&m);
             check_state(&m);
-            free(so1), free(se1), free(rf1), free(tb1);
         }
-        free(so), free(se), free(rf), free(need), free(fa), free(tb), free(pf), free(pf0),
-            free(pf1);
+        sim_snap_free(&before);
+        sim_snap_free(&walked);
+        free(need), free(fa), free(pf);
         sim_free(&m);
     }
 }
@@ -354,13 +385,14 @@ TEST(offload_resolve_fast_path_equals_the_walk)
                       kmax = shapes[si][3];
         struct sim m;
         sim_init(&m, ne, S, hot);
-        int32_t *so = malloc(sizeof(int32_t) * (size_t)ne), *se = malloc(sizeof(int32_t) * (size_t)S);
-        uint8_t *rf = malloc((size_t)S), *pf = calloc((size_t)S, 1), *pf0 = malloc((size_t)S);
-        uint8_t *need = malloc((size_t)ne);
+        uint8_t *pf = calloc((size_t)S, 1), *need = malloc((size_t)ne);
         const void **fsrc = malloc(sizeof(void *) * 3 * (size_t)ne);
         int32_t *sel = malloc(sizeof(int32_t) * (size_t)kmax);
-        CHECK(so && se && rf && pf && pf0 && need && fsrc && sel);
+        CHECK(pf && need && fsrc && sel);
         m.L.pf = pf;
+        struct sim_snap before, fast;
+        sim_snap_init(&before, &m);
+        sim_snap_init(&fast, &m);
         int fast_steps = 0, with_pf = 0;
         for (int step = 0; step < 400; step++) {
             const int32_t k = 1 + (int32_t)(moe_test_rng_u32() % (uint32_t)kmax);
@@ -386,13 +418,7 @@ TEST(offload_resolve_fast_path_equals_the_walk)
             bool all_hit = true;
             for (int32_t i = 0; i < k; i++)
                 all_hit = all_hit && m.slot_of[sel[i]] >= 0;
-            memcpy(so, m.slot_of, sizeof(int32_t) * (size_t)ne);
-            memcpy(se, m.slot_exp, sizeof(int32_t) * (size_t)S);
-            memcpy(rf, m.ref, (size_t)S);
-            memcpy(pf0, pf, (size_t)S);
-            const int32_t hand0 = m.hand;
-            unsigned long long st0[MOE_OFF_NSTATS];
-            memcpy(st0, m.stats, sizeof st0);
+            sim_snap_take(&before, &m);
             if (all_hit) {
                 fast_steps++;
                 for (int32_t i = 0; i < 3 * ne; i++)
@@ -413,37 +439,21 @@ TEST(offload_resolve_fast_path_equals_the_walk)
                     for (int p = 0; p < 3; p++)
                         CHECK(fsrc[p * ne + sel[i]] == NULL);
                 const int fl_n = m.fl->n, fl_c = m.fl->n_chunks;
-                int32_t *so1 = malloc(sizeof(int32_t) * (size_t)ne);
-                uint8_t *rf1 = malloc((size_t)S), *pf1 = malloc((size_t)S);
-                CHECK(so1 && rf1 && pf1);
-                memcpy(so1, m.slot_of, sizeof(int32_t) * (size_t)ne);
-                memcpy(rf1, m.ref, (size_t)S);
-                memcpy(pf1, pf, (size_t)S);
-                unsigned long long st1[MOE_OFF_NSTATS];
-                memcpy(st1, m.stats, sizeof st1);
-                CHECK(memcmp(se, m.slot_exp, sizeof(int32_t) * (size_t)S) == 0);
-                CHECK_EQ(m.hand, hand0);
+                sim_snap_take(&fast, &m);
+                CHECK(memcmp(before.slot_exp, m.slot_exp, sizeof(int32_t) * (size_t)S) == 0);
+                CHECK_EQ(m.hand, before.hand);
                 /* The walk from the same state. */
-                memcpy(m.slot_of, so, sizeof(int32_t) * (size_t)ne);
-                memcpy(m.ref, rf, (size_t)S);
-                memcpy(pf, pf0, (size_t)S);
-                memcpy(m.stats, st0, sizeof st0);
+                sim_snap_put(&before, &m);
                 for (int32_t i = 0; i < 3 * ne; i++)
                     fsrc[i] = NULL;
                 m.fl->n = -1;
                 moe_off_resolve_mode(&m.L, need, m.slot_of, m.slot_exp, m.ref, m.pinned, &m.hand,
                                      m.fl, m.stats, 0);
-                CHECK(memcmp(so1, m.slot_of, sizeof(int32_t) * (size_t)ne) == 0);
-                CHECK(memcmp(se, m.slot_exp, sizeof(int32_t) * (size_t)S) == 0);
-                CHECK(memcmp(rf1, m.ref, (size_t)S) == 0);
-                CHECK(memcmp(pf1, pf, (size_t)S) == 0);
-                CHECK(memcmp(st1, m.stats, sizeof st1) == 0);
-                CHECK_EQ(m.hand, hand0);
+                sim_snap_check(&fast, &m);
                 CHECK_EQ(m.fl->n, fl_n);
                 CHECK_EQ(m.fl->n_chunks, fl_c);
                 for (int32_t i = 0; i < 3 * ne; i++)
                     CHECK(fsrc[i] == NULL); /* nothing to copy */
-                free(so1), free(rf1), free(pf1);
             } else {
                 m.L.fsrc = NULL;
                 moe_off_resolve_mode(&m.L, need, m.slot_of, m.slot_exp, m.ref, m.pinned, &m.hand,
@@ -457,7 +467,9 @@ TEST(offload_resolve_fast_path_equals_the_walk)
             CHECK(with_pf > 0);
         m.L.fsrc = NULL;
         m.L.pf = NULL;
-        free(so), free(se), free(rf), free(pf), free(pf0), free(need), free(fsrc), free(sel);
+        sim_snap_free(&before);
+        sim_snap_free(&fast);
+        free(pf), free(need), free(fsrc), free(sel);
         sim_free(&m);
     }
 }
