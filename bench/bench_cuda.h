@@ -36,4 +36,13 @@ static inline float bench_rng_f(void)
     return (float)(bench_rng_next() >> 40) / 8388608.0f - 1.0f;
 }
 
+/* Milliseconds between two recorded events (waits for the second). */
+static inline float elapsed_ms(cudaEvent_t a, cudaEvent_t b)
+{
+    float ms;
+    CU(cudaEventSynchronize(b));
+    CU(cudaEventElapsedTime(&ms, a, b));
+    return ms;
+}
+
 #endif

@@ -77,14 +77,6 @@ static void launches(uint32_t type, const uint8_t *w, size_t bytes, int64_t copi
     }
 }
 
-static float elapsed_ms(cudaEvent_t a, cudaEvent_t b)
-{
-    float ms;
-    CU(cudaEventSynchronize(b));
-    CU(cudaEventElapsedTime(&ms, a, b));
-    return ms;
-}
-
 /* Microseconds per launch: calibrate on a few launches, then time about `secs` seconds. With
  * use_graph, a graph of up to 64 launches is captured once and replayed. */
 static double time_case(uint32_t type, const uint8_t *w, size_t bytes, int64_t copies,

@@ -137,12 +137,13 @@ static HD uint32_t byte_of(uint32_t w, int k)
     return (w >> (8 * k)) & 0xff;
 }
 
-/* The 6-bit scales and mins of sub-blocks 2c and 2c+1 of a Q4_K/Q5_K block, from the 12 scale
- * bytes as three words (layout in docs/kernels.md): sub-blocks 0..3 keep theirs in the low 6
- * bits of bytes j and j+4; 4..7 split theirs between a nibble of byte j+4 and the top two bits
- * of bytes j-4 (scale) and j (min). Branch-free, since the lanes of a warp hold different c. */
-static HD void kq_scales(uint32_t s0, uint32_t s1, uint32_t s2, int c, float d, float dmin,
-                         float *d0, float *n0, float *d1, float *n1)
+/* The 6-bit scales and mins of sub-blocks 2c and 2c+1 of a Q4_K/Q5_K block (sc, m: 2c's in the
+ * low byte, 2c+1's in the next), from the 12 scale bytes as three words (layout in
+ * docs/kernels.md): sub-blocks 0..3 keep theirs in the low 6 bits of bytes j and j+4; 4..7 split
+ * theirs between a nibble of byte j+4 and the top two bits of bytes j-4 (scale) and j (min).
+ * Branch-free, since the lanes of a warp hold different c. */
+static HD void kq_scale_bits(uint32_t s0, uint32_t s1, uint32_t s2, int c, uint32_t *sc,
+                             uint32_t *m)
 {
     /* Sub-blocks 2c and 2c+1 use bytes 2(c & 1) and 2(c & 1) + 1 of each word: both at once, in
      * the low 16 bits, the two bytes' fields assembled side by side. */
@@ -151,7 +152,16 @@ static HD void kq_scales(uint32_t s0, uint32_t s1, uint32_t s2, int c, float d, 
     const uint32_t lo_sc = h0 & 0x3f3fu, lo_m = h1 & 0x3f3fu;
     const uint32_t hi_sc = (h2 & 0x0f0fu) | ((h0 >> 2) & 0x3030u);
     const uint32_t hi_m = ((h2 >> 4) & 0x0f0fu) | ((h1 >> 2) & 0x3030u);
-    const uint32_t sc = c < 2 ? lo_sc : hi_sc, m = c < 2 ? lo_m : hi_m;
+    *sc = c < 2 ? lo_sc : hi_sc;
+    *m = c < 2 ? lo_m : hi_m;
+}
+
+/* The same as floats: d·sc and dmin·m of sub-blocks 2c (d0, n0) and 2c+1 (d1, n1). */
+static HD void kq_scales(uint32_t s0, uint32_t s1, uint32_t s2, int c, float d, float dmin,
+                         float *d0, float *n0, float *d1, float *n1)
+{
+    uint32_t sc, m;
+    kq_scale_bits(s0, s1, s2, c, &sc, &m);
     *d0 = d * (float)(int)(sc & 0xffu);
     *n0 = dmin * (float)(int)(m & 0xffu);
     *d1 = d * (float)(int)(sc >> 8 & 0xffu);

@@ -1,0 +1,184 @@
+/* worker/cuda/mv_tc.cu, the tensor-core mat-vec, against the CPU path: Q4_K weights made by
+ * moe_quantize, several shapes (rows not a multiple of the 16-row tile, rows shorter than the
+ * eight warps of a block, 1 to 17 tokens so that a launch has partial token groups), each token's
+ * inputs of its own magnitude (1e-4 to 1e4: the power-of-two scaling of the f16 parts). Every
+ * element within 1e-5 of the row's Σ|w·x| of moe_matvec's result, y poisoned with NaN first; a
+ * token's result the same bits whatever n_tok is and whichever tokens share its launch; two runs
+ * bit-identical. Without a GPU every test skips. */
+#include <errno.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cuda_runtime_api.h>
+
+#include "store/err.h"
+#include "store/ggml_type.h"
+#include "store/quant.h"
+#include "tests/gpu/gpu_test.h"
+#include "tests/harness.h"
+#include "worker/cpu/kernels.h"
+#include "worker/cuda/mv_tc.h"
+
+/* Token t's input scale: a spread of magnitudes. */
+static float tok_scale(int64_t t)
+{
+    static const float sc[] = {1.0f, 1e-4f, 3e3f, 0.01f, 1e4f, 7.0f};
+    return sc[t % 6];
+}
+
+static void check_shape(const uint8_t *w, int64_t n, int64_t rows, cudaStream_t st)
+{
+    static const int64_t toks[] = {1, 2, 3, 8, 9, 17};
+    const int64_t max_tok = 17;
+    const size_t rb = moe_row_bytes(MOE_TYPE_Q4_K, n), wb = rb * (size_t)rows;
+    float *x = malloc(sizeof(float) * (size_t)(n * max_tok));
+    float *ycpu = malloc(sizeof(float) * (size_t)(rows * max_tok));
+    float *y = malloc(sizeof(float) * (size_t)(rows * max_tok));
+    float *y1 = malloc(sizeof(float) * (size_t)(rows * max_tok)); /* each token alone */
+    float *d = malloc(sizeof(float) * (size_t)n);
+    double *as = malloc(sizeof(double) * (size_t)(rows * max_tok));
+    CHECK(x && ycpu && y && y1 && d && as);
+    for (int64_t t = 0; t < max_tok; t++) {
+        for (int64_t i = 0; i < n; i++)
+            x[t * n + i] = rng_f() * 2.0f * tok_scale(t);
+        moe_matvec(MOE_TYPE_Q4_K, w, n, x + t * n, ycpu + t * rows, 0, rows);
+    }
+    for (int64_t r = 0; r < rows; r++) {
+        CHECK_EQ(moe_dequantize(MOE_TYPE_Q4_K, w + rb * (size_t)r, d, n), 0);
+        for (int64_t t = 0; t < max_tok; t++) {
+            double a = 0.0;
+            for (int64_t i = 0; i < n; i++)
+                a += fabs((double)d[i] * x[t * n + i]);
+            as[t * rows + r] = a;
+        }
+    }
+    uint8_t *dw;
+    float *dx, *dy;
+    CU(cudaMalloc((void **)&dw, wb));
+    CU(cudaMalloc((void **)&dx, sizeof(float) * (size_t)(n * max_tok)));
+    CU(cudaMalloc((void **)&dy, sizeof(float) * (size_t)(rows * max_tok)));
+    CU(cudaMemcpyAsync(dw, w, wb, cudaMemcpyHostToDevice, st));
+    CU(cudaMemcpyAsync(dx, x, sizeof(float) * (size_t)(n * max_tok), cudaMemcpyHostToDevice, st));
+
+    /* Each token alone first: the reference bits for the batched launches. */
+    for (int64_t t = 0; t < max_tok; t++) {
+        CU(cudaMemsetAsync(dy, 0xff, sizeof(float) * (size_t)rows, st));
+        int rc = moe_cuda_matvec_tc(MOE_TYPE_Q4_K, dw, n, rows, dx + t * n, n, 1, dy, rows, st);
+        CHECK_MSG(rc == 0, "n=%lld rows=%lld: %s", (long long)n, (long long)rows,
+                  moe_strerror(rc));
+        CU(cudaMemcpyAsync(y1 + t * rows, dy, sizeof(float) * (size_t)rows,
+                           cudaMemcpyDeviceToHost, st));
+    }
+    CU(cudaStreamSynchronize(st));
+    for (int64_t t = 0; t < max_tok; t++)
+        for (int64_t r = 0; r < rows; r++) {
+            const size_t k = (size_t)(t * rows + r);
+            CHECK_MSG(fabs((double)y1[k] - (double)ycpu[k]) <= 1e-5 * as[k],
+                      "n=%lld rows=%lld token %lld (scale %g) row %lld: gpu %.9g cpu %.9g "
+                      "(tol %.3g)", (long long)n, (long long)rows, (long long)t,
+                      (double)tok_scale(t), (long long)r, (double)y1[k], (double)ycpu[k],
+                      1e-5 * as[k]);
+        }
+    for (size_t i = 0; i < sizeof toks / sizeof toks[0]; i++) {
+        const int64_t nt = toks[i];
+        for (int run = 0; run < 2; run++) {
+            CU(cudaMemsetAsync(dy, 0xff, sizeof(float) * (size_t)(rows * max_tok), st));
+            int rc = moe_cuda_matvec_tc(MOE_TYPE_Q4_K, dw, n, rows, dx, n, nt, dy, rows, st);
+            CHECK_EQ(rc, 0);
+            CU(cudaMemcpyAsync(y, dy, sizeof(float) * (size_t)(rows * max_tok),
+                               cudaMemcpyDeviceToHost, st));
+            CU(cudaStreamSynchronize(st));
+            CHECK_MSG(floats_differing(y, y1, (size_t)(rows * nt)) == 0,
+                      "n=%lld rows=%lld n_tok=%lld run %d: %zu floats differ from the tokens "
+                      "alone", (long long)n, (long long)rows, (long long)nt, run,
+                      floats_differing(y, y1, (size_t)(rows * nt)));
+            /* Nothing past the last token is written. */
+            for (int64_t k = rows * nt; k < rows * max_tok; k++)
+                CHECK_MSG(isnan(y[k]), "n=%lld rows=%lld n_tok=%lld: y[%lld] written past the "
+                          "tokens", (long long)n, (long long)rows, (long long)nt, (long long)k);
+        }
+    }
+    CU(cudaFree(dw));
+    CU(cudaFree(dx));
+    CU(cudaFree(dy));
+    free(x);
+    free(ycpu);
+    free(y);
+    free(y1);
+    free(d);
+    free(as);
+}
+
+TEST(cuda_mv_tc_q4_k_equals_the_cpu)
+{
+    static const int64_t ns[] = {256, 768, 2048, 4096};
+    static const int64_t rowss[] = {1, 16, 131, 768};
+    need_gpu();
+    moe_test_rng_seed(211);
+    cudaStream_t st;
+    CU(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+    for (size_t i = 0; i < sizeof ns / sizeof ns[0]; i++) {
+        uint8_t *w = make_weights(MOE_TYPE_Q4_K, 768, ns[i]);
+        for (size_t k = 0; k < sizeof rowss / sizeof rowss[0]; k++)
+            check_shape(w, ns[i], rowss[k], st);
+        free(w);
+    }
+    CU(cudaStreamDestroy(st));
+}
+
+/* Non-finite inputs give a non-finite result, as the float walk does, and do not spoil the
+ * tokens beside them. */
+TEST(cuda_mv_tc_non_finite_inputs)
+{
+    need_gpu();
+    moe_test_rng_seed(212);
+    const int64_t n = 512, rows = 32, nt = 3;
+    uint8_t *w = make_weights(MOE_TYPE_Q4_K, rows, n);
+    float x[3 * 512], y[3 * 32], yc[32];
+    for (int64_t i = 0; i < nt * n; i++)
+        x[i] = rng_f();
+    x[n + 17] = NAN;
+    x[2 * n + 300] = INFINITY;
+    uint8_t *dw;
+    float *dx, *dy;
+    const size_t wb = moe_row_bytes(MOE_TYPE_Q4_K, n) * rows;
+    CU(cudaMalloc((void **)&dw, wb));
+    CU(cudaMalloc((void **)&dx, sizeof x));
+    CU(cudaMalloc((void **)&dy, sizeof y));
+    CU(cudaMemcpy(dw, w, wb, cudaMemcpyHostToDevice));
+    CU(cudaMemcpy(dx, x, sizeof x, cudaMemcpyHostToDevice));
+    CHECK_EQ(moe_cuda_matvec_tc(MOE_TYPE_Q4_K, dw, n, rows, dx, n, nt, dy, rows, 0), 0);
+    CU(cudaMemcpy(y, dy, sizeof y, cudaMemcpyDeviceToHost));
+    moe_matvec(MOE_TYPE_Q4_K, w, n, x, yc, 0, rows);
+    for (int64_t r = 0; r < rows; r++) {
+        CHECK(isfinite(y[r]));
+        CHECK(fabs((double)y[r] - (double)yc[r]) <= 1e-3);
+        CHECK(!isfinite(y[rows + r]));
+    }
+    CU(cudaFree(dw));
+    CU(cudaFree(dx));
+    CU(cudaFree(dy));
+    free(w);
+}
+
+TEST(cuda_mv_tc_rejects_bad_arguments)
+{
+    need_gpu();
+    float *dx, *dy;
+    uint8_t *dw;
+    CU(cudaMalloc((void **)&dw, 1 << 20));
+    CU(cudaMalloc((void **)&dx, 1 << 16));
+    CU(cudaMalloc((void **)&dy, 1 << 16));
+    CHECK_EQ(moe_cuda_matvec_tc(MOE_TYPE_Q6_K, dw, 256, 16, dx, 256, 1, dy, 16, 0),
+             MOE_EUNSUPPORTED);
+    CHECK_EQ(moe_cuda_matvec_tc(MOE_TYPE_Q4_K, dw, 100, 16, dx, 256, 1, dy, 16, 0), -EINVAL);
+    CHECK_EQ(moe_cuda_matvec_tc(MOE_TYPE_Q4_K, dw, 256, 16, dx, 255, 1, dy, 16, 0), -EINVAL);
+    CHECK_EQ(moe_cuda_matvec_tc(MOE_TYPE_Q4_K, dw + 4, 256, 16, dx, 256, 1, dy, 16, 0), -EINVAL);
+    CHECK_EQ(moe_cuda_matvec_tc(MOE_TYPE_Q4_K, dw, 256, 16, dx, 256, 1, dy, 15, 0), -EINVAL);
+    CHECK_EQ(moe_cuda_matvec_tc(MOE_TYPE_Q4_K, NULL, 256, 16, dx, 256, 1, dy, 16, 0), -EINVAL);
+    CHECK_EQ(moe_cuda_matvec_tc(MOE_TYPE_Q4_K, dw, 256, 0, dx, 256, 1, dy, 16, 0), 0);
+    CU(cudaFree(dw));
+    CU(cudaFree(dx));
+    CU(cudaFree(dy));
+}

@@ -1,0 +1,184 @@
+/* The fragment scheme of the tensor-core mat-vec (worker/cuda/mv_tc.cuh) on the host: a warp's
+ * 32 lanes build their A (weights as sc·q), B (inputs as two f16 parts) and mins fragments with
+ * the kernel's own __host__ __device__ functions, the mma instructions are emulated from the PTX
+ * fragment layouts (m16n8k16 and m16n8k8, f16 inputs, sums in double), and each row's result
+ * d·C − dmin·C_min must equal a double dot product of the dequantised row within 1e-6 of Σ|w·x|.
+ * A weight or input placed in the wrong fragment slot, a wrong scale or a wrong k order fails it.
+ * The GPU test (tests/gpu/test_cuda_mv_tc.c) checks the kernel itself against the CPU. */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "worker/cuda/mv_tc.cuh"
+
+extern "C" {
+#include "store/quant.h"
+#include "tests/harness.h"
+}
+
+static float rnd(void)
+{
+    return (float)moe_test_rng_u32() / 4294967296.0f - 0.5f;
+}
+
+/* The f16 halves of a fragment register as doubles. */
+static void halves(uint32_t v, double *lo, double *hi)
+{
+    *lo = tc_lo_f(v);
+    *hi = tc_hi_f(v);
+}
+
+/* One Q4_K block (sb) of a 16-row tile for NT tokens, as one warp computes it; out[r][c]. */
+static void tile_block(const uint8_t *const *rows, int sb, const float (*x)[256], int nt,
+                       int sexp[8], double out[16][8])
+{
+    const size_t BB = sizeof(struct moe_block_q4_k);
+    /* Staged inputs: xs[c][m][t] and the sub-block sums' pairs sxs[c][t], as the kernel stages. */
+    static uint4 xs[8][16][4];
+    static uint2 sxs[8][4];
+    for (int c = 0; c < nt; c++) {
+        const float sc = ldexpf(1.0f, -sexp[c]);
+        for (int m = 0; m < 16; m++)
+            for (int t = 0; t < 4; t++) {
+                const float *v = x[c] + tc_q4k_base(m, t);
+                xs[c][m][t] = tc_stage4(v[0] * sc, v[1] * sc, v[2] * sc, v[3] * sc);
+            }
+        for (int t = 0; t < 4; t++) {
+            float s0 = 0.0f, s1 = 0.0f;
+            for (int i = 0; i < 32; i++) {
+                s0 += x[c][64 * t + i] * sc;
+                s1 += x[c][64 * t + 32 + i] * sc;
+            }
+            sxs[c][t] = tc_stage_sums(s0, s1);
+        }
+    }
+    double A[16][16][16] = {}; /* [mma][row][k] */
+    double B[16][16][8] = {};  /* [mma][k][col], both parts added (the two mma share A) */
+    double Am[16][8] = {}, Bm[8][8] = {};
+    double dd[16], dmin[16];
+    for (int lane = 0; lane < 32; lane++) {
+        const int g = lane >> 2, t = lane & 3, gx = g & (nt - 1);
+        const uint8_t *b0 = rows[g] + (size_t)sb * BB, *b1 = rows[g + 8] + (size_t)sb * BB;
+        uint4 h0, h1;
+        memcpy(&h0, b0, 16);
+        memcpy(&h1, b1, 16);
+        const tc_q4k_row k0 = tc_q4k_consts(h0, t), k1 = tc_q4k_consts(h1, t);
+        dd[g] = k0.d, dmin[g] = k0.dmin, dd[g + 8] = k1.d, dmin[g + 8] = k1.dmin;
+        uint32_t wa[8], wb[8];
+        memcpy(wa, b0 + OFF(q4_k, qs) + 32 * t, 32);
+        memcpy(wb, b1 + OFF(q4_k, qs) + 32 * t, 32);
+        for (int i = 0; i < 8; i++) {
+            uint32_t l0a, l1a, h0a, h1a, l0b, l1b, h0b, h1b;
+            tc_q4k_word(wa[i], k0, &l0a, &l1a, &h0a, &h1a);
+            tc_q4k_word(wb[i], k1, &l0b, &l1b, &h0b, &h1b);
+            const uint32_t a[2][4] = {{l0a, l0b, l1a, l1b}, {h0a, h0b, h1a, h1b}};
+            for (int hl = 0; hl < 2; hl++) {
+                const int m = 2 * i + hl;
+                /* m16n8k16 A: a0 (g, 2t..2t+1), a1 (g+8, 2t..), a2 (g, 2t+8..), a3 (g+8, 2t+8..). */
+                halves(a[hl][0], &A[m][g][2 * t], &A[m][g][2 * t + 1]);
+                halves(a[hl][1], &A[m][g + 8][2 * t], &A[m][g + 8][2 * t + 1]);
+                halves(a[hl][2], &A[m][g][2 * t + 8], &A[m][g][2 * t + 9]);
+                halves(a[hl][3], &A[m][g + 8][2 * t + 8], &A[m][g + 8][2 * t + 9]);
+                /* B: b0 (k 2t..2t+1, column g), b1 (k 2t+8..2t+9); hi part then lo part. */
+                const uint4 xb = xs[gx][m][t];
+                double p, q, r, s;
+                halves(xb.x, &p, &q);
+                halves(xb.z, &r, &s);
+                B[m][2 * t][g] = p + r, B[m][2 * t + 1][g] = q + s;
+                halves(xb.y, &p, &q);
+                halves(xb.w, &r, &s);
+                B[m][2 * t + 8][g] = p + r, B[m][2 * t + 9][g] = q + s;
+            }
+        }
+        /* m16n8k8 of the mins: a0 (g, 2t..2t+1), a1 (g+8, 2t..); b0 (k 2t..2t+1, column g). */
+        halves(k0.am, &Am[g][2 * t], &Am[g][2 * t + 1]);
+        halves(k1.am, &Am[g + 8][2 * t], &Am[g + 8][2 * t + 1]);
+        double p, q, r, s;
+        halves(sxs[gx][t].x, &p, &q);
+        halves(sxs[gx][t].y, &r, &s);
+        Bm[2 * t][g] = p + r, Bm[2 * t + 1][g] = q + s;
+    }
+    for (int r = 0; r < 16; r++)
+        for (int c = 0; c < nt; c++) {
+            double C = 0.0, M = 0.0;
+            for (int m = 0; m < 16; m++)
+                for (int k = 0; k < 16; k++)
+                    C += A[m][r][k] * B[m][k][c];
+            for (int k = 0; k < 8; k++)
+                M += Am[r][k] * Bm[k][c];
+            out[r][c] = (dd[r] * C - dmin[r] * M) * ldexp(1.0, sexp[c]);
+        }
+}
+
+TEST(mv_tc_host_fragments_give_the_dot_products)
+{
+    moe_test_rng_seed(77);
+    const int64_t n = 512; /* two blocks */
+    const size_t rb = moe_row_bytes(MOE_TYPE_Q4_K, n);
+    uint8_t *w = (uint8_t *)malloc(rb * 16);
+    float f[512], d[512];
+    CHECK(w);
+    for (int r = 0; r < 16; r++) {
+        for (int i = 0; i < n; i++)
+            f[i] = rnd() * (0.02f + 0.03f * (float)((i / 32 + r) % 5)) + (r == 3 ? 0.05f : 0.0f);
+        CHECK_EQ(moe_quantize(MOE_TYPE_Q4_K, f, w + rb * r, n), 0);
+    }
+    const uint8_t *rows[16];
+    for (int r = 0; r < 16; r++)
+        rows[r] = w + rb * r;
+    static const float mag[8] = {1.0f, 1e-3f, 5e3f, 0.02f, 300.0f, 1e-6f, 1.0f, 40.0f};
+    for (int nt = 1; nt <= 8; nt *= 2) {
+        static float x[8][512];
+        int sexp[8];
+        for (int c = 0; c < nt; c++) {
+            float amax = 0.0f;
+            for (int i = 0; i < n; i++) {
+                x[c][i] = rnd() * 2.0f * mag[c];
+                amax = fmaxf(amax, fabsf(x[c][i]));
+            }
+            sexp[c] = tc_scale_exp(amax);
+            CHECK(ldexpf(amax, -sexp[c]) < 1024.0f && ldexpf(amax, -sexp[c]) >= 512.0f);
+        }
+        double tot[16][8] = {};
+        for (int sb = 0; sb < 2; sb++) {
+            float xb[8][256];
+            for (int c = 0; c < nt; c++)
+                memcpy(xb[c], x[c] + 256 * sb, sizeof xb[c]);
+            double out[16][8];
+            tile_block(rows, sb, xb, nt, sexp, out);
+            for (int r = 0; r < 16; r++)
+                for (int c = 0; c < nt; c++)
+                    tot[r][c] += out[r][c];
+        }
+        for (int r = 0; r < 16; r++) {
+            CHECK_EQ(moe_dequantize(MOE_TYPE_Q4_K, rows[r], d, n), 0);
+            for (int c = 0; c < nt; c++) {
+                double ref = 0.0, abs_sum = 0.0;
+                for (int i = 0; i < n; i++) {
+                    ref += (double)d[i] * x[c][i];
+                    abs_sum += fabs((double)d[i] * x[c][i]);
+                }
+                CHECK_MSG(fabs(tot[r][c] - ref) <= 1e-6 * abs_sum,
+                          "nt %d row %d token %d: %.9g against %.9g (Σ|w·x| %.3g)", nt, r, c,
+                          tot[r][c], ref, abs_sum);
+            }
+        }
+    }
+    free(w);
+}
+
+/* The scale exponent: the largest input lands in [512, 1024) after 2^-s, and the extremes stay
+ * finite both ways. */
+TEST(mv_tc_host_scale_exponent)
+{
+    CHECK_EQ(tc_scale_exp(0.0f), 0);
+    CHECK_EQ(tc_scale_exp(INFINITY), 0);
+    CHECK_EQ(tc_scale_exp(NAN), 0);
+    CHECK_EQ(tc_scale_exp(512.0f), 0);
+    CHECK_EQ(tc_scale_exp(1023.9f), 0);
+    CHECK_EQ(tc_scale_exp(1024.0f), 1);
+    CHECK_EQ(tc_scale_exp(1.0f), -9);
+    CHECK_EQ(tc_scale_exp(1.0e38f), 117);
+    CHECK_EQ(tc_scale_exp(1e-40f), -120);
+    CHECK(isfinite(ldexpf(1.0f, 120)) && isfinite(ldexpf(1.0f, 117)));
+}

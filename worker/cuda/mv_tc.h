@@ -1,0 +1,33 @@
+/* The tensor-core mat-vec: y[t] = W·x[t] for a few tokens, with the weights decoded into mma
+ * fragments instead of floats (worker/cuda/mv_tc.cuh has the scheme). A measured alternative
+ * to moe_cuda_matvec_tok (docs/cuda.md, "Mat-vec on tensor cores"); the backend does not call it
+ * yet. Its products carry about 22 bits of x (two f16 parts), so it is held to the float walk's
+ * tolerance: tests/gpu/test_cuda_mv_tc.c checks every element within 1e-5 of the row's Σ|w·x|
+ * of the CPU result. */
+#ifndef MOE_CUDA_MV_TC_H
+#define MOE_CUDA_MV_TC_H
+
+#include <stdint.h>
+
+#include <cuda_runtime_api.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* 1 for the types it decodes (Q4_K). */
+int moe_cuda_matvec_tc_supported(uint32_t type);
+
+/* y[t][r] = dot(W row r, x[t]) for r < rows, t < n_tok (at most 65535·8). d_w: [rows][n] of
+ * `type` in device memory, 16-byte aligned; n a multiple of 256; x rows ldx floats apart (ldx a
+ * multiple of 4, >= n, d_x 16-byte aligned); y rows ldy apart. Each token's result is the same
+ * floats whatever n_tok is and whichever tokens share its launch. Returns 0, MOE_EUNSUPPORTED,
+ * -EINVAL or MOE_EBACKEND (as moe_cuda_matvec). */
+int moe_cuda_matvec_tc(uint32_t type, const void *d_w, int64_t n, int64_t rows, const float *d_x,
+                       int64_t ldx, int64_t n_tok, float *d_y, int64_t ldy, cudaStream_t s);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif
