@@ -12,6 +12,8 @@
 #include "worker/cuda/experts.cuh"
 
 #include <errno.h>
+#include <stdlib.h>
+#include <string.h>
 
 extern "C" {
 #include "store/err.h"
@@ -23,6 +25,7 @@ extern "C" {
 #include "worker/cuda/qdot.cuh"
 
 #include "worker/cuda/experts_dev.cuh"
+#include "worker/cuda/mv_tc_dev.cuh"
 #include "worker/cuda/offload_dev.cuh"
 
 /* A pointer of a table that a block of this launch may have changed (resolve_walk). */
@@ -83,32 +86,17 @@ static __device__ bool gu_resolve(const moe_cuda_gu_resolve &rs, const int32_t *
     return s_fresh;
 }
 
-/* mode 0: act = silu(gate)·up (gate, up same type K); mode 1: out = W·x for table a only.
- * fa, fb (or NULL): the fill sources of tables a and b (warp_fill_rows): each warp first copies
- * the rows it reads of an expert whose copies the layer's resolve left to this kernel. */
-/* With rt.rl set, every warp first routes its slot's token itself (route_warp on the router's
- * logits, into its own shared memory: sel is not read), and warp 0 of the token's first block
- * (x 0, slot t·k) also stores the choices in rt.sel_e / rt.sel_w for the down kernel and counts
- * them: the routing of the step without a launch of its own. Dynamic shared memory: GU_WARPS ·
- * route_smem_floats(nexp, k) floats, then with rs.off the walk's (moe_cuda_resolve_smem): the
- * block resolves the layer's choices itself (gu_resolve). */
-template <int K, int MODE>
-static __global__ void __launch_bounds__(32 * GU_WARPS)
-gate_up_kernel(const uint8_t *const *__restrict__ ga, const uint8_t *const *__restrict__ ua,
-               size_t row_bytes, unsigned block_bytes, int nu, int64_t ff,
-               const float *__restrict__ x, int64_t ldx, int kuse,
-               const int32_t *__restrict__ sel_e, float *__restrict__ out, int64_t ldo,
-               const uint8_t *__restrict__ etype, int want, const moe_cuda_route_in rt,
-               const uint8_t *const *__restrict__ fa, const uint8_t *const *__restrict__ fb,
-               const moe_cuda_gu_resolve rs)
+/* The expert of the block's slot: with rt.rl every warp first routes the slot's token itself
+ * (route_warp on the router's logits, into its own shared memory at rsm: sel_e is not read), and
+ * warp 0 of the token's first block (x 0, slot t·k) also stores the choices in rt.sel_e /
+ * rt.sel_w for the down kernel and counts them: the routing of the step without a launch of its
+ * own. With rs.off the block then resolves the layer's choices (gu_resolve; every thread of the
+ * block must call this), and *fresh says whether the tables must be read afresh. */
+static __device__ __forceinline__ int gu_expert(const moe_cuda_route_in &rt,
+                                                const moe_cuda_gu_resolve &rs,
+                                                const int32_t *__restrict__ sel_e, int kuse,
+                                                int64_t slot, float *rsm, bool *fresh)
 {
-    pdl_wait();
-    pdl_trigger();
-    extern __shared__ float rsm[];
-    const int64_t r0 = ((int64_t)blockIdx.x * GU_WARPS + (threadIdx.x >> 5)) * GU_ROWS;
-    if (r0 >= ff && !rs.off) /* with rs.off every thread takes part in the lookup */
-        return;
-    const int64_t slot = blockIdx.y;
     int e;
     if (rt.rl) {
         const int lane = threadIdx.x & 31;
@@ -128,10 +116,37 @@ gate_up_kernel(const uint8_t *const *__restrict__ ga, const uint8_t *const *__re
     } else {
         e = sel_e[slot];
     }
-    bool fresh = false;
+    *fresh = false;
     if (rs.off) /* warp 0's choices; the walk's memory after every warp's routing */
-        fresh = gu_resolve(rs, (const int32_t *)(rsm + rt.nexp), kuse, e,
+        *fresh = gu_resolve(rs, (const int32_t *)(rsm + rt.nexp), kuse, e,
                            (int32_t *)(rsm + GU_WARPS * route_smem_floats(rt.nexp, kuse)));
+    return e;
+}
+
+/* mode 0: act = silu(gate)·up (gate, up same type K); mode 1: out = W·x for table a only.
+ * fa, fb (or NULL): the fill sources of tables a and b (warp_fill_rows): each warp first copies
+ * the rows it reads of an expert whose copies the layer's resolve left to this kernel. The
+ * routing and the resolve in the launch: gu_expert. Dynamic shared memory: GU_WARPS ·
+ * route_smem_floats(nexp, k) floats, then with rs.off the walk's (moe_cuda_resolve_smem). */
+template <int K, int MODE>
+static __global__ void __launch_bounds__(32 * GU_WARPS)
+gate_up_kernel(const uint8_t *const *__restrict__ ga, const uint8_t *const *__restrict__ ua,
+               size_t row_bytes, unsigned block_bytes, int nu, int64_t ff,
+               const float *__restrict__ x, int64_t ldx, int kuse,
+               const int32_t *__restrict__ sel_e, float *__restrict__ out, int64_t ldo,
+               const uint8_t *__restrict__ etype, int want, const moe_cuda_route_in rt,
+               const uint8_t *const *__restrict__ fa, const uint8_t *const *__restrict__ fb,
+               const moe_cuda_gu_resolve rs)
+{
+    pdl_wait();
+    pdl_trigger();
+    extern __shared__ float rsm[];
+    const int64_t r0 = ((int64_t)blockIdx.x * GU_WARPS + (threadIdx.x >> 5)) * GU_ROWS;
+    if (r0 >= ff && !rs.off) /* with rs.off every thread takes part in the lookup */
+        return;
+    const int64_t slot = blockIdx.y;
+    bool fresh;
+    const int e = gu_expert(rt, rs, sel_e, kuse, slot, rsm, &fresh);
     if (r0 >= ff)
         return;
     if (etype && etype[e] != want)
@@ -146,6 +161,103 @@ gate_up_kernel(const uint8_t *const *__restrict__ ga, const uint8_t *const *__re
     }
     gate_up_warp<K, MODE>(g, u, row_bytes, block_bytes, nu, ff, x + (slot / kuse) * ldx, r0,
                           out + slot * ldo);
+}
+
+/* Gate/up of Q4_K experts on tensor cores (mv_tc_dev.cuh), one token per block: the same grid,
+ * prologue and shared memory as gate_up_kernel<Q4_K, 0> (gu_expert), then the slot's input staged
+ * in fragment order after that shared memory (tc_off floats in, 16-byte aligned), and warp w
+ * takes blocks w, w + GU_WARPS, ... of the 16-row tile's gate and up rows; the warps' sums are
+ * added in warp order, so a row's floats depend on the row length only. */
+static __global__ void __launch_bounds__(32 * GU_WARPS, 3)
+gate_up_tc_kernel(const uint8_t *const *__restrict__ ga, const uint8_t *const *__restrict__ ua,
+                  size_t row_bytes, int nsb, int64_t ff, const float *__restrict__ x, int64_t ldx,
+                  int kuse, const int32_t *__restrict__ sel_e, float *__restrict__ out,
+                  int64_t ldo, const moe_cuda_route_in rt, const uint8_t *const *__restrict__ fa,
+                  const uint8_t *const *__restrict__ fb, const moe_cuda_gu_resolve rs,
+                  size_t tc_off)
+{
+    pdl_wait();
+    pdl_trigger();
+    extern __shared__ float rsm[];
+    __shared__ unsigned s_amax[1];
+    __shared__ int s_exp[1];
+    const int tid = threadIdx.x, lane = tid & 31, wi = tid >> 5, g8 = lane >> 2, t = lane & 3;
+    const int64_t rt0 = (int64_t)blockIdx.x * TC_ROWS, slot = blockIdx.y;
+    bool fresh;
+    const int e = gu_expert(rt, rs, sel_e, kuse, slot, rsm, &fresh);
+    const uint8_t *g = fresh ? fresh_ptr(ga, e) : ga[e];
+    const uint8_t *u = fresh ? fresh_ptr(ua, e) : ua[e];
+    if (fa && (!rs.off || fresh)) {
+        /* Each warp copies 4 of the tile's rows, as gate_up_kernel's warps do; every warp reads
+         * every row after the barrier. */
+        const int64_t r0 = rt0 + 4 * wi, rows = ff - r0 < 4 ? ff - r0 : 4;
+        warp_fill_rows(g, fresh ? fresh_ptr(fa, e) : fa[e], r0, rows, row_bytes);
+        warp_fill_rows(u, fresh ? fresh_ptr(fb, e) : fb[e], r0, rows, row_bytes);
+        __syncthreads();
+    }
+    const int64_t row0 = rt0 + g8 < ff ? rt0 + g8 : ff - 1;
+    const int64_t row1 = rt0 + g8 + 8 < ff ? rt0 + g8 + 8 : ff - 1;
+    const size_t BB = sizeof(struct moe_block_q4_k);
+    const uint8_t *g0 = g + (size_t)row0 * row_bytes, *g1 = g + (size_t)row1 * row_bytes;
+    const uint8_t *u0 = u + (size_t)row0 * row_bytes, *u1 = u + (size_t)row1 * row_bytes;
+    tc_raw rg = {}, ru = {};
+    if (wi < nsb) {
+        rg = tc_load(g0 + (size_t)wi * BB, g1 + (size_t)wi * BB, t);
+        ru = tc_load(u0 + (size_t)wi * BB, u1 + (size_t)wi * BB, t);
+    }
+    uint4 *xs = (uint4 *)(rsm + tc_off);
+    uint2 *sxs = (uint2 *)(xs + (size_t)nsb * 64);
+    float4 *red = (float4 *)(xs + (size_t)nsb * 66); /* [2][GU_WARPS][32] */
+    const float *xr[1] = {x + (slot / kuse) * ldx};
+    tc_stage<1>(xr, nsb, xs, sxs, s_exp, s_amax);
+    float ag[4] = {0.0f, 0.0f, 0.0f, 0.0f}, au[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int sb = wi; sb < nsb; sb += GU_WARPS) {
+        const tc_raw cg = rg, cu = ru;
+        if (sb + GU_WARPS < nsb) {
+            rg = tc_load(g0 + (size_t)(sb + GU_WARPS) * BB, g1 + (size_t)(sb + GU_WARPS) * BB, t);
+            ru = tc_load(u0 + (size_t)(sb + GU_WARPS) * BB, u1 + (size_t)(sb + GU_WARPS) * BB, t);
+        }
+        tc_block(cg, t, xs + (size_t)sb * 64 + t, sxs[(size_t)sb * 4 + t], ag);
+        tc_block(cu, t, xs + (size_t)sb * 64 + t, sxs[(size_t)sb * 4 + t], au);
+    }
+    red[wi * 32 + lane] = make_float4(ag[0], ag[1], ag[2], ag[3]);
+    red[(GU_WARPS + wi) * 32 + lane] = make_float4(au[0], au[1], au[2], au[3]);
+    __syncthreads();
+    if (wi != 0 || t != 0) /* column 0: lanes t = 0 hold rows g8 (x) and g8 + 8 (z) */
+        return;
+    float4 sg = red[lane], su = red[GU_WARPS * 32 + lane];
+    for (int k = 1; k < GU_WARPS; k++) {
+        const float4 vg = red[k * 32 + lane], vu = red[(GU_WARPS + k) * 32 + lane];
+        sg.x += vg.x, sg.z += vg.z, su.x += vu.x, su.z += vu.z;
+    }
+    const float back = ldexpf(1.0f, s_exp[0]);
+    float *o = out + slot * ldo;
+    if (rt0 + g8 < ff)
+        o[rt0 + g8] = silu_f(sg.x * back) * (su.x * back);
+    if (rt0 + g8 + 8 < ff)
+        o[rt0 + g8 + 8] = silu_f(sg.z * back) * (su.z * back);
+}
+
+/* Which expert products of Q4_K run on tensor cores (gate_up_tc_kernel, down_tc_kernel):
+ * MOE_CUDA_TC=1 both, =gu gate/up only, =down down only; unset or 0 neither. */
+static int tc_mask()
+{
+    static int mask = -1;
+    if (mask < 0) {
+        const char *v = getenv("MOE_CUDA_TC");
+        mask = !v ? 0 : !strcmp(v, "1") ? 3 : !strcmp(v, "gu") ? 1 : !strcmp(v, "down") ? 2 : 0;
+    }
+    return mask;
+}
+
+static bool tc_gate_up_on()
+{
+    return tc_mask() & 1;
+}
+
+static bool tc_down_on()
+{
+    return tc_mask() & 2;
 }
 
 static __global__ void swiglu_kernel(const float *__restrict__ g, const float *__restrict__ u,
@@ -174,6 +286,61 @@ down_kernel(const uint8_t *const *__restrict__ da, size_t row_bytes, unsigned bl
     down_block<K>(da, row_bytes, block_bytes, nu, E, act + t * kuse * ldact, ldact, kuse,
                   sel_e + t * kuse, sel_w + t * kuse, h + t * ldh, (int64_t)blockIdx.x * DOWN_ROWS,
                   part, fill);
+}
+
+/* Down of Q4_K experts on tensor cores, TC_ROWS rows of one token per block: warp j takes the
+ * token's choices j, j + warps, ... (its input staged by itself, tc_stage_warp, scaled by that
+ * input's own power of two) over the 16-row tile and the whole row, then one thread per row
+ * weights and adds the choices in top-k order into h, as down_block does. Dynamic shared memory:
+ * per warp a staging area (tc_stage_bytes(1, nsb)), then part [kuse][TC_ROWS] floats. fill (or
+ * NULL): as down_kernel's, each warp copies the rows it reads first. */
+static __global__ void __launch_bounds__(32 * DOWN_WARPS)
+down_tc_kernel(const uint8_t *const *__restrict__ da, size_t row_bytes, int nsb, int64_t E,
+               const float *__restrict__ act, int64_t ldact, int kuse,
+               const int32_t *__restrict__ sel_e, const float *__restrict__ sel_w,
+               float *__restrict__ h, int64_t ldh, const uint8_t *const *__restrict__ fill)
+{
+    pdl_wait();
+    pdl_trigger();
+    extern __shared__ uint4 dsm[];
+    const int w = threadIdx.x >> 5, nw = blockDim.x >> 5, lane = threadIdx.x & 31;
+    const int g8 = lane >> 2, t = lane & 3;
+    const int64_t tok = blockIdx.y, r0 = (int64_t)blockIdx.x * TC_ROWS;
+    uint4 *xs = dsm + (size_t)w * nsb * 66;
+    uint2 *sxs = (uint2 *)(xs + (size_t)nsb * 64);
+    float *part = (float *)(dsm + (size_t)nw * nsb * 66);
+    const int32_t *se = sel_e + tok * kuse;
+    const float *sw = sel_w + tok * kuse;
+    const size_t BB = sizeof(struct moe_block_q4_k);
+    const int64_t row0 = r0 + g8 < E ? r0 + g8 : E - 1, row1 = r0 + g8 + 8 < E ? r0 + g8 + 8 : E - 1;
+    for (int j = w; j < kuse; j += nw) {
+        const uint8_t *base = da[se[j]];
+        if (fill)
+            warp_fill_rows(base, fill[se[j]], r0, E - r0 < TC_ROWS ? E - r0 : TC_ROWS, row_bytes);
+        const uint8_t *p0 = base + (size_t)row0 * row_bytes, *p1 = base + (size_t)row1 * row_bytes;
+        tc_raw raw = tc_load(p0, p1, t);
+        const int ex = tc_stage_warp(act + (tok * kuse + j) * ldact, nsb, xs, sxs);
+        float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        for (int sb = 0; sb < nsb; sb++) {
+            const tc_raw cur = raw;
+            if (sb + 1 < nsb)
+                raw = tc_load(p0 + (size_t)(sb + 1) * BB, p1 + (size_t)(sb + 1) * BB, t);
+            tc_block(cur, t, xs + (size_t)sb * 64 + t, sxs[(size_t)sb * 4 + t], acc);
+        }
+        const float back = ldexpf(1.0f, ex);
+        if (t == 0) {
+            part[j * TC_ROWS + g8] = acc[0] * back;
+            part[j * TC_ROWS + g8 + 8] = acc[2] * back;
+        }
+        __syncwarp(); /* the staging area is the warp's next choice's */
+    }
+    __syncthreads();
+    if (threadIdx.x < TC_ROWS && r0 + threadIdx.x < E) {
+        float tot = 0.0f;
+        for (int j = 0; j < kuse; j++)
+            tot += sw[j] * part[j * TC_ROWS + threadIdx.x];
+        h[tok * ldh + r0 + threadIdx.x] += tot;
+    }
 }
 
 /* ---------------------------------------------------------------- grouped by expert */
@@ -504,6 +671,19 @@ static int launch_gate_up(const void *const *a, const void *const *b, int64_t n,
         smem += moe_cuda_resolve_smem(rs.nexp, rs.slots);
     if (smem > 48 * 1024)
         return -EINVAL;
+    if constexpr (K == MOE_TYPE_Q4_K && MODE == 0) {
+        const size_t tc_off = (smem / sizeof(float) + 3) & ~(size_t)3;
+        const size_t tc_smem = tc_off * sizeof(float) + tc_stage_bytes(1, nu / 8) +
+                               2 * GU_WARPS * 32 * sizeof(float4);
+        if (tc_gate_up_on() && !etype && n % 256 == 0 && tc_smem <= 48 * 1024) {
+            MOE_CUDA_TRY(moe_launch(gate_up_tc_kernel, g, dim3(32 * GU_WARPS), tc_smem, s,
+                                    (const uint8_t *const *)a, (const uint8_t *const *)b, rb,
+                                    nu / 8, ff, x, ldx, kuse, sel_e, out, ldo, rt,
+                                    (const uint8_t *const *)fa, (const uint8_t *const *)fb, rs,
+                                    tc_off));
+            return 0;
+        }
+    }
     MOE_CUDA_TRY(moe_launch(gate_up_kernel<K, MODE>, g, dim3(32 * GU_WARPS), smem, s,
                             (const uint8_t *const *)a, (const uint8_t *const *)b, rb, bb, nu, ff, x,
                             ldx, kuse, sel_e, out, ldo, etype, (int)kind_type(K), rt,
@@ -578,8 +758,19 @@ static int launch_down(const void *const *d, int64_t ff, int64_t E, const float 
     size_t rb;
     int nu;
     unsigned bb = blk_bytes<K>(ff, &rb, &nu);
-    dim3 g((unsigned)((E + DOWN_ROWS - 1) / DOWN_ROWS), (unsigned)n_tok);
     const int warps = kuse < DOWN_WARPS ? kuse : DOWN_WARPS;
+    if constexpr (K == MOE_TYPE_Q4_K) {
+        const size_t smem = (size_t)warps * tc_stage_bytes(1, nu / 8) +
+                            sizeof(float) * TC_ROWS * (size_t)kuse;
+        if (tc_down_on() && ff % 256 == 0 && smem <= 48 * 1024) {
+            dim3 g((unsigned)((E + TC_ROWS - 1) / TC_ROWS), (unsigned)n_tok);
+            MOE_CUDA_TRY(moe_launch(down_tc_kernel, g, dim3(32 * warps), smem, s,
+                                    (const uint8_t *const *)d, rb, nu / 8, E, act, ldact, kuse,
+                                    sel_e, sel_w, h, ldh, (const uint8_t *const *)fill));
+            return 0;
+        }
+    }
+    dim3 g((unsigned)((E + DOWN_ROWS - 1) / DOWN_ROWS), (unsigned)n_tok);
     MOE_CUDA_TRY(moe_launch(down_kernel<K>, g, dim3(32 * (warps < 1 ? 1 : warps)),
                             sizeof(float) * DOWN_ROWS * (size_t)kuse,
                             s, (const uint8_t *const *)d, rb, bb, nu, E, act, ldact, kuse, sel_e,

@@ -17,54 +17,11 @@ extern "C" {
 }
 #include "worker/cuda/cuda_check.cuh"
 #include "worker/cuda/launch.cuh"
-#include "worker/cuda/mv_tc.cuh"
+#include "worker/cuda/mv_tc_dev.cuh"
 
 #define TC_MAX_WARPS 8
 /* Shared memory for the staged inputs of a launch's token group, at most. */
 #define TC_STAGE_MAX (64 * 1024)
-
-/* c (16×8 f32) += a (16×16 f16, row-major) · b (16×8 f16, column-major). */
-static __device__ __forceinline__ void tc_mma16816(float c[4], uint32_t a0, uint32_t a1,
-                                                   uint32_t a2, uint32_t a3, uint32_t b0,
-                                                   uint32_t b1)
-{
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "
-        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
-/* c (16×8 f32) += a (16×8 f16) · b (8×8 f16). */
-static __device__ __forceinline__ void tc_mma1688(float c[4], uint32_t a0, uint32_t a1,
-                                                  uint32_t b0)
-{
-    asm("mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5}, {%6}, "
-        "{%0, %1, %2, %3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a0), "r"(a1), "r"(b0));
-}
-
-/* A lane's bytes of one Q4_K block of its two rows: headers and chunk t of qs. */
-struct tc_raw {
-    uint4 h0, h1, a0, b0, a1, b1;
-};
-
-static __device__ __forceinline__ tc_raw tc_load(const uint8_t *p0, const uint8_t *p1, int t)
-{
-    tc_raw r;
-    r.h0 = __ldg((const uint4 *)p0);
-    r.h1 = __ldg((const uint4 *)p1);
-    r.a0 = __ldg((const uint4 *)(p0 + OFF(q4_k, qs) + 32 * t));
-    r.b0 = __ldg((const uint4 *)(p0 + OFF(q4_k, qs) + 32 * t + 16));
-    r.a1 = __ldg((const uint4 *)(p1 + OFF(q4_k, qs) + 32 * t));
-    r.b1 = __ldg((const uint4 *)(p1 + OFF(q4_k, qs) + 32 * t + 16));
-    return r;
-}
-
-static __device__ __forceinline__ unsigned abs_bits(float v)
-{
-    return __float_as_uint(v) & 0x7fffffffu;
-}
 
 template <int NT>
 static __global__ void __launch_bounds__(32 * TC_MAX_WARPS)
@@ -91,83 +48,22 @@ mv_tc_q4k_kernel(const uint8_t *__restrict__ w, size_t row_bytes, int nsb, int64
     pdl_wait(); /* x is the previous kernel's output; the weights are not */
     pdl_trigger();
 
-    /* Staging: each token's max |x| (bit patterns: a NaN wins and leaves the scale at 1), its
-     * power of two, then the fragments and the sub-block sums. */
-    const int64_t n = (int64_t)nsb * 256;
-    if (tid < NT)
-        s_amax[tid] = 0;
-    __syncthreads();
+    const float *xr[NT];
     UNROLL
-    for (int c = 0; c < NT; c++) {
-        const float *xr = x + (t0 + c < n_tok ? t0 + c : n_tok - 1) * ldx;
-        unsigned m = 0;
-        for (int64_t i = 4 * (int64_t)tid; i < n; i += 4 * (int64_t)nthr) {
-            const float4 v = *(const float4 *)(xr + i);
-            m = max(max(m, abs_bits(v.x)), max(abs_bits(v.y), max(abs_bits(v.z), abs_bits(v.w))));
-        }
-        m = __reduce_max_sync(0xffffffffu, m);
-        if (lane == 0)
-            atomicMax(&s_amax[c], m);
-    }
-    __syncthreads();
-    if (tid < NT)
-        s_exp[tid] = tc_scale_exp(__uint_as_float(s_amax[tid]));
-    __syncthreads();
-    for (int u = tid; u < NT * nsb * 64; u += nthr) {
-        const int c = u / (nsb * 64), r = u % (nsb * 64), sb = r >> 6, m = (r >> 2) & 15,
-                  tt = r & 3;
-        const float *xr = x + (t0 + c < n_tok ? t0 + c : n_tok - 1) * ldx;
-        const float sc = ldexpf(1.0f, -s_exp[c]);
-        const float4 v = *(const float4 *)(xr + 256 * sb + tc_q4k_base(m, tt));
-        xs[u] = tc_stage4(v.x * sc, v.y * sc, v.z * sc, v.w * sc);
-    }
-    for (int u = tid; u < NT * nsb * 4; u += nthr) {
-        const int c = u / (nsb * 4), r = u % (nsb * 4), sb = r >> 2, tt = r & 3;
-        const float *xp = x + (t0 + c < n_tok ? t0 + c : n_tok - 1) * ldx + 256 * sb + 64 * tt;
-        const float sc = ldexpf(1.0f, -s_exp[c]);
-        float s0 = 0.0f, s1 = 0.0f;
-        for (int i = 0; i < 32; i += 4) {
-            const float4 a = *(const float4 *)(xp + i), b = *(const float4 *)(xp + 32 + i);
-            s0 += a.x * sc + a.y * sc + a.z * sc + a.w * sc;
-            s1 += b.x * sc + b.y * sc + b.z * sc + b.w * sc;
-        }
-        sxs[u] = tc_stage_sums(s0, s1);
-    }
-    __syncthreads();
+    for (int c = 0; c < NT; c++)
+        xr[c] = x + (t0 + c < n_tok ? t0 + c : n_tok - 1) * ldx;
+    tc_stage<NT>(xr, nsb, xs, sxs, s_exp, s_amax);
 
-    /* The warp's blocks: 16 mma pairs (hi, lo) and the mins' pair each. Column g reads token
-     * g % NT (the columns past NT repeat a staged token; their results are not stored). */
+    /* The warp's blocks. Column g reads token g % NT (the columns past NT repeat a staged token;
+     * their results are not stored). */
     const int gx = g & (NT - 1);
     float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     for (int sb = wi; sb < nsb; sb += nw) {
-        const tc_q4k_row k0 = tc_q4k_consts(raw.h0, t), k1 = tc_q4k_consts(raw.h1, t);
-        const uint32_t wa[8] = {raw.a0.x, raw.a0.y, raw.a0.z, raw.a0.w,
-                                raw.b0.x, raw.b0.y, raw.b0.z, raw.b0.w};
-        const uint32_t wb[8] = {raw.a1.x, raw.a1.y, raw.a1.z, raw.a1.w,
-                                raw.b1.x, raw.b1.y, raw.b1.z, raw.b1.w};
+        const tc_raw cur = raw;
         if (sb + nw < nsb)
             raw = tc_load(p0 + (size_t)(sb + nw) * BB, p1 + (size_t)(sb + nw) * BB, t);
-        const uint4 *xp = xs + (size_t)(gx * nsb + sb) * 64 + t;
-        float C[4] = {0.0f, 0.0f, 0.0f, 0.0f}, M[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        UNROLL
-        for (int i = 0; i < 8; i++) {
-            uint32_t l0a, l1a, h0a, h1a, l0b, l1b, h0b, h1b;
-            tc_q4k_word(wa[i], k0, &l0a, &l1a, &h0a, &h1a);
-            tc_q4k_word(wb[i], k1, &l0b, &l1b, &h0b, &h1b);
-            uint4 xb = xp[4 * (2 * i)];
-            tc_mma16816(C, l0a, l0b, l1a, l1b, xb.x, xb.y);
-            tc_mma16816(C, l0a, l0b, l1a, l1b, xb.z, xb.w);
-            xb = xp[4 * (2 * i + 1)];
-            tc_mma16816(C, h0a, h0b, h1a, h1b, xb.x, xb.y);
-            tc_mma16816(C, h0a, h0b, h1a, h1b, xb.z, xb.w);
-        }
-        const uint2 sv = sxs[(size_t)(gx * nsb + sb) * 4 + t];
-        tc_mma1688(M, k0.am, k1.am, sv.x);
-        tc_mma1688(M, k0.am, k1.am, sv.y);
-        acc[0] = fmaf(-k0.dmin, M[0], fmaf(k0.d, C[0], acc[0]));
-        acc[1] = fmaf(-k0.dmin, M[1], fmaf(k0.d, C[1], acc[1]));
-        acc[2] = fmaf(-k1.dmin, M[2], fmaf(k1.d, C[2], acc[2]));
-        acc[3] = fmaf(-k1.dmin, M[3], fmaf(k1.d, C[3], acc[3]));
+        tc_block(cur, t, xs + (size_t)(gx * nsb + sb) * 64 + t, sxs[(size_t)(gx * nsb + sb) * 4 + t],
+                 acc);
     }
     red[wi * 32 + lane] = make_float4(acc[0], acc[1], acc[2], acc[3]);
     __syncthreads();

@@ -1,0 +1,179 @@
+/* Device parts of the tensor-core Q4_K products (the fragment scheme is in mv_tc.cuh): the mma
+ * instructions, a lane's loads of one block of its two rows, one block's contribution to a
+ * warp's 16-row tile, and the staging of the inputs in fragment order. Shared by the mat-vec
+ * (mv_tc.cu) and the expert kernels (experts.cu), so a row's result is the same floats whichever
+ * computes it. */
+#ifndef MOE_CUDA_MV_TC_DEV_CUH
+#define MOE_CUDA_MV_TC_DEV_CUH
+
+#include "worker/cuda/mv_tc.cuh"
+
+/* c (16×8 f32) += a (16×16 f16, row-major) · b (16×8 f16, column-major). */
+static __device__ __forceinline__ void tc_mma16816(float c[4], uint32_t a0, uint32_t a1,
+                                                   uint32_t a2, uint32_t a3, uint32_t b0,
+                                                   uint32_t b1)
+{
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "
+        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+/* c (16×8 f32) += a (16×8 f16) · b (8×8 f16). */
+static __device__ __forceinline__ void tc_mma1688(float c[4], uint32_t a0, uint32_t a1,
+                                                  uint32_t b0)
+{
+    asm("mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5}, {%6}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(b0));
+}
+
+/* A lane's bytes of one Q4_K block of its two rows: headers and chunk t of qs. */
+struct tc_raw {
+    uint4 h0, h1, a0, b0, a1, b1;
+};
+
+/* Plain loads (not the read-only path): the expert kernels may have copied these bytes into
+ * place earlier in the same launch. */
+static __device__ __forceinline__ tc_raw tc_load(const uint8_t *p0, const uint8_t *p1, int t)
+{
+    tc_raw r;
+    r.h0 = *(const uint4 *)p0;
+    r.h1 = *(const uint4 *)p1;
+    r.a0 = *(const uint4 *)(p0 + OFF(q4_k, qs) + 32 * t);
+    r.b0 = *(const uint4 *)(p0 + OFF(q4_k, qs) + 32 * t + 16);
+    r.a1 = *(const uint4 *)(p1 + OFF(q4_k, qs) + 32 * t);
+    r.b1 = *(const uint4 *)(p1 + OFF(q4_k, qs) + 32 * t + 16);
+    return r;
+}
+
+/* One Q4_K block of a warp's tile: acc (the lane's C fragment: rows g, g+8, columns 2t, 2t+1)
+ * += d·C − dmin·C_min. xp: the staged inputs of the block for the lane's column and t (stride 4
+ * uint4 between the block's 16 mma), sv: the lane's pair of sub-block sums. */
+static __device__ __forceinline__ void tc_block(const tc_raw &raw, int t, const uint4 *xp,
+                                                uint2 sv, float acc[4])
+{
+    const tc_q4k_row k0 = tc_q4k_consts(raw.h0, t), k1 = tc_q4k_consts(raw.h1, t);
+    const uint32_t wa[8] = {raw.a0.x, raw.a0.y, raw.a0.z, raw.a0.w,
+                            raw.b0.x, raw.b0.y, raw.b0.z, raw.b0.w};
+    const uint32_t wb[8] = {raw.a1.x, raw.a1.y, raw.a1.z, raw.a1.w,
+                            raw.b1.x, raw.b1.y, raw.b1.z, raw.b1.w};
+    float C[4] = {0.0f, 0.0f, 0.0f, 0.0f}, M[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    UNROLL
+    for (int i = 0; i < 8; i++) {
+        uint32_t l0a, l1a, h0a, h1a, l0b, l1b, h0b, h1b;
+        tc_q4k_word(wa[i], k0, &l0a, &l1a, &h0a, &h1a);
+        tc_q4k_word(wb[i], k1, &l0b, &l1b, &h0b, &h1b);
+        uint4 xb = xp[4 * (2 * i)];
+        tc_mma16816(C, l0a, l0b, l1a, l1b, xb.x, xb.y);
+        tc_mma16816(C, l0a, l0b, l1a, l1b, xb.z, xb.w);
+        xb = xp[4 * (2 * i + 1)];
+        tc_mma16816(C, h0a, h0b, h1a, h1b, xb.x, xb.y);
+        tc_mma16816(C, h0a, h0b, h1a, h1b, xb.z, xb.w);
+    }
+    tc_mma1688(M, k0.am, k1.am, sv.x);
+    tc_mma1688(M, k0.am, k1.am, sv.y);
+    acc[0] = fmaf(-k0.dmin, M[0], fmaf(k0.d, C[0], acc[0]));
+    acc[1] = fmaf(-k0.dmin, M[1], fmaf(k0.d, C[1], acc[1]));
+    acc[2] = fmaf(-k1.dmin, M[2], fmaf(k1.d, C[2], acc[2]));
+    acc[3] = fmaf(-k1.dmin, M[3], fmaf(k1.d, C[3], acc[3]));
+}
+
+static __device__ __forceinline__ unsigned abs_bits(float v)
+{
+    return __float_as_uint(v) & 0x7fffffffu;
+}
+
+/* Shared memory of tc_stage for nt tokens of rows of nsb blocks: xs [nt][nsb][16][4] uint4, then
+ * sxs [nt][nsb][4] uint2. */
+static __host__ __device__ __forceinline__ size_t tc_stage_bytes(int nt, int nsb)
+{
+    return (size_t)nt * nsb * (64 * sizeof(uint4) + 4 * sizeof(uint2));
+}
+
+/* Item r (0 .. nsb·64) of a row's staged fragments: block sb = r/64, mma m = (r/4) % 16, lane
+ * t = r % 4; and item r (0 .. nsb·4) of its sub-block sums' pairs (block r/4, lane r % 4). x is
+ * the row, sc the power of two 2^-s of its exponent. */
+static __device__ __forceinline__ uint4 tc_stage_frag(const float *x, int r, float sc)
+{
+    const int sb = r >> 6, m = (r >> 2) & 15, tt = r & 3;
+    const float4 v = *(const float4 *)(x + 256 * sb + tc_q4k_base(m, tt));
+    return tc_stage4(v.x * sc, v.y * sc, v.z * sc, v.w * sc);
+}
+
+static __device__ __forceinline__ uint2 tc_stage_sum(const float *x, int r, float sc)
+{
+    const float *xp = x + 256 * (r >> 2) + 64 * (r & 3);
+    float s0 = 0.0f, s1 = 0.0f;
+    for (int i = 0; i < 32; i += 4) {
+        const float4 a = *(const float4 *)(xp + i), b = *(const float4 *)(xp + 32 + i);
+        s0 += a.x * sc + a.y * sc + a.z * sc + a.w * sc;
+        s1 += b.x * sc + b.y * sc + b.z * sc + b.w * sc;
+    }
+    return tc_stage_sums(s0, s1);
+}
+
+/* The bit pattern of max |x| over this thread's float4s i0, i0 + step, ... of a row of n. */
+static __device__ __forceinline__ unsigned tc_amax_part(const float *x, int64_t n, int64_t i0,
+                                                        int64_t step)
+{
+    unsigned m = 0;
+    for (int64_t i = 4 * i0; i < n; i += 4 * step) {
+        const float4 v = *(const float4 *)(x + i);
+        m = max(max(m, abs_bits(v.x)), max(abs_bits(v.y), max(abs_bits(v.z), abs_bits(v.w))));
+    }
+    return m;
+}
+
+/* The whole block stages NT tokens' inputs (xr[c]: token c's row of nsb·256 floats) in fragment
+ * order into xs and sxs (tc_stage_bytes): each token's max |x| (bit patterns, so a NaN wins and
+ * leaves the scale at 1), its exponent s_exp[c] (tc_scale_exp), then the scaled fragments and
+ * sub-block sums. s_amax: NT words of shared memory. Ends with a barrier; every thread of the
+ * block must call it. */
+template <int NT>
+static __device__ __forceinline__ void tc_stage(const float *const *xr, int nsb, uint4 *xs,
+                                                uint2 *sxs, int *s_exp, unsigned *s_amax)
+{
+    const int tid = threadIdx.x, nthr = blockDim.x, lane = tid & 31;
+    const int64_t n = (int64_t)nsb * 256;
+    if (tid < NT)
+        s_amax[tid] = 0;
+    __syncthreads();
+    UNROLL
+    for (int c = 0; c < NT; c++) {
+        const unsigned m = __reduce_max_sync(0xffffffffu, tc_amax_part(xr[c], n, tid, nthr));
+        if (lane == 0)
+            atomicMax(&s_amax[c], m);
+    }
+    __syncthreads();
+    if (tid < NT)
+        s_exp[tid] = tc_scale_exp(__uint_as_float(s_amax[tid]));
+    __syncthreads();
+    for (int u = tid; u < NT * nsb * 64; u += nthr) {
+        const int c = u / (nsb * 64);
+        xs[u] = tc_stage_frag(xr[c], u % (nsb * 64), ldexpf(1.0f, -s_exp[c]));
+    }
+    for (int u = tid; u < NT * nsb * 4; u += nthr) {
+        const int c = u / (nsb * 4);
+        sxs[u] = tc_stage_sum(xr[c], u % (nsb * 4), ldexpf(1.0f, -s_exp[c]));
+    }
+    __syncthreads();
+}
+
+/* tc_stage for one row by one warp (the same floats): returns the row's exponent. */
+static __device__ __forceinline__ int tc_stage_warp(const float *x, int nsb, uint4 *xs, uint2 *sxs)
+{
+    const int lane = threadIdx.x & 31;
+    const unsigned m = __reduce_max_sync(0xffffffffu, tc_amax_part(x, (int64_t)nsb * 256, lane, 32));
+    const int e = tc_scale_exp(__uint_as_float(m));
+    const float sc = ldexpf(1.0f, -e);
+    for (int u = lane; u < nsb * 64; u += 32)
+        xs[u] = tc_stage_frag(x, u, sc);
+    for (int u = lane; u < nsb * 4; u += 32)
+        sxs[u] = tc_stage_sum(x, u, sc);
+    __syncwarp();
+    return e;
+}
+
+#endif
