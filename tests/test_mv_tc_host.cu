@@ -2,7 +2,7 @@
  * 32 lanes build their A (weights as sc·q), B (inputs as two f16 parts) and mins fragments with
  * the kernel's own __host__ __device__ functions, the mma instructions are emulated from the PTX
  * fragment layouts (m16n8k16 and m16n8k8, f16 inputs, sums in double), and each row's result
- * d·C − dmin·C_min must equal a double dot product of the dequantised row within 1e-6 of Σ|w·x|.
+ * d·C − dmin·C_min (Q4_K; Q6_K: Σ over the scale groups of d·sc·C) must equal a double dot product of the dequantised row within 1e-6 of Σ|w·x|.
  * A weight or input placed in the wrong fragment slot, a wrong scale or a wrong k order fails it.
  * The GPU test (tests/gpu/test_cuda_mv_tc.c) checks the kernel itself against the CPU. */
 #include <math.h>
@@ -161,6 +161,92 @@ TEST(mv_tc_host_fragments_give_the_dot_products)
                 CHECK_MSG(fabs(tot[r][c] - ref) <= 1e-6 * abs_sum,
                           "nt %d row %d token %d: %.9g against %.9g (Σ|w·x| %.3g)", nt, r, c,
                           tot[r][c], ref, abs_sum);
+            }
+        }
+    }
+    free(w);
+}
+
+/* Q6_K: one block of a 16-row tile for NT tokens, each scale group one emulated mma whose C is
+ * scaled by d·sc of its row, against a double dot product of the dequantised rows. */
+TEST(mv_tc_host_q6k_fragments_give_the_dot_products)
+{
+    moe_test_rng_seed(78);
+    const int64_t n = 256;
+    const size_t rb = moe_row_bytes(MOE_TYPE_Q6_K, n);
+    uint8_t *w = (uint8_t *)malloc(rb * 16);
+    float f[256], d[256];
+    CHECK(w);
+    for (int r = 0; r < 16; r++) {
+        for (int i = 0; i < n; i++)
+            f[i] = rnd() * (0.02f + 0.03f * (float)((i / 16 + r) % 7)) - (r == 5 ? 0.04f : 0.0f);
+        CHECK_EQ(moe_quantize(MOE_TYPE_Q6_K, f, w + rb * r, n), 0);
+    }
+    static const float mag[8] = {1.0f, 2e-3f, 7e3f, 0.5f, 30.0f, 1e-5f, 1.0f, 100.0f};
+    for (int nt = 1; nt <= 8; nt *= 2) {
+        float x[8][256];
+        int sexp[8];
+        for (int c = 0; c < nt; c++) {
+            float amax = 0.0f;
+            for (int i = 0; i < n; i++) {
+                x[c][i] = rnd() * 2.0f * mag[c];
+                amax = fmaxf(amax, fabsf(x[c][i]));
+            }
+            sexp[c] = tc_scale_exp(amax);
+        }
+        /* Per group: A [16][16], B [16][8] (both parts), the rows' d·sc. */
+        static double A[16][16][16], B[16][16][8], S[16][16];
+        for (int lane = 0; lane < 32; lane++) {
+            const int g = lane >> 2, t = lane & 3, gx = g & (nt - 1);
+            for (int half = 0; half < 2; half++) {
+                const int row = g + 8 * half;
+                for (int hh = 0; hh < 2; hh++)
+                    for (int lh = 0; lh < 2; lh++) {
+                        const int u = 8 * hh + 4 * lh + t;
+                        q6k_raw raw;
+                        q6k_unit_load(w + rb * row, u, &raw);
+                        uint32_t q[4];
+                        q6k_unit_decode(raw, q);
+                        for (int j = 0; j < 4; j++) {
+                            const int grp = 8 * hh + 2 * j + lh;
+                            CHECK_EQ(tc_q6k_unit(grp, t), u);
+                            uint32_t lo, hi;
+                            tc_q6k_word(q[j], &lo, &hi);
+                            halves(lo, &A[grp][row][2 * t], &A[grp][row][2 * t + 1]);
+                            halves(hi, &A[grp][row][2 * t + 8], &A[grp][row][2 * t + 9]);
+                            S[grp][row] = (double)h2f(raw.d) * raw.sc[j];
+                            const float sc = ldexpf(1.0f, -sexp[gx]);
+                            const float *v = x[gx] + tc_q6k_base(grp, t);
+                            const uint4 xb = tc_stage4(v[0] * sc, v[1] * sc, v[2] * sc, v[3] * sc);
+                            double p, pq, r2, s2;
+                            halves(xb.x, &p, &pq);
+                            halves(xb.z, &r2, &s2);
+                            B[grp][2 * t][g] = p + r2, B[grp][2 * t + 1][g] = pq + s2;
+                            halves(xb.y, &p, &pq);
+                            halves(xb.w, &r2, &s2);
+                            B[grp][2 * t + 8][g] = p + r2, B[grp][2 * t + 9][g] = pq + s2;
+                        }
+                    }
+            }
+        }
+        for (int r = 0; r < 16; r++) {
+            CHECK_EQ(moe_dequantize(MOE_TYPE_Q6_K, w + rb * r, d, n), 0);
+            for (int c = 0; c < nt; c++) {
+                double got = 0.0, ref = 0.0, abs_sum = 0.0;
+                for (int grp = 0; grp < 16; grp++) {
+                    double C = 0.0;
+                    for (int k = 0; k < 16; k++)
+                        C += A[grp][r][k] * B[grp][k][c];
+                    got += S[grp][r] * C;
+                }
+                got *= ldexp(1.0, sexp[c]);
+                for (int i = 0; i < n; i++) {
+                    ref += (double)d[i] * x[c][i];
+                    abs_sum += fabs((double)d[i] * x[c][i]);
+                }
+                CHECK_MSG(fabs(got - ref) <= 1e-6 * abs_sum,
+                          "nt %d row %d token %d: %.9g against %.9g (Σ|w·x| %.3g)", nt, r, c, got,
+                          ref, abs_sum);
             }
         }
     }

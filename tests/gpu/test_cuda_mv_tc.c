@@ -1,4 +1,4 @@
-/* worker/cuda/mv_tc.cu, the tensor-core mat-vec, against the CPU path: Q4_K weights made by
+/* worker/cuda/mv_tc.cu, the tensor-core mat-vec, against the CPU path: Q4_K and Q6_K weights made by
  * moe_quantize, several shapes (rows not a multiple of the 16-row tile, rows shorter than the
  * eight warps of a block, 1 to 17 tokens so that a launch has partial token groups), each token's
  * inputs of its own magnitude (1e-4 to 1e4: the power-of-two scaling of the f16 parts). Every
@@ -27,11 +27,11 @@ static float tok_scale(int64_t t)
     return sc[t % 6];
 }
 
-static void check_shape(const uint8_t *w, int64_t n, int64_t rows, cudaStream_t st)
+static void check_shape(uint32_t type, const uint8_t *w, int64_t n, int64_t rows, cudaStream_t st)
 {
     static const int64_t toks[] = {1, 2, 3, 8, 9, 17};
     const int64_t max_tok = 17;
-    const size_t rb = moe_row_bytes(MOE_TYPE_Q4_K, n), wb = rb * (size_t)rows;
+    const size_t rb = moe_row_bytes(type, n), wb = rb * (size_t)rows;
     float *x = malloc(sizeof(float) * (size_t)(n * max_tok));
     float *ycpu = malloc(sizeof(float) * (size_t)(rows * max_tok));
     float *y = malloc(sizeof(float) * (size_t)(rows * max_tok));
@@ -42,10 +42,10 @@ static void check_shape(const uint8_t *w, int64_t n, int64_t rows, cudaStream_t 
     for (int64_t t = 0; t < max_tok; t++) {
         for (int64_t i = 0; i < n; i++)
             x[t * n + i] = rng_f() * 2.0f * tok_scale(t);
-        moe_matvec(MOE_TYPE_Q4_K, w, n, x + t * n, ycpu + t * rows, 0, rows);
+        moe_matvec(type, w, n, x + t * n, ycpu + t * rows, 0, rows);
     }
     for (int64_t r = 0; r < rows; r++) {
-        CHECK_EQ(moe_dequantize(MOE_TYPE_Q4_K, w + rb * (size_t)r, d, n), 0);
+        CHECK_EQ(moe_dequantize(type, w + rb * (size_t)r, d, n), 0);
         for (int64_t t = 0; t < max_tok; t++) {
             double a = 0.0;
             for (int64_t i = 0; i < n; i++)
@@ -64,7 +64,7 @@ static void check_shape(const uint8_t *w, int64_t n, int64_t rows, cudaStream_t 
     /* Each token alone first: the reference bits for the batched launches. */
     for (int64_t t = 0; t < max_tok; t++) {
         CU(cudaMemsetAsync(dy, 0xff, sizeof(float) * (size_t)rows, st));
-        int rc = moe_cuda_matvec_tc(MOE_TYPE_Q4_K, dw, n, rows, dx + t * n, n, 1, dy, rows, st);
+        int rc = moe_cuda_matvec_tc(type, dw, n, rows, dx + t * n, n, 1, dy, rows, st);
         CHECK_MSG(rc == 0, "n=%lld rows=%lld: %s", (long long)n, (long long)rows,
                   moe_strerror(rc));
         CU(cudaMemcpyAsync(y1 + t * rows, dy, sizeof(float) * (size_t)rows,
@@ -75,8 +75,9 @@ static void check_shape(const uint8_t *w, int64_t n, int64_t rows, cudaStream_t 
         for (int64_t r = 0; r < rows; r++) {
             const size_t k = (size_t)(t * rows + r);
             CHECK_MSG(fabs((double)y1[k] - (double)ycpu[k]) <= 1e-5 * as[k],
-                      "n=%lld rows=%lld token %lld (scale %g) row %lld: gpu %.9g cpu %.9g "
-                      "(tol %.3g)", (long long)n, (long long)rows, (long long)t,
+                      "%s n=%lld rows=%lld token %lld (scale %g) row %lld: gpu %.9g cpu %.9g "
+                      "(tol %.3g)", moe_type_get(type)->name, (long long)n, (long long)rows,
+                      (long long)t,
                       (double)tok_scale(t), (long long)r, (double)y1[k], (double)ycpu[k],
                       1e-5 * as[k]);
         }
@@ -84,7 +85,7 @@ static void check_shape(const uint8_t *w, int64_t n, int64_t rows, cudaStream_t 
         const int64_t nt = toks[i];
         for (int run = 0; run < 2; run++) {
             CU(cudaMemsetAsync(dy, 0xff, sizeof(float) * (size_t)(rows * max_tok), st));
-            int rc = moe_cuda_matvec_tc(MOE_TYPE_Q4_K, dw, n, rows, dx, n, nt, dy, rows, st);
+            int rc = moe_cuda_matvec_tc(type, dw, n, rows, dx, n, nt, dy, rows, st);
             CHECK_EQ(rc, 0);
             CU(cudaMemcpyAsync(y, dy, sizeof(float) * (size_t)(rows * max_tok),
                                cudaMemcpyDeviceToHost, st));
@@ -110,22 +111,25 @@ static void check_shape(const uint8_t *w, int64_t n, int64_t rows, cudaStream_t 
     free(as);
 }
 
-TEST(cuda_mv_tc_q4_k_equals_the_cpu)
+static void check_type(uint32_t type, uint64_t seed)
 {
     static const int64_t ns[] = {256, 768, 2048, 4096};
     static const int64_t rowss[] = {1, 16, 131, 768};
     need_gpu();
-    moe_test_rng_seed(211);
+    moe_test_rng_seed(seed);
     cudaStream_t st;
     CU(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
     for (size_t i = 0; i < sizeof ns / sizeof ns[0]; i++) {
-        uint8_t *w = make_weights(MOE_TYPE_Q4_K, 768, ns[i]);
+        uint8_t *w = make_weights(type, 768, ns[i]);
         for (size_t k = 0; k < sizeof rowss / sizeof rowss[0]; k++)
-            check_shape(w, ns[i], rowss[k], st);
+            check_shape(type, w, ns[i], rowss[k], st);
         free(w);
     }
     CU(cudaStreamDestroy(st));
 }
+
+TEST(cuda_mv_tc_q4_k_equals_the_cpu) { check_type(MOE_TYPE_Q4_K, 211); }
+TEST(cuda_mv_tc_q6_k_equals_the_cpu) { check_type(MOE_TYPE_Q6_K, 213); }
 
 /* Non-finite inputs give a non-finite result, as the float walk does, and do not spoil the
  * tokens beside them. */
@@ -170,7 +174,7 @@ TEST(cuda_mv_tc_rejects_bad_arguments)
     CU(cudaMalloc((void **)&dw, 1 << 20));
     CU(cudaMalloc((void **)&dx, 1 << 16));
     CU(cudaMalloc((void **)&dy, 1 << 16));
-    CHECK_EQ(moe_cuda_matvec_tc(MOE_TYPE_Q6_K, dw, 256, 16, dx, 256, 1, dy, 16, 0),
+    CHECK_EQ(moe_cuda_matvec_tc(MOE_TYPE_Q5_K, dw, 256, 16, dx, 256, 1, dy, 16, 0),
              MOE_EUNSUPPORTED);
     CHECK_EQ(moe_cuda_matvec_tc(MOE_TYPE_Q4_K, dw, 100, 16, dx, 256, 1, dy, 16, 0), -EINVAL);
     CHECK_EQ(moe_cuda_matvec_tc(MOE_TYPE_Q4_K, dw, 256, 16, dx, 255, 1, dy, 16, 0), -EINVAL);

@@ -163,11 +163,12 @@ gate_up_kernel(const uint8_t *const *__restrict__ ga, const uint8_t *const *__re
                           out + slot * ldo);
 }
 
-/* Gate/up of Q4_K experts on tensor cores (mv_tc_dev.cuh), one token per block: the same grid,
- * prologue and shared memory as gate_up_kernel<Q4_K, 0> (gu_expert), then the slot's input staged
+/* Gate/up of Q4_K or Q6_K experts on tensor cores (mv_tc_dev.cuh), one token per block: the same
+ * grid, prologue and shared memory as gate_up_kernel<K, 0> (gu_expert), then the slot's input staged
  * in fragment order after that shared memory (tc_off floats in, 16-byte aligned), and warp w
  * takes blocks w, w + GU_WARPS, ... of the 16-row tile's gate and up rows; the warps' sums are
  * added in warp order, so a row's floats depend on the row length only. */
+template <int K>
 static __global__ void __launch_bounds__(32 * GU_WARPS, 3)
 gate_up_tc_kernel(const uint8_t *const *__restrict__ ga, const uint8_t *const *__restrict__ ua,
                   size_t row_bytes, int nsb, int64_t ff, const float *__restrict__ x, int64_t ldx,
@@ -197,29 +198,23 @@ gate_up_tc_kernel(const uint8_t *const *__restrict__ ga, const uint8_t *const *_
     }
     const int64_t row0 = rt0 + g8 < ff ? rt0 + g8 : ff - 1;
     const int64_t row1 = rt0 + g8 + 8 < ff ? rt0 + g8 + 8 : ff - 1;
-    const size_t BB = sizeof(struct moe_block_q4_k);
+    using TK = tc_kind<K>;
+    const size_t BB = TK::block_bytes;
     const uint8_t *g0 = g + (size_t)row0 * row_bytes, *g1 = g + (size_t)row1 * row_bytes;
     const uint8_t *u0 = u + (size_t)row0 * row_bytes, *u1 = u + (size_t)row1 * row_bytes;
-    tc_raw rg = {}, ru = {};
+    typename TK::raw rg = {}, ru = {};
     if (wi < nsb) {
-        rg = tc_load(g0 + (size_t)wi * BB, g1 + (size_t)wi * BB, t);
-        ru = tc_load(u0 + (size_t)wi * BB, u1 + (size_t)wi * BB, t);
+        rg = TK::load(g0 + (size_t)wi * BB, g1 + (size_t)wi * BB, t);
+        ru = TK::load(u0 + (size_t)wi * BB, u1 + (size_t)wi * BB, t);
     }
     uint4 *xs = (uint4 *)(rsm + tc_off);
     uint2 *sxs = (uint2 *)(xs + (size_t)nsb * 64);
     float4 *red = (float4 *)(xs + (size_t)nsb * 66); /* [2][GU_WARPS][32] */
     const float *xr[1] = {x + (slot / kuse) * ldx};
-    tc_stage<1>(xr, nsb, xs, sxs, s_exp, s_amax);
+    tc_stage<1, K>(xr, nsb, xs, sxs, s_exp, s_amax);
     float ag[4] = {0.0f, 0.0f, 0.0f, 0.0f}, au[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    for (int sb = wi; sb < nsb; sb += GU_WARPS) {
-        const tc_raw cg = rg, cu = ru;
-        if (sb + GU_WARPS < nsb) {
-            rg = tc_load(g0 + (size_t)(sb + GU_WARPS) * BB, g1 + (size_t)(sb + GU_WARPS) * BB, t);
-            ru = tc_load(u0 + (size_t)(sb + GU_WARPS) * BB, u1 + (size_t)(sb + GU_WARPS) * BB, t);
-        }
-        tc_block(cg, t, xs + (size_t)sb * 64 + t, sxs[(size_t)sb * 4 + t], ag);
-        tc_block(cu, t, xs + (size_t)sb * 64 + t, sxs[(size_t)sb * 4 + t], au);
-    }
+    tc_rows<K>(g0, g1, t, wi, GU_WARPS, nsb, rg, xs, sxs, 0, ag);
+    tc_rows<K>(u0, u1, t, wi, GU_WARPS, nsb, ru, xs, sxs, 0, au);
     red[wi * 32 + lane] = make_float4(ag[0], ag[1], ag[2], ag[3]);
     red[(GU_WARPS + wi) * 32 + lane] = make_float4(au[0], au[1], au[2], au[3]);
     __syncthreads();
@@ -238,7 +233,7 @@ gate_up_tc_kernel(const uint8_t *const *__restrict__ ga, const uint8_t *const *_
         o[rt0 + g8 + 8] = silu_f(sg.z * back) * (su.z * back);
 }
 
-/* Which expert products of Q4_K run on tensor cores (gate_up_tc_kernel, down_tc_kernel):
+/* Which expert products of Q4_K and Q6_K run on tensor cores (gate_up_tc_kernel, down_tc_kernel):
  * MOE_CUDA_TC=1 both, =gu gate/up only, =down down only; unset or 0 neither. */
 static int tc_mask()
 {
@@ -288,12 +283,13 @@ down_kernel(const uint8_t *const *__restrict__ da, size_t row_bytes, unsigned bl
                   part, fill);
 }
 
-/* Down of Q4_K experts on tensor cores, TC_ROWS rows of one token per block: warp j takes the
+/* Down of Q4_K or Q6_K experts on tensor cores, TC_ROWS rows of one token per block: warp j takes the
  * token's choices j, j + warps, ... (its input staged by itself, tc_stage_warp, scaled by that
  * input's own power of two) over the 16-row tile and the whole row, then one thread per row
  * weights and adds the choices in top-k order into h, as down_block does. Dynamic shared memory:
  * per warp a staging area (tc_stage_bytes(1, nsb)), then part [kuse][TC_ROWS] floats. fill (or
  * NULL): as down_kernel's, each warp copies the rows it reads first. */
+template <int K>
 static __global__ void __launch_bounds__(32 * DOWN_WARPS)
 down_tc_kernel(const uint8_t *const *__restrict__ da, size_t row_bytes, int nsb, int64_t E,
                const float *__restrict__ act, int64_t ldact, int kuse,
@@ -311,22 +307,16 @@ down_tc_kernel(const uint8_t *const *__restrict__ da, size_t row_bytes, int nsb,
     float *part = (float *)(dsm + (size_t)nw * nsb * 66);
     const int32_t *se = sel_e + tok * kuse;
     const float *sw = sel_w + tok * kuse;
-    const size_t BB = sizeof(struct moe_block_q4_k);
     const int64_t row0 = r0 + g8 < E ? r0 + g8 : E - 1, row1 = r0 + g8 + 8 < E ? r0 + g8 + 8 : E - 1;
     for (int j = w; j < kuse; j += nw) {
         const uint8_t *base = da[se[j]];
         if (fill)
             warp_fill_rows(base, fill[se[j]], r0, E - r0 < TC_ROWS ? E - r0 : TC_ROWS, row_bytes);
         const uint8_t *p0 = base + (size_t)row0 * row_bytes, *p1 = base + (size_t)row1 * row_bytes;
-        tc_raw raw = tc_load(p0, p1, t);
-        const int ex = tc_stage_warp(act + (tok * kuse + j) * ldact, nsb, xs, sxs);
+        const typename tc_kind<K>::raw raw = tc_kind<K>::load(p0, p1, t);
+        const int ex = tc_stage_warp<K>(act + (tok * kuse + j) * ldact, nsb, xs, sxs);
         float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        for (int sb = 0; sb < nsb; sb++) {
-            const tc_raw cur = raw;
-            if (sb + 1 < nsb)
-                raw = tc_load(p0 + (size_t)(sb + 1) * BB, p1 + (size_t)(sb + 1) * BB, t);
-            tc_block(cur, t, xs + (size_t)sb * 64 + t, sxs[(size_t)sb * 4 + t], acc);
-        }
+        tc_rows<K>(p0, p1, t, 0, 1, nsb, raw, xs, sxs, 0, acc);
         const float back = ldexpf(1.0f, ex);
         if (t == 0) {
             part[j * TC_ROWS + g8] = acc[0] * back;
@@ -671,14 +661,14 @@ static int launch_gate_up(const void *const *a, const void *const *b, int64_t n,
         smem += moe_cuda_resolve_smem(rs.nexp, rs.slots);
     if (smem > 48 * 1024)
         return -EINVAL;
-    if constexpr (K == MOE_TYPE_Q4_K && MODE == 0) {
+    if constexpr ((K == MOE_TYPE_Q4_K || K == MOE_TYPE_Q6_K) && MODE == 0) {
         const size_t tc_off = (smem / sizeof(float) + 3) & ~(size_t)3;
-        const size_t tc_smem = tc_off * sizeof(float) + tc_stage_bytes(1, nu / 8) +
+        const size_t tc_smem = tc_off * sizeof(float) + tc_stage_bytes(1, (int)(n / 256)) +
                                2 * GU_WARPS * 32 * sizeof(float4);
         if (tc_gate_up_on() && !etype && n % 256 == 0 && tc_smem <= 48 * 1024) {
-            MOE_CUDA_TRY(moe_launch(gate_up_tc_kernel, g, dim3(32 * GU_WARPS), tc_smem, s,
+            MOE_CUDA_TRY(moe_launch(gate_up_tc_kernel<K>, g, dim3(32 * GU_WARPS), tc_smem, s,
                                     (const uint8_t *const *)a, (const uint8_t *const *)b, rb,
-                                    nu / 8, ff, x, ldx, kuse, sel_e, out, ldo, rt,
+                                    (int)(n / 256), ff, x, ldx, kuse, sel_e, out, ldo, rt,
                                     (const uint8_t *const *)fa, (const uint8_t *const *)fb, rs,
                                     tc_off));
             return 0;
@@ -759,13 +749,13 @@ static int launch_down(const void *const *d, int64_t ff, int64_t E, const float 
     int nu;
     unsigned bb = blk_bytes<K>(ff, &rb, &nu);
     const int warps = kuse < DOWN_WARPS ? kuse : DOWN_WARPS;
-    if constexpr (K == MOE_TYPE_Q4_K) {
-        const size_t smem = (size_t)warps * tc_stage_bytes(1, nu / 8) +
+    if constexpr (K == MOE_TYPE_Q4_K || K == MOE_TYPE_Q6_K) {
+        const size_t smem = (size_t)warps * tc_stage_bytes(1, (int)(ff / 256)) +
                             sizeof(float) * TC_ROWS * (size_t)kuse;
         if (tc_down_on() && ff % 256 == 0 && smem <= 48 * 1024) {
             dim3 g((unsigned)((E + TC_ROWS - 1) / TC_ROWS), (unsigned)n_tok);
-            MOE_CUDA_TRY(moe_launch(down_tc_kernel, g, dim3(32 * warps), smem, s,
-                                    (const uint8_t *const *)d, rb, nu / 8, E, act, ldact, kuse,
+            MOE_CUDA_TRY(moe_launch(down_tc_kernel<K>, g, dim3(32 * warps), smem, s,
+                                    (const uint8_t *const *)d, rb, (int)(ff / 256), E, act, ldact, kuse,
                                     sel_e, sel_w, h, ldh, (const uint8_t *const *)fill));
             return 0;
         }

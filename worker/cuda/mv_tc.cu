@@ -23,9 +23,9 @@ extern "C" {
 /* Shared memory for the staged inputs of a launch's token group, at most. */
 #define TC_STAGE_MAX (64 * 1024)
 
-template <int NT>
+template <int NT, int K>
 static __global__ void __launch_bounds__(32 * TC_MAX_WARPS)
-mv_tc_q4k_kernel(const uint8_t *__restrict__ w, size_t row_bytes, int nsb, int64_t rows,
+mv_tc_kernel(const uint8_t *__restrict__ w, size_t row_bytes, int nsb, int64_t rows,
                  const float *__restrict__ x, int64_t ldx, int64_t n_tok, float *__restrict__ y,
                  int64_t ldy)
 {
@@ -41,10 +41,10 @@ mv_tc_q4k_kernel(const uint8_t *__restrict__ w, size_t row_bytes, int nsb, int64
     const int64_t row0 = (int64_t)blockIdx.x * TC_ROWS + g, row1 = row0 + 8;
     const uint8_t *p0 = w + (size_t)(row0 < rows ? row0 : rows - 1) * row_bytes;
     const uint8_t *p1 = w + (size_t)(row1 < rows ? row1 : rows - 1) * row_bytes;
-    const size_t BB = sizeof(struct moe_block_q4_k);
-    tc_raw raw = {};
+    const size_t BB = tc_kind<K>::block_bytes;
+    typename tc_kind<K>::raw raw = {};
     if (wi < nsb)
-        raw = tc_load(p0 + (size_t)wi * BB, p1 + (size_t)wi * BB, t);
+        raw = tc_kind<K>::load(p0 + (size_t)wi * BB, p1 + (size_t)wi * BB, t);
     pdl_wait(); /* x is the previous kernel's output; the weights are not */
     pdl_trigger();
 
@@ -52,19 +52,13 @@ mv_tc_q4k_kernel(const uint8_t *__restrict__ w, size_t row_bytes, int nsb, int64
     UNROLL
     for (int c = 0; c < NT; c++)
         xr[c] = x + (t0 + c < n_tok ? t0 + c : n_tok - 1) * ldx;
-    tc_stage<NT>(xr, nsb, xs, sxs, s_exp, s_amax);
+    tc_stage<NT, K>(xr, nsb, xs, sxs, s_exp, s_amax);
 
     /* The warp's blocks. Column g reads token g % NT (the columns past NT repeat a staged token;
      * their results are not stored). */
     const int gx = g & (NT - 1);
     float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    for (int sb = wi; sb < nsb; sb += nw) {
-        const tc_raw cur = raw;
-        if (sb + nw < nsb)
-            raw = tc_load(p0 + (size_t)(sb + nw) * BB, p1 + (size_t)(sb + nw) * BB, t);
-        tc_block(cur, t, xs + (size_t)(gx * nsb + sb) * 64 + t, sxs[(size_t)(gx * nsb + sb) * 4 + t],
-                 acc);
-    }
+    tc_rows<K>(p0, p1, t, wi, nw, nsb, raw, xs, sxs, gx, acc);
     red[wi * 32 + lane] = make_float4(acc[0], acc[1], acc[2], acc[3]);
     __syncthreads();
     if (wi != 0)
@@ -91,7 +85,7 @@ mv_tc_q4k_kernel(const uint8_t *__restrict__ w, size_t row_bytes, int nsb, int64
 
 extern "C" int moe_cuda_matvec_tc_supported(uint32_t type)
 {
-    return type == MOE_TYPE_Q4_K;
+    return type == MOE_TYPE_Q4_K || type == MOE_TYPE_Q6_K;
 }
 
 /* Tokens per launch column group: a power of two up to TC_COLS whose staging fits. */
@@ -103,7 +97,7 @@ static int tc_cols(int64_t n_tok, int nsb)
     return nt;
 }
 
-template <int NT>
+template <int NT, int K>
 static int tc_launch(const uint8_t *w, size_t rb, int nsb, int64_t rows, const float *x,
                      int64_t ldx, int64_t n_tok, float *y, int64_t ldy, cudaStream_t s)
 {
@@ -111,13 +105,13 @@ static int tc_launch(const uint8_t *w, size_t rb, int nsb, int64_t rows, const f
     const size_t smem = ((size_t)NT * nsb * 66 + (size_t)warps * 32) * sizeof(uint4);
     static bool raised;
     if (!raised) {
-        MOE_CUDA_TRY(cudaFuncSetAttribute(mv_tc_q4k_kernel<NT>,
+        MOE_CUDA_TRY(cudaFuncSetAttribute(mv_tc_kernel<NT, K>,
                                           cudaFuncAttributeMaxDynamicSharedMemorySize,
                                           TC_STAGE_MAX + 16 * 1024));
         raised = true;
     }
     const dim3 grid((unsigned)((rows + TC_ROWS - 1) / TC_ROWS), (unsigned)((n_tok + NT - 1) / NT));
-    MOE_CUDA_TRY(moe_launch(mv_tc_q4k_kernel<NT>, grid, dim3(32 * warps), smem, s, w, rb, nsb,
+    MOE_CUDA_TRY(moe_launch(mv_tc_kernel<NT, K>, grid, dim3(32 * warps), smem, s, w, rb, nsb,
                             rows, x, ldx, n_tok, y, ldy));
     return 0;
 }
@@ -139,10 +133,15 @@ extern "C" int moe_cuda_matvec_tc(uint32_t type, const void *d_w, int64_t n, int
         return -EINVAL; /* rows over 16384 elements */
     const size_t rb = moe_row_bytes(type, n);
     const uint8_t *w = (const uint8_t *)d_w;
-    switch (tc_cols(n_tok, nsb)) {
-    case 8: return tc_launch<8>(w, rb, nsb, rows, d_x, ldx, n_tok, d_y, ldy, s);
-    case 4: return tc_launch<4>(w, rb, nsb, rows, d_x, ldx, n_tok, d_y, ldy, s);
-    case 2: return tc_launch<2>(w, rb, nsb, rows, d_x, ldx, n_tok, d_y, ldy, s);
-    default: return tc_launch<1>(w, rb, nsb, rows, d_x, ldx, n_tok, d_y, ldy, s);
+#define TC_CASES(K)                                                                          \
+    switch (tc_cols(n_tok, nsb)) {                                                           \
+    case 8: return tc_launch<8, K>(w, rb, nsb, rows, d_x, ldx, n_tok, d_y, ldy, s);          \
+    case 4: return tc_launch<4, K>(w, rb, nsb, rows, d_x, ldx, n_tok, d_y, ldy, s);          \
+    case 2: return tc_launch<2, K>(w, rb, nsb, rows, d_x, ldx, n_tok, d_y, ldy, s);          \
+    default: return tc_launch<1, K>(w, rb, nsb, rows, d_x, ldx, n_tok, d_y, ldy, s);         \
     }
+    if (type == MOE_TYPE_Q6_K)
+        TC_CASES(MOE_TYPE_Q6_K)
+    TC_CASES(MOE_TYPE_Q4_K)
+#undef TC_CASES
 }

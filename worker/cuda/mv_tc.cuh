@@ -136,6 +136,33 @@ static HD uint2 tc_stage_sums(float s0, float s1)
     return make_uint2(tc_pack(h0, h1), tc_pack(tc_f2h(s0 - h2f(h0)), tc_f2h(s1 - h2f(h1))));
 }
 
+/* Q6_K: a block's 16 scale groups of 16 consecutive elements are one mma each (k = the group),
+ * so the int8 scale stays out of A: A = q − 32 (at most 32 in magnitude, exact in f16), and each
+ * group's C is scaled by d·sc of its row before it is added (d·sc is exact in f32). Lane t holds
+ * elements 4t..4t+3 of a group: group G = 8h + 2j + lh (half h, quarter j, sixteenth lh) is
+ * elements 128h + 32j + 16lh + 4t + {0..3}, whose 6-bit codes are byte i of word j of the lane's
+ * Q6_K unit u = 8h + 4lh + t (q6k_unit_decode). As for Q4_K, bytes 0 and 2 are k = 2t, 2t+1 and
+ * bytes 1 and 3 are k = 2t+8, 2t+9. */
+static HD int tc_q6k_base(int grp, int t)
+{
+    return 128 * (grp >> 3) + 32 * ((grp >> 1) & 3) + 16 * (grp & 1) + 4 * t;
+}
+
+/* The unit of group grp for lane t, and the word of that unit's decode that holds its codes. */
+static HD int tc_q6k_unit(int grp, int t)
+{
+    return 8 * (grp >> 3) + 4 * (grp & 1) + t;
+}
+
+/* A word of four 6-bit codes as the two A registers of q − 32: bytes 0, 2 (lo) and 1, 3 (hi). */
+static HD void tc_q6k_word(uint32_t w, uint32_t *lo, uint32_t *hi)
+{
+    const uint32_t m = 0xe420e420u; /* −(1024 + 32) in each half */
+    const uint32_t one = 0x3c003c00u;
+    *lo = tc_hfma2((w & 0x003f003fu) | 0x64006400u, one, m);
+    *hi = tc_hfma2(((w >> 8) & 0x003f003fu) | 0x64006400u, one, m);
+}
+
 /* The exponent s of the power of two 2^-s that brings max |x| = amax into [2^(TC_XMAX_LOG2-1),
  * 2^TC_XMAX_LOG2): small inputs are scaled up as well as large ones down, so that the f16 parts
  * keep their 22 bits relative to the token's largest input (a tiny token would otherwise sink

@@ -15,7 +15,7 @@
 extern "C" {
 #endif
 
-/* 1 for the types it decodes (Q4_K). */
+/* 1 for the types it decodes (Q4_K, Q6_K). */
 int moe_cuda_matvec_tc_supported(uint32_t type);
 
 /* y[t][r] = dot(W row r, x[t]) for r < rows, t < n_tok (at most 65535·8). d_w: [rows][n] of

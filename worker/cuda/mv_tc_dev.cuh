@@ -80,6 +80,103 @@ static __device__ __forceinline__ void tc_block(const tc_raw &raw, int t, const 
     acc[3] = fmaf(-k1.dmin, M[3], fmaf(k1.d, C[3], acc[3]));
 }
 
+/* A lane's bytes of one Q6_K block of its two rows: its four units of each (tc_q6k_unit). */
+struct tc_raw6 {
+    q6k_raw r0[4], r1[4];
+};
+
+static __device__ __forceinline__ tc_raw6 tc_load6(const uint8_t *p0, const uint8_t *p1, int t)
+{
+    tc_raw6 r;
+    UNROLL
+    for (int i = 0; i < 4; i++) {
+        q6k_unit_load(p0, 8 * (i >> 1) + 4 * (i & 1) + t, &r.r0[i]);
+        q6k_unit_load(p1, 8 * (i >> 1) + 4 * (i & 1) + t, &r.r1[i]);
+    }
+    return r;
+}
+
+/* One Q6_K block of a warp's tile: acc += Σ over the 16 scale groups, in group order within each
+ * unit, of d·sc·C (mv_tc.cuh). xp: the staged inputs of the block for the lane's column and t. */
+static __device__ __forceinline__ void tc_block6(const tc_raw6 &raw, int t, const uint4 *xp,
+                                                 float acc[4])
+{
+    UNROLL
+    for (int i = 0; i < 4; i++) {
+        uint32_t q0[4], q1[4];
+        q6k_unit_decode(raw.r0[i], q0);
+        q6k_unit_decode(raw.r1[i], q1);
+        const float d0 = h2f(raw.r0[i].d), d1 = h2f(raw.r1[i].d);
+        UNROLL
+        for (int j = 0; j < 4; j++) {
+            const int grp = 8 * (i >> 1) + 2 * j + (i & 1);
+            uint32_t lo0, hi0, lo1, hi1;
+            tc_q6k_word(q0[j], &lo0, &hi0);
+            tc_q6k_word(q1[j], &lo1, &hi1);
+            const uint4 xb = xp[4 * grp];
+            float C[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            tc_mma16816(C, lo0, lo1, hi0, hi1, xb.x, xb.y);
+            tc_mma16816(C, lo0, lo1, hi0, hi1, xb.z, xb.w);
+            const float s0 = d0 * (float)raw.r0[i].sc[j], s1 = d1 * (float)raw.r1[i].sc[j];
+            acc[0] = fmaf(s0, C[0], acc[0]);
+            acc[1] = fmaf(s0, C[1], acc[1]);
+            acc[2] = fmaf(s1, C[2], acc[2]);
+            acc[3] = fmaf(s1, C[3], acc[3]);
+        }
+    }
+}
+
+/* The type-generic face of the above: raw bytes, loads and a block's product for K = Q4_K or
+ * Q6_K (sv, the Q4_K mins' sums, is not read for Q6_K). */
+template <int K> struct tc_kind;
+template <> struct tc_kind<MOE_TYPE_Q4_K> {
+    using raw = tc_raw;
+    static constexpr size_t block_bytes = sizeof(struct moe_block_q4_k);
+    static __device__ __forceinline__ raw load(const uint8_t *p0, const uint8_t *p1, int t)
+    {
+        return tc_load(p0, p1, t);
+    }
+    static __device__ __forceinline__ void block(const raw &r, int t, const uint4 *xp, uint2 sv,
+                                                 float acc[4])
+    {
+        tc_block(r, t, xp, sv, acc);
+    }
+};
+template <> struct tc_kind<MOE_TYPE_Q6_K> {
+    using raw = tc_raw6;
+    static constexpr size_t block_bytes = sizeof(struct moe_block_q6_k);
+    static __device__ __forceinline__ raw load(const uint8_t *p0, const uint8_t *p1, int t)
+    {
+        return tc_load6(p0, p1, t);
+    }
+    static __device__ __forceinline__ void block(const raw &r, int t, const uint4 *xp, uint2,
+                                                 float acc[4])
+    {
+        tc_block6(r, t, xp, acc);
+    }
+};
+
+/* A lane's dot-product contribution of rows p0 and p1 (its tile rows g, g+8), blocks sb0, sb0 +
+ * step, ... < nsb, against the staged inputs xs/sxs of its column gx: the next block's loads
+ * are in flight while one is computed. first: the bytes of block sb0, loaded before. */
+template <int K>
+static __device__ __forceinline__ void tc_rows(const uint8_t *p0, const uint8_t *p1, int t,
+                                               int sb0, int step, int nsb,
+                                               typename tc_kind<K>::raw first, const uint4 *xs,
+                                               const uint2 *sxs, int gx, float acc[4])
+{
+    using TK = tc_kind<K>;
+    typename TK::raw raw = first;
+    for (int sb = sb0; sb < nsb; sb += step) {
+        const typename TK::raw cur = raw;
+        if (sb + step < nsb)
+            raw = TK::load(p0 + (size_t)(sb + step) * TK::block_bytes,
+                           p1 + (size_t)(sb + step) * TK::block_bytes, t);
+        const size_t i = (size_t)gx * nsb + sb;
+        TK::block(cur, t, xs + i * 64 + t, sxs[i * 4 + t], acc);
+    }
+}
+
 static __device__ __forceinline__ unsigned abs_bits(float v)
 {
     return __float_as_uint(v) & 0x7fffffffu;
@@ -92,13 +189,15 @@ static __host__ __device__ __forceinline__ size_t tc_stage_bytes(int nt, int nsb
     return (size_t)nt * nsb * (64 * sizeof(uint4) + 4 * sizeof(uint2));
 }
 
-/* Item r (0 .. nsb·64) of a row's staged fragments: block sb = r/64, mma m = (r/4) % 16, lane
- * t = r % 4; and item r (0 .. nsb·4) of its sub-block sums' pairs (block r/4, lane r % 4). x is
- * the row, sc the power of two 2^-s of its exponent. */
+/* Item r (0 .. nsb·64) of a row's staged fragments: block sb = r/64, mma m = (r/4) % 16 (Q6_K:
+ * scale group), lane t = r % 4; and item r (0 .. nsb·4) of its sub-block sums' pairs (block r/4,
+ * lane r % 4; Q4_K only). x is the row, sc the power of two 2^-s of its exponent. */
+template <int K>
 static __device__ __forceinline__ uint4 tc_stage_frag(const float *x, int r, float sc)
 {
     const int sb = r >> 6, m = (r >> 2) & 15, tt = r & 3;
-    const float4 v = *(const float4 *)(x + 256 * sb + tc_q4k_base(m, tt));
+    const int base = K == MOE_TYPE_Q6_K ? tc_q6k_base(m, tt) : tc_q4k_base(m, tt);
+    const float4 v = *(const float4 *)(x + 256 * sb + base);
     return tc_stage4(v.x * sc, v.y * sc, v.z * sc, v.w * sc);
 }
 
@@ -129,9 +228,9 @@ static __device__ __forceinline__ unsigned tc_amax_part(const float *x, int64_t 
 /* The whole block stages NT tokens' inputs (xr[c]: token c's row of nsb·256 floats) in fragment
  * order into xs and sxs (tc_stage_bytes): each token's max |x| (bit patterns, so a NaN wins and
  * leaves the scale at 1), its exponent s_exp[c] (tc_scale_exp), then the scaled fragments and
- * sub-block sums. s_amax: NT words of shared memory. Ends with a barrier; every thread of the
+ * sub-block sums (Q4_K). s_amax: NT words of shared memory. Ends with a barrier; every thread of the
  * block must call it. */
-template <int NT>
+template <int NT, int K>
 static __device__ __forceinline__ void tc_stage(const float *const *xr, int nsb, uint4 *xs,
                                                 uint2 *sxs, int *s_exp, unsigned *s_amax)
 {
@@ -152,9 +251,9 @@ static __device__ __forceinline__ void tc_stage(const float *const *xr, int nsb,
     __syncthreads();
     for (int u = tid; u < NT * nsb * 64; u += nthr) {
         const int c = u / (nsb * 64);
-        xs[u] = tc_stage_frag(xr[c], u % (nsb * 64), ldexpf(1.0f, -s_exp[c]));
+        xs[u] = tc_stage_frag<K>(xr[c], u % (nsb * 64), ldexpf(1.0f, -s_exp[c]));
     }
-    for (int u = tid; u < NT * nsb * 4; u += nthr) {
+    for (int u = tid; K == MOE_TYPE_Q4_K && u < NT * nsb * 4; u += nthr) {
         const int c = u / (nsb * 4);
         sxs[u] = tc_stage_sum(xr[c], u % (nsb * 4), ldexpf(1.0f, -s_exp[c]));
     }
@@ -162,6 +261,7 @@ static __device__ __forceinline__ void tc_stage(const float *const *xr, int nsb,
 }
 
 /* tc_stage for one row by one warp (the same floats): returns the row's exponent. */
+template <int K>
 static __device__ __forceinline__ int tc_stage_warp(const float *x, int nsb, uint4 *xs, uint2 *sxs)
 {
     const int lane = threadIdx.x & 31;
@@ -169,8 +269,8 @@ static __device__ __forceinline__ int tc_stage_warp(const float *x, int nsb, uin
     const int e = tc_scale_exp(__uint_as_float(m));
     const float sc = ldexpf(1.0f, -e);
     for (int u = lane; u < nsb * 64; u += 32)
-        xs[u] = tc_stage_frag(x, u, sc);
-    for (int u = lane; u < nsb * 4; u += 32)
+        xs[u] = tc_stage_frag<K>(x, u, sc);
+    for (int u = lane; K == MOE_TYPE_Q4_K && u < nsb * 4; u += 32)
         sxs[u] = tc_stage_sum(x, u, sc);
     __syncwarp();
     return e;
