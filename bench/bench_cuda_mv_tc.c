@@ -1,5 +1,5 @@
 /* Benchmark of the tensor-core mat-vec (worker/cuda/mv_tc.cu) against the float walk
- * (moe_cuda_matvec_tok) on Q4_K weights of the Qwen3-30B-A3B shapes, for 1 to 16 tokens: the
+ * (moe_cuda_matvec_tok) on Q4_K and Q6_K weights of the Qwen3-30B-A3B shapes, for 1 to 16 tokens: the
  * microseconds of one launch replayed from a CUDA graph, and the weight bytes over that time.
  *
  * Shapes: a layer's eight chosen experts' gate and up rows as one matrix (12288 × 2048, the bytes
@@ -39,23 +39,26 @@ int main(void)
 
 struct shape {
     const char *name;
+    uint32_t type;
     int64_t rows, n;
 };
 
 static const struct shape shapes[] = {
-    {"8 experts gate+up", 12288, 2048},
-    {"q", 4096, 2048},
-    {"o", 2048, 4096},
-    {"expert down", 2048, 768},
+    {"8 experts gate+up", MOE_TYPE_Q4_K, 12288, 2048},
+    {"q", MOE_TYPE_Q4_K, 4096, 2048},
+    {"o", MOE_TYPE_Q4_K, 2048, 4096},
+    {"expert down", MOE_TYPE_Q4_K, 2048, 768},
+    {"expert down q6_K", MOE_TYPE_Q6_K, 2048, 768},
+    {"8 experts down q6_K", MOE_TYPE_Q6_K, 2048 * 8, 768},
 };
 
 static int launch(int tc, const uint8_t *w, const struct shape *sh, const float *dx, int64_t nt,
                   float *dy, cudaStream_t st)
 {
     if (tc)
-        return moe_cuda_matvec_tc(MOE_TYPE_Q4_K, w, sh->n, sh->rows, dx, sh->n, nt, dy,
+        return moe_cuda_matvec_tc(sh->type, w, sh->n, sh->rows, dx, sh->n, nt, dy,
                                   sh->rows, st);
-    return moe_cuda_matvec_tok(MOE_TYPE_Q4_K, w, sh->n, sh->rows, dx, sh->n, nt, dy, sh->rows, 0,
+    return moe_cuda_matvec_tok(sh->type, w, sh->n, sh->rows, dx, sh->n, nt, dy, sh->rows, 0,
                                st);
 }
 
@@ -126,7 +129,7 @@ static double cross_check(const uint8_t *hw, const uint8_t *dw, const struct sha
                           const float *hx, const float *dx, int64_t nt, float *dy,
                           cudaStream_t st)
 {
-    const size_t ny = (size_t)sh->rows * (size_t)nt, rb = moe_row_bytes(MOE_TYPE_Q4_K, sh->n);
+    const size_t ny = (size_t)sh->rows * (size_t)nt, rb = moe_row_bytes(sh->type, sh->n);
     float *a = malloc(ny * sizeof *a), *b = malloc(ny * sizeof *b), *d = malloc(sizeof(float) * sh->n);
     if (!a || !b || !d)
         exit(1);
@@ -139,7 +142,7 @@ static double cross_check(const uint8_t *hw, const uint8_t *dw, const struct sha
     CU(cudaStreamSynchronize(st));
     double worst = 0.0;
     for (int64_t r = 0; r < sh->rows; r++) {
-        moe_dequantize(MOE_TYPE_Q4_K, hw + rb * (size_t)r, d, sh->n);
+        moe_dequantize(sh->type, hw + rb * (size_t)r, d, sh->n);
         for (int64_t t = 0; t < nt; t++) {
             double s = 0.0;
             for (int64_t i = 0; i < sh->n; i++)
@@ -178,7 +181,7 @@ int main(int argc, char **argv)
            "float GB/s", "tc GB/s", "ratio", "max diff");
     for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++) {
         const struct shape *sh = &shapes[s];
-        const size_t bytes = moe_row_bytes(MOE_TYPE_Q4_K, sh->n) * (size_t)sh->rows;
+        const size_t bytes = moe_row_bytes(sh->type, sh->n) * (size_t)sh->rows;
         const int64_t copies = (ROTATE_BYTES + bytes - 1) / bytes;
         uint8_t *hw = malloc(bytes), *dw;
         float *row = malloc(sizeof(float) * sh->n);
@@ -188,8 +191,7 @@ int main(int argc, char **argv)
             const float sc = 0.02f * (1.0f + (float)(r % 7));
             for (int64_t i = 0; i < sh->n; i++)
                 row[i] = bench_rng_f() * sc;
-            moe_quantize(MOE_TYPE_Q4_K, row, hw + moe_row_bytes(MOE_TYPE_Q4_K, sh->n) * (size_t)r,
-                         sh->n);
+            moe_quantize(sh->type, row, hw + moe_row_bytes(sh->type, sh->n) * (size_t)r, sh->n);
         }
         CU(cudaMalloc((void **)&dw, bytes * (size_t)copies));
         for (int64_t c = 0; c < copies; c++)
