@@ -163,6 +163,66 @@ gate_up_kernel(const uint8_t *const *__restrict__ ga, const uint8_t *const *__re
                           out + slot * ldo);
 }
 
+/* The 16-row tile rt0 of one expert's gate g and up u (Q4_K or Q6_K) on tensor cores for NT
+ * staged columns: xr[c] the input rows of columns c < nt (the others repeat the last), o[c] their
+ * act rows; sm: shared memory for the staging (tc_stage_bytes(NT, nsb)) and the warps' sums (2 ·
+ * GU_WARPS · 32 float4). Warp w takes blocks w, w + GU_WARPS, ... and the warps' sums are added in
+ * warp order, so a column's floats depend on the row length only, not on NT or the other columns.
+ * The whole block calls it; it ends with a barrier. */
+template <int K, int NT>
+static __device__ __forceinline__ void gu_tc_tile(const uint8_t *g, const uint8_t *u,
+                                                  size_t row_bytes, int nsb, int64_t ff,
+                                                  int64_t rt0, const float *const *xr,
+                                                  float *const *o, int nt, uint4 *sm)
+{
+    __shared__ unsigned s_amax[NT];
+    __shared__ int s_exp[NT];
+    const int lane = threadIdx.x & 31, wi = threadIdx.x >> 5, g8 = lane >> 2, t = lane & 3;
+    const int64_t row0 = rt0 + g8 < ff ? rt0 + g8 : ff - 1;
+    const int64_t row1 = rt0 + g8 + 8 < ff ? rt0 + g8 + 8 : ff - 1;
+    using TK = tc_kind<K>;
+    const size_t BB = TK::block_bytes;
+    const uint8_t *g0 = g + (size_t)row0 * row_bytes, *g1 = g + (size_t)row1 * row_bytes;
+    const uint8_t *u0 = u + (size_t)row0 * row_bytes, *u1 = u + (size_t)row1 * row_bytes;
+    typename TK::raw rg = {}, ru = {};
+    if (wi < nsb) {
+        rg = TK::load(g0 + (size_t)wi * BB, g1 + (size_t)wi * BB, t);
+        ru = TK::load(u0 + (size_t)wi * BB, u1 + (size_t)wi * BB, t);
+    }
+    uint4 *xs = sm;
+    uint2 *sxs = (uint2 *)(xs + (size_t)NT * nsb * 64);
+    float4 *red = (float4 *)(xs + (size_t)NT * nsb * 66); /* [2][GU_WARPS][32] */
+    tc_stage<NT, K>(xr, nsb, xs, sxs, s_exp, s_amax);
+    const int gx = g8 & (NT - 1);
+    float ag[4] = {0.0f, 0.0f, 0.0f, 0.0f}, au[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    tc_rows<K>(g0, g1, t, wi, GU_WARPS, nsb, rg, xs, sxs, gx, ag);
+    tc_rows<K>(u0, u1, t, wi, GU_WARPS, nsb, ru, xs, sxs, gx, au);
+    red[wi * 32 + lane] = make_float4(ag[0], ag[1], ag[2], ag[3]);
+    red[(GU_WARPS + wi) * 32 + lane] = make_float4(au[0], au[1], au[2], au[3]);
+    __syncthreads();
+    if (wi == 0) {
+        float4 sg = red[lane], su = red[GU_WARPS * 32 + lane];
+        for (int k = 1; k < GU_WARPS; k++) {
+            const float4 vg = red[k * 32 + lane], vu = red[(GU_WARPS + k) * 32 + lane];
+            sg.x += vg.x, sg.y += vg.y, sg.z += vg.z, sg.w += vg.w;
+            su.x += vu.x, su.y += vu.y, su.z += vu.z, su.w += vu.w;
+        }
+        const float G[4] = {sg.x, sg.y, sg.z, sg.w}, U[4] = {su.x, su.y, su.z, su.w};
+        UNROLL
+        for (int j = 0; j < 2; j++) {
+            const int col = 2 * t + j; /* C columns 2t, 2t+1: rows g8 (G[j]), g8 + 8 (G[2+j]) */
+            if (col >= NT || col >= nt)
+                continue;
+            const float back = ldexpf(1.0f, s_exp[col]);
+            if (rt0 + g8 < ff)
+                o[col][rt0 + g8] = silu_f(G[j] * back) * (U[j] * back);
+            if (rt0 + g8 + 8 < ff)
+                o[col][rt0 + g8 + 8] = silu_f(G[2 + j] * back) * (U[2 + j] * back);
+        }
+    }
+    __syncthreads(); /* the staging area is free for the block's next use */
+}
+
 /* Gate/up of Q4_K or Q6_K experts on tensor cores (mv_tc_dev.cuh), one token per block: the same
  * grid, prologue and shared memory as gate_up_kernel<K, 0> (gu_expert), then the slot's input staged
  * in fragment order after that shared memory (tc_off floats in, 16-byte aligned), and warp w
@@ -180,9 +240,7 @@ gate_up_tc_kernel(const uint8_t *const *__restrict__ ga, const uint8_t *const *_
     pdl_wait();
     pdl_trigger();
     extern __shared__ float rsm[];
-    __shared__ unsigned s_amax[1];
-    __shared__ int s_exp[1];
-    const int tid = threadIdx.x, lane = tid & 31, wi = tid >> 5, g8 = lane >> 2, t = lane & 3;
+    const int wi = threadIdx.x >> 5;
     const int64_t rt0 = (int64_t)blockIdx.x * TC_ROWS, slot = blockIdx.y;
     bool fresh;
     const int e = gu_expert(rt, rs, sel_e, kuse, slot, rsm, &fresh);
@@ -196,41 +254,9 @@ gate_up_tc_kernel(const uint8_t *const *__restrict__ ga, const uint8_t *const *_
         warp_fill_rows(u, fresh ? fresh_ptr(fb, e) : fb[e], r0, rows, row_bytes);
         __syncthreads();
     }
-    const int64_t row0 = rt0 + g8 < ff ? rt0 + g8 : ff - 1;
-    const int64_t row1 = rt0 + g8 + 8 < ff ? rt0 + g8 + 8 : ff - 1;
-    using TK = tc_kind<K>;
-    const size_t BB = TK::block_bytes;
-    const uint8_t *g0 = g + (size_t)row0 * row_bytes, *g1 = g + (size_t)row1 * row_bytes;
-    const uint8_t *u0 = u + (size_t)row0 * row_bytes, *u1 = u + (size_t)row1 * row_bytes;
-    typename TK::raw rg = {}, ru = {};
-    if (wi < nsb) {
-        rg = TK::load(g0 + (size_t)wi * BB, g1 + (size_t)wi * BB, t);
-        ru = TK::load(u0 + (size_t)wi * BB, u1 + (size_t)wi * BB, t);
-    }
-    uint4 *xs = (uint4 *)(rsm + tc_off);
-    uint2 *sxs = (uint2 *)(xs + (size_t)nsb * 64);
-    float4 *red = (float4 *)(xs + (size_t)nsb * 66); /* [2][GU_WARPS][32] */
     const float *xr[1] = {x + (slot / kuse) * ldx};
-    tc_stage<1, K>(xr, nsb, xs, sxs, s_exp, s_amax);
-    float ag[4] = {0.0f, 0.0f, 0.0f, 0.0f}, au[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    tc_rows<K>(g0, g1, t, wi, GU_WARPS, nsb, rg, xs, sxs, 0, ag);
-    tc_rows<K>(u0, u1, t, wi, GU_WARPS, nsb, ru, xs, sxs, 0, au);
-    red[wi * 32 + lane] = make_float4(ag[0], ag[1], ag[2], ag[3]);
-    red[(GU_WARPS + wi) * 32 + lane] = make_float4(au[0], au[1], au[2], au[3]);
-    __syncthreads();
-    if (wi != 0 || t != 0) /* column 0: lanes t = 0 hold rows g8 (x) and g8 + 8 (z) */
-        return;
-    float4 sg = red[lane], su = red[GU_WARPS * 32 + lane];
-    for (int k = 1; k < GU_WARPS; k++) {
-        const float4 vg = red[k * 32 + lane], vu = red[(GU_WARPS + k) * 32 + lane];
-        sg.x += vg.x, sg.z += vg.z, su.x += vu.x, su.z += vu.z;
-    }
-    const float back = ldexpf(1.0f, s_exp[0]);
-    float *o = out + slot * ldo;
-    if (rt0 + g8 < ff)
-        o[rt0 + g8] = silu_f(sg.x * back) * (su.x * back);
-    if (rt0 + g8 + 8 < ff)
-        o[rt0 + g8 + 8] = silu_f(sg.z * back) * (su.z * back);
+    float *o[1] = {out + slot * ldo};
+    gu_tc_tile<K, 1>(g, u, row_bytes, nsb, ff, rt0, xr, o, 1, (uint4 *)(rsm + tc_off));
 }
 
 /* Which expert products of Q4_K and Q6_K run on tensor cores (gate_up_tc_kernel, down_tc_kernel):
@@ -536,6 +562,97 @@ gate_up_grouped_kernel(const uint8_t *const *__restrict__ ga, const uint8_t *con
     }
 }
 
+/* Gate/up grouped on tensor cores: one block per (16-row tile, active expert), the expert's slots
+ * NT at a time as the columns of gu_tc_tile (the same floats per slot as gate_up_tc_kernel). */
+template <int K, int NT>
+static __global__ void __launch_bounds__(32 * GU_WARPS, 3)
+gate_up_grouped_tc_kernel(const uint8_t *const *__restrict__ ga,
+                          const uint8_t *const *__restrict__ ua, size_t row_bytes, int nsb,
+                          int64_t ff, const float *__restrict__ x, int64_t ldx, int kuse,
+                          const int32_t *__restrict__ ex_off, const int32_t *__restrict__ slot_list,
+                          const int32_t *__restrict__ act_list,
+                          const int32_t *__restrict__ n_active, float *__restrict__ out,
+                          int64_t ldo)
+{
+    pdl_wait();
+    pdl_trigger();
+    extern __shared__ uint4 gsm[];
+    if ((int)blockIdx.y >= *n_active)
+        return;
+    const int e = act_list[blockIdx.y];
+    const int32_t s0 = ex_off[e], s1 = ex_off[e + 1];
+    for (int32_t i = s0; i < s1; i += NT) {
+        const int nt = s1 - i < NT ? s1 - i : NT;
+        const float *xr[NT];
+        float *o[NT];
+        UNROLL
+        for (int c = 0; c < NT; c++) {
+            const int32_t slot = slot_list[i + (c < nt ? c : nt - 1)];
+            xr[c] = x + (int64_t)(slot / kuse) * ldx;
+            o[c] = out + (int64_t)slot * ldo;
+        }
+        gu_tc_tile<K, NT>(ga[e], ua[e], row_bytes, nsb, ff, (int64_t)blockIdx.x * TC_ROWS, xr, o,
+                          nt, gsm);
+    }
+}
+
+/* Down grouped on tensor cores: one block per (DG_TC_WARPS 16-row tiles, active expert), warp w
+ * its own tile over the whole row, the expert's slots NT at a time staged for the block; dout
+ * gets each slot's rows (the same floats as down_tc_kernel's part, before the combine). */
+#define DG_TC_WARPS 4
+template <int K, int NT>
+static __global__ void __launch_bounds__(32 * DG_TC_WARPS)
+down_grouped_tc_kernel(const uint8_t *const *__restrict__ da, size_t row_bytes, int nsb, int64_t E,
+                       const float *__restrict__ act, int64_t ldact,
+                       const int32_t *__restrict__ ex_off, const int32_t *__restrict__ slot_list,
+                       const int32_t *__restrict__ act_list, const int32_t *__restrict__ n_active,
+                       float *__restrict__ dout, int64_t ldd)
+{
+    pdl_wait();
+    pdl_trigger();
+    extern __shared__ uint4 gsm[];
+    __shared__ unsigned s_amax[NT];
+    __shared__ int s_exp[NT];
+    if ((int)blockIdx.y >= *n_active)
+        return;
+    const int lane = threadIdx.x & 31, wi = threadIdx.x >> 5, g8 = lane >> 2, t = lane & 3;
+    const int e = act_list[blockIdx.y];
+    const int32_t s0 = ex_off[e], s1 = ex_off[e + 1];
+    const int64_t rt0 = ((int64_t)blockIdx.x * DG_TC_WARPS + wi) * TC_ROWS;
+    const int64_t row0 = rt0 + g8 < E ? rt0 + g8 : E - 1, row1 = rt0 + g8 + 8 < E ? rt0 + g8 + 8 : E - 1;
+    const uint8_t *p0 = da[e] + (size_t)row0 * row_bytes, *p1 = da[e] + (size_t)row1 * row_bytes;
+    uint4 *xs = gsm;
+    uint2 *sxs = (uint2 *)(xs + (size_t)NT * nsb * 64);
+    const int gx = g8 & (NT - 1);
+    for (int32_t i = s0; i < s1; i += NT) {
+        const int nt = s1 - i < NT ? s1 - i : NT;
+        const typename tc_kind<K>::raw raw = tc_kind<K>::load(p0, p1, t);
+        const float *xr[NT];
+        int32_t slot[NT];
+        UNROLL
+        for (int c = 0; c < NT; c++) {
+            slot[c] = slot_list[i + (c < nt ? c : nt - 1)];
+            xr[c] = act + (int64_t)slot[c] * ldact;
+        }
+        tc_stage<NT, K>(xr, nsb, xs, sxs, s_exp, s_amax);
+        float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        tc_rows<K>(p0, p1, t, 0, 1, nsb, raw, xs, sxs, gx, acc);
+        UNROLL
+        for (int j = 0; j < 2; j++) {
+            const int col = 2 * t + j;
+            if (col >= NT || col >= nt)
+                continue;
+            const float back = ldexpf(1.0f, s_exp[col]);
+            float *d = dout + (int64_t)slot[col] * ldd;
+            if (rt0 + g8 < E)
+                d[rt0 + g8] = acc[j] * back;
+            if (rt0 + g8 + 8 < E)
+                d[rt0 + g8 + 8] = acc[2 + j] * back;
+        }
+        __syncthreads(); /* the staging area is the next chunk's */
+    }
+}
+
 /* T slots slot_list[i..i+T) of one expert through its down rows rr .. rr+R-1 (rowp) into dout. */
 template <int K, int T, int R>
 static __device__ __forceinline__ void down_chunk(const uint8_t *const *rowp, unsigned block_bytes,
@@ -814,6 +931,27 @@ static int launch_gate_up_grouped(const void *const *a, const void *const *b, in
     size_t rb;
     int nu;
     unsigned bb = blk_bytes<K>(n, &rb, &nu);
+    if constexpr (K == MOE_TYPE_Q4_K || K == MOE_TYPE_Q6_K) {
+        if (tc_gate_up_on() && n % 256 == 0) {
+            const int nsb = (int)(n / 256);
+            const dim3 g((unsigned)((ff + TC_ROWS - 1) / TC_ROWS), (unsigned)max_active);
+            const size_t red = 2 * GU_WARPS * 32 * sizeof(float4);
+#define GUG_TC(NT)                                                                                \
+    if (tc_stage_bytes(NT, nsb) + red <= 48 * 1024) {                                             \
+        MOE_CUDA_TRY(moe_launch(gate_up_grouped_tc_kernel<K, NT>, g, dim3(32 * GU_WARPS),         \
+                                tc_stage_bytes(NT, nsb) + red, s, (const uint8_t *const *)a,      \
+                                (const uint8_t *const *)b, rb, nsb, ff, x, ldx, kuse,             \
+                                (const int32_t *)gr->ex_off, (const int32_t *)gr->slot_list,      \
+                                (const int32_t *)gr->act_list, (const int32_t *)gr->n_active,     \
+                                out, ldo));                                                       \
+        return 0;                                                                                 \
+    }
+            GUG_TC(4)
+            GUG_TC(2)
+            GUG_TC(1)
+#undef GUG_TC
+        }
+    }
     const int64_t per = GUG_ROWS * GU_WARPS;
     dim3 g((unsigned)((ff + per - 1) / per), (unsigned)max_active);
     MOE_CUDA_TRY(moe_launch(gate_up_grouped_kernel<K>, g, dim3(32 * GU_WARPS), 0, s,
@@ -831,6 +969,28 @@ static int launch_down_grouped(const void *const *d, int64_t ff, int64_t E, cons
     size_t rb;
     int nu;
     unsigned bb = blk_bytes<K>(ff, &rb, &nu);
+    if constexpr (K == MOE_TYPE_Q4_K || K == MOE_TYPE_Q6_K) {
+        if (tc_down_on() && ff % 256 == 0) {
+            const int nsb = (int)(ff / 256);
+            const int64_t per = DG_TC_WARPS * TC_ROWS;
+            const dim3 g((unsigned)((E + per - 1) / per), (unsigned)max_active);
+#define DG_TC(NT)                                                                                 \
+    if (tc_stage_bytes(NT, nsb) <= 48 * 1024) {                                                   \
+        MOE_CUDA_TRY(moe_launch(down_grouped_tc_kernel<K, NT>, g, dim3(32 * DG_TC_WARPS),         \
+                                tc_stage_bytes(NT, nsb), s, (const uint8_t *const *)d, rb, nsb,   \
+                                E, act, ldact, (const int32_t *)gr->ex_off,                       \
+                                (const int32_t *)gr->slot_list, (const int32_t *)gr->act_list,    \
+                                (const int32_t *)gr->n_active, dout, ldd));                       \
+        return 0;                                                                                 \
+    }
+            if (!etype) {
+                DG_TC(8)
+                DG_TC(4)
+                DG_TC(1)
+            }
+#undef DG_TC
+        }
+    }
     dim3 g((unsigned)((E + DOWNG_ROWS - 1) / DOWNG_ROWS), (unsigned)max_active);
     MOE_CUDA_TRY(moe_launch(down_grouped_kernel<K>, g, dim3(32 * DOWN_WARPS), 0, s,
                             (const uint8_t *const *)d, rb, bb, nu, E, act, ldact,
