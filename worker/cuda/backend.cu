@@ -1512,6 +1512,8 @@ static int fused_table(struct cuda_backend *b, struct moe_fused_layer *fl, bool 
         if (cl->mixed || cl->gate_type != cl->up_type) {
             NOT_FUSED("blk.%d: experts of several types", l);
         }
+        if (moe_cuda_expert_tc(cl->gate_type) || moe_cuda_expert_tc(cl->down_type))
+            NOT_FUSED("blk.%d: expert products on tensor cores", l);
         struct {
             enum moe_wid w;
             struct moe_fused_mat *m;

@@ -281,6 +281,11 @@ static bool tc_down_on()
     return tc_mask() & 2;
 }
 
+bool moe_cuda_expert_tc(uint32_t type)
+{
+    return (type == MOE_TYPE_Q4_K || type == MOE_TYPE_Q6_K) && tc_mask() != 0;
+}
+
 static __global__ void swiglu_kernel(const float *__restrict__ g, const float *__restrict__ u,
                                      float *__restrict__ act, int64_t count)
 {

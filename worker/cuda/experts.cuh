@@ -53,6 +53,11 @@ int moe_cuda_expert_gate_up(uint32_t gate_type, uint32_t up_type, const void *co
                             int64_t nexp, const struct moe_cuda_gu_resolve *resolve,
                             cudaStream_t s);
 
+/* Whether the expert kernels multiply experts of `type` on tensor cores (Q4_K and Q6_K under
+ * MOE_CUDA_TC): a row's floats then differ from the float walk's (the fused step, which walks
+ * them in floats, is not used). */
+bool moe_cuda_expert_tc(uint32_t type);
+
 /* h[t][r] += Σ_j sel_w[t·k+j] · (down_e · act[t·k+j]) for r < E, summed over j = 0..k-1 in that
  * order (after each expert's dot product is complete), then added to h once. d_fill (or NULL):
  * the down part of the fill sources (fsrc + 2·nexp), as for gate/up. */
