@@ -143,6 +143,8 @@ struct cuda_backend {
     int mode;
     bool capturing, head_chunked, use_graphs, use_gemm, use_flash;
     int64_t group_min;               /* slots per expert; MOE_CUDA_GROUP_MIN overrides */
+    int tc;                          /* expert products on tensor cores (experts.cuh), from
+                                        MOE_CUDA_TC at init */
     bool route_fold;                 /* routing inside gate/up (route_folds); MOE_CUDA_ROUTE_FOLD=0
                                       * keeps its own launch */
     int route_pending;               /* the layer whose routing the expert op does; -1: none */
@@ -1512,7 +1514,7 @@ static int fused_table(struct cuda_backend *b, struct moe_fused_layer *fl, bool 
         if (cl->mixed || cl->gate_type != cl->up_type) {
             NOT_FUSED("blk.%d: experts of several types", l);
         }
-        if (moe_cuda_expert_tc(cl->gate_type) || moe_cuda_expert_tc(cl->down_type))
+        if (moe_cuda_expert_tc(b->tc, cl->gate_type) || moe_cuda_expert_tc(b->tc, cl->down_type))
             NOT_FUSED("blk.%d: expert products on tensor cores", l);
         struct {
             enum moe_wid w;
@@ -1727,6 +1729,7 @@ static int cuda_init(struct moe_backend **out, const struct moe_model *m, struct
                                                 : MOE_CUDA_GROUP_MIN;
     if (b->group_min < 1)
         b->group_min = 1;
+    b->tc = moe_cuda_expert_tc_env();
     b->route_fold = env_on("MOE_CUDA_ROUTE_FOLD");
     b->norm_fold = env_on("MOE_CUDA_NORM_FOLD");
     b->mixed_mv = env_on("MOE_CUDA_MIXED_MV");
@@ -1965,6 +1968,13 @@ static int cuda_init(struct moe_backend **out, const struct moe_model *m, struct
                          b->fused_blocks);
             else
                 snprintf(b->desc + k, sizeof b->desc - k, ", decode op by op (%s)", b->fused_why);
+            if (b->tc) {
+                k = strlen(b->desc);
+                snprintf(b->desc + k, sizeof b->desc - k, ", Q4_K/Q6_K expert %s on tensor cores",
+                         b->tc == (MOE_CUDA_TC_GATE_UP | MOE_CUDA_TC_DOWN) ? "gate/up and down"
+                         : b->tc == MOE_CUDA_TC_GATE_UP                    ? "gate/up"
+                                                                           : "down");
+            }
 #if defined(MOE_Q8_ROWS) && MOE_Q8_ROWS > 0
             k = strlen(b->desc);
             snprintf(b->desc + k, sizeof b->desc - k,
@@ -2949,13 +2959,13 @@ static int expert_kernels(struct cuda_backend *b, int l, bool fold, const void *
         LAUNCH(b, "expert gate/up",
                moe_cuda_expert_gate_up_grouped(cl->gate_type, cl->gate, cl->up, b->d.E, b->d.ff,
                                                b->buf[MOE_BUF_X], b->ld[MOE_BUF_X], k, &b->groups,
-                                               max_active, b->act, b->ld_act, b->st));
+                                               max_active, b->act, b->ld_act, b->tc, b->st));
         mark(b, "down");
         LAUNCH(b, "expert down",
                moe_cuda_expert_down_grouped(cl->down_type, cl->down, b->d.ff, b->d.E, b->act,
                                             b->ld_act, &b->groups, max_active, b->n, k,
                                             b->buf[MOE_BUF_SEL_W], b->dout, b->ld_dout,
-                                            b->buf[MOE_BUF_H], b->ld[MOE_BUF_H], b->st));
+                                            b->buf[MOE_BUF_H], b->ld[MOE_BUF_H], b->tc, b->st));
         return 0;
     }
     const struct moe_cuda_route_in rt = {b->buf[MOE_BUF_RL], b->ld[MOE_BUF_RL], (int)b->d.nexp,
@@ -2967,12 +2977,13 @@ static int expert_kernels(struct cuda_backend *b, int l, bool fold, const void *
            moe_cuda_expert_gate_up(cl->gate_type, cl->up_type, cl->gate, cl->up, b->d.E, b->d.ff,
                                    b->buf[MOE_BUF_X], b->ld[MOE_BUF_X], b->n, k, sel_e, b->act,
                                    b->ld_act, b->scratch, fold ? &rt : NULL, fill, b->d.nexp,
-                                   rs, b->st));
+                                   rs, b->tc, b->st));
     mark(b, "down");
     LAUNCH(b, "expert down",
            moe_cuda_expert_down(cl->down_type, cl->down, b->d.ff, b->d.E, b->act, b->ld_act, b->n,
                                 k, sel_e, b->buf[MOE_BUF_SEL_W], b->buf[MOE_BUF_H],
-                                b->ld[MOE_BUF_H], fill ? fill + 2 * b->d.nexp : NULL, b->st));
+                                b->ld[MOE_BUF_H], fill ? fill + 2 * b->d.nexp : NULL, b->tc,
+                                b->st));
     return 0;
 }
 

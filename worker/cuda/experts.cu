@@ -259,31 +259,19 @@ gate_up_tc_kernel(const uint8_t *const *__restrict__ ga, const uint8_t *const *_
     gu_tc_tile<K, 1>(g, u, row_bytes, nsb, ff, rt0, xr, o, 1, (uint4 *)(rsm + tc_off));
 }
 
-/* Which expert products of Q4_K and Q6_K run on tensor cores (gate_up_tc_kernel, down_tc_kernel):
- * MOE_CUDA_TC=1 both, =gu gate/up only, =down down only; unset or 0 neither. */
-static int tc_mask()
+int moe_cuda_expert_tc_env(void)
 {
-    static int mask = -1;
-    if (mask < 0) {
-        const char *v = getenv("MOE_CUDA_TC");
-        mask = !v ? 0 : !strcmp(v, "1") ? 3 : !strcmp(v, "gu") ? 1 : !strcmp(v, "down") ? 2 : 0;
-    }
-    return mask;
+    const char *v = getenv("MOE_CUDA_TC");
+    return !v                  ? 0
+           : !strcmp(v, "1")   ? MOE_CUDA_TC_GATE_UP | MOE_CUDA_TC_DOWN
+           : !strcmp(v, "gu")  ? MOE_CUDA_TC_GATE_UP
+           : !strcmp(v, "down") ? MOE_CUDA_TC_DOWN
+                               : 0;
 }
 
-static bool tc_gate_up_on()
+bool moe_cuda_expert_tc(int tc, uint32_t type)
 {
-    return tc_mask() & 1;
-}
-
-static bool tc_down_on()
-{
-    return tc_mask() & 2;
-}
-
-bool moe_cuda_expert_tc(uint32_t type)
-{
-    return (type == MOE_TYPE_Q4_K || type == MOE_TYPE_Q6_K) && tc_mask() != 0;
+    return (type == MOE_TYPE_Q4_K || type == MOE_TYPE_Q6_K) && tc != 0;
 }
 
 static __global__ void swiglu_kernel(const float *__restrict__ g, const float *__restrict__ u,
@@ -771,7 +759,8 @@ static int launch_gate_up(const void *const *a, const void *const *b, int64_t n,
                           const float *x, int64_t ldx, int64_t n_tok, int kuse,
                           const int32_t *sel_e, float *out, int64_t ldo, const uint8_t *etype,
                           const moe_cuda_route_in &rt, const void *const *fa,
-                          const void *const *fb, const moe_cuda_gu_resolve &rs, cudaStream_t s)
+                          const void *const *fb, const moe_cuda_gu_resolve &rs, int tc,
+                          cudaStream_t s)
 {
     size_t rb;
     int nu;
@@ -787,7 +776,7 @@ static int launch_gate_up(const void *const *a, const void *const *b, int64_t n,
         const size_t tc_off = (smem / sizeof(float) + 3) & ~(size_t)3;
         const size_t tc_smem = tc_off * sizeof(float) + tc_stage_bytes(1, (int)(n / 256)) +
                                2 * GU_WARPS * 32 * sizeof(float4);
-        if (tc_gate_up_on() && !etype && n % 256 == 0 && tc_smem <= 48 * 1024) {
+        if ((tc & MOE_CUDA_TC_GATE_UP) && !etype && n % 256 == 0 && tc_smem <= 48 * 1024) {
             MOE_CUDA_TRY(moe_launch(gate_up_tc_kernel<K>, g, dim3(32 * GU_WARPS), tc_smem, s,
                                     (const uint8_t *const *)a, (const uint8_t *const *)b, rb,
                                     (int)(n / 256), ff, x, ldx, kuse, sel_e, out, ldo, rt,
@@ -809,9 +798,9 @@ static int gate_up_dispatch(uint32_t type, const void *const *a, const void *con
                             const int32_t *sel_e, float *out, int64_t ldo, cudaStream_t s,
                             const uint8_t *etype = NULL, const moe_cuda_route_in &rt = {},
                             const void *const *fa = NULL, const void *const *fb = NULL,
-                            const moe_cuda_gu_resolve &rs = {})
+                            const moe_cuda_gu_resolve &rs = {}, int tc = 0)
 {
-#define CALL(T) return launch_gate_up<T, MODE>(a, b, n, ff, x, ldx, n_tok, kuse, sel_e, out, ldo, etype, rt, fa, fb, rs, s);
+#define CALL(T) return launch_gate_up<T, MODE>(a, b, n, ff, x, ldx, n_tok, kuse, sel_e, out, ldo, etype, rt, fa, fb, rs, tc, s);
 #define CASE(T) case T: CALL(T)
     switch (type) {
     MOE_QDOT_TYPES(CASE)
@@ -827,7 +816,7 @@ int moe_cuda_expert_gate_up(uint32_t gate_type, uint32_t up_type, const void *co
                             int64_t ldx, int64_t n_tok, int kuse, const int32_t *d_sel_e,
                             float *d_act, int64_t ldact, float *d_scratch,
                             const struct moe_cuda_route_in *route, const void *const *d_fill,
-                            int64_t nexp, const struct moe_cuda_gu_resolve *resolve,
+                            int64_t nexp, const struct moe_cuda_gu_resolve *resolve, int tc,
                             cudaStream_t s)
 {
     if (!moe_qdot_supported(gate_type) || !moe_qdot_supported(up_type))
@@ -846,7 +835,7 @@ int moe_cuda_expert_gate_up(uint32_t gate_type, uint32_t up_type, const void *co
         return gate_up_dispatch<0>(gate_type, d_gate, d_up, n, ff, d_x, ldx, n_tok, kuse,
                                    d_sel_e, d_act, ldact, s, NULL,
                                    route ? *route : moe_cuda_route_in{}, fg, fu,
-                                   resolve ? *resolve : moe_cuda_gu_resolve{});
+                                   resolve ? *resolve : moe_cuda_gu_resolve{}, tc);
     /* Mixed types: gate into scratch[0], up into scratch[1] (same row stride as act), then the
      * SwiGLU over whole rows (the padding of a row included, which nothing reads). */
     const int64_t count = n_tok * kuse * ldact;
@@ -865,7 +854,7 @@ template <int K>
 static int launch_down(const void *const *d, int64_t ff, int64_t E, const float *act,
                        int64_t ldact, int64_t n_tok, int kuse, const int32_t *sel_e,
                        const float *sel_w, float *h, int64_t ldh, const void *const *fill,
-                       cudaStream_t s)
+                       int tc, cudaStream_t s)
 {
     size_t rb;
     int nu;
@@ -874,7 +863,7 @@ static int launch_down(const void *const *d, int64_t ff, int64_t E, const float 
     if constexpr (K == MOE_TYPE_Q4_K || K == MOE_TYPE_Q6_K) {
         const size_t smem = (size_t)warps * tc_stage_bytes(1, (int)(ff / 256)) +
                             sizeof(float) * TC_ROWS * (size_t)kuse;
-        if (tc_down_on() && ff % 256 == 0 && smem <= 48 * 1024) {
+        if ((tc & MOE_CUDA_TC_DOWN) && ff % 256 == 0 && smem <= 48 * 1024) {
             dim3 g((unsigned)((E + TC_ROWS - 1) / TC_ROWS), (unsigned)n_tok);
             MOE_CUDA_TRY(moe_launch(down_tc_kernel<K>, g, dim3(32 * warps), smem, s,
                                     (const uint8_t *const *)d, rb, (int)(ff / 256), E, act, ldact, kuse,
@@ -893,13 +882,13 @@ static int launch_down(const void *const *d, int64_t ff, int64_t E, const float 
 int moe_cuda_expert_down(uint32_t type, const void *const *d_down, int64_t ff, int64_t E,
                          const float *d_act, int64_t ldact, int64_t n_tok, int kuse,
                          const int32_t *d_sel_e, const float *d_sel_w, float *d_h, int64_t ldh,
-                         const void *const *d_fill, cudaStream_t s)
+                         const void *const *d_fill, int tc, cudaStream_t s)
 {
     if (!moe_qdot_supported(type))
         return MOE_EUNSUPPORTED;
     if (n_tok <= 0 || kuse <= 0 || n_tok > 65535)
         return -EINVAL;
-#define CALL(T) return launch_down<T>(d_down, ff, E, d_act, ldact, n_tok, kuse, d_sel_e, d_sel_w, d_h, ldh, d_fill, s);
+#define CALL(T) return launch_down<T>(d_down, ff, E, d_act, ldact, n_tok, kuse, d_sel_e, d_sel_w, d_h, ldh, d_fill, tc, s);
 #define CASE(T) case T: CALL(T)
     switch (type) {
     MOE_QDOT_TYPES(CASE)
@@ -931,13 +920,13 @@ template <int K>
 static int launch_gate_up_grouped(const void *const *a, const void *const *b, int64_t n,
                                   int64_t ff, const float *x, int64_t ldx, int kuse,
                                   const struct moe_cuda_groups *gr, int max_active, float *out,
-                                  int64_t ldo, cudaStream_t s)
+                                  int64_t ldo, int tc, cudaStream_t s)
 {
     size_t rb;
     int nu;
     unsigned bb = blk_bytes<K>(n, &rb, &nu);
     if constexpr (K == MOE_TYPE_Q4_K || K == MOE_TYPE_Q6_K) {
-        if (tc_gate_up_on() && n % 256 == 0) {
+        if ((tc & MOE_CUDA_TC_GATE_UP) && n % 256 == 0) {
             const int nsb = (int)(n / 256);
             const dim3 g((unsigned)((ff + TC_ROWS - 1) / TC_ROWS), (unsigned)max_active);
             const size_t red = 2 * GU_WARPS * 32 * sizeof(float4);
@@ -969,13 +958,14 @@ static int launch_gate_up_grouped(const void *const *a, const void *const *b, in
 template <int K>
 static int launch_down_grouped(const void *const *d, int64_t ff, int64_t E, const float *act,
                                int64_t ldact, const struct moe_cuda_groups *gr, int max_active,
-                               float *dout, int64_t ldd, const uint8_t *etype, cudaStream_t s)
+                               float *dout, int64_t ldd, const uint8_t *etype, int tc,
+                               cudaStream_t s)
 {
     size_t rb;
     int nu;
     unsigned bb = blk_bytes<K>(ff, &rb, &nu);
     if constexpr (K == MOE_TYPE_Q4_K || K == MOE_TYPE_Q6_K) {
-        if (tc_down_on() && ff % 256 == 0) {
+        if ((tc & MOE_CUDA_TC_DOWN) && ff % 256 == 0) {
             const int nsb = (int)(ff / 256);
             const int64_t per = DG_TC_WARPS * TC_ROWS;
             const dim3 g((unsigned)((E + per - 1) / per), (unsigned)max_active);
@@ -1010,9 +1000,9 @@ static int launch_down_grouped(const void *const *d, int64_t ff, int64_t E, cons
 static int down_grouped_dispatch(uint32_t type, const void *const *d_down, int64_t ff, int64_t E,
                                  const float *d_act, int64_t ldact, const struct moe_cuda_groups *g,
                                  int max_active, float *d_dout, int64_t ldd, const uint8_t *etype,
-                                 cudaStream_t s)
+                                 int tc, cudaStream_t s)
 {
-#define CALL(T) return launch_down_grouped<T>(d_down, ff, E, d_act, ldact, g, max_active, d_dout, ldd, etype, s);
+#define CALL(T) return launch_down_grouped<T>(d_down, ff, E, d_act, ldact, g, max_active, d_dout, ldd, etype, tc, s);
 #define CASE(T) case T: CALL(T)
     switch (type) {
     MOE_QDOT_TYPES(CASE)
@@ -1037,11 +1027,11 @@ int moe_cuda_expert_gate_up_grouped(uint32_t type, const void *const *d_gate,
                                     const void *const *d_up, int64_t n, int64_t ff,
                                     const float *d_x, int64_t ldx, int kuse,
                                     const struct moe_cuda_groups *g, int max_active, float *d_act,
-                                    int64_t ldact, cudaStream_t s)
+                                    int64_t ldact, int tc, cudaStream_t s)
 {
     if (max_active <= 0 || max_active > 65535)
         return -EINVAL;
-#define CALL(T) return launch_gate_up_grouped<T>(d_gate, d_up, n, ff, d_x, ldx, kuse, g, max_active, d_act, ldact, s);
+#define CALL(T) return launch_gate_up_grouped<T>(d_gate, d_up, n, ff, d_x, ldx, kuse, g, max_active, d_act, ldact, tc, s);
 #define CASE(T) case T: CALL(T)
     switch (type) {
     MOE_QDOT_TYPES(CASE)
@@ -1055,13 +1045,13 @@ int moe_cuda_expert_gate_up_grouped(uint32_t type, const void *const *d_gate,
 int moe_cuda_expert_down_grouped(uint32_t type, const void *const *d_down, int64_t ff, int64_t E,
                                  const float *d_act, int64_t ldact, const struct moe_cuda_groups *g,
                                  int max_active, int64_t n_tok, int kuse, const float *d_sel_w,
-                                 float *d_dout, int64_t ldd, float *d_h, int64_t ldh,
+                                 float *d_dout, int64_t ldd, float *d_h, int64_t ldh, int tc,
                                  cudaStream_t s)
 {
     if (max_active <= 0 || max_active > 65535 || n_tok <= 0 || n_tok > 65535)
         return -EINVAL;
     int rc = down_grouped_dispatch(type, d_down, ff, E, d_act, ldact, g, max_active, d_dout, ldd,
-                                   NULL, s);
+                                   NULL, tc, s);
     if (rc)
         return rc;
     return launch_combine(d_dout, ldd, E, n_tok, kuse, d_sel_w, d_h, ldh, s);
@@ -1095,7 +1085,7 @@ int moe_cuda_expert_mixed(const struct moe_cuda_mixed *mx, int64_t n, int64_t ff
     const int max_active = (int)(slots < mx->nexp ? slots : mx->nexp);
     for (int i = 0; i < mx->n_types[2] && !rc; i++)
         rc = down_grouped_dispatch(mx->types[2][i], mx->down, ff, E, d_act, ldact, g, max_active,
-                                   d_dout, ldd, mx->etype[2], s);
+                                   d_dout, ldd, mx->etype[2], 0, s);
     if (rc)
         return rc;
     return launch_combine(d_dout, ldd, E, n_tok, kuse, d_sel_w, d_h, ldh, s);

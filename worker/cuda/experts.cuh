@@ -50,13 +50,23 @@ int moe_cuda_expert_gate_up(uint32_t gate_type, uint32_t up_type, const void *co
                             int64_t ldx, int64_t n_tok, int kuse, const int32_t *d_sel_e,
                             float *d_act, int64_t ldact, float *d_scratch,
                             const struct moe_cuda_route_in *route, const void *const *d_fill,
-                            int64_t nexp, const struct moe_cuda_gu_resolve *resolve,
+                            int64_t nexp, const struct moe_cuda_gu_resolve *resolve, int tc,
                             cudaStream_t s);
 
-/* Whether the expert kernels multiply experts of `type` on tensor cores (Q4_K and Q6_K under
- * MOE_CUDA_TC): a row's floats then differ from the float walk's (the fused step, which walks
- * them in floats, is not used). */
-bool moe_cuda_expert_tc(uint32_t type);
+/* Expert products on tensor cores (worker/cuda/mv_tc_dev.cuh): the tc argument of the expert
+ * kernels below, a mask of MOE_CUDA_TC_GATE_UP and MOE_CUDA_TC_DOWN. Q4_K and Q6_K experts whose
+ * rows are whole blocks of 256 are then multiplied as f16 fragments with two-part inputs (about
+ * 22 bits of each input, against 24 for the float walk); other types keep the float walk. A
+ * slot's floats are the same whatever the batch and the path (per slot or grouped). */
+#define MOE_CUDA_TC_GATE_UP 1
+#define MOE_CUDA_TC_DOWN 2
+
+/* The mask that MOE_CUDA_TC asks for (read at each call): "1" both, "gu" gate/up, "down" down,
+ * unset or "0" none. */
+int moe_cuda_expert_tc_env(void);
+
+/* Whether tc (a mask) puts experts of `type` on tensor cores. */
+bool moe_cuda_expert_tc(int tc, uint32_t type);
 
 /* h[t][r] += Σ_j sel_w[t·k+j] · (down_e · act[t·k+j]) for r < E, summed over j = 0..k-1 in that
  * order (after each expert's dot product is complete), then added to h once. d_fill (or NULL):
@@ -64,7 +74,7 @@ bool moe_cuda_expert_tc(uint32_t type);
 int moe_cuda_expert_down(uint32_t type, const void *const *d_down, int64_t ff, int64_t E,
                          const float *d_act, int64_t ldact, int64_t n_tok, int kuse,
                          const int32_t *d_sel_e, const float *d_sel_w, float *d_h, int64_t ldh,
-                         const void *const *d_fill, cudaStream_t s);
+                         const void *const *d_fill, int tc, cudaStream_t s);
 
 /* The step's expert slots grouped by expert (device buffers, filled by moe_cuda_expert_group):
  * the slots of expert e are slot_list[ex_off[e] .. ex_off[e+1]), in slot order; act_list[0 ..
@@ -97,14 +107,14 @@ int moe_cuda_expert_gate_up_grouped(uint32_t type, const void *const *d_gate,
                                     const void *const *d_up, int64_t n, int64_t ff,
                                     const float *d_x, int64_t ldx, int kuse,
                                     const struct moe_cuda_groups *g, int max_active, float *d_act,
-                                    int64_t ldact, cudaStream_t s);
+                                    int64_t ldact, int tc, cudaStream_t s);
 
 /* Down by expert into dout [slot][E] (rows ldd apart), then h[t] += Σ_j sel_w · dout in the
  * token's top-k order. Same results as moe_cuda_expert_down, bit for bit. */
 int moe_cuda_expert_down_grouped(uint32_t type, const void *const *d_down, int64_t ff, int64_t E,
                                  const float *d_act, int64_t ldact, const struct moe_cuda_groups *g,
                                  int max_active, int64_t n_tok, int kuse, const float *d_sel_w,
-                                 float *d_dout, int64_t ldd, float *d_h, int64_t ldh,
+                                 float *d_dout, int64_t ldd, float *d_h, int64_t ldh, int tc,
                                  cudaStream_t s);
 
 /* A layer whose experts are not all of one type per matrix (files that repack experts): per
