@@ -478,25 +478,48 @@ TEST_TIMEOUT(cuda_fused_step_equals_op_by_op, 600)
     CHECK_MSG(fused_models >= 4, "only %d models ran the fused step", fused_models);
 }
 
+/* What two_engines_cmp found: logits that differ in their bits, the rel-L2 of a's logits against
+ * b's, and the positions whose argmax differs. */
+struct engines_cmp {
+    size_t diff;
+    double rel_l2;
+    size_t argmax_diff;
+};
+
+static void cmp_rows(const float *la, const float *lb, size_t rows, int64_t V,
+                     struct engines_cmp *c, double *se, double *sr)
+{
+    c->diff += floats_differing(la, lb, rows * (size_t)V);
+    for (size_t i = 0; i < rows * (size_t)V; i++) {
+        const double d = (double)la[i] - (double)lb[i];
+        *se += d * d;
+        *sr += (double)lb[i] * lb[i];
+    }
+    for (size_t r = 0; r < rows; r++)
+        c->argmax_diff += moe_test_argmax(la + r * V, (size_t)V) !=
+                          moe_test_argmax(lb + r * V, (size_t)V);
+}
+
 /* Four prompts of random tokens (lengths plen, at most 100) on sequences 0..3 of engines a and b,
  * then `steps` decode steps: the first `solo` of sequence 0 alone, the others of all four, each
- * feeding b's greedy tokens to both. Returns how many of the logits differ in their bits. */
-static size_t two_engines_diff(struct moe_engine *a, struct moe_engine *b, int64_t V,
-                               const uint32_t plen[4], int steps, int solo)
+ * feeding b's greedy tokens to both. */
+static struct engines_cmp two_engines_cmp(struct moe_engine *a, struct moe_engine *b, int64_t V,
+                                          const uint32_t plen[4], int steps, int solo)
 {
     float *la = malloc(sizeof(float) * 100 * (size_t)V);
     float *lb = malloc(sizeof(float) * 100 * (size_t)V);
     int32_t *prompt = malloc(sizeof(int32_t) * 100);
     CHECK(la && lb && prompt);
     int32_t last[4], pos[4], sq[4] = {0, 1, 2, 3};
-    size_t diff = 0;
+    struct engines_cmp c = {0, 0.0, 0};
+    double se = 0.0, sr = 0.0;
     for (int q = 0; q < 4; q++) {
         CHECK(plen[q] >= 1 && plen[q] <= 100);
         for (uint32_t i = 0; i < plen[q]; i++)
             prompt[i] = (int32_t)(moe_test_rng_u32() % V);
         test_prefill(a, q, 0, prompt, plen[q], la);
         test_prefill(b, q, 0, prompt, plen[q], lb);
-        diff += floats_differing(la, lb, (size_t)plen[q] * (size_t)V);
+        cmp_rows(la, lb, plen[q], V, &c, &se, &sr);
         last[q] = (int32_t)moe_test_argmax(lb + (size_t)(plen[q] - 1) * V, (size_t)V);
         pos[q] = (int32_t)plen[q];
     }
@@ -505,14 +528,22 @@ static size_t two_engines_diff(struct moe_engine *a, struct moe_engine *b, int64
         struct moe_batch bt = {.n = n, .token = last, .pos = pos, .seq = sq};
         CHECK_MSG(moe_engine_forward(a, &bt, la) == 0, "%s", moe_engine_errmsg(a));
         CHECK_MSG(moe_engine_forward(b, &bt, lb) == 0, "%s", moe_engine_errmsg(b));
-        diff += floats_differing(la, lb, (size_t)n * (size_t)V);
+        cmp_rows(la, lb, (size_t)n, V, &c, &se, &sr);
         for (int q = 0; q < n; q++) {
             last[q] = (int32_t)moe_test_argmax(lb + (size_t)q * V, (size_t)V);
             pos[q]++;
         }
     }
     free(la), free(lb), free(prompt);
-    return diff;
+    c.rel_l2 = sr > 0.0 ? sqrt(se / sr) : 0.0;
+    return c;
+}
+
+/* How many of the logits of two_engines_cmp differ in their bits. */
+static size_t two_engines_diff(struct moe_engine *a, struct moe_engine *b, int64_t V,
+                               const uint32_t plen[4], int steps, int solo)
+{
+    return two_engines_cmp(a, b, V, plen, steps, solo).diff;
 }
 
 /* Expert slots grouped by expert (MOE_CUDA_GROUP_MIN=1: every step of several tokens groups)
@@ -540,6 +571,62 @@ TEST_TIMEOUT(cuda_grouped_experts_equal_per_slot, 600)
         CHECK_EQ(diff, 0);
         moe_engine_free(g);
         moe_engine_free(p);
+        test_model_close(&tm);
+    }
+}
+
+/* Expert products on tensor cores (MOE_CUDA_TC=1): against the float walk, logits within the
+ * GPU-against-CPU bound (rel-L2 2e-3) with the same argmax at 99% of the positions or more (the
+ * golden Q4_K_M model and the Q5_K/Q6_K and head-dim-128 fixtures multiply Q4_K or Q6_K experts
+ * on them; the others must not change at all); and with them, slots grouped by expert equal the
+ * per-slot kernels bit for bit, prompts on CUDA cores and decode batches of 1 and 4 sequences. */
+TEST_TIMEOUT(cuda_tc_experts_agree_with_the_float_walk, 600)
+{
+    need_gpu();
+    static const char *const models[] = {
+        GOLDEN "/models/tiny-qwen3moe-Q4_K_M.gguf", GOLDEN "/models/tiny-qwen3moe-Q8_0.gguf",
+        "tests/fixtures/hf/q5k-q6k-gqa4.gguf", "tests/fixtures/hf/hd128-e32-long.gguf"};
+    for (size_t mi = 0; mi < sizeof models / sizeof models[0]; mi++) {
+        struct test_model tm;
+        test_model_open(&tm, models[mi]);
+        const struct moe_model *m = &tm.m;
+        const int64_t V = m->hp.n_vocab;
+        bool tc_types = false; /* experts of a type the tensor-core kernels take */
+        for (uint32_t l = 0; l < m->hp.n_layer; l++) {
+            const struct moe_expert *ex = &m->layers[l].experts[0];
+            const uint32_t ty[2] = {ex->gate.type, ex->down.type};
+            const int64_t len[2] = {ex->gate.ne[0], ex->down.ne[0]};
+            for (int i = 0; i < 2; i++)
+                tc_types = tc_types || ((ty[i] == MOE_TYPE_Q4_K || ty[i] == MOE_TYPE_Q6_K) &&
+                                        len[i] % 256 == 0);
+        }
+        setenv("MOE_CUDA_GEMM", "0", 1);
+        setenv("MOE_CUDA_TC", "1", 1);
+        struct moe_engine *t = engine_on(m, "cuda:0", 160, 4, 0, false);
+        setenv("MOE_CUDA_GROUP_MIN", "1", 1);
+        struct moe_engine *tg = engine_on(m, "cuda:0", 160, 4, 0, false);
+        unsetenv("MOE_CUDA_GROUP_MIN");
+        unsetenv("MOE_CUDA_TC");
+        struct moe_engine *f = engine_on(m, "cuda:0", 160, 4, 0, false);
+        unsetenv("MOE_CUDA_GEMM");
+        const uint32_t plen[4] = {40, 100, 17, 63};
+        moe_test_rng_seed(401 + mi);
+        const struct engines_cmp c = two_engines_cmp(t, f, V, plen, 6, 2);
+        moe_test_rng_seed(401 + mi);
+        const size_t gdiff = two_engines_diff(tg, t, V, plen, 6, 2);
+        const size_t rows = 40 + 100 + 17 + 63 + 2 + 4 * 4;
+        printf("  %-44s tc vs float: rel-L2 %.2e, argmax differs at %zu of %zu; grouped vs per "
+               "slot: %zu logits differ\n", models[mi], c.rel_l2, c.argmax_diff, rows, gdiff);
+        CHECK_EQ(gdiff, 0);
+        if (tc_types) {
+            CHECK(c.rel_l2 <= 2e-3);
+            CHECK(c.argmax_diff * 100 <= rows);
+        } else {
+            CHECK_EQ(c.diff, 0);
+        }
+        moe_engine_free(t);
+        moe_engine_free(tg);
+        moe_engine_free(f);
         test_model_close(&tm);
     }
 }
