@@ -28,6 +28,34 @@ static void halves(uint32_t v, double *lo, double *hi)
     *hi = tc_hi_f(v);
 }
 
+/* nt tokens of n random inputs, token c of magnitude mag[c] at x + c·stride, and each one's scale
+ * exponent (its largest input lands in [512, 1024) after 2^-s). */
+static void random_tokens(float *x, int stride, int n, int nt, const float *mag, int *sexp)
+{
+    for (int c = 0; c < nt; c++) {
+        float amax = 0.0f;
+        for (int i = 0; i < n; i++) {
+            x[c * stride + i] = rnd() * 2.0f * mag[c];
+            amax = fmaxf(amax, fabsf(x[c * stride + i]));
+        }
+        sexp[c] = tc_scale_exp(amax);
+        CHECK(ldexpf(amax, -sexp[c]) < 1024.0f && ldexpf(amax, -sexp[c]) >= 512.0f);
+    }
+}
+
+/* B's entries (k = 2t, 2t+1, 2t+8, 2t+9 of column g) from one staged unit, its two parts added:
+ * b0 = {hi, lo}(x0, x2), b1 = {hi, lo}(x1, x3). */
+static void b_entries(uint4 xb, double (*B)[8], int t, int g)
+{
+    double p, q, r, s;
+    halves(xb.x, &p, &q);
+    halves(xb.z, &r, &s);
+    B[2 * t][g] = p + r, B[2 * t + 1][g] = q + s;
+    halves(xb.y, &p, &q);
+    halves(xb.w, &r, &s);
+    B[2 * t + 8][g] = p + r, B[2 * t + 9][g] = q + s;
+}
+
 /* One Q4_K block (sb) of a 16-row tile for NT tokens, as one warp computes it; out[r][c]. */
 static void tile_block(const uint8_t *const *rows, int sb, const float (*x)[256], int nt,
                        int sexp[8], double out[16][8])
@@ -79,15 +107,8 @@ static void tile_block(const uint8_t *const *rows, int sb, const float (*x)[256]
                 halves(a[hl][1], &A[m][g + 8][2 * t], &A[m][g + 8][2 * t + 1]);
                 halves(a[hl][2], &A[m][g][2 * t + 8], &A[m][g][2 * t + 9]);
                 halves(a[hl][3], &A[m][g + 8][2 * t + 8], &A[m][g + 8][2 * t + 9]);
-                /* B: b0 (k 2t..2t+1, column g), b1 (k 2t+8..2t+9); hi part then lo part. */
-                const uint4 xb = xs[gx][m][t];
-                double p, q, r, s;
-                halves(xb.x, &p, &q);
-                halves(xb.z, &r, &s);
-                B[m][2 * t][g] = p + r, B[m][2 * t + 1][g] = q + s;
-                halves(xb.y, &p, &q);
-                halves(xb.w, &r, &s);
-                B[m][2 * t + 8][g] = p + r, B[m][2 * t + 9][g] = q + s;
+                /* B: b0 (k 2t..2t+1, column g), b1 (k 2t+8..2t+9). */
+                b_entries(xs[gx][m][t], B[m], t, g);
             }
         }
         /* m16n8k8 of the mins: a0 (g, 2t..2t+1), a1 (g+8, 2t..); b0 (k 2t..2t+1, column g). */
@@ -130,15 +151,7 @@ TEST(mv_tc_host_fragments_give_the_dot_products)
     for (int nt = 1; nt <= 8; nt *= 2) {
         static float x[8][512];
         int sexp[8];
-        for (int c = 0; c < nt; c++) {
-            float amax = 0.0f;
-            for (int i = 0; i < n; i++) {
-                x[c][i] = rnd() * 2.0f * mag[c];
-                amax = fmaxf(amax, fabsf(x[c][i]));
-            }
-            sexp[c] = tc_scale_exp(amax);
-            CHECK(ldexpf(amax, -sexp[c]) < 1024.0f && ldexpf(amax, -sexp[c]) >= 512.0f);
-        }
+        random_tokens(&x[0][0], 512, (int)n, nt, mag, sexp);
         double tot[16][8] = {};
         for (int sb = 0; sb < 2; sb++) {
             float xb[8][256];
@@ -186,14 +199,7 @@ TEST(mv_tc_host_q6k_fragments_give_the_dot_products)
     for (int nt = 1; nt <= 8; nt *= 2) {
         float x[8][256];
         int sexp[8];
-        for (int c = 0; c < nt; c++) {
-            float amax = 0.0f;
-            for (int i = 0; i < n; i++) {
-                x[c][i] = rnd() * 2.0f * mag[c];
-                amax = fmaxf(amax, fabsf(x[c][i]));
-            }
-            sexp[c] = tc_scale_exp(amax);
-        }
+        random_tokens(&x[0][0], 256, (int)n, nt, mag, sexp);
         /* Per group: A [16][16], B [16][8] (both parts), the rows' d·sc. */
         static double A[16][16][16], B[16][16][8], S[16][16];
         for (int lane = 0; lane < 32; lane++) {
@@ -217,14 +223,8 @@ TEST(mv_tc_host_q6k_fragments_give_the_dot_products)
                             S[grp][row] = (double)h2f(raw.d) * raw.sc[j];
                             const float sc = ldexpf(1.0f, -sexp[gx]);
                             const float *v = x[gx] + tc_q6k_base(grp, t);
-                            const uint4 xb = tc_stage4(v[0] * sc, v[1] * sc, v[2] * sc, v[3] * sc);
-                            double p, pq, r2, s2;
-                            halves(xb.x, &p, &pq);
-                            halves(xb.z, &r2, &s2);
-                            B[grp][2 * t][g] = p + r2, B[grp][2 * t + 1][g] = pq + s2;
-                            halves(xb.y, &p, &pq);
-                            halves(xb.w, &r2, &s2);
-                            B[grp][2 * t + 8][g] = p + r2, B[grp][2 * t + 9][g] = pq + s2;
+                            b_entries(tc_stage4(v[0] * sc, v[1] * sc, v[2] * sc, v[3] * sc),
+                                      B[grp], t, g);
                         }
                     }
             }
