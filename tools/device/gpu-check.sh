@@ -4,7 +4,9 @@
 # (include/, lib/; tools/device/pack-deps.sh makes it) along with the generated protobuf-c files.
 #
 #   tools/device/gpu-check.sh [LOGDIR] [steps...]
-#   steps: build tests parity sanitizer daemon daemon-tests daemon-offload tiny big offload
+#   steps: build tests parity sanitizer daemon daemon-tests daemon-offload tiny big offload tc
+#   (tc: the expert products on tensor cores, MOE_CUDA_TC: their GPU tests, the tensor-core
+#   mat-vec against the float walk, and bench_engine with MOE_CUDA_TC=0 and 1 in alternation)
 #
 # Every step logs to LOGDIR/<step>.log and prints a one-line result; the run goes on after a
 # failed step so that one call reports everything.
@@ -108,4 +110,20 @@ if has offload; then
         >"$LOG/mkmodel.log" 2>&1
     timeout "${OFF_TIMEOUT:-500}" "$B/build/bench/bench_offload" $M --device cuda:0 ${OFF_ARGS:---budgets 12.7G,10G} \
         2>&1 | tee "$LOG/bench-offload.log" | tail -n 40
+fi
+if has tc; then
+    step "expert products on tensor cores (MOE_CUDA_TC)"
+    timeout 300 "$B/build/tests/moe-gpu-tests" -v -j 2 -f mv_tc -f cuda_tc_experts >"$LOG/tc-tests.log" 2>&1
+    grep -E "^(ok|FAIL)|passed|rel-L2" "$LOG/tc-tests.log" | tail -n 20
+    timeout 300 "$B/build/bench/bench_cuda_mv_tc" 0.05 2>&1 | tee "$LOG/bench-mv-tc.log" | tail -n 32
+    M=/tmp/q30-q4_k_m.gguf
+    [ -f $M ] || "$B/bin/moectl" mkmodel --preset qwen3-30b-a3b --quant q4_k_m --threads "$J" -o $M \
+        >"$LOG/mkmodel.log" 2>&1
+    for round in 1 2; do
+        for v in 0 1; do
+            printf 'MOE_CUDA_TC=%s round %s: ' $v $round
+            MOE_CUDA_TC=$v timeout 200 "$B/build/bench/bench_engine" $M --device cuda:0 \
+                ${TC_ARGS:---prompt 512 --gen 128 --batches 4,16,64 --long 0} 2>&1 | tail -n 1
+        done
+    done | tee "$LOG/bench-tc.log"
 fi
