@@ -253,6 +253,52 @@ TEST(mv_tc_host_q6k_fragments_give_the_dot_products)
     free(w);
 }
 
+/* The staging the kernels run (tc_stage_frag, tc_stage_sum: item r of a row is block r/64, mma
+ * or scale group (r/4) % 16, lane r % 4, which is where tc_block and tc_block6 read it) holds the
+ * units the fragment tests above place: for every item of a 3-block row, Q4_K and Q6_K, and the
+ * sub-block sums of each (block, lane), the same bits. */
+TEST(mv_tc_host_staging_layout)
+{
+    moe_test_rng_seed(79);
+    float x[768];
+    for (int i = 0; i < 768; i++)
+        x[i] = rnd() * 700.0f;
+    const float sc = 0.5f;
+    for (int r = 0; r < 3 * 64; r++) {
+        const int sb = r / 64, m = (r / 4) % 16, t = r % 4;
+        const float *v4 = x + 256 * sb + tc_q4k_base(m, t), *v6 = x + 256 * sb + tc_q6k_base(m, t);
+        const uint4 a = tc_stage_frag<MOE_TYPE_Q4_K>(x, r, sc),
+                    b = tc_stage4(v4[0] * sc, v4[1] * sc, v4[2] * sc, v4[3] * sc);
+        const uint4 c = tc_stage_frag<MOE_TYPE_Q6_K>(x, r, sc),
+                    d = tc_stage4(v6[0] * sc, v6[1] * sc, v6[2] * sc, v6[3] * sc);
+        CHECK_MSG(!memcmp(&a, &b, sizeof a), "Q4_K item %d", r);
+        CHECK_MSG(!memcmp(&c, &d, sizeof c), "Q6_K item %d", r);
+    }
+    for (int r = 0; r < 3 * 4; r++) {
+        const int sb = r / 4, t = r % 4;
+        float s0 = 0.0f, s1 = 0.0f;
+        for (int i = 0; i < 32; i += 4) {
+            const float *a = x + 256 * sb + 64 * t + i, *b = a + 32;
+            s0 += a[0] * sc + a[1] * sc + a[2] * sc + a[3] * sc;
+            s1 += b[0] * sc + b[1] * sc + b[2] * sc + b[3] * sc;
+        }
+        const uint2 got = tc_stage_sum(x, r, sc), want = tc_stage_sums(s0, s1);
+        CHECK_MSG(got.x == want.x && got.y == want.y, "sums item %d", r);
+        /* The sums are of sub-blocks 2t and 2t+1, the ones lane t's mins multiply. */
+        double e0 = 0.0, e1 = 0.0, a0 = 0.0, a1 = 0.0;
+        for (int i = 0; i < 32; i++) {
+            e0 += x[256 * sb + 32 * (2 * t) + i] * sc;
+            e1 += x[256 * sb + 32 * (2 * t + 1) + i] * sc;
+            a0 += fabs(x[256 * sb + 32 * (2 * t) + i] * sc);
+            a1 += fabs(x[256 * sb + 32 * (2 * t + 1) + i] * sc);
+        }
+        double h0, h1, l0, l1;
+        halves(got.x, &h0, &h1);
+        halves(got.y, &l0, &l1);
+        CHECK(fabs(h0 + l0 - e0) <= 1e-6 * a0 && fabs(h1 + l1 - e1) <= 1e-6 * a1);
+    }
+}
+
 /* The scale exponent: the largest input lands in [512, 1024) after 2^-s, and the extremes stay
  * finite both ways. */
 TEST(mv_tc_host_scale_exponent)

@@ -189,30 +189,6 @@ static __host__ __device__ __forceinline__ size_t tc_stage_bytes(int nt, int nsb
     return (size_t)nt * nsb * (64 * sizeof(uint4) + 4 * sizeof(uint2));
 }
 
-/* Item r (0 .. nsb·64) of a row's staged fragments: block sb = r/64, mma m = (r/4) % 16 (Q6_K:
- * scale group), lane t = r % 4; and item r (0 .. nsb·4) of its sub-block sums' pairs (block r/4,
- * lane r % 4; Q4_K only). x is the row, sc the power of two 2^-s of its exponent. */
-template <int K>
-static __device__ __forceinline__ uint4 tc_stage_frag(const float *x, int r, float sc)
-{
-    const int sb = r >> 6, m = (r >> 2) & 15, tt = r & 3;
-    const int base = K == MOE_TYPE_Q6_K ? tc_q6k_base(m, tt) : tc_q4k_base(m, tt);
-    const float4 v = *(const float4 *)(x + 256 * sb + base);
-    return tc_stage4(v.x * sc, v.y * sc, v.z * sc, v.w * sc);
-}
-
-static __device__ __forceinline__ uint2 tc_stage_sum(const float *x, int r, float sc)
-{
-    const float *xp = x + 256 * (r >> 2) + 64 * (r & 3);
-    float s0 = 0.0f, s1 = 0.0f;
-    for (int i = 0; i < 32; i += 4) {
-        const float4 a = *(const float4 *)(xp + i), b = *(const float4 *)(xp + 32 + i);
-        s0 += a.x * sc + a.y * sc + a.z * sc + a.w * sc;
-        s1 += b.x * sc + b.y * sc + b.z * sc + b.w * sc;
-    }
-    return tc_stage_sums(s0, s1);
-}
-
 /* The bit pattern of max |x| over this thread's float4s i0, i0 + step, ... of a row of n. */
 static __device__ __forceinline__ unsigned tc_amax_part(const float *x, int64_t n, int64_t i0,
                                                         int64_t step)
