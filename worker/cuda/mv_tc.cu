@@ -1,4 +1,5 @@
-/* The tensor-core mat-vec (see mv_tc.h; the fragment scheme is in mv_tc.cuh).
+/* The tensor-core mat-vec (see mv_tc.h; the fragment scheme is in mv_tc.cuh, the device parts
+ * shared with the expert kernels in mv_tc_dev.cuh).
  *
  * One block of W = min(8, blocks per row) warps takes one tile of 16 rows for up to NT tokens
  * (NT = 1, 2, 4 or 8; blockIdx.y picks the token group): warp w takes the row's Q4_K blocks w,
@@ -26,8 +27,8 @@ extern "C" {
 template <int NT, int K>
 static __global__ void __launch_bounds__(32 * TC_MAX_WARPS)
 mv_tc_kernel(const uint8_t *__restrict__ w, size_t row_bytes, int nsb, int64_t rows,
-                 const float *__restrict__ x, int64_t ldx, int64_t n_tok, float *__restrict__ y,
-                 int64_t ldy)
+             const float *__restrict__ x, int64_t ldx, int64_t n_tok, float *__restrict__ y,
+             int64_t ldy)
 {
     extern __shared__ uint4 sm[];
     __shared__ unsigned s_amax[NT];
