@@ -1,9 +1,10 @@
 /* The tensor-core mat-vec: y[t] = W·x[t] for a few tokens, with the weights decoded into mma
- * fragments instead of floats (worker/cuda/mv_tc.cuh has the scheme). A measured alternative
- * to moe_cuda_matvec_tok (docs/cuda.md, "Mat-vec on tensor cores"); the backend does not call it
- * yet. Its products carry about 22 bits of x (two f16 parts), so it is held to the float walk's
- * tolerance: tests/gpu/test_cuda_mv_tc.c checks every element within 1e-5 of the row's Σ|w·x|
- * of the CPU result. */
+ * fragments instead of floats (worker/cuda/mv_tc.cuh has the scheme, docs/cuda.md "Expert
+ * products on tensor cores" the design). The backend's expert kernels use its device parts; this
+ * stand-alone form is what the GPU tests hold to the CPU and what bench_cuda_mv_tc times against
+ * moe_cuda_matvec_tok. Its products carry about 22 bits of x (two f16 parts), so it is held to the
+ * float walk's tolerance: tests/gpu/test_cuda_mv_tc.c checks every element within 1e-5 of the
+ * row's Σ|w·x| of the CPU result. */
 #ifndef MOE_CUDA_MV_TC_H
 #define MOE_CUDA_MV_TC_H
 
