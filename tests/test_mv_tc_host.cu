@@ -2,7 +2,8 @@
  * 32 lanes build their A (weights as sc·q), B (inputs as two f16 parts) and mins fragments with
  * the kernel's own __host__ __device__ functions, the mma instructions are emulated from the PTX
  * fragment layouts (m16n8k16 and m16n8k8, f16 inputs, sums in double), and each row's result
- * d·C − dmin·C_min (Q4_K; Q6_K: Σ over the scale groups of d·sc·C) must equal a double dot product of the dequantised row within 1e-6 of Σ|w·x|.
+ * d·C − dmin·C_min (Q4_K; Q6_K: Σ over the scale groups of d·sc·C) must equal a double dot
+ * product of the dequantised row within 1e-6 of Σ|w·x|.
  * A weight or input placed in the wrong fragment slot, a wrong scale or a wrong k order fails it.
  * The GPU test (tests/gpu/test_cuda_mv_tc.c) checks the kernel itself against the CPU. */
 #include <math.h>

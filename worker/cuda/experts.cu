@@ -223,11 +223,9 @@ static __device__ __forceinline__ void gu_tc_tile(const uint8_t *g, const uint8_
     __syncthreads(); /* the staging area is free for the block's next use */
 }
 
-/* Gate/up of Q4_K or Q6_K experts on tensor cores (mv_tc_dev.cuh), one token per block: the same
- * grid, prologue and shared memory as gate_up_kernel<K, 0> (gu_expert), then the slot's input staged
- * in fragment order after that shared memory (tc_off floats in, 16-byte aligned), and warp w
- * takes blocks w, w + GU_WARPS, ... of the 16-row tile's gate and up rows; the warps' sums are
- * added in warp order, so a row's floats depend on the row length only. */
+/* Gate/up of Q4_K or Q6_K experts on tensor cores (mv_tc_dev.cuh), one token per block: the
+ * same grid, prologue and shared memory as gate_up_kernel<K, 0> (gu_expert), then gu_tc_tile with
+ * the slot's input staged after that shared memory (tc_off floats in, 16-byte aligned). */
 template <int K>
 static __global__ void __launch_bounds__(32 * GU_WARPS, 3)
 gate_up_tc_kernel(const uint8_t *const *__restrict__ ga, const uint8_t *const *__restrict__ ua,
@@ -302,8 +300,8 @@ down_kernel(const uint8_t *const *__restrict__ da, size_t row_bytes, unsigned bl
                   part, fill);
 }
 
-/* Down of Q4_K or Q6_K experts on tensor cores, TC_ROWS rows of one token per block: warp j takes the
- * token's choices j, j + warps, ... (its input staged by itself, tc_stage_warp, scaled by that
+/* Down of Q4_K or Q6_K experts on tensor cores, TC_ROWS rows of one token per block: warp j
+ * takes the token's choices j, j + warps, ... (its input staged by itself, tc_stage_warp, scaled by that
  * input's own power of two) over the 16-row tile and the whole row, then one thread per row
  * weights and adds the choices in top-k order into h, as down_block does. Dynamic shared memory:
  * per warp a staging area (tc_stage_bytes(1, nsb)), then part [kuse][TC_ROWS] floats. fill (or

@@ -204,8 +204,8 @@ static __device__ __forceinline__ unsigned tc_amax_part(const float *x, int64_t 
 /* The whole block stages NT tokens' inputs (xr[c]: token c's row of nsb·256 floats) in fragment
  * order into xs and sxs (tc_stage_bytes): each token's max |x| (bit patterns, so a NaN wins and
  * leaves the scale at 1), its exponent s_exp[c] (tc_scale_exp), then the scaled fragments and
- * sub-block sums (Q4_K). s_amax: NT words of shared memory. Ends with a barrier; every thread of the
- * block must call it. */
+ * sub-block sums (Q4_K). s_amax: NT words of shared memory. Ends with a barrier; every thread of
+ * the block must call it. */
 template <int NT, int K>
 static __device__ __forceinline__ void tc_stage(const float *const *xr, int nsb, uint4 *xs,
                                                 uint2 *sxs, int *s_exp, unsigned *s_amax)
