@@ -301,11 +301,11 @@ down_kernel(const uint8_t *const *__restrict__ da, size_t row_bytes, unsigned bl
 }
 
 /* Down of Q4_K or Q6_K experts on tensor cores, TC_ROWS rows of one token per block: warp j
- * takes the token's choices j, j + warps, ... (its input staged by itself, tc_stage_warp, scaled by that
- * input's own power of two) over the 16-row tile and the whole row, then one thread per row
- * weights and adds the choices in top-k order into h, as down_block does. Dynamic shared memory:
- * per warp a staging area (tc_stage_bytes(1, nsb)), then part [kuse][TC_ROWS] floats. fill (or
- * NULL): as down_kernel's, each warp copies the rows it reads first. */
+ * takes the token's choices j, j + warps, ... (its input staged by itself, tc_stage_warp, scaled
+ * by that input's own power of two) over the 16-row tile and the whole row, then one thread per
+ * row weights and adds the choices in top-k order into h, as down_block does. Dynamic shared
+ * memory: per warp a staging area (tc_stage_bytes(1, nsb)), then part [kuse][TC_ROWS] floats.
+ * fill (or NULL): as down_kernel's, each warp copies the rows it reads first. */
 template <int K>
 static __global__ void __launch_bounds__(32 * DOWN_WARPS)
 down_tc_kernel(const uint8_t *const *__restrict__ da, size_t row_bytes, int nsb, int64_t E,
