@@ -575,58 +575,65 @@ TEST_TIMEOUT(cuda_grouped_experts_equal_per_slot, 600)
     }
 }
 
-/* Expert products on tensor cores (MOE_CUDA_TC=1): against the float walk, logits within the
- * GPU-against-CPU bound (rel-L2 2e-3) with the same argmax at 99% of the positions or more (the
- * golden Q4_K_M model and the Q5_K/Q6_K and head-dim-128 fixtures multiply Q4_K or Q6_K experts
- * on them; the others must not change at all); and with them, slots grouped by expert equal the
- * per-slot kernels bit for bit, prompts on CUDA cores and decode batches of 1 and 4 sequences. */
-TEST_TIMEOUT(cuda_tc_experts_agree_with_the_float_walk, 600)
+/* Products on tensor cores (MOE_CUDA_TC=1: the experts; =all: also the decode mat-vecs and the
+ * head): against the float walk, logits within the GPU-against-CPU bound (rel-L2 2e-3) with the
+ * same argmax at 99% of the positions or more (the golden Q4_K_M model and the Q5_K/Q6_K and
+ * head-dim-128 fixtures have Q4_K or Q6_K matrices; the Q8_0 model must not change at all); and
+ * with them, slots grouped by expert equal the per-slot kernels bit for bit, prompts on CUDA
+ * cores and decode batches of 1 and 4 sequences. */
+TEST_TIMEOUT(cuda_tc_experts_agree_with_the_float_walk, 900)
 {
     need_gpu();
     static const char *const models[] = {
         GOLDEN "/models/tiny-qwen3moe-Q4_K_M.gguf", GOLDEN "/models/tiny-qwen3moe-Q8_0.gguf",
         "tests/fixtures/hf/q5k-q6k-gqa4.gguf", "tests/fixtures/hf/hd128-e32-long.gguf"};
+    static const char *const modes[] = {"1", "all"};
     for (size_t mi = 0; mi < sizeof models / sizeof models[0]; mi++) {
         struct test_model tm;
         test_model_open(&tm, models[mi]);
         const struct moe_model *m = &tm.m;
         const int64_t V = m->hp.n_vocab;
-        bool tc_types = false; /* experts of a type the tensor-core kernels take */
+        bool tc_types = false; /* matrices of a type the tensor-core kernels take */
         for (uint32_t l = 0; l < m->hp.n_layer; l++) {
             const struct moe_expert *ex = &m->layers[l].experts[0];
-            const uint32_t ty[2] = {ex->gate.type, ex->down.type};
-            const int64_t len[2] = {ex->gate.ne[0], ex->down.ne[0]};
-            for (int i = 0; i < 2; i++)
-                tc_types = tc_types || ((ty[i] == MOE_TYPE_Q4_K || ty[i] == MOE_TYPE_Q6_K) &&
-                                        len[i] % 256 == 0);
+            const struct moe_tensor *t[6] = {&ex->gate, &ex->down, &m->layers[l].attn_q,
+                                             &m->layers[l].attn_v, &m->layers[l].attn_output,
+                                             &m->output};
+            for (int i = 0; i < 6; i++)
+                tc_types = tc_types ||
+                           ((t[i]->type == MOE_TYPE_Q4_K || t[i]->type == MOE_TYPE_Q6_K) &&
+                            t[i]->ne[0] % 256 == 0);
         }
-        setenv("MOE_CUDA_GEMM", "0", 1);
-        setenv("MOE_CUDA_TC", "1", 1);
-        struct moe_engine *t = engine_on(m, "cuda:0", 160, 4, 0, false);
-        setenv("MOE_CUDA_GROUP_MIN", "1", 1);
-        struct moe_engine *tg = engine_on(m, "cuda:0", 160, 4, 0, false);
-        unsetenv("MOE_CUDA_GROUP_MIN");
-        unsetenv("MOE_CUDA_TC");
-        struct moe_engine *f = engine_on(m, "cuda:0", 160, 4, 0, false);
-        unsetenv("MOE_CUDA_GEMM");
-        const uint32_t plen[4] = {40, 100, 17, 63};
-        moe_test_rng_seed(401 + mi);
-        const struct engines_cmp c = two_engines_cmp(t, f, V, plen, 6, 2);
-        moe_test_rng_seed(401 + mi);
-        const size_t gdiff = two_engines_diff(tg, t, V, plen, 6, 2);
-        const size_t rows = 40 + 100 + 17 + 63 + 2 + 4 * 4;
-        printf("  %-44s tc vs float: rel-L2 %.2e, argmax differs at %zu of %zu; grouped vs per "
-               "slot: %zu logits differ\n", models[mi], c.rel_l2, c.argmax_diff, rows, gdiff);
-        CHECK_EQ(gdiff, 0);
-        if (tc_types) {
-            CHECK(c.rel_l2 <= 2e-3);
-            CHECK(c.argmax_diff * 100 <= rows);
-        } else {
-            CHECK_EQ(c.diff, 0);
+        for (size_t k = 0; k < sizeof modes / sizeof modes[0]; k++) {
+            setenv("MOE_CUDA_GEMM", "0", 1);
+            setenv("MOE_CUDA_TC", modes[k], 1);
+            struct moe_engine *t = engine_on(m, "cuda:0", 160, 4, 0, false);
+            setenv("MOE_CUDA_GROUP_MIN", "1", 1);
+            struct moe_engine *tg = engine_on(m, "cuda:0", 160, 4, 0, false);
+            unsetenv("MOE_CUDA_GROUP_MIN");
+            unsetenv("MOE_CUDA_TC");
+            struct moe_engine *f = engine_on(m, "cuda:0", 160, 4, 0, false);
+            unsetenv("MOE_CUDA_GEMM");
+            const uint32_t plen[4] = {40, 100, 17, 63};
+            moe_test_rng_seed(401 + mi);
+            const struct engines_cmp c = two_engines_cmp(t, f, V, plen, 6, 2);
+            moe_test_rng_seed(401 + mi);
+            const size_t gdiff = two_engines_diff(tg, t, V, plen, 6, 2);
+            const size_t rows = 40 + 100 + 17 + 63 + 2 + 4 * 4;
+            printf("  %-44s MOE_CUDA_TC=%s vs float: rel-L2 %.2e, argmax differs at %zu of %zu; "
+                   "grouped vs per slot: %zu logits differ\n", models[mi], modes[k], c.rel_l2,
+                   c.argmax_diff, rows, gdiff);
+            CHECK_EQ(gdiff, 0);
+            if (tc_types) {
+                CHECK(c.rel_l2 <= 2e-3);
+                CHECK(c.argmax_diff * 100 <= rows);
+            } else {
+                CHECK_EQ(c.diff, 0);
+            }
+            moe_engine_free(t);
+            moe_engine_free(tg);
+            moe_engine_free(f);
         }
-        moe_engine_free(t);
-        moe_engine_free(tg);
-        moe_engine_free(f);
         test_model_close(&tm);
     }
 }

@@ -33,6 +33,7 @@ extern "C" {
 }
 #include "worker/cuda/cuda_check.cuh"
 #include "worker/cuda/experts.cuh"
+#include "worker/cuda/mv_tc.h"
 #include "worker/cuda/attn_mma.cuh"
 #include "worker/cuda/fused.cuh"
 #include "worker/cuda/gemm.h"
@@ -1590,6 +1591,8 @@ static int fused_setup(struct cuda_backend *b)
         NOT_FUSED("MOE_CUDA_FUSED=1 fuses it");
     if (b->offload)
         NOT_FUSED("experts outside VRAM");
+    if (b->tc & MOE_CUDA_TC_DENSE)
+        NOT_FUSED("decode mat-vecs on tensor cores");
     if (d->kv_f32)
         NOT_FUSED("f32 KV cache");
     if (d->hd != d->hdv || d->hd > 128 || d->hd % 2 || d->H % d->Hkv)
@@ -1970,10 +1973,11 @@ static int cuda_init(struct moe_backend **out, const struct moe_model *m, struct
                 snprintf(b->desc + k, sizeof b->desc - k, ", decode op by op (%s)", b->fused_why);
             if (b->tc) {
                 k = strlen(b->desc);
-                snprintf(b->desc + k, sizeof b->desc - k, ", Q4_K/Q6_K expert %s on tensor cores",
-                         b->tc == (MOE_CUDA_TC_GATE_UP | MOE_CUDA_TC_DOWN) ? "gate/up and down"
-                         : b->tc == MOE_CUDA_TC_GATE_UP                    ? "gate/up"
-                                                                           : "down");
+                snprintf(b->desc + k, sizeof b->desc - k,
+                         ", Q4_K/Q6_K products on tensor cores:%s%s%s",
+                         b->tc & MOE_CUDA_TC_GATE_UP ? " expert gate/up" : "",
+                         b->tc & MOE_CUDA_TC_DOWN ? " expert down" : "",
+                         b->tc & MOE_CUDA_TC_DENSE ? " decode mat-vecs and head" : "");
             }
 #if defined(MOE_Q8_ROWS) && MOE_Q8_ROWS > 0
             k = strlen(b->desc);
@@ -2449,6 +2453,22 @@ static bool use_gemm(const struct cuda_backend *b, uint32_t type)
            moe_cuda_gemm_supported(type);
 }
 
+/* Whether the decode products of layer l listed in mm run on tensor cores (MOE_CUDA_TC_DENSE):
+ * every weight of a type the tensor-core mat-vec takes, in rows of whole 256-blocks, in a step
+ * that is not a prompt's (those take the GEMM). */
+static bool tc_dense(const struct cuda_backend *b, int l, const struct moe_mm *mm, int n_mm)
+{
+    if (!(b->tc & MOE_CUDA_TC_DENSE) || b->n > MOE_CUDA_GRAPH_MAX)
+        return false;
+    for (int i = 0; i < n_mm; i++) {
+        const struct moe_tensor *W = moe_weight(b->m, l, mm[i].w);
+        if (!W || !moe_cuda_matvec_tc_supported(W->type) || W->ne[0] % 256 != 0 ||
+            use_gemm(b, W->type))
+            return false;
+    }
+    return true;
+}
+
 /* Whether product m of layer l (weight W) fits the op: a dense weight of the layer, uploaded,
  * from src's width to its destination's. */
 static bool mm_fits(const struct cuda_backend *b, int l, const struct moe_mm *m, enum moe_buf src,
@@ -2530,15 +2550,17 @@ static int cuda_matmul(struct moe_backend *bb, int l, const struct moe_mm *mm, i
     if (l < 0 || l >= (int)b->d.L || n_mm < 1 || n_mm > 3)
         return cu_err(b, MOE_ERANGE, "matmul: layer %d, %d products", l, n_mm);
     mark(b, n_mm == 3 ? "qkv" : mm[0].w == MOE_W_O ? "o" : "router");
-    /* A pending RMSNorm into src goes into the first launch (cuda_rmsnorm). */
-    bool fold = b->norm_pending && src == b->pn_dst && !accumulate && b->n == 1;
+    /* A pending RMSNorm into src goes into the first launch (cuda_rmsnorm), unless the products
+     * run on tensor cores (which have no norm on the way: it is launched first). */
+    const bool tcd = tc_dense(b, l, mm, n_mm);
+    bool fold = b->norm_pending && src == b->pn_dst && !accumulate && b->n == 1 && !tcd;
     if (!fold)
         TRY_CU(flush_pending(b));
     else
         TRY_CU(route_now(b));
     const float *x = b->buf[src];
     const int64_t ldx = b->ld[src];
-    if (n_mm > 1 && b->mixed_mv && b->n <= MOE_CUDA_GRAPH_MAX) {
+    if (n_mm > 1 && b->mixed_mv && b->n <= MOE_CUDA_GRAPH_MAX && !tcd) {
         /* Two weight types (v in Q6_K, q and k in Q4_K on half the layers of a Q4_K_M file):
          * one launch for both when there is a kernel for the pair. */
         const int rc = matmul_mixed(b, l, mm, n_mm, src, accumulate, fold);
@@ -2586,6 +2608,12 @@ static int cuda_matmul(struct moe_backend *bb, int l, const struct moe_mm *mm, i
             if (rc != -EINVAL)
                 LAUNCH(b, "rmsnorm + matmul", rc);
             TRY_CU(launch_rmsnorm(b, b->pn_l, b->pn_w, b->pn_src, b->pn_dst)); /* misaligned */
+        }
+        if (tcd) {
+            LAUNCH(b, "matmul (tensor cores)",
+                   moe_cuda_matvec_tc_multi(W->type, jobs, nj, W->ne[0], x, ldx, b->n,
+                                            accumulate, b->st));
+            continue;
         }
         LAUNCH(b, "matmul",
                moe_cuda_matvec_multi(W->type, jobs, nj, W->ne[0], x, ldx, b->n, accumulate,
@@ -3033,6 +3061,13 @@ static int head_rows(struct cuda_backend *b, int64_t r0, int64_t cnt)
     LAUNCH(b, "output norm",
            moe_cuda_rmsnorm(b->buf[MOE_BUF_H], b->ld[MOE_BUF_H], D_OUTROW(b) + r0, b->out_norm,
                             b->d.E, b->d.eps, cnt, b->xo, ldxo, b->st));
+    if ((b->tc & MOE_CUDA_TC_DENSE) && moe_cuda_matvec_tc_supported(b->m->output.type) &&
+        b->d.E % 256 == 0) {
+        LAUNCH(b, "output (tensor cores)",
+               moe_cuda_matvec_tc(b->m->output.type, b->output, b->d.E, b->d.V, b->xo, ldxo, cnt,
+                                  b->logits, b->d.V, b->st));
+        return 0;
+    }
     LAUNCH(b, "output",
            moe_cuda_matvec_tok(b->m->output.type, b->output, b->d.E, b->d.V, b->xo, ldxo, cnt,
                                b->logits, b->d.V, 0, b->st));

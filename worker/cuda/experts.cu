@@ -260,16 +260,19 @@ gate_up_tc_kernel(const uint8_t *const *__restrict__ ga, const uint8_t *const *_
 int moe_cuda_expert_tc_env(void)
 {
     const char *v = getenv("MOE_CUDA_TC");
-    return !v                  ? 0
-           : !strcmp(v, "1")   ? MOE_CUDA_TC_GATE_UP | MOE_CUDA_TC_DOWN
-           : !strcmp(v, "gu")  ? MOE_CUDA_TC_GATE_UP
-           : !strcmp(v, "down") ? MOE_CUDA_TC_DOWN
-                               : 0;
+    return !v                    ? 0
+           : !strcmp(v, "1")     ? MOE_CUDA_TC_GATE_UP | MOE_CUDA_TC_DOWN
+           : !strcmp(v, "gu")    ? MOE_CUDA_TC_GATE_UP
+           : !strcmp(v, "down")  ? MOE_CUDA_TC_DOWN
+           : !strcmp(v, "dense") ? MOE_CUDA_TC_DENSE
+           : !strcmp(v, "all")   ? MOE_CUDA_TC_GATE_UP | MOE_CUDA_TC_DOWN | MOE_CUDA_TC_DENSE
+                                 : 0;
 }
 
 bool moe_cuda_expert_tc(int tc, uint32_t type)
 {
-    return (type == MOE_TYPE_Q4_K || type == MOE_TYPE_Q6_K) && tc != 0;
+    return (type == MOE_TYPE_Q4_K || type == MOE_TYPE_Q6_K) &&
+           (tc & (MOE_CUDA_TC_GATE_UP | MOE_CUDA_TC_DOWN)) != 0;
 }
 
 static __global__ void swiglu_kernel(const float *__restrict__ g, const float *__restrict__ u,

@@ -60,9 +60,12 @@ int moe_cuda_expert_gate_up(uint32_t gate_type, uint32_t up_type, const void *co
  * slot's floats are the same whatever the batch and the path (per slot or grouped). */
 #define MOE_CUDA_TC_GATE_UP 1
 #define MOE_CUDA_TC_DOWN 2
+/* Not an expert kernel's: the backend's decode mat-vecs and head (moe_cuda_matvec_tc_multi). */
+#define MOE_CUDA_TC_DENSE 4
 
-/* The mask that MOE_CUDA_TC asks for (read at each call): "1" both, "gu" gate/up, "down" down,
- * unset or "0" none. */
+/* The mask that MOE_CUDA_TC asks for (read at each call): "1" the expert gate/up and down, "gu"
+ * gate/up, "down" down, "dense" the decode mat-vecs and head, "all" everything; unset or "0"
+ * none. */
 int moe_cuda_expert_tc_env(void);
 
 /* Whether tc (a mask) puts experts of `type` on tensor cores. */

@@ -10,6 +10,8 @@
  * those loads are in flight while it runs. */
 #include "worker/cuda/mv_tc.h"
 
+#include "worker/cuda/matvec.h"
+
 #include <errno.h>
 
 extern "C" {
@@ -24,11 +26,19 @@ extern "C" {
 /* Shared memory for the staged inputs of a launch's token group, at most. */
 #define TC_STAGE_MAX (64 * 1024)
 
+/* The matrices of a launch (at most 3, one type and row length, the same inputs): job j's tiles
+ * are blockIdx.x in [tile0[j], tile0[j+1]). */
+struct tc_jobs {
+    const uint8_t *w[3];
+    int64_t rows[3], ldy[3], tile0[4];
+    float *y[3];
+    int n;
+};
+
 template <int NT, int K>
 static __global__ void __launch_bounds__(32 * TC_MAX_WARPS)
-mv_tc_kernel(const uint8_t *__restrict__ w, size_t row_bytes, int nsb, int64_t rows,
-             const float *__restrict__ x, int64_t ldx, int64_t n_tok, float *__restrict__ y,
-             int64_t ldy)
+mv_tc_kernel(const tc_jobs J, size_t row_bytes, int nsb, const float *__restrict__ x, int64_t ldx,
+             int64_t n_tok, int accumulate)
 {
     extern __shared__ uint4 sm[];
     __shared__ unsigned s_amax[NT];
@@ -39,7 +49,13 @@ mv_tc_kernel(const uint8_t *__restrict__ w, size_t row_bytes, int nsb, int64_t r
     const int tid = threadIdx.x, nthr = blockDim.x, lane = tid & 31, wi = tid >> 5;
     const int nw = nthr >> 5, g = lane >> 2, t = lane & 3;
     const int64_t t0 = (int64_t)blockIdx.y * NT;
-    const int64_t row0 = (int64_t)blockIdx.x * TC_ROWS + g, row1 = row0 + 8;
+    int j = 0;
+    while (j + 1 < J.n && (int64_t)blockIdx.x >= J.tile0[j + 1])
+        j++;
+    const uint8_t *w = J.w[j];
+    const int64_t rows = J.rows[j], ldy = J.ldy[j];
+    float *y = J.y[j];
+    const int64_t row0 = ((int64_t)blockIdx.x - J.tile0[j]) * TC_ROWS + g, row1 = row0 + 8;
     const uint8_t *p0 = w + (size_t)(row0 < rows ? row0 : rows - 1) * row_bytes;
     const uint8_t *p1 = w + (size_t)(row1 < rows ? row1 : rows - 1) * row_bytes;
     const size_t BB = tc_kind<K>::block_bytes;
@@ -71,16 +87,16 @@ mv_tc_kernel(const uint8_t *__restrict__ w, size_t row_bytes, int nsb, int64_t r
     }
     const float o[4] = {s.x, s.y, s.z, s.w};
     UNROLL
-    for (int j = 0; j < 2; j++) {
-        const int col = 2 * t + j;
+    for (int c = 0; c < 2; c++) {
+        const int col = 2 * t + c;
         if (col >= NT || t0 + col >= n_tok)
             continue;
         const float back = ldexpf(1.0f, s_exp[col]);
         float *yr = y + (t0 + col) * ldy;
         if (row0 < rows)
-            yr[row0] = o[j] * back;
+            yr[row0] = accumulate ? yr[row0] + o[c] * back : o[c] * back;
         if (row1 < rows)
-            yr[row1] = o[2 + j] * back;
+            yr[row1] = accumulate ? yr[row1] + o[2 + c] * back : o[2 + c] * back;
     }
 }
 
@@ -99,8 +115,8 @@ static int tc_cols(int64_t n_tok, int nsb)
 }
 
 template <int NT, int K>
-static int tc_launch(const uint8_t *w, size_t rb, int nsb, int64_t rows, const float *x,
-                     int64_t ldx, int64_t n_tok, float *y, int64_t ldy, cudaStream_t s)
+static int tc_launch(const tc_jobs &J, size_t rb, int nsb, const float *x, int64_t ldx,
+                     int64_t n_tok, int accumulate, cudaStream_t s)
 {
     const int warps = nsb < TC_MAX_WARPS ? nsb : TC_MAX_WARPS;
     const size_t smem = ((size_t)NT * nsb * 66 + (size_t)warps * 32) * sizeof(uint4);
@@ -111,10 +127,53 @@ static int tc_launch(const uint8_t *w, size_t rb, int nsb, int64_t rows, const f
                                           TC_STAGE_MAX + 16 * 1024));
         raised = true;
     }
-    const dim3 grid((unsigned)((rows + TC_ROWS - 1) / TC_ROWS), (unsigned)((n_tok + NT - 1) / NT));
-    MOE_CUDA_TRY(moe_launch(mv_tc_kernel<NT, K>, grid, dim3(32 * warps), smem, s, w, rb, nsb,
-                            rows, x, ldx, n_tok, y, ldy));
+    const dim3 grid((unsigned)J.tile0[J.n], (unsigned)((n_tok + NT - 1) / NT));
+    MOE_CUDA_TRY(moe_launch(mv_tc_kernel<NT, K>, grid, dim3(32 * warps), smem, s, J, rb, nsb, x,
+                            ldx, n_tok, accumulate));
     return 0;
+}
+
+extern "C" int moe_cuda_matvec_tc_multi(uint32_t type, const struct moe_mv_job *jobs, int n_jobs,
+                                        int64_t n, const float *d_x, int64_t ldx, int64_t n_tok,
+                                        int accumulate, cudaStream_t s)
+{
+    if (!moe_cuda_matvec_tc_supported(type))
+        return MOE_EUNSUPPORTED;
+    if (n <= 0 || n % 256 != 0 || n / 256 > 0x7fff || n_tok < 0 || !d_x || !jobs ||
+        n_jobs < 1 || n_jobs > 3 || ((uintptr_t)d_x & 15) != 0 || ldx < n || ldx % 4 != 0 ||
+        n_tok > 65535LL * TC_COLS)
+        return -EINVAL;
+    tc_jobs J = {};
+    J.n = n_jobs;
+    for (int j = 0; j < n_jobs; j++) {
+        const struct moe_mv_job *jb = &jobs[j];
+        if (!jb->w || !jb->y || jb->rows < 0 || jb->ldy < jb->rows || ((uintptr_t)jb->w & 15) != 0)
+            return -EINVAL;
+        J.w[j] = (const uint8_t *)jb->w;
+        J.rows[j] = jb->rows;
+        J.y[j] = jb->y;
+        J.ldy[j] = jb->ldy;
+        J.tile0[j + 1] = J.tile0[j] + (jb->rows + TC_ROWS - 1) / TC_ROWS;
+    }
+    if (J.tile0[n_jobs] > 0x7fffffffLL)
+        return -EINVAL;
+    if (J.tile0[n_jobs] == 0 || n_tok == 0)
+        return 0;
+    const int nsb = (int)(n / 256);
+    if ((size_t)nsb * 64 * 16 > TC_STAGE_MAX)
+        return -EINVAL; /* rows over 16384 elements */
+    const size_t rb = moe_row_bytes(type, n);
+#define TC_CASES(K)                                                                          \
+    switch (tc_cols(n_tok, nsb)) {                                                           \
+    case 8: return tc_launch<8, K>(J, rb, nsb, d_x, ldx, n_tok, accumulate, s);              \
+    case 4: return tc_launch<4, K>(J, rb, nsb, d_x, ldx, n_tok, accumulate, s);              \
+    case 2: return tc_launch<2, K>(J, rb, nsb, d_x, ldx, n_tok, accumulate, s);              \
+    default: return tc_launch<1, K>(J, rb, nsb, d_x, ldx, n_tok, accumulate, s);             \
+    }
+    if (type == MOE_TYPE_Q6_K)
+        TC_CASES(MOE_TYPE_Q6_K)
+    TC_CASES(MOE_TYPE_Q4_K)
+#undef TC_CASES
 }
 
 extern "C" int moe_cuda_matvec_tc(uint32_t type, const void *d_w, int64_t n, int64_t rows,
@@ -123,26 +182,8 @@ extern "C" int moe_cuda_matvec_tc(uint32_t type, const void *d_w, int64_t n, int
 {
     if (!moe_cuda_matvec_tc_supported(type))
         return MOE_EUNSUPPORTED;
-    if (n <= 0 || n % 256 != 0 || n / 256 > 0x7fff || rows < 0 || n_tok < 0 || !d_w || !d_x ||
-        !d_y || ((uintptr_t)d_w & 15) != 0 || ((uintptr_t)d_x & 15) != 0 || ldx < n ||
-        ldx % 4 != 0 || ldy < rows || n_tok > 65535LL * TC_COLS)
+    if (!d_w || !d_y || rows < 0 || ldy < rows)
         return -EINVAL;
-    if (rows == 0 || n_tok == 0)
-        return 0;
-    const int nsb = (int)(n / 256);
-    if ((size_t)nsb * 64 * 16 > TC_STAGE_MAX)
-        return -EINVAL; /* rows over 16384 elements */
-    const size_t rb = moe_row_bytes(type, n);
-    const uint8_t *w = (const uint8_t *)d_w;
-#define TC_CASES(K)                                                                          \
-    switch (tc_cols(n_tok, nsb)) {                                                           \
-    case 8: return tc_launch<8, K>(w, rb, nsb, rows, d_x, ldx, n_tok, d_y, ldy, s);          \
-    case 4: return tc_launch<4, K>(w, rb, nsb, rows, d_x, ldx, n_tok, d_y, ldy, s);          \
-    case 2: return tc_launch<2, K>(w, rb, nsb, rows, d_x, ldx, n_tok, d_y, ldy, s);          \
-    default: return tc_launch<1, K>(w, rb, nsb, rows, d_x, ldx, n_tok, d_y, ldy, s);         \
-    }
-    if (type == MOE_TYPE_Q6_K)
-        TC_CASES(MOE_TYPE_Q6_K)
-    TC_CASES(MOE_TYPE_Q4_K)
-#undef TC_CASES
+    const struct moe_mv_job job = {d_w, rows, d_y, ldy};
+    return moe_cuda_matvec_tc_multi(type, &job, 1, n, d_x, ldx, n_tok, 0, s);
 }

@@ -27,6 +27,15 @@ int moe_cuda_matvec_tc_supported(uint32_t type);
 int moe_cuda_matvec_tc(uint32_t type, const void *d_w, int64_t n, int64_t rows, const float *d_x,
                        int64_t ldx, int64_t n_tok, float *d_y, int64_t ldy, cudaStream_t s);
 
+struct moe_mv_job; /* worker/cuda/matvec.h */
+
+/* Up to three matrices of one type and row length over the same inputs in one launch (q, k, v),
+ * y (+)= W·x with accumulate: moe_cuda_matvec_multi's contract, on tensor cores. Each job's w
+ * 16-byte aligned. */
+int moe_cuda_matvec_tc_multi(uint32_t type, const struct moe_mv_job *jobs, int n_jobs, int64_t n,
+                             const float *d_x, int64_t ldx, int64_t n_tok, int accumulate,
+                             cudaStream_t s);
+
 #ifdef __cplusplus
 }
 #endif
