@@ -2463,7 +2463,8 @@ static bool tc_dense(const struct cuda_backend *b, int l, const struct moe_mm *m
     for (int i = 0; i < n_mm; i++) {
         const struct moe_tensor *W = moe_weight(b->m, l, mm[i].w);
         if (!W || !moe_cuda_matvec_tc_supported(W->type) || W->ne[0] % 256 != 0 ||
-            use_gemm(b, W->type))
+            use_gemm(b, W->type) || mm[i].w > MOE_W_ROUTER || !b->layers[l].w[mm[i].w] ||
+            ((uintptr_t)b->layers[l].w[mm[i].w] & 15) != 0)
             return false;
     }
     return true;
@@ -3062,7 +3063,7 @@ static int head_rows(struct cuda_backend *b, int64_t r0, int64_t cnt)
            moe_cuda_rmsnorm(b->buf[MOE_BUF_H], b->ld[MOE_BUF_H], D_OUTROW(b) + r0, b->out_norm,
                             b->d.E, b->d.eps, cnt, b->xo, ldxo, b->st));
     if ((b->tc & MOE_CUDA_TC_DENSE) && moe_cuda_matvec_tc_supported(b->m->output.type) &&
-        b->d.E % 256 == 0) {
+        b->d.E % 256 == 0 && ((uintptr_t)b->output & 15) == 0) {
         LAUNCH(b, "output (tensor cores)",
                moe_cuda_matvec_tc(b->m->output.type, b->output, b->d.E, b->d.V, b->xo, ldxo, cnt,
                                   b->logits, b->d.V, b->st));
