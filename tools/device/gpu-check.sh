@@ -6,7 +6,7 @@
 #   tools/device/gpu-check.sh [LOGDIR] [steps...]
 #   steps: build tests parity sanitizer daemon daemon-tests daemon-offload tiny big offload tc
 #   (tc: the expert products on tensor cores, MOE_CUDA_TC: their GPU tests, the tensor-core
-#   mat-vec against the float walk, and bench_engine with MOE_CUDA_TC=0 and 1 in alternation)
+#   mat-vec against the float walk, and bench_engine with MOE_CUDA_TC=0, 1 and all in alternation)
 #
 # Every step logs to LOGDIR/<step>.log and prints a one-line result; the run goes on after a
 # failed step so that one call reports everything.
@@ -120,7 +120,7 @@ if has tc; then
     [ -f $M ] || "$B/bin/moectl" mkmodel --preset qwen3-30b-a3b --quant q4_k_m --threads "$J" -o $M \
         >"$LOG/mkmodel.log" 2>&1
     for round in 1 2; do
-        for v in 0 1; do
+        for v in 0 1 all; do
             printf 'MOE_CUDA_TC=%s round %s: ' $v $round
             MOE_CUDA_TC=$v timeout 200 "$B/build/bench/bench_engine" $M --device cuda:0 \
                 ${TC_ARGS:---prompt 512 --gen 128 --batches 4,16,64 --long 0} 2>&1 | tail -n 1
