@@ -18,6 +18,7 @@
 #include "tests/gpu/gpu_test.h"
 #include "tests/harness.h"
 #include "worker/cpu/kernels.h"
+#include "worker/cuda/matvec.h"
 #include "worker/cuda/mv_tc.h"
 
 /* Token t's input scale: a spread of magnitudes. */
@@ -130,6 +131,75 @@ static void check_type(uint32_t type, uint64_t seed)
 
 TEST(cuda_mv_tc_q4_k_equals_the_cpu) { check_type(MOE_TYPE_Q4_K, 211); }
 TEST(cuda_mv_tc_q6_k_equals_the_cpu) { check_type(MOE_TYPE_Q6_K, 213); }
+
+/* moe_cuda_matvec_tc_multi: three matrices of one type (rows not multiples of the tile) over the
+ * same inputs in one launch, adding into y: each y equals its initial value plus the single
+ * matrix's launch, bit for bit, for 1, 5 and 9 tokens. */
+static void check_multi(uint32_t type, uint64_t seed)
+{
+    need_gpu();
+    moe_test_rng_seed(seed);
+    const int64_t n = 512, nt_max = 9, rows[3] = {131, 16, 40};
+    float *x = malloc(sizeof(float) * (size_t)(n * nt_max)), *dx;
+    CHECK(x);
+    for (int64_t i = 0; i < n * nt_max; i++)
+        x[i] = rng_f() * 3.0f;
+    CU(cudaMalloc((void **)&dx, sizeof(float) * (size_t)(n * nt_max)));
+    CU(cudaMemcpy(dx, x, sizeof(float) * (size_t)(n * nt_max), cudaMemcpyHostToDevice));
+    uint8_t *w[3], *dw[3];
+    float *y0[3], *y1[3], *ym[3], *dy[3];
+    struct moe_mv_job jobs[3];
+    for (int j = 0; j < 3; j++) {
+        const size_t wb = moe_row_bytes(type, n) * (size_t)rows[j];
+        const size_t yb = sizeof(float) * (size_t)(rows[j] * nt_max);
+        w[j] = make_weights(type, rows[j], n);
+        y0[j] = malloc(yb), y1[j] = malloc(yb), ym[j] = malloc(yb);
+        CHECK(y0[j] && y1[j] && ym[j]);
+        for (int64_t i = 0; i < rows[j] * nt_max; i++)
+            y0[j][i] = rng_f();
+        CU(cudaMalloc((void **)&dw[j], wb));
+        CU(cudaMalloc((void **)&dy[j], yb));
+        CU(cudaMemcpy(dw[j], w[j], wb, cudaMemcpyHostToDevice));
+        jobs[j] = (struct moe_mv_job){dw[j], rows[j], dy[j], rows[j]};
+    }
+    static const int64_t toks[] = {1, 5, 9};
+    for (size_t k = 0; k < sizeof toks / sizeof toks[0]; k++) {
+        const int64_t nt = toks[k];
+        for (int j = 0; j < 3; j++) {
+            CU(cudaMemset(dy[j], 0xff, sizeof(float) * (size_t)(rows[j] * nt_max)));
+            CHECK_EQ(moe_cuda_matvec_tc(type, dw[j], n, rows[j], dx, n, nt, dy[j], rows[j], 0), 0);
+            CU(cudaMemcpy(y1[j], dy[j], sizeof(float) * (size_t)(rows[j] * nt),
+                          cudaMemcpyDeviceToHost));
+            CU(cudaMemcpy(dy[j], y0[j], sizeof(float) * (size_t)(rows[j] * nt_max),
+                          cudaMemcpyHostToDevice));
+        }
+        CHECK_EQ(moe_cuda_matvec_tc_multi(type, jobs, 3, n, dx, n, nt, 1, 0), 0);
+        for (int j = 0; j < 3; j++) {
+            CU(cudaMemcpy(ym[j], dy[j], sizeof(float) * (size_t)(rows[j] * nt_max),
+                          cudaMemcpyDeviceToHost));
+            size_t bad = 0;
+            for (int64_t i = 0; i < rows[j] * nt_max; i++) {
+                const float want = i < rows[j] * nt ? y0[j][i] + y1[j][i] : y0[j][i];
+                bad += memcmp(&want, &ym[j][i], sizeof want) != 0;
+            }
+            CHECK_MSG(bad == 0, "%s job %d, %lld tokens: %zu floats differ",
+                      moe_type_get(type)->name, j, (long long)nt, bad);
+        }
+    }
+    for (int j = 0; j < 3; j++) {
+        CU(cudaFree(dw[j]));
+        CU(cudaFree(dy[j]));
+        free(w[j]), free(y0[j]), free(y1[j]), free(ym[j]);
+    }
+    CU(cudaFree(dx));
+    free(x);
+}
+
+TEST(cuda_mv_tc_multi_accumulates_each_matrix)
+{
+    check_multi(MOE_TYPE_Q4_K, 214);
+    check_multi(MOE_TYPE_Q6_K, 215);
+}
 
 /* Non-finite inputs give a non-finite result, as the float walk does, and do not spoil the
  * tokens beside them. */
