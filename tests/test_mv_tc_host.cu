@@ -57,6 +57,20 @@ static void b_entries(uint4 xb, double (*B)[8], int t, int g)
     B[2 * t + 8][g] = p + r, B[2 * t + 9][g] = q + s;
 }
 
+/* got against the double dot product of the dequantised row d with x (n elements), within 1e-6
+ * of Σ|w·x|; nt, r, c name the case. */
+static void check_dot(const float *d, const float *x, int64_t n, double got, int nt, int r, int c)
+{
+    double ref = 0.0, abs_sum = 0.0;
+    for (int64_t i = 0; i < n; i++) {
+        ref += (double)d[i] * x[i];
+        abs_sum += fabs((double)d[i] * x[i]);
+    }
+    CHECK_MSG(fabs(got - ref) <= 1e-6 * abs_sum,
+              "nt %d row %d token %d: %.9g against %.9g (Σ|w·x| %.3g)", nt, r, c, got, ref,
+              abs_sum);
+}
+
 /* One Q4_K block (sb) of a 16-row tile for NT tokens, as one warp computes it; out[r][c]. */
 static void tile_block(const uint8_t *const *rows, int sb, const float (*x)[256], int nt,
                        int sexp[8], double out[16][8])
@@ -166,16 +180,8 @@ TEST(mv_tc_host_fragments_give_the_dot_products)
         }
         for (int r = 0; r < 16; r++) {
             CHECK_EQ(moe_dequantize(MOE_TYPE_Q4_K, rows[r], d, n), 0);
-            for (int c = 0; c < nt; c++) {
-                double ref = 0.0, abs_sum = 0.0;
-                for (int i = 0; i < n; i++) {
-                    ref += (double)d[i] * x[c][i];
-                    abs_sum += fabs((double)d[i] * x[c][i]);
-                }
-                CHECK_MSG(fabs(tot[r][c] - ref) <= 1e-6 * abs_sum,
-                          "nt %d row %d token %d: %.9g against %.9g (Σ|w·x| %.3g)", nt, r, c,
-                          tot[r][c], ref, abs_sum);
-            }
+            for (int c = 0; c < nt; c++)
+                check_dot(d, x[c], n, tot[r][c], nt, r, c);
         }
     }
     free(w);
@@ -233,21 +239,14 @@ TEST(mv_tc_host_q6k_fragments_give_the_dot_products)
         for (int r = 0; r < 16; r++) {
             CHECK_EQ(moe_dequantize(MOE_TYPE_Q6_K, w + rb * r, d, n), 0);
             for (int c = 0; c < nt; c++) {
-                double got = 0.0, ref = 0.0, abs_sum = 0.0;
+                double got = 0.0;
                 for (int grp = 0; grp < 16; grp++) {
                     double C = 0.0;
                     for (int k = 0; k < 16; k++)
                         C += A[grp][r][k] * B[grp][k][c];
                     got += S[grp][r] * C;
                 }
-                got *= ldexp(1.0, sexp[c]);
-                for (int i = 0; i < n; i++) {
-                    ref += (double)d[i] * x[c][i];
-                    abs_sum += fabs((double)d[i] * x[c][i]);
-                }
-                CHECK_MSG(fabs(got - ref) <= 1e-6 * abs_sum,
-                          "nt %d row %d token %d: %.9g against %.9g (Σ|w·x| %.3g)", nt, r, c, got,
-                          ref, abs_sum);
+                check_dot(d, x[c], n, got * ldexp(1.0, sexp[c]), nt, r, c);
             }
         }
     }
