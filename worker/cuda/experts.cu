@@ -25,6 +25,7 @@ extern "C" {
 #include "worker/cuda/qdot.cuh"
 
 #include "worker/cuda/experts_dev.cuh"
+#include "worker/cuda/mv_tc.h"
 #include "worker/cuda/mv_tc_dev.cuh"
 #include "worker/cuda/offload_dev.cuh"
 
@@ -271,7 +272,7 @@ int moe_cuda_expert_tc_env(void)
 
 bool moe_cuda_expert_tc(int tc, uint32_t type)
 {
-    return (type == MOE_TYPE_Q4_K || type == MOE_TYPE_Q6_K) &&
+    return moe_cuda_matvec_tc_supported(type) &&
            (tc & (MOE_CUDA_TC_GATE_UP | MOE_CUDA_TC_DOWN)) != 0;
 }
 
@@ -773,7 +774,7 @@ static int launch_gate_up(const void *const *a, const void *const *b, int64_t n,
         smem += moe_cuda_resolve_smem(rs.nexp, rs.slots);
     if (smem > 48 * 1024)
         return -EINVAL;
-    if constexpr ((K == MOE_TYPE_Q4_K || K == MOE_TYPE_Q6_K) && MODE == 0) {
+    if constexpr (tc_takes<K>() && MODE == 0) {
         const size_t tc_off = (smem / sizeof(float) + 3) & ~(size_t)3;
         const size_t tc_smem = tc_off * sizeof(float) + tc_stage_bytes(1, (int)(n / 256)) +
                                2 * GU_WARPS * 32 * sizeof(float4);
@@ -861,7 +862,7 @@ static int launch_down(const void *const *d, int64_t ff, int64_t E, const float 
     int nu;
     unsigned bb = blk_bytes<K>(ff, &rb, &nu);
     const int warps = kuse < DOWN_WARPS ? kuse : DOWN_WARPS;
-    if constexpr (K == MOE_TYPE_Q4_K || K == MOE_TYPE_Q6_K) {
+    if constexpr (tc_takes<K>()) {
         const size_t smem = (size_t)warps * tc_stage_bytes(1, (int)(ff / 256)) +
                             sizeof(float) * TC_ROWS * (size_t)kuse;
         if ((tc & MOE_CUDA_TC_DOWN) && ff % 256 == 0 && smem <= 48 * 1024) {
@@ -926,7 +927,7 @@ static int launch_gate_up_grouped(const void *const *a, const void *const *b, in
     size_t rb;
     int nu;
     unsigned bb = blk_bytes<K>(n, &rb, &nu);
-    if constexpr (K == MOE_TYPE_Q4_K || K == MOE_TYPE_Q6_K) {
+    if constexpr (tc_takes<K>()) {
         if ((tc & MOE_CUDA_TC_GATE_UP) && n % 256 == 0) {
             const int nsb = (int)(n / 256);
             const dim3 g((unsigned)((ff + TC_ROWS - 1) / TC_ROWS), (unsigned)max_active);
@@ -965,7 +966,7 @@ static int launch_down_grouped(const void *const *d, int64_t ff, int64_t E, cons
     size_t rb;
     int nu;
     unsigned bb = blk_bytes<K>(ff, &rb, &nu);
-    if constexpr (K == MOE_TYPE_Q4_K || K == MOE_TYPE_Q6_K) {
+    if constexpr (tc_takes<K>()) {
         if ((tc & MOE_CUDA_TC_DOWN) && ff % 256 == 0) {
             const int nsb = (int)(ff / 256);
             const int64_t per = DG_TC_WARPS * TC_ROWS;

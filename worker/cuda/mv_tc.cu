@@ -180,10 +180,6 @@ extern "C" int moe_cuda_matvec_tc(uint32_t type, const void *d_w, int64_t n, int
                                   const float *d_x, int64_t ldx, int64_t n_tok, float *d_y,
                                   int64_t ldy, cudaStream_t s)
 {
-    if (!moe_cuda_matvec_tc_supported(type))
-        return MOE_EUNSUPPORTED;
-    if (!d_w || !d_y || rows < 0 || ldy < rows)
-        return -EINVAL;
-    const struct moe_mv_job job = {d_w, rows, d_y, ldy};
+    const struct moe_mv_job job = {d_w, rows, d_y, ldy}; /* checked by the multi form */
     return moe_cuda_matvec_tc_multi(type, &job, 1, n, d_x, ldx, n_tok, 0, s);
 }

@@ -126,6 +126,12 @@ static __device__ __forceinline__ void tc_block6(const tc_raw6 &raw, int t, cons
     }
 }
 
+/* The types the tensor-core products take (moe_cuda_matvec_tc_supported at run time). */
+template <int K> constexpr bool tc_takes()
+{
+    return K == MOE_TYPE_Q4_K || K == MOE_TYPE_Q6_K;
+}
+
 /* The type-generic face of the above: raw bytes, loads and a block's product for K = Q4_K or
  * Q6_K (sv, the Q4_K mins' sums, is not read for Q6_K). */
 template <int K> struct tc_kind;
