@@ -29,10 +29,12 @@ extern "C" {
 #include "worker/cuda/mv_tc_dev.cuh"
 #include "worker/cuda/offload_dev.cuh"
 
-/* A pointer of a table that a block of this launch may have changed (resolve_walk). */
-static __device__ __forceinline__ const uint8_t *fresh_ptr(const uint8_t *const *tab, int e)
+/* Entry e of a pointer table; fresh: one that a block of this launch may have changed
+ * (resolve_walk), read past L1. */
+static __device__ __forceinline__ const uint8_t *tab_ptr(const uint8_t *const *tab, int e,
+                                                         bool fresh)
 {
-    return (const uint8_t *)__ldcg((const unsigned long long *)(tab + e));
+    return fresh ? (const uint8_t *)__ldcg((const unsigned long long *)(tab + e)) : tab[e];
 }
 
 /* The lookup of a gate/up launch that resolves its own layer (struct moe_cuda_gu_resolve), by
@@ -152,13 +154,13 @@ gate_up_kernel(const uint8_t *const *__restrict__ ga, const uint8_t *const *__re
         return;
     if (etype && etype[e] != want)
         return; /* another pass computes this expert (a layer of mixed types) */
-    const uint8_t *g = fresh ? fresh_ptr(ga, e) : ga[e];
-    const uint8_t *u = MODE != 0 ? g : fresh ? fresh_ptr(ua, e) : ua[e];
+    const uint8_t *g = tab_ptr(ga, e, fresh);
+    const uint8_t *u = MODE != 0 ? g : tab_ptr(ua, e, fresh);
     if (fa && (!rs.off || fresh)) {
         const int64_t rows = ff - r0 < GU_ROWS ? ff - r0 : GU_ROWS;
-        warp_fill_rows(g, fresh ? fresh_ptr(fa, e) : fa[e], r0, rows, row_bytes);
+        warp_fill_rows(g, tab_ptr(fa, e, fresh), r0, rows, row_bytes);
         if (MODE == 0)
-            warp_fill_rows(u, fresh ? fresh_ptr(fb, e) : fb[e], r0, rows, row_bytes);
+            warp_fill_rows(u, tab_ptr(fb, e, fresh), r0, rows, row_bytes);
     }
     gate_up_warp<K, MODE>(g, u, row_bytes, block_bytes, nu, ff, x + (slot / kuse) * ldx, r0,
                           out + slot * ldo);
@@ -243,14 +245,14 @@ gate_up_tc_kernel(const uint8_t *const *__restrict__ ga, const uint8_t *const *_
     const int64_t rt0 = (int64_t)blockIdx.x * TC_ROWS, slot = blockIdx.y;
     bool fresh;
     const int e = gu_expert(rt, rs, sel_e, kuse, slot, rsm, &fresh);
-    const uint8_t *g = fresh ? fresh_ptr(ga, e) : ga[e];
-    const uint8_t *u = fresh ? fresh_ptr(ua, e) : ua[e];
+    const uint8_t *g = tab_ptr(ga, e, fresh);
+    const uint8_t *u = tab_ptr(ua, e, fresh);
     if (fa && (!rs.off || fresh)) {
         /* Each warp copies 4 of the tile's rows, as gate_up_kernel's warps do; every warp reads
          * every row after the barrier. */
         const int64_t r0 = rt0 + 4 * wi, rows = ff - r0 < 4 ? ff - r0 : 4;
-        warp_fill_rows(g, fresh ? fresh_ptr(fa, e) : fa[e], r0, rows, row_bytes);
-        warp_fill_rows(u, fresh ? fresh_ptr(fb, e) : fb[e], r0, rows, row_bytes);
+        warp_fill_rows(g, tab_ptr(fa, e, fresh), r0, rows, row_bytes);
+        warp_fill_rows(u, tab_ptr(fb, e, fresh), r0, rows, row_bytes);
         __syncthreads();
     }
     const float *xr[1] = {x + (slot / kuse) * ldx};
