@@ -280,6 +280,44 @@ static int validate_from_daemon(const Moed__Envelope *env, const struct moe_ipc_
     }
 }
 
+/* Done.signature: empty, or one count per layer and expert of the model, none above the prompt
+ * tokens the worker evaluated (a token chooses an expert at most once per layer). */
+static int check_signature(const Moed__Done *d, const struct moe_ipc_limits *lim, char *err,
+                           size_t errlen)
+{
+    if (!d->n_signature)
+        return 0;
+    const uint64_t want = (uint64_t)lim->n_layer * lim->n_expert;
+    if (!want || d->n_signature != want)
+        return moe_fail(err, errlen, MOE_ERANGE, "done.signature has %zu counts, %u x %u expected",
+                        d->n_signature, lim->n_layer, lim->n_expert);
+    if (d->n_cached > d->n_prompt)
+        return moe_fail(err, errlen, MOE_ERANGE, "done.n_cached %u is over n_prompt %u",
+                        d->n_cached, d->n_prompt);
+    const uint32_t evaluated = d->n_prompt - d->n_cached;
+    for (size_t i = 0; i < d->n_signature; i++)
+        if (d->signature[i] > evaluated)
+            return moe_fail(err, errlen, MOE_ERANGE, "done.signature[%zu] = %u is over the %u prompt "
+                            "tokens evaluated", i, d->signature[i], evaluated);
+    return 0;
+}
+
+/* An [n_layer][n_expert] bitmap (LSB first): empty, or exactly the model's bits with the padding
+ * of the last byte clear. */
+static int check_bitmap(const uint8_t *bits, size_t len, const struct moe_ipc_limits *lim,
+                        const char *field, char *err, size_t errlen)
+{
+    if (!len)
+        return 0;
+    const uint64_t n = (uint64_t)lim->n_layer * lim->n_expert;
+    if (!n || len != (n + 7) / 8)
+        return moe_fail(err, errlen, MOE_ERANGE, "%s has %zu bytes, %llu expected (%u x %u bits)",
+                        field, len, (unsigned long long)((n + 7) / 8), lim->n_layer, lim->n_expert);
+    if (n % 8 && (bits[len - 1] >> (n % 8)))
+        return moe_fail(err, errlen, MOE_ERANGE, "%s sets bits past the last expert", field);
+    return 0;
+}
+
 static int validate_from_worker(const Moed__Envelope *env, const struct moe_ipc_limits *lim,
                                 char *err, size_t errlen)
 {
@@ -325,7 +363,7 @@ static int validate_from_worker(const Moed__Envelope *env, const struct moe_ipc_
         if (d->reason != MOED__FINISH_REASON__FINISH_STOP &&
             d->reason != MOED__FINISH_REASON__FINISH_LENGTH)
             return moe_fail(err, errlen, MOE_ERANGE, "done.reason %d is unknown", (int)d->reason);
-        return 0;
+        return check_signature(d, lim, err, errlen);
     }
     case MOED__ENVELOPE__MSG_ERROR:
         if (env->error->message && strlen(env->error->message) >= MOE_IPC_MAX_TEXT)
@@ -344,7 +382,8 @@ static int validate_from_worker(const Moed__Envelope *env, const struct moe_ipc_
         if (!isfinite(env->metrics->decode_tokens_per_s) || env->metrics->decode_tokens_per_s < 0 ||
             env->metrics->running > MOE_IPC_MAX_SEQ)
             return moe_fail(err, errlen, MOE_ERANGE, "metrics: a value is out of range");
-        return 0;
+        return check_bitmap(env->metrics->hot.data, env->metrics->hot.len, lim, "metrics.hot", err,
+                            errlen);
     case MOED__ENVELOPE__MSG_HEARTBEAT:
         if (env->heartbeat->running > MOE_IPC_MAX_SEQ)
             return moe_fail(err, errlen, MOE_ERANGE, "heartbeat: running is out of range");

@@ -10,6 +10,7 @@
 #include "store/ggml_type.h"
 #include "store/quant.h"
 #include "tests/engine_test.h"
+#include "worker/backend.h"
 #include "worker/batcher.h"
 #include "worker/cpu/pool.h"
 
@@ -709,10 +710,10 @@ static void bt_token(void *user, uint64_t id, int32_t token, const struct moe_to
 }
 
 static void bt_done(void *user, uint64_t id, enum moe_finish reason, uint32_t n_prompt,
-                    uint32_t n_gen, uint32_t n_cached)
+                    uint32_t n_gen, uint32_t n_cached, const uint32_t *sig)
 {
     struct bt_seen *s = user;
-    (void)reason, (void)n_prompt, (void)n_cached;
+    (void)reason, (void)n_prompt, (void)n_cached, (void)sig;
     s->done[id - 1] = n_gen;
 }
 
@@ -862,9 +863,9 @@ static void plp_token(void *user, uint64_t id, int32_t token, const struct moe_t
 }
 
 static void plp_done(void *user, uint64_t id, enum moe_finish reason, uint32_t n_prompt,
-                     uint32_t n_gen, uint32_t n_cached)
+                     uint32_t n_gen, uint32_t n_cached, const uint32_t *sig)
 {
-    (void)user, (void)id, (void)reason, (void)n_prompt, (void)n_gen;
+    (void)user, (void)id, (void)reason, (void)n_prompt, (void)n_gen, (void)sig;
     CHECK_EQ(n_cached, 0);
 }
 
@@ -978,10 +979,10 @@ static void sh_token(void *user, uint64_t id, int32_t token, const struct moe_to
 }
 
 static void sh_done(void *user, uint64_t id, enum moe_finish reason, uint32_t n_prompt,
-                    uint32_t n_gen, uint32_t n_cached)
+                    uint32_t n_gen, uint32_t n_cached, const uint32_t *sig)
 {
     struct share_seen *s = user;
-    (void)reason, (void)n_prompt, (void)n_gen;
+    (void)reason, (void)n_prompt, (void)n_gen, (void)sig;
     s->cached[id - 1] = n_cached;
     s->done++;
 }
@@ -1112,6 +1113,223 @@ TEST(batcher_sharer_outlives_its_source)
     /* The cancelled job's slot kept the 32 positions it had evaluated. */
     CHECK_MSG(seen.cached[1] == 32, "cached %u", seen.cached[1]);
     share_check_alone(&tm.m, prompt, P, seen.tok[1], G, 2);
+    moe_batcher_free(b);
+    moe_engine_free(e);
+    test_model_close(&tm);
+}
+
+/* ---------------------------------------------------------------- routing signatures */
+
+static struct moe_engine *sig_engine(const struct moe_model *m, uint32_t n_ctx, uint32_t n_seq,
+                                     uint32_t n_batch)
+{
+    struct moe_engine_opts o = {.n_ctx = n_ctx, .n_seq = n_seq, .n_batch = n_batch,
+                                .n_threads = 2, .device = getenv("MOE_TEST_DEVICE"),
+                                .record_routes = true};
+    struct moe_engine *e = NULL;
+    char err[256] = "";
+    int rc = moe_engine_init(&e, m, &o, err, sizeof err);
+    CHECK_MSG(rc == 0, "moe_engine_init: %s", err);
+    return e;
+}
+
+/* Evaluates tokens[0..n) of sequence seq from pos0 in one batch, every token counted into sig
+ * (NULL: none). */
+static void sig_prefill(struct moe_engine *e, int32_t seq, int32_t pos0, const int32_t *tokens,
+                        uint32_t n, uint32_t *sig)
+{
+    int32_t pos[256], sq[256];
+    uint32_t *sp[256];
+    CHECK(n <= 256);
+    for (uint32_t i = 0; i < n; i++) {
+        pos[i] = pos0 + (int32_t)i;
+        sq[i] = seq;
+        sp[i] = sig;
+    }
+    uint8_t want[256] = {0};
+    want[n - 1] = 1;
+    float *lg = malloc(sizeof(float) * (size_t)moe_engine_dims(e)->V);
+    CHECK(lg);
+    struct moe_batch b = {.n = n, .token = tokens, .pos = pos, .seq = sq, .logits = want,
+                          .sig = sig ? (uint32_t *const *)sp : NULL};
+    CHECK_MSG(moe_engine_forward(e, &b, lg) == 0, "%s", moe_engine_errmsg(e));
+    free(lg);
+}
+
+/* A prompt's signature is what the engine's routing counters gained over it: in steps of up to
+ * n_batch tokens (a prompt split in chunks), and in a one-token step (the last token of a
+ * prompt continued from a kept cache). A decode step after it, which carries no signature,
+ * changes nothing, and batches asking for one without record_routes are refused. */
+TEST(engine_route_signature_equals_the_routing_counts)
+{
+    struct test_model tm;
+    test_model_open_golden(&tm, "Q8_0");
+    const uint32_t V = tm.m.hp.n_vocab, L = tm.m.hp.n_layer, E = tm.m.hp.n_expert,
+                   K = tm.m.hp.n_expert_used, P = 45;
+    const size_t n = (size_t)L * E;
+    struct moe_engine *e = sig_engine(&tm.m, 128, 1, 16);
+    uint64_t *before = calloc(n, 8), *after = calloc(n, 8);
+    uint32_t *sig = calloc(n, 4), *sig1 = calloc(n, 4);
+    CHECK(before && after && sig && sig1);
+    int32_t prompt[45];
+    for (uint32_t i = 0; i < P; i++)
+        prompt[i] = (int32_t)((i * 71 + 13) % V);
+    CHECK_EQ(moe_engine_routing_counts(e, before), 0);
+    sig_prefill(e, 0, 0, prompt, P - 1, sig); /* three steps: 16, 16, 12 tokens */
+    CHECK_EQ(moe_engine_routing_counts(e, after), 0);
+    for (size_t i = 0; i < n; i++)
+        CHECK_EQ((uint64_t)sig[i], after[i] - before[i]);
+    for (uint32_t l = 0; l < L; l++) {
+        uint64_t sum = 0;
+        for (uint32_t x = 0; x < E; x++)
+            sum += sig[(size_t)l * E + x];
+        CHECK_EQ(sum, (uint64_t)(P - 1) * K);
+    }
+    memcpy(before, after, n * 8);
+    sig_prefill(e, 0, (int32_t)(P - 1), prompt + P - 1, 1, sig1);
+    CHECK_EQ(moe_engine_routing_counts(e, after), 0);
+    for (size_t i = 0; i < n; i++)
+        CHECK_EQ((uint64_t)sig1[i], after[i] - before[i]);
+    memcpy(sig, sig1, n * 4);
+    int32_t t = 7;
+    sig_prefill(e, 0, (int32_t)P, &t, 1, NULL);
+    CHECK(memcmp(sig, sig1, n * 4) == 0);
+    struct moe_engine *plain = test_engine(&tm.m, 64, 1, 0, 2);
+    int32_t pos = 0, sq = 0;
+    uint32_t *sp = sig;
+    struct moe_batch b = {.n = 1, .token = &t, .pos = &pos, .seq = &sq, .sig = &sp};
+    float *lg = malloc(sizeof(float) * V);
+    CHECK(lg);
+    CHECK(moe_engine_forward(plain, &b, lg) != 0);
+    CHECK(strstr(moe_engine_errmsg(plain), "record_routes"));
+    free(lg);
+    moe_engine_free(plain);
+    free(before), free(after), free(sig), free(sig1);
+    moe_engine_free(e);
+    test_model_close(&tm);
+}
+
+/* Several sequences in one step (prompt chunks of three, a decode token of a fourth that asks
+ * for none): each signature is the one its prompt gets alone. */
+TEST(engine_route_signatures_of_sequences_sharing_a_step)
+{
+    struct test_model tm;
+    test_model_open_golden(&tm, "Q8_0");
+    const uint32_t V = tm.m.hp.n_vocab, L = tm.m.hp.n_layer, E = tm.m.hp.n_expert;
+    const size_t n = (size_t)L * E;
+    enum { S = 3, P = 12 };
+    int32_t prompt[S][P];
+    for (int s = 0; s < S; s++)
+        for (int i = 0; i < P; i++)
+            prompt[s][i] = (int32_t)(((uint32_t)(s * 977 + i * 131 + 3)) % V);
+    uint32_t *alone = calloc(S * n, 4), *mixed = calloc(S * n, 4);
+    CHECK(alone && mixed);
+    struct moe_engine *r = sig_engine(&tm.m, 64, 1, 64);
+    for (int s = 0; s < S; s++) {
+        moe_engine_seq_clear(r, 0);
+        sig_prefill(r, 0, 0, prompt[s], P, alone + s * n);
+    }
+    moe_engine_free(r);
+    struct moe_engine *e = sig_engine(&tm.m, 64, S + 1, 64);
+    int32_t first = 11;
+    sig_prefill(e, S, 0, &first, 1, NULL); /* sequence S decodes beside the prompts */
+    int32_t tok[S * P + 1], pos[S * P + 1], sq[S * P + 1];
+    uint32_t *sp[S * P + 1];
+    uint32_t k = 0;
+    tok[k] = 5, pos[k] = 1, sq[k] = S, sp[k++] = NULL;
+    for (int i = 0; i < P; i++)
+        for (int s = 0; s < S; s++) { /* interleaved */
+            tok[k] = prompt[s][i], pos[k] = i, sq[k] = s, sp[k++] = mixed + s * n;
+        }
+    float *lg = malloc(sizeof(float) * (S * P + 1) * V);
+    CHECK(lg);
+    struct moe_batch b = {.n = k, .token = tok, .pos = pos, .seq = sq,
+                          .sig = (uint32_t *const *)sp};
+    CHECK_MSG(moe_engine_forward(e, &b, lg) == 0, "%s", moe_engine_errmsg(e));
+    for (int s = 0; s < S; s++)
+        CHECK_MSG(memcmp(alone + s * n, mixed + s * n, n * 4) == 0, "sequence %d", s);
+    free(lg), free(alone), free(mixed);
+    moe_engine_free(e);
+    test_model_close(&tm);
+}
+
+struct sig_seen {
+    uint32_t L, E, K;
+    uint32_t n_prompt[3], n_cached[3], done;
+    uint32_t *sig[3];
+};
+
+static void sig_done(void *user, uint64_t id, enum moe_finish reason, uint32_t n_prompt,
+                     uint32_t n_gen, uint32_t n_cached, const uint32_t *sig)
+{
+    struct sig_seen *s = user;
+    (void)reason, (void)n_gen;
+    CHECK(id >= 1 && id <= 3 && sig);
+    s->n_prompt[id - 1] = n_prompt;
+    s->n_cached[id - 1] = n_cached;
+    s->sig[id - 1] = malloc(sizeof *sig * s->L * s->E);
+    CHECK(s->sig[id - 1]);
+    memcpy(s->sig[id - 1], sig, sizeof *sig * s->L * s->E);
+    s->done++;
+}
+
+static void sig_token(void *user, uint64_t id, int32_t token, const struct moe_token_lp *lp)
+{
+    (void)user, (void)id, (void)token, (void)lp;
+}
+
+/* Through the batcher (cfg.signatures): a job's done carries the signature of the prompt tokens
+ * it evaluated, in bites while another job decodes; a later job continuing from the kept cache
+ * counts only what it evaluated (n_prompt - n_cached tokens per layer, k experts each). The
+ * first job's signature equals its prompt's alone. */
+TEST(batcher_done_carries_the_route_signature)
+{
+    struct test_model tm;
+    test_model_open_golden(&tm, "Q8_0");
+    const uint32_t V = tm.m.hp.n_vocab, L = tm.m.hp.n_layer, E = tm.m.hp.n_expert,
+                   K = tm.m.hp.n_expert_used;
+    struct moe_engine *e = sig_engine(&tm.m, 256, 2, 64);
+    struct sig_seen seen = {.L = L, .E = E, .K = K};
+    struct moe_batcher *b = NULL;
+    struct moe_batcher_cfg cfg = {.eng = e, .n_vocab = V, .n_layer = L, .n_expert = E,
+                                  .n_ctx = 256, .n_seq = 2, .n_batch = 64, .signatures = true,
+                                  .host_sample_all = true};
+    struct moe_batcher_sink sink = {.user = &seen, .token = sig_token, .done = sig_done,
+                                    .error = plp_error, .report = bt_report};
+    CHECK_EQ(moe_batcher_init(&b, &cfg, &sink), 0);
+    int32_t p1[150], p3[160];
+    for (int i = 0; i < 150; i++)
+        p1[i] = (int32_t)((uint32_t)(i * 37 + 1) % V);
+    memcpy(p3, p1, sizeof p1);
+    for (int i = 150; i < 160; i++)
+        p3[i] = (int32_t)((uint32_t)(i * 19 + 4) % V);
+    const int32_t p2[5] = {9, 8, 7, 6, 5};
+    share_add(b, 2, p2, 5, 40); /* decodes while job 1's prompt goes in bites */
+    CHECK_EQ(moe_batcher_step(b), 0);
+    share_add(b, 1, p1, 150, 2);
+    for (int guard = 0; moe_batcher_busy(b) && guard < 1000; guard++)
+        CHECK_EQ(moe_batcher_step(b), 0);
+    share_add(b, 3, p3, 160, 2);
+    for (int guard = 0; moe_batcher_busy(b) && guard < 1000; guard++)
+        CHECK_EQ(moe_batcher_step(b), 0);
+    CHECK_EQ(seen.done, 3);
+    CHECK(seen.n_cached[2] >= 150); /* job 3 continued from job 1's kept cache */
+    for (int j = 0; j < 3; j++)
+        for (uint32_t l = 0; l < L; l++) {
+            uint64_t sum = 0;
+            for (uint32_t x = 0; x < E; x++)
+                sum += seen.sig[j][(size_t)l * E + x];
+            CHECK_EQ(sum, (uint64_t)(seen.n_prompt[j] - seen.n_cached[j]) * K);
+        }
+    uint32_t *ref = calloc((size_t)L * E, 4);
+    CHECK(ref);
+    struct moe_engine *r = sig_engine(&tm.m, 256, 1, 256);
+    sig_prefill(r, 0, 0, p1, 150, ref);
+    CHECK(memcmp(ref, seen.sig[0], sizeof *ref * L * E) == 0);
+    moe_engine_free(r);
+    free(ref);
+    for (int j = 0; j < 3; j++)
+        free(seen.sig[j]);
     moe_batcher_free(b);
     moe_engine_free(e);
     test_model_close(&tm);

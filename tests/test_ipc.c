@@ -575,6 +575,61 @@ TEST(ipc_validate_checks_every_range)
     CHECK_EQ(validate_one(&e, MOE_IPC_FROM_DAEMON, err, sizeof err), MOE_ERANGE);
 }
 
+/* Done.signature: empty, or the model's n_layer x n_expert counts, none above the prompt tokens
+ * evaluated; Metrics.hot: empty, or the model's bits with the last byte's padding clear (checked
+ * against a 3 x 15 model, whose 45 bits leave three). */
+TEST(ipc_validate_signature_and_hot_bitmap)
+{
+    char err[256];
+    struct moe_ipc_limits lim = {.n_vocab = 4160, .n_layer = 3, .n_expert = 15, .n_ctx = 512};
+    uint32_t sig[46] = {0};
+    sig[7] = 9;
+    Moed__Done d = MOED__DONE__INIT;
+    d.id = 4;
+    d.n_prompt = 12;
+    d.n_cached = 3;
+    Moed__Envelope e = MOED__ENVELOPE__INIT;
+    e.msg_case = MOED__ENVELOPE__MSG_DONE;
+    e.done = &d;
+    CHECK_EQ(moe_ipc_validate(&e, MOE_IPC_FROM_WORKER, &lim, err, sizeof err), 0);
+    d.signature = sig;
+    d.n_signature = 45;
+    CHECK_EQ(moe_ipc_validate(&e, MOE_IPC_FROM_WORKER, &lim, err, sizeof err), 0);
+    d.n_signature = 46;
+    CHECK_EQ(moe_ipc_validate(&e, MOE_IPC_FROM_WORKER, &lim, err, sizeof err), MOE_ERANGE);
+    CHECK(strstr(err, "done.signature has 46 counts"));
+    d.n_signature = 44;
+    CHECK_EQ(moe_ipc_validate(&e, MOE_IPC_FROM_WORKER, &lim, err, sizeof err), MOE_ERANGE);
+    d.n_signature = 45;
+    sig[7] = 10; /* 12 prompt tokens, 3 of them cached: at most 9 */
+    CHECK_EQ(moe_ipc_validate(&e, MOE_IPC_FROM_WORKER, &lim, err, sizeof err), MOE_ERANGE);
+    CHECK(strstr(err, "done.signature[7] = 10"));
+    sig[7] = 9;
+    d.n_cached = 13;
+    CHECK_EQ(moe_ipc_validate(&e, MOE_IPC_FROM_WORKER, &lim, err, sizeof err), MOE_ERANGE);
+    d.n_cached = 3;
+    struct moe_ipc_limits none = {0}; /* the shape unknown: no signature can be checked */
+    CHECK_EQ(moe_ipc_validate(&e, MOE_IPC_FROM_WORKER, &none, err, sizeof err), MOE_ERANGE);
+
+    uint8_t hot[7] = {0xff, 0xff, 0xff, 0xff, 0xff, 0x1f, 0};
+    Moed__Metrics m = MOED__METRICS__INIT;
+    e.msg_case = MOED__ENVELOPE__MSG_METRICS;
+    e.metrics = &m;
+    CHECK_EQ(moe_ipc_validate(&e, MOE_IPC_FROM_WORKER, &lim, err, sizeof err), 0);
+    m.hot.data = hot;
+    m.hot.len = 6;
+    CHECK_EQ(moe_ipc_validate(&e, MOE_IPC_FROM_WORKER, &lim, err, sizeof err), 0);
+    hot[5] = 0x20;
+    CHECK_EQ(moe_ipc_validate(&e, MOE_IPC_FROM_WORKER, &lim, err, sizeof err), MOE_ERANGE);
+    CHECK(strstr(err, "past the last expert"));
+    hot[5] = 0x1f;
+    m.hot.len = 7;
+    CHECK_EQ(moe_ipc_validate(&e, MOE_IPC_FROM_WORKER, &lim, err, sizeof err), MOE_ERANGE);
+    CHECK(strstr(err, "metrics.hot has 7 bytes, 6 expected"));
+    m.hot.len = 5;
+    CHECK_EQ(moe_ipc_validate(&e, MOE_IPC_FROM_WORKER, &lim, err, sizeof err), MOE_ERANGE);
+}
+
 TEST(ipc_passes_a_memfd_with_the_hello)
 {
     int sv[2];

@@ -65,6 +65,7 @@ struct moe_dims {
     bool host_register;
     bool no_prefetch;
     const struct moe_expert_src *expert_src; /* CPU: experts found per layer (engine.h) */
+    bool record_routes;                /* steps may ask for their chosen experts (route_record) */
 };
 
 /* Activation buffers, each with room for n_batch rows. */
@@ -113,6 +114,9 @@ struct moe_step {
     int64_t n_out;             /* rows that want logits, 0..n */
     const int32_t *out_row;    /* [n_out] token indices, increasing */
     bool sample;               /* sample the n_out rows (at most one per sequence) */
+    bool record;               /* keep every layer's chosen experts for route_record (only with
+                                * d->record_routes; the engine sets it for steps holding prompt
+                                * tokens whose routing signature is wanted) */
 };
 
 struct moe_backend;
@@ -173,6 +177,16 @@ struct moe_backend_vt {
      * steps). Returns 1 when it ran them (the model loop then skips the per-layer ops), 0 when
      * this step goes op by op, < 0 on failure. NULL: always op by op. */
     int (*layers)(struct moe_backend *b);
+    /* Optional (needed for moe_engine_opts.record_routes): after end() of a step begun with
+     * st->record, that step's chosen experts, each layer's MOE_BUF_SEL_E once its routing is
+     * final, as int32 [L][n][kuse] into dst. A step that records runs op by op (no layers()).
+     * Steps that do not record cost nothing more. */
+    int (*route_record)(struct moe_backend *b, int32_t *dst);
+    /* Optional: the experts with a pinned device slot as [L][nexp] bits, LSB first (every expert
+     * of a layer held whole in device memory). Between steps. Returns 1 with the bits written
+     * when some experts live outside device memory, 0 (bits untouched) when none do, or < 0.
+     * NULL: every expert is where the backend computes. */
+    int (*hot_experts)(struct moe_backend *b, uint8_t *bits);
 };
 
 /* Every backend struct starts with this. */

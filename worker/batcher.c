@@ -20,6 +20,7 @@ struct moe_batcher {
     uint32_t n_running;
     struct moe_job *pend_head, *pend_tail; /* admitted by the daemon, waiting for a slot */
     int32_t *tok, *pos, *seq; /* [n_batch] */
+    uint32_t **sigp;          /* [n_batch] each token's signature array (cfg.signatures) */
     uint8_t *want;            /* [n_batch] */
     /* [n_seq + MOE_BATCHER_PROMPT_ROWS] per logits row of the step: its job, the prompt
      * position it predicts (-1: a row to sample from) and the token sampled from it */
@@ -61,6 +62,7 @@ void moe_job_free(struct moe_job *j)
     moe_grammar_state_free(j->gram);
     moe_grammar_free(j->grammar);
     moe_sampler_free(j->hs);
+    free(j->sig);
     free(j);
 }
 
@@ -70,7 +72,7 @@ static void end_job(struct moe_batcher *b, struct moe_job *j, bool send_done,
                     enum moe_finish reason, bool keep)
 {
     if (send_done)
-        b->sink.done(b->sink.user, j->id, reason, j->n_prompt, j->n_gen, j->n_cached);
+        b->sink.done(b->sink.user, j->id, reason, j->n_prompt, j->n_gen, j->n_cached, j->sig);
     if (j->slot >= 0) {
         b->valid[j->slot] = keep ? j->n_past : 0;
         if (!keep)
@@ -226,6 +228,11 @@ static void admit(struct moe_batcher *b)
             rc = moe_engine_seq_sampler(b->cfg.eng, (int32_t)s, &j->sp, j->prompt, j->n_prompt);
             snprintf(err, sizeof err, "%s", moe_engine_errmsg(b->cfg.eng));
         }
+        if (!rc && b->cfg.signatures && !j->sig &&
+            !(j->sig = calloc((size_t)b->cfg.n_layer * b->cfg.n_expert, sizeof *j->sig))) {
+            rc = -ENOMEM;
+            snprintf(err, sizeof err, "out of memory for the routing signature");
+        }
         if (rc) {
             b->sink.error(b->sink.user, j->id, rc, err[0] ? err : moe_strerror(rc));
             moe_job_free(j);
@@ -321,6 +328,7 @@ static uint32_t build_batch(struct moe_batcher *b, bool host, uint32_t *n_decode
         b->tok[n] = j->last;
         b->pos[n] = (int32_t)j->n_past;
         b->seq[n] = (int32_t)s;
+        b->sigp[n] = NULL;
         b->want[n] = 1;
         b->row_pos[no] = -1;
         b->owner[no++] = j;
@@ -357,6 +365,7 @@ static uint32_t build_batch(struct moe_batcher *b, bool host, uint32_t *n_decode
             b->tok[n] = j->prompt[p];
             b->pos[n] = (int32_t)p;
             b->seq[n] = (int32_t)s;
+            b->sigp[n] = j->sig;
             b->want[n] = j->prompt_logprobs && p + 1 < j->n_prompt;
             if (b->want[n]) {
                 b->row_pos[no] = (int32_t)(p + 1);
@@ -484,7 +493,8 @@ int moe_batcher_step(struct moe_batcher *b)
     if (n == 0)
         return 0;
     struct moe_batch batch = {.n = n, .token = b->tok, .pos = b->pos, .seq = b->seq,
-                              .logits = b->want};
+                              .logits = b->want,
+                              .sig = b->cfg.signatures ? (uint32_t *const *)b->sigp : NULL};
     int rc = host ? forward_host(b, &batch, n_out)
                   : moe_engine_forward_sample(b->cfg.eng, &batch, b->sampled);
     if (rc) {
@@ -527,6 +537,7 @@ int moe_batcher_init(struct moe_batcher **out, const struct moe_batcher_cfg *cfg
     b->tok = calloc(cfg->n_batch, sizeof *b->tok);
     b->pos = calloc(cfg->n_batch, sizeof *b->pos);
     b->seq = calloc(cfg->n_batch, sizeof *b->seq);
+    b->sigp = calloc(cfg->n_batch, sizeof *b->sigp);
     b->want = calloc(cfg->n_batch, 1);
     b->sampled = calloc(rows, sizeof *b->sampled);
     b->prev_counts = calloc(ncount, sizeof *b->prev_counts);
@@ -536,7 +547,8 @@ int moe_batcher_init(struct moe_batcher **out, const struct moe_batcher_cfg *cfg
     b->valid = calloc(cfg->n_seq, sizeof *b->valid);
     b->used_at = calloc(cfg->n_seq, sizeof *b->used_at);
     b->last_report = moe_now_s();
-    if (!b->slot || !b->owner || !b->row_pos || !b->tok || !b->pos || !b->seq || !b->want || !b->sampled ||
+    if (!b->slot || !b->owner || !b->row_pos || !b->tok || !b->pos || !b->seq || !b->sigp ||
+        !b->want || !b->sampled ||
         !b->prev_counts || !b->delta || !b->cur_counts || !b->hist || !b->valid || !b->used_at) {
         moe_batcher_free(b);
         return -ENOMEM;
@@ -573,6 +585,7 @@ void moe_batcher_free(struct moe_batcher *b)
     free(b->tok);
     free(b->pos);
     free(b->seq);
+    free(b->sigp);
     free(b->want);
     free(b->sampled);
     free(b->prev_counts);

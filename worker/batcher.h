@@ -21,6 +21,10 @@
  * depend on which path it takes, and a CPU worker (cfg.host_sample_all) takes the host path for
  * every job.
  *
+ * Routing signatures (cfg.signatures): the prompt tokens a job evaluates carry its signature
+ * array in the batch (moe_batch.sig), so the engine counts the experts they choose; decode
+ * tokens carry none, and a step of decode tokens only records nothing. sink.done hands it over.
+ *
  * A job with prompt logprobs has its prompt evaluated in chunks of at most MOE_BATCHER_PROMPT_ROWS
  * tokens with the logits of every row (one such chunk per step).
  *
@@ -76,6 +80,7 @@ struct moe_job {
     uint32_t n_gen;
     int32_t last;    /* last sampled token: evaluated at n_past in the next step */
     struct moe_sampler *hs; /* host sampler: jobs with logprobs or logit_bias (see below) */
+    uint32_t *sig;   /* cfg.signatures: [n_layer][n_expert] routing of its evaluated prompt */
 };
 
 /* A vocabulary for grammar masks: token i's bytes (none for control tokens that are not
@@ -121,8 +126,11 @@ struct moe_batcher_sink {
     void *user;
     /* lp: NULL unless the job asked for logprobs. */
     void (*token)(void *user, uint64_t id, int32_t token, const struct moe_token_lp *lp);
+    /* sig: with cfg.signatures, the job's routing signature ([n_layer][n_expert]: how many of
+     * the prompt tokens it evaluated, n_prompt - n_cached, chose each expert in each layer), valid
+     * during the call; else NULL. */
     void (*done)(void *user, uint64_t id, enum moe_finish reason, uint32_t n_prompt,
-                 uint32_t n_gen, uint32_t n_cached);
+                 uint32_t n_gen, uint32_t n_cached, const uint32_t *sig);
     /* Jobs with prompt_logprobs: prompt token `token` at position pos (>= 1) and its logprobs
      * given the positions before, in order, before the job's first token. */
     void (*prompt_lp)(void *user, uint64_t id, uint32_t pos, int32_t token,
@@ -144,6 +152,8 @@ struct moe_batcher_cfg {
     uint32_t n_vocab, n_layer, n_expert, n_ctx, n_seq, n_batch;
     bool host_sample_all;      /* every job is sampled on the host (a CPU engine samples on the
                                 * host anyway: no alternating steps) */
+    bool signatures;           /* each job's routing signature goes with its done (the engine
+                                * was made with record_routes) */
 };
 
 struct moe_batcher;

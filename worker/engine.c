@@ -34,6 +34,7 @@ struct moe_engine {
     int32_t *fill;                /* [n_seq] validation scratch */
     uint8_t *has_sampler;         /* [n_seq] */
     uint8_t *seen;                /* [n_seq] validation scratch */
+    int32_t *route_sel;           /* [L][n_batch][kuse] a recorded step's choices (record_routes) */
     char errmsg[256];
 };
 
@@ -229,6 +230,12 @@ int moe_engine_init(struct moe_engine **out, const struct moe_model *m,
     d->host_register = o->host_register;
     d->no_prefetch = o->no_prefetch;
     d->expert_src = o->expert_src;
+    d->record_routes = o->record_routes;
+    if (o->record_routes && !vt->route_record) {
+        rc = moe_fail(err, errlen, MOE_EUNSUPPORTED,
+                      "engine: the %s backend cannot record routing signatures", vt->name);
+        goto fail;
+    }
     if (!(o->expert_residency >= 0.0 && o->expert_residency <= 1.0) || o->cache_slots < -1 ||
         (int64_t)o->cache_slots > d->nexp) {
         rc = moe_fail(err, errlen, MOE_ERANGE,
@@ -263,8 +270,10 @@ int moe_engine_init(struct moe_engine **out, const struct moe_model *m,
     e->out_row = calloc(e->o.n_batch, sizeof *e->out_row);
     e->has_sampler = calloc(e->o.n_seq, 1);
     e->seen = calloc(e->o.n_seq, 1);
+    if (o->record_routes)
+        e->route_sel = calloc((size_t)d->L * e->o.n_batch * (size_t)d->kuse, sizeof *e->route_sel);
     if (!e->inv_freq || !e->filled || !e->fill || !e->rope || !e->out_row || !e->has_sampler ||
-        !e->seen) {
+        !e->seen || (o->record_routes && !e->route_sel)) {
         rc = -ENOMEM;
         goto fail;
     }
@@ -296,6 +305,7 @@ void moe_engine_free(struct moe_engine *e)
     free(e->out_row);
     free(e->has_sampler);
     free(e->seen);
+    free(e->route_sel);
     free(e);
 }
 
@@ -397,6 +407,16 @@ int moe_engine_set_hot(struct moe_engine *e, const uint64_t *counts, uint32_t ma
     return 0;
 }
 
+int moe_engine_hot_experts(struct moe_engine *e, uint8_t *bits)
+{
+    if (!e->b->vt->hot_experts)
+        return 0;
+    int rc = e->b->vt->hot_experts(e->b, bits);
+    if (rc < 0)
+        return eng_err(e, rc, "hot experts: %s", e->b->vt->errmsg(e->b));
+    return rc;
+}
+
 struct moe_backend *moe_engine_backend(struct moe_engine *e)
 {
     return e->b;
@@ -408,6 +428,25 @@ const struct moe_dims *moe_engine_dims(const struct moe_engine *e)
 }
 
 /* ---------------------------------------------------------------- forward */
+
+/* A recorded step's choices ([L][n][kuse] in route_sel) counted into each token's signature. */
+static int add_signatures(struct moe_engine *e, uint32_t *const *sig, int64_t n)
+{
+    const int64_t K = e->d.kuse, NE = e->d.nexp;
+    for (int64_t l = 0; l < e->d.L; l++)
+        for (int64_t t = 0; t < n; t++) {
+            if (!sig[t])
+                continue;
+            const int32_t *sel = e->route_sel + (l * n + t) * K;
+            for (int64_t j = 0; j < K; j++) {
+                if (sel[j] < 0 || sel[j] >= NE)
+                    return eng_err(e, MOE_EBACKEND, "%s backend: blk.%lld chose expert %d of %lld",
+                                   e->b->vt->name, (long long)l, sel[j], (long long)NE);
+                sig[t][l * NE + sel[j]]++;
+            }
+        }
+    return 0;
+}
 
 /* One step of n <= n_batch tokens (already validated). */
 static int forward_step(struct moe_engine *e, const struct moe_batch *b, uint32_t off, int64_t n,
@@ -428,13 +467,19 @@ static int forward_step(struct moe_engine *e, const struct moe_batch *b, uint32_
         if ((out || tokens) && (!b->logits || b->logits[off + t]))
             e->out_row[k++] = (int32_t)t;
     *n_out = k;
+    uint32_t *const *sig = b->sig ? b->sig + off : NULL;
+    bool record = false;
+    for (int64_t t = 0; sig && t < n && !record; t++)
+        record = sig[t] != NULL;
     struct moe_step st = {.n = n, .token = b->token + off, .pos = b->pos + off,
                           .seq = b->seq + off, .rope = e->rope, .n_out = k,
-                          .out_row = e->out_row, .sample = tokens != NULL};
+                          .out_row = e->out_row, .sample = tokens != NULL, .record = record};
     int rc = moe_qwen3moe_step(e->b, &e->d, &st, out, tokens);
+    if (!rc && record)
+        rc = e->b->vt->route_record(e->b, e->route_sel);
     if (rc)
         return eng_err(e, rc, "%s backend: %s", e->b->vt->name, e->b->vt->errmsg(e->b));
-    return 0;
+    return record ? add_signatures(e, sig, n) : 0;
 }
 
 static int forward(struct moe_engine *e, const struct moe_batch *b, float *out, int32_t *tokens)
@@ -443,6 +488,8 @@ static int forward(struct moe_engine *e, const struct moe_batch *b, float *out, 
         return 0;
     if (!b->token || !b->pos || !b->seq)
         return eng_err(e, MOE_ERANGE, "batch: token, pos and seq are required");
+    if (b->sig && !e->o.record_routes)
+        return eng_err(e, MOE_ERANGE, "batch: routing signatures need the record_routes option");
 
     /* Validate the whole batch before touching any state, so a bad batch changes nothing. */
     int32_t *fill = e->fill;

@@ -77,6 +77,7 @@ struct moe_engine_opts {
     bool no_prefetch;              /* no layer-ahead prefetch of predicted experts */
     const struct moe_expert_src *expert_src; /* NULL: the model's views are fixed; CUDA needs
                                               * its pin / unpin (a pool of slots) */
+    bool record_routes;            /* batches may ask for routing signatures (moe_batch.sig) */
 };
 
 struct moe_batch {
@@ -85,6 +86,11 @@ struct moe_batch {
     const int32_t *pos;        /* [n] position within its sequence */
     const int32_t *seq;        /* [n] sequence slot, < n_seq */
     const uint8_t *logits;     /* [n] nonzero: write logits for this token; NULL: all tokens */
+    /* Routing signatures (needs opts.record_routes): [n] or NULL; sig[i] NULL, or an
+     * [n_layer][n_expert] array to which token i adds one for each expert it chooses in each
+     * layer. Several tokens may share an array (a sequence's prompt chunk). A step holding no
+     * such token records nothing, so decode steps cost nothing more. */
+    uint32_t *const *sig;
 };
 
 int moe_engine_init(struct moe_engine **out, const struct moe_model *m,
@@ -123,6 +129,12 @@ int moe_engine_seq_copy(struct moe_engine *e, int32_t src, int32_t dst, uint32_t
 /* Cumulative routing counts since init, [n_layer][n_expert] (one count per token and chosen
  * expert), copied to dst. Returns 0 or an error (a device failure). */
 int moe_engine_routing_counts(struct moe_engine *e, uint64_t *dst);
+
+/* The experts with a pinned device slot, [n_layer][n_expert] bits (LSB first; every expert of a
+ * layer held whole), into bits (ceil(n_layer*n_expert/8) bytes). Returns 1 with the bits written
+ * when the engine offloads experts, 0 (bits untouched) when every expert is where it computes,
+ * or an error. Between steps. */
+int moe_engine_hot_experts(struct moe_engine *e, uint8_t *bits);
 
 /* Message for the last error of moe_engine_forward() ("batch[3]: position 9 of sequence 0
  * follows a gap (next is 5)"); "" when none. */

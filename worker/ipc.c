@@ -51,6 +51,8 @@ struct wevent {
     int code;
     char msg[256];
     uint64_t *counts; /* EV_STATS: [n_layer*n_expert] deltas */
+    uint32_t *sig;    /* EV_DONE: the routing signature [n_layer*n_expert], or NULL */
+    uint8_t *hot;     /* EV_STATS: the pinned experts' bitmap (offloading GPU workers), or NULL */
     uint64_t n_tokens;
     uint64_t tokens_generated, prompt_tokens;
     uint32_t running;
@@ -99,6 +101,7 @@ struct worker {
     struct moe_token_bytes *tb;    /* the vocabulary's bytes for grammars, made on first use */
     uint32_t n_vocab, n_layer, n_expert, n_ctx, n_seq, n_batch;
     uint32_t index;
+    bool signatures;              /* hello.route_signatures: Done carries each request's */
     _Atomic uint64_t steps;       /* forward steps the compute thread completed */
     uv_timer_t hb_timer;          /* the Heartbeat, every second */
 };
@@ -126,6 +129,15 @@ static struct wevent *ev_new(enum wev_kind k, uint64_t id)
         ev->id = id;
     }
     return ev;
+}
+
+static void ev_free(struct wevent *ev)
+{
+    free(ev->counts);
+    free(ev->sig);
+    free(ev->hot);
+    free(ev->layers);
+    free(ev);
 }
 
 static void post_error(struct worker *w, uint64_t id, int code, const char *msg)
@@ -169,8 +181,9 @@ static void sink_prompt_lp(void *user, uint64_t id, uint32_t pos, int32_t token,
 }
 
 static void sink_done(void *user, uint64_t id, enum moe_finish reason, uint32_t n_prompt,
-                      uint32_t n_gen, uint32_t n_cached)
+                      uint32_t n_gen, uint32_t n_cached, const uint32_t *sig)
 {
+    struct worker *w = user;
     struct wevent *ev = ev_new(EV_DONE, id);
     if (ev) {
         ev->reason = reason == MOE_FINISH_STOP ? MOED__FINISH_REASON__FINISH_STOP
@@ -178,6 +191,10 @@ static void sink_done(void *user, uint64_t id, enum moe_finish reason, uint32_t 
         ev->n_prompt = n_prompt;
         ev->n_gen = n_gen;
         ev->n_cached = n_cached;
+        /* Without memory for the copy the Done goes without it (the daemon learns less). */
+        const size_t n = (size_t)w->n_layer * w->n_expert;
+        if (sig && (ev->sig = malloc(sizeof *ev->sig * n)))
+            memcpy(ev->sig, sig, sizeof *ev->sig * n);
         post(user, ev);
     }
 }
@@ -250,6 +267,12 @@ static int sink_report(void *user, const struct moe_batcher_report *r)
         free(ev->layers);
         ev->layers = NULL;
     }
+    /* Which experts it pins, so that the daemon can send each request where its experts are. */
+    if (ev->os.active && (ev->hot = calloc(((size_t)w->n_layer * w->n_expert + 7) / 8, 1)) &&
+        moe_engine_hot_experts(w->eng, ev->hot) != 1) {
+        free(ev->hot);
+        ev->hot = NULL;
+    }
     if (w->tier)
         wtier_stats(w->tier, &ev->ts);
     post(w, ev);
@@ -280,7 +303,8 @@ static void *compute_main(void *arg)
     struct moe_batcher_cfg cfg = {.eng = w->eng, .n_vocab = w->n_vocab, .n_layer = w->n_layer,
                                   .n_expert = w->n_expert, .n_ctx = w->n_ctx, .n_seq = w->n_seq,
                                   .n_batch = w->n_batch,
-                                  .host_sample_all = !strcmp(moe_engine_get_opts(w->eng)->device, "cpu")};
+                                  .host_sample_all = !strcmp(moe_engine_get_opts(w->eng)->device, "cpu"),
+                                  .signatures = w->signatures};
     struct moe_batcher_sink sink = {.user = w, .token = sink_token, .prompt_lp = sink_prompt_lp,
                                     .done = sink_done, .error = sink_error, .report = sink_report};
     int fatal = moe_batcher_init(&b, &cfg, &sink);
@@ -613,6 +637,10 @@ static void send_event(struct worker *w, struct wevent *ev)
         d.n_prompt = ev->n_prompt;
         d.n_gen = ev->n_gen;
         d.n_cached = ev->n_cached;
+        if (ev->sig) {
+            d.signature = ev->sig;
+            d.n_signature = (size_t)w->n_layer * w->n_expert;
+        }
         env.msg_case = MOED__ENVELOPE__MSG_DONE;
         env.done = &d;
         if (live_has(w, ev->id, NULL))
@@ -654,6 +682,10 @@ static void send_event(struct worker *w, struct wevent *ev)
         m.pool_waits = ev->ts.waits;
         m.pool_wait_us = ev->ts.wait_us;
         m.pool_prefetches = ev->ts.prefetches;
+        if (ev->hot) {
+            m.hot.data = ev->hot;
+            m.hot.len = ((size_t)w->n_layer * w->n_expert + 7) / 8;
+        }
         uint32_t *u32 = NULL;
         uint64_t *u64 = NULL;
         if (ev->layers && (u32 = malloc(sizeof *u32 * 2 * w->n_layer)) &&
@@ -725,9 +757,7 @@ static void on_async(uv_async_t *a)
         } else if (w->conn) {
             send_event(w, ev);
         }
-        free(ev->counts);
-        free(ev->layers);
-        free(ev);
+        ev_free(ev);
         ev = next;
     }
     if (exit_now) {
@@ -814,10 +844,12 @@ static int load(struct worker *w, const Moed__Hello *h, int store_fd, char *err,
     w->n_batch = h->n_batch ? h->n_batch : 512;
     if (w->n_batch < w->n_seq)
         w->n_batch = w->n_seq;
+    w->signatures = h->route_signatures;
     struct moe_engine_opts eo = {.n_ctx = w->n_ctx, .n_seq = w->n_seq, .n_batch = w->n_batch,
                                  .n_threads = h->n_threads,
                                  .device = dev,
-                                 .expert_src = w->tier ? wtier_source(w->tier) : NULL};
+                                 .expert_src = w->tier ? wtier_source(w->tier) : NULL,
+                                 .record_routes = h->route_signatures};
     if (!strncmp(eo.device, "cuda", 4)) {
         /* Expert offload: the budget and residency apply to GPU workers; the hot set follows
          * the daemon's profile when it sent one of the model's shape. */
@@ -888,9 +920,7 @@ static void worker_free(struct worker *w)
     while (w->out_head) {
         struct wevent *ev = w->out_head;
         w->out_head = ev->next;
-        free(ev->counts);
-        free(ev->layers);
-        free(ev);
+        ev_free(ev);
     }
     free(w->cancels);
     free(w->live);

@@ -49,6 +49,8 @@ struct cpu_backend {
     float *kc;                    /* [n_layer][n_seq][n_head_kv][n_ctx][head_dim] */
     float *vc;                    /* [n_layer][n_seq][n_head_kv][n_ctx][head_dim_v] */
     uint64_t *routing;            /* [n_layer][n_expert] */
+    int32_t *route_hist;          /* [n_layer][n][kuse] a recording step's choices (d.record_routes) */
+    bool record;                  /* this step records (st->record) */
 
     /* The step: inputs copied by begin(). */
     int64_t n, n_out;
@@ -184,6 +186,8 @@ static int cpu_init(struct moe_backend **out, const struct moe_model *m, struct 
     e->kc = xcalloc(cells, (size_t)e->kdim * sizeof(float), &bad);
     e->vc = xcalloc(cells, (size_t)e->vdim * sizeof(float), &bad);
     e->routing = xcalloc((size_t)(e->L * e->nexp), sizeof *e->routing, &bad);
+    if (d->record_routes)
+        e->route_hist = xcalloc((size_t)e->L * d->n_batch * (size_t)e->kuse, sizeof(int32_t), &bad);
     if (bad) {
         rc = moe_fail(err, errlen, -ENOMEM, "engine: cannot allocate the KV cache (%u x %u positions)",
                       d->n_seq, d->n_ctx);
@@ -260,6 +264,7 @@ static void cpu_free(struct moe_backend *b)
     if (!e)
         return;
     moe_pool_free(e->pool);
+    free(e->route_hist);
     free(e->norm_mem);
     free(e->norms);
     free(e->kc);
@@ -464,6 +469,9 @@ static int cpu_begin(struct moe_backend *b, const struct moe_step *st)
     e->n = st->n;
     e->n_out = st->n_out;
     e->sample = st->sample;
+    if (st->record && !e->route_hist)
+        return cpu_err(e, MOE_ERANGE, "a step records its routing, but record_routes is off");
+    e->record = st->record;
     memcpy(e->token, st->token, sizeof(int32_t) * (size_t)st->n);
     memcpy(e->pos, st->pos, sizeof(int32_t) * (size_t)st->n);
     memcpy(e->seq, st->seq, sizeof(int32_t) * (size_t)st->n);
@@ -694,6 +702,8 @@ static int cpu_route(struct moe_backend *b, int l)
             e->slot_tok[s] = (int32_t)t;
             e->sel_slot[t * K + j] = s;
         }
+    if (e->record)
+        memcpy(e->route_hist + (size_t)l * (size_t)(n * K), sel_e, sizeof(int32_t) * (size_t)(n * K));
     return 0;
 }
 
@@ -983,6 +993,15 @@ static int cpu_routing_counts(struct moe_backend *b, uint64_t *dst)
     return 0;
 }
 
+static int cpu_route_record(struct moe_backend *b, int32_t *dst)
+{
+    struct cpu_backend *e = (struct cpu_backend *)b;
+    if (!e->record)
+        return cpu_err(e, MOE_ERANGE, "route_record: the last step did not record");
+    memcpy(dst, e->route_hist, sizeof(int32_t) * (size_t)(e->L * e->n * e->kuse));
+    return 0;
+}
+
 static int cpu_read_buf(struct moe_backend *b, enum moe_buf buf, int64_t n, void *dst)
 {
     struct cpu_backend *e = (struct cpu_backend *)b;
@@ -1036,4 +1055,5 @@ const struct moe_backend_vt moe_backend_cpu = {
     .write_buf = cpu_write_buf,
     .errmsg = cpu_errmsg,
     .info = cpu_info,
+    .route_record = cpu_route_record,
 };

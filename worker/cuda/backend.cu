@@ -69,6 +69,7 @@ struct cuda_graph {
     int64_t n, n_out;
     bool sample;
     bool stage;              /* recorded with prompt staging */
+    bool record;             /* with the copies of each layer's choices (route_record) */
     cudaGraphExec_t exec;
     int n_ev;                /* profiling: the event nodes recorded in it, and their names */
     const char **ev_name;
@@ -128,6 +129,11 @@ struct cuda_backend {
     int32_t *d_in;                   /* [5][nb]: token, pos, seq, out_row, sampler row */
     struct moe_cuda_sampler *smp;    /* rows = sequences; created by the first sampler() */
     int32_t *d_tok, *h_tok;          /* [nb] sampled tokens */
+    /* Routing signatures (d.record_routes): a recording step's choices, [L][n][kuse], each layer's
+     * MOE_BUF_SEL_E copied on the device once its expert op has routed, then to the host with
+     * the step's results. */
+    int32_t *d_route_hist, *h_route_hist;
+    bool record;                     /* this step records */
     bool sample;
     float *d_rope;                   /* [nb][hd] */
     unsigned long long *counts;      /* [L][nexp] */
@@ -1865,6 +1871,10 @@ static int cuda_init(struct moe_backend **out, const struct moe_model *m, struct
         INIT_TRY(cudaMalloc((void **)&b->d_in, sizeof(int32_t) * 5 * nb));
         INIT_TRY(cudaMalloc((void **)&b->d_tok, sizeof(int32_t) * nb));
         INIT_TRY(cudaMallocHost((void **)&b->h_tok, sizeof(int32_t) * nb));
+        if (d->record_routes) {
+            INIT_TRY(cudaMalloc((void **)&b->d_route_hist, sizeof(int32_t) * (size_t)d->L * ns));
+            INIT_TRY(cudaMallocHost((void **)&b->h_route_hist, sizeof(int32_t) * (size_t)d->L * ns));
+        }
         INIT_TRY(cudaMalloc((void **)&b->d_rope, sizeof(float) * nb * (size_t)d->hd));
         INIT_TRY(cudaMalloc((void **)&b->counts,
                             sizeof(unsigned long long) * (size_t)(d->L * d->nexp)));
@@ -2152,6 +2162,8 @@ static void cuda_free(struct moe_backend *bb)
     cudaFree(b->d_in);
     cudaFree(b->d_tok);
     cudaFreeHost(b->h_tok);
+    cudaFree(b->d_route_hist);
+    cudaFreeHost(b->h_route_hist);
     moe_cuda_sampler_free(b->smp);
     cudaFree(b->d_rope);
     cudaFree(b->counts);
@@ -2254,8 +2266,11 @@ static int cuda_begin(struct moe_backend *bb, const struct moe_step *st)
     if (st->n < 1 || st->n > (int64_t)nb || st->n_out < 0 || st->n_out > st->n)
         return cu_err(b, MOE_ERANGE, "step of %lld tokens, %lld outputs", (long long)st->n,
                       (long long)st->n_out);
+    if (st->record && !b->d_route_hist)
+        return cu_err(b, MOE_ERANGE, "a step records its routing, but record_routes is off");
     b->n = st->n;
     b->n_out = st->n_out;
+    b->record = st->record;
     b->head_chunked = false;
     pool_step_begin(b);
     b->route_pending = -1;
@@ -2322,7 +2337,8 @@ static int cuda_begin(struct moe_backend *bb, const struct moe_step *st)
     if (b->use_graphs && st->n <= MOE_CUDA_GRAPH_MAX && st->n_out <= LOGIT_ROWS) {
         for (int i = 0; i < b->n_graphs; i++)
             if (b->graphs[i].n == st->n && b->graphs[i].n_out == st->n_out &&
-                b->graphs[i].sample == st->sample && b->graphs[i].stage == b->stage_step) {
+                b->graphs[i].sample == st->sample && b->graphs[i].stage == b->stage_step &&
+                b->graphs[i].record == st->record) {
                 b->mode = MODE_REPLAY;
                 return 0;
             }
@@ -2848,10 +2864,25 @@ static int staged_experts(struct cuda_backend *b, int l, bool fold)
     return 0;
 }
 
+static int experts_op(struct cuda_backend *b, int l);
+
+/* The layer's expert op, then, in a step that records, its choices (final now: routed by the
+ * route kernel or inside the op's own launches) copied into the step's history. */
 static int cuda_experts(struct moe_backend *bb, int l)
 {
     struct cuda_backend *b = (struct cuda_backend *)bb;
     SKIP_IF_REPLAY(b);
+    TRY_CU(experts_op(b, l));
+    if (b->record) {
+        const size_t nk = (size_t)(b->n * b->d.kuse);
+        CU(b, cudaMemcpyAsync(b->d_route_hist + (size_t)l * nk, b->buf[MOE_BUF_SEL_E],
+                              sizeof(int32_t) * nk, cudaMemcpyDeviceToDevice, b->st));
+    }
+    return 0;
+}
+
+static int experts_op(struct cuda_backend *b, int l)
+{
     TRY_CU(flush_norm(b));
     const struct cuda_layer *cl = &b->layers[l];
     /* The routing left to this op: in the resolve's launch (offloaded layers), else in the
@@ -3028,7 +3059,7 @@ static int cuda_layers(struct moe_backend *bb)
 {
     struct cuda_backend *b = (struct cuda_backend *)bb;
     TRY_CU(flush_pending(b));
-    if (!b->fused || b->n != 1)
+    if (!b->fused || b->n != 1 || b->record)
         return 0;
     if (b->mode == MODE_REPLAY)
         return 1;
@@ -3136,7 +3167,7 @@ static int end_step(struct cuda_backend *b, float *out, int32_t *tokens)
         if (e != cudaSuccess)
             return cu_err(b, MOE_EBACKEND, "cuda:%d: cudaGraphInstantiate: %s", b->dev,
                           cudaGetErrorString(e));
-        struct cuda_graph cg = {b->n, b->n_out, b->sample, b->stage_step, exec, 0, NULL};
+        struct cuda_graph cg = {b->n, b->n_out, b->sample, b->stage_step, b->record, exec, 0, NULL};
         if (b->profile && (cg.ev_name = (const char **)malloc(sizeof(char *) * (size_t)b->n_ev))) {
             cg.n_ev = b->n_ev;
             memcpy(cg.ev_name, b->ev_name, sizeof(char *) * (size_t)b->n_ev);
@@ -3148,7 +3179,8 @@ static int end_step(struct cuda_backend *b, float *out, int32_t *tokens)
         cudaGraphExec_t exec = NULL;
         for (int i = 0; i < b->n_graphs; i++)
             if (b->graphs[i].n == b->n && b->graphs[i].n_out == b->n_out &&
-                b->graphs[i].sample == b->sample && b->graphs[i].stage == b->stage_step) {
+                b->graphs[i].sample == b->sample && b->graphs[i].stage == b->stage_step &&
+                b->graphs[i].record == b->record) {
                 exec = b->graphs[i].exec;
                 b->n_ev = b->graphs[i].n_ev;
                 if (b->n_ev)
@@ -3156,6 +3188,10 @@ static int end_step(struct cuda_backend *b, float *out, int32_t *tokens)
             }
         CU(b, cudaGraphLaunch(exec, b->st));
     }
+    if (b->record)
+        CU(b, cudaMemcpyAsync(b->h_route_hist, b->d_route_hist,
+                              sizeof(int32_t) * (size_t)(b->d.L * b->n * b->d.kuse),
+                              cudaMemcpyDeviceToHost, b->st));
     if (b->sample) {
         /* Only the tokens come back (logits too if asked: after the penalties). */
         if (!tokens)
@@ -3251,6 +3287,44 @@ static int cuda_routing_counts(struct moe_backend *bb, uint64_t *dst)
     CU(b, cudaMemcpy(dst, b->counts, sizeof(uint64_t) * (size_t)(b->d.L * b->d.nexp),
                      cudaMemcpyDeviceToHost));
     return 0;
+}
+
+static int cuda_route_record(struct moe_backend *bb, int32_t *dst)
+{
+    struct cuda_backend *b = (struct cuda_backend *)bb;
+    if (!b->record)
+        return cu_err(b, MOE_ERANGE, "route_record: the last step did not record");
+    /* end() synchronised after the copy to the host. */
+    memcpy(dst, b->h_route_hist, sizeof(int32_t) * (size_t)(b->d.L * b->n * b->d.kuse));
+    return 0;
+}
+
+/* The pinned experts from the host mirror of the offload state: pinned slots change only in
+ * init and set_hot (the device's resolve never pins nor evicts a pinned slot), both of which
+ * leave the mirror as the device has it. */
+static int cuda_hot_experts(struct moe_backend *bb, uint8_t *bits)
+{
+    struct cuda_backend *b = (struct cuda_backend *)bb;
+    if (!b->offload)
+        return 0;
+    const int64_t ne = b->d.nexp;
+    memset(bits, 0, (size_t)(b->d.L * ne + 7) / 8);
+    for (int64_t l = 0; l < b->d.L; l++) {
+        const struct cuda_layer *cl = &b->layers[l];
+        if (cl->slots >= ne) {
+            for (int64_t x = 0; x < ne; x++)
+                bits[(l * ne + x) / 8] |= (uint8_t)(1u << ((l * ne + x) % 8));
+            continue;
+        }
+        const int32_t *slot_exp = (const int32_t *)host_view(b, b->h_off[l].slot_exp);
+        const uint8_t *pinned = (const uint8_t *)host_view(b, b->h_off[l].pinned);
+        for (int32_t sl = 0; sl < cl->slots; sl++)
+            if (pinned[sl] && slot_exp[sl] >= 0 && slot_exp[sl] < ne) {
+                const int64_t i = l * ne + slot_exp[sl];
+                bits[i / 8] |= (uint8_t)(1u << (i % 8));
+            }
+    }
+    return 1;
 }
 
 static int cuda_read_buf(struct moe_backend *bb, enum moe_buf buf, int64_t n, void *dst)
@@ -3549,4 +3623,6 @@ extern "C" const struct moe_backend_vt moe_backend_cuda = {
     cuda_offload_stats,
     cuda_set_hot,
     cuda_layers,
+    cuda_route_record,
+    cuda_hot_experts,
 };
