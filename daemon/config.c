@@ -20,7 +20,7 @@
 
 /* K_DEVICES: a string, checked to be cpu, auto or a list of GPU indexes. */
 /* K_FLOAT: a decimal number (a double) in [min/1000, max/1000]. */
-enum kind { K_STR, K_DEVICES, K_U32, K_SIZE, K_LEVEL, K_SHARE, K_CACHE, K_VRAM, K_FLOAT, K_POOL_IO };
+enum kind { K_STR, K_DEVICES, K_U32, K_SIZE, K_LEVEL, K_SHARE, K_CACHE, K_VRAM, K_FLOAT, K_CHOICE };
 
 struct key {
     const char *name;
@@ -30,6 +30,14 @@ struct key {
     /* K_U32 and K_SIZE: the values that make sense; a value given outside them is refused
      * (the zero that some fields hold by default only means "not set" when nothing was given). */
     uint64_t min, max;
+};
+
+/* K_CHOICE: the words the value may be, the list choices[max] (NULL-terminated); the field (an
+ * int) gets the index of the one given. */
+enum { CHOICE_POOL_IO, CHOICE_AUTO_ON_OFF };
+static const char *const *const choices[] = {
+    [CHOICE_POOL_IO] = (const char *const[]){"auto", "direct", "buffered", NULL},
+    [CHOICE_AUTO_ON_OFF] = (const char *const[]){"auto", "on", "off", NULL},
 };
 
 /* moed-worker refuses a thread count outside this (its own --threads), the Hello a context
@@ -43,6 +51,7 @@ struct key {
 _Static_assert(CONFIG_GPUS_MAX == DEVICES_MAX, "one GPU index range");
 _Static_assert(MOED_TIER_IO_AUTO == 0 && MOED_TIER_IO_DIRECT == 1 && MOED_TIER_IO_BUFFERED == 2,
                "--pool-io's modes in order");
+_Static_assert(CONFIG_AUTO == 0 && CONFIG_ON == 1 && CONFIG_OFF == 2, "auto, on, off in order");
 
 #define F(field) offsetof(struct moed_config, field)
 static const struct key keys[] = {
@@ -59,8 +68,9 @@ static const struct key keys[] = {
     {"expert-residency", K_SHARE, F(expert_residency), "SHARE", "GPU workers: share of each layer's experts in VRAM, e.g. 60% (default: as the budget allows)", 0, 0},
     {"ram-budget", K_STR, F(ram_budget), "SIZE|P%|auto", "host RAM for experts: bytes, a share of the expert bytes (50%) or auto (3/4 of MemAvailable less the dense weights); below all experts the store keeps a pool and CPU workers ask for missing experts (default: every expert)", 0, 0},
     {"pool-prefetch", K_U32, F(pool_prefetch), "N", "with --ram-budget: read-aheads of the experts CPU workers predict for their next layer, at most N reads at a time (0: off; default 8)", 0, 1024},
-    {"pool-io", K_POOL_IO, F(pool_io), "MODE", "with --ram-budget: how experts are read from the GGUF: auto (O_DIRECT where the file system takes it, else buffered), direct or buffered (default auto)", 0, 0},
+    {"pool-io", K_CHOICE, F(pool_io), "MODE", "with --ram-budget: how experts are read from the GGUF: auto (O_DIRECT where the file system takes it, else buffered), direct or buffered (default auto)", 0, CHOICE_POOL_IO},
     {"cache-slots", K_CACHE, F(cache_slots), "N", "GPU workers: per-layer expert slots kept as a cache: auto, off or a count (default auto)", 0, 0},
+    {"route-signatures", K_CHOICE, F(route_signatures), "WHEN", "workers send each request's routing signature, which places requests and complementary hot sets over several GPU workers: auto (with 2 or more GPU workers), on or off (default auto)", 0, CHOICE_AUTO_ON_OFF},
     {"config", K_STR, F(config_file), "FILE", "config file with the same keys (key = value)", 0, 0},
     {"log-level", K_LEVEL, F(log_level), "LEVEL", "error | warn | info | debug (default info)", 0, 0},
     {"log-file", K_STR, F(log_file), "PATH", "log to a file instead of stderr (SIGHUP reopens)", 0, 0},
@@ -325,15 +335,18 @@ int config_set(struct moed_config *c, const char *key, const char *value, char *
         *(int32_t *)p = (int32_t)v;
         return 0;
     }
-    case K_POOL_IO: {
-        static const char *const modes[] = {"auto", "direct", "buffered"};
-        for (int i = 0; i < 3; i++)
-            if (!strcmp(value, modes[i])) {
-                *(int *)p = i; /* MOED_TIER_IO_AUTO, _DIRECT, _BUFFERED */
+    case K_CHOICE: {
+        const char *const *ch = choices[k->max];
+        char words[128] = "";
+        for (int i = 0; ch[i]; i++) {
+            if (!strcmp(value, ch[i])) {
+                *(int *)p = i;
                 return 0;
             }
-        return moe_fail(err, errlen, MOE_EFORMAT, "%s must be auto, direct or buffered, not '%s'",
-                        k->name, value);
+            snprintf(words + strlen(words), sizeof words - strlen(words), "%s%s",
+                     i == 0 ? "" : ch[i + 1] ? ", " : " or ", ch[i]);
+        }
+        return moe_fail(err, errlen, MOE_EFORMAT, "%s must be %s, not '%s'", k->name, words, value);
     }
     case K_LEVEL:
         if (log_level_parse(value, (enum log_level *)p))

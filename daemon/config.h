@@ -15,6 +15,9 @@
 #define CONFIG_GPUS_MAX 64 /* GPU indexes 0..63 (DEVICES_MAX) */
 #define MOED_DEFAULT_STATE_DIR "/var/lib/moed"
 
+/* auto | on | off settings. */
+enum { CONFIG_AUTO = 0, CONFIG_ON = 1, CONFIG_OFF = 2 };
+
 struct moed_config {
     char *model;            /* --model PATH (required) */
     char *socket;           /* --socket PATH */
@@ -34,6 +37,7 @@ struct moed_config {
     uint32_t pool_prefetch; /* --pool-prefetch N: read-aheads in flight at most (0: off) */
     int pool_io;            /* --pool-io auto|direct|buffered: MOED_TIER_IO_* (daemon/tier.h) */
     int32_t cache_slots;    /* --cache-slots auto|off|N: 0 auto, -1 off */
+    int route_signatures;   /* --route-signatures auto|on|off: CONFIG_AUTO, _ON, _OFF */
     char *config_file;      /* --config FILE */
     enum log_level log_level; /* --log-level error|warn|info|debug */
     char *log_file;         /* --log-file PATH; NULL: stderr */

@@ -35,6 +35,7 @@
 #include "daemon/notify.h"
 #include "daemon/supervisor.h"
 #include "daemon/tier.h"
+#include "daemon/workloads.h"
 #include "proto/ipc.h"
 #include "store/buf.h"
 #include "store/err.h"
@@ -69,6 +70,7 @@ struct daemon {
     struct moe_profile profile;
     bool profile_dirty;
     struct moe_drift drift;          /* the placement's held-out check (store/placement.h) */
+    struct moed_wl wl;               /* complementary hot sets over GPU workers (workloads.h) */
     struct moed_workers *workers;
     struct api *api;
     struct http_server *http;
@@ -446,6 +448,8 @@ static int hook_placement(void *user, char **json, char *err, size_t errlen)
         json_object_set_new(w, "device", json_string(wi.device));
         json_object_set_new(w, "offload", json_boolean(wo.active));
         json_object_set_new(w, "expert_hits", json_integer((json_int_t)wi.expert_hits));
+        const int64_t hot = moed_wl_hot_experts(d->workers, i);
+        json_object_set_new(w, "hot_experts", hot >= 0 ? json_integer(hot) : json_null());
         json_object_set_new(w, "expert_misses", json_integer((json_int_t)wi.expert_misses));
         if (wo.active) {
             json_object_set_new(w, "expert_vram_bytes", json_integer((json_int_t)wo.expert_vram_bytes));
@@ -477,6 +481,11 @@ static int hook_placement(void *user, char **json, char *err, size_t errlen)
         json_array_append_new(workers, w);
     }
     json_object_set_new(o, "workers", workers);
+    if (d->workers) {
+        json_t *wl = moed_wl_json(&d->wl, d->workers, d->n_workers);
+        json_object_update(o, wl);
+        json_decref(wl);
+    }
     *json = json_dumps(o, JSON_COMPACT);
     json_decref(o);
     return *json ? 0 : moe_fail(err, errlen, -ENOMEM, "out of memory");
@@ -618,6 +627,8 @@ static int hook_metrics(void *user, char **text)
             ts.reads, ts.read_bytes, ts.read_errors, ts.evictions, ts.merged, ts.read_p50_ms / 1e3,
             ts.read_p99_ms / 1e3, ts.prefetch_reads, ts.prefetch_used);
     }
+    if (d->workers)
+        rc |= moed_wl_metrics(&d->wl, d->workers, d->n_workers, &b, &n, &cap);
     rc |= moe_buf_printf(&b, &n, &cap, "# HELP moed_profile_tokens Tokens the routing profile has learned from.\n"
                           "# TYPE moed_profile_tokens gauge\nmoed_profile_tokens %" PRIu64 "\n",
                           d->profile.tokens);
@@ -707,6 +718,12 @@ static void push_placement(struct daemon *d)
         eb[l] = moe_model_expert_bytes(&d->model, l);
     const uint64_t *by = moe_drift_counts(&d->drift) ? moe_drift_counts(&d->drift)
                                                       : d->profile.counts;
+    /* Two or more offloading GPU workers and enough keyed traffic: each its own hot set. */
+    if (moed_wl_place(&d->wl, d->workers, d->n_workers, &d->model, by)) {
+        free(eb);
+        free(bits);
+        return;
+    }
     int rc = moe_placement_compute(&pl, L, E, d->model.hp.n_expert_used, eb, by, slots_min, err,
                                    sizeof err);
     free(eb);
@@ -1063,6 +1080,14 @@ static int plan_tier(struct daemon *d, char *err, size_t errlen)
     return 0;
 }
 
+static uint32_t gpu_workers(const struct daemon *d)
+{
+    uint32_t n = 0;
+    for (uint32_t i = 0; i < d->n_workers; i++)
+        n += devices_gpu_index(d->devices[i]) >= 0;
+    return n;
+}
+
 /* Starts the workers once the store exists. Returns 0 or 1 (logged). */
 static int start_workers(struct daemon *d)
 {
@@ -1090,6 +1115,8 @@ static int start_workers(struct daemon *d)
         .vram_budget_set = c->vram_budget_set,
         .expert_residency = c->expert_residency,
         .cache_slots = c->cache_slots,
+        .route_signatures = c->route_signatures == CONFIG_ON ||
+                            (c->route_signatures == CONFIG_AUTO && gpu_workers(d) >= 2),
         .profile_counts = profile_counts,
         .store_fd = moe_store_fd(d->store),
         .store_size = moe_store_size(d->store),
@@ -1414,6 +1441,7 @@ static void cleanup(struct daemon *d)
         api_free(d->api);
     moe_profile_free(&d->profile);
     moe_drift_free(&d->drift);
+    moed_wl_free(&d->wl);
     moe_profile_db_close(d->db);
     moed_tier_free(d->tier);
     free(d->pool_fill);

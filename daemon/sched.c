@@ -18,6 +18,7 @@
 
 #include "proto/ipc.h"
 #include "store/err.h"
+#include "store/workload.h"
 
 #define MAX_ATTEMPTS 3       /* dispatches of one request before a worker crash fails it */
 #define QUEUE_TICK_MS 1000
@@ -44,6 +45,7 @@ struct sched_req {
     uint32_t attempts;
     uint64_t queued_at;      /* uv_now() when (re)queued */
     uint64_t last_tok_ns;    /* uv_hrtime() of its last token; 0: none yet */
+    uint64_t key;            /* workload key of its prompt (moe_wl_key); 0: none */
     bool finishing;
     struct sched_req *prev, *next;
 };
@@ -55,6 +57,9 @@ struct sched_req {
 #define AFF_BLOCK 32
 #define AFF_CAP 1024
 #define AFF_MAX_BLOCKS 256
+/* Workload keys the scheduler learns routing for (store/workload.h); the least recently used
+ * goes when a new one comes. */
+#define SCHED_WL_KEYS 64
 
 struct wstate {
     bool ready;
@@ -65,6 +70,7 @@ struct wstate {
     uint64_t last_sent;      /* dispatch counter value of its last request; 0: none */
     double gap_s;            /* seconds between a sequence's tokens, moving average; 0: none */
     uint32_t n_gaps;         /* gaps measured (the scheduler weighs the rate from SCHED_MIN_GAPS) */
+    uint8_t *hot;            /* the experts it pins ([n_layer][n_expert] bits); NULL: none known */
 };
 
 /* A worker's decode tokens/s per sequence (1 / its mean gap); 0: not measured. */
@@ -93,6 +99,8 @@ struct sched {
     uint64_t sent;           /* requests dispatched, for the workers' last_sent */
     char drain_msg[128];
     struct sched_stats st;
+    struct moe_wl_table wl;  /* workloads (cfg.n_layer, n_expert); wl.e NULL: none */
+    size_t hot_bytes;        /* a hot bitmap's size */
     void (*idle_cb)(void *user);
     void *idle_user;
     void (*close_cb)(void *user);
@@ -194,18 +202,35 @@ static bool aff_has(const struct wstate *w, uint64_t h)
     return false;
 }
 
+/* A free worker whose rate is measured within SCHED_SPEED_BAND of the fastest, or not yet. */
+static bool fast_free(const struct sched_cand *c, double fastest)
+{
+    return c->free && !(c->rate > 0.0 && c->rate * SCHED_SPEED_BAND < fastest);
+}
+
 int32_t sched_pick(const struct sched_cand *c, uint32_t n)
 {
     double fastest = 0.0;
     for (uint32_t i = 0; i < n; i++)
         if (c[i].free && c[i].rate > fastest)
             fastest = c[i].rate;
+    /* The longest affinity among the fast free workers, and the best coverage known among
+     * those: the rest is tie-breaking. */
+    int64_t aff = -1;
+    for (uint32_t i = 0; i < n; i++)
+        if (fast_free(&c[i], fastest) && (int64_t)c[i].affinity > aff)
+            aff = c[i].affinity;
+    double cover = -1.0;
+    for (uint32_t i = 0; i < n; i++)
+        if (fast_free(&c[i], fastest) && (int64_t)c[i].affinity == aff && c[i].coverage > cover)
+            cover = c[i].coverage;
     int32_t best = -1;
     for (uint32_t i = 0; i < n; i++) {
-        if (!c[i].free || (c[i].rate > 0.0 && c[i].rate * SCHED_SPEED_BAND < fastest))
+        if (!fast_free(&c[i], fastest) || (int64_t)c[i].affinity < aff ||
+            (c[i].coverage >= 0.0 && c[i].coverage < cover - SCHED_COVERAGE_MARGIN))
             continue;
-        bool take = best < 0 || c[i].affinity > c[best].affinity;
-        if (!take && c[i].affinity == c[best].affinity) {
+        bool take = best < 0;
+        if (!take) {
             const bool ui = c[i].rate <= 0.0, ub = c[best].rate <= 0.0;
             take = (ui && !ub) ||
                    (ui == ub && (c[i].n_free > c[best].n_free ||
@@ -218,10 +243,12 @@ int32_t sched_pick(const struct sched_cand *c, uint32_t n)
     return best;
 }
 
-/* The worker for the next request (sched_pick on what the scheduler knows of each). */
-static int32_t pick_worker(struct sched *s, const uint64_t *h, uint32_t nb)
+/* The worker for request r (sched_pick on what the scheduler knows of each). */
+static int32_t pick_worker(struct sched *s, const struct sched_req *r, const uint64_t *h,
+                           uint32_t nb)
 {
     struct sched_cand *cv = s->cand;
+    const struct moe_wl_entry *we = s->wl.e ? moe_wl_find(&s->wl, r->key) : NULL;
     for (uint32_t i = 0; i < s->cfg.n_workers; i++) {
         const struct wstate *w = &s->w[i];
         uint32_t k = 0;
@@ -229,7 +256,9 @@ static int32_t pick_worker(struct sched *s, const uint64_t *h, uint32_t nb)
         while (free && k < nb && aff_has(w, h[k]))
             k++;
         cv[i] = (struct sched_cand){free, k, free ? w->n_seq - w->running : 0,
-                                    w->n_gaps >= SCHED_MIN_GAPS ? wrate(w) : 0.0, w->last_sent};
+                                    w->n_gaps >= SCHED_MIN_GAPS ? wrate(w) : 0.0, w->last_sent,
+                                    free && we && w->hot ? moe_wl_coverage(&s->wl, we, w->hot)
+                                                         : -1.0};
     }
     return sched_pick(cv, s->cfg.n_workers);
 }
@@ -256,7 +285,7 @@ static void dispatch(struct sched *s)
     while (s->queue.head) {
         struct sched_req *r = s->queue.head;
         const uint32_t nb = block_hashes(r->prompt, r->n_prompt, h);
-        int32_t best = pick_worker(s, h, nb);
+        int32_t best = pick_worker(s, r, h, nb);
         if (best < 0)
             break;
         int rc = moed_workers_send_submit(s->ws, (uint32_t)best, r->id, r->prompt, r->n_prompt,
@@ -335,6 +364,15 @@ int sched_create(struct sched **out, uv_loop_t *loop, struct moed_workers *ws,
         return -ENOMEM;
     }
     s->cfg.eog = s->eog;
+    /* The workload table: keys seen in requests, with what their signatures taught. */
+    if (cfg->n_layer && cfg->n_expert && cfg->n_workers <= MOE_WL_MAX_WORKERS) {
+        int rc = moe_wl_init(&s->wl, cfg->n_layer, cfg->n_expert, cfg->n_workers, SCHED_WL_KEYS);
+        if (rc) {
+            sched_destroy(s);
+            return rc == -ENOMEM ? rc : -EINVAL;
+        }
+        s->hot_bytes = ((size_t)cfg->n_layer * cfg->n_expert + 7) / 8;
+    }
     uv_timer_init(loop, &s->timer);
     s->timer.data = s;
     uv_timer_start(&s->timer, on_tick, QUEUE_TICK_MS, QUEUE_TICK_MS);
@@ -372,6 +410,9 @@ void sched_destroy(struct sched *s)
             list_remove(&s->w[i].reqs, r);
             req_free(r);
         }
+    for (uint32_t i = 0; s->w && i < s->cfg.n_workers; i++)
+        free(s->w[i].hot);
+    moe_wl_free(&s->wl);
     free(s->w);
     free(s->cand);
     free(s->eog);
@@ -437,6 +478,7 @@ struct sched_req *sched_submit(struct sched *s, const struct sched_params *p, in
     r->cb = p->cb;
     r->user = p->user;
     r->worker = -1;
+    r->key = moe_wl_key(r->prompt, r->n_prompt);
     r->queued_at = uv_now(s->loop);
     list_push_back(&s->queue, r);
     s->n_queued++;
@@ -527,6 +569,8 @@ void sched_worker_lost(struct sched *s, uint32_t w, const char *why)
     struct wstate *ws = &s->w[w];
     ws->ready = false;
     ws->aff_n = ws->aff_pos = 0; /* a new process keeps no cache */
+    free(ws->hot);               /* nor its pinned experts */
+    ws->hot = NULL;
     /* Take the whole list first: callbacks below may submit or cancel other requests. */
     struct rlist lost = ws->reqs;
     ws->reqs.head = ws->reqs.tail = NULL;
@@ -611,12 +655,18 @@ const struct sched_logprob *sched_req_logprob(const struct sched_req *r)
 }
 
 void sched_worker_done(struct sched *s, uint32_t w, uint64_t id, int finish_reason,
-                       uint32_t n_prompt, uint32_t n_gen, uint32_t n_cached)
+                       uint32_t n_prompt, uint32_t n_gen, uint32_t n_cached, const uint32_t *sig,
+                       size_t n_sig)
 {
     struct sched_req *r = find(s, w, id);
     if (!r)
         return;
     req_detach(s, r);
+    /* What its prompt routed teaches its workload's entry (the table is bounded: a new key may
+     * push out the one unused longest). */
+    if (s->wl.e && r->key && n_sig == (size_t)s->wl.n_layer * s->wl.n_expert &&
+        n_cached <= n_prompt)
+        moe_wl_learn(&s->wl, r->key, w, sig, n_prompt - n_cached);
     r->n_cached = n_cached;
     s->st.prompt_tokens_total += n_prompt;
     r->finishing = true;
@@ -626,6 +676,31 @@ void sched_worker_done(struct sched *s, uint32_t w, uint64_t id, int finish_reas
     req_free(r);
     dispatch(s);
     check_idle(s);
+}
+
+void sched_worker_hot(struct sched *s, uint32_t w, const uint8_t *bits, size_t nbytes)
+{
+    if (w >= s->cfg.n_workers)
+        return;
+    struct wstate *ws = &s->w[w];
+    if (!bits || !s->hot_bytes || nbytes != s->hot_bytes) {
+        free(ws->hot);
+        ws->hot = NULL;
+        return;
+    }
+    if (!ws->hot && !(ws->hot = malloc(nbytes)))
+        return; /* placed as if it pinned nothing */
+    memcpy(ws->hot, bits, nbytes);
+}
+
+const uint8_t *sched_worker_hot_bits(const struct sched *s, uint32_t w)
+{
+    return w < s->cfg.n_workers ? s->w[w].hot : NULL;
+}
+
+struct moe_wl_table *sched_workloads(struct sched *s)
+{
+    return s->wl.e ? &s->wl : NULL;
 }
 
 uint32_t sched_req_cached(const struct sched_req *r)

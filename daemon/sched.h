@@ -113,4 +113,12 @@ struct sched_slot {
 /* Writes up to cap slots, worker by worker; returns how many there are. */
 size_t sched_slots(const struct sched *s, struct sched_slot *out, size_t cap);
 
+/* The workload table the routing signatures of finished requests teach (store/workload.h), or
+ * NULL when the scheduler has none (the model's shape not given). */
+struct moe_wl_table;
+struct moe_wl_table *sched_workloads(struct sched *s);
+
+/* The experts worker w pins as its last Metrics said ([n_layer][n_expert] bits), or NULL. */
+const uint8_t *sched_worker_hot_bits(const struct sched *s, uint32_t w);
+
 #endif

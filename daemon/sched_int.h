@@ -19,6 +19,9 @@ struct sched_config {
     uint32_t queue_wait_ms;
     const int32_t *eog;       /* copied */
     uint32_t n_eog;
+    /* The model's shape, for the workload table (store/workload.h) that routing signatures
+     * teach and that places requests by the experts they use; 0: no table. */
+    uint32_t n_layer, n_expert;
 };
 
 /* Returns 0 or -ENOMEM. */
@@ -38,8 +41,14 @@ void sched_worker_token(struct sched *s, uint32_t w, uint64_t id, int32_t token,
                         const struct sched_logprob *lp);
 void sched_worker_prompt_logprob(struct sched *s, uint32_t w, uint64_t id, uint32_t pos,
                                  int32_t token, const struct sched_logprob *lp);
+/* sig: the request's routing signature (n_sig = n_layer * n_expert counts, validated), or
+ * n_sig 0. */
 void sched_worker_done(struct sched *s, uint32_t w, uint64_t id, int finish_reason,
-                       uint32_t n_prompt, uint32_t n_gen, uint32_t n_cached);
+                       uint32_t n_prompt, uint32_t n_gen, uint32_t n_cached, const uint32_t *sig,
+                       size_t n_sig);
+/* The experts worker w pins ([n_layer][n_expert] bits, nbytes of them; copied), from its
+ * Metrics; NULL or a size that does not fit the model: none (a CPU worker, or not known). */
+void sched_worker_hot(struct sched *s, uint32_t w, const uint8_t *bits, size_t nbytes);
 void sched_worker_error(struct sched *s, uint32_t w, uint64_t id, int code, const char *msg);
 
 /* Stops accepting (503) and fails every queued request with 503 and msg. */
@@ -59,7 +68,14 @@ struct sched_cand {
     double rate;        /* measured decode tokens/s of one of its sequences (moving average over
                          * its recent tokens, at the load it had); 0: not measured yet */
     uint64_t last_sent; /* dispatch counter value of its last request; 0: none */
+    double coverage;    /* expected share of the request's routed experts pinned there (its
+                         * workload's typical routing against the worker's pinned experts,
+                         * moe_wl_coverage), 0..1; < 0: unknown (no workload entry for the
+                         * request, or the worker pins nothing it reported) */
 };
+
+/* Coverages within this of the best among the candidates count as equal. */
+#define SCHED_COVERAGE_MARGIN 0.05
 
 /* Workers whose measured rates are within this factor of the fastest count as equally fast:
  * wide enough for equal workers measured on a loaded machine, narrow against a CPU worker
@@ -69,9 +85,11 @@ struct sched_cand {
 /* The worker for a request among c[0..n), or -1 when none has a free slot. Among the free ones,
  * only the fast ones: a measured rate within SCHED_SPEED_BAND of the fastest (a GPU worker
  * before a CPU worker of the same daemon while it has slots), or not measured yet. Among those
- * the longest prefix affinity (a worker keeps the cache of what it ran); then a worker not
- * measured yet (so that each gets measured); then the most free slots; then the one unused
- * longest (so that conversations spread over equal workers and keep their caches). */
+ * the longest prefix affinity (a worker keeps the cache of what it ran, which saves more than
+ * any placement); then, of those, the ones whose coverage is unknown or within
+ * SCHED_COVERAGE_MARGIN of the best known (the worker pinning the request's experts); then a
+ * worker not measured yet (so that each gets measured); then the most free slots; then the one
+ * unused longest (so that conversations spread over equal workers and keep their caches). */
 int32_t sched_pick(const struct sched_cand *c, uint32_t n);
 
 /* Calls into the supervisor (daemon/supervisor.c). Return 0 or an error when the worker's

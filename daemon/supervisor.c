@@ -53,6 +53,8 @@ struct wslot {
     uint32_t hb_running;     /* requests in flight in the last Heartbeat */
     struct moed_worker_info info;
     struct moed_worker_offload off; /* arrays owned here; from the last Metrics */
+    uint8_t *own_place;      /* its own placement (complementary hot sets), or NULL: the common */
+    uint64_t *own_counts;
     struct errpipe *ep;      /* this incarnation's stderr, while open */
 };
 
@@ -277,15 +279,17 @@ static void on_exit_cb(uv_process_t *p, int64_t status, int term_signal)
 static void send_placement(struct wslot *w)
 {
     struct moed_workers *ws = w->ws;
-    if (!ws->placement || !w->conn)
+    const uint8_t *bits = w->own_place ? w->own_place : ws->placement;
+    const uint64_t *counts = w->own_place ? w->own_counts : ws->placement_counts;
+    if (!bits || !w->conn)
         return;
     Moed__SetPlacement p = MOED__SET_PLACEMENT__INIT;
     p.n_layer = ws->lim.n_layer;
     p.n_expert = ws->lim.n_expert;
-    p.hot.data = ws->placement;
+    p.hot.data = (uint8_t *)bits;
     p.hot.len = ws->placement_len;
-    if (ws->placement_counts) {
-        p.counts = ws->placement_counts;
+    if (counts) {
+        p.counts = (uint64_t *)counts;
         p.n_counts = (size_t)ws->lim.n_layer * ws->lim.n_expert;
     }
     Moed__Envelope env = MOED__ENVELOPE__INIT;
@@ -421,7 +425,8 @@ static int on_msg(struct moe_ipc_conn *c, void *user, const Moed__Envelope *env,
     case MOED__ENVELOPE__MSG_DONE:
         if (ws->sched)
             sched_worker_done(ws->sched, w->index, env->done->id, env->done->reason,
-                              env->done->n_prompt, env->done->n_gen, env->done->n_cached);
+                              env->done->n_prompt, env->done->n_gen, env->done->n_cached,
+                              env->done->signature, env->done->n_signature);
         return 0;
     case MOED__ENVELOPE__MSG_ERROR:
         if (env->error->id == 0) {
@@ -459,6 +464,9 @@ static int on_msg(struct moe_ipc_conn *c, void *user, const Moed__Envelope *env,
         if (env->metrics->vram_used)
             w->info.vram_used = env->metrics->vram_used;
         set_offload(w, env->metrics);
+        if (ws->sched)
+            sched_worker_hot(ws->sched, w->index, env->metrics->hot.len ? env->metrics->hot.data : NULL,
+                             env->metrics->hot.len);
         return 0;
     case MOED__ENVELOPE__MSG_HEARTBEAT:
         if (env->heartbeat->steps != w->hb_steps || env->heartbeat->running == 0)
@@ -722,6 +730,7 @@ static int slot_start(struct wslot *w, char *err, size_t errlen)
         h.vram_budget = ws->o.vram_budget_dev[gpu];
     h.expert_residency = ws->o.expert_residency;
     h.cache_slots = ws->o.cache_slots;
+    h.route_signatures = ws->o.route_signatures;
     const uint64_t *pc = ws->o.profile_counts ? ws->o.profile_counts(ws->o.user) : NULL;
     if (pc) {
         h.expert_counts = (uint64_t *)pc;
@@ -865,7 +874,8 @@ int moed_workers_start(uv_loop_t *loop, const struct moed_workers_opts *o,
                  o->devices && o->devices[i] ? o->devices[i] : "cpu");
     struct sched_config sc = {.n_workers = o->n_workers, .n_ctx = o->n_ctx,
                               .queue_max = ws->o.queue_max, .queue_wait_ms = ws->o.queue_wait_ms,
-                              .eog = o->eog, .n_eog = o->n_eog};
+                              .eog = o->eog, .n_eog = o->n_eog, .n_layer = o->n_layer,
+                              .n_expert = o->n_expert};
     if ((rc = sched_create(&ws->sched, loop, ws, &sc))) {
         moe_fail(err, errlen, rc, "out of memory");
         goto fail;
@@ -947,8 +957,10 @@ int moed_workers_info(const struct moed_workers *ws, uint32_t i, struct moed_wor
     return 0;
 }
 
-int moed_workers_set_placement(struct moed_workers *ws, const uint8_t *bitmap, size_t nbytes,
-                               const uint64_t *counts)
+/* Copies a placement of the model's size into *bits and *cc (NULL counts: none), freeing what
+ * they held. Returns 0, -EINVAL or -ENOMEM (nothing changed then). */
+static int placement_copy(const struct moed_workers *ws, const uint8_t *bitmap, size_t nbytes,
+                          const uint64_t *counts, uint8_t **bits, uint64_t **cc)
 {
     if (!ws->lim.n_layer || !ws->lim.n_expert)
         return -EINVAL;
@@ -956,23 +968,57 @@ int moed_workers_set_placement(struct moed_workers *ws, const uint8_t *bitmap, s
         return -EINVAL;
     const size_t nc = (size_t)ws->lim.n_layer * ws->lim.n_expert;
     uint8_t *copy = malloc(nbytes);
-    uint64_t *cc = counts ? malloc(sizeof *cc * nc) : NULL;
-    if (!copy || (counts && !cc)) {
+    uint64_t *ccopy = counts ? malloc(sizeof *ccopy * nc) : NULL;
+    if (!copy || (counts && !ccopy)) {
         free(copy);
-        free(cc);
+        free(ccopy);
         return -ENOMEM;
     }
     memcpy(copy, bitmap, nbytes);
-    if (cc)
-        memcpy(cc, counts, sizeof *cc * nc);
-    free(ws->placement);
-    free(ws->placement_counts);
-    ws->placement = copy;
+    if (ccopy)
+        memcpy(ccopy, counts, sizeof *ccopy * nc);
+    free(*bits);
+    free(*cc);
+    *bits = copy;
+    *cc = ccopy;
+    return 0;
+}
+
+static void own_placement_clear(struct wslot *w)
+{
+    free(w->own_place);
+    free(w->own_counts);
+    w->own_place = NULL;
+    w->own_counts = NULL;
+}
+
+int moed_workers_set_placement(struct moed_workers *ws, const uint8_t *bitmap, size_t nbytes,
+                               const uint64_t *counts)
+{
+    const int rc = placement_copy(ws, bitmap, nbytes, counts, &ws->placement, &ws->placement_counts);
+    if (rc)
+        return rc;
     ws->placement_len = nbytes;
-    ws->placement_counts = cc;
-    for (uint32_t i = 0; i < ws->o.n_workers; i++)
+    for (uint32_t i = 0; i < ws->o.n_workers; i++) {
+        own_placement_clear(&ws->slots[i]);
         if (ws->slots[i].state == MOED_WORKER_READY)
             send_placement(&ws->slots[i]);
+    }
+    return 0;
+}
+
+int moed_workers_set_placement_one(struct moed_workers *ws, uint32_t i, const uint8_t *bitmap,
+                                   size_t nbytes, const uint64_t *counts)
+{
+    if (i >= ws->o.n_workers)
+        return -EINVAL;
+    struct wslot *w = &ws->slots[i];
+    const int rc = placement_copy(ws, bitmap, nbytes, counts, &w->own_place, &w->own_counts);
+    if (rc)
+        return rc;
+    ws->placement_len = nbytes;
+    if (w->state == MOED_WORKER_READY)
+        send_placement(w);
     return 0;
 }
 
@@ -1155,6 +1201,7 @@ void moed_workers_free(struct moed_workers *ws)
     sched_destroy(ws->sched);
     for (uint32_t i = 0; i < ws->o.n_workers; i++) {
         off_clear(&ws->slots[i].off);
+        own_placement_clear(&ws->slots[i]);
         if (ws->slots[i].ep)
             errpipe_close(ws->slots[i].ep); /* no pointer into the slots may outlive them */
     }

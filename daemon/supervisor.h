@@ -64,6 +64,8 @@ struct moed_workers_opts {
     const bool *vram_budget_set;     /* [64] says so */
     double expert_residency;      /* GPU workers: share of experts in VRAM; 0: budget decides */
     int32_t cache_slots;          /* GPU workers: per-layer cache slots; 0 auto, -1 none */
+    bool route_signatures;        /* every worker's Done carries its request's routing signature,
+                                   * which teaches the scheduler's workload table (sched.h) */
 
     /* The expert store: a memfd passed to every worker with SCM_RIGHTS in its Hello frame.
      * store_fd < 0: no store; workers map model_path themselves. The fd stays owned by the
@@ -167,6 +169,12 @@ int moed_workers_info(const struct moed_workers *w, uint32_t i, struct moed_work
  * model) or -ENOMEM. */
 int moed_workers_set_placement(struct moed_workers *w, const uint8_t *bitmap, size_t nbytes,
                                const uint64_t *counts);
+
+/* The same for worker i alone (complementary hot sets): it keeps its own placement, also across
+ * restarts, until the next moed_workers_set_placement gives every worker the same again.
+ * Returns 0, -EINVAL (i or the size does not fit) or -ENOMEM. */
+int moed_workers_set_placement_one(struct moed_workers *w, uint32_t i, const uint8_t *bitmap,
+                                   size_t nbytes, const uint64_t *counts);
 
 /* Answers an ExpertRequest of worker i (see moed_tier_answer_fn). Dropped when the worker has
  * no connection. Returns 0 or -EINVAL. */

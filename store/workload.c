@@ -239,6 +239,7 @@ void moe_wl_plan_free(struct moe_wl_plan *p)
 struct planner {
     uint32_t L, E, W;
     size_t n;
+    const uint32_t *ids;      /* [W] each worker's index in the table, or NULL: w */
     uint32_t *slots;          /* [W][L] pinned experts per layer */
     double **mean;            /* [K][n] each planned key's typical request (hist / n) */
     double **wc;              /* [W][n] each worker's planned counts */
@@ -304,8 +305,9 @@ static uint32_t place_key(const struct planner *pl, const struct moe_wl_entry *e
             continue;
         if (pl->cov[(size_t)k * pl->W + w] < best_cov - WL_COVER_MARGIN)
             continue;
-        if (best < 0 || e->served[w] > e->served[best] ||
-            (e->served[w] == e->served[best] && load[w] < load[best]))
+        const double sw = e->served[pl->ids ? pl->ids[w] : w];
+        const double sb = best < 0 ? 0 : e->served[pl->ids ? pl->ids[best] : (uint32_t)best];
+        if (best < 0 || sw > sb || (sw == sb && load[w] < load[best]))
             best = (int32_t)w;
     }
     if (best >= 0)
@@ -318,14 +320,17 @@ static uint32_t place_key(const struct planner *pl, const struct moe_wl_entry *e
 }
 
 int moe_wl_plan(struct moe_wl_plan *out, const struct moe_wl_table *t, uint32_t n_workers,
-                const uint8_t *const *hot, const uint64_t *by)
+                const uint32_t *ids, const uint8_t *const *hot, const uint64_t *by)
 {
     memset(out, 0, sizeof *out);
     if (!n_workers || n_workers > MOE_WL_MAX_WORKERS || n_workers > t->n_workers)
         return MOE_ERANGE;
+    for (uint32_t w = 0; ids && w < n_workers; w++)
+        if (ids[w] >= t->n_workers)
+            return MOE_ERANGE;
     const uint32_t L = t->n_layer, E = t->n_expert, W = n_workers;
     const size_t n = (size_t)L * E;
-    struct planner pl = {.L = L, .E = E, .W = W, .n = n};
+    struct planner pl = {.L = L, .E = E, .W = W, .n = n, .ids = ids};
     const struct moe_wl_entry **order = calloc(t->n ? t->n : 1, sizeof *order);
     const double total = moe_wl_traffic(t);
     const uint32_t K = order ? plan_keys(t, order, total) : 0;

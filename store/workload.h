@@ -113,14 +113,16 @@ struct moe_wl_plan {
 };
 
 /* Plans complementary counts for n_workers GPU workers whose pinned experts are hot[w]
- * ([n_layer][n_expert] bits each; a worker's pinned count per layer is what the plan gives it),
- * from the table and the global counts `by` ([n_layer][n_expert], NULL: none). Not active (no
+ * ([n_layer][n_expert] bits each; a worker's pinned count per layer is what the plan gives it)
+ * and whose index in the table (moe_wl_learn's worker) is ids[w] (NULL: w), from the table and
+ * the global counts `by` ([n_layer][n_expert], NULL: none). Not active (no
  * counts, why says so) with fewer than two workers, fewer than MOE_WL_MIN_REQUESTS keyed
  * requests learned, or fewer than two keys with MOE_WL_MIN_SHARE of the traffic; the expected
  * hit rates are computed whenever there are keys. Deterministic: the same table and inputs give
- * the same plan. Returns 0, MOE_ERANGE (workers out of range) or -ENOMEM; *out is then freed. */
+ * the same plan. Returns 0, MOE_ERANGE (workers or ids out of range) or -ENOMEM; *out is then
+ * freed. */
 int moe_wl_plan(struct moe_wl_plan *out, const struct moe_wl_table *t, uint32_t n_workers,
-                const uint8_t *const *hot, const uint64_t *by);
+                const uint32_t *ids, const uint8_t *const *hot, const uint64_t *by);
 void moe_wl_plan_free(struct moe_wl_plan *p);
 
 /* The experts a worker pins from routing counts: per layer, as many as slots[l] of those with a

@@ -503,7 +503,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
             sched_worker_error(sched, 0, s->id, MOE_EINTERNAL, "fuzzed failure");
         } else {
             sched_worker_done(sched, 0, s->id, eog ? 0 : end_how == 1 || n_gen >= s->max_tokens,
-                              s->n_prompt, n_gen, 0);
+                              s->n_prompt, n_gen, 0, NULL, 0);
         }
         if (c->overflow)
             conn_abort(c);

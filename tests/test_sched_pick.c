@@ -3,7 +3,7 @@
 #include "daemon/sched_int.h"
 #include "tests/harness.h"
 
-#define CAND(fr, aff, nfree, rate, last) ((struct sched_cand){fr, aff, nfree, rate, last})
+#define CAND(fr, aff, nfree, rate, last) ((struct sched_cand){fr, aff, nfree, rate, last, -1.0})
 
 TEST(sched_pick_none_free)
 {
@@ -57,4 +57,42 @@ TEST(sched_pick_equal_workers_keep_affinity_then_spread)
     CHECK_EQ(sched_pick(c, 3), 0);
     c[0].rate = 25.0;
     CHECK_EQ(sched_pick(c, 3), 1);
+}
+
+/* Expected coverage (the share of the request's routed experts a worker pins): after prefix
+ * affinity, a worker whose coverage is more than SCHED_COVERAGE_MARGIN below the best known is
+ * left out; within the margin, and for workers whose coverage is unknown, the old tie-breakers
+ * decide. */
+TEST(sched_pick_prefers_the_worker_pinning_the_request_experts)
+{
+    struct sched_cand c[3] = {CAND(true, 0, 4, 100.0, 1), CAND(true, 0, 1, 100.0, 9),
+                              CAND(true, 0, 2, 100.0, 5)};
+    CHECK_EQ(sched_pick(c, 3), 0); /* unknown everywhere: most free slots */
+    c[0].coverage = 0.5, c[1].coverage = 0.9, c[2].coverage = 0.3;
+    CHECK_EQ(sched_pick(c, 3), 1); /* though it has the fewest free slots */
+    c[0].coverage = 0.87;          /* within the margin: the tie-breakers again */
+    CHECK_EQ(sched_pick(c, 3), 0);
+    c[0].coverage = -1.0; /* unknown stays in; the known 0.3 goes */
+    c[1].n_free = 4;
+    CHECK_EQ(sched_pick(c, 3), 0); /* 0 and 1 tie on slots: unused longest */
+    c[2].n_free = 9;
+    CHECK_EQ(sched_pick(c, 3), 0);
+    /* Prefix affinity first: the KV cache saves more than the placement. */
+    c[2] = CAND(true, 3, 1, 100.0, 5);
+    c[2].coverage = 0.1;
+    CHECK_EQ(sched_pick(c, 3), 2);
+    /* Among the longest affinity only: the worker with 0.99 and no prefix does not count. */
+    c[0] = CAND(true, 3, 4, 100.0, 1);
+    c[0].coverage = 0.3;
+    c[1].coverage = 0.99;
+    c[2].coverage = 0.4;
+    CHECK_EQ(sched_pick(c, 3), 2);
+    /* Speed before both: a CPU worker beside a GPU worker that pins little. */
+    struct sched_cand d[2] = {CAND(true, 0, 1, 300.0, 9), CAND(true, 0, 4, 15.0, 1)};
+    d[0].coverage = 0.2;
+    CHECK_EQ(sched_pick(d, 2), 0);
+    /* A full worker's coverage counts for nothing. */
+    d[1] = CAND(false, 0, 0, 300.0, 1);
+    d[1].coverage = 0.9;
+    CHECK_EQ(sched_pick(d, 2), 0);
 }

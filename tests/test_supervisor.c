@@ -15,10 +15,12 @@
 
 #include "daemon/sched.h"
 #include "daemon/supervisor.h"
+#include "proto/ipc.h"
 #include "store/err.h"
 #include "store/expert_store.h"
 #include "store/gguf.h"
 #include "store/model.h"
+#include "store/workload.h"
 #include "tests/harness.h"
 #include "tests/ipc_test.h"
 
@@ -704,4 +706,114 @@ TEST_TIMEOUT(supervisor_workers_share_the_expert_store, 120)
     moe_store_close(st);
     moe_model_free(&m);
     gguf_close(g);
+}
+
+/* Routing signatures (route_signatures): each Done carries its request's, and the scheduler's
+ * workload table learns the requests' keys (the prompt's first 32 tokens) from them: two
+ * workloads, two requests each, both keys with both requests and the prompt tokens the workers
+ * evaluated; a prompt shorter than a key teaches nothing. CPU workers pin nothing. */
+TEST_TIMEOUT(supervisor_learns_workloads_from_signatures, 120)
+{
+    struct ctx c = {0};
+    struct moed_workers_opts o;
+    base_opts(&c, &o, 2, 2, 256);
+    o.route_signatures = true;
+    start(&c, &o, true);
+    int32_t p[2][48], tiny[5] = {1, 2, 3, 4, 5};
+    for (int a = 0; a < 2; a++)
+        for (int i = 0; i < 48; i++)
+            p[a][i] = (int32_t)((a * 1543 + i * 97 + 11) % 4096);
+    struct treq t[5];
+    for (int r = 0; r < 4; r++) {
+        p[r % 2][47] = (int32_t)(100 + r); /* same key, another ending */
+        submit(&c, &t[r], p[r % 2], 48, 3);
+        RUN_UNTIL(&c, t[r].done || t[r].failed, 60);
+        CHECK_MSG(t[r].done, "%s", t[r].msg);
+    }
+    submit(&c, &t[4], tiny, 5, 3);
+    RUN_UNTIL(&c, t[4].done || t[4].failed, 60);
+    struct moe_wl_table *wl = sched_workloads(c.s);
+    CHECK(wl);
+    CHECK_EQ(wl->n, 2);
+    CHECK_EQ(wl->requests, 4);
+    for (int a = 0; a < 2; a++) {
+        const struct moe_wl_entry *e = moe_wl_find(wl, moe_wl_key(p[a], 48));
+        CHECK(e);
+        CHECK_EQ(e->requests, 2);
+        CHECK(e->tokens >= 48 + 1); /* the second continued from the first one's cache, or not */
+        CHECK(e->n > 0);
+        double sum = 0;
+        for (uint32_t x = 0; x < 16; x++)
+            sum += e->hist[x];
+        CHECK(sum > 0);
+    }
+    CHECK(!sched_worker_hot_bits(c.s, 0) && !sched_worker_hot_bits(c.s, 1));
+    stop(&c);
+}
+
+/* A worker whose Done carries a malformed signature, or whose Metrics a malformed hot bitmap,
+ * is a protocol violation: its connection is closed with the field named, it is restarted, and
+ * the daemon goes on. The "worker" sends a Ready of the model's shape and then the bad frame. */
+static void bad_frame_worker(const Moed__Envelope *bad, const char *want)
+{
+    uint8_t *f1 = NULL, *f2 = NULL;
+    size_t n1 = 0, n2 = 0;
+    char err[256];
+    Moed__Ready r = MOED__READY__INIT;
+    r.protocol_version = MOE_IPC_PROTOCOL_VERSION;
+    r.n_seq = 1;
+    r.n_ctx = 64;
+    r.n_vocab = 4160;
+    r.n_layer = 3;
+    r.n_expert = 16;
+    Moed__Envelope env = MOED__ENVELOPE__INIT;
+    env.msg_case = MOED__ENVELOPE__MSG_READY;
+    env.ready = &r;
+    CHECK_EQ(moe_ipc_encode(&env, 0, &f1, &n1, err, sizeof err), 0);
+    CHECK_EQ(moe_ipc_encode(bad, 0, &f2, &n2, err, sizeof err), 0);
+    char path[512];
+    snprintf(path, sizeof path, "%s/frames.bin", moe_test_tmpdir());
+    uint8_t *all = malloc(n1 + n2);
+    CHECK(all);
+    memcpy(all, f1, n1);
+    memcpy(all + n1, f2, n2);
+    moe_test_write_file(path, all, n1 + n2);
+    free(all), free(f1), free(f2);
+    char body[700];
+    snprintf(body, sizeof body, "cat '%s' >&3\nexec sleep 30\n", path);
+
+    struct ctx c = {0};
+    struct moed_workers_opts o;
+    base_opts(&c, &o, 1, 1, 64);
+    o.worker_bin = moe_test_script("bad-frame-worker.sh", body);
+    start(&c, &o, false);
+    struct moed_worker_info inf;
+    RUN_UNTIL(&c, (moed_workers_info(c.ws, 0, &inf), inf.restarts >= 2), 20);
+    CHECK_MSG(strstr(inf.last_error, "rejected") && strstr(inf.last_error, want), "%s",
+              inf.last_error);
+    stop(&c);
+}
+
+TEST_TIMEOUT(supervisor_rejects_a_malformed_signature_or_hot_bitmap, 90)
+{
+    uint32_t sig[48] = {0};
+    Moed__Done d = MOED__DONE__INIT;
+    d.id = 1;
+    d.n_prompt = 10;
+    d.signature = sig;
+    d.n_signature = 47; /* not 3 x 16 */
+    Moed__Envelope env = MOED__ENVELOPE__INIT;
+    env.msg_case = MOED__ENVELOPE__MSG_DONE;
+    env.done = &d;
+    bad_frame_worker(&env, "done.signature has 47 counts");
+    d.n_signature = 48;
+    sig[20] = 11; /* more than the 10 prompt tokens */
+    bad_frame_worker(&env, "done.signature[20] = 11");
+    uint8_t hot[7] = {0};
+    Moed__Metrics m = MOED__METRICS__INIT;
+    m.hot.data = hot;
+    m.hot.len = 7; /* 48 bits are 6 bytes */
+    env.msg_case = MOED__ENVELOPE__MSG_METRICS;
+    env.metrics = &m;
+    bad_frame_worker(&env, "metrics.hot has 7 bytes");
 }

@@ -161,7 +161,7 @@ TEST(workload_plan_complementary_sets)
     hot_identical(hot, profile);
     const uint8_t *hp[2] = {hot[0], hot[1]};
     struct moe_wl_plan p;
-    CHECK_EQ(moe_wl_plan(&p, &t, 2, hp, profile), 0);
+    CHECK_EQ(moe_wl_plan(&p, &t, 2, NULL, hp, profile), 0);
     CHECK_MSG(p.active, "%s", p.why);
     CHECK_EQ(p.n_keys, 2);
     CHECK_NEAR(p.hit_identical, 0.5, 0.05);
@@ -189,7 +189,7 @@ TEST(workload_plan_complementary_sets)
     }
     /* Deterministic. */
     struct moe_wl_plan q;
-    CHECK_EQ(moe_wl_plan(&q, &t, 2, hp, profile), 0);
+    CHECK_EQ(moe_wl_plan(&q, &t, 2, NULL, hp, profile), 0);
     for (int w = 0; w < 2; w++)
         CHECK(memcmp(p.counts[w], q.counts[w], sizeof(uint64_t) * N) == 0);
     moe_wl_plan_free(&q);
@@ -199,7 +199,7 @@ TEST(workload_plan_complementary_sets)
     moe_wl_pinned_by(L, E, slots, p.counts[0], now[0]);
     moe_wl_pinned_by(L, E, slots, p.counts[1], now[1]);
     const uint8_t *np[2] = {now[0], now[1]};
-    CHECK_EQ(moe_wl_plan(&q, &t, 2, np, profile), 0);
+    CHECK_EQ(moe_wl_plan(&q, &t, 2, NULL, np, profile), 0);
     for (int k = 0; k < 2; k++)
         CHECK(q.assign[k * 2 + owner[k]] > 0 && q.assign[k * 2 + 1 - owner[k]] == 0);
     CHECK(q.hit_complementary > 0.95);
@@ -219,16 +219,16 @@ TEST(workload_plan_needs_two_workers_and_keyed_traffic)
     learn_two_workloads(&t, profile, 4); /* 8 requests */
     hot_identical(hot, profile);
     const uint8_t *hp[2] = {hot[0], hot[1]};
-    CHECK_EQ(moe_wl_plan(&p, &t, 2, hp, profile), 0);
+    CHECK_EQ(moe_wl_plan(&p, &t, 2, NULL, hp, profile), 0);
     CHECK(!p.active && strstr(p.why, "keyed requests"));
     CHECK_NEAR(p.hit_complementary, p.hit_identical, 1e-12);
     CHECK(!p.counts);
     moe_wl_plan_free(&p);
     learn_two_workloads(&t, profile, 20);
-    CHECK_EQ(moe_wl_plan(&p, &t, 1, hp, profile), 0);
+    CHECK_EQ(moe_wl_plan(&p, &t, 1, NULL, hp, profile), 0);
     CHECK(!p.active && strstr(p.why, "two GPU workers"));
     moe_wl_plan_free(&p);
-    CHECK_EQ(moe_wl_plan(&p, &t, 3, (const uint8_t *const[3]){hot[0], hot[1], hot[1]}, profile),
+    CHECK_EQ(moe_wl_plan(&p, &t, 3, NULL, (const uint8_t *const[3]){hot[0], hot[1], hot[1]}, profile),
              MOE_ERANGE);
     moe_wl_free(&t);
 
@@ -237,7 +237,7 @@ TEST(workload_plan_needs_two_workers_and_keyed_traffic)
     sig_of(sig, 0, 4, 20);
     for (int i = 0; i < 60; i++)
         CHECK_EQ(moe_wl_learn(&t, 0xa, 0, sig, 20), 0);
-    CHECK_EQ(moe_wl_plan(&p, &t, 2, hp, profile), 0);
+    CHECK_EQ(moe_wl_plan(&p, &t, 2, NULL, hp, profile), 0);
     CHECK(!p.active && strstr(p.why, "two keys"));
     moe_wl_plan_free(&p);
     moe_wl_free(&t);
@@ -263,7 +263,7 @@ TEST(workload_plan_balances_the_traffic)
     hot_identical(hot, profile);
     const uint8_t *hp[2] = {hot[0], hot[1]};
     struct moe_wl_plan p;
-    CHECK_EQ(moe_wl_plan(&p, &t, 2, hp, profile), 0);
+    CHECK_EQ(moe_wl_plan(&p, &t, 2, NULL, hp, profile), 0);
     CHECK_MSG(p.active, "%s", p.why);
     CHECK_EQ(p.n_keys, 4);
     CHECK_EQ(p.key[0], 0x100);
@@ -289,7 +289,7 @@ TEST(workload_plan_balances_the_traffic)
             profile[x] += sig[x];
     }
     hot_identical(hot, profile);
-    CHECK_EQ(moe_wl_plan(&p, &t, 2, hp, profile), 0);
+    CHECK_EQ(moe_wl_plan(&p, &t, 2, NULL, hp, profile), 0);
     CHECK(p.active);
     CHECK_NEAR(p.load[0], 0.5, 0.01);
     CHECK_NEAR(p.load[1], 0.5, 0.01);
