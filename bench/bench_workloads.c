@@ -49,7 +49,7 @@ static const struct {
     {"documentation",
      "You are the assistant of an inference server's operators. Read the passage of its "
      "documentation below and explain it, settings and numbers included.",
-     {"docs/offload.md", "docs/store.md", "docs/operations.md", NULL},
+     {"docs/gguf.md", "docs/kernels.md", "docs/tokenizer.md", NULL},
      2},
     {"C code",
      "You review C code for a server that runs language models. Read the lines of the source "

@@ -1978,6 +1978,86 @@ TEST_TIMEOUT(daemon_routes_to_the_worker_with_the_prefix, 120)
 }
 
 
+/* GET path on the daemon's socket as JSON (status 200). */
+static json_t *get_json(const char *sock, const char *path)
+{
+    struct hc_resp r;
+    CHECK(hc_request_unix(sock, "GET", path, NULL, &r, 5000) == 0);
+    CHECK_MSG(r.status == 200, "%s: %d", path, r.status);
+    json_t *j = json_loads(r.body, 0, NULL);
+    CHECK(j);
+    hc_resp_free(&r);
+    return j;
+}
+
+static double metric_value(const char *text, const char *name);
+
+/* Routing signatures (--route-signatures on, CPU workers): each Done carries its request's, the
+ * daemon's workload table learns the keys (the prompt's first 32 tokens) of finished requests,
+ * and /admin/placement and /metrics show them; CPU workers pin nothing, so the hot sets stay
+ * identical, and a prompt shorter than a key teaches nothing. Without the option (auto, no GPU
+ * worker) nothing is learned. */
+TEST_TIMEOUT(daemon_learns_workloads_from_route_signatures, 120)
+{
+    const char *dir = moe_test_tmpdir();
+    struct moed d;
+    const char *args[] = {"--devices", "cpu", "--workers", "2", "--parallel", "2", "--threads",
+                          "1", "--route-signatures", "on", NULL};
+    moed_start(&d, dir, args);
+    enum { N = 44 };
+    int32_t a[N], b[N], tiny[6] = {5, 6, 7, 8, 9, 10};
+    for (int i = 0; i < N; i++) {
+        a[i] = 100 + (i * 37) % 3000;
+        b[i] = 200 + (i * 53) % 3000;
+    }
+    int64_t cached;
+    for (int r = 0; r < 3; r++) {
+        a[N - 1] = b[N - 1] = 400 + r; /* same heads, other endings */
+        free(complete_ids(d.sock, a, N, &cached));
+        free(complete_ids(d.sock, b, N, &cached));
+    }
+    free(complete_ids(d.sock, tiny, 6, &cached));
+    json_t *j = get_json(d.sock, "/admin/placement");
+    json_t *wl = json_object_get(j, "workloads");
+    CHECK_EQ(json_integer_value(json_object_get(wl, "keys")), 2);
+    CHECK_EQ(json_integer_value(json_object_get(wl, "requests")), 6);
+    CHECK_EQ(json_integer_value(json_object_get(wl, "key_tokens")), 32);
+    size_t i;
+    json_t *e;
+    double shares = 0;
+    json_array_foreach(json_object_get(wl, "entries"), i, e) {
+        CHECK_EQ(strlen(json_string_value(json_object_get(e, "key"))), 16);
+        CHECK_EQ(json_integer_value(json_object_get(e, "requests")), 3);
+        /* The first of each evaluated its whole prompt; the others continued from it. */
+        CHECK(json_integer_value(json_object_get(e, "prompt_tokens")) >= N + 2);
+        CHECK_EQ(json_array_size(json_object_get(e, "served")), 2);
+        CHECK(json_is_null(json_array_get(json_object_get(e, "coverage"), 0)));
+        shares += json_number_value(json_object_get(e, "traffic_share"));
+    }
+    CHECK_NEAR(shares, 1.0, 1e-9);
+    json_t *c = json_object_get(j, "complementary");
+    CHECK(json_is_false(json_object_get(c, "active")));
+    CHECK(strstr(json_string_value(json_object_get(c, "why")), "GPU worker"));
+    CHECK(json_is_null(json_object_get(json_array_get(json_object_get(j, "workers"), 0),
+                                       "hot_experts")));
+    json_decref(j);
+    struct hc_resp r;
+    CHECK(hc_request_unix(d.sock, "GET", "/metrics", NULL, &r, 5000) == 0);
+    CHECK_EQ(metric_value(r.body, "moed_workload_keys"), 2);
+    CHECK_EQ(metric_value(r.body, "moed_workload_requests_total"), 6);
+    CHECK_EQ(metric_value(r.body, "moed_placement_complementary"), 0);
+    hc_resp_free(&r);
+    CHECK_EQ(moed_stop(&d, 60), 0);
+
+    const char *plain[] = {"--devices", "cpu", "--workers", "1", NULL};
+    moed_start(&d, moe_test_tmpdir(), plain);
+    free(complete_ids(d.sock, a, N, &cached));
+    j = get_json(d.sock, "/admin/placement");
+    CHECK_EQ(json_integer_value(json_object_get(json_object_get(j, "workloads"), "requests")), 0);
+    json_decref(j);
+    CHECK_EQ(moed_stop(&d, 60), 0);
+}
+
 /* Time to first token and inter-token latency are Prometheus histograms: one TTFT observation
  * per generation, one ITL per token after the first, cumulative buckets ending at the count. */
 TEST_TIMEOUT(daemon_latency_histograms, 120)
