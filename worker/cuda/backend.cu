@@ -3156,7 +3156,7 @@ static int end_step(struct cuda_backend *b, float *out, int32_t *tokens)
         cudaGraph_t g;
         b->capturing = false;
         CU(b, cudaStreamEndCapture(b->st, &g));
-        if (b->n == 1 && b->n_out == 1) {
+        if (b->n == 1 && b->n_out == 1 && !b->record) {
             size_t nn = 0;
             if (cudaGraphGetNodes(g, NULL, &nn) == cudaSuccess)
                 b->nodes_b1 = nn;
