@@ -300,3 +300,35 @@ TEST(workload_plan_balances_the_traffic)
     moe_wl_plan_free(&p);
     moe_wl_free(&t);
 }
+
+/* A plan over some of the table's workers (ids: their indexes in the table): a key's worker is
+ * found through them. */
+TEST(workload_plan_over_some_workers)
+{
+    struct moe_wl_table t;
+    CHECK_EQ(moe_wl_init(&t, L, E, 3, 8), 0);
+    uint64_t profile[N] = {0};
+    uint32_t sig[N];
+    for (int i = 0; i < 40; i++) {
+        const int k = i % 2;
+        sig_of(sig, (uint32_t)(8 * k), 4, 8);
+        /* key 0x300 served by table worker 2, key 0x301 by table worker 0 */
+        CHECK_EQ(moe_wl_learn(&t, 0x300 + (uint64_t)k, k ? 0 : 2, sig, 8), 0);
+        for (size_t x = 0; x < N; x++)
+            profile[x] += sig[x];
+    }
+    uint8_t hot[2][4];
+    hot_identical(hot, profile);
+    const uint8_t *hp[2] = {hot[0], hot[1]};
+    const uint32_t ids[2] = {2, 0};
+    struct moe_wl_plan p;
+    CHECK_EQ(moe_wl_plan(&p, &t, 2, (const uint32_t[2]){2, 3}, hp, profile), MOE_ERANGE);
+    CHECK_EQ(moe_wl_plan(&p, &t, 2, ids, hp, profile), 0);
+    CHECK_MSG(p.active, "%s", p.why);
+    for (uint32_t k = 0; k < p.n_keys; k++) {
+        const uint32_t want = p.key[k] == 0x300 ? 0 : 1; /* plan worker of table worker 2, 0 */
+        CHECK_NEAR(p.assign[k * 2 + want], p.key_share[k], 1e-9);
+    }
+    moe_wl_plan_free(&p);
+    moe_wl_free(&t);
+}
