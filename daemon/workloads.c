@@ -197,11 +197,15 @@ int moed_wl_metrics(const struct moed_wl *st, struct moed_workers *ws, uint32_t 
     int rc = 0;
     if (!t)
         return 0;
-    rc |= moe_buf_printf(b, n, cap, "# HELP moed_worker_hot_experts Experts the GPU worker pins "
-                         "in VRAM (every expert of a layer held whole).\n"
-                         "# TYPE moed_worker_hot_experts gauge\n");
+    bool header = false;
     for (uint32_t i = 0; i < n_workers; i++) {
         const int64_t h = moed_wl_hot_experts(ws, i);
+        if (h >= 0 && !header) {
+            rc |= moe_buf_printf(b, n, cap, "# HELP moed_worker_hot_experts Experts the GPU worker "
+                                 "pins in VRAM (every expert of a layer held whole).\n"
+                                 "# TYPE moed_worker_hot_experts gauge\n");
+            header = true;
+        }
         if (h >= 0)
             rc |= moe_buf_printf(b, n, cap, "moed_worker_hot_experts{worker=\"%u\"} %" PRId64 "\n",
                                  i, h);
