@@ -6,6 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "store/workload.h"
 #include "tests/engine_test.h"
 #include "tests/gpu/gpu_test.h"
 
@@ -110,7 +111,8 @@ TEST_TIMEOUT(cuda_route_signature_equals_the_routing_counts, 300)
 }
 
 /* The bitmap: every expert of a layer held whole, the pinned ones of an offloaded layer (as
- * many as its pinned slots), none without offload (returns 0). */
+ * many as its pinned slots), none without offload (returns 0); after a live re-pinning by other
+ * counts, the experts the daemon's plan expects a worker to pin from them (moe_wl_pinned_by). */
 TEST_TIMEOUT(cuda_hot_experts_are_the_pinned_slots, 300)
 {
     need_gpu();
@@ -137,6 +139,27 @@ TEST_TIMEOUT(cuda_hot_experts_are_the_pinned_slots, 300)
         pinned += pl[l].slots < E ? pl[l].hot : 0;
     }
     CHECK(pinned > 0);
+    const size_t n = (size_t)L * E;
+    uint64_t *c2 = malloc(sizeof *c2 * n);
+    uint8_t *want = calloc((n + 7) / 8, 1);
+    uint32_t *slots = malloc(sizeof *slots * L);
+    CHECK(c2 && want && slots);
+    for (size_t i = 0; i < n; i++)
+        c2[i] = (i * 40503u) % 997 + 1;
+    uint32_t pending = 0;
+    for (int guard = 0; guard < 100; guard++) {
+        CHECK_MSG(moe_engine_set_hot(e, c2, 8, &pending) == 0, "%s", moe_engine_errmsg(e));
+        if (!pending)
+            break;
+    }
+    CHECK_EQ(pending, 0);
+    CHECK_EQ(moe_engine_offload_stats(e, &st, pl), 0);
+    for (uint32_t l = 0; l < L; l++)
+        slots[l] = pl[l].slots >= E ? E : pl[l].hot;
+    moe_wl_pinned_by(L, E, slots, c2, want);
+    CHECK_EQ(moe_engine_hot_experts(e, bits), 1);
+    CHECK(memcmp(bits, want, (n + 7) / 8) == 0);
+    free(c2), free(want), free(slots);
     moe_engine_free(e);
     free(bits), free(pl);
     test_model_close(&tm);
