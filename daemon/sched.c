@@ -57,6 +57,8 @@ struct sched_req {
 #define AFF_BLOCK 32
 #define AFF_CAP 1024
 #define AFF_MAX_BLOCKS 256
+_Static_assert(SCHED_WEAK_AFFINITY * AFF_BLOCK >= MOE_WL_KEY_TOKENS,
+               "an affinity that only repeats the workload key's tokens is weak (sched_pick)");
 /* Workload keys the scheduler learns routing for (store/workload.h); the least recently used
  * goes when a new one comes. */
 #define SCHED_WL_KEYS 64
@@ -208,29 +210,35 @@ static bool fast_free(const struct sched_cand *c, double fastest)
     return c->free && !(c->rate > 0.0 && c->rate * SCHED_SPEED_BAND < fastest);
 }
 
+/* A candidate's affinity where it outranks coverage (SCHED_WEAK_AFFINITY), else 0. */
+static uint32_t strong_affinity(const struct sched_cand *c)
+{
+    return c->affinity > SCHED_WEAK_AFFINITY ? c->affinity : 0;
+}
+
 int32_t sched_pick(const struct sched_cand *c, uint32_t n)
 {
     double fastest = 0.0;
     for (uint32_t i = 0; i < n; i++)
         if (c[i].free && c[i].rate > fastest)
             fastest = c[i].rate;
-    /* The longest affinity among the fast free workers, and the best coverage known among
-     * those: the rest is tie-breaking. */
-    int64_t aff = -1;
+    /* The longest strong affinity among the fast free workers, and the best coverage known
+     * among those: the rest is tie-breaking. */
+    uint32_t aff = 0;
     for (uint32_t i = 0; i < n; i++)
-        if (fast_free(&c[i], fastest) && (int64_t)c[i].affinity > aff)
-            aff = c[i].affinity;
+        if (fast_free(&c[i], fastest) && strong_affinity(&c[i]) > aff)
+            aff = strong_affinity(&c[i]);
     double cover = -1.0;
     for (uint32_t i = 0; i < n; i++)
-        if (fast_free(&c[i], fastest) && (int64_t)c[i].affinity == aff && c[i].coverage > cover)
+        if (fast_free(&c[i], fastest) && strong_affinity(&c[i]) == aff && c[i].coverage > cover)
             cover = c[i].coverage;
     int32_t best = -1;
     for (uint32_t i = 0; i < n; i++) {
-        if (!fast_free(&c[i], fastest) || (int64_t)c[i].affinity < aff ||
+        if (!fast_free(&c[i], fastest) || strong_affinity(&c[i]) < aff ||
             (c[i].coverage >= 0.0 && c[i].coverage < cover - SCHED_COVERAGE_MARGIN))
             continue;
-        bool take = best < 0;
-        if (!take) {
+        bool take = best < 0 || c[i].affinity > c[best].affinity;
+        if (!take && c[i].affinity == c[best].affinity) {
             const bool ui = c[i].rate <= 0.0, ub = c[best].rate <= 0.0;
             take = (ui && !ub) ||
                    (ui == ub && (c[i].n_free > c[best].n_free ||

@@ -77,6 +77,11 @@ struct sched_cand {
 /* Coverages within this of the best among the candidates count as equal. */
 #define SCHED_COVERAGE_MARGIN 0.05
 
+/* Prefix affinity of at most this many blocks does not outrank coverage: it is the workload
+ * key's own tokens (a shared system prompt's first block), whose reuse saves one block of
+ * prefill, while a worker pinning the workload's experts saves host reads on every token. */
+#define SCHED_WEAK_AFFINITY 1
+
 /* Workers whose measured rates are within this factor of the fastest count as equally fast:
  * wide enough for equal workers measured on a loaded machine, narrow against a CPU worker
  * beside a GPU one (10x and more). */
@@ -85,11 +90,12 @@ struct sched_cand {
 /* The worker for a request among c[0..n), or -1 when none has a free slot. Among the free ones,
  * only the fast ones: a measured rate within SCHED_SPEED_BAND of the fastest (a GPU worker
  * before a CPU worker of the same daemon while it has slots), or not measured yet. Among those
- * the longest prefix affinity (a worker keeps the cache of what it ran, which saves more than
- * any placement); then, of those, the ones whose coverage is unknown or within
- * SCHED_COVERAGE_MARGIN of the best known (the worker pinning the request's experts); then a
- * worker not measured yet (so that each gets measured); then the most free slots; then the one
- * unused longest (so that conversations spread over equal workers and keep their caches). */
+ * the longest prefix affinity of more than SCHED_WEAK_AFFINITY blocks (a worker keeps the cache
+ * of the conversation it ran, which saves more than any placement); then, of those, the ones
+ * whose coverage is unknown or within SCHED_COVERAGE_MARGIN of the best known (the worker
+ * pinning the request's experts); then the longest affinity; then a worker not measured yet (so
+ * that each gets measured); then the most free slots; then the one unused longest (so that
+ * conversations spread over equal workers and keep their caches). */
 int32_t sched_pick(const struct sched_cand *c, uint32_t n);
 
 /* Calls into the supervisor (daemon/supervisor.c). Return 0 or an error when the worker's

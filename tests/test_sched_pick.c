@@ -87,6 +87,25 @@ TEST(sched_pick_prefers_the_worker_pinning_the_request_experts)
     c[1].coverage = 0.99;
     c[2].coverage = 0.4;
     CHECK_EQ(sched_pick(c, 3), 2);
+    /* An affinity of the workload key's block alone (SCHED_WEAK_AFFINITY) does not outrank
+     * coverage: the worker pinning the workload's experts takes the next request of that
+     * application; one more shared block (a conversation going on) does. */
+    c[0] = CAND(true, 1, 4, 100.0, 1);
+    c[0].coverage = 0.4;
+    c[1] = CAND(true, 0, 1, 100.0, 9);
+    c[1].coverage = 0.8;
+    c[2] = CAND(true, 1, 4, 100.0, 2);
+    c[2].coverage = 0.3;
+    CHECK_EQ(sched_pick(c, 3), 1);
+    c[1].coverage = 0.43; /* within the margin: the longer affinity breaks the tie */
+    CHECK_EQ(sched_pick(c, 3), 0);
+    c[1].coverage = 0.8;
+    c[0].affinity = 2;
+    CHECK_EQ(sched_pick(c, 3), 0);
+    /* Coverage unknown everywhere: affinity, however short, first, as without placements. */
+    c[0].affinity = 1, c[0].coverage = -1.0, c[1].coverage = -1.0;
+    c[2].affinity = 0, c[2].coverage = -1.0;
+    CHECK_EQ(sched_pick(c, 3), 0);
     /* Speed before both: a CPU worker beside a GPU worker that pins little. */
     struct sched_cand d[2] = {CAND(true, 0, 1, 300.0, 9), CAND(true, 0, 4, 15.0, 1)};
     d[0].coverage = 0.2;
