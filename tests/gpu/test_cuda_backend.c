@@ -426,6 +426,9 @@ TEST_TIMEOUT(cuda_fused_step_equals_op_by_op, 600)
         test_model_open(&tm, MODELS[mi]);
         const struct moe_model *m = &tm.m;
         const int64_t V = m->hp.n_vocab;
+        /* Both on the float walk: the fused step has no tensor-core products, and the op-by-op
+         * step must not take them from the environment either. */
+        setenv("MOE_CUDA_TC", "0", 1);
         setenv("MOE_CUDA_FUSED", "1", 1);
         struct moe_engine *a = engine_on(m, "cuda:0", 512, 2, 0, false);
         setenv("MOE_CUDA_FUSED", "0", 1);
@@ -611,8 +614,9 @@ TEST_TIMEOUT(cuda_tc_experts_agree_with_the_float_walk, 900)
             setenv("MOE_CUDA_GROUP_MIN", "1", 1);
             struct moe_engine *tg = engine_on(m, "cuda:0", 160, 4, 0, false);
             unsetenv("MOE_CUDA_GROUP_MIN");
-            unsetenv("MOE_CUDA_TC");
+            setenv("MOE_CUDA_TC", "0", 1); /* the float walk, whatever the default */
             struct moe_engine *f = engine_on(m, "cuda:0", 160, 4, 0, false);
+            unsetenv("MOE_CUDA_TC");
             unsetenv("MOE_CUDA_GEMM");
             const uint32_t plen[4] = {40, 100, 17, 63};
             moe_test_rng_seed(401 + mi);

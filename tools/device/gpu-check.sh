@@ -8,6 +8,10 @@
 #   (tc: the expert products on tensor cores, MOE_CUDA_TC: their GPU tests, the tensor-core
 #   mat-vec against the float walk, and bench_engine with MOE_CUDA_TC=0, 1 and all in alternation)
 #
+# The backend's switches pass through: `MOE_CUDA_TC=down MOE_CUDA_GROUP_MIN=1 gpu-check.sh LOG
+# build tests parity sanitizer offload` runs the suites with a candidate default (the tests that
+# compare against the float walk or the fused step set MOE_CUDA_TC=0 for their references).
+#
 # The tracked files (about 63 MB) and .carry (about 3.5 MB) are near the 64 MiB a device call can
 # send: `git sparse-checkout set --no-cone '/*' '!/tests/golden/refs/'` before the call leaves
 # out the golden logits (9.5 MB; the GPU tests and mkmodel do not read them, the parity step
