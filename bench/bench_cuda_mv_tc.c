@@ -1,6 +1,7 @@
-/* Benchmark of the tensor-core mat-vec (worker/cuda/mv_tc.cu) against the float walk
- * (moe_cuda_matvec_tok) on Q4_K and Q6_K weights of the Qwen3-30B-A3B shapes, for 1 to 16 tokens: the
- * microseconds of one launch replayed from a CUDA graph, and the weight bytes over that time.
+/* Benchmark of the tensor-core mat-vec (worker/cuda/mv_tc.cu; its inputs staged in every block,
+ * and staged once by a launch of their own) against the float walk (moe_cuda_matvec_tok) on Q4_K
+ * and Q6_K weights of the Qwen3-30B-A3B shapes, for 1 to 16 tokens: the microseconds of one
+ * launch replayed from a CUDA graph, and the weight bytes over that time.
  *
  * Shapes: a layer's eight chosen experts' gate and up rows as one matrix (12288 × 2048, the bytes
  * one decode step's gate/up reads), q (4096 × 2048), o (2048 × 4096) and one expert's down (2048 ×
@@ -52,12 +53,18 @@ static const struct shape shapes[] = {
     {"8 experts down q6_K", MOE_TYPE_Q6_K, 2048 * 8, 768},
 };
 
+/* The workspace of the tensor-core launches with the inputs staged once (tc 2). */
+static void *ws;
+static size_t ws_bytes;
+
+/* tc: 0 the float walk, 1 tensor cores (inputs staged in each block), 2 tensor cores with the
+ * inputs staged once by a launch of their own. */
 static int launch(int tc, const uint8_t *w, const struct shape *sh, const float *dx, int64_t nt,
                   float *dy, cudaStream_t st)
 {
     if (tc)
-        return moe_cuda_matvec_tc(sh->type, w, sh->n, sh->rows, dx, sh->n, nt, dy,
-                                  sh->rows, st);
+        return moe_cuda_matvec_tc_ws(sh->type, w, sh->n, sh->rows, dx, sh->n, nt, dy, sh->rows,
+                                     tc == 2 ? ws : NULL, tc == 2 ? ws_bytes : 0, st);
     return moe_cuda_matvec_tok(sh->type, w, sh->n, sh->rows, dx, sh->n, nt, dy, sh->rows, 0,
                                st);
 }
@@ -123,23 +130,29 @@ static double time_case(int tc, const uint8_t *w, size_t bytes, int64_t copies,
     return t[2];
 }
 
-/* The two kernels' results on copy 0 against each other: the largest |a − b| / Σ|w·x| over every
- * row and token (Σ from the dequantised rows, in double). */
+/* The kernels' results on copy 0 against the float walk's: the largest |a − b| / Σ|w·x| over
+ * every row, token and tensor-core form (Σ from the dequantised rows, in double); *staged_diff
+ * counts the floats where the two tensor-core forms differ (none should). */
 static double cross_check(const uint8_t *hw, const uint8_t *dw, const struct shape *sh,
                           const float *hx, const float *dx, int64_t nt, float *dy,
-                          cudaStream_t st)
+                          cudaStream_t st, size_t *staged_diff)
 {
     const size_t ny = (size_t)sh->rows * (size_t)nt, rb = moe_row_bytes(sh->type, sh->n);
-    float *a = malloc(ny * sizeof *a), *b = malloc(ny * sizeof *b), *d = malloc(sizeof(float) * sh->n);
-    if (!a || !b || !d)
+    float *a = malloc(ny * sizeof *a), *b = malloc(ny * sizeof *b), *c = malloc(ny * sizeof *c);
+    float *d = malloc(sizeof(float) * sh->n);
+    if (!a || !b || !c || !d)
         exit(1);
-    for (int tc = 0; tc < 2; tc++) {
+    for (int tc = 0; tc < 3; tc++) {
         CU(cudaMemsetAsync(dy, 0xff, ny * sizeof(float), st));
         if (launch(tc, dw, sh, dx, nt, dy, st) != 0)
             exit(1);
-        CU(cudaMemcpyAsync(tc ? b : a, dy, ny * sizeof(float), cudaMemcpyDeviceToHost, st));
+        CU(cudaMemcpyAsync(tc == 0 ? a : tc == 1 ? b : c, dy, ny * sizeof(float),
+                           cudaMemcpyDeviceToHost, st));
     }
     CU(cudaStreamSynchronize(st));
+    *staged_diff = 0;
+    for (size_t k = 0; k < ny; k++)
+        *staged_diff += memcmp(&b[k], &c[k], sizeof(float)) != 0;
     double worst = 0.0;
     for (int64_t r = 0; r < sh->rows; r++) {
         moe_dequantize(sh->type, hw + rb * (size_t)r, d, sh->n);
@@ -155,6 +168,7 @@ static double cross_check(const uint8_t *hw, const uint8_t *dw, const struct sha
     }
     free(a);
     free(b);
+    free(c);
     free(d);
     return worst;
 }
@@ -177,8 +191,10 @@ int main(int argc, char **argv)
     float *dx, *dy, *hx = malloc(sizeof(float) * MAX_TOK * 4096);
     CU(cudaMalloc((void **)&dx, sizeof(float) * MAX_TOK * 4096));
     CU(cudaMalloc((void **)&dy, sizeof(float) * MAX_TOK * 16384));
-    printf("%-20s %4s %12s %12s %10s %10s %8s %10s\n", "shape", "tok", "float us", "tc us",
-           "float GB/s", "tc GB/s", "ratio", "max diff");
+    ws_bytes = moe_cuda_matvec_tc_ws_bytes(4096, MAX_TOK);
+    CU(cudaMalloc(&ws, ws_bytes));
+    printf("%-20s %4s %10s %10s %10s %10s %10s %8s %8s %10s\n", "shape", "tok", "float us",
+           "tc us", "staged us", "float GB/s", "tc GB/s", "ratio", "staged", "max diff");
     for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++) {
         const struct shape *sh = &shapes[s];
         const size_t bytes = moe_row_bytes(sh->type, sh->n) * (size_t)sh->rows;
@@ -202,11 +218,14 @@ int main(int argc, char **argv)
         static const int64_t toks[] = {1, 2, 4, 8, 16};
         for (size_t k = 0; k < sizeof toks / sizeof toks[0]; k++) {
             const int64_t nt = toks[k];
-            const double diff = cross_check(hw, dw, sh, hx, dx, nt, dy, st);
+            size_t sdiff = 0;
+            const double diff = cross_check(hw, dw, sh, hx, dx, nt, dy, st, &sdiff);
             const double uf = time_case(0, dw, bytes, copies, sh, dx, nt, dy, st, secs);
             const double ut = time_case(1, dw, bytes, copies, sh, dx, nt, dy, st, secs);
-            printf("%-20s %4lld %12.2f %12.2f %10.0f %10.0f %8.2f %10.2e\n", sh->name,
-                   (long long)nt, uf, ut, bytes / uf / 1e3, bytes / ut / 1e3, uf / ut, diff);
+            const double us = time_case(2, dw, bytes, copies, sh, dx, nt, dy, st, secs);
+            printf("%-20s %4lld %10.2f %10.2f %10.2f %10.0f %10.0f %8.2f %8.2f %10.2e%s\n",
+                   sh->name, (long long)nt, uf, ut, us, bytes / uf / 1e3, bytes / ut / 1e3,
+                   uf / ut, uf / us, diff, sdiff ? " STAGED DIFFERS" : "");
             fflush(stdout);
         }
         CU(cudaFree(dw));

@@ -583,7 +583,8 @@ TEST_TIMEOUT(cuda_grouped_experts_equal_per_slot, 600)
  * same argmax at 99% of the positions or more (the golden Q4_K_M model and the Q5_K/Q6_K and
  * head-dim-128 fixtures have Q4_K or Q6_K matrices; the Q8_0 model must not change at all); and
  * with them, slots grouped by expert equal the per-slot kernels bit for bit, prompts on CUDA
- * cores and decode batches of 1 and 4 sequences. */
+ * cores and decode batches of 1 and 4 sequences, and the dense products with their inputs
+ * staged once (MOE_CUDA_TC_STAGED=1) equal those staged in every block. */
 TEST_TIMEOUT(cuda_tc_experts_agree_with_the_float_walk, 900)
 {
     need_gpu();
@@ -623,11 +624,26 @@ TEST_TIMEOUT(cuda_tc_experts_agree_with_the_float_walk, 900)
             const struct engines_cmp c = two_engines_cmp(t, f, V, plen, 6, 2);
             moe_test_rng_seed(401 + mi);
             const size_t gdiff = two_engines_diff(tg, t, V, plen, 6, 2);
+            /* The dense products with their inputs staged once per launch: the same bits. */
+            size_t sdiff = 0;
+            if (!strcmp(modes[k], "all")) {
+                setenv("MOE_CUDA_GEMM", "0", 1);
+                setenv("MOE_CUDA_TC", "all", 1);
+                setenv("MOE_CUDA_TC_STAGED", "1", 1);
+                struct moe_engine *ts = engine_on(m, "cuda:0", 160, 4, 0, false);
+                unsetenv("MOE_CUDA_TC_STAGED");
+                unsetenv("MOE_CUDA_TC");
+                unsetenv("MOE_CUDA_GEMM");
+                moe_test_rng_seed(401 + mi);
+                sdiff = two_engines_diff(ts, t, V, plen, 6, 2);
+                moe_engine_free(ts);
+            }
             const size_t rows = 40 + 100 + 17 + 63 + 2 + 4 * 4;
             printf("  %-44s MOE_CUDA_TC=%s vs float: rel-L2 %.2e, argmax differs at %zu of %zu; "
-                   "grouped vs per slot: %zu logits differ\n", models[mi], modes[k], c.rel_l2,
-                   c.argmax_diff, rows, gdiff);
+                   "grouped vs per slot: %zu logits differ; inputs staged once: %zu\n",
+                   models[mi], modes[k], c.rel_l2, c.argmax_diff, rows, gdiff, sdiff);
             CHECK_EQ(gdiff, 0);
+            CHECK_EQ(sdiff, 0);
             if (tc_types) {
                 CHECK(c.rel_l2 <= 2e-3);
                 CHECK(c.argmax_diff * 100 <= rows);

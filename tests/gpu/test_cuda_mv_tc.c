@@ -3,7 +3,8 @@
  * eight warps of a block, 1 to 17 tokens so that a launch has partial token groups), each token's
  * inputs of its own magnitude (1e-4 to 1e4: the power-of-two scaling of the f16 parts). Every
  * element within 1e-5 of the row's Σ|w·x| of moe_matvec's result, y poisoned with NaN first; a
- * token's result the same bits whatever n_tok is and whichever tokens share its launch; two runs
+ * token's result the same bits whatever n_tok is and whichever tokens share its launch, and
+ * whether the block or a launch of its own stages the inputs (moe_cuda_matvec_tc_ws); two runs
  * bit-identical. Without a GPU every test skips. */
 #include <errno.h>
 #include <math.h>
@@ -61,6 +62,9 @@ static void check_shape(uint32_t type, const uint8_t *w, int64_t n, int64_t rows
     CU(cudaMalloc((void **)&dy, sizeof(float) * (size_t)(rows * max_tok)));
     CU(cudaMemcpyAsync(dw, w, wb, cudaMemcpyHostToDevice, st));
     CU(cudaMemcpyAsync(dx, x, sizeof(float) * (size_t)(n * max_tok), cudaMemcpyHostToDevice, st));
+    const size_t ws_bytes = moe_cuda_matvec_tc_ws_bytes(n, max_tok);
+    void *dws;
+    CU(cudaMalloc(&dws, ws_bytes));
 
     /* Each token alone first: the reference bits for the batched launches. */
     for (int64_t t = 0; t < max_tok; t++) {
@@ -84,9 +88,14 @@ static void check_shape(uint32_t type, const uint8_t *w, int64_t n, int64_t rows
         }
     for (size_t i = 0; i < sizeof toks / sizeof toks[0]; i++) {
         const int64_t nt = toks[i];
-        for (int run = 0; run < 2; run++) {
+        /* Runs 0 and 1 stage the inputs in each block, run 2 once into a workspace. */
+        for (int run = 0; run < 3; run++) {
             CU(cudaMemsetAsync(dy, 0xff, sizeof(float) * (size_t)(rows * max_tok), st));
-            int rc = moe_cuda_matvec_tc(type, dw, n, rows, dx, n, nt, dy, rows, st);
+            if (run == 2)
+                CU(cudaMemsetAsync(dws, 0xff, ws_bytes, st));
+            int rc = run < 2 ? moe_cuda_matvec_tc(type, dw, n, rows, dx, n, nt, dy, rows, st)
+                             : moe_cuda_matvec_tc_ws(type, dw, n, rows, dx, n, nt, dy, rows, dws,
+                                                     ws_bytes, st);
             CHECK_EQ(rc, 0);
             CU(cudaMemcpyAsync(y, dy, sizeof(float) * (size_t)(rows * max_tok),
                                cudaMemcpyDeviceToHost, st));
@@ -104,6 +113,7 @@ static void check_shape(uint32_t type, const uint8_t *w, int64_t n, int64_t rows
     CU(cudaFree(dw));
     CU(cudaFree(dx));
     CU(cudaFree(dy));
+    CU(cudaFree(dws));
     free(x);
     free(ycpu);
     free(y);
@@ -252,6 +262,14 @@ TEST(cuda_mv_tc_rejects_bad_arguments)
     CHECK_EQ(moe_cuda_matvec_tc(MOE_TYPE_Q4_K, dw, 256, 16, dx, 256, 1, dy, 15, 0), -EINVAL);
     CHECK_EQ(moe_cuda_matvec_tc(MOE_TYPE_Q4_K, NULL, 256, 16, dx, 256, 1, dy, 16, 0), -EINVAL);
     CHECK_EQ(moe_cuda_matvec_tc(MOE_TYPE_Q4_K, dw, 256, 0, dx, 256, 1, dy, 16, 0), 0);
+    /* A workspace too small for the tokens, or misaligned. */
+    const size_t ws = moe_cuda_matvec_tc_ws_bytes(256, 2);
+    CHECK(ws > moe_cuda_matvec_tc_ws_bytes(256, 1));
+    CHECK_EQ(moe_cuda_matvec_tc_ws(MOE_TYPE_Q4_K, dw, 256, 16, dx, 256, 2, dy, 16, dx, ws - 1, 0),
+             -EINVAL);
+    CHECK_EQ(moe_cuda_matvec_tc_ws(MOE_TYPE_Q4_K, dw, 256, 16, dx, 256, 2, dy, 16,
+                                   (uint8_t *)dy + 4, ws, 0),
+             -EINVAL);
     CU(cudaFree(dw));
     CU(cudaFree(dx));
     CU(cudaFree(dy));

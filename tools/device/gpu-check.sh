@@ -5,8 +5,9 @@
 #
 #   tools/device/gpu-check.sh [LOGDIR] [steps...]
 #   steps: build tests parity sanitizer daemon daemon-tests daemon-offload tiny big offload tc
-#   (tc: the expert products on tensor cores, MOE_CUDA_TC: their GPU tests, the tensor-core
-#   mat-vec against the float walk, and bench_engine with MOE_CUDA_TC=0, 1 and all in alternation)
+#   (tc: the products on tensor cores, MOE_CUDA_TC: their GPU tests, the tensor-core mat-vec
+#   against the float walk, and bench_engine with the float walk, down on tensor cores with 16
+#   sequences grouped, all, and all with the inputs staged once, in alternation)
 #
 # The backend's switches pass through: `MOE_CUDA_TC=down MOE_CUDA_GROUP_MIN=1 gpu-check.sh LOG
 # build tests parity sanitizer offload` runs the suites with a candidate default (the tests that
@@ -129,9 +130,10 @@ if has tc; then
     [ -f $M ] || "$B/bin/moectl" mkmodel --preset qwen3-30b-a3b --quant q4_k_m --threads "$J" -o $M \
         >"$LOG/mkmodel.log" 2>&1
     for round in 1 2; do
-        for v in 0 1 all; do
-            printf 'MOE_CUDA_TC=%s round %s: ' $v $round
-            MOE_CUDA_TC=$v timeout 200 "$B/build/bench/bench_engine" $M --device cuda:0 \
+        for v in "MOE_CUDA_TC=0" "MOE_CUDA_TC=down MOE_CUDA_GROUP_MIN=1" "MOE_CUDA_TC=all" \
+                 "MOE_CUDA_TC=all MOE_CUDA_TC_STAGED=1"; do
+            printf '%s, round %s: ' "$v" $round
+            env $v timeout 200 "$B/build/bench/bench_engine" $M --device cuda:0 \
                 ${TC_ARGS:---prompt 512 --gen 128 --batches 4,16,64 --long 0} 2>&1 | tail -n 1
         done
     done | tee "$LOG/bench-tc.log"

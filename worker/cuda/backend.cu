@@ -152,6 +152,9 @@ struct cuda_backend {
     int64_t group_min;               /* slots per expert; MOE_CUDA_GROUP_MIN overrides */
     int tc;                          /* expert products on tensor cores (experts.cuh), from
                                         MOE_CUDA_TC at init */
+    void *tc_ws;                     /* MOE_CUDA_TC_STAGED=1 with the dense products on tensor
+                                      * cores: their inputs staged once per launch here */
+    size_t tc_ws_bytes;
     bool route_fold;                 /* routing inside gate/up (route_folds); MOE_CUDA_ROUTE_FOLD=0
                                       * keeps its own launch */
     int route_pending;               /* the layer whose routing the expert op does; -1: none */
@@ -1876,6 +1879,15 @@ static int cuda_init(struct moe_backend **out, const struct moe_model *m, struct
             INIT_TRY(cudaMallocHost((void **)&b->h_route_hist, sizeof(int32_t) * (size_t)d->L * ns));
         }
         INIT_TRY(cudaMalloc((void **)&b->d_rope, sizeof(float) * nb * (size_t)d->hd));
+        const char *staged = getenv("MOE_CUDA_TC_STAGED");
+        if ((b->tc & MOE_CUDA_TC_DENSE) && staged && !strcmp(staged, "1")) {
+            /* Decode steps and head passes: at most 64 rows of the longest dense input. */
+            const int64_t nmax = d->E > d->H * d->hd ? d->E : d->H * d->hd;
+            const int64_t rows = (int64_t)nb < LOGIT_ROWS ? (int64_t)nb : LOGIT_ROWS;
+            b->tc_ws_bytes = moe_cuda_matvec_tc_ws_bytes(nmax, rows > MOE_CUDA_GRAPH_MAX
+                                                                   ? rows : MOE_CUDA_GRAPH_MAX);
+            INIT_TRY(cudaMalloc(&b->tc_ws, b->tc_ws_bytes));
+        }
         INIT_TRY(cudaMalloc((void **)&b->counts,
                             sizeof(unsigned long long) * (size_t)(d->L * d->nexp)));
         INIT_TRY(cudaMemset(b->counts, 0, sizeof(unsigned long long) * (size_t)(d->L * d->nexp)));
@@ -1984,10 +1996,11 @@ static int cuda_init(struct moe_backend **out, const struct moe_model *m, struct
             if (b->tc) {
                 k = strlen(b->desc);
                 snprintf(b->desc + k, sizeof b->desc - k,
-                         ", Q4_K/Q6_K products on tensor cores:%s%s%s",
+                         ", Q4_K/Q6_K products on tensor cores:%s%s%s%s",
                          b->tc & MOE_CUDA_TC_GATE_UP ? " expert gate/up" : "",
                          b->tc & MOE_CUDA_TC_DOWN ? " expert down" : "",
-                         b->tc & MOE_CUDA_TC_DENSE ? " decode mat-vecs and head" : "");
+                         b->tc & MOE_CUDA_TC_DENSE ? " decode mat-vecs and head" : "",
+                         b->tc_ws ? " (inputs staged once)" : "");
             }
 #if defined(MOE_Q8_ROWS) && MOE_Q8_ROWS > 0
             k = strlen(b->desc);
@@ -2166,6 +2179,7 @@ static void cuda_free(struct moe_backend *bb)
     cudaFreeHost(b->h_route_hist);
     moe_cuda_sampler_free(b->smp);
     cudaFree(b->d_rope);
+    cudaFree(b->tc_ws);
     cudaFree(b->counts);
     cudaFreeHost(b->h_in);
     cudaFreeHost(b->h_rope);
@@ -2634,8 +2648,8 @@ static int cuda_matmul(struct moe_backend *bb, int l, const struct moe_mm *mm, i
         }
         if (tcd) {
             LAUNCH(b, "matmul (tensor cores)",
-                   moe_cuda_matvec_tc_multi(W->type, jobs, nj, W->ne[0], x, ldx, b->n,
-                                            accumulate, b->st));
+                   moe_cuda_matvec_tc_multi_ws(W->type, jobs, nj, W->ne[0], x, ldx, b->n,
+                                               accumulate, b->tc_ws, b->tc_ws_bytes, b->st));
             continue;
         }
         LAUNCH(b, "matmul",
@@ -3101,8 +3115,8 @@ static int head_rows(struct cuda_backend *b, int64_t r0, int64_t cnt)
                             b->d.E, b->d.eps, cnt, b->xo, ldxo, b->st));
     if (tc_matrix(b, b->m->output.type, b->d.E, b->output)) {
         LAUNCH(b, "output (tensor cores)",
-               moe_cuda_matvec_tc(b->m->output.type, b->output, b->d.E, b->d.V, b->xo, ldxo, cnt,
-                                  b->logits, b->d.V, b->st));
+               moe_cuda_matvec_tc_ws(b->m->output.type, b->output, b->d.E, b->d.V, b->xo, ldxo,
+                                     cnt, b->logits, b->d.V, b->tc_ws, b->tc_ws_bytes, b->st));
         return 0;
     }
     LAUNCH(b, "output",

@@ -35,17 +35,51 @@ struct tc_jobs {
     int n;
 };
 
-template <int NT, int K>
+/* Inputs staged once for every tile (moe_cuda_matvec_tc_multi_ws): per token its fragments
+ * [nsb][16 mma][4 t], its sub-block sums [nsb][4 t] and its exponent, in three arrays. */
+struct tc_staged {
+    uint4 *xs;
+    uint2 *sxs;
+    int *exp;
+};
+
+static __host__ __device__ tc_staged tc_ws_split(void *ws, int nsb, int64_t n_tok)
+{
+    uint4 *xs = (uint4 *)ws;
+    uint2 *sxs = (uint2 *)(xs + (size_t)n_tok * nsb * 64);
+    return tc_staged{xs, sxs, (int *)(sxs + (size_t)n_tok * nsb * 4)};
+}
+
+/* One block per token: its row of x staged into the workspace as a tile's tc_stage would. */
+template <int K>
+static __global__ void __launch_bounds__(128)
+mv_tc_stage_kernel(const float *__restrict__ x, int64_t ldx, int nsb, tc_staged st)
+{
+    __shared__ unsigned s_amax[1];
+    __shared__ int s_exp[1];
+    pdl_wait();
+    pdl_trigger();
+    const int64_t r = blockIdx.x;
+    const float *xr[1] = {x + r * ldx};
+    tc_stage<1, K>(xr, nsb, st.xs + (size_t)r * nsb * 64, st.sxs + (size_t)r * nsb * 4, s_exp,
+                   s_amax);
+    if (threadIdx.x == 0)
+        st.exp[r] = s_exp[0];
+}
+
+/* ST: the inputs come staged in st (else the block stages them in shared memory). */
+template <int NT, int K, bool ST>
 static __global__ void __launch_bounds__(32 * TC_MAX_WARPS)
 mv_tc_kernel(const tc_jobs J, size_t row_bytes, int nsb, const float *__restrict__ x, int64_t ldx,
-             int64_t n_tok, int accumulate)
+             int64_t n_tok, int accumulate, const tc_staged st)
 {
     extern __shared__ uint4 sm[];
     __shared__ unsigned s_amax[NT];
-    __shared__ int s_exp[NT];
+    __shared__ int s_exp_sm[NT];
+    const size_t stage_u4 = ST ? 0 : (size_t)NT * nsb * 66;
     uint4 *xs = sm;                                      /* [NT][nsb][16 mma][4 t] */
     uint2 *sxs = (uint2 *)(sm + (size_t)NT * nsb * 64);  /* [NT][nsb][4 t] */
-    float4 *red = (float4 *)(sm + (size_t)NT * nsb * 66); /* [warps][32] */
+    float4 *red = (float4 *)(sm + stage_u4);             /* [warps][32] */
     const int tid = threadIdx.x, nthr = blockDim.x, lane = tid & 31, wi = tid >> 5;
     const int nw = nthr >> 5, g = lane >> 2, t = lane & 3;
     const int64_t t0 = (int64_t)blockIdx.y * NT;
@@ -65,15 +99,25 @@ mv_tc_kernel(const tc_jobs J, size_t row_bytes, int nsb, const float *__restrict
     pdl_wait(); /* x is the previous kernel's output; the weights are not */
     pdl_trigger();
 
-    const float *xr[NT];
-    UNROLL
-    for (int c = 0; c < NT; c++)
-        xr[c] = x + (t0 + c < n_tok ? t0 + c : n_tok - 1) * ldx;
-    tc_stage<NT, K>(xr, nsb, xs, sxs, s_exp, s_amax);
+    const int *s_exp = s_exp_sm;
+    int gx = g & (NT - 1);
+    if constexpr (ST) {
+        /* The step's staged rows; a column past the last token reads the last one. */
+        xs = st.xs + (size_t)t0 * nsb * 64;
+        sxs = st.sxs + (size_t)t0 * nsb * 4;
+        s_exp = st.exp + t0;
+        if (t0 + gx >= n_tok)
+            gx = (int)(n_tok - 1 - t0);
+    } else {
+        const float *xr[NT];
+        UNROLL
+        for (int c = 0; c < NT; c++)
+            xr[c] = x + (t0 + c < n_tok ? t0 + c : n_tok - 1) * ldx;
+        tc_stage<NT, K>(xr, nsb, xs, sxs, s_exp_sm, s_amax);
+    }
 
     /* The warp's blocks. Column g reads token g % NT (the columns past NT repeat a staged token;
      * their results are not stored). */
-    const int gx = g & (NT - 1);
     float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     tc_rows<K>(p0, p1, t, wi, nw, nsb, raw, xs, sxs, gx, acc);
     red[wi * 32 + lane] = make_float4(acc[0], acc[1], acc[2], acc[3]);
@@ -116,32 +160,51 @@ static int tc_cols(int64_t n_tok, int nsb)
 
 template <int NT, int K>
 static int tc_launch(const tc_jobs &J, size_t rb, int nsb, const float *x, int64_t ldx,
-                     int64_t n_tok, int accumulate, cudaStream_t s)
+                     int64_t n_tok, int accumulate, void *ws, cudaStream_t s)
 {
     const int warps = nsb < TC_MAX_WARPS ? nsb : TC_MAX_WARPS;
+    const dim3 grid((unsigned)J.tile0[J.n], (unsigned)((n_tok + NT - 1) / NT));
+    if (ws) {
+        const tc_staged st = tc_ws_split(ws, nsb, n_tok);
+        MOE_CUDA_TRY(moe_launch(mv_tc_stage_kernel<K>, dim3((unsigned)n_tok), dim3(128), 0, s, x,
+                                ldx, nsb, st));
+        MOE_CUDA_TRY(moe_launch(mv_tc_kernel<NT, K, true>, grid, dim3(32 * warps),
+                                (size_t)warps * 32 * sizeof(uint4), s, J, rb, nsb, x, ldx, n_tok,
+                                accumulate, st));
+        return 0;
+    }
     const size_t smem = ((size_t)NT * nsb * 66 + (size_t)warps * 32) * sizeof(uint4);
     static bool raised;
     if (!raised) {
-        MOE_CUDA_TRY(cudaFuncSetAttribute(mv_tc_kernel<NT, K>,
+        MOE_CUDA_TRY(cudaFuncSetAttribute(mv_tc_kernel<NT, K, false>,
                                           cudaFuncAttributeMaxDynamicSharedMemorySize,
                                           TC_STAGE_MAX + 16 * 1024));
         raised = true;
     }
-    const dim3 grid((unsigned)J.tile0[J.n], (unsigned)((n_tok + NT - 1) / NT));
-    MOE_CUDA_TRY(moe_launch(mv_tc_kernel<NT, K>, grid, dim3(32 * warps), smem, s, J, rb, nsb, x,
-                            ldx, n_tok, accumulate));
+    MOE_CUDA_TRY(moe_launch(mv_tc_kernel<NT, K, false>, grid, dim3(32 * warps), smem, s, J, rb,
+                            nsb, x, ldx, n_tok, accumulate, tc_staged{}));
     return 0;
 }
 
-extern "C" int moe_cuda_matvec_tc_multi(uint32_t type, const struct moe_mv_job *jobs, int n_jobs,
-                                        int64_t n, const float *d_x, int64_t ldx, int64_t n_tok,
-                                        int accumulate, cudaStream_t s)
+extern "C" size_t moe_cuda_matvec_tc_ws_bytes(int64_t n, int64_t n_tok)
+{
+    if (n <= 0 || n_tok <= 0)
+        return 0;
+    const size_t nsb = (size_t)(n + 255) / 256;
+    return (size_t)n_tok * (nsb * (64 * sizeof(uint4) + 4 * sizeof(uint2)) + sizeof(int));
+}
+
+extern "C" int moe_cuda_matvec_tc_multi_ws(uint32_t type, const struct moe_mv_job *jobs,
+                                           int n_jobs, int64_t n, const float *d_x, int64_t ldx,
+                                           int64_t n_tok, int accumulate, void *d_ws,
+                                           size_t ws_bytes, cudaStream_t s)
 {
     if (!moe_cuda_matvec_tc_supported(type))
         return MOE_EUNSUPPORTED;
     if (n <= 0 || n % 256 != 0 || n / 256 > 0x7fff || n_tok < 0 || !d_x || !jobs ||
         n_jobs < 1 || n_jobs > 3 || ((uintptr_t)d_x & 15) != 0 || ldx < n || ldx % 4 != 0 ||
-        n_tok > 65535LL * TC_COLS)
+        n_tok > 65535LL * TC_COLS || ((uintptr_t)d_ws & 15) != 0 ||
+        (d_ws && ws_bytes < moe_cuda_matvec_tc_ws_bytes(n, n_tok)) || (d_ws && n_tok > 0x7fffffffLL))
         return -EINVAL;
     tc_jobs J = {};
     J.n = n_jobs;
@@ -165,10 +228,10 @@ extern "C" int moe_cuda_matvec_tc_multi(uint32_t type, const struct moe_mv_job *
     const size_t rb = moe_row_bytes(type, n);
 #define TC_CASES(K)                                                                          \
     switch (tc_cols(n_tok, nsb)) {                                                           \
-    case 8: return tc_launch<8, K>(J, rb, nsb, d_x, ldx, n_tok, accumulate, s);              \
-    case 4: return tc_launch<4, K>(J, rb, nsb, d_x, ldx, n_tok, accumulate, s);              \
-    case 2: return tc_launch<2, K>(J, rb, nsb, d_x, ldx, n_tok, accumulate, s);              \
-    default: return tc_launch<1, K>(J, rb, nsb, d_x, ldx, n_tok, accumulate, s);             \
+    case 8: return tc_launch<8, K>(J, rb, nsb, d_x, ldx, n_tok, accumulate, d_ws, s);        \
+    case 4: return tc_launch<4, K>(J, rb, nsb, d_x, ldx, n_tok, accumulate, d_ws, s);        \
+    case 2: return tc_launch<2, K>(J, rb, nsb, d_x, ldx, n_tok, accumulate, d_ws, s);        \
+    default: return tc_launch<1, K>(J, rb, nsb, d_x, ldx, n_tok, accumulate, d_ws, s);       \
     }
     if (type == MOE_TYPE_Q6_K)
         TC_CASES(MOE_TYPE_Q6_K)
@@ -176,10 +239,25 @@ extern "C" int moe_cuda_matvec_tc_multi(uint32_t type, const struct moe_mv_job *
 #undef TC_CASES
 }
 
+extern "C" int moe_cuda_matvec_tc_multi(uint32_t type, const struct moe_mv_job *jobs, int n_jobs,
+                                        int64_t n, const float *d_x, int64_t ldx, int64_t n_tok,
+                                        int accumulate, cudaStream_t s)
+{
+    return moe_cuda_matvec_tc_multi_ws(type, jobs, n_jobs, n, d_x, ldx, n_tok, accumulate, NULL,
+                                       0, s);
+}
+
+extern "C" int moe_cuda_matvec_tc_ws(uint32_t type, const void *d_w, int64_t n, int64_t rows,
+                                     const float *d_x, int64_t ldx, int64_t n_tok, float *d_y,
+                                     int64_t ldy, void *d_ws, size_t ws_bytes, cudaStream_t s)
+{
+    const struct moe_mv_job job = {d_w, rows, d_y, ldy}; /* checked by the multi form */
+    return moe_cuda_matvec_tc_multi_ws(type, &job, 1, n, d_x, ldx, n_tok, 0, d_ws, ws_bytes, s);
+}
+
 extern "C" int moe_cuda_matvec_tc(uint32_t type, const void *d_w, int64_t n, int64_t rows,
                                   const float *d_x, int64_t ldx, int64_t n_tok, float *d_y,
                                   int64_t ldy, cudaStream_t s)
 {
-    const struct moe_mv_job job = {d_w, rows, d_y, ldy}; /* checked by the multi form */
-    return moe_cuda_matvec_tc_multi(type, &job, 1, n, d_x, ldx, n_tok, 0, s);
+    return moe_cuda_matvec_tc_ws(type, d_w, n, rows, d_x, ldx, n_tok, d_y, ldy, NULL, 0, s);
 }

@@ -8,6 +8,7 @@
 #ifndef MOE_CUDA_MV_TC_H
 #define MOE_CUDA_MV_TC_H
 
+#include <stddef.h>
 #include <stdint.h>
 
 #include <cuda_runtime_api.h>
@@ -35,6 +36,19 @@ struct moe_mv_job; /* worker/cuda/matvec.h */
 int moe_cuda_matvec_tc_multi(uint32_t type, const struct moe_mv_job *jobs, int n_jobs, int64_t n,
                              const float *d_x, int64_t ldx, int64_t n_tok, int accumulate,
                              cudaStream_t s);
+
+/* The same products with the inputs staged once: a launch of its own converts each token's row
+ * into fragments in d_ws (16-byte aligned, at least moe_cuda_matvec_tc_ws_bytes(n, n_tok)), and
+ * every tile reads its columns from there instead of staging them in shared memory itself. The
+ * floats are the same bits as without (the same staging functions and order). d_ws NULL: the
+ * forms above. */
+size_t moe_cuda_matvec_tc_ws_bytes(int64_t n, int64_t n_tok);
+int moe_cuda_matvec_tc_multi_ws(uint32_t type, const struct moe_mv_job *jobs, int n_jobs,
+                                int64_t n, const float *d_x, int64_t ldx, int64_t n_tok,
+                                int accumulate, void *d_ws, size_t ws_bytes, cudaStream_t s);
+int moe_cuda_matvec_tc_ws(uint32_t type, const void *d_w, int64_t n, int64_t rows,
+                          const float *d_x, int64_t ldx, int64_t n_tok, float *d_y, int64_t ldy,
+                          void *d_ws, size_t ws_bytes, cudaStream_t s);
 
 #ifdef __cplusplus
 }
