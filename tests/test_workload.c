@@ -19,6 +19,15 @@ static void sig_of(uint32_t *sig, uint32_t first, uint32_t k, uint32_t tokens)
             sig[l * E + (x % E)] = tokens;
 }
 
+/* moe_wl_learn of sig for key (served by worker), its counts added into profile as well. */
+static void learn(struct moe_wl_table *t, uint64_t key, uint32_t worker, const uint32_t *sig,
+                  uint32_t tokens, uint64_t *profile)
+{
+    CHECK_EQ(moe_wl_learn(t, key, worker, sig, tokens), 0);
+    for (size_t x = 0; x < N; x++)
+        profile[x] += sig[x];
+}
+
 static void set_bit(uint8_t *b, size_t i)
 {
     b[i / 8] |= (uint8_t)(1u << (i % 8));
@@ -137,9 +146,7 @@ static void learn_two_workloads(struct moe_wl_table *t, uint64_t *profile, int n
             sig_of(sig, a ? 8 : 0, 4, 20);
             if (i % 2) /* a little spread: one token to a third expert */
                 sig[a ? 12 : 4] += 1;
-            CHECK_EQ(moe_wl_learn(t, a ? 0xb : 0xa, (uint32_t)(i % 2), sig, 20), 0);
-            for (size_t k = 0; k < N; k++)
-                profile[k] += sig[k];
+            learn(t, a ? 0xb : 0xa, (uint32_t)(i % 2), sig, 20, profile);
         }
 }
 
@@ -255,9 +262,7 @@ TEST(workload_plan_balances_the_traffic)
     for (int i = 0; i < 100; i++) {
         const int k = i % 10 < 7 ? 0 : i % 10 - 6; /* 70, 10, 10, 10 */
         sig_of(sig, (uint32_t)(4 * k), 4, 8);
-        CHECK_EQ(moe_wl_learn(&t, 0x100 + (uint64_t)k, 1, sig, 8), 0);
-        for (size_t x = 0; x < N; x++)
-            profile[x] += sig[x];
+        learn(&t, 0x100 + (uint64_t)k, 1, sig, 8, profile);
     }
     uint8_t hot[2][4];
     hot_identical(hot, profile);
@@ -284,9 +289,7 @@ TEST(workload_plan_balances_the_traffic)
     for (int i = 0; i < 80; i++) {
         const int k = i % 4;
         sig_of(sig, (uint32_t)(4 * k), 4, 8);
-        CHECK_EQ(moe_wl_learn(&t, 0x200 + (uint64_t)k, (uint32_t)(k % 2), sig, 8), 0);
-        for (size_t x = 0; x < N; x++)
-            profile[x] += sig[x];
+        learn(&t, 0x200 + (uint64_t)k, (uint32_t)(k % 2), sig, 8, profile);
     }
     hot_identical(hot, profile);
     CHECK_EQ(moe_wl_plan(&p, &t, 2, NULL, hp, profile), 0);
@@ -313,9 +316,7 @@ TEST(workload_plan_over_some_workers)
         const int k = i % 2;
         sig_of(sig, (uint32_t)(8 * k), 4, 8);
         /* key 0x300 served by table worker 2, key 0x301 by table worker 0 */
-        CHECK_EQ(moe_wl_learn(&t, 0x300 + (uint64_t)k, k ? 0 : 2, sig, 8), 0);
-        for (size_t x = 0; x < N; x++)
-            profile[x] += sig[x];
+        learn(&t, 0x300 + (uint64_t)k, k ? 0 : 2, sig, 8, profile);
     }
     uint8_t hot[2][4];
     hot_identical(hot, profile);
