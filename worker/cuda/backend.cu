@@ -1881,11 +1881,12 @@ static int cuda_init(struct moe_backend **out, const struct moe_model *m, struct
         INIT_TRY(cudaMalloc((void **)&b->d_rope, sizeof(float) * nb * (size_t)d->hd));
         const char *staged = getenv("MOE_CUDA_TC_STAGED");
         if ((b->tc & MOE_CUDA_TC_DENSE) && staged && !strcmp(staged, "1")) {
-            /* Decode steps and head passes: at most 64 rows of the longest dense input. */
+            /* Decode steps (up to MOE_CUDA_GRAPH_MAX tokens) and head passes (LOGIT_ROWS
+             * rows) of the longest dense input. */
             const int64_t nmax = d->E > d->H * d->hd ? d->E : d->H * d->hd;
-            const int64_t rows = (int64_t)nb < LOGIT_ROWS ? (int64_t)nb : LOGIT_ROWS;
-            b->tc_ws_bytes = moe_cuda_matvec_tc_ws_bytes(nmax, rows > MOE_CUDA_GRAPH_MAX
-                                                                   ? rows : MOE_CUDA_GRAPH_MAX);
+            const int64_t rows = MOE_CUDA_GRAPH_MAX > LOGIT_ROWS ? MOE_CUDA_GRAPH_MAX : LOGIT_ROWS;
+            b->tc_ws_bytes = moe_cuda_matvec_tc_ws_bytes(nmax, (int64_t)nb < rows ? (int64_t)nb
+                                                                                  : rows);
             INIT_TRY(cudaMalloc(&b->tc_ws, b->tc_ws_bytes));
         }
         INIT_TRY(cudaMalloc((void **)&b->counts,
