@@ -6,12 +6,12 @@
 #   tools/device/gpu-check.sh [LOGDIR] [steps...]
 #   steps: build tests parity sanitizer daemon daemon-tests daemon-offload tiny big offload tc
 #   (tc: the products on tensor cores, MOE_CUDA_TC: their GPU tests, the tensor-core mat-vec
-#   against the float walk, and bench_engine with the float walk, down on tensor cores with 16
-#   sequences grouped, all, and all with the inputs staged once, in alternation)
+#   against the float walk, and bench_engine with the float walk, the default (down on tensor
+#   cores), all, and all with the inputs staged once, in alternation)
 #
-# The backend's switches pass through: `MOE_CUDA_TC=down MOE_CUDA_GROUP_MIN=1 gpu-check.sh LOG
-# build tests parity sanitizer offload` runs the suites with a candidate default (the tests that
-# compare against the float walk or the fused step set MOE_CUDA_TC=0 for their references).
+# The backend's switches pass through: `MOE_CUDA_TC=0 gpu-check.sh LOG build tests parity
+# sanitizer offload` runs the suites with the float walk everywhere (the tests that compare
+# against the float walk or the fused step set MOE_CUDA_TC=0 for their references).
 #
 # The tracked files (about 63 MB) and .carry (about 3.5 MB) are near the 64 MiB a device call can
 # send: `git sparse-checkout set --no-cone '/*' '!/tests/golden/refs/'` before the call leaves
@@ -130,7 +130,7 @@ if has tc; then
     [ -f $M ] || "$B/bin/moectl" mkmodel --preset qwen3-30b-a3b --quant q4_k_m --threads "$J" -o $M \
         >"$LOG/mkmodel.log" 2>&1
     for round in 1 2; do
-        for v in "MOE_CUDA_TC=0" "MOE_CUDA_TC=down MOE_CUDA_GROUP_MIN=1" "MOE_CUDA_TC=all" \
+        for v in "MOE_CUDA_TC=0" "MOE_CUDA_TC=down" "MOE_CUDA_TC=all" \
                  "MOE_CUDA_TC=all MOE_CUDA_TC_STAGED=1"; do
             printf '%s, round %s: ' "$v" $round
             env $v timeout 200 "$B/build/bench/bench_engine" $M --device cuda:0 \

@@ -52,10 +52,12 @@ extern "C" {
 #define PF_EXTRA 0
 /* Steps with at least this many slots per expert on average group their slots by expert (each
  * active expert's rows read and decoded once for its slots). Below, each slot reads its
- * expert's rows itself. On the H200 (docs/benchmarks.md) grouping gains 28% at 64 decoding
- * sequences (4 slots per expert) and is even at 16 (1 slot per expert); both give the same
- * floats. */
+ * expert's rows itself. With the float walk (docs/benchmarks.md) grouping gains 28% at 64
+ * decoding sequences (4 slots per expert) and loses at 16 (1 slot per expert); with down on
+ * tensor cores, grouping from 1 slot per expert is the fastest at 16 sequences too. Both give the
+ * same floats. MOE_CUDA_GROUP_MIN overrides either. */
 #define MOE_CUDA_GROUP_MIN 2
+#define MOE_CUDA_GROUP_MIN_TC 1
 /* Logit rows computed per pass of the output head. */
 #define LOGIT_ROWS 64
 /* Penalty windows up to this many tokens (penalty_last_n; "whole history" keeps this many). */
@@ -149,7 +151,7 @@ struct cuda_backend {
     int sms;
     int mode;
     bool capturing, head_chunked, use_graphs, use_gemm, use_flash;
-    int64_t group_min;               /* slots per expert; MOE_CUDA_GROUP_MIN overrides */
+    int64_t group_min;               /* MOE_CUDA_GROUP_MIN, 0: by layer (group_min()) */
     int tc;                          /* expert products on tensor cores (experts.cuh), from
                                         MOE_CUDA_TC at init */
     void *tc_ws;                     /* MOE_CUDA_TC_STAGED=1 with the dense products on tensor
@@ -1597,7 +1599,9 @@ static int fused_setup(struct cuda_backend *b)
         return 0;                                                                           \
     } while (0)
     if (!env || strcmp(env, "1"))
-        NOT_FUSED("MOE_CUDA_FUSED=1 fuses it");
+        NOT_FUSED(b->tc & (MOE_CUDA_TC_GATE_UP | MOE_CUDA_TC_DOWN)
+                      ? "MOE_CUDA_FUSED=1 with MOE_CUDA_TC=0 fuses it"
+                      : "MOE_CUDA_FUSED=1 fuses it");
     if (b->offload)
         NOT_FUSED("experts outside VRAM");
     if (b->tc & MOE_CUDA_TC_DENSE)
@@ -1737,10 +1741,9 @@ static int cuda_init(struct moe_backend **out, const struct moe_model *m, struct
     b->use_flash = env_on("MOE_CUDA_FLASH");
     b->profile = getenv("MOE_CUDA_PROFILE") != NULL;
     b->profile_steps = b->profile && !strcmp(getenv("MOE_CUDA_PROFILE"), "steps");
-    b->group_min = getenv("MOE_CUDA_GROUP_MIN") ? atoll(getenv("MOE_CUDA_GROUP_MIN"))
-                                                : MOE_CUDA_GROUP_MIN;
-    if (b->group_min < 1)
-        b->group_min = 1;
+    b->group_min = getenv("MOE_CUDA_GROUP_MIN") ? atoll(getenv("MOE_CUDA_GROUP_MIN")) : 0;
+    if (b->group_min < 0)
+        b->group_min = 0;
     b->tc = moe_cuda_expert_tc_env();
     b->route_fold = env_on("MOE_CUDA_ROUTE_FOLD");
     b->norm_fold = env_on("MOE_CUDA_NORM_FOLD");
@@ -2703,6 +2706,15 @@ static int cuda_attention(struct moe_backend *bb, int l)
     return 0;
 }
 
+/* Slots per expert, on average, from which layer cl's decode steps group their slots by expert. */
+static int64_t group_min(const struct cuda_backend *b, const struct cuda_layer *cl)
+{
+    if (b->group_min > 0)
+        return b->group_min;
+    return moe_cuda_expert_tc(b->tc & MOE_CUDA_TC_DOWN, cl->down_type) ? MOE_CUDA_GROUP_MIN_TC
+                                                                       : MOE_CUDA_GROUP_MIN;
+}
+
 /* Whether layer l's expert op takes the per-slot path with the routing done in its gate/up
  * launch (moe_cuda_expert_gate_up with a route): all of the layer's experts in VRAM (nothing to
  * resolve in between), gate and up of one type, a step too small for grouping. */
@@ -2715,7 +2727,7 @@ static bool route_folds(const struct cuda_backend *b, int l)
     if (!b->route_fold || b->n != 1 || cl->slots < b->d.nexp || cl->mixed ||
         cl->gate_type != cl->up_type)
         return false;
-    return k < b->group_min * b->d.nexp; /* (one token never takes the tensor cores) */
+    return k < group_min(b, cl) * b->d.nexp;
 }
 
 static int launch_route(struct cuda_backend *b, int l)
@@ -2973,7 +2985,7 @@ static enum expert_path expert_path(const struct cuda_backend *b, const struct c
         return XP_MIXED;
     if (use_gemm(b, cl->gate_type) && use_gemm(b, cl->up_type) && use_gemm(b, cl->down_type))
         return XP_GEMM;
-    if (b->n * (int64_t)b->d.kuse >= b->group_min * b->d.nexp && cl->gate_type == cl->up_type)
+    if (b->n * (int64_t)b->d.kuse >= group_min(b, cl) * b->d.nexp && cl->gate_type == cl->up_type)
         return XP_GROUPED;
     return XP_PER_SLOT;
 }

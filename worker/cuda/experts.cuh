@@ -63,9 +63,9 @@ int moe_cuda_expert_gate_up(uint32_t gate_type, uint32_t up_type, const void *co
 /* Not an expert kernel's: the backend's decode mat-vecs and head (moe_cuda_matvec_tc_multi). */
 #define MOE_CUDA_TC_DENSE 4
 
-/* The mask that MOE_CUDA_TC asks for (read at each call): "1" the expert gate/up and down, "gu"
- * gate/up, "down" down, "dense" the decode mat-vecs and head, "all" everything; unset or "0"
- * none. */
+/* The mask that MOE_CUDA_TC asks for (read at each call): unset (the default) or "down" expert
+ * down, "1" the expert gate/up and down, "gu" gate/up, "dense" the decode mat-vecs and head,
+ * "all" everything, "0" none (the float walk everywhere). */
 int moe_cuda_expert_tc_env(void);
 
 /* Whether tc (a mask) puts experts of `type` on tensor cores. */

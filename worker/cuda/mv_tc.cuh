@@ -172,7 +172,7 @@ static HD int tc_scale_exp(float amax)
 {
     if (!(amax < 3.0e38f) || !(amax > 0.0f))
         return 0;
-    int e;
+    int e = 0;
     frexpf(amax, &e); /* 2^(e-1) <= amax < 2^e */
     const int s = e - TC_XMAX_LOG2;
     return s < -120 ? -120 : s;
