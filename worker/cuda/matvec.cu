@@ -1,9 +1,10 @@
 /* CUDA quantized matrix-vector product (see matvec.h).
  *
  * Four rows per thread block: one warp per row for the plain types, one warp per two rows for
- * the quantized ones (see rows_per_warp). A row is cut into "units", the piece of one block that
- * one thread decodes (8 to 32 elements); lane i takes units i, i+32, ..., so the 32 lanes of a
- * warp read consecutive bytes of the row and each load instruction is coalesced. Where the block
+ * the quantized ones at one token a block and per four at more (see mv_rw). A row is cut into
+ * "units", the piece of one block that one thread decodes (8 to 32 elements); lane i takes
+ * units i, i+32, ..., so the 32 lanes of a warp read consecutive bytes of the row and each load
+ * instruction is coalesced. Where the block
  * layout keeps the quant bytes 16-byte aligned (Q4_K, Q5_K, plain types on aligned rows) a
  * thread reads its unit with one 16-byte load; the 34/18/22/210-byte blocks (Q8_0, Q4_0, Q5_0,
  * Q6_K) are only 2-byte aligned inside a row, so those read 16-bit words. x comes through the
@@ -40,6 +41,24 @@ extern "C" {
 #define ROWS_PER_BLOCK 4
 #define THREADS (32 * ROWS_PER_BLOCK)
 
+/* Rows a warp walks for the quantized kinds (their x loads shared by the rows): 2 for one token
+ * a block, 4 for more (measured on an H100: 2 against 4 at one token, 310 against 301-305 tok/s;
+ * 4 against 2 for 2 tokens a block, +5% at 4 sequences, +9% at 16, +10% at 64;
+ * docs/benchmarks.md). MOE_MV_RW / MOE_MV_RW_T (2 or 4) set them in a build for measurements.
+ * The plain types keep one (rows_per_warp). A row's floats are the same whatever the count. */
+#ifndef MOE_MV_RW
+#define MOE_MV_RW 2
+#endif
+#ifndef MOE_MV_RW_T
+#define MOE_MV_RW_T 4
+#endif
+static_assert((MOE_MV_RW == 2 || MOE_MV_RW == 4) && (MOE_MV_RW_T == 2 || MOE_MV_RW_T == 4),
+              "MOE_MV_RW and MOE_MV_RW_T are 2 or 4");
+template <int K, int T> __host__ __device__ constexpr int mv_rw()
+{
+    return rows_per_warp<K>() == 1 ? 1 : T == 1 ? MOE_MV_RW : MOE_MV_RW_T;
+}
+
 /* Up to three matrices of one row length, in one launch (q, k and v of a layer), of one weight
  * type or of two (the first nseg1 segments of kind K, the others of kind K2: a layer whose v is
  * Q6_K and q, k Q4_K): segment g takes grid blocks [blk0, blk0 + its blocks). */
@@ -75,18 +94,22 @@ struct mv_args {
 template <int K, int T, bool NORM>
 static __device__ __forceinline__ void mv_rows(const mv_args &a, const mv_seg &sg, int64_t n_tok)
 {
-    constexpr int RW = rows_per_warp<K>();
+    constexpr int RW = mv_rw<K, T>();
     const int lane = threadIdx.x & 31;
     const int64_t row = (int64_t)(blockIdx.x - sg.blk0) * ROWS_PER_BLOCK + (threadIdx.x >> 5) * RW;
     const bool live = row < sg.rows;
-    const bool has2 = RW == 2 && row + 1 < sg.rows;
-    const uint8_t *w0 = sg.w + (size_t)(live ? row : 0) * sg.row_bytes;
-    const size_t rs = has2 ? sg.row_bytes : 0;
+    /* The warp's rows; those past the matrix walk its first again (their results are not
+     * stored). */
+    const uint8_t *rowp[RW];
+    UNROLL
+    for (int r = 0; r < RW; r++)
+        rowp[r] = sg.w + (size_t)(live && row + r < sg.rows ? row + r : live ? row : 0) * sg.row_bytes;
     if (live)
         for (size_t off = (size_t)lane * 128; off < sg.row_bytes; off += 32 * 128) {
-            prefetch_l2(w0 + off);
-            if (has2)
-                prefetch_l2(w0 + rs + off);
+            UNROLL
+            for (int r = 0; r < RW; r++)
+                if (r == 0 || row + r < sg.rows)
+                    prefetch_l2(rowp[r] + off);
         }
     pdl_wait();
     pdl_trigger();
@@ -112,9 +135,9 @@ static __device__ __forceinline__ void mv_rows(const mv_args &a, const mv_seg &s
     float acc[T][RW];
     if constexpr (NORM) {
         const XNorm xn = {a.x, a.g, sc};
-        mv_warp<K, 1, XNorm>(w0, rs, sg.block_bytes, sg.nu, xt, acc, &xn);
+        row_dots_multi_x<K, RW, 1, XNorm>(rowp, sg.block_bytes, sg.nu, xt, acc, &xn);
     } else {
-        mv_warp<K, T>(w0, rs, sg.block_bytes, sg.nu, xt, acc);
+        row_dots_multi<K, RW, T>(rowp, sg.block_bytes, sg.nu, xt, acc);
     }
     if (lane == 0) {
         UNROLL
@@ -122,14 +145,14 @@ static __device__ __forceinline__ void mv_rows(const mv_args &a, const mv_seg &s
             if (t0 + i >= n_tok)
                 break;
             float *y = sg.y + (t0 + i) * sg.ldy;
-            if (a.accumulate) {
-                y[row] += acc[i][0];
-                if (RW == 2 && has2)
-                    y[row + 1] += acc[i][RW - 1];
-            } else {
-                y[row] = acc[i][0];
-                if (RW == 2 && has2)
-                    y[row + 1] = acc[i][RW - 1];
+            UNROLL
+            for (int r = 0; r < RW; r++) {
+                if (row + r >= sg.rows)
+                    break;
+                if (a.accumulate)
+                    y[row + r] += acc[i][r];
+                else
+                    y[row + r] = acc[i][r];
             }
         }
     }
@@ -142,7 +165,7 @@ static __global__ void __launch_bounds__(THREADS)
 matvec_kernel(const mv_args a, int64_t n_tok)
 {
     static_assert(!NORM || T == 1, "the RMSNorm is fused for one token");
-    static_assert(rows_per_warp<K>() == rows_per_warp<K2>(), "one block size");
+    static_assert(mv_rw<K, T>() == mv_rw<K2, T>(), "one block size");
     int g = 0;
     while (g + 1 < a.nseg && blockIdx.x >= a.seg[g + 1].blk0)
         g++;
@@ -200,7 +223,8 @@ static int launch(const struct moe_mv_job *jobs, int n_jobs, int n1, int64_t n, 
     }
     const int64_t nt = n_tok < tmax ? n_tok : tmax;
     const int T = nt >= 8 ? 8 : nt >= 4 ? 4 : nt >= 2 ? 2 : 1;
-    dim3 gr((unsigned)blocks, (unsigned)((n_tok + T - 1) / T)), th(THREADS / rows_per_warp<K>());
+    dim3 gr((unsigned)blocks, (unsigned)((n_tok + T - 1) / T)),
+        th(THREADS / (T == 1 ? mv_rw<K, 1>() : mv_rw<K, 2>()));
     cudaError_t e = dst      ? moe_launch(matvec_kernel<K, K2, 1, true>, gr, th, 0, s, a, n_tok)
                     : T == 8 ? moe_launch(matvec_kernel<K, K2, 8>, gr, th, 0, s, a, n_tok)
                     : T == 4 ? moe_launch(matvec_kernel<K, K2, 4>, gr, th, 0, s, a, n_tok)
