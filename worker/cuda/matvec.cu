@@ -4,11 +4,11 @@
  * the quantized ones at one token a block and per four at more (see mv_rw). A row is cut into
  * "units", the piece of one block that one thread decodes (8 to 32 elements); lane i takes
  * units i, i+32, ..., so the 32 lanes of a warp read consecutive bytes of the row and each load
- * instruction is coalesced. Where the block
- * layout keeps the quant bytes 16-byte aligned (Q4_K, Q5_K, plain types on aligned rows) a
- * thread reads its unit with one 16-byte load; the 34/18/22/210-byte blocks (Q8_0, Q4_0, Q5_0,
- * Q6_K) are only 2-byte aligned inside a row, so those read 16-bit words. x comes through the
- * read-only cache in float4 loads (it is 3-16 KB and shared by every row).
+ * instruction is coalesced. Where the block layout keeps the quant bytes 16-byte aligned (Q4_K,
+ * Q5_K, plain types on aligned rows) a thread reads its unit with one 16-byte load; the
+ * 34/18/22/210-byte blocks (Q8_0, Q4_0, Q5_0, Q6_K) are only 2-byte aligned inside a row, so
+ * those read 16-bit words. x comes through the read-only cache in float4 loads (it is 3-16 KB
+ * and shared by every row).
  *
  * Codes become floats exactly (byte_f), are multiplied into per-sub-block float sums, and the
  * sums are scaled: for Q4_K/Q5_K d·sc·Σq·x − dmin·m·Σx, for the others d·Σq·x. The lane sums are
@@ -103,7 +103,8 @@ static __device__ __forceinline__ void mv_rows(const mv_args &a, const mv_seg &s
     const uint8_t *rowp[RW];
     UNROLL
     for (int r = 0; r < RW; r++)
-        rowp[r] = sg.w + (size_t)(live && row + r < sg.rows ? row + r : live ? row : 0) * sg.row_bytes;
+        rowp[r] = sg.w +
+                  (size_t)(live && row + r < sg.rows ? row + r : live ? row : 0) * sg.row_bytes;
     if (live)
         for (size_t off = (size_t)lane * 128; off < sg.row_bytes; off += 32 * 128) {
             UNROLL
