@@ -44,19 +44,26 @@ extern "C" {
 /* Rows a warp walks for the quantized kinds (their x loads shared by the rows): 2 for one token
  * a block, 4 for more (measured on an H100: 2 against 4 at one token, 310 against 301-305 tok/s;
  * 4 against 2 for 2 tokens a block, +5% at 4 sequences, +9% at 16, +10% at 64;
- * docs/benchmarks.md). MOE_MV_RW / MOE_MV_RW_T (2 or 4) set them in a build for measurements.
- * The plain types keep one (rows_per_warp). A row's floats are the same whatever the count. */
+ * docs/benchmarks.md). MOE_MV_RW / MOE_MV_RW_T (2 or 4) set them in a build for measurements,
+ * and MOE_MV_RW_NORM those of the one-token launch that applies the RMSNorm on the way (its
+ * warps read the input and the norm's weight for every row group, so sharing them may pay there
+ * alone). The plain types keep one (rows_per_warp). A row's floats are the same whatever the
+ * count. */
 #ifndef MOE_MV_RW
 #define MOE_MV_RW 2
 #endif
 #ifndef MOE_MV_RW_T
 #define MOE_MV_RW_T 4
 #endif
-static_assert((MOE_MV_RW == 2 || MOE_MV_RW == 4) && (MOE_MV_RW_T == 2 || MOE_MV_RW_T == 4),
-              "MOE_MV_RW and MOE_MV_RW_T are 2 or 4");
-template <int K, int T> __host__ __device__ constexpr int mv_rw()
+#ifndef MOE_MV_RW_NORM
+#define MOE_MV_RW_NORM MOE_MV_RW
+#endif
+static_assert((MOE_MV_RW == 2 || MOE_MV_RW == 4) && (MOE_MV_RW_T == 2 || MOE_MV_RW_T == 4) &&
+                  (MOE_MV_RW_NORM == 2 || MOE_MV_RW_NORM == 4),
+              "MOE_MV_RW, MOE_MV_RW_T and MOE_MV_RW_NORM are 2 or 4");
+template <int K, int T, bool NORM = false> __host__ __device__ constexpr int mv_rw()
 {
-    return rows_per_warp<K>() == 1 ? 1 : T == 1 ? MOE_MV_RW : MOE_MV_RW_T;
+    return rows_per_warp<K>() == 1 ? 1 : NORM ? MOE_MV_RW_NORM : T == 1 ? MOE_MV_RW : MOE_MV_RW_T;
 }
 
 /* Up to three matrices of one row length, in one launch (q, k and v of a layer), of one weight
@@ -94,7 +101,7 @@ struct mv_args {
 template <int K, int T, bool NORM>
 static __device__ __forceinline__ void mv_rows(const mv_args &a, const mv_seg &sg, int64_t n_tok)
 {
-    constexpr int RW = mv_rw<K, T>();
+    constexpr int RW = mv_rw<K, T, NORM>();
     const int lane = threadIdx.x & 31;
     const int64_t row = (int64_t)(blockIdx.x - sg.blk0) * ROWS_PER_BLOCK + (threadIdx.x >> 5) * RW;
     const bool live = row < sg.rows;
@@ -166,7 +173,7 @@ static __global__ void __launch_bounds__(THREADS)
 matvec_kernel(const mv_args a, int64_t n_tok)
 {
     static_assert(!NORM || T == 1, "the RMSNorm is fused for one token");
-    static_assert(mv_rw<K, T>() == mv_rw<K2, T>(), "one block size");
+    static_assert(mv_rw<K, T, NORM>() == mv_rw<K2, T, NORM>(), "one block size");
     int g = 0;
     while (g + 1 < a.nseg && blockIdx.x >= a.seg[g + 1].blk0)
         g++;
@@ -225,7 +232,7 @@ static int launch(const struct moe_mv_job *jobs, int n_jobs, int n1, int64_t n, 
     const int64_t nt = n_tok < tmax ? n_tok : tmax;
     const int T = nt >= 8 ? 8 : nt >= 4 ? 4 : nt >= 2 ? 2 : 1;
     dim3 gr((unsigned)blocks, (unsigned)((n_tok + T - 1) / T)),
-        th(THREADS / (T == 1 ? mv_rw<K, 1>() : mv_rw<K, 2>()));
+        th(THREADS / (dst ? mv_rw<K, 1, true>() : T == 1 ? mv_rw<K, 1>() : mv_rw<K, 2>()));
     cudaError_t e = dst      ? moe_launch(matvec_kernel<K, K2, 1, true>, gr, th, 0, s, a, n_tok)
                     : T == 8 ? moe_launch(matvec_kernel<K, K2, 8>, gr, th, 0, s, a, n_tok)
                     : T == 4 ? moe_launch(matvec_kernel<K, K2, 4>, gr, th, 0, s, a, n_tok)
