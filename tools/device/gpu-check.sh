@@ -7,7 +7,8 @@
 #   steps: build tests parity sanitizer daemon daemon-tests daemon-offload tiny big offload tc
 #   (tc: the products on tensor cores, MOE_CUDA_TC: their GPU tests, the tensor-core mat-vec
 #   against the float walk, and bench_engine with the float walk, the default (down on tensor
-#   cores), all, and all with the inputs staged once, in alternation)
+#   cores), gate/up and down with grouped steps' inputs staged once, and all with the inputs
+#   staged once, in alternation)
 #
 # The backend's switches pass through: `MOE_CUDA_TC=0 gpu-check.sh LOG build tests parity
 # sanitizer offload` runs the suites with the float walk everywhere (the tests that compare
@@ -130,7 +131,7 @@ if has tc; then
     [ -f $M ] || "$B/bin/moectl" mkmodel --preset qwen3-30b-a3b --quant q4_k_m --threads "$J" -o $M \
         >"$LOG/mkmodel.log" 2>&1
     for round in 1 2; do
-        for v in "MOE_CUDA_TC=0" "MOE_CUDA_TC=down" "MOE_CUDA_TC=all" \
+        for v in "MOE_CUDA_TC=0" "MOE_CUDA_TC=down" "MOE_CUDA_TC=1 MOE_CUDA_TC_STAGED=1" \
                  "MOE_CUDA_TC=all MOE_CUDA_TC_STAGED=1"; do
             printf '%s, round %s: ' "$v" $round
             env $v timeout 200 "$B/build/bench/bench_engine" $M --device cuda:0 \

@@ -154,8 +154,9 @@ struct cuda_backend {
     int64_t group_min;               /* MOE_CUDA_GROUP_MIN, 0: by layer (group_min()) */
     int tc;                          /* expert products on tensor cores (experts.cuh), from
                                         MOE_CUDA_TC at init */
-    void *tc_ws;                     /* MOE_CUDA_TC_STAGED=1 with the dense products on tensor
-                                      * cores: their inputs staged once per launch here */
+    void *tc_ws;                     /* MOE_CUDA_TC_STAGED=1 with the dense products or the expert
+                                      * gate/up on tensor cores: inputs staged once per launch
+                                      * here (gate/up: in steps grouped by expert) */
     size_t tc_ws_bytes;
     bool route_fold;                 /* routing inside gate/up (route_folds); MOE_CUDA_ROUTE_FOLD=0
                                       * keeps its own launch */
@@ -1883,9 +1884,9 @@ static int cuda_init(struct moe_backend **out, const struct moe_model *m, struct
         }
         INIT_TRY(cudaMalloc((void **)&b->d_rope, sizeof(float) * nb * (size_t)d->hd));
         const char *staged = getenv("MOE_CUDA_TC_STAGED");
-        if ((b->tc & MOE_CUDA_TC_DENSE) && staged && !strcmp(staged, "1")) {
+        if ((b->tc & (MOE_CUDA_TC_DENSE | MOE_CUDA_TC_GATE_UP)) && staged && !strcmp(staged, "1")) {
             /* Decode steps (up to MOE_CUDA_GRAPH_MAX tokens) and head passes (LOGIT_ROWS
-             * rows) of the longest dense input. */
+             * rows) of the longest dense input (the experts' input is n_embd wide). */
             const int64_t nmax = d->E > d->H * d->hd ? d->E : d->H * d->hd;
             const int64_t rows = MOE_CUDA_GRAPH_MAX > LOGIT_ROWS ? MOE_CUDA_GRAPH_MAX : LOGIT_ROWS;
             b->tc_ws_bytes = moe_cuda_matvec_tc_ws_bytes(nmax, (int64_t)nb < rows ? (int64_t)nb
@@ -3052,7 +3053,8 @@ static int expert_kernels(struct cuda_backend *b, int l, bool fold, const void *
         LAUNCH(b, "expert gate/up",
                moe_cuda_expert_gate_up_grouped(cl->gate_type, cl->gate, cl->up, b->d.E, b->d.ff,
                                                b->buf[MOE_BUF_X], b->ld[MOE_BUF_X], k, &b->groups,
-                                               max_active, b->act, b->ld_act, b->tc, b->st));
+                                               max_active, b->act, b->ld_act, b->tc, b->tc_ws,
+                                               b->tc_ws_bytes, b->n, b->st));
         mark(b, "down");
         LAUNCH(b, "expert down",
                moe_cuda_expert_down_grouped(cl->down_type, cl->down, b->d.ff, b->d.E, b->act,

@@ -171,12 +171,16 @@ gate_up_kernel(const uint8_t *const *__restrict__ ga, const uint8_t *const *__re
  * act rows; sm: shared memory for the staging (tc_stage_bytes(NT, nsb)) and the warps' sums (2 ·
  * GU_WARPS · 32 float4). Warp w takes blocks w, w + GU_WARPS, ... and the warps' sums are added in
  * warp order, so a column's floats depend on the row length only, not on NT or the other columns.
- * The whole block calls it; it ends with a barrier. */
-template <int K, int NT>
+ * ST: the inputs come staged once per step in st (moe_cuda_tc_stage), column c reading token
+ * tok[c]'s, and sm holds the sums only (the same floats: the same staging functions). The whole
+ * block calls it; it ends with a barrier. */
+template <int K, int NT, bool ST = false>
 static __device__ __forceinline__ void gu_tc_tile(const uint8_t *g, const uint8_t *u,
                                                   size_t row_bytes, int nsb, int64_t ff,
                                                   int64_t rt0, const float *const *xr,
-                                                  float *const *o, int nt, uint4 *sm)
+                                                  float *const *o, int nt, uint4 *sm,
+                                                  const tc_staged &st = tc_staged{},
+                                                  const int64_t *tok = nullptr)
 {
     __shared__ unsigned s_amax[NT];
     __shared__ int s_exp[NT];
@@ -194,9 +198,19 @@ static __device__ __forceinline__ void gu_tc_tile(const uint8_t *g, const uint8_
     }
     uint4 *xs = sm;
     uint2 *sxs = (uint2 *)(xs + (size_t)NT * nsb * 64);
-    float4 *red = (float4 *)(xs + (size_t)NT * nsb * 66); /* [2][GU_WARPS][32] */
-    tc_stage<NT, K>(xr, nsb, xs, sxs, s_exp, s_amax);
-    const int gx = g8 & (NT - 1);
+    float4 *red = ST ? (float4 *)sm : (float4 *)(xs + (size_t)NT * nsb * 66); /* [2][GU_WARPS][32] */
+    int gx = g8 & (NT - 1);
+    if constexpr (ST) {
+        /* The lane's column: its token's staged row (tc_rows reads column 0 of it). */
+        xs = st.xs + (size_t)tok[gx] * nsb * 64;
+        sxs = st.sxs + (size_t)tok[gx] * nsb * 4;
+        gx = 0;
+        if (threadIdx.x < NT)
+            s_exp[threadIdx.x] = st.exp[tok[threadIdx.x]];
+        __syncthreads();
+    } else {
+        tc_stage<NT, K>(xr, nsb, xs, sxs, s_exp, s_amax);
+    }
     float ag[4] = {0.0f, 0.0f, 0.0f, 0.0f}, au[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     tc_rows<K>(g0, g1, t, wi, GU_WARPS, nsb, rg, xs, sxs, gx, ag);
     tc_rows<K>(u0, u1, t, wi, GU_WARPS, nsb, ru, xs, sxs, gx, au);
@@ -560,8 +574,9 @@ gate_up_grouped_kernel(const uint8_t *const *__restrict__ ga, const uint8_t *con
 }
 
 /* Gate/up grouped on tensor cores: one block per (16-row tile, active expert), the expert's slots
- * NT at a time as the columns of gu_tc_tile (the same floats per slot as gate_up_tc_kernel). */
-template <int K, int NT>
+ * NT at a time as the columns of gu_tc_tile (the same floats per slot as gate_up_tc_kernel). ST:
+ * the step's inputs staged once in st (moe_cuda_tc_stage). */
+template <int K, int NT, bool ST = false>
 static __global__ void __launch_bounds__(32 * GU_WARPS, 3)
 gate_up_grouped_tc_kernel(const uint8_t *const *__restrict__ ga,
                           const uint8_t *const *__restrict__ ua, size_t row_bytes, int nsb,
@@ -569,7 +584,7 @@ gate_up_grouped_tc_kernel(const uint8_t *const *__restrict__ ga,
                           const int32_t *__restrict__ ex_off, const int32_t *__restrict__ slot_list,
                           const int32_t *__restrict__ act_list,
                           const int32_t *__restrict__ n_active, float *__restrict__ out,
-                          int64_t ldo)
+                          int64_t ldo, const tc_staged st)
 {
     pdl_wait();
     pdl_trigger();
@@ -582,14 +597,16 @@ gate_up_grouped_tc_kernel(const uint8_t *const *__restrict__ ga,
         const int nt = s1 - i < NT ? s1 - i : NT;
         const float *xr[NT];
         float *o[NT];
+        int64_t tok[NT];
         UNROLL
         for (int c = 0; c < NT; c++) {
             const int32_t slot = slot_list[i + (c < nt ? c : nt - 1)];
-            xr[c] = x + (int64_t)(slot / kuse) * ldx;
+            tok[c] = slot / kuse;
+            xr[c] = x + tok[c] * ldx;
             o[c] = out + (int64_t)slot * ldo;
         }
-        gu_tc_tile<K, NT>(ga[e], ua[e], row_bytes, nsb, ff, (int64_t)blockIdx.x * TC_ROWS, xr, o,
-                          nt, gsm);
+        gu_tc_tile<K, NT, ST>(ga[e], ua[e], row_bytes, nsb, ff, (int64_t)blockIdx.x * TC_ROWS, xr,
+                              o, nt, gsm, st, tok);
     }
 }
 
@@ -924,7 +941,8 @@ template <int K>
 static int launch_gate_up_grouped(const void *const *a, const void *const *b, int64_t n,
                                   int64_t ff, const float *x, int64_t ldx, int kuse,
                                   const struct moe_cuda_groups *gr, int max_active, float *out,
-                                  int64_t ldo, int tc, cudaStream_t s)
+                                  int64_t ldo, int tc, void *ws, size_t ws_bytes, int64_t n_tok,
+                                  cudaStream_t s)
 {
     size_t rb;
     int nu;
@@ -934,6 +952,20 @@ static int launch_gate_up_grouped(const void *const *a, const void *const *b, in
             const int nsb = (int)(n / 256);
             const dim3 g((unsigned)((ff + TC_ROWS - 1) / TC_ROWS), (unsigned)max_active);
             const size_t red = 2 * GU_WARPS * 32 * sizeof(float4);
+            /* Inputs staged once for the step where a workspace holds them: 8 slots a pass. */
+            if (ws && n_tok > 0 && ws_bytes >= moe_cuda_matvec_tc_ws_bytes(n, n_tok)) {
+                const int rc = moe_cuda_tc_stage(K, x, ldx, n, n_tok, ws, ws_bytes, s);
+                if (rc)
+                    return rc;
+                MOE_CUDA_TRY(moe_launch(gate_up_grouped_tc_kernel<K, 8, true>, g,
+                                        dim3(32 * GU_WARPS), red, s, (const uint8_t *const *)a,
+                                        (const uint8_t *const *)b, rb, nsb, ff, x, ldx, kuse,
+                                        (const int32_t *)gr->ex_off, (const int32_t *)gr->slot_list,
+                                        (const int32_t *)gr->act_list,
+                                        (const int32_t *)gr->n_active, out, ldo,
+                                        tc_ws_split(ws, nsb, n_tok)));
+                return 0;
+            }
 #define GUG_TC(NT)                                                                                \
     if (tc_stage_bytes(NT, nsb) + red <= 48 * 1024) {                                             \
         MOE_CUDA_TRY(moe_launch(gate_up_grouped_tc_kernel<K, NT>, g, dim3(32 * GU_WARPS),         \
@@ -941,7 +973,7 @@ static int launch_gate_up_grouped(const void *const *a, const void *const *b, in
                                 (const uint8_t *const *)b, rb, nsb, ff, x, ldx, kuse,             \
                                 (const int32_t *)gr->ex_off, (const int32_t *)gr->slot_list,      \
                                 (const int32_t *)gr->act_list, (const int32_t *)gr->n_active,     \
-                                out, ldo));                                                       \
+                                out, ldo, tc_staged{}));                                          \
         return 0;                                                                                 \
     }
             GUG_TC(4)
@@ -1031,11 +1063,12 @@ int moe_cuda_expert_gate_up_grouped(uint32_t type, const void *const *d_gate,
                                     const void *const *d_up, int64_t n, int64_t ff,
                                     const float *d_x, int64_t ldx, int kuse,
                                     const struct moe_cuda_groups *g, int max_active, float *d_act,
-                                    int64_t ldact, int tc, cudaStream_t s)
+                                    int64_t ldact, int tc, void *d_ws, size_t ws_bytes,
+                                    int64_t n_tok, cudaStream_t s)
 {
     if (max_active <= 0 || max_active > 65535)
         return -EINVAL;
-#define CALL(T) return launch_gate_up_grouped<T>(d_gate, d_up, n, ff, d_x, ldx, kuse, g, max_active, d_act, ldact, tc, s);
+#define CALL(T) return launch_gate_up_grouped<T>(d_gate, d_up, n, ff, d_x, ldx, kuse, g, max_active, d_act, ldact, tc, d_ws, ws_bytes, n_tok, s);
 #define CASE(T) case T: CALL(T)
     switch (type) {
     MOE_QDOT_TYPES(CASE)

@@ -105,12 +105,15 @@ int moe_cuda_expert_combine_pos(const float *d_dout, int64_t ldd, int64_t E, int
 
 /* Gate/up by expert (gate and up of one type): each active expert's rows are read from memory
  * once for all its slots. max_active: min(nexp, n_slots), the grid's bound. Same results as
- * moe_cuda_expert_gate_up, bit for bit. */
+ * moe_cuda_expert_gate_up, bit for bit. With gate/up on tensor cores and d_ws (16-byte aligned,
+ * at least moe_cuda_matvec_tc_ws_bytes(n, n_tok) bytes; NULL: none), the step's n_tok input rows
+ * are staged once there (moe_cuda_tc_stage) instead of in every block: the same bits. */
 int moe_cuda_expert_gate_up_grouped(uint32_t type, const void *const *d_gate,
                                     const void *const *d_up, int64_t n, int64_t ff,
                                     const float *d_x, int64_t ldx, int kuse,
                                     const struct moe_cuda_groups *g, int max_active, float *d_act,
-                                    int64_t ldact, int tc, cudaStream_t s);
+                                    int64_t ldact, int tc, void *d_ws, size_t ws_bytes,
+                                    int64_t n_tok, cudaStream_t s);
 
 /* Down by expert into dout [slot][E] (rows ldd apart), then h[t] += Σ_j sel_w · dout in the
  * token's top-k order. Same results as moe_cuda_expert_down, bit for bit. */

@@ -35,21 +35,6 @@ struct tc_jobs {
     int n;
 };
 
-/* Inputs staged once for every tile (moe_cuda_matvec_tc_multi_ws): per token its fragments
- * [nsb][16 mma][4 t], its sub-block sums [nsb][4 t] and its exponent, in three arrays. */
-struct tc_staged {
-    uint4 *xs;
-    uint2 *sxs;
-    int *exp;
-};
-
-static __host__ __device__ tc_staged tc_ws_split(void *ws, int nsb, int64_t n_tok)
-{
-    uint4 *xs = (uint4 *)ws;
-    uint2 *sxs = (uint2 *)(xs + (size_t)n_tok * nsb * 64);
-    return tc_staged{xs, sxs, (int *)(sxs + (size_t)n_tok * nsb * 4)};
-}
-
 /* One block per token: its row of x staged into the workspace as a tile's tc_stage would. */
 template <int K>
 static __global__ void __launch_bounds__(128)
@@ -192,6 +177,28 @@ extern "C" size_t moe_cuda_matvec_tc_ws_bytes(int64_t n, int64_t n_tok)
         return 0;
     const size_t nsb = (size_t)(n + 255) / 256;
     return (size_t)n_tok * (nsb * (64 * sizeof(uint4) + 4 * sizeof(uint2)) + sizeof(int));
+}
+
+extern "C" int moe_cuda_tc_stage(uint32_t type, const float *d_x, int64_t ldx, int64_t n,
+                                 int64_t n_tok, void *d_ws, size_t ws_bytes, cudaStream_t s)
+{
+    if (!moe_cuda_matvec_tc_supported(type))
+        return MOE_EUNSUPPORTED;
+    if (n <= 0 || n % 256 != 0 || n / 256 > 0x7fff || n_tok < 0 || n_tok > 0x7fffffffLL ||
+        !d_x || ((uintptr_t)d_x & 15) != 0 || ldx < n || ldx % 4 != 0 || !d_ws ||
+        ((uintptr_t)d_ws & 15) != 0 || ws_bytes < moe_cuda_matvec_tc_ws_bytes(n, n_tok))
+        return -EINVAL;
+    if (n_tok == 0)
+        return 0;
+    const int nsb = (int)(n / 256);
+    const tc_staged st = tc_ws_split(d_ws, nsb, n_tok);
+    if (type == MOE_TYPE_Q6_K)
+        MOE_CUDA_TRY(moe_launch(mv_tc_stage_kernel<MOE_TYPE_Q6_K>, dim3((unsigned)n_tok),
+                                dim3(128), 0, s, d_x, ldx, nsb, st));
+    else
+        MOE_CUDA_TRY(moe_launch(mv_tc_stage_kernel<MOE_TYPE_Q4_K>, dim3((unsigned)n_tok),
+                                dim3(128), 0, s, d_x, ldx, nsb, st));
+    return 0;
 }
 
 extern "C" int moe_cuda_matvec_tc_multi_ws(uint32_t type, const struct moe_mv_job *jobs,

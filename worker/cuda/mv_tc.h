@@ -50,6 +50,12 @@ int moe_cuda_matvec_tc_ws(uint32_t type, const void *d_w, int64_t n, int64_t row
                           const float *d_x, int64_t ldx, int64_t n_tok, float *d_y, int64_t ldy,
                           void *d_ws, size_t ws_bytes, cudaStream_t s);
 
+/* The staging launch alone: n_tok rows of x (n inputs each) converted for products with `type`
+ * weights into d_ws, as the forms above do before their tiles (the layout of tc_ws_split in
+ * worker/cuda/mv_tc_dev.cuh), for the expert kernels to read. */
+int moe_cuda_tc_stage(uint32_t type, const float *d_x, int64_t ldx, int64_t n, int64_t n_tok,
+                      void *d_ws, size_t ws_bytes, cudaStream_t s);
+
 #ifdef __cplusplus
 }
 #endif

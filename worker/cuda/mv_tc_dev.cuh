@@ -258,4 +258,20 @@ static __device__ __forceinline__ int tc_stage_warp(const float *x, int nsb, uin
     return e;
 }
 
+/* Inputs staged once for every tile (moe_cuda_tc_stage, moe_cuda_matvec_tc_multi_ws): per token
+ * its fragments [nsb][16 mma][4 t], its sub-block sums [nsb][4 t] and its exponent, in three
+ * arrays, each token's as tc_stage<1, K> makes them. */
+struct tc_staged {
+    uint4 *xs;
+    uint2 *sxs;
+    int *exp;
+};
+
+static __host__ __device__ __forceinline__ tc_staged tc_ws_split(void *ws, int nsb, int64_t n_tok)
+{
+    uint4 *xs = (uint4 *)ws;
+    uint2 *sxs = (uint2 *)(xs + (size_t)n_tok * nsb * 64);
+    return tc_staged{xs, sxs, (int *)(sxs + (size_t)n_tok * nsb * 4)};
+}
+
 #endif
