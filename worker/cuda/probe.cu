@@ -2,6 +2,8 @@
 #include "worker/cuda/probe.h"
 
 #include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
 
 #include <cuda_runtime.h>
 
@@ -77,14 +79,46 @@ extern "C" int moe_cuda_device_count(char *why, size_t len)
     return 0;
 }
 
+/* The compute capabilities this build has GPU code for ("9.0", "8.0, 9.0"), from nvcc's
+ * __CUDA_ARCH_LIST__ (the -gencode targets of CUDA_ARCH in the Makefile). */
+#define PROBE_STR2(x) #x
+#define PROBE_STR(x) PROBE_STR2(x)
+static void built_archs(char *out, size_t len)
+{
+#ifdef __CUDA_ARCH_LIST__
+    const char *list = PROBE_STR(__CUDA_ARCH_LIST__);
+#else
+    const char *list = "";
+#endif
+    size_t k = 0;
+    out[0] = 0;
+    for (const char *p = list; *p && k + 8 < len;) {
+        char *end;
+        const long a = strtol(p, &end, 10);
+        if (end == p)
+            break;
+        k += (size_t)snprintf(out + k, len - k, "%s%ld.%ld", k ? ", " : "", a / 100, a % 100 / 10);
+        p = *end == ',' ? end + 1 : end;
+    }
+}
+
 extern "C" int moe_cuda_probe(int index, char *desc, size_t len)
 {
-    char info[384] = "", why[256] = "";
+    char info[384] = "", why[384] = "";
     int rc = probe(index, info, sizeof info, why, sizeof why);
     if (rc == MOE_EBACKEND && !why[0]) {
         /* MOE_CUDA_TRY printed the failing call; the runtime still holds its error. */
         cudaError_t e = cudaGetLastError();
         snprintf(why, sizeof why, "%s (%s)", cudaGetErrorString(e), cudaGetErrorName(e));
+        if (e == cudaErrorNoKernelImageForDevice || e == cudaErrorUnsupportedPtxVersion) {
+            char archs[64];
+            built_archs(archs, sizeof archs);
+            const size_t k = strlen(why);
+            snprintf(why + k, sizeof why - k,
+                     "; this build has GPU code for compute capability %s (CUDA_ARCH in the "
+                     "Makefile, docs/install.md)",
+                     archs[0] ? archs : "none");
+        }
     }
     if (rc == 0)
         snprintf(desc, len, "%s", info);
