@@ -1020,9 +1020,53 @@ template <int K, class TL, bool G> int launch_shape(const Params &p, cudaStream_
     return 0;
 }
 
+/* The device's shared memory a block may opt in to (227 KB on Hopper, 99 KB on 8.6/8.9). */
+static int smem_optin()
+{
+#ifndef MOE_GEMM_HOST_EMU
+    static std::atomic<int> cached[64];
+    int dev = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) {
+        (void)cudaGetLastError();
+        return 0;
+    }
+    int v = cached[dev].load(std::memory_order_relaxed);
+    if (v <= 0) {
+        if (cudaDeviceGetAttribute(&v, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) !=
+            cudaSuccess) {
+            (void)cudaGetLastError();
+            return 0;
+        }
+        cached[dev].store(v, std::memory_order_relaxed);
+    }
+    return v;
+#else
+    return 0;
+#endif
+}
+
+/* The tile to launch: the one picked or, where its shared memory does not fit the device (the
+ * 128×128 tile of Q8_0 and the K-quants takes 110-128 KB, over the 99 KB of compute capability
+ * 8.6 and 8.9; 128×64 and 128×32 of Q5_K/Q6_K 90-109 KB), a smaller one that does; the 64×64 tile
+ * takes 64 KB at most. Never a change on Hopper (227 KB). */
+template <int K> int fit_tile(int tile)
+{
+    const int optin = smem_optin();
+    if (optin <= 0)
+        return tile;
+    const int need[N_TILES] = {smem_bytes<K, T0>(), smem_bytes<K, T1>(), smem_bytes<K, T2>(),
+                               smem_bytes<K, T3>()};
+    if (need[tile] <= optin)
+        return tile;
+    for (int t : {1, 3, 2})
+        if (need[t] <= optin)
+            return t;
+    return 2;
+}
+
 template <int K, bool G> int launch_tile(int tile, const Params &p, cudaStream_t s)
 {
-    switch (tile) {
+    switch (fit_tile<K>(tile)) {
     case 0: return launch_shape<K, T0, G>(p, s);
     case 1: return launch_shape<K, T1, G>(p, s);
     case 2: return launch_shape<K, T2, G>(p, s);
