@@ -52,6 +52,16 @@ mv_tc_stage_kernel(const float *__restrict__ x, int64_t ldx, int nsb, tc_staged 
         st.exp[r] = s_exp[0];
 }
 
+/* The staging launch: n_tok rows of x into st, one block per token. */
+template <int K>
+static int tc_stage_launch(const float *x, int64_t ldx, int nsb, int64_t n_tok, const tc_staged &st,
+                           cudaStream_t s)
+{
+    MOE_CUDA_TRY(moe_launch(mv_tc_stage_kernel<K>, dim3((unsigned)n_tok), dim3(128), 0, s, x, ldx,
+                            nsb, st));
+    return 0;
+}
+
 /* ST: the inputs come staged in st (else the block stages them in shared memory). */
 template <int NT, int K, bool ST>
 static __global__ void __launch_bounds__(32 * TC_MAX_WARPS)
@@ -151,8 +161,9 @@ static int tc_launch(const tc_jobs &J, size_t rb, int nsb, const float *x, int64
     const dim3 grid((unsigned)J.tile0[J.n], (unsigned)((n_tok + NT - 1) / NT));
     if (ws) {
         const tc_staged st = tc_ws_split(ws, nsb, n_tok);
-        MOE_CUDA_TRY(moe_launch(mv_tc_stage_kernel<K>, dim3((unsigned)n_tok), dim3(128), 0, s, x,
-                                ldx, nsb, st));
+        const int rc = tc_stage_launch<K>(x, ldx, nsb, n_tok, st, s);
+        if (rc)
+            return rc;
         MOE_CUDA_TRY(moe_launch(mv_tc_kernel<NT, K, true>, grid, dim3(32 * warps),
                                 (size_t)warps * 32 * sizeof(uint4), s, J, rb, nsb, x, ldx, n_tok,
                                 accumulate, st));
@@ -192,13 +203,8 @@ extern "C" int moe_cuda_tc_stage(uint32_t type, const float *d_x, int64_t ldx, i
         return 0;
     const int nsb = (int)(n / 256);
     const tc_staged st = tc_ws_split(d_ws, nsb, n_tok);
-    if (type == MOE_TYPE_Q6_K)
-        MOE_CUDA_TRY(moe_launch(mv_tc_stage_kernel<MOE_TYPE_Q6_K>, dim3((unsigned)n_tok),
-                                dim3(128), 0, s, d_x, ldx, nsb, st));
-    else
-        MOE_CUDA_TRY(moe_launch(mv_tc_stage_kernel<MOE_TYPE_Q4_K>, dim3((unsigned)n_tok),
-                                dim3(128), 0, s, d_x, ldx, nsb, st));
-    return 0;
+    return type == MOE_TYPE_Q6_K ? tc_stage_launch<MOE_TYPE_Q6_K>(d_x, ldx, nsb, n_tok, st, s)
+                                 : tc_stage_launch<MOE_TYPE_Q4_K>(d_x, ldx, nsb, n_tok, st, s);
 }
 
 extern "C" int moe_cuda_matvec_tc_multi_ws(uint32_t type, const struct moe_mv_job *jobs,
