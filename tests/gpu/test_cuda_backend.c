@@ -584,8 +584,8 @@ TEST_TIMEOUT(cuda_grouped_experts_equal_per_slot, 600)
  * head-dim-128 fixtures have Q4_K or Q6_K matrices; the Q8_0 model must not change at all); and
  * with them, slots grouped by expert equal the per-slot kernels bit for bit, prompts on CUDA
  * cores and decode batches of 1 and 4 sequences, and products with their inputs staged once
- * (MOE_CUDA_TC_STAGED=1: the dense ones, the gate/up of grouped steps) equal those staged in
- * every block. */
+ * (MOE_CUDA_TC_STAGED=1: the dense ones, the gate/up and down of grouped steps, every decode
+ * step grouped) equal those staged in every block. */
 TEST_TIMEOUT(cuda_tc_experts_agree_with_the_float_walk, 900)
 {
     need_gpu();
@@ -625,14 +625,16 @@ TEST_TIMEOUT(cuda_tc_experts_agree_with_the_float_walk, 900)
             const struct engines_cmp c = two_engines_cmp(t, f, V, plen, 6, 2);
             moe_test_rng_seed(401 + mi);
             const size_t gdiff = two_engines_diff(tg, t, V, plen, 6, 2);
-            /* The inputs staged once per launch (the dense products; the gate/up of steps
-             * grouped by expert): the same bits. */
+            /* The inputs staged once per launch (the dense products; the gate/up and down of
+             * steps grouped by expert, here every decode step): the same bits. */
             size_t sdiff = 0;
             {
                 setenv("MOE_CUDA_GEMM", "0", 1);
                 setenv("MOE_CUDA_TC", modes[k], 1);
                 setenv("MOE_CUDA_TC_STAGED", "1", 1);
+                setenv("MOE_CUDA_GROUP_MIN", "0.01", 1);
                 struct moe_engine *ts = engine_on(m, "cuda:0", 160, 4, 0, false);
+                unsetenv("MOE_CUDA_GROUP_MIN");
                 unsetenv("MOE_CUDA_TC_STAGED");
                 unsetenv("MOE_CUDA_TC");
                 unsetenv("MOE_CUDA_GEMM");

@@ -151,7 +151,7 @@ struct cuda_backend {
     int sms;
     int mode;
     bool capturing, head_chunked, use_graphs, use_gemm, use_flash;
-    int64_t group_min;               /* MOE_CUDA_GROUP_MIN, 0: by layer (group_min()) */
+    double group_min;                /* MOE_CUDA_GROUP_MIN, 0: by layer (group_min()) */
     int tc;                          /* expert products on tensor cores (experts.cuh), from
                                         MOE_CUDA_TC at init */
     void *tc_ws;                     /* MOE_CUDA_TC_STAGED=1 with the dense products or the expert
@@ -1742,9 +1742,9 @@ static int cuda_init(struct moe_backend **out, const struct moe_model *m, struct
     b->use_flash = env_on("MOE_CUDA_FLASH");
     b->profile = getenv("MOE_CUDA_PROFILE") != NULL;
     b->profile_steps = b->profile && !strcmp(getenv("MOE_CUDA_PROFILE"), "steps");
-    b->group_min = getenv("MOE_CUDA_GROUP_MIN") ? atoll(getenv("MOE_CUDA_GROUP_MIN")) : 0;
-    if (b->group_min < 0)
-        b->group_min = 0;
+    b->group_min = getenv("MOE_CUDA_GROUP_MIN") ? atof(getenv("MOE_CUDA_GROUP_MIN")) : 0.0;
+    if (!(b->group_min > 0.0)) /* negative, NaN or not a number */
+        b->group_min = 0.0;
     b->tc = moe_cuda_expert_tc_env();
     b->route_fold = env_on("MOE_CUDA_ROUTE_FOLD");
     b->norm_fold = env_on("MOE_CUDA_NORM_FOLD");
@@ -1884,13 +1884,17 @@ static int cuda_init(struct moe_backend **out, const struct moe_model *m, struct
         }
         INIT_TRY(cudaMalloc((void **)&b->d_rope, sizeof(float) * nb * (size_t)d->hd));
         const char *staged = getenv("MOE_CUDA_TC_STAGED");
-        if ((b->tc & (MOE_CUDA_TC_DENSE | MOE_CUDA_TC_GATE_UP)) && staged && !strcmp(staged, "1")) {
+        if (b->tc && staged && !strcmp(staged, "1")) {
             /* Decode steps (up to MOE_CUDA_GRAPH_MAX tokens) and head passes (LOGIT_ROWS
-             * rows) of the longest dense input (the experts' input is n_embd wide). */
+             * rows) of the longest dense input (the experts' input is n_embd wide), and the
+             * act rows of a grouped step's down (kuse slots a token, n_ff_exp wide). */
             const int64_t nmax = d->E > d->H * d->hd ? d->E : d->H * d->hd;
             const int64_t rows = MOE_CUDA_GRAPH_MAX > LOGIT_ROWS ? MOE_CUDA_GRAPH_MAX : LOGIT_ROWS;
-            b->tc_ws_bytes = moe_cuda_matvec_tc_ws_bytes(nmax, (int64_t)nb < rows ? (int64_t)nb
-                                                                                  : rows);
+            const int64_t nr = (int64_t)nb < rows ? (int64_t)nb : rows;
+            const int64_t ns = (int64_t)nb < MOE_CUDA_GRAPH_MAX ? (int64_t)nb : MOE_CUDA_GRAPH_MAX;
+            const size_t dense = moe_cuda_matvec_tc_ws_bytes(nmax, nr);
+            const size_t down = moe_cuda_matvec_tc_ws_bytes(d->ff, ns * d->kuse);
+            b->tc_ws_bytes = dense > down ? dense : down;
             INIT_TRY(cudaMalloc(&b->tc_ws, b->tc_ws_bytes));
         }
         INIT_TRY(cudaMalloc((void **)&b->counts,
@@ -2708,7 +2712,7 @@ static int cuda_attention(struct moe_backend *bb, int l)
 }
 
 /* Slots per expert, on average, from which layer cl's decode steps group their slots by expert. */
-static int64_t group_min(const struct cuda_backend *b, const struct cuda_layer *cl)
+static double group_min(const struct cuda_backend *b, const struct cuda_layer *cl)
 {
     if (b->group_min > 0)
         return b->group_min;
@@ -2728,7 +2732,7 @@ static bool route_folds(const struct cuda_backend *b, int l)
     if (!b->route_fold || b->n != 1 || cl->slots < b->d.nexp || cl->mixed ||
         cl->gate_type != cl->up_type)
         return false;
-    return k < group_min(b, cl) * b->d.nexp;
+    return k < group_min(b, cl) * (double)b->d.nexp;
 }
 
 static int launch_route(struct cuda_backend *b, int l)
@@ -2986,7 +2990,8 @@ static enum expert_path expert_path(const struct cuda_backend *b, const struct c
         return XP_MIXED;
     if (use_gemm(b, cl->gate_type) && use_gemm(b, cl->up_type) && use_gemm(b, cl->down_type))
         return XP_GEMM;
-    if (b->n * (int64_t)b->d.kuse >= group_min(b, cl) * b->d.nexp && cl->gate_type == cl->up_type)
+    if ((double)(b->n * (int64_t)b->d.kuse) >= group_min(b, cl) * (double)b->d.nexp &&
+        cl->gate_type == cl->up_type)
         return XP_GROUPED;
     return XP_PER_SLOT;
 }
@@ -3060,7 +3065,8 @@ static int expert_kernels(struct cuda_backend *b, int l, bool fold, const void *
                moe_cuda_expert_down_grouped(cl->down_type, cl->down, b->d.ff, b->d.E, b->act,
                                             b->ld_act, &b->groups, max_active, b->n, k,
                                             b->buf[MOE_BUF_SEL_W], b->dout, b->ld_dout,
-                                            b->buf[MOE_BUF_H], b->ld[MOE_BUF_H], b->tc, b->st));
+                                            b->buf[MOE_BUF_H], b->ld[MOE_BUF_H], b->tc, b->tc_ws,
+                                            b->tc_ws_bytes, b->st));
         return 0;
     }
     const struct moe_cuda_route_in rt = {b->buf[MOE_BUF_RL], b->ld[MOE_BUF_RL], (int)b->d.nexp,

@@ -612,15 +612,17 @@ gate_up_grouped_tc_kernel(const uint8_t *const *__restrict__ ga,
 
 /* Down grouped on tensor cores: one block per (DG_TC_WARPS 16-row tiles, active expert), warp w
  * its own tile over the whole row, the expert's slots NT at a time staged for the block; dout
- * gets each slot's rows (the same floats as down_tc_kernel's part, before the combine). */
+ * gets each slot's rows (the same floats as down_tc_kernel's part, before the combine). ST: the
+ * act rows come staged once per step in st (moe_cuda_tc_stage, by slot), and the block stages
+ * nothing (the same floats: the same staging functions). */
 #define DG_TC_WARPS 4
-template <int K, int NT>
+template <int K, int NT, bool ST = false>
 static __global__ void __launch_bounds__(32 * DG_TC_WARPS)
 down_grouped_tc_kernel(const uint8_t *const *__restrict__ da, size_t row_bytes, int nsb, int64_t E,
                        const float *__restrict__ act, int64_t ldact,
                        const int32_t *__restrict__ ex_off, const int32_t *__restrict__ slot_list,
                        const int32_t *__restrict__ act_list, const int32_t *__restrict__ n_active,
-                       float *__restrict__ dout, int64_t ldd)
+                       float *__restrict__ dout, int64_t ldd, const tc_staged st)
 {
     pdl_wait();
     pdl_trigger();
@@ -635,9 +637,6 @@ down_grouped_tc_kernel(const uint8_t *const *__restrict__ da, size_t row_bytes, 
     const int64_t rt0 = ((int64_t)blockIdx.x * DG_TC_WARPS + wi) * TC_ROWS;
     const int64_t row0 = rt0 + g8 < E ? rt0 + g8 : E - 1, row1 = rt0 + g8 + 8 < E ? rt0 + g8 + 8 : E - 1;
     const uint8_t *p0 = da[e] + (size_t)row0 * row_bytes, *p1 = da[e] + (size_t)row1 * row_bytes;
-    uint4 *xs = gsm;
-    uint2 *sxs = (uint2 *)(xs + (size_t)NT * nsb * 64);
-    const int gx = g8 & (NT - 1);
     for (int32_t i = s0; i < s1; i += NT) {
         const int nt = s1 - i < NT ? s1 - i : NT;
         const typename tc_kind<K>::raw raw = tc_kind<K>::load(p0, p1, t);
@@ -648,7 +647,27 @@ down_grouped_tc_kernel(const uint8_t *const *__restrict__ da, size_t row_bytes, 
             slot[c] = slot_list[i + (c < nt ? c : nt - 1)];
             xr[c] = act + (int64_t)slot[c] * ldact;
         }
-        tc_stage<NT, K>(xr, nsb, xs, sxs, s_exp, s_amax);
+        const uint4 *xs;
+        const uint2 *sxs;
+        int gx = g8 & (NT - 1);
+        int ex[2];
+        if constexpr (ST) {
+            /* The lane's column: its slot's staged row (tc_rows reads column 0 of it); the
+             * exponents of its two output columns straight from st. */
+            xs = st.xs + (size_t)slot[gx] * nsb * 64;
+            sxs = st.sxs + (size_t)slot[gx] * nsb * 4;
+            gx = 0;
+            ex[0] = st.exp[slot[(2 * t) & (NT - 1)]];
+            ex[1] = st.exp[slot[(2 * t + 1) & (NT - 1)]];
+        } else {
+            uint4 *bx = gsm;
+            uint2 *bs = (uint2 *)(bx + (size_t)NT * nsb * 64);
+            tc_stage<NT, K>(xr, nsb, bx, bs, s_exp, s_amax);
+            xs = bx;
+            sxs = bs;
+            ex[0] = s_exp[(2 * t) & (NT - 1)];
+            ex[1] = s_exp[(2 * t + 1) & (NT - 1)];
+        }
         float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
         tc_rows<K>(p0, p1, t, 0, 1, nsb, raw, xs, sxs, gx, acc);
         UNROLL
@@ -656,14 +675,15 @@ down_grouped_tc_kernel(const uint8_t *const *__restrict__ da, size_t row_bytes, 
             const int col = 2 * t + j;
             if (col >= NT || col >= nt)
                 continue;
-            const float back = ldexpf(1.0f, s_exp[col]);
+            const float back = ldexpf(1.0f, ex[j]);
             float *d = dout + (int64_t)slot[col] * ldd;
             if (rt0 + g8 < E)
                 d[rt0 + g8] = acc[j] * back;
             if (rt0 + g8 + 8 < E)
                 d[rt0 + g8 + 8] = acc[2 + j] * back;
         }
-        __syncthreads(); /* the staging area is the next chunk's */
+        if constexpr (!ST)
+            __syncthreads(); /* the staging area is the next chunk's */
     }
 }
 
@@ -995,7 +1015,7 @@ template <int K>
 static int launch_down_grouped(const void *const *d, int64_t ff, int64_t E, const float *act,
                                int64_t ldact, const struct moe_cuda_groups *gr, int max_active,
                                float *dout, int64_t ldd, const uint8_t *etype, int tc,
-                               cudaStream_t s)
+                               void *ws, size_t ws_bytes, int64_t n_slots, cudaStream_t s)
 {
     size_t rb;
     int nu;
@@ -1005,13 +1025,30 @@ static int launch_down_grouped(const void *const *d, int64_t ff, int64_t E, cons
             const int nsb = (int)(ff / 256);
             const int64_t per = DG_TC_WARPS * TC_ROWS;
             const dim3 g((unsigned)((E + per - 1) / per), (unsigned)max_active);
+            /* The act rows staged once for the step where a workspace holds them: 8 slots a
+             * pass, nothing staged per block. */
+            if (!etype && ws && n_slots > 0 && ldact % 4 == 0 && ((uintptr_t)act & 15) == 0 &&
+                ws_bytes >= moe_cuda_matvec_tc_ws_bytes(ff, n_slots)) {
+                const int rc = moe_cuda_tc_stage(kind_type(K), act, ldact, ff, n_slots, ws,
+                                                 ws_bytes, s);
+                if (rc)
+                    return rc;
+                MOE_CUDA_TRY(moe_launch(down_grouped_tc_kernel<K, 8, true>, g,
+                                        dim3(32 * DG_TC_WARPS), 0, s, (const uint8_t *const *)d,
+                                        rb, nsb, E, act, ldact, (const int32_t *)gr->ex_off,
+                                        (const int32_t *)gr->slot_list,
+                                        (const int32_t *)gr->act_list,
+                                        (const int32_t *)gr->n_active, dout, ldd,
+                                        tc_ws_split(ws, nsb, n_slots)));
+                return 0;
+            }
 #define DG_TC(NT)                                                                                 \
     if (tc_stage_bytes(NT, nsb) <= 48 * 1024) {                                                   \
         MOE_CUDA_TRY(moe_launch(down_grouped_tc_kernel<K, NT>, g, dim3(32 * DG_TC_WARPS),         \
                                 tc_stage_bytes(NT, nsb), s, (const uint8_t *const *)d, rb, nsb,   \
                                 E, act, ldact, (const int32_t *)gr->ex_off,                       \
                                 (const int32_t *)gr->slot_list, (const int32_t *)gr->act_list,    \
-                                (const int32_t *)gr->n_active, dout, ldd));                       \
+                                (const int32_t *)gr->n_active, dout, ldd, tc_staged{}));          \
         return 0;                                                                                 \
     }
             if (!etype) {
@@ -1036,9 +1073,10 @@ static int launch_down_grouped(const void *const *d, int64_t ff, int64_t E, cons
 static int down_grouped_dispatch(uint32_t type, const void *const *d_down, int64_t ff, int64_t E,
                                  const float *d_act, int64_t ldact, const struct moe_cuda_groups *g,
                                  int max_active, float *d_dout, int64_t ldd, const uint8_t *etype,
-                                 int tc, cudaStream_t s)
+                                 int tc, void *ws, size_t ws_bytes, int64_t n_slots,
+                                 cudaStream_t s)
 {
-#define CALL(T) return launch_down_grouped<T>(d_down, ff, E, d_act, ldact, g, max_active, d_dout, ldd, etype, tc, s);
+#define CALL(T) return launch_down_grouped<T>(d_down, ff, E, d_act, ldact, g, max_active, d_dout, ldd, etype, tc, ws, ws_bytes, n_slots, s);
 #define CASE(T) case T: CALL(T)
     switch (type) {
     MOE_QDOT_TYPES(CASE)
@@ -1083,12 +1121,12 @@ int moe_cuda_expert_down_grouped(uint32_t type, const void *const *d_down, int64
                                  const float *d_act, int64_t ldact, const struct moe_cuda_groups *g,
                                  int max_active, int64_t n_tok, int kuse, const float *d_sel_w,
                                  float *d_dout, int64_t ldd, float *d_h, int64_t ldh, int tc,
-                                 cudaStream_t s)
+                                 void *d_ws, size_t ws_bytes, cudaStream_t s)
 {
     if (max_active <= 0 || max_active > 65535 || n_tok <= 0 || n_tok > 65535)
         return -EINVAL;
     int rc = down_grouped_dispatch(type, d_down, ff, E, d_act, ldact, g, max_active, d_dout, ldd,
-                                   NULL, tc, s);
+                                   NULL, tc, d_ws, ws_bytes, n_tok * kuse, s);
     if (rc)
         return rc;
     return launch_combine(d_dout, ldd, E, n_tok, kuse, d_sel_w, d_h, ldh, s);
@@ -1122,7 +1160,7 @@ int moe_cuda_expert_mixed(const struct moe_cuda_mixed *mx, int64_t n, int64_t ff
     const int max_active = (int)(slots < mx->nexp ? slots : mx->nexp);
     for (int i = 0; i < mx->n_types[2] && !rc; i++)
         rc = down_grouped_dispatch(mx->types[2][i], mx->down, ff, E, d_act, ldact, g, max_active,
-                                   d_dout, ldd, mx->etype[2], 0, s);
+                                   d_dout, ldd, mx->etype[2], 0, NULL, 0, 0, s);
     if (rc)
         return rc;
     return launch_combine(d_dout, ldd, E, n_tok, kuse, d_sel_w, d_h, ldh, s);

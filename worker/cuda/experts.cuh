@@ -116,12 +116,14 @@ int moe_cuda_expert_gate_up_grouped(uint32_t type, const void *const *d_gate,
                                     int64_t n_tok, cudaStream_t s);
 
 /* Down by expert into dout [slot][E] (rows ldd apart), then h[t] += Σ_j sel_w · dout in the
- * token's top-k order. Same results as moe_cuda_expert_down, bit for bit. */
+ * token's top-k order. Same results as moe_cuda_expert_down, bit for bit. With down on tensor
+ * cores and d_ws holding moe_cuda_matvec_tc_ws_bytes(ff, n_tok · kuse), the act rows are staged
+ * once into it (moe_cuda_tc_stage) instead of per block: the same bits. */
 int moe_cuda_expert_down_grouped(uint32_t type, const void *const *d_down, int64_t ff, int64_t E,
                                  const float *d_act, int64_t ldact, const struct moe_cuda_groups *g,
                                  int max_active, int64_t n_tok, int kuse, const float *d_sel_w,
                                  float *d_dout, int64_t ldd, float *d_h, int64_t ldh, int tc,
-                                 cudaStream_t s);
+                                 void *d_ws, size_t ws_bytes, cudaStream_t s);
 
 /* A layer whose experts are not all of one type per matrix (files that repack experts): per
  * matrix a device table of each expert's type and the distinct types. Each type gets a pass that

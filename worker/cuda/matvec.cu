@@ -218,18 +218,19 @@ static int launch(const struct moe_mv_job *jobs, int n_jobs, int n1, int64_t n, 
         return 0;
     if (blocks > 0x7fffffff)
         return -EINVAL;
-    /* Tokens per block: weights decoded once for up to 2 tokens (MOE_CUDA_MV_TMAX, 1/2/4/8,
-     * sets another bound; a token's floats are the same whatever T is). More tokens per block
-     * share the decoding but take more registers (95 a thread at 2, 188 at 8 for Q4_K), so
-     * fewer warps hide the loads: 2 measured 1.7-2.2% faster than 8 at 4 and 16 sequences,
-     * 1.3% slower at 64 (docs/benchmarks.md). */
-    static int tmax = 0;
-    if (!tmax) {
+    /* Tokens per block: weights decoded once for up to 2 tokens below 16 and up to 4 from 16
+     * (MOE_CUDA_MV_TMAX, 1/2/4/8, sets one bound for all; a token's floats are the same
+     * whatever T is). More tokens per block share the decoding but take more registers (95 a
+     * thread at 2, 188 at 8 for Q4_K), so fewer warps hide the loads: 4 measured 2.4% slower
+     * than 2 at 4 sequences and 2.8-3.9% faster at 16 and 64 (docs/benchmarks.md). */
+    static int tmax = -1;
+    if (tmax < 0) {
         const char *v = getenv("MOE_CUDA_MV_TMAX");
-        const int x = v && *v ? atoi(v) : 2;
-        tmax = x >= 8 ? 8 : x >= 4 ? 4 : x >= 2 ? 2 : 1;
+        const int x = v && *v ? atoi(v) : 0;
+        tmax = x >= 8 ? 8 : x >= 4 ? 4 : x >= 2 ? 2 : x >= 1 ? 1 : 0;
     }
-    const int64_t nt = n_tok < tmax ? n_tok : tmax;
+    const int64_t bound = tmax ? tmax : n_tok >= 16 ? 4 : 2;
+    const int64_t nt = n_tok < bound ? n_tok : bound;
     const int T = nt >= 8 ? 8 : nt >= 4 ? 4 : nt >= 2 ? 2 : 1;
     dim3 gr((unsigned)blocks, (unsigned)((n_tok + T - 1) / T)),
         th(THREADS / (dst ? mv_rw<K, 1, true>() : T == 1 ? mv_rw<K, 1>() : mv_rw<K, 2>()));
