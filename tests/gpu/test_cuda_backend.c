@@ -578,21 +578,21 @@ TEST_TIMEOUT(cuda_grouped_experts_equal_per_slot, 600)
     }
 }
 
-/* Products on tensor cores (MOE_CUDA_TC=1: the experts; =all: also the decode mat-vecs and the
- * head): against the float walk, logits within the GPU-against-CPU bound (rel-L2 2e-3) with the
+/* Products on tensor cores (MOE_CUDA_TC=1, the default: the experts; =down: expert down only;
+ * =all: also the decode mat-vecs and the head): against the float walk, logits within the GPU-against-CPU bound (rel-L2 2e-3) with the
  * same argmax at 99% of the positions or more (the golden Q4_K_M model and the Q5_K/Q6_K and
  * head-dim-128 fixtures have Q4_K or Q6_K matrices; the Q8_0 model must not change at all); and
  * with them, slots grouped by expert equal the per-slot kernels bit for bit, prompts on CUDA
  * cores and decode batches of 1 and 4 sequences, and products with their inputs staged once
- * (MOE_CUDA_TC_STAGED=1: the dense ones, the gate/up and down of grouped steps, every decode
- * step grouped) equal those staged in every block. */
+ * (the default: the dense ones, the gate/up and down of grouped steps, here every decode step
+ * grouped) equal those staged in every block (MOE_CUDA_TC_STAGED=0). */
 TEST_TIMEOUT(cuda_tc_experts_agree_with_the_float_walk, 900)
 {
     need_gpu();
     static const char *const models[] = {
         GOLDEN "/models/tiny-qwen3moe-Q4_K_M.gguf", GOLDEN "/models/tiny-qwen3moe-Q8_0.gguf",
         "tests/fixtures/hf/q5k-q6k-gqa4.gguf", "tests/fixtures/hf/hd128-e32-long.gguf"};
-    static const char *const modes[] = {"1", "all"};
+    static const char *const modes[] = {"1", "down", "all"};
     for (size_t mi = 0; mi < sizeof models / sizeof models[0]; mi++) {
         struct test_model tm;
         test_model_open(&tm, models[mi]);
@@ -612,10 +612,12 @@ TEST_TIMEOUT(cuda_tc_experts_agree_with_the_float_walk, 900)
         for (size_t k = 0; k < sizeof modes / sizeof modes[0]; k++) {
             setenv("MOE_CUDA_GEMM", "0", 1);
             setenv("MOE_CUDA_TC", modes[k], 1);
+            setenv("MOE_CUDA_TC_STAGED", "0", 1); /* staged in every block */
             struct moe_engine *t = engine_on(m, "cuda:0", 160, 4, 0, false);
             setenv("MOE_CUDA_GROUP_MIN", "1", 1);
             struct moe_engine *tg = engine_on(m, "cuda:0", 160, 4, 0, false);
             unsetenv("MOE_CUDA_GROUP_MIN");
+            unsetenv("MOE_CUDA_TC_STAGED");
             setenv("MOE_CUDA_TC", "0", 1); /* the float walk, whatever the default */
             struct moe_engine *f = engine_on(m, "cuda:0", 160, 4, 0, false);
             unsetenv("MOE_CUDA_TC");

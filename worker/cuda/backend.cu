@@ -58,6 +58,10 @@ extern "C" {
  * same floats. MOE_CUDA_GROUP_MIN overrides either. */
 #define MOE_CUDA_GROUP_MIN 2
 #define MOE_CUDA_GROUP_MIN_TC 1
+/* With gate/up on tensor cores too and the inputs staged once per step (the default), from a
+ * quarter slot per expert (4 sequences of a 128-expert, top-8 model): grouped 4 sequences
+ * measured 643-650 against 584-591 tok/s per slot (docs/benchmarks.md). */
+#define MOE_CUDA_GROUP_MIN_TC_GU 0.25
 /* Logit rows computed per pass of the output head. */
 #define LOGIT_ROWS 64
 /* Penalty windows up to this many tokens (penalty_last_n; "whole history" keeps this many). */
@@ -154,9 +158,9 @@ struct cuda_backend {
     double group_min;                /* MOE_CUDA_GROUP_MIN, 0: by layer (group_min()) */
     int tc;                          /* expert products on tensor cores (experts.cuh), from
                                         MOE_CUDA_TC at init */
-    void *tc_ws;                     /* MOE_CUDA_TC_STAGED=1 with the dense products or the expert
-                                      * gate/up on tensor cores: inputs staged once per launch
-                                      * here (gate/up: in steps grouped by expert) */
+    void *tc_ws;                     /* products on tensor cores (unless MOE_CUDA_TC_STAGED=0):
+                                      * inputs staged once per launch here (the dense products;
+                                      * the expert gate/up and down of steps grouped by expert) */
     size_t tc_ws_bytes;
     bool route_fold;                 /* routing inside gate/up (route_folds); MOE_CUDA_ROUTE_FOLD=0
                                       * keeps its own launch */
@@ -1884,7 +1888,7 @@ static int cuda_init(struct moe_backend **out, const struct moe_model *m, struct
         }
         INIT_TRY(cudaMalloc((void **)&b->d_rope, sizeof(float) * nb * (size_t)d->hd));
         const char *staged = getenv("MOE_CUDA_TC_STAGED");
-        if (b->tc && staged && !strcmp(staged, "1")) {
+        if (b->tc && !(staged && !strcmp(staged, "0"))) {
             /* Decode steps (up to MOE_CUDA_GRAPH_MAX tokens) and head passes (LOGIT_ROWS
              * rows) of the longest dense input (the experts' input is n_embd wide), and the
              * act rows of a grouped step's down (kuse slots a token, n_ff_exp wide). */
@@ -2716,8 +2720,9 @@ static double group_min(const struct cuda_backend *b, const struct cuda_layer *c
 {
     if (b->group_min > 0)
         return b->group_min;
-    return moe_cuda_expert_tc(b->tc & MOE_CUDA_TC_DOWN, cl->down_type) ? MOE_CUDA_GROUP_MIN_TC
-                                                                       : MOE_CUDA_GROUP_MIN;
+    const bool down = moe_cuda_expert_tc(b->tc & MOE_CUDA_TC_DOWN, cl->down_type);
+    const bool gu = b->tc_ws && moe_cuda_expert_tc(b->tc & MOE_CUDA_TC_GATE_UP, cl->gate_type);
+    return down && gu ? MOE_CUDA_GROUP_MIN_TC_GU : down ? MOE_CUDA_GROUP_MIN_TC : MOE_CUDA_GROUP_MIN;
 }
 
 /* Whether layer l's expert op takes the per-slot path with the routing done in its gate/up

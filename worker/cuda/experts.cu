@@ -277,8 +277,7 @@ gate_up_tc_kernel(const uint8_t *const *__restrict__ ga, const uint8_t *const *_
 int moe_cuda_expert_tc_env(void)
 {
     const char *v = getenv("MOE_CUDA_TC");
-    return !v || !*v             ? MOE_CUDA_TC_DOWN
-           : !strcmp(v, "1")     ? MOE_CUDA_TC_GATE_UP | MOE_CUDA_TC_DOWN
+    return !v || !*v || !strcmp(v, "1") ? MOE_CUDA_TC_GATE_UP | MOE_CUDA_TC_DOWN
            : !strcmp(v, "gu")    ? MOE_CUDA_TC_GATE_UP
            : !strcmp(v, "down")  ? MOE_CUDA_TC_DOWN
            : !strcmp(v, "dense") ? MOE_CUDA_TC_DENSE

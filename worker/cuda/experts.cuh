@@ -63,8 +63,8 @@ int moe_cuda_expert_gate_up(uint32_t gate_type, uint32_t up_type, const void *co
 /* Not an expert kernel's: the backend's decode mat-vecs and head (moe_cuda_matvec_tc_multi). */
 #define MOE_CUDA_TC_DENSE 4
 
-/* The mask that MOE_CUDA_TC asks for (read at each call): unset (the default) or "down" expert
- * down, "1" the expert gate/up and down, "gu" gate/up, "dense" the decode mat-vecs and head,
+/* The mask that MOE_CUDA_TC asks for (read at each call): unset (the default) or "1" the expert
+ * gate/up and down, "down" expert down, "gu" gate/up, "dense" the decode mat-vecs and head,
  * "all" everything, "0" none (the float walk everywhere). */
 int moe_cuda_expert_tc_env(void);
 
