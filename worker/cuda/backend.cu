@@ -58,10 +58,11 @@ extern "C" {
  * same floats. MOE_CUDA_GROUP_MIN overrides either. */
 #define MOE_CUDA_GROUP_MIN 2
 #define MOE_CUDA_GROUP_MIN_TC 1
-/* With gate/up on tensor cores too and the inputs staged once per step (the default), from a
- * quarter slot per expert (4 sequences of a 128-expert, top-8 model): grouped 4 sequences
- * measured 643-650 against 584-591 tok/s per slot (docs/benchmarks.md). */
-#define MOE_CUDA_GROUP_MIN_TC_GU 0.25
+/* With gate/up on tensor cores too and the inputs staged once per step (the default), from 0.15
+ * slots per expert (3 sequences of a 128-expert, top-8 model): grouped, 4 sequences measured
+ * 643-650 against 584-591 tok/s per slot, 3 sequences 514-516 against 488, 2 sequences 421-422
+ * against 428 (H100, docs/benchmarks.md). */
+#define MOE_CUDA_GROUP_MIN_TC_GU 0.15
 /* Logit rows computed per pass of the output head. */
 #define LOGIT_ROWS 64
 /* Penalty windows up to this many tokens (penalty_last_n; "whole history" keeps this many). */
