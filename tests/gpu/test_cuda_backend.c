@@ -644,12 +644,31 @@ TEST_TIMEOUT(cuda_tc_experts_agree_with_the_float_walk, 900)
                 sdiff = two_engines_diff(ts, t, V, plen, 6, 2);
                 moe_engine_free(ts);
             }
+            /* Down per token with one warp for all choices (fewer warps than choices is what a
+             * long act row gets, 1536 of a 235B-shape model, to fit its staging): the same bits. */
+            size_t wdiff = 0;
+            {
+                setenv("MOE_CUDA_GEMM", "0", 1);
+                setenv("MOE_CUDA_TC", modes[k], 1);
+                setenv("MOE_CUDA_TC_STAGED", "0", 1);
+                setenv("MOE_CUDA_DOWN_TC_WARPS", "1", 1); /* read at the engine's init */
+                struct moe_engine *tw = engine_on(m, "cuda:0", 160, 4, 0, false);
+                unsetenv("MOE_CUDA_DOWN_TC_WARPS");
+                unsetenv("MOE_CUDA_TC_STAGED");
+                unsetenv("MOE_CUDA_TC");
+                unsetenv("MOE_CUDA_GEMM");
+                moe_test_rng_seed(401 + mi);
+                wdiff = two_engines_diff(tw, t, V, plen, 6, 2);
+                moe_engine_free(tw);
+            }
             const size_t rows = 40 + 100 + 17 + 63 + 2 + 4 * 4;
             printf("  %-44s MOE_CUDA_TC=%s vs float: rel-L2 %.2e, argmax differs at %zu of %zu; "
-                   "grouped vs per slot: %zu logits differ; inputs staged once: %zu\n",
-                   models[mi], modes[k], c.rel_l2, c.argmax_diff, rows, gdiff, sdiff);
+                   "grouped vs per slot: %zu logits differ; inputs staged once: %zu; down in 1 "
+                   "warp: %zu\n",
+                   models[mi], modes[k], c.rel_l2, c.argmax_diff, rows, gdiff, sdiff, wdiff);
             CHECK_EQ(gdiff, 0);
             CHECK_EQ(sdiff, 0);
+            CHECK_EQ(wdiff, 0);
             if (tc_types) {
                 CHECK(c.rel_l2 <= 2e-3);
                 CHECK(c.argmax_diff * 100 <= rows);

@@ -1889,7 +1889,7 @@ static int cuda_init(struct moe_backend **out, const struct moe_model *m, struct
         }
         INIT_TRY(cudaMalloc((void **)&b->d_rope, sizeof(float) * nb * (size_t)d->hd));
         const char *staged = getenv("MOE_CUDA_TC_STAGED");
-        if (b->tc && !(staged && !strcmp(staged, "0"))) {
+        if ((b->tc & MOE_CUDA_TC_ANY) && !(staged && !strcmp(staged, "0"))) {
             /* Decode steps (up to MOE_CUDA_GRAPH_MAX tokens) and head passes (LOGIT_ROWS
              * rows) of the longest dense input (the experts' input is n_embd wide), and the
              * act rows of a grouped step's down (kuse slots a token, n_ff_exp wide). */
@@ -2007,7 +2007,7 @@ static int cuda_init(struct moe_backend **out, const struct moe_model *m, struct
                          b->fused_blocks);
             else
                 snprintf(b->desc + k, sizeof b->desc - k, ", decode op by op (%s)", b->fused_why);
-            if (b->tc) {
+            if (b->tc & MOE_CUDA_TC_ANY) {
                 k = strlen(b->desc);
                 snprintf(b->desc + k, sizeof b->desc - k,
                          ", Q4_K/Q6_K products on tensor cores:%s%s%s%s",

@@ -277,12 +277,15 @@ gate_up_tc_kernel(const uint8_t *const *__restrict__ ga, const uint8_t *const *_
 int moe_cuda_expert_tc_env(void)
 {
     const char *v = getenv("MOE_CUDA_TC");
-    return !v || !*v || !strcmp(v, "1") ? MOE_CUDA_TC_GATE_UP | MOE_CUDA_TC_DOWN
-           : !strcmp(v, "gu")    ? MOE_CUDA_TC_GATE_UP
-           : !strcmp(v, "down")  ? MOE_CUDA_TC_DOWN
-           : !strcmp(v, "dense") ? MOE_CUDA_TC_DENSE
-           : !strcmp(v, "all")   ? MOE_CUDA_TC_GATE_UP | MOE_CUDA_TC_DOWN | MOE_CUDA_TC_DENSE
-                                 : 0;
+    const int mask = !v || !*v || !strcmp(v, "1") ? MOE_CUDA_TC_GATE_UP | MOE_CUDA_TC_DOWN
+                     : !strcmp(v, "gu")           ? MOE_CUDA_TC_GATE_UP
+                     : !strcmp(v, "down")         ? MOE_CUDA_TC_DOWN
+                     : !strcmp(v, "dense")        ? MOE_CUDA_TC_DENSE
+                     : !strcmp(v, "all")          ? MOE_CUDA_TC_ANY
+                                                  : 0;
+    const char *w = getenv("MOE_CUDA_DOWN_TC_WARPS");
+    const int cap = w ? atoi(w) : 0;
+    return mask | (cap > 0 && cap < 16 ? cap << 8 : 0);
 }
 
 bool moe_cuda_expert_tc(int tc, uint32_t type)
@@ -901,11 +904,22 @@ static int launch_down(const void *const *d, int64_t ff, int64_t E, const float 
     unsigned bb = blk_bytes<K>(ff, &rb, &nu);
     const int warps = kuse < DOWN_WARPS ? kuse : DOWN_WARPS;
     if constexpr (tc_takes<K>()) {
-        const size_t smem = (size_t)warps * tc_stage_bytes(1, (int)(ff / 256)) +
-                            sizeof(float) * TC_ROWS * (size_t)kuse;
+        /* Each warp stages its choice's act row in its own area: as many warps as fit 48 KiB
+         * (a choice's floats are the same whichever warp takes it, so a long row, e.g. 1536 of
+         * a 235B-shape model, takes fewer warps instead of leaving tensor cores, which would
+         * make one-token steps differ from grouped ones). MOE_CUDA_TC_DOWN_WARPS(tc) caps them
+         * (tests). */
+        const int cap = MOE_CUDA_TC_DOWN_WARPS(tc) ? MOE_CUDA_TC_DOWN_WARPS(tc) : DOWN_WARPS;
+        const size_t stage = tc_stage_bytes(1, (int)(ff / 256));
+        const size_t part = sizeof(float) * TC_ROWS * (size_t)kuse;
+        int tw = warps < cap ? warps : cap;
+        while (tw > 1 && (size_t)tw * stage + part > 48 * 1024)
+            tw--;
+        tw = tw < 1 ? 1 : tw;
+        const size_t smem = (size_t)tw * stage + part;
         if ((tc & MOE_CUDA_TC_DOWN) && ff % 256 == 0 && smem <= 48 * 1024) {
             dim3 g((unsigned)((E + TC_ROWS - 1) / TC_ROWS), (unsigned)n_tok);
-            MOE_CUDA_TRY(moe_launch(down_tc_kernel<K>, g, dim3(32 * warps), smem, s,
+            MOE_CUDA_TRY(moe_launch(down_tc_kernel<K>, g, dim3(32 * tw), smem, s,
                                     (const uint8_t *const *)d, rb, (int)(ff / 256), E, act, ldact, kuse,
                                     sel_e, sel_w, h, ldh, (const uint8_t *const *)fill));
             return 0;
