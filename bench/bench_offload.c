@@ -32,7 +32,8 @@
  * bytes) and each prefetched expert its layer then chose (a hit thanks to the prefetch). So the
  * ratio is 1 plus the prefetches that were wrong (evicted before their layer chose them, or
  * still waiting) over what was needed; "prefetch right" is the share of decode prefetches their
- * layer chose. */
+ * layer chose, and "prefetch recall" the share of what decode needed from outside VRAM (its
+ * misses and its chosen prefetches) that the prediction brought ahead. */
 #include <inttypes.h>
 #include <math.h>
 #include <stdio.h>
@@ -151,6 +152,7 @@ struct result {
     double pp, tg, miss_rate, pcie_per_tok, prefetched, vram_gib, expert_gib;
     double dec_pcie_per_tok, min_per_tok; /* decode alone: copies and the minimum, bytes */
     double pf_right;                      /* decode: prefetched experts chosen / prefetched */
+    double pf_recall;                     /* decode: chosen prefetches / (those + misses) */
 };
 
 int main(int argc, char **argv)
@@ -362,6 +364,12 @@ int main(int argc, char **argv)
         r->min_per_tok = min_bytes / (double)G;
         const double pf_dec = (double)(z.prefetched - mi.prefetched);
         r->pf_right = pf_dec > 0 ? (double)(z.prefetch_used - mi.prefetch_used) / pf_dec : -1;
+        /* Recall: of the decode lookups that found their expert outside VRAM before the layer
+         * ran (a miss) or brought in by the prediction (a chosen prefetch), the share the
+         * prediction brought. */
+        const double pf_used = (double)(z.prefetch_used - mi.prefetch_used);
+        const double dmiss = (double)(z.misses - mi.misses);
+        r->pf_recall = pf_dec > 0 && pf_used + dmiss > 0 ? pf_used / (pf_used + dmiss) : -1;
         r->vram_gib = (double)info.device_bytes / (1 << 30);
         r->expert_gib = (double)z.expert_vram_bytes / (1 << 30);
         if (ci == 0)
@@ -376,24 +384,26 @@ int main(int argc, char **argv)
     }
     printf("\n| configuration | VRAM GiB | experts GiB | pp%" PRId64 " tok/s | decode tok/s | "
            "vs resident | miss rate | PCIe MB/token | prefetched/token | PCIe limit tok/s | "
-           "decode PCIe MB/token | x minimum | prefetch right |\n"
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|\n", P);
+           "decode PCIe MB/token | x minimum | prefetch right | prefetch recall |\n"
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n", P);
     for (int i = 0; i < nres; i++) {
         const struct result *r = &res[i];
         /* The limit: the resident time or a token's copies over the H2D rate, whichever is
          * longer. */
         const double t_res = 1.0 / base_tg, t_pcie = r->pcie_per_tok / (h2d * 1e9);
         const double lim = 1.0 / (t_res > t_pcie ? t_res : t_pcie);
-        char xm[16] = "-", pr[16] = "-";
+        char xm[16] = "-", pr[16] = "-", rc[16] = "-";
         if (r->min_per_tok > 0)
             snprintf(xm, sizeof xm, "%.2f", r->dec_pcie_per_tok / r->min_per_tok);
         if (r->pf_right >= 0)
             snprintf(pr, sizeof pr, "%.1f%%", 100 * r->pf_right);
+        if (r->pf_recall >= 0)
+            snprintf(rc, sizeof rc, "%.1f%%", 100 * r->pf_recall);
         printf("| %s | %.2f | %.2f | %.1f | %.1f | %.2f | %.1f%% | %.1f | %.1f | %.0f | %.1f | %s "
-               "| %s |\n",
+               "| %s | %s |\n",
                r->name, r->vram_gib, r->expert_gib, r->pp, r->tg, r->tg / base_tg,
                100 * r->miss_rate, r->pcie_per_tok / 1e6, r->prefetched, lim,
-               r->dec_pcie_per_tok / 1e6, xm, pr);
+               r->dec_pcie_per_tok / 1e6, xm, pr, rc);
     }
     free(counts);
     free(pl_a), free(pl_m), free(pl_z);
