@@ -627,48 +627,41 @@ TEST_TIMEOUT(cuda_tc_experts_agree_with_the_float_walk, 900)
             const struct engines_cmp c = two_engines_cmp(t, f, V, plen, 6, 2);
             moe_test_rng_seed(401 + mi);
             const size_t gdiff = two_engines_diff(tg, t, V, plen, 6, 2);
-            /* The inputs staged once per launch (the dense products; the gate/up and down of
-             * steps grouped by expert, here every decode step): the same bits. */
-            size_t sdiff = 0;
-            {
+            /* Variants that must give t's bits: the inputs staged once per launch (the dense
+             * products; the gate/up and down of steps grouped by expert, here every decode
+             * step); down per token with one warp for all choices (fewer warps than choices is
+             * what a long act row gets, 1536 of a 235B-shape model, to fit its staging); the
+             * per-token gate/up and down copying their tiles' rows into shared memory first. */
+            static const char *const var[3][3] = {
+                {"1", "MOE_CUDA_GROUP_MIN", "0.01"},
+                {"0", "MOE_CUDA_DOWN_TC_WARPS", "1"},
+                {"0", "MOE_CUDA_TC_ASYNC", "1"}};
+            size_t vdiff[3];
+            for (int v = 0; v < 3; v++) {
                 setenv("MOE_CUDA_GEMM", "0", 1);
                 setenv("MOE_CUDA_TC", modes[k], 1);
-                setenv("MOE_CUDA_TC_STAGED", "1", 1);
-                setenv("MOE_CUDA_GROUP_MIN", "0.01", 1);
-                struct moe_engine *ts = engine_on(m, "cuda:0", 160, 4, 0, false);
-                unsetenv("MOE_CUDA_GROUP_MIN");
+                setenv("MOE_CUDA_TC_STAGED", var[v][0], 1);
+                setenv(var[v][1], var[v][2], 1); /* each read at the engine's init */
+                struct moe_engine *tv = engine_on(m, "cuda:0", 160, 4, 0, false);
+                unsetenv(var[v][1]);
                 unsetenv("MOE_CUDA_TC_STAGED");
                 unsetenv("MOE_CUDA_TC");
                 unsetenv("MOE_CUDA_GEMM");
                 moe_test_rng_seed(401 + mi);
-                sdiff = two_engines_diff(ts, t, V, plen, 6, 2);
-                moe_engine_free(ts);
+                vdiff[v] = two_engines_diff(tv, t, V, plen, 6, 2);
+                moe_engine_free(tv);
             }
-            /* Down per token with one warp for all choices (fewer warps than choices is what a
-             * long act row gets, 1536 of a 235B-shape model, to fit its staging): the same bits. */
-            size_t wdiff = 0;
-            {
-                setenv("MOE_CUDA_GEMM", "0", 1);
-                setenv("MOE_CUDA_TC", modes[k], 1);
-                setenv("MOE_CUDA_TC_STAGED", "0", 1);
-                setenv("MOE_CUDA_DOWN_TC_WARPS", "1", 1); /* read at the engine's init */
-                struct moe_engine *tw = engine_on(m, "cuda:0", 160, 4, 0, false);
-                unsetenv("MOE_CUDA_DOWN_TC_WARPS");
-                unsetenv("MOE_CUDA_TC_STAGED");
-                unsetenv("MOE_CUDA_TC");
-                unsetenv("MOE_CUDA_GEMM");
-                moe_test_rng_seed(401 + mi);
-                wdiff = two_engines_diff(tw, t, V, plen, 6, 2);
-                moe_engine_free(tw);
-            }
+            const size_t sdiff = vdiff[0], wdiff = vdiff[1], adiff = vdiff[2];
             const size_t rows = 40 + 100 + 17 + 63 + 2 + 4 * 4;
             printf("  %-44s MOE_CUDA_TC=%s vs float: rel-L2 %.2e, argmax differs at %zu of %zu; "
                    "grouped vs per slot: %zu logits differ; inputs staged once: %zu; down in 1 "
-                   "warp: %zu\n",
-                   models[mi], modes[k], c.rel_l2, c.argmax_diff, rows, gdiff, sdiff, wdiff);
+                   "warp: %zu; tiles copied first: %zu\n",
+                   models[mi], modes[k], c.rel_l2, c.argmax_diff, rows, gdiff, sdiff, wdiff,
+                   adiff);
             CHECK_EQ(gdiff, 0);
             CHECK_EQ(sdiff, 0);
             CHECK_EQ(wdiff, 0);
+            CHECK_EQ(adiff, 0);
             if (tc_types) {
                 CHECK(c.rel_l2 <= 2e-3);
                 CHECK(c.argmax_diff * 100 <= rows);

@@ -174,7 +174,7 @@ gate_up_kernel(const uint8_t *const *__restrict__ ga, const uint8_t *const *__re
  * ST: the inputs come staged once per step in st (moe_cuda_tc_stage), column c reading token
  * tok[c]'s, and sm holds the sums only (the same floats: the same staging functions). The whole
  * block calls it; it ends with a barrier. */
-template <int K, int NT, bool ST = false>
+template <int K, int NT, bool ST = false, bool AS = false>
 static __device__ __forceinline__ void gu_tc_tile(const uint8_t *g, const uint8_t *u,
                                                   size_t row_bytes, int nsb, int64_t ff,
                                                   int64_t rt0, const float *const *xr,
@@ -189,10 +189,15 @@ static __device__ __forceinline__ void gu_tc_tile(const uint8_t *g, const uint8_
     const int64_t row1 = rt0 + g8 + 8 < ff ? rt0 + g8 + 8 : ff - 1;
     using TK = tc_kind<K>;
     const size_t BB = TK::block_bytes;
-    const uint8_t *g0 = g + (size_t)row0 * row_bytes, *g1 = g + (size_t)row1 * row_bytes;
-    const uint8_t *u0 = u + (size_t)row0 * row_bytes, *u1 = u + (size_t)row1 * row_bytes;
+    /* AS: g and u hold the tile's rows only (row rt0 first), copied by cp_async16 calls of this
+     * block that are still in flight: they are waited for after the staging. */
+    const int64_t rbase = AS ? rt0 : 0;
+    const uint8_t *g0 = g + (size_t)(row0 - rbase) * row_bytes;
+    const uint8_t *g1 = g + (size_t)(row1 - rbase) * row_bytes;
+    const uint8_t *u0 = u + (size_t)(row0 - rbase) * row_bytes;
+    const uint8_t *u1 = u + (size_t)(row1 - rbase) * row_bytes;
     typename TK::raw rg = {}, ru = {};
-    if (wi < nsb) {
+    if (!AS && wi < nsb) {
         rg = TK::load(g0 + (size_t)wi * BB, g1 + (size_t)wi * BB, t);
         ru = TK::load(u0 + (size_t)wi * BB, u1 + (size_t)wi * BB, t);
     }
@@ -210,6 +215,14 @@ static __device__ __forceinline__ void gu_tc_tile(const uint8_t *g, const uint8_
         __syncthreads();
     } else {
         tc_stage<NT, K>(xr, nsb, xs, sxs, s_exp, s_amax);
+    }
+    if constexpr (AS) {
+        cp_async_wait_all();
+        __syncthreads();
+        if (wi < nsb) {
+            rg = TK::load(g0 + (size_t)wi * BB, g1 + (size_t)wi * BB, t);
+            ru = TK::load(u0 + (size_t)wi * BB, u1 + (size_t)wi * BB, t);
+        }
     }
     float ag[4] = {0.0f, 0.0f, 0.0f, 0.0f}, au[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     tc_rows<K>(g0, g1, t, wi, GU_WARPS, nsb, rg, xs, sxs, gx, ag);
@@ -242,15 +255,19 @@ static __device__ __forceinline__ void gu_tc_tile(const uint8_t *g, const uint8_
 
 /* Gate/up of Q4_K or Q6_K experts on tensor cores (mv_tc_dev.cuh), one token per block: the
  * same grid, prologue and shared memory as gate_up_kernel<K, 0> (gu_expert), then gu_tc_tile with
- * the slot's input staged after that shared memory (tc_off floats in, 16-byte aligned). */
-template <int K>
+ * the slot's input staged after that shared memory (tc_off floats in, 16-byte aligned). AS (no
+ * fills, no resolve): the block first puts copies of its tile's gate and up rows in flight into
+ * shared memory at byte w_off (2 · TC_ROWS rows), all at once and without registers, and reads
+ * them from there after the staging: one round trip to memory for the tile instead of one per
+ * block of the walk, and the same bytes, so the same floats. */
+template <int K, bool AS = false>
 static __global__ void __launch_bounds__(32 * GU_WARPS, 3)
 gate_up_tc_kernel(const uint8_t *const *__restrict__ ga, const uint8_t *const *__restrict__ ua,
                   size_t row_bytes, int nsb, int64_t ff, const float *__restrict__ x, int64_t ldx,
                   int kuse, const int32_t *__restrict__ sel_e, float *__restrict__ out,
                   int64_t ldo, const moe_cuda_route_in rt, const uint8_t *const *__restrict__ fa,
                   const uint8_t *const *__restrict__ fb, const moe_cuda_gu_resolve rs,
-                  size_t tc_off)
+                  size_t tc_off, size_t w_off)
 {
     pdl_wait();
     pdl_trigger();
@@ -269,9 +286,18 @@ gate_up_tc_kernel(const uint8_t *const *__restrict__ ga, const uint8_t *const *_
         warp_fill_rows(u, tab_ptr(fb, e, fresh), r0, rows, row_bytes);
         __syncthreads();
     }
+    if constexpr (AS) {
+        uint8_t *wg = (uint8_t *)rsm + w_off, *wu = wg + TC_ROWS * row_bytes;
+        const int64_t nr = ff - rt0 < TC_ROWS ? ff - rt0 : TC_ROWS;
+        block_copy_async(wg, g + (size_t)rt0 * row_bytes, (size_t)nr * row_bytes);
+        block_copy_async(wu, u + (size_t)rt0 * row_bytes, (size_t)nr * row_bytes);
+        g = wg;
+        u = wu;
+    }
     const float *xr[1] = {x + (slot / kuse) * ldx};
     float *o[1] = {out + slot * ldo};
-    gu_tc_tile<K, 1>(g, u, row_bytes, nsb, ff, rt0, xr, o, 1, (uint4 *)(rsm + tc_off));
+    gu_tc_tile<K, 1, false, AS>(g, u, row_bytes, nsb, ff, rt0, xr, o, 1,
+                                (uint4 *)(rsm + tc_off));
 }
 
 int moe_cuda_expert_tc_env(void)
@@ -285,7 +311,9 @@ int moe_cuda_expert_tc_env(void)
                                                   : 0;
     const char *w = getenv("MOE_CUDA_DOWN_TC_WARPS");
     const int cap = w ? atoi(w) : 0;
-    return mask | (cap > 0 && cap < 16 ? cap << 8 : 0);
+    const char *as = getenv("MOE_CUDA_TC_ASYNC");
+    return mask | (cap > 0 && cap < 16 ? cap << 8 : 0) |
+           (as && !strcmp(as, "1") ? MOE_CUDA_TC_ASYNC : 0);
 }
 
 bool moe_cuda_expert_tc(int tc, uint32_t type)
@@ -328,7 +356,7 @@ down_kernel(const uint8_t *const *__restrict__ da, size_t row_bytes, unsigned bl
  * row weights and adds the choices in top-k order into h, as down_block does. Dynamic shared
  * memory: per warp a staging area (tc_stage_bytes(1, nsb)), then part [kuse][TC_ROWS] floats.
  * fill (or NULL): as down_kernel's, each warp copies the rows it reads first. */
-template <int K>
+template <int K, bool AS = false>
 static __global__ void __launch_bounds__(32 * DOWN_WARPS)
 down_tc_kernel(const uint8_t *const *__restrict__ da, size_t row_bytes, int nsb, int64_t E,
                const float *__restrict__ act, int64_t ldact, int kuse,
@@ -347,11 +375,26 @@ down_tc_kernel(const uint8_t *const *__restrict__ da, size_t row_bytes, int nsb,
     const int32_t *se = sel_e + tok * kuse;
     const float *sw = sel_w + tok * kuse;
     const int64_t row0 = r0 + g8 < E ? r0 + g8 : E - 1, row1 = r0 + g8 + 8 < E ? r0 + g8 + 8 : E - 1;
+    /* AS (no fills): the tile's rows of every choice are first copied into shared memory after
+     * part (kuse · TC_ROWS rows, choice j's from row r0 on), all at once and without registers,
+     * and read from there: one round trip to memory instead of one per block of the walk, the
+     * same bytes and so the same floats. */
+    uint8_t *wrows = (uint8_t *)(part + (size_t)kuse * TC_ROWS);
+    if constexpr (AS) {
+        const int64_t nr = E - r0 < TC_ROWS ? E - r0 : TC_ROWS;
+        for (int j = 0; j < kuse; j++)
+            block_copy_async(wrows + (size_t)j * TC_ROWS * row_bytes,
+                             da[se[j]] + (size_t)r0 * row_bytes, (size_t)nr * row_bytes);
+        cp_async_wait_all();
+        __syncthreads();
+    }
     for (int j = w; j < kuse; j += nw) {
-        const uint8_t *base = da[se[j]];
-        if (fill)
+        const uint8_t *base = AS ? wrows + (size_t)j * TC_ROWS * row_bytes : da[se[j]];
+        if (!AS && fill)
             warp_fill_rows(base, fill[se[j]], r0, E - r0 < TC_ROWS ? E - r0 : TC_ROWS, row_bytes);
-        const uint8_t *p0 = base + (size_t)row0 * row_bytes, *p1 = base + (size_t)row1 * row_bytes;
+        const int64_t rb0 = AS ? r0 : 0;
+        const uint8_t *p0 = base + (size_t)(row0 - rb0) * row_bytes;
+        const uint8_t *p1 = base + (size_t)(row1 - rb0) * row_bytes;
         const typename tc_kind<K>::raw raw = tc_kind<K>::load(p0, p1, t);
         const int ex = tc_stage_warp<K>(act + (tok * kuse + j) * ldact, nsb, xs, sxs);
         float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
@@ -789,6 +832,47 @@ static __global__ void combine_kernel(const float *__restrict__ dout, int64_t ld
  * expert to 256 bytes), so the plain types use their vector kinds then. */
 #define PLAIN_CASES(CASE, type, n) MOE_PLAIN_KINDS(CASE, moe_row_bytes(type, n) % 16 == 0)
 
+/* The current device's opt-in shared memory per block (bytes; 48 KiB if it cannot be read). */
+static int smem_optin()
+{
+    static int cached[64];
+    int dev = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) {
+        (void)cudaGetLastError();
+        return 48 * 1024;
+    }
+    if (cached[dev] <= 0) {
+        int v = 0;
+        if (cudaDeviceGetAttribute(&v, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) !=
+                cudaSuccess ||
+            v <= 0) {
+            (void)cudaGetLastError();
+            return 48 * 1024;
+        }
+        cached[dev] = v;
+    }
+    return cached[dev];
+}
+
+/* Lets KERNEL take smem bytes of dynamic shared memory on the current device (beyond 48 KiB
+ * the attribute must be raised first; per kernel and device, only ever upwards). */
+template <auto KERNEL> static cudaError_t raise_smem(size_t smem)
+{
+    static size_t raised[64];
+    int dev = 0;
+    if (smem <= 48 * 1024)
+        return cudaSuccess;
+    cudaError_t e = cudaGetDevice(&dev);
+    if (e != cudaSuccess)
+        return e;
+    if (dev >= 0 && dev < 64 && raised[dev] >= smem)
+        return cudaSuccess;
+    e = cudaFuncSetAttribute(KERNEL, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+    if (e == cudaSuccess && dev >= 0 && dev < 64)
+        raised[dev] = smem;
+    return e;
+}
+
 template <int K> static unsigned blk_bytes(int64_t n, size_t *row_bytes, int *nu)
 {
     *row_bytes = moe_row_bytes(kind_type(K), n);
@@ -820,11 +904,25 @@ static int launch_gate_up(const void *const *a, const void *const *b, int64_t n,
         const size_t tc_smem = tc_off * sizeof(float) + tc_stage_bytes(1, (int)(n / 256)) +
                                2 * GU_WARPS * 32 * sizeof(float4);
         if ((tc & MOE_CUDA_TC_GATE_UP) && !etype && n % 256 == 0 && tc_smem <= 48 * 1024) {
+            /* The tile's rows copied into shared memory at once (MOE_CUDA_TC_ASYNC) where
+             * nothing is filled or resolved in the launch and the device gives the room. */
+            const size_t w_off = (tc_smem + 15) & ~(size_t)15;
+            const size_t as_smem = w_off + 2 * (size_t)TC_ROWS * rb;
+            if ((tc & MOE_CUDA_TC_ASYNC) && !fa && !fb && !rs.off &&
+                as_smem <= (size_t)smem_optin()) {
+                MOE_CUDA_TRY((raise_smem<gate_up_tc_kernel<K, true>>(as_smem)));
+                MOE_CUDA_TRY(moe_launch(gate_up_tc_kernel<K, true>, g, dim3(32 * GU_WARPS),
+                                        as_smem, s, (const uint8_t *const *)a,
+                                        (const uint8_t *const *)b, rb, (int)(n / 256), ff, x, ldx,
+                                        kuse, sel_e, out, ldo, rt, (const uint8_t *const *)fa,
+                                        (const uint8_t *const *)fb, rs, tc_off, w_off));
+                return 0;
+            }
             MOE_CUDA_TRY(moe_launch(gate_up_tc_kernel<K>, g, dim3(32 * GU_WARPS), tc_smem, s,
                                     (const uint8_t *const *)a, (const uint8_t *const *)b, rb,
                                     (int)(n / 256), ff, x, ldx, kuse, sel_e, out, ldo, rt,
                                     (const uint8_t *const *)fa, (const uint8_t *const *)fb, rs,
-                                    tc_off));
+                                    tc_off, (size_t)0));
             return 0;
         }
     }
@@ -917,6 +1015,18 @@ static int launch_down(const void *const *d, int64_t ff, int64_t E, const float 
             tw--;
         tw = tw < 1 ? 1 : tw;
         const size_t smem = (size_t)tw * stage + part;
+        /* Every choice's rows of the tile copied into shared memory first (MOE_CUDA_TC_ASYNC,
+         * as for gate/up) where nothing is filled and the device gives the room. */
+        const size_t as_smem = ((smem + 15) & ~(size_t)15) + (size_t)kuse * TC_ROWS * rb;
+        if ((tc & MOE_CUDA_TC_DOWN) && (tc & MOE_CUDA_TC_ASYNC) && ff % 256 == 0 &&
+            smem <= 48 * 1024 && !fill && as_smem <= (size_t)smem_optin()) {
+            MOE_CUDA_TRY((raise_smem<down_tc_kernel<K, true>>(as_smem)));
+            dim3 g((unsigned)((E + TC_ROWS - 1) / TC_ROWS), (unsigned)n_tok);
+            MOE_CUDA_TRY(moe_launch(down_tc_kernel<K, true>, g, dim3(32 * tw), as_smem, s,
+                                    (const uint8_t *const *)d, rb, (int)(ff / 256), E, act, ldact,
+                                    kuse, sel_e, sel_w, h, ldh, (const uint8_t *const *)fill));
+            return 0;
+        }
         if ((tc & MOE_CUDA_TC_DOWN) && ff % 256 == 0 && smem <= 48 * 1024) {
             dim3 g((unsigned)((E + TC_ROWS - 1) / TC_ROWS), (unsigned)n_tok);
             MOE_CUDA_TRY(moe_launch(down_tc_kernel<K>, g, dim3(32 * tw), smem, s,

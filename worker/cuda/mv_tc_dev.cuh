@@ -29,6 +29,38 @@ static __device__ __forceinline__ void tc_mma1688(float c[4], uint32_t a0, uint3
         : "r"(a0), "r"(a1), "r"(b0));
 }
 
+/* 16 bytes from global to shared memory without passing through registers (cp.async, sm_80+;
+ * a plain copy before), then the waits. smem and gmem 16-byte aligned. */
+static __device__ __forceinline__ void cp_async16(void *smem, const void *gmem)
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    const unsigned sa = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(sa), "l"(gmem) : "memory");
+#else
+    *(uint4 *)smem = *(const uint4 *)gmem;
+#endif
+}
+
+/* Every cp_async16 of this thread has landed (other threads' copies: a barrier after it). */
+static __device__ __forceinline__ void cp_async_wait_all()
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.wait_all;\n" ::: "memory");
+#endif
+}
+
+/* n bytes from src (global) to dst (shared, 16-byte aligned) by the whole block: 16-byte
+ * cp_async16 chunks where src is aligned, the tail and a misaligned src by plain byte copies
+ * (visible after the caller's cp_async_wait_all and barrier). */
+static __device__ __forceinline__ void block_copy_async(uint8_t *dst, const uint8_t *src, size_t n)
+{
+    const size_t n16 = ((uintptr_t)src & 15) == 0 ? n / 16 : 0;
+    for (size_t i = threadIdx.x; i < n16; i += blockDim.x)
+        cp_async16(dst + 16 * i, src + 16 * i);
+    for (size_t i = n16 * 16 + threadIdx.x; i < n; i += blockDim.x)
+        dst[i] = src[i];
+}
+
 /* A lane's bytes of one Q4_K block of its two rows: headers and chunk t of qs. */
 struct tc_raw {
     uint4 h0, h1, a0, b0, a1, b1;
