@@ -631,19 +631,22 @@ TEST_TIMEOUT(cuda_tc_experts_agree_with_the_float_walk, 900)
              * products; the gate/up and down of steps grouped by expert, here every decode
              * step); down per token with one warp for all choices (fewer warps than choices is
              * what a long act row gets, 1536 of a 235B-shape model, to fit its staging); the
-             * per-token gate/up and down copying their tiles' rows into shared memory first. */
-            static const char *const var[3][3] = {
-                {"1", "MOE_CUDA_GROUP_MIN", "0.01"},
-                {"0", "MOE_CUDA_DOWN_TC_WARPS", "1"},
-                {"0", "MOE_CUDA_TC_ASYNC", "1"}};
-            size_t vdiff[3];
-            for (int v = 0; v < 3; v++) {
+             * tiles' rows copied into shared memory first, per token and grouped. */
+            static const char *const var[4][5] = {
+                {"1", "MOE_CUDA_GROUP_MIN", "0.01", NULL, NULL},
+                {"0", "MOE_CUDA_DOWN_TC_WARPS", "1", NULL, NULL},
+                {"0", "MOE_CUDA_TC_ASYNC", "1", NULL, NULL},
+                {"1", "MOE_CUDA_TC_ASYNC", "1", "MOE_CUDA_GROUP_MIN", "0.01"}};
+            size_t vdiff[4];
+            for (int v = 0; v < 4; v++) {
                 setenv("MOE_CUDA_GEMM", "0", 1);
                 setenv("MOE_CUDA_TC", modes[k], 1);
                 setenv("MOE_CUDA_TC_STAGED", var[v][0], 1);
-                setenv(var[v][1], var[v][2], 1); /* each read at the engine's init */
+                for (int i = 1; i < 5 && var[v][i]; i += 2)
+                    setenv(var[v][i], var[v][i + 1], 1); /* each read at the engine's init */
                 struct moe_engine *tv = engine_on(m, "cuda:0", 160, 4, 0, false);
-                unsetenv(var[v][1]);
+                for (int i = 1; i < 5 && var[v][i]; i += 2)
+                    unsetenv(var[v][i]);
                 unsetenv("MOE_CUDA_TC_STAGED");
                 unsetenv("MOE_CUDA_TC");
                 unsetenv("MOE_CUDA_GEMM");
@@ -651,7 +654,7 @@ TEST_TIMEOUT(cuda_tc_experts_agree_with_the_float_walk, 900)
                 vdiff[v] = two_engines_diff(tv, t, V, plen, 6, 2);
                 moe_engine_free(tv);
             }
-            const size_t sdiff = vdiff[0], wdiff = vdiff[1], adiff = vdiff[2];
+            const size_t sdiff = vdiff[0], wdiff = vdiff[1], adiff = vdiff[2] + vdiff[3];
             const size_t rows = 40 + 100 + 17 + 63 + 2 + 4 * 4;
             printf("  %-44s MOE_CUDA_TC=%s vs float: rel-L2 %.2e, argmax differs at %zu of %zu; "
                    "grouped vs per slot: %zu logits differ; inputs staged once: %zu; down in 1 "

@@ -620,8 +620,9 @@ gate_up_grouped_kernel(const uint8_t *const *__restrict__ ga, const uint8_t *con
 
 /* Gate/up grouped on tensor cores: one block per (16-row tile, active expert), the expert's slots
  * NT at a time as the columns of gu_tc_tile (the same floats per slot as gate_up_tc_kernel). ST:
- * the step's inputs staged once in st (moe_cuda_tc_stage). */
-template <int K, int NT, bool ST = false>
+ * the step's inputs staged once in st (moe_cuda_tc_stage). AS (with ST): the tile's gate and up
+ * rows are first copied into shared memory after the warps' sums (as gate_up_tc_kernel's). */
+template <int K, int NT, bool ST = false, bool AS = false>
 static __global__ void __launch_bounds__(32 * GU_WARPS, 3)
 gate_up_grouped_tc_kernel(const uint8_t *const *__restrict__ ga,
                           const uint8_t *const *__restrict__ ua, size_t row_bytes, int nsb,
@@ -631,6 +632,7 @@ gate_up_grouped_tc_kernel(const uint8_t *const *__restrict__ ga,
                           const int32_t *__restrict__ n_active, float *__restrict__ out,
                           int64_t ldo, const tc_staged st)
 {
+    static_assert(!AS || ST, "tiles copied first with staged inputs only");
     pdl_wait();
     pdl_trigger();
     extern __shared__ uint4 gsm[];
@@ -638,6 +640,16 @@ gate_up_grouped_tc_kernel(const uint8_t *const *__restrict__ ga,
         return;
     const int e = act_list[blockIdx.y];
     const int32_t s0 = ex_off[e], s1 = ex_off[e + 1];
+    const uint8_t *g = ga[e], *u = ua[e];
+    if constexpr (AS) {
+        const int64_t rt0 = (int64_t)blockIdx.x * TC_ROWS;
+        const int64_t nr = ff - rt0 < TC_ROWS ? ff - rt0 : TC_ROWS;
+        uint8_t *wg = (uint8_t *)(gsm + 2 * GU_WARPS * 32), *wu = wg + TC_ROWS * row_bytes;
+        block_copy_async(wg, g + (size_t)rt0 * row_bytes, (size_t)nr * row_bytes);
+        block_copy_async(wu, u + (size_t)rt0 * row_bytes, (size_t)nr * row_bytes);
+        g = wg;
+        u = wu;
+    }
     for (int32_t i = s0; i < s1; i += NT) {
         const int nt = s1 - i < NT ? s1 - i : NT;
         const float *xr[NT];
@@ -650,8 +662,8 @@ gate_up_grouped_tc_kernel(const uint8_t *const *__restrict__ ga,
             xr[c] = x + tok[c] * ldx;
             o[c] = out + (int64_t)slot * ldo;
         }
-        gu_tc_tile<K, NT, ST>(ga[e], ua[e], row_bytes, nsb, ff, (int64_t)blockIdx.x * TC_ROWS, xr,
-                              o, nt, gsm, st, tok);
+        gu_tc_tile<K, NT, ST, AS>(g, u, row_bytes, nsb, ff, (int64_t)blockIdx.x * TC_ROWS, xr, o,
+                                  nt, gsm, st, tok);
     }
 }
 
@@ -1100,6 +1112,19 @@ static int launch_gate_up_grouped(const void *const *a, const void *const *b, in
                 const int rc = moe_cuda_tc_stage(K, x, ldx, n, n_tok, ws, ws_bytes, s);
                 if (rc)
                     return rc;
+                const size_t as_smem = red + 2 * (size_t)TC_ROWS * rb;
+                if ((tc & MOE_CUDA_TC_ASYNC) && as_smem <= (size_t)smem_optin()) {
+                    MOE_CUDA_TRY((raise_smem<gate_up_grouped_tc_kernel<K, 8, true, true>>(as_smem)));
+                    MOE_CUDA_TRY(moe_launch(gate_up_grouped_tc_kernel<K, 8, true, true>, g,
+                                            dim3(32 * GU_WARPS), as_smem, s,
+                                            (const uint8_t *const *)a, (const uint8_t *const *)b,
+                                            rb, nsb, ff, x, ldx, kuse, (const int32_t *)gr->ex_off,
+                                            (const int32_t *)gr->slot_list,
+                                            (const int32_t *)gr->act_list,
+                                            (const int32_t *)gr->n_active, out, ldo,
+                                            tc_ws_split(ws, nsb, n_tok)));
+                    return 0;
+                }
                 MOE_CUDA_TRY(moe_launch(gate_up_grouped_tc_kernel<K, 8, true>, g,
                                         dim3(32 * GU_WARPS), red, s, (const uint8_t *const *)a,
                                         (const uint8_t *const *)b, rb, nsb, ff, x, ldx, kuse,
