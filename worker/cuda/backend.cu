@@ -3013,6 +3013,9 @@ static int expert_kernels(struct cuda_backend *b, int l, bool fold, const void *
     const int k = (int)b->d.kuse;
     const int32_t *sel_e = (const int32_t *)b->buf[MOE_BUF_SEL_E];
     const enum expert_path path = expert_path(b, cl);
+    /* Tiles copied into shared memory first only where every expert of the layer is in VRAM
+     * (no reads from host memory, no copies into slots beside them). */
+    const int tc = cl->slots < b->d.nexp ? b->tc & ~MOE_CUDA_TC_ASYNC : b->tc;
     if (path == XP_MIXED) {
         mark(b, "mixed");
         LAUNCH(b, "experts (mixed types)",
@@ -3064,14 +3067,14 @@ static int expert_kernels(struct cuda_backend *b, int l, bool fold, const void *
         LAUNCH(b, "expert gate/up",
                moe_cuda_expert_gate_up_grouped(cl->gate_type, cl->gate, cl->up, b->d.E, b->d.ff,
                                                b->buf[MOE_BUF_X], b->ld[MOE_BUF_X], k, &b->groups,
-                                               max_active, b->act, b->ld_act, b->tc, b->tc_ws,
+                                               max_active, b->act, b->ld_act, tc, b->tc_ws,
                                                b->tc_ws_bytes, b->n, b->st));
         mark(b, "down");
         LAUNCH(b, "expert down",
                moe_cuda_expert_down_grouped(cl->down_type, cl->down, b->d.ff, b->d.E, b->act,
                                             b->ld_act, &b->groups, max_active, b->n, k,
                                             b->buf[MOE_BUF_SEL_W], b->dout, b->ld_dout,
-                                            b->buf[MOE_BUF_H], b->ld[MOE_BUF_H], b->tc, b->tc_ws,
+                                            b->buf[MOE_BUF_H], b->ld[MOE_BUF_H], tc, b->tc_ws,
                                             b->tc_ws_bytes, b->st));
         return 0;
     }
@@ -3084,12 +3087,12 @@ static int expert_kernels(struct cuda_backend *b, int l, bool fold, const void *
            moe_cuda_expert_gate_up(cl->gate_type, cl->up_type, cl->gate, cl->up, b->d.E, b->d.ff,
                                    b->buf[MOE_BUF_X], b->ld[MOE_BUF_X], b->n, k, sel_e, b->act,
                                    b->ld_act, b->scratch, fold ? &rt : NULL, fill, b->d.nexp,
-                                   rs, b->tc, b->st));
+                                   rs, tc, b->st));
     mark(b, "down");
     LAUNCH(b, "expert down",
            moe_cuda_expert_down(cl->down_type, cl->down, b->d.ff, b->d.E, b->act, b->ld_act, b->n,
                                 k, sel_e, b->buf[MOE_BUF_SEL_W], b->buf[MOE_BUF_H],
-                                b->ld[MOE_BUF_H], fill ? fill + 2 * b->d.nexp : NULL, b->tc,
+                                b->ld[MOE_BUF_H], fill ? fill + 2 * b->d.nexp : NULL, tc,
                                 b->st));
     return 0;
 }
