@@ -673,7 +673,7 @@ gate_up_grouped_tc_kernel(const uint8_t *const *__restrict__ ga,
  * act rows come staged once per step in st (moe_cuda_tc_stage, by slot), and the block stages
  * nothing (the same floats: the same staging functions). */
 #define DG_TC_WARPS 4
-template <int K, int NT, bool ST = false>
+template <int K, int NT, bool ST = false, bool AS = false>
 static __global__ void __launch_bounds__(32 * DG_TC_WARPS)
 down_grouped_tc_kernel(const uint8_t *const *__restrict__ da, size_t row_bytes, int nsb, int64_t E,
                        const float *__restrict__ act, int64_t ldact,
@@ -694,6 +694,19 @@ down_grouped_tc_kernel(const uint8_t *const *__restrict__ da, size_t row_bytes, 
     const int64_t rt0 = ((int64_t)blockIdx.x * DG_TC_WARPS + wi) * TC_ROWS;
     const int64_t row0 = rt0 + g8 < E ? rt0 + g8 : E - 1, row1 = rt0 + g8 + 8 < E ? rt0 + g8 + 8 : E - 1;
     const uint8_t *p0 = da[e] + (size_t)row0 * row_bytes, *p1 = da[e] + (size_t)row1 * row_bytes;
+    if constexpr (AS) {
+        /* The block's rows (its warps' tiles) copied into shared memory first, at once and
+         * without registers (with staged inputs gsm holds nothing else): the same bytes. */
+        static_assert(!AS || ST, "tiles copied first with staged inputs only");
+        const int64_t rb0 = (int64_t)blockIdx.x * DG_TC_WARPS * TC_ROWS;
+        const int64_t nr = E - rb0 < DG_TC_WARPS * TC_ROWS ? E - rb0 : DG_TC_WARPS * TC_ROWS;
+        uint8_t *w = (uint8_t *)gsm;
+        block_copy_async(w, da[e] + (size_t)rb0 * row_bytes, (size_t)nr * row_bytes);
+        cp_async_wait_all();
+        __syncthreads();
+        p0 = w + (size_t)(row0 - rb0) * row_bytes;
+        p1 = w + (size_t)(row1 - rb0) * row_bytes;
+    }
     for (int32_t i = s0; i < s1; i += NT) {
         const int nt = s1 - i < NT ? s1 - i : NT;
         const typename tc_kind<K>::raw raw = tc_kind<K>::load(p0, p1, t);
@@ -1181,6 +1194,19 @@ static int launch_down_grouped(const void *const *d, int64_t ff, int64_t E, cons
                                                  ws_bytes, s);
                 if (rc)
                     return rc;
+                const size_t as_smem = (size_t)DG_TC_WARPS * TC_ROWS * rb;
+                if ((tc & MOE_CUDA_TC_ASYNC) && as_smem <= (size_t)smem_optin()) {
+                    MOE_CUDA_TRY((raise_smem<down_grouped_tc_kernel<K, 8, true, true>>(as_smem)));
+                    MOE_CUDA_TRY(moe_launch(down_grouped_tc_kernel<K, 8, true, true>, g,
+                                            dim3(32 * DG_TC_WARPS), as_smem, s,
+                                            (const uint8_t *const *)d, rb, nsb, E, act, ldact,
+                                            (const int32_t *)gr->ex_off,
+                                            (const int32_t *)gr->slot_list,
+                                            (const int32_t *)gr->act_list,
+                                            (const int32_t *)gr->n_active, dout, ldd,
+                                            tc_ws_split(ws, nsb, n_slots)));
+                    return 0;
+                }
                 MOE_CUDA_TRY(moe_launch(down_grouped_tc_kernel<K, 8, true>, g,
                                         dim3(32 * DG_TC_WARPS), 0, s, (const uint8_t *const *)d,
                                         rb, nsb, E, act, ldact, (const int32_t *)gr->ex_off,
