@@ -33,7 +33,8 @@
  * ratio is 1 plus the prefetches that were wrong (evicted before their layer chose them, or
  * still waiting) over what was needed; "prefetch right" is the share of decode prefetches their
  * layer chose, and "prefetch recall" the share of what decode needed from outside VRAM (its
- * misses and its chosen prefetches) that the prediction brought ahead. */
+ * misses and its chosen prefetches) that the prediction brought ahead; "miss rate" counts the
+ * prompt's lookups and the decode's, "decode miss rate" the decode's alone. */
 #include <inttypes.h>
 #include <math.h>
 #include <stdio.h>
@@ -153,6 +154,7 @@ struct result {
     double dec_pcie_per_tok, min_per_tok; /* decode alone: copies and the minimum, bytes */
     double pf_right;                      /* decode: prefetched experts chosen / prefetched */
     double pf_recall;                     /* decode: chosen prefetches / (those + misses) */
+    double dec_miss_rate;                 /* decode: misses / lookups */
 };
 
 int main(int argc, char **argv)
@@ -370,6 +372,8 @@ int main(int argc, char **argv)
         const double pf_used = (double)(z.prefetch_used - mi.prefetch_used);
         const double dmiss = (double)(z.misses - mi.misses);
         r->pf_recall = pf_dec > 0 && pf_used + dmiss > 0 ? pf_used / (pf_used + dmiss) : -1;
+        const double dlooked = (double)(z.hits - mi.hits) + dmiss;
+        r->dec_miss_rate = dlooked > 0 ? dmiss / dlooked : 0;
         r->vram_gib = (double)info.device_bytes / (1 << 30);
         r->expert_gib = (double)z.expert_vram_bytes / (1 << 30);
         if (ci == 0)
@@ -384,8 +388,9 @@ int main(int argc, char **argv)
     }
     printf("\n| configuration | VRAM GiB | experts GiB | pp%" PRId64 " tok/s | decode tok/s | "
            "vs resident | miss rate | PCIe MB/token | prefetched/token | PCIe limit tok/s | "
-           "decode PCIe MB/token | x minimum | prefetch right | prefetch recall |\n"
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n", P);
+           "decode PCIe MB/token | x minimum | prefetch right | prefetch recall | decode miss "
+           "rate |\n"
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n", P);
     for (int i = 0; i < nres; i++) {
         const struct result *r = &res[i];
         /* The limit: the resident time or a token's copies over the H2D rate, whichever is
@@ -400,10 +405,10 @@ int main(int argc, char **argv)
         if (r->pf_recall >= 0)
             snprintf(rc, sizeof rc, "%.1f%%", 100 * r->pf_recall);
         printf("| %s | %.2f | %.2f | %.1f | %.1f | %.2f | %.1f%% | %.1f | %.1f | %.0f | %.1f | %s "
-               "| %s | %s |\n",
+               "| %s | %s | %.1f%% |\n",
                r->name, r->vram_gib, r->expert_gib, r->pp, r->tg, r->tg / base_tg,
                100 * r->miss_rate, r->pcie_per_tok / 1e6, r->prefetched, lim,
-               r->dec_pcie_per_tok / 1e6, xm, pr, rc);
+               r->dec_pcie_per_tok / 1e6, xm, pr, rc, 100 * r->dec_miss_rate);
     }
     free(counts);
     free(pl_a), free(pl_m), free(pl_z);

@@ -28,24 +28,27 @@ struct config {
     const char *stage;      /* MOE_CUDA_STAGE for the engine (NULL: auto) */
     bool stage_dma;         /* MOE_CUDA_STAGE_DMA=1: direct steps stage by the copy engines */
     bool fill_launch;       /* MOE_CUDA_FILL_FOLD=0: decode copies by the fill kernel */
+    bool ahead2;            /* MOE_CUDA_PREFETCH_AHEAD=2: predictions two layers ahead */
 };
 
 static const struct config CONFIGS[] = {
-    {"60%", 0.6, 0, false, false, NULL, false, false},
-    {"30%", 0.3, 0, false, false, NULL, false, false},
-    {"30% cache off", 0.3, -1, false, false, NULL, false, false},
-    {"30% one cache slot", 0.3, 1, false, false, NULL, false, false},
-    {"60% from counts", 0.6, 0, true, false, NULL, false, false},
-    {"30% from counts", 0.3, 0, true, false, NULL, false, false},
-    {"30% no prefetch", 0.3, 0, false, true, NULL, false, false},
-    {"60% counts, no prefetch", 0.6, 0, true, true, NULL, false, false},
-    {"one token's experts", 1e-9, 0, false, false, NULL, false, false},
-    {"30% no staging", 0.3, 0, false, false, "0", false, false},
-    {"30% staging of 1", 0.3, 0, false, false, "1", false, false},
-    {"60% counts, staging of all", 0.6, 0, true, false, "100000", false, false},
-    {"60% counts, staging by DMA", 0.6, 0, true, false, "100000", true, false},
-    {"30%, fill kernel", 0.3, 0, false, false, NULL, false, true},
-    {"60% counts, fill kernel", 0.6, 0, true, false, NULL, false, true},
+    {"60%", 0.6, 0, false, false, NULL, false, false, false},
+    {"30%", 0.3, 0, false, false, NULL, false, false, false},
+    {"30% cache off", 0.3, -1, false, false, NULL, false, false, false},
+    {"30% one cache slot", 0.3, 1, false, false, NULL, false, false, false},
+    {"60% from counts", 0.6, 0, true, false, NULL, false, false, false},
+    {"30% from counts", 0.3, 0, true, false, NULL, false, false, false},
+    {"30% no prefetch", 0.3, 0, false, true, NULL, false, false, false},
+    {"60% counts, no prefetch", 0.6, 0, true, true, NULL, false, false, false},
+    {"one token's experts", 1e-9, 0, false, false, NULL, false, false, false},
+    {"30% no staging", 0.3, 0, false, false, "0", false, false, false},
+    {"30% staging of 1", 0.3, 0, false, false, "1", false, false, false},
+    {"60% counts, staging of all", 0.6, 0, true, false, "100000", false, false, false},
+    {"60% counts, staging by DMA", 0.6, 0, true, false, "100000", true, false, false},
+    {"30%, fill kernel", 0.3, 0, false, false, NULL, false, true, false},
+    {"60% counts, fill kernel", 0.6, 0, true, false, NULL, false, true, false},
+    {"30% two layers ahead", 0.3, 0, false, false, NULL, false, false, true},
+    {"60% counts, two layers ahead", 0.6, 0, true, false, NULL, false, false, true},
 };
 #define N_CONFIGS (sizeof CONFIGS / sizeof CONFIGS[0])
 
@@ -122,12 +125,15 @@ static struct moe_engine *engine(const struct moe_model *m, const struct config 
         setenv("MOE_CUDA_STAGE_DMA", "1", 1);
     if (c && c->fill_launch)
         setenv("MOE_CUDA_FILL_FOLD", "0", 1);
+    if (c && c->ahead2)
+        setenv("MOE_CUDA_PREFETCH_AHEAD", "2", 1);
     struct moe_engine *e = NULL;
     char err[512] = "";
     const int rc = moe_engine_init(&e, m, &o, err, sizeof err);
     unsetenv("MOE_CUDA_STAGE");
     unsetenv("MOE_CUDA_STAGE_DMA");
     unsetenv("MOE_CUDA_FILL_FOLD");
+    unsetenv("MOE_CUDA_PREFETCH_AHEAD");
     CHECK_MSG(rc == 0, "%s", err);
     return e;
 }
@@ -286,7 +292,7 @@ TEST_TIMEOUT(cuda_offload_slow_link_pins_every_slot, 300)
         struct moe_engine *e = engine(m, NULL, NULL, 0);
         const size_t rows = run(e, m, ref, ref_tok);
         moe_engine_free(e);
-        const struct config c30 = {"30%", 0.3, 0, false, false, NULL, false, false};
+        const struct config c30 = {"30%", 0.3, 0, false, false, NULL, false, false, false};
         for (int check = 1; check >= 0; check--) {
             setenv("MOE_CUDA_LINK_GBPS", "0.2", 1);
             if (!check)
@@ -352,7 +358,7 @@ TEST_TIMEOUT(cuda_offload_budget, 300)
     CHECK_EQ(os.budget, budget);
     moe_engine_free(e);
 
-    const struct config half = {"50%", 0.5, 0, false, false, NULL, false, false};
+    const struct config half = {"50%", 0.5, 0, false, false, NULL, false, false, false};
     e = engine(m, &half, NULL, budget);
     float *out = malloc(sizeof(float) * (size_t)(PROMPT + 2 * DECODE * N_SEQ) * (size_t)V);
     int32_t tok[DECODE * N_SEQ];

@@ -20,6 +20,7 @@
 #include "store/quant.h"
 #include "worker/cpu/kernels.h"
 #include "worker/cpu/pool.h"
+#include "worker/cpu/pstudy.h"
 
 /* Rows per task in the expert regions: enough work per task to amortise the dispatch, small
  * enough that a handful of active experts still spreads over many threads. */
@@ -83,6 +84,8 @@ struct cpu_backend {
     int32_t *xpred;               /* [nexp] the next layer's predicted experts */
     uint8_t *xmark;               /* [nexp] all zero outside predict_next */
     uint8_t *xsel;                /* [nexp] 1: in the part being computed */
+    struct moe_pstudy *ps;        /* MOE_CPU_PREDICT_STUDY=1: the predictors measured, else NULL */
+    float *ps_x, *ps_row, *ps_lg; /* [E], [E], [nexp] its scratch */
     void (*attn_values)(float *o, const float *w, const float *V, int64_t np, int64_t hdv);
     char errmsg[256];
 };
@@ -235,6 +238,18 @@ static int cpu_init(struct moe_backend **out, const struct moe_model *m, struct 
         e->xsel = xcalloc(e->nexp, 1, &bad);
     }
     e->taken = xcalloc(e->nexp, 1, &bad);
+    const char *study = getenv("MOE_CPU_PREDICT_STUDY");
+    if (study && !strcmp(study, "1")) {
+        e->ps = xcalloc(1, sizeof *e->ps, &bad);
+        e->ps_x = xcalloc(e->E, sizeof(float), &bad);
+        e->ps_row = xcalloc(e->E, sizeof(float), &bad);
+        e->ps_lg = xcalloc(e->nexp, sizeof(float), &bad);
+        if (e->ps && moe_pstudy_init(e->ps, (int)e->L, (int)e->nexp, (int)e->kuse)) {
+            free(e->ps);
+            e->ps = NULL;
+            bad = 1;
+        }
+    }
     e->xg = xcalloc(ns * e->E, sizeof(float), &bad);
     e->act = xcalloc(ns * e->ff, sizeof(float), &bad);
     e->gbuf = xcalloc(ns * e->ff, sizeof(float), &bad);
@@ -288,6 +303,14 @@ static void cpu_free(struct moe_backend *b)
     free(e->xpred);
     free(e->xmark);
     free(e->xsel);
+    if (e->ps) {
+        moe_pstudy_report(e->ps, stderr);
+        moe_pstudy_free(e->ps);
+        free(e->ps);
+    }
+    free(e->ps_x);
+    free(e->ps_row);
+    free(e->ps_lg);
     free(e->taken);
     free(e->xg);
     free(e->act);
@@ -690,6 +713,8 @@ static int cpu_route(struct moe_backend *b, int l)
             for (int64_t j = 0; j < K; j++)
                 sw[j] = (float)(sw[j] / sum);
     }
+    if (e->ps && n == 1)
+        moe_pstudy_actual(e->ps, l, sel_e);
     e->ex_off[0] = 0;
     for (int64_t x = 0; x < NE; x++) {
         e->ex_off[x + 1] = e->ex_off[x] + e->ex_fill[x];
@@ -869,11 +894,56 @@ static int experts_from_source(struct cpu_backend *e, struct fwd *f)
     return 0;
 }
 
+/* MOE_CPU_PREDICT_STUDY: layer l's router over the row x (logits into e->ps_lg). */
+static void ps_logits(struct cpu_backend *e, int l, const float *x)
+{
+    const struct moe_tensor *W = moe_weight(e->m, l, MOE_W_ROUTER);
+    const size_t rb = moe_row_bytes(W->type, e->E);
+    for (int64_t r = 0; r < e->nexp; r++) {
+        float dot = 0.0f;
+        if (moe_dequantize(W->type, (const uint8_t *)W->data + (size_t)r * rb, e->ps_row, e->E))
+            dot = NAN;
+        else
+            for (int64_t i = 0; i < e->E; i++)
+                dot += e->ps_row[i] * x[i];
+        e->ps_lg[r] = dot;
+    }
+}
+
+/* MOE_CPU_PREDICT_STUDY, one-token steps: layer l+1's experts guessed from layer l's MoE input
+ * (before = true: as is and re-weighted by the norms, and layer l+2's re-weighted) or from the
+ * residual after layer l's experts (before = false). */
+static void ps_guess(struct cpu_backend *e, int l, bool before)
+{
+    if (!e->ps || e->n != 1 || l + 1 >= e->L)
+        return;
+    const float *g0 = e->norms[l].ffn, *g1 = e->norms[l + 1].ffn;
+    if (before) {
+        const float *x = BUF(e, MOE_BUF_X);
+        ps_logits(e, l + 1, x);
+        moe_pstudy_predict(e->ps, l + 1, MOE_PS_X, e->ps_lg);
+        if (l + 2 < e->L) {
+            const float *g2 = e->norms[l + 2].ffn;
+            for (int64_t i = 0; i < e->E; i++)
+                e->ps_x[i] = g0[i] != 0.0f ? x[i] * (g2[i] / g0[i]) : x[i] * g2[i];
+            ps_logits(e, l + 2, e->ps_x);
+            moe_pstudy_predict(e->ps, l + 2, MOE_PS_XW2, e->ps_lg);
+        }
+        for (int64_t i = 0; i < e->E; i++)
+            e->ps_x[i] = g0[i] != 0.0f ? x[i] * (g1[i] / g0[i]) : x[i] * g1[i];
+    } else {
+        rmsnorm(e->ps_x, BUF(e, MOE_BUF_H), g1, e->E, e->d.eps);
+    }
+    ps_logits(e, l + 1, e->ps_x);
+    moe_pstudy_predict(e->ps, l + 1, before ? MOE_PS_XW : MOE_PS_POST, e->ps_lg);
+}
+
 static int cpu_experts(struct moe_backend *b, int l)
 {
     struct cpu_backend *e = (struct cpu_backend *)b;
     struct fwd f = {e, l, e->m->layers[l].experts};
     int64_t n = e->n;
+    ps_guess(e, l, true);
     par_for(e, n * e->kuse, n * e->kuse * e->E / 4, gather_task, &f);
     if (e->d.expert_src) {
         int rc = experts_from_source(e, &f);
@@ -886,6 +956,7 @@ static int cpu_experts(struct moe_backend *b, int l)
                 &f);
     }
     par_for(e, n, n * e->kuse * e->E, combine_task, &f);
+    ps_guess(e, l, false);
     return 0;
 }
 

@@ -221,6 +221,9 @@ struct cuda_backend {
     float *pf_x;                     /* [PF_MAX_N][E]: the input re-weighted for layer l+1 */
     float *pf_scale;                 /* [L-1][E]: ffn_norm[l+1] / ffn_norm[l] (0 where the
                                       * latter is 0) */
+    int pf_ahead;                    /* layers ahead (MOE_CUDA_PREFETCH_AHEAD: 1, or 2: at layer l
+                                      * the prediction is for l+2, and layer 0 also predicts 1) */
+    float *pf_scale2;                /* [L-2][E]: ffn_norm[l+2] / ffn_norm[l], with pf_ahead 2 */
     unsigned long long *pf_counts;   /* [nexp], unread */
     struct moe_cuda_fill_list *d_pf_fill;
     int pf_blocks;
@@ -1362,6 +1365,8 @@ static int offload_state(struct cuda_backend *b, char *err, size_t errlen)
         OFF_TRY(cudaMalloc((void **)&b->pf_w, sizeof(float) * PF_MAX_N * (size_t)b->pf_k));
         OFF_TRY(cudaMalloc((void **)&b->pf_sel, sizeof(int32_t) * PF_MAX_N * (size_t)b->pf_k));
         OFF_TRY(cudaMalloc((void **)&b->pf_x, sizeof(float) * PF_MAX_N * (size_t)pad4(d->E)));
+        const char *pa = getenv("MOE_CUDA_PREFETCH_AHEAD");
+        b->pf_ahead = pa && !strcmp(pa, "2") && L > 2 ? 2 : 1;
         if (L > 1) {
             const size_t E = (size_t)d->E;
             float *sc = (float *)malloc(sizeof(float) * E * (L - 1)),
@@ -1370,14 +1375,17 @@ static int offload_state(struct cuda_backend *b, char *err, size_t errlen)
             for (size_t l = 0; l < L && !drc; l++)
                 drc = moe_dequantize(b->m->layers[l].ffn_norm.type, b->m->layers[l].ffn_norm.data,
                                      w + l * E, (int64_t)E);
-            for (size_t l = 0; l + 1 < L && !drc; l++)
-                for (size_t i = 0; i < E; i++)
-                    sc[l * E + i] = w[l * E + i] != 0.0f ? w[(l + 1) * E + i] / w[l * E + i] : 0.0f;
             cudaError_t ce = cudaSuccess;
-            if (!drc && (ce = cudaMalloc((void **)&b->pf_scale, sizeof(float) * E * (L - 1))) ==
-                            cudaSuccess)
-                ce = cudaMemcpy(b->pf_scale, sc, sizeof(float) * E * (L - 1),
-                                cudaMemcpyHostToDevice);
+            /* ffn_norm[l+a] / ffn_norm[l] for a = 1, then (two layers ahead) a = 2. */
+            for (size_t a = 1; a <= (size_t)b->pf_ahead && !drc && ce == cudaSuccess; a++) {
+                for (size_t l = 0; l + a < L; l++)
+                    for (size_t i = 0; i < E; i++)
+                        sc[l * E + i] =
+                            w[l * E + i] != 0.0f ? w[(l + a) * E + i] / w[l * E + i] : 0.0f;
+                float **dst = a == 1 ? &b->pf_scale : &b->pf_scale2;
+                if ((ce = cudaMalloc((void **)dst, sizeof(float) * E * (L - a))) == cudaSuccess)
+                    ce = cudaMemcpy(*dst, sc, sizeof(float) * E * (L - a), cudaMemcpyHostToDevice);
+            }
             free(sc);
             free(w);
             if (drc) {
@@ -2051,7 +2059,10 @@ static int cuda_init(struct moe_backend **out, const struct moe_model *m, struct
                      moe_fmt_size(vram, sizeof vram, b->expert_vram),
                      moe_fmt_size(all, sizeof all, b->expert_bytes), range, (long long)d->nexp,
                      hot, b->xhow,
-                     !b->pf ? "" : b->xsrc ? ", layer-ahead read-ahead hints" : ", layer-ahead prefetch",
+                     !b->pf               ? ""
+                     : b->xsrc            ? ", layer-ahead read-ahead hints"
+                     : b->pf_ahead == 2   ? ", prefetch two layers ahead"
+                                          : ", layer-ahead prefetch",
                      stg);
         }
         if (d->vram_budget && b->dev_bytes > d->vram_budget) {
@@ -2160,6 +2171,7 @@ static void cuda_free(struct moe_backend *bb)
     cudaFree(b->pf_counts);
     cudaFree(b->pf_x);
     cudaFree(b->pf_scale);
+    cudaFree(b->pf_scale2);
     cudaFree(b->d_pf_fill);
     unregister_weights(b->xregs, b->n_xregs);
     cudaFreeHost(b->xpinned);
@@ -2780,20 +2792,22 @@ static bool prefetches(const struct cuda_backend *b, int t)
            !use_gemm(b, cl->type[MOE_W_ROUTER]);
 }
 
-/* On the second stream, after ev_fork[l]: layer l+1's router applied to layer l's MoE input
- * (MOE_BUF_X; ev_read[l] once it is read), its top-k, and those experts placed in layer l+1's
- * cache slots and copied there; ev_join[l+1] at the end. */
-static int prefetch(struct cuda_backend *b, int l)
+/* On the second stream, after ev_fork[l] (waited for by the first prefetch of layer l): layer
+ * t's router (t = l+1, or l+2 two layers ahead) applied to layer l's MoE input re-weighted for
+ * layer t (MOE_BUF_X; ev_read[l] once it is read), its top-k, and those experts placed in layer
+ * t's cache slots and copied there; ev_join[t] at the end. */
+static int prefetch(struct cuda_backend *b, int l, int t, bool first)
 {
-    const int t = l + 1;
     const struct cuda_layer *ct = &b->layers[t];
     const struct moe_tensor *R = moe_weight(b->m, t, MOE_W_ROUTER);
     const int k = b->pf_k;
     const int64_t E = b->d.E, ldx = pad4(E);
-    CU(b, cudaStreamWaitEvent(b->st2, b->ev_fork[l], 0));
+    const float *scale = (t == l + 1 ? b->pf_scale : b->pf_scale2) + (size_t)l * E;
+    if (first)
+        CU(b, cudaStreamWaitEvent(b->st2, b->ev_fork[l], 0));
     LAUNCH(b, "prefetch input",
-           moe_cuda_scale_rows(b->buf[MOE_BUF_X], b->ld[MOE_BUF_X], b->pf_scale + (size_t)l * E, E,
-                               b->n, b->pf_x, ldx, b->st2));
+           moe_cuda_scale_rows(b->buf[MOE_BUF_X], b->ld[MOE_BUF_X], scale, E, b->n, b->pf_x, ldx,
+                               b->st2));
     CU(b, cudaEventRecord(b->ev_read[l], b->st2));
     struct moe_mv_job job = {ct->w[MOE_W_ROUTER], R->ne[1], b->pf_rl, b->d.nexp};
     LAUNCH(b, "prefetch router",
@@ -2939,7 +2953,18 @@ static int experts_op(struct cuda_backend *b, int l)
         TRY_CU(route_now(b));
     const int k = (int)b->d.kuse;
     const int32_t *sel_e = (const int32_t *)b->buf[MOE_BUF_SEL_E];
-    const bool pf_next = prefetches(b, l + 1);
+    /* The layers whose experts are predicted at this one: the next, or two layers ahead (and
+     * layer 1 from layer 0). */
+    int pf_t[2], npf = 0;
+    if (b->pf_ahead == 2) {
+        if (l == 0 && prefetches(b, 1))
+            pf_t[npf++] = 1;
+        if (prefetches(b, l + 2))
+            pf_t[npf++] = l + 2;
+    } else if (prefetches(b, l + 1)) {
+        pf_t[npf++] = l + 1;
+    }
+    const bool pf_next = npf > 0;
     const void *const *fill = NULL;
     struct moe_cuda_gu_resolve rs = {};
     if (pf_next)
@@ -2975,8 +3000,8 @@ static int experts_op(struct cuda_backend *b, int l)
                        moe_cuda_offload_fill(b->d_fill, b->fill_blocks, b->link_gbps, b->st));
         }
     }
-    if (pf_next) {
-        const int prc = prefetch(b, l);
+    for (int i = 0; i < npf; i++) {
+        const int prc = prefetch(b, l, pf_t[i], i == 0);
         if (prc)
             return prc;
         b->pf_read = l; /* the next write of MOE_BUF_X waits for its read (before_write) */
