@@ -928,7 +928,10 @@ static int launch_gate_up(const void *const *a, const void *const *b, int64_t n,
         const size_t tc_off = (smem / sizeof(float) + 3) & ~(size_t)3;
         const size_t tc_smem = tc_off * sizeof(float) + tc_stage_bytes(1, (int)(n / 256)) +
                                2 * GU_WARPS * 32 * sizeof(float4);
-        if ((tc & MOE_CUDA_TC_GATE_UP) && !etype && n % 256 == 0 && tc_smem <= 48 * 1024) {
+        /* Past 48 KiB (rows of about 8700 and more) the shared memory is raised rather than
+         * leaving tensor cores, which would make one-token steps differ from grouped ones. */
+        if ((tc & MOE_CUDA_TC_GATE_UP) && !etype && n % 256 == 0 &&
+            tc_smem <= (size_t)smem_optin()) {
             /* The tile's rows copied into shared memory at once (MOE_CUDA_TC_ASYNC) where
              * nothing is filled or resolved in the launch and the device gives the room. */
             const size_t w_off = (tc_smem + 15) & ~(size_t)15;
@@ -943,6 +946,7 @@ static int launch_gate_up(const void *const *a, const void *const *b, int64_t n,
                                         (const uint8_t *const *)fb, rs, tc_off, w_off));
                 return 0;
             }
+            MOE_CUDA_TRY((raise_smem<gate_up_tc_kernel<K>>(tc_smem)));
             MOE_CUDA_TRY(moe_launch(gate_up_tc_kernel<K>, g, dim3(32 * GU_WARPS), tc_smem, s,
                                     (const uint8_t *const *)a, (const uint8_t *const *)b, rb,
                                     (int)(n / 256), ff, x, ldx, kuse, sel_e, out, ldo, rt,
