@@ -23,6 +23,7 @@ extern "C" {
 #include "worker/cuda/launch.cuh"
 #include "worker/cuda/ops_dev.cuh"
 #include "worker/cuda/qdot.cuh"
+#include "worker/cuda/smem.cuh"
 
 #include "worker/cuda/experts_dev.cuh"
 #include "worker/cuda/mv_tc.h"
@@ -857,45 +858,12 @@ static __global__ void combine_kernel(const float *__restrict__ dout, int64_t ld
  * expert to 256 bytes), so the plain types use their vector kinds then. */
 #define PLAIN_CASES(CASE, type, n) MOE_PLAIN_KINDS(CASE, moe_row_bytes(type, n) % 16 == 0)
 
-/* The current device's opt-in shared memory per block (bytes; 48 KiB if it cannot be read). */
-static int smem_optin()
+/* The dynamic shared memory a launch may take on the current device (moe_smem_optin; the default
+ * 48 KiB where that cannot be read). */
+static size_t smem_room()
 {
-    static int cached[64];
-    int dev = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) {
-        (void)cudaGetLastError();
-        return 48 * 1024;
-    }
-    if (cached[dev] <= 0) {
-        int v = 0;
-        if (cudaDeviceGetAttribute(&v, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) !=
-                cudaSuccess ||
-            v <= 0) {
-            (void)cudaGetLastError();
-            return 48 * 1024;
-        }
-        cached[dev] = v;
-    }
-    return cached[dev];
-}
-
-/* Lets KERNEL take smem bytes of dynamic shared memory on the current device (beyond 48 KiB
- * the attribute must be raised first; per kernel and device, only ever upwards). */
-template <auto KERNEL> static cudaError_t raise_smem(size_t smem)
-{
-    static size_t raised[64];
-    int dev = 0;
-    if (smem <= 48 * 1024)
-        return cudaSuccess;
-    cudaError_t e = cudaGetDevice(&dev);
-    if (e != cudaSuccess)
-        return e;
-    if (dev >= 0 && dev < 64 && raised[dev] >= smem)
-        return cudaSuccess;
-    e = cudaFuncSetAttribute(KERNEL, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
-    if (e == cudaSuccess && dev >= 0 && dev < 64)
-        raised[dev] = smem;
-    return e;
+    const int v = moe_smem_optin();
+    return v > 0 ? (size_t)v : 48 * 1024;
 }
 
 template <int K> static unsigned blk_bytes(int64_t n, size_t *row_bytes, int *nu)
@@ -930,28 +898,21 @@ static int launch_gate_up(const void *const *a, const void *const *b, int64_t n,
                                2 * GU_WARPS * 32 * sizeof(float4);
         /* Past 48 KiB (rows of about 8700 and more) the shared memory is raised rather than
          * leaving tensor cores, which would make one-token steps differ from grouped ones. */
-        if ((tc & MOE_CUDA_TC_GATE_UP) && !etype && n % 256 == 0 &&
-            tc_smem <= (size_t)smem_optin()) {
+        if ((tc & MOE_CUDA_TC_GATE_UP) && !etype && n % 256 == 0 && tc_smem <= smem_room()) {
             /* The tile's rows copied into shared memory at once (MOE_CUDA_TC_ASYNC) where
              * nothing is filled or resolved in the launch and the device gives the room. */
             const size_t w_off = (tc_smem + 15) & ~(size_t)15;
             const size_t as_smem = w_off + 2 * (size_t)TC_ROWS * rb;
-            if ((tc & MOE_CUDA_TC_ASYNC) && !fa && !fb && !rs.off &&
-                as_smem <= (size_t)smem_optin()) {
-                MOE_CUDA_TRY((raise_smem<gate_up_tc_kernel<K, true>>(as_smem)));
-                MOE_CUDA_TRY(moe_launch(gate_up_tc_kernel<K, true>, g, dim3(32 * GU_WARPS),
-                                        as_smem, s, (const uint8_t *const *)a,
-                                        (const uint8_t *const *)b, rb, (int)(n / 256), ff, x, ldx,
-                                        kuse, sel_e, out, ldo, rt, (const uint8_t *const *)fa,
-                                        (const uint8_t *const *)fb, rs, tc_off, w_off));
-                return 0;
-            }
-            MOE_CUDA_TRY((raise_smem<gate_up_tc_kernel<K>>(tc_smem)));
-            MOE_CUDA_TRY(moe_launch(gate_up_tc_kernel<K>, g, dim3(32 * GU_WARPS), tc_smem, s,
+            const bool as = (tc & MOE_CUDA_TC_ASYNC) && !fa && !fb && !rs.off &&
+                            as_smem <= smem_room();
+            MOE_CUDA_TRY((as ? moe_raise_smem<gate_up_tc_kernel<K, true>>(as_smem)
+                             : moe_raise_smem<gate_up_tc_kernel<K>>(tc_smem)));
+            MOE_CUDA_TRY(moe_launch(as ? gate_up_tc_kernel<K, true> : gate_up_tc_kernel<K>, g,
+                                    dim3(32 * GU_WARPS), as ? as_smem : tc_smem, s,
                                     (const uint8_t *const *)a, (const uint8_t *const *)b, rb,
                                     (int)(n / 256), ff, x, ldx, kuse, sel_e, out, ldo, rt,
                                     (const uint8_t *const *)fa, (const uint8_t *const *)fb, rs,
-                                    tc_off, (size_t)0));
+                                    tc_off, as ? w_off : (size_t)0));
             return 0;
         }
     }
@@ -1047,20 +1008,15 @@ static int launch_down(const void *const *d, int64_t ff, int64_t E, const float 
         /* Every choice's rows of the tile copied into shared memory first (MOE_CUDA_TC_ASYNC,
          * as for gate/up) where nothing is filled and the device gives the room. */
         const size_t as_smem = ((smem + 15) & ~(size_t)15) + (size_t)kuse * TC_ROWS * rb;
-        if ((tc & MOE_CUDA_TC_DOWN) && (tc & MOE_CUDA_TC_ASYNC) && ff % 256 == 0 &&
-            smem <= 48 * 1024 && !fill && as_smem <= (size_t)smem_optin()) {
-            MOE_CUDA_TRY((raise_smem<down_tc_kernel<K, true>>(as_smem)));
+        if ((tc & MOE_CUDA_TC_DOWN) && ff % 256 == 0 && smem <= 48 * 1024) {
+            const bool as = (tc & MOE_CUDA_TC_ASYNC) && !fill && as_smem <= smem_room();
+            if (as)
+                MOE_CUDA_TRY((moe_raise_smem<down_tc_kernel<K, true>>(as_smem)));
             dim3 g((unsigned)((E + TC_ROWS - 1) / TC_ROWS), (unsigned)n_tok);
-            MOE_CUDA_TRY(moe_launch(down_tc_kernel<K, true>, g, dim3(32 * tw), as_smem, s,
+            MOE_CUDA_TRY(moe_launch(as ? down_tc_kernel<K, true> : down_tc_kernel<K>, g,
+                                    dim3(32 * tw), as ? as_smem : smem, s,
                                     (const uint8_t *const *)d, rb, (int)(ff / 256), E, act, ldact,
                                     kuse, sel_e, sel_w, h, ldh, (const uint8_t *const *)fill));
-            return 0;
-        }
-        if ((tc & MOE_CUDA_TC_DOWN) && ff % 256 == 0 && smem <= 48 * 1024) {
-            dim3 g((unsigned)((E + TC_ROWS - 1) / TC_ROWS), (unsigned)n_tok);
-            MOE_CUDA_TRY(moe_launch(down_tc_kernel<K>, g, dim3(32 * tw), smem, s,
-                                    (const uint8_t *const *)d, rb, (int)(ff / 256), E, act, ldact, kuse,
-                                    sel_e, sel_w, h, ldh, (const uint8_t *const *)fill));
             return 0;
         }
     }
@@ -1130,20 +1086,13 @@ static int launch_gate_up_grouped(const void *const *a, const void *const *b, in
                 if (rc)
                     return rc;
                 const size_t as_smem = red + 2 * (size_t)TC_ROWS * rb;
-                if ((tc & MOE_CUDA_TC_ASYNC) && as_smem <= (size_t)smem_optin()) {
-                    MOE_CUDA_TRY((raise_smem<gate_up_grouped_tc_kernel<K, 8, true, true>>(as_smem)));
-                    MOE_CUDA_TRY(moe_launch(gate_up_grouped_tc_kernel<K, 8, true, true>, g,
-                                            dim3(32 * GU_WARPS), as_smem, s,
-                                            (const uint8_t *const *)a, (const uint8_t *const *)b,
-                                            rb, nsb, ff, x, ldx, kuse, (const int32_t *)gr->ex_off,
-                                            (const int32_t *)gr->slot_list,
-                                            (const int32_t *)gr->act_list,
-                                            (const int32_t *)gr->n_active, out, ldo,
-                                            tc_ws_split(ws, nsb, n_tok)));
-                    return 0;
-                }
-                MOE_CUDA_TRY(moe_launch(gate_up_grouped_tc_kernel<K, 8, true>, g,
-                                        dim3(32 * GU_WARPS), red, s, (const uint8_t *const *)a,
+                const bool as = (tc & MOE_CUDA_TC_ASYNC) && as_smem <= smem_room();
+                if (as)
+                    MOE_CUDA_TRY((moe_raise_smem<gate_up_grouped_tc_kernel<K, 8, true, true>>(as_smem)));
+                MOE_CUDA_TRY(moe_launch(as ? gate_up_grouped_tc_kernel<K, 8, true, true>
+                                           : gate_up_grouped_tc_kernel<K, 8, true>,
+                                        g, dim3(32 * GU_WARPS), as ? as_smem : red, s,
+                                        (const uint8_t *const *)a,
                                         (const uint8_t *const *)b, rb, nsb, ff, x, ldx, kuse,
                                         (const int32_t *)gr->ex_off, (const int32_t *)gr->slot_list,
                                         (const int32_t *)gr->act_list,
@@ -1199,20 +1148,13 @@ static int launch_down_grouped(const void *const *d, int64_t ff, int64_t E, cons
                 if (rc)
                     return rc;
                 const size_t as_smem = (size_t)DG_TC_WARPS * TC_ROWS * rb;
-                if ((tc & MOE_CUDA_TC_ASYNC) && as_smem <= (size_t)smem_optin()) {
-                    MOE_CUDA_TRY((raise_smem<down_grouped_tc_kernel<K, 8, true, true>>(as_smem)));
-                    MOE_CUDA_TRY(moe_launch(down_grouped_tc_kernel<K, 8, true, true>, g,
-                                            dim3(32 * DG_TC_WARPS), as_smem, s,
-                                            (const uint8_t *const *)d, rb, nsb, E, act, ldact,
-                                            (const int32_t *)gr->ex_off,
-                                            (const int32_t *)gr->slot_list,
-                                            (const int32_t *)gr->act_list,
-                                            (const int32_t *)gr->n_active, dout, ldd,
-                                            tc_ws_split(ws, nsb, n_slots)));
-                    return 0;
-                }
-                MOE_CUDA_TRY(moe_launch(down_grouped_tc_kernel<K, 8, true>, g,
-                                        dim3(32 * DG_TC_WARPS), 0, s, (const uint8_t *const *)d,
+                const bool as = (tc & MOE_CUDA_TC_ASYNC) && as_smem <= smem_room();
+                if (as)
+                    MOE_CUDA_TRY((moe_raise_smem<down_grouped_tc_kernel<K, 8, true, true>>(as_smem)));
+                MOE_CUDA_TRY(moe_launch(as ? down_grouped_tc_kernel<K, 8, true, true>
+                                           : down_grouped_tc_kernel<K, 8, true>,
+                                        g, dim3(32 * DG_TC_WARPS), as ? as_smem : 0, s,
+                                        (const uint8_t *const *)d,
                                         rb, nsb, E, act, ldact, (const int32_t *)gr->ex_off,
                                         (const int32_t *)gr->slot_list,
                                         (const int32_t *)gr->act_list,

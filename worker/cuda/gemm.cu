@@ -51,6 +51,7 @@ extern "C" {
 #include "store/ggml_type.h"
 }
 #include "worker/cuda/cuda_check.cuh"
+#include "worker/cuda/smem.cuh"
 
 #define HD __host__ __device__ __forceinline__
 #ifdef MOE_GEMM_HOST_EMU
@@ -1000,17 +1001,7 @@ template <int K, class TL, bool G> int launch_shape(const Params &p, cudaStream_
     if (gx > 0x7fffffff || gy > 65535)
         return -EINVAL;
 #ifndef MOE_GEMM_HOST_EMU
-    /* The smem opt-in, once per kernel and device (devices 0..63), so that calls captured into
-     * a graph after a first call make no attribute calls. */
-    static std::atomic<uint64_t> opted_in{0};
-    int dev = 0;
-    MOE_CUDA_TRY(cudaGetDevice(&dev));
-    const uint64_t bit = 1ull << (dev & 63);
-    if (!(opted_in.load(std::memory_order_relaxed) & bit)) {
-        MOE_CUDA_TRY(cudaFuncSetAttribute(gemm_kernel<K, TL, G>,
-                                          cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-        opted_in.fetch_or(bit, std::memory_order_relaxed);
-    }
+    MOE_CUDA_TRY((moe_raise_smem<gemm_kernel<K, TL, G>>(smem)));
     gemm_kernel<K, TL, G><<<dim3((unsigned)gx, (unsigned)gy), TL::NT, smem, s>>>(p);
 #else
     (void)smem, (void)s;
@@ -1020,26 +1011,11 @@ template <int K, class TL, bool G> int launch_shape(const Params &p, cudaStream_
     return 0;
 }
 
-/* The device's shared memory a block may opt in to (227 KB on Hopper, 99 KB on 8.6/8.9). */
+/* The device's shared memory a block may opt in to (moe_smem_optin); 0: not known. */
 static int smem_optin()
 {
 #ifndef MOE_GEMM_HOST_EMU
-    static std::atomic<int> cached[64];
-    int dev = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) {
-        (void)cudaGetLastError();
-        return 0;
-    }
-    int v = cached[dev].load(std::memory_order_relaxed);
-    if (v <= 0) {
-        if (cudaDeviceGetAttribute(&v, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) !=
-            cudaSuccess) {
-            (void)cudaGetLastError();
-            return 0;
-        }
-        cached[dev].store(v, std::memory_order_relaxed);
-    }
-    return v;
+    return moe_smem_optin();
 #else
     return 0;
 #endif
