@@ -85,7 +85,7 @@ struct cpu_backend {
     uint8_t *xmark;               /* [nexp] all zero outside predict_next */
     uint8_t *xsel;                /* [nexp] 1: in the part being computed */
     struct moe_pstudy *ps;        /* MOE_CPU_PREDICT_STUDY=1: the predictors measured, else NULL */
-    float *ps_x, *ps_row, *ps_lg; /* [E], [E], [nexp] its scratch */
+    float *ps_x, *ps_lg;          /* [E], [nexp] its scratch */
     void (*attn_values)(float *o, const float *w, const float *V, int64_t np, int64_t hdv);
     char errmsg[256];
 };
@@ -242,7 +242,6 @@ static int cpu_init(struct moe_backend **out, const struct moe_model *m, struct 
     if (study && !strcmp(study, "1")) {
         e->ps = xcalloc(1, sizeof *e->ps, &bad);
         e->ps_x = xcalloc(e->E, sizeof(float), &bad);
-        e->ps_row = xcalloc(e->E, sizeof(float), &bad);
         e->ps_lg = xcalloc(e->nexp, sizeof(float), &bad);
         if (e->ps && moe_pstudy_init(e->ps, (int)e->L, (int)e->nexp, (int)e->kuse)) {
             free(e->ps);
@@ -309,7 +308,6 @@ static void cpu_free(struct moe_backend *b)
         free(e->ps);
     }
     free(e->ps_x);
-    free(e->ps_row);
     free(e->ps_lg);
     free(e->taken);
     free(e->xg);
@@ -894,20 +892,13 @@ static int experts_from_source(struct cpu_backend *e, struct fwd *f)
     return 0;
 }
 
-/* MOE_CPU_PREDICT_STUDY: layer l's router over the row x (logits into e->ps_lg). */
+/* MOE_CPU_PREDICT_STUDY: layer l's router over the row x (logits into e->ps_lg), by the
+ * matmul the router op uses. */
 static void ps_logits(struct cpu_backend *e, int l, const float *x)
 {
     const struct moe_tensor *W = moe_weight(e->m, l, MOE_W_ROUTER);
-    const size_t rb = moe_row_bytes(W->type, e->E);
-    for (int64_t r = 0; r < e->nexp; r++) {
-        float dot = 0.0f;
-        if (moe_dequantize(W->type, (const uint8_t *)W->data + (size_t)r * rb, e->ps_row, e->E))
-            dot = NAN;
-        else
-            for (int64_t i = 0; i < e->E; i++)
-                dot += e->ps_row[i] * x[i];
-        e->ps_lg[r] = dot;
-    }
+    const struct mm_job job = {W, x, e->E, e->ps_lg, e->nexp};
+    par_matmul(e, &job, 1, 1);
 }
 
 /* MOE_CPU_PREDICT_STUDY, one-token steps: layer l+1's experts guessed from layer l's MoE input

@@ -56,7 +56,11 @@ void moe_pstudy_predict(struct moe_pstudy *ps, int l, int p, const float *logits
     /* Selection by repeated arg-max (ties to the lower id, NaN never best); want is small. */
     for (int j = 0; j < ps->kuse + 4; j++) {
         int best = -1;
-        for (int x = 0; j < want && x < ps->nexp; x++) {
+        if (j >= want) { /* fewer experts than guesses */
+            out[j] = -1;
+            continue;
+        }
+        for (int x = 0; x < ps->nexp; x++) {
             bool taken = false;
             for (int i = 0; i < j && !taken; i++)
                 taken = out[i] == x;

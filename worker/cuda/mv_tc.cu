@@ -21,6 +21,7 @@ extern "C" {
 #include "worker/cuda/cuda_check.cuh"
 #include "worker/cuda/launch.cuh"
 #include "worker/cuda/mv_tc_dev.cuh"
+#include "worker/cuda/smem.cuh"
 
 #define TC_MAX_WARPS 8
 /* Shared memory for the staged inputs of a launch's token group, at most. */
@@ -170,13 +171,7 @@ static int tc_launch(const tc_jobs &J, size_t rb, int nsb, const float *x, int64
         return 0;
     }
     const size_t smem = ((size_t)NT * nsb * 66 + (size_t)warps * 32) * sizeof(uint4);
-    static bool raised;
-    if (!raised) {
-        MOE_CUDA_TRY(cudaFuncSetAttribute(mv_tc_kernel<NT, K, false>,
-                                          cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                          TC_STAGE_MAX + 16 * 1024));
-        raised = true;
-    }
+    MOE_CUDA_TRY((moe_raise_smem<mv_tc_kernel<NT, K, false>>(smem)));
     MOE_CUDA_TRY(moe_launch(mv_tc_kernel<NT, K, false>, grid, dim3(32 * warps), smem, s, J, rb,
                             nsb, x, ldx, n_tok, accumulate, tc_staged{}));
     return 0;
