@@ -28,7 +28,7 @@ struct config {
     const char *stage;      /* MOE_CUDA_STAGE for the engine (NULL: auto) */
     bool stage_dma;         /* MOE_CUDA_STAGE_DMA=1: direct steps stage by the copy engines */
     bool fill_launch;       /* MOE_CUDA_FILL_FOLD=0: decode copies by the fill kernel */
-    bool ahead2;            /* MOE_CUDA_PREFETCH_AHEAD=2: predictions two layers ahead */
+    bool ahead1;            /* MOE_CUDA_PREFETCH_AHEAD=1: predictions one layer ahead */
 };
 
 static const struct config CONFIGS[] = {
@@ -47,8 +47,8 @@ static const struct config CONFIGS[] = {
     {"60% counts, staging by DMA", 0.6, 0, true, false, "100000", true, false, false},
     {"30%, fill kernel", 0.3, 0, false, false, NULL, false, true, false},
     {"60% counts, fill kernel", 0.6, 0, true, false, NULL, false, true, false},
-    {"30% two layers ahead", 0.3, 0, false, false, NULL, false, false, true},
-    {"60% counts, two layers ahead", 0.6, 0, true, false, NULL, false, false, true},
+    {"30% one layer ahead", 0.3, 0, false, false, NULL, false, false, true},
+    {"60% counts, one layer ahead", 0.6, 0, true, false, NULL, false, false, true},
 };
 #define N_CONFIGS (sizeof CONFIGS / sizeof CONFIGS[0])
 
@@ -125,8 +125,8 @@ static struct moe_engine *engine(const struct moe_model *m, const struct config 
         setenv("MOE_CUDA_STAGE_DMA", "1", 1);
     if (c && c->fill_launch)
         setenv("MOE_CUDA_FILL_FOLD", "0", 1);
-    if (c && c->ahead2)
-        setenv("MOE_CUDA_PREFETCH_AHEAD", "2", 1);
+    if (c && c->ahead1)
+        setenv("MOE_CUDA_PREFETCH_AHEAD", "1", 1);
     struct moe_engine *e = NULL;
     char err[512] = "";
     const int rc = moe_engine_init(&e, m, &o, err, sizeof err);

@@ -221,8 +221,9 @@ struct cuda_backend {
     float *pf_x;                     /* [PF_MAX_N][E]: the input re-weighted for layer l+1 */
     float *pf_scale;                 /* [L-1][E]: ffn_norm[l+1] / ffn_norm[l] (0 where the
                                       * latter is 0) */
-    int pf_ahead;                    /* layers ahead (MOE_CUDA_PREFETCH_AHEAD: 1, or 2: at layer l
-                                      * the prediction is for l+2, and layer 0 also predicts 1) */
+    int pf_ahead;                    /* layers ahead: 2 (the default from 3 layers: at layer l the
+                                      * prediction is for l+2, and layer 0 also predicts 1), or 1
+                                      * (MOE_CUDA_PREFETCH_AHEAD=1) */
     float *pf_scale2;                /* [L-2][E]: ffn_norm[l+2] / ffn_norm[l], with pf_ahead 2 */
     unsigned long long *pf_counts;   /* [nexp], unread */
     struct moe_cuda_fill_list *d_pf_fill;
@@ -1366,7 +1367,9 @@ static int offload_state(struct cuda_backend *b, char *err, size_t errlen)
         OFF_TRY(cudaMalloc((void **)&b->pf_sel, sizeof(int32_t) * PF_MAX_N * (size_t)b->pf_k));
         OFF_TRY(cudaMalloc((void **)&b->pf_x, sizeof(float) * PF_MAX_N * (size_t)pad4(d->E)));
         const char *pa = getenv("MOE_CUDA_PREFETCH_AHEAD");
-        b->pf_ahead = pa && !strcmp(pa, "2") && L > 2 ? 2 : 1;
+        /* Two layers ahead by default: the copies get two layers' time to cross the link
+         * (60% residency +3%, 12.7 GiB +3.5% on an H100; docs/benchmarks.md). */
+        b->pf_ahead = (pa && !strcmp(pa, "1")) || L <= 2 ? 1 : 2;
         if (L > 1) {
             const size_t E = (size_t)d->E;
             float *sc = (float *)malloc(sizeof(float) * E * (L - 1)),
@@ -2062,7 +2065,7 @@ static int cuda_init(struct moe_backend **out, const struct moe_model *m, struct
                      !b->pf               ? ""
                      : b->xsrc            ? ", layer-ahead read-ahead hints"
                      : b->pf_ahead == 2   ? ", prefetch two layers ahead"
-                                          : ", layer-ahead prefetch",
+                                          : ", prefetch one layer ahead",
                      stg);
         }
         if (d->vram_budget && b->dev_bytes > d->vram_budget) {
@@ -3040,7 +3043,7 @@ static int expert_kernels(struct cuda_backend *b, int l, bool fold, const void *
     const enum expert_path path = expert_path(b, cl);
     /* Tiles copied into shared memory first only where every expert of the layer is in VRAM
      * (no reads from host memory, no copies into slots beside them). */
-    const int tc = cl->slots < b->d.nexp ? b->tc & ~MOE_CUDA_TC_ASYNC : b->tc;
+    const int tc = cl->slots < b->d.nexp ? b->tc & ~MOE_CUDA_TC_ASYNC_ANY : b->tc;
     if (path == XP_MIXED) {
         mark(b, "mixed");
         LAUNCH(b, "experts (mixed types)",

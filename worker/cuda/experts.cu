@@ -313,8 +313,11 @@ int moe_cuda_expert_tc_env(void)
     const char *w = getenv("MOE_CUDA_DOWN_TC_WARPS");
     const int cap = w ? atoi(w) : 0;
     const char *as = getenv("MOE_CUDA_TC_ASYNC");
-    return mask | (cap > 0 && cap < 16 ? cap << 8 : 0) |
-           (as && !strcmp(as, "1") ? MOE_CUDA_TC_ASYNC : 0);
+    const int async = !as || !*as              ? MOE_CUDA_TC_ASYNC_GROUPED
+                      : !strcmp(as, "1")        ? MOE_CUDA_TC_ASYNC_ANY
+                      : !strcmp(as, "grouped")  ? MOE_CUDA_TC_ASYNC_GROUPED
+                                                : 0;
+    return mask | (cap > 0 && cap < 16 ? cap << 8 : 0) | async;
 }
 
 bool moe_cuda_expert_tc(int tc, uint32_t type)
@@ -1086,7 +1089,7 @@ static int launch_gate_up_grouped(const void *const *a, const void *const *b, in
                 if (rc)
                     return rc;
                 const size_t as_smem = red + 2 * (size_t)TC_ROWS * rb;
-                const bool as = (tc & MOE_CUDA_TC_ASYNC) && as_smem <= smem_room();
+                const bool as = (tc & MOE_CUDA_TC_ASYNC_GROUPED) && as_smem <= smem_room();
                 if (as)
                     MOE_CUDA_TRY((moe_raise_smem<gate_up_grouped_tc_kernel<K, 8, true, true>>(as_smem)));
                 MOE_CUDA_TRY(moe_launch(as ? gate_up_grouped_tc_kernel<K, 8, true, true>
@@ -1148,7 +1151,7 @@ static int launch_down_grouped(const void *const *d, int64_t ff, int64_t E, cons
                 if (rc)
                     return rc;
                 const size_t as_smem = (size_t)DG_TC_WARPS * TC_ROWS * rb;
-                const bool as = (tc & MOE_CUDA_TC_ASYNC) && as_smem <= smem_room();
+                const bool as = (tc & MOE_CUDA_TC_ASYNC_GROUPED) && as_smem <= smem_room();
                 if (as)
                     MOE_CUDA_TRY((moe_raise_smem<down_grouped_tc_kernel<K, 8, true, true>>(as_smem)));
                 MOE_CUDA_TRY(moe_launch(as ? down_grouped_tc_kernel<K, 8, true, true>
