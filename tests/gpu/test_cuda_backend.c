@@ -681,14 +681,16 @@ TEST_TIMEOUT(cuda_tc_experts_agree_with_the_float_walk, 900)
 
 /* The launches the backend saves give the floats and routing counts of the launches they
  * replace: routing inside the gate/up launch (MOE_CUDA_ROUTE_FOLD=0: its own kernel), RMSNorm
- * inside the next mat-vec (MOE_CUDA_NORM_FOLD=0) and q/k/v of two weight types in one launch
- * (MOE_CUDA_MIXED_MV=0). Prompts (grouped or on tensor cores, which route and normalise on their
- * own) and decode steps of 1 sequence (folded) and of 4, with graphs. */
+ * inside the next mat-vec (MOE_CUDA_NORM_FOLD=0), q/k/v of two weight types in one launch
+ * (MOE_CUDA_MIXED_MV=0) and the q/k-norm + RoPE + KV store inside the q/k/v launch
+ * (MOE_CUDA_ROPE_FOLD=0; also with a float32 KV cache). Prompts (grouped or on tensor cores,
+ * which route and normalise on their own) and decode steps of 1 sequence (folded) and of 4,
+ * with graphs. */
 TEST_TIMEOUT(cuda_folded_launches_equal_separate_ones, 600)
 {
     need_gpu();
-    static const char *const off[3] = {"MOE_CUDA_ROUTE_FOLD", "MOE_CUDA_NORM_FOLD",
-                                       "MOE_CUDA_MIXED_MV"};
+    static const char *const off[4] = {"MOE_CUDA_ROUTE_FOLD", "MOE_CUDA_NORM_FOLD",
+                                       "MOE_CUDA_MIXED_MV", "MOE_CUDA_ROPE_FOLD"};
     for (size_t mi = 0; mi < N_MODELS; mi++) {
         struct test_model tm;
         test_model_open(&tm, MODELS[mi]);
@@ -698,7 +700,7 @@ TEST_TIMEOUT(cuda_folded_launches_equal_separate_ones, 600)
         struct moe_engine *f = engine_on(m, "cuda:0", 160, 4, 0, false);
         uint64_t *cf = calloc(LE, sizeof *cf), *cr = calloc(LE, sizeof *cr);
         CHECK(cf && cr);
-        for (int v = 0; v < 3; v++) {
+        for (int v = 0; v < 4; v++) {
             setenv(off[v], "0", 1);
             struct moe_engine *r = engine_on(m, "cuda:0", 160, 4, 0, false);
             unsetenv(off[v]);
@@ -716,6 +718,20 @@ TEST_TIMEOUT(cuda_folded_launches_equal_separate_ones, 600)
                    MODELS[mi], off[v], diff, cdiff);
             CHECK_EQ(diff, 0);
             CHECK_EQ(cdiff, 0);
+            moe_engine_free(r);
+        }
+        {
+            struct moe_engine *a = engine_on(m, "cuda:0", 160, 4, 0, true);
+            setenv("MOE_CUDA_ROPE_FOLD", "0", 1);
+            struct moe_engine *r = engine_on(m, "cuda:0", 160, 4, 0, true);
+            unsetenv("MOE_CUDA_ROPE_FOLD");
+            const uint32_t plen[4] = {33, 9, 60, 2};
+            moe_test_rng_seed(317 + mi);
+            const size_t diff = two_engines_diff(a, r, V, plen, 8, 4);
+            printf("  %-44s float32 KV, folded vs MOE_CUDA_ROPE_FOLD=0: %zu logits differ\n",
+                   MODELS[mi], diff);
+            CHECK_EQ(diff, 0);
+            moe_engine_free(a);
             moe_engine_free(r);
         }
         free(cf), free(cr);

@@ -210,7 +210,7 @@ static void check_norm_type(uint32_t type, uint64_t seed)
         const struct moe_mv_job jobs[2] = {
             {dw, r0, dy, r0},
             {dw + moe_row_bytes(type, n) * (size_t)r0, rows - r0, dy + r0, rows - r0}};
-        const int rc = moe_cuda_matvec_multi_norm(type, jobs, 2, n, dsrc, dg, eps, ddst, st);
+        const int rc = moe_cuda_matvec_multi_norm(type, jobs, 2, n, dsrc, dg, eps, ddst, NULL, st);
         CHECK_MSG(rc == 0, "%s n=%lld: %s", tn, (long long)n, moe_strerror(rc));
         CU(cudaMemcpyAsync(ygpu, dy, sizeof(float) * (size_t)rows, cudaMemcpyDeviceToHost, st));
         CU(cudaMemcpyAsync(dn, ddst, sizeof(float) * (size_t)n, cudaMemcpyDeviceToHost, st));
@@ -224,8 +224,8 @@ static void check_norm_type(uint32_t type, uint64_t seed)
                       "%s n=%lld: y[%lld] gpu %.9g cpu %.9g", tn, (long long)n, (long long)r,
                       (double)ygpu[r], (double)ycpu[r]);
         /* Misaligned g or dst: refused, so the caller can fall back. */
-        CHECK_EQ(moe_cuda_matvec_multi_norm(type, jobs, 2, n, dsrc, dg + 1, eps, ddst, st), -EINVAL);
-        CHECK_EQ(moe_cuda_matvec_multi_norm(type, jobs, 2, n, dsrc, dg, eps, ddst + 1, st), -EINVAL);
+        CHECK_EQ(moe_cuda_matvec_multi_norm(type, jobs, 2, n, dsrc, dg + 1, eps, ddst, NULL, st), -EINVAL);
+        CHECK_EQ(moe_cuda_matvec_multi_norm(type, jobs, 2, n, dsrc, dg, eps, ddst + 1, NULL, st), -EINVAL);
         CU(cudaFree(dw));
         CU(cudaFree(dsrc));
         CU(cudaFree(dg));
@@ -343,15 +343,15 @@ static void check_mixed_pair(uint32_t t1, uint32_t t2, uint64_t seed)
                     int rc;
                     if (pass == 0 && norm)
                         rc = moe_cuda_matvec_mixed(t1, t2, jobs, 3, 2, n, dx, n, 1, 0, dg, eps,
-                                                   dd, st);
+                                                   dd, NULL, st);
                     else if (pass == 0)
                         rc = moe_cuda_matvec_mixed(t1, t2, jobs, 3, 2, n, dx, n, nt, 0, NULL,
-                                                   0.0f, NULL, st);
+                                                   0.0f, NULL, NULL, st);
                     else if (norm) {
-                        rc = moe_cuda_matvec_multi_norm(t1, jobs, 2, n, dx, dg, eps, dd, st);
+                        rc = moe_cuda_matvec_multi_norm(t1, jobs, 2, n, dx, dg, eps, dd, NULL, st);
                         if (rc == 0)
                             rc = moe_cuda_matvec_multi_norm(t2, jobs + 2, 1, n, dx, dg, eps, dd,
-                                                            st);
+                                                            NULL, st);
                     } else {
                         rc = moe_cuda_matvec_multi(t1, jobs, 2, n, dx, n, nt, 0, st);
                         if (rc == 0)
@@ -374,7 +374,7 @@ static void check_mixed_pair(uint32_t t1, uint32_t t2, uint64_t seed)
                     CHECK(memcmp(da, db, sizeof(float) * (size_t)n) == 0);
             }
         CHECK_EQ(moe_cuda_matvec_mixed(MOE_TYPE_Q8_0, MOE_TYPE_F16, jobs, 3, 2, n, dx, n, 1, 0,
-                                       NULL, 0.0f, NULL, st),
+                                       NULL, 0.0f, NULL, NULL, st),
                  MOE_EUNSUPPORTED);
         CU(cudaFree(dw1));
         CU(cudaFree(dw2));

@@ -168,6 +168,14 @@ struct cuda_backend {
     int route_pending;               /* the layer whose routing the expert op does; -1: none */
     bool norm_fold;                  /* RMSNorm inside the next mat-vec; MOE_CUDA_NORM_FOLD=0: not */
     bool norm_pending;               /* an RMSNorm the next op does (or launches first) */
+    bool rope_fold;                  /* q/k-norm + RoPE + KV store inside the q/k/v launch of a
+                                      * one-token step; MOE_CUDA_ROPE_FOLD=0: its own launch */
+    unsigned *rope_cnt;              /* [H + Hkv] head counters of that launch (zero between) */
+    bool qkv_pending;                /* a q/k/v product (pq_*) the next op does or launches first */
+    int pq_l;
+    struct moe_mm pq_mm[3];
+    enum moe_buf pq_src;
+    bool rope_done;                  /* the last matmul_now did the rope it was given */
     bool mixed_mv;                   /* q/k/v of two weight types in one launch (matmul_mixed);
                                       * MOE_CUDA_MIXED_MV=0: one launch per type */
     int pn_l;
@@ -1764,6 +1772,7 @@ static int cuda_init(struct moe_backend **out, const struct moe_model *m, struct
     b->tc = moe_cuda_expert_tc_env();
     b->route_fold = env_on("MOE_CUDA_ROUTE_FOLD");
     b->norm_fold = env_on("MOE_CUDA_NORM_FOLD");
+    b->rope_fold = env_on("MOE_CUDA_ROPE_FOLD");
     b->mixed_mv = env_on("MOE_CUDA_MIXED_MV");
     b->resolve_route = env_on("MOE_CUDA_RESOLVE_ROUTE");
     b->route_pending = -1;
@@ -1889,6 +1898,8 @@ static int cuda_init(struct moe_backend **out, const struct moe_model *m, struct
         b->ld_dout = pad4(d->E);
         INIT_TRY(cudaMalloc((void **)&b->dout, sizeof(float) * ns * (size_t)b->ld_dout));
         INIT_TRY(cudaMemset(b->att_done, 0, sizeof(unsigned) * nb * (size_t)d->H));
+        INIT_TRY(cudaMalloc((void **)&b->rope_cnt, sizeof(unsigned) * (size_t)(d->H + d->Hkv)));
+        INIT_TRY(cudaMemset(b->rope_cnt, 0, sizeof(unsigned) * (size_t)(d->H + d->Hkv)));
         int64_t lrows = nb < LOGIT_ROWS ? (int64_t)nb : LOGIT_ROWS;
         INIT_TRY(cudaMalloc((void **)&b->logits, sizeof(float) * (size_t)(lrows * d->V)));
         INIT_TRY(cudaMalloc((void **)&b->d_in, sizeof(int32_t) * 5 * nb));
@@ -2193,6 +2204,7 @@ static void cuda_free(struct moe_backend *bb)
     cudaFree(b->part);
     cudaFree(b->xo);
     cudaFree(b->att_done);
+    cudaFree(b->rope_cnt);
     cudaFree(b->groups.ex_off);
     cudaFree(b->groups.slot_list);
     cudaFree(b->groups.act_list);
@@ -2318,6 +2330,7 @@ static int cuda_begin(struct moe_backend *bb, const struct moe_step *st)
     pool_step_begin(b);
     b->route_pending = -1;
     b->norm_pending = false;
+    b->qkv_pending = false;
     b->pf_read = -1;
     for (int64_t l = 0; b->pf_pending && l < b->d.L; l++)
         b->pf_pending[l] = false;
@@ -2472,10 +2485,24 @@ static int route_now(struct cuda_backend *b)
     return l >= 0 && b->mode != MODE_REPLAY ? launch_route(b, l) : 0;
 }
 
+static int matmul_now(struct cuda_backend *b, int l, const struct moe_mm *mm, int n_mm,
+                      enum moe_buf src, bool accumulate, const struct moe_mv_rope *rope);
+
+/* The q/k/v product left pending by cuda_matmul, launched now without the q/k-norm and RoPE. */
+static int flush_qkv(struct cuda_backend *b)
+{
+    if (!b->qkv_pending)
+        return 0;
+    b->qkv_pending = false;
+    return b->mode == MODE_REPLAY ? 0 : matmul_now(b, b->pq_l, b->pq_mm, 3, b->pq_src, false, NULL);
+}
+
 /* Whatever an op left for the next one, launched before an op that does not take it over. */
 static int flush_pending(struct cuda_backend *b)
 {
-    const int rc = flush_norm(b);
+    int rc = flush_qkv(b);
+    if (!rc)
+        rc = flush_norm(b);
     return rc ? rc : route_now(b);
 }
 
@@ -2554,7 +2581,8 @@ static struct moe_mv_job mm_job(const struct cuda_backend *b, int l, const struc
  * 0 when done, 1 when the products are not of exactly two types with a kernel for the pair
  * (nothing launched), < 0 on an error. */
 static int matmul_mixed(struct cuda_backend *b, int l, const struct moe_mm *mm, int n_mm,
-                        enum moe_buf src, bool accumulate, bool fold)
+                        enum moe_buf src, bool accumulate, bool fold,
+                        const struct moe_mv_rope *rope)
 {
     const struct moe_tensor *W[3];
     uint32_t t1 = 0, t2 = 0;
@@ -2590,31 +2618,41 @@ static int matmul_mixed(struct cuda_backend *b, int l, const struct moe_mm *mm, 
     int rc;
     if (fold) {
         TRY_CU(before_write(b, b->pn_dst));
-        rc = moe_cuda_matvec_mixed(t1, t2, jobs, nj, n1, n, b->buf[b->pn_src], n, 1, 0,
-                                   norm_weight(b, b->pn_l, b->pn_w), b->d.eps, b->buf[b->pn_dst],
-                                   b->st);
+        rc = -EINVAL;
+        if (rope && nj == 3) {
+            rc = moe_cuda_matvec_mixed(t1, t2, jobs, nj, n1, n, b->buf[b->pn_src], n, 1, 0,
+                                       norm_weight(b, b->pn_l, b->pn_w), b->d.eps,
+                                       b->buf[b->pn_dst], rope, b->st);
+            b->rope_done = rc == 0;
+        }
+        if (rc == -EINVAL)
+            rc = moe_cuda_matvec_mixed(t1, t2, jobs, nj, n1, n, b->buf[b->pn_src], n, 1, 0,
+                                       norm_weight(b, b->pn_l, b->pn_w), b->d.eps,
+                                       b->buf[b->pn_dst], NULL, b->st);
         if (rc == -EINVAL)
             return 1; /* misaligned: the per-type path launches the RMSNorm first */
         if (rc == 0)
             b->norm_pending = false;
     } else {
         rc = moe_cuda_matvec_mixed(t1, t2, jobs, nj, n1, n, b->buf[src], b->ld[src], b->n,
-                                   accumulate, NULL, 0.0f, NULL, b->st);
+                                   accumulate, NULL, 0.0f, NULL, NULL, b->st);
         if (rc == -EINVAL)
             return 1;
     }
-    LAUNCH(b, fold ? "rmsnorm + matmul (two types)" : "matmul (two types)", rc);
+    LAUNCH(b, !fold          ? "matmul (two types)"
+              : b->rope_done ? "rmsnorm + matmul (two types) + qk_rope_kv"
+                             : "rmsnorm + matmul (two types)",
+           rc);
     return 0;
 }
 
-static int cuda_matmul(struct moe_backend *bb, int l, const struct moe_mm *mm, int n_mm,
-                       enum moe_buf src, bool accumulate)
+/* The products of cuda_matmul, launched now; rope (or NULL): the q/k-norm + RoPE + KV store of
+ * the layer done by the launch that applies a pending RMSNorm where it can (b->rope_done says
+ * whether it did). */
+static int matmul_now(struct cuda_backend *b, int l, const struct moe_mm *mm, int n_mm,
+                      enum moe_buf src, bool accumulate, const struct moe_mv_rope *rope)
 {
-    struct cuda_backend *b = (struct cuda_backend *)bb;
-    if (b->mode == MODE_REPLAY)
-        return 0;
-    if (l < 0 || l >= (int)b->d.L || n_mm < 1 || n_mm > 3)
-        return cu_err(b, MOE_ERANGE, "matmul: layer %d, %d products", l, n_mm);
+    b->rope_done = false;
     mark(b, n_mm == 3 ? "qkv" : mm[0].w == MOE_W_O ? "o" : "router");
     /* A pending RMSNorm into src goes into the first launch (cuda_rmsnorm), unless the products
      * run on tensor cores (which have no norm on the way: it is launched first). */
@@ -2629,7 +2667,7 @@ static int cuda_matmul(struct moe_backend *bb, int l, const struct moe_mm *mm, i
     if (n_mm > 1 && b->mixed_mv && b->n <= MOE_CUDA_GRAPH_MAX && !tcd) {
         /* Two weight types (v in Q6_K, q and k in Q4_K on half the layers of a Q4_K_M file):
          * one launch for both when there is a kernel for the pair. */
-        const int rc = matmul_mixed(b, l, mm, n_mm, src, accumulate, fold);
+        const int rc = matmul_mixed(b, l, mm, n_mm, src, accumulate, fold, rope);
         if (rc <= 0)
             return rc;
     }
@@ -2665,10 +2703,17 @@ static int cuda_matmul(struct moe_backend *bb, int l, const struct moe_mm *mm, i
             fold = false;
             b->norm_pending = false;
             TRY_CU(before_write(b, b->pn_dst));
-            const int rc = moe_cuda_matvec_multi_norm(W->type, jobs, nj, W->ne[0],
-                                                      b->buf[b->pn_src],
-                                                      norm_weight(b, b->pn_l, b->pn_w), b->d.eps,
-                                                      b->buf[b->pn_dst], b->st);
+            int rc = -EINVAL;
+            if (rope && nj == 3) {
+                rc = moe_cuda_matvec_multi_norm(W->type, jobs, nj, W->ne[0], b->buf[b->pn_src],
+                                                norm_weight(b, b->pn_l, b->pn_w), b->d.eps,
+                                                b->buf[b->pn_dst], rope, b->st);
+                b->rope_done = rc == 0;
+            }
+            if (rc == -EINVAL)
+                rc = moe_cuda_matvec_multi_norm(W->type, jobs, nj, W->ne[0], b->buf[b->pn_src],
+                                                norm_weight(b, b->pn_l, b->pn_w), b->d.eps,
+                                                b->buf[b->pn_dst], NULL, b->st);
             if (rc == 0)
                 continue;
             if (rc != -EINVAL)
@@ -2688,14 +2733,50 @@ static int cuda_matmul(struct moe_backend *bb, int l, const struct moe_mm *mm, i
     return 0;
 }
 
+static int cuda_matmul(struct moe_backend *bb, int l, const struct moe_mm *mm, int n_mm,
+                       enum moe_buf src, bool accumulate)
+{
+    struct cuda_backend *b = (struct cuda_backend *)bb;
+    if (b->mode == MODE_REPLAY)
+        return 0;
+    if (l < 0 || l >= (int)b->d.L || n_mm < 1 || n_mm > 3)
+        return cu_err(b, MOE_ERANGE, "matmul: layer %d, %d products", l, n_mm);
+    /* A one-token q/k/v product that applies a pending RMSNorm is left pending in turn: if the
+     * next op is the layer's q/k-norm + RoPE + KV store, one launch does all three
+     * (cuda_qk_rope_kv); anything else launches it first (flush_pending). */
+    if (b->rope_fold && n_mm == 3 && b->n == 1 && !accumulate && b->norm_pending &&
+        src == b->pn_dst && mm[0].w == MOE_W_Q && mm[0].dst == MOE_BUF_Q &&
+        mm[1].w == MOE_W_K && mm[1].dst == MOE_BUF_K && mm[2].w == MOE_W_V &&
+        mm[2].dst == MOE_BUF_V && !tc_dense(b, l, mm, n_mm)) {
+        TRY_CU(flush_qkv(b));
+        TRY_CU(route_now(b));
+        b->qkv_pending = true;
+        b->pq_l = l;
+        memcpy(b->pq_mm, mm, sizeof b->pq_mm);
+        b->pq_src = src;
+        return 0;
+    }
+    return matmul_now(b, l, mm, n_mm, src, accumulate, NULL);
+}
+
 static int cuda_qk_rope_kv(struct moe_backend *bb, int l)
 {
     struct cuda_backend *b = (struct cuda_backend *)bb;
     SKIP_IF_REPLAY(b);
-    TRY_CU(flush_pending(b));
     if (l < 0 || l >= (int)b->d.L)
         return cu_err(b, MOE_ERANGE, "qk_rope_kv: layer %d", l);
     const struct cuda_layer *cl = &b->layers[l];
+    if (b->qkv_pending && b->pq_l == l) {
+        const struct moe_mv_rope rope = {
+            b->buf[MOE_BUF_Q], b->buf[MOE_BUF_K], b->buf[MOE_BUF_V], cl->q_norm, cl->k_norm,
+            b->d_rope,         D_POS(b),          D_SEQ(b),          &b->kv,     l,
+            b->d.H,            b->d.eps,          b->rope_cnt};
+        b->qkv_pending = false;
+        TRY_CU(matmul_now(b, l, b->pq_mm, 3, b->pq_src, false, &rope));
+        if (b->rope_done)
+            return 0;
+    }
+    TRY_CU(flush_pending(b));
     LAUNCH(b, "qk_rope_kv",
            moe_cuda_qk_rope_kv(b->buf[MOE_BUF_Q], b->ld[MOE_BUF_Q], b->buf[MOE_BUF_K],
                                b->ld[MOE_BUF_K], b->buf[MOE_BUF_V], b->ld[MOE_BUF_V], cl->q_norm,

@@ -79,6 +79,22 @@ struct mv_seg {
     int nu;
 };
 
+/* The q/k-norm + RoPE + KV store done by a NORM launch (moe_mv_rope): segment g's row r is in
+ * head hbase[g] + r / hw[g] (v rows count for their kv head, whose k rows are in another
+ * segment). */
+struct mv_rope_dev {
+    float *q, *k;
+    const float *v;
+    const float *qn, *kn, *rope;
+    const int32_t *pos, *seq;
+    moe_cuda_kv kv;
+    int layer;
+    int64_t H;
+    float eps;
+    unsigned *cnt;
+    int64_t hbase[3], hw[3];
+};
+
 struct mv_args {
     mv_seg seg[3];
     int nseg, nseg1;
@@ -89,7 +105,59 @@ struct mv_args {
     const float *g;
     float eps;
     float *dst;
+    int rope_on; /* NORM kernels: rp below */
+    mv_rope_dev rp;
 };
+
+/* After a warp of a NORM launch with rope_on has stored its rows [row, row + RW) of segment gi:
+ * its rows are counted for their heads, and the warp whose count completes a head does the
+ * head's q/k-norm, RoPE and KV store (qk_rope_kv_warp, reading what the other warps stored past
+ * L1), then zeroes the head's counter for the next launch. The stores are ordered before the
+ * count and the count before the reads by fences, as in the attention's merge. */
+template <int RW>
+static __device__ __forceinline__ void mv_rope_tail(const mv_args &a, int gi, int64_t row,
+                                                    int64_t rows)
+{
+    const mv_rope_dev &p = a.rp;
+    const int lane = threadIdx.x & 31;
+    int own0 = -1, own1 = -1;
+    if (lane == 0) {
+        __threadfence();
+        const int64_t end = row + RW < rows ? row + RW : rows, hw = p.hw[gi];
+        for (int64_t r = row; r < end;) {
+            const int64_t h = r / hw, he = (h + 1) * hw < end ? (h + 1) * hw : end;
+            const int hh = (int)(p.hbase[gi] + h);
+            const unsigned c = (unsigned)(he - r);
+            const unsigned total = (unsigned)(hh < p.H ? p.kv.hd : p.kv.hd + p.kv.hdv);
+            if (atomicAdd(&p.cnt[hh], c) + c == total) {
+                if (own0 < 0)
+                    own0 = hh;
+                else
+                    own1 = hh;
+            }
+            r = he;
+        }
+    }
+    own0 = __shfl_sync(0xffffffffu, own0, 0);
+    own1 = __shfl_sync(0xffffffffu, own1, 0);
+    extern __shared__ float mv_sm[];
+    float *rs = mv_sm + (size_t)(threadIdx.x >> 5) * p.kv.hd;
+    UNROLL
+    for (int i = 0; i < 2; i++) {
+        const int hh = i ? own1 : own0;
+        if (hh < 0)
+            continue;
+        if (lane == 0)
+            p.cnt[hh] = 0;
+        __threadfence();
+        if (p.kv.f32)
+            qk_rope_kv_warp<true, true>(p.q, 0, p.k, 0, p.v, 0, p.qn, p.kn, p.rope, p.pos, p.seq,
+                                        p.kv, p.layer, p.H, p.eps, 0, hh, rs);
+        else
+            qk_rope_kv_warp<false, true>(p.q, 0, p.k, 0, p.v, 0, p.qn, p.kn, p.rope, p.pos,
+                                         p.seq, p.kv, p.layer, p.H, p.eps, 0, hh, rs);
+    }
+}
 
 /* Each block of threads takes ROWS_PER_BLOCK rows of T tokens (blockIdx.y picks the group of
  * T), each warp RW consecutive rows. A lane loads and decodes its units of the weights once and
@@ -99,7 +167,8 @@ struct mv_args {
  * cover HBM latency, hence two (two rows, or one row unrolled twice). Before waiting for the
  * previous kernel, each warp prefetches its rows into L2. */
 template <int K, int T, bool NORM>
-static __device__ __forceinline__ void mv_rows(const mv_args &a, const mv_seg &sg, int64_t n_tok)
+static __device__ __forceinline__ void mv_rows(const mv_args &a, const mv_seg &sg, int gi,
+                                               int64_t n_tok)
 {
     constexpr int RW = mv_rw<K, T, NORM>();
     const int lane = threadIdx.x & 31;
@@ -164,6 +233,9 @@ static __device__ __forceinline__ void mv_rows(const mv_args &a, const mv_seg &s
             }
         }
     }
+    if constexpr (NORM)
+        if (a.rope_on)
+            mv_rope_tail<RW>(a, gi, row, sg.rows);
 }
 
 /* K2 == K: one weight type. Otherwise both kinds must take the same rows per warp (one block
@@ -178,20 +250,46 @@ matvec_kernel(const mv_args a, int64_t n_tok)
     while (g + 1 < a.nseg && blockIdx.x >= a.seg[g + 1].blk0)
         g++;
     if (K == K2 || g < a.nseg1)
-        mv_rows<K, T, NORM>(a, a.seg[g], n_tok);
+        mv_rows<K, T, NORM>(a, a.seg[g], g, n_tok);
     else
-        mv_rows<K2, T, NORM>(a, a.seg[g], n_tok);
+        mv_rows<K2, T, NORM>(a, a.seg[g], g, n_tok);
 }
 
 /* jobs[0..n1) of kind K, the rest of kind K2 (n1 == n_jobs when one type). */
 template <int K, int K2 = K>
 static int launch(const struct moe_mv_job *jobs, int n_jobs, int n1, int64_t n, const float *x,
                   int64_t ldx, int64_t n_tok, int accumulate, cudaStream_t s,
-                  const float *g = NULL, float eps = 0.0f, float *dst = NULL)
+                  const float *g = NULL, float eps = 0.0f, float *dst = NULL,
+                  const struct moe_mv_rope *rope = NULL)
 {
     mv_args a = {};
-    if (n_tok > 65535)
+    if (n_tok > 65535 || (rope && (!dst || n_tok != 1)))
         return -EINVAL;
+    size_t smem = 0;
+    if (rope) {
+        /* Each job one of q, k, v, every one of them once, of whole heads. */
+        const moe_cuda_kv &kv = *rope->kv;
+        if (n_jobs != 3 || kv.hd < 4 || kv.hd % 4 != 0 || kv.hdv < 4 || kv.hdv % 4 != 0 ||
+            !rope->cnt || rope->H < 1 || kv.Hkv < 1 || rope->H % kv.Hkv != 0)
+            return -EINVAL;
+        mv_rope_dev &p = a.rp;
+        p = {rope->q, rope->k, rope->v, rope->qn, rope->kn, rope->rope, rope->pos, rope->seq, kv,
+             rope->layer, rope->H, rope->eps, rope->cnt, {0, 0, 0}, {0, 0, 0}};
+        int seen = 0;
+        for (int j = 0; j < n_jobs; j++) {
+            const int which = jobs[j].y == rope->q ? 0 : jobs[j].y == rope->k ? 1
+                              : jobs[j].y == rope->v ? 2 : -1;
+            const int64_t want = which == 0 ? rope->H * kv.hd : which == 1 ? kv.Hkv * kv.hd
+                                                                            : kv.Hkv * kv.hdv;
+            if (which < 0 || (seen & (1 << which)) || jobs[j].rows != want)
+                return -EINVAL;
+            seen |= 1 << which;
+            p.hbase[j] = which == 0 ? 0 : rope->H;
+            p.hw[j] = which == 2 ? kv.hdv : kv.hd;
+        }
+        a.rope_on = 1;
+        smem = sizeof(float) * (size_t)kv.hd * (THREADS / mv_rw<K, 1, true>() / 32);
+    }
     a.x = x;
     a.ldx = ldx;
     a.accumulate = accumulate;
@@ -234,7 +332,7 @@ static int launch(const struct moe_mv_job *jobs, int n_jobs, int n1, int64_t n, 
     const int T = nt >= 8 ? 8 : nt >= 4 ? 4 : nt >= 2 ? 2 : 1;
     dim3 gr((unsigned)blocks, (unsigned)((n_tok + T - 1) / T)),
         th(THREADS / (dst ? mv_rw<K, 1, true>() : T == 1 ? mv_rw<K, 1>() : mv_rw<K, 2>()));
-    cudaError_t e = dst      ? moe_launch(matvec_kernel<K, K2, 1, true>, gr, th, 0, s, a, n_tok)
+    cudaError_t e = dst      ? moe_launch(matvec_kernel<K, K2, 1, true>, gr, th, smem, s, a, n_tok)
                     : T == 8 ? moe_launch(matvec_kernel<K, K2, 8>, gr, th, 0, s, a, n_tok)
                     : T == 4 ? moe_launch(matvec_kernel<K, K2, 4>, gr, th, 0, s, a, n_tok)
                     : T == 2 ? moe_launch(matvec_kernel<K, K2, 2>, gr, th, 0, s, a, n_tok)
@@ -298,13 +396,14 @@ static int check_jobs(uint32_t t1, uint32_t t2, const struct moe_mv_job *jobs, i
 
 static int matvec_multi(uint32_t type, const struct moe_mv_job *jobs, int n_jobs, int64_t n,
                         const float *d_x, int64_t ldx, int64_t n_tok, int accumulate,
-                        cudaStream_t s, const float *g, float eps, float *dst)
+                        cudaStream_t s, const float *g, float eps, float *dst,
+                        const struct moe_mv_rope *rope = NULL)
 {
     bool vec;
     const int rc = check_jobs(type, type, jobs, n_jobs, n_jobs, n, d_x, ldx, n_tok, &vec);
     if (rc || n_tok == 0)
         return rc;
-#define ARGS jobs, n_jobs, n_jobs, n, d_x, ldx, n_tok, accumulate, s, g, eps, dst
+#define ARGS jobs, n_jobs, n_jobs, n, d_x, ldx, n_tok, accumulate, s, g, eps, dst, rope
     /* The plain types read 16 bytes at a time when every row starts 16-byte aligned. */
     switch (type) {
 #define CALL(T) return launch<T>(ARGS);
@@ -333,7 +432,7 @@ extern "C" int moe_cuda_matvec_mixed_supported(uint32_t t1, uint32_t t2)
 extern "C" int moe_cuda_matvec_mixed(uint32_t t1, uint32_t t2, const struct moe_mv_job *jobs,
                                      int n_jobs, int n1, int64_t n, const float *d_x, int64_t ldx,
                                      int64_t n_tok, int accumulate, const float *d_g, float eps,
-                                     float *d_dst, cudaStream_t s)
+                                     float *d_dst, const struct moe_mv_rope *rope, cudaStream_t s)
 {
     if (!moe_cuda_matvec_mixed_supported(t1, t2))
         return MOE_EUNSUPPORTED;
@@ -347,7 +446,7 @@ extern "C" int moe_cuda_matvec_mixed(uint32_t t1, uint32_t t2, const struct moe_
 #define PAIR(A, B)                                                                          \
     if (t1 == A && t2 == B)                                                                 \
         return launch<A, B>(jobs, n_jobs, n1, n, d_x, d_dst ? n : ldx, n_tok, accumulate, s, \
-                            d_dst ? d_g : NULL, eps, d_dst);
+                            d_dst ? d_g : NULL, eps, d_dst, d_dst ? rope : NULL);
     MV_MIXED_PAIRS(PAIR)
 #undef PAIR
     return MOE_EUNSUPPORTED;
@@ -363,9 +462,9 @@ extern "C" int moe_cuda_matvec_multi(uint32_t type, const struct moe_mv_job *job
 extern "C" int moe_cuda_matvec_multi_norm(uint32_t type, const struct moe_mv_job *jobs,
                                           int n_jobs, int64_t n, const float *d_src,
                                           const float *d_g, float eps, float *d_dst,
-                                          cudaStream_t s)
+                                          const struct moe_mv_rope *rope, cudaStream_t s)
 {
     if (!d_g || !d_dst || !aligned(d_g, 16) || !aligned(d_dst, 16) || n % 4 != 0)
         return -EINVAL;
-    return matvec_multi(type, jobs, n_jobs, n, d_src, n, 1, 0, s, d_g, eps, d_dst);
+    return matvec_multi(type, jobs, n_jobs, n, d_src, n, 1, 0, s, d_g, eps, d_dst, rope);
 }

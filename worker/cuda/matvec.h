@@ -62,23 +62,45 @@ int moe_cuda_matvec_multi(uint32_t type, const struct moe_mv_job *jobs, int n_jo
  * row count from which the expert kernels use int8 activations for the K-quants and Q8_0. */
 int moe_cuda_q8_rows(void);
 
+struct moe_cuda_kv;
+
+/* The q/k-norm, RoPE and KV store of a one-token step (moe_cuda_qk_rope_kv's work) done by the
+ * q/k/v launch that applies the RMSNorm: every job's y is q, k or v (rows of H or Hkv heads of
+ * kv->hd, v of kv->hdv; hd and hdv multiples of 4). The warp whose rows complete a head (a
+ * counter per head, q heads then kv heads, a kv head counting its k and v rows) does that head
+ * with moe_cuda_qk_rope_kv's code, so q, k and the cache get the same floats; the counters are
+ * left at zero for the next launch. */
+struct moe_mv_rope {
+    float *q, *k;
+    const float *v;
+    const float *qn, *kn, *rope; /* q/k norm weights, the token's angles [hd/2][2] */
+    const int32_t *pos, *seq;    /* device: the token's position and sequence */
+    const struct moe_cuda_kv *kv;
+    int layer;
+    int64_t H;
+    float eps;
+    unsigned *cnt; /* [H + Hkv], zero */
+};
+
 /* moe_cuda_matvec_multi for one token whose input is RMSNorm(src)·g, computed on the way (each
  * warp sums src's squares itself, in the order of the RMSNorm kernel): the products and the
  * normalised row stored in d_dst are the floats of an RMSNorm launch followed by the mat-vec, one
- * launch fewer. src, g, dst: n floats each, 16-byte aligned (-EINVAL otherwise). */
+ * launch fewer. src, g, dst: n floats each, 16-byte aligned (-EINVAL otherwise). rope (or NULL):
+ * the q/k-norm + RoPE + KV store done in the same launch (above); -EINVAL where a job is not
+ * one of its q, k, v or the head sizes do not suit. */
 int moe_cuda_matvec_multi_norm(uint32_t type, const struct moe_mv_job *jobs, int n_jobs, int64_t n,
                                const float *d_src, const float *d_g, float eps, float *d_dst,
-                               cudaStream_t s);
+                               const struct moe_mv_rope *rope, cudaStream_t s);
 
-/* moe_cuda_matvec_multi (d_dst NULL) or moe_cuda_matvec_multi_norm (d_dst, d_g: one token, x
- * is the RMSNorm's source) for matrices of two weight types in one launch: jobs[0..n1) of type
+/* moe_cuda_matvec_multi (d_dst NULL) or moe_cuda_matvec_multi_norm (d_dst, d_g, rope: one
+ * token, x is the RMSNorm's source) for matrices of two weight types in one launch: jobs[0..n1) of type
  * t1, the others of t2, each product the floats of its type's launch. MOE_EUNSUPPORTED for a pair
  * without a kernel (moe_cuda_matvec_mixed_supported; the caller then launches per type). */
 int moe_cuda_matvec_mixed_supported(uint32_t t1, uint32_t t2);
 int moe_cuda_matvec_mixed(uint32_t t1, uint32_t t2, const struct moe_mv_job *jobs, int n_jobs,
                           int n1, int64_t n, const float *d_x, int64_t ldx, int64_t n_tok,
                           int accumulate, const float *d_g, float eps, float *d_dst,
-                          cudaStream_t s);
+                          const struct moe_mv_rope *rope, cudaStream_t s);
 
 #ifdef __cplusplus
 }

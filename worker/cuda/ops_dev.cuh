@@ -120,7 +120,7 @@ static __device__ __forceinline__ void rope_pair(float x0, float x1, float sc, f
  * i + hd/2, y[i + hd/2]) for i < hd/2. row: hd floats of this warp's shared memory (src may be
  * where put writes). Every float operation is the same wherever the head goes (q or k, the
  * standalone kernel or the fused step). */
-template <class Put>
+template <bool CG = false, class Put>
 static __device__ __forceinline__ void rope_head_warp(const float *src, const float *nw,
                                                       const float *cs, int64_t hd, float eps,
                                                       float *row, Put put)
@@ -129,7 +129,7 @@ static __device__ __forceinline__ void rope_head_warp(const float *src, const fl
     const int64_t half = hd / 2;
     float ss = 0.0f;
     for (int64_t i = lane; i < hd; i += 32) {
-        float x = src[i];
+        float x = CG ? __ldcg(src + i) : src[i];
         row[i] = x;
         ss += x * x;
     }
@@ -154,8 +154,9 @@ static __device__ __forceinline__ size_t kv_cell(const moe_cuda_kv &kv, int laye
 }
 
 /* Head hi of token t, by one warp: query heads 0..H-1, then key heads (which also store v).
- * row: hd floats of shared memory for this warp. */
-template <bool F32>
+ * row: hd floats of shared memory for this warp. CG: q, k and v are read past L1 (other
+ * multiprocessors wrote them in the same launch). */
+template <bool F32, bool CG = false>
 static __device__ __forceinline__ void qk_rope_kv_warp(float *q, int64_t ldq, float *k, int64_t ldk,
                                                        const float *v, int64_t ldv,
                                                        const float *qn, const float *kn,
@@ -169,7 +170,7 @@ static __device__ __forceinline__ void qk_rope_kv_warp(float *q, int64_t ldq, fl
     float *vec = isq ? q + t * ldq + hi * hd : k + t * ldk + (hi - H) * hd;
     const float *cs = rope + t * hd;
     if (isq) {
-        rope_head_warp(vec, qn, cs, hd, eps, row, [&](int64_t i, float o0, int64_t j, float o1) {
+        rope_head_warp<CG>(vec, qn, cs, hd, eps, row, [&](int64_t i, float o0, int64_t j, float o1) {
             vec[i] = o0;
             vec[j] = o1;
         });
@@ -177,7 +178,7 @@ static __device__ __forceinline__ void qk_rope_kv_warp(float *q, int64_t ldq, fl
     }
     const int64_t kvh = hi - H;
     const size_t cell = kv_cell(kv, layer, seq[t], kvh, pos[t]);
-    rope_head_warp(vec, kn, cs, hd, eps, row, [&](int64_t i, float o0, int64_t j, float o1) {
+    rope_head_warp<CG>(vec, kn, cs, hd, eps, row, [&](int64_t i, float o0, int64_t j, float o1) {
         vec[i] = o0;
         vec[j] = o1;
         kv_put<F32>(kv.k, cell * hd + i, o0);
@@ -186,7 +187,7 @@ static __device__ __forceinline__ void qk_rope_kv_warp(float *q, int64_t ldq, fl
     const int lane = threadIdx.x & 31;
     const float *vr = v + t * ldv + kvh * kv.hdv;
     for (int64_t i = lane; i < kv.hdv; i += 32)
-        kv_put<F32>(kv.v, cell * kv.hdv + i, vr[i]);
+        kv_put<F32>(kv.v, cell * kv.hdv + i, CG ? __ldcg(vr + i) : vr[i]);
     __syncwarp();
 }
 
