@@ -9,11 +9,18 @@
 #include "worker/cuda/qdot.cuh"
 
 /* How many of a lane's units the row walk unrolls (so their loads can be in flight together):
- * MOE_MV_UNROLL when defined (a build for measurements), else two for one row and one input. */
+ * MOE_MV_UNROLL when defined (a build for measurements), else two for one row and one input,
+ * and MOE_MV_UNROLL_PLAIN (default 8) for one row of a plain type (F32, F16, BF16) and one
+ * input: a lane's unit is 16 bytes there, so a 2048-wide F32 row (a router) is 16 units a lane,
+ * 8 round trips to memory two at a time. The order of the sums is the same whatever the
+ * unrolling. */
+#ifndef MOE_MV_UNROLL_PLAIN
+#define MOE_MV_UNROLL_PLAIN 8
+#endif
 #ifdef MOE_MV_UNROLL
-#define MV_UNROLL(RW, T) (MOE_MV_UNROLL)
+#define MV_UNROLL(RW, T, PLAIN) (MOE_MV_UNROLL)
 #else
-#define MV_UNROLL(RW, T) ((RW) >= 2 || (T) > 1 ? 1 : 2)
+#define MV_UNROLL(RW, T, PLAIN) ((RW) >= 2 || (T) > 1 ? 1 : (PLAIN) ? MOE_MV_UNROLL_PLAIN : 2)
 #endif
 
 /* RW rows' dot products with T inputs x[i], complete in every lane: the weights are loaded and
@@ -43,7 +50,7 @@ static __device__ __forceinline__ void row_dots_multi_x(const uint8_t *const *ro
             UNROLL
             for (int r = 0; r < RW; r++)
                 acc[i][r] = 0.0f;
-        constexpr int UNR = MV_UNROLL(RW, T);
+        constexpr int UNR = MV_UNROLL(RW, T, rows_per_warp<K>() == 1);
 #pragma unroll(UNR)
         for (int u = lane; u < nu; u += 32) {
             const unsigned bi = (unsigned)u / PB;
