@@ -682,8 +682,8 @@ TEST_TIMEOUT(cuda_tc_experts_agree_with_the_float_walk, 900)
 /* The launches the backend saves give the floats and routing counts of the launches they
  * replace: routing inside the gate/up launch (MOE_CUDA_ROUTE_FOLD=0: its own kernel), RMSNorm
  * inside the next mat-vec (MOE_CUDA_NORM_FOLD=0), q/k/v of two weight types in one launch
- * (MOE_CUDA_MIXED_MV=0) and the q/k-norm + RoPE + KV store inside the q/k/v launch
- * (MOE_CUDA_ROPE_FOLD=0; also with a float32 KV cache). Prompts (grouped or on tensor cores,
+ * (MOE_CUDA_MIXED_MV=0) and, the other way round, the q/k-norm + RoPE + KV store inside the
+ * q/k/v launch (opt-in, MOE_CUDA_ROPE_FOLD=1; also with a float32 KV cache). Prompts (grouped or on tensor cores,
  * which route and normalise on their own) and decode steps of 1 sequence (folded) and of 4,
  * with graphs. */
 TEST_TIMEOUT(cuda_folded_launches_equal_separate_ones, 600)
@@ -701,7 +701,7 @@ TEST_TIMEOUT(cuda_folded_launches_equal_separate_ones, 600)
         uint64_t *cf = calloc(LE, sizeof *cf), *cr = calloc(LE, sizeof *cr);
         CHECK(cf && cr);
         for (int v = 0; v < 4; v++) {
-            setenv(off[v], "0", 1);
+            setenv(off[v], v == 3 ? "1" : "0", 1);
             struct moe_engine *r = engine_on(m, "cuda:0", 160, 4, 0, false);
             unsetenv(off[v]);
             const uint32_t plen[4] = {70, 90, 5, 41};
@@ -714,21 +714,21 @@ TEST_TIMEOUT(cuda_folded_launches_equal_separate_ones, 600)
             size_t cdiff = 0;
             for (size_t i = 0; i < LE; i++)
                 cdiff += cf[i] != (uint64_t)(v + 1) * cr[i];
-            printf("  %-44s folded vs %s=0: %zu logits differ, %zu routing counts\n",
-                   MODELS[mi], off[v], diff, cdiff);
+            printf("  %-44s default vs %s=%s: %zu logits differ, %zu routing counts\n",
+                   MODELS[mi], off[v], v == 3 ? "1" : "0", diff, cdiff);
             CHECK_EQ(diff, 0);
             CHECK_EQ(cdiff, 0);
             moe_engine_free(r);
         }
         {
+            setenv("MOE_CUDA_ROPE_FOLD", "1", 1);
             struct moe_engine *a = engine_on(m, "cuda:0", 160, 4, 0, true);
-            setenv("MOE_CUDA_ROPE_FOLD", "0", 1);
-            struct moe_engine *r = engine_on(m, "cuda:0", 160, 4, 0, true);
             unsetenv("MOE_CUDA_ROPE_FOLD");
+            struct moe_engine *r = engine_on(m, "cuda:0", 160, 4, 0, true);
             const uint32_t plen[4] = {33, 9, 60, 2};
             moe_test_rng_seed(317 + mi);
             const size_t diff = two_engines_diff(a, r, V, plen, 8, 4);
-            printf("  %-44s float32 KV, folded vs MOE_CUDA_ROPE_FOLD=0: %zu logits differ\n",
+            printf("  %-44s float32 KV, MOE_CUDA_ROPE_FOLD=1 vs default: %zu logits differ\n",
                    MODELS[mi], diff);
             CHECK_EQ(diff, 0);
             moe_engine_free(a);

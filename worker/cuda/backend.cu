@@ -169,7 +169,8 @@ struct cuda_backend {
     bool norm_fold;                  /* RMSNorm inside the next mat-vec; MOE_CUDA_NORM_FOLD=0: not */
     bool norm_pending;               /* an RMSNorm the next op does (or launches first) */
     bool rope_fold;                  /* q/k-norm + RoPE + KV store inside the q/k/v launch of a
-                                      * one-token step; MOE_CUDA_ROPE_FOLD=0: its own launch */
+                                      * one-token step (MOE_CUDA_ROPE_FOLD=1; default: its own
+                                      * launch) */
     unsigned *rope_cnt;              /* [H + Hkv] head counters of that launch (zero between) */
     bool qkv_pending;                /* a q/k/v product (pq_*) the next op does or launches first */
     int pq_l;
@@ -1772,7 +1773,8 @@ static int cuda_init(struct moe_backend **out, const struct moe_model *m, struct
     b->tc = moe_cuda_expert_tc_env();
     b->route_fold = env_on("MOE_CUDA_ROUTE_FOLD");
     b->norm_fold = env_on("MOE_CUDA_NORM_FOLD");
-    b->rope_fold = env_on("MOE_CUDA_ROPE_FOLD");
+    /* Opt-in: measured 1.5% slower at batch 1 than its own launch (H200, docs/benchmarks.md). */
+    b->rope_fold = getenv("MOE_CUDA_ROPE_FOLD") && !strcmp(getenv("MOE_CUDA_ROPE_FOLD"), "1");
     b->mixed_mv = env_on("MOE_CUDA_MIXED_MV");
     b->resolve_route = env_on("MOE_CUDA_RESOLVE_ROUTE");
     b->route_pending = -1;

@@ -495,7 +495,33 @@ template <class F> HD void row_loop(const float *lg, uint32_t nv, int t, F f)
     if (((uintptr_t)lg & 15) == 0) {
         const uint32_t n4 = nv >> 2;
         const float4 *v4 = (const float4 *)lg;
-        for (uint32_t q = (uint32_t)t; q < n4; q += NT) {
+        /* RL loads in flight before f sees them, in the same order (a 151936-wide row is 37
+         * loads a thread: one at a time they cost a round trip to L2 each). MOE_SAMPLE_RL sets
+         * it in a build for measurements. */
+#ifndef MOE_SAMPLE_RL
+#define MOE_SAMPLE_RL 4
+#endif
+        constexpr uint32_t RL = MOE_SAMPLE_RL;
+        uint32_t q = (uint32_t)t;
+        for (; q + (RL - 1) * NT < n4; q += RL * NT) {
+            float4 v[RL];
+#ifdef __CUDA_ARCH__
+#pragma unroll
+#endif
+            for (uint32_t u = 0; u < RL; u++)
+                v[u] = v4[q + u * NT];
+#ifdef __CUDA_ARCH__
+#pragma unroll
+#endif
+            for (uint32_t u = 0; u < RL; u++) {
+                const uint32_t b = 4 * (q + u * NT);
+                f(b, v[u].x);
+                f(b + 1, v[u].y);
+                f(b + 2, v[u].z);
+                f(b + 3, v[u].w);
+            }
+        }
+        for (; q < n4; q += NT) {
             const float4 v = v4[q];
             f(4 * q, v.x);
             f(4 * q + 1, v.y);
