@@ -301,3 +301,31 @@ TEST(kernels_empty_rows)
     CHECK(Y[0] == 0 && Y[2] == 0 && Y[4] == 0);
     CHECK(Y[1] == 9 && Y[3] == 9 && Y[5] == 9);
 }
+
+/* The routing's top-k rule, shared by the CPU routing, its layer-ahead guess and the prediction
+ * study: best first, ties to the lower index, NaN never beats a number, a pick always made (the
+ * last NaN when only NaNs are left), the taken marks cleared again. */
+TEST(kernels_topk_argmax_rule)
+{
+    const float r[8] = {0.5f, NAN, 0.7f, 0.7f, -1.0f, NAN, 0.1f, 0.7f};
+    uint8_t taken[8] = {0};
+    int32_t out[8];
+    moe_topk_argmax(r, 8, 8, taken, out);
+    const int32_t want[8] = {2, 3, 7, 0, 6, 4, 5, 1};
+    for (int i = 0; i < 8; i++)
+        CHECK_EQ(out[i], want[i]);
+    for (int i = 0; i < 8; i++)
+        CHECK_EQ(taken[i], 0);
+    moe_topk_argmax(r, 8, 2, taken, out);
+    CHECK_EQ(out[0], 2);
+    CHECK_EQ(out[1], 3);
+    const float all_nan[3] = {NAN, NAN, NAN};
+    moe_topk_argmax(all_nan, 3, 2, taken, out);
+    CHECK_EQ(out[0], 2);
+    CHECK_EQ(out[1], 1);
+    const float inf[3] = {-INFINITY, INFINITY, -INFINITY};
+    moe_topk_argmax(inf, 3, 3, taken, out);
+    CHECK_EQ(out[0], 1);
+    CHECK_EQ(out[1], 0);
+    CHECK_EQ(out[2], 2);
+}

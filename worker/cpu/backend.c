@@ -692,21 +692,14 @@ static int cpu_route(struct moe_backend *b, int l)
         int32_t *se = sel_e + t * K;
         float *sw = sel_w + t * K;
         double sum = 0.0;
+        /* NaN probabilities never win, but a choice is always made. */
+        moe_topk_argmax(r, NE, K, e->taken, se);
         for (int64_t j = 0; j < K; j++) {
-            int64_t best = -1;
-            for (int64_t x = 0; x < NE; x++)
-                /* NaN probabilities never win, but a choice is always made. */
-                if (!e->taken[x] && (best < 0 || r[x] > r[best] || isnan(r[best])))
-                    best = x;
-            e->taken[best] = 1;
-            se[j] = (int32_t)best;
-            sw[j] = r[best];
-            sum += r[best];
-            e->ex_fill[best]++;
-            counts[best]++;
+            sw[j] = r[se[j]];
+            sum += r[se[j]];
+            e->ex_fill[se[j]]++;
+            counts[se[j]]++;
         }
-        for (int64_t j = 0; j < K; j++)
-            e->taken[se[j]] = 0;
         if (e->d.norm_topk && sum > 0.0)
             for (int64_t j = 0; j < K; j++)
                 sw[j] = (float)(sw[j] / sum);
@@ -835,18 +828,10 @@ static void predict_next(struct cpu_backend *e, int l)
     int nx = 0;
     for (int64_t t = 0; t < e->n; t++) {
         const float *r = BUF(e, MOE_BUF_RL) + t * e->nexp;
-        int64_t pick[64];
+        int32_t pick[64];
         int64_t k = e->kuse < 64 ? e->kuse : 64;
+        moe_topk_argmax(r, e->nexp, k, e->taken, pick);
         for (int64_t j = 0; j < k; j++) {
-            int64_t best = -1;
-            for (int64_t x = 0; x < e->nexp; x++)
-                if (!e->taken[x] && (best < 0 || r[x] > r[best]))
-                    best = x;
-            e->taken[best] = 1;
-            pick[j] = best;
-        }
-        for (int64_t j = 0; j < k; j++) {
-            e->taken[pick[j]] = 0;
             if (!e->xmark[pick[j]]) {
                 e->xmark[pick[j]] = 1;
                 e->xpred[nx++] = (int32_t)pick[j];

@@ -218,3 +218,17 @@ void moe_matmul(uint32_t type, const void *W, int64_t n, const float *X, int64_t
         }
     }
 }
+
+void moe_topk_argmax(const float *r, int64_t n, int64_t k, uint8_t *taken, int32_t *out)
+{
+    for (int64_t j = 0; j < k; j++) {
+        int64_t best = -1;
+        for (int64_t x = 0; x < n; x++)
+            if (!taken[x] && (best < 0 || r[x] > r[best] || isnan(r[best])))
+                best = x;
+        taken[best] = 1;
+        out[j] = (int32_t)best;
+    }
+    for (int64_t j = 0; j < k; j++)
+        taken[out[j]] = 0;
+}

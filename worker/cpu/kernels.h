@@ -23,6 +23,11 @@ void moe_matvec(uint32_t type, const void *W, int64_t n, const float *x, float *
 void moe_matmul(uint32_t type, const void *W, int64_t n, const float *X, int64_t ldx,
                 int64_t n_tok, float *Y, int64_t ldy, int64_t r0, int64_t r1);
 
+/* The k largest of r[0..n) by repeated arg-max, into out[0..k) best first: ties go to the lower
+ * index; NaN never beats a number, but a pick is always made (with only NaNs left, the last of
+ * them), the CUDA routing's rule. taken: n bytes, zero on entry and on return; 0 < k <= n. */
+void moe_topk_argmax(const float *r, int64_t n, int64_t k, uint8_t *taken, int32_t *out);
+
 /* Testing aid: when on != 0, every kernel takes the portable scalar path even where the CPU has
  * SIMD support, so the two paths can be checked against each other. Process-wide; set it
  * before starting work. */

@@ -5,6 +5,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "worker/cpu/kernels.h"
+
 static const char *const ps_name[MOE_PS_COUNT] = {
     "router(l+1) on layer l's normed input",
     "the same, re-weighted by ffn_norm[l+1]/ffn_norm[l]",
@@ -24,7 +26,8 @@ int moe_pstudy_init(struct moe_pstudy *ps, int L, int nexp, int kuse)
     const size_t np = (size_t)L * MOE_PS_COUNT * (size_t)(kuse + 4);
     ps->pred = malloc(sizeof *ps->pred * np);
     ps->prev = malloc(sizeof *ps->prev * (size_t)L * (size_t)kuse);
-    if (!ps->pred || !ps->prev) {
+    ps->taken = calloc((size_t)nexp, 1);
+    if (!ps->pred || !ps->prev || !ps->taken) {
         moe_pstudy_free(ps);
         return -1;
     }
@@ -39,6 +42,7 @@ void moe_pstudy_free(struct moe_pstudy *ps)
 {
     free(ps->pred);
     free(ps->prev);
+    free(ps->taken);
     memset(ps, 0, sizeof *ps);
 }
 
@@ -53,24 +57,10 @@ void moe_pstudy_predict(struct moe_pstudy *ps, int l, int p, const float *logits
         return;
     int32_t *out = slot(ps, l, p);
     const int want = ps->kuse + 4 < ps->nexp ? ps->kuse + 4 : ps->nexp;
-    /* Selection by repeated arg-max (ties to the lower id, NaN never best); want is small. */
-    for (int j = 0; j < ps->kuse + 4; j++) {
-        int best = -1;
-        if (j >= want) { /* fewer experts than guesses */
-            out[j] = -1;
-            continue;
-        }
-        for (int x = 0; x < ps->nexp; x++) {
-            bool taken = false;
-            for (int i = 0; i < j && !taken; i++)
-                taken = out[i] == x;
-            if (taken || logits[x] != logits[x])
-                continue;
-            if (best < 0 || logits[x] > logits[best])
-                best = x;
-        }
-        out[j] = best;
-    }
+    /* The routing's own rule (ties to the lower id, NaN never beats a number). */
+    moe_topk_argmax(logits, ps->nexp, want, ps->taken, out);
+    for (int j = want; j < ps->kuse + 4; j++)
+        out[j] = -1; /* fewer experts than guesses */
 }
 
 void moe_pstudy_actual(struct moe_pstudy *ps, int l, const int32_t *sel)

@@ -24,6 +24,7 @@ struct moe_pstudy {
     int L, nexp, kuse;
     int32_t *pred;    /* [L][MOE_PS_COUNT][kuse + 4] predicted ids, best first; -1: none */
     int32_t *prev;    /* [L][kuse] the layer's last choices; -1: none yet */
+    uint8_t *taken;   /* [nexp] zero, for the top-k */
     uint64_t hits[MOE_PS_COUNT][MOE_PS_CUTS];
     uint64_t looked;  /* choices compared (kuse per layer and step) */
 };
