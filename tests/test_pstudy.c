@@ -56,13 +56,15 @@ TEST(pstudy_scores_each_predictor_at_each_cut)
     /* A guess is used once: layer 1 again without fresh guesses is not scored. */
     moe_pstudy_actual(&ps, 1, sel_b);
     CHECK_EQ(ps.looked, 2);
-    /* NaN logits never make a guess's list; the report names every predictor. */
+    /* NaN logits come after every number, the last of them first (the routing's own rule); the
+     * report names every predictor. */
     for (int x = 0; x < 16; x++)
         lg[x] = NAN;
     lg[7] = 1.0f;
     moe_pstudy_predict(&ps, 2, MOE_PS_X, lg);
     CHECK_EQ(ps.pred[(2 * MOE_PS_COUNT + MOE_PS_X) * 6], 7);
-    CHECK_EQ(ps.pred[(2 * MOE_PS_COUNT + MOE_PS_X) * 6 + 1], -1);
+    CHECK_EQ(ps.pred[(2 * MOE_PS_COUNT + MOE_PS_X) * 6 + 1], 15);
+    CHECK_EQ(ps.pred[(2 * MOE_PS_COUNT + MOE_PS_X) * 6 + 2], 14);
     char buf[2048] = {0};
     FILE *f = fmemopen(buf, sizeof buf - 1, "w");
     CHECK(f != NULL);
