@@ -29,26 +29,30 @@ struct config {
     bool stage_dma;         /* MOE_CUDA_STAGE_DMA=1: direct steps stage by the copy engines */
     bool fill_launch;       /* MOE_CUDA_FILL_FOLD=0: decode copies by the fill kernel */
     bool ahead1;            /* MOE_CUDA_PREFETCH_AHEAD=1: predictions one layer ahead */
+    const char *pf_threads; /* MOE_CUDA_PREFETCH_THREADS (NULL: the default) */
 };
 
 static const struct config CONFIGS[] = {
-    {"60%", 0.6, 0, false, false, NULL, false, false, false},
-    {"30%", 0.3, 0, false, false, NULL, false, false, false},
-    {"30% cache off", 0.3, -1, false, false, NULL, false, false, false},
-    {"30% one cache slot", 0.3, 1, false, false, NULL, false, false, false},
-    {"60% from counts", 0.6, 0, true, false, NULL, false, false, false},
-    {"30% from counts", 0.3, 0, true, false, NULL, false, false, false},
-    {"30% no prefetch", 0.3, 0, false, true, NULL, false, false, false},
-    {"60% counts, no prefetch", 0.6, 0, true, true, NULL, false, false, false},
-    {"one token's experts", 1e-9, 0, false, false, NULL, false, false, false},
-    {"30% no staging", 0.3, 0, false, false, "0", false, false, false},
-    {"30% staging of 1", 0.3, 0, false, false, "1", false, false, false},
-    {"60% counts, staging of all", 0.6, 0, true, false, "100000", false, false, false},
-    {"60% counts, staging by DMA", 0.6, 0, true, false, "100000", true, false, false},
-    {"30%, fill kernel", 0.3, 0, false, false, NULL, false, true, false},
-    {"60% counts, fill kernel", 0.6, 0, true, false, NULL, false, true, false},
-    {"30% one layer ahead", 0.3, 0, false, false, NULL, false, false, true},
-    {"60% counts, one layer ahead", 0.6, 0, true, false, NULL, false, false, true},
+    {"60%", 0.6, 0, false, false, NULL, false, false, false, NULL},
+    {"30%", 0.3, 0, false, false, NULL, false, false, false, NULL},
+    {"30% cache off", 0.3, -1, false, false, NULL, false, false, false, NULL},
+    {"30% one cache slot", 0.3, 1, false, false, NULL, false, false, false, NULL},
+    {"60% from counts", 0.6, 0, true, false, NULL, false, false, false, NULL},
+    {"30% from counts", 0.3, 0, true, false, NULL, false, false, false, NULL},
+    {"30% no prefetch", 0.3, 0, false, true, NULL, false, false, false, NULL},
+    {"60% counts, no prefetch", 0.6, 0, true, true, NULL, false, false, false, NULL},
+    {"one token's experts", 1e-9, 0, false, false, NULL, false, false, false, NULL},
+    {"30% no staging", 0.3, 0, false, false, "0", false, false, false, NULL},
+    {"30% staging of 1", 0.3, 0, false, false, "1", false, false, false, NULL},
+    {"60% counts, staging of all", 0.6, 0, true, false, "100000", false, false, false, NULL},
+    {"60% counts, staging by DMA", 0.6, 0, true, false, "100000", true, false, false, NULL},
+    {"30%, fill kernel", 0.3, 0, false, false, NULL, false, true, false, NULL},
+    {"60% counts, fill kernel", 0.6, 0, true, false, NULL, false, true, false, NULL},
+    {"30% one layer ahead", 0.3, 0, false, false, NULL, false, false, true, NULL},
+    {"60% counts, one layer ahead", 0.6, 0, true, false, NULL, false, false, true, NULL},
+    {"30%, 64-thread prefetch copies", 0.3, 0, false, false, NULL, false, false, false, "64"},
+    {"60% counts, 128-thread prefetch copies", 0.6, 0, true, false, NULL, false, false, false,
+     "128"},
 };
 #define N_CONFIGS (sizeof CONFIGS / sizeof CONFIGS[0])
 
@@ -127,6 +131,8 @@ static struct moe_engine *engine(const struct moe_model *m, const struct config 
         setenv("MOE_CUDA_FILL_FOLD", "0", 1);
     if (c && c->ahead1)
         setenv("MOE_CUDA_PREFETCH_AHEAD", "1", 1);
+    if (c && c->pf_threads)
+        setenv("MOE_CUDA_PREFETCH_THREADS", c->pf_threads, 1);
     struct moe_engine *e = NULL;
     char err[512] = "";
     const int rc = moe_engine_init(&e, m, &o, err, sizeof err);
@@ -134,6 +140,7 @@ static struct moe_engine *engine(const struct moe_model *m, const struct config 
     unsetenv("MOE_CUDA_STAGE_DMA");
     unsetenv("MOE_CUDA_FILL_FOLD");
     unsetenv("MOE_CUDA_PREFETCH_AHEAD");
+    unsetenv("MOE_CUDA_PREFETCH_THREADS");
     CHECK_MSG(rc == 0, "%s", err);
     return e;
 }
@@ -292,7 +299,7 @@ TEST_TIMEOUT(cuda_offload_slow_link_pins_every_slot, 300)
         struct moe_engine *e = engine(m, NULL, NULL, 0);
         const size_t rows = run(e, m, ref, ref_tok);
         moe_engine_free(e);
-        const struct config c30 = {"30%", 0.3, 0, false, false, NULL, false, false, false};
+        const struct config c30 = {"30%", 0.3, 0, false, false, NULL, false, false, false, NULL};
         for (int check = 1; check >= 0; check--) {
             setenv("MOE_CUDA_LINK_GBPS", "0.2", 1);
             if (!check)
@@ -358,7 +365,7 @@ TEST_TIMEOUT(cuda_offload_budget, 300)
     CHECK_EQ(os.budget, budget);
     moe_engine_free(e);
 
-    const struct config half = {"50%", 0.5, 0, false, false, NULL, false, false, false};
+    const struct config half = {"50%", 0.5, 0, false, false, NULL, false, false, false, NULL};
     e = engine(m, &half, NULL, budget);
     float *out = malloc(sizeof(float) * (size_t)(PROMPT + 2 * DECODE * N_SEQ) * (size_t)V);
     int32_t tok[DECODE * N_SEQ];

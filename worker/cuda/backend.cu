@@ -237,6 +237,8 @@ struct cuda_backend {
     unsigned long long *pf_counts;   /* [nexp], unread */
     struct moe_cuda_fill_list *d_pf_fill;
     int pf_blocks;
+    int pf_threads;                  /* threads a prefetch copy block (MOE_CUDA_PREFETCH_THREADS:
+                                      * 256, 128 or 64; 256 by default) */
     /* Prompt staging (steps of at least stage_min_n tokens; offload.cuh): two buffers of
      * stage_cap experts after the slots in xarena. At layer l the second stream copies the next
      * offloaded layer's experts without a slot into the other buffer while layer l computes
@@ -1412,6 +1414,13 @@ static int offload_state(struct cuda_backend *b, char *err, size_t errlen)
         OFF_TRY(cudaMemset(b->d_pf_fill, 0, moe_cuda_fill_list_bytes(max_slots)));
         const char *pb = getenv("MOE_CUDA_PREFETCH_BLOCKS");
         b->pf_blocks = pb && atoi(pb) > 0 ? atoi(pb) : (b->sms / 8 > 8 ? b->sms / 8 : 8);
+        /* Thinner copy blocks keep the same bytes in flight with fewer registers: 64 threads
+         * take 4864 registers where 256 take 8192, more than a multiprocessor has left beside
+         * three blocks of the per-token gate/up (the grid of a one-token step fills 2.9 a
+         * multiprocessor), so a copy block beside it can push one of those into a second wave.
+         * Not yet measured, so opt-in. */
+        const char *pt = getenv("MOE_CUDA_PREFETCH_THREADS");
+        b->pf_threads = pt && (atoi(pt) == 64 || atoi(pt) == 128) ? atoi(pt) : 256;
     }
     if (b->stage_cap) {
         b->stage_buf = (int8_t *)malloc(L);
@@ -2910,7 +2919,8 @@ static int prefetch(struct cuda_backend *b, int l, int t, bool first)
                moe_cuda_offload_resolve(b->d_off + t, (int32_t)b->d.nexp, ct->slots, b->pf_sel,
                                         b->n * k, b->d_pf_fill, true, NULL, false, b->st2));
         LAUNCH(b, "prefetch fill",
-               moe_cuda_offload_fill(b->d_pf_fill, b->pf_blocks, b->link_gbps, b->st2));
+               moe_cuda_offload_fill_nt(b->d_pf_fill, b->pf_blocks, b->pf_threads, b->link_gbps,
+                                        b->st2));
     }
     CU(b, cudaEventRecord(b->ev_join[t], b->st2));
     b->pf_pending[t] = true;

@@ -65,10 +65,16 @@ __global__ void offload_pool_done_kernel(const struct moe_cuda_off_layer *__rest
 /* Grid-stride over the chunks of every copy; 16-byte loads where source and destination allow
  * (the store's slices are 64-byte aligned, slots 256), bytes otherwise. ns_per_chunk > 0 (a
  * simulated slow link, MOE_CUDA_LINK_GBPS): chunk c is not done before (c + 1) * ns_per_chunk
- * after the block started, so the copies run at most at that rate. */
-__global__ void __launch_bounds__(256) offload_fill_kernel(const struct moe_cuda_fill_list *__restrict__ fl,
-                                                           double ns_per_chunk)
+ * after the block started, so the copies run at most at that rate. NT threads a block, each with
+ * a 16 KiB chunk's share of loads in flight before its stores (ILP = 1024 / NT): 256 threads
+ * with 4 each by default, or thin blocks (64 threads with 16 each) that leave room for three
+ * blocks of the per-token gate/up beside them on an SM (MOE_CUDA_PREFETCH_THREADS). */
+template <int NT>
+__global__ void __launch_bounds__(NT) offload_fill_kernel(const struct moe_cuda_fill_list *__restrict__ fl,
+                                                          double ns_per_chunk)
 {
+    constexpr int ILP = (int)(MOE_OFF_CHUNK / 16) / NT;
+    static_assert(ILP >= 1 && ILP * NT * 16 == MOE_OFF_CHUNK, "a chunk's loads spread over the block");
     const int nc = fl->n_chunks, nj = fl->n;
     const uint64_t t0 = ns_per_chunk > 0 ? global_ns() : 0;
     for (int c = blockIdx.x; c < nc; c += gridDim.x) {
@@ -96,21 +102,23 @@ __global__ void __launch_bounds__(256) offload_fill_kernel(const struct moe_cuda
             const size_t n16 = n / 16;
             const uint4 *s4 = (const uint4 *)src;
             uint4 *d4 = (uint4 *)dst;
-            /* Four loads in flight per thread before the stores. */
+            /* ILP loads in flight per thread before the stores. */
             size_t i = threadIdx.x;
-            for (; i + 3 * 256 < n16; i += 4 * 256) {
-                uint4 a = s4[i], b = s4[i + 256], cc = s4[i + 512], d = s4[i + 768];
-                d4[i] = a;
-                d4[i + 256] = b;
-                d4[i + 512] = cc;
-                d4[i + 768] = d;
+            for (; i + (size_t)(ILP - 1) * NT < n16; i += (size_t)ILP * NT) {
+                uint4 v[ILP];
+#pragma unroll
+                for (int u = 0; u < ILP; u++)
+                    v[u] = s4[i + (size_t)u * NT];
+#pragma unroll
+                for (int u = 0; u < ILP; u++)
+                    d4[i + (size_t)u * NT] = v[u];
             }
-            for (; i < n16; i += 256)
+            for (; i < n16; i += NT)
                 d4[i] = s4[i];
-            for (size_t k = n16 * 16 + threadIdx.x; k < n; k += 256)
+            for (size_t k = n16 * 16 + threadIdx.x; k < n; k += NT)
                 dst[k] = src[k];
         } else {
-            for (size_t k = threadIdx.x; k < n; k += 256)
+            for (size_t k = threadIdx.x; k < n; k += NT)
                 dst[k] = src[k];
         }
     }
@@ -248,9 +256,23 @@ static double ns_per_chunk(float link_gbps)
 int moe_cuda_offload_fill(const struct moe_cuda_fill_list *d_fill, int blocks, float link_gbps,
                           cudaStream_t s)
 {
+    return moe_cuda_offload_fill_nt(d_fill, blocks, 256, link_gbps, s);
+}
+
+int moe_cuda_offload_fill_nt(const struct moe_cuda_fill_list *d_fill, int blocks, int threads,
+                             float link_gbps, cudaStream_t s)
+{
     if (blocks <= 0)
         return -EINVAL;
-    offload_fill_kernel<<<blocks, 256, 0, s>>>(d_fill, ns_per_chunk(link_gbps));
+    const double ns = ns_per_chunk(link_gbps);
+    if (threads == 256)
+        offload_fill_kernel<256><<<blocks, 256, 0, s>>>(d_fill, ns);
+    else if (threads == 128)
+        offload_fill_kernel<128><<<blocks, 128, 0, s>>>(d_fill, ns);
+    else if (threads == 64)
+        offload_fill_kernel<64><<<blocks, 64, 0, s>>>(d_fill, ns);
+    else
+        return -EINVAL;
     MOE_CUDA_TRY(cudaGetLastError());
     return 0;
 }
@@ -306,7 +328,7 @@ int moe_cuda_link_probe(const uint8_t *d_src, size_t bytes, uint8_t *d_dst, int 
     /* Each measured once after a warm-up run. */
     for (int rep = 0; rep < 2 && ce == cudaSuccess; rep++) {
         cudaEventRecord(e[0], s);
-        offload_fill_kernel<<<blocks, 256, 0, s>>>(d, ns_per_chunk(link_gbps));
+        offload_fill_kernel<256><<<blocks, 256, 0, s>>>(d, ns_per_chunk(link_gbps));
         cudaEventRecord(e[1], s);
         link_read_kernel<<<blocks, 256, 0, s>>>((const uint4 *)d_src, bytes / 16, d_out);
         cudaEventRecord(e[2], s);

@@ -73,6 +73,11 @@ int moe_cuda_offload_stage_end(const struct moe_cuda_off_layer *d_layer, int32_t
  * GB/s (a simulated slow link: MOE_CUDA_LINK_GBPS), 0 runs them as fast as they go. */
 int moe_cuda_offload_fill(const struct moe_cuda_fill_list *d_fill, int blocks, float link_gbps,
                           cudaStream_t s);
+/* The same with `threads` (256, 128 or 64; -EINVAL otherwise) threads a block, each with a
+ * 16 KiB chunk's share of loads in flight (4, 8 or 16): the same bytes in flight per block,
+ * fewer registers and warps taken from the kernels beside it. */
+int moe_cuda_offload_fill_nt(const struct moe_cuda_fill_list *d_fill, int blocks, int threads,
+                             float link_gbps, cudaStream_t s);
 /* Measures the two ways an expert outside VRAM reaches the GPU over `bytes` of host memory
  * mapped at d_src: copied into VRAM (d_dst, as many bytes) by the fill kernel (paced as
  * moe_cuda_offload_fill), and read in place by a kernel as the expert kernels read it; GB/s of
