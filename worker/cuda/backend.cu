@@ -1415,10 +1415,10 @@ static int offload_state(struct cuda_backend *b, char *err, size_t errlen)
         const char *pb = getenv("MOE_CUDA_PREFETCH_BLOCKS");
         b->pf_blocks = pb && atoi(pb) > 0 ? atoi(pb) : (b->sms / 8 > 8 ? b->sms / 8 : 8);
         /* Thinner copy blocks keep the same bytes in flight with fewer registers: 64 threads
-         * take 4864 registers where 256 take 8192, more than a multiprocessor has left beside
-         * three blocks of the per-token gate/up (the grid of a one-token step fills 2.9 a
-         * multiprocessor), so a copy block beside it can push one of those into a second wave.
-         * Not yet measured, so opt-in. */
+         * take 5120 registers where 256 take 10240, more than the 7168 a multiprocessor has
+         * left beside three blocks of the per-token gate/up (the grid of a one-token step fills
+         * 2.9 a multiprocessor), so a 256-thread copy block beside it can push one of those into
+         * a second wave. Not yet measured, so opt-in. */
         const char *pt = getenv("MOE_CUDA_PREFETCH_THREADS");
         b->pf_threads = pt && (atoi(pt) == 64 || atoi(pt) == 128) ? atoi(pt) : 256;
     }
