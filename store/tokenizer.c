@@ -60,7 +60,7 @@ struct tok_slot {
 struct merge_slot {
     uint64_t key; /* left << 32 | right; UINT64_MAX: empty */
     uint32_t rank;
-    int32_t result;
+    int32_t result; /* -1: a merge that never applies (its result does not decode to its parts) */
 };
 
 struct moe_tokenizer {
@@ -570,6 +570,35 @@ int moe_tok_build(struct moe_tokenizer **out, const struct moe_tok_spec *spec, c
     }
     t->piece_off[n] = off;
 
+    /* Encoding must give back its text: every byte's token decodes to that byte, and a merge
+     * whose result decodes to something else than its two parts (a result of another type than
+     * normal or byte: unused tokens decode to nothing, user-defined and control ones to their
+     * raw text) never applies, so the encoder never emits a token whose piece differs from the
+     * bytes it covers. */
+    for (unsigned b = 0; b < 256; b++) {
+        const int32_t id = t->byte_tok[b];
+        if (t->piece_off[id + 1] - t->piece_off[id] != 1 ||
+            (uint8_t)t->piece[t->piece_off[id]] != b) {
+            rc = moe_fail(err, errlen, MOE_EFORMAT, "the vocabulary's token %d for byte 0x%02x "
+                          "does not decode to that byte (token type %u)", (int)id, b,
+                          (unsigned)t->type[id]);
+            goto fail;
+        }
+    }
+    for (uint64_t i = 0; i <= t->mmask; i++) {
+        struct merge_slot *sl = &t->mmap[i];
+        if (sl->key == UINT64_MAX)
+            continue;
+        const int32_t a = (int32_t)(sl->key >> 32), b = (int32_t)(uint32_t)sl->key,
+                      c = sl->result;
+        const uint64_t la = t->piece_off[a + 1] - t->piece_off[a],
+                       lb = t->piece_off[b + 1] - t->piece_off[b],
+                       lc = t->piece_off[c + 1] - t->piece_off[c];
+        if (lc != la + lb || memcmp(t->piece + t->piece_off[c], t->piece + t->piece_off[a], la) ||
+            memcmp(t->piece + t->piece_off[c] + la, t->piece + t->piece_off[b], lb))
+            sl->result = -1;
+    }
+
     if (spec->chat_template.p) {
         t->chat_template = malloc(spec->chat_template.len + 1);
         if (!t->chat_template) {
@@ -832,7 +861,7 @@ static void queue_pair(const struct moe_tokenizer *t, struct enc *e, int32_t l, 
     if (l < 0 || r < 0)
         return;
     const struct merge_slot *m = mmap_find(t, pair_key(e->sym[l].id, e->sym[r].id));
-    if (m)
+    if (m && m->result >= 0)
         heap_push(e, (struct cand){m->rank, l, r, e->sym[l].id, e->sym[r].id, m->result});
 }
 

@@ -372,6 +372,45 @@ TEST(tok_special_tokens_hand_made)
     moe_tok_free(t);
 }
 
+/* Encoding gives back its text whatever the token types: a merge whose result decodes to
+ * something else than its parts (an unused token decodes to nothing, a user-defined one to its
+ * raw text: "\xC4\xA0y" there is those two characters, not " y") never applies, so the parts
+ * stay; a vocabulary whose byte token decodes to something else than its byte is refused. Found
+ * by fuzz_tokenizer ("a b" merging into an unused "ab"). */
+TEST(tok_merges_never_change_the_text)
+{
+    struct mini m;
+    mini_init(&m);
+    const int32_t ab = mini_add(&m, "ab", 5);             /* unused */
+    const int32_t sp_y = mini_add(&m, "\xC4\xA0y", 4);   /* user-defined, raw text */
+    const int32_t cd = mini_add(&m, "cd", 1);
+    mini_merge(&m, "a b");
+    mini_merge(&m, "\xC4\xA0 y");
+    mini_merge(&m, "c d");
+    struct moe_tokenizer *t = mini_build(&m);
+    int32_t ids[16];
+    char buf[16];
+    CHECK_EQ(encode(t, "ab", 2, false, ids, 16), 2);
+    CHECK_EQ(ids[0], 'a');
+    CHECK_EQ(ids[1], 'b');
+    CHECK(ids[0] != ab);
+    CHECK_EQ(encode(t, "x y", 3, false, ids, 16), 3);
+    CHECK(ids[1] != sp_y && ids[2] == 'y');
+    CHECK_EQ(encode(t, "cd", 2, false, ids, 16), 1); /* a normal result still merges */
+    CHECK_EQ(ids[0], cd);
+    CHECK_EQ(moe_tok_piece(t, cd, buf, sizeof buf), 2);
+    moe_tok_free(t);
+
+    mini_init(&m);
+    m.types['q'] = 5; /* the token of byte 'q' unused: it would decode to nothing */
+    struct moe_tok_spec s = mini_spec(&m);
+    struct moe_tokenizer *bad = NULL;
+    char err[256] = "";
+    CHECK_EQ(moe_tok_build(&bad, &s, err, sizeof err), MOE_EFORMAT);
+    CHECK(bad == NULL);
+    CHECK_MSG(strstr(err, "byte 0x71"), "message: %s", err);
+}
+
 /* ---- malformed and unsupported vocabularies ------------------------------------------------- */
 
 static int build_err(struct moe_tok_spec *spec, char *err, size_t errlen)
