@@ -886,6 +886,14 @@ static void ps_logits(struct cpu_backend *e, int l, const float *x)
     par_matmul(e, &job, 1, 1);
 }
 
+/* MOE_CPU_PREDICT_STUDY: x re-weighted for layer t's norm, x·(g_t / g_l) (x·g_t where g_l is 0),
+ * into e->ps_x. */
+static void ps_reweight(struct cpu_backend *e, const float *x, const float *gl, const float *gt)
+{
+    for (int64_t i = 0; i < e->E; i++)
+        e->ps_x[i] = gl[i] != 0.0f ? x[i] * (gt[i] / gl[i]) : x[i] * gt[i];
+}
+
 /* MOE_CPU_PREDICT_STUDY, one-token steps: layer l+1's experts guessed from layer l's MoE input
  * (before = true: as is and re-weighted by the norms, and layer l+2's re-weighted) or from the
  * residual after layer l's experts (before = false). */
@@ -899,14 +907,11 @@ static void ps_guess(struct cpu_backend *e, int l, bool before)
         ps_logits(e, l + 1, x);
         moe_pstudy_predict(e->ps, l + 1, MOE_PS_X, e->ps_lg);
         if (l + 2 < e->L) {
-            const float *g2 = e->norms[l + 2].ffn;
-            for (int64_t i = 0; i < e->E; i++)
-                e->ps_x[i] = g0[i] != 0.0f ? x[i] * (g2[i] / g0[i]) : x[i] * g2[i];
+            ps_reweight(e, x, g0, e->norms[l + 2].ffn);
             ps_logits(e, l + 2, e->ps_x);
             moe_pstudy_predict(e->ps, l + 2, MOE_PS_XW2, e->ps_lg);
         }
-        for (int64_t i = 0; i < e->E; i++)
-            e->ps_x[i] = g0[i] != 0.0f ? x[i] * (g1[i] / g0[i]) : x[i] * g1[i];
+        ps_reweight(e, x, g0, g1);
     } else {
         rmsnorm(e->ps_x, BUF(e, MOE_BUF_H), g1, e->E, e->d.eps);
     }

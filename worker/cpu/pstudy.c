@@ -1,7 +1,6 @@
 /* The layer-ahead predictors measured against the router's choices (pstudy.h). */
 #include "worker/cpu/pstudy.h"
 
-#include <stdbool.h>
 #include <stdlib.h>
 #include <string.h>
 

@@ -1929,9 +1929,9 @@ static int cuda_init(struct moe_backend **out, const struct moe_model *m, struct
             const int64_t nmax = d->E > d->H * d->hd ? d->E : d->H * d->hd;
             const int64_t rows = MOE_CUDA_GRAPH_MAX > LOGIT_ROWS ? MOE_CUDA_GRAPH_MAX : LOGIT_ROWS;
             const int64_t nr = (int64_t)nb < rows ? (int64_t)nb : rows;
-            const int64_t ns = (int64_t)nb < MOE_CUDA_GRAPH_MAX ? (int64_t)nb : MOE_CUDA_GRAPH_MAX;
+            const int64_t ndec = (int64_t)nb < MOE_CUDA_GRAPH_MAX ? (int64_t)nb : MOE_CUDA_GRAPH_MAX;
             const size_t dense = moe_cuda_matvec_tc_ws_bytes(nmax, nr);
-            const size_t down = moe_cuda_matvec_tc_ws_bytes(d->ff, ns * d->kuse);
+            const size_t down = moe_cuda_matvec_tc_ws_bytes(d->ff, ndec * d->kuse);
             b->tc_ws_bytes = dense > down ? dense : down;
             INIT_TRY(cudaMalloc(&b->tc_ws, b->tc_ws_bytes));
         }

@@ -685,6 +685,7 @@ down_grouped_tc_kernel(const uint8_t *const *__restrict__ da, size_t row_bytes, 
                        const int32_t *__restrict__ act_list, const int32_t *__restrict__ n_active,
                        float *__restrict__ dout, int64_t ldd, const tc_staged st)
 {
+    static_assert(!AS || ST, "tiles copied first with staged inputs only");
     pdl_wait();
     pdl_trigger();
     extern __shared__ uint4 gsm[];
@@ -701,7 +702,6 @@ down_grouped_tc_kernel(const uint8_t *const *__restrict__ da, size_t row_bytes, 
     if constexpr (AS) {
         /* The block's rows (its warps' tiles) copied into shared memory first, at once and
          * without registers (with staged inputs gsm holds nothing else): the same bytes. */
-        static_assert(!AS || ST, "tiles copied first with staged inputs only");
         const int64_t rb0 = (int64_t)blockIdx.x * DG_TC_WARPS * TC_ROWS;
         const int64_t nr = E - rb0 < DG_TC_WARPS * TC_ROWS ? E - rb0 : DG_TC_WARPS * TC_ROWS;
         uint8_t *w = (uint8_t *)gsm;
