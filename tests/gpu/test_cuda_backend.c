@@ -683,14 +683,17 @@ TEST_TIMEOUT(cuda_tc_experts_agree_with_the_float_walk, 900)
  * replace: routing inside the gate/up launch (MOE_CUDA_ROUTE_FOLD=0: its own kernel), RMSNorm
  * inside the next mat-vec (MOE_CUDA_NORM_FOLD=0), q/k/v of two weight types in one launch
  * (MOE_CUDA_MIXED_MV=0) and, the other way round, the q/k-norm + RoPE + KV store inside the
- * q/k/v launch (opt-in, MOE_CUDA_ROPE_FOLD=1; also with a float32 KV cache). Prompts (grouped or on tensor cores,
- * which route and normalise on their own) and decode steps of 1 sequence (folded) and of 4,
- * with graphs. */
+ * q/k/v launch (opt-in, MOE_CUDA_ROPE_FOLD=1; also with a float32 KV cache). Prompts (grouped
+ * or on tensor cores, which route and normalise on their own) and decode steps of 1 sequence
+ * (folded) and of 4, with graphs. */
 TEST_TIMEOUT(cuda_folded_launches_equal_separate_ones, 600)
 {
     need_gpu();
-    static const char *const off[4] = {"MOE_CUDA_ROUTE_FOLD", "MOE_CUDA_NORM_FOLD",
-                                       "MOE_CUDA_MIXED_MV", "MOE_CUDA_ROPE_FOLD"};
+    /* Each switch and the value that differs from the default. */
+    static const char *const sw[4][2] = {{"MOE_CUDA_ROUTE_FOLD", "0"},
+                                         {"MOE_CUDA_NORM_FOLD", "0"},
+                                         {"MOE_CUDA_MIXED_MV", "0"},
+                                         {"MOE_CUDA_ROPE_FOLD", "1"}};
     for (size_t mi = 0; mi < N_MODELS; mi++) {
         struct test_model tm;
         test_model_open(&tm, MODELS[mi]);
@@ -701,9 +704,9 @@ TEST_TIMEOUT(cuda_folded_launches_equal_separate_ones, 600)
         uint64_t *cf = calloc(LE, sizeof *cf), *cr = calloc(LE, sizeof *cr);
         CHECK(cf && cr);
         for (int v = 0; v < 4; v++) {
-            setenv(off[v], v == 3 ? "1" : "0", 1);
+            setenv(sw[v][0], sw[v][1], 1);
             struct moe_engine *r = engine_on(m, "cuda:0", 160, 4, 0, false);
-            unsetenv(off[v]);
+            unsetenv(sw[v][0]);
             const uint32_t plen[4] = {70, 90, 5, 41};
             moe_test_rng_seed(311 + mi);
             /* Sequence 0 alone for 4 steps (folded; its attention in 3 splits), then all four. */
@@ -715,7 +718,7 @@ TEST_TIMEOUT(cuda_folded_launches_equal_separate_ones, 600)
             for (size_t i = 0; i < LE; i++)
                 cdiff += cf[i] != (uint64_t)(v + 1) * cr[i];
             printf("  %-44s default vs %s=%s: %zu logits differ, %zu routing counts\n",
-                   MODELS[mi], off[v], v == 3 ? "1" : "0", diff, cdiff);
+                   MODELS[mi], sw[v][0], sw[v][1], diff, cdiff);
             CHECK_EQ(diff, 0);
             CHECK_EQ(cdiff, 0);
             moe_engine_free(r);
