@@ -30,29 +30,38 @@ struct config {
     bool fill_launch;       /* MOE_CUDA_FILL_FOLD=0: decode copies by the fill kernel */
     bool ahead1;            /* MOE_CUDA_PREFETCH_AHEAD=1: predictions one layer ahead */
     const char *pf_threads; /* MOE_CUDA_PREFETCH_THREADS (NULL: the default) */
+    const char *pf_ce;      /* MOE_CUDA_PREFETCH_CE (NULL: unset) */
 };
 
 static const struct config CONFIGS[] = {
-    {"60%", 0.6, 0, false, false, NULL, false, false, false, NULL},
-    {"30%", 0.3, 0, false, false, NULL, false, false, false, NULL},
-    {"30% cache off", 0.3, -1, false, false, NULL, false, false, false, NULL},
-    {"30% one cache slot", 0.3, 1, false, false, NULL, false, false, false, NULL},
-    {"60% from counts", 0.6, 0, true, false, NULL, false, false, false, NULL},
-    {"30% from counts", 0.3, 0, true, false, NULL, false, false, false, NULL},
-    {"30% no prefetch", 0.3, 0, false, true, NULL, false, false, false, NULL},
-    {"60% counts, no prefetch", 0.6, 0, true, true, NULL, false, false, false, NULL},
-    {"one token's experts", 1e-9, 0, false, false, NULL, false, false, false, NULL},
-    {"30% no staging", 0.3, 0, false, false, "0", false, false, false, NULL},
-    {"30% staging of 1", 0.3, 0, false, false, "1", false, false, false, NULL},
-    {"60% counts, staging of all", 0.6, 0, true, false, "100000", false, false, false, NULL},
-    {"60% counts, staging by DMA", 0.6, 0, true, false, "100000", true, false, false, NULL},
-    {"30%, fill kernel", 0.3, 0, false, false, NULL, false, true, false, NULL},
-    {"60% counts, fill kernel", 0.6, 0, true, false, NULL, false, true, false, NULL},
-    {"30% one layer ahead", 0.3, 0, false, false, NULL, false, false, true, NULL},
-    {"60% counts, one layer ahead", 0.6, 0, true, false, NULL, false, false, true, NULL},
-    {"30%, 64-thread prefetch copies", 0.3, 0, false, false, NULL, false, false, false, "64"},
+    {"60%", 0.6, 0, false, false, NULL, false, false, false, NULL, NULL},
+    {"30%", 0.3, 0, false, false, NULL, false, false, false, NULL, NULL},
+    {"30% cache off", 0.3, -1, false, false, NULL, false, false, false, NULL, NULL},
+    {"30% one cache slot", 0.3, 1, false, false, NULL, false, false, false, NULL, NULL},
+    {"60% from counts", 0.6, 0, true, false, NULL, false, false, false, NULL, NULL},
+    {"30% from counts", 0.3, 0, true, false, NULL, false, false, false, NULL, NULL},
+    {"30% no prefetch", 0.3, 0, false, true, NULL, false, false, false, NULL, NULL},
+    {"60% counts, no prefetch", 0.6, 0, true, true, NULL, false, false, false, NULL, NULL},
+    {"one token's experts", 1e-9, 0, false, false, NULL, false, false, false, NULL, NULL},
+    {"30% no staging", 0.3, 0, false, false, "0", false, false, false, NULL, NULL},
+    {"30% staging of 1", 0.3, 0, false, false, "1", false, false, false, NULL, NULL},
+    {"60% counts, staging of all", 0.6, 0, true, false, "100000", false, false, false, NULL, NULL},
+    {"60% counts, staging by DMA", 0.6, 0, true, false, "100000", true, false, false, NULL, NULL},
+    {"30%, fill kernel", 0.3, 0, false, false, NULL, false, true, false, NULL, NULL},
+    {"60% counts, fill kernel", 0.6, 0, true, false, NULL, false, true, false, NULL, NULL},
+    {"30% one layer ahead", 0.3, 0, false, false, NULL, false, false, true, NULL, NULL},
+    {"60% counts, one layer ahead", 0.6, 0, true, false, NULL, false, false, true, NULL, NULL},
+    {"30%, 64-thread prefetch copies", 0.3, 0, false, false, NULL, false, false, false, "64",
+     NULL},
     {"60% counts, 128-thread prefetch copies", 0.6, 0, true, false, NULL, false, false, false,
-     "128"},
+     "128", NULL},
+    {"30%, prefetch by the copy engines", 0.3, 0, false, false, NULL, false, false, false, NULL,
+     "1"},
+    {"60% counts, prefetch by the copy engines", 0.6, 0, true, false, NULL, false, false, false,
+     NULL, "1"},
+    {"30% one layer ahead, copy engines", 0.3, 0, false, false, NULL, false, false, true, NULL,
+     "1"},
+    {"30%, copy engines failing", 0.3, 0, false, false, NULL, false, false, false, NULL, "fail"},
 };
 #define N_CONFIGS (sizeof CONFIGS / sizeof CONFIGS[0])
 
@@ -133,6 +142,8 @@ static struct moe_engine *engine(const struct moe_model *m, const struct config 
         setenv("MOE_CUDA_PREFETCH_AHEAD", "1", 1);
     if (c && c->pf_threads)
         setenv("MOE_CUDA_PREFETCH_THREADS", c->pf_threads, 1);
+    if (c && c->pf_ce)
+        setenv("MOE_CUDA_PREFETCH_CE", c->pf_ce, 1);
     struct moe_engine *e = NULL;
     char err[512] = "";
     const int rc = moe_engine_init(&e, m, &o, err, sizeof err);
@@ -141,6 +152,7 @@ static struct moe_engine *engine(const struct moe_model *m, const struct config 
     unsetenv("MOE_CUDA_FILL_FOLD");
     unsetenv("MOE_CUDA_PREFETCH_AHEAD");
     unsetenv("MOE_CUDA_PREFETCH_THREADS");
+    unsetenv("MOE_CUDA_PREFETCH_CE");
     CHECK_MSG(rc == 0, "%s", err);
     return e;
 }
@@ -189,8 +201,11 @@ TEST_TIMEOUT(cuda_offload_is_exact, 600)
                    os.stage_experts,
                    (unsigned long long)os.stage_reads, diff,
                    rows * (size_t)V);
-            if (ci == 0)
+            if (ci == 0 || c->pf_ce)
                 printf("    %s\n", info.desc);
+            /* The copy engines prefetch wherever the link check left the prefetch on. */
+            if (c->pf_ce && !strstr(info.desc, "copies lose"))
+                CHECK_MSG(strstr(info.desc, "by the copy engines") != NULL, "%s", info.desc);
             CHECK_EQ(diff, (size_t)0);
             CHECK(memcmp(got_tok, ref_tok, sizeof ref_tok) == 0);
             /* Every layer looks up its chosen experts once per step. */
@@ -299,7 +314,8 @@ TEST_TIMEOUT(cuda_offload_slow_link_pins_every_slot, 300)
         struct moe_engine *e = engine(m, NULL, NULL, 0);
         const size_t rows = run(e, m, ref, ref_tok);
         moe_engine_free(e);
-        const struct config c30 = {"30%", 0.3, 0, false, false, NULL, false, false, false, NULL};
+        const struct config c30 = {"30%", 0.3, 0, false, false, NULL, false, false, false, NULL,
+                                   NULL};
         for (int check = 1; check >= 0; check--) {
             setenv("MOE_CUDA_LINK_GBPS", "0.2", 1);
             if (!check)
@@ -365,7 +381,8 @@ TEST_TIMEOUT(cuda_offload_budget, 300)
     CHECK_EQ(os.budget, budget);
     moe_engine_free(e);
 
-    const struct config half = {"50%", 0.5, 0, false, false, NULL, false, false, false, NULL};
+    const struct config half = {"50%", 0.5, 0, false, false, NULL, false, false, false, NULL,
+                                NULL};
     e = engine(m, &half, NULL, budget);
     float *out = malloc(sizeof(float) * (size_t)(PROMPT + 2 * DECODE * N_SEQ) * (size_t)V);
     int32_t tok[DECODE * N_SEQ];

@@ -239,6 +239,22 @@ struct cuda_backend {
     int pf_blocks;
     int pf_threads;                  /* threads a prefetch copy block (MOE_CUDA_PREFETCH_THREADS:
                                       * 256, 128 or 64; 256 by default) */
+    /* Prefetch copies by the copy engines (MOE_CUDA_PREFETCH_CE=1; offload.cuh,
+     * moe_cuda_offload_dma): the prefetch's resolve lists its copies in the mailbox h_dma /
+     * d_dma (mapped host memory), and dma_service makes them with cudaMemcpyAsync on dma_st
+     * while a step runs (dma_step_begin to dma_step_end). */
+    bool pf_dma;
+    struct moe_off_dma *h_dma, *d_dma;
+    uint32_t *d_dma_seq;             /* [1]: the last request's number */
+    cudaStream_t dma_st;
+    cudaEvent_t dma_ev;
+    pthread_mutex_t dma_mu;
+    pthread_cond_t dma_cv;
+    bool dma_mu_ok;
+    pthread_t dma_thr;
+    bool dma_started;
+    bool dma_stop, dma_active;       /* under dma_mu */
+    bool dma_failed;                 /* dma_service: a copy failed; the kernel copies from then on */
     /* Prompt staging (steps of at least stage_min_n tokens; offload.cuh): two buffers of
      * stage_cap experts after the slots in xarena. At layer l the second stream copies the next
      * offloaded layer's experts without a slot into the other buffer while layer l computes
@@ -1017,6 +1033,23 @@ static void pool_read_ahead(struct cuda_backend *b)
     b->xsrc->prefetch(b->xsrc->user, layer, b->pp_ids, k);
 }
 
+/* A service thread's look that found nothing new (*idle: such looks in a row): it spins while
+ * the device may be waiting for it; a step that never reaches its end (it failed on the host)
+ * leaves the thread active, so after a long idle spell it yields, then sleeps between looks. */
+static void service_idle(unsigned *idle)
+{
+    if (++*idle < 1024) {
+#if defined(__x86_64__) || defined(__i386__)
+        __builtin_ia32_pause();
+#endif
+    } else if (*idle < 1024 + 100000) {
+        sched_yield();
+    } else {
+        const struct timespec ts = {0, 200000};
+        nanosleep(&ts, NULL);
+    }
+}
+
 /* The thread that answers the channel while a step runs (cuda_begin to cuda_end): new requests
  * served, the pins of layers that ran let go. */
 static void *pool_service(void *arg)
@@ -1050,18 +1083,7 @@ static void *pool_service(void *arg)
             continue;
         }
         pthread_mutex_unlock(&b->pool_mu);
-        /* Spin while a layer may be waiting; a step that never reaches its end (it failed on
-         * the host) leaves the thread active: after a long idle spell it sleeps between looks. */
-        if (++idle < 1024) {
-#if defined(__x86_64__) || defined(__i386__)
-            __builtin_ia32_pause();
-#endif
-        } else if (idle < 1024 + 100000) {
-            sched_yield();
-        } else {
-            const struct timespec ts = {0, 200000};
-            nanosleep(&ts, NULL);
-        }
+        service_idle(&idle);
         pthread_mutex_lock(&b->pool_mu);
     }
     pthread_mutex_unlock(&b->pool_mu);
@@ -1173,6 +1195,162 @@ static int pool_step_end(struct cuda_backend *b, int rc)
         return cu_err(b, -ETIMEDOUT, "cuda:%d: a layer waited %.0f s for experts from the "
                       "tiered store and gave up", b->dev, MOE_OFF_CHAN_WAIT_NS / 1e9);
     return 0;
+}
+
+/* The copy-engine prefetch's request r (struct moe_off_dma): its list's copies queued on
+ * dma_st and waited for, then answered. A request the kernel gave up on is answered without
+ * copies (it copied them itself); after a failed copy, every request is answered as failed, so
+ * that the kernel copies. */
+static void dma_serve(struct cuda_backend *b, uint32_t r)
+{
+    struct moe_off_dma *d = b->h_dma;
+    __sync_synchronize(); /* the list was written before the request */
+    int32_t status = b->dma_failed ? -1 : 0;
+    if (!status && d->given_up != r) {
+        const struct moe_cuda_fill_list *fl = moe_off_dma_list(d);
+        const int32_t n = fl->n;
+        cudaError_t e = cudaSuccess;
+        for (int32_t i = 0; i < n && e == cudaSuccess; i++) {
+            const struct moe_cuda_fill j = fl->job[i];
+            e = cudaMemcpyAsync(j.dst, j.src, j.bytes, cudaMemcpyDefault, b->dma_st);
+        }
+        if (e == cudaSuccess)
+            e = cudaEventRecord(b->dma_ev, b->dma_st);
+        while (e == cudaSuccess && (e = cudaEventQuery(b->dma_ev)) == cudaErrorNotReady) {
+#if defined(__x86_64__) || defined(__i386__)
+            __builtin_ia32_pause();
+#endif
+        }
+        if (e != cudaSuccess) {
+            fprintf(stderr,
+                    "cuda:%d: prefetch copies by the copy engines failed (%s); the prefetch "
+                    "kernel makes them from now on\n",
+                    b->dev, cudaGetErrorString(e));
+            cudaGetLastError();
+            b->dma_failed = true;
+            status = -1;
+        }
+    }
+    d->status = status;
+    __sync_synchronize();
+    d->ans = r;
+}
+
+/* The thread that answers the copy-engine prefetch's requests while a step runs. */
+static void *dma_service(void *arg)
+{
+    struct cuda_backend *b = (struct cuda_backend *)arg;
+    struct moe_off_dma *d = b->h_dma;
+    cudaSetDevice(b->dev);
+    uint32_t seen = d->req;
+    unsigned idle = 0;
+    pthread_mutex_lock(&b->dma_mu);
+    while (!b->dma_stop) {
+        if (!b->dma_active) {
+            pthread_cond_wait(&b->dma_cv, &b->dma_mu);
+            idle = 0;
+            continue;
+        }
+        const uint32_t r = d->req;
+        if (r != seen) {
+            seen = r;
+            pthread_mutex_unlock(&b->dma_mu);
+            dma_serve(b, r);
+            pthread_mutex_lock(&b->dma_mu);
+            idle = 0;
+            continue;
+        }
+        pthread_mutex_unlock(&b->dma_mu);
+        service_idle(&idle);
+        pthread_mutex_lock(&b->dma_mu);
+    }
+    pthread_mutex_unlock(&b->dma_mu);
+    return NULL;
+}
+
+/* The mailbox, the copy stream and the thread of the copy-engine prefetch (b->pf_dma). */
+static int dma_start(struct cuda_backend *b, int32_t max_slots, char *err, size_t errlen)
+{
+    const size_t bytes = sizeof(struct moe_off_dma) + moe_cuda_fill_list_bytes(max_slots);
+    cudaError_t e = cudaHostAlloc((void **)&b->h_dma, bytes,
+                                  cudaHostAllocMapped | cudaHostAllocPortable);
+    if (e == cudaSuccess) {
+        memset((void *)b->h_dma, 0, bytes);
+        e = cudaHostGetDevicePointer((void **)&b->d_dma, b->h_dma, 0);
+    }
+    if (e == cudaSuccess)
+        e = cudaMalloc((void **)&b->d_dma_seq, sizeof(uint32_t));
+    if (e == cudaSuccess)
+        e = cudaMemset(b->d_dma_seq, 0, sizeof(uint32_t));
+    if (e == cudaSuccess)
+        e = cudaStreamCreateWithFlags(&b->dma_st, cudaStreamNonBlocking);
+    if (e == cudaSuccess)
+        e = cudaEventCreateWithFlags(&b->dma_ev, cudaEventDisableTiming);
+    if (e != cudaSuccess)
+        return moe_fail(err, errlen, MOE_EBACKEND, "cuda:%d: prefetch by the copy engines: %s",
+                        b->dev, cudaGetErrorString(e));
+    pthread_mutex_init(&b->dma_mu, NULL);
+    pthread_cond_init(&b->dma_cv, NULL);
+    b->dma_mu_ok = true;
+    const int rc = pthread_create(&b->dma_thr, NULL, dma_service, b);
+    if (rc)
+        return moe_fail(err, errlen, MOE_EBACKEND, "cuda:%d: the prefetch copy thread: %s",
+                        b->dev, strerror(rc));
+    b->dma_started = true;
+    return 0;
+}
+
+/* A step starts: the copy-engine prefetch's requests are answered from now on. */
+static void dma_step_begin(struct cuda_backend *b)
+{
+    if (!b->dma_started)
+        return;
+    pthread_mutex_lock(&b->dma_mu);
+    b->dma_active = true;
+    pthread_cond_signal(&b->dma_cv);
+    pthread_mutex_unlock(&b->dma_mu);
+}
+
+/* The step is over: after a failed one, what it left on the prefetch's stream is waited for
+ * (its requests still answered) before the thread rests. */
+static int dma_step_end(struct cuda_backend *b, int rc)
+{
+    if (!b->dma_started)
+        return rc;
+    if (rc && b->st2)
+        cudaStreamSynchronize(b->st2);
+    pthread_mutex_lock(&b->dma_mu);
+    b->dma_active = false;
+    pthread_mutex_unlock(&b->dma_mu);
+    return rc;
+}
+
+static void dma_stop(struct cuda_backend *b)
+{
+    if (b->dma_started) {
+        pthread_mutex_lock(&b->dma_mu);
+        b->dma_stop = true;
+        pthread_cond_signal(&b->dma_cv);
+        pthread_mutex_unlock(&b->dma_mu);
+        pthread_join(b->dma_thr, NULL);
+        b->dma_started = false;
+    }
+    if (b->dma_mu_ok) {
+        pthread_mutex_destroy(&b->dma_mu);
+        pthread_cond_destroy(&b->dma_cv);
+        b->dma_mu_ok = false;
+    }
+    if (b->dma_ev)
+        cudaEventDestroy(b->dma_ev);
+    if (b->dma_st)
+        cudaStreamDestroy(b->dma_st);
+    if (b->h_dma)
+        cudaFreeHost((void *)b->h_dma);
+    cudaFree(b->d_dma_seq);
+    b->dma_ev = NULL;
+    b->dma_st = NULL;
+    b->h_dma = b->d_dma = NULL;
+    b->d_dma_seq = NULL;
 }
 
 static void pool_stop(struct cuda_backend *b)
@@ -1421,6 +1599,24 @@ static int offload_state(struct cuda_backend *b, char *err, size_t errlen)
          * a second wave. Not yet measured, so opt-in. */
         const char *pt = getenv("MOE_CUDA_PREFETCH_THREADS");
         b->pf_threads = pt && (atoi(pt) == 64 || atoi(pt) == 128) ? atoi(pt) : 256;
+        /* MOE_CUDA_PREFETCH_CE=1: the prefetch's copies by the copy engines (55 GB/s where a
+         * kernel reads the link at 42-51, and no multiprocessor taken from the step's kernels)
+         * through the worker's thread; not with a tiered store (the prefetch copies nothing
+         * there) nor on a paced link (the copy engines cannot be paced). Not yet measured, so
+         * opt-in. MOE_CUDA_PREFETCH_CE=fail: every request is answered as failed, so the
+         * prefetch kernel makes the copies itself (what a failed copy leads to; tests). */
+        const char *pce = getenv("MOE_CUDA_PREFETCH_CE");
+        b->pf_dma = pce && (!strcmp(pce, "1") || !strcmp(pce, "fail")) && !b->xsrc &&
+                    b->link_gbps <= 0;
+        b->dma_failed = b->pf_dma && !strcmp(pce, "fail");
+        if (b->pf_dma) {
+            const int drc = dma_start(b, max_slots, err, errlen);
+            if (drc) {
+                free(h);
+                free(hl);
+                return drc;
+            }
+        }
     }
     if (b->stage_cap) {
         b->stage_buf = (int8_t *)malloc(L);
@@ -2086,7 +2282,9 @@ static int cuda_init(struct moe_backend **out, const struct moe_model *m, struct
                      hot, b->xhow,
                      !b->pf               ? ""
                      : b->xsrc            ? ", layer-ahead read-ahead hints"
-                     : b->pf_ahead == 2   ? ", prefetch two layers ahead"
+                     : b->pf_ahead == 2   ? (b->pf_dma ? ", prefetch two layers ahead by the copy engines"
+                                                       : ", prefetch two layers ahead")
+                     : b->pf_dma          ? ", prefetch one layer ahead by the copy engines"
                                           : ", prefetch one layer ahead",
                      stg);
         }
@@ -2114,6 +2312,9 @@ static void cuda_free(struct moe_backend *bb)
         return;
     if (b->st)
         cudaStreamSynchronize(b->st);
+    if (b->st2)
+        cudaStreamSynchronize(b->st2);
+    dma_stop(b);
     pool_stop(b);
     if (b->profile && b->prof_steps > 0) {
         double tot = 0;
@@ -2339,6 +2540,7 @@ static int cuda_begin(struct moe_backend *bb, const struct moe_step *st)
     b->record = st->record;
     b->head_chunked = false;
     pool_step_begin(b);
+    dma_step_begin(b);
     b->route_pending = -1;
     b->norm_pending = false;
     b->qkv_pending = false;
@@ -2914,6 +3116,12 @@ static int prefetch(struct cuda_backend *b, int l, int t, bool first)
         LAUNCH(b, "read-ahead hint",
                moe_cuda_offload_pool_hint(b->d_off + t, (int32_t)b->d.nexp, b->pf_sel, b->n * k,
                                           b->st2));
+    } else if (b->pf_dma) {
+        LAUNCH(b, "prefetch residency",
+               moe_cuda_offload_resolve(b->d_off + t, (int32_t)b->d.nexp, ct->slots, b->pf_sel,
+                                        b->n * k, moe_off_dma_list(b->d_dma), true, NULL, false,
+                                        b->st2));
+        LAUNCH(b, "prefetch copies", moe_cuda_offload_dma(b->d_dma, b->d_dma_seq, b->st2));
     } else {
         LAUNCH(b, "prefetch residency",
                moe_cuda_offload_resolve(b->d_off + t, (int32_t)b->d.nexp, ct->slots, b->pf_sel,
@@ -3307,7 +3515,7 @@ static int end_step(struct cuda_backend *b, float *out, int32_t *tokens);
 static int cuda_end(struct moe_backend *bb, float *out, int32_t *tokens)
 {
     struct cuda_backend *b = (struct cuda_backend *)bb;
-    return pool_step_end(b, end_step(b, out, tokens));
+    return dma_step_end(b, pool_step_end(b, end_step(b, out, tokens)));
 }
 
 static int end_step(struct cuda_backend *b, float *out, int32_t *tokens)
