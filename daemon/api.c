@@ -1460,6 +1460,47 @@ static int parse_constraint(json_t *body, struct gen_req *r, struct verr *e)
     return 0;
 }
 
+/* ignore_eos (as llama-server): every end-of-generation token of the vocabulary gets the bias
+ * -100 (over any logit_bias of its own), so that the generation runs to max_tokens, and the
+ * worker is given none to stop at. */
+static int add_eog_ban(struct api *a, struct gen_req *r, struct verr *e)
+{
+    const uint32_t nv = moe_tok_n_vocab(a->tok);
+    uint32_t n_eog = 0;
+    for (uint32_t id = 0; id < nv; id++)
+        n_eog += moe_tok_is_eog(a->tok, (int32_t)id) ? 1 : 0;
+    if (n_eog == 0)
+        return 0;
+    const uint32_t n = r->s.n_bias;
+    int32_t *bt = realloc(r->bias_tok, (n + n_eog) * sizeof *bt);
+    if (bt)
+        r->bias_tok = bt;
+    float *bv = bt ? realloc(r->bias_val, (n + n_eog) * sizeof *bv) : NULL;
+    if (bv)
+        r->bias_val = bv;
+    if (!bt || !bv)
+        return fail(e, 500, NULL, "out of memory");
+    uint32_t k = n;
+    for (uint32_t id = 0; id < nv; id++) {
+        if (!moe_tok_is_eog(a->tok, (int32_t)id))
+            continue;
+        uint32_t i = 0;
+        while (i < n && r->bias_tok[i] != (int32_t)id)
+            i++;
+        if (i == n)
+            i = k++;
+        r->bias_tok[i] = (int32_t)id;
+        r->bias_val[i] = -100.0f;
+    }
+    if (k > SCHED_MAX_BIAS)
+        return fail(e, 400, "logit_bias", "'logit_bias' with 'ignore_eos' has %u entries, the "
+                    "end-of-generation tokens counted (at most %d)", k, SCHED_MAX_BIAS);
+    r->s.bias_tok = r->bias_tok;
+    r->s.bias_val = r->bias_val;
+    r->s.n_bias = k;
+    return 0;
+}
+
 static int parse_logit_bias(struct api *a, json_t *body, struct gen_req *r, struct verr *e)
 {
     json_t *v = json_object_get(body, "logit_bias");
@@ -1641,7 +1682,9 @@ static int parse_common(struct api *a, json_t *body, bool chat, struct gen_req *
             return fail(e, 400, constrained[i], "'%s' is not supported by moed", constrained[i]);
     }
     if (parse_logprobs(body, chat, r, e) || parse_logit_bias(a, body, r, e) ||
-        parse_constraint(body, r, e) || (chat && force_tool_call(body, r, e)))
+        get_bool(body, "ignore_eos", &r->s.ignore_eos, e) ||
+        (r->s.ignore_eos && add_eog_ban(a, r, e)) || parse_constraint(body, r, e) ||
+        (chat && force_tool_call(body, r, e)))
         return -1;
     if (chat) {
         if ((v = json_object_get(body, "echo")) && !json_is_null(v) && !json_is_false(v))

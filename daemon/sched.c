@@ -297,7 +297,8 @@ static void dispatch(struct sched *s)
         if (best < 0)
             break;
         int rc = moed_workers_send_submit(s->ws, (uint32_t)best, r->id, r->prompt, r->n_prompt,
-                                          r->max_tokens, &r->sampling, s->eog, s->cfg.n_eog);
+                                          r->max_tokens, &r->sampling, s->eog,
+                                          r->sampling.ignore_eos ? 0 : s->cfg.n_eog);
         /* moed_workers_start bounds n_ctx so that any prompt sched_submit accepts fits a frame. */
         MOE_ASSERT(rc != MOE_ETOOBIG);
         if (rc) {

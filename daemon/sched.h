@@ -33,6 +33,8 @@ struct sched_sampling {
     bool prompt_logprobs;     /* with logprobs: the prompt's too (cb.on_prompt_logprob) */
     const char *grammar;      /* GBNF the output must follow (validated); NULL: none. Copied by
                                * sched_submit. */
+    bool ignore_eos;          /* the end-of-generation tokens do not end it (the worker is given
+                               * none; the API also bans them with logit_bias) */
 };
 
 #define SCHED_MAX_TOP_LOGPROBS 20

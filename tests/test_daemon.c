@@ -1834,7 +1834,8 @@ TEST_TIMEOUT(daemon_tokenize_and_detokenize, 120)
 }
 
 /* A generation whose first token ends it (logit_bias pushes the end-of-generation tokens): the
- * completion with echo is the prompt alone, the chat answer is empty, streamed or not. */
+ * completion with echo is the prompt alone, the chat answer is empty, streamed or not; with
+ * ignore_eos, the same requests run to max_tokens. */
 TEST_TIMEOUT(daemon_generation_that_ends_at_once, 120)
 {
     struct moed d;
@@ -1882,6 +1883,40 @@ TEST_TIMEOUT(daemon_generation_that_ends_at_once, 120)
         }
         hc_resp_free(&r);
     }
+    /* ignore_eos: the same biases are overridden (the end-of-generation tokens banned), and the
+     * generation runs to max_tokens: the completion is the plain greedy one (which does not end
+     * in 5 tokens). */
+    j = post_json(d.sock, "/v1/completions", "{\"prompt\": \"In the beginning\", \"max_tokens\": 5, "
+                  "\"temperature\": 0}", &status);
+    CHECK_MSG(status == 200, "%d %s", status, err_msg(j));
+    ch = json_array_get(json_object_get(j, "choices"), 0);
+    CHECK_STREQ(json_string_value(json_object_get(ch, "finish_reason")), "length");
+    char *plain = strdup(json_string_value(json_object_get(ch, "text")));
+    CHECK(plain && *plain);
+    json_decref(j);
+    for (int chat = 0; chat < 2; chat++) {
+        if (chat)
+            snprintf(body, sizeof body, "{\"messages\": [{\"role\": \"user\", \"content\": "
+                     "\"Hi\"}], \"max_tokens\": 5, \"temperature\": 0, \"ignore_eos\": true, "
+                     "\"logit_bias\": {%s}}", bias);
+        else
+            snprintf(body, sizeof body, "{\"prompt\": \"In the beginning\", \"max_tokens\": 5, "
+                     "\"temperature\": 0, \"ignore_eos\": true, \"logit_bias\": {%s}}", bias);
+        j = post_json(d.sock, chat ? "/v1/chat/completions" : "/v1/completions", body, &status);
+        CHECK_MSG(status == 200, "%d %s", status, err_msg(j));
+        ch = json_array_get(json_object_get(j, "choices"), 0);
+        CHECK_STREQ(json_string_value(json_object_get(ch, "finish_reason")), "length");
+        CHECK_EQ(json_integer_value(json_object_get(json_object_get(j, "usage"),
+                                                    "completion_tokens")), 5);
+        if (!chat)
+            CHECK_STREQ(json_string_value(json_object_get(ch, "text")), plain);
+        json_decref(j);
+    }
+    free(plain);
+    j = post_json(d.sock, "/v1/completions", "{\"prompt\": \"hi\", \"ignore_eos\": 1}", &status);
+    CHECK_EQ(status, 400);
+    CHECK(strstr(err_msg(j), "'ignore_eos' must be a boolean"));
+    json_decref(j);
     CHECK_EQ(moed_stop(&d, 60), 0);
 }
 
