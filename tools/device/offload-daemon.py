@@ -12,33 +12,18 @@ that prompt (the two backends agree to rounding, so they may part at a near tie)
 """
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench"))
+from bench_workers import http  # noqa: E402  (one request over the daemon's Unix socket)
+
 BIN, MODEL = sys.argv[1], sys.argv[2]
 RES = sys.argv[3] if len(sys.argv) > 3 else "40%"
 PROMPTS = ["In the beginning God", "And the LORD said unto Moses", "Blessed are the",
            "The LORD is my shepherd", "And it came to pass", "For God so loved"]
-
-
-def http(sock, method, path, body=None):
-    data = json.dumps(body).encode() if body is not None else b""
-    s = socket.socket(socket.AF_UNIX)
-    s.settimeout(120)
-    s.connect(sock)
-    s.sendall(f"{method} {path} HTTP/1.1\r\nHost: moed\r\nContent-Type: application/json\r\n"
-              f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n".encode() + data)
-    out = b""
-    while True:
-        c = s.recv(65536)
-        if not c:
-            break
-        out += c
-    head, _, rest = out.partition(b"\r\n\r\n")
-    return int(head.split()[1]), rest.decode("utf-8", "replace")
 
 
 def start(d, extra, devices=None):
