@@ -131,12 +131,13 @@ __global__ void __launch_bounds__(NT) offload_fill_kernel(const struct moe_cuda_
     fill_chunks<NT>(fl, (int)blockIdx.x, (int)gridDim.x, ns_per_chunk);
 }
 
-/* One block: the copies its prefetch's resolve listed in the mailbox d (mapped host memory)
- * asked of the worker's thread, which makes them with the copy engines, and waited for. Where
- * the answer says they failed, or none comes in MOE_OFF_DMA_WAIT_NS (the request is then marked
- * given up, so that the thread does not copy it later), the block copies them itself, so the
- * slots hold their experts' bytes either way. seq: the last request's number (device). */
-__global__ void __launch_bounds__(256) offload_dma_kernel(struct moe_off_dma *d, uint32_t *seq)
+/* One block of 64 threads: the copies its prefetch's resolve listed in the mailbox d (mapped
+ * host memory) asked of the worker's thread, which makes them with the copy engines, and
+ * waited for. Where the answer says they failed, or none comes in MOE_OFF_DMA_WAIT_NS (the
+ * request is then marked given up, so that the thread does not copy it later), the block
+ * copies them itself, so the slots hold their experts' bytes either way. seq: the last
+ * request's number (device). */
+__global__ void __launch_bounds__(64) offload_dma_kernel(struct moe_off_dma *d, uint32_t *seq)
 {
     __shared__ int s_self;
     struct moe_cuda_fill_list *fl = moe_off_dma_list(d);
@@ -164,12 +165,13 @@ __global__ void __launch_bounds__(256) offload_dma_kernel(struct moe_off_dma *d,
     }
     __syncthreads();
     if (s_self)
-        fill_chunks<256>(fl, 0, 1, 0.0);
+        fill_chunks<64>(fl, 0, 1, 0.0);
 }
 
 int moe_cuda_offload_dma(struct moe_off_dma *d_dma, uint32_t *d_seq, cudaStream_t s)
 {
-    offload_dma_kernel<<<1, 256, 0, s>>>(d_dma, d_seq);
+    /* A thin block (two warps): it waits beside the step's kernels for the whole copy. */
+    offload_dma_kernel<<<1, 64, 0, s>>>(d_dma, d_seq);
     MOE_CUDA_TRY(cudaGetLastError());
     return 0;
 }
