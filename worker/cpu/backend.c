@@ -886,12 +886,12 @@ static void ps_logits(struct cpu_backend *e, int l, const float *x)
     par_matmul(e, &job, 1, 1);
 }
 
-/* MOE_CPU_PREDICT_STUDY: x re-weighted for layer t's norm, x·(g_t / g_l) (x·g_t where g_l is 0),
- * into e->ps_x. */
+/* MOE_CPU_PREDICT_STUDY: x re-weighted for layer t's norm, x·(g_t / g_l), into e->ps_x; 0 where
+ * g_l is 0 (x is 0 there too), as the GPU prefetch's scale has it. */
 static void ps_reweight(struct cpu_backend *e, const float *x, const float *gl, const float *gt)
 {
     for (int64_t i = 0; i < e->E; i++)
-        e->ps_x[i] = gl[i] != 0.0f ? x[i] * (gt[i] / gl[i]) : x[i] * gt[i];
+        e->ps_x[i] = gl[i] != 0.0f ? x[i] * (gt[i] / gl[i]) : 0.0f;
 }
 
 /* MOE_CPU_PREDICT_STUDY, one-token steps: layer l+1's experts guessed from layer l's MoE input
