@@ -397,7 +397,7 @@ TEST(offload_resolve_fast_path_equals_the_walk)
         for (int step = 0; step < 400; step++) {
             const int32_t k = 1 + (int32_t)(moe_test_rng_u32() % (uint32_t)kmax);
             /* Mostly experts that have a slot, so that most steps hit throughout. */
-            memset(need, 0, (size_t)ne);
+            memset(need, 0, (size_t)(uint32_t)ne);
             for (int32_t i = 0; i < k; i++) {
                 int32_t e = (int32_t)(moe_test_rng_u32() % (uint32_t)ne);
                 if (moe_test_rng_u32() % 8 && S > 0)
@@ -587,7 +587,7 @@ TEST(offload_repin_pins_the_wanted_experts)
         for (int round = 0; round < 60; round++) {
             /* Some cache traffic first, so that slots hold assorted experts. */
             for (int step = 0; step < 5; step++) {
-                memset(need, 0, (size_t)ne);
+                memset(need, 0, (size_t)(uint32_t)ne);
                 for (int i = 0; i < 3; i++)
                     need[moe_test_rng_u32() % (uint32_t)ne] = 1;
                 moe_off_resolve(&m.L, need, m.slot_of, m.slot_exp, m.ref, m.pinned, &m.hand,
@@ -623,7 +623,7 @@ TEST(offload_repin_pins_the_wanted_experts)
                 CHECK(++calls < 1000);
             } while (pending);
             /* Exactly the first `slots` distinct valid wanted experts are pinned. */
-            memset(need, 0, (size_t)ne);
+            memset(need, 0, (size_t)(uint32_t)ne);
             int32_t distinct = 0;
             for (int32_t i = 0; i < nw && distinct < S; i++)
                 if (want[i] >= 0 && want[i] < ne && !need[want[i]]) {
@@ -642,7 +642,7 @@ TEST(offload_repin_pins_the_wanted_experts)
                     CHECK(m.slot_of[x] >= 0 && m.pinned[m.slot_of[x]]);
             /* Pinned experts survive later cache traffic. */
             for (int step = 0; step < 5; step++) {
-                memset(need, 0, (size_t)ne);
+                memset(need, 0, (size_t)(uint32_t)ne);
                 for (int i = 0; i < 3; i++)
                     need[moe_test_rng_u32() % (uint32_t)ne] = 1;
                 int32_t before[256];
