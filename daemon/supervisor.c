@@ -393,8 +393,10 @@ static const struct sched_logprob *token_logprob(const Moed__Token *t, struct sc
         return NULL;
     lp->logprob = t->logprob;
     lp->n_top = (uint32_t)t->n_top_token;
-    memcpy(lp->top_id, t->top_token, t->n_top_token * sizeof *lp->top_id);
-    memcpy(lp->top_lp, t->top_logprob, t->n_top_token * sizeof *lp->top_lp);
+    if (t->n_top_token) { /* an empty repeated field's pointer is NULL: no memcpy from it */
+        memcpy(lp->top_id, t->top_token, t->n_top_token * sizeof *lp->top_id);
+        memcpy(lp->top_lp, t->top_logprob, t->n_top_token * sizeof *lp->top_lp);
+    }
     return lp;
 }
 
