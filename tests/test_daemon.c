@@ -781,7 +781,7 @@ TEST(daemon_sigterm_and_stale_socket)
  * come, as systemd does (a full datagram queue would block the daemon). */
 struct notify_reader {
     int fd;
-    volatile int stop;
+    _Atomic int stop;
     char all[1 << 16];
     size_t n;
 };

@@ -24,6 +24,7 @@ struct fake {
     char body3[8192];      /* the third's, when `third` */
     bool third;            /* serve a third request like the second */
     bool first_cut;        /* the first reply's connection was closed by the client */
+    _Atomic bool got3;     /* body3 is written (the test waits for it while the thread serves) */
 };
 
 /* Reads one request (headers and Content-Length body) into buf. */
@@ -85,6 +86,7 @@ static void *serve(void *arg)
         return NULL;
     b = strstr(buf, "\r\n\r\n");
     snprintf(f->body3, sizeof f->body3, "%s", b ? b + 4 : "");
+    f->got3 = true;
     send(c, head, sizeof head - 1, MSG_NOSIGNAL);
     send(c, done, sizeof done - 1, MSG_NOSIGNAL);
     close(c);
@@ -233,7 +235,7 @@ TEST_TIMEOUT(moectl_chat_line_editing_on_a_terminal, 60)
     usleep(200000);
     CHECK(write(m, "\x1b[A\r", 4) == 4); /* the last message again */
     double t0 = moe_test_now();
-    while (!f.body3[0] && moe_test_now() - t0 < 10)
+    while (!f.got3 && moe_test_now() - t0 < 10)
         drain(m, 100000);
     usleep(300000);
     CHECK(write(m, "/quit\r", 6) == 6);
