@@ -67,9 +67,10 @@ static int run(const char *name, const char *gbnf, const struct moe_token_bytes 
     uint8_t *mask = malloc(tb->n);
     double *tm = malloc(sizeof(double) * (size_t)n_tok), adv = 0;
     uint32_t *ok = malloc(sizeof(uint32_t) * tb->n);
+    int rc = 1;
     if (!st || !mask || !tm || !ok) {
         fprintf(stderr, "bench_grammar: %s: %s\n", name, st ? "out of memory" : err);
-        return 1;
+        goto out;
     }
     uint64_t allowed_sum = 0, stacks_sum = 0;
     int docs = 0, steps = 0;
@@ -79,7 +80,7 @@ static int run(const char *name, const char *gbnf, const struct moe_token_bytes 
         tm[steps] = moe_now_s() - t0;
         if (allowed < 0) {
             fprintf(stderr, "bench_grammar: %s: %s\n", name, moe_grammar_state_error(st));
-            return 1;
+            goto out;
         }
         uint32_t n_ok = 0;
         for (uint32_t i = 0; i < tb->n; i++)
@@ -91,6 +92,10 @@ static int run(const char *name, const char *gbnf, const struct moe_token_bytes 
         if (n_ok == 0) { /* only the end: a new document */
             moe_grammar_state_free(st);
             st = moe_grammar_state_new(g, err, sizeof err);
+            if (!st) {
+                fprintf(stderr, "bench_grammar: %s: %s\n", name, err);
+                goto out;
+            }
             docs++;
             continue;
         }
@@ -98,7 +103,7 @@ static int run(const char *name, const char *gbnf, const struct moe_token_bytes 
         t0 = moe_now_s();
         if (moe_grammar_state_accept_bytes(st, tb->tok[t], tb->len[t]) != 1) {
             fprintf(stderr, "bench_grammar: %s: an allowed token was refused\n", name);
-            return 1;
+            goto out;
         }
         adv += moe_now_s() - t0;
     }
@@ -111,10 +116,12 @@ static int run(const char *name, const char *gbnf, const struct moe_token_bytes 
            name, n_tok, docs, 1e6 * sum / n_tok, 1e6 * tm[n_tok / 2],
            1e6 * tm[(int)(0.99 * (n_tok - 1))], 1e6 * adv / n_tok,
            (double)allowed_sum / n_tok, (double)stacks_sum / n_tok);
+    rc = 0;
+out:
     moe_grammar_state_free(st);
     moe_grammar_free(g);
     free(mask), free(tm), free(ok);
-    return 0;
+    return rc;
 }
 
 int main(int argc, char **argv)

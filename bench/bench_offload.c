@@ -226,8 +226,10 @@ int main(int argc, char **argv)
     struct moe_offload_layer *pl_a = calloc((size_t)L, sizeof *pl_a),
                              *pl_m = calloc((size_t)L, sizeof *pl_m),
                              *pl_z = calloc((size_t)L, sizeof *pl_z);
-    if (!pl_a || !pl_m || !pl_z)
+    if (!counts || !pl_a || !pl_m || !pl_z) {
+        free(counts), free(pl_a), free(pl_m), free(pl_z);
         return 1;
+    }
     int nres = 0;
     double base_tg = 0;
 

@@ -165,7 +165,7 @@ int main(int argc, char **argv)
     const char *res_list = "0.125,0.25,0.5";
     uint32_t W = 2, per_wl = 24, gen = 16;
     int threads = 0;
-    for (int i = 1; i < argc; i++) {
+    for (int i = 1; i < argc; i += 2) { /* every option takes a value */
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (!v)
             die("every option takes a value");
@@ -183,7 +183,6 @@ int main(int argc, char **argv)
             threads = atoi(v);
         else
             die("unknown option");
-        i++;
     }
     if (W < 2 || W > MOE_WL_MAX_WORKERS || per_wl < 2 || per_wl * MAX_WL > MAX_REQ || gen < 1)
         die("--workers 2..64, --requests 2..85, --gen >= 1");

@@ -339,8 +339,8 @@ TEST(grammar_mask_equals_brute_force)
 TEST(grammar_mini_fuzz)
 {
     static const char *seeds[] = {
-        "root ::= \"{\" ws (pair (\",\" ws pair)*)? \"}\"\npair ::= [a-z]+ \":\" ws [0-9]{1,3}\n"
-        "ws ::= [ \\t\\n]{0,4}\n",
+        ("root ::= \"{\" ws (pair (\",\" ws pair)*)? \"}\"\npair ::= [a-z]+ \":\" ws [0-9]{1,3}\n"
+         "ws ::= [ \\t\\n]{0,4}\n"),
         "root ::= (\"a\" | [b-d] | \"\\u00e9\")* \"e\"+ \"f\"? \"g\"{2} \"h\"{1,} # c\n",
         "root ::= x\nx ::= \"(\" x \")\" | [^()]\n",
         "root ::= [\\x00-\\x1f\\]\\[\\-]{1,3} . (\"\\U0001F600\" | \"\\\"\")\n",
