@@ -1210,9 +1210,15 @@ static void dma_serve(struct cuda_backend *b, uint32_t r)
         const struct moe_cuda_fill_list *fl = moe_off_dma_list(d);
         const int32_t n = fl->n;
         cudaError_t e = cudaSuccess;
-        for (int32_t i = 0; i < n && e == cudaSuccess; i++) {
+        /* Copies that continue each other at both ends (an expert's parts where the store
+         * keeps them together, as the slot does) go as one. */
+        for (int32_t i = 0; i < n && e == cudaSuccess;) {
             const struct moe_cuda_fill j = fl->job[i];
-            e = cudaMemcpyAsync(j.dst, j.src, j.bytes, cudaMemcpyDefault, b->dma_st);
+            size_t bytes = j.bytes;
+            for (i++; i < n && fl->job[i].src == j.src + bytes && fl->job[i].dst == j.dst + bytes;
+                 i++)
+                bytes += fl->job[i].bytes;
+            e = cudaMemcpyAsync(j.dst, j.src, bytes, cudaMemcpyDefault, b->dma_st);
         }
         if (e == cudaSuccess)
             e = cudaEventRecord(b->dma_ev, b->dma_st);
