@@ -23,6 +23,7 @@
 #include <cuda_runtime.h>
 
 extern "C" {
+#include "store/io.h"
 #include "store/err.h"
 #include "store/ggml_type.h"
 #include "store/placement.h"
@@ -255,6 +256,11 @@ struct cuda_backend {
     bool dma_started;
     bool dma_stop, dma_active;       /* under dma_mu */
     bool dma_failed;                 /* dma_service: a copy failed; the kernel copies from then on */
+    /* dma_service's counts, printed when the backend ends (MOE_CUDA_PREFETCH_CE_STATS=1):
+     * requests, copies queued, bytes, and the seconds spent queueing and waiting for them. */
+    bool dma_stats;
+    uint64_t dma_req, dma_copies, dma_bytes;
+    double dma_queue_s, dma_wait_s;
     /* Prompt staging (steps of at least stage_min_n tokens; offload.cuh): two buffers of
      * stage_cap experts after the slots in xarena. At layer l the second stream copies the next
      * offloaded layer's experts without a slot into the other buffer while layer l computes
@@ -1210,6 +1216,7 @@ static void dma_serve(struct cuda_backend *b, uint32_t r)
         const struct moe_cuda_fill_list *fl = moe_off_dma_list(d);
         const int32_t n = fl->n;
         cudaError_t e = cudaSuccess;
+        const double t0 = b->dma_stats ? moe_now_s() : 0;
         /* Copies that continue each other at both ends (an expert's parts where the store
          * keeps them together, as the slot does) go as one. */
         for (int32_t i = 0; i < n && e == cudaSuccess;) {
@@ -1219,13 +1226,23 @@ static void dma_serve(struct cuda_backend *b, uint32_t r)
                  i++)
                 bytes += fl->job[i].bytes;
             e = cudaMemcpyAsync(j.dst, j.src, bytes, cudaMemcpyDefault, b->dma_st);
+            b->dma_copies++;
+            b->dma_bytes += bytes;
         }
         if (e == cudaSuccess)
             e = cudaEventRecord(b->dma_ev, b->dma_st);
-        while (e == cudaSuccess && (e = cudaEventQuery(b->dma_ev)) == cudaErrorNotReady) {
+        const double t1 = b->dma_stats ? moe_now_s() : 0;
+        if (e == cudaSuccess)
+            while ((e = cudaEventQuery(b->dma_ev)) == cudaErrorNotReady) {
 #if defined(__x86_64__) || defined(__i386__)
-            __builtin_ia32_pause();
+                __builtin_ia32_pause();
 #endif
+            }
+        if (b->dma_stats) {
+            const double t2 = moe_now_s();
+            b->dma_req++;
+            b->dma_queue_s += t1 - t0;
+            b->dma_wait_s += t2 - t1;
         }
         if (e != cudaSuccess) {
             fprintf(stderr,
@@ -1333,6 +1350,14 @@ static int dma_step_end(struct cuda_backend *b, int rc)
 
 static void dma_stop(struct cuda_backend *b)
 {
+    if (b->dma_stats && b->dma_req)
+        fprintf(stderr,
+                "cuda:%d: copy-engine prefetch: %llu requests, %llu copies, %.1f MB; %.1f us a "
+                "request queueing, %.1f us waiting for the copies (%.1f GB/s)\n",
+                b->dev, (unsigned long long)b->dma_req, (unsigned long long)b->dma_copies,
+                b->dma_bytes / 1e6, 1e6 * b->dma_queue_s / (double)b->dma_req,
+                1e6 * b->dma_wait_s / (double)b->dma_req,
+                b->dma_wait_s > 0 ? b->dma_bytes / 1e9 / b->dma_wait_s : 0.0);
     if (b->dma_started) {
         pthread_mutex_lock(&b->dma_mu);
         b->dma_stop = true;
@@ -1615,6 +1640,8 @@ static int offload_state(struct cuda_backend *b, char *err, size_t errlen)
         b->pf_dma = pce && (!strcmp(pce, "1") || !strcmp(pce, "fail")) && !b->xsrc &&
                     b->link_gbps <= 0;
         b->dma_failed = b->pf_dma && !strcmp(pce, "fail");
+        b->dma_stats = getenv("MOE_CUDA_PREFETCH_CE_STATS") &&
+                       !strcmp(getenv("MOE_CUDA_PREFETCH_CE_STATS"), "1");
         if (b->pf_dma) {
             const int drc = dma_start(b, max_slots, err, errlen);
             if (drc) {
