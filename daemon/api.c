@@ -90,10 +90,6 @@ struct api {
     uint64_t *routing;              /* [n_layer][n_expert], NULL when unknown */
     uint64_t routing_tokens;
     struct latency_hist ttft, itl;  /* seconds: request to first token, between tokens */
-    int32_t *eog;                   /* the vocabulary's end-of-generation tokens (ignore_eos),
-                                     * found at the first request that asks */
-    uint32_t n_eog;
-    bool eog_known;
 };
 
 /* One response: its n choices (a gen each, submitted as n requests) and what they share. */
@@ -1464,42 +1460,32 @@ static int parse_constraint(json_t *body, struct gen_req *r, struct verr *e)
     return 0;
 }
 
-/* ignore_eos (as llama-server): every end-of-generation token of the vocabulary gets the bias
- * -100 (over any logit_bias of its own), so that the generation runs to max_tokens, and the
- * worker is given none to stop at. */
+/* ignore_eos (as llama-server): every end-of-generation token the workers would stop at (the
+ * scheduler's list) gets the bias -100 (over any logit_bias of its own), so that the generation
+ * runs to max_tokens, and the worker is given none to stop at. */
 static int add_eog_ban(struct api *a, struct gen_req *r, struct verr *e)
 {
-    if (!a->eog_known) {
-        const uint32_t nv = moe_tok_n_vocab(a->tok);
-        uint32_t n_eog = 0;
-        for (uint32_t id = 0; id < nv; id++)
-            n_eog += moe_tok_is_eog(a->tok, (int32_t)id) ? 1 : 0;
-        if (n_eog && !(a->eog = malloc(n_eog * sizeof *a->eog)))
-            return fail(e, 500, NULL, "out of memory");
-        for (uint32_t id = 0; id < nv && a->n_eog < n_eog; id++)
-            if (moe_tok_is_eog(a->tok, (int32_t)id))
-                a->eog[a->n_eog++] = (int32_t)id;
-        a->eog_known = true;
-    }
-    if (a->n_eog == 0)
+    uint32_t n_eog;
+    const int32_t *eog = sched_eog(a->sched, &n_eog);
+    if (n_eog == 0)
         return 0;
     const uint32_t n = r->s.n_bias;
-    int32_t *bt = realloc(r->bias_tok, (n + a->n_eog) * sizeof *bt);
+    int32_t *bt = realloc(r->bias_tok, (n + n_eog) * sizeof *bt);
     if (bt)
         r->bias_tok = bt;
-    float *bv = bt ? realloc(r->bias_val, (n + a->n_eog) * sizeof *bv) : NULL;
+    float *bv = bt ? realloc(r->bias_val, (n + n_eog) * sizeof *bv) : NULL;
     if (bv)
         r->bias_val = bv;
     if (!bt || !bv)
         return fail(e, 500, NULL, "out of memory");
     uint32_t k = n;
-    for (uint32_t j = 0; j < a->n_eog; j++) {
+    for (uint32_t j = 0; j < n_eog; j++) {
         uint32_t i = 0;
-        while (i < n && r->bias_tok[i] != a->eog[j])
+        while (i < n && r->bias_tok[i] != eog[j])
             i++;
         if (i == n)
             i = k++;
-        r->bias_tok[i] = a->eog[j];
+        r->bias_tok[i] = eog[j];
         r->bias_val[i] = -100.0f;
     }
     if (k > SCHED_MAX_BIAS)
@@ -3684,7 +3670,6 @@ void api_free(struct api *a)
         group_free(g->grp);
     }
     free(a->routing);
-    free(a->eog);
     free(a->chat_text);
     free(a->model_id);
     free(a->model_arch);

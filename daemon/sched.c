@@ -707,6 +707,12 @@ const uint8_t *sched_worker_hot_bits(const struct sched *s, uint32_t w)
     return w < s->cfg.n_workers ? s->w[w].hot : NULL;
 }
 
+const int32_t *sched_eog(const struct sched *s, uint32_t *n)
+{
+    *n = s->cfg.n_eog;
+    return s->eog;
+}
+
 struct moe_wl_table *sched_workloads(struct sched *s)
 {
     return s->wl.e ? &s->wl : NULL;

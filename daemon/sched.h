@@ -120,6 +120,9 @@ size_t sched_slots(const struct sched *s, struct sched_slot *out, size_t cap);
 struct moe_wl_table;
 struct moe_wl_table *sched_workloads(struct sched *s);
 
+/* The end-of-generation tokens the workers are given to stop at (*n of them), as configured. */
+const int32_t *sched_eog(const struct sched *s, uint32_t *n);
+
 /* The experts worker w pins as its last Metrics said ([n_layer][n_expert] bits), or NULL. */
 const uint8_t *sched_worker_hot_bits(const struct sched *s, uint32_t w);
 
