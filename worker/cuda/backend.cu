@@ -1627,14 +1627,14 @@ static int offload_state(struct cuda_backend *b, char *err, size_t errlen)
          * take 5120 registers where 256 take 10240, more than the 7168 a multiprocessor has
          * left beside three blocks of the per-token gate/up (the grid of a one-token step fills
          * 2.9 a multiprocessor), so a 256-thread copy block beside it can push one of those into
-         * a second wave. Not yet measured, so opt-in. */
+         * a second wave. Measured slower (docs/benchmarks.md), so opt-in. */
         const char *pt = getenv("MOE_CUDA_PREFETCH_THREADS");
         b->pf_threads = pt && (atoi(pt) == 64 || atoi(pt) == 128) ? atoi(pt) : 256;
         /* MOE_CUDA_PREFETCH_CE=1: the prefetch's copies by the copy engines (55 GB/s where a
          * kernel reads the link at 42-51, and no multiprocessor taken from the step's kernels)
          * through the worker's thread; not with a tiered store (the prefetch copies nothing
-         * there) nor on a paced link (the copy engines cannot be paced). Not yet measured, so
-         * opt-in. MOE_CUDA_PREFETCH_CE=fail: every request is answered as failed, so the
+         * there) nor on a paced link (the copy engines cannot be paced). Measured 2.7x slower
+         * (a host round trip a layer, docs/offload.md), so opt-in. MOE_CUDA_PREFETCH_CE=fail: every request is answered as failed, so the
          * prefetch kernel makes the copies itself (what a failed copy leads to; tests). */
         const char *pce = getenv("MOE_CUDA_PREFETCH_CE");
         b->pf_dma = pce && (!strcmp(pce, "1") || !strcmp(pce, "fail")) && !b->xsrc &&
@@ -3149,19 +3149,18 @@ static int prefetch(struct cuda_backend *b, int l, int t, bool first)
         LAUNCH(b, "read-ahead hint",
                moe_cuda_offload_pool_hint(b->d_off + t, (int32_t)b->d.nexp, b->pf_sel, b->n * k,
                                           b->st2));
-    } else if (b->pf_dma) {
-        LAUNCH(b, "prefetch residency",
-               moe_cuda_offload_resolve(b->d_off + t, (int32_t)b->d.nexp, ct->slots, b->pf_sel,
-                                        b->n * k, moe_off_dma_list(b->d_dma), true, NULL, false,
-                                        b->st2));
-        LAUNCH(b, "prefetch copies", moe_cuda_offload_dma(b->d_dma, b->d_dma_seq, b->st2));
     } else {
+        /* The copies are listed in the copy engines' mailbox or in the fill kernel's list. */
+        struct moe_cuda_fill_list *fl = b->pf_dma ? moe_off_dma_list(b->d_dma) : b->d_pf_fill;
         LAUNCH(b, "prefetch residency",
                moe_cuda_offload_resolve(b->d_off + t, (int32_t)b->d.nexp, ct->slots, b->pf_sel,
-                                        b->n * k, b->d_pf_fill, true, NULL, false, b->st2));
-        LAUNCH(b, "prefetch fill",
-               moe_cuda_offload_fill_nt(b->d_pf_fill, b->pf_blocks, b->pf_threads, b->link_gbps,
-                                        b->st2));
+                                        b->n * k, fl, true, NULL, false, b->st2));
+        if (b->pf_dma)
+            LAUNCH(b, "prefetch copies", moe_cuda_offload_dma(b->d_dma, b->d_dma_seq, b->st2));
+        else
+            LAUNCH(b, "prefetch fill",
+                   moe_cuda_offload_fill_nt(fl, b->pf_blocks, b->pf_threads, b->link_gbps,
+                                            b->st2));
     }
     CU(b, cudaEventRecord(b->ev_join[t], b->st2));
     b->pf_pending[t] = true;

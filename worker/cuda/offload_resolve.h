@@ -57,7 +57,7 @@ struct moe_off_hint {
 struct moe_off_dma {
     volatile uint32_t req;      /* device: the request's number, written after the list */
     volatile uint32_t ans;      /* host: = req once the copies have landed (or failed) */
-    volatile int32_t status;    /* host: 0, or the copies failed (the step fails) */
+    volatile int32_t status;    /* host: 0, or the copies failed (the kernel makes them) */
     volatile uint32_t timeouts; /* device: requests given up on (no answer in
                                  * MOE_OFF_DMA_WAIT_NS: the kernel copied them itself) */
     volatile uint32_t given_up; /* device: the last request given up on */
