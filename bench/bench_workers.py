@@ -66,20 +66,8 @@ def http(sock, method, path, body=None, timeout=600):
     s.close()
     head, _, rest = out.partition(b"\r\n\r\n")
     if b"transfer-encoding: chunked" in head.lower():
-        rest = dechunk(rest)
+        rest = Dechunker().feed(rest)
     return int(head.split()[1]), rest.decode("utf-8", "replace")
-
-
-def dechunk(b):
-    out = b""
-    while b:
-        line, _, b = b.partition(b"\r\n")
-        n = int(line.split(b";")[0] or b"0", 16)
-        if n == 0:
-            break
-        out += b[:n]
-        b = b[n + 2:]
-    return out
 
 
 class Dechunker:
@@ -124,7 +112,6 @@ def stream_completion(sock, body, res):
     s = socket.socket(socket.AF_UNIX)
     s.settimeout(900)
     s.connect(sock)
-    res["sent"] = time.perf_counter()
     s.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: moed\r\nContent-Type: application/json\r\n"
               f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n".encode() + data)
     head = b""
@@ -163,7 +150,6 @@ def stream_completion(sock, body, res):
     if status != 200:
         res["error"] = (payload or head)[:500].decode("utf-8", "replace")
     res["tokens"], res["first"], res["last"] = tokens, first, last
-    res["done"] = time.perf_counter()
 
 
 def prompt(i, words):
