@@ -28,40 +28,39 @@ struct config {
     const char *stage;      /* MOE_CUDA_STAGE for the engine (NULL: auto) */
     bool stage_dma;         /* MOE_CUDA_STAGE_DMA=1: direct steps stage by the copy engines */
     bool fill_launch;       /* MOE_CUDA_FILL_FOLD=0: decode copies by the fill kernel */
-    bool ahead1;            /* MOE_CUDA_PREFETCH_AHEAD=1: predictions one layer ahead */
+    const char *ahead;      /* MOE_CUDA_PREFETCH_AHEAD: predictions that many layers ahead */
     const char *pf_threads; /* MOE_CUDA_PREFETCH_THREADS (NULL: the default) */
-    const char *pf_ce;      /* MOE_CUDA_PREFETCH_CE (NULL: unset) */
+    const char *pf_split;   /* MOE_CUDA_PREFETCH_SPLIT (NULL: unset) */
 };
 
 static const struct config CONFIGS[] = {
-    {"60%", 0.6, 0, false, false, NULL, false, false, false, NULL, NULL},
-    {"30%", 0.3, 0, false, false, NULL, false, false, false, NULL, NULL},
-    {"30% cache off", 0.3, -1, false, false, NULL, false, false, false, NULL, NULL},
-    {"30% one cache slot", 0.3, 1, false, false, NULL, false, false, false, NULL, NULL},
-    {"60% from counts", 0.6, 0, true, false, NULL, false, false, false, NULL, NULL},
-    {"30% from counts", 0.3, 0, true, false, NULL, false, false, false, NULL, NULL},
-    {"30% no prefetch", 0.3, 0, false, true, NULL, false, false, false, NULL, NULL},
-    {"60% counts, no prefetch", 0.6, 0, true, true, NULL, false, false, false, NULL, NULL},
-    {"one token's experts", 1e-9, 0, false, false, NULL, false, false, false, NULL, NULL},
-    {"30% no staging", 0.3, 0, false, false, "0", false, false, false, NULL, NULL},
-    {"30% staging of 1", 0.3, 0, false, false, "1", false, false, false, NULL, NULL},
-    {"60% counts, staging of all", 0.6, 0, true, false, "100000", false, false, false, NULL, NULL},
-    {"60% counts, staging by DMA", 0.6, 0, true, false, "100000", true, false, false, NULL, NULL},
-    {"30%, fill kernel", 0.3, 0, false, false, NULL, false, true, false, NULL, NULL},
-    {"60% counts, fill kernel", 0.6, 0, true, false, NULL, false, true, false, NULL, NULL},
-    {"30% one layer ahead", 0.3, 0, false, false, NULL, false, false, true, NULL, NULL},
-    {"60% counts, one layer ahead", 0.6, 0, true, false, NULL, false, false, true, NULL, NULL},
-    {"30%, 64-thread prefetch copies", 0.3, 0, false, false, NULL, false, false, false, "64",
+    {"60%", 0.6, 0, false, false, NULL, false, false, NULL, NULL, NULL},
+    {"30%", 0.3, 0, false, false, NULL, false, false, NULL, NULL, NULL},
+    {"30% cache off", 0.3, -1, false, false, NULL, false, false, NULL, NULL, NULL},
+    {"30% one cache slot", 0.3, 1, false, false, NULL, false, false, NULL, NULL, NULL},
+    {"60% from counts", 0.6, 0, true, false, NULL, false, false, NULL, NULL, NULL},
+    {"30% from counts", 0.3, 0, true, false, NULL, false, false, NULL, NULL, NULL},
+    {"30% no prefetch", 0.3, 0, false, true, NULL, false, false, NULL, NULL, NULL},
+    {"60% counts, no prefetch", 0.6, 0, true, true, NULL, false, false, NULL, NULL, NULL},
+    {"one token's experts", 1e-9, 0, false, false, NULL, false, false, NULL, NULL, NULL},
+    {"30% no staging", 0.3, 0, false, false, "0", false, false, NULL, NULL, NULL},
+    {"30% staging of 1", 0.3, 0, false, false, "1", false, false, NULL, NULL, NULL},
+    {"60% counts, staging of all", 0.6, 0, true, false, "100000", false, false, NULL, NULL, NULL},
+    {"60% counts, staging by DMA", 0.6, 0, true, false, "100000", true, false, NULL, NULL, NULL},
+    {"30%, fill kernel", 0.3, 0, false, false, NULL, false, true, NULL, NULL, NULL},
+    {"60% counts, fill kernel", 0.6, 0, true, false, NULL, false, true, NULL, NULL, NULL},
+    {"30% one layer ahead", 0.3, 0, false, false, NULL, false, false, "1", NULL, NULL},
+    {"60% counts, one layer ahead", 0.6, 0, true, false, NULL, false, false, "1", NULL, NULL},
+    {"30%, 64-thread prefetch copies", 0.3, 0, false, false, NULL, false, false, NULL, "64",
      NULL},
-    {"60% counts, 128-thread prefetch copies", 0.6, 0, true, false, NULL, false, false, false,
+    {"60% counts, 128-thread prefetch copies", 0.6, 0, true, false, NULL, false, false, NULL,
      "128", NULL},
-    {"30%, prefetch by the copy engines", 0.3, 0, false, false, NULL, false, false, false, NULL,
-     "1"},
-    {"60% counts, prefetch by the copy engines", 0.6, 0, true, false, NULL, false, false, false,
-     NULL, "1"},
-    {"30% one layer ahead, copy engines", 0.3, 0, false, false, NULL, false, false, true, NULL,
-     "1"},
-    {"30%, copy engines failing", 0.3, 0, false, false, NULL, false, false, false, NULL, "fail"},
+    {"30% three layers ahead", 0.3, 0, false, false, NULL, false, false, "3", NULL, NULL},
+    {"60% counts, three layers ahead", 0.6, 0, true, false, NULL, false, false, "3", NULL, NULL},
+    {"30%, copies after each prediction", 0.3, 0, false, false, NULL, false, false, NULL, NULL,
+     "0"},
+    {"60% counts, one ahead, copies after each prediction", 0.6, 0, true, false, NULL, false,
+     false, "1", NULL, "0"},
 };
 #define N_CONFIGS (sizeof CONFIGS / sizeof CONFIGS[0])
 
@@ -138,12 +137,12 @@ static struct moe_engine *engine(const struct moe_model *m, const struct config 
         setenv("MOE_CUDA_STAGE_DMA", "1", 1);
     if (c && c->fill_launch)
         setenv("MOE_CUDA_FILL_FOLD", "0", 1);
-    if (c && c->ahead1)
-        setenv("MOE_CUDA_PREFETCH_AHEAD", "1", 1);
+    if (c && c->ahead)
+        setenv("MOE_CUDA_PREFETCH_AHEAD", c->ahead, 1);
     if (c && c->pf_threads)
         setenv("MOE_CUDA_PREFETCH_THREADS", c->pf_threads, 1);
-    if (c && c->pf_ce)
-        setenv("MOE_CUDA_PREFETCH_CE", c->pf_ce, 1);
+    if (c && c->pf_split)
+        setenv("MOE_CUDA_PREFETCH_SPLIT", c->pf_split, 1);
     struct moe_engine *e = NULL;
     char err[512] = "";
     const int rc = moe_engine_init(&e, m, &o, err, sizeof err);
@@ -152,7 +151,7 @@ static struct moe_engine *engine(const struct moe_model *m, const struct config 
     unsetenv("MOE_CUDA_FILL_FOLD");
     unsetenv("MOE_CUDA_PREFETCH_AHEAD");
     unsetenv("MOE_CUDA_PREFETCH_THREADS");
-    unsetenv("MOE_CUDA_PREFETCH_CE");
+    unsetenv("MOE_CUDA_PREFETCH_SPLIT");
     CHECK_MSG(rc == 0, "%s", err);
     return e;
 }
@@ -201,11 +200,17 @@ TEST_TIMEOUT(cuda_offload_is_exact, 600)
                    os.stage_experts,
                    (unsigned long long)os.stage_reads, diff,
                    rows * (size_t)V);
-            if (ci == 0 || c->pf_ce)
+            if (ci == 0 || c->ahead || c->pf_split)
                 printf("    %s\n", info.desc);
-            /* The copy engines prefetch wherever the link check left the prefetch on. */
-            if (c->pf_ce && !strstr(info.desc, "copies lose"))
-                CHECK_MSG(strstr(info.desc, "by the copy engines") != NULL, "%s", info.desc);
+            /* The description names the prefetch's distance wherever the link check and the
+             * model's depth left it on. */
+            if (c->ahead && !strcmp(c->ahead, "3") && L > 3 && !c->no_prefetch &&
+                !strstr(info.desc, "copies lose"))
+                CHECK_MSG(strstr(info.desc, "prefetch three layers ahead") != NULL, "%s",
+                          info.desc);
+            if (c->pf_split && !c->no_prefetch && !strstr(info.desc, "copies lose"))
+                CHECK_MSG(strstr(info.desc, "copies after each prediction") != NULL, "%s",
+                          info.desc);
             CHECK_EQ(diff, (size_t)0);
             CHECK(memcmp(got_tok, ref_tok, sizeof ref_tok) == 0);
             /* Every layer looks up its chosen experts once per step. */

@@ -49,6 +49,7 @@ extern "C" {
 #define MOE_CUDA_GRAPH_MAX 64
 /* Steps of more tokens than this do not prefetch (their layers choose most experts anyway). */
 #define PF_MAX_N 8
+#define PF_AHEAD_MAX 3
 /* Experts predicted per token beyond the n_expert_used a layer chooses. */
 #define PF_EXTRA 0
 /* Steps with at least this many slots per expert on average group their slots by expert (each
@@ -215,12 +216,16 @@ struct cuda_backend {
      * the fill launch; a paced link (MOE_CUDA_LINK_GBPS) keeps it too. */
     const void **d_fsrc;
     /* Layer-ahead prefetch (decode steps of up to PF_MAX_N tokens): at layer l, a second stream
-     * applies layer l+1's router to layer l's MoE input, places the predicted experts in l+1's
-     * cache slots and copies them, while layer l computes; layer l+1 waits for it before its own
-     * resolve. ev_fork[l] / ev_read[l] / ev_join[l+1] order the two streams. */
+     * applies layer t's router (t = l + pf_ahead) to layer l's MoE input and places the
+     * predicted experts in t's cache slots, and a third copies them there (the fill of t waits
+     * only for t's prediction and the fills before it, not for later predictions), while the
+     * layers before t compute; layer t waits for its fill before its own resolve. ev_fork[l] /
+     * ev_read[l] / ev_pred[t] / ev_join[t] order the streams. MOE_CUDA_PREFETCH_SPLIT=0 makes
+     * the copies on the second stream after each prediction. */
     bool pf;
-    cudaStream_t st2;
-    cudaEvent_t *ev_fork, *ev_read, *ev_join; /* [L] */
+    bool pf_split;
+    cudaStream_t st2, st3;
+    cudaEvent_t *ev_fork, *ev_read, *ev_pred, *ev_join; /* [L] */
     bool *pf_pending;                /* [L]: a prefetch for this layer joins at its resolve */
     bool resolve_route;              /* offloaded decode layers route in the resolve's launch */
     int pf_read;                     /* a prefetch forked at this layer may still read MOE_BUF_X:
@@ -228,39 +233,20 @@ struct cuda_backend {
     float *pf_rl, *pf_w;             /* [PF_MAX_N][nexp], [PF_MAX_N][pf_k] */
     int32_t *pf_sel;                 /* [PF_MAX_N][pf_k] */
     int pf_k;                        /* experts predicted per token: kuse + MOE_CUDA_PREFETCH_EXTRA */
-    float *pf_x;                     /* [PF_MAX_N][E]: the input re-weighted for layer l+1 */
-    float *pf_scale;                 /* [L-1][E]: ffn_norm[l+1] / ffn_norm[l] (0 where the
-                                      * latter is 0) */
-    int pf_ahead;                    /* layers ahead: 2 (the default from 3 layers: at layer l the
-                                      * prediction is for l+2, and layer 0 also predicts 1), or 1
-                                      * (MOE_CUDA_PREFETCH_AHEAD=1) */
-    float *pf_scale2;                /* [L-2][E]: ffn_norm[l+2] / ffn_norm[l], with pf_ahead 2 */
+    float *pf_x;                     /* [PF_MAX_N][E]: the input re-weighted for layer t */
+    int pf_ahead;                    /* layers ahead: 2 by default (from 3 layers: at layer l the
+                                      * prediction is for l+2, and layer 0 also predicts 1);
+                                      * MOE_CUDA_PREFETCH_AHEAD=1..PF_AHEAD_MAX */
+    float *pf_scale[PF_AHEAD_MAX];   /* [a-1]: [L-a][E]: ffn_norm[l+a] / ffn_norm[l] (0 where
+                                      * the latter is 0) */
     unsigned long long *pf_counts;   /* [nexp], unread */
-    struct moe_cuda_fill_list *d_pf_fill;
+    uint8_t *d_pf_fill;              /* [L] fill lists of pf_fill_stride bytes: layer t's
+                                      * prefetch copies (one per layer, so that a prediction
+                                      * never writes a list a fill still reads) */
+    size_t pf_fill_stride;
     int pf_blocks;
     int pf_threads;                  /* threads a prefetch copy block (MOE_CUDA_PREFETCH_THREADS:
                                       * 256, 128 or 64; 256 by default) */
-    /* Prefetch copies by the copy engines (MOE_CUDA_PREFETCH_CE=1; offload.cuh,
-     * moe_cuda_offload_dma): the prefetch's resolve lists its copies in the mailbox h_dma /
-     * d_dma (mapped host memory), and dma_service makes them with cudaMemcpyAsync on dma_st
-     * while a step runs (dma_step_begin to dma_step_end). */
-    bool pf_dma;
-    struct moe_off_dma *h_dma, *d_dma;
-    uint32_t *d_dma_seq;             /* [1]: the last request's number */
-    cudaStream_t dma_st;
-    cudaEvent_t dma_ev;
-    pthread_mutex_t dma_mu;
-    pthread_cond_t dma_cv;
-    bool dma_mu_ok;
-    pthread_t dma_thr;
-    bool dma_started;
-    bool dma_stop, dma_active;       /* under dma_mu */
-    bool dma_failed;                 /* dma_service: a copy failed; the kernel copies from then on */
-    /* dma_service's counts, printed when the backend ends (MOE_CUDA_PREFETCH_CE_STATS=1):
-     * requests, copies queued, bytes, and the seconds spent queueing and waiting for them. */
-    bool dma_stats;
-    uint64_t dma_req, dma_copies, dma_bytes;
-    double dma_queue_s, dma_wait_s;
     /* Prompt staging (steps of at least stage_min_n tokens; offload.cuh): two buffers of
      * stage_cap experts after the slots in xarena. At layer l the second stream copies the next
      * offloaded layer's experts without a slot into the other buffer while layer l computes
@@ -1203,187 +1189,6 @@ static int pool_step_end(struct cuda_backend *b, int rc)
     return 0;
 }
 
-/* The copy-engine prefetch's request r (struct moe_off_dma): its list's copies queued on
- * dma_st and waited for, then answered. A request the kernel gave up on is answered without
- * copies (it copied them itself); after a failed copy, every request is answered as failed, so
- * that the kernel copies. */
-static void dma_serve(struct cuda_backend *b, uint32_t r)
-{
-    struct moe_off_dma *d = b->h_dma;
-    __sync_synchronize(); /* the list was written before the request */
-    int32_t status = b->dma_failed ? -1 : 0;
-    if (!status && d->given_up != r) {
-        const struct moe_cuda_fill_list *fl = moe_off_dma_list(d);
-        const int32_t n = fl->n;
-        cudaError_t e = cudaSuccess;
-        const double t0 = b->dma_stats ? moe_now_s() : 0;
-        /* Copies that continue each other at both ends (an expert's parts where the store
-         * keeps them together, as the slot does) go as one. */
-        for (int32_t i = 0; i < n && e == cudaSuccess;) {
-            const struct moe_cuda_fill j = fl->job[i];
-            size_t bytes = j.bytes;
-            for (i++; i < n && fl->job[i].src == j.src + bytes && fl->job[i].dst == j.dst + bytes;
-                 i++)
-                bytes += fl->job[i].bytes;
-            e = cudaMemcpyAsync(j.dst, j.src, bytes, cudaMemcpyDefault, b->dma_st);
-            b->dma_copies++;
-            b->dma_bytes += bytes;
-        }
-        if (e == cudaSuccess)
-            e = cudaEventRecord(b->dma_ev, b->dma_st);
-        const double t1 = b->dma_stats ? moe_now_s() : 0;
-        if (e == cudaSuccess)
-            while ((e = cudaEventQuery(b->dma_ev)) == cudaErrorNotReady) {
-#if defined(__x86_64__) || defined(__i386__)
-                __builtin_ia32_pause();
-#endif
-            }
-        if (b->dma_stats) {
-            const double t2 = moe_now_s();
-            b->dma_req++;
-            b->dma_queue_s += t1 - t0;
-            b->dma_wait_s += t2 - t1;
-        }
-        if (e != cudaSuccess) {
-            fprintf(stderr,
-                    "cuda:%d: prefetch copies by the copy engines failed (%s); the prefetch "
-                    "kernel makes them from now on\n",
-                    b->dev, cudaGetErrorString(e));
-            cudaGetLastError();
-            b->dma_failed = true;
-            status = -1;
-        }
-    }
-    d->status = status;
-    __sync_synchronize();
-    d->ans = r;
-}
-
-/* The thread that answers the copy-engine prefetch's requests while a step runs. */
-static void *dma_service(void *arg)
-{
-    struct cuda_backend *b = (struct cuda_backend *)arg;
-    struct moe_off_dma *d = b->h_dma;
-    cudaSetDevice(b->dev);
-    uint32_t seen = d->req;
-    unsigned idle = 0;
-    pthread_mutex_lock(&b->dma_mu);
-    while (!b->dma_stop) {
-        if (!b->dma_active) {
-            pthread_cond_wait(&b->dma_cv, &b->dma_mu);
-            idle = 0;
-            continue;
-        }
-        const uint32_t r = d->req;
-        if (r != seen) {
-            seen = r;
-            pthread_mutex_unlock(&b->dma_mu);
-            dma_serve(b, r);
-            pthread_mutex_lock(&b->dma_mu);
-            idle = 0;
-            continue;
-        }
-        pthread_mutex_unlock(&b->dma_mu);
-        service_idle(&idle);
-        pthread_mutex_lock(&b->dma_mu);
-    }
-    pthread_mutex_unlock(&b->dma_mu);
-    return NULL;
-}
-
-/* The mailbox, the copy stream and the thread of the copy-engine prefetch (b->pf_dma). */
-static int dma_start(struct cuda_backend *b, int32_t max_slots, char *err, size_t errlen)
-{
-    const size_t bytes = sizeof(struct moe_off_dma) + moe_cuda_fill_list_bytes(max_slots);
-    cudaError_t e = cudaHostAlloc((void **)&b->h_dma, bytes,
-                                  cudaHostAllocMapped | cudaHostAllocPortable);
-    if (e == cudaSuccess) {
-        memset((void *)b->h_dma, 0, bytes);
-        e = cudaHostGetDevicePointer((void **)&b->d_dma, b->h_dma, 0);
-    }
-    if (e == cudaSuccess)
-        e = cudaMalloc((void **)&b->d_dma_seq, sizeof(uint32_t));
-    if (e == cudaSuccess)
-        e = cudaMemset(b->d_dma_seq, 0, sizeof(uint32_t));
-    if (e == cudaSuccess)
-        e = cudaStreamCreateWithFlags(&b->dma_st, cudaStreamNonBlocking);
-    if (e == cudaSuccess)
-        e = cudaEventCreateWithFlags(&b->dma_ev, cudaEventDisableTiming);
-    if (e != cudaSuccess)
-        return moe_fail(err, errlen, MOE_EBACKEND, "cuda:%d: prefetch by the copy engines: %s",
-                        b->dev, cudaGetErrorString(e));
-    pthread_mutex_init(&b->dma_mu, NULL);
-    pthread_cond_init(&b->dma_cv, NULL);
-    b->dma_mu_ok = true;
-    const int rc = pthread_create(&b->dma_thr, NULL, dma_service, b);
-    if (rc)
-        return moe_fail(err, errlen, MOE_EBACKEND, "cuda:%d: the prefetch copy thread: %s",
-                        b->dev, strerror(rc));
-    b->dma_started = true;
-    return 0;
-}
-
-/* A step starts: the copy-engine prefetch's requests are answered from now on. */
-static void dma_step_begin(struct cuda_backend *b)
-{
-    if (!b->dma_started)
-        return;
-    pthread_mutex_lock(&b->dma_mu);
-    b->dma_active = true;
-    pthread_cond_signal(&b->dma_cv);
-    pthread_mutex_unlock(&b->dma_mu);
-}
-
-/* The step is over: after a failed one, what it left on the prefetch's stream is waited for
- * (its requests still answered) before the thread rests. */
-static int dma_step_end(struct cuda_backend *b, int rc)
-{
-    if (!b->dma_started)
-        return rc;
-    if (rc && b->st2)
-        cudaStreamSynchronize(b->st2);
-    pthread_mutex_lock(&b->dma_mu);
-    b->dma_active = false;
-    pthread_mutex_unlock(&b->dma_mu);
-    return rc;
-}
-
-static void dma_stop(struct cuda_backend *b)
-{
-    if (b->dma_stats && b->dma_req)
-        fprintf(stderr,
-                "cuda:%d: copy-engine prefetch: %llu requests, %llu copies, %.1f MB; %.1f us a "
-                "request queueing, %.1f us waiting for the copies (%.1f GB/s)\n",
-                b->dev, (unsigned long long)b->dma_req, (unsigned long long)b->dma_copies,
-                b->dma_bytes / 1e6, 1e6 * b->dma_queue_s / (double)b->dma_req,
-                1e6 * b->dma_wait_s / (double)b->dma_req,
-                b->dma_wait_s > 0 ? b->dma_bytes / 1e9 / b->dma_wait_s : 0.0);
-    if (b->dma_started) {
-        pthread_mutex_lock(&b->dma_mu);
-        b->dma_stop = true;
-        pthread_cond_signal(&b->dma_cv);
-        pthread_mutex_unlock(&b->dma_mu);
-        pthread_join(b->dma_thr, NULL);
-        b->dma_started = false;
-    }
-    if (b->dma_mu_ok) {
-        pthread_mutex_destroy(&b->dma_mu);
-        pthread_cond_destroy(&b->dma_cv);
-        b->dma_mu_ok = false;
-    }
-    if (b->dma_ev)
-        cudaEventDestroy(b->dma_ev);
-    if (b->dma_st)
-        cudaStreamDestroy(b->dma_st);
-    if (b->h_dma)
-        cudaFreeHost((void *)b->h_dma);
-    cudaFree(b->d_dma_seq);
-    b->dma_ev = NULL;
-    b->dma_st = NULL;
-    b->h_dma = b->d_dma = NULL;
-    b->d_dma_seq = NULL;
-}
-
 static void pool_stop(struct cuda_backend *b)
 {
     if (b->svc_started) {
@@ -1564,8 +1369,9 @@ static int offload_state(struct cuda_backend *b, char *err, size_t errlen)
         b->ev_fork = (cudaEvent_t *)calloc(L, sizeof(cudaEvent_t));
         b->ev_read = (cudaEvent_t *)calloc(L, sizeof(cudaEvent_t));
         b->ev_join = (cudaEvent_t *)calloc(L, sizeof(cudaEvent_t));
+        b->ev_pred = (cudaEvent_t *)calloc(L, sizeof(cudaEvent_t));
         b->pf_pending = (bool *)calloc(L, sizeof(bool));
-        if (!b->ev_fork || !b->ev_read || !b->ev_join || !b->pf_pending) {
+        if (!b->ev_fork || !b->ev_read || !b->ev_join || !b->ev_pred || !b->pf_pending) {
             free(h);
             free(hl);
             return -ENOMEM;
@@ -1575,7 +1381,14 @@ static int offload_state(struct cuda_backend *b, char *err, size_t errlen)
             OFF_TRY(cudaEventCreateWithFlags(&b->ev_fork[l], cudaEventDisableTiming));
             OFF_TRY(cudaEventCreateWithFlags(&b->ev_read[l], cudaEventDisableTiming));
             OFF_TRY(cudaEventCreateWithFlags(&b->ev_join[l], cudaEventDisableTiming));
+            OFF_TRY(cudaEventCreateWithFlags(&b->ev_pred[l], cudaEventDisableTiming));
         }
+        /* The copies on a stream of their own (after each layer's prediction) unless
+         * MOE_CUDA_PREFETCH_SPLIT=0; a tiered store's prediction copies nothing. */
+        const char *psp = getenv("MOE_CUDA_PREFETCH_SPLIT");
+        b->pf_split = !(psp && !strcmp(psp, "0")) && !b->xsrc;
+        if (b->pf_split)
+            OFF_TRY(cudaStreamCreateWithFlags(&b->st3, cudaStreamNonBlocking));
         /* MOE_CUDA_PREFETCH_EXTRA=N: N more (or, negative, fewer: only the likeliest) experts
          * predicted per token than the layer chooses; at least one. */
         const char *px = getenv("MOE_CUDA_PREFETCH_EXTRA");
@@ -1589,7 +1402,8 @@ static int offload_state(struct cuda_backend *b, char *err, size_t errlen)
         const char *pa = getenv("MOE_CUDA_PREFETCH_AHEAD");
         /* Two layers ahead by default: the copies get two layers' time to cross the link
          * (60% residency +3%, 12.7 GiB +3.5% on an H100; docs/benchmarks.md). */
-        b->pf_ahead = (pa && !strcmp(pa, "1")) || L <= 2 ? 1 : 2;
+        const int ahead = pa && atoi(pa) >= 1 && atoi(pa) <= PF_AHEAD_MAX ? atoi(pa) : 2;
+        b->pf_ahead = ahead < (int)L ? ahead : (int)L - 1 > 1 ? (int)L - 1 : 1;
         if (L > 1) {
             const size_t E = (size_t)d->E;
             float *sc = (float *)malloc(sizeof(float) * E * (L - 1)),
@@ -1599,13 +1413,13 @@ static int offload_state(struct cuda_backend *b, char *err, size_t errlen)
                 drc = moe_dequantize(b->m->layers[l].ffn_norm.type, b->m->layers[l].ffn_norm.data,
                                      w + l * E, (int64_t)E);
             cudaError_t ce = cudaSuccess;
-            /* ffn_norm[l+a] / ffn_norm[l] for a = 1, then (two layers ahead) a = 2. */
+            /* ffn_norm[l+a] / ffn_norm[l] for a = 1 .. pf_ahead. */
             for (size_t a = 1; a <= (size_t)b->pf_ahead && !drc && ce == cudaSuccess; a++) {
                 for (size_t l = 0; l + a < L; l++)
                     for (size_t i = 0; i < E; i++)
                         sc[l * E + i] =
                             w[l * E + i] != 0.0f ? w[(l + a) * E + i] / w[l * E + i] : 0.0f;
-                float **dst = a == 1 ? &b->pf_scale : &b->pf_scale2;
+                float **dst = &b->pf_scale[a - 1];
                 if ((ce = cudaMalloc((void **)dst, sizeof(float) * E * (L - a))) == cudaSuccess)
                     ce = cudaMemcpy(*dst, sc, sizeof(float) * E * (L - a), cudaMemcpyHostToDevice);
             }
@@ -1619,8 +1433,9 @@ static int offload_state(struct cuda_backend *b, char *err, size_t errlen)
             OFF_TRY(ce);
         }
         OFF_TRY(cudaMalloc((void **)&b->pf_counts, sizeof(unsigned long long) * ne));
-        OFF_TRY(cudaMalloc((void **)&b->d_pf_fill, moe_cuda_fill_list_bytes(max_slots)));
-        OFF_TRY(cudaMemset(b->d_pf_fill, 0, moe_cuda_fill_list_bytes(max_slots)));
+        b->pf_fill_stride = (moe_cuda_fill_list_bytes(max_slots) + 15) & ~(size_t)15;
+        OFF_TRY(cudaMalloc((void **)&b->d_pf_fill, b->pf_fill_stride * L));
+        OFF_TRY(cudaMemset(b->d_pf_fill, 0, b->pf_fill_stride * L));
         const char *pb = getenv("MOE_CUDA_PREFETCH_BLOCKS");
         b->pf_blocks = pb && atoi(pb) > 0 ? atoi(pb) : (b->sms / 8 > 8 ? b->sms / 8 : 8);
         /* Thinner copy blocks keep the same bytes in flight with fewer registers: 64 threads
@@ -1630,26 +1445,6 @@ static int offload_state(struct cuda_backend *b, char *err, size_t errlen)
          * a second wave. Measured slower (docs/benchmarks.md), so opt-in. */
         const char *pt = getenv("MOE_CUDA_PREFETCH_THREADS");
         b->pf_threads = pt && (atoi(pt) == 64 || atoi(pt) == 128) ? atoi(pt) : 256;
-        /* MOE_CUDA_PREFETCH_CE=1: the prefetch's copies by the copy engines (55 GB/s where a
-         * kernel reads the link at 42-51, and no multiprocessor taken from the step's kernels)
-         * through the worker's thread; not with a tiered store (the prefetch copies nothing
-         * there) nor on a paced link (the copy engines cannot be paced). Measured 2.7x slower
-         * (a host round trip a layer, docs/offload.md), so opt-in. MOE_CUDA_PREFETCH_CE=fail: every request is answered as failed, so the
-         * prefetch kernel makes the copies itself (what a failed copy leads to; tests). */
-        const char *pce = getenv("MOE_CUDA_PREFETCH_CE");
-        b->pf_dma = pce && (!strcmp(pce, "1") || !strcmp(pce, "fail")) && !b->xsrc &&
-                    b->link_gbps <= 0;
-        b->dma_failed = b->pf_dma && !strcmp(pce, "fail");
-        b->dma_stats = getenv("MOE_CUDA_PREFETCH_CE_STATS") &&
-                       !strcmp(getenv("MOE_CUDA_PREFETCH_CE_STATS"), "1");
-        if (b->pf_dma) {
-            const int drc = dma_start(b, max_slots, err, errlen);
-            if (drc) {
-                free(h);
-                free(hl);
-                return drc;
-            }
-        }
     }
     if (b->stage_cap) {
         b->stage_buf = (int8_t *)malloc(L);
@@ -2307,19 +2102,20 @@ static int cuda_init(struct moe_backend **out, const struct moe_model *m, struct
                          ", link %.1f GB/s copied, %.1f read in place%s", b->link_fill_gbps,
                          b->link_read_gbps,
                          b->link_slow ? ": copies lose, cache, prefetch and staging off" : "");
+            static const char *const ahead[PF_AHEAD_MAX] = {"one layer", "two layers",
+                                                             "three layers"};
+            char pfd[96] = "";
+            if (b->pf && b->xsrc)
+                snprintf(pfd, sizeof pfd, ", layer-ahead read-ahead hints");
+            else if (b->pf)
+                snprintf(pfd, sizeof pfd, ", prefetch %s ahead%s", ahead[b->pf_ahead - 1],
+                         b->pf_split ? "" : " (copies after each prediction)");
             snprintf(b->desc + k, sizeof b->desc - k,
                      ", experts %s of %s in VRAM (%s of %lld slots per layer, %d pinned in all), "
                      "the rest %s%s%s",
                      moe_fmt_size(vram, sizeof vram, b->expert_vram),
                      moe_fmt_size(all, sizeof all, b->expert_bytes), range, (long long)d->nexp,
-                     hot, b->xhow,
-                     !b->pf               ? ""
-                     : b->xsrc            ? ", layer-ahead read-ahead hints"
-                     : b->pf_ahead == 2   ? (b->pf_dma ? ", prefetch two layers ahead by the copy engines"
-                                                       : ", prefetch two layers ahead")
-                     : b->pf_dma          ? ", prefetch one layer ahead by the copy engines"
-                                          : ", prefetch one layer ahead",
-                     stg);
+                     hot, b->xhow, pfd, stg);
         }
         if (d->vram_budget && b->dev_bytes > d->vram_budget) {
             rc = moe_fail(err, errlen, MOE_ERANGE,
@@ -2347,7 +2143,8 @@ static void cuda_free(struct moe_backend *bb)
         cudaStreamSynchronize(b->st);
     if (b->st2)
         cudaStreamSynchronize(b->st2);
-    dma_stop(b);
+    if (b->st3)
+        cudaStreamSynchronize(b->st3);
     pool_stop(b);
     if (b->profile && b->prof_steps > 0) {
         double tot = 0;
@@ -2417,20 +2214,25 @@ static void cuda_free(struct moe_backend *bb)
             cudaEventDestroy(b->ev_read[l]);
         if (b->ev_join[l])
             cudaEventDestroy(b->ev_join[l]);
+        if (b->ev_pred && b->ev_pred[l])
+            cudaEventDestroy(b->ev_pred[l]);
     }
     free(b->ev_fork);
     free(b->ev_read);
     free(b->ev_join);
+    free(b->ev_pred);
     free(b->pf_pending);
     if (b->st2)
         cudaStreamDestroy(b->st2);
+    if (b->st3)
+        cudaStreamDestroy(b->st3);
     cudaFree(b->pf_rl);
     cudaFree(b->pf_w);
     cudaFree(b->pf_sel);
     cudaFree(b->pf_counts);
     cudaFree(b->pf_x);
-    cudaFree(b->pf_scale);
-    cudaFree(b->pf_scale2);
+    for (int a = 0; a < PF_AHEAD_MAX; a++)
+        cudaFree(b->pf_scale[a]);
     cudaFree(b->d_pf_fill);
     unregister_weights(b->xregs, b->n_xregs);
     cudaFreeHost(b->xpinned);
@@ -2573,7 +2375,6 @@ static int cuda_begin(struct moe_backend *bb, const struct moe_step *st)
     b->record = st->record;
     b->head_chunked = false;
     pool_step_begin(b);
-    dma_step_begin(b);
     b->route_pending = -1;
     b->norm_pending = false;
     b->qkv_pending = false;
@@ -3123,16 +2924,17 @@ static bool prefetches(const struct cuda_backend *b, int t)
 }
 
 /* On the second stream, after ev_fork[l] (waited for by the first prefetch of layer l): layer
- * t's router (t = l+1, or l+2 two layers ahead) applied to layer l's MoE input re-weighted for
- * layer t (MOE_BUF_X; ev_read[l] once it is read), its top-k, and those experts placed in layer
- * t's cache slots and copied there; ev_join[t] at the end. */
+ * t's router (t = l + 1 .. l + pf_ahead) applied to layer l's MoE input re-weighted for layer t
+ * (MOE_BUF_X; ev_read[l] once it is read), its top-k, and those experts placed in layer t's
+ * cache slots; their copies on the third stream after that (pf_split) or on the second;
+ * ev_join[t] at the end. */
 static int prefetch(struct cuda_backend *b, int l, int t, bool first)
 {
     const struct cuda_layer *ct = &b->layers[t];
     const struct moe_tensor *R = moe_weight(b->m, t, MOE_W_ROUTER);
     const int k = b->pf_k;
     const int64_t E = b->d.E, ldx = pad4(E);
-    const float *scale = (t == l + 1 ? b->pf_scale : b->pf_scale2) + (size_t)l * E;
+    const float *scale = b->pf_scale[t - l - 1] + (size_t)l * E;
     if (first)
         CU(b, cudaStreamWaitEvent(b->st2, b->ev_fork[l], 0));
     LAUNCH(b, "prefetch input",
@@ -3145,24 +2947,26 @@ static int prefetch(struct cuda_backend *b, int l, int t, bool first)
     LAUNCH(b, "prefetch route",
            moe_cuda_route(b->pf_rl, b->d.nexp, b->d.nexp, k, b->d.norm_topk, b->n, b->pf_sel,
                           b->pf_w, b->pf_counts, b->st2));
+    cudaStream_t cs = b->st2;
     if (b->xsrc) {
         LAUNCH(b, "read-ahead hint",
                moe_cuda_offload_pool_hint(b->d_off + t, (int32_t)b->d.nexp, b->pf_sel, b->n * k,
                                           b->st2));
     } else {
-        /* The copies are listed in the copy engines' mailbox or in the fill kernel's list. */
-        struct moe_cuda_fill_list *fl = b->pf_dma ? moe_off_dma_list(b->d_dma) : b->d_pf_fill;
+        struct moe_cuda_fill_list *fl =
+            (struct moe_cuda_fill_list *)(b->d_pf_fill + (size_t)t * b->pf_fill_stride);
         LAUNCH(b, "prefetch residency",
                moe_cuda_offload_resolve(b->d_off + t, (int32_t)b->d.nexp, ct->slots, b->pf_sel,
                                         b->n * k, fl, true, NULL, false, b->st2));
-        if (b->pf_dma)
-            LAUNCH(b, "prefetch copies", moe_cuda_offload_dma(b->d_dma, b->d_dma_seq, b->st2));
-        else
-            LAUNCH(b, "prefetch fill",
-                   moe_cuda_offload_fill_nt(fl, b->pf_blocks, b->pf_threads, b->link_gbps,
-                                            b->st2));
+        if (b->pf_split) {
+            CU(b, cudaEventRecord(b->ev_pred[t], b->st2));
+            CU(b, cudaStreamWaitEvent(b->st3, b->ev_pred[t], 0));
+            cs = b->st3;
+        }
+        LAUNCH(b, "prefetch fill",
+               moe_cuda_offload_fill_nt(fl, b->pf_blocks, b->pf_threads, b->link_gbps, cs));
     }
-    CU(b, cudaEventRecord(b->ev_join[t], b->st2));
+    CU(b, cudaEventRecord(b->ev_join[t], cs));
     b->pf_pending[t] = true;
     return 0;
 }
@@ -3289,17 +3093,12 @@ static int experts_op(struct cuda_backend *b, int l)
         TRY_CU(route_now(b));
     const int k = (int)b->d.kuse;
     const int32_t *sel_e = (const int32_t *)b->buf[MOE_BUF_SEL_E];
-    /* The layers whose experts are predicted at this one: the next, or two layers ahead (and
-     * layer 1 from layer 0). */
-    int pf_t[2], npf = 0;
-    if (b->pf_ahead == 2) {
-        if (l == 0 && prefetches(b, 1))
-            pf_t[npf++] = 1;
-        if (prefetches(b, l + 2))
-            pf_t[npf++] = l + 2;
-    } else if (prefetches(b, l + 1)) {
-        pf_t[npf++] = l + 1;
-    }
+    /* The layers whose experts are predicted at this one: pf_ahead layers ahead (and from
+     * layer 0 also the layers before that). */
+    int pf_t[PF_AHEAD_MAX], npf = 0;
+    for (int a = l == 0 ? 1 : b->pf_ahead; a <= b->pf_ahead; a++)
+        if (prefetches(b, l + a))
+            pf_t[npf++] = l + a;
     const bool pf_next = npf > 0;
     const void *const *fill = NULL;
     struct moe_cuda_gu_resolve rs = {};
@@ -3547,7 +3346,16 @@ static int end_step(struct cuda_backend *b, float *out, int32_t *tokens);
 static int cuda_end(struct moe_backend *bb, float *out, int32_t *tokens)
 {
     struct cuda_backend *b = (struct cuda_backend *)bb;
-    return dma_step_end(b, pool_step_end(b, end_step(b, out, tokens)));
+    const int rc = end_step(b, out, tokens);
+    if (rc) {
+        /* A step that failed on its way may have left prefetch copies queued: they end before
+         * the next step's resolves can give their slots away. */
+        if (b->st2)
+            cudaStreamSynchronize(b->st2);
+        if (b->st3)
+            cudaStreamSynchronize(b->st3);
+    }
+    return pool_step_end(b, rc);
 }
 
 static int end_step(struct cuda_backend *b, float *out, int32_t *tokens)

@@ -131,51 +131,6 @@ __global__ void __launch_bounds__(NT) offload_fill_kernel(const struct moe_cuda_
     fill_chunks<NT>(fl, (int)blockIdx.x, (int)gridDim.x, ns_per_chunk);
 }
 
-/* One block of 64 threads: the copies its prefetch's resolve listed in the mailbox d (mapped
- * host memory) asked of the worker's thread, which makes them with the copy engines, and
- * waited for. Where the answer says they failed, or none comes in MOE_OFF_DMA_WAIT_NS (the
- * request is then marked given up, so that the thread does not copy it later), the block
- * copies them itself, so the slots hold their experts' bytes either way. seq: the last
- * request's number (device). */
-__global__ void __launch_bounds__(64) offload_dma_kernel(struct moe_off_dma *d, uint32_t *seq)
-{
-    __shared__ int s_self;
-    struct moe_cuda_fill_list *fl = moe_off_dma_list(d);
-    if (threadIdx.x == 0) {
-        int self = 0;
-        if (*(volatile int32_t *)&fl->n > 0) {
-            const uint32_t r = *seq + 1;
-            *seq = r;
-            __threadfence_system(); /* the list (its resolve's writes) before the request */
-            d->req = r;
-            const uint64_t t0 = global_ns();
-            while (d->ans != r) {
-                if (global_ns() - t0 > MOE_OFF_DMA_WAIT_NS) {
-                    d->given_up = r;
-                    d->timeouts = d->timeouts + 1;
-                    self = 1;
-                    break;
-                }
-                __nanosleep(256);
-            }
-            __threadfence_system();
-            self |= d->status != 0;
-        }
-        s_self = self;
-    }
-    __syncthreads();
-    if (s_self)
-        fill_chunks<64>(fl, 0, 1, 0.0);
-}
-
-int moe_cuda_offload_dma(struct moe_off_dma *d_dma, uint32_t *d_seq, cudaStream_t s)
-{
-    /* A thin block (two warps): it waits beside the step's kernels for the whole copy. */
-    offload_dma_kernel<<<1, 64, 0, s>>>(d_dma, d_seq);
-    MOE_CUDA_TRY(cudaGetLastError());
-    return 0;
-}
-
 int moe_cuda_offload_resolve(const struct moe_cuda_off_layer *d_layer, int32_t nexp,
                              int32_t slots, const int32_t *sel_e, int64_t n_sel,
                              struct moe_cuda_fill_list *d_fill, bool prefetch,

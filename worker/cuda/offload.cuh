@@ -78,11 +78,6 @@ int moe_cuda_offload_fill(const struct moe_cuda_fill_list *d_fill, int blocks, f
  * fewer registers and warps taken from the kernels beside it. */
 int moe_cuda_offload_fill_nt(const struct moe_cuda_fill_list *d_fill, int blocks, int threads,
                              float link_gbps, cudaStream_t s);
-/* Layer-ahead prefetch by the copy engines: asks the worker's thread (through the mailbox
- * d_dma, mapped host memory: struct moe_off_dma) for the copies its list holds (written there by
- * the prefetch's resolve), and waits until they have landed; where they failed or no answer
- * came in MOE_OFF_DMA_WAIT_NS, one block copies them. d_seq: the last request's number. */
-int moe_cuda_offload_dma(struct moe_off_dma *d_dma, uint32_t *d_seq, cudaStream_t s);
 /* Measures the two ways an expert outside VRAM reaches the GPU over `bytes` of host memory
  * mapped at d_src: copied into VRAM (d_dst, as many bytes) by the fill kernel (paced as
  * moe_cuda_offload_fill), and read in place by a kernel as the expert kernels read it; GB/s of

@@ -50,21 +50,6 @@ struct moe_off_hint {
     uint32_t pad[13];
 };
 
-/* Layer-ahead prefetch by the copy engines (MOE_CUDA_PREFETCH_CE=1): the prefetch's copies,
- * listed by its resolve (struct moe_cuda_fill_list, right after this header), are made by the
- * worker's thread with cudaMemcpyAsync instead of by a kernel; the prefetch branch of the step
- * waits for its answer. Mapped host memory: the header, then the list (moe_off_dma_list). */
-struct moe_off_dma {
-    volatile uint32_t req;      /* device: the request's number, written after the list */
-    volatile uint32_t ans;      /* host: = req once the copies have landed (or failed) */
-    volatile int32_t status;    /* host: 0, or the copies failed (the kernel makes them) */
-    volatile uint32_t timeouts; /* device: requests given up on (no answer in
-                                 * MOE_OFF_DMA_WAIT_NS: the kernel copied them itself) */
-    volatile uint32_t given_up; /* device: the last request given up on */
-    uint32_t pad[11];
-};
-#define MOE_OFF_DMA_WAIT_NS 2000000000ull
-
 static inline MOE_OFF_HD size_t moe_off_hint_bytes(int32_t nexp)
 {
     return sizeof(struct moe_off_hint) + 4 * (size_t)nexp;
@@ -127,12 +112,6 @@ struct moe_cuda_fill_list {
     struct moe_cuda_fill job[1];   /* [3 * slots] */
 };
 #define MOE_OFF_CHUNK 16384u
-
-/* The list of a copy-engine prefetch's mailbox (struct moe_off_dma). */
-static inline MOE_OFF_HD struct moe_cuda_fill_list *moe_off_dma_list(struct moe_off_dma *d)
-{
-    return (struct moe_cuda_fill_list *)(d + 1);
-}
 
 /* Queues the three copies of expert e into the slot-sized area `at` (gate, up, down at the
  * layer's part offsets) as jobs *nj.. of fl and points the layer's tables there. Returns the
