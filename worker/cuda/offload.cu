@@ -62,28 +62,69 @@ __global__ void offload_pool_done_kernel(const struct moe_cuda_off_layer *__rest
 }
 
 
-/* Grid-stride over the chunks of every copy; 16-byte loads where source and destination allow
- * (the store's slices are 64-byte aligned, slots 256), bytes otherwise. ns_per_chunk > 0 (a
- * simulated slow link, MOE_CUDA_LINK_GBPS): chunk c is not done before (c + 1) * ns_per_chunk
- * after the block started, so the copies run at most at that rate. NT threads a block, each with
- * a 16 KiB chunk's share of loads in flight before its stores (ILP = 1024 / NT): 256 threads
- * with 4 each by default, or thin blocks (64 threads with 16 each) that leave room for three
- * blocks of the per-token gate/up beside them on an SM (MOE_CUDA_PREFETCH_THREADS). */
+/* Chunk `off / MOE_OFF_CHUNK` of copy j by the block: 16-byte loads where source and
+ * destination allow (the store's slices are 64-byte aligned, slots 256), bytes otherwise. NT
+ * threads a block, each with a 16 KiB chunk's share of loads in flight before its stores
+ * (ILP = 1024 / NT): 256 threads with 4 each by default, or thin blocks (64 threads with 16
+ * each) that leave room for three blocks of the per-token gate/up beside them on an SM
+ * (MOE_CUDA_PREFETCH_THREADS). */
+template <int NT>
+static __device__ __forceinline__ void copy_chunk(const struct moe_cuda_fill &j, size_t off)
+{
+    constexpr int ILP = (int)(MOE_OFF_CHUNK / 16) / NT;
+    static_assert(ILP >= 1 && ILP * NT * 16 == MOE_OFF_CHUNK, "a chunk's loads spread over the block");
+    const size_t end = off + MOE_OFF_CHUNK < j.bytes ? off + MOE_OFF_CHUNK : j.bytes;
+    const uint8_t *src = j.src + off;
+    uint8_t *dst = j.dst + off;
+    const size_t n = end - off;
+    if ((((uintptr_t)src | (uintptr_t)dst) & 15) == 0) {
+        const size_t n16 = n / 16;
+        const uint4 *s4 = (const uint4 *)src;
+        uint4 *d4 = (uint4 *)dst;
+        /* ILP loads in flight per thread before the stores. */
+        size_t i = threadIdx.x;
+        for (; i + (size_t)(ILP - 1) * NT < n16; i += (size_t)ILP * NT) {
+            uint4 v[ILP];
+#pragma unroll
+            for (int u = 0; u < ILP; u++)
+                v[u] = s4[i + (size_t)u * NT];
+#pragma unroll
+            for (int u = 0; u < ILP; u++)
+                d4[i + (size_t)u * NT] = v[u];
+        }
+        for (; i < n16; i += NT)
+            d4[i] = s4[i];
+        for (size_t k = n16 * 16 + threadIdx.x; k < n; k += NT)
+            dst[k] = src[k];
+    } else {
+        for (size_t k = threadIdx.x; k < n; k += NT)
+            dst[k] = src[k];
+    }
+}
+
+/* Chunk c of the copies (block `first` of `stride`) waits for its time on a paced link:
+ * ns_per_chunk > 0 (a simulated slow link, MOE_CUDA_LINK_GBPS) means chunk c is not done
+ * before (c + 1) * ns_per_chunk after the block started, so the copies run at most at that
+ * rate. */
+static __device__ __forceinline__ void pace(int c, uint64_t t0, double ns_per_chunk)
+{
+    if (ns_per_chunk > 0) {
+        if (threadIdx.x == 0)
+            while ((double)(global_ns() - t0) < (double)(c + 1) * ns_per_chunk)
+                __nanosleep(1000);
+        __syncthreads();
+    }
+}
+
+/* Grid-stride over the chunks of every copy (copy_chunk). */
 template <int NT>
 static __device__ void fill_chunks(const struct moe_cuda_fill_list *__restrict__ fl, int first,
                                    int stride, double ns_per_chunk)
 {
-    constexpr int ILP = (int)(MOE_OFF_CHUNK / 16) / NT;
-    static_assert(ILP >= 1 && ILP * NT * 16 == MOE_OFF_CHUNK, "a chunk's loads spread over the block");
     const int nc = fl->n_chunks, nj = fl->n;
     const uint64_t t0 = ns_per_chunk > 0 ? global_ns() : 0;
     for (int c = first; c < nc; c += stride) {
-        if (ns_per_chunk > 0) {
-            if (threadIdx.x == 0)
-                while ((double)(global_ns() - t0) < (double)(c + 1) * ns_per_chunk)
-                    __nanosleep(1000);
-            __syncthreads();
-        }
+        pace(c, t0, ns_per_chunk);
         int lo = 0, hi = nj - 1;
         while (lo < hi) { /* the last copy whose first chunk is <= c */
             const int mid = (lo + hi + 1) / 2;
@@ -93,42 +134,41 @@ static __device__ void fill_chunks(const struct moe_cuda_fill_list *__restrict__
                 hi = mid - 1;
         }
         const struct moe_cuda_fill j = fl->job[lo];
-        const size_t off = (size_t)(c - (int)j.chunk0) * MOE_OFF_CHUNK;
-        const size_t end = off + MOE_OFF_CHUNK < j.bytes ? off + MOE_OFF_CHUNK : j.bytes;
-        const uint8_t *src = j.src + off;
-        uint8_t *dst = j.dst + off;
-        const size_t n = end - off;
-        if ((((uintptr_t)src | (uintptr_t)dst) & 15) == 0) {
-            const size_t n16 = n / 16;
-            const uint4 *s4 = (const uint4 *)src;
-            uint4 *d4 = (uint4 *)dst;
-            /* ILP loads in flight per thread before the stores. */
-            size_t i = threadIdx.x;
-            for (; i + (size_t)(ILP - 1) * NT < n16; i += (size_t)ILP * NT) {
-                uint4 v[ILP];
-#pragma unroll
-                for (int u = 0; u < ILP; u++)
-                    v[u] = s4[i + (size_t)u * NT];
-#pragma unroll
-                for (int u = 0; u < ILP; u++)
-                    d4[i + (size_t)u * NT] = v[u];
-            }
-            for (; i < n16; i += NT)
-                d4[i] = s4[i];
-            for (size_t k = n16 * 16 + threadIdx.x; k < n; k += NT)
-                dst[k] = src[k];
-        } else {
-            for (size_t k = threadIdx.x; k < n; k += NT)
-                dst[k] = src[k];
+        copy_chunk<NT>(j, (size_t)(c - (int)j.chunk0) * MOE_OFF_CHUNK);
+    }
+}
+
+/* The same over the copies of one kind of a resolve's list (three per expert: gate, up, down,
+ * moe_off_queue): part 1 the gate and up copies, part 2 the down copies; their chunks numbered
+ * in list order among themselves. */
+template <int NT>
+static __device__ void fill_chunks_part(const struct moe_cuda_fill_list *__restrict__ fl,
+                                        int part, int first, int stride, double ns_per_chunk)
+{
+    const int nj = fl->n;
+    const uint64_t t0 = ns_per_chunk > 0 ? global_ns() : 0;
+    int c0 = 0; /* the part's chunks before copy j */
+    for (int j = 0; j < nj; j++) {
+        if ((j % 3 == 2) != (part == 2))
+            continue;
+        const struct moe_cuda_fill jb = fl->job[j];
+        const int nch = (int)((jb.bytes + MOE_OFF_CHUNK - 1) / MOE_OFF_CHUNK);
+        for (int q = ((first - c0) % stride + stride) % stride; q < nch; q += stride) {
+            pace(c0 + q, t0, ns_per_chunk);
+            copy_chunk<NT>(jb, (size_t)q * MOE_OFF_CHUNK);
         }
+        c0 += nch;
     }
 }
 
 template <int NT>
 __global__ void __launch_bounds__(NT) offload_fill_kernel(const struct moe_cuda_fill_list *__restrict__ fl,
-                                                          double ns_per_chunk)
+                                                          double ns_per_chunk, int part)
 {
-    fill_chunks<NT>(fl, (int)blockIdx.x, (int)gridDim.x, ns_per_chunk);
+    if (part)
+        fill_chunks_part<NT>(fl, part, (int)blockIdx.x, (int)gridDim.x, ns_per_chunk);
+    else
+        fill_chunks<NT>(fl, (int)blockIdx.x, (int)gridDim.x, ns_per_chunk);
 }
 
 int moe_cuda_offload_resolve(const struct moe_cuda_off_layer *d_layer, int32_t nexp,
@@ -263,21 +303,21 @@ static double ns_per_chunk(float link_gbps)
 int moe_cuda_offload_fill(const struct moe_cuda_fill_list *d_fill, int blocks, float link_gbps,
                           cudaStream_t s)
 {
-    return moe_cuda_offload_fill_nt(d_fill, blocks, 256, link_gbps, s);
+    return moe_cuda_offload_fill_nt(d_fill, blocks, 256, link_gbps, 0, s);
 }
 
 int moe_cuda_offload_fill_nt(const struct moe_cuda_fill_list *d_fill, int blocks, int threads,
-                             float link_gbps, cudaStream_t s)
+                             float link_gbps, int part, cudaStream_t s)
 {
-    if (blocks <= 0)
+    if (blocks <= 0 || part < 0 || part > 2)
         return -EINVAL;
     const double ns = ns_per_chunk(link_gbps);
     if (threads == 256)
-        offload_fill_kernel<256><<<blocks, 256, 0, s>>>(d_fill, ns);
+        offload_fill_kernel<256><<<blocks, 256, 0, s>>>(d_fill, ns, part);
     else if (threads == 128)
-        offload_fill_kernel<128><<<blocks, 128, 0, s>>>(d_fill, ns);
+        offload_fill_kernel<128><<<blocks, 128, 0, s>>>(d_fill, ns, part);
     else if (threads == 64)
-        offload_fill_kernel<64><<<blocks, 64, 0, s>>>(d_fill, ns);
+        offload_fill_kernel<64><<<blocks, 64, 0, s>>>(d_fill, ns, part);
     else
         return -EINVAL;
     MOE_CUDA_TRY(cudaGetLastError());
@@ -335,7 +375,7 @@ int moe_cuda_link_probe(const uint8_t *d_src, size_t bytes, uint8_t *d_dst, int 
     /* Each measured once after a warm-up run. */
     for (int rep = 0; rep < 2 && ce == cudaSuccess; rep++) {
         cudaEventRecord(e[0], s);
-        offload_fill_kernel<256><<<blocks, 256, 0, s>>>(d, ns_per_chunk(link_gbps));
+        offload_fill_kernel<256><<<blocks, 256, 0, s>>>(d, ns_per_chunk(link_gbps), 0);
         cudaEventRecord(e[1], s);
         link_read_kernel<<<blocks, 256, 0, s>>>((const uint4 *)d_src, bytes / 16, d_out);
         cudaEventRecord(e[2], s);
