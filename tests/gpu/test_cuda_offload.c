@@ -58,10 +58,12 @@ static const struct config CONFIGS[] = {
      "128", NULL, false},
     {"30% three layers ahead", 0.3, 0, false, false, NULL, false, false, "3", NULL, NULL, false},
     {"60% counts, three layers ahead", 0.6, 0, true, false, NULL, false, false, "3", NULL, NULL, false},
-    {"30%, copies after each prediction", 0.3, 0, false, false, NULL, false, false, NULL, NULL,
-     "0", false},
-    {"60% counts, one ahead, copies after each prediction", 0.6, 0, true, false, NULL, false,
-     false, "1", NULL, "0", false},
+    {"30%, copies on their own stream", 0.3, 0, false, false, NULL, false, false, NULL, NULL,
+     "1", false},
+    {"60% counts, one ahead, copies on their own stream", 0.6, 0, true, false, NULL, false,
+     false, "1", NULL, "1", false},
+    {"60% counts, own copy stream, down copies last", 0.6, 0, true, false, NULL, false, false,
+     NULL, NULL, "1", true},
     {"30%, down copies last", 0.3, 0, false, false, NULL, false, false, NULL, NULL, NULL, true},
     {"60% counts, down copies last", 0.6, 0, true, false, NULL, false, false, NULL, NULL, NULL,
      true},
@@ -220,7 +222,7 @@ TEST_TIMEOUT(cuda_offload_is_exact, 600)
                 CHECK_MSG(strstr(info.desc, "prefetch three layers ahead") != NULL, "%s",
                           info.desc);
             if (c->pf_split && !c->no_prefetch && !strstr(info.desc, "copies lose"))
-                CHECK_MSG(strstr(info.desc, "copies after each prediction") != NULL, "%s",
+                CHECK_MSG(strstr(info.desc, "copies on a stream of their own") != NULL, "%s",
                           info.desc);
             if (c->down_late && !c->no_prefetch && !strstr(info.desc, "copies lose"))
                 CHECK_MSG(strstr(info.desc, "down copies last") != NULL, "%s", info.desc);

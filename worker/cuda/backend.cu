@@ -217,11 +217,11 @@ struct cuda_backend {
     const void **d_fsrc;
     /* Layer-ahead prefetch (decode steps of up to PF_MAX_N tokens): at layer l, a second stream
      * applies layer t's router (t = l + pf_ahead) to layer l's MoE input and places the
-     * predicted experts in t's cache slots, and a third copies them there (the fill of t waits
+     * predicted experts in t's cache slots, and with pf_split a third copies them there (the fill of t waits
      * only for t's prediction and the fills before it, not for later predictions), while the
      * layers before t compute; layer t waits for its fill before its own resolve. ev_fork[l] /
-     * ev_read[l] / ev_pred[t] / ev_join[t] order the streams. MOE_CUDA_PREFETCH_SPLIT=0 makes
-     * the copies on the second stream after each prediction. */
+     * ev_read[l] / ev_pred[t] / ev_join[t] order the streams. Without pf_split
+     * (MOE_CUDA_PREFETCH_SPLIT=1) the copies are on the second stream after each prediction. */
     bool pf;
     bool pf_split;
     /* The down copies after the gate/up copies, each a fill launch of its own (ev_gu[t]
@@ -1393,10 +1393,10 @@ static int offload_state(struct cuda_backend *b, char *err, size_t errlen)
         }
         const char *pdl = getenv("MOE_CUDA_PREFETCH_DOWN_LATE");
         b->pf_down_late = pdl && !strcmp(pdl, "1") && !b->xsrc;
-        /* The copies on a stream of their own (after each layer's prediction) unless
-         * MOE_CUDA_PREFETCH_SPLIT=0; a tiered store's prediction copies nothing. */
+        /* The copies on a stream of their own (MOE_CUDA_PREFETCH_SPLIT=1; not measured yet on
+         * a GPU, so opt-in); a tiered store's prediction copies nothing. */
         const char *psp = getenv("MOE_CUDA_PREFETCH_SPLIT");
-        b->pf_split = !(psp && !strcmp(psp, "0")) && !b->xsrc;
+        b->pf_split = psp && !strcmp(psp, "1") && !b->xsrc;
         if (b->pf_split)
             OFF_TRY(cudaStreamCreateWithFlags(&b->st3, cudaStreamNonBlocking));
         /* MOE_CUDA_PREFETCH_EXTRA=N: N more (or, negative, fewer: only the likeliest) experts
@@ -2119,7 +2119,7 @@ static int cuda_init(struct moe_backend **out, const struct moe_model *m, struct
                 snprintf(pfd, sizeof pfd, ", layer-ahead read-ahead hints");
             else if (b->pf)
                 snprintf(pfd, sizeof pfd, ", prefetch %s ahead%s%s", ahead[b->pf_ahead - 1],
-                         b->pf_split ? "" : " (copies after each prediction)",
+                         b->pf_split ? " (copies on a stream of their own)" : "",
                          b->pf_down_late ? " (down copies last)" : "");
             snprintf(b->desc + k, sizeof b->desc - k,
                      ", experts %s of %s in VRAM (%s of %lld slots per layer, %d pinned in all), "
