@@ -1822,6 +1822,7 @@ static int cuda_init(struct moe_backend **out, const struct moe_model *m, struct
     b->resolve_route = env_on("MOE_CUDA_RESOLVE_ROUTE");
     b->route_pending = -1;
     b->pf_read = -1;
+    b->pf_down_wait = -1;
     int rc = 0;
     int count = 0;
     cudaError_t ce = cudaGetDeviceCount(&count);
