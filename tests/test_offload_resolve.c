@@ -978,3 +978,68 @@ TEST(offload_pool_hint_lists_predicted_experts_without_a_slot)
     uint8_t none[8] = {0};
     CHECK_EQ(moe_off_hint_list(sel, 0, slot_of, nexp, none, list), 0);
 }
+
+/* The two-part fill (gate and up copies first, then down, MOE_CUDA_PREFETCH_DOWN_LATE): over
+ * random lists of experts' copies (sizes from a byte to several chunks), for each part and
+ * grid size, the blocks together take every chunk of the part's copies exactly once and no
+ * chunk of the other part, and each block's chunk numbers (the pacing's) are its own residue
+ * class, rising, with the whole part's 0 .. count - 1 covered. */
+TEST(offload_fill_parts_cover_their_copies_once)
+{
+    moe_test_rng_seed(91);
+    for (int round = 0; round < 60; round++) {
+        const int32_t nexp = 1 + (int32_t)(moe_test_rng_u32() % 12);
+        const int32_t n = round == 0 ? 0 : 3 * nexp;
+        struct moe_cuda_fill_list *fl =
+            malloc(sizeof *fl + sizeof(struct moe_cuda_fill) * (size_t)(3 * nexp));
+        CHECK(fl != NULL);
+        fl->n = n;
+        uint32_t chunks = 0;
+        for (int32_t j = 0; j < n; j++) {
+            const uint32_t r = moe_test_rng_u32() % 4;
+            fl->job[j].bytes = r == 0   ? 1 + moe_test_rng_u32() % 64
+                               : r == 1 ? MOE_OFF_CHUNK * (1 + moe_test_rng_u32() % 3)
+                                        : 1 + moe_test_rng_u32() % (5 * MOE_OFF_CHUNK);
+            fl->job[j].src = NULL;
+            fl->job[j].dst = NULL;
+            fl->job[j].chunk0 = chunks;
+            chunks += (fl->job[j].bytes + MOE_OFF_CHUNK - 1) / MOE_OFF_CHUNK;
+        }
+        fl->n_chunks = (int32_t)chunks;
+        int *seen = calloc((size_t)chunks + 1, sizeof *seen);
+        CHECK(seen != NULL);
+        const int32_t strides[] = {1, 2, 3, 16, 33};
+        for (int part = 1; part <= 2; part++)
+            for (size_t si = 0; si < sizeof strides / sizeof strides[0]; si++) {
+                const int32_t stride = strides[si];
+                memset(seen, 0, sizeof *seen * ((size_t)chunks + 1));
+                int32_t in_part = 0, numbered = 0;
+                for (int32_t j = 0; j < n; j++)
+                    if ((j % 3 == 2) == (part == 2))
+                        in_part += (int32_t)((fl->job[j].bytes + MOE_OFF_CHUNK - 1) /
+                                             MOE_OFF_CHUNK);
+                for (int32_t first = 0; first < stride; first++) {
+                    struct moe_off_part_it it = MOE_OFF_PART_IT_INIT;
+                    int32_t last = -1;
+                    while (moe_off_part_next(fl, part, first, stride, &it)) {
+                        CHECK(it.j >= 0 && it.j < n);
+                        CHECK_EQ((it.j % 3 == 2), (part == 2));
+                        CHECK(it.q >= 0 && (uint32_t)it.q * MOE_OFF_CHUNK < fl->job[it.j].bytes);
+                        const int32_t num = it.c0 + it.q;
+                        CHECK_EQ(num % stride, first);
+                        CHECK(num > last && num < in_part);
+                        last = num;
+                        numbered++;
+                        seen[fl->job[it.j].chunk0 + (uint32_t)it.q]++;
+                    }
+                    CHECK_EQ(moe_off_part_next(fl, part, first, stride, &it), 0);
+                }
+                CHECK_EQ(numbered, in_part);
+                for (int32_t j = 0; j < n; j++)
+                    for (uint32_t c = 0; c * MOE_OFF_CHUNK < fl->job[j].bytes; c++)
+                        CHECK_EQ(seen[fl->job[j].chunk0 + c], (j % 3 == 2) == (part == 2) ? 1 : 0);
+            }
+        free(seen);
+        free(fl);
+    }
+}

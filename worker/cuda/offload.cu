@@ -138,26 +138,16 @@ static __device__ void fill_chunks(const struct moe_cuda_fill_list *__restrict__
     }
 }
 
-/* The same over the copies of one kind of a resolve's list (three per expert: gate, up, down,
- * moe_off_queue): part 1 the gate and up copies, part 2 the down copies; their chunks numbered
- * in list order among themselves. */
+/* The same over the copies of one part of a resolve's list (moe_off_part_next). */
 template <int NT>
 static __device__ void fill_chunks_part(const struct moe_cuda_fill_list *__restrict__ fl,
                                         int part, int first, int stride, double ns_per_chunk)
 {
-    const int nj = fl->n;
     const uint64_t t0 = ns_per_chunk > 0 ? global_ns() : 0;
-    int c0 = 0; /* the part's chunks before copy j */
-    for (int j = 0; j < nj; j++) {
-        if ((j % 3 == 2) != (part == 2))
-            continue;
-        const struct moe_cuda_fill jb = fl->job[j];
-        const int nch = (int)((jb.bytes + MOE_OFF_CHUNK - 1) / MOE_OFF_CHUNK);
-        for (int q = ((first - c0) % stride + stride) % stride; q < nch; q += stride) {
-            pace(c0 + q, t0, ns_per_chunk);
-            copy_chunk<NT>(jb, (size_t)q * MOE_OFF_CHUNK);
-        }
-        c0 += nch;
+    struct moe_off_part_it it = MOE_OFF_PART_IT_INIT;
+    while (moe_off_part_next(fl, part, first, stride, &it)) {
+        pace(it.c0 + it.q, t0, ns_per_chunk);
+        copy_chunk<NT>(fl->job[it.j], (size_t)it.q * MOE_OFF_CHUNK);
     }
 }
 
