@@ -386,6 +386,7 @@ int main(int argc, char **argv)
                r->pcie_per_tok / 1e6, r->prefetched, r->vram_gib, r->expert_gib);
         if (ci == 0 || ci == 1)
             printf("  %s\n", info.desc);
+        fflush(stdout); /* each run's line kept if a time limit ends the benchmark */
         moe_engine_free(e);
     }
     printf("\n| configuration | VRAM GiB | experts GiB | pp%" PRId64 " tok/s | decode tok/s | "
