@@ -217,11 +217,11 @@ struct cuda_backend {
     const void **d_fsrc;
     /* Layer-ahead prefetch (decode steps of up to PF_MAX_N tokens): at layer l, a second stream
      * applies layer t's router (t = l + pf_ahead) to layer l's MoE input and places the
-     * predicted experts in t's cache slots, and with pf_split a third copies them there (the fill of t waits
-     * only for t's prediction and the fills before it, not for later predictions), while the
-     * layers before t compute; layer t waits for its fill before its own resolve. ev_fork[l] /
-     * ev_read[l] / ev_pred[t] / ev_join[t] order the streams. Without pf_split
-     * (MOE_CUDA_PREFETCH_SPLIT=1) the copies are on the second stream after each prediction. */
+     * predicted experts in t's cache slots, and copies them there, while the layers before t
+     * compute; layer t waits for its copies before its own resolve. The copies follow each
+     * prediction on the second stream, or with pf_split (MOE_CUDA_PREFETCH_SPLIT=1) run on a
+     * third, where the fill of t waits only for t's prediction and the fills before it, not for
+     * later predictions. ev_fork[l] / ev_read[l] / ev_pred[t] / ev_join[t] order the streams. */
     bool pf;
     bool pf_split;
     /* The down copies after the gate/up copies, each a fill launch of its own (ev_gu[t]
