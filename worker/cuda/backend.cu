@@ -23,7 +23,6 @@
 #include <cuda_runtime.h>
 
 extern "C" {
-#include "store/io.h"
 #include "store/err.h"
 #include "store/ggml_type.h"
 #include "store/placement.h"
@@ -230,7 +229,8 @@ struct cuda_backend {
     bool pf_down_late;
     int pf_down_wait;                /* the layer whose down kernel waits for ev_join; -1 none */
     cudaStream_t st2, st3;
-    cudaEvent_t *ev_fork, *ev_read, *ev_pred, *ev_join, *ev_gu; /* [L] */
+    cudaEvent_t *ev_fork, *ev_read, *ev_pred, *ev_join, *ev_gu; /* [L]; ev_pred, ev_gu NULL
+                                                                 * without their option */
     bool *pf_pending;                /* [L]: a prefetch for this layer joins at its resolve */
     bool resolve_route;              /* offloaded decode layers route in the resolve's launch */
     int pf_read;                     /* a prefetch forked at this layer may still read MOE_BUF_X:
@@ -1371,34 +1371,39 @@ static int offload_state(struct cuda_backend *b, char *err, size_t errlen)
         OFF_TRY(cudaMemset(b->d_gusync, 0, sizeof(unsigned long long) * 3 * L));
     }
     if (b->pf) {
-        b->ev_fork = (cudaEvent_t *)calloc(L, sizeof(cudaEvent_t));
-        b->ev_read = (cudaEvent_t *)calloc(L, sizeof(cudaEvent_t));
-        b->ev_join = (cudaEvent_t *)calloc(L, sizeof(cudaEvent_t));
-        b->ev_pred = (cudaEvent_t *)calloc(L, sizeof(cudaEvent_t));
-        b->ev_gu = (cudaEvent_t *)calloc(L, sizeof(cudaEvent_t));
-        b->pf_pending = (bool *)calloc(L, sizeof(bool));
-        if (!b->ev_fork || !b->ev_read || !b->ev_join || !b->ev_pred || !b->ev_gu ||
-            !b->pf_pending) {
-            free(h);
-            free(hl);
-            return -ENOMEM;
-        }
-        OFF_TRY(cudaStreamCreateWithFlags(&b->st2, cudaStreamNonBlocking));
-        for (size_t l = 0; l < L; l++) {
-            OFF_TRY(cudaEventCreateWithFlags(&b->ev_fork[l], cudaEventDisableTiming));
-            OFF_TRY(cudaEventCreateWithFlags(&b->ev_read[l], cudaEventDisableTiming));
-            OFF_TRY(cudaEventCreateWithFlags(&b->ev_join[l], cudaEventDisableTiming));
-            OFF_TRY(cudaEventCreateWithFlags(&b->ev_pred[l], cudaEventDisableTiming));
-            OFF_TRY(cudaEventCreateWithFlags(&b->ev_gu[l], cudaEventDisableTiming));
-        }
         const char *pdl = getenv("MOE_CUDA_PREFETCH_DOWN_LATE");
         b->pf_down_late = pdl && !strcmp(pdl, "1") && !b->xsrc;
         /* The copies on a stream of their own (MOE_CUDA_PREFETCH_SPLIT=1; not measured yet on
          * a GPU, so opt-in); a tiered store's prediction copies nothing. */
         const char *psp = getenv("MOE_CUDA_PREFETCH_SPLIT");
         b->pf_split = psp && !strcmp(psp, "1") && !b->xsrc;
+        b->ev_fork = (cudaEvent_t *)calloc(L, sizeof(cudaEvent_t));
+        b->ev_read = (cudaEvent_t *)calloc(L, sizeof(cudaEvent_t));
+        b->ev_join = (cudaEvent_t *)calloc(L, sizeof(cudaEvent_t));
+        /* ev_pred and ev_gu only where their option uses them. */
+        if (b->pf_split)
+            b->ev_pred = (cudaEvent_t *)calloc(L, sizeof(cudaEvent_t));
+        if (b->pf_down_late)
+            b->ev_gu = (cudaEvent_t *)calloc(L, sizeof(cudaEvent_t));
+        b->pf_pending = (bool *)calloc(L, sizeof(bool));
+        if (!b->ev_fork || !b->ev_read || !b->ev_join || (b->pf_split && !b->ev_pred) ||
+            (b->pf_down_late && !b->ev_gu) || !b->pf_pending) {
+            free(h);
+            free(hl);
+            return -ENOMEM;
+        }
+        OFF_TRY(cudaStreamCreateWithFlags(&b->st2, cudaStreamNonBlocking));
         if (b->pf_split)
             OFF_TRY(cudaStreamCreateWithFlags(&b->st3, cudaStreamNonBlocking));
+        for (size_t l = 0; l < L; l++) {
+            OFF_TRY(cudaEventCreateWithFlags(&b->ev_fork[l], cudaEventDisableTiming));
+            OFF_TRY(cudaEventCreateWithFlags(&b->ev_read[l], cudaEventDisableTiming));
+            OFF_TRY(cudaEventCreateWithFlags(&b->ev_join[l], cudaEventDisableTiming));
+            if (b->ev_pred)
+                OFF_TRY(cudaEventCreateWithFlags(&b->ev_pred[l], cudaEventDisableTiming));
+            if (b->ev_gu)
+                OFF_TRY(cudaEventCreateWithFlags(&b->ev_gu[l], cudaEventDisableTiming));
+        }
         /* MOE_CUDA_PREFETCH_EXTRA=N: N more (or, negative, fewer: only the likeliest) experts
          * predicted per token than the layer chooses; at least one. */
         const char *px = getenv("MOE_CUDA_PREFETCH_EXTRA");
