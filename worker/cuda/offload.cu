@@ -348,7 +348,7 @@ int moe_cuda_link_probe(const uint8_t *d_src, size_t bytes, uint8_t *d_dst, int 
         f->dst = d_dst + off;
         f->bytes = (uint32_t)(bytes - off < per ? bytes - off : per);
         f->chunk0 = chunks;
-        chunks += (f->bytes + MOE_OFF_CHUNK - 1) / MOE_OFF_CHUNK;
+        chunks += (uint32_t)moe_off_fill_chunks(f);
     }
     h->n = nj;
     h->n_chunks = (int32_t)chunks;

@@ -173,7 +173,7 @@ static inline MOE_OFF_HD unsigned long long moe_off_queue(const struct moe_cuda_
         j.dst = at + L->part_off[p];
         j.bytes = L->bytes[p * ne + e];
         j.chunk0 = *chunks;
-        *chunks += (j.bytes + MOE_OFF_CHUNK - 1) / MOE_OFF_CHUNK;
+        *chunks += (uint32_t)moe_off_fill_chunks(&j);
         bytes += j.bytes;
         fl->job[(*nj)++] = j;
         L->tab[p][e] = at + L->part_off[p];
