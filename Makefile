@@ -108,7 +108,7 @@ $(BUILD)/proto/%.pb-c.c $(BUILD)/proto/%.pb-c.h: proto/%.proto
 	$(Q)protoc-c --c_out=$(BUILD) $<
 
 ALL_OBJ := $(STORE_OBJ) $(WORKER_OBJ) $(DAEMON_OBJ) $(CLI_OBJ) $(TEST_OBJ) $(GPU_TEST_OBJ) \
-           $(BUILD)/worker/main.o $(BUILD)/daemon/main.o
+           $(BENCH_OBJ) $(BUILD)/worker/main.o $(BUILD)/daemon/main.o
 
 $(BUILD)/%.o: %.c | $(PROTO_GEN_H)
 	@mkdir -p $(dir $@)
