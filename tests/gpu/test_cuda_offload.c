@@ -31,46 +31,36 @@ struct config {
     const char *ahead;      /* MOE_CUDA_PREFETCH_AHEAD: predictions that many layers ahead */
     const char *pf_threads; /* MOE_CUDA_PREFETCH_THREADS (NULL: the default) */
     const char *pf_split;   /* MOE_CUDA_PREFETCH_SPLIT (NULL: unset) */
-    bool down_late;         /* MOE_CUDA_PREFETCH_DOWN_LATE=1 */
 };
 
 static const struct config CONFIGS[] = {
-    {"60%", 0.6, 0, false, false, NULL, false, false, NULL, NULL, NULL, false},
-    {"30%", 0.3, 0, false, false, NULL, false, false, NULL, NULL, NULL, false},
-    {"30% cache off", 0.3, -1, false, false, NULL, false, false, NULL, NULL, NULL, false},
-    {"30% one cache slot", 0.3, 1, false, false, NULL, false, false, NULL, NULL, NULL, false},
-    {"60% from counts", 0.6, 0, true, false, NULL, false, false, NULL, NULL, NULL, false},
-    {"30% from counts", 0.3, 0, true, false, NULL, false, false, NULL, NULL, NULL, false},
-    {"30% no prefetch", 0.3, 0, false, true, NULL, false, false, NULL, NULL, NULL, false},
-    {"60% counts, no prefetch", 0.6, 0, true, true, NULL, false, false, NULL, NULL, NULL, false},
-    {"one token's experts", 1e-9, 0, false, false, NULL, false, false, NULL, NULL, NULL, false},
-    {"30% no staging", 0.3, 0, false, false, "0", false, false, NULL, NULL, NULL, false},
-    {"30% staging of 1", 0.3, 0, false, false, "1", false, false, NULL, NULL, NULL, false},
-    {"60% counts, staging of all", 0.6, 0, true, false, "100000", false, false, NULL, NULL, NULL, false},
-    {"60% counts, staging by DMA", 0.6, 0, true, false, "100000", true, false, NULL, NULL, NULL, false},
-    {"30%, fill kernel", 0.3, 0, false, false, NULL, false, true, NULL, NULL, NULL, false},
-    {"60% counts, fill kernel", 0.6, 0, true, false, NULL, false, true, NULL, NULL, NULL, false},
-    {"30% one layer ahead", 0.3, 0, false, false, NULL, false, false, "1", NULL, NULL, false},
-    {"60% counts, one layer ahead", 0.6, 0, true, false, NULL, false, false, "1", NULL, NULL, false},
+    {"60%", 0.6, 0, false, false, NULL, false, false, NULL, NULL, NULL},
+    {"30%", 0.3, 0, false, false, NULL, false, false, NULL, NULL, NULL},
+    {"30% cache off", 0.3, -1, false, false, NULL, false, false, NULL, NULL, NULL},
+    {"30% one cache slot", 0.3, 1, false, false, NULL, false, false, NULL, NULL, NULL},
+    {"60% from counts", 0.6, 0, true, false, NULL, false, false, NULL, NULL, NULL},
+    {"30% from counts", 0.3, 0, true, false, NULL, false, false, NULL, NULL, NULL},
+    {"30% no prefetch", 0.3, 0, false, true, NULL, false, false, NULL, NULL, NULL},
+    {"60% counts, no prefetch", 0.6, 0, true, true, NULL, false, false, NULL, NULL, NULL},
+    {"one token's experts", 1e-9, 0, false, false, NULL, false, false, NULL, NULL, NULL},
+    {"30% no staging", 0.3, 0, false, false, "0", false, false, NULL, NULL, NULL},
+    {"30% staging of 1", 0.3, 0, false, false, "1", false, false, NULL, NULL, NULL},
+    {"60% counts, staging of all", 0.6, 0, true, false, "100000", false, false, NULL, NULL, NULL},
+    {"60% counts, staging by DMA", 0.6, 0, true, false, "100000", true, false, NULL, NULL, NULL},
+    {"30%, fill kernel", 0.3, 0, false, false, NULL, false, true, NULL, NULL, NULL},
+    {"60% counts, fill kernel", 0.6, 0, true, false, NULL, false, true, NULL, NULL, NULL},
+    {"30% one layer ahead", 0.3, 0, false, false, NULL, false, false, "1", NULL, NULL},
+    {"60% counts, one layer ahead", 0.6, 0, true, false, NULL, false, false, "1", NULL, NULL},
     {"30%, 64-thread prefetch copies", 0.3, 0, false, false, NULL, false, false, NULL, "64",
-     NULL, false},
+     NULL},
     {"60% counts, 128-thread prefetch copies", 0.6, 0, true, false, NULL, false, false, NULL,
-     "128", NULL, false},
-    {"30% three layers ahead", 0.3, 0, false, false, NULL, false, false, "3", NULL, NULL, false},
-    {"60% counts, three layers ahead", 0.6, 0, true, false, NULL, false, false, "3", NULL, NULL, false},
-    {"30%, copies on their own stream", 0.3, 0, false, false, NULL, false, false, NULL, NULL,
-     "1", false},
-    {"60% counts, one ahead, copies on their own stream", 0.6, 0, true, false, NULL, false,
-     false, "1", NULL, "1", false},
-    {"60% counts, own copy stream, down copies last", 0.6, 0, true, false, NULL, false, false,
-     NULL, NULL, "1", true},
-    {"30%, down copies last", 0.3, 0, false, false, NULL, false, false, NULL, NULL, NULL, true},
-    {"60% counts, down copies last", 0.6, 0, true, false, NULL, false, false, NULL, NULL, NULL,
-     true},
-    {"30% one cache slot, down copies last", 0.3, 1, false, false, NULL, false, false, NULL,
-     NULL, NULL, true},
-    {"30%, fill kernel, down copies last", 0.3, 0, false, false, NULL, false, true, NULL, NULL,
-     NULL, true},
+     "128", NULL},
+    {"30% three layers ahead", 0.3, 0, false, false, NULL, false, false, "3", NULL, NULL},
+    {"60% counts, three layers ahead", 0.6, 0, true, false, NULL, false, false, "3", NULL, NULL},
+    {"30%, copies after each prediction", 0.3, 0, false, false, NULL, false, false, NULL,
+     NULL, "0"},
+    {"60% counts, one ahead, copies after each prediction", 0.6, 0, true, false, NULL, false,
+     false, "1", NULL, "0"},
 };
 #define N_CONFIGS (sizeof CONFIGS / sizeof CONFIGS[0])
 
@@ -153,8 +143,6 @@ static struct moe_engine *engine(const struct moe_model *m, const struct config 
         setenv("MOE_CUDA_PREFETCH_THREADS", c->pf_threads, 1);
     if (c && c->pf_split)
         setenv("MOE_CUDA_PREFETCH_SPLIT", c->pf_split, 1);
-    if (c && c->down_late)
-        setenv("MOE_CUDA_PREFETCH_DOWN_LATE", "1", 1);
     struct moe_engine *e = NULL;
     char err[512] = "";
     const int rc = moe_engine_init(&e, m, &o, err, sizeof err);
@@ -164,7 +152,6 @@ static struct moe_engine *engine(const struct moe_model *m, const struct config 
     unsetenv("MOE_CUDA_PREFETCH_AHEAD");
     unsetenv("MOE_CUDA_PREFETCH_THREADS");
     unsetenv("MOE_CUDA_PREFETCH_SPLIT");
-    unsetenv("MOE_CUDA_PREFETCH_DOWN_LATE");
     CHECK_MSG(rc == 0, "%s", err);
     return e;
 }
@@ -213,7 +200,7 @@ TEST_TIMEOUT(cuda_offload_is_exact, 600)
                    os.stage_experts,
                    (unsigned long long)os.stage_reads, diff,
                    rows * (size_t)V);
-            if (ci == 0 || c->ahead || c->pf_split || c->down_late)
+            if (ci == 0 || c->ahead || c->pf_split)
                 printf("    %s\n", info.desc);
             /* The description names the prefetch's options wherever the link check left the
              * prefetch on (and its distance where the model is deep enough for it). */
@@ -221,11 +208,10 @@ TEST_TIMEOUT(cuda_offload_is_exact, 600)
             if (pf_on && c->ahead && !strcmp(c->ahead, "3") && L > 3)
                 CHECK_MSG(strstr(info.desc, "prefetch three layers ahead") != NULL, "%s",
                           info.desc);
-            if (pf_on && c->pf_split)
-                CHECK_MSG(strstr(info.desc, "copies on a stream of their own") != NULL, "%s",
-                          info.desc);
-            if (pf_on && c->down_late)
-                CHECK_MSG(strstr(info.desc, "down copies last") != NULL, "%s", info.desc);
+            if (pf_on)
+                CHECK_MSG((strstr(info.desc, "copies after each prediction") != NULL) ==
+                              (c->pf_split && !strcmp(c->pf_split, "0")),
+                          "%s", info.desc);
             CHECK_EQ(diff, (size_t)0);
             CHECK(memcmp(got_tok, ref_tok, sizeof ref_tok) == 0);
             /* Every layer looks up its chosen experts once per step. */
@@ -335,7 +321,7 @@ TEST_TIMEOUT(cuda_offload_slow_link_pins_every_slot, 300)
         const size_t rows = run(e, m, ref, ref_tok);
         moe_engine_free(e);
         const struct config c30 = {"30%", 0.3, 0, false, false, NULL, false, false, NULL, NULL,
-                                   NULL, false};
+                                   NULL};
         for (int check = 1; check >= 0; check--) {
             setenv("MOE_CUDA_LINK_GBPS", "0.2", 1);
             if (!check)
@@ -402,7 +388,7 @@ TEST_TIMEOUT(cuda_offload_budget, 300)
     moe_engine_free(e);
 
     const struct config half = {"50%", 0.5, 0, false, false, NULL, false, false, NULL, NULL,
-                                NULL, false};
+                                NULL};
     e = engine(m, &half, NULL, budget);
     float *out = malloc(sizeof(float) * (size_t)(PROMPT + 2 * DECODE * N_SEQ) * (size_t)V);
     int32_t tok[DECODE * N_SEQ];

@@ -217,20 +217,15 @@ struct cuda_backend {
     /* Layer-ahead prefetch (decode steps of up to PF_MAX_N tokens): at layer l, a second stream
      * applies layer t's router (t = l + pf_ahead) to layer l's MoE input and places the
      * predicted experts in t's cache slots, and copies them there, while the layers before t
-     * compute; layer t waits for its copies before its own resolve. The copies follow each
-     * prediction on the second stream, or with pf_split (MOE_CUDA_PREFETCH_SPLIT=1) run on a
-     * third, where the fill of t waits only for t's prediction and the fills before it, not for
-     * later predictions. ev_fork[l] / ev_read[l] / ev_pred[t] / ev_join[t] order the streams. */
+     * compute; layer t waits for its copies before its own resolve. With pf_split (the
+     * default; MOE_CUDA_PREFETCH_SPLIT=0 turns it off) the copies run on a third stream, where
+     * the fill of t waits only for t's prediction and the fills before it, not for later
+     * predictions; without it they follow each prediction on the second stream.
+     * ev_fork[l] / ev_read[l] / ev_pred[t] / ev_join[t] order the streams. */
     bool pf;
     bool pf_split;
-    /* The down copies after the gate/up copies, each a fill launch of its own (ev_gu[t]
-     * between them): a layer whose misses its expert kernels copy waits for ev_gu before its
-     * gate/up and for ev_join only before its down kernel (MOE_CUDA_PREFETCH_DOWN_LATE=1). */
-    bool pf_down_late;
-    int pf_down_wait;                /* the layer whose down kernel waits for ev_join; -1 none */
     cudaStream_t st2, st3;
-    cudaEvent_t *ev_fork, *ev_read, *ev_pred, *ev_join, *ev_gu; /* [L]; ev_pred, ev_gu NULL
-                                                                 * without their option */
+    cudaEvent_t *ev_fork, *ev_read, *ev_pred, *ev_join; /* [L]; ev_pred NULL without pf_split */
     bool *pf_pending;                /* [L]: a prefetch for this layer joins at its resolve */
     bool resolve_route;              /* offloaded decode layers route in the resolve's launch */
     int pf_read;                     /* a prefetch forked at this layer may still read MOE_BUF_X:
@@ -1371,23 +1366,20 @@ static int offload_state(struct cuda_backend *b, char *err, size_t errlen)
         OFF_TRY(cudaMemset(b->d_gusync, 0, sizeof(unsigned long long) * 3 * L));
     }
     if (b->pf) {
-        const char *pdl = getenv("MOE_CUDA_PREFETCH_DOWN_LATE");
-        b->pf_down_late = pdl && !strcmp(pdl, "1") && !b->xsrc;
-        /* The copies on a stream of their own (MOE_CUDA_PREFETCH_SPLIT=1; not measured yet on
-         * a GPU, so opt-in); a tiered store's prediction copies nothing. */
+        /* The copies on a stream of their own (60% residency 0.72x -> 0.77x of resident, 12.7
+         * GiB +6.6% on an H200; docs/benchmarks.md); a tiered store's prediction copies
+         * nothing. MOE_CUDA_PREFETCH_SPLIT=0: the copies after each prediction on its stream. */
         const char *psp = getenv("MOE_CUDA_PREFETCH_SPLIT");
-        b->pf_split = psp && !strcmp(psp, "1") && !b->xsrc;
+        b->pf_split = !(psp && !strcmp(psp, "0")) && !b->xsrc;
         b->ev_fork = (cudaEvent_t *)calloc(L, sizeof(cudaEvent_t));
         b->ev_read = (cudaEvent_t *)calloc(L, sizeof(cudaEvent_t));
         b->ev_join = (cudaEvent_t *)calloc(L, sizeof(cudaEvent_t));
-        /* ev_pred and ev_gu only where their option uses them. */
+        /* ev_pred only where the copies have their own stream. */
         if (b->pf_split)
             b->ev_pred = (cudaEvent_t *)calloc(L, sizeof(cudaEvent_t));
-        if (b->pf_down_late)
-            b->ev_gu = (cudaEvent_t *)calloc(L, sizeof(cudaEvent_t));
         b->pf_pending = (bool *)calloc(L, sizeof(bool));
         if (!b->ev_fork || !b->ev_read || !b->ev_join || (b->pf_split && !b->ev_pred) ||
-            (b->pf_down_late && !b->ev_gu) || !b->pf_pending) {
+            !b->pf_pending) {
             free(h);
             free(hl);
             return -ENOMEM;
@@ -1401,8 +1393,6 @@ static int offload_state(struct cuda_backend *b, char *err, size_t errlen)
             OFF_TRY(cudaEventCreateWithFlags(&b->ev_join[l], cudaEventDisableTiming));
             if (b->ev_pred)
                 OFF_TRY(cudaEventCreateWithFlags(&b->ev_pred[l], cudaEventDisableTiming));
-            if (b->ev_gu)
-                OFF_TRY(cudaEventCreateWithFlags(&b->ev_gu[l], cudaEventDisableTiming));
         }
         /* MOE_CUDA_PREFETCH_EXTRA=N: N more (or, negative, fewer: only the likeliest) experts
          * predicted per token than the layer chooses; at least one. */
@@ -1827,7 +1817,6 @@ static int cuda_init(struct moe_backend **out, const struct moe_model *m, struct
     b->resolve_route = env_on("MOE_CUDA_RESOLVE_ROUTE");
     b->route_pending = -1;
     b->pf_read = -1;
-    b->pf_down_wait = -1;
     int rc = 0;
     int count = 0;
     cudaError_t ce = cudaGetDeviceCount(&count);
@@ -2124,9 +2113,8 @@ static int cuda_init(struct moe_backend **out, const struct moe_model *m, struct
             if (b->pf && b->xsrc)
                 snprintf(pfd, sizeof pfd, ", layer-ahead read-ahead hints");
             else if (b->pf)
-                snprintf(pfd, sizeof pfd, ", prefetch %s ahead%s%s", ahead[b->pf_ahead - 1],
-                         b->pf_split ? " (copies on a stream of their own)" : "",
-                         b->pf_down_late ? " (down copies last)" : "");
+                snprintf(pfd, sizeof pfd, ", prefetch %s ahead%s", ahead[b->pf_ahead - 1],
+                         b->pf_split ? "" : " (copies after each prediction)");
             snprintf(b->desc + k, sizeof b->desc - k,
                      ", experts %s of %s in VRAM (%s of %lld slots per layer, %d pinned in all), "
                      "the rest %s%s%s",
@@ -2233,10 +2221,7 @@ static void cuda_free(struct moe_backend *bb)
             cudaEventDestroy(b->ev_join[l]);
         if (b->ev_pred && b->ev_pred[l])
             cudaEventDestroy(b->ev_pred[l]);
-        if (b->ev_gu && b->ev_gu[l])
-            cudaEventDestroy(b->ev_gu[l]);
     }
-    free(b->ev_gu);
     free(b->ev_fork);
     free(b->ev_read);
     free(b->ev_join);
@@ -2399,7 +2384,6 @@ static int cuda_begin(struct moe_backend *bb, const struct moe_step *st)
     b->norm_pending = false;
     b->qkv_pending = false;
     b->pf_read = -1;
-    b->pf_down_wait = -1;
     for (int64_t l = 0; b->pf_pending && l < b->d.L; l++)
         b->pf_pending[l] = false;
     /* Layers a failed step staged without reaching them get their tables back, after whatever
@@ -2984,16 +2968,8 @@ static int prefetch(struct cuda_backend *b, int l, int t, bool first)
             CU(b, cudaStreamWaitEvent(b->st3, b->ev_pred[t], 0));
             cs = b->st3;
         }
-        if (b->pf_down_late) {
-            LAUNCH(b, "prefetch fill (gate/up)",
-                   moe_cuda_offload_fill_nt(fl, b->pf_blocks, b->pf_threads, b->link_gbps, 1, cs));
-            CU(b, cudaEventRecord(b->ev_gu[t], cs));
-            LAUNCH(b, "prefetch fill (down)",
-                   moe_cuda_offload_fill_nt(fl, b->pf_blocks, b->pf_threads, b->link_gbps, 2, cs));
-        } else {
-            LAUNCH(b, "prefetch fill",
-                   moe_cuda_offload_fill_nt(fl, b->pf_blocks, b->pf_threads, b->link_gbps, 0, cs));
-        }
+        LAUNCH(b, "prefetch fill",
+               moe_cuda_offload_fill_nt(fl, b->pf_blocks, b->pf_threads, b->link_gbps, cs));
     }
     CU(b, cudaEventRecord(b->ev_join[t], cs));
     b->pf_pending[t] = true;
@@ -3138,16 +3114,9 @@ static int experts_op(struct cuda_backend *b, int l)
     if (cl->slots < b->d.nexp) {
         /* Experts outside VRAM: resolve this step's choices against the slots, fill misses. */
         mark(b, "offload");
-        /* Where the expert kernels make the layer's copies, the resolve and gate/up only touch
-         * the slots' gate and up parts, and the down kernel writes a victim's down part after
-         * the prefetch's down copies (it waits for them): a slot that a prefetch filled and
-         * this step evicts gets the new expert's bytes last. */
-        const bool kcopy = b->d_fsrc && expert_path(b, cl) == XP_PER_SLOT;
         if (b->pf_pending && b->pf_pending[l]) {
-            const bool late = b->pf_down_late && kcopy;
-            CU(b, cudaStreamWaitEvent(b->st, late ? b->ev_gu[l] : b->ev_join[l], 0));
+            CU(b, cudaStreamWaitEvent(b->st, b->ev_join[l], 0));
             b->pf_pending[l] = false;
-            b->pf_down_wait = late ? l : -1;
         }
         struct moe_cuda_off_route rt = {b->buf[MOE_BUF_RL], b->ld[MOE_BUF_RL], (int)b->n, k,
                                         (int)b->d.nexp, b->d.norm_topk,
@@ -3285,10 +3254,6 @@ static int expert_kernels(struct cuda_backend *b, int l, bool fold, const void *
                                    b->ld_act, b->scratch, fold ? &rt : NULL, fill, b->d.nexp,
                                    rs, tc, b->st));
     mark(b, "down");
-    if (b->pf_down_wait == l) {
-        CU(b, cudaStreamWaitEvent(b->st, b->ev_join[l], 0));
-        b->pf_down_wait = -1;
-    }
     LAUNCH(b, "expert down",
            moe_cuda_expert_down(cl->down_type, cl->down, b->d.ff, b->d.E, b->act, b->ld_act, b->n,
                                 k, sel_e, b->buf[MOE_BUF_SEL_W], b->buf[MOE_BUF_H],

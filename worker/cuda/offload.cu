@@ -138,27 +138,11 @@ static __device__ void fill_chunks(const struct moe_cuda_fill_list *__restrict__
     }
 }
 
-/* The same over the copies of one part of a resolve's list (moe_off_part_next). */
-template <int NT>
-static __device__ void fill_chunks_part(const struct moe_cuda_fill_list *__restrict__ fl,
-                                        int part, int first, int stride, double ns_per_chunk)
-{
-    const uint64_t t0 = ns_per_chunk > 0 ? global_ns() : 0;
-    struct moe_off_part_it it = MOE_OFF_PART_IT_INIT;
-    while (moe_off_part_next(fl, part, first, stride, &it)) {
-        pace(it.c0 + it.q, t0, ns_per_chunk);
-        copy_chunk<NT>(fl->job[it.j], (size_t)it.q * MOE_OFF_CHUNK);
-    }
-}
-
 template <int NT>
 __global__ void __launch_bounds__(NT) offload_fill_kernel(const struct moe_cuda_fill_list *__restrict__ fl,
-                                                          double ns_per_chunk, int part)
+                                                          double ns_per_chunk)
 {
-    if (part)
-        fill_chunks_part<NT>(fl, part, (int)blockIdx.x, (int)gridDim.x, ns_per_chunk);
-    else
-        fill_chunks<NT>(fl, (int)blockIdx.x, (int)gridDim.x, ns_per_chunk);
+    fill_chunks<NT>(fl, (int)blockIdx.x, (int)gridDim.x, ns_per_chunk);
 }
 
 int moe_cuda_offload_resolve(const struct moe_cuda_off_layer *d_layer, int32_t nexp,
@@ -293,21 +277,21 @@ static double ns_per_chunk(float link_gbps)
 int moe_cuda_offload_fill(const struct moe_cuda_fill_list *d_fill, int blocks, float link_gbps,
                           cudaStream_t s)
 {
-    return moe_cuda_offload_fill_nt(d_fill, blocks, 256, link_gbps, 0, s);
+    return moe_cuda_offload_fill_nt(d_fill, blocks, 256, link_gbps, s);
 }
 
 int moe_cuda_offload_fill_nt(const struct moe_cuda_fill_list *d_fill, int blocks, int threads,
-                             float link_gbps, int part, cudaStream_t s)
+                             float link_gbps, cudaStream_t s)
 {
-    if (blocks <= 0 || part < 0 || part > 2)
+    if (blocks <= 0)
         return -EINVAL;
     const double ns = ns_per_chunk(link_gbps);
     if (threads == 256)
-        offload_fill_kernel<256><<<blocks, 256, 0, s>>>(d_fill, ns, part);
+        offload_fill_kernel<256><<<blocks, 256, 0, s>>>(d_fill, ns);
     else if (threads == 128)
-        offload_fill_kernel<128><<<blocks, 128, 0, s>>>(d_fill, ns, part);
+        offload_fill_kernel<128><<<blocks, 128, 0, s>>>(d_fill, ns);
     else if (threads == 64)
-        offload_fill_kernel<64><<<blocks, 64, 0, s>>>(d_fill, ns, part);
+        offload_fill_kernel<64><<<blocks, 64, 0, s>>>(d_fill, ns);
     else
         return -EINVAL;
     MOE_CUDA_TRY(cudaGetLastError());
@@ -365,7 +349,7 @@ int moe_cuda_link_probe(const uint8_t *d_src, size_t bytes, uint8_t *d_dst, int 
     /* Each measured once after a warm-up run. */
     for (int rep = 0; rep < 2 && ce == cudaSuccess; rep++) {
         cudaEventRecord(e[0], s);
-        offload_fill_kernel<256><<<blocks, 256, 0, s>>>(d, ns_per_chunk(link_gbps), 0);
+        offload_fill_kernel<256><<<blocks, 256, 0, s>>>(d, ns_per_chunk(link_gbps));
         cudaEventRecord(e[1], s);
         link_read_kernel<<<blocks, 256, 0, s>>>((const uint4 *)d_src, bytes / 16, d_out);
         cudaEventRecord(e[2], s);

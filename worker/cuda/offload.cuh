@@ -75,11 +75,9 @@ int moe_cuda_offload_fill(const struct moe_cuda_fill_list *d_fill, int blocks, f
                           cudaStream_t s);
 /* The same with `threads` (256, 128 or 64; -EINVAL otherwise) threads a block, each with a
  * 16 KiB chunk's share of loads in flight (4, 8 or 16): the same bytes in flight per block,
- * fewer registers and warps taken from the kernels beside it. part 0: every copy; for a
- * resolve's list (three copies an expert: gate, up, down), part 1 only the gate and up copies,
- * part 2 only the down copies. */
+ * fewer registers and warps taken from the kernels beside it. */
 int moe_cuda_offload_fill_nt(const struct moe_cuda_fill_list *d_fill, int blocks, int threads,
-                             float link_gbps, int part, cudaStream_t s);
+                             float link_gbps, cudaStream_t s);
 /* Measures the two ways an expert outside VRAM reaches the GPU over `bytes` of host memory
  * mapped at d_src: copied into VRAM (d_dst, as many bytes) by the fill kernel (paced as
  * moe_cuda_offload_fill), and read in place by a kernel as the expert kernels read it; GB/s of

@@ -113,48 +113,10 @@ struct moe_cuda_fill_list {
 };
 #define MOE_OFF_CHUNK 16384u
 
-/* The chunks of one part of a resolve's list (three copies an expert, moe_off_queue: gate, up,
- * down) that block `first` of `stride` copies: part 1 the gate and up copies, part 2 the down
- * copies, their chunks numbered in list order among themselves (0 .. the part's count - 1) and
- * every stride-th taken from `first`. An iterator: start from MOE_OFF_PART_IT_INIT; each call
- * that returns 1 leaves in *it the copy j, its chunk q and the chunk's number in the part
- * (c0 + q); 0 at the end (and ever after). */
-struct moe_off_part_it {
-    int32_t j, q, c0; /* c0: the part's chunks before copy j */
-};
-#define MOE_OFF_PART_IT_INIT {-1, 0, 0}
-
+/* The 16 KiB chunks of copy j. */
 static inline MOE_OFF_HD int32_t moe_off_fill_chunks(const struct moe_cuda_fill *j)
 {
     return (int32_t)((j->bytes + MOE_OFF_CHUNK - 1) / MOE_OFF_CHUNK);
-}
-
-static inline MOE_OFF_HD int moe_off_part_next(const struct moe_cuda_fill_list *fl, int part,
-                                               int32_t first, int32_t stride,
-                                               struct moe_off_part_it *it)
-{
-    int32_t j = it->j, c0 = it->c0, q = it->q + stride;
-    if (j >= fl->n)
-        return 0;
-    for (;;) {
-        if (j >= 0 && q < moe_off_fill_chunks(&fl->job[j])) {
-            it->j = j;
-            it->q = q;
-            it->c0 = c0;
-            return 1;
-        }
-        if (j >= 0)
-            c0 += moe_off_fill_chunks(&fl->job[j]);
-        do
-            j++;
-        while (j < fl->n && (j % 3 == 2) != (part == 2));
-        if (j >= fl->n) {
-            it->j = j;
-            it->c0 = c0;
-            return 0;
-        }
-        q = ((first - c0) % stride + stride) % stride;
-    }
 }
 
 /* Queues the three copies of expert e into the slot-sized area `at` (gate, up, down at the
