@@ -234,9 +234,9 @@ struct cuda_backend {
     int32_t *pf_sel;                 /* [PF_MAX_N][pf_k] */
     int pf_k;                        /* experts predicted per token: kuse + MOE_CUDA_PREFETCH_EXTRA */
     float *pf_x;                     /* [PF_MAX_N][E]: the input re-weighted for layer t */
-    int pf_ahead;                    /* layers ahead: 2 by default (from 3 layers: at layer l the
-                                      * prediction is for l+2, and layer 0 also predicts 1);
-                                      * MOE_CUDA_PREFETCH_AHEAD=1..PF_AHEAD_MAX */
+    int pf_ahead;                    /* layers ahead: 3 by default (from 4 layers: at layer l the
+                                      * prediction is for l+3, and layer 0 also predicts 1 and
+                                      * 2); MOE_CUDA_PREFETCH_AHEAD=1..PF_AHEAD_MAX */
     float *pf_scale[PF_AHEAD_MAX];   /* [a-1]: [L-a][E]: ffn_norm[l+a] / ffn_norm[l] (0 where
                                       * the latter is 0) */
     unsigned long long *pf_counts;   /* [nexp], unread */
@@ -1405,9 +1405,10 @@ static int offload_state(struct cuda_backend *b, char *err, size_t errlen)
         OFF_TRY(cudaMalloc((void **)&b->pf_sel, sizeof(int32_t) * PF_MAX_N * (size_t)b->pf_k));
         OFF_TRY(cudaMalloc((void **)&b->pf_x, sizeof(float) * PF_MAX_N * (size_t)pad4(d->E)));
         const char *pa = getenv("MOE_CUDA_PREFETCH_AHEAD");
-        /* Two layers ahead by default: the copies get two layers' time to cross the link
-         * (60% residency +3%, 12.7 GiB +3.5% on an H100; docs/benchmarks.md). */
-        const int ahead = pa && atoi(pa) >= 1 && atoi(pa) <= PF_AHEAD_MAX ? atoi(pa) : 2;
+        /* Three layers ahead by default: the copies get three layers' time to cross the link
+         * (with 10 copy blocks on 132 SMs, 60% residency 232.5 -> 241-243 tok/s on an H200
+         * against two ahead on 16 blocks; docs/benchmarks.md). */
+        const int ahead = pa && atoi(pa) >= 1 && atoi(pa) <= PF_AHEAD_MAX ? atoi(pa) : 3;
         b->pf_ahead = ahead < (int)L ? ahead : (int)L - 1 > 1 ? (int)L - 1 : 1;
         if (L > 1) {
             const size_t E = (size_t)d->E;
@@ -1442,7 +1443,10 @@ static int offload_state(struct cuda_backend *b, char *err, size_t errlen)
         OFF_TRY(cudaMalloc((void **)&b->d_pf_fill, b->pf_fill_stride * L));
         OFF_TRY(cudaMemset(b->d_pf_fill, 0, b->pf_fill_stride * L));
         const char *pb = getenv("MOE_CUDA_PREFETCH_BLOCKS");
-        b->pf_blocks = pb && atoi(pb) > 0 ? atoi(pb) : (b->sms / 8 > 8 ? b->sms / 8 : 8);
+        /* A thirteenth of the SMs (10 of 132), at least 8: with the copies on their own stream
+         * fewer blocks carry the link's bytes and leave the step more room (16 and 24 measured
+         * slower, docs/benchmarks.md). */
+        b->pf_blocks = pb && atoi(pb) > 0 ? atoi(pb) : (b->sms / 13 > 8 ? b->sms / 13 : 8);
         /* Thinner copy blocks keep the same bytes in flight with fewer registers: 64 threads
          * take 5120 registers where 256 take 10240, more than the 7168 a multiprocessor has
          * left beside three blocks of the per-token gate/up (the grid of a one-token step fills
