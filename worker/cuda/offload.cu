@@ -62,69 +62,28 @@ __global__ void offload_pool_done_kernel(const struct moe_cuda_off_layer *__rest
 }
 
 
-/* Chunk `off / MOE_OFF_CHUNK` of copy j by the block: 16-byte loads where source and
- * destination allow (the store's slices are 64-byte aligned, slots 256), bytes otherwise. NT
- * threads a block, each with a 16 KiB chunk's share of loads in flight before its stores
- * (ILP = 1024 / NT): 256 threads with 4 each by default, or thin blocks (64 threads with 16
- * each) that leave room for three blocks of the per-token gate/up beside them on an SM
- * (MOE_CUDA_PREFETCH_THREADS). */
-template <int NT>
-static __device__ __forceinline__ void copy_chunk(const struct moe_cuda_fill &j, size_t off)
-{
-    constexpr int ILP = (int)(MOE_OFF_CHUNK / 16) / NT;
-    static_assert(ILP >= 1 && ILP * NT * 16 == MOE_OFF_CHUNK, "a chunk's loads spread over the block");
-    const size_t end = off + MOE_OFF_CHUNK < j.bytes ? off + MOE_OFF_CHUNK : j.bytes;
-    const uint8_t *src = j.src + off;
-    uint8_t *dst = j.dst + off;
-    const size_t n = end - off;
-    if ((((uintptr_t)src | (uintptr_t)dst) & 15) == 0) {
-        const size_t n16 = n / 16;
-        const uint4 *s4 = (const uint4 *)src;
-        uint4 *d4 = (uint4 *)dst;
-        /* ILP loads in flight per thread before the stores. */
-        size_t i = threadIdx.x;
-        for (; i + (size_t)(ILP - 1) * NT < n16; i += (size_t)ILP * NT) {
-            uint4 v[ILP];
-#pragma unroll
-            for (int u = 0; u < ILP; u++)
-                v[u] = s4[i + (size_t)u * NT];
-#pragma unroll
-            for (int u = 0; u < ILP; u++)
-                d4[i + (size_t)u * NT] = v[u];
-        }
-        for (; i < n16; i += NT)
-            d4[i] = s4[i];
-        for (size_t k = n16 * 16 + threadIdx.x; k < n; k += NT)
-            dst[k] = src[k];
-    } else {
-        for (size_t k = threadIdx.x; k < n; k += NT)
-            dst[k] = src[k];
-    }
-}
-
-/* Chunk c of the copies (block `first` of `stride`) waits for its time on a paced link:
- * ns_per_chunk > 0 (a simulated slow link, MOE_CUDA_LINK_GBPS) means chunk c is not done
- * before (c + 1) * ns_per_chunk after the block started, so the copies run at most at that
- * rate. */
-static __device__ __forceinline__ void pace(int c, uint64_t t0, double ns_per_chunk)
-{
-    if (ns_per_chunk > 0) {
-        if (threadIdx.x == 0)
-            while ((double)(global_ns() - t0) < (double)(c + 1) * ns_per_chunk)
-                __nanosleep(1000);
-        __syncthreads();
-    }
-}
-
-/* Grid-stride over the chunks of every copy (copy_chunk). */
+/* Grid-stride over the chunks of every copy; 16-byte loads where source and destination allow
+ * (the store's slices are 64-byte aligned, slots 256), bytes otherwise. ns_per_chunk > 0 (a
+ * simulated slow link, MOE_CUDA_LINK_GBPS): chunk c is not done before (c + 1) * ns_per_chunk
+ * after the block started, so the copies run at most at that rate. NT threads a block, each with
+ * a 16 KiB chunk's share of loads in flight before its stores (ILP = 1024 / NT): 256 threads
+ * with 4 each by default, or thin blocks (64 threads with 16 each) that leave room for three
+ * blocks of the per-token gate/up beside them on an SM (MOE_CUDA_PREFETCH_THREADS). */
 template <int NT>
 static __device__ void fill_chunks(const struct moe_cuda_fill_list *__restrict__ fl, int first,
                                    int stride, double ns_per_chunk)
 {
+    constexpr int ILP = (int)(MOE_OFF_CHUNK / 16) / NT;
+    static_assert(ILP >= 1 && ILP * NT * 16 == MOE_OFF_CHUNK, "a chunk's loads spread over the block");
     const int nc = fl->n_chunks, nj = fl->n;
     const uint64_t t0 = ns_per_chunk > 0 ? global_ns() : 0;
     for (int c = first; c < nc; c += stride) {
-        pace(c, t0, ns_per_chunk);
+        if (ns_per_chunk > 0) {
+            if (threadIdx.x == 0)
+                while ((double)(global_ns() - t0) < (double)(c + 1) * ns_per_chunk)
+                    __nanosleep(1000);
+            __syncthreads();
+        }
         int lo = 0, hi = nj - 1;
         while (lo < hi) { /* the last copy whose first chunk is <= c */
             const int mid = (lo + hi + 1) / 2;
@@ -134,7 +93,34 @@ static __device__ void fill_chunks(const struct moe_cuda_fill_list *__restrict__
                 hi = mid - 1;
         }
         const struct moe_cuda_fill j = fl->job[lo];
-        copy_chunk<NT>(j, (size_t)(c - (int)j.chunk0) * MOE_OFF_CHUNK);
+        const size_t off = (size_t)(c - (int)j.chunk0) * MOE_OFF_CHUNK;
+        const size_t end = off + MOE_OFF_CHUNK < j.bytes ? off + MOE_OFF_CHUNK : j.bytes;
+        const uint8_t *src = j.src + off;
+        uint8_t *dst = j.dst + off;
+        const size_t n = end - off;
+        if ((((uintptr_t)src | (uintptr_t)dst) & 15) == 0) {
+            const size_t n16 = n / 16;
+            const uint4 *s4 = (const uint4 *)src;
+            uint4 *d4 = (uint4 *)dst;
+            /* ILP loads in flight per thread before the stores. */
+            size_t i = threadIdx.x;
+            for (; i + (size_t)(ILP - 1) * NT < n16; i += (size_t)ILP * NT) {
+                uint4 v[ILP];
+#pragma unroll
+                for (int u = 0; u < ILP; u++)
+                    v[u] = s4[i + (size_t)u * NT];
+#pragma unroll
+                for (int u = 0; u < ILP; u++)
+                    d4[i + (size_t)u * NT] = v[u];
+            }
+            for (; i < n16; i += NT)
+                d4[i] = s4[i];
+            for (size_t k = n16 * 16 + threadIdx.x; k < n; k += NT)
+                dst[k] = src[k];
+        } else {
+            for (size_t k = threadIdx.x; k < n; k += NT)
+                dst[k] = src[k];
+        }
     }
 }
 
