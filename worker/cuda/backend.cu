@@ -2143,6 +2143,15 @@ fail:
     return rc;
 }
 
+/* Whatever the prefetch's and staging's streams (second, third) still have queued is done. */
+static void side_streams_wait(struct cuda_backend *b)
+{
+    if (b->st2)
+        cudaStreamSynchronize(b->st2);
+    if (b->st3)
+        cudaStreamSynchronize(b->st3);
+}
+
 static void cuda_free(struct moe_backend *bb)
 {
     struct cuda_backend *b = (struct cuda_backend *)bb;
@@ -2150,10 +2159,7 @@ static void cuda_free(struct moe_backend *bb)
         return;
     if (b->st)
         cudaStreamSynchronize(b->st);
-    if (b->st2)
-        cudaStreamSynchronize(b->st2);
-    if (b->st3)
-        cudaStreamSynchronize(b->st3);
+    side_streams_wait(b);
     pool_stop(b);
     if (b->profile && b->prof_steps > 0) {
         double tot = 0;
@@ -3356,14 +3362,10 @@ static int cuda_end(struct moe_backend *bb, float *out, int32_t *tokens)
 {
     struct cuda_backend *b = (struct cuda_backend *)bb;
     const int rc = end_step(b, out, tokens);
-    if (rc) {
-        /* A step that failed on its way may have left prefetch copies queued: they end before
-         * the next step's resolves can give their slots away. */
-        if (b->st2)
-            cudaStreamSynchronize(b->st2);
-        if (b->st3)
-            cudaStreamSynchronize(b->st3);
-    }
+    /* A step that failed on its way may have left prefetch copies queued: they end before the
+     * next step's resolves can give their slots away. */
+    if (rc)
+        side_streams_wait(b);
     return pool_step_end(b, rc);
 }
 
