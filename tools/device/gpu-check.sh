@@ -5,10 +5,13 @@
 #
 #   tools/device/gpu-check.sh [LOGDIR] [steps...]
 #   steps: build tests parity sanitizer daemon daemon-tests daemon-offload tiny big offload tc
+#          multi
 #   (tc: the products on tensor cores, MOE_CUDA_TC: their GPU tests, the tensor-core mat-vec
 #   against the float walk, and bench_engine with the float walk, the default (down on tensor
 #   cores), gate/up and down with grouped steps' inputs staged once, and all with the inputs
-#   staged once, in alternation)
+#   staged once, in alternation; multi: bench/bench_workers.py on the 30B model at 60% expert
+#   residency, one GPU worker against one per GPU of the machine, 1/16/64 sequences, the store's
+#   Pss and every worker's hit rate; on a one-GPU machine the one-worker row alone)
 #
 # The backend's switches pass through: `MOE_CUDA_TC=0 gpu-check.sh LOG build tests parity
 # sanitizer offload` runs the suites with the float walk everywhere (the tests that compare
@@ -138,4 +141,16 @@ if has tc; then
                 ${TC_ARGS:---prompt 512 --gen 128 --batches 4,16,64 --long 0} 2>&1 | tail -n 1
         done
     done | tee "$LOG/bench-tc.log"
+fi
+if has multi; then
+    step "GPU workers: one against one per GPU (bench/bench_workers.py)"
+    M=/tmp/q30-q4_k_m.gguf
+    [ -f $M ] || "$B/bin/moectl" mkmodel --preset qwen3-30b-a3b --quant q4_k_m --threads "$J" -o $M \
+        >"$LOG/mkmodel.log" 2>&1
+    n=$(nvidia-smi -L | grep -c '^GPU')
+    lists="--devices cuda:0"
+    [ "$n" -gt 1 ] && lists="$lists --devices $(seq -s, -f 'cuda:%g' 0 $((n - 1)))"
+    timeout "${MULTI_TIMEOUT:-580}" python3 bench/bench_workers.py $M $lists \
+        --expert-residency "${MULTI_RESIDENCY:-60%}" --concurrency 1,16,64 --bin "$B/bin" \
+        --json "$LOG/workers.json" 2>&1 | tee "$LOG/workers.log" | tail -n 40
 fi
