@@ -36,6 +36,14 @@ export LD_LIBRARY_PATH=$PWD/.carry/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 J=$(nproc)
 
 step() { echo "== $1 ($(date +%T))"; }
+# The 30B-shape model the benchmark steps share, made once per machine (its time printed).
+M=/tmp/q30-q4_k_m.gguf
+model30() {
+    [ -f $M ] && return 0
+    /usr/bin/time -f "mkmodel %e s" "$B/bin/moectl" mkmodel --preset qwen3-30b-a3b --quant q4_k_m \
+        --threads "$J" -o $M >"$LOG/mkmodel.log" 2>&1
+    tail -n 1 "$LOG/mkmodel.log"
+}
 has() { case " $STEPS " in *" $1 "*) return 0 ;; esac; return 1; }
 
 if has build; then
@@ -110,18 +118,13 @@ if has tiny; then
 fi
 if has big; then
     step "bench qwen3-30b-a3b q4_k_m"
-    M=/tmp/q30-q4_k_m.gguf
-    [ -f $M ] || /usr/bin/time -f "mkmodel %e s" "$B/bin/moectl" mkmodel --preset qwen3-30b-a3b \
-        --quant q4_k_m --threads "$J" -o $M >"$LOG/mkmodel.log" 2>&1
-    tail -n 1 "$LOG/mkmodel.log"
+    model30
     timeout 400 "$B/build/bench/bench_engine" $M --device cuda:0 ${BIG_ARGS:---prompt 512 --gen 128 --batches 4,16,64 --long 4096} \
         2>&1 | tee "$LOG/bench-30b.log" | tail -n 12
 fi
 if has offload; then
     step "offload bench qwen3-30b-a3b q4_k_m"
-    M=/tmp/q30-q4_k_m.gguf
-    [ -f $M ] || "$B/bin/moectl" mkmodel --preset qwen3-30b-a3b --quant q4_k_m --threads "$J" -o $M \
-        >"$LOG/mkmodel.log" 2>&1
+    model30
     timeout "${OFF_TIMEOUT:-500}" "$B/build/bench/bench_offload" $M --device cuda:0 ${OFF_ARGS:---budgets 12.7G,10G} \
         2>&1 | tee "$LOG/bench-offload.log" | tail -n 40
 fi
@@ -130,9 +133,7 @@ if has tc; then
     timeout 300 "$B/build/tests/moe-gpu-tests" -v -j 2 -f mv_tc -f cuda_tc_experts >"$LOG/tc-tests.log" 2>&1
     grep -E "^(ok|FAIL)|passed|rel-L2" "$LOG/tc-tests.log" | tail -n 20
     timeout 300 "$B/build/bench/bench_cuda_mv_tc" 0.05 2>&1 | tee "$LOG/bench-mv-tc.log" | tail -n 32
-    M=/tmp/q30-q4_k_m.gguf
-    [ -f $M ] || "$B/bin/moectl" mkmodel --preset qwen3-30b-a3b --quant q4_k_m --threads "$J" -o $M \
-        >"$LOG/mkmodel.log" 2>&1
+    model30
     for round in 1 2; do
         for v in "MOE_CUDA_TC=0" "MOE_CUDA_TC=down" "MOE_CUDA_TC=1 MOE_CUDA_TC_STAGED=1" \
                  "MOE_CUDA_TC=all MOE_CUDA_TC_STAGED=1"; do
@@ -144,9 +145,7 @@ if has tc; then
 fi
 if has multi; then
     step "GPU workers: one against one per GPU (bench/bench_workers.py)"
-    M=/tmp/q30-q4_k_m.gguf
-    [ -f $M ] || "$B/bin/moectl" mkmodel --preset qwen3-30b-a3b --quant q4_k_m --threads "$J" -o $M \
-        >"$LOG/mkmodel.log" 2>&1
+    model30
     n=$(nvidia-smi -L | grep -c '^GPU')
     lists="--devices cuda:0"
     [ "$n" -gt 1 ] && lists="$lists --devices $(seq -s, -f 'cuda:%g' 0 $((n - 1)))"
