@@ -259,6 +259,88 @@ TEST_TIMEOUT(cuda_backend_ops_match_cpu, 600)
     }
 }
 
+/* The routing op on rows made to test its rules, against the CPU's: ties (the lowest index
+ * first), NaN probabilities (skipped while others are left, then the highest index first),
+ * infinite and huge logits, zeros. The same experts in the same order, the same weights (NaN
+ * where the CPU's are). */
+TEST_TIMEOUT(cuda_route_ties_and_nans_match_cpu, 300)
+{
+    need_gpu();
+    setenv("MOE_CUDA_NO_GRAPHS", "1", 1);
+    for (size_t mi = 0; mi < N_MODELS; mi++) {
+        struct test_model tm;
+        test_model_open(&tm, MODELS[mi]);
+        const struct moe_model *m = &tm.m;
+        enum { ROWS = 14 };
+        struct moe_engine *ec = engine_on(m, "cpu", 64, 1, ROWS, false);
+        struct moe_engine *eg = engine_on(m, "cuda:0", 64, 1, ROWS, false);
+        struct moe_backend *c = moe_engine_backend(ec), *g = moe_engine_backend(eg);
+        const struct moe_dims *d = moe_engine_dims(ec);
+        const int64_t ne = d->nexp, k = d->kuse;
+        int32_t tok[ROWS], pos[ROWS], seq[ROWS], orow[ROWS];
+        float *rope = malloc(sizeof(float) * ROWS * m->hp.head_dim);
+        float *rl = malloc(sizeof(float) * ROWS * (size_t)ne);
+        float *wc = malloc(sizeof(float) * ROWS * (size_t)k), *wg = malloc(sizeof(float) * ROWS * (size_t)k);
+        int32_t *ec_ = malloc(sizeof(int32_t) * ROWS * (size_t)k);
+        int32_t *eg_ = malloc(sizeof(int32_t) * ROWS * (size_t)k);
+        CHECK(rope && rl && wc && wg && ec_ && eg_);
+        for (int i = 0; i < ROWS; i++)
+            tok[i] = i, pos[i] = i, seq[i] = 0;
+        struct moe_step st;
+        make_step(&st, ROWS, tok, pos, seq, rope, orow, m, 0);
+        moe_test_rng_seed(700 + mi);
+        for (int64_t r = 0; r < ROWS; r++)
+            for (int64_t i = 0; i < ne; i++) {
+                float *x = &rl[r * ne + i];
+                const float sep = (float)(moe_test_rng_u32() % 1000) * 0.01f; /* apart by 0.01 */
+                switch (r) {
+                case 0: *x = 0.25f; break;                             /* all tied */
+                case 1: *x = (float)((i / 2) % 5); break;              /* tied pairs */
+                case 2: *x = (float)((ne - i) % 7); break;             /* ties, high indices */
+                case 3: *x = i % 5 == 3 ? NAN : sep; break;            /* some NaN */
+                case 4: *x = NAN; break;                                /* all NaN */
+                case 5: *x = i == 0 ? NAN : sep; break;
+                case 6: *x = i % 3 ? -INFINITY : sep; break;           /* zero probabilities */
+                case 7: *x = i == ne / 2 ? INFINITY : sep; break;      /* NaN from inf − inf */
+                case 8: *x = i % 4 == 1 ? 1e30f : -1e30f; break;       /* ties at 0 and at 1/n */
+                case 9: *x = i == ne - 1 ? 1.0f : 0.0f; break;
+                case 10: *x = i < ne - k / 2 ? NAN : sep; break;       /* fewer non-NaN than k */
+                case 11: *x = (float)(i % 2) * -1e-30f; break;         /* +0 and -0 logits */
+                case 12: *x = -sep; break;
+                default: *x = (float)(i % 3) * 1e-3f; break;
+                }
+            }
+        CHECK_EQ(c->vt->begin(c, &st), 0);
+        CHECK_EQ(g->vt->begin(g, &st), 0);
+        for (int l = 0; l < (int)d->L && l < 2; l++) {
+            CHECK_EQ(c->vt->write_buf(c, MOE_BUF_RL, ROWS, rl), 0);
+            CHECK_EQ(g->vt->write_buf(g, MOE_BUF_RL, ROWS, rl), 0);
+            CHECK_EQ(c->vt->route(c, l), 0);
+            CHECK_MSG(g->vt->route(g, l) == 0, "cuda: %s", g->vt->errmsg(g));
+            CHECK_EQ(c->vt->read_buf(c, MOE_BUF_SEL_E, ROWS, ec_), 0);
+            CHECK_EQ(g->vt->read_buf(g, MOE_BUF_SEL_E, ROWS, eg_), 0);
+            CHECK_EQ(c->vt->read_buf(c, MOE_BUF_SEL_W, ROWS, wc), 0);
+            CHECK_EQ(g->vt->read_buf(g, MOE_BUF_SEL_W, ROWS, wg), 0);
+            for (int64_t r = 0; r < ROWS; r++)
+                for (int64_t j = 0; j < k; j++) {
+                    const int64_t at = r * k + j;
+                    CHECK_MSG(ec_[at] == eg_[at], "%s: row %lld choice %lld: cpu %d cuda %d",
+                              MODELS[mi], (long long)r, (long long)j, ec_[at], eg_[at]);
+                    CHECK_MSG(isnan(wc[at]) == isnan(wg[at]) &&
+                                  (isnan(wc[at]) || fabs((double)wc[at] - wg[at]) <= 1e-6),
+                              "%s: row %lld weight %lld: cpu %.9g cuda %.9g", MODELS[mi],
+                              (long long)r, (long long)j, wc[at], wg[at]);
+                }
+        }
+        CHECK_EQ(c->vt->end(c, NULL, NULL), 0);
+        CHECK_EQ(g->vt->end(g, NULL, NULL), 0);
+        free(rope), free(rl), free(wc), free(wg), free(ec_), free(eg_);
+        moe_engine_free(ec);
+        moe_engine_free(eg);
+        test_model_close(&tm);
+    }
+}
+
 /* Prompt-sized steps (more tokens than a recorded graph takes), op by op: the products and the
  * experts on tensor cores (activations rounded to f16) and attention on tensor cores over the f16
  * cache, against the CPU's float ops. Two sequences share the first step, interleaved, so that

@@ -540,19 +540,28 @@ static __host__ __device__ __forceinline__ int route_smem_floats(int nexp, int k
     return (nexp + 2 * k + 3) & ~3;
 }
 
+/* The default of route_warp's after_loads: nothing. */
+struct route_no_hook {
+    __device__ void operator()() const {}
+};
+
 /* route_warp for nexp <= 32·R with the probabilities in registers (lane l holds experts l, l + 32,
- * ...): the same floats as route_softmax_warp + route_topk_warp (the same operations in the same
- * order), without shared memory, and for k <= 32 without reading back what it wrote. */
-template <int R>
+ * ...): the same choices and floats as route_softmax_warp + route_topk_warp, without shared
+ * memory, and for k <= 32 without reading back what it wrote. after_loads() runs once the row's
+ * loads are issued (before their values are used): a caller's own loads put in flight there
+ * queue behind them. */
+template <int R, class Hook = route_no_hook>
 static __device__ __forceinline__ void route_warp_reg(const float *r, int ne, int k, bool norm_topk,
                                                       int32_t *sel_e, float *sel_w,
-                                                      unsigned long long *counts)
+                                                      unsigned long long *counts,
+                                                      const Hook &after_loads = Hook{})
 {
     const int lane = threadIdx.x & 31;
     float v[R];
 #pragma unroll
     for (int i = 0; i < R; i++)
         v[i] = lane + 32 * i < ne ? r[lane + 32 * i] : 0.0f;
+    after_loads();
     float mx = -INFINITY;
 #pragma unroll
     for (int i = 0; i < R; i++)
@@ -574,37 +583,55 @@ static __device__ __forceinline__ void route_warp_reg(const float *r, int ne, in
 #pragma unroll
     for (int i = 0; i < R; i++)
         v[i] = lane + 32 * i < ne ? (float)(v[i] / z) : -1.0f;
+    /* The top-k as a merge of the lanes' sorted lists: each lane orders its R probabilities
+     * once, so that its head is what a scan of its untaken ones would offer (the largest, the
+     * lowest index on ties; when only NaNs are left, the highest NaN index), and each round
+     * takes the warp's choice among the heads (warp_pick's rule) and advances the winner's list.
+     * The same choices and weights as k rounds of scanning, in a shorter chain. Keys: a
+     * non-NaN p as (its bits + 1, 0xffff − index), a NaN as index + 1, taken or absent 0. */
+    unsigned long long key[R];
+#pragma unroll
+    for (int i = 0; i < R; i++) {
+        const int idx = lane + 32 * i;
+        const float x = v[i];
+        key[i] = x == -1.0f ? 0ull
+                 : isnan(x) ? (unsigned long long)(idx + 1)
+                            : (unsigned long long)(__float_as_uint(x) + 1u) << 32 |
+                                  (unsigned)(0xffff - idx);
+    }
+#pragma unroll
+    for (int r = 0; r < R; r++)
+#pragma unroll
+        for (int i = r & 1; i + 1 < R; i += 2) {
+            const unsigned long long a = key[i], b = key[i + 1];
+            key[i] = a > b ? a : b;
+            key[i + 1] = a > b ? b : a;
+        }
     double wsum = 0.0;
     float chosen_w = 0.0f;
     int chosen_e = 0;
     for (int j = 0; j < k; j++) {
-        vi best = {0.0f, -1};
-        int last_nan = -1;
-#pragma unroll
-        for (int i = 0; i < R; i++) {
-            const float x = v[i];
-            if (x == -1.0f)
-                continue;
-            if (isnan(x)) {
-                last_nan = lane + 32 * i;
-                continue;
-            }
-            const vi c = {x, lane + 32 * i};
-            if (better(c, best))
-                best = c;
-        }
-        best = warp_pick(best, last_nan, [&](int at) {
+        const unsigned hk = (unsigned)(key[0] >> 32), lo = (unsigned)key[0];
+        const unsigned mk = __reduce_max_sync(0xffffffffu, hk);
+        vi best;
+        if (mk) {
+            best.i = 0xffff - (int)__reduce_max_sync(0xffffffffu, hk == mk ? lo : 0u);
+            best.v = __uint_as_float(mk - 1u);
+        } else {
+            best.i = (int)__reduce_max_sync(0xffffffffu, lo) - 1;
             float mine = 0.0f;
 #pragma unroll
             for (int i = 0; i < R; i++)
-                if (lane + 32 * i == at)
+                if (lane + 32 * i == best.i)
                     mine = v[i];
-            return __shfl_sync(0xffffffffu, mine, at & 31);
-        });
+            best.v = __shfl_sync(0xffffffffu, mine, best.i & 31);
+        }
+        if (best.i >= 0 && lane == (best.i & 31)) {
 #pragma unroll
-        for (int i = 0; i < R; i++)
-            if (lane + 32 * i == best.i)
-                v[i] = -1.0f;
+            for (int i = 0; i + 1 < R; i++)
+                key[i] = key[i + 1];
+            key[R - 1] = 0ull;
+        }
         if (lane == (j & 31)) {
             chosen_w = best.v;
             chosen_e = best.i;
@@ -630,16 +657,20 @@ static __device__ __forceinline__ void route_warp_reg(const float *r, int ne, in
     __syncwarp();
 }
 
-/* p: shared memory for nexp floats, used only when nexp > 256 (registers hold fewer). */
+/* p: shared memory for nexp floats, used only when nexp > 256 (registers hold fewer).
+ * after_loads: as route_warp_reg's (at the start for more than 256 experts). */
+template <class Hook = route_no_hook>
 static __device__ __forceinline__ void route_warp(const float *r, int ne, int k, bool norm_topk,
                                                   int32_t *sel_e, float *sel_w,
-                                                  unsigned long long *counts, float *p)
+                                                  unsigned long long *counts, float *p,
+                                                  const Hook &after_loads = Hook{})
 {
     if (ne <= 128) {
-        route_warp_reg<4>(r, ne, k, norm_topk, sel_e, sel_w, counts);
+        route_warp_reg<4>(r, ne, k, norm_topk, sel_e, sel_w, counts, after_loads);
     } else if (ne <= 256) {
-        route_warp_reg<8>(r, ne, k, norm_topk, sel_e, sel_w, counts);
+        route_warp_reg<8>(r, ne, k, norm_topk, sel_e, sel_w, counts, after_loads);
     } else {
+        after_loads();
         route_softmax_warp(r, ne, p);
         route_topk_warp(ne, k, norm_topk, sel_e, sel_w, counts, p);
     }
