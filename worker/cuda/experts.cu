@@ -96,10 +96,12 @@ static __device__ bool gu_resolve(const moe_cuda_gu_resolve &rs, const int32_t *
  * rt.sel_w for the down kernel and counts them: the routing of the step without a launch of its
  * own. With rs.off the block then resolves the layer's choices (gu_resolve; every thread of the
  * block must call this), and *fresh says whether the tables must be read afresh. */
+template <class Hook = route_no_hook>
 static __device__ __forceinline__ int gu_expert(const moe_cuda_route_in &rt,
                                                 const moe_cuda_gu_resolve &rs,
                                                 const int32_t *__restrict__ sel_e, int kuse,
-                                                int64_t slot, float *rsm, bool *fresh)
+                                                int64_t slot, float *rsm, bool *fresh,
+                                                const Hook &after_loads = Hook{})
 {
     int e;
     if (rt.rl) {
@@ -110,7 +112,7 @@ static __device__ __forceinline__ int gu_expert(const moe_cuda_route_in &rt,
         float *sw = p + rt.nexp + kuse;
         const bool writer = blockIdx.x == 0 && slot % kuse == 0 && threadIdx.x < 32;
         route_warp(rt.rl + t * rt.ldl, rt.nexp, kuse, rt.norm_topk, se, sw,
-                   writer ? rt.counts : NULL, p);
+                   writer ? rt.counts : NULL, p, after_loads);
         if (writer)
             for (int j = lane; j < kuse; j += 32) {
                 rt.sel_e[t * kuse + j] = se[j];
@@ -119,6 +121,7 @@ static __device__ __forceinline__ int gu_expert(const moe_cuda_route_in &rt,
         e = se[slot % kuse];
     } else {
         e = sel_e[slot];
+        after_loads();
     }
     *fresh = false;
     if (rs.off) /* warp 0's choices; the walk's memory after every warp's routing */
@@ -167,6 +170,13 @@ gate_up_kernel(const uint8_t *const *__restrict__ ga, const uint8_t *const *__re
                           out + slot * ldo);
 }
 
+/* Where gu_tc_tile<K, 1, false, false, true> reads the row's raw copy: after the staging and the
+ * warps' sums in its shared memory sm. */
+static __device__ __forceinline__ float *gu_raw_area(uint4 *sm, int nsb)
+{
+    return (float *)((float4 *)(sm + (size_t)nsb * 66) + 2 * GU_WARPS * 32);
+}
+
 /* The 16-row tile rt0 of one expert's gate g and up u (Q4_K or Q6_K) on tensor cores for NT
  * staged columns: xr[c] the input rows of columns c < nt (the others repeat the last), o[c] their
  * act rows; sm: shared memory for the staging (tc_stage_bytes(NT, nsb)) and the warps' sums (2 ·
@@ -174,8 +184,9 @@ gate_up_kernel(const uint8_t *const *__restrict__ ga, const uint8_t *const *__re
  * warp order, so a column's floats depend on the row length only, not on NT or the other columns.
  * ST: the inputs come staged once per step in st (moe_cuda_tc_stage), column c reading token
  * tok[c]'s, and sm holds the sums only (the same floats: the same staging functions). The whole
- * block calls it; it ends with a barrier. */
-template <int K, int NT, bool ST = false, bool AS = false>
+ * block calls it; it ends with a barrier. RAW (one token, its own row): the caller has put the
+ * row's copy into gu_raw_area in flight (tc_raw_copy), and it is staged from there. */
+template <int K, int NT, bool ST = false, bool AS = false, bool RAW = false>
 static __device__ __forceinline__ void gu_tc_tile(const uint8_t *g, const uint8_t *u,
                                                   size_t row_bytes, int nsb, int64_t ff,
                                                   int64_t rt0, const float *const *xr,
@@ -198,6 +209,10 @@ static __device__ __forceinline__ void gu_tc_tile(const uint8_t *g, const uint8_
     const uint8_t *u0 = u + (size_t)(row0 - rbase) * row_bytes;
     const uint8_t *u1 = u + (size_t)(row1 - rbase) * row_bytes;
     typename TK::raw rg = {}, ru = {};
+    static_assert(!RAW || (NT == 1 && !ST && !AS), "the raw copy stages one token's own row");
+    /* RAW: the caller has put the row's copy into gu_raw_area in flight (tc_raw_copy), ahead
+     * of the weights' loads; it is staged from there (tc_stage_raw). */
+    float *raw = RAW ? gu_raw_area(sm, nsb) : nullptr;
     if (!AS && wi < nsb) {
         rg = TK::load(g0 + (size_t)wi * BB, g1 + (size_t)wi * BB, t);
         ru = TK::load(u0 + (size_t)wi * BB, u1 + (size_t)wi * BB, t);
@@ -214,6 +229,8 @@ static __device__ __forceinline__ void gu_tc_tile(const uint8_t *g, const uint8_
         if (threadIdx.x < NT)
             s_exp[threadIdx.x] = st.exp[tok[threadIdx.x]];
         __syncthreads();
+    } else if constexpr (RAW) {
+        tc_stage_raw<K>(raw, nsb, xs, sxs, s_exp, s_amax);
     } else {
         tc_stage<NT, K>(xr, nsb, xs, sxs, s_exp, s_amax);
     }
@@ -275,8 +292,15 @@ gate_up_tc_kernel(const uint8_t *const *__restrict__ ga, const uint8_t *const *_
     extern __shared__ float rsm[];
     const int wi = threadIdx.x >> 5;
     const int64_t rt0 = (int64_t)blockIdx.x * TC_ROWS, slot = blockIdx.y;
+    /* The row's copy put in flight during the routing, behind the logits' loads (gu_tc_tile's
+     * RAW). */
+    const auto copy_row = [&]() {
+        if constexpr (!AS)
+            tc_raw_copy(gu_raw_area((uint4 *)(rsm + tc_off), nsb), x + (slot / kuse) * ldx,
+                        (int64_t)nsb * 256, threadIdx.x, blockDim.x);
+    };
     bool fresh;
-    const int e = gu_expert(rt, rs, sel_e, kuse, slot, rsm, &fresh);
+    const int e = gu_expert(rt, rs, sel_e, kuse, slot, rsm, &fresh, copy_row);
     const uint8_t *g = tab_ptr(ga, e, fresh);
     const uint8_t *u = tab_ptr(ua, e, fresh);
     if (fa && (!rs.off || fresh)) {
@@ -297,8 +321,8 @@ gate_up_tc_kernel(const uint8_t *const *__restrict__ ga, const uint8_t *const *_
     }
     const float *xr[1] = {x + (slot / kuse) * ldx};
     float *o[1] = {out + slot * ldo};
-    gu_tc_tile<K, 1, false, AS>(g, u, row_bytes, nsb, ff, rt0, xr, o, 1,
-                                (uint4 *)(rsm + tc_off));
+    gu_tc_tile<K, 1, false, AS, !AS>(g, u, row_bytes, nsb, ff, rt0, xr, o, 1,
+                                     (uint4 *)(rsm + tc_off));
 }
 
 int moe_cuda_expert_tc_env(void)
@@ -358,9 +382,10 @@ down_kernel(const uint8_t *const *__restrict__ da, size_t row_bytes, unsigned bl
  * takes the token's choices j, j + warps, ... (its input staged by itself, tc_stage_warp, scaled
  * by that input's own power of two) over the 16-row tile and the whole row, then one thread per
  * row weights and adds the choices in top-k order into h, as down_block does. Dynamic shared
- * memory: per warp a staging area (tc_stage_bytes(1, nsb)), then part [kuse][TC_ROWS] floats.
+ * memory: per warp a staging area (tc_stage_bytes(1, nsb)), then part [kuse][TC_ROWS] floats,
+ * then with RAW per warp the raw copy of its act row (tc_raw_floats(nsb · 256) floats).
  * fill (or NULL): as down_kernel's, each warp copies the rows it reads first. */
-template <int K, bool AS = false>
+template <int K, bool AS = false, bool RAW = false>
 static __global__ void __launch_bounds__(32 * DOWN_WARPS)
 down_tc_kernel(const uint8_t *const *__restrict__ da, size_t row_bytes, int nsb, int64_t E,
                const float *__restrict__ act, int64_t ldact, int kuse,
@@ -393,6 +418,11 @@ down_tc_kernel(const uint8_t *const *__restrict__ da, size_t row_bytes, int nsb,
         __syncthreads();
     }
     for (int j = w; j < kuse; j += nw) {
+        /* RAW: the act row copied into the warp's area after part first, ahead of the
+         * weights' loads and of the expert's lookup (tc_stage_warp_raw). */
+        float *xraw = (float *)(part + (size_t)kuse * TC_ROWS) + (size_t)w * tc_raw_floats(nsb * 256);
+        if constexpr (RAW)
+            tc_raw_copy(xraw, act + (tok * kuse + j) * ldact, (int64_t)nsb * 256, lane, 32);
         const uint8_t *base = AS ? wrows + (size_t)j * TC_ROWS * row_bytes : da[se[j]];
         if (!AS && fill)
             warp_fill_rows(base, fill[se[j]], r0, E - r0 < TC_ROWS ? E - r0 : TC_ROWS, row_bytes);
@@ -400,7 +430,8 @@ down_tc_kernel(const uint8_t *const *__restrict__ da, size_t row_bytes, int nsb,
         const uint8_t *p0 = base + (size_t)(row0 - rb0) * row_bytes;
         const uint8_t *p1 = base + (size_t)(row1 - rb0) * row_bytes;
         const typename tc_kind<K>::raw raw = tc_kind<K>::load(p0, p1, t);
-        const int ex = tc_stage_warp<K>(act + (tok * kuse + j) * ldact, nsb, xs, sxs);
+        const int ex = RAW ? tc_stage_warp_raw<K>(xraw, nsb, xs, sxs)
+                           : tc_stage_warp<K>(act + (tok * kuse + j) * ldact, nsb, xs, sxs);
         float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
         tc_rows<K>(p0, p1, t, 0, 1, nsb, raw, xs, sxs, 0, acc);
         const float back = ldexpf(1.0f, ex);
@@ -897,8 +928,10 @@ static int launch_gate_up(const void *const *a, const void *const *b, int64_t n,
         return -EINVAL;
     if constexpr (tc_takes<K>() && MODE == 0) {
         const size_t tc_off = (smem / sizeof(float) + 3) & ~(size_t)3;
+        /* The staging, the warps' sums, then the row's raw copy (gu_tc_tile's RAW). */
         const size_t tc_smem = tc_off * sizeof(float) + tc_stage_bytes(1, (int)(n / 256)) +
-                               2 * GU_WARPS * 32 * sizeof(float4);
+                               2 * GU_WARPS * 32 * sizeof(float4) +
+                               sizeof(float) * (size_t)tc_raw_floats(n);
         /* Past 48 KiB (rows of about 8700 and more) the shared memory is raised rather than
          * leaving tensor cores, which would make one-token steps differ from grouped ones. */
         if ((tc & MOE_CUDA_TC_GATE_UP) && !etype && n % 256 == 0 && tc_smem <= smem_room()) {
@@ -1011,13 +1044,21 @@ static int launch_down(const void *const *d, int64_t ff, int64_t E, const float 
         /* Every choice's rows of the tile copied into shared memory first (MOE_CUDA_TC_ASYNC,
          * as for gate/up) where nothing is filled and the device gives the room. */
         const size_t as_smem = ((smem + 15) & ~(size_t)15) + (size_t)kuse * TC_ROWS * rb;
+        /* Without the copies first, each warp's act row goes to shared memory first (RAW)
+         * where the room allows. */
+        const size_t raw_smem = smem + (size_t)tw * sizeof(float) * (size_t)tc_raw_floats(ff);
         if ((tc & MOE_CUDA_TC_DOWN) && ff % 256 == 0 && smem <= 48 * 1024) {
             const bool as = (tc & MOE_CUDA_TC_ASYNC) && !fill && as_smem <= smem_room();
+            const bool raw = !as && raw_smem <= smem_room();
             if (as)
                 MOE_CUDA_TRY((moe_raise_smem<down_tc_kernel<K, true>>(as_smem)));
+            if (raw)
+                MOE_CUDA_TRY((moe_raise_smem<down_tc_kernel<K, false, true>>(raw_smem)));
             dim3 g((unsigned)((E + TC_ROWS - 1) / TC_ROWS), (unsigned)n_tok);
-            MOE_CUDA_TRY(moe_launch(as ? down_tc_kernel<K, true> : down_tc_kernel<K>, g,
-                                    dim3(32 * tw), as ? as_smem : smem, s,
+            MOE_CUDA_TRY(moe_launch(as    ? down_tc_kernel<K, true>
+                                    : raw ? down_tc_kernel<K, false, true>
+                                          : down_tc_kernel<K>,
+                                    g, dim3(32 * tw), as ? as_smem : raw ? raw_smem : smem, s,
                                     (const uint8_t *const *)d, rb, (int)(ff / 256), E, act, ldact,
                                     kuse, sel_e, sel_w, h, ldh, (const uint8_t *const *)fill));
             return 0;

@@ -7,7 +7,8 @@
  * row length only, never on n_tok. Before that the block stages its tokens' inputs in shared
  * memory in fragment order (mv_tc.cuh: tc_stage4, tc_stage_sums), scaled per token by the power
  * of two of tc_scale_exp; each warp has loaded its first block's bytes before the staging, so
- * those loads are in flight while it runs. */
+ * those loads are in flight while it runs (one token: after the copy of its row into shared
+ * memory, which the staging then reads). */
 #include "worker/cuda/mv_tc.h"
 
 #include "worker/cuda/matvec.h"
@@ -90,10 +91,20 @@ mv_tc_kernel(const tc_jobs J, size_t row_bytes, int nsb, const float *__restrict
     const uint8_t *p1 = w + (size_t)(row1 < rows ? row1 : rows - 1) * row_bytes;
     const size_t BB = tc_kind<K>::block_bytes;
     typename tc_kind<K>::raw raw = {};
-    if (wi < nsb)
+    /* One token staged by the block: its row is copied into shared memory after the warps' sums
+     * first (tc_raw_copy; after the wait, x being the previous kernel's output), ahead of the
+     * weights' loads, and staged from there (tc_stage_raw). */
+    constexpr bool RAW = NT == 1 && !ST;
+    float *xraw = (float *)(red + nw * 32);
+    if (!RAW && wi < nsb)
         raw = tc_kind<K>::load(p0 + (size_t)wi * BB, p1 + (size_t)wi * BB, t);
     pdl_wait(); /* x is the previous kernel's output; the weights are not */
     pdl_trigger();
+    if constexpr (RAW) {
+        tc_raw_copy(xraw, x + t0 * ldx, (int64_t)nsb * 256, tid, nthr);
+        if (wi < nsb)
+            raw = tc_kind<K>::load(p0 + (size_t)wi * BB, p1 + (size_t)wi * BB, t);
+    }
 
     const int *s_exp = s_exp_sm;
     int gx = g & (NT - 1);
@@ -104,6 +115,8 @@ mv_tc_kernel(const tc_jobs J, size_t row_bytes, int nsb, const float *__restrict
         s_exp = st.exp + t0;
         if (t0 + gx >= n_tok)
             gx = (int)(n_tok - 1 - t0);
+    } else if constexpr (RAW) {
+        tc_stage_raw<K>(xraw, nsb, xs, sxs, s_exp_sm, s_amax);
     } else {
         const float *xr[NT];
         UNROLL
@@ -170,7 +183,8 @@ static int tc_launch(const tc_jobs &J, size_t rb, int nsb, const float *x, int64
                                 accumulate, st));
         return 0;
     }
-    const size_t smem = ((size_t)NT * nsb * 66 + (size_t)warps * 32) * sizeof(uint4);
+    const size_t smem = ((size_t)NT * nsb * 66 + (size_t)warps * 32) * sizeof(uint4) +
+                        (NT == 1 ? sizeof(float) * (size_t)tc_raw_floats((int64_t)nsb * 256) : 0);
     MOE_CUDA_TRY((moe_raise_smem<mv_tc_kernel<NT, K, false>>(smem)));
     MOE_CUDA_TRY(moe_launch(mv_tc_kernel<NT, K, false>, grid, dim3(32 * warps), smem, s, J, rb,
                             nsb, x, ldx, n_tok, accumulate, tc_staged{}));

@@ -181,25 +181,42 @@ static HD int tc_scale_exp(float amax)
 /* Item r (0 .. nsb·64) of a row's staged fragments: block sb = r/64, mma m = (r/4) % 16 (Q6_K:
  * scale group), lane t = r % 4; and item r (0 .. nsb·4) of its sub-block sums' pairs (block r/4,
  * lane r % 4; Q4_K only). x is the row, sc the power of two 2^-s of its exponent. */
-template <int K>
-static HD uint4 tc_stage_frag(const float *x, int r, float sc)
+template <int K, class Ld>
+static HD uint4 tc_stage_frag_at(const Ld &ld, int r, float sc)
 {
     const int sb = r >> 6, m = (r >> 2) & 15, tt = r & 3;
     const int base = K == MOE_TYPE_Q6_K ? tc_q6k_base(m, tt) : tc_q4k_base(m, tt);
-    const float4 v = *(const float4 *)(x + 256 * sb + base);
+    const float4 v = ld(256 * sb + base);
     return tc_stage4(v.x * sc, v.y * sc, v.z * sc, v.w * sc);
 }
 
-static HD uint2 tc_stage_sum(const float *x, int r, float sc)
+template <class Ld> static HD uint2 tc_stage_sum_at(const Ld &ld, int r, float sc)
 {
-    const float *xp = x + 256 * (r >> 2) + 64 * (r & 3);
+    const int xp = 256 * (r >> 2) + 64 * (r & 3);
     float s0 = 0.0f, s1 = 0.0f;
     for (int i = 0; i < 32; i += 4) {
-        const float4 a = *(const float4 *)(xp + i), b = *(const float4 *)(xp + 32 + i);
+        const float4 a = ld(xp + i), b = ld(xp + 32 + i);
         s0 += a.x * sc + a.y * sc + a.z * sc + a.w * sc;
         s1 += b.x * sc + b.y * sc + b.z * sc + b.w * sc;
     }
     return tc_stage_sums(s0, s1);
+}
+
+/* A row as tc_stage_frag_at and tc_stage_sum_at read it: the float4 at element o (o % 4 == 0). */
+struct tc_row_ld {
+    const float *x;
+    HD float4 operator()(int o) const { return *(const float4 *)(x + o); }
+};
+
+template <int K>
+static HD uint4 tc_stage_frag(const float *x, int r, float sc)
+{
+    return tc_stage_frag_at<K>(tc_row_ld{x}, r, sc);
+}
+
+static HD uint2 tc_stage_sum(const float *x, int r, float sc)
+{
+    return tc_stage_sum_at(tc_row_ld{x}, r, sc);
 }
 
 #endif

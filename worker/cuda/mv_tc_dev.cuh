@@ -274,20 +274,120 @@ static __device__ __forceinline__ void tc_stage(const float *const *xr, int nsb,
     __syncthreads();
 }
 
+/* The rest of a warp's staging once the row's max |x| (bit pattern amax) is known, the row read
+ * through ld (tc_row_ld, tc_raw_ld): returns the row's exponent. */
+template <int K, class Ld>
+static __device__ __forceinline__ int tc_stage_warp_from(const Ld &ld, unsigned amax, int nsb,
+                                                         uint4 *xs, uint2 *sxs)
+{
+    const int lane = threadIdx.x & 31;
+    const int e = tc_scale_exp(__uint_as_float(amax));
+    const float sc = ldexpf(1.0f, -e);
+    for (int u = lane; u < nsb * 64; u += 32)
+        xs[u] = tc_stage_frag_at<K>(ld, u, sc);
+    for (int u = lane; K == MOE_TYPE_Q4_K && u < nsb * 4; u += 32)
+        sxs[u] = tc_stage_sum_at(ld, u, sc);
+    __syncwarp();
+    return e;
+}
+
 /* tc_stage for one row by one warp (the same floats): returns the row's exponent. */
 template <int K>
 static __device__ __forceinline__ int tc_stage_warp(const float *x, int nsb, uint4 *xs, uint2 *sxs)
 {
-    const int lane = threadIdx.x & 31;
-    const unsigned m = __reduce_max_sync(0xffffffffu, tc_amax_part(x, (int64_t)nsb * 256, lane, 32));
-    const int e = tc_scale_exp(__uint_as_float(m));
+    const unsigned m =
+        __reduce_max_sync(0xffffffffu, tc_amax_part(x, (int64_t)nsb * 256, threadIdx.x & 31, 32));
+    return tc_stage_warp_from<K>(tc_row_ld{x}, m, nsb, xs, sxs);
+}
+
+/* The raw copy of a row that tc_stage_raw and tc_stage_warp_raw stage from, in shared memory:
+ * float4 q of the row at float4 q + q/8 (one float4 of padding after every eight), so that the
+ * eight float4 a quarter of a warp reads for consecutive fragments (64 floats apart) fall in
+ * different banks. tc_raw_floats(n): its size in floats for a row of n. */
+static __host__ __device__ __forceinline__ int64_t tc_raw_floats(int64_t n)
+{
+    return n / 32 * 36;
+}
+
+struct tc_raw_ld {
+    const float *raw;
+    __device__ float4 operator()(int o) const
+    {
+        const int q = o >> 2;
+        return *(const float4 *)(raw + 4 * (q + (q >> 3)));
+    }
+};
+
+/* The n floats of x (global, n % 32 == 0) put in flight into raw (tc_raw_floats(n), 16-byte
+ * aligned) by threads i0, i0 + step, ...: 16-byte cp.async pieces where x is 16-byte aligned,
+ * plain copies otherwise. Issued before the weights' loads, so that the row does not wait behind
+ * them; visible after cp_async_wait_all and a barrier. */
+static __device__ __forceinline__ void tc_raw_copy(float *raw, const float *x, int64_t n, int i0,
+                                                   int step)
+{
+    if (((uintptr_t)x & 15) == 0) {
+        for (int64_t q = i0; q < n / 4; q += step)
+            cp_async16(raw + 4 * (q + (q >> 3)), x + 4 * q);
+    } else {
+        for (int64_t i = i0; i < n; i += step) {
+            const int64_t q = i >> 2;
+            raw[4 * (q + (q >> 3)) + (i & 3)] = x[i];
+        }
+    }
+}
+
+/* The bit pattern of max |x| over the raw copy's float4s q0, q0 + step, ... of a row of n. */
+static __device__ __forceinline__ unsigned tc_raw_amax_part(const float *raw, int64_t n, int q0,
+                                                            int step)
+{
+    unsigned m = 0;
+    const tc_raw_ld ld{raw};
+    for (int64_t q = q0; q < n / 4; q += step) {
+        const float4 v = ld((int)(4 * q));
+        m = max(max(m, abs_bits(v.x)), max(abs_bits(v.y), max(abs_bits(v.z), abs_bits(v.w))));
+    }
+    return m;
+}
+
+/* tc_stage<1, K> from the raw copy of the row (tc_raw_copy by this block's threads, not yet
+ * waited for): the same floats, without reading global memory again. */
+template <int K>
+static __device__ __forceinline__ void tc_stage_raw(const float *raw, int nsb, uint4 *xs,
+                                                    uint2 *sxs, int *s_exp, unsigned *s_amax)
+{
+    const int tid = threadIdx.x, nthr = blockDim.x, lane = tid & 31;
+    const int64_t n = (int64_t)nsb * 256;
+    if (tid == 0)
+        *s_amax = 0;
+    cp_async_wait_all();
+    __syncthreads();
+    const unsigned m = __reduce_max_sync(0xffffffffu, tc_raw_amax_part(raw, n, tid, nthr));
+    if (lane == 0)
+        atomicMax(s_amax, m);
+    __syncthreads();
+    const int e = tc_scale_exp(__uint_as_float(*s_amax));
     const float sc = ldexpf(1.0f, -e);
-    for (int u = lane; u < nsb * 64; u += 32)
-        xs[u] = tc_stage_frag<K>(x, u, sc);
-    for (int u = lane; K == MOE_TYPE_Q4_K && u < nsb * 4; u += 32)
-        sxs[u] = tc_stage_sum(x, u, sc);
+    if (tid == 0)
+        *s_exp = e;
+    const tc_raw_ld ld{raw};
+    for (int u = tid; u < nsb * 64; u += nthr)
+        xs[u] = tc_stage_frag_at<K>(ld, u, sc);
+    for (int u = tid; K == MOE_TYPE_Q4_K && u < nsb * 4; u += nthr)
+        sxs[u] = tc_stage_sum_at(ld, u, sc);
+    __syncthreads();
+}
+
+/* tc_stage_warp from the raw copy of the row (tc_raw_copy by this warp's lanes, not yet waited
+ * for): the same floats. */
+template <int K>
+static __device__ __forceinline__ int tc_stage_warp_raw(const float *raw, int nsb, uint4 *xs,
+                                                        uint2 *sxs)
+{
+    cp_async_wait_all();
     __syncwarp();
-    return e;
+    const unsigned m = __reduce_max_sync(
+        0xffffffffu, tc_raw_amax_part(raw, (int64_t)nsb * 256, threadIdx.x & 31, 32));
+    return tc_stage_warp_from<K>(tc_raw_ld{raw}, m, nsb, xs, sxs);
 }
 
 /* Inputs staged once for every tile (moe_cuda_tc_stage, moe_cuda_matvec_tc_multi_ws): per token
