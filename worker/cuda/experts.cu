@@ -378,6 +378,13 @@ down_kernel(const uint8_t *const *__restrict__ da, size_t row_bytes, unsigned bl
                   part, fill);
 }
 
+/* The floats of a down warp's own area after part: the raw copy of its act row and, with its
+ * tile's rows copied too (WS, row_bytes > 0), TC_ROWS rows. */
+static __host__ __device__ __forceinline__ size_t down_ws_floats(int nsb, size_t row_bytes)
+{
+    return (size_t)tc_raw_floats((int64_t)nsb * 256) + TC_ROWS * row_bytes / sizeof(float);
+}
+
 /* Down of Q4_K or Q6_K experts on tensor cores, TC_ROWS rows of one token per block: warp j
  * takes the token's choices j, j + warps, ... (its input staged by itself, tc_stage_warp, scaled
  * by that input's own power of two) over the 16-row tile and the whole row, then one thread per
@@ -385,7 +392,7 @@ down_kernel(const uint8_t *const *__restrict__ da, size_t row_bytes, unsigned bl
  * memory: per warp a staging area (tc_stage_bytes(1, nsb)), then part [kuse][TC_ROWS] floats,
  * then with RAW per warp the raw copy of its act row (tc_raw_floats(nsb · 256) floats).
  * fill (or NULL): as down_kernel's, each warp copies the rows it reads first. */
-template <int K, bool AS = false, bool RAW = false>
+template <int K, bool AS = false, bool RAW = false, bool WS = false>
 static __global__ void __launch_bounds__(32 * DOWN_WARPS)
 down_tc_kernel(const uint8_t *const *__restrict__ da, size_t row_bytes, int nsb, int64_t E,
                const float *__restrict__ act, int64_t ldact, int kuse,
@@ -420,18 +427,36 @@ down_tc_kernel(const uint8_t *const *__restrict__ da, size_t row_bytes, int nsb,
     for (int j = w; j < kuse; j += nw) {
         /* RAW: the act row copied into the warp's area after part first, ahead of the
          * weights' loads and of the expert's lookup (tc_stage_warp_raw). */
-        float *xraw = (float *)(part + (size_t)kuse * TC_ROWS) + (size_t)w * tc_raw_floats(nsb * 256);
+        static_assert(!WS || (RAW && !AS), "the tile's copy goes after the act row's");
+        float *xraw = (float *)(part + (size_t)kuse * TC_ROWS) +
+                      (size_t)w * down_ws_floats(nsb, WS ? row_bytes : 0);
         if constexpr (RAW)
             tc_raw_copy(xraw, act + (tok * kuse + j) * ldact, (int64_t)nsb * 256, lane, 32);
         const uint8_t *base = AS ? wrows + (size_t)j * TC_ROWS * row_bytes : da[se[j]];
         if (!AS && fill)
             warp_fill_rows(base, fill[se[j]], r0, E - r0 < TC_ROWS ? E - r0 : TC_ROWS, row_bytes);
-        const int64_t rb0 = AS ? r0 : 0;
+        const int64_t rb0 = AS || WS ? r0 : 0;
+        typename tc_kind<K>::raw raw;
+        int ex;
+        if constexpr (WS) {
+            /* The tile's rows of this choice copied after the act row (two groups): the staging
+             * waits for the row only, the walk then reads the rows from shared memory. */
+            uint8_t *wt = (uint8_t *)(xraw + tc_raw_floats(nsb * 256));
+            cp_async_commit();
+            warp_copy_async(wt, base + (size_t)r0 * row_bytes,
+                            (size_t)(E - r0 < TC_ROWS ? E - r0 : TC_ROWS) * row_bytes);
+            cp_async_commit();
+            base = wt;
+            ex = tc_stage_warp_raw<K, 1>(xraw, nsb, xs, sxs);
+            cp_async_wait_group<0>();
+            __syncwarp();
+        }
         const uint8_t *p0 = base + (size_t)(row0 - rb0) * row_bytes;
         const uint8_t *p1 = base + (size_t)(row1 - rb0) * row_bytes;
-        const typename tc_kind<K>::raw raw = tc_kind<K>::load(p0, p1, t);
-        const int ex = RAW ? tc_stage_warp_raw<K>(xraw, nsb, xs, sxs)
-                           : tc_stage_warp<K>(act + (tok * kuse + j) * ldact, nsb, xs, sxs);
+        raw = tc_kind<K>::load(p0, p1, t);
+        if constexpr (!WS)
+            ex = RAW ? tc_stage_warp_raw<K>(xraw, nsb, xs, sxs)
+                     : tc_stage_warp<K>(act + (tok * kuse + j) * ldact, nsb, xs, sxs);
         float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
         tc_rows<K>(p0, p1, t, 0, 1, nsb, raw, xs, sxs, 0, acc);
         const float back = ldexpf(1.0f, ex);
@@ -1046,19 +1071,36 @@ static int launch_down(const void *const *d, int64_t ff, int64_t E, const float 
         const size_t as_smem = ((smem + 15) & ~(size_t)15) + (size_t)kuse * TC_ROWS * rb;
         /* Without the copies first, each warp's act row goes to shared memory first (RAW)
          * where the room allows. */
-        const size_t raw_smem = smem + (size_t)tw * sizeof(float) * (size_t)tc_raw_floats(ff);
+        const size_t raw_smem = smem + (size_t)tw * sizeof(float) * down_ws_floats((int)(ff / 256), 0);
+        const size_t ws_smem = smem + (size_t)tw * sizeof(float) * down_ws_floats((int)(ff / 256), rb);
+        /* One token's Q6_K down copies each choice's tile into its warp's area too (WS): its
+         * 210-byte blocks are 2-byte aligned, read as many small pieces, which shared memory
+         * serves faster than the global load queue (+0.5 to 1.4% at batch 1 on an H100,
+         * docs/benchmarks.md). MOE_CUDA_DOWN_WS=0 turns it off, =all takes every type; steps of
+         * more tokens keep their blocks' smaller shared memory (more blocks an SM). */
+        static int ws_env = -1;
+        if (ws_env < 0) {
+            const char *v = getenv("MOE_CUDA_DOWN_WS");
+            ws_env = !v || !*v ? 1 : !strcmp(v, "all") ? 2 : !strcmp(v, "0") ? 0 : 1;
+        }
         if ((tc & MOE_CUDA_TC_DOWN) && ff % 256 == 0 && smem <= 48 * 1024) {
             const bool as = (tc & MOE_CUDA_TC_ASYNC) && !fill && as_smem <= smem_room();
             const bool raw = !as && raw_smem <= smem_room();
+            const bool ws = raw && !fill && n_tok == 1 && ws_smem <= smem_room() &&
+                            (ws_env == 2 || (ws_env == 1 && K == MOE_TYPE_Q6_K));
             if (as)
                 MOE_CUDA_TRY((moe_raise_smem<down_tc_kernel<K, true>>(as_smem)));
-            if (raw)
+            if (ws)
+                MOE_CUDA_TRY((moe_raise_smem<down_tc_kernel<K, false, true, true>>(ws_smem)));
+            else if (raw)
                 MOE_CUDA_TRY((moe_raise_smem<down_tc_kernel<K, false, true>>(raw_smem)));
             dim3 g((unsigned)((E + TC_ROWS - 1) / TC_ROWS), (unsigned)n_tok);
             MOE_CUDA_TRY(moe_launch(as    ? down_tc_kernel<K, true>
+                                    : ws  ? down_tc_kernel<K, false, true, true>
                                     : raw ? down_tc_kernel<K, false, true>
                                           : down_tc_kernel<K>,
-                                    g, dim3(32 * tw), as ? as_smem : raw ? raw_smem : smem, s,
+                                    g, dim3(32 * tw),
+                                    as ? as_smem : ws ? ws_smem : raw ? raw_smem : smem, s,
                                     (const uint8_t *const *)d, rb, (int)(ff / 256), E, act, ldact,
                                     kuse, sel_e, sel_w, h, ldh, (const uint8_t *const *)fill));
             return 0;

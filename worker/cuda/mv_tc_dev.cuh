@@ -49,6 +49,34 @@ static __device__ __forceinline__ void cp_async_wait_all()
 #endif
 }
 
+/* The cp_async16 calls of this thread since the last commit as one group; waiting until at most
+ * N of its groups are still in flight. */
+static __device__ __forceinline__ void cp_async_commit()
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+#endif
+}
+
+template <int N> static __device__ __forceinline__ void cp_async_wait_group()
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+#endif
+}
+
+/* block_copy_async by the lanes of one warp (visible to them after cp_async_wait_* and
+ * __syncwarp). */
+static __device__ __forceinline__ void warp_copy_async(uint8_t *dst, const uint8_t *src, size_t n)
+{
+    const int lane = threadIdx.x & 31;
+    const size_t n16 = ((uintptr_t)src & 15) == 0 ? n / 16 : 0;
+    for (size_t i = lane; i < n16; i += 32)
+        cp_async16(dst + 16 * i, src + 16 * i);
+    for (size_t i = n16 * 16 + lane; i < n; i += 32)
+        dst[i] = src[i];
+}
+
 /* n bytes from src (global) to dst (shared, 16-byte aligned) by the whole block: 16-byte
  * cp_async16 chunks where src is aligned, the tail and a misaligned src by plain byte copies
  * (visible after the caller's cp_async_wait_all and barrier). */
@@ -378,12 +406,16 @@ static __device__ __forceinline__ void tc_stage_raw(const float *raw, int nsb, u
 }
 
 /* tc_stage_warp from the raw copy of the row (tc_raw_copy by this warp's lanes, not yet waited
- * for): the same floats. */
-template <int K>
+ * for): the same floats. PENDING > 0: the copy was committed as a group with PENDING groups
+ * after it, which are left in flight. */
+template <int K, int PENDING = 0>
 static __device__ __forceinline__ int tc_stage_warp_raw(const float *raw, int nsb, uint4 *xs,
                                                         uint2 *sxs)
 {
-    cp_async_wait_all();
+    if constexpr (PENDING == 0)
+        cp_async_wait_all();
+    else
+        cp_async_wait_group<PENDING>();
     __syncwarp();
     const unsigned m = __reduce_max_sync(
         0xffffffffu, tc_raw_amax_part(raw, (int64_t)nsb * 256, threadIdx.x & 31, 32));
