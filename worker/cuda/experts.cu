@@ -390,7 +390,8 @@ static __host__ __device__ __forceinline__ size_t down_ws_floats(int nsb, size_t
  * by that input's own power of two) over the 16-row tile and the whole row, then one thread per
  * row weights and adds the choices in top-k order into h, as down_block does. Dynamic shared
  * memory: per warp a staging area (tc_stage_bytes(1, nsb)), then part [kuse][TC_ROWS] floats,
- * then with RAW per warp the raw copy of its act row (tc_raw_floats(nsb · 256) floats).
+ * then with RAW per warp the raw copy of its act row, and with WS its choice's TC_ROWS rows
+ * (down_ws_floats each).
  * fill (or NULL): as down_kernel's, each warp copies the rows it reads first. */
 template <int K, bool AS = false, bool RAW = false, bool WS = false>
 static __global__ void __launch_bounds__(32 * DOWN_WARPS)
