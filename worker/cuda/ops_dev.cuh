@@ -9,6 +9,7 @@
 
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 
 #include <cuda_fp16.h>
 
@@ -540,6 +541,57 @@ static __host__ __device__ __forceinline__ int route_smem_floats(int nexp, int k
     return (nexp + 2 * k + 3) & ~3;
 }
 
+/* The host builds of these helpers (tests/test_route_host.cu) take no unrolling pragma. */
+#ifdef __CUDA_ARCH__
+#define ROUTE_UNROLL _Pragma("unroll")
+#else
+#define ROUTE_UNROLL
+#endif
+
+/* The top-k of route_warp_reg as a merge of the lanes' sorted lists. A lane's probability p of
+ * expert idx as a key that orders as the CPU's scan prefers (moe_topk_argmax: the largest first,
+ * the lowest index on ties; NaNs after every number, the highest index first; taken or absent,
+ * marked -1, last): (the bits of p + 1, 0xffff − idx) for a number (probabilities are >= +0, so
+ * their bits order as their values), idx + 1 for a NaN, 0 for -1. */
+static __host__ __device__ __forceinline__ unsigned long long route_key(float p, int idx)
+{
+    uint32_t bits;
+    memcpy(&bits, &p, sizeof bits);
+    return p == -1.0f ? 0ull
+           : p != p   ? (unsigned long long)(idx + 1)
+                      : (unsigned long long)(bits + 1u) << 32 | (unsigned)(0xffff - idx);
+}
+
+/* A lane's R keys sorted, the largest first (odd-even transposition). */
+template <int R> static __host__ __device__ __forceinline__ void route_sort_keys(unsigned long long *key)
+{
+ROUTE_UNROLL
+    for (int r = 0; r < R; r++)
+ROUTE_UNROLL
+        for (int i = r & 1; i + 1 < R; i += 2) {
+            const unsigned long long a = key[i], b = key[i + 1];
+            key[i] = a > b ? a : b;
+            key[i + 1] = a > b ? b : a;
+        }
+}
+
+/* A round's choice from the warp's largest head number mk (the high words' maximum) and lm, the
+ * largest low word among the heads whose high word is mk: the lowest index among the largest
+ * numbers; when no lane has a number left (mk 0), the highest NaN index (-1: nothing left). */
+static __host__ __device__ __forceinline__ int route_head_index(unsigned mk, unsigned lm)
+{
+    return mk ? 0xffff - (int)lm : (int)lm - 1;
+}
+
+/* The winner's list advances. */
+template <int R> static __host__ __device__ __forceinline__ void route_pop(unsigned long long *key)
+{
+ROUTE_UNROLL
+    for (int i = 0; i + 1 < R; i++)
+        key[i] = key[i + 1];
+    key[R - 1] = 0ull;
+}
+
 /* The default of route_warp's after_loads: nothing. */
 struct route_no_hook {
     __device__ void operator()() const {}
@@ -583,42 +635,28 @@ static __device__ __forceinline__ void route_warp_reg(const float *r, int ne, in
 #pragma unroll
     for (int i = 0; i < R; i++)
         v[i] = lane + 32 * i < ne ? (float)(v[i] / z) : -1.0f;
-    /* The top-k as a merge of the lanes' sorted lists: each lane orders its R probabilities
-     * once, so that its head is what a scan of its untaken ones would offer (the largest, the
-     * lowest index on ties; when only NaNs are left, the highest NaN index), and each round
-     * takes the warp's choice among the heads (warp_pick's rule) and advances the winner's list.
-     * The same choices and weights as k rounds of scanning, in a shorter chain. Keys: a
-     * non-NaN p as (its bits + 1, 0xffff − index), a NaN as index + 1, taken or absent 0. */
+    /* The top-k as a merge of the lanes' sorted lists (route_key): each lane orders its R
+     * probabilities once, so that its head is what a scan of its untaken ones would offer, and
+     * each round takes the warp's choice among the heads and advances the winner's list. The
+     * same choices and weights as k rounds of scanning, in a shorter chain. */
     unsigned long long key[R];
 #pragma unroll
-    for (int i = 0; i < R; i++) {
-        const int idx = lane + 32 * i;
-        const float x = v[i];
-        key[i] = x == -1.0f ? 0ull
-                 : isnan(x) ? (unsigned long long)(idx + 1)
-                            : (unsigned long long)(__float_as_uint(x) + 1u) << 32 |
-                                  (unsigned)(0xffff - idx);
-    }
-#pragma unroll
-    for (int r = 0; r < R; r++)
-#pragma unroll
-        for (int i = r & 1; i + 1 < R; i += 2) {
-            const unsigned long long a = key[i], b = key[i + 1];
-            key[i] = a > b ? a : b;
-            key[i + 1] = a > b ? b : a;
-        }
+    for (int i = 0; i < R; i++)
+        key[i] = route_key(v[i], lane + 32 * i);
+    route_sort_keys<R>(key);
     double wsum = 0.0;
     float chosen_w = 0.0f;
     int chosen_e = 0;
     for (int j = 0; j < k; j++) {
         const unsigned hk = (unsigned)(key[0] >> 32), lo = (unsigned)key[0];
         const unsigned mk = __reduce_max_sync(0xffffffffu, hk);
+        /* With mk 0 every head's high word is 0 too, so lm is then the largest low word. */
+        const unsigned lm = __reduce_max_sync(0xffffffffu, hk == mk ? lo : 0u);
         vi best;
+        best.i = route_head_index(mk, lm);
         if (mk) {
-            best.i = 0xffff - (int)__reduce_max_sync(0xffffffffu, hk == mk ? lo : 0u);
             best.v = __uint_as_float(mk - 1u);
         } else {
-            best.i = (int)__reduce_max_sync(0xffffffffu, lo) - 1;
             float mine = 0.0f;
 #pragma unroll
             for (int i = 0; i < R; i++)
@@ -626,12 +664,8 @@ static __device__ __forceinline__ void route_warp_reg(const float *r, int ne, in
                     mine = v[i];
             best.v = __shfl_sync(0xffffffffu, mine, best.i & 31);
         }
-        if (best.i >= 0 && lane == (best.i & 31)) {
-#pragma unroll
-            for (int i = 0; i + 1 < R; i++)
-                key[i] = key[i + 1];
-            key[R - 1] = 0ull;
-        }
+        if (best.i >= 0 && lane == (best.i & 31))
+            route_pop<R>(key);
         if (lane == (j & 31)) {
             chosen_w = best.v;
             chosen_e = best.i;
