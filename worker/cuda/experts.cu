@@ -444,8 +444,8 @@ down_tc_kernel(const uint8_t *const *__restrict__ da, size_t row_bytes, int nsb,
              * waits for the row only, the walk then reads the rows from shared memory. */
             uint8_t *wt = (uint8_t *)(xraw + tc_raw_floats(nsb * 256));
             cp_async_commit();
-            warp_copy_async(wt, base + (size_t)r0 * row_bytes,
-                            (size_t)(E - r0 < TC_ROWS ? E - r0 : TC_ROWS) * row_bytes);
+            copy_async(wt, base + (size_t)r0 * row_bytes,
+                       (size_t)(E - r0 < TC_ROWS ? E - r0 : TC_ROWS) * row_bytes, lane, 32);
             cp_async_commit();
             base = wt;
             ex = tc_stage_warp_raw<K, 1>(xraw, nsb, xs, sxs);

@@ -65,28 +65,23 @@ template <int N> static __device__ __forceinline__ void cp_async_wait_group()
 #endif
 }
 
-/* block_copy_async by the lanes of one warp (visible to them after cp_async_wait_* and
- * __syncwarp). */
-static __device__ __forceinline__ void warp_copy_async(uint8_t *dst, const uint8_t *src, size_t n)
+/* n bytes from src (global) to dst (shared, 16-byte aligned) by threads i0, i0 + step, ...:
+ * 16-byte cp_async16 chunks where src is aligned, the tail and a misaligned src by plain byte
+ * copies (visible after the callers' cp_async_wait_* and a barrier of the threads). */
+static __device__ __forceinline__ void copy_async(uint8_t *dst, const uint8_t *src, size_t n,
+                                                  unsigned i0, unsigned step)
 {
-    const int lane = threadIdx.x & 31;
     const size_t n16 = ((uintptr_t)src & 15) == 0 ? n / 16 : 0;
-    for (size_t i = lane; i < n16; i += 32)
+    for (size_t i = i0; i < n16; i += step)
         cp_async16(dst + 16 * i, src + 16 * i);
-    for (size_t i = n16 * 16 + lane; i < n; i += 32)
+    for (size_t i = n16 * 16 + i0; i < n; i += step)
         dst[i] = src[i];
 }
 
-/* n bytes from src (global) to dst (shared, 16-byte aligned) by the whole block: 16-byte
- * cp_async16 chunks where src is aligned, the tail and a misaligned src by plain byte copies
- * (visible after the caller's cp_async_wait_all and barrier). */
+/* copy_async by the whole block. */
 static __device__ __forceinline__ void block_copy_async(uint8_t *dst, const uint8_t *src, size_t n)
 {
-    const size_t n16 = ((uintptr_t)src & 15) == 0 ? n / 16 : 0;
-    for (size_t i = threadIdx.x; i < n16; i += blockDim.x)
-        cp_async16(dst + 16 * i, src + 16 * i);
-    for (size_t i = n16 * 16 + threadIdx.x; i < n; i += blockDim.x)
-        dst[i] = src[i];
+    copy_async(dst, src, n, threadIdx.x, blockDim.x);
 }
 
 /* A lane's bytes of one Q4_K block of its two rows: headers and chunk t of qs. */
@@ -302,19 +297,26 @@ static __device__ __forceinline__ void tc_stage(const float *const *xr, int nsb,
     __syncthreads();
 }
 
+/* One row's fragments and sub-block sums (Q4_K), scaled by sc, by threads i0, i0 + step, ...,
+ * the row read through ld. */
+template <int K, class Ld>
+static __device__ __forceinline__ void tc_stage_items(const Ld &ld, float sc, int nsb, uint4 *xs,
+                                                      uint2 *sxs, int i0, int step)
+{
+    for (int u = i0; u < nsb * 64; u += step)
+        xs[u] = tc_stage_frag_at<K>(ld, u, sc);
+    for (int u = i0; K == MOE_TYPE_Q4_K && u < nsb * 4; u += step)
+        sxs[u] = tc_stage_sum_at(ld, u, sc);
+}
+
 /* The rest of a warp's staging once the row's max |x| (bit pattern amax) is known, the row read
  * through ld (tc_row_ld, tc_raw_ld): returns the row's exponent. */
 template <int K, class Ld>
 static __device__ __forceinline__ int tc_stage_warp_from(const Ld &ld, unsigned amax, int nsb,
                                                          uint4 *xs, uint2 *sxs)
 {
-    const int lane = threadIdx.x & 31;
     const int e = tc_scale_exp(__uint_as_float(amax));
-    const float sc = ldexpf(1.0f, -e);
-    for (int u = lane; u < nsb * 64; u += 32)
-        xs[u] = tc_stage_frag_at<K>(ld, u, sc);
-    for (int u = lane; K == MOE_TYPE_Q4_K && u < nsb * 4; u += 32)
-        sxs[u] = tc_stage_sum_at(ld, u, sc);
+    tc_stage_items<K>(ld, ldexpf(1.0f, -e), nsb, xs, sxs, threadIdx.x & 31, 32);
     __syncwarp();
     return e;
 }
@@ -394,14 +396,9 @@ static __device__ __forceinline__ void tc_stage_raw(const float *raw, int nsb, u
         atomicMax(s_amax, m);
     __syncthreads();
     const int e = tc_scale_exp(__uint_as_float(*s_amax));
-    const float sc = ldexpf(1.0f, -e);
     if (tid == 0)
         *s_exp = e;
-    const tc_raw_ld ld{raw};
-    for (int u = tid; u < nsb * 64; u += nthr)
-        xs[u] = tc_stage_frag_at<K>(ld, u, sc);
-    for (int u = tid; K == MOE_TYPE_Q4_K && u < nsb * 4; u += nthr)
-        sxs[u] = tc_stage_sum_at(ld, u, sc);
+    tc_stage_items<K>(tc_raw_ld{raw}, ldexpf(1.0f, -e), nsb, xs, sxs, tid, nthr);
     __syncthreads();
 }
 
