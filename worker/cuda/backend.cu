@@ -3190,7 +3190,9 @@ static int expert_kernels(struct cuda_backend *b, int l, bool fold, const void *
     const enum expert_path path = expert_path(b, cl);
     /* Tiles copied into shared memory first only where every expert of the layer is in VRAM
      * (no reads from host memory, no copies into slots beside them). */
-    const int tc = cl->slots < b->d.nexp ? b->tc & ~MOE_CUDA_TC_ASYNC_ANY : b->tc;
+    const int tc = cl->slots < b->d.nexp ? b->tc & ~(MOE_CUDA_TC_ASYNC_ANY | MOE_CUDA_TC_DOWN_WS |
+                                                      MOE_CUDA_TC_DOWN_WS_ALL)
+                                         : b->tc;
     if (path == XP_MIXED) {
         mark(b, "mixed");
         LAUNCH(b, "experts (mixed types)",

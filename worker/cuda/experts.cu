@@ -341,7 +341,12 @@ int moe_cuda_expert_tc_env(void)
                       : !strcmp(as, "1")        ? MOE_CUDA_TC_ASYNC_ANY
                       : !strcmp(as, "grouped")  ? MOE_CUDA_TC_ASYNC_GROUPED
                                                 : 0;
-    return mask | (cap > 0 && cap < 16 ? cap << 8 : 0) | async;
+    const char *ws = getenv("MOE_CUDA_DOWN_WS");
+    const int wsb = !ws || !*ws          ? MOE_CUDA_TC_DOWN_WS
+                    : !strcmp(ws, "all") ? MOE_CUDA_TC_DOWN_WS_ALL
+                    : !strcmp(ws, "0")   ? 0
+                                         : MOE_CUDA_TC_DOWN_WS;
+    return mask | (cap > 0 && cap < 16 ? cap << 8 : 0) | async | wsb;
 }
 
 bool moe_cuda_expert_tc(int tc, uint32_t type)
@@ -1074,21 +1079,14 @@ static int launch_down(const void *const *d, int64_t ff, int64_t E, const float 
          * where the room allows. */
         const size_t raw_smem = smem + (size_t)tw * sizeof(float) * down_ws_floats((int)(ff / 256), 0);
         const size_t ws_smem = smem + (size_t)tw * sizeof(float) * down_ws_floats((int)(ff / 256), rb);
-        /* One token's Q6_K down copies each choice's tile into its warp's area too (WS): its
-         * 210-byte blocks are 2-byte aligned, read as many small pieces, which shared memory
-         * serves faster than the global load queue (+0.5 to 1.4% at batch 1 on an H100,
-         * docs/benchmarks.md). MOE_CUDA_DOWN_WS=0 turns it off, =all takes every type; steps of
-         * more tokens keep their blocks' smaller shared memory (more blocks an SM). */
-        static int ws_env = -1;
-        if (ws_env < 0) {
-            const char *v = getenv("MOE_CUDA_DOWN_WS");
-            ws_env = !v || !*v ? 1 : !strcmp(v, "all") ? 2 : !strcmp(v, "0") ? 0 : 1;
-        }
         if ((tc & MOE_CUDA_TC_DOWN) && ff % 256 == 0 && smem <= 48 * 1024) {
             const bool as = (tc & MOE_CUDA_TC_ASYNC) && !fill && as_smem <= smem_room();
             const bool raw = !as && raw_smem <= smem_room();
+            /* One token's down copies its choices' tiles too (WS, MOE_CUDA_TC_DOWN_WS); steps
+             * of more tokens keep their blocks' smaller shared memory (more blocks an SM). */
             const bool ws = raw && !fill && n_tok == 1 && ws_smem <= smem_room() &&
-                            (ws_env == 2 || (ws_env == 1 && K == MOE_TYPE_Q6_K));
+                            ((tc & MOE_CUDA_TC_DOWN_WS_ALL) ||
+                             ((tc & MOE_CUDA_TC_DOWN_WS) && K == MOE_TYPE_Q6_K));
             if (as)
                 MOE_CUDA_TRY((moe_raise_smem<down_tc_kernel<K, true>>(as_smem)));
             if (ws)
