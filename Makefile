@@ -85,6 +85,9 @@ TEST_OBJ   := $(TEST_SRC:%.c=$(BUILD)/%.o) $(TEST_CU_SRC:%.cu=$(BUILD)/%.o)
 GPU_TEST_OBJ := $(GPU_TEST_SRC:%.c=$(BUILD)/%.o)
 BENCH_OBJ  := $(BENCH_SRC:%.c=$(BUILD)/%.o)
 BENCH_BINS := $(BENCH_SRC:bench/%.c=$(BUILD)/bench/%)
+# CUDA micro-benchmarks with kernels of their own (bench/*.cu), built when nvcc is.
+BENCH_CU_SRC  := $(if $(CUDA_OBJ),$(wildcard bench/*.cu))
+BENCH_CU_BINS := $(BENCH_CU_SRC:bench/%.cu=$(BUILD)/bench/%)
 
 LIBSTORE  := $(BUILD)/libmoestore.a
 LIBWORKER := $(BUILD)/libmoeworker.a
@@ -98,7 +101,7 @@ TEST_BIN := $(BUILD)/tests/moe-tests
 GPU_TEST_BIN := $(if $(GPU_TEST_OBJ),$(BUILD)/tests/moe-gpu-tests)
 
 .PHONY: all test test-build test-gpu demo deps fuzz clean bench install
-all: $(PROGRAMS) $(GPU_TEST_BIN) $(BENCH_BINS)
+all: $(PROGRAMS) $(GPU_TEST_BIN) $(BENCH_BINS) $(BENCH_CU_BINS)
 
 # Generated protobuf-c code lives in build/, never in git. Keep it even when a build fails.
 .SECONDARY: $(PROTO_GEN_C) $(PROTO_GEN_H)
@@ -149,6 +152,11 @@ $(PROGRAMS) $(TEST_BIN) $(GPU_TEST_BIN) $(BENCH_BINS):
 	@mkdir -p $(dir $@)
 	@echo "  LD      $@"
 	$(Q)$(CC) $(LDFLAGS) $(CFLAGS) -o $@ $(filter %.o,$^) -Wl,--start-group $(filter %.a,$^) -Wl,--end-group $(LDLIBS)
+
+$(BENCH_CU_BINS): $(BUILD)/bench/%: $(BUILD)/bench/%.o
+	@mkdir -p $(dir $@)
+	@echo "  LD      $@"
+	$(Q)$(CC) $(LDFLAGS) -o $@ $< $(CUDA_LDLIBS) -lpthread
 
 deps:
 	$(Q)scripts/deps.sh
