@@ -151,6 +151,74 @@ static void check_type(uint32_t type, uint64_t seed)
     CU(cudaStreamDestroy(st));
 }
 
+/* A token's y does not depend on how many tokens share the launch: every (row, token) of an
+ * n_tok launch equals, bit for bit, that token's one-token launch, for token counts that take
+ * each per-block token bound (1, 2, 4 and 8 a block, and the remainders), on a short matrix and
+ * on one of 32768+ rows (an output head's: 8 tokens a block from 8). */
+static void check_tokens(uint32_t type, uint64_t seed)
+{
+    static const int64_t ntoks[] = {2, 3, 5, 8, 9, 16, 17};
+    static const int64_t rowss[] = {131, 32771};
+    const int64_t n = 256, NT = 17;
+    need_gpu();
+    moe_test_rng_seed(seed);
+    cudaStream_t st;
+    CU(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+    for (size_t k = 0; k < sizeof rowss / sizeof rowss[0]; k++) {
+        const int64_t rows = rowss[k];
+        uint8_t *w = make_weights(type, rows, n);
+        const size_t wbytes = moe_row_bytes(type, n) * (size_t)rows;
+        float *x = malloc(sizeof(float) * (size_t)(n * NT));
+        float *y1 = malloc(sizeof(float) * (size_t)(rows * NT));
+        float *yn = malloc(sizeof(float) * (size_t)(rows * NT));
+        CHECK(w && x && y1 && yn);
+        for (int64_t i = 0; i < n * NT; i++)
+            x[i] = rng_f() * 2.0f;
+        void *dw;
+        float *dx, *dy;
+        CU(cudaMalloc(&dw, wbytes));
+        CU(cudaMalloc((void **)&dx, sizeof(float) * (size_t)(n * NT)));
+        CU(cudaMalloc((void **)&dy, sizeof(float) * (size_t)(rows * NT)));
+        CU(cudaMemcpyAsync(dw, w, wbytes, cudaMemcpyHostToDevice, st));
+        CU(cudaMemcpyAsync(dx, x, sizeof(float) * (size_t)(n * NT), cudaMemcpyHostToDevice, st));
+        for (int64_t t = 0; t < NT; t++)
+            CHECK_EQ(moe_cuda_matvec_tok(type, dw, n, rows, dx + t * n, n, 1, dy + t * rows, rows,
+                                         0, st),
+                     0);
+        CU(cudaMemcpyAsync(y1, dy, sizeof(float) * (size_t)(rows * NT), cudaMemcpyDeviceToHost,
+                           st));
+        CU(cudaStreamSynchronize(st));
+        for (size_t j = 0; j < sizeof ntoks / sizeof ntoks[0]; j++) {
+            const int64_t nt = ntoks[j];
+            CU(cudaMemsetAsync(dy, 0xff, sizeof(float) * (size_t)(rows * NT), st));
+            CHECK_EQ(moe_cuda_matvec_tok(type, dw, n, rows, dx, n, nt, dy, rows, 0, st), 0);
+            CU(cudaMemcpyAsync(yn, dy, sizeof(float) * (size_t)(rows * nt),
+                               cudaMemcpyDeviceToHost, st));
+            CU(cudaStreamSynchronize(st));
+            size_t differ = 0;
+            for (int64_t i = 0; i < rows * nt; i++)
+                differ += memcmp(&yn[i], &y1[i], sizeof(float)) != 0;
+            CHECK_MSG(differ == 0, "%s rows=%lld n_tok=%lld: %zu of %lld floats differ from "
+                      "one-token launches", moe_type_get(type)->name, (long long)rows,
+                      (long long)nt, differ, (long long)(rows * nt));
+        }
+        CU(cudaFree(dw));
+        CU(cudaFree(dx));
+        CU(cudaFree(dy));
+        free(w), free(x), free(y1), free(yn);
+    }
+    CU(cudaStreamDestroy(st));
+}
+
+TEST(cuda_matvec_tokens_equal_one_at_a_time)
+{
+    static const uint32_t types[] = {MOE_TYPE_F32,  MOE_TYPE_F16,  MOE_TYPE_BF16, MOE_TYPE_Q8_0,
+                                     MOE_TYPE_Q4_0, MOE_TYPE_Q5_0, MOE_TYPE_Q4_1, MOE_TYPE_Q5_1,
+                                     MOE_TYPE_Q4_K, MOE_TYPE_Q5_K, MOE_TYPE_Q6_K};
+    for (size_t i = 0; i < sizeof types / sizeof types[0]; i++)
+        check_tokens(types[i], 200 + i);
+}
+
 TEST(cuda_matvec_f32) { check_type(MOE_TYPE_F32, 101); }
 TEST(cuda_matvec_f16) { check_type(MOE_TYPE_F16, 102); }
 TEST(cuda_matvec_bf16) { check_type(MOE_TYPE_BF16, 103); }
