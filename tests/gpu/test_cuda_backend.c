@@ -765,17 +765,19 @@ TEST_TIMEOUT(cuda_tc_experts_agree_with_the_float_walk, 900)
  * replace: routing inside the gate/up launch (MOE_CUDA_ROUTE_FOLD=0: its own kernel), RMSNorm
  * inside the next mat-vec (MOE_CUDA_NORM_FOLD=0), q/k/v of two weight types in one launch
  * (MOE_CUDA_MIXED_MV=0) and, the other way round, the q/k-norm + RoPE + KV store inside the
- * q/k/v launch (opt-in, MOE_CUDA_ROPE_FOLD=1; also with a float32 KV cache). Prompts (grouped
+ * q/k/v launch (opt-in, MOE_CUDA_ROPE_FOLD=1; also with a float32 KV cache), and inside the
+ * attention launch (opt-in, MOE_CUDA_ATT_ROPE=1). Prompts (grouped
  * or on tensor cores, which route and normalise on their own) and decode steps of 1 sequence
  * (folded) and of 4, with graphs. */
 TEST_TIMEOUT(cuda_folded_launches_equal_separate_ones, 600)
 {
     need_gpu();
     /* Each switch and the value that differs from the default. */
-    static const char *const sw[4][2] = {{"MOE_CUDA_ROUTE_FOLD", "0"},
+    static const char *const sw[5][2] = {{"MOE_CUDA_ROUTE_FOLD", "0"},
                                          {"MOE_CUDA_NORM_FOLD", "0"},
                                          {"MOE_CUDA_MIXED_MV", "0"},
-                                         {"MOE_CUDA_ROPE_FOLD", "1"}};
+                                         {"MOE_CUDA_ROPE_FOLD", "1"},
+                                         {"MOE_CUDA_ATT_ROPE", "1"}};
     for (size_t mi = 0; mi < N_MODELS; mi++) {
         struct test_model tm;
         test_model_open(&tm, MODELS[mi]);
@@ -785,7 +787,7 @@ TEST_TIMEOUT(cuda_folded_launches_equal_separate_ones, 600)
         struct moe_engine *f = engine_on(m, "cuda:0", 160, 4, 0, false);
         uint64_t *cf = calloc(LE, sizeof *cf), *cr = calloc(LE, sizeof *cr);
         CHECK(cf && cr);
-        for (int v = 0; v < 4; v++) {
+        for (int v = 0; v < 5; v++) {
             setenv(sw[v][0], sw[v][1], 1);
             struct moe_engine *r = engine_on(m, "cuda:0", 160, 4, 0, false);
             unsetenv(sw[v][0]);
@@ -823,6 +825,91 @@ TEST_TIMEOUT(cuda_folded_launches_equal_separate_ones, 600)
         moe_engine_free(f);
         test_model_close(&tm);
     }
+}
+
+/* The q/k-norm + RoPE + KV store that a one-token step does inside its attention launch
+ * (MOE_CUDA_ATT_ROPE=1) leaves what the two launches leave: the attention output,
+ * the rotated q and k rows and the cache cells (read back by the later steps' attention), bit for
+ * bit, with f16 and float32 caches, for a fresh sequence and a long one (several splits). */
+TEST_TIMEOUT(cuda_attention_rope_fold_equals_two_launches, 300)
+{
+    need_gpu();
+    setenv("MOE_CUDA_NO_GRAPHS", "1", 1);
+    for (size_t mi = 0; mi < N_MODELS; mi++) {
+        struct test_model tm;
+        test_model_open(&tm, MODELS[mi]);
+        const struct moe_model *m = &tm.m;
+        for (int f32 = 0; f32 < 2; f32++) {
+            setenv("MOE_CUDA_ATT_ROPE", "1", 1);
+            struct moe_engine *ea = engine_on(m, "cuda:0", 256, 2, 0, f32);
+            unsetenv("MOE_CUDA_ATT_ROPE");
+            struct moe_engine *eb = engine_on(m, "cuda:0", 256, 2, 0, f32);
+            struct moe_backend *a = moe_engine_backend(ea), *b = moe_engine_backend(eb);
+            const struct moe_dims *d = moe_engine_dims(ea);
+            enum { P = 150, MAXN = 160 };
+            int32_t tok[MAXN], pos[MAXN], seq[MAXN], orow[MAXN];
+            float *rope = malloc(sizeof(float) * MAXN * m->hp.head_dim);
+            const enum moe_buf bufs[3] = {MOE_BUF_Q, MOE_BUF_K, MOE_BUF_V};
+            int64_t wmax = 0;
+            for (int i = 0; i < 3; i++)
+                if (moe_buf_width(d, bufs[i]) > wmax)
+                    wmax = moe_buf_width(d, bufs[i]);
+            if (moe_buf_width(d, MOE_BUF_ATT) > wmax)
+                wmax = moe_buf_width(d, MOE_BUF_ATT);
+            float *h = malloc(sizeof(float) * MAXN * (size_t)wmax);
+            float *ra = malloc(sizeof(float) * MAXN * (size_t)wmax);
+            float *rb = malloc(sizeof(float) * MAXN * (size_t)wmax);
+            CHECK(rope && h && ra && rb);
+            moe_test_rng_seed(900 + mi * 2 + (size_t)f32);
+            size_t differ = 0, steps = 0;
+            /* A prompt of P on sequence 0 (not folded), then one-token steps: sequence 0
+             * continues (P + 1 positions and more: several splits) and sequence 1 starts. */
+            for (int s2 = 0; s2 < 9; s2++) {
+                const int64_t n = s2 == 0 ? P : 1;
+                for (int64_t t = 0; t < n; t++) {
+                    tok[t] = 1;
+                    seq[t] = s2 == 0 ? 0 : s2 % 3 == 2;
+                    pos[t] = s2 == 0 ? (int32_t)t : seq[t] ? s2 / 3 : P + s2 - 1 - s2 / 3;
+                }
+                struct moe_step st;
+                make_step(&st, n, tok, pos, seq, rope, orow, m, 0);
+                CHECK_EQ(a->vt->begin(a, &st), 0);
+                CHECK_EQ(b->vt->begin(b, &st), 0);
+                for (int l = 0; l < (int)d->L; l++) {
+                    for (int i = 0; i < 3; i++) {
+                        const int64_t w = moe_buf_width(d, bufs[i]);
+                        for (int64_t j = 0; j < n * w; j++)
+                            h[j] = (float)((int32_t)moe_test_rng_u32() % 2001) * 1e-3f;
+                        CHECK_EQ(a->vt->write_buf(a, bufs[i], n, h), 0);
+                        CHECK_EQ(b->vt->write_buf(b, bufs[i], n, h), 0);
+                    }
+                    CHECK_MSG(a->vt->qk_rope_kv(a, l) == 0, "%s", a->vt->errmsg(a));
+                    CHECK_MSG(b->vt->qk_rope_kv(b, l) == 0, "%s", b->vt->errmsg(b));
+                    CHECK_MSG(a->vt->attention(a, l) == 0, "%s", a->vt->errmsg(a));
+                    CHECK_MSG(b->vt->attention(b, l) == 0, "%s", b->vt->errmsg(b));
+                    const enum moe_buf out[3] = {MOE_BUF_ATT, MOE_BUF_Q, MOE_BUF_K};
+                    for (int i = 0; i < 3; i++) {
+                        const int64_t w = moe_buf_width(d, out[i]);
+                        CHECK_EQ(a->vt->read_buf(a, out[i], n, ra), 0);
+                        CHECK_EQ(b->vt->read_buf(b, out[i], n, rb), 0);
+                        for (int64_t j = 0; j < n * w; j++)
+                            differ += memcmp(&ra[j], &rb[j], sizeof(float)) != 0;
+                    }
+                }
+                CHECK_EQ(a->vt->end(a, NULL, NULL), 0);
+                CHECK_EQ(b->vt->end(b, NULL, NULL), 0);
+                steps++;
+            }
+            printf("  %-44s %s KV: %zu steps, %zu floats differ\n", MODELS[mi],
+                   f32 ? "float32" : "f16", steps, differ);
+            CHECK_EQ(differ, 0);
+            free(rope), free(h), free(ra), free(rb);
+            moe_engine_free(ea);
+            moe_engine_free(eb);
+        }
+        test_model_close(&tm);
+    }
+    unsetenv("MOE_CUDA_NO_GRAPHS");
 }
 
 /* Graph replay and direct launches give the same floats; routing counts add up. */

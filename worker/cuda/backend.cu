@@ -155,6 +155,8 @@ struct cuda_backend {
     int64_t ld_dout;
     int64_t n, n_out;
     int sms;
+    int att_bps;                     /* MOE_CUDA_ATT_BPS: decode attention blocks an SM */
+    int att_bps_plain, att_bps_rope; /* that, or what an SM holds of each attention kernel */
     int mode;
     bool capturing, head_chunked, use_graphs, use_gemm, use_flash;
     double group_min;                /* MOE_CUDA_GROUP_MIN, 0: by layer (group_min()) */
@@ -169,6 +171,10 @@ struct cuda_backend {
     int route_pending;               /* the layer whose routing the expert op does; -1: none */
     bool norm_fold;                  /* RMSNorm inside the next mat-vec; MOE_CUDA_NORM_FOLD=0: not */
     bool norm_pending;               /* an RMSNorm the next op does (or launches first) */
+    bool att_rope;                   /* MOE_CUDA_ATT_ROPE=1: at one token, the q/k-norm + RoPE +
+                                      * KV store inside the attention launch */
+    bool rope_pending;               /* that op left for the attention of layer pr_l */
+    int pr_l;
     bool rope_fold;                  /* q/k-norm + RoPE + KV store inside the q/k/v launch of a
                                       * one-token step (MOE_CUDA_ROPE_FOLD=1; default: its own
                                       * launch) */
@@ -1813,10 +1819,14 @@ static int cuda_init(struct moe_backend **out, const struct moe_model *m, struct
     if (!(b->group_min > 0.0)) /* negative, NaN or not a number */
         b->group_min = 0.0;
     b->tc = moe_cuda_expert_tc_env();
+    b->att_bps = getenv("MOE_CUDA_ATT_BPS") ? atoi(getenv("MOE_CUDA_ATT_BPS")) : 0;
+    if (b->att_bps < 1 || b->att_bps > 64)
+        b->att_bps = 0; /* as many as an SM holds (below) */
     b->route_fold = env_on("MOE_CUDA_ROUTE_FOLD");
     b->norm_fold = env_on("MOE_CUDA_NORM_FOLD");
     /* Opt-in: measured 1.5% slower at batch 1 than its own launch (H200, docs/benchmarks.md). */
     b->rope_fold = getenv("MOE_CUDA_ROPE_FOLD") && !strcmp(getenv("MOE_CUDA_ROPE_FOLD"), "1");
+    b->att_rope = getenv("MOE_CUDA_ATT_ROPE") && !strcmp(getenv("MOE_CUDA_ATT_ROPE"), "1");
     b->mixed_mv = env_on("MOE_CUDA_MIXED_MV");
     b->resolve_route = env_on("MOE_CUDA_RESOLVE_ROUTE");
     b->route_pending = -1;
@@ -1927,6 +1937,18 @@ static int cuda_init(struct moe_backend **out, const struct moe_model *m, struct
         INIT_TRY(cudaMalloc((void **)&b->scratch, 2 * sizeof(float) * ns * (size_t)b->ld_act));
         /* Attention partials for decode-sized steps (the only ones that split). */
         b->sms = prop.multiProcessorCount;
+        if (!b->att_bps) {
+            /* A step's splits in one wave: as many blocks as the SMs hold at once (8 an SM on
+             * an H100 for a head of 128 in f16: 33 splits a head at one token against 17 at 4
+             * an SM, the default before, where the groups of splits beyond the 17th ran two
+             * splits one after the other; docs/benchmarks.md). */
+            const int plain = moe_cuda_attention_blocks_per_sm(&b->kv, false);
+            const int rope = moe_cuda_attention_blocks_per_sm(&b->kv, true);
+            b->att_bps_plain = plain > 0 ? plain : 4;
+            b->att_bps_rope = rope > 0 ? rope : 4;
+        } else {
+            b->att_bps_plain = b->att_bps_rope = b->att_bps;
+        }
         const int64_t nsplit_tok = nb < MOE_CUDA_GRAPH_MAX ? (int64_t)nb : MOE_CUDA_GRAPH_MAX;
         INIT_TRY(cudaMalloc((void **)&b->part,
                             sizeof(float) * (size_t)moe_cuda_attention_part_floats(
@@ -2393,6 +2415,7 @@ static int cuda_begin(struct moe_backend *bb, const struct moe_step *st)
     b->route_pending = -1;
     b->norm_pending = false;
     b->qkv_pending = false;
+    b->rope_pending = false;
     b->pf_read = -1;
     for (int64_t l = 0; b->pf_pending && l < b->d.L; l++)
         b->pf_pending[l] = false;
@@ -2559,12 +2582,33 @@ static int flush_qkv(struct cuda_backend *b)
     return b->mode == MODE_REPLAY ? 0 : matmul_now(b, b->pq_l, b->pq_mm, 3, b->pq_src, false, NULL);
 }
 
+static int launch_qk_rope_kv(struct cuda_backend *b, int l)
+{
+    const struct cuda_layer *cl = &b->layers[l];
+    LAUNCH(b, "qk_rope_kv",
+           moe_cuda_qk_rope_kv(b->buf[MOE_BUF_Q], b->ld[MOE_BUF_Q], b->buf[MOE_BUF_K],
+                               b->ld[MOE_BUF_K], b->buf[MOE_BUF_V], b->ld[MOE_BUF_V], cl->q_norm,
+                               cl->k_norm, b->d_rope, D_POS(b), D_SEQ(b), &b->kv, l, b->d.H,
+                               b->d.eps, b->n, b->st));
+    return 0;
+}
+
+static int flush_rope(struct cuda_backend *b)
+{
+    if (!b->rope_pending)
+        return 0;
+    b->rope_pending = false;
+    return b->mode == MODE_REPLAY ? 0 : launch_qk_rope_kv(b, b->pr_l);
+}
+
 /* Whatever an op left for the next one, launched before an op that does not take it over. */
 static int flush_pending(struct cuda_backend *b)
 {
     int rc = flush_qkv(b);
     if (!rc)
         rc = flush_norm(b);
+    if (!rc)
+        rc = flush_rope(b);
     return rc ? rc : route_now(b);
 }
 
@@ -2839,34 +2883,56 @@ static int cuda_qk_rope_kv(struct moe_backend *bb, int l)
             return 0;
     }
     TRY_CU(flush_pending(b));
-    LAUNCH(b, "qk_rope_kv",
-           moe_cuda_qk_rope_kv(b->buf[MOE_BUF_Q], b->ld[MOE_BUF_Q], b->buf[MOE_BUF_K],
-                               b->ld[MOE_BUF_K], b->buf[MOE_BUF_V], b->ld[MOE_BUF_V], cl->q_norm,
-                               cl->k_norm, b->d_rope, D_POS(b), D_SEQ(b), &b->kv, l, b->d.H,
-                               b->d.eps, b->n, b->st));
-    return 0;
+    if (b->att_rope && b->n == 1) {
+        /* Left to the layer's attention, which does it inside its launch (one token: no other
+         * token reads the cache cell it writes); anything else launches it first
+         * (flush_pending). */
+        b->rope_pending = true;
+        b->pr_l = l;
+        return 0;
+    }
+    return launch_qk_rope_kv(b, l);
 }
 
 static int cuda_attention(struct moe_backend *bb, int l)
 {
     struct cuda_backend *b = (struct cuda_backend *)bb;
     SKIP_IF_REPLAY(b);
-    TRY_CU(flush_pending(b));
+    /* A q/k-norm + RoPE + KV store left pending by the layer's qk_rope_kv is done here. */
+    const bool fold = b->rope_pending && b->pr_l == l;
+    if (!fold)
+        TRY_CU(flush_pending(b));
     /* Decode-sized steps split each token's positions (by its length alone), with blocks enough
-     * for about four per SM; prompt chunks have blocks enough unsplit. */
+     * for what an SM holds at once (MOE_CUDA_ATT_BPS sets it); prompt chunks have blocks enough
+     * unsplit. */
     int split = 0;
     if (b->n <= MOE_CUDA_GRAPH_MAX) {
-        const int64_t want = (4 * (int64_t)b->sms + b->d.H * b->n - 1) / (b->d.H * b->n);
+        const int64_t bps = fold ? b->att_bps_rope : b->att_bps_plain;
+        const int64_t want = bps * b->sms / (b->d.H * b->n);
         split = want < 1 ? 1 : want > ATT_MAX_SPLITS ? ATT_MAX_SPLITS : (int)want;
     }
     if (b->n > MOE_CUDA_GRAPH_MAX && b->use_flash && moe_cuda_attention_mma_supported(&b->kv)) {
         /* Prompt steps: tensor cores (worker/cuda/attn_mma.cu). */
+        TRY_CU(flush_pending(b));
         LAUNCH(b, "attention (tensor cores)",
                moe_cuda_attention_mma(b->buf[MOE_BUF_Q], b->ld[MOE_BUF_Q], D_POS(b), D_SEQ(b),
                                       &b->kv, l, b->d.H, b->n, b->buf[MOE_BUF_ATT],
                                       b->ld[MOE_BUF_ATT], b->st));
         return 0;
     }
+    if (fold && split > 0) {
+        const struct cuda_layer *cl = &b->layers[l];
+        b->rope_pending = false;
+        LAUNCH(b, "attention + q/k-norm, RoPE, KV",
+               moe_cuda_attention_rope(
+                   b->buf[MOE_BUF_Q], b->ld[MOE_BUF_Q], b->buf[MOE_BUF_K], b->ld[MOE_BUF_K],
+                   b->buf[MOE_BUF_V], b->ld[MOE_BUF_V], cl->q_norm, cl->k_norm, b->d_rope,
+                   D_POS(b), D_SEQ(b), &b->kv, l, b->d.H, b->d.eps, b->n, split, b->part,
+                   b->att_done, b->rope_cnt + b->d.H, b->buf[MOE_BUF_ATT], b->ld[MOE_BUF_ATT],
+                   b->st));
+        return 0;
+    }
+    TRY_CU(flush_pending(b));
     LAUNCH(b, "attention",
            moe_cuda_attention(b->buf[MOE_BUF_Q], b->ld[MOE_BUF_Q], D_POS(b), D_SEQ(b), &b->kv, l,
                               b->d.H, b->n, split, b->part, b->att_done, b->buf[MOE_BUF_ATT],

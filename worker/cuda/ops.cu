@@ -151,43 +151,45 @@ int moe_cuda_qk_rope_kv(float *d_q, int64_t ldq, float *d_k, int64_t ldk, const 
 /* ---------------------------------------------------------------- attention */
 
 /* Decode attention (flash-decoding): one block of ATT_WARPS warps per (head, token, split group);
- * the body (ops_dev.cuh) says how positions are split and merged. */
-template <bool F32, int EL>
+ * the body (ops_dev.cuh) says how positions are split and merged. ROPE: the q/k-norm + RoPE + KV
+ * store of the step done inside (moe_cuda_attention_rope). */
+template <bool F32, int EL, bool ROPE>
 static __global__ void __launch_bounds__(32 * ATT_WARPS)
 attn_split_kernel(const float *__restrict__ q, int64_t ldq, const int32_t *__restrict__ pos,
                   const int32_t *__restrict__ seq, moe_cuda_kv kv, int layer, int64_t H,
                   float scale, int split, float *__restrict__ part, unsigned *__restrict__ done,
-                  float *__restrict__ out, int64_t ldo)
+                  float *__restrict__ out, int64_t ldo, att_rope_dev rp)
 {
     pdl_wait();
     pdl_trigger();
     __shared__ att_smem sm;
-    extern __shared__ float sm_acc[]; /* [ATT_WARPS][hdv] */
-    attn_split_body<F32, EL>(q, ldq, pos, seq, kv, layer, H, scale, split, part, done, out, ldo,
-                             blockIdx.x, blockIdx.y, (int)blockIdx.z, (int)gridDim.z,
-                             (int)threadIdx.x, &sm, sm_acc, att_sync_block());
+    extern __shared__ float sm_acc[]; /* [ATT_WARPS][hdv], with ROPE [ATT_WARPS][rp.rowf] */
+    attn_split_body<F32, EL, att_sync_block, ROPE>(
+        q, ldq, pos, seq, kv, layer, H, scale, split, part, done, out, ldo, blockIdx.x, blockIdx.y,
+        (int)blockIdx.z, (int)gridDim.z, (int)threadIdx.x, &sm, sm_acc, att_sync_block(), &rp);
 }
 
-template <bool F32>
+template <bool F32, bool ROPE>
 static cudaError_t launch_attn(int el, dim3 g, size_t smem, cudaStream_t s, const float *d_q,
                                int64_t ldq, const int32_t *d_pos, const int32_t *d_seq,
                                const struct moe_cuda_kv *kv, int layer, int64_t H, float scale,
                                int split, float *d_part, unsigned *d_done, float *d_out,
-                               int64_t ldo)
+                               int64_t ldo, const att_rope_dev &rp)
 {
 #define ATT_ARGS g, dim3(32 * ATT_WARPS), smem, s, d_q, ldq, d_pos, d_seq, *kv, layer, H, scale, \
-                 split, d_part, d_done, d_out, ldo
-    return el <= 1   ? moe_launch(attn_split_kernel<F32, 1>, ATT_ARGS)
-           : el <= 2 ? moe_launch(attn_split_kernel<F32, 2>, ATT_ARGS)
-           : el <= 4 ? moe_launch(attn_split_kernel<F32, 4>, ATT_ARGS)
-           : el <= 8 ? moe_launch(attn_split_kernel<F32, 8>, ATT_ARGS)
-                     : moe_launch(attn_split_kernel<F32, MAXD_LANE>, ATT_ARGS);
+                 split, d_part, d_done, d_out, ldo, rp
+    return el <= 1   ? moe_launch(attn_split_kernel<F32, 1, ROPE>, ATT_ARGS)
+           : el <= 2 ? moe_launch(attn_split_kernel<F32, 2, ROPE>, ATT_ARGS)
+           : el <= 4 ? moe_launch(attn_split_kernel<F32, 4, ROPE>, ATT_ARGS)
+           : el <= 8 ? moe_launch(attn_split_kernel<F32, 8, ROPE>, ATT_ARGS)
+                     : moe_launch(attn_split_kernel<F32, MAXD_LANE, ROPE>, ATT_ARGS);
 #undef ATT_ARGS
 }
 
-int moe_cuda_attention(const float *d_q, int64_t ldq, const int32_t *d_pos, const int32_t *d_seq,
-                       const struct moe_cuda_kv *kv, int layer, int64_t H, int64_t n, int n_blocks,
-                       float *d_part, unsigned *d_done, float *d_out, int64_t ldo, cudaStream_t s)
+static int attention(const float *d_q, int64_t ldq, const int32_t *d_pos, const int32_t *d_seq,
+                     const struct moe_cuda_kv *kv, int layer, int64_t H, int64_t n, int n_blocks,
+                     float *d_part, unsigned *d_done, float *d_out, int64_t ldo,
+                     const att_rope_dev *rp, cudaStream_t s)
 {
     if (n <= 0)
         return 0;
@@ -197,14 +199,67 @@ int moe_cuda_attention(const float *d_q, int64_t ldq, const int32_t *d_pos, cons
     const float scale = (float)(1.0 / sqrt((double)kv->hd));
     const int split = n_blocks > 0;
     dim3 g((unsigned)H, (unsigned)n, (unsigned)(split ? n_blocks : 1));
-    size_t smem = sizeof(float) * (size_t)(ATT_WARPS * kv->hdv);
+    const int64_t wd = kv->hd > kv->hdv ? kv->hd : kv->hdv;
+    size_t smem = sizeof(float) * (size_t)(ATT_WARPS * (rp ? wd : kv->hdv));
+    const int el = (int)((wd + 31) / 32);
+    att_rope_dev none = {};
+    cudaError_t e;
+    if (rp)
+        e = kv->f32 ? launch_attn<true, true>(el, g, smem, s, d_q, ldq, d_pos, d_seq, kv, layer, H,
+                                              scale, split, d_part, d_done, d_out, ldo, *rp)
+                    : launch_attn<false, true>(el, g, smem, s, d_q, ldq, d_pos, d_seq, kv, layer,
+                                               H, scale, split, d_part, d_done, d_out, ldo, *rp);
+    else
+        e = kv->f32 ? launch_attn<true, false>(el, g, smem, s, d_q, ldq, d_pos, d_seq, kv, layer,
+                                               H, scale, split, d_part, d_done, d_out, ldo, none)
+                    : launch_attn<false, false>(el, g, smem, s, d_q, ldq, d_pos, d_seq, kv, layer,
+                                                H, scale, split, d_part, d_done, d_out, ldo, none);
+    MOE_CUDA_TRY(e);
+    return 0;
+}
+
+template <bool F32, bool ROPE> static int attn_occupancy(int el)
+{
+    int nb = 0;
+    const cudaError_t e =
+        el <= 1   ? cudaOccupancyMaxActiveBlocksPerMultiprocessor(&nb, attn_split_kernel<F32, 1, ROPE>, 32 * ATT_WARPS, 0)
+        : el <= 2 ? cudaOccupancyMaxActiveBlocksPerMultiprocessor(&nb, attn_split_kernel<F32, 2, ROPE>, 32 * ATT_WARPS, 0)
+        : el <= 4 ? cudaOccupancyMaxActiveBlocksPerMultiprocessor(&nb, attn_split_kernel<F32, 4, ROPE>, 32 * ATT_WARPS, 0)
+        : el <= 8 ? cudaOccupancyMaxActiveBlocksPerMultiprocessor(&nb, attn_split_kernel<F32, 8, ROPE>, 32 * ATT_WARPS, 0)
+                  : cudaOccupancyMaxActiveBlocksPerMultiprocessor(&nb, attn_split_kernel<F32, MAXD_LANE, ROPE>, 32 * ATT_WARPS, 0);
+    return e == cudaSuccess ? nb : 0;
+}
+
+int moe_cuda_attention_blocks_per_sm(const struct moe_cuda_kv *kv, bool rope)
+{
     const int64_t wd = kv->hd > kv->hdv ? kv->hd : kv->hdv;
     const int el = (int)((wd + 31) / 32);
-    MOE_CUDA_TRY(kv->f32 ? launch_attn<true>(el, g, smem, s, d_q, ldq, d_pos, d_seq, kv, layer, H,
-                                             scale, split, d_part, d_done, d_out, ldo)
-                         : launch_attn<false>(el, g, smem, s, d_q, ldq, d_pos, d_seq, kv, layer, H,
-                                              scale, split, d_part, d_done, d_out, ldo));
-    return 0;
+    return kv->f32 ? (rope ? attn_occupancy<true, true>(el) : attn_occupancy<true, false>(el))
+                   : (rope ? attn_occupancy<false, true>(el) : attn_occupancy<false, false>(el));
+}
+
+int moe_cuda_attention(const float *d_q, int64_t ldq, const int32_t *d_pos, const int32_t *d_seq,
+                       const struct moe_cuda_kv *kv, int layer, int64_t H, int64_t n, int n_blocks,
+                       float *d_part, unsigned *d_done, float *d_out, int64_t ldo, cudaStream_t s)
+{
+    return attention(d_q, ldq, d_pos, d_seq, kv, layer, H, n, n_blocks, d_part, d_done, d_out,
+                     ldo, NULL, s);
+}
+
+int moe_cuda_attention_rope(float *d_q, int64_t ldq, float *d_k, int64_t ldk, const float *d_v,
+                            int64_t ldv, const float *d_qn, const float *d_kn,
+                            const float *d_rope, const int32_t *d_pos, const int32_t *d_seq,
+                            const struct moe_cuda_kv *kv, int layer, int64_t H, float eps,
+                            int64_t n, int n_blocks, float *d_part, unsigned *d_done,
+                            unsigned *d_kdone, float *d_out, int64_t ldo, cudaStream_t s)
+{
+    if (n_blocks < 1 || kv->Hkv < 1 || H % kv->Hkv != 0 || kv->hd % 2 != 0)
+        return -EINVAL;
+    const att_rope_dev rp = {d_q,  d_k,  ldk,    d_v,     ldv,
+                             d_qn, d_kn, d_rope, eps,     d_kdone,
+                             kv->hd > kv->hdv ? kv->hd : kv->hdv};
+    return attention(d_q, ldq, d_pos, d_seq, kv, layer, H, n, n_blocks, d_part, d_done, d_out,
+                     ldo, &rp, s);
 }
 
 /* ---------------------------------------------------------------- routing */

@@ -45,6 +45,21 @@ int moe_cuda_attention(const float *d_q, int64_t ldq, const int32_t *d_pos, cons
                        const struct moe_cuda_kv *kv, int layer, int64_t H, int64_t n, int n_blocks,
                        float *d_part, unsigned *d_done, float *d_out, int64_t ldo, cudaStream_t s);
 
+/* Blocks of the decode attention kernel (with rope: moe_cuda_attention_rope's) an SM holds at
+ * once for this cache's shape (0 on an error): how many splits a step can take in one wave. */
+int moe_cuda_attention_blocks_per_sm(const struct moe_cuda_kv *kv, bool rope);
+
+/* moe_cuda_attention (n_blocks >= 1) with moe_cuda_qk_rope_kv done inside, for steps whose
+ * tokens are of distinct sequences (each reads only the cache positions before its own): the
+ * same floats as the two launches, the same q, k rows and cache cells left behind. d_kdone:
+ * [n][Hkv] counters, zero before the first launch (each launch leaves them zero). */
+int moe_cuda_attention_rope(float *d_q, int64_t ldq, float *d_k, int64_t ldk, const float *d_v,
+                            int64_t ldv, const float *d_qn, const float *d_kn,
+                            const float *d_rope, const int32_t *d_pos, const int32_t *d_seq,
+                            const struct moe_cuda_kv *kv, int layer, int64_t H, float eps,
+                            int64_t n, int n_blocks, float *d_part, unsigned *d_done,
+                            unsigned *d_kdone, float *d_out, int64_t ldo, cudaStream_t s);
+
 /* Router: for each token, softmax over logits [n][nexp], top-k (lowest index wins ties; NaN never
  * wins unless nothing else is left), optional renormalisation; sel_e/sel_w [n][k]; counts[nexp]
  * (this layer's) incremented. */

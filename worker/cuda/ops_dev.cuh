@@ -18,8 +18,14 @@
 /* Elements a lane holds of one head vector: head dims up to 32 · MAXD_LANE. */
 #define MAXD_LANE 16
 #define ATT_WARPS 4
-#define ATT_ILP 4
-#define ATT_CHUNK 32
+#ifndef MOE_ATT_ILP
+#define MOE_ATT_ILP 4
+#endif
+#define ATT_ILP MOE_ATT_ILP
+#ifndef MOE_ATT_CHUNK
+#define MOE_ATT_CHUNK 32
+#endif
+#define ATT_CHUNK MOE_ATT_CHUNK
 #define ROUTE_WARPS 4
 
 static __device__ __forceinline__ float warp_sum(float v)
@@ -213,6 +219,63 @@ struct att_smem {
     int last;
 };
 
+/* The q/k-norm + RoPE + KV store of a one-token step, done inside its attention
+ * (attn_split_body with ROPE): q and k are the q/k/v product's raw rows (q: the body's q), v its v
+ * rows; qn, kn the norm weights, rope the angles; kdone [n][Hkv] counters (zero between
+ * launches); rowf: floats of a warp's row in the body's acc (at least hd and hdv). */
+struct att_rope_dev {
+    float *q, *k;
+    int64_t ldk;
+    const float *v;
+    int64_t ldv;
+    const float *qn, *kn, *rope;
+    float eps;
+    unsigned *kdone;
+    int64_t rowf;
+};
+static_assert(ATT_WARPS >= 2, "the folded RoPE takes a warp of the last split's group for k");
+
+/* What the folded q/k-norm + RoPE leaves in the q and k rows, as the standalone kernel does:
+ * head h's rotated q, stored by warp 0 of the group that finishes the head (every group of the
+ * head has read the raw row by then); with kw, the k head's, stored by the last of the group's
+ * H/Hkv k warps to count itself in (each counts after it has read the raw row). */
+template <int EL>
+static __device__ __forceinline__ void attn_rope_store(const att_rope_dev *rp, int64_t ldq,
+                                                       const moe_cuda_kv &kv, int64_t t,
+                                                       int64_t h, int64_t kvh, int64_t group,
+                                                       int w, int lane, const float (&qr)[EL],
+                                                       bool kw, const float (&kr)[EL])
+{
+    const int64_t hd = kv.hd;
+    if (!kw) {
+        if (w != 0)
+            return;
+#pragma unroll
+        for (int i = 0; i < EL; i++) {
+            const int64_t e = lane + 32 * i;
+            if (e < hd)
+                rp->q[t * ldq + h * hd + e] = qr[i];
+        }
+        return;
+    }
+    unsigned prev = 0;
+    if (lane == 0) {
+        __threadfence();
+        prev = atomicAdd(&rp->kdone[t * kv.Hkv + kvh], 1u);
+    }
+    prev = __shfl_sync(0xffffffffu, prev, 0);
+    if (prev + 1 != (unsigned)group)
+        return;
+#pragma unroll
+    for (int i = 0; i < EL; i++) {
+        const int64_t e = lane + 32 * i;
+        if (e < hd)
+            rp->k[t * rp->ldk + kvh * hd + e] = kr[i];
+    }
+    if (lane == 0)
+        rp->kdone[t * kv.Hkv + kvh] = 0;
+}
+
 /* Decode attention (flash-decoding) of head h, token t, split group z of Z, by ATT_WARPS warps
  * (tid: the thread's index in the group, 0..32·ATT_WARPS-1; sync: the group's barrier;
  * acc: ATT_WARPS·hdv floats of shared memory). A token's positions 0..len-1 are cut into splits
@@ -226,12 +289,13 @@ struct att_smem {
  * partials in split order. A token with one split writes its output directly. Every float
  * operation of a token is the same whatever Z and whatever else is in the step. split 0: the
  * whole range is one split (prompt steps). */
-template <bool F32, int EL, class Sync>
+template <bool F32, int EL, class Sync, bool ROPE = false>
 static __device__ __forceinline__ void
 attn_split_body(const float *q, int64_t ldq, const int32_t *pos, const int32_t *seq,
                 const moe_cuda_kv &kv, int layer, int64_t H, float scale, int split, float *part,
                 unsigned *done, float *out, int64_t ldo, int64_t h, int64_t t, int z, int Z,
-                int tid, att_smem *sm, float *sm_acc, Sync sync)
+                int tid, att_smem *sm, float *sm_acc, Sync sync,
+                const att_rope_dev *rp = nullptr)
 {
     constexpr int NT = 32 * ATT_WARPS;
     const int lane = tid & 31, w = tid >> 5;
@@ -247,11 +311,56 @@ attn_split_body(const float *q, int64_t ldq, const int32_t *pos, const int32_t *
         return;
     const size_t row0 = (((size_t)layer * kv.n_seq + (size_t)seq[t]) * kv.Hkv + (size_t)kvh) *
                         kv.n_ctx;
-    float qv[EL];
+    float qv[EL], qr[EL] = {}, kr[EL] = {};
+    bool kwarp = false;
+    if constexpr (ROPE) {
+        /* Every warp normalises and rotates the token's q head itself (rope_head_warp: the
+         * standalone kernel's floats) into its row of acc. In the group with the last split, the
+         * one that holds position pos[t], the last warp does the k head instead and stores the
+         * position's k and v into the cache before any warp reads it; it takes q from warp 0. */
+        const bool lastb = (ns - 1) % Z == z;
+        kwarp = lastb && w == ATT_WARPS - 1;
+        float *row = sm_acc + (size_t)w * rp->rowf;
+        const float *cs = rp->rope + t * hd;
+        if (!kwarp) {
+            rope_head_warp(q + t * ldq + h * hd, rp->qn, cs, hd, rp->eps, row,
+                           [&](int64_t i, float o0, int64_t j, float o1) {
+                               row[i] = o0;
+                               row[j] = o1;
+                           });
+        } else {
+            const size_t cell = kv_cell(kv, layer, seq[t], kvh, pos[t]);
+            rope_head_warp(rp->k + t * rp->ldk + kvh * hd, rp->kn, cs, hd, rp->eps, row,
+                           [&](int64_t i, float o0, int64_t j, float o1) {
+                               row[i] = o0;
+                               row[j] = o1;
+                               kv_put<F32>(kv.k, cell * hd + i, o0);
+                               kv_put<F32>(kv.k, cell * hd + j, o1);
+                           });
+            const float *vr = rp->v + t * rp->ldv + kvh * hdv;
+            for (int64_t i = lane; i < hdv; i += 32)
+                kv_put<F32>(kv.v, cell * hdv + i, vr[i]);
 #pragma unroll
-    for (int i = 0; i < EL; i++) {
-        int64_t e = lane + 32 * i;
-        qv[i] = e < hd ? q[t * ldq + h * hd + e] * scale : 0.0f;
+            for (int i = 0; i < EL; i++) {
+                const int64_t e = lane + 32 * i;
+                kr[i] = e < hd ? row[e] : 0.0f;
+            }
+        }
+        if (lastb)
+            sync(); /* the position's k and v, and warp 0's q, are visible to the group */
+        const float *qrow = sm_acc + (size_t)(kwarp ? 0 : w) * rp->rowf;
+#pragma unroll
+        for (int i = 0; i < EL; i++) {
+            const int64_t e = lane + 32 * i;
+            qr[i] = e < hd ? qrow[e] : 0.0f;
+            qv[i] = qr[i] * scale;
+        }
+    } else {
+#pragma unroll
+        for (int i = 0; i < EL; i++) {
+            int64_t e = lane + 32 * i;
+            qv[i] = e < hd ? q[t * ldq + h * hd + e] * scale : 0.0f;
+        }
     }
     float *pp = part + (t * H + h) * ATT_MAX_SPLITS * (hdv + 2);
     int mine = 0;
@@ -335,6 +444,8 @@ attn_split_body(const float *q, int64_t ldq, const int32_t *pos, const int32_t *
                         o += sm_acc[j * hdv + e] * __expf(sm->m[j] - M);
                 out[t * ldo + h * hdv + e] = o * inv;
             }
+            if constexpr (ROPE)
+                attn_rope_store(rp, ldq, kv, t, h, kvh, group, w, lane, qr, kwarp, kr);
             sync(); /* the shared arrays are free for the group's next use */
             return;
         }
@@ -358,9 +469,15 @@ attn_split_body(const float *q, int64_t ldq, const int32_t *pos, const int32_t *
         unsigned prev = atomicAdd(&done[t * H + h], (unsigned)mine);
         sm->last = prev + (unsigned)mine == (unsigned)ns;
     }
+    if constexpr (ROPE)
+        if (kwarp)
+            attn_rope_store(rp, ldq, kv, t, h, kvh, group, w, lane, qr, true, kr);
     sync();
     if (!sm->last)
         return;
+    if constexpr (ROPE)
+        if (w == 0)
+            attn_rope_store(rp, ldq, kv, t, h, kvh, group, w, lane, qr, false, kr);
     __threadfence();
     /* The merge: split weights by one warp (ns <= ATT_MAX_SPLITS = 64), then every output
      * element summed over the splits in split order. */
