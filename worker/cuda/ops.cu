@@ -218,15 +218,18 @@ static int attention(const float *d_q, int64_t ldq, const int32_t *d_pos, const 
     return 0;
 }
 
-template <bool F32, bool ROPE> static int attn_occupancy(int el)
+template <bool F32, bool ROPE> static int attn_occupancy(int el, size_t smem)
 {
     int nb = 0;
-    const cudaError_t e =
-        el <= 1   ? cudaOccupancyMaxActiveBlocksPerMultiprocessor(&nb, attn_split_kernel<F32, 1, ROPE>, 32 * ATT_WARPS, 0)
-        : el <= 2 ? cudaOccupancyMaxActiveBlocksPerMultiprocessor(&nb, attn_split_kernel<F32, 2, ROPE>, 32 * ATT_WARPS, 0)
-        : el <= 4 ? cudaOccupancyMaxActiveBlocksPerMultiprocessor(&nb, attn_split_kernel<F32, 4, ROPE>, 32 * ATT_WARPS, 0)
-        : el <= 8 ? cudaOccupancyMaxActiveBlocksPerMultiprocessor(&nb, attn_split_kernel<F32, 8, ROPE>, 32 * ATT_WARPS, 0)
-                  : cudaOccupancyMaxActiveBlocksPerMultiprocessor(&nb, attn_split_kernel<F32, MAXD_LANE, ROPE>, 32 * ATT_WARPS, 0);
+#define OCC(E)                                                                                     \
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&nb, attn_split_kernel<F32, E, ROPE>,            \
+                                                  32 * ATT_WARPS, smem)
+    const cudaError_t e = el <= 1   ? OCC(1)
+                          : el <= 2 ? OCC(2)
+                          : el <= 4 ? OCC(4)
+                          : el <= 8 ? OCC(8)
+                                    : OCC(MAXD_LANE);
+#undef OCC
     return e == cudaSuccess ? nb : 0;
 }
 
@@ -234,8 +237,11 @@ int moe_cuda_attention_blocks_per_sm(const struct moe_cuda_kv *kv, bool rope)
 {
     const int64_t wd = kv->hd > kv->hdv ? kv->hd : kv->hdv;
     const int el = (int)((wd + 31) / 32);
-    return kv->f32 ? (rope ? attn_occupancy<true, true>(el) : attn_occupancy<true, false>(el))
-                   : (rope ? attn_occupancy<false, true>(el) : attn_occupancy<false, false>(el));
+    const size_t smem = sizeof(float) * (size_t)(ATT_WARPS * (rope ? wd : kv->hdv));
+    return kv->f32 ? (rope ? attn_occupancy<true, true>(el, smem)
+                           : attn_occupancy<true, false>(el, smem))
+                   : (rope ? attn_occupancy<false, true>(el, smem)
+                           : attn_occupancy<false, false>(el, smem));
 }
 
 int moe_cuda_attention(const float *d_q, int64_t ldq, const int32_t *d_pos, const int32_t *d_seq,
