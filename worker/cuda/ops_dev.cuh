@@ -235,29 +235,30 @@ struct att_rope_dev {
 };
 static_assert(ATT_WARPS >= 2, "the folded RoPE takes a warp of the last split's group for k");
 
-/* What the folded q/k-norm + RoPE leaves in the q and k rows, as the standalone kernel does:
- * head h's rotated q, stored by warp 0 of the group that finishes the head (every group of the
- * head has read the raw row by then); with kw, the k head's, stored by the last of the group's
- * H/Hkv k warps to count itself in (each counts after it has read the raw row). */
+/* What the folded q/k-norm + RoPE leaves in the q and k rows, as the standalone kernel does.
+ * attn_rope_store_q: head h's rotated q, by warp 0 of the group that finishes the head (every
+ * group of the head has read the raw row by then). attn_rope_store_k: the k head's, by the last
+ * of the H/Hkv k warps of its kv head to count itself in (each counts after it has read the raw
+ * row). */
 template <int EL>
-static __device__ __forceinline__ void attn_rope_store(const att_rope_dev *rp, int64_t ldq,
-                                                       const moe_cuda_kv &kv, int64_t t,
-                                                       int64_t h, int64_t kvh, int64_t group,
-                                                       int w, int lane, const float (&qr)[EL],
-                                                       bool kw, const float (&kr)[EL])
+static __device__ __forceinline__ void attn_rope_store_q(const att_rope_dev *rp, int64_t ldq,
+                                                         int64_t hd, int64_t t, int64_t h,
+                                                         int lane, const float (&qr)[EL])
 {
-    const int64_t hd = kv.hd;
-    if (!kw) {
-        if (w != 0)
-            return;
 #pragma unroll
-        for (int i = 0; i < EL; i++) {
-            const int64_t e = lane + 32 * i;
-            if (e < hd)
-                rp->q[t * ldq + h * hd + e] = qr[i];
-        }
-        return;
+    for (int i = 0; i < EL; i++) {
+        const int64_t e = lane + 32 * i;
+        if (e < hd)
+            rp->q[t * ldq + h * hd + e] = qr[i];
     }
+}
+
+template <int EL>
+static __device__ __forceinline__ void attn_rope_store_k(const att_rope_dev *rp,
+                                                         const moe_cuda_kv &kv, int64_t t,
+                                                         int64_t kvh, int64_t group, int lane,
+                                                         const float (&kr)[EL])
+{
     unsigned prev = 0;
     if (lane == 0) {
         __threadfence();
@@ -269,8 +270,8 @@ static __device__ __forceinline__ void attn_rope_store(const att_rope_dev *rp, i
 #pragma unroll
     for (int i = 0; i < EL; i++) {
         const int64_t e = lane + 32 * i;
-        if (e < hd)
-            rp->k[t * rp->ldk + kvh * hd + e] = kr[i];
+        if (e < kv.hd)
+            rp->k[t * rp->ldk + kvh * kv.hd + e] = kr[i];
     }
     if (lane == 0)
         rp->kdone[t * kv.Hkv + kvh] = 0;
@@ -444,8 +445,12 @@ attn_split_body(const float *q, int64_t ldq, const int32_t *pos, const int32_t *
                         o += sm_acc[j * hdv + e] * __expf(sm->m[j] - M);
                 out[t * ldo + h * hdv + e] = o * inv;
             }
-            if constexpr (ROPE)
-                attn_rope_store(rp, ldq, kv, t, h, kvh, group, w, lane, qr, kwarp, kr);
+            if constexpr (ROPE) {
+                if (kwarp)
+                    attn_rope_store_k(rp, kv, t, kvh, group, lane, kr);
+                else if (w == 0)
+                    attn_rope_store_q(rp, ldq, hd, t, h, lane, qr);
+            }
             sync(); /* the shared arrays are free for the group's next use */
             return;
         }
@@ -471,13 +476,13 @@ attn_split_body(const float *q, int64_t ldq, const int32_t *pos, const int32_t *
     }
     if constexpr (ROPE)
         if (kwarp)
-            attn_rope_store(rp, ldq, kv, t, h, kvh, group, w, lane, qr, true, kr);
+            attn_rope_store_k(rp, kv, t, kvh, group, lane, kr);
     sync();
     if (!sm->last)
         return;
     if constexpr (ROPE)
         if (w == 0)
-            attn_rope_store(rp, ldq, kv, t, h, kvh, group, w, lane, qr, false, kr);
+            attn_rope_store_q(rp, ldq, hd, t, h, lane, qr);
     __threadfence();
     /* The merge: split weights by one warp (ns <= ATT_MAX_SPLITS = 64), then every output
      * element summed over the splits in split order. */
