@@ -155,8 +155,8 @@ struct cuda_backend {
     int64_t ld_dout;
     int64_t n, n_out;
     int sms;
-    int att_bps;                     /* MOE_CUDA_ATT_BPS: decode attention blocks an SM */
-    int att_bps_plain, att_bps_rope; /* that, or what an SM holds of each attention kernel */
+    int att_bps_plain, att_bps_rope; /* decode attention blocks an SM: MOE_CUDA_ATT_BPS, or what
+                                      * an SM holds of each attention kernel */
     int mode;
     bool capturing, head_chunked, use_graphs, use_gemm, use_flash;
     double group_min;                /* MOE_CUDA_GROUP_MIN, 0: by layer (group_min()) */
@@ -1819,9 +1819,6 @@ static int cuda_init(struct moe_backend **out, const struct moe_model *m, struct
     if (!(b->group_min > 0.0)) /* negative, NaN or not a number */
         b->group_min = 0.0;
     b->tc = moe_cuda_expert_tc_env();
-    b->att_bps = getenv("MOE_CUDA_ATT_BPS") ? atoi(getenv("MOE_CUDA_ATT_BPS")) : 0;
-    if (b->att_bps < 1 || b->att_bps > 64)
-        b->att_bps = 0; /* as many as an SM holds (below) */
     b->route_fold = env_on("MOE_CUDA_ROUTE_FOLD");
     b->norm_fold = env_on("MOE_CUDA_NORM_FOLD");
     /* Opt-in: measured 1.5% slower at batch 1 than its own launch (H200, docs/benchmarks.md). */
@@ -1937,7 +1934,9 @@ static int cuda_init(struct moe_backend **out, const struct moe_model *m, struct
         INIT_TRY(cudaMalloc((void **)&b->scratch, 2 * sizeof(float) * ns * (size_t)b->ld_act));
         /* Attention partials for decode-sized steps (the only ones that split). */
         b->sms = prop.multiProcessorCount;
-        if (!b->att_bps) {
+        const char *att_env = getenv("MOE_CUDA_ATT_BPS");
+        const int att_bps = att_env ? atoi(att_env) : 0;
+        if (att_bps < 1 || att_bps > 64) {
             /* A step's splits in one wave: as many blocks as the SMs hold at once (8 an SM on
              * an H100 for a head of 128 in f16: 33 splits a head at one token against 17 at 4
              * an SM, the default before, where the groups of splits beyond the 17th ran two
@@ -1947,7 +1946,7 @@ static int cuda_init(struct moe_backend **out, const struct moe_model *m, struct
             b->att_bps_plain = plain > 0 ? plain : 4;
             b->att_bps_rope = rope > 0 ? rope : 4;
         } else {
-            b->att_bps_plain = b->att_bps_rope = b->att_bps;
+            b->att_bps_plain = b->att_bps_rope = att_bps;
         }
         const int64_t nsplit_tok = nb < MOE_CUDA_GRAPH_MAX ? (int64_t)nb : MOE_CUDA_GRAPH_MAX;
         INIT_TRY(cudaMalloc((void **)&b->part,
