@@ -21,6 +21,12 @@
 #include "worker/cuda/matvec.h"
 
 
+/* Every type with a CUDA mat-vec kernel. */
+static const uint32_t TYPES[] = {MOE_TYPE_F32,  MOE_TYPE_F16,  MOE_TYPE_BF16, MOE_TYPE_Q8_0,
+                                 MOE_TYPE_Q4_0, MOE_TYPE_Q5_0, MOE_TYPE_Q4_1, MOE_TYPE_Q5_1,
+                                 MOE_TYPE_Q4_K, MOE_TYPE_Q5_K, MOE_TYPE_Q6_K};
+#define N_TYPES (sizeof TYPES / sizeof TYPES[0])
+
 enum mem_kind { MEM_VRAM, MEM_REGISTERED, MEM_HOSTALLOC };
 static const char *mem_name[] = {"vram", "host-registered", "host-alloc"};
 
@@ -212,11 +218,8 @@ static void check_tokens(uint32_t type, uint64_t seed)
 
 TEST(cuda_matvec_tokens_equal_one_at_a_time)
 {
-    static const uint32_t types[] = {MOE_TYPE_F32,  MOE_TYPE_F16,  MOE_TYPE_BF16, MOE_TYPE_Q8_0,
-                                     MOE_TYPE_Q4_0, MOE_TYPE_Q5_0, MOE_TYPE_Q4_1, MOE_TYPE_Q5_1,
-                                     MOE_TYPE_Q4_K, MOE_TYPE_Q5_K, MOE_TYPE_Q6_K};
-    for (size_t i = 0; i < sizeof types / sizeof types[0]; i++)
-        check_tokens(types[i], 200 + i);
+    for (size_t i = 0; i < N_TYPES; i++)
+        check_tokens(TYPES[i], 200 + i);
 }
 
 TEST(cuda_matvec_f32) { check_type(MOE_TYPE_F32, 101); }
@@ -306,11 +309,8 @@ static void check_norm_type(uint32_t type, uint64_t seed)
 
 TEST(cuda_matvec_norm_all_types)
 {
-    static const uint32_t types[] = {MOE_TYPE_F32,  MOE_TYPE_F16,  MOE_TYPE_BF16, MOE_TYPE_Q8_0,
-                                     MOE_TYPE_Q4_0, MOE_TYPE_Q5_0, MOE_TYPE_Q4_1, MOE_TYPE_Q5_1,
-                                     MOE_TYPE_Q4_K, MOE_TYPE_Q5_K, MOE_TYPE_Q6_K};
-    for (size_t i = 0; i < sizeof types / sizeof types[0]; i++)
-        check_norm_type(types[i], 500 + i);
+    for (size_t i = 0; i < N_TYPES; i++)
+        check_norm_type(TYPES[i], 500 + i);
 }
 
 /* Types without a CUDA kernel, bad shapes and misaligned pointers are error returns, and rows=0
