@@ -234,6 +234,25 @@ TEST(cuda_matvec_q4_k) { check_type(MOE_TYPE_Q4_K, 107); }
 TEST(cuda_matvec_q5_k) { check_type(MOE_TYPE_Q5_K, 108); }
 TEST(cuda_matvec_q6_k) { check_type(MOE_TYPE_Q6_K, 109); }
 
+/* A random RMSNorm source row and norm weight of n elements, and the normalised row the CPU
+ * makes of them (sum of squares in double). */
+static void norm_input(int64_t n, float eps, float **src, float **g, float **xn)
+{
+    *src = malloc(sizeof(float) * (size_t)n);
+    *g = malloc(sizeof(float) * (size_t)n);
+    *xn = malloc(sizeof(float) * (size_t)n);
+    CHECK(*src && *g && *xn);
+    double ss = 0.0;
+    for (int64_t k = 0; k < n; k++) {
+        (*src)[k] = rng_f() * 3.0f;
+        (*g)[k] = 0.5f + rng_f();
+        ss += (double)(*src)[k] * (*src)[k];
+    }
+    const float sc = (float)(1.0 / sqrt(ss / (double)n + eps));
+    for (int64_t k = 0; k < n; k++)
+        (*xn)[k] = (*src)[k] * sc * (*g)[k];
+}
+
 /* moe_cuda_matvec_multi_norm: the input is RMSNorm(src)·g, made on the way. Against the CPU: the
  * normalised row (double sums) within 1e-5 relative, y within 1e-5 of Σ|w·x| + the row's share
  * of that difference; two jobs (q and k style) in one launch, y and dst poisoned first. */
@@ -250,19 +269,11 @@ static void check_norm_type(uint32_t type, uint64_t seed)
     for (size_t i = 0; i < sizeof ns / sizeof ns[0]; i++) {
         const int64_t n = ns[i];
         uint8_t *w = make_weights(type, rows, n);
-        float *src = malloc(sizeof(float) * (size_t)n), *g = malloc(sizeof(float) * (size_t)n);
-        float *xn = malloc(sizeof(float) * (size_t)n), *dn = malloc(sizeof(float) * (size_t)n);
+        float *src, *g, *xn;
+        norm_input(n, eps, &src, &g, &xn);
+        float *dn = malloc(sizeof(float) * (size_t)n);
         float *ycpu = malloc(sizeof(float) * (size_t)rows), *ygpu = malloc(sizeof(float) * (size_t)rows);
-        CHECK(src && g && xn && dn && ycpu && ygpu);
-        double ss = 0.0;
-        for (int64_t k = 0; k < n; k++) {
-            src[k] = rng_f() * 3.0f;
-            g[k] = 0.5f + rng_f();
-            ss += (double)src[k] * src[k];
-        }
-        const float sc = (float)(1.0 / sqrt(ss / (double)n + eps));
-        for (int64_t k = 0; k < n; k++)
-            xn[k] = src[k] * sc * g[k];
+        CHECK(dn && ycpu && ygpu);
         moe_matvec(type, w, n, xn, ycpu, 0, rows);
         double *as = abs_sums(type, w, rows, n, xn);
         uint8_t *dw;
@@ -311,6 +322,101 @@ TEST(cuda_matvec_norm_all_types)
 {
     for (size_t i = 0; i < N_TYPES; i++)
         check_norm_type(TYPES[i], 500 + i);
+}
+
+/* A one-matrix float32 NORM launch (a router; rows up to 2048 wide take a kernel of their own)
+ * gives the floats of the general walk bit for bit: its normalised row those of a two-matrix
+ * NORM launch, its y those of the two-matrix launch and of the plain launch over the normalised
+ * row at 1 and at 3 tokens (a decode step of several sequences); and y within the CPU's
+ * tolerance. Widths below, at and above the kernel's bound, a ragged one, rows few and many. */
+TEST(cuda_matvec_norm_f32_one_matrix_equals_general_walk)
+{
+    static const int64_t ns[] = {64, 1000, 2048, 2052}, rowss[] = {128, 5};
+    const float eps = 1e-6f;
+    need_gpu();
+    moe_test_rng_seed(9001);
+    cudaStream_t st;
+    CU(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+    for (size_t ni = 0; ni < sizeof ns / sizeof ns[0]; ni++)
+        for (size_t ri = 0; ri < sizeof rowss / sizeof rowss[0]; ri++) {
+            const int64_t n = ns[ni], rows = rowss[ri], r0 = rows / 2 + 1, T = 3;
+            uint8_t *w = make_weights(MOE_TYPE_F32, rows, n);
+            float *src, *g, *xn;
+            norm_input(n, eps, &src, &g, &xn);
+            float *ycpu = malloc(sizeof(float) * (size_t)rows);
+            float *da = malloc(sizeof(float) * (size_t)n), *db = malloc(sizeof(float) * (size_t)n);
+            float *ya = malloc(sizeof(float) * (size_t)rows), *yb = malloc(sizeof(float) * (size_t)rows);
+            float *yc = malloc(sizeof(float) * (size_t)(rows * T));
+            CHECK(ycpu && da && db && ya && yb && yc);
+            moe_matvec(MOE_TYPE_F32, w, n, xn, ycpu, 0, rows);
+            double *as = abs_sums(MOE_TYPE_F32, w, rows, n, xn);
+            const size_t wb = moe_row_bytes(MOE_TYPE_F32, n) * (size_t)rows;
+            uint8_t *dw;
+            float *dsrc, *dg, *dda, *ddb, *dya, *dyb, *dx3, *dyc;
+            CU(cudaMalloc((void **)&dw, wb));
+            CU(cudaMalloc((void **)&dsrc, sizeof(float) * (size_t)n));
+            CU(cudaMalloc((void **)&dg, sizeof(float) * (size_t)n));
+            CU(cudaMalloc((void **)&dda, sizeof(float) * (size_t)n));
+            CU(cudaMalloc((void **)&ddb, sizeof(float) * (size_t)n));
+            CU(cudaMalloc((void **)&dya, sizeof(float) * (size_t)rows));
+            CU(cudaMalloc((void **)&dyb, sizeof(float) * (size_t)rows));
+            CU(cudaMalloc((void **)&dx3, sizeof(float) * (size_t)(n * T)));
+            CU(cudaMalloc((void **)&dyc, sizeof(float) * (size_t)(rows * T)));
+            CU(cudaMemcpyAsync(dw, w, wb, cudaMemcpyHostToDevice, st));
+            CU(cudaMemcpyAsync(dsrc, src, sizeof(float) * (size_t)n, cudaMemcpyHostToDevice, st));
+            CU(cudaMemcpyAsync(dg, g, sizeof(float) * (size_t)n, cudaMemcpyHostToDevice, st));
+            CU(cudaMemsetAsync(dda, 0xff, sizeof(float) * (size_t)n, st));
+            CU(cudaMemsetAsync(ddb, 0xff, sizeof(float) * (size_t)n, st));
+            CU(cudaMemsetAsync(dya, 0xff, sizeof(float) * (size_t)rows, st));
+            CU(cudaMemsetAsync(dyb, 0xff, sizeof(float) * (size_t)rows, st));
+            CU(cudaMemsetAsync(dyc, 0xff, sizeof(float) * (size_t)(rows * T), st));
+            const struct moe_mv_job one = {dw, rows, dya, rows};
+            const struct moe_mv_job two[2] = {
+                {dw, r0, dyb, r0},
+                {dw + moe_row_bytes(MOE_TYPE_F32, n) * (size_t)r0, rows - r0, dyb + r0, rows - r0}};
+            int rc = moe_cuda_matvec_multi_norm(MOE_TYPE_F32, &one, 1, n, dsrc, dg, eps, dda, NULL, st);
+            CHECK_MSG(rc == 0, "n=%lld rows=%lld: %s", (long long)n, (long long)rows, moe_strerror(rc));
+            rc = moe_cuda_matvec_multi_norm(MOE_TYPE_F32, two, 2, n, dsrc, dg, eps, ddb, NULL, st);
+            CHECK_MSG(rc == 0, "n=%lld rows=%lld: %s", (long long)n, (long long)rows, moe_strerror(rc));
+            for (int64_t t = 0; t < T; t++)
+                CU(cudaMemcpyAsync(dx3 + t * n, dda, sizeof(float) * (size_t)n,
+                                   cudaMemcpyDeviceToDevice, st));
+            rc = moe_cuda_matvec_tok(MOE_TYPE_F32, dw, n, rows, dx3, n, T, dyc, rows, 0, st);
+            CHECK_MSG(rc == 0, "n=%lld rows=%lld: %s", (long long)n, (long long)rows, moe_strerror(rc));
+            CU(cudaMemcpyAsync(da, dda, sizeof(float) * (size_t)n, cudaMemcpyDeviceToHost, st));
+            CU(cudaMemcpyAsync(db, ddb, sizeof(float) * (size_t)n, cudaMemcpyDeviceToHost, st));
+            CU(cudaMemcpyAsync(ya, dya, sizeof(float) * (size_t)rows, cudaMemcpyDeviceToHost, st));
+            CU(cudaMemcpyAsync(yb, dyb, sizeof(float) * (size_t)rows, cudaMemcpyDeviceToHost, st));
+            CU(cudaMemcpyAsync(yc, dyc, sizeof(float) * (size_t)(rows * T), cudaMemcpyDeviceToHost, st));
+            CU(cudaStreamSynchronize(st));
+            CHECK_MSG(memcmp(da, db, sizeof(float) * (size_t)n) == 0,
+                      "n=%lld rows=%lld: normalised rows differ", (long long)n, (long long)rows);
+            for (int64_t r = 0; r < rows; r++) {
+                CHECK_MSG(memcmp(&ya[r], &yb[r], sizeof(float)) == 0,
+                          "n=%lld rows=%lld: y[%lld] one matrix %.9g, two %.9g", (long long)n,
+                          (long long)rows, (long long)r, (double)ya[r], (double)yb[r]);
+                for (int64_t t = 0; t < T; t++)
+                    CHECK_MSG(memcmp(&ya[r], &yc[t * rows + r], sizeof(float)) == 0,
+                              "n=%lld rows=%lld: y[%lld] norm launch %.9g, token %lld of %lld %.9g",
+                              (long long)n, (long long)rows, (long long)r, (double)ya[r],
+                              (long long)t, (long long)T, (double)yc[t * rows + r]);
+                CHECK_MSG(fabs((double)ya[r] - ycpu[r]) <= 2e-5 * as[r],
+                          "n=%lld: y[%lld] gpu %.9g cpu %.9g", (long long)n, (long long)r,
+                          (double)ya[r], (double)ycpu[r]);
+            }
+            CU(cudaFree(dw));
+            CU(cudaFree(dsrc));
+            CU(cudaFree(dg));
+            CU(cudaFree(dda));
+            CU(cudaFree(ddb));
+            CU(cudaFree(dya));
+            CU(cudaFree(dyb));
+            CU(cudaFree(dx3));
+            CU(cudaFree(dyc));
+            free(w), free(src), free(g), free(xn), free(ycpu), free(da), free(db), free(ya);
+            free(yb), free(yc), free(as);
+        }
+    CU(cudaStreamDestroy(st));
 }
 
 /* Types without a CUDA kernel, bad shapes and misaligned pointers are error returns, and rows=0

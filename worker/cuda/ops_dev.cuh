@@ -62,6 +62,16 @@ static __device__ __forceinline__ bool better(vi a, vi b)
 
 /* ---------------------------------------------------------------- RMSNorm */
 
+/* ss + the squares of four elements, one after the other. */
+static __device__ __forceinline__ float ss_add4(float ss, float4 v)
+{
+    ss += v.x * v.x;
+    ss += v.y * v.y;
+    ss += v.z * v.z;
+    ss += v.w * v.w;
+    return ss;
+}
+
 /* Σ x[i]² over a row, by one warp in a fixed order (lane-strided, four elements at a time when
  * the row allows 16-byte loads, then a shuffle tree); every lane gets it. */
 static __device__ __forceinline__ float row_ss_warp(const float *x, int64_t width)
@@ -72,13 +82,8 @@ static __device__ __forceinline__ float row_ss_warp(const float *x, int64_t widt
         const float4 *x4 = (const float4 *)x;
         const int64_t n4 = width / 4;
 #pragma unroll 8
-        for (int64_t i = lane; i < n4; i += 32) {
-            const float4 v = x4[i];
-            ss += v.x * v.x;
-            ss += v.y * v.y;
-            ss += v.z * v.z;
-            ss += v.w * v.w;
-        }
+        for (int64_t i = lane; i < n4; i += 32)
+            ss = ss_add4(ss, x4[i]);
     } else {
 #pragma unroll 8
         for (int64_t i = lane; i < width; i += 32)

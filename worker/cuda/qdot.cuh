@@ -77,14 +77,16 @@ struct XPlain {
     HD float ld1(const float *p) const { return *p; }
 };
 
+/* Four elements of the RMSNorm: (x·sc)·g, the floats the RMSNorm kernel stores. */
+static HD float4 xnorm4(float4 v, float sc, float4 g)
+{
+    return make_float4(v.x * sc * g.x, v.y * sc * g.y, v.z * sc * g.z, v.w * sc * g.w);
+}
+
 struct XNorm {
     const float *x0, *g;
     float sc;
-    HD float4 ld4(const float *p) const
-    {
-        const float4 v = ldx4(p), w = ldx4(g + (p - x0));
-        return make_float4(v.x * sc * w.x, v.y * sc * w.y, v.z * sc * w.z, v.w * sc * w.w);
-    }
+    HD float4 ld4(const float *p) const { return xnorm4(ldx4(p), sc, ldx4(g + (p - x0))); }
     HD float ld1(const float *p) const { return *p * sc * g[p - x0]; }
 };
 
@@ -337,6 +339,12 @@ template <> struct unit_shape<MOE_TYPE_Q6_K> { enum { per_block = 16, blck = 256
 #endif
 #define MOE_LOAD_FIRST(RW) ((RW) <= MOE_ROWS_LOAD_FIRST)
 
+/* A 16-byte float32 unit's dot product with its four inputs, in one fixed order. */
+static HD float f32v_dot(float4 w, float4 x)
+{
+    return w.x * x.x + w.y * x.y + w.z * x.z + w.w * x.w;
+}
+
 /* Adds to acc[r], for r < RW, the partial dot product of unit t (0 <= t < per_block) of the
  * block at bs[r] with xb, the x elements of that block (the RW rows may be of one matrix or of
  * several of the same type). The x values (and, for the K-quants,
@@ -349,8 +357,7 @@ static HD void unit_dot(const uint8_t *const *bs, int t, const float *xb, float 
     if constexpr (K == MOE_TYPE_F32) {
         acc[0] += *(const float *)b0 * xin.ld1(xb);
     } else if constexpr (K == KIND_F32_V) {
-        float4 w = *(const float4 *)b0, x = xin.ld4(xb);
-        acc[0] += w.x * x.x + w.y * x.y + w.z * x.z + w.w * x.w;
+        acc[0] += f32v_dot(*(const float4 *)b0, xin.ld4(xb));
     } else if constexpr (K == MOE_TYPE_F16) {
         acc[0] += h2f(ld16(b0)) * xin.ld1(xb);
     } else if constexpr (K == MOE_TYPE_BF16) {
