@@ -31,6 +31,7 @@ extern "C" {
 #include "worker/backend.h"
 #include "worker/engine.h"
 }
+#include "worker/cuda/launch.cuh"
 #include "worker/cuda/cuda_check.cuh"
 #include "worker/cuda/experts.cuh"
 #include "worker/cuda/mv_tc.h"
@@ -2410,6 +2411,8 @@ static int cuda_begin(struct moe_backend *bb, const struct moe_step *st)
     b->n_out = st->n_out;
     b->record = st->record;
     b->head_chunked = false;
+    /* Programmatic dependent launch for one-token steps (launch.cuh). */
+    moe_pdl_step_on = st->n == 1;
     pool_step_begin(b);
     b->route_pending = -1;
     b->norm_pending = false;

@@ -5,8 +5,9 @@
  * What a kernel may do before the wait is read weights, which no kernel writes; the mat-vec
  * kernels prefetch their rows into L2 there. Under stream capture the attribute becomes a
  * programmatic edge of the graph, so a step's kernels overlap their launch and prologue with the
- * tail of the kernel before. It is off unless MOE_CUDA_PDL=1: on the H200 it measured no faster
- * than plain launches inside graphs (docs/cuda.md). */
+ * tail of the kernel before. One-token steps take it (the backend sets moe_pdl_step_on per
+ * step): their dense mat-vecs load all their weights before the wait, so those loads overlap the
+ * kernel before (docs/cuda.md); MOE_CUDA_PDL=0 or 1 forces it off or on for every step. */
 #ifndef MOE_CUDA_LAUNCH_CUH
 #define MOE_CUDA_LAUNCH_CUH
 
@@ -33,12 +34,19 @@ static __device__ __forceinline__ void prefetch_l2(const void *p)
     asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
 }
 
+/* Set by the backend before a step's launches (one-token steps: on, see moe_pdl_enabled). */
+extern int moe_pdl_step_on;
+
+/* Whether a launch made now takes the attribute: MOE_CUDA_PDL=1 or 0 forces it either way;
+ * otherwise the backend's choice for the step. */
 static inline bool moe_pdl_enabled()
 {
-    static int on = -1;
-    if (on < 0)
-        on = getenv("MOE_CUDA_PDL") != NULL;
-    return on != 0;
+    static int env = -2;
+    if (env == -2) {
+        const char *v = getenv("MOE_CUDA_PDL");
+        env = v && *v ? v[0] != '0' : -1;
+    }
+    return env >= 0 ? env != 0 : moe_pdl_step_on != 0;
 }
 
 /* A launch with one attribute, or none (at NULL). */

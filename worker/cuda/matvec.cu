@@ -35,6 +35,7 @@ extern "C" {
 }
 #include "worker/cuda/cuda_check.cuh"
 #include "worker/cuda/launch.cuh"
+#include "worker/cuda/mv_tc_dev.cuh"
 #include "worker/cuda/mv_warp.cuh"
 #include "worker/cuda/ops_dev.cuh"
 
@@ -107,7 +108,24 @@ struct mv_args {
     float *dst;
     int rope_on; /* NORM kernels: rp below */
     mv_rope_dev rp;
+    /* Rows per block: ROWS_PER_BLOCK; in preloading launches MOE_CUDA_MV_RPB (8 or 16, up to
+     * PRELOAD_RPB) for measurements. */
+    int rpb;
+    /* One-token K-quant walks of a launch of at most PRELOAD_ROWS rows: load every unit of a
+     * lane's rows first when they fit its registers (MOE_CUDA_MV_PRELOAD=0: the unrolled walk
+     * with L2 prefetches, for measurements; the floats are the same). stage (MOE_CUDA_MV_STAGE=1,
+     * for measurements): the input row (and with the RMSNorm its weight) copied into the
+     * launch's dynamic shared memory with cp.async, stage_off floats in (after the RoPE tail's
+     * rows). On an H100 staging and 16 rows a block made o 6.2 us and q/k/v 8.8 us against 6.0
+     * and 8.0 without (docs/benchmarks.md). */
+    int preload, stage;
+    unsigned stage_off;
 };
+
+/* An output head's 151936 rows are many waves of blocks, each better off with fewer registers
+ * (the Q6_K head preloaded: 141 against 105 us on an H100). */
+#define PRELOAD_ROWS 16384
+#define PRELOAD_RPB 16
 
 /* After a warp of a NORM launch with rope_on has stored its rows [row, row + RW) of segment gi:
  * its rows are counted for their heads, and the warp whose count completes a head does the
@@ -159,20 +177,38 @@ static __device__ __forceinline__ void mv_rope_tail(const mv_args &a, int gi, in
     }
 }
 
-/* Each block of threads takes ROWS_PER_BLOCK rows of T tokens (blockIdx.y picks the group of
- * T), each warp RW consecutive rows. A lane loads and decodes its units of the weights once and
+/* rows_preloaded_dots when the launch loaded its units first (pre, possible for the kind:
+ * PRE); false when the caller walks the rows itself. */
+template <int K, int RW, int UPL, bool PRE, class XL>
+static __device__ __forceinline__ bool preloaded_dots(bool pre,
+                                                      const typename unit_raw<K>::type (*raw)[RW],
+                                                      int nu, const float *x, float *acc,
+                                                      const XL &xin)
+{
+    if constexpr (PRE)
+        if (pre) {
+            rows_preloaded_dots<K, RW, UPL, XL>(raw, nu, x, acc, xin);
+            return true;
+        }
+    return false;
+}
+
+/* Each block of threads takes a.rpb rows of T tokens (blockIdx.y picks the group of T), each
+ * warp RW consecutive rows. A lane loads and decodes its units of the weights once and
  * multiplies them into all T tokens, with the same float operations per (row, token) as for one
  * token, so a token's result does not depend on how many others share the launch. With only a
  * few tens of warps resident per SM, one unit per lane at a time is not enough bytes in flight to
  * cover HBM latency, hence two (two rows, or one row unrolled twice). Before waiting for the
- * previous kernel, each warp prefetches its rows into L2. */
-template <int K, int T, bool NORM>
+ * previous kernel, each warp prefetches its rows into L2, or (PRELOAD, one token, a K-quant)
+ * loads all of its units' bytes into registers (rows_preload): with programmatic dependent launch
+ * those loads overlap the kernel before. */
+template <int K, int T, bool NORM, bool PRELOAD>
 static __device__ __forceinline__ void mv_rows(const mv_args &a, const mv_seg &sg, int gi,
                                                int64_t n_tok)
 {
     constexpr int RW = mv_rw<K, T, NORM>();
     const int lane = threadIdx.x & 31;
-    const int64_t row = (int64_t)(blockIdx.x - sg.blk0) * ROWS_PER_BLOCK + (threadIdx.x >> 5) * RW;
+    const int64_t row = (int64_t)(blockIdx.x - sg.blk0) * a.rpb + (threadIdx.x >> 5) * RW;
     const bool live = row < sg.rows;
     /* The warp's rows; those past the matrix walk its first again (their results are not
      * stored). */
@@ -181,7 +217,17 @@ static __device__ __forceinline__ void mv_rows(const mv_args &a, const mv_seg &s
     for (int r = 0; r < RW; r++)
         rowp[r] = sg.w +
                   (size_t)(live && row + r < sg.rows ? row + r : live ? row : 0) * sg.row_bytes;
-    if (live)
+    /* One token of a K-quant whose rows a lane's registers hold (the layer's dense matrices of
+     * a 2048-4096 wide model): every unit's bytes loaded here, before the wait and the
+     * RMSNorm's sum of squares. Otherwise the rows are prefetched into L2. */
+    constexpr bool PRE = PRELOAD && T == 1 && preload_kind<K, NORM>() && !q8_rows<K, RW>();
+    constexpr int UPL = PRE ? preload_upl<K, RW>() : 1;
+    const bool pre = PRE && sg.nu <= 32 * UPL;
+    typename unit_raw<K>::type raw[UPL][RW];
+    if constexpr (PRE)
+        if (pre && live)
+            rows_preload<K, RW, UPL>(rowp, sg.block_bytes, sg.nu, raw);
+    if (live && !pre)
         for (size_t off = (size_t)lane * 128; off < sg.row_bytes; off += 32 * 128) {
             UNROLL
             for (int r = 0; r < RW; r++)
@@ -190,12 +236,32 @@ static __device__ __forceinline__ void mv_rows(const mv_args &a, const mv_seg &s
         }
     pdl_wait();
     pdl_trigger();
+    /* The preloading launches copy the input row (and the RMSNorm's weight) into shared memory
+     * with cp.async while the weights are in flight: one round trip for all of it, instead of
+     * one per unit once the weights are in (the block's warps read them from there). */
+    const float *x0 = a.x, *g0 = a.g;
+    if constexpr (PRE)
+        if (pre && a.stage) {
+            extern __shared__ float mv_sm[];
+            float *xs = mv_sm + a.stage_off;
+            const int64_t w4 = (int64_t)sg.nu / unit_shape<K>::per_block * unit_shape<K>::blck / 4;
+            for (int64_t i = threadIdx.x; i < w4; i += blockDim.x) {
+                cp_async16(xs + 4 * i, a.x + 4 * i);
+                if constexpr (NORM)
+                    cp_async16(xs + 4 * (w4 + i), a.g + 4 * i);
+            }
+            cp_async_wait_all();
+            __syncthreads();
+            x0 = xs;
+            if constexpr (NORM)
+                g0 = xs + 4 * w4;
+        }
     float sc = 0.0f;
     if constexpr (NORM) {
         /* Every warp computes the scale (no block barrier); the first warps of the grid also
          * store the normalised row, 128 elements each (a.x is the one token's source row). */
         const int64_t width = (int64_t)sg.nu / unit_shape<K>::per_block * unit_shape<K>::blck;
-        sc = rms_scale(row_ss_warp(a.x, width), width, a.eps);
+        sc = rms_scale(row_ss_warp(x0, width), width, a.eps);
         const int64_t nwarp = (int64_t)gridDim.x * (blockDim.x >> 5);
         for (int64_t c = (int64_t)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
              c * 128 < width; c += nwarp)
@@ -208,13 +274,15 @@ static __device__ __forceinline__ void mv_rows(const mv_args &a, const mv_seg &s
     const float *xt[T];
     UNROLL
     for (int i = 0; i < T; i++)
-        xt[i] = a.x + (t0 + i < n_tok ? t0 + i : t0) * a.ldx;
+        xt[i] = x0 + (t0 + i < n_tok ? t0 + i : t0) * a.ldx;
     float acc[T][RW];
     if constexpr (NORM) {
-        const XNorm xn = {a.x, a.g, sc};
-        row_dots_multi_x<K, RW, 1, XNorm>(rowp, sg.block_bytes, sg.nu, xt, acc, &xn);
+        const XNorm xn = {x0, g0, sc};
+        if (!preloaded_dots<K, RW, UPL, PRE>(pre, raw, sg.nu, xt[0], acc[0], xn))
+            row_dots_multi_x<K, RW, 1, XNorm>(rowp, sg.block_bytes, sg.nu, xt, acc, &xn);
     } else {
-        row_dots_multi<K, RW, T>(rowp, sg.block_bytes, sg.nu, xt, acc);
+        if (!preloaded_dots<K, RW, UPL, PRE>(pre, raw, sg.nu, xt[0], acc[0], XPlain()))
+            row_dots_multi<K, RW, T>(rowp, sg.block_bytes, sg.nu, xt, acc);
     }
     if (lane == 0) {
         UNROLL
@@ -240,8 +308,8 @@ static __device__ __forceinline__ void mv_rows(const mv_args &a, const mv_seg &s
 
 /* K2 == K: one weight type. Otherwise both kinds must take the same rows per warp (one block
  * size). */
-template <int K, int K2, int T, bool NORM = false>
-static __global__ void __launch_bounds__(THREADS)
+template <int K, int K2, int T, bool NORM = false, bool PRE = false>
+static __global__ void __launch_bounds__(PRE ? 32 * PRELOAD_RPB / 2 : THREADS)
 matvec_kernel(const mv_args a, int64_t n_tok)
 {
     static_assert(!NORM || T == 1, "the RMSNorm is fused for one token");
@@ -250,9 +318,9 @@ matvec_kernel(const mv_args a, int64_t n_tok)
     while (g + 1 < a.nseg && blockIdx.x >= a.seg[g + 1].blk0)
         g++;
     if (K == K2 || g < a.nseg1)
-        mv_rows<K, T, NORM>(a, a.seg[g], g, n_tok);
+        mv_rows<K, T, NORM, PRE>(a, a.seg[g], g, n_tok);
     else
-        mv_rows<K2, T, NORM>(a, a.seg[g], g, n_tok);
+        mv_rows<K2, T, NORM, PRE>(a, a.seg[g], g, n_tok);
 }
 
 /* One token, float32 rows of at most 32·F32N_UNITS 16-byte units (a router: 128 rows of 2048),
@@ -361,8 +429,32 @@ static int launch(const struct moe_mv_job *jobs, int n_jobs, int n1, int64_t n, 
             p.hw[j] = which == 2 ? kv.hdv : kv.hd;
         }
         a.rope_on = 1;
-        smem = sizeof(float) * (size_t)kv.hd * (THREADS / mv_rw<K, 1, true>() / 32);
     }
+    static int preload = -1, stage = -1, rpb = -1;
+    if (preload < 0) {
+        const char *v = getenv("MOE_CUDA_MV_PRELOAD"), *st = getenv("MOE_CUDA_MV_STAGE"),
+                   *r = getenv("MOE_CUDA_MV_RPB");
+        preload = !(v && v[0] == '0');
+        stage = st && st[0] == '1';
+        rpb = r && (atoi(r) == 8 || atoi(r) == 16) ? atoi(r) : ROWS_PER_BLOCK;
+    }
+    /* Preloading: one token, both kinds able to, a launch of few enough rows. */
+    int64_t total_rows = 0;
+    for (int j = 0; j < n_jobs; j++)
+        total_rows += jobs[j].rows;
+    const bool pre = preload && n_tok == 1 && total_rows <= PRELOAD_ROWS &&
+                     (dst ? preload_kind<K, true>() && preload_kind<K2, true>()
+                          : preload_kind<K, false>() && preload_kind<K2, false>());
+    const int rw = dst ? mv_rw<K, 1, true>() : n_tok == 1 ? mv_rw<K, 1>() : mv_rw<K, 2>();
+    a.rpb = pre ? rpb : ROWS_PER_BLOCK;
+    if (rope)
+        smem = sizeof(float) * (size_t)rope->kv->hd * (size_t)(a.rpb / rw);
+    /* The staged row (and norm weight) fit the 48 KB a launch may take without opting in. */
+    a.preload = pre;
+    a.stage = pre && stage && n % 4 == 0 && smem + sizeof(float) * (size_t)n * (dst ? 2 : 1) <= 48 * 1024;
+    a.stage_off = (unsigned)(smem / sizeof(float));
+    if (a.stage)
+        smem += sizeof(float) * (size_t)n * (dst ? 2 : 1);
     a.x = x;
     a.ldx = ldx;
     a.accumulate = accumulate;
@@ -383,7 +475,7 @@ static int launch(const struct moe_mv_job *jobs, int n_jobs, int n1, int64_t n, 
             return -EINVAL;
         a.seg[j] = {(const uint8_t *)jobs[j].w, jobs[j].y, jobs[j].ldy, jobs[j].rows,
                     (unsigned)blocks, (unsigned)(rb / (size_t)nb), rb, (int)(nb * PB)};
-        blocks += (jobs[j].rows + ROWS_PER_BLOCK - 1) / ROWS_PER_BLOCK;
+        blocks += (jobs[j].rows + a.rpb - 1) / a.rpb;
     }
     if (blocks == 0)
         return 0;
@@ -404,13 +496,24 @@ static int launch(const struct moe_mv_job *jobs, int n_jobs, int n1, int64_t n, 
      * 4-token kernels hold 235-254 registers a thread: from 8 tokens it takes 8 a block (the
      * Q6_K head of a 151936-token vocabulary at 16 sequences: 873 -> 623 us on an H100). */
     const int64_t bound = tmax                                                ? tmax
-                          : n_tok >= 8 && blocks * ROWS_PER_BLOCK >= 32768 ? 8
+                          : n_tok >= 8 && total_rows >= 32768                 ? 8
                           : n_tok >= 16                                      ? 4
                                                                              : 2;
     const int64_t nt = n_tok < bound ? n_tok : bound;
     const int T = nt >= 8 ? 8 : nt >= 4 ? 4 : nt >= 2 ? 2 : 1;
-    dim3 gr((unsigned)blocks, (unsigned)((n_tok + T - 1) / T)),
-        th(THREADS / (dst ? mv_rw<K, 1, true>() : T == 1 ? mv_rw<K, 1>() : mv_rw<K, 2>()));
+    dim3 gr((unsigned)blocks, (unsigned)((n_tok + T - 1) / T)), th((unsigned)(32 * a.rpb / rw));
+    if constexpr (preload_kind<K, true>() && preload_kind<K2, true>())
+        if (pre && dst) {
+            MOE_CUDA_TRY(
+                moe_launch(matvec_kernel<K, K2, 1, true, true>, gr, th, smem, s, a, n_tok));
+            return 0;
+        }
+    if constexpr (preload_kind<K, false>() && preload_kind<K2, false>())
+        if (pre && !dst) {
+            MOE_CUDA_TRY(
+                moe_launch(matvec_kernel<K, K2, 1, false, true>, gr, th, smem, s, a, n_tok));
+            return 0;
+        }
     cudaError_t e = dst      ? moe_launch(matvec_kernel<K, K2, 1, true>, gr, th, smem, s, a, n_tok)
                     : T == 8 ? moe_launch(matvec_kernel<K, K2, 8>, gr, th, 0, s, a, n_tok)
                     : T == 4 ? moe_launch(matvec_kernel<K, K2, 4>, gr, th, 0, s, a, n_tok)

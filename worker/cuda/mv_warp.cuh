@@ -87,6 +87,101 @@ static __device__ __forceinline__ void row_dots_multi_x(const uint8_t *const *ro
     }
 }
 
+/* One token of a K-quant row walk with every unit's bytes loaded first (mv_rows): the raw bytes
+ * of a unit of each kind, the kinds that have them (not Q6_K with the RMSNorm on the way: its
+ * loads and the norm's spilled, and q/k/v with a Q6_K v went from 12.8 to 14.9 us on an H100),
+ * and how many units a lane holds for RW rows (Q6_K's take 5-8 registers, Q4_K's 8, Q5_K's
+ * 12). */
+template <int K> struct unit_raw {
+    using type = kq_raw;
+};
+template <> struct unit_raw<MOE_TYPE_Q6_K> {
+    using type = q6k_raw;
+};
+template <int K, bool NORM> __host__ __device__ constexpr bool preload_kind()
+{
+    return K == MOE_TYPE_Q4_K || K == MOE_TYPE_Q5_K || (K == MOE_TYPE_Q6_K && !NORM);
+}
+template <int K, int RW> __host__ __device__ constexpr int preload_upl()
+{
+    return (K == MOE_TYPE_Q6_K ? 16 : 8) / RW < 4 ? (K == MOE_TYPE_Q6_K ? 16 : 8) / RW : 4;
+}
+
+/* A lane's k-th unit of a row of nu units (unit lane + 32k): its block and its index in the
+ * block; false past the row. */
+template <int K>
+static __device__ __forceinline__ bool lane_unit(int k, int nu, unsigned *bi, int *t)
+{
+    const int u = (int)(threadIdx.x & 31) + 32 * k;
+    *bi = (unsigned)u / unit_shape<K>::per_block;
+    *t = (int)((unsigned)u % unit_shape<K>::per_block);
+    return u < nu;
+}
+
+/* The bytes of units lane, lane + 32, ... (UPL of them, those below nu) of RW rows, all loads
+ * issued before any arithmetic: a row of up to 32·UPL units costs one memory round trip
+ * instead of one per unrolled step of row_dots_multi_x. */
+template <int K, int RW, int UPL>
+static __device__ __forceinline__ void rows_preload(const uint8_t *const *rowp,
+                                                    unsigned block_bytes, int nu,
+                                                    typename unit_raw<K>::type (*raw)[RW])
+{
+    UNROLL
+    for (int k = 0; k < UPL; k++) {
+        unsigned bi;
+        int t;
+        if (!lane_unit<K>(k, nu, &bi, &t))
+            break;
+        UNROLL
+        for (int r = 0; r < RW; r++) {
+            const uint8_t *b = rowp[r] + (size_t)bi * block_bytes;
+            if constexpr (K == MOE_TYPE_Q6_K)
+                q6k_unit_load(b, t, &raw[k][r]);
+            else
+                kq_unit_load<K>(b, t, &raw[k][r]);
+        }
+    }
+}
+
+/* row_dots_multi_x at one input over bytes rows_preload loaded: the same units in the same
+ * order, the same products (kq_unit_sum, q6k_unit_sum) and the same shuffle tree, so the same
+ * floats. */
+template <int K, int RW, int UPL, class XL>
+static __device__ __forceinline__ void rows_preloaded_dots(
+    const typename unit_raw<K>::type (*raw)[RW], int nu, const float *x, float *acc, const XL &xin)
+{
+    UNROLL
+    for (int r = 0; r < RW; r++)
+        acc[r] = 0.0f;
+    UNROLL
+    for (int k = 0; k < UPL; k++) {
+        unsigned bi;
+        int t;
+        if (!lane_unit<K>(k, nu, &bi, &t))
+            break;
+        const float *xb = x + (size_t)bi * unit_shape<K>::blck;
+        if constexpr (K == MOE_TYPE_Q6_K) {
+            float xs[16], sx[4];
+            q6k_unit_xs(xin, xb, t, xs, sx);
+            const uint32_t mg = code_magic();
+            UNROLL
+            for (int r = 0; r < RW; r++)
+                acc[r] += q6k_unit_sum(raw[k][r], xs, sx, mg);
+        } else {
+            float xl[16], xh[16], sxl, sxh;
+            kq_unit_x(xin, xb, t, xl, xh, &sxl, &sxh);
+            UNROLL
+            for (int r = 0; r < RW; r++)
+                acc[r] += kq_unit_sum<K>(raw[k][r], t, xl, xh, sxl, sxh);
+        }
+    }
+    UNROLL
+    for (int r = 0; r < RW; r++)
+        UNROLL
+        for (int o = 16; o > 0; o >>= 1)
+            acc[r] += __shfl_xor_sync(0xffffffffu, acc[r], o);
+}
+
 /* row_dots_multi_x with the inputs read as they are. */
 template <int K, int RW, int T>
 static __device__ __forceinline__ void row_dots_multi(const uint8_t *const *rowp,

@@ -71,6 +71,8 @@ int moe_cuda_embed(uint32_t type, const void *d_table, int64_t E, const int32_t 
     return 0;
 }
 
+int moe_pdl_step_on = 0;
+
 /* ---------------------------------------------------------------- RMSNorm */
 
 static __global__ void rmsnorm_kernel(const float *__restrict__ x, int64_t ldx,

@@ -345,6 +345,59 @@ static HD float f32v_dot(float4 w, float4 x)
     return w.x * x.x + w.y * x.y + w.z * x.z + w.w * x.w;
 }
 
+/* A Q4_K/Q5_K row's unit t from its loaded bytes against the unit's inputs (kq_unit_x): its
+ * share of the row's dot product, d0·sc·Σq·x − dmin·m·Σx of each half. */
+template <int K>
+static HD float kq_unit_sum(const kq_raw &raw, int t, const float *xl, const float *xh, float sxl,
+                            float sxh)
+{
+    float d0, n0, d1, n1;
+    uint32_t lo[4], hi[4];
+    kq_unit_decode<K>(raw, t, &d0, &n0, &d1, &n1, lo, hi);
+    const uint32_t mg = code_magic();
+    float ql = 0.0f, qh = 0.0f;
+    UNROLL
+    for (int i = 0; i < 4; i++)
+        UNROLL
+        for (int k = 0; k < 4; k++) {
+            ql = fmaf(code_f(lo[i], k, mg), xl[4 * i + k], ql);
+            qh = fmaf(code_f(hi[i], k, mg), xh[4 * i + k], qh);
+        }
+    /* Σq·x of each half from the biased codes (code_f). */
+    const float sl = fmaf(-128.0f, sxl, 256.0f * ql), sh = fmaf(-128.0f, sxh, 256.0f * qh);
+    return d0 * sl - n0 * sxl + (d1 * sh - n1 * sxh);
+}
+
+/* Q6_K unit t's inputs (q6k_unit_x) and the sums of its four groups. */
+template <class XL>
+static HD void q6k_unit_xs(const XL &xin, const float *xb, int t, float *xs, float *sx)
+{
+    q6k_unit_x(xin, xb, t, xs);
+    UNROLL
+    for (int g = 0; g < 4; g++)
+        sx[g] = xs[4 * g] + xs[4 * g + 1] + xs[4 * g + 2] + xs[4 * g + 3];
+}
+
+/* A Q6_K row's unit from its loaded bytes against the unit's inputs (q6k_unit_xs); mg is
+ * code_magic(), taken once for all the rows of a unit. */
+static HD float q6k_unit_sum(const q6k_raw &raw, const float *xs, const float *sx, uint32_t mg)
+{
+    uint32_t q[4];
+    q6k_unit_decode(raw, q);
+    const float d = h2f(raw.d);
+    float sum = 0.0f;
+    UNROLL
+    for (int g = 0; g < 4; g++) {
+        float sg = 0.0f;
+        UNROLL
+        for (int k = 0; k < 4; k++)
+            sg = fmaf(code_f(q[g], k, mg), xs[4 * g + k], sg);
+        /* Σ(q − 32)·x from the biased codes: 256·sg − (128 + 32)·Σx. */
+        sum = fmaf((float)raw.sc[g], fmaf(-160.0f, sx[g], 256.0f * sg), sum);
+    }
+    return d * sum;
+}
+
 /* Adds to acc[r], for r < RW, the partial dot product of unit t (0 <= t < per_block) of the
  * block at bs[r] with xb, the x elements of that block (the RW rows may be of one matrix or of
  * several of the same type). The x values (and, for the K-quants,
@@ -478,23 +531,9 @@ static HD void unit_dot(const uint8_t *const *bs, int t, const float *xb, float 
         kq_unit_x(xin, xb, t, xl, xh, &sxl, &sxh);
         UNROLL
         for (int r = 0; r < RW; r++) {
-            float d0, n0, d1, n1;
-            uint32_t lo[4], hi[4];
             if constexpr (!MOE_LOAD_FIRST(RW))
                 kq_unit_load<K>(bs[r], t, &raw[r]);
-            kq_unit_decode<K>(raw[r], t, &d0, &n0, &d1, &n1, lo, hi);
-            const uint32_t mg = code_magic();
-            float ql = 0.0f, qh = 0.0f;
-            UNROLL
-            for (int i = 0; i < 4; i++)
-                UNROLL
-                for (int k = 0; k < 4; k++) {
-                    ql = fmaf(code_f(lo[i], k, mg), xl[4 * i + k], ql);
-                    qh = fmaf(code_f(hi[i], k, mg), xh[4 * i + k], qh);
-                }
-            /* Σq·x of each half from the biased codes (code_f). */
-            const float sl = fmaf(-128.0f, sxl, 256.0f * ql), sh = fmaf(-128.0f, sxh, 256.0f * qh);
-            acc[r] += d0 * sl - n0 * sxl + (d1 * sh - n1 * sxh);
+            acc[r] += kq_unit_sum<K>(raw[r], t, xl, xh, sxl, sxh);
         }
     } else if constexpr (K == MOE_TYPE_Q6_K) {
         /* u8 ql[128]; u8 qh[64]; i8 scales[16]; half d. Unit t: 16 elements in 4 groups
@@ -505,29 +544,13 @@ static HD void unit_dot(const uint8_t *const *bs, int t, const float *xb, float 
             if constexpr (MOE_LOAD_FIRST(RW))
                 q6k_unit_load(bs[r], t, &raw[r]);
         float xs[16], sx[4];
-        q6k_unit_x(xin, xb, t, xs);
-        UNROLL
-        for (int g = 0; g < 4; g++)
-            sx[g] = xs[4 * g] + xs[4 * g + 1] + xs[4 * g + 2] + xs[4 * g + 3];
+        q6k_unit_xs(xin, xb, t, xs, sx);
         const uint32_t mg = code_magic();
         UNROLL
         for (int r = 0; r < RW; r++) {
-            uint32_t q[4];
             if constexpr (!MOE_LOAD_FIRST(RW))
                 q6k_unit_load(bs[r], t, &raw[r]);
-            q6k_unit_decode(raw[r], q);
-            const float d = h2f(raw[r].d);
-            float sum = 0.0f;
-            UNROLL
-            for (int g = 0; g < 4; g++) {
-                float sg = 0.0f;
-                UNROLL
-                for (int k = 0; k < 4; k++)
-                    sg = fmaf(code_f(q[g], k, mg), xs[4 * g + k], sg);
-                /* Σ(q − 32)·x from the biased codes: 256·sg − (128 + 32)·Σx. */
-                sum = fmaf((float)raw[r].sc[g], fmaf(-160.0f, sx[g], 256.0f * sg), sum);
-            }
-            acc[r] += d * sum;
+            acc[r] += q6k_unit_sum(raw[r], xs, sx, mg);
         }
     }
 }
