@@ -335,6 +335,19 @@ matvec_kernel(const mv_args a, int64_t n_tok)
  * stores the normalised row. */
 constexpr int F32N_UNITS = 16;
 
+/* A lane's units of a float32 row of n4 units (units lane, lane + 32, ...; zeros past n4), all
+ * loads issued together. */
+static __device__ __forceinline__ void f32_units(const float4 *__restrict__ p, int n4,
+                                                 float4 (&v)[F32N_UNITS])
+{
+    const int lane = threadIdx.x & 31;
+    UNROLL
+    for (int k = 0; k < F32N_UNITS; k++) {
+        const int u = lane + 32 * k;
+        v[k] = u < n4 ? p[u] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    }
+}
+
 static __global__ void __launch_bounds__(32)
 f32_norm_rows_kernel(const float4 *__restrict__ w, int64_t rows, int n4,
                      const float4 *__restrict__ x, const float4 *__restrict__ g, float eps,
@@ -342,22 +355,12 @@ f32_norm_rows_kernel(const float4 *__restrict__ w, int64_t rows, int n4,
 {
     const int lane = threadIdx.x;
     const int64_t row = blockIdx.x;
-    const float4 *wr = w + row * n4;
-    const float4 z = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     float4 wv[F32N_UNITS], xv[F32N_UNITS], gv[F32N_UNITS];
-    UNROLL
-    for (int k = 0; k < F32N_UNITS; k++) {
-        const int u = lane + 32 * k;
-        wv[k] = u < n4 ? wr[u] : z;
-    }
+    f32_units(w + row * n4, n4, wv);
     pdl_wait();
     pdl_trigger();
-    UNROLL
-    for (int k = 0; k < F32N_UNITS; k++) {
-        const int u = lane + 32 * k;
-        xv[k] = u < n4 ? x[u] : z;
-        gv[k] = u < n4 ? g[u] : z;
-    }
+    f32_units(x, n4, xv);
+    f32_units(g, n4, gv);
     float ss = 0.0f;
     UNROLL
     for (int k = 0; k < F32N_UNITS; k++)
@@ -382,18 +385,59 @@ f32_norm_rows_kernel(const float4 *__restrict__ w, int64_t rows, int n4,
         y[row] = acc;
 }
 
-/* Whether f32_norm_rows_kernel takes a NORM launch (and MOE_CUDA_F32_NORM_ROWS=0 keeps the
- * general walk, for measurements): one float32 matrix of 16-byte aligned rows, short enough. */
-static bool f32_norm_rows(uint32_t type, const struct moe_mv_job *jobs, int n_jobs, int64_t n,
-                          bool vec, const struct moe_mv_rope *rope)
+/* The same rows without the RMSNorm, for a decode step's tokens (a router at 2-64 sequences):
+ * one warp per row and per block, TT tokens a block (blockIdx.y picks the group), the row's
+ * units loaded once before the wait, then each token's inputs all at once. Per token the floats
+ * of the general walk (unit_dot's products in unit order, the shuffle tree), so of the NORM
+ * kernel above for the same normalised row. The general walk took 8.9 us a 16-token step on an
+ * H100: 32 blocks, each lane's 16 units one after the other. */
+template <int TT>
+static __global__ void __launch_bounds__(32)
+f32_rows_kernel(const float4 *__restrict__ w, int n4, const float *__restrict__ x, int64_t ldx,
+                int64_t n_tok, float *__restrict__ y, int64_t ldy, int accumulate)
+{
+    const int lane = threadIdx.x;
+    const int64_t row = blockIdx.x;
+    float4 wv[F32N_UNITS];
+    f32_units(w + row * n4, n4, wv);
+    pdl_wait();
+    pdl_trigger();
+    UNROLL
+    for (int i = 0; i < TT; i++) {
+        const int64_t t = (int64_t)blockIdx.y * TT + i;
+        if (t >= n_tok)
+            break;
+        float4 xv[F32N_UNITS];
+        f32_units((const float4 *)(x + t * ldx), n4, xv);
+        float acc = 0.0f;
+        UNROLL
+        for (int k = 0; k < F32N_UNITS; k++)
+            if (lane + 32 * k < n4)
+                acc += f32v_dot(wv[k], xv[k]);
+        UNROLL
+        for (int o = 16; o > 0; o >>= 1)
+            acc += __shfl_xor_sync(0xffffffffu, acc, o);
+        if (lane == 0) {
+            float *yr = y + t * ldy + row;
+            *yr = accumulate ? *yr + acc : acc;
+        }
+    }
+}
+
+/* Whether the float32 row kernels take a launch (MOE_CUDA_F32_ROWS=0 keeps the general walk,
+ * for measurements): one float32 matrix of at most PRELOAD_ROWS 16-byte aligned rows, short
+ * enough, with the RMSNorm (one token) or of at most 64 tokens without it (the decode steps:
+ * prompt chunks keep the walk, whose blocks of 4 rows share their inputs through L1). */
+static bool f32_rows(uint32_t type, const struct moe_mv_job *jobs, int n_jobs, int64_t n,
+                     int64_t n_tok, bool vec, const struct moe_mv_rope *rope)
 {
     static int on = -1;
     if (on < 0) {
-        const char *v = getenv("MOE_CUDA_F32_NORM_ROWS");
+        const char *v = getenv("MOE_CUDA_F32_ROWS");
         on = !(v && v[0] == '0');
     }
     return on && type == MOE_TYPE_F32 && n_jobs == 1 && vec && !rope && n % 4 == 0 &&
-           n / 4 <= 32 * F32N_UNITS && jobs[0].rows <= 0x7fffffff;
+           n / 4 <= 32 * F32N_UNITS && jobs[0].rows <= PRELOAD_ROWS && n_tok <= 64;
 }
 
 /* jobs[0..n1) of kind K, the rest of kind K2 (n1 == n_jobs when one type). */
@@ -585,13 +629,26 @@ static int matvec_multi(uint32_t type, const struct moe_mv_job *jobs, int n_jobs
     const int rc = check_jobs(type, type, jobs, n_jobs, n_jobs, n, d_x, ldx, n_tok, &vec);
     if (rc || n_tok == 0)
         return rc;
-    if (dst && f32_norm_rows(type, jobs, n_jobs, n, vec, rope)) {
+    if (f32_rows(type, jobs, n_jobs, n, n_tok, vec, rope)) {
         if (jobs[0].rows == 0)
             return 0;
-        MOE_CUDA_TRY(moe_launch(f32_norm_rows_kernel, dim3((unsigned)jobs[0].rows), dim3(32), 0,
-                                s, (const float4 *)jobs[0].w, jobs[0].rows, (int)(n / 4),
-                                (const float4 *)d_x, (const float4 *)g, eps, jobs[0].y,
-                                (float4 *)dst));
+        const struct moe_mv_job &j = jobs[0];
+        const int n4 = (int)(n / 4);
+        if (dst) {
+            MOE_CUDA_TRY(moe_launch(f32_norm_rows_kernel, dim3((unsigned)j.rows), dim3(32), 0, s,
+                                    (const float4 *)j.w, j.rows, n4, (const float4 *)d_x,
+                                    (const float4 *)g, eps, j.y, (float4 *)dst));
+            return 0;
+        }
+        const int tt = n_tok >= 16 ? 4 : n_tok >= 2 ? 2 : 1;
+        const dim3 gr((unsigned)j.rows, (unsigned)((n_tok + tt - 1) / tt));
+        const float4 *w4 = (const float4 *)j.w;
+        MOE_CUDA_TRY(tt == 4   ? moe_launch(f32_rows_kernel<4>, gr, dim3(32), 0, s, w4, n4, d_x,
+                                            ldx, n_tok, j.y, j.ldy, accumulate)
+                     : tt == 2 ? moe_launch(f32_rows_kernel<2>, gr, dim3(32), 0, s, w4, n4, d_x,
+                                            ldx, n_tok, j.y, j.ldy, accumulate)
+                               : moe_launch(f32_rows_kernel<1>, gr, dim3(32), 0, s, w4, n4, d_x,
+                                            ldx, n_tok, j.y, j.ldy, accumulate));
         return 0;
     }
 #define ARGS jobs, n_jobs, n_jobs, n, d_x, ldx, n_tok, accumulate, s, g, eps, dst, rope
