@@ -349,9 +349,9 @@ static __device__ __forceinline__ void f32_units(const float4 *__restrict__ p, i
 }
 
 static __global__ void __launch_bounds__(32)
-f32_norm_rows_kernel(const float4 *__restrict__ w, int64_t rows, int n4,
-                     const float4 *__restrict__ x, const float4 *__restrict__ g, float eps,
-                     float *__restrict__ y, float4 *__restrict__ dst)
+f32_norm_rows_kernel(const float4 *__restrict__ w, int n4, const float4 *__restrict__ x,
+                     const float4 *__restrict__ g, float eps, float *__restrict__ y,
+                     float4 *__restrict__ dst)
 {
     const int lane = threadIdx.x;
     const int64_t row = blockIdx.x;
@@ -495,10 +495,11 @@ static int launch(const struct moe_mv_job *jobs, int n_jobs, int n1, int64_t n, 
         smem = sizeof(float) * (size_t)rope->kv->hd * (size_t)(a.rpb / rw);
     /* The staged row (and norm weight) fit the 48 KB a launch may take without opting in. */
     a.preload = pre;
-    a.stage = pre && stage && n % 4 == 0 && smem + sizeof(float) * (size_t)n * (dst ? 2 : 1) <= 48 * 1024;
+    const size_t staged = sizeof(float) * (size_t)n * (dst ? 2 : 1);
+    a.stage = pre && stage && n % 4 == 0 && smem + staged <= 48 * 1024;
     a.stage_off = (unsigned)(smem / sizeof(float));
     if (a.stage)
-        smem += sizeof(float) * (size_t)n * (dst ? 2 : 1);
+        smem += staged;
     a.x = x;
     a.ldx = ldx;
     a.accumulate = accumulate;
@@ -636,7 +637,7 @@ static int matvec_multi(uint32_t type, const struct moe_mv_job *jobs, int n_jobs
         const int n4 = (int)(n / 4);
         if (dst) {
             MOE_CUDA_TRY(moe_launch(f32_norm_rows_kernel, dim3((unsigned)j.rows), dim3(32), 0, s,
-                                    (const float4 *)j.w, j.rows, n4, (const float4 *)d_x,
+                                    (const float4 *)j.w, n4, (const float4 *)d_x,
                                     (const float4 *)g, eps, j.y, (float4 *)dst));
             return 0;
         }

@@ -71,6 +71,8 @@ int moe_cuda_embed(uint32_t type, const void *d_table, int64_t E, const int32_t 
     return 0;
 }
 
+/* launch.cuh: whether the launches of the step being built take programmatic dependent launch
+ * (set by the backend at each step's begin). */
 int moe_pdl_step_on = 0;
 
 /* ---------------------------------------------------------------- RMSNorm */
