@@ -190,6 +190,16 @@ static cudaError_t launch_attn(int el, dim3 g, size_t smem, cudaStream_t s, cons
 #undef ATT_ARGS
 }
 
+/* A decode attention launch's head elements a lane holds (el) and its dynamic shared memory,
+ * with the folded RoPE (rope) or without: what the launch takes and what its occupancy is
+ * asked for. */
+static void attn_shape(const struct moe_cuda_kv *kv, bool rope, int *el, size_t *smem)
+{
+    const int64_t wd = kv->hd > kv->hdv ? kv->hd : kv->hdv;
+    *el = (int)((wd + 31) / 32);
+    *smem = sizeof(float) * (size_t)(ATT_WARPS * (rope ? wd : kv->hdv));
+}
+
 static int attention(const float *d_q, int64_t ldq, const int32_t *d_pos, const int32_t *d_seq,
                      const struct moe_cuda_kv *kv, int layer, int64_t H, int64_t n, int n_blocks,
                      float *d_part, unsigned *d_done, float *d_out, int64_t ldo,
@@ -203,9 +213,9 @@ static int attention(const float *d_q, int64_t ldq, const int32_t *d_pos, const 
     const float scale = (float)(1.0 / sqrt((double)kv->hd));
     const int split = n_blocks > 0;
     dim3 g((unsigned)H, (unsigned)n, (unsigned)(split ? n_blocks : 1));
-    const int64_t wd = kv->hd > kv->hdv ? kv->hd : kv->hdv;
-    size_t smem = sizeof(float) * (size_t)(ATT_WARPS * (rp ? wd : kv->hdv));
-    const int el = (int)((wd + 31) / 32);
+    int el;
+    size_t smem;
+    attn_shape(kv, rp != NULL, &el, &smem);
     att_rope_dev none = {};
     cudaError_t e;
     if (rp)
@@ -239,9 +249,9 @@ template <bool F32, bool ROPE> static int attn_occupancy(int el, size_t smem)
 
 int moe_cuda_attention_blocks_per_sm(const struct moe_cuda_kv *kv, bool rope)
 {
-    const int64_t wd = kv->hd > kv->hdv ? kv->hd : kv->hdv;
-    const int el = (int)((wd + 31) / 32);
-    const size_t smem = sizeof(float) * (size_t)(ATT_WARPS * (rope ? wd : kv->hdv));
+    int el;
+    size_t smem;
+    attn_shape(kv, rope, &el, &smem);
     return kv->f32 ? (rope ? attn_occupancy<true, true>(el, smem)
                            : attn_occupancy<true, false>(el, smem))
                    : (rope ? attn_occupancy<false, true>(el, smem)
