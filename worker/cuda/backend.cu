@@ -2900,10 +2900,10 @@ static int cuda_attention(struct moe_backend *bb, int l)
 {
     struct cuda_backend *b = (struct cuda_backend *)bb;
     SKIP_IF_REPLAY(b);
-    /* A q/k-norm + RoPE + KV store left pending by the layer's qk_rope_kv is done here. */
+    /* A q/k-norm + RoPE + KV store left pending by the layer's qk_rope_kv is done here (its
+     * qk_rope_kv launched everything else pending); the other launches below launch what is
+     * pending first. */
     const bool fold = b->rope_pending && b->pr_l == l;
-    if (!fold)
-        TRY_CU(flush_pending(b));
     /* Decode-sized steps split each token's positions (by its length alone), with blocks enough
      * for what an SM holds at once (MOE_CUDA_ATT_BPS sets it); prompt chunks have blocks enough
      * unsplit. */
