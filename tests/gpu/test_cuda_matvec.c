@@ -326,9 +326,10 @@ TEST(cuda_matvec_norm_all_types)
 
 /* A one-matrix float32 NORM launch (a router; rows up to 2048 wide take a kernel of their own)
  * gives the floats of the general walk bit for bit: its normalised row those of a two-matrix
- * NORM launch, its y those of the two-matrix launch and of the plain launch over the normalised
- * row at 1 and at 3 tokens (a decode step of several sequences); and y within the CPU's
- * tolerance. Widths below, at and above the kernel's bound, a ragged one, rows few and many. */
+ * NORM launch (the general walk), its y those of the two-matrix launch and, for each of 3
+ * tokens, those of a 3-token plain launch over the normalised row (a decode step of several
+ * sequences; up to 2048 wide the plain rows' own kernel); and y within the CPU's tolerance.
+ * Widths below, at and above the kernels' bound, a ragged one, rows few and many. */
 TEST(cuda_matvec_norm_f32_one_matrix_equals_general_walk)
 {
     static const int64_t ns[] = {64, 1000, 2048, 2052}, rowss[] = {128, 5};
