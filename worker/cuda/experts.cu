@@ -416,6 +416,9 @@ down_tc_kernel(const uint8_t *const *__restrict__ da, size_t row_bytes, int nsb,
     float *part = (float *)(dsm + (size_t)nw * nsb * 66);
     const int32_t *se = sel_e + tok * kuse;
     const float *sw = sel_w + tok * kuse;
+    combine_w cw;
+    if (threadIdx.x < TC_ROWS)
+        cw.load(sw, kuse);
     const int64_t row0 = r0 + g8 < E ? r0 + g8 : E - 1, row1 = r0 + g8 + 8 < E ? r0 + g8 + 8 : E - 1;
     /* AS (no fills): the tile's rows of every choice are first copied into shared memory after
      * part (kuse · TC_ROWS rows, choice j's from row r0 on), all at once and without registers,
@@ -473,12 +476,8 @@ down_tc_kernel(const uint8_t *const *__restrict__ da, size_t row_bytes, int nsb,
         __syncwarp(); /* the staging area is the warp's next choice's */
     }
     __syncthreads();
-    if (threadIdx.x < TC_ROWS && r0 + threadIdx.x < E) {
-        float tot = 0.0f;
-        for (int j = 0; j < kuse; j++)
-            tot += sw[j] * part[j * TC_ROWS + threadIdx.x];
-        h[tok * ldh + r0 + threadIdx.x] += tot;
-    }
+    if (threadIdx.x < TC_ROWS && r0 + threadIdx.x < E)
+        h[tok * ldh + r0 + threadIdx.x] += cw.sum(sw, kuse, part, TC_ROWS, threadIdx.x);
 }
 
 /* ---------------------------------------------------------------- grouped by expert */

@@ -104,6 +104,36 @@ static __device__ __forceinline__ void gate_up_warp(const uint8_t *ga, const uin
             out[r0 + r] = MODE == 0 ? silu_f(acc[2 * r]) * acc[2 * r + 1] : acc[r];
 }
 
+/* A token's k combine weights, loaded by the threads that add the experts' rows before the
+ * products, so that the sum after the block's barrier does not wait for them: up to 8 in
+ * registers (more are read where they are added). The sum is the same floats either way: the
+ * products added in top-k order into a sum that starts at 0. */
+struct combine_w {
+    float w[8];
+    __device__ __forceinline__ void load(const float *sel_w, int k)
+    {
+#pragma unroll
+        for (int j = 0; j < 8; j++)
+            w[j] = j < k ? sel_w[j] : 0.0f;
+    }
+    /* Σ_j sel_w[j] · part[j·stride + r], j = 0..k-1 in order. */
+    __device__ __forceinline__ float sum(const float *sel_w, int k, const float *part, int stride,
+                                         int r) const
+    {
+        float tot = 0.0f;
+        if (k <= 8) {
+#pragma unroll
+            for (int j = 0; j < 8; j++)
+                if (j < k)
+                    tot += w[j] * part[j * stride + r];
+        } else {
+            for (int j = 0; j < k; j++)
+                tot += sel_w[j] * part[j * stride + r];
+        }
+        return tot;
+    }
+};
+
 /* One block (its warps: one per chosen expert, j = warp, warp + warps, ...): rows r0 ..
  * r0+DOWN_ROWS-1 of one token's down products (act: the token's k input rows, ldact apart;
  * sel_e, sel_w: its k choices), then one thread per row weights and adds them in the token's
@@ -120,6 +150,9 @@ static __device__ __forceinline__ void down_block(const uint8_t *const *da, size
 {
     constexpr int HALF = DOWN_ROWS / 2;
     const int w = threadIdx.x >> 5, nw = blockDim.x >> 5, lane = threadIdx.x & 31;
+    combine_w cw;
+    if (threadIdx.x < DOWN_ROWS)
+        cw.load(sel_w, kuse);
     for (int j = w; j < kuse; j += nw) {
         const uint8_t *base = da[sel_e[j]];
         if (dfill)
@@ -142,12 +175,8 @@ static __device__ __forceinline__ void down_block(const uint8_t *const *da, size
         }
     }
     __syncthreads();
-    if (threadIdx.x < DOWN_ROWS && r0 + threadIdx.x < E) {
-        float tot = 0.0f;
-        for (int j = 0; j < kuse; j++)
-            tot += sel_w[j] * part[j * DOWN_ROWS + threadIdx.x];
-        h[r0 + threadIdx.x] += tot;
-    }
+    if (threadIdx.x < DOWN_ROWS && r0 + threadIdx.x < E)
+        h[r0 + threadIdx.x] += cw.sum(sel_w, kuse, part, DOWN_ROWS, threadIdx.x);
     __syncthreads(); /* part is free for the block's next use */
 }
 
