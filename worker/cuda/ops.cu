@@ -3,6 +3,8 @@
 
 #include <errno.h>
 #include <math.h>
+#include <stdlib.h>
+#include <string.h>
 
 #include <cuda_fp16.h>
 
@@ -125,15 +127,25 @@ static __global__ void qk_rope_kv_kernel(float *__restrict__ q, int64_t ldq,
                                          const int32_t *__restrict__ seq, moe_cuda_kv kv,
                                          int layer, int64_t H, float eps)
 {
+    /* Shared memory: the warps' rows, then the norm weights of q and k and the token's angles,
+     * copied before the wait (weights, and a step input that no kernel writes). */
+    extern __shared__ float sm[];
+    const int64_t hd = kv.hd, t = blockIdx.x;
+    float *cq = sm + (size_t)ATT_WARPS * hd, *ck = cq + hd, *cc = ck + hd;
+    for (int64_t i = threadIdx.x; i < hd; i += blockDim.x) {
+        cq[i] = qn[i];
+        ck[i] = kn[i];
+        cc[i] = rope[t * hd + i];
+    }
     pdl_wait();
     pdl_trigger();
-    extern __shared__ float sm[];
+    __syncthreads();
     const int w = threadIdx.x >> 5;
-    const int64_t t = blockIdx.x, hi = (int64_t)blockIdx.y * ATT_WARPS + w;
+    const int64_t hi = (int64_t)blockIdx.y * ATT_WARPS + w;
     if (hi >= H + kv.Hkv)
         return;
-    qk_rope_kv_warp<F32>(q, ldq, k, ldk, v, ldv, qn, kn, rope, pos, seq, kv, layer, H, eps, t, hi,
-                         sm + (size_t)w * kv.hd);
+    qk_rope_kv_warp<F32>(q, ldq, k, ldk, v, ldv, cq, ck, rope, pos, seq, kv, layer, H, eps, t, hi,
+                         sm + (size_t)w * hd, cc);
 }
 
 int moe_cuda_qk_rope_kv(float *d_q, int64_t ldq, float *d_k, int64_t ldk, const float *d_v,
@@ -145,7 +157,7 @@ int moe_cuda_qk_rope_kv(float *d_q, int64_t ldq, float *d_k, int64_t ldk, const 
     if (n <= 0)
         return 0;
     dim3 g((unsigned)n, (unsigned)((H + kv->Hkv + ATT_WARPS - 1) / ATT_WARPS));
-    size_t smem = sizeof(float) * (size_t)(ATT_WARPS * kv->hd);
+    size_t smem = sizeof(float) * (size_t)((ATT_WARPS + 3) * kv->hd);
     MOE_CUDA_TRY(moe_launch(kv->f32 ? qk_rope_kv_kernel<true> : qk_rope_kv_kernel<false>, g,
                             dim3(32 * ATT_WARPS), smem, s, d_q, ldq, d_k, ldk, d_v, ldv, d_qn, d_kn,
                             d_rope, d_pos, d_seq, *kv, layer, H, eps));
@@ -162,8 +174,11 @@ static __global__ void __launch_bounds__(32 * ATT_WARPS)
 attn_split_kernel(const float *__restrict__ q, int64_t ldq, const int32_t *__restrict__ pos,
                   const int32_t *__restrict__ seq, moe_cuda_kv kv, int layer, int64_t H,
                   float scale, int split, float *__restrict__ part, unsigned *__restrict__ done,
-                  float *__restrict__ out, int64_t ldo, att_rope_dev rp)
+                  float *__restrict__ out, int64_t ldo, att_rope_dev rp, int pf)
 {
+    if (pf)
+        attn_prefetch<F32>(pos, seq, kv, layer, H, split, blockIdx.x, blockIdx.y, (int)blockIdx.z,
+                           (int)threadIdx.x, (int)blockDim.x);
     pdl_wait();
     pdl_trigger();
     __shared__ att_smem sm;
@@ -171,6 +186,17 @@ attn_split_kernel(const float *__restrict__ q, int64_t ldq, const int32_t *__res
     attn_split_body<F32, EL, att_sync_block, ROPE>(
         q, ldq, pos, seq, kv, layer, H, scale, split, part, done, out, ldo, blockIdx.x, blockIdx.y,
         (int)blockIdx.z, (int)gridDim.z, (int)threadIdx.x, &sm, sm_acc, att_sync_block(), &rp);
+}
+
+/* MOE_CUDA_ATT_PF=0: no keys and values read into L2 before the wait (attn_prefetch). */
+static int attn_pf()
+{
+    static int on = -1;
+    if (on < 0) {
+        const char *v = getenv("MOE_CUDA_ATT_PF");
+        on = !(v && !strcmp(v, "0"));
+    }
+    return on;
 }
 
 template <bool F32, bool ROPE>
@@ -181,7 +207,7 @@ static cudaError_t launch_attn(int el, dim3 g, size_t smem, cudaStream_t s, cons
                                int64_t ldo, const att_rope_dev &rp)
 {
 #define ATT_ARGS g, dim3(32 * ATT_WARPS), smem, s, d_q, ldq, d_pos, d_seq, *kv, layer, H, scale, \
-                 split, d_part, d_done, d_out, ldo, rp
+                 split, d_part, d_done, d_out, ldo, rp, attn_pf()
     return el <= 1   ? moe_launch(attn_split_kernel<F32, 1, ROPE>, ATT_ARGS)
            : el <= 2 ? moe_launch(attn_split_kernel<F32, 2, ROPE>, ATT_ARGS)
            : el <= 4 ? moe_launch(attn_split_kernel<F32, 4, ROPE>, ATT_ARGS)

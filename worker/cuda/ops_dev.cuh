@@ -14,6 +14,7 @@
 #include <cuda_fp16.h>
 
 #include "worker/cuda/ops.cuh"
+#include "worker/cuda/launch.cuh"
 
 /* Elements a lane holds of one head vector: head dims up to 32 · MAXD_LANE. */
 #define MAXD_LANE 16
@@ -175,12 +176,13 @@ static __device__ __forceinline__ void qk_rope_kv_warp(float *q, int64_t ldq, fl
                                                        const float *rope, const int32_t *pos,
                                                        const int32_t *seq, const moe_cuda_kv &kv,
                                                        int layer, int64_t H, float eps, int64_t t,
-                                                       int64_t hi, float *row)
+                                                       int64_t hi, float *row,
+                                                       const float *cs_row = nullptr)
 {
     const int64_t hd = kv.hd;
     const bool isq = hi < H;
     float *vec = isq ? q + t * ldq + hi * hd : k + t * ldk + (hi - H) * hd;
-    const float *cs = rope + t * hd;
+    const float *cs = cs_row ? cs_row : rope + t * hd;
     if (isq) {
         rope_head_warp<CG>(vec, qn, cs, hd, eps, row, [&](int64_t i, float o0, int64_t j, float o1) {
             vec[i] = o0;
@@ -282,6 +284,49 @@ static __device__ __forceinline__ void attn_rope_store_k(const att_rope_dev *rp,
         rp->kdone[t * kv.Hkv + kvh] = 0;
 }
 
+/* The positions of a token's split (attn_split_body): len positions cut into splits of
+ * max(ATT_CHUNK, ceil(len / ATT_MAX_SPLITS)), or one split (split 0). */
+static __device__ __forceinline__ int64_t attn_split_len(int64_t len, int split)
+{
+    int64_t C = (len + ATT_MAX_SPLITS - 1) / ATT_MAX_SPLITS;
+    if (C < ATT_CHUNK)
+        C = ATT_CHUNK;
+    return split ? C : len;
+}
+
+/* Before attn_split_body waits for the kernel before it: the first ATT_PF_POS positions of the
+ * group's first split, keys and values, read into L2 by the group's NT threads (tid). Positions
+ * and sequences are the step's inputs (copied before the step's first kernel); the cache cells
+ * are written by earlier steps, or by the kernel before, which a read into L2 cannot get ahead
+ * of. */
+#define ATT_PF_POS 64
+template <bool F32>
+static __device__ __forceinline__ void attn_prefetch(const int32_t *pos, const int32_t *seq,
+                                                     const moe_cuda_kv &kv, int layer, int64_t H,
+                                                     int split, int64_t h, int64_t t, int z,
+                                                     int tid, int nt)
+{
+    const int64_t len = (int64_t)pos[t] + 1, C = attn_split_len(len, split);
+    const int64_t p0 = (int64_t)z * C;
+    if (p0 >= len)
+        return;
+    int64_t p1 = p0 + (C < ATT_PF_POS ? C : ATT_PF_POS);
+    p1 = p1 < len ? p1 : len;
+    const int64_t kvh = h / (H / kv.Hkv);
+    const size_t row0 = (((size_t)layer * kv.n_seq + (size_t)seq[t]) * kv.Hkv + (size_t)kvh) *
+                        kv.n_ctx;
+    const size_t es = F32 ? 4 : 2;
+    const uintptr_t k0 = (uintptr_t)kv.k + (row0 + p0) * kv.hd * es,
+                    k1 = (uintptr_t)kv.k + (row0 + p1) * kv.hd * es;
+    const uintptr_t v0 = (uintptr_t)kv.v + (row0 + p0) * kv.hdv * es,
+                    v1 = (uintptr_t)kv.v + (row0 + p1) * kv.hdv * es;
+    const uintptr_t nk = (k1 - (k0 & ~(uintptr_t)127) + 127) / 128;
+    const uintptr_t nv = (v1 - (v0 & ~(uintptr_t)127) + 127) / 128;
+    for (uintptr_t i = tid; i < nk + nv; i += nt)
+        prefetch_l2((const void *)(i < nk ? (k0 & ~(uintptr_t)127) + 128 * i
+                                          : (v0 & ~(uintptr_t)127) + 128 * (i - nk)));
+}
+
 /* Decode attention (flash-decoding) of head h, token t, split group z of Z, by ATT_WARPS warps
  * (tid: the thread's index in the group, 0..32·ATT_WARPS-1; sync: the group's barrier;
  * acc: ATT_WARPS·hdv floats of shared memory). A token's positions 0..len-1 are cut into splits
@@ -306,12 +351,7 @@ attn_split_body(const float *q, int64_t ldq, const int32_t *pos, const int32_t *
     constexpr int NT = 32 * ATT_WARPS;
     const int lane = tid & 31, w = tid >> 5;
     const int64_t hd = kv.hd, hdv = kv.hdv, group = H / kv.Hkv, kvh = h / group;
-    const int64_t len = (int64_t)pos[t] + 1;
-    int64_t C = (len + ATT_MAX_SPLITS - 1) / ATT_MAX_SPLITS;
-    if (C < ATT_CHUNK)
-        C = ATT_CHUNK;
-    if (!split)
-        C = len;
+    const int64_t len = (int64_t)pos[t] + 1, C = attn_split_len(len, split);
     const int ns = (int)((len + C - 1) / C);
     if (z >= ns)
         return;
