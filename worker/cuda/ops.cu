@@ -3,8 +3,6 @@
 
 #include <errno.h>
 #include <math.h>
-#include <stdlib.h>
-#include <string.h>
 
 #include <cuda_fp16.h>
 
@@ -174,11 +172,8 @@ static __global__ void __launch_bounds__(32 * ATT_WARPS)
 attn_split_kernel(const float *__restrict__ q, int64_t ldq, const int32_t *__restrict__ pos,
                   const int32_t *__restrict__ seq, moe_cuda_kv kv, int layer, int64_t H,
                   float scale, int split, float *__restrict__ part, unsigned *__restrict__ done,
-                  float *__restrict__ out, int64_t ldo, att_rope_dev rp, int pf)
+                  float *__restrict__ out, int64_t ldo, att_rope_dev rp)
 {
-    if (pf)
-        attn_prefetch<F32>(pos, seq, kv, layer, H, split, blockIdx.x, blockIdx.y, (int)blockIdx.z,
-                           (int)threadIdx.x, (int)blockDim.x);
     pdl_wait();
     pdl_trigger();
     __shared__ att_smem sm;
@@ -186,17 +181,6 @@ attn_split_kernel(const float *__restrict__ q, int64_t ldq, const int32_t *__res
     attn_split_body<F32, EL, att_sync_block, ROPE>(
         q, ldq, pos, seq, kv, layer, H, scale, split, part, done, out, ldo, blockIdx.x, blockIdx.y,
         (int)blockIdx.z, (int)gridDim.z, (int)threadIdx.x, &sm, sm_acc, att_sync_block(), &rp);
-}
-
-/* MOE_CUDA_ATT_PF=0: no keys and values read into L2 before the wait (attn_prefetch). */
-static int attn_pf()
-{
-    static int on = -1;
-    if (on < 0) {
-        const char *v = getenv("MOE_CUDA_ATT_PF");
-        on = !(v && !strcmp(v, "0"));
-    }
-    return on;
 }
 
 template <bool F32, bool ROPE>
@@ -207,7 +191,7 @@ static cudaError_t launch_attn(int el, dim3 g, size_t smem, cudaStream_t s, cons
                                int64_t ldo, const att_rope_dev &rp)
 {
 #define ATT_ARGS g, dim3(32 * ATT_WARPS), smem, s, d_q, ldq, d_pos, d_seq, *kv, layer, H, scale, \
-                 split, d_part, d_done, d_out, ldo, rp, attn_pf()
+                 split, d_part, d_done, d_out, ldo, rp
     return el <= 1   ? moe_launch(attn_split_kernel<F32, 1, ROPE>, ATT_ARGS)
            : el <= 2 ? moe_launch(attn_split_kernel<F32, 2, ROPE>, ATT_ARGS)
            : el <= 4 ? moe_launch(attn_split_kernel<F32, 4, ROPE>, ATT_ARGS)

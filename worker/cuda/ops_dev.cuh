@@ -14,7 +14,6 @@
 #include <cuda_fp16.h>
 
 #include "worker/cuda/ops.cuh"
-#include "worker/cuda/launch.cuh"
 
 /* Elements a lane holds of one head vector: head dims up to 32 · MAXD_LANE. */
 #define MAXD_LANE 16
@@ -292,39 +291,6 @@ static __device__ __forceinline__ int64_t attn_split_len(int64_t len, int split)
     if (C < ATT_CHUNK)
         C = ATT_CHUNK;
     return split ? C : len;
-}
-
-/* Before attn_split_body waits for the kernel before it: the first ATT_PF_POS positions of the
- * group's first split, keys and values, read into L2 by the group's NT threads (tid). Positions
- * and sequences are the step's inputs (copied before the step's first kernel); the cache cells
- * are written by earlier steps, or by the kernel before, which a read into L2 cannot get ahead
- * of. */
-#define ATT_PF_POS 64
-template <bool F32>
-static __device__ __forceinline__ void attn_prefetch(const int32_t *pos, const int32_t *seq,
-                                                     const moe_cuda_kv &kv, int layer, int64_t H,
-                                                     int split, int64_t h, int64_t t, int z,
-                                                     int tid, int nt)
-{
-    const int64_t len = (int64_t)pos[t] + 1, C = attn_split_len(len, split);
-    const int64_t p0 = (int64_t)z * C;
-    if (p0 >= len)
-        return;
-    int64_t p1 = p0 + (C < ATT_PF_POS ? C : ATT_PF_POS);
-    p1 = p1 < len ? p1 : len;
-    const int64_t kvh = h / (H / kv.Hkv);
-    const size_t row0 = (((size_t)layer * kv.n_seq + (size_t)seq[t]) * kv.Hkv + (size_t)kvh) *
-                        kv.n_ctx;
-    const size_t es = F32 ? 4 : 2;
-    const uintptr_t k0 = (uintptr_t)kv.k + (row0 + p0) * kv.hd * es,
-                    k1 = (uintptr_t)kv.k + (row0 + p1) * kv.hd * es;
-    const uintptr_t v0 = (uintptr_t)kv.v + (row0 + p0) * kv.hdv * es,
-                    v1 = (uintptr_t)kv.v + (row0 + p1) * kv.hdv * es;
-    const uintptr_t nk = (k1 - (k0 & ~(uintptr_t)127) + 127) / 128;
-    const uintptr_t nv = (v1 - (v0 & ~(uintptr_t)127) + 127) / 128;
-    for (uintptr_t i = tid; i < nk + nv; i += nt)
-        prefetch_l2((const void *)(i < nk ? (k0 & ~(uintptr_t)127) + 128 * i
-                                          : (v0 & ~(uintptr_t)127) + 128 * (i - nk)));
 }
 
 /* Decode attention (flash-decoding) of head h, token t, split group z of Z, by ATT_WARPS warps
