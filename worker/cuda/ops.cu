@@ -42,8 +42,9 @@ static __device__ vi block_argmax(vi x, float *redv, int *redi)
 
 /* ---------------------------------------------------------------- embedding */
 
+/* One block per token, an element per thread at a time (deq_elem: moe_dequantize's floats). */
 static __global__ void embed_kernel(uint32_t type, const uint8_t *__restrict__ table,
-                                    size_t row_bytes, int blck, int64_t nb,
+                                    size_t row_bytes, int64_t E,
                                     const int32_t *__restrict__ token, int64_t ldo,
                                     float *__restrict__ out)
 {
@@ -51,12 +52,8 @@ static __global__ void embed_kernel(uint32_t type, const uint8_t *__restrict__ t
     pdl_trigger();
     const int64_t t = blockIdx.x;
     const uint8_t *row = table + (size_t)token[t] * row_bytes;
-    float y[256];
-    for (int64_t bi = threadIdx.x; bi < nb; bi += blockDim.x) {
-        deq_block(type, row, bi, y);
-        for (int i = 0; i < blck; i++)
-            out[t * ldo + bi * blck + i] = y[i];
-    }
+    for (int64_t i = threadIdx.x; i < E; i += blockDim.x)
+        out[t * ldo + i] = deq_elem(type, row, i);
 }
 
 int moe_cuda_embed(uint32_t type, const void *d_table, int64_t E, const int32_t *d_token,
@@ -65,9 +62,9 @@ int moe_cuda_embed(uint32_t type, const void *d_table, int64_t E, const int32_t 
     const struct moe_type_info *ti = moe_type_get(type);
     if (!ti || !ti->compute || ti->blck > 256 || E % ti->blck)
         return MOE_EUNSUPPORTED;
-    MOE_CUDA_TRY(moe_launch(embed_kernel, dim3((unsigned)n), dim3(128), 0, s, type,
-                            (const uint8_t *)d_table, moe_row_bytes(type, E), (int)ti->blck,
-                            E / ti->blck, d_token, ldo, d_out));
+    MOE_CUDA_TRY(moe_launch(embed_kernel, dim3((unsigned)n), dim3(512), 0, s, type,
+                            (const uint8_t *)d_table, moe_row_bytes(type, E), E, d_token, ldo,
+                            d_out));
     return 0;
 }
 
