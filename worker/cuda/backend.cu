@@ -185,8 +185,12 @@ struct cuda_backend {
     struct moe_mm pq_mm[3];
     enum moe_buf pq_src;
     bool rope_done;                  /* the last matmul_now did the rope it was given */
-    bool mixed_mv;                   /* q/k/v of two weight types in one launch (matmul_mixed);
-                                      * MOE_CUDA_MIXED_MV=0: one launch per type */
+    int mixed_mv;                    /* q/k/v of two weight types in one launch (matmul_mixed):
+                                      * -1 in steps of more than one token (one-token steps
+                                      * launch each type: the first's rows preloaded with the
+                                      * RMSNorm on the way, the second's preloaded from the
+                                      * stored normalised row); MOE_CUDA_MIXED_MV=1 or 0:
+                                      * every step or none */
     int pn_l;
     enum moe_wid pn_w;
     enum moe_buf pn_src, pn_dst;
@@ -1825,7 +1829,9 @@ static int cuda_init(struct moe_backend **out, const struct moe_model *m, struct
     /* Opt-in: measured 1.5% slower at batch 1 than its own launch (H200, docs/benchmarks.md). */
     b->rope_fold = getenv("MOE_CUDA_ROPE_FOLD") && !strcmp(getenv("MOE_CUDA_ROPE_FOLD"), "1");
     b->att_rope = getenv("MOE_CUDA_ATT_ROPE") && !strcmp(getenv("MOE_CUDA_ATT_ROPE"), "1");
-    b->mixed_mv = env_on("MOE_CUDA_MIXED_MV");
+    b->mixed_mv = getenv("MOE_CUDA_MIXED_MV") && *getenv("MOE_CUDA_MIXED_MV")
+                      ? strcmp(getenv("MOE_CUDA_MIXED_MV"), "0") != 0
+                      : -1;
     b->resolve_route = env_on("MOE_CUDA_RESOLVE_ROUTE");
     b->route_pending = -1;
     b->pf_read = -1;
@@ -2772,7 +2778,8 @@ static int matmul_now(struct cuda_backend *b, int l, const struct moe_mm *mm, in
         TRY_CU(route_now(b));
     const float *x = b->buf[src];
     const int64_t ldx = b->ld[src];
-    if (n_mm > 1 && b->mixed_mv && b->n <= MOE_CUDA_GRAPH_MAX && !tcd) {
+    if (n_mm > 1 && (b->mixed_mv > 0 || (b->mixed_mv < 0 && b->n > 1)) &&
+        b->n <= MOE_CUDA_GRAPH_MAX && !tcd) {
         /* Two weight types (v in Q6_K, q and k in Q4_K on half the layers of a Q4_K_M file):
          * one launch for both when there is a kernel for the pair. */
         const int rc = matmul_mixed(b, l, mm, n_mm, src, accumulate, fold, rope);
