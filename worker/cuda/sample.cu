@@ -83,7 +83,20 @@ struct Levels {
     int width[MAXLEV];
 };
 
+/* One segment of a logits row, from scan_kernel: its largest value (NaNs and -inf skipped), the
+ * lowest index holding it (-1: none), how many values were above -inf. */
+struct ScanPart {
+    float bv;
+    int32_t bi;
+    uint32_t c;
+};
+constexpr uint32_t NSEG = 64;  /* segments a row is scanned in by scan_kernel */
+constexpr int SCAN_NT = 256;   /* threads of a scan_kernel block */
+
 struct Args {
+    /* part (or NULL): rows' segments from scan_kernel, NSEG a row, which a greedy row without
+     * penalties takes instead of its first pass (the same maximum, lowest index and count). */
+    const ScanPart *part;
     float *logits;
     const int32_t *rowmap; /* logits row -> state row; NULL: the same */
     int32_t *tokens;
@@ -1159,6 +1172,20 @@ HD int32_t sample_dist(X &x, const Args &a, const moe_cuda_sample_row &p, const 
     return r;
 }
 
+/* One logit i of a row's first pass: false for NaN and -inf (not candidates); else counted, and
+ * kept when above the largest so far (so a pass in ascending order keeps its lowest index). */
+HD bool first_pass_see(float l, uint32_t i, float *bv, int *bi, int *c)
+{
+    if (!(l > -INFINITY))
+        return false;
+    ++*c;
+    if (l > *bv) {
+        *bv = l;
+        *bi = (int)i;
+    }
+    return true;
+}
+
 /* The whole chain for one row. LP: also the logprob. */
 template <class X, bool LP> HD void sample_row(X &x, const Args &a, uint32_t row)
 {
@@ -1173,45 +1200,54 @@ template <class X, bool LP> HD void sample_row(X &x, const Args &a, uint32_t row
     uint32_t wn = a.hist_cap ? (uint32_t)st.hist_len : 0;
     if (p.penalty_last_n >= 0 && (uint32_t)p.penalty_last_n < wn)
         wn = (uint32_t)p.penalty_last_n;
-    if (wn > 0 && (p.repeat_penalty != 1.0f || p.presence_penalty != 0.0f ||
-                   p.frequency_penalty != 0.0f))
+    const bool penalized = wn > 0 && (p.repeat_penalty != 1.0f || p.presence_penalty != 0.0f ||
+                                      p.frequency_penalty != 0.0f);
+    if (penalized)
         penalties(x, a, p, st, ring, lg, wn);
 
     const bool greedy = !(p.temperature > 0.0f);
+    /* A greedy row whose logits no penalty changed takes scan_kernel's segments. */
+    const bool seg = a.part && greedy && !penalized && !LP;
     /* top-k: the first pass over the row also builds the level-0 histogram refine() starts from */
     const bool hist0_ready = !greedy && p.top_k > 0;
     const int sft0 = a.lev.shift[0];
     const uint32_t B0 = 1u << a.lev.width[0];
     if (hist0_ready)
         clear_hist(x, W_COUNT, B0);
-    x.each([&](int t) {
-        float bv = -INFINITY, lm = -INFINITY, ls = 0.0f;
-        int bi = -1, c = 0;
-        row_loop(lg, nv, t, [&](uint32_t i, float l) {
-            if (!(l > -INFINITY))
-                return;
-            c++;
-            if (l > bv) {
-                bv = l;
-                bi = (int)i;
-            }
-            if (LP) {
-                if (l > lm) {
-                    ls = ls * fexp(fsub(lm, l)) + 1.0f;
-                    lm = l;
-                } else {
-                    ls += l == lm ? 1.0f : fexp(fsub(l, lm));
-                }
-            }
-            if (hist0_ready)
-                x.atomic_add(&s.cnt[(uint32_t)(key(l, i, nv) >> sft0) & (B0 - 1)], 1u);
+    if (seg)
+        x.each([&](int t) {
+            const bool in = (uint32_t)t < NSEG;
+            const ScanPart sp = in ? a.part[(size_t)row * NSEG + (uint32_t)t] : ScanPart{};
+            s.tf0[t] = in ? sp.bv : -INFINITY;
+            s.ti0[t] = in ? sp.bi : -1;
+            s.ti1[t] = in ? (int)sp.c : 0;
+            s.tf1[t] = -INFINITY;
+            s.td0[t] = 0.0;
         });
-        s.tf0[t] = bv;
-        s.ti0[t] = bi;
-        s.ti1[t] = c;
-        s.tf1[t] = lm;
-        s.td0[t] = ls;
-    });
+    else
+        x.each([&](int t) {
+            float bv = -INFINITY, lm = -INFINITY, ls = 0.0f;
+            int bi = -1, c = 0;
+            row_loop(lg, nv, t, [&](uint32_t i, float l) {
+                if (!first_pass_see(l, i, &bv, &bi, &c))
+                    return;
+                if (LP) {
+                    if (l > lm) {
+                        ls = ls * fexp(fsub(lm, l)) + 1.0f;
+                        lm = l;
+                    } else {
+                        ls += l == lm ? 1.0f : fexp(fsub(l, lm));
+                    }
+                }
+                if (hist0_ready)
+                    x.atomic_add(&s.cnt[(uint32_t)(key(l, i, nv) >> sft0) & (B0 - 1)], 1u);
+            });
+            s.tf0[t] = bv;
+            s.ti0[t] = bi;
+            s.ti1[t] = c;
+            s.tf1[t] = lm;
+            s.td0[t] = ls;
+        });
     const float M = x.max_f([&](int t) -> float { return s.tf0[t]; });
     const uint32_t ncand = (uint32_t)x.sum_l([&](int t) -> long long { return s.ti1[t]; });
     int32_t tok = -1;
@@ -1261,6 +1297,64 @@ template <class X, bool LP> HD void sample_row(X &x, const Args &a, uint32_t row
                 g->hist_len = st.hist_len + 1;
         }
     });
+}
+
+/* The first pass of a greedy row spread over the GPU: block (g, r) scans segment g of logits
+ * row r (NSEG segments of whole float4s) and stores its ScanPart; a row's result is the same
+ * whatever the segments (a maximum, the lowest index holding it, a count). */
+__global__ void __launch_bounds__(SCAN_NT) scan_kernel(const float *logits, uint32_t nv,
+                                                       ScanPart *part)
+{
+    const float *lg = logits + (size_t)blockIdx.y * nv;
+    const uint32_t per = ((nv + NSEG - 1) / NSEG + 3) & ~3u;
+    const uint32_t i0 = blockIdx.x * per, i1 = i0 + per < nv ? i0 + per : nv;
+    float bv = -INFINITY;
+    int bi = -1, c = 0;
+    const auto see = [&](uint32_t i, float l) { first_pass_see(l, i, &bv, &bi, &c); };
+    if (((uintptr_t)lg & 15) == 0) {
+        /* Each thread's float4s in ascending order, so its first maximum is its lowest index. */
+        uint32_t i = i0 + 4 * threadIdx.x;
+        for (; i + 3 < i1; i += 4 * SCAN_NT) {
+            const float4 v = *(const float4 *)(lg + i);
+            see(i, v.x);
+            see(i + 1, v.y);
+            see(i + 2, v.z);
+            see(i + 3, v.w);
+        }
+        for (; i < i1; i++)
+            see(i, lg[i]);
+    } else {
+        for (uint32_t i = i0 + threadIdx.x; i < i1; i += SCAN_NT)
+            see(i, lg[i]);
+    }
+    __shared__ float sv[SCAN_NT / 32];
+    __shared__ int si[SCAN_NT / 32], sc[SCAN_NT / 32];
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+    for (int o = 16; o > 0; o >>= 1) {
+        const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+        const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+        c += __shfl_xor_sync(0xffffffffu, c, o);
+        if (ov > bv || (ov == bv && oi >= 0 && (bi < 0 || oi < bi))) {
+            bv = ov;
+            bi = oi;
+        }
+    }
+    if (lane == 0) {
+        sv[w] = bv;
+        si[w] = bi;
+        sc[w] = c;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        for (int k = 1; k < SCAN_NT / 32; k++) {
+            if (sv[k] > bv || (sv[k] == bv && si[k] >= 0 && (bi < 0 || si[k] < bi))) {
+                bv = sv[k];
+                bi = si[k];
+            }
+            c += sc[k];
+        }
+        part[(size_t)blockIdx.y * NSEG + blockIdx.x] = ScanPart{bv, bi, (uint32_t)c};
+    }
 }
 
 template <bool LP> __global__ void __launch_bounds__(NT, 1) sample_kernel(Args a)
@@ -1390,6 +1484,7 @@ struct moe_cuda_sampler {
     moe_cuda_sample_row *d_params;
     moe_cuda_sample_state *d_state;
     int32_t *d_ring;
+    ScanPart *d_part; /* [max_rows][NSEG] */
 };
 
 extern "C" void moe_cuda_sampler_free(struct moe_cuda_sampler *s)
@@ -1399,6 +1494,7 @@ extern "C" void moe_cuda_sampler_free(struct moe_cuda_sampler *s)
     cudaFree(s->d_params);
     cudaFree(s->d_state);
     cudaFree(s->d_ring);
+    cudaFree(s->d_part);
     free(s);
 }
 
@@ -1406,6 +1502,7 @@ static int sampler_alloc(struct moe_cuda_sampler *s)
 {
     MOE_CUDA_TRY(cudaMalloc((void **)&s->d_params, sizeof *s->d_params * s->max_rows));
     MOE_CUDA_TRY(cudaMalloc((void **)&s->d_state, sizeof *s->d_state * s->max_rows));
+    MOE_CUDA_TRY(cudaMalloc((void **)&s->d_part, sizeof *s->d_part * s->max_rows * NSEG));
     if (s->hist_cap)
         MOE_CUDA_TRY(cudaMalloc((void **)&s->d_ring,
                                 sizeof *s->d_ring * (size_t)s->max_rows * s->hist_cap));
@@ -1560,6 +1657,19 @@ extern "C" int moe_cuda_sample_rows(struct moe_cuda_sampler *s, float *d_logits,
     if (n_rows == 0)
         return 0;
     Args a;
+    /* Rows without logprobs: their first pass spread over the GPU for the greedy ones (the
+     * others scan their row themselves). MOE_SAMPLE_SCAN=0: every row scans itself. */
+    static int scan = -1;
+    if (scan < 0) {
+        const char *v = getenv("MOE_SAMPLE_SCAN");
+        scan = !(v && !strcmp(v, "0"));
+    }
+    a.part = NULL;
+    if (!d_logprobs && scan) {
+        scan_kernel<<<dim3(NSEG, n_rows), SCAN_NT, 0, st>>>(d_logits, s->n_vocab, s->d_part);
+        MOE_CUDA_TRY(cudaGetLastError());
+        a.part = s->d_part;
+    }
     a.logits = d_logits;
     a.rowmap = d_rowmap;
     a.tokens = d_tokens;
