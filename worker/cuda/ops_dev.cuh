@@ -13,6 +13,7 @@
 
 #include <cuda_fp16.h>
 
+#include "worker/cuda/argmax_dev.cuh"
 #include "worker/cuda/ops.cuh"
 
 /* Elements a lane holds of one head vector: head dims up to 32 · MAXD_LANE. */
@@ -44,21 +45,6 @@ static __device__ __forceinline__ float warp_max(float v)
     return v;
 }
 
-/* (value, index) argmax where a candidate is valid when idx >= 0. better(): valid beats invalid,
- * the larger value wins, the lower index wins ties. */
-struct vi {
-    float v;
-    int i;
-};
-
-static __device__ __forceinline__ bool better(vi a, vi b)
-{
-    if (a.i < 0)
-        return false;
-    if (b.i < 0)
-        return true;
-    return a.v > b.v || (a.v == b.v && a.i < b.i);
-}
 
 /* ---------------------------------------------------------------- RMSNorm */
 

@@ -51,6 +51,7 @@
 extern "C" {
 #include "store/err.h"
 }
+#include "worker/cuda/argmax_dev.cuh"
 #include "worker/cuda/cuda_check.cuh"
 
 #define HD __host__ __device__ __forceinline__
@@ -1327,33 +1328,29 @@ __global__ void __launch_bounds__(SCAN_NT) scan_kernel(const float *logits, uint
         for (uint32_t i = i0 + threadIdx.x; i < i1; i += SCAN_NT)
             see(i, lg[i]);
     }
-    __shared__ float sv[SCAN_NT / 32];
-    __shared__ int si[SCAN_NT / 32], sc[SCAN_NT / 32];
+    __shared__ vi sb[SCAN_NT / 32];
+    __shared__ int sc[SCAN_NT / 32];
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+    vi best = {bv, bi};
     for (int o = 16; o > 0; o >>= 1) {
-        const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-        const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+        const vi y = {__shfl_xor_sync(0xffffffffu, best.v, o),
+                      __shfl_xor_sync(0xffffffffu, best.i, o)};
         c += __shfl_xor_sync(0xffffffffu, c, o);
-        if (ov > bv || (ov == bv && oi >= 0 && (bi < 0 || oi < bi))) {
-            bv = ov;
-            bi = oi;
-        }
+        if (better(y, best))
+            best = y;
     }
     if (lane == 0) {
-        sv[w] = bv;
-        si[w] = bi;
+        sb[w] = best;
         sc[w] = c;
     }
     __syncthreads();
     if (threadIdx.x == 0) {
         for (int k = 1; k < SCAN_NT / 32; k++) {
-            if (sv[k] > bv || (sv[k] == bv && si[k] >= 0 && (bi < 0 || si[k] < bi))) {
-                bv = sv[k];
-                bi = si[k];
-            }
+            if (better(sb[k], best))
+                best = sb[k];
             c += sc[k];
         }
-        part[(size_t)blockIdx.y * NSEG + blockIdx.x] = ScanPart{bv, bi, (uint32_t)c};
+        part[(size_t)blockIdx.y * NSEG + blockIdx.x] = ScanPart{best.v, best.i, (uint32_t)c};
     }
 }
 
