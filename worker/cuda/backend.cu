@@ -1829,9 +1829,8 @@ static int cuda_init(struct moe_backend **out, const struct moe_model *m, struct
     /* Opt-in: measured 1.5% slower at batch 1 than its own launch (H200, docs/benchmarks.md). */
     b->rope_fold = getenv("MOE_CUDA_ROPE_FOLD") && !strcmp(getenv("MOE_CUDA_ROPE_FOLD"), "1");
     b->att_rope = getenv("MOE_CUDA_ATT_ROPE") && !strcmp(getenv("MOE_CUDA_ATT_ROPE"), "1");
-    b->mixed_mv = getenv("MOE_CUDA_MIXED_MV") && *getenv("MOE_CUDA_MIXED_MV")
-                      ? strcmp(getenv("MOE_CUDA_MIXED_MV"), "0") != 0
-                      : -1;
+    const char *mixed_mv = getenv("MOE_CUDA_MIXED_MV");
+    b->mixed_mv = mixed_mv && *mixed_mv ? strcmp(mixed_mv, "0") != 0 : -1;
     b->resolve_route = env_on("MOE_CUDA_RESOLVE_ROUTE");
     b->route_pending = -1;
     b->pf_read = -1;
