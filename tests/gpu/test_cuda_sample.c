@@ -496,6 +496,86 @@ TEST_TIMEOUT(cuda_sample_graph_replay, 300)
     }
 }
 
+/* The spread first pass is an optimisation only: two samplers set up alike, one launched with
+ * scan = 1 and one with scan = 0, draw the same tokens and leave the same penalised logits,
+ * row by row over mixed combinations (greedy, greedy with penalties, seeded), through a row
+ * map; moe_cuda_sampler_plain_greedy says which rows take the pass. */
+TEST_TIMEOUT(cuda_sample_scan_is_an_optimisation, 300)
+{
+    need_gpu();
+    static const uint32_t nvs[] = {33, 4097, 151936};
+    for (size_t v = 0; v < sizeof nvs / sizeof nvs[0]; v++) {
+        const uint32_t nv = nvs[v], rows = (uint32_t)N_COMBO, steps = nv > 100000 ? 12 : 40;
+        moe_test_rng_seed(41 + (uint64_t)v);
+        struct moe_cuda_sampler *g[2] = {NULL, NULL};
+        char err[128];
+        cudaStream_t st;
+        CU(cudaStreamCreate(&st));
+        const size_t n = (size_t)rows * nv;
+        float *h = malloc(n * sizeof(float)), *out[2] = {malloc(n * sizeof(float)),
+                                                          malloc(n * sizeof(float))};
+        int32_t map[N_COMBO], tok[2][N_COMBO];
+        CHECK(h && out[0] && out[1]);
+        for (uint32_t r = 0; r < rows; r++)
+            map[r] = (int32_t)((r * 7 + 3) % rows); /* logits row r -> state row map[r] */
+        float *d_l[2];
+        int32_t *d_tok, *d_map;
+        CU(cudaMalloc((void **)&d_l[0], n * sizeof(float)));
+        CU(cudaMalloc((void **)&d_l[1], n * sizeof(float)));
+        CU(cudaMalloc((void **)&d_tok, 2 * rows * sizeof(int32_t)));
+        CU(cudaMalloc((void **)&d_map, rows * sizeof(int32_t)));
+        CU(cudaMemcpy(d_map, map, sizeof map, cudaMemcpyHostToDevice));
+        for (int k = 0; k < 2; k++) {
+            CHECK_EQ(moe_cuda_sampler_init(&g[k], rows, nv, 64, 0, err, sizeof err), 0);
+            for (uint32_t r = 0; r < rows; r++) {
+                const struct combo *c = &combos[r];
+                struct moe_sampler_params p;
+                moe_sampler_defaults(&p);
+                p.temperature = c->t, p.top_k = c->k, p.top_p = c->top_p, p.min_p = c->min_p;
+                p.repeat_penalty = c->rep, p.presence_penalty = c->pres;
+                p.frequency_penalty = c->freq, p.penalty_last_n = c->last_n;
+                p.seed = 1000 + r;
+                CHECK_EQ(moe_cuda_sampler_set_row(g[k], r, &p, st, err, sizeof err), 0);
+                const int plain = !(c->t > 0.0f) && c->rep == 1.0f && c->pres == 0.0f &&
+                                  c->freq == 0.0f;
+                CHECK_EQ(moe_cuda_sampler_plain_greedy(g[k], r), plain);
+            }
+        }
+        CHECK_EQ(moe_cuda_sampler_plain_greedy(g[0], rows), 0);
+        for (uint32_t s = 0; s < steps; s++) {
+            for (uint32_t r = 0; r < rows; r++)
+                make_logits((int)((r + s) % N_GEN), h + (size_t)r * nv, nv);
+            for (int k = 0; k < 2; k++) {
+                CU(cudaMemcpyAsync(d_l[k], h, n * sizeof(float), cudaMemcpyHostToDevice, st));
+                CU(cudaMemsetAsync(d_tok + k * rows, 0x7f, rows * sizeof(int32_t), st));
+                CHECK_EQ(moe_cuda_sample_rows(g[k], d_l[k], rows, d_map, d_tok + k * rows, NULL,
+                                              1, k, st),
+                         0);
+            }
+            CU(cudaMemcpyAsync(tok, d_tok, sizeof tok, cudaMemcpyDeviceToHost, st));
+            CU(cudaMemcpyAsync(out[0], d_l[0], n * sizeof(float), cudaMemcpyDeviceToHost, st));
+            CU(cudaMemcpyAsync(out[1], d_l[1], n * sizeof(float), cudaMemcpyDeviceToHost, st));
+            CU(cudaStreamSynchronize(st));
+            for (uint32_t r = 0; r < rows; r++)
+                CHECK_MSG(tok[0][r] == tok[1][r], "nv=%u step %u row %u (%s): scan %d, none %d",
+                          nv, s, r, combos[map[r]].name, tok[1][r], tok[0][r]);
+            CHECK(memcmp(out[0], out[1], n * sizeof(float)) == 0);
+        }
+        printf("nv=%u: %u steps of %u rows, the same tokens with and without the scan\n", nv,
+               steps, rows);
+        moe_cuda_sampler_free(g[0]);
+        moe_cuda_sampler_free(g[1]);
+        CU(cudaFree(d_l[0]));
+        CU(cudaFree(d_l[1]));
+        CU(cudaFree(d_tok));
+        CU(cudaFree(d_map));
+        CU(cudaStreamDestroy(st));
+        free(h);
+        free(out[0]);
+        free(out[1]);
+    }
+}
+
 /* Bad sizes, parameters and pointers are error returns; n_rows 0 launches nothing. */
 TEST(cuda_sample_rejects_bad_arguments)
 {

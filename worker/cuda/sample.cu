@@ -1482,7 +1482,18 @@ struct moe_cuda_sampler {
     moe_cuda_sample_state *d_state;
     int32_t *d_ring;
     ScanPart *d_part; /* [max_rows][NSEG] */
+    uint8_t *plain;   /* [max_rows], host: the row is greedy and no penalty can change its logits */
 };
+
+/* Whether a row with these parameters samples greedily from logits no penalty changes: what
+ * sample_kernel's rows take scan_kernel's segments for (it also skips penalties whose window
+ * holds no token yet, so this is the conservative side of its test). */
+static bool plain_greedy(const moe_cuda_sample_row &r)
+{
+    return !(r.temperature > 0.0f) &&
+           (r.penalty_last_n == 0 || (r.repeat_penalty == 1.0f && r.presence_penalty == 0.0f &&
+                                      r.frequency_penalty == 0.0f));
+}
 
 extern "C" void moe_cuda_sampler_free(struct moe_cuda_sampler *s)
 {
@@ -1492,6 +1503,7 @@ extern "C" void moe_cuda_sampler_free(struct moe_cuda_sampler *s)
     cudaFree(s->d_state);
     cudaFree(s->d_ring);
     cudaFree(s->d_part);
+    free(s->plain);
     free(s);
 }
 
@@ -1516,13 +1528,15 @@ static int sampler_alloc(struct moe_cuda_sampler *s)
         row.penalty_last_n = (int32_t)s->hist_cap; /* the defaults' penalties are off anyway */
     moe_cuda_sample_row *rows = (moe_cuda_sample_row *)malloc(sizeof *rows * s->max_rows);
     moe_cuda_sample_state *sts = (moe_cuda_sample_state *)calloc(s->max_rows, sizeof *sts);
-    if (!rows || !sts) {
+    s->plain = (uint8_t *)malloc(s->max_rows);
+    if (!rows || !sts || !s->plain) {
         free(rows);
         free(sts);
         return -ENOMEM;
     }
     for (uint32_t r = 0; r < s->max_rows; r++) {
         rows[r] = row;
+        s->plain[r] = plain_greedy(row);
         rng_seed(dp.seed, sts[r].rng);
     }
     cudaError_t e1 = cudaMemcpy(s->d_params, rows, sizeof *rows * s->max_rows,
@@ -1600,7 +1614,13 @@ extern "C" int moe_cuda_sampler_set_row(struct moe_cuda_sampler *s, uint32_t row
     rng_seed(p->seed, v.st.rng);
     set_row_kernel<<<1, 32, 0, st>>>(s->d_params, s->d_state, row, v);
     MOE_CUDA_TRY(cudaGetLastError());
+    s->plain[row] = plain_greedy(r);
     return 0;
+}
+
+extern "C" int moe_cuda_sampler_plain_greedy(const struct moe_cuda_sampler *s, uint32_t row)
+{
+    return row < s->max_rows && s->plain[row];
 }
 
 extern "C" int moe_cuda_sampler_set_history(struct moe_cuda_sampler *s, uint32_t row,
@@ -1641,12 +1661,13 @@ extern "C" int moe_cuda_sampler_set_history(struct moe_cuda_sampler *s, uint32_t
 extern "C" int moe_cuda_sample(struct moe_cuda_sampler *s, float *d_logits, uint32_t n_rows,
                                int32_t *d_tokens, float *d_logprobs, int accept, cudaStream_t st)
 {
-    return moe_cuda_sample_rows(s, d_logits, n_rows, NULL, d_tokens, d_logprobs, accept, st);
+    return moe_cuda_sample_rows(s, d_logits, n_rows, NULL, d_tokens, d_logprobs, accept, 1, st);
 }
 
 extern "C" int moe_cuda_sample_rows(struct moe_cuda_sampler *s, float *d_logits, uint32_t n_rows,
                                     const int32_t *d_rowmap, int32_t *d_tokens,
-                                    float *d_logprobs, int accept, cudaStream_t st)
+                                    float *d_logprobs, int accept, int scan,
+                                    cudaStream_t st)
 {
     if (n_rows > s->max_rows || !d_logits || !d_tokens || ((uintptr_t)d_logits & 3) ||
         ((uintptr_t)d_tokens & 3) || ((uintptr_t)d_logprobs & 3))
@@ -1655,14 +1676,15 @@ extern "C" int moe_cuda_sample_rows(struct moe_cuda_sampler *s, float *d_logits,
         return 0;
     Args a;
     /* Rows without logprobs: their first pass spread over the GPU for the greedy ones (the
-     * others scan their row themselves). MOE_SAMPLE_SCAN=0: every row scans itself. */
-    static int scan = -1;
-    if (scan < 0) {
+     * others scan their row themselves), when the caller says there may be such rows.
+     * MOE_SAMPLE_SCAN=0: every row scans itself. */
+    static int scan_env = -1;
+    if (scan_env < 0) {
         const char *v = getenv("MOE_SAMPLE_SCAN");
-        scan = !(v && !strcmp(v, "0"));
+        scan_env = !(v && !strcmp(v, "0"));
     }
     a.part = NULL;
-    if (!d_logprobs && scan) {
+    if (!d_logprobs && scan && scan_env) {
         scan_kernel<<<dim3(NSEG, n_rows), SCAN_NT, 0, st>>>(d_logits, s->n_vocab, s->d_part);
         MOE_CUDA_TRY(cudaGetLastError());
         a.part = s->d_part;

@@ -94,10 +94,17 @@ int moe_cuda_sample(struct moe_cuda_sampler *s, float *d_logits, uint32_t n_rows
                     int32_t *d_tokens, float *d_logprobs, int accept, cudaStream_t st);
 
 /* The same with logits row r sampled by state row d_rowmap[r] (a device array of n_rows distinct
- * rows below max_rows; NULL: row r), e.g. a decode step's rows mapped to their sequences. */
+ * rows below max_rows; NULL: row r), e.g. a decode step's rows mapped to their sequences.
+ * scan != 0: greedy rows whose logits no penalty changes first take a pass over their row
+ * spread over many blocks (moe_cuda_sample always does); 0 when no row of the launch is such a
+ * row (moe_cuda_sampler_plain_greedy) saves that launch. The tokens are the same either way. */
 int moe_cuda_sample_rows(struct moe_cuda_sampler *s, float *d_logits, uint32_t n_rows,
                          const int32_t *d_rowmap, int32_t *d_tokens, float *d_logprobs, int accept,
-                         cudaStream_t st);
+                         int scan, cudaStream_t st);
+
+/* 1 if row's parameters (moe_cuda_sampler_set_row, else the defaults) are greedy with no penalty
+ * that can change its logits; 0 otherwise or for a row out of range. Host-side, no CUDA call. */
+int moe_cuda_sampler_plain_greedy(const struct moe_cuda_sampler *s, uint32_t row);
 
 /* Test and debugging helpers; both synchronise with st. Copies row's generator state to
  * state[4]. Copies up to cap of row's history tokens, oldest first, to out and returns how many
