@@ -496,11 +496,13 @@ TEST_TIMEOUT(cuda_sample_graph_replay, 300)
     }
 }
 
-/* The spread first pass is an optimisation only: two samplers set up alike, one launched with
- * scan = 1 and one with scan = 0, draw the same tokens and leave the same penalised logits,
- * row by row over mixed combinations (greedy, greedy with penalties, seeded), through a row
- * map; moe_cuda_sampler_plain_greedy says which rows take the pass. */
-TEST_TIMEOUT(cuda_sample_scan_is_an_optimisation, 300)
+/* The passes spread over the GPU are an optimisation only: two samplers set up alike, one
+ * launched with every spread pass and one with none, draw the same tokens (the tier-C rows' sums
+ * add the same terms in another order, so a draw could part only within a rounding of a
+ * boundary; top-k rows find the same sorted top k another way), keep the same generators and leave the same penalised logits, row by row over
+ * every parameter combination (greedy, with penalties, top-k, top-p, min-p, temperature alone),
+ * through a row map; moe_cuda_sampler_row_spread says which rows take which pass. */
+TEST_TIMEOUT(cuda_sample_spread_passes_are_an_optimisation, 300)
 {
     need_gpu();
     static const uint32_t nvs[] = {33, 4097, 151936};
@@ -536,20 +538,25 @@ TEST_TIMEOUT(cuda_sample_scan_is_an_optimisation, 300)
                 p.frequency_penalty = c->freq, p.penalty_last_n = c->last_n;
                 p.seed = 1000 + r;
                 CHECK_EQ(moe_cuda_sampler_set_row(g[k], r, &p, st, err, sizeof err), 0);
-                const int plain = !(c->t > 0.0f) && c->rep == 1.0f && c->pres == 0.0f &&
-                                  c->freq == 0.0f;
-                CHECK_EQ(moe_cuda_sampler_plain_greedy(g[k], r), plain);
+                const int nopen = c->rep == 1.0f && c->pres == 0.0f && c->freq == 0.0f;
+                const int want = !nopen                           ? 0
+                                 : !(c->t > 0.0f)                 ? MOE_CUDA_SPREAD_GREEDY
+                                 : c->k <= 0 && !(c->top_p < 1.0f) ? MOE_CUDA_SPREAD_TIER_C
+                                 : c->k >= 1 && c->k <= 64        ? MOE_CUDA_SPREAD_TOPK
+                                                                  : 0;
+                CHECK_EQ(moe_cuda_sampler_row_spread(g[k], r), want);
             }
         }
-        CHECK_EQ(moe_cuda_sampler_plain_greedy(g[0], rows), 0);
+        CHECK_EQ(moe_cuda_sampler_row_spread(g[0], rows), 0);
         for (uint32_t s = 0; s < steps; s++) {
             for (uint32_t r = 0; r < rows; r++)
                 make_logits((int)((r + s) % N_GEN), h + (size_t)r * nv, nv);
             for (int k = 0; k < 2; k++) {
                 CU(cudaMemcpyAsync(d_l[k], h, n * sizeof(float), cudaMemcpyHostToDevice, st));
                 CU(cudaMemsetAsync(d_tok + k * rows, 0x7f, rows * sizeof(int32_t), st));
+                const int spread = k ? MOE_CUDA_SPREAD_ALL : 0;
                 CHECK_EQ(moe_cuda_sample_rows(g[k], d_l[k], rows, d_map, d_tok + k * rows, NULL,
-                                              1, k, st),
+                                              1, spread, st),
                          0);
             }
             CU(cudaMemcpyAsync(tok, d_tok, sizeof tok, cudaMemcpyDeviceToHost, st));
@@ -561,8 +568,14 @@ TEST_TIMEOUT(cuda_sample_scan_is_an_optimisation, 300)
                           nv, s, r, combos[map[r]].name, tok[1][r], tok[0][r]);
             CHECK(memcmp(out[0], out[1], n * sizeof(float)) == 0);
         }
-        printf("nv=%u: %u steps of %u rows, the same tokens with and without the scan\n", nv,
-               steps, rows);
+        for (uint32_t r = 0; r < rows; r++) {
+            uint64_t r0[4], r1[4];
+            CHECK_EQ(moe_cuda_sampler_rng_state(g[0], r, r0, st), 0);
+            CHECK_EQ(moe_cuda_sampler_rng_state(g[1], r, r1, st), 0);
+            CHECK(memcmp(r0, r1, sizeof r0) == 0);
+        }
+        printf("nv=%u: %u steps of %u rows, the same tokens with and without the spread passes\n",
+               nv, steps, rows);
         moe_cuda_sampler_free(g[0]);
         moe_cuda_sampler_free(g[1]);
         CU(cudaFree(d_l[0]));

@@ -77,7 +77,7 @@ struct reg_range;
 struct cuda_graph {
     int64_t n, n_out;
     bool sample;
-    bool scan;               /* with the sampler's spread first pass (a plain greedy row) */
+    int spread;              /* the sampler's spread passes (moe_cuda_sample_rows) */
     bool stage;              /* recorded with prompt staging */
     bool record;             /* with the copies of each layer's choices (route_record) */
     cudaGraphExec_t exec;
@@ -145,7 +145,7 @@ struct cuda_backend {
     int32_t *d_route_hist, *h_route_hist;
     bool record;                     /* this step records */
     bool sample;
-    bool scan;                       /* a sampled row is plain greedy (moe_cuda_sample_rows) */
+    int spread;                      /* the sampled rows' moe_cuda_sampler_row_spread, or-ed */
     float *d_rope;                   /* [nb][hd] */
     unsigned long long *counts;      /* [L][nexp] */
     int32_t *h_in;                   /* pinned staging */
@@ -2469,14 +2469,14 @@ static int cuda_begin(struct moe_backend *bb, const struct moe_step *st)
     if (st->n_out)
         memcpy(b->h_in + 3 * nb, st->out_row, sizeof(int32_t) * (size_t)st->n_out);
     b->sample = st->sample;
-    b->scan = false;
+    b->spread = 0;
     if (st->sample) {
         if (!b->smp || st->n_out > (int64_t)b->d.n_seq)
             return cu_err(b, MOE_ERANGE, "sampling without samplers or %lld rows",
                           (long long)st->n_out);
         for (int64_t i = 0; i < st->n_out; i++) {
             b->h_in[4 * nb + i] = st->seq[st->out_row[i]];
-            b->scan |= moe_cuda_sampler_plain_greedy(b->smp, (uint32_t)b->h_in[4 * nb + i]) != 0;
+            b->spread |= moe_cuda_sampler_row_spread(b->smp, (uint32_t)b->h_in[4 * nb + i]);
         }
     }
     memcpy(b->h_rope, st->rope, sizeof(float) * n * (size_t)b->d.hd);
@@ -2490,7 +2490,7 @@ static int cuda_begin(struct moe_backend *bb, const struct moe_step *st)
     if (b->use_graphs && st->n <= MOE_CUDA_GRAPH_MAX && st->n_out <= LOGIT_ROWS) {
         for (int i = 0; i < b->n_graphs; i++)
             if (b->graphs[i].n == st->n && b->graphs[i].n_out == st->n_out &&
-                b->graphs[i].sample == st->sample && b->graphs[i].scan == b->scan &&
+                b->graphs[i].sample == st->sample && b->graphs[i].spread == b->spread &&
                 b->graphs[i].stage == b->stage_step && b->graphs[i].record == st->record) {
                 b->mode = MODE_REPLAY;
                 return 0;
@@ -3432,7 +3432,7 @@ static int cuda_head(struct moe_backend *bb)
         mark(b, "sample");
         LAUNCH(b, "sample",
                moe_cuda_sample_rows(b->smp, b->logits, (uint32_t)cnt, D_SMPROW(b) + r0,
-                                    b->d_tok + r0, NULL, 1, b->scan, b->st));
+                                    b->d_tok + r0, NULL, 1, b->spread, b->st));
     }
     return 0;
 }
@@ -3472,7 +3472,7 @@ static int end_step(struct cuda_backend *b, float *out, int32_t *tokens)
         if (e != cudaSuccess)
             return cu_err(b, MOE_EBACKEND, "cuda:%d: cudaGraphInstantiate: %s", b->dev,
                           cudaGetErrorString(e));
-        struct cuda_graph cg = {b->n,    b->n_out, b->sample, b->scan, b->stage_step,
+        struct cuda_graph cg = {b->n,    b->n_out, b->sample, b->spread, b->stage_step,
                                 b->record, exec,     0,         NULL};
         if (b->profile && (cg.ev_name = (const char **)malloc(sizeof(char *) * (size_t)b->n_ev))) {
             cg.n_ev = b->n_ev;
@@ -3485,7 +3485,7 @@ static int end_step(struct cuda_backend *b, float *out, int32_t *tokens)
         cudaGraphExec_t exec = NULL;
         for (int i = 0; i < b->n_graphs; i++)
             if (b->graphs[i].n == b->n && b->graphs[i].n_out == b->n_out &&
-                b->graphs[i].sample == b->sample && b->graphs[i].scan == b->scan &&
+                b->graphs[i].sample == b->sample && b->graphs[i].spread == b->spread &&
                 b->graphs[i].stage == b->stage_step && b->graphs[i].record == b->record) {
                 exec = b->graphs[i].exec;
                 b->n_ev = b->graphs[i].n_ev;

@@ -28,7 +28,13 @@
  *      one bin that contains the boundary.
  *   6. No truncation that sorts (no top-k, no top-p), tier C: the CPU draws in id order, so each
  *      thread takes a contiguous id range, a block scan orders the ranges, and the thread whose
- *      range crosses u·z walks it again.
+ *      range crosses u·z walks it again. A row whose parameters make every draw tier C and no
+ *      penalty changes its logits has its first pass and its weights' sums spread over 64 blocks
+ *      first (scan_kernel, csum_kernel: per segment, the sums of 256 sub-ranges added in order);
+ *      a kernel of its own then finds the segment, the sub-range inside it (its sums recomputed
+ *      and added in the same order, so the crossing is sure to fall inside) and walks that
+ *      sub-range (tier_c_seg). Top-k rows of k <= 64 without penalties find their top k from
+ *      scan_kernel's segment maxima in a kernel of their own (sample_row_topk).
  *
  * The per-row algorithm is written once, as __host__ __device__ templates over an "executor"
  * (each / single / reductions / scans / shared atomics). The kernel instantiates it with
@@ -94,10 +100,23 @@ struct ScanPart {
 constexpr uint32_t NSEG = 64;  /* segments a row is scanned in by scan_kernel */
 constexpr int SCAN_NT = 256;   /* threads of a scan_kernel block */
 
+/* One segment of a tier-C row from csum_kernel: the sum of its candidates' draw weights (its
+ * SCAN_NT sub-ranges' sums added in order) and its last candidate (-1: none). */
+struct CSum {
+    double s;
+    int32_t last;
+};
+
 struct Args {
     /* part (or NULL): rows' segments from scan_kernel, NSEG a row, which a greedy row without
      * penalties takes instead of its first pass (the same maximum, lowest index and count). */
     const ScanPart *part;
+    /* csum (or NULL): rows' segment sums from csum_kernel, NSEG a row, which a tier-C row
+     * without penalties (csum_row) draws from instead of summing its whole row in one block. */
+    const CSum *csum;
+    /* kdone (or NULL): per logits row, 1 when sample_spread_kernel<true> drew it (sample_kernel
+     * leaves it), written for every row of the launch before sample_kernel runs. */
+    uint8_t *kdone;
     float *logits;
     const int32_t *rowmap; /* logits row -> state row; NULL: the same */
     int32_t *tokens;
@@ -900,13 +919,17 @@ HD int list_find(X &x, const Args &a, uint32_t n, W wf, double base, double targ
 
 /* ---- the three ways of finishing a sampling row ---- */
 
+template <class X>
+HD int32_t tier_a_list(X &x, const Args &a, const moe_cuda_sample_row &p, float M, uint32_t ncand,
+                       double u01, bool tk, bool tp, uint32_t nL, double z1);
+
 /* Tier A: the candidates that matter fit the list. Returns the token or NEED_EXACT. */
 template <class X>
 HD int32_t tier_a(X &x, const Args &a, const moe_cuda_sample_row &p, const float *lg, float M,
                   uint32_t ncand, double u01, bool tk, bool tp)
 {
     Smem &s = x.sh;
-    const uint32_t nv = a.n_vocab, C = a.chunk;
+    const uint32_t nv = a.n_vocab;
     const SetPred all = {0, -INFINITY};
     const WCtx w1 = {M, 1.0};
     uint32_t nL;
@@ -950,7 +973,18 @@ HD int32_t tier_a(X &x, const Args &a, const moe_cuda_sample_row &p, const float
         }
     }
     build_list(x, a, lg, nL, true, P, 0, all);
+    return tier_a_list(x, a, p, M, ncand, u01, tk, tp, nL, z1);
+}
 
+/* Tier A once the list holds the candidates in order (nL of them: with tk, the top k first; else
+ * the prefix of the nucleus, z1 the CPU's z over every candidate): top-p, min-p and the draw on
+ * the list. Returns the token or NEED_EXACT. */
+template <class X>
+HD int32_t tier_a_list(X &x, const Args &a, const moe_cuda_sample_row &p, float M, uint32_t ncand,
+                       double u01, bool tk, bool tp, uint32_t nL, double z1)
+{
+    Smem &s = x.sh;
+    const uint32_t nv = a.n_vocab, C = a.chunk;
     uint32_t n = tk ? (uint32_t)p.top_k : nL;
     const bool covers = tk || nL == ncand; /* the list holds the whole set top-p looks at */
     if (tp) {
@@ -1057,6 +1091,139 @@ HD int32_t tier_b(X &x, const Args &a, const moe_cuda_sample_row &p, const float
     if (j < 0)
         j = (int)r.bin - 1;
     return kid(read_list(x, (uint32_t)j), nv);
+}
+
+/* A row whose draw is tier C whatever its logits (a temperature, neither top-k nor top-p): its
+ * first pass (scan_kernel) and its weights' sums (csum_kernel) can be spread over the GPU. */
+HD bool csum_row(const moe_cuda_sample_row &p)
+{
+    return p.temperature > 0.0f && p.top_k <= 0 && !(p.top_p < 1.0f);
+}
+
+/* A row whose top-k set sample_row_topk can find from scan_kernel's segments (a temperature and
+ * 1 <= top_k <= NSEG): at least top_k segments hold a maximum at or above the k-th largest
+ * segment maximum, so every logit of the top k is at or above it. */
+HD bool topk_row(const moe_cuda_sample_row &p)
+{
+    return p.temperature > 0.0f && p.top_k > 0 && (uint32_t)p.top_k <= NSEG;
+}
+
+/* Segment g of a row of nv logits, [*i0, *i1): scan_kernel's and csum_kernel's. */
+HD void seg_range(uint32_t nv, uint32_t g, uint32_t *i0, uint32_t *i1)
+{
+    const uint32_t per = ((nv + NSEG - 1) / NSEG + 3) & ~3u;
+    *i0 = g * per < nv ? g * per : nv;
+    *i1 = *i0 + per < nv ? *i0 + per : nv;
+}
+
+/* Sub-range t (of SCAN_NT) of segment [i0, i1): its weights summed in id order (the candidates:
+ * above -inf and at or above cut), *last the last candidate (-1: none). The same additions
+ * wherever it runs, so a walk that repeats them reaches the same sum. */
+HD double csub_sum(const float *lg, uint32_t i0, uint32_t i1, int t, float cut, const WCtx &wt,
+                   int *last)
+{
+    const uint32_t R = (i1 - i0 + SCAN_NT - 1) / SCAN_NT;
+    const uint32_t lo = i0 + (uint32_t)t * R < i1 ? i0 + (uint32_t)t * R : i1;
+    const uint32_t hi = lo + R < i1 ? lo + R : i1;
+    double v = 0.0;
+    *last = -1;
+    for (uint32_t i = lo; i < hi; i++) {
+        const float l = lg[i];
+        if (l > -INFINITY && l >= cut) {
+            v += weight_d(W_DQ, l, wt);
+            *last = (int)i;
+        }
+    }
+    return v;
+}
+
+/* Tier C from csum_kernel's segment sums: the segment where the running sum (segments in order)
+ * crosses u·z, the sub-range inside it (its SCAN_NT sums recomputed, added in the same order as
+ * csum_kernel added them, so the segment's sum is reached bit for bit and the crossing is sure
+ * to fall inside), then that sub-range walked again. */
+template <class X>
+HD int32_t tier_c_seg(X &x, const Args &a, const moe_cuda_sample_row &p, const float *lg,
+                      uint32_t row, float M, uint32_t ncand, double u01)
+{
+    Smem &s = x.sh;
+    const uint32_t nv = a.n_vocab;
+    const float cut = p.min_p > 0.0f && ncand > 1 ? fadd(M, p.log_min_p) : -INFINITY;
+    const WCtx wt = {M, (double)p.temperature};
+    const CSum *cs = a.csum + (size_t)row * NSEG;
+    /* rl[0]: the segment (-1: none crossed), rl[1]: the row's last candidate; rd[0]: the sum of
+     * the segments before it, rd[1]: u·z. */
+    x.single([&]() {
+        double z = 0.0;
+        long long lastc = -1;
+        for (uint32_t g = 0; g < NSEG; g++) {
+            z += cs[g].s;
+            lastc = cs[g].last > lastc ? cs[g].last : lastc;
+        }
+        const double uu = u01 * z;
+        double pre = 0.0;
+        long long gs = -1;
+        for (uint32_t g = 0; g < NSEG && gs < 0; g++) {
+            if (cs[g].s > 0.0 && pre + cs[g].s > uu)
+                gs = g;
+            else
+                pre += cs[g].s;
+        }
+        s.rl[0] = gs;
+        s.rl[1] = lastc;
+        s.rd[0] = pre;
+        s.rd[1] = uu;
+    });
+    const long long gs = s.rl[0], lastc = s.rl[1];
+    const double base = s.rd[0], uu = s.rd[1];
+    x.sync(); /* read by every thread before a reduction reuses the scratch */
+    if (gs < 0)
+        return (int32_t)lastc;
+    uint32_t i0, i1;
+    seg_range(nv, (uint32_t)gs, &i0, &i1);
+    x.each([&](int t) {
+        if (t < SCAN_NT) {
+            int last;
+            s.td0[t] = csub_sum(lg, i0, i1, t, cut, wt, &last);
+            s.ti0[t] = last;
+        }
+    });
+    /* rl[2]: the sub-range (-1: none crossed), rd[2]: the sum of those before it. */
+    x.single([&]() {
+        double pre = 0.0;
+        long long ts = -1;
+        for (int t = 0; t < SCAN_NT && ts < 0; t++) {
+            if (s.td0[t] > 0.0 && base + (pre + s.td0[t]) > uu)
+                ts = t;
+            else
+                pre += s.td0[t];
+        }
+        s.rl[2] = ts;
+        s.rd[2] = pre;
+    });
+    const long long ts = s.rl[2];
+    const double epre = s.rd[2];
+    x.sync();
+    if (ts < 0)
+        return (int32_t)x.max_l([&](int t) -> long long { return t < SCAN_NT ? s.ti0[t] : -1; });
+    return (int32_t)x.max_l([&](int t) -> long long {
+        if (t != ts)
+            return -1;
+        const uint32_t R = (i1 - i0 + SCAN_NT - 1) / SCAN_NT;
+        const uint32_t lo = i0 + (uint32_t)t * R < i1 ? i0 + (uint32_t)t * R : i1;
+        const uint32_t hi = lo + R < i1 ? lo + R : i1;
+        double run = 0.0;
+        long long f = -1, last = -1;
+        for (uint32_t i = lo; i < hi && f < 0; i++) {
+            const float l = lg[i];
+            if (!(l > -INFINITY && l >= cut))
+                continue;
+            run += weight_d(W_DQ, l, wt);
+            last = i;
+            if (base + (epre + run) > uu)
+                f = i;
+        }
+        return f >= 0 ? f : last;
+    });
 }
 
 /* Tier C: no sorting truncation, so the draw runs in id order (min-p may still cut). */
@@ -1187,6 +1354,160 @@ HD bool first_pass_see(float l, uint32_t i, float *bv, int *bi, int *c)
     return true;
 }
 
+/* The end of a row's chain: its token (and logprob), its generator if it drew, its history. */
+template <class X, bool LP>
+HD void row_finish(X &x, const Args &a, uint32_t row, uint32_t sr, const moe_cuda_sample_state &st,
+                   int32_t tok, bool drew, const float *lg, float M, double lz)
+{
+    x.single([&]() {
+        a.tokens[row] = tok;
+        if (LP) {
+            float lp = -INFINITY;
+            if (tok >= 0) {
+                const float l = lg[tok];
+                lp = (float)((l == M ? 0.0 : (double)l - (double)M) - log(lz));
+            }
+            a.logprobs[row] = lp;
+        }
+        moe_cuda_sample_state *g = a.state + sr;
+        if (drew)
+            for (int k = 0; k < 4; k++)
+                g->rng[k] = st.rng[k];
+        if (a.accept && tok >= 0 && a.hist_cap) {
+            a.ring[(size_t)sr * a.hist_cap + (uint32_t)st.hist_head] = tok;
+            g->hist_head = (int32_t)(((uint32_t)st.hist_head + 1) % a.hist_cap);
+            if ((uint32_t)st.hist_len < a.hist_cap)
+                g->hist_len = st.hist_len + 1;
+        }
+    });
+}
+
+/* Whether a row's penalties can change its logits now (its window holds tokens). */
+HD bool row_penalized(const moe_cuda_sample_row &p, const moe_cuda_sample_state &st,
+                      uint32_t hist_cap, uint32_t *wn_out)
+{
+    uint32_t wn = hist_cap ? (uint32_t)st.hist_len : 0;
+    if (p.penalty_last_n >= 0 && (uint32_t)p.penalty_last_n < wn)
+        wn = (uint32_t)p.penalty_last_n;
+    *wn_out = wn;
+    return wn > 0 && (p.repeat_penalty != 1.0f || p.presence_penalty != 0.0f ||
+                      p.frequency_penalty != 0.0f);
+}
+
+/* Whether csum_kernel summed the row for sample_spread_kernel<false> (sample_kernel leaves it). */
+HD bool row_cseg(const Args &a, const moe_cuda_sample_row &p, bool penalized)
+{
+    return a.csum && a.part && !penalized && csum_row(p);
+}
+
+/* After a first pass (per thread: tf0 its maximum, ti0 the lowest index holding it, -1 if none),
+ * the lowest index holding the row's maximum M. */
+template <class X> HD int32_t pass_argmax(X &x, float M)
+{
+    Smem &s = x.sh;
+    return (int32_t)x.min_l([&](int t) -> long long {
+        return s.ti0[t] >= 0 && s.tf0[t] == M ? s.ti0[t] : INT_MAX;
+    });
+}
+
+/* scan_kernel's segments of a row as the per-thread results of a first pass (threads < NSEG:
+ * tf0 the maximum, ti0 the lowest index holding it, ti1 the count; tf1 and td0 as a pass
+ * without logprobs leaves them). */
+template <class X> HD void load_parts(X &x, const Args &a, uint32_t row)
+{
+    Smem &s = x.sh;
+    x.each([&](int t) {
+        const bool in = (uint32_t)t < NSEG;
+        const ScanPart sp = in ? a.part[(size_t)row * NSEG + (uint32_t)t] : ScanPart{};
+        s.tf0[t] = in ? sp.bv : -INFINITY;
+        s.ti0[t] = in ? sp.bi : -1;
+        s.ti1[t] = in ? (int)sp.c : 0;
+        s.tf1[t] = -INFINITY;
+        s.td0[t] = 0.0;
+    });
+}
+
+/* A row's first pass from scan_kernel's segments: the maximum (returned), the candidate count,
+ * and per segment (threads < NSEG) its maximum in tf0 and the lowest index holding it in ti0. */
+template <class X> HD float parts_pass(X &x, const Args &a, uint32_t row, uint32_t *ncand)
+{
+    Smem &s = x.sh;
+    load_parts(x, a, row);
+    const float M = x.max_f([&](int t) -> float { return s.tf0[t]; });
+    *ncand = (uint32_t)x.sum_l([&](int t) -> long long { return s.ti1[t]; });
+    return M;
+}
+
+/* sample_row for a row that csum_kernel summed (no penalty changed its logits, no logprob): the
+ * first pass's maximum, lowest index holding it and count from scan_kernel's segments, then the
+ * draw of tier C from csum_kernel's (tier_c_seg). The same draw as sample_row's tier C, whose
+ * sums add the same terms in another order. */
+template <class X>
+HD void sample_row_cseg(X &x, const Args &a, const moe_cuda_sample_row &p,
+                        moe_cuda_sample_state st, uint32_t row, uint32_t sr, const float *lg)
+{
+    Smem &s = x.sh;
+    uint32_t ncand;
+    const float M = parts_pass(x, a, row, &ncand);
+    int32_t tok = -1;
+    bool drew = false;
+    if (ncand == 0)
+        XNOTE(x, NOTE_NONE);
+    if (ncand > 0) {
+        const int32_t am = pass_argmax(x, M);
+        drew = true;
+        const double u01 = rng_unit(st.rng);
+        if (M == INFINITY)
+            XNOTE(x, NOTE_PINF);
+        else
+            XNOTE(x, NOTE_C);
+        tok = M == INFINITY ? am : tier_c_seg(x, a, p, lg, row, M, ncand, u01);
+    }
+    row_finish<X, false>(x, a, row, sr, st, tok, drew, lg, M, 0.0);
+}
+
+/* sample_row for a top-k row whose logits no penalty changed (topk_row): the first pass from
+ * scan_kernel's segments, then the candidates at or above the k-th largest segment maximum,
+ * which hold the top k, counted and sorted into the list in one pass each, and tier A's rest
+ * on it (tier_a_list). The list's first k entries are tier A's, so the draw is the same. Returns
+ * false, having written nothing, where the row's chain is not that (top_k not below the
+ * candidate count, or more such candidates than the list holds): sample_kernel draws it. */
+template <class X>
+HD bool sample_row_topk(X &x, const Args &a, const moe_cuda_sample_row &p,
+                        moe_cuda_sample_state st, uint32_t row, uint32_t sr, const float *lg)
+{
+    Smem &s = x.sh;
+    const uint32_t nv = a.n_vocab, k = (uint32_t)p.top_k;
+    uint32_t ncand;
+    const float M = parts_pass(x, a, row, &ncand);
+    if (!(k < ncand) || M == INFINITY)
+        return false;
+    /* The k-th largest segment maximum: the one with k - 1 ranked above it (ties by index). */
+    const float mk = x.max_f([&](int t) -> float {
+        if ((uint32_t)t >= NSEG)
+            return -INFINITY;
+        const float v = s.tf0[t];
+        uint32_t above = 0;
+        for (uint32_t u = 0; u < NSEG; u++)
+            above += s.tf0[u] > v || (s.tf0[u] == v && u < (uint32_t)t);
+        return above == k - 1 ? v : -INFINITY;
+    });
+    const SetPred sp = {0, mk};
+    const uint32_t nL = (uint32_t)x.sum_l([&](int t) -> long long {
+        long long c = 0;
+        row_loop(lg, nv, t, [&](uint32_t, float l) { c += l > -INFINITY && l >= mk; });
+        return c;
+    });
+    if (nL > a.list_cap)
+        return false;
+    const double u01 = rng_unit(st.rng);
+    build_list(x, a, lg, nL, true, 0, 0, sp);
+    const bool tp = p.top_p < 1.0f && k > 1;
+    const int32_t tok = tier_a_list(x, a, p, M, ncand, u01, true, tp, nL, 0.0);
+    row_finish<X, false>(x, a, row, sr, st, tok, true, lg, M, 0.0);
+    return true;
+}
+
 /* The whole chain for one row. LP: also the logprob. */
 template <class X, bool LP> HD void sample_row(X &x, const Args &a, uint32_t row)
 {
@@ -1198,11 +1519,14 @@ template <class X, bool LP> HD void sample_row(X &x, const Args &a, uint32_t row
     moe_cuda_sample_state st = a.state[sr];
     const int32_t *ring = a.ring + (size_t)sr * a.hist_cap;
 
-    uint32_t wn = a.hist_cap ? (uint32_t)st.hist_len : 0;
-    if (p.penalty_last_n >= 0 && (uint32_t)p.penalty_last_n < wn)
-        wn = (uint32_t)p.penalty_last_n;
-    const bool penalized = wn > 0 && (p.repeat_penalty != 1.0f || p.presence_penalty != 0.0f ||
-                                      p.frequency_penalty != 0.0f);
+    if (!LP && a.kdone && a.kdone[row])
+        return; /* sample_spread_kernel<true> drew it */
+    uint32_t wn;
+    const bool penalized = row_penalized(p, st, a.hist_cap, &wn);
+    /* A tier-C row whose logits no penalty changed: sample_spread_kernel<false>'s (a kernel of
+     * its own, whose registers stay out of this one's). */
+    if (!LP && row_cseg(a, p, penalized))
+        return;
     if (penalized)
         penalties(x, a, p, st, ring, lg, wn);
 
@@ -1216,15 +1540,7 @@ template <class X, bool LP> HD void sample_row(X &x, const Args &a, uint32_t row
     if (hist0_ready)
         clear_hist(x, W_COUNT, B0);
     if (seg)
-        x.each([&](int t) {
-            const bool in = (uint32_t)t < NSEG;
-            const ScanPart sp = in ? a.part[(size_t)row * NSEG + (uint32_t)t] : ScanPart{};
-            s.tf0[t] = in ? sp.bv : -INFINITY;
-            s.ti0[t] = in ? sp.bi : -1;
-            s.ti1[t] = in ? (int)sp.c : 0;
-            s.tf1[t] = -INFINITY;
-            s.td0[t] = 0.0;
-        });
+        load_parts(x, a, row);
     else
         x.each([&](int t) {
             float bv = -INFINITY, lm = -INFINITY, ls = 0.0f;
@@ -1257,9 +1573,7 @@ template <class X, bool LP> HD void sample_row(X &x, const Args &a, uint32_t row
     if (ncand == 0)
         XNOTE(x, NOTE_NONE);
     if (ncand > 0) {
-        const int32_t am = (int32_t)x.min_l([&](int t) -> long long {
-            return s.ti0[t] >= 0 && s.tf0[t] == M ? s.ti0[t] : INT_MAX;
-        });
+        const int32_t am = pass_argmax(x, M);
         if (LP)
             lz = x.sum_d([&](int t) -> double {
                 const double sm = s.td0[t];
@@ -1277,27 +1591,7 @@ template <class X, bool LP> HD void sample_row(X &x, const Args &a, uint32_t row
             tok = M == INFINITY ? am : sample_dist(x, a, p, lg, M, ncand, u01, hist0_ready);
         }
     }
-    x.single([&]() {
-        a.tokens[row] = tok;
-        if (LP) {
-            float lp = -INFINITY;
-            if (tok >= 0) {
-                const float l = lg[tok];
-                lp = (float)((l == M ? 0.0 : (double)l - (double)M) - log(lz));
-            }
-            a.logprobs[row] = lp;
-        }
-        moe_cuda_sample_state *g = a.state + sr;
-        if (drew)
-            for (int k = 0; k < 4; k++)
-                g->rng[k] = st.rng[k];
-        if (a.accept && tok >= 0 && a.hist_cap) {
-            a.ring[(size_t)sr * a.hist_cap + (uint32_t)st.hist_head] = tok;
-            g->hist_head = (int32_t)(((uint32_t)st.hist_head + 1) % a.hist_cap);
-            if ((uint32_t)st.hist_len < a.hist_cap)
-                g->hist_len = st.hist_len + 1;
-        }
-    });
+    row_finish<X, LP>(x, a, row, sr, st, tok, drew, lg, M, lz);
 }
 
 /* The first pass of a greedy row spread over the GPU: block (g, r) scans segment g of logits
@@ -1354,12 +1648,98 @@ __global__ void __launch_bounds__(SCAN_NT) scan_kernel(const float *logits, uint
     }
 }
 
+/* The weights' sums of tier-C rows (csum_row, read through the row map) spread over the GPU:
+ * block (g, r) sums segment g of logits row r, a thread a contiguous sub-range (csub_sum), the
+ * SCAN_NT sums then added in thread order by one thread (tier_c_seg repeats exactly this). The
+ * row's maximum and candidate count come from scan_kernel's segments, as the sample kernel takes
+ * them, so the weights are the ones it would compute. Other rows are left alone. */
+__global__ void __launch_bounds__(SCAN_NT)
+csum_kernel(const float *logits, uint32_t nv, const ScanPart *part, const int32_t *rowmap,
+            const moe_cuda_sample_row *params, CSum *out)
+{
+    const uint32_t row = blockIdx.y, g = blockIdx.x;
+    const moe_cuda_sample_row p = params[rowmap ? (uint32_t)rowmap[row] : row];
+    if (!csum_row(p))
+        return;
+    __shared__ float sM;
+    __shared__ uint32_t sN;
+    __shared__ double sv[SCAN_NT];
+    __shared__ int sl[SCAN_NT];
+    const ScanPart *pr = part + (size_t)row * NSEG;
+    if (threadIdx.x < 32) {
+        float m = -INFINITY;
+        uint32_t c = 0;
+        for (uint32_t k = threadIdx.x; k < NSEG; k += 32) {
+            m = fmaxf(m, pr[k].bv);
+            c += pr[k].c;
+        }
+        for (int o = 16; o > 0; o >>= 1) {
+            m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+            c += __shfl_xor_sync(0xffffffffu, c, o);
+        }
+        if (threadIdx.x == 0) {
+            sM = m;
+            sN = c;
+        }
+    }
+    __syncthreads();
+    const float M = sM;
+    const uint32_t ncand = sN;
+    const float cut = p.min_p > 0.0f && ncand > 1 ? fadd(M, p.log_min_p) : -INFINITY;
+    const WCtx wt = {M, (double)p.temperature};
+    const float *lg = logits + (size_t)row * nv;
+    uint32_t i0, i1;
+    seg_range(nv, g, &i0, &i1);
+    int last;
+    sv[threadIdx.x] = csub_sum(lg, i0, i1, (int)threadIdx.x, cut, wt, &last);
+    sl[threadIdx.x] = last;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        double z = 0.0;
+        int lst = -1;
+        for (int t = 0; t < SCAN_NT; t++) {
+            z += sv[t];
+            lst = sl[t] > lst ? sl[t] : lst;
+        }
+        out[(size_t)row * NSEG + g] = CSum{z, lst};
+    }
+}
+
 template <bool LP> __global__ void __launch_bounds__(NT, 1) sample_kernel(Args a)
 {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     DevExec x;
     x.sh = smem_carve(smem_raw, a.list_cap, pow2ceil(a.hist_cap));
     sample_row<DevExec, LP>(x, a, blockIdx.x);
+}
+
+/* Rows drawn by a kernel of their own (whose registers stay out of sample_kernel's), one block
+ * each. TOPK: top-k rows whose logits no penalty changes (topk_row), before sample_kernel;
+ * kdone[row] says whether this kernel drew the row (sample_row_topk) or left it to
+ * sample_kernel. Else: the rows that csum_kernel summed (row_cseg), after sample_kernel, which
+ * leaves them. */
+template <bool TOPK> __global__ void __launch_bounds__(NT, 1) sample_spread_kernel(Args a)
+{
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    const uint32_t row = blockIdx.x;
+    const uint32_t sr = a.rowmap ? (uint32_t)a.rowmap[row] : row;
+    const moe_cuda_sample_row p = a.params[sr];
+    const moe_cuda_sample_state st = a.state[sr];
+    uint32_t wn;
+    const bool pen = row_penalized(p, st, a.hist_cap, &wn);
+    const bool mine = TOPK ? topk_row(p) && !pen : row_cseg(a, p, pen);
+    bool done = false;
+    if (mine) {
+        DevExec x;
+        x.sh = smem_carve(smem_raw, a.list_cap, pow2ceil(a.hist_cap));
+        const float *lg = a.logits + (size_t)row * a.n_vocab;
+        if (TOPK)
+            done = sample_row_topk(x, a, p, st, row, sr, lg);
+        else
+            sample_row_cseg(x, a, p, st, row, sr, lg);
+    }
+    if (TOPK && threadIdx.x == 0)
+        a.kdone[row] = done;
 }
 
 /* Row setup by value: kernel arguments are copied when the launch is enqueued, so the host's
@@ -1482,17 +1862,24 @@ struct moe_cuda_sampler {
     moe_cuda_sample_state *d_state;
     int32_t *d_ring;
     ScanPart *d_part; /* [max_rows][NSEG] */
-    uint8_t *plain;   /* [max_rows], host: the row is greedy and no penalty can change its logits */
+    CSum *d_csum;     /* [max_rows][NSEG] */
+    uint8_t *d_kdone; /* [max_rows] */
+    uint8_t *plain;   /* [max_rows], host: moe_cuda_sampler_row_spread's mask of the row */
 };
 
-/* Whether a row with these parameters samples greedily from logits no penalty changes: what
- * sample_kernel's rows take scan_kernel's segments for (it also skips penalties whose window
- * holds no token yet, so this is the conservative side of its test). */
-static bool plain_greedy(const moe_cuda_sample_row &r)
+/* The first passes that sample_kernel can take spread over the GPU for a row with these
+ * parameters, whose logits no penalty changes (the kernel also skips penalties whose window holds
+ * no token yet, so this is the conservative side of its test): MOE_CUDA_SPREAD_GREEDY (greedy:
+ * scan_kernel), MOE_CUDA_SPREAD_TIER_C (csum_row: scan_kernel and csum_kernel), or 0. */
+static int spread_mask(const moe_cuda_sample_row &r)
 {
-    return !(r.temperature > 0.0f) &&
-           (r.penalty_last_n == 0 || (r.repeat_penalty == 1.0f && r.presence_penalty == 0.0f &&
-                                      r.frequency_penalty == 0.0f));
+    if (!(r.penalty_last_n == 0 || (r.repeat_penalty == 1.0f && r.presence_penalty == 0.0f &&
+                                    r.frequency_penalty == 0.0f)))
+        return 0;
+    return !(r.temperature > 0.0f) ? MOE_CUDA_SPREAD_GREEDY
+           : csum_row(r)          ? MOE_CUDA_SPREAD_TIER_C
+           : topk_row(r)          ? MOE_CUDA_SPREAD_TOPK
+                                  : 0;
 }
 
 extern "C" void moe_cuda_sampler_free(struct moe_cuda_sampler *s)
@@ -1503,6 +1890,8 @@ extern "C" void moe_cuda_sampler_free(struct moe_cuda_sampler *s)
     cudaFree(s->d_state);
     cudaFree(s->d_ring);
     cudaFree(s->d_part);
+    cudaFree(s->d_csum);
+    cudaFree(s->d_kdone);
     free(s->plain);
     free(s);
 }
@@ -1512,12 +1901,18 @@ static int sampler_alloc(struct moe_cuda_sampler *s)
     MOE_CUDA_TRY(cudaMalloc((void **)&s->d_params, sizeof *s->d_params * s->max_rows));
     MOE_CUDA_TRY(cudaMalloc((void **)&s->d_state, sizeof *s->d_state * s->max_rows));
     MOE_CUDA_TRY(cudaMalloc((void **)&s->d_part, sizeof *s->d_part * s->max_rows * NSEG));
+    MOE_CUDA_TRY(cudaMalloc((void **)&s->d_csum, sizeof *s->d_csum * s->max_rows * NSEG));
+    MOE_CUDA_TRY(cudaMalloc((void **)&s->d_kdone, s->max_rows));
     if (s->hist_cap)
         MOE_CUDA_TRY(cudaMalloc((void **)&s->d_ring,
                                 sizeof *s->d_ring * (size_t)s->max_rows * s->hist_cap));
     MOE_CUDA_TRY(cudaFuncSetAttribute(sample_kernel<false>,
                                       cudaFuncAttributeMaxDynamicSharedMemorySize, (int)s->smem));
     MOE_CUDA_TRY(cudaFuncSetAttribute(sample_kernel<true>,
+                                      cudaFuncAttributeMaxDynamicSharedMemorySize, (int)s->smem));
+    MOE_CUDA_TRY(cudaFuncSetAttribute(sample_spread_kernel<false>,
+                                      cudaFuncAttributeMaxDynamicSharedMemorySize, (int)s->smem));
+    MOE_CUDA_TRY(cudaFuncSetAttribute(sample_spread_kernel<true>,
                                       cudaFuncAttributeMaxDynamicSharedMemorySize, (int)s->smem));
     struct moe_sampler_params dp;
     moe_sampler_defaults(&dp);
@@ -1536,7 +1931,7 @@ static int sampler_alloc(struct moe_cuda_sampler *s)
     }
     for (uint32_t r = 0; r < s->max_rows; r++) {
         rows[r] = row;
-        s->plain[r] = plain_greedy(row);
+        s->plain[r] = (uint8_t)spread_mask(row);
         rng_seed(dp.seed, sts[r].rng);
     }
     cudaError_t e1 = cudaMemcpy(s->d_params, rows, sizeof *rows * s->max_rows,
@@ -1614,13 +2009,13 @@ extern "C" int moe_cuda_sampler_set_row(struct moe_cuda_sampler *s, uint32_t row
     rng_seed(p->seed, v.st.rng);
     set_row_kernel<<<1, 32, 0, st>>>(s->d_params, s->d_state, row, v);
     MOE_CUDA_TRY(cudaGetLastError());
-    s->plain[row] = plain_greedy(r);
+    s->plain[row] = (uint8_t)spread_mask(r);
     return 0;
 }
 
-extern "C" int moe_cuda_sampler_plain_greedy(const struct moe_cuda_sampler *s, uint32_t row)
+extern "C" int moe_cuda_sampler_row_spread(const struct moe_cuda_sampler *s, uint32_t row)
 {
-    return row < s->max_rows && s->plain[row];
+    return row < s->max_rows ? s->plain[row] : 0;
 }
 
 extern "C" int moe_cuda_sampler_set_history(struct moe_cuda_sampler *s, uint32_t row,
@@ -1661,12 +2056,13 @@ extern "C" int moe_cuda_sampler_set_history(struct moe_cuda_sampler *s, uint32_t
 extern "C" int moe_cuda_sample(struct moe_cuda_sampler *s, float *d_logits, uint32_t n_rows,
                                int32_t *d_tokens, float *d_logprobs, int accept, cudaStream_t st)
 {
-    return moe_cuda_sample_rows(s, d_logits, n_rows, NULL, d_tokens, d_logprobs, accept, 1, st);
+    return moe_cuda_sample_rows(s, d_logits, n_rows, NULL, d_tokens, d_logprobs, accept,
+                                MOE_CUDA_SPREAD_ALL, st);
 }
 
 extern "C" int moe_cuda_sample_rows(struct moe_cuda_sampler *s, float *d_logits, uint32_t n_rows,
                                     const int32_t *d_rowmap, int32_t *d_tokens,
-                                    float *d_logprobs, int accept, int scan,
+                                    float *d_logprobs, int accept, int spread,
                                     cudaStream_t st)
 {
     if (n_rows > s->max_rows || !d_logits || !d_tokens || ((uintptr_t)d_logits & 3) ||
@@ -1675,19 +2071,34 @@ extern "C" int moe_cuda_sample_rows(struct moe_cuda_sampler *s, float *d_logits,
     if (n_rows == 0)
         return 0;
     Args a;
-    /* Rows without logprobs: their first pass spread over the GPU for the greedy ones (the
-     * others scan their row themselves), when the caller says there may be such rows.
-     * MOE_SAMPLE_SCAN=0: every row scans itself. */
-    static int scan_env = -1;
+    /* Rows without logprobs: the first pass spread over the GPU for the greedy ones and for
+     * those drawn in id order at a temperature, whose weights' sums are spread too (the others
+     * scan their row themselves), when the caller says there may be such rows (spread, a mask
+     * of moe_cuda_sampler_row_spread's). MOE_SAMPLE_SCAN=0: every row scans itself;
+     * MOE_SAMPLE_CSUM=0: every row sums its own weights. */
+    static int scan_env = -1, csum_env = -1, topk_env = -1;
     if (scan_env < 0) {
-        const char *v = getenv("MOE_SAMPLE_SCAN");
+        const char *v = getenv("MOE_SAMPLE_SCAN"), *c = getenv("MOE_SAMPLE_CSUM"),
+                   *k = getenv("MOE_SAMPLE_TOPK");
         scan_env = !(v && !strcmp(v, "0"));
+        csum_env = !(c && !strcmp(c, "0"));
+        topk_env = !(k && !strcmp(k, "0"));
     }
+    const bool csum = (spread & MOE_CUDA_SPREAD_TIER_C) && csum_env;
+    const bool topk = (spread & MOE_CUDA_SPREAD_TOPK) && topk_env;
     a.part = NULL;
-    if (!d_logprobs && scan && scan_env) {
+    a.csum = NULL;
+    a.kdone = NULL;
+    if (!d_logprobs && (csum || topk || (spread & MOE_CUDA_SPREAD_GREEDY)) && scan_env) {
         scan_kernel<<<dim3(NSEG, n_rows), SCAN_NT, 0, st>>>(d_logits, s->n_vocab, s->d_part);
         MOE_CUDA_TRY(cudaGetLastError());
         a.part = s->d_part;
+        if (csum) {
+            csum_kernel<<<dim3(NSEG, n_rows), SCAN_NT, 0, st>>>(d_logits, s->n_vocab, s->d_part,
+                                                                d_rowmap, s->d_params, s->d_csum);
+            MOE_CUDA_TRY(cudaGetLastError());
+            a.csum = s->d_csum;
+        }
     }
     a.logits = d_logits;
     a.rowmap = d_rowmap;
@@ -1702,11 +2113,20 @@ extern "C" int moe_cuda_sample_rows(struct moe_cuda_sampler *s, float *d_logits,
     a.chunk = (s->list_cap + NT - 1) / NT;
     a.accept = accept != 0;
     a.lev = s->lev;
+    if (a.part && topk) {
+        a.kdone = s->d_kdone;
+        sample_spread_kernel<true><<<n_rows, NT, s->smem, st>>>(a);
+        MOE_CUDA_TRY(cudaGetLastError());
+    }
     if (d_logprobs)
         sample_kernel<true><<<n_rows, NT, s->smem, st>>>(a);
     else
         sample_kernel<false><<<n_rows, NT, s->smem, st>>>(a);
     MOE_CUDA_TRY(cudaGetLastError());
+    if (a.csum) {
+        sample_spread_kernel<false><<<n_rows, NT, s->smem, st>>>(a);
+        MOE_CUDA_TRY(cudaGetLastError());
+    }
     return 0;
 }
 

@@ -95,16 +95,27 @@ int moe_cuda_sample(struct moe_cuda_sampler *s, float *d_logits, uint32_t n_rows
 
 /* The same with logits row r sampled by state row d_rowmap[r] (a device array of n_rows distinct
  * rows below max_rows; NULL: row r), e.g. a decode step's rows mapped to their sequences.
- * scan != 0: greedy rows whose logits no penalty changes first take a pass over their row
- * spread over many blocks (moe_cuda_sample always does); 0 when no row of the launch is such a
- * row (moe_cuda_sampler_plain_greedy) saves that launch. The tokens are the same either way. */
+ * spread: a mask of the rows' moe_cuda_sampler_row_spread (0 when none of the launch's rows is
+ * such a row saves the launches it would take): greedy rows whose logits no penalty changes
+ * (MOE_CUDA_SPREAD_GREEDY) first take a pass over their row spread over many blocks, and rows
+ * drawn in id order at a temperature (MOE_CUDA_SPREAD_TIER_C) also have their weights summed
+ * that way; top-k rows of k <= 64 (MOE_CUDA_SPREAD_TOPK) find their top k from that pass's
+ * segments instead of a radix refinement. moe_cuda_sample spreads what it can. The draws are those of the one-block passes
+ * (the sums of tier-C weights add the same terms in another order). */
+#define MOE_CUDA_SPREAD_GREEDY 1
+#define MOE_CUDA_SPREAD_TIER_C 2
+#define MOE_CUDA_SPREAD_TOPK 4
+#define MOE_CUDA_SPREAD_ALL 7
 int moe_cuda_sample_rows(struct moe_cuda_sampler *s, float *d_logits, uint32_t n_rows,
                          const int32_t *d_rowmap, int32_t *d_tokens, float *d_logprobs, int accept,
-                         int scan, cudaStream_t st);
+                         int spread, cudaStream_t st);
 
-/* 1 if row's parameters (moe_cuda_sampler_set_row, else the defaults) are greedy with no penalty
- * that can change its logits; 0 otherwise or for a row out of range. Host-side, no CUDA call. */
-int moe_cuda_sampler_plain_greedy(const struct moe_cuda_sampler *s, uint32_t row);
+/* Which passes of row's draws can be spread over the GPU, by its parameters
+ * (moe_cuda_sampler_set_row, else the defaults): MOE_CUDA_SPREAD_GREEDY (temperature 0),
+ * MOE_CUDA_SPREAD_TIER_C (a temperature without top-k or top-p), MOE_CUDA_SPREAD_TOPK (a
+ * temperature and 1 <= top_k <= 64), 0 with a penalty that can change
+ * its logits, other parameters, or a row out of range. Host-side, no CUDA call. */
+int moe_cuda_sampler_row_spread(const struct moe_cuda_sampler *s, uint32_t row);
 
 /* Test and debugging helpers; both synchronise with st. Copies row's generator state to
  * state[4]. Copies up to cap of row's history tokens, oldest first, to out and returns how many
