@@ -145,7 +145,9 @@ struct cuda_backend {
     int32_t *d_route_hist, *h_route_hist;
     bool record;                     /* this step records */
     bool sample;
-    int spread;                      /* the sampled rows' moe_cuda_sampler_row_spread, or-ed */
+    int spread;                      /* the sampled rows' moe_cuda_sampler_row_spread, or-ed,
+                                      * of the kinds spread_allow lets through */
+    int spread_allow;                /* MOE_SAMPLE_SPREAD: greedy (default), all or 0 */
     float *d_rope;                   /* [nb][hd] */
     unsigned long long *counts;      /* [L][nexp] */
     int32_t *h_in;                   /* pinned staging */
@@ -1828,6 +1830,15 @@ static int cuda_init(struct moe_backend **out, const struct moe_model *m, struct
     b->tc = moe_cuda_expert_tc_env();
     b->route_fold = env_on("MOE_CUDA_ROUTE_FOLD");
     b->norm_fold = env_on("MOE_CUDA_NORM_FOLD");
+    {
+        /* The sampler's passes spread over the GPU: for greedy rows by default; for tier-C and
+         * top-k rows too with MOE_SAMPLE_SPREAD=all (not yet the default: written, its GPU
+         * tests not yet run); 0: none. */
+        const char *v = getenv("MOE_SAMPLE_SPREAD");
+        b->spread_allow = v && !strcmp(v, "all") ? MOE_CUDA_SPREAD_ALL
+                          : v && !strcmp(v, "0") ? 0
+                                                 : MOE_CUDA_SPREAD_GREEDY;
+    }
     /* Opt-in: measured 1.5% slower at batch 1 than its own launch (H200, docs/benchmarks.md). */
     b->rope_fold = getenv("MOE_CUDA_ROPE_FOLD") && !strcmp(getenv("MOE_CUDA_ROPE_FOLD"), "1");
     b->att_rope = getenv("MOE_CUDA_ATT_ROPE") && !strcmp(getenv("MOE_CUDA_ATT_ROPE"), "1");
@@ -2476,7 +2487,8 @@ static int cuda_begin(struct moe_backend *bb, const struct moe_step *st)
                           (long long)st->n_out);
         for (int64_t i = 0; i < st->n_out; i++) {
             b->h_in[4 * nb + i] = st->seq[st->out_row[i]];
-            b->spread |= moe_cuda_sampler_row_spread(b->smp, (uint32_t)b->h_in[4 * nb + i]);
+            b->spread |= moe_cuda_sampler_row_spread(b->smp, (uint32_t)b->h_in[4 * nb + i]) &
+                         b->spread_allow;
         }
     }
     memcpy(b->h_rope, st->rope, sizeof(float) * n * (size_t)b->d.hd);

@@ -2074,18 +2074,14 @@ extern "C" int moe_cuda_sample_rows(struct moe_cuda_sampler *s, float *d_logits,
     /* Rows without logprobs: the first pass spread over the GPU for the greedy ones and for
      * those drawn in id order at a temperature, whose weights' sums are spread too (the others
      * scan their row themselves), when the caller says there may be such rows (spread, a mask
-     * of moe_cuda_sampler_row_spread's). MOE_SAMPLE_SCAN=0: every row scans itself;
-     * MOE_SAMPLE_CSUM=0: every row sums its own weights. */
-    static int scan_env = -1, csum_env = -1, topk_env = -1;
+     * of moe_cuda_sampler_row_spread's). MOE_SAMPLE_SCAN=0: every row scans itself. */
+    static int scan_env = -1;
     if (scan_env < 0) {
-        const char *v = getenv("MOE_SAMPLE_SCAN"), *c = getenv("MOE_SAMPLE_CSUM"),
-                   *k = getenv("MOE_SAMPLE_TOPK");
+        const char *v = getenv("MOE_SAMPLE_SCAN");
         scan_env = !(v && !strcmp(v, "0"));
-        csum_env = !(c && !strcmp(c, "0"));
-        topk_env = !(k && !strcmp(k, "0"));
     }
-    const bool csum = (spread & MOE_CUDA_SPREAD_TIER_C) && csum_env;
-    const bool topk = (spread & MOE_CUDA_SPREAD_TOPK) && topk_env;
+    const bool csum = (spread & MOE_CUDA_SPREAD_TIER_C) != 0;
+    const bool topk = (spread & MOE_CUDA_SPREAD_TOPK) != 0;
     a.part = NULL;
     a.csum = NULL;
     a.kdone = NULL;
