@@ -10,7 +10,8 @@
  * spread passes against none, draw for draw. Vocabularies of 33 to 151936 logits, LLM-like,
  * tied, flat, peaked logits with -inf, NaN and +inf among them, parameter sets of each path
  * (temperature alone, with min-p, top-k 1..64 with and without top-p and min-p, top-k above 64,
- * a sort list of 8 entries that sends top-k rows back to the main kernel). The GPU tests
+ * top-p alone, penalties, a sort list of 8 entries that sends top-k rows back to the main kernel
+ * and rows through the exact tier B). The GPU tests
  * (tests/gpu/test_cuda_sample.c) check the kernels themselves. */
 #include <limits.h>
 #include <math.h>
@@ -304,16 +305,27 @@ struct pset {
     const char *name;
     float t;
     int32_t k;
-    float top_p, min_p;
+    float top_p, min_p, rep, pres, freq;
+    int32_t last_n;
 };
 
 static const struct pset psets[] = {
-    {"greedy", 0.0f, 0, 1.0f, 0.0f},          {"temperature", 1.0f, 0, 1.0f, 0.0f},
-    {"hot", 1.7f, 0, 1.0f, 0.0f},             {"min-p", 0.7f, 0, 1.0f, 0.1f},
-    {"top-k 1", 1.0f, 1, 1.0f, 0.0f},         {"top-k 20 p", 0.6f, 20, 0.95f, 0.0f},
-    {"defaults", 0.8f, 40, 0.95f, 0.05f},     {"top-k 64", 1.0f, 64, 1.0f, 0.0f},
-    {"top-k 65", 1.0f, 65, 0.9f, 0.0f},       {"top-k 7 min-p", 1.3f, 7, 1.0f, 0.2f},
-    {"top-p", 0.9f, 0, 0.9f, 0.0f},
+    {"greedy", 0.0f, 0, 1.0f, 0.0f, 1.0f, 0.0f, 0.0f, 64},
+    {"temperature", 1.0f, 0, 1.0f, 0.0f, 1.0f, 0.0f, 0.0f, 64},
+    {"hot", 1.7f, 0, 1.0f, 0.0f, 1.0f, 0.0f, 0.0f, 64},
+    {"min-p", 0.7f, 0, 1.0f, 0.1f, 1.0f, 0.0f, 0.0f, 64},
+    {"top-k 1", 1.0f, 1, 1.0f, 0.0f, 1.0f, 0.0f, 0.0f, 64},
+    {"top-k 20 p", 0.6f, 20, 0.95f, 0.0f, 1.0f, 0.0f, 0.0f, 64},
+    {"defaults", 0.8f, 40, 0.95f, 0.05f, 1.0f, 0.0f, 0.0f, 64},
+    {"top-k 64", 1.0f, 64, 1.0f, 0.0f, 1.0f, 0.0f, 0.0f, 64},
+    {"top-k 65", 1.0f, 65, 0.9f, 0.0f, 1.0f, 0.0f, 0.0f, 64},
+    {"top-k 7 min-p", 1.3f, 7, 1.0f, 0.2f, 1.0f, 0.0f, 0.0f, 64},
+    {"top-p", 0.9f, 0, 0.9f, 0.0f, 1.0f, 0.0f, 0.0f, 64},
+    {"top-p 0.5", 0.6f, 0, 0.5f, 0.0f, 1.0f, 0.0f, 0.0f, 64},
+    {"top-k 300 p", 0.9f, 300, 0.9f, 0.0f, 1.0f, 0.0f, 0.0f, 64},
+    {"greedy+pen", 0.0f, 40, 0.9f, 0.05f, 1.3f, 0.4f, 0.2f, 64},
+    {"penalties", 0.9f, 40, 0.95f, 0.0f, 1.5f, 0.5f, 0.3f, 32},
+    {"temperature+pen", 1.0f, 0, 1.0f, 0.0f, 1.2f, 0.5f, 0.3f, -1},
 };
 #define N_PSET (sizeof psets / sizeof psets[0])
 
@@ -321,7 +333,8 @@ static const struct pset psets[] = {
 static void run_vocab(uint32_t nv, int steps, uint32_t list_cap, bool rev, long *draws,
                       long *differ, long *differ_spread, long *n_topk, long *n_cseg)
 {
-    const uint32_t rows = (uint32_t)N_PSET, hist = 64;
+    /* hist above the steps: a whole-history window stays within the ring */
+    const uint32_t rows = (uint32_t)N_PSET, hist = 256;
     Emu e[2];
     struct moe_sampler *cpu[N_PSET];
     for (int k = 0; k < 2; k++) {
@@ -333,6 +346,10 @@ static void run_vocab(uint32_t nv, int steps, uint32_t list_cap, bool rev, long 
             sp.top_k = psets[r].k;
             sp.top_p = psets[r].top_p;
             sp.min_p = psets[r].min_p;
+            sp.repeat_penalty = psets[r].rep;
+            sp.presence_penalty = psets[r].pres;
+            sp.frequency_penalty = psets[r].freq;
+            sp.penalty_last_n = psets[r].last_n;
             sp.seed = 777 + r;
             char err[128];
             CHECK_EQ(fill_row(&sp, hist, &e[k].params[r], err, sizeof err), 0);
@@ -347,8 +364,14 @@ static void run_vocab(uint32_t nv, int steps, uint32_t list_cap, bool rev, long 
     int32_t t0[N_PSET], t1[N_PSET];
     CHECK(l0 && l1 && l2);
     for (int s = 0; s < steps; s++) {
-        for (uint32_t r = 0; r < rows; r++)
-            make_logits((int)((r + (uint32_t)s) % N_GEN), l0 + (size_t)r * nv, nv);
+        for (uint32_t r = 0; r < rows; r++) {
+            int g = (int)((r + (uint32_t)s) % N_GEN);
+            /* A +inf row's token is the device's own (below), so the histories, and with them
+             * the penalties, would part from the CPU's. */
+            if (g == G_PINF && psets[r].rep != 1.0f)
+                g = G_LLM;
+            make_logits(g, l0 + (size_t)r * nv, nv);
+        }
         memcpy(l1, l0, sizeof(float) * rows * nv);
         memcpy(l2, l0, sizeof(float) * rows * nv);
         CHECK_EQ(emu_sample(&e[0], l1, MOE_CUDA_SPREAD_ALL, t0, rev), 0);
