@@ -37,9 +37,10 @@
  *      scan_kernel's segment maxima in a kernel of their own (sample_row_topk).
  *
  * The per-row algorithm is written once, as __host__ __device__ templates over an "executor"
- * (each / single / reductions / scans / shared atomics). The kernel instantiates it with
- * DevExec; a host program can instantiate it with an executor that runs the 1024 threads of a
- * phase one after another (in any order) and compare it with worker/sampler.c without a GPU.
+ * (each / single / reductions / scans / shared atomics), in worker/cuda/sample_dev.cuh. The
+ * kernels instantiate it with DevExec; tests/test_sample_host.cu instantiates it with an
+ * executor that runs the 1024 threads of a phase one after another and compares it with
+ * worker/sampler.c without a GPU.
  * Rules that make both valid: code between two executor calls is block-uniform (every thread
  * computes the same values); per-thread data that outlives a phase lives in shared arrays
  * indexed by thread; a uniform value computed by some threads reaches all through a reduction. */
