@@ -6,7 +6,8 @@
  * the top-k rows' kernel (sample_row_topk), the main kernel (sample_row) and the tier-C rows'
  * kernel (sample_row_cseg). Checked against worker/sampler.c in lockstep (each row's CPU
  * sampler seeded alike): greedy and empty rows exactly, seeded draws but for a rounding of a
- * boundary (the sums run in another order), every generator state equal at the end; and the
+ * boundary (the sums run in another order), the penalised logits bit for bit, every generator
+ * state equal at the end; and the
  * spread passes against none, draw for draw. Vocabularies of 33 to 151936 logits, LLM-like,
  * tied, flat, peaked logits with -inf, NaN and +inf among them, parameter sets of each path
  * (temperature alone, with min-p, top-k 1..64 with and without top-p and min-p, top-k above 64,
@@ -331,7 +332,8 @@ static const struct pset psets[] = {
 
 /* rows = N_PSET, each row its parameter set; steps of fresh logits per row. */
 static void run_vocab(uint32_t nv, int steps, uint32_t list_cap, bool rev, long *draws,
-                      long *differ, long *differ_spread, long *n_topk, long *n_cseg)
+                      long *differ, long *differ_spread, long *n_topk, long *n_cseg,
+                      long *pen_differ)
 {
     /* hist above the steps: a whole-history window stays within the ring */
     const uint32_t rows = (uint32_t)N_PSET, hist = 256;
@@ -361,8 +363,9 @@ static void run_vocab(uint32_t nv, int steps, uint32_t list_cap, bool rev, long 
     float *l0 = (float *)malloc(sizeof(float) * rows * nv);
     float *l1 = (float *)malloc(sizeof(float) * rows * nv);
     float *l2 = (float *)malloc(sizeof(float) * rows * nv);
+    float *pen = (float *)malloc(sizeof(float) * nv);
     int32_t t0[N_PSET], t1[N_PSET];
-    CHECK(l0 && l1 && l2);
+    CHECK(l0 && l1 && l2 && pen);
     for (int s = 0; s < steps; s++) {
         for (uint32_t r = 0; r < rows; r++) {
             int g = (int)((r + (uint32_t)s) % N_GEN);
@@ -378,6 +381,10 @@ static void run_vocab(uint32_t nv, int steps, uint32_t list_cap, bool rev, long 
         CHECK_EQ(emu_sample(&e[1], l2, 0, t1, !rev), 0);
         for (uint32_t r = 0; r < rows; r++) {
             const float *row = l0 + (size_t)r * nv;
+            /* The logits the emulated kernels left in place are the CPU's penalised ones. */
+            memcpy(pen, row, sizeof(float) * nv);
+            moe_sampler_apply_penalties(cpu[r], pen);
+            *pen_differ += memcmp(pen, l1 + (size_t)r * nv, sizeof(float) * nv) != 0;
             const int32_t c = moe_sampler_sample(cpu[r], row);
             moe_sampler_accept(cpu[r], c);
             int32_t pinf = -1; /* the lowest +inf id */
@@ -417,6 +424,7 @@ static void run_vocab(uint32_t nv, int steps, uint32_t list_cap, bool rev, long 
     free(l0);
     free(l1);
     free(l2);
+    free(pen);
     emu_free(&e[0]);
     emu_free(&e[1]);
 }
@@ -430,13 +438,14 @@ TEST_TIMEOUT(sample_host_spread_passes_match_the_cpu, 300)
         uint32_t list_cap;
     } cfg[] = {{33, 150, 8192}, {1000, 60, 8192}, {4097, 24, 8192}, {1000, 40, 8},
                {151936, 4, 8192}};
-    long draws = 0, differ = 0, differ_spread = 0, n_topk = 0, n_cseg = 0;
+    long draws = 0, differ = 0, differ_spread = 0, n_topk = 0, n_cseg = 0, pen_differ = 0;
     for (size_t i = 0; i < sizeof cfg / sizeof cfg[0]; i++)
         run_vocab(cfg[i].nv, cfg[i].steps, cfg[i].list_cap, i % 2 == 1, &draws, &differ,
-                  &differ_spread, &n_topk, &n_cseg);
+                  &differ_spread, &n_topk, &n_cseg, &pen_differ);
     printf("  %ld seeded draws (%ld rows by the top-k kernel, %ld by the tier-C one): %ld differ "
            "from the CPU's, %ld between spread and one-block passes\n",
            draws, n_topk, n_cseg, differ, differ_spread);
+    CHECK_EQ(pen_differ, 0);
     CHECK(draws > 2000);
     CHECK(n_topk > 500);
     CHECK(n_cseg > 500);
