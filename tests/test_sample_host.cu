@@ -2,18 +2,16 @@
  * that runs the 1024 threads of each phase one after another (in forward or reverse order, so
  * that an order dependence inside a phase shows), shared memory poisoned before every row, and
  * the launches of moe_cuda_sample_rows emulated in their order: the first pass over 64 segments
- * (scan_kernel), the tier-C weights' sums per segment (csum_kernel, the same code: csub_sum),
- * the top-k rows' kernel (sample_row_topk), the main kernel (sample_row) and the tier-C rows'
- * kernel (sample_row_cseg). Checked against worker/sampler.c in lockstep (each row's CPU
- * sampler seeded alike): greedy and empty rows exactly, seeded draws but for a rounding of a
- * boundary (the sums run in another order), the penalised logits bit for bit, every generator
- * state equal at the end; and the
- * spread passes against none, draw for draw. Vocabularies of 33 to 151936 logits, LLM-like,
- * tied, flat, peaked logits with -inf, NaN and +inf among them, parameter sets of each path
- * (temperature alone, with min-p, top-k 1..64 with and without top-p and min-p, top-k above 64,
- * top-p alone, penalties, a sort list of 8 entries that sends top-k rows back to the main kernel
- * and rows through the exact tier B). The GPU tests
- * (tests/gpu/test_cuda_sample.c) check the kernels themselves. */
+ * (scan_kernel), the tier-C weights' sums per segment (csum_kernel's csub_sum and csum_add), the
+ * top-k rows' kernel (sample_row_topk), the main kernel (sample_row) and the tier-C rows' kernel
+ * (sample_row_cseg). Checked against worker/sampler.c in lockstep (each row's CPU sampler seeded
+ * alike): greedy and empty rows exactly, seeded draws but for a rounding of a boundary (the sums
+ * run in another order), the penalised logits bit for bit, every generator state equal at the
+ * end; and the spread passes against none, draw for draw. Vocabularies of 33 to 151936 logits;
+ * the GPU test's logits and parameter sets (tests/sample_cases.h) and a few more at the top-k
+ * kernel's bounds; a sort list of 8 entries that sends top-k rows back to the main kernel and
+ * rows through the exact tier B. The GPU tests (tests/gpu/test_cuda_sample.c) check the kernels
+ * themselves. */
 #include <limits.h>
 #include <math.h>
 #include <stdio.h>
@@ -29,6 +27,7 @@
 extern "C" {
 #include "tests/harness.h"
 }
+#include "tests/sample_cases.h"
 
 using namespace moe_sample;
 
@@ -172,18 +171,8 @@ static HostExec block(Emu *e, bool rev)
 /* spread: the MOE_CUDA_SPREAD_* passes to take. Returns the executor checks that failed. */
 static long emu_sample(Emu *e, float *lg, int spread, int32_t *tok, bool rev)
 {
-    Args a = {};
-    a.logits = lg;
-    a.tokens = tok;
-    a.params = e->params;
-    a.state = e->state;
-    a.ring = e->ring;
-    a.n_vocab = e->nv;
-    a.hist_cap = e->hist_cap;
-    a.list_cap = e->list_cap;
-    a.chunk = (e->list_cap + NT - 1) / NT;
-    a.accept = 1;
-    a.lev = make_levels(e->nv);
+    Args a = launch_args(lg, NULL, tok, NULL, e->params, e->state, e->ring, e->nv, e->hist_cap,
+                         e->list_cap, true, make_levels(e->nv));
     long fails = 0;
     if (spread) {
         /* scan_kernel: a segment's maximum, the lowest index holding it, its count. */
@@ -212,19 +201,16 @@ static long emu_sample(Emu *e, float *lg, int spread, int32_t *tok, bool rev)
                 M = fmaxf(M, pr[k].bv);
                 ncand += pr[k].c;
             }
-            const float cut = p.min_p > 0.0f && ncand > 1 ? fadd(M, p.log_min_p) : -INFINITY;
+            const float cut = tier_c_cut(p, M, ncand);
             const WCtx wt = {M, (double)p.temperature};
             for (uint32_t g = 0; g < NSEG; g++) {
                 uint32_t i0, i1;
                 seg_range(e->nv, g, &i0, &i1);
-                double z = 0.0;
-                int lst = -1;
-                for (int t = 0; t < SCAN_NT; t++) {
-                    int last;
-                    z += csub_sum(lg + (size_t)r * e->nv, i0, i1, t, cut, wt, &last);
-                    lst = last > lst ? last : lst;
-                }
-                e->csum[(size_t)r * NSEG + g] = CSum{z, lst};
+                double v[SCAN_NT];
+                int last[SCAN_NT];
+                for (int t = 0; t < SCAN_NT; t++)
+                    v[t] = csub_sum(lg + (size_t)r * e->nv, i0, i1, t, cut, wt, &last[t]);
+                e->csum[(size_t)r * NSEG + g] = csum_add(v, last);
             }
         }
         a.csum = e->csum;
@@ -265,70 +251,22 @@ static long emu_sample(Emu *e, float *lg, int spread, int32_t *tok, bool rev)
     return fails;
 }
 
-static float unit_f(void)
-{
-    return ((float)(moe_test_rng_u32() >> 8) + 0.5f) * (1.0f / 16777216.0f);
-}
-
-static float normal_f(void)
-{
-    const float u = unit_f(), v = unit_f();
-    return sqrtf(-2.0f * logf(u)) * cosf(6.2831853f * v);
-}
-
-enum { G_LLM, G_GAUSS, G_FLAT, G_QUANT, G_PEAK, G_INF, G_NAN, G_ALLINF, G_PINF, N_GEN };
-
-static void make_logits(int g, float *l, uint32_t n)
-{
-    for (uint32_t i = 0; i < n; i++) {
-        float v = normal_f();
-        switch (g) {
-        case G_LLM: v = 4.0f * v - 2.0f - 6.0f * logf(unit_f()); break;
-        case G_GAUSS: v *= 3.0f; break;
-        case G_FLAT: v *= 0.05f; break;
-        case G_QUANT: v = roundf(v * 3.0f) * 0.5f; break;
-        case G_INF: v = unit_f() < 0.5f ? -INFINITY : 2.0f * v; break;
-        case G_NAN: v = unit_f() < 0.05f ? NAN : unit_f() < 0.05f ? -INFINITY : 2.0f * v; break;
-        case G_ALLINF: v = unit_f() < 0.5f ? -INFINITY : NAN; break;
-        default: v *= 2.0f; break;
-        }
-        l[i] = v;
-    }
-    if (g == G_PEAK && n > 3) {
-        l[moe_test_rng_u32() % n] += 15.0f;
-        l[moe_test_rng_u32() % n] += 12.0f;
-    }
-    if (g == G_PINF && n > 3)
-        l[moe_test_rng_u32() % n] = INFINITY;
-}
-
-struct pset {
-    const char *name;
-    float t;
-    int32_t k;
-    float top_p, min_p, rep, pres, freq;
-    int32_t last_n;
-};
-
-static const struct pset psets[] = {
-    {"greedy", 0.0f, 0, 1.0f, 0.0f, 1.0f, 0.0f, 0.0f, 64},
-    {"temperature", 1.0f, 0, 1.0f, 0.0f, 1.0f, 0.0f, 0.0f, 64},
-    {"hot", 1.7f, 0, 1.0f, 0.0f, 1.0f, 0.0f, 0.0f, 64},
-    {"min-p", 0.7f, 0, 1.0f, 0.1f, 1.0f, 0.0f, 0.0f, 64},
-    {"top-k 1", 1.0f, 1, 1.0f, 0.0f, 1.0f, 0.0f, 0.0f, 64},
+/* Beside the GPU test's parameter sets: the bounds of the top-k kernel's rows (k 64 and 65, a
+ * small k with min-p), a top-k with top-p, a temperature with penalties. */
+static const struct combo extra[] = {
     {"top-k 20 p", 0.6f, 20, 0.95f, 0.0f, 1.0f, 0.0f, 0.0f, 64},
-    {"defaults", 0.8f, 40, 0.95f, 0.05f, 1.0f, 0.0f, 0.0f, 64},
     {"top-k 64", 1.0f, 64, 1.0f, 0.0f, 1.0f, 0.0f, 0.0f, 64},
     {"top-k 65", 1.0f, 65, 0.9f, 0.0f, 1.0f, 0.0f, 0.0f, 64},
     {"top-k 7 min-p", 1.3f, 7, 1.0f, 0.2f, 1.0f, 0.0f, 0.0f, 64},
-    {"top-p", 0.9f, 0, 0.9f, 0.0f, 1.0f, 0.0f, 0.0f, 64},
-    {"top-p 0.5", 0.6f, 0, 0.5f, 0.0f, 1.0f, 0.0f, 0.0f, 64},
-    {"top-k 300 p", 0.9f, 300, 0.9f, 0.0f, 1.0f, 0.0f, 0.0f, 64},
-    {"greedy+pen", 0.0f, 40, 0.9f, 0.05f, 1.3f, 0.4f, 0.2f, 64},
-    {"penalties", 0.9f, 40, 0.95f, 0.0f, 1.5f, 0.5f, 0.3f, 32},
-    {"temperature+pen", 1.0f, 0, 1.0f, 0.0f, 1.2f, 0.5f, 0.3f, -1},
+    {"temperature+pen", 1.0f, 0, 1.0f, 0.0f, 1.2f, 0.5f, 0.3f, 48},
 };
-#define N_PSET (sizeof psets / sizeof psets[0])
+#define N_EXTRA (sizeof extra / sizeof extra[0])
+#define N_PSET (N_COMBO + N_EXTRA)
+
+static const struct combo *pset(uint32_t r)
+{
+    return r < N_COMBO ? &combos[r] : &extra[r - N_COMBO];
+}
 
 /* rows = N_PSET, each row its parameter set; steps of fresh logits per row. */
 static void run_vocab(uint32_t nv, int steps, uint32_t list_cap, bool rev, long *draws,
@@ -344,14 +282,14 @@ static void run_vocab(uint32_t nv, int steps, uint32_t list_cap, bool rev, long 
         for (uint32_t r = 0; r < rows; r++) {
             struct moe_sampler_params sp;
             moe_sampler_defaults(&sp);
-            sp.temperature = psets[r].t;
-            sp.top_k = psets[r].k;
-            sp.top_p = psets[r].top_p;
-            sp.min_p = psets[r].min_p;
-            sp.repeat_penalty = psets[r].rep;
-            sp.presence_penalty = psets[r].pres;
-            sp.frequency_penalty = psets[r].freq;
-            sp.penalty_last_n = psets[r].last_n;
+            sp.temperature = pset(r)->t;
+            sp.top_k = pset(r)->k;
+            sp.top_p = pset(r)->top_p;
+            sp.min_p = pset(r)->min_p;
+            sp.repeat_penalty = pset(r)->rep;
+            sp.presence_penalty = pset(r)->pres;
+            sp.frequency_penalty = pset(r)->freq;
+            sp.penalty_last_n = pset(r)->last_n;
             sp.seed = 777 + r;
             char err[128];
             CHECK_EQ(fill_row(&sp, hist, &e[k].params[r], err, sizeof err), 0);
@@ -371,7 +309,7 @@ static void run_vocab(uint32_t nv, int steps, uint32_t list_cap, bool rev, long 
             int g = (int)((r + (uint32_t)s) % N_GEN);
             /* A +inf row's token is the device's own (below), so the histories, and with them
              * the penalties, would part from the CPU's. */
-            if (g == G_PINF && psets[r].rep != 1.0f)
+            if (g == G_PINF && pset(r)->rep != 1.0f)
                 g = G_LLM;
             make_logits(g, l0 + (size_t)r * nv, nv);
         }
@@ -391,22 +329,22 @@ static void run_vocab(uint32_t nv, int steps, uint32_t list_cap, bool rev, long 
             for (uint32_t i = 0; i < nv && pinf < 0; i++)
                 if (row[i] == INFINITY)
                     pinf = (int32_t)i;
-            const bool exact = !(psets[r].t > 0.0f) || c < 0;
+            const bool exact = !(pset(r)->t > 0.0f) || c < 0;
             if (pinf >= 0 && !exact) {
                 /* The CPU's arithmetic degenerates on +inf (inf - inf); the device draws the
                  * lowest +inf id (docs/cuda.md). */
                 CHECK_MSG(t0[r] == pinf && t1[r] == pinf, "nv=%u %s: +inf row gave %d / %d, "
-                          "want %d", nv, psets[r].name, t0[r], t1[r], pinf);
+                          "want %d", nv, pset(r)->name, t0[r], t1[r], pinf);
                 continue;
             }
             if (exact)
-                CHECK_MSG(t0[r] == c, "nv=%u step %d %s: %d, cpu %d", nv, s, psets[r].name,
+                CHECK_MSG(t0[r] == c, "nv=%u step %d %s: %d, cpu %d", nv, s, pset(r)->name,
                           t0[r], c);
             else
                 ++*draws;
             *differ += t0[r] != c;
             if (t0[r] != c && getenv("SAMPLE_HOST_DEBUG"))
-                printf("  nv=%u step %d %s: %d, cpu %d, one-block %d\n", nv, s, psets[r].name,
+                printf("  nv=%u step %d %s: %d, cpu %d, one-block %d\n", nv, s, pset(r)->name,
                        t0[r], c, t1[r]);
             *differ_spread += t0[r] != t1[r];
         }
@@ -415,7 +353,7 @@ static void run_vocab(uint32_t nv, int steps, uint32_t list_cap, bool rev, long 
         uint64_t st[4];
         moe_sampler_rng_state(cpu[r], st);
         CHECK_MSG(memcmp(st, e[0].state[r].rng, sizeof st) == 0, "nv=%u %s: generator", nv,
-                  psets[r].name);
+                  pset(r)->name);
         CHECK(memcmp(e[0].state[r].rng, e[1].state[r].rng, sizeof st) == 0);
         moe_sampler_free(cpu[r]);
     }

@@ -154,7 +154,7 @@ csum_kernel(const float *logits, uint32_t nv, const ScanPart *part, const int32_
     __syncthreads();
     const float M = sM;
     const uint32_t ncand = sN;
-    const float cut = p.min_p > 0.0f && ncand > 1 ? fadd(M, p.log_min_p) : -INFINITY;
+    const float cut = tier_c_cut(p, M, ncand);
     const WCtx wt = {M, (double)p.temperature};
     const float *lg = logits + (size_t)row * nv;
     uint32_t i0, i1;
@@ -163,15 +163,8 @@ csum_kernel(const float *logits, uint32_t nv, const ScanPart *part, const int32_
     sv[threadIdx.x] = csub_sum(lg, i0, i1, (int)threadIdx.x, cut, wt, &last);
     sl[threadIdx.x] = last;
     __syncthreads();
-    if (threadIdx.x == 0) {
-        double z = 0.0;
-        int lst = -1;
-        for (int t = 0; t < SCAN_NT; t++) {
-            z += sv[t];
-            lst = sl[t] > lst ? sl[t] : lst;
-        }
-        out[(size_t)row * NSEG + g] = CSum{z, lst};
-    }
+    if (threadIdx.x == 0)
+        out[(size_t)row * NSEG + g] = csum_add(sv, sl);
 }
 
 template <bool LP> __global__ void __launch_bounds__(NT, 1) sample_kernel(Args a)
@@ -494,11 +487,13 @@ extern "C" int moe_cuda_sample_rows(struct moe_cuda_sampler *s, float *d_logits,
         return -EINVAL;
     if (n_rows == 0)
         return 0;
-    Args a;
-    /* Rows without logprobs: the first pass spread over the GPU for the greedy ones and for
-     * those drawn in id order at a temperature, whose weights' sums are spread too (the others
-     * scan their row themselves), when the caller says there may be such rows (spread, a mask
-     * of moe_cuda_sampler_row_spread's). MOE_SAMPLE_SCAN=0: every row scans itself. */
+    Args a = launch_args(d_logits, d_rowmap, d_tokens, d_logprobs, s->d_params, s->d_state,
+                         s->d_ring, s->n_vocab, s->hist_cap, s->list_cap, accept != 0, s->lev);
+    /* Rows without logprobs: the first pass spread over the GPU for the greedy ones, those
+     * drawn in id order at a temperature (whose weights' sums are spread too) and top-k rows of
+     * k <= 64 (the others scan their row themselves), when the caller says there may be such
+     * rows (spread, a mask of moe_cuda_sampler_row_spread's). MOE_SAMPLE_SCAN=0: every row scans
+     * itself. */
     static int scan_env = -1;
     if (scan_env < 0) {
         const char *v = getenv("MOE_SAMPLE_SCAN");
@@ -506,9 +501,6 @@ extern "C" int moe_cuda_sample_rows(struct moe_cuda_sampler *s, float *d_logits,
     }
     const bool csum = (spread & MOE_CUDA_SPREAD_TIER_C) != 0;
     const bool topk = (spread & MOE_CUDA_SPREAD_TOPK) != 0;
-    a.part = NULL;
-    a.csum = NULL;
-    a.kdone = NULL;
     if (!d_logprobs && (csum || topk || (spread & MOE_CUDA_SPREAD_GREEDY)) && scan_env) {
         scan_kernel<<<dim3(NSEG, n_rows), SCAN_NT, 0, st>>>(d_logits, s->n_vocab, s->d_part);
         MOE_CUDA_TRY(cudaGetLastError());
@@ -520,19 +512,6 @@ extern "C" int moe_cuda_sample_rows(struct moe_cuda_sampler *s, float *d_logits,
             a.csum = s->d_csum;
         }
     }
-    a.logits = d_logits;
-    a.rowmap = d_rowmap;
-    a.tokens = d_tokens;
-    a.logprobs = d_logprobs;
-    a.params = s->d_params;
-    a.state = s->d_state;
-    a.ring = s->d_ring;
-    a.n_vocab = s->n_vocab;
-    a.hist_cap = s->hist_cap;
-    a.list_cap = s->list_cap;
-    a.chunk = (s->list_cap + NT - 1) / NT;
-    a.accept = accept != 0;
-    a.lev = s->lev;
     if (a.part && topk) {
         a.kdone = s->d_kdone;
         sample_spread_kernel<true><<<n_rows, NT, s->smem, st>>>(a);

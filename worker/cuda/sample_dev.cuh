@@ -1075,6 +1075,25 @@ HD void seg_range(uint32_t nv, uint32_t g, uint32_t *i0, uint32_t *i1)
     *i1 = *i0 + per < nv ? *i0 + per : nv;
 }
 
+/* Tier C's min-p cut for a row whose maximum is M among ncand candidates (-inf: none). */
+HD float tier_c_cut(const moe_cuda_sample_row &p, float M, uint32_t ncand)
+{
+    return p.min_p > 0.0f && ncand > 1 ? fadd(M, p.log_min_p) : -INFINITY;
+}
+
+/* A segment's CSum from its SCAN_NT sub-ranges' sums v (added in order: tier_c_seg repeats these
+ * additions) and last candidates. */
+HD CSum csum_add(const double *v, const int *last)
+{
+    double z = 0.0;
+    int lst = -1;
+    for (int t = 0; t < SCAN_NT; t++) {
+        z += v[t];
+        lst = last[t] > lst ? last[t] : lst;
+    }
+    return CSum{z, lst};
+}
+
 /* Sub-range t (of SCAN_NT) of segment [i0, i1): its weights summed in id order (the candidates:
  * above -inf and at or above cut), *last the last candidate (-1: none). The same additions
  * wherever it runs, so a walk that repeats them reaches the same sum. */
@@ -1106,7 +1125,7 @@ HD int32_t tier_c_seg(X &x, const Args &a, const moe_cuda_sample_row &p, const f
 {
     Smem &s = x.sh;
     const uint32_t nv = a.n_vocab;
-    const float cut = p.min_p > 0.0f && ncand > 1 ? fadd(M, p.log_min_p) : -INFINITY;
+    const float cut = tier_c_cut(p, M, ncand);
     const WCtx wt = {M, (double)p.temperature};
     const CSum *cs = a.csum + (size_t)row * NSEG;
     /* rl[0]: the segment (-1: none crossed), rl[1]: the row's last candidate; rd[0]: the sum of
@@ -1192,7 +1211,7 @@ HD int32_t tier_c(X &x, const Args &a, const moe_cuda_sample_row &p, const float
 {
     Smem &s = x.sh;
     const uint32_t nv = a.n_vocab;
-    const float cut = p.min_p > 0.0f && ncand > 1 ? fadd(M, p.log_min_p) : -INFINITY;
+    const float cut = tier_c_cut(p, M, ncand);
     const WCtx wt = {M, (double)p.temperature};
     const uint32_t R = (((nv + NT - 1) / NT) + 7) & ~7u;
     x.each([&](int t) {
@@ -1554,6 +1573,29 @@ template <class X, bool LP> HD void sample_row(X &x, const Args &a, uint32_t row
 }
 
 /* ---- host-side set-up ---- */
+
+/* A launch's arguments without the spread passes' buffers (part, csum, kdone: NULL). */
+static Args launch_args(float *logits, const int32_t *rowmap, int32_t *tokens, float *logprobs,
+                        const moe_cuda_sample_row *params, moe_cuda_sample_state *state,
+                        int32_t *ring, uint32_t n_vocab, uint32_t hist_cap, uint32_t list_cap,
+                        bool accept, const Levels &lev)
+{
+    Args a = {};
+    a.logits = logits;
+    a.rowmap = rowmap;
+    a.tokens = tokens;
+    a.logprobs = logprobs;
+    a.params = params;
+    a.state = state;
+    a.ring = ring;
+    a.n_vocab = n_vocab;
+    a.hist_cap = hist_cap;
+    a.list_cap = list_cap;
+    a.chunk = (list_cap + NT - 1) / NT;
+    a.accept = accept;
+    a.lev = lev;
+    return a;
+}
 
 /* Digits of K: 12, 12, 8 bits of the logit key, then the id part from its top bit down. */
 static Levels make_levels(uint32_t n_vocab)
