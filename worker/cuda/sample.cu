@@ -70,8 +70,8 @@ __global__ void __launch_bounds__(SCAN_NT) scan_kernel(const float *logits, uint
                                                        ScanPart *part)
 {
     const float *lg = logits + (size_t)blockIdx.y * nv;
-    const uint32_t per = ((nv + NSEG - 1) / NSEG + 3) & ~3u;
-    const uint32_t i0 = blockIdx.x * per, i1 = i0 + per < nv ? i0 + per : nv;
+    uint32_t i0, i1;
+    seg_range(nv, blockIdx.x, &i0, &i1);
     float bv = -INFINITY;
     int bi = -1, c = 0;
     const auto see = [&](uint32_t i, float l) { first_pass_see(l, i, &bv, &bi, &c); };
