@@ -51,9 +51,9 @@ extern "C" {
 #include "store/ggml_type.h"
 }
 #include "worker/cuda/cuda_check.cuh"
+#include "worker/cuda/hd.cuh"
 #include "worker/cuda/smem.cuh"
 
-#define HD __host__ __device__ __forceinline__
 #ifdef MOE_GEMM_HOST_EMU
 #define BODY __host__ __device__ __forceinline__
 void emu_bar(void);
@@ -224,17 +224,6 @@ HD uint32_t f2h2(float lo, float hi)
     return h2_bits(__floats2half2_rn(lo, hi));
 #else
     return fh(lo) | fh(hi) << 16;
-#endif
-}
-
-HD float bits_f(uint32_t u)
-{
-#ifdef __CUDA_ARCH__
-    return __uint_as_float(u);
-#else
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
 #endif
 }
 
@@ -582,9 +571,9 @@ template <int K> HD void convert_plain(const uint32_t *v, uint32_t o[4])
     UNROLL
     for (int i = 0; i < 4; i++) {
         if constexpr (K == MOE_TYPE_F32)
-            o[i] = f2h2(bits_f(v[2 * i]), bits_f(v[2 * i + 1]));
+            o[i] = f2h2(hd_u2f(v[2 * i]), hd_u2f(v[2 * i + 1]));
         else if constexpr (K == MOE_TYPE_BF16)
-            o[i] = f2h2(bits_f(v[i] << 16), bits_f(v[i] & 0xffff0000u));
+            o[i] = f2h2(hd_u2f(v[i] << 16), hd_u2f(v[i] & 0xffff0000u));
         else
             o[i] = v[i];
     }

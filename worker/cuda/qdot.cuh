@@ -20,6 +20,7 @@ extern "C" {
 #include "store/blocks.h"
 #include "store/ggml_type.h"
 }
+#include "worker/cuda/hd.cuh"
 
 /* Byte offsets of the block fields (store/blocks.h defines the layouts once). */
 #define OFF(T, f) ((int)offsetof(struct moe_block_##T, f))
@@ -27,9 +28,8 @@ extern "C" {
 /* Variants of the plain types: the vector forms need 16-byte aligned rows. */
 enum { KIND_F32_V = 1000, KIND_F16_V, KIND_BF16_V };
 
-/* The decoders below are __host__ __device__ so that a host build can single-step them when a
- * GPU result looks wrong; only the few intrinsics differ between the two. */
-#define HD __host__ __device__ __forceinline__
+/* The decoders below are __host__ __device__ (HD) so that a host build can single-step them when
+ * a GPU result looks wrong; only the few intrinsics differ between the two. */
 #ifdef __CUDA_ARCH__
 #define UNROLL _Pragma("unroll")
 #else
@@ -43,14 +43,7 @@ static HD float h2f(uint16_t h)
 
 static HD float bf2f(uint32_t h)
 {
-#ifdef __CUDA_ARCH__
-    return __uint_as_float(h << 16);
-#else
-    uint32_t u = h << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-#endif
+    return hd_u2f(h << 16);
 }
 
 static HD uint16_t ld16(const uint8_t *p)

@@ -17,9 +17,8 @@ extern "C" {
 #include "worker/sampler.h"
 }
 #include "worker/cuda/argmax_dev.cuh"
+#include "worker/cuda/hd.cuh"
 #include "worker/cuda/sample.h"
-
-#define HD __host__ __device__ __forceinline__
 
 namespace moe_sample {
 
@@ -178,29 +177,7 @@ HD Smem smem_carve(unsigned char *base, uint32_t list_cap, uint32_t win_cap)
     return s;
 }
 
-/* ---- float arithmetic exactly as the CPU's (no contraction), and bit casts ---- */
-
-HD uint32_t f2u(float f)
-{
-#ifdef __CUDA_ARCH__
-    return __float_as_uint(f);
-#else
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    return u;
-#endif
-}
-
-HD float u2f(uint32_t u)
-{
-#ifdef __CUDA_ARCH__
-    return __uint_as_float(u);
-#else
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-#endif
-}
+/* ---- float arithmetic exactly as the CPU's (no contraction) ---- */
 
 #ifdef __CUDA_ARCH__
 HD float fadd(float a, float b) { return __fadd_rn(a, b); }
@@ -225,7 +202,7 @@ HD uint32_t fkey(float l)
 {
     if (l == 0.0f)
         return 0x80000000u;
-    const uint32_t b = f2u(l);
+    const uint32_t b = hd_f2u(l);
     return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
 }
 
@@ -237,7 +214,7 @@ HD uint64_t key(float l, uint32_t id, uint32_t nv)
 HD float kval(uint64_t k)
 {
     const uint32_t f = (uint32_t)(k >> 32);
-    return u2f((f & 0x80000000u) ? (f & 0x7fffffffu) : ~f);
+    return hd_u2f((f & 0x80000000u) ? (f & 0x7fffffffu) : ~f);
 }
 
 HD int32_t kid(uint64_t k, uint32_t nv)
