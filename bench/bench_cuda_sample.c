@@ -8,6 +8,9 @@
  * a language model's: small nuclei) and "flat" (N(0, 1): top-p 0.95 keeps ~90% of the
  * vocabulary, the worst case for the sort-free exact path).
  *
+ * Columns: every pass this configuration can spread over the GPU (back-to-back launches, then a
+ * graph), and a graph with only the greedy scan spread (the one-block passes otherwise).
+ *
  *   build/bench/bench_cuda_sample [seconds per case, default 0.1] [config substring] */
 #include <stdio.h>
 
@@ -56,14 +59,17 @@ static const struct config configs[] = {
     {"greedy", 0.0f, 0, 1.0f, 0.0f, 1.0f},
     {"greedy+penalty", 0.0f, 0, 1.0f, 0.0f, 1.3f},
     {"top-k 40, top-p 0.95, min-p 0.05 (defaults)", 0.8f, 40, 0.95f, 0.05f, 1.0f},
+    {"top-k 40", 0.8f, 40, 1.0f, 0.0f, 1.0f},
+    {"top-k 20, top-p 0.8", 0.7f, 20, 0.8f, 0.0f, 1.0f},
     {"top-k 40 + repeat penalty", 0.8f, 40, 1.0f, 0.0f, 1.3f},
     {"top-p 0.95", 1.0f, 0, 0.95f, 0.0f, 1.0f},
     {"min-p 0.05", 1.0f, 0, 1.0f, 0.05f, 1.0f},
     {"temperature only", 1.0f, 0, 1.0f, 0.0f, 1.0f},
+    {"temperature + min-p 0.05", 0.8f, 0, 1.0f, 0.05f, 1.0f},
 };
 
 static double time_case(struct moe_cuda_sampler *g, float *d_logits, uint32_t rows,
-                        int32_t *d_tok, cudaStream_t st, double secs, int graph)
+                        int32_t *d_tok, cudaStream_t st, double secs, int graph, int spread)
 {
     cudaEvent_t e0, e1;
     CU(cudaEventCreate(&e0));
@@ -72,7 +78,7 @@ static double time_case(struct moe_cuda_sampler *g, float *d_logits, uint32_t ro
     cudaGraph_t gr = NULL;
     if (graph) {
         CU(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
-        if (moe_cuda_sample(g, d_logits, rows, d_tok, NULL, 1, st))
+        if (moe_cuda_sample_rows(g, d_logits, rows, NULL, d_tok, NULL, 1, spread, st))
             exit(1);
         CU(cudaStreamEndCapture(st, &gr));
         CU(cudaGraphInstantiate(&exec, gr, 0));
@@ -84,7 +90,7 @@ static double time_case(struct moe_cuda_sampler *g, float *d_logits, uint32_t ro
         for (int i = 0; i < n; i++) {
             if (graph)
                 CU(cudaGraphLaunch(exec, st));
-            else if (moe_cuda_sample(g, d_logits, rows, d_tok, NULL, 1, st))
+            else if (moe_cuda_sample_rows(g, d_logits, rows, NULL, d_tok, NULL, 1, spread, st))
                 exit(1);
         }
         CU(cudaEventRecord(e1, st));
@@ -142,7 +148,8 @@ int main(int argc, char **argv)
     int32_t hist[64];
     for (int i = 0; i < 64; i++)
         hist[i] = (int32_t)(unit() * NV);
-    printf("%-46s %-5s %5s %10s %10s\n", "config", "dist", "rows", "stream us", "graph us");
+    printf("%-46s %-5s %5s %10s %10s %12s\n", "config", "dist", "rows", "stream us", "graph us",
+           "greedy-only");
     for (size_t c = 0; c < sizeof configs / sizeof configs[0]; c++) {
         if (filter && !strstr(configs[c].name, filter))
             continue;
@@ -165,10 +172,13 @@ int main(int argc, char **argv)
                         return 1;
                     }
                 }
-                double us_s = time_case(g, d_logits[dist], rows, d_tok, st, secs, 0);
-                double us_g = time_case(g, d_logits[dist], rows, d_tok, st, secs, 1);
-                printf("%-46s %-5s %5u %10.1f %10.1f\n", configs[c].name,
-                       dist ? "flat" : "llm", rows, us_s, us_g);
+                int spread = moe_cuda_sampler_row_spread(g, 0);
+                double us_s = time_case(g, d_logits[dist], rows, d_tok, st, secs, 0, spread);
+                double us_g = time_case(g, d_logits[dist], rows, d_tok, st, secs, 1, spread);
+                double us_1 = time_case(g, d_logits[dist], rows, d_tok, st, secs, 1,
+                                        spread & MOE_CUDA_SPREAD_GREEDY);
+                printf("%-46s %-5s %5u %10.1f %10.1f %12.1f\n", configs[c].name,
+                       dist ? "flat" : "llm", rows, us_s, us_g, us_1);
                 fflush(stdout);
             }
         }
