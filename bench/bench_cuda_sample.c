@@ -11,7 +11,7 @@
  * Columns: every pass this configuration can spread over the GPU (back-to-back launches, then a
  * graph), and a graph with only the greedy scan spread (the one-block passes otherwise).
  *
- *   build/bench/bench_cuda_sample [seconds per case, default 0.1] [config substring] */
+ *   build/bench/bench_cuda_sample [seconds per case, default 0.1] [config substring] [llm|flat] */
 #include <stdio.h>
 
 #ifndef MOE_HAVE_CUDA
@@ -115,6 +115,7 @@ int main(int argc, char **argv)
 {
     double secs = argc > 1 ? atof(argv[1]) : 0.1;
     const char *filter = argc > 2 ? argv[2] : NULL;
+    const char *only_dist = argc > 3 ? argv[3] : NULL;
     int count = 0;
     if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
         printf("bench_cuda_sample: no CUDA device\n");
@@ -154,6 +155,8 @@ int main(int argc, char **argv)
         if (filter && !strstr(configs[c].name, filter))
             continue;
         for (int dist = 0; dist < 2; dist++) {
+            if (only_dist && strcmp(only_dist, dist ? "flat" : "llm"))
+                continue;
             if (configs[c].t <= 0.0f && dist == 1)
                 continue; /* greedy does not depend on the distribution */
             for (uint32_t rows = 1; rows <= max_rows; rows *= 16) {
