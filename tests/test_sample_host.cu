@@ -127,7 +127,12 @@ struct Emu {
     ScanPart *part;
     CSum *csum;
     uint8_t *kdone;
-    long n_topk, n_cseg; /* rows drawn by the top-k kernel, by the tier-C rows' kernel */
+    TpRow *tp;
+    uint32_t *tph_c;
+    double *tph_m;
+    uint64_t *tpl;
+    /* rows drawn by the top-k kernel, by the tier-C rows' kernel, by the top-p chain */
+    long n_topk, n_cseg, n_topp;
 };
 
 static void emu_init(Emu *e, uint32_t nv, uint32_t rows, uint32_t hist_cap, uint32_t list_cap)
@@ -145,7 +150,11 @@ static void emu_init(Emu *e, uint32_t nv, uint32_t rows, uint32_t hist_cap, uint
     e->part = (ScanPart *)calloc((size_t)rows * NSEG, sizeof *e->part);
     e->csum = (CSum *)calloc((size_t)rows * NSEG, sizeof *e->csum);
     e->kdone = (uint8_t *)calloc(rows, 1);
-    e->n_topk = e->n_cseg = 0;
+    e->tp = (TpRow *)calloc(rows, sizeof *e->tp);
+    e->tph_c = (uint32_t *)calloc((size_t)rows * HB, sizeof *e->tph_c);
+    e->tph_m = (double *)calloc((size_t)rows * HB, sizeof *e->tph_m);
+    e->tpl = (uint64_t *)calloc((size_t)rows * e->list_cap, sizeof *e->tpl);
+    e->n_topk = e->n_cseg = e->n_topp = 0;
 }
 
 static void emu_free(Emu *e)
@@ -157,6 +166,10 @@ static void emu_free(Emu *e)
     free(e->part);
     free(e->csum);
     free(e->kdone);
+    free(e->tp);
+    free(e->tph_c);
+    free(e->tph_m);
+    free(e->tpl);
 }
 
 static HostExec block(Emu *e, bool rev)
@@ -231,6 +244,71 @@ static long emu_sample(Emu *e, float *lg, int spread, int32_t *tok, bool rev)
             e->n_topk += done;
         }
     }
+    if (spread & MOE_CUDA_SPREAD_TOPP) {
+        /* The top-p chain, launch by launch. */
+        const bool kd_written = a.kdone != NULL;
+        a.kdone = e->kdone;
+        a.tp = e->tp;
+        a.tph_c = e->tph_c;
+        a.tph_m = e->tph_m;
+        a.tpl = e->tpl;
+        for (uint32_t r = 0; r < e->rows; r++)
+            tp_init_row(a, r, !kd_written);
+        const size_t nv = e->nv;
+        for (int ph = 0; ph < 2; ph++) {
+            for (int lv = 0; lv < TP_LEVELS; lv++) {
+                /* tp_hist_kernel: each element of the bin added to the row's bins (here in
+                 * index order, on the GPU in any) */
+                for (uint32_t r = 0; r < e->rows; r++) {
+                    const TpRow tr = e->tp[r];
+                    if (!tr.live || tr.lev != lv)
+                        continue;
+                    for (uint32_t i = 0; i < e->nv; i++) {
+                        uint32_t d;
+                        double w;
+                        if (tp_elem(tr, e->params[r], a.lev, lv, lg[r * nv + i], i, e->nv, &d,
+                                    &w)) {
+                            e->tph_c[(size_t)r * HB + d]++;
+                            e->tph_m[(size_t)r * HB + d] += w;
+                        }
+                    }
+                }
+                for (uint32_t r = 0; r < e->rows; r++) {
+                    HostExec x = block(e, rev);
+                    tp_pick(x, a, r, lv);
+                    fails += x.fails;
+                }
+            }
+            /* tp_collect_kernel: the bin's keys appended (backward when rev: the GPU's order is
+             * any, the list is sorted after) */
+            for (uint32_t r = 0; r < e->rows; r++) {
+                const TpRow tr = e->tp[r];
+                if (!tr.live || tr.lev != -1)
+                    continue;
+                for (uint32_t k = 0; k < e->nv; k++) {
+                    const uint32_t i = rev ? e->nv - 1 - k : k;
+                    const float l = lg[r * nv + i];
+                    uint32_t d;
+                    double w;
+                    if (tp_elem(tr, e->params[r], a.lev, -1, l, i, e->nv, &d, &w)) {
+                        const uint32_t j = e->tp[r].list_n++;
+                        if (j < e->list_cap)
+                            e->tpl[(size_t)r * e->list_cap + j] = key(l, i, e->nv);
+                    }
+                }
+            }
+            for (uint32_t r = 0; r < e->rows; r++) {
+                HostExec x = block(e, rev);
+                tp_final(x, a, r);
+                fails += x.fails;
+            }
+        }
+        for (uint32_t r = 0; r < e->rows; r++)
+            e->n_topp += e->kdone[r] && topp_row(e->params[r]);
+        for (size_t i = 0; i < (size_t)e->rows * HB; i++)
+            if (e->tph_c[i] || e->tph_m[i] != 0.0)
+                fails++; /* the histograms are zero between uses */
+    }
     for (uint32_t r = 0; r < e->rows; r++) {
         HostExec x = block(e, rev);
         sample_row<HostExec, false>(x, a, r);
@@ -271,7 +349,7 @@ static const struct combo *pset(uint32_t r)
 /* rows = N_PSET, each row its parameter set; steps of fresh logits per row. */
 static void run_vocab(uint32_t nv, int steps, uint32_t list_cap, bool rev, long *draws,
                       long *differ, long *differ_spread, long *n_topk, long *n_cseg,
-                      long *pen_differ)
+                      long *n_topp, long *pen_differ)
 {
     /* hist above the steps: a whole-history window stays within the ring */
     const uint32_t rows = (uint32_t)N_PSET, hist = 256;
@@ -359,6 +437,7 @@ static void run_vocab(uint32_t nv, int steps, uint32_t list_cap, bool rev, long 
     }
     *n_topk += e[0].n_topk;
     *n_cseg += e[0].n_cseg;
+    *n_topp += e[0].n_topp;
     free(l0);
     free(l1);
     free(l2);
@@ -376,17 +455,19 @@ TEST_TIMEOUT(sample_host_spread_passes_match_the_cpu, 300)
         uint32_t list_cap;
     } cfg[] = {{33, 150, 8192}, {1000, 60, 8192}, {4097, 24, 8192}, {1000, 40, 8},
                {151936, 4, 8192}};
-    long draws = 0, differ = 0, differ_spread = 0, n_topk = 0, n_cseg = 0, pen_differ = 0;
+    long draws = 0, differ = 0, differ_spread = 0, n_topk = 0, n_cseg = 0, n_topp = 0,
+         pen_differ = 0;
     for (size_t i = 0; i < sizeof cfg / sizeof cfg[0]; i++)
         run_vocab(cfg[i].nv, cfg[i].steps, cfg[i].list_cap, i % 2 == 1, &draws, &differ,
-                  &differ_spread, &n_topk, &n_cseg, &pen_differ);
-    printf("  %ld seeded draws (%ld rows by the top-k kernel, %ld by the tier-C one): %ld differ "
-           "from the CPU's, %ld between spread and one-block passes\n",
-           draws, n_topk, n_cseg, differ, differ_spread);
+                  &differ_spread, &n_topk, &n_cseg, &n_topp, &pen_differ);
+    printf("  %ld seeded draws (%ld rows by the top-k kernel, %ld by the tier-C one, %ld by the "
+           "top-p chain): %ld differ from the CPU's, %ld between spread and one-block passes\n",
+           draws, n_topk, n_cseg, n_topp, differ, differ_spread);
     CHECK_EQ(pen_differ, 0);
     CHECK(draws > 2000);
     CHECK(n_topk > 500);
     CHECK(n_cseg > 500);
+    CHECK(n_topp > 300);
     CHECK(differ * 1000 <= draws);
     CHECK(differ_spread * 1000 <= draws);
 }

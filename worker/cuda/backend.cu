@@ -147,7 +147,7 @@ struct cuda_backend {
     bool sample;
     int spread;                      /* the sampled rows' moe_cuda_sampler_row_spread, or-ed,
                                       * of the kinds spread_allow lets through */
-    int spread_allow;                /* MOE_SAMPLE_SPREAD: all (default), greedy or 0 */
+    int spread_allow;                /* MOE_SAMPLE_SPREAD: the default, all, greedy or 0 */
     float *d_rope;                   /* [nb][hd] */
     unsigned long long *counts;      /* [L][nexp] */
     int32_t *h_in;                   /* pinned staging */
@@ -1833,12 +1833,14 @@ static int cuda_init(struct moe_backend **out, const struct moe_model *m, struct
     {
         /* The sampler's passes spread over the GPU, for every row that can take them (greedy,
          * a temperature alone, a top-k of at most 64: one row at a temperature 32 against 89 us,
-         * the defaults 39 against 78, H100, docs/benchmarks.md). MOE_SAMPLE_SPREAD=greedy
-         * spreads greedy rows only, 0 none (the same draws, for measurements). */
+         * the defaults 39 against 78, H100, docs/benchmarks.md). MOE_SAMPLE_SPREAD=all adds the
+         * top-p rows' (checked on the host only so far), greedy spreads greedy rows only, 0
+         * none (the same draws, for measurements). */
         const char *v = getenv("MOE_SAMPLE_SPREAD");
         b->spread_allow = v && !strcmp(v, "greedy") ? MOE_CUDA_SPREAD_GREEDY
                           : v && !strcmp(v, "0")    ? 0
-                                                    : MOE_CUDA_SPREAD_ALL;
+                          : v && !strcmp(v, "all")  ? MOE_CUDA_SPREAD_ALL
+                                                    : MOE_CUDA_SPREAD_DEFAULT;
     }
     /* Opt-in: measured 1.5% slower at batch 1 than its own launch (H200, docs/benchmarks.md). */
     b->rope_fold = getenv("MOE_CUDA_ROPE_FOLD") && !strcmp(getenv("MOE_CUDA_ROPE_FOLD"), "1");

@@ -35,6 +35,11 @@
  *      and added in the same order, so the crossing is sure to fall inside) and walks that
  *      sub-range (tier_c_seg). Top-k rows of k <= 64 without penalties find their top k from
  *      scan_kernel's segment maxima in a kernel of their own (sample_row_topk).
+ *   7. Top-p rows without top-k, min-p or penalties can take tier B's refinements spread over
+ *      the GPU (MOE_CUDA_SPREAD_TOPP, checked on the host only so far): each level's histogram
+ *      built by NSEG blocks a row into global memory, its bin chosen by one block, the final bin
+ *      compacted by NSEG blocks and sorted and scanned by one; the nucleus bound, then the draw
+ *      (tp_* kernels; sample_dev.cuh "top-p rows spread over the GPU").
  *
  * The per-row algorithm is written once, as __host__ __device__ templates over an "executor"
  * (each / single / reductions / scans / shared atomics), in worker/cuda/sample_dev.cuh. The
@@ -204,6 +209,98 @@ template <bool TOPK> __global__ void __launch_bounds__(NT, 1) sample_spread_kern
         a.kdone[row] = done;
 }
 
+/* The spread top-p rows (topp_row; sample_dev.cuh "top-p rows spread over the GPU"), in their
+ * launch order: tp_init_kernel (a thread a row), then for each phase TP_LEVELS pairs of
+ * tp_hist_kernel and tp_pick_kernel, tp_collect_kernel and tp_final_kernel; a launch leaves the
+ * rows that are not at its step. */
+__global__ void tp_init_kernel(Args a, uint32_t n_rows, int write_kdone)
+{
+    const uint32_t row = blockIdx.x * blockDim.x + threadIdx.x;
+    if (row < n_rows)
+        tp_init_row(a, row, write_kdone != 0);
+}
+
+/* Block (g, r): segment g's elements of row r's current bin into the histogram of level lv,
+ * first in shared memory, then added to the row's global bins. */
+__global__ void __launch_bounds__(SCAN_NT) tp_hist_kernel(Args a, int lv)
+{
+    const uint32_t row = blockIdx.y;
+    const TpRow r = a.tp[row];
+    if (!r.live || r.lev != lv)
+        return;
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    double *ms = (double *)smem_raw;
+    uint32_t *cs = (uint32_t *)(ms + HB);
+    const uint32_t B = 1u << a.lev.width[lv], nv = a.n_vocab;
+    for (uint32_t b = threadIdx.x; b < B; b += SCAN_NT) {
+        ms[b] = 0.0;
+        cs[b] = 0;
+    }
+    __syncthreads();
+    const uint32_t sr = a.rowmap ? (uint32_t)a.rowmap[row] : row;
+    const moe_cuda_sample_row p = a.params[sr];
+    const float *lg = a.logits + (size_t)row * nv;
+    uint32_t i0, i1;
+    seg_range(nv, blockIdx.x, &i0, &i1);
+    for (uint32_t i = i0 + threadIdx.x; i < i1; i += SCAN_NT) {
+        uint32_t d;
+        double w;
+        if (tp_elem(r, p, a.lev, lv, lg[i], i, nv, &d, &w)) {
+            atomicAdd(&cs[d], 1u);
+            atomicAdd(&ms[d], w);
+        }
+    }
+    __syncthreads();
+    uint32_t *gc = a.tph_c + (size_t)row * HB;
+    double *gm = a.tph_m + (size_t)row * HB;
+    for (uint32_t b = threadIdx.x; b < B; b += SCAN_NT)
+        if (cs[b]) {
+            atomicAdd(&gc[b], cs[b]);
+            atomicAdd(&gm[b], ms[b]);
+        }
+}
+
+__global__ void __launch_bounds__(NT, 1) tp_pick_kernel(Args a, int lv)
+{
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    DevExec x;
+    x.sh = smem_carve(smem_raw, a.list_cap, pow2ceil(a.hist_cap));
+    tp_pick(x, a, blockIdx.x, lv);
+}
+
+/* Block (g, r): segment g's elements of row r's final bin appended to the row's list. */
+__global__ void __launch_bounds__(SCAN_NT) tp_collect_kernel(Args a)
+{
+    const uint32_t row = blockIdx.y;
+    const TpRow r = a.tp[row];
+    if (!r.live || r.lev != -1)
+        return;
+    const uint32_t sr = a.rowmap ? (uint32_t)a.rowmap[row] : row, nv = a.n_vocab;
+    const moe_cuda_sample_row p = a.params[sr];
+    const float *lg = a.logits + (size_t)row * nv;
+    uint64_t *gl = a.tpl + (size_t)row * a.list_cap;
+    uint32_t i0, i1;
+    seg_range(nv, blockIdx.x, &i0, &i1);
+    for (uint32_t i = i0 + threadIdx.x; i < i1; i += SCAN_NT) {
+        uint32_t d;
+        double w;
+        const float l = lg[i];
+        if (tp_elem(r, p, a.lev, -1, l, i, nv, &d, &w)) {
+            const uint32_t j = atomicAdd(&a.tp[row].list_n, 1u);
+            if (j < a.list_cap)
+                gl[j] = key(l, i, nv);
+        }
+    }
+}
+
+__global__ void __launch_bounds__(NT, 1) tp_final_kernel(Args a)
+{
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    DevExec x;
+    x.sh = smem_carve(smem_raw, a.list_cap, pow2ceil(a.hist_cap));
+    tp_final(x, a, blockIdx.x);
+}
+
 /* Row setup by value: kernel arguments are copied when the launch is enqueued, so the host's
  * buffers are free on return (a cudaMemcpyAsync from pageable memory promises less). */
 struct RowInit {
@@ -281,6 +378,10 @@ struct moe_cuda_sampler {
     ScanPart *d_part; /* [max_rows][NSEG] */
     CSum *d_csum;     /* [max_rows][NSEG] */
     uint8_t *d_kdone; /* [max_rows] */
+    TpRow *d_tp;      /* [max_rows] */
+    uint32_t *d_tph_c; /* [max_rows][HB], zero between uses */
+    double *d_tph_m;  /* [max_rows][HB], zero between uses */
+    uint64_t *d_tpl;  /* [max_rows][list_cap] */
     uint8_t *plain;   /* [max_rows], host: moe_cuda_sampler_row_spread's mask of the row */
 };
 
@@ -296,6 +397,7 @@ static int spread_mask(const moe_cuda_sample_row &r)
     return !(r.temperature > 0.0f) ? MOE_CUDA_SPREAD_GREEDY
            : csum_row(r)          ? MOE_CUDA_SPREAD_TIER_C
            : topk_row(r)          ? MOE_CUDA_SPREAD_TOPK
+           : topp_row(r)          ? MOE_CUDA_SPREAD_TOPP
                                   : 0;
 }
 
@@ -309,6 +411,10 @@ extern "C" void moe_cuda_sampler_free(struct moe_cuda_sampler *s)
     cudaFree(s->d_part);
     cudaFree(s->d_csum);
     cudaFree(s->d_kdone);
+    cudaFree(s->d_tp);
+    cudaFree(s->d_tph_c);
+    cudaFree(s->d_tph_m);
+    cudaFree(s->d_tpl);
     free(s->plain);
     free(s);
 }
@@ -320,6 +426,12 @@ static int sampler_alloc(struct moe_cuda_sampler *s)
     MOE_CUDA_TRY(cudaMalloc((void **)&s->d_part, sizeof *s->d_part * s->max_rows * NSEG));
     MOE_CUDA_TRY(cudaMalloc((void **)&s->d_csum, sizeof *s->d_csum * s->max_rows * NSEG));
     MOE_CUDA_TRY(cudaMalloc((void **)&s->d_kdone, s->max_rows));
+    MOE_CUDA_TRY(cudaMalloc((void **)&s->d_tp, sizeof *s->d_tp * s->max_rows));
+    MOE_CUDA_TRY(cudaMalloc((void **)&s->d_tph_c, sizeof *s->d_tph_c * s->max_rows * HB));
+    MOE_CUDA_TRY(cudaMalloc((void **)&s->d_tph_m, sizeof *s->d_tph_m * s->max_rows * HB));
+    MOE_CUDA_TRY(cudaMalloc((void **)&s->d_tpl, sizeof *s->d_tpl * s->max_rows * s->list_cap));
+    MOE_CUDA_TRY(cudaMemset(s->d_tph_c, 0, sizeof *s->d_tph_c * s->max_rows * HB));
+    MOE_CUDA_TRY(cudaMemset(s->d_tph_m, 0, sizeof *s->d_tph_m * s->max_rows * HB));
     if (s->hist_cap)
         MOE_CUDA_TRY(cudaMalloc((void **)&s->d_ring,
                                 sizeof *s->d_ring * (size_t)s->max_rows * s->hist_cap));
@@ -331,6 +443,10 @@ static int sampler_alloc(struct moe_cuda_sampler *s)
                                       cudaFuncAttributeMaxDynamicSharedMemorySize, (int)s->smem));
     MOE_CUDA_TRY(cudaFuncSetAttribute(sample_spread_kernel<true>,
                                       cudaFuncAttributeMaxDynamicSharedMemorySize, (int)s->smem));
+    MOE_CUDA_TRY(cudaFuncSetAttribute(tp_pick_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      (int)s->smem));
+    MOE_CUDA_TRY(cudaFuncSetAttribute(tp_final_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      (int)s->smem));
     struct moe_sampler_params dp;
     moe_sampler_defaults(&dp);
     moe_cuda_sample_row row;
@@ -501,7 +617,8 @@ extern "C" int moe_cuda_sample_rows(struct moe_cuda_sampler *s, float *d_logits,
     }
     const bool csum = (spread & MOE_CUDA_SPREAD_TIER_C) != 0;
     const bool topk = (spread & MOE_CUDA_SPREAD_TOPK) != 0;
-    if (!d_logprobs && (csum || topk || (spread & MOE_CUDA_SPREAD_GREEDY)) && scan_env) {
+    const bool topp = (spread & MOE_CUDA_SPREAD_TOPP) != 0;
+    if (!d_logprobs && (csum || topk || topp || (spread & MOE_CUDA_SPREAD_GREEDY)) && scan_env) {
         scan_kernel<<<dim3(NSEG, n_rows), SCAN_NT, 0, st>>>(d_logits, s->n_vocab, s->d_part);
         MOE_CUDA_TRY(cudaGetLastError());
         a.part = s->d_part;
@@ -516,6 +633,29 @@ extern "C" int moe_cuda_sample_rows(struct moe_cuda_sampler *s, float *d_logits,
         a.kdone = s->d_kdone;
         sample_spread_kernel<true><<<n_rows, NT, s->smem, st>>>(a);
         MOE_CUDA_TRY(cudaGetLastError());
+    }
+    if (a.part && topp) {
+        a.tp = s->d_tp;
+        a.tph_c = s->d_tph_c;
+        a.tph_m = s->d_tph_m;
+        a.tpl = s->d_tpl;
+        const int kd_written = a.kdone != NULL; /* by the top-k kernel, for every row */
+        a.kdone = s->d_kdone;
+        tp_init_kernel<<<(n_rows + 63) / 64, 64, 0, st>>>(a, n_rows, !kd_written);
+        MOE_CUDA_TRY(cudaGetLastError());
+        for (int ph = 0; ph < 2; ph++) {
+            for (int lv = 0; lv < TP_LEVELS; lv++) {
+                tp_hist_kernel<<<dim3(NSEG, n_rows), SCAN_NT, HB * (sizeof(double) + 4), st>>>(
+                    a, lv);
+                MOE_CUDA_TRY(cudaGetLastError());
+                tp_pick_kernel<<<n_rows, NT, s->smem, st>>>(a, lv);
+                MOE_CUDA_TRY(cudaGetLastError());
+            }
+            tp_collect_kernel<<<dim3(NSEG, n_rows), SCAN_NT, 0, st>>>(a);
+            MOE_CUDA_TRY(cudaGetLastError());
+            tp_final_kernel<<<n_rows, NT, s->smem, st>>>(a);
+            MOE_CUDA_TRY(cudaGetLastError());
+        }
     }
     if (d_logprobs)
         sample_kernel<true><<<n_rows, NT, s->smem, st>>>(a);

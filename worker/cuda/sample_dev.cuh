@@ -75,6 +75,13 @@ struct Args {
     /* kdone (or NULL): per logits row, 1 when sample_spread_kernel<true> drew it (sample_kernel
      * leaves it), written for every row of the launch before sample_kernel runs. */
     uint8_t *kdone;
+    /* tp (or NULL): the spread top-p rows' state between launches (TpRow, one a logits row),
+     * their histograms (tph_c, tph_m: HB bins a row, zero between uses) and lists (tpl:
+     * list_cap keys a row). */
+    struct TpRow *tp;
+    uint32_t *tph_c;
+    double *tph_m;
+    uint64_t *tpl;
     float *logits;
     const int32_t *rowmap; /* logits row -> state row; NULL: the same */
     int32_t *tokens;
@@ -635,17 +642,122 @@ struct Refine {
     bool too_big;            /* full mode: the prefix {K >= P} never got below list_cap */
 };
 
-/* Radix refinement over K of the set sp: at each level keep the highest bin at which the
- * running weight from the top (count for W_COUNT, else the mass of `mode`) reaches target
- * (> with strict, else >=; frac: target is a fraction of the level-0 total). When no bin
- * reaches it (rounding), the lowest non-empty bin is kept, which walks to the set's last
- * element. Stops when the bin (full = false) or the whole prefix {K >= P} (full = true) holds at
- * most list_cap elements. ready: the level-0 histogram is already built. */
+/* One level of a refinement, its histogram (cnt, and the masses of mode) built: keeps the highest
+ * bin at which the running weight from the top (count for W_COUNT, else the mass of `mode`),
+ * added to r's, reaches target (> with strict, else >=; frac at level 0: target is first
+ * scaled by the level's total). When no bin reaches it (rounding), the lowest non-empty bin is
+ * kept, which walks to the set's last element. Updates r's prefix, counts and base; returns
+ * whether no bin reached the target. */
+template <class X>
+HD bool refine_pick(X &x, const Args &a, int mode, int lv, double &target, bool frac,
+                    bool strict, Refine &r)
+{
+    Smem &s = x.sh;
+    const int sft = a.lev.shift[lv];
+    const uint32_t B = 1u << a.lev.width[lv];
+    /* Thread t owns ranks t·RPT.. (rank 0 = the highest bin). */
+    x.scan_l(
+        [&](int t) -> long long {
+            long long c = 0;
+            for (int k = 0; k < RPT; k++) {
+                const uint32_t rk = (uint32_t)(t * RPT + k);
+                if (rk < B)
+                    c += s.cnt[B - 1 - rk];
+            }
+            return c;
+        },
+        s.tl0);
+    double tot = 0.0;
+    if (mode != W_COUNT)
+        tot = x.scan_d(
+            [&](int t) -> double {
+                double m = 0.0;
+                for (int k = 0; k < RPT; k++) {
+                    const uint32_t rk = (uint32_t)(t * RPT + k);
+                    if (rk < B)
+                        m += mass_of(s, mode, B - 1 - rk);
+                }
+                return m;
+            },
+            s.td0);
+    if (lv == 0 && frac)
+        target *= tot;
+    const double tg = target;
+    const long long above0 = r.above;
+    const double base0 = r.base;
+    x.each([&](int t) {
+        long long ac = s.tl0[t];
+        double am = mode != W_COUNT ? s.td0[t] : 0.0;
+        int first = INT_MAX, last = -1;
+        for (int k = 0; k < RPT; k++) {
+            const uint32_t rk = (uint32_t)(t * RPT + k);
+            if (rk >= B)
+                break;
+            const uint32_t b = B - 1 - rk, c = s.cnt[b];
+            const double m = mass_of(s, mode, b);
+            if (c) {
+                last = (int)rk;
+                if (first == INT_MAX) {
+                    const bool meets = mode == W_COUNT ? (double)(above0 + ac + c) >= tg
+                                                       : reach(base0 + (am + m), tg, strict);
+                    if (meets)
+                        first = (int)rk;
+                }
+            }
+            ac += c;
+            am += m;
+        }
+        s.ti2[t] = first;
+        s.ti3[t] = last;
+    });
+    long long rk = x.min_l([&](int t) -> long long { return s.ti2[t]; });
+    const bool exh = rk == INT_MAX;
+    if (exh)
+        rk = x.max_l([&](int t) -> long long { return s.ti3[t]; });
+    XCHECK(x, rk >= 0 && rk < (long long)B);
+    const int own = (int)(rk / RPT);
+    /* The owner repeats its walk up to the chosen bin: the same sums the test above saw. */
+    const long long ac = x.sum_l([&](int t) -> long long {
+        if (t != own)
+            return 0;
+        long long v = s.tl0[t];
+        for (long long q = (long long)t * RPT; q < rk; q++)
+            v += s.cnt[B - 1 - (uint32_t)q];
+        return v;
+    });
+    double am = 0.0;
+    if (mode != W_COUNT)
+        am = x.sum_d([&](int t) -> double {
+            if (t != own)
+                return 0.0;
+            double v = s.td0[t];
+            for (long long q = (long long)t * RPT; q < rk; q++)
+                v += mass_of(s, mode, B - 1 - (uint32_t)q);
+            return v;
+        });
+    const long long bc =
+        x.sum_l([&](int t) -> long long { return t == own ? s.cnt[B - 1 - (uint32_t)rk] : 0; });
+    XNOTE(x, NOTE_LEVELS);
+    if (exh)
+        XNOTE(x, NOTE_EXH);
+    r.P |= (uint64_t)(B - 1 - (uint32_t)rk) << sft;
+    r.mask |= (uint64_t)(B - 1) << sft;
+    r.above += (uint32_t)ac;
+    r.base = base0 + am;
+    r.bin = (uint32_t)bc;
+    r.ge = r.above + r.bin;
+    if (exh && lv == 0)
+        r.exh0 = true;
+    return exh;
+}
+
+/* Radix refinement over K of the set sp, level by level (refine_pick). Stops when the bin
+ * (full = false) or the whole prefix {K >= P} (full = true) holds at most list_cap elements.
+ * ready: the level-0 histogram is already built. */
 template <class X>
 HD Refine refine(X &x, const Args &a, const float *lg, int mode, double target, bool frac,
                  bool strict, bool full, const SetPred &sp, const WCtx &w, bool ready)
 {
-    Smem &s = x.sh;
     Refine r;
     r.P = r.mask = 0;
     r.base = 0.0;
@@ -658,99 +770,7 @@ HD Refine refine(X &x, const Args &a, const float *lg, int mode, double target, 
             clear_hist(x, mode, B);
             hist_pass(x, a, lg, mode, sp, w, r.P, r.mask, sft, B);
         }
-        /* Thread t owns ranks t·RPT.. (rank 0 = the highest bin). */
-        x.scan_l(
-            [&](int t) -> long long {
-                long long c = 0;
-                for (int k = 0; k < RPT; k++) {
-                    const uint32_t rk = (uint32_t)(t * RPT + k);
-                    if (rk < B)
-                        c += s.cnt[B - 1 - rk];
-                }
-                return c;
-            },
-            s.tl0);
-        double tot = 0.0;
-        if (mode != W_COUNT)
-            tot = x.scan_d(
-                [&](int t) -> double {
-                    double m = 0.0;
-                    for (int k = 0; k < RPT; k++) {
-                        const uint32_t rk = (uint32_t)(t * RPT + k);
-                        if (rk < B)
-                            m += mass_of(s, mode, B - 1 - rk);
-                    }
-                    return m;
-                },
-                s.td0);
-        if (lv == 0 && frac)
-            target *= tot;
-        const long long above0 = r.above;
-        const double base0 = r.base;
-        x.each([&](int t) {
-            long long ac = s.tl0[t];
-            double am = mode != W_COUNT ? s.td0[t] : 0.0;
-            int first = INT_MAX, last = -1;
-            for (int k = 0; k < RPT; k++) {
-                const uint32_t rk = (uint32_t)(t * RPT + k);
-                if (rk >= B)
-                    break;
-                const uint32_t b = B - 1 - rk, c = s.cnt[b];
-                const double m = mass_of(s, mode, b);
-                if (c) {
-                    last = (int)rk;
-                    if (first == INT_MAX) {
-                        const bool meets = mode == W_COUNT
-                                               ? (double)(above0 + ac + c) >= target
-                                               : reach(base0 + (am + m), target, strict);
-                        if (meets)
-                            first = (int)rk;
-                    }
-                }
-                ac += c;
-                am += m;
-            }
-            s.ti2[t] = first;
-            s.ti3[t] = last;
-        });
-        long long rk = x.min_l([&](int t) -> long long { return s.ti2[t]; });
-        const bool exh = rk == INT_MAX;
-        if (exh)
-            rk = x.max_l([&](int t) -> long long { return s.ti3[t]; });
-        XCHECK(x, rk >= 0 && rk < (long long)B);
-        const int own = (int)(rk / RPT);
-        /* The owner repeats its walk up to the chosen bin: the same sums the test above saw. */
-        const long long ac = x.sum_l([&](int t) -> long long {
-            if (t != own)
-                return 0;
-            long long v = s.tl0[t];
-            for (long long q = (long long)t * RPT; q < rk; q++)
-                v += s.cnt[B - 1 - (uint32_t)q];
-            return v;
-        });
-        double am = 0.0;
-        if (mode != W_COUNT)
-            am = x.sum_d([&](int t) -> double {
-                if (t != own)
-                    return 0.0;
-                double v = s.td0[t];
-                for (long long q = (long long)t * RPT; q < rk; q++)
-                    v += mass_of(s, mode, B - 1 - (uint32_t)q);
-                return v;
-            });
-        const long long bc =
-            x.sum_l([&](int t) -> long long { return t == own ? s.cnt[B - 1 - (uint32_t)rk] : 0; });
-        XNOTE(x, NOTE_LEVELS);
-        if (exh)
-            XNOTE(x, NOTE_EXH);
-        r.P |= (uint64_t)(B - 1 - (uint32_t)rk) << sft;
-        r.mask |= (uint64_t)(B - 1) << sft;
-        r.above += (uint32_t)ac;
-        r.base = base0 + am;
-        r.bin = (uint32_t)bc;
-        r.ge = r.above + r.bin;
-        if (exh && lv == 0)
-            r.exh0 = true;
+        const bool exh = refine_pick(x, a, mode, lv, target, frac, strict, r);
         if (full) {
             if (r.ge <= a.list_cap)
                 return r;
@@ -1461,6 +1481,192 @@ HD bool sample_row_topk(X &x, const Args &a, const moe_cuda_sample_row &p,
     const int32_t tok = tier_a_list(x, a, p, M, ncand, u01, true, tp, nL, 0.0);
     row_finish<X, false>(x, a, row, sr, st, tok, true, lg, M, 0.0);
     return true;
+}
+
+/* ---- top-p rows spread over the GPU ---- */
+
+/* A row whose chain is a top-p cut of its whole candidate set and a draw (a temperature and
+ * top-p, neither top-k nor min-p: what an OpenAI request with a top_p gets): tier B's two
+ * refinements, the nucleus bound (exact weights exp(l - M), target top_p of their total) and
+ * the draw (exp((l - M) / T) over the nucleus, target u of their total, strictly), with each
+ * level's histogram built by NSEG blocks a row into global memory (tp_hist_kernel, tp_elem), its
+ * bin chosen by one block (tp_pick, refine_pick), the final bin compacted by NSEG blocks
+ * (tp_collect_kernel) and sorted and scanned by one (tp_final). The weights are tier B's,
+ * unnormalised (tier B divides each by the total z first), and their sums are added in another
+ * order, so a draw can differ from the CPU's only within a rounding of a boundary, as tier B's. */
+HD bool topp_row(const moe_cuda_sample_row &p)
+{
+    return p.temperature > 0.0f && p.top_k <= 0 && p.top_p < 1.0f && !(p.min_p > 0.0f);
+}
+
+/* Levels a spread top-p refinement takes (the logit's digits); a row whose bin still holds more
+ * than list_cap elements after them (that many equal logits) is left to sample_kernel. */
+constexpr int TP_LEVELS = 3;
+
+struct TpRow {
+    uint64_t P, mask; /* the bin: keys with prefix P under mask */
+    uint64_t klo;     /* phase 1: the nucleus, keys >= klo */
+    double base;      /* the weight of the set's elements ranked above the bin */
+    double target;    /* top_p, then u (fractions of the level-0 total), scaled at level 0 */
+    uint64_t rng[4];  /* the generator after the draw */
+    float M;
+    uint32_t above, bin, ncand, list_n;
+    int live;  /* 1 while the spread chain draws the row */
+    int phase; /* 0: the nucleus, 1: the draw */
+    int lev;   /* the level the next histogram is for; -1: the bin is collected next */
+    int exh0;  /* phase 0's level 0 never reached top_p: the CPU keeps every candidate */
+};
+
+/* Whether logit l (index i) is in row state r's current bin (and, in phase 1, the nucleus);
+ * its digit at level lv (lv >= 0) and its weight. */
+HD bool tp_elem(const TpRow &r, const moe_cuda_sample_row &p, const Levels &L, int lv, float l,
+                uint32_t i, uint32_t nv, uint32_t *dg, double *w)
+{
+    if (!(l > -INFINITY))
+        return false;
+    const uint64_t K = key(l, i, nv);
+    if (K < r.klo || (K & r.mask) != r.P)
+        return false;
+    if (lv >= 0)
+        *dg = (uint32_t)(K >> L.shift[lv]) & ((1u << L.width[lv]) - 1u);
+    const WCtx wc = {r.M, r.phase == 0 ? 1.0 : (double)p.temperature};
+    *w = weight_d(W_DQ, l, wc);
+    return true;
+}
+
+/* Row row's state before its chain (tp_init_kernel's thread for the row): live for a topp_row
+ * whose logits no penalty changes, with more than one candidate and a finite maximum (from
+ * scan_kernel's segments); kdone[row] cleared when the top-k kernel did not write it. */
+HD void tp_init_row(const Args &a, uint32_t row, bool write_kdone)
+{
+    const uint32_t sr = a.rowmap ? (uint32_t)a.rowmap[row] : row;
+    const moe_cuda_sample_row p = a.params[sr];
+    const moe_cuda_sample_state st = a.state[sr];
+    TpRow r = {};
+    uint32_t wn;
+    if (topp_row(p) && !row_penalized(p, st, a.hist_cap, &wn)) {
+        float M = -INFINITY;
+        uint32_t nc = 0;
+        for (uint32_t g = 0; g < NSEG; g++) {
+            const ScanPart &q = a.part[(size_t)row * NSEG + g];
+            M = q.bv > M ? q.bv : M;
+            nc += q.c;
+        }
+        if (nc > 1 && M < INFINITY) {
+            r.live = 1;
+            r.M = M;
+            r.ncand = nc;
+            r.target = (double)p.top_p;
+        }
+    }
+    a.tp[row] = r;
+    if (write_kdone)
+        a.kdone[row] = 0;
+}
+
+/* One level of a spread top-p refinement for row (tp_pick_kernel's block): the histogram that
+ * tp_hist_kernel built for level lv taken into shared memory (and zeroed for its next use), its
+ * bin chosen by refine_pick, the state advanced: to the next level, to the bin's collection
+ * once it fits the list, or, past TP_LEVELS, handed back to sample_kernel. */
+template <class X> HD void tp_pick(X &x, const Args &a, uint32_t row, int lv)
+{
+    Smem &s = x.sh;
+    TpRow r = a.tp[row];
+    if (!r.live || r.lev != lv)
+        return;
+    const uint32_t B = 1u << a.lev.width[lv];
+    uint32_t *gc = a.tph_c + (size_t)row * HB;
+    double *gm = a.tph_m + (size_t)row * HB;
+    x.each([&](int t) {
+        for (uint32_t b = (uint32_t)t; b < B; b += NT) {
+            s.cnt[b] = gc[b];
+            s.mass[b] = gm[b];
+            gc[b] = 0;
+            gm[b] = 0.0;
+        }
+    });
+    Refine f;
+    f.P = r.P;
+    f.mask = r.mask;
+    f.base = r.base;
+    f.above = r.above;
+    f.bin = r.bin;
+    f.ge = r.above + r.bin;
+    f.exh0 = r.exh0 != 0;
+    f.bound = f.too_big = false;
+    double target = r.target;
+    refine_pick(x, a, W_DQ, lv, target, true, r.phase == 1, f);
+    r.P = f.P;
+    r.mask = f.mask;
+    r.base = f.base;
+    r.above = f.above;
+    r.bin = f.bin;
+    r.exh0 = f.exh0;
+    r.target = target;
+    if (f.bin <= a.list_cap) {
+        r.lev = -1;
+        r.list_n = 0;
+    } else if (lv + 1 < TP_LEVELS && lv + 1 < a.lev.n) {
+        r.lev = lv + 1;
+    } else {
+        r.live = 0;
+    }
+    x.single([&]() { a.tp[row] = r; });
+}
+
+/* The end of a phase for row (tp_final_kernel's block): the collected bin sorted, its elements'
+ * weights scanned from r.base. Phase 0: the nucleus bound (the first element at which the sum
+ * reaches top_p of the total; the bin's last after a rounding between levels; every candidate
+ * where level 0 never reached it), then the draw's u from the generator and phase 1. Phase 1:
+ * the first element at which the sum passes u of the total (the bin's last after a rounding) is
+ * the token; the row is finished as sample_kernel would and marked done. */
+template <class X> HD void tp_final(X &x, const Args &a, uint32_t row)
+{
+    Smem &s = x.sh;
+    TpRow r = a.tp[row];
+    if (!r.live || r.lev != -1)
+        return;
+    const uint32_t sr = a.rowmap ? (uint32_t)a.rowmap[row] : row, nv = a.n_vocab;
+    const moe_cuda_sample_row p = a.params[sr];
+    const uint32_t n = r.bin, n2 = pow2ceil(n);
+    XCHECK(x, r.list_n == n && n >= 1 && n2 <= a.list_cap);
+    const uint64_t *gl = a.tpl + (size_t)row * a.list_cap;
+    x.each([&](int t) {
+        for (uint32_t i = (uint32_t)t; i < n2; i += NT)
+            s.list[i] = i < n ? gl[i] : 0;
+    });
+    sort_desc(x, s.list, n2);
+    const WCtx wc = {r.M, r.phase == 0 ? 1.0 : (double)p.temperature};
+    auto wf = [&](uint64_t K) -> double { return weight_d(W_DQ, kval(K), wc); };
+    list_scan(x, a, n, wf);
+    int j = list_find(x, a, n, wf, r.base, r.target, r.phase == 1);
+    moe_cuda_sample_state st = a.state[sr];
+    if (r.phase == 0) {
+        if (j < 0 && !r.exh0)
+            j = (int)n - 1; /* rounding between levels: the bin's last element */
+        r.klo = j >= 0 ? read_list(x, (uint32_t)j) : 0;
+        r.target = rng_unit(st.rng);
+        for (int k = 0; k < 4; k++)
+            r.rng[k] = st.rng[k];
+        r.phase = 1;
+        r.lev = 0;
+        r.P = r.mask = 0;
+        r.base = 0.0;
+        r.above = r.bin = 0;
+        r.exh0 = 0;
+        x.single([&]() { a.tp[row] = r; });
+        return;
+    }
+    if (j < 0)
+        j = (int)n - 1; /* rounding left u just above the total, as on the CPU */
+    const int32_t tok = kid(read_list(x, (uint32_t)j), nv);
+    for (int k = 0; k < 4; k++)
+        st.rng[k] = r.rng[k];
+    row_finish<X, false>(x, a, row, sr, st, tok, true, a.logits + (size_t)row * nv, r.M, 0.0);
+    x.single([&]() {
+        a.kdone[row] = 1;
+        a.tp[row].live = 0;
+    });
 }
 
 /* The whole chain for one row. LP: also the logprob. */
