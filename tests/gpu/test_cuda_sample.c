@@ -465,7 +465,7 @@ TEST_TIMEOUT(cuda_sample_spread_passes_are_an_optimisation, 300)
                                  : !(c->t > 0.0f)                 ? MOE_CUDA_SPREAD_GREEDY
                                  : c->k <= 0 && !(c->top_p < 1.0f) ? MOE_CUDA_SPREAD_TIER_C
                                  : c->k >= 1 && c->k <= 64        ? MOE_CUDA_SPREAD_TOPK
-                                 : c->k <= 0 && !(c->min_p > 0.0f) ? MOE_CUDA_SPREAD_TOPP
+                                 : c->k <= 0                      ? MOE_CUDA_SPREAD_TOPP
                                                                   : 0;
                 CHECK_EQ(moe_cuda_sampler_row_spread(g[k], r), want);
             }

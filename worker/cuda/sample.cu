@@ -35,7 +35,7 @@
  *      and added in the same order, so the crossing is sure to fall inside) and walks that
  *      sub-range (tier_c_seg). Top-k rows of k <= 64 without penalties find their top k from
  *      scan_kernel's segment maxima in a kernel of their own (sample_row_topk).
- *   7. Top-p rows without top-k, min-p or penalties can take tier B's refinements spread over
+ *   7. Top-p rows without top-k or penalties can take tier B's refinements spread over
  *      the GPU (MOE_CUDA_SPREAD_TOPP, checked on the host only so far): each level's histogram
  *      built by NSEG blocks a row into global memory, its bin chosen by one block, the final bin
  *      compacted by NSEG blocks and sorted and scanned by one; the nucleus bound, then the draw

@@ -105,7 +105,7 @@ int moe_cuda_sample(struct moe_cuda_sampler *s, float *d_logits, uint32_t n_rows
 #define MOE_CUDA_SPREAD_GREEDY 1
 #define MOE_CUDA_SPREAD_TIER_C 2
 #define MOE_CUDA_SPREAD_TOPK 4
-/* Top-p without top-k or min-p (MOE_CUDA_SPREAD_TOPP): tier B's refinements (the nucleus, then
+/* Top-p without top-k (MOE_CUDA_SPREAD_TOPP): tier B's refinements (the nucleus, then
  * the draw) with each level's histogram built by many blocks a row. Checked on the host only so
  * far, hence outside MOE_CUDA_SPREAD_DEFAULT. */
 #define MOE_CUDA_SPREAD_TOPP 8
@@ -118,8 +118,8 @@ int moe_cuda_sample_rows(struct moe_cuda_sampler *s, float *d_logits, uint32_t n
 /* Which passes of row's draws can be spread over the GPU, by its parameters
  * (moe_cuda_sampler_set_row, else the defaults): MOE_CUDA_SPREAD_GREEDY (temperature 0),
  * MOE_CUDA_SPREAD_TIER_C (a temperature without top-k or top-p), MOE_CUDA_SPREAD_TOPK (a
- * temperature and 1 <= top_k <= 64), MOE_CUDA_SPREAD_TOPP (a temperature and top-p, neither
- * top-k nor min-p), 0 with a penalty that can change
+ * temperature and 1 <= top_k <= 64), MOE_CUDA_SPREAD_TOPP (a temperature and top-p without
+ * top-k), 0 with a penalty that can change
  * its logits, other parameters, or a row out of range. Host-side, no CUDA call. */
 int moe_cuda_sampler_row_spread(const struct moe_cuda_sampler *s, uint32_t row);
 

@@ -1486,17 +1486,17 @@ HD bool sample_row_topk(X &x, const Args &a, const moe_cuda_sample_row &p,
 /* ---- top-p rows spread over the GPU ---- */
 
 /* A row whose chain is a top-p cut of its whole candidate set and a draw (a temperature and
- * top-p, neither top-k nor min-p: what an OpenAI request with a top_p gets): tier B's two
- * refinements, the nucleus bound (exact weights exp(l - M), target top_p of their total) and
- * the draw (exp((l - M) / T) over the nucleus, target u of their total, strictly), with each
- * level's histogram built by NSEG blocks a row into global memory (tp_hist_kernel, tp_elem), its
- * bin chosen by one block (tp_pick, refine_pick), the final bin compacted by NSEG blocks
- * (tp_collect_kernel) and sorted and scanned by one (tp_final). The weights are tier B's,
+ * top-p without top-k: what an OpenAI request with a top_p gets): tier B's two refinements, the
+ * nucleus bound (exact weights exp(l - M), target top_p of their total) and the draw
+ * (exp((l - M) / T) over the nucleus, min-p's cut applied, target u of their total, strictly),
+ * with each level's histogram built by NSEG blocks a row into global memory (tp_hist_kernel,
+ * tp_elem), its bin chosen by one block (tp_pick, refine_pick), the final bin compacted by NSEG
+ * blocks (tp_collect_kernel) and sorted and scanned by one (tp_final). The weights are tier B's,
  * unnormalised (tier B divides each by the total z first), and their sums are added in another
  * order, so a draw can differ from the CPU's only within a rounding of a boundary, as tier B's. */
 HD bool topp_row(const moe_cuda_sample_row &p)
 {
-    return p.temperature > 0.0f && p.top_k <= 0 && p.top_p < 1.0f && !(p.min_p > 0.0f);
+    return p.temperature > 0.0f && p.top_k <= 0 && p.top_p < 1.0f;
 }
 
 /* Levels a spread top-p refinement takes (the logit's digits); a row whose bin still holds more
@@ -1505,11 +1505,11 @@ constexpr int TP_LEVELS = 3;
 
 struct TpRow {
     uint64_t P, mask; /* the bin: keys with prefix P under mask */
-    uint64_t klo;     /* phase 1: the nucleus, keys >= klo */
+    uint64_t klo;     /* phase 1: the nucleus, keys >= klo, and logits >= cut (min-p) */
     double base;      /* the weight of the set's elements ranked above the bin */
     double target;    /* top_p, then u (fractions of the level-0 total), scaled at level 0 */
     uint64_t rng[4];  /* the generator after the draw */
-    float M;
+    float M, cut;
     uint32_t above, bin, ncand, list_n;
     int live;  /* 1 while the spread chain draws the row */
     int phase; /* 0: the nucleus, 1: the draw */
@@ -1517,7 +1517,8 @@ struct TpRow {
     int exh0;  /* phase 0's level 0 never reached top_p: the CPU keeps every candidate */
 };
 
-/* Whether logit l (index i) is in row state r's current bin (and, in phase 1, the nucleus);
+/* Whether logit l (index i) is in row state r's current bin (and, in phase 1, the nucleus above
+ * min-p's cut);
  * its digit at level lv (lv >= 0) and its weight. */
 HD bool tp_elem(const TpRow &r, const moe_cuda_sample_row &p, const Levels &L, int lv, float l,
                 uint32_t i, uint32_t nv, uint32_t *dg, double *w)
@@ -1525,7 +1526,7 @@ HD bool tp_elem(const TpRow &r, const moe_cuda_sample_row &p, const Levels &L, i
     if (!(l > -INFINITY))
         return false;
     const uint64_t K = key(l, i, nv);
-    if (K < r.klo || (K & r.mask) != r.P)
+    if (K < r.klo || !(l >= r.cut) || (K & r.mask) != r.P)
         return false;
     if (lv >= 0)
         *dg = (uint32_t)(K >> L.shift[lv]) & ((1u << L.width[lv]) - 1u);
@@ -1555,6 +1556,7 @@ HD void tp_init_row(const Args &a, uint32_t row, bool write_kdone)
         if (nc > 1 && M < INFINITY) {
             r.live = 1;
             r.M = M;
+            r.cut = -INFINITY;
             r.ncand = nc;
             r.target = (double)p.top_p;
         }
@@ -1645,6 +1647,10 @@ template <class X> HD void tp_final(X &x, const Args &a, uint32_t row)
         if (j < 0 && !r.exh0)
             j = (int)n - 1; /* rounding between levels: the bin's last element */
         r.klo = j >= 0 ? read_list(x, (uint32_t)j) : 0;
+        /* min-p on the nucleus when it holds more than one candidate, as tier B */
+        const uint32_t nA = j >= 0 ? r.above + (uint32_t)j + 1 : r.ncand;
+        if (p.min_p > 0.0f && nA > 1)
+            r.cut = fadd(r.M, p.log_min_p);
         r.target = rng_unit(st.rng);
         for (int k = 0; k < 4; k++)
             r.rng[k] = st.rng[k];
