@@ -187,6 +187,15 @@ static long emu_sample(Emu *e, float *lg, int spread, int32_t *tok, bool rev)
     Args a = launch_args(lg, NULL, tok, NULL, e->params, e->state, e->ring, e->nv, e->hist_cap,
                          e->list_cap, true, make_levels(e->nv));
     long fails = 0;
+    if (spread & MOE_CUDA_SPREAD_PENALTY) {
+        /* penalty_kernel */
+        for (uint32_t r = 0; r < e->rows; r++) {
+            HostExec x = block(e, rev);
+            pen_row(x, a, r);
+            fails += x.fails;
+        }
+        a.pen_done = 1;
+    }
     if (spread) {
         /* scan_kernel: a segment's maximum, the lowest index holding it, its count. */
         for (uint32_t r = 0; r < e->rows; r++)
@@ -235,7 +244,7 @@ static long emu_sample(Emu *e, float *lg, int spread, int32_t *tok, bool rev)
             const moe_cuda_sample_state st = e->state[r];
             uint32_t wn;
             bool done = false;
-            if (topk_row(p) && !row_penalized(p, st, e->hist_cap, &wn)) {
+            if (topk_row(p) && !row_pen_due(a, p, st, &wn)) {
                 HostExec x = block(e, rev);
                 done = sample_row_topk(x, a, p, st, r, r, lg + (size_t)r * e->nv);
                 fails += x.fails;
@@ -319,7 +328,7 @@ static long emu_sample(Emu *e, float *lg, int spread, int32_t *tok, bool rev)
             const moe_cuda_sample_row p = e->params[r];
             const moe_cuda_sample_state st = e->state[r];
             uint32_t wn;
-            if (!row_cseg(a, p, row_penalized(p, st, e->hist_cap, &wn)))
+            if (!row_cseg(a, p, row_pen_due(a, p, st, &wn)))
                 continue;
             HostExec x = block(e, rev);
             sample_row_cseg(x, a, p, st, r, r, lg + (size_t)r * e->nv);

@@ -461,12 +461,12 @@ TEST_TIMEOUT(cuda_sample_spread_passes_are_an_optimisation, 300)
                 p.seed = 1000 + r;
                 CHECK_EQ(moe_cuda_sampler_set_row(g[k], r, &p, st, err, sizeof err), 0);
                 const int nopen = c->rep == 1.0f && c->pres == 0.0f && c->freq == 0.0f;
-                const int want = !nopen                           ? 0
-                                 : !(c->t > 0.0f)                 ? MOE_CUDA_SPREAD_GREEDY
+                const int kind = !(c->t > 0.0f)                 ? MOE_CUDA_SPREAD_GREEDY
                                  : c->k <= 0 && !(c->top_p < 1.0f) ? MOE_CUDA_SPREAD_TIER_C
                                  : c->k >= 1 && c->k <= 64        ? MOE_CUDA_SPREAD_TOPK
                                  : c->k <= 0                      ? MOE_CUDA_SPREAD_TOPP
                                                                   : 0;
+                const int want = kind && !nopen ? kind | MOE_CUDA_SPREAD_PENALTY : kind;
                 CHECK_EQ(moe_cuda_sampler_row_spread(g[k], r), want);
             }
         }

@@ -1834,8 +1834,8 @@ static int cuda_init(struct moe_backend **out, const struct moe_model *m, struct
         /* The sampler's passes spread over the GPU, for every row that can take them (greedy,
          * a temperature alone, a top-k of at most 64: one row at a temperature 32 against 89 us,
          * the defaults 39 against 78, H100, docs/benchmarks.md). MOE_SAMPLE_SPREAD=all adds the
-         * top-p rows' (checked on the host only so far), greedy spreads greedy rows only, 0
-         * none (the same draws, for measurements). */
+         * top-p rows' and the rows with penalties (checked on the host only so far), greedy
+         * spreads greedy rows only, 0 none (the same draws, for measurements). */
         const char *v = getenv("MOE_SAMPLE_SPREAD");
         b->spread_allow = v && !strcmp(v, "greedy") ? MOE_CUDA_SPREAD_GREEDY
                           : v && !strcmp(v, "0")    ? 0
@@ -2490,8 +2490,10 @@ static int cuda_begin(struct moe_backend *bb, const struct moe_step *st)
                           (long long)st->n_out);
         for (int64_t i = 0; i < st->n_out; i++) {
             b->h_in[4 * nb + i] = st->seq[st->out_row[i]];
-            b->spread |= moe_cuda_sampler_row_spread(b->smp, (uint32_t)b->h_in[4 * nb + i]) &
-                         b->spread_allow;
+            int m = moe_cuda_sampler_row_spread(b->smp, (uint32_t)b->h_in[4 * nb + i]);
+            if ((m & MOE_CUDA_SPREAD_PENALTY) && !(b->spread_allow & MOE_CUDA_SPREAD_PENALTY))
+                m = 0; /* its penalties are applied in the one-block pass: no spread pass */
+            b->spread |= m & b->spread_allow;
         }
     }
     memcpy(b->h_rope, st->rope, sizeof(float) * n * (size_t)b->d.hd);

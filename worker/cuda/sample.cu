@@ -35,7 +35,8 @@
  *      and added in the same order, so the crossing is sure to fall inside) and walks that
  *      sub-range (tier_c_seg). Top-k rows of k <= 64 without penalties find their top k from
  *      scan_kernel's segment maxima in a kernel of their own (sample_row_topk).
- *   7. Top-p rows without top-k or penalties can take tier B's refinements spread over
+ *   7. Top-p rows without top-k (and whose penalties, if any, penalty_kernel applied first)
+ *      can take tier B's refinements spread over
  *      the GPU (MOE_CUDA_SPREAD_TOPP, checked on the host only so far): each level's histogram
  *      built by NSEG blocks a row into global memory, its bin chosen by one block, the final bin
  *      compacted by NSEG blocks and sorted and scanned by one; the nucleus bound, then the draw
@@ -193,7 +194,7 @@ template <bool TOPK> __global__ void __launch_bounds__(NT, 1) sample_spread_kern
     const moe_cuda_sample_row p = a.params[sr];
     const moe_cuda_sample_state st = a.state[sr];
     uint32_t wn;
-    const bool pen = row_penalized(p, st, a.hist_cap, &wn);
+    const bool pen = row_pen_due(a, p, st, &wn);
     const bool mine = TOPK ? topk_row(p) && !pen : row_cseg(a, p, pen);
     bool done = false;
     if (mine) {
@@ -207,6 +208,16 @@ template <bool TOPK> __global__ void __launch_bounds__(NT, 1) sample_spread_kern
     }
     if (TOPK && threadIdx.x == 0)
         a.kdone[row] = done;
+}
+
+/* Every row's penalties applied to its logits before the other passes (pen_row), so that the
+ * spread passes see the penalised logits; the kernels after it are told (Args::pen_done). */
+__global__ void __launch_bounds__(NT, 1) penalty_kernel(Args a)
+{
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    DevExec x;
+    x.sh = smem_carve(smem_raw, a.list_cap, pow2ceil(a.hist_cap));
+    pen_row(x, a, blockIdx.x);
 }
 
 /* The spread top-p rows (topp_row; sample_dev.cuh "top-p rows spread over the GPU"), in their
@@ -391,14 +402,15 @@ struct moe_cuda_sampler {
  * scan_kernel), MOE_CUDA_SPREAD_TIER_C (csum_row: scan_kernel and csum_kernel), or 0. */
 static int spread_mask(const moe_cuda_sample_row &r)
 {
-    if (!(r.penalty_last_n == 0 || (r.repeat_penalty == 1.0f && r.presence_penalty == 0.0f &&
-                                    r.frequency_penalty == 0.0f)))
-        return 0;
-    return !(r.temperature > 0.0f) ? MOE_CUDA_SPREAD_GREEDY
-           : csum_row(r)          ? MOE_CUDA_SPREAD_TIER_C
-           : topk_row(r)          ? MOE_CUDA_SPREAD_TOPK
-           : topp_row(r)          ? MOE_CUDA_SPREAD_TOPP
-                                  : 0;
+    const bool pen = !(r.penalty_last_n == 0 || (r.repeat_penalty == 1.0f &&
+                                                 r.presence_penalty == 0.0f &&
+                                                 r.frequency_penalty == 0.0f));
+    const int kind = !(r.temperature > 0.0f) ? MOE_CUDA_SPREAD_GREEDY
+                     : csum_row(r)          ? MOE_CUDA_SPREAD_TIER_C
+                     : topk_row(r)          ? MOE_CUDA_SPREAD_TOPK
+                     : topp_row(r)          ? MOE_CUDA_SPREAD_TOPP
+                                            : 0;
+    return kind && pen ? kind | MOE_CUDA_SPREAD_PENALTY : kind;
 }
 
 extern "C" void moe_cuda_sampler_free(struct moe_cuda_sampler *s)
@@ -443,6 +455,8 @@ static int sampler_alloc(struct moe_cuda_sampler *s)
                                       cudaFuncAttributeMaxDynamicSharedMemorySize, (int)s->smem));
     MOE_CUDA_TRY(cudaFuncSetAttribute(sample_spread_kernel<true>,
                                       cudaFuncAttributeMaxDynamicSharedMemorySize, (int)s->smem));
+    MOE_CUDA_TRY(cudaFuncSetAttribute(penalty_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      (int)s->smem));
     MOE_CUDA_TRY(cudaFuncSetAttribute(tp_pick_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                       (int)s->smem));
     MOE_CUDA_TRY(cudaFuncSetAttribute(tp_final_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -619,6 +633,11 @@ extern "C" int moe_cuda_sample_rows(struct moe_cuda_sampler *s, float *d_logits,
     const bool topk = (spread & MOE_CUDA_SPREAD_TOPK) != 0;
     const bool topp = (spread & MOE_CUDA_SPREAD_TOPP) != 0;
     if (!d_logprobs && (csum || topk || topp || (spread & MOE_CUDA_SPREAD_GREEDY)) && scan_env) {
+        if (spread & MOE_CUDA_SPREAD_PENALTY) {
+            penalty_kernel<<<n_rows, NT, s->smem, st>>>(a);
+            MOE_CUDA_TRY(cudaGetLastError());
+            a.pen_done = 1;
+        }
         scan_kernel<<<dim3(NSEG, n_rows), SCAN_NT, 0, st>>>(d_logits, s->n_vocab, s->d_part);
         MOE_CUDA_TRY(cudaGetLastError());
         a.part = s->d_part;

@@ -109,8 +109,13 @@ int moe_cuda_sample(struct moe_cuda_sampler *s, float *d_logits, uint32_t n_rows
  * the draw) with each level's histogram built by many blocks a row. Checked on the host only so
  * far, hence outside MOE_CUDA_SPREAD_DEFAULT. */
 #define MOE_CUDA_SPREAD_TOPP 8
+/* With MOE_CUDA_SPREAD_PENALTY the rows' penalties are applied to their logits by a kernel of
+ * their own first (penalty_kernel), so that rows with penalties take the spread passes of their
+ * kind too; moe_cuda_sampler_row_spread adds it to such a row's kind. Checked on the host only so
+ * far, hence outside MOE_CUDA_SPREAD_DEFAULT (a row with penalties then takes none). */
+#define MOE_CUDA_SPREAD_PENALTY 16
 #define MOE_CUDA_SPREAD_DEFAULT 7
-#define MOE_CUDA_SPREAD_ALL 15
+#define MOE_CUDA_SPREAD_ALL 31
 int moe_cuda_sample_rows(struct moe_cuda_sampler *s, float *d_logits, uint32_t n_rows,
                          const int32_t *d_rowmap, int32_t *d_tokens, float *d_logprobs, int accept,
                          int spread, cudaStream_t st);
@@ -119,8 +124,9 @@ int moe_cuda_sample_rows(struct moe_cuda_sampler *s, float *d_logits, uint32_t n
  * (moe_cuda_sampler_set_row, else the defaults): MOE_CUDA_SPREAD_GREEDY (temperature 0),
  * MOE_CUDA_SPREAD_TIER_C (a temperature without top-k or top-p), MOE_CUDA_SPREAD_TOPK (a
  * temperature and 1 <= top_k <= 64), MOE_CUDA_SPREAD_TOPP (a temperature and top-p without
- * top-k), 0 with a penalty that can change
- * its logits, other parameters, or a row out of range. Host-side, no CUDA call. */
+ * top-k), with MOE_CUDA_SPREAD_PENALTY added when a penalty can change its logits; 0 for other
+ * parameters or a row out of range. A caller that does not pass MOE_CUDA_SPREAD_PENALTY to
+ * moe_cuda_sample_rows should leave out the rows that have it. Host-side, no CUDA call. */
 int moe_cuda_sampler_row_spread(const struct moe_cuda_sampler *s, uint32_t row);
 
 /* Test and debugging helpers; both synchronise with st. Copies row's generator state to

@@ -82,6 +82,9 @@ struct Args {
     uint32_t *tph_c;
     double *tph_m;
     uint64_t *tpl;
+    /* pen_done: penalty_kernel has applied every row's penalties to its logits (so the spread
+     * passes see the penalised logits and no kernel applies them again). */
+    int pen_done;
     float *logits;
     const int32_t *rowmap; /* logits row -> state row; NULL: the same */
     int32_t *tokens;
@@ -1369,6 +1372,26 @@ HD bool row_penalized(const moe_cuda_sample_row &p, const moe_cuda_sample_state 
                       p.frequency_penalty != 0.0f);
 }
 
+/* Whether the row's penalties are still to be applied by the kernel that draws it (not when
+ * penalty_kernel applied them first). */
+HD bool row_pen_due(const Args &a, const moe_cuda_sample_row &p, const moe_cuda_sample_state &st,
+                    uint32_t *wn)
+{
+    return row_penalized(p, st, a.hist_cap, wn) && !a.pen_done;
+}
+
+/* A row's penalties applied to its logits ahead of every other pass (penalty_kernel's block). */
+template <class X> HD void pen_row(X &x, const Args &a, uint32_t row)
+{
+    const uint32_t sr = a.rowmap ? (uint32_t)a.rowmap[row] : row;
+    const moe_cuda_sample_row p = a.params[sr];
+    const moe_cuda_sample_state st = a.state[sr];
+    uint32_t wn;
+    if (row_penalized(p, st, a.hist_cap, &wn))
+        penalties(x, a, p, st, a.ring + (size_t)sr * a.hist_cap, a.logits + (size_t)row * a.n_vocab,
+                  wn);
+}
+
 /* Whether csum_kernel summed the row for sample_spread_kernel<false> (sample_kernel leaves it). */
 HD bool row_cseg(const Args &a, const moe_cuda_sample_row &p, bool penalized)
 {
@@ -1545,7 +1568,7 @@ HD void tp_init_row(const Args &a, uint32_t row, bool write_kdone)
     const moe_cuda_sample_state st = a.state[sr];
     TpRow r = {};
     uint32_t wn;
-    if (topp_row(p) && !row_penalized(p, st, a.hist_cap, &wn)) {
+    if (topp_row(p) && !row_pen_due(a, p, st, &wn)) {
         float M = -INFINITY;
         uint32_t nc = 0;
         for (uint32_t g = 0; g < NSEG; g++) {
@@ -1689,7 +1712,7 @@ template <class X, bool LP> HD void sample_row(X &x, const Args &a, uint32_t row
     if (!LP && a.kdone && a.kdone[row])
         return; /* sample_spread_kernel<true> drew it */
     uint32_t wn;
-    const bool penalized = row_penalized(p, st, a.hist_cap, &wn);
+    const bool penalized = row_pen_due(a, p, st, &wn);
     /* A tier-C row whose logits no penalty changed: sample_spread_kernel<false>'s (a kernel of
      * its own, whose registers stay out of this one's). */
     if (!LP && row_cseg(a, p, penalized))
