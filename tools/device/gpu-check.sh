@@ -4,8 +4,10 @@
 # (include/, lib/; tools/device/pack-deps.sh makes it) along with the generated protobuf-c files.
 #
 #   tools/device/gpu-check.sh [LOGDIR] [steps...]
-#   steps: build tests parity sanitizer daemon daemon-tests daemon-offload tiny big offload tc
-#          multi
+#   steps: build tests parity sanitizer sampler daemon daemon-tests daemon-offload tiny big
+#          offload tc multi
+#   (sampler: the sampler's GPU tests, the engine's sampling tests and compute-sanitizer on the
+#   worker with every spread pass on, MOE_SAMPLE_SPREAD=all, then bench_cuda_sample)
 #   (tc: the products on tensor cores, MOE_CUDA_TC: their GPU tests, the tensor-core mat-vec
 #   against the float walk, and bench_engine with the float walk, the default (down on tensor
 #   cores), gate/up and down with grouped steps' inputs staged once, and all with the inputs
@@ -90,6 +92,26 @@ if has sanitizer; then
             tail -n 3 "$LOG/sanitizer-$tool-$res.log"
         done
     done
+fi
+if has sampler; then
+    step "the sampler's spread passes, every one on (MOE_SAMPLE_SPREAD=all)"
+    timeout 300 "$B/build/tests/moe-gpu-tests" -v -j 2 -f cuda_sample >"$LOG/sampler-tests.log" 2>&1
+    grep -E "^(ok|FAIL)|passed" "$LOG/sampler-tests.log" | tail -n 14
+    MOE_SAMPLE_SPREAD=all timeout 300 "$B/build/tests/moe-gpu-tests" -v -j 2 -f cuda_engine_sampl \
+        -f cuda_engine_samples >"$LOG/sampler-engine.log" 2>&1
+    grep -E "^(ok|FAIL)|passed" "$LOG/sampler-engine.log" | tail -n 4
+    printf 'In the beginning God created the heaven and the earth.' >"$LOG/prompt.txt"
+    for tool in memcheck racecheck; do
+        for args in "--temp 1 --top-k 0 --top-p 0.95 --min-p 0" "--temp 0.7 --top-k 0 --top-p 0.9 --min-p 0.05 --repeat-penalty 1.3" \
+                    "--temp 0.8 --repeat-penalty 1.2"; do
+            MOE_SAMPLE_SPREAD=all timeout 300 compute-sanitizer --tool $tool --error-exitcode 3 \
+                "$B/bin/moed-worker" --model tests/golden/models/tiny-qwen3moe-Q4_K_M.gguf \
+                --prompt-file "$LOG/prompt.txt" -n 8 $args --seed 3 --device cuda:0 \
+                >"$LOG/sampler-$tool.log" 2>&1
+            echo "$tool, $args: exit $? ($(tail -n 1 "$LOG/sampler-$tool.log"))"
+        done
+    done
+    timeout 300 "$B/build/bench/bench_cuda_sample" 0.05 2>&1 | tee "$LOG/bench-sample.log" | tail -n 40
 fi
 if has daemon; then
     step "daemon with a CUDA worker (make demo's script)"
