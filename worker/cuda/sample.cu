@@ -396,10 +396,12 @@ struct moe_cuda_sampler {
     uint8_t *plain;   /* [max_rows], host: moe_cuda_sampler_row_spread's mask of the row */
 };
 
-/* The first passes that sample_kernel can take spread over the GPU for a row with these
- * parameters, whose logits no penalty changes (the kernel also skips penalties whose window holds
- * no token yet, so this is the conservative side of its test): MOE_CUDA_SPREAD_GREEDY (greedy:
- * scan_kernel), MOE_CUDA_SPREAD_TIER_C (csum_row: scan_kernel and csum_kernel), or 0. */
+/* The passes spread over the GPU that a row with these parameters can take: its kind,
+ * MOE_CUDA_SPREAD_GREEDY (greedy: scan_kernel), MOE_CUDA_SPREAD_TIER_C (csum_row: scan_kernel
+ * and csum_kernel), MOE_CUDA_SPREAD_TOPK (topk_row) or MOE_CUDA_SPREAD_TOPP (topp_row), or 0;
+ * with MOE_CUDA_SPREAD_PENALTY added when a penalty can change its logits (penalty_kernel must
+ * apply them first; the kernels also skip penalties whose window holds no token yet, so this is
+ * the conservative side of their test). */
 static int spread_mask(const moe_cuda_sample_row &r)
 {
     const bool pen = !(r.penalty_last_n == 0 || (r.repeat_penalty == 1.0f &&
