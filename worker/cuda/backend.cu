@@ -1833,7 +1833,7 @@ static int cuda_init(struct moe_backend **out, const struct moe_model *m, struct
     {
         /* The sampler's passes spread over the GPU, for every row that can take them (greedy,
          * a temperature alone, a top-k of at most 64: one row at a temperature 32 against 89 us,
-         * the defaults 39 against 78, H100, docs/benchmarks.md). MOE_SAMPLE_SPREAD=all adds the
+         * the defaults 35 against 53, H100, docs/benchmarks.md). MOE_SAMPLE_SPREAD=all adds the
          * top-p rows' and the rows with penalties (checked on the host only so far), greedy
          * spreads greedy rows only, 0 none (the same draws, for measurements). */
         const char *v = getenv("MOE_SAMPLE_SPREAD");
