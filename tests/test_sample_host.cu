@@ -216,13 +216,8 @@ static long emu_sample(Emu *e, float *lg, int spread, int32_t *tok, bool rev)
             const moe_cuda_sample_row &p = e->params[r];
             if (!csum_row(p))
                 continue;
-            const ScanPart *pr = e->part + (size_t)r * NSEG;
-            float M = -INFINITY;
-            uint32_t ncand = 0;
-            for (uint32_t k = 0; k < NSEG; k++) {
-                M = fmaxf(M, pr[k].bv);
-                ncand += pr[k].c;
-            }
+            uint32_t ncand;
+            const float M = parts_max(e->part + (size_t)r * NSEG, &ncand);
             const float cut = tier_c_cut(p, M, ncand);
             const WCtx wt = {M, (double)p.temperature};
             for (uint32_t g = 0; g < NSEG; g++) {
@@ -263,7 +258,6 @@ static long emu_sample(Emu *e, float *lg, int spread, int32_t *tok, bool rev)
         a.tpl = e->tpl;
         for (uint32_t r = 0; r < e->rows; r++)
             tp_init_row(a, r, !kd_written);
-        const size_t nv = e->nv;
         for (int ph = 0; ph < 2; ph++) {
             for (int lv = 0; lv < TP_LEVELS; lv++) {
                 /* tp_hist_kernel: each element of the bin added to the row's bins (here in
@@ -272,15 +266,12 @@ static long emu_sample(Emu *e, float *lg, int spread, int32_t *tok, bool rev)
                     const TpRow tr = e->tp[r];
                     if (!tr.live || tr.lev != lv)
                         continue;
-                    for (uint32_t i = 0; i < e->nv; i++) {
-                        uint32_t d;
-                        double w;
-                        if (tp_elem(tr, e->params[r], a.lev, lv, lg[r * nv + i], i, e->nv, &d,
-                                    &w)) {
-                            e->tph_c[(size_t)r * HB + d]++;
-                            e->tph_m[(size_t)r * HB + d] += w;
-                        }
-                    }
+                    for (uint32_t g = 0; g < NSEG; g++)
+                        tp_seg_elems(a, r, tr, lv, g, 0, 1,
+                                     [&](uint32_t, float, uint32_t d, double w) {
+                                         e->tph_c[(size_t)r * HB + d]++;
+                                         e->tph_m[(size_t)r * HB + d] += w;
+                                     });
                 }
                 for (uint32_t r = 0; r < e->rows; r++) {
                     HostExec x = block(e, rev);
@@ -288,23 +279,19 @@ static long emu_sample(Emu *e, float *lg, int spread, int32_t *tok, bool rev)
                     fails += x.fails;
                 }
             }
-            /* tp_collect_kernel: the bin's keys appended (backward when rev: the GPU's order is
-             * any, the list is sorted after) */
+            /* tp_collect_kernel: the bin's keys appended (segments backward when rev: the GPU's
+             * order is any, the list is sorted after) */
             for (uint32_t r = 0; r < e->rows; r++) {
                 const TpRow tr = e->tp[r];
                 if (!tr.live || tr.lev != -1)
                     continue;
-                for (uint32_t k = 0; k < e->nv; k++) {
-                    const uint32_t i = rev ? e->nv - 1 - k : k;
-                    const float l = lg[r * nv + i];
-                    uint32_t d;
-                    double w;
-                    if (tp_elem(tr, e->params[r], a.lev, -1, l, i, e->nv, &d, &w)) {
-                        const uint32_t j = e->tp[r].list_n++;
-                        if (j < e->list_cap)
-                            e->tpl[(size_t)r * e->list_cap + j] = key(l, i, e->nv);
-                    }
-                }
+                for (uint32_t k = 0; k < NSEG; k++)
+                    tp_seg_elems(a, r, tr, -1, rev ? NSEG - 1 - k : k, 0, 1,
+                                 [&](uint32_t i, float l, uint32_t, double) {
+                                     const uint32_t j = e->tp[r].list_n++;
+                                     if (j < e->list_cap)
+                                         e->tpl[(size_t)r * e->list_cap + j] = key(l, i, e->nv);
+                                 });
             }
             for (uint32_t r = 0; r < e->rows; r++) {
                 HostExec x = block(e, rev);

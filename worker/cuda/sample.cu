@@ -190,7 +190,7 @@ template <bool TOPK> __global__ void __launch_bounds__(NT, 1) sample_spread_kern
 {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     const uint32_t row = blockIdx.x;
-    const uint32_t sr = a.rowmap ? (uint32_t)a.rowmap[row] : row;
+    const uint32_t sr = state_row(a, row);
     const moe_cuda_sample_row p = a.params[sr];
     const moe_cuda_sample_state st = a.state[sr];
     uint32_t wn;
@@ -242,25 +242,17 @@ __global__ void __launch_bounds__(SCAN_NT) tp_hist_kernel(Args a, int lv)
     extern __shared__ __align__(16) unsigned char smem_raw[];
     double *ms = (double *)smem_raw;
     uint32_t *cs = (uint32_t *)(ms + HB);
-    const uint32_t B = 1u << a.lev.width[lv], nv = a.n_vocab;
+    const uint32_t B = 1u << a.lev.width[lv];
     for (uint32_t b = threadIdx.x; b < B; b += SCAN_NT) {
         ms[b] = 0.0;
         cs[b] = 0;
     }
     __syncthreads();
-    const uint32_t sr = a.rowmap ? (uint32_t)a.rowmap[row] : row;
-    const moe_cuda_sample_row p = a.params[sr];
-    const float *lg = a.logits + (size_t)row * nv;
-    uint32_t i0, i1;
-    seg_range(nv, blockIdx.x, &i0, &i1);
-    for (uint32_t i = i0 + threadIdx.x; i < i1; i += SCAN_NT) {
-        uint32_t d;
-        double w;
-        if (tp_elem(r, p, a.lev, lv, lg[i], i, nv, &d, &w)) {
-            atomicAdd(&cs[d], 1u);
-            atomicAdd(&ms[d], w);
-        }
-    }
+    tp_seg_elems(a, row, r, lv, blockIdx.x, threadIdx.x, SCAN_NT,
+                 [&](uint32_t, float, uint32_t d, double w) {
+                     atomicAdd(&cs[d], 1u);
+                     atomicAdd(&ms[d], w);
+                 });
     __syncthreads();
     uint32_t *gc = a.tph_c + (size_t)row * HB;
     double *gm = a.tph_m + (size_t)row * HB;
@@ -286,22 +278,13 @@ __global__ void __launch_bounds__(SCAN_NT) tp_collect_kernel(Args a)
     const TpRow r = a.tp[row];
     if (!r.live || r.lev != -1)
         return;
-    const uint32_t sr = a.rowmap ? (uint32_t)a.rowmap[row] : row, nv = a.n_vocab;
-    const moe_cuda_sample_row p = a.params[sr];
-    const float *lg = a.logits + (size_t)row * nv;
     uint64_t *gl = a.tpl + (size_t)row * a.list_cap;
-    uint32_t i0, i1;
-    seg_range(nv, blockIdx.x, &i0, &i1);
-    for (uint32_t i = i0 + threadIdx.x; i < i1; i += SCAN_NT) {
-        uint32_t d;
-        double w;
-        const float l = lg[i];
-        if (tp_elem(r, p, a.lev, -1, l, i, nv, &d, &w)) {
-            const uint32_t j = atomicAdd(&a.tp[row].list_n, 1u);
-            if (j < a.list_cap)
-                gl[j] = key(l, i, nv);
-        }
-    }
+    tp_seg_elems(a, row, r, -1, blockIdx.x, threadIdx.x, SCAN_NT,
+                 [&](uint32_t i, float l, uint32_t, double) {
+                     const uint32_t j = atomicAdd(&a.tp[row].list_n, 1u);
+                     if (j < a.list_cap)
+                         gl[j] = key(l, i, a.n_vocab);
+                 });
 }
 
 __global__ void __launch_bounds__(NT, 1) tp_final_kernel(Args a)
@@ -666,8 +649,7 @@ extern "C" int moe_cuda_sample_rows(struct moe_cuda_sampler *s, float *d_logits,
         MOE_CUDA_TRY(cudaGetLastError());
         for (int ph = 0; ph < 2; ph++) {
             for (int lv = 0; lv < TP_LEVELS; lv++) {
-                tp_hist_kernel<<<dim3(NSEG, n_rows), SCAN_NT, HB * (sizeof(double) + 4), st>>>(
-                    a, lv);
+                tp_hist_kernel<<<dim3(NSEG, n_rows), SCAN_NT, TP_HIST_SMEM, st>>>(a, lv);
                 MOE_CUDA_TRY(cudaGetLastError());
                 tp_pick_kernel<<<n_rows, NT, s->smem, st>>>(a, lv);
                 MOE_CUDA_TRY(cudaGetLastError());

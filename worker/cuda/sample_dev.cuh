@@ -187,6 +187,12 @@ HD Smem smem_carve(unsigned char *base, uint32_t list_cap, uint32_t win_cap)
     return s;
 }
 
+/* The state row of logits row `row` (through the row map, if any). */
+HD uint32_t state_row(const Args &a, uint32_t row)
+{
+    return a.rowmap ? (uint32_t)a.rowmap[row] : row;
+}
+
 /* ---- float arithmetic exactly as the CPU's (no contraction) ---- */
 
 #ifdef __CUDA_ARCH__
@@ -645,6 +651,17 @@ struct Refine {
     bool too_big;            /* full mode: the prefix {K >= P} never got below list_cap */
 };
 
+/* A refinement before its first level: the whole set, nothing above it. */
+HD Refine refine_start()
+{
+    Refine r;
+    r.P = r.mask = 0;
+    r.base = 0.0;
+    r.above = r.bin = r.ge = 0;
+    r.exh0 = r.bound = r.too_big = false;
+    return r;
+}
+
 /* One level of a refinement, its histogram (cnt, and the masses of mode) built: keeps the highest
  * bin at which the running weight from the top (count for W_COUNT, else the mass of `mode`),
  * added to r's, reaches target (> with strict, else >=; frac at level 0: target is first
@@ -761,11 +778,7 @@ template <class X>
 HD Refine refine(X &x, const Args &a, const float *lg, int mode, double target, bool frac,
                  bool strict, bool full, const SetPred &sp, const WCtx &w, bool ready)
 {
-    Refine r;
-    r.P = r.mask = 0;
-    r.base = 0.0;
-    r.above = r.bin = r.ge = 0;
-    r.exh0 = r.bound = r.too_big = false;
+    Refine r = refine_start();
     for (int lv = 0; lv < a.lev.n; lv++) {
         const int sft = a.lev.shift[lv];
         const uint32_t B = 1u << a.lev.width[lv];
@@ -1383,7 +1396,7 @@ HD bool row_pen_due(const Args &a, const moe_cuda_sample_row &p, const moe_cuda_
 /* A row's penalties applied to its logits ahead of every other pass (penalty_kernel's block). */
 template <class X> HD void pen_row(X &x, const Args &a, uint32_t row)
 {
-    const uint32_t sr = a.rowmap ? (uint32_t)a.rowmap[row] : row;
+    const uint32_t sr = state_row(a, row);
     const moe_cuda_sample_row p = a.params[sr];
     const moe_cuda_sample_state st = a.state[sr];
     uint32_t wn;
@@ -1527,29 +1540,29 @@ HD bool topp_row(const moe_cuda_sample_row &p)
 constexpr int TP_LEVELS = 3;
 
 struct TpRow {
-    uint64_t P, mask; /* the bin: keys with prefix P under mask */
-    uint64_t klo;     /* phase 1: the nucleus, keys >= klo, and logits >= cut (min-p) */
-    double base;      /* the weight of the set's elements ranked above the bin */
-    double target;    /* top_p, then u (fractions of the level-0 total), scaled at level 0 */
-    uint64_t rng[4];  /* the generator after the draw */
+    Refine f;        /* the phase's refinement so far: its bin, the weight and count above it */
+    uint64_t klo;    /* phase 1: the nucleus, keys >= klo, and logits >= cut (min-p) */
+    double target;   /* top_p, then u (fractions of the level-0 total), scaled at level 0 */
+    uint64_t rng[4]; /* the generator after the draw */
     float M, cut;
-    uint32_t above, bin, ncand, list_n;
+    uint32_t ncand, list_n;
     int live;  /* 1 while the spread chain draws the row */
     int phase; /* 0: the nucleus, 1: the draw */
     int lev;   /* the level the next histogram is for; -1: the bin is collected next */
-    int exh0;  /* phase 0's level 0 never reached top_p: the CPU keeps every candidate */
 };
 
+/* Shared memory of a tp_hist_kernel block: HB double masses, then HB counts. */
+constexpr size_t TP_HIST_SMEM = HB * (sizeof(double) + sizeof(uint32_t));
+
 /* Whether logit l (index i) is in row state r's current bin (and, in phase 1, the nucleus above
- * min-p's cut);
- * its digit at level lv (lv >= 0) and its weight. */
+ * min-p's cut); its digit at level lv (lv >= 0) and its weight. */
 HD bool tp_elem(const TpRow &r, const moe_cuda_sample_row &p, const Levels &L, int lv, float l,
                 uint32_t i, uint32_t nv, uint32_t *dg, double *w)
 {
     if (!(l > -INFINITY))
         return false;
     const uint64_t K = key(l, i, nv);
-    if (K < r.klo || !(l >= r.cut) || (K & r.mask) != r.P)
+    if (K < r.klo || !(l >= r.cut) || (K & r.f.mask) != r.f.P)
         return false;
     if (lv >= 0)
         *dg = (uint32_t)(K >> L.shift[lv]) & ((1u << L.width[lv]) - 1u);
@@ -1558,24 +1571,54 @@ HD bool tp_elem(const TpRow &r, const moe_cuda_sample_row &p, const Levels &L, i
     return true;
 }
 
+/* f(i, l, digit, weight) for the elements of segment g of logits row `row` that are in row state
+ * r's bin (tp_elem; digit at level lv), thread t of nt taking i0 + t, i0 + t + nt, ...: the walk
+ * of tp_hist_kernel and tp_collect_kernel (and of their host emulation, one thread). */
+#pragma nv_exec_check_disable /* f: a device lambda in the kernels, a host one in the tests */
+template <class F>
+HD void tp_seg_elems(const Args &a, uint32_t row, const TpRow &r, int lv, uint32_t g, uint32_t t,
+                     uint32_t nt, F f)
+{
+    const uint32_t nv = a.n_vocab;
+    const moe_cuda_sample_row &p = a.params[state_row(a, row)];
+    const float *lg = a.logits + (size_t)row * nv;
+    uint32_t i0, i1;
+    seg_range(nv, g, &i0, &i1);
+    for (uint32_t i = i0 + t; i < i1; i += nt) {
+        const float l = lg[i];
+        uint32_t d = 0;
+        double w;
+        if (tp_elem(r, p, a.lev, lv, l, i, nv, &d, &w))
+            f(i, l, d, w);
+    }
+}
+
+/* The largest of a row's segment maxima and its candidate count (scan_kernel's segments). */
+HD float parts_max(const ScanPart *pr, uint32_t *ncand)
+{
+    float M = -INFINITY;
+    uint32_t nc = 0;
+    for (uint32_t g = 0; g < NSEG; g++) {
+        M = pr[g].bv > M ? pr[g].bv : M;
+        nc += pr[g].c;
+    }
+    *ncand = nc;
+    return M;
+}
+
 /* Row row's state before its chain (tp_init_kernel's thread for the row): live for a topp_row
  * whose logits no penalty changes, with more than one candidate and a finite maximum (from
  * scan_kernel's segments); kdone[row] cleared when the top-k kernel did not write it. */
 HD void tp_init_row(const Args &a, uint32_t row, bool write_kdone)
 {
-    const uint32_t sr = a.rowmap ? (uint32_t)a.rowmap[row] : row;
+    const uint32_t sr = state_row(a, row);
     const moe_cuda_sample_row p = a.params[sr];
     const moe_cuda_sample_state st = a.state[sr];
     TpRow r = {};
     uint32_t wn;
     if (topp_row(p) && !row_pen_due(a, p, st, &wn)) {
-        float M = -INFINITY;
-        uint32_t nc = 0;
-        for (uint32_t g = 0; g < NSEG; g++) {
-            const ScanPart &q = a.part[(size_t)row * NSEG + g];
-            M = q.bv > M ? q.bv : M;
-            nc += q.c;
-        }
+        uint32_t nc;
+        const float M = parts_max(a.part + (size_t)row * NSEG, &nc);
         if (nc > 1 && M < INFINITY) {
             r.live = 1;
             r.M = M;
@@ -1610,25 +1653,8 @@ template <class X> HD void tp_pick(X &x, const Args &a, uint32_t row, int lv)
             gm[b] = 0.0;
         }
     });
-    Refine f;
-    f.P = r.P;
-    f.mask = r.mask;
-    f.base = r.base;
-    f.above = r.above;
-    f.bin = r.bin;
-    f.ge = r.above + r.bin;
-    f.exh0 = r.exh0 != 0;
-    f.bound = f.too_big = false;
-    double target = r.target;
-    refine_pick(x, a, W_DQ, lv, target, true, r.phase == 1, f);
-    r.P = f.P;
-    r.mask = f.mask;
-    r.base = f.base;
-    r.above = f.above;
-    r.bin = f.bin;
-    r.exh0 = f.exh0;
-    r.target = target;
-    if (f.bin <= a.list_cap) {
+    refine_pick(x, a, W_DQ, lv, r.target, true, r.phase == 1, r.f);
+    if (r.f.bin <= a.list_cap) {
         r.lev = -1;
         r.list_n = 0;
     } else if (lv + 1 < TP_LEVELS && lv + 1 < a.lev.n) {
@@ -1651,9 +1677,9 @@ template <class X> HD void tp_final(X &x, const Args &a, uint32_t row)
     TpRow r = a.tp[row];
     if (!r.live || r.lev != -1)
         return;
-    const uint32_t sr = a.rowmap ? (uint32_t)a.rowmap[row] : row, nv = a.n_vocab;
+    const uint32_t sr = state_row(a, row), nv = a.n_vocab;
     const moe_cuda_sample_row p = a.params[sr];
-    const uint32_t n = r.bin, n2 = pow2ceil(n);
+    const uint32_t n = r.f.bin, n2 = pow2ceil(n);
     XCHECK(x, r.list_n == n && n >= 1 && n2 <= a.list_cap);
     const uint64_t *gl = a.tpl + (size_t)row * a.list_cap;
     x.each([&](int t) {
@@ -1664,14 +1690,14 @@ template <class X> HD void tp_final(X &x, const Args &a, uint32_t row)
     const WCtx wc = {r.M, r.phase == 0 ? 1.0 : (double)p.temperature};
     auto wf = [&](uint64_t K) -> double { return weight_d(W_DQ, kval(K), wc); };
     list_scan(x, a, n, wf);
-    int j = list_find(x, a, n, wf, r.base, r.target, r.phase == 1);
+    int j = list_find(x, a, n, wf, r.f.base, r.target, r.phase == 1);
     moe_cuda_sample_state st = a.state[sr];
     if (r.phase == 0) {
-        if (j < 0 && !r.exh0)
+        if (j < 0 && !r.f.exh0)
             j = (int)n - 1; /* rounding between levels: the bin's last element */
         r.klo = j >= 0 ? read_list(x, (uint32_t)j) : 0;
         /* min-p on the nucleus when it holds more than one candidate, as tier B */
-        const uint32_t nA = j >= 0 ? r.above + (uint32_t)j + 1 : r.ncand;
+        const uint32_t nA = j >= 0 ? r.f.above + (uint32_t)j + 1 : r.ncand;
         if (p.min_p > 0.0f && nA > 1)
             r.cut = fadd(r.M, p.log_min_p);
         r.target = rng_unit(st.rng);
@@ -1679,10 +1705,7 @@ template <class X> HD void tp_final(X &x, const Args &a, uint32_t row)
             r.rng[k] = st.rng[k];
         r.phase = 1;
         r.lev = 0;
-        r.P = r.mask = 0;
-        r.base = 0.0;
-        r.above = r.bin = 0;
-        r.exh0 = 0;
+        r.f = refine_start();
         x.single([&]() { a.tp[row] = r; });
         return;
     }
@@ -1704,7 +1727,7 @@ template <class X, bool LP> HD void sample_row(X &x, const Args &a, uint32_t row
     Smem &s = x.sh;
     const uint32_t nv = a.n_vocab;
     float *lg = a.logits + (size_t)row * nv;
-    const uint32_t sr = a.rowmap ? (uint32_t)a.rowmap[row] : row; /* state row */
+    const uint32_t sr = state_row(a, row);
     const moe_cuda_sample_row p = a.params[sr];
     moe_cuda_sample_state st = a.state[sr];
     const int32_t *ring = a.ring + (size_t)sr * a.hist_cap;
