@@ -336,11 +336,11 @@ template <int OP, class T> __device__ __forceinline__ T block_reduce(T v, T *s)
     return r;
 }
 
-/* Exclusive scan in thread order: excl[tid] = Σ of the values of lower threads; returns the
- * total. Exclusive values come from shifted inclusive ones (never incl - v). */
-template <class T> __device__ __forceinline__ T block_scan(T v, T *excl, T *s)
+/* Scan of v over a warp's lanes in lane order: returns the inclusive sum, *ex the exclusive one
+ * (the inclusive shifted by a lane, never inclusive - v). */
+template <class T> __device__ __forceinline__ T warp_scan(T v, T *ex)
 {
-    const int w = threadIdx.x >> 5, l = threadIdx.x & 31;
+    const int l = threadIdx.x & 31;
     T inc = v;
 #pragma unroll
     for (int o = 1; o < 32; o <<= 1) {
@@ -348,23 +348,24 @@ template <class T> __device__ __forceinline__ T block_scan(T v, T *excl, T *s)
         if (l >= o)
             inc += y;
     }
-    T ex = __shfl_up_sync(FULL_MASK, inc, 1);
-    if (l == 0)
-        ex = 0;
+    T e = __shfl_up_sync(FULL_MASK, inc, 1);
+    *ex = l == 0 ? T(0) : e;
+    return inc;
+}
+
+/* Exclusive scan in thread order: excl[tid] = Σ of the values of lower threads; returns the
+ * total. Exclusive values come from shifted inclusive ones (never incl - v). */
+template <class T> __device__ __forceinline__ T block_scan(T v, T *excl, T *s)
+{
+    const int w = threadIdx.x >> 5, l = threadIdx.x & 31;
+    T ex;
+    const T inc = warp_scan(v, &ex);
     if (l == 31)
         s[w] = inc;
     __syncthreads();
     if (w == 0) {
-        T t = s[l], ti = t;
-#pragma unroll
-        for (int o = 1; o < 32; o <<= 1) {
-            T y = __shfl_up_sync(FULL_MASK, ti, o);
-            if (l >= o)
-                ti += y;
-        }
-        T te = __shfl_up_sync(FULL_MASK, ti, 1);
-        if (l == 0)
-            te = 0;
+        T te;
+        const T ti = warp_scan(s[l], &te);
         s[33 + l] = te;
         if (l == 31)
             s[32] = ti;
