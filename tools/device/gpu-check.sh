@@ -94,7 +94,7 @@ if has sanitizer; then
     done
 fi
 if has sampler; then
-    step "the sampler's spread passes, every one on (MOE_SAMPLE_SPREAD=all)"
+    step "the sampler's spread passes, every one on (MOE_SAMPLE_SPREAD=all, the default)"
     timeout 300 "$B/build/tests/moe-gpu-tests" -v -j 2 -f cuda_sample >"$LOG/sampler-tests.log" 2>&1
     grep -E "^(ok|FAIL)|passed" "$LOG/sampler-tests.log" | tail -n 14
     MOE_SAMPLE_SPREAD=all timeout 300 "$B/build/tests/moe-gpu-tests" -v -j 2 -f cuda_engine_sampl \

@@ -106,16 +106,17 @@ int moe_cuda_sample(struct moe_cuda_sampler *s, float *d_logits, uint32_t n_rows
 #define MOE_CUDA_SPREAD_TIER_C 2
 #define MOE_CUDA_SPREAD_TOPK 4
 /* Top-p without top-k (MOE_CUDA_SPREAD_TOPP): tier B's refinements (the nucleus, then
- * the draw) with each level's histogram built by many blocks a row. Checked on the host only so
- * far, hence outside MOE_CUDA_SPREAD_DEFAULT. */
+ * the draw) with each level's histogram built by many blocks a row. */
 #define MOE_CUDA_SPREAD_TOPP 8
 /* With MOE_CUDA_SPREAD_PENALTY the rows' penalties are applied to their logits by a kernel of
  * their own first (penalty_kernel), so that rows with penalties take the spread passes of their
- * kind too; moe_cuda_sampler_row_spread adds it to such a row's kind. Checked on the host only so
- * far, hence outside MOE_CUDA_SPREAD_DEFAULT (a row with penalties then takes none). */
+ * kind too; moe_cuda_sampler_row_spread adds it to such a row's kind (a caller that leaves it
+ * out of its mask leaves such rows to the one-block passes). */
 #define MOE_CUDA_SPREAD_PENALTY 16
-#define MOE_CUDA_SPREAD_DEFAULT 7
 #define MOE_CUDA_SPREAD_ALL 31
+/* What the backend spreads unless told otherwise: every pass (all of them checked on the GPU
+ * against the one-block passes, docs/cuda.md). */
+#define MOE_CUDA_SPREAD_DEFAULT MOE_CUDA_SPREAD_ALL
 int moe_cuda_sample_rows(struct moe_cuda_sampler *s, float *d_logits, uint32_t n_rows,
                          const int32_t *d_rowmap, int32_t *d_tokens, float *d_logprobs, int accept,
                          int spread, cudaStream_t st);
