@@ -160,18 +160,20 @@ static void check_type(uint32_t type, uint64_t seed)
 /* A token's y does not depend on how many tokens share the launch: every (row, token) of an
  * n_tok launch equals, bit for bit, that token's one-token launch, for token counts that take
  * each per-block token bound (1, 2, 4 and 8 a block, and the remainders), on a short matrix and
- * on one of 32768+ rows (an output head's: 8 tokens a block from 8). */
+ * on one of 32768+ rows (an output head's: 8 tokens a block from 8). With MOE_CUDA_MV_TOK=1 the
+ * 16- and 17-token launches of Q4_K and Q6_K rows take the 16-token walk. */
 static void check_tokens(uint32_t type, uint64_t seed)
 {
     static const int64_t ntoks[] = {2, 3, 5, 8, 9, 16, 17};
-    static const int64_t rowss[] = {131, 32771};
-    const int64_t n = 256, NT = 17;
+    /* Rows of 256 (one block: most lanes idle) and of 2048 (several units a lane). */
+    static const int64_t rowss[] = {131, 32771, 67}, ns[] = {256, 256, 2048};
+    const int64_t NT = 17;
     need_gpu();
     moe_test_rng_seed(seed);
     cudaStream_t st;
     CU(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
     for (size_t k = 0; k < sizeof rowss / sizeof rowss[0]; k++) {
-        const int64_t rows = rowss[k];
+        const int64_t rows = rowss[k], n = ns[k];
         uint8_t *w = make_weights(type, rows, n);
         const size_t wbytes = moe_row_bytes(type, n) * (size_t)rows;
         float *x = malloc(sizeof(float) * (size_t)(n * NT));

@@ -62,9 +62,18 @@ extern "C" {
 static_assert((MOE_MV_RW == 2 || MOE_MV_RW == 4) && (MOE_MV_RW_T == 2 || MOE_MV_RW_T == 4) &&
                   (MOE_MV_RW_NORM == 2 || MOE_MV_RW_NORM == 4),
               "MOE_MV_RW, MOE_MV_RW_T and MOE_MV_RW_NORM are 2 or 4");
+/* The TOK_T-token walk (row_dots_tok) holds each row's converted codes, chain results and
+ * sums for every token: 2 rows a warp. */
+#ifndef MOE_MV_RW_TOK
+#define MOE_MV_RW_TOK 2
+#endif
 template <int K, int T, bool NORM = false> __host__ __device__ constexpr int mv_rw()
 {
-    return rows_per_warp<K>() == 1 ? 1 : NORM ? MOE_MV_RW_NORM : T == 1 ? MOE_MV_RW : MOE_MV_RW_T;
+    return rows_per_warp<K>() == 1 ? 1
+           : NORM                 ? MOE_MV_RW_NORM
+           : T == 1               ? MOE_MV_RW
+           : T == TOK_T           ? MOE_MV_RW_TOK
+                                  : MOE_MV_RW_T;
 }
 
 /* Up to three matrices of one row length, in one launch (q, k and v of a layer), of one weight
@@ -271,11 +280,15 @@ static __device__ __forceinline__ void mv_rows(const mv_args &a, const mv_seg &s
     if (!live)
         return;
     const int64_t t0 = (int64_t)blockIdx.y * T;
+    float acc[T][RW];
+    if constexpr (T == TOK_T) {
+        row_dots_tok<K, RW, T>(rowp, sg.block_bytes, sg.nu, x0 + t0 * a.ldx, a.ldx,
+                               (int)(n_tok - t0), acc);
+    } else {
     const float *xt[T];
     UNROLL
     for (int i = 0; i < T; i++)
         xt[i] = x0 + (t0 + i < n_tok ? t0 + i : t0) * a.ldx;
-    float acc[T][RW];
     if constexpr (NORM) {
         const XNorm xn = {x0, g0, sc};
         if (!preloaded_dots<K, RW, UPL, PRE>(pre, raw, sg.nu, xt[0], acc[0], xn))
@@ -283,6 +296,7 @@ static __device__ __forceinline__ void mv_rows(const mv_args &a, const mv_seg &s
     } else {
         if (!preloaded_dots<K, RW, UPL, PRE>(pre, raw, sg.nu, xt[0], acc[0], XPlain()))
             row_dots_multi<K, RW, T>(rowp, sg.block_bytes, sg.nu, xt, acc);
+    }
     }
     if (lane == 0) {
         UNROLL
@@ -309,8 +323,7 @@ static __device__ __forceinline__ void mv_rows(const mv_args &a, const mv_seg &s
 /* K2 == K: one weight type. Otherwise both kinds must take the same rows per warp (one block
  * size). */
 template <int K, int K2, int T, bool NORM = false, bool PRE = false>
-static __global__ void __launch_bounds__(PRE ? 32 * PRELOAD_RPB / 2 : THREADS)
-matvec_kernel(const mv_args a, int64_t n_tok)
+static __device__ __forceinline__ void mv_segments(const mv_args &a, int64_t n_tok)
 {
     static_assert(!NORM || T == 1, "the RMSNorm is fused for one token");
     static_assert(mv_rw<K, T, NORM>() == mv_rw<K2, T, NORM>(), "one block size");
@@ -321,6 +334,26 @@ matvec_kernel(const mv_args a, int64_t n_tok)
         mv_rows<K, T, NORM, PRE>(a, a.seg[g], g, n_tok);
     else
         mv_rows<K2, T, NORM, PRE>(a, a.seg[g], g, n_tok);
+}
+
+template <int K, int K2, int T, bool NORM = false, bool PRE = false>
+static __global__ void __launch_bounds__(PRE ? 32 * PRELOAD_RPB / 2 : THREADS)
+matvec_kernel(const mv_args a, int64_t n_tok)
+{
+    mv_segments<K, K2, T, NORM, PRE>(a, n_tok);
+}
+
+/* The TOK_T-token walk (row_dots_tok) of kinds K and K2, held to 168 registers a thread (3
+ * blocks of THREADS an SM by the bound; its blocks are half that, so 12 warps an SM): without
+ * the bound it takes 255 and spills. */
+#ifndef MOE_MV_TOK_MINB
+#define MOE_MV_TOK_MINB 3
+#endif
+template <int K, int K2>
+static __global__ void __launch_bounds__(THREADS, MOE_MV_TOK_MINB)
+matvec_tok_kernel(const mv_args a, int64_t n_tok)
+{
+    mv_segments<K, K2, TOK_T, false, false>(a, n_tok);
 }
 
 /* One token, float32 rows of at most 32·F32N_UNITS 16-byte units (a router: 128 rows of 2048),
@@ -546,6 +579,23 @@ static int launch(const struct moe_mv_job *jobs, int n_jobs, int n1, int64_t n, 
                                                                              : 2;
     const int64_t nt = n_tok < bound ? n_tok : bound;
     const int T = nt >= 8 ? 8 : nt >= 4 ? 4 : nt >= 2 ? 2 : 1;
+    /* MOE_CUDA_MV_TOK=1: Q4_K and Q6_K launches of TOK_T tokens or more take the walk that
+     * converts each weight once for TOK_T tokens (row_dots_tok; the same floats); dense: only
+     * those below 32768 rows (not an output head). */
+    static int tok = -1;
+    if (tok < 0) {
+        const char *v = getenv("MOE_CUDA_MV_TOK");
+        tok = v && !strcmp(v, "1") ? 2 : v && !strcmp(v, "dense") ? 1 : 0;
+    }
+    if constexpr (tok_kind<K>() && tok_kind<K2>())
+        if (!dst && tok && !tmax && n_tok >= TOK_T && (tok == 2 || total_rows < 32768)) {
+            constexpr int rwt = mv_rw<K, TOK_T>();
+            static_assert(ROWS_PER_BLOCK % rwt == 0, "whole warps a block");
+            dim3 gt((unsigned)blocks, (unsigned)((n_tok + TOK_T - 1) / TOK_T)),
+                tt((unsigned)(32 * a.rpb / rwt));
+            MOE_CUDA_TRY(moe_launch(matvec_tok_kernel<K, K2>, gt, tt, 0, s, a, n_tok));
+            return 0;
+        }
     dim3 gr((unsigned)blocks, (unsigned)((n_tok + T - 1) / T)), th((unsigned)(32 * a.rpb / rw));
     if constexpr (preload_kind<K, true>() && preload_kind<K2, true>())
         if (pre && dst) {

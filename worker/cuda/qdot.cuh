@@ -338,6 +338,17 @@ static HD float f32v_dot(float4 w, float4 x)
     return w.x * x.x + w.y * x.y + w.z * x.z + w.w * x.w;
 }
 
+/* A Q4_K/Q5_K unit's share of a row's dot product from the fma chains of its two halves over
+ * the biased codes (ql, qh: Σ code_f·x) and the halves' input sums: Σq·x of each half, then
+ * d0·sc·Σq·x − dmin·m·Σx of each. Every walk of these rows ends a unit here, so a (row, token)
+ * gets the same floats whichever walk computes it. */
+static HD float kq_unit_tail(float d0, float n0, float d1, float n1, float ql, float qh, float sxl,
+                             float sxh)
+{
+    const float sl = fmaf(-128.0f, sxl, 256.0f * ql), sh = fmaf(-128.0f, sxh, 256.0f * qh);
+    return d0 * sl - n0 * sxl + (d1 * sh - n1 * sxh);
+}
+
 /* A Q4_K/Q5_K row's unit t from its loaded bytes against the unit's inputs (kq_unit_x): its
  * share of the row's dot product, d0·sc·Σq·x − dmin·m·Σx of each half. */
 template <int K>
@@ -356,9 +367,7 @@ static HD float kq_unit_sum(const kq_raw &raw, int t, const float *xl, const flo
             ql = fmaf(code_f(lo[i], k, mg), xl[4 * i + k], ql);
             qh = fmaf(code_f(hi[i], k, mg), xh[4 * i + k], qh);
         }
-    /* Σq·x of each half from the biased codes (code_f). */
-    const float sl = fmaf(-128.0f, sxl, 256.0f * ql), sh = fmaf(-128.0f, sxh, 256.0f * qh);
-    return d0 * sl - n0 * sxl + (d1 * sh - n1 * sxh);
+    return kq_unit_tail(d0, n0, d1, n1, ql, qh, sxl, sxh);
 }
 
 /* Q6_K unit t's inputs (q6k_unit_x) and the sums of its four groups. */
@@ -371,6 +380,32 @@ static HD void q6k_unit_xs(const XL &xin, const float *xb, int t, float *xs, flo
         sx[g] = xs[4 * g] + xs[4 * g + 1] + xs[4 * g + 2] + xs[4 * g + 3];
 }
 
+/* A Q6_K group's term added to a unit's sum: Σ(q − 32)·x from the biased codes' fma chain sg
+ * (256·sg − (128 + 32)·Σx) times the group's scale. Every walk of Q6_K rows adds its groups
+ * here. */
+static HD float q6k_group_add(int8_t sc, float sg, float sx, float sum)
+{
+    return fmaf((float)sc, fmaf(-160.0f, sx, 256.0f * sg), sum);
+}
+
+/* A Q6_K unit's four groups against its inputs (q6k_unit_xs), before d: each group's fma chain
+ * over its biased codes (w(g, k): code k of group g as code_f gives it), added by
+ * q6k_group_add. */
+template <class W>
+static HD float q6k_groups(W w, const int8_t *sc, const float *xs, const float *sx)
+{
+    float sum = 0.0f;
+    UNROLL
+    for (int g = 0; g < 4; g++) {
+        float sg = 0.0f;
+        UNROLL
+        for (int k = 0; k < 4; k++)
+            sg = fmaf(w(g, k), xs[4 * g + k], sg);
+        sum = q6k_group_add(sc[g], sg, sx[g], sum);
+    }
+    return sum;
+}
+
 /* A Q6_K row's unit from its loaded bytes against the unit's inputs (q6k_unit_xs); mg is
  * code_magic(), taken once for all the rows of a unit. */
 static HD float q6k_unit_sum(const q6k_raw &raw, const float *xs, const float *sx, uint32_t mg)
@@ -378,17 +413,7 @@ static HD float q6k_unit_sum(const q6k_raw &raw, const float *xs, const float *s
     uint32_t q[4];
     q6k_unit_decode(raw, q);
     const float d = h2f(raw.d);
-    float sum = 0.0f;
-    UNROLL
-    for (int g = 0; g < 4; g++) {
-        float sg = 0.0f;
-        UNROLL
-        for (int k = 0; k < 4; k++)
-            sg = fmaf(code_f(q[g], k, mg), xs[4 * g + k], sg);
-        /* Σ(q − 32)·x from the biased codes: 256·sg − (128 + 32)·Σx. */
-        sum = fmaf((float)raw.sc[g], fmaf(-160.0f, sx[g], 256.0f * sg), sum);
-    }
-    return d * sum;
+    return d * q6k_groups([&](int g, int k) { return code_f(q[g], k, mg); }, raw.sc, xs, sx);
 }
 
 /* Adds to acc[r], for r < RW, the partial dot product of unit t (0 <= t < per_block) of the
