@@ -164,6 +164,64 @@ TEST(qdot_host_decoders_match_the_reference)
     check_kind<MOE_TYPE_Q6_K>("q6_K");
 }
 
+/* The TOK_T-token walk's units (tok_unit_dots) give every (row, token) the floats of the one-token
+ * walk (unit_dot), bit for bit: lanes emulated as in walk(), 16 tokens of 2 rows, all tokens
+ * valid and only 5 of them (the others read token 0's), rows of 256, 768 and 2048. */
+template <int K> static void check_tok(const char *name)
+{
+    const uint32_t type = kind_type(K);
+    constexpr int RW = 2, T = 16, PB = unit_shape<K>::per_block, BL = unit_shape<K>::blck;
+    static const int64_t ns[] = {256, 768, 2048};
+    for (size_t ni = 0; ni < sizeof ns / sizeof ns[0]; ni++) {
+        const int64_t n = ns[ni], ldx = n + 4, nb = n / BL, nu = nb * PB;
+        const size_t rb = moe_row_bytes(type, n);
+        const unsigned bb = (unsigned)(rb / (size_t)nb);
+        uint8_t *w = make_rows(type, RW, n);
+        float *x = (float *)malloc(sizeof(float) * (size_t)(ldx * T));
+        CHECK(w && x);
+        for (int64_t i = 0; i < ldx * T; i++)
+            x[i] = 4.0f * rnd();
+        const uint8_t *rows[RW] = {w, w + rb};
+        for (int nt : {T, 5}) {
+            float lane[32][T][RW] = {};
+            for (int l = 0; l < 32; l++)
+                for (int64_t u = l; u < nu; u += 32) {
+                    const uint8_t *bs[RW] = {rows[0] + (size_t)(u / PB) * bb,
+                                             rows[1] + (size_t)(u / PB) * bb};
+                    tok_unit_dots<K, RW, T>(bs, (int)(u % PB), x + (u / PB) * BL, ldx, nt,
+                                            code_magic(), lane[l]);
+                }
+            for (int i = 0; i < T; i++) {
+                float one[RW];
+                walk<K, RW, XPlain>(rows, n, x + (i < nt ? i : 0) * ldx, XPlain(), one);
+                for (int r = 0; r < RW; r++) {
+                    float v[32];
+                    for (int l = 0; l < 32; l++)
+                        v[l] = lane[l][i][r];
+                    for (int o = 16; o > 0; o >>= 1) {
+                        float t[32];
+                        for (int l = 0; l < 32; l++)
+                            t[l] = v[l] + v[l ^ o];
+                        memcpy(v, t, sizeof v);
+                    }
+                    CHECK_MSG(memcmp(&v[0], &one[r], sizeof(float)) == 0,
+                              "%s n=%lld nt=%d token %d row %d: %.9g by the 16-token walk, %.9g "
+                              "by one token's", name, (long long)n, nt, i, r, (double)v[0],
+                              (double)one[r]);
+                }
+            }
+        }
+        free(w), free(x);
+    }
+}
+
+TEST(qdot_host_tok_walk_equals_one_token)
+{
+    moe_test_rng_seed(12);
+    check_tok<MOE_TYPE_Q4_K>("q4_K");
+    check_tok<MOE_TYPE_Q6_K>("q6_K");
+}
+
 /* The group of element i whose activations share one int8 scale in unit_dot_q8: the unit's 8
  * (Q8_0) or 16 values (a Q4_K/Q5_K unit's low or high half; a Q6_K unit's four runs of four, 32
  * apart). */

@@ -190,98 +190,32 @@ static __device__ __forceinline__ void rows_preloaded_dots(
 }
 
 /* Steps of TOK_T tokens of Q4_K and Q6_K rows (MOE_CUDA_MV_TOK): a lane converts each unit's
- * codes to floats once (code_f) and multiplies them into every token, where row_dots_multi_x
- * converts them again for each token. The same float operations per (row, token): the halves'
- * and groups' fma chains in the same order, the inputs' sums as kq_unit_x and q6k_unit_xs add
- * them, the same tails (kq_unit_tail, q6k_group_add), the units in the same order and the same
- * shuffle tree. Inputs: token i at x0 + i·ldx, those
- * from nt on read token 0's (their results are not stored). */
+ * codes to floats once and multiplies them into every token (tok_unit_dots), where
+ * row_dots_multi_x converts them again for each token. The units in the same order and the same
+ * shuffle tree, so the same floats per (row, token). Inputs: token i at x0 + i·ldx, those from
+ * nt on read token 0's (their results are not stored). */
 #define TOK_T 16
-template <int K> __host__ __device__ constexpr bool tok_kind()
-{
-    return K == MOE_TYPE_Q4_K || K == MOE_TYPE_Q6_K;
-}
 
 template <int K, int RW, int T>
 static __device__ __forceinline__ void row_dots_tok(const uint8_t *const *rowp,
                                                     unsigned block_bytes, int nu, const float *x0,
                                                     int64_t ldx, int nt, float (*acc)[RW])
 {
-    static_assert(tok_kind<K>(), "Q4_K and Q6_K rows");
     constexpr int PB = unit_shape<K>::per_block, BL = unit_shape<K>::blck;
-    const int lane = threadIdx.x & 31;
     UNROLL
     for (int i = 0; i < T; i++)
         UNROLL
         for (int r = 0; r < RW; r++)
             acc[i][r] = 0.0f;
     const uint32_t mg = code_magic();
-    for (int u = lane; u < nu; u += 32) {
+    for (int u = (int)(threadIdx.x & 31); u < nu; u += 32) {
         const unsigned bi = (unsigned)u / PB;
-        const int t = (int)((unsigned)u % PB);
-        const float *xb = x0 + (size_t)bi * BL;
-        if constexpr (K == MOE_TYPE_Q6_K) {
-            q6k_raw raw[RW];
-            UNROLL
-            for (int r = 0; r < RW; r++)
-                q6k_unit_load(rowp[r] + (size_t)bi * block_bytes, t, &raw[r]);
-            float w[RW][16];
-            UNROLL
-            for (int r = 0; r < RW; r++) {
-                uint32_t q[4];
-                q6k_unit_decode(raw[r], q);
-                UNROLL
-                for (int g = 0; g < 4; g++)
-                    UNROLL
-                    for (int k = 0; k < 4; k++)
-                        w[r][4 * g + k] = code_f(q[g], k, mg);
-            }
-            UNROLL
-            for (int i = 0; i < T; i++) {
-                float xs[16], sx[4];
-                q6k_unit_xs(XPlain(), xb + (int64_t)(i < nt ? i : 0) * ldx, t, xs, sx);
-                UNROLL
-                for (int r = 0; r < RW; r++)
-                    acc[i][r] += h2f(raw[r].d) *
-                                 q6k_groups([&](int g, int k) { return w[r][4 * g + k]; },
-                                            raw[r].sc, xs, sx);
-            }
-        } else {
-            kq_raw raw[RW];
-            UNROLL
-            for (int r = 0; r < RW; r++)
-                kq_unit_load<K>(rowp[r] + (size_t)bi * block_bytes, t, &raw[r]);
-            float d0[RW], n0[RW], d1[RW], n1[RW];
-            uint32_t lo[RW][4], hi[RW][4];
-            UNROLL
-            for (int r = 0; r < RW; r++)
-                kq_unit_decode<K>(raw[r], t, &d0[r], &n0[r], &d1[r], &n1[r], lo[r], hi[r]);
-            float wl[RW][16], wh[RW][16];
-            UNROLL
-            for (int r = 0; r < RW; r++)
-                UNROLL
-                for (int j = 0; j < 4; j++)
-                    UNROLL
-                    for (int k = 0; k < 4; k++) {
-                        wl[r][4 * j + k] = code_f(lo[r][j], k, mg);
-                        wh[r][4 * j + k] = code_f(hi[r][j], k, mg);
-                    }
-            UNROLL
-            for (int i = 0; i < T; i++) {
-                float xl[16], xh[16], sxl, sxh;
-                kq_unit_x(XPlain(), xb + (int64_t)(i < nt ? i : 0) * ldx, t, xl, xh, &sxl, &sxh);
-                UNROLL
-                for (int r = 0; r < RW; r++) {
-                    float ql = 0.0f, qh = 0.0f;
-                    UNROLL
-                    for (int j = 0; j < 16; j++) {
-                        ql = fmaf(wl[r][j], xl[j], ql);
-                        qh = fmaf(wh[r][j], xh[j], qh);
-                    }
-                    acc[i][r] += kq_unit_tail(d0[r], n0[r], d1[r], n1[r], ql, qh, sxl, sxh);
-                }
-            }
-        }
+        const uint8_t *bs[RW];
+        UNROLL
+        for (int r = 0; r < RW; r++)
+            bs[r] = rowp[r] + (size_t)bi * block_bytes;
+        tok_unit_dots<K, RW, T>(bs, (int)((unsigned)u % PB), x0 + (size_t)bi * BL, ldx, nt, mg,
+                                acc);
     }
     warp_sum_acc<T, RW>(acc);
 }

@@ -416,6 +416,86 @@ static HD float q6k_unit_sum(const q6k_raw &raw, const float *xs, const float *s
     return d * q6k_groups([&](int g, int k) { return code_f(q[g], k, mg); }, raw.sc, xs, sx);
 }
 
+/* Kinds whose units tok_unit_dots takes. */
+template <int K> __host__ __device__ constexpr bool tok_kind()
+{
+    return K == MOE_TYPE_Q4_K || K == MOE_TYPE_Q6_K;
+}
+
+/* Adds to acc[i][r] unit t of the blocks at bs[r] (r < RW) against token i's x elements of that
+ * block (xb + i·ldx; tokens from nt on read token 0's), for i < T: each code converted to a
+ * float once (code_f) for all T tokens, then the operations of unit_dot for each (row, token):
+ * the same fma chains in the same order, the inputs' sums as kq_unit_x and q6k_unit_xs add them,
+ * the same tails (kq_unit_tail, q6k_groups). mg is code_magic(). */
+template <int K, int RW, int T>
+static HD void tok_unit_dots(const uint8_t *const *bs, int t, const float *xb, int64_t ldx, int nt,
+                             uint32_t mg, float (*acc)[RW])
+{
+    static_assert(tok_kind<K>(), "Q4_K and Q6_K rows");
+    if constexpr (K == MOE_TYPE_Q6_K) {
+        q6k_raw raw[RW];
+        UNROLL
+        for (int r = 0; r < RW; r++)
+            q6k_unit_load(bs[r], t, &raw[r]);
+        float w[RW][16];
+        UNROLL
+        for (int r = 0; r < RW; r++) {
+            uint32_t q[4];
+            q6k_unit_decode(raw[r], q);
+            UNROLL
+            for (int g = 0; g < 4; g++)
+                UNROLL
+                for (int k = 0; k < 4; k++)
+                    w[r][4 * g + k] = code_f(q[g], k, mg);
+        }
+        UNROLL
+        for (int i = 0; i < T; i++) {
+            float xs[16], sx[4];
+            q6k_unit_xs(XPlain(), xb + (int64_t)(i < nt ? i : 0) * ldx, t, xs, sx);
+            UNROLL
+            for (int r = 0; r < RW; r++)
+                acc[i][r] += h2f(raw[r].d) *
+                             q6k_groups([&](int g, int k) { return w[r][4 * g + k]; }, raw[r].sc,
+                                        xs, sx);
+        }
+    } else {
+        kq_raw raw[RW];
+        UNROLL
+        for (int r = 0; r < RW; r++)
+            kq_unit_load<K>(bs[r], t, &raw[r]);
+        float d0[RW], n0[RW], d1[RW], n1[RW];
+        uint32_t lo[RW][4], hi[RW][4];
+        UNROLL
+        for (int r = 0; r < RW; r++)
+            kq_unit_decode<K>(raw[r], t, &d0[r], &n0[r], &d1[r], &n1[r], lo[r], hi[r]);
+        float wl[RW][16], wh[RW][16];
+        UNROLL
+        for (int r = 0; r < RW; r++)
+            UNROLL
+            for (int j = 0; j < 4; j++)
+                UNROLL
+                for (int k = 0; k < 4; k++) {
+                    wl[r][4 * j + k] = code_f(lo[r][j], k, mg);
+                    wh[r][4 * j + k] = code_f(hi[r][j], k, mg);
+                }
+        UNROLL
+        for (int i = 0; i < T; i++) {
+            float xl[16], xh[16], sxl, sxh;
+            kq_unit_x(XPlain(), xb + (int64_t)(i < nt ? i : 0) * ldx, t, xl, xh, &sxl, &sxh);
+            UNROLL
+            for (int r = 0; r < RW; r++) {
+                float ql = 0.0f, qh = 0.0f;
+                UNROLL
+                for (int j = 0; j < 16; j++) {
+                    ql = fmaf(wl[r][j], xl[j], ql);
+                    qh = fmaf(wh[r][j], xh[j], qh);
+                }
+                acc[i][r] += kq_unit_tail(d0[r], n0[r], d1[r], n1[r], ql, qh, sxl, sxh);
+            }
+        }
+    }
+}
+
 /* Adds to acc[r], for r < RW, the partial dot product of unit t (0 <= t < per_block) of the
  * block at bs[r] with xb, the x elements of that block (the RW rows may be of one matrix or of
  * several of the same type). The x values (and, for the K-quants,
