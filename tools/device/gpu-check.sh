@@ -5,9 +5,12 @@
 #
 #   tools/device/gpu-check.sh [LOGDIR] [steps...]
 #   steps: build tests parity sanitizer sampler daemon daemon-tests daemon-offload tiny big
-#          offload tc multi
+#          offload tc tok multi
 #   (sampler: the sampler's GPU tests, the engine's sampling tests and compute-sanitizer on the
 #   worker with every spread pass on, MOE_SAMPLE_SPREAD=all, then bench_cuda_sample)
+#   (tok: the mat-vec walk that converts each code once for 16 tokens, MOE_CUDA_MV_TOK=1: its
+#   exactness tests, then bench_engine at 16 and 64 sequences with it off, on and for the dense
+#   matrices only, in alternation)
 #   (tc: the products on tensor cores, MOE_CUDA_TC: their GPU tests, the tensor-core mat-vec
 #   against the float walk, and bench_engine with the float walk, the default (down on tensor
 #   cores), gate/up and down with grouped steps' inputs staged once, and all with the inputs
@@ -164,6 +167,20 @@ if has tc; then
                 ${TC_ARGS:---prompt 512 --gen 128 --batches 4,16,64 --long 0} 2>&1 | tail -n 1
         done
     done | tee "$LOG/bench-tc.log"
+fi
+if has tok; then
+    step "the 16-token mat-vec walk (MOE_CUDA_MV_TOK)"
+    MOE_CUDA_MV_TOK=1 timeout 300 "$B/build/tests/moe-gpu-tests" -v -j 3 -f cuda_matvec \
+        -f cuda_forward_matches -f cuda_backend_ops_match >"$LOG/tok-tests.log" 2>&1
+    grep -E "^FAIL|passed|differ" "$LOG/tok-tests.log" | tail -n 8
+    model30
+    for round in 1 2; do
+        for v in "MOE_CUDA_MV_TOK=0" "MOE_CUDA_MV_TOK=1" "MOE_CUDA_MV_TOK=dense"; do
+            printf '%s, round %s: ' "$v" $round
+            env $v timeout 200 "$B/build/bench/bench_engine" $M --device cuda:0 \
+                ${TOK_ARGS:---prompt 512 --gen 64 --batches 16,64 --long 0} 2>&1 | tail -n 1
+        done
+    done | tee "$LOG/bench-tok.log"
 fi
 if has multi; then
     step "GPU workers: one against one per GPU (bench/bench_workers.py)"
