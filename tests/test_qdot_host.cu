@@ -219,6 +219,7 @@ TEST(qdot_host_tok_walk_equals_one_token)
 {
     moe_test_rng_seed(12);
     check_tok<MOE_TYPE_Q4_K>("q4_K");
+    check_tok<MOE_TYPE_Q5_K>("q5_K");
     check_tok<MOE_TYPE_Q6_K>("q6_K");
 }
 

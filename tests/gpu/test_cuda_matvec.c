@@ -161,7 +161,7 @@ static void check_type(uint32_t type, uint64_t seed)
  * n_tok launch equals, bit for bit, that token's one-token launch, for token counts that take
  * each per-block token bound (1, 2, 4 and 8 a block, and the remainders), on a short matrix and
  * on one of 32768+ rows (an output head's: 8 tokens a block from 8). With MOE_CUDA_MV_TOK=1 the
- * 16- and 17-token launches of Q4_K and Q6_K rows take the 16-token walk. */
+ * 16- and 17-token launches of Q4_K, Q5_K and Q6_K rows take the 16-token walk. */
 static void check_tokens(uint32_t type, uint64_t seed)
 {
     static const int64_t ntoks[] = {2, 3, 5, 8, 9, 16, 17};

@@ -579,7 +579,7 @@ static int launch(const struct moe_mv_job *jobs, int n_jobs, int n1, int64_t n, 
                                                                              : 2;
     const int64_t nt = n_tok < bound ? n_tok : bound;
     const int T = nt >= 8 ? 8 : nt >= 4 ? 4 : nt >= 2 ? 2 : 1;
-    /* MOE_CUDA_MV_TOK=1: Q4_K and Q6_K launches of TOK_T tokens or more take the walk that
+    /* MOE_CUDA_MV_TOK=1: Q4_K, Q5_K and Q6_K launches of TOK_T tokens or more take the walk that
      * converts each weight once for TOK_T tokens (row_dots_tok; the same floats); dense: only
      * those below 32768 rows (not an output head). */
     static int tok = -1;

@@ -189,7 +189,7 @@ static __device__ __forceinline__ void rows_preloaded_dots(
             acc[r] += __shfl_xor_sync(0xffffffffu, acc[r], o);
 }
 
-/* Steps of TOK_T tokens of Q4_K and Q6_K rows (MOE_CUDA_MV_TOK): a lane converts each unit's
+/* Steps of TOK_T tokens of Q4_K, Q5_K and Q6_K rows (MOE_CUDA_MV_TOK): a lane converts each unit's
  * codes to floats once and multiplies them into every token (tok_unit_dots), where
  * row_dots_multi_x converts them again for each token. The units in the same order and the same
  * shuffle tree, so the same floats per (row, token). Inputs: token i at x0 + i·ldx, those from

@@ -419,7 +419,7 @@ static HD float q6k_unit_sum(const q6k_raw &raw, const float *xs, const float *s
 /* Kinds whose units tok_unit_dots takes. */
 template <int K> __host__ __device__ constexpr bool tok_kind()
 {
-    return K == MOE_TYPE_Q4_K || K == MOE_TYPE_Q6_K;
+    return K == MOE_TYPE_Q4_K || K == MOE_TYPE_Q5_K || K == MOE_TYPE_Q6_K;
 }
 
 /* Adds to acc[i][r] unit t of the blocks at bs[r] (r < RW) against token i's x elements of that
@@ -431,7 +431,7 @@ template <int K, int RW, int T>
 static HD void tok_unit_dots(const uint8_t *const *bs, int t, const float *xb, int64_t ldx, int nt,
                              uint32_t mg, float (*acc)[RW])
 {
-    static_assert(tok_kind<K>(), "Q4_K and Q6_K rows");
+    static_assert(tok_kind<K>(), "Q4_K, Q5_K and Q6_K rows");
     if constexpr (K == MOE_TYPE_Q6_K) {
         q6k_raw raw[RW];
         UNROLL
