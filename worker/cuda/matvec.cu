@@ -134,6 +134,8 @@ struct mv_args {
 /* An output head's 151936 rows are many waves of blocks, each better off with fewer registers
  * (the Q6_K head preloaded: 141 against 105 us on an H100). */
 #define PRELOAD_ROWS 16384
+/* Launches of this many rows or more are taken for an output head's. */
+#define MV_HEAD_ROWS 32768
 #define PRELOAD_RPB 16
 
 /* After a warp of a NORM launch with rope_on has stored its rows [row, row + RW) of segment gi:
@@ -285,18 +287,17 @@ static __device__ __forceinline__ void mv_rows(const mv_args &a, const mv_seg &s
         row_dots_tok<K, RW, T>(rowp, sg.block_bytes, sg.nu, x0 + t0 * a.ldx, a.ldx,
                                (int)(n_tok - t0), acc);
     } else {
-    const float *xt[T];
-    UNROLL
-    for (int i = 0; i < T; i++)
-        xt[i] = x0 + (t0 + i < n_tok ? t0 + i : t0) * a.ldx;
-    if constexpr (NORM) {
-        const XNorm xn = {x0, g0, sc};
-        if (!preloaded_dots<K, RW, UPL, PRE>(pre, raw, sg.nu, xt[0], acc[0], xn))
-            row_dots_multi_x<K, RW, 1, XNorm>(rowp, sg.block_bytes, sg.nu, xt, acc, &xn);
-    } else {
-        if (!preloaded_dots<K, RW, UPL, PRE>(pre, raw, sg.nu, xt[0], acc[0], XPlain()))
+        const float *xt[T];
+        UNROLL
+        for (int i = 0; i < T; i++)
+            xt[i] = x0 + (t0 + i < n_tok ? t0 + i : t0) * a.ldx;
+        if constexpr (NORM) {
+            const XNorm xn = {x0, g0, sc};
+            if (!preloaded_dots<K, RW, UPL, PRE>(pre, raw, sg.nu, xt[0], acc[0], xn))
+                row_dots_multi_x<K, RW, 1, XNorm>(rowp, sg.block_bytes, sg.nu, xt, acc, &xn);
+        } else if (!preloaded_dots<K, RW, UPL, PRE>(pre, raw, sg.nu, xt[0], acc[0], XPlain())) {
             row_dots_multi<K, RW, T>(rowp, sg.block_bytes, sg.nu, xt, acc);
-    }
+        }
     }
     if (lane == 0) {
         UNROLL
@@ -574,7 +575,7 @@ static int launch(const struct moe_mv_job *jobs, int n_jobs, int n1, int64_t n, 
      * 4-token kernels hold 235-254 registers a thread: from 8 tokens it takes 8 a block (the
      * Q6_K head of a 151936-token vocabulary at 16 sequences: 873 -> 623 us on an H100). */
     const int64_t bound = tmax                                                ? tmax
-                          : n_tok >= 8 && total_rows >= 32768                 ? 8
+                          : n_tok >= 8 && total_rows >= MV_HEAD_ROWS          ? 8
                           : n_tok >= 16                                      ? 4
                                                                              : 2;
     const int64_t nt = n_tok < bound ? n_tok : bound;
@@ -588,7 +589,7 @@ static int launch(const struct moe_mv_job *jobs, int n_jobs, int n1, int64_t n, 
         tok = v && !strcmp(v, "1") ? 2 : v && !strcmp(v, "dense") ? 1 : 0;
     }
     if constexpr (tok_kind<K>() && tok_kind<K2>())
-        if (!dst && tok && !tmax && n_tok >= TOK_T && (tok == 2 || total_rows < 32768)) {
+        if (!dst && tok && !tmax && n_tok >= TOK_T && (tok == 2 || total_rows < MV_HEAD_ROWS)) {
             constexpr int rwt = mv_rw<K, TOK_T>();
             static_assert(ROWS_PER_BLOCK % rwt == 0, "whole warps a block");
             dim3 gt((unsigned)blocks, (unsigned)((n_tok + TOK_T - 1) / TOK_T)),

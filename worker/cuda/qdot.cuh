@@ -338,13 +338,21 @@ static HD float f32v_dot(float4 w, float4 x)
     return w.x * x.x + w.y * x.y + w.z * x.z + w.w * x.w;
 }
 
-/* A Q4_K/Q5_K unit's share of a row's dot product from the fma chains of its two halves over
- * the biased codes (ql, qh: Σ code_f·x) and the halves' input sums: Σq·x of each half, then
- * d0·sc·Σq·x − dmin·m·Σx of each. Every walk of these rows ends a unit here, so a (row, token)
- * gets the same floats whichever walk computes it. */
-static HD float kq_unit_tail(float d0, float n0, float d1, float n1, float ql, float qh, float sxl,
-                             float sxh)
+/* A Q4_K/Q5_K unit's share of a row's dot product against its inputs (kq_unit_x: xl, xh and
+ * their sums): the fma chains of its two halves over the biased codes (wl(j), wh(j): code j of
+ * the low and high half as code_f gives it), Σq·x of each half from them, then
+ * d0·sc·Σq·x − dmin·m·Σx of each. Every walk of these rows computes a unit here, so a
+ * (row, token) gets the same floats whichever walk computes it. */
+template <class WL, class WH>
+static HD float kq_halves(WL wl, WH wh, float d0, float n0, float d1, float n1, const float *xl,
+                          const float *xh, float sxl, float sxh)
 {
+    float ql = 0.0f, qh = 0.0f;
+    UNROLL
+    for (int j = 0; j < 16; j++) {
+        ql = fmaf(wl(j), xl[j], ql);
+        qh = fmaf(wh(j), xh[j], qh);
+    }
     const float sl = fmaf(-128.0f, sxl, 256.0f * ql), sh = fmaf(-128.0f, sxh, 256.0f * qh);
     return d0 * sl - n0 * sxl + (d1 * sh - n1 * sxh);
 }
@@ -359,15 +367,9 @@ static HD float kq_unit_sum(const kq_raw &raw, int t, const float *xl, const flo
     uint32_t lo[4], hi[4];
     kq_unit_decode<K>(raw, t, &d0, &n0, &d1, &n1, lo, hi);
     const uint32_t mg = code_magic();
-    float ql = 0.0f, qh = 0.0f;
-    UNROLL
-    for (int i = 0; i < 4; i++)
-        UNROLL
-        for (int k = 0; k < 4; k++) {
-            ql = fmaf(code_f(lo[i], k, mg), xl[4 * i + k], ql);
-            qh = fmaf(code_f(hi[i], k, mg), xh[4 * i + k], qh);
-        }
-    return kq_unit_tail(d0, n0, d1, n1, ql, qh, sxl, sxh);
+    return kq_halves([&](int j) { return code_f(lo[j >> 2], j & 3, mg); },
+                     [&](int j) { return code_f(hi[j >> 2], j & 3, mg); }, d0, n0, d1, n1, xl, xh,
+                     sxl, sxh);
 }
 
 /* Q6_K unit t's inputs (q6k_unit_x) and the sums of its four groups. */
@@ -426,7 +428,7 @@ template <int K> __host__ __device__ constexpr bool tok_kind()
  * block (xb + i·ldx; tokens from nt on read token 0's), for i < T: each code converted to a
  * float once (code_f) for all T tokens, then the operations of unit_dot for each (row, token):
  * the same fma chains in the same order, the inputs' sums as kq_unit_x and q6k_unit_xs add them,
- * the same tails (kq_unit_tail, q6k_groups). mg is code_magic(). */
+ * the same chains and tails (kq_halves, q6k_groups). mg is code_magic(). */
 template <int K, int RW, int T>
 static HD void tok_unit_dots(const uint8_t *const *bs, int t, const float *xb, int64_t ldx, int nt,
                              uint32_t mg, float (*acc)[RW])
@@ -483,15 +485,10 @@ static HD void tok_unit_dots(const uint8_t *const *bs, int t, const float *xb, i
             float xl[16], xh[16], sxl, sxh;
             kq_unit_x(XPlain(), xb + (int64_t)(i < nt ? i : 0) * ldx, t, xl, xh, &sxl, &sxh);
             UNROLL
-            for (int r = 0; r < RW; r++) {
-                float ql = 0.0f, qh = 0.0f;
-                UNROLL
-                for (int j = 0; j < 16; j++) {
-                    ql = fmaf(wl[r][j], xl[j], ql);
-                    qh = fmaf(wh[r][j], xh[j], qh);
-                }
-                acc[i][r] += kq_unit_tail(d0[r], n0[r], d1[r], n1[r], ql, qh, sxl, sxh);
-            }
+            for (int r = 0; r < RW; r++)
+                acc[i][r] += kq_halves([&](int j) { return wl[r][j]; },
+                                       [&](int j) { return wh[r][j]; }, d0[r], n0[r], d1[r],
+                                       n1[r], xl, xh, sxl, sxh);
         }
     }
 }
