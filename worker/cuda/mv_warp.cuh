@@ -33,6 +33,16 @@
                                       : 2)
 #endif
 
+/* A lane's (token, row) partial sums set to zero before a walk. */
+template <int T, int RW> static __device__ __forceinline__ void zero_acc(float (*acc)[RW])
+{
+    UNROLL
+    for (int i = 0; i < T; i++)
+        UNROLL
+        for (int r = 0; r < RW; r++)
+            acc[i][r] = 0.0f;
+}
+
 /* Every lane's partial sums of a warp's (token, row) products added over the warp, by one
  * shuffle tree (complete in every lane). */
 template <int T, int RW> static __device__ __forceinline__ void warp_sum_acc(float (*acc)[RW])
@@ -68,11 +78,7 @@ static __device__ __forceinline__ void row_dots_multi_x(const uint8_t *const *ro
         }
     } else {
         const int lane = threadIdx.x & 31;
-        UNROLL
-        for (int i = 0; i < T; i++)
-            UNROLL
-            for (int r = 0; r < RW; r++)
-                acc[i][r] = 0.0f;
+        zero_acc<T, RW>(acc);
         constexpr int UNR = MV_UNROLL(K, RW, T, rows_per_warp<K>() == 1);
 #pragma unroll(UNR)
         for (int u = lane; u < nu; u += 32) {
@@ -202,11 +208,7 @@ static __device__ __forceinline__ void row_dots_tok(const uint8_t *const *rowp,
                                                     int64_t ldx, int nt, float (*acc)[RW])
 {
     constexpr int PB = unit_shape<K>::per_block, BL = unit_shape<K>::blck;
-    UNROLL
-    for (int i = 0; i < T; i++)
-        UNROLL
-        for (int r = 0; r < RW; r++)
-            acc[i][r] = 0.0f;
+    zero_acc<T, RW>(acc);
     const uint32_t mg = code_magic();
     for (int u = (int)(threadIdx.x & 31); u < nu; u += 32) {
         const unsigned bi = (unsigned)u / PB;
