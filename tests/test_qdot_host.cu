@@ -166,12 +166,18 @@ TEST(qdot_host_decoders_match_the_reference)
 
 /* The TOK_T-token walk's units (tok_unit_dots) give every (row, token) the floats of the one-token
  * walk (unit_dot), bit for bit: lanes emulated as in walk(), 16 tokens of 2 rows, all tokens
- * valid and only 5 of them (the others read token 0's), rows of 256, 768 and 2048. */
+ * valid and only 5 of them (the others read token 0's), rows of 256, 768, 2048 and 2560; the
+ * inputs read as they are, and as the GPU kernel reads them (mv_rows_tile): slices of
+ * MOE_TOK_COLS columns staged in XPad's padded layout (everything else poisoned with NaN),
+ * each lane walking its units of one slice after the other. */
 template <int K> static void check_tok(const char *name)
 {
     const uint32_t type = kind_type(K);
     constexpr int RW = 2, T = 16, PB = unit_shape<K>::per_block, BL = unit_shape<K>::blck;
-    static const int64_t ns[] = {256, 768, 2048};
+    static const int64_t ns[] = {256, 768, 2048, 2560};
+    constexpr int64_t SC = MOE_TOK_COLS, PITCH = SC + SC / 16;
+    float *sb = (float *)malloc(sizeof(float) * (size_t)(T * PITCH));
+    CHECK(sb);
     for (size_t ni = 0; ni < sizeof ns / sizeof ns[0]; ni++) {
         const int64_t n = ns[ni], ldx = n + 4, nb = n / BL, nu = nb * PB;
         const size_t rb = moe_row_bytes(type, n);
@@ -182,15 +188,36 @@ template <int K> static void check_tok(const char *name)
         for (int64_t i = 0; i < ldx * T; i++)
             x[i] = 4.0f * rnd();
         const uint8_t *rows[RW] = {w, w + rb};
+        for (int tiled = 0; tiled < 2; tiled++)
         for (int nt : {T, 5}) {
             float lane[32][T][RW] = {};
-            for (int l = 0; l < 32; l++)
-                for (int64_t u = l; u < nu; u += 32) {
-                    const uint8_t *bs[RW] = {rows[0] + (size_t)(u / PB) * bb,
-                                             rows[1] + (size_t)(u / PB) * bb};
-                    tok_unit_dots<K, RW, T>(bs, (int)(u % PB), x + (u / PB) * BL, ldx, nt,
-                                            code_magic(), lane[l]);
+            if (!tiled) {
+                for (int l = 0; l < 32; l++)
+                    for (int64_t u = l; u < nu; u += 32) {
+                        const uint8_t *bs[RW] = {rows[0] + (size_t)(u / PB) * bb,
+                                                 rows[1] + (size_t)(u / PB) * bb};
+                        tok_unit_dots<K, RW, T>(bs, (int)(u % PB), x + (u / PB) * BL, ldx, nt,
+                                                code_magic(), lane[l]);
+                    }
+            } else {
+                const XPad xp = {sb};
+                for (int64_t c0 = 0; c0 < n; c0 += SC) {
+                    const int64_t cw = n - c0 < SC ? n - c0 : SC;
+                    for (int64_t j = 0; j < T * PITCH; j++)
+                        sb[j] = NAN;
+                    for (int i = 0; i < nt; i++)
+                        for (int64_t c = 0; c < cw; c++)
+                            sb[XPad::at(i * SC + c)] = x[i * ldx + c0 + c];
+                    for (int l = 0; l < 32; l++)
+                        for (int64_t u = c0 / BL * PB + l; u < (c0 + cw) / BL * PB; u += 32) {
+                            const uint8_t *bs[RW] = {rows[0] + (size_t)(u / PB) * bb,
+                                                     rows[1] + (size_t)(u / PB) * bb};
+                            tok_unit_dots<K, RW, T, XPad>(bs, (int)(u % PB),
+                                                          sb + ((u / PB) * BL - c0), SC, nt,
+                                                          code_magic(), lane[l], xp);
+                        }
                 }
+            }
             for (int i = 0; i < T; i++) {
                 float one[RW];
                 walk<K, RW, XPlain>(rows, n, x + (i < nt ? i : 0) * ldx, XPlain(), one);
@@ -205,14 +232,16 @@ template <int K> static void check_tok(const char *name)
                         memcpy(v, t, sizeof v);
                     }
                     CHECK_MSG(memcmp(&v[0], &one[r], sizeof(float)) == 0,
-                              "%s n=%lld nt=%d token %d row %d: %.9g by the 16-token walk, %.9g "
-                              "by one token's", name, (long long)n, nt, i, r, (double)v[0],
+                              "%s n=%lld nt=%d%s token %d row %d: %.9g by the 16-token walk, "
+                              "%.9g by one token's", name, (long long)n, nt,
+                              tiled ? " (staged slices)" : "", i, r, (double)v[0],
                               (double)one[r]);
                 }
             }
         }
         free(w), free(x);
     }
+    free(sb);
 }
 
 TEST(qdot_host_tok_walk_equals_one_token)

@@ -62,7 +62,7 @@ extern "C" {
 static_assert((MOE_MV_RW == 2 || MOE_MV_RW == 4) && (MOE_MV_RW_T == 2 || MOE_MV_RW_T == 4) &&
                   (MOE_MV_RW_NORM == 2 || MOE_MV_RW_NORM == 4),
               "MOE_MV_RW, MOE_MV_RW_T and MOE_MV_RW_NORM are 2 or 4");
-/* The TOK_T-token walk (row_dots_tok) holds each row's converted codes, chain results and
+/* The TOK_T-token walk (mv_rows_tile) holds each row's converted codes, chain results and
  * sums for every token: 2 rows a warp. */
 #ifndef MOE_MV_RW_TOK
 #define MOE_MV_RW_TOK 2
@@ -204,6 +204,30 @@ static __device__ __forceinline__ bool preloaded_dots(bool pre,
     return false;
 }
 
+/* Lane 0 of a warp stores (or adds) its rows' results for the step's tokens t0 + i < n_tok. */
+template <int T, int RW>
+static __device__ __forceinline__ void mv_store(const mv_args &a, const mv_seg &sg, int64_t row,
+                                                int64_t t0, int64_t n_tok, const float (*acc)[RW])
+{
+    if ((threadIdx.x & 31) != 0)
+        return;
+    UNROLL
+    for (int i = 0; i < T; i++) {
+        if (t0 + i >= n_tok)
+            break;
+        float *y = sg.y + (t0 + i) * sg.ldy;
+        UNROLL
+        for (int r = 0; r < RW; r++) {
+            if (row + r >= sg.rows)
+                break;
+            if (a.accumulate)
+                y[row + r] += acc[i][r];
+            else
+                y[row + r] = acc[i][r];
+        }
+    }
+}
+
 /* Each block of threads takes a.rpb rows of T tokens (blockIdx.y picks the group of T), each
  * warp RW consecutive rows. A lane loads and decodes its units of the weights once and
  * multiplies them into all T tokens, with the same float operations per (row, token) as for one
@@ -283,42 +307,88 @@ static __device__ __forceinline__ void mv_rows(const mv_args &a, const mv_seg &s
         return;
     const int64_t t0 = (int64_t)blockIdx.y * T;
     float acc[T][RW];
-    if constexpr (T == TOK_T) {
-        row_dots_tok<K, RW, T>(rowp, sg.block_bytes, sg.nu, x0 + t0 * a.ldx, a.ldx,
-                               (int)(n_tok - t0), acc);
-    } else {
-        const float *xt[T];
-        UNROLL
-        for (int i = 0; i < T; i++)
-            xt[i] = x0 + (t0 + i < n_tok ? t0 + i : t0) * a.ldx;
-        if constexpr (NORM) {
-            const XNorm xn = {x0, g0, sc};
-            if (!preloaded_dots<K, RW, UPL, PRE>(pre, raw, sg.nu, xt[0], acc[0], xn))
-                row_dots_multi_x<K, RW, 1, XNorm>(rowp, sg.block_bytes, sg.nu, xt, acc, &xn);
-        } else if (!preloaded_dots<K, RW, UPL, PRE>(pre, raw, sg.nu, xt[0], acc[0], XPlain())) {
-            row_dots_multi<K, RW, T>(rowp, sg.block_bytes, sg.nu, xt, acc);
-        }
+    const float *xt[T];
+    UNROLL
+    for (int i = 0; i < T; i++)
+        xt[i] = x0 + (t0 + i < n_tok ? t0 + i : t0) * a.ldx;
+    if constexpr (NORM) {
+        const XNorm xn = {x0, g0, sc};
+        if (!preloaded_dots<K, RW, UPL, PRE>(pre, raw, sg.nu, xt[0], acc[0], xn))
+            row_dots_multi_x<K, RW, 1, XNorm>(rowp, sg.block_bytes, sg.nu, xt, acc, &xn);
+    } else if (!preloaded_dots<K, RW, UPL, PRE>(pre, raw, sg.nu, xt[0], acc[0], XPlain())) {
+        row_dots_multi<K, RW, T>(rowp, sg.block_bytes, sg.nu, xt, acc);
     }
-    if (lane == 0) {
-        UNROLL
-        for (int i = 0; i < T; i++) {
-            if (t0 + i >= n_tok)
-                break;
-            float *y = sg.y + (t0 + i) * sg.ldy;
-            UNROLL
-            for (int r = 0; r < RW; r++) {
-                if (row + r >= sg.rows)
-                    break;
-                if (a.accumulate)
-                    y[row + r] += acc[i][r];
-                else
-                    y[row + r] = acc[i][r];
-            }
-        }
-    }
+    mv_store<T, RW>(a, sg, row, t0, n_tok, acc);
     if constexpr (NORM)
         if (a.rope_on)
             mv_rope_tail<RW>(a, gi, row, sg.rows);
+}
+
+/* The TOK_T-token walk (MOE_CUDA_MV_TOK): a block of TILE_RPB rows (RW a warp) walks its rows a
+ * slice of TILE_COLS columns at a time; the block first copies the slice's inputs of the step's
+ * tokens into shared memory (XPad's padded layout), and every warp reads them from there, so the
+ * inputs come from L2 once per block and slice instead of once per warp (16 tokens of a 2048-wide
+ * input are 128 KB, more than L1 keeps beside the rows). Slices of 1024 columns are 32 Q4_K /
+ * Q5_K or 64 Q6_K units, so each lane walks its units in the one-token walk's order
+ * (row_units_tok) and, after the same shuffle tree, every (row, token) gets that walk's floats.
+ * Every thread takes part in the copies and barriers; warps past the matrix compute nothing. */
+constexpr int TILE_COLS = MOE_TOK_COLS;
+constexpr int TILE_PITCH = TILE_COLS + TILE_COLS / 16; /* floats a token, padding included */
+constexpr int TILE_RPB = 8;
+constexpr size_t TILE_SMEM = sizeof(float) * TOK_T * TILE_PITCH;
+
+template <int K>
+static __device__ __forceinline__ void mv_rows_tile(const mv_args &a, const mv_seg &sg,
+                                                    int64_t n_tok)
+{
+    constexpr int RW = mv_rw<K, TOK_T>(), PB = unit_shape<K>::per_block,
+                  BL = unit_shape<K>::blck;
+    static_assert(TILE_COLS % (32 * BL / PB) == 0, "whole unit steps a slice");
+    extern __shared__ float mv_sm[];
+    /* The warp's rows, as mv_rows takes them (written out again there: a shared helper changed
+     * the registers of mv_rows' other instances). */
+    const int64_t row = (int64_t)(blockIdx.x - sg.blk0) * a.rpb + (threadIdx.x >> 5) * RW;
+    const bool live = row < sg.rows;
+    const uint8_t *rowp[RW];
+    UNROLL
+    for (int r = 0; r < RW; r++)
+        rowp[r] = sg.w +
+                  (size_t)(live && row + r < sg.rows ? row + r : live ? row : 0) * sg.row_bytes;
+    if (live)
+        for (size_t off = (size_t)(threadIdx.x & 31) * 128; off < sg.row_bytes; off += 32 * 128) {
+            UNROLL
+            for (int r = 0; r < RW; r++)
+                if (r == 0 || row + r < sg.rows)
+                    prefetch_l2(rowp[r] + off);
+        }
+    pdl_wait();
+    pdl_trigger();
+    const int64_t t0 = (int64_t)blockIdx.y * TOK_T;
+    const int nt = (int)(n_tok - t0 < TOK_T ? n_tok - t0 : TOK_T);
+    const int64_t width = (int64_t)sg.nu / PB * BL;
+    const XPad xp = {mv_sm};
+    const uint32_t mg = code_magic();
+    float acc[TOK_T][RW];
+    zero_acc<TOK_T, RW>(acc);
+    for (int64_t c0 = 0; c0 < width; c0 += TILE_COLS) {
+        const int cw = (int)(width - c0 < TILE_COLS ? width - c0 : TILE_COLS), q4 = cw / 4;
+        for (int e = threadIdx.x; e < nt * q4; e += blockDim.x) {
+            const int i = e / q4, c = 4 * (e - i * q4);
+            cp_async16(mv_sm + XPad::at((int64_t)i * TILE_COLS + c),
+                       a.x + (t0 + i) * a.ldx + c0 + c);
+        }
+        cp_async_wait_all();
+        __syncthreads();
+        if (live)
+            row_units_tok<K, RW, TOK_T, XPad>(rowp, sg.block_bytes, (int)(c0 / BL * PB),
+                                              (int)((c0 + cw) / BL * PB), mv_sm, c0, TILE_COLS,
+                                              nt, mg, acc, xp);
+        __syncthreads();
+    }
+    if (!live)
+        return;
+    warp_sum_acc<TOK_T, RW>(acc);
+    mv_store<TOK_T, RW>(a, sg, row, t0, n_tok, acc);
 }
 
 /* K2 == K: one weight type. Otherwise both kinds must take the same rows per warp (one block
@@ -331,10 +401,16 @@ static __device__ __forceinline__ void mv_segments(const mv_args &a, int64_t n_t
     int g = 0;
     while (g + 1 < a.nseg && blockIdx.x >= a.seg[g + 1].blk0)
         g++;
-    if (K == K2 || g < a.nseg1)
+    if constexpr (T == TOK_T) {
+        if (K == K2 || g < a.nseg1)
+            mv_rows_tile<K>(a, a.seg[g], n_tok);
+        else
+            mv_rows_tile<K2>(a, a.seg[g], n_tok);
+    } else if (K == K2 || g < a.nseg1) {
         mv_rows<K, T, NORM, PRE>(a, a.seg[g], g, n_tok);
-    else
+    } else {
         mv_rows<K2, T, NORM, PRE>(a, a.seg[g], g, n_tok);
+    }
 }
 
 template <int K, int K2, int T, bool NORM = false, bool PRE = false>
@@ -344,9 +420,9 @@ matvec_kernel(const mv_args a, int64_t n_tok)
     mv_segments<K, K2, T, NORM, PRE>(a, n_tok);
 }
 
-/* The TOK_T-token walk (row_dots_tok) of kinds K and K2, held to 168 registers a thread (3
- * blocks of THREADS an SM by the bound; its blocks are half that, so 12 warps an SM): without
- * the bound it takes 255 and spills. */
+/* The TOK_T-token walk (mv_rows_tile) of kinds K and K2, held to 168 registers a thread (3
+ * blocks of THREADS an SM by the bound, 12 warps; their shared memory, 3 × 68 KB, fits the
+ * SM's): without the bound it takes 255 and spills. */
 #ifndef MOE_MV_TOK_MINB
 #define MOE_MV_TOK_MINB 3
 #endif
@@ -524,7 +600,24 @@ static int launch(const struct moe_mv_job *jobs, int n_jobs, int n1, int64_t n, 
                      (dst ? preload_kind<K, true>() && preload_kind<K2, true>()
                           : preload_kind<K, false>() && preload_kind<K2, false>());
     const int rw = dst ? mv_rw<K, 1, true>() : n_tok == 1 ? mv_rw<K, 1>() : mv_rw<K, 2>();
-    a.rpb = pre ? rpb : ROWS_PER_BLOCK;
+    /* MOE_CUDA_MV_TMAX (below). */
+    static int tmax = -1;
+    if (tmax < 0) {
+        const char *v = getenv("MOE_CUDA_MV_TMAX");
+        const int x = v && *v ? atoi(v) : 0;
+        tmax = x >= 8 ? 8 : x >= 4 ? 4 : x >= 2 ? 2 : x >= 1 ? 1 : 0;
+    }
+    /* MOE_CUDA_MV_TOK=1: Q4_K, Q5_K and Q6_K launches of TOK_T tokens or more take the walk that
+     * converts each weight once for TOK_T tokens in blocks of TILE_RPB rows (mv_rows_tile; the
+     * same floats); dense: only those below 32768 rows (not an output head). */
+    static int tok = -1;
+    if (tok < 0) {
+        const char *v = getenv("MOE_CUDA_MV_TOK");
+        tok = v && !strcmp(v, "1") ? 2 : v && !strcmp(v, "dense") ? 1 : 0;
+    }
+    const bool tile = tok_kind<K>() && tok_kind<K2>() && !dst && tok && !tmax &&
+                      n_tok >= TOK_T && (tok == 2 || total_rows < MV_HEAD_ROWS);
+    a.rpb = tile ? TILE_RPB : pre ? rpb : ROWS_PER_BLOCK;
     if (rope)
         smem = sizeof(float) * (size_t)rope->kv->hd * (size_t)(a.rpb / rw);
     /* The staged row (and norm weight) fit the 48 KB a launch may take without opting in. */
@@ -565,12 +658,6 @@ static int launch(const struct moe_mv_job *jobs, int n_jobs, int n1, int64_t n, 
      * whatever T is). More tokens per block share the decoding but take more registers (95 a
      * thread at 2, 188 at 8 for Q4_K), so fewer warps hide the loads: 4 measured 2.4% slower
      * than 2 at 4 sequences and 2.8-3.9% faster at 16 and 64 (docs/benchmarks.md). */
-    static int tmax = -1;
-    if (tmax < 0) {
-        const char *v = getenv("MOE_CUDA_MV_TMAX");
-        const int x = v && *v ? atoi(v) : 0;
-        tmax = x >= 8 ? 8 : x >= 4 ? 4 : x >= 2 ? 2 : x >= 1 ? 1 : 0;
-    }
     /* A matrix of 32768 rows or more (an output head) is decoded once per token group and the
      * 4-token kernels hold 235-254 registers a thread: from 8 tokens it takes 8 a block (the
      * Q6_K head of a 151936-token vocabulary at 16 sequences: 873 -> 623 us on an H100). */
@@ -580,21 +667,25 @@ static int launch(const struct moe_mv_job *jobs, int n_jobs, int n1, int64_t n, 
                                                                              : 2;
     const int64_t nt = n_tok < bound ? n_tok : bound;
     const int T = nt >= 8 ? 8 : nt >= 4 ? 4 : nt >= 2 ? 2 : 1;
-    /* MOE_CUDA_MV_TOK=1: Q4_K, Q5_K and Q6_K launches of TOK_T tokens or more take the walk that
-     * converts each weight once for TOK_T tokens (row_dots_tok; the same floats); dense: only
-     * those below 32768 rows (not an output head). */
-    static int tok = -1;
-    if (tok < 0) {
-        const char *v = getenv("MOE_CUDA_MV_TOK");
-        tok = v && !strcmp(v, "1") ? 2 : v && !strcmp(v, "dense") ? 1 : 0;
-    }
     if constexpr (tok_kind<K>() && tok_kind<K2>())
-        if (!dst && tok && !tmax && n_tok >= TOK_T && (tok == 2 || total_rows < MV_HEAD_ROWS)) {
+        if (tile) {
             constexpr int rwt = mv_rw<K, TOK_T>();
-            static_assert(ROWS_PER_BLOCK % rwt == 0, "whole warps a block");
+            static_assert(TILE_RPB % rwt == 0 && 32 * TILE_RPB / rwt == THREADS,
+                          "whole warps a block, THREADS of them");
+            static bool smem_set = false;
+            if (!smem_set) {
+                MOE_CUDA_TRY(cudaFuncSetAttribute(matvec_tok_kernel<K, K2>,
+                                                  cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                  (int)TILE_SMEM));
+                /* All of L1 that may be shared memory, so that 3 blocks fit an SM. */
+                MOE_CUDA_TRY(cudaFuncSetAttribute(matvec_tok_kernel<K, K2>,
+                                                  cudaFuncAttributePreferredSharedMemoryCarveout,
+                                                  (int)cudaSharedmemCarveoutMaxShared));
+                smem_set = true;
+            }
             dim3 gt((unsigned)blocks, (unsigned)((n_tok + TOK_T - 1) / TOK_T)),
                 tt((unsigned)(32 * a.rpb / rwt));
-            MOE_CUDA_TRY(moe_launch(matvec_tok_kernel<K, K2>, gt, tt, 0, s, a, n_tok));
+            MOE_CUDA_TRY(moe_launch(matvec_tok_kernel<K, K2>, gt, tt, TILE_SMEM, s, a, n_tok));
             return 0;
         }
     dim3 gr((unsigned)blocks, (unsigned)((n_tok + T - 1) / T)), th((unsigned)(32 * a.rpb / rw));

@@ -197,29 +197,31 @@ static __device__ __forceinline__ void rows_preloaded_dots(
 
 /* Steps of TOK_T tokens of Q4_K, Q5_K and Q6_K rows (MOE_CUDA_MV_TOK): a lane converts each unit's
  * codes to floats once and multiplies them into every token (tok_unit_dots), where
- * row_dots_multi_x converts them again for each token. The units in the same order and the same
- * shuffle tree, so the same floats per (row, token). Inputs: token i at x0 + i·ldx, those from
- * nt on read token 0's (their results are not stored). */
+ * row_dots_multi_x converts them again for each token. Units [u0, u1) of the warp's rows: lane
+ * l takes u0 + l, u0 + l + 32, ... (u0 a multiple of 32, so that slices of a row walked one
+ * after another give each lane its units in the one-token walk's order; with the same shuffle
+ * tree after the last, the same floats per (row, token)). Token i's input of column c is at
+ * xs + (c − c0) + i·ldx, read through xin; tokens from nt on read token 0's (their results are
+ * not stored). */
 #define TOK_T 16
 
-template <int K, int RW, int T>
-static __device__ __forceinline__ void row_dots_tok(const uint8_t *const *rowp,
-                                                    unsigned block_bytes, int nu, const float *x0,
-                                                    int64_t ldx, int nt, float (*acc)[RW])
+template <int K, int RW, int T, class XL>
+static __device__ __forceinline__ void row_units_tok(const uint8_t *const *rowp,
+                                                     unsigned block_bytes, int u0, int u1,
+                                                     const float *xs, int64_t c0, int64_t ldx,
+                                                     int nt, uint32_t mg, float (*acc)[RW],
+                                                     const XL &xin)
 {
     constexpr int PB = unit_shape<K>::per_block, BL = unit_shape<K>::blck;
-    zero_acc<T, RW>(acc);
-    const uint32_t mg = code_magic();
-    for (int u = (int)(threadIdx.x & 31); u < nu; u += 32) {
+    for (int u = u0 + (int)(threadIdx.x & 31); u < u1; u += 32) {
         const unsigned bi = (unsigned)u / PB;
         const uint8_t *bs[RW];
         UNROLL
         for (int r = 0; r < RW; r++)
             bs[r] = rowp[r] + (size_t)bi * block_bytes;
-        tok_unit_dots<K, RW, T>(bs, (int)((unsigned)u % PB), x0 + (size_t)bi * BL, ldx, nt, mg,
-                                acc);
+        tok_unit_dots<K, RW, T, XL>(bs, (int)((unsigned)u % PB), xs + ((int64_t)bi * BL - c0),
+                                    ldx, nt, mg, acc, xin);
     }
-    warp_sum_acc<T, RW>(acc);
 }
 
 /* row_dots_multi_x with the inputs read as they are. */

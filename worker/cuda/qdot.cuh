@@ -70,6 +70,22 @@ struct XPlain {
     HD float ld1(const float *p) const { return *p; }
 };
 
+/* Inputs staged in a padded buffer (the 16-token walk's shared memory): the element at base + v
+ * (v a multiple of 4, as every ld4 takes) lies at base + v + 4·(v / 64), 4 floats of padding
+ * after every 64, so that the lanes of a warp reading their units' inputs at once (Q4_K and
+ * Q5_K units 16 elements apart in pairs 64 apart, Q6_K units 4 apart) hit distinct banks. */
+/* The columns of the inputs the 16-token walk stages at a time (matvec.cu, mv_rows_tile): 32
+ * Q4_K / Q5_K units or 64 Q6_K units of a row, so that slices walked one after another give a
+ * lane its units in the one-token walk's order. */
+#define MOE_TOK_COLS 1024
+
+struct XPad {
+    const float *base;
+    static HD int64_t at(int64_t v) { return v + ((v >> 6) << 2); }
+    HD float4 ld4(const float *p) const { return ldx4(base + at(p - base)); }
+    HD float ld1(const float *p) const { return base[at(p - base)]; }
+};
+
 /* Four elements of the RMSNorm: (x·sc)·g, the floats the RMSNorm kernel stores. */
 static HD float4 xnorm4(float4 v, float sc, float4 g)
 {
@@ -425,13 +441,13 @@ template <int K> __host__ __device__ constexpr bool tok_kind()
 }
 
 /* Adds to acc[i][r] unit t of the blocks at bs[r] (r < RW) against token i's x elements of that
- * block (xb + i·ldx; tokens from nt on read token 0's), for i < T: each code converted to a
- * float once (code_f) for all T tokens, then the operations of unit_dot for each (row, token):
- * the same fma chains in the same order, the inputs' sums as kq_unit_x and q6k_unit_xs add them,
- * the same chains and tails (kq_halves, q6k_groups). mg is code_magic(). */
-template <int K, int RW, int T>
+ * block (xb + i·ldx, read through xin; tokens from nt on read token 0's), for i < T: each code
+ * converted to a float once (code_f) for all T tokens, then the operations of unit_dot for each
+ * (row, token): the same fma chains in the same order, the inputs' sums as kq_unit_x and
+ * q6k_unit_xs add them, the same chains and tails (kq_halves, q6k_groups). mg is code_magic(). */
+template <int K, int RW, int T, class XL = XPlain>
 static HD void tok_unit_dots(const uint8_t *const *bs, int t, const float *xb, int64_t ldx, int nt,
-                             uint32_t mg, float (*acc)[RW])
+                             uint32_t mg, float (*acc)[RW], const XL &xin = XL())
 {
     static_assert(tok_kind<K>(), "Q4_K, Q5_K and Q6_K rows");
     if constexpr (K == MOE_TYPE_Q6_K) {
@@ -453,7 +469,7 @@ static HD void tok_unit_dots(const uint8_t *const *bs, int t, const float *xb, i
         UNROLL
         for (int i = 0; i < T; i++) {
             float xs[16], sx[4];
-            q6k_unit_xs(XPlain(), xb + (int64_t)(i < nt ? i : 0) * ldx, t, xs, sx);
+            q6k_unit_xs(xin, xb + (int64_t)(i < nt ? i : 0) * ldx, t, xs, sx);
             UNROLL
             for (int r = 0; r < RW; r++)
                 acc[i][r] += h2f(raw[r].d) *
@@ -483,7 +499,7 @@ static HD void tok_unit_dots(const uint8_t *const *bs, int t, const float *xb, i
         UNROLL
         for (int i = 0; i < T; i++) {
             float xl[16], xh[16], sxl, sxh;
-            kq_unit_x(XPlain(), xb + (int64_t)(i < nt ? i : 0) * ldx, t, xl, xh, &sxl, &sxh);
+            kq_unit_x(xin, xb + (int64_t)(i < nt ? i : 0) * ldx, t, xl, xh, &sxl, &sxh);
             UNROLL
             for (int r = 0; r < RW; r++)
                 acc[i][r] += kq_halves([&](int j) { return wl[r][j]; },
