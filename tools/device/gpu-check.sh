@@ -10,7 +10,7 @@
 #   worker with every spread pass on, MOE_SAMPLE_SPREAD=all, then bench_cuda_sample)
 #   (tok: the mat-vec walk that converts each code once for 16 tokens, MOE_CUDA_MV_TOK=1: its
 #   exactness tests, then bench_engine at 16 and 64 sequences with it off, on and for the dense
-#   matrices only, in alternation)
+#   matrices only, in alternation, then ncu of its kernels and the 4-token ones at a 16-token step)
 #   (tc: the products on tensor cores, MOE_CUDA_TC: their GPU tests, the tensor-core mat-vec
 #   against the float walk, and bench_engine with the float walk, the default (down on tensor
 #   cores), gate/up and down with grouped steps' inputs staged once, and all with the inputs
@@ -21,6 +21,8 @@
 # The backend's switches pass through: `MOE_CUDA_TC=0 gpu-check.sh LOG build tests parity
 # sanitizer offload` runs the suites with the float walk everywhere (the tests that compare
 # against the float walk or the fused step set MOE_CUDA_TC=0 for their references).
+#
+# Binaries built here instead (no build step there): tools/device/pack-bins.sh says how.
 #
 # The tracked files (about 63 MB) and .carry (about 3.5 MB) are near the 64 MiB a device call can
 # send: `git sparse-checkout set --no-cone '/*' '!/tests/golden/refs/'` before the call leaves
@@ -38,6 +40,14 @@ mkdir -p "$LOG"
 B=${B:-/tmp/moed-build}
 export CPATH=$PWD/.carry/include LIBRARY_PATH=$PWD/.carry/lib
 export LD_LIBRARY_PATH=$PWD/.carry/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+# Binaries built elsewhere (tools/device/pack-bins.sh): their libraries, and the vocabulary
+# where the tree left the tokenizer out.
+if [ -d "$B/lib" ]; then
+    export LD_LIBRARY_PATH=$B/lib:$LD_LIBRARY_PATH
+fi
+if [ -f "$B/vocab.gguf" ] && [ ! -f tests/golden/tokenizer/qwen3-vocab.gguf ]; then
+    mkdir -p tests/golden/tokenizer && cp "$B/vocab.gguf" tests/golden/tokenizer/qwen3-vocab.gguf
+fi
 J=$(nproc)
 
 step() { echo "== $1 ($(date +%T))"; }
@@ -181,6 +191,21 @@ if has tok; then
                 ${TOK_ARGS:---prompt 512 --gen 64 --batches 16,64 --long 0} 2>&1 | tail -n 1
         done
     done | tee "$LOG/bench-tok.log"
+    # The 16-token kernels against the 4-token ones of a 16-token step (ncu, when installed).
+    if command -v ncu >/dev/null; then
+        for v in 1 0; do
+            k='matvec_tok_kernel'
+            [ $v = 0 ] && k='matvec_kernel<\(int\)12, \(int\)1[24], \(int\)4'
+            MOE_CUDA_MV_TOK=$v timeout 200 ncu --kernel-name-base demangled -k regex:"$k" -c 2 \
+                --section SpeedOfLight --section LaunchStats --section Occupancy \
+                --section InstructionStats --section WarpStateStats --section MemoryWorkloadAnalysis \
+                "$B/build/bench/bench_engine" $M --device cuda:0 --prompt 16 --gen 2 --batches "" \
+                --long 0 >"$LOG/ncu-tok-$v.log" 2>&1
+            echo "MOE_CUDA_MV_TOK=$v:"
+            grep -E "^  [a-z_]+.*matvec|Duration|Registers Per|Achieved Occupancy|Executed Instructions  |L1/TEX Hit|L2 Hit|DRAM Throughput|Warp Cycles Per Issued" \
+                "$LOG/ncu-tok-$v.log" | head -n 24
+        done
+    fi
 fi
 if has multi; then
     step "GPU workers: one against one per GPU (bench/bench_workers.py)"

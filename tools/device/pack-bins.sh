@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Packs binaries built here for a device call that runs them instead of building there:
+#
+#   make O=/tmp/dev-build CUDA_ARCH="-gencode arch=compute_90,code=sm_90" all test-build
+#   tools/device/pack-bins.sh /tmp/dev-build            # -> .carry/bins.tar.xz (about 13 MB)
+#   (on the device) tar -C /tmp -xJf .carry/bins.tar.xz &&
+#       B=/tmp/moed-bins tools/device/gpu-check.sh LOG tests tok ...   # any steps but build
+#
+# The pack holds, stripped, the programs the steps run (bin/, build/tests/, build/bench/, in
+# the build tree's layout), the shared libraries of the Debian packages they link (lib/,
+# which gpu-check.sh puts on LD_LIBRARY_PATH) and the tokenizer's vocabulary (vocab.gguf,
+# which `moectl mkmodel` reads from tests/golden/tokenizer/), so that a call can leave the
+# golden references, the chat templates and the tokenizer out of its tree with `git
+# sparse-checkout set --no-cone '/*' '!/tests/golden/refs/' '!/tests/fixtures/chat-templates/'
+# '!/tests/golden/tokenizer/'` and stay under the 64 MiB a call may send (`git sparse-checkout
+# disable` after it). PROGRAMS="bin/moed-worker build/bench/bench_engine ..." packs others.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+O=${1:?usage: pack-bins.sh BUILD_DIR}
+PROGRAMS=${PROGRAMS:-bin/moed bin/moed-worker bin/moectl build/tests/moe-gpu-tests \
+build/bench/bench_engine build/bench/bench_cuda_sample}
+D=$(mktemp -d)/moed-bins
+mkdir -p "$D/lib"
+for p in $PROGRAMS; do
+    mkdir -p "$D/$(dirname "$p")"
+    cp "$O/$p" "$D/$p"
+    strip "$D/$p" 2>/dev/null || true
+done
+for l in uv protobuf-c lmdb http_parser jansson xxhash pcre2-8 systemd edit bsd md tinfo; do
+    cp -P /usr/lib/x86_64-linux-gnu/lib$l.so* "$D/lib/"
+done
+git show HEAD:tests/golden/tokenizer/qwen3-vocab.gguf >"$D/vocab.gguf"
+mkdir -p .carry
+tar -C "$(dirname "$D")" -cf - moed-bins | xz -T2 --lzma2=preset=6,dict=192MiB >.carry/bins.tar.xz
+rm -rf "$(dirname "$D")"
+ls -l .carry/bins.tar.xz
