@@ -188,54 +188,55 @@ template <int K> static void check_tok(const char *name)
         for (int64_t i = 0; i < ldx * T; i++)
             x[i] = 4.0f * rnd();
         const uint8_t *rows[RW] = {w, w + rb};
-        for (int tiled = 0; tiled < 2; tiled++)
-        for (int nt : {T, 5}) {
-            float lane[32][T][RW] = {};
-            if (!tiled) {
-                for (int l = 0; l < 32; l++)
-                    for (int64_t u = l; u < nu; u += 32) {
-                        const uint8_t *bs[RW] = {rows[0] + (size_t)(u / PB) * bb,
-                                                 rows[1] + (size_t)(u / PB) * bb};
-                        tok_unit_dots<K, RW, T>(bs, (int)(u % PB), x + (u / PB) * BL, ldx, nt,
-                                                code_magic(), lane[l]);
-                    }
-            } else {
-                const XPad xp = {sb};
-                for (int64_t c0 = 0; c0 < n; c0 += SC) {
-                    const int64_t cw = n - c0 < SC ? n - c0 : SC;
-                    for (int64_t j = 0; j < T * PITCH; j++)
-                        sb[j] = NAN;
-                    for (int i = 0; i < nt; i++)
-                        for (int64_t c = 0; c < cw; c++)
-                            sb[XPad::at(i * SC + c)] = x[i * ldx + c0 + c];
+        for (int tiled = 0; tiled < 2; tiled++) {
+            for (int nt : {T, 5}) {
+                float lane[32][T][RW] = {};
+                if (!tiled) {
                     for (int l = 0; l < 32; l++)
-                        for (int64_t u = c0 / BL * PB + l; u < (c0 + cw) / BL * PB; u += 32) {
+                        for (int64_t u = l; u < nu; u += 32) {
                             const uint8_t *bs[RW] = {rows[0] + (size_t)(u / PB) * bb,
                                                      rows[1] + (size_t)(u / PB) * bb};
-                            tok_unit_dots<K, RW, T, XPad>(bs, (int)(u % PB),
-                                                          sb + ((u / PB) * BL - c0), SC, nt,
-                                                          code_magic(), lane[l], xp);
+                            tok_unit_dots<K, RW, T>(bs, (int)(u % PB), x + (u / PB) * BL, ldx, nt,
+                                                    code_magic(), lane[l]);
                         }
-                }
-            }
-            for (int i = 0; i < T; i++) {
-                float one[RW];
-                walk<K, RW, XPlain>(rows, n, x + (i < nt ? i : 0) * ldx, XPlain(), one);
-                for (int r = 0; r < RW; r++) {
-                    float v[32];
-                    for (int l = 0; l < 32; l++)
-                        v[l] = lane[l][i][r];
-                    for (int o = 16; o > 0; o >>= 1) {
-                        float t[32];
+                } else {
+                    const XPad xp = {sb};
+                    for (int64_t c0 = 0; c0 < n; c0 += SC) {
+                        const int64_t cw = n - c0 < SC ? n - c0 : SC;
+                        for (int64_t j = 0; j < T * PITCH; j++)
+                            sb[j] = NAN;
+                        for (int i = 0; i < nt; i++)
+                            for (int64_t c = 0; c < cw; c++)
+                                sb[XPad::at(i * SC + c)] = x[i * ldx + c0 + c];
                         for (int l = 0; l < 32; l++)
-                            t[l] = v[l] + v[l ^ o];
-                        memcpy(v, t, sizeof v);
+                            for (int64_t u = c0 / BL * PB + l; u < (c0 + cw) / BL * PB; u += 32) {
+                                const uint8_t *bs[RW] = {rows[0] + (size_t)(u / PB) * bb,
+                                                         rows[1] + (size_t)(u / PB) * bb};
+                                tok_unit_dots<K, RW, T, XPad>(bs, (int)(u % PB),
+                                                              sb + ((u / PB) * BL - c0), SC, nt,
+                                                              code_magic(), lane[l], xp);
+                            }
                     }
-                    CHECK_MSG(memcmp(&v[0], &one[r], sizeof(float)) == 0,
-                              "%s n=%lld nt=%d%s token %d row %d: %.9g by the 16-token walk, "
-                              "%.9g by one token's", name, (long long)n, nt,
-                              tiled ? " (staged slices)" : "", i, r, (double)v[0],
-                              (double)one[r]);
+                }
+                for (int i = 0; i < T; i++) {
+                    float one[RW];
+                    walk<K, RW, XPlain>(rows, n, x + (i < nt ? i : 0) * ldx, XPlain(), one);
+                    for (int r = 0; r < RW; r++) {
+                        float v[32];
+                        for (int l = 0; l < 32; l++)
+                            v[l] = lane[l][i][r];
+                        for (int o = 16; o > 0; o >>= 1) {
+                            float t[32];
+                            for (int l = 0; l < 32; l++)
+                                t[l] = v[l] + v[l ^ o];
+                            memcpy(v, t, sizeof v);
+                        }
+                        CHECK_MSG(memcmp(&v[0], &one[r], sizeof(float)) == 0,
+                                  "%s n=%lld nt=%d%s token %d row %d: %.9g by the 16-token walk, "
+                                  "%.9g by one token's", name, (long long)n, nt,
+                                  tiled ? " (staged slices)" : "", i, r, (double)v[0],
+                                  (double)one[r]);
+                    }
                 }
             }
         }

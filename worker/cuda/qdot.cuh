@@ -70,15 +70,15 @@ struct XPlain {
     HD float ld1(const float *p) const { return *p; }
 };
 
-/* Inputs staged in a padded buffer (the 16-token walk's shared memory): the element at base + v
- * (v a multiple of 4, as every ld4 takes) lies at base + v + 4·(v / 64), 4 floats of padding
- * after every 64, so that the lanes of a warp reading their units' inputs at once (Q4_K and
- * Q5_K units 16 elements apart in pairs 64 apart, Q6_K units 4 apart) hit distinct banks. */
 /* The columns of the inputs the 16-token walk stages at a time (matvec.cu, mv_rows_tile): 32
  * Q4_K / Q5_K units or 64 Q6_K units of a row, so that slices walked one after another give a
  * lane its units in the one-token walk's order. */
 #define MOE_TOK_COLS 1024
 
+/* Inputs staged in a padded buffer (the 16-token walk's shared memory): the element at base + v
+ * (v a multiple of 4, as every ld4 takes) lies at base + v + 4·(v / 64), 4 floats of padding
+ * after every 64, so that the lanes of a warp reading their units' inputs at once (Q4_K and
+ * Q5_K units 16 elements apart in pairs 64 apart, Q6_K units 4 apart) hit distinct banks. */
 struct XPad {
     const float *base;
     static HD int64_t at(int64_t v) { return v + ((v >> 6) << 2); }
