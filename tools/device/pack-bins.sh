@@ -26,9 +26,8 @@ for p in $PROGRAMS; do
     cp "$O/$p" "$D/$p"
     strip "$D/$p" 2>/dev/null || true
 done
-for l in uv protobuf-c lmdb http_parser jansson xxhash pcre2-8 systemd edit bsd md tinfo; do
-    cp -P /usr/lib/x86_64-linux-gnu/lib$l.so* "$D/lib/"
-done
+. tools/device/libs.sh
+device_libs_copy "$D/lib"
 git show HEAD:tests/golden/tokenizer/qwen3-vocab.gguf >"$D/vocab.gguf"
 mkdir -p .carry
 tar -C "$(dirname "$D")" -cf - moed-bins | xz -T2 --lzma2=preset=6,dict=192MiB >.carry/bins.tar.xz

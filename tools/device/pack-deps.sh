@@ -13,9 +13,8 @@ for p in libuv1-dev libprotobuf-c-dev liblmdb-dev libhttp-parser-dev libjansson-
         mkdir -p "$(dirname "$d")" && cp "$f" "$d"
     done
 done
-for l in uv protobuf-c lmdb http_parser jansson xxhash pcre2-8 systemd edit bsd md tinfo; do
-    cp -P /usr/lib/x86_64-linux-gnu/lib$l.so* .carry/lib/
-done
+. tools/device/libs.sh
+device_libs_copy .carry/lib
 cp build/proto/*.pb-c.[ch] .carry/proto/
 # gpu-check.sh refuses to build with generated files of another proto/moed.proto.
 sha256sum proto/*.proto >.carry/proto/SOURCES.sha256
