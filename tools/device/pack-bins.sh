@@ -14,22 +14,41 @@
 # sparse-checkout set --no-cone '/*' '!/tests/golden/refs/' '!/tests/fixtures/chat-templates/'
 # '!/tests/golden/tokenizer/'` and stay under the 64 MiB a call may send (`git sparse-checkout
 # disable` after it). PROGRAMS="bin/moed-worker build/bench/bench_engine ..." packs others.
+#
+# Other builds of the same tree to compare in the same call (A/B on one machine) go in beside:
+# VARIANTS="b=/tmp/dev-b c=/tmp/dev-c" packs each build's VARIANT_PROGRAMS (default
+# bench_engine and moe-gpu-tests) under moed-bins/b/, moed-bins/c/, ... in the same layout;
+# xz finds their bytes shared with the first build's, so each adds a few kilobytes when the
+# builds differ in a kernel or two (run them as /tmp/moed-bins/b/build/bench/bench_engine).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 O=${1:?usage: pack-bins.sh BUILD_DIR}
 PROGRAMS=${PROGRAMS:-bin/moed bin/moed-worker bin/moectl build/tests/moe-gpu-tests \
 build/bench/bench_engine build/bench/bench_cuda_sample}
 D=$(mktemp -d)/moed-bins
+trap 'rm -rf "$(dirname "$D")"' EXIT
 mkdir -p "$D/lib"
 for p in $PROGRAMS; do
     mkdir -p "$D/$(dirname "$p")"
     cp "$O/$p" "$D/$p"
     strip "$D/$p" 2>/dev/null || true
 done
+for v in ${VARIANTS:-}; do
+    name=${v%%=*} dir=${v#*=}
+    case $name in '' | */* | . | .. | bin | build | lib)
+        echo "pack-bins.sh: bad variant name '$name' (NAME=BUILD_DIR)" >&2
+        exit 1
+        ;;
+    esac
+    for p in ${VARIANT_PROGRAMS:-build/bench/bench_engine build/tests/moe-gpu-tests}; do
+        mkdir -p "$D/$name/$(dirname "$p")"
+        cp "$dir/$p" "$D/$name/$p"
+        strip "$D/$name/$p" 2>/dev/null || true
+    done
+done
 . tools/device/libs.sh
 device_libs_copy "$D/lib"
 git show HEAD:tests/golden/tokenizer/qwen3-vocab.gguf >"$D/vocab.gguf"
 mkdir -p .carry
 tar -C "$(dirname "$D")" -cf - moed-bins | xz -T2 --lzma2=preset=6,dict=192MiB >.carry/bins.tar.xz
-rm -rf "$(dirname "$D")"
 ls -l .carry/bins.tar.xz
