@@ -5,7 +5,7 @@
 #
 #   tools/device/gpu-check.sh [LOGDIR] [steps...]
 #   steps: build tests parity sanitizer sampler daemon daemon-tests daemon-offload tiny big
-#          offload tc tok multi
+#          offload tc tok multi variants
 #   (sampler: the sampler's GPU tests, the engine's sampling tests and compute-sanitizer on the
 #   worker with every spread pass on, MOE_SAMPLE_SPREAD=all, then bench_cuda_sample)
 #   (tok: the mat-vec walk that converts each code once for 16 tokens, MOE_CUDA_MV_TOK=1: its
@@ -22,7 +22,8 @@
 # sanitizer offload` runs the suites with the float walk everywhere (the tests that compare
 # against the float walk or the fused step set MOE_CUDA_TC=0 for their references).
 #
-# Binaries built here instead (no build step there): tools/device/pack-bins.sh says how.
+# Binaries built here instead (no build step there): tools/device/pack-bins.sh says how; with
+# its VARIANTS=, the `variants` step tests and benchmarks the other builds against the first.
 #
 # The tracked files (about 63 MB) and .carry (about 3.5 MB) are near the 64 MiB a device call can
 # send: `git sparse-checkout set --no-cone '/*' '!/tests/golden/refs/'` before the call leaves
@@ -216,4 +217,31 @@ if has multi; then
     timeout "${MULTI_TIMEOUT:-580}" python3 bench/bench_workers.py $M $lists \
         --expert-residency "${MULTI_RESIDENCY:-60%}" --concurrency 1,16,64 --bin "$B/bin" \
         --json "$LOG/workers.json" 2>&1 | tee "$LOG/workers.log" | tail -n 40
+fi
+if has variants; then
+    # Other builds packed beside the binaries (pack-bins.sh VARIANTS=name=dir): each one's GPU
+    # tests (VARIANT_TESTS, -f filters; default the forward, fused-step, graph and attention
+    # tests), then bench_engine of the base build and of every variant in alternation, two
+    # rounds (VARIANT_ARGS; default batch 1 and 16 sequences after a 512-token prompt).
+    step "variants against the base build"
+    model30
+    vs=$(cd "$B" && for d in */; do
+        d=${d%/}
+        case $d in bin | build | lib) ;; *) [ -x "$d/build/bench/bench_engine" ] && echo "$d" ;; esac
+    done)
+    for v in $vs; do
+        timeout 300 "$B/$v/build/tests/moe-gpu-tests" -v -j 4 ${VARIANT_TESTS:--f cuda_forward_matches \
+            -f cuda_fused_step -f cuda_graphs_equal -f cuda_attention_rope} >"$LOG/variant-$v-tests.log" 2>&1
+        echo "$v tests: $(grep -E "passed" "$LOG/variant-$v-tests.log" | tail -n 1)"
+        grep -E "^FAIL" "$LOG/variant-$v-tests.log" | head -n 5
+    done
+    for round in 1 2; do
+        for v in base $vs; do
+            bin=$B/build/bench/bench_engine
+            [ $v != base ] && bin=$B/$v/build/bench/bench_engine
+            printf '%s, round %s: ' $v $round
+            timeout 200 "$bin" $M --device cuda:0 \
+                ${VARIANT_ARGS:---prompt 512 --gen 128 --batches 16 --long 0} 2>&1 | tail -n 1
+        done
+    done | tee "$LOG/bench-variants.log"
 fi

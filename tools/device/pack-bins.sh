@@ -19,7 +19,8 @@
 # VARIANTS="b=/tmp/dev-b c=/tmp/dev-c" packs each build's VARIANT_PROGRAMS (default
 # bench_engine and moe-gpu-tests) under moed-bins/b/, moed-bins/c/, ... in the same layout;
 # xz finds their bytes shared with the first build's, so each adds a few kilobytes when the
-# builds differ in a kernel or two (run them as /tmp/moed-bins/b/build/bench/bench_engine).
+# builds differ in a kernel or two (`B=/tmp/moed-bins gpu-check.sh LOG variants` tests them and
+# benchmarks them against the first build, or run /tmp/moed-bins/b/build/bench/bench_engine).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 O=${1:?usage: pack-bins.sh BUILD_DIR}
