@@ -188,17 +188,24 @@ template <int K> static void check_tok(const char *name)
         for (int64_t i = 0; i < ldx * T; i++)
             x[i] = 4.0f * rnd();
         const uint8_t *rows[RW] = {w, w + rb};
+        /* Each emulated lane's units u0 + l, u0 + l + 32, ... below u1, as row_units_tok walks
+         * them: token i's input of column c at xs + (c - c0) + i·xld, read through xin. */
+        const auto lane_units = [&](float (*lane)[T][RW], int64_t u0, int64_t u1,
+                                    const float *xs, int64_t c0, int64_t xld, int nt,
+                                    const auto &xin) {
+            for (int l = 0; l < 32; l++)
+                for (int64_t u = u0 + l; u < u1; u += 32) {
+                    const uint8_t *bs[RW] = {rows[0] + (size_t)(u / PB) * bb,
+                                             rows[1] + (size_t)(u / PB) * bb};
+                    tok_unit_dots<K, RW, T>(bs, (int)(u % PB), xs + ((u / PB) * BL - c0), xld,
+                                            nt, code_magic(), lane[l], xin);
+                }
+        };
         for (int tiled = 0; tiled < 2; tiled++) {
             for (int nt : {T, 5}) {
                 float lane[32][T][RW] = {};
                 if (!tiled) {
-                    for (int l = 0; l < 32; l++)
-                        for (int64_t u = l; u < nu; u += 32) {
-                            const uint8_t *bs[RW] = {rows[0] + (size_t)(u / PB) * bb,
-                                                     rows[1] + (size_t)(u / PB) * bb};
-                            tok_unit_dots<K, RW, T>(bs, (int)(u % PB), x + (u / PB) * BL, ldx, nt,
-                                                    code_magic(), lane[l]);
-                        }
+                    lane_units(lane, 0, nu, x, 0, ldx, nt, XPlain());
                 } else {
                     const XPad xp = {sb};
                     for (int64_t c0 = 0; c0 < n; c0 += SC) {
@@ -208,14 +215,7 @@ template <int K> static void check_tok(const char *name)
                         for (int i = 0; i < nt; i++)
                             for (int64_t c = 0; c < cw; c++)
                                 sb[XPad::at(i * SC + c)] = x[i * ldx + c0 + c];
-                        for (int l = 0; l < 32; l++)
-                            for (int64_t u = c0 / BL * PB + l; u < (c0 + cw) / BL * PB; u += 32) {
-                                const uint8_t *bs[RW] = {rows[0] + (size_t)(u / PB) * bb,
-                                                         rows[1] + (size_t)(u / PB) * bb};
-                                tok_unit_dots<K, RW, T, XPad>(bs, (int)(u % PB),
-                                                              sb + ((u / PB) * BL - c0), SC, nt,
-                                                              code_magic(), lane[l], xp);
-                            }
+                        lane_units(lane, c0 / BL * PB, (c0 + cw) / BL * PB, sb, c0, SC, nt, xp);
                     }
                 }
                 for (int i = 0; i < T; i++) {
