@@ -29,10 +29,14 @@ build/bench/bench_engine build/bench/bench_cuda_sample}
 D=$(mktemp -d)/moed-bins
 trap 'rm -rf "$(dirname "$D")"' EXIT
 mkdir -p "$D/lib"
+# put BUILD PROGRAM DEST: the program, stripped, at DEST/PROGRAM.
+put() {
+    mkdir -p "$3/$(dirname "$2")"
+    cp "$1/$2" "$3/$2"
+    strip "$3/$2" 2>/dev/null || true
+}
 for p in $PROGRAMS; do
-    mkdir -p "$D/$(dirname "$p")"
-    cp "$O/$p" "$D/$p"
-    strip "$D/$p" 2>/dev/null || true
+    put "$O" "$p" "$D"
 done
 for v in ${VARIANTS:-}; do
     name=${v%%=*} dir=${v#*=}
@@ -42,9 +46,7 @@ for v in ${VARIANTS:-}; do
         ;;
     esac
     for p in ${VARIANT_PROGRAMS:-build/bench/bench_engine build/tests/moe-gpu-tests}; do
-        mkdir -p "$D/$name/$(dirname "$p")"
-        cp "$dir/$p" "$D/$name/$p"
-        strip "$D/$name/$p" 2>/dev/null || true
+        put "$dir" "$p" "$D/$name"
     done
 done
 . tools/device/libs.sh
