@@ -767,19 +767,21 @@ TEST_TIMEOUT(cuda_tc_experts_agree_with_the_float_walk, 900)
  * (by default in steps of more than one token: MOE_CUDA_MIXED_MV=0 in none, =1 in every step)
  * and, the other way round, the q/k-norm + RoPE + KV store inside the
  * q/k/v launch (opt-in, MOE_CUDA_ROPE_FOLD=1; also with a float32 KV cache), and inside the
- * attention launch (opt-in, MOE_CUDA_ATT_ROPE=1). Prompts (grouped
+ * attention launch (opt-in, MOE_CUDA_ATT_ROPE=1); one-token q/k/v of two weight types with the
+ * second type's launch on a branch of the step (opt-in, MOE_CUDA_QKV_BRANCH=1). Prompts (grouped
  * or on tensor cores, which route and normalise on their own) and decode steps of 1 sequence
  * (folded) and of 4, with graphs. */
 TEST_TIMEOUT(cuda_folded_launches_equal_separate_ones, 600)
 {
     need_gpu();
     /* Each switch and the value that differs from the default. */
-    static const char *const sw[6][2] = {{"MOE_CUDA_ROUTE_FOLD", "0"},
+    static const char *const sw[7][2] = {{"MOE_CUDA_ROUTE_FOLD", "0"},
                                          {"MOE_CUDA_NORM_FOLD", "0"},
                                          {"MOE_CUDA_MIXED_MV", "0"},
                                          {"MOE_CUDA_MIXED_MV", "1"},
                                          {"MOE_CUDA_ROPE_FOLD", "1"},
-                                         {"MOE_CUDA_ATT_ROPE", "1"}};
+                                         {"MOE_CUDA_ATT_ROPE", "1"},
+                                         {"MOE_CUDA_QKV_BRANCH", "1"}};
     for (size_t mi = 0; mi < N_MODELS; mi++) {
         struct test_model tm;
         test_model_open(&tm, MODELS[mi]);
@@ -789,7 +791,7 @@ TEST_TIMEOUT(cuda_folded_launches_equal_separate_ones, 600)
         struct moe_engine *f = engine_on(m, "cuda:0", 160, 4, 0, false);
         uint64_t *cf = calloc(LE, sizeof *cf), *cr = calloc(LE, sizeof *cr);
         CHECK(cf && cr);
-        for (int v = 0; v < 6; v++) {
+        for (int v = 0; v < 7; v++) {
             setenv(sw[v][0], sw[v][1], 1);
             struct moe_engine *r = engine_on(m, "cuda:0", 160, 4, 0, false);
             unsetenv(sw[v][0]);

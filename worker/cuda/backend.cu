@@ -195,6 +195,15 @@ struct cuda_backend {
                                       * RMSNorm on the way, the second's preloaded from the
                                       * stored normalised row); MOE_CUDA_MIXED_MV=1 or 0:
                                       * every step or none */
+    /* One-token q/k/v of two weight types launched per type: with qkv_branch
+     * (MOE_CUDA_QKV_BRANCH=1) the second type's launch (v in Q6_K) runs on a stream of its own
+     * beside the first's, from the RMSNorm's source (it normalises on the way and stores its copy
+     * of the normalised row in br_norm, which nothing reads), and the step's next op waits for
+     * both. The same floats as the serial launches. */
+    bool qkv_branch;
+    cudaStream_t st_b;
+    cudaEvent_t ev_bfork, ev_bjoin;
+    float *br_norm; /* [E] */
     int pn_l;
     enum moe_wid pn_w;
     enum moe_buf pn_src, pn_dst;
@@ -1848,6 +1857,7 @@ static int cuda_init(struct moe_backend **out, const struct moe_model *m, struct
     b->att_rope = getenv("MOE_CUDA_ATT_ROPE") && !strcmp(getenv("MOE_CUDA_ATT_ROPE"), "1");
     const char *mixed_mv = getenv("MOE_CUDA_MIXED_MV");
     b->mixed_mv = mixed_mv && *mixed_mv ? strcmp(mixed_mv, "0") != 0 : -1;
+    b->qkv_branch = getenv("MOE_CUDA_QKV_BRANCH") && !strcmp(getenv("MOE_CUDA_QKV_BRANCH"), "1");
     b->resolve_route = env_on("MOE_CUDA_RESOLVE_ROUTE");
     b->route_pending = -1;
     b->pf_read = -1;
@@ -1988,6 +1998,12 @@ static int cuda_init(struct moe_backend **out, const struct moe_model *m, struct
         INIT_TRY(cudaMemset(b->att_done, 0, sizeof(unsigned) * nb * (size_t)d->H));
         INIT_TRY(cudaMalloc((void **)&b->rope_cnt, sizeof(unsigned) * (size_t)(d->H + d->Hkv)));
         INIT_TRY(cudaMemset(b->rope_cnt, 0, sizeof(unsigned) * (size_t)(d->H + d->Hkv)));
+        if (b->qkv_branch) {
+            INIT_TRY(cudaStreamCreateWithFlags(&b->st_b, cudaStreamNonBlocking));
+            INIT_TRY(cudaEventCreateWithFlags(&b->ev_bfork, cudaEventDisableTiming));
+            INIT_TRY(cudaEventCreateWithFlags(&b->ev_bjoin, cudaEventDisableTiming));
+            INIT_TRY(cudaMalloc((void **)&b->br_norm, sizeof(float) * (size_t)pad4(d->E)));
+        }
         int64_t lrows = nb < LOGIT_ROWS ? (int64_t)nb : LOGIT_ROWS;
         INIT_TRY(cudaMalloc((void **)&b->logits, sizeof(float) * (size_t)(lrows * d->V)));
         INIT_TRY(cudaMalloc((void **)&b->d_in, sizeof(int32_t) * 5 * nb));
@@ -2194,6 +2210,8 @@ static void side_streams_wait(struct cuda_backend *b)
         cudaStreamSynchronize(b->st2);
     if (b->st3)
         cudaStreamSynchronize(b->st3);
+    if (b->st_b)
+        cudaStreamSynchronize(b->st_b);
 }
 
 static void cuda_free(struct moe_backend *bb)
@@ -2311,6 +2329,13 @@ static void cuda_free(struct moe_backend *bb)
     cudaFree(b->xo);
     cudaFree(b->att_done);
     cudaFree(b->rope_cnt);
+    cudaFree(b->br_norm);
+    if (b->ev_bfork)
+        cudaEventDestroy(b->ev_bfork);
+    if (b->ev_bjoin)
+        cudaEventDestroy(b->ev_bjoin);
+    if (b->st_b)
+        cudaStreamDestroy(b->st_b);
     cudaFree(b->groups.ex_off);
     cudaFree(b->groups.slot_list);
     cudaFree(b->groups.act_list);
@@ -2782,6 +2807,44 @@ static int matmul_mixed(struct cuda_backend *b, int l, const struct moe_mm *mm, 
     return 0;
 }
 
+/* qkv_branch: the products of mm of one weight type other than t (all of them, or nothing when
+ * there are two such types), launched on st_b from the pending RMSNorm's source, forked from st
+ * before the launch of t's products applies that RMSNorm on st; they are marked done, and
+ * *joined tells matmul_now to have st wait for the branch after its launches. */
+static int qkv_branch(struct cuda_backend *b, int l, const struct moe_mm *mm, int n_mm, bool *done,
+                      uint32_t t, bool *joined)
+{
+    struct moe_mv_job jobs[3];
+    int idx[3], nj = 0;
+    const struct moe_tensor *W2 = NULL;
+    for (int i = 0; i < n_mm; i++) {
+        const struct moe_tensor *Wi = moe_weight(b->m, l, mm[i].w);
+        if (done[i] || !Wi || Wi->type == t)
+            continue;
+        if ((W2 && Wi->type != W2->type) || !mm_fits(b, l, &mm[i], b->pn_dst, Wi))
+            return 0; /* the per-type launches take them (and report what does not fit) */
+        W2 = Wi;
+        idx[nj] = i;
+        jobs[nj++] = mm_job(b, l, &mm[i], Wi);
+    }
+    if (!nj || use_gemm(b, W2->type))
+        return 0;
+    CU(b, cudaEventRecord(b->ev_bfork, b->st));
+    CU(b, cudaStreamWaitEvent(b->st_b, b->ev_bfork, 0));
+    const int rc = moe_cuda_matvec_multi_norm(W2->type, jobs, nj, W2->ne[0], b->buf[b->pn_src],
+                                              norm_weight(b, b->pn_l, b->pn_w), b->d.eps,
+                                              b->br_norm, NULL, b->st_b);
+    /* Joined back whatever happened: a capture ends only with every stream it took in joined. */
+    CU(b, cudaEventRecord(b->ev_bjoin, b->st_b));
+    *joined = true;
+    if (rc == -EINVAL)
+        return 0; /* misaligned: launched after the normalised row is stored, as without */
+    LAUNCH(b, "rmsnorm + matmul (branch)", rc);
+    for (int k = 0; k < nj; k++)
+        done[idx[k]] = true;
+    return 0;
+}
+
 /* The products of cuda_matmul, launched now; rope (or NULL): the q/k-norm + RoPE + KV store of
  * the layer done by the launch that applies a pending RMSNorm where it can (b->rope_done says
  * whether it did). */
@@ -2809,7 +2872,7 @@ static int matmul_now(struct cuda_backend *b, int l, const struct moe_mm *mm, in
             return rc;
     }
     /* One launch per weight type (q, k and v usually share theirs). */
-    bool done[3] = {false, false, false};
+    bool done[3] = {false, false, false}, joined = false;
     for (int j = 0; j < n_mm; j++) {
         if (done[j])
             continue;
@@ -2840,6 +2903,8 @@ static int matmul_now(struct cuda_backend *b, int l, const struct moe_mm *mm, in
             fold = false;
             b->norm_pending = false;
             TRY_CU(before_write(b, b->pn_dst));
+            if (b->qkv_branch && b->n == 1 && nj < n_mm)
+                TRY_CU(qkv_branch(b, l, mm, n_mm, done, W->type, &joined));
             int rc = -EINVAL;
             if (rope && nj == 3) {
                 rc = moe_cuda_matvec_multi_norm(W->type, jobs, nj, W->ne[0], b->buf[b->pn_src],
@@ -2867,6 +2932,8 @@ static int matmul_now(struct cuda_backend *b, int l, const struct moe_mm *mm, in
                moe_cuda_matvec_multi(W->type, jobs, nj, W->ne[0], x, ldx, b->n, accumulate,
                                      b->st));
     }
+    if (joined)
+        CU(b, cudaStreamWaitEvent(b->st, b->ev_bjoin, 0));
     return 0;
 }
 
