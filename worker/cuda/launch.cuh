@@ -34,6 +34,22 @@ static __device__ __forceinline__ void prefetch_l2(const void *p)
     asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
 }
 
+/* *p += v at GPU scope as a release and an acquire (atom.acq_rel.gpu); returns the old value.
+ * After a block barrier, one thread's count publishes the whole block's earlier stores (the
+ * release is cumulative over what the barrier ordered before it), and the thread that reads the
+ * final count sees every counted block's stores, as does its block after the next barrier: the
+ * ordering a __threadfence() by every thread gives, with one acquire-release operation instead
+ * of a sequentially consistent fence per thread. */
+static __device__ __forceinline__ unsigned atomic_add_acq_rel_gpu(unsigned *p, unsigned v)
+{
+    unsigned old;
+    asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], %2;"
+                 : "=r"(old)
+                 : "l"(p), "r"(v)
+                 : "memory");
+    return old;
+}
+
 /* Set by the backend before a step's launches (one-token steps: on, see moe_pdl_enabled). */
 extern int moe_pdl_step_on;
 

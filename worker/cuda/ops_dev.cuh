@@ -14,6 +14,7 @@
 #include <cuda_fp16.h>
 
 #include "worker/cuda/argmax_dev.cuh"
+#include "worker/cuda/launch.cuh"
 #include "worker/cuda/ops.cuh"
 
 /* Elements a lane holds of one head vector: head dims up to 32 · MAXD_LANE. */
@@ -464,11 +465,13 @@ attn_split_body(const float *q, int64_t ldq, const int32_t *pos, const int32_t *
             ps[hdv + 1] = L;
         }
     }
-    /* Publish the partials, then count this group's splits in. */
-    __threadfence();
+    /* Publish the partials, then count this group's splits in: the group's barrier orders its
+     * stores before thread 0's count, a release at GPU scope (cumulative over what the barrier
+     * made it observe), and the count is an acquire for the group that completes it, whose
+     * barrier below passes that on to its other threads. */
     sync();
     if (tid == 0) {
-        unsigned prev = atomicAdd(&done[t * H + h], (unsigned)mine);
+        unsigned prev = atomic_add_acq_rel_gpu(&done[t * H + h], (unsigned)mine);
         sm->last = prev + (unsigned)mine == (unsigned)ns;
     }
     if constexpr (ROPE)
@@ -480,7 +483,6 @@ attn_split_body(const float *q, int64_t ldq, const int32_t *pos, const int32_t *
     if constexpr (ROPE)
         if (w == 0)
             attn_rope_store_q(rp, ldq, hd, t, h, lane, qr);
-    __threadfence();
     /* The merge: split weights by one warp (ns <= ATT_MAX_SPLITS = 64), then every output
      * element summed over the splits in split order. */
     if (w == 0) {
