@@ -165,7 +165,7 @@ int moe_cuda_qk_rope_kv(float *d_q, int64_t ldq, float *d_k, int64_t ldk, const 
  * the body (ops_dev.cuh) says how positions are split and merged. ROPE: the q/k-norm + RoPE + KV
  * store of the step done inside (moe_cuda_attention_rope). */
 template <bool F32, int EL, bool ROPE>
-static __global__ void __launch_bounds__(32 * ATT_WARPS)
+static __global__ void __launch_bounds__(32 * ATT_WARPS, EL <= 4 && !ROPE ? 8 : 1)
 attn_split_kernel(const float *__restrict__ q, int64_t ldq, const int32_t *__restrict__ pos,
                   const int32_t *__restrict__ seq, moe_cuda_kv kv, int layer, int64_t H,
                   float scale, int split, float *__restrict__ part, unsigned *__restrict__ done,

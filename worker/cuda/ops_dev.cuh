@@ -28,6 +28,8 @@
 #define MOE_ATT_CHUNK 32
 #endif
 #define ATT_CHUNK MOE_ATT_CHUNK
+/* Splits' values a thread of the merge loads at a time (attn_split_body). */
+#define ATT_MERGE_V 8
 #define ROUTE_WARPS 4
 
 static __device__ __forceinline__ float warp_sum(float v)
@@ -208,7 +210,7 @@ struct att_sync_named {
 
 /* The shared memory of one attention group. */
 struct att_smem {
-    float m[ATT_WARPS], l[ATT_WARPS], w[ATT_MAX_SPLITS], gl;
+    float m[ATT_WARPS], l[ATT_WARPS];
     int last;
 };
 
@@ -483,49 +485,61 @@ attn_split_body(const float *q, int64_t ldq, const int32_t *pos, const int32_t *
     if constexpr (ROPE)
         if (w == 0)
             attn_rope_store_q(rp, ldq, hd, t, h, lane, qr);
-    /* The merge: split weights by one warp (ns <= ATT_MAX_SPLITS = 64), then every output
-     * element summed over the splits in split order. */
-    if (w == 0) {
-        float ms[ATT_MAX_SPLITS / 32], ls[ATT_MAX_SPLITS / 32];
-        float gm = -INFINITY;
+    /* The merge, by every warp on its own (no barrier): the split weights and their sum (lane i
+     * holds splits i and i + 32: ns <= ATT_MAX_SPLITS = 64), then each output element summed
+     * over the splits in split order, split s's weight taken from lane s % 32. The values of a
+     * thread's first ATT_MERGE_V splits are loaded with the weights' inputs, in one round trip. */
+    static_assert(ATT_MAX_SPLITS == 64, "two splits a lane");
+    const size_t pst = (size_t)hdv + 2;
+    float v0[ATT_MERGE_V];
 #pragma unroll
-        for (int i = 0; i < ATT_MAX_SPLITS / 32; i++) {
-            const int s2 = lane + 32 * i;
-            ms[i] = s2 < ns ? __ldcg(pp + s2 * (hdv + 2) + hdv) : -INFINITY;
-            ls[i] = s2 < ns ? __ldcg(pp + s2 * (hdv + 2) + hdv + 1) : 0.0f;
-            gm = fmaxf(gm, ms[i]);
-        }
-        gm = warp_max(gm);
-        float gl = 0.0f;
+    for (int j = 0; j < ATT_MERGE_V; j++)
+        v0[j] = tid < hdv && j < ns ? __ldcg(pp + j * pst + tid) : 0.0f;
+    float ms[2], ls[2], wt[2];
+    float gm = -INFINITY;
 #pragma unroll
-        for (int i = 0; i < ATT_MAX_SPLITS / 32; i++) {
-            const int s2 = lane + 32 * i;
-            const float wt = ms[i] != -INFINITY ? __expf(ms[i] - gm) : 0.0f;
-            if (s2 < ns)
-                sm->w[s2] = wt;
-            gl += ls[i] * wt;
-        }
-        gl = warp_sum(gl);
-        if (lane == 0)
-            sm->gl = gl;
+    for (int i = 0; i < 2; i++) {
+        const int s2 = lane + 32 * i;
+        ms[i] = s2 < ns ? __ldcg(pp + s2 * pst + hdv) : -INFINITY;
+        ls[i] = s2 < ns ? __ldcg(pp + s2 * pst + hdv + 1) : 0.0f;
+        gm = fmaxf(gm, ms[i]);
     }
-    sync();
-    const float inv = 1.0f / sm->gl;
-    for (int64_t e = tid; e < hdv; e += NT) {
-        float o = 0.0f;
-        int s2 = 0;
-        for (; s2 + 8 <= ns; s2 += 8) {
-            float v[8];
+    gm = warp_max(gm);
+    float gl = 0.0f;
 #pragma unroll
-            for (int j = 0; j < 8; j++)
-                v[j] = __ldcg(pp + (s2 + j) * (hdv + 2) + e);
+    for (int i = 0; i < 2; i++) {
+        wt[i] = ms[i] != -INFINITY ? __expf(ms[i] - gm) : 0.0f;
+        gl += ls[i] * wt[i];
+    }
+    gl = warp_sum(gl);
+    const float inv = 1.0f / gl;
+    /* Every lane of a warp takes the same trips (the shuffles), the elements past hdv none of the
+     * loads. */
+    const auto add = [&](float &o, int s0, const float(&v)[ATT_MERGE_V]) {
 #pragma unroll
-            for (int j = 0; j < 8; j++)
-                o += v[j] * sm->w[s2 + j];
+        for (int j = 0; j < ATT_MERGE_V; j++) {
+            const int s2 = s0 + j;
+            if (s2 < ns)
+                o += v[j] * __shfl_sync(0xffffffffu, s2 < 32 ? wt[0] : wt[1], s2 & 31);
         }
-        for (; s2 < ns; s2++)
-            o += __ldcg(pp + s2 * (hdv + 2) + e) * sm->w[s2];
-        out[t * ldo + h * hdv + e] = o * inv;
+    };
+    for (int64_t eb = 0; eb < hdv; eb += NT) {
+        const int64_t e = eb + tid;
+        float o = 0.0f;
+        int s0 = 0;
+        if (eb == 0) {
+            add(o, 0, v0);
+            s0 = ATT_MERGE_V;
+        }
+        for (; s0 < ns; s0 += ATT_MERGE_V) {
+            float v[ATT_MERGE_V];
+#pragma unroll
+            for (int j = 0; j < ATT_MERGE_V; j++)
+                v[j] = e < hdv && s0 + j < ns ? __ldcg(pp + (s0 + j) * pst + e) : 0.0f;
+            add(o, s0, v);
+        }
+        if (e < hdv)
+            out[t * ldo + h * hdv + e] = o * inv;
     }
     if (tid == 0)
         done[t * H + h] = 0;
