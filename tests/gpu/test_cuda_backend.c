@@ -768,7 +768,8 @@ TEST_TIMEOUT(cuda_tc_experts_agree_with_the_float_walk, 900)
  * and, the other way round, the q/k-norm + RoPE + KV store inside the
  * q/k/v launch (opt-in, MOE_CUDA_ROPE_FOLD=1; also with a float32 KV cache), and inside the
  * attention launch (opt-in, MOE_CUDA_ATT_ROPE=1); one-token q/k/v of two weight types with the
- * second type's launch on a branch of the step (opt-in, MOE_CUDA_QKV_BRANCH=1). Prompts (grouped
+ * second type's launch on a branch of the step (the default; MOE_CUDA_QKV_BRANCH=0: one after
+ * the other). Prompts (grouped
  * or on tensor cores, which route and normalise on their own) and decode steps of 1 sequence
  * (folded) and of 4, with graphs. */
 TEST_TIMEOUT(cuda_folded_launches_equal_separate_ones, 600)
@@ -781,7 +782,7 @@ TEST_TIMEOUT(cuda_folded_launches_equal_separate_ones, 600)
                                          {"MOE_CUDA_MIXED_MV", "1"},
                                          {"MOE_CUDA_ROPE_FOLD", "1"},
                                          {"MOE_CUDA_ATT_ROPE", "1"},
-                                         {"MOE_CUDA_QKV_BRANCH", "1"}};
+                                         {"MOE_CUDA_QKV_BRANCH", "0"}};
     for (size_t mi = 0; mi < N_MODELS; mi++) {
         struct test_model tm;
         test_model_open(&tm, MODELS[mi]);

@@ -195,11 +195,13 @@ struct cuda_backend {
                                       * RMSNorm on the way, the second's preloaded from the
                                       * stored normalised row); MOE_CUDA_MIXED_MV=1 or 0:
                                       * every step or none */
-    /* One-token q/k/v of two weight types launched per type: with qkv_branch
-     * (MOE_CUDA_QKV_BRANCH=1) the second type's launch (v in Q6_K) runs on a stream of its own
-     * beside the first's, from the RMSNorm's source (it normalises on the way and stores its copy
-     * of the normalised row in br_norm, which nothing reads), and the step's next op waits for
-     * both. The same floats as the serial launches. */
+    /* One-token q/k/v of two weight types launched per type: with qkv_branch (the default;
+     * MOE_CUDA_QKV_BRANCH=0 launches them one after the other) the second type's launch (v in
+     * Q6_K on half the layers of a Q4_K_M file) runs on a stream of its own beside the first's,
+     * from the RMSNorm's source (it normalises on the way and stores its copy of the normalised
+     * row in br_norm, which nothing reads), and the step's next op waits for both. The same
+     * floats as the serial launches; 30B shape at batch 1 on an H100 +1.0-1.5%
+     * (docs/benchmarks.md). */
     bool qkv_branch;
     cudaStream_t st_b;
     cudaEvent_t ev_bfork, ev_bjoin;
@@ -1857,7 +1859,7 @@ static int cuda_init(struct moe_backend **out, const struct moe_model *m, struct
     b->att_rope = getenv("MOE_CUDA_ATT_ROPE") && !strcmp(getenv("MOE_CUDA_ATT_ROPE"), "1");
     const char *mixed_mv = getenv("MOE_CUDA_MIXED_MV");
     b->mixed_mv = mixed_mv && *mixed_mv ? strcmp(mixed_mv, "0") != 0 : -1;
-    b->qkv_branch = getenv("MOE_CUDA_QKV_BRANCH") && !strcmp(getenv("MOE_CUDA_QKV_BRANCH"), "1");
+    b->qkv_branch = env_on("MOE_CUDA_QKV_BRANCH");
     b->resolve_route = env_on("MOE_CUDA_RESOLVE_ROUTE");
     b->route_pending = -1;
     b->pf_read = -1;
