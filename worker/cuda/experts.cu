@@ -683,12 +683,27 @@ gate_up_grouped_kernel(const uint8_t *const *__restrict__ ga, const uint8_t *con
     }
 }
 
+/* Blocks an SM the grouped tensor-core kernels are compiled for (launch bounds; build-time
+ * switches for measurements, e.g. CUDA_ARCH="... -DMOE_DG_TC_MINB_Q6=3"). As built (ptxas,
+ * sm_90, NT 8 with staged inputs and tiles copied first): Q4_K gate/up 147 registers (3 blocks
+ * of 4 warps), Q4_K down 152 (3), Q6_K down 251 (2). MOE_DG_TC_MINB_Q6=3 makes Q6_K down 168
+ * with 84 bytes spilled, MOE_GU_TC_MINB_Q4=4 Q4_K gate/up 122 and MOE_DG_TC_MINB_Q4=4 Q4_K down
+ * 128, neither spilling; not yet measured (docs/cuda.md, "What comes next"). */
+#ifndef MOE_DG_TC_MINB_Q6
+#define MOE_DG_TC_MINB_Q6 1
+#endif
+#ifndef MOE_DG_TC_MINB_Q4
+#define MOE_DG_TC_MINB_Q4 1
+#endif
+#ifndef MOE_GU_TC_MINB_Q4
+#define MOE_GU_TC_MINB_Q4 3
+#endif
 /* Gate/up grouped on tensor cores: one block per (16-row tile, active expert), the expert's slots
  * NT at a time as the columns of gu_tc_tile (the same floats per slot as gate_up_tc_kernel). ST:
  * the step's inputs staged once in st (moe_cuda_tc_stage). AS (with ST): the tile's gate and up
  * rows are first copied into shared memory after the warps' sums (as gate_up_tc_kernel's). */
 template <int K, int NT, bool ST = false, bool AS = false>
-static __global__ void __launch_bounds__(32 * GU_WARPS, 3)
+static __global__ void __launch_bounds__(32 * GU_WARPS, K == MOE_TYPE_Q4_K ? MOE_GU_TC_MINB_Q4 : 3)
 gate_up_grouped_tc_kernel(const uint8_t *const *__restrict__ ga,
                           const uint8_t *const *__restrict__ ua, size_t row_bytes, int nsb,
                           int64_t ff, const float *__restrict__ x, int64_t ldx, int kuse,
@@ -739,7 +754,7 @@ gate_up_grouped_tc_kernel(const uint8_t *const *__restrict__ ga,
  * nothing (the same floats: the same staging functions). */
 #define DG_TC_WARPS 4
 template <int K, int NT, bool ST = false, bool AS = false>
-static __global__ void __launch_bounds__(32 * DG_TC_WARPS)
+static __global__ void __launch_bounds__(32 * DG_TC_WARPS, K == MOE_TYPE_Q6_K ? MOE_DG_TC_MINB_Q6 : MOE_DG_TC_MINB_Q4)
 down_grouped_tc_kernel(const uint8_t *const *__restrict__ da, size_t row_bytes, int nsb, int64_t E,
                        const float *__restrict__ act, int64_t ldact,
                        const int32_t *__restrict__ ex_off, const int32_t *__restrict__ slot_list,
