@@ -13,7 +13,9 @@
 # golden references, the chat templates and the tokenizer out of its tree with `git
 # sparse-checkout set --no-cone '/*' '!/tests/golden/refs/' '!/tests/fixtures/chat-templates/'
 # '!/tests/golden/tokenizer/'` and stay under the 64 MiB a call may send (`git sparse-checkout
-# disable` after it). PROGRAMS="bin/moed-worker build/bench/bench_engine ..." packs others.
+# disable` after it). PROGRAMS="bin/moed-worker build/bench/bench_engine ..." packs others. A
+# pack of several variants (each adds about 0.5-2 MB) may also leave out the sources, which
+# packed binaries do not need: '!/docs/' '!/daemon/' '!/worker/' '!/tests/*.c' (about 3 MB more).
 #
 # Other builds of the same tree to compare in the same call (A/B on one machine) go in beside:
 # VARIANTS="b=/tmp/dev-b c=/tmp/dev-c" packs each build's VARIANT_PROGRAMS (default
