@@ -776,7 +776,7 @@ TEST_TIMEOUT(cuda_folded_launches_equal_separate_ones, 600)
 {
     need_gpu();
     /* Each switch and the value that differs from the default. */
-    static const char *const sw[7][2] = {{"MOE_CUDA_ROUTE_FOLD", "0"},
+    static const char *const sw[][2] = {{"MOE_CUDA_ROUTE_FOLD", "0"},
                                          {"MOE_CUDA_NORM_FOLD", "0"},
                                          {"MOE_CUDA_MIXED_MV", "0"},
                                          {"MOE_CUDA_MIXED_MV", "1"},
@@ -792,7 +792,7 @@ TEST_TIMEOUT(cuda_folded_launches_equal_separate_ones, 600)
         struct moe_engine *f = engine_on(m, "cuda:0", 160, 4, 0, false);
         uint64_t *cf = calloc(LE, sizeof *cf), *cr = calloc(LE, sizeof *cr);
         CHECK(cf && cr);
-        for (int v = 0; v < 7; v++) {
+        for (int v = 0; v < (int)(sizeof sw / sizeof sw[0]); v++) {
             setenv(sw[v][0], sw[v][1], 1);
             struct moe_engine *r = engine_on(m, "cuda:0", 160, 4, 0, false);
             unsetenv(sw[v][0]);

@@ -2812,7 +2812,8 @@ static int matmul_mixed(struct cuda_backend *b, int l, const struct moe_mm *mm, 
 /* qkv_branch: the products of mm of one weight type other than t (all of them, or nothing when
  * there are two such types), launched on st_b from the pending RMSNorm's source, forked from st
  * before the launch of t's products applies that RMSNorm on st; they are marked done, and
- * *joined tells matmul_now to have st wait for the branch after its launches. */
+ * *joined tells matmul_now to have st wait for the branch after its launches. One-token steps
+ * only (so never a prompt's tensor-core products). */
 static int qkv_branch(struct cuda_backend *b, int l, const struct moe_mm *mm, int n_mm, bool *done,
                       uint32_t t, bool *joined)
 {
@@ -2829,7 +2830,7 @@ static int qkv_branch(struct cuda_backend *b, int l, const struct moe_mm *mm, in
         idx[nj] = i;
         jobs[nj++] = mm_job(b, l, &mm[i], Wi);
     }
-    if (!nj || use_gemm(b, W2->type))
+    if (!nj)
         return 0;
     CU(b, cudaEventRecord(b->ev_bfork, b->st));
     CU(b, cudaStreamWaitEvent(b->st_b, b->ev_bfork, 0));
