@@ -211,6 +211,101 @@ TEST(cuda_mv_tc_multi_accumulates_each_matrix)
     check_multi(MOE_TYPE_Q6_K, 215);
 }
 
+/* moe_cuda_matvec_tc_norm: one token with the RMSNorm on the way. The normalised row it stores
+ * is the host's x · rsqrt(mean(x²) + eps) · g within 1e-6 of each element, and its products are
+ * moe_cuda_matvec_tc_multi's on that stored row bit for bit (without a row to store too): each
+ * block normalises the row itself, so every block must reach the same floats. Rows of 256, 2048
+ * (8 warps a tile) and 4096 (16 blocks a row), three matrices of rows not multiple of the tile. */
+static void check_norm(uint32_t type, uint64_t seed)
+{
+    need_gpu();
+    moe_test_rng_seed(seed);
+    static const int64_t ns[] = {256, 2048, 4096};
+    const int64_t rows[3] = {131, 16, 40};
+    const float eps = 1e-6f;
+    for (size_t k = 0; k < sizeof ns / sizeof ns[0]; k++) {
+        const int64_t n = ns[k];
+        float *x = malloc(sizeof(float) * (size_t)n), *g = malloc(sizeof(float) * (size_t)n);
+        float *xn = malloc(sizeof(float) * (size_t)n);
+        CHECK(x && g && xn);
+        for (int64_t i = 0; i < n; i++) {
+            x[i] = rng_f() * (i % 97 == 0 ? 40.0f : 3.0f);
+            g[i] = 0.5f + rng_f();
+        }
+        float *dx, *dg, *dn;
+        CU(cudaMalloc((void **)&dx, sizeof(float) * (size_t)n));
+        CU(cudaMalloc((void **)&dg, sizeof(float) * (size_t)n));
+        CU(cudaMalloc((void **)&dn, sizeof(float) * (size_t)n));
+        CU(cudaMemcpy(dx, x, sizeof(float) * (size_t)n, cudaMemcpyHostToDevice));
+        CU(cudaMemcpy(dg, g, sizeof(float) * (size_t)n, cudaMemcpyHostToDevice));
+        CU(cudaMemset(dn, 0xff, sizeof(float) * (size_t)n));
+        uint8_t *w[3], *dw[3];
+        float *dy[3], *dy2[3], *ya[3], *yb[3];
+        struct moe_mv_job jobs[3], jobs2[3];
+        for (int j = 0; j < 3; j++) {
+            const size_t wb = moe_row_bytes(type, n) * (size_t)rows[j];
+            w[j] = make_weights(type, rows[j], n);
+            ya[j] = malloc(sizeof(float) * (size_t)rows[j]);
+            yb[j] = malloc(sizeof(float) * (size_t)rows[j]);
+            CHECK(ya[j] && yb[j]);
+            CU(cudaMalloc((void **)&dw[j], wb));
+            CU(cudaMalloc((void **)&dy[j], sizeof(float) * (size_t)rows[j]));
+            CU(cudaMalloc((void **)&dy2[j], sizeof(float) * (size_t)rows[j]));
+            CU(cudaMemcpy(dw[j], w[j], wb, cudaMemcpyHostToDevice));
+            CU(cudaMemset(dy[j], 0xff, sizeof(float) * (size_t)rows[j]));
+            CU(cudaMemset(dy2[j], 0xff, sizeof(float) * (size_t)rows[j]));
+            jobs[j] = (struct moe_mv_job){dw[j], rows[j], dy[j], rows[j]};
+            jobs2[j] = (struct moe_mv_job){dw[j], rows[j], dy2[j], rows[j]};
+        }
+        CHECK_EQ(moe_cuda_matvec_tc_norm(type, jobs, 3, n, dx, dg, eps, dn, 0), 0);
+        CU(cudaMemcpy(xn, dn, sizeof(float) * (size_t)n, cudaMemcpyDeviceToHost));
+        double ss = 0;
+        for (int64_t i = 0; i < n; i++)
+            ss += (double)x[i] * x[i];
+        const double sc = 1.0 / sqrt(ss / (double)n + eps);
+        size_t far = 0;
+        for (int64_t i = 0; i < n; i++) {
+            const double want = x[i] * sc * g[i];
+            far += !(fabs(xn[i] - want) <= 1e-6 * fabs(want) + 1e-30);
+        }
+        CHECK_MSG(far == 0, "%s n=%lld: %zu normalised elements off", moe_type_get(type)->name,
+                  (long long)n, far);
+        CHECK_EQ(moe_cuda_matvec_tc_multi(type, jobs2, 3, n, dn, n, 1, 0, 0), 0);
+        for (int j = 0; j < 3; j++) {
+            CU(cudaMemcpy(ya[j], dy[j], sizeof(float) * (size_t)rows[j], cudaMemcpyDeviceToHost));
+            CU(cudaMemcpy(yb[j], dy2[j], sizeof(float) * (size_t)rows[j],
+                          cudaMemcpyDeviceToHost));
+            CHECK_MSG(memcmp(ya[j], yb[j], sizeof(float) * (size_t)rows[j]) == 0,
+                      "%s n=%lld job %d: products differ from the stored row's",
+                      moe_type_get(type)->name, (long long)n, j);
+            CU(cudaMemset(dy[j], 0xff, sizeof(float) * (size_t)rows[j]));
+        }
+        CHECK_EQ(moe_cuda_matvec_tc_norm(type, jobs, 3, n, dx, dg, eps, NULL, 0), 0);
+        for (int j = 0; j < 3; j++) {
+            CU(cudaMemcpy(ya[j], dy[j], sizeof(float) * (size_t)rows[j], cudaMemcpyDeviceToHost));
+            CHECK(memcmp(ya[j], yb[j], sizeof(float) * (size_t)rows[j]) == 0);
+        }
+        /* Misaligned rows are refused (the backend then launches the RMSNorm first). */
+        CHECK_EQ(moe_cuda_matvec_tc_norm(type, jobs, 3, n, dx + 1, dg, eps, dn, 0), -EINVAL);
+        for (int j = 0; j < 3; j++) {
+            CU(cudaFree(dw[j]));
+            CU(cudaFree(dy[j]));
+            CU(cudaFree(dy2[j]));
+            free(w[j]), free(ya[j]), free(yb[j]);
+        }
+        CU(cudaFree(dx));
+        CU(cudaFree(dg));
+        CU(cudaFree(dn));
+        free(x), free(g), free(xn);
+    }
+}
+
+TEST(cuda_mv_tc_norm_equals_the_normalised_row)
+{
+    check_norm(MOE_TYPE_Q4_K, 216);
+    check_norm(MOE_TYPE_Q6_K, 217);
+}
+
 /* Non-finite inputs give a non-finite result, as the float walk does, and do not spoil the
  * tokens beside them. */
 TEST(cuda_mv_tc_non_finite_inputs)

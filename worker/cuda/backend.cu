@@ -167,6 +167,8 @@ struct cuda_backend {
     double group_min;                /* MOE_CUDA_GROUP_MIN, 0: by layer (group_min()) */
     int tc;                          /* expert products on tensor cores (experts.cuh), from
                                         MOE_CUDA_TC at init */
+    bool tc_ws1;                     /* MOE_CUDA_TC_WS1=1: one-token dense products on tensor
+                                        cores read their input staged by a launch of its own */
     void *tc_ws;                     /* products on tensor cores (unless MOE_CUDA_TC_STAGED=0):
                                       * inputs staged once per launch here (the dense products;
                                       * the expert gate/up and down of steps grouped by expert) */
@@ -2016,6 +2018,8 @@ static int cuda_init(struct moe_backend **out, const struct moe_model *m, struct
             INIT_TRY(cudaMallocHost((void **)&b->h_route_hist, sizeof(int32_t) * (size_t)d->L * ns));
         }
         INIT_TRY(cudaMalloc((void **)&b->d_rope, sizeof(float) * nb * (size_t)d->hd));
+        const char *ws1 = getenv("MOE_CUDA_TC_WS1");
+        b->tc_ws1 = ws1 && !strcmp(ws1, "1");
         const char *staged = getenv("MOE_CUDA_TC_STAGED");
         if ((b->tc & MOE_CUDA_TC_ANY) && !(staged && !strcmp(staged, "0"))) {
             /* Decode steps (up to MOE_CUDA_GRAPH_MAX tokens) and head passes (LOGIT_ROWS
@@ -2138,10 +2142,11 @@ static int cuda_init(struct moe_backend **out, const struct moe_model *m, struct
             if (b->tc & MOE_CUDA_TC_ANY) {
                 k = strlen(b->desc);
                 snprintf(b->desc + k, sizeof b->desc - k,
-                         ", Q4_K/Q6_K products on tensor cores:%s%s%s%s",
+                         ", Q4_K/Q6_K products on tensor cores:%s%s%s%s%s",
                          b->tc & MOE_CUDA_TC_GATE_UP ? " expert gate/up" : "",
                          b->tc & MOE_CUDA_TC_DOWN ? " expert down" : "",
-                         b->tc & MOE_CUDA_TC_DENSE ? " decode mat-vecs and head" : "",
+                         b->tc & MOE_CUDA_TC_DENSE ? " decode mat-vecs" : "",
+                         b->tc & MOE_CUDA_TC_HEAD ? " head" : "",
                          b->tc_ws ? " (inputs staged once)" : "");
             }
 #if defined(MOE_Q8_ROWS) && MOE_Q8_ROWS > 0
@@ -2815,7 +2820,7 @@ static int matmul_mixed(struct cuda_backend *b, int l, const struct moe_mm *mm, 
  * *joined tells matmul_now to have st wait for the branch after its launches. One-token steps
  * only (so never a prompt's tensor-core products). */
 static int qkv_branch(struct cuda_backend *b, int l, const struct moe_mm *mm, int n_mm, bool *done,
-                      uint32_t t, bool *joined)
+                      uint32_t t, bool tc, bool *joined)
 {
     struct moe_mv_job jobs[3];
     int idx[3], nj = 0;
@@ -2834,9 +2839,12 @@ static int qkv_branch(struct cuda_backend *b, int l, const struct moe_mm *mm, in
         return 0;
     CU(b, cudaEventRecord(b->ev_bfork, b->st));
     CU(b, cudaStreamWaitEvent(b->st_b, b->ev_bfork, 0));
-    const int rc = moe_cuda_matvec_multi_norm(W2->type, jobs, nj, W2->ne[0], b->buf[b->pn_src],
-                                              norm_weight(b, b->pn_l, b->pn_w), b->d.eps,
-                                              b->br_norm, NULL, b->st_b);
+    const int rc =
+        tc ? moe_cuda_matvec_tc_norm(W2->type, jobs, nj, W2->ne[0], b->buf[b->pn_src],
+                                     norm_weight(b, b->pn_l, b->pn_w), b->d.eps, NULL, b->st_b)
+           : moe_cuda_matvec_multi_norm(W2->type, jobs, nj, W2->ne[0], b->buf[b->pn_src],
+                                        norm_weight(b, b->pn_l, b->pn_w), b->d.eps, b->br_norm,
+                                        NULL, b->st_b);
     /* Joined back whatever happened: a capture ends only with every stream it took in joined. */
     CU(b, cudaEventRecord(b->ev_bjoin, b->st_b));
     *joined = true;
@@ -2856,10 +2864,10 @@ static int matmul_now(struct cuda_backend *b, int l, const struct moe_mm *mm, in
 {
     b->rope_done = false;
     mark(b, n_mm == 3 ? "qkv" : mm[0].w == MOE_W_O ? "o" : "router");
-    /* A pending RMSNorm into src goes into the first launch (cuda_rmsnorm), unless the products
-     * run on tensor cores (which have no norm on the way: it is launched first). */
+    /* A pending RMSNorm into src goes into the first launch (cuda_rmsnorm): the float walk's or
+     * the tensor cores' (one token staged by every block, moe_cuda_matvec_tc_norm). */
     const bool tcd = tc_dense(b, l, mm, n_mm);
-    bool fold = b->norm_pending && src == b->pn_dst && !accumulate && b->n == 1 && !tcd;
+    bool fold = b->norm_pending && src == b->pn_dst && !accumulate && b->n == 1;
     if (!fold)
         TRY_CU(flush_pending(b));
     else
@@ -2907,18 +2915,28 @@ static int matmul_now(struct cuda_backend *b, int l, const struct moe_mm *mm, in
             b->norm_pending = false;
             TRY_CU(before_write(b, b->pn_dst));
             if (b->qkv_branch && b->n == 1 && nj < n_mm)
-                TRY_CU(qkv_branch(b, l, mm, n_mm, done, W->type, &joined));
+                TRY_CU(qkv_branch(b, l, mm, n_mm, done, W->type, tcd, &joined));
             int rc = -EINVAL;
-            if (rope && nj == 3) {
-                rc = moe_cuda_matvec_multi_norm(W->type, jobs, nj, W->ne[0], b->buf[b->pn_src],
-                                                norm_weight(b, b->pn_l, b->pn_w), b->d.eps,
-                                                b->buf[b->pn_dst], rope, b->st);
-                b->rope_done = rc == 0;
+            if (tcd) {
+                /* The types after this one (when not on the branch) read the normalised row
+                 * this launch stores. */
+                rc = moe_cuda_matvec_tc_norm(W->type, jobs, nj, W->ne[0], b->buf[b->pn_src],
+                                             norm_weight(b, b->pn_l, b->pn_w), b->d.eps,
+                                             b->buf[b->pn_dst], b->st);
+            } else {
+                if (rope && nj == 3) {
+                    rc = moe_cuda_matvec_multi_norm(W->type, jobs, nj, W->ne[0],
+                                                    b->buf[b->pn_src],
+                                                    norm_weight(b, b->pn_l, b->pn_w), b->d.eps,
+                                                    b->buf[b->pn_dst], rope, b->st);
+                    b->rope_done = rc == 0;
+                }
+                if (rc == -EINVAL)
+                    rc = moe_cuda_matvec_multi_norm(W->type, jobs, nj, W->ne[0],
+                                                    b->buf[b->pn_src],
+                                                    norm_weight(b, b->pn_l, b->pn_w), b->d.eps,
+                                                    b->buf[b->pn_dst], NULL, b->st);
             }
-            if (rc == -EINVAL)
-                rc = moe_cuda_matvec_multi_norm(W->type, jobs, nj, W->ne[0], b->buf[b->pn_src],
-                                                norm_weight(b, b->pn_l, b->pn_w), b->d.eps,
-                                                b->buf[b->pn_dst], NULL, b->st);
             if (rc == 0)
                 continue;
             if (rc != -EINVAL)
@@ -2926,9 +2944,11 @@ static int matmul_now(struct cuda_backend *b, int l, const struct moe_mm *mm, in
             TRY_CU(launch_rmsnorm(b, b->pn_l, b->pn_w, b->pn_src, b->pn_dst)); /* misaligned */
         }
         if (tcd) {
+            /* One token: each block stages its row itself (no staging launch). */
+            void *ws = b->n > 1 || b->tc_ws1 ? b->tc_ws : NULL;
             LAUNCH(b, "matmul (tensor cores)",
                    moe_cuda_matvec_tc_multi_ws(W->type, jobs, nj, W->ne[0], x, ldx, b->n,
-                                               accumulate, b->tc_ws, b->tc_ws_bytes, b->st));
+                                               accumulate, ws, b->tc_ws_bytes, b->st));
             continue;
         }
         LAUNCH(b, "matmul",
@@ -3487,7 +3507,7 @@ static int head_rows(struct cuda_backend *b, int64_t r0, int64_t cnt)
     LAUNCH(b, "output norm",
            moe_cuda_rmsnorm(b->buf[MOE_BUF_H], b->ld[MOE_BUF_H], D_OUTROW(b) + r0, b->out_norm,
                             b->d.E, b->d.eps, cnt, b->xo, ldxo, b->st));
-    if (tc_matrix(b, b->m->output.type, b->d.E, b->output)) {
+    if ((b->tc & MOE_CUDA_TC_HEAD) && tc_matrix(b, b->m->output.type, b->d.E, b->output)) {
         LAUNCH(b, "output (tensor cores)",
                moe_cuda_matvec_tc_ws(b->m->output.type, b->output, b->d.E, b->d.V, b->xo, ldxo,
                                      cnt, b->logits, b->d.V, b->tc_ws, b->tc_ws_bytes, b->st));

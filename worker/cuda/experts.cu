@@ -331,8 +331,9 @@ int moe_cuda_expert_tc_env(void)
     const int mask = !v || !*v || !strcmp(v, "1") ? MOE_CUDA_TC_GATE_UP | MOE_CUDA_TC_DOWN
                      : !strcmp(v, "gu")           ? MOE_CUDA_TC_GATE_UP
                      : !strcmp(v, "down")         ? MOE_CUDA_TC_DOWN
-                     : !strcmp(v, "dense")        ? MOE_CUDA_TC_DENSE
-                     : !strcmp(v, "all")          ? MOE_CUDA_TC_ANY
+                     : !strcmp(v, "dense")        ? MOE_CUDA_TC_DENSE | MOE_CUDA_TC_HEAD
+                     : !strcmp(v, "layers")       ? MOE_CUDA_TC_ANY
+                     : !strcmp(v, "all")          ? MOE_CUDA_TC_ANY | MOE_CUDA_TC_HEAD
                                                   : 0;
     const char *w = getenv("MOE_CUDA_DOWN_TC_WARPS");
     const int cap = w ? atoi(w) : 0;

@@ -60,8 +60,11 @@ int moe_cuda_expert_gate_up(uint32_t gate_type, uint32_t up_type, const void *co
  * slot's floats are the same whatever the batch and the path (per slot or grouped). */
 #define MOE_CUDA_TC_GATE_UP 1
 #define MOE_CUDA_TC_DOWN 2
-/* Not an expert kernel's: the backend's decode mat-vecs and head (moe_cuda_matvec_tc_multi). */
+/* Not an expert kernel's: the backend's decode mat-vecs of the layers (moe_cuda_matvec_tc_multi;
+ * one token: moe_cuda_matvec_tc_norm where an RMSNorm is pending) and, with MOE_CUDA_TC_HEAD,
+ * the output head. */
 #define MOE_CUDA_TC_DENSE 4
+#define MOE_CUDA_TC_HEAD (1 << 16)
 #define MOE_CUDA_TC_ANY (MOE_CUDA_TC_GATE_UP | MOE_CUDA_TC_DOWN | MOE_CUDA_TC_DENSE)
 /* Bits 8-11 of tc: at most that many warps in the per-token down kernel on tensor cores (0: as
  * many as fit; the floats are the same either way). From MOE_CUDA_DOWN_TC_WARPS, for tests. */
@@ -83,7 +86,7 @@ int moe_cuda_expert_gate_up(uint32_t gate_type, uint32_t up_type, const void *co
 
 /* The mask that MOE_CUDA_TC asks for (read at each call): unset (the default) or "1" the expert
  * gate/up and down, "down" expert down, "gu" gate/up, "dense" the decode mat-vecs and head,
- * "all" everything, "0" none (the float walk everywhere); with MOE_CUDA_DOWN_TC_WARPS=N (1-15)
+ * "layers" the expert products and the layers' decode mat-vecs (not the head), "all" everything, "0" none (the float walk everywhere); with MOE_CUDA_DOWN_TC_WARPS=N (1-15)
  * in bits 8-11, MOE_CUDA_TC_ASYNC: unset the grouped kernels' bit, "1" both bits, "0"
  * neither, and MOE_CUDA_DOWN_WS: unset MOE_CUDA_TC_DOWN_WS, "all" MOE_CUDA_TC_DOWN_WS_ALL, "0"
  * neither. */

@@ -14,6 +14,8 @@
 #include "worker/cuda/matvec.h"
 
 #include <errno.h>
+#include <stdlib.h>
+#include <string.h>
 
 extern "C" {
 #include "store/err.h"
@@ -22,6 +24,7 @@ extern "C" {
 #include "worker/cuda/cuda_check.cuh"
 #include "worker/cuda/launch.cuh"
 #include "worker/cuda/mv_tc_dev.cuh"
+#include "worker/cuda/ops_dev.cuh"
 #include "worker/cuda/smem.cuh"
 
 #define TC_MAX_WARPS 8
@@ -64,11 +67,59 @@ static int tc_stage_launch(const float *x, int64_t ldx, int nsb, int64_t n_tok, 
     return 0;
 }
 
-/* ST: the inputs come staged in st (else the block stages them in shared memory). */
-template <int NT, int K, bool ST>
+/* The RMSNorm a one-token launch applies to its row on the way (moe_cuda_matvec_tc_norm): the
+ * norm's weight w, eps, and where block 0 stores the normalised row (or NULL). */
+struct tc_norm {
+    const float *w;
+    float eps;
+    float *out;
+};
+
+/* The RMSNorm of rmsnorm_kernel (ops.cu) on the raw copy of a row of n (tc_raw_copy, not yet
+ * waited for), in place: warp 0 sums the squares in row_ss_warp's order (lane l: float4s l, l +
+ * 32, ...), then every thread scales its float4s as x · scale · w, from the norm's weight that
+ * the block copied into wn (plain layout) before its wait. The same floats as the RMSNorm
+ * kernel's output, so a token's products do not depend on whether its norm was folded. */
+static __device__ __forceinline__ void tc_norm_raw(float *raw, const float *wn, int64_t n,
+                                                   const tc_norm &nm, float *s_sc, bool store)
+{
+    const int tid = threadIdx.x, nthr = blockDim.x;
+    const tc_raw_ld ld{raw};
+    cp_async_wait_all();
+    __syncthreads();
+    if (tid < 32) {
+        float ss = 0.0f;
+        for (int64_t q = tid; q < n / 4; q += 32)
+            ss = ss_add4(ss, ld((int)(4 * q)));
+        ss = warp_sum(ss);
+        if (tid == 0)
+            *s_sc = rms_scale(ss, n, nm.eps);
+    }
+    __syncthreads();
+    const float sc = *s_sc;
+    for (int64_t q = tid; q < n / 4; q += nthr) {
+        float4 *p = (float4 *)(raw + 4 * (q + (q >> 3)));
+        float4 v = *p;
+        const float4 g = ((const float4 *)wn)[q];
+        v.x = v.x * sc * g.x;
+        v.y = v.y * sc * g.y;
+        v.z = v.z * sc * g.z;
+        v.w = v.w * sc * g.w;
+        *p = v;
+        if (store)
+            ((float4 *)nm.out)[q] = v;
+    }
+}
+
+/* ST: the inputs come staged in st (else the block stages them in shared memory). NORM (one
+ * token, not staged): x is the RMSNorm's source row, normalised by the block on the way
+ * (tc_norm_raw); the weights' first loads are then issued before the wait (pre is ignored).
+ * pre: a one-token launch issues its weights' first loads before the wait too (else after the
+ * copy of its row). */
+template <int NT, int K, bool ST, bool NORM = false>
 static __global__ void __launch_bounds__(32 * TC_MAX_WARPS)
 mv_tc_kernel(const tc_jobs J, size_t row_bytes, int nsb, const float *__restrict__ x, int64_t ldx,
-             int64_t n_tok, int accumulate, const tc_staged st)
+             int64_t n_tok, int accumulate, const tc_staged st, const tc_norm nm, int pre)
 {
     extern __shared__ uint4 sm[];
     __shared__ unsigned s_amax[NT];
@@ -95,14 +146,21 @@ mv_tc_kernel(const tc_jobs J, size_t row_bytes, int nsb, const float *__restrict
      * first (tc_raw_copy; after the wait, x being the previous kernel's output), ahead of the
      * weights' loads, and staged from there (tc_stage_raw). */
     constexpr bool RAW = NT == 1 && !ST;
+    static_assert(!NORM || RAW, "the norm on the way takes one token staged by the block");
     float *xraw = (float *)(red + nw * 32);
-    if (!RAW && wi < nsb)
+    float *wn = xraw + tc_raw_floats((int64_t)nsb * 256); /* NORM: the norm's weight */
+    __shared__ float s_sc[1];
+    const bool early = !RAW || NORM || pre;
+    if constexpr (NORM)
+        for (int64_t q = tid; q < (int64_t)nsb * 64; q += nthr)
+            cp_async16(wn + 4 * q, nm.w + 4 * q);
+    if (early && wi < nsb)
         raw = tc_kind<K>::load(p0 + (size_t)wi * BB, p1 + (size_t)wi * BB, t);
     pdl_wait(); /* x is the previous kernel's output; the weights are not */
     pdl_trigger();
     if constexpr (RAW) {
         tc_raw_copy(xraw, x + t0 * ldx, (int64_t)nsb * 256, tid, nthr);
-        if (wi < nsb)
+        if (!early && wi < nsb)
             raw = tc_kind<K>::load(p0 + (size_t)wi * BB, p1 + (size_t)wi * BB, t);
     }
 
@@ -116,6 +174,9 @@ mv_tc_kernel(const tc_jobs J, size_t row_bytes, int nsb, const float *__restrict
         if (t0 + gx >= n_tok)
             gx = (int)(n_tok - 1 - t0);
     } else if constexpr (RAW) {
+        if constexpr (NORM)
+            tc_norm_raw(xraw, wn, (int64_t)nsb * 256, nm, s_sc,
+                        nm.out && blockIdx.x == 0 && blockIdx.y == 0);
         tc_stage_raw<K>(xraw, nsb, xs, sxs, s_exp_sm, s_amax);
     } else {
         const float *xr[NT];
@@ -167,6 +228,14 @@ static int tc_cols(int64_t n_tok, int nsb)
     return nt;
 }
 
+/* Whether one-token launches issue their weights' first loads before the wait (the pre
+ * argument of mv_tc_kernel): MOE_CUDA_TC_PRE=0 turns it off, read at each launch. */
+static int tc_pre(void)
+{
+    const char *v = getenv("MOE_CUDA_TC_PRE");
+    return !(v && !strcmp(v, "0"));
+}
+
 template <int NT, int K>
 static int tc_launch(const tc_jobs &J, size_t rb, int nsb, const float *x, int64_t ldx,
                      int64_t n_tok, int accumulate, void *ws, cudaStream_t s)
@@ -180,15 +249,52 @@ static int tc_launch(const tc_jobs &J, size_t rb, int nsb, const float *x, int64
             return rc;
         MOE_CUDA_TRY(moe_launch(mv_tc_kernel<NT, K, true>, grid, dim3(32 * warps),
                                 (size_t)warps * 32 * sizeof(uint4), s, J, rb, nsb, x, ldx, n_tok,
-                                accumulate, st));
+                                accumulate, st, tc_norm{}, 0));
         return 0;
     }
     const size_t smem = ((size_t)NT * nsb * 66 + (size_t)warps * 32) * sizeof(uint4) +
                         (NT == 1 ? sizeof(float) * (size_t)tc_raw_floats((int64_t)nsb * 256) : 0);
     MOE_CUDA_TRY((moe_raise_smem<mv_tc_kernel<NT, K, false>>(smem)));
     MOE_CUDA_TRY(moe_launch(mv_tc_kernel<NT, K, false>, grid, dim3(32 * warps), smem, s, J, rb,
-                            nsb, x, ldx, n_tok, accumulate, tc_staged{}));
+                            nsb, x, ldx, n_tok, accumulate, tc_staged{}, tc_norm{},
+                            NT == 1 ? tc_pre() : 0));
     return 0;
+}
+
+/* One token, normalised by every block on the way (mv_tc_kernel's NORM). */
+template <int K>
+static int tc_launch_norm(const tc_jobs &J, size_t rb, int nsb, const float *src,
+                          const tc_norm &nm, cudaStream_t s)
+{
+    const int warps = nsb < TC_MAX_WARPS ? nsb : TC_MAX_WARPS;
+    const size_t smem = ((size_t)nsb * 66 + (size_t)warps * 32) * sizeof(uint4) +
+                        sizeof(float) * ((size_t)tc_raw_floats((int64_t)nsb * 256) + nsb * 256);
+    if (smem > 200 * 1024)
+        return -EINVAL;
+    MOE_CUDA_TRY((moe_raise_smem<mv_tc_kernel<1, K, false, true>>(smem)));
+    MOE_CUDA_TRY(moe_launch(mv_tc_kernel<1, K, false, true>, dim3((unsigned)J.tile0[J.n], 1),
+                            dim3(32 * warps), smem, s, J, rb, nsb, src, (int64_t)nsb * 256,
+                            (int64_t)1, 0, tc_staged{}, nm, 1));
+    return 0;
+}
+
+/* The launch's table of jobs[0..n_jobs) (n_jobs 1 to 3): -EINVAL for a job without weights or
+ * output, negative rows, ldy < rows, weights not 16-byte aligned, or more tiles than a grid. */
+static int tc_jobs_make(const struct moe_mv_job *jobs, int n_jobs, tc_jobs *J)
+{
+    *J = tc_jobs{};
+    J->n = n_jobs;
+    for (int j = 0; j < n_jobs; j++) {
+        const struct moe_mv_job *jb = &jobs[j];
+        if (!jb->w || !jb->y || jb->rows < 0 || jb->ldy < jb->rows || ((uintptr_t)jb->w & 15) != 0)
+            return -EINVAL;
+        J->w[j] = (const uint8_t *)jb->w;
+        J->rows[j] = jb->rows;
+        J->y[j] = jb->y;
+        J->ldy[j] = jb->ldy;
+        J->tile0[j + 1] = J->tile0[j] + (jb->rows + TC_ROWS - 1) / TC_ROWS;
+    }
+    return J->tile0[n_jobs] > 0x7fffffffLL ? -EINVAL : 0;
 }
 
 extern "C" size_t moe_cuda_matvec_tc_ws_bytes(int64_t n, int64_t n_tok)
@@ -228,19 +334,8 @@ extern "C" int moe_cuda_matvec_tc_multi_ws(uint32_t type, const struct moe_mv_jo
         n_tok > 65535LL * TC_COLS || ((uintptr_t)d_ws & 15) != 0 ||
         (d_ws && ws_bytes < moe_cuda_matvec_tc_ws_bytes(n, n_tok)) || (d_ws && n_tok > 0x7fffffffLL))
         return -EINVAL;
-    tc_jobs J = {};
-    J.n = n_jobs;
-    for (int j = 0; j < n_jobs; j++) {
-        const struct moe_mv_job *jb = &jobs[j];
-        if (!jb->w || !jb->y || jb->rows < 0 || jb->ldy < jb->rows || ((uintptr_t)jb->w & 15) != 0)
-            return -EINVAL;
-        J.w[j] = (const uint8_t *)jb->w;
-        J.rows[j] = jb->rows;
-        J.y[j] = jb->y;
-        J.ldy[j] = jb->ldy;
-        J.tile0[j + 1] = J.tile0[j] + (jb->rows + TC_ROWS - 1) / TC_ROWS;
-    }
-    if (J.tile0[n_jobs] > 0x7fffffffLL)
+    tc_jobs J;
+    if (tc_jobs_make(jobs, n_jobs, &J))
         return -EINVAL;
     if (J.tile0[n_jobs] == 0 || n_tok == 0)
         return 0;
@@ -259,6 +354,28 @@ extern "C" int moe_cuda_matvec_tc_multi_ws(uint32_t type, const struct moe_mv_jo
         TC_CASES(MOE_TYPE_Q6_K)
     TC_CASES(MOE_TYPE_Q4_K)
 #undef TC_CASES
+}
+
+extern "C" int moe_cuda_matvec_tc_norm(uint32_t type, const struct moe_mv_job *jobs, int n_jobs,
+                                       int64_t n, const float *d_src, const float *d_g, float eps,
+                                       float *d_dst, cudaStream_t s)
+{
+    if (!moe_cuda_matvec_tc_supported(type))
+        return MOE_EUNSUPPORTED;
+    if (n <= 0 || n % 256 != 0 || n / 256 > 0x7fff || !d_src || !d_g || !jobs || n_jobs < 1 ||
+        n_jobs > 3 || ((uintptr_t)d_src & 15) != 0 || ((uintptr_t)d_g & 15) != 0 ||
+        ((uintptr_t)d_dst & 15) != 0)
+        return -EINVAL;
+    tc_jobs J;
+    if (tc_jobs_make(jobs, n_jobs, &J))
+        return -EINVAL;
+    if (J.tile0[n_jobs] == 0)
+        return 0;
+    const int nsb = (int)(n / 256);
+    const size_t rb = moe_row_bytes(type, n);
+    const tc_norm nm = {d_g, eps, d_dst};
+    return type == MOE_TYPE_Q6_K ? tc_launch_norm<MOE_TYPE_Q6_K>(J, rb, nsb, d_src, nm, s)
+                                 : tc_launch_norm<MOE_TYPE_Q4_K>(J, rb, nsb, d_src, nm, s);
 }
 
 extern "C" int moe_cuda_matvec_tc_multi(uint32_t type, const struct moe_mv_job *jobs, int n_jobs,

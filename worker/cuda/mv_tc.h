@@ -50,6 +50,14 @@ int moe_cuda_matvec_tc_ws(uint32_t type, const void *d_w, int64_t n, int64_t row
                           const float *d_x, int64_t ldx, int64_t n_tok, float *d_y, int64_t ldy,
                           void *d_ws, size_t ws_bytes, cudaStream_t s);
 
+/* One token with the RMSNorm on the way: y_j = W_j · (d_src · scale · d_g) for up to three
+ * matrices of one type and row length n, each block normalising the row itself as the RMSNorm
+ * kernel (moe_cuda_rmsnorm) does, so that every product is the floats moe_cuda_matvec_tc_multi
+ * gives on that kernel's output; d_dst (or NULL) receives the normalised row. d_src, d_g and
+ * d_dst 16-byte aligned. -EINVAL where the block's shared memory would not fit the row. */
+int moe_cuda_matvec_tc_norm(uint32_t type, const struct moe_mv_job *jobs, int n_jobs, int64_t n,
+                            const float *d_src, const float *d_g, float eps, float *d_dst,
+                            cudaStream_t s);
 /* The staging launch alone: n_tok rows of x (n inputs each) converted for products with `type`
  * weights into d_ws, as the forms above do before their tiles (the layout of tc_ws_split in
  * worker/cuda/mv_tc_dev.cuh), for the expert kernels to read. */
