@@ -103,6 +103,13 @@ static __device__ __forceinline__ tc_raw tc_load(const uint8_t *p0, const uint8_
     return r;
 }
 
+/* The chains of dependent mma a lane's Q4_K block is summed in (tc_block): 1 (the default) or 4,
+ * a build-time setting (the floats differ between the two; every kernel of a build uses the
+ * same). */
+#ifndef MOE_TC_Q4K_CHAINS
+#define MOE_TC_Q4K_CHAINS 1
+#endif
+
 /* One Q4_K block of a warp's tile: acc (the lane's C fragment: rows g, g+8, columns 2t, 2t+1)
  * += d·C − dmin·C_min. xp: the staged inputs of the block for the lane's column and t (stride 4
  * uint4 between the block's 16 mma), sv: the lane's pair of sub-block sums. */
@@ -115,6 +122,26 @@ static __device__ __forceinline__ void tc_block(const tc_raw &raw, int t, const 
     const uint32_t wb[8] = {raw.a1.x, raw.a1.y, raw.a1.z, raw.a1.w,
                             raw.b1.x, raw.b1.y, raw.b1.z, raw.b1.w};
     float C[4] = {0.0f, 0.0f, 0.0f, 0.0f}, M[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#if MOE_TC_Q4K_CHAINS == 4
+    /* Four chains of 8 mma (low / high nibbles × the inputs' high / low parts) instead of one
+     * of 32, added at the end: the same products, the sums in another order. */
+    float C1[4] = {0.0f, 0.0f, 0.0f, 0.0f}, C2[4] = {0.0f, 0.0f, 0.0f, 0.0f},
+          C3[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    UNROLL
+    for (int i = 0; i < 8; i++) {
+        uint32_t l0a, l1a, h0a, h1a, l0b, l1b, h0b, h1b;
+        tc_q4k_word(wa[i], k0, &l0a, &l1a, &h0a, &h1a);
+        tc_q4k_word(wb[i], k1, &l0b, &l1b, &h0b, &h1b);
+        const uint4 xl = xp[4 * (2 * i)], xh = xp[4 * (2 * i + 1)];
+        tc_mma16816(C, l0a, l0b, l1a, l1b, xl.x, xl.y);
+        tc_mma16816(C1, l0a, l0b, l1a, l1b, xl.z, xl.w);
+        tc_mma16816(C2, h0a, h0b, h1a, h1b, xh.x, xh.y);
+        tc_mma16816(C3, h0a, h0b, h1a, h1b, xh.z, xh.w);
+    }
+    UNROLL
+    for (int k = 0; k < 4; k++)
+        C[k] = (C[k] + C1[k]) + (C2[k] + C3[k]);
+#else
     UNROLL
     for (int i = 0; i < 8; i++) {
         uint32_t l0a, l1a, h0a, h1a, l0b, l1b, h0b, h1b;
@@ -127,6 +154,7 @@ static __device__ __forceinline__ void tc_block(const tc_raw &raw, int t, const 
         tc_mma16816(C, h0a, h0b, h1a, h1b, xb.x, xb.y);
         tc_mma16816(C, h0a, h0b, h1a, h1b, xb.z, xb.w);
     }
+#endif
     tc_mma1688(M, k0.am, k1.am, sv.x);
     tc_mma1688(M, k0.am, k1.am, sv.y);
     acc[0] = fmaf(-k0.dmin, M[0], fmaf(k0.d, C[0], acc[0]));
