@@ -661,7 +661,8 @@ TEST_TIMEOUT(cuda_grouped_experts_equal_per_slot, 600)
 }
 
 /* Products on tensor cores (MOE_CUDA_TC=1, the default: the experts; =down: expert down only;
- * =layers: also the layers' decode mat-vecs, one-token ones with the RMSNorm on the way; =all:
+ * =o: also the attention output's decode product; =layers: all the layers' decode mat-vecs,
+ * one-token ones with the RMSNorm on the way; =all:
  * also the head): against the float walk, logits within the GPU-against-CPU bound (rel-L2 2e-3) with the
  * same argmax at 99% of the positions or more (the golden Q4_K_M model and the Q5_K/Q6_K and
  * head-dim-128 fixtures have Q4_K or Q6_K matrices; the Q8_0 model must not change at all); and
@@ -675,7 +676,7 @@ TEST_TIMEOUT(cuda_tc_experts_agree_with_the_float_walk, 900)
     static const char *const models[] = {
         GOLDEN "/models/tiny-qwen3moe-Q4_K_M.gguf", GOLDEN "/models/tiny-qwen3moe-Q8_0.gguf",
         "tests/fixtures/hf/q5k-q6k-gqa4.gguf", "tests/fixtures/hf/hd128-e32-long.gguf"};
-    static const char *const modes[] = {"1", "down", "layers", "all"};
+    static const char *const modes[] = {"1", "down", "o", "layers", "all"};
     for (size_t mi = 0; mi < sizeof models / sizeof models[0]; mi++) {
         struct test_model tm;
         test_model_open(&tm, models[mi]);

@@ -2145,7 +2145,9 @@ static int cuda_init(struct moe_backend **out, const struct moe_model *m, struct
                          ", Q4_K/Q6_K products on tensor cores:%s%s%s%s%s",
                          b->tc & MOE_CUDA_TC_GATE_UP ? " expert gate/up" : "",
                          b->tc & MOE_CUDA_TC_DOWN ? " expert down" : "",
-                         b->tc & MOE_CUDA_TC_DENSE ? " decode mat-vecs" : "",
+                         b->tc & MOE_CUDA_TC_DENSE ? " decode mat-vecs"
+                         : b->tc & MOE_CUDA_TC_O   ? " attention output"
+                                                   : "",
                          b->tc & MOE_CUDA_TC_HEAD ? " head" : "",
                          b->tc_ws ? " (inputs staged once)" : "");
             }
@@ -2707,24 +2709,26 @@ static bool use_gemm(const struct cuda_backend *b, uint32_t type)
            moe_cuda_gemm_supported(type);
 }
 
-/* Whether a dense matrix (its type, row length n, VRAM copy w) goes to the tensor-core mat-vec
- * under MOE_CUDA_TC_DENSE: a type it takes, rows of whole 256-blocks, 16-byte aligned. */
-static bool tc_matrix(const struct cuda_backend *b, uint32_t type, int64_t n, const void *w)
+/* Whether a dense matrix (its type, row length n, VRAM copy w) can go to the tensor-core
+ * mat-vec: a type it takes, rows of whole 256-blocks, 16-byte aligned. */
+static bool tc_matrix(uint32_t type, int64_t n, const void *w)
 {
-    return (b->tc & MOE_CUDA_TC_DENSE) && moe_cuda_matvec_tc_supported(type) && n % 256 == 0 &&
-           w && ((uintptr_t)w & 15) == 0;
+    return moe_cuda_matvec_tc_supported(type) && n % 256 == 0 && w && ((uintptr_t)w & 15) == 0;
 }
 
-/* Whether the decode products of layer l listed in mm run on tensor cores: every weight a
- * tc_matrix, in a step that is not a prompt's (those take the GEMM). */
+/* Whether the decode products of layer l listed in mm run on tensor cores: the layers' dense
+ * products under MOE_CUDA_TC_DENSE, the attention output alone under MOE_CUDA_TC_O; every weight
+ * a tc_matrix, in a step that is not a prompt's (those take the GEMM). */
 static bool tc_dense(const struct cuda_backend *b, int l, const struct moe_mm *mm, int n_mm)
 {
-    if (!(b->tc & MOE_CUDA_TC_DENSE) || b->n > MOE_CUDA_GRAPH_MAX)
+    const bool o = n_mm == 1 && mm[0].w == MOE_W_O;
+    if (!((b->tc & MOE_CUDA_TC_DENSE) || (o && (b->tc & MOE_CUDA_TC_O))) ||
+        b->n > MOE_CUDA_GRAPH_MAX)
         return false;
     for (int i = 0; i < n_mm; i++) {
         const struct moe_tensor *W = moe_weight(b->m, l, mm[i].w);
         if (!W || mm[i].w > MOE_W_ROUTER || use_gemm(b, W->type) ||
-            !tc_matrix(b, W->type, W->ne[0], b->layers[l].w[mm[i].w]))
+            !tc_matrix(W->type, W->ne[0], b->layers[l].w[mm[i].w]))
             return false;
     }
     return true;
@@ -3507,7 +3511,7 @@ static int head_rows(struct cuda_backend *b, int64_t r0, int64_t cnt)
     LAUNCH(b, "output norm",
            moe_cuda_rmsnorm(b->buf[MOE_BUF_H], b->ld[MOE_BUF_H], D_OUTROW(b) + r0, b->out_norm,
                             b->d.E, b->d.eps, cnt, b->xo, ldxo, b->st));
-    if ((b->tc & MOE_CUDA_TC_HEAD) && tc_matrix(b, b->m->output.type, b->d.E, b->output)) {
+    if ((b->tc & MOE_CUDA_TC_HEAD) && tc_matrix(b->m->output.type, b->d.E, b->output)) {
         LAUNCH(b, "output (tensor cores)",
                moe_cuda_matvec_tc_ws(b->m->output.type, b->output, b->d.E, b->d.V, b->xo, ldxo,
                                      cnt, b->logits, b->d.V, b->tc_ws, b->tc_ws_bytes, b->st));

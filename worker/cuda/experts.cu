@@ -333,6 +333,8 @@ int moe_cuda_expert_tc_env(void)
                      : !strcmp(v, "down")         ? MOE_CUDA_TC_DOWN
                      : !strcmp(v, "dense")        ? MOE_CUDA_TC_DENSE | MOE_CUDA_TC_HEAD
                      : !strcmp(v, "layers")       ? MOE_CUDA_TC_ANY
+                     : !strcmp(v, "o")            ? MOE_CUDA_TC_GATE_UP | MOE_CUDA_TC_DOWN |
+                                                        MOE_CUDA_TC_O
                      : !strcmp(v, "all")          ? MOE_CUDA_TC_ANY | MOE_CUDA_TC_HEAD
                                                   : 0;
     const char *w = getenv("MOE_CUDA_DOWN_TC_WARPS");

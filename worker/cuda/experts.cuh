@@ -65,6 +65,9 @@ int moe_cuda_expert_gate_up(uint32_t gate_type, uint32_t up_type, const void *co
  * the output head. */
 #define MOE_CUDA_TC_DENSE 4
 #define MOE_CUDA_TC_HEAD (1 << 16)
+/* The attention output's product alone of the layers' decode mat-vecs (MOE_CUDA_TC_DENSE takes
+ * them all). */
+#define MOE_CUDA_TC_O (1 << 17)
 #define MOE_CUDA_TC_ANY (MOE_CUDA_TC_GATE_UP | MOE_CUDA_TC_DOWN | MOE_CUDA_TC_DENSE)
 /* Bits 8-11 of tc: at most that many warps in the per-token down kernel on tensor cores (0: as
  * many as fit; the floats are the same either way). From MOE_CUDA_DOWN_TC_WARPS, for tests. */
@@ -86,7 +89,8 @@ int moe_cuda_expert_gate_up(uint32_t gate_type, uint32_t up_type, const void *co
 
 /* The mask that MOE_CUDA_TC asks for (read at each call): unset (the default) or "1" the expert
  * gate/up and down, "down" expert down, "gu" gate/up, "dense" the decode mat-vecs and head,
- * "layers" the expert products and the layers' decode mat-vecs (not the head), "all" everything, "0" none (the float walk everywhere); with MOE_CUDA_DOWN_TC_WARPS=N (1-15)
+ * "layers" the expert products and the layers' decode mat-vecs (not the head), "o" the expert
+ * products and the attention output's, "all" everything, "0" none (the float walk everywhere); with MOE_CUDA_DOWN_TC_WARPS=N (1-15)
  * in bits 8-11, MOE_CUDA_TC_ASYNC: unset the grouped kernels' bit, "1" both bits, "0"
  * neither, and MOE_CUDA_DOWN_WS: unset MOE_CUDA_TC_DOWN_WS, "all" MOE_CUDA_TC_DOWN_WS_ALL, "0"
  * neither. */

@@ -75,40 +75,60 @@ struct tc_norm {
     float *out;
 };
 
-/* The RMSNorm of rmsnorm_kernel (ops.cu) on the raw copy of a row of n (tc_raw_copy, not yet
- * waited for), in place: warp 0 sums the squares in row_ss_warp's order (lane l: float4s l, l +
- * 32, ...), then every thread scales its float4s as x · scale · w, from the norm's weight that
- * the block copied into wn (plain layout) before its wait. The same floats as the RMSNorm
- * kernel's output, so a token's products do not depend on whether its norm was folded. */
-static __device__ __forceinline__ void tc_norm_raw(float *raw, const float *wn, int64_t n,
-                                                   const tc_norm &nm, float *s_sc, bool store)
+/* The RMSNorm of rmsnorm_kernel (ops.cu) on the raw copy of a row (tc_raw_copy, not yet waited
+ * for), then tc_stage_raw's staging of the normalised row. Every warp sums the squares itself in
+ * row_ss_warp's order (lane l: float4s l, l + 32, ..., four loads in flight), so no warp waits
+ * for another's sum; each thread then writes x · scale · w of its float4s over the copy of the
+ * norm's weight (wn, padded like the raw copy, copied by the block before its wait: the raw copy
+ * is still being read by other warps' sums) and takes their largest magnitude for the staging's
+ * exponent. The same floats as the RMSNorm kernel's output staged by tc_stage_raw, so a token's
+ * products do not depend on whether its norm was folded. store: also write the normalised row
+ * to nm.out. */
+template <int K>
+static __device__ __forceinline__ void tc_norm_stage_raw(const float *raw, float *wn, int nsb,
+                                                         const tc_norm &nm, bool store, uint4 *xs,
+                                                         uint2 *sxs, int *s_exp, unsigned *s_amax)
 {
-    const int tid = threadIdx.x, nthr = blockDim.x;
+    const int tid = threadIdx.x, nthr = blockDim.x, lane = tid & 31;
+    const int64_t n = (int64_t)nsb * 256, n4 = n / 4;
     const tc_raw_ld ld{raw};
+    if (tid == 0)
+        *s_amax = 0;
     cp_async_wait_all();
     __syncthreads();
-    if (tid < 32) {
-        float ss = 0.0f;
-        for (int64_t q = tid; q < n / 4; q += 32)
-            ss = ss_add4(ss, ld((int)(4 * q)));
-        ss = warp_sum(ss);
-        if (tid == 0)
-            *s_sc = rms_scale(ss, n, nm.eps);
+    float ss = 0.0f;
+    int64_t q = lane;
+    for (; q + 96 < n4; q += 128) {
+        const float4 a = ld((int)(4 * q)), b = ld((int)(4 * (q + 32)));
+        const float4 c = ld((int)(4 * (q + 64))), d = ld((int)(4 * (q + 96)));
+        ss = ss_add4(ss, a);
+        ss = ss_add4(ss, b);
+        ss = ss_add4(ss, c);
+        ss = ss_add4(ss, d);
     }
-    __syncthreads();
-    const float sc = *s_sc;
-    for (int64_t q = tid; q < n / 4; q += nthr) {
-        float4 *p = (float4 *)(raw + 4 * (q + (q >> 3)));
-        float4 v = *p;
-        const float4 g = ((const float4 *)wn)[q];
-        v.x = v.x * sc * g.x;
-        v.y = v.y * sc * g.y;
-        v.z = v.z * sc * g.z;
-        v.w = v.w * sc * g.w;
-        *p = v;
+    for (; q < n4; q += 32)
+        ss = ss_add4(ss, ld((int)(4 * q)));
+    const float sc = rms_scale(warp_sum(ss), n, nm.eps);
+    unsigned m = 0;
+    for (int64_t k = tid; k < n4; k += nthr) {
+        float4 *p = (float4 *)(wn + 4 * (k + (k >> 3)));
+        const float4 v = ld((int)(4 * k)), g = *p;
+        const float4 y = make_float4(v.x * sc * g.x, v.y * sc * g.y, v.z * sc * g.z,
+                                     v.w * sc * g.w);
+        *p = y;
         if (store)
-            ((float4 *)nm.out)[q] = v;
+            ((float4 *)nm.out)[k] = y;
+        m = max(max(m, abs_bits(y.x)), max(abs_bits(y.y), max(abs_bits(y.z), abs_bits(y.w))));
     }
+    m = __reduce_max_sync(0xffffffffu, m);
+    if (lane == 0)
+        atomicMax(s_amax, m);
+    __syncthreads();
+    const int e = tc_scale_exp(__uint_as_float(*s_amax));
+    if (tid == 0)
+        *s_exp = e;
+    tc_stage_items<K>(tc_raw_ld{wn}, ldexpf(1.0f, -e), nsb, xs, sxs, tid, nthr);
+    __syncthreads();
 }
 
 /* ST: the inputs come staged in st (else the block stages them in shared memory). NORM (one
@@ -149,11 +169,9 @@ mv_tc_kernel(const tc_jobs J, size_t row_bytes, int nsb, const float *__restrict
     static_assert(!NORM || RAW, "the norm on the way takes one token staged by the block");
     float *xraw = (float *)(red + nw * 32);
     float *wn = xraw + tc_raw_floats((int64_t)nsb * 256); /* NORM: the norm's weight */
-    __shared__ float s_sc[1];
     const bool early = !RAW || NORM || pre;
     if constexpr (NORM)
-        for (int64_t q = tid; q < (int64_t)nsb * 64; q += nthr)
-            cp_async16(wn + 4 * q, nm.w + 4 * q);
+        tc_raw_copy(wn, nm.w, (int64_t)nsb * 256, tid, nthr);
     if (early && wi < nsb)
         raw = tc_kind<K>::load(p0 + (size_t)wi * BB, p1 + (size_t)wi * BB, t);
     pdl_wait(); /* x is the previous kernel's output; the weights are not */
@@ -175,9 +193,10 @@ mv_tc_kernel(const tc_jobs J, size_t row_bytes, int nsb, const float *__restrict
             gx = (int)(n_tok - 1 - t0);
     } else if constexpr (RAW) {
         if constexpr (NORM)
-            tc_norm_raw(xraw, wn, (int64_t)nsb * 256, nm, s_sc,
-                        nm.out && blockIdx.x == 0 && blockIdx.y == 0);
-        tc_stage_raw<K>(xraw, nsb, xs, sxs, s_exp_sm, s_amax);
+            tc_norm_stage_raw<K>(xraw, wn, nsb, nm, nm.out && blockIdx.x == 0, xs, sxs, s_exp_sm,
+                                 s_amax);
+        else
+            tc_stage_raw<K>(xraw, nsb, xs, sxs, s_exp_sm, s_amax);
     } else {
         const float *xr[NT];
         UNROLL
@@ -268,7 +287,7 @@ static int tc_launch_norm(const tc_jobs &J, size_t rb, int nsb, const float *src
 {
     const int warps = nsb < TC_MAX_WARPS ? nsb : TC_MAX_WARPS;
     const size_t smem = ((size_t)nsb * 66 + (size_t)warps * 32) * sizeof(uint4) +
-                        sizeof(float) * ((size_t)tc_raw_floats((int64_t)nsb * 256) + nsb * 256);
+                        sizeof(float) * 2 * (size_t)tc_raw_floats((int64_t)nsb * 256);
     if (smem > 200 * 1024)
         return -EINVAL;
     MOE_CUDA_TRY((moe_raise_smem<mv_tc_kernel<1, K, false, true>>(smem)));
