@@ -763,6 +763,55 @@ TEST_TIMEOUT(cuda_tc_experts_agree_with_the_float_walk, 900)
     }
 }
 
+/* Engines of 8 sequences or more run the layers' decode products on tensor cores unless
+ * MOE_CUDA_TC is set (MOE_CUDA_TC_SEQ: the count, 0: never): the backend's description says so,
+ * and their logits are those of an engine of 4 sequences with MOE_CUDA_TC=layers bit for bit
+ * (prompts, then one-token and 4-token decode steps), not those of an engine of 4 by default;
+ * with MOE_CUDA_TC_SEQ=0 an engine of 8 gives the default engine of 4's. */
+TEST_TIMEOUT(cuda_engines_of_8_sequences_take_the_layers_on_tensor_cores, 300)
+{
+    need_gpu();
+    struct test_model tm;
+    test_model_open(&tm, GOLDEN "/models/tiny-qwen3moe-Q4_K_M.gguf");
+    const struct moe_model *m = &tm.m;
+    const int64_t V = m->hp.n_vocab;
+    unsetenv("MOE_CUDA_TC");
+    unsetenv("MOE_CUDA_TC_SEQ");
+    struct moe_engine *e8 = engine_on(m, "cuda:0", 160, 8, 0, false);
+    struct moe_engine *d4 = engine_on(m, "cuda:0", 160, 4, 0, false);
+    setenv("MOE_CUDA_TC", "layers", 1);
+    struct moe_engine *l4 = engine_on(m, "cuda:0", 160, 4, 0, false);
+    unsetenv("MOE_CUDA_TC");
+    setenv("MOE_CUDA_TC_SEQ", "0", 1);
+    struct moe_engine *n8 = engine_on(m, "cuda:0", 160, 8, 0, false);
+    unsetenv("MOE_CUDA_TC_SEQ");
+    struct moe_engine_info i8, i4, in8;
+    moe_engine_info(e8, &i8);
+    moe_engine_info(d4, &i4);
+    moe_engine_info(n8, &in8);
+    CHECK_MSG(strstr(i8.desc, "decode mat-vecs") != NULL, "%s", i8.desc);
+    CHECK_MSG(strstr(i4.desc, "decode mat-vecs") == NULL, "%s", i4.desc);
+    CHECK_MSG(strstr(in8.desc, "decode mat-vecs") == NULL, "%s", in8.desc);
+    const uint32_t plen[4] = {33, 70, 5, 12};
+    moe_test_rng_seed(421);
+    const size_t same = two_engines_diff(e8, l4, V, plen, 6, 2);
+    moe_test_rng_seed(421);
+    const size_t off = two_engines_diff(n8, d4, V, plen, 6, 2);
+    moe_test_rng_seed(421);
+    const size_t other = two_engines_diff(e8, d4, V, plen, 6, 2);
+    printf("  8 sequences vs 4 with MOE_CUDA_TC=layers: %zu logits differ; MOE_CUDA_TC_SEQ=0 vs "
+           "4 by default: %zu; 8 vs 4 by default: %zu\n",
+           same, off, other);
+    CHECK_EQ(same, 0);
+    CHECK_EQ(off, 0);
+    CHECK(other > 0);
+    moe_engine_free(e8);
+    moe_engine_free(d4);
+    moe_engine_free(l4);
+    moe_engine_free(n8);
+    test_model_close(&tm);
+}
+
 /* The launches the backend saves give the floats and routing counts of the launches they
  * replace: routing inside the gate/up launch (MOE_CUDA_ROUTE_FOLD=0: its own kernel), RMSNorm
  * inside the next mat-vec (MOE_CUDA_NORM_FOLD=0), q/k/v of two weight types in one launch
