@@ -15,7 +15,8 @@
 # '!/tests/golden/tokenizer/'` and stay under the 64 MiB a call may send (`git sparse-checkout
 # disable` after it). PROGRAMS="bin/moed-worker build/bench/bench_engine ..." packs others. A
 # pack of several variants (each adds about 0.5-2 MB) may also leave out the sources, which
-# packed binaries do not need: '!/docs/' '!/daemon/' '!/worker/' '!/tests/*.c' (about 3 MB more).
+# packed binaries do not need: '!/docs/' '!/daemon/' '!/worker/' '!/tests/*.c' (about 3 MB more),
+# and the GPU tests and bench_engine do not read '!/tests/fixtures/demo/' (1.8 MB).
 #
 # Other builds of the same tree to compare in the same call (A/B on one machine) go in beside:
 # VARIANTS="b=/tmp/dev-b c=/tmp/dev-c" packs each build's VARIANT_PROGRAMS (default
