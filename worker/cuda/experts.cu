@@ -691,7 +691,8 @@ gate_up_grouped_kernel(const uint8_t *const *__restrict__ ga, const uint8_t *con
  * sm_90, NT 8 with staged inputs and tiles copied first): Q4_K gate/up 147 registers (3 blocks
  * of 4 warps), Q4_K down 152 (3), Q6_K down 251 (2). MOE_DG_TC_MINB_Q6=3 makes Q6_K down 168
  * with 84 bytes spilled, MOE_GU_TC_MINB_Q4=4 Q4_K gate/up 122 and MOE_DG_TC_MINB_Q4=4 Q4_K down
- * 128, neither spilling; not yet measured (docs/cuda.md, "What comes next"). */
+ * 128, neither spilling: with all three, 16 and 64 sequences 9% slower on an H100
+ * (docs/benchmarks.md "The layers' decode products on tensor cores"), so the defaults stay. */
 #ifndef MOE_DG_TC_MINB_Q6
 #define MOE_DG_TC_MINB_Q6 1
 #endif

@@ -90,8 +90,8 @@ int moe_cuda_expert_gate_up(uint32_t gate_type, uint32_t up_type, const void *co
 /* The mask that MOE_CUDA_TC asks for (read at each call): unset (the default) or "1" the expert
  * gate/up and down, "down" expert down, "gu" gate/up, "dense" the decode mat-vecs and head,
  * "layers" the expert products and the layers' decode mat-vecs (not the head), "o" the expert
- * products and the attention output's, "all" everything, "0" none (the float walk everywhere); with MOE_CUDA_DOWN_TC_WARPS=N (1-15)
- * in bits 8-11, MOE_CUDA_TC_ASYNC: unset the grouped kernels' bit, "1" both bits, "0"
+ * products and the attention output's, "all" everything, "0" none (the float walk
+ * everywhere); with MOE_CUDA_DOWN_TC_WARPS=N (1-15) in bits 8-11, MOE_CUDA_TC_ASYNC: unset the grouped kernels' bit, "1" both bits, "0"
  * neither, and MOE_CUDA_DOWN_WS: unset MOE_CUDA_TC_DOWN_WS, "all" MOE_CUDA_TC_DOWN_WS_ALL, "0"
  * neither. */
 int moe_cuda_expert_tc_env(void);

@@ -120,20 +120,12 @@ static __device__ __forceinline__ void tc_norm_stage_raw(const float *raw, float
             ((float4 *)nm.out)[k] = y;
         m = max(max(m, abs_bits(y.x)), max(abs_bits(y.y), max(abs_bits(y.z), abs_bits(y.w))));
     }
-    m = __reduce_max_sync(0xffffffffu, m);
-    if (lane == 0)
-        atomicMax(s_amax, m);
-    __syncthreads();
-    const int e = tc_scale_exp(__uint_as_float(*s_amax));
-    if (tid == 0)
-        *s_exp = e;
-    tc_stage_items<K>(tc_raw_ld{wn}, ldexpf(1.0f, -e), nsb, xs, sxs, tid, nthr);
-    __syncthreads();
+    tc_stage_block_from<K>(tc_raw_ld{wn}, m, nsb, xs, sxs, s_exp, s_amax);
 }
 
 /* ST: the inputs come staged in st (else the block stages them in shared memory). NORM (one
  * token, not staged): x is the RMSNorm's source row, normalised by the block on the way
- * (tc_norm_raw); the weights' first loads are then issued before the wait (pre is ignored).
+ * (tc_norm_stage_raw); the weights' first loads are then issued before the wait (pre is ignored).
  * pre: a one-token launch issues its weights' first loads before the wait too (else after the
  * copy of its row). */
 template <int NT, int K, bool ST, bool NORM = false>
@@ -248,11 +240,14 @@ static int tc_cols(int64_t n_tok, int nsb)
 }
 
 /* Whether one-token launches issue their weights' first loads before the wait (the pre
- * argument of mv_tc_kernel): MOE_CUDA_TC_PRE=0 turns it off, read at each launch. */
+ * argument of mv_tc_kernel): MOE_CUDA_TC_PRE=0 turns it off, read once per process. */
 static int tc_pre(void)
 {
-    const char *v = getenv("MOE_CUDA_TC_PRE");
-    return !(v && !strcmp(v, "0"));
+    static const int pre = [] {
+        const char *v = getenv("MOE_CUDA_TC_PRE");
+        return !(v && !strcmp(v, "0"));
+    }();
+    return pre;
 }
 
 template <int NT, int K>

@@ -407,27 +407,41 @@ static __device__ __forceinline__ unsigned tc_raw_amax_part(const float *raw, in
     return m;
 }
 
+/* The block's staging of one row read through ld, once every thread has the largest magnitude
+ * of its part of the row (m, bit patterns; *s_amax zeroed before a barrier all threads passed):
+ * the row's max into *s_amax, its exponent into *s_exp (tc_scale_exp), then the scaled fragments
+ * and sub-block sums (tc_stage_items). Ends with a barrier; every thread of the block calls it. */
+template <int K, class Ld>
+static __device__ __forceinline__ void tc_stage_block_from(const Ld &ld, unsigned m, int nsb,
+                                                           uint4 *xs, uint2 *sxs, int *s_exp,
+                                                           unsigned *s_amax)
+{
+    const int tid = threadIdx.x;
+    m = __reduce_max_sync(0xffffffffu, m);
+    if ((tid & 31) == 0)
+        atomicMax(s_amax, m);
+    __syncthreads();
+    const int e = tc_scale_exp(__uint_as_float(*s_amax));
+    if (tid == 0)
+        *s_exp = e;
+    tc_stage_items<K>(ld, ldexpf(1.0f, -e), nsb, xs, sxs, tid, (int)blockDim.x);
+    __syncthreads();
+}
+
 /* tc_stage<1, K> from the raw copy of the row (tc_raw_copy by this block's threads, not yet
  * waited for): the same floats, without reading global memory again. */
 template <int K>
 static __device__ __forceinline__ void tc_stage_raw(const float *raw, int nsb, uint4 *xs,
                                                     uint2 *sxs, int *s_exp, unsigned *s_amax)
 {
-    const int tid = threadIdx.x, nthr = blockDim.x, lane = tid & 31;
+    const int tid = threadIdx.x, nthr = blockDim.x;
     const int64_t n = (int64_t)nsb * 256;
     if (tid == 0)
         *s_amax = 0;
     cp_async_wait_all();
     __syncthreads();
-    const unsigned m = __reduce_max_sync(0xffffffffu, tc_raw_amax_part(raw, n, tid, nthr));
-    if (lane == 0)
-        atomicMax(s_amax, m);
-    __syncthreads();
-    const int e = tc_scale_exp(__uint_as_float(*s_amax));
-    if (tid == 0)
-        *s_exp = e;
-    tc_stage_items<K>(tc_raw_ld{raw}, ldexpf(1.0f, -e), nsb, xs, sxs, tid, nthr);
-    __syncthreads();
+    tc_stage_block_from<K>(tc_raw_ld{raw}, tc_raw_amax_part(raw, n, tid, nthr), nsb, xs, sxs,
+                           s_exp, s_amax);
 }
 
 /* tc_stage_warp from the raw copy of the row (tc_raw_copy by this warp's lanes, not yet waited
