@@ -170,6 +170,12 @@ gate_up_kernel(const uint8_t *const *__restrict__ ga, const uint8_t *const *__re
                           out + slot * ldo);
 }
 
+/* Gate and up of gu_tc_tile through one copy of the walk's code (1, the default) or two (0), a
+ * build-time setting with the same floats either way. */
+#ifndef MOE_GU_ONE_COPY
+#define MOE_GU_ONE_COPY 1
+#endif
+
 /* Where gu_tc_tile<K, 1, false, false, true> reads the row's raw copy: after the staging and the
  * warps' sums in its shared memory sm. */
 static __device__ __forceinline__ float *gu_raw_area(uint4 *sm, int nsb)
@@ -185,8 +191,9 @@ static __device__ __forceinline__ float *gu_raw_area(uint4 *sm, int nsb)
  * ST: the inputs come staged once per step in st (moe_cuda_tc_stage), column c reading token
  * tok[c]'s, and sm holds the sums only (the same floats: the same staging functions). The whole
  * block calls it; it ends with a barrier. RAW (one token, its own row): the caller has put the
- * row's copy into gu_raw_area in flight (tc_raw_copy), and it is staged from there. */
-template <int K, int NT, bool ST = false, bool AS = false, bool RAW = false>
+ * row's copy into gu_raw_area in flight (tc_raw_copy), and it is staged from there. ONE: the
+ * block of a one-token launch (gate and up of Q4_K through one copy of the code, below). */
+template <int K, int NT, bool ST = false, bool AS = false, bool RAW = false, bool ONE = false>
 static __device__ __forceinline__ void gu_tc_tile(const uint8_t *g, const uint8_t *u,
                                                   size_t row_bytes, int nsb, int64_t ff,
                                                   int64_t rt0, const float *const *xr,
@@ -242,11 +249,27 @@ static __device__ __forceinline__ void gu_tc_tile(const uint8_t *g, const uint8_
             ru = TK::load(u0 + (size_t)wi * BB, u1 + (size_t)wi * BB, t);
         }
     }
-    float ag[4] = {0.0f, 0.0f, 0.0f, 0.0f}, au[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    tc_rows<K>(g0, g1, t, wi, GU_WARPS, nsb, rg, xs, sxs, gx, ag);
-    tc_rows<K>(u0, u1, t, wi, GU_WARPS, nsb, ru, xs, sxs, gx, au);
-    red[wi * 32 + lane] = make_float4(ag[0], ag[1], ag[2], ag[3]);
-    red[(GU_WARPS + wi) * 32 + lane] = make_float4(au[0], au[1], au[2], au[3]);
+    if constexpr (ONE && MOE_GU_ONE_COPY && K == MOE_TYPE_Q4_K) {
+        /* Gate, then up, through one copy of the walk's code (a loop that is not unrolled): a
+         * one-token launch (ONE) runs each instruction of it a few times per warp only, and its
+         * warps wait for the instructions' fetches, so half the code is half those waits. The
+         * same operations, so the same floats. (Q6_K keeps two copies: its raw bytes take too
+         * many registers to be selected between; so do the kernels of grouped steps, which run
+         * their code over many tokens and measured slower with one.) */
+#pragma unroll 1
+        for (int m = 0; m < 2; m++) {
+            float a[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            tc_rows<K>(m ? u0 : g0, m ? u1 : g1, t, wi, GU_WARPS, nsb, m ? ru : rg, xs, sxs, gx,
+                       a);
+            red[(m * GU_WARPS + wi) * 32 + lane] = make_float4(a[0], a[1], a[2], a[3]);
+        }
+    } else {
+        float ag[4] = {0.0f, 0.0f, 0.0f, 0.0f}, au[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        tc_rows<K>(g0, g1, t, wi, GU_WARPS, nsb, rg, xs, sxs, gx, ag);
+        tc_rows<K>(u0, u1, t, wi, GU_WARPS, nsb, ru, xs, sxs, gx, au);
+        red[wi * 32 + lane] = make_float4(ag[0], ag[1], ag[2], ag[3]);
+        red[(GU_WARPS + wi) * 32 + lane] = make_float4(au[0], au[1], au[2], au[3]);
+    }
     __syncthreads();
     if (wi == 0) {
         float4 sg = red[lane], su = red[GU_WARPS * 32 + lane];
@@ -321,7 +344,7 @@ gate_up_tc_kernel(const uint8_t *const *__restrict__ ga, const uint8_t *const *_
     }
     const float *xr[1] = {x + (slot / kuse) * ldx};
     float *o[1] = {out + slot * ldo};
-    gu_tc_tile<K, 1, false, AS, !AS>(g, u, row_bytes, nsb, ff, rt0, xr, o, 1,
+    gu_tc_tile<K, 1, false, AS, !AS, true>(g, u, row_bytes, nsb, ff, rt0, xr, o, 1,
                                      (uint4 *)(rsm + tc_off));
 }
 
