@@ -250,17 +250,18 @@ static __device__ __forceinline__ void gu_tc_tile(const uint8_t *g, const uint8_
         }
     }
     if constexpr (ONE && MOE_GU_ONE_COPY && K == MOE_TYPE_Q4_K) {
-        /* Gate, then up, through one copy of the walk's code (a loop that is not unrolled): a
-         * one-token launch (ONE) runs each instruction of it a few times per warp only, and its
-         * warps wait for the instructions' fetches, so half the code is half those waits. The
-         * same operations, so the same floats. (Q6_K keeps two copies: its raw bytes take too
+        /* Gate, then up, through one copy of the walk's code (a loop that is not unrolled), and
+         * each block's products through tc_block_rolled: a one-token launch (ONE) runs each
+         * instruction of it a few times per warp only, and its warps wait for the instructions'
+         * fetches, so less code is fewer of those waits. The same operations, so the same
+         * floats. (Q6_K keeps two copies: its raw bytes take too
          * many registers to be selected between; so do the kernels of grouped steps, which run
          * their code over many tokens and measured slower with one.) */
 #pragma unroll 1
         for (int m = 0; m < 2; m++) {
             float a[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-            tc_rows<K>(m ? u0 : g0, m ? u1 : g1, t, wi, GU_WARPS, nsb, m ? ru : rg, xs, sxs, gx,
-                       a);
+            tc_rows<K, true>(m ? u0 : g0, m ? u1 : g1, t, wi, GU_WARPS, nsb, m ? ru : rg, xs,
+                             sxs, gx, a);
             red[(m * GU_WARPS + wi) * 32 + lane] = make_float4(a[0], a[1], a[2], a[3]);
         }
     } else {

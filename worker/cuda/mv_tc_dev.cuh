@@ -163,6 +163,44 @@ static __device__ __forceinline__ void tc_block(const tc_raw &raw, int t, const 
     acc[3] = fmaf(-k1.dmin, M[3], fmaf(k1.d, C[3], acc[3]));
 }
 
+/* tc_block through a loop over the two halves of the lane's qs chunk that is not unrolled: the
+ * same mma in the same order, so the same floats, in half the code, for launches whose warps run
+ * it a few times only and wait for its instructions' fetches (the one-token gate/up). */
+static __device__ __forceinline__ void tc_block_rolled(const tc_raw &raw, int t, const uint4 *xp,
+                                                       uint2 sv, float acc[4])
+{
+#if MOE_TC_Q4K_CHAINS == 4
+    tc_block(raw, t, xp, sv, acc);
+#else
+    const tc_q4k_row k0 = tc_q4k_consts(raw.h0, t), k1 = tc_q4k_consts(raw.h1, t);
+    float C[4] = {0.0f, 0.0f, 0.0f, 0.0f}, M[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll 1
+    for (int h = 0; h < 2; h++) {
+        const uint4 A = h ? raw.b0 : raw.a0, B = h ? raw.b1 : raw.a1;
+        const uint32_t wa[4] = {A.x, A.y, A.z, A.w}, wb[4] = {B.x, B.y, B.z, B.w};
+        const uint4 *xh = xp + 32 * h;
+        UNROLL
+        for (int i = 0; i < 4; i++) {
+            uint32_t l0a, l1a, h0a, h1a, l0b, l1b, h0b, h1b;
+            tc_q4k_word(wa[i], k0, &l0a, &l1a, &h0a, &h1a);
+            tc_q4k_word(wb[i], k1, &l0b, &l1b, &h0b, &h1b);
+            uint4 xb = xh[4 * (2 * i)];
+            tc_mma16816(C, l0a, l0b, l1a, l1b, xb.x, xb.y);
+            tc_mma16816(C, l0a, l0b, l1a, l1b, xb.z, xb.w);
+            xb = xh[4 * (2 * i + 1)];
+            tc_mma16816(C, h0a, h0b, h1a, h1b, xb.x, xb.y);
+            tc_mma16816(C, h0a, h0b, h1a, h1b, xb.z, xb.w);
+        }
+    }
+    tc_mma1688(M, k0.am, k1.am, sv.x);
+    tc_mma1688(M, k0.am, k1.am, sv.y);
+    acc[0] = fmaf(-k0.dmin, M[0], fmaf(k0.d, C[0], acc[0]));
+    acc[1] = fmaf(-k0.dmin, M[1], fmaf(k0.d, C[1], acc[1]));
+    acc[2] = fmaf(-k1.dmin, M[2], fmaf(k1.d, C[2], acc[2]));
+    acc[3] = fmaf(-k1.dmin, M[3], fmaf(k1.d, C[3], acc[3]));
+#endif
+}
+
 /* A lane's bytes of one Q6_K block of its two rows: its four units of each (tc_q6k_unit). */
 struct tc_raw6 {
     q6k_raw r0[4], r1[4];
@@ -225,10 +263,14 @@ template <> struct tc_kind<MOE_TYPE_Q4_K> {
     {
         return tc_load(p0, p1, t);
     }
+    template <bool ROLL = false>
     static __device__ __forceinline__ void block(const raw &r, int t, const uint4 *xp, uint2 sv,
                                                  float acc[4])
     {
-        tc_block(r, t, xp, sv, acc);
+        if constexpr (ROLL)
+            tc_block_rolled(r, t, xp, sv, acc);
+        else
+            tc_block(r, t, xp, sv, acc);
     }
 };
 template <> struct tc_kind<MOE_TYPE_Q6_K> {
@@ -238,6 +280,7 @@ template <> struct tc_kind<MOE_TYPE_Q6_K> {
     {
         return tc_load6(p0, p1, t);
     }
+    template <bool ROLL = false>
     static __device__ __forceinline__ void block(const raw &r, int t, const uint4 *xp, uint2,
                                                  float acc[4])
     {
@@ -247,8 +290,9 @@ template <> struct tc_kind<MOE_TYPE_Q6_K> {
 
 /* A lane's dot-product contribution of rows p0 and p1 (its tile rows g, g+8), blocks sb0, sb0 +
  * step, ... < nsb, against the staged inputs xs/sxs of its column gx: the next block's loads
- * are in flight while one is computed. first: the bytes of block sb0, loaded before. */
-template <int K>
+ * are in flight while one is computed. first: the bytes of block sb0, loaded before. ROLL: a
+ * Q4_K block through tc_block_rolled (the same floats). */
+template <int K, bool ROLL = false>
 static __device__ __forceinline__ void tc_rows(const uint8_t *p0, const uint8_t *p1, int t,
                                                int sb0, int step, int nsb,
                                                typename tc_kind<K>::raw first, const uint4 *xs,
@@ -262,7 +306,7 @@ static __device__ __forceinline__ void tc_rows(const uint8_t *p0, const uint8_t 
             raw = TK::load(p0 + (size_t)(sb + step) * TK::block_bytes,
                            p1 + (size_t)(sb + step) * TK::block_bytes, t);
         const size_t i = (size_t)gx * nsb + sb;
-        TK::block(cur, t, xs + i * 64 + t, sxs[i * 4 + t], acc);
+        TK::template block<ROLL>(cur, t, xs + i * 64 + t, sxs[i * 4 + t], acc);
     }
 }
 
