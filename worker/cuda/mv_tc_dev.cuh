@@ -110,6 +110,37 @@ static __device__ __forceinline__ tc_raw tc_load(const uint8_t *p0, const uint8_
 #define MOE_TC_Q4K_CHAINS 1
 #endif
 
+/* Word w of the lane's qs chunk in both its rows (wa, wb) against its staged inputs xw (xw[0]:
+ * the low nibbles', xw[4]: the high nibbles'): four mma into C, in tc_block's order. */
+static __device__ __forceinline__ void tc_q4k_word_mma(uint32_t wa, uint32_t wb,
+                                                       const tc_q4k_row &k0, const tc_q4k_row &k1,
+                                                       const uint4 *xw, float C[4])
+{
+    uint32_t l0a, l1a, h0a, h1a, l0b, l1b, h0b, h1b;
+    tc_q4k_word(wa, k0, &l0a, &l1a, &h0a, &h1a);
+    tc_q4k_word(wb, k1, &l0b, &l1b, &h0b, &h1b);
+    uint4 xb = xw[0];
+    tc_mma16816(C, l0a, l0b, l1a, l1b, xb.x, xb.y);
+    tc_mma16816(C, l0a, l0b, l1a, l1b, xb.z, xb.w);
+    xb = xw[4];
+    tc_mma16816(C, h0a, h0b, h1a, h1b, xb.x, xb.y);
+    tc_mma16816(C, h0a, h0b, h1a, h1b, xb.z, xb.w);
+}
+
+/* The end of a Q4_K block: the mins' products from the sub-block sums sv, then acc += d·C −
+ * dmin·M per row. */
+static __device__ __forceinline__ void tc_q4k_block_end(const tc_q4k_row &k0, const tc_q4k_row &k1,
+                                                        uint2 sv, const float C[4], float acc[4])
+{
+    float M[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    tc_mma1688(M, k0.am, k1.am, sv.x);
+    tc_mma1688(M, k0.am, k1.am, sv.y);
+    acc[0] = fmaf(-k0.dmin, M[0], fmaf(k0.d, C[0], acc[0]));
+    acc[1] = fmaf(-k0.dmin, M[1], fmaf(k0.d, C[1], acc[1]));
+    acc[2] = fmaf(-k1.dmin, M[2], fmaf(k1.d, C[2], acc[2]));
+    acc[3] = fmaf(-k1.dmin, M[3], fmaf(k1.d, C[3], acc[3]));
+}
+
 /* One Q4_K block of a warp's tile: acc (the lane's C fragment: rows g, g+8, columns 2t, 2t+1)
  * += d·C − dmin·C_min. xp: the staged inputs of the block for the lane's column and t (stride 4
  * uint4 between the block's 16 mma), sv: the lane's pair of sub-block sums. */
@@ -121,7 +152,7 @@ static __device__ __forceinline__ void tc_block(const tc_raw &raw, int t, const 
                             raw.b0.x, raw.b0.y, raw.b0.z, raw.b0.w};
     const uint32_t wb[8] = {raw.a1.x, raw.a1.y, raw.a1.z, raw.a1.w,
                             raw.b1.x, raw.b1.y, raw.b1.z, raw.b1.w};
-    float C[4] = {0.0f, 0.0f, 0.0f, 0.0f}, M[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    float C[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #if MOE_TC_Q4K_CHAINS == 4
     /* Four chains of 8 mma (low / high nibbles × the inputs' high / low parts) instead of one
      * of 32, added at the end: the same products, the sums in another order. */
@@ -143,24 +174,10 @@ static __device__ __forceinline__ void tc_block(const tc_raw &raw, int t, const 
         C[k] = (C[k] + C1[k]) + (C2[k] + C3[k]);
 #else
     UNROLL
-    for (int i = 0; i < 8; i++) {
-        uint32_t l0a, l1a, h0a, h1a, l0b, l1b, h0b, h1b;
-        tc_q4k_word(wa[i], k0, &l0a, &l1a, &h0a, &h1a);
-        tc_q4k_word(wb[i], k1, &l0b, &l1b, &h0b, &h1b);
-        uint4 xb = xp[4 * (2 * i)];
-        tc_mma16816(C, l0a, l0b, l1a, l1b, xb.x, xb.y);
-        tc_mma16816(C, l0a, l0b, l1a, l1b, xb.z, xb.w);
-        xb = xp[4 * (2 * i + 1)];
-        tc_mma16816(C, h0a, h0b, h1a, h1b, xb.x, xb.y);
-        tc_mma16816(C, h0a, h0b, h1a, h1b, xb.z, xb.w);
-    }
+    for (int i = 0; i < 8; i++)
+        tc_q4k_word_mma(wa[i], wb[i], k0, k1, xp + 4 * (2 * i), C);
 #endif
-    tc_mma1688(M, k0.am, k1.am, sv.x);
-    tc_mma1688(M, k0.am, k1.am, sv.y);
-    acc[0] = fmaf(-k0.dmin, M[0], fmaf(k0.d, C[0], acc[0]));
-    acc[1] = fmaf(-k0.dmin, M[1], fmaf(k0.d, C[1], acc[1]));
-    acc[2] = fmaf(-k1.dmin, M[2], fmaf(k1.d, C[2], acc[2]));
-    acc[3] = fmaf(-k1.dmin, M[3], fmaf(k1.d, C[3], acc[3]));
+    tc_q4k_block_end(k0, k1, sv, C, acc);
 }
 
 /* tc_block through a loop over the two halves of the lane's qs chunk that is not unrolled: the
@@ -173,31 +190,16 @@ static __device__ __forceinline__ void tc_block_rolled(const tc_raw &raw, int t,
     tc_block(raw, t, xp, sv, acc);
 #else
     const tc_q4k_row k0 = tc_q4k_consts(raw.h0, t), k1 = tc_q4k_consts(raw.h1, t);
-    float C[4] = {0.0f, 0.0f, 0.0f, 0.0f}, M[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    float C[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll 1
     for (int h = 0; h < 2; h++) {
         const uint4 A = h ? raw.b0 : raw.a0, B = h ? raw.b1 : raw.a1;
         const uint32_t wa[4] = {A.x, A.y, A.z, A.w}, wb[4] = {B.x, B.y, B.z, B.w};
-        const uint4 *xh = xp + 32 * h;
         UNROLL
-        for (int i = 0; i < 4; i++) {
-            uint32_t l0a, l1a, h0a, h1a, l0b, l1b, h0b, h1b;
-            tc_q4k_word(wa[i], k0, &l0a, &l1a, &h0a, &h1a);
-            tc_q4k_word(wb[i], k1, &l0b, &l1b, &h0b, &h1b);
-            uint4 xb = xh[4 * (2 * i)];
-            tc_mma16816(C, l0a, l0b, l1a, l1b, xb.x, xb.y);
-            tc_mma16816(C, l0a, l0b, l1a, l1b, xb.z, xb.w);
-            xb = xh[4 * (2 * i + 1)];
-            tc_mma16816(C, h0a, h0b, h1a, h1b, xb.x, xb.y);
-            tc_mma16816(C, h0a, h0b, h1a, h1b, xb.z, xb.w);
-        }
+        for (int i = 0; i < 4; i++)
+            tc_q4k_word_mma(wa[i], wb[i], k0, k1, xp + 32 * h + 4 * (2 * i), C);
     }
-    tc_mma1688(M, k0.am, k1.am, sv.x);
-    tc_mma1688(M, k0.am, k1.am, sv.y);
-    acc[0] = fmaf(-k0.dmin, M[0], fmaf(k0.d, C[0], acc[0]));
-    acc[1] = fmaf(-k0.dmin, M[1], fmaf(k0.d, C[1], acc[1]));
-    acc[2] = fmaf(-k1.dmin, M[2], fmaf(k1.d, C[2], acc[2]));
-    acc[3] = fmaf(-k1.dmin, M[3], fmaf(k1.d, C[3], acc[3]));
+    tc_q4k_block_end(k0, k1, sv, C, acc);
 #endif
 }
 
