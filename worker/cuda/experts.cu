@@ -170,8 +170,8 @@ gate_up_kernel(const uint8_t *const *__restrict__ ga, const uint8_t *const *__re
                           out + slot * ldo);
 }
 
-/* Gate and up of gu_tc_tile through one copy of the walk's code (1, the default) or two (0), a
- * build-time setting with the same floats either way. */
+/* Gate and up of the one-token gu_tc_tile (ONE) through one copy of the walk's code (1, the
+ * default) or two (0), a build-time setting with the same floats either way. */
 #ifndef MOE_GU_ONE_COPY
 #define MOE_GU_ONE_COPY 1
 #endif
@@ -254,9 +254,9 @@ static __device__ __forceinline__ void gu_tc_tile(const uint8_t *g, const uint8_
          * each block's products through tc_block_rolled: a one-token launch (ONE) runs each
          * instruction of it a few times per warp only, and its warps wait for the instructions'
          * fetches, so less code is fewer of those waits. The same operations, so the same
-         * floats. (Q6_K keeps two copies: its raw bytes take too
-         * many registers to be selected between; so do the kernels of grouped steps, which run
-         * their code over many tokens and measured slower with one.) */
+         * floats. (Q6_K keeps two copies: its raw bytes take too many registers to be selected
+         * between; so do the kernels of grouped steps, which run their code over many tokens
+         * and measured slower with one.) */
 #pragma unroll 1
         for (int m = 0; m < 2; m++) {
             float a[4] = {0.0f, 0.0f, 0.0f, 0.0f};
@@ -346,7 +346,7 @@ gate_up_tc_kernel(const uint8_t *const *__restrict__ ga, const uint8_t *const *_
     const float *xr[1] = {x + (slot / kuse) * ldx};
     float *o[1] = {out + slot * ldo};
     gu_tc_tile<K, 1, false, AS, !AS, true>(g, u, row_bytes, nsb, ff, rt0, xr, o, 1,
-                                     (uint4 *)(rsm + tc_off));
+                                           (uint4 *)(rsm + tc_off));
 }
 
 int moe_cuda_expert_tc_env(void)
