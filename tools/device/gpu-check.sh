@@ -5,7 +5,7 @@
 #
 #   tools/device/gpu-check.sh [LOGDIR] [steps...]
 #   steps: build tests parity sanitizer sampler daemon daemon-tests daemon-offload tiny big
-#          offload tc tok multi variants
+#          offload tc tok multi variants envs trace
 #   (sampler: the sampler's GPU tests, the engine's sampling tests and compute-sanitizer on the
 #   worker with every spread pass on, MOE_SAMPLE_SPREAD=all, then bench_cuda_sample)
 #   (tok: the mat-vec walk that converts each code once for 16 tokens, MOE_CUDA_MV_TOK=1: its
@@ -244,4 +244,58 @@ if has variants; then
                 ${VARIANT_ARGS:---prompt 512 --gen 128 --batches 16 --long 0} 2>&1 | tail -n 1
         done
     done | tee "$LOG/bench-variants.log"
+fi
+if has envs; then
+    # Runtime switches against each other on one build: ENVS holds the settings, separated by
+    # ';', each a list of NAME=VALUE (an empty one is the default), e.g.
+    # ENVS=";MOE_CUDA_QKV_BRANCH=0;MOE_CUDA_PDL=0 MOE_CUDA_TC=down". bench_engine for each in
+    # alternation, ENVS_ROUNDS rounds (default 3; ENVS_ARGS, default batch 1 in an engine of
+    # one sequence after a 512-token prompt), then 64 greedy tokens of each against the first's.
+    step "switches against each other"
+    model30
+    IFS=';' read -r -a envs <<<"${ENVS:-}"
+    [ ${#envs[@]} -eq 0 ] && envs=("")
+    for round in $(seq 1 "${ENVS_ROUNDS:-3}"); do
+        for e in "${envs[@]}"; do
+            printf '[%s], round %s: ' "$e" "$round"
+            env $e timeout 200 "$B/build/bench/bench_engine" $M --device cuda:0 \
+                ${ENVS_ARGS:---prompt 512 --gen 128 --batches "" --long 0} 2>&1 |
+                grep -E "^decode batch|aggregate" | tr '\n' ' '
+            echo
+        done
+    done | tee "$LOG/bench-envs.log"
+    printf 'The quick brown fox jumps over the lazy dog. %.0s' {1..20} >"$LOG/greedy-prompt.txt"
+    i=0
+    for e in "${envs[@]}"; do
+        env $e timeout 120 "$B/bin/moed-worker" --model $M --prompt-file "$LOG/greedy-prompt.txt" \
+            -n 64 --temp 0 --json --device cuda:0 >"$LOG/greedy-$i.json" 2>"$LOG/greedy-$i.err"
+        if [ $i -gt 0 ]; then
+            cmp -s "$LOG/greedy-0.json" "$LOG/greedy-$i.json" &&
+                echo "[$e]: 64 greedy tokens as [${envs[0]}]" ||
+                echo "[$e]: greedy tokens DIFFER from [${envs[0]}]"
+        fi
+        i=$((i + 1))
+    done
+fi
+if has trace; then
+    # Every kernel of a one-token step on the GPU's clock (tools/device/kernel-trace.c, packed by
+    # pack-bins.sh as kernel-trace.so, or TRACE_LIB) for each setting of ENVS (as above):
+    # LOG/trace-N.txt, N the setting's position.
+    step "kernel trace"
+    model30
+    lib=${TRACE_LIB:-$B/kernel-trace.so}
+    if [ ! -f "$lib" ]; then
+        echo "trace: no $lib (pack-bins.sh builds it where CUPTI's headers are)"
+    else
+        IFS=';' read -r -a envs <<<"${ENVS:-}"
+        [ ${#envs[@]} -eq 0 ] && envs=("")
+        i=0
+        for e in "${envs[@]}"; do
+            env $e CUDA_INJECTION64_PATH="$lib" MOE_TRACE_OUT="$LOG/trace-$i.txt" timeout 200 \
+                "$B/build/bench/bench_engine" $M --device cuda:0 --prompt 512 --gen 128 \
+                --batches "" --long 0 >"$LOG/trace-$i.log" 2>&1
+            echo "[$e]: $(sed -n 2p "$LOG/trace-$i.txt" 2>/dev/null)"
+            i=$((i + 1))
+        done
+    fi
 fi

@@ -8,7 +8,8 @@
 #
 # The pack holds, stripped, the programs the steps run (bin/, build/tests/, build/bench/, in
 # the build tree's layout), the shared libraries of the Debian packages they link (lib/,
-# which gpu-check.sh puts on LD_LIBRARY_PATH) and the tokenizer's vocabulary (vocab.gguf,
+# which gpu-check.sh puts on LD_LIBRARY_PATH), the kernel trace where CUPTI's headers are here
+# (kernel-trace.so, gpu-check.sh's trace step) and the tokenizer's vocabulary (vocab.gguf,
 # which `moectl mkmodel` reads from tests/golden/tokenizer/), so that a call can leave the
 # golden references, the chat templates and the tokenizer out of its tree with `git
 # sparse-checkout set --no-cone '/*' '!/tests/golden/refs/' '!/tests/fixtures/chat-templates/'
@@ -54,6 +55,12 @@ for v in ${VARIANTS:-}; do
 done
 . tools/device/libs.sh
 device_libs_copy "$D/lib"
+# The kernel trace (gpu-check.sh's trace step) where CUPTI's headers are here.
+cupti=/usr/local/cuda/extras/CUPTI
+if [ -f "$cupti/include/cupti.h" ] || [ -f /usr/local/cuda/include/cupti.h ]; then
+    cc -O2 -shared -fPIC -o "$D/kernel-trace.so" tools/device/kernel-trace.c \
+        -I/usr/local/cuda/include -I"$cupti/include" -L/usr/local/cuda/lib64 -L"$cupti/lib64" -lcupti
+fi
 git show HEAD:tests/golden/tokenizer/qwen3-vocab.gguf >"$D/vocab.gguf"
 mkdir -p .carry
 tar -C "$(dirname "$D")" -cf - moed-bins | xz -T2 --lzma2=preset=6,dict=192MiB >.carry/bins.tar.xz
