@@ -631,6 +631,21 @@ static size_t two_engines_diff(struct moe_engine *a, struct moe_engine *b, int64
     return two_engines_cmp(a, b, V, plen, steps, solo).diff;
 }
 
+/* How many of the LE routing counts of engine f, which has run the same steps as engine r
+ * `times` times, are not `times` times r's. */
+static size_t counts_diff(struct moe_engine *f, struct moe_engine *r, size_t LE, uint64_t times)
+{
+    uint64_t *cf = calloc(LE, sizeof *cf), *cr = calloc(LE, sizeof *cr);
+    CHECK(cf && cr);
+    CHECK_EQ(moe_engine_routing_counts(f, cf), 0);
+    CHECK_EQ(moe_engine_routing_counts(r, cr), 0);
+    size_t d = 0;
+    for (size_t i = 0; i < LE; i++)
+        d += cf[i] != times * cr[i];
+    free(cf), free(cr);
+    return d;
+}
+
 /* Expert slots grouped by expert (MOE_CUDA_GROUP_MIN=1: every step of several tokens groups)
  * give the floats of the per-slot kernels bit for bit: 40- and 100-token prompts and decode
  * batches of 4 sequences, CUDA-core kernels only (MOE_CUDA_GEMM=0) so that prompts group too. */
@@ -841,8 +856,6 @@ TEST_TIMEOUT(cuda_folded_launches_equal_separate_ones, 600)
         const int64_t V = m->hp.n_vocab;
         const size_t LE = (size_t)m->hp.n_layer * m->hp.n_expert;
         struct moe_engine *f = engine_on(m, "cuda:0", 160, 4, 0, false);
-        uint64_t *cf = calloc(LE, sizeof *cf), *cr = calloc(LE, sizeof *cr);
-        CHECK(cf && cr);
         for (int v = 0; v < (int)(sizeof sw / sizeof sw[0]); v++) {
             setenv(sw[v][0], sw[v][1], 1);
             struct moe_engine *r = engine_on(m, "cuda:0", 160, 4, 0, false);
@@ -851,12 +864,8 @@ TEST_TIMEOUT(cuda_folded_launches_equal_separate_ones, 600)
             moe_test_rng_seed(311 + mi);
             /* Sequence 0 alone for 4 steps (folded; its attention in 3 splits), then all four. */
             const size_t diff = two_engines_diff(f, r, V, plen, 8, 4);
-            CHECK_EQ(moe_engine_routing_counts(f, cf), 0);
-            CHECK_EQ(moe_engine_routing_counts(r, cr), 0);
             /* f has run the same steps once per variant so far: its counts are v + 1 times r's. */
-            size_t cdiff = 0;
-            for (size_t i = 0; i < LE; i++)
-                cdiff += cf[i] != (uint64_t)(v + 1) * cr[i];
+            const size_t cdiff = counts_diff(f, r, LE, (uint64_t)v + 1);
             printf("  %-44s default vs %s=%s: %zu logits differ, %zu routing counts\n",
                    MODELS[mi], sw[v][0], sw[v][1], diff, cdiff);
             CHECK_EQ(diff, 0);
@@ -877,10 +886,54 @@ TEST_TIMEOUT(cuda_folded_launches_equal_separate_ones, 600)
             moe_engine_free(a);
             moe_engine_free(r);
         }
-        free(cf), free(cr);
         moe_engine_free(f);
         test_model_close(&tm);
     }
+}
+
+/* A one-token router launch that also stages its normalised row for the layer's gate/up on
+ * tensor cores (MOE_CUDA_GU_STAGED=1), which then copies it instead of staging the row in every
+ * block, gives the floats and routing counts of the default. The test models are small enough
+ * for even one token's slots to be grouped by expert by default, so both engines take the
+ * per-slot kernels here (MOE_CUDA_GROUP_MIN=2), where the staged row is used. Prompts, then 4
+ * one-token steps of one sequence and 4 of four. */
+TEST_TIMEOUT(cuda_gate_up_input_staged_by_router_is_exact, 600)
+{
+    need_gpu();
+    int staged = 0;
+    for (size_t mi = 0; mi < N_MODELS; mi++) {
+        struct test_model tm;
+        test_model_open(&tm, MODELS[mi]);
+        const struct moe_model *m = &tm.m;
+        const int64_t V = m->hp.n_vocab;
+        const size_t LE = (size_t)m->hp.n_layer * m->hp.n_expert;
+        setenv("MOE_CUDA_GROUP_MIN", "2", 1);
+        struct moe_engine *ref = engine_on(m, "cuda:0", 160, 4, 0, false);
+        setenv("MOE_CUDA_GU_STAGED", "1", 1);
+        struct moe_engine *a = engine_on(m, "cuda:0", 160, 4, 0, false);
+        unsetenv("MOE_CUDA_GU_STAGED");
+        unsetenv("MOE_CUDA_GROUP_MIN");
+        char desc[1024] = "";
+        uint64_t bytes = 0;
+        struct moe_backend *ba = moe_engine_backend(a);
+        ba->vt->info(ba, &bytes, desc, sizeof desc);
+        const bool on = strstr(desc, "gate/up input staged by the router") != NULL;
+        staged += on;
+        const uint32_t plen[4] = {37, 64, 3, 90};
+        moe_test_rng_seed(337 + mi);
+        const size_t diff = two_engines_diff(a, ref, V, plen, 8, 4);
+        const size_t cdiff = counts_diff(a, ref, LE, 1);
+        printf("  %-44s MOE_CUDA_GU_STAGED=1 (%s) vs default: %zu logits differ, %zu routing "
+               "counts\n",
+               MODELS[mi], on ? "staged" : "not taken", diff, cdiff);
+        CHECK_EQ(diff, 0);
+        CHECK_EQ(cdiff, 0);
+        moe_engine_free(a);
+        moe_engine_free(ref);
+        test_model_close(&tm);
+    }
+    /* The golden models' rows are 256 wide: every one can take it. */
+    CHECK(staged >= 3);
 }
 
 /* The q/k-norm + RoPE + KV store that a one-token step does inside its attention launch

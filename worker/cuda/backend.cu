@@ -176,6 +176,11 @@ struct cuda_backend {
     bool route_fold;                 /* routing inside gate/up (route_folds); MOE_CUDA_ROUTE_FOLD=0
                                       * keeps its own launch */
     int route_pending;               /* the layer whose routing the expert op does; -1: none */
+    bool gu_staged;                  /* MOE_CUDA_GU_STAGED=1: a one-token router launch also
+                                      * stages its normalised row for the layer's gate/up on
+                                      * tensor cores (router_staged) */
+    void *d_xst;                     /* that staged row (E / 256 · 1056 + 16 bytes) */
+    int xst_l;                       /* the layer whose row d_xst holds in this step; -1: none */
     bool norm_fold;                  /* RMSNorm inside the next mat-vec; MOE_CUDA_NORM_FOLD=0: not */
     bool norm_pending;               /* an RMSNorm the next op does (or launches first) */
     bool att_rope;                   /* MOE_CUDA_ATT_ROPE=1: at one token, the q/k-norm + RoPE +
@@ -1874,6 +1879,8 @@ static int cuda_init(struct moe_backend **out, const struct moe_model *m, struct
     b->mixed_mv = mixed_mv && *mixed_mv ? strcmp(mixed_mv, "0") != 0 : -1;
     b->qkv_branch = env_on("MOE_CUDA_QKV_BRANCH");
     b->resolve_route = env_on("MOE_CUDA_RESOLVE_ROUTE");
+    b->gu_staged = getenv("MOE_CUDA_GU_STAGED") && !strcmp(getenv("MOE_CUDA_GU_STAGED"), "1");
+    b->xst_l = -1;
     b->route_pending = -1;
     b->pf_read = -1;
     int rc = 0;
@@ -2029,6 +2036,8 @@ static int cuda_init(struct moe_backend **out, const struct moe_model *m, struct
             INIT_TRY(cudaMallocHost((void **)&b->h_route_hist, sizeof(int32_t) * (size_t)d->L * ns));
         }
         INIT_TRY(cudaMalloc((void **)&b->d_rope, sizeof(float) * nb * (size_t)d->hd));
+        if (b->gu_staged && d->E % 256 == 0)
+            INIT_TRY(cudaMalloc(&b->d_xst, (size_t)(d->E / 256) * 1056 + 16));
         const char *ws1 = getenv("MOE_CUDA_TC_WS1");
         b->tc_ws1 = ws1 && !strcmp(ws1, "1");
         const char *staged = getenv("MOE_CUDA_TC_STAGED");
@@ -2161,6 +2170,11 @@ static int cuda_init(struct moe_backend **out, const struct moe_model *m, struct
                                                    : "",
                          b->tc & MOE_CUDA_TC_HEAD ? " head" : "",
                          b->tc_ws ? " (inputs staged once)" : "");
+            }
+            if (b->d_xst) {
+                k = strlen(b->desc);
+                snprintf(b->desc + k, sizeof b->desc - k,
+                         ", one-token gate/up input staged by the router launch");
             }
 #if defined(MOE_Q8_ROWS) && MOE_Q8_ROWS > 0
             k = strlen(b->desc);
@@ -2319,6 +2333,7 @@ static void cuda_free(struct moe_backend *bb)
     free(b->ev_join);
     free(b->ev_pred);
     free(b->pf_pending);
+    cudaFree(b->d_xst);
     if (b->st2)
         cudaStreamDestroy(b->st2);
     if (b->st3)
@@ -2482,6 +2497,7 @@ static int cuda_begin(struct moe_backend *bb, const struct moe_step *st)
     moe_pdl_step_on = st->n == 1;
     pool_step_begin(b);
     b->route_pending = -1;
+    b->xst_l = -1;
     b->norm_pending = false;
     b->qkv_pending = false;
     b->rope_pending = false;
@@ -2871,6 +2887,30 @@ static int qkv_branch(struct cuda_backend *b, int l, const struct moe_mm *mm, in
     return 0;
 }
 
+static bool route_folds(const struct cuda_backend *b, int l);
+
+/* The one-token router of layer l (weight W, job) with its pending RMSNorm, launched so that it
+ * also stages the normalised row for the layer's gate/up on tensor cores (gu_staged; a layer
+ * whose routing is done in its gate/up launch, route_folds): *rc 0 when launched, -EINVAL when
+ * not (the caller's launch then does it). */
+static int router_staged(struct cuda_backend *b, int l, const struct moe_tensor *W,
+                         const struct moe_mv_job *job, int *rc)
+{
+    *rc = -EINVAL;
+    const struct cuda_layer *cl = &b->layers[l];
+    if (!b->gu_staged || !b->d_xst || W->type != MOE_TYPE_F32 || !route_folds(b, l) ||
+        !moe_cuda_expert_tc(b->tc & MOE_CUDA_TC_GATE_UP, cl->gate_type) || W->ne[0] != b->d.E)
+        return 0;
+    *rc = moe_cuda_router_norm_staged(job, W->ne[0], b->buf[b->pn_src],
+                                      norm_weight(b, l, b->pn_w), b->d.eps, b->buf[b->pn_dst],
+                                      cl->gate_type, b->d_xst, b->st);
+    if (*rc == -EINVAL)
+        return 0;
+    LAUNCH(b, "rmsnorm + router (+ gate/up's input staged)", *rc);
+    b->xst_l = l;
+    return 0;
+}
+
 /* The products of cuda_matmul, launched now; rope (or NULL): the q/k-norm + RoPE + KV store of
  * the layer done by the launch that applies a pending RMSNorm where it can (b->rope_done says
  * whether it did). */
@@ -2932,6 +2972,10 @@ static int matmul_now(struct cuda_backend *b, int l, const struct moe_mm *mm, in
             if (b->qkv_branch && b->n == 1 && nj < n_mm)
                 TRY_CU(qkv_branch(b, l, mm, n_mm, done, W->type, tcd, &joined));
             int rc = -EINVAL;
+            if (!tcd && nj == 1 && n_mm == 1 && mm[0].w == MOE_W_ROUTER)
+                TRY_CU(router_staged(b, l, W, &jobs[0], &rc));
+            if (rc == 0)
+                continue;
             if (tcd) {
                 /* The types after this one (when not on the branch) read the normalised row
                  * this launch stores. */
@@ -3457,10 +3501,15 @@ static int expert_kernels(struct cuda_backend *b, int l, bool fold, const void *
                                             b->tc_ws_bytes, b->st));
         return 0;
     }
-    const struct moe_cuda_route_in rt = {b->buf[MOE_BUF_RL], b->ld[MOE_BUF_RL], (int)b->d.nexp,
-                                         b->d.norm_topk, (int32_t *)b->buf[MOE_BUF_SEL_E],
+    const struct moe_cuda_route_in rt = {b->buf[MOE_BUF_RL],
+                                         b->ld[MOE_BUF_RL],
+                                         (int)b->d.nexp,
+                                         b->d.norm_topk,
+                                         (int32_t *)b->buf[MOE_BUF_SEL_E],
                                          b->buf[MOE_BUF_SEL_W],
-                                         b->counts + (size_t)l * b->d.nexp};
+                                         b->counts + (size_t)l * b->d.nexp,
+                                         fold && b->xst_l == l && !fill && !rs ? b->d_xst : NULL,
+                                         cl->gate_type};
     mark(b, "gate_up");
     LAUNCH(b, rs ? "route + expert residency + gate/up" : fold ? "route + expert gate/up" : "expert gate/up",
            moe_cuda_expert_gate_up(cl->gate_type, cl->up_type, cl->gate, cl->up, b->d.E, b->d.ff,

@@ -191,15 +191,18 @@ static __device__ __forceinline__ float *gu_raw_area(uint4 *sm, int nsb)
  * ST: the inputs come staged once per step in st (moe_cuda_tc_stage), column c reading token
  * tok[c]'s, and sm holds the sums only (the same floats: the same staging functions). The whole
  * block calls it; it ends with a barrier. RAW (one token, its own row): the caller has put the
- * row's copy into gu_raw_area in flight (tc_raw_copy), and it is staged from there. ONE: the
- * block of a one-token launch (gate and up of Q4_K through one copy of the code, below). */
+ * row's copy into gu_raw_area in flight (tc_raw_copy), and it is staged from there, or
+ * (staged_exp) it has put the row's staged form into xs and sxs in flight, whose exponent is
+ * at staged_exp. ONE: the block of a one-token launch (gate and up of Q4_K through one copy of
+ * the code, below). */
 template <int K, int NT, bool ST = false, bool AS = false, bool RAW = false, bool ONE = false>
 static __device__ __forceinline__ void gu_tc_tile(const uint8_t *g, const uint8_t *u,
                                                   size_t row_bytes, int nsb, int64_t ff,
                                                   int64_t rt0, const float *const *xr,
                                                   float *const *o, int nt, uint4 *sm,
                                                   const tc_staged &st = tc_staged{},
-                                                  const int64_t *tok = nullptr)
+                                                  const int64_t *tok = nullptr,
+                                                  const int *staged_exp = nullptr)
 {
     __shared__ unsigned s_amax[NT];
     __shared__ int s_exp[NT];
@@ -237,7 +240,15 @@ static __device__ __forceinline__ void gu_tc_tile(const uint8_t *g, const uint8_
             s_exp[threadIdx.x] = st.exp[tok[threadIdx.x]];
         __syncthreads();
     } else if constexpr (RAW) {
-        tc_stage_raw<K>(raw, nsb, xs, sxs, s_exp, s_amax);
+        if (staged_exp) {
+            /* The caller copied the row staged by the router launch into xs and sxs. */
+            if (threadIdx.x == 0)
+                s_exp[0] = __ldcg(staged_exp);
+            cp_async_wait_all();
+            __syncthreads();
+        } else {
+            tc_stage_raw<K>(raw, nsb, xs, sxs, s_exp, s_amax);
+        }
     } else {
         tc_stage<NT, K>(xr, nsb, xs, sxs, s_exp, s_amax);
     }
@@ -302,7 +313,7 @@ static __device__ __forceinline__ void gu_tc_tile(const uint8_t *g, const uint8_
  * shared memory at byte w_off (2 · TC_ROWS rows), all at once and without registers, and reads
  * them from there after the staging: one round trip to memory for the tile instead of one per
  * block of the walk, and the same bytes, so the same floats. */
-template <int K, bool AS = false>
+template <int K, bool AS = false, bool SX = false>
 static __global__ void __launch_bounds__(32 * GU_WARPS, 3)
 gate_up_tc_kernel(const uint8_t *const *__restrict__ ga, const uint8_t *const *__restrict__ ua,
                   size_t row_bytes, int nsb, int64_t ff, const float *__restrict__ x, int64_t ldx,
@@ -317,9 +328,13 @@ gate_up_tc_kernel(const uint8_t *const *__restrict__ ga, const uint8_t *const *_
     const int wi = threadIdx.x >> 5;
     const int64_t rt0 = (int64_t)blockIdx.x * TC_ROWS, slot = blockIdx.y;
     /* The row's copy put in flight during the routing, behind the logits' loads (gu_tc_tile's
-     * RAW). */
+     * RAW), or its staged form where the router launch made it (rt.staged: one token). */
+    static_assert(!SX || !AS, "the staged row goes where a block stages its own");
     const auto copy_row = [&]() {
-        if constexpr (!AS)
+        if constexpr (SX)
+            block_copy_async((uint8_t *)(rsm + tc_off), (const uint8_t *)rt.staged,
+                             (size_t)nsb * 66 * sizeof(uint4));
+        else if constexpr (!AS)
             tc_raw_copy(gu_raw_area((uint4 *)(rsm + tc_off), nsb), x + (slot / kuse) * ldx,
                         (int64_t)nsb * 256, threadIdx.x, blockDim.x);
     };
@@ -345,8 +360,9 @@ gate_up_tc_kernel(const uint8_t *const *__restrict__ ga, const uint8_t *const *_
     }
     const float *xr[1] = {x + (slot / kuse) * ldx};
     float *o[1] = {out + slot * ldo};
-    gu_tc_tile<K, 1, false, AS, !AS, true>(g, u, row_bytes, nsb, ff, rt0, xr, o, 1,
-                                           (uint4 *)(rsm + tc_off));
+    gu_tc_tile<K, 1, false, AS, !AS, true>(
+        g, u, row_bytes, nsb, ff, rt0, xr, o, 1, (uint4 *)(rsm + tc_off), tc_staged{}, nullptr,
+        SX ? (const int *)((const uint4 *)rt.staged + (size_t)nsb * 66) : nullptr);
 }
 
 int moe_cuda_expert_tc_env(void)
@@ -1014,9 +1030,16 @@ static int launch_gate_up(const void *const *a, const void *const *b, int64_t n,
             const size_t as_smem = w_off + 2 * (size_t)TC_ROWS * rb;
             const bool as = (tc & MOE_CUDA_TC_ASYNC) && !fa && !fb && !rs.off &&
                             as_smem <= smem_room();
-            MOE_CUDA_TRY((as ? moe_raise_smem<gate_up_tc_kernel<K, true>>(as_smem)
-                             : moe_raise_smem<gate_up_tc_kernel<K>>(tc_smem)));
-            MOE_CUDA_TRY(moe_launch(as ? gate_up_tc_kernel<K, true> : gate_up_tc_kernel<K>, g,
+            /* One token whose row the router launch staged (rt.staged): copied, not staged. */
+            const bool sx = !as && rt.rl && rt.staged && rt.staged_type == kind_type(K) &&
+                            n_tok == 1;
+            MOE_CUDA_TRY((as   ? moe_raise_smem<gate_up_tc_kernel<K, true>>(as_smem)
+                          : sx ? moe_raise_smem<gate_up_tc_kernel<K, false, true>>(tc_smem)
+                               : moe_raise_smem<gate_up_tc_kernel<K>>(tc_smem)));
+            MOE_CUDA_TRY(moe_launch(as   ? gate_up_tc_kernel<K, true>
+                                    : sx ? gate_up_tc_kernel<K, false, true>
+                                         : gate_up_tc_kernel<K>,
+                                    g,
                                     dim3(32 * GU_WARPS), as ? as_smem : tc_smem, s,
                                     (const uint8_t *const *)a, (const uint8_t *const *)b, rb,
                                     (int)(n / 256), ff, x, ldx, kuse, sel_e, out, ldo, rt,
@@ -1063,7 +1086,8 @@ int moe_cuda_expert_gate_up(uint32_t gate_type, uint32_t up_type, const void *co
         return MOE_EUNSUPPORTED;
     if (n_tok <= 0 || kuse <= 0 || n_tok * kuse > 65535)
         return -EINVAL;
-    if (route && (gate_type != up_type || route->nexp < kuse))
+    if (route && (gate_type != up_type || route->nexp < kuse ||
+                  (route->staged && (n_tok != 1 || ((uintptr_t)route->staged & 15) != 0))))
         return -EINVAL;
     if (d_fill && nexp <= 0)
         return -EINVAL;

@@ -18,6 +18,11 @@ struct moe_cuda_route_in {
     int32_t *sel_e;
     float *sel_w;
     unsigned long long *counts;
+    /* Or NULL: the one token's input row staged for the tensor-core gate/up of its type by the
+     * router launch (moe_cuda_router_norm_staged), which a one-token gate/up of that type on
+     * tensor cores copies instead of staging the row itself (the same floats). */
+    const void *staged;
+    uint32_t staged_type;
 };
 
 /* A gate/up launch that resolves its layer's choices itself (a one-token step of an offloaded

@@ -458,15 +458,23 @@ static __device__ __forceinline__ void f32_units(const float4 *__restrict__ p, i
     }
 }
 
+/* SK (Q4_K or Q6_K; 0: none): blocks rows .. rows + n4/64 - 1 also stage the normalised row for
+ * the tensor-core products of that type, block rows + sb its 256-float block sb (tc_stage_items'
+ * items of the block, from the row in shared memory), into st: xs [nsb][64] uint4, then sxs
+ * [nsb][4] uint2, then the exponent (int); the same floats as a block's own staging of the
+ * stored row (tc_stage_raw), since every block normalises the row alike. */
+template <int SK>
 static __global__ void __launch_bounds__(32)
 f32_norm_rows_kernel(const float4 *__restrict__ w, int n4, const float4 *__restrict__ x,
                      const float4 *__restrict__ g, float eps, float *__restrict__ y,
-                     float4 *__restrict__ dst)
+                     float4 *__restrict__ dst, int rows, uint4 *__restrict__ st)
 {
     const int lane = threadIdx.x;
     const int64_t row = blockIdx.x;
+    const bool stage = SK != 0 && (int)blockIdx.x >= rows;
     float4 wv[F32N_UNITS], xv[F32N_UNITS], gv[F32N_UNITS];
-    f32_units(w + row * n4, n4, wv);
+    if (!stage)
+        f32_units(w + row * n4, n4, wv);
     pdl_wait();
     pdl_trigger();
     f32_units(x, n4, xv);
@@ -477,6 +485,35 @@ f32_norm_rows_kernel(const float4 *__restrict__ w, int n4, const float4 *__restr
         if (lane + 32 * k < n4)
             ss = ss_add4(ss, xv[k]);
     const float sc = rms_scale(warp_sum(ss), (int64_t)n4 * 4, eps);
+    if constexpr (SK != 0) {
+        if (stage) {
+            __shared__ float4 xr[32 * F32N_UNITS];
+            unsigned m = 0;
+            UNROLL
+            for (int k = 0; k < F32N_UNITS; k++) {
+                const int u = lane + 32 * k;
+                if (u < n4) {
+                    const float4 xn = xnorm4(xv[k], sc, gv[k]);
+                    xr[u] = xn;
+                    m = max(max(m, abs_bits(xn.x)),
+                            max(abs_bits(xn.y), max(abs_bits(xn.z), abs_bits(xn.w))));
+                }
+            }
+            m = __reduce_max_sync(0xffffffffu, m);
+            __syncwarp();
+            const int nsb = n4 / 64, sb = (int)blockIdx.x - rows, e = tc_scale_exp(__uint_as_float(m));
+            const float s2 = ldexpf(1.0f, -e);
+            const tc_row_ld ld{(const float *)xr};
+            for (int u = 64 * sb + lane; u < 64 * sb + 64; u += 32)
+                st[u] = tc_stage_frag_at<SK>(ld, u, s2);
+            uint2 *sxs = (uint2 *)(st + (size_t)nsb * 64);
+            if (SK == MOE_TYPE_Q4_K && lane < 4)
+                sxs[4 * sb + lane] = tc_stage_sum_at(ld, 4 * sb + lane, s2);
+            if (sb == 0 && lane == 0)
+                *(int *)(sxs + (size_t)nsb * 4) = e;
+            return;
+        }
+    }
     float acc = 0.0f;
     UNROLL
     for (int k = 0; k < F32N_UNITS; k++) {
@@ -778,9 +815,10 @@ static int matvec_multi(uint32_t type, const struct moe_mv_job *jobs, int n_jobs
         const struct moe_mv_job &j = jobs[0];
         const int n4 = (int)(n / 4);
         if (dst) {
-            MOE_CUDA_TRY(moe_launch(f32_norm_rows_kernel, dim3((unsigned)j.rows), dim3(32), 0, s,
-                                    (const float4 *)j.w, n4, (const float4 *)d_x,
-                                    (const float4 *)g, eps, j.y, (float4 *)dst));
+            MOE_CUDA_TRY(moe_launch(f32_norm_rows_kernel<0>, dim3((unsigned)j.rows), dim3(32), 0,
+                                    s, (const float4 *)j.w, n4, (const float4 *)d_x,
+                                    (const float4 *)g, eps, j.y, (float4 *)dst, (int)j.rows,
+                                    (uint4 *)NULL));
             return 0;
         }
         const int tt = n_tok >= 16 ? 4 : n_tok >= 2 ? 2 : 1;
@@ -848,6 +886,34 @@ extern "C" int moe_cuda_matvec_multi(uint32_t type, const struct moe_mv_job *job
                                      int accumulate, cudaStream_t s)
 {
     return matvec_multi(type, jobs, n_jobs, n, d_x, ldx, n_tok, accumulate, s, NULL, 0.0f, NULL);
+}
+
+extern "C" int moe_cuda_router_norm_staged(const struct moe_mv_job *job, int64_t n,
+                                           const float *d_src, const float *d_g, float eps,
+                                           float *d_dst, uint32_t stage_type, void *d_st,
+                                           cudaStream_t s)
+{
+    bool vec;
+    int rc = check_jobs(MOE_TYPE_F32, MOE_TYPE_F32, job, 1, 1, n, d_src, n, 1, &vec);
+    if (rc)
+        return rc;
+    if (!d_g || !d_dst || !d_st || !aligned(d_g, 16) || !aligned(d_dst, 16) ||
+        !aligned(d_st, 16) || n % 256 != 0 || !f32_rows(MOE_TYPE_F32, job, 1, n, 1, vec, NULL) ||
+        job->rows < 1 || job->rows > 32767 ||
+        (stage_type != MOE_TYPE_Q4_K && stage_type != MOE_TYPE_Q6_K))
+        return -EINVAL;
+    const unsigned blocks = (unsigned)(job->rows + n / 256);
+    const int n4 = (int)(n / 4);
+    MOE_CUDA_TRY(stage_type == MOE_TYPE_Q4_K
+                     ? moe_launch(f32_norm_rows_kernel<MOE_TYPE_Q4_K>, dim3(blocks), dim3(32), 0,
+                                  s, (const float4 *)job->w, n4, (const float4 *)d_src,
+                                  (const float4 *)d_g, eps, job->y, (float4 *)d_dst,
+                                  (int)job->rows, (uint4 *)d_st)
+                     : moe_launch(f32_norm_rows_kernel<MOE_TYPE_Q6_K>, dim3(blocks), dim3(32), 0,
+                                  s, (const float4 *)job->w, n4, (const float4 *)d_src,
+                                  (const float4 *)d_g, eps, job->y, (float4 *)d_dst,
+                                  (int)job->rows, (uint4 *)d_st));
+    return 0;
 }
 
 extern "C" int moe_cuda_matvec_multi_norm(uint32_t type, const struct moe_mv_job *jobs,
