@@ -299,6 +299,49 @@ TEST(mv_tc_host_staging_layout)
     }
 }
 
+/* A row staged one 256-float block per warp (tc_stage_block_lane, the router launch's staging
+ * for gate/up) writes every item of tc_stage_items once and with its bits: each block's 32
+ * lanes, over a 2048-float row, Q4_K and Q6_K, into arrays poisoned first; and the row's layout
+ * puts the exponent right after a block's own staging (tc_stage_bytes). */
+TEST(mv_tc_host_staging_by_blocks_equals_the_row_staging)
+{
+    moe_test_rng_seed(83);
+    enum { NSB = 8, N = 256 * NSB };
+    static float x[N];
+    for (int i = 0; i < N; i++)
+        x[i] = rnd() * 90.0f;
+    const float sc = 0.125f;
+    const tc_row_ld ld{x};
+    static uint4 xs[NSB * 64], ws[NSB * 64];
+    static uint2 sxs[NSB * 4], wsx[NSB * 4];
+    for (int q = 0; q < 2; q++) {
+        memset(xs, 0xa5, sizeof xs);
+        memset(sxs, 0xa5, sizeof sxs);
+        memset(ws, 0x5a, sizeof ws);
+        memset(wsx, 0x5a, sizeof wsx);
+        for (int sb = 0; sb < NSB; sb++)
+            for (int lane = 0; lane < 32; lane++) {
+                if (q == 0)
+                    tc_stage_block_lane<MOE_TYPE_Q4_K>(ld, sc, sb, lane, xs, sxs);
+                else
+                    tc_stage_block_lane<MOE_TYPE_Q6_K>(ld, sc, sb, lane, xs, sxs);
+            }
+        for (int u = 0; u < NSB * 64; u++)
+            ws[u] = q == 0 ? tc_stage_frag<MOE_TYPE_Q4_K>(x, u, sc)
+                           : tc_stage_frag<MOE_TYPE_Q6_K>(x, u, sc);
+        for (int u = 0; q == 0 && u < NSB * 4; u++)
+            wsx[u] = tc_stage_sum(x, u, sc);
+        CHECK_MSG(!memcmp(xs, ws, sizeof xs), "%s fragments", q ? "Q6_K" : "Q4_K");
+        if (q == 0)
+            CHECK(!memcmp(sxs, wsx, sizeof sxs));
+        else
+            for (int u = 0; u < NSB * 4; u++) /* Q6_K takes no sums: none written */
+                CHECK(sxs[u].x == 0xa5a5a5a5u && sxs[u].y == 0xa5a5a5a5u);
+    }
+    CHECK_EQ(tc_staged_row_exp(NSB) * sizeof(uint4),
+             (size_t)NSB * (64 * sizeof(uint4) + 4 * sizeof(uint2)));
+}
+
 /* The scale exponent: the largest input lands in [512, 1024) after 2^-s, and the extremes stay
  * finite both ways. */
 TEST(mv_tc_host_scale_exponent)

@@ -179,7 +179,7 @@ struct cuda_backend {
     bool gu_staged;                  /* MOE_CUDA_GU_STAGED=1: a one-token router launch also
                                       * stages its normalised row for the layer's gate/up on
                                       * tensor cores (router_staged) */
-    void *d_xst;                     /* that staged row (E / 256 · 1056 + 16 bytes) */
+    void *d_xst;                     /* that staged row (moe_cuda_router_staged_bytes) */
     int xst_l;                       /* the layer whose row d_xst holds in this step; -1: none */
     bool norm_fold;                  /* RMSNorm inside the next mat-vec; MOE_CUDA_NORM_FOLD=0: not */
     bool norm_pending;               /* an RMSNorm the next op does (or launches first) */
@@ -2037,7 +2037,7 @@ static int cuda_init(struct moe_backend **out, const struct moe_model *m, struct
         }
         INIT_TRY(cudaMalloc((void **)&b->d_rope, sizeof(float) * nb * (size_t)d->hd));
         if (b->gu_staged && d->E % 256 == 0)
-            INIT_TRY(cudaMalloc(&b->d_xst, (size_t)(d->E / 256) * 1056 + 16));
+            INIT_TRY(cudaMalloc(&b->d_xst, moe_cuda_router_staged_bytes(d->E)));
         const char *ws1 = getenv("MOE_CUDA_TC_WS1");
         b->tc_ws1 = ws1 && !strcmp(ws1, "1");
         const char *staged = getenv("MOE_CUDA_TC_STAGED");

@@ -333,7 +333,7 @@ gate_up_tc_kernel(const uint8_t *const *__restrict__ ga, const uint8_t *const *_
     const auto copy_row = [&]() {
         if constexpr (SX)
             block_copy_async((uint8_t *)(rsm + tc_off), (const uint8_t *)rt.staged,
-                             (size_t)nsb * 66 * sizeof(uint4));
+                             tc_stage_bytes(1, nsb));
         else if constexpr (!AS)
             tc_raw_copy(gu_raw_area((uint4 *)(rsm + tc_off), nsb), x + (slot / kuse) * ldx,
                         (int64_t)nsb * 256, threadIdx.x, blockDim.x);
@@ -362,7 +362,7 @@ gate_up_tc_kernel(const uint8_t *const *__restrict__ ga, const uint8_t *const *_
     float *o[1] = {out + slot * ldo};
     gu_tc_tile<K, 1, false, AS, !AS, true>(
         g, u, row_bytes, nsb, ff, rt0, xr, o, 1, (uint4 *)(rsm + tc_off), tc_staged{}, nullptr,
-        SX ? (const int *)((const uint4 *)rt.staged + (size_t)nsb * 66) : nullptr);
+        SX ? (const int *)((const uint4 *)rt.staged + tc_staged_row_exp(nsb)) : nullptr);
 }
 
 int moe_cuda_expert_tc_env(void)

@@ -503,14 +503,10 @@ f32_norm_rows_kernel(const float4 *__restrict__ w, int n4, const float4 *__restr
             __syncwarp();
             const int nsb = n4 / 64, sb = (int)blockIdx.x - rows, e = tc_scale_exp(__uint_as_float(m));
             const float s2 = ldexpf(1.0f, -e);
-            const tc_row_ld ld{(const float *)xr};
-            for (int u = 64 * sb + lane; u < 64 * sb + 64; u += 32)
-                st[u] = tc_stage_frag_at<SK>(ld, u, s2);
-            uint2 *sxs = (uint2 *)(st + (size_t)nsb * 64);
-            if (SK == MOE_TYPE_Q4_K && lane < 4)
-                sxs[4 * sb + lane] = tc_stage_sum_at(ld, 4 * sb + lane, s2);
+            tc_stage_block_lane<SK>(tc_row_ld{(const float *)xr}, s2, sb, lane, st,
+                                    (uint2 *)(st + (size_t)nsb * 64));
             if (sb == 0 && lane == 0)
-                *(int *)(sxs + (size_t)nsb * 4) = e;
+                *(int *)(st + tc_staged_row_exp(nsb)) = e;
             return;
         }
     }
@@ -886,6 +882,11 @@ extern "C" int moe_cuda_matvec_multi(uint32_t type, const struct moe_mv_job *job
                                      int accumulate, cudaStream_t s)
 {
     return matvec_multi(type, jobs, n_jobs, n, d_x, ldx, n_tok, accumulate, s, NULL, 0.0f, NULL);
+}
+
+extern "C" size_t moe_cuda_router_staged_bytes(int64_t n)
+{
+    return sizeof(uint4) * (tc_staged_row_exp((int)(n / 256)) + 1);
 }
 
 extern "C" int moe_cuda_router_norm_staged(const struct moe_mv_job *job, int64_t n,

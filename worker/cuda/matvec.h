@@ -94,13 +94,15 @@ int moe_cuda_matvec_multi_norm(uint32_t type, const struct moe_mv_job *jobs, int
 
 /* The one-token router of a layer with its RMSNorm on the way (moe_cuda_matvec_multi_norm of
  * one float32 job: the same floats into job->y and d_dst), and in the same launch the normalised
- * row staged for the tensor-core products of stage_type (Q4_K or Q6_K) into d_st (n / 256 ·
- * 1056 + 16 bytes: fragments, sub-block sums, then the exponent, an int), as a block of those
+ * row staged for the tensor-core products of stage_type (Q4_K or Q6_K) into d_st
+ * (moe_cuda_router_staged_bytes(n): fragments, sub-block sums, then the exponent, an int; the
+ * layout of tc_staged_row_exp in mv_tc.cuh), as a block of those
  * products would stage it from d_dst. -EINVAL where the shapes or alignments do not fit its
  * kernel (the caller then launches the plain router). */
 int moe_cuda_router_norm_staged(const struct moe_mv_job *job, int64_t n, const float *d_src,
                                 const float *d_g, float eps, float *d_dst, uint32_t stage_type,
                                 void *d_st, cudaStream_t s);
+size_t moe_cuda_router_staged_bytes(int64_t n);
 
 /* moe_cuda_matvec_multi (d_dst NULL) or moe_cuda_matvec_multi_norm (d_dst, d_g, rope: one
  * token, x is the RMSNorm's source) for matrices of two weight types in one launch: jobs[0..n1) of type

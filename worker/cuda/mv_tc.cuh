@@ -202,6 +202,29 @@ template <class Ld> static HD uint2 tc_stage_sum_at(const Ld &ld, int r, float s
     return tc_stage_sums(s0, s1);
 }
 
+/* Lane `lane`'s share of the staging of a row's 256-float block sb, done by one warp per block
+ * (moe_cuda_router_norm_staged): its items of tc_stage_items, fragments 64·sb + lane and
+ * 64·sb + lane + 32 into xs and, for Q4_K and lanes below 4, sub-block sums 4·sb + lane into sxs
+ * (the whole row's arrays). The warps of blocks 0 .. nsb - 1 together write every item once. */
+template <int K, class Ld>
+static HD void tc_stage_block_lane(const Ld &ld, float sc, int sb, int lane, uint4 *xs,
+                                   uint2 *sxs)
+{
+    for (int u = 64 * sb + lane; u < 64 * sb + 64; u += 32)
+        xs[u] = tc_stage_frag_at<K>(ld, u, sc);
+    if (K == MOE_TYPE_Q4_K && lane < 4)
+        sxs[4 * sb + lane] = tc_stage_sum_at(ld, 4 * sb + lane, sc);
+}
+
+/* A row staged once for other launches to copy (moe_cuda_router_norm_staged): its fragments
+ * [nsb][64] uint4, then its sub-block sums [nsb][4] uint2, then its exponent (an int): the
+ * layout of a block's own staging (tc_stage_bytes(1, nsb)) followed by the exponent, which
+ * starts at uint4 tc_staged_row_exp(nsb). */
+static HD size_t tc_staged_row_exp(int nsb)
+{
+    return (size_t)nsb * 66;
+}
+
 /* A row as tc_stage_frag_at and tc_stage_sum_at read it: the float4 at element o (o % 4 == 0). */
 struct tc_row_ld {
     const float *x;
