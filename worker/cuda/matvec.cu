@@ -488,19 +488,13 @@ f32_norm_rows_kernel(const float4 *__restrict__ w, int n4, const float4 *__restr
     if constexpr (SK != 0) {
         if (stage) {
             __shared__ float4 xr[32 * F32N_UNITS];
-            unsigned m = 0;
             UNROLL
-            for (int k = 0; k < F32N_UNITS; k++) {
-                const int u = lane + 32 * k;
-                if (u < n4) {
-                    const float4 xn = xnorm4(xv[k], sc, gv[k]);
-                    xr[u] = xn;
-                    m = max(max(m, abs_bits(xn.x)),
-                            max(abs_bits(xn.y), max(abs_bits(xn.z), abs_bits(xn.w))));
-                }
-            }
-            m = __reduce_max_sync(0xffffffffu, m);
+            for (int k = 0; k < F32N_UNITS; k++)
+                if (lane + 32 * k < n4)
+                    xr[lane + 32 * k] = xnorm4(xv[k], sc, gv[k]);
             __syncwarp();
+            const unsigned m = __reduce_max_sync(
+                0xffffffffu, tc_amax_part((const float *)xr, (int64_t)n4 * 4, lane, 32));
             const int nsb = n4 / 64, sb = (int)blockIdx.x - rows, e = tc_scale_exp(__uint_as_float(m));
             const float s2 = ldexpf(1.0f, -e);
             tc_stage_block_lane<SK>(tc_row_ld{(const float *)xr}, s2, sb, lane, st,
@@ -903,17 +897,12 @@ extern "C" int moe_cuda_router_norm_staged(const struct moe_mv_job *job, int64_t
         job->rows < 1 || job->rows > 32767 ||
         (stage_type != MOE_TYPE_Q4_K && stage_type != MOE_TYPE_Q6_K))
         return -EINVAL;
-    const unsigned blocks = (unsigned)(job->rows + n / 256);
-    const int n4 = (int)(n / 4);
-    MOE_CUDA_TRY(stage_type == MOE_TYPE_Q4_K
-                     ? moe_launch(f32_norm_rows_kernel<MOE_TYPE_Q4_K>, dim3(blocks), dim3(32), 0,
-                                  s, (const float4 *)job->w, n4, (const float4 *)d_src,
-                                  (const float4 *)d_g, eps, job->y, (float4 *)d_dst,
-                                  (int)job->rows, (uint4 *)d_st)
-                     : moe_launch(f32_norm_rows_kernel<MOE_TYPE_Q6_K>, dim3(blocks), dim3(32), 0,
-                                  s, (const float4 *)job->w, n4, (const float4 *)d_src,
-                                  (const float4 *)d_g, eps, job->y, (float4 *)d_dst,
-                                  (int)job->rows, (uint4 *)d_st));
+    const auto kernel = stage_type == MOE_TYPE_Q4_K ? f32_norm_rows_kernel<MOE_TYPE_Q4_K>
+                                                    : f32_norm_rows_kernel<MOE_TYPE_Q6_K>;
+    MOE_CUDA_TRY(moe_launch(kernel, dim3((unsigned)(job->rows + n / 256)), dim3(32), 0, s,
+                            (const float4 *)job->w, (int)(n / 4), (const float4 *)d_src,
+                            (const float4 *)d_g, eps, job->y, (float4 *)d_dst, (int)job->rows,
+                            (uint4 *)d_st));
     return 0;
 }
 
