@@ -892,11 +892,11 @@ TEST_TIMEOUT(cuda_folded_launches_equal_separate_ones, 600)
 }
 
 /* A one-token router launch that also stages its normalised row for the layer's gate/up on
- * tensor cores (MOE_CUDA_GU_STAGED=1), which then copies it instead of staging the row in every
- * block, gives the floats and routing counts of the default. The test models are small enough
- * for even one token's slots to be grouped by expert by default, so both engines take the
- * per-slot kernels here (MOE_CUDA_GROUP_MIN=2), where the staged row is used. Prompts, then 4
- * one-token steps of one sequence and 4 of four. */
+ * tensor cores (the default; MOE_CUDA_GU_STAGED=0 turns it off), which then copies it instead of
+ * staging the row in every block, gives the floats and routing counts of the row staged in every
+ * block. The test models are small enough for even one token's slots to be grouped by expert
+ * by default, so both engines take the per-slot kernels here (MOE_CUDA_GROUP_MIN=2), where the
+ * staged row is used. Prompts, then 4 one-token steps of one sequence and 4 of four. */
 TEST_TIMEOUT(cuda_gate_up_input_staged_by_router_is_exact, 600)
 {
     need_gpu();
@@ -908,9 +908,9 @@ TEST_TIMEOUT(cuda_gate_up_input_staged_by_router_is_exact, 600)
         const int64_t V = m->hp.n_vocab;
         const size_t LE = (size_t)m->hp.n_layer * m->hp.n_expert;
         setenv("MOE_CUDA_GROUP_MIN", "2", 1);
-        struct moe_engine *ref = engine_on(m, "cuda:0", 160, 4, 0, false);
-        setenv("MOE_CUDA_GU_STAGED", "1", 1);
         struct moe_engine *a = engine_on(m, "cuda:0", 160, 4, 0, false);
+        setenv("MOE_CUDA_GU_STAGED", "0", 1);
+        struct moe_engine *ref = engine_on(m, "cuda:0", 160, 4, 0, false);
         unsetenv("MOE_CUDA_GU_STAGED");
         unsetenv("MOE_CUDA_GROUP_MIN");
         char desc[1024] = "";
@@ -919,11 +919,15 @@ TEST_TIMEOUT(cuda_gate_up_input_staged_by_router_is_exact, 600)
         ba->vt->info(ba, &bytes, desc, sizeof desc);
         const bool on = strstr(desc, "gate/up input staged by the router") != NULL;
         staged += on;
+        struct moe_backend *br = moe_engine_backend(ref);
+        desc[0] = '\0';
+        br->vt->info(br, &bytes, desc, sizeof desc);
+        CHECK(strstr(desc, "gate/up input staged by the router") == NULL);
         const uint32_t plen[4] = {37, 64, 3, 90};
         moe_test_rng_seed(337 + mi);
         const size_t diff = two_engines_diff(a, ref, V, plen, 8, 4);
         const size_t cdiff = counts_diff(a, ref, LE, 1);
-        printf("  %-44s MOE_CUDA_GU_STAGED=1 (%s) vs default: %zu logits differ, %zu routing "
+        printf("  %-44s default (%s) vs MOE_CUDA_GU_STAGED=0: %zu logits differ, %zu routing "
                "counts\n",
                MODELS[mi], on ? "staged" : "not taken", diff, cdiff);
         CHECK_EQ(diff, 0);

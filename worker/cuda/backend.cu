@@ -176,7 +176,7 @@ struct cuda_backend {
     bool route_fold;                 /* routing inside gate/up (route_folds); MOE_CUDA_ROUTE_FOLD=0
                                       * keeps its own launch */
     int route_pending;               /* the layer whose routing the expert op does; -1: none */
-    bool gu_staged;                  /* MOE_CUDA_GU_STAGED=1: a one-token router launch also
+    bool gu_staged;                  /* (MOE_CUDA_GU_STAGED=0: not) a one-token router launch also
                                       * stages its normalised row for the layer's gate/up on
                                       * tensor cores (router_staged) */
     void *d_xst;                     /* that staged row (moe_cuda_router_staged_bytes) */
@@ -1879,7 +1879,7 @@ static int cuda_init(struct moe_backend **out, const struct moe_model *m, struct
     b->mixed_mv = mixed_mv && *mixed_mv ? strcmp(mixed_mv, "0") != 0 : -1;
     b->qkv_branch = env_on("MOE_CUDA_QKV_BRANCH");
     b->resolve_route = env_on("MOE_CUDA_RESOLVE_ROUTE");
-    b->gu_staged = getenv("MOE_CUDA_GU_STAGED") && !strcmp(getenv("MOE_CUDA_GU_STAGED"), "1");
+    b->gu_staged = !getenv("MOE_CUDA_GU_STAGED") || strcmp(getenv("MOE_CUDA_GU_STAGED"), "0");
     b->xst_l = -1;
     b->route_pending = -1;
     b->pf_read = -1;
