@@ -118,6 +118,10 @@ struct prof_op {
     long count;
 };
 
+/* The step inputs' ints (struct cuda_backend's d_in) for nb tokens, the RoPE table 256 bytes
+ * aligned after them. */
+#define IN_INTS(nb) ((5 * (size_t)(nb) + 63) & ~(size_t)63)
+
 struct cuda_backend {
     struct moe_backend base;
     const struct moe_model *m;
@@ -136,7 +140,8 @@ struct cuda_backend {
     int64_t ld[MOE_BUF_COUNT];
     float *act, *scratch, *part, *xo, *logits;
     int64_t ld_act;
-    int32_t *d_in;                   /* [5][nb]: token, pos, seq, out_row, sampler row */
+    int32_t *d_in;                   /* [5][nb]: token, pos, seq, out_row, sampler row; then
+                                      * d_rope (IN_INTS): one copy a step uploads both */
     struct moe_cuda_sampler *smp;    /* rows = sequences; created by the first sampler() */
     int32_t *d_tok, *h_tok;          /* [nb] sampled tokens */
     /* Routing signatures (d.record_routes): a recording step's choices, [L][n][kuse], each layer's
@@ -148,9 +153,9 @@ struct cuda_backend {
     int spread;                      /* the sampled rows' moe_cuda_sampler_row_spread, or-ed,
                                       * of the kinds spread_allow lets through */
     int spread_allow;                /* MOE_SAMPLE_SPREAD: the default, all, greedy or 0 */
-    float *d_rope;                   /* [nb][hd] */
+    float *d_rope;                   /* [nb][hd], inside d_in's allocation */
     unsigned long long *counts;      /* [L][nexp] */
-    int32_t *h_in;                   /* pinned staging */
+    int32_t *h_in;                   /* pinned staging (h_rope after it, as on the device) */
     float *h_rope;
     float *h_logits;                 /* pinned [LOGIT_ROWS][V] */
 
@@ -219,6 +224,14 @@ struct cuda_backend {
     /* MOE_CUDA_PROFILE=1: an event before every kernel (event nodes in the graphs), time per
      * op name printed at free (a development aid; run it with MOE_CUDA_NO_PDL=1). */
     bool profile, profile_steps;     /* MOE_CUDA_PROFILE=steps: each prompt step printed too */
+    /* MOE_CUDA_STEP_TIMES=1: each sampled one-token step's time on the device, from its inputs'
+     * copy to its tokens' (events [0]/[1] at alternate steps' starts, [2] at the end), and the
+     * time from one such step's start to the next's; summed, printed at the end. */
+    bool step_times, st_open, st_prev;
+    cudaEvent_t st_ev[3];
+    int st_cur;
+    long st_n, st_np;
+    double st_busy_ms, st_period_ms;
     cudaEvent_t ev[64 * 16];
     const char *ev_name[64 * 16];
     int n_ev;
@@ -1841,6 +1854,7 @@ static int cuda_init(struct moe_backend **out, const struct moe_model *m, struct
     b->use_gemm = env_on("MOE_CUDA_GEMM");
     b->use_flash = env_on("MOE_CUDA_FLASH");
     b->profile = getenv("MOE_CUDA_PROFILE") != NULL;
+    b->step_times = getenv("MOE_CUDA_STEP_TIMES") && !strcmp(getenv("MOE_CUDA_STEP_TIMES"), "1");
     b->profile_steps = b->profile && !strcmp(getenv("MOE_CUDA_PROFILE"), "steps");
     b->group_min = getenv("MOE_CUDA_GROUP_MIN") ? atof(getenv("MOE_CUDA_GROUP_MIN")) : 0.0;
     if (!(b->group_min > 0.0)) /* negative, NaN or not a number */
@@ -2028,14 +2042,15 @@ static int cuda_init(struct moe_backend **out, const struct moe_model *m, struct
         }
         int64_t lrows = nb < LOGIT_ROWS ? (int64_t)nb : LOGIT_ROWS;
         INIT_TRY(cudaMalloc((void **)&b->logits, sizeof(float) * (size_t)(lrows * d->V)));
-        INIT_TRY(cudaMalloc((void **)&b->d_in, sizeof(int32_t) * 5 * nb));
+        INIT_TRY(cudaMalloc((void **)&b->d_in,
+                            sizeof(int32_t) * IN_INTS(nb) + sizeof(float) * nb * (size_t)d->hd));
+        b->d_rope = (float *)(b->d_in + IN_INTS(nb));
         INIT_TRY(cudaMalloc((void **)&b->d_tok, sizeof(int32_t) * nb));
         INIT_TRY(cudaMallocHost((void **)&b->h_tok, sizeof(int32_t) * nb));
         if (d->record_routes) {
             INIT_TRY(cudaMalloc((void **)&b->d_route_hist, sizeof(int32_t) * (size_t)d->L * ns));
             INIT_TRY(cudaMallocHost((void **)&b->h_route_hist, sizeof(int32_t) * (size_t)d->L * ns));
         }
-        INIT_TRY(cudaMalloc((void **)&b->d_rope, sizeof(float) * nb * (size_t)d->hd));
         if (b->gu_staged && d->E % 256 == 0)
             INIT_TRY(cudaMalloc(&b->d_xst, moe_cuda_router_staged_bytes(d->E)));
         const char *ws1 = getenv("MOE_CUDA_TC_WS1");
@@ -2057,8 +2072,9 @@ static int cuda_init(struct moe_backend **out, const struct moe_model *m, struct
         INIT_TRY(cudaMalloc((void **)&b->counts,
                             sizeof(unsigned long long) * (size_t)(d->L * d->nexp)));
         INIT_TRY(cudaMemset(b->counts, 0, sizeof(unsigned long long) * (size_t)(d->L * d->nexp)));
-        INIT_TRY(cudaMallocHost((void **)&b->h_in, sizeof(int32_t) * 5 * nb));
-        INIT_TRY(cudaMallocHost((void **)&b->h_rope, sizeof(float) * nb * (size_t)d->hd));
+        INIT_TRY(cudaMallocHost((void **)&b->h_in, sizeof(int32_t) * IN_INTS(nb) +
+                                                        sizeof(float) * nb * (size_t)d->hd));
+        b->h_rope = (float *)(b->h_in + IN_INTS(nb));
         INIT_TRY(cudaMallocHost((void **)&b->h_logits, sizeof(float) * (size_t)(lrows * d->V)));
         /* The sampler now, so that the expert slots are sized with it in place. */
         if ((rc = moe_cuda_sampler_init(&b->smp, d->n_seq, (uint32_t)d->V, SAMPLER_HISTORY, 0,
@@ -2140,6 +2156,8 @@ static int cuda_init(struct moe_backend **out, const struct moe_model *m, struct
         if (b->profile)
             for (int i = 0; i < (int)(sizeof b->ev / sizeof b->ev[0]); i++)
                 INIT_TRY(cudaEventCreate(&b->ev[i]));
+        for (int i = 0; b->step_times && i < 3; i++)
+            INIT_TRY(cudaEventCreate(&b->st_ev[i]));
         INIT_TRY(cudaDeviceSynchronize());
 
         size_t fr = 0, tot = 0;
@@ -2271,6 +2289,15 @@ static void cuda_free(struct moe_backend *bb)
     if (b->profile && b->ev[0])
         for (int i = 0; i < (int)(sizeof b->ev / sizeof b->ev[0]); i++)
             cudaEventDestroy(b->ev[i]);
+    if (b->step_times && b->st_n > 0)
+        fprintf(stderr,
+                "cuda:%d step times: %ld sampled one-token steps, %.1f us each on the device "
+                "(inputs' copy to tokens'), %.1f us from one's start to the next's\n",
+                b->dev, b->st_n, 1e3 * b->st_busy_ms / (double)b->st_n,
+                b->st_np ? 1e3 * b->st_period_ms / (double)b->st_np : 0.0);
+    for (int i = 0; b->step_times && i < 3; i++)
+        if (b->st_ev[i])
+            cudaEventDestroy(b->st_ev[i]);
     if (b->fused_steps > 0) {
         static const char *const ph[FUSED_NPH] = {"norm", "q/k/v", "qk-rope-kv", "attention",
                                                   "o", "ffn norm", "router", "routing", "expert pointers", "gate/up",
@@ -2385,11 +2412,9 @@ static void cuda_free(struct moe_backend *bb)
     cudaFree(b->d_route_hist);
     cudaFreeHost(b->h_route_hist);
     moe_cuda_sampler_free(b->smp);
-    cudaFree(b->d_rope);
     cudaFree(b->tc_ws);
     cudaFree(b->counts);
     cudaFreeHost(b->h_in);
-    cudaFreeHost(b->h_rope);
     cudaFreeHost(b->h_logits);
     if (b->st)
         cudaStreamDestroy(b->st);
@@ -2560,10 +2585,14 @@ static int cuda_begin(struct moe_backend *bb, const struct moe_step *st)
     }
     memcpy(b->h_rope, st->rope, sizeof(float) * n * (size_t)b->d.hd);
     b->n_ev = 0;
+    b->st_open = b->step_times && st->n == 1 && st->sample;
+    if (b->st_open)
+        CU(b, cudaEventRecord(b->st_ev[b->st_cur], b->st));
+    else
+        b->st_prev = false;
     mark(b, "inputs");
-    CU(b, cudaMemcpyAsync(b->d_in, b->h_in, sizeof(int32_t) * 5 * nb, cudaMemcpyHostToDevice,
-                          b->st));
-    CU(b, cudaMemcpyAsync(b->d_rope, b->h_rope, sizeof(float) * n * (size_t)b->d.hd,
+    CU(b, cudaMemcpyAsync(b->d_in, b->h_in,
+                          sizeof(int32_t) * IN_INTS(nb) + sizeof(float) * n * (size_t)b->d.hd,
                           cudaMemcpyHostToDevice, b->st));
     b->mode = MODE_DIRECT;
     if (b->use_graphs && st->n <= MOE_CUDA_GRAPH_MAX && st->n_out <= LOGIT_ROWS) {
@@ -3682,7 +3711,25 @@ static int end_step(struct cuda_backend *b, float *out, int32_t *tokens)
             CU(b, cudaMemcpyAsync(b->h_logits, b->logits,
                                   sizeof(float) * (size_t)b->d.V * (size_t)b->n_out,
                                   cudaMemcpyDeviceToHost, b->st));
+        if (b->st_open)
+            CU(b, cudaEventRecord(b->st_ev[2], b->st));
         CU(b, cudaStreamSynchronize(b->st));
+        if (b->st_open) {
+            float ms = 0.0f;
+            if (cudaEventElapsedTime(&ms, b->st_ev[b->st_cur], b->st_ev[2]) == cudaSuccess) {
+                b->st_busy_ms += ms;
+                b->st_n++;
+            }
+            if (b->st_prev &&
+                cudaEventElapsedTime(&ms, b->st_ev[b->st_cur ^ 1], b->st_ev[b->st_cur]) ==
+                    cudaSuccess) {
+                b->st_period_ms += ms;
+                b->st_np++;
+            }
+            b->st_prev = true;
+            b->st_cur ^= 1;
+            b->st_open = false;
+        }
         memcpy(tokens, b->h_tok, sizeof(int32_t) * (size_t)b->n_out);
         if (out)
             memcpy(out, b->h_logits, sizeof(float) * (size_t)b->d.V * (size_t)b->n_out);
