@@ -215,6 +215,10 @@ struct cuda_backend {
      * floats as the serial launches; 30B shape at batch 1 on an H100 +1.0-1.5%
      * (docs/benchmarks.md). */
     bool qkv_branch;
+    long branch_pdl_edges;           /* how many such edges the captures made */
+    bool branch_pdl;                 /* MOE_CUDA_BRANCH_PDL=1: in a captured one-token step the
+                                      * branch's launch takes a programmatic edge from the kernel
+                                      * it forks after (qkv_branch) */
     cudaStream_t st_b;
     cudaEvent_t ev_bfork, ev_bjoin;
     float *br_norm; /* [E] */
@@ -1892,6 +1896,7 @@ static int cuda_init(struct moe_backend **out, const struct moe_model *m, struct
     const char *mixed_mv = getenv("MOE_CUDA_MIXED_MV");
     b->mixed_mv = mixed_mv && *mixed_mv ? strcmp(mixed_mv, "0") != 0 : -1;
     b->qkv_branch = env_on("MOE_CUDA_QKV_BRANCH");
+    b->branch_pdl = getenv("MOE_CUDA_BRANCH_PDL") && !strcmp(getenv("MOE_CUDA_BRANCH_PDL"), "1");
     b->resolve_route = env_on("MOE_CUDA_RESOLVE_ROUTE");
     b->gu_staged = !getenv("MOE_CUDA_GU_STAGED") || strcmp(getenv("MOE_CUDA_GU_STAGED"), "0");
     b->xst_l = -1;
@@ -2899,6 +2904,28 @@ static int qkv_branch(struct cuda_backend *b, int l, const struct moe_mm *mm, in
         return 0;
     CU(b, cudaEventRecord(b->ev_bfork, b->st));
     CU(b, cudaStreamWaitEvent(b->st_b, b->ev_bfork, 0));
+    if (b->branch_pdl && b->capturing && moe_pdl_enabled()) {
+        /* The fork's edge from the kernel before it made programmatic, as an edge between
+         * consecutive launches of one stream is: the branch's kernel may start (and load its
+         * weights) while that kernel runs, and waits for it in pdl_wait(). */
+        enum cudaStreamCaptureStatus cs;
+        const cudaGraphNode_t *deps = NULL;
+        const cudaGraphEdgeData *ed = NULL;
+        size_t nd = 0;
+        CU(b, cudaStreamGetCaptureInfo(b->st_b, &cs, NULL, NULL, &deps, &ed, &nd));
+        enum cudaGraphNodeType ty;
+        if (cs == cudaStreamCaptureStatusActive && nd == 1 &&
+            cudaGraphNodeGetType(deps[0], &ty) == cudaSuccess && ty == cudaGraphNodeTypeKernel) {
+            cudaGraphNode_t n0 = deps[0];
+            cudaGraphEdgeData e;
+            memset(&e, 0, sizeof e);
+            e.from_port = cudaGraphKernelNodePortProgrammatic;
+            e.type = cudaGraphDependencyTypeProgrammatic;
+            CU(b, cudaStreamUpdateCaptureDependencies(b->st_b, &n0, &e, 1,
+                                                      cudaStreamSetCaptureDependencies));
+            b->branch_pdl_edges++;
+        }
+    }
     const int rc =
         tc ? moe_cuda_matvec_tc_norm(W2->type, jobs, nj, W2->ne[0], b->buf[b->pn_src],
                                      norm_weight(b, b->pn_l, b->pn_w), b->d.eps, NULL, b->st_b)
@@ -3893,7 +3920,8 @@ static void cuda_info(const struct moe_backend *bb, uint64_t *device_bytes, char
     const struct cuda_backend *b = (const struct cuda_backend *)bb;
     *device_bytes = b->dev_bytes;
     if (b->nodes_b1)
-        snprintf(desc, len, "%s, %zu graph nodes per 1-token step", b->desc, b->nodes_b1);
+        snprintf(desc, len, "%s, %zu graph nodes per 1-token step%s", b->desc, b->nodes_b1,
+                 b->branch_pdl_edges ? " (branches forked by programmatic edges)" : "");
     else
         snprintf(desc, len, "%s", b->desc);
 }
