@@ -495,6 +495,16 @@ TEST_TIMEOUT(cuda_forward_matches_cpu_and_is_deterministic, 600)
     }
 }
 
+/* The backend's description of engine e (what it runs) into desc. */
+static const char *engine_desc(struct moe_engine *e, char *desc, size_t len)
+{
+    uint64_t bytes = 0;
+    struct moe_backend *be = moe_engine_backend(e);
+    desc[0] = '\0';
+    be->vt->info(be, &bytes, desc, len);
+    return desc;
+}
+
 /* The fused decode step (every layer of a one-token step in one kernel) gives the floats of the
  * op-by-op step bit for bit: greedy decodes after a short and after a long prompt (several
  * attention splits per head), on every model the fused kernel takes; the backend's description
@@ -516,10 +526,8 @@ TEST_TIMEOUT(cuda_fused_step_equals_op_by_op, 600)
         setenv("MOE_CUDA_FUSED", "0", 1);
         struct moe_engine *b = engine_on(m, "cuda:0", 512, 2, 0, false);
         unsetenv("MOE_CUDA_FUSED");
-        char desc[512] = "";
-        uint64_t bytes = 0;
-        struct moe_backend *ba = moe_engine_backend(a);
-        ba->vt->info(ba, &bytes, desc, sizeof desc);
+        char desc[512];
+        engine_desc(a, desc, sizeof desc);
         const bool fused = strstr(desc, "fused decode step") != NULL;
         printf("  %-44s %s\n", MODELS[mi], strstr(desc, fused ? "fused" : "decode op by op"));
         if (!fused) {
@@ -914,16 +922,12 @@ TEST_TIMEOUT(cuda_gate_up_input_staged_by_router_is_exact, 600)
         struct moe_engine *ref = engine_on(m, "cuda:0", 160, 4, 0, false);
         unsetenv("MOE_CUDA_GU_STAGED");
         unsetenv("MOE_CUDA_GROUP_MIN");
-        char desc[1024] = "";
-        uint64_t bytes = 0;
-        struct moe_backend *ba = moe_engine_backend(a);
-        ba->vt->info(ba, &bytes, desc, sizeof desc);
-        const bool on = strstr(desc, "gate/up input staged by the router") != NULL;
+        char desc[1024];
+        const bool on =
+            strstr(engine_desc(a, desc, sizeof desc), "gate/up input staged by the router") != NULL;
         staged += on;
-        struct moe_backend *br = moe_engine_backend(ref);
-        desc[0] = '\0';
-        br->vt->info(br, &bytes, desc, sizeof desc);
-        CHECK(strstr(desc, "gate/up input staged by the router") == NULL);
+        CHECK(strstr(engine_desc(ref, desc, sizeof desc), "gate/up input staged by the router") ==
+              NULL);
         const uint32_t plen[4] = {37, 64, 3, 90};
         moe_test_rng_seed(337 + mi);
         const size_t diff = two_engines_diff(a, ref, V, plen, 8, 4);

@@ -406,6 +406,13 @@ static bool env_on(const char *name)
     return !v || strcmp(v, "0") != 0;
 }
 
+/* An opt-in switch: on only when set to "1". */
+static bool env_is1(const char *name)
+{
+    const char *v = getenv(name);
+    return v && !strcmp(v, "1");
+}
+
 /* An internal step whose error message is already set. */
 #define TRY_CU(call)                                                                        \
     do {                                                                                    \
@@ -1858,7 +1865,7 @@ static int cuda_init(struct moe_backend **out, const struct moe_model *m, struct
     b->use_gemm = env_on("MOE_CUDA_GEMM");
     b->use_flash = env_on("MOE_CUDA_FLASH");
     b->profile = getenv("MOE_CUDA_PROFILE") != NULL;
-    b->step_times = getenv("MOE_CUDA_STEP_TIMES") && !strcmp(getenv("MOE_CUDA_STEP_TIMES"), "1");
+    b->step_times = env_is1("MOE_CUDA_STEP_TIMES");
     b->profile_steps = b->profile && !strcmp(getenv("MOE_CUDA_PROFILE"), "steps");
     b->group_min = getenv("MOE_CUDA_GROUP_MIN") ? atof(getenv("MOE_CUDA_GROUP_MIN")) : 0.0;
     if (!(b->group_min > 0.0)) /* negative, NaN or not a number */
@@ -1891,14 +1898,14 @@ static int cuda_init(struct moe_backend **out, const struct moe_model *m, struct
                                                     : MOE_CUDA_SPREAD_DEFAULT;
     }
     /* Opt-in: measured 1.5% slower at batch 1 than its own launch (H200, docs/benchmarks.md). */
-    b->rope_fold = getenv("MOE_CUDA_ROPE_FOLD") && !strcmp(getenv("MOE_CUDA_ROPE_FOLD"), "1");
-    b->att_rope = getenv("MOE_CUDA_ATT_ROPE") && !strcmp(getenv("MOE_CUDA_ATT_ROPE"), "1");
+    b->rope_fold = env_is1("MOE_CUDA_ROPE_FOLD");
+    b->att_rope = env_is1("MOE_CUDA_ATT_ROPE");
     const char *mixed_mv = getenv("MOE_CUDA_MIXED_MV");
     b->mixed_mv = mixed_mv && *mixed_mv ? strcmp(mixed_mv, "0") != 0 : -1;
     b->qkv_branch = env_on("MOE_CUDA_QKV_BRANCH");
-    b->branch_pdl = getenv("MOE_CUDA_BRANCH_PDL") && !strcmp(getenv("MOE_CUDA_BRANCH_PDL"), "1");
+    b->branch_pdl = env_is1("MOE_CUDA_BRANCH_PDL");
     b->resolve_route = env_on("MOE_CUDA_RESOLVE_ROUTE");
-    b->gu_staged = !getenv("MOE_CUDA_GU_STAGED") || strcmp(getenv("MOE_CUDA_GU_STAGED"), "0");
+    b->gu_staged = env_on("MOE_CUDA_GU_STAGED");
     b->xst_l = -1;
     b->route_pending = -1;
     b->pf_read = -1;
