@@ -655,6 +655,151 @@ TEST(engine_sampling_equals_host_sampler)
     test_model_close(&tm);
 }
 
+/* Decode ahead: a step queued before the tokens of the one before it are back, its tokens
+ * MOE_ENGINE_TOKEN_NEXT, gives the tokens forward_sample gives for the same steps (seeded
+ * samplers with penalties, so every draw depends on the history the device keeps), also when a
+ * sequence leaves (its queued step's token dropped, its positions trimmed) and when a new prompt
+ * takes its slot; and the queue's misuses are refused without changing anything. */
+TEST(engine_decode_ahead_equals_forward_sample)
+{
+    struct test_model tm;
+    test_model_open_golden(&tm, "Q8_0");
+    const uint32_t V = tm.m.hp.n_vocab, S = 3, P = 9;
+    struct moe_sampler_params sp[3];
+    for (uint32_t i = 0; i < S; i++)
+        moe_sampler_defaults(&sp[i]);
+    sp[0].temperature = 0.0f;
+    sp[1].seed = 42;
+    sp[1].repeat_penalty = 1.2f;
+    sp[2].seed = 7;
+    sp[2].top_p = 0.8f;
+    sp[2].frequency_penalty = 0.3f;
+    struct moe_engine *a = test_engine(&tm.m, 96, S, 0, 2), *b = test_engine(&tm.m, 96, S, 0, 2);
+    int32_t prompt[9], last_a[3], last_b[3], len[3];
+    /* The prompts, run alike on both (forward_sample), each sequence's first token. */
+    for (uint32_t i = 0; i < S; i++) {
+        for (uint32_t k = 0; k < P; k++)
+            prompt[k] = (int32_t)((k * 53 + 11 + 17 * i) % V);
+        int32_t pos[9], sq[9];
+        uint8_t want[9] = {0};
+        for (uint32_t k = 0; k < P; k++)
+            pos[k] = (int32_t)k, sq[k] = (int32_t)i;
+        want[P - 1] = 1;
+        struct moe_batch bt = {.n = P, .token = prompt, .pos = pos, .seq = sq, .logits = want};
+        CHECK_EQ(moe_engine_seq_sampler(a, (int32_t)i, &sp[i], prompt, P), 0);
+        CHECK_EQ(moe_engine_seq_sampler(b, (int32_t)i, &sp[i], prompt, P), 0);
+        CHECK_EQ(moe_engine_forward_sample(a, &bt, &last_a[i]), 0);
+        CHECK_EQ(moe_engine_forward_sample(b, &bt, &last_b[i]), 0);
+        CHECK_EQ(last_a[i], last_b[i]);
+        len[i] = (int32_t)P;
+    }
+    /* Nothing queued: collect refuses; the last step (sequence 2's prompt) drew for sequence 2
+     * only, so a NEXT token of sequence 0 is refused and nothing is queued. */
+    CHECK_EQ(moe_engine_collect(b, NULL, NULL), MOE_ERANGE);
+    int32_t nx_tok[3] = {MOE_ENGINE_TOKEN_NEXT, MOE_ENGINE_TOKEN_NEXT, MOE_ENGINE_TOKEN_NEXT};
+    int32_t pos0[1] = {(int32_t)P}, seq0[1] = {0};
+    struct moe_batch bad = {.n = 1, .token = nx_tok, .pos = pos0, .seq = seq0};
+    CHECK_EQ(moe_engine_submit_sample(b, &bad), MOE_ERANGE);
+    CHECK(strstr(moe_engine_errmsg(b), "drew no token"));
+    CHECK_EQ(moe_engine_queued(b), 0);
+
+    /* Steps 0..23: every sequence for 12 steps, then sequence 2 leaves; engine a runs the same
+     * steps one by one with the tokens it drew. b queues each step before collecting the one
+     * before it (the first with the tokens themselves). */
+    const int steps = 24, leave = 12;
+    int32_t got_b[24][3];
+    uint32_t got_n[24];
+    for (int s = 0; s <= steps; s++) {
+        if (s < steps) {
+            const uint32_t n = s < leave ? S : S - 1;
+            int32_t pos[3], sq[3], tk[3];
+            /* Sequence 2 is in steps 0..leave-1 only. */
+            for (uint32_t i = 0; i < n; i++) {
+                pos[i] = len[i];
+                sq[i] = (int32_t)i;
+                tk[i] = s == 0 ? last_b[i] : MOE_ENGINE_TOKEN_NEXT;
+            }
+            struct moe_batch bt = {.n = n, .token = tk, .pos = pos, .seq = sq};
+            CHECK_EQ(moe_engine_submit_sample(b, &bt), 0);
+            if (s == 1) {
+                /* Two queued: a third, and a plain step, are refused. */
+                CHECK_EQ(moe_engine_submit_sample(b, &bt), MOE_ERANGE);
+                int32_t out[3];
+                CHECK_EQ(moe_engine_forward_sample(b, &bt, out), MOE_ERANGE);
+                CHECK(strstr(moe_engine_errmsg(b), "not collected"));
+                CHECK_EQ(moe_engine_queued(b), 2);
+            }
+            for (uint32_t i = 0; i < n; i++)
+                len[i]++;
+        }
+        if (s > 0) {
+            CHECK_EQ(moe_engine_collect(b, got_b[s - 1], &got_n[s - 1]), 0);
+            CHECK_EQ(got_n[s - 1], s - 1 < leave ? S : S - 1);
+        }
+    }
+    CHECK_EQ(moe_engine_queued(b), 0);
+    for (int s = 0; s < steps; s++) {
+        const uint32_t n = s < leave ? S : S - 1;
+        int32_t pos[3], sq[3], na[3];
+        for (uint32_t i = 0; i < n; i++)
+            pos[i] = (int32_t)P + s, sq[i] = (int32_t)i;
+        struct moe_batch bt = {.n = n, .token = last_a, .pos = pos, .seq = sq};
+        CHECK_EQ(moe_engine_forward_sample(a, &bt, na), 0);
+        for (uint32_t i = 0; i < n; i++) {
+            CHECK_MSG(na[i] == got_b[s][i], "step %d sequence %u: %d forward_sample, %d ahead", s,
+                      i, na[i], got_b[s][i]);
+            last_a[i] = na[i];
+        }
+    }
+    /* A new prompt in sequence 2's slot, then all three again, ahead on b; the last step
+     * before them (the prompt) drew for sequence 2 only, so sequences 0 and 1 give their
+     * tokens themselves. */
+    for (uint32_t k = 0; k < P; k++)
+        prompt[k] = (int32_t)((k * 29 + 5) % V);
+    int32_t ppos[9], psq[9], ta, tb;
+    uint8_t want[9] = {0};
+    for (uint32_t k = 0; k < P; k++)
+        ppos[k] = (int32_t)k, psq[k] = 2;
+    want[P - 1] = 1;
+    struct moe_batch pb = {.n = P, .token = prompt, .pos = ppos, .seq = psq, .logits = want};
+    moe_engine_seq_clear(a, 2);
+    moe_engine_seq_clear(b, 2);
+    CHECK_EQ(moe_engine_seq_sampler(a, 2, &sp[2], prompt, P), 0);
+    CHECK_EQ(moe_engine_seq_sampler(b, 2, &sp[2], prompt, P), 0);
+    CHECK_EQ(moe_engine_forward_sample(a, &pb, &ta), 0);
+    CHECK_EQ(moe_engine_forward_sample(b, &pb, &tb), 0);
+    CHECK_EQ(ta, tb);
+    last_a[2] = ta;
+    len[2] = (int32_t)P;
+    int32_t cur_b[3] = {got_b[steps - 1][0], got_b[steps - 1][1], MOE_ENGINE_TOKEN_NEXT};
+    for (int s = 0; s < 6; s++) {
+        int32_t pos[3], sq[3], na[3], nb[3];
+        for (uint32_t i = 0; i < S; i++)
+            pos[i] = len[i]++, sq[i] = (int32_t)i;
+        struct moe_batch ba = {.n = S, .token = last_a, .pos = pos, .seq = sq};
+        CHECK_EQ(moe_engine_forward_sample(a, &ba, na), 0);
+        struct moe_batch bb = {.n = S, .token = s == 0 ? cur_b : nx_tok, .pos = pos, .seq = sq};
+        CHECK_EQ(moe_engine_submit_sample(b, &bb), 0);
+        uint32_t n = 0;
+        CHECK_EQ(moe_engine_collect(b, nb, &n), 0);
+        CHECK_EQ(n, S);
+        for (uint32_t i = 0; i < S; i++) {
+            CHECK_MSG(na[i] == nb[i], "after the new prompt, step %d sequence %u: %d, %d", s, i,
+                      na[i], nb[i]);
+            last_a[i] = na[i];
+        }
+    }
+    /* A NEXT token at the wrong position is refused. */
+    int32_t wp[1] = {len[0] + 1};
+    struct moe_batch wrong = {.n = 1, .token = nx_tok, .pos = wp, .seq = seq0};
+    CHECK_EQ(moe_engine_submit_sample(b, &wrong), MOE_ERANGE);
+    CHECK(strstr(moe_engine_errmsg(b), "goes at position"));
+    CHECK_EQ(moe_engine_queued(b), 0);
+    moe_engine_free(a);
+    moe_engine_free(b);
+    test_model_close(&tm);
+}
+
 /* Offload settings are checked at init: a residency outside (0, 1] or too many cache slots is a
  * range error, and on the CPU (which reads every expert where it computes) they are refused. */
 TEST(engine_offload_options_checked)

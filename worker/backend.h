@@ -22,6 +22,7 @@
  *                                    then, when the step samples, each row's next token drawn
  *                                    by its sequence's sampler (sampler())
  *     end(out, tokens)               the step has run; logits or sampled tokens copied out
+ *     (or, for a sampling step, submit() now and collect(tokens) later: decode ahead)
  *
  * No op takes a host-side, data-dependent argument: tokens, positions, sequences and the rows
  * that want logits are inputs of begin(), copied into the backend's own buffers; everything an op
@@ -117,6 +118,11 @@ struct moe_step {
     bool record;               /* keep every layer's chosen experts for route_record (only with
                                 * d->record_routes; the engine sets it for steps holding prompt
                                 * tokens whose routing signature is wanted) */
+    /* [n] or NULL (only for a backend with submit(), only while the step before this one is
+     * submitted and not yet collected, and that step sampled): prev[t] >= 0 makes token t the
+     * token that step drew for its sampled row prev[t] (token[t] is then ignored; a row that
+     * drew nothing, -1, gives token 0: the caller drops what follows from it); -1: token[t]. */
+    const int32_t *prev;
 };
 
 struct moe_backend;
@@ -187,6 +193,14 @@ struct moe_backend_vt {
      * when some experts live outside device memory, 0 (bits untouched) when none do, or < 0.
      * NULL: every expert is where the backend computes. */
     int (*hot_experts)(struct moe_backend *b, uint8_t *bits);
+    /* Optional, both or neither (decode ahead): submit() instead of end() for a step that
+     * samples and wants no logits queues it and returns before it has run, so that the host
+     * prepares the next step (begin() may come while one step is submitted, not two: the
+     * engine's queue holds MOE_ENGINE_AHEAD steps); collect() waits for the oldest submitted
+     * step and copies its sampled tokens out (n_out of them, as end() would). A step's floats
+     * are those of end(). Outside a step, only collect() may come while a step is submitted. */
+    int (*submit)(struct moe_backend *b);
+    int (*collect)(struct moe_backend *b, int32_t *tokens);
 };
 
 /* Every backend struct starts with this. */
@@ -249,8 +263,9 @@ struct moe_engine;
 struct moe_backend *moe_engine_backend(struct moe_engine *e);
 const struct moe_dims *moe_engine_dims(const struct moe_engine *e);
 
-/* The model loop (worker/qwen3moe.c): one step of the batch described by st. */
+/* The model loop (worker/qwen3moe.c): one step of the batch described by st, from begin() to
+ * end(out, tokens), or with submit (a sampling step, vt->submit set) to submit(). */
 int moe_qwen3moe_step(struct moe_backend *b, const struct moe_dims *d, const struct moe_step *st,
-                      float *out, int32_t *tokens);
+                      float *out, int32_t *tokens, bool submit);
 
 #endif

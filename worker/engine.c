@@ -35,6 +35,23 @@ struct moe_engine {
     uint8_t *has_sampler;         /* [n_seq] */
     uint8_t *seen;                /* [n_seq] validation scratch */
     int32_t *route_sel;           /* [L][n_batch][kuse] a recorded step's choices (record_routes) */
+    /* MOE_ENGINE_TOKEN_NEXT: each backend step gets a number (gen); a sequence whose row the
+     * step numbered last_gen[seq] sampled: that row's index among the step's sampled rows, its
+     * position, and its token once known (last_known). Valid while last_gen[seq] == gen. */
+    uint64_t gen;
+    uint64_t *last_gen;           /* [n_seq] */
+    int32_t *last_row, *last_pos, *last_tok; /* [n_seq] */
+    uint8_t *last_known;          /* [n_seq] */
+    int32_t *tok_in, *prev_in;    /* [n_batch] a step's resolved tokens, its prev (backend.h) */
+    /* Decode ahead: queued steps, oldest at q_head; a step the backend queued (q_dev) or one
+     * that ran here, whose tokens are in q_tok. */
+    int q_head, q_len;
+    struct eng_queued {
+        uint64_t gen;
+        uint32_t n_out;
+        bool dev;
+        int32_t *tok;             /* [n_batch] */
+    } q[MOE_ENGINE_AHEAD];
     char errmsg[256];
 };
 
@@ -270,10 +287,21 @@ int moe_engine_init(struct moe_engine **out, const struct moe_model *m,
     e->out_row = calloc(e->o.n_batch, sizeof *e->out_row);
     e->has_sampler = calloc(e->o.n_seq, 1);
     e->seen = calloc(e->o.n_seq, 1);
+    e->last_gen = calloc(e->o.n_seq, sizeof *e->last_gen);
+    e->last_row = calloc(e->o.n_seq, sizeof *e->last_row);
+    e->last_pos = calloc(e->o.n_seq, sizeof *e->last_pos);
+    e->last_tok = calloc(e->o.n_seq, sizeof *e->last_tok);
+    e->last_known = calloc(e->o.n_seq, 1);
+    e->tok_in = calloc(e->o.n_batch, sizeof *e->tok_in);
+    e->prev_in = calloc(e->o.n_batch, sizeof *e->prev_in);
+    for (int i = 0; i < MOE_ENGINE_AHEAD; i++)
+        e->q[i].tok = calloc(e->o.n_batch, sizeof *e->q[i].tok);
     if (o->record_routes)
         e->route_sel = calloc((size_t)d->L * e->o.n_batch * (size_t)d->kuse, sizeof *e->route_sel);
     if (!e->inv_freq || !e->filled || !e->fill || !e->rope || !e->out_row || !e->has_sampler ||
-        !e->seen || (o->record_routes && !e->route_sel)) {
+        !e->seen || !e->last_gen || !e->last_row || !e->last_pos || !e->last_tok ||
+        !e->last_known || !e->tok_in || !e->prev_in || !e->q[0].tok || !e->q[1].tok ||
+        (o->record_routes && !e->route_sel)) {
         rc = -ENOMEM;
         goto fail;
     }
@@ -306,6 +334,15 @@ void moe_engine_free(struct moe_engine *e)
     free(e->has_sampler);
     free(e->seen);
     free(e->route_sel);
+    free(e->last_gen);
+    free(e->last_row);
+    free(e->last_pos);
+    free(e->last_tok);
+    free(e->last_known);
+    free(e->tok_in);
+    free(e->prev_in);
+    for (int i = 0; i < MOE_ENGINE_AHEAD; i++)
+        free(e->q[i].tok);
     free(e);
 }
 
@@ -314,6 +351,9 @@ int moe_engine_seq_sampler(struct moe_engine *e, int32_t seq, const struct moe_s
 {
     if (seq < 0 || (uint32_t)seq >= e->o.n_seq)
         return eng_err(e, MOE_ERANGE, "sampler: sequence %d outside 0..%u", seq, e->o.n_seq - 1);
+    if (e->q_len)
+        return eng_err(e, MOE_ERANGE, "sampler: %d queued steps are not collected", e->q_len);
+    e->last_gen[seq] = 0;
     int rc = e->b->vt->sampler(e->b, seq, p, history, n_history);
     if (rc)
         return eng_err(e, rc, "sampler: %s", e->b->vt->errmsg(e->b));
@@ -323,14 +363,18 @@ int moe_engine_seq_sampler(struct moe_engine *e, int32_t seq, const struct moe_s
 
 void moe_engine_seq_clear(struct moe_engine *e, int32_t seq)
 {
-    if (seq >= 0 && (uint32_t)seq < e->o.n_seq)
+    if (seq >= 0 && (uint32_t)seq < e->o.n_seq) {
         e->filled[seq] = 0;
+        e->last_gen[seq] = 0;
+    }
 }
 
 void moe_engine_seq_keep(struct moe_engine *e, int32_t seq, uint32_t n)
 {
-    if (seq >= 0 && (uint32_t)seq < e->o.n_seq && n < (uint32_t)e->filled[seq])
+    if (seq >= 0 && (uint32_t)seq < e->o.n_seq && n < (uint32_t)e->filled[seq]) {
         e->filled[seq] = (int32_t)n;
+        e->last_gen[seq] = 0;
+    }
 }
 
 int moe_engine_seq_copy(struct moe_engine *e, int32_t src, int32_t dst, uint32_t n)
@@ -341,8 +385,11 @@ int moe_engine_seq_copy(struct moe_engine *e, int32_t src, int32_t dst, uint32_t
     if (n > (uint32_t)e->filled[src])
         return eng_err(e, MOE_ERANGE, "seq copy: %u positions, sequence %d holds %d", n, src,
                        e->filled[src]);
+    if (e->q_len)
+        return eng_err(e, MOE_ERANGE, "seq copy: %d queued steps are not collected", e->q_len);
     if (src == dst)
         return 0;
+    e->last_gen[dst] = 0;
     int rc = e->b->vt->kv_copy(e->b, src, dst, n);
     if (rc)
         return eng_err(e, rc, "seq copy: %s", e->b->vt->errmsg(e->b));
@@ -399,6 +446,9 @@ int moe_engine_set_hot(struct moe_engine *e, const uint64_t *counts, uint32_t ma
                        uint32_t *pending)
 {
     uint32_t left = 0;
+    if (e->q_len)
+        return eng_err(e, MOE_ERANGE, "re-pinning experts: %d queued steps are not collected",
+                       e->q_len);
     int rc = e->b->vt->set_hot ? e->b->vt->set_hot(e->b, counts, max_loads, &left) : 0;
     if (pending)
         *pending = left;
@@ -448,9 +498,11 @@ static int add_signatures(struct moe_engine *e, uint32_t *const *sig, int64_t n)
     return 0;
 }
 
-/* One step of n <= n_batch tokens (already validated). */
+/* One step of n <= n_batch tokens (already validated; tok: their ids, MOE_ENGINE_TOKEN_NEXT
+ * resolved; prev: backend.h's, or NULL). submit: queue it in the backend (vt->submit). */
 static int forward_step(struct moe_engine *e, const struct moe_batch *b, uint32_t off, int64_t n,
-                        float *out, int32_t *tokens, int64_t *n_out)
+                        const int32_t *tok, const int32_t *prev, float *out, int32_t *tokens,
+                        bool submit, int64_t *n_out)
 {
     const int64_t half = e->d.hd / 2;
     for (int64_t t = 0; t < n; t++) {
@@ -462,27 +514,39 @@ static int forward_step(struct moe_engine *e, const struct moe_batch *b, uint32_
             cs[2 * i + 1] = (float)sin(th);
         }
     }
+    const bool sample = tokens || submit;
     int64_t k = 0;
     for (int64_t t = 0; t < n; t++)
-        if ((out || tokens) && (!b->logits || b->logits[off + t]))
+        if ((out || sample) && (!b->logits || b->logits[off + t]))
             e->out_row[k++] = (int32_t)t;
     *n_out = k;
     uint32_t *const *sig = b->sig ? b->sig + off : NULL;
     bool record = false;
     for (int64_t t = 0; sig && t < n && !record; t++)
         record = sig[t] != NULL;
-    struct moe_step st = {.n = n, .token = b->token + off, .pos = b->pos + off,
-                          .seq = b->seq + off, .rope = e->rope, .n_out = k,
-                          .out_row = e->out_row, .sample = tokens != NULL, .record = record};
-    int rc = moe_qwen3moe_step(e->b, &e->d, &st, out, tokens);
+    struct moe_step st = {.n = n, .token = tok, .pos = b->pos + off, .seq = b->seq + off,
+                          .rope = e->rope, .n_out = k, .out_row = e->out_row, .sample = sample,
+                          .record = record, .prev = prev};
+    e->gen++; /* the tokens the step before drew are no longer "the last step's" */
+    int rc = moe_qwen3moe_step(e->b, &e->d, &st, out, tokens, submit);
     if (!rc && record)
         rc = e->b->vt->route_record(e->b, e->route_sel);
     if (rc)
         return eng_err(e, rc, "%s backend: %s", e->b->vt->name, e->b->vt->errmsg(e->b));
+    for (int64_t r = 0; sample && r < k; r++) {
+        const int32_t seq = b->seq[off + e->out_row[r]];
+        e->last_gen[seq] = e->gen;
+        e->last_row[seq] = (int32_t)r;
+        e->last_pos[seq] = b->pos[off + e->out_row[r]];
+        e->last_known[seq] = tokens != NULL;
+        e->last_tok[seq] = tokens ? tokens[r] : -1;
+    }
     return record ? add_signatures(e, sig, n) : 0;
 }
 
-static int forward(struct moe_engine *e, const struct moe_batch *b, float *out, int32_t *tokens)
+/* mode: logits (out), sampled tokens (tokens), or a queued sampling step (submit). */
+static int forward(struct moe_engine *e, const struct moe_batch *b, float *out, int32_t *tokens,
+                   bool submit)
 {
     if (b->n == 0)
         return 0;
@@ -490,18 +554,42 @@ static int forward(struct moe_engine *e, const struct moe_batch *b, float *out, 
         return eng_err(e, MOE_ERANGE, "batch: token, pos and seq are required");
     if (b->sig && !e->o.record_routes)
         return eng_err(e, MOE_ERANGE, "batch: routing signatures need the record_routes option");
+    if (!submit && e->q_len)
+        return eng_err(e, MOE_ERANGE, "batch: %d queued steps are not collected", e->q_len);
+    if (submit && e->q_len >= MOE_ENGINE_AHEAD)
+        return eng_err(e, MOE_ERANGE, "batch: %d steps are queued already", e->q_len);
+    if (submit && (b->n > e->o.n_batch || b->sig))
+        return eng_err(e, MOE_ERANGE, "batch: a queued step takes at most %u tokens and no "
+                       "routing signatures", e->o.n_batch);
 
     /* Validate the whole batch before touching any state, so a bad batch changes nothing. */
     int32_t *fill = e->fill;
     memcpy(fill, e->filled, sizeof *fill * e->o.n_seq);
+    bool any_prev = false, any_next = false;
     for (uint32_t i = 0; i < b->n; i++) {
         int32_t tok = b->token[i], pos = b->pos[i], seq = b->seq[i];
-        if (tok < 0 || (int64_t)tok >= e->d.V)
-            return eng_err(e, MOE_ERANGE, "batch[%u]: token %d outside the vocabulary (%lld)", i,
-                           tok, (long long)e->d.V);
         if (seq < 0 || (uint32_t)seq >= e->o.n_seq)
             return eng_err(e, MOE_ERANGE, "batch[%u]: sequence %d outside 0..%u", i, seq,
                            e->o.n_seq - 1);
+        if (tok == MOE_ENGINE_TOKEN_NEXT) {
+            if (b->n > e->o.n_batch)
+                return eng_err(e, MOE_ERANGE, "batch[%u]: the last step's token in a batch of "
+                               "more than %u tokens", i, e->o.n_batch);
+            if (e->last_gen[seq] == 0 || e->last_gen[seq] != e->gen)
+                return eng_err(e, MOE_ERANGE, "batch[%u]: the last step drew no token for "
+                               "sequence %d", i, seq);
+            if (pos != e->last_pos[seq] + 1)
+                return eng_err(e, MOE_ERANGE, "batch[%u]: the last step's token of sequence %d "
+                               "goes at position %d, not %d", i, seq, e->last_pos[seq] + 1, pos);
+            if (e->last_known[seq] && e->last_tok[seq] < 0)
+                return eng_err(e, MOE_ERANGE, "batch[%u]: the last step drew nothing for "
+                               "sequence %d", i, seq);
+            any_next = true;
+            any_prev |= !e->last_known[seq];
+        } else if (tok < 0 || (int64_t)tok >= e->d.V) {
+            return eng_err(e, MOE_ERANGE, "batch[%u]: token %d outside the vocabulary (%lld)", i,
+                           tok, (long long)e->d.V);
+        }
         if (pos < 0 || (uint32_t)pos >= e->o.n_ctx)
             return eng_err(e, MOE_ERANGE, "batch[%u]: position %d outside the context (%u)", i,
                            pos, e->o.n_ctx);
@@ -511,7 +599,7 @@ static int forward(struct moe_engine *e, const struct moe_batch *b, float *out, 
                            pos, seq, fill[seq]);
         fill[seq] = pos + 1;
     }
-    if (tokens) {
+    if (tokens || submit) {
         /* Sampled rows: one per sequence per step, each sequence with a sampler. */
         uint8_t *seen = e->seen;
         for (uint32_t off = 0; off < b->n; off += e->o.n_batch) {
@@ -532,11 +620,37 @@ static int forward(struct moe_engine *e, const struct moe_batch *b, float *out, 
     }
     memcpy(e->filled, fill, sizeof *fill * e->o.n_seq);
 
+    /* The last step's tokens: known here (its tokens came back), or drawn on the device by a
+     * step still queued there (prev). */
+    const int32_t *tok = b->token;
+    if (any_next) {
+        for (uint32_t i = 0; i < b->n; i++) {
+            const int32_t seq = b->seq[i];
+            const bool next = b->token[i] == MOE_ENGINE_TOKEN_NEXT;
+            e->tok_in[i] = !next ? b->token[i] : e->last_known[seq] ? e->last_tok[seq] : 0;
+            e->prev_in[i] = next && !e->last_known[seq] ? e->last_row[seq] : -1;
+        }
+        tok = e->tok_in;
+    }
+    if (submit) {
+        struct eng_queued *q = &e->q[(e->q_head + e->q_len) % MOE_ENGINE_AHEAD];
+        const bool dev = e->b->vt->submit != NULL;
+        int64_t k = 0;
+        int rc = forward_step(e, b, 0, b->n, tok, any_prev ? e->prev_in : NULL, NULL,
+                              dev ? NULL : q->tok, dev, &k);
+        if (rc)
+            return rc;
+        q->gen = e->gen;
+        q->n_out = (uint32_t)k;
+        q->dev = dev;
+        e->q_len++;
+        return 0;
+    }
     int64_t written = 0;
     for (uint32_t off = 0; off < b->n; off += e->o.n_batch) {
         int64_t n = b->n - off < e->o.n_batch ? b->n - off : e->o.n_batch, k = 0;
-        int rc = forward_step(e, b, off, n, out ? out + written * e->d.V : NULL,
-                              tokens ? tokens + written : NULL, &k);
+        int rc = forward_step(e, b, off, n, tok + off, NULL, out ? out + written * e->d.V : NULL,
+                              tokens ? tokens + written : NULL, false, &k);
         if (rc)
             return rc;
         written += k;
@@ -546,12 +660,56 @@ static int forward(struct moe_engine *e, const struct moe_batch *b, float *out, 
 
 int moe_engine_forward(struct moe_engine *e, const struct moe_batch *b, float *out)
 {
-    return forward(e, b, out, NULL);
+    return forward(e, b, out, NULL, false);
 }
 
 int moe_engine_forward_sample(struct moe_engine *e, const struct moe_batch *b, int32_t *tokens)
 {
     if (!tokens)
         return eng_err(e, MOE_ERANGE, "forward_sample: no token array");
-    return forward(e, b, NULL, tokens);
+    return forward(e, b, NULL, tokens, false);
+}
+
+int moe_engine_submit_sample(struct moe_engine *e, const struct moe_batch *b)
+{
+    if (b->n == 0)
+        return eng_err(e, MOE_ERANGE, "submit: an empty batch");
+    return forward(e, b, NULL, NULL, true);
+}
+
+int moe_engine_collect(struct moe_engine *e, int32_t *tokens, uint32_t *n)
+{
+    if (n)
+        *n = 0;
+    if (e->q_len == 0)
+        return eng_err(e, MOE_ERANGE, "collect: no queued step");
+    struct eng_queued *q = &e->q[e->q_head];
+    if (q->dev) {
+        int rc = e->b->vt->collect(e->b, q->tok);
+        if (rc) {
+            /* What else is queued went after a failed step: drop it all. */
+            e->q_len = 0;
+            e->q_head = 0;
+            e->gen++;
+            return eng_err(e, rc, "%s backend: %s", e->b->vt->name, e->b->vt->errmsg(e->b));
+        }
+        /* The sequences whose last drawn token this was now know it. */
+        for (uint32_t s = 0; s < e->o.n_seq; s++)
+            if (e->last_gen[s] == q->gen && !e->last_known[s]) {
+                e->last_known[s] = 1;
+                e->last_tok[s] = q->tok[e->last_row[s]];
+            }
+    }
+    if (tokens)
+        memcpy(tokens, q->tok, sizeof *tokens * q->n_out);
+    if (n)
+        *n = q->n_out;
+    e->q_head = (e->q_head + 1) % MOE_ENGINE_AHEAD;
+    e->q_len--;
+    return 0;
+}
+
+int moe_engine_queued(const struct moe_engine *e)
+{
+    return e->q_len;
 }

@@ -115,6 +115,27 @@ int moe_engine_seq_sampler(struct moe_engine *e, int32_t seq, const struct moe_s
  * a sampler set; b->logits NULL selects every token (so then one token per sequence). */
 int moe_engine_forward_sample(struct moe_engine *e, const struct moe_batch *b, int32_t *tokens);
 
+/* Decode ahead: a sampling step queued before the tokens of the step before it are back, so
+ * that the host's turn between steps (reading the tokens, sending them, building the next
+ * batch) overlaps the device's work. A batch token MOE_ENGINE_TOKEN_NEXT stands for the token
+ * that the engine's last step (forward_sample or submit_sample, nothing in between) drew for
+ * that token's sequence, at the position after the drawing row's. */
+#define MOE_ENGINE_AHEAD 2
+#define MOE_ENGINE_TOKEN_NEXT (-2)
+
+/* Queues a step as moe_engine_forward_sample would run it (at most n_batch tokens, no routing
+ * signatures); its tokens come from moe_engine_collect. At most MOE_ENGINE_AHEAD steps are
+ * queued. A backend that cannot queue (the CPU) runs the step here and collect returns its
+ * tokens. The step's floats are forward_sample's. Returns 0 or an error (nothing queued). */
+int moe_engine_submit_sample(struct moe_engine *e, const struct moe_batch *b);
+/* Waits for the oldest queued step: its sampled tokens in batch order into tokens, their count
+ * into *n (either may be NULL to drop them). Returns 0 or an error: nothing queued, or a device
+ * failure (every queued step is then dropped). */
+int moe_engine_collect(struct moe_engine *e, int32_t *tokens, uint32_t *n);
+/* Steps queued and not yet collected. forward, forward_sample, seq_sampler, seq_copy and
+ * set_hot refuse to run while any is. */
+int moe_engine_queued(const struct moe_engine *e);
+
 /* Forgets a sequence's cached positions. */
 void moe_engine_seq_clear(struct moe_engine *e, int32_t seq);
 /* Keeps only a sequence's first n cached positions (a shared prefix to continue from); the next

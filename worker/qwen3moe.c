@@ -11,7 +11,7 @@
     } while (0)
 
 int moe_qwen3moe_step(struct moe_backend *b, const struct moe_dims *d, const struct moe_step *st,
-                      float *out, int32_t *tokens)
+                      float *out, int32_t *tokens, bool submit)
 {
     const struct moe_backend_vt *vt = b->vt;
     static const struct moe_mm qkv[3] = {
@@ -36,5 +36,5 @@ int moe_qwen3moe_step(struct moe_backend *b, const struct moe_dims *d, const str
         TRY(vt->experts(b, l));
     }
     TRY(vt->head(b));
-    return vt->end(b, out, tokens);
+    return submit ? vt->submit(b) : vt->end(b, out, tokens);
 }
