@@ -28,6 +28,8 @@
 
 #define MAX_STOPS 16
 #define MAX_CHOICES 16                  /* n */
+#define MAX_PROMPTS 64                  /* prompts of one completion request */
+#define MAX_REQUEST_CHOICES 128         /* choices of one request: prompts x n */
 #define MAX_STOP_LEN 256
 #define TPS_BUCKETS 16
 
@@ -92,13 +94,15 @@ struct api {
     struct latency_hist ttft, itl;  /* seconds: request to first token, between tokens */
 };
 
-/* One response: its n choices (a gen each, submitted as n requests) and what they share. */
+/* One response: its choices (a gen each, submitted as a request each: n for each of its
+ * prompts, choice k answering prompt k / n_per) and what they share. */
 struct gen_group {
     struct api *api;
     struct http_conn *conn;
     bool headers_sent;
     bool submitting;                /* callbacks are parked while the choices are submitted */
     uint32_t n, n_open;             /* choices; those not finished */
+    uint32_t n_per;                 /* choices per prompt (the request's n) */
     struct gen **g;                 /* [n] */
     json_t *choices;                /* not streamed: [n] the finished choices, null until then */
     json_t *resp;                   /* Responses API: the Response's echoed fields, else NULL */
@@ -443,20 +447,25 @@ static double tps_rate(const struct api *a)
     return (double)sum / 10.0;
 }
 
-/* The prompt once, the completion tokens of every choice (as OpenAI counts n > 1). */
+/* Each prompt once (the figures of its first choice), the completion tokens of every choice
+ * (as OpenAI counts n > 1 and several prompts). */
 static json_t *usage_obj(const struct gen_group *grp)
 {
-    const struct gen *g = grp->g[0];
-    json_int_t gen = 0;
-    for (uint32_t i = 0; i < grp->n; i++)
-        gen += grp->g[i]->n_gen;
+    json_int_t prompt = 0, cached = 0, gen = 0;
+    for (uint32_t i = 0; i < grp->n; i++) {
+        const struct gen *g = grp->g[i];
+        gen += g->n_gen;
+        if (i % grp->n_per == 0) {
+            prompt += g->n_prompt;
+            cached += g->n_cached;
+        }
+    }
     json_t *u = json_object();
-    json_object_set_new(u, "prompt_tokens", json_integer(g->n_prompt));
+    json_object_set_new(u, "prompt_tokens", json_integer(prompt));
     json_object_set_new(u, "completion_tokens", json_integer(gen));
-    json_object_set_new(u, "total_tokens", json_integer((json_int_t)g->n_prompt + gen));
+    json_object_set_new(u, "total_tokens", json_integer(prompt + gen));
     /* As OpenAI reports prompt caching: the prompt tokens taken from a kept KV cache. */
-    json_object_set_new(u, "prompt_tokens_details",
-                        json_pack("{s:I}", "cached_tokens", (json_int_t)g->n_cached));
+    json_object_set_new(u, "prompt_tokens_details", json_pack("{s:I}", "cached_tokens", cached));
     return u;
 }
 
@@ -845,14 +854,21 @@ static json_t *lp_take(struct gen *g, size_t upto)
     return o;
 }
 
-/* llama-server's per-response timings: prompt (request to first token, so queueing too; the
- * first choice's) and generation (first token to last, of all choices together). */
+/* llama-server's per-response timings: prompt (each prompt's first choice: its tokens summed,
+ * the time from the request to the last of their first tokens, so queueing too) and generation
+ * (first token to last, of all choices together). */
 static json_t *timings_obj(const struct gen_group *grp)
 {
-    const struct gen *g = grp->g[0];
-    const double pms = g->n_gen ? (g->t_first - g->t_start) * 1e3 : (g->t_last - g->t_start) * 1e3;
-    double first = 0, last = 0;
-    json_int_t n_gen = 0;
+    double pms = 0, first = 0, last = 0;
+    json_int_t n_gen = 0, pn = 0, cn = 0;
+    for (uint32_t i = 0; i < grp->n; i += grp->n_per) {
+        const struct gen *g = grp->g[i];
+        const double ms = ((g->n_gen ? g->t_first : g->t_last) - g->t_start) * 1e3;
+        const uint32_t cached = g->n_cached < g->n_prompt ? g->n_cached : g->n_prompt;
+        pms = ms > pms ? ms : pms;
+        cn += g->n_cached;
+        pn += g->n_prompt - cached;
+    }
     for (uint32_t i = 0; i < grp->n; i++) {
         const struct gen *x = grp->g[i];
         if (!x->n_gen)
@@ -864,11 +880,10 @@ static json_t *timings_obj(const struct gen_group *grp)
         n_gen += x->n_gen;
     }
     const double gms = n_gen ? (last - first) * 1e3 : 0;
-    const uint32_t pn = g->n_prompt - (g->n_cached < g->n_prompt ? g->n_cached : g->n_prompt);
-    return json_pack("{s:I,s:I,s:f,s:f,s:f,s:I,s:f,s:f,s:f}", "cache_n", (json_int_t)g->n_cached,
-                     "prompt_n", (json_int_t)pn, "prompt_ms", pms,
-                     "prompt_per_token_ms", pn ? pms / pn : 0.0,
-                     "prompt_per_second", pms > 0 ? pn * 1e3 / pms : 0.0,
+    return json_pack("{s:I,s:I,s:f,s:f,s:f,s:I,s:f,s:f,s:f}", "cache_n", cn,
+                     "prompt_n", pn, "prompt_ms", pms,
+                     "prompt_per_token_ms", pn ? pms / (double)pn : 0.0,
+                     "prompt_per_second", pms > 0 ? (double)pn * 1e3 / pms : 0.0,
                      "predicted_n", n_gen, "predicted_ms", gms,
                      "predicted_per_token_ms", n_gen ? gms / (double)n_gen : 0.0,
                      "predicted_per_second", gms > 0 ? (double)n_gen * 1e3 / gms : 0.0);
@@ -1238,10 +1253,26 @@ static void on_abort(void *user)
 
 /* ---- request parsing ---- */
 
+/* One prompt of a request, tokenized: a completion's 'prompt' holds one or several, a chat one. */
+struct gen_prompt {
+    int32_t *ids;
+    size_t n;
+    bool is_bound;                /* tokenizing stopped early: the prompt has more than n */
+    char *echo;                   /* echo: the prompt's text (the string given, or the ids' text) */
+    size_t echo_len;
+    char what[24];                /* how messages name it: "the prompt", "'prompt[3]'" */
+};
+
 struct gen_req {
+    /* The prompt being tokenized (a chat's parts are appended to it); once complete it moves to
+     * prompts[]. what: how messages name it. */
     int32_t *prompt;
     size_t n_prompt;
     bool n_prompt_is_bound;       /* tokenizing stopped early: the prompt has more than n_prompt */
+    char what[24];
+    struct gen_prompt *prompts;   /* [n_prompts]; choice k answers prompts[k / n] */
+    uint32_t n_prompts;
+    bool prompt_list;             /* completions: 'prompt' is an array of prompts */
     struct sched_sampling s;
     int64_t max_tokens;           /* -1: default */
     bool stream, include_usage;
@@ -1255,8 +1286,6 @@ struct gen_req {
     bool call_forced;             /* chat: the grammar forces a <tool_call> (force_tool_call) */
     uint32_t n;                   /* choices */
     bool echo;                    /* completions: the answer starts with the prompt */
-    char *echo_text;              /* the prompt's text (set with the prompt) */
-    size_t echo_len;
     int32_t *bias_tok;            /* logit_bias; r->s points at these */
     float *bias_val;
     char *grammar;                /* GBNF from grammar / json_schema / response_format; r->s too */
@@ -1265,7 +1294,11 @@ struct gen_req {
 static void gen_req_free(struct gen_req *r)
 {
     free(r->prompt);
-    free(r->echo_text);
+    for (uint32_t i = 0; i < r->n_prompts; i++) {
+        free(r->prompts[i].ids);
+        free(r->prompts[i].echo);
+    }
+    free(r->prompts);
     free(r->bias_tok);
     free(r->bias_val);
     free(r->grammar);
@@ -1707,9 +1740,9 @@ static int tokenize(struct api *a, const char *text, size_t len, bool special, s
     size_t maxp = moe_tok_max_piece(a->tok);
     if (n_ctx && maxp && len / maxp + r->n_prompt >= n_ctx) {
         if (r->n_prompt == 0)
-            return fail(e, 400, NULL,
-                        "the prompt (%zu bytes) is longer than the context of %u tokens can hold",
-                        len, n_ctx);
+            return fail(e, 400, r->what[0] ? "prompt" : NULL,
+                        "%s (%zu bytes) is longer than the context of %u tokens can hold",
+                        r->what[0] ? r->what : "the prompt", len, n_ctx);
         /* A later part (a chat message) takes the prompt past the context: at least n_ctx
          * tokens, counted as such (context_length_exceeded, or truncation). */
         r->n_prompt = n_ctx;
@@ -1773,24 +1806,32 @@ static int parse_token_array(struct api *a, json_t *arr, const char *what, struc
     return 0;
 }
 
-static int parse_prompt_tokens(struct api *a, json_t *body, struct gen_req *r, struct verr *e);
-
-/* echo: the prompt's text as given, or for token ids their text. */
-static int parse_prompt(struct api *a, json_t *body, struct gen_req *r, struct verr *e)
+/* The prompt tokenized so far (r->prompt) is complete: it moves to r->prompts[], named as
+ * r->what says. */
+static int prompt_push(struct gen_req *r, struct verr *e)
 {
-    if (parse_prompt_tokens(a, body, r, e))
-        return -1;
-    if (!r->echo || r->n_prompt_is_bound)
-        return 0;
-    json_t *p = json_object_get(body, "prompt");
-    if (json_is_array(p) && json_array_size(p) == 1 && json_is_string(json_array_get(p, 0)))
-        p = json_array_get(p, 0);
-    if (json_is_string(p)) {
-        r->echo_len = json_string_length(p);
-        r->echo_text = malloc(r->echo_len + 1);
-        if (!r->echo_text)
+    struct gen_prompt *np = realloc(r->prompts, (r->n_prompts + 1) * sizeof *np);
+    if (!np)
+        return fail(e, 500, NULL, "out of memory");
+    r->prompts = np;
+    struct gen_prompt *p = &np[r->n_prompts++];
+    *p = (struct gen_prompt){.ids = r->prompt, .n = r->n_prompt, .is_bound = r->n_prompt_is_bound};
+    snprintf(p->what, sizeof p->what, "%s", r->what[0] ? r->what : "the prompt");
+    r->prompt = NULL;
+    r->n_prompt = 0;
+    r->n_prompt_is_bound = false;
+    return 0;
+}
+
+/* echo: the prompt's text as given (v a string), or for token ids their text. */
+static int prompt_echo(struct api *a, json_t *v, struct gen_prompt *p, struct verr *e)
+{
+    if (json_is_string(v)) {
+        p->echo_len = json_string_length(v);
+        p->echo = malloc(p->echo_len + 1);
+        if (!p->echo)
             return fail(e, 500, NULL, "out of memory");
-        memcpy(r->echo_text, json_string_value(p), r->echo_len + 1);
+        memcpy(p->echo, json_string_value(v), p->echo_len + 1);
         return 0;
     }
     struct moe_detok d;
@@ -1798,46 +1839,91 @@ static int parse_prompt(struct api *a, json_t *body, struct gen_req *r, struct v
     size_t cap = 3 * (moe_tok_max_piece(a->tok) + 4) + 1, len = 0, bcap = 0;
     char *piece = malloc(cap), *out = NULL;
     int rc = piece ? 0 : -ENOMEM;
-    for (size_t i = 0; rc == 0 && i <= r->n_prompt; i++) {
-        size_t n = i < r->n_prompt ? moe_detok_push(&d, a->tok, r->prompt[i], piece, cap)
-                                   : moe_detok_flush(&d, piece, cap);
+    for (size_t i = 0; rc == 0 && i <= p->n; i++) {
+        size_t n = i < p->n ? moe_detok_push(&d, a->tok, p->ids[i], piece, cap)
+                            : moe_detok_flush(&d, piece, cap);
         rc = moe_buf_append(&out, &len, &bcap, piece, n);
     }
     free(piece);
-    if (rc) {
+    if (rc || !out) {
         free(out);
         return fail(e, 500, NULL, "out of memory");
     }
-    r->echo_text = out;
-    r->echo_len = len;
+    p->echo = out;
+    p->echo_len = len;
     return 0;
 }
 
-static int parse_prompt_tokens(struct api *a, json_t *body, struct gen_req *r, struct verr *e)
+/* One prompt, v: a string or an array of token ids; index: its place in a list of prompts, or
+ * -1 for the request's only 'prompt'. */
+static int parse_one_prompt(struct api *a, json_t *v, int index, struct gen_req *r,
+                            struct verr *e)
+{
+    char label[24] = "prompt";
+    r->what[0] = 0;
+    if (index >= 0) {
+        snprintf(label, sizeof label, "prompt[%d]", index);
+        snprintf(r->what, sizeof r->what, "'prompt[%d]'", index);
+    }
+    int rc = json_is_string(v) ? tokenize(a, json_string_value(v), json_string_length(v), true, r, e)
+                               : parse_token_array(a, v, label, r, e);
+    if (rc || prompt_push(r, e))
+        return -1;
+    struct gen_prompt *p = &r->prompts[r->n_prompts - 1];
+    return r->echo && !p->is_bound ? prompt_echo(a, v, p, e) : 0;
+}
+
+/* A completion's prompts, tokenized (prompt_shape has checked the outer shape and the caps).
+ * A prompt longer than the context ends the work: the request is refused for it. */
+static int parse_prompts(struct api *a, json_t *body, struct gen_req *r, struct verr *e)
+{
+    json_t *p = json_object_get(body, "prompt");
+    if (!r->prompt_list)
+        return parse_one_prompt(a, p, -1, r, e);
+    for (size_t i = 0; i < json_array_size(p); i++) {
+        if (parse_one_prompt(a, json_array_get(p, i), (int)i, r, e))
+            return -1;
+        if (a->model.n_ctx && r->prompts[r->n_prompts - 1].n >= a->model.n_ctx)
+            break;
+    }
+    return 0;
+}
+
+/* The shape of a completion's 'prompt', checked before anything is tokenized: a string or an
+ * array of token ids is one prompt; an array of strings and arrays of token ids holds one prompt
+ * each, at most MAX_PROMPTS of them and MAX_REQUEST_CHOICES choices (prompts x n). Looks at the
+ * outer array and the types of its elements only. */
+static int prompt_shape(json_t *body, struct gen_req *r, struct verr *e)
 {
     json_t *p = json_object_get(body, "prompt");
     if (!p || json_is_null(p))
         return fail(e, 400, "prompt", "'prompt' is required");
     if (json_is_string(p))
-        return tokenize(a, json_string_value(p), json_string_length(p), true, r, e);
+        return 0;
     if (!json_is_array(p))
-        return fail(e, 400, "prompt",
-                    "'prompt' must be a string, an array of token ids, or an array of one of those, not %s",
-                    jtype(p));
-    if (json_array_size(p) == 0)
+        return fail(e, 400, "prompt", "'prompt' must be a string, an array of token ids, or an array "
+                    "of strings and arrays of token ids, not %s", jtype(p));
+    const size_t n = json_array_size(p);
+    if (n == 0)
         return fail(e, 400, "prompt", "'prompt' is empty");
-    json_t *first = json_array_get(p, 0);
-    if (json_is_integer(first))
-        return parse_token_array(a, p, "prompt", r, e);
-    if (json_array_size(p) != 1)
-        return fail(e, 400, "prompt", "only one prompt per request is supported ('prompt' has %zu)",
-                    json_array_size(p));
-    if (json_is_string(first))
-        return tokenize(a, json_string_value(first), json_string_length(first), true, r, e);
-    if (json_is_array(first))
-        return parse_token_array(a, first, "prompt[0]", r, e);
-    return fail(e, 400, "prompt", "'prompt[0]' must be a string or an array of token ids, not %s",
-                jtype(first));
+    if (json_is_integer(json_array_get(p, 0)))
+        return 0; /* one prompt of token ids (parse_token_array checks the rest) */
+    if (n > MAX_PROMPTS)
+        return fail(e, 400, "prompt", "'prompt' holds %zu prompts; a request may hold at most %d",
+                    n, MAX_PROMPTS);
+    if (n * r->n > MAX_REQUEST_CHOICES)
+        return fail(e, 400, "n", "%zu prompts with 'n' %u ask for %zu choices; a request may ask "
+                    "for at most %d (prompts x n)", n, r->n, n * r->n, MAX_REQUEST_CHOICES);
+    for (size_t i = 0; i < n; i++) {
+        json_t *v = json_array_get(p, i);
+        if (!json_is_string(v) && !json_is_array(v))
+            return fail(e, 400, "prompt", "'prompt[%zu]' must be a string or an array of token ids, "
+                        "not %s", i, jtype(v));
+        if (json_is_string(v) ? json_string_length(v) == 0 : json_array_size(v) == 0)
+            return fail(e, 400, "prompt", "'prompt[%zu]' is empty", i);
+    }
+    r->prompt_list = true;
+    return 0;
 }
 
 /* Message content: a string, or an array of {"type": "text", "text": ...} parts (joined). */
@@ -2226,6 +2312,14 @@ out:
     return rc;
 }
 
+/* The request's prompts tokenized into r->prompts: a chat's one, a completion's one or more. */
+static int parse_input(struct api *a, json_t *body, bool chat, struct gen_req *r, struct verr *e)
+{
+    if (!chat)
+        return parse_prompts(a, body, r, e);
+    return parse_messages(a, body, r, e) || prompt_push(r, e) ? -1 : 0;
+}
+
 static void new_id(struct api *a, char *out, size_t cap, const char *prefix)
 {
     uint64_t x = a->id_seed ^ (++a->id_next * 0x9e3779b97f4a7c15ull);
@@ -2236,7 +2330,7 @@ static void new_id(struct api *a, char *out, size_t cap, const char *prefix)
 }
 
 /* Answers or submits a request whose prompt is tokenized (rc 0) or refused (e). */
-static void finish_generate(struct api *a, struct http_conn *c, bool chat, struct gen_req *rp,
+static void finish_generate(struct api *a, struct http_conn *c, bool chat, struct gen_req *r,
                             struct verr *ep, int rc, double t0);
 
 /* A request whose prompt is tokenized on the loop's thread pool, so that a long prompt (or a
@@ -2315,8 +2409,7 @@ static void tok_job_work(uv_work_t *w)
     if (j->tokenize)
         j->rc = tokenize_content(sa, j);
     else
-        j->rc = j->chat ? parse_messages(sa, j->body, &j->r, &j->e)
-                        : parse_prompt(sa, j->body, &j->r, &j->e);
+        j->rc = parse_input(sa, j->body, j->chat, &j->r, &j->e);
 }
 
 static void tok_job_done(uv_work_t *w, int status)
@@ -2712,7 +2805,7 @@ static void handle_generate(struct api *a, struct http_request *req, bool chat, 
         if (!(body = cb))
             goto fail;
     }
-    if (parse_common(a, body, chat, &r, &e))
+    if (parse_common(a, body, chat, &r, &e) || (!chat && prompt_shape(body, &r, &e)))
         goto fail;
     if (a->loop) {
         struct tok_job *j = calloc(1, sizeof *j);
@@ -2733,7 +2826,7 @@ static void handle_generate(struct api *a, struct http_request *req, bool chat, 
         }
         return; /* tok_job_done continues */
     }
-    int rc = chat ? parse_messages(a, body, &r, &e) : parse_prompt(a, body, &r, &e);
+    int rc = parse_input(a, body, chat, &r, &e);
     finish_generate(a, c, chat, &r, &e, rc, t0);
     gen_req_free(&r);
     json_decref(body);
@@ -2744,9 +2837,11 @@ fail:
     json_decref(body);
 }
 
-/* One choice of a response: everything but its request. NULL when out of memory. */
+/* One choice of a response, answering prompt p: everything but its request. NULL when out of
+ * memory. */
 static struct gen *gen_new(struct api *a, struct gen_group *grp, uint32_t index, bool chat,
-                           const struct gen_req *r, const char *id, time_t created, double t0)
+                           const struct gen_req *r, const struct gen_prompt *p, const char *id,
+                           time_t created, double t0)
 {
     struct gen *g = calloc(1, sizeof *g);
     if (!g)
@@ -2761,7 +2856,7 @@ static struct gen *gen_new(struct api *a, struct gen_group *grp, uint32_t index,
     g->responses = r->resp != NULL;
     g->created = created;
     g->t_start = g->t_last = t0;
-    g->n_prompt = (uint32_t)r->n_prompt;
+    g->n_prompt = (uint32_t)p->n;
     g->logprobs = r->s.logprobs;
     g->n_top = r->s.top_logprobs;
     snprintf(g->id, sizeof g->id, "%s", id);
@@ -2770,15 +2865,15 @@ static struct gen *gen_new(struct api *a, struct gen_group *grp, uint32_t index,
               (!g->responses || !g->logprobs || (g->r_lp = json_array()));
     /* The prompt's first token leads its entries, without a logprob (nothing comes before). */
     if (ok && r->s.prompt_logprobs)
-        g->n_plp = (ok = lp_add(g, r->prompt[0], NULL, 0) == 0);
+        g->n_plp = (ok = lp_add(g, p->ids[0], NULL, 0) == 0);
     if (ok && r->echo) {
-        g->echo = malloc(r->echo_len + 1);
+        g->echo = malloc(p->echo_len + 1);
         ok = g->echo != NULL;
         if (ok) {
-            if (r->echo_len)
-                memcpy(g->echo, r->echo_text, r->echo_len);
-            g->echo[r->echo_len] = 0;
-            g->echo_len = r->echo_len;
+            if (p->echo_len)
+                memcpy(g->echo, p->echo, p->echo_len);
+            g->echo[p->echo_len] = 0;
+            g->echo_len = p->echo_len;
             /* text_offset counts the prompt's token texts when they are listed */
             g->lp_chars = r->s.prompt_logprobs ? 0 : utf8_chars(g->echo, g->echo_len);
         }
@@ -2810,118 +2905,134 @@ static struct gen *gen_new(struct api *a, struct gen_group *grp, uint32_t index,
     return g;
 }
 
-static void finish_generate(struct api *a, struct http_conn *c, bool chat, struct gen_req *rp,
-                            struct verr *ep, int rc, double t0)
+/* Refuses a prompt that is empty or leaves no room in the context: -1 with e set, or 1 once the
+ * answer (context_length_exceeded, with the counts) is sent; 0 when every prompt fits. */
+static int check_prompts(struct api *a, struct http_conn *c, const char *param,
+                         const struct gen_req *r, struct verr *e)
 {
-    struct gen_req r = *rp;
-    struct verr e = *ep;
-    struct gen_group *grp = NULL;
-    struct gen *g = NULL;
-    const char *what = r.resp ? "input" : chat ? "messages" : "prompt";
-    /* r's allocations stay owned by the caller's struct (freed there): the scheduler copies the
-     * prompt, each choice its stop strings and echo. */
-    if (rc)
-        goto fail;
-    if (a->draining) {
-        fail(&e, 503, NULL, "moed is shutting down");
-        goto fail;
-    }
-    if (r.n_prompt == 0) {
-        fail(&e, 400, what, "the prompt is empty (0 tokens)");
-        goto fail;
-    }
-    uint32_t n_ctx = a->model.n_ctx;
-    if (n_ctx && r.n_prompt >= n_ctx) {
+    const uint32_t n_ctx = a->model.n_ctx;
+    if (r->n_prompts == 0)
+        return fail(e, 400, param, "the prompt is empty (0 tokens)");
+    for (uint32_t i = 0; i < r->n_prompts; i++) {
+        const struct gen_prompt *p = &r->prompts[i];
+        if (p->n == 0)
+            return fail(e, 400, param, "%s is empty (0 tokens)", p->what);
+        if (!n_ctx || p->n < n_ctx)
+            continue;
         json_t *extra = json_object();
-        json_object_set_new(extra, "n_prompt_tokens", json_integer((json_int_t)r.n_prompt));
+        json_object_set_new(extra, "n_prompt_tokens", json_integer((json_int_t)p->n));
         json_object_set_new(extra, "n_ctx", json_integer(n_ctx));
         json_object_set_new(extra, "code", json_string("context_length_exceeded"));
-        respond_error_ex(a, c, 400, what, extra,
-                         "the prompt has %s%zu tokens; the context holds %u (prompt and completion "
-                         "together)", r.n_prompt_is_bound ? "more than " : "",
-                         r.n_prompt - (r.n_prompt_is_bound ? 1 : 0), n_ctx);
-        goto out;
+        respond_error_ex(a, c, 400, param, extra,
+                         "%s has %s%zu tokens; the context holds %u (prompt and completion "
+                         "together)", p->what, p->is_bound ? "more than " : "",
+                         p->n - (p->is_bound ? 1 : 0), n_ctx);
+        return 1;
     }
-    uint32_t room = n_ctx ? n_ctx - (uint32_t)r.n_prompt : UINT32_MAX;
-    uint32_t max_tokens;
-    if (r.max_tokens > 0)
-        max_tokens = (uint64_t)r.max_tokens < room ? (uint32_t)r.max_tokens : room;
-    else if (a->max_tokens_default)
-        max_tokens = a->max_tokens_default < room ? a->max_tokens_default : room;
-    else
-        max_tokens = chat ? room : (16 < room ? 16 : room);
+    return 0;
+}
 
-    grp = calloc(1, sizeof *grp);
-    if (grp) {
-        grp->api = a;
-        grp->conn = c;
-        grp->n = grp->n_open = r.n;
-        grp->g = calloc(r.n, sizeof *grp->g);
-        grp->choices = json_array();
-        grp->resp = json_incref(r.resp);
-    }
-    if (!grp || !grp->g || !grp->choices) {
-        fail(&e, 500, NULL, "out of memory");
-        goto fail;
+/* What a choice of an n_prompt-token prompt may generate: max_tokens (or the default) clipped to
+ * the room the context leaves. */
+static uint32_t choice_max_tokens(const struct api *a, const struct gen_req *r, bool chat,
+                                  size_t n_prompt)
+{
+    const uint32_t n_ctx = a->model.n_ctx;
+    const uint32_t room = n_ctx ? n_ctx - (uint32_t)n_prompt : UINT32_MAX;
+    if (r->max_tokens > 0)
+        return (uint64_t)r->max_tokens < room ? (uint32_t)r->max_tokens : room;
+    if (a->max_tokens_default)
+        return a->max_tokens_default < room ? a->max_tokens_default : room;
+    return chat ? room : (16 < room ? 16 : room);
+}
+
+/* The response's choices, n for each prompt (prompt-major, as OpenAI indexes them); NULL when
+ * out of memory. */
+static struct gen_group *group_new(struct api *a, struct http_conn *c, bool chat,
+                                   const struct gen_req *r, double t0)
+{
+    struct gen_group *grp = calloc(1, sizeof *grp);
+    if (!grp)
+        return NULL;
+    grp->api = a;
+    grp->conn = c;
+    grp->n_per = r->n;
+    grp->n = grp->n_open = r->n_prompts * r->n;
+    grp->g = calloc(grp->n, sizeof *grp->g);
+    grp->choices = json_array();
+    grp->resp = json_incref(r->resp);
+    if (!grp->g || !grp->choices) {
+        group_free(grp);
+        return NULL;
     }
     char id[48];
-    new_id(a, id, sizeof id, r.resp ? "resp_" : chat ? "chatcmpl-" : "cmpl-");
+    new_id(a, id, sizeof id, r->resp ? "resp_" : chat ? "chatcmpl-" : "cmpl-");
     const time_t created = time(NULL);
-    for (uint32_t i = 0; i < r.n; i++) {
+    for (uint32_t k = 0; k < grp->n; k++) {
         json_array_append_new(grp->choices, json_null());
-        if (!(grp->g[i] = gen_new(a, grp, i, chat, &r, id, created, t0))) {
-            fail(&e, 500, NULL, "out of memory");
-            goto fail;
+        if (!(grp->g[k] = gen_new(a, grp, k, chat, r, &r->prompts[k / r->n], id, created, t0))) {
+            group_free(grp);
+            return NULL;
         }
     }
-    g = grp->g[0];
-    /* Every choice is a request of its own; seeded ones get seed, seed + 1, ... */
+    return grp;
+}
+
+/* Submits every choice as a request of its own (seeded ones: choice k gets seed + k). Callbacks
+ * that come meanwhile are parked. Returns 0, or -1 with e set and the group freed when one
+ * choice could not be queued or failed at once (the response fails as a whole). */
+static int group_submit(struct api *a, struct gen_group *grp, bool chat, const struct gen_req *r,
+                        struct verr *e)
+{
     int status = 503;
     char msg[512] = "";
     a->gen_requests++;
-    a->prompt_tokens += r.n_prompt;
-    http_conn_on_abort(c, on_abort, grp);
+    for (uint32_t i = 0; i < r->n_prompts; i++)
+        a->prompt_tokens += r->prompts[i].n;
+    http_conn_on_abort(grp->conn, on_abort, grp);
     grp->submitting = true;
-    for (uint32_t i = 0; i < r.n; i++) {
+    for (uint32_t k = 0; k < grp->n; k++) {
+        const struct gen_prompt *p = &r->prompts[k / r->n];
         struct sched_params sp = {
-            .prompt = r.prompt,
-            .n_prompt = (uint32_t)r.n_prompt,
-            .max_tokens = max_tokens,
-            .sampling = r.s,
+            .prompt = p->ids,
+            .n_prompt = (uint32_t)p->n,
+            .max_tokens = choice_max_tokens(a, r, chat, p->n),
+            .sampling = r->s,
             .cb = {on_token, on_done, on_error, on_prompt_logprob},
-            .user = grp->g[i],
+            .user = grp->g[k],
         };
-        sp.sampling.seed += i;
+        sp.sampling.seed += k;
         struct sched_req *sr = sched_submit(a->sched, &sp, &status, msg, sizeof msg);
-        if (!grp->g[i]->early)
-            grp->g[i]->req = sr; /* else it finished inside: the handle is gone */
-        if (!sr && !grp->g[i]->early)
+        if (!grp->g[k]->early)
+            grp->g[k]->req = sr; /* else it finished inside: the handle is gone */
+        if (!sr && !grp->g[k]->early)
             break;
     }
     grp->submitting = false;
-    for (uint32_t i = 0; i < r.n; i++) {
-        struct gen *x = grp->g[i];
-        if (x->early == 2 || (!x->req && !x->early)) {
-            /* Not queued, or failed at once: the response fails as a whole. */
-            if (x->early == 2) {
-                status = x->early_status;
-                snprintf(msg, sizeof msg, "%s", x->early_msg);
-            }
-            http_conn_on_abort(c, NULL, NULL);
-            group_cancel(grp);
-            a->gen_errors++;
-            group_free(grp);
-            grp = NULL;
-            fail(&e, status >= 400 ? status : 503, NULL, "%s", msg[0] ? msg : "the request could not be queued");
-            goto fail;
+    for (uint32_t k = 0; k < grp->n; k++) {
+        struct gen *x = grp->g[k];
+        if (x->early != 2 && (x->req || x->early))
+            continue;
+        if (x->early == 2) {
+            status = x->early_status;
+            snprintf(msg, sizeof msg, "%s", x->early_msg);
         }
+        http_conn_on_abort(grp->conn, NULL, NULL);
+        group_cancel(grp);
+        a->gen_errors++;
+        group_free(grp);
+        return fail(e, status >= 400 ? status : 503, NULL, "%s",
+                    msg[0] ? msg : "the request could not be queued");
     }
-    log_debug("%s: %zu prompt tokens, max_tokens %u, temperature %g, n %u%s", g->id, r.n_prompt,
-              max_tokens, (double)r.s.temperature, r.n, r.stream ? ", streaming" : "");
-    /* Choices the scheduler finished inside sched_submit() (their handles are gone); the last
-     * one to finish frees the group. */
-    for (uint32_t i = 0; i < r.n; i++) {
-        struct gen *x = grp->g[i];
+    return 0;
+}
+
+/* Choices the scheduler finished inside sched_submit() (their handles are gone); the last one
+ * to finish frees the group. */
+static void group_finish_early(struct gen_group *grp)
+{
+    for (uint32_t k = 0; k < grp->n; k++) {
+        struct gen *x = grp->g[k];
         if (x->early != 1)
             continue;
         const bool last = grp->n_open == 1;
@@ -2929,14 +3040,43 @@ static void finish_generate(struct api *a, struct http_conn *c, bool chat, struc
         if (last)
             break;
     }
-    goto out;
+}
+
+static void finish_generate(struct api *a, struct http_conn *c, bool chat, struct gen_req *r,
+                            struct verr *ep, int rc, double t0)
+{
+    struct verr e = *ep;
+    const char *what = r->resp ? "input" : chat ? "messages" : "prompt";
+    /* r's allocations stay owned by the caller (freed there): the scheduler copies the prompts,
+     * each choice its stop strings and echo. */
+    if (rc)
+        goto fail;
+    if (a->draining) {
+        fail(&e, 503, NULL, "moed is shutting down");
+        goto fail;
+    }
+    int ck = check_prompts(a, c, what, r, &e);
+    if (ck > 0)
+        return;
+    if (ck < 0)
+        goto fail;
+    struct gen_group *grp = group_new(a, c, chat, r, t0);
+    if (!grp) {
+        fail(&e, 500, NULL, "out of memory");
+        goto fail;
+    }
+    if (group_submit(a, grp, chat, r, &e))
+        goto fail;
+    size_t n_tok = 0;
+    for (uint32_t i = 0; i < r->n_prompts; i++)
+        n_tok += r->prompts[i].n;
+    log_debug("%s: %u prompt(s) of %zu tokens, max_tokens %u, temperature %g, n %u%s",
+              grp->g[0]->id, r->n_prompts, n_tok, choice_max_tokens(a, r, chat, r->prompts[0].n),
+              (double)r->s.temperature, r->n, r->stream ? ", streaming" : "");
+    group_finish_early(grp);
+    return;
 fail:
-    if (grp)
-        group_free(grp);
     respond_error(a, c, e.status ? e.status : 400, e.param, "%s", e.msg);
-out:
-    /* The stop strings were copied into each choice; the caller frees r's allocations. */
-    (void)g;
 }
 
 

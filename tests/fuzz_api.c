@@ -46,7 +46,7 @@ int LLVMFuzzerInitialize(int *argc, char ***argv);
 #define MODEL_PATH "models/kjv-demo-F16.gguf"
 #define N_CTX 512
 #define MAX_SCRIPT 64        /* tokens the worker generates at most */
-#define MAX_SUBMITS 32
+#define MAX_SUBMITS 128      /* a request's choices at most (prompts x n) */
 #define API_KEY "fuzz-key"
 
 /* ---- the connection: daemon/http.h's response side ---- */

@@ -442,7 +442,17 @@ TEST(daemon_rejects_bad_requests)
         {cc, "{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"top_logprobs\": 3}", "needs 'logprobs': true", 400},
         {cp, "{\"prompt\": \"hi\", \"tools\": [{}]}", "'tools' is not supported", 400},
         {cp, "{\"prompt\": 7}", "'prompt' must be a string", 400},
-        {cp, "{\"prompt\": [\"a\", \"b\"]}", "only one prompt", 400},
+        {cp, "{\"prompt\": []}", "'prompt' is empty", 400},
+        {cp, "{\"prompt\": [\"a\", \"\"]}", "'prompt[1]' is empty", 400},
+        {cp, "{\"prompt\": [[1], []]}", "'prompt[1]' is empty", 400},
+        {cp, "{\"prompt\": [\"a\", 3]}", "'prompt[1]' must be a string or an array of token ids, not an integer", 400},
+        {cp, "{\"prompt\": [\"a\", {}]}", "'prompt[1]' must be a string or an array of token ids, not an object", 400},
+        {cp, "{\"prompt\": [null]}", "'prompt[0]' must be a string or an array of token ids, not null", 400},
+        {cp, "{\"prompt\": [[1, 2], [3, \"x\"]]}", "'prompt[1][1]' must be a token id", 400},
+        {cp, "{\"prompt\": [\"a\", \"b\", [1, 999999]]}", "'prompt[2][1]': token id 999999 is out of range", 400},
+        {cp, "{\"prompt\": [1, \"a\"]}", "'prompt[1]' must be a token id", 400},
+        {cp, "{\"prompt\": [\"a\", [1, [2]]]}", "'prompt[1][1]' must be a token id", 400},
+        {cp, "{\"prompt\": [\"a\", \"b\", \"c\", \"d\", \"e\", \"f\", \"g\", \"h\", \"i\"], \"n\": 15}", "at most 128 (prompts x n)", 400},
         {cp, "{\"prompt\": [1, 999999]}", "out of range", 400},
         {cp, "{\"prompt\": \"\"}", "empty", 400},
         {cp, "{}", "'prompt' is required", 400},
@@ -520,6 +530,29 @@ TEST(daemon_rejects_bad_requests)
     CHECK(json_integer_value(json_object_get(e, "n_prompt_tokens")) >= 100);
     CHECK_EQ(json_integer_value(json_object_get(e, "n_ctx")), 64);
     CHECK_STREQ(json_string_value(json_object_get(e, "code")), "context_length_exceeded");
+    json_decref(j);
+    /* The same as the third of several prompts: the message names it. */
+    snprintf(prompt, sizeof prompt, "{\"prompt\": [\"a\", [1, 2], \"");
+    for (int i = 0; i < 100; i++)
+        strcat(prompt, "word ");
+    strcat(prompt, "\", \"b\"]}");
+    j = post_json(d.sock, cp, prompt, &status);
+    CHECK_EQ(status, 400);
+    e = json_object_get(j, "error");
+    CHECK_MSG(strstr(err_msg(j), "'prompt[2]' has ") && strstr(err_msg(j), "the context holds 64"),
+              "%s", err_msg(j));
+    CHECK(json_integer_value(json_object_get(e, "n_prompt_tokens")) >= 100);
+    CHECK_STREQ(json_string_value(json_object_get(e, "code")), "context_length_exceeded");
+    CHECK_STREQ(json_string_value(json_object_get(e, "param")), "prompt");
+    json_decref(j);
+    /* At most 64 prompts in one request. */
+    strcpy(prompt, "{\"prompt\": [\"a\"");
+    for (int i = 1; i < 65; i++)
+        strcat(prompt, ", \"a\"");
+    strcat(prompt, "]}");
+    j = post_json(d.sock, cp, prompt, &status);
+    CHECK_EQ(status, 400);
+    CHECK_MSG(strstr(err_msg(j), "holds 65 prompts; a request may hold at most 64"), "%s", err_msg(j));
     json_decref(j);
 
     /* Body over --max-body (4 KiB): 413. */
@@ -3015,4 +3048,337 @@ TEST_TIMEOUT(daemon_chat_template_file, 120)
     moed_spawn(&d, dir2, args2);
     CHECK_EQ(moed_wait_exit(&d, 30), 1);
     CHECK(log_contains(&d, "--chat-template"));
+}
+
+/* ---- several prompts in one completion request, on the bundled demo model ---- */
+
+#define DEMO_MODEL "models/kjv-demo-F16.gguf"
+
+/* POSTs body (taken) to /v1/completions; the answer, whose status must be want. */
+static json_t *post_cmpl(const char *sock, json_t *body, int want)
+{
+    char *s = json_dumps(body, JSON_COMPACT);
+    json_decref(body);
+    CHECK(s);
+    int status;
+    json_t *j = post_json(sock, "/v1/completions", s, &status);
+    CHECK_MSG(status == want, "status %d, not %d, for %.300s: %s", status, want, s, err_msg(j));
+    free(s);
+    return j;
+}
+
+static json_t *choice_at(json_t *j, size_t k)
+{
+    return json_array_get(json_object_get(j, "choices"), k);
+}
+
+static const char *text_at(json_t *j, size_t k)
+{
+    const char *t = json_string_value(json_object_get(choice_at(j, k), "text"));
+    return t ? t : "(none)";
+}
+
+static json_int_t usage_of(json_t *j, const char *key)
+{
+    return json_integer_value(json_object_get(json_object_get(j, "usage"), key));
+}
+
+/* The token ids of text (/tokenize). */
+static json_t *token_ids(const char *sock, const char *text)
+{
+    json_t *b = json_pack("{s:s}", "content", text);
+    char *s = json_dumps(b, JSON_COMPACT);
+    json_decref(b);
+    int status;
+    json_t *j = post_json(sock, "/tokenize", s, &status);
+    free(s);
+    CHECK_EQ(status, 200);
+    json_t *ids = json_incref(json_object_get(j, "tokens"));
+    json_decref(j);
+    CHECK(json_array_size(ids) > 0);
+    return ids;
+}
+
+/* The demo model's daemon: one CPU worker of four slots. */
+static void moed_start_demo(struct moed *d)
+{
+    const char *args[] = {"--model", DEMO_MODEL, "--devices", "cpu", "--workers", "1",
+                          "--parallel", "4", NULL};
+    moed_start(d, moe_test_tmpdir(), args);
+}
+
+static const char *const several[3] = {"In the beginning", "And God said unto Moses",
+                                       "The LORD is my shepherd"};
+
+/* The greedy 8-token answer to each of several[] alone, its prompt and completion tokens and its
+ * token ids. */
+struct single_answer {
+    char *text;
+    json_int_t n_prompt, n_gen;
+    json_t *ids;
+};
+
+static void single_answers(const char *sock, struct single_answer *out)
+{
+    for (int i = 0; i < 3; i++) {
+        json_t *j = post_cmpl(sock, json_pack("{s:s,s:i,s:f}", "prompt", several[i], "max_tokens", 8,
+                                              "temperature", 0.0), 200);
+        out[i].text = strdup(text_at(j, 0));
+        out[i].n_prompt = usage_of(j, "prompt_tokens");
+        out[i].n_gen = usage_of(j, "completion_tokens");
+        out[i].ids = token_ids(sock, several[i]);
+        CHECK_EQ((json_int_t)json_array_size(out[i].ids), out[i].n_prompt);
+        CHECK_STREQ(json_string_value(json_object_get(choice_at(j, 0), "finish_reason")), "length");
+        json_decref(j);
+    }
+}
+
+/* 'prompt' as an array of strings, of token id arrays, or both: each prompt gets n choices,
+ * indexed prompt * n + j, each the answer the prompt gets alone; usage counts each prompt once and
+ * every choice's tokens; echo and logprobs are each choice's own prompt's; seeded choice k uses
+ * seed + k. */
+TEST_TIMEOUT(daemon_several_prompts_answer_as_single_ones, 240)
+{
+    struct moed d;
+    moed_start_demo(&d);
+    struct single_answer s[3];
+    single_answers(d.sock, s);
+    CHECK(strcmp(s[0].text, s[1].text) && strcmp(s[1].text, s[2].text));
+
+    /* Three strings, n = 2. */
+    json_t *j = post_cmpl(d.sock, json_pack("{s:[s,s,s],s:i,s:i,s:f}", "prompt", several[0],
+                                            several[1], several[2], "n", 2, "max_tokens", 8,
+                                            "temperature", 0.0), 200);
+    CHECK_EQ(json_array_size(json_object_get(j, "choices")), 6);
+    for (size_t k = 0; k < 6; k++) {
+        CHECK_EQ(json_integer_value(json_object_get(choice_at(j, k), "index")), (json_int_t)k);
+        CHECK_MSG(!strcmp(text_at(j, k), s[k / 2].text), "choice %zu: '%s', alone '%s'", k,
+                  text_at(j, k), s[k / 2].text);
+    }
+    const json_int_t n_prompt = s[0].n_prompt + s[1].n_prompt + s[2].n_prompt;
+    const json_int_t n_gen = 2 * (s[0].n_gen + s[1].n_gen + s[2].n_gen);
+    CHECK_EQ(usage_of(j, "prompt_tokens"), n_prompt);
+    CHECK_EQ(usage_of(j, "completion_tokens"), n_gen);
+    CHECK_EQ(usage_of(j, "total_tokens"), n_prompt + n_gen);
+    json_t *details = json_object_get(json_object_get(j, "usage"), "prompt_tokens_details");
+    json_int_t cached = json_integer_value(json_object_get(details, "cached_tokens"));
+    CHECK(cached >= 0 && cached < n_prompt);
+    json_t *tm = json_object_get(j, "timings");
+    CHECK_EQ(json_integer_value(json_object_get(tm, "predicted_n")), n_gen);
+    CHECK_EQ(json_integer_value(json_object_get(tm, "cache_n")), cached);
+    CHECK_EQ(json_integer_value(json_object_get(tm, "prompt_n")) + cached, n_prompt);
+    CHECK(json_real_value(json_object_get(tm, "prompt_ms")) > 0);
+    json_decref(j);
+
+    /* Token id arrays. */
+    j = post_cmpl(d.sock, json_pack("{s:[O,O],s:i,s:f}", "prompt", s[0].ids, s[2].ids, "max_tokens",
+                                    8, "temperature", 0.0), 200);
+    CHECK_EQ(json_array_size(json_object_get(j, "choices")), 2);
+    CHECK_STREQ(text_at(j, 0), s[0].text);
+    CHECK_STREQ(text_at(j, 1), s[2].text);
+    CHECK_EQ(usage_of(j, "prompt_tokens"), s[0].n_prompt + s[2].n_prompt);
+    json_decref(j);
+
+    /* Mixed, with echo: each choice starts with its own prompt (the ids' text for ids). */
+    j = post_cmpl(d.sock, json_pack("{s:[s,O,s],s:i,s:f,s:b}", "prompt", several[0], s[1].ids,
+                                    several[2], "max_tokens", 8, "temperature", 0.0, "echo", 1), 200);
+    for (size_t k = 0; k < 3; k++) {
+        char want[256];
+        snprintf(want, sizeof want, "%s%s", several[k], s[k].text);
+        CHECK_STREQ(text_at(j, k), want);
+    }
+    json_decref(j);
+
+    /* echo with logprobs, n = 2: each choice lists its own prompt's tokens first (the first
+     * without a logprob), then its generated ones; text_offset counts from its own start. */
+    j = post_cmpl(d.sock, json_pack("{s:[O,s],s:i,s:i,s:f,s:b,s:i}", "prompt", s[0].ids, several[1],
+                                    "n", 2, "max_tokens", 8, "temperature", 0.0, "echo", 1,
+                                    "logprobs", 0), 200);
+    CHECK_EQ(json_array_size(json_object_get(j, "choices")), 4);
+    for (size_t k = 0; k < 4; k++) {
+        const struct single_answer *a = &s[k / 2];
+        json_t *lp = json_object_get(choice_at(j, k), "logprobs");
+        json_t *toks = json_object_get(lp, "tokens");
+        CHECK_EQ((json_int_t)json_array_size(toks), a->n_prompt + a->n_gen);
+        char joined[256] = "";
+        for (json_int_t t = 0; t < a->n_prompt; t++)
+            strncat(joined, json_string_value(json_array_get(toks, (size_t)t)),
+                    sizeof joined - strlen(joined) - 1);
+        CHECK_STREQ(joined, several[k / 2]);
+        CHECK(json_is_null(json_array_get(json_object_get(lp, "token_logprobs"), 0)));
+        CHECK(json_is_number(json_array_get(json_object_get(lp, "token_logprobs"), 1)));
+        CHECK_EQ(json_integer_value(json_array_get(json_object_get(lp, "text_offset"), 0)), 0);
+    }
+    CHECK_EQ(usage_of(j, "prompt_tokens"), s[0].n_prompt + s[1].n_prompt);
+    json_decref(j);
+
+    /* Seeded sampling: choice k uses seed + k, whichever prompt it answers. */
+    j = post_cmpl(d.sock, json_pack("{s:[s,s],s:i,s:i,s:f,s:i}", "prompt", several[0], several[1],
+                                    "n", 2, "max_tokens", 8, "temperature", 1.0, "seed", 11), 200);
+    for (size_t k = 0; k < 4; k++) {
+        json_t *one = post_cmpl(d.sock, json_pack("{s:s,s:i,s:f,s:i}", "prompt", several[k / 2],
+                                                  "max_tokens", 8, "temperature", 1.0, "seed",
+                                                  (int)(11 + k)), 200);
+        CHECK_MSG(!strcmp(text_at(j, k), text_at(one, 0)), "choice %zu: '%s', alone with seed %zu: '%s'",
+                  k, text_at(j, k), 11 + k, text_at(one, 0));
+        json_decref(one);
+    }
+    json_decref(j);
+    for (int i = 0; i < 3; i++) {
+        free(s[i].text);
+        json_decref(s[i].ids);
+    }
+    CHECK_EQ(moed_stop(&d, 60), 0);
+}
+
+/* Streamed: every chunk carries one choice and its index; the texts by index are the single
+ * answers; each choice finishes once; timings come once; the usage chunk sums the prompts. */
+TEST_TIMEOUT(daemon_several_prompts_stream, 240)
+{
+    struct moed d;
+    moed_start_demo(&d);
+    struct single_answer s[3];
+    single_answers(d.sock, s);
+    json_t *body = json_pack("{s:[s,O,s],s:i,s:i,s:f,s:b,s:{s:b}}", "prompt", several[0], s[1].ids,
+                             several[2], "n", 2, "max_tokens", 8, "temperature", 0.0, "stream", 1,
+                             "stream_options", "include_usage", 1);
+    char *bs = json_dumps(body, JSON_COMPACT);
+    json_decref(body);
+    struct hc_resp r;
+    CHECK(hc_request_unix(d.sock, "POST", "/v1/completions", bs, &r, 60000) == 0);
+    free(bs);
+    CHECK_MSG(r.status == 200, "%d %s", r.status, r.body);
+    char text[6][256] = {{0}};
+    int finished[6] = {0}, n_timings = 0, n_usage = 0;
+    bool done = false;
+    json_t *usage = NULL;
+    for (char *p = r.body; p && *p; p = strchr(p, '\n') ? strchr(p, '\n') + 1 : NULL) {
+        if (strncmp(p, "data: ", 6))
+            continue;
+        CHECK_MSG(!done, "an event after [DONE]");
+        if (!strncmp(p + 6, "[DONE]", 6)) {
+            done = true;
+            continue;
+        }
+        json_t *o = json_loadb(p + 6, strcspn(p + 6, "\n"), 0, NULL);
+        CHECK_MSG(o, "not JSON: %.200s", p);
+        json_t *chs = json_object_get(o, "choices");
+        n_timings += json_object_get(o, "timings") != NULL;
+        if (json_array_size(chs) == 0) {
+            n_usage++;
+            json_decref(usage);
+            usage = json_incref(json_object_get(o, "usage"));
+        } else {
+            CHECK_EQ(json_array_size(chs), 1);
+            CHECK_MSG(!usage, "a choice after the usage chunk");
+            json_t *c = json_array_get(chs, 0);
+            json_int_t k = json_integer_value(json_object_get(c, "index"));
+            CHECK_MSG(k >= 0 && k < 6 && !finished[k], "index %lld", (long long)k);
+            strncat(text[k], json_string_value(json_object_get(c, "text")),
+                    sizeof text[k] - strlen(text[k]) - 1);
+            finished[k] += json_is_string(json_object_get(c, "finish_reason"));
+        }
+        json_decref(o);
+    }
+    CHECK(done);
+    CHECK_EQ(n_timings, 1);
+    CHECK_EQ(n_usage, 1);
+    json_int_t n_prompt = 0, n_gen = 0;
+    for (int k = 0; k < 6; k++) {
+        CHECK_EQ(finished[k], 1);
+        CHECK_MSG(!strcmp(text[k], s[k / 2].text), "choice %d: '%s', alone '%s'", k, text[k],
+                  s[k / 2].text);
+        n_gen += s[k / 2].n_gen;
+        n_prompt += k % 2 ? 0 : s[k / 2].n_prompt;
+    }
+    CHECK_EQ(json_integer_value(json_object_get(usage, "prompt_tokens")), n_prompt);
+    CHECK_EQ(json_integer_value(json_object_get(usage, "completion_tokens")), n_gen);
+    CHECK_EQ(json_integer_value(json_object_get(usage, "total_tokens")), n_prompt + n_gen);
+    json_decref(usage);
+    hc_resp_free(&r);
+    for (int i = 0; i < 3; i++) {
+        free(s[i].text);
+        json_decref(s[i].ids);
+    }
+    CHECK_EQ(moed_stop(&d, 60), 0);
+}
+
+/* The caps: 64 prompts, 128 choices (prompts x n) are served; one more of either is a 400 that
+ * says the limit. A prompt longer than the context is named. A client that leaves a stream of
+ * several prompts cancels every choice. */
+TEST_TIMEOUT(daemon_several_prompts_limits, 240)
+{
+    struct moed d;
+    moed_start_demo(&d);
+    json_t *p = json_array();
+    for (int i = 0; i < 8; i++)
+        json_array_append_new(p, i % 2 ? json_pack("[i,i]", 10 + i, 20 + i) : json_string(several[i % 3]));
+    json_t *j = post_cmpl(d.sock, json_pack("{s:O,s:i,s:i}", "prompt", p, "n", 16, "max_tokens", 2), 200);
+    CHECK_EQ(json_array_size(json_object_get(j, "choices")), 128);
+    for (size_t k = 0; k < 128; k++)
+        CHECK_EQ(json_integer_value(json_object_get(choice_at(j, k), "index")), (json_int_t)k);
+    json_decref(j);
+    json_array_append_new(p, json_string("And"));
+    j = post_cmpl(d.sock, json_pack("{s:O,s:i,s:i}", "prompt", p, "n", 15, "max_tokens", 2), 400);
+    CHECK_MSG(strstr(err_msg(j), "9 prompts with 'n' 15 ask for 135 choices") &&
+              strstr(err_msg(j), "at most 128"), "%s", err_msg(j));
+    CHECK_STREQ(json_string_value(json_object_get(json_object_get(j, "error"), "param")), "n");
+    json_decref(j);
+    json_decref(p);
+
+    p = json_array();
+    for (int i = 0; i < 64; i++)
+        json_array_append_new(p, json_string(several[i % 3]));
+    j = post_cmpl(d.sock, json_pack("{s:O,s:i,s:f}", "prompt", p, "max_tokens", 1, "temperature", 0.0), 200);
+    CHECK_EQ(json_array_size(json_object_get(j, "choices")), 64);
+    json_decref(j);
+    json_array_append_new(p, json_string("x"));
+    j = post_cmpl(d.sock, json_pack("{s:O}", "prompt", p), 400);
+    CHECK_MSG(strstr(err_msg(j), "'prompt' holds 65 prompts; a request may hold at most 64"), "%s", err_msg(j));
+    json_decref(j);
+    json_decref(p);
+
+    /* A prompt too long for the context (refused by its size, before tokenizing). */
+    char *huge = malloc(200001);
+    memset(huge, 'x', 200000);
+    huge[200000] = 0;
+    j = post_cmpl(d.sock, json_pack("{s:[s,s]}", "prompt", "In the beginning", huge), 400);
+    CHECK_MSG(strstr(err_msg(j), "'prompt[1]' (200000 bytes) is longer than the context"), "%s", err_msg(j));
+    json_decref(j);
+    free(huge);
+
+    /* 4 prompts x 4 choices of 500 tokens each, streamed; the client leaves after a moment:
+     * every choice stops, far from the 8000 tokens they would make. */
+    p = json_pack("[s,s,s,s]", several[0], several[1], several[2], "And");
+    json_t *body = json_pack("{s:O,s:i,s:i,s:b,s:b}", "prompt", p, "n", 4, "max_tokens", 500,
+                             "stream", 1, "ignore_eos", 1);
+    json_decref(p);
+    char *bs = json_dumps(body, JSON_COMPACT);
+    json_decref(body);
+    struct hc_conn c;
+    start_post(&c, d.sock, "/v1/completions", bs);
+    free(bs);
+    usleep(300000);
+    hc_close(&c);
+    double t0 = moe_test_now(), in_flight = -1, running = -1, queued = -1, gen = -1;
+    while (moe_test_now() - t0 < 30) {
+        struct hc_resp r;
+        CHECK(hc_request_unix(d.sock, "GET", "/metrics", NULL, &r, 5000) == 0);
+        in_flight = metric_value(r.body, "moed_generations_in_flight");
+        running = metric_value(r.body, "moed_requests_running");
+        queued = metric_value(r.body, "moed_queue_depth");
+        gen = metric_value(r.body, "moed_generated_tokens_total");
+        hc_resp_free(&r);
+        if (in_flight == 0 && running == 0 && queued == 0)
+            break;
+        usleep(20000);
+    }
+    CHECK_MSG(in_flight == 0 && running == 0 && queued == 0, "in flight %g, running %g, queued %g",
+              in_flight, running, queued);
+    /* Before: 128 x 2 + 64 tokens at most. */
+    CHECK_MSG(gen < 320 + 4000, "%g tokens generated: the choices went on", gen);
+    j = post_cmpl(d.sock, json_pack("{s:[s,s],s:i,s:i}", "prompt", "a", "b", "n", 2, "max_tokens", 2), 200);
+    CHECK_EQ(usage_of(j, "completion_tokens"), 8);
+    json_decref(j);
+    CHECK_EQ(moed_stop(&d, 60), 0);
 }

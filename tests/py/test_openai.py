@@ -501,6 +501,50 @@ def test_n_choices(client):
     assert s.choices[1].text.startswith(single[1].choices[0].text.split(stop)[0])
 
 
+def test_several_prompts(client):
+    """A list of prompts (strings, token ids, both): n choices each, indexed prompt * n + j, each the
+    prompt's own answer; usage sums the prompts once and every choice; seeded choice k uses seed + k."""
+    prompts = [p.read_text() for p in PROMPTS]
+    kw = dict(model="tiny", max_tokens=6, temperature=0)
+    alone = [client.completions.create(prompt=p, **kw) for p in prompts]
+    r = client.completions.create(prompt=[prompts[0], tokenize(client, prompts[1]), prompts[2]], n=2, **kw)
+    assert [c.index for c in r.choices] == list(range(6))
+    assert [c.text for c in r.choices] == [a.choices[0].text for a in alone for _ in range(2)]
+    assert r.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+    assert r.usage.completion_tokens == 2 * sum(a.usage.completion_tokens for a in alone)
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    e = client.completions.create(prompt=["The sea", "And God"], echo=True, **kw)
+    assert e.choices[0].text.startswith("The sea") and e.choices[1].text.startswith("And God")
+    seeded = client.completions.create(prompt=["The sea", "And God"], n=2, max_tokens=6, temperature=1.0,
+                                       seed=21, model="tiny")
+    for k, c in enumerate(seeded.choices):
+        one = client.completions.create(prompt=["The sea", "And God"][k // 2], max_tokens=6, temperature=1.0,
+                                        seed=21 + k, model="tiny")
+        assert c.text == one.choices[0].text
+    text, finish, usage = {}, {}, None
+    for ch in client.completions.create(prompt=["The sea", "And God"], n=2, stream=True,
+                                        stream_options={"include_usage": True}, **kw):
+        if ch.usage:
+            usage = ch.usage
+        for c in ch.choices:
+            text[c.index] = text.get(c.index, "") + c.text
+            if c.finish_reason:
+                finish[c.index] = c.finish_reason
+    assert set(finish) == {0, 1, 2, 3}
+    assert [text[k] for k in range(4)] == [e.choices[k // 2].text[len(["The sea", "And God"][k // 2]):]
+                                           for k in range(4)]
+    assert usage.prompt_tokens == e.usage.prompt_tokens
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(prompt=["a", ""], **kw)
+    assert "'prompt[1]' is empty" in err.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(prompt=["a"] * 65, **kw)
+    assert "at most 64" in err.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(prompt=["a"] * 9, n=16, **kw)
+    assert "at most 128" in err.value.body["message"] and err.value.body["param"] == "n"
+
+
 def test_n_choices_disconnect(daemon, client):
     """A client that leaves a 16-choice stream cancels every choice; the daemon keeps serving."""
     with uds_client(daemon.sock) as http:
