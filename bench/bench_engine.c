@@ -81,11 +81,41 @@ static double decode(struct moe_engine *e, int B, int64_t start, int steps, int3
     return moe_now_s() - t0;
 }
 
+/* decode() with each step queued before the tokens of the one before it are back
+ * (moe_engine_submit_sample, the tokens MOE_ENGINE_TOKEN_NEXT); seconds. */
+static double decode_ahead(struct moe_engine *e, int B, int64_t start, int steps, int32_t *cur)
+{
+    int32_t pos[1024], sq[1024], nx[1024], next[1024];
+    for (int i = 0; i < B; i++)
+        next[i] = MOE_ENGINE_TOKEN_NEXT;
+    double t0 = moe_now_s();
+    for (int s = 0; s <= steps; s++) {
+        if (s < steps) {
+            for (int i = 0; i < B; i++) {
+                pos[i] = (int32_t)(start + s);
+                sq[i] = i;
+            }
+            struct moe_batch b = {.n = (uint32_t)B, .token = s ? next : cur, .pos = pos, .seq = sq};
+            if (moe_engine_submit_sample(e, &b)) {
+                fprintf(stderr, "bench_engine: decode ahead: %s\n", moe_engine_errmsg(e));
+                exit(1);
+            }
+        }
+        if (s > 0 && moe_engine_collect(e, nx, NULL)) {
+            fprintf(stderr, "bench_engine: decode ahead: %s\n", moe_engine_errmsg(e));
+            exit(1);
+        }
+    }
+    for (int i = 0; i < B; i++)
+        cur[i] = nx[i] >= 0 ? nx[i] : 0;
+    return moe_now_s() - t0;
+}
+
 int main(int argc, char **argv)
 {
     const char *model = NULL, *device = "cpu";
     int64_t P = 512, G = 128, LONG = 4096;
-    int threads = 0, batches[8] = {4, 16, 64}, nbat = 3;
+    int threads = 0, batches[8] = {4, 16, 64}, nbat = 3, ahead = 1;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (!strcmp(a, "--device") && v)
@@ -98,6 +128,8 @@ int main(int argc, char **argv)
             LONG = atoll(v), i++;
         else if (!strcmp(a, "--threads") && v)
             threads = atoi(v), i++;
+        else if (!strcmp(a, "--ahead") && v)
+            ahead = atoi(v), i++;
         else if (!strcmp(a, "--batches") && v) {
             nbat = 0;
             for (char *s = (char *)v; *s && nbat < 8;) {
@@ -118,7 +150,7 @@ int main(int argc, char **argv)
     setvbuf(stdout, NULL, _IOLBF, 0); /* progress shows even when a run is cut short */
     if (!model) {
         fprintf(stderr, "usage: bench_engine MODEL.gguf [--device D] [--prompt N] [--gen N] "
-                        "[--batches 4,16,64] [--long N] [--threads N]\n");
+                        "[--batches 4,16,64] [--long N] [--threads N] [--ahead 0|1]\n");
         return 2;
     }
     int maxb = 1;
@@ -156,6 +188,7 @@ int main(int argc, char **argv)
     /* Warm-up of every shape used below (graphs are recorded on first use). */
     prefill(e, 0, P, V, &cur[0]);
     decode(e, 1, P, 4, cur);
+    decode_ahead(e, 1, P, 4, cur);
 
     double tp = prefill(e, 0, P, V, &cur[0]);
     printf("prompt %" PRId64 ": %.3f s, %.1f tok/s (time to first token %.1f ms)\n", P, tp,
@@ -163,6 +196,14 @@ int main(int argc, char **argv)
     double td = decode(e, 1, P, (int)G, cur);
     printf("decode batch 1: %" PRId64 " tokens after %" PRId64 ": %.1f tok/s (%.3f ms/token)\n", G,
            P, (double)G / td, 1e3 * td / (double)G);
+    /* The same steps again, each queued before the tokens of the one before are back: the
+     * default of the batches below (--ahead 0: one step at a time there too). */
+    const double ta = decode_ahead(e, 1, P, (int)G, cur);
+    printf("decode ahead batch 1: %" PRId64 " tokens after %" PRId64 ": %.1f tok/s (%.3f "
+           "ms/token, %.3fx one step at a time)\n", G, P, (double)G / ta, 1e3 * ta / (double)G,
+           td / ta);
+    if (ahead)
+        td = ta;
     double agg[8] = {0};
     for (int bi = 0; bi < nbat; bi++) {
         int B = batches[bi];
@@ -171,7 +212,7 @@ int main(int argc, char **argv)
             prefill(e, i, bp, V, &cur[i]);
         decode(e, B, bp, 2, cur); /* warm-up: records the graph of this batch */
         int steps = 32;
-        double t = decode(e, B, bp + 2, steps, cur);
+        double t = ahead ? decode_ahead(e, B, bp + 2, steps, cur) : decode(e, B, bp + 2, steps, cur);
         agg[bi] = (double)B * steps / t;
         printf("decode batch %d: %d steps after %" PRId64 "-token prompts: %.1f tok/s aggregate "
                "(%.2f ms/step, %.2fx batch 1)\n", B, steps, bp, agg[bi], 1e3 * t / steps,

@@ -120,7 +120,7 @@ struct prof_op {
 
 /* The step inputs' ints (struct cuda_backend's d_in) for nb tokens, the RoPE table 256 bytes
  * aligned after them. */
-#define IN_INTS(nb) ((5 * (size_t)(nb) + 63) & ~(size_t)63)
+#define IN_INTS(nb) ((6 * (size_t)(nb) + 63) & ~(size_t)63)
 
 struct cuda_backend {
     struct moe_backend base;
@@ -140,10 +140,18 @@ struct cuda_backend {
     int64_t ld[MOE_BUF_COUNT];
     float *act, *scratch, *part, *xo, *logits;
     int64_t ld_act;
-    int32_t *d_in;                   /* [5][nb]: token, pos, seq, out_row, sampler row; then
-                                      * d_rope (IN_INTS): one copy a step uploads both */
+    int32_t *d_in;                   /* [6][nb]: token, pos, seq, out_row, sampler row, prev
+                                      * (moe_step.prev, -1 where none); then d_rope (IN_INTS):
+                                      * one copy a step uploads both */
     struct moe_cuda_sampler *smp;    /* rows = sequences; created by the first sampler() */
-    int32_t *d_tok, *h_tok;          /* [nb] sampled tokens */
+    int32_t *d_tok, *h_tok;          /* [nb] sampled tokens; h_tok [3][nb]: end()'s, then the
+                                      * queued steps' (submit) */
+    /* Decode ahead (cuda_submit): up to two steps queued, oldest at q_head; each with the event
+     * after its tokens' copy (q_sync: it ran at submit, its tokens are there) and its rows. */
+    cudaEvent_t q_ev[2];
+    bool q_sync[2];
+    int64_t q_n[2];
+    int q_head, q_len;
     /* Routing signatures (d.record_routes): a recording step's choices, [L][n][kuse], each layer's
      * MOE_BUF_SEL_E copied on the device once its expert op has routed, then to the host with
      * the step's results. */
@@ -155,8 +163,12 @@ struct cuda_backend {
     int spread_allow;                /* MOE_SAMPLE_SPREAD: the default, all, greedy or 0 */
     float *d_rope;                   /* [nb][hd], inside d_in's allocation */
     unsigned long long *counts;      /* [L][nexp] */
-    int32_t *h_in;                   /* pinned staging (h_rope after it, as on the device) */
+    int32_t *h_in;                   /* pinned staging (h_rope after it, as on the device): one of
+                                      * the two in h_in_base, in turn, so that a step's inputs
+                                      * are written while the queued one's copy may still wait */
     float *h_rope;
+    int32_t *h_in_base;
+    int in_par;
     float *h_logits;                 /* pinned [LOGIT_ROWS][V] */
 
     unsigned *att_done;              /* [nb][H] split counters of the attention */
@@ -2058,7 +2070,9 @@ static int cuda_init(struct moe_backend **out, const struct moe_model *m, struct
                             sizeof(int32_t) * IN_INTS(nb) + sizeof(float) * nb * (size_t)d->hd));
         b->d_rope = (float *)(b->d_in + IN_INTS(nb));
         INIT_TRY(cudaMalloc((void **)&b->d_tok, sizeof(int32_t) * nb));
-        INIT_TRY(cudaMallocHost((void **)&b->h_tok, sizeof(int32_t) * nb));
+        INIT_TRY(cudaMallocHost((void **)&b->h_tok, sizeof(int32_t) * 3 * nb));
+        for (int i = 0; i < 2; i++)
+            INIT_TRY(cudaEventCreateWithFlags(&b->q_ev[i], cudaEventDisableTiming));
         if (d->record_routes) {
             INIT_TRY(cudaMalloc((void **)&b->d_route_hist, sizeof(int32_t) * (size_t)d->L * ns));
             INIT_TRY(cudaMallocHost((void **)&b->h_route_hist, sizeof(int32_t) * (size_t)d->L * ns));
@@ -2084,8 +2098,9 @@ static int cuda_init(struct moe_backend **out, const struct moe_model *m, struct
         INIT_TRY(cudaMalloc((void **)&b->counts,
                             sizeof(unsigned long long) * (size_t)(d->L * d->nexp)));
         INIT_TRY(cudaMemset(b->counts, 0, sizeof(unsigned long long) * (size_t)(d->L * d->nexp)));
-        INIT_TRY(cudaMallocHost((void **)&b->h_in, sizeof(int32_t) * IN_INTS(nb) +
-                                                        sizeof(float) * nb * (size_t)d->hd));
+        INIT_TRY(cudaMallocHost((void **)&b->h_in_base,
+                                2 * (sizeof(int32_t) * IN_INTS(nb) + sizeof(float) * nb * (size_t)d->hd)));
+        b->h_in = b->h_in_base;
         b->h_rope = (float *)(b->h_in + IN_INTS(nb));
         INIT_TRY(cudaMallocHost((void **)&b->h_logits, sizeof(float) * (size_t)(lrows * d->V)));
         /* The sampler now, so that the expert slots are sized with it in place. */
@@ -2426,7 +2441,10 @@ static void cuda_free(struct moe_backend *bb)
     moe_cuda_sampler_free(b->smp);
     cudaFree(b->tc_ws);
     cudaFree(b->counts);
-    cudaFreeHost(b->h_in);
+    cudaFreeHost(b->h_in_base);
+    for (int i = 0; i < 2; i++)
+        if (b->q_ev[i])
+            cudaEventDestroy(b->q_ev[i]);
     cudaFreeHost(b->h_logits);
     if (b->st)
         cudaStreamDestroy(b->st);
@@ -2502,6 +2520,7 @@ static void prof_collect(struct cuda_backend *b)
 #define D_SEQ(b) ((b)->d_in + 2 * (b)->d.n_batch)
 #define D_OUTROW(b) ((b)->d_in + 3 * (b)->d.n_batch)
 #define D_SMPROW(b) ((b)->d_in + 4 * (b)->d.n_batch)
+#define D_PREV(b) ((b)->d_in + 5 * (b)->d.n_batch)
 
 /* Ends a recording left open by a failed step. */
 static void abandon_capture(struct cuda_backend *b)
@@ -2573,9 +2592,18 @@ static int cuda_begin(struct moe_backend *bb, const struct moe_step *st)
         b->stage_step = 2 * nseq <= st->n;
     }
     b->stage_next = 0;
-    /* Inputs: staged in pinned memory, one copy each (the previous step has finished: end()
-     * synchronised). */
+    /* Inputs: staged in pinned memory, one copy each, in the staging buffer the step before did
+     * not use (a queued step's copy may not have run yet; the one before it has). */
     size_t n = (size_t)st->n;
+    b->in_par ^= 1;
+    b->h_in = b->h_in_base + (size_t)b->in_par * (IN_INTS(nb) + nb * (size_t)b->d.hd);
+    b->h_rope = (float *)(b->h_in + IN_INTS(nb));
+    if (st->prev && b->q_len == 0)
+        return cu_err(b, MOE_ERANGE, "a step takes sampled tokens, but no step is queued");
+    if (st->prev)
+        memcpy(b->h_in + 5 * nb, st->prev, sizeof(int32_t) * n);
+    else
+        memset(b->h_in + 5 * nb, 0xff, sizeof(int32_t) * n);
     memcpy(b->h_in, st->token, sizeof(int32_t) * n);
     memcpy(b->h_in + nb, st->pos, sizeof(int32_t) * n);
     memcpy(b->h_in + 2 * nb, st->seq, sizeof(int32_t) * n);
@@ -2645,8 +2673,9 @@ static int cuda_embed(struct moe_backend *bb, enum moe_buf dst)
     struct cuda_backend *b = (struct cuda_backend *)bb;
     SKIP_IF_REPLAY(b);
     TRY_CU(flush_pending(b));
-    LAUNCH(b, "embed", moe_cuda_embed(b->m->token_embd.type, b->embd, b->d.E, D_TOKEN(b), b->n,
-                                      b->buf[dst], b->ld[dst], b->st));
+    LAUNCH(b, "embed", moe_cuda_embed(b->m->token_embd.type, b->embd, b->d.E, D_TOKEN(b),
+                                      D_PREV(b), b->d_tok, b->d.V, b->n, b->buf[dst], b->ld[dst],
+                                      b->st));
     return 0;
 }
 
@@ -3672,12 +3701,12 @@ static int cuda_head(struct moe_backend *bb)
     return 0;
 }
 
-static int end_step(struct cuda_backend *b, float *out, int32_t *tokens);
+static int end_step(struct cuda_backend *b, float *out, int32_t *tokens, int qslot);
 
 static int cuda_end(struct moe_backend *bb, float *out, int32_t *tokens)
 {
     struct cuda_backend *b = (struct cuda_backend *)bb;
-    const int rc = end_step(b, out, tokens);
+    const int rc = end_step(b, out, tokens, -1);
     /* A step that failed on its way may have left prefetch copies queued: they end before the
      * next step's resolves can give their slots away. */
     if (rc)
@@ -3685,7 +3714,9 @@ static int cuda_end(struct moe_backend *bb, float *out, int32_t *tokens)
     return pool_step_end(b, rc);
 }
 
-static int end_step(struct cuda_backend *b, float *out, int32_t *tokens)
+/* qslot >= 0 (cuda_submit): the step's tokens are copied into the queue's slot qslot and the
+ * step is left running. */
+static int end_step(struct cuda_backend *b, float *out, int32_t *tokens, int qslot)
 {
     if (b->mode != MODE_REPLAY)
         mark(b, "end");
@@ -3735,10 +3766,16 @@ static int end_step(struct cuda_backend *b, float *out, int32_t *tokens)
                               cudaMemcpyDeviceToHost, b->st));
     if (b->sample) {
         /* Only the tokens come back (logits too if asked: after the penalties). */
-        if (!tokens)
+        if (!tokens && qslot < 0)
             return cu_err(b, MOE_ERANGE, "end: sampling but no token array");
-        CU(b, cudaMemcpyAsync(b->h_tok, b->d_tok, sizeof(int32_t) * (size_t)b->n_out,
+        int32_t *ht = b->h_tok + (size_t)(qslot + 1) * b->d.n_batch;
+        CU(b, cudaMemcpyAsync(ht, b->d_tok, sizeof(int32_t) * (size_t)b->n_out,
                               cudaMemcpyDeviceToHost, b->st));
+        if (qslot >= 0) {
+            CU(b, cudaEventRecord(b->q_ev[qslot], b->st));
+            b->st_open = b->st_prev = false; /* no step times between queued steps */
+            return 0;
+        }
         if (out && b->n_out > LOGIT_ROWS)
             return cu_err(b, MOE_ERANGE, "end: logits of more than %d sampled rows", LOGIT_ROWS);
         if (out)
@@ -3793,6 +3830,55 @@ static int end_step(struct cuda_backend *b, float *out, int32_t *tokens)
     return 0;
 }
 
+
+/* Decode ahead (backend.h): a sampling step without logits, graph or direct launches, left
+ * running with its tokens' copy and an event after it queued; steps that need the host at
+ * their end (an expert pool's service, profiling, recorded routes) run to their end here
+ * instead, and collect returns what they drew. */
+static int cuda_submit(struct moe_backend *bb)
+{
+    struct cuda_backend *b = (struct cuda_backend *)bb;
+    if (b->q_len >= 2)
+        return cu_err(b, MOE_ERANGE, "submit: two steps are queued already");
+    const int qs = (b->q_head + b->q_len) % 2;
+    const bool run_here = !b->sample || b->record || b->n_out > LOGIT_ROWS || b->head_chunked ||
+                          b->svc_started || b->profile || b->fused_timing;
+    int rc;
+    if (run_here) {
+        rc = cuda_end(bb, NULL, b->h_tok + (size_t)(qs + 1) * b->d.n_batch);
+    } else {
+        rc = end_step(b, NULL, NULL, qs);
+        if (rc)
+            side_streams_wait(b);
+        rc = pool_step_end(b, rc);
+    }
+    if (rc)
+        return rc;
+    b->q_sync[qs] = run_here;
+    b->q_n[qs] = b->n_out;
+    b->q_len++;
+    return 0;
+}
+
+static int cuda_collect(struct moe_backend *bb, int32_t *tokens)
+{
+    struct cuda_backend *b = (struct cuda_backend *)bb;
+    if (b->q_len == 0)
+        return cu_err(b, MOE_ERANGE, "collect: no queued step");
+    const int qs = b->q_head;
+    b->q_head = (b->q_head + 1) % 2;
+    b->q_len--;
+    if (!b->q_sync[qs]) {
+        const cudaError_t e = cudaEventSynchronize(b->q_ev[qs]);
+        if (e != cudaSuccess) {
+            b->q_len = 0; /* what came after it is lost with it */
+            return cu_err(b, MOE_EBACKEND, "cuda:%d: a queued step: %s", b->dev,
+                          cudaGetErrorString(e));
+        }
+    }
+    memcpy(tokens, b->h_tok + (size_t)(qs + 1) * b->d.n_batch, sizeof(int32_t) * (size_t)b->q_n[qs]);
+    return 0;
+}
 
 static int cuda_kv_copy(struct moe_backend *bb, int32_t src, int32_t dst, uint32_t n)
 {
@@ -4185,4 +4271,6 @@ extern "C" const struct moe_backend_vt moe_backend_cuda = {
     cuda_layers,
     cuda_route_record,
     cuda_hot_experts,
+    cuda_submit,
+    cuda_collect,
 };

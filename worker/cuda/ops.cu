@@ -45,26 +45,35 @@ static __device__ vi block_argmax(vi x, float *redv, int *redi)
 /* One block per token, an element per thread at a time (deq_elem: moe_dequantize's floats). */
 static __global__ void embed_kernel(uint32_t type, const uint8_t *__restrict__ table,
                                     size_t row_bytes, int64_t E,
-                                    const int32_t *__restrict__ token, int64_t ldo,
+                                    const int32_t *__restrict__ token,
+                                    const int32_t *__restrict__ prev,
+                                    const int32_t *__restrict__ prev_tok, int64_t V, int64_t ldo,
                                     float *__restrict__ out)
 {
     pdl_wait();
     pdl_trigger();
     const int64_t t = blockIdx.x;
-    const uint8_t *row = table + (size_t)token[t] * row_bytes;
+    int64_t id = token[t];
+    if (prev && prev[t] >= 0) {
+        id = prev_tok[prev[t]];
+        if (id < 0 || id >= V)
+            id = 0;
+    }
+    const uint8_t *row = table + (size_t)id * row_bytes;
     for (int64_t i = threadIdx.x; i < E; i += blockDim.x)
         out[t * ldo + i] = deq_elem(type, row, i);
 }
 
 int moe_cuda_embed(uint32_t type, const void *d_table, int64_t E, const int32_t *d_token,
-                   int64_t n, float *d_out, int64_t ldo, cudaStream_t s)
+                   const int32_t *d_prev, const int32_t *d_prev_tok, int64_t V, int64_t n,
+                   float *d_out, int64_t ldo, cudaStream_t s)
 {
     const struct moe_type_info *ti = moe_type_get(type);
     if (!ti || !ti->compute || ti->blck > 256 || E % ti->blck)
         return MOE_EUNSUPPORTED;
     MOE_CUDA_TRY(moe_launch(embed_kernel, dim3((unsigned)n), dim3(512), 0, s, type,
-                            (const uint8_t *)d_table, moe_row_bytes(type, E), E, d_token, ldo,
-                            d_out));
+                            (const uint8_t *)d_table, moe_row_bytes(type, E), E, d_token, d_prev,
+                            d_prev_tok, V, ldo, d_out));
     return 0;
 }
 

@@ -9,9 +9,12 @@
 
 #include <cuda_runtime.h>
 
-/* out[t] = row token[t] of the embedding table (any computable type), for t < n. */
+/* out[t] = row token[t] of the embedding table (any computable type), for t < n; where d_prev
+ * (NULL: nowhere) has prev[t] >= 0, the token is d_prev_tok[prev[t]] instead (a token sampled by
+ * the step before, on the device), 0 when that is outside 0..V-1 (nothing was drawn). */
 int moe_cuda_embed(uint32_t type, const void *d_table, int64_t E, const int32_t *d_token,
-                   int64_t n, float *d_out, int64_t ldo, cudaStream_t s);
+                   const int32_t *d_prev, const int32_t *d_prev_tok, int64_t V, int64_t n,
+                   float *d_out, int64_t ldo, cudaStream_t s);
 
 /* y[t] = x[row[t]] · rsqrt(mean(x²) + eps) · w for t < n (row NULL: row[t] = t). */
 int moe_cuda_rmsnorm(const float *d_x, int64_t ldx, const int32_t *d_row, const float *d_w,
