@@ -1479,3 +1479,148 @@ TEST(batcher_done_carries_the_route_signature)
     moe_engine_free(e);
     test_model_close(&tm);
 }
+
+/* Decode ahead in the batcher: what each job receives (tokens, end, reason, cached prompt) is
+ * what one step at a time gives (MOE_DECODE_AHEAD=0), with jobs that end by length, by the
+ * context and by cancellation mid-run, and one that arrives mid-run and copies a running job's
+ * prompt; the queue is empty when the batcher is idle. */
+struct ah_seen {
+    int32_t tok[8][64];
+    uint32_t n[8], n_gen[8], n_cached[8];
+    int reason[8], done, errors, steps, queued_max;
+    bool ended[8];
+};
+
+static void ah_token(void *user, uint64_t id, int32_t token, const struct moe_token_lp *lp)
+{
+    struct ah_seen *s = user;
+    (void)lp;
+    CHECK(id < 8 && s->n[id] < 64);
+    s->tok[id][s->n[id]++] = token;
+}
+
+static void ah_done(void *user, uint64_t id, enum moe_finish reason, uint32_t n_prompt,
+                    uint32_t n_gen, uint32_t n_cached, const uint32_t *sig)
+{
+    struct ah_seen *s = user;
+    (void)n_prompt, (void)sig;
+    s->reason[id] = (int)reason;
+    s->ended[id] = true;
+    s->n_gen[id] = n_gen;
+    s->n_cached[id] = n_cached;
+    s->done++;
+}
+
+static void ah_error(void *user, uint64_t id, int code, const char *msg)
+{
+    struct ah_seen *s = user;
+    fprintf(stderr, "job %llu: %d %s\n", (unsigned long long)id, code, msg);
+    s->errors++;
+}
+
+static void ah_add(struct moe_batcher *b, uint64_t id, const int32_t *prompt, uint32_t n,
+                   uint32_t max_tokens, uint64_t seed)
+{
+    struct moe_job *j = calloc(1, sizeof *j);
+    CHECK(j);
+    j->id = id;
+    j->prompt = malloc(sizeof *prompt * n);
+    CHECK(j->prompt);
+    memcpy(j->prompt, prompt, sizeof *prompt * n);
+    j->n_prompt = n;
+    j->max_tokens = max_tokens;
+    j->slot = -1;
+    moe_sampler_defaults(&j->sp);
+    j->sp.seed = seed;
+    j->sp.repeat_penalty = 1.1f;
+    moe_batcher_add(b, j);
+}
+
+static void ah_run(const struct moe_model *m, bool ahead, struct ah_seen *seen)
+{
+    const uint32_t V = m->hp.n_vocab, n_ctx = 64;
+    struct moe_engine *e = test_engine(m, n_ctx, 3, 0, 2);
+    struct moe_batcher *b = NULL;
+    struct moe_batcher_cfg cfg = {.eng = e, .n_vocab = V, .n_layer = m->hp.n_layer,
+                                  .n_expert = m->hp.n_expert, .n_ctx = n_ctx, .n_seq = 3,
+                                  .n_batch = 64};
+    struct moe_batcher_sink sink = {.user = seen, .token = ah_token, .done = ah_done,
+                                    .error = ah_error, .report = bt_report};
+    if (!ahead)
+        setenv("MOE_DECODE_AHEAD", "0", 1);
+    CHECK_EQ(moe_batcher_init(&b, &cfg, &sink), 0);
+    unsetenv("MOE_DECODE_AHEAD");
+    int32_t p[3][40];
+    for (uint32_t i = 0; i < 40; i++)
+        for (int k = 0; k < 3; k++)
+            p[k][i] = (int32_t)((i * (31 + 6 * k) + 7 + k) % V);
+    ah_add(b, 1, p[0], 20, 12, 5);  /* ends by length */
+    ah_add(b, 2, p[1], 12, 40, 6);  /* cancelled when job 1 has 6 tokens */
+    ah_add(b, 3, p[2], 40, 40, 7);  /* ends by the context: 40 + 24 positions */
+    bool added = false, cancelled = false, cont = false;
+    int32_t p5[40];
+    for (int guard = 0; moe_batcher_busy(b) && guard < 1000; guard++) {
+        if (!cont && seen->ended[1]) {
+            /* Job 1's conversation goes on: its prompt and answer, from its slot's KV. */
+            memcpy(p5, p[0], sizeof *p5 * 20);
+            memcpy(p5 + 20, seen->tok[1], sizeof *p5 * 11);
+            ah_add(b, 5, p5, 31, 8, 9);
+            cont = true;
+        }
+        if (!cancelled && seen->n[1] >= 6) {
+            moe_batcher_cancel(b, 2);
+            cancelled = true;
+        }
+        if (!added && seen->n[1] >= 4) {
+            ah_add(b, 4, p[0], 20, 9, 8); /* job 1's prompt: copied from its slot */
+            added = true;
+        }
+        CHECK_EQ(moe_batcher_step(b), 0);
+        seen->steps++;
+        if (moe_engine_queued(e) > seen->queued_max)
+            seen->queued_max = moe_engine_queued(e);
+    }
+    CHECK(!moe_batcher_busy(b));
+    CHECK_EQ(moe_engine_queued(e), 0);
+    moe_batcher_free(b);
+    moe_engine_free(e);
+}
+
+TEST(batcher_decode_ahead_equals_one_step_at_a_time)
+{
+    struct test_model tm;
+    test_model_open_golden(&tm, "Q8_0");
+    static struct ah_seen one, ahead;
+    memset(&one, 0, sizeof one);
+    memset(&ahead, 0, sizeof ahead);
+    ah_run(&tm.m, false, &one);
+    ah_run(&tm.m, true, &ahead);
+    CHECK_EQ(one.errors, 0);
+    CHECK_EQ(ahead.errors, 0);
+    CHECK_EQ(one.done, 4); /* 1, 3, 4, 5 (a cancelled job is not reported) */
+    CHECK_EQ(ahead.done, 4);
+    CHECK_EQ(one.n_cached[5], 30);
+    CHECK_EQ(one.n[1], 12);
+    CHECK_EQ(one.reason[1], MOE_FINISH_LENGTH);
+    CHECK_EQ(one.n[3], 64 - 40 + 1); /* the last from position 63 */
+    CHECK_EQ(one.reason[3], MOE_FINISH_LENGTH);
+    CHECK_EQ(one.n[4], 9);
+    CHECK_EQ(one.n_cached[4], 19);
+    for (int id = 1; id <= 5; id++) {
+        CHECK_MSG(one.n[id] == ahead.n[id], "job %d: %u tokens one step at a time, %u ahead", id,
+                  one.n[id], ahead.n[id]);
+        if (id == 2)
+            continue; /* cancelled: how many it got depends on the timing */
+        CHECK_EQ(one.reason[id], ahead.reason[id]);
+        CHECK_EQ(one.n_gen[id], ahead.n_gen[id]);
+        CHECK_EQ(one.n_cached[id], ahead.n_cached[id]);
+        for (uint32_t k = 0; k < one.n[id]; k++)
+            CHECK_MSG(one.tok[id][k] == ahead.tok[id][k], "job %d token %u: %d, %d ahead", id, k,
+                      one.tok[id][k], ahead.tok[id][k]);
+    }
+    for (uint32_t k = 0; k < one.n[2] && k < ahead.n[2]; k++)
+        CHECK_EQ(one.tok[2][k], ahead.tok[2][k]);
+    CHECK_EQ(one.queued_max, 0);
+    CHECK_EQ(ahead.queued_max, 1); /* between calls: the step whose tokens the next one takes */
+    test_model_close(&tm);
+}

@@ -45,6 +45,19 @@ struct moe_batcher {
     uint8_t *gmask;           /* [n_vocab]: the grammar's allowed tokens (jobs with a grammar) */
     struct moe_token_lp *lp;  /* [n_seq + MOE_BATCHER_PROMPT_ROWS] */
     bool host_turn;
+    /* Decode ahead (moe_engine_submit_sample): while only engine-sampled jobs decode, each step
+     * is queued before the tokens of the one before it are taken, so that handing out those
+     * tokens and building the next batch overlap the device's work. Queued steps, oldest at
+     * q_head: each row's slot, job id (a job that ended since does not get its token) and
+     * position. MOE_DECODE_AHEAD=0 turns it off. */
+    bool ahead;
+    int q_head, n_q;
+    struct bq {
+        uint32_t n;
+        int32_t *slot, *pos;  /* [n_seq] */
+        uint64_t *id;         /* [n_seq] */
+    } q[MOE_ENGINE_AHEAD];
+    bool report_due;          /* a report waits for the queue to be empty */
 };
 
 static bool host_job(const struct moe_batcher *b, const struct moe_job *j)
@@ -74,7 +87,8 @@ static void end_job(struct moe_batcher *b, struct moe_job *j, bool send_done,
     if (send_done)
         b->sink.done(b->sink.user, j->id, reason, j->n_prompt, j->n_gen, j->n_cached, j->sig);
     if (j->slot >= 0) {
-        b->valid[j->slot] = keep ? j->n_past : 0;
+        /* A position whose token a queued step draws is not in hist yet. */
+        b->valid[j->slot] = keep ? j->n_past - (j->ahead_open ? 1 : 0) : 0;
         if (!keep)
             moe_engine_seq_clear(b->cfg.eng, j->slot);
         b->slot[j->slot] = NULL;
@@ -135,14 +149,26 @@ void moe_batcher_add(struct moe_batcher *b, struct moe_job *j)
 
 bool moe_batcher_busy(const struct moe_batcher *b)
 {
-    return b->n_running || b->pend_head;
+    return b->n_running || b->pend_head || b->n_q;
 }
+
+static int collect(struct moe_batcher *b);
 
 void moe_batcher_report(struct moe_batcher *b, bool force)
 {
     double now = moe_now_s();
     if (!force && now - b->last_report < REPORT_INTERVAL_S)
         return;
+    /* Re-pinning (the sink's) and the counts want no queued step: the next steps run one at a
+     * time until the queue is empty, then the report goes; a forced one takes the tokens of
+     * what is queued first. */
+    if (b->n_q && !force) {
+        b->report_due = true;
+        return;
+    }
+    while (b->n_q && collect(b) == 0)
+        ;
+    b->report_due = false;
     uint64_t *cur = b->cur_counts;
     if (moe_engine_routing_counts(b->cfg.eng, cur))
         return;
@@ -383,11 +409,11 @@ static uint32_t build_batch(struct moe_batcher *b, bool host, uint32_t *n_decode
     return n;
 }
 
-/* Takes the token sampled for the job owning row k and ends the job when it is done. */
-static void sample_row(struct moe_batcher *b, uint32_t k)
+/* Takes token t sampled for job j, whose position next_pos it takes, and ends the job when it
+ * is done. */
+static void take_token(struct moe_batcher *b, struct moe_job *j, int32_t t, uint32_t k,
+                       uint32_t next_pos)
 {
-    struct moe_job *j = b->owner[k];
-    int32_t t = b->sampled[k];
     if (j->gram_fail) {
         char msg[192];
         snprintf(msg, sizeof msg, "grammar: %s",
@@ -406,8 +432,15 @@ static void sample_row(struct moe_batcher *b, uint32_t k)
     b->sink.token(b->sink.user, j->id, t, j->logprobs ? &b->lp[k] : NULL);
     if (is_eog(j, t) || (j->gram && !moe_grammar_state_can_continue(j->gram)))
         finish(b, j, true, MOE_FINISH_STOP); /* an end token, or the grammar is complete */
-    else if (j->n_gen >= j->max_tokens || j->n_past >= b->cfg.n_ctx)
+    else if (j->n_gen >= j->max_tokens || next_pos >= b->cfg.n_ctx)
         finish(b, j, true, MOE_FINISH_LENGTH);
+}
+
+/* Takes the token sampled for the job owning row k of a step run to its end. */
+static void sample_row(struct moe_batcher *b, uint32_t k)
+{
+    struct moe_job *j = b->owner[k];
+    take_token(b, j, b->sampled[k], k, j->n_past);
 }
 
 /* A host step: the logits of each wanted row, logprobs from them as they are, then the job's
@@ -477,8 +510,119 @@ static int forward_host(struct moe_batcher *b, const struct moe_batch *batch, ui
     return 0;
 }
 
+/* A forward failure: every sequence in the batch is now in an unknown state, fail them all. */
+static int step_failed(struct moe_batcher *b, int rc)
+{
+    char msg[256];
+    snprintf(msg, sizeof msg, "forward failed: %s: %s", moe_strerror(rc),
+             moe_engine_errmsg(b->cfg.eng));
+    moe_ipc_log(MOE_LOG_ERROR, "%s", msg);
+    moe_batcher_fail_running(b, rc, msg);
+    return rc == MOE_EBACKEND ? rc : 0;
+}
+
+/* Queues the batch (its rows as build_batch or next_batch left them in tok/pos/seq, each a
+ * decode row of a running job) as a step of its own. */
+static int submit(struct moe_batcher *b, uint32_t n)
+{
+    struct moe_batch batch = {.n = n, .token = b->tok, .pos = b->pos, .seq = b->seq};
+    int rc = moe_engine_submit_sample(b->cfg.eng, &batch);
+    if (rc)
+        return rc;
+    struct bq *q = &b->q[(b->q_head + b->n_q) % MOE_ENGINE_AHEAD];
+    q->n = n;
+    for (uint32_t i = 0; i < n; i++) {
+        struct moe_job *j = b->slot[b->seq[i]];
+        q->slot[i] = b->seq[i];
+        q->pos[i] = b->pos[i];
+        q->id[i] = j->id;
+        j->ahead_open = b->tok[i] == MOE_ENGINE_TOKEN_NEXT;
+        j->n_past++;
+    }
+    b->n_q++;
+    b->eval_total += n;
+    return 0;
+}
+
+/* Whether the running jobs may decode ahead: only engine-sampled jobs running, nobody waiting
+ * for a free slot (admitting one needs the queue empty), no report waiting for it. */
+static bool may_go_ahead(const struct moe_batcher *b)
+{
+    if (!b->ahead || b->report_due || (b->pend_head && b->n_running < b->cfg.n_seq))
+        return false;
+    for (uint32_t s = 0; s < b->cfg.n_seq; s++)
+        if (b->slot[s] && host_job(b, b->slot[s]))
+            return false;
+    return true;
+}
+
+/* The step after the newest queued one: its jobs that still run and may take another token,
+ * each at its next position with the token that step draws for it. Returns the rows. */
+static uint32_t next_batch(struct moe_batcher *b)
+{
+    const struct bq *q = &b->q[(b->q_head + b->n_q - 1) % MOE_ENGINE_AHEAD];
+    uint32_t n = 0;
+    for (uint32_t i = 0; i < q->n; i++) {
+        struct moe_job *j = b->slot[q->slot[i]];
+        /* Gone, or its tokens of the queued steps end it by length. */
+        if (!j || j->id != q->id[i] || j->n_gen + (uint32_t)b->n_q >= j->max_tokens ||
+            j->n_past >= b->cfg.n_ctx)
+            continue;
+        b->tok[n] = MOE_ENGINE_TOKEN_NEXT;
+        b->pos[n] = (int32_t)j->n_past;
+        b->seq[n] = q->slot[i];
+        n++;
+    }
+    return n;
+}
+
+/* Takes the tokens of the oldest queued step: each to its job if it still runs; a job whose
+ * next position a queued step evaluates gets the token into its slot's history there. */
+static int collect(struct moe_batcher *b)
+{
+    struct bq *q = &b->q[b->q_head];
+    uint32_t n_out = 0;
+    int rc = moe_engine_collect(b->cfg.eng, b->sampled, &n_out);
+    b->q_head = (b->q_head + 1) % MOE_ENGINE_AHEAD;
+    b->n_q--;
+    if (rc) {
+        b->n_q = 0; /* the engine dropped whatever was queued after it */
+        return step_failed(b, rc);
+    }
+    for (uint32_t k = 0; k < q->n && k < n_out; k++) {
+        struct moe_job *j = b->slot[q->slot[k]];
+        if (!j || j->id != q->id[k])
+            continue;
+        const uint32_t next_pos = (uint32_t)q->pos[k] + 1;
+        if (j->n_past > next_pos && b->sampled[k] >= 0) {
+            b->hist[q->slot[k]][next_pos] = b->sampled[k];
+            j->ahead_open = false;
+        }
+        take_token(b, j, b->sampled[k], k, next_pos);
+    }
+    return 0;
+}
+
+/* With steps queued: queue the next one when the jobs may go on, then take the oldest's tokens. */
+static int step_queued(struct moe_batcher *b)
+{
+    if (b->n_q < MOE_ENGINE_AHEAD && may_go_ahead(b)) {
+        const uint32_t n = next_batch(b);
+        int rc = n ? submit(b, n) : 0;
+        if (rc) {
+            /* What is queued stays valid; its tokens are taken, then the jobs fail. */
+            while (b->n_q && collect(b) == 0)
+                ;
+            return step_failed(b, rc);
+        }
+    }
+    return collect(b);
+}
+
 int moe_batcher_step(struct moe_batcher *b)
 {
+    if (b->n_q)
+        return step_queued(b);
     admit(b);
     /* Which kind of job this step serves: host jobs and engine jobs take turns. */
     bool any_host = false, any_engine = false;
@@ -492,20 +636,19 @@ int moe_batcher_step(struct moe_batcher *b)
     uint32_t n = build_batch(b, host, &n_decode, &n_out);
     if (n == 0)
         return 0;
+    if (!host && n == n_decode && may_go_ahead(b)) {
+        /* Only decode rows: the first step of a run of queued ones; its tokens come with the
+         * next call, after the step after it is queued. */
+        int rc = submit(b, n);
+        return rc ? step_failed(b, rc) : 0;
+    }
     struct moe_batch batch = {.n = n, .token = b->tok, .pos = b->pos, .seq = b->seq,
                               .logits = b->want,
                               .sig = b->cfg.signatures ? (uint32_t *const *)b->sigp : NULL};
     int rc = host ? forward_host(b, &batch, n_out)
                   : moe_engine_forward_sample(b->cfg.eng, &batch, b->sampled);
-    if (rc) {
-        char msg[256];
-        snprintf(msg, sizeof msg, "forward failed: %s: %s", moe_strerror(rc),
-                 moe_engine_errmsg(b->cfg.eng));
-        moe_ipc_log(MOE_LOG_ERROR, "%s", msg);
-        /* Every sequence in the batch is now in an unknown state: fail them all. */
-        moe_batcher_fail_running(b, rc, msg);
-        return rc == MOE_EBACKEND ? rc : 0;
-    }
+    if (rc)
+        return step_failed(b, rc);
     /* Advance positions of everything evaluated. */
     b->eval_total += n;
     for (uint32_t i = 0; i < n; i++) {
@@ -547,7 +690,17 @@ int moe_batcher_init(struct moe_batcher **out, const struct moe_batcher_cfg *cfg
     b->valid = calloc(cfg->n_seq, sizeof *b->valid);
     b->used_at = calloc(cfg->n_seq, sizeof *b->used_at);
     b->last_report = moe_now_s();
-    if (!b->slot || !b->owner || !b->row_pos || !b->tok || !b->pos || !b->seq || !b->sigp ||
+    const char *ah = getenv("MOE_DECODE_AHEAD");
+    b->ahead = !(ah && !strcmp(ah, "0"));
+    bool q_ok = true;
+    for (int i = 0; i < MOE_ENGINE_AHEAD; i++) {
+        b->q[i].slot = calloc(cfg->n_seq, sizeof *b->q[i].slot);
+        b->q[i].pos = calloc(cfg->n_seq, sizeof *b->q[i].pos);
+        b->q[i].id = calloc(cfg->n_seq, sizeof *b->q[i].id);
+        q_ok &= b->q[i].slot && b->q[i].pos && b->q[i].id;
+    }
+    if (!q_ok ||
+        !b->slot || !b->owner || !b->row_pos || !b->tok || !b->pos || !b->seq || !b->sigp ||
         !b->want || !b->sampled ||
         !b->prev_counts || !b->delta || !b->cur_counts || !b->hist || !b->valid || !b->used_at) {
         moe_batcher_free(b);
@@ -571,6 +724,10 @@ void moe_batcher_free(struct moe_batcher *b)
 {
     if (!b)
         return;
+    while (b->n_q > 0 && b->cfg.eng) { /* the engine is left with nothing queued */
+        b->n_q--;
+        moe_engine_collect(b->cfg.eng, NULL, NULL);
+    }
     for (uint32_t s = 0; b->slot && s < b->cfg.n_seq; s++)
         if (b->slot[s])
             finish(b, b->slot[s], false, MOE_FINISH_STOP);
@@ -600,6 +757,11 @@ void moe_batcher_free(struct moe_batcher *b)
     free(b->biased);
     free(b->gmask);
     free(b->lp);
+    for (int i = 0; i < MOE_ENGINE_AHEAD; i++) {
+        free(b->q[i].slot);
+        free(b->q[i].pos);
+        free(b->q[i].id);
+    }
     free(b);
 }
 
