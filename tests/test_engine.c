@@ -800,6 +800,125 @@ TEST(engine_decode_ahead_equals_forward_sample)
     test_model_close(&tm);
 }
 
+/* A sequence's logit bias in the engine's sampler (on the GPU for a CUDA engine) draws what a
+ * host sampler draws from the logits with the bias added: a ban on a greedy row's best token, a
+ * boost, biases under a temperature with penalties; moe_engine_seq_sampler clears it; bad lists
+ * are refused. */
+TEST(engine_logit_bias_equals_host_bias)
+{
+    struct test_model tm;
+    test_model_open_golden(&tm, "Q8_0");
+    const uint32_t V = tm.m.hp.n_vocab, S = 3, P = 8, steps = 12;
+    struct moe_sampler_params sp[3];
+    for (uint32_t i = 0; i < S; i++)
+        moe_sampler_defaults(&sp[i]);
+    sp[0].temperature = 0.0f;
+    sp[1].seed = 3;
+    sp[1].repeat_penalty = 1.3f;
+    sp[2].seed = 9;
+    sp[2].top_k = 0;
+    sp[2].min_p = 0.0f;
+    struct moe_engine *a = test_engine(&tm.m, 64, S, 0, 2), *b = test_engine(&tm.m, 64, S, 0, 2);
+    float *lg = malloc(sizeof(float) * V);
+    CHECK(lg);
+    /* Sequence 0: the token its prompt's greedy draw would pick is banned; 1: one token
+     * boosted, another banned; 2: small biases on many tokens. */
+    int32_t prompt[8], bt[3][64], ta[3], tb[3];
+    float bv[3][64];
+    uint32_t nb[3] = {1, 2, 64};
+    struct moe_sampler *hs[3];
+    for (uint32_t i = 0; i < S; i++) {
+        for (uint32_t k = 0; k < P; k++)
+            prompt[k] = (int32_t)((k * 41 + 3 + 11 * i) % V);
+        int32_t pos[8], sq[8];
+        uint8_t want[8] = {0};
+        for (uint32_t k = 0; k < P; k++)
+            pos[k] = (int32_t)k, sq[k] = (int32_t)i;
+        want[P - 1] = 1;
+        struct moe_batch bt1 = {.n = P, .token = prompt, .pos = pos, .seq = sq, .logits = want};
+        CHECK_EQ(moe_engine_forward(a, &bt1, lg), 0);
+        int32_t best = 0;
+        for (uint32_t v = 1; v < V; v++)
+            if (lg[v] > lg[best])
+                best = (int32_t)v;
+        if (i == 0) {
+            bt[0][0] = best, bv[0][0] = -100.0f;
+        } else if (i == 1) {
+            bt[1][0] = (int32_t)((best + 7) % V), bv[1][0] = 8.0f;
+            bt[1][1] = best, bv[1][1] = -100.0f;
+        } else {
+            for (uint32_t k = 0; k < nb[2]; k++)
+                bt[2][k] = (int32_t)((k * 13 + 1) % V), bv[2][k] = 0.25f * (float)(k % 9) - 1.0f;
+        }
+        char err[128];
+        CHECK_EQ(moe_sampler_init(&hs[i], &sp[i], V, err, sizeof err), 0);
+        for (uint32_t k = 0; k < P; k++)
+            moe_sampler_accept(hs[i], prompt[k]);
+        for (uint32_t k = 0; k < nb[i]; k++)
+            lg[bt[i][k]] += bv[i][k];
+        ta[i] = moe_sampler_sample(hs[i], lg);
+        moe_sampler_accept(hs[i], ta[i]);
+        CHECK_EQ(moe_engine_seq_sampler(b, (int32_t)i, &sp[i], prompt, P), 0);
+        CHECK_EQ(moe_engine_seq_bias(b, (int32_t)i, bt[i], bv[i], nb[i]), 0);
+        CHECK_EQ(moe_engine_forward_sample(b, &bt1, &tb[i]), 0);
+        CHECK_MSG(ta[i] == tb[i], "sequence %u prompt: host %d, engine %d", i, ta[i], tb[i]);
+        if (i == 0)
+            CHECK(tb[0] != best);
+    }
+    float *rows = malloc(sizeof(float) * S * V);
+    CHECK(rows);
+    for (uint32_t s = 0; s < steps; s++) {
+        int32_t pos[3], sq[3], na[3], nbt[3];
+        for (uint32_t i = 0; i < S; i++)
+            pos[i] = (int32_t)(P + s), sq[i] = (int32_t)i;
+        struct moe_batch ba = {.n = S, .token = ta, .pos = pos, .seq = sq};
+        CHECK_EQ(moe_engine_forward(a, &ba, rows), 0);
+        for (uint32_t i = 0; i < S; i++) {
+            float *r = rows + (size_t)i * V;
+            for (uint32_t k = 0; k < nb[i]; k++)
+                r[bt[i][k]] += bv[i][k];
+            na[i] = moe_sampler_sample(hs[i], r);
+            moe_sampler_accept(hs[i], na[i]);
+        }
+        struct moe_batch bb = {.n = S, .token = tb, .pos = pos, .seq = sq};
+        CHECK_EQ(moe_engine_forward_sample(b, &bb, nbt), 0);
+        for (uint32_t i = 0; i < S; i++) {
+            CHECK_MSG(na[i] == nbt[i], "step %u sequence %u: host %d, engine %d", s, i, na[i],
+                      nbt[i]);
+            CHECK(i != 1 || nbt[1] != bt[1][1]);
+        }
+        memcpy(ta, na, sizeof ta);
+        memcpy(tb, nbt, sizeof tb);
+    }
+    /* Refused lists change nothing: a token twice, out of the vocabulary, NaN, too many. */
+    int32_t dup[3] = {5, 9, 5}, out[1] = {(int32_t)V};
+    float v3[3] = {1, 2, 3}, nan1[1] = {NAN};
+    CHECK_EQ(moe_engine_seq_bias(b, 0, dup, v3, 3), MOE_ERANGE);
+    CHECK(strstr(moe_engine_errmsg(b), "listed twice"));
+    CHECK_EQ(moe_engine_seq_bias(b, 0, out, v3, 1), MOE_ERANGE);
+    CHECK_EQ(moe_engine_seq_bias(b, 0, dup, nan1, 1), MOE_ERANGE);
+    CHECK_EQ(moe_engine_seq_bias(b, 0, dup, v3, MOE_ENGINE_MAX_BIAS + 1), MOE_ERANGE);
+    CHECK_EQ(moe_engine_seq_bias(b, 7, dup, v3, 1), MOE_ERANGE);
+    /* A new sampler clears the bias: sequence 0 at temperature 0 draws its unbiased best. */
+    CHECK_EQ(moe_engine_seq_sampler(b, 0, &sp[0], NULL, 0), 0);
+    int32_t pos1[1] = {(int32_t)(P + steps)}, sq1[1] = {0}, t1[1] = {tb[0]}, got = -1;
+    struct moe_batch one = {.n = 1, .token = t1, .pos = pos1, .seq = sq1};
+    CHECK_EQ(moe_engine_forward(a, &(struct moe_batch){.n = 1, .token = ta, .pos = pos1, .seq = sq1}, lg), 0);
+    int32_t best = 0;
+    for (uint32_t v = 1; v < V; v++)
+        if (lg[v] > lg[best])
+            best = (int32_t)v;
+    CHECK_EQ(moe_engine_forward_sample(b, &one, &got), 0);
+    CHECK_EQ(got, best);
+    for (uint32_t i = 0; i < S; i++)
+        moe_sampler_free(hs[i]);
+    free(rows);
+    free(lg);
+    moe_engine_free(a);
+    moe_engine_free(b);
+    test_model_close(&tm);
+}
+
 /* Offload settings are checked at init: a residency outside (0, 1] or too many cache slots is a
  * range error, and on the CPU (which reads every expert where it computes) they are refused. */
 TEST(engine_offload_options_checked)
@@ -1533,6 +1652,17 @@ static void ah_add(struct moe_batcher *b, uint64_t id, const int32_t *prompt, ui
     moe_sampler_defaults(&j->sp);
     j->sp.seed = seed;
     j->sp.repeat_penalty = 1.1f;
+    if (id == 3) {
+        /* A logit bias (tokens 0..9 banned, 17 raised): the engine's sampler takes it, so the
+         * job decodes ahead like the others. */
+        j->n_bias = 11;
+        j->bias_tok = malloc(sizeof *j->bias_tok * j->n_bias);
+        j->bias_val = malloc(sizeof *j->bias_val * j->n_bias);
+        CHECK(j->bias_tok && j->bias_val);
+        for (uint32_t i = 0; i < 10; i++)
+            j->bias_tok[i] = (int32_t)i, j->bias_val[i] = -100.0f;
+        j->bias_tok[10] = 17, j->bias_val[10] = 2.0f;
+    }
     moe_batcher_add(b, j);
 }
 
@@ -1620,6 +1750,8 @@ TEST(batcher_decode_ahead_equals_one_step_at_a_time)
     }
     for (uint32_t k = 0; k < one.n[2] && k < ahead.n[2]; k++)
         CHECK_EQ(one.tok[2][k], ahead.tok[2][k]);
+    for (uint32_t k = 0; k < ahead.n[3]; k++)
+        CHECK(ahead.tok[3][k] >= 10); /* banned */
     CHECK_EQ(one.queued_max, 0);
     CHECK_EQ(ahead.queued_max, 1); /* between calls: the step whose tokens the next one takes */
     test_model_close(&tm);

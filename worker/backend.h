@@ -201,7 +201,17 @@ struct moe_backend_vt {
      * are those of end(). Outside a step, only collect() may come while a step is submitted. */
     int (*submit)(struct moe_backend *b);
     int (*collect)(struct moe_backend *b, int32_t *tokens);
+    /* Optional (outside a step): sequence seq's logit bias, val[i] added to logit tok[i] of every
+     * row the sequence samples, in list order, before its penalties and its draw (as the
+     * worker's host sampling adds logit_bias); n = 0 clears it, and so does sampler(). At most
+     * MOE_BACKEND_MAX_BIAS entries, tokens distinct and in the vocabulary (the engine checks).
+     * Logits copied out of a sampling step are the biased ones where the backend applies the
+     * bias in place (CUDA), as they are the penalised ones there. */
+    int (*bias)(struct moe_backend *b, int32_t seq, const int32_t *tok, const float *val,
+                size_t n);
 };
+
+#define MOE_BACKEND_MAX_BIAS 2048
 
 /* Every backend struct starts with this. */
 struct moe_backend {

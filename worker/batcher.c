@@ -60,9 +60,11 @@ struct moe_batcher {
     bool report_due;          /* a report waits for the queue to be empty */
 };
 
+/* Jobs sampled on the host: every job of a host-sampling worker, jobs that want logprobs or a
+ * grammar, and jobs whose logit bias the engine's sampler could not take. */
 static bool host_job(const struct moe_batcher *b, const struct moe_job *j)
 {
-    return b->cfg.host_sample_all || j->logprobs || j->n_bias || j->gram;
+    return b->cfg.host_sample_all || j->logprobs || (j->n_bias && !j->bias_dev) || j->gram;
 }
 
 void moe_job_free(struct moe_job *j)
@@ -246,7 +248,15 @@ static void admit(struct moe_batcher *b)
          * sampler; either's penalties see the prompt. */
         int rc;
         char err[160] = "";
-        if (host_job(b, j)) {
+        if (j->n_bias && !b->cfg.host_sample_all && !j->logprobs && !j->gram &&
+            moe_engine_seq_sampler(b->cfg.eng, (int32_t)s, &j->sp, j->prompt, j->n_prompt) == 0)
+            /* The bias in the engine's sampler: the job decodes like any other (on the GPU for
+             * a CUDA worker). Otherwise (a list the engine refuses) it is sampled here. */
+            j->bias_dev =
+                moe_engine_seq_bias(b->cfg.eng, (int32_t)s, j->bias_tok, j->bias_val, j->n_bias) == 0;
+        if (j->bias_dev) {
+            rc = 0;
+        } else if (host_job(b, j)) {
             rc = moe_sampler_init(&j->hs, &j->sp, b->cfg.n_vocab, err, sizeof err);
             for (uint32_t i = 0; rc == 0 && i < j->n_prompt; i++)
                 moe_sampler_accept(j->hs, j->prompt[i]);

@@ -79,6 +79,7 @@ struct moe_job {
     uint32_t share_n;
     uint32_t n_gen;
     int32_t last;    /* last sampled token: evaluated at n_past in the next step */
+    bool bias_dev;   /* its logit_bias is applied by the engine's sampler (moe_engine_seq_bias) */
     bool ahead_open; /* its row in the newest queued step (decode ahead) takes the token a step
                       * still queued draws: position n_past - 1's token is not known yet */
     struct moe_sampler *hs; /* host sampler: jobs with logprobs or logit_bias (see below) */

@@ -355,9 +355,54 @@ int moe_engine_seq_sampler(struct moe_engine *e, int32_t seq, const struct moe_s
         return eng_err(e, MOE_ERANGE, "sampler: %d queued steps are not collected", e->q_len);
     e->last_gen[seq] = 0;
     int rc = e->b->vt->sampler(e->b, seq, p, history, n_history);
+    if (!rc && e->b->vt->bias)
+        rc = e->b->vt->bias(e->b, seq, NULL, NULL, 0);
     if (rc)
         return eng_err(e, rc, "sampler: %s", e->b->vt->errmsg(e->b));
     e->has_sampler[seq] = 1;
+    return 0;
+}
+
+static int cmp_i32(const void *a, const void *b)
+{
+    const int32_t x = *(const int32_t *)a, y = *(const int32_t *)b;
+    return (x > y) - (x < y);
+}
+
+int moe_engine_seq_bias(struct moe_engine *e, int32_t seq, const int32_t *tok, const float *val,
+                        size_t n)
+{
+    _Static_assert(MOE_ENGINE_MAX_BIAS <= MOE_BACKEND_MAX_BIAS, "the backends hold the list");
+    if (seq < 0 || (uint32_t)seq >= e->o.n_seq)
+        return eng_err(e, MOE_ERANGE, "bias: sequence %d outside 0..%u", seq, e->o.n_seq - 1);
+    if (!e->b->vt->bias)
+        return eng_err(e, MOE_EUNSUPPORTED, "bias: the %s backend samples without one",
+                       e->b->vt->name);
+    if (e->q_len)
+        return eng_err(e, MOE_ERANGE, "bias: %d queued steps are not collected", e->q_len);
+    if (n > MOE_ENGINE_MAX_BIAS || (n && (!tok || !val)))
+        return eng_err(e, MOE_ERANGE, "bias: %zu entries (at most %d)", n, MOE_ENGINE_MAX_BIAS);
+    for (size_t i = 0; i < n; i++)
+        if (tok[i] < 0 || (int64_t)tok[i] >= e->d.V || !isfinite(val[i]))
+            return eng_err(e, MOE_ERANGE, "bias[%zu]: token %d (n_vocab %lld), value %g", i,
+                           tok[i], (long long)e->d.V, (double)val[i]);
+    if (n > 1) {
+        int32_t *s = malloc(sizeof *s * n);
+        if (!s)
+            return eng_err(e, -ENOMEM, "bias: out of memory");
+        memcpy(s, tok, sizeof *s * n);
+        qsort(s, n, sizeof *s, cmp_i32);
+        int32_t dup = -1;
+        for (size_t i = 1; i < n && dup < 0; i++)
+            if (s[i] == s[i - 1])
+                dup = s[i];
+        free(s);
+        if (dup >= 0)
+            return eng_err(e, MOE_ERANGE, "bias: token %d is listed twice", dup);
+    }
+    int rc = e->b->vt->bias(e->b, seq, tok, val, n);
+    if (rc)
+        return eng_err(e, rc, "bias: %s", e->b->vt->errmsg(e->b));
     return 0;
 }
 

@@ -109,6 +109,15 @@ int moe_engine_forward(struct moe_engine *e, const struct moe_batch *b, float *o
 int moe_engine_seq_sampler(struct moe_engine *e, int32_t seq, const struct moe_sampler_params *p,
                            const int32_t *history, size_t n_history);
 
+/* Sets sequence seq's logit bias (after moe_engine_seq_sampler, which clears it): val[i] is
+ * added to logit tok[i] of each row the sequence samples, before its penalties and its draw, as
+ * a host sampler given the biased logits would see them. At most MOE_ENGINE_MAX_BIAS entries,
+ * tokens distinct and in the vocabulary, values finite; n = 0 clears it. Returns 0, MOE_ERANGE
+ * (nothing changed) or MOE_EUNSUPPORTED (the backend samples without it). */
+#define MOE_ENGINE_MAX_BIAS 2048
+int moe_engine_seq_bias(struct moe_engine *e, int32_t seq, const int32_t *tok, const float *val,
+                        size_t n);
+
 /* Like moe_engine_forward, but instead of logits each selected token's next token is drawn by
  * its sequence's sampler, written to tokens[k] in batch order (-1: every logit was NaN or
  * -inf) and added to the sampler's history. At most one selected token per sequence, each with

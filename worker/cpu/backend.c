@@ -61,6 +61,11 @@ struct cpu_backend {
     bool head_pending, sample;
 
     struct moe_sampler **smp;     /* [n_seq], NULL until sampler() */
+    struct cpu_bias {             /* [n_seq] logit bias (bias()), NULL / 0 when none */
+        int32_t *tok;
+        float *val;
+        size_t n;
+    } *bias;
     float *slog;                  /* [n_seq][V] logits of sampled rows, allocated on first use */
 
     /* Scratch for one step of at most n_batch tokens. */
@@ -321,6 +326,11 @@ static void cpu_free(struct moe_backend *b)
     for (uint32_t i = 0; e->smp && i < e->d.n_seq; i++)
         moe_sampler_free(e->smp[i]);
     free(e->smp);
+    for (uint32_t i = 0; e->bias && i < e->d.n_seq; i++) {
+        free(e->bias[i].tok);
+        free(e->bias[i].val);
+    }
+    free(e->bias);
     free(e->slog);
     free(e);
 }
@@ -995,6 +1005,9 @@ static int cpu_end(struct moe_backend *b, float *out, int32_t *tokens)
         struct moe_sampler *sm = e->smp[e->seq[e->out_row[i]]];
         if (!sm)
             return cpu_err(e, MOE_ERANGE, "sequence %d has no sampler", e->seq[e->out_row[i]]);
+        const struct cpu_bias *bs = e->bias ? &e->bias[e->seq[e->out_row[i]]] : NULL;
+        for (size_t k = 0; bs && k < bs->n; k++)
+            lg[bs->tok[k]] += bs->val[k];
         tokens[i] = moe_sampler_sample(sm, lg);
         if (tokens[i] >= 0)
             moe_sampler_accept(sm, tokens[i]);
@@ -1016,6 +1029,39 @@ static int cpu_sampler(struct moe_backend *b, int32_t seq, const struct moe_samp
         moe_sampler_accept(sm, history[i]);
     moe_sampler_free(e->smp[seq]);
     e->smp[seq] = sm;
+    return 0;
+}
+
+static int cpu_bias(struct moe_backend *b, int32_t seq, const int32_t *tok, const float *val,
+                    size_t n)
+{
+    struct cpu_backend *e = (struct cpu_backend *)b;
+    if (seq < 0 || (uint32_t)seq >= e->d.n_seq || n > MOE_BACKEND_MAX_BIAS)
+        return cpu_err(e, MOE_ERANGE, "bias: sequence %d, %zu entries", seq, n);
+    if (!e->bias && !(e->bias = calloc(e->d.n_seq, sizeof *e->bias)))
+        return cpu_err(e, -ENOMEM, "out of memory for a logit bias");
+    struct cpu_bias *bs = &e->bias[seq];
+    int32_t *t = n ? malloc(sizeof *t * n) : NULL;
+    float *v = n ? malloc(sizeof *v * n) : NULL;
+    if (n && (!t || !v)) {
+        free(t);
+        free(v);
+        return cpu_err(e, -ENOMEM, "out of memory for a logit bias");
+    }
+    for (size_t i = 0; i < n; i++) {
+        if (tok[i] < 0 || tok[i] >= e->V) {
+            free(t);
+            free(v);
+            return cpu_err(e, MOE_ERANGE, "bias: token %d", tok[i]);
+        }
+        t[i] = tok[i];
+        v[i] = val[i];
+    }
+    free(bs->tok);
+    free(bs->val);
+    bs->tok = t;
+    bs->val = v;
+    bs->n = n;
     return 0;
 }
 
@@ -1101,6 +1147,7 @@ const struct moe_backend_vt moe_backend_cpu = {
     .head = cpu_head,
     .end = cpu_end,
     .sampler = cpu_sampler,
+    .bias = cpu_bias,
     .kv_copy = cpu_kv_copy,
     .routing_counts = cpu_routing_counts,
     .read_buf = cpu_read_buf,

@@ -80,6 +80,7 @@ struct cuda_graph {
     int spread;              /* the sampler's spread passes (moe_cuda_sample_rows) */
     bool stage;              /* recorded with prompt staging */
     bool record;             /* with the copies of each layer's choices (route_record) */
+    bool bias;               /* with the logit bias launch (some sampled row has a bias) */
     cudaGraphExec_t exec;
     int n_ev;                /* profiling: the event nodes recorded in it, and their names */
     const char **ev_name;
@@ -150,6 +151,12 @@ struct cuda_backend {
      * after its tokens' copy (q_sync: it ran at submit, its tokens are there) and its rows. */
     cudaEvent_t q_ev[2];
     bool q_sync[2];
+    /* Logit biases (cuda_bias): [n_seq][MOE_BACKEND_MAX_BIAS] tokens and values and [n_seq]
+     * counts on the device (allocated by the first bias), the counts mirrored here; bias_step:
+     * a row this step samples has one (a launch before the draws adds them). */
+    int32_t *d_btok, *d_bn, *h_bn;
+    float *d_bval;
+    bool bias_step;
     int64_t q_n[2];
     int q_head, q_len;
     /* Routing signatures (d.record_routes): a recording step's choices, [L][n][kuse], each layer's
@@ -2442,6 +2449,10 @@ static void cuda_free(struct moe_backend *bb)
     cudaFree(b->tc_ws);
     cudaFree(b->counts);
     cudaFreeHost(b->h_in_base);
+    cudaFree(b->d_btok);
+    cudaFree(b->d_bval);
+    cudaFree(b->d_bn);
+    free(b->h_bn);
     for (int i = 0; i < 2; i++)
         if (b->q_ev[i])
             cudaEventDestroy(b->q_ev[i]);
@@ -2611,12 +2622,14 @@ static int cuda_begin(struct moe_backend *bb, const struct moe_step *st)
         memcpy(b->h_in + 3 * nb, st->out_row, sizeof(int32_t) * (size_t)st->n_out);
     b->sample = st->sample;
     b->spread = 0;
+    b->bias_step = false;
     if (st->sample) {
         if (!b->smp || st->n_out > (int64_t)b->d.n_seq)
             return cu_err(b, MOE_ERANGE, "sampling without samplers or %lld rows",
                           (long long)st->n_out);
         for (int64_t i = 0; i < st->n_out; i++) {
             b->h_in[4 * nb + i] = st->seq[st->out_row[i]];
+            b->bias_step |= b->h_bn && b->h_bn[st->seq[st->out_row[i]]] > 0;
             int m = moe_cuda_sampler_row_spread(b->smp, (uint32_t)b->h_in[4 * nb + i]);
             if ((m & MOE_CUDA_SPREAD_PENALTY) && !(b->spread_allow & MOE_CUDA_SPREAD_PENALTY))
                 m = 0; /* its penalties are applied in the one-block pass: no spread pass */
@@ -2639,7 +2652,8 @@ static int cuda_begin(struct moe_backend *bb, const struct moe_step *st)
         for (int i = 0; i < b->n_graphs; i++)
             if (b->graphs[i].n == st->n && b->graphs[i].n_out == st->n_out &&
                 b->graphs[i].sample == st->sample && b->graphs[i].spread == b->spread &&
-                b->graphs[i].stage == b->stage_step && b->graphs[i].record == st->record) {
+                b->graphs[i].stage == b->stage_step && b->graphs[i].record == st->record &&
+                b->graphs[i].bias == b->bias_step) {
                 b->mode = MODE_REPLAY;
                 return 0;
             }
@@ -3693,6 +3707,10 @@ static int cuda_head(struct moe_backend *bb)
         int rc = head_rows(b, r0, cnt);
         if (rc || !b->sample)
             return rc;
+        if (b->bias_step)
+            LAUNCH(b, "logit bias",
+                   moe_cuda_logit_bias(b->logits, b->d.V, cnt, D_SMPROW(b) + r0, b->d_btok,
+                                       b->d_bval, b->d_bn, MOE_BACKEND_MAX_BIAS, b->st));
         mark(b, "sample");
         LAUNCH(b, "sample",
                moe_cuda_sample_rows(b->smp, b->logits, (uint32_t)cnt, D_SMPROW(b) + r0,
@@ -3738,8 +3756,8 @@ static int end_step(struct cuda_backend *b, float *out, int32_t *tokens, int qsl
         if (e != cudaSuccess)
             return cu_err(b, MOE_EBACKEND, "cuda:%d: cudaGraphInstantiate: %s", b->dev,
                           cudaGetErrorString(e));
-        struct cuda_graph cg = {b->n,    b->n_out, b->sample, b->spread, b->stage_step,
-                                b->record, exec,     0,         NULL};
+        struct cuda_graph cg = {b->n,      b->n_out,    b->sample, b->spread, b->stage_step,
+                                b->record, b->bias_step, exec,    0,         NULL};
         if (b->profile && (cg.ev_name = (const char **)malloc(sizeof(char *) * (size_t)b->n_ev))) {
             cg.n_ev = b->n_ev;
             memcpy(cg.ev_name, b->ev_name, sizeof(char *) * (size_t)b->n_ev);
@@ -3752,7 +3770,8 @@ static int end_step(struct cuda_backend *b, float *out, int32_t *tokens, int qsl
         for (int i = 0; i < b->n_graphs; i++)
             if (b->graphs[i].n == b->n && b->graphs[i].n_out == b->n_out &&
                 b->graphs[i].sample == b->sample && b->graphs[i].spread == b->spread &&
-                b->graphs[i].stage == b->stage_step && b->graphs[i].record == b->record) {
+                b->graphs[i].stage == b->stage_step && b->graphs[i].record == b->record &&
+                b->graphs[i].bias == b->bias_step) {
                 exec = b->graphs[i].exec;
                 b->n_ev = b->graphs[i].n_ev;
                 if (b->n_ev)
@@ -3877,6 +3896,40 @@ static int cuda_collect(struct moe_backend *bb, int32_t *tokens)
         }
     }
     memcpy(tokens, b->h_tok + (size_t)(qs + 1) * b->d.n_batch, sizeof(int32_t) * (size_t)b->q_n[qs]);
+    return 0;
+}
+
+static int cuda_bias(struct moe_backend *bb, int32_t seq, const int32_t *tok, const float *val,
+                     size_t n)
+{
+    struct cuda_backend *b = (struct cuda_backend *)bb;
+    if (seq < 0 || (uint32_t)seq >= b->d.n_seq || n > MOE_BACKEND_MAX_BIAS)
+        return cu_err(b, MOE_ERANGE, "bias: sequence %d, %zu entries", seq, n);
+    if (!b->h_bn) {
+        if (n == 0)
+            return 0; /* nothing set anywhere yet */
+        const size_t ns = b->d.n_seq, cap = MOE_BACKEND_MAX_BIAS;
+        if (!b->d_btok)
+            CU(b, cudaMalloc((void **)&b->d_btok, sizeof(int32_t) * ns * cap));
+        if (!b->d_bval)
+            CU(b, cudaMalloc((void **)&b->d_bval, sizeof(float) * ns * cap));
+        if (!b->d_bn)
+            CU(b, cudaMalloc((void **)&b->d_bn, sizeof(int32_t) * ns));
+        CU(b, cudaMemsetAsync(b->d_bn, 0, sizeof(int32_t) * ns, b->st));
+        if (!(b->h_bn = (int32_t *)calloc(ns, sizeof *b->h_bn)))
+            return cu_err(b, -ENOMEM, "bias: out of memory");
+    }
+    const size_t off = (size_t)seq * MOE_BACKEND_MAX_BIAS;
+    const int32_t cnt = (int32_t)n;
+    if (n) {
+        CU(b, cudaMemcpyAsync(b->d_btok + off, tok, sizeof(int32_t) * n, cudaMemcpyHostToDevice,
+                              b->st));
+        CU(b, cudaMemcpyAsync(b->d_bval + off, val, sizeof(float) * n, cudaMemcpyHostToDevice,
+                              b->st));
+    }
+    CU(b, cudaMemcpyAsync(b->d_bn + seq, &cnt, sizeof cnt, cudaMemcpyHostToDevice, b->st));
+    CU(b, cudaStreamSynchronize(b->st)); /* the host arrays may go on return */
+    b->h_bn[seq] = cnt;
     return 0;
 }
 
@@ -4273,4 +4326,5 @@ extern "C" const struct moe_backend_vt moe_backend_cuda = {
     cuda_hot_experts,
     cuda_submit,
     cuda_collect,
+    cuda_bias,
 };

@@ -77,6 +77,34 @@ int moe_cuda_embed(uint32_t type, const void *d_table, int64_t E, const int32_t 
     return 0;
 }
 
+static __global__ void logit_bias_kernel(float *__restrict__ logits, int64_t V,
+                                         const int32_t *__restrict__ rowmap,
+                                         const int32_t *__restrict__ tok,
+                                         const float *__restrict__ val,
+                                         const int32_t *__restrict__ n, int64_t cap)
+{
+    pdl_wait();
+    pdl_trigger();
+    const int64_t r = blockIdx.x, s = rowmap[r];
+    float *row = logits + r * V;
+    for (int64_t i = threadIdx.x; i < n[s]; i += blockDim.x) {
+        const int32_t t = tok[s * cap + i];
+        if (t >= 0 && t < V)
+            row[t] += val[s * cap + i];
+    }
+}
+
+int moe_cuda_logit_bias(float *d_logits, int64_t V, int64_t n_rows, const int32_t *d_rowmap,
+                        const int32_t *d_tok, const float *d_val, const int32_t *d_n, int64_t cap,
+                        cudaStream_t s)
+{
+    if (n_rows <= 0)
+        return 0;
+    MOE_CUDA_TRY(moe_launch(logit_bias_kernel, dim3((unsigned)n_rows), dim3(128), 0, s, d_logits,
+                            V, d_rowmap, d_tok, d_val, d_n, cap));
+    return 0;
+}
+
 /* launch.cuh: whether the launches of the step being built take programmatic dependent launch
  * (set by the backend at each step's begin). */
 int moe_pdl_step_on = 0;

@@ -16,6 +16,13 @@ int moe_cuda_embed(uint32_t type, const void *d_table, int64_t E, const int32_t 
                    const int32_t *d_prev, const int32_t *d_prev_tok, int64_t V, int64_t n,
                    float *d_out, int64_t ldo, cudaStream_t s);
 
+/* Logit biases of n_rows logits rows (V floats each, in place): row r, sampled by state row
+ * d_rowmap[r], gets d_val[s·cap + i] added at d_tok[s·cap + i] for i < d_n[s] (s = its state
+ * row). Each row's tokens are distinct, so every addition is the one a sequential pass makes. */
+int moe_cuda_logit_bias(float *d_logits, int64_t V, int64_t n_rows, const int32_t *d_rowmap,
+                        const int32_t *d_tok, const float *d_val, const int32_t *d_n, int64_t cap,
+                        cudaStream_t s);
+
 /* y[t] = x[row[t]] · rsqrt(mean(x²) + eps) · w for t < n (row NULL: row[t] = t). */
 int moe_cuda_rmsnorm(const float *d_x, int64_t ldx, const int32_t *d_row, const float *d_w,
                      int64_t width, float eps, int64_t n, float *d_y, int64_t ldy, cudaStream_t s);
