@@ -572,6 +572,37 @@ TEST(engine_long_prompt)
 
 /* Sampling in the engine gives the tokens of worker/sampler.c fed with the engine's logits, for
  * several sequences per step, and refuses what it cannot do. */
+/* One sequence's prompt (at most 16 tokens) as a batch that wants the last row's logits. */
+struct prompt_batch {
+    int32_t pos[16], sq[16];
+    uint8_t want[16];
+    struct moe_batch b;
+};
+
+static void prompt_batch_init(struct prompt_batch *pb, const int32_t *prompt, uint32_t n,
+                              int32_t seq)
+{
+    CHECK(n >= 1 && n <= 16);
+    memset(pb->want, 0, sizeof pb->want);
+    for (uint32_t k = 0; k < n; k++)
+        pb->pos[k] = (int32_t)k, pb->sq[k] = seq;
+    pb->want[n - 1] = 1;
+    pb->b = (struct moe_batch){.n = n, .token = prompt, .pos = pb->pos, .seq = pb->sq,
+                               .logits = pb->want};
+}
+
+/* A host sampler with the prompt in its history. */
+static struct moe_sampler *primed_sampler(const struct moe_sampler_params *p, uint32_t V,
+                                          const int32_t *prompt, uint32_t n)
+{
+    struct moe_sampler *hs = NULL;
+    char err[128];
+    CHECK_EQ(moe_sampler_init(&hs, p, V, err, sizeof err), 0);
+    for (uint32_t k = 0; k < n; k++)
+        moe_sampler_accept(hs, prompt[k]);
+    return hs;
+}
+
 TEST(engine_sampling_equals_host_sampler)
 {
     struct test_model tm;
@@ -596,17 +627,11 @@ TEST(engine_sampling_equals_host_sampler)
     CHECK(lg);
     int32_t ta[3], tb[3];
     for (uint32_t i = 0; i < S; i++) {
-        char err[128];
-        CHECK_EQ(moe_sampler_init(&hs[i], &sp[i], V, err, sizeof err), 0);
-        for (uint32_t k = 0; k < P; k++)
-            moe_sampler_accept(hs[i], prompt[k]);
+        hs[i] = primed_sampler(&sp[i], V, prompt, P);
         CHECK_EQ(moe_engine_seq_sampler(b, (int32_t)i, &sp[i], prompt, P), 0);
-        int32_t pos[9], sq[9];
-        uint8_t want[9] = {0};
-        for (uint32_t k = 0; k < P; k++)
-            pos[k] = (int32_t)k, sq[k] = (int32_t)i;
-        want[P - 1] = 1;
-        struct moe_batch bt = {.n = P, .token = prompt, .pos = pos, .seq = sq, .logits = want};
+        struct prompt_batch pb;
+        prompt_batch_init(&pb, prompt, P, (int32_t)i);
+        struct moe_batch bt = pb.b;
         CHECK_EQ(moe_engine_forward(a, &bt, lg), 0);
         ta[i] = moe_sampler_sample(hs[i], lg);
         moe_sampler_accept(hs[i], ta[i]);
@@ -680,12 +705,9 @@ TEST(engine_decode_ahead_equals_forward_sample)
     for (uint32_t i = 0; i < S; i++) {
         for (uint32_t k = 0; k < P; k++)
             prompt[k] = (int32_t)((k * 53 + 11 + 17 * i) % V);
-        int32_t pos[9], sq[9];
-        uint8_t want[9] = {0};
-        for (uint32_t k = 0; k < P; k++)
-            pos[k] = (int32_t)k, sq[k] = (int32_t)i;
-        want[P - 1] = 1;
-        struct moe_batch bt = {.n = P, .token = prompt, .pos = pos, .seq = sq, .logits = want};
+        struct prompt_batch pb;
+        prompt_batch_init(&pb, prompt, P, (int32_t)i);
+        struct moe_batch bt = pb.b;
         CHECK_EQ(moe_engine_seq_sampler(a, (int32_t)i, &sp[i], prompt, P), 0);
         CHECK_EQ(moe_engine_seq_sampler(b, (int32_t)i, &sp[i], prompt, P), 0);
         CHECK_EQ(moe_engine_forward_sample(a, &bt, &last_a[i]), 0);
@@ -830,13 +852,9 @@ TEST(engine_logit_bias_equals_host_bias)
     for (uint32_t i = 0; i < S; i++) {
         for (uint32_t k = 0; k < P; k++)
             prompt[k] = (int32_t)((k * 41 + 3 + 11 * i) % V);
-        int32_t pos[8], sq[8];
-        uint8_t want[8] = {0};
-        for (uint32_t k = 0; k < P; k++)
-            pos[k] = (int32_t)k, sq[k] = (int32_t)i;
-        want[P - 1] = 1;
-        struct moe_batch bt1 = {.n = P, .token = prompt, .pos = pos, .seq = sq, .logits = want};
-        CHECK_EQ(moe_engine_forward(a, &bt1, lg), 0);
+        struct prompt_batch pb;
+        prompt_batch_init(&pb, prompt, P, (int32_t)i);
+        CHECK_EQ(moe_engine_forward(a, &pb.b, lg), 0);
         int32_t best = 0;
         for (uint32_t v = 1; v < V; v++)
             if (lg[v] > lg[best])
@@ -850,17 +868,14 @@ TEST(engine_logit_bias_equals_host_bias)
             for (uint32_t k = 0; k < nb[2]; k++)
                 bt[2][k] = (int32_t)((k * 13 + 1) % V), bv[2][k] = 0.25f * (float)(k % 9) - 1.0f;
         }
-        char err[128];
-        CHECK_EQ(moe_sampler_init(&hs[i], &sp[i], V, err, sizeof err), 0);
-        for (uint32_t k = 0; k < P; k++)
-            moe_sampler_accept(hs[i], prompt[k]);
+        hs[i] = primed_sampler(&sp[i], V, prompt, P);
         for (uint32_t k = 0; k < nb[i]; k++)
             lg[bt[i][k]] += bv[i][k];
         ta[i] = moe_sampler_sample(hs[i], lg);
         moe_sampler_accept(hs[i], ta[i]);
         CHECK_EQ(moe_engine_seq_sampler(b, (int32_t)i, &sp[i], prompt, P), 0);
         CHECK_EQ(moe_engine_seq_bias(b, (int32_t)i, bt[i], bv[i], nb[i]), 0);
-        CHECK_EQ(moe_engine_forward_sample(b, &bt1, &tb[i]), 0);
+        CHECK_EQ(moe_engine_forward_sample(b, &pb.b, &tb[i]), 0);
         CHECK_MSG(ta[i] == tb[i], "sequence %u prompt: host %d, engine %d", i, ta[i], tb[i]);
         if (i == 0)
             CHECK(tb[0] != best);
