@@ -3133,6 +3133,14 @@ static void single_answers(const char *sock, struct single_answer *out)
     }
 }
 
+static void single_answers_free(struct single_answer *s)
+{
+    for (int i = 0; i < 3; i++) {
+        free(s[i].text);
+        json_decref(s[i].ids);
+    }
+}
+
 /* 'prompt' as an array of strings, of token id arrays, or both: each prompt gets n choices,
  * indexed prompt * n + j, each the answer the prompt gets alone; usage counts each prompt once and
  * every choice's tokens; echo and logprobs are each choice's own prompt's; seeded choice k uses
@@ -3224,10 +3232,7 @@ TEST_TIMEOUT(daemon_several_prompts_answer_as_single_ones, 240)
         json_decref(one);
     }
     json_decref(j);
-    for (int i = 0; i < 3; i++) {
-        free(s[i].text);
-        json_decref(s[i].ids);
-    }
+    single_answers_free(s);
     CHECK_EQ(moed_stop(&d, 60), 0);
 }
 
@@ -3296,10 +3301,7 @@ TEST_TIMEOUT(daemon_several_prompts_stream, 240)
     CHECK_EQ(json_integer_value(json_object_get(usage, "total_tokens")), n_prompt + n_gen);
     json_decref(usage);
     hc_resp_free(&r);
-    for (int i = 0; i < 3; i++) {
-        free(s[i].text);
-        json_decref(s[i].ids);
-    }
+    single_answers_free(s);
     CHECK_EQ(moed_stop(&d, 60), 0);
 }
 

@@ -156,6 +156,13 @@ bool moe_batcher_busy(const struct moe_batcher *b)
 
 static int collect(struct moe_batcher *b);
 
+/* Takes the tokens of every queued step (stops at a failure, which empties the queue). */
+static void drain(struct moe_batcher *b)
+{
+    while (b->n_q && collect(b) == 0)
+        ;
+}
+
 void moe_batcher_report(struct moe_batcher *b, bool force)
 {
     double now = moe_now_s();
@@ -168,8 +175,7 @@ void moe_batcher_report(struct moe_batcher *b, bool force)
         b->report_due = true;
         return;
     }
-    while (b->n_q && collect(b) == 0)
-        ;
+    drain(b);
     b->report_due = false;
     uint64_t *cur = b->cur_counts;
     if (moe_engine_routing_counts(b->cfg.eng, cur))
@@ -621,8 +627,7 @@ static int step_queued(struct moe_batcher *b)
         int rc = n ? submit(b, n) : 0;
         if (rc) {
             /* What is queued stays valid; its tokens are taken, then the jobs fail. */
-            while (b->n_q && collect(b) == 0)
-                ;
+            drain(b);
             return step_failed(b, rc);
         }
     }

@@ -294,13 +294,14 @@ int moe_engine_init(struct moe_engine **out, const struct moe_model *m,
     e->last_known = calloc(e->o.n_seq, 1);
     e->tok_in = calloc(e->o.n_batch, sizeof *e->tok_in);
     e->prev_in = calloc(e->o.n_batch, sizeof *e->prev_in);
+    bool q_ok = true;
     for (int i = 0; i < MOE_ENGINE_AHEAD; i++)
-        e->q[i].tok = calloc(e->o.n_batch, sizeof *e->q[i].tok);
+        q_ok &= (e->q[i].tok = calloc(e->o.n_batch, sizeof *e->q[i].tok)) != NULL;
     if (o->record_routes)
         e->route_sel = calloc((size_t)d->L * e->o.n_batch * (size_t)d->kuse, sizeof *e->route_sel);
     if (!e->inv_freq || !e->filled || !e->fill || !e->rope || !e->out_row || !e->has_sampler ||
         !e->seen || !e->last_gen || !e->last_row || !e->last_pos || !e->last_tok ||
-        !e->last_known || !e->tok_in || !e->prev_in || !e->q[0].tok || !e->q[1].tok ||
+        !e->last_known || !e->tok_in || !e->prev_in || !q_ok ||
         (o->record_routes && !e->route_sel)) {
         rc = -ENOMEM;
         goto fail;
