@@ -13,6 +13,7 @@ extern "C" {
 #include "worker/cuda/cuda_check.cuh"
 #include "worker/cuda/dequant.cuh"
 #include "worker/cuda/launch.cuh"
+#include "worker/cuda/mv_tc_dev.cuh"
 #include "worker/cuda/ops_dev.cuh"
 
 static __device__ vi block_argmax(vi x, float *redv, int *redi)
@@ -324,6 +325,159 @@ int moe_cuda_attention_rope(float *d_q, int64_t ldq, float *d_k, int64_t ldk, co
                              kv->hd > kv->hdv ? kv->hd : kv->hdv};
     return attention(d_q, ldq, d_pos, d_seq, kv, layer, H, n, n_blocks, d_part, d_done, d_out,
                      ldo, &rp, s);
+}
+
+/* ---------------------------------------------------------------- attention, tiled */
+
+/* Cache positions [pa, pb) of the row at row0 (w elements a position, ES bytes an element) into
+ * the tile that starts at position tp0, 16 bytes a copy (cp.async) by the nt threads. */
+template <int ES>
+static __device__ __forceinline__ void att_tile_copy(const void *cache, size_t row0, int64_t w,
+                                                     int64_t tp0, int64_t pa, int64_t pb,
+                                                     unsigned char *tile, int tid, int nt)
+{
+    if (pb <= pa)
+        return;
+    const int64_t chunks = (pb - pa) * w * ES / 16;
+    const unsigned char *src = (const unsigned char *)cache + (row0 + (size_t)pa) * w * ES;
+    unsigned char *dst = tile + (size_t)(pa - tp0) * w * ES;
+    for (int64_t i = tid; i < chunks; i += nt)
+        cp_async16(dst + 16 * i, src + 16 * i);
+}
+
+/* Decode attention with the keys and values shared by a kv head's query heads read once: one
+ * block per (gb query heads of one kv head, token, split group), as gb groups of ATT_WARPS
+ * warps, group g running attn_split_body for head blockIdx.x·gb + g with a named barrier of its
+ * own, so every float is the plain launch's. The first tp positions of the block's first split
+ * are copied into shared memory first (cp.async) and read there by every group. pre: the
+ * step's token is its sequence's only one, so the cache positions before pos[t] were written by
+ * earlier steps and are copied before the wait for the kernel before (pos[t] itself, which that
+ * kernel stores, after it). */
+template <bool F32, int EL, int MAXT, int MV>
+static __global__ void __launch_bounds__(MAXT, 1)
+attn_tile_kernel(const float *__restrict__ q, int64_t ldq, const int32_t *__restrict__ pos,
+                 const int32_t *__restrict__ seq, moe_cuda_kv kv, int layer, int64_t H,
+                 float scale, float *__restrict__ part, unsigned *__restrict__ done,
+                 float *__restrict__ out, int64_t ldo, int gb, int tp, int pre)
+{
+    constexpr int ES = F32 ? 4 : 2;
+    extern __shared__ __align__(16) unsigned char att_raw[];
+    const int64_t t = blockIdx.y, h0 = (int64_t)blockIdx.x * gb, kvh = h0 / (H / kv.Hkv);
+    const int z = (int)blockIdx.z, tid = (int)threadIdx.x, nt = (int)blockDim.x;
+    const int64_t len = (int64_t)pos[t] + 1, C = attn_split_len(len, 1);
+    if ((int64_t)z * C >= len)
+        return; /* no split of this token here; nothing read, nothing written */
+    const int64_t hd = kv.hd, hdv = kv.hdv;
+    const size_t row0 = kv_cell(kv, layer, seq[t], kvh, 0);
+    const int64_t tp0 = (int64_t)z * C, tp1 = min(tp0 + min(C, (int64_t)tp), len);
+    unsigned char *tk = att_raw, *tv = att_raw + (size_t)tp * hd * ES;
+    const int64_t mid = pre ? max(tp0, min(tp1, len - 1)) : tp0;
+    att_tile_copy<ES>(kv.k, row0, hd, tp0, tp0, mid, tk, tid, nt);
+    att_tile_copy<ES>(kv.v, row0, hdv, tp0, tp0, mid, tv, tid, nt);
+    cp_async_commit();
+    pdl_wait();
+    pdl_trigger();
+    att_tile_copy<ES>(kv.k, row0, hd, tp0, mid, tp1, tk, tid, nt);
+    att_tile_copy<ES>(kv.v, row0, hdv, tp0, mid, tp1, tv, tid, nt);
+    cp_async_commit();
+    cp_async_wait_all();
+    __syncthreads();
+    const int g = tid / (32 * ATT_WARPS);
+    float *acc = (float *)(att_raw + (size_t)tp * (hd + hdv) * ES);
+    att_smem *sm = (att_smem *)(acc + (size_t)gb * ATT_WARPS * hdv) + g;
+    attn_split_body<F32, EL, att_sync_named, false, true, MV>(
+        q, ldq, pos, seq, kv, layer, H, scale, 1, part, done, out, ldo, h0 + g, t, z,
+        (int)gridDim.z, tid % (32 * ATT_WARPS), sm, acc + (size_t)g * ATT_WARPS * hdv,
+        att_sync_named{g + 1}, nullptr, att_tile{tk, tv, tp0, tp1});
+}
+
+/* The tiled launch's shape for this cache and H query heads: query heads a block (gb, the
+ * largest divisor of the group size up to 8, 4 for heads of more than 128, at most gb_max when
+ * that is > 0), positions a tile (tp: 16 KiB of keys and values, 1..64), head elements a lane
+ * (el), dynamic shared memory; false where the launch does not suit the shapes. */
+static bool att_tile_shape(const struct moe_cuda_kv *kv, int64_t H, int gb_max, int *gb, int *tp,
+                           int *el, size_t *smem)
+{
+    const int64_t es = kv->f32 ? 4 : 2, wd = kv->hd > kv->hdv ? kv->hd : kv->hdv;
+    if (kv->Hkv < 1 || H % kv->Hkv || wd > 256 || (kv->hd * es) % 16 || (kv->hdv * es) % 16 ||
+        ((uintptr_t)kv->k & 15) || ((uintptr_t)kv->v & 15))
+        return false;
+    *el = (int)((wd + 31) / 32);
+    int lim = *el <= 4 ? 8 : 4;
+    if (gb_max > 0 && gb_max < lim)
+        lim = gb_max;
+    const int64_t G = H / kv->Hkv;
+    *gb = 1;
+    for (int d = lim; d >= 1; d--)
+        if (G % d == 0) {
+            *gb = d;
+            break;
+        }
+    int64_t p = 16384 / ((kv->hd + kv->hdv) * es);
+    *tp = (int)(p < 1 ? 1 : p > 64 ? 64 : p);
+    *smem = (size_t)*tp * (size_t)(kv->hd + kv->hdv) * (size_t)es +
+            sizeof(float) * (size_t)*gb * ATT_WARPS * (size_t)kv->hdv +
+            sizeof(att_smem) * (size_t)*gb;
+    return true;
+}
+
+#define ATT_TILE_KERNEL(F, E, V) attn_tile_kernel<F, E, ((E) <= 4 ? 1024 : 512), V>
+
+template <bool F32> static const void *att_tile_fn(int el)
+{
+    return el <= 1   ? (const void *)ATT_TILE_KERNEL(F32, 1, ATT_MERGE_V)
+           : el <= 2 ? (const void *)ATT_TILE_KERNEL(F32, 2, ATT_MERGE_V)
+           : el <= 4 ? (const void *)ATT_TILE_KERNEL(F32, 4, ATT_MERGE_V)
+                     : (const void *)ATT_TILE_KERNEL(F32, 8, ATT_MERGE_V);
+}
+
+int moe_cuda_attention_tile_blocks_per_sm(const struct moe_cuda_kv *kv, int64_t H, int gb_max,
+                                          int *gb)
+{
+    int el, tp, nb = 0;
+    size_t smem;
+    if (!att_tile_shape(kv, H, gb_max, gb, &tp, &el, &smem))
+        return 0;
+    const void *fn = kv->f32 ? att_tile_fn<true>(el) : att_tile_fn<false>(el);
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&nb, fn, 32 * ATT_WARPS * *gb, smem) !=
+        cudaSuccess)
+        return 0;
+    return nb;
+}
+
+int moe_cuda_attention_tile(const float *d_q, int64_t ldq, const int32_t *d_pos,
+                            const int32_t *d_seq, const struct moe_cuda_kv *kv, int layer,
+                            int64_t H, int64_t n, int n_blocks, int gb_max, int pre, int mv,
+                            float *d_part, unsigned *d_done, float *d_out, int64_t ldo,
+                            cudaStream_t s)
+{
+    int gb, tp, el;
+    size_t smem;
+    if (n <= 0)
+        return 0;
+    if (n_blocks < 1 || n_blocks > ATT_MAX_SPLITS || n > 65535 ||
+        !att_tile_shape(kv, H, gb_max, &gb, &tp, &el, &smem))
+        return -EINVAL;
+    const float scale = (float)(1.0 / sqrt((double)kv->hd));
+    const dim3 g((unsigned)(H / gb), (unsigned)n, (unsigned)n_blocks), blk(32 * ATT_WARPS * gb);
+#define ATT_TILE_ARGS                                                                              \
+    g, blk, smem, s, d_q, ldq, d_pos, d_seq, *kv, layer, H, scale, d_part, d_done, d_out, ldo, gb, \
+        tp, pre
+#define ATT_TILE_LAUNCH(F, V)                                                                      \
+    (el <= 1   ? moe_launch(ATT_TILE_KERNEL(F, 1, V), ATT_TILE_ARGS)                               \
+     : el <= 2 ? moe_launch(ATT_TILE_KERNEL(F, 2, V), ATT_TILE_ARGS)                               \
+     : el <= 4 ? moe_launch(ATT_TILE_KERNEL(F, 4, V), ATT_TILE_ARGS)                               \
+               : moe_launch(ATT_TILE_KERNEL(F, 8, V), ATT_TILE_ARGS))
+    const cudaError_t e = mv >= 32   ? (kv->f32 ? ATT_TILE_LAUNCH(true, 32)
+                                                : ATT_TILE_LAUNCH(false, 32))
+                          : mv >= 16 ? (kv->f32 ? ATT_TILE_LAUNCH(true, 16)
+                                                : ATT_TILE_LAUNCH(false, 16))
+                                     : (kv->f32 ? ATT_TILE_LAUNCH(true, ATT_MERGE_V)
+                                                : ATT_TILE_LAUNCH(false, ATT_MERGE_V));
+#undef ATT_TILE_LAUNCH
+#undef ATT_TILE_ARGS
+    MOE_CUDA_TRY(e);
+    return 0;
 }
 
 /* ---------------------------------------------------------------- routing */
