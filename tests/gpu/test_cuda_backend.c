@@ -945,75 +945,6 @@ TEST_TIMEOUT(cuda_gate_up_input_staged_by_router_is_exact, 600)
     CHECK(staged >= 3);
 }
 
-/* The widest of the q, k, v and attention output rows. */
-static int64_t attn_rows_width(const struct moe_dims *d)
-{
-    const enum moe_buf bufs[4] = {MOE_BUF_Q, MOE_BUF_K, MOE_BUF_V, MOE_BUF_ATT};
-    int64_t w = 0;
-    for (int i = 0; i < 4; i++)
-        if (moe_buf_width(d, bufs[i]) > w)
-            w = moe_buf_width(d, bufs[i]);
-    return w;
-}
-
-/* Host rows for attn_step_pair's steps of up to maxn tokens: their RoPE angles, the random
- * q/k/v rows and the two backends' outputs. */
-struct attn_scratch {
-    float *rope, *h, *ra, *rb;
-};
-
-static void attn_scratch_init(struct attn_scratch *x, const struct moe_model *m,
-                              const struct moe_dims *d, size_t maxn)
-{
-    const size_t w = (size_t)attn_rows_width(d);
-    x->rope = malloc(sizeof(float) * maxn * m->hp.head_dim);
-    x->h = malloc(sizeof(float) * maxn * w);
-    x->ra = malloc(sizeof(float) * maxn * w);
-    x->rb = malloc(sizeof(float) * maxn * w);
-    CHECK(x->rope && x->h && x->ra && x->rb);
-}
-
-static void attn_scratch_free(struct attn_scratch *x)
-{
-    free(x->rope), free(x->h), free(x->ra), free(x->rb);
-}
-
-/* Step st on backends a and b of one model: in every layer the same random q, k and v rows go
- * to both, then each runs qk_rope_kv and attention; returns how many floats of the buffers outs
- * differ between them. */
-static size_t attn_step_pair(struct moe_backend *a, struct moe_backend *b,
-                             const struct moe_dims *d, const struct moe_step *st,
-                             const enum moe_buf *outs, int n_outs, struct attn_scratch *x)
-{
-    float *h = x->h, *ra = x->ra, *rb = x->rb;
-    const enum moe_buf bufs[3] = {MOE_BUF_Q, MOE_BUF_K, MOE_BUF_V};
-    const int64_t n = st->n;
-    size_t differ = 0;
-    CHECK_EQ(a->vt->begin(a, st), 0);
-    CHECK_EQ(b->vt->begin(b, st), 0);
-    for (int l = 0; l < (int)d->L; l++) {
-        for (int i = 0; i < 3; i++) {
-            const int64_t w = moe_buf_width(d, bufs[i]);
-            for (int64_t j = 0; j < n * w; j++)
-                h[j] = (float)((int32_t)moe_test_rng_u32() % 2001) * 1e-3f;
-            CHECK_EQ(a->vt->write_buf(a, bufs[i], n, h), 0);
-            CHECK_EQ(b->vt->write_buf(b, bufs[i], n, h), 0);
-        }
-        CHECK_MSG(a->vt->qk_rope_kv(a, l) == 0, "%s", a->vt->errmsg(a));
-        CHECK_MSG(b->vt->qk_rope_kv(b, l) == 0, "%s", b->vt->errmsg(b));
-        CHECK_MSG(a->vt->attention(a, l) == 0, "%s", a->vt->errmsg(a));
-        CHECK_MSG(b->vt->attention(b, l) == 0, "%s", b->vt->errmsg(b));
-        for (int i = 0; i < n_outs; i++) {
-            CHECK_EQ(a->vt->read_buf(a, outs[i], n, ra), 0);
-            CHECK_EQ(b->vt->read_buf(b, outs[i], n, rb), 0);
-            differ += floats_differing(ra, rb, (size_t)(n * moe_buf_width(d, outs[i])));
-        }
-    }
-    CHECK_EQ(a->vt->end(a, NULL, NULL), 0);
-    CHECK_EQ(b->vt->end(b, NULL, NULL), 0);
-    return differ;
-}
-
 /* The q/k-norm + RoPE + KV store that a one-token step does inside its attention launch
  * (MOE_CUDA_ATT_ROPE=1) leaves what the two launches leave: the attention output,
  * the rotated q and k rows and the cache cells (read back by the later steps' attention), bit for
@@ -1035,13 +966,22 @@ TEST_TIMEOUT(cuda_attention_rope_fold_equals_two_launches, 300)
             const struct moe_dims *d = moe_engine_dims(ea);
             enum { P = 150, MAXN = 160 };
             int32_t tok[MAXN], pos[MAXN], seq[MAXN], orow[MAXN];
-            struct attn_scratch x;
-            attn_scratch_init(&x, m, d, MAXN);
+            float *rope = malloc(sizeof(float) * MAXN * m->hp.head_dim);
+            const enum moe_buf bufs[3] = {MOE_BUF_Q, MOE_BUF_K, MOE_BUF_V};
+            int64_t wmax = 0;
+            for (int i = 0; i < 3; i++)
+                if (moe_buf_width(d, bufs[i]) > wmax)
+                    wmax = moe_buf_width(d, bufs[i]);
+            if (moe_buf_width(d, MOE_BUF_ATT) > wmax)
+                wmax = moe_buf_width(d, MOE_BUF_ATT);
+            float *h = malloc(sizeof(float) * MAXN * (size_t)wmax);
+            float *ra = malloc(sizeof(float) * MAXN * (size_t)wmax);
+            float *rb = malloc(sizeof(float) * MAXN * (size_t)wmax);
+            CHECK(rope && h && ra && rb);
             moe_test_rng_seed(900 + mi * 2 + (size_t)f32);
             size_t differ = 0, steps = 0;
             /* A prompt of P on sequence 0 (not folded), then one-token steps: sequence 0
              * continues (P + 1 positions and more: several splits) and sequence 1 starts. */
-            const enum moe_buf outs[3] = {MOE_BUF_ATT, MOE_BUF_Q, MOE_BUF_K};
             for (int s2 = 0; s2 < 9; s2++) {
                 const int64_t n = s2 == 0 ? P : 1;
                 for (int64_t t = 0; t < n; t++) {
@@ -1050,98 +990,44 @@ TEST_TIMEOUT(cuda_attention_rope_fold_equals_two_launches, 300)
                     pos[t] = s2 == 0 ? (int32_t)t : seq[t] ? s2 / 3 : P + s2 - 1 - s2 / 3;
                 }
                 struct moe_step st;
-                make_step(&st, n, tok, pos, seq, x.rope, orow, m, 0);
-                differ += attn_step_pair(a, b, d, &st, outs, 3, &x);
+                make_step(&st, n, tok, pos, seq, rope, orow, m, 0);
+                CHECK_EQ(a->vt->begin(a, &st), 0);
+                CHECK_EQ(b->vt->begin(b, &st), 0);
+                for (int l = 0; l < (int)d->L; l++) {
+                    for (int i = 0; i < 3; i++) {
+                        const int64_t w = moe_buf_width(d, bufs[i]);
+                        for (int64_t j = 0; j < n * w; j++)
+                            h[j] = (float)((int32_t)moe_test_rng_u32() % 2001) * 1e-3f;
+                        CHECK_EQ(a->vt->write_buf(a, bufs[i], n, h), 0);
+                        CHECK_EQ(b->vt->write_buf(b, bufs[i], n, h), 0);
+                    }
+                    CHECK_MSG(a->vt->qk_rope_kv(a, l) == 0, "%s", a->vt->errmsg(a));
+                    CHECK_MSG(b->vt->qk_rope_kv(b, l) == 0, "%s", b->vt->errmsg(b));
+                    CHECK_MSG(a->vt->attention(a, l) == 0, "%s", a->vt->errmsg(a));
+                    CHECK_MSG(b->vt->attention(b, l) == 0, "%s", b->vt->errmsg(b));
+                    const enum moe_buf out[3] = {MOE_BUF_ATT, MOE_BUF_Q, MOE_BUF_K};
+                    for (int i = 0; i < 3; i++) {
+                        const int64_t w = moe_buf_width(d, out[i]);
+                        CHECK_EQ(a->vt->read_buf(a, out[i], n, ra), 0);
+                        CHECK_EQ(b->vt->read_buf(b, out[i], n, rb), 0);
+                        for (int64_t j = 0; j < n * w; j++)
+                            differ += memcmp(&ra[j], &rb[j], sizeof(float)) != 0;
+                    }
+                }
+                CHECK_EQ(a->vt->end(a, NULL, NULL), 0);
+                CHECK_EQ(b->vt->end(b, NULL, NULL), 0);
                 steps++;
             }
             printf("  %-44s %s KV: %zu steps, %zu floats differ\n", MODELS[mi],
                    f32 ? "float32" : "f16", steps, differ);
             CHECK_EQ(differ, 0);
-            attn_scratch_free(&x);
+            free(rope), free(h), free(ra), free(rb);
             moe_engine_free(ea);
             moe_engine_free(eb);
         }
         test_model_close(&tm);
     }
     unsetenv("MOE_CUDA_NO_GRAPHS");
-}
-
-/* The decode attention with each block's keys and values in shared memory
- * (moe_cuda_attention_tile, MOE_CUDA_ATT_TILE=1) gives the plain launch's floats bit for bit:
- * f16 and float32 caches, query heads a block capped at 1, 2 and the default, the merge
- * loading 8, 16 and 32 splits' values at a time; one-token steps (the cache's earlier positions
- * read before the wait for the q/k-norm + RoPE + KV store launch), steps of several tokens of
- * one sequence and of several sequences, and tokens past 2048 positions (splits longer than a
- * tile, a block taking several splits). */
-TEST_TIMEOUT(cuda_attention_tiles_equal_the_plain_launch, 600)
-{
-    need_gpu();
-    setenv("MOE_CUDA_NO_GRAPHS", "1", 1);
-    enum { CTX = 2304, P = 150, MAXN = 160 };
-    static const char *const gbs[3] = {"1", "2", NULL}, *const mvs[3] = {NULL, "16", "32"};
-    size_t tiled = 0;
-    for (size_t mi = 0; mi < N_MODELS; mi++) {
-        struct test_model tm;
-        test_model_open(&tm, MODELS[mi]);
-        const struct moe_model *m = &tm.m;
-        for (int c = 0; c < 6; c++) {
-            const bool f32 = c >= 3;
-            setenv("MOE_CUDA_ATT_TILE", "0", 1);
-            struct moe_engine *ea = engine_on(m, "cuda:0", CTX, 2, 0, f32);
-            setenv("MOE_CUDA_ATT_TILE", "1", 1);
-            if (gbs[c % 3])
-                setenv("MOE_CUDA_ATT_GB", gbs[c % 3], 1);
-            if (mvs[c % 3])
-                setenv("MOE_CUDA_ATT_MV", mvs[c % 3], 1);
-            struct moe_engine *eb = engine_on(m, "cuda:0", CTX, 2, 0, f32);
-            unsetenv("MOE_CUDA_ATT_GB");
-            unsetenv("MOE_CUDA_ATT_MV");
-            unsetenv("MOE_CUDA_ATT_TILE");
-            struct moe_backend *a = moe_engine_backend(ea), *b = moe_engine_backend(eb);
-            const struct moe_dims *d = moe_engine_dims(ea);
-            uint64_t dev_bytes = 0;
-            char desc[1024] = "";
-            b->vt->info(b, &dev_bytes, desc, sizeof desc);
-            tiled += strstr(desc, "attention in tiles") != NULL;
-            int32_t tok[MAXN], pos[MAXN], seq[MAXN], orow[MAXN];
-            int32_t next[2] = {0, 0};
-            struct attn_scratch x;
-            attn_scratch_init(&x, m, d, MAXN);
-            moe_test_rng_seed(950 + mi * 6 + (size_t)c);
-            size_t differ = 0, steps = 0;
-            /* Sequence 0's prompt (150 tokens), one-token steps, a step of five tokens of
-             * sequence 1 beside one of sequence 0, sequence 0 grown past 2048 positions by
-             * prompt steps, then one-token steps and a step of both sequences. */
-            static const int plan[] = {-P, 1, 1, 1, 6, 1, 2, -P, -P, -P, -P, -P, -P, -P,
-                                       -P, -P, -P, -P, -P, -P, 1, 1, 2, 1};
-            const enum moe_buf out = MOE_BUF_ATT;
-            for (size_t si = 0; si < sizeof plan / sizeof plan[0]; si++) {
-                const int64_t n = plan[si] < 0 ? -plan[si] : plan[si];
-                for (int64_t t = 0; t < n; t++) {
-                    tok[t] = 1;
-                    seq[t] = plan[si] == 6 ? t < 5 : plan[si] == 2 ? (int32_t)t : 0;
-                    if (plan[si] == 1 && si >= 5 && si < 7)
-                        seq[t] = 1;
-                    pos[t] = next[seq[t]]++;
-                }
-                struct moe_step st;
-                make_step(&st, n, tok, pos, seq, x.rope, orow, m, 0);
-                differ += attn_step_pair(a, b, d, &st, &out, 1, &x);
-                steps++;
-            }
-            printf("  %-44s %s KV, heads a block %s, merge %s: %zu steps, %zu floats differ\n",
-                   MODELS[mi], f32 ? "float32" : "f16", gbs[c % 3] ? gbs[c % 3] : "default",
-                   mvs[c % 3] ? mvs[c % 3] : "8", steps, differ);
-            CHECK_EQ(differ, 0);
-            attn_scratch_free(&x);
-            moe_engine_free(ea);
-            moe_engine_free(eb);
-        }
-        test_model_close(&tm);
-    }
-    unsetenv("MOE_CUDA_NO_GRAPHS");
-    printf("  %zu of %zu engines took the tiled launch\n", tiled, N_MODELS * 6);
-    CHECK(tiled >= 6);
 }
 
 /* Graph replay and direct launches give the same floats; routing counts add up. */

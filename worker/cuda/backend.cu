@@ -186,10 +186,6 @@ struct cuda_backend {
     int sms;
     int att_bps_plain, att_bps_rope; /* decode attention blocks an SM: MOE_CUDA_ATT_BPS, or what
                                       * an SM holds of each attention kernel */
-    int att_bps_tile, att_gb;        /* the tiled attention's (0: not used; MOE_CUDA_ATT_TILE=1
-                                      * turns it on) and its query heads a block */
-    int att_gb_max;                  /* MOE_CUDA_ATT_GB: at most that many (0: up to 8) */
-    int att_mv;                      /* MOE_CUDA_ATT_MV: splits' values its merge loads at once */
     int mode;
     bool capturing, head_chunked, use_graphs, use_gemm, use_flash;
     double group_min;                /* MOE_CUDA_GROUP_MIN, 0: by layer (group_min()) */
@@ -239,9 +235,6 @@ struct cuda_backend {
      * (docs/benchmarks.md). */
     bool qkv_branch;
     long branch_pdl_edges;           /* how many such edges the captures made */
-    bool head_norm;                  /* MOE_CUDA_HEAD_NORM=1: a one-token step's head applies the
-                                      * output norm on the way (no launch of its own) */
-    bool branch_l0;                  /* MOE_CUDA_BRANCH_L0=0: layer 0's q/k/v without a branch */
     bool branch_pdl;                 /* MOE_CUDA_BRANCH_PDL=1: in a captured one-token step the
                                       * branch's launch takes a programmatic edge from the kernel
                                       * it forks after (qkv_branch) */
@@ -1930,8 +1923,6 @@ static int cuda_init(struct moe_backend **out, const struct moe_model *m, struct
     b->mixed_mv = mixed_mv && *mixed_mv ? strcmp(mixed_mv, "0") != 0 : -1;
     b->qkv_branch = env_on("MOE_CUDA_QKV_BRANCH");
     b->branch_pdl = env_is1("MOE_CUDA_BRANCH_PDL");
-    b->head_norm = env_is1("MOE_CUDA_HEAD_NORM");
-    b->branch_l0 = env_on("MOE_CUDA_BRANCH_L0");
     b->resolve_route = env_on("MOE_CUDA_RESOLVE_ROUTE");
     b->gu_staged = env_on("MOE_CUDA_GU_STAGED");
     b->xst_l = -1;
@@ -2056,14 +2047,6 @@ static int cuda_init(struct moe_backend **out, const struct moe_model *m, struct
             b->att_bps_rope = rope > 0 ? rope : 4;
         } else {
             b->att_bps_plain = b->att_bps_rope = att_bps;
-        }
-        if (env_is1("MOE_CUDA_ATT_TILE")) {
-            const char *gb_env = getenv("MOE_CUDA_ATT_GB");
-            b->att_gb_max = gb_env ? atoi(gb_env) : 0;
-            const char *mv_env = getenv("MOE_CUDA_ATT_MV");
-            b->att_mv = mv_env ? atoi(mv_env) : 8;
-            b->att_bps_tile =
-                moe_cuda_attention_tile_blocks_per_sm(&b->kv, d->H, b->att_gb_max, &b->att_gb);
         }
         const int64_t nsplit_tok = nb < MOE_CUDA_GRAPH_MAX ? (int64_t)nb : MOE_CUDA_GRAPH_MAX;
         INIT_TRY(cudaMalloc((void **)&b->part,
@@ -2239,11 +2222,6 @@ static int cuda_init(struct moe_backend **out, const struct moe_model *m, struct
                                                    : "",
                          b->tc & MOE_CUDA_TC_HEAD ? " head" : "",
                          b->tc_ws ? " (inputs staged once)" : "");
-            }
-            if (b->att_bps_tile > 0) {
-                k = strlen(b->desc);
-                snprintf(b->desc + k, sizeof b->desc - k,
-                         ", decode attention in tiles of %d query heads", b->att_gb);
             }
             if (b->d_xst) {
                 k = strlen(b->desc);
@@ -3097,7 +3075,7 @@ static int matmul_now(struct cuda_backend *b, int l, const struct moe_mm *mm, in
             fold = false;
             b->norm_pending = false;
             TRY_CU(before_write(b, b->pn_dst));
-            if (b->qkv_branch && b->n == 1 && nj < n_mm && (l > 0 || b->branch_l0))
+            if (b->qkv_branch && b->n == 1 && nj < n_mm)
                 TRY_CU(qkv_branch(b, l, mm, n_mm, done, W->type, tcd, &joined));
             int rc = -EINVAL;
             if (!tcd && nj == 1 && n_mm == 1 && mm[0].w == MOE_W_ROUTER)
@@ -3241,17 +3219,6 @@ static int cuda_attention(struct moe_backend *bb, int l)
         return 0;
     }
     TRY_CU(flush_pending(b));
-    if (split > 0 && b->att_bps_tile > 0) {
-        /* A kv head's keys and values read once for its query heads (the same floats). */
-        const int64_t want = b->att_bps_tile * b->sms / (b->d.H / b->att_gb * b->n);
-        const int z = want < 1 ? 1 : want > ATT_MAX_SPLITS ? ATT_MAX_SPLITS : (int)want;
-        LAUNCH(b, "attention (tiles)",
-               moe_cuda_attention_tile(b->buf[MOE_BUF_Q], b->ld[MOE_BUF_Q], D_POS(b), D_SEQ(b),
-                                       &b->kv, l, b->d.H, b->n, z, b->att_gb_max,
-                                       b->n == 1, b->att_mv, b->part, b->att_done, b->buf[MOE_BUF_ATT],
-                                       b->ld[MOE_BUF_ATT], b->st));
-        return 0;
-    }
     LAUNCH(b, "attention",
            moe_cuda_attention(b->buf[MOE_BUF_Q], b->ld[MOE_BUF_Q], D_POS(b), D_SEQ(b), &b->kv, l,
                               b->d.H, b->n, split, b->part, b->att_done, b->buf[MOE_BUF_ATT],
@@ -3707,16 +3674,6 @@ static void fused_collect(struct cuda_backend *b)
 static int head_rows(struct cuda_backend *b, int64_t r0, int64_t cnt)
 {
     const int64_t ldxo = pad4(b->d.E);
-    if (b->head_norm && b->n == 1 && cnt == 1 && !(b->tc & MOE_CUDA_TC_HEAD)) {
-        const struct moe_mv_job job = {b->output, b->d.V, b->logits, b->d.V};
-        const int rc = moe_cuda_matvec_multi_norm(b->m->output.type, &job, 1, b->d.E,
-                                                  b->buf[MOE_BUF_H], b->out_norm, b->d.eps, b->xo,
-                                                  NULL, b->st);
-        if (rc != -EINVAL) {
-            LAUNCH(b, "output norm + output", rc);
-            return 0;
-        }
-    }
     LAUNCH(b, "output norm",
            moe_cuda_rmsnorm(b->buf[MOE_BUF_H], b->ld[MOE_BUF_H], D_OUTROW(b) + r0, b->out_norm,
                             b->d.E, b->d.eps, cnt, b->xo, ldxo, b->st));

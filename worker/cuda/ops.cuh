@@ -55,24 +55,6 @@ int moe_cuda_attention(const float *d_q, int64_t ldq, const int32_t *d_pos, cons
                        const struct moe_cuda_kv *kv, int layer, int64_t H, int64_t n, int n_blocks,
                        float *d_part, unsigned *d_done, float *d_out, int64_t ldo, cudaStream_t s);
 
-/* moe_cuda_attention's split launch (n_blocks 1..ATT_MAX_SPLITS) with the keys and values that
- * a kv head's query heads share read once into shared memory by one block for up to 8 of those
- * heads (gb_max > 0: at most gb_max), the same floats. pre: every token of the step is its
- * sequence's only one, so the cache positions before its own were written by earlier steps and
- * are read before the wait for the kernel before. mv: the splits' values the merge loads at a
- * time (8, 16 or 32; the same floats). -EINVAL where the cache's shape does not suit
- * (moe_cuda_attention_tile_blocks_per_sm returns 0; the caller launches moe_cuda_attention). */
-int moe_cuda_attention_tile(const float *d_q, int64_t ldq, const int32_t *d_pos,
-                            const int32_t *d_seq, const struct moe_cuda_kv *kv, int layer,
-                            int64_t H, int64_t n, int n_blocks, int gb_max, int pre, int mv,
-                            float *d_part, unsigned *d_done, float *d_out, int64_t ldo,
-                            cudaStream_t s);
-
-/* Blocks of moe_cuda_attention_tile an SM holds at once, and in *gb the query heads a block
- * takes (so a token's blocks a split group are H / *gb); 0 where the launch does not suit. */
-int moe_cuda_attention_tile_blocks_per_sm(const struct moe_cuda_kv *kv, int64_t H, int gb_max,
-                                          int *gb);
-
 /* Blocks of the decode attention kernel (with rope: moe_cuda_attention_rope's) an SM holds at
  * once for this cache's shape (0 on an error): how many splits a step can take in one wave. */
 int moe_cuda_attention_blocks_per_sm(const struct moe_cuda_kv *kv, bool rope);

@@ -272,14 +272,6 @@ static __device__ __forceinline__ void attn_rope_store_k(const att_rope_dev *rp,
         rp->kdone[t * kv.Hkv + kvh] = 0;
 }
 
-/* Keys and values of the cache positions [p0, p1) of one (layer, sequence, kv head), held in
- * shared memory (k: [p1 - p0][hd], v: [p1 - p0][hdv] in the cache's element type): an
- * attn_split_body given one reads those positions there, the same values as in the cache. */
-struct att_tile {
-    const void *k, *v;
-    int64_t p0, p1;
-};
-
 /* The positions of a token's split (attn_split_body): len positions cut into splits of
  * max(ATT_CHUNK, ceil(len / ATT_MAX_SPLITS)), or one split (split 0). */
 static __device__ __forceinline__ int64_t attn_split_len(int64_t len, int split)
@@ -303,13 +295,13 @@ static __device__ __forceinline__ int64_t attn_split_len(int64_t len, int split)
  * partials in split order. A token with one split writes its output directly. Every float
  * operation of a token is the same whatever Z and whatever else is in the step. split 0: the
  * whole range is one split (prompt steps). */
-template <bool F32, int EL, class Sync, bool ROPE = false, bool TILE = false, int MV = ATT_MERGE_V>
+template <bool F32, int EL, class Sync, bool ROPE = false>
 static __device__ __forceinline__ void
 attn_split_body(const float *q, int64_t ldq, const int32_t *pos, const int32_t *seq,
                 const moe_cuda_kv &kv, int layer, int64_t H, float scale, int split, float *part,
                 unsigned *done, float *out, int64_t ldo, int64_t h, int64_t t, int z, int Z,
                 int tid, att_smem *sm, float *sm_acc, Sync sync,
-                const att_rope_dev *rp = nullptr, att_tile tile = {})
+                const att_rope_dev *rp = nullptr)
 {
     constexpr int NT = 32 * ATT_WARPS;
     const int lane = tid & 31, w = tid >> 5;
@@ -385,17 +377,14 @@ attn_split_body(const float *q, int64_t ldq, const int32_t *pos, const int32_t *
 #pragma unroll
             for (int c = 0; c < ATT_ILP; c++) {
                 const int64_t p = pb + c < p1 ? pb + c : pb;
-                const bool in = TILE && p >= tile.p0 && p < tile.p1;
-                const size_t cp = in ? (size_t)(p - tile.p0) : row0 + (size_t)p;
-                const size_t kr = cp * hd, vr = cp * hdv;
-                const void *kb = in ? tile.k : kv.k, *vb = in ? tile.v : kv.v;
+                const size_t kr = (row0 + (size_t)p) * hd, vr = (row0 + (size_t)p) * hdv;
                 float d = 0.0f;
 #pragma unroll
                 for (int i = 0; i < EL; i++) {
                     int64_t e = lane + 32 * i;
                     if (e < hd)
-                        d += qv[i] * kv_get<F32>(kb, kr + e);
-                    vv[c][i] = e < hdv ? kv_get<F32>(vb, vr + e) : 0.0f;
+                        d += qv[i] * kv_get<F32>(kv.k, kr + e);
+                    vv[c][i] = e < hdv ? kv_get<F32>(kv.v, vr + e) : 0.0f;
                 }
                 sd[c] = d;
             }
@@ -499,12 +488,12 @@ attn_split_body(const float *q, int64_t ldq, const int32_t *pos, const int32_t *
     /* The merge, by every warp on its own (no barrier): the split weights and their sum (lane i
      * holds splits i and i + 32: ns <= ATT_MAX_SPLITS = 64), then each output element summed
      * over the splits in split order, split s's weight taken from lane s % 32. The values of a
-     * thread's first MV splits are loaded with the weights' inputs, in one round trip. */
+     * thread's first ATT_MERGE_V splits are loaded with the weights' inputs, in one round trip. */
     static_assert(ATT_MAX_SPLITS == 64, "two splits a lane");
     const size_t pst = (size_t)hdv + 2;
-    float v0[MV];
+    float v0[ATT_MERGE_V];
 #pragma unroll
-    for (int j = 0; j < MV; j++)
+    for (int j = 0; j < ATT_MERGE_V; j++)
         v0[j] = tid < hdv && j < ns ? __ldcg(pp + j * pst + tid) : 0.0f;
     float ms[2], ls[2], wt[2];
     float gm = -INFINITY;
@@ -526,9 +515,9 @@ attn_split_body(const float *q, int64_t ldq, const int32_t *pos, const int32_t *
     const float inv = 1.0f / gl;
     /* Every lane of a warp takes the same trips (the shuffles), the elements past hdv none of the
      * loads. */
-    const auto add = [&](float &o, int s0, const float(&v)[MV]) {
+    const auto add = [&](float &o, int s0, const float(&v)[ATT_MERGE_V]) {
 #pragma unroll
-        for (int j = 0; j < MV; j++) {
+        for (int j = 0; j < ATT_MERGE_V; j++) {
             const int s2 = s0 + j;
             if (s2 < ns)
                 o += v[j] * __shfl_sync(0xffffffffu, s2 < 32 ? wt[0] : wt[1], s2 & 31);
@@ -540,12 +529,12 @@ attn_split_body(const float *q, int64_t ldq, const int32_t *pos, const int32_t *
         int s0 = 0;
         if (eb == 0) {
             add(o, 0, v0);
-            s0 = MV;
+            s0 = ATT_MERGE_V;
         }
-        for (; s0 < ns; s0 += MV) {
-            float v[MV];
+        for (; s0 < ns; s0 += ATT_MERGE_V) {
+            float v[ATT_MERGE_V];
 #pragma unroll
-            for (int j = 0; j < MV; j++)
+            for (int j = 0; j < ATT_MERGE_V; j++)
                 v[j] = e < hdv && s0 + j < ns ? __ldcg(pp + (s0 + j) * pst + e) : 0.0f;
             add(o, s0, v);
         }
