@@ -142,6 +142,70 @@ TEST(parity_binary_q4_k_m)
     parity_binary("Q4_K_M", 3e-2, 0.95, 0);
 }
 
+/* The worker's tokens and stop reason from one run (--json; extra arguments after the prompt). */
+static char *worker_run_tokens(const char *const *extra, char **stop)
+{
+    char mpath[256], out[512], errp[512];
+    golden_model_path(mpath, sizeof mpath, "F16");
+    snprintf(out, sizeof out, "%s/ahead.json", moe_test_tmpdir());
+    snprintf(errp, sizeof errp, "%s/ahead.err", moe_test_tmpdir());
+    const char *argv[24] = {moe_test_bin("moed-worker"), "--model", mpath, "--json", "--device",
+                            getenv("MOE_TEST_DEVICE") ? getenv("MOE_TEST_DEVICE") : "cpu"};
+    int n = 6;
+    for (int i = 0; extra[i] && n < 23; i++)
+        argv[n++] = extra[i];
+    argv[n] = NULL;
+    const int st = moe_test_run((char **)argv, out, errp);
+    char *err = moe_test_read_file_or_fail(errp, NULL);
+    CHECK_MSG(st == 0, "moed-worker exited %d: %s", st, err);
+    const char *sr = strstr(err, "stop: ");
+    *stop = strdup(sr ? sr : "(none)");
+    free(err);
+    json_t *j = json_load_file(out, 0, NULL);
+    CHECK(j);
+    char *toks = json_dumps(json_object_get(j, "tokens"), JSON_COMPACT);
+    json_decref(j);
+    return toks;
+}
+
+/* The worker decodes ahead when the engine samples (each step queued before the token it reads
+ * is back) and one step at a time when it samples on the host (--dump-logits): the same tokens
+ * and the same stop, for a few tokens, at the length limit, at an end-of-generation token (p3)
+ * and at a full context, greedy and seeded. */
+TEST(worker_decode_ahead_equals_host_sampling)
+{
+    char dump[512], p1[256], p3[256];
+    snprintf(dump, sizeof dump, "%s/ahead.f32", moe_test_tmpdir());
+    snprintf(p1, sizeof p1, GOLDEN "/prompts/p1.txt");
+    snprintf(p3, sizeof p3, GOLDEN "/prompts/p3.txt");
+    const char *cases[][12] = {
+        {"--prompt-file", p1, "-n", "1", NULL},
+        {"--prompt-file", p1, "-n", "2", NULL},
+        {"--prompt-file", p1, "-n", "3", NULL},
+        {"--prompt-file", p1, "-n", "40", NULL},
+        {"--prompt-file", p3, "-n", "200", NULL},
+        {"--prompt-file", p1, "-n", "100", "--ctx", "60", NULL},
+        {"--prompt-file", p1, "-n", "7", "--ctx", "60", NULL},
+        {"--prompt-file", p1, "-n", "30", "--temp", "0.9", "--seed", "11", NULL},
+    };
+    for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+        const char *with_dump[16];
+        size_t n = 0;
+        for (; cases[c][n]; n++)
+            with_dump[n] = cases[c][n];
+        with_dump[n++] = "--dump-logits";
+        with_dump[n++] = dump;
+        with_dump[n] = NULL;
+        char *stop_a, *stop_h;
+        char *ahead = worker_run_tokens(cases[c], &stop_a);
+        char *host = worker_run_tokens(with_dump, &stop_h);
+        printf("  case %zu: %.60s... %s", c, ahead, stop_a);
+        CHECK_STREQ(ahead, host);
+        CHECK_STREQ(stop_a, stop_h);
+        free(ahead), free(host), free(stop_a), free(stop_h);
+    }
+}
+
 /* The command-line contract around the happy path: errors, -n 0, streaming, routing stats,
  * sampling reproducibility. */
 TEST(worker_cli_contract)
