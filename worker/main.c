@@ -510,27 +510,22 @@ static int run_standalone(const struct opts *o)
      * - 1 and draws token j + 1) is queued before token j is back (moe_engine_submit_sample,
      * token j given as MOE_ENGINE_TOKEN_NEXT from j = 2 on), so the host's turn overlaps the
      * device's work; a step whose token is not wanted (after an end of generation) is collected
-     * and dropped at the end. */
-    int64_t submitted = 0;
+     * and dropped at the end. Reaching token j means step j - 1 was queued: the loop ends
+     * wherever its condition below fails. */
     while ((int64_t)n_gen < oo.n_predict) {
         const int64_t j = (int64_t)n_gen + 1;
-        int32_t tok = dev_sample ? next : -1;
-        if (dev_sample && j > 1) {
-            if (submitted == j - 1 && j + 1 <= oo.n_predict && (int64_t)n_prompt + j - 1 < n_ctx) {
-                int32_t nt = MOE_ENGINE_TOKEN_NEXT, p = (int32_t)((int64_t)n_prompt + j - 1), s0 = 0;
-                struct moe_batch b = {.n = 1, .token = &nt, .pos = &p, .seq = &s0};
-                if ((rc = moe_engine_submit_sample(eng, &b))) {
-                    fprintf(stderr, "moed-worker: forward: %s\n", moe_engine_errmsg(eng));
-                    goto done;
-                }
-                submitted = j;
-            }
-            if ((rc = moe_engine_collect(eng, &tok, NULL))) {
+        int32_t tok = next;
+        if (!dev_sample) {
+            tok = moe_sampler_sample(smp, last);
+        } else if (j > 1) {
+            int32_t nt = MOE_ENGINE_TOKEN_NEXT, p = (int32_t)((int64_t)n_prompt + j - 1), s0 = 0;
+            struct moe_batch b = {.n = 1, .token = &nt, .pos = &p, .seq = &s0};
+            if ((j < oo.n_predict && (int64_t)n_prompt + j - 1 < n_ctx &&
+                 (rc = moe_engine_submit_sample(eng, &b))) ||
+                (rc = moe_engine_collect(eng, &tok, NULL))) {
                 fprintf(stderr, "moed-worker: forward: %s\n", moe_engine_errmsg(eng));
                 goto done;
             }
-        } else if (!dev_sample) {
-            tok = moe_sampler_sample(smp, last);
         }
         if (tok < 0) {
             fprintf(stderr, "moed-worker: every logit is NaN or -inf; stopping\n");
@@ -563,7 +558,6 @@ static int run_standalone(const struct opts *o)
         int32_t s0 = 0;
         struct moe_batch b = {.n = 1, .token = &tok, .pos = &p, .seq = &s0, .logits = NULL};
         rc = dev_sample ? moe_engine_submit_sample(eng, &b) : moe_engine_forward(eng, &b, logits);
-        submitted = dev_sample ? 1 : 0;
         if (rc) {
             fprintf(stderr, "moed-worker: forward: %s\n", moe_engine_errmsg(eng));
             goto done;
