@@ -25,6 +25,7 @@ struct rec {
     uint32_t corr;
     int32_t grid, block;
     uint16_t regs;
+    uint32_t smem, smem_cfg; /* the block's static + dynamic shared memory; the SM's split */
     const char *name;
 };
 
@@ -81,7 +82,8 @@ static void CUPTIAPI buf_completed(CUcontext ctx, uint32_t stream, uint8_t *buf,
         recs[n_recs++] = (struct rec){k->start, k->end, k->correlationId,
                                       k->gridX * k->gridY * k->gridZ,
                                       k->blockX * k->blockY * k->blockZ, k->registersPerThread,
-                                      intern(k->name)};
+                                      (uint32_t)(k->staticSharedMemory + k->dynamicSharedMemory),
+                                      k->sharedMemoryExecuted, intern(k->name)};
     }
     free(buf);
 }
@@ -162,7 +164,8 @@ static void report(void)
             "(%.2f us a node); %zu steps averaged\n",
             span / ns / 1e3, busy / ns / 1e3, gaps / ns / 1e3, gaps / ns / 1e3 / (double)best_n,
             steps > 2 ? steps - 2 : 0);
-    fprintf(f, "\nper kernel: count a step, mean us, mean gap before (us), grid x block, regs\n");
+    fprintf(f, "\nper kernel: count a step, mean us, mean gap before (us), grid x block, regs, "
+               "shared memory a block / the SM's shared memory split (KiB)\n");
     for (size_t a = 0; a < best_n; a++) {
         int first = pos_rec[a] != NULL;
         for (size_t b = 0; first && b < a; b++)
@@ -177,15 +180,17 @@ static void report(void)
                 d += pos_dur[b];
                 g += pos_gap[b];
             }
-        fprintf(f, "%4zu %9.2f %7.2f %8d x %-4d %3u  %.150s\n", c, d / (double)c / ns / 1e3,
-                g / (double)c / ns / 1e3, pos_rec[a]->grid, pos_rec[a]->block,
-                (unsigned)pos_rec[a]->regs, pos_rec[a]->name);
+        fprintf(f, "%4zu %9.2f %7.2f %8d x %-4d %3u %6.1f/%-5.1f  %.150s\n", c,
+                d / (double)c / ns / 1e3, g / (double)c / ns / 1e3, pos_rec[a]->grid,
+                pos_rec[a]->block, (unsigned)pos_rec[a]->regs, pos_rec[a]->smem / 1024.0,
+                pos_rec[a]->smem_cfg / 1024.0, pos_rec[a]->name);
     }
-    fprintf(f, "\nper node: index, start us, us, gap us, name\n");
+    fprintf(f, "\nper node: index, start us, us, gap us, the SM's shared memory split (KiB), name\n");
     for (size_t p = 0; p < best_n; p++)
         if (pos_rec[p])
-            fprintf(f, "%4zu %9.2f %8.2f %7.2f  %.100s\n", p, pos_start[p] / ns / 1e3,
-                    pos_dur[p] / ns / 1e3, pos_gap[p] / ns / 1e3, pos_rec[p]->name);
+            fprintf(f, "%4zu %9.2f %8.2f %7.2f %5.1f  %.100s\n", p, pos_start[p] / ns / 1e3,
+                    pos_dur[p] / ns / 1e3, pos_gap[p] / ns / 1e3, pos_rec[p]->smem_cfg / 1024.0,
+                    pos_rec[p]->name);
     if (f != stderr)
         fclose(f);
 }

@@ -65,6 +65,13 @@ static inline bool moe_pdl_enabled()
     return env >= 0 ? env != 0 : moe_pdl_step_on != 0;
 }
 
+/* MOE_CUDA_CARVEOUT=N (0..100): every kernel launched here prefers N% of the SM's unified L1 and
+ * shared memory as shared memory (cudaFuncAttributePreferredSharedMemoryCarveout, set once per
+ * kernel at its first launch), so that consecutive kernels ask for the same split; unset (-1),
+ * the driver picks each kernel's split. ops.cu holds both. */
+int moe_carveout_pct(void);
+cudaError_t moe_carveout_apply(const void *fn);
+
 /* A launch with one attribute, or none (at NULL). */
 template <typename... KArgs, typename... Args>
 static inline cudaError_t moe_launch_with(void (*kernel)(KArgs...), dim3 grid, dim3 block,
@@ -78,6 +85,11 @@ static inline cudaError_t moe_launch_with(void (*kernel)(KArgs...), dim3 grid, d
     cfg.stream = s;
     cfg.attrs = at;
     cfg.numAttrs = at ? 1 : 0;
+    if (moe_carveout_pct() >= 0) {
+        const cudaError_t e = moe_carveout_apply((const void *)kernel);
+        if (e != cudaSuccess)
+            return e;
+    }
     return cudaLaunchKernelEx(&cfg, kernel, ((KArgs)args)...);
 }
 

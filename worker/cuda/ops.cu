@@ -3,6 +3,10 @@
 
 #include <errno.h>
 #include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+#include <mutex>
 
 #include <cuda_fp16.h>
 
@@ -108,6 +112,43 @@ int moe_cuda_logit_bias(float *d_logits, int64_t V, int64_t n_rows, const int32_
 /* launch.cuh: whether the launches of the step being built take programmatic dependent launch
  * (set by the backend at each step's begin). */
 int moe_pdl_step_on = 0;
+
+/* launch.cuh: MOE_CUDA_CARVEOUT, read once (-1: unset), and the kernels already given it. */
+int moe_carveout_pct(void)
+{
+    static int pct = -2;
+    if (pct == -2) {
+        const char *v = getenv("MOE_CUDA_CARVEOUT");
+        int p = -1;
+        if (v && *v) {
+            char *end;
+            const long x = strtol(v, &end, 10);
+            if (*end || x < 0 || x > 100)
+                fprintf(stderr, "moed: MOE_CUDA_CARVEOUT=%s is not a percentage 0-100; ignored\n",
+                        v);
+            else
+                p = (int)x;
+        }
+        pct = p;
+    }
+    return pct;
+}
+
+cudaError_t moe_carveout_apply(const void *fn)
+{
+    static std::mutex mu;
+    static const void *done[512];
+    static int n_done;
+    std::lock_guard<std::mutex> g(mu);
+    for (int i = 0; i < n_done; i++)
+        if (done[i] == fn)
+            return cudaSuccess;
+    const cudaError_t e =
+        cudaFuncSetAttribute(fn, cudaFuncAttributePreferredSharedMemoryCarveout, moe_carveout_pct());
+    if (e == cudaSuccess && n_done < (int)(sizeof done / sizeof done[0]))
+        done[n_done++] = fn;
+    return e;
+}
 
 /* ---------------------------------------------------------------- RMSNorm */
 

@@ -107,6 +107,65 @@ static __device__ __forceinline__ float kv_get(const void *base, size_t idx)
         return __half2float(((const __half *)base)[idx]);
 }
 
+/* EL consecutive cache elements from base[idx] (idx a multiple of EL, base 16-byte aligned), in
+ * loads of up to 16 bytes: a lane's share of a head row when the head is 32·EL wide. */
+template <bool F32, int EL>
+static __device__ __forceinline__ void kv_get_el(const void *base, size_t idx, float (&o)[EL])
+{
+    if constexpr (F32) {
+        const float *p = (const float *)base + idx;
+        if constexpr (EL % 4 == 0) {
+#pragma unroll
+            for (int j = 0; j < EL; j += 4) {
+                const float4 v = *(const float4 *)(p + j);
+                o[j] = v.x;
+                o[j + 1] = v.y;
+                o[j + 2] = v.z;
+                o[j + 3] = v.w;
+            }
+        } else if constexpr (EL == 2) {
+            const float2 v = *(const float2 *)p;
+            o[0] = v.x;
+            o[1] = v.y;
+        } else {
+#pragma unroll
+            for (int j = 0; j < EL; j++)
+                o[j] = p[j];
+        }
+    } else {
+        const __half *p = (const __half *)base + idx;
+        if constexpr (EL % 8 == 0) {
+#pragma unroll
+            for (int j = 0; j < EL; j += 8) {
+                const uint4 u = *(const uint4 *)(p + j);
+                const unsigned w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+                for (int k = 0; k < 4; k++) {
+                    const float2 f = __half22float2(*(const __half2 *)&w[k]);
+                    o[j + 2 * k] = f.x;
+                    o[j + 2 * k + 1] = f.y;
+                }
+            }
+        } else if constexpr (EL == 4) {
+            const uint2 u = *(const uint2 *)p;
+            const float2 a = __half22float2(*(const __half2 *)&u.x),
+                         b = __half22float2(*(const __half2 *)&u.y);
+            o[0] = a.x;
+            o[1] = a.y;
+            o[2] = b.x;
+            o[3] = b.y;
+        } else if constexpr (EL == 2) {
+            const float2 a = __half22float2(*(const __half2 *)p);
+            o[0] = a.x;
+            o[1] = a.y;
+        } else {
+#pragma unroll
+            for (int j = 0; j < EL; j++)
+                o[j] = __half2float(p[j]);
+        }
+    }
+}
+
 /* One NEOX RoPE pair of a normalised head: x0, x1 (elements i and i + hd/2) scaled by sc and
  * their norm weights g0, g1, rotated by (c, sn). */
 static __device__ __forceinline__ void rope_pair(float x0, float x1, float sc, float g0, float g1,
@@ -288,13 +347,17 @@ static __device__ __forceinline__ int64_t attn_split_len(int64_t len, int split)
  * of C positions, C = max(ATT_CHUNK, ceil(len / ATT_MAX_SPLITS)): the cut depends on len alone,
  * never on the step. The group computes splits z, z + Z, ...: each warp walks every
  * ATT_WARPS-th group of ATT_ILP positions of the split with an online softmax (running max m,
- * sum l, unnormalised output in registers, a lane holding elements lane + 32·i; the values of a
- * group are loaded with its keys, before the scores are known), the warps are merged into the
+ * sum l, unnormalised output in registers; the values of a group are loaded with its keys, before
+ * the scores are known), the warps are merged into the
  * split's partial result ([hdv] unnormalised, m, l). The group that completes the last split of
  * a (token, head) (a counter per pair, reset by that group for the next step) merges the
  * partials in split order. A token with one split writes its output directly. Every float
  * operation of a token is the same whatever Z and whatever else is in the step. split 0: the
- * whole range is one split (prompt steps). */
+ * whole range is one split (prompt steps).
+ * A lane holds head elements lane·EL .. lane·EL + EL - 1 when the key and value heads are both
+ * 32·EL wide (its keys and values then come in 8- or 16-byte loads, the position's offset in
+ * 32 bits), else elements lane + 32·i (one load each). Positions and split bounds are ints: a
+ * context stays below 2^31 positions. */
 template <bool F32, int EL, class Sync, bool ROPE = false>
 static __device__ __forceinline__ void
 attn_split_body(const float *q, int64_t ldq, const int32_t *pos, const int32_t *seq,
@@ -305,11 +368,15 @@ attn_split_body(const float *q, int64_t ldq, const int32_t *pos, const int32_t *
 {
     constexpr int NT = 32 * ATT_WARPS;
     const int lane = tid & 31, w = tid >> 5;
-    const int64_t hd = kv.hd, hdv = kv.hdv, group = H / kv.Hkv, kvh = h / group;
-    const int64_t len = (int64_t)pos[t] + 1, C = attn_split_len(len, split);
-    const int ns = (int)((len + C - 1) / C);
+    const int64_t hd = kv.hd, hdv = kv.hdv;
+    const int group = (int)H / (int)kv.Hkv, kvh = (int)h / group;
+    const int len = pos[t] + 1, C = (int)attn_split_len(len, split);
+    const int ns = (len + C - 1) / C;
     if (z >= ns)
         return;
+    const bool vec = hd == 32 * EL && hdv == 32 * EL;
+    /* The head element of a lane's i-th register. */
+    const auto el_of = [&](int i) -> int64_t { return vec ? (int64_t)lane * EL + i : lane + 32 * i; };
     const size_t row0 = (((size_t)layer * kv.n_seq + (size_t)seq[t]) * kv.Hkv + (size_t)kvh) *
                         kv.n_ctx;
     float qv[EL], qr[EL] = {}, kr[EL] = {};
@@ -352,41 +419,58 @@ attn_split_body(const float *q, int64_t ldq, const int32_t *pos, const int32_t *
         const float *qrow = sm_acc + (size_t)(kwarp ? 0 : w) * rp->rowf;
 #pragma unroll
         for (int i = 0; i < EL; i++) {
-            const int64_t e = lane + 32 * i;
+            const int64_t e = lane + 32 * i, ev = el_of(i);
             qr[i] = e < hd ? qrow[e] : 0.0f;
-            qv[i] = qr[i] * scale;
+            qv[i] = ev < hd ? qrow[ev] * scale : 0.0f;
         }
     } else {
 #pragma unroll
         for (int i = 0; i < EL; i++) {
-            int64_t e = lane + 32 * i;
+            const int64_t e = el_of(i);
             qv[i] = e < hd ? q[t * ldq + h * hd + e] * scale : 0.0f;
         }
     }
     float *pp = part + (t * H + h) * ATT_MAX_SPLITS * (hdv + 2);
+    /* The lane's first element of position 0's key and value rows (the wide layout). */
+    const size_t kl = row0 * hd + (size_t)lane * EL, vl = row0 * hdv + (size_t)lane * EL;
     int mine = 0;
     for (int sp = z; sp < ns; sp += Z, mine++) {
-        const int64_t p0 = (int64_t)sp * C, p1 = p0 + C < len ? p0 + C : len;
+        const int p0 = sp * C, p1 = p0 + C < len ? p0 + C : len;
         float acc[EL];
 #pragma unroll
         for (int i = 0; i < EL; i++)
             acc[i] = 0.0f;
         float m = -INFINITY, l = 0.0f;
-        for (int64_t pb = p0 + (int64_t)w * ATT_ILP; pb < p1; pb += ATT_WARPS * ATT_ILP) {
+        for (int pb = p0 + w * ATT_ILP; pb < p1; pb += ATT_WARPS * ATT_ILP) {
             float sd[ATT_ILP], vv[ATT_ILP][EL];
+            if (vec) {
 #pragma unroll
-            for (int c = 0; c < ATT_ILP; c++) {
-                const int64_t p = pb + c < p1 ? pb + c : pb;
-                const size_t kr = (row0 + (size_t)p) * hd, vr = (row0 + (size_t)p) * hdv;
-                float d = 0.0f;
+                for (int c = 0; c < ATT_ILP; c++) {
+                    const unsigned p = (unsigned)(pb + c < p1 ? pb + c : pb);
+                    float kf[EL];
+                    kv_get_el<F32, EL>(kv.k, kl + p * (unsigned)hd, kf);
+                    kv_get_el<F32, EL>(kv.v, vl + p * (unsigned)hdv, vv[c]);
+                    float d = 0.0f;
 #pragma unroll
-                for (int i = 0; i < EL; i++) {
-                    int64_t e = lane + 32 * i;
-                    if (e < hd)
-                        d += qv[i] * kv_get<F32>(kv.k, kr + e);
-                    vv[c][i] = e < hdv ? kv_get<F32>(kv.v, vr + e) : 0.0f;
+                    for (int i = 0; i < EL; i++)
+                        d += qv[i] * kf[i];
+                    sd[c] = d;
                 }
-                sd[c] = d;
+            } else {
+#pragma unroll
+                for (int c = 0; c < ATT_ILP; c++) {
+                    const int p = pb + c < p1 ? pb + c : pb;
+                    const size_t kr = (row0 + (size_t)p) * hd, vr = (row0 + (size_t)p) * hdv;
+                    float d = 0.0f;
+#pragma unroll
+                    for (int i = 0; i < EL; i++) {
+                        int64_t e = lane + 32 * i;
+                        if (e < hd)
+                            d += qv[i] * kv_get<F32>(kv.k, kr + e);
+                        vv[c][i] = e < hdv ? kv_get<F32>(kv.v, vr + e) : 0.0f;
+                    }
+                    sd[c] = d;
+                }
             }
 #pragma unroll
             for (int o = 16; o > 0; o >>= 1)
@@ -424,7 +508,7 @@ attn_split_body(const float *q, int64_t ldq, const int32_t *pos, const int32_t *
         }
 #pragma unroll
         for (int i = 0; i < EL; i++) {
-            int64_t e = lane + 32 * i;
+            const int64_t e = el_of(i);
             if (e < hdv)
                 sm_acc[w * hdv + e] = acc[i];
         }
