@@ -1030,6 +1030,126 @@ TEST_TIMEOUT(cuda_attention_rope_fold_equals_two_launches, 300)
     unsetenv("MOE_CUDA_NO_GRAPHS");
 }
 
+/* The decode attention's wide loads (MOE_CUDA_ATT_WIDE=1: an f16 cache's key and value rows read
+ * 8 or 16 bytes a lane where the heads are 32·EL wide) give the plain loads' output up to the
+ * order of each dot product's terms: every output row within 1e-4 of its largest magnitude, for
+ * a fresh sequence and a long one (several splits), steps of one and of two tokens. With
+ * MOE_CUDA_ATT_ROPE=1 on top, the attention output and the rotated q and k rows are the wide
+ * two launches' bit for bit. Head widths 64 and 128 take the wide loads; 32 (one element a lane)
+ * gives the same floats either way; 24 keeps the plain loads. */
+TEST_TIMEOUT(cuda_attention_wide_loads_match_the_plain_ones, 300)
+{
+    need_gpu();
+    setenv("MOE_CUDA_NO_GRAPHS", "1", 1);
+    int wide_models = 0;
+    for (size_t mi = 0; mi < N_MODELS; mi++) {
+        struct test_model tm;
+        test_model_open(&tm, MODELS[mi]);
+        const struct moe_model *m = &tm.m;
+        struct moe_engine *ep = engine_on(m, "cuda:0", 256, 2, 0, false);
+        setenv("MOE_CUDA_ATT_WIDE", "1", 1);
+        struct moe_engine *ew = engine_on(m, "cuda:0", 256, 2, 0, false);
+        setenv("MOE_CUDA_ATT_ROPE", "1", 1);
+        struct moe_engine *er = engine_on(m, "cuda:0", 256, 2, 0, false);
+        unsetenv("MOE_CUDA_ATT_ROPE");
+        unsetenv("MOE_CUDA_ATT_WIDE");
+        struct moe_backend *be[3] = {moe_engine_backend(ep), moe_engine_backend(ew),
+                                     moe_engine_backend(er)};
+        const struct moe_dims *d = moe_engine_dims(ep);
+        const int64_t hd = m->hp.head_dim;
+        wide_models += hd == 64 || hd == 128;
+        enum { P = 150, MAXN = 160 };
+        int32_t tok[MAXN], pos[MAXN], seq[MAXN], orow[MAXN];
+        float *rope = malloc(sizeof(float) * MAXN * (size_t)hd);
+        const enum moe_buf bufs[3] = {MOE_BUF_Q, MOE_BUF_K, MOE_BUF_V};
+        int64_t wmax = moe_buf_width(d, MOE_BUF_ATT);
+        for (int i = 0; i < 3; i++)
+            if (moe_buf_width(d, bufs[i]) > wmax)
+                wmax = moe_buf_width(d, bufs[i]);
+        float *h = malloc(sizeof(float) * MAXN * (size_t)wmax);
+        float *r[3];
+        for (int i = 0; i < 3; i++)
+            r[i] = malloc(sizeof(float) * MAXN * (size_t)wmax);
+        CHECK(rope && h && r[0] && r[1] && r[2]);
+        moe_test_rng_seed(940 + mi);
+        size_t rope_differ = 0, steps = 0;
+        double worst = 0.0;
+        /* A prompt of P on sequence 0, then steps of one token (sequence 0 past P positions:
+         * several splits; sequence 1 fresh) and, every third, of both. */
+        int32_t next[2] = {0, 0};
+        for (int s2 = 0; s2 < 10; s2++) {
+            const bool both = s2 > 0 && s2 % 3 == 0;
+            const int64_t n = s2 == 0 ? P : both ? 2 : 1;
+            for (int64_t t = 0; t < n; t++) {
+                tok[t] = 1;
+                seq[t] = s2 == 0 ? 0 : both ? (int32_t)t : s2 % 3 == 2;
+                pos[t] = next[seq[t]]++;
+            }
+            struct moe_step st;
+            make_step(&st, n, tok, pos, seq, rope, orow, m, 0);
+            for (int k = 0; k < 3; k++)
+                CHECK_EQ(be[k]->vt->begin(be[k], &st), 0);
+            for (int l = 0; l < (int)d->L; l++) {
+                for (int i = 0; i < 3; i++) {
+                    const int64_t w = moe_buf_width(d, bufs[i]);
+                    for (int64_t j = 0; j < n * w; j++)
+                        h[j] = (float)((int32_t)moe_test_rng_u32() % 2001) * 1e-3f;
+                    for (int k = 0; k < 3; k++)
+                        CHECK_EQ(be[k]->vt->write_buf(be[k], bufs[i], n, h), 0);
+                }
+                for (int k = 0; k < 3; k++) {
+                    CHECK_MSG(be[k]->vt->qk_rope_kv(be[k], l) == 0, "%s",
+                              be[k]->vt->errmsg(be[k]));
+                    CHECK_MSG(be[k]->vt->attention(be[k], l) == 0, "%s",
+                              be[k]->vt->errmsg(be[k]));
+                }
+                const int64_t wa = moe_buf_width(d, MOE_BUF_ATT);
+                for (int k = 0; k < 3; k++)
+                    CHECK_EQ(be[k]->vt->read_buf(be[k], MOE_BUF_ATT, n, r[k]), 0);
+                for (int64_t t = 0; t < n; t++) {
+                    double mx = 0.0, dm = 0.0;
+                    for (int64_t j = t * wa; j < (t + 1) * wa; j++) {
+                        mx = fmax(mx, fabs((double)r[0][j]));
+                        dm = fmax(dm, fabs((double)r[1][j] - (double)r[0][j]));
+                    }
+                    const double rel = mx > 0.0 ? dm / mx : dm;
+                    worst = fmax(worst, rel);
+                }
+                for (int64_t j = 0; j < n * wa; j++)
+                    rope_differ += memcmp(&r[1][j], &r[2][j], sizeof(float)) != 0;
+                if (n == 1) {
+                    /* The folded launch (one-token steps) also leaves the rotated q and k. */
+                    const enum moe_buf qk[2] = {MOE_BUF_Q, MOE_BUF_K};
+                    for (int i = 0; i < 2; i++) {
+                        const int64_t w = moe_buf_width(d, qk[i]);
+                        CHECK_EQ(be[1]->vt->read_buf(be[1], qk[i], n, r[1]), 0);
+                        CHECK_EQ(be[2]->vt->read_buf(be[2], qk[i], n, r[2]), 0);
+                        for (int64_t j = 0; j < n * w; j++)
+                            rope_differ += memcmp(&r[1][j], &r[2][j], sizeof(float)) != 0;
+                    }
+                }
+            }
+            for (int k = 0; k < 3; k++)
+                CHECK_EQ(be[k]->vt->end(be[k], NULL, NULL), 0);
+            steps++;
+        }
+        printf("  %-44s head_dim %3lld: %zu steps, wide vs plain worst %.2e of a row's largest; "
+               "wide with the folded RoPE: %zu floats differ\n",
+               MODELS[mi], (long long)hd, steps, worst, rope_differ);
+        CHECK(worst <= 1e-4);
+        if (hd != 64 && hd != 128)
+            CHECK(worst == 0.0);
+        CHECK_EQ(rope_differ, 0);
+        free(rope), free(h), free(r[0]), free(r[1]), free(r[2]);
+        moe_engine_free(ep);
+        moe_engine_free(ew);
+        moe_engine_free(er);
+        test_model_close(&tm);
+    }
+    CHECK(wide_models >= 2);
+    unsetenv("MOE_CUDA_NO_GRAPHS");
+}
+
 /* Graph replay and direct launches give the same floats; routing counts add up. */
 TEST_TIMEOUT(cuda_graphs_equal_direct_launches, 300)
 {

@@ -9,9 +9,12 @@
  * At exit it groups the kernels by the launch they came from (a graph launch's nodes share its
  * correlation id), takes the launches of the most common large node count (a decode step's
  * graph), and writes: the mean step (first start to last end), the sum of kernel times and of
- * the gaps between them; per kernel name the count per step, mean time and mean gap before it;
- * and per node position the mean start, time and gap (MOE_TRACE_OUT, default stderr). Times are
- * the GPU's timestamps (ns), so the gaps are what the device spends between dependent kernels.
+ * the gaps between them; per kernel name the count per step, mean time and mean gap before it,
+ * its grid, registers and shared memory a block, and the SM's L1/shared memory split the driver
+ * ran it with (by CUDA's documentation, a launch whose split differs from the last one's may be
+ * preceded by a device-side synchronization); and per node position the mean start, time, gap
+ * and split (MOE_TRACE_OUT, default stderr). Times are the GPU's timestamps (ns), so the gaps
+ * are what the device spends between dependent kernels.
  * A development tool: nothing in moed links it. */
 #include <stdint.h>
 #include <stdio.h>

@@ -27,10 +27,12 @@ int moe_cuda_logit_bias(float *d_logits, int64_t V, int64_t n_rows, const int32_
 int moe_cuda_rmsnorm(const float *d_x, int64_t ldx, const int32_t *d_row, const float *d_w,
                      int64_t width, float eps, int64_t n, float *d_y, int64_t ldy, cudaStream_t s);
 
-/* KV cache geometry: [L][n_seq][Hkv][n_ctx][hd] (f16 or f32). */
+/* KV cache geometry: [L][n_seq][Hkv][n_ctx][hd] (f16 or f32). wide: the decode attention reads
+ * an f16 cache's rows in 8- or 16-byte loads where the key and value heads are 32·EL wide
+ * (attn_split_body; MOE_CUDA_ATT_WIDE=1). */
 struct moe_cuda_kv {
     void *k, *v;
-    bool f32;
+    bool f32, wide;
     int64_t n_seq, n_ctx, Hkv, hd, hdv;
 };
 

@@ -354,10 +354,11 @@ static __device__ __forceinline__ int64_t attn_split_len(int64_t len, int split)
  * partials in split order. A token with one split writes its output directly. Every float
  * operation of a token is the same whatever Z and whatever else is in the step. split 0: the
  * whole range is one split (prompt steps).
- * A lane holds head elements lane·EL .. lane·EL + EL - 1 when the key and value heads are both
- * 32·EL wide (its keys and values then come in 8- or 16-byte loads, the position's offset in
- * 32 bits), else elements lane + 32·i (one load each). Positions and split bounds are ints: a
- * context stays below 2^31 positions. */
+ * A lane holds head elements lane + 32·i, each key and value element loaded on its own; with
+ * kv.wide, an f16 cache whose key and value heads are both 32·EL wide, elements lane·EL ..
+ * lane·EL + EL - 1 instead, their keys and values in 8- or 16-byte loads at a 32-bit offset
+ * (fewer instructions a position; the dot products add the same terms in another order).
+ * Positions and split bounds are ints: a context stays below 2^31 positions. */
 template <bool F32, int EL, class Sync, bool ROPE = false>
 static __device__ __forceinline__ void
 attn_split_body(const float *q, int64_t ldq, const int32_t *pos, const int32_t *seq,
@@ -374,7 +375,7 @@ attn_split_body(const float *q, int64_t ldq, const int32_t *pos, const int32_t *
     const int ns = (len + C - 1) / C;
     if (z >= ns)
         return;
-    const bool vec = hd == 32 * EL && hdv == 32 * EL;
+    const bool vec = !F32 && kv.wide && hd == 32 * EL && hdv == 32 * EL;
     /* The head element of a lane's i-th register. */
     const auto el_of = [&](int i) -> int64_t { return vec ? (int64_t)lane * EL + i : lane + 32 * i; };
     const size_t row0 = (((size_t)layer * kv.n_seq + (size_t)seq[t]) * kv.Hkv + (size_t)kvh) *
