@@ -1030,13 +1030,13 @@ TEST_TIMEOUT(cuda_attention_rope_fold_equals_two_launches, 300)
     unsetenv("MOE_CUDA_NO_GRAPHS");
 }
 
-/* The decode attention's wide loads (MOE_CUDA_ATT_WIDE=1: an f16 cache's key and value rows read
- * 8 or 16 bytes a lane where the heads are 32·EL wide) give the plain loads' output up to the
- * order of each dot product's terms: every output row within 1e-4 of its largest magnitude, for
- * a fresh sequence and a long one (several splits), steps of one and of two tokens. With
- * MOE_CUDA_ATT_ROPE=1 on top, the attention output and the rotated q and k rows are the wide
- * two launches' bit for bit. Head widths 64 and 128 take the wide loads; 32 (one element a lane)
- * gives the same floats either way; 24 keeps the plain loads. */
+/* The decode attention's wide loads (the default; MOE_CUDA_ATT_WIDE=0: the plain loads; an f16
+ * cache's key and value rows read 8 or 16 bytes a lane where the heads are 32·EL wide) give the
+ * plain loads' output up to the order of each dot product's terms: every output row within 1e-4
+ * of its largest magnitude, for a fresh sequence and a long one (several splits), steps of one
+ * and of two tokens. With MOE_CUDA_ATT_ROPE=1 on top, the attention output and the rotated q and
+ * k rows are the wide two launches' bit for bit. Head widths 64 and 128 take the wide loads; 32
+ * (one element a lane) gives the same floats either way; 24 keeps the plain loads. */
 TEST_TIMEOUT(cuda_attention_wide_loads_match_the_plain_ones, 300)
 {
     need_gpu();
@@ -1046,13 +1046,13 @@ TEST_TIMEOUT(cuda_attention_wide_loads_match_the_plain_ones, 300)
         struct test_model tm;
         test_model_open(&tm, MODELS[mi]);
         const struct moe_model *m = &tm.m;
+        setenv("MOE_CUDA_ATT_WIDE", "0", 1);
         struct moe_engine *ep = engine_on(m, "cuda:0", 256, 2, 0, false);
-        setenv("MOE_CUDA_ATT_WIDE", "1", 1);
+        unsetenv("MOE_CUDA_ATT_WIDE");
         struct moe_engine *ew = engine_on(m, "cuda:0", 256, 2, 0, false);
         setenv("MOE_CUDA_ATT_ROPE", "1", 1);
         struct moe_engine *er = engine_on(m, "cuda:0", 256, 2, 0, false);
         unsetenv("MOE_CUDA_ATT_ROPE");
-        unsetenv("MOE_CUDA_ATT_WIDE");
         struct moe_backend *be[3] = {moe_engine_backend(ep), moe_engine_backend(ew),
                                      moe_engine_backend(er)};
         const struct moe_dims *d = moe_engine_dims(ep);

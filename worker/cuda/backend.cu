@@ -2003,7 +2003,7 @@ static int cuda_init(struct moe_backend **out, const struct moe_model *m, struct
         b->arena_size = b->arena_used;
         /* KV cache. */
         b->kv.f32 = d->kv_f32;
-        b->kv.wide = getenv("MOE_CUDA_ATT_WIDE") && atoi(getenv("MOE_CUDA_ATT_WIDE")) != 0;
+        b->kv.wide = env_on("MOE_CUDA_ATT_WIDE");
         b->kv.n_seq = d->n_seq;
         b->kv.n_ctx = d->n_ctx;
         b->kv.Hkv = d->Hkv;

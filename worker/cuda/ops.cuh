@@ -29,7 +29,7 @@ int moe_cuda_rmsnorm(const float *d_x, int64_t ldx, const int32_t *d_row, const 
 
 /* KV cache geometry: [L][n_seq][Hkv][n_ctx][hd] (f16 or f32). wide: the decode attention reads
  * an f16 cache's rows in 8- or 16-byte loads where the key and value heads are 32·EL wide
- * (attn_split_body; MOE_CUDA_ATT_WIDE=1). */
+ * (attn_split_body; by default, MOE_CUDA_ATT_WIDE=0 turns it off). */
 struct moe_cuda_kv {
     void *k, *v;
     bool f32, wide;

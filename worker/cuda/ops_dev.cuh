@@ -355,9 +355,9 @@ static __device__ __forceinline__ int64_t attn_split_len(int64_t len, int split)
  * operation of a token is the same whatever Z and whatever else is in the step. split 0: the
  * whole range is one split (prompt steps).
  * A lane holds head elements lane + 32·i, each key and value element loaded on its own; with
- * kv.wide, an f16 cache whose key and value heads are both 32·EL wide, elements lane·EL ..
- * lane·EL + EL - 1 instead, their keys and values in 8- or 16-byte loads at a 32-bit offset
- * (fewer instructions a position; the dot products add the same terms in another order).
+ * kv.wide (the default), an f16 cache whose key and value heads are both 32·EL wide, elements
+ * lane·EL .. lane·EL + EL - 1 instead, their keys and values in 8- or 16-byte loads at a 32-bit
+ * offset (fewer instructions a position; the dot products add the same terms in another order).
  * Positions and split bounds are ints: a context stays below 2^31 positions. */
 template <bool F32, int EL, class Sync, bool ROPE = false>
 static __device__ __forceinline__ void
