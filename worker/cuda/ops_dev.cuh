@@ -107,62 +107,41 @@ static __device__ __forceinline__ float kv_get(const void *base, size_t idx)
         return __half2float(((const __half *)base)[idx]);
 }
 
-/* EL consecutive cache elements from base[idx] (idx a multiple of EL, base 16-byte aligned), in
- * loads of up to 16 bytes: a lane's share of a head row when the head is 32·EL wide. */
-template <bool F32, int EL>
+/* EL consecutive elements of an f16 cache from base[idx] (idx a multiple of EL, base 16-byte
+ * aligned), in loads of up to 16 bytes: a lane's share of a head row when the head is 32·EL wide
+ * (attn_split_body's wide loads, which float32 caches do not take). */
+template <int EL>
 static __device__ __forceinline__ void kv_get_el(const void *base, size_t idx, float (&o)[EL])
 {
-    if constexpr (F32) {
-        const float *p = (const float *)base + idx;
-        if constexpr (EL % 4 == 0) {
+    const __half *p = (const __half *)base + idx;
+    if constexpr (EL % 8 == 0) {
 #pragma unroll
-            for (int j = 0; j < EL; j += 4) {
-                const float4 v = *(const float4 *)(p + j);
-                o[j] = v.x;
-                o[j + 1] = v.y;
-                o[j + 2] = v.z;
-                o[j + 3] = v.w;
+        for (int j = 0; j < EL; j += 8) {
+            const uint4 u = *(const uint4 *)(p + j);
+            const unsigned w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+            for (int k = 0; k < 4; k++) {
+                const float2 f = __half22float2(*(const __half2 *)&w[k]);
+                o[j + 2 * k] = f.x;
+                o[j + 2 * k + 1] = f.y;
             }
-        } else if constexpr (EL == 2) {
-            const float2 v = *(const float2 *)p;
-            o[0] = v.x;
-            o[1] = v.y;
-        } else {
-#pragma unroll
-            for (int j = 0; j < EL; j++)
-                o[j] = p[j];
         }
+    } else if constexpr (EL == 4) {
+        const uint2 u = *(const uint2 *)p;
+        const float2 a = __half22float2(*(const __half2 *)&u.x),
+                     b = __half22float2(*(const __half2 *)&u.y);
+        o[0] = a.x;
+        o[1] = a.y;
+        o[2] = b.x;
+        o[3] = b.y;
+    } else if constexpr (EL == 2) {
+        const float2 a = __half22float2(*(const __half2 *)p);
+        o[0] = a.x;
+        o[1] = a.y;
     } else {
-        const __half *p = (const __half *)base + idx;
-        if constexpr (EL % 8 == 0) {
 #pragma unroll
-            for (int j = 0; j < EL; j += 8) {
-                const uint4 u = *(const uint4 *)(p + j);
-                const unsigned w[4] = {u.x, u.y, u.z, u.w};
-#pragma unroll
-                for (int k = 0; k < 4; k++) {
-                    const float2 f = __half22float2(*(const __half2 *)&w[k]);
-                    o[j + 2 * k] = f.x;
-                    o[j + 2 * k + 1] = f.y;
-                }
-            }
-        } else if constexpr (EL == 4) {
-            const uint2 u = *(const uint2 *)p;
-            const float2 a = __half22float2(*(const __half2 *)&u.x),
-                         b = __half22float2(*(const __half2 *)&u.y);
-            o[0] = a.x;
-            o[1] = a.y;
-            o[2] = b.x;
-            o[3] = b.y;
-        } else if constexpr (EL == 2) {
-            const float2 a = __half22float2(*(const __half2 *)p);
-            o[0] = a.x;
-            o[1] = a.y;
-        } else {
-#pragma unroll
-            for (int j = 0; j < EL; j++)
-                o[j] = __half2float(p[j]);
-        }
+        for (int j = 0; j < EL; j++)
+            o[j] = __half2float(p[j]);
     }
 }
 
@@ -449,8 +428,8 @@ attn_split_body(const float *q, int64_t ldq, const int32_t *pos, const int32_t *
                 for (int c = 0; c < ATT_ILP; c++) {
                     const unsigned p = (unsigned)(pb + c < p1 ? pb + c : pb);
                     float kf[EL];
-                    kv_get_el<F32, EL>(kv.k, kl + p * (unsigned)hd, kf);
-                    kv_get_el<F32, EL>(kv.v, vl + p * (unsigned)hdv, vv[c]);
+                    kv_get_el<EL>(kv.k, kl + p * (unsigned)hd, kf);
+                    kv_get_el<EL>(kv.v, vl + p * (unsigned)hdv, vv[c]);
                     float d = 0.0f;
 #pragma unroll
                     for (int i = 0; i < EL; i++)
