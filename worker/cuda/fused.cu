@@ -309,11 +309,19 @@ static __device__ __forceinline__ void attention_phase(const moe_fused_args &a, 
     att_smem *sm = (att_smem *)scratch + half;
     float *acc = scratch + 2 * ((sizeof(att_smem) + 15) / 16 * 4) + half * ATT_WARPS * hdv;
     const int64_t nvb = a.H * a.att_z;
-    for (int64_t vb = vb0 * 2 + half; vb < nvb; vb += 2 * (int64_t)gridDim.x)
-        attn_split_body<false, EL>(a.q, a.H * a.kv.hd, a.pos, a.seq, a.kv, l, a.H, a.att_scale,
-                                   1, a.part, a.att_done, a.att, a.H * hdv, vb % a.H, 0,
-                                   (int)(vb / a.H), a.att_z, (int)(threadIdx.x & 127), sm, acc,
-                                   att_sync_named{1 + half});
+    const bool wide = att_wide_ok(a.kv, EL);
+    for (int64_t vb = vb0 * 2 + half; vb < nvb; vb += 2 * (int64_t)gridDim.x) {
+#define ATT_BODY(WIDE)                                                                             \
+    attn_split_body<false, EL, att_sync_named, false, WIDE>(                                       \
+        a.q, a.H * a.kv.hd, a.pos, a.seq, a.kv, l, a.H, a.att_scale, 1, a.part, a.att_done, a.att, \
+        a.H * hdv, vb % a.H, 0, (int)(vb / a.H), a.att_z, (int)(threadIdx.x & 127), sm, acc,       \
+        att_sync_named{1 + half})
+        if (wide)
+            ATT_BODY(true);
+        else
+            ATT_BODY(false);
+#undef ATT_BODY
+    }
 }
 
 /* This block's place in an order of the blocks by (rank on its SM, SM): the blocks count

@@ -242,7 +242,7 @@ int moe_cuda_qk_rope_kv(float *d_q, int64_t ldq, float *d_k, int64_t ldk, const 
 /* Decode attention (flash-decoding): one block of ATT_WARPS warps per (head, token, split group);
  * the body (ops_dev.cuh) says how positions are split and merged. ROPE: the q/k-norm + RoPE + KV
  * store of the step done inside (moe_cuda_attention_rope). */
-template <bool F32, int EL, bool ROPE>
+template <bool F32, int EL, bool ROPE, bool WIDE>
 static __global__ void __launch_bounds__(32 * ATT_WARPS, EL <= 4 && !ROPE ? 8 : 1)
 attn_split_kernel(const float *__restrict__ q, int64_t ldq, const int32_t *__restrict__ pos,
                   const int32_t *__restrict__ seq, moe_cuda_kv kv, int layer, int64_t H,
@@ -253,12 +253,18 @@ attn_split_kernel(const float *__restrict__ q, int64_t ldq, const int32_t *__res
     pdl_trigger();
     __shared__ att_smem sm;
     extern __shared__ float sm_acc[]; /* [ATT_WARPS][hdv], with ROPE [ATT_WARPS][rp.rowf] */
-    attn_split_body<F32, EL, att_sync_block, ROPE>(
+    attn_split_body<F32, EL, att_sync_block, ROPE, WIDE>(
         q, ldq, pos, seq, kv, layer, H, scale, split, part, done, out, ldo, blockIdx.x, blockIdx.y,
         (int)blockIdx.z, (int)gridDim.z, (int)threadIdx.x, &sm, sm_acc, att_sync_block(), &rp);
 }
 
-template <bool F32, bool ROPE>
+/* The lane width of the attention instance a launch of el head elements a lane takes. */
+static int attn_el_bucket(int el)
+{
+    return el <= 1 ? 1 : el <= 2 ? 2 : el <= 4 ? 4 : el <= 8 ? 8 : MAXD_LANE;
+}
+
+template <bool F32, bool ROPE, bool WIDE>
 static cudaError_t launch_attn(int el, dim3 g, size_t smem, cudaStream_t s, const float *d_q,
                                int64_t ldq, const int32_t *d_pos, const int32_t *d_seq,
                                const struct moe_cuda_kv *kv, int layer, int64_t H, float scale,
@@ -267,11 +273,11 @@ static cudaError_t launch_attn(int el, dim3 g, size_t smem, cudaStream_t s, cons
 {
 #define ATT_ARGS g, dim3(32 * ATT_WARPS), smem, s, d_q, ldq, d_pos, d_seq, *kv, layer, H, scale, \
                  split, d_part, d_done, d_out, ldo, rp
-    return el <= 1   ? moe_launch(attn_split_kernel<F32, 1, ROPE>, ATT_ARGS)
-           : el <= 2 ? moe_launch(attn_split_kernel<F32, 2, ROPE>, ATT_ARGS)
-           : el <= 4 ? moe_launch(attn_split_kernel<F32, 4, ROPE>, ATT_ARGS)
-           : el <= 8 ? moe_launch(attn_split_kernel<F32, 8, ROPE>, ATT_ARGS)
-                     : moe_launch(attn_split_kernel<F32, MAXD_LANE, ROPE>, ATT_ARGS);
+    return el <= 1   ? moe_launch(attn_split_kernel<F32, 1, ROPE, WIDE>, ATT_ARGS)
+           : el <= 2 ? moe_launch(attn_split_kernel<F32, 2, ROPE, WIDE>, ATT_ARGS)
+           : el <= 4 ? moe_launch(attn_split_kernel<F32, 4, ROPE, WIDE>, ATT_ARGS)
+           : el <= 8 ? moe_launch(attn_split_kernel<F32, 8, ROPE, WIDE>, ATT_ARGS)
+                     : moe_launch(attn_split_kernel<F32, MAXD_LANE, ROPE, WIDE>, ATT_ARGS);
 #undef ATT_ARGS
 }
 
@@ -301,27 +307,25 @@ static int attention(const float *d_q, int64_t ldq, const int32_t *d_pos, const 
     int el;
     size_t smem;
     attn_shape(kv, rp != NULL, &el, &smem);
-    att_rope_dev none = {};
-    cudaError_t e;
-    if (rp)
-        e = kv->f32 ? launch_attn<true, true>(el, g, smem, s, d_q, ldq, d_pos, d_seq, kv, layer, H,
-                                              scale, split, d_part, d_done, d_out, ldo, *rp)
-                    : launch_attn<false, true>(el, g, smem, s, d_q, ldq, d_pos, d_seq, kv, layer,
-                                               H, scale, split, d_part, d_done, d_out, ldo, *rp);
-    else
-        e = kv->f32 ? launch_attn<true, false>(el, g, smem, s, d_q, ldq, d_pos, d_seq, kv, layer,
-                                               H, scale, split, d_part, d_done, d_out, ldo, none)
-                    : launch_attn<false, false>(el, g, smem, s, d_q, ldq, d_pos, d_seq, kv, layer,
-                                                H, scale, split, d_part, d_done, d_out, ldo, none);
+    const att_rope_dev none = {}, &r = rp ? *rp : none;
+    const bool wide = att_wide_ok(*kv, attn_el_bucket(el));
+#define ATT_CALL(F32, ROPE, WIDE)                                                                  \
+    launch_attn<F32, ROPE, WIDE>(el, g, smem, s, d_q, ldq, d_pos, d_seq, kv, layer, H, scale,      \
+                                 split, d_part, d_done, d_out, ldo, r)
+    const cudaError_t e = kv->f32 ? (rp ? ATT_CALL(true, true, false) : ATT_CALL(true, false, false))
+                          : wide  ? (rp ? ATT_CALL(false, true, true) : ATT_CALL(false, false, true))
+                                  : (rp ? ATT_CALL(false, true, false)
+                                        : ATT_CALL(false, false, false));
+#undef ATT_CALL
     MOE_CUDA_TRY(e);
     return 0;
 }
 
-template <bool F32, bool ROPE> static int attn_occupancy(int el, size_t smem)
+template <bool F32, bool ROPE, bool WIDE> static int attn_occupancy(int el, size_t smem)
 {
     int nb = 0;
 #define OCC(E)                                                                                     \
-    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&nb, attn_split_kernel<F32, E, ROPE>,            \
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&nb, attn_split_kernel<F32, E, ROPE, WIDE>,      \
                                                   32 * ATT_WARPS, smem)
     const cudaError_t e = el <= 1   ? OCC(1)
                           : el <= 2 ? OCC(2)
@@ -337,10 +341,14 @@ int moe_cuda_attention_blocks_per_sm(const struct moe_cuda_kv *kv, bool rope)
     int el;
     size_t smem;
     attn_shape(kv, rope, &el, &smem);
-    return kv->f32 ? (rope ? attn_occupancy<true, true>(el, smem)
-                           : attn_occupancy<true, false>(el, smem))
-                   : (rope ? attn_occupancy<false, true>(el, smem)
-                           : attn_occupancy<false, false>(el, smem));
+    if (kv->f32)
+        return rope ? attn_occupancy<true, true, false>(el, smem)
+                    : attn_occupancy<true, false, false>(el, smem);
+    if (att_wide_ok(*kv, attn_el_bucket(el)))
+        return rope ? attn_occupancy<false, true, true>(el, smem)
+                    : attn_occupancy<false, false, true>(el, smem);
+    return rope ? attn_occupancy<false, true, false>(el, smem)
+                : attn_occupancy<false, false, false>(el, smem);
 }
 
 int moe_cuda_attention(const float *d_q, int64_t ldq, const int32_t *d_pos, const int32_t *d_seq,

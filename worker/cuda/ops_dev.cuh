@@ -320,6 +320,13 @@ static __device__ __forceinline__ int64_t attn_split_len(int64_t len, int split)
     return split ? C : len;
 }
 
+/* Whether the decode attention of lane width EL reads cache kv with the wide loads: an f16
+ * cache with kv.wide whose key and value heads are both 32·EL wide. */
+static __host__ __device__ __forceinline__ bool att_wide_ok(const moe_cuda_kv &kv, int el)
+{
+    return !kv.f32 && kv.wide && kv.hd == 32 * (int64_t)el && kv.hdv == 32 * (int64_t)el;
+}
+
 /* Decode attention (flash-decoding) of head h, token t, split group z of Z, by ATT_WARPS warps
  * (tid: the thread's index in the group, 0..32·ATT_WARPS-1; sync: the group's barrier;
  * acc: ATT_WARPS·hdv floats of shared memory). A token's positions 0..len-1 are cut into splits
@@ -337,8 +344,10 @@ static __device__ __forceinline__ int64_t attn_split_len(int64_t len, int split)
  * kv.wide (the default), an f16 cache whose key and value heads are both 32·EL wide, elements
  * lane·EL .. lane·EL + EL - 1 instead, their keys and values in 8- or 16-byte loads at a 32-bit
  * offset (fewer instructions a position; the dot products add the same terms in another order).
- * Positions and split bounds are ints: a context stays below 2^31 positions. */
-template <bool F32, int EL, class Sync, bool ROPE = false>
+ * Each walk is its own instance (WIDE), so neither carries the other's code; att_wide_ok says
+ * which one a cache takes. Positions and split bounds are ints: a context stays below 2^31
+ * positions. */
+template <bool F32, int EL, class Sync, bool ROPE = false, bool WIDE = false>
 static __device__ __forceinline__ void
 attn_split_body(const float *q, int64_t ldq, const int32_t *pos, const int32_t *seq,
                 const moe_cuda_kv &kv, int layer, int64_t H, float scale, int split, float *part,
@@ -354,7 +363,8 @@ attn_split_body(const float *q, int64_t ldq, const int32_t *pos, const int32_t *
     const int ns = (len + C - 1) / C;
     if (z >= ns)
         return;
-    const bool vec = !F32 && kv.wide && hd == 32 * EL && hdv == 32 * EL;
+    static_assert(!(WIDE && F32), "the wide loads read f16 caches");
+    constexpr bool vec = WIDE; /* the caller checked att_wide_ok */
     /* The head element of a lane's i-th register. */
     const auto el_of = [&](int i) -> int64_t { return vec ? (int64_t)lane * EL + i : lane + 32 * i; };
     const size_t row0 = (((size_t)layer * kv.n_seq + (size_t)seq[t]) * kv.Hkv + (size_t)kvh) *
@@ -423,7 +433,7 @@ attn_split_body(const float *q, int64_t ldq, const int32_t *pos, const int32_t *
         float m = -INFINITY, l = 0.0f;
         for (int pb = p0 + w * ATT_ILP; pb < p1; pb += ATT_WARPS * ATT_ILP) {
             float sd[ATT_ILP], vv[ATT_ILP][EL];
-            if (vec) {
+            if constexpr (vec) {
 #pragma unroll
                 for (int c = 0; c < ATT_ILP; c++) {
                     const unsigned p = (unsigned)(pb + c < p1 ? pb + c : pb);
