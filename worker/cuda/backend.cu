@@ -234,6 +234,7 @@ struct cuda_backend {
      * floats as the serial launches; 30B shape at batch 1 on an H100 +1.0-1.5%
      * (docs/benchmarks.md). */
     bool qkv_branch;
+    int qkv_branch_from; /* MOE_CUDA_QKV_BRANCH_FROM=L: layers before L launch them serially */
     long branch_pdl_edges;           /* how many such edges the captures made */
     bool branch_pdl;                 /* MOE_CUDA_BRANCH_PDL=1: in a captured one-token step the
                                       * branch's launch takes a programmatic edge from the kernel
@@ -1922,6 +1923,10 @@ static int cuda_init(struct moe_backend **out, const struct moe_model *m, struct
     const char *mixed_mv = getenv("MOE_CUDA_MIXED_MV");
     b->mixed_mv = mixed_mv && *mixed_mv ? strcmp(mixed_mv, "0") != 0 : -1;
     b->qkv_branch = env_on("MOE_CUDA_QKV_BRANCH");
+    {
+        const char *v = getenv("MOE_CUDA_QKV_BRANCH_FROM");
+        b->qkv_branch_from = v && *v ? atoi(v) : 0;
+    }
     b->branch_pdl = env_is1("MOE_CUDA_BRANCH_PDL");
     b->resolve_route = env_on("MOE_CUDA_RESOLVE_ROUTE");
     b->gu_staged = env_on("MOE_CUDA_GU_STAGED");
@@ -3076,7 +3081,7 @@ static int matmul_now(struct cuda_backend *b, int l, const struct moe_mm *mm, in
             fold = false;
             b->norm_pending = false;
             TRY_CU(before_write(b, b->pn_dst));
-            if (b->qkv_branch && b->n == 1 && nj < n_mm)
+            if (b->qkv_branch && l >= b->qkv_branch_from && b->n == 1 && nj < n_mm)
                 TRY_CU(qkv_branch(b, l, mm, n_mm, done, W->type, tcd, &joined));
             int rc = -EINVAL;
             if (!tcd && nj == 1 && n_mm == 1 && mm[0].w == MOE_W_ROUTER)
