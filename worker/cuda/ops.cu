@@ -312,10 +312,12 @@ static int attention(const float *d_q, int64_t ldq, const int32_t *d_pos, const 
 #define ATT_CALL(F32, ROPE, WIDE)                                                                  \
     launch_attn<F32, ROPE, WIDE>(el, g, smem, s, d_q, ldq, d_pos, d_seq, kv, layer, H, scale,      \
                                  split, d_part, d_done, d_out, ldo, r)
-    const cudaError_t e = kv->f32 ? (rp ? ATT_CALL(true, true, false) : ATT_CALL(true, false, false))
-                          : wide  ? (rp ? ATT_CALL(false, true, true) : ATT_CALL(false, false, true))
-                                  : (rp ? ATT_CALL(false, true, false)
-                                        : ATT_CALL(false, false, false));
+    const cudaError_t e = kv->f32 ? (rp ? ATT_CALL(true, true, false)
+                                         : ATT_CALL(true, false, false))
+                          : wide    ? (rp ? ATT_CALL(false, true, true)
+                                          : ATT_CALL(false, false, true))
+                                    : (rp ? ATT_CALL(false, true, false)
+                                          : ATT_CALL(false, false, false));
 #undef ATT_CALL
     MOE_CUDA_TRY(e);
     return 0;

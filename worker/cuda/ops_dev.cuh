@@ -366,7 +366,9 @@ attn_split_body(const float *q, int64_t ldq, const int32_t *pos, const int32_t *
     static_assert(!(WIDE && F32), "the wide loads read f16 caches");
     constexpr bool vec = WIDE; /* the caller checked att_wide_ok */
     /* The head element of a lane's i-th register. */
-    const auto el_of = [&](int i) -> int64_t { return vec ? (int64_t)lane * EL + i : lane + 32 * i; };
+    const auto el_of = [&](int i) -> int64_t {
+        return vec ? (int64_t)lane * EL + i : lane + 32 * i;
+    };
     const size_t row0 = (((size_t)layer * kv.n_seq + (size_t)seq[t]) * kv.Hkv + (size_t)kvh) *
                         kv.n_ctx;
     float qv[EL], qr[EL] = {}, kr[EL] = {};
