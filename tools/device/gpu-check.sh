@@ -28,7 +28,8 @@
 # The tracked files (about 63 MB) and .carry (about 3.5 MB) are near the 64 MiB a device call can
 # send: `git sparse-checkout set --no-cone '/*' '!/tests/golden/refs/'` before the call leaves
 # out the golden logits (9.5 MB; the GPU tests and mkmodel do not read them, the parity step
-# does), `git sparse-checkout disable` after it.
+# does), `git sparse-checkout disable` after it. With binaries built here, tools/device/pack-data.sh
+# packs the models and fixtures instead, so that every step's tests find them.
 #
 # Every step logs to LOGDIR/<step>.log and prints a one-line result; the run goes on after a
 # failed step so that one call reports everything.
@@ -48,6 +49,10 @@ if [ -d "$B/lib" ]; then
 fi
 if [ -f "$B/vocab.gguf" ] && [ ! -f tests/golden/tokenizer/qwen3-vocab.gguf ]; then
     mkdir -p tests/golden/tokenizer && cp "$B/vocab.gguf" tests/golden/tokenizer/qwen3-vocab.gguf
+fi
+# The test models and fixtures packed by tools/device/pack-data.sh, where the tree left them out.
+if [ -f .carry/data.tar.xz ] && [ ! -f models/kjv-demo-F16.gguf ]; then
+    tar -xJf .carry/data.tar.xz
 fi
 J=$(nproc)
 

@@ -10,7 +10,8 @@
 #   git sparse-checkout set --no-cone $(tools/device/pack-data.sh --sparse)
 #   (the call, carry [".carry"]) tar -C /tmp -xJf .carry/bins.tar.xz; tar -xJf .carry/data.tar.xz
 #       mkdir -p tests/golden/tokenizer; cp /tmp/moed-bins/vocab.gguf tests/golden/tokenizer/qwen3-vocab.gguf
-#       ln -s /tmp/moed-bins/bin bin    # the daemon's tests start bin/moed
+#       export MOE_BIN=/tmp/moed-bins/bin    # where the tests find moed, moectl, moed-worker
+#   (tools/device/gpu-check.sh does the unpacking itself)
 #   git sparse-checkout disable
 #
 # (A sparse checkout rewrites the files it brings back, so the next make rebuilds everything.)
