@@ -258,12 +258,6 @@ attn_split_kernel(const float *__restrict__ q, int64_t ldq, const int32_t *__res
         (int)blockIdx.z, (int)gridDim.z, (int)threadIdx.x, &sm, sm_acc, att_sync_block(), &rp);
 }
 
-/* The lane width of the attention instance a launch of el head elements a lane takes. */
-static int attn_el_bucket(int el)
-{
-    return el <= 1 ? 1 : el <= 2 ? 2 : el <= 4 ? 4 : el <= 8 ? 8 : MAXD_LANE;
-}
-
 template <bool F32, bool ROPE, bool WIDE>
 static cudaError_t launch_attn(int el, dim3 g, size_t smem, cudaStream_t s, const float *d_q,
                                int64_t ldq, const int32_t *d_pos, const int32_t *d_seq,
@@ -281,13 +275,14 @@ static cudaError_t launch_attn(int el, dim3 g, size_t smem, cudaStream_t s, cons
 #undef ATT_ARGS
 }
 
-/* A decode attention launch's head elements a lane holds (el) and its dynamic shared memory,
- * with the folded RoPE (rope) or without: what the launch takes and what its occupancy is
- * asked for. */
+/* A decode attention launch's head elements a lane holds (el: the lane width of the kernel
+ * instance it takes, 1, 2, 4, 8 or MAXD_LANE) and its dynamic shared memory, with the folded
+ * RoPE (rope) or without: what the launch takes and what its occupancy is asked for. */
 static void attn_shape(const struct moe_cuda_kv *kv, bool rope, int *el, size_t *smem)
 {
     const int64_t wd = kv->hd > kv->hdv ? kv->hd : kv->hdv;
-    *el = (int)((wd + 31) / 32);
+    const int need = (int)((wd + 31) / 32);
+    *el = need <= 1 ? 1 : need <= 2 ? 2 : need <= 4 ? 4 : need <= 8 ? 8 : MAXD_LANE;
     *smem = sizeof(float) * (size_t)(ATT_WARPS * (rope ? wd : kv->hdv));
 }
 
@@ -308,7 +303,7 @@ static int attention(const float *d_q, int64_t ldq, const int32_t *d_pos, const 
     size_t smem;
     attn_shape(kv, rp != NULL, &el, &smem);
     const att_rope_dev none = {}, &r = rp ? *rp : none;
-    const bool wide = att_wide_ok(*kv, attn_el_bucket(el));
+    const bool wide = att_wide_ok(*kv, el);
 #define ATT_CALL(F32, ROPE, WIDE)                                                                  \
     launch_attn<F32, ROPE, WIDE>(el, g, smem, s, d_q, ldq, d_pos, d_seq, kv, layer, H, scale,      \
                                  split, d_part, d_done, d_out, ldo, r)
@@ -346,7 +341,7 @@ int moe_cuda_attention_blocks_per_sm(const struct moe_cuda_kv *kv, bool rope)
     if (kv->f32)
         return rope ? attn_occupancy<true, true, false>(el, smem)
                     : attn_occupancy<true, false, false>(el, smem);
-    if (att_wide_ok(*kv, attn_el_bucket(el)))
+    if (att_wide_ok(*kv, el))
         return rope ? attn_occupancy<false, true, true>(el, smem)
                     : attn_occupancy<false, false, true>(el, smem);
     return rope ? attn_occupancy<false, true, false>(el, smem)

@@ -363,11 +363,11 @@ attn_split_body(const float *q, int64_t ldq, const int32_t *pos, const int32_t *
     const int ns = (len + C - 1) / C;
     if (z >= ns)
         return;
+    /* WIDE: the caller checked att_wide_ok. */
     static_assert(!(WIDE && F32), "the wide loads read f16 caches");
-    constexpr bool vec = WIDE; /* the caller checked att_wide_ok */
     /* The head element of a lane's i-th register. */
     const auto el_of = [&](int i) -> int64_t {
-        return vec ? (int64_t)lane * EL + i : lane + 32 * i;
+        return WIDE ? (int64_t)lane * EL + i : lane + 32 * i;
     };
     const size_t row0 = (((size_t)layer * kv.n_seq + (size_t)seq[t]) * kv.Hkv + (size_t)kvh) *
                         kv.n_ctx;
@@ -435,7 +435,7 @@ attn_split_body(const float *q, int64_t ldq, const int32_t *pos, const int32_t *
         float m = -INFINITY, l = 0.0f;
         for (int pb = p0 + w * ATT_ILP; pb < p1; pb += ATT_WARPS * ATT_ILP) {
             float sd[ATT_ILP], vv[ATT_ILP][EL];
-            if constexpr (vec) {
+            if constexpr (WIDE) {
 #pragma unroll
                 for (int c = 0; c < ATT_ILP; c++) {
                     const unsigned p = (unsigned)(pb + c < p1 ? pb + c : pb);
