@@ -7,7 +7,8 @@
 # packed binaries do not need, out of the call's tree:
 #
 #   tools/device/pack-bins.sh /tmp/dev-build && tools/device/pack-data.sh
-#   git sparse-checkout set --no-cone $(tools/device/pack-data.sh --sparse)
+#   tools/device/pack-data.sh --sparse | git sparse-checkout set --no-cone --stdin
+#   (through a pipe: an unquoted $(...) would let the shell expand '/*' into the root's folders)
 #   (the call, carry [".carry"]) tar -C /tmp -xJf .carry/bins.tar.xz; tar -xJf .carry/data.tar.xz
 #       mkdir -p tests/golden/tokenizer; cp /tmp/moed-bins/vocab.gguf tests/golden/tokenizer/qwen3-vocab.gguf
 #       export MOE_BIN=/tmp/moed-bins/bin    # where the tests find moed, moectl, moed-worker
