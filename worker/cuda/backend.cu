@@ -11,6 +11,7 @@
  * device. end() launches the graph, copies the logits back and synchronises: the step's only
  * host synchronisation. */
 #include <errno.h>
+#include <limits.h>
 #include <math.h>
 #include <pthread.h>
 #include <sched.h>
@@ -40,6 +41,7 @@ extern "C" {
 #include "worker/cuda/gemm.h"
 #include "worker/cuda/matvec.h"
 #include "worker/cuda/ops.cuh"
+#include "worker/cuda/env_opts.h"
 #include "worker/cuda/host_ranges.h"
 #include "worker/cuda/offload.cuh"
 #include "worker/cuda/sample.h"
@@ -419,20 +421,6 @@ static int cu_err(struct cuda_backend *b, int code, const char *fmt, ...)
                           (b)->dev, what, moe_strerror(rc_));                               \
     } while (0)
 
-/* A switch that is on unless the variable is "0". */
-static bool env_on(const char *name)
-{
-    const char *v = getenv(name);
-    return !v || strcmp(v, "0") != 0;
-}
-
-/* An opt-in switch: on only when set to "1". */
-static bool env_is1(const char *name)
-{
-    const char *v = getenv(name);
-    return v && !strcmp(v, "1");
-}
-
 /* An internal step whose error message is already set. */
 #define TRY_CU(call)                                                                        \
     do {                                                                                    \
@@ -714,11 +702,8 @@ static int64_t cache_slots_for(const struct moe_dims *d, int64_t S, bool profile
  * (moe_off_stage_auto); MOE_CUDA_STAGE=N sets it (0: no staging). The setting, or -1 for auto. */
 static int64_t stage_setting(int64_t nexp)
 {
-    const char *env = getenv("MOE_CUDA_STAGE");
-    if (!env || !*env)
-        return -1;
-    const long long v = atoll(env);
-    return v <= 0 ? 0 : v < nexp ? v : nexp;
+    const long long v = moe_env_int("MOE_CUDA_STAGE", 0, LLONG_MAX, -1);
+    return v < 0 ? v : v < nexp ? v : nexp;
 }
 
 static int64_t stage_experts(int64_t nexp, int64_t S, uint64_t sum_slot, uint64_t max_slot)
@@ -919,8 +904,7 @@ static int map_host_experts(struct cuda_backend *b, char *err, size_t errlen)
      * Below 2 GB/s a pinned copy is faster to make than the registration. File mappings are
      * copied: registering a file's pages waits for their writeback, which after the file was
      * written can take minutes. MOE_CUDA_HOST_REGISTER=0 copies in every case. */
-    const char *env = getenv("MOE_CUDA_HOST_REGISTER");
-    const bool try_reg = d->host_register && !(env && !strcmp(env, "0"));
+    const bool try_reg = d->host_register && moe_env_on("MOE_CUDA_HOST_REGISTER");
     const double t_reg = now_s();
     if (try_reg)
         b->n_xregs = register_ranges(r, n, cudaHostRegisterMapped | cudaHostRegisterReadOnly |
@@ -1425,20 +1409,16 @@ static int offload_state(struct cuda_backend *b, char *err, size_t errlen)
     OFF_TRY(cudaMemset(b->d_offstats, 0, sizeof(unsigned long long) * L * MOE_OFF_NSTATS));
     OFF_TRY(cudaMalloc((void **)&b->d_fill, moe_cuda_fill_list_bytes(max_slots)));
     OFF_TRY(cudaMemset(b->d_fill, 0, moe_cuda_fill_list_bytes(max_slots)));
-    const char *ff_env = getenv("MOE_CUDA_FILL_FOLD");
-    if (!(ff_env && !strcmp(ff_env, "0")) && b->link_gbps <= 0) {
+    if (moe_env_on("MOE_CUDA_FILL_FOLD") && b->link_gbps <= 0) {
         OFF_TRY(cudaMalloc((void **)&b->d_fsrc, sizeof(void *) * 3 * ne * L));
         OFF_TRY(cudaMemset(b->d_fsrc, 0, sizeof(void *) * 3 * ne * L));
     }
-    const char *pf_env = getenv("MOE_CUDA_PREFETCH");
     /* With a tiered store the layer-ahead prediction copies nothing (that would need pool pins
      * on the second stream): its experts without a VRAM slot go to the worker as a read-ahead
      * hint (pool_read_ahead). */
-    b->pf = !d->no_prefetch && !(pf_env && !strcmp(pf_env, "0")) && !b->link_slow;
-    const char *fast_env = getenv("MOE_CUDA_RESOLVE_FAST");
-    b->resolve_fast = !(fast_env && !strcmp(fast_env, "0"));
-    const char *gu_env = getenv("MOE_CUDA_RESOLVE_IN_GU");
-    if (b->resolve_fast && !(gu_env && !strcmp(gu_env, "0")) && !b->xsrc) {
+    b->pf = !d->no_prefetch && moe_env_on("MOE_CUDA_PREFETCH") && !b->link_slow;
+    b->resolve_fast = moe_env_on("MOE_CUDA_RESOLVE_FAST");
+    if (b->resolve_fast && moe_env_on("MOE_CUDA_RESOLVE_IN_GU") && !b->xsrc) {
         OFF_TRY(cudaMalloc((void **)&b->d_gusync, sizeof(unsigned long long) * 3 * L));
         OFF_TRY(cudaMemset(b->d_gusync, 0, sizeof(unsigned long long) * 3 * L));
     }
@@ -1446,8 +1426,7 @@ static int offload_state(struct cuda_backend *b, char *err, size_t errlen)
         /* The copies on a stream of their own (60% residency 0.72x -> 0.77x of resident, 12.7
          * GiB +6.6% on an H200; docs/benchmarks.md); a tiered store's prediction copies
          * nothing. MOE_CUDA_PREFETCH_SPLIT=0: the copies after each prediction on its stream. */
-        const char *psp = getenv("MOE_CUDA_PREFETCH_SPLIT");
-        b->pf_split = !(psp && !strcmp(psp, "0")) && !b->xsrc;
+        b->pf_split = moe_env_on("MOE_CUDA_PREFETCH_SPLIT") && !b->xsrc;
         b->ev_fork = (cudaEvent_t *)calloc(L, sizeof(cudaEvent_t));
         b->ev_read = (cudaEvent_t *)calloc(L, sizeof(cudaEvent_t));
         b->ev_join = (cudaEvent_t *)calloc(L, sizeof(cudaEvent_t));
@@ -1473,19 +1452,17 @@ static int offload_state(struct cuda_backend *b, char *err, size_t errlen)
         }
         /* MOE_CUDA_PREFETCH_EXTRA=N: N more (or, negative, fewer: only the likeliest) experts
          * predicted per token than the layer chooses; at least one. */
-        const char *px = getenv("MOE_CUDA_PREFETCH_EXTRA");
-        const int64_t extra = px && *px ? atoi(px) : PF_EXTRA;
+        const int64_t extra = moe_env_int("MOE_CUDA_PREFETCH_EXTRA", -4096, 4096, PF_EXTRA);
         const int64_t want = d->kuse + extra < 1 ? 1 : d->kuse + extra;
         b->pf_k = (int)(want < d->nexp ? want : d->nexp);
         OFF_TRY(cudaMalloc((void **)&b->pf_rl, sizeof(float) * PF_MAX_N * ne));
         OFF_TRY(cudaMalloc((void **)&b->pf_w, sizeof(float) * PF_MAX_N * (size_t)b->pf_k));
         OFF_TRY(cudaMalloc((void **)&b->pf_sel, sizeof(int32_t) * PF_MAX_N * (size_t)b->pf_k));
         OFF_TRY(cudaMalloc((void **)&b->pf_x, sizeof(float) * PF_MAX_N * (size_t)pad4(d->E)));
-        const char *pa = getenv("MOE_CUDA_PREFETCH_AHEAD");
         /* Three layers ahead by default: the copies get three layers' time to cross the link
          * (with 10 copy blocks on 132 SMs, 60% residency 232.5 -> 241-243 tok/s on an H200
          * against two ahead on 16 blocks; docs/benchmarks.md). */
-        const int ahead = pa && atoi(pa) >= 1 && atoi(pa) <= PF_AHEAD_MAX ? atoi(pa) : 3;
+        const int ahead = (int)moe_env_int("MOE_CUDA_PREFETCH_AHEAD", 1, PF_AHEAD_MAX, 3);
         b->pf_ahead = ahead < (int)L ? ahead : (int)L - 1 > 1 ? (int)L - 1 : 1;
         if (L > 1) {
             const size_t E = (size_t)d->E;
@@ -1519,18 +1496,18 @@ static int offload_state(struct cuda_backend *b, char *err, size_t errlen)
         b->pf_fill_stride = (moe_cuda_fill_list_bytes(max_slots) + 15) & ~(size_t)15;
         OFF_TRY(cudaMalloc((void **)&b->d_pf_fill, b->pf_fill_stride * L));
         OFF_TRY(cudaMemset(b->d_pf_fill, 0, b->pf_fill_stride * L));
-        const char *pb = getenv("MOE_CUDA_PREFETCH_BLOCKS");
         /* A thirteenth of the SMs (10 of 132), at least 8: with the copies on their own stream
          * fewer blocks carry the link's bytes and leave the step more room (16 and 24 measured
          * slower, docs/benchmarks.md). */
-        b->pf_blocks = pb && atoi(pb) > 0 ? atoi(pb) : (b->sms / 13 > 8 ? b->sms / 13 : 8);
+        b->pf_blocks = (int)moe_env_int("MOE_CUDA_PREFETCH_BLOCKS", 1, 1 << 20,
+                                        b->sms / 13 > 8 ? b->sms / 13 : 8);
         /* Thinner copy blocks keep the same bytes in flight with fewer registers: 64 threads
          * take 5120 registers where 256 take 10240, more than the 7168 a multiprocessor has
          * left beside three blocks of the per-token gate/up (the grid of a one-token step fills
          * 2.9 a multiprocessor), so a 256-thread copy block beside it can push one of those into
          * a second wave. Measured slower (docs/benchmarks.md), so opt-in. */
-        const char *pt = getenv("MOE_CUDA_PREFETCH_THREADS");
-        b->pf_threads = pt && (atoi(pt) == 64 || atoi(pt) == 128) ? atoi(pt) : 256;
+        const int pt = (int)moe_env_int("MOE_CUDA_PREFETCH_THREADS", 64, 256, 256);
+        b->pf_threads = pt == 64 || pt == 128 ? pt : 256;
     }
     if (b->stage_cap) {
         b->stage_buf = (int8_t *)malloc(L);
@@ -1550,18 +1527,17 @@ static int offload_state(struct cuda_backend *b, char *err, size_t errlen)
         }
         /* MOE_CUDA_STAGE_DMA=1: a direct step's staging copies by the copy engines
          * (cudaMemcpyAsync) instead of the fill kernel; not on a paced link. */
-        const char *sd = getenv("MOE_CUDA_STAGE_DMA");
-        b->stage_dma = sd && !strcmp(sd, "1") && b->link_gbps <= 0;
-        const char *sb = getenv("MOE_CUDA_STAGE_BLOCKS");
+        b->stage_dma = moe_env_is1("MOE_CUDA_STAGE_DMA") && b->link_gbps <= 0;
         /* A quarter of the SMs: the copies are bound by the link, and the layer computing
          * meanwhile keeps the rest (docs/benchmarks.md: 33 blocks 1.4x faster prompts than 132
          * or 264 on the H200). */
-        b->stage_blocks = sb && atoi(sb) > 0 ? atoi(sb) : (b->sms / 4 > 8 ? b->sms / 4 : 8);
+        b->stage_blocks = (int)moe_env_int("MOE_CUDA_STAGE_BLOCKS", 1, 1 << 20,
+                                           b->sms / 4 > 8 ? b->sms / 4 : 8);
         /* Steps whose choices cover the experts about twice over (and never a prefetching
          * one); MOE_CUDA_STAGE_MIN_N sets it. */
         const int64_t kk = d->kuse > 0 ? d->kuse : 1;
-        const char *sn = getenv("MOE_CUDA_STAGE_MIN_N");
-        b->stage_min_n = sn && atoll(sn) > 0 ? atoll(sn) : (2 * (int64_t)ne + kk - 1) / kk;
+        b->stage_min_n = moe_env_int("MOE_CUDA_STAGE_MIN_N", 1, INT64_MAX,
+                                     (2 * (int64_t)ne + kk - 1) / kk);
         if (b->stage_min_n <= PF_MAX_N)
             b->stage_min_n = PF_MAX_N + 1;
     }
@@ -1764,10 +1740,9 @@ static int fused_setup(struct cuda_backend *b)
         free(fl);
         return 0;
     }
-    const char *bps = getenv("MOE_CUDA_FUSED_BPS");
     int per_sm = 0;
     size_t smem = 0;
-    if (moe_cuda_fused_config(d->E, d->hd, d->nexp, (int)d->kuse, bps && atoi(bps) == 1 ? 1 : 2,
+    if (moe_cuda_fused_config(d->E, d->hd, d->nexp, (int)d->kuse, (int)moe_env_int("MOE_CUDA_FUSED_BPS", 1, 2, 2),
                               &per_sm, &smem) ||
         per_sm < 1) {
         free(fl);
@@ -1821,10 +1796,10 @@ static int fused_setup(struct cuda_backend *b)
     a->att_scale = (float)(1.0 / sqrt((double)d->hd));
     a->norm_topk = d->norm_topk;
     a->router_smem = router_smem;
-    a->prefetch = env_on("MOE_CUDA_FUSED_PREFETCH");
+    a->prefetch = moe_env_on("MOE_CUDA_FUSED_PREFETCH");
     a->bar = b->fused_bar;
     a->sm_slots = MOE_FUSED_SM_SLOTS;
-    a->spare_barriers = getenv("MOE_CUDA_FUSED_SPARE") ? atoi(getenv("MOE_CUDA_FUSED_SPARE")) : 0;
+    a->spare_barriers = (int)moe_env_int("MOE_CUDA_FUSED_SPARE", 0, 1 << 20, 0);
     a->timing = NULL;
     /* The probe: a captured launch of no layers, cooperative where the device offers it. */
     int coop = 0;
@@ -1882,10 +1857,10 @@ static int cuda_init(struct moe_backend **out, const struct moe_model *m, struct
     b->d = *d;
     b->dev = d->device;
     b->use_graphs = getenv("MOE_CUDA_NO_GRAPHS") == NULL;
-    b->use_gemm = env_on("MOE_CUDA_GEMM");
-    b->use_flash = env_on("MOE_CUDA_FLASH");
+    b->use_gemm = moe_env_on("MOE_CUDA_GEMM");
+    b->use_flash = moe_env_on("MOE_CUDA_FLASH");
     b->profile = getenv("MOE_CUDA_PROFILE") != NULL;
-    b->step_times = env_is1("MOE_CUDA_STEP_TIMES");
+    b->step_times = moe_env_is1("MOE_CUDA_STEP_TIMES");
     b->profile_steps = b->profile && !strcmp(getenv("MOE_CUDA_PROFILE"), "steps");
     b->group_min = getenv("MOE_CUDA_GROUP_MIN") ? atof(getenv("MOE_CUDA_GROUP_MIN")) : 0.0;
     if (!(b->group_min > 0.0)) /* negative, NaN or not a number */
@@ -1897,13 +1872,13 @@ static int cuda_init(struct moe_backend **out, const struct moe_model *m, struct
          * every batch size of the engine, so that a sequence's floats stay independent of its
          * batch. On an H100: 8 sequences +8.5%, 16 +10%, 64 +24%; 1 and 4 sequences -6% and
          * -3% (docs/benchmarks.md "The layers' decode products on tensor cores"). */
-        const char *tcv = getenv("MOE_CUDA_TC"), *sq = getenv("MOE_CUDA_TC_SEQ");
-        const long min_seq = sq && *sq ? strtol(sq, NULL, 10) : 8;
-        if ((!tcv || !*tcv) && min_seq > 0 && (long)d->n_seq >= min_seq)
+        const char *tcv = getenv("MOE_CUDA_TC");
+        const long long min_seq = moe_env_int("MOE_CUDA_TC_SEQ", LLONG_MIN, LLONG_MAX, 8);
+        if ((!tcv || !*tcv) && min_seq > 0 && (long long)d->n_seq >= min_seq)
             b->tc |= MOE_CUDA_TC_DENSE;
     }
-    b->route_fold = env_on("MOE_CUDA_ROUTE_FOLD");
-    b->norm_fold = env_on("MOE_CUDA_NORM_FOLD");
+    b->route_fold = moe_env_on("MOE_CUDA_ROUTE_FOLD");
+    b->norm_fold = moe_env_on("MOE_CUDA_NORM_FOLD");
     {
         /* The sampler's passes spread over the GPU, for every row that can take them (greedy,
          * a temperature alone, a top-k of at most 64, top-p without top-k, each with or without
@@ -1918,18 +1893,15 @@ static int cuda_init(struct moe_backend **out, const struct moe_model *m, struct
                                                     : MOE_CUDA_SPREAD_DEFAULT;
     }
     /* Opt-in: measured 1.5% slower at batch 1 than its own launch (H200, docs/benchmarks.md). */
-    b->rope_fold = env_is1("MOE_CUDA_ROPE_FOLD");
-    b->att_rope = env_is1("MOE_CUDA_ATT_ROPE");
+    b->rope_fold = moe_env_is1("MOE_CUDA_ROPE_FOLD");
+    b->att_rope = moe_env_is1("MOE_CUDA_ATT_ROPE");
     const char *mixed_mv = getenv("MOE_CUDA_MIXED_MV");
     b->mixed_mv = mixed_mv && *mixed_mv ? strcmp(mixed_mv, "0") != 0 : -1;
-    b->qkv_branch = env_on("MOE_CUDA_QKV_BRANCH");
-    {
-        const char *v = getenv("MOE_CUDA_QKV_BRANCH_FROM");
-        b->qkv_branch_from = v && *v ? atoi(v) : 0;
-    }
-    b->branch_pdl = env_is1("MOE_CUDA_BRANCH_PDL");
-    b->resolve_route = env_on("MOE_CUDA_RESOLVE_ROUTE");
-    b->gu_staged = env_on("MOE_CUDA_GU_STAGED");
+    b->qkv_branch = moe_env_on("MOE_CUDA_QKV_BRANCH");
+    b->qkv_branch_from = (int)moe_env_int("MOE_CUDA_QKV_BRANCH_FROM", 0, INT32_MAX, 0);
+    b->branch_pdl = moe_env_is1("MOE_CUDA_BRANCH_PDL");
+    b->resolve_route = moe_env_on("MOE_CUDA_RESOLVE_ROUTE");
+    b->gu_staged = moe_env_on("MOE_CUDA_GU_STAGED");
     b->xst_l = -1;
     b->route_pending = -1;
     b->pf_read = -1;
@@ -2008,7 +1980,7 @@ static int cuda_init(struct moe_backend **out, const struct moe_model *m, struct
         b->arena_size = b->arena_used;
         /* KV cache. */
         b->kv.f32 = d->kv_f32;
-        b->kv.wide = env_on("MOE_CUDA_ATT_WIDE");
+        b->kv.wide = moe_env_on("MOE_CUDA_ATT_WIDE");
         b->kv.n_seq = d->n_seq;
         b->kv.n_ctx = d->n_ctx;
         b->kv.Hkv = d->Hkv;
@@ -2040,8 +2012,7 @@ static int cuda_init(struct moe_backend **out, const struct moe_model *m, struct
         INIT_TRY(cudaMalloc((void **)&b->scratch, 2 * sizeof(float) * ns * (size_t)b->ld_act));
         /* Attention partials for decode-sized steps (the only ones that split). */
         b->sms = prop.multiProcessorCount;
-        const char *att_env = getenv("MOE_CUDA_ATT_BPS");
-        const int att_bps = att_env ? atoi(att_env) : 0;
+        const int att_bps = (int)moe_env_int("MOE_CUDA_ATT_BPS", 1, 64, 0);
         if (att_bps < 1 || att_bps > 64) {
             /* A step's splits in one wave: as many blocks as the SMs hold at once (8 an SM on
              * an H100 for a head of 128 in f16: 33 splits a head at one token against 17 at 4
@@ -2092,10 +2063,8 @@ static int cuda_init(struct moe_backend **out, const struct moe_model *m, struct
         }
         if (b->gu_staged && d->E % 256 == 0)
             INIT_TRY(cudaMalloc(&b->d_xst, moe_cuda_router_staged_bytes(d->E)));
-        const char *ws1 = getenv("MOE_CUDA_TC_WS1");
-        b->tc_ws1 = ws1 && !strcmp(ws1, "1");
-        const char *staged = getenv("MOE_CUDA_TC_STAGED");
-        if ((b->tc & MOE_CUDA_TC_ANY) && !(staged && !strcmp(staged, "0"))) {
+        b->tc_ws1 = moe_env_is1("MOE_CUDA_TC_WS1");
+        if ((b->tc & MOE_CUDA_TC_ANY) && moe_env_on("MOE_CUDA_TC_STAGED")) {
             /* Decode steps (up to MOE_CUDA_GRAPH_MAX tokens) and head passes (LOGIT_ROWS
              * rows) of the longest dense input (the experts' input is n_embd wide), and the
              * act rows of a grouped step's down (kuse slots a token, n_ff_exp wide). */

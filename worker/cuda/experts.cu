@@ -20,6 +20,7 @@ extern "C" {
 #include "store/ggml_type.h"
 }
 #include "worker/cuda/cuda_check.cuh"
+#include "worker/cuda/env_opts.h"
 #include "worker/cuda/launch.cuh"
 #include "worker/cuda/ops_dev.cuh"
 #include "worker/cuda/qdot.cuh"
@@ -377,8 +378,7 @@ int moe_cuda_expert_tc_env(void)
                                                         MOE_CUDA_TC_O
                      : !strcmp(v, "all")          ? MOE_CUDA_TC_ANY | MOE_CUDA_TC_HEAD
                                                   : 0;
-    const char *w = getenv("MOE_CUDA_DOWN_TC_WARPS");
-    const int cap = w ? atoi(w) : 0;
+    const int cap = (int)moe_env_int("MOE_CUDA_DOWN_TC_WARPS", 1, 15, 0);
     const char *as = getenv("MOE_CUDA_TC_ASYNC");
     const int async = !as || !*as              ? MOE_CUDA_TC_ASYNC_GROUPED
                       : !strcmp(as, "1")        ? MOE_CUDA_TC_ASYNC_ANY
@@ -389,7 +389,7 @@ int moe_cuda_expert_tc_env(void)
                     : !strcmp(ws, "all") ? MOE_CUDA_TC_DOWN_WS_ALL
                     : !strcmp(ws, "0")   ? 0
                                          : MOE_CUDA_TC_DOWN_WS;
-    return mask | (cap > 0 && cap < 16 ? cap << 8 : 0) | async | wsb;
+    return mask | cap << 8 | async | wsb;
 }
 
 bool moe_cuda_expert_tc(int tc, uint32_t type)

@@ -34,6 +34,7 @@ extern "C" {
 #include "store/ggml_type.h"
 }
 #include "worker/cuda/cuda_check.cuh"
+#include "worker/cuda/env_opts.h"
 #include "worker/cuda/launch.cuh"
 #include "worker/cuda/mv_tc_dev.cuh"
 #include "worker/cuda/mv_warp.cuh"
@@ -570,8 +571,7 @@ static bool f32_rows(uint32_t type, const struct moe_mv_job *jobs, int n_jobs, i
 {
     static int on = -1;
     if (on < 0) {
-        const char *v = getenv("MOE_CUDA_F32_ROWS");
-        on = !(v && v[0] == '0');
+        on = moe_env_on("MOE_CUDA_F32_ROWS");
     }
     return on && type == MOE_TYPE_F32 && n_jobs == 1 && vec && !rope && n % 4 == 0 &&
            n / 4 <= 32 * F32N_UNITS && jobs[0].rows <= PRELOAD_ROWS && n_tok <= 64;
@@ -613,11 +613,10 @@ static int launch(const struct moe_mv_job *jobs, int n_jobs, int n1, int64_t n, 
     }
     static int preload = -1, stage = -1, rpb = -1;
     if (preload < 0) {
-        const char *v = getenv("MOE_CUDA_MV_PRELOAD"), *st = getenv("MOE_CUDA_MV_STAGE"),
-                   *r = getenv("MOE_CUDA_MV_RPB");
-        preload = !(v && v[0] == '0');
-        stage = st && st[0] == '1';
-        rpb = r && (atoi(r) == 8 || atoi(r) == 16) ? atoi(r) : ROWS_PER_BLOCK;
+        preload = moe_env_on("MOE_CUDA_MV_PRELOAD");
+        stage = moe_env_is1("MOE_CUDA_MV_STAGE");
+        const int r = (int)moe_env_int("MOE_CUDA_MV_RPB", 1, 64, ROWS_PER_BLOCK);
+        rpb = r == 8 || r == 16 ? r : ROWS_PER_BLOCK;
     }
     /* Preloading: one token, both kinds able to, a launch of few enough rows. */
     int64_t total_rows = 0;
@@ -630,8 +629,7 @@ static int launch(const struct moe_mv_job *jobs, int n_jobs, int n1, int64_t n, 
     /* MOE_CUDA_MV_TMAX (below). */
     static int tmax = -1;
     if (tmax < 0) {
-        const char *v = getenv("MOE_CUDA_MV_TMAX");
-        const int x = v && *v ? atoi(v) : 0;
+        const int x = (int)moe_env_int("MOE_CUDA_MV_TMAX", 0, 1 << 20, 0);
         tmax = x >= 8 ? 8 : x >= 4 ? 4 : x >= 2 ? 2 : x >= 1 ? 1 : 0;
     }
     /* MOE_CUDA_MV_TOK=1: Q4_K, Q5_K and Q6_K launches of TOK_T tokens or more take the walk that

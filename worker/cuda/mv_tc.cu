@@ -22,6 +22,7 @@ extern "C" {
 #include "store/ggml_type.h"
 }
 #include "worker/cuda/cuda_check.cuh"
+#include "worker/cuda/env_opts.h"
 #include "worker/cuda/launch.cuh"
 #include "worker/cuda/mv_tc_dev.cuh"
 #include "worker/cuda/ops_dev.cuh"
@@ -243,10 +244,7 @@ static int tc_cols(int64_t n_tok, int nsb)
  * argument of mv_tc_kernel): MOE_CUDA_TC_PRE=0 turns it off, read once per process. */
 static int tc_pre(void)
 {
-    static const int pre = [] {
-        const char *v = getenv("MOE_CUDA_TC_PRE");
-        return !(v && !strcmp(v, "0"));
-    }();
+    static const int pre = moe_env_on("MOE_CUDA_TC_PRE");
     return pre;
 }
 

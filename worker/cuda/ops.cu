@@ -15,6 +15,7 @@ extern "C" {
 #include "store/ggml_type.h"
 }
 #include "worker/cuda/cuda_check.cuh"
+#include "worker/cuda/env_opts.h"
 #include "worker/cuda/dequant.cuh"
 #include "worker/cuda/launch.cuh"
 #include "worker/cuda/ops_dev.cuh"
@@ -117,20 +118,8 @@ int moe_pdl_step_on = 0;
 int moe_carveout_pct(void)
 {
     static int pct = -2;
-    if (pct == -2) {
-        const char *v = getenv("MOE_CUDA_CARVEOUT");
-        int p = -1;
-        if (v && *v) {
-            char *end;
-            const long x = strtol(v, &end, 10);
-            if (*end || x < 0 || x > 100)
-                fprintf(stderr, "moed: MOE_CUDA_CARVEOUT=%s is not a percentage 0-100; ignored\n",
-                        v);
-            else
-                p = (int)x;
-        }
-        pct = p;
-    }
+    if (pct == -2)
+        pct = (int)moe_env_int("MOE_CUDA_CARVEOUT", 0, 100, -1);
     return pct;
 }
 

@@ -65,6 +65,7 @@ extern "C" {
 #include "store/err.h"
 }
 #include "worker/cuda/cuda_check.cuh"
+#include "worker/cuda/env_opts.h"
 #include "worker/cuda/sample_dev.cuh"
 
 namespace moe_sample {
@@ -610,10 +611,8 @@ extern "C" int moe_cuda_sample_rows(struct moe_cuda_sampler *s, float *d_logits,
      * rows (spread, a mask of moe_cuda_sampler_row_spread's). MOE_SAMPLE_SCAN=0: every row scans
      * itself. */
     static int scan_env = -1;
-    if (scan_env < 0) {
-        const char *v = getenv("MOE_SAMPLE_SCAN");
-        scan_env = !(v && !strcmp(v, "0"));
-    }
+    if (scan_env < 0)
+        scan_env = moe_env_on("MOE_SAMPLE_SCAN");
     const bool csum = (spread & MOE_CUDA_SPREAD_TIER_C) != 0;
     const bool topk = (spread & MOE_CUDA_SPREAD_TOPK) != 0;
     const bool topp = (spread & MOE_CUDA_SPREAD_TOPP) != 0;
