@@ -843,7 +843,8 @@ TEST_TIMEOUT(cuda_engines_of_8_sequences_take_the_layers_on_tensor_cores, 300)
  * q/k/v launch (opt-in, MOE_CUDA_ROPE_FOLD=1; also with a float32 KV cache), and inside the
  * attention launch (opt-in, MOE_CUDA_ATT_ROPE=1); one-token q/k/v of two weight types with the
  * second type's launch on a branch of the step (the default; MOE_CUDA_QKV_BRANCH=0: one after
- * the other; MOE_CUDA_BRANCH_PDL=1: forked by a programmatic edge in captured steps). Prompts
+ * the other; MOE_CUDA_BRANCH_PDL=1: forked by a programmatic edge in captured steps); the
+ * RMSNorm's weight fetched before the wait (MOE_CUDA_NORM_EARLY=1 into L1, =2 into L2). Prompts
  * (grouped or on tensor cores, which route and normalise on their own) and decode steps of 1
  * sequence (folded) and of 4, with graphs. */
 TEST_TIMEOUT(cuda_folded_launches_equal_separate_ones, 600)
@@ -857,7 +858,9 @@ TEST_TIMEOUT(cuda_folded_launches_equal_separate_ones, 600)
                                          {"MOE_CUDA_ROPE_FOLD", "1"},
                                          {"MOE_CUDA_ATT_ROPE", "1"},
                                          {"MOE_CUDA_QKV_BRANCH", "0"},
-                                         {"MOE_CUDA_BRANCH_PDL", "1"}};
+                                         {"MOE_CUDA_BRANCH_PDL", "1"},
+                                         {"MOE_CUDA_NORM_EARLY", "1"},
+                                         {"MOE_CUDA_NORM_EARLY", "2"}};
     for (size_t mi = 0; mi < N_MODELS; mi++) {
         struct test_model tm;
         test_model_open(&tm, MODELS[mi]);

@@ -237,6 +237,7 @@ struct cuda_backend {
      * (docs/benchmarks.md). */
     bool qkv_branch;
     int qkv_branch_from; /* MOE_CUDA_QKV_BRANCH_FROM=L: layers before L launch them serially */
+    int norm_early;      /* MOE_CUDA_NORM_EARLY (launch.cuh) */
     long branch_pdl_edges;           /* how many such edges the captures made */
     bool branch_pdl;                 /* MOE_CUDA_BRANCH_PDL=1: in a captured one-token step the
                                       * branch's launch takes a programmatic edge from the kernel
@@ -1899,6 +1900,7 @@ static int cuda_init(struct moe_backend **out, const struct moe_model *m, struct
     b->mixed_mv = mixed_mv && *mixed_mv ? strcmp(mixed_mv, "0") != 0 : -1;
     b->qkv_branch = moe_env_on("MOE_CUDA_QKV_BRANCH");
     b->qkv_branch_from = (int)moe_env_int("MOE_CUDA_QKV_BRANCH_FROM", 0, INT32_MAX, 0);
+    b->norm_early = (int)moe_env_int("MOE_CUDA_NORM_EARLY", 0, 2, 0);
     b->branch_pdl = moe_env_is1("MOE_CUDA_BRANCH_PDL");
     b->resolve_route = moe_env_on("MOE_CUDA_RESOLVE_ROUTE");
     b->gu_staged = moe_env_on("MOE_CUDA_GU_STAGED");
@@ -2537,6 +2539,7 @@ static int cuda_begin(struct moe_backend *bb, const struct moe_step *st)
     b->head_chunked = false;
     /* Programmatic dependent launch for one-token steps (launch.cuh). */
     moe_pdl_step_on = st->n == 1;
+    moe_norm_early_step = b->norm_early;
     pool_step_begin(b);
     b->route_pending = -1;
     b->xst_l = -1;

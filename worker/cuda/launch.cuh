@@ -34,6 +34,24 @@ static __device__ __forceinline__ void prefetch_l2(const void *p)
     asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
 }
 
+static __device__ __forceinline__ void prefetch_l1(const void *p)
+{
+    asm volatile("prefetch.global.L1 [%0];" ::"l"(p));
+}
+
+/* The 128-byte lines of [p, p + bytes) prefetched by threads i, i + nt, ... of a group of nt:
+ * into L1 (how 1) or L2 (how 2). */
+static __device__ __forceinline__ void prefetch_span(const void *p, size_t bytes, int i, int nt,
+                                                     int how)
+{
+    for (size_t off = (size_t)i * 128; off < bytes; off += (size_t)nt * 128) {
+        if (how == 1)
+            prefetch_l1((const char *)p + off);
+        else
+            prefetch_l2((const char *)p + off);
+    }
+}
+
 /* *p += v at GPU scope as a release and an acquire (atom.acq_rel.gpu); returns the old value.
  * After a block barrier, one thread's count publishes the whole block's earlier stores (the
  * release is cumulative over what the barrier ordered before it), and the thread that reads the
@@ -52,6 +70,13 @@ static __device__ __forceinline__ unsigned atomic_add_acq_rel_gpu(unsigned *p, u
 
 /* Set by the backend before a step's launches (one-token steps: on, see moe_pdl_enabled). */
 extern int moe_pdl_step_on;
+
+/* MOE_CUDA_NORM_EARLY (read by the backend at init and set here at each step's begin, so that a
+ * captured launch keeps its engine's setting): 1 or 2 fetch an RMSNorm's weight before the wait
+ * for the previous kernel, since no kernel writes it (the one-token NORM mat-vecs and the output
+ * RMSNorm prefetch it into L1 (1) or L2 (2); the float32 router kernel loads it into registers
+ * with either); 0 (the default) reads it after the wait. The same floats either way. */
+extern int moe_norm_early_step;
 
 /* Whether a launch made now takes the attribute: MOE_CUDA_PDL=1 or 0 forces it either way;
  * otherwise the backend's choice for the step. */

@@ -130,6 +130,7 @@ struct mv_args {
      * and 8.0 without (docs/benchmarks.md). */
     int preload, stage;
     unsigned stage_off;
+    int g_early; /* NORM kernels: moe_norm_early_step (launch.cuh) */
 };
 
 /* An output head's 151936 rows are many waves of blocks, each better off with fewer registers
@@ -399,6 +400,14 @@ static __device__ __forceinline__ void mv_segments(const mv_args &a, int64_t n_t
 {
     static_assert(!NORM || T == 1, "the RMSNorm is fused for one token");
     static_assert(mv_rw<K, T, NORM>() == mv_rw<K2, T, NORM>(), "one block size");
+    /* MOE_CUDA_NORM_EARLY: the RMSNorm's weight (the input's width, the same for every
+     * segment) fetched first, while nothing else holds registers. */
+    if constexpr (NORM)
+        if (a.g_early)
+            prefetch_span(a.g,
+                          sizeof(float) * (size_t)(a.seg[0].nu / unit_shape<K>::per_block) *
+                              unit_shape<K>::blck,
+                          threadIdx.x & 31, 32, a.g_early);
     int g = 0;
     while (g + 1 < a.nseg && blockIdx.x >= a.seg[g + 1].blk0)
         g++;
@@ -464,7 +473,7 @@ static __device__ __forceinline__ void f32_units(const float4 *__restrict__ p, i
  * items of the block, from the row in shared memory), into st: xs [nsb][64] uint4, then sxs
  * [nsb][4] uint2, then the exponent (int); the same floats as a block's own staging of the
  * stored row (tc_stage_raw), since every block normalises the row alike. */
-template <int SK>
+template <int SK, bool GE = false>
 static __global__ void __launch_bounds__(32)
 f32_norm_rows_kernel(const float4 *__restrict__ w, int n4, const float4 *__restrict__ x,
                      const float4 *__restrict__ g, float eps, float *__restrict__ y,
@@ -476,10 +485,13 @@ f32_norm_rows_kernel(const float4 *__restrict__ w, int n4, const float4 *__restr
     float4 wv[F32N_UNITS], xv[F32N_UNITS], gv[F32N_UNITS];
     if (!stage)
         f32_units(w + row * n4, n4, wv);
+    if constexpr (GE) /* MOE_CUDA_NORM_EARLY */
+        f32_units(g, n4, gv);
     pdl_wait();
     pdl_trigger();
     f32_units(x, n4, xv);
-    f32_units(g, n4, gv);
+    if constexpr (!GE)
+        f32_units(g, n4, gv);
     float ss = 0.0f;
     UNROLL
     for (int k = 0; k < F32N_UNITS; k++)
@@ -656,6 +668,7 @@ static int launch(const struct moe_mv_job *jobs, int n_jobs, int n1, int64_t n, 
     a.ldx = ldx;
     a.accumulate = accumulate;
     a.g = g;
+    a.g_early = g ? moe_norm_early_step : 0;
     a.eps = eps;
     a.dst = dst;
     a.nseg = n_jobs;
@@ -803,10 +816,11 @@ static int matvec_multi(uint32_t type, const struct moe_mv_job *jobs, int n_jobs
         const struct moe_mv_job &j = jobs[0];
         const int n4 = (int)(n / 4);
         if (dst) {
-            MOE_CUDA_TRY(moe_launch(f32_norm_rows_kernel<0>, dim3((unsigned)j.rows), dim3(32), 0,
-                                    s, (const float4 *)j.w, n4, (const float4 *)d_x,
-                                    (const float4 *)g, eps, j.y, (float4 *)dst, (int)j.rows,
-                                    (uint4 *)NULL));
+            MOE_CUDA_TRY(moe_launch(moe_norm_early_step ? f32_norm_rows_kernel<0, true>
+                                                        : f32_norm_rows_kernel<0>,
+                                    dim3((unsigned)j.rows), dim3(32), 0, s, (const float4 *)j.w,
+                                    n4, (const float4 *)d_x, (const float4 *)g, eps, j.y,
+                                    (float4 *)dst, (int)j.rows, (uint4 *)NULL));
             return 0;
         }
         const int tt = n_tok >= 16 ? 4 : n_tok >= 2 ? 2 : 1;
@@ -895,8 +909,12 @@ extern "C" int moe_cuda_router_norm_staged(const struct moe_mv_job *job, int64_t
         job->rows < 1 || job->rows > 32767 ||
         (stage_type != MOE_TYPE_Q4_K && stage_type != MOE_TYPE_Q6_K))
         return -EINVAL;
-    const auto kernel = stage_type == MOE_TYPE_Q4_K ? f32_norm_rows_kernel<MOE_TYPE_Q4_K>
-                                                    : f32_norm_rows_kernel<MOE_TYPE_Q6_K>;
+    const bool ge = moe_norm_early_step != 0;
+    const auto kernel = stage_type == MOE_TYPE_Q4_K
+                            ? (ge ? f32_norm_rows_kernel<MOE_TYPE_Q4_K, true>
+                                  : f32_norm_rows_kernel<MOE_TYPE_Q4_K>)
+                            : (ge ? f32_norm_rows_kernel<MOE_TYPE_Q6_K, true>
+                                  : f32_norm_rows_kernel<MOE_TYPE_Q6_K>);
     MOE_CUDA_TRY(moe_launch(kernel, dim3((unsigned)(job->rows + n / 256)), dim3(32), 0, s,
                             (const float4 *)job->w, (int)(n / 4), (const float4 *)d_src,
                             (const float4 *)d_g, eps, job->y, (float4 *)d_dst, (int)job->rows,

@@ -114,6 +114,9 @@ int moe_cuda_logit_bias(float *d_logits, int64_t V, int64_t n_rows, const int32_
  * (set by the backend at each step's begin). */
 int moe_pdl_step_on = 0;
 
+/* launch.cuh: MOE_CUDA_NORM_EARLY for the step being built. */
+int moe_norm_early_step = 0;
+
 /* launch.cuh: MOE_CUDA_CARVEOUT, read once (-1: unset), and the kernels already given it. */
 int moe_carveout_pct(void)
 {
@@ -144,8 +147,10 @@ cudaError_t moe_carveout_apply(const void *fn)
 static __global__ void rmsnorm_kernel(const float *__restrict__ x, int64_t ldx,
                                       const int32_t *__restrict__ row,
                                       const float *__restrict__ w, int64_t width, float eps,
-                                      float *__restrict__ y, int64_t ldy)
+                                      float *__restrict__ y, int64_t ldy, int w_early)
 {
+    if (w_early)
+        prefetch_span(w, sizeof(float) * (size_t)width, threadIdx.x, blockDim.x, w_early);
     pdl_wait();
     pdl_trigger();
     __shared__ float sc_s;
@@ -171,7 +176,7 @@ int moe_cuda_rmsnorm(const float *d_x, int64_t ldx, const int32_t *d_row, const 
      * scales a few elements. */
     const int64_t th = width >= 2048 ? 512 : 256;
     MOE_CUDA_TRY(moe_launch(rmsnorm_kernel, dim3((unsigned)n), dim3((unsigned)th), 0, s, d_x, ldx,
-                            d_row, d_w, width, eps, d_y, ldy));
+                            d_row, d_w, width, eps, d_y, ldy, moe_norm_early_step));
     return 0;
 }
 
