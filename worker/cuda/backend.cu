@@ -1500,8 +1500,8 @@ static int offload_state(struct cuda_backend *b, char *err, size_t errlen)
         /* A thirteenth of the SMs (10 of 132), at least 8: with the copies on their own stream
          * fewer blocks carry the link's bytes and leave the step more room (16 and 24 measured
          * slower, docs/benchmarks.md). */
-        b->pf_blocks = (int)moe_env_int("MOE_CUDA_PREFETCH_BLOCKS", 1, 1 << 20,
-                                        b->sms / 13 > 8 ? b->sms / 13 : 8);
+        const int pb = (int)moe_env_int("MOE_CUDA_PREFETCH_BLOCKS", 0, 1 << 20, 0);
+        b->pf_blocks = pb > 0 ? pb : b->sms / 13 > 8 ? b->sms / 13 : 8;
         /* Thinner copy blocks keep the same bytes in flight with fewer registers: 64 threads
          * take 5120 registers where 256 take 10240, more than the 7168 a multiprocessor has
          * left beside three blocks of the per-token gate/up (the grid of a one-token step fills
@@ -1532,13 +1532,13 @@ static int offload_state(struct cuda_backend *b, char *err, size_t errlen)
         /* A quarter of the SMs: the copies are bound by the link, and the layer computing
          * meanwhile keeps the rest (docs/benchmarks.md: 33 blocks 1.4x faster prompts than 132
          * or 264 on the H200). */
-        b->stage_blocks = (int)moe_env_int("MOE_CUDA_STAGE_BLOCKS", 1, 1 << 20,
-                                           b->sms / 4 > 8 ? b->sms / 4 : 8);
+        const int sb = (int)moe_env_int("MOE_CUDA_STAGE_BLOCKS", 0, 1 << 20, 0);
+        b->stage_blocks = sb > 0 ? sb : b->sms / 4 > 8 ? b->sms / 4 : 8;
         /* Steps whose choices cover the experts about twice over (and never a prefetching
          * one); MOE_CUDA_STAGE_MIN_N sets it. */
         const int64_t kk = d->kuse > 0 ? d->kuse : 1;
-        b->stage_min_n = moe_env_int("MOE_CUDA_STAGE_MIN_N", 1, INT64_MAX,
-                                     (2 * (int64_t)ne + kk - 1) / kk);
+        const int64_t sn = moe_env_int("MOE_CUDA_STAGE_MIN_N", 0, INT64_MAX, 0);
+        b->stage_min_n = sn > 0 ? sn : (2 * (int64_t)ne + kk - 1) / kk;
         if (b->stage_min_n <= PF_MAX_N)
             b->stage_min_n = PF_MAX_N + 1;
     }
@@ -2014,7 +2014,7 @@ static int cuda_init(struct moe_backend **out, const struct moe_model *m, struct
         INIT_TRY(cudaMalloc((void **)&b->scratch, 2 * sizeof(float) * ns * (size_t)b->ld_act));
         /* Attention partials for decode-sized steps (the only ones that split). */
         b->sms = prop.multiProcessorCount;
-        const int att_bps = (int)moe_env_int("MOE_CUDA_ATT_BPS", 1, 64, 0);
+        const int att_bps = (int)moe_env_int("MOE_CUDA_ATT_BPS", 0, 64, 0);
         if (att_bps < 1 || att_bps > 64) {
             /* A step's splits in one wave: as many blocks as the SMs hold at once (8 an SM on
              * an H100 for a head of 128 in f16: 33 splits a head at one token against 17 at 4

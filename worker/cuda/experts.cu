@@ -378,7 +378,7 @@ int moe_cuda_expert_tc_env(void)
                                                         MOE_CUDA_TC_O
                      : !strcmp(v, "all")          ? MOE_CUDA_TC_ANY | MOE_CUDA_TC_HEAD
                                                   : 0;
-    const int cap = (int)moe_env_int("MOE_CUDA_DOWN_TC_WARPS", 1, 15, 0);
+    const int cap = (int)moe_env_int("MOE_CUDA_DOWN_TC_WARPS", 0, 15, 0);
     const char *as = getenv("MOE_CUDA_TC_ASYNC");
     const int async = !as || !*as              ? MOE_CUDA_TC_ASYNC_GROUPED
                       : !strcmp(as, "1")        ? MOE_CUDA_TC_ASYNC_ANY
