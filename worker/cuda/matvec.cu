@@ -90,6 +90,13 @@ struct mv_seg {
     int nu;
 };
 
+/* The input's width (floats) of a segment of kind K: its units a row, as whole blocks. */
+template <int K>
+static __device__ __forceinline__ int64_t seg_width(const mv_seg &sg)
+{
+    return (int64_t)sg.nu / unit_shape<K>::per_block * unit_shape<K>::blck;
+}
+
 /* The q/k-norm + RoPE + KV store done by a NORM launch (moe_mv_rope): segment g's row r is in
  * head hbase[g] + r / hw[g] (v rows count for their kv head, whose k rows are in another
  * segment). */
@@ -281,7 +288,7 @@ static __device__ __forceinline__ void mv_rows(const mv_args &a, const mv_seg &s
         if (pre && a.stage) {
             extern __shared__ float mv_sm[];
             float *xs = mv_sm + a.stage_off;
-            const int64_t w4 = (int64_t)sg.nu / unit_shape<K>::per_block * unit_shape<K>::blck / 4;
+            const int64_t w4 = seg_width<K>(sg) / 4;
             for (int64_t i = threadIdx.x; i < w4; i += blockDim.x) {
                 cp_async16(xs + 4 * i, a.x + 4 * i);
                 if constexpr (NORM)
@@ -297,7 +304,7 @@ static __device__ __forceinline__ void mv_rows(const mv_args &a, const mv_seg &s
     if constexpr (NORM) {
         /* Every warp computes the scale (no block barrier); the first warps of the grid also
          * store the normalised row, 128 elements each (a.x is the one token's source row). */
-        const int64_t width = (int64_t)sg.nu / unit_shape<K>::per_block * unit_shape<K>::blck;
+        const int64_t width = seg_width<K>(sg);
         sc = rms_scale(row_ss_warp(x0, width), width, a.eps);
         const int64_t nwarp = (int64_t)gridDim.x * (blockDim.x >> 5);
         for (int64_t c = (int64_t)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
@@ -404,10 +411,8 @@ static __device__ __forceinline__ void mv_segments(const mv_args &a, int64_t n_t
      * segment) fetched first, while nothing else holds registers. */
     if constexpr (NORM)
         if (a.g_early)
-            prefetch_span(a.g,
-                          sizeof(float) * (size_t)(a.seg[0].nu / unit_shape<K>::per_block) *
-                              unit_shape<K>::blck,
-                          threadIdx.x & 31, 32, a.g_early);
+            prefetch_span(a.g, sizeof(float) * (size_t)seg_width<K>(a.seg[0]), threadIdx.x & 31,
+                          32, a.g_early);
     int g = 0;
     while (g + 1 < a.nseg && blockIdx.x >= a.seg[g + 1].blk0)
         g++;
@@ -535,6 +540,14 @@ f32_norm_rows_kernel(const float4 *__restrict__ w, int n4, const float4 *__restr
         y[row] = acc;
 }
 
+/* The instance of f32_norm_rows_kernel<SK> a launch takes: the norm weight loaded before the
+ * wait with MOE_CUDA_NORM_EARLY (launch.cuh). */
+template <int SK>
+static auto f32_norm_rows_for()
+{
+    return moe_norm_early_step ? f32_norm_rows_kernel<SK, true> : f32_norm_rows_kernel<SK, false>;
+}
+
 /* The same rows without the RMSNorm, for a decode step's tokens (a router at 2-64 sequences):
  * one warp per row and per block, TT tokens a block (blockIdx.y picks the group), the row's
  * units loaded once before the wait, then each token's inputs all at once. Per token the floats
@@ -582,9 +595,8 @@ static bool f32_rows(uint32_t type, const struct moe_mv_job *jobs, int n_jobs, i
                      int64_t n_tok, bool vec, const struct moe_mv_rope *rope)
 {
     static int on = -1;
-    if (on < 0) {
+    if (on < 0)
         on = moe_env_on("MOE_CUDA_F32_ROWS");
-    }
     return on && type == MOE_TYPE_F32 && n_jobs == 1 && vec && !rope && n % 4 == 0 &&
            n / 4 <= 32 * F32N_UNITS && jobs[0].rows <= PRELOAD_ROWS && n_tok <= 64;
 }
@@ -816,11 +828,10 @@ static int matvec_multi(uint32_t type, const struct moe_mv_job *jobs, int n_jobs
         const struct moe_mv_job &j = jobs[0];
         const int n4 = (int)(n / 4);
         if (dst) {
-            MOE_CUDA_TRY(moe_launch(moe_norm_early_step ? f32_norm_rows_kernel<0, true>
-                                                        : f32_norm_rows_kernel<0>,
-                                    dim3((unsigned)j.rows), dim3(32), 0, s, (const float4 *)j.w,
-                                    n4, (const float4 *)d_x, (const float4 *)g, eps, j.y,
-                                    (float4 *)dst, (int)j.rows, (uint4 *)NULL));
+            MOE_CUDA_TRY(moe_launch(f32_norm_rows_for<0>(), dim3((unsigned)j.rows), dim3(32), 0,
+                                    s, (const float4 *)j.w, n4, (const float4 *)d_x,
+                                    (const float4 *)g, eps, j.y, (float4 *)dst, (int)j.rows,
+                                    (uint4 *)NULL));
             return 0;
         }
         const int tt = n_tok >= 16 ? 4 : n_tok >= 2 ? 2 : 1;
@@ -909,12 +920,8 @@ extern "C" int moe_cuda_router_norm_staged(const struct moe_mv_job *job, int64_t
         job->rows < 1 || job->rows > 32767 ||
         (stage_type != MOE_TYPE_Q4_K && stage_type != MOE_TYPE_Q6_K))
         return -EINVAL;
-    const bool ge = moe_norm_early_step != 0;
-    const auto kernel = stage_type == MOE_TYPE_Q4_K
-                            ? (ge ? f32_norm_rows_kernel<MOE_TYPE_Q4_K, true>
-                                  : f32_norm_rows_kernel<MOE_TYPE_Q4_K>)
-                            : (ge ? f32_norm_rows_kernel<MOE_TYPE_Q6_K, true>
-                                  : f32_norm_rows_kernel<MOE_TYPE_Q6_K>);
+    const auto kernel = stage_type == MOE_TYPE_Q4_K ? f32_norm_rows_for<MOE_TYPE_Q4_K>()
+                                                    : f32_norm_rows_for<MOE_TYPE_Q6_K>();
     MOE_CUDA_TRY(moe_launch(kernel, dim3((unsigned)(job->rows + n / 256)), dim3(32), 0, s,
                             (const float4 *)job->w, (int)(n / 4), (const float4 *)d_src,
                             (const float4 *)d_g, eps, job->y, (float4 *)d_dst, (int)job->rows,
